@@ -1,0 +1,99 @@
+"""A dataset is a pair of iterator factories, opened per process share.
+
+``Dataset.train(partition)`` opens an endless stream of this process's rows
+of each global batch; ``Dataset.val(partition)`` one pass, then stops. An
+iterator that also has ``get_state() -> bytes`` and ``set_state(bytes)`` lets
+a checkpoint resume the stream where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["GLOBAL_POSITION", "SINGLE", "Batch", "DataPartition", "Dataset", "Reader", "Resumable", "is_global_position"]
+
+Batch = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class DataPartition:
+    """Which share of every global batch this process reads.
+
+    The global batch's rows split into ``shares`` equal shares; this process
+    reads share ``share``. Several processes can hold the same rows (for
+    example when only the tensor axis crosses processes): they are the
+    share's ``readers`` and this process is reader number ``reader``.
+    """
+
+    share: int = 0
+    shares: int = 1
+    reader: int = 0
+    readers: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share < self.shares:
+            raise ValueError(f"DataPartition.share must lie in [0, {self.shares}), got {self.share}.")
+        if not 0 <= self.reader < self.readers:
+            raise ValueError(f"DataPartition.reader must lie in [0, {self.readers}), got {self.reader}.")
+
+    def rows(self, batch: int) -> int:
+        """Rows of a global batch of size batch that this share holds."""
+        if batch % self.shares:
+            raise ValueError(
+                f"A global batch of {batch} rows does not divide among {self.shares} data "
+                f"shares; choose a batch that is a multiple of {self.shares}."
+            )
+        return batch // self.shares
+
+
+SINGLE = DataPartition()
+
+Reader = Callable[[DataPartition], Iterator[Batch]]
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """An iterator that can report and restore its position as bytes."""
+
+    def get_state(self) -> bytes: ...
+
+    def set_state(self, state: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Where batches come from: train and val factories, record count, global batch.
+
+    records is the number of training examples (None when unknown or
+    endless) and batch the global batch size, in rows.
+    """
+
+    train: Reader
+    val: Reader | None = None
+    records: int | None = None
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if not callable(self.train):
+            raise TypeError("Dataset.train must be a function partition -> iterator of batches.")
+        if self.val is not None and not callable(self.val):
+            raise TypeError("Dataset.val must be None or a function partition -> iterator of batches.")
+        if self.batch < 1:
+            raise ValueError(f"Dataset.batch must be at least 1, got {self.batch}.")
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return None if self.records is None else max(1, self.records // self.batch)
+
+
+# A position that begins with this prefix counts records of the whole global
+# stream, so any share at any process count can read it (train_stream's
+# positions do). Any other position belongs to the share that saved it.
+GLOBAL_POSITION = b"dew-global-position:"
+
+
+def is_global_position(position: bytes | None) -> bool:
+    """Whether a saved data position is readable by every share."""
+    return position is not None and position.startswith(GLOBAL_POSITION)

@@ -1,0 +1,217 @@
+"""The Objective protocol: what a run learns, and the small types it speaks in.
+
+An objective initializes the model's variables (``init``), returns a loss as
+a ``Mean`` with an ``Aux`` (``loss``), and may score validation batches
+(``evaluate``) and render samples (``preview``). The trainer differentiates
+the Mean's total, so gradient accumulation over microbatches is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Aux",
+    "Batch",
+    "EMASpec",
+    "LeafFilter",
+    "Mean",
+    "MeanMetric",
+    "Metric",
+    "Objective",
+    "Step",
+    "Variables",
+    "everything",
+    "under",
+]
+
+Variables = Mapping[str, Any]
+Batch = Mapping[str, Any]
+Loss = TypeVar("Loss")
+Effects = TypeVar("Effects")
+
+
+@flax.struct.dataclass
+class Mean:
+    """A statistic as total and count, so microbatches and shards sum exactly.
+
+    >>> import jax.numpy as jnp
+    >>> float(Mean(jnp.asarray(6.0), jnp.asarray(3)).value)
+    2.0
+    """
+
+    total: jax.Array
+    count: jax.Array
+
+    @property
+    def value(self) -> jax.Array:
+        return self.total / jnp.maximum(self.count, 1)
+
+    def __add__(self, other: Mean) -> Mean:
+        return Mean(self.total + other.total, self.count + other.count)
+
+    @staticmethod
+    def of(values: jax.Array, weights: jax.Array | None = None) -> Mean:
+        """The mean of values (optionally weighted), kept as total and count."""
+        values = jnp.asarray(values, jnp.float32)
+        if weights is None:
+            return Mean(jnp.sum(values), jnp.asarray(values.size, jnp.float32))
+        weights = jnp.asarray(weights, jnp.float32)
+        return Mean(jnp.sum(values * weights), jnp.sum(weights))
+
+
+@flax.struct.dataclass
+class Aux:
+    """Everything a loss returns besides its statistic.
+
+    metrics are logged (a ``Mean`` is averaged exactly over microbatches, a
+    plain array is averaged over them); updates holds the new values of
+    nonparameter collections (batch statistics, caches) that the trainer
+    writes back with ``write_back``.
+    """
+
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    updates: Variables | None = None
+
+
+@flax.struct.dataclass
+class Step:
+    """What the trainer tells an objective about the current step.
+
+    step counts attempts, microstep accepted microbatches, updates optimizer
+    updates. key is this microbatch's random key (folded from the run key
+    and step), ema the averaged variables when an EMA is kept.
+    """
+
+    step: jax.Array
+    microstep: jax.Array
+    updates: jax.Array
+    key: jax.Array
+    ema: Variables | None = None
+    training: bool = flax.struct.field(pytree_node=False, default=True)
+
+
+LeafFilter = Callable[[tuple[str, ...], Any], bool]
+
+
+def everything(path: tuple[str, ...], leaf: Any) -> bool:
+    """Accept every leaf."""
+    return True
+
+
+def under(prefix: str | Sequence[str]) -> LeafFilter:
+    """Build a filter accepting the leaves whose path starts with prefix.
+
+    prefix is a slash-separated path (``"params/decoder"``) or a sequence of keys.
+
+    >>> accept = under("params/head")
+    >>> accept(("params", "head", "kernel"), None), accept(("params", "body", "kernel"), None)
+    (True, False)
+    """
+    parts = tuple(p for p in prefix.split("/") if p) if isinstance(prefix, str) else tuple(prefix)
+
+    def accept(path: tuple[str, ...], leaf: Any) -> bool:
+        return tuple(path[: len(parts)]) == parts
+
+    accept.__name__ = f"under({'/'.join(parts)!r})"
+    return accept
+
+
+@dataclass(frozen=True)
+class EMASpec:
+    """Which leaves the EMA copy tracks, and how fast it follows them.
+
+    decay is the weight of the old average at each optimizer update; select
+    picks the leaves (the others keep their initial values in the copy).
+    """
+
+    decay: float = 0.999
+    select: LeafFilter = everything
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"EMASpec.decay must lie in [0, 1], got {self.decay}.")
+
+
+@runtime_checkable
+class Metric(Protocol):
+    """Reduce a validation pass to one scalar, on the host.
+
+    ``update`` folds one batch of evaluation outputs (numpy arrays) into an
+    accumulator that ``empty`` starts; ``result`` turns it into the score.
+    """
+
+    name: str
+
+    def empty(self) -> Any: ...
+
+    def update(self, accumulator: Any, outputs: Mapping[str, np.ndarray]) -> Any: ...
+
+    def result(self, accumulator: Any) -> float: ...
+
+
+@dataclass(frozen=True)
+class MeanMetric:
+    """The mean of one evaluation output over the whole pass (a Mean or per-row values)."""
+
+    name: str
+    output: str | None = None
+
+    def empty(self) -> tuple[float, float]:
+        return (0.0, 0.0)
+
+    def update(self, accumulator: tuple[float, float], outputs: Mapping[str, Any]) -> tuple[float, float]:
+        value = outputs[self.output or self.name]
+        if isinstance(value, Mean):
+            total, count = float(np.sum(value.total)), float(np.sum(value.count))
+        else:
+            array = np.asarray(value, np.float64)
+            total, count = float(array.sum()), float(array.size)
+        return (accumulator[0] + total, accumulator[1] + count)
+
+    def result(self, accumulator: tuple[float, float]) -> float:
+        total, count = accumulator
+        return total / count if count else math.nan
+
+
+class Objective(Generic[Loss, Effects]):
+    """Define what is learned: the variables, the loss, what evaluation produces.
+
+    Subclasses implement ``init`` and ``loss``. ``evaluate`` defaults to the
+    loss and the metrics it reports; ``preview`` to nothing. ``ema`` names the
+    leaves that keep an exponential moving average (None keeps none).
+    """
+
+    ema: EMASpec | None = None
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        """Return the model's variables (Flax's nested dict), possibly partitioned."""
+        raise NotImplementedError(f"{type(self).__name__} must implement init(key).")
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        """Return the loss as a Mean over this microbatch, and its Aux."""
+        raise NotImplementedError(f"{type(self).__name__} must implement loss(variables, batch, step).")
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """Per-batch outputs a Metric reduces; by default the loss and its metrics as Means."""
+        loss, aux = self.loss(variables, batch, step)
+        outputs: dict[str, Any] = {"loss": loss}
+        for name, value in aux.metrics.items():
+            outputs[name] = value if isinstance(value, Mean) else Mean(jnp.sum(value), jnp.asarray(jnp.size(value), jnp.float32))
+        return outputs
+
+    def preview(self, variables: Variables, key: jax.Array) -> Any:
+        """A sample to show a person (an Artifact), or None."""
+        return None
+
+    def required_keys(self) -> Sequence[str]:
+        """Batch keys the loss reads; the trainer checks them before compiling."""
+        return ()

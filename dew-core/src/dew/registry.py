@@ -1,0 +1,328 @@
+"""Names resolved through entry points: one Registry per entry-point group.
+
+dew's own built-ins register exactly as a third party would, in their
+distribution's ``pyproject.toml``. Scanning the metadata imports nothing;
+``load(name)`` imports the one module that defines ``name``; ``build(name,
+**kwargs)`` checks the keyword arguments against the component's declared
+fields with pydantic before constructing anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import importlib
+import inspect
+import threading
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import importlib_metadata
+import pydantic
+
+from dew._lazy import MissingDistributionError
+
+__all__ = [
+    "GROUPS",
+    "InvalidFieldsError",
+    "NameConflictError",
+    "Provider",
+    "Registry",
+    "RegistryError",
+    "UnknownNameError",
+    "datasets",
+    "models",
+    "objectives",
+    "plugins",
+    "registry",
+    "trackers",
+]
+
+
+class RegistryError(LookupError):
+    """Base class of the errors a registry raises."""
+
+
+class UnknownNameError(RegistryError, KeyError):
+    """No distribution registers this name in the group."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class NameConflictError(RegistryError):
+    """Two distributions register the same name in one group."""
+
+
+class InvalidFieldsError(RegistryError, TypeError):
+    """build() was given an unknown field, a missing one, or a value of a wrong type."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One registration: the name, where it points, and who ships it."""
+
+    name: str
+    value: str
+    distribution: str
+    entry_point: Any = None
+    component: Any = None  # set for temporary registrations
+
+    def load(self) -> Any:
+        if self.component is not None:
+            return self.component
+        module_name, _, attribute = self.value.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            raise MissingDistributionError(
+                f"{self.name!r} from {self.distribution} could not be imported: "
+                f"module {error.name!r} is missing. Reinstall {self.distribution} "
+                f"with the extra that provides it (for example pip install "
+                f"'{self.distribution}[{self.name}]')."
+            ) from error
+        obj = module
+        for part in filter(None, attribute.split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+
+_SCAN_LOCK = threading.Lock()
+
+
+class Registry:
+    """The components registered under one entry-point group, resolved lazily.
+
+    >>> from dew.registry import Registry
+    >>> reg = Registry("dew.examples", "example")
+    >>> with reg.temporary("double", lambda x: 2 * x):
+    ...     reg.load("double")(21)
+    42
+    """
+
+    def __init__(self, group: str, kind: str) -> None:
+        self.group = group
+        self.kind = kind
+        self._scanned: dict[str, list[Provider]] | None = None
+        self._temporary: dict[str, Provider] = {}
+        self._loaded: dict[str, Any] = {}
+
+    # -- scanning -----------------------------------------------------------
+    def _providers(self) -> dict[str, list[Provider]]:
+        if self._scanned is None:
+            with _SCAN_LOCK:
+                if self._scanned is None:
+                    found: dict[str, list[Provider]] = {}
+                    for ep in importlib_metadata.entry_points(group=self.group):
+                        dist = ep.dist.name if ep.dist is not None else "<unknown>"
+                        providers = found.setdefault(ep.name, [])
+                        # The same distribution seen twice (an egg-link beside a
+                        # wheel, say) is one registration, not a conflict.
+                        if all(p.distribution != dist for p in providers):
+                            providers.append(Provider(ep.name, ep.value, dist, ep))
+                    self._scanned = found
+        merged = dict(self._scanned)
+        for name, provider in self._temporary.items():
+            merged[name] = [provider]
+        return merged
+
+    def refresh(self) -> None:
+        """Forget the cached scan, after installing or removing a distribution."""
+        self._scanned = None
+        self._loaded.clear()
+
+    def names(self) -> dict[str, str]:
+        """Every registered name with the distribution that provides it."""
+        return {
+            name: " and ".join(p.distribution for p in providers)
+            for name, providers in sorted(self._providers().items())
+        }
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._providers()
+
+    def provider(self, name: str) -> Provider:
+        """The one registration of name, or an error that says what exists."""
+        providers = self._providers()
+        if name not in providers:
+            available = ", ".join(f"{n} ({d})" for n, d in self.names().items()) or "none"
+            close = difflib.get_close_matches(name, list(providers), n=3)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise UnknownNameError(
+                f"No {self.kind} named {name!r} in entry-point group {self.group!r}.{hint} "
+                f"Available: {available}. A component from another package appears "
+                f"here once that distribution is installed."
+            )
+        found = providers[name]
+        if len(found) > 1:
+            raise NameConflictError(
+                f"The {self.kind} name {name!r} in {self.group!r} is registered by "
+                f"{len(found)} distributions: "
+                + ", ".join(f"{p.distribution} ({p.value})" for p in found)
+                + ". dew never picks one silently; uninstall one of them or rename its entry point."
+            )
+        return found[0]
+
+    # -- loading and building -----------------------------------------------
+    def load(self, name: str) -> Any:
+        """Import and return the component registered as name (cached)."""
+        if name in self._temporary:
+            return self._temporary[name].component
+        if name not in self._loaded:
+            self._loaded[name] = self.provider(name).load()
+        return self._loaded[name]
+
+    def fields(self, name: str) -> dict[str, tuple[Any, Any]]:
+        """The declared fields of a component: name -> (annotation, default)."""
+        return declared_fields(self.load(name))
+
+    def validate(self, name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Check kwargs against the component's declared fields, with pydantic."""
+        return validate_fields(self.load(name), dict(kwargs), f"{self.kind} {name!r}")
+
+    def build(self, name: str, /, **kwargs: Any) -> Any:
+        """Validate kwargs, then construct the component registered as name."""
+        component = self.load(name)
+        checked = validate_fields(component, kwargs, f"{self.kind} {name!r}")
+        return component(**checked)
+
+    @contextlib.contextmanager
+    def temporary(self, name: str, component: Any, distribution: str = "<test>") -> Iterator[Any]:
+        """Register component as name for the duration of a with block."""
+        previous = self._temporary.get(name)
+        self._temporary[name] = Provider(name, repr(component), distribution, component=component)
+        try:
+            yield component
+        finally:
+            if previous is None:
+                self._temporary.pop(name, None)
+            else:
+                self._temporary[name] = previous
+
+    def __repr__(self) -> str:
+        return f"Registry({self.group!r})"
+
+
+# -- declared fields ---------------------------------------------------------
+
+_FLAX_INTERNAL = {"parent", "name"}
+
+
+def declared_fields(component: Any) -> dict[str, tuple[Any, Any]]:
+    """Fields of a dataclass (Flax modules included) or a constructor's parameters."""
+    if dataclasses.is_dataclass(component):
+        try:
+            hints = typing.get_type_hints(component)
+        except Exception:  # noqa: BLE001 - unresolvable annotations fall back to Any
+            hints = {}
+        out = {}
+        for f in dataclasses.fields(component):
+            if f.name in _FLAX_INTERNAL or not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            else:
+                default = ...
+            out[f.name] = (hints.get(f.name, Any), default)
+        return out
+    target = component.__init__ if inspect.isclass(component) else component
+    signature = inspect.signature(target)
+    try:
+        hints = typing.get_type_hints(target)
+    except Exception:  # noqa: BLE001
+        hints = {}
+    out = {}
+    for p in signature.parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        default = ... if p.default is inspect.Parameter.empty else p.default
+        out[p.name] = (hints.get(p.name, Any), default)
+    return out
+
+
+def _accepts_var_keyword(component: Any) -> bool:
+    if dataclasses.is_dataclass(component):
+        return False
+    target = component.__init__ if inspect.isclass(component) else component
+    return any(
+        p.kind is p.VAR_KEYWORD for p in inspect.signature(target).parameters.values()
+    )
+
+
+def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[str, Any]:
+    """Validate kwargs for component; raise InvalidFieldsError naming the fields."""
+    fields = declared_fields(component)
+    unknown = [k for k in kwargs if k not in fields]
+    if unknown and not _accepts_var_keyword(component):
+        lines = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            lines.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise InvalidFieldsError(
+            f"{what} has no field {', '.join(lines)}. Its fields are: {', '.join(fields)}."
+        )
+    known = {k: v for k, v in kwargs.items() if k in fields}
+    model = pydantic.create_model(  # type: ignore[call-overload]
+        f"{getattr(component, '__name__', 'Component')}Fields",
+        __config__=pydantic.ConfigDict(arbitrary_types_allowed=True, strict=False),
+        **{k: (_lenient(fields[k][0]), fields[k][1]) for k in fields},
+    )
+    try:
+        model.model_validate(known)
+    except pydantic.ValidationError as error:
+        problems = []
+        for e in error.errors():
+            loc = ".".join(str(part) for part in e["loc"])
+            given = e.get("input")
+            given_text = "" if e["type"] == "missing" else f" (given {given!r})"
+            problems.append(f"{loc}: {e['msg']}{given_text}")
+        raise InvalidFieldsError(
+            f"{what} got invalid fields: " + "; ".join(problems)
+            + f". Its fields are: {', '.join(fields)}."
+        ) from None
+    return dict(kwargs)  # values pass through unchanged: validation only checks them
+
+
+def _lenient(annotation: Any) -> Any:
+    """An annotation pydantic can check; anything it cannot becomes Any."""
+    if annotation is Any:
+        return Any
+    try:
+        pydantic.TypeAdapter(annotation, config=pydantic.ConfigDict(arbitrary_types_allowed=True))
+    except Exception:  # noqa: BLE001
+        return Any
+    return annotation
+
+
+# -- the groups ----------------------------------------------------------------
+
+GROUPS = {
+    "models": "dew.models",
+    "objectives": "dew.objectives",
+    "trackers": "dew.trackers",
+    "datasets": "dew.datasets",
+    "plugins": "dew.plugins",
+}
+
+models = Registry("dew.models", "model")
+objectives = Registry("dew.objectives", "objective")
+trackers = Registry("dew.trackers", "tracker")
+datasets = Registry("dew.datasets", "dataset")
+plugins = Registry("dew.plugins", "plugin")
+
+_BY_GROUP = {r.group: r for r in (models, objectives, trackers, datasets, plugins)}
+
+
+def registry(group: str) -> Registry:
+    """The registry of an entry-point group (``dew.models``) or its short name (``models``)."""
+    group = GROUPS.get(group, group)
+    if group not in _BY_GROUP:
+        raise UnknownNameError(
+            f"No registry for group {group!r}; the groups are {', '.join(GROUPS.values())}."
+        )
+    return _BY_GROUP[group]

@@ -1,0 +1,1 @@
+"""What a run reports besides scalars: previews (artifacts) and typed records."""

@@ -1,0 +1,86 @@
+"""TrainState: everything a run must checkpoint to resume where it stopped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dew.objectives.base import Variables
+
+__all__ = ["Scaler", "TrainState", "Window"]
+
+
+@flax.struct.dataclass
+class Scaler:
+    """A dynamic loss scale and its streak of finite steps.
+
+    The loss is multiplied by scale before differentiation; a non-finite
+    gradient halves it (down to minimum), and growth_interval finite steps in
+    a row double it.
+    """
+
+    scale: jax.Array
+    streak: jax.Array
+    growth_interval: int = flax.struct.field(pytree_node=False, default=2000)
+    factor: float = flax.struct.field(pytree_node=False, default=2.0)
+    minimum: float = flax.struct.field(pytree_node=False, default=1.0)
+
+    @classmethod
+    def create(cls, initial: float = 2.0**15, **config: Any) -> Scaler:
+        return cls(jnp.asarray(initial, jnp.float32), jnp.asarray(0, jnp.int32), **config)
+
+    def update(self, finite: jax.Array) -> Scaler:
+        grown = self.streak + 1 >= self.growth_interval
+        scale = jnp.where(
+            finite,
+            jnp.where(grown, self.scale * self.factor, self.scale),
+            jnp.maximum(self.scale / self.factor, self.minimum),
+        )
+        streak = jnp.where(finite & ~grown, self.streak + 1, 0)
+        return self.replace(scale=scale.astype(jnp.float32), streak=streak.astype(jnp.int32))
+
+
+@flax.struct.dataclass
+class Window:
+    """A half-filled gradient-accumulation window: summed gradients and loss counts."""
+
+    grads: Variables
+    count: jax.Array
+    filled: jax.Array
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Hold everything a run must checkpoint to resume where it stopped.
+
+    params holds the live Flax variables (every collection), averaged the
+    same tree with the EMA leaves in place (None without an EMA). step
+    counts attempts, microstep accepted microbatches, updates optimizer
+    updates; with the root key, step decides the next random draw. key is
+    stored as raw key data so it checkpoints like any array.
+    """
+
+    params: Variables
+    opt_state: Any
+    key: jax.Array
+    step: jax.Array
+    microstep: jax.Array
+    updates: jax.Array
+    averaged: Variables | None = None
+    scaler: Scaler | None = None
+    window: Window | None = None
+
+    @property
+    def rng(self) -> jax.Array:
+        """The root key as a typed key."""
+        return jax.random.wrap_key_data(self.key)
+
+    def key_for(self, step: jax.Array | int, *data: int) -> jax.Array:
+        """The key of one step (and optional further indices), folded from the root."""
+        key = jax.random.fold_in(self.rng, step)
+        for value in data:
+            key = jax.random.fold_in(key, value)
+        return key
