@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import re
 import threading
 import typing
 from collections.abc import Iterator, Mapping
@@ -80,14 +81,43 @@ class Provider:
         except ModuleNotFoundError as error:
             raise MissingDistributionError(
                 f"{self.name!r} from {self.distribution} could not be imported: "
-                f"module {error.name!r} is missing. Reinstall {self.distribution} "
-                f"with the extra that provides it (for example pip install "
-                f"'{self.distribution}[{self.name}]')."
+                f"module {error.name!r} is missing. {self._install_hint(error.name or '')}"
             ) from error
         obj = module
         for part in filter(None, attribute.split(".")):
             obj = getattr(obj, part)
         return obj
+
+    def _install_hint(self, missing: str) -> str:
+        """What to install: the extra of the distribution that requires the missing module."""
+        top = _normalize(missing.partition(".")[0])
+        extras: list[str] = []
+        dist = getattr(self.entry_point, "dist", None)
+        try:
+            dist = dist or importlib_metadata.distribution(self.distribution)
+            requires = dist.requires or []
+        except importlib_metadata.PackageNotFoundError:
+            requires = []
+        for line in requires:
+            requirement, _, marker = line.partition(";")
+            name = _normalize(re.split(r"[\s\[<>=!~(]", requirement.strip(), maxsplit=1)[0])
+            extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", marker)
+            if extra and name == top and extra.group(1) not in extras:
+                extras.append(extra.group(1))
+        extras += list(getattr(self.entry_point, "extras", None) or [])
+        if extras:
+            requirement = f"{self.distribution}[{extras[0]}]"
+            return f"Install the extra that provides it: pip install '{requirement}'."
+        if top == _normalize(self.value.partition(":")[0].partition(".")[0]):
+            return f"{self.distribution} looks incomplete; reinstall it: pip install --force-reinstall {self.distribution}."
+        return (
+            f"{self.distribution} needs the package that provides {missing!r}; "
+            f"reinstall {self.distribution} with its dependencies: pip install {self.distribution}."
+        )
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
 
 
 _SCAN_LOCK = threading.Lock()
@@ -123,6 +153,8 @@ class Registry:
                         # wheel, say) is one registration, not a conflict.
                         if all(p.distribution != dist for p in providers):
                             providers.append(Provider(ep.name, ep.value, dist, ep))
+                    for providers in found.values():  # deterministic messages
+                        providers.sort(key=lambda p: p.distribution)
                     self._scanned = found
         merged = dict(self._scanned)
         for name, provider in self._temporary.items():

@@ -1,0 +1,232 @@
+"""Lifecycle hooks: code a plugin runs when a run starts, logs, evaluates, saves or ends.
+
+The hooks are pluggy hook specifications under the project name ``"dew"``.
+A plugin is any object (a module, an instance) whose functions carry the
+``hookimpl`` marker and are named after a hook; each implementation may take
+any subset of its hook's arguments. Installed plugins announce themselves in
+the ``dew.plugins`` entry-point group and are loaded the first time
+``hook()`` is called, never at import time::
+
+    # in the plugin distribution's pyproject.toml
+    [project.entry-points."dew.plugins"]
+    my_plugin = "my_package.hooks"
+
+    # my_package/hooks.py
+    from dew.plugins import hookimpl
+
+    @hookimpl
+    def dew_step_end(step, metrics):
+        print(step, metrics["loss"])
+
+The trainer fires them with keyword arguments, ``hook().dew_step_end(step=s,
+metrics=m)``. Two environment variables, read when the plugin manager is
+first built, control loading: ``DEW_DISABLE_PLUGIN_AUTOLOAD=1`` loads no
+entry-point plugin at all, and ``DEW_BLOCK_PLUGINS=a,b`` skips (and refuses)
+the plugins registered under those names.
+
+>>> from dew.plugins import hookimpl, hook, registered
+>>> class Printer:
+...     @hookimpl
+...     def dew_step_end(self, step):
+...         print("step", step)
+>>> with registered(Printer()):
+...     _ = hook().dew_step_end(step=3, metrics={"loss": 0.5})
+step 3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pluggy
+
+__all__ = [
+    "AUTOLOAD_VARIABLE",
+    "BLOCK_VARIABLE",
+    "PROJECT",
+    "HookImplementationError",
+    "Hooks",
+    "hook",
+    "hookimpl",
+    "hookspec",
+    "manager",
+    "registered",
+]
+
+PROJECT = "dew"
+AUTOLOAD_VARIABLE = "DEW_DISABLE_PLUGIN_AUTOLOAD"
+BLOCK_VARIABLE = "DEW_BLOCK_PLUGINS"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class HookImplementationError(TypeError):
+    """A plugin implements a hook that does not exist, or takes an argument the hook lacks."""
+
+
+class Hooks:
+    """The hook specifications: every hook dew fires, with the arguments it passes.
+
+    Implementations return nothing; results are ignored. A hook is called on
+    the process that runs the trainer's host loop, between steps.
+    """
+
+    @hookspec
+    def dew_run_start(self, trainer: Any, start: int, steps: int) -> None:
+        """The trainer is about to run; start is the first step (after a resume) and
+        steps the step count fit() trains to."""
+
+    @hookspec
+    def dew_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
+        """A log step finished; metrics holds the scalars the host read for it
+        (the same values the tracker receives)."""
+
+    @hookspec
+    def dew_evaluation(self, step: int, evaluation: Any) -> None:
+        """The validation split was scored at step; evaluation is the trainer's
+        Evaluation result (its reduced metrics and artifacts)."""
+
+    @hookspec
+    def dew_checkpoint(self, step: int, path: str) -> None:
+        """A checkpoint of step was handed to the writer; path is its directory."""
+
+    @hookspec
+    def dew_preempted(self, step: int) -> None:
+        """A preemption notice stopped the run at step, after its state was saved."""
+
+    @hookspec
+    def dew_run_end(self, step: int, state: Any) -> None:
+        """fit() finished at step; state is the final TrainState."""
+
+
+_SPEC_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    name: tuple(p for p in inspect.signature(function).parameters if p != "self")
+    for name, function in vars(Hooks).items()
+    if name.startswith("dew_")
+}
+
+_MANAGER: pluggy.PluginManager | None = None
+_LOCK = threading.Lock()
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _blocked_names() -> list[str]:
+    return [n.strip() for n in os.environ.get(BLOCK_VARIABLE, "").split(",") if n.strip()]
+
+
+def _check(plugin_manager: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Refuse an implementation of an unknown hook or with an argument its hook lacks."""
+    for attribute in dir(plugin):
+        try:
+            options = plugin_manager.parse_hookimpl_opts(plugin, attribute)
+        except Exception:  # noqa: BLE001 - attributes that fail to resolve are not hooks
+            continue
+        if options is None:
+            continue
+        hook_name = options.get("specname") or attribute
+        if hook_name not in _SPEC_ARGUMENTS:
+            close = difflib.get_close_matches(hook_name, list(_SPEC_ARGUMENTS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise HookImplementationError(
+                f"Plugin {name!r} implements hook {hook_name!r}, which dew does not have.{hint} "
+                f"The hooks are: {', '.join(_SPEC_ARGUMENTS)}."
+            )
+        function = getattr(plugin, attribute)
+        parameters = [
+            p.name
+            for p in inspect.signature(function).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"
+        ]
+        allowed = _SPEC_ARGUMENTS[hook_name]
+        extra = [p for p in parameters if p not in allowed]
+        if extra:
+            raise HookImplementationError(
+                f"Plugin {name!r} implements hook {hook_name!r} with argument(s) "
+                f"{', '.join(repr(p) for p in extra)} that the hook does not pass. "
+                f"{hook_name} passes: {', '.join(allowed)}; an implementation may take "
+                f"any subset of them."
+            )
+
+
+def _register(plugin_manager: pluggy.PluginManager, plugin: object, name: str | None) -> str:
+    name = name or plugin_manager.get_canonical_name(plugin)
+    _check(plugin_manager, plugin, name)
+    try:
+        registered_name = plugin_manager.register(plugin, name=name)
+    except pluggy.PluginValidationError as error:
+        raise HookImplementationError(f"Plugin {name!r} was refused: {error}") from error
+    if registered_name is None:
+        raise HookImplementationError(
+            f"Plugin {name!r} is blocked (listed in {BLOCK_VARIABLE} or blocked earlier); "
+            f"remove it from {BLOCK_VARIABLE} to use it."
+        )
+    return registered_name
+
+
+def _autoload(plugin_manager: pluggy.PluginManager) -> None:
+    # Imported here: the registry (and importlib_metadata) is only needed on first use.
+    from dew.registry import plugins as entry_points
+
+    blocked = set(_blocked_names())
+    for name in entry_points.names():
+        if name in blocked:
+            continue
+        plugin = entry_points.load(name)  # raises if two distributions claim name
+        if inspect.isclass(plugin):
+            plugin = plugin()
+        _register(plugin_manager, plugin, name)
+
+
+def _build() -> pluggy.PluginManager:
+    plugin_manager = pluggy.PluginManager(PROJECT)
+    plugin_manager.add_hookspecs(Hooks)
+    for name in _blocked_names():
+        plugin_manager.set_blocked(name)
+    if not _truthy(os.environ.get(AUTOLOAD_VARIABLE)):
+        _autoload(plugin_manager)
+    return plugin_manager
+
+
+def manager() -> pluggy.PluginManager:
+    """The plugin manager, built on first call with the installed plugins loaded."""
+    global _MANAGER
+    plugin_manager = _MANAGER
+    if plugin_manager is None:
+        with _LOCK:
+            if _MANAGER is None:
+                _MANAGER = _build()
+            plugin_manager = _MANAGER
+    return plugin_manager
+
+
+def hook() -> pluggy.HookRelay:
+    """The hook relay the trainer fires: ``hook().dew_step_end(step=..., metrics=...)``.
+
+    Cheap after the first call (a global read); the first call loads the
+    installed plugins.
+    """
+    plugin_manager = _MANAGER
+    if plugin_manager is None:
+        plugin_manager = manager()
+    return plugin_manager.hook
+
+
+@contextlib.contextmanager
+def registered(plugin: object, name: str | None = None) -> Iterator[object]:
+    """Register plugin for the duration of a with block (checked like an installed one)."""
+    plugin_manager = manager()
+    _register(plugin_manager, plugin, name)
+    try:
+        yield plugin
+    finally:
+        plugin_manager.unregister(plugin)
