@@ -1,0 +1,266 @@
+"""The optimizer a config describes: a solver, its schedule, parameter groups, clipping.
+
+``build_optimizer(OptimizerConfig(...))`` returns one ``optax`` chain:
+
+1. global-norm clipping of the raw gradients (when ``clip_norm`` is set);
+2. the solver (adamw, lion, sgd or adafactor) with its learning-rate schedule
+   and weight decay, the decay masked off the leaves the config exempts;
+3. per-group learning-rate multipliers, which scale each leaf's whole update.
+
+Leaves are selected by their path in the variables tree, written with ``/``
+(``params/layer_0/norm/scale``) and matched case-insensitively against
+shell-style globs, so the same patterns work whether the optimizer sees the
+full ``{'params': ...}`` collection or a bare parameter tree.
+
+>>> import jax.numpy as jnp
+>>> from dew.training.optim import OptimizerConfig, build_optimizer
+>>> tx = build_optimizer(OptimizerConfig(solver="sgd", learning_rate=0.1))
+>>> params = {"params": {"w": jnp.ones(2)}}
+>>> updates, _ = tx.update({"params": {"w": jnp.ones(2)}}, tx.init(params), params)
+>>> [round(float(u), 3) for u in updates["params"]["w"]]
+[-0.1, -0.1]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+import pydantic
+
+__all__ = [
+    "DEFAULT_NO_DECAY",
+    "OptimizerConfig",
+    "OptimizerConfigError",
+    "ParamGroup",
+    "build_optimizer",
+    "build_schedule",
+    "leaf_path",
+]
+
+# Leaves that take no weight decay unless a group says otherwise: biases,
+# normalisation scales and anything under a norm, and embeddings.
+DEFAULT_NO_DECAY: tuple[str, ...] = ("*bias", "*scale", "*norm*", "*embed*")
+
+
+class OptimizerConfigError(ValueError):
+    """An optimizer config that cannot be built as given."""
+
+
+class ParamGroup(pydantic.BaseModel):
+    """Leaves selected by path globs, with their own learning-rate multiplier or decay rule.
+
+    ``match`` holds globs over ``/``-joined leaf paths (``params/*/attention/*``).
+    ``lr_scale`` multiplies the learning rate of the selected leaves;
+    ``decay`` forces weight decay on (True) or off (False) for them, where
+    None keeps the config's default rule.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    match: tuple[str, ...]
+    lr_scale: float = pydantic.Field(1.0, ge=0.0)
+    decay: bool | None = None
+
+    @pydantic.field_validator("match", mode="before")
+    @classmethod
+    def _one_pattern_is_a_tuple(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+
+class OptimizerConfig(pydantic.BaseModel):
+    """What ``build_optimizer`` builds.
+
+    ``solver`` names the update rule. ``b1``, ``b2`` and ``eps`` default to
+    the solver's own values when None; ``momentum`` and ``nesterov`` belong
+    to sgd (``momentum`` is also adafactor's optional first moment).
+
+    ``schedule`` shapes the learning rate after ``warmup_steps`` of linear
+    warmup from zero: ``constant`` stays at ``learning_rate``; ``cosine`` and
+    ``linear`` decay to ``end_factor * learning_rate`` at ``decay_steps``
+    (counted from the first update, warmup included).
+
+    ``weight_decay`` applies to every leaf except those ``no_decay`` matches;
+    ``groups`` override that rule and set learning-rate multipliers, the
+    first group whose pattern matches a leaf deciding for it.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    solver: Literal["adamw", "lion", "sgd", "adafactor"] = "adamw"
+    learning_rate: float = pydantic.Field(3e-4, gt=0.0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = pydantic.Field(0, ge=0)
+    decay_steps: int | None = pydantic.Field(None, ge=1)
+    end_factor: float = pydantic.Field(0.0, ge=0.0)
+    weight_decay: float = pydantic.Field(0.0, ge=0.0)
+    no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
+    groups: tuple[ParamGroup, ...] = ()
+    clip_norm: float | None = pydantic.Field(None, gt=0.0)
+    b1: float | None = None
+    b2: float | None = None
+    eps: float | None = None
+    momentum: float | None = None
+    nesterov: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> OptimizerConfig:
+        if self.nesterov and self.solver == "sgd" and self.momentum is None:
+            raise ValueError("nesterov=True needs a momentum; set momentum (for example 0.9).")
+        if self.momentum is not None and self.solver not in ("sgd", "adafactor"):
+            raise ValueError(
+                f"momentum applies to sgd and adafactor, not {self.solver}; use b1 for "
+                f"{self.solver}'s first moment."
+            )
+        if (
+            self.schedule != "constant"
+            and self.decay_steps is not None
+            and self.decay_steps <= self.warmup_steps
+        ):
+            raise ValueError(
+                f"decay_steps ({self.decay_steps}) must exceed warmup_steps "
+                f"({self.warmup_steps}): decay is counted from the first update."
+            )
+        return self
+
+
+# -- schedules -------------------------------------------------------------------
+
+
+def build_schedule(config: OptimizerConfig) -> optax.Schedule:
+    """The learning rate at each update count that config describes."""
+    peak = config.learning_rate
+    if config.schedule == "constant":
+        if not config.warmup_steps:
+            return optax.constant_schedule(peak)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, config.warmup_steps), optax.constant_schedule(peak)],
+            [config.warmup_steps],
+        )
+    if config.decay_steps is None:
+        raise OptimizerConfigError(
+            f"The {config.schedule} schedule needs decay_steps, the update count at which the "
+            f"learning rate reaches its end; set optimizer.decay_steps (a recipe sets it to "
+            f"trainer.steps when left out)."
+        )
+    end = config.end_factor * peak
+    if config.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, config.warmup_steps, config.decay_steps, end_value=end
+        )
+    decay = optax.linear_schedule(peak, end, config.decay_steps - config.warmup_steps)
+    if not config.warmup_steps:
+        return decay
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, config.warmup_steps), decay], [config.warmup_steps]
+    )
+
+
+# -- parameter groups --------------------------------------------------------------
+
+
+def leaf_path(path: Sequence[Any]) -> str:
+    """A tree path as the ``/``-joined string the globs match (``params/dense/kernel``)."""
+    parts = []
+    for entry in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(entry, attribute):
+                parts.append(str(getattr(entry, attribute)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)
+
+
+def _matches(patterns: Sequence[str], path: str) -> bool:
+    lowered = path.lower()
+    return any(fnmatch.fnmatchcase(lowered, pattern.lower()) for pattern in patterns)
+
+
+def _group(config: OptimizerConfig, path: str) -> ParamGroup | None:
+    return next((g for g in config.groups if _matches(g.match, path)), None)
+
+
+def _decays(config: OptimizerConfig, path: str) -> bool:
+    group = _group(config, path)
+    if group is not None and group.decay is not None:
+        return group.decay
+    return not _matches(config.no_decay, path)
+
+
+def _lr_scale(config: OptimizerConfig, path: str) -> float:
+    group = _group(config, path)
+    return 1.0 if group is None else group.lr_scale
+
+
+def decay_mask(config: OptimizerConfig) -> Callable[[Any], Any]:
+    """A function params -> tree of bools: True where weight decay applies."""
+
+    def mask(params: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: _decays(config, leaf_path(path)), params
+        )
+
+    return mask
+
+
+def scale_by_group(config: OptimizerConfig) -> optax.GradientTransformation:
+    """Multiply each leaf's update by its group's ``lr_scale`` (stateless)."""
+
+    def init(params: Any) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
+        del params
+
+        def scale(path: Any, update: jax.Array) -> jax.Array:
+            factor = _lr_scale(config, leaf_path(path))
+            return update if factor == 1.0 else update * jnp.asarray(factor, update.dtype)
+
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+# -- solvers -----------------------------------------------------------------------
+
+
+def _solver(config: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+    mask = decay_mask(config)
+    given = {k: v for k, v in (("b1", config.b1), ("b2", config.b2)) if v is not None}
+    if config.solver == "adamw":
+        eps = {} if config.eps is None else {"eps": config.eps}
+        return optax.adamw(lr, **given, **eps, weight_decay=config.weight_decay, mask=mask)
+    if config.solver == "lion":
+        return optax.lion(lr, **given, weight_decay=config.weight_decay, mask=mask)
+    if config.solver == "sgd":
+        sgd = optax.sgd(lr, momentum=config.momentum, nesterov=config.nesterov)
+        if not config.weight_decay:
+            return sgd
+        # Coupled (L2) decay, as SGD has always had it: added to the gradient
+        # before momentum and the learning rate.
+        return optax.chain(optax.add_decayed_weights(config.weight_decay, mask), sgd)
+    eps = {} if config.eps is None else {"eps": config.eps}
+    return optax.adafactor(
+        lr,
+        momentum=config.momentum,
+        weight_decay_rate=config.weight_decay or None,
+        weight_decay_mask=mask,
+        **eps,
+    )
+
+
+def build_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """Build the optax chain config describes: clipping, the solver, group multipliers."""
+    parts: list[optax.GradientTransformation] = []
+    if config.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(config.clip_norm))
+    parts.append(_solver(config, build_schedule(config)))
+    if any(group.lr_scale != 1.0 for group in config.groups):
+        parts.append(scale_by_group(config))
+    return parts[0] if len(parts) == 1 else optax.chain(*parts)
