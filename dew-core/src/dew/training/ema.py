@@ -1,0 +1,44 @@
+"""The exponential moving average of selected leaves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dew.objectives.base import EMASpec, Variables
+
+__all__ = ["ema_mask", "ema_update"]
+
+
+def ema_update(ema: Variables, params: Variables, decay: jax.typing.ArrayLike) -> Variables:
+    """Move ema towards params by (1 - decay), keeping each leaf's storage dtype.
+
+    The arithmetic runs in at least float32 (float64 stays float64). A unit
+    decay returns the old leaf exactly, so a frozen reference survives even
+    when it holds non-finite values.
+
+    >>> import jax.numpy as jnp
+    >>> ema_update({"w": jnp.zeros(2)}, {"w": jnp.ones(2)}, 0.75)["w"].tolist()
+    [0.25, 0.25]
+    """
+    decay = jnp.asarray(decay)
+
+    def one(old: jax.Array, new: jax.Array) -> jax.Array:
+        dtype = jnp.promote_types(old.dtype, jnp.float32)
+        d = decay.astype(dtype)
+        moved = (d * old.astype(dtype) + (1 - d) * new.astype(dtype)).astype(old.dtype)
+        return jnp.where(decay == 1, old, moved)
+
+    return jax.tree.map(one, ema, params)
+
+
+def ema_mask(spec: EMASpec, tree: Variables) -> Any:
+    """A tree of bools: which leaves of a variables tree spec's filter selects."""
+
+    def one(path: tuple[Any, ...], leaf: Any) -> bool:
+        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        return bool(spec.select(keys, leaf))
+
+    return jax.tree_util.tree_map_with_path(one, tree)

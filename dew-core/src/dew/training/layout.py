@@ -1,0 +1,228 @@
+"""Layout: how a train state is placed on a mesh, from the logical axes modules declare.
+
+A rule maps a logical axis name (dew.nn.sharding) to mesh axes; rules are
+tried in precedence order, and a rule whose mesh axes another dimension of
+the same array already took is skipped. Axes that do not divide a dimension
+are dropped, so a single table serves every topology.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import jax
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "DEFAULT_RULES",
+    "Layout",
+    "LayoutError",
+    "LogicalAxisRules",
+    "MeshAxes",
+    "Placement",
+    "logical_names",
+]
+
+MeshAxes = str | tuple[str, ...] | None
+LogicalAxisRules = tuple[tuple[str, MeshAxes], ...]
+TreeT = TypeVar("TreeT")
+Placement = Any  # a tree of NamedSharding shaped like the placed tree
+
+DEFAULT_RULES: LogicalAxisRules = (
+    # activations
+    ("batch", ("data", "fsdp", "expert")),
+    ("activation_length", "sequence"),
+    ("activation_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("activation_embed", None),
+    # parameters
+    ("vocab", ("tensor", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", ("tensor", "fsdp")),
+    ("mlp", "tensor"),
+    ("heads", ("tensor", "fsdp")),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("expert", "expert"),
+    ("layers", "stage"),
+)
+
+_PARAMETER_AXES = ("fsdp", "expert", "tensor")
+_FORBIDDEN_FOR_PARAMETERS = ("data", "sequence")
+
+
+class LayoutError(ValueError):
+    """A layout would place a parameter badly, or leaves too much of the model replicated."""
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def logical_names(tree: Any) -> Any:
+    """The logical axis names of every leaf (None where no module declared any)."""
+    return jax.tree.map(
+        lambda x: tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else None,
+        tree, is_leaf=_is_box,
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Says how a train state is placed on a mesh.
+
+    rules map logical axes onto mesh axes in precedence order. A parameter
+    below min_shard elements stays replicated (the collectives would cost
+    more than the memory saved); tolerance is the share of shardable
+    parameter memory per device above perfect sharding that check() accepts.
+    host and host_parameters (memory offload) are reserved: naming any is
+    refused until offload lands.
+    """
+
+    rules: LogicalAxisRules | Mapping[str, MeshAxes] = DEFAULT_RULES
+    min_shard: int = 2**16
+    tolerance: float = 0.02
+    host: tuple[str, ...] = field(default=())
+    host_parameters: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.host or self.host_parameters:
+            raise LayoutError(
+                "Layout.host and Layout.host_parameters (host-memory offload) are not supported "
+                "yet; leave them empty."
+            )
+        if self.min_shard < 0 or not 0 <= self.tolerance <= 1:
+            raise LayoutError(
+                f"Layout needs min_shard >= 0 and tolerance in [0, 1], got {self.min_shard} "
+                f"and {self.tolerance}."
+            )
+
+    @property
+    def axis_rules(self) -> LogicalAxisRules:
+        """The rules as flax reads them: (logical, mesh axes) pairs in precedence order."""
+        if isinstance(self.rules, Mapping):
+            return tuple(self.rules.items())
+        return tuple((name, axes) for name, axes in self.rules)
+
+    # -- one leaf -------------------------------------------------------------
+    def spec(self, shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mesh) -> PartitionSpec:
+        """The PartitionSpec of one parameter of shape with logical names on mesh."""
+        if math.prod(shape) < self.min_shard or not shape:
+            return PartitionSpec()
+        if names is None:
+            return self._heuristic(shape, mesh)
+        if len(names) != len(shape):
+            raise LayoutError(f"Logical names {tuple(names)} do not match a parameter of shape {tuple(shape)}.")
+        used: set[str] = set()
+        out: list[MeshAxes] = []
+        for dim, name in zip(shape, names, strict=True):
+            out.append(self._resolve(dim, name, mesh, used))
+        return PartitionSpec(*out)
+
+    def _resolve(self, dim: int, name: str | None, mesh: Mesh, used: set[str]) -> MeshAxes:
+        if name is None:
+            return None
+        for rule_name, axes in self.axis_rules:
+            if rule_name != name:
+                continue
+            wanted = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            bad = [a for a in wanted if a in _FORBIDDEN_FOR_PARAMETERS]
+            if bad:
+                raise LayoutError(
+                    f"The rule {name!r} -> {axes!r} places a parameter on {bad}, which split the "
+                    "batch; a parameter there would be gathered on every use. Map it to fsdp, "
+                    "tensor or expert."
+                )
+            if any(a in used for a in wanted):
+                continue
+            chosen: list[str] = []
+            for axis in wanted:
+                if axis not in mesh.shape or mesh.shape[axis] == 1:
+                    continue
+                if dim % (math.prod(mesh.shape[a] for a in chosen) * mesh.shape[axis]) == 0:
+                    chosen.append(axis)
+            used.update(wanted)
+            if not chosen:
+                return None
+            return chosen[0] if len(chosen) == 1 else tuple(chosen)
+        return None
+
+    def _heuristic(self, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+        """Shard the largest dimension that fsdp divides; replicate otherwise."""
+        size = mesh.shape.get("fsdp", 1)
+        if size == 1:
+            return PartitionSpec()
+        order = sorted(range(len(shape)), key=lambda i: -shape[i])
+        for i in order:
+            if shape[i] % size == 0:
+                spec: list[MeshAxes] = [None] * len(shape)
+                spec[i] = "fsdp"
+                return PartitionSpec(*spec)
+        return PartitionSpec()
+
+    # -- whole trees ------------------------------------------------------------
+    def shardings(self, mesh: Mesh, tree: TreeT) -> Placement:
+        """A NamedSharding per leaf of tree, from its declared axes (boxes are removed)."""
+
+        def one(x: Any) -> NamedSharding:
+            names = tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else None
+            value = x.unbox() if _is_box(x) else x
+            return NamedSharding(mesh, self.spec(tuple(value.shape), names, mesh))
+
+        return jax.tree.map(one, tree, is_leaf=_is_box)
+
+    def offloaded(self, mesh: Mesh, tree: TreeT) -> Placement:
+        """shardings with each leaf's memory kind; without host_parameters, the same."""
+        return self.shardings(mesh, tree)
+
+    def check(self, params: Any, shardings: Placement, mesh: Mesh) -> None:
+        """Refuse a layout that leaves more than tolerance of the shardable memory replicated.
+
+        Per device, a perfectly sharded parameter holds size / devices
+        elements, where devices is the product of the parameter axes. Only
+        parameters of at least min_shard elements count: the smaller ones are
+        replicated on purpose.
+        """
+        devices = math.prod(mesh.shape.get(a, 1) for a in _PARAMETER_AXES)
+        if devices == 1:
+            return
+        leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]
+        placements = jax.tree.leaves(shardings)
+        held = ideal = 0.0
+        worst: list[tuple[float, str, tuple[int, ...]]] = []
+        for (path, leaf), sharding in zip(leaves, placements, strict=True):
+            size = math.prod(leaf.shape)
+            if size < self.min_shard:
+                continue
+            per_device = size / _shard_factor(sharding.spec, mesh)
+            held += per_device
+            ideal += size / devices
+            worst.append((per_device - size / devices, jax.tree_util.keystr(path), tuple(leaf.shape)))
+        if ideal == 0:
+            return
+        excess = held / ideal - 1
+        if excess > self.tolerance:
+            worst.sort(reverse=True)
+            names = ", ".join(f"{p} {s}" for _, p, s in worst[:3])
+            raise LayoutError(
+                f"This layout keeps {excess:.1%} more parameter memory per device than perfect "
+                f"sharding over {devices} devices (tolerance {self.tolerance:.1%}); the mesh axes "
+                f"divide too few of the model's dimensions. Most replicated: {names}. Choose mesh "
+                "sizes that divide the model's widths, or raise Layout.tolerance."
+            )
+
+
+def _shard_factor(spec: PartitionSpec, mesh: Mesh) -> int:
+    factor = 1
+    for axes in spec:
+        if axes is None:
+            continue
+        for axis in (axes,) if isinstance(axes, str) else axes:
+            factor *= mesh.shape[axis]
+    return factor

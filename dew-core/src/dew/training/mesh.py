@@ -1,0 +1,218 @@
+"""The six-axis device mesh, and how a global batch splits over it.
+
+Parameters shard over 'fsdp', 'expert' and 'tensor'; a batch's rows split
+over 'data', 'fsdp' and 'expert' (BATCH_AXES); 'sequence' would split
+positions and 'stage' pipeline stages. Axes of size 1 cost nothing, so one
+code path serves every topology.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from dew.data.base import DataPartition
+
+__all__ = [
+    "BATCH_AXES",
+    "BATCH_SPEC",
+    "MESH_AXES",
+    "BatchMismatchError",
+    "MeshSizeError",
+    "MeshSpec",
+    "UnsupportedAxisError",
+    "batch_shardings",
+    "build_mesh",
+    "data_partition",
+    "shard_batch",
+]
+
+MESH_AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
+BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_SPEC = PartitionSpec(BATCH_AXES)
+
+
+class MeshSizeError(ValueError):
+    """The mesh's axis sizes do not divide the devices there are."""
+
+
+class UnsupportedAxisError(NotImplementedError):
+    """A mesh axis dew cannot use yet was given a size above 1."""
+
+
+class BatchMismatchError(ValueError):
+    """A batch lacks a key, or a leaf's shape or dtype differs from the compiled step's."""
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """How many devices each sharding axis takes; data parallelism fills the rest."""
+
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    stage: int = 1
+    microbatches: int | None = None
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "expert", "tensor", "sequence", "stage", "replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MeshSpec.{name} must be a positive integer, got {value!r}.")
+        if self.microbatches is not None and self.microbatches % self.stage:
+            raise ValueError(
+                f"MeshSpec.microbatches ({self.microbatches}) must be a multiple of stage ({self.stage})."
+            )
+
+    @property
+    def model_devices(self) -> int:
+        """Devices one data-parallel replica spans."""
+        return self.fsdp * self.expert * self.tensor * self.sequence * self.stage
+
+
+def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None) -> Mesh:
+    """Build the six-axis mesh spec describes, over devices (default: every device).
+
+    Devices are laid out row-major over MESH_AXES, so the last axes hold
+    neighbouring devices.
+    """
+    for name in ("sequence", "stage"):
+        if getattr(spec, name) > 1:
+            raise UnsupportedAxisError(
+                f"MeshSpec.{name}={getattr(spec, name)}: the {name} axis is not supported yet; "
+                f"set {name}=1 and use fsdp, tensor, expert or data parallelism."
+            )
+    if spec.replicas > 1:
+        raise UnsupportedAxisError(
+            f"MeshSpec.replicas={spec.replicas}: hybrid (multi-slice) data parallelism is not "
+            "supported yet; set replicas=1."
+        )
+    devices = list(jax.devices() if devices is None else devices)
+    inner = spec.model_devices
+    if len(devices) % inner:
+        raise MeshSizeError(
+            f"The mesh axes fsdp={spec.fsdp} x expert={spec.expert} x tensor={spec.tensor} x "
+            f"sequence={spec.sequence} x stage={spec.stage} = {inner} devices do not divide the "
+            f"{len(devices)} devices available; choose sizes whose product divides {len(devices)}."
+        )
+    shape = {
+        "data": len(devices) // inner,
+        "expert": spec.expert,
+        "fsdp": spec.fsdp,
+        "tensor": spec.tensor,
+        "sequence": spec.sequence,
+        "stage": spec.stage,
+    }
+    grid = np.asarray(devices, dtype=object).reshape([shape[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _row_shards(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def data_partition(mesh: Mesh) -> DataPartition:
+    """The share of every global batch this process reads on mesh.
+
+    A device's row shard is its position over BATCH_AXES. Processes holding
+    the same row shards form one group that reads one share; groups must
+    hold disjoint, contiguous, equally many row shards.
+    """
+    names = mesh.axis_names
+    batch_dims = [names.index(a) for a in BATCH_AXES]
+    sizes = [mesh.shape[a] for a in BATCH_AXES]
+    holdings: dict[int, set[int]] = {}
+    for index in np.ndindex(mesh.devices.shape):
+        device = mesh.devices[index]
+        row = int(np.ravel_multi_index([index[d] for d in batch_dims], sizes))
+        holdings.setdefault(device.process_index, set()).add(row)
+    groups = sorted({frozenset(rows) for rows in holdings.values()}, key=min)
+    total = _row_shards(mesh)
+    per = len(groups[0])
+    covered = sorted(r for g in groups for r in g)
+    if covered != list(range(total)) or any(
+        len(g) != per or sorted(g) != list(range(min(g), min(g) + per)) for g in groups
+    ):
+        raise ValueError(
+            "The processes' devices hold overlapping or scattered rows of the batch, so no "
+            f"process could read a whole share: {sorted(map(sorted, groups))}. Lay the devices "
+            "out so each process holds a contiguous block of the data, fsdp and expert axes."
+        )
+    mine = frozenset(holdings[jax.process_index()])
+    share = groups.index(mine)
+    readers = sorted(p for p, rows in holdings.items() if frozenset(rows) == mine)
+    return DataPartition(
+        share=share, shares=len(groups), reader=readers.index(jax.process_index()),
+        readers=len(readers),
+    )
+
+
+def batch_shardings(mesh: Mesh, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
+    """The sharding of every leaf of a global batch: rows over BATCH_AXES."""
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, BATCH_SPEC if np.ndim(x) else PartitionSpec()), dict(batch)
+    )
+
+
+def shard_batch(
+    batch: Mapping[str, Any], mesh: Mesh, partition: DataPartition, expected: Any = None
+) -> dict[str, jax.Array]:
+    """Put this process's share of a global batch onto the mesh as global arrays.
+
+    expected, when given, is the abstract global batch the compiled step
+    takes; a missing key or a differing shape or dtype is refused by name.
+    """
+    if expected is not None:
+        check_batch(batch, expected, partition)
+    shardings = batch_shardings(mesh, batch)
+    if jax.process_count() == 1:
+        return jax.device_put(dict(batch), shardings)
+
+    def put(local: Any, sharding: NamedSharding) -> jax.Array:
+        local = np.asarray(local)
+        global_shape = (local.shape[0] * partition.shares, *local.shape[1:]) if local.ndim else ()
+        return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+    return jax.tree.map(put, dict(batch), shardings)
+
+
+def global_shape(batch: Mapping[str, Any], partition: DataPartition) -> dict[str, jax.ShapeDtypeStruct]:
+    """The abstract global batch that a process-local share stands for."""
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        x = np.asarray(x) if not hasattr(x, "shape") else x
+        shape = (x.shape[0] * partition.shares, *x.shape[1:]) if len(x.shape) else ()
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+
+    return jax.tree.map(one, dict(batch))
+
+
+def check_batch(batch: Mapping[str, Any], expected: Mapping[str, Any], partition: DataPartition) -> None:
+    """Refuse a batch whose keys, shapes or dtypes differ from the compiled step's."""
+    if not isinstance(batch, Mapping):
+        raise BatchMismatchError(f"A batch must be a mapping of arrays, got {type(batch).__name__}.")
+    missing = [k for k in expected if k not in batch]
+    if missing:
+        raise BatchMismatchError(
+            f"The batch has no key {', '.join(map(repr, missing))}; the compiled step reads "
+            f"{sorted(expected)} and the batch holds {sorted(batch)}."
+        )
+    actual = global_shape({k: batch[k] for k in expected}, partition)
+    for key, want in expected.items():
+        leaves_got = jax.tree.leaves(actual[key])
+        leaves_want = jax.tree.leaves(want)
+        for got, exp in zip(leaves_got, leaves_want, strict=False):
+            if got.shape != exp.shape or got.dtype != exp.dtype:
+                raise BatchMismatchError(
+                    f"Batch key {key!r} has shape {tuple(got.shape)} and dtype {got.dtype} "
+                    f"(global), but the compiled step expects shape {tuple(exp.shape)} and "
+                    f"dtype {exp.dtype}. Every batch of a run must have the same shapes."
+                )

@@ -1,0 +1,157 @@
+"""The training transaction that Trainer.compile jits: one microbatch in, one state out.
+
+A step differentiates the loss's total (not its mean), so summing gradients
+and counts over an accumulation window and dividing once gives exactly the
+gradient of one batch that many times larger. A step whose loss or
+gradients are not finite is rejected whole: only the attempt counter (and
+the loss scaler) move, and nothing non-finite reaches the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dew.objectives.base import Aux, EMASpec, Mean, Objective, Step, Variables
+from dew.training.ema import ema_update
+from dew.training.state import TrainState, Window
+
+__all__ = ["StepFn", "build_train_step", "write_back"]
+
+StepFn = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]
+
+
+def write_back(params: Variables, variables: Variables | None) -> Variables:
+    """Replace nonparameter collections whole; the optimizer owns params.
+
+    >>> write_back({"params": 1, "stats": 2}, {"params": 9, "stats": 3})
+    {'params': 1, 'stats': 3}
+    """
+    if not variables:
+        return params
+    merged = dict(params)
+    for collection, value in variables.items():
+        if collection != "params":
+            merged[collection] = value
+    return merged
+
+
+def _finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _scalar(value: Any) -> jax.Array:
+    if isinstance(value, Mean):
+        return value.value.astype(jnp.float32)
+    return jnp.mean(jnp.asarray(value, jnp.float32))
+
+
+def build_train_step(
+    objective: Objective,
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulation: int = 1,
+    ema: EMASpec | None = None,
+    ema_selected: Any = None,
+) -> StepFn:
+    """Return the pure step function: (state, batch) -> (state, metrics)."""
+
+    def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+        variables = state.params
+        trainable = {"params": variables["params"]}
+        info = Step(
+            step=state.step, microstep=state.microstep, updates=state.updates,
+            key=state.key_for(state.step), ema=state.averaged,
+        )
+        scale = state.scaler.scale if state.scaler is not None else jnp.asarray(1.0, jnp.float32)
+
+        def total(p: Variables) -> tuple[jax.Array, tuple[Mean, Aux]]:
+            loss, aux = objective.loss({**variables, **p}, batch, info)
+            return loss.total.astype(jnp.float32) * scale, (loss, aux)
+
+        grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        finite = _finite(grads) & jnp.isfinite(loss.total)
+        count = jnp.asarray(loss.count, jnp.float32)
+
+        def accept(state: TrainState) -> TrainState:
+            return _accept(state, grads, count, aux, optimizer, accumulation, ema, ema_selected)
+
+        def reject(state: TrainState) -> TrainState:
+            return state
+
+        new = jax.lax.cond(finite, accept, reject, state)
+        scaler = new.scaler.update(finite) if new.scaler is not None else None
+        new = new.replace(step=state.step + 1, scaler=scaler)
+        metrics = {"loss": _scalar(loss), "finite": finite}
+        for name, value in aux.metrics.items():
+            metrics[name] = _scalar(value)
+        if scaler is not None:
+            metrics["loss_scale"] = scaler.scale
+        return new, metrics
+
+    return train_step
+
+
+def _accept(
+    state: TrainState,
+    grads: Variables,
+    count: jax.Array,
+    aux: Aux,
+    optimizer: optax.GradientTransformation,
+    accumulation: int,
+    ema: EMASpec | None,
+    ema_selected: Any,
+) -> TrainState:
+    variables = write_back(state.params, aux.updates)
+    state = state.replace(params=variables, microstep=state.microstep + 1)
+    if accumulation == 1:
+        mean_grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads)
+        return _update(state, mean_grads, optimizer, ema, ema_selected)
+    window = state.window
+    assert window is not None
+    window = Window(
+        grads=jax.tree.map(jnp.add, window.grads, grads),
+        count=window.count + count,
+        filled=window.filled + 1,
+    )
+
+    def full(state: TrainState) -> TrainState:
+        mean_grads = jax.tree.map(lambda g: g / jnp.maximum(window.count, 1), window.grads)
+        state = _update(state, mean_grads, optimizer, ema, ema_selected)
+        empty = Window(
+            grads=jax.tree.map(jnp.zeros_like, window.grads),
+            count=jnp.zeros_like(window.count),
+            filled=jnp.zeros_like(window.filled),
+        )
+        return state.replace(window=empty)
+
+    def partial(state: TrainState) -> TrainState:
+        return state.replace(window=window)
+
+    return jax.lax.cond(window.filled >= accumulation, full, partial, state)
+
+
+def _update(
+    state: TrainState,
+    grads: Variables,
+    optimizer: optax.GradientTransformation,
+    ema: EMASpec | None,
+    ema_selected: Any,
+) -> TrainState:
+    trainable = {"params": state.params["params"]}
+    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+    trainable = optax.apply_updates(trainable, updates)
+    params = {**state.params, "params": trainable["params"]}
+    averaged = state.averaged
+    if ema is not None and averaged is not None:
+        moved = ema_update(averaged, params, ema.decay)
+        averaged = jax.tree.map(
+            lambda keep, avg, live: avg if keep else live, ema_selected, moved, params
+        )
+    return state.replace(params=params, opt_state=opt_state, averaged=averaged, updates=state.updates + 1)
