@@ -1,0 +1,172 @@
+"""Setting up the process before JAX starts, and a timestamp every process agrees on.
+
+``prepare_process`` is the first thing a training program calls: some of what
+it sets (XLA's flags, membership in a process pool) is read once, when JAX
+opens its backend, and is silently ignored afterwards. So it refuses to run
+late when that would lose a setting, rather than let a run start without it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "BackendAlreadyStartedError",
+    "ProcessSettings",
+    "prepare_process",
+    "run_timestamp",
+]
+
+TIMESTAMP_FORMAT = "%Y-%m-%d_%H:%M:%S"
+
+
+class BackendAlreadyStartedError(RuntimeError):
+    """prepare_process ran after JAX opened its backend, so a setting would be lost."""
+
+
+class ProcessSettings(Protocol):
+    """What prepare_process reads: TrainerConfig has these fields."""
+
+    xla_flags: Sequence[str]
+    multi_host: bool
+    compilation_cache_dir: str | None
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    xla_flags: tuple[str, ...] = ()
+    multi_host: bool = False
+    compilation_cache_dir: str | None = None
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def _pool_joined() -> bool:
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
+
+
+def _raise_soft_limit(which: int) -> None:
+    soft, hard = resource.getrlimit(which)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(which, (hard, hard))
+    except (ValueError, OSError):
+        # An unlimited hard limit on open files exceeds the kernel's own
+        # ceiling (fs.nr_open); take that ceiling instead.
+        try:
+            with open("/proc/sys/fs/nr_open") as ceiling:
+                cap = int(ceiling.read())
+        except (OSError, ValueError):
+            return
+        if hard == resource.RLIM_INFINITY or hard > cap:
+            try:
+                resource.setrlimit(which, (cap, hard))
+            except (ValueError, OSError):
+                pass
+
+
+def _flag_name(flag: str) -> str:
+    return flag.split("=", 1)[0]
+
+
+def _merged_flags(current: str, extra: Sequence[str]) -> str:
+    """current's flags with extra appended, an extra flag replacing one of the same name."""
+    names = {_flag_name(f) for f in extra}
+    kept = [f for f in shlex.split(current) if _flag_name(f) not in names]
+    return " ".join([*kept, *extra])
+
+
+def _join_pool() -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    count = os.environ.get("JAX_NUM_PROCESSES")
+    index = os.environ.get("JAX_PROCESS_ID")
+    if coordinator and count is not None and index is not None:
+        jax.distributed.initialize(coordinator, num_processes=int(count), process_id=int(index))
+    else:
+        # A cluster JAX knows (Slurm, TPU pods, Kubernetes' indexed jobs, ...)
+        # describes the pool itself.
+        jax.distributed.initialize()
+
+
+def prepare_process(config: ProcessSettings | None = None) -> None:
+    """Ready this process to train: limits, XLA flags, compilation cache, process pool.
+
+    The soft limits on open files and core size rise to their hard limits (a
+    sharded checkpoint opens many files at once). ``config.xla_flags`` are
+    appended to ``XLA_FLAGS``, each replacing a flag of the same name already
+    there. ``config.compilation_cache_dir`` turns on JAX's persistent
+    compilation cache. With ``config.multi_host``, the process joins the JAX
+    process pool that ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID`` describe, or the one the cluster environment
+    describes when they are unset.
+
+    Call it before anything touches a device. Called after JAX opened its
+    backend, it raises BackendAlreadyStartedError when flags or the pool
+    would be lost; limits and the cache are set either way.
+    """
+    settings = config if config is not None else _Defaults()
+    flags = tuple(settings.xla_flags or ())
+    started = _backend_started()
+    if started:
+        current = os.environ.get("XLA_FLAGS", "")
+        if flags and _merged_flags(current, flags) != current:
+            raise BackendAlreadyStartedError(
+                f"JAX already opened its backend, so the XLA flags {' '.join(flags)} would be "
+                "ignored. Call dew.training.prepare_process(config) at the very start of the "
+                "program, before anything creates an array or asks for devices."
+            )
+        if settings.multi_host and not _pool_joined():
+            raise BackendAlreadyStartedError(
+                "JAX already opened its backend, so this process can no longer join a process "
+                "pool. Call dew.training.prepare_process(config) before anything creates an "
+                "array or asks for devices."
+            )
+    _raise_soft_limit(resource.RLIMIT_NOFILE)
+    _raise_soft_limit(resource.RLIMIT_CORE)
+    if flags:
+        os.environ["XLA_FLAGS"] = _merged_flags(os.environ.get("XLA_FLAGS", ""), flags)
+    import jax
+
+    if settings.compilation_cache_dir:
+        directory = os.path.abspath(os.path.expanduser(settings.compilation_cache_dir))
+        os.makedirs(directory, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", directory)
+    if settings.multi_host and not _pool_joined():
+        _join_pool()
+
+
+def run_timestamp() -> str:
+    """Process 0's wall clock, as ``%Y-%m-%d_%H:%M:%S``, returned on every process.
+
+    Alone, this is the local clock. In a process pool every process gets
+    process 0's string, so a directory named after it is the same directory
+    everywhere, whatever the hosts' clocks say.
+    """
+    stamp = time.strftime(TIMESTAMP_FORMAT)
+    if not _pool_joined():
+        return stamp
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return stamp
+    encoded = np.frombuffer(stamp.encode("ascii"), dtype=np.uint8).astype(np.int32)
+    shared = multihost_utils.broadcast_one_to_all(encoded)
+    return bytes(np.asarray(shared).astype(np.uint8).tolist()).decode("ascii")
