@@ -1,0 +1,127 @@
+"""Generic backbones, registered by name in the ``dew.models`` group.
+
+>>> import jax, jax.numpy as jnp
+>>> model = CausalTransformer(vocab_size=16, emb_features=8, num_layers=1, num_heads=2,
+...                           mlp_features=16, max_seq_len=8)
+>>> variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+>>> model.apply(variables, jnp.zeros((2, 5), jnp.int32)).shape
+(2, 5, 16)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.nn import sharding as axes
+from dew.nn.layers import DecoderLayer, Embed, RMSNorm
+from dew.nn.sharding import constrain, param
+
+__all__ = ["CausalTransformer"]
+
+
+class CausalTransformer(nn.Module):
+    """A decoder-only transformer over token ids, with a cached decode path.
+
+    Pre-norm layers (RMSNorm) of causal multi-head attention and a
+    feed-forward block. Positions are learned (a table of max_seq_len rows)
+    or rotary; the feed-forward block is GELU or SwiGLU; the output head is
+    the embedding table (tied) or a separate matrix. Parameters live under
+    ``embed``, ``position`` (learned only), ``layers_0`` ... ``layers_{n-1}``,
+    ``final_norm`` and ``head`` (untied only); each is named by its logical axes.
+
+    ``__call__(tokens, positions=None, *, decode=False)`` maps int32 ids
+    [B, T] to float32 logits [B, T, vocab_size]. With ``decode=True`` it reads
+    and writes the 'cache' collection (apply with ``mutable=["cache"]``):
+    keys and values of every layer in slots of size max_seq_len, and ``index``,
+    each row's next free slot. positions default to the row's index onward;
+    pass them to write each row at its own place (prompts of different lengths).
+    """
+
+    vocab_size: int
+    emb_features: int
+    num_layers: int
+    num_heads: int
+    mlp_features: int
+    max_seq_len: int
+    head_features: int | None = None
+    position_embedding: Literal["learned", "rotary"] = "learned"
+    mlp_activation: Literal["gelu", "swiglu"] = "gelu"
+    tie_embeddings: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def _check(self) -> None:
+        for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features",
+                     "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CausalTransformer.{name} must be at least 1, got "
+                                 f"{getattr(self, name)}.")
+        if self.head_features is None and self.emb_features % self.num_heads:
+            raise ValueError(
+                f"emb_features={self.emb_features} is not divisible by num_heads="
+                f"{self.num_heads}; change one of them or set head_features explicitly."
+            )
+
+    @property
+    def head_width(self) -> int:
+        """The per-head width: head_features, or emb_features // num_heads."""
+        return self.head_features or self.emb_features // self.num_heads
+
+    @nn.compact
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, *, decode: bool = False
+    ) -> jax.Array:
+        self._check()
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"CausalTransformer takes token ids of shape [batch, length], "
+                             f"got shape {tuple(tokens.shape)}.")
+        batch, length = tokens.shape
+        if length > self.max_seq_len:
+            raise ValueError(f"A sequence of {length} tokens is longer than max_seq_len="
+                             f"{self.max_seq_len}; shorten it or build a longer model.")
+        if decode:
+            index = self.variable("cache", "index", jnp.zeros, (batch,), jnp.int32)
+            if positions is None:
+                positions = index.value[:, None] + jnp.arange(length, dtype=jnp.int32)
+            positions = jnp.asarray(positions, jnp.int32)
+            index.value = positions[:, -1] + 1
+        elif positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
+
+        kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        embed = Embed(self.vocab_size, self.emb_features, name="embed", **kinds)
+        x = embed(tokens.astype(jnp.int32))
+        if self.position_embedding == "learned":
+            table = param(self, "position", nn.initializers.normal(0.02),
+                          (self.max_seq_len, self.emb_features), (None, axes.EMBED),
+                          self.param_dtype)
+            x = x + jnp.take(table.astype(self.dtype), positions, axis=0)
+        elif self.position_embedding != "rotary":
+            raise ValueError(f"Unknown position_embedding {self.position_embedding!r}; "
+                             "use 'learned' or 'rotary'.")
+        x = constrain(x, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED))
+
+        for i in range(self.num_layers):
+            layer = DecoderLayer(
+                self.num_heads, self.head_width, self.mlp_features, self.max_seq_len,
+                rotary=self.position_embedding == "rotary", mlp_activation=self.mlp_activation,
+                name=f"layers_{i}", **kinds,
+            )
+            x = layer(x, positions, decode=decode)
+
+        x = RMSNorm(name="final_norm", **kinds)(x)
+        if self.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            kernel = param(self, "head", nn.initializers.lecun_normal(),
+                           (self.emb_features, self.vocab_size), (axes.EMBED, axes.VOCAB),
+                           self.param_dtype)
+            logits = jnp.einsum("bte,ev->btv", x, kernel.astype(self.dtype))
+        logits = constrain(logits, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB))
+        return logits.astype(jnp.float32)

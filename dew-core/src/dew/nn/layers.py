@@ -1,0 +1,215 @@
+"""Transformer layers whose parameters carry logical axis names.
+
+Every parameter is declared through :func:`dew.nn.sharding.param`, so the
+trainer can shard it by name. Activations are constrained by their logical
+names at the block boundaries. Computation runs in ``dtype``; parameters are
+stored in ``param_dtype``; softmax and normalization statistics run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.nn import sharding as axes
+from dew.nn.sharding import constrain, param
+
+__all__ = [
+    "MLPBlock",
+    "CausalSelfAttention",
+    "DecoderLayer",
+    "Embed",
+    "RMSNorm",
+    "apply_rotary",
+]
+
+Dtype = Any
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalization with a learned per-feature scale."""
+
+    epsilon: float = 1e-6
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (axes.EMBED,),
+                      self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+        return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class Embed(nn.Module):
+    """A token embedding table [vocab, embed], usable as the output head too."""
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    stddev: float = 0.02
+
+    def setup(self) -> None:
+        self.embedding = param(
+            self, "embedding", nn.initializers.normal(self.stddev),
+            (self.num_embeddings, self.features), (axes.VOCAB, axes.EMBED), self.param_dtype,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding.astype(self.dtype), ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits of x against every row of the table (a tied output head)."""
+        return jnp.einsum("...e,ve->...v", x, self.embedding.astype(self.dtype))
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
+    """Rotate pairs of features of x [B, T, H, D] by angles set by positions [B, T]."""
+    half = x.shape[-1] // 2
+    frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, :, None, None] * frequencies  # [B, T, 1, half]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x32 = x.astype(jnp.float32)
+    first, second = x32[..., :half], x32[..., half : 2 * half]
+    rotated = jnp.concatenate(
+        [first * cos - second * sin, second * cos + first * sin, x32[..., 2 * half :]], axis=-1
+    )
+    return rotated.astype(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with an optional key/value cache.
+
+    Without decode, position t attends to positions 0..t of the same call.
+    With decode, keys and values are written into the 'cache' collection
+    (``cached_key`` and ``cached_value`` of shape [B, max_len, heads, kv])
+    at each row's ``positions``, and every query attends to the cached slots
+    at or before its own position. The work per new token is then fixed by
+    max_len, not by how long the prompt was.
+    """
+
+    num_heads: int
+    head_features: int
+    max_len: int
+    rotary: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False) -> jax.Array:
+        batch, length, features = x.shape
+        heads, width = self.num_heads, self.head_features
+        qkv_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                    in_axis=0, out_axis=(1, 2))
+        project = {
+            name: param(self, name, qkv_init, (features, heads, width),
+                        (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype).astype(self.dtype)
+            for name in ("query", "key", "value")
+        }
+        q = jnp.einsum("bte,ehd->bthd", x, project["query"])
+        k = jnp.einsum("bte,ehd->bthd", x, project["key"])
+        v = jnp.einsum("bte,ehd->bthd", x, project["value"])
+        head_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS, None)
+        q, k, v = (constrain(t, head_axes) for t in (q, k, v))
+        if self.rotary:
+            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+
+        if decode:
+            k, v, mask = self._update_cache(k, v, positions)
+        else:
+            mask = jnp.tril(jnp.ones((length, length), bool))[None, None]
+
+        scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(width)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        attended = jnp.einsum("bhts,bshd->bthd", weights, v)
+        attended = constrain(attended, head_axes)
+
+        out_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                    in_axis=(0, 1), out_axis=2)
+        out_kernel = param(self, "out", out_init, (heads, width, features),
+                           (axes.HEADS, axes.KV, axes.EMBED), self.param_dtype)
+        return jnp.einsum("bthd,hde->bte", attended, out_kernel.astype(self.dtype))
+
+    def _update_cache(
+        self, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        batch = k.shape[0]
+        shape = (batch, self.max_len, self.num_heads, self.head_features)
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, self.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, self.dtype)
+        if cached_key.value.shape[0] != batch:
+            raise ValueError(
+                f"The decode cache holds {cached_key.value.shape[0]} rows but this call has "
+                f"{batch}; start a new cache (apply without a 'cache' collection) for a "
+                "batch of another size."
+            )
+        rows = jnp.arange(batch)[:, None]
+        cached_key.value = cached_key.value.at[rows, positions].set(k.astype(self.dtype),
+                                                                   mode="drop")
+        cached_value.value = cached_value.value.at[rows, positions].set(v.astype(self.dtype),
+                                                                       mode="drop")
+        slots = jnp.arange(self.max_len)
+        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+        return cached_key.value, cached_value.value, mask
+
+
+class MLPBlock(nn.Module):
+    """A feed-forward block: GELU (two matrices) or SwiGLU (three)."""
+
+    hidden_features: int
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        features = x.shape[-1]
+        init = nn.initializers.lecun_normal()
+
+        def kernel(name: str, shape: tuple[int, int], names: tuple[str, str]) -> jax.Array:
+            return param(self, name, init, shape, names, self.param_dtype).astype(self.dtype)
+
+        up = (features, self.hidden_features)
+        hidden = jnp.einsum("bte,em->btm", x, kernel("wi", up, (axes.EMBED, axes.MLP)))
+        if self.activation == "swiglu":
+            gate = jnp.einsum("bte,em->btm", x, kernel("wi_gate", up, (axes.EMBED, axes.MLP)))
+            hidden = nn.silu(gate) * hidden
+        elif self.activation == "gelu":
+            hidden = nn.gelu(hidden)
+        else:
+            raise ValueError(f"Unknown MLP activation {self.activation!r}; use 'gelu' or 'swiglu'.")
+        hidden = constrain(hidden, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_MLP))
+        down = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
+        return jnp.einsum("btm,me->bte", hidden, down)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    num_heads: int
+    head_features: int
+    mlp_features: int
+    max_len: int
+    rotary: bool = False
+    mlp_activation: Literal["gelu", "swiglu"] = "gelu"
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False) -> jax.Array:
+        kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        residual_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
+        attention = CausalSelfAttention(self.num_heads, self.head_features, self.max_len,
+                                        rotary=self.rotary, name="attention", **kinds)
+        x = x + attention(RMSNorm(name="attention_norm", **kinds)(x), positions, decode=decode)
+        x = constrain(x, residual_axes)
+        mlp = MLPBlock(self.mlp_features, self.mlp_activation, name="mlp", **kinds)
+        x = x + mlp(RMSNorm(name="mlp_norm", **kinds)(x))
+        return constrain(x, residual_axes)

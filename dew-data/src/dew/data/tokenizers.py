@@ -1,0 +1,59 @@
+"""A tokenizer that needs no files: one id per UTF-8 byte, plus an end-of-document id.
+
+>>> tokenizer = ByteTokenizer()
+>>> tokenizer.encode("dew")
+[100, 101, 119]
+>>> tokenizer.decode([100, 101, 119, tokenizer.eos_id])
+'dew'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["ByteTokenizer", "UnknownTokenError"]
+
+
+class UnknownTokenError(ValueError):
+    """decode() was given an id outside the tokenizer's vocabulary."""
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """Text as its UTF-8 bytes: ids 0..255 are bytes, 256 marks the end of a document.
+
+    encode never fails; decode skips the end-of-document id and replaces
+    byte sequences that are not valid UTF-8 (a model's output may cut a
+    character in half) with U+FFFD.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """257: the 256 byte values and the end-of-document id."""
+        return 257
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document id (256)."""
+        return 256
+
+    def encode(self, text: str, *, add_eos: bool = False) -> list[int]:
+        """The UTF-8 bytes of text as ids, followed by eos_id when add_eos."""
+        if not isinstance(text, str):
+            raise TypeError(f"ByteTokenizer.encode takes a str, got {type(text).__name__}.")
+        ids = list(text.encode("utf-8"))
+        return ids + [self.eos_id] if add_eos else ids
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """The text the byte ids spell, skipping special ids."""
+        values = [int(i) for i in np.asarray(ids).reshape(-1)] if not isinstance(ids, list) else ids
+        bad = [int(i) for i in values if not 0 <= int(i) < self.vocab_size]
+        if bad:
+            raise UnknownTokenError(
+                f"ByteTokenizer.decode got ids outside [0, {self.vocab_size}): {bad[:5]}; "
+                "were these ids made by another tokenizer or a model with a larger vocabulary?"
+            )
+        return bytes(int(i) for i in values if int(i) < 256).decode("utf-8", errors="replace")

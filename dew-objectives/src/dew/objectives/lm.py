@@ -1,0 +1,169 @@
+"""Autoregressive language modelling: predict each token from the ones before it.
+
+A batch holds token windows of seq_len + 1 ids under "text"; the model reads
+the first seq_len and is scored on predicting the seq_len that follow, one
+position later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from dew.objectives.base import (
+    Aux,
+    Batch,
+    EMASpec,
+    Mean,
+    MeanMetric,
+    Metric,
+    Objective,
+    Step,
+    Variables,
+)
+from dew.sampling import Sampling, generate
+from dew.telemetry.artifacts import Artifact
+
+__all__ = ["BatchShapeError", "LMObjective", "MissingBatchKeyError", "Perplexity", "Tokenizer"]
+
+
+class MissingBatchKeyError(KeyError):
+    """The batch lacks a key the objective reads."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class BatchShapeError(ValueError):
+    """A batch array has another shape or dtype than the objective expects."""
+
+
+class Tokenizer(Protocol):
+    """What LMObjective needs of a tokenizer to render previews."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """exp of the mean next-token cross-entropy over a validation pass."""
+
+    name: str = "perplexity"
+    output: str = "loss"
+
+    def empty(self) -> tuple[float, float]:
+        return (0.0, 0.0)
+
+    def update(self, accumulator: tuple[float, float],
+               outputs: Mapping[str, Any]) -> tuple[float, float]:
+        return MeanMetric(self.name, self.output).update(accumulator, outputs)
+
+    def result(self, accumulator: tuple[float, float]) -> float:
+        total, count = accumulator
+        return math.exp(total / count) if count else math.nan
+
+
+@dataclass(frozen=True)
+class LMObjective(Objective):
+    """Next-token cross-entropy of a causal model over windows of seq_len + 1 ids.
+
+    loss reports the mean cross-entropy per predicted token and, as a
+    metric, the fraction of tokens whose most likely prediction is right.
+    With a tokenizer and a prompt, preview continues the prompt by
+    preview_tokens tokens with preview_sampling and returns it as text.
+    """
+
+    model: nn.Module
+    seq_len: int
+    _: KW_ONLY
+    tokenizer: Tokenizer | None = None
+    prompt: str | None = None
+    ema: EMASpec | None = None
+    preview_tokens: int = 64
+    preview_sampling: Sampling = Sampling(temperature=0.0)
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"LMObjective.seq_len must be at least 1, got {self.seq_len}.")
+        limit = getattr(self.model, "max_seq_len", None)
+        if limit is not None and self.seq_len > limit:
+            raise ValueError(
+                f"LMObjective.seq_len={self.seq_len} exceeds the model's max_seq_len={limit}; "
+                "shorten the windows or build a model with a longer max_seq_len."
+            )
+
+    # -- the Objective protocol --------------------------------------------------
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        """The model's variables for windows of seq_len tokens (given variables pass through)."""
+        if variables is not None:
+            return variables
+        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+
+    def required_keys(self) -> Sequence[str]:
+        return ("text",)
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        """Total cross-entropy over all predicted tokens, and the accuracy as a Mean."""
+        per_token, correct = self._score(variables, batch)
+        count = jnp.asarray(per_token.size, jnp.float32)
+        loss = Mean(jnp.sum(per_token), count)
+        accuracy = Mean(jnp.sum(correct.astype(jnp.float32)), count)
+        return loss, Aux(metrics={"accuracy": accuracy})
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """The loss and the accuracy as Means; Perplexity() reduces "loss" to exp(loss)."""
+        loss, aux = self.loss(variables, batch, step)
+        return {"loss": loss, "accuracy": aux.metrics["accuracy"]}
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The validation metrics this objective's evaluate outputs support."""
+        return (MeanMetric("loss"), MeanMetric("accuracy"), Perplexity())
+
+    def preview(self, variables: Variables, key: jax.Array) -> Artifact | None:
+        """The prompt continued by the model, as text; None without a tokenizer and prompt."""
+        if self.tokenizer is None or self.prompt is None:
+            return None
+        prompt = list(self.tokenizer.encode(self.prompt))
+        limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)
+        new = max(min(self.preview_tokens, limit - len(prompt)), 0)
+        out = generate(self.model, variables, [prompt], new, key, self.preview_sampling)
+        return Artifact("sample", "text", self.tokenizer.decode(out.tokens[0]))
+
+    # -- internals ---------------------------------------------------------------------
+    def _windows(self, batch: Batch) -> jax.Array:
+        if "text" not in batch:
+            raise MissingBatchKeyError(
+                f"LMObjective reads token windows under the batch key 'text', but the batch "
+                f"has keys {sorted(batch)}; yield {{'text': int32 [batch, {self.seq_len + 1}]}}."
+            )
+        text = batch["text"]
+        expected = ("batch", self.seq_len + 1)
+        if getattr(text, "ndim", None) != 2 or text.shape[1] != self.seq_len + 1:
+            raise BatchShapeError(
+                f"Batch key 'text' has shape {tuple(getattr(text, 'shape', ()))}, but "
+                f"LMObjective(seq_len={self.seq_len}) expects {expected}: seq_len + 1 ids per "
+                "row (inputs are the first seq_len, targets the last seq_len)."
+            )
+        if not jnp.issubdtype(text.dtype, jnp.integer):
+            raise BatchShapeError(
+                f"Batch key 'text' holds {text.dtype}; token ids must be integers (int32)."
+            )
+        return jnp.asarray(text, jnp.int32)
+
+    def _score(self, variables: Variables, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        text = self._windows(batch)
+        inputs, targets = text[:, :-1], text[:, 1:]
+        params = {name: value for name, value in variables.items() if name != "cache"}
+        logits = self.model.apply(params, inputs)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        correct = jnp.argmax(logits, axis=-1) == targets
+        return per_token, correct

@@ -1,0 +1,161 @@
+"""Autoregressive generation with a key/value cache.
+
+The prompts are right-padded into one batch and run through the model once
+(the prefill), which fills every layer's cache. Then one token per row is
+decoded at a time inside a ``lax.fori_loop``: each step feeds the last
+token at its row's own position, so prompts of different lengths generate
+exactly what they would alone, and each step costs the same however long the
+prompts were. The whole loop is compiled once per (batch, padded length,
+max_new_tokens, sampling, model).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.sampling.options import Sampling, choose
+
+__all__ = ["Generation", "InvalidPromptError", "PromptTooLongError", "generate"]
+
+
+class InvalidPromptError(ValueError):
+    """The prompts are not a batch of non-empty token-id sequences."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt plus the tokens to generate would not fit in the model's max_seq_len."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What generate returns.
+
+    tokens holds, per row, the prompt followed by the new tokens (plain
+    ints); prompt_lengths says where each prompt ends.
+    """
+
+    tokens: list[list[int]]
+    prompt_lengths: tuple[int, ...]
+
+    @property
+    def new_tokens(self) -> list[list[int]]:
+        """Only the generated tokens of each row."""
+        return [row[n:] for row, n in zip(self.tokens, self.prompt_lengths, strict=True)]
+
+
+def _rows(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[list[int]]:
+    if isinstance(prompts, np.ndarray | jax.Array):
+        array = np.asarray(prompts)
+        if array.ndim != 2:
+            raise InvalidPromptError(
+                f"An array of prompts must be 2-D [batch, length], got shape {array.shape}; "
+                "wrap a single prompt as [prompt]."
+            )
+        rows = [list(map(int, row)) for row in array]
+    else:
+        rows = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, int | np.integer):
+                raise InvalidPromptError(
+                    "prompts is a batch: a list of token-id lists. Got a flat list of ints; "
+                    "wrap a single prompt as [prompt]."
+                )
+            row = np.asarray(prompt).reshape(-1)
+            if row.size and not np.issubdtype(row.dtype, np.integer):
+                raise InvalidPromptError(f"Prompt {i} holds {row.dtype} values, not token ids.")
+            rows.append([int(t) for t in row])
+    if not rows:
+        raise InvalidPromptError("generate needs at least one prompt.")
+    empty = [i for i, row in enumerate(rows) if not row]
+    if empty:
+        raise InvalidPromptError(
+            f"Prompts {empty} are empty; every prompt needs at least one token "
+            "(for example a beginning-of-text id)."
+        )
+    return rows
+
+
+def _variables(params: Mapping[str, Any]) -> dict[str, Any]:
+    variables = dict(nn.meta.unbox(params))
+    if "params" not in variables:
+        raise InvalidPromptError(
+            "generate takes the model's full variables ({'params': ...}, as state.params "
+            f"holds them); got a dict with keys {sorted(variables)}."
+        )
+    variables.pop("cache", None)
+    return variables
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling"))
+def _generate(model: nn.Module, variables: dict[str, Any], padded: jax.Array,
+              lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
+              sampling: Sampling) -> jax.Array:
+    batch, width = padded.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    logits, mutated = model.apply(variables, padded, positions, decode=True, mutable=["cache"])
+    last = logits[jnp.arange(batch), lengths - 1]
+    first = choose(last, jax.random.fold_in(key, 0), sampling)
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+
+    def step(i, carry):
+        cache, token, out = carry
+        logits, mutated = model.apply(
+            {**variables, "cache": cache}, token[:, None], (lengths + i - 1)[:, None],
+            decode=True, mutable=["cache"],
+        )
+        token = choose(logits[:, 0], jax.random.fold_in(key, i), sampling)
+        return mutated["cache"], token, out.at[:, i].set(token)
+
+    _, _, out = jax.lax.fori_loop(1, max_new_tokens, step, (mutated["cache"], first, out))
+    return out
+
+
+def generate(
+    model: nn.Module,
+    params: Mapping[str, Any],
+    prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+    max_new_tokens: int,
+    key: jax.Array,
+    sampling: Sampling = Sampling(),
+) -> Generation:
+    """Continue each prompt by max_new_tokens tokens.
+
+    model is a module with a cached decode path (``CausalTransformer``),
+    params its full variables (``state.params``; partitioned boxes are
+    accepted), prompts a list of token-id sequences, possibly of different
+    lengths, or a 2-D array. key drives the random draws (unused when
+    sampling is greedy).
+    """
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
+            or max_new_tokens < 0:
+        raise InvalidPromptError(f"max_new_tokens must be a non-negative integer, got "
+                                 f"{max_new_tokens!r}.")
+    max_new_tokens = int(max_new_tokens)
+    rows = _rows(prompts)
+    lengths = [len(row) for row in rows]
+    limit = getattr(model, "max_seq_len", None)
+    if limit is not None and max(lengths) + max_new_tokens > limit:
+        longest = max(lengths)
+        raise PromptTooLongError(
+            f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is "
+            f"{longest + max_new_tokens} tokens, more than the model's max_seq_len={limit}. "
+            f"Ask for at most {max(limit - longest, 0)} new tokens or shorten the prompt."
+        )
+    if max_new_tokens == 0:
+        return Generation([list(row) for row in rows], tuple(lengths))
+    padded = np.zeros((len(rows), max(lengths)), np.int32)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    new = _generate(model, _variables(params), jnp.asarray(padded),
+                    jnp.asarray(lengths, jnp.int32), key,
+                    max_new_tokens=max_new_tokens, sampling=sampling)
+    new = np.asarray(new)
+    return Generation([row + new[i].tolist() for i, row in enumerate(rows)], tuple(lengths))
