@@ -1,0 +1,55 @@
+"""Errors the data readers raise, each named for what went wrong.
+
+Every message says what is wrong (the file, the sizes or the key) and how to
+fix it. They all derive from DataError, and each also derives from the
+built-in exception a caller would otherwise catch (FileNotFoundError,
+ValueError, KeyError).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchDivisionError",
+    "DataError",
+    "EmptyDatasetError",
+    "ForeignPositionError",
+    "MissingFileError",
+    "MissingKeyError",
+    "PositionMismatchError",
+    "RampError",
+]
+
+
+class DataError(Exception):
+    """Base class of dew-data's errors."""
+
+
+class MissingFileError(DataError, FileNotFoundError):
+    """A path or glob names no readable file."""
+
+
+class EmptyDatasetError(DataError, ValueError):
+    """The inputs hold no record (or too few for one window or batch)."""
+
+
+class BatchDivisionError(DataError, ValueError):
+    """A global batch does not split evenly among the data shares."""
+
+
+class MissingKeyError(DataError, KeyError):
+    """A record, column or feature lacks the key the reader was told to read."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class ForeignPositionError(DataError, ValueError):
+    """A saved position was not written by train_stream (or is corrupt)."""
+
+
+class PositionMismatchError(DataError, ValueError):
+    """A saved position belongs to another shuffle seed or another set of records."""
+
+
+class RampError(DataError, ValueError):
+    """A batch-size ramp schedule is malformed or its reader cannot change batch size."""

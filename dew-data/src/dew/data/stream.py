@@ -1,0 +1,328 @@
+"""train_stream: an endless, shuffled, sharded Grain stream that resumes anywhere.
+
+The global order. Records are shuffled per epoch (Grain's index shuffle, seed
+``seed + epoch``) and the epochs are laid end to end into one endless order.
+Global batch ``g`` after a start position ``r`` is records ``[r + g*B,
+r + (g+1)*B)`` of that order, so batches cross epoch boundaries instead of
+dropping the last partial batch of each epoch. Share ``s`` of ``S`` reads rows
+``[s*B/S, (s+1)*B/S)`` of every global batch. The union of the shares is
+therefore the same at any process count.
+
+The pipeline (Grain, at the level of record indices so that a batch is one
+gather): ``MapDataset.range(n).seed(seed).shuffle().repeat()`` -> ``[r:]`` ->
+``.batch(B/S)`` (chunks of consecutive records) -> ``[s::S]`` (this share's
+chunk of each global batch) -> ``.map(fetch and transform)`` ->
+``.to_iter_dataset`` (thread prefetch) -> ``.mp_prefetch`` when ``workers``.
+
+The position. Grain's own iterator state is per worker and does not survive a
+change of worker or process count, so the stream's position is dew's own: the
+global number of records consumed, ``r + batches * B``, saved as
+``GLOBAL_POSITION`` + json. ``set_state`` rebuilds the pipeline from it, which
+is valid for any share, any share count and any worker count.
+
+Workers (``workers > 0``) are spawned processes: the source and the transform
+must pickle, and a script that uses them must parse absl flags
+(``absl.flags.FLAGS(sys.argv[:1])``) and guard its entry point with
+``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grain
+import numpy as np
+
+from dew.data.base import GLOBAL_POSITION, SINGLE, DataPartition
+from dew.data.errors import (
+    BatchDivisionError,
+    EmptyDatasetError,
+    ForeignPositionError,
+    MissingKeyError,
+    PositionMismatchError,
+)
+
+__all__ = ["StreamReader", "TrainStream", "ValReader", "decode_position", "train_stream", "val_stream"]
+
+Record = Mapping[str, Any]
+Transform = Callable[[Record], Record]
+
+
+def _rows(batch: int, partition: DataPartition) -> int:
+    if batch < 1:
+        raise BatchDivisionError(f"The global batch must hold at least one row; got {batch}.")
+    if batch % partition.shares:
+        raise BatchDivisionError(
+            f"A global batch of {batch} rows does not divide among {partition.shares} data "
+            f"shares ({batch} % {partition.shares} = {batch % partition.shares}). Choose a "
+            f"batch that is a multiple of {partition.shares}, such as "
+            f"{max(partition.shares, batch - batch % partition.shares)}."
+        )
+    return batch // partition.shares
+
+
+def _length(source: Any) -> int:
+    length = len(source)
+    if length == 0:
+        raise EmptyDatasetError(f"The record source {source!r} holds no records; there is nothing to stream.")
+    return length
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    """Turn an array of record indices into one batch: a dict of stacked arrays."""
+
+    source: Any
+    transform: Transform | None = None
+
+    def __call__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.transform is None and hasattr(self.source, "take"):
+            return dict(self.source.take(indices))
+        records = [self.source[int(i)] for i in indices]
+        if self.transform is not None:
+            records = [self.transform(record) for record in records]
+        return stack(records)
+
+
+def stack(records: list[Record]) -> dict[str, np.ndarray]:
+    """Stack records (mappings of arrays) column by column; every record must carry the same keys."""
+    keys = list(records[0])
+    for where, record in enumerate(records):
+        if len(record) != len(keys) or any(key not in record for key in keys):
+            missing = sorted(set(keys) - set(record)) or sorted(set(record) - set(keys))
+            raise MissingKeyError(
+                f"Records of one batch carry different keys: record {where} has {sorted(record)}, "
+                f"record 0 has {sorted(keys)} (no key {missing[0]!r} in one of them). Every record "
+                f"must carry the same keys; fix the source or make the transform return them all."
+            )
+    return {key: np.stack([np.asarray(record[key]) for record in records]) for key in keys}
+
+
+def _read_options(prefetch: int) -> grain.ReadOptions:
+    return grain.ReadOptions(num_threads=1 if prefetch > 0 else 0, prefetch_buffer_size=max(prefetch, 1))
+
+
+def _pipeline(source: Any, *, batch: int, partition: DataPartition, seed: int, start: int,
+              transform: Transform | None, workers: int, prefetch: int) -> Iterator[dict[str, np.ndarray]]:
+    rows = _rows(batch, partition)
+    n = _length(source)
+    order = grain.MapDataset.range(n).seed(seed % 2**32).shuffle().repeat()
+    chunks = order[start:].batch(rows, batch_fn=np.asarray)[partition.share :: partition.shares]
+    dataset = chunks.map(_Fetch(source, transform)).to_iter_dataset(_read_options(prefetch))
+    if workers > 0:
+        dataset = dataset.mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(prefetch, 1))
+        )
+    return iter(dataset)
+
+
+def decode_position(state: bytes) -> dict[str, Any]:
+    """The json fields of a position train_stream wrote; ForeignPositionError otherwise."""
+    if not isinstance(state, bytes | bytearray) or not bytes(state).startswith(GLOBAL_POSITION):
+        head = bytes(state[:40]) if isinstance(state, bytes | bytearray) else type(state).__name__
+        raise ForeignPositionError(
+            f"The data position {head!r} was not written by train_stream (it lacks the "
+            f"{GLOBAL_POSITION!r} prefix), so this stream cannot resume from it. Resume with the "
+            f"reader that saved it, or start the data stream afresh."
+        )
+    try:
+        fields = json.loads(bytes(state)[len(GLOBAL_POSITION):].decode())
+        int(fields["records"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ForeignPositionError(f"The data position {bytes(state)!r} is corrupt: {error}.") from None
+    return fields
+
+
+class TrainStream:
+    """This share's rows of an endless global stream, with a global position.
+
+    Iterate it for batches (dicts of numpy arrays with ``batch // shares``
+    rows). ``get_state()`` returns the global record count consumed;
+    ``set_state`` rebuilds the Grain pipeline there. ``records`` is that count.
+    """
+
+    def __init__(self, source: Any, *, batch: int, partition: DataPartition = SINGLE, seed: int = 0,
+                 transform: Transform | None = None, workers: int = 0, prefetch: int = 4,
+                 start: int = 0) -> None:
+        self.source = source
+        self.batch = int(batch)
+        self.partition = partition
+        self.seed = int(seed)
+        self.transform = transform
+        self.workers = int(workers)
+        self.prefetch = int(prefetch)
+        self.size = _length(source)
+        _rows(self.batch, partition)
+        self.records = int(start)
+        self._iterator: Iterator[dict[str, np.ndarray]] | None = None
+
+    def _open(self) -> Iterator[dict[str, np.ndarray]]:
+        if self._iterator is None:
+            self._iterator = _pipeline(
+                self.source, batch=self.batch, partition=self.partition, seed=self.seed,
+                start=self.records, transform=self.transform, workers=self.workers,
+                prefetch=self.prefetch)
+        return self._iterator
+
+    def __iter__(self) -> TrainStream:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        out = next(self._open())
+        self.records += self.batch
+        return out
+
+    @property
+    def epoch(self) -> float:
+        """Epochs consumed so far (records / dataset size)."""
+        return self.records / self.size
+
+    def get_state(self) -> bytes:
+        """GLOBAL_POSITION + json: records consumed, seed, batch and dataset size."""
+        fields = {"records": self.records, "seed": self.seed, "batch": self.batch, "size": self.size}
+        return GLOBAL_POSITION + json.dumps(fields, sort_keys=True).encode()
+
+    def set_state(self, state: bytes) -> None:
+        """Continue from a position any share of this stream saved, at any share count."""
+        fields = decode_position(state)
+        if int(fields.get("seed", self.seed)) != self.seed:
+            raise PositionMismatchError(
+                f"The data position was saved with shuffle seed {fields['seed']}, this stream "
+                f"uses seed {self.seed}; resuming would replay and skip records. Open the stream "
+                f"with seed={fields['seed']}."
+            )
+        if int(fields.get("size", self.size)) != self.size:
+            raise PositionMismatchError(
+                f"The data position was saved over {fields['size']} records, this source holds "
+                f"{self.size}; the data changed since the checkpoint, so the position means "
+                f"nothing here. Restore the original data or start the stream afresh."
+            )
+        self.close()
+        self.records = int(fields["records"])
+
+    def close(self) -> None:
+        """Stop the prefetch threads and worker processes (a later next() reopens)."""
+        iterator, self._iterator = self._iterator, None
+        closer = getattr(iterator, "close", None)
+        if closer is not None:
+            closer()
+
+    def __enter__(self) -> TrainStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def train_stream(source: Any, *, batch: int, partition: DataPartition = SINGLE, seed: int = 0,
+                 transform: Transform | None = None, workers: int = 0, prefetch: int = 4) -> TrainStream:
+    """Open this process's endless, shuffled share of source's records.
+
+    batch is the global batch (rows over all shares); each step yields
+    ``batch // partition.shares`` rows as a dict of numpy arrays. transform
+    maps one record (a dict of arrays) to another before batching. workers > 0
+    reads in that many spawned processes; the stream is identical either way.
+
+    >>> import numpy as np
+    >>> from dew.data.sources import ArrayRecords
+    >>> stream = train_stream(ArrayRecords({"x": np.arange(10)}), batch=4, seed=0)
+    >>> first = next(stream)["x"]
+    >>> position = stream.get_state()
+    >>> second = next(stream)["x"]
+    >>> again = train_stream(ArrayRecords({"x": np.arange(10)}), batch=4, seed=0)
+    >>> again.set_state(position)
+    >>> bool((next(again)["x"] == second).all())
+    True
+    """
+    return TrainStream(source, batch=batch, partition=partition, seed=seed, transform=transform,
+                       workers=workers, prefetch=prefetch)
+
+
+def val_stream(source: Any, *, batch: int, partition: DataPartition = SINGLE,
+               transform: Transform | None = None,
+               remainder: Literal["drop", "short"] = "drop", prefetch: int = 4) -> Iterator[dict[str, np.ndarray]]:
+    """One pass over source in its stored order, this share's rows of each global batch.
+
+    Global batch ``g`` is records ``[g*B, (g+1)*B)``; share ``s`` reads rows
+    ``[s*B/S, (s+1)*B/S)`` of it. The last partial global batch (``n % B``
+    records) is dropped with ``remainder="drop"``, so every batch has the
+    compiled shape; with ``"short"`` it is cut to a multiple of the share count
+    and yielded with fewer rows (at most ``S - 1`` records are left out).
+    Raises EmptyDatasetError when no batch at all would come out.
+    """
+    rows = _rows(batch, partition)
+    n = _length(source)
+    shares = partition.shares
+    full, left = divmod(n, batch)
+    short = (left // shares) * shares if remainder == "short" else 0
+    if full == 0 and short == 0:
+        raise EmptyDatasetError(
+            f"The validation split holds {n} records, fewer than one global batch of {batch} "
+            f"(remainder={remainder!r}); it would yield nothing. Use a smaller batch, more "
+            f"validation records, or remainder='short'."
+        )
+    starts = [g * batch + partition.share * rows for g in range(full)]
+    spans = [(start, start + rows) for start in starts]
+    if short:
+        each = short // shares
+        begin = full * batch + partition.share * each
+        spans.append((begin, begin + each))
+    dataset = grain.MapDataset.source(spans).map(_SpanFetch(_Fetch(source, transform)))
+    return iter(dataset.to_iter_dataset(_read_options(prefetch)))
+
+
+@dataclass(frozen=True)
+class _SpanFetch:
+    fetch: _Fetch
+
+    def __call__(self, span: tuple[int, int]) -> dict[str, np.ndarray]:
+        return self.fetch(np.arange(span[0], span[1]))
+
+
+@dataclass(frozen=True)
+class StreamReader:
+    """A Dataset.train factory over a record source: ``reader(partition)`` opens a TrainStream.
+
+    ``open`` takes another global batch or start position, which is how
+    ``dew.data.ramped`` changes the batch size mid-stream.
+    """
+
+    source: Any
+    batch: int
+    seed: int = 0
+    transform: Transform | None = None
+    workers: int = 0
+    prefetch: int = 4
+
+    def __call__(self, partition: DataPartition = SINGLE) -> TrainStream:
+        return self.open(partition)
+
+    def open(self, partition: DataPartition = SINGLE, *, batch: int | None = None,
+             start: int = 0) -> TrainStream:
+        return TrainStream(self.source, batch=self.batch if batch is None else batch,
+                           partition=partition, seed=self.seed, transform=self.transform,
+                           workers=self.workers, prefetch=self.prefetch, start=start)
+
+
+@dataclass(frozen=True)
+class ValReader:
+    """A Dataset.val factory: ``reader(partition)`` opens one pass (see val_stream)."""
+
+    source: Any
+    batch: int
+    transform: Transform | None = None
+    remainder: Literal["drop", "short"] = "drop"
+
+    def __call__(self, partition: DataPartition = SINGLE) -> Iterator[dict[str, np.ndarray]]:
+        return val_stream(self.source, batch=self.batch, partition=partition,
+                          transform=self.transform, remainder=self.remainder)

@@ -1,0 +1,233 @@
+"""train_stream: resume at every position, one global order at any share count, workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dew.data.base import GLOBAL_POSITION, DataPartition, is_global_position
+from dew.data.errors import (
+    BatchDivisionError,
+    EmptyDatasetError,
+    ForeignPositionError,
+    MissingKeyError,
+    PositionMismatchError,
+)
+from dew.data.sources import ArrayRecords
+from dew.data.stream import train_stream, val_stream
+
+N = 23  # not a multiple of any batch below: batches cross epoch boundaries
+
+
+def records(n: int = N) -> ArrayRecords:
+    return ArrayRecords({"id": np.arange(n, dtype=np.int64), "x": np.arange(n * 3).reshape(n, 3)})
+
+
+def take(stream, steps: int) -> list[np.ndarray]:
+    return [next(stream)["id"].copy() for _ in range(steps)]
+
+
+def test_each_epoch_is_a_permutation_and_epochs_differ():
+    ids = np.concatenate(take(train_stream(records(), batch=N, seed=3), 4))
+    epochs = ids.reshape(4, N)
+    for epoch in epochs:
+        assert sorted(epoch.tolist()) == list(range(N))
+    assert not all((epochs[0] == e).all() for e in epochs[1:])
+    other_seed = np.concatenate(take(train_stream(records(), batch=N, seed=4), 1))
+    assert not (other_seed == epochs[0]).all()
+
+
+def test_rows_carry_every_column_of_their_record():
+    batch = next(train_stream(records(), batch=4, seed=0))
+    np.testing.assert_array_equal(batch["x"], np.stack([np.arange(3) + 3 * i for i in batch["id"]]))
+    assert batch["id"].shape == (4,) and batch["x"].shape == (4, 3)
+
+
+def test_restoring_at_every_position_gives_the_remaining_stream():
+    steps = 14  # > two epochs at batch 4
+    reference = take(train_stream(records(), batch=4, seed=7), steps)
+    stream = train_stream(records(), batch=4, seed=7)
+    positions = []
+    for _ in range(steps):
+        positions.append(stream.get_state())
+        next(stream)
+    for k, position in enumerate(positions):
+        assert is_global_position(position)
+        assert json.loads(position[len(GLOBAL_POSITION):])["records"] == 4 * k
+        resumed = train_stream(records(), batch=4, seed=7)
+        resumed.set_state(position)
+        rest = take(resumed, steps - k)
+        for got, want in zip(rest, reference[k:], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_two_shares_merge_into_the_one_share_order_and_resume_at_one_share():
+    one = take(train_stream(records(), batch=6, seed=1), 8)
+    shares = [train_stream(records(), batch=6, seed=1, partition=DataPartition(s, 2)) for s in range(2)]
+    halves = [take(stream, 5) for stream in shares]
+    for g in range(5):
+        np.testing.assert_array_equal(np.concatenate([halves[0][g], halves[1][g]]), one[g])
+    # A position saved by share 1 of 2 resumes a single-share stream.
+    single = train_stream(records(), batch=6, seed=1)
+    single.set_state(shares[1].get_state())
+    for got, want in zip(take(single, 3), one[5:8], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_position_resumes_at_another_batch_size():
+    reference = np.concatenate(take(train_stream(records(), batch=4, seed=2), 6))
+    stream = train_stream(records(), batch=4, seed=2)
+    take(stream, 2)
+    wider = train_stream(records(), batch=8, seed=2)
+    wider.set_state(stream.get_state())
+    np.testing.assert_array_equal(np.concatenate(take(wider, 2)), reference[8:24])
+
+
+def test_val_stream_is_one_ordered_pass_split_among_shares():
+    full = list(val_stream(records(), batch=4))
+    assert [b["id"].tolist() for b in full] == [list(range(g * 4, g * 4 + 4)) for g in range(5)]
+    short = list(val_stream(records(), batch=4, remainder="short"))
+    assert np.concatenate([b["id"] for b in short]).tolist() == list(range(23))
+    assert len(short[-1]["id"]) == 3
+    parts = [list(val_stream(records(), batch=4, partition=DataPartition(s, 2), remainder="short"))
+             for s in range(2)]
+    assert len(parts[0]) == len(parts[1]) == 6
+    merged = [np.concatenate([a["id"], b["id"]]) for a, b in zip(*parts, strict=True)]
+    assert np.concatenate(merged).tolist() == list(range(22))  # 3 left over -> 2: one dropped
+
+
+def test_bad_input_errors_name_the_sizes_and_keys():
+    with pytest.raises(BatchDivisionError, match=r"6 rows does not divide among 4"):
+        train_stream(records(), batch=6, partition=DataPartition(0, 4))
+    with pytest.raises(EmptyDatasetError, match="no records"):
+        train_stream(records(0), batch=2)
+    with pytest.raises(EmptyDatasetError, match=r"holds 23 records, fewer than one global batch of 32"):
+        val_stream(records(), batch=32)
+
+    class Ragged:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"a": np.zeros(2)} if i % 2 else {"a": np.zeros(2), "b": np.ones(1)}
+
+    with pytest.raises(MissingKeyError, match=r"no key 'b'"):
+        for _ in range(3):
+            next(train_stream(Ragged(), batch=4, seed=0))
+    stream = train_stream(records(), batch=4, seed=0)
+    with pytest.raises(ForeignPositionError, match="not written by train_stream"):
+        stream.set_state(b"17")
+    with pytest.raises(PositionMismatchError, match="seed 5"):
+        stream.set_state(train_stream(records(), batch=4, seed=5).get_state())
+    with pytest.raises(PositionMismatchError, match="over 23 records, this source holds 30"):
+        train_stream(records(30), batch=4).set_state(stream.get_state())
+
+
+# -- real processes ------------------------------------------------------------------------
+
+POOL_SCRIPT = """
+import json, sys
+import numpy as np
+
+def main():
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    port, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+    from dew.data.base import DataPartition
+    from dew.data.sources import ArrayRecords
+    from dew.data.stream import train_stream
+    source = ArrayRecords({"id": np.arange(23)})
+    partition = DataPartition(share=jax.process_index(), shares=jax.process_count())
+    stream = train_stream(source, batch=6, seed=1, partition=partition)
+    rows = [next(stream)["id"].tolist() for _ in range(4)]
+    position = stream.get_state().decode()
+    rows += [next(stream)["id"].tolist() for _ in range(3)]
+    json.dump({"rows": rows, "position": position}, open(out, "w"))
+    jax.distributed.shutdown()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return env
+
+
+def test_a_two_process_pool_reads_the_one_process_order(tmp_path: Path):
+    script = tmp_path / "pool.py"
+    script.write_text(textwrap.dedent(POOL_SCRIPT))
+    port = _free_port()
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r), str(outs[r])],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    got = [json.loads(o.read_text()) for o in outs]
+    one = take(train_stream(records(), batch=6, seed=1), 7)
+    for g in range(7):
+        assert got[0]["rows"][g] + got[1]["rows"][g] == one[g].tolist()
+    # Both ranks saved the same global position; one process resumes from it.
+    assert got[0]["position"] == got[1]["position"]
+    single = train_stream(records(), batch=6, seed=1)
+    single.set_state(got[1]["position"].encode())
+    assert [b.tolist() for b in take(single, 3)] == [b.tolist() for b in one[4:7]]
+
+
+WORKERS_SCRIPT = """
+import json, sys
+import numpy as np
+
+def main():
+    from absl import flags
+    flags.FLAGS(sys.argv[:1])
+    from dew.data.sources import ArrayRecords
+    from dew.data.stream import train_stream
+    source = ArrayRecords({"id": np.arange(23), "x": np.arange(23 * 5).reshape(23, 5)})
+    out = {}
+    for workers in (0, 2):
+        stream = train_stream(source, batch=4, seed=9, workers=workers)
+        rows = [next(stream)["id"].tolist() for _ in range(7)]
+        position = stream.get_state()
+        stream.close()
+        # A position saved with these workers resumes with the other count.
+        other = train_stream(source, batch=4, seed=9, workers=2 - workers)
+        other.set_state(position)
+        rows += [next(other)["id"].tolist() for _ in range(5)]
+        other.close()
+        out[workers] = rows
+    json.dump(out, open(sys.argv[1], "w"))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_workers_give_the_same_stream_and_positions_cross_worker_counts(tmp_path: Path):
+    script = tmp_path / "workers.py"
+    script.write_text(textwrap.dedent(WORKERS_SCRIPT))
+    out = tmp_path / "out.json"
+    result = subprocess.run([sys.executable, str(script), str(out)], env=_env(), capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    got = json.loads(out.read_text())
+    reference = [b.tolist() for b in take(train_stream(records(), batch=4, seed=9), 12)]
+    assert got["0"] == reference
+    assert got["2"] == reference
