@@ -1,0 +1,142 @@
+"""What can go wrong with a checkpoint, each failure a class of its own.
+
+Every message says what is wrong and what to do about it. All of them derive
+from CheckpointError, so a caller can catch the family at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "CheckpointCorrupted",
+    "CheckpointDirectoryNotShared",
+    "CheckpointError",
+    "CheckpointMetaMismatch",
+    "CheckpointNotFound",
+    "CheckpointTreeMismatch",
+    "CheckpointWriteError",
+    "PositionShareMismatch",
+    "require_same_meta",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of dew's checkpoint failures."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """An asynchronous save failed (full disk, unwritable directory, ...)."""
+
+    def __init__(self, step: int, directory: object, cause: BaseException) -> None:
+        self.step = step
+        self.directory = str(directory)
+        super().__init__(
+            f"Saving checkpoint step {step} into {directory} failed: {type(cause).__name__}: "
+            f"{_first_line(cause)}. The step was not committed; older steps are untouched. "
+            "Free disk space or fix the directory's permissions, then run again."
+        )
+
+
+class CheckpointCorrupted(CheckpointError):
+    """A committed step's files do not match what was written."""
+
+    def __init__(self, step: int, file: object, reason: str, good: int | None = None,
+                 *, searched: bool = False) -> None:
+        self.step = step
+        self.file = str(file)
+        self.reason = reason
+        self.good = good
+        older = (
+            f" The newest older good step is {good}: restore it with restore(..., step={good}) "
+            "or build Checkpoints(..., fallback=True)."
+            if good is not None
+            else (" No older step is intact." if searched else "")
+        )
+        super().__init__(f"Checkpoint step {step} is corrupt: {file}: {reason}.{older}")
+
+    def with_good(self, good: int | None) -> CheckpointCorrupted:
+        return CheckpointCorrupted(self.step, self.file, self.reason, good, searched=True)
+
+
+class CheckpointTreeMismatch(CheckpointError, ValueError):
+    """The restore template's leaves differ from the saved ones."""
+
+    def __init__(self, step: int, differences: Sequence[str]) -> None:
+        self.step = step
+        self.differences = tuple(differences)
+        shown = "; ".join(self.differences[:12])
+        more = f"; and {len(self.differences) - 12} more" if len(self.differences) > 12 else ""
+        super().__init__(
+            f"Checkpoint step {step} does not fit the state being restored: {shown}{more}. "
+            "Resume with the model and optimizer the run was trained with, or start a fresh "
+            "run in a new directory."
+        )
+
+
+class CheckpointMetaMismatch(CheckpointError, ValueError):
+    """A configuration field saved with the checkpoint differs from the current one."""
+
+    def __init__(self, step: int, fields: Mapping[str, tuple[Any, Any]]) -> None:
+        self.step = step
+        self.fields = dict(fields)
+        shown = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, (old, new) in self.fields.items())
+        super().__init__(
+            f"Checkpoint step {step} was trained with a different configuration ({shown}). "
+            "Resume with the saved values, or start a fresh run in a new directory."
+        )
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """The requested step (or any step) is not in the directory."""
+
+
+class PositionShareMismatch(CheckpointError, ValueError):
+    """The saved data position belongs to a share this process does not read."""
+
+    def __init__(self, step: int, share: int, shares: int, saved: Sequence[int], saved_shares: int) -> None:
+        self.step = step
+        super().__init__(
+            f"Checkpoint step {step} holds the data positions of shares {list(saved)} of "
+            f"{saved_shares}, but this process reads share {share} of {shares}. A share's own "
+            "offset only resumes on the same share: restore with the saved data partition, or "
+            "use a dataset whose position is a global record count (train_stream)."
+        )
+
+
+class CheckpointDirectoryNotShared(CheckpointError):
+    """Some processes of a pool cannot see what process 0 writes."""
+
+    def __init__(self, directory: object, missing: Sequence[int]) -> None:
+        self.missing = tuple(missing)
+        super().__init__(
+            f"Processes {list(self.missing)} cannot see the probe file process 0 wrote into "
+            f"{directory}. Every process of a pool must read and write the same checkpoint "
+            "directory: put it on a shared filesystem or in a bucket (gs://...)."
+        )
+
+
+def require_same_meta(step: int, saved: Mapping[str, Any], current: Mapping[str, Any],
+                      fields: Sequence[str] | None = None) -> None:
+    """Raise CheckpointMetaMismatch naming every field whose saved value differs.
+
+    fields limits the comparison (default: every key of current). A field
+    the checkpoint lacks counts as different.
+    """
+    names = list(current) if fields is None else list(fields)
+    current = json.loads(json.dumps(dict(current)))  # compare as saved: tuples become lists
+    missing = object()
+    differing = {
+        name: (saved.get(name, "<absent>"), current.get(name))
+        for name in names
+        if saved.get(name, missing) != current.get(name)
+    }
+    if differing:
+        raise CheckpointMetaMismatch(step, differing)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or repr(error)
+    return text.splitlines()[0][:500].rstrip(".")

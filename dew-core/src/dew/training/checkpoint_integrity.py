@@ -1,0 +1,157 @@
+"""How dew tells a good checkpoint from a damaged one.
+
+Two records are written into a step before Orbax commits it:
+
+* a digest of every leaf, computed on the device from the array's bits and
+  its element indices (a sum modulo 2**32, so the value does not depend on how
+  the array is sharded, and it is checked again after a restore into any
+  placement);
+* the size and SHA-256 of every file of the step, so a damaged file is named.
+
+Orbax itself neither reads nor checks either: a flipped byte restores
+silently, which is why dew keeps its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Mapping, Sequence
+from pathlib import PurePosixPath
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "COMMIT_FILES", "MANIFEST", "compare_leaves", "digest_leaves", "digests_as_lists", "file_table", "leaf_table",
+    "verify_files",
+]
+
+MANIFEST = "dew.json"
+# Written by Orbax after dew's manifest, so only their presence is recorded.
+COMMIT_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
+_CHUNK = 1 << 22
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    size = jnp.dtype(x.dtype).itemsize
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if size == 4:
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    if size == 8:
+        return lax.bitcast_convert_type(x, jnp.uint32)  # a trailing axis of 2
+    if size in (1, 2):
+        narrow = jnp.uint8 if size == 1 else jnp.uint16
+        return lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+    raise TypeError(f"dew cannot digest arrays of dtype {x.dtype}; save it as a supported dtype.")
+
+
+def _digest(x: jax.Array) -> jax.Array:
+    bits = _bits(x)
+    shape = bits.shape
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    first = (index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) | jnp.uint32(1)
+    second = ((index ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)) | jnp.uint32(1)
+    mixed = bits ^ (bits >> jnp.uint32(15))
+    return jnp.stack([jnp.sum(bits * first, dtype=jnp.uint32), jnp.sum(mixed * second, dtype=jnp.uint32)])
+
+
+@functools.partial(jax.jit)
+def _digest_all(leaves: Sequence[jax.Array]) -> jax.Array:
+    if not leaves:
+        return jnp.zeros((0, 2), jnp.uint32)
+    return jnp.stack([_digest(leaf) for leaf in leaves])
+
+
+def digest_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
+    """Dispatch the digests of leaves (uint32[len(leaves), 2]) without waiting for them.
+
+    A changed element always changes the first word (its multiplier is odd);
+    the second catches changes that cancel in the first.
+    """
+    return _digest_all(list(leaves))
+
+
+def leaf_table(state: Any) -> list[dict[str, Any]]:
+    """Path, shape and dtype of every leaf, in flattening order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return [
+        {"path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.dtype))}
+        for path, leaf in flat
+    ]
+
+
+def _sha256(path: Any) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(root: Any) -> list[Any]:
+    found = []
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        if entry.is_dir():
+            found.extend(_files(entry))
+        else:
+            found.append(entry)
+    return found
+
+
+def file_table(step_directory: Any) -> dict[str, list[Any]]:
+    """Size and SHA-256 of every file under step_directory, by relative path."""
+    table: dict[str, list[Any]] = {}
+    for file in _files(step_directory):
+        relative = str(PurePosixPath(*file.parts[len(step_directory.parts):]))
+        if relative in COMMIT_FILES or relative == MANIFEST:
+            continue
+        table[relative] = [file.stat().st_size, _sha256(file)]
+    return table
+
+
+def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
+    """The first (file, what is wrong) that disagrees with table, or None when all agree."""
+    for name in COMMIT_FILES:
+        if not (step_directory / name).exists():
+            return str(step_directory / name), "the file is missing"
+    for relative, (size, sha) in sorted(table.items()):
+        file = step_directory / relative
+        if not file.exists():
+            return str(file), "the file is missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return str(file), f"it holds {actual} bytes where {size} were written (truncated or altered)"
+        if _sha256(file) != sha:
+            return str(file), "its contents differ from what was written (SHA-256 mismatch)"
+    return None
+
+
+def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Describe every leaf whose path, shape or dtype differs between two leaf tables."""
+    before = {leaf["path"]: leaf for leaf in saved}
+    after = {leaf["path"]: leaf for leaf in expected}
+    differences = [f"{path} is in the checkpoint but not in the state" for path in before if path not in after]
+    differences += [f"{path} is in the state but not in the checkpoint" for path in after if path not in before]
+    for path in before.keys() & after.keys():
+        old, new = before[path], after[path]
+        if list(old["shape"]) != list(new["shape"]) or old["dtype"] != new["dtype"]:
+            differences.append(
+                f"{path} was saved as {old['dtype']}{list(old['shape'])}, the state has {new['dtype']}{list(new['shape'])}"
+            )
+    return sorted(differences)
+
+
+def digests_as_lists(digests: jax.Array) -> list[list[int]]:
+    """Fetch digests to the host as plain ints (blocks until they are computed)."""
+    if digests.is_fully_replicated:
+        digests = digests.addressable_data(0)
+    return np.asarray(digests).astype(np.int64).tolist()
