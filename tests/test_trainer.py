@@ -1,0 +1,248 @@
+"""Trainer.fit against independent computations: a hand-written optax loop,
+one larger batch for accumulation, hand-computed EMA; and its refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+from dew import Trainer
+from dew.data import Dataset
+from dew.objectives.base import Aux, EMASpec, Mean, Objective, under
+from dew.training.mesh import BatchMismatchError, MeshSizeError, MeshSpec, build_mesh
+from dew.training.step import write_back
+from dew.training.trainer import NonFiniteLossError
+
+
+class MLP(nn.Module):
+    hidden: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+        x = nn.tanh(x)
+        return nn.Dense(1, kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("mlp", "embed")))(x)
+
+
+class Regression(Objective):
+    def __init__(self, ema=None):
+        self.model = MLP()
+        self.ema = ema
+        self.traces = 0
+
+    def init(self, key, variables=None):
+        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 4)))
+
+    def loss(self, variables, batch, step):
+        self.traces += 1
+        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
+        scale = jnp.where(batch["poison"][0] > 0, jnp.inf, 1.0) if "poison" in batch else 1.0
+        return Mean(jnp.sum(errors) * scale, jnp.asarray(errors.size, jnp.float32)), Aux(
+            metrics={"abs": Mean(jnp.sum(jnp.sqrt(errors)), jnp.asarray(errors.size, jnp.float32))})
+
+    def required_keys(self):
+        return ("x", "y")
+
+
+def batch_at(index: int, rows: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(index)
+    x = rng.normal(size=(rows, 4)).astype(np.float32)
+    return {"x": x, "y": (x @ np.arange(1, 5, dtype=np.float32)[:, None] + 1).astype(np.float32)}
+
+
+class Stream:
+    def __init__(self, make=batch_at):
+        self.index, self.make = 0, make
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.index += 1
+        return self.make(self.index - 1)
+
+
+class Recorder:
+    def __init__(self):
+        self.rows: list[tuple[int, dict]] = []
+        self.artifacts: list = []
+
+    def log(self, scalars, step):
+        self.rows.append((step, dict(scalars)))
+
+    def artifact(self, value, step):
+        self.artifacts.append((step, value))
+
+    def close(self):
+        pass
+
+
+def dataset(make=batch_at, rows=8) -> Dataset:
+    return Dataset(train=lambda partition: Stream(make), val=None, records=None, batch=rows)
+
+
+def test_fit_matches_a_hand_written_optax_loop():
+    objective, recorder = Regression(), Recorder()
+    optimizer = optax.adam(1e-2)
+    trainer = Trainer(objective, optimizer, key=jax.random.key(3), tracker=recorder)
+    initial = trainer.initial_state().params
+    state = trainer.fit(dataset(), steps=12, log_every=1)
+    losses = [row["loss"] for _, row in recorder.rows]
+
+    params = initial["params"]
+    opt_state = optimizer.init({"params": params})
+
+    def mean_loss(p, batch):
+        errors = (objective.model.apply({"params": p["params"]}, batch["x"]) - batch["y"]) ** 2
+        return jnp.mean(errors)
+
+    @jax.jit
+    def step(p, s, batch):
+        loss, grads = jax.value_and_grad(mean_loss)(p, batch)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    expected, p = [], {"params": params}
+    for i in range(12):
+        p, opt_state, loss = step(p, opt_state, batch_at(i))
+        expected.append(float(loss))
+    np.testing.assert_allclose(losses, expected, rtol=2e-5)
+    assert [s for s, _ in recorder.rows] == list(range(1, 13))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 state.params["params"], p["params"])
+    assert int(state.step) == int(state.microstep) == int(state.updates) == 12
+
+
+def test_accumulation_equals_one_batch_k_times_larger():
+    k, rows = 4, 2
+    small = Trainer(Regression(), optax.sgd(0.05, momentum=0.9), key=jax.random.key(0), accumulation=k)
+    accumulated = small.fit(dataset(lambda i: batch_at(i, rows), rows), steps=3 * k, log_every=k)
+
+    def big(i):
+        parts = [batch_at(i * k + j, rows) for j in range(k)]
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+    large = Trainer(Regression(), optax.sgd(0.05, momentum=0.9), key=jax.random.key(0))
+    reference = large.fit(dataset(big, rows * k), steps=3, log_every=3)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 accumulated.params, reference.params)
+    assert int(accumulated.updates) == 3 and int(accumulated.microstep) == 3 * k
+    assert int(accumulated.window.filled) == 0
+
+
+def test_the_step_traces_once_and_donates_the_state_not_the_batch():
+    objective = Regression()
+    trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0))
+    trainer.fit(dataset(), steps=15, log_every=4)
+    assert objective.traces == 1
+
+    state, _, _ = trainer.place()
+    batch = trainer.shard(batch_at(0), trainer_partition(trainer), None)
+    compiled = trainer.compile(state, batch)
+    old_leaf = state.params["params"]["Dense_0"]["kernel"]
+    new, _ = compiled(state, batch)
+    assert old_leaf.is_deleted()
+    assert not batch["x"].is_deleted()
+    assert int(new.step) == 1
+
+
+def trainer_partition(trainer):
+    from dew.training.mesh import data_partition
+
+    return data_partition(trainer.device_mesh)
+
+
+def test_dynamic_scale_rejects_non_finite_steps_and_counts_the_attempt():
+    def poisoned(i):
+        batch = batch_at(i)
+        batch["poison"] = np.full((8,), 1.0 if i in (1, 2) else 0.0, np.float32)
+        return batch
+
+    trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), dynamic_scale=True)
+    state, _, _ = trainer.place()
+    partition = trainer_partition(trainer)
+    compiled = trainer.compile(state, trainer.shard(poisoned(0), partition, None))
+    history = []
+    for i in range(4):
+        before = jax.device_get(state.params)
+        state, metrics = compiled(state, trainer.shard(poisoned(i), partition, None))
+        history.append((jax.device_get(metrics), before, jax.device_get(state.params)))
+    assert int(state.step) == 4 and int(state.updates) == 2 and int(state.microstep) == 2
+    for i in (1, 2):
+        metrics, before, after = history[i]
+        assert not metrics["finite"]
+        jax.tree.map(np.testing.assert_array_equal, before, after)
+    assert float(history[1][0]["loss_scale"]) == 2.0**15 / 2
+    assert float(state.scaler.scale) == 2.0**15 / 4
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
+
+
+def test_repeated_non_finite_losses_stop_the_run_naming_the_step():
+    def poisoned(i):
+        batch = batch_at(i)
+        batch["poison"] = np.full((8,), 1.0 if i >= 3 else 0.0, np.float32)
+        return batch
+
+    trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(NonFiniteLossError, match=r"Step 8 .*5th step in a row"):
+        trainer.fit(dataset(poisoned), steps=40, log_every=10)
+
+
+def test_ema_follows_the_selected_leaves_only():
+    spec = EMASpec(decay=0.5, select=under("params/Dense_0"))
+    trainer = Trainer(Regression(ema=spec), optax.sgd(0.1), key=jax.random.key(1))
+    initial = jax.device_get(trainer.initial_state().params)
+    snapshots = []
+
+    class Spy(Recorder):
+        pass
+
+    # Run step by step through the compiled transaction to see each update.
+    state, _, _ = trainer.place()
+    partition = trainer_partition(trainer)
+    compiled = trainer.compile(state, trainer.shard(batch_at(0), partition, None))
+    for i in range(3):
+        state, _ = compiled(state, trainer.shard(batch_at(i), partition, None))
+        snapshots.append(jax.device_get(state.params))
+    expected = initial["params"]["Dense_0"]["kernel"]
+    for snap in snapshots:
+        expected = 0.5 * expected + 0.5 * snap["params"]["Dense_0"]["kernel"]
+    averaged = jax.device_get(state.averaged)
+    np.testing.assert_allclose(averaged["params"]["Dense_0"]["kernel"], expected, rtol=1e-6)
+    # An unselected leaf is the live one.
+    np.testing.assert_array_equal(averaged["params"]["Dense_1"]["kernel"],
+                                  snapshots[-1]["params"]["Dense_1"]["kernel"])
+
+
+def test_write_back_replaces_collections_but_never_params():
+    merged = write_back({"params": {"w": 1}, "stats": {"m": 0}}, {"params": {"w": 5}, "stats": {"m": 2}})
+    assert merged == {"params": {"w": 1}, "stats": {"m": 2}}
+
+
+def test_a_batch_missing_a_key_is_refused_by_name():
+    def no_y(i):
+        return {"x": batch_at(i)["x"]}
+
+    trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(BatchMismatchError, match=r"no key 'y'"):
+        trainer.fit(dataset(no_y), steps=2)
+
+
+def test_a_batch_of_another_shape_is_refused_naming_both_shapes():
+    def shrinking(i):
+        return batch_at(i, 8 if i < 2 else 4)
+
+    trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(BatchMismatchError, match=r"'x' has shape \(4, 4\).*expects shape \(8, 4\)"):
+        trainer.fit(dataset(shrinking), steps=5)
+
+
+def test_mesh_sizes_that_do_not_divide_the_devices_are_refused():
+    with pytest.raises(MeshSizeError, match=r"fsdp=3 .* do not divide the 1 devices"):
+        build_mesh(MeshSpec(fsdp=3))
