@@ -1,0 +1,171 @@
+"""Typed records a run reports besides its scalars, and their JSON form.
+
+A record is any object with a ``type`` name and a ``to_json()`` method; the
+ones below are dew's own. Trackers handle every record the same way, so a
+record type added elsewhere (the trainer's ``Evaluation``) needs no tracker
+change. JSON produced here never holds a non-finite float: ``nan``, ``inf``
+and ``-inf`` become the strings ``"NaN"``, ``"+Inf"`` and ``"-Inf"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "Goodput",
+    "ProfileWindowRecord",
+    "Record",
+    "RunStarted",
+    "is_record",
+    "json_value",
+    "previews_of",
+    "record_row",
+]
+
+
+@runtime_checkable
+class Record(Protocol):
+    """What a tracker needs from a record: its type name and its JSON form."""
+
+    type: str
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def is_record(value: object) -> bool:
+    """True for anything carrying a ``type`` name and a ``to_json`` method."""
+    return isinstance(getattr(value, "type", None), str) and callable(
+        getattr(value, "to_json", None)
+    )
+
+
+def json_value(value: Any) -> Any:
+    """value with numpy and JAX scalars made plain and non-finite floats spelled out."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        if math.isnan(value):
+            return "NaN"
+        return "+Inf" if value > 0 else "-Inf"
+    if isinstance(value, Mapping):
+        return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_value(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if is_record(value):
+            return json_value(value.to_json())
+        return {f.name: json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    array = np.asarray(value)
+    if array.dtype.kind in "biuf" and array.ndim == 0:
+        item = array.item()
+        return json_value(item)
+    if array.dtype.kind in "biuf":
+        return [json_value(v) for v in array.tolist()]
+    return str(value)
+
+
+def record_row(value: Any, step: int) -> dict[str, Any]:
+    """The journal row of one record: the step it was reported at, its type, its JSON."""
+    return {"step": int(step), "type": value.type, "record": json_value(value.to_json())}
+
+
+def previews_of(value: Any) -> tuple[Any, ...]:
+    """The previews a report carries: an Artifact itself, or a record's ``previews``."""
+    from dew.telemetry.artifacts import Artifact
+
+    if isinstance(value, Artifact):
+        return (value,)
+    return tuple(p for p in getattr(value, "previews", None) or () if isinstance(p, Artifact))
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    return {f.name: json_value(getattr(record, f.name)) for f in dataclasses.fields(record)}
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """A fit began: its configuration, the step range and where it runs."""
+
+    type: ClassVar[str] = "run_started"
+
+    config: dict[str, Any]
+    start: int
+    steps: int
+    mesh: dict[str, int] = field(default_factory=dict)
+    processes: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return _fields(self)
+
+
+@dataclass(frozen=True)
+class ProfileWindowRecord:
+    """The profiler window a fit wrote: steps ``start`` to ``start + steps`` in directory."""
+
+    type: ClassVar[str] = "profile_window"
+
+    directory: str
+    start: int
+    steps: int
+
+    def to_json(self) -> dict[str, Any]:
+        return _fields(self)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Where a fit's wall time went, in seconds.
+
+    ``step_seconds`` is time spent in training steps (the good part); the
+    other fields split the rest: tracing and compiling, waiting for the next
+    batch, blocked on checkpoint writes, evaluation, and work redone after a
+    preemption. ``first_step_seconds`` is the time from the start of the fit
+    to the end of its first step.
+
+    >>> g = Goodput(2.0, 10.0, 7.5, 1.5, 0.5, 0.25, 0.25, 0.0)
+    >>> g.fraction, g.badput["other"]
+    (0.75, 0.0)
+    """
+
+    type: ClassVar[str] = "goodput"
+
+    first_step_seconds: float
+    wall_seconds: float
+    step_seconds: float
+    compile_seconds: float = 0.0
+    data_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    lost_seconds: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        """The share of the wall time spent in steps (0 when no time passed)."""
+        return self.step_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def badput(self) -> dict[str, float]:
+        """Seconds not spent in steps, by cause; ``other`` is what no cause claims."""
+        named = {
+            "compile": self.compile_seconds,
+            "data": self.data_seconds,
+            "checkpoint": self.checkpoint_seconds,
+            "evaluation": self.eval_seconds,
+            "preemption": self.lost_seconds,
+        }
+        rest = self.wall_seconds - self.step_seconds - sum(named.values())
+        return {**named, "other": max(rest, 0.0)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**_fields(self), "fraction": json_value(self.fraction),
+                "badput": json_value(self.badput)}

@@ -1,0 +1,189 @@
+"""Turning what a run reports into files a person can open.
+
+Previews become PNG (images), GIF (videos) or UTF-8 text files; a scalar
+journal becomes one PNG plot per metric, drawn with matplotlib's Agg canvas
+without touching pyplot's global state. Every tracker that stores files uses
+these renderers, so a preview looks the same in every sink.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.telemetry.artifacts import Artifact
+
+__all__ = [
+    "NON_FINITE",
+    "gif_bytes",
+    "image_grid",
+    "plot_journal",
+    "plot_series",
+    "png_bytes",
+    "preview_bytes",
+    "preview_suffix",
+    "read_scalars",
+    "safe_name",
+    "write_preview",
+]
+
+# The journal's spelling of non-finite floats, and back.
+NON_FINITE = {"NaN": math.nan, "+Inf": math.inf, "-Inf": -math.inf}
+
+
+def safe_name(name: str) -> str:
+    """name as a file name: path separators and odd characters become ``_``."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", name.replace("/", "__")).strip("._")
+    return cleaned or "unnamed"
+
+
+def image_grid(pixels: np.ndarray) -> np.ndarray:
+    """One (H, W, C) uint8 image: a single image as is, a batch tiled into a near-square grid."""
+    array = np.asarray(pixels)
+    if array.ndim == 2:
+        array = array[..., None]
+    if array.ndim == 3:
+        return array
+    if array.ndim != 4:
+        raise ValueError(f"An image preview is (H, W, C) or (N, H, W, C); got shape {array.shape}.")
+    count, height, width, channels = array.shape
+    columns = math.ceil(math.sqrt(count))
+    rows = math.ceil(count / columns)
+    grid = np.zeros((rows * height, columns * width, channels), np.uint8)
+    for index in range(count):
+        r, c = divmod(index, columns)
+        grid[r * height:(r + 1) * height, c * width:(c + 1) * width] = array[index]
+    return grid
+
+
+def _pil_image(frame: np.ndarray):
+    from PIL import Image
+
+    if frame.shape[-1] == 1:
+        return Image.fromarray(frame[..., 0], mode="L")
+    if frame.shape[-1] not in (3, 4):
+        raise ValueError(
+            f"A preview image has 1, 3 or 4 channels; got {frame.shape[-1]} (shape {frame.shape})."
+        )
+    return Image.fromarray(frame)
+
+
+def png_bytes(pixels: np.ndarray) -> bytes:
+    """PNG encoding of an image preview's pixels (a batch becomes a grid)."""
+    buffer = io.BytesIO()
+    _pil_image(image_grid(pixels)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def gif_bytes(frames: np.ndarray, fps: int = 8) -> bytes:
+    """Animated GIF encoding of a (T, H, W, C) video preview."""
+    array = np.asarray(frames)
+    if array.ndim != 4:
+        raise ValueError(f"A video preview is (T, H, W, C); got shape {array.shape}.")
+    images = [_pil_image(frame) for frame in array]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:],
+                   duration=max(1, 1000 // fps), loop=0)
+    return buffer.getvalue()
+
+
+def preview_suffix(artifact: Artifact) -> str:
+    """The file suffix a preview is written with."""
+    return {"image": ".png", "video": ".gif", "text": ".txt"}[artifact.kind]
+
+
+def preview_bytes(artifact: Artifact) -> bytes:
+    """The file content of a preview."""
+    if artifact.kind == "text":
+        return str(artifact.data).encode("utf-8")
+    if artifact.kind == "image":
+        return png_bytes(np.asarray(artifact.data))
+    return gif_bytes(np.asarray(artifact.data))
+
+
+def write_preview(artifact: Artifact, directory: str | Path, step: int) -> Path:
+    """Write one preview as ``directory/<name>/step_<step><suffix>``; return its path."""
+    folder = Path(directory) / safe_name(artifact.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{int(step):08d}{preview_suffix(artifact)}"
+    path.write_bytes(preview_bytes(artifact))
+    return path
+
+
+# -- scalar journals -----------------------------------------------------------
+
+
+def _rows(journal: Path) -> Iterator[dict[str, Any]]:
+    with open(journal, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if line:
+                yield json.loads(line)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, str):
+        return NON_FINITE.get(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every metric of a scalar journal as (steps, values), in journal order."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for row in _rows(Path(journal)):
+        step = int(row["step"])
+        for name, value in row.items():
+            number = _number(value) if name != "step" else None
+            if number is None:
+                continue
+            steps, values = series.setdefault(name, ([], []))
+            steps.append(step)
+            values.append(number)
+    return {name: (np.asarray(s, np.int64), np.asarray(v, np.float64))
+            for name, (s, v) in series.items()}
+
+
+def plot_series(name: str, steps: np.ndarray, values: np.ndarray, path: str | Path) -> Path:
+    """Draw one metric against the step into a PNG at path (Agg canvas, no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.4, 3.6), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    finite = np.isfinite(values)
+    shown = np.where(finite, values, np.nan)  # gaps where the value was not finite
+    axes.plot(steps, shown, marker="." if len(steps) <= 50 else None, linewidth=1.5)
+    bad = ~finite
+    if bad.any():
+        low = np.nanmin(shown) if finite.any() else 0.0
+        axes.plot(steps[bad], np.full(bad.sum(), low), "x", color="red", label="not finite")
+        axes.legend(loc="best")
+    axes.set_title(name)
+    axes.set_xlabel("step")
+    axes.grid(True, alpha=0.3)
+    if finite.any() and np.all(shown[finite] > 0) and np.nanmax(shown) / np.nanmin(shown) > 100:
+        axes.set_yscale("log")
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
+    return path
+
+
+def plot_journal(journal: str | Path, directory: str | Path) -> list[Path]:
+    """One PNG per metric of a scalar journal, in directory; the journal is only read."""
+    journal = Path(journal)
+    if not journal.exists():
+        return []
+    return [plot_series(name, steps, values, Path(directory) / f"{safe_name(name)}.png")
+            for name, (steps, values) in sorted(read_scalars(journal).items())]
