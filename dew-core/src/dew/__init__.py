@@ -6,7 +6,10 @@ almost nothing and imports no tracker backend, Grain or plugin.
 
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)  # noqa: F821
 
-from dew._lazy import Export, MissingDistributionError, exporter
+from dew._lazy import Export, exporter, install_finder
+from dew._lazy import MissingDistributionError as MissingDistributionError
+
+install_finder()  # a module of an absent distribution fails naming what to install
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,147 @@
+"""One ``dew`` package from four distributions, installed in subsets into fresh venvs.
+
+Wheels are built with ``pip wheel --no-deps`` from clean copies of the four
+projects and installed with ``--no-deps`` into virtual environments that see
+the third-party stack (jax, flax, ...) but none of dew's own installs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _fresh_venv():
+    name = "dew_tests_fresh_venv"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fresh_venv.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+fv = _fresh_venv()
+OBJECTIVES_LM = fv.ROOT / "dew-objectives" / "src" / "dew" / "objectives" / "lm.py"
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, Path]:
+    return fv.session_wheels(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def dependencies(tmp_path_factory) -> Path:
+    return fv.session_dependencies(tmp_path_factory.getbasetemp())
+
+
+def _venv(tmp_path: Path, dependencies: Path, *installs: Path, editable: tuple[Path, ...] = ()) -> Path:
+    python = fv.create(tmp_path / "venv", dependencies)
+    if editable:
+        fv.install(python, *editable, editable=True)
+    if installs:
+        fv.install(python, *installs)
+    return python
+
+
+# Printed by every probe: what the venv's dew looks like from inside.
+_PROBE = """
+import importlib, json, sys
+import dew, dew.training, dew.data
+from dew import registry
+out = {
+    "dew_file": dew.__file__,
+    "names": {group: registry.registry(group).names() for group in registry.GROUPS},
+    "errors": {},
+    "files": {},
+}
+def attempt(label, action):
+    try:
+        value = action()
+        out["files"][label] = getattr(value, "__file__", None) or getattr(
+            sys.modules.get(getattr(value, "__module__", ""), None), "__file__", None)
+    except Exception as error:
+        out["errors"][label] = [type(error).__name__, str(error)]
+attempt("base", lambda: importlib.import_module("dew.objectives.base"))
+attempt("lm", lambda: importlib.import_module("dew.objectives.lm").LMObjective)
+attempt("tensorboard", lambda: dew.training.TensorBoardTracker)
+attempt("tokenizer", lambda: dew.data.ByteTokenizer)
+attempt("model", lambda: dew.models.load("causal_transformer"))
+print(json.dumps(out))
+"""
+
+
+def test_only_dew_core_ships_the_shared_packages_init(wheels):
+    shared = {"dew/__init__.py", "dew/objectives/__init__.py", "dew/data/__init__.py"}
+    for name, wheel in wheels.items():
+        files = set(zipfile.ZipFile(wheel).namelist())
+        if name == "dew-core":
+            assert shared <= files
+            init = zipfile.ZipFile(wheel).read("dew/__init__.py").decode()
+            assert "extend_path" in init
+        else:
+            assert not (shared & files), f"{name} ships {shared & files}"
+            assert any(f.startswith("dew/") for f in files), f"{name} ships no dew module"
+
+
+def test_core_alone(tmp_path, wheels, dependencies):
+    python = _venv(tmp_path, dependencies, wheels["dew-core"])
+    out = fv.probe(python, _PROBE)
+    assert out["dew_file"].startswith(str(tmp_path / "venv"))
+    assert out["names"]["models"]["causal_transformer"] == "dew-core"
+    assert set(out["names"]["trackers"].values()) == {"dew-core"}
+    assert out["names"]["objectives"] == {}
+    assert "base" in out["files"]
+    kind, message = out["errors"]["lm"]
+    assert kind == "MissingDistributionError" and "pip install dew-objectives" in message
+    kind, message = out["errors"]["tensorboard"]
+    assert kind == "MissingDistributionError" and "dew-trackers[tensorboard]" in message
+    kind, message = out["errors"]["tokenizer"]
+    assert kind == "MissingDistributionError" and "dew-data" in message
+    if "model" in out["errors"]:  # the backbone module may not be written yet
+        assert out["errors"]["model"][0] != "MissingDistributionError", out["errors"]["model"]
+
+
+def test_core_and_objectives(tmp_path, wheels, dependencies):
+    python = _venv(tmp_path, dependencies, wheels["dew-core"], wheels["dew-objectives"])
+    out = fv.probe(python, _PROBE)
+    assert out["names"]["objectives"]["lm"] == "dew-objectives"
+    site = str(tmp_path / "venv")
+    assert out["files"]["base"].startswith(site)
+    if OBJECTIVES_LM.exists():
+        assert out["files"]["lm"].startswith(site), out["errors"].get("lm")
+    assert out["errors"]["tensorboard"][0] == "MissingDistributionError"
+    assert out["errors"]["tokenizer"][0] == "MissingDistributionError"
+
+
+def test_all_four(tmp_path, wheels, dependencies):
+    python = _venv(tmp_path, dependencies, *wheels.values())
+    out = fv.probe(python, _PROBE)
+    assert {"tensorboard", "mlflow", "wandb", "local"} <= set(out["names"]["trackers"])
+    assert out["names"]["trackers"]["tensorboard"] == "dew-trackers"
+    assert out["names"]["objectives"]["lm"] == "dew-objectives"
+    assert "tensorboard" not in out["errors"] or (
+        out["errors"]["tensorboard"][0] != "MissingDistributionError"), out["errors"]
+    if (fv.ROOT / "dew-data/src/dew/data/tokenizers.py").exists():
+        assert out["files"]["tokenizer"].startswith(str(tmp_path / "venv")), out["errors"]
+    help_text = fv.run([str(python.parent / "dew"), "--help"], cwd="/").stdout
+    assert "train" in help_text
+
+
+def test_editable_core_beside_a_plugin_wheel(tmp_path, wheels, dependencies):
+    python = _venv(tmp_path, dependencies, wheels["dew-objectives"],
+                   editable=(fv.DISTRIBUTIONS["dew-core"],))
+    out = fv.probe(python, _PROBE)
+    assert out["dew_file"] == str(fv.ROOT / "dew-core/src/dew/__init__.py")
+    assert out["files"]["base"] == str(fv.ROOT / "dew-core/src/dew/objectives/base.py")
+    assert out["names"]["models"]["causal_transformer"] == "dew-core"
+    assert out["names"]["objectives"]["lm"] == "dew-objectives"
+    if OBJECTIVES_LM.exists():
+        assert out["files"]["lm"].startswith(str(tmp_path / "venv")), out["errors"].get("lm")
+    assert out["errors"]["tensorboard"][0] == "MissingDistributionError"
