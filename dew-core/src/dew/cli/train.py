@@ -1,0 +1,115 @@
+"""``dew train RECIPE [key=value ...]``: check a recipe, then train it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import pydantic
+
+__all__ = ["add_arguments", "field_lines", "run"]
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _submodel(annotation: Any) -> type[pydantic.BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, pydantic.BaseModel):
+                return arg
+    return None
+
+
+def _default(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    if field.default_factory is not None:
+        value = field.default_factory()
+        if isinstance(value, pydantic.BaseModel):
+            return ""
+        return f"= {value!r}"
+    return f"= {field.default!r}"
+
+
+def field_lines(model: type[pydantic.BaseModel], prefix: str = "") -> Iterator[tuple[str, str, str]]:
+    """(dotted key, type and default, description) for every field under model."""
+    from dew.recipes.components import ComponentConfig
+
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        inner = _submodel(annotation)
+        list_of = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
+        if list_of is not None and isinstance(list_of, type) and issubclass(list_of, ComponentConfig):
+            yield key, "list", field.description or ""
+            yield from field_lines(list_of, f"{key}.N.")
+            yield f"{key}.N.<field>", "", "the component's own fields"
+            continue
+        if inner is not None:
+            optional = inner is not annotation
+            if optional or field.description:
+                kind = f"{inner.__name__}{' | null' if optional else ''}"
+                yield key, f"{kind} {_default(field)}".strip(), field.description or ""
+            yield from field_lines(inner, f"{key}.")
+            if issubclass(inner, ComponentConfig):
+                yield f"{key}.<field>", "", "the component's own fields (see its documentation)"
+            continue
+        yield key, f"{_type_name(annotation)} {_default(field)}".strip(), field.description or ""
+
+
+def fields_help() -> str:
+    """Every recipe field, one per line, for ``dew train --help``."""
+    from dew.recipes.config import RunConfig
+
+    rows = list(field_lines(RunConfig))
+    width = max(len(key) for key, _, _ in rows) + 2
+    kinds = min(max(len(kind) for _, kind, _ in rows) + 2, 46)
+    lines = [f"  {key:<{width}}{kind:<{kinds}}{text}".rstrip() for key, kind, text in rows]
+    return "recipe fields (set any with key=value):\n" + "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("recipe", help="a recipe file, or the name of a shipped one (`dew recipes`)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, values read as YAML (trainer.steps=10)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the recipe and print it as JSON, without training")
+    parser.epilog = (
+        "examples:\n  dew train tiny-lm\n  dew train my-run.yaml trainer.steps=200 "
+        "optimizer.learning_rate=1e-3\n\n" + fields_help()
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from dew.recipes.config import RunConfig
+    from dew.recipes.errors import RecipeError
+
+    try:
+        config = RunConfig.load(args.recipe, overrides=args.overrides)
+    except RecipeError as error:
+        print(f"dew train: {error}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(config.model_dump_json(indent=2))
+        return 0
+    config.train()
+    return 0

@@ -1,0 +1,115 @@
+"""A recipe's registered components: a name from a registry, plus that component's fields.
+
+Names are looked up in the entry-point metadata, which imports nothing; the
+fields are then checked against the component's declared fields (importing
+the one module that defines it), so a typo or a wrong type fails while the
+file is parsed, before anything is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Collection
+from typing import Any
+
+import pydantic
+from pydantic_core import PydanticCustomError
+
+__all__ = ["ComponentConfig", "DataConfig", "check_component"]
+
+# Fields a run supplies itself. The objective is always built around the
+# recipe's model, so a recipe cannot give one; it takes the data reader's
+# tokenizer unless the recipe gives its own.
+SUPPLIED: dict[str, frozenset[str]] = {"objectives": frozenset({"model"})}
+MAY_SUPPLY: dict[str, frozenset[str]] = {"objectives": frozenset({"tokenizer"})}
+
+
+class ComponentConfig(pydantic.BaseModel):
+    """A registered component by name; every other key is one of its fields."""
+
+    model_config = pydantic.ConfigDict(extra="allow", frozen=True)
+
+    name: str = pydantic.Field(description="a name registered in the component's group")
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The component's own fields, as the recipe gives them."""
+        return dict(self.model_extra or {})
+
+
+class DataConfig(ComponentConfig):
+    """A registered dataset reader, its fields, and the global batch it loads with."""
+
+    batch: int = pydantic.Field(ge=1, description="global batch size, in rows")
+
+
+def _lenient(annotation: Any) -> Any:
+    """An annotation pydantic can check; any it cannot becomes Any."""
+    if annotation is Any:
+        return Any
+    try:
+        pydantic.TypeAdapter(annotation, config=pydantic.ConfigDict(arbitrary_types_allowed=True))
+    except Exception:  # noqa: BLE001 - an annotation pydantic cannot build a schema for
+        return Any
+    return annotation
+
+
+def _given(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def problems_of(group: str, name: str, fields: dict[str, Any], supplied: Collection[str] = (),
+                may_supply: Collection[str] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """What is wrong with a component given by name and fields, as (sub-path, message) pairs."""
+    from dew import registry as registries
+
+    registry = registries.registry(group)
+    if name not in registry:
+        available = registry.names()
+        close = difflib.get_close_matches(name, list(available), n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        allowed = ", ".join(f"{n} ({d})" for n, d in available.items()) or "none installed"
+        return [(("name",), f"no {registry.kind} named {name!r}.{hint} Allowed: {allowed}. "
+                           "Another distribution's components appear once it is installed.")]
+    try:
+        declared = registries.declared_fields(registry.load(name))
+    except Exception as error:  # noqa: BLE001 - a component that cannot even be imported
+        return [(("name",), f"{registry.kind} {name!r} could not be loaded: {error}")]
+    problems: list[tuple[tuple[str, ...], str]] = []
+    for key, value in fields.items():
+        if key in supplied:
+            problems.append(((key,), f"the run supplies {registry.kind} {name!r} its {key} "
+                             f"(given {_given(value)}); remove it from the recipe."))
+            continue
+        if key not in declared:
+            close = difflib.get_close_matches(key, list(declared), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(((key,), f"{registry.kind} {name!r} has no field {key!r} (given "
+                             f"{_given(value)}). Allowed: {', '.join(declared)}{hint}"))
+            continue
+        annotation = _lenient(declared[key][0])
+        try:
+            pydantic.TypeAdapter(
+                annotation, config=pydantic.ConfigDict(arbitrary_types_allowed=True)
+            ).validate_python(value)
+        except pydantic.ValidationError as error:
+            reason = "; ".join(e["msg"] for e in error.errors()[:3])
+            problems.append(((key,), f"{reason} (given {_given(value)}). Expected "
+                             f"{getattr(annotation, '__name__', None) or annotation}."))
+    for key, (_, default) in declared.items():
+        if default is ... and key not in fields and key not in {*supplied, *may_supply}:
+            problems.append(((key,), f"{registry.kind} {name!r} requires this field, but it is "
+                             "not given."))
+    return problems
+
+
+def check_component(group: str, config: ComponentConfig) -> ComponentConfig:
+    """Raise pydantic's error, each problem with its sub-path, when config is not buildable."""
+    found = problems_of(group, config.name, config.fields, SUPPLIED.get(group, frozenset()),
+                        MAY_SUPPLY.get(group, frozenset()))
+    if found:
+        raise PydanticCustomError(
+            "dew_component", "{message}", {"message": found[0][1], "problems": found}
+        )
+    return config

@@ -1,0 +1,216 @@
+"""RunConfig: a whole run in one validated file.
+
+A recipe names a registered model, objective, dataset and trackers with their
+fields, and configures the optimizer and the trainer. ``RunConfig.load``
+reads it (with ``key=value`` overrides) and checks every key, type and
+registered name before anything is built; ``train`` then builds and runs it.
+
+>>> config = RunConfig.load("tiny-lm", overrides=["trainer.steps=5"])
+>>> config.trainer.steps, config.model.name
+(5, 'causal_transformer')
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import pydantic
+import yaml
+
+from dew.recipes.components import ComponentConfig, DataConfig, check_component
+from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
+from dew.training.config import TrainerConfig
+from dew.training.optim import OptimizerConfig
+
+__all__ = [
+    "RecipeError",
+    "RunConfig",
+    "apply_overrides",
+    "recipe_path",
+    "shipped",
+]
+
+RUN_FILE = "run.json"
+
+# A tracker is checked on its own, so each one's problems carry its index.
+TrackerConfig = Annotated[
+    ComponentConfig, pydantic.AfterValidator(lambda value: check_component("trackers", value))
+]
+
+
+class RunConfig(pydantic.BaseModel):
+    """A run: a model, an objective, data, an optimizer, a trainer, trackers and a seed.
+
+    Once trained, a run whose objective can preview (a language model with a
+    prompt, say) prints a sample from the trained weights.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    description: str | None = pydantic.Field(None, description="one line shown by `dew recipes`")
+    seed: int = pydantic.Field(0, description="the run key is drawn from it")
+    model: ComponentConfig = pydantic.Field(description="a registered model (dew.models) and its fields")
+    objective: ComponentConfig = pydantic.Field(
+        description="a registered objective (dew.objectives) and its fields; the model is supplied"
+    )
+    data: DataConfig = pydantic.Field(description="a registered dataset reader (dew.datasets), its fields and batch")
+    optimizer: OptimizerConfig = pydantic.Field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig
+    trackers: list[TrackerConfig] = pydantic.Field(
+        default_factory=list, description="registered trackers (dew.trackers) and their fields"
+    )
+
+    @pydantic.field_validator("model")
+    @classmethod
+    def _registered_model(cls, value: ComponentConfig) -> ComponentConfig:
+        return check_component("models", value)
+
+    @pydantic.field_validator("objective")
+    @classmethod
+    def _registered_objective(cls, value: ComponentConfig) -> ComponentConfig:
+        return check_component("objectives", value)
+
+    @pydantic.field_validator("data")
+    @classmethod
+    def _registered_dataset(cls, value: DataConfig) -> DataConfig:
+        return check_component("datasets", value)  # type: ignore[return-value]
+
+    # -- reading and writing ------------------------------------------------------
+    @classmethod
+    def parse(cls, data: Any, source: str = "<recipe>") -> RunConfig:
+        """Validate a recipe's contents; raise one RecipeError naming every problem."""
+        if not isinstance(data, Mapping):
+            raise RecipeError(
+                f"The recipe {source} must be a mapping of sections (model, objective, data, "
+                f"trainer, ...), but it holds {type(data).__name__}."
+            )
+        try:
+            return cls.model_validate(data)
+        except pydantic.ValidationError as error:
+            problems: list[Problem] = from_validation_error(error, cls)
+            raise_problems(source, problems)
+
+    @classmethod
+    def load(cls, recipe: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+        """Read a recipe file, or a shipped recipe by name, with key=value overrides."""
+        path = recipe_path(recipe)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise RecipeError(f"The recipe {path} is not valid YAML: {error}") from None
+        data = apply_overrides(data if data is not None else {}, overrides)
+        return cls.parse(data, str(path))
+
+    def save(self, directory: str | Path) -> Path:
+        """Write this configuration as run.json in directory; return the file's path."""
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        path = target / RUN_FILE
+        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunConfig:
+        """Read a run.json that save wrote (or its directory)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / RUN_FILE
+        return cls.parse(json.loads(path.read_text()), str(path))
+
+    def train(self) -> Any:
+        """Build everything and train; return the final TrainState (see dew.recipes.run)."""
+        from dew.recipes.run import train
+
+        return train(self)
+
+
+# -- overrides ---------------------------------------------------------------------
+
+
+def _scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
+    """Return data with each dotted key=value set; values are read as YAML scalars.
+
+    ``trainer.steps=10`` sets an integer, ``trackers.0.directory=/tmp/run`` an
+    element of a list, ``trainer.profile=null`` clears a section. A key that
+    does not exist yet is created, so the schema, not this function, decides
+    whether it is allowed.
+    """
+    if not isinstance(data, dict):
+        raise RecipeError(f"Overrides need a recipe that is a mapping, not {type(data).__name__}.")
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError(
+                f"The override {override!r} is not key=value; write for example trainer.steps=10."
+            )
+        parts = key.strip().split(".")
+        node: Any = data
+        for depth, part in enumerate(parts[:-1]):
+            where = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                index = _index(part, node, where, override)
+                node = node[index]
+                continue
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict | list):
+                raise RecipeError(
+                    f"The override {override!r} goes inside {where}, which holds "
+                    f"{child!r}, not a section."
+                )
+            node = child
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_index(last, node, key, override)] = _scalar(value)
+        else:
+            node[last] = _scalar(value)
+    return data
+
+
+def _index(part: str, items: list, where: str, override: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise RecipeError(
+            f"The override {override!r} indexes the list at {where} with {part!r}; it holds "
+            f"{len(items)} item(s), numbered from 0."
+        )
+    return int(part)
+
+
+# -- shipped recipes ---------------------------------------------------------------
+
+
+def shipped() -> dict[str, Path]:
+    """The recipes dew ships, by name (the file name without .yaml)."""
+    folder = resources.files("dew.recipes")
+    return {
+        entry.name.removesuffix(".yaml"): Path(str(entry))
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".yaml")
+    }
+
+
+def recipe_path(recipe: str | Path) -> Path:
+    """A recipe file's path: recipe itself when it exists, else a shipped recipe's."""
+    path = Path(recipe).expanduser()
+    if path.is_file():
+        return path
+    recipes = shipped()
+    name = str(recipe).removesuffix(".yaml")
+    if name in recipes:
+        return recipes[name]
+    raise RecipeError(
+        f"No recipe file {str(recipe)!r} and no shipped recipe of that name. Shipped: "
+        f"{', '.join(recipes) or 'none'} (see `dew recipes`)."
+    )

@@ -1,0 +1,153 @@
+"""Build what a RunConfig describes, train it, and show a sample from the result.
+
+The order matters: ``prepare_process`` runs before anything opens JAX's
+backend, so the recipe's XLA flags and process pool take effect; the run key
+is drawn from the recipe's seed; the objective is built around the model and
+takes the data reader's tokenizer when the recipe gives none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dew.recipes.config import RunConfig
+
+__all__ = ["build_objective", "build_trackers", "sample", "train"]
+
+
+def _accepts(component: Any, name: str) -> bool:
+    from dew.registry import declared_fields
+
+    return name in declared_fields(component)
+
+
+def build_objective(config: RunConfig, model: Any, reader: Any) -> Any:
+    """The recipe's objective around model, given the reader's tokenizer if it takes one."""
+    from dew import registry
+
+    fields = config.objective.fields
+    component = registry.objectives.load(config.objective.name)
+    tokenizer = getattr(reader, "tokenizer", None)
+    if tokenizer is not None and "tokenizer" not in fields and _accepts(component, "tokenizer"):
+        fields["tokenizer"] = tokenizer
+    return registry.objectives.build(config.objective.name, model=model, **fields)
+
+
+def build_trackers(config: RunConfig) -> Any:
+    """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None."""
+    from dew import registry
+
+    built = [registry.trackers.build(t.name, **t.fields) for t in config.trackers]
+    wandb = config.trainer.wandb
+    if wandb is not None:
+        built.append(registry.trackers.build(
+            "wandb", project=wandb.project, name=wandb.name, entity=wandb.entity,
+            offline=wandb.offline, config=config.model_dump(mode="json"),
+        ))
+    if not built:
+        return None
+    if len(built) == 1:
+        return built[0]
+    from dew.training.trackers import Trackers
+
+    return Trackers(*built)
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def _checkpoints(config: RunConfig) -> Any:
+    from dew.training.config import checkpoint_kwargs
+
+    kwargs = checkpoint_kwargs(config.trainer)
+    if kwargs is None:
+        return None
+    from dew.training.checkpoints import Checkpoints
+
+    for name in ("directory", "local_directory"):
+        if name in kwargs:
+            kwargs[name] = _absolute(kwargs[name])
+    directory = kwargs.pop("directory")
+    return Checkpoints(directory, **kwargs)
+
+
+def _optimizer_config(config: RunConfig, steps: int) -> Any:
+    """The optimizer config, its decay counted to the run's last update when unset."""
+    optimizer = config.optimizer
+    if optimizer.schedule != "constant" and optimizer.decay_steps is None:
+        updates = max(steps // config.trainer.accumulation, optimizer.warmup_steps + 1)
+        optimizer = optimizer.model_copy(update={"decay_steps": updates})
+    return optimizer
+
+
+def _ramped(config: RunConfig, dataset: Any) -> Any:
+    ramp = config.trainer.batch_ramp
+    if ramp is None:
+        return dataset
+    from dew.data import ramped
+
+    return ramped(dataset, start=ramp.start, steps=ramp.steps)
+
+
+def train(config: RunConfig) -> Any:
+    """Build the run config describes, train it to its last step and return the TrainState."""
+    from dew.training.runtime.process import prepare_process
+
+    prepare_process(config.trainer)
+
+    import jax
+
+    from dew import models, registry
+    from dew.training.config import fit_kwargs
+    from dew.training.optim import build_optimizer
+    from dew.training.trainer import Trainer
+
+    model = models.build(config.model.name, **config.model.fields)
+    reader = registry.datasets.build(config.data.name, **config.data.fields)
+    dataset = _ramped(config, reader.load(batch=config.data.batch))
+    objective = build_objective(config, model, reader)
+    fit = fit_kwargs(config.trainer, dataset.steps_per_epoch)
+    optimizer = build_optimizer(_optimizer_config(config, fit["steps"]))
+    checkpoints = _checkpoints(config)
+    if checkpoints is not None and jax.process_index() == 0:
+        config.save(checkpoints.directory if hasattr(checkpoints, "directory")
+                    else _absolute(config.trainer.checkpoint_dir))
+    key = jax.random.key(config.seed)
+    tracker = build_trackers(config)
+    try:
+        trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
+                                      checkpoints=checkpoints, tracker=tracker)
+        state = trainer.fit(dataset, **fit)
+        if checkpoints is not None and hasattr(checkpoints, "wait"):
+            checkpoints.wait()
+    finally:
+        if tracker is not None:
+            with contextlib.suppress(Exception):
+                tracker.close()
+    if jax.process_index() == 0:
+        sample(objective, state, key)
+    return state
+
+
+def sample(objective: Any, state: Any, key: Any, out: Any = None) -> Any:
+    """Print the objective's preview of the trained weights (EMA when kept), if it has one."""
+    import jax
+
+    variables = state.averaged if getattr(state, "averaged", None) is not None else state.params
+    preview = objective.preview(variables, jax.random.fold_in(key, int(state.step)))
+    if preview is None:
+        return None
+    stream = out or sys.stdout
+    data = getattr(preview, "data", preview)
+    if isinstance(data, str):
+        print(f"Sample ({getattr(preview, 'name', 'preview')}):\n{data}", file=stream)
+    elif dataclasses.is_dataclass(preview):
+        print(f"Preview {preview.name!r}: {preview.kind} of shape "
+              f"{getattr(data, 'shape', '?')}", file=stream)
+    return preview
