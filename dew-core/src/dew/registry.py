@@ -88,6 +88,12 @@ class Provider:
             obj = getattr(obj, part)
         return obj
 
+    @property
+    def requirement(self) -> str:
+        """What to install for this name: the distribution, with its entry point's extras."""
+        extras = list(getattr(self.entry_point, "extras", None) or [])
+        return f"{self.distribution}[{','.join(extras)}]" if extras else self.distribution
+
     def _install_hint(self, missing: str) -> str:
         """What to install: the extra of the distribution that requires the missing module."""
         top = _normalize(missing.partition(".")[0])
@@ -180,7 +186,10 @@ class Registry:
         """The one registration of name, or an error that says what exists."""
         providers = self._providers()
         if name not in providers:
-            available = ", ".join(f"{n} ({d})" for n, d in self.names().items()) or "none"
+            available = ", ".join(
+                f"{n} ({' and '.join(p.requirement for p in ps)})"
+                for n, ps in sorted(providers.items())
+            ) or "none"
             close = difflib.get_close_matches(name, list(providers), n=3)
             hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise UnknownNameError(
