@@ -13,6 +13,7 @@ __all__ = [
     "DataError",
     "EmptyDatasetError",
     "ForeignPositionError",
+    "MalformedRecordError",
     "MissingFileError",
     "MissingKeyError",
     "PositionMismatchError",
@@ -41,6 +42,10 @@ class MissingKeyError(DataError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+class MalformedRecordError(DataError, ValueError):
+    """A record in an input file cannot be parsed (a JSONL line that is not a JSON object)."""
 
 
 class ForeignPositionError(DataError, ValueError):

@@ -14,15 +14,22 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dew.data.errors import EmptyDatasetError, MissingFileError
+from dew.data.errors import EmptyDatasetError, MissingFileError, MissingKeyError
 
-__all__ = ["ArrayRecords", "RecordSource", "expand_files", "stdlib_corpus"]
+__all__ = [
+    "ArrayRecords",
+    "RecordSource",
+    "expand_files",
+    "load_hf_dataset",
+    "require_column",
+    "stdlib_corpus",
+]
 
 
 @runtime_checkable
@@ -47,7 +54,7 @@ class ArrayRecords:
     (3, [[4, 5], [0, 1]])
     """
 
-    def __init__(self, columns: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, columns: Mapping[str, np.ndarray], rows: np.ndarray | None = None) -> None:
         if not columns:
             raise EmptyDatasetError("ArrayRecords needs at least one column; got none.")
         lengths = {name: len(array) for name, array in columns.items()}
@@ -56,28 +63,37 @@ class ArrayRecords:
                 f"ArrayRecords' columns must hold the same number of rows; got {lengths}."
             )
         self.columns = dict(columns)
-        self._length = next(iter(lengths.values()))
+        self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+        self._length = next(iter(lengths.values())) if self.rows is None else len(self.rows)
 
     def __len__(self) -> int:
         return self._length
 
+    def _map(self, indices: Any) -> Any:
+        return indices if self.rows is None else self.rows[indices]
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        return {name: array[index] for name, array in self.columns.items()}
+        if not -self._length <= index < self._length:
+            raise IndexError(f"Record {index} is outside [0, {self._length}).")
+        row = self._map(index)
+        return {name: array[row] for name, array in self.columns.items()}
 
     def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """The stacked rows at indices (a fresh array per column, not a view)."""
-        return {name: np.asarray(array[indices]) for name, array in self.columns.items()}
+        rows = self._map(np.asarray(indices, dtype=np.int64))
+        return {name: np.asarray(array[rows]) for name, array in self.columns.items()}
 
     def subset(self, indices: np.ndarray) -> ArrayRecords:
-        """The records at indices, in that order, copied into memory."""
-        return ArrayRecords({name: np.asarray(array[indices]) for name, array in self.columns.items()})
+        """The records at indices, in that order, sharing this one's arrays (no copy)."""
+        return ArrayRecords(self.columns, self._map(np.asarray(indices, dtype=np.int64)))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_array_records, ({n: _picklable(a) for n, a in self.columns.items()},))
+        columns = {name: _picklable(array) for name, array in self.columns.items()}
+        return (_rebuild_array_records, (columns, self.rows))
 
     def __repr__(self) -> str:
         shapes = {name: (array.shape, str(array.dtype)) for name, array in self.columns.items()}
-        return f"ArrayRecords({shapes})"
+        return f"ArrayRecords({shapes}, records={self._length})"
 
 
 def _picklable(array: np.ndarray) -> Any:
@@ -93,8 +109,8 @@ def _reopen(value: Any) -> np.ndarray:
     return value
 
 
-def _rebuild_array_records(columns: dict[str, Any]) -> ArrayRecords:
-    return ArrayRecords({name: _reopen(value) for name, value in columns.items()})
+def _rebuild_array_records(columns: dict[str, Any], rows: np.ndarray | None) -> ArrayRecords:
+    return ArrayRecords({name: _reopen(value) for name, value in columns.items()}, rows)
 
 
 def expand_files(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
@@ -152,8 +168,43 @@ def stdlib_corpus(limit_files: int | None = None) -> list[Path]:
     return found if limit_files is None else found[: max(0, int(limit_files))]
 
 
-def as_sequence(value: Sequence[Any] | Any) -> list[Any]:
-    """A list from a single value or a sequence (strings count as single values)."""
-    if isinstance(value, str | bytes | os.PathLike) or not isinstance(value, Sequence):
-        return [value]
-    return list(value)
+def load_hf_dataset(name_or_path: str, *, split: str, config: str | None = None) -> Any:
+    """A ``datasets.Dataset``: from a ``save_to_disk`` folder when the path exists, else the hub.
+
+    A local folder may hold one Dataset or a DatasetDict (split picks one).
+    A name that looks like a path (it starts with ``.``, ``/`` or ``~``) and
+    does not exist raises MissingFileError instead of asking the hub.
+    """
+    import datasets
+
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            loaded = datasets.load_from_disk(os.fspath(path))
+        else:  # a folder of data files (parquet, json, csv, images): let datasets infer the builder
+            loaded = datasets.load_dataset(os.fspath(path), config, split=split)
+    elif name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]:
+        raise MissingFileError(
+            f"The dataset path {name_or_path!r} does not exist. Pass a folder written by "
+            f"datasets' save_to_disk, a folder of data files, or a hub name such as 'user/name'."
+        )
+    else:
+        loaded = datasets.load_dataset(name_or_path, config, split=split)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise MissingKeyError(
+                f"The dataset {name_or_path!r} has no split {split!r}; its splits are "
+                f"{sorted(loaded)}. Pass split= with one of them."
+            )
+        loaded = loaded[split]
+    return loaded
+
+
+def require_column(dataset: Any, key: str, origin: str) -> None:
+    """MissingKeyError naming the key and the columns there are, unless dataset has column key."""
+    columns = list(dataset.column_names)
+    if key not in columns:
+        raise MissingKeyError(
+            f"{origin} has no column {key!r}; its columns are {columns}. Pass the key that holds "
+            f"the data (text_key=, image_key= or label_key=)."
+        )

@@ -1,0 +1,81 @@
+"""A Hugging Face ``tokenizer.json`` as a dew tokenizer, loaded from a local file.
+
+It has ByteTokenizer's surface (``vocab_size``, ``eos_id``, ``encode``,
+``decode``) plus ``encode_batch``, which tokenizes many documents at once in
+the tokenizers library's Rust threads. Nothing is fetched from the hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.errors import MissingFileError, MissingKeyError
+
+__all__ = ["EOS_CANDIDATES", "HFTokenizer"]
+
+# Special tokens that end a document in common tokenizer.json files, tried in order.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """Wraps a ``tokenizers.Tokenizer``; build it with ``HFTokenizer.from_file``.
+
+    eos_id is the end-of-document id that TokenWindows appends after every
+    document: the id of ``eos_token`` when given, else of the first of
+    EOS_CANDIDATES the vocabulary holds.
+    """
+
+    tokenizer: Any
+    eos_id: int
+    fingerprint: str = field(default="", compare=False)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, eos_token: str | None = None) -> HFTokenizer:
+        """Load a tokenizer.json; MissingFileError or MissingKeyError when it cannot serve."""
+        from tokenizers import Tokenizer
+
+        file = Path(path)
+        if not file.is_file():
+            raise MissingFileError(
+                f"The tokenizer file {os.fspath(path)!r} does not exist. Pass the path of a "
+                f"Hugging Face tokenizer.json (tokenizer.save(path) writes one)."
+            )
+        tokenizer = Tokenizer.from_file(os.fspath(file))
+        candidates = (eos_token,) if eos_token is not None else EOS_CANDIDATES
+        eos_id = next((tokenizer.token_to_id(t) for t in candidates if tokenizer.token_to_id(t) is not None), None)
+        if eos_id is None:
+            raise MissingKeyError(
+                f"The tokenizer {os.fspath(path)!r} has no end-of-document token among "
+                f"{list(candidates)}. Pass eos_token= with the token that ends a document in "
+                f"its vocabulary."
+            )
+        fingerprint = hashlib.sha256(file.read_bytes() + str(eos_id).encode()).hexdigest()
+        return cls(tokenizer, int(eos_id), fingerprint)
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of ids, special tokens included."""
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, *, add_eos: bool = False) -> list[int]:
+        """The ids of text (no special tokens added), followed by eos_id when add_eos."""
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return ids + [self.eos_id] if add_eos else ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The ids of many documents at once, each as an int32 array (no eos)."""
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """The text the ids spell, skipping special tokens."""
+        flat = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids)).reshape(-1)
+        return self.tokenizer.decode([int(i) for i in flat], skip_special_tokens=True)

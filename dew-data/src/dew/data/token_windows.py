@@ -1,0 +1,259 @@
+"""TokenWindows: text, tokenized once, packed into fixed-length int32 windows.
+
+Every document is tokenized and followed by the tokenizer's end-of-document
+id; the documents are laid end to end (packing) and the token stream is cut
+into non-overlapping windows of ``length + 1`` tokens, so one window feeds a
+language model ``length`` inputs and ``length`` shifted targets. A document
+longer than a window continues in the next one; the end-of-document ids mark
+where one document stops inside a window. The tail shorter than a window is
+dropped.
+
+Text comes from local files (``files``: paths or globs; ``.jsonl`` and
+``.json`` files hold one JSON object per line with the text under
+``text_key``; ``.parquet`` files a ``text_key`` column; anything else is one
+document per file, read as UTF-8) or from a Hugging Face dataset
+(``dataset``: a ``save_to_disk`` folder, a folder of data files, or a hub
+name). Windows live in memory, or in ``cache_dir`` as a ``.npy`` file keyed by
+a hash of the inputs (paths, sizes and modification times), the tokenizer and
+the length, memory-mapped on later loads.
+
+>>> from dew.data import DataPartition
+>>> from dew.data.sources import stdlib_corpus
+>>> data = TokenWindows(files=stdlib_corpus(limit_files=2), length=64).load(batch=4)
+>>> next(data.train(DataPartition()))["text"].shape
+(4, 65)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.base import Dataset
+from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
+from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column
+from dew.data.stream import StreamReader, ValReader
+
+__all__ = ["TokenWindows", "resolve_tokenizer", "split_records"]
+
+_CHUNK = 256  # documents tokenized per encode_batch call
+_JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
+
+
+def resolve_tokenizer(tokenizer: Any) -> Any:
+    """"byte" -> ByteTokenizer, a path to a tokenizer.json -> HFTokenizer, else as given."""
+    if isinstance(tokenizer, str | os.PathLike):
+        if os.fspath(tokenizer) == "byte":
+            from dew.data.tokenizers import ByteTokenizer
+
+            return ByteTokenizer()
+        from dew.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_file(tokenizer)
+    for needed in ("encode", "eos_id"):
+        if not hasattr(tokenizer, needed):
+            raise TypeError(
+                f"A tokenizer must have encode(text) and eos_id; {type(tokenizer).__name__} lacks "
+                f"{needed}. Pass 'byte', a path to a tokenizer.json, or such an object."
+            )
+    return tokenizer
+
+
+def _fingerprint(tokenizer: Any) -> str:
+    own = getattr(tokenizer, "fingerprint", None)
+    if own:
+        return str(own)
+    return f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{tokenizer.vocab_size}:{tokenizer.eos_id}"
+
+
+def _encode(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
+    from dew.data.tokenizers import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):  # a byte's id is its value: no per-byte Python work
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+    if hasattr(tokenizer, "encode_batch"):
+        return list(tokenizer.encode_batch(list(texts)))
+    return [np.asarray(tokenizer.encode(text), dtype=np.int32) for text in texts]
+
+
+def split_records(records: ArrayRecords, fraction: float, seed: int) -> tuple[ArrayRecords, ArrayRecords | None]:
+    """(train, val): a seeded random ``fraction`` of the records held out, each side in stored order."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"val_fraction must lie in [0, 1), got {fraction}.")
+    if fraction == 0.0:
+        return records, None
+    n = len(records)
+    held = max(1, round(n * fraction))
+    if held >= n:
+        raise EmptyDatasetError(
+            f"Holding out {fraction:.0%} of {n} records leaves none to train on. Use a smaller "
+            f"val_fraction or more data."
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    return records.subset(np.sort(order[held:])), records.subset(np.sort(order[:held]))
+
+
+@dataclass(frozen=True)
+class TokenWindows:
+    """Tokenized text in windows of ``length + 1`` int32 ids under ``"text"``.
+
+    Give ``files`` (paths or globs) or ``dataset`` (a Hugging Face dataset name
+    or local path, with ``split`` and ``config``). ``tokenizer`` is ``"byte"``,
+    the path of a ``tokenizer.json``, or an object with ``encode`` and
+    ``eos_id``.
+    """
+
+    files: str | Sequence[str | os.PathLike[str]] | None = None
+    dataset: str | None = None
+    split: str = "train"
+    config: str | None = None
+    text_key: str = "text"
+    length: int = 1024
+    tokenizer: Any = "byte"
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.files is None) == (self.dataset is None):
+            raise ValueError("TokenWindows reads either files= or dataset=; give exactly one.")
+        if self.files is not None and not isinstance(self.files, str | os.PathLike):
+            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
+        if self.length < 1:
+            raise ValueError(f"TokenWindows.length must be at least 1, got {self.length}.")
+
+    # -- text --------------------------------------------------------------------------------
+    def _paths(self) -> list[Path]:
+        return expand_files(self.files) if self.files is not None else []
+
+    def documents(self) -> Iterator[str]:
+        """Every document's text, in input order."""
+        if self.dataset is not None:
+            data = load_hf_dataset(self.dataset, split=self.split, config=self.config)
+            require_column(data, self.text_key, f"The dataset {self.dataset!r} (split {self.split!r})")
+            for chunk in data.select_columns([self.text_key]).iter(batch_size=1024):
+                yield from (text for text in chunk[self.text_key] if text)
+            return
+        for path in self._paths():
+            yield from self._file_documents(path)
+
+    def _file_documents(self, path: Path) -> Iterator[str]:
+        suffix = path.suffix.lower()
+        if suffix in _JSON_SUFFIXES:
+            with path.open(encoding="utf-8") as handle:
+                for number, line in enumerate(handle, 1):
+                    if line.strip():
+                        yield self._json_text(line, path, number)
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(path)
+            if self.text_key not in parquet.schema_arrow.names:
+                raise MissingKeyError(
+                    f"The Parquet file {os.fspath(path)!r} has no column {self.text_key!r}; its "
+                    f"columns are {parquet.schema_arrow.names}. Pass text_key= with the text column."
+                )
+            for batch in parquet.iter_batches(columns=[self.text_key], batch_size=4096):
+                yield from (text for text in batch.column(0).to_pylist() if text)
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text:
+                yield text
+
+    def _json_text(self, line: str, path: Path, number: int) -> str:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise MalformedRecordError(
+                f"Line {number} of {os.fspath(path)!r} is not valid JSON ({error.msg}); each line "
+                f"of a JSONL file must be one JSON object."
+            ) from None
+        if not isinstance(record, dict) or self.text_key not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise MissingKeyError(
+                f"Line {number} of {os.fspath(path)!r} has no key {self.text_key!r} (it has {keys}). "
+                f"Pass text_key= with the field that holds the text."
+            )
+        return str(record[self.text_key])
+
+    # -- tokens and windows -------------------------------------------------------------------
+    def tokens(self, tokenizer: Any | None = None) -> np.ndarray:
+        """All documents' ids, each document followed by eos_id, as one int32 array."""
+        tokenizer = resolve_tokenizer(self.tokenizer) if tokenizer is None else tokenizer
+        eos = np.asarray([tokenizer.eos_id], dtype=np.int32)
+        pieces: list[np.ndarray] = []
+        chunk: list[str] = []
+        for text in self.documents():
+            chunk.append(text)
+            if len(chunk) == _CHUNK:
+                pieces.extend(p for ids in _encode(tokenizer, chunk) for p in (ids, eos))
+                chunk = []
+        if chunk:
+            pieces.extend(p for ids in _encode(tokenizer, chunk) for p in (ids, eos))
+        return np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
+
+    def _key(self, tokenizer: Any) -> str:
+        if self.dataset is not None:
+            source: Any = [self.dataset, self.split, self.config]
+            local = Path(self.dataset).expanduser()
+            if local.exists():
+                source += [(os.fspath(p), p.stat().st_size, p.stat().st_mtime_ns)
+                           for p in sorted(local.rglob("*")) if p.is_file()]
+        else:
+            source = [(os.fspath(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in self._paths()]
+        blob = json.dumps([source, self.text_key, self.length, _fingerprint(tokenizer)], default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def windows(self) -> np.ndarray:
+        """The ``[windows, length + 1]`` int32 array (memory-mapped from cache_dir when set)."""
+        tokenizer = resolve_tokenizer(self.tokenizer)
+        cached = None
+        if self.cache_dir is not None:
+            cached = Path(self.cache_dir).expanduser() / f"token-windows-{self._key(tokenizer)}.npy"
+            if cached.is_file():
+                return np.load(cached, mmap_mode="r")
+        tokens = self.tokens(tokenizer)
+        width = self.length + 1
+        count = len(tokens) // width
+        if count == 0:
+            where = f"dataset {self.dataset!r}" if self.dataset is not None else f"files {self.files!r}"
+            raise EmptyDatasetError(
+                f"The {where} hold {len(tokens)} tokens (end-of-document ids included), fewer than "
+                f"one window of length + 1 = {width}. Add text or use a smaller length."
+            )
+        windows = tokens[: count * width].reshape(count, width)
+        if cached is None:
+            return windows
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(partial, windows)
+        os.replace(partial, cached)
+        return np.load(cached, mmap_mode="r")
+
+    def records(self) -> ArrayRecords:
+        """The windows as a record source for train_stream: one record per window."""
+        return ArrayRecords({"text": self.windows()})
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A Dataset over the windows: a seeded val_fraction of them held out (val_seed picks
+        which, independent of the shuffle seed), the rest streamed by train_stream."""
+        train, val = split_records(self.records(), val_fraction, val_seed)
+        if val is not None and len(val) < batch:
+            raise EmptyDatasetError(
+                f"val_fraction={val_fraction} holds out {len(val)} windows, fewer than one global "
+                f"batch of {batch}, so validation would yield nothing. Raise val_fraction, lower "
+                f"the batch, or add text."
+            )
+        return Dataset(
+            train=StreamReader(train, batch=batch, seed=seed, workers=workers, prefetch=prefetch),
+            val=None if val is None else ValReader(val, batch=batch),
+            records=len(train),
+            batch=batch,
+        )
+

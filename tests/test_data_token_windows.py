@@ -1,0 +1,169 @@
+"""TokenWindows: packing against a hand computation, every input kind, tokenizers, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dew.data import DataPartition, HFTokenizer, TokenWindows
+from dew.data.errors import (
+    EmptyDatasetError,
+    MalformedRecordError,
+    MissingFileError,
+    MissingKeyError,
+)
+from dew.data.sources import stdlib_corpus
+
+DOCS = ["dew trains jax models.", "a longer document " * 9, "é ünïcode ✓", "short"]
+
+
+def packed_bytes(docs: list[str], length: int) -> np.ndarray:
+    """The windows by hand: bytes of each document then 256, cut every length + 1 ids."""
+    ids: list[int] = []
+    for doc in docs:
+        ids += list(doc.encode("utf-8")) + [256]
+    count = len(ids) // (length + 1)
+    return np.asarray(ids[: count * (length + 1)], np.int32).reshape(count, length + 1)
+
+
+@pytest.fixture
+def text_files(tmp_path: Path) -> list[Path]:
+    paths = []
+    for i, doc in enumerate(DOCS):
+        path = tmp_path / "txt" / f"{i:02d}.txt"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(doc, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def test_text_files_pack_into_windows_with_end_of_document_ids(text_files, tmp_path):
+    windows = TokenWindows(files=str(tmp_path / "txt" / "*.txt"), length=15).windows()
+    assert windows.dtype == np.int32 and windows.shape[1] == 16
+    np.testing.assert_array_equal(windows, packed_bytes(DOCS, 15))
+    assert (windows == 256).sum() >= 3  # documents end inside windows; the long one spans several
+
+
+def test_jsonl_parquet_and_a_saved_hf_dataset_give_the_same_windows(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS)) + "\n")
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": DOCS}), parquet)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"body": DOCS}).save_to_disk(str(saved))
+
+    want = packed_bytes(DOCS, 11)
+    for reader in (TokenWindows(files=[jsonl], text_key="body", length=11),
+                   TokenWindows(files=[parquet], text_key="body", length=11),
+                   TokenWindows(dataset=str(saved), text_key="body", length=11)):
+        np.testing.assert_array_equal(reader.windows(), want)
+
+
+def test_a_local_tokenizer_json_tokenizes_through_hf_tokenizer(tmp_path, text_files):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(DOCS * 5, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "</s>"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+
+    tokenizer = HFTokenizer.from_file(path)
+    assert tokenizer.eos_id == tok.token_to_id("</s>")
+    ids: list[int] = []
+    for doc in DOCS:
+        ids += tok.encode(doc, add_special_tokens=False).ids + [tokenizer.eos_id]
+    want = np.asarray(ids[: len(ids) // 8 * 8], np.int32).reshape(-1, 8)
+    got = TokenWindows(files=[str(p) for p in text_files], tokenizer=str(path), length=7).windows()
+    np.testing.assert_array_equal(got, want)
+    assert tokenizer.decode(tokenizer.encode("dew trains")).replace(" ", "") == "dewtrains"
+    with pytest.raises(MissingKeyError, match="no end-of-document token"):
+        HFTokenizer.from_file(path, eos_token="<nope>")
+    with pytest.raises(MissingFileError, match="missing.json"):
+        HFTokenizer.from_file(tmp_path / "missing.json")
+
+
+def test_windows_are_cached_on_disk_and_the_cache_follows_the_inputs(tmp_path, text_files):
+    reader = TokenWindows(files=[str(p) for p in text_files], length=9, cache_dir=str(tmp_path / "cache"))
+    first = reader.windows()
+    assert len(list((tmp_path / "cache").glob("*.npy"))) == 1
+    again = reader.windows()
+    assert isinstance(again, np.memmap)
+    np.testing.assert_array_equal(again, first)
+    text_files[0].write_text("changed text, changed windows")
+    changed = reader.windows()
+    assert len(list((tmp_path / "cache").glob("*.npy"))) == 2
+    np.testing.assert_array_equal(changed, packed_bytes(["changed text, changed windows", *DOCS[1:]], 9))
+
+
+def test_load_holds_out_validation_windows_and_streams_the_rest(text_files):
+    from collections import Counter
+
+    from dew.data.token_windows import split_records
+
+    reader = TokenWindows(files=[str(p) for p in text_files], length=5)
+    windows = reader.windows()
+    data = reader.load(batch=4, seed=0, val_fraction=0.25)
+    held = round(len(windows) * 0.25)
+    assert data.records == len(windows) - held and data.batch == 4
+    _, val_split = split_records(reader.records(), 0.25, 0)
+    val_rows = Counter(map(tuple, val_split.take(np.arange(held))["text"].tolist()))
+    # One epoch of the train stream plus the held-out windows is every window once.
+    stream = data.train(DataPartition())
+    epoch = np.concatenate([next(stream)["text"] for _ in range(-(-data.records // 4))])[: data.records]
+    assert Counter(map(tuple, epoch.tolist())) + val_rows == Counter(map(tuple, windows.tolist()))
+    val = np.concatenate([b["text"] for b in data.val(DataPartition())])
+    assert len(val) == held // 4 * 4  # the last partial global batch is dropped
+    np.testing.assert_array_equal(val, val_split.take(np.arange(len(val)))["text"])
+    halves = [next(data.train(DataPartition(s, 2)))["text"] for s in range(2)]
+    np.testing.assert_array_equal(np.concatenate(halves), next(data.train(DataPartition()))["text"])
+
+
+def test_stdlib_corpus_is_deterministic_python_source():
+    files = stdlib_corpus()
+    assert files == stdlib_corpus() and len(files) > 100
+    assert all(f.suffix == ".py" and f.is_file() for f in files)
+    assert not any("site-packages" in f.parts or "test" in f.parts for f in files)
+    assert stdlib_corpus(limit_files=5) == files[:5]
+    windows = TokenWindows(files=stdlib_corpus(limit_files=3), length=128).windows()
+    text = b"".join(f.read_bytes() + b"" for f in files[:3])
+    assert windows.shape[0] == (len(text) + 3) // 129
+
+
+def test_bad_inputs_name_the_file_the_key_or_the_sizes(tmp_path):
+    with pytest.raises(MissingFileError, match="nowhere.txt"):
+        TokenWindows(files=[str(tmp_path / "nowhere.txt")]).windows()
+    with pytest.raises(MissingFileError, match=r"matches no file"):
+        TokenWindows(files=str(tmp_path / "*.jsonl")).windows()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(EmptyDatasetError, match=r"hold 0 tokens"):
+        TokenWindows(files=[str(tmp_path / "empty.txt")], length=8).windows()
+    (tmp_path / "tiny.txt").write_text("abc")
+    with pytest.raises(EmptyDatasetError, match=r"hold 4 tokens.*length \+ 1 = 9"):
+        TokenWindows(files=[str(tmp_path / "tiny.txt")], length=8).windows()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
+    with pytest.raises(MissingKeyError, match=r"Line 2 of .*bad.jsonl.* no key 'text'"):
+        TokenWindows(files=[str(bad)]).windows()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(MalformedRecordError, match=r"Line 2 of .*broken.jsonl"):
+        TokenWindows(files=[str(broken)]).windows()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "t.parquet")
+    with pytest.raises(MissingKeyError, match=r"t.parquet.*no column 'text'.*\['body'\]"):
+        TokenWindows(files=[str(tmp_path / "t.parquet")]).windows()
+    with pytest.raises(MissingFileError, match="no_such_dataset"):
+        TokenWindows(dataset=str(tmp_path / "no_such_dataset")).windows()
+    (tmp_path / "some.txt").write_text("x" * 40)
+    with pytest.raises(EmptyDatasetError, match=r"holds out 1 windows, fewer than one global batch of 8"):
+        TokenWindows(files=[str(tmp_path / "some.txt")], length=3).load(batch=8, val_fraction=0.1)
