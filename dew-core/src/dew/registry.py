@@ -75,7 +75,8 @@ class Provider:
     def load(self) -> Any:
         if self.component is not None:
             return self.component
-        module_name, _, attribute = self.value.partition(":")
+        # An entry point may name extras after its object ("mod:Obj [extra]").
+        module_name, _, attribute = self.value.split("[")[0].strip().partition(":")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:

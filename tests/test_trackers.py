@@ -1,0 +1,206 @@
+"""LocalTracker's journal, the fan-out, TensorBoard read back through its own reader,
+and what a person is told about unknown or missing trackers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dew.registry import UnknownNameError, trackers
+from dew.telemetry.artifacts import Artifact
+from dew.telemetry.records import Goodput, ProfileWindowRecord, RunStarted
+from dew.training.trackers import LocalTracker, NotAReportError, Trackers
+
+IMAGE = np.arange(2 * 4 * 5 * 3, dtype=np.uint8).reshape(2, 4, 5, 3)  # two 4x5 RGB images
+TEXT = "dew trains jax models.\nsecond line ü"
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_local_journal_rows_spell_non_finite_values(tmp_path):
+    tracker = LocalTracker(tmp_path)
+    tracker.log({"loss": 0.5, "grad/norm": np.float32(2.0)}, step=1)
+    tracker.log({"loss": float("nan"), "up": math.inf, "down": -math.inf}, step=2)
+    tracker.close()
+    raw = (tmp_path / "scalars.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in raw] == [
+        {"step": 1, "loss": 0.5, "grad/norm": 2.0},
+        {"step": 2, "loss": "NaN", "up": "+Inf", "down": "-Inf"},
+    ]
+    assert all("NaN" not in line.replace('"NaN"', "") for line in raw)  # strict JSON
+
+
+def test_local_records_and_previews_arrive_as_files(tmp_path):
+    tracker = LocalTracker(tmp_path)
+    goodput = Goodput(2.0, 10.0, 7.0, compile_seconds=1.5, data_seconds=0.5,
+                      checkpoint_seconds=0.25, eval_seconds=0.25, lost_seconds=float("inf"))
+    tracker.artifact(RunStarted({"lr": 1e-3}, 0, 100, {"data": 1}, 1), step=0)
+    tracker.artifact(goodput, step=100)
+    tracker.artifact(Artifact("samples", "image", IMAGE), step=100)
+    tracker.artifact(Artifact("text/sample", "text", TEXT), step=100)
+    with pytest.raises(NotAReportError, match="Artifact or a record"):
+        tracker.artifact({"loss": 1.0}, step=1)
+    tracker.close()
+
+    records = _lines(tmp_path / "records.jsonl")
+    assert [r["type"] for r in records] == ["run_started", "goodput"]
+    assert records[0] == {"step": 0, "type": "run_started", "record": {
+        "config": {"lr": 1e-3}, "start": 0, "steps": 100, "mesh": {"data": 1}, "processes": 1}}
+    assert records[1]["record"]["lost_seconds"] == "+Inf"
+    assert records[1]["record"]["fraction"] == pytest.approx(0.7)
+
+    previews = {row["name"]: row for row in _lines(tmp_path / "previews.jsonl")}
+    png = Image.open(tmp_path / previews["samples"]["path"])
+    grid = np.asarray(png)
+    # two images side by side in a 1x2 grid, pixels unchanged
+    np.testing.assert_array_equal(grid[:, :5], IMAGE[0])
+    np.testing.assert_array_equal(grid[:, 5:], IMAGE[1])
+    assert (tmp_path / previews["text/sample"]["path"]).read_text(encoding="utf-8") == TEXT
+
+
+def test_plot_reads_the_journal_and_never_changes_it(tmp_path):
+    tracker = LocalTracker(tmp_path, plots=True)
+    for step in range(1, 21):
+        tracker.log({"loss": 1.0 / step, "lr": 0.1}, step=step)
+    tracker.log({"loss": float("nan")}, step=21)
+    # A row appended by someone else appears in the plot: plot() reads the file.
+    with open(tmp_path / "scalars.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": 22, "extra": 3.0}) + "\n")
+    before = hashlib.sha256((tmp_path / "scalars.jsonl").read_bytes()).hexdigest()
+    paths = tracker.plot()
+    assert sorted(p.name for p in paths) == ["extra.png", "loss.png", "lr.png"]
+    assert hashlib.sha256((tmp_path / "scalars.jsonl").read_bytes()).hexdigest() == before
+    for path in paths:
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size == (640, 360)
+            # something was drawn: more than a blank canvas
+            assert len(np.unique(np.asarray(image.convert("L")))) > 10
+    for path in paths:
+        path.unlink()
+    tracker.close()  # plots=True draws again on close
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "extra.png", "loss.png", "lr.png"]
+
+
+class Failing:
+    def __init__(self, message):
+        self.message = message
+        self.closed = False
+
+    def log(self, scalars, step):
+        raise RuntimeError(self.message)
+
+    def artifact(self, value, step):
+        raise RuntimeError(self.message)
+
+    def close(self):
+        self.closed = True
+        raise RuntimeError(self.message)
+
+
+def test_fan_out_reaches_every_sink_and_raises_the_first_failure(tmp_path):
+    first, second = LocalTracker(tmp_path / "a"), LocalTracker(tmp_path / "b")
+    broken, also_broken = Failing("sink one is down"), Failing("sink two is down")
+    fan = Trackers(broken, first, also_broken, second)
+    with pytest.raises(RuntimeError, match="sink one is down") as caught:
+        fan.log({"loss": 1.25}, step=3)
+    assert any("sink two is down" in note for note in caught.value.__notes__)
+    with pytest.raises(RuntimeError, match="sink one is down"):
+        fan.artifact(Artifact("note", "text", "hi"), step=3)
+    with pytest.raises(RuntimeError, match="sink one is down"):
+        fan.close()
+    assert broken.closed and also_broken.closed
+    for directory in (tmp_path / "a", tmp_path / "b"):
+        assert _lines(directory / "scalars.jsonl") == [{"step": 3, "loss": 1.25}]
+        assert (directory / "previews" / "note" / "step_00000003.txt").read_text() == "hi"
+
+
+def test_unknown_tracker_lists_names_and_extras():
+    with pytest.raises(UnknownNameError) as caught:
+        trackers.load("tensorbord")
+    message = str(caught.value)
+    assert "tensorboard" in message and "Did you mean 'tensorboard'" in message
+    for name, requirement in [("local", "dew-core"), ("tensorboard", "dew-trackers[tensorboard]"),
+                              ("mlflow", "dew-trackers[mlflow]"), ("wandb", "dew-trackers[wandb]")]:
+        assert f"{name} ({requirement})" in message
+
+
+def test_registered_trackers_resolve_to_the_classes():
+    from dew.trackers.mlflow import MLflowTracker
+    from dew.trackers.tensorboard import TensorBoardTracker
+    from dew.trackers.wandb import WandbTracker
+
+    assert trackers.load("local") is LocalTracker
+    assert trackers.load("tensorboard") is TensorBoardTracker
+    assert trackers.load("mlflow") is MLflowTracker
+    assert trackers.load("wandb") is WandbTracker
+
+
+def test_missing_backend_names_the_extra(python_in_subprocess):
+    out = python_in_subprocess("""
+        import sys
+        sys.modules["mlflow"] = None  # as if the extra were not installed
+        from dew import MissingDistributionError
+        from dew.trackers.mlflow import MLflowTracker
+        try:
+            MLflowTracker("exp")
+        except MissingDistributionError as error:
+            print(error)
+    """)
+    assert "pip install 'dew-trackers[mlflow]'" in out
+
+
+def test_importing_dew_imports_no_backend(python_in_subprocess):
+    out = python_in_subprocess("""
+        import sys
+        import dew, dew.training, dew.trackers
+        from dew.training import LocalTracker, Trackers, Tracker
+        from dew.training import TensorBoardTracker, MLflowTracker, WandbTracker
+        TensorBoardTracker("/tmp/never-written"); WandbTracker("p", offline=True)
+        print(sorted(m for m in ("wandb", "mlflow", "tensorboard") if m in sys.modules))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_tensorboard_read_back_through_its_event_reader(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from dew.trackers.tensorboard import TensorBoardTracker
+
+    tracker = TensorBoardTracker(tmp_path / "tb")
+    assert not (tmp_path / "tb").exists()  # opened on the first value
+    tracker.log({"loss": 0.5, "val/loss": 0.75}, step=1)
+    tracker.log({"loss": 0.25}, step=2)
+    tracker.log({"loss": float("nan")}, step=3)
+    tracker.artifact(Artifact("samples", "image", IMAGE), step=2)
+    tracker.artifact(Artifact("story", "text", TEXT), step=2)
+    tracker.artifact(ProfileWindowRecord("/tmp/trace", 5, 3), step=8)
+    tracker.close()
+
+    reader = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={
+        ea.SCALARS: 0, ea.IMAGES: 0, ea.TENSORS: 0})
+    reader.Reload()
+    loss = [(e.step, e.value) for e in reader.Scalars("loss")]
+    assert loss[:2] == [(1, 0.5), (2, 0.25)] and loss[2][0] == 3 and math.isnan(loss[2][1])
+    assert [(e.step, e.value) for e in reader.Scalars("val/loss")] == [(1, 0.75)]
+
+    (image,) = reader.Images("previews/samples")
+    assert (image.step, image.height, image.width) == (2, 4, 10)
+    path = tmp_path / "samples.png"
+    path.write_bytes(image.encoded_image_string)
+    grid = np.asarray(Image.open(path))
+    np.testing.assert_array_equal(grid, np.concatenate([IMAGE[0], IMAGE[1]], axis=1))
+
+    (text,) = reader.Tensors("previews/story")
+    assert text.tensor_proto.string_val[0].decode() == TEXT
+    (record,) = reader.Tensors("reporting/profile_window")
+    assert json.loads(record.tensor_proto.string_val[0]) == {
+        "step": 8, "type": "profile_window",
+        "record": {"directory": "/tmp/trace", "start": 5, "steps": 3}}
