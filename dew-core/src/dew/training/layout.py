@@ -189,11 +189,16 @@ class Layout:
         parameters of at least min_shard elements count: the smaller ones are
         replicated on purpose.
         """
-        devices = math.prod(mesh.shape.get(a, 1) for a in _PARAMETER_AXES)
-        if devices == 1:
-            return
         leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]
         placements = jax.tree.leaves(shardings)
+        # A dense model has no expert dimension to split: the expert axis then
+        # replicates it like data parallelism does, and does not count here.
+        uses_expert = any("expert" in _axes(s.spec) for s in placements)
+        devices = math.prod(
+            mesh.shape.get(a, 1) for a in _PARAMETER_AXES if a != "expert" or uses_expert
+        )
+        if devices == 1:
+            return
         held = ideal = 0.0
         worst: list[tuple[float, str, tuple[int, ...]]] = []
         for (path, leaf), sharding in zip(leaves, placements, strict=True):
@@ -216,6 +221,14 @@ class Layout:
                 f"divide too few of the model's dimensions. Most replicated: {names}. Choose mesh "
                 "sizes that divide the model's widths, or raise Layout.tolerance."
             )
+
+
+def _axes(spec: PartitionSpec) -> set[str]:
+    out: set[str] = set()
+    for axes in spec:
+        if axes is not None:
+            out.update((axes,) if isinstance(axes, str) else axes)
+    return out
 
 
 def _shard_factor(spec: PartitionSpec, mesh: Mesh) -> int:

@@ -1,0 +1,141 @@
+"""Sharded training gives the single-device numbers: 8 fake CPU devices in a subprocess."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PROGRAM = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import linen as nn
+from dew import Trainer
+from dew.data import Dataset
+from dew.objectives.base import Aux, Mean, Objective
+from dew.training.layout import Layout, LayoutError
+from dew.training.mesh import MeshSpec
+
+def p(axes):
+    return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        emb = nn.Embed(32, 16, embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(0.02), ("vocab", "embed")))
+        x = emb(tokens)
+        h = nn.Dense(64, kernel_init=p(("embed", "mlp")))(x)
+        x = x + nn.Dense(16, kernel_init=p(("mlp", "embed")))(nn.gelu(h))
+        return emb.attend(x)
+
+class LM(Objective):
+    model = Net()
+    def init(self, key, variables=None):
+        return self.model.init(key, jnp.zeros((1, 8), jnp.int32))
+    def loss(self, variables, batch, step):
+        logits = self.model.apply(variables, batch["text"][:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:])
+        return Mean(ce.sum(), jnp.asarray(ce.size, jnp.float32)), Aux()
+
+def batches(partition):
+    step = 0
+    while True:
+        rng = np.random.default_rng(step)
+        rows = rng.integers(0, 32, size=(16, 9)).astype(np.int32)
+        share = 16 // partition.shares
+        yield {"text": rows[partition.share * share:(partition.share + 1) * share]}
+        step += 1
+
+class Losses:
+    def __init__(self): self.values = []
+    def log(self, scalars, step): self.values.append(scalars["loss"])
+    def artifact(self, value, step): pass
+    def close(self): pass
+
+out = {}
+for name, spec in json.loads(sys.argv[1]).items():
+    losses = Losses()
+    trainer = Trainer(LM(), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(**spec),
+                      layout=Layout(min_shard=0, tolerance=0.25), tracker=losses)
+    state = trainer.fit(Dataset(train=batches, batch=16), steps=6, log_every=1)
+    kernel = state.params["params"]["Dense_0"]["kernel"]
+    out[name] = {"losses": losses.values, "spec": str(kernel.sharding.spec),
+                 "shard": list(kernel.addressable_shards[0].data.shape)}
+print("RESULT" + json.dumps(out))
+"""
+
+SPLITS = {
+    "fsdp4_tensor2": {"fsdp": 4, "tensor": 2},
+    "fsdp8": {"fsdp": 8},
+    "data2_fsdp2_tensor2": {"fsdp": 2, "tensor": 2},
+    "tensor2": {"tensor": 2},
+    "expert2_fsdp4": {"expert": 2, "fsdp": 4},
+}
+
+
+def run(python_in_subprocess, splits, devices):
+    import sys
+
+    stdout = python_in_subprocess(
+        f"import sys; sys.argv = ['x', {json.dumps(json.dumps(splits))}]\n" + PROGRAM,
+        devices=devices,
+    )
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.mark.slow
+def test_sharded_training_matches_one_device(python_in_subprocess):
+    single = run(python_in_subprocess, {"one": {}}, devices=1)["one"]["losses"]
+    sharded = run(python_in_subprocess, SPLITS, devices=8)
+    for name, result in sharded.items():
+        assert result["losses"] == pytest.approx(single, rel=2e-5), name
+    # The parameters really are split: fsdp on embed, tensor on mlp.
+    assert sharded["fsdp4_tensor2"]["spec"] == "P('fsdp', 'tensor')"
+    assert sharded["fsdp4_tensor2"]["shard"] == [4, 32]
+    assert sharded["fsdp8"]["shard"] == [2, 64]
+
+
+LAYOUT_CHECK = r"""
+import jax, jax.numpy as jnp, optax
+from flax import linen as nn
+from dew import Trainer
+from dew.objectives.base import Objective
+from dew.training.layout import Layout, LayoutError
+from dew.training.mesh import MeshSpec, build_mesh
+
+class Odd(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(7, kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+
+class O(Objective):
+    def init(self, key, variables=None):
+        return Odd().init(key, jnp.zeros((1, 5)))
+
+trainer = Trainer(O(), optax.sgd(0.1), key=jax.random.key(0), mesh=MeshSpec(fsdp=4, tensor=2),
+                  layout=Layout(min_shard=0))
+try:
+    trainer.place()
+except LayoutError as error:
+    print("REFUSED", error)
+"""
+
+
+def test_a_layout_that_replicates_too_much_is_refused(python_in_subprocess):
+    stdout = python_in_subprocess(LAYOUT_CHECK, devices=8)
+    assert "REFUSED" in stdout and "tolerance 2.0%" in stdout and "kernel" in stdout
+
+
+PARTITION = r"""
+import jax
+from dew.training.mesh import MeshSpec, build_mesh, data_partition
+print(data_partition(build_mesh(MeshSpec(fsdp=2, tensor=2))))
+"""
+
+
+def test_one_process_reads_the_whole_batch(python_in_subprocess):
+    stdout = python_in_subprocess(PARTITION, devices=8)
+    assert "DataPartition(share=0, shares=1, reader=0, readers=1)" in stdout
