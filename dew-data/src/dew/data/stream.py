@@ -111,7 +111,7 @@ def _pipeline(source: Any, *, batch: int, partition: DataPartition, seed: int, s
     rows = _rows(batch, partition)
     n = _length(source)
     order = grain.MapDataset.range(n).seed(seed % 2**32).shuffle().repeat()
-    chunks = order[start:].batch(rows, batch_fn=np.asarray)[partition.share :: partition.shares]
+    chunks = order[start:].batch(rows, drop_remainder=True, batch_fn=np.asarray)[partition.share :: partition.shares]
     dataset = chunks.map(_Fetch(source, transform)).to_iter_dataset(_read_options(prefetch))
     if workers > 0:
         dataset = dataset.mp_prefetch(
