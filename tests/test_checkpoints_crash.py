@@ -1,0 +1,179 @@
+"""Checkpoints in child processes: another placement, kill -9 during a save, a full disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+STATE = """
+import jax, jax.numpy as jnp, numpy as np
+from dew.data.base import DataPartition
+from dew.training.checkpoints import Checkpoints
+from dew.training.state import Scaler, TrainState
+
+def make_state(seed, width):
+    rng = np.random.default_rng(seed)
+    params = {"params": {"w": jnp.asarray(rng.normal(size=(width, width)), jnp.float32)}}
+    return TrainState(params=params, opt_state=(jnp.asarray(rng.normal(size=(width,)), jnp.float32),),
+                      key=jax.random.key_data(jax.random.key(seed)), step=jnp.int32(seed),
+                      microstep=jnp.int32(seed), updates=jnp.int32(seed), averaged=params,
+                      scaler=Scaler.create(), window=None)
+
+def template(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+def same(a, b):
+    return all(bool((np.asarray(x) == np.asarray(y)).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+"""
+
+
+def test_restore_into_another_placement(tmp_path: Path, python_in_subprocess) -> None:
+    code = STATE + f"""
+from jax.sharding import NamedSharding, PartitionSpec as P
+state = make_state(3, 16)
+row = jax.make_mesh((8,), ("data",))
+placed = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(row, P("data") if x.ndim and x.shape[0] % 8 == 0
+                                                                  else P())), state)
+checkpoints = Checkpoints({str(tmp_path)!r})
+checkpoints.save(5, placed, position=None, partition=DataPartition(), meta={{}})
+checkpoints.wait()
+grid = jax.make_mesh((2, 4), ("a", "b"))
+def other(x):
+    spec = P("b", "a") if x.ndim == 2 else P()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(grid, spec))
+target = jax.tree.map(other, state)
+restored = Checkpoints({str(tmp_path)!r}).restore(target, partition=DataPartition()).state
+assert same(restored, state)
+for leaf, wanted in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+    assert leaf.sharding == wanted.sharding, (leaf.sharding, wanted.sharding)
+print("placed", restored.params["params"]["w"].sharding.spec)
+"""
+    assert "placed P('b', 'a')" in python_in_subprocess(code, devices=8, timeout=240)
+
+
+CRASH = STATE + """
+import os, signal, sys
+directory, point = sys.argv[1], sys.argv[2]
+checkpoints = Checkpoints(directory, keep=1)
+checkpoints.save(1, make_state(1, 64), position=b"one", partition=DataPartition(), meta={})
+checkpoints.wait()
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+if point == "manifest":  # inside dew's last call before Orbax renames the step
+    import dew.training.checkpoint_integrity as integrity
+    integrity.file_table = die
+if point == "rename":  # Orbax's commit itself
+    from orbax.checkpoint._src.path import async_path
+    async def rename(*a, **k):
+        die()
+    async_path.rename = rename
+if point == "prune":  # step 2 committed, step 1 half deleted
+    import shutil
+    import dew.training.checkpoints as module
+    def prune(path):
+        shutil.rmtree(path / "state")
+        die()
+    module._rmtree = prune
+print("saving", flush=True)
+checkpoints.save(2, make_state(2, 1024), position=b"two", partition=DataPartition(), meta={})
+print("returned", flush=True)
+checkpoints.wait()
+print("committed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["during-write", "manifest", "rename", "after-return", "prune"])
+def test_kill_9_during_a_save_keeps_the_last_committed_step(tmp_path: Path, point: str,
+                                                            python_in_subprocess) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    directory = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen([sys.executable, str(script), str(directory), point], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    assert child.stdout is not None
+    wanted = {"during-write": "saving", "after-return": "returned"}.get(point)
+    for line in child.stdout:
+        if wanted and line.strip() == wanted:
+            time.sleep(0.05 if point == "during-write" else 0.0)
+            child.send_signal(signal.SIGKILL)
+            break
+    child.wait(timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr.read()[-3000:]
+
+    expected = 2 if point == "prune" else 1
+    check = STATE + f"""
+from pathlib import Path
+directory = Path({str(directory)!r})
+checkpoints = Checkpoints(directory, keep=1, fallback=False)
+latest = checkpoints.latest
+assert not [p for p in directory.iterdir() if "tmp" in p.name], list(directory.iterdir())
+restored = checkpoints.restore(template(make_state(0, 64 if latest == 1 else 1024)), partition=DataPartition())
+assert same(restored.state, make_state(latest, 64 if latest == 1 else 1024))
+print("latest", latest, restored.position)
+"""
+    out = python_in_subprocess(check, timeout=120).strip()
+    if point == "after-return":  # the kill may land before or after the commit; either step is whole
+        assert out in ("latest 1 b'one'", "latest 2 b'two'")
+    else:
+        assert out == f"latest {expected} {[None, b'one', b'two'][expected]!r}"
+
+
+FULL = STATE + """
+import resource, signal, sys
+directory, limit = sys.argv[1], sys.argv[2]
+if limit != "tmpfs":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
+checkpoints = Checkpoints(directory)
+checkpoints.save(1, make_state(1, 16), position=b"one", partition=DataPartition(), meta={})
+checkpoints.wait()
+print("step 1 committed", flush=True)
+checkpoints.save(2, make_state(2, 1024), position=b"two", partition=DataPartition(), meta={})
+checkpoints.wait()
+print("step 2 committed", flush=True)
+"""
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize("how", ["tmpfs", "rlimit"])
+def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how: str,
+                                                             python_in_subprocess) -> None:
+    mount = tmp_path / "disk"
+    if how == "tmpfs" and not _mount_tmpfs(mount, "1m"):
+        pytest.skip("mounting a tmpfs is not permitted here (the rlimit case covers a refused write)")
+    try:
+        directory = mount / "run"
+        script = tmp_path / "full.py"
+        script.write_text(FULL)
+        limit = "tmpfs" if how == "tmpfs" else str(512 * 1024)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        child = subprocess.run([sys.executable, str(script), str(directory), limit], capture_output=True,
+                               text=True, env=env, timeout=120)
+        assert child.returncode not in (0, -signal.SIGKILL), child.stderr[-3000:]
+        assert "step 1 committed" in child.stdout and "step 2 committed" not in child.stdout
+        last = child.stderr.strip().splitlines()[-1]
+        assert last.startswith("dew.training.checkpoint_errors.CheckpointWriteError: Saving checkpoint step 2 "
+                               f"into {directory} failed"), last
+        check = STATE + textwrap.dedent(f"""
+            checkpoints = Checkpoints({str(directory)!r})
+            restored = checkpoints.restore(template(make_state(0, 16)), partition=DataPartition())
+            assert same(restored.state, make_state(1, 16))
+            print(checkpoints.latest, restored.position)
+        """)
+        assert python_in_subprocess(check, timeout=120).strip() == "1 b'one'"
+    finally:
+        if how == "tmpfs":
+            subprocess.run(["umount", str(mount)], check=False)
