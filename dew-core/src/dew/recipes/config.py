@@ -13,6 +13,7 @@ registered name before anything is built; ``train`` then builds and runs it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -99,7 +100,7 @@ class RunConfig(pydantic.BaseModel):
         """Read a recipe file, or a shipped recipe by name, with key=value overrides."""
         path = recipe_path(recipe)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = read_yaml(path.read_text())
         except yaml.YAMLError as error:
             raise RecipeError(f"The recipe {path} is not valid YAML: {error}") from None
         data = apply_overrides(data if data is not None else {}, overrides)
@@ -131,9 +132,29 @@ class RunConfig(pydantic.BaseModel):
 # -- overrides ---------------------------------------------------------------------
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, reading 1e-3 as a number as YAML 1.2 does (1.1 needs 1.0e-3)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML text safely, with 1e-3 read as a float."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _scalar(text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return read_yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
 

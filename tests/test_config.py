@@ -1,0 +1,319 @@
+"""Recipes and the trainer's config: parsing, overrides, errors that name the path, the
+mapping onto the Trainer, run.json, and the process setup that runs before JAX starts."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from dew import registry
+from dew.data.base import Dataset
+from dew.recipes.config import RunConfig, apply_overrides, shipped
+from dew.recipes.errors import RecipeError
+from dew.training.config import TrainerConfig, fit_kwargs, trainer_kwargs
+from dew.training.runtime.process import _merged_flags, run_timestamp
+
+# -- a tiny registered reader, so recipes can be checked without the data distribution --
+
+
+@dataclasses.dataclass(frozen=True)
+class Repeated:
+    """One sentence, tokenized as bytes, in every row of every batch."""
+
+    text: str = "dew trains jax models. "
+    seq_len: int = 16
+
+    @property
+    def tokenizer(self):
+        from dew.data.tokenizers import ByteTokenizer
+
+        return ByteTokenizer()
+
+    def load(self, batch: int) -> Dataset:
+        ids = np.frombuffer((self.text * 40).encode(), np.uint8)[: self.seq_len + 1]
+        rows = np.tile(ids.astype(np.int32), (batch, 1))
+        return Dataset(train=lambda part: itertools.repeat({"text": rows[: part.rows(batch)]}),
+                       val=None, records=64, batch=batch)
+
+
+@pytest.fixture(autouse=True)
+def repeated_reader():
+    with registry.datasets.temporary("repeated", Repeated):
+        yield
+
+
+RECIPE = {
+    "description": "a test run",
+    "seed": 3,
+    "model": {"name": "causal_transformer", "vocab_size": 257, "emb_features": 16,
+              "num_layers": 1, "num_heads": 2, "mlp_features": 32, "max_seq_len": 32},
+    "objective": {"name": "lm", "seq_len": 16},
+    "data": {"name": "repeated", "batch": 4, "seq_len": 16},
+    "optimizer": {"learning_rate": 0.003},
+    "trainer": {"steps": 3, "log_every": 1},
+}
+
+
+def recipe(**sections) -> dict:
+    data = copy.deepcopy(RECIPE)
+    data.update(sections)
+    return data
+
+
+def problems(data: dict) -> str:
+    with pytest.raises(RecipeError) as caught:
+        RunConfig.parse(data, "test.yaml")
+    return str(caught.value)
+
+
+# -- TrainerConfig -------------------------------------------------------------------------
+
+
+def test_trainer_kwargs_build_the_trainers_own_objects():
+    from dew.training.layout import Layout
+    from dew.training.mesh import MeshSpec
+    from dew.training.profiling import ProfileWindow
+
+    config = TrainerConfig(
+        steps=10, accumulation=2, dynamic_scale=True,
+        mesh={"fsdp": 2, "tensor": 2, "stage": 2, "microbatches": 4},
+        layout={"rules": [["embed", "fsdp"], ["mlp", ["tensor", "fsdp"]]], "min_shard": 8},
+        profile={"directory": "/tmp/trace", "steps": 3},
+    )
+    assert trainer_kwargs(config) == {
+        "mesh": MeshSpec(fsdp=2, tensor=2, stage=2, microbatches=4),
+        "layout": Layout(rules=(("embed", "fsdp"), ("mlp", ("tensor", "fsdp"))), min_shard=8),
+        "accumulation": 2,
+        "dynamic_scale": True,
+        "profile": ProfileWindow("/tmp/trace", steps=3, warmup=2),
+    }
+    assert trainer_kwargs(TrainerConfig(steps=1))["layout"] == Layout()
+
+
+def test_fit_kwargs_count_epochs_in_steps():
+    assert fit_kwargs(TrainerConfig(epochs=2.5, log_every=7), steps_per_epoch=4) == {
+        "steps": 10, "log_every": 7, "eval_every": None, "checkpoint_every": None}
+    with pytest.raises(ValueError, match="set trainer.steps instead"):
+        fit_kwargs(TrainerConfig(epochs=1), steps_per_epoch=None)
+
+
+def test_trainer_from_config_uses_the_mapping():
+    import jax
+
+    from dew.training.trainer import Trainer
+
+    objective = object()
+    trainer = Trainer.from_config(TrainerConfig(steps=1, mesh={"fsdp": 1}, accumulation=3),
+                                  objective, None, key=jax.random.key(0))
+    assert trainer.accumulation == 3 and trainer.objective is objective
+
+
+# -- parsing and errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(shipped()))
+def test_every_shipped_recipe_parses(name):
+    config = RunConfig.load(name)
+    assert config.description, f"{name} needs a one-line description for `dew recipes`"
+
+
+def test_a_shipped_recipe_exists():
+    assert "tiny-lm" in shipped()
+
+
+def test_unknown_field_names_the_path_and_what_exists():
+    text = problems(recipe(trainer={"steps": 3, "mesh": {"fsdpp": 2}}))
+    assert "trainer.mesh.fsdpp: unknown field (given 2)" in text
+    assert "fsdp, expert, tensor, sequence, stage, microbatches, replicas" in text
+    assert "did you mean 'fsdp'" in text
+
+
+def test_wrong_type_names_the_path_and_the_value():
+    text = problems(recipe(trainer={"steps": 3, "mesh": {"fsdp": "two"}}))
+    assert re.search(r"trainer\.mesh\.fsdp: Input should be a valid integer.*given 'two'", text)
+
+
+def test_unknown_registered_name_lists_the_registered_ones():
+    text = problems(recipe(model={"name": "causal_transformr"}))
+    assert "model.name: no model named 'causal_transformr'" in text
+    assert "Did you mean 'causal_transformer'" in text
+    assert "causal_transformer (dew-core)" in text
+    text = problems(recipe(trackers=[{"name": "local", "directory": "/tmp/x"}, {"name": "nope"}]))
+    assert "trackers.1.name: no tracker named 'nope'" in text and "local (dew-core)" in text
+
+
+def test_component_fields_are_checked_against_the_component():
+    model = dict(RECIPE["model"], emb_features="wide", dropout=0.1)
+    del model["num_layers"]
+    text = problems(recipe(model=model, objective={"name": "lm", "seq_len": 16, "model": "x"}))
+    assert "model.emb_features: Input should be a valid integer" in text and "'wide'" in text
+    assert "model.dropout: model 'causal_transformer' has no field 'dropout'" in text
+    assert "model.num_layers: model 'causal_transformer' requires this field" in text
+    assert "objective.model: the run supplies" in text
+    assert "4 problem(s)" in text
+
+
+def test_every_problem_is_reported_at_once():
+    text = problems(recipe(optimizer={"solver": "adam"}, seed="x", extra=1))
+    assert "optimizer.solver: Input should be 'adamw', 'lion', 'sgd' or 'adafactor' (given 'adam')" in text
+    assert "seed: Input should be a valid integer" in text
+    assert "extra: unknown field (given 1)" in text
+
+
+def test_bad_recipe_fails_before_anything_runs(tmp_path, python_in_subprocess):
+    """Parsing a bad recipe opens no JAX backend and builds nothing."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {name: causal_transformer}\nobjective: {name: lm, seq_len: 8}\n"
+                    "data: {name: nope, batch: 2}\ntrainer: {steps: 2, mesh: {fsdp: two}}\n")
+    out = python_in_subprocess(f"""
+        from jax._src import xla_bridge
+        from dew.recipes import RunConfig, RecipeError
+        try:
+            RunConfig.load({str(path)!r})
+        except RecipeError as error:
+            print(error)
+        print("backend opened:", xla_bridge.backends_are_initialized())
+    """)
+    assert "trainer.mesh.fsdp" in out and "data.name: no dataset named 'nope'" in out
+    assert "backend opened: False" in out
+
+
+# -- overrides, run.json ----------------------------------------------------------------------
+
+
+def test_overrides_set_nested_keys_list_items_and_typed_values():
+    data = {"trainer": {"steps": 3}, "trackers": [{"name": "local", "directory": "a"}]}
+    out = apply_overrides(data, ["trainer.steps=10", "trainer.mesh.fsdp=2", "trackers.0.directory=b",
+                                 "optimizer.learning_rate=1e-3", "trainer.profile=null",
+                                 "description=two words"])
+    assert out == {"trainer": {"steps": 10, "mesh": {"fsdp": 2}, "profile": None},
+                   "trackers": [{"name": "local", "directory": "b"}],
+                   "optimizer": {"learning_rate": 1e-3}, "description": "two words"}
+    with pytest.raises(RecipeError, match="not key=value"):
+        apply_overrides({}, ["trainer.steps"])
+    with pytest.raises(RecipeError, match="holds 1 item"):
+        apply_overrides(copy.deepcopy(data), ["trackers.3.name=x"])
+
+
+def test_load_applies_overrides_then_validates(tmp_path):
+    path = tmp_path / "run.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(RECIPE))
+    config = RunConfig.load(path, ["trainer.steps=7", "optimizer.solver=lion"])
+    assert config.trainer.steps == 7 and config.optimizer.solver == "lion"
+    with pytest.raises(RecipeError, match=r"trainer\.stepz: unknown field"):
+        RunConfig.load(path, ["trainer.stepz=7"])
+
+
+def test_save_writes_run_json_that_reads_back(tmp_path):
+    config = RunConfig.parse(recipe(trackers=[{"name": "local", "directory": str(tmp_path)}]))
+    path = config.save(tmp_path / "run")
+    assert path.name == "run.json"
+    written = json.loads(path.read_text())
+    assert written["trainer"]["steps"] == 3 and written["model"]["emb_features"] == 16
+    assert RunConfig.read(path.parent) == config
+
+
+# -- training from a recipe ------------------------------------------------------------------
+
+
+def test_train_runs_the_recipe_and_prints_a_sample(tmp_path, capsys):
+    config = RunConfig.parse(recipe(
+        objective={"name": "lm", "seq_len": 16, "prompt": "dew", "preview_tokens": 8},
+        trackers=[{"name": "local", "directory": str(tmp_path / "track")}],
+        trainer={"steps": 3, "log_every": 1, "checkpoint_dir": str(tmp_path / "ckpt"),
+                 "checkpoint_every": 3}))
+    state = config.train()
+    assert int(state.step) == 3
+    assert RunConfig.read(tmp_path / "ckpt") == config
+    out = capsys.readouterr().out
+    assert "Sample (sample):\ndew" in out
+    journal = "".join(p.read_text() for p in (tmp_path / "track").rglob("*.jsonl"))
+    assert '"loss"' in journal
+
+
+# -- the process --------------------------------------------------------------------------------
+
+
+def test_merged_flags_keep_others_and_replace_same_names():
+    assert _merged_flags("--a=1 --b=2", ["--b=3", "--c"]) == "--a=1 --b=3 --c"
+    assert _merged_flags("", ["--c"]) == "--c"
+
+
+def test_prepare_process_raises_limits_and_sets_flags(tmp_path, python_in_subprocess):
+    cache = tmp_path / "cache"
+    out = python_in_subprocess(f"""
+        import resource
+        for which in (resource.RLIMIT_NOFILE, resource.RLIMIT_CORE):
+            soft, hard = resource.getrlimit(which)
+            resource.setrlimit(which, (min(64, hard) if hard != resource.RLIM_INFINITY else 64, hard))
+        import os
+        from dew.training import TrainerConfig, prepare_process
+        from dew.training.runtime import BackendAlreadyStartedError
+        config = TrainerConfig(steps=1, compilation_cache_dir={str(cache)!r},
+                               xla_flags=["--xla_force_host_platform_device_count=3"])
+        prepare_process(config)
+        nofile, core = resource.getrlimit(resource.RLIMIT_NOFILE), resource.getrlimit(resource.RLIMIT_CORE)
+        cap = int(open("/proc/sys/fs/nr_open").read())
+        assert nofile[0] == nofile[1] or (nofile[1] == resource.RLIM_INFINITY and nofile[0] == cap), nofile
+        assert core[0] == core[1], core
+        import jax
+        print("flags", os.environ["XLA_FLAGS"])
+        print("devices", jax.device_count())
+        print("cache", jax.config.jax_compilation_cache_dir)
+        prepare_process(config)  # the same flags again: nothing would be lost
+        try:
+            prepare_process(TrainerConfig(steps=1, xla_flags=["--xla_force_host_platform_device_count=5"]))
+        except BackendAlreadyStartedError as error:
+            print("refused:", error)
+    """)
+    assert "flags --xla_force_host_platform_device_count=3\n" in out
+    assert "devices 3" in out
+    assert f"cache {cache}" in out and cache.is_dir()
+    assert "refused: JAX already opened its backend" in out
+
+
+def test_run_timestamp_format():
+    stamp = run_timestamp()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d", stamp)
+    assert abs(time.mktime(time.strptime(stamp, "%Y-%m-%d_%H:%M:%S")) - time.time()) < 5
+
+
+def test_run_timestamp_is_process_zeros_in_a_pool(tmp_path):
+    """Two real processes join a pool through prepare_process; process 1's clock is wrong."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = textwrap.dedent("""
+        import os, time
+        from dew.training import TrainerConfig, prepare_process, run_timestamp
+        prepare_process(TrainerConfig(steps=1, multi_host=True))
+        if os.environ["JAX_PROCESS_ID"] == "1":
+            time.strftime = lambda fmt, *a: "1999-01-01_00:00:00"
+        import jax
+        print("pool", jax.process_count(), "stamp", run_timestamp())
+    """)
+    children = []
+    for index in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(index))
+        children.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = [child.communicate(timeout=240) for child in children]
+    for child, (_, err) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, err[-3000:]
+    stamps = [re.search(r"pool 2 stamp (\S+)", out).group(1) for out, _ in outputs]
+    assert stamps[0] == stamps[1] != "1999-01-01_00:00:00"
