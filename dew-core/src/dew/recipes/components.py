@@ -38,9 +38,13 @@ class ComponentConfig(pydantic.BaseModel):
 
 
 class DataConfig(ComponentConfig):
-    """A registered dataset reader, its fields, and the global batch it loads with."""
+    """A registered dataset reader, its fields, and how it loads: the global batch and
+    any other keyword of the reader's ``load`` (``val_fraction``, say)."""
 
     batch: int = pydantic.Field(ge=1, description="global batch size, in rows")
+    load: dict[str, Any] = pydantic.Field(
+        default_factory=dict, description="other keywords of the reader's load (val_fraction)"
+    )
 
 
 def _lenient(annotation: Any) -> Any:
@@ -104,10 +108,31 @@ def problems_of(group: str, name: str, fields: dict[str, Any], supplied: Collect
     return problems
 
 
+def _load_problems(config: DataConfig) -> list[tuple[tuple[str, ...], str]]:
+    from dew import registry as registries
+
+    reader = registries.datasets.load(config.name)
+    method = getattr(reader, "load", None)
+    if method is None:
+        return [(("load",), f"dataset {config.name!r} has no load method to pass these to.")]
+    declared = registries.declared_fields(method)
+    problems = []
+    for key, value in config.load.items():
+        if key == "batch":
+            problems.append((("load", key), "give the batch as data.batch, not in data.load."))
+        elif key not in declared:
+            allowed = ", ".join(k for k in declared if k != "batch")
+            problems.append((("load", key), f"{config.name}.load takes no {key!r} (given "
+                             f"{_given(value)}). Allowed: {allowed}."))
+    return problems
+
+
 def check_component(group: str, config: ComponentConfig) -> ComponentConfig:
     """Raise pydantic's error, each problem with its sub-path, when config is not buildable."""
     found = problems_of(group, config.name, config.fields, SUPPLIED.get(group, frozenset()),
                         MAY_SUPPLY.get(group, frozenset()))
+    if isinstance(config, DataConfig) and config.load and not found:
+        found = _load_problems(config)
     if found:
         raise PydanticCustomError(
             "dew_component", "{message}", {"message": found[0][1], "problems": found}

@@ -4,6 +4,12 @@ The order matters: ``prepare_process`` runs before anything opens JAX's
 backend, so the recipe's XLA flags and process pool take effect; the run key
 is drawn from the recipe's seed; the objective is built around the model and
 takes the data reader's tokenizer when the recipe gives none.
+
+Strings among a component's fields may hold two placeholders, replaced when
+the run is built (run.json keeps them as written): ``{stdlib}``, the folder
+of Python's standard library (a corpus every machine has), and
+``{timestamp}``, process 0's clock when the run started (``run_timestamp``),
+the same on every process.
 """
 
 from __future__ import annotations
@@ -17,7 +23,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
 
-__all__ = ["build_objective", "build_trackers", "sample", "train"]
+__all__ = ["build_objective", "build_trackers", "expand", "sample", "train"]
+
+
+def expand(value: Any, timestamp: str) -> Any:
+    """value with {stdlib} and {timestamp} replaced in every string it holds."""
+    if isinstance(value, str):
+        if "{stdlib}" in value:
+            import sysconfig
+
+            value = value.replace("{stdlib}", sysconfig.get_paths()["stdlib"])
+        return value.replace("{timestamp}", timestamp)
+    if isinstance(value, dict):
+        return {k: expand(v, timestamp) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(expand(v, timestamp) for v in value)
+    return value
 
 
 def _accepts(component: Any, name: str) -> bool:
@@ -26,23 +47,35 @@ def _accepts(component: Any, name: str) -> bool:
     return name in declared_fields(component)
 
 
-def build_objective(config: RunConfig, model: Any, reader: Any) -> Any:
+def _tokenizer(reader: Any) -> Any:
+    """The reader's tokenizer as an object; a reader may hold a name ("byte") that its
+    module's resolve_tokenizer turns into one."""
+    tokenizer = getattr(reader, "tokenizer", None)
+    if tokenizer is None or hasattr(tokenizer, "decode"):
+        return tokenizer
+    module = sys.modules.get(type(reader).__module__)
+    resolve = getattr(module, "resolve_tokenizer", None)
+    return resolve(tokenizer) if resolve is not None else None
+
+
+def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str = "") -> Any:
     """The recipe's objective around model, given the reader's tokenizer if it takes one."""
     from dew import registry
 
-    fields = config.objective.fields
+    fields = expand(config.objective.fields, timestamp)
     component = registry.objectives.load(config.objective.name)
-    tokenizer = getattr(reader, "tokenizer", None)
+    tokenizer = _tokenizer(reader)
     if tokenizer is not None and "tokenizer" not in fields and _accepts(component, "tokenizer"):
         fields["tokenizer"] = tokenizer
     return registry.objectives.build(config.objective.name, model=model, **fields)
 
 
-def build_trackers(config: RunConfig) -> Any:
+def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
     """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None."""
     from dew import registry
 
-    built = [registry.trackers.build(t.name, **t.fields) for t in config.trackers]
+    built = [registry.trackers.build(t.name, **expand(t.fields, timestamp))
+             for t in config.trackers]
     wandb = config.trainer.wandb
     if wandb is not None:
         built.append(registry.trackers.build(
@@ -97,9 +130,10 @@ def _ramped(config: RunConfig, dataset: Any) -> Any:
 
 def train(config: RunConfig) -> Any:
     """Build the run config describes, train it to its last step and return the TrainState."""
-    from dew.training.runtime.process import prepare_process
+    from dew.training.runtime.process import prepare_process, run_timestamp
 
     prepare_process(config.trainer)
+    stamp = run_timestamp()
 
     import jax
 
@@ -108,10 +142,13 @@ def train(config: RunConfig) -> Any:
     from dew.training.optim import build_optimizer
     from dew.training.trainer import Trainer
 
-    model = models.build(config.model.name, **config.model.fields)
-    reader = registry.datasets.build(config.data.name, **config.data.fields)
-    dataset = _ramped(config, reader.load(batch=config.data.batch))
-    objective = build_objective(config, model, reader)
+    model = models.build(config.model.name, **expand(config.model.fields, stamp))
+    reader = registry.datasets.build(config.data.name, **expand(config.data.fields, stamp))
+    load = expand(dict(config.data.load), stamp)
+    if "seed" not in load and _accepts(reader.load, "seed"):
+        load["seed"] = config.seed  # the run's seed orders its data too
+    dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
+    objective = build_objective(config, model, reader, stamp)
     fit = fit_kwargs(config.trainer, dataset.steps_per_epoch)
     optimizer = build_optimizer(_optimizer_config(config, fit["steps"]))
     checkpoints = _checkpoints(config)
@@ -119,7 +156,7 @@ def train(config: RunConfig) -> Any:
         config.save(checkpoints.directory if hasattr(checkpoints, "directory")
                     else _absolute(config.trainer.checkpoint_dir))
     key = jax.random.key(config.seed)
-    tracker = build_trackers(config)
+    tracker = build_trackers(config, stamp)
     try:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
                                       checkpoints=checkpoints, tracker=tracker)
