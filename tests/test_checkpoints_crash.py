@@ -164,9 +164,9 @@ def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how:
                                text=True, env=env, timeout=120)
         assert child.returncode not in (0, -signal.SIGKILL), child.stderr[-3000:]
         assert "step 1 committed" in child.stdout and "step 2 committed" not in child.stdout
-        last = child.stderr.strip().splitlines()[-1]
-        assert last.startswith("dew.training.checkpoint_errors.CheckpointWriteError: Saving checkpoint step 2 "
-                               f"into {directory} failed"), last
+        # Orbax's threads may log after the error; the error itself is the program's end.
+        assert ("dew.training.checkpoint_errors.CheckpointWriteError: Saving checkpoint step 2 "
+                f"into {directory} failed") in child.stderr, child.stderr[-3000:]
         check = STATE + textwrap.dedent(f"""
             checkpoints = Checkpoints({str(directory)!r})
             restored = checkpoints.restore(template(make_state(0, 16)), partition=DataPartition())
