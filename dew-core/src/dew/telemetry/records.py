@@ -80,12 +80,14 @@ def record_row(value: Any, step: int) -> dict[str, Any]:
 
 
 def previews_of(value: Any) -> tuple[Any, ...]:
-    """The previews a report carries: an Artifact itself, or a record's ``previews``."""
+    """The preview files a report stands for: an Artifact itself, nothing for a record.
+
+    A record that holds previews (an Evaluation) is reported as a record only;
+    the trainer reports each of its previews on its own.
+    """
     from dew.telemetry.artifacts import Artifact
 
-    if isinstance(value, Artifact):
-        return (value,)
-    return tuple(p for p in getattr(value, "previews", None) or () if isinstance(p, Artifact))
+    return (value,) if isinstance(value, Artifact) else ()
 
 
 def _fields(record: Any) -> dict[str, Any]:

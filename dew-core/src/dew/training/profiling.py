@@ -43,8 +43,10 @@ class ProfileSchedule:
     """Starts and stops one window during a fit.
 
     Call ``on_step(step)`` after each step is dispatched, with ``step`` the
-    number of steps done so far (the state's new step). The trace starts once
-    ``warmup`` steps of this fit are done and stops ``steps`` steps later,
+    number of steps done so far (the state's new step). The trace starts at
+    the first call once ``warmup`` steps of this fit are done (so calling it
+    with the start step too makes ``warmup=0`` trace from the first step) and
+    stops ``steps`` steps later,
     when ``on_step`` returns the ProfileWindowRecord to report. ``close()``
     stops a window the fit left open (a short or preempted fit) and returns
     its record, or None.
@@ -71,10 +73,11 @@ class ProfileSchedule:
         """Open or close the window at step; state, if given, is waited on before closing."""
         if self._done:
             return None
-        if not self._open and self.begin <= step < self.end:
+        if not self._open and step >= self.begin:
             profiling.start(self.window.directory, "the fit's ProfileWindow")
             self._open = True
             self._first = step
+            self.end = step + int(self.window.steps)
             return None
         if self._open and step >= self.end:
             return self._stop(step, state)

@@ -1,0 +1,132 @@
+"""Profiler windows and dew.profile, and a fit's reports arriving in a LocalTracker."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+import dew
+from dew.data import Dataset
+from dew.objectives.base import Aux, Mean, Objective
+from dew.telemetry import profiling
+from dew.training.profiling import ProfilerBusyError, ProfileWindow
+from dew.training.trackers import LocalTracker, Trackers
+
+
+def _traces(directory):
+    return list(directory.rglob("*.xplane.pb"))
+
+
+def test_profile_context_traces_and_excludes_a_second_trace(tmp_path):
+    assert not profiling.active()
+    with dew.profile(tmp_path / "outer"):
+        assert profiling.active()
+        jnp.ones(8).sum().block_until_ready()
+        with pytest.raises(ProfilerBusyError, match="dew.profile"):
+            ProfileWindow(str(tmp_path / "inner"), steps=2).schedule(0)
+        with pytest.raises(ProfilerBusyError):
+            with dew.profile(tmp_path / "again"):
+                pass
+    assert not profiling.active()
+    assert _traces(tmp_path / "outer") and not (tmp_path / "inner").exists()
+
+
+def test_window_opens_after_warmup_and_closes_after_steps(tmp_path):
+    schedule = ProfileWindow(str(tmp_path), steps=3, warmup=2).schedule(10)
+    opened, records = [], []
+    for done in range(11, 20):
+        record = schedule.on_step(done)
+        opened.append(profiling.active())
+        if record is not None:
+            records.append((done, record))
+    # steps 11 and 12 warm up; the trace opens at 12 and holds steps 13, 14, 15
+    assert opened == [False, True, True, True, False, False, False, False, False]
+    (done, record), = records
+    assert done == 15 and (record.start, record.steps) == (12, 3)
+    assert _traces(tmp_path)
+    with pytest.raises(ValueError, match="at least one step"):
+        ProfileWindow(str(tmp_path), steps=0)
+
+
+class Linear(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(x)
+
+
+class Regression(Objective):
+    def __init__(self):
+        self.model = Linear()
+
+    def init(self, key, variables=None):
+        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 4)))
+
+    def loss(self, variables, batch, step):
+        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)), Aux()
+
+
+def _dataset() -> Dataset:
+    def stream(partition):
+        index = 0
+        while True:
+            rng = np.random.default_rng(index)
+            x = rng.normal(size=(8, 4)).astype(np.float32)
+            yield {"x": x, "y": x.sum(axis=1, keepdims=True)}
+            index += 1
+
+    return Dataset(train=stream, val=None, records=None, batch=8)
+
+
+class Recorder:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, scalars, step):
+        self.rows.append({"step": step, **{k: float(v) for k, v in scalars.items()}})
+
+    def artifact(self, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_fit_reports_its_window_goodput_and_lines(tmp_path, capsys):
+    local, recorder = LocalTracker(tmp_path / "run"), Recorder()
+    trainer = dew.Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0),
+                          tracker=Trackers(local, recorder),
+                          profile=ProfileWindow(str(tmp_path / "trace"), steps=2, warmup=2))
+    trainer.fit(_dataset(), steps=8, log_every=4)
+    local.close()
+
+    rows = [json.loads(line) for line in (tmp_path / "run/scalars.jsonl").read_text().splitlines()]
+    assert rows == recorder.rows and [row["step"] for row in rows] == [4, 8]
+    records = [json.loads(line) for line in (tmp_path / "run/records.jsonl").read_text().splitlines()]
+    kinds = [row["type"] for row in records]
+    assert kinds[0] == "run_started" and kinds[-1] == "goodput" and "profile_window" in kinds
+    window = records[kinds.index("profile_window")]["record"]
+    assert (window["start"], window["steps"]) == (2, 2) and _traces(tmp_path / "trace")
+    goodput = records[-1]["record"]
+    assert 0 < goodput["fraction"] <= 1 and goodput["wall_seconds"] >= goodput["step_seconds"]
+
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Training from step 0 to 8 on {'data': 1")
+    assert out[0].endswith("(1 process(es))")
+    assert [line.split(":")[0] for line in out[1:3]] == ["step 4", "step 8"]
+    assert out[1] == f"step 4: loss {rows[0]['loss']:.4f}"
+    assert out[-1].startswith("Goodput: first step after ")
+
+
+def test_a_fit_inside_dew_profile_refuses_its_window(tmp_path):
+    trainer = dew.Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0),
+                          profile=ProfileWindow(str(tmp_path / "window"), steps=2))
+    with dew.profile(tmp_path / "outer"):
+        with pytest.raises(ProfilerBusyError, match="ProfileWindow"):
+            trainer.fit(_dataset(), steps=4, log_every=2)
