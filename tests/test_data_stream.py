@@ -22,7 +22,7 @@ from dew.data.errors import (
     PositionMismatchError,
 )
 from dew.data.sources import ArrayRecords
-from dew.data.stream import train_stream, val_stream
+from dew.data.stream import epoch_order, permute, train_stream, val_stream
 
 N = 23  # not a multiple of any batch below: batches cross epoch boundaries
 
@@ -43,6 +43,17 @@ def test_each_epoch_is_a_permutation_and_epochs_differ():
     assert not all((epochs[0] == e).all() for e in epochs[1:])
     other_seed = np.concatenate(take(train_stream(records(), batch=N, seed=4), 1))
     assert not (other_seed == epochs[0]).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 1000, 4097])
+def test_the_epoch_shuffle_is_a_bijection_computed_per_index(n):
+    orders = [epoch_order(n, seed, epoch) for seed in (0, 1) for epoch in (0, 1)]
+    for order in orders:
+        assert sorted(order.tolist()) == list(range(n))
+    if n > 16:
+        assert len({tuple(o) for o in orders}) == 4
+    picked = np.asarray([n - 1, 0, n // 2], np.uint64)
+    np.testing.assert_array_equal(permute(picked, n, 1, 1), orders[3][picked.astype(np.int64)])
 
 
 def test_rows_carry_every_column_of_their_record():
