@@ -20,6 +20,8 @@ def _type_name(annotation: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is tuple and typing.get_args(annotation)[-1:] == (Ellipsis,):
+        return f"list[{_type_name(typing.get_args(annotation)[0])}]"
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
@@ -57,11 +59,16 @@ def field_lines(model: type[pydantic.BaseModel], prefix: str = "") -> Iterator[t
         key = f"{prefix}{name}"
         annotation = field.annotation
         inner = _submodel(annotation)
-        list_of = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
-        if list_of is not None and isinstance(list_of, type) and issubclass(list_of, ComponentConfig):
-            yield key, "list", field.description or ""
+        list_of = None
+        if typing.get_origin(annotation) in (list, tuple):
+            list_of = typing.get_args(annotation)[0]
+        if typing.get_origin(list_of) is typing.Annotated:
+            list_of = typing.get_args(list_of)[0]
+        if isinstance(list_of, type) and issubclass(list_of, pydantic.BaseModel):
+            yield key, f"list {_default(field)}", field.description or ""
             yield from field_lines(list_of, f"{key}.N.")
-            yield f"{key}.N.<field>", "", "the component's own fields"
+            if issubclass(list_of, ComponentConfig):
+                yield f"{key}.N.<field>", "", "the component's own fields"
             continue
         if inner is not None:
             optional = inner is not annotation
@@ -81,8 +88,8 @@ def fields_help() -> str:
 
     rows = list(field_lines(RunConfig))
     width = max(len(key) for key, _, _ in rows) + 2
-    kinds = min(max(len(kind) for _, kind, _ in rows) + 2, 46)
-    lines = [f"  {key:<{width}}{kind:<{kinds}}{text}".rstrip() for key, kind, text in rows]
+    kinds = min(max(len(kind) for _, kind, _ in rows), 40)
+    lines = [f"  {key:<{width}}{kind:<{kinds}}  {text}".rstrip() for key, kind, text in rows]
     return "recipe fields (set any with key=value):\n" + "\n".join(lines)
 
 

@@ -62,9 +62,9 @@ class ParamGroup(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    match: tuple[str, ...]
-    lr_scale: float = pydantic.Field(1.0, ge=0.0)
-    decay: bool | None = None
+    match: tuple[str, ...] = pydantic.Field(description="path globs selecting the leaves")
+    lr_scale: float = pydantic.Field(1.0, ge=0.0, description="learning-rate multiplier")
+    decay: bool | None = pydantic.Field(None, description="force weight decay on or off")
 
     @pydantic.field_validator("match", mode="before")
     @classmethod
@@ -91,21 +91,28 @@ class OptimizerConfig(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    solver: Literal["adamw", "lion", "sgd", "adafactor"] = "adamw"
-    learning_rate: float = pydantic.Field(3e-4, gt=0.0)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = pydantic.Field(0, ge=0)
-    decay_steps: int | None = pydantic.Field(None, ge=1)
-    end_factor: float = pydantic.Field(0.0, ge=0.0)
-    weight_decay: float = pydantic.Field(0.0, ge=0.0)
-    no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
-    groups: tuple[ParamGroup, ...] = ()
-    clip_norm: float | None = pydantic.Field(None, gt=0.0)
-    b1: float | None = None
-    b2: float | None = None
-    eps: float | None = None
-    momentum: float | None = None
-    nesterov: bool = False
+    solver: Literal["adamw", "lion", "sgd", "adafactor"] = pydantic.Field(
+        "adamw", description="the update rule")
+    learning_rate: float = pydantic.Field(3e-4, gt=0.0, description="the peak learning rate")
+    schedule: Literal["constant", "cosine", "linear"] = pydantic.Field(
+        "constant", description="the learning rate's shape after warmup")
+    warmup_steps: int = pydantic.Field(0, ge=0, description="updates of linear warmup from 0")
+    decay_steps: int | None = pydantic.Field(
+        None, ge=1, description="update at which decay ends (a recipe: its last update)")
+    end_factor: float = pydantic.Field(
+        0.0, ge=0.0, description="final learning rate, as a fraction of the peak")
+    weight_decay: float = pydantic.Field(0.0, ge=0.0, description="weight decay (L2 for sgd)")
+    no_decay: tuple[str, ...] = pydantic.Field(
+        DEFAULT_NO_DECAY, description="path globs exempt from weight decay")
+    groups: tuple[ParamGroup, ...] = pydantic.Field(
+        (), description="path-selected groups: learning-rate multipliers, decay on or off")
+    clip_norm: float | None = pydantic.Field(
+        None, gt=0.0, description="clip gradients to this global norm")
+    b1: float | None = pydantic.Field(None, description="first-moment decay (solver default)")
+    b2: float | None = pydantic.Field(None, description="second-moment decay (solver default)")
+    eps: float | None = pydantic.Field(None, description="denominator epsilon (solver default)")
+    momentum: float | None = pydantic.Field(None, description="sgd or adafactor momentum")
+    nesterov: bool = pydantic.Field(False, description="Nesterov momentum (sgd)")
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> OptimizerConfig:
