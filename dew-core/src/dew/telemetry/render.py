@@ -156,6 +156,7 @@ def plot_series(name: str, steps: np.ndarray, values: np.ndarray, path: str | Pa
     """Draw one metric against the step into a PNG at path (Agg canvas, no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(6.4, 3.6), dpi=100)
     FigureCanvasAgg(figure)
@@ -170,6 +171,7 @@ def plot_series(name: str, steps: np.ndarray, values: np.ndarray, path: str | Pa
         axes.legend(loc="best")
     axes.set_title(name)
     axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(True, alpha=0.3)
     if finite.any() and np.all(shown[finite] > 0) and np.nanmax(shown) / np.nanmin(shown) > 100:
         axes.set_yscale("log")
