@@ -1,0 +1,124 @@
+"""Trainer.fit against a hand-written donated jax.jit loop, in one run.
+
+Each side runs in its own fresh interpreter (so peak memory is its own) on
+the same model, batch and optimizer, and the script prints steady-state ms
+per step, time to first step and peak resident memory of each, and their
+ratios. Targets: steady state <= 1.05, first step <= 1.2, memory <= 1.1.
+
+    .venv/bin/python benchmarks/trainer_bench.py [--steps 30] [--width 384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+
+COMMON = """
+import json, resource, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+from dew import models
+from dew.objectives.lm import LMObjective
+cfg = json.loads(sys.argv[1])
+def rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+model = models.build("causal_transformer", vocab_size=256, emb_features=cfg["width"],
+                     num_layers=cfg["layers"], num_heads=8, mlp_features=4 * cfg["width"],
+                     max_seq_len=cfg["seq"])
+objective = LMObjective(model, seq_len=cfg["seq"])
+optimizer = optax.adamw(1e-3)
+rng = np.random.default_rng(0)
+batch = {"text": rng.integers(0, 256, size=(cfg["batch"], cfg["seq"] + 1)).astype(np.int32)}
+baseline = rss_mb()
+"""
+
+TRAINER = COMMON + """
+from dew import Trainer
+from dew.data import Dataset
+import itertools
+class Goodput:
+    record = None
+    def log(self, scalars, step): pass
+    def artifact(self, value, step):
+        if getattr(value, "type", "") == "goodput": self.record = value
+    def close(self): pass
+tracker = Goodput()
+trainer = Trainer(objective, optimizer, key=jax.random.key(0), tracker=tracker)
+data = Dataset(train=lambda p: itertools.repeat(batch), batch=cfg["batch"])
+import io, contextlib
+with contextlib.redirect_stdout(io.StringIO()):
+    state = trainer.fit(data, steps=cfg["steps"], log_every=cfg["steps"])
+g = tracker.record
+print(json.dumps({"first": g.first_step_seconds,
+                  "step_ms": 1000 * (g.wall_seconds - g.first_step_seconds) / (cfg["steps"] - 1),
+                  "peak_mb": rss_mb() - baseline}))
+"""
+
+HAND = COMMON + """
+started = time.perf_counter()
+def init():
+    variables = jax.tree.map(lambda x: x, objective.init(jax.random.key(0)))
+    from flax import linen as nn
+    variables = nn.meta.unbox(variables)
+    return variables, optimizer.init({"params": variables["params"]})
+variables, opt_state = jax.jit(init)()
+def loss_fn(p, batch):
+    logits = model.apply(p, batch["text"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:]).mean()
+def step(variables, opt_state, batch):
+    p = {"params": variables["params"]}
+    loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, p)
+    return optax.apply_updates(p, updates), opt_state, loss
+step = jax.jit(step, donate_argnums=(0, 1))
+for i in range(cfg["steps"]):
+    device_batch = jax.device_put(batch)
+    variables, opt_state, loss = step(variables, opt_state, device_batch)
+    if i == 0:
+        jax.block_until_ready(loss)
+        first = time.perf_counter() - started
+jax.block_until_ready(loss)
+wall = time.perf_counter() - started
+print(json.dumps({"first": first, "step_ms": 1000 * (wall - first) / (cfg["steps"] - 1),
+                  "peak_mb": rss_mb() - baseline}))
+"""
+
+
+def measure(program: str, cfg: dict) -> dict:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(program), json.dumps(cfg)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    cfg = vars(parser.parse_args())
+    params = cfg["layers"] * 12 * cfg["width"] ** 2
+    print(f"model: {cfg['layers']} layers x width {cfg['width']} (~{params / 1e6:.1f}M params), "
+          f"batch {cfg['batch']} x {cfg['seq']} tokens, adamw, {cfg['steps']} steps")
+    rows = {"hand-written": [], "Trainer.fit": []}
+    for _ in range(cfg["repeats"]):  # interleaved, so drift hits both alike
+        rows["hand-written"].append(measure(HAND, cfg))
+        rows["Trainer.fit"].append(measure(TRAINER, cfg))
+    best = {name: {k: min(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items()}
+    for name, b in best.items():
+        print(f"{name:>13}: {b['step_ms']:8.1f} ms/step  first step {b['first']:6.2f} s  "
+              f"peak +{b['peak_mb']:7.1f} MB")
+    h, t = best["hand-written"], best["Trainer.fit"]
+    print(f"ratio (Trainer / hand-written): steady state {t['step_ms'] / h['step_ms']:.3f} "
+          f"(target <= 1.05), first step {t['first'] / h['first']:.3f} (target <= 1.2), "
+          f"peak memory {t['peak_mb'] / h['peak_mb']:.3f} (target <= 1.1)")
+
+
+if __name__ == "__main__":
+    main()
