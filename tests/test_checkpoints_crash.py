@@ -6,11 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+
+from dew.data.base import DataPartition
+from dew.training.checkpoints import Checkpoints
 
 STATE = """
 import jax, jax.numpy as jnp, numpy as np
@@ -32,6 +34,8 @@ def template(state):
 def same(a, b):
     return all(bool((np.asarray(x) == np.asarray(y)).all()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 """
+HERE: dict = {}
+exec(STATE, HERE)  # the same helpers, in this process, to check what the children left
 
 
 def test_restore_into_another_placement(tmp_path: Path, python_in_subprocess) -> None:
@@ -89,8 +93,7 @@ print("committed", flush=True)
 
 
 @pytest.mark.parametrize("point", ["during-write", "manifest", "rename", "after-return", "prune"])
-def test_kill_9_during_a_save_keeps_the_last_committed_step(tmp_path: Path, point: str,
-                                                            python_in_subprocess) -> None:
+def test_kill_9_during_a_save_keeps_the_last_committed_step(tmp_path: Path, point: str) -> None:
     script = tmp_path / "crash.py"
     script.write_text(CRASH)
     directory = tmp_path / "run"
@@ -108,21 +111,15 @@ def test_kill_9_during_a_save_keeps_the_last_committed_step(tmp_path: Path, poin
     assert child.returncode == -signal.SIGKILL, child.stderr.read()[-3000:]
 
     expected = 2 if point == "prune" else 1
-    check = STATE + f"""
-from pathlib import Path
-directory = Path({str(directory)!r})
-checkpoints = Checkpoints(directory, keep=1, fallback=False)
-latest = checkpoints.latest
-assert not [p for p in directory.iterdir() if "tmp" in p.name], list(directory.iterdir())
-restored = checkpoints.restore(template(make_state(0, 64 if latest == 1 else 1024)), partition=DataPartition())
-assert same(restored.state, make_state(latest, 64 if latest == 1 else 1024))
-print("latest", latest, restored.position)
-"""
-    out = python_in_subprocess(check, timeout=120).strip()
-    if point == "after-return":  # the kill may land before or after the commit; either step is whole
-        assert out in ("latest 1 b'one'", "latest 2 b'two'")
-    else:
-        assert out == f"latest {expected} {[None, b'one', b'two'][expected]!r}"
+    checkpoints = Checkpoints(directory, keep=1, fallback=False)
+    latest = checkpoints.latest
+    assert not [p for p in directory.iterdir() if "tmp" in p.name], list(directory.iterdir())
+    width = 64 if latest == 1 else 1024
+    restored = checkpoints.restore(HERE["template"](HERE["make_state"](0, width)), partition=DataPartition())
+    assert HERE["same"](restored.state, HERE["make_state"](latest, width))
+    assert restored.position == [None, b"one", b"two"][latest]
+    if point != "after-return":  # there the kill may land before or after the commit; either step is whole
+        assert latest == expected
 
 
 FULL = STATE + """
@@ -149,8 +146,7 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
 
 
 @pytest.mark.parametrize("how", ["tmpfs", "rlimit"])
-def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how: str,
-                                                             python_in_subprocess) -> None:
+def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how: str) -> None:
     mount = tmp_path / "disk"
     if how == "tmpfs" and not _mount_tmpfs(mount, "1m"):
         pytest.skip("mounting a tmpfs is not permitted here (the rlimit case covers a refused write)")
@@ -167,13 +163,11 @@ def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how:
         # Orbax's threads may log after the error; the error itself is the program's end.
         assert ("dew.training.checkpoint_errors.CheckpointWriteError: Saving checkpoint step 2 "
                 f"into {directory} failed") in child.stderr, child.stderr[-3000:]
-        check = STATE + textwrap.dedent(f"""
-            checkpoints = Checkpoints({str(directory)!r})
-            restored = checkpoints.restore(template(make_state(0, 16)), partition=DataPartition())
-            assert same(restored.state, make_state(1, 16))
-            print(checkpoints.latest, restored.position)
-        """)
-        assert python_in_subprocess(check, timeout=120).strip() == "1 b'one'"
+        checkpoints = Checkpoints(directory)
+        restored = checkpoints.restore(HERE["template"](HERE["make_state"](0, 16)), partition=DataPartition())
+        assert HERE["same"](restored.state, HERE["make_state"](1, 16))
+        assert (checkpoints.latest, restored.position) == (1, b"one")
+        checkpoints.close()
     finally:
         if how == "tmpfs":
             subprocess.run(["umount", str(mount)], check=False)
