@@ -103,6 +103,19 @@ def test_windows_are_cached_on_disk_and_the_cache_follows_the_inputs(tmp_path, t
     np.testing.assert_array_equal(changed, packed_bytes(["changed text, changed windows", *DOCS[1:]], 9))
 
 
+def test_cached_windows_travel_to_workers_as_a_file_name(tmp_path, text_files):
+    import pickle
+
+    reader = TokenWindows(files=[str(p) for p in text_files], length=9, cache_dir=str(tmp_path / "c"))
+    reader.windows()
+    records = reader.records().subset(np.asarray([3, 1, 2]))
+    blob = pickle.dumps(records)
+    back = pickle.loads(blob)
+    assert isinstance(back.columns["text"], np.memmap)
+    assert Path(back.columns["text"].filename).parent == tmp_path / "c"
+    np.testing.assert_array_equal(back.take(np.arange(3))["text"], reader.windows()[[3, 1, 2]])
+
+
 def test_load_holds_out_validation_windows_and_streams_the_rest(text_files):
     from collections import Counter
 

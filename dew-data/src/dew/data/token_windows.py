@@ -242,7 +242,12 @@ class TokenWindows:
     def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
              workers: int = 0, prefetch: int = 4) -> Dataset:
         """A Dataset over the windows: a seeded val_fraction of them held out (val_seed picks
-        which, independent of the shuffle seed), the rest streamed by train_stream."""
+        which, independent of the shuffle seed), the rest streamed by train_stream.
+
+        Validation is one ordered pass over the held-out windows in global batches of
+        batch rows; the last partial batch is dropped so every batch has one shape, and a
+        held-out set smaller than one batch is refused here rather than yielding nothing.
+        """
         train, val = split_records(self.records(), val_fraction, val_seed)
         if val is not None and len(val) < batch:
             raise EmptyDatasetError(
