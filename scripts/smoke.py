@@ -1,5 +1,7 @@
 """A smoke run of the installed stack: a linear regression trained for a few steps.
 
+The trainer's console prints the loss at each log step.
+
 scripts/run falls back to this while no default recipe is installed.
 """
 
@@ -35,19 +37,8 @@ def stream(partition):
         yield {"x": x, "y": x @ np.arange(1, 5, dtype=np.float32)[:, None] + 1}
 
 
-class Printer:
-    def log(self, scalars, step):
-        print(f"step {step}: loss {scalars['loss']:.4f}")
-
-    def artifact(self, value, step):
-        pass
-
-    def close(self):
-        pass
-
-
 if __name__ == "__main__":
     print("registered models:", dew.models.names())
-    trainer = dew.Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0), tracker=Printer())
+    trainer = dew.Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0))
     trainer.fit(Dataset(train=stream, batch=8), steps=20, log_every=5)
     print("smoke run finished")
