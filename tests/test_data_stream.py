@@ -56,6 +56,16 @@ def test_the_epoch_shuffle_is_a_bijection_computed_per_index(n):
     np.testing.assert_array_equal(permute(picked, n, 1, 1), orders[3][picked.astype(np.int64)])
 
 
+def test_large_datasets_compute_the_same_order_without_tables(monkeypatch):
+    from dew.data import stream as module
+
+    tabled = take(train_stream(records(), batch=5, seed=2), 12)
+    monkeypatch.setattr(module, "_TABLE_LIMIT", 4)  # every dataset counts as large
+    computed = take(train_stream(records(), batch=5, seed=2), 12)
+    for a, b in zip(tabled, computed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_rows_carry_every_column_of_their_record():
     batch = next(train_stream(records(), batch=4, seed=0))
     np.testing.assert_array_equal(batch["x"], np.stack([np.arange(3) + 3 * i for i in batch["id"]]))

@@ -14,7 +14,8 @@ The pipeline runs on Grain at the level of chunks (one share's rows of one
 global batch): ``MapDataset.range(endless)[s::S]`` -> ``.map(chunk ->
 record indices -> fetch and transform)`` -> ``.to_iter_dataset`` (a
 prefetch thread) -> ``.mp_prefetch`` when ``workers``. A chunk's indices
-come from one vectorised permutation call and its records
+come from the epoch's order (a table kept for datasets up to 4M records, else
+one vectorised permutation call) and its records
 from one gather (``source.take``) when the source offers it; routing every
 row through Grain's per-index shuffle measured about 65 us per row here,
 too slow for short token windows.
@@ -181,19 +182,43 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return permute(np.arange(n, dtype=np.uint64), n, seed, epoch)
 
 
-@dataclass(frozen=True)
-class _Order:
-    """The record index at each position of the endless order (epochs laid end to end)."""
+_TABLE_LIMIT = 1 << 22  # up to this many records, an epoch's order is computed whole and kept
 
-    n: int
-    seed: int
+
+class _Order:
+    """The record index at each position of the endless order (epochs laid end to end).
+
+    Small datasets keep the last two epochs' orders as tables (one fancy index per
+    chunk); larger ones compute each chunk's indices with permute. Both agree.
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self._tables: dict[int, np.ndarray] = {}
+
+    def __getstate__(self) -> tuple[int, int]:
+        return self.n, self.seed
+
+    def __setstate__(self, state: tuple[int, int]) -> None:
+        self.__init__(*state)
+
+    def _epoch(self, epoch: int, within: np.ndarray) -> np.ndarray:
+        if self.n > _TABLE_LIMIT:
+            return permute(within, self.n, self.seed, epoch)
+        if epoch not in self._tables:
+            if len(self._tables) >= 2:
+                self._tables.pop(min(self._tables))
+            self._tables[epoch] = epoch_order(self.n, self.seed, epoch)
+        return self._tables[epoch][within]
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         epochs, within = np.divmod(positions, self.n)
+        if epochs[0] == epochs[-1]:
+            return self._epoch(int(epochs[0]), within)
         out = np.empty_like(positions)
         for epoch in np.unique(epochs):
             here = epochs == epoch
-            out[here] = permute(within[here], self.n, self.seed, int(epoch))
+            out[here] = self._epoch(int(epoch), within[here])
         return out
 
 
