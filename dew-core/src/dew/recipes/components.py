@@ -15,7 +15,7 @@ from typing import Any
 import pydantic
 from pydantic_core import PydanticCustomError
 
-__all__ = ["ComponentConfig", "DataConfig", "check_component"]
+__all__ = ["ComponentConfig", "DataConfig", "check_component", "coerced"]
 
 # Fields a run supplies itself. The objective is always built around the
 # recipe's model, so a recipe cannot give one; it takes the data reader's
@@ -47,15 +47,40 @@ class DataConfig(ComponentConfig):
     )
 
 
+def _adapter_or_none(annotation: Any) -> pydantic.TypeAdapter | None:
+    for config in (pydantic.ConfigDict(arbitrary_types_allowed=True), None):
+        try:
+            return pydantic.TypeAdapter(annotation, config=config)
+        except pydantic.PydanticUserError:  # a dataclass or model brings its own config
+            continue
+        except Exception:  # noqa: BLE001 - an annotation pydantic cannot build a schema for
+            return None
+    return None
+
+
 def _lenient(annotation: Any) -> Any:
     """An annotation pydantic can check; any it cannot becomes Any."""
-    if annotation is Any:
-        return Any
-    try:
-        pydantic.TypeAdapter(annotation, config=pydantic.ConfigDict(arbitrary_types_allowed=True))
-    except Exception:  # noqa: BLE001 - an annotation pydantic cannot build a schema for
+    if annotation is Any or _adapter_or_none(annotation) is None:
         return Any
     return annotation
+
+
+def _adapter(annotation: Any) -> pydantic.TypeAdapter:
+    return _adapter_or_none(annotation) or pydantic.TypeAdapter(Any)
+
+
+def coerced(group: str, name: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """fields as the component's annotations read them: a mapping given for a dataclass
+    field (``preview_sampling: {temperature: 0.8}``) becomes that dataclass."""
+    from dew import registry as registries
+
+    declared = registries.declared_fields(registries.registry(group).load(name))
+    out = {}
+    for key, value in fields.items():
+        if key in declared and isinstance(value, dict | list):
+            value = _adapter(declared[key][0]).validate_python(value)
+        out[key] = value
+    return out
 
 
 def _given(value: Any) -> str:
@@ -94,13 +119,12 @@ def problems_of(group: str, name: str, fields: dict[str, Any], supplied: Collect
             continue
         annotation = _lenient(declared[key][0])
         try:
-            pydantic.TypeAdapter(
-                annotation, config=pydantic.ConfigDict(arbitrary_types_allowed=True)
-            ).validate_python(value)
+            _adapter(annotation).validate_python(value)
         except pydantic.ValidationError as error:
-            reason = "; ".join(e["msg"] for e in error.errors()[:3])
-            problems.append(((key,), f"{reason} (given {_given(value)}). Expected "
-                             f"{getattr(annotation, '__name__', None) or annotation}."))
+            for item in error.errors()[:3]:
+                inner = tuple(str(p) for p in item["loc"])
+                problems.append(((key, *inner), f"{item['msg']} (given {_given(item['input'])})."))
+
     for key, (_, default) in declared.items():
         if default is ... and key not in fields and key not in {*supplied, *may_supply}:
             problems.append(((key,), f"{registry.kind} {name!r} requires this field, but it is "

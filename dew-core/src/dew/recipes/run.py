@@ -47,6 +47,13 @@ def _accepts(component: Any, name: str) -> bool:
     return name in declared_fields(component)
 
 
+def _fields(group: str, component: Any, timestamp: str) -> dict[str, Any]:
+    """A component's fields, placeholders replaced and mappings made into their types."""
+    from dew.recipes.components import coerced
+
+    return coerced(group, component.name, expand(component.fields, timestamp))
+
+
 def _tokenizer(reader: Any) -> Any:
     """The reader's tokenizer as an object; a reader may hold a name ("byte") that its
     module's resolve_tokenizer turns into one."""
@@ -62,7 +69,7 @@ def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str =
     """The recipe's objective around model, given the reader's tokenizer if it takes one."""
     from dew import registry
 
-    fields = expand(config.objective.fields, timestamp)
+    fields = _fields("objectives", config.objective, timestamp)
     component = registry.objectives.load(config.objective.name)
     tokenizer = _tokenizer(reader)
     if tokenizer is not None and "tokenizer" not in fields and _accepts(component, "tokenizer"):
@@ -74,7 +81,7 @@ def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
     """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None."""
     from dew import registry
 
-    built = [registry.trackers.build(t.name, **expand(t.fields, timestamp))
+    built = [registry.trackers.build(t.name, **_fields("trackers", t, timestamp))
              for t in config.trackers]
     wandb = config.trainer.wandb
     if wandb is not None:
@@ -142,8 +149,8 @@ def train(config: RunConfig) -> Any:
     from dew.training.optim import build_optimizer
     from dew.training.trainer import Trainer
 
-    model = models.build(config.model.name, **expand(config.model.fields, stamp))
-    reader = registry.datasets.build(config.data.name, **expand(config.data.fields, stamp))
+    model = models.build(config.model.name, **_fields("models", config.model, stamp))
+    reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, stamp))
     load = expand(dict(config.data.load), stamp)
     if "seed" not in load and _accepts(reader.load, "seed"):
         load["seed"] = config.seed  # the run's seed orders its data too
@@ -161,9 +168,11 @@ def train(config: RunConfig) -> Any:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
                                       checkpoints=checkpoints, tracker=tracker)
         state = trainer.fit(dataset, **fit)
-        if checkpoints is not None and hasattr(checkpoints, "wait"):
+        if checkpoints is not None:
             checkpoints.wait()
     finally:
+        if checkpoints is not None and hasattr(checkpoints, "close"):
+            checkpoints.close()
         if tracker is not None:
             with contextlib.suppress(Exception):
                 tracker.close()
