@@ -1,0 +1,286 @@
+"""Preemption: Preempted's exit, the SIGTERM watch, and a trained run stopped and resumed to the bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dew.training.runtime import Preempted, PreemptionNotice, PreemptionWatch
+
+
+def _python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          **kwargs)
+
+
+def test_uncaught_preempted_exits_143_with_one_line() -> None:
+    result = _python("from dew.training.runtime import Preempted\nraise Preempted(7)")
+    assert result.returncode == 143
+    assert result.stderr.strip().splitlines() == [
+        "dew: preempted at step 7; its checkpoint and data position are written. "
+        "Run the same command again to resume."
+    ]
+
+
+def test_caught_preempted_is_quiet_and_keeps_its_step() -> None:
+    result = _python(
+        "from dew.training.runtime import Preempted\n"
+        "try:\n    raise Preempted(4)\nexcept SystemExit as stop:\n    print(stop.step)\n"
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "4" and result.stderr == ""
+    assert pickle.loads(pickle.dumps(Preempted(9))).step == 9
+    assert isinstance(Preempted(1), SystemExit)
+
+
+def test_sigterm_is_a_notice_inside_the_watch_only() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionWatch() as watch:
+        assert not watch.reached(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not watch.reached(2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.reached(2)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not PreemptionNotice.received()  # consumed by the run it stopped
+
+
+def test_notice_in_code_and_outside_the_main_thread() -> None:
+    with PreemptionWatch() as watch:
+        assert not watch.reached(1)
+        PreemptionNotice.send()
+        assert watch.reached(1)
+    seen = []
+
+    def worker() -> None:
+        with PreemptionWatch() as inner:
+            seen.append(signal.getsignal(signal.SIGTERM))
+            PreemptionNotice.send()
+            seen.append(inner.reached(3))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [signal.getsignal(signal.SIGTERM), True]
+
+
+def test_a_second_sigterm_ends_the_process_at_once() -> None:
+    code = (
+        "import os, signal, time\nfrom dew.training.runtime import PreemptionWatch\n"
+        "with PreemptionWatch() as watch:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.2)\n    print(watch.reached(1), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(5)\n    print('survived')\n"
+    )
+    result = _python(code)
+    assert result.stdout.strip() == "True" and result.returncode == -signal.SIGTERM
+
+
+# -- a real run, stopped by SIGTERM and resumed -------------------------------------------------
+
+TRAIN = r'''
+import json, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import linen as nn
+from dew import Checkpoints, Trainer
+from dew.data import Dataset
+from dew.objectives.base import Aux, Mean, Objective
+
+directory, losses, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+
+
+class Regression(Objective):
+    def __init__(self):
+        self.model = nn.Dense(features=3)
+
+    def init(self, key, variables=None):
+        return self.model.init(key, jnp.zeros((1, 4), jnp.float32))
+
+    def loss(self, variables, batch, step):
+        noise = jax.random.normal(step.key, batch["y"].shape) * 0.01 if hasattr(step, "key") else 0.0
+        errors = (self.model.apply(variables, batch["x"]) - batch["y"] - noise) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
+
+
+class Batches:
+    def __init__(self, pause):
+        self.index, self.pause = 0, pause
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        rng = np.random.default_rng(self.index)
+        x = rng.normal(size=(8, 4)).astype(np.float32)
+        self.index += 1
+        print("batch", self.index, flush=True)
+        time.sleep(self.pause)
+        return {"x": x, "y": np.tanh(x[:, :3] * 2 + 1)}
+
+    def get_state(self):
+        return str(self.index).encode()
+
+    def set_state(self, state):
+        self.index = int(state.decode())
+
+
+def validation(partition):
+    print("evaluating", flush=True)
+    for index in range(2):
+        time.sleep(0.3)
+        rng = np.random.default_rng(1000 + index)
+        x = rng.normal(size=(8, 4)).astype(np.float32)
+        yield {"x": x, "y": np.tanh(x[:, :3] * 2 + 1)}
+
+
+class Losses:
+    def log(self, scalars, step):
+        with open(losses, "a") as handle:
+            kept = {k: v for k, v in scalars.items() if not k.startswith("throughput/")}
+            handle.write(json.dumps({"step": step, "scalars": kept}) + "\n")
+
+    def artifact(self, value, step):
+        pass
+
+
+if mode == "save":
+    original = Checkpoints.save
+
+    def slow_save(self, step, *args, **kwargs):
+        print("saving", step, flush=True)
+        time.sleep(0.4)
+        return original(self, step, *args, **kwargs)
+
+    Checkpoints.save = slow_save
+
+pause = 0.0 if mode == "none" else 0.05
+data = Dataset(train=lambda partition: Batches(pause), val=validation, records=None, batch=8)
+checkpoints = Checkpoints(directory, keep=2)
+trainer = Trainer(Regression(), optax.adam(0.05), key=jax.random.key(0), checkpoints=checkpoints,
+                  accumulation=2, tracker=Losses())
+final = trainer.fit(data, steps=12, log_every=1, eval_every=5, checkpoint_every=4)
+checkpoints.wait()
+print("finished", int(final.step), flush=True)
+'''
+
+TRIGGERS = {"step": "batch 3", "eval": "evaluating", "save": "saving 8"}
+
+
+def _losses(path: Path) -> dict[tuple[int, str], float]:
+    """Every logged scalar (losses and validation scores) by (step, name); a repeat must agree."""
+    table: dict[tuple[int, str], float] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        for name, value in row["scalars"].items():
+            key = (row["step"], name)
+            assert key not in table or table[key] == value, (key, table[key], value)
+            table[key] = value
+    return table
+
+
+def _steps(table: dict[tuple[int, str], float]) -> list[int]:
+    return sorted({step for step, name in table if name == "loss"})
+
+
+def _train(tmp_path: Path, name: str, mode: str, trigger: str | None = None) -> tuple[int, str, str]:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert child.stdout is not None
+    lines = []
+    for line in child.stdout:
+        lines.append(line)
+        if trigger is not None and line.strip() == trigger:
+            child.send_signal(signal.SIGTERM)
+            trigger = None
+    child.wait(timeout=180)
+    return child.returncode, "".join(lines), child.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], float]:
+    where = tmp_path_factory.mktemp("whole")
+    code, out, err = _train(where, "run", "none")
+    assert code == 0, err[-4000:]
+    assert "finished 12" in out
+    losses = _losses(where / "run.jsonl")
+    assert _steps(losses) == list(range(1, 13))
+    assert (10, "val/loss") in losses or any(name.startswith("val/") for _, name in losses), sorted(losses)
+    return losses
+
+
+def test_sigterm_at_three_points_then_rerun_matches_the_uninterrupted_run(
+        tmp_path: Path, uninterrupted: dict[tuple[int, str], float]) -> None:
+    """One run stopped three times (mid-step, during evaluation, during a save), each time resumed."""
+    start = 0
+    for point, expected in (("step", None), ("eval", 5), ("save", 8)):
+        code, out, err = _train(tmp_path, "run", point, TRIGGERS[point])
+        assert code == 143, f"{point}: {err[-4000:]}"
+        stopped = [line for line in err.splitlines() if line.startswith("dew: preempted at step")]
+        assert len(stopped) == 1, err[-4000:]
+        step = int(stopped[0].split()[4].rstrip(";"))
+        assert f"Training from step {start} to 12" in out and "finished" not in out
+        assert expected is None or step == expected, (point, step)
+        assert start < step < 12
+        assert (tmp_path / "run" / str(step) / "dew.json").is_file()
+        assert max(_steps(_losses(tmp_path / "run.jsonl"))) == step
+        start = step
+    code, out, err = _train(tmp_path, "run", "none")
+    assert code == 0, err[-4000:]
+    assert f"Training from step {start} to 12" in out and "finished 12" in out
+    assert _losses(tmp_path / "run.jsonl") == uninterrupted  # every scalar, bit for bit
+
+
+def test_fit_with_the_target_reached_reads_and_compiles_nothing(tmp_path: Path) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import linen as nn
+
+    from dew import Checkpoints, Trainer
+    from dew.data import Dataset
+    from dew.objectives.base import Aux, Mean, Objective
+
+    class Tiny(Objective):
+        def __init__(self) -> None:
+            self.model = nn.Dense(features=1)
+
+        def init(self, key, variables=None):
+            return self.model.init(key, jnp.zeros((1, 2), jnp.float32))
+
+        def loss(self, variables, batch, step):
+            errors = (self.model.apply(variables, batch["x"]) - 1.0) ** 2
+            return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
+
+    def stream(partition):
+        while True:
+            yield {"x": np.ones((4, 2), np.float32)}
+
+    checkpoints = Checkpoints(tmp_path / "run")
+    Trainer(Tiny(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints).fit(
+        Dataset(train=stream, batch=4), steps=3, checkpoint_every=3)
+    checkpoints.wait()
+    saved = sorted(p.name for p in (tmp_path / "run").iterdir())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("read or compiled")
+
+    trainer = Trainer(Tiny(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path / "run"))
+    trainer.compile = refuse
+    final = trainer.fit(Dataset(train=refuse, val=refuse, batch=4), steps=3, checkpoint_every=1)
+    assert int(final.step) == 3
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == saved
