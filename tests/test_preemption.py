@@ -106,7 +106,7 @@ class Regression(Objective):
         return self.model.init(key, jnp.zeros((1, 4), jnp.float32))
 
     def loss(self, variables, batch, step):
-        noise = jax.random.normal(step.key, batch["y"].shape) * 0.01 if hasattr(step, "key") else 0.0
+        noise = jax.random.normal(step.key, batch["y"].shape) * 0.01
         errors = (self.model.apply(variables, batch["x"]) - batch["y"] - noise) ** 2
         return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
 
