@@ -121,6 +121,20 @@ def fit(args, tracked: bool, root: Path, index: int) -> float:
     return per_step
 
 
+def per_call(root: Path, mlflow_uri: str, calls: int = 200) -> None:
+    """The host time one log() call costs in each sink (what a step pays per log)."""
+    scalars = {"loss": 0.5, "abs": 0.25, "throughput/steps_per_second": 10.0,
+               "throughput/records_per_second": 2560.0}
+    for sink in sinks(root, 99, mlflow_uri):
+        sink.log(scalars, 0)  # open it
+        began = time.perf_counter()
+        for step in range(1, calls + 1):
+            sink.log(scalars, step)
+        cost = (time.perf_counter() - began) / calls
+        sink.close()
+        print(f"  {type(sink).__name__:20s} {1e6 * cost:8.1f} us per log() call")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -145,6 +159,8 @@ def main() -> None:
     print(f"no tracker:    {1e3 * base:.2f} ms/step (median of {args.repeats})")
     print(f"all trackers:  {1e3 * tracked:.2f} ms/step (median of {args.repeats})")
     print(f"ratio: {tracked / base:.3f} (target <= 1.02)")
+    print("per-call cost (host time of log(), 4 scalars):")
+    per_call(root, args.mlflow_uri)
 
 
 if __name__ == "__main__":

@@ -204,3 +204,22 @@ def test_tensorboard_read_back_through_its_event_reader(tmp_path):
     assert json.loads(record.tensor_proto.string_val[0]) == {
         "step": 8, "type": "profile_window",
         "record": {"directory": "/tmp/trace", "start": 5, "steps": 3}}
+
+
+def test_sender_keeps_order_batches_and_surfaces_a_failure():
+    from dew.trackers._worker import Sender
+
+    received: list[list[int]] = []
+    sender = Sender(received.append, "test-sender")
+    for item in range(100):
+        sender.submit(item)
+    sender.drain()
+    assert [item for batch in received for item in batch] == list(range(100))
+
+    def broken(items):
+        raise ConnectionError("tracking server went away")
+
+    failing = Sender(broken, "test-failing")
+    failing.submit(1)
+    with pytest.raises(ConnectionError, match="went away"):
+        failing.drain()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from dew.telemetry.records import is_record, previews_of, record_row
 from dew.trackers import require
+from dew.trackers._worker import Sender
 from dew.training.trackers import Reported, check_reported
 
 __all__ = ["WandbTracker"]
@@ -25,6 +27,11 @@ class WandbTracker:
     written to ``records/<type>/step_<step>.json`` in the run's directory.
     offline=True keeps everything on disk (``wandb sync`` uploads it later)
     and needs no network; id resumes (or names) a run.
+
+    The run starts on the caller's thread; every later call to wandb runs on a
+    background thread, in order, so a step pays microseconds for a log. A
+    failure there is raised by the next call or by ``close``, which waits for
+    everything queued before finishing the run.
     """
 
     def __init__(
@@ -45,6 +52,7 @@ class WandbTracker:
         self.offline = offline
         self.id = id
         self._run: Any = None
+        self._sender = Sender(_call_each, "dew-wandb")
 
     @property
     def run(self) -> Any:
@@ -61,7 +69,8 @@ class WandbTracker:
         return self._run
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        self.run.log({name: float(value) for name, value in scalars.items()}, step=int(step))
+        row = {name: float(value) for name, value in scalars.items()}
+        self._sender.submit(partial(self.run.log, row, step=int(step)))
 
     def artifact(self, value: Reported, step: int) -> None:
         from dew.telemetry.render import image_grid, safe_name, write_preview
@@ -83,12 +92,20 @@ class WandbTracker:
                     image_grid(np.asarray(preview.data)), caption=preview.name
                 )
         if media:
-            run.log(media, step=int(step))
+            self._sender.submit(partial(run.log, media, step=int(step)))
 
     def close(self) -> None:
         run, self._run = self._run, None
         if run is not None:
-            run.finish()
+            try:
+                self._sender.drain()
+            finally:
+                run.finish()
 
     def __repr__(self) -> str:
         return f"WandbTracker({self.project!r}, {self.name!r}, offline={self.offline})"
+
+
+def _call_each(calls: list[Any]) -> None:
+    for call in calls:
+        call()
