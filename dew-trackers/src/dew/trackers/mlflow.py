@@ -94,11 +94,13 @@ class MLflowTracker:
         if self._run is None:
             return
         client, run_id = self._run
+        status = "FAILED"
         try:
             self._sender.drain()
+            status = "FINISHED"
         finally:
             self._run = None
-            client.set_terminated(run_id)
+            client.set_terminated(run_id, status=status)
 
     def __repr__(self) -> str:
         return f"MLflowTracker({self.experiment!r}, {self.name!r}, uri={self.uri!r})"
