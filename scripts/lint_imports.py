@@ -31,7 +31,7 @@ def _exists(module: str) -> bool:
         return True
     try:
         return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
+    except ImportError:  # a parent is missing, or a distribution that ships it
         return False
 
 
