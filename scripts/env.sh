@@ -42,7 +42,13 @@ ensure_venv() {
     if [ ! -x "$VENV/bin/python" ]; then
         python="$(_find_python)" || return 1
         echo "creating $VENV with $python" >&2
-        "$python" -m venv "$VENV" || return 1
+        if ! "$python" -m venv "$VENV"; then
+            # Some system Pythons ship without ensurepip; virtualenv needs only pip.
+            echo "python -m venv failed; trying virtualenv" >&2
+            rm -rf "$VENV"
+            "$python" -m pip install --user --quiet virtualenv &&
+                "$python" -m virtualenv --quiet "$VENV" || return 1
+        fi
     fi
     stamp_file="$VENV/.dew-installed-$kind"
     stamp="$(_stamp_of "$kind")" || return 1
