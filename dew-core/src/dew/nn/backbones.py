@@ -50,7 +50,7 @@ class CausalTransformer(nn.Module):
     head_features: int | None = None
     position_embedding: Literal["learned", "rotary"] = "learned"
     mlp_activation: Literal["gelu", "swiglu"] = "gelu"
-    tie_embeddings: bool = True
+    tie_embeddings: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
