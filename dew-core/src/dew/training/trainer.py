@@ -168,14 +168,20 @@ class Trainer(Generic[Loss, Effects]):
             window=window,
         )
 
+    @cached_property
     def _boxed_variables(self) -> Any:
+        """The objective's variables as shapes, with the logical axes its modules declare."""
         return jax.eval_shape(lambda k: self.objective.init(self._init_key(k)), self.key)
+
+    @cached_property
+    def _abstract_state(self) -> TrainState:
+        return jax.eval_shape(self.initial_state)
 
     def shardings(self, state: TrainState) -> Placement:
         """Place every field of state: parameter-shaped trees follow the parameters."""
         mesh = self.device_mesh
         replicated = NamedSharding(mesh, PartitionSpec())
-        params = self.layout.shardings(mesh, self._boxed_variables())
+        params = self.layout.shardings(mesh, self._boxed_variables)
         by_path = {
             _names(path): sharding
             for path, sharding in jax.tree_util.tree_flatten_with_path(params)[0]
@@ -217,7 +223,7 @@ class Trainer(Generic[Loss, Effects]):
 
         Returns the state, its shardings and the data position a resume continues from.
         """
-        abstract = jax.eval_shape(self.initial_state)
+        abstract = self._abstract_state
         shardings = self.shardings(abstract)
         self.layout.check(abstract.params, shardings.params, self.device_mesh)
         if self.checkpoints is not None and self.checkpoints.latest is not None:
@@ -248,7 +254,7 @@ class Trainer(Generic[Loss, Effects]):
         ema = self.objective.ema
         selected = None
         if ema is not None:
-            selected = ema_mask(ema, jax.eval_shape(self.initial_state).params)
+            selected = ema_mask(ema, self._abstract_state.params)
         return build_train_step(
             self.objective, self.optimizer, accumulation=self.accumulation, ema=ema,
             ema_selected=selected,
