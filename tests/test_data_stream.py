@@ -21,8 +21,9 @@ from dew.data.errors import (
     MissingKeyError,
     PositionMismatchError,
 )
+from dew.data.order import epoch_order, permute
 from dew.data.sources import ArrayRecords
-from dew.data.stream import epoch_order, permute, train_stream, val_stream
+from dew.data.stream import train_stream, val_stream
 
 N = 23  # not a multiple of any batch below: batches cross epoch boundaries
 
@@ -57,7 +58,7 @@ def test_the_epoch_shuffle_is_a_bijection_computed_per_index(n):
 
 
 def test_large_datasets_compute_the_same_order_without_tables(monkeypatch):
-    from dew.data import stream as module
+    from dew.data import order as module
 
     tabled = take(train_stream(records(), batch=5, seed=2), 12)
     monkeypatch.setattr(module, "_TABLE_LIMIT", 4)  # every dataset counts as large

@@ -1,10 +1,9 @@
 """train_stream: an endless, shuffled, sharded Grain stream that resumes anywhere.
 
 The global order. Each epoch is a seeded permutation of the records
-(``epoch_order(n, seed, epoch)``: a Feistel bijection keyed by the seed and
-the epoch, computed per index like Grain's index shuffle but vectorised, so
-the order is fixed by dew and not by a library version), and the epochs are laid end to end into one endless
-order. Global batch ``g`` after a start position ``r`` is records
+(``dew.data.order``: a Feistel bijection keyed by the seed and the epoch,
+computed per index like Grain's index shuffle but vectorised), and the
+epochs are laid end to end into one endless order. Global batch ``g`` after a start position ``r`` is records
 ``[r + g*B, r + (g+1)*B)`` of that order, so batches cross epoch boundaries
 instead of dropping the last partial batch of each epoch. Share ``s`` of
 ``S`` reads rows ``[s*B/S, (s+1)*B/S)`` of every global batch; the union of
@@ -14,11 +13,10 @@ The pipeline runs on Grain at the level of chunks (one share's rows of one
 global batch): ``MapDataset.range(endless)[s::S]`` -> ``.map(chunk ->
 record indices -> fetch and transform)`` -> ``.to_iter_dataset`` (a
 prefetch thread) -> ``.mp_prefetch`` when ``workers``. A chunk's indices
-come from the epoch's order (a table kept for datasets up to 4M records, else
-one vectorised permutation call) and its records
-from one gather (``source.take``) when the source offers it; routing every
-row through Grain's per-index shuffle measured about 65 us per row here,
-too slow for short token windows.
+come from the epoch's order (RecordOrder) and its records from one gather
+(``source.take``) when the source offers it; routing every row through
+Grain's per-index shuffle measured about 65 us per row here, too slow for
+short token windows.
 
 The position. Grain's own iterator state is per worker and does not survive a
 change of worker or process count, so the stream's position is dew's own: the
@@ -34,7 +32,6 @@ must pickle, and a script that uses them must parse absl flags
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -51,14 +48,13 @@ from dew.data.errors import (
     MissingKeyError,
     PositionMismatchError,
 )
+from dew.data.order import RecordOrder
 
 __all__ = [
     "StreamReader",
     "TrainStream",
     "ValReader",
     "decode_position",
-    "epoch_order",
-    "permute",
     "train_stream",
     "val_stream",
 ]
@@ -122,104 +118,7 @@ def _read_options(prefetch: int) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=1 if prefetch > 0 else 0, prefetch_buffer_size=max(prefetch, 1))
 
 
-_MASK = (1 << 64) - 1
 _ENDLESS = 2**62  # chunks in an endless stream
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, element-wise on a uint64 array (wrapping arithmetic)."""
-    z = values + _GOLDEN
-    z ^= z >> _S30
-    z *= _MIX1
-    z ^= z >> _S27
-    z *= _MIX2
-    z ^= z >> _S31
-    return z
-
-
-@functools.lru_cache(maxsize=64)
-def _round_keys(seed: int, epoch: int, rounds: int = 4) -> tuple[np.uint64, ...]:
-    base = _splitmix64(np.asarray([seed & _MASK], np.uint64))
-    mixed = _splitmix64(base ^ np.asarray([epoch & _MASK], np.uint64))
-    return tuple(_splitmix64(mixed + np.arange(1, rounds + 1, dtype=np.uint64)))
-
-
-def permute(indices: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
-    """Where each index of one epoch goes: a seeded bijection of range(n), computed per index.
-
-    A 4-round Feistel network over the smallest even-bit domain that holds n
-    (splitmix64 as the round function), cycle-walking values that land past
-    n back into range. It needs no table, so any slice of any epoch costs
-    the same, whatever n is.
-    """
-    half = max(1, ((n - 1).bit_length() + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
-    shift = np.uint64(half)
-    keys = _round_keys(seed, epoch)
-
-    def feistel(x: np.ndarray) -> np.ndarray:
-        left, right = x >> shift, x & mask
-        for key in keys:
-            left, right = right, left ^ (_splitmix64(right ^ key) & mask)
-        return (left << shift) | right
-
-    out = feistel(np.asarray(indices, dtype=np.uint64))
-    outside = out >= np.uint64(n)
-    while outside.any():
-        out[outside] = feistel(out[outside])
-        outside = out >= np.uint64(n)
-    return out.astype(np.int64)
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
-    """The records of one epoch in stream order (a permutation of range(n))."""
-    return permute(np.arange(n, dtype=np.uint64), n, seed, epoch)
-
-
-_TABLE_LIMIT = 1 << 22  # up to this many records, an epoch's order is computed whole and kept
-
-
-class _Order:
-    """The record index at each position of the endless order (epochs laid end to end).
-
-    Small datasets keep the last two epochs' orders as tables (one fancy index per
-    chunk); larger ones compute each chunk's indices with permute. Both agree.
-    """
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed = n, seed
-        self._tables: dict[int, np.ndarray] = {}
-
-    def __getstate__(self) -> tuple[int, int]:
-        return self.n, self.seed
-
-    def __setstate__(self, state: tuple[int, int]) -> None:
-        self.__init__(*state)
-
-    def _epoch(self, epoch: int, within: np.ndarray) -> np.ndarray:
-        if self.n > _TABLE_LIMIT:
-            return permute(within, self.n, self.seed, epoch)
-        if epoch not in self._tables:
-            if len(self._tables) >= 2:
-                self._tables.pop(min(self._tables))
-            self._tables[epoch] = epoch_order(self.n, self.seed, epoch)
-        return self._tables[epoch][within]
-
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        epochs, within = np.divmod(positions, self.n)
-        if epochs[0] == epochs[-1]:
-            return self._epoch(int(epochs[0]), within)
-        out = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            here = epochs == epoch
-            out[here] = self._epoch(int(epoch), within[here])
-        return out
 
 
 @dataclass(frozen=True)
@@ -227,7 +126,7 @@ class _Chunk:
     """Chunk m of the stream after start: the records at positions [start + m*rows, ... + rows)."""
 
     fetch: _Fetch
-    order: _Order
+    order: RecordOrder
     start: int
     rows: int
 
@@ -239,7 +138,7 @@ class _Chunk:
 def _pipeline(source: Any, *, batch: int, partition: DataPartition, seed: int, start: int,
               transform: Transform | None, workers: int, prefetch: int) -> Iterator[dict[str, np.ndarray]]:
     rows = _rows(batch, partition)
-    chunk = _Chunk(_Fetch(source, transform), _Order(_length(source), seed), start, rows)
+    chunk = _Chunk(_Fetch(source, transform), RecordOrder(_length(source), seed), start, rows)
     chunks = grain.MapDataset.range(_ENDLESS)[partition.share :: partition.shares]
     dataset = chunks.map(chunk).to_iter_dataset(_read_options(prefetch))
     if workers > 0:
