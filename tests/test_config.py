@@ -190,6 +190,26 @@ def test_bad_recipe_fails_before_anything_runs(tmp_path, python_in_subprocess):
     assert "backend opened: False" in out
 
 
+def test_quantization_is_read_and_checked():
+    from dew.training.quantization import Quantization
+
+    config = RunConfig.parse(recipe(quantization={"dtype": "int8", "backward": "int8"}))
+    assert config.quantization == Quantization("int8", backward="int8")
+    text = problems(recipe(quantization={"dtyp": "int8"}))
+    assert "quantization.dtyp: unknown field" in text and "dtype, activations" in text
+
+
+def test_component_mappings_become_their_dataclasses():
+    from dew.recipes.components import coerced
+    from dew.sampling import Sampling
+
+    fields = {"seq_len": 16, "preview_sampling": {"temperature": 0.5, "top_k": 3}}
+    assert coerced("objectives", "lm", fields)["preview_sampling"] == Sampling(0.5, 3)
+    text = problems(recipe(objective={"name": "lm", "seq_len": 16,
+                                      "preview_sampling": {"temperature": "hot"}}))
+    assert "objective.preview_sampling.temperature: Input should be a valid number" in text
+
+
 # -- overrides, run.json ----------------------------------------------------------------------
 
 

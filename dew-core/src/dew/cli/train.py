@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import types
 import typing
@@ -37,7 +38,20 @@ def _submodel(annotation: Any) -> type[pydantic.BaseModel] | None:
         for arg in typing.get_args(annotation):
             if isinstance(arg, type) and issubclass(arg, pydantic.BaseModel):
                 return arg
+            if dataclasses.is_dataclass(arg):
+                return _as_model(arg)
     return None
+
+
+def _as_model(cls: type) -> type[pydantic.BaseModel]:
+    """A pydantic model with a dataclass's fields, for listing them."""
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.init:
+            default = ... if f.default is dataclasses.MISSING else f.default
+            fields[f.name] = (hints.get(f.name, Any), default)
+    return pydantic.create_model(cls.__name__, **fields)
 
 
 def _default(field: Any) -> str:

@@ -26,6 +26,7 @@ from dew.recipes.components import ComponentConfig, DataConfig, check_component
 from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
 from dew.training.config import TrainerConfig
 from dew.training.optim import OptimizerConfig
+from dew.training.quantization import Quantization
 
 __all__ = [
     "RecipeError",
@@ -63,6 +64,9 @@ class RunConfig(pydantic.BaseModel):
     trainer: TrainerConfig
     trackers: list[TrackerConfig] = pydantic.Field(
         default_factory=list, description="registered trackers (dew.trackers) and their fields"
+    )
+    quantization: Quantization | None = pydantic.Field(
+        None, description="train the model's trunk matmuls quantized (qwix)"
     )
 
     @pydantic.field_validator("model")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import types
 import typing
@@ -25,9 +26,22 @@ def _given(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _models_in(annotation: Any) -> list[type[pydantic.BaseModel]]:
-    """The pydantic models an annotation can hold (through Optional, unions, lists, tuples)."""
-    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+def _structured(annotation: Any) -> bool:
+    return isinstance(annotation, type) and (
+        issubclass(annotation, pydantic.BaseModel) or dataclasses.is_dataclass(annotation)
+    )
+
+
+def field_names(holder: type) -> list[str]:
+    """The field names of a pydantic model or a dataclass."""
+    if issubclass(holder, pydantic.BaseModel):
+        return list(holder.model_fields)
+    return [f.name for f in dataclasses.fields(holder) if f.init]
+
+
+def _models_in(annotation: Any) -> list[type]:
+    """The models and dataclasses an annotation can hold (through Optional, unions, lists)."""
+    if _structured(annotation):
         return [annotation]
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType, list, tuple, typing.Annotated):
@@ -38,18 +52,22 @@ def _models_in(annotation: Any) -> list[type[pydantic.BaseModel]]:
     return []
 
 
-def model_at(root: type[pydantic.BaseModel], loc: Sequence[Any]) -> type[pydantic.BaseModel] | None:
-    """The pydantic model that holds the fields found at loc under root, if one does."""
-    current: type[pydantic.BaseModel] | None = root
+def model_at(root: type[pydantic.BaseModel], loc: Sequence[Any]) -> type | None:
+    """The pydantic model (or dataclass) that holds the fields found at loc under root."""
+    current: type | None = root
     for part in loc:
         if current is None:
             return None
         if isinstance(part, int):
             continue  # a list index: the element type was taken with the field
-        field = current.model_fields.get(str(part))
-        if field is None:
+        if issubclass(current, pydantic.BaseModel):
+            field = current.model_fields.get(str(part))
+            annotation = None if field is None else field.annotation
+        else:
+            annotation = typing.get_type_hints(current).get(str(part))
+        if annotation is None:
             return None
-        models = _models_in(field.annotation)
+        models = _models_in(annotation)
         current = models[0] if models else None
     return current
 
@@ -58,7 +76,7 @@ def _allowed_fields(root: type[pydantic.BaseModel], loc: Sequence[Any]) -> str:
     holder = model_at(root, loc[:-1])
     if holder is None:
         return ""
-    names = list(holder.model_fields)
+    names = field_names(holder)
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f" Allowed here: {', '.join(names)}{hint}"
@@ -80,7 +98,7 @@ def from_validation_error(
         loc = (*prefix, *item["loc"])
         kind = item["type"]
         context = item.get("ctx") or {}
-        if kind == "extra_forbidden":
+        if kind in ("extra_forbidden", "unexpected_keyword_argument"):
             problems.append((
                 _path(loc),
                 f"unknown field (given {_given(item['input'])}).{_allowed_fields(root, loc)}",

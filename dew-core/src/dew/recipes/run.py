@@ -150,6 +150,10 @@ def train(config: RunConfig) -> Any:
     from dew.training.trainer import Trainer
 
     model = models.build(config.model.name, **_fields("models", config.model, stamp))
+    if config.quantization is not None:
+        from dew.training.quantization import apply_quantization
+
+        model = apply_quantization(model, config.quantization)
     reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, stamp))
     load = expand(dict(config.data.load), stamp)
     if "seed" not in load and _accepts(reader.load, "seed"):
