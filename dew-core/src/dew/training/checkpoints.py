@@ -411,7 +411,7 @@ class Checkpoints:
             raise CheckpointCorrupted(step, store.step_path(step) / "state", f"Orbax cannot read it ({error})") from error
         digests = integrity.digests_as_lists(integrity.digest_leaves(jax.tree_util.tree_leaves(restored)))
         for leaf, digest in zip(manifest["leaves"], digests, strict=True):
-            if list(leaf["digest"]) != digest:
+            if leaf["digest"] != digest:
                 raise CheckpointCorrupted(
                     step, store.step_path(step) / "state", f"leaf {leaf['path']} does not match its digest"
                 )
