@@ -72,7 +72,9 @@ class Loop:
         self.pending: list[tuple[int, dict, float]] = []  # (step, device metrics, dispatch time)
         self.last_saved: int | None = None
         self.rejected_streak = 0
-        self.records_seen = 0
+        self.compiled: dict[int, tuple[Any, dict]] = {}  # global rows -> (step, batch shapes)
+        schedule = getattr(dataset.train, "schedule", None) or ()
+        self.ramp_sizes = {int(size) for _, size in schedule}
 
     # -- entry -------------------------------------------------------------------
     def run(self) -> TrainState:
@@ -114,18 +116,9 @@ class Loop:
 
     def _steps(self, state: TrainState, start: int, watch: Any, profile: Any, preempted: type) -> TrainState:
         trainer = self.trainer
-        compiled = None
         for step in range(start, self.steps):
             batch = self._next_batch(state, step)
-            if compiled is None:
-                began = time.perf_counter()
-                expected = global_shape(batch, self.partition)
-                sharded = trainer.shard(batch, self.partition, None)
-                compiled = trainer.compile(state, sharded)
-                self.clock.compile = time.perf_counter() - began
-                self.compiled = compiled
-            else:
-                sharded = trainer.shard(batch, self.partition, expected)
+            compiled, sharded = self._compiled_for(state, batch)
             state, metrics = compiled(state, sharded)
             done = step + 1
             if step == start:
@@ -167,6 +160,29 @@ class Loop:
         return state
 
     # -- pieces ------------------------------------------------------------------
+    def _compiled_for(self, state: TrainState, batch: Mapping[str, Any]) -> tuple[Any, dict]:
+        """The compiled step for this batch's shape, and the batch on the mesh.
+
+        A run compiles once. A batch-size ramp (a train reader with a
+        schedule of (step, batch) pairs) adds one compiled step per size it
+        names; any other change of shape is refused by name.
+        """
+        shapes = global_shape(batch, self.partition)
+        rows = next((s.shape[0] for s in jax.tree.leaves(shapes) if s.shape), 0)
+        known = self.compiled.get(rows)
+        if known is not None:
+            compiled, expected = known
+            return compiled, self.trainer.shard(batch, self.partition, expected)
+        if self.compiled and rows not in self.ramp_sizes:
+            _, expected = next(iter(self.compiled.values()))
+            self.trainer.shard(batch, self.partition, expected)  # raises, naming the key and shapes
+        began = time.perf_counter()
+        sharded = self.trainer.shard(batch, self.partition, None)
+        compiled = self.trainer.compile(state, sharded)
+        self.clock.compile += time.perf_counter() - began
+        self.compiled[rows] = (compiled, shapes)
+        return compiled, sharded
+
     def _next_batch(self, state: TrainState, step: int) -> Mapping[str, Any]:
         began = time.perf_counter()
         try:
