@@ -192,9 +192,8 @@ class Loop:
                 f"The training stream ended at step {step}; Dataset.train must yield batches "
                 "endlessly (repeat the data, or lower steps)."
             ) from None
-        batch = self.trainer.prepare_batch(state, batch, step)
         self.clock.data += time.perf_counter() - began
-        return batch
+        return self.trainer.prepare_batch(state, batch, step)
 
     def _flush(self, upto: int | None) -> None:
         """Read the pending metrics of steps before upto (all when None); log marked ones."""
