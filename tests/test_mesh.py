@@ -75,7 +75,6 @@ SPLITS = {
 
 
 def run(python_in_subprocess, splits, devices):
-    import sys
 
     stdout = python_in_subprocess(
         f"import sys; sys.argv = ['x', {json.dumps(json.dumps(splits))}]\n" + PROGRAM,
