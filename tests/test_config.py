@@ -261,8 +261,23 @@ def test_train_runs_the_recipe_and_prints_a_sample(tmp_path, capsys):
     assert RunConfig.read(tmp_path / "ckpt") == config
     out = capsys.readouterr().out
     assert "Sample (sample):\ndew" in out
-    journal = "".join(p.read_text() for p in (tmp_path / "track").rglob("*.jsonl"))
-    assert '"loss"' in journal
+    scalars = (tmp_path / "track" / "scalars.jsonl").read_text()
+    assert '"loss"' in scalars
+    rows = [json.loads(line) for line in (tmp_path / "track" / "records.jsonl").read_text().splitlines()]
+    started = next(row for row in rows if "run_started" in json.dumps(row))
+    assert config.model_dump(mode="json") == _find_config(started)
+
+
+def _find_config(row):
+    """The recipe inside a journaled run_started row, wherever the journal nests it."""
+    if isinstance(row, dict):
+        if "config" in row and isinstance(row["config"], dict):
+            return row["config"]
+        for value in row.values():
+            found = _find_config(value)
+            if found is not None:
+                return found
+    return None
 
 
 # -- the process --------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
 
-__all__ = ["build_objective", "build_trackers", "expand", "sample", "train"]
+__all__ = ["ConfiguredTracker", "build_objective", "build_trackers", "expand", "sample", "train"]
 
 
 def expand(value: Any, timestamp: str) -> Any:
@@ -92,10 +92,31 @@ def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
     if not built:
         return None
     if len(built) == 1:
-        return built[0]
+        return ConfiguredTracker(built[0], config.model_dump(mode="json"))
     from dew.training.trackers import Trackers
 
-    return Trackers(*built)
+    return ConfiguredTracker(Trackers(*built), config.model_dump(mode="json"))
+
+
+class ConfiguredTracker:
+    """A tracker whose RunStarted records carry the recipe, which the loop does not know."""
+
+    def __init__(self, tracker: Any, config: dict[str, Any]) -> None:
+        self.tracker = tracker
+        self.config = config
+
+    def log(self, scalars: Any, step: int) -> None:
+        self.tracker.log(scalars, step)
+
+    def artifact(self, value: Any, step: int) -> None:
+        from dew.telemetry.records import RunStarted
+
+        if isinstance(value, RunStarted) and not value.config:
+            value = dataclasses.replace(value, config=self.config)
+        self.tracker.artifact(value, step)
+
+    def close(self) -> None:
+        self.tracker.close()
 
 
 def _absolute(path: str | None) -> str | None:
@@ -172,27 +193,35 @@ def train(config: RunConfig) -> Any:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
                                       checkpoints=checkpoints, tracker=tracker)
         state = trainer.fit(dataset, **fit)
-        if checkpoints is not None:
-            checkpoints.wait()
-    finally:
-        if checkpoints is not None and hasattr(checkpoints, "close"):
-            checkpoints.close()
-        if tracker is not None:
-            with contextlib.suppress(Exception):
-                tracker.close()
-    if jax.process_index() == 0:
-        sample(objective, state, key)
+    except BaseException:
+        # The run's own failure is the one to see; closing still flushes what it can.
+        with contextlib.suppress(Exception):
+            _close(checkpoints, tracker)
+        raise
+    _close(checkpoints, tracker)
+    # Every process takes part (the weights may be sharded across them); one prints.
+    sample(objective, state, key, quiet=jax.process_index() != 0)
     return state
 
 
-def sample(objective: Any, state: Any, key: Any, out: Any = None) -> Any:
+def _close(checkpoints: Any, tracker: Any) -> None:
+    """Wait for the last checkpoint and close the trackers, raising the first failure."""
+    try:
+        if checkpoints is not None:
+            checkpoints.close()
+    finally:
+        if tracker is not None:
+            tracker.close()
+
+
+def sample(objective: Any, state: Any, key: Any, out: Any = None, quiet: bool = False) -> Any:
     """Print the objective's preview of the trained weights (EMA when kept), if it has one."""
     import jax
 
     variables = state.averaged if getattr(state, "averaged", None) is not None else state.params
     preview = objective.preview(variables, jax.random.fold_in(key, int(state.step)))
-    if preview is None:
-        return None
+    if preview is None or quiet:
+        return preview
     stream = out or sys.stdout
     data = getattr(preview, "data", preview)
     if isinstance(data, str):
