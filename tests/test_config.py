@@ -190,6 +190,13 @@ def test_bad_recipe_fails_before_anything_runs(tmp_path, python_in_subprocess):
     assert "backend opened: False" in out
 
 
+def test_load_keywords_are_checked_against_the_readers_load():
+    text = problems(recipe(data={"name": "repeated", "batch": 4, "load": {"val_fracton": 0.1}}))
+    assert "data.load.val_fracton: repeated.load takes no 'val_fracton'" in text
+    text = problems(recipe(data={"name": "repeated", "batch": 4, "load": {"batch": 2}}))
+    assert "data.load.batch: give the batch as data.batch" in text
+
+
 def test_quantization_is_read_and_checked():
     from dew.training.quantization import Quantization
 

@@ -145,7 +145,7 @@ def _load_problems(config: DataConfig) -> list[tuple[tuple[str, ...], str]]:
         if key == "batch":
             problems.append((("load", key), "give the batch as data.batch, not in data.load."))
         elif key not in declared:
-            allowed = ", ".join(k for k in declared if k != "batch")
+            allowed = ", ".join(k for k in declared if k != "batch") or "none besides batch"
             problems.append((("load", key), f"{config.name}.load takes no {key!r} (given "
                              f"{_given(value)}). Allowed: {allowed}."))
     return problems
