@@ -328,6 +328,21 @@ def test_prepare_process_raises_limits_and_sets_flags(tmp_path, python_in_subpro
     assert "refused: JAX already opened its backend" in out
 
 
+def test_multi_host_without_a_pool_says_what_to_set(python_in_subprocess):
+    out = python_in_subprocess("""
+        import os
+        for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+            os.environ.pop(name, None)
+        from dew.training import TrainerConfig, prepare_process
+        from dew.training.runtime.process import ProcessPoolError
+        try:
+            prepare_process(TrainerConfig(steps=1, multi_host=True))
+        except ProcessPoolError as error:
+            print(error)
+    """)
+    assert "JAX_COORDINATOR_ADDRESS" in out and "JAX_NUM_PROCESSES" in out
+
+
 def test_run_timestamp_format():
     stamp = run_timestamp()
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d", stamp)

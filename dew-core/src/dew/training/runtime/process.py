@@ -18,6 +18,7 @@ from typing import Protocol
 
 __all__ = [
     "BackendAlreadyStartedError",
+    "ProcessPoolError",
     "ProcessSettings",
     "prepare_process",
     "run_timestamp",
@@ -28,6 +29,10 @@ TIMESTAMP_FORMAT = "%Y-%m-%d_%H:%M:%S"
 
 class BackendAlreadyStartedError(RuntimeError):
     """prepare_process ran after JAX opened its backend, so a setting would be lost."""
+
+
+class ProcessPoolError(RuntimeError):
+    """multi_host was asked for, but nothing describes the pool to join."""
 
 
 class ProcessSettings(Protocol):
@@ -101,7 +106,14 @@ def _join_pool() -> None:
     else:
         # A cluster JAX knows (Slurm, TPU pods, Kubernetes' indexed jobs, ...)
         # describes the pool itself.
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except ValueError as error:
+            raise ProcessPoolError(
+                f"multi_host is set, but JAX found no process pool to join ({error}). Run under "
+                "a cluster scheduler JAX recognises, or set JAX_COORDINATOR_ADDRESS (host:port "
+                "of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID for every process."
+            ) from error
 
 
 def prepare_process(config: ProcessSettings | None = None) -> None:
