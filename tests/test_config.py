@@ -374,3 +374,14 @@ def test_run_timestamp_is_process_zeros_in_a_pool(tmp_path):
         assert child.returncode == 0, err[-3000:]
     stamps = [re.search(r"pool 2 stamp (\S+)", out).group(1) for out, _ in outputs]
     assert stamps[0] == stamps[1] != "1999-01-01_00:00:00"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import dew.recipes.config
+    import dew.training.config
+
+    for module in (dew.training.config, dew.recipes.config):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

@@ -158,3 +158,12 @@ def test_bad_configs_say_what_to_change():
         OptimizerConfig(solver="adam")
     with pytest.raises(pydantic.ValidationError, match="must exceed warmup_steps"):
         OptimizerConfig(schedule="linear", warmup_steps=10, decay_steps=5)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import dew.training.optim
+
+    result = doctest.testmod(dew.training.optim)
+    assert result.attempted and not result.failed
