@@ -157,6 +157,7 @@ def main() -> None:
     os.environ.setdefault("WANDB_DIR", str(root))
     os.environ.setdefault("WANDB_SILENT", "true")
     args.mlflow_uri = args.mlflow_uri or f"sqlite:///{root / 'mlflow.db'}"
+    os.chdir(root)  # a SQLite store keeps its artifacts in ./mlruns
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, width {args.width}, "
           f"batch {args.batch}, {args.steps} steps, log_every=1, mlflow {args.mlflow_uri}")
     arms = ARMS if args.arms == "each" else ("none", "all")
