@@ -223,3 +223,17 @@ def test_sender_keeps_order_batches_and_surfaces_a_failure():
     failing.submit(1)
     with pytest.raises(ConnectionError, match="went away"):
         failing.drain()
+
+
+def test_local_video_preview_is_an_animated_gif(tmp_path):
+    frames = np.zeros((3, 4, 4, 3), np.uint8)
+    for index in range(3):
+        frames[index, :, :, index] = 255  # red, green, blue
+    tracker = LocalTracker(tmp_path)
+    tracker.artifact(Artifact("clip", "video", frames), step=7)
+    tracker.close()
+    with Image.open(tmp_path / "previews/clip/step_00000007.gif") as gif:
+        assert gif.n_frames == 3
+        for index in range(3):
+            gif.seek(index)
+            np.testing.assert_array_equal(np.asarray(gif.convert("RGB")), frames[index])
