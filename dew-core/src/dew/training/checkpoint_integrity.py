@@ -92,6 +92,10 @@ def digest_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
 def leaf_table(state: Any) -> list[dict[str, Any]]:
     """Path, shape and dtype of every leaf, in flattening order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    for path, leaf in flat:
+        if jnp.dtype(leaf.dtype).itemsize not in (1, 2, 4, 8):
+            raise TypeError(f"Leaf {jax.tree_util.keystr(path)} has dtype {leaf.dtype}, which dew cannot "
+                            "digest; keep checkpointed leaves in 8-, 16-, 32- or 64-bit dtypes.")
     return [
         {"path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.dtype))}
         for path, leaf in flat

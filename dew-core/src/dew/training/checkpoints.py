@@ -59,9 +59,10 @@ class Restored:
 class _Pending:
     step: int
     leaves: list[dict[str, Any]]
-    digests: jax.Array
     positions: dict[str, Any]
     meta: dict[str, Any]
+    digests: jax.Array | None = None
+    dispatched: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -231,11 +232,9 @@ class Checkpoints:
         if step in store.committed():
             _LOG.info("Checkpoint step %s is already in %s; not written again.", step, store.directory)
             return
-        flat = jax.tree_util.tree_leaves(state)
         pending = _Pending(
             step=step,
             leaves=integrity.leaf_table(state),
-            digests=integrity.digest_leaves(flat),
             positions=gather_positions(position, partition),
             meta=meta,
         )
@@ -246,6 +245,13 @@ class Checkpoints:
         except Exception as error:
             store.pending = None
             raise CheckpointWriteError(step, store.directory, error) from error
+        finally:
+            # Dispatched after Orbax's copy, so the two do not compete; the arrays are
+            # still alive here (the caller has not donated them to the next step yet).
+            try:
+                pending.digests = integrity.digest_leaves(jax.tree_util.tree_leaves(state))
+            finally:
+                pending.dispatched.set()
 
     def _write_manifest(self, store: _Store) -> None:
         """Orbax's last call before the commit (process 0 only): record what was written."""
@@ -254,6 +260,8 @@ class Checkpoints:
         if pending is None:
             raise RuntimeError("dew's checkpoint manifest callback ran without a pending save.")
         temporary = store.directory / f"{pending.step}{_TMP}"
+        if not pending.dispatched.wait(timeout=600) or pending.digests is None:
+            raise RuntimeError(f"the leaf digests of step {pending.step} were never computed")
         manifest = {
             "format": _FORMAT,
             "step": pending.step,
