@@ -284,3 +284,56 @@ def test_fit_with_the_target_reached_reads_and_compiles_nothing(tmp_path: Path) 
     final = trainer.fit(Dataset(train=refuse, val=refuse, batch=4), steps=3, checkpoint_every=1)
     assert int(final.step) == 3
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == saved
+
+
+POOL_WATCH = r"""
+import sys, time
+import jax
+process, port, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+from dew.training.runtime import PreemptionNotice, PreemptionWatch
+with PreemptionWatch() as watch:
+    for step in range(1, 400):
+        if how == "notice" and process == 1 and step == 10:
+            PreemptionNotice.send()
+        if step == 5:
+            print("ready", flush=True)
+        if watch.reached(step):
+            print("stopped at", step, flush=True)
+            break
+        time.sleep(0.05)
+    else:
+        print("never stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigterm", "notice"])
+def test_a_pool_stops_at_one_agreed_step(tmp_path: Path, how: str) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    script = tmp_path / "watch.py"
+    script.write_text(POOL_WATCH)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    workers = [subprocess.Popen([sys.executable, str(script), str(index), port, how], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env) for index in range(2)]
+    try:
+        if how == "sigterm":
+            assert workers[1].stdout is not None
+            for line in workers[1].stdout:
+                if line.strip() == "ready":
+                    workers[1].send_signal(signal.SIGTERM)  # only one process is signalled
+                    break
+        outputs = [worker.communicate(timeout=120) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    stops = []
+    for worker, (out, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+        stops.append([line for line in out.splitlines() if line.startswith("stopped at")])
+    assert stops[1] and stops[0] == stops[1], stops
