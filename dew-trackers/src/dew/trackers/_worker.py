@@ -20,11 +20,19 @@ _STOP = object()
 
 
 class Sender:
-    """Calls send(items) on a background thread with every item queued since the last call."""
+    """Calls send(items) on a background thread with every item queued since the last call.
 
-    def __init__(self, send: Callable[[list[Any]], None], name: str) -> None:
+    interval > 0 makes the thread wait that long after the first item of a
+    batch, so a backend with a high cost per request gets one request per
+    interval rather than one per step.
+    """
+
+    def __init__(self, send: Callable[[list[Any]], None], name: str,
+                 interval: float = 0.0) -> None:
         self._send = send
         self._name = name
+        self._interval = interval
+        self._hurry = threading.Event()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -45,6 +53,8 @@ class Sender:
     def _run(self) -> None:
         while True:
             items = [self._queue.get()]
+            if self._interval > 0:  # let a batch build up, unless drain() is waiting
+                self._hurry.wait(self._interval)
             while True:
                 try:
                     items.append(self._queue.get_nowait())
@@ -66,5 +76,7 @@ class Sender:
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(_STOP)
+            self._hurry.set()
             thread.join()
+            self._hurry.clear()
         self.check()

@@ -20,6 +20,7 @@ __all__ = ["MLflowTracker"]
 
 
 _BATCH = 1000  # the most metrics MLflow takes in one log_batch request
+_INTERVAL = 1.0  # seconds between requests while values keep arriving
 
 
 class MLflowTracker:
@@ -29,8 +30,8 @@ class MLflowTracker:
     renderers write, under ``previews/<name>/``; a record becomes
     ``records/<type>/step_<step>.json`` (not a parameter, which MLflow allows
     one value of). Everything after the run's creation is sent by a
-    background thread, in order, metrics batched into as few requests as
-    possible, so a step pays microseconds; a failed request is raised by the
+    background thread, in order, metrics batched into one request a second,
+    so a step pays microseconds; a failed request is raised by the
     next call or by ``close``, which waits for everything to be sent. uri is
     the tracking server, or None for MLflow's default (``MLFLOW_TRACKING_URI``).
     """
@@ -41,7 +42,7 @@ class MLflowTracker:
         self.name = name
         self.uri = uri
         self._run: tuple[Any, str] | None = None
-        self._sender = Sender(self._send, "dew-mlflow")
+        self._sender = Sender(self._send, "dew-mlflow", interval=_INTERVAL)
 
     @property
     def run(self) -> tuple[Any, str]:
