@@ -14,7 +14,6 @@ silently, which is why dew keeps its own.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
@@ -77,7 +76,7 @@ def _digest(x: jax.Array) -> jax.Array:
     return folded
 
 
-@functools.partial(jax.jit)
+@jax.jit
 def _digest_all(leaves: Sequence[jax.Array]) -> jax.Array:
     if not leaves:
         return jnp.zeros((0,), jnp.uint32)
