@@ -20,7 +20,7 @@ abstract init, and ``flax.linen.meta.unbox`` strips the boxes.
 ...         return constrain(x * w, (BATCH, ACTIVATION_EMBED))
 >>> variables = Scale().init(jax.random.key(0), jnp.ones((2, 3)))
 >>> nn.get_partition_spec(variables)["params"]["scale"]
-PartitionSpec('embed',)
+P('embed',)
 """
 
 from __future__ import annotations
