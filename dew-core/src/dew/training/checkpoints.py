@@ -9,11 +9,9 @@ step is either committed whole or not at all.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
-import shutil
 import sys
 import threading
 from collections.abc import Mapping
@@ -23,24 +21,29 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 
-from dew.data.base import DataPartition, is_global_position
+from dew.data.base import DataPartition
 from dew.training import checkpoint_integrity as integrity
 from dew.training.checkpoint_errors import (
     CheckpointCorrupted,
     CheckpointNotFound,
     CheckpointTreeMismatch,
     CheckpointWriteError,
-    PositionShareMismatch,
 )
 from dew.training.checkpoint_pool import barrier, gather_positions, probe_shared_directory
+from dew.training.checkpoint_store import (
+    TMP,
+    Store,
+    absolute,
+    read_position,
+    remove_half_written,
+    rmtree,
+)
 from dew.training.state import TrainState
 
 __all__ = ["Checkpoints", "Restored"]
 
 _LOG = logging.getLogger("dew.checkpoints")
-_TMP = ".orbax-checkpoint-tmp"
 _CORRUPT = ".dew-corrupt"
 _FORMAT = 1
 
@@ -63,38 +66,6 @@ class _Pending:
     meta: dict[str, Any]
     digests: jax.Array | None = None
     dispatched: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class _Store:
-    """One directory and the Orbax manager that writes into it."""
-
-    directory: Any
-    local: bool
-    manager: ocp.CheckpointManager | None = None
-    pending: _Pending | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def step_path(self, step: int) -> Any:
-        return self.directory / str(step)
-
-    def committed(self) -> list[int]:
-        if not self.directory.exists():
-            return []
-        bucket = str(self.directory).startswith("gs://")
-        steps = [
-            int(entry.name) for entry in self.directory.iterdir()
-            if entry.name.isdigit() and entry.is_dir()
-            and (not bucket or (entry / "commit_success.txt").exists())
-        ]
-        return sorted(steps)
-
-
-def _absolute(directory: str | os.PathLike) -> Any:
-    text = os.fspath(directory)
-    if "://" in text:
-        return epath.Path(text)
-    return Path(os.path.abspath(os.path.expanduser(text)))
 
 
 class Checkpoints:
@@ -137,13 +108,13 @@ class Checkpoints:
             raise ValueError(f"Checkpoints(local_every=...) must be at least 1 or None, got {local_every}.")
         if local_every is not None and local_directory is None:
             raise ValueError("Checkpoints(local_every=...) needs a local_directory to write into.")
-        self.directory = _absolute(directory)
+        self.directory = absolute(directory)
         self.keep = keep
-        self.local_directory = None if local_directory is None else _absolute(local_directory)
+        self.local_directory = None if local_directory is None else absolute(local_directory)
         self.local_every = local_every
         self.fallback = fallback
-        self._persistent = _Store(self.directory, local=False)
-        self._local = None if self.local_directory is None else _Store(self.local_directory, local=True)
+        self._persistent = Store(self.directory, local=False)
+        self._local = None if self.local_directory is None else Store(self.local_directory, local=True)
         self._ready = False
 
     def __repr__(self) -> str:
@@ -152,7 +123,7 @@ class Checkpoints:
     # -- setup ----------------------------------------------------------------
 
     @property
-    def _stores(self) -> list[_Store]:
+    def _stores(self) -> list[Store]:
         return [self._persistent] + ([self._local] if self._local is not None else [])
 
     def _setup(self) -> None:
@@ -167,7 +138,7 @@ class Checkpoints:
         for store in self._stores:
             if jax.process_index() == 0:
                 store.directory.mkdir(parents=True, exist_ok=True)
-                _remove_half_written(store.directory)
+                remove_half_written(store.directory)
             barrier(f"dew-checkpoints-clean-{store.local}")
             store.manager = ocp.CheckpointManager(
                 store.directory,
@@ -253,13 +224,13 @@ class Checkpoints:
             finally:
                 pending.dispatched.set()
 
-    def _write_manifest(self, store: _Store) -> None:
+    def _write_manifest(self, store: Store) -> None:
         """Orbax's last call before the commit (process 0 only): record what was written."""
         with store.lock:
             pending = store.pending
         if pending is None:
             raise RuntimeError("dew's checkpoint manifest callback ran without a pending save.")
-        temporary = store.directory / f"{pending.step}{_TMP}"
+        temporary = store.directory / f"{pending.step}{TMP}"
         if not pending.dispatched.wait(timeout=600) or pending.digests is None:
             raise RuntimeError(f"the leaf digests of step {pending.step} were never computed")
         manifest = {
@@ -306,12 +277,12 @@ class Checkpoints:
         if failures:
             raise failures[0]
 
-    def _prune(self, store: _Store) -> None:
+    def _prune(self, store: Store) -> None:
         if self.keep is None:
             return
         if jax.process_index() == 0:
             for step in store.committed()[: -self.keep]:
-                _rmtree(store.step_path(step))
+                rmtree(store.step_path(step))
         barrier(f"dew-checkpoints-pruned-{store.local}")
         store.manager.reload()
 
@@ -359,7 +330,7 @@ class Checkpoints:
                 self._quarantine(store, number)
         raise CheckpointNotFound(f"No checkpoint to restore in {self.directory}.")  # pragma: no cover
 
-    def _candidates(self, step: int | None) -> list[tuple[_Store, int]]:
+    def _candidates(self, step: int | None) -> list[tuple[Store, int]]:
         found = [(store, number) for store in reversed(self._stores) for number in store.committed()]
         if step is not None:
             found = [(store, number) for store, number in found if number == step]
@@ -377,7 +348,7 @@ class Checkpoints:
         order = {id(self._persistent): 0, id(self._local): 1}
         return sorted(found, key=lambda item: (-item[1], order[id(item[0])]))
 
-    def _manifest(self, store: _Store, step: int) -> dict[str, Any]:
+    def _manifest(self, store: Store, step: int) -> dict[str, Any]:
         path = store.step_path(step) / integrity.MANIFEST
         try:
             with path.open() as handle:
@@ -387,14 +358,14 @@ class Checkpoints:
         except (OSError, ValueError) as error:
             raise CheckpointCorrupted(step, path, f"dew's manifest cannot be read ({error})") from None
 
-    def _check_files(self, store: _Store, step: int) -> dict[str, Any]:
+    def _check_files(self, store: Store, step: int) -> dict[str, Any]:
         manifest = self._manifest(store, step)
         problem = integrity.verify_files(store.step_path(step), manifest["files"])
         if problem is not None:
             raise CheckpointCorrupted(step, *problem)
         return manifest
 
-    def _newest_good(self, candidates: list[tuple[_Store, int]]) -> tuple[_Store, int] | None:
+    def _newest_good(self, candidates: list[tuple[Store, int]]) -> tuple[Store, int] | None:
         for store, number in candidates:
             try:
                 self._check_files(store, number)
@@ -403,13 +374,13 @@ class Checkpoints:
             return store, number
         return None
 
-    def _restore_one(self, store: _Store, step: int, template: TrainState, expected: list[dict[str, Any]],
+    def _restore_one(self, store: Store, step: int, template: TrainState, expected: list[dict[str, Any]],
                      partition: DataPartition) -> Restored:
         manifest = self._manifest(store, step)
         differences = integrity.compare_leaves(manifest["leaves"], expected)
         if differences:
             raise CheckpointTreeMismatch(step, differences)
-        position = _position(step, manifest["data"], partition)
+        position = read_position(step, manifest["data"], partition)
         self._check_files(store, step)
         try:
             restored = store.manager.restore(
@@ -425,38 +396,12 @@ class Checkpoints:
                 )
         return Restored(step=step, state=restored, position=position, meta=dict(manifest["meta"]))
 
-    def _quarantine(self, store: _Store, step: int) -> None:
+    def _quarantine(self, store: Store, step: int) -> None:
         if jax.process_index() == 0:
             source = store.step_path(step)
             target = store.directory / f"{step}{_CORRUPT}"
             if target.exists():
-                _rmtree(target)
+                rmtree(target)
             source.rename(target)
         barrier(f"dew-checkpoints-quarantine-{step}")
         store.manager.reload()
-
-
-def _position(step: int, data: Mapping[str, Any], partition: DataPartition) -> bytes | None:
-    saved = {int(share): None if text is None else base64.b64decode(text) for share, text in data["positions"].items()}
-    if all(value is None for value in saved.values()):
-        return None
-    if data["shares"] == partition.shares and partition.share in saved:
-        return saved[partition.share]
-    anyone = next((value for value in saved.values() if is_global_position(value)), None)
-    if anyone is not None:
-        return anyone
-    raise PositionShareMismatch(step, partition.share, partition.shares, sorted(saved), data["shares"])
-
-
-def _remove_half_written(directory: Any) -> None:
-    for entry in directory.iterdir():
-        if _TMP in entry.name:
-            _LOG.info("Removing the half-written checkpoint %s.", entry)
-            _rmtree(entry)
-
-
-def _rmtree(path: Any) -> None:
-    if isinstance(path, Path):
-        shutil.rmtree(path, ignore_errors=False)
-    else:
-        path.rmtree()

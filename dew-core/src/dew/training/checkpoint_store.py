@@ -1,0 +1,87 @@
+"""Where Checkpoints keeps its steps: one directory, its Orbax manager, and housekeeping.
+
+A step is committed when its directory has its plain number as name (Orbax
+renames ``N.orbax-checkpoint-tmp`` to ``N`` as the last act of a save); in a
+bucket, where there is no rename, when ``commit_success.txt`` is present.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from dew.data.base import DataPartition, is_global_position
+from dew.training.checkpoint_errors import PositionShareMismatch
+
+__all__ = ["TMP", "Store", "absolute", "read_position", "remove_half_written", "rmtree"]
+
+_LOG = logging.getLogger("dew.checkpoints")
+TMP = ".orbax-checkpoint-tmp"
+
+
+@dataclass
+class Store:
+    """One directory and the Orbax manager that writes into it."""
+
+    directory: Any
+    local: bool
+    manager: ocp.CheckpointManager | None = None
+    pending: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def step_path(self, step: int) -> Any:
+        return self.directory / str(step)
+
+    def committed(self) -> list[int]:
+        if not self.directory.exists():
+            return []
+        bucket = str(self.directory).startswith("gs://")
+        steps = [
+            int(entry.name) for entry in self.directory.iterdir()
+            if entry.name.isdigit() and entry.is_dir()
+            and (not bucket or (entry / "commit_success.txt").exists())
+        ]
+        return sorted(steps)
+
+
+def absolute(directory: str | os.PathLike) -> Any:
+    text = os.fspath(directory)
+    if "://" in text:
+        return epath.Path(text)
+    return Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def read_position(step: int, data: Mapping[str, Any], partition: DataPartition) -> bytes | None:
+    saved = {int(share): None if text is None else base64.b64decode(text) for share, text in data["positions"].items()}
+    if all(value is None for value in saved.values()):
+        return None
+    if data["shares"] == partition.shares and partition.share in saved:
+        return saved[partition.share]
+    anyone = next((value for value in saved.values() if is_global_position(value)), None)
+    if anyone is not None:
+        return anyone
+    raise PositionShareMismatch(step, partition.share, partition.shares, sorted(saved), data["shares"])
+
+
+def remove_half_written(directory: Any) -> None:
+    for entry in directory.iterdir():
+        if TMP in entry.name:
+            _LOG.info("Removing the half-written checkpoint %s.", entry)
+            rmtree(entry)
+
+
+def rmtree(path: Any) -> None:
+    if isinstance(path, Path):
+        shutil.rmtree(path, ignore_errors=False)
+    else:
+        path.rmtree()
