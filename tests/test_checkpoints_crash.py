@@ -83,7 +83,7 @@ if point == "prune":  # step 2 committed, step 1 half deleted
     def prune(path):
         shutil.rmtree(path / "state")
         die()
-    module._rmtree = prune
+    module.rmtree = prune
 print("saving", flush=True)
 checkpoints.save(2, make_state(2, 1024), position=b"two", partition=DataPartition(), meta={})
 print("returned", flush=True)
