@@ -95,6 +95,8 @@ class Loop:
         self.hooks.dew_run_start(trainer=trainer, start=start, steps=self.steps)
         self.stream = trainer.open_stream(self.dataset, self.partition, position)
         profile = trainer.profile.schedule(start) if trainer.profile is not None else None
+        if profile is not None:
+            profile.on_step(start)  # a window without warmup opens before the first step
         from dew.training.runtime.preemption import Preempted, PreemptionWatch
 
         try:
