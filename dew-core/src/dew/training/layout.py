@@ -119,24 +119,31 @@ class Layout:
             return self._heuristic(shape, mesh)
         if len(names) != len(shape):
             raise LayoutError(f"Logical names {tuple(names)} do not match a parameter of shape {tuple(shape)}.")
-        used: set[str] = set()
-        out: list[MeshAxes] = []
-        for dim, name in zip(shape, names, strict=True):
-            out.append(self._resolve(dim, name, mesh, used))
-        return PartitionSpec(*out)
+        return PartitionSpec(*self._resolve(tuple(shape), tuple(names), mesh))
 
-    def _resolve(self, dim: int, name: str | None, mesh: Mesh, used: set[str]) -> MeshAxes:
-        if name is None:
-            return None
+    def _resolve(self, shape: tuple[int, ...], names: tuple[str | None, ...], mesh: Mesh) -> list[MeshAxes]:
+        """Assign mesh axes to dimensions, rule by rule in precedence order (as flax does).
+
+        A rule applies to the first unassigned dimension of its name when none
+        of its mesh axes is taken yet; of its axes, those of size above 1 that
+        divide the dimension are used. A rule that can use none of them leaves
+        the dimension to the next rule of that name.
+        """
+        result: list[MeshAxes | None] = [None] * len(shape)
+        assigned = [False] * len(shape)
+        used: set[str] = set()
         for rule_name, axes in self.axis_rules:
-            if rule_name != name:
+            if rule_name not in names:
+                continue
+            position = names.index(rule_name)
+            if assigned[position]:
                 continue
             wanted = (axes,) if isinstance(axes, str) else tuple(axes or ())
             bad = [a for a in wanted if a in _FORBIDDEN_FOR_PARAMETERS]
             if bad:
                 raise LayoutError(
-                    f"The rule {name!r} -> {axes!r} places a parameter on {bad}, which split the "
-                    "batch; a parameter there would be gathered on every use. Map it to fsdp, "
+                    f"The rule {rule_name!r} -> {axes!r} places a parameter on {bad}, which split "
+                    "the batch; a parameter there would be gathered on every use. Map it to fsdp, "
                     "tensor or expert."
                 )
             if any(a in used for a in wanted):
@@ -145,13 +152,14 @@ class Layout:
             for axis in wanted:
                 if axis not in mesh.shape or mesh.shape[axis] == 1:
                     continue
-                if dim % (math.prod(mesh.shape[a] for a in chosen) * mesh.shape[axis]) == 0:
+                if shape[position] % (math.prod(mesh.shape[a] for a in chosen) * mesh.shape[axis]) == 0:
                     chosen.append(axis)
-            used.update(wanted)
             if not chosen:
-                return None
-            return chosen[0] if len(chosen) == 1 else tuple(chosen)
-        return None
+                continue
+            used.update(chosen)
+            assigned[position] = True
+            result[position] = chosen[0] if len(chosen) == 1 else tuple(chosen)
+        return result
 
     def _heuristic(self, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
         """Shard the largest dimension that fsdp divides; replicate otherwise."""
