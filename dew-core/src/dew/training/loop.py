@@ -155,7 +155,7 @@ class Loop:
                     trainer.checkpoints.wait()
                     self.clock.checkpoint += time.perf_counter() - began
                 self.hooks.dew_preempted(step=done)
-                raise preempted(done)
+                raise preempted(done, saved=trainer.checkpoints is not None)
         self._flush(None)
         if self.dataset.val is not None:
             self._evaluate(state, self.steps)

@@ -29,9 +29,10 @@ class Preempted(SystemExit):
     stderr (printed when the interpreter reads the exit code).
     """
 
-    def __init__(self, step: int) -> None:
-        super().__init__(int(step))  # args=(step,): pickles back to the same exception
+    def __init__(self, step: int, saved: bool = True) -> None:
+        super().__init__(int(step), bool(saved))  # args: pickles back to the same exception
         self.step = int(step)
+        self.saved = bool(saved)
         self._announced = False
 
     @property
@@ -42,6 +43,9 @@ class Preempted(SystemExit):
         return PREEMPTED_STATUS
 
     def __str__(self) -> str:
+        if not self.saved:
+            return (f"preempted at step {self.step}; the trainer has no Checkpoints, so nothing "
+                    "was written and running again starts over.")
         return (f"preempted at step {self.step}; its checkpoint and data position are written. "
                 "Run the same command again to resume.")
 
