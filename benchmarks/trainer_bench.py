@@ -33,18 +33,18 @@ optimizer = optax.adamw(1e-3)
 rng = np.random.default_rng(0)
 batch = {"text": rng.integers(0, 256, size=(cfg["batch"], cfg["seq"] + 1)).astype(np.int32)}
 baseline = rss_mb()
-"""
-
-TRAINER = COMMON + """
-from dew import Trainer
-from dew.data import Dataset
-import itertools
 class Goodput:
     record = None
     def log(self, scalars, step): pass
     def artifact(self, value, step):
         if getattr(value, "type", "") == "goodput": self.record = value
     def close(self): pass
+"""
+
+TRAINER = COMMON + """
+from dew import Trainer
+from dew.data import Dataset
+import itertools
 tracker = Goodput()
 trainer = Trainer(objective, optimizer, key=jax.random.key(0), tracker=tracker)
 data = Dataset(train=lambda p: itertools.repeat(batch), batch=cfg["batch"])
@@ -92,12 +92,6 @@ import itertools, io, contextlib
 from flax import linen as nn
 from dew import Trainer
 from dew.data import Dataset
-class Goodput:
-    record = None
-    def log(self, scalars, step): pass
-    def artifact(self, value, step):
-        if getattr(value, "type", "") == "goodput": self.record = value
-    def close(self): pass
 def loss_fn(p, batch):
     logits = model.apply(p, batch["text"][:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:]).mean()
