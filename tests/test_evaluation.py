@@ -48,7 +48,7 @@ def test_scores_are_the_mean_over_every_row_of_the_pass():
     assert result.scores["val/abs"] == pytest.approx(np.sqrt(errors).mean(), rel=1e-6)
     assert result.coordinated_batches == 3 and result.records == 12 and not result.uneven_shards
     assert result.step == 7 and result.split == "val"
-    assert result.scalars["val/evaluation/records"] == 12.0
+    assert result.scalars["evaluation/records"] == 12.0
     assert result.to_json()["scores"] == result.scores
 
 

@@ -53,8 +53,8 @@ class Evaluation:
         """The scores, plus the evaluation/* counts when a batch was scored."""
         out = dict(self.scores)
         if self.coordinated_batches:
-            out[f"{self.split}/evaluation/batches"] = float(self.coordinated_batches)
-            out[f"{self.split}/evaluation/records"] = float(self.records)
+            out["evaluation/batches"] = float(self.coordinated_batches)
+            out["evaluation/records"] = float(self.records)
         return out
 
     def to_json(self) -> dict[str, Any]:
