@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Helper modules beside the tests (fresh_venv) import by name under --import-mode=importlib.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def run_python(code: str, *, devices: int = 1, timeout: float = 300, env: dict | None = None,

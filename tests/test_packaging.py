@@ -7,27 +7,16 @@ the third-party stack (jax, flax, ...) but none of dew's own installs.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
+import fresh_venv as fv  # tests/ is on sys.path (conftest.py)
+
 pytestmark = pytest.mark.slow
 
 
-def _fresh_venv():
-    name = "dew_tests_fresh_venv"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fresh_venv.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fv = _fresh_venv()
 OBJECTIVES_LM = fv.ROOT / "dew-objectives" / "src" / "dew" / "objectives" / "lm.py"
 
 

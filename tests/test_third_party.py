@@ -8,28 +8,17 @@ wheel; nothing in dew names it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import fresh_venv as fv  # tests/ is on sys.path (conftest.py)
+
 pytestmark = pytest.mark.slow
 
 
-def _fresh_venv():
-    name = "dew_tests_fresh_venv"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fresh_venv.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fv = _fresh_venv()
 PLUGIN = Path(__file__).with_name("third_party")
 
 _RUN = """

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dew.data.base import Reader
 from dew.objectives.base import Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.telemetry.artifacts import Artifact
+from dew.training.mesh import build_mesh, data_partition, global_shape, shard_batch
 
 __all__ = ["Evaluation", "OutputMeans", "evaluate"]
 
@@ -119,8 +120,6 @@ def evaluate(
     batches is a Reader (Dataset.val): it is opened for this process's share
     and closed here. With no metrics and no preview, nothing is read.
     """
-    from dew.training.mesh import build_mesh, data_partition, global_shape, shard_batch
-
     started = time.perf_counter()
     step = int(step)
     event_key = (step, zlib.crc32(split.encode()))

@@ -22,8 +22,10 @@ from dew.objectives.base import Metric
 from dew.telemetry.records import Goodput, RunStarted
 from dew.training.console import Console
 from dew.training.evaluation import Evaluation, OutputMeans, evaluate
-from dew.training.mesh import global_shape
+from dew.training.mesh import check_batch, data_partition, global_shape
+from dew.training.runtime.preemption import Preempted, PreemptionWatch
 from dew.training.state import TrainState
+from dew.training.trainer import NonFiniteLossError, nonfinite_limit
 
 __all__ = ["Loop"]
 
@@ -69,7 +71,8 @@ class Loop:
         self.rank0 = jax.process_index() == 0
         self.console = Console() if self.rank0 else None
         self.hooks = plugins.hook()
-        self.pending: list[tuple[int, dict, float]] = []  # (step, device metrics, dispatch time)
+        self.pending: list[tuple[int, dict, bool]] = []  # (step, device metrics, to be logged)
+        self.last_log: tuple[float, int] | None = None  # (time, step) of the last log line
         self.last_saved: int | None = None
         self.rejected_streak = 0
         self.compiled: dict[int, tuple[Any, dict]] = {}  # global rows -> (step, batch shapes)
@@ -80,8 +83,6 @@ class Loop:
     def run(self) -> TrainState:
         trainer = self.trainer
         mesh = trainer.device_mesh
-        from dew.training.mesh import data_partition
-
         self.partition = data_partition(mesh)
         state, _, position = trainer.place()
         start = int(jax.device_get(state.step))
@@ -97,11 +98,9 @@ class Loop:
         profile = trainer.profile.schedule(start) if trainer.profile is not None else None
         if profile is not None:
             profile.on_step(start)  # a window without warmup opens before the first step
-        from dew.training.runtime.preemption import Preempted, PreemptionWatch
-
         try:
             with PreemptionWatch() as watch:
-                state = self._steps(state, start, watch, profile, Preempted)
+                state = self._steps(state, start, watch, profile)
         finally:
             close = getattr(self.stream, "close", None)
             if callable(close):
@@ -116,7 +115,7 @@ class Loop:
         self.hooks.dew_run_end(step=self.steps, state=state)
         return state
 
-    def _steps(self, state: TrainState, start: int, watch: Any, profile: Any, preempted: type) -> TrainState:
+    def _steps(self, state: TrainState, start: int, watch: PreemptionWatch, profile: Any) -> TrainState:
         trainer = self.trainer
         for step in range(start, self.steps):
             batch = self._next_batch(state, step)
@@ -127,9 +126,7 @@ class Loop:
                 jax.block_until_ready(metrics)
                 self.clock.first_step = time.perf_counter() - self.clock.started
             self._flush(done)  # the previous log step's metrics, now one step late
-            self.pending.append((done, metrics, time.perf_counter()))
-            if done % self.log_every == 0:
-                self.pending[-1] = (*self.pending[-1][:2], -1.0)  # mark for logging
+            self.pending.append((done, metrics, done % self.log_every == 0))
             if self.console is not None:
                 self.console.advance(done)
             if profile is not None:
@@ -141,7 +138,7 @@ class Loop:
                 self._evaluate(state, done)
             if trainer.checkpoints is not None:
                 periodic = bool(self.checkpoint_every) and done % self.checkpoint_every == 0
-                local_every = getattr(trainer.checkpoints, "local_every", None)
+                local_every = trainer.checkpoints.local_every
                 if periodic or last:
                     self._save(state, done)
                 elif local_every and done % local_every == 0:
@@ -155,7 +152,7 @@ class Loop:
                     trainer.checkpoints.wait()
                     self.clock.checkpoint += time.perf_counter() - began
                 self.hooks.dew_preempted(step=done)
-                raise preempted(done, saved=trainer.checkpoints is not None)
+                raise Preempted(done, saved=trainer.checkpoints is not None)
         self._flush(None)
         if self.dataset.val is not None:
             self._evaluate(state, self.steps)
@@ -172,14 +169,13 @@ class Loop:
         shapes = global_shape(batch, self.partition)
         rows = next((s.shape[0] for s in jax.tree.leaves(shapes) if s.shape), 0)
         known = self.compiled.get(rows)
-        if known is not None:
-            compiled, expected = known
-            return compiled, self.trainer.shard(batch, self.partition, expected)
-        if self.compiled and rows not in self.ramp_sizes:
-            _, expected = next(iter(self.compiled.values()))
-            self.trainer.shard(batch, self.partition, expected)  # raises, naming the key and shapes
+        if known is not None and known[1] == shapes:
+            return known[0], self.trainer.shard(batch, self.partition)
+        if known is not None or (self.compiled and rows not in self.ramp_sizes):
+            _, expected = known or next(iter(self.compiled.values()))
+            check_batch(batch, expected, self.partition)  # raises, naming the key and both shapes
         began = time.perf_counter()
-        sharded = self.trainer.shard(batch, self.partition, None)
+        sharded = self.trainer.shard(batch, self.partition)
         compiled = self.trainer.compile(state, sharded)
         self.clock.compile += time.perf_counter() - began
         self.compiled[rows] = (compiled, shapes)
@@ -200,19 +196,16 @@ class Loop:
     def _flush(self, upto: int | None) -> None:
         """Read the pending metrics of steps before upto (all when None); log marked ones."""
         ready = [p for p in self.pending if upto is None or p[0] < upto]
-        logged = [p for p in ready if p[2] < 0]
-        if not logged and upto is not None:
+        if upto is not None and not any(log for _, _, log in ready):
             return
-        values = jax.device_get([p[1] for p in ready])
-        for (done, _, mark), host in zip(ready, values, strict=True):
+        values = jax.device_get([metrics for _, metrics, _ in ready])
+        for (done, _, log), host in zip(ready, values, strict=True):
             self._check_finite(done, host)
-            if mark < 0:
+            if log:
                 self._log(done, host)
         self.pending = [p for p in self.pending if not (upto is None or p[0] < upto)]
 
     def _check_finite(self, done: int, host: Mapping[str, Any]) -> None:
-        from dew.training.trainer import NonFiniteLossError, nonfinite_limit
-
         if bool(host.get("finite", True)):
             self.rejected_streak = 0
             return
@@ -229,13 +222,13 @@ class Loop:
     def _log(self, done: int, host: Mapping[str, Any]) -> None:
         now = time.perf_counter()
         scalars = {k: float(np.asarray(v)) for k, v in host.items() if k != "finite"}
-        if hasattr(self, "_last_log"):
-            at, step_then = self._last_log
+        if self.last_log is not None:
+            at, step_then = self.last_log
             if done > step_then and now > at:
                 rate = (done - step_then) / (now - at)
                 scalars["throughput/steps_per_second"] = rate
                 scalars["throughput/records_per_second"] = rate * self.dataset.batch
-        self._last_log = (now, done)
+        self.last_log = (now, done)
         if self.console is not None:
             self.console.log(done, scalars)
         if self.trainer.tracker is not None and self.rank0:

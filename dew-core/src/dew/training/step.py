@@ -68,14 +68,16 @@ def build_train_step(
             step=state.step, microstep=state.microstep, updates=state.updates,
             key=state.key_for(state.step), ema=state.averaged,
         )
-        scale = state.scaler.scale if state.scaler is not None else jnp.asarray(1.0, jnp.float32)
+        scaler = state.scaler
 
         def total(p: Variables) -> tuple[jax.Array, tuple[Mean, Aux]]:
             loss, aux = objective.loss({**variables, **p}, batch, info)
-            return loss.total.astype(jnp.float32) * scale, (loss, aux)
+            scaled = loss.total.astype(jnp.float32)
+            return (scaled * scaler.scale if scaler is not None else scaled), (loss, aux)
 
         grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
-        grads = jax.tree.map(lambda g: g / scale, grads)
+        if scaler is not None:
+            grads = jax.tree.map(lambda g: g / scaler.scale, grads)
         finite = _finite(grads) & jnp.isfinite(loss.total)
         count = jnp.asarray(loss.count, jnp.float32)
 
@@ -86,13 +88,14 @@ def build_train_step(
             return state
 
         new = jax.lax.cond(finite, accept, reject, state)
-        scaler = new.scaler.update(finite) if new.scaler is not None else None
-        new = new.replace(step=state.step + 1, scaler=scaler)
+        if new.scaler is not None:
+            new = new.replace(scaler=new.scaler.update(finite))
+        new = new.replace(step=state.step + 1)
         metrics = {"loss": _scalar(loss), "finite": finite}
         for name, value in aux.metrics.items():
             metrics[name] = _scalar(value)
-        if scaler is not None:
-            metrics["loss_scale"] = scaler.scale
+        if new.scaler is not None:
+            metrics["loss_scale"] = new.scaler.scale
         return new, metrics
 
     return train_step

@@ -28,6 +28,7 @@ from dew.training.mesh import (
     BatchMismatchError,
     MeshSpec,
     build_mesh,
+    check_batch,
     data_partition,
     shard_batch,
 )
@@ -62,7 +63,6 @@ class CompiledStep:
 
     executable: Any
     batch_shapes: dict[str, jax.ShapeDtypeStruct]
-    traces: int
 
     def __call__(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         return self.executable(state, batch)
@@ -108,7 +108,6 @@ class Trainer(Generic[Loss, Effects]):
         self.step_factory = step
         self.rollout = rollout
         self.profile = profile
-        self._traces = 0
 
     @classmethod
     def from_config(
@@ -263,24 +262,17 @@ class Trainer(Generic[Loss, Effects]):
     def compile(self, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
         """Compile the transaction over state and one global batch; the state is donated."""
         mesh = self.device_mesh
-        shardings = self.shardings(jax.eval_shape(lambda: state))
+        shardings = self.shardings(state)
         batch_sh = jax.tree.map(lambda x: x.sharding, dict(batch))
-        function = self._step_function()
-        self._traces = 0
-
-        def traced(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
-            self._traces += 1
-            return function(state, batch)
-
         jitted = jax.jit(
-            traced, in_shardings=(shardings, batch_sh),
+            self._step_function(), in_shardings=(shardings, batch_sh),
             out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
             donate_argnums=(0,),
         )
         shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), mesh, nn.logical_axis_rules(self.layout.axis_rules):
             executable = jitted.lower(state, shapes).compile()
-        return CompiledStep(executable, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}, self._traces)
+        return CompiledStep(executable, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
 
     # -- the loop ---------------------------------------------------------------------
     def fit(
@@ -328,14 +320,14 @@ class Trainer(Generic[Loss, Effects]):
             )
         return batch
 
-    def shard(self, batch: Mapping[str, Any], partition: DataPartition, expected: Any) -> dict[str, jax.Array]:
-        batch = {k: np.asarray(v) if not isinstance(v, jax.Array) else v for k, v in batch.items()}
+    def shard(self, batch: Mapping[str, Any], partition: DataPartition,
+              expected: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+        """Put this process's share of a batch on the mesh, checked against expected if given."""
+        batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
         if expected is not None:
-            batch = {k: batch[k] for k in expected if k in batch} | {
-                k: v for k, v in batch.items() if k not in expected
-            }
-        return shard_batch(batch, self.device_mesh, partition, expected)
-
+            check_batch(batch, expected, partition)
+            batch = {k: batch[k] for k in expected}
+        return shard_batch(batch, self.device_mesh, partition)
 
 def _names(path: Sequence[Any]) -> tuple[str, ...]:
     """The dictionary keys along a pytree path (sequence and attribute steps dropped)."""

@@ -23,7 +23,7 @@ import numpy as np
 from dew.data.base import Dataset
 from dew.data.errors import EmptyDatasetError
 from dew.data.sources import load_hf_dataset, require_column
-from dew.data.stream import StreamReader, ValReader
+from dew.data.stream import record_dataset
 
 __all__ = ["HFImages", "ImageRecords", "fit_image"]
 
@@ -145,9 +145,4 @@ class HFImages:
                 f"The validation images number {len(val)}, fewer than one global batch of {batch}, "
                 f"so validation would yield nothing. Lower the batch or hold out more images."
             )
-        return Dataset(
-            train=StreamReader(train, batch=batch, seed=seed, workers=workers, prefetch=prefetch),
-            val=None if val is None else ValReader(val, batch=batch),
-            records=len(train),
-            batch=batch,
-        )
+        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
-from dew.data.base import GLOBAL_POSITION, SINGLE, DataPartition
+from dew.data.base import GLOBAL_POSITION, SINGLE, DataPartition, Dataset
 from dew.data.errors import (
     BatchDivisionError,
     EmptyDatasetError,
@@ -52,6 +52,7 @@ from dew.data.order import RecordOrder
 
 __all__ = [
     "StreamReader",
+    "record_dataset",
     "TrainStream",
     "ValReader",
     "decode_position",
@@ -354,3 +355,14 @@ class ValReader:
     def __call__(self, partition: DataPartition = SINGLE) -> Iterator[dict[str, np.ndarray]]:
         return val_stream(self.source, batch=self.batch, partition=partition,
                           transform=self.transform, remainder=self.remainder)
+
+
+def record_dataset(train: Any, val: Any | None, *, batch: int, seed: int = 0, workers: int = 0,
+                   prefetch: int = 4) -> Dataset:
+    """The Dataset of a training record source and an optional held-out one, in global order."""
+    return Dataset(
+        train=StreamReader(train, batch=batch, seed=seed, workers=workers, prefetch=prefetch),
+        val=None if val is None else ValReader(val, batch=batch),
+        records=len(train),
+        batch=batch,
+    )

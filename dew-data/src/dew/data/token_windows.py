@@ -39,7 +39,7 @@ import numpy as np
 from dew.data.base import Dataset
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column
-from dew.data.stream import StreamReader, ValReader
+from dew.data.stream import record_dataset
 
 __all__ = ["TokenWindows", "resolve_tokenizer", "split_records"]
 
@@ -255,10 +255,5 @@ class TokenWindows:
                 f"batch of {batch}, so validation would yield nothing. Raise val_fraction, lower "
                 f"the batch, or add text."
             )
-        return Dataset(
-            train=StreamReader(train, batch=batch, seed=seed, workers=workers, prefetch=prefetch),
-            val=None if val is None else ValReader(val, batch=batch),
-            records=len(train),
-            batch=batch,
-        )
+        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
 
