@@ -43,7 +43,7 @@ def full_state(seed: int = 0, width: int = 16) -> TrainState:
         step=jnp.asarray(seed + 3, jnp.int32),
         microstep=jnp.asarray(seed + 5, jnp.int32),
         updates=jnp.asarray(seed + 2, jnp.int32),
-        averaged=averaged,
+        ema=averaged,
         scaler=Scaler.create(2.0**10, growth_interval=7).replace(streak=jnp.asarray(seed + 4, jnp.int32)),
         window=Window(grads=jax.tree.map(lambda x: x + 1, params), count=jnp.asarray(9, jnp.int32),
                       filled=jnp.asarray(1, jnp.int32)),
@@ -85,7 +85,7 @@ def test_round_trip_every_field(tmp_path: Path) -> None:
 
 def test_none_fields_and_relative_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    state = full_state(2).replace(averaged=None, scaler=None, window=None)
+    state = full_state(2).replace(ema=None, scaler=None, window=None)
     checkpoints = Checkpoints("relative")
     assert checkpoints.directory == tmp_path / "relative"
     save(checkpoints, 1, state)

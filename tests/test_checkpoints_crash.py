@@ -25,7 +25,7 @@ def make_state(seed, width):
     params = {"params": {"w": jnp.asarray(rng.normal(size=(width, width)), jnp.float32)}}
     return TrainState(params=params, opt_state=(jnp.asarray(rng.normal(size=(width,)), jnp.float32),),
                       key=jax.random.key_data(jax.random.key(seed)), step=jnp.int32(seed),
-                      microstep=jnp.int32(seed), updates=jnp.int32(seed), averaged=params,
+                      microstep=jnp.int32(seed), updates=jnp.int32(seed), ema=params,
                       scaler=Scaler.create(), window=None)
 
 def template(state):

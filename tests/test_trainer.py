@@ -13,7 +13,7 @@ from flax import linen as nn
 from dew import Trainer
 from dew.data import Dataset
 from dew.objectives.base import Aux, EMASpec, Mean, Objective, under
-from dew.training.mesh import BatchMismatchError, MeshSizeError, MeshSpec, build_mesh
+from dew.training.mesh import BatchMismatchError, MeshSizeError, MeshSpec, build_mesh, shard_batch
 from dew.training.step import write_back
 from dew.training.trainer import NonFiniteLossError
 
@@ -143,7 +143,7 @@ def test_the_step_traces_once_and_donates_the_state_not_the_batch():
     assert objective.traces == 1
 
     state, _, _ = trainer.place()
-    batch = trainer.shard(batch_at(0), trainer_partition(trainer), None)
+    batch = shard_batch(batch_at(0), trainer.device_mesh, trainer_partition(trainer))
     compiled = trainer.compile(state, batch)
     old_leaf = state.params["params"]["Dense_0"]["kernel"]
     new, _ = compiled(state, batch)
@@ -167,11 +167,11 @@ def test_dynamic_scale_rejects_non_finite_steps_and_counts_the_attempt():
     trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), dynamic_scale=True)
     state, _, _ = trainer.place()
     partition = trainer_partition(trainer)
-    compiled = trainer.compile(state, trainer.shard(poisoned(0), partition, None))
+    compiled = trainer.compile(state, shard_batch(poisoned(0), trainer.device_mesh, partition))
     history = []
     for i in range(4):
         before = jax.device_get(state.params)
-        state, metrics = compiled(state, trainer.shard(poisoned(i), partition, None))
+        state, metrics = compiled(state, shard_batch(poisoned(i), trainer.device_mesh, partition))
         history.append((jax.device_get(metrics), before, jax.device_get(state.params)))
     assert int(state.step) == 4 and int(state.updates) == 2 and int(state.microstep) == 2
     for i in (1, 2):
@@ -206,9 +206,9 @@ def test_ema_follows_the_selected_leaves_only():
     # Run step by step through the compiled transaction to see each update.
     state, _, _ = trainer.place()
     partition = trainer_partition(trainer)
-    compiled = trainer.compile(state, trainer.shard(batch_at(0), partition, None))
+    compiled = trainer.compile(state, shard_batch(batch_at(0), trainer.device_mesh, partition))
     for i in range(3):
-        state, _ = compiled(state, trainer.shard(batch_at(i), partition, None))
+        state, _ = compiled(state, shard_batch(batch_at(i), trainer.device_mesh, partition))
         snapshots.append(jax.device_get(state.params))
     expected = initial["params"]["Dense_0"]["kernel"]
     for snap in snapshots:

@@ -42,6 +42,7 @@ import inspect
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
@@ -51,6 +52,7 @@ __all__ = [
     "BLOCK_VARIABLE",
     "PROJECT",
     "HookImplementationError",
+    "StepContribution",
     "Hooks",
     "hook",
     "hookimpl",
@@ -71,10 +73,45 @@ class HookImplementationError(TypeError):
     """A plugin implements a hook that does not exist, or takes an argument the hook lacks."""
 
 
+@dataclass(frozen=True)
+class StepContribution:
+    """What a ``dew_step_end`` implementation may return: scalars to log, a request to stop.
+
+    scalars are logged with the step's own (the tracker and the console see
+    them together). stop asks the run to end after this step: the trainer
+    saves the step, runs the final evaluation and returns normally; reason
+    is printed. A hook may also return a plain mapping (scalars only) or None.
+
+    >>> StepContribution.of({"my/score": 1.0}).scalars
+    {'my/score': 1.0}
+    >>> StepContribution.of(None).stop
+    False
+    """
+
+    scalars: Mapping[str, float] = field(default_factory=dict)
+    stop: bool = False
+    reason: str = ""
+
+    @classmethod
+    def of(cls, result: Any) -> StepContribution:
+        """Read one hook's return value."""
+        if result is None:
+            return cls()
+        if isinstance(result, StepContribution):
+            return result
+        if isinstance(result, Mapping):
+            return cls(scalars=dict(result))
+        raise HookImplementationError(
+            f"A dew_step_end hook returned {type(result).__name__}; it may return None, a "
+            "mapping of scalars to log, or a dew.plugins.StepContribution."
+        )
+
+
 class Hooks:
     """The hook specifications: every hook dew fires, with the arguments it passes.
 
-    Implementations return nothing; results are ignored. A hook is called on
+    Only ``dew_step_end`` may return something (a ``StepContribution`` or a
+    mapping of scalars); other results are ignored. A hook is called on
     the process that runs the trainer's host loop, between steps.
     """
 
@@ -84,9 +121,11 @@ class Hooks:
         steps the step count fit() trains to."""
 
     @hookspec
-    def dew_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
-        """A log step finished; metrics holds the scalars the host read for it
-        (the same values the tracker receives)."""
+    def dew_step_end(self, step: int, metrics: Mapping[str, float]) -> Any:
+        """A log step finished; metrics holds the scalars the host read for it.
+
+        Return None, a mapping of further scalars to log with them, or a
+        StepContribution (scalars, and stop=True to end the run at this step)."""
 
     @hookspec
     def dew_evaluation(self, step: int, evaluation: Any) -> None:

@@ -4,6 +4,19 @@ An objective initializes the model's variables (``init``), returns a loss as
 a ``Mean`` with an ``Aux`` (``loss``), and may score validation batches
 (``evaluate``) and render samples (``preview``). The trainer differentiates
 the Mean's total, so gradient accumulation over microbatches is exact.
+
+Two class attributes tell the trainer how to treat the variables:
+
+- ``ema`` (an ``EMASpec``) names the leaves that keep an exponential moving
+  average, and how fast it follows them (a constant or a schedule).
+- ``frozen`` (a ``LeafFilter``) names the leaves that never train: a
+  reference policy, a teacher, a frozen encoder. The trainer never
+  differentiates them, gives them no optimizer state, no accumulation window
+  and no EMA copy, so they exist once in device memory; they are sharded and
+  checkpointed like every other variable. Freeze a whole collection with
+  ``under("teacher")`` or a subtree of the parameters with
+  ``under("params/reference")``. Only the ``params`` collection is ever
+  trained, so a filter over other collections changes nothing but the EMA.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import numpy as np
 __all__ = [
     "Aux",
     "Batch",
+    "DecaySchedule",
     "EMASpec",
     "LeafFilter",
     "Mean",
@@ -29,6 +43,7 @@ __all__ = [
     "Objective",
     "Step",
     "Variables",
+    "cosine_decay",
     "everything",
     "under",
 ]
@@ -125,20 +140,53 @@ def under(prefix: str | Sequence[str]) -> LeafFilter:
     return accept
 
 
+DecaySchedule = Callable[[jax.Array], jax.Array]
+
+
 @dataclass(frozen=True)
 class EMASpec:
     """Which leaves the EMA copy tracks, and how fast it follows them.
 
-    decay is the weight of the old average at each optimizer update; select
-    picks the leaves (the others keep their initial values in the copy).
+    decay is the weight of the old average at each optimizer update: a
+    number in [0, 1], or a schedule, a traceable function of the count of
+    updates made before this one (JEPA's target encoder follows 0.996 up to
+    1.0, see ``cosine_decay``). select picks the leaves; in ``state.averaged``
+    the others read as the live values. Only selected leaves are stored.
+
+    >>> spec = EMASpec(decay=lambda updates: 0.5 + 0 * updates)
+    >>> float(spec.rate(jnp.asarray(3)))
+    0.5
     """
 
-    decay: float = 0.999
+    decay: float | DecaySchedule = 0.999
     select: LeafFilter = everything
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.decay <= 1.0:
-            raise ValueError(f"EMASpec.decay must lie in [0, 1], got {self.decay}.")
+        if not callable(self.decay) and not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"EMASpec.decay must lie in [0, 1] or be a schedule, got {self.decay}.")
+
+    def rate(self, updates: jax.Array) -> jax.Array:
+        """The decay at an update count (the constant, or the schedule's value)."""
+        if callable(self.decay):
+            return jnp.asarray(self.decay(updates), jnp.float32)
+        return jnp.asarray(self.decay, jnp.float32)
+
+
+def cosine_decay(start: float, end: float, steps: int) -> DecaySchedule:
+    """A decay that rises from start to end along a half cosine over steps updates, then stays.
+
+    >>> schedule = cosine_decay(0.996, 1.0, 100)
+    >>> [round(float(schedule(jnp.asarray(u))), 4) for u in (0, 50, 100, 200)]
+    [0.996, 0.998, 1.0, 1.0]
+    """
+    if steps < 1:
+        raise ValueError(f"cosine_decay needs at least 1 step, got {steps}.")
+
+    def schedule(updates: jax.Array) -> jax.Array:
+        progress = jnp.clip(jnp.asarray(updates, jnp.float32) / steps, 0.0, 1.0)
+        return end - (end - start) * (jnp.cos(jnp.pi * progress) + 1.0) / 2.0
+
+    return schedule
 
 
 @runtime_checkable
@@ -187,13 +235,21 @@ class Objective(Generic[Loss, Effects]):
 
     Subclasses implement ``init`` and ``loss``. ``evaluate`` defaults to the
     loss and the metrics it reports; ``preview`` to nothing. ``ema`` names the
-    leaves that keep an exponential moving average (None keeps none).
+    leaves that keep an exponential moving average (None keeps none);
+    ``frozen`` the leaves that never train (None freezes none).
     """
 
     ema: EMASpec | None = None
+    frozen: LeafFilter | None = None
 
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
-        """Return the model's variables (Flax's nested dict), possibly partitioned."""
+        """Return the model's variables (Flax's nested dict), possibly partitioned.
+
+        variables, when given, are the weights the run starts from (a
+        pretrained model, another run's parameters), already on the devices;
+        build the variables from them rather than from key. The trainer
+        checks that what comes back has the tree and shapes of a fresh init.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement init(key).")
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:

@@ -19,7 +19,7 @@ _EXPORTS = {
     "under": Export(_BASE),
     "TrainState": Export("dew.training.state"),
     "Trainer": Export("dew.training.trainer"),
-    "Rollout": Export("dew.training.trainer"),
+    "Rollout": Export("dew.training.feed"),
     "MeshSpec": Export("dew.training.mesh"),
     "build_mesh": Export("dew.training.mesh"),
     "data_partition": Export("dew.training.mesh"),

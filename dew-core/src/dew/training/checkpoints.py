@@ -171,6 +171,11 @@ class Checkpoints:
             return self._local.step_path(step)
         return self._persistent.step_path(step)
 
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The manifest dew wrote with step: its meta, data positions, leaf digests and file hashes."""
+        store = next((s for s in reversed(self._stores) if step in s.committed()), self._persistent)
+        return self._manifest(store, int(step))
+
     # -- saving ---------------------------------------------------------------
 
     def save(

@@ -125,6 +125,10 @@ class Console:
             shown = ", ".join(f"{name} {_format(float(v))}" for name, v in scalars.items())
             self._print(f"step {step}: {shown}")
 
+    def note(self, line: str) -> None:
+        """Print one line of news (a rejected step, a checkpoint) above the bar."""
+        self._print(line)
+
     def finish(self, goodput: Goodput) -> None:
         """Close the live display and print where the wall time went."""
         self._close_live()

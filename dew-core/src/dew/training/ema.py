@@ -7,9 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dew.objectives.base import EMASpec, Variables
+from dew.objectives.base import EMASpec, LeafFilter, Variables
+from dew.training.trees import select
 
-__all__ = ["ema_mask", "ema_update"]
+__all__ = ["ema_leaves", "ema_update"]
 
 
 def ema_update(ema: Variables, params: Variables, decay: jax.typing.ArrayLike) -> Variables:
@@ -34,11 +35,16 @@ def ema_update(ema: Variables, params: Variables, decay: jax.typing.ArrayLike) -
     return jax.tree.map(one, ema, params)
 
 
-def ema_mask(spec: EMASpec, tree: Variables) -> Any:
-    """A tree of bools: which leaves of a variables tree spec's filter selects."""
+def ema_leaves(spec: EMASpec, frozen: LeafFilter | None, variables: Variables) -> dict[str, Any]:
+    """The leaves the EMA keeps: those spec selects, less the frozen ones (which never move).
 
-    def one(path: tuple[Any, ...], leaf: Any) -> bool:
-        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        return bool(spec.select(keys, leaf))
+    >>> from dew.objectives.base import under
+    >>> tree = {"params": {"body": 1, "head": 2, "teacher": 3}}
+    >>> ema_leaves(EMASpec(select=under("params")), under("params/teacher"), tree)
+    {'params': {'body': 1, 'head': 2}}
+    """
 
-    return jax.tree_util.tree_map_with_path(one, tree)
+    def keep(path: tuple[str, ...], leaf: Any) -> bool:
+        return bool(spec.select(path, leaf)) and not (frozen is not None and frozen(path, leaf))
+
+    return select(variables, keep)

@@ -24,8 +24,9 @@ from dew.data.base import Reader
 from dew.objectives.base import Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.telemetry.artifacts import Artifact
 from dew.training.mesh import build_mesh, data_partition, global_shape, shard_batch
+from dew.training.state import stream
 
-__all__ = ["Evaluation", "OutputMeans", "evaluate"]
+__all__ = ["Evaluation", "Evaluator", "OutputMeans", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,104 @@ def _rows(batch: Mapping[str, Any]) -> int:
     return int(np.shape(leaves[0])[0]) if leaves else 0
 
 
+class Evaluator:
+    """Scores validation passes for one objective, compiling once per batch shape.
+
+    The compiled scorer takes everything that changes between events (the
+    variables, the EMA overlay, the batch, the key, the schedule step) as
+    arguments, so a run that evaluates every few hundred steps compiles its
+    scorer once per batch shape, not once per event. ``evaluate`` builds a
+    throwaway one; the trainer keeps one per fit.
+    """
+
+    def __init__(self, objective: Objective, mesh: Mesh | None = None) -> None:
+        self.objective = objective
+        self.mesh = mesh or build_mesh()
+        self._compiled: dict[Any, Any] = {}
+        self.traces = 0  # how often a scorer was traced (a test counts them)
+
+    def _score(self, variables: Variables, averaged: Variables | None, batch: Mapping[str, Any],
+               key: jax.Array, index: jax.Array, schedule: jax.Array) -> Any:
+        self.traces += 1
+        info = Step(step=schedule, microstep=schedule, updates=schedule,
+                    key=jax.random.fold_in(key, index), ema=averaged, training=False)
+        return self.objective.evaluate(variables, batch, info)
+
+    def _scorer(self, signature: Any) -> Any:
+        if signature not in self._compiled:
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            self._compiled[signature] = jax.jit(self._score, out_shardings=replicated)
+        return self._compiled[signature]
+
+    def __call__(
+        self,
+        variables: Variables,
+        batches: Reader | None,
+        *,
+        key: jax.Array,
+        metrics: Sequence[Metric] = (),
+        step: int | jax.Array = 0,
+        averaged: Variables | None = None,
+        preview: bool = False,
+        split: str = "val",
+        schedule_step: int | jax.Array | None = None,
+    ) -> Evaluation:
+        started = time.perf_counter()
+        step = int(step)
+        event_key = (step, zlib.crc32(split.encode()))
+        if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jnp.unsignedinteger):
+            key = jax.random.wrap_key_data(key)
+        previews: tuple[Artifact, ...] = ()
+        if preview and jax.process_index() == 0:
+            shown = jax.random.fold_in(stream(key, "preview"), step)
+            sample = self.objective.preview(averaged if averaged is not None else variables, shown)
+            previews = tuple(p for p in ([sample] if isinstance(sample, Artifact) else list(sample or ())) if p)
+        if not metrics or batches is None:
+            return Evaluation(step, split, {}, 0, 0, False, event_key, time.perf_counter() - started, previews)
+
+        event = jax.random.fold_in(jax.random.fold_in(stream(key, "evaluation"), step), event_key[1])
+        partition = data_partition(self.mesh)
+        schedule = jnp.asarray(step if schedule_step is None else int(schedule_step), jnp.int32)
+        accumulators = [m.empty() for m in metrics]
+        coordinated = rows = 0
+        uneven = False
+        iterator = batches(partition)
+        try:
+            while True:
+                batch = next(iterator, None)
+                everyone, someone = _any_everywhere(batch is not None)
+                if not everyone:
+                    uneven = someone
+                    break
+                shapes = global_shape(batch, partition)
+                signature = jax.tree.structure(shapes), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes))
+                outputs = self._scorer(signature)(
+                    variables, averaged, shard_batch(batch, self.mesh, partition), event,
+                    jnp.asarray(coordinated, jnp.int32), schedule,
+                )
+                host = jax.device_get(outputs)
+                for i, metric in enumerate(metrics):
+                    accumulators[i] = metric.update(accumulators[i], host)
+                coordinated += 1
+                rows += _rows(batch) * partition.shares
+        finally:
+            close = getattr(iterator, "close", None)
+            if callable(close):
+                close()
+        scores: dict[str, float] = {}
+        if coordinated:
+            for metric, accumulator in zip(metrics, accumulators, strict=True):
+                result = metric.result(accumulator)
+                if isinstance(result, Mapping):
+                    scores.update({f"{split}/{k}": float(v) for k, v in result.items()})
+                else:
+                    scores[f"{split}/{metric.name}"] = float(result)
+        return Evaluation(
+            step, split, scores, coordinated, rows, uneven, event_key,
+            time.perf_counter() - started, previews,
+        )
+
+
 def evaluate(
     objective: Objective,
     variables: Variables,
@@ -118,69 +217,11 @@ def evaluate(
     """Score a coordinated prefix of batches with metrics, without optimizer or tracker.
 
     batches is a Reader (Dataset.val): it is opened for this process's share
-    and closed here. With no metrics and no preview, nothing is read.
+    and closed here. With no metrics and no preview, nothing is read. key is
+    the run's root key; scoring and previews draw from its evaluation and
+    preview streams.
     """
-    started = time.perf_counter()
-    step = int(step)
-    event_key = (step, zlib.crc32(split.encode()))
-    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jnp.unsignedinteger):
-        key = jax.random.wrap_key_data(key)
-    event = jax.random.fold_in(jax.random.fold_in(key, step), event_key[1])
-    previews: tuple[Artifact, ...] = ()
-    if preview and jax.process_index() == 0:
-        sample = objective.preview(averaged if averaged is not None else variables, event)
-        previews = tuple(p for p in ([sample] if isinstance(sample, Artifact) else list(sample or ())) if p)
-    if not metrics or batches is None:
-        return Evaluation(step, split, {}, 0, 0, False, event_key, time.perf_counter() - started, previews)
-
-    mesh = mesh or build_mesh()
-    partition = data_partition(mesh)
-    schedule = step if schedule_step is None else int(schedule_step)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def score(variables: Variables, batch: Mapping[str, Any], index: jax.Array) -> Any:
-        info = Step(
-            step=jnp.asarray(schedule, jnp.int32), microstep=jnp.asarray(schedule, jnp.int32),
-            updates=jnp.asarray(schedule, jnp.int32), key=jax.random.fold_in(event, index),
-            ema=averaged, training=False,
-        )
-        return objective.evaluate(variables, batch, info)
-
-    compiled: dict[Any, Any] = {}
-    accumulators = [m.empty() for m in metrics]
-    coordinated = rows = 0
-    uneven = False
-    iterator = batches(partition)
-    try:
-        while True:
-            batch = next(iterator, None)
-            everyone, someone = _any_everywhere(batch is not None)
-            if not everyone:
-                uneven = someone
-                break
-            shapes = global_shape(batch, partition)
-            signature = jax.tree.structure(shapes), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes))
-            if signature not in compiled:
-                compiled[signature] = jax.jit(score, out_shardings=replicated)
-            outputs = compiled[signature](variables, shard_batch(batch, mesh, partition), coordinated)
-            host = jax.device_get(outputs)
-            for i, metric in enumerate(metrics):
-                accumulators[i] = metric.update(accumulators[i], host)
-            coordinated += 1
-            rows += _rows(batch) * partition.shares
-    finally:
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
-    scores: dict[str, float] = {}
-    if coordinated:
-        for metric, accumulator in zip(metrics, accumulators, strict=True):
-            result = metric.result(accumulator)
-            if isinstance(result, Mapping):
-                scores.update({f"{split}/{k}": float(v) for k, v in result.items()})
-            else:
-                scores[f"{split}/{metric.name}"] = float(result)
-    return Evaluation(
-        step, split, scores, coordinated, rows, uneven, event_key,
-        time.perf_counter() - started, previews,
+    return Evaluator(objective, mesh)(
+        variables, batches, key=key, metrics=metrics, step=step, averaged=averaged,
+        preview=preview, split=split, schedule_step=schedule_step,
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,9 @@ __all__ = [
     "ParamGroup",
     "build_optimizer",
     "build_schedule",
+    "ConfiguredOptimizer",
     "leaf_path",
+    "matches",
 ]
 
 # Leaves that take no weight decay unless a group says otherwise: biases,
@@ -183,20 +185,21 @@ def leaf_path(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
-def _matches(patterns: Sequence[str], path: str) -> bool:
+def matches(patterns: Sequence[str], path: str) -> bool:
+    """Whether a '/'-joined leaf path matches any of the globs (case-insensitively)."""
     lowered = path.lower()
     return any(fnmatch.fnmatchcase(lowered, pattern.lower()) for pattern in patterns)
 
 
 def _group(config: OptimizerConfig, path: str) -> ParamGroup | None:
-    return next((g for g in config.groups if _matches(g.match, path)), None)
+    return next((g for g in config.groups if matches(g.match, path)), None)
 
 
 def _decays(config: OptimizerConfig, path: str) -> bool:
     group = _group(config, path)
     if group is not None and group.decay is not None:
         return group.decay
-    return not _matches(config.no_decay, path)
+    return not matches(config.no_decay, path)
 
 
 def _lr_scale(config: OptimizerConfig, path: str) -> float:
@@ -262,7 +265,20 @@ def _solver(config: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransf
     )
 
 
-def build_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+class ConfiguredOptimizer(NamedTuple):
+    """An optax transformation with the config it was built from.
+
+    It is used like any optax transformation (``init``, ``update``); the
+    config lets the trainer check the parameter groups against what the
+    objective freezes, and read the learning-rate schedule.
+    """
+
+    init: Callable[..., Any]
+    update: Callable[..., Any]
+    config: OptimizerConfig
+
+
+def build_optimizer(config: OptimizerConfig) -> ConfiguredOptimizer:
     """Build the optax chain config describes: clipping, the solver, group multipliers."""
     parts: list[optax.GradientTransformation] = []
     if config.clip_norm is not None:
@@ -270,4 +286,5 @@ def build_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     parts.append(_solver(config, build_schedule(config)))
     if any(group.lr_scale != 1.0 for group in config.groups):
         parts.append(scale_by_group(config))
-    return parts[0] if len(parts) == 1 else optax.chain(*parts)
+    chain = parts[0] if len(parts) == 1 else optax.chain(*parts)
+    return ConfiguredOptimizer(chain.init, chain.update, config)

@@ -1,4 +1,10 @@
-"""TrainState: everything a run must checkpoint to resume where it stopped."""
+"""TrainState: everything a run must checkpoint to resume where it stopped.
+
+The run key is the root of separate random streams, one per purpose
+(``STREAMS``): initialization, the training step, the rollout, evaluation
+and previews. Each is a branch split from the root, and a stream's key at
+step s folds s into its branch, so two purposes never draw the same key.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,24 @@ import jax
 import jax.numpy as jnp
 
 from dew.objectives.base import Variables
+from dew.training.trees import overlay
 
-__all__ = ["Scaler", "TrainState", "Window"]
+__all__ = ["STREAMS", "Scaler", "TrainState", "Window", "stream"]
+
+STREAMS = ("init", "step", "rollout", "evaluation", "preview")
+
+
+def stream(root: jax.Array, name: str) -> jax.Array:
+    """The branch of a typed root key that one purpose draws from.
+
+    >>> import jax
+    >>> keys = [stream(jax.random.key(0), name) for name in STREAMS]
+    >>> len({tuple(jax.random.key_data(k).tolist()) for k in keys})
+    5
+    """
+    if name not in STREAMS:
+        raise ValueError(f"Unknown random stream {name!r}; the streams are {', '.join(STREAMS)}.")
+    return jax.random.split(root, len(STREAMS))[STREAMS.index(name)]
 
 
 @flax.struct.dataclass
@@ -56,11 +78,13 @@ class Window:
 class TrainState:
     """Hold everything a run must checkpoint to resume where it stopped.
 
-    params holds the live Flax variables (every collection), averaged the
-    same tree with the EMA leaves in place (None without an EMA). step
-    counts attempts, microstep accepted microbatches, updates optimizer
-    updates; with the root key, step decides the next random draw. key is
-    stored as raw key data so it checkpoints like any array.
+    params holds the live Flax variables (every collection, frozen leaves
+    included, each once). ema holds the EMA's own leaves only: those the
+    objective's EMASpec selects and does not freeze (None without an EMA);
+    ``averaged`` reads as the whole tree with them in place. step counts
+    attempts, microstep accepted microbatches, updates optimizer updates;
+    with the root key, step decides the next random draw. key is stored as
+    raw key data so it checkpoints like any array.
     """
 
     params: Variables
@@ -69,18 +93,27 @@ class TrainState:
     step: jax.Array
     microstep: jax.Array
     updates: jax.Array
-    averaged: Variables | None = None
+    ema: Variables | None = None
     scaler: Scaler | None = None
     window: Window | None = None
+
+    @property
+    def averaged(self) -> Variables | None:
+        """The variables with the EMA leaves in place (None without an EMA)."""
+        return None if self.ema is None else overlay(self.params, self.ema)
 
     @property
     def rng(self) -> jax.Array:
         """The root key as a typed key."""
         return jax.random.wrap_key_data(self.key)
 
-    def key_for(self, step: jax.Array | int, *data: int) -> jax.Array:
-        """The key of one step (and optional further indices), folded from the root."""
-        key = jax.random.fold_in(self.rng, step)
+    def stream(self, name: str) -> jax.Array:
+        """The branch of the root key that one purpose (``STREAMS``) draws from."""
+        return stream(self.rng, name)
+
+    def key_for(self, step: jax.Array | int, *data: int, purpose: str = "step") -> jax.Array:
+        """The key of one step (and optional further indices) in a purpose's stream."""
+        key = jax.random.fold_in(self.stream(purpose), step)
         for value in data:
             key = jax.random.fold_in(key, value)
         return key

@@ -19,8 +19,9 @@ import optax
 from dew.objectives.base import Aux, EMASpec, Mean, Objective, Step, Variables
 from dew.training.ema import ema_update
 from dew.training.state import TrainState, Window
+from dew.training.trees import overlay, select, trains
 
-__all__ = ["StepFn", "build_train_step", "write_back"]
+__all__ = ["StepFn", "build_train_step", "follow_ema", "write_back"]
 
 StepFn = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]
 
@@ -57,13 +58,18 @@ def build_train_step(
     *,
     accumulation: int = 1,
     ema: EMASpec | None = None,
-    ema_selected: Any = None,
 ) -> StepFn:
-    """Return the pure step function: (state, batch) -> (state, metrics)."""
+    """Return the pure step function: (state, batch) -> (state, metrics).
+
+    Only the leaves ``trees.trains(objective.frozen)`` accepts are
+    differentiated and updated; the frozen ones are read from the state as
+    they are. The EMA follows the leaves of ``state.ema``.
+    """
+    trainable_filter = trains(getattr(objective, "frozen", None))
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         variables = state.params
-        trainable = {"params": variables["params"]}
+        trainable = select(variables, trainable_filter)
         info = Step(
             step=state.step, microstep=state.microstep, updates=state.updates,
             key=state.key_for(state.step), ema=state.averaged,
@@ -71,7 +77,7 @@ def build_train_step(
         scaler = state.scaler
 
         def total(p: Variables) -> tuple[jax.Array, tuple[Mean, Aux]]:
-            loss, aux = objective.loss({**variables, **p}, batch, info)
+            loss, aux = objective.loss(overlay(variables, p), batch, info)
             scaled = loss.total.astype(jnp.float32)
             return (scaled * scaler.scale if scaler is not None else scaled), (loss, aux)
 
@@ -82,7 +88,7 @@ def build_train_step(
         count = jnp.asarray(loss.count, jnp.float32)
 
         def accept(state: TrainState) -> TrainState:
-            return _accept(state, grads, count, aux, optimizer, accumulation, ema, ema_selected)
+            return _accept(state, grads, count, aux, optimizer, accumulation, ema, trainable_filter)
 
         def reject(state: TrainState) -> TrainState:
             return state
@@ -109,13 +115,13 @@ def _accept(
     optimizer: optax.GradientTransformation,
     accumulation: int,
     ema: EMASpec | None,
-    ema_selected: Any,
+    trainable_filter: Callable[[tuple[str, ...], Any], bool],
 ) -> TrainState:
     variables = write_back(state.params, aux.updates)
     state = state.replace(params=variables, microstep=state.microstep + 1)
     if accumulation == 1:
         mean_grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads)
-        return _update(state, mean_grads, optimizer, ema, ema_selected)
+        return _update(state, mean_grads, optimizer, ema, trainable_filter)
     window = state.window
     assert window is not None
     window = Window(
@@ -126,7 +132,7 @@ def _accept(
 
     def full(state: TrainState) -> TrainState:
         mean_grads = jax.tree.map(lambda g: g / jnp.maximum(window.count, 1), window.grads)
-        state = _update(state, mean_grads, optimizer, ema, ema_selected)
+        state = _update(state, mean_grads, optimizer, ema, trainable_filter)
         empty = Window(
             grads=jax.tree.map(jnp.zeros_like, window.grads),
             count=jnp.zeros_like(window.count),
@@ -145,16 +151,27 @@ def _update(
     grads: Variables,
     optimizer: optax.GradientTransformation,
     ema: EMASpec | None,
-    ema_selected: Any,
+    trainable_filter: Callable[[tuple[str, ...], Any], bool],
 ) -> TrainState:
-    trainable = {"params": state.params["params"]}
+    trainable = select(state.params, trainable_filter)
     updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
-    params = {**state.params, "params": trainable["params"]}
-    averaged = state.averaged
-    if ema is not None and averaged is not None:
-        moved = ema_update(averaged, params, ema.decay)
-        averaged = jax.tree.map(
-            lambda keep, avg, live: avg if keep else live, ema_selected, moved, params
-        )
-    return state.replace(params=params, opt_state=opt_state, averaged=averaged, updates=state.updates + 1)
+    params = overlay(state.params, trainable)
+    state = state.replace(params=params, opt_state=opt_state, updates=state.updates + 1)
+    return follow_ema(state, ema, previous_updates=state.updates - 1)
+
+
+def follow_ema(state: TrainState, ema: EMASpec | None, *, previous_updates: jax.Array) -> TrainState:
+    """Move the EMA's leaves towards the live ones after an optimizer update."""
+    if ema is None or state.ema is None:
+        return state
+    live = _like(state.ema, state.params)
+    return state.replace(ema=ema_update(state.ema, live, ema.rate(previous_updates)))
+
+
+def _like(pattern: Mapping[str, Any], tree: Mapping[str, Any]) -> dict[str, Any]:
+    """tree's leaves at pattern's paths."""
+    return {
+        key: _like(value, tree[key]) if isinstance(value, Mapping) else tree[key]
+        for key, value in pattern.items()
+    }

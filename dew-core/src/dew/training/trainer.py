@@ -1,17 +1,21 @@
 """The Trainer: runs an Objective over a Dataset on a device mesh.
 
-Read it top to bottom: ``fit`` places the state (``place``), compiles one
-step (``compile``), then loops. The host reads a step's metrics only at log
-steps, and then one step late, so it never waits on the device otherwise.
+Read ``fit`` top to bottom: it places the state (``place``), opens the feed
+(stream -> rollout -> check -> shard, ``dew.training.feed``), then steps:
+each batch goes through the step compiled for its shape, ``Progress``
+reports what is due (reading metrics one step late, so the host never
+waits on the device otherwise), and evaluation, checkpoints, a preemption
+notice and a plugin's stop request are handled between steps.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Generic, Protocol
+from typing import Any, Generic
 
 import jax
 import jax.numpy as jnp
@@ -20,41 +24,41 @@ import optax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.data.base import DataPartition, Dataset, Resumable
+from dew.data.base import Dataset
 from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
-from dew.training.ema import ema_mask
+from dew.training.ema import ema_leaves
+from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
+from dew.training.feed import Feed, Rollout
+from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
 from dew.training.layout import Layout, Placement
-from dew.training.mesh import (
-    BatchMismatchError,
-    MeshSpec,
-    build_mesh,
-    check_batch,
-    data_partition,
-    shard_batch,
-)
-from dew.training.state import Scaler, TrainState, Window
-from dew.training.step import StepFn, build_train_step
+from dew.training.mesh import MeshSpec, build_mesh, data_partition
+from dew.training.progress import NonFiniteLossError, Progress
+from dew.training.runtime.preemption import Preempted, PreemptionWatch
+from dew.training.state import Scaler, TrainState, Window, stream
+from dew.training.step import StepFn, build_train_step, follow_ema
+from dew.training.trees import paths, select, trains
 
-__all__ = ["CompiledStep", "NonFiniteLossError", "ResumeMismatchError", "Rollout", "Trainer"]
-
-Initializer = Variables | None
-_INIT_SALT = 0x1D17  # folds the run key into the initialization key
-_NONFINITE_LIMIT = 5  # consecutive rejected steps (without a loss scaler) that stop a run
-_NONFINITE_LIMIT_SCALED = 50
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Too many consecutive steps had a non-finite loss or gradient."""
+__all__ = [
+    "CompiledStep",
+    "FrozenTrainedError",
+    "NonFiniteLossError",
+    "ResumeMismatchError",
+    "Rollout",
+    "StepCompositionError",
+    "Trainer",
+]
 
 
 class ResumeMismatchError(ValueError):
     """A checkpoint was written with another accumulation length or loss-scaler configuration."""
 
 
-class Rollout(Protocol):
-    """Produce a batch on the host, before the compiled step reads it."""
+class StepCompositionError(ValueError):
+    """A custom step was combined with a capability it cannot compose with."""
 
-    def __call__(self, state: TrainState, batch: Mapping[str, Any], key: jax.Array) -> Mapping[str, Any]: ...
+
+class FrozenTrainedError(ValueError):
+    """The optimizer was configured to train a variable the objective declares frozen."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,10 @@ class Trainer(Generic[Loss, Effects]):
 
     Configure it; do not subclass it to change the loop. ``step`` replaces
     the compiled transaction (a factory of (state, batch) -> (state,
-    metrics)), ``rollout`` produces each batch on the host first.
+    metrics)), ``rollout`` produces each batch on the host first, and
+    ``initializer`` gives the weights a fresh run starts from (a variables
+    tree, or a source such as ``ParamsFrom``); a run that finds its own
+    checkpoint resumes from it instead.
     """
 
     def __init__(
@@ -91,9 +98,12 @@ class Trainer(Generic[Loss, Effects]):
         step: Callable[[Objective[Loss, Effects], optax.GradientTransformation], StepFn] | None = None,
         rollout: Rollout | None = None,
         profile: Any = None,
+        initializer: Initializer = None,
     ) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}.")
+        if step is not None:
+            _check_composition(accumulation, dynamic_scale)
         if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         self.objective = objective
@@ -108,6 +118,8 @@ class Trainer(Generic[Loss, Effects]):
         self.step_factory = step
         self.rollout = rollout
         self.profile = profile
+        self.initializer = initializer
+        self._source_weights: Variables | None = None
 
     @classmethod
     def from_config(
@@ -121,35 +133,43 @@ class Trainer(Generic[Loss, Effects]):
         tracker: Any = None,
         step: Callable[[Objective, optax.GradientTransformation], StepFn] | None = None,
         rollout: Rollout | None = None,
+        initializer: Initializer = None,
     ) -> Trainer:
         """Build the trainer a TrainerConfig describes; the field mapping lives in config.py."""
         from dew.training.config import trainer_kwargs
 
         return Trainer(
             objective, optimizer, key=key, checkpoints=checkpoints, tracker=tracker,
-            step=step, rollout=rollout, **trainer_kwargs(config),
+            step=step, rollout=rollout, initializer=initializer, **trainer_kwargs(config),
         )
 
-    # -- placement --------------------------------------------------------------
+    # -- the state ------------------------------------------------------------------
     @cached_property
     def device_mesh(self) -> Mesh:
         """The mesh MeshSpec describes over this process pool's devices, built on first use."""
         return build_mesh(self.mesh)
 
-    def _init_key(self, key: jax.Array) -> jax.Array:
-        return jax.random.fold_in(key, _INIT_SALT)
+    @property
+    def _trains(self) -> Callable[[tuple[str, ...], Any], bool]:
+        return trains(self.objective.frozen)
 
     def initial_state(self, initializer: Initializer = None, key: jax.Array | None = None) -> TrainState:
-        """The state a fresh run starts from: pure, so it traces for shapes and for values."""
+        """The state a fresh run starts from: pure, so it traces for shapes and for values.
+
+        initializer and key default to the run's own (a source is read here);
+        ``place`` passes both explicitly, so the compiled initializer takes
+        them as arguments.
+        """
         key = self.key if key is None else key
-        variables = nn.meta.unbox(self.objective.init(self._init_key(key), initializer))
-        variables = dict(variables)
+        if initializer is None:
+            initializer = self._read_weights()
+        variables = dict(nn.meta.unbox(self.objective.init(stream(key, "init"), initializer)))
         if "params" not in variables:
             raise ValueError(
                 f"{type(self.objective).__name__}.init returned collections {sorted(variables)}; "
                 "it must return Flax variables with a 'params' collection."
             )
-        trainable = {"params": variables["params"]}
+        trainable = select(variables, self._trains)
         zero = jnp.asarray(0, jnp.int32)
         window = None
         if self.accumulation > 1:
@@ -157,55 +177,65 @@ class Trainer(Generic[Loss, Effects]):
                 grads=jax.tree.map(jnp.zeros_like, trainable),
                 count=jnp.asarray(0.0, jnp.float32), filled=zero,
             )
+        ema = None
+        if self.objective.ema is not None:
+            ema = jax.tree.map(jnp.copy, ema_leaves(self.objective.ema, self.objective.frozen, variables))
         return TrainState(
             params=variables,
             opt_state=self.optimizer.init(trainable),
             key=jax.random.key_data(key),
             step=zero, microstep=zero, updates=zero,
-            averaged=jax.tree.map(jnp.copy, variables) if self.objective.ema is not None else None,
+            ema=ema,
             scaler=Scaler.create() if self.dynamic_scale else None,
             window=window,
         )
 
     @cached_property
     def _boxed_variables(self) -> Any:
-        """The objective's variables as shapes, with the logical axes its modules declare."""
-        return jax.eval_shape(lambda k: self.objective.init(self._init_key(k)), self.key)
+        """The objective's fresh variables as shapes, with the logical axes its modules declare."""
+        return jax.eval_shape(lambda k: self.objective.init(stream(k, "init")), self.key)
 
     @cached_property
     def _abstract_state(self) -> TrainState:
-        return jax.eval_shape(self.initial_state)
+        return jax.eval_shape(lambda k: self.initial_state(self._abstract_weights, k), self.key)
+
+    @cached_property
+    def _abstract_weights(self) -> Any:
+        """The shapes of the weights a fresh run starts from (None: a random init)."""
+        if self.initializer is None:
+            return None
+        if isinstance(self.initializer, Mapping):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self.initializer)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._read_weights())
+
+    def _read_weights(self) -> Variables | None:
+        """The configured weights as arrays (a source is read once, and kept until placed)."""
+        if self.initializer is None or isinstance(self.initializer, Mapping):
+            return self.initializer
+        if isinstance(self.initializer, WeightSource):
+            if self._source_weights is None:
+                self._source_weights = self.initializer(nn.meta.unbox(self._boxed_variables))
+            return self._source_weights
+        raise TypeError(
+            f"Trainer(initializer=...) takes a variables tree or a callable source, got "
+            f"{type(self.initializer).__name__}."
+        )
 
     def shardings(self, state: TrainState) -> Placement:
         """Place every field of state: parameter-shaped trees follow the parameters."""
         mesh = self.device_mesh
         replicated = NamedSharding(mesh, PartitionSpec())
         params = self.layout.shardings(mesh, self._boxed_variables)
-        by_path = {
-            _names(path): sharding
-            for path, sharding in jax.tree_util.tree_flatten_with_path(params)[0]
-        }
-        shapes = {
-            _names(path): leaf.shape
-            for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]
-        }
-
-        def follow(path: Any, leaf: Any) -> NamedSharding:
-            names = _names(path)
-            for start in range(len(names)):
-                tail = names[start:]
-                if tail in by_path and shapes[tail] == getattr(leaf, "shape", None):
-                    return by_path[tail]
-            return replicated
+        follow = _follower(params, state.params, replicated)
 
         def place(tree: Any) -> Any:
-            return jax.tree_util.tree_map_with_path(follow, tree)
+            return jax.tree_util.tree_map_with_path(lambda path, leaf: follow(_names(path), leaf), tree)
 
         return TrainState(
             params=params,
             opt_state=place(state.opt_state),
             key=replicated, step=replicated, microstep=replicated, updates=replicated,
-            averaged=params if state.averaged is not None else None,
+            ema=place(state.ema) if state.ema is not None else None,
             scaler=jax.tree.map(lambda _: replicated, state.scaler) if state.scaler is not None else None,
             window=place(state.window) if state.window is not None else None,
         )
@@ -220,8 +250,12 @@ class Trainer(Generic[Loss, Effects]):
     def place(self) -> tuple[TrainState, Placement, bytes | None]:
         """Put the state on the mesh, fresh or restored from the latest checkpoint.
 
-        Returns the state, its shardings and the data position a resume continues from.
+        Returns the state, its shardings and the data position a resume
+        continues from. A fresh state is built by the compiled initializer,
+        which takes the starting weights (already sharded) and the key as
+        arguments.
         """
+        self._check_frozen_optimizer()
         abstract = self._abstract_state
         shardings = self.shardings(abstract)
         self.layout.check(abstract.params, shardings.params, self.device_mesh)
@@ -232,8 +266,48 @@ class Trainer(Generic[Loss, Effects]):
             restored = self.checkpoints.restore(template, partition=data_partition(self.device_mesh))
             self._check_resume(restored.meta, restored.step)
             return restored.state, shardings, restored.position
-        state = jax.jit(self.initial_state, out_shardings=shardings)()
+        weights = self._weights_on_mesh(shardings)
+        state = jax.jit(self.initial_state, out_shardings=shardings)(weights, self.key)
         return state, shardings, None
+
+    def _weights_on_mesh(self, shardings: TrainState) -> Any:
+        """The starting weights, checked against a fresh init and placed like the parameters."""
+        weights = self._read_weights()
+        if weights is None:
+            return None
+        fresh = jax.eval_shape(lambda k: nn.meta.unbox(self.objective.init(stream(k, "init"))), self.key)
+        given = jax.eval_shape(
+            lambda w, k: nn.meta.unbox(self.objective.init(stream(k, "init"), w)),
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), weights), self.key,
+        )
+        compare_trees(fresh, given, what="The weights the run starts from")
+        follow = _follower(shardings.params, self._abstract_state.params,
+                           NamedSharding(self.device_mesh, PartitionSpec()))
+        placed = place_weights(weights, lambda name, leaf: follow(tuple(name.split("/")), leaf))
+        self._source_weights = None  # the host copy is not needed once the devices hold it
+        return placed
+
+    def _check_frozen_optimizer(self) -> None:
+        """Refuse an optimizer whose parameter groups select only frozen leaves to train."""
+        config = getattr(self.optimizer, "config", None)
+        if self.objective.frozen is None or config is None:
+            return
+        from dew.training.optim import matches
+
+        every = paths(nn.meta.unbox(self._boxed_variables))
+        trainable = set(paths(select(nn.meta.unbox(self._boxed_variables), self._trains)))
+        for group in getattr(config, "groups", ()):
+            if group.lr_scale == 0:
+                continue
+            chosen = [p for p in every if p.startswith("params/") and matches(group.match, p)]
+            frozen = [p for p in chosen if p not in trainable]
+            if frozen:
+                raise FrozenTrainedError(
+                    f"The optimizer's parameter group {list(group.match)} trains {frozen[0]}"
+                    f"{f' (and {len(frozen) - 1} more frozen leaves)' if len(frozen) > 1 else ''}, "
+                    f"which {type(self.objective).__name__} declares frozen. Drop the group, set its "
+                    "lr_scale to 0, or change the objective's frozen filter."
+                )
 
     def _check_resume(self, meta: Mapping[str, Any], step: int) -> None:
         mine = self._meta()
@@ -248,16 +322,24 @@ class Trainer(Generic[Loss, Effects]):
 
     # -- compilation ----------------------------------------------------------------
     def _step_function(self) -> StepFn:
-        if self.step_factory is not None:
-            return self.step_factory(self.objective, self.optimizer)
         ema = self.objective.ema
-        selected = None
-        if ema is not None:
-            selected = ema_mask(ema, self._abstract_state.params)
-        return build_train_step(
-            self.objective, self.optimizer, accumulation=self.accumulation, ema=ema,
-            ema_selected=selected,
-        )
+        if self.step_factory is None:
+            return build_train_step(self.objective, self.optimizer, accumulation=self.accumulation, ema=ema)
+        custom = self.step_factory(self.objective, self.optimizer)
+        if ema is None:
+            return custom
+
+        def with_ema(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+            new, metrics = custom(state, batch)
+            moved = jax.lax.cond(
+                new.updates != state.updates,
+                lambda s: follow_ema(s, ema, previous_updates=state.updates),
+                lambda s: s,
+                new,
+            )
+            return moved, metrics
+
+        return with_ema
 
     def compile(self, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
         """Compile the transaction over state and one global batch; the state is donated."""
@@ -274,6 +356,10 @@ class Trainer(Generic[Loss, Effects]):
             executable = jitted.lower(state, shapes).compile()
         return CompiledStep(executable, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
 
+    @cached_property
+    def _evaluator(self) -> Evaluator:
+        return Evaluator(self.objective, self.device_mesh)
+
     # -- the loop ---------------------------------------------------------------------
     def fit(
         self,
@@ -287,53 +373,153 @@ class Trainer(Generic[Loss, Effects]):
         preview: bool = False,
     ) -> TrainState:
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
-        from dew.training.loop import Loop
+        steps = int(steps)
+        progress = Progress(tracker=self.tracker, records_per_step=dataset.batch,
+                            log_every=log_every, dynamic_scale=self.dynamic_scale)
+        mesh = self.device_mesh
+        state, _, position = self.place()
+        start = int(jax.device_get(state.step))
+        if start >= steps:
+            return state
+        schedule = getattr(dataset.train, "schedule", None) or ()
+        feed = Feed(dataset, mesh, data_partition(mesh), required=tuple(self.objective.required_keys()),
+                    rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in schedule))
+        feed.open(position, resuming=start > 0)
+        progress.start(self, start, steps, mesh.shape)
+        profile = self.profile.schedule(start) if self.profile is not None else None
+        if profile is not None:
+            profile.on_step(start)  # a window without warmup opens before the first step
+        compiled: dict[Any, CompiledStep] = {}
+        saved: int | None = None
+        done = start
+        try:
+            with PreemptionWatch() as watch:
+                for step in range(start, steps):
+                    fed = feed.next(state, step)
+                    if fed.signature not in compiled:
+                        began = time.perf_counter()
+                        compiled[fed.signature] = self.compile(state, fed.batch)
+                        progress.clock.compile += time.perf_counter() - began
+                    state, step_metrics = compiled[fed.signature](state, fed.batch)
+                    done = step + 1
+                    progress.stepped(done, step_metrics, first=step == start)
+                    if profile is not None:
+                        record = profile.on_step(done, state)
+                        if record is not None:
+                            progress.record(record, done)
+                    stopping = progress.stop_requested is not None
+                    last = done == steps or stopping
+                    if eval_every and done % eval_every == 0 and not last:
+                        self._evaluate(progress, dataset, state, done, metrics, preview)
+                    if self.checkpoints is not None:
+                        local_every = self.checkpoints.local_every
+                        if last or (checkpoint_every and done % checkpoint_every == 0):
+                            saved = self._save(progress, feed, state, done)
+                        elif local_every and done % local_every == 0:
+                            self._save(progress, feed, state, done, local=True)
+                    if watch.reached(done):
+                        progress.drain()
+                        if self.checkpoints is not None and saved != done:
+                            saved = self._save(progress, feed, state, done)
+                        self._finish_saves(progress)
+                        progress.hooks.dew_preempted(step=done)
+                        raise Preempted(done, saved=self.checkpoints is not None)
+                    if stopping:
+                        progress.note(f"step {done}: stopping early: {progress.stop_requested}")
+                        break
+            progress.drain()
+            if dataset.val is not None:
+                self._evaluate(progress, dataset, state, done, metrics, preview)
+            self._finish_saves(progress)
+        except BaseException as error:
+            if not isinstance(error, Preempted):
+                self._abandon_saves(error)
+            progress.close()
+            raise
+        finally:
+            feed.close()
+            if profile is not None:
+                profile.close()
+        progress.finish(done, state, progress.clock.goodput(feed.clock.data, feed.clock.rollout))
+        return state
 
-        return Loop(self, dataset, steps=steps, log_every=log_every, eval_every=eval_every,
-                    checkpoint_every=checkpoint_every, metrics=tuple(metrics), preview=preview).run()
+    def _evaluate(self, progress: Progress, dataset: Dataset, state: TrainState, done: int,
+                  metrics: Sequence[Metric], preview: bool) -> Evaluation | None:
+        if dataset.val is None and not preview:
+            return None
+        began = time.perf_counter()
+        result = self._evaluator(
+            state.params, dataset.val, key=state.rng, metrics=tuple(metrics) or (OutputMeans(),),
+            step=done, averaged=state.averaged, preview=preview and self.tracker is not None,
+            schedule_step=int(jax.device_get(state.updates)),
+        )
+        progress.clock.eval += time.perf_counter() - began
+        progress.evaluation(result, done)
+        return result
 
-    # -- used by the loop -----------------------------------------------------------------
-    def open_stream(self, dataset: Dataset, partition: DataPartition, position: bytes | None) -> Iterator:
-        """Open this process's training stream, continued from position when one was saved."""
-        iterator = iter(dataset.train(partition))
-        if position is not None:
-            if isinstance(iterator, Resumable):
-                iterator.set_state(position)
-            else:
-                warnings.warn(
-                    "The checkpoint holds a data position but the training iterator has no "
-                    "set_state; the stream restarts from its beginning and may replay records.",
-                    stacklevel=3,
-                )
-        return iterator
+    def _save(self, progress: Progress, feed: Feed, state: TrainState, done: int, *,
+              local: bool = False) -> int:
+        began = time.perf_counter()
+        self.checkpoints.save(done, state, position=feed.position(), partition=feed.partition,
+                              meta=self._meta(), local=local)
+        progress.clock.checkpoint += time.perf_counter() - began
+        progress.checkpoint(done, str(self.checkpoints.path(done)))
+        return done
 
-    def prepare_batch(self, state: TrainState, batch: Mapping[str, Any], step: int) -> Mapping[str, Any]:
-        """Run the rollout, if any, on a host batch, and check the keys the objective reads."""
-        if self.rollout is not None:
-            batch = self.rollout(state, batch, jax.random.fold_in(state.rng, step))
-        required = tuple(self.objective.required_keys())
-        missing = [k for k in required if k not in batch]
-        if missing:
-            raise BatchMismatchError(
-                f"The batch has no key {', '.join(map(repr, missing))}, which "
-                f"{type(self.objective).__name__} reads; the batch holds {sorted(batch)}."
-            )
-        return batch
+    def _finish_saves(self, progress: Progress) -> None:
+        """Wait for the writes under way, so a program that exits after fit loses no step."""
+        if self.checkpoints is None:
+            return
+        began = time.perf_counter()
+        self.checkpoints.wait()
+        progress.clock.checkpoint += time.perf_counter() - began
 
-    def shard(self, batch: Mapping[str, Any], partition: DataPartition,
-              expected: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
-        """Put this process's share of a batch on the mesh, checked against expected if given."""
-        batch = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
-        if expected is not None:
-            check_batch(batch, expected, partition)
-            batch = {k: batch[k] for k in expected}
-        return shard_batch(batch, self.device_mesh, partition)
+    def _abandon_saves(self, error: BaseException) -> None:
+        """On a failing fit, finish the checkpoint already handed to the writer, and say so."""
+        if self.checkpoints is None:
+            return
+        try:
+            self.checkpoints.wait()
+        except Exception as failure:  # noqa: BLE001 - the fit's own error is the one to raise
+            error.add_note(f"dew: the checkpoint being written when the fit failed was not completed "
+                           f"({failure}); the previous committed step is kept.")
+            print(f"dew: fit failed; the checkpoint under way was abandoned ({failure})",
+                  file=sys.stderr, flush=True)
+
+
+def _check_composition(accumulation: int, dynamic_scale: bool) -> None:
+    """A custom step replaces the transaction in which accumulation and loss scaling happen."""
+    refused = []
+    if accumulation > 1:
+        refused.append(f"accumulation={accumulation}")
+    if dynamic_scale:
+        refused.append("dynamic_scale=True")
+    if refused:
+        raise StepCompositionError(
+            f"Trainer(step=...) replaces the compiled transaction, which is where "
+            f"{' and '.join(refused)} would happen, so the trainer cannot apply "
+            f"{'them' if len(refused) > 1 else 'it'} around a custom step. Implement "
+            f"{'them' if len(refused) > 1 else 'it'} inside the step factory and drop "
+            f"{' and '.join(refused)}, or drop step=. (An objective's EMA does compose: the "
+            "trainer moves it after every update the custom step makes.)"
+        )
+
 
 def _names(path: Sequence[Any]) -> tuple[str, ...]:
     """The dictionary keys along a pytree path (sequence and attribute steps dropped)."""
     return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
 
 
-def nonfinite_limit(dynamic_scale: bool) -> int:
-    return _NONFINITE_LIMIT_SCALED if dynamic_scale else _NONFINITE_LIMIT
+def _follower(params: Any, abstract_params: Any, fallback: NamedSharding) -> Callable[[tuple[str, ...], Any], NamedSharding]:
+    """A function giving a leaf the sharding of the parameter at its path's tail (same shape)."""
+    by_path = {_names(path): sharding for path, sharding in jax.tree_util.tree_flatten_with_path(params)[0]}
+    shapes = {_names(path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
 
+    def follow(names: tuple[str, ...], leaf: Any) -> NamedSharding:
+        for start in range(len(names)):
+            tail = names[start:]
+            if tail in by_path and shapes[tail] == getattr(leaf, "shape", np.shape(leaf)):
+                return by_path[tail]
+        return fallback
+
+    return follow

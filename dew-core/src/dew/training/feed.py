@@ -1,0 +1,237 @@
+"""The host side of a step, one way: stream -> rollout -> check -> shard.
+
+``Feed.next(state, step)`` takes this process's next batch from the
+training stream, runs the rollout on it (if the trainer has one), checks
+it against the batches before it and puts it on the mesh. Nothing it calls
+calls back: the compiled step only ever sees what comes out of ``next``.
+
+A batch is checked once, here. The first batch fixes the keys, shapes and
+dtypes of the run; a batch-size ramp may add one shape per size it names;
+anything else (a missing or extra key, another shape or dtype, a batch that
+is not a mapping) is refused at the step it arrives, naming the key and
+both shapes, before anything compiles for it.
+
+The position a checkpoint saves is the stream's (``get_state``), with the
+rollout's state packed beside it when the rollout has one, so a resumed
+run continues both where they stopped.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dew.data.base import DataPartition, Dataset, Resumable
+from dew.training.mesh import BatchMismatchError, global_shape, shard_batch
+from dew.training.state import TrainState
+
+__all__ = ["Feed", "Fed", "Rollout", "StatefulRollout", "pack_position", "unpack_position"]
+
+_ROLLOUT_POSITION = b"dew-rollout-position:"
+
+Signature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+@runtime_checkable
+class Rollout(Protocol):
+    """Produce a batch on the host, before the compiled step reads it.
+
+    Called with the live state, this process's prefetched batch and a key
+    from the run's rollout stream (folded with the step). It returns this
+    process's share of the batch the step trains on: a mapping of arrays
+    whose shapes are the same at every step, so the step compiles once.
+    A rollout that also has ``get_state() -> bytes`` and
+    ``set_state(bytes)`` is saved with the data position and resumed.
+    """
+
+    def __call__(self, state: TrainState, batch: Mapping[str, Any], key: jax.Array) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class StatefulRollout(Rollout, Resumable, Protocol):
+    """A rollout whose position (get_state/set_state) a checkpoint keeps."""
+
+
+def pack_position(data: bytes | None, rollout: bytes | None) -> bytes | None:
+    """One checkpoint position for the stream and the rollout (just the stream's without one).
+
+    >>> unpack_position(pack_position(b"5", b"r"))
+    (b'5', b'r')
+    >>> pack_position(b"5", None)
+    b'5'
+    """
+    if rollout is None:
+        return data
+    payload = {
+        "data": None if data is None else base64.b64encode(data).decode(),
+        "rollout": base64.b64encode(rollout).decode(),
+    }
+    return _ROLLOUT_POSITION + json.dumps(payload, sort_keys=True).encode()
+
+
+def unpack_position(position: bytes | None) -> tuple[bytes | None, bytes | None]:
+    """The stream's and the rollout's positions from a saved one."""
+    if position is None or not position.startswith(_ROLLOUT_POSITION):
+        return position, None
+    payload = json.loads(position[len(_ROLLOUT_POSITION):])
+    data = payload.get("data")
+    return (None if data is None else base64.b64decode(data, validate=True),
+            base64.b64decode(payload["rollout"], validate=True))
+
+
+@dataclass
+class FeedClock:
+    """Seconds spent waiting for the stream and running the rollout."""
+
+    data: float = 0.0
+    rollout: float = 0.0
+
+
+@dataclass(frozen=True)
+class Fed:
+    """One batch on the mesh, with the signature the compiled step is keyed by."""
+
+    batch: dict[str, jax.Array]
+    signature: Signature
+    rows: int
+
+
+@dataclass
+class Feed:
+    """This process's batches, from the stream to the mesh (see the module docstring)."""
+
+    dataset: Dataset
+    mesh: Mesh
+    partition: DataPartition
+    required: Sequence[str] = ()
+    rollout: Rollout | None = None
+    ramp_sizes: frozenset[int] = frozenset()
+    clock: FeedClock = field(default_factory=FeedClock)
+    _stream: Iterator | None = None
+    _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
+
+    def open(self, position: bytes | None, *, resuming: bool) -> None:
+        """Open the stream (and the rollout's state) where position left them."""
+        data, rollout_state = unpack_position(position)
+        stream = iter(self.dataset.train(self.partition))
+        if data is not None:
+            if isinstance(stream, Resumable):
+                stream.set_state(data)
+            else:
+                warnings.warn(
+                    "The checkpoint holds a data position but the training iterator has no "
+                    "set_state; the stream restarts from its beginning and may replay records.",
+                    stacklevel=3,
+                )
+        elif resuming:
+            warnings.warn(
+                "Resuming from a checkpoint that holds no data position (the training iterator "
+                "had no get_state when it was saved): the stream restarts from its first record, "
+                "so records already trained on will be seen again. Give the iterator get_state and "
+                "set_state, or use a reader built on dew.data.train_stream.",
+                stacklevel=3,
+            )
+        if rollout_state is not None:
+            if not isinstance(self.rollout, Resumable):
+                raise BatchMismatchError(
+                    "The checkpoint holds a rollout state, but this trainer's rollout has no "
+                    "set_state; resume with the rollout the run was trained with."
+                )
+            self.rollout.set_state(rollout_state)
+        self._stream = stream
+
+    def position(self) -> bytes | None:
+        """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
+        get_state = getattr(self._stream, "get_state", None)
+        data = get_state() if callable(get_state) else None
+        rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
+        return pack_position(data, rollout)
+
+    def close(self) -> None:
+        close = getattr(self._stream, "close", None)
+        if callable(close):
+            close()
+
+    def next(self, state: TrainState, step: int) -> Fed:
+        """The batch of step, rolled out, checked and on the mesh."""
+        began = time.perf_counter()
+        try:
+            batch = next(self._stream)  # type: ignore[arg-type]
+        except StopIteration:
+            raise RuntimeError(
+                f"The training stream ended at step {step}; Dataset.train must yield batches "
+                "endlessly (repeat the data, or lower steps)."
+            ) from None
+        rolled = time.perf_counter()
+        self.clock.data += rolled - began
+        _check_mapping(batch, step, "The training stream")
+        if self.rollout is not None:
+            batch = self.rollout(state, batch, state.key_for(step, purpose="rollout"))
+            _check_mapping(batch, step, "The rollout")
+            self.clock.rollout += time.perf_counter() - rolled
+        host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
+        shapes = self._check(host, step)
+        rows = _rows(shapes)
+        return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows)
+
+    def _check(self, batch: Mapping[str, Any], step: int) -> dict[str, jax.ShapeDtypeStruct]:
+        missing = [k for k in self.required if k not in batch]
+        if missing:
+            raise BatchMismatchError(
+                f"The batch of step {step} has no key {', '.join(map(repr, missing))}, which the "
+                f"objective reads; the batch holds {sorted(batch)}."
+            )
+        shapes = global_shape(batch, self.partition)
+        rows = _rows(shapes)
+        expected = self._shapes.get(rows)
+        if expected is None and self._shapes and rows not in self.ramp_sizes:
+            expected = next(iter(self._shapes.values()))
+        if expected is None:
+            self._shapes[rows] = shapes
+            return shapes
+        extra = sorted(set(shapes) - set(expected))
+        lacking = sorted(set(expected) - set(shapes))
+        if extra or lacking:
+            said = []
+            if extra:
+                said.append(f"has key(s) {', '.join(map(repr, extra))} that the first batch did not")
+            if lacking:
+                said.append(f"lacks key(s) {', '.join(map(repr, lacking))} that the first batch had")
+            raise BatchMismatchError(
+                f"The batch of step {step} {' and '.join(said)}; every batch of a run must hold "
+                f"the same keys ({sorted(expected)}). Drop or add the key in the reader or rollout."
+            )
+        for key, want in expected.items():
+            got = shapes[key]
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise BatchMismatchError(
+                    f"At step {step}, batch key {key!r} has shape {tuple(got.shape)} and dtype "
+                    f"{got.dtype} (global), but the compiled step expects shape {tuple(want.shape)} "
+                    f"and dtype {want.dtype}. Every batch of a run must have the same shapes."
+                )
+        return shapes
+
+
+def _check_mapping(batch: Any, step: int, source: str) -> None:
+    if not isinstance(batch, Mapping):
+        raise BatchMismatchError(
+            f"{source} gave step {step} a {type(batch).__name__}, not a batch: a batch is a "
+            "mapping of arrays keyed by name, like {'text': ids}. Yield a dict."
+        )
+
+
+def _rows(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> int:
+    return next((s.shape[0] for s in shapes.values() if s.shape), 0)
+
+
+def _signature(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> Signature:
+    return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in shapes.items()))

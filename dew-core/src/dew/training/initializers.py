@@ -1,0 +1,167 @@
+"""Where a fresh run's weights come from, when not from a random init.
+
+A Trainer's ``initializer`` is a variables tree (nested mappings of numpy or
+jax arrays: a model trained in this process, a converted checkpoint) or a
+``WeightSource``, a callable that reads one given the abstract variables a
+fresh init would make. ``ParamsFrom`` is the source for another run's
+training checkpoint: it reads the parameters alone, without optimizer
+state, counters or accumulation window.
+
+The trainer puts the weights on the devices in the shardings the layout
+gives the same paths, then passes them to the compiled initializer as an
+argument, so they are never constants inside an executable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from dew.objectives.base import Variables
+
+__all__ = [
+    "Initializer",
+    "InitializerMismatchError",
+    "ParamsFrom",
+    "WeightSource",
+    "compare_trees",
+    "place_weights",
+]
+
+
+class InitializerMismatchError(ValueError):
+    """The weights a run starts from do not fit the tree or shapes the objective's init makes."""
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Reads the weights a run starts from, given the abstract variables of a fresh init."""
+
+    def __call__(self, abstract: Variables) -> Variables: ...
+
+
+Initializer = Variables | WeightSource | None
+
+
+def _leaves(tree: Any) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(_key(k) for k in path): leaf for path, leaf in flat}
+
+
+def _key(entry: Any) -> str:
+    for attribute in ("key", "name", "idx"):
+        if hasattr(entry, attribute):
+            return str(getattr(entry, attribute))
+    return str(entry)
+
+
+def compare_trees(expected: Any, given: Any, *, what: str) -> None:
+    """Refuse given unless it has expected's leaf paths, shapes and dtypes' kinds; name the first differences."""
+    want, got = _leaves(expected), _leaves(given)
+    problems = []
+    for path in want:
+        if path not in got:
+            problems.append(f"{path}: missing (expected shape {tuple(want[path].shape)})")
+        elif tuple(np.shape(got[path])) != tuple(want[path].shape):
+            problems.append(f"{path}: shape {tuple(np.shape(got[path]))}, expected {tuple(want[path].shape)}")
+    problems.extend(f"{path}: not in the objective's variables" for path in got if path not in want)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise InitializerMismatchError(
+            f"{what} do not fit the variables the objective's init makes: {shown}. Start from "
+            "weights of the same architecture and configuration, or change the model to match them."
+        )
+
+
+def place_weights(weights: Variables, shardings: Mapping[str, NamedSharding] | Callable[[str, Any], NamedSharding]) -> Any:
+    """Put host or device weights on the mesh, each leaf in the sharding its path is given.
+
+    shardings maps '/'-joined leaf paths to shardings, or is a function of
+    (path, leaf). A numpy leaf reaches the devices in pieces: every process
+    copies only the shards its devices hold.
+    """
+    flat, tree = jax.tree_util.tree_flatten_with_path(weights)
+    placed = []
+    for path, leaf in flat:
+        name = "/".join(_key(k) for k in path)
+        sharding = shardings(name, leaf) if callable(shardings) else shardings[name]
+        if isinstance(leaf, jax.Array):
+            placed.append(jax.device_put(leaf, sharding))
+        else:
+            array = np.asarray(leaf)
+            placed.append(jax.make_array_from_callback(array.shape, sharding, lambda index, a=array: a[index]))
+    return jax.tree_util.tree_unflatten(tree, placed)
+
+
+@dataclass(frozen=True)
+class ParamsFrom:
+    """The parameters alone of another run's training checkpoint (its newest step, or step).
+
+    Only the ``params`` field of the saved TrainState is read (an Orbax
+    partial restore), after the step's files are checked against their
+    recorded hashes and before each leaf is checked against its digest, so
+    a damaged checkpoint is refused rather than trained from.
+    """
+
+    directory: str | os.PathLike
+    step: int | None = None
+
+    def __call__(self, abstract: Variables) -> Variables:
+        import orbax.checkpoint as ocp
+
+        from dew.training import checkpoint_integrity as integrity
+        from dew.training.checkpoint_errors import CheckpointCorrupted
+        from dew.training.checkpoints import Checkpoints
+
+        checkpoints = Checkpoints(self.directory)
+        step = checkpoints.latest if self.step is None else int(self.step)
+        if step is None:
+            raise FileNotFoundError(
+                f"{checkpoints.directory} holds no committed checkpoint to take parameters from; "
+                "point ParamsFrom at a run's checkpoint directory."
+            )
+        path = checkpoints.path(step)
+        manifest = checkpoints.manifest(step)
+        problem = integrity.verify_files(path, manifest["files"])
+        if problem is not None:
+            raise CheckpointCorrupted(step, *problem)
+        saved = {leaf["path"]: leaf for leaf in manifest["leaves"]}
+        template = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray), dict(abstract))
+        item = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), dict(abstract))
+        try:
+            restored = ocp.PyTreeCheckpointer().restore(
+                os.fspath(path / "state"),
+                args=ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": template},
+                                            partial_restore=True),
+            )["params"]
+        except (KeyError, ValueError) as error:
+            compare_trees(abstract, _saved_params(saved), what=f"The parameters of {path}")
+            raise InitializerMismatchError(f"The parameters of {path} cannot be read: {error}") from error
+        flat, _ = jax.tree_util.tree_flatten_with_path({"params": restored})
+        digests = integrity.digests_as_lists(integrity.digest_leaves([np.asarray(x) for _, x in flat]))
+        for (leaf_path, _), digest in zip(flat, digests, strict=True):
+            name = ".params" + jax.tree_util.keystr(leaf_path)
+            if name in saved and saved[name]["digest"] != digest:
+                raise CheckpointCorrupted(step, path / "state", f"leaf {name} does not match its digest")
+        return restored
+
+
+def _saved_params(saved: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The params leaves a manifest records, as a tree of shape stand-ins."""
+    out: dict[str, Any] = {}
+    prefix = ".params"
+    for name, leaf in saved.items():
+        if not name.startswith(prefix + "["):
+            continue
+        keys = [part.strip("'\"]") for part in name[len(prefix) + 1:].split("][")]
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
+    return out

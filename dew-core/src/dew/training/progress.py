@@ -1,0 +1,223 @@
+"""What a fit tells the world between steps: metrics, records, hooks, the console.
+
+``Progress`` keeps each step's metrics on the device until they are ready
+or due. At a log step it reads them one step late (after the next step is
+dispatched), so the device queue never drains for reporting; between log
+steps it only looks at metrics that are already computed, so a run of
+non-finite steps is noticed (and each rejected step reported) as soon as
+it happens, without making the host wait. It knows nothing of the trainer:
+the trainer hands it values and asks it what the hooks want.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from dew import plugins
+from dew.telemetry.records import Goodput, RunStarted
+from dew.training.console import Console
+
+__all__ = ["Clock", "NonFiniteLossError", "Progress", "nonfinite_limit"]
+
+_NONFINITE_LIMIT = 5  # consecutive rejected steps (without a loss scaler) that stop a run
+_NONFINITE_LIMIT_SCALED = 50
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+def nonfinite_limit(dynamic_scale: bool) -> int:
+    """How many rejected steps in a row stop a run (more with a loss scaler, which expects some)."""
+    return _NONFINITE_LIMIT_SCALED if dynamic_scale else _NONFINITE_LIMIT
+
+
+@dataclass
+class Clock:
+    """Where the fit's wall time goes (seconds), for the Goodput record."""
+
+    started: float = field(default_factory=time.perf_counter)
+    first_step: float = 0.0
+    compile: float = 0.0
+    checkpoint: float = 0.0
+    eval: float = 0.0
+
+    def goodput(self, data: float, rollout: float) -> Goodput:
+        wall = time.perf_counter() - self.started
+        overhead = self.first_step + data + rollout + self.checkpoint + self.eval
+        return Goodput(
+            first_step_seconds=self.first_step, wall_seconds=wall,
+            step_seconds=max(0.0, wall - overhead), compile_seconds=self.compile,
+            data_seconds=data, checkpoint_seconds=self.checkpoint, eval_seconds=self.eval,
+            rollout_seconds=rollout,
+        )
+
+
+@dataclass
+class _Pending:
+    step: int
+    metrics: dict[str, jax.Array]
+    log: bool
+
+
+class Progress:
+    """The reporting side of one fit (see the module docstring)."""
+
+    def __init__(self, *, tracker: Any, records_per_step: int, log_every: int,
+                 dynamic_scale: bool) -> None:
+        if log_every < 1:
+            raise ValueError(f"log_every must be at least 1, got {log_every}.")
+        self.tracker = tracker
+        self.records_per_step = records_per_step
+        self.log_every = log_every
+        self.limit = nonfinite_limit(dynamic_scale)
+        self.clock = Clock()
+        self.rank0 = jax.process_index() == 0
+        self.console = Console() if self.rank0 else None
+        self.hooks = plugins.hook()
+        self.pending: list[_Pending] = []
+        self.last_log: tuple[float, int] | None = None
+        self.rejected_streak = 0
+        self.stop_requested: str | None = None
+        # Reading a step's metrics as soon as they are ready is process-local timing; in a
+        # pool every process must stop at the same step, so only the log-step reads count.
+        self.eager = jax.process_count() == 1
+
+    # -- the run's edges -----------------------------------------------------------
+    def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int]) -> None:
+        processes = jax.process_count()
+        if self.console is not None:
+            self.console.start(start, steps, dict(mesh), processes)
+        self.record(RunStarted(config={}, start=start, steps=steps, mesh=dict(mesh),
+                               processes=processes), start)
+        self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
+
+    def finish(self, step: int, state: Any, goodput: Goodput) -> None:
+        self.record(goodput, step)
+        if self.console is not None:
+            self.console.finish(goodput)
+            self.console.close()
+        self.hooks.dew_run_end(step=step, state=state)
+
+    def close(self) -> None:
+        if self.console is not None:
+            self.console.close()
+
+    # -- per step --------------------------------------------------------------------
+    def stepped(self, done: int, metrics: dict[str, jax.Array], *, first: bool) -> None:
+        """Step done was dispatched; report what is due or already computed."""
+        if first:
+            jax.block_until_ready(metrics)
+            self.clock.first_step = time.perf_counter() - self.clock.started
+        due = any(p.log for p in self.pending)
+        self._read(upto=done, block=due)
+        self.pending.append(_Pending(done, metrics, done % self.log_every == 0))
+        if self.console is not None:
+            self.console.advance(done)
+
+    def drain(self) -> None:
+        """Read and report every pending step (at the end, and before a save or stop)."""
+        self._read(upto=None, block=True)
+
+    def _read(self, *, upto: int | None, block: bool) -> None:
+        """Read pending steps before upto in order: all of them when block, else the ready ones."""
+        ready: list[_Pending] = []
+        for pending in self.pending:
+            if upto is not None and pending.step >= upto:
+                break
+            if not block and (not self.eager or pending.log
+                              or not pending.metrics["finite"].is_ready()):
+                break
+            ready.append(pending)
+        if not ready:
+            return
+        del self.pending[: len(ready)]
+        values = jax.device_get([p.metrics for p in ready])
+        for pending, host in zip(ready, values, strict=True):
+            self._check_finite(pending.step, host)
+            if pending.log:
+                self._log(pending.step, host)
+
+    def _check_finite(self, done: int, host: Mapping[str, Any]) -> None:
+        if bool(host.get("finite", True)):
+            self.rejected_streak = 0
+            return
+        self.rejected_streak += 1
+        loss = float(np.asarray(host["loss"]))
+        if self.console is not None:
+            self.console.note(
+                f"step {done}: non-finite loss or gradient (loss {loss}); the step was rejected "
+                f"({self.rejected_streak} in a row, the run stops at {self.limit})"
+            )
+        if self.tracker is not None and self.rank0:
+            self.tracker.log({"train/rejected_steps_in_a_row": float(self.rejected_streak)}, done)
+        if self.rejected_streak >= self.limit:
+            raise NonFiniteLossError(
+                f"Step {done} was the {self.rejected_streak}th step in a row with a non-finite loss "
+                f"or gradient (loss {loss}); each was rejected, so the state holds "
+                "the last finite update. Lower the learning rate, check the data, or enable "
+                "dynamic_scale for low-precision training."
+            )
+
+    def _log(self, done: int, host: Mapping[str, Any]) -> None:
+        now = time.perf_counter()
+        scalars = {k: float(np.asarray(v)) for k, v in host.items() if k != "finite"}
+        if self.last_log is not None:
+            at, step_then = self.last_log
+            if done > step_then and now > at:
+                rate = (done - step_then) / (now - at)
+                scalars["throughput/steps_per_second"] = rate
+                scalars["throughput/records_per_second"] = rate * self.records_per_step
+        self.last_log = (now, done)
+        scalars.update(self._hook_scalars(done, scalars))
+        if self.console is not None:
+            self.console.log(done, scalars)
+        if self.tracker is not None and self.rank0:
+            self.tracker.log(scalars, done)
+
+    def _hook_scalars(self, done: int, scalars: Mapping[str, float]) -> dict[str, float]:
+        """Fire dew_step_end; gather the scalars hooks add and whether one asks to stop."""
+        added: dict[str, float] = {}
+        stop: str | None = None
+        for result in self.hooks.dew_step_end(step=done, metrics=dict(scalars)) or ():
+            contribution = plugins.StepContribution.of(result)
+            added.update({k: float(v) for k, v in contribution.scalars.items()})
+            if contribution.stop and stop is None:
+                stop = contribution.reason or "a plugin asked the run to stop"
+        if jax.process_count() > 1:  # every process stops at the same step, or none does
+            flags = np.asarray(multihost_utils.process_allgather(np.asarray(stop is not None, np.int32)))
+            if flags.max() and stop is None:
+                stop = "a plugin on another process asked the run to stop"
+        if stop is not None and self.stop_requested is None:
+            self.stop_requested = stop
+        return added
+
+    # -- other reports -----------------------------------------------------------------
+    def record(self, record: Any, step: int) -> None:
+        if self.rank0 and self.tracker is not None:
+            self.tracker.artifact(record, step)
+
+    def evaluation(self, result: Any, done: int) -> None:
+        if result.scores and self.console is not None:
+            self.console.log(done, result.scores)
+        if self.rank0 and self.tracker is not None:
+            if result.scores:
+                self.tracker.log(result.scalars, done)
+            for artifact in result.previews:
+                self.tracker.artifact(artifact, done)
+            self.tracker.artifact(result, done)
+        self.hooks.dew_evaluation(step=done, evaluation=result)
+
+    def checkpoint(self, done: int, path: str) -> None:
+        self.hooks.dew_checkpoint(step=done, path=path)
+
+    def note(self, line: str) -> None:
+        if self.console is not None:
+            self.console.note(line)
