@@ -120,7 +120,10 @@ class ConfiguredTracker:
 
 
 def _absolute(path: str | None) -> str | None:
-    return None if path is None else str(Path(path).expanduser().resolve())
+    """A local path made absolute; a URL (gs://bucket/run, s3://...) passes through unchanged."""
+    if path is None or "://" in path:
+        return path
+    return str(Path(path).expanduser().resolve())
 
 
 def _checkpoints(config: RunConfig) -> Any:

@@ -197,24 +197,23 @@ class Trainer(Generic[Loss, Effects]):
 
     @cached_property
     def _abstract_state(self) -> TrainState:
-        return jax.eval_shape(lambda k: self.initial_state(self._abstract_weights, k), self.key)
+        weights = self._abstract_weights  # read outside the trace: a source does real work
+        return jax.eval_shape(lambda k: self.initial_state(weights, k), self.key)
 
     @cached_property
     def _abstract_weights(self) -> Any:
         """The shapes of the weights a fresh run starts from (None: a random init)."""
         if self.initializer is None:
             return None
-        if isinstance(self.initializer, Mapping):
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self.initializer)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._read_weights())
 
     def _read_weights(self) -> Variables | None:
         """The configured weights as arrays (a source is read once, and kept until placed)."""
         if self.initializer is None or isinstance(self.initializer, Mapping):
-            return self.initializer
+            return None if self.initializer is None else nn.meta.unbox(self.initializer)
         if isinstance(self.initializer, WeightSource):
             if self._source_weights is None:
-                self._source_weights = self.initializer(nn.meta.unbox(self._boxed_variables))
+                self._source_weights = nn.meta.unbox(self.initializer(nn.meta.unbox(self._boxed_variables)))
             return self._source_weights
         raise TypeError(
             f"Trainer(initializer=...) takes a variables tree or a callable source, got "
