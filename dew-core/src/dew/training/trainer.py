@@ -351,7 +351,7 @@ class Trainer(Generic[Loss, Effects]):
             donate_argnums=(0,),
         )
         shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), mesh, nn.logical_axis_rules(self.layout.axis_rules):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(self.layout.axis_rules):
             executable = jitted.lower(state, shapes).compile()
         return CompiledStep(executable, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
 

@@ -1,0 +1,387 @@
+"""The host side of a step: rollouts, custom steps, evaluation compiled once, hooks that
+contribute, checkpoint URLs, batch edges and fit's exit paths."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+from dew import Checkpoints, Trainer, models
+from dew.data import Dataset
+from dew.objectives.base import Aux, EMASpec, Mean, Objective
+from dew.plugins import StepContribution, hookimpl, registered
+from dew.training.mesh import BatchMismatchError
+from dew.training.trainer import StepCompositionError
+
+
+class Linear(Objective):
+    """y = w.x + b by squared error; counts its traces."""
+
+    def __init__(self, ema=None):
+        self.model = nn.Dense(1)
+        self.ema = ema
+        self.traces = 0
+
+    def init(self, key, variables=None):
+        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 4)))
+
+    def loss(self, variables, batch, step):
+        self.traces += 1
+        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)), Aux()
+
+    def required_keys(self):
+        return ("x", "y")
+
+
+def batch_at(index, rows=8):
+    x = np.random.default_rng(index).normal(size=(rows, 4)).astype(np.float32)
+    return {"x": x, "y": x @ np.arange(1, 5, dtype=np.float32)[:, None] + 1}
+
+
+class Numbered:
+    """A resumable stream of batch_at(0), batch_at(1), ..."""
+
+    def __init__(self, make=batch_at):
+        self.index, self.make = 0, make
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.index += 1
+        return self.make(self.index - 1)
+
+    def get_state(self):
+        return str(self.index).encode()
+
+    def set_state(self, state):
+        self.index = int(state)
+
+
+def numbered(make=batch_at, val=None):
+    return Dataset(train=lambda p: Numbered(make), val=val, batch=8)
+
+
+class Recorder:
+    def __init__(self):
+        self.scalars, self.records = [], []
+
+    def log(self, scalars, step):
+        self.scalars.append((step, dict(scalars)))
+
+    def artifact(self, value, step):
+        self.records.append((step, value))
+
+    def close(self):
+        pass
+
+
+# -- rollouts ------------------------------------------------------------------------------
+
+class Counter(Objective):
+    """A tiny LM objective around a causal transformer, counting traces of its loss."""
+
+    def __init__(self):
+        from dew.objectives.lm import LMObjective
+
+        self.model = models.build("causal_transformer", vocab_size=16, emb_features=16, num_layers=1,
+                                  num_heads=2, mlp_features=32, max_seq_len=16)
+        self.lm = LMObjective(self.model, seq_len=8)
+        self.traces = 0
+
+    def init(self, key, variables=None):
+        return self.lm.init(key, variables)
+
+    def loss(self, variables, batch, step):
+        self.traces += 1
+        return self.lm.loss(variables, batch, step)
+
+    def required_keys(self):
+        return ("text",)
+
+
+def test_a_rollout_samples_with_the_live_parameters_and_the_step_compiles_once():
+    from dew.sampling import Sampling, generate
+
+    objective = Counter()
+    prompts = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
+    seen = []
+
+    def rollout(state, batch, key):
+        params = jax.device_get(state.params)
+        out = generate(objective.model, state.params, prompts, max_new_tokens=6, key=key,
+                       sampling=Sampling(temperature=0))
+        seen.append((params, np.asarray(out.tokens)))
+        return {"text": batch["text"], "sample": np.asarray(out.tokens, np.int32)}
+
+    # The model learns to count on from each prompt; the rollout's samples show it learning.
+    text = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
+    data = Dataset(train=lambda p: itertools.repeat({"text": text}), batch=2)
+    trainer = Trainer(objective, optax.adam(0.05), key=jax.random.key(0), rollout=rollout)
+    trainer.fit(data, steps=30, log_every=30)
+    assert objective.traces == 1
+    # Each sample is what generate makes from the parameters the step received.
+    for params, tokens in (seen[0], seen[-1]):
+        again = generate(objective.model, params, prompts, max_new_tokens=6, key=jax.random.key(9),
+                         sampling=Sampling(temperature=0))
+        np.testing.assert_array_equal(np.asarray(again.tokens), tokens)
+    assert not np.array_equal(seen[0][1], seen[-1][1]), "samples did not follow the training"
+    np.testing.assert_array_equal(seen[-1][1], text)
+
+
+class Reusing:
+    """A stateful rollout: one random sample, reused for k steps (like PPO's epochs)."""
+
+    def __init__(self, k=3):
+        self.k, self.used, self.sample = k, 0, None
+
+    def __call__(self, state, batch, key):
+        if self.sample is None or self.used == self.k:
+            noise = np.asarray(jax.random.normal(key, (8, 1)), np.float32)
+            self.sample, self.used = {"x": batch["x"], "y": batch["y"] + noise}, 0
+        self.used += 1
+        return self.sample
+
+    def get_state(self):
+        import pickle
+
+        return pickle.dumps((self.used, self.sample))
+
+    def set_state(self, state):
+        import pickle
+
+        self.used, self.sample = pickle.loads(state)
+
+
+def test_a_stateful_rollout_resumes_exactly_with_the_data_position(tmp_path):
+    uninterrupted = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=Reusing())
+    expected = jax.device_get(uninterrupted.fit(numbered(), steps=8, log_every=8).params)
+
+    first = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=Reusing(),
+                    checkpoints=Checkpoints(tmp_path))
+    first.fit(numbered(), steps=4, log_every=4)  # step 4 is inside a reuse window (3..5)
+    rollout = Reusing()
+    second = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=rollout,
+                     checkpoints=Checkpoints(tmp_path))
+    final = second.fit(numbered(), steps=8, log_every=8)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(final.params), expected)
+
+    # Restored without the rollout's state, the run would have drawn a new sample at once.
+    fresh = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=Reusing(k=1_000),
+                    checkpoints=Checkpoints(tmp_path / "other"))
+    different = jax.device_get(fresh.fit(numbered(), steps=8, log_every=8).params)
+    assert not np.array_equal(different["params"]["kernel"], expected["params"]["kernel"])
+
+
+def test_a_rollout_that_changes_shape_is_refused_naming_the_key_and_both_shapes():
+    def rollout(state, batch, key):
+        rows = 8 if int(state.step) < 2 else 6
+        return {"x": batch["x"][:rows], "y": batch["y"][:rows]}
+
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), rollout=rollout)
+    with pytest.raises(BatchMismatchError, match=r"step 2, batch key 'x' has shape \(6, 4\).*expects shape \(8, 4\)"):
+        trainer.fit(numbered(), steps=4)
+
+
+def test_rollout_time_is_its_own_row_of_the_goodput_split():
+    import time
+
+    def rollout(state, batch, key):
+        time.sleep(0.05)
+        return batch
+
+    tracker = Recorder()
+    Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), rollout=rollout, tracker=tracker).fit(
+        numbered(), steps=4, log_every=4)
+    goodput = next(v for _, v in tracker.records if getattr(v, "type", "") == "goodput")
+    assert goodput.rollout_seconds >= 0.2 and goodput.badput["rollout"] >= 0.2
+    assert goodput.data_seconds < goodput.rollout_seconds
+
+
+# -- a custom step --------------------------------------------------------------------------
+
+def sgd_step(objective, optimizer):
+    """A hand-written transaction: plain gradient descent on the params collection."""
+
+    def step(state, batch):
+        def total(params):
+            loss, _ = objective.loss({**state.params, "params": params}, batch, None)
+            return loss.total / loss.count
+
+        loss, grads = jax.value_and_grad(total)(state.params["params"])
+        updates, opt_state = optimizer.update(grads, state.opt_state["params"] if False else state.opt_state, None)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, state.params["params"], grads)
+        new = state.replace(params={**state.params, "params": params}, step=state.step + 1,
+                            updates=state.updates + 1, microstep=state.microstep + 1)
+        return new, {"loss": loss, "finite": jnp.isfinite(loss)}
+
+    return step
+
+
+def test_a_custom_step_composes_with_the_ema():
+    objective = Linear(ema=EMASpec(decay=0.5))
+    trainer = Trainer(objective, optax.identity(), key=jax.random.key(0), step=sgd_step)
+    initial = jax.device_get(trainer.initial_state().params["params"])
+    state = trainer.fit(numbered(), steps=3, log_every=3)
+
+    params, ema = initial, initial
+    for i in range(3):
+        batch = batch_at(i)
+
+        def loss(p, batch=batch):
+            return jnp.mean((batch["x"] @ p["kernel"] + p["bias"] - batch["y"]) ** 2)
+
+        grads = jax.grad(loss)(params)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        ema = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p, ema, params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                 jax.device_get(state.params["params"]), params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                 jax.device_get(state.averaged["params"]), ema)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"accumulation": 2}, "accumulation=2"),
+    ({"dynamic_scale": True}, "dynamic_scale=True"),
+])
+def test_a_custom_step_refuses_what_it_cannot_compose_with(settings, named):
+    with pytest.raises(StepCompositionError, match=named):
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), step=sgd_step, **settings)
+
+
+# -- evaluation -------------------------------------------------------------------------------
+
+def test_evaluation_compiles_once_per_batch_shape_over_several_events():
+    val = lambda partition: iter([batch_at(100), batch_at(101)])  # noqa: E731
+    trainer = Trainer(Linear(ema=EMASpec(0.9)), optax.sgd(0.1), key=jax.random.key(0), tracker=Recorder())
+    trainer.fit(numbered(val=val), steps=8, eval_every=2, log_every=4)
+    events = [v for _, v in trainer.tracker.records if getattr(v, "type", "") == "evaluation"]
+    assert [e.step for e in events] == [2, 4, 6, 8]
+    assert trainer._evaluator.traces == 1
+
+
+# -- hooks ---------------------------------------------------------------------------------------
+
+def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
+    class Plugin:
+        @hookimpl
+        def dew_step_end(self, step, metrics):
+            if step == 4:
+                return StepContribution(scalars={"plugin/twice": 2 * metrics["loss"]}, stop=True,
+                                        reason="the loss is low enough")
+            return {"plugin/twice": 2 * metrics["loss"]}
+
+    tracker = Recorder()
+    checkpoints = Checkpoints(tmp_path)
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), tracker=tracker,
+                      checkpoints=checkpoints)
+    with registered(Plugin()):
+        state = trainer.fit(numbered(), steps=50, log_every=2)
+    logged = {step: scalars for step, scalars in tracker.scalars if "loss" in scalars}
+    assert sorted(logged) == [2, 4]
+    for scalars in logged.values():
+        assert scalars["plugin/twice"] == pytest.approx(2 * scalars["loss"])
+    # The request is read one step late (the step after it was already dispatched): the run
+    # stops there, saves that step and returns normally.
+    assert int(state.step) == 5 and checkpoints.latest == 5
+
+
+# -- recipes keep checkpoint URLs ------------------------------------------------------------------
+
+def test_a_recipes_checkpoint_url_reaches_checkpoints_unchanged():
+    from dew.recipes.config import RunConfig
+    from dew.recipes.run import _checkpoints
+
+    config = RunConfig.model_validate({
+        "model": {"name": "causal_transformer", "vocab_size": 8, "emb_features": 8, "num_layers": 1,
+                  "num_heads": 2, "mlp_features": 8, "max_seq_len": 8},
+        "objective": {"name": "lm", "seq_len": 4},
+        "data": {"name": "token_windows", "files": "x.txt", "length": 4, "batch": 8},
+        "trainer": {"steps": 1, "checkpoint_dir": "gs://a-bucket/runs/one"},
+    })
+    assert str(_checkpoints(config).directory) == "gs://a-bucket/runs/one"
+
+
+# -- batch edges -------------------------------------------------------------------------------------
+
+def test_a_batch_with_an_extra_key_is_refused_at_its_step_naming_the_key():
+    def extra(i):
+        batch = batch_at(i)
+        if i == 2:
+            batch["mask"] = np.ones((8,), np.float32)
+        return batch
+
+    with pytest.raises(BatchMismatchError, match=r"step 2 has key\(s\) 'mask' that the first batch did not"):
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(numbered(extra), steps=5)
+
+
+def test_a_tuple_batch_is_refused_saying_what_a_batch_is():
+    data = Dataset(train=lambda p: itertools.repeat((np.zeros((8, 4)), np.zeros((8, 1)))), batch=8)
+    with pytest.raises(BatchMismatchError, match=r"gave step 0 a tuple, not a batch: a batch is a mapping"):
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(data, steps=2)
+
+
+def test_resuming_a_stream_that_cannot_report_its_position_warns(tmp_path):
+    data = Dataset(train=lambda p: (batch_at(i) for i in itertools.count()), batch=8)
+    Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path)).fit(data, steps=2)
+    with pytest.warns(UserWarning, match=r"holds no data position.*restarts from its first record"):
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0),
+                checkpoints=Checkpoints(tmp_path)).fit(data, steps=4)
+
+
+def test_each_rejected_step_is_reported_at_its_step():
+    def poisoned(i):
+        batch = batch_at(i)
+        if i == 3:
+            batch["y"] = np.full_like(batch["y"], np.nan)
+        return batch
+
+    tracker = Recorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), tracker=tracker).fit(
+            numbered(poisoned), steps=8, log_every=8)
+    assert [(s, v) for s, v in tracker.scalars if "train/rejected_steps_in_a_row" in v] == [
+        (4, {"train/rejected_steps_in_a_row": 1.0})]
+
+
+# -- exit paths ----------------------------------------------------------------------------------------
+
+def test_a_program_that_exits_right_after_fit_keeps_its_final_checkpoint(python_in_subprocess, tmp_path):
+    python_in_subprocess(f"""
+        import jax, optax, sys
+        sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
+        from test_core_feed_hooks import Linear, numbered
+        from dew import Checkpoints, Trainer
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0),
+                checkpoints=Checkpoints({str(tmp_path)!r})).fit(numbered(), steps=6, checkpoint_every=3)
+    """)
+    assert Checkpoints(tmp_path).latest == 6
+
+
+def test_a_failing_fit_finishes_the_checkpoint_it_had_started(python_in_subprocess, tmp_path):
+    result = python_in_subprocess(f"""
+        import jax, optax, sys
+        sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
+        from test_core_feed_hooks import Linear, numbered, batch_at
+        from dew import Checkpoints, Trainer
+        def broken(i):
+            if i == 3:
+                raise OSError("the data disk went away")
+            return batch_at(i)
+        try:
+            Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0),
+                    checkpoints=Checkpoints({str(tmp_path)!r})).fit(numbered(broken), steps=6, checkpoint_every=3)
+        except OSError as error:
+            print("raised", error)
+    """)
+    assert "raised the data disk went away" in result
+    assert Checkpoints(tmp_path).latest == 3
