@@ -217,7 +217,6 @@ def sgd_step(objective, optimizer):
             return loss.total / loss.count
 
         loss, grads = jax.value_and_grad(total)(state.params["params"])
-        updates, opt_state = optimizer.update(grads, state.opt_state["params"] if False else state.opt_state, None)
         params = jax.tree.map(lambda p, g: p - 0.1 * g, state.params["params"], grads)
         new = state.replace(params={**state.params, "params": params}, step=state.step + 1,
                             updates=state.updates + 1, microstep=state.microstep + 1)

@@ -163,7 +163,11 @@ class Trainer(Generic[Loss, Effects]):
         key = self.key if key is None else key
         if initializer is None:
             initializer = self._read_weights()
-        variables = dict(nn.meta.unbox(self.objective.init(stream(key, "init"), initializer)))
+        return self._state_from(self.objective.init(stream(key, "init"), initializer), key)
+
+    def _state_from(self, variables: Variables, key: jax.Array) -> TrainState:
+        """The fresh state around the variables an objective's init returned."""
+        variables = dict(nn.meta.unbox(variables))
         if "params" not in variables:
             raise ValueError(
                 f"{type(self.objective).__name__}.init returned collections {sorted(variables)}; "
@@ -191,14 +195,29 @@ class Trainer(Generic[Loss, Effects]):
         )
 
     @cached_property
-    def _boxed_variables(self) -> Any:
-        """The objective's fresh variables as shapes, with the logical axes its modules declare."""
-        return jax.eval_shape(lambda k: self.objective.init(stream(k, "init")), self.key)
+    def _shapes(self) -> tuple[Any, TrainState]:
+        """The fresh variables with their logical axes, and the abstract state: one trace of init
+        when the run starts from a random init."""
+        if self.initializer is not None:
+            boxed = jax.eval_shape(lambda k: self.objective.init(stream(k, "init")), self.key)
+            self.__dict__["_boxed_variables"] = boxed  # a source reads these below
+            weights = self._abstract_weights  # read outside the trace: a source does real work
+            return boxed, jax.eval_shape(lambda k: self.initial_state(weights, k), self.key)
+
+        def both(k: jax.Array) -> tuple[Any, TrainState]:
+            boxed = self.objective.init(stream(k, "init"))
+            return boxed, self._state_from(boxed, k)
+
+        return jax.eval_shape(both, self.key)
 
     @cached_property
+    def _boxed_variables(self) -> Any:
+        """The objective's fresh variables as shapes, with the logical axes its modules declare."""
+        return self._shapes[0]
+
+    @property
     def _abstract_state(self) -> TrainState:
-        weights = self._abstract_weights  # read outside the trace: a source does real work
-        return jax.eval_shape(lambda k: self.initial_state(weights, k), self.key)
+        return self._shapes[1]
 
     @cached_property
     def _abstract_weights(self) -> Any:

@@ -1,0 +1,110 @@
+"""What a frozen reference as large as the trained model costs in memory: one copy of its bytes.
+
+Two fresh interpreters train the same MLP with adam through Trainer.fit; the
+second also holds a frozen reference of the same shape (as DPO's or
+distillation's is held) that the loss reads. Each reports the bytes its
+TrainState holds, the compiled step's peak (XLA's memory analysis: arguments
+and outputs less the donated aliases, plus temporaries) and the process's
+peak resident memory. The script prints the differences in units of one
+model's bytes (target: 1.0, one copy; an optimizer state, window or EMA copy
+of the reference would show as 2 or more). The process peak is set by the
+random initializer's temporaries, which a reference loaded from weights
+does not need.
+
+    .venv/bin/python benchmarks/frozen_bench.py [--width 1024] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+
+PROGRAM = """
+import itertools, io, contextlib, json, resource, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import linen as nn
+from dew import Trainer
+from dew.data import Dataset
+from dew.objectives.base import Aux, EMASpec, Mean, Objective, under
+cfg = json.loads(sys.argv[1])
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(cfg["layers"]):
+            x = nn.tanh(nn.Dense(cfg["width"], name=f"dense_{i}")(x))
+        return x
+
+class Pair(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Stack(name="policy")(x), (Stack(name="reference")(x) if cfg["reference"] else None)
+
+class Objective_(Objective):
+    frozen = staticmethod(under("params/reference"))
+    def __init__(self):
+        self.model = Pair()
+    def init(self, key, variables=None):
+        return self.model.init(key, jnp.zeros((1, cfg["width"])))
+    def loss(self, variables, batch, step):
+        out, ref = self.model.apply(variables, batch["x"])
+        target = ref if ref is not None else batch["x"]
+        errors = (out - jax.lax.stop_gradient(target)) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)), Aux()
+
+def rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+batch = {"x": np.random.default_rng(0).normal(size=(8, cfg["width"])).astype(np.float32)}
+data = Dataset(train=lambda p: itertools.repeat(batch), batch=8)
+trainer = Trainer(Objective_(), optax.adam(1e-4), key=jax.random.key(0))
+baseline = rss_mb()
+placed = trainer.place()[0]
+jax.block_until_ready(placed)
+init_mb = rss_mb() - baseline
+del placed
+with contextlib.redirect_stdout(io.StringIO()):
+    state = trainer.fit(data, steps=3, log_every=3)
+from dew.training.mesh import data_partition, shard_batch
+sharded = shard_batch(batch, trainer.device_mesh, data_partition(trainer.device_mesh))
+memory = trainer.compile(state, sharded).executable.memory_analysis()
+step_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+           + memory.temp_size_in_bytes) / 2**20
+size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+print(json.dumps({"peak_mb": rss_mb() - baseline, "init_mb": init_mb, "step_mb": step_mb, "state_mb": size(state) / 2**20,
+                  "policy_mb": size(state.params["params"]["policy"]) / 2**20}))
+"""
+
+
+def run(cfg: dict) -> dict:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(PROGRAM), json.dumps(cfg)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    cfg = vars(parser.parse_args())
+    alone = run({**cfg, "reference": False})
+    both = run({**cfg, "reference": True})
+    model = alone["policy_mb"]
+    print(f"model: {cfg['layers']} dense layers of {cfg['width']}x{cfg['width']}, "
+          f"{model:.1f} MB of parameters, adam")
+    for name, row in (("trained alone", alone), ("with a frozen reference", both)):
+        print(f"  {name:>24}: state {row['state_mb']:7.1f} MB, peak +{row['peak_mb']:7.1f} MB "
+              f"(after the initializer +{row['init_mb']:7.1f} MB), compiled step {row['step_mb']:7.1f} MB")
+    print(f"the reference costs {(both['state_mb'] - alone['state_mb']) / model:.2f} model copies in the "
+          f"state, {(both['step_mb'] - alone['step_mb']) / model:.2f} in the compiled step's peak "
+          f"(arguments + outputs - donated + temporaries; target: 1 copy) and "
+          f"{(both['peak_mb'] - alone['peak_mb']) / model:.2f} in the process's peak, which the random "
+          "initializer's temporaries set")
+
+
+if __name__ == "__main__":
+    main()
