@@ -22,9 +22,9 @@ def _fit(console: Console) -> None:
     for step in range(1, 51):
         console.advance(step)
         if step == 25:
-            console.log(25, {"loss": 0.03061, "throughput": 12.5})
+            console.log(25, {"train/loss": 0.03061, "throughput": 12.5})
         if step == 50:
-            console.log(50, {"loss": 0.01018})
+            console.log(50, {"train/loss": 0.01018})
     # 28.4% of 10 s in steps; the first step ended after 2.14 s
     console.finish(Goodput(first_step_seconds=2.14, wall_seconds=10.0, step_seconds=2.84))
     console.close()

@@ -274,9 +274,9 @@ def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
         @hookimpl
         def dew_step_end(self, step, metrics):
             if step == 4:
-                return StepContribution(scalars={"plugin/twice": 2 * metrics["loss"]}, stop=True,
+                return StepContribution(scalars={"plugin/twice": 2 * metrics["train/loss"]}, stop=True,
                                         reason="the loss is low enough")
-            return {"plugin/twice": 2 * metrics["loss"]}
+            return {"plugin/twice": 2 * metrics["train/loss"]}
 
     tracker = Recorder()
     checkpoints = Checkpoints(tmp_path)
@@ -284,10 +284,10 @@ def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
                       checkpoints=checkpoints)
     with registered(Plugin()):
         state = trainer.fit(numbered(), steps=50, log_every=2)
-    logged = {step: scalars for step, scalars in tracker.scalars if "loss" in scalars}
+    logged = {step: scalars for step, scalars in tracker.scalars if "train/loss" in scalars}
     assert sorted(logged) == [2, 4]
     for scalars in logged.values():
-        assert scalars["plugin/twice"] == pytest.approx(2 * scalars["loss"])
+        assert scalars["plugin/twice"] == pytest.approx(2 * scalars["train/loss"])
     # The request is read one step late (the step after it was already dispatched): the run
     # stops there, saves that step and returns normally.
     assert int(state.step) == 5 and checkpoints.latest == 5

@@ -49,7 +49,7 @@ def batches(partition):
 
 class Losses:
     def __init__(self): self.values = []
-    def log(self, scalars, step): self.values.append(scalars["loss"])
+    def log(self, scalars, step): self.values.append(scalars["train/loss"])
     def artifact(self, value, step): pass
     def close(self): pass
 

@@ -94,7 +94,7 @@ def _plugin_site(root: Path, body: str, name: str = "recorder") -> None:
 _RECORD = """
     @hookimpl
     def dew_step_end(step, metrics):
-        CALLS.append([step, metrics["loss"]])
+        CALLS.append([step, metrics["train/loss"]])
 """
 
 _PROBE = """
@@ -103,7 +103,7 @@ _PROBE = """
     import dew.plugins
     imported_at_import = "dewtest_hooks_recorder" in sys.modules or "dew.registry" in sys.modules
     relay = dew.plugins.hook()
-    relay.dew_step_end(step=3, metrics={{"loss": 0.25}})
+    relay.dew_step_end(step=3, metrics={{"train/loss": 0.25}})
     module = sys.modules.get("dewtest_hooks_recorder")
     print(json.dumps({{
         "imported_at_import": imported_at_import,

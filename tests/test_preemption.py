@@ -145,7 +145,7 @@ def validation(partition):
 class Losses:
     def log(self, scalars, step):
         with open(losses, "a") as handle:
-            kept = {k: v for k, v in scalars.items() if not k.startswith("throughput/")}
+            kept = {k: v for k, v in scalars.items() if not k.startswith("throughput/") and k != "train/step_time"}
             handle.write(json.dumps({"step": step, "scalars": kept}) + "\n")
 
     def artifact(self, value, step):
@@ -188,7 +188,7 @@ def _losses(path: Path) -> dict[tuple[int, str], float]:
 
 
 def _steps(table: dict[tuple[int, str], float]) -> list[int]:
-    return sorted({step for step, name in table if name == "loss"})
+    return sorted({step for step, name in table if name == "train/loss"})
 
 
 def _train(tmp_path: Path, name: str, mode: str, trigger: str | None = None) -> tuple[int, str, str]:
@@ -337,3 +337,71 @@ def test_a_pool_stops_at_one_agreed_step(tmp_path: Path, how: str) -> None:
         assert worker.returncode == 0, err[-3000:]
         stops.append([line for line in out.splitlines() if line.startswith("stopped at")])
     assert stops[1] and stops[0] == stops[1], stops
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------------
+
+CTRL_C = r'''
+import sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import linen as nn
+from dew import Checkpoints, Trainer
+from dew.data import Dataset
+from dew.objectives.base import Aux, Mean, Objective
+
+
+class Regression(Objective):
+    def init(self, key, variables=None):
+        return nn.Dense(1).init(key, jnp.zeros((1, 4)))
+
+    def loss(self, variables, batch, step):
+        errors = (nn.Dense(1).apply(variables, batch["x"]) - 1.0) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux()
+
+
+def batches(partition):
+    index = 0
+    while True:
+        index += 1
+        print("batch", index, flush=True)
+        time.sleep(0.05 if index < 6 else 1.0)  # slow from batch 6: signals land mid-fetch
+        yield {"x": np.full((8, 4), index, np.float32)}
+
+
+Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0),
+        checkpoints=Checkpoints(sys.argv[1])).fit(Dataset(train=batches, batch=8), steps=10_000)
+'''
+
+
+def _interrupted(tmp_path: Path, signals: int) -> tuple[subprocess.CompletedProcess, Path]:
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / "checkpoints")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    for line in child.stdout:
+        lines.append(line)
+        if line.startswith("batch 5"):
+            break
+    for _ in range(signals):
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # Python runs a handler once for signals that arrive together
+    out, err = child.communicate(timeout=120)
+    return subprocess.CompletedProcess(child.args, child.returncode, "".join(lines) + out, err), tmp_path
+
+
+def test_ctrl_c_saves_the_step_and_exits_130(tmp_path: Path) -> None:
+    from dew import Checkpoints
+
+    result, _ = _interrupted(tmp_path, signals=1)
+    assert result.returncode == 130, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("dew: interrupted (Ctrl-C) at step ") and "checkpoint and data position are written" in line
+    step = int(line.split("at step ")[1].split(";")[0])
+    assert Checkpoints(tmp_path / "checkpoints").latest == step
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
+    result, _ = _interrupted(tmp_path, signals=2)
+    assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-2000:])

@@ -97,7 +97,7 @@ def test_third_party_components_are_found_by_name_and_used_in_a_run(tmp_path, tm
 
     expected = np.asarray(out["expected"])
     tracked = [json.loads(line) for line in tracker_file.read_text().splitlines()]
-    tracked_losses = {r["step"]: r["scalars"]["loss"] for r in tracked if "loss" in r["scalars"]}
+    tracked_losses = {r["step"]: r["scalars"]["train/loss"] for r in tracked if "train/loss" in r["scalars"]}
     hooked = [json.loads(line) for line in hook_file.read_text().splitlines()]
     hooked_losses = {r["step"]: r["loss"] for r in hooked if r["hook"] == "dew_step_end"}
     assert sorted(tracked_losses) == sorted(hooked_losses) == [1, 2, 3]

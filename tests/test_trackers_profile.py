@@ -119,8 +119,11 @@ def test_a_fit_reports_its_window_goodput_and_lines(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("Training from step 0 to 8 on {'data': 1")
     assert out[0].endswith("(1 process(es))")
-    assert [line.split(":")[0] for line in out[1:3]] == ["step 4", "step 8"]
-    assert out[1] == f"step 4: loss {rows[0]['loss']:.4f}"
+    assert out[1] == f"tracking: {tmp_path / 'run'}"
+    assert out[2].startswith("compiling the step for batches of 8 rows: ")
+    logged = [line for line in out if line.startswith("step ")]
+    assert [line.split(":")[0] for line in logged] == ["step 4", "step 8"]
+    assert logged[0].startswith(f"step 4: loss {rows[0]['train/loss']:.4f}")
     assert out[-1].startswith("Goodput: first step after ")
 
 

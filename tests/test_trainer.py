@@ -93,7 +93,7 @@ def test_fit_matches_a_hand_written_optax_loop():
     trainer = Trainer(objective, optimizer, key=jax.random.key(3), tracker=recorder)
     initial = trainer.initial_state().params
     state = trainer.fit(dataset(), steps=12, log_every=1)
-    losses = [row["loss"] for _, row in recorder.rows]
+    losses = [row["train/loss"] for _, row in recorder.rows]
 
     params = initial["params"]
     opt_state = optimizer.init({"params": params})

@@ -16,7 +16,7 @@ the ``dew.plugins`` entry-point group and are loaded the first time
 
     @hookimpl
     def dew_step_end(step, metrics):
-        print(step, metrics["loss"])
+        print(step, metrics["train/loss"])
 
 The trainer fires them with keyword arguments, ``hook().dew_step_end(step=s,
 metrics=m)``. Two environment variables, read when the plugin manager is

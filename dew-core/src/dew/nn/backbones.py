@@ -66,6 +66,22 @@ class CausalTransformer(nn.Module):
                 f"{self.num_heads}; change one of them or set head_features explicitly."
             )
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward and backward) at seq_len: 6 per weight the token
+        passes through, plus the attention scores and their weighted sum (PaLM's estimate).
+
+        >>> model = CausalTransformer(vocab_size=10, emb_features=4, num_layers=1, num_heads=2,
+        ...                           mlp_features=8, max_seq_len=8, tie_embeddings=True)
+        >>> model.flops_per_token(8)  # 6 * (4*4*4 + 2*4*8 + 4*10) + 12 * 1 * 4 * 8
+        1392.0
+        """
+        width = self.num_heads * self.head_width
+        kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
+        attention = 2 * self.emb_features * width + 2 * self.emb_features * kv_heads * self.head_width
+        mlp = (3 if self.mlp_activation == "swiglu" else 2) * self.emb_features * self.mlp_features
+        weights = self.num_layers * (attention + mlp) + self.emb_features * self.vocab_size
+        return float(6 * weights + 12 * self.num_layers * width * seq_len)
+
     @property
     def head_width(self) -> int:
         """The per-head width: head_features, or emb_features // num_heads."""

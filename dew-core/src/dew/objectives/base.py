@@ -271,3 +271,12 @@ class Objective(Generic[Loss, Effects]):
     def required_keys(self) -> Sequence[str]:
         """Batch keys the loss reads; the trainer checks them before compiling."""
         return ()
+
+    def tokens(self, batch: Mapping[str, Any]) -> int | None:
+        """Tokens one global batch of these shapes trains on, for throughput (None: not token data)."""
+        return None
+
+    def flops(self, batch: Mapping[str, Any]) -> float | None:
+        """Model FLOPs of one training step (forward and backward) on a global batch of these
+        shapes, for the MFU estimate; None when the model does not say."""
+        return None

@@ -34,10 +34,10 @@ class Console:
     >>> out = io.StringIO()
     >>> console = Console(out)
     >>> console.start(0, 100, {"data": 1}, 1)
-    >>> console.log(25, {"loss": 0.03061})
+    >>> console.log(25, {"train/loss": 0.03061, "train/lr": 0.003, "train/step_time": 0.25})
     >>> print(out.getvalue().strip())
     Training from step 0 to 100 on {'data': 1} (1 process(es))
-    step 25: loss 0.0306
+    step 25: loss 0.0306, lr 0.003, 0.25 s/step
     """
 
     def __init__(self, stream: IO[str] | None = None, *, live: bool | None = None) -> None:
@@ -115,10 +115,18 @@ class Console:
             self._progress.update(self._task, completed=step, rate=rate)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
-        """Print the loss of a log step (every scalar when there is no loss)."""
-        if "loss" in scalars:
-            loss = float(scalars["loss"])
-            self._print(f"step {step}: loss {loss:.4f}")
+        """Print a log step's loss, learning rate, tokens per second and step time (every
+        scalar when there is no training loss, as for validation)."""
+        if "train/loss" in scalars:
+            loss = float(scalars["train/loss"])
+            fields = [f"loss {loss:.4f}"]
+            if "train/lr" in scalars:
+                fields.append(f"lr {float(scalars['train/lr']):.3g}")
+            if "throughput/tokens_per_second" in scalars:
+                fields.append(f"{float(scalars['throughput/tokens_per_second']):.4g} tokens/s")
+            if "train/step_time" in scalars:
+                fields.append(f"{float(scalars['train/step_time']):.3g} s/step")
+            self._print(f"step {step}: {', '.join(fields)}")
             if self._progress is not None:
                 self._progress.update(self._task, loss=f"{loss:.4f}")
         else:

@@ -12,7 +12,7 @@ the trainer hands it values and asks it what the hooks want.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,15 +67,35 @@ class _Pending:
     log: bool
 
 
+def _conventional(name: str) -> str:
+    """A step metric's logged name: train/<name>, unless it names its own group.
+
+    >>> _conventional("loss"), _conventional("accuracy"), _conventional("rl/kl")
+    ('train/loss', 'train/accuracy', 'rl/kl')
+    """
+    return name if "/" in name else f"train/{name}"
+
+
 class Progress:
-    """The reporting side of one fit (see the module docstring)."""
+    """The reporting side of one fit (see the module docstring).
+
+    The scalars it logs follow one convention (docs/metrics.md): the loss and
+    the objective's metrics under ``train/``, with ``train/lr``,
+    ``train/grad_norm`` and ``train/step_time``; ``throughput/*`` for steps,
+    examples and tokens per second and the MFU estimate; ``val/*`` for
+    validation.
+    """
 
     def __init__(self, *, tracker: Any, records_per_step: int, log_every: int,
-                 dynamic_scale: bool) -> None:
+                 dynamic_scale: bool, schedule: Callable[[int], Any] | None = None) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be at least 1, got {log_every}.")
         self.tracker = tracker
         self.records_per_step = records_per_step
+        self.schedule = schedule
+        self.tokens_per_step: int | None = None
+        self.flops_per_step: float | None = None
+        self.peak_flops: float | None = None
         self.log_every = log_every
         self.limit = nonfinite_limit(dynamic_scale)
         self.clock = Clock()
@@ -150,7 +170,7 @@ class Progress:
             self.rejected_streak = 0
             return
         self.rejected_streak += 1
-        loss = float(np.asarray(host["loss"]))
+        loss = float(np.asarray(host.get("loss", np.nan)))
         if self.console is not None:
             self.console.note(
                 f"step {done}: non-finite loss or gradient (loss {loss}); the step was rejected "
@@ -166,15 +186,32 @@ class Progress:
                 "dynamic_scale for low-precision training."
             )
 
+    def measure(self, *, records: int, tokens: int | None, flops: float | None,
+                peak_flops: float | None) -> None:
+        """What one step processes, for the throughput scalars (set from the first batch)."""
+        self.records_per_step = records
+        self.tokens_per_step = tokens
+        self.flops_per_step = flops
+        self.peak_flops = peak_flops
+
     def _log(self, done: int, host: Mapping[str, Any]) -> None:
         now = time.perf_counter()
-        scalars = {k: float(np.asarray(v)) for k, v in host.items() if k != "finite"}
+        scalars = {_conventional(k): float(np.asarray(v)) for k, v in host.items()
+                   if k not in ("finite", "updates")}
+        if self.schedule is not None and "updates" in host:
+            scalars["train/lr"] = float(np.asarray(self.schedule(int(np.asarray(host["updates"])))))
         if self.last_log is not None:
             at, step_then = self.last_log
             if done > step_then and now > at:
                 rate = (done - step_then) / (now - at)
+                devices = jax.device_count()
+                scalars["train/step_time"] = 1.0 / rate
                 scalars["throughput/steps_per_second"] = rate
-                scalars["throughput/records_per_second"] = rate * self.records_per_step
+                scalars["throughput/examples_per_second"] = rate * self.records_per_step
+                if self.tokens_per_step is not None:
+                    scalars["throughput/tokens_per_second"] = rate * self.tokens_per_step
+                if self.flops_per_step is not None and self.peak_flops:
+                    scalars["throughput/mfu"] = rate * self.flops_per_step / (self.peak_flops * devices)
         self.last_log = (now, done)
         scalars.update(self._hook_scalars(done, scalars))
         if self.console is not None:

@@ -97,7 +97,10 @@ def build_train_step(
         if new.scaler is not None:
             new = new.replace(scaler=new.scaler.update(finite))
         new = new.replace(step=state.step + 1)
-        metrics = {"loss": _scalar(loss), "finite": finite}
+        metrics = {
+            "loss": _scalar(loss), "finite": finite, "updates": new.updates,
+            "grad_norm": optax.tree.norm(grads) / jnp.maximum(count, 1),
+        }
         for name, value in aux.metrics.items():
             metrics[name] = _scalar(value)
         if new.scaler is not None:

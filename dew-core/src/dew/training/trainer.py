@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data.base import Dataset
 from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
+from dew.telemetry.hardware import peak_flops
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
 from dew.training.feed import Feed, Rollout
@@ -374,6 +375,21 @@ class Trainer(Generic[Loss, Effects]):
             executable = jitted.lower(state, shapes).compile()
         return CompiledStep(executable, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
 
+    def _compile_for(self, progress: Progress, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
+        """Compile the step for a new batch shape, saying so, and measure what a step processes."""
+        shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+        rows = next((v.shape[0] for v in shapes.values() if v.shape), 0)
+        began = time.perf_counter()
+        step = self.compile(state, batch)
+        seconds = time.perf_counter() - began
+        progress.clock.compile += seconds
+        progress.note(f"compiling the step for batches of {rows} rows: {seconds:.2f} s")
+        devices = self.device_mesh.devices.flat
+        progress.measure(records=rows, tokens=self.objective.tokens(shapes),
+                         flops=self.objective.flops(shapes),
+                         peak_flops=peak_flops(next(iter(devices)).device_kind))
+        return step
+
     @cached_property
     def _evaluator(self) -> Evaluator:
         return Evaluator(self.objective, self.device_mesh)
@@ -393,7 +409,8 @@ class Trainer(Generic[Loss, Effects]):
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
         steps = int(steps)
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch,
-                            log_every=log_every, dynamic_scale=self.dynamic_scale)
+                            log_every=log_every, dynamic_scale=self.dynamic_scale,
+                            schedule=_schedule_of(self.optimizer))
         mesh = self.device_mesh
         state, _, position = self.place()
         start = int(jax.device_get(state.step))
@@ -404,6 +421,10 @@ class Trainer(Generic[Loss, Effects]):
                     rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in schedule))
         feed.open(position, resuming=start > 0)
         progress.start(self, start, steps, mesh.shape)
+        if self.checkpoints is not None:
+            progress.note(f"checkpoints: {self.checkpoints.directory}")
+        for where in _tracker_directories(self.tracker):
+            progress.note(f"tracking: {where}")
         profile = self.profile.schedule(start) if self.profile is not None else None
         if profile is not None:
             profile.on_step(start)  # a window without warmup opens before the first step
@@ -415,9 +436,7 @@ class Trainer(Generic[Loss, Effects]):
                 for step in range(start, steps):
                     fed = feed.next(state, step)
                     if fed.signature not in compiled:
-                        began = time.perf_counter()
-                        compiled[fed.signature] = self.compile(state, fed.batch)
-                        progress.clock.compile += time.perf_counter() - began
+                        compiled[fed.signature] = self._compile_for(progress, state, fed.batch)
                     state, step_metrics = compiled[fed.signature](state, fed.batch)
                     done = step + 1
                     progress.stepped(done, step_metrics, first=step == start)
@@ -441,7 +460,7 @@ class Trainer(Generic[Loss, Effects]):
                             saved = self._save(progress, feed, state, done)
                         self._finish_saves(progress)
                         progress.hooks.dew_preempted(step=done)
-                        raise Preempted(done, saved=self.checkpoints is not None)
+                        raise Preempted(done, saved=self.checkpoints is not None, status=watch.status)
                     if stopping:
                         progress.note(f"step {done}: stopping early: {progress.stop_requested}")
                         break
@@ -480,8 +499,12 @@ class Trainer(Generic[Loss, Effects]):
         began = time.perf_counter()
         self.checkpoints.save(done, state, position=feed.position(), partition=feed.partition,
                               meta=self._meta(), local=local)
-        progress.clock.checkpoint += time.perf_counter() - began
-        progress.checkpoint(done, str(self.checkpoints.path(done)))
+        blocked = time.perf_counter() - began
+        progress.clock.checkpoint += blocked
+        path = str(self.checkpoints.path(done))
+        progress.note(f"step {done}: checkpoint {'(local) ' if local else ''}handed to the writer, "
+                      f"the loop blocked {blocked:.2f} s ({path})")
+        progress.checkpoint(done, path)
         return done
 
     def _finish_saves(self, progress: Progress) -> None:
@@ -503,6 +526,29 @@ class Trainer(Generic[Loss, Effects]):
                            f"({failure}); the previous committed step is kept.")
             print(f"dew: fit failed; the checkpoint under way was abandoned ({failure})",
                   file=sys.stderr, flush=True)
+
+
+def _tracker_directories(tracker: Any) -> list[str]:
+    """Where a tracker (or each tracker of a fan-out or wrapper) writes, when it has a directory."""
+    if tracker is None:
+        return []
+    found = [str(tracker.directory)] if getattr(tracker, "directory", None) is not None else []
+    for inner in (getattr(tracker, "trackers", None) or ()):
+        found.extend(_tracker_directories(inner))
+    wrapped = getattr(tracker, "tracker", None)
+    if wrapped is not None and wrapped is not tracker:
+        found.extend(_tracker_directories(wrapped))
+    return found
+
+
+def _schedule_of(optimizer: Any) -> Callable[[int], Any] | None:
+    """The learning-rate schedule of an optimizer built from a config (None otherwise)."""
+    config = getattr(optimizer, "config", None)
+    if config is None:
+        return None
+    from dew.training.optim import build_schedule
+
+    return build_schedule(config)
 
 
 def _check_composition(accumulation: int, dynamic_scale: bool) -> None:

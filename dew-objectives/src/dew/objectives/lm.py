@@ -111,6 +111,18 @@ class LMObjective(Objective):
     def required_keys(self) -> Sequence[str]:
         return ("text",)
 
+    def tokens(self, batch: Mapping[str, Any]) -> int | None:
+        """The predicted tokens of a global batch: seq_len per row."""
+        return int(batch["text"].shape[0]) * self.seq_len if "text" in batch else None
+
+    def flops(self, batch: Mapping[str, Any]) -> float | None:
+        """The model's training FLOPs per token, times the batch's tokens (when the model says)."""
+        per_token = getattr(self.model, "flops_per_token", None)
+        tokens = self.tokens(batch)
+        if per_token is None or tokens is None:
+            return None
+        return float(per_token(self.seq_len)) * tokens
+
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         """Total cross-entropy over all predicted tokens, and the accuracy as a Mean."""
         per_token, correct = self._score(variables, batch)

@@ -25,7 +25,7 @@ def _write(record: dict) -> None:
 
 @hookimpl
 def dew_step_end(step: int, metrics: Mapping[str, float]) -> None:
-    _write({"hook": "dew_step_end", "step": int(step), "loss": float(metrics["loss"])})
+    _write({"hook": "dew_step_end", "step": int(step), "loss": float(metrics["train/loss"])})
 
 
 @hookimpl

@@ -1,9 +1,11 @@
-"""Stopping a run cleanly when the scheduler asks: SIGTERM, a programmatic notice, Preempted.
+"""Stopping a run cleanly when the scheduler asks: SIGTERM, Ctrl-C, a programmatic notice.
 
 A lone process learns of preemption from its own SIGTERM handler (or a
 PreemptionNotice). In a pool, jax.distributed's preemption service catches
 SIGTERM on any process and agrees with the others on a step to stop at, which
-every process must poll at every step.
+every process must poll at every step. Ctrl-C (SIGINT) stops a run the same
+way, saving its step, and the program then exits with 130 instead of 143; a
+second signal of either kind ends the process at once.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 
 import jax
 
-__all__ = ["PREEMPTED_STATUS", "Preempted", "PreemptionNotice", "PreemptionWatch"]
+__all__ = ["INTERRUPTED_STATUS", "PREEMPTED_STATUS", "Preempted", "PreemptionNotice", "PreemptionWatch"]
 
 PREEMPTED_STATUS = 143  # 128 + SIGTERM, what a scheduler expects of a stopped job
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, what a shell expects after Ctrl-C
 
 
 class Preempted(SystemExit):
@@ -29,10 +32,11 @@ class Preempted(SystemExit):
     stderr (printed when the interpreter reads the exit code).
     """
 
-    def __init__(self, step: int, saved: bool = True) -> None:
-        super().__init__(int(step), bool(saved))  # args: pickles back to the same exception
+    def __init__(self, step: int, saved: bool = True, status: int = PREEMPTED_STATUS) -> None:
+        super().__init__(int(step), bool(saved), int(status))  # args: pickles back the same
         self.step = int(step)
         self.saved = bool(saved)
+        self.status = int(status)
         self._announced = False
 
     @property
@@ -40,13 +44,14 @@ class Preempted(SystemExit):
         if not self._announced:
             self._announced = True
             print(f"dew: {self}", file=sys.stderr, flush=True)
-        return PREEMPTED_STATUS
+        return self.status
 
     def __str__(self) -> str:
+        what = "interrupted (Ctrl-C)" if self.status == INTERRUPTED_STATUS else "preempted"
         if not self.saved:
-            return (f"preempted at step {self.step}; the trainer has no Checkpoints, so nothing "
+            return (f"{what} at step {self.step}; the trainer has no Checkpoints, so nothing "
                     "was written and running again starts over.")
-        return (f"preempted at step {self.step}; its checkpoint and data position are written. "
+        return (f"{what} at step {self.step}; its checkpoint and data position are written. "
                 "Run the same command again to resume.")
 
 
@@ -59,9 +64,11 @@ class PreemptionNotice:
     """
 
     _event = threading.Event()
+    status = PREEMPTED_STATUS  # the exit status the notice asks for
 
     @classmethod
-    def send(cls) -> None:
+    def send(cls, status: int = PREEMPTED_STATUS) -> None:
+        cls.status = int(status)
         if jax.process_count() > 1:
             os.kill(os.getpid(), signal.SIGTERM)
         else:
@@ -74,6 +81,7 @@ class PreemptionNotice:
     @classmethod
     def clear(cls) -> None:
         cls._event.clear()
+        cls.status = PREEMPTED_STATUS
 
 
 class PreemptionWatch:
@@ -92,24 +100,43 @@ class PreemptionWatch:
 
     def __enter__(self) -> PreemptionWatch:
         self._pooled = jax.process_count() > 1
-        if not self._pooled and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        if threading.current_thread() is threading.main_thread():
+            self._previous_interrupt = signal.signal(signal.SIGINT, self._on_signal)
+            if not self._pooled:
+                self._previous = signal.signal(signal.SIGTERM, self._on_signal)
             self._installed = True
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
+            signal.signal(signal.SIGINT, self._previous_interrupt)
+            if not self._pooled:
+                signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
         PreemptionNotice.clear()
+        self._signalled = False
+
+    _signalled = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if PreemptionNotice.received():  # a second signal: stop now
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._signalled or PreemptionNotice.received():  # a second signal: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._signalled = True
+        status = INTERRUPTED_STATUS if signum == signal.SIGINT else PREEMPTED_STATUS
+        if self._pooled:  # the pool's preemption service propagates a SIGTERM to every process
+            PreemptionNotice.status = status
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        PreemptionNotice.status = status
         PreemptionNotice._event.set()
+
+    @property
+    def status(self) -> int:
+        """The exit status the stop asks for: 130 after Ctrl-C, else 143."""
+        return PreemptionNotice.status
 
     def reached(self, step: int) -> bool:
         """Whether the run should stop after step (every process of a pool agrees)."""
