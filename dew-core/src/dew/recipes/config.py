@@ -108,12 +108,22 @@ class RunConfig(pydantic.BaseModel):
             data = apply_overrides(data, overrides)
         return cls.parse(data, str(path))
 
+    def recorded(self) -> dict[str, Any]:
+        """This configuration as JSON data with its secrets redacted: what a run writes down.
+
+        URI passwords and secret-named fields become ``***`` (dew.telemetry.redaction);
+        run.json, the RunStarted records and the trackers' parameters all hold this.
+        """
+        from dew.telemetry.redaction import redact
+
+        return redact(self.model_dump(mode="json"))
+
     def save(self, directory: str | Path) -> Path:
-        """Write this configuration as run.json in directory; return the file's path."""
+        """Write this configuration, secrets redacted, as run.json in directory; return its path."""
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
         path = target / RUN_FILE
-        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
+        path.write_text(json.dumps(self.recorded(), indent=2) + "\n")
         return path
 
     @classmethod
