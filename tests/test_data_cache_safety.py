@@ -16,18 +16,9 @@ import pytest
 
 from dew.data import TokenWindows
 from dew.data.window_cache import StaleCacheWarning
+from test_data_token_windows import DOCS, packed_bytes
 
-DOCS = ["dew trains jax models.", "a longer document " * 9, "é ünïcode ✓", "short"]
 LENGTH = 9
-
-
-def packed_bytes(docs: list[str], length: int) -> np.ndarray:
-    """The windows by hand: bytes of each document then 256, cut every length + 1 ids."""
-    ids: list[int] = []
-    for doc in docs:
-        ids += list(doc.encode("utf-8")) + [256]
-    count = len(ids) // (length + 1)
-    return np.asarray(ids[: count * (length + 1)], np.int32).reshape(count, length + 1)
 
 
 @pytest.fixture

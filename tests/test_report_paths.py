@@ -8,7 +8,6 @@ any link to them, and the previews the run itself wrote still do.
 from __future__ import annotations
 
 import json
-from html.parser import HTMLParser
 
 import numpy as np
 import pytest
@@ -16,22 +15,9 @@ import pytest
 from dew.cli import main
 from dew.telemetry.artifacts import Artifact
 from dew.training.trackers import LocalTracker
+from test_report import Page
 
 SECRET = "TOPSECRET-do-not-render"
-
-
-class Page(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.images: list[str] = []
-        self.text: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        if tag == "img":
-            self.images.append(dict(attrs)["src"])
-
-    def handle_data(self, data):
-        self.text.append(data)
 
 
 @pytest.fixture
