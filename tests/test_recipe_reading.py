@@ -38,7 +38,8 @@ def _bomb() -> str:
 
 
 HOSTILE = {
-    "billion_laughs": (_bomb(), "aliases"),
+    "billion_laughs": (_bomb(), "once its aliases are expanded"),
+    "many_values": ("a: [" + ",".join(["1"] * 100_000) + "]\n", "more than 20000 values"),
     "binary_garbage": (bytes(range(128, 256)) * 8 + os.urandom(512), "not UTF-8"),
     "nul_bytes": (b"trainer:\x00\x00\x01 {steps: 1}\n", "not valid YAML"),
     "deep_lists": ("a: " + "[" * 20000 + "]" * 20000 + "\n", "deeper than"),

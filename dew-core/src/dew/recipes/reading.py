@@ -31,9 +31,9 @@ from dew.recipes.errors import RecipeError
 
 __all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_NODES", "RecipeFileError", "read_recipe_file", "read_yaml"]
 
-MAX_BYTES = 1 << 20  # a recipe is a page or two; a megabyte is far beyond any real one
+MAX_BYTES = 256 << 10  # a recipe is a page or two (about a kilobyte)
 MAX_DEPTH = 64  # levels of nesting, counted through aliases
-MAX_NODES = 100_000  # nodes of the tree with every alias expanded where it is used
+MAX_NODES = 20_000  # values (keys included) of the tree, every alias expanded where it is used
 
 
 class RecipeFileError(RecipeError):
@@ -57,10 +57,15 @@ class _Loader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._composed = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
+        self._composed += 1
         try:
+            if self._composed > MAX_NODES:  # stop reading early; the expanded count comes later
+                mark = self.peek_event().start_mark
+                raise _Refused(_too_many(f"line {mark.line + 1}"))
             if self._depth > MAX_DEPTH:
                 mark = self.peek_event().start_mark
                 raise _Refused(
@@ -102,6 +107,11 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _too_many(where: str) -> str:
+    return (f"holds more than {MAX_NODES} values once its aliases are expanded ({where}); "
+            f"a recipe needs a few hundred.")
+
+
 def _check_expansion(root: yaml.Node) -> None:
     """Refuse a node graph whose alias-expanded tree is too deep, too large or cyclic.
 
@@ -134,10 +144,7 @@ def _check_expansion(root: yaml.Node) -> None:
                 size += child_size
                 height = max(height, child_height + 1)
                 if size > MAX_NODES:
-                    raise _Refused(
-                        f"expands through its aliases to more than {MAX_NODES} nodes "
-                        f"({_where(node)}); a recipe needs a few hundred."
-                    )
+                    raise _Refused(_too_many(_where(node)))
             active.discard(id(node))
             known = measured[id(node)] = (size, height)
         if depth + known[1] - 1 > MAX_DEPTH:
@@ -145,7 +152,6 @@ def _check_expansion(root: yaml.Node) -> None:
                 f"nests deeper than {MAX_DEPTH} levels once its aliases are expanded ({_where(node)})."
             )
         return known
-
 
     measure(root, 1)
 
