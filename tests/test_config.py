@@ -311,7 +311,7 @@ def test_prepare_process_raises_limits_and_sets_flags(tmp_path, python_in_subpro
         nofile, core = resource.getrlimit(resource.RLIMIT_NOFILE), resource.getrlimit(resource.RLIMIT_CORE)
         cap = int(open("/proc/sys/fs/nr_open").read())
         assert nofile[0] == nofile[1] or (nofile[1] == resource.RLIM_INFINITY and nofile[0] == cap), nofile
-        assert core[0] == core[1], core
+        assert core[0] == 0, core  # no core files unless asked for (see the test below)
         import jax
         print("flags", os.environ["XLA_FLAGS"])
         print("devices", jax.device_count())
@@ -326,6 +326,24 @@ def test_prepare_process_raises_limits_and_sets_flags(tmp_path, python_in_subpro
     assert "devices 3" in out
     assert f"cache {cache}" in out and cache.is_dir()
     assert "refused: JAX already opened its backend" in out
+
+
+def test_core_files_are_written_only_when_asked_for(python_in_subprocess):
+    # A core file holds the environment's secrets: the default lowers the soft limit to 0
+    # even when the shell raised it; core_dumps=True raises it to the hard limit.
+    out = python_in_subprocess("""
+        import resource
+        from dew.training import TrainerConfig, prepare_process
+        hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+        prepare_process(TrainerConfig(steps=1))
+        print("default", resource.getrlimit(resource.RLIMIT_CORE)[0])
+        resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+        prepare_process(TrainerConfig(steps=1, core_dumps=True))
+        print("asked", resource.getrlimit(resource.RLIMIT_CORE)[0] == hard)
+    """)
+    assert "default 0\n" in out
+    assert "asked True" in out
 
 
 def test_multi_host_without_a_pool_says_what_to_set(python_in_subprocess):

@@ -176,3 +176,34 @@ def test_hook_is_a_cached_relay(monkeypatch):
     relay = plugins.hook()
     monkeypatch.setattr(plugins, "manager", lambda: pytest.fail("hook() rebuilt the manager"))
     assert all(plugins.hook() is relay for _ in range(1000))
+
+
+def test_a_plugin_that_raises_at_import_is_named_with_its_distribution_and_the_switch(
+    tmp_path, python_in_subprocess
+):
+    _plugin_site(tmp_path, _RECORD)
+    _plugin_site(tmp_path, "raise ZeroDivisionError('plugin bug at import')\n", name="broken")
+    probe = f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import dew.plugins
+        for attempt in range(2):  # every later use fails the same way, never half-loaded
+            try:
+                dew.plugins.hook()
+            except dew.plugins.PluginLoadError as error:
+                print("refused:", error, "| cause:", type(error.__cause__).__name__)
+            else:
+                print("loaded:", [n for n, p in dew.plugins.manager().list_name_plugin() if p])
+    """
+    out = python_in_subprocess(probe)
+    lines = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 2, out
+    message = lines[0]
+    assert "'broken'" in message and "broken = dewtest_hooks_broken" in message
+    assert "dewtest-broken" in message  # the distribution that ships it
+    assert "DEW_BLOCK_PLUGINS=broken" in message and "DEW_DISABLE_PLUGIN_AUTOLOAD=1" in message
+    assert "ZeroDivisionError: plugin bug at import" in message
+    assert message.endswith("| cause: ZeroDivisionError")
+    # The switch the message names does what it says: the other plugin still loads.
+    out = python_in_subprocess(probe, env={"DEW_BLOCK_PLUGINS": "broken"})
+    assert "loaded: " in out and "'recorder'" in out and "refused" not in out

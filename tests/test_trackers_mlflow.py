@@ -116,3 +116,51 @@ def test_mlflow_read_back_through_the_client(server, tmp_path):
     assert (local / "previews/story/step_00000005.txt").read_text() == "once upon a time"
     second = json.loads((local / "records/goodput/step_00000006.json").read_text())
     assert second["record"]["fraction"] == 0.75 and second["type"] == "goodput"
+
+
+PASSWORD = "s3cr3t-Pa55-9f1c"  # noqa: S105 - the secret the run must not write down
+
+
+@pytest.mark.slow
+def test_a_password_in_the_tracker_uri_reaches_the_server_but_no_file(server, tmp_path):
+    """`dew train` with an MLflow URI holding user:password@: the run reaches the server
+    through that URI, and the password is in no file the run writes (run.json, journals,
+    checkpoints) nor in what the MLflow run stores (records, parameters)."""
+    from mlflow import MlflowClient
+
+    secret_uri = server.replace("http://", f"http://dew-user:{PASSWORD}@")
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+model: {{name: causal_transformer, vocab_size: 257, emb_features: 32, num_layers: 1,
+        num_heads: 2, mlp_features: 64, max_seq_len: 32}}
+objective: {{name: lm, seq_len: 16}}
+data: {{name: token_windows, files: "{{stdlib}}/ab*.py", length: 16, tokenizer: byte, batch: 8}}
+trainer: {{steps: 3, log_every: 1, checkpoint_dir: "{run_dir}/checkpoints", checkpoint_every: 3}}
+trackers:
+  - {{name: local, directory: "{run_dir}/journal"}}
+  - {{name: mlflow, experiment: dew-secrets, uri: "{secret_uri}"}}
+""")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([str(Path(sys.executable).with_name("dew")), "train", str(recipe)],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    # dew prints no password; MLflow's own client prints its "View run at <uri>" lines.
+    printed = [line for line in (result.stdout + result.stderr).splitlines() if PASSWORD in line]
+    assert all("View " in line for line in printed), printed
+
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "run.json" for p in written) and any(p.name == "records.jsonl" for p in written)
+    assert not [p for p in written if PASSWORD.encode() in p.read_bytes()]
+    saved = json.loads((run_dir / "checkpoints" / "run.json").read_text())
+    assert saved["trackers"][1]["uri"] == server.replace("http://", "http://dew-user:***@")
+
+    client = MlflowClient(tracking_uri=server)
+    (run,) = client.search_runs([client.get_experiment_by_name("dew-secrets").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3]
+    assert PASSWORD not in json.dumps([run.data.params, run.data.tags])
+    stored = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "stored")))
+    files = [p for p in stored.rglob("*") if p.is_file()]
+    assert any("run_started" in p.as_posix() for p in files)  # the recipe was recorded there
+    assert not [p for p in files if PASSWORD.encode() in p.read_bytes()]

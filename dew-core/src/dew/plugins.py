@@ -54,6 +54,7 @@ __all__ = [
     "HookImplementationError",
     "StepContribution",
     "Hooks",
+    "PluginLoadError",
     "hook",
     "hookimpl",
     "hookspec",
@@ -71,6 +72,11 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 class HookImplementationError(TypeError):
     """A plugin implements a hook that does not exist, or takes an argument the hook lacks."""
+
+
+class PluginLoadError(RuntimeError):
+    """An installed plugin failed while being imported or instantiated; the message names its
+    entry point, its distribution and the switch that skips it."""
 
 
 @dataclass(frozen=True)
@@ -220,9 +226,19 @@ def _autoload(plugin_manager: pluggy.PluginManager) -> None:
     for name in entry_points.names():
         if name in blocked:
             continue
-        plugin = entry_points.load(name)  # raises if two distributions claim name
-        if inspect.isclass(plugin):
-            plugin = plugin()
+        provider = entry_points.provider(name)  # raises if two distributions claim name
+        try:
+            plugin = entry_points.load(name)
+            if inspect.isclass(plugin):
+                plugin = plugin()
+        except Exception as error:  # noqa: BLE001 - any failure of foreign code is named, then re-raised
+            raise PluginLoadError(
+                f"The plugin {name!r} (entry point {name} = {provider.value} in group "
+                f"'dew.plugins', from the distribution {provider.distribution}) failed to load: "
+                f"{type(error).__name__}: {error}. Every run loads installed plugins, so fix or "
+                f"uninstall {provider.distribution}, or skip this plugin with "
+                f"{BLOCK_VARIABLE}={name} ({AUTOLOAD_VARIABLE}=1 skips them all)."
+            ) from error
         _register(plugin_manager, plugin, name)
 
 

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-import yaml
-
 __all__ = ["add_arguments", "describe", "run"]
 
 
 def describe() -> dict[str, str]:
     """Each shipped recipe's name and description, read without validating it."""
     from dew.recipes.config import shipped
+    from dew.recipes.reading import RecipeFileError, read_recipe_file
 
     out = {}
     for name, path in shipped().items():
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError:
+            data = read_recipe_file(path) or {}
+        except RecipeFileError:
             data = {}
         text = data.get("description") if isinstance(data, dict) else None
         out[name] = " ".join(str(text).split()) if text else ""

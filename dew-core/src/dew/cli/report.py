@@ -41,6 +41,20 @@ def _rows(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def _contained(run_dir: Path, name: Any) -> Path | None:
+    """run_dir/name with every link resolved, or None when that leads outside run_dir.
+
+    A journal is data, possibly written by someone else: a preview path such as
+    ``../../home/me/.netrc``, an absolute path or a symlink out of the run must
+    not put another file into the page.
+    """
+    if not isinstance(name, str) or not name:
+        return None
+    root = run_dir.resolve()
+    target = (root / name).resolve()
+    return target if target.is_relative_to(root) else None
+
+
 def _number(value: float) -> str:
     return f"{value:.6g}" if math.isfinite(value) else str(value)
 
@@ -87,13 +101,16 @@ def render_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if previews:
         parts.append("<h2>Previews</h2>")
         for row in previews:
-            source = run_dir / row["path"]
+            source = _contained(run_dir, row["path"])
             label = f"{html.escape(row['name'])} at step {int(row['step'])}"
-            if row["kind"] == "text":
-                text = source.read_text(encoding="utf-8") if source.exists() else "(missing)"
+            if source is None:
+                refused = f"(refused: {row['path']!r} lies outside the run directory)"
+                parts.append(f"<h3>{label}</h3><p>{html.escape(refused)}</p>")
+            elif row["kind"] == "text":
+                text = source.read_text(encoding="utf-8") if source.is_file() else "(missing)"
                 parts.append(f"<h3>{label}</h3><pre>{html.escape(text)}</pre>")
             else:
-                link = Path("..") / row["path"] if out == run_dir / "report" else source.absolute()
+                link = Path("..") / row["path"] if out == run_dir / "report" else source
                 parts.append(f"<h3>{label}</h3><img class='preview' "
                              f"src='{html.escape(Path(link).as_posix())}' alt='{label}'>")
     if records:

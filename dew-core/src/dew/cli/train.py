@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import types
 import typing
@@ -113,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, values read as YAML (trainer.steps=10)")
     parser.add_argument("--check", action="store_true",
-                        help="validate the recipe and print it as JSON, without training")
+                        help="validate the recipe and print it as JSON (secrets redacted), without training")
     parser.epilog = (
         "examples:\n  dew train tiny-lm\n  dew train my-run.yaml trainer.steps=200 "
         "optimizer.learning_rate=1e-3\n\n" + fields_help()
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dew train: {error}", file=sys.stderr)
         return 2
     if args.check:
-        print(config.model_dump_json(indent=2))
+        print(json.dumps(config.recorded(), indent=2))
         return 0
     config.train()
     return 0

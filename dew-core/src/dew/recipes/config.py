@@ -13,17 +13,16 @@ registered name before anything is built; ``train`` then builds and runs it.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
 import pydantic
-import yaml
 
 from dew.recipes.components import ComponentConfig, DataConfig, check_component
 from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
+from dew.recipes.reading import RecipeFileError, read_recipe_file, read_yaml
 from dew.training.config import TrainerConfig
 from dew.training.optim import OptimizerConfig
 from dew.training.quantization import Quantization
@@ -103,19 +102,28 @@ class RunConfig(pydantic.BaseModel):
     def load(cls, recipe: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
         """Read a recipe file, or a shipped recipe by name, with key=value overrides."""
         path = recipe_path(recipe)
-        try:
-            data = read_yaml(path.read_text())
-        except yaml.YAMLError as error:
-            raise RecipeError(f"The recipe {path} is not valid YAML: {error}") from None
-        data = apply_overrides(data if data is not None else {}, overrides)
+        data = read_recipe_file(path)
+        data = {} if data is None else data
+        if isinstance(data, dict):  # otherwise parse names the file and what it holds
+            data = apply_overrides(data, overrides)
         return cls.parse(data, str(path))
 
+    def recorded(self) -> dict[str, Any]:
+        """This configuration as JSON data with its secrets redacted: what a run writes down.
+
+        URI passwords and secret-named fields become ``***`` (dew.telemetry.redaction);
+        run.json, the RunStarted records and the trackers' parameters all hold this.
+        """
+        from dew.telemetry.redaction import redact
+
+        return redact(self.model_dump(mode="json"))
+
     def save(self, directory: str | Path) -> Path:
-        """Write this configuration as run.json in directory; return the file's path."""
+        """Write this configuration, secrets redacted, as run.json in directory; return its path."""
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
         path = target / RUN_FILE
-        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
+        path.write_text(json.dumps(self.recorded(), indent=2) + "\n")
         return path
 
     @classmethod
@@ -136,30 +144,10 @@ class RunConfig(pydantic.BaseModel):
 # -- overrides ---------------------------------------------------------------------
 
 
-class _Loader(yaml.SafeLoader):
-    """YAML's safe loader, reading 1e-3 as a number as YAML 1.2 does (1.1 needs 1.0e-3)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |\.[0-9_]+(?:[eE][-+][0-9]+)?
-    |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
-
-
-def read_yaml(text: str) -> Any:
-    """Parse YAML text safely, with 1e-3 read as a float."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-
-
 def _scalar(text: str) -> Any:
     try:
-        return read_yaml(text) if text.strip() else ""
-    except yaml.YAMLError:
+        return read_yaml(text, "override") if text.strip() else ""
+    except RecipeFileError:
         return text
 
 

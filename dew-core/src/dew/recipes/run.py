@@ -87,15 +87,15 @@ def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
     if wandb is not None:
         built.append(registry.trackers.build(
             "wandb", project=wandb.project, name=wandb.name, entity=wandb.entity,
-            offline=wandb.offline, config=config.model_dump(mode="json"),
+            offline=wandb.offline, config=config.recorded(),
         ))
     if not built:
         return None
     if len(built) == 1:
-        return ConfiguredTracker(built[0], config.model_dump(mode="json"))
+        return ConfiguredTracker(built[0], config.recorded())
     from dew.training.trackers import Trackers
 
-    return ConfiguredTracker(Trackers(*built), config.model_dump(mode="json"))
+    return ConfiguredTracker(Trackers(*built), config.recorded())
 
 
 class ConfiguredTracker:

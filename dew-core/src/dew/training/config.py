@@ -4,7 +4,7 @@ The config is plain data (pydantic, unknown keys refused). Each group of
 fields reaches its owner through one function here: ``trainer_kwargs`` gives
 the Trainer constructor its keywords, ``fit_kwargs`` the arguments of
 ``Trainer.fit``, ``checkpoint_kwargs`` those of ``Checkpoints``; the process
-settings (``xla_flags``, ``multi_host``, ``compilation_cache_dir``) are read by
+settings (``xla_flags``, ``multi_host``, ``compilation_cache_dir``, ``core_dumps``) are read by
 ``prepare_process``.
 
 >>> config = TrainerConfig(steps=10, mesh={"fsdp": 2})
@@ -129,6 +129,9 @@ class TrainerConfig(pydantic.BaseModel):
     xla_flags: list[str] = Field(default_factory=list, description="appended to XLA_FLAGS")
     multi_host: bool = Field(False, description="join the JAX process pool the environment names")
     compilation_cache_dir: str | None = Field(None, description="persistent compilation cache")
+    core_dumps: bool = Field(
+        False, description="let a crash write a core file (it holds secrets from the environment)"
+    )
     # the data and the loop
     batch_ramp: BatchRampConfig | None = Field(None, description="grow the batch at the start")
     steps: int | None = Field(None, ge=1, description="train until this step")

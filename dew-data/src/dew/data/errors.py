@@ -13,6 +13,7 @@ __all__ = [
     "DataError",
     "EmptyDatasetError",
     "ForeignPositionError",
+    "LoadingScriptError",
     "MalformedRecordError",
     "MissingFileError",
     "MissingKeyError",
@@ -31,6 +32,10 @@ class MissingFileError(DataError, FileNotFoundError):
 
 class EmptyDatasetError(DataError, ValueError):
     """The inputs hold no record (or too few for one window or batch)."""
+
+
+class LoadingScriptError(DataError, ValueError):
+    """A dataset would need its own Python loading script run; dew never runs code from data."""
 
 
 class BatchDivisionError(DataError, ValueError):

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dew.data.errors import EmptyDatasetError, MissingFileError, MissingKeyError
+from dew.data.errors import EmptyDatasetError, LoadingScriptError, MissingFileError, MissingKeyError
 
 __all__ = [
     "ArrayRecords",
@@ -174,22 +174,29 @@ def load_hf_dataset(name_or_path: str, *, split: str, config: str | None = None)
     A local folder may hold one Dataset or a DatasetDict (split picks one).
     A name that looks like a path (it starts with ``.``, ``/`` or ``~``) and
     does not exist raises MissingFileError instead of asking the hub.
+
+    Nothing in a dataset is executed: a local folder holding a Python file
+    (an old-style loading script) is refused before ``datasets`` sees it,
+    and the ``hf`` extra requires a ``datasets`` (4 or later) that refuses
+    loading scripts from the hub too; either way LoadingScriptError names
+    the dataset.
     """
     import datasets
 
     path = Path(name_or_path).expanduser()
     if path.exists():
+        _refuse_scripts(path)
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             loaded = datasets.load_from_disk(os.fspath(path))
         else:  # a folder of data files (parquet, json, csv, images): let datasets infer the builder
-            loaded = datasets.load_dataset(os.fspath(path), config, split=split)
+            loaded = _load_dataset(datasets, os.fspath(path), config, split)
     elif name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]:
         raise MissingFileError(
             f"The dataset path {name_or_path!r} does not exist. Pass a folder written by "
             f"datasets' save_to_disk, a folder of data files, or a hub name such as 'user/name'."
         )
     else:
-        loaded = datasets.load_dataset(name_or_path, config, split=split)
+        loaded = _load_dataset(datasets, name_or_path, config, split)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise MissingKeyError(
@@ -198,6 +205,34 @@ def load_hf_dataset(name_or_path: str, *, split: str, config: str | None = None)
             )
         loaded = loaded[split]
     return loaded
+
+
+def _refuse_scripts(path: Path) -> None:
+    """LoadingScriptError when path is, or its folder holds, a Python file datasets could run."""
+    if path.is_file():
+        scripts = [path] if path.suffix == ".py" else []
+    else:
+        scripts = sorted(p for p in path.glob("*.py") if p.is_file())
+    if scripts:
+        raise LoadingScriptError(
+            f"The dataset folder {os.fspath(path)!r} holds the Python file(s) "
+            f"{', '.join(p.name for p in scripts)}, which old versions of datasets run as a "
+            f"loading script. dew never runs code from a data folder: convert the data to files "
+            f"(Parquet, JSON lines, CSV, images) or save_to_disk, and keep scripts elsewhere."
+        )
+
+
+def _load_dataset(datasets: Any, name_or_path: str, config: str | None, split: str) -> Any:
+    """datasets.load_dataset, with a refused loading script reported as LoadingScriptError."""
+    try:
+        return datasets.load_dataset(name_or_path, config, split=split)
+    except RuntimeError as error:
+        if "scripts are no longer supported" not in str(error):
+            raise
+        raise LoadingScriptError(
+            f"The dataset {name_or_path!r} needs a loading script ({error}); dew never runs code "
+            f"from a dataset. Use a version of it published as data files (Parquet, JSON, CSV)."
+        ) from error
 
 
 def require_column(dataset: Any, key: str, origin: str) -> None:

@@ -14,8 +14,8 @@ Text comes from local files (``files``: paths or globs; ``.jsonl`` and
 document per file, read as UTF-8) or from a Hugging Face dataset
 (``dataset``: a ``save_to_disk`` folder, a folder of data files, or a hub
 name). Windows live in memory, or in ``cache_dir`` as a ``.npy`` file keyed by
-a hash of the inputs (paths, sizes and modification times), the tokenizer and
-the length, memory-mapped on later loads.
+a digest of the inputs' contents, the tokenizer and the length, memory-mapped
+on later loads once its recorded digest is checked (dew.data.window_cache).
 
 >>> from dew.data import DataPartition
 >>> from dew.data.sources import stdlib_corpus
@@ -36,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from dew.data import window_cache
 from dew.data.base import Dataset
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column
 from dew.data.stream import record_dataset
+from dew.data.window_cache import content_digest
 
 __all__ = ["TokenWindows", "resolve_tokenizer", "split_records"]
 
@@ -198,25 +200,31 @@ class TokenWindows:
         return np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
 
     def _key(self, tokenizer: Any) -> str:
+        """A digest of what the windows depend on: the inputs' bytes, the tokenizer, the length."""
         if self.dataset is not None:
             source: Any = [self.dataset, self.split, self.config]
             local = Path(self.dataset).expanduser()
             if local.exists():
-                source += [(os.fspath(p), p.stat().st_size, p.stat().st_mtime_ns)
-                           for p in sorted(local.rglob("*")) if p.is_file()]
+                files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
+                source += content_digest(files)
         else:
-            source = [(os.fspath(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in self._paths()]
+            source = content_digest(p.resolve() for p in self._paths())
         blob = json.dumps([source, self.text_key, self.length, _fingerprint(tokenizer)], default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def windows(self) -> np.ndarray:
-        """The ``[windows, length + 1]`` int32 array (memory-mapped from cache_dir when set)."""
+        """The ``[windows, length + 1]`` int32 array (memory-mapped from cache_dir when set).
+
+        A cached array is used only when it is this user's own, intact output for the
+        same inputs (see dew.data.window_cache); otherwise it is rebuilt, with a warning.
+        """
         tokenizer = resolve_tokenizer(self.tokenizer)
-        cached = None
+        key = None
         if self.cache_dir is not None:
-            cached = Path(self.cache_dir).expanduser() / f"token-windows-{self._key(tokenizer)}.npy"
-            if cached.is_file():
-                return np.load(cached, mmap_mode="r")
+            key = self._key(tokenizer)
+            cached = window_cache.read(self.cache_dir, key)
+            if cached is not None:
+                return cached
         tokens = self.tokens(tokenizer)
         width = self.length + 1
         count = len(tokens) // width
@@ -227,13 +235,10 @@ class TokenWindows:
                 f"one window of length + 1 = {width}. Add text or use a smaller length."
             )
         windows = tokens[: count * width].reshape(count, width)
-        if cached is None:
+        if key is None:
             return windows
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(partial, windows)
-        os.replace(partial, cached)
-        return np.load(cached, mmap_mode="r")
+        path = window_cache.write(self.cache_dir, key, windows)
+        return np.load(path, mmap_mode="r", allow_pickle=False)
 
     def records(self) -> ArrayRecords:
         """The windows as a record source for train_stream: one record per window."""

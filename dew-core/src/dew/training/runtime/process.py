@@ -48,6 +48,7 @@ class _Defaults:
     xla_flags: tuple[str, ...] = ()
     multi_host: bool = False
     compilation_cache_dir: str | None = None
+    core_dumps: bool = False
 
 
 def _backend_started() -> bool:
@@ -81,6 +82,21 @@ def _raise_soft_limit(which: int) -> None:
                 resource.setrlimit(which, (cap, hard))
             except (ValueError, OSError):
                 pass
+
+
+def _set_core_limit(allowed: bool) -> None:
+    """Core files only when asked for: soft limit to the hard limit if allowed, else to 0.
+
+    A core file is the process's memory, environment included, so it holds
+    WANDB_API_KEY, cloud credentials and any token the run read.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    wanted = hard if allowed else 0
+    if soft != wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (wanted, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _flag_name(flag: str) -> str:
@@ -119,8 +135,13 @@ def _join_pool() -> None:
 def prepare_process(config: ProcessSettings | None = None) -> None:
     """Ready this process to train: limits, XLA flags, compilation cache, process pool.
 
-    The soft limits on open files and core size rise to their hard limits (a
-    sharded checkpoint opens many files at once). ``config.xla_flags`` are
+    The soft limit on open files rises to its hard limit (a sharded checkpoint
+    opens many files at once). Core files are written only when
+    ``config.core_dumps`` asks for them (the soft core limit then rises to the
+    hard one); otherwise the soft core limit is set to 0, because a core file
+    is a copy of the process's memory, environment included: it holds
+    ``WANDB_API_KEY``, cloud credentials and any other secret the run could
+    read, readable by whoever can read the directory it lands in. ``config.xla_flags`` are
     appended to ``XLA_FLAGS``, each replacing a flag of the same name already
     there. ``config.compilation_cache_dir`` turns on JAX's persistent
     compilation cache. With ``config.multi_host``, the process joins the JAX
@@ -150,7 +171,7 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
                 "array or asks for devices."
             )
     _raise_soft_limit(resource.RLIMIT_NOFILE)
-    _raise_soft_limit(resource.RLIMIT_CORE)
+    _set_core_limit(bool(getattr(settings, "core_dumps", False)))
     if flags:
         os.environ["XLA_FLAGS"] = _merged_flags(os.environ.get("XLA_FLAGS", ""), flags)
     import jax

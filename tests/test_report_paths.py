@@ -1,0 +1,68 @@
+"""``dew report`` reads preview files only from inside the run directory.
+
+A hostile journal names files outside the run (``../x``, an absolute path, a
+symlink that leaves the run); none of their contents reaches the page, nor
+any link to them, and the previews the run itself wrote still do.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dew.cli import main
+from dew.telemetry.artifacts import Artifact
+from dew.training.trackers import LocalTracker
+from test_report import Page
+
+SECRET = "TOPSECRET-do-not-render"
+
+
+@pytest.fixture
+def hostile_run(tmp_path):
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (outside / "secret.txt").write_text(SECRET)
+    (outside / "secret.png").write_bytes(b"\x89PNG not really")
+    run = tmp_path / "runs" / "run"
+    tracker = LocalTracker(run)
+    tracker.log({"loss": 1.0}, 1)
+    tracker.artifact(Artifact("story", "text", "the run's own text"), 1)
+    pixels = np.zeros((4, 4, 3), np.uint8)
+    tracker.artifact(Artifact("samples", "image", pixels), 1)
+    tracker.close()
+    (run / "previews" / "link.txt").symlink_to(outside / "secret.txt")
+    hostile = [
+        {"step": 2, "name": "dotdot", "kind": "text", "path": "../../home/secret.txt"},
+        {"step": 2, "name": "absolute", "kind": "text", "path": str(outside / "secret.txt")},
+        {"step": 2, "name": "symlink", "kind": "text", "path": "previews/link.txt"},
+        {"step": 2, "name": "image_out", "kind": "image", "path": str(outside / "secret.png")},
+        {"step": 2, "name": "image_up", "kind": "image", "path": "../../home/secret.png"},
+    ]
+    with open(run / LocalTracker.PREVIEWS, "a", encoding="utf-8") as handle:
+        for row in hostile:
+            handle.write(json.dumps(row) + "\n")
+    return run, outside
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["default_out", "out_elsewhere"])
+def test_report_refuses_preview_paths_outside_the_run(hostile_run, tmp_path, elsewhere):
+    run, outside = hostile_run
+    out = tmp_path / "pages" if elsewhere else run / "report"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    html_text = (out / "index.html").read_text()
+    assert SECRET not in html_text
+    page = Page()
+    page.feed(html_text)
+    text = "".join(page.text)
+    assert "the run's own text" in text
+    for name in ("dotdot", "absolute", "symlink", "image_out", "image_up"):
+        assert f"{name} at step 2(refused:" in text.replace("\n", "")
+    assert len(page.images) == 2  # the loss plot and the run's own image preview
+    for source in page.images:
+        assert "home" not in source and "secret" not in source
+        assert (out / source).resolve().is_relative_to(tmp_path.resolve())
+        assert (out / source).resolve().is_file()
+    assert not [p for p in out.rglob("*") if SECRET in (p.read_text(errors="ignore") if p.is_file() else "")]
