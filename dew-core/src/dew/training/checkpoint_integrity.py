@@ -15,7 +15,8 @@ silently, which is why dew keeps its own.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -25,8 +26,8 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "COMMIT_FILES", "MANIFEST", "compare_leaves", "digest_leaves", "digests_as_lists", "file_table", "leaf_table",
-    "verify_files",
+    "COMMIT_FILES", "MANIFEST", "compare_leaves", "compare_nodes", "digest_leaves", "digests_as_lists", "file_table",
+    "leaf_table", "node_table", "start_hashing", "verify_files", "verify_sizes",
 ]
 
 MANIFEST = "dew.json"
@@ -130,21 +131,56 @@ def file_table(step_directory: Any) -> dict[str, list[Any]]:
     return table
 
 
-def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
-    """The first (file, what is wrong) that disagrees with table, or None when all agree."""
+def verify_sizes(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
+    """The first (file, what is wrong) whose presence or size disagrees with table (no file is read)."""
     for name in COMMIT_FILES:
         if not (step_directory / name).exists():
             return str(step_directory / name), "the file is missing"
-    for relative, (size, sha) in sorted(table.items()):
+    for relative, (size, _) in sorted(table.items()):
         file = step_directory / relative
         if not file.exists():
             return str(file), "the file is missing"
         actual = file.stat().st_size
         if actual != size:
             return str(file), f"it holds {actual} bytes where {size} were written (truncated or altered)"
-        if _sha256(file) != sha:
-            return str(file), "its contents differ from what was written (SHA-256 mismatch)"
     return None
+
+
+def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
+                  workers: int = 4) -> Callable[[], tuple[str, str] | None]:
+    """Hash table's files in background threads; the returned call waits and names the first bad file.
+
+    hashlib releases the GIL while it hashes, so the threads run beside
+    whatever the caller does meanwhile (Orbax reading the same files).
+    """
+    names = sorted(table)
+    if not names:
+        return lambda: None
+    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(names))), thread_name_prefix="dew-verify")
+    futures = [pool.submit(_sha256, step_directory / name) for name in names]
+    pool.shutdown(wait=False)
+
+    def finish() -> tuple[str, str] | None:
+        problem = None
+        for name, future in zip(names, futures, strict=True):
+            try:
+                sha = future.result()
+            except OSError as error:
+                sha = None
+                found = (str(step_directory / name), f"it cannot be read ({error})")
+            else:
+                found = (str(step_directory / name),
+                         "its contents differ from what was written (SHA-256 mismatch)")
+            if sha != table[name][1] and problem is None:
+                problem = found
+        return problem
+
+    return finish
+
+
+def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
+    """The first (file, what is wrong) that disagrees with table, or None when all agree."""
+    return verify_sizes(step_directory, table) or start_hashing(step_directory, table)()
 
 
 def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -159,6 +195,54 @@ def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mappin
             differences.append(
                 f"{path} was saved as {old['dtype']}{list(old['shape'])}, the state has {new['dtype']}{list(new['shape'])}"
             )
+    return sorted(differences)
+
+
+def _children(tree: Any) -> list[tuple[Any, Any]] | None:
+    """tree's immediate (key, child) pairs, or None when tree is a leaf."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if len(pairs) == 1 and pairs[0][0] == () and pairs[0][1] is tree:
+        return None
+    return [(path[0], child) for path, child in pairs]
+
+
+def node_table(tree: Any) -> list[dict[str, Any]]:
+    """Path, type name and child count of every interior node (None and empty nodes included).
+
+    Two trees with the same leaves can still differ here: optax's adam and
+    adamw hold the same arrays, but adamw's state has one more (empty) node.
+    """
+    table: list[dict[str, Any]] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        children = _children(node)
+        if children is None:
+            return
+        table.append({"path": prefix or "<root>", "type": type(node).__name__, "children": len(children)})
+        for key, child in children:
+            walk(child, prefix + jax.tree_util.keystr((key,)))
+
+    walk(tree, "")
+    return table
+
+
+def compare_nodes(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Describe every interior node whose child count differs between two node tables.
+
+    Type names alone are not compared: a dict restores into a FrozenDict and a
+    list into a tuple, so only a different shape of the tree is a mismatch.
+    """
+    before = {node["path"]: node for node in saved}
+    after = {node["path"]: node for node in expected}
+    differences = [f"{path} ({before[path]['type']}) is in the checkpoint but not in the state"
+                   for path in before if path not in after]
+    differences += [f"{path} ({after[path]['type']}) is in the state but not in the checkpoint"
+                    for path in after if path not in before]
+    for path in before.keys() & after.keys():
+        old, new = before[path], after[path]
+        if old["children"] != new["children"]:
+            differences.append(f"{path} was saved as {old['type']} of {old['children']} children, the state "
+                               f"has {new['type']} of {new['children']}")
     return sorted(differences)
 
 
