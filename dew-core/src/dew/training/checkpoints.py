@@ -407,6 +407,7 @@ class Checkpoints:
             if self._writing:
                 self._writing = False
                 self._release_lease(self._stores)
+                barrier("dew-checkpoints-closed")  # every process sees the lease gone on return
 
     def _finish_at_exit(self) -> None:
         """Commit (or abandon, saying so) what is still being written, then let go of the lease."""
