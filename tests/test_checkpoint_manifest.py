@@ -101,7 +101,8 @@ VALID = {
     "data": {"shares": 2, "positions": {"0": base64.b64encode(b"\x00\x01").decode(), "1": None}},
     "leaves": [{"path": ".params['w']", "shape": [3, 4], "dtype": "float32", "digest": 123456}],
     "nodes": [{"path": "<root>", "type": "TrainState", "children": 9}],
-    "files": {"state/d/abc": [12, "0" * 64]},
+    "file_hash": "crc32",
+    "files": {"state/d/abc": [12, "0123abcd"]},
 }
 
 
@@ -109,7 +110,7 @@ def test_a_valid_manifest_reads_back() -> None:
     manifest = parse_manifest(render_manifest(VALID), 7, "7/dew.json")
     assert isinstance(manifest, Manifest) and manifest.format == 2
     assert manifest.data.decoded() == {0: b"\x00\x01", 1: None}
-    assert manifest.leaves[0].shape == [3, 4] and manifest.files["state/d/abc"] == [12, "0" * 64]
+    assert manifest.leaves[0].shape == [3, 4] and manifest.files["state/d/abc"] == [12, "0123abcd"]
 
 
 def _parse_in_time(raw: bytes) -> None:

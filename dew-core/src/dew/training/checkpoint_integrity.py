@@ -6,7 +6,13 @@ Two records are written into a step before Orbax commits it:
   its element indices (a weighted sum modulo 2**32, so the value does not
   depend on how the array is sharded, and it is checked again after a restore
   into any placement);
-* the size and SHA-256 of every file of the step, so a damaged file is named.
+* the size and checksum of every file of the step, so a damaged file is named.
+  The checksum is CRC-32 (format 2; SHA-256 in format 1 manifests): these
+  records find damage (bit flips, truncation, lost writes), not deliberate
+  changes, which no unkeyed hash kept beside the files could stop, and
+  CRC-32 reads several times faster, so a restore checks every file while
+  Orbax reads them. Array contents are covered twice, by the files and by
+  the leaves' digests.
 
 Orbax itself neither reads nor checks either: a flipped byte restores
 silently, which is why dew keeps its own.
@@ -15,6 +21,7 @@ silently, which is why dew keeps its own.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
@@ -102,12 +109,22 @@ def leaf_table(state: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _sha256(path: Any) -> str:
-    digest = hashlib.sha256()
+FILE_HASH = "crc32"  # what new manifests record; "sha256" is read in older ones
+_NAMES = {"crc32": "CRC-32", "sha256": "SHA-256"}
+
+
+def _checksum(path: Any, algorithm: str = FILE_HASH) -> str:
+    """The file's checksum as hex (zlib and hashlib release the GIL on large chunks)."""
     with path.open("rb") as handle:
+        if algorithm == "crc32":
+            value = 0
+            while chunk := handle.read(_CHUNK):
+                value = zlib.crc32(chunk, value)
+            return f"{value:08x}"
+        digest = hashlib.new(algorithm)
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+        return digest.hexdigest()
 
 
 def _files(root: Any) -> list[Any]:
@@ -121,13 +138,13 @@ def _files(root: Any) -> list[Any]:
 
 
 def file_table(step_directory: Any) -> dict[str, list[Any]]:
-    """Size and SHA-256 of every file under step_directory, by relative path."""
+    """Size and checksum (FILE_HASH) of every file under step_directory, by relative path."""
     table: dict[str, list[Any]] = {}
     for file in _files(step_directory):
         relative = str(PurePosixPath(*file.parts[len(step_directory.parts):]))
         if relative in COMMIT_FILES or relative == MANIFEST:
             continue
-        table[relative] = [file.stat().st_size, _sha256(file)]
+        table[relative] = [file.stat().st_size, _checksum(file)]
     return table
 
 
@@ -147,8 +164,9 @@ def verify_sizes(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tup
 
 
 def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
-                  workers: int = 4) -> Callable[[], tuple[str, str] | None]:
-    """Hash table's files in background threads; the returned call waits and names the first bad file.
+                  pool: ThreadPoolExecutor | None = None,
+                  algorithm: str = FILE_HASH) -> Callable[[], tuple[str, str] | None]:
+    """Hash table's files on pool's threads; the returned call waits and names the first bad file.
 
     hashlib releases the GIL while it hashes, so the threads run beside
     whatever the caller does meanwhile (Orbax reading the same files).
@@ -156,9 +174,12 @@ def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
     names = sorted(table)
     if not names:
         return lambda: None
-    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(names))), thread_name_prefix="dew-verify")
-    futures = [pool.submit(_sha256, step_directory / name) for name in names]
-    pool.shutdown(wait=False)
+    own = pool is None
+    if pool is None:
+        pool = ThreadPoolExecutor(max_workers=min(4, len(names)), thread_name_prefix="dew-verify")
+    futures = [pool.submit(_checksum, step_directory / name, algorithm) for name in names]
+    if own:
+        pool.shutdown(wait=False)
 
     def finish() -> tuple[str, str] | None:
         problem = None
@@ -170,7 +191,7 @@ def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
                 found = (str(step_directory / name), f"it cannot be read ({error})")
             else:
                 found = (str(step_directory / name),
-                         "its contents differ from what was written (SHA-256 mismatch)")
+                         f"its contents differ from what was written ({_NAMES[algorithm]} mismatch)")
             if sha != table[name][1] and problem is None:
                 problem = found
         return problem
@@ -178,9 +199,10 @@ def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
     return finish
 
 
-def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
+def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]],
+                 algorithm: str = FILE_HASH) -> tuple[str, str] | None:
     """The first (file, what is wrong) that disagrees with table, or None when all agree."""
-    return verify_sizes(step_directory, table) or start_hashing(step_directory, table)()
+    return verify_sizes(step_directory, table) or start_hashing(step_directory, table, algorithm=algorithm)()
 
 
 def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -244,6 +266,75 @@ def compare_nodes(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping
             differences.append(f"{path} was saved as {old['type']} of {old['children']} children, the state "
                                f"has {new['type']} of {new['children']}")
     return sorted(differences)
+
+
+def _host_weights(length: int, axis: int) -> np.ndarray:
+    """_axis_weights computed by numpy: the same uint32 values."""
+    index = np.arange(length, dtype=np.uint32)
+    salt = np.uint32((0x9E3779B1 * (axis + 1)) % 2**32)
+    return (index * np.uint32(0x85EBCA6B) + salt) * np.uint32(0xC2B2AE35) | np.uint32(1)
+
+
+def _host_bits(block: np.ndarray) -> np.ndarray:
+    size = block.dtype.itemsize
+    if block.dtype == np.bool_:
+        return block.astype(np.uint32)
+    if size == 4:
+        return block.view(np.uint32)
+    if size == 8:
+        return np.ascontiguousarray(block).view(np.uint32).reshape(block.shape + (2,))
+    return block.view(np.uint8 if size == 1 else np.uint16).astype(np.uint32)
+
+
+def _host_digest(array: jax.Array) -> int:
+    """_digest of array computed by numpy from its shards in host memory (no device work).
+
+    The digest is a sum over elements of bits times a product of per-axis
+    weights, so each distinct shard contributes its own partial sum, folded
+    with the slices of the weights its index covers.
+    """
+    total = np.uint32(0)
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    with np.errstate(over="ignore"):
+        for shard in array.addressable_shards:
+            bounds = tuple(
+                (part.start or 0, length if part.stop is None else part.stop)
+                for part, length in zip(shard.index, array.shape, strict=False)
+            )
+            if bounds in seen:
+                continue  # a replica of a block already counted
+            seen.add(bounds)
+            folded = _host_bits(np.asarray(shard.data))
+            if folded.ndim == 0:
+                return int(folded * np.uint32(0x9E3779B1))
+            starts = [start for start, _ in bounds] + [0] * (folded.ndim - len(bounds))
+            lengths = list(array.shape) + list(folded.shape[len(bounds):])
+            for axis in range(folded.ndim):
+                weights = _host_weights(lengths[axis], axis)[starts[axis]: starts[axis] + folded.shape[0]]
+                # One pass, no temporary of the block's size (einsum keeps the product in uint32).
+                folded = np.einsum("i,i...->...", weights, folded, dtype=np.uint32, casting="unsafe")
+            total = np.uint32(total + folded)
+    return int(total)
+
+
+def _on_host(leaf: Any) -> bool:
+    return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+            and all(device.platform == "cpu" for device in leaf.sharding.device_set))
+
+
+def start_digests(leaves: Sequence[jax.Array], pool: ThreadPoolExecutor) -> Callable[[], list[int]]:
+    """Start computing the digests of leaves; the returned call waits for them as plain ints.
+
+    Arrays in host memory (the CPU backend) are digested by numpy on pool's
+    threads, several times faster than XLA's CPU integer reductions; anything
+    else on its devices. Both give the same numbers.
+    """
+    leaves = list(leaves)
+    if leaves and all(_on_host(leaf) for leaf in leaves):
+        futures = [pool.submit(_host_digest, leaf) for leaf in leaves]
+        return lambda: [future.result() for future in futures]
+    digests = digest_leaves(leaves)
+    return lambda: digests_as_lists(digests)
 
 
 def digests_as_lists(digests: jax.Array) -> list[int]:

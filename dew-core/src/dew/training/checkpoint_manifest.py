@@ -29,7 +29,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dew.training.checkpoint_errors import CheckpointCorrupted
 
@@ -38,7 +38,8 @@ __all__ = ["FORMAT", "Manifest", "parse_manifest", "render_manifest"]
 FORMAT = 2
 _U32 = Annotated[int, Field(ge=0, lt=2**32)]
 _COUNT = Annotated[int, Field(ge=0)]
-_SHA256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # noqa: F722
+_SHA256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+_HEX_LENGTH = {"crc32": 8, "sha256": 64}
 
 
 class _Record(BaseModel):
@@ -95,20 +96,21 @@ class Manifest(_Record):
     meta: dict[str, Any]
     data: Positions
     leaves: list[Leaf]
+    file_hash: Literal["crc32", "sha256"] = "sha256"
     files: dict[str, list[Any]]
     nodes: list[Node] | None = None
     digest: _SHA256 | None = None
 
-    @field_validator("files")
-    @classmethod
-    def _sized_and_hashed(cls, files: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        for name, entry in files.items():
+    @model_validator(mode="after")
+    def _sized_and_hashed(self) -> Manifest:
+        width = _HEX_LENGTH[self.file_hash]
+        for name, entry in self.files.items():
             if (len(entry) != 2 or type(entry[0]) is not int or entry[0] < 0 or type(entry[1]) is not str
-                    or len(entry[1]) != 64 or any(c not in "0123456789abcdef" for c in entry[1])):
-                raise ValueError(f"the entry of file {name!r} is not [size, SHA-256]")
+                    or len(entry[1]) != width or any(c not in "0123456789abcdef" for c in entry[1])):
+                raise ValueError(f"the entry of file {name!r} is not [size, {self.file_hash}]")
             if name.startswith("/") or ".." in name.split("/"):
                 raise ValueError(f"file {name!r} is outside the step's directory")
-        return files
+        return self
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
@@ -163,6 +165,6 @@ def parse_manifest(raw: bytes, step: int, file: object) -> Manifest:
         raise damaged(f"is malformed ({str(error)[:200]})") from None
     if manifest.step != step:
         raise damaged(f"describes step {manifest.step}, not the step of its directory")
-    if manifest.format == 2 and manifest.nodes is None:
-        raise damaged("is malformed at nodes: Field required")
+    if manifest.format == 2 and (manifest.nodes is None or "file_hash" not in document):
+        raise damaged(f"is malformed at {'nodes' if manifest.nodes is None else 'file_hash'}: Field required")
     return manifest

@@ -2,7 +2,7 @@
 
 A step directory holds the state (Orbax, OCDBT) and dew's manifest
 (``dew.json``): the caller's meta, every share's data position, each leaf's
-path, shape, dtype and digest, and each file's size and SHA-256. The manifest
+path, shape, dtype and digest, and each file's size and checksum. The manifest
 is written into the temporary directory just before Orbax renames it, so a
 step is either committed whole or not at all.
 
@@ -23,6 +23,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = ["Checkpoints", "Restored"]
 _LOG = logging.getLogger("dew.checkpoints")
 _CORRUPT = ".dew-corrupt"
 MetaCheck = Callable[[Mapping[str, Any], int], None]
+_VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -346,6 +348,7 @@ class Checkpoints:
                 for leaf, digest in zip(pending.leaves, integrity.digests_as_lists(pending.digests), strict=True)
             ],
             "nodes": pending.nodes,
+            "file_hash": integrity.FILE_HASH,
             "files": integrity.file_table(temporary),
         }
         target = temporary / integrity.MANIFEST
@@ -494,7 +497,7 @@ class Checkpoints:
                 manifest = self._manifest(store, number)
             except CheckpointCorrupted:
                 continue
-            if integrity.verify_files(store.step_path(number), manifest.files) is None:
+            if integrity.verify_files(store.step_path(number), manifest.files, manifest.file_hash) is None:
                 return store, number
         return None
 
@@ -516,22 +519,24 @@ class Checkpoints:
         problem = integrity.verify_sizes(directory, manifest.files)
         if problem is not None:
             raise CheckpointCorrupted(step, *problem)
-        hashed = integrity.start_hashing(directory, manifest.files)  # beside Orbax's reading
-        try:
-            restored = _read_state(directory, template)
-        except Exception as error:  # Orbax raises bare exceptions for damaged data
+        with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="dew-verify") as pool:
+            hashed = integrity.start_hashing(directory, manifest.files, pool, manifest.file_hash)  # beside Orbax
+            try:
+                restored = _read_state(directory, template)
+            except Exception as error:  # Orbax raises bare exceptions for damaged data
+                problem = hashed()
+                if problem is not None:
+                    raise CheckpointCorrupted(step, *problem) from error
+                first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
+                raise CheckpointTreeMismatch(
+                    step, [f"its files are intact, but Orbax cannot read them into this state ({first})"]
+                ) from error
+            digests = integrity.start_digests(jax.tree_util.tree_leaves(restored), pool)
             problem = hashed()
             if problem is not None:
-                raise CheckpointCorrupted(step, *problem) from error
-            first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
-            raise CheckpointTreeMismatch(
-                step, [f"its files are intact, but Orbax cannot read them into this state ({first})"]
-            ) from error
-        digests = integrity.digest_leaves(jax.tree_util.tree_leaves(restored))  # dispatched, not awaited
-        problem = hashed()
-        if problem is not None:
-            raise CheckpointCorrupted(step, *problem)
-        for leaf, digest in zip(manifest.leaves, integrity.digests_as_lists(digests), strict=True):
+                raise CheckpointCorrupted(step, *problem)
+            values = digests()
+        for leaf, digest in zip(manifest.leaves, values, strict=True):
             if leaf.digest != digest:
                 raise CheckpointCorrupted(step, directory / "state", f"leaf {leaf.path} does not match its digest")
         return Restored(step=step, state=restored, position=position, meta=dict(manifest.meta))
