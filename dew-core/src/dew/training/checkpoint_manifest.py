@@ -11,7 +11,7 @@ any other damaged step.
 Format 1 manifests (written before the manifest had a digest) are read with
 the schema checks alone.
 
->>> body = {"step": 3, "meta": {}, "data": {"shares": 1, "positions": {"0": None}},
+>>> body = {"step": 3, "meta": {}, "data": {"shares": 1, "positions": {"0": None}}, "file_hash": "crc32",
 ...         "leaves": [], "files": {}, "nodes": []}
 >>> parse_manifest(render_manifest(body), 3, "3/dew.json").step
 3

@@ -22,8 +22,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,16 +38,15 @@ from dew.training.checkpoint_errors import (
     CheckpointCorrupted,
     CheckpointLeaseHeld,
     CheckpointNotFound,
-    CheckpointTreeMismatch,
     CheckpointWriteError,
 )
-from dew.training.checkpoint_manifest import Manifest, parse_manifest, render_manifest
+from dew.training.checkpoint_manifest import Manifest, render_manifest
 from dew.training.checkpoint_pool import barrier, gather_positions, pooled, probe_shared_directory
+from dew.training.checkpoint_restore import MetaCheck, Restored, intact, read_manifest, restore_step
 from dew.training.checkpoint_store import (
     TMP,
     Store,
     absolute,
-    read_position,
     remove_half_written,
     rmtree,
 )
@@ -58,18 +56,6 @@ __all__ = ["Checkpoints", "Restored"]
 
 _LOG = logging.getLogger("dew.checkpoints")
 _CORRUPT = ".dew-corrupt"
-MetaCheck = Callable[[Mapping[str, Any], int], None]
-_VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
-
-
-@dataclass(frozen=True)
-class Restored:
-    """A restored step: its state (placed as the template asked), data position and meta."""
-
-    step: int
-    state: TrainState
-    position: bytes | None
-    meta: dict[str, Any]
 
 
 @dataclass
@@ -450,7 +436,7 @@ class Checkpoints:
         expected = integrity.leaf_table(template), integrity.node_table(template)
         for index, (store, number) in enumerate(candidates):
             try:
-                return self._restore_one(store, number, template, expected, partition, check)
+                return restore_step(store.step_path(number), number, template, expected, partition, check)
             except CheckpointCorrupted as error:
                 older = candidates[index + 1:]
                 good = self._newest_good(older)
@@ -482,64 +468,11 @@ class Checkpoints:
         return sorted(found, key=lambda item: (-item[1], order[id(item[0])]))
 
     def _manifest(self, store: Store, step: int) -> Manifest:
-        path = store.step_path(step) / integrity.MANIFEST
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointCorrupted(step, path, "dew's manifest is missing") from None
-        except OSError as error:
-            raise CheckpointCorrupted(step, path, f"dew's manifest cannot be read ({error})") from None
-        return parse_manifest(raw, step, path)
+        return read_manifest(store.step_path(step), step)
 
     def _newest_good(self, candidates: list[tuple[Store, int]]) -> tuple[Store, int] | None:
-        for store, number in candidates:
-            try:
-                manifest = self._manifest(store, number)
-            except CheckpointCorrupted:
-                continue
-            if integrity.verify_files(store.step_path(number), manifest.files, manifest.file_hash) is None:
-                return store, number
-        return None
-
-    def _restore_one(self, store: Store, step: int, template: TrainState,
-                     expected: tuple[list[dict[str, Any]], list[dict[str, Any]]], partition: DataPartition,
-                     check: MetaCheck | None) -> Restored:
-        manifest = self._manifest(store, step)
-        if check is not None:
-            check(dict(manifest.meta), step)
-        leaves, nodes = expected
-        saved_nodes = [] if manifest.nodes is None else [node.model_dump() for node in manifest.nodes]
-        differences = integrity.compare_leaves([leaf.model_dump() for leaf in manifest.leaves], leaves)
-        if manifest.nodes is not None:
-            differences = sorted(set(differences) | set(integrity.compare_nodes(saved_nodes, nodes)))
-        if differences:
-            raise CheckpointTreeMismatch(step, differences)
-        position = read_position(step, manifest.data, partition)
-        directory = store.step_path(step)
-        problem = integrity.verify_sizes(directory, manifest.files)
-        if problem is not None:
-            raise CheckpointCorrupted(step, *problem)
-        with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="dew-verify") as pool:
-            hashed = integrity.start_hashing(directory, manifest.files, pool, manifest.file_hash)  # beside Orbax
-            try:
-                restored = _read_state(directory, template)
-            except Exception as error:  # Orbax raises bare exceptions for damaged data
-                problem = hashed()
-                if problem is not None:
-                    raise CheckpointCorrupted(step, *problem) from error
-                first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
-                raise CheckpointTreeMismatch(
-                    step, [f"its files are intact, but Orbax cannot read them into this state ({first})"]
-                ) from error
-            digests = integrity.start_digests(jax.tree_util.tree_leaves(restored), pool)
-            problem = hashed()
-            if problem is not None:
-                raise CheckpointCorrupted(step, *problem)
-            values = digests()
-        for leaf, digest in zip(manifest.leaves, values, strict=True):
-            if leaf.digest != digest:
-                raise CheckpointCorrupted(step, directory / "state", f"leaf {leaf.path} does not match its digest")
-        return Restored(step=step, state=restored, position=position, meta=dict(manifest.meta))
+        return next(((store, number) for store, number in candidates if intact(store.step_path(number), number)),
+                    None)
 
     def _quarantine(self, store: Store, step: int) -> None:
         """Move a damaged step aside, as the writer (a lease held elsewhere leaves it in place)."""
@@ -565,12 +498,6 @@ class Checkpoints:
         finally:
             if transient:
                 self._release_lease([store])
-
-
-def _read_state(directory: Any, template: TrainState) -> TrainState:
-    """Read the state item of a committed step directory into template's shardings (reads only)."""
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
-        return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))
 
 
 _watched: weakref.WeakSet[Checkpoints] = weakref.WeakSet()
