@@ -523,7 +523,10 @@ def _watch_at_exit(checkpoints: Checkpoints) -> None:
             import atexit
 
             register = atexit.register
-        register(_finish_all_at_exit)
+        try:
+            register(_finish_all_at_exit)
+        except RuntimeError:  # a save during interpreter shutdown: close() is the caller's to call
+            return
         _hooked = True
 
 
