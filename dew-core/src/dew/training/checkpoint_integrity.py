@@ -163,10 +163,17 @@ def verify_sizes(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tup
     return None
 
 
+def _algorithm_of(recorded: Any) -> str:
+    return "sha256" if isinstance(recorded, str) and len(recorded) == 64 else "crc32"
+
+
 def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
                   pool: ThreadPoolExecutor | None = None,
-                  algorithm: str = FILE_HASH) -> Callable[[], tuple[str, str] | None]:
+                  algorithm: str | None = None) -> Callable[[], tuple[str, str] | None]:
     """Hash table's files on pool's threads; the returned call waits and names the first bad file.
+
+    algorithm is the manifest's file_hash; None tells it from each recorded
+    value's length (8 hex digits: CRC-32, 64: SHA-256).
 
     hashlib releases the GIL while it hashes, so the threads run beside
     whatever the caller does meanwhile (Orbax reading the same files).
@@ -177,7 +184,8 @@ def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
     own = pool is None
     if pool is None:
         pool = ThreadPoolExecutor(max_workers=min(4, len(names)), thread_name_prefix="dew-verify")
-    futures = [pool.submit(_checksum, step_directory / name, algorithm) for name in names]
+    algorithms = {name: algorithm or _algorithm_of(table[name][1]) for name in names}
+    futures = [pool.submit(_checksum, step_directory / name, algorithms[name]) for name in names]
     if own:
         pool.shutdown(wait=False)
 
@@ -191,7 +199,7 @@ def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
                 found = (str(step_directory / name), f"it cannot be read ({error})")
             else:
                 found = (str(step_directory / name),
-                         f"its contents differ from what was written ({_NAMES[algorithm]} mismatch)")
+                         f"its contents differ from what was written ({_NAMES[algorithms[name]]} mismatch)")
             if sha != table[name][1] and problem is None:
                 problem = found
         return problem
@@ -200,7 +208,7 @@ def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
 
 
 def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]],
-                 algorithm: str = FILE_HASH) -> tuple[str, str] | None:
+                 algorithm: str | None = None) -> tuple[str, str] | None:
     """The first (file, what is wrong) that disagrees with table, or None when all agree."""
     return verify_sizes(step_directory, table) or start_hashing(step_directory, table, algorithm=algorithm)()
 
