@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -46,11 +47,25 @@ if mode == "unshared":
 
 mine = DataPartition(share=process, shares=2)
 checkpoints = Checkpoints(directory, keep=2)
+if mode == "held":  # another live process holds the writer's lease: every process is refused
+    from dew.training.checkpoint_errors import CheckpointLeaseHeld
+    try:
+        checkpoints.save(1, state_of(1), position=None, partition=mine, meta={})
+    except CheckpointLeaseHeld as error:
+        print("refused:", error, flush=True)
+        sys.exit(4)
+    sys.exit(0)
 for step in (1, 2, 3):
     checkpoints.save(step, state_of(step), position=f"share {process} at {step}".encode(), partition=mine,
                      meta={"accumulation": 1})
 checkpoints.wait()
 assert checkpoints.latest == 3
+import json, os
+from pathlib import Path
+from jax.experimental import multihost_utils
+first = int(multihost_utils.broadcast_one_to_all(np.int32(os.getpid())))
+print("lease held by", json.loads((Path(directory) / ".dew-writer.json").read_text())["pid"], "process 0 is", first,
+      flush=True)
 
 template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_of(0))
 restored = Checkpoints(directory).restore(template, partition=mine)
@@ -105,8 +120,28 @@ def test_two_processes_write_their_shards_and_process_0_commits(tmp_path: Path) 
     for index, (code, out, err) in enumerate(results):
         assert code == 0, f"process {index}: {err[-4000:]}"
         assert out.strip().splitlines()[-1] == f"restored {index} ['2', '3']"
+        holder, first = workers_pid(out)
+        assert holder == first, out  # in a pool, process 0 holds the writer's lease
     manifest = (tmp_path / "run" / "3" / "state").iterdir()
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in manifest}
+
+
+def workers_pid(out: str) -> tuple[int, int]:
+    """The (lease holder, process 0) pids a worker printed."""
+    words = next(line for line in out.splitlines() if line.startswith("lease held by")).split()
+    return int(words[3]), int(words[-1])
+
+
+def test_every_process_is_refused_a_directory_another_process_writes(tmp_path: Path) -> None:
+    from dew.training.checkpoint_lease import LEASE, this_process
+
+    (tmp_path / "run").mkdir()
+    me = this_process()
+    (tmp_path / "run" / LEASE).write_text(json.dumps({"host": me.host, "pid": me.pid, "start": me.start}))
+    for code, out, err in _pool(tmp_path, "held"):
+        assert code == 4, err[-4000:]
+        assert f"refused: {tmp_path / 'run'} is being written by process {me.pid}" in out, out
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name != LEASE]
 
 
 def test_every_process_refuses_a_directory_it_cannot_see(tmp_path: Path) -> None:

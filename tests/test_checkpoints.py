@@ -21,6 +21,7 @@ from dew.training.checkpoint_errors import (
     PositionShareMismatch,
     require_same_meta,
 )
+from dew.training.checkpoint_manifest import render_manifest
 from dew.training.checkpoints import Checkpoints
 from dew.training.state import Scaler, TrainState, Window
 
@@ -60,6 +61,11 @@ def assert_same(restored: TrainState, expected: TrainState) -> None:
                             strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+def reseal(manifest: dict) -> bytes:
+    """A manifest's bytes with its own digest recomputed, as if dew had written it so."""
+    return render_manifest({k: v for k, v in manifest.items() if k not in ("format", "digest")})
 
 
 def save(checkpoints: Checkpoints, step: int, state: TrainState, position: bytes | None = None, **meta) -> None:
@@ -105,6 +111,8 @@ def test_retention_keeps_the_newest_and_cleans_half_written(tmp_path: Path) -> N
     (tmp_path / "5.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
     reopened = Checkpoints(tmp_path, keep=2)
     assert reopened.latest == 4
+    assert (tmp_path / "5.orbax-checkpoint-tmp").exists()  # a reader leaves a writer's step alone
+    reopened.acquire()  # the writer cleans it
     assert not (tmp_path / "5.orbax-checkpoint-tmp").exists()
     assert_same(reopened.restore(template_of(full_state(4)), partition=SINGLE).state, full_state(4))
 
@@ -226,7 +234,7 @@ def test_digests_catch_what_the_files_do_not(tmp_path: Path) -> None:
     manifest = json.loads(manifest_path.read_text())
     leaf = next(item for item in manifest["leaves"] if item["path"] == ".params['params']['w']")
     leaf["digest"] ^= 1
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_bytes(reseal(manifest))  # the manifest's own digest agrees: only the leaf's differs
     with pytest.raises(CheckpointCorrupted, match=r"leaf \.params\['params'\]\['w'\] does not match its digest"):
         checkpoints.restore(template_of(full_state()), partition=SINGLE)
 

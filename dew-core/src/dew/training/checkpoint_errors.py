@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointCorrupted",
     "CheckpointDirectoryNotShared",
     "CheckpointError",
+    "CheckpointLeaseHeld",
     "CheckpointMetaMismatch",
     "CheckpointNotFound",
     "CheckpointTreeMismatch",
@@ -71,8 +72,22 @@ class CheckpointTreeMismatch(CheckpointError, ValueError):
         more = f"; and {len(self.differences) - 12} more" if len(self.differences) > 12 else ""
         super().__init__(
             f"Checkpoint step {step} does not fit the state being restored: {shown}{more}. "
-            "Resume with the model and optimizer the run was trained with, or start a fresh "
-            "run in a new directory."
+            "Nothing was changed on disk. Resume with the model and optimizer the run was trained "
+            "with, or start a fresh run in a new directory."
+        )
+
+
+class CheckpointLeaseHeld(CheckpointError):
+    """Another process holds the writer's lease of the directory."""
+
+    def __init__(self, directory: object, lease: object, holder: Any) -> None:
+        self.directory = str(directory)
+        self.holder = holder
+        who = holder.describe() if holder is not None else "a process whose lease file cannot be read"
+        super().__init__(
+            f"{directory} is being written by {who}: only one process writes a run's checkpoints. "
+            "Stop that run, or give this one another directory. If that process is gone (a process on "
+            f"another host cannot be checked from here), delete {lease} and run again."
         )
 
 

@@ -6,7 +6,13 @@ Two records are written into a step before Orbax commits it:
   its element indices (a weighted sum modulo 2**32, so the value does not
   depend on how the array is sharded, and it is checked again after a restore
   into any placement);
-* the size and SHA-256 of every file of the step, so a damaged file is named.
+* the size and checksum of every file of the step, so a damaged file is named.
+  The checksum is CRC-32 (format 2; SHA-256 in format 1 manifests): these
+  records find damage (bit flips, truncation, lost writes), not deliberate
+  changes, which no unkeyed hash kept beside the files could stop, and
+  CRC-32 reads several times faster, so a restore checks every file while
+  Orbax reads them. Array contents are covered twice, by the files and by
+  the leaves' digests.
 
 Orbax itself neither reads nor checks either: a flipped byte restores
 silently, which is why dew keeps its own.
@@ -15,7 +21,9 @@ silently, which is why dew keeps its own.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -25,8 +33,8 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "COMMIT_FILES", "MANIFEST", "compare_leaves", "digest_leaves", "digests_as_lists", "file_table", "leaf_table",
-    "verify_files",
+    "COMMIT_FILES", "MANIFEST", "compare_leaves", "compare_nodes", "digest_leaves", "digests_as_lists", "file_table",
+    "leaf_table", "node_table", "start_hashing", "verify_files", "verify_sizes",
 ]
 
 MANIFEST = "dew.json"
@@ -101,12 +109,22 @@ def leaf_table(state: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _sha256(path: Any) -> str:
-    digest = hashlib.sha256()
+FILE_HASH = "crc32"  # what new manifests record; "sha256" is read in older ones
+_NAMES = {"crc32": "CRC-32", "sha256": "SHA-256"}
+
+
+def _checksum(path: Any, algorithm: str = FILE_HASH) -> str:
+    """The file's checksum as hex (zlib and hashlib release the GIL on large chunks)."""
     with path.open("rb") as handle:
+        if algorithm == "crc32":
+            value = 0
+            while chunk := handle.read(_CHUNK):
+                value = zlib.crc32(chunk, value)
+            return f"{value:08x}"
+        digest = hashlib.new(algorithm)
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+        return digest.hexdigest()
 
 
 def _files(root: Any) -> list[Any]:
@@ -120,31 +138,79 @@ def _files(root: Any) -> list[Any]:
 
 
 def file_table(step_directory: Any) -> dict[str, list[Any]]:
-    """Size and SHA-256 of every file under step_directory, by relative path."""
+    """Size and checksum (FILE_HASH) of every file under step_directory, by relative path."""
     table: dict[str, list[Any]] = {}
     for file in _files(step_directory):
         relative = str(PurePosixPath(*file.parts[len(step_directory.parts):]))
         if relative in COMMIT_FILES or relative == MANIFEST:
             continue
-        table[relative] = [file.stat().st_size, _sha256(file)]
+        table[relative] = [file.stat().st_size, _checksum(file)]
     return table
 
 
-def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
-    """The first (file, what is wrong) that disagrees with table, or None when all agree."""
+def verify_sizes(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
+    """The first (file, what is wrong) whose presence or size disagrees with table (no file is read)."""
     for name in COMMIT_FILES:
         if not (step_directory / name).exists():
             return str(step_directory / name), "the file is missing"
-    for relative, (size, sha) in sorted(table.items()):
+    for relative, (size, _) in sorted(table.items()):
         file = step_directory / relative
         if not file.exists():
             return str(file), "the file is missing"
         actual = file.stat().st_size
         if actual != size:
             return str(file), f"it holds {actual} bytes where {size} were written (truncated or altered)"
-        if _sha256(file) != sha:
-            return str(file), "its contents differ from what was written (SHA-256 mismatch)"
     return None
+
+
+def _algorithm_of(recorded: Any) -> str:
+    return "sha256" if isinstance(recorded, str) and len(recorded) == 64 else "crc32"
+
+
+def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
+                  pool: ThreadPoolExecutor | None = None,
+                  algorithm: str | None = None) -> Callable[[], tuple[str, str] | None]:
+    """Hash table's files on pool's threads; the returned call waits and names the first bad file.
+
+    algorithm is the manifest's file_hash; None tells it from each recorded
+    value's length (8 hex digits: CRC-32, 64: SHA-256).
+
+    hashlib releases the GIL while it hashes, so the threads run beside
+    whatever the caller does meanwhile (Orbax reading the same files).
+    """
+    names = sorted(table)
+    if not names:
+        return lambda: None
+    own = pool is None
+    if pool is None:
+        pool = ThreadPoolExecutor(max_workers=min(4, len(names)), thread_name_prefix="dew-verify")
+    algorithms = {name: algorithm or _algorithm_of(table[name][1]) for name in names}
+    futures = [pool.submit(_checksum, step_directory / name, algorithms[name]) for name in names]
+    if own:
+        pool.shutdown(wait=False)
+
+    def finish() -> tuple[str, str] | None:
+        problem = None
+        for name, future in zip(names, futures, strict=True):
+            try:
+                sha = future.result()
+            except OSError as error:
+                sha = None
+                found = (str(step_directory / name), f"it cannot be read ({error})")
+            else:
+                found = (str(step_directory / name),
+                         f"its contents differ from what was written ({_NAMES[algorithms[name]]} mismatch)")
+            if sha != table[name][1] and problem is None:
+                problem = found
+        return problem
+
+    return finish
+
+
+def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]],
+                 algorithm: str | None = None) -> tuple[str, str] | None:
+    """The first (file, what is wrong) that disagrees with table, or None when all agree."""
+    return verify_sizes(step_directory, table) or start_hashing(step_directory, table, algorithm=algorithm)()
 
 
 def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -160,6 +226,123 @@ def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mappin
                 f"{path} was saved as {old['dtype']}{list(old['shape'])}, the state has {new['dtype']}{list(new['shape'])}"
             )
     return sorted(differences)
+
+
+def _children(tree: Any) -> list[tuple[Any, Any]] | None:
+    """tree's immediate (key, child) pairs, or None when tree is a leaf."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if len(pairs) == 1 and pairs[0][0] == () and pairs[0][1] is tree:
+        return None
+    return [(path[0], child) for path, child in pairs]
+
+
+def node_table(tree: Any) -> list[dict[str, Any]]:
+    """Path, type name and child count of every interior node (None and empty nodes included).
+
+    Two trees with the same leaves can still differ here: optax's adam and
+    adamw hold the same arrays, but adamw's state has one more (empty) node.
+    """
+    table: list[dict[str, Any]] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        children = _children(node)
+        if children is None:
+            return
+        table.append({"path": prefix or "<root>", "type": type(node).__name__, "children": len(children)})
+        for key, child in children:
+            walk(child, prefix + jax.tree_util.keystr((key,)))
+
+    walk(tree, "")
+    return table
+
+
+def compare_nodes(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Describe every interior node whose child count differs between two node tables.
+
+    Type names alone are not compared: a dict restores into a FrozenDict and a
+    list into a tuple, so only a different shape of the tree is a mismatch.
+    """
+    before = {node["path"]: node for node in saved}
+    after = {node["path"]: node for node in expected}
+    differences = [f"{path} ({before[path]['type']}) is in the checkpoint but not in the state"
+                   for path in before if path not in after]
+    differences += [f"{path} ({after[path]['type']}) is in the state but not in the checkpoint"
+                    for path in after if path not in before]
+    for path in before.keys() & after.keys():
+        old, new = before[path], after[path]
+        if old["children"] != new["children"]:
+            differences.append(f"{path} was saved as {old['type']} of {old['children']} children, the state "
+                               f"has {new['type']} of {new['children']}")
+    return sorted(differences)
+
+
+def _host_weights(length: int, axis: int) -> np.ndarray:
+    """_axis_weights computed by numpy: the same uint32 values."""
+    index = np.arange(length, dtype=np.uint32)
+    salt = np.uint32((0x9E3779B1 * (axis + 1)) % 2**32)
+    return (index * np.uint32(0x85EBCA6B) + salt) * np.uint32(0xC2B2AE35) | np.uint32(1)
+
+
+def _host_bits(block: np.ndarray) -> np.ndarray:
+    size = block.dtype.itemsize
+    if block.dtype == np.bool_:
+        return block.astype(np.uint32)
+    if size == 4:
+        return block.view(np.uint32)
+    if size == 8:
+        return np.ascontiguousarray(block).view(np.uint32).reshape(block.shape + (2,))
+    return block.view(np.uint8 if size == 1 else np.uint16).astype(np.uint32)
+
+
+def _host_digest(array: jax.Array) -> int:
+    """_digest of array computed by numpy from its shards in host memory (no device work).
+
+    The digest is a sum over elements of bits times a product of per-axis
+    weights, so each distinct shard contributes its own partial sum, folded
+    with the slices of the weights its index covers.
+    """
+    total = np.uint32(0)
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    with np.errstate(over="ignore"):
+        for shard in array.addressable_shards:
+            bounds = tuple(
+                (part.start or 0, length if part.stop is None else part.stop)
+                for part, length in zip(shard.index, array.shape, strict=False)
+            )
+            if bounds in seen:
+                continue  # a replica of a block already counted
+            seen.add(bounds)
+            folded = _host_bits(np.asarray(shard.data))
+            if folded.ndim == 0:
+                return int(folded * np.uint32(0x9E3779B1))
+            starts = [start for start, _ in bounds] + [0] * (folded.ndim - len(bounds))
+            lengths = list(array.shape) + list(folded.shape[len(bounds):])
+            for axis in range(folded.ndim):
+                weights = _host_weights(lengths[axis], axis)[starts[axis]: starts[axis] + folded.shape[0]]
+                # One pass, no temporary of the block's size (einsum keeps the product in uint32).
+                folded = np.einsum("i,i...->...", weights, folded, dtype=np.uint32, casting="unsafe")
+            total = np.uint32(total + folded)
+    return int(total)
+
+
+def _on_host(leaf: Any) -> bool:
+    return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+            and all(device.platform == "cpu" for device in leaf.sharding.device_set))
+
+
+def start_digests(leaves: Sequence[jax.Array], pool: ThreadPoolExecutor) -> Callable[[], list[int]]:
+    """Start computing the digests of leaves; the returned call waits for them as plain ints.
+
+    Arrays in host memory (the CPU backend) are digested by numpy on pool's
+    threads, several times faster than XLA's CPU integer reductions; anything
+    else on its devices. Both give the same numbers.
+    """
+    leaves = list(leaves)
+    if leaves and all(_on_host(leaf) for leaf in leaves):
+        futures = [pool.submit(_host_digest, leaf) for leaf in leaves]
+        return lambda: [future.result() for future in futures]
+    digests = digest_leaves(leaves)
+    return lambda: digests_as_lists(digests)
 
 
 def digests_as_lists(digests: jax.Array) -> list[int]:

@@ -16,16 +16,16 @@ import numpy as np
 from dew.data.base import DataPartition
 from dew.training.checkpoint_errors import CheckpointDirectoryNotShared
 
-__all__ = ["barrier", "gather_positions", "probe_shared_directory"]
+__all__ = ["barrier", "gather_positions", "pooled", "probe_shared_directory"]
 
 
-def _pooled() -> bool:
+def pooled() -> bool:
     return jax.process_count() > 1
 
 
 def barrier(name: str) -> None:
     """Wait until every process of the pool reaches name (nothing alone)."""
-    if _pooled():
+    if pooled():
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
@@ -40,7 +40,7 @@ def gather_positions(position: bytes | None, partition: DataPartition) -> dict[s
     if position is not None and not isinstance(position, bytes | bytearray):
         raise TypeError(f"A data position must be bytes (an iterator's get_state()), got {type(position).__name__}.")
     records = [(partition.share, partition.reader, partition.shares, position)]
-    if _pooled():
+    if pooled():
         from jax.experimental import multihost_utils
 
         header = np.asarray(
@@ -74,7 +74,7 @@ def probe_shared_directory(directory: Any) -> None:
     Raises CheckpointDirectoryNotShared on every process, naming the processes
     that cannot see it. Alone, or for a bucket, nothing is checked.
     """
-    if not _pooled() or str(directory).startswith("gs://"):
+    if not pooled() or str(directory).startswith("gs://"):
         return
     from jax.experimental import multihost_utils
 

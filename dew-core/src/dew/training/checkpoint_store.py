@@ -7,12 +7,10 @@ bucket, where there is no rename, when ``commit_success.txt`` is present.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from etils import epath
 
 from dew.data.base import DataPartition, is_global_position
 from dew.training.checkpoint_errors import PositionShareMismatch
+from dew.training.checkpoint_manifest import Positions
 
 __all__ = ["TMP", "Store", "absolute", "read_position", "remove_half_written", "rmtree"]
 
@@ -61,19 +60,21 @@ def absolute(directory: str | os.PathLike) -> Any:
     return Path(os.path.abspath(os.path.expanduser(text)))
 
 
-def read_position(step: int, data: Mapping[str, Any], partition: DataPartition) -> bytes | None:
-    saved = {int(share): None if text is None else base64.b64decode(text) for share, text in data["positions"].items()}
+def read_position(step: int, data: Positions, partition: DataPartition) -> bytes | None:
+    """This process's data position from a step's saved positions (one every share reads, if global)."""
+    saved = data.decoded()
     if all(value is None for value in saved.values()):
         return None
-    if data["shares"] == partition.shares and partition.share in saved:
+    if data.shares == partition.shares and partition.share in saved:
         return saved[partition.share]
     anyone = next((value for value in saved.values() if is_global_position(value)), None)
     if anyone is not None:
         return anyone
-    raise PositionShareMismatch(step, partition.share, partition.shares, sorted(saved), data["shares"])
+    raise PositionShareMismatch(step, partition.share, partition.shares, sorted(saved), data.shares)
 
 
 def remove_half_written(directory: Any) -> None:
+    """Delete the steps a writer left unfinished (only the directory's writer may call this)."""
     for entry in directory.iterdir():
         if TMP in entry.name:
             _LOG.info("Removing the half-written checkpoint %s.", entry)

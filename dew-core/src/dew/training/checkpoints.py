@@ -2,9 +2,16 @@
 
 A step directory holds the state (Orbax, OCDBT) and dew's manifest
 (``dew.json``): the caller's meta, every share's data position, each leaf's
-path, shape, dtype and digest, and each file's size and SHA-256. The manifest
+path, shape, dtype and digest, and each file's size and checksum. The manifest
 is written into the temporary directory just before Orbax renames it, so a
 step is either committed whole or not at all.
+
+Readers and the writer. Reading (``latest``, ``path``, ``meta``, ``restore``)
+changes nothing on disk, so any number of processes may watch a live run.
+The first ``save`` (or an explicit ``acquire``) makes the object the
+directory's writer: it takes the writer's lease (see checkpoint_lease), and
+only then removes the half-written steps a crashed writer left. A second
+process that tries to write is refused, naming the holder.
 """
 
 from __future__ import annotations
@@ -14,28 +21,32 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from dew.data.base import DataPartition
 from dew.training import checkpoint_integrity as integrity
+from dew.training import checkpoint_lease as lease
 from dew.training.checkpoint_errors import (
     CheckpointCorrupted,
+    CheckpointLeaseHeld,
     CheckpointNotFound,
-    CheckpointTreeMismatch,
     CheckpointWriteError,
 )
-from dew.training.checkpoint_pool import barrier, gather_positions, probe_shared_directory
+from dew.training.checkpoint_manifest import Manifest, render_manifest
+from dew.training.checkpoint_pool import barrier, gather_positions, pooled, probe_shared_directory
+from dew.training.checkpoint_restore import MetaCheck, Restored, intact, read_manifest, restore_step
 from dew.training.checkpoint_store import (
     TMP,
     Store,
     absolute,
-    read_position,
     remove_half_written,
     rmtree,
 )
@@ -45,23 +56,13 @@ __all__ = ["Checkpoints", "Restored"]
 
 _LOG = logging.getLogger("dew.checkpoints")
 _CORRUPT = ".dew-corrupt"
-_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class Restored:
-    """A restored step: its state (placed as the template asked), data position and meta."""
-
-    step: int
-    state: TrainState
-    position: bytes | None
-    meta: dict[str, Any]
 
 
 @dataclass
 class _Pending:
     step: int
     leaves: list[dict[str, Any]]
+    nodes: list[dict[str, Any]]
     positions: dict[str, Any]
     meta: dict[str, Any]
     digests: jax.Array | None = None
@@ -75,22 +76,36 @@ class Checkpoints:
     them in the background, and a failure of that write is raised by the
     next save() or wait(), naming the step and the directory. keep bounds
     how many committed steps stay on disk (None keeps all); older ones are
-    deleted only after a newer one is committed.
+    deleted only after a newer one is committed. A save still being written
+    when the interpreter exits is finished first (or, when it cannot be,
+    abandoned with a message; the previous step stays whole).
 
-    Every restore checks the step against its manifest: the files' hashes
-    before reading, the leaves' digests after. A damaged step raises
-    CheckpointCorrupted naming the step, the file and the newest older good
-    step; with fallback=True (the default, so an unattended restart keeps
-    going) restore warns on stderr, moves the damaged step aside to
-    ``<step>.dew-corrupt`` and continues from that older step instead.
+    Reading never writes: opening, latest, meta() and restore() leave the
+    directory as they found it. The first save() (or acquire()) makes this
+    object the directory's writer, holding a lease file that names this
+    process until close() or exit; another process's save() is then refused
+    with CheckpointLeaseHeld naming the holder. A lease left by a process
+    that is gone is taken over. Only the writer removes half-written steps.
+
+    Every restore checks the step against its manifest, whose own digest is
+    checked first: the files' sizes and hashes, the leaves' digests after
+    reading. A damaged step raises CheckpointCorrupted naming the step, the
+    file and the newest older good step; with fallback=True (the default, so
+    an unattended restart keeps going) restore warns on stderr, moves the
+    damaged step aside to ``<step>.dew-corrupt`` (when no other process
+    writes the directory) and continues from that older step instead. An
+    intact step that does not fit the state being restored (another
+    optimizer, model or configuration) raises CheckpointTreeMismatch naming
+    the differing leaves, and nothing on disk changes.
 
     local_directory (one per host) receives the saves the trainer marks
     local, every local_every steps; restore prefers a local step when it is
     newer than the persistent one. Local checkpoints are for a lone process.
 
     In a pool every process calls every method in the same order; each writes
-    its own shards and process 0 commits. On first use process 0 writes a
-    probe file that every process must see (skipped for gs:// buckets).
+    its own shards, process 0 holds the lease and commits. On first use
+    process 0 writes a probe file that every process must see, and removes it
+    (skipped for gs:// buckets).
     """
 
     def __init__(
@@ -115,7 +130,8 @@ class Checkpoints:
         self.fallback = fallback
         self._persistent = Store(self.directory, local=False)
         self._local = None if self.local_directory is None else Store(self.local_directory, local=True)
-        self._ready = False
+        self._probed = False
+        self._writing = False
 
     def __repr__(self) -> str:
         return f"Checkpoints({str(self.directory)!r}, keep={self.keep})"
@@ -126,40 +142,91 @@ class Checkpoints:
     def _stores(self) -> list[Store]:
         return [self._persistent] + ([self._local] if self._local is not None else [])
 
-    def _setup(self) -> None:
-        if self._ready:
+    def _probe(self) -> None:
+        """In a pool, check once that every process sees the directory (a lone process skips this)."""
+        if self._probed:
             return
-        if self._local is not None and jax.process_count() > 1:
+        if self._local is not None and pooled():
             raise ValueError(
                 "Local emergency checkpoints (local_directory) are supported for a lone process only; "
                 "drop local_directory when training in a pool."
             )
         probe_shared_directory(self.directory)
-        for store in self._stores:
-            if jax.process_index() == 0:
-                store.directory.mkdir(parents=True, exist_ok=True)
-                remove_half_written(store.directory)
-            barrier(f"dew-checkpoints-clean-{store.local}")
-            store.manager = ocp.CheckpointManager(
-                store.directory,
-                options=ocp.CheckpointManagerOptions(
-                    max_to_keep=None,  # dew prunes, only after the newer step committed
-                    create=True,
-                    enable_async_checkpointing=True,
-                    cleanup_tmp_directories=False,
-                    async_options=ocp.AsyncOptions(
-                        post_finalization_callback=lambda store=store: self._write_manifest(store)
+        self._probed = True
+
+    @property
+    def writing(self) -> bool:
+        """True once this object is the directory's writer (after acquire() or the first save())."""
+        return self._writing
+
+    def acquire(self) -> None:
+        """Become the directory's writer now, rather than at the first save().
+
+        Takes the writer's lease (raising CheckpointLeaseHeld, naming the
+        holder, when another live process has it), removes half-written steps
+        and opens the Orbax writer. A trainer calls this before it trains, so
+        a second run on a live directory is refused before it spends a step.
+        """
+        if self._writing:
+            return
+        self._probe()
+        self._take_lease(self._stores)
+        try:
+            for store in self._stores:
+                if jax.process_index() == 0:
+                    remove_half_written(store.directory)
+                barrier(f"dew-checkpoints-clean-{store.local}")
+                store.manager = ocp.CheckpointManager(
+                    store.directory,
+                    options=ocp.CheckpointManagerOptions(
+                        max_to_keep=None,  # dew prunes, only after the newer step committed
+                        create=True,
+                        enable_async_checkpointing=True,
+                        cleanup_tmp_directories=False,
+                        async_options=ocp.AsyncOptions(
+                            post_finalization_callback=lambda store=store: self._write_manifest(store)
+                        ),
                     ),
-                ),
-            )
-        self._ready = True
+                )
+        except BaseException:
+            self._release_lease(self._stores)
+            raise
+        self._writing = True
+        _watch_at_exit(self)
+
+    def _take_lease(self, stores: list[Store]) -> None:
+        """Process 0 takes the lease of each store; every process raises if it could not."""
+        failure: CheckpointLeaseHeld | None = None
+        taken: list[Store] = []
+        if jax.process_index() == 0:
+            try:
+                for store in stores:
+                    lease.acquire(store.directory)
+                    taken.append(store)
+            except CheckpointLeaseHeld as error:
+                failure = error
+                self._release_lease(taken)
+        if pooled():
+            from jax.experimental import multihost_utils
+
+            refused = int(multihost_utils.broadcast_one_to_all(np.asarray(failure is not None, np.int32)))
+            if refused and failure is None:
+                failure = CheckpointLeaseHeld(self.directory, self.directory / lease.LEASE,
+                                              lease.holder_of(self.directory))
+        if failure is not None:
+            raise failure
+
+    def _release_lease(self, stores: list[Store]) -> None:
+        if jax.process_index() == 0:
+            for store in stores:
+                lease.release(store.directory)
 
     # -- queries --------------------------------------------------------------
 
     @property
     def latest(self) -> int | None:
         """The newest committed step, persistent or local (None when there is none)."""
-        self._setup()
+        self._probe()
         self._settle()
         steps = [step for store in self._stores for step in store.committed()]
         return max(steps, default=None)
@@ -172,9 +239,27 @@ class Checkpoints:
         return self._persistent.step_path(step)
 
     def manifest(self, step: int) -> dict[str, Any]:
-        """The manifest dew wrote with step: its meta, data positions, leaf digests and file hashes."""
-        store = next((s for s in reversed(self._stores) if step in s.committed()), self._persistent)
-        return self._manifest(store, int(step))
+        """The checked manifest of step as plain data: meta, data positions, leaf digests, file checksums.
+
+        Raises CheckpointCorrupted when the manifest is damaged (see
+        checkpoint_manifest), CheckpointNotFound when there is no such step.
+        """
+        self._probe()
+        self._settle()
+        store, number = self._candidates(int(step))[0]
+        return self._manifest(store, number).model_dump()
+
+    def meta(self, step: int | None = None) -> dict[str, Any]:
+        """The meta saved with step (default: the newest), read from its checked manifest alone.
+
+        Reads no arrays, so a caller can compare the saved configuration with
+        its own before restoring. Raises CheckpointCorrupted for a damaged
+        manifest, CheckpointNotFound when there is no such step.
+        """
+        self._probe()
+        self._settle()
+        store, number = self._candidates(step)[0]
+        return dict(self._manifest(store, number).meta)
 
     # -- saving ---------------------------------------------------------------
 
@@ -192,10 +277,10 @@ class Checkpoints:
 
         Blocks for the copy of the arrays off the device (and for the previous
         save, if it is still writing). A step already committed is not written
-        again. meta must be JSON-serializable.
+        again. meta must be JSON-serializable. The first save makes this object
+        the directory's writer (see acquire()).
         """
         step = int(step)
-        self._setup()
         store = self._local if local else self._persistent
         if store is None:
             raise ValueError("save(..., local=True) needs Checkpoints(local_directory=...).")
@@ -204,6 +289,7 @@ class Checkpoints:
         except TypeError as error:
             raise TypeError(f"Checkpoint meta must be JSON-serializable: {error}. Pass plain numbers, "
                             "strings, lists and dicts.") from error
+        self.acquire()
         self._settle()
         if step in store.committed():
             _LOG.info("Checkpoint step %s is already in %s; not written again.", step, store.directory)
@@ -211,6 +297,7 @@ class Checkpoints:
         pending = _Pending(
             step=step,
             leaves=integrity.leaf_table(state),
+            nodes=integrity.node_table(state),
             positions=gather_positions(position, partition),
             meta=meta,
         )
@@ -238,8 +325,7 @@ class Checkpoints:
         temporary = store.directory / f"{pending.step}{TMP}"
         if not pending.dispatched.wait(timeout=600) or pending.digests is None:
             raise RuntimeError(f"the leaf digests of step {pending.step} were never computed")
-        manifest = {
-            "format": _FORMAT,
+        body = {
             "step": pending.step,
             "meta": pending.meta,
             "data": pending.positions,
@@ -247,11 +333,13 @@ class Checkpoints:
                 {**leaf, "digest": digest}
                 for leaf, digest in zip(pending.leaves, integrity.digests_as_lists(pending.digests), strict=True)
             ],
+            "nodes": pending.nodes,
+            "file_hash": integrity.FILE_HASH,
             "files": integrity.file_table(temporary),
         }
         target = temporary / integrity.MANIFEST
-        with target.open("w") as handle:
-            json.dump(manifest, handle)
+        with target.open("wb") as handle:
+            handle.write(render_manifest(body))
             if hasattr(handle, "fileno"):
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -293,11 +381,11 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Block until every pending save is committed; raise a failed save's error."""
-        if self._ready:
+        if self._writing:
             self._settle()
 
     def close(self) -> None:
-        """Wait for pending saves, then release Orbax's resources."""
+        """Wait for pending saves, then release Orbax's resources and the writer's lease."""
         try:
             self.wait()
         finally:
@@ -305,24 +393,50 @@ class Checkpoints:
                 if store.manager is not None:
                     store.manager.close()
                     store.manager = None
-            self._ready = False
+            if self._writing:
+                self._writing = False
+                self._release_lease(self._stores)
+                barrier("dew-checkpoints-closed")  # every process sees the lease gone on return
+
+    def _finish_at_exit(self) -> None:
+        """Commit (or abandon, saying so) what is still being written, then let go of the lease."""
+        pending = [(store, store.pending.step) for store in self._stores if store.pending is not None]
+        for store, step in pending:
+            print(f"dew: finishing checkpoint step {step} in {store.directory} before exit.", file=sys.stderr,
+                  flush=True)
+        try:
+            self.close()
+        except Exception as error:  # noqa: BLE001 - exit must go on; the message names what was lost
+            for store, step in pending:
+                older = [number for number in store.committed() if number < step]
+                kept = f"step {max(older)} is intact" if older else "no older step was there"
+                print(f"dew: abandoned checkpoint step {step} in {store.directory} at exit "
+                      f"({type(error).__name__}: {str(error).splitlines()[0][:300]}); {kept}.",
+                      file=sys.stderr, flush=True)
+        else:
+            for store, step in pending:
+                print(f"dew: checkpoint step {step} in {store.directory} committed.", file=sys.stderr, flush=True)
 
     # -- restoring ------------------------------------------------------------
 
-    def restore(self, template: TrainState, *, partition: DataPartition, step: int | None = None) -> Restored:
+    def restore(self, template: TrainState, *, partition: DataPartition, step: int | None = None,
+                check: MetaCheck | None = None) -> Restored:
         """Restore step (default: the newest) into the shardings of template's leaves.
 
         template is a TrainState of jax.ShapeDtypeStruct leaves, each with a
-        sharding. Raises CheckpointTreeMismatch, PositionShareMismatch or
+        sharding. check, when given, is called with the step's saved meta and
+        the step number before any array is read, so a changed configuration
+        is reported as such (its exception propagates, nothing on disk
+        changes). Raises CheckpointTreeMismatch, PositionShareMismatch or
         CheckpointCorrupted (see the class docstring for fallback).
         """
-        self._setup()
+        self._probe()
         self._settle()
         candidates = self._candidates(step)
-        expected = integrity.leaf_table(template)
+        expected = integrity.leaf_table(template), integrity.node_table(template)
         for index, (store, number) in enumerate(candidates):
             try:
-                return self._restore_one(store, number, template, expected, partition)
+                return restore_step(store.step_path(number), number, template, expected, partition, check)
             except CheckpointCorrupted as error:
                 older = candidates[index + 1:]
                 good = self._newest_good(older)
@@ -353,60 +467,69 @@ class Checkpoints:
         order = {id(self._persistent): 0, id(self._local): 1}
         return sorted(found, key=lambda item: (-item[1], order[id(item[0])]))
 
-    def _manifest(self, store: Store, step: int) -> dict[str, Any]:
-        path = store.step_path(step) / integrity.MANIFEST
-        try:
-            with path.open() as handle:
-                return json.load(handle)
-        except FileNotFoundError:
-            raise CheckpointCorrupted(step, path, "dew's manifest is missing") from None
-        except (OSError, ValueError) as error:
-            raise CheckpointCorrupted(step, path, f"dew's manifest cannot be read ({error})") from None
-
-    def _check_files(self, store: Store, step: int) -> dict[str, Any]:
-        manifest = self._manifest(store, step)
-        problem = integrity.verify_files(store.step_path(step), manifest["files"])
-        if problem is not None:
-            raise CheckpointCorrupted(step, *problem)
-        return manifest
+    def _manifest(self, store: Store, step: int) -> Manifest:
+        return read_manifest(store.step_path(step), step)
 
     def _newest_good(self, candidates: list[tuple[Store, int]]) -> tuple[Store, int] | None:
-        for store, number in candidates:
-            try:
-                self._check_files(store, number)
-            except CheckpointCorrupted:
-                continue
-            return store, number
-        return None
-
-    def _restore_one(self, store: Store, step: int, template: TrainState, expected: list[dict[str, Any]],
-                     partition: DataPartition) -> Restored:
-        manifest = self._manifest(store, step)
-        differences = integrity.compare_leaves(manifest["leaves"], expected)
-        if differences:
-            raise CheckpointTreeMismatch(step, differences)
-        position = read_position(step, manifest["data"], partition)
-        self._check_files(store, step)
-        try:
-            restored = store.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))
-            ).state
-        except Exception as error:  # Orbax raises bare exceptions for damaged data
-            raise CheckpointCorrupted(step, store.step_path(step) / "state", f"Orbax cannot read it ({error})") from error
-        digests = integrity.digests_as_lists(integrity.digest_leaves(jax.tree_util.tree_leaves(restored)))
-        for leaf, digest in zip(manifest["leaves"], digests, strict=True):
-            if leaf["digest"] != digest:
-                raise CheckpointCorrupted(
-                    step, store.step_path(step) / "state", f"leaf {leaf['path']} does not match its digest"
-                )
-        return Restored(step=step, state=restored, position=position, meta=dict(manifest["meta"]))
+        return next(((store, number) for store, number in candidates if intact(store.step_path(number), number)),
+                    None)
 
     def _quarantine(self, store: Store, step: int) -> None:
-        if jax.process_index() == 0:
-            source = store.step_path(step)
-            target = store.directory / f"{step}{_CORRUPT}"
-            if target.exists():
-                rmtree(target)
-            source.rename(target)
-        barrier(f"dew-checkpoints-quarantine-{step}")
-        store.manager.reload()
+        """Move a damaged step aside, as the writer (a lease held elsewhere leaves it in place)."""
+        transient = not self._writing
+        if transient:
+            try:
+                self._take_lease([store])
+            except CheckpointLeaseHeld as error:
+                who = error.holder.describe() if error.holder is not None else "another process"
+                message = f"dew: left damaged step {step} in place, since {who} writes {store.directory}."
+                print(message, file=sys.stderr, flush=True)
+                return
+        try:
+            if jax.process_index() == 0:
+                source = store.step_path(step)
+                target = store.directory / f"{step}{_CORRUPT}"
+                if target.exists():
+                    rmtree(target)
+                source.rename(target)
+            barrier(f"dew-checkpoints-quarantine-{step}")
+            if store.manager is not None:
+                store.manager.reload()
+        finally:
+            if transient:
+                self._release_lease([store])
+
+
+_watched: weakref.WeakSet[Checkpoints] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_hooked = False
+
+
+def _watch_at_exit(checkpoints: Checkpoints) -> None:
+    """Make sure checkpoints' pending saves are finished (or abandoned, loudly) when Python exits.
+
+    Orbax writes in threads that need concurrent.futures' executors, which
+    refuse new work once interpreter shutdown begins; the hook therefore runs
+    among threading's own exit calls, before those executors are shut (it is
+    registered after them, and they run in reverse order).
+    """
+    global _hooked
+    _watched.add(checkpoints)
+    with _exit_hook:
+        if _hooked:
+            return
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:  # pragma: no cover - every CPython since 3.9 has it
+            import atexit
+
+            register = atexit.register
+        try:
+            register(_finish_all_at_exit)
+        except RuntimeError:  # a save during interpreter shutdown: close() is the caller's to call
+            return
+        _hooked = True
+
+
+def _finish_all_at_exit() -> None:
+    for checkpoints in list(_watched):
+        checkpoints._finish_at_exit()

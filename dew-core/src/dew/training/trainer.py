@@ -282,8 +282,9 @@ class Trainer(Generic[Loss, Effects]):
             template = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
             )
-            restored = self.checkpoints.restore(template, partition=data_partition(self.device_mesh))
-            self._check_resume(restored.meta, restored.step)
+            # The saved configuration is compared before any array is read, so a changed one is named.
+            restored = self.checkpoints.restore(template, partition=data_partition(self.device_mesh),
+                                                check=self._check_resume)
             return restored.state, shardings, restored.position
         weights = self._weights_on_mesh(shardings)
         state = jax.jit(self.initial_state, out_shardings=shardings)(weights, self.key)

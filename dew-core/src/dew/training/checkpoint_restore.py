@@ -1,0 +1,108 @@
+"""Reading one committed step back, checked: manifest first, then files and leaves beside Orbax's read.
+
+Nothing here writes. A damaged step raises CheckpointCorrupted naming the
+file; an intact step that does not fit the state asked for raises
+CheckpointTreeMismatch (or whatever the caller's meta check raises) before
+a single array is read, where the manifest can tell.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from dew.data.base import DataPartition
+from dew.training import checkpoint_integrity as integrity
+from dew.training.checkpoint_errors import CheckpointCorrupted, CheckpointTreeMismatch
+from dew.training.checkpoint_manifest import Manifest, parse_manifest
+from dew.training.checkpoint_store import read_position
+from dew.training.state import TrainState
+
+__all__ = ["MetaCheck", "Restored", "intact", "read_manifest", "restore_step"]
+
+MetaCheck = Callable[[Mapping[str, Any], int], None]
+Expected = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # the template's leaf and node tables
+_VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restored step: its state (placed as the template asked), data position and meta."""
+
+    step: int
+    state: TrainState
+    position: bytes | None
+    meta: dict[str, Any]
+
+
+def read_manifest(directory: Any, step: int) -> Manifest:
+    """The checked manifest of the step in directory; CheckpointCorrupted when missing or damaged."""
+    path = directory / integrity.MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorrupted(step, path, "dew's manifest is missing") from None
+    except OSError as error:
+        raise CheckpointCorrupted(step, path, f"dew's manifest cannot be read ({error})") from None
+    return parse_manifest(raw, step, path)
+
+
+def intact(directory: Any, step: int) -> bool:
+    """Whether the step's manifest and every file it lists are as written (reads every file)."""
+    try:
+        manifest = read_manifest(directory, step)
+    except CheckpointCorrupted:
+        return False
+    return integrity.verify_files(directory, manifest.files, manifest.file_hash) is None
+
+
+def restore_step(directory: Any, step: int, template: TrainState, expected: Expected,
+                 partition: DataPartition, check: MetaCheck | None) -> Restored:
+    """Read the step in directory into template, checking it on the way (see the module docstring)."""
+    manifest = read_manifest(directory, step)
+    if check is not None:
+        check(dict(manifest.meta), step)
+    leaves, nodes = expected
+    saved_nodes = [] if manifest.nodes is None else [node.model_dump() for node in manifest.nodes]
+    differences = integrity.compare_leaves([leaf.model_dump() for leaf in manifest.leaves], leaves)
+    if manifest.nodes is not None:
+        differences = sorted(set(differences) | set(integrity.compare_nodes(saved_nodes, nodes)))
+    if differences:
+        raise CheckpointTreeMismatch(step, differences)
+    position = read_position(step, manifest.data, partition)
+    problem = integrity.verify_sizes(directory, manifest.files)
+    if problem is not None:
+        raise CheckpointCorrupted(step, *problem)
+    with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="dew-verify") as pool:
+        hashed = integrity.start_hashing(directory, manifest.files, pool, manifest.file_hash)  # beside Orbax
+        try:
+            restored = _read_state(directory, template)
+        except Exception as error:  # Orbax raises bare exceptions for damaged data
+            problem = hashed()
+            if problem is not None:
+                raise CheckpointCorrupted(step, *problem) from error
+            first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
+            raise CheckpointTreeMismatch(
+                step, [f"its files are intact, but Orbax cannot read them into this state ({first})"]
+            ) from error
+        digests = integrity.start_digests(jax.tree_util.tree_leaves(restored), pool)
+        problem = hashed()
+        if problem is not None:
+            raise CheckpointCorrupted(step, *problem)
+        values = digests()
+    for leaf, digest in zip(manifest.leaves, values, strict=True):
+        if leaf.digest != digest:
+            raise CheckpointCorrupted(step, directory / "state", f"leaf {leaf.path} does not match its digest")
+    return Restored(step=step, state=restored, position=position, meta=dict(manifest.meta))
+
+
+def _read_state(directory: Any, template: TrainState) -> TrainState:
+    """Read the state item of a committed step directory into template's shardings (reads only)."""
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
+        return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))

@@ -1,0 +1,126 @@
+"""A changed configuration is a mismatch, named, with nothing on disk changed; damage alone is quarantined."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+from dew import Checkpoints, Trainer
+from dew.data import Dataset
+from dew.objectives.base import Aux, Mean, Objective
+from dew.training.checkpoint_errors import CheckpointCorrupted, CheckpointTreeMismatch
+from dew.training.trainer import ResumeMismatchError
+from test_checkpoints import (  # tests/ is on sys.path (conftest.py)
+    SINGLE,
+    full_state,
+    save,
+    template_of,
+)
+
+
+class Tiny(Objective):
+    def __init__(self) -> None:
+        self.model = nn.Dense(features=1)
+
+    def init(self, key, variables=None):
+        return self.model.init(key, jnp.zeros((1, 2), jnp.float32))
+
+    def loss(self, variables, batch, step):
+        errors = (self.model.apply(variables, batch["x"]) - 1.0) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
+
+
+def _stream(partition):
+    while True:
+        yield {"x": np.ones((4, 2), np.float32)}
+
+
+DATA = Dataset(train=_stream, batch=4)
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _trained(tmp_path: Path) -> Path:
+    """A run of 3 steps with adam, every step kept."""
+    directory = tmp_path / "run"
+    checkpoints = Checkpoints(directory, keep=None)
+    Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=checkpoints).fit(
+        DATA, steps=3, checkpoint_every=1)
+    checkpoints.close()
+    assert [name for name in _listing(directory) if name.isdigit()] == ["1", "2", "3"]
+    return directory
+
+
+def test_another_optimizer_is_a_named_mismatch_and_changes_nothing(tmp_path: Path) -> None:
+    directory = _trained(tmp_path)
+    before = _listing(directory)
+    changed = Trainer(Tiny(), optax.adamw(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory))
+    with pytest.raises(CheckpointTreeMismatch) as caught:
+        changed.place()
+    message = str(caught.value)
+    # adamw's state has one more (empty) node than adam's; the leaves are the same.
+    assert caught.value.step == 3
+    assert ".opt_state[2] (EmptyState) is in the state but not in the checkpoint" in message, message
+    assert "Nothing was changed on disk" in message
+    assert _listing(directory) == before  # no step renamed to .dew-corrupt, no lease left behind
+
+    same = Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory))
+    restored, _, _ = same.place()
+    assert int(restored.step) == 3  # the newest step, still there
+
+
+def test_changed_accumulation_is_named_before_the_tree_is_compared(tmp_path: Path) -> None:
+    directory = _trained(tmp_path)
+    before = _listing(directory)
+    changed = Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory),
+                      accumulation=2)
+    with pytest.raises(ResumeMismatchError, match=r"accumulation: checkpoint 1, this trainer 2"):
+        changed.place()
+    assert _listing(directory) == before
+
+
+def test_meta_reads_the_manifest_alone(tmp_path: Path) -> None:
+    directory = _trained(tmp_path)
+    checkpoints = Checkpoints(directory)
+    assert checkpoints.meta()["accumulation"] == 1
+    assert checkpoints.meta(2)["accumulation"] == 1
+
+
+def test_an_intact_step_orbax_cannot_read_is_a_mismatch_not_damage(tmp_path: Path) -> None:
+    """A tree the node and leaf tables accept but Orbax refuses (here: a format-1 manifest, no node table)."""
+    checkpoints = Checkpoints(tmp_path, keep=None)
+    save(checkpoints, 1, full_state(1))
+    checkpoints.close()
+    manifest = json.loads((tmp_path / "1" / "dew.json").read_text())
+    del manifest["nodes"], manifest["digest"]
+    manifest["format"] = 1
+    (tmp_path / "1" / "dew.json").write_text(json.dumps(manifest))
+    # The same leaves under another tree shape: opt_state gains an empty node.
+    state = full_state(1)
+    other = state.replace(opt_state=(*state.opt_state, optax.EmptyState()))
+    before = _listing(tmp_path)
+    with pytest.raises(CheckpointTreeMismatch, match="its files are intact, but Orbax cannot read them"):
+        Checkpoints(tmp_path).restore(template_of(other), partition=SINGLE)
+    assert _listing(tmp_path) == before
+
+
+def test_damage_is_still_quarantined(tmp_path: Path) -> None:
+    checkpoints = Checkpoints(tmp_path, keep=None)
+    for step in (1, 2):
+        save(checkpoints, step, full_state(step))
+    checkpoints.close()
+    (tmp_path / "2" / "_CHECKPOINT_METADATA").unlink()
+    with pytest.raises(CheckpointCorrupted):
+        Checkpoints(tmp_path, fallback=False).restore(template_of(full_state()), partition=SINGLE)
+    assert (tmp_path / "2").is_dir()  # fallback=False only reports
+    restored = Checkpoints(tmp_path).restore(template_of(full_state()), partition=SINGLE)
+    assert restored.step == 1 and (tmp_path / "2.dew-corrupt").is_dir()
