@@ -187,6 +187,8 @@ def train(config: RunConfig) -> Any:
     fit = fit_kwargs(config.trainer, dataset.steps_per_epoch)
     optimizer = build_optimizer(_optimizer_config(config, fit["steps"]))
     checkpoints = _checkpoints(config)
+    if checkpoints is not None:
+        checkpoints.acquire()  # a second run on a live directory is refused before it writes anything
     if checkpoints is not None and jax.process_index() == 0:
         config.save(checkpoints.directory if hasattr(checkpoints, "directory")
                     else _absolute(config.trainer.checkpoint_dir))

@@ -413,6 +413,8 @@ class Trainer(Generic[Loss, Effects]):
                             log_every=log_every, dynamic_scale=self.dynamic_scale,
                             schedule=_schedule_of(self.optimizer))
         mesh = self.device_mesh
+        if self.checkpoints is not None:
+            self.checkpoints.acquire()  # refuse a second writer before training, not at the first save
         state, _, position = self.place()
         start = int(jax.device_get(state.step))
         if start >= steps:
