@@ -269,7 +269,7 @@ def test_train_runs_the_recipe_and_prints_a_sample(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Sample (sample):\ndew" in out
     scalars = (tmp_path / "track" / "scalars.jsonl").read_text()
-    assert '"loss"' in scalars
+    assert '"train/loss"' in scalars and '"train/lr"' in scalars
     rows = [json.loads(line) for line in (tmp_path / "track" / "records.jsonl").read_text().splitlines()]
     started = next(row for row in rows if "run_started" in json.dumps(row))
     assert config.model_dump(mode="json") == _find_config(started)

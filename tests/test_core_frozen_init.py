@@ -250,7 +250,7 @@ def test_the_step_and_the_rollout_draw_their_own_streams():
 
     class Recording:
         def log(self, scalars, step):
-            seen.append((step, scalars["draw"]))
+            seen.append((step, scalars["train/draw"]))
 
         def artifact(self, value, step):
             pass

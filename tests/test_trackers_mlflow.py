@@ -158,7 +158,7 @@ trackers:
     client = MlflowClient(tracking_uri=server)
     (run,) = client.search_runs([client.get_experiment_by_name("dew-secrets").experiment_id])
     assert run.info.status == "FINISHED"
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3]
     assert PASSWORD not in json.dumps([run.data.params, run.data.tags])
     stored = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "stored")))
     files = [p for p in stored.rglob("*") if p.is_file()]
