@@ -20,7 +20,18 @@ from dew.nn import sharding as axes
 from dew.nn.layers import DecoderLayer, Embed, RMSNorm
 from dew.nn.sharding import constrain, param
 
-__all__ = ["CausalTransformer"]
+__all__ = ["REMAT_POLICIES", "CausalTransformer"]
+
+# What each decoder layer keeps for the backward pass (jax.checkpoint
+# policies): "none" keeps everything (no rematerialization), "full" keeps
+# only the layer's input and recomputes the rest, the others keep matmul
+# outputs and recompute the cheap elementwise work around them.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class CausalTransformer(nn.Module):
@@ -39,6 +50,11 @@ class CausalTransformer(nn.Module):
     keys and values of every layer in slots of size max_seq_len, and ``index``,
     each row's next free slot. positions default to the row's index onward;
     pass them to write each row at its own place (prompts of different lengths).
+
+    ``attention`` picks how attention is computed in training and prefill
+    ("einsum", or jax.nn.dot_product_attention's "xla" or "cudnn"); ``remat``
+    names a rematerialization policy of ``REMAT_POLICIES`` applied to every
+    layer. Both change speed and memory only, never the parameters.
     """
 
     vocab_size: int
@@ -53,6 +69,8 @@ class CausalTransformer(nn.Module):
     tie_embeddings: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    attention: Literal["einsum", "xla", "cudnn"] = "einsum"
+    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
 
     def _check(self) -> None:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features",
@@ -65,6 +83,9 @@ class CausalTransformer(nn.Module):
                 f"emb_features={self.emb_features} is not divisible by num_heads="
                 f"{self.num_heads}; change one of them or set head_features explicitly."
             )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"Unknown remat {self.remat!r}; use one of "
+                             f"{', '.join(map(repr, REMAT_POLICIES))}.")
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward and backward) at seq_len: 6 per weight the token
@@ -123,13 +144,17 @@ class CausalTransformer(nn.Module):
                              "use 'learned' or 'rotary'.")
         x = constrain(x, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED))
 
+        layer_class: Any = DecoderLayer
+        if self.remat != "none" and not decode:
+            layer_class = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat])
         for i in range(self.num_layers):
-            layer = DecoderLayer(
+            layer = layer_class(
                 self.num_heads, self.head_width, self.mlp_features, self.max_seq_len,
                 rotary=self.position_embedding == "rotary", mlp_activation=self.mlp_activation,
-                name=f"layers_{i}", **kinds,
+                attention=self.attention, name=f"layers_{i}", **kinds,
             )
-            x = layer(x, positions, decode=decode)
+            x = layer(x, positions) if layer_class is not DecoderLayer else layer(
+                x, positions, decode=decode)
 
         x = RMSNorm(name="final_norm", **kinds)(x)
         if self.tie_embeddings:

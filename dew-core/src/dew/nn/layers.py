@@ -19,6 +19,7 @@ from dew.nn import sharding as axes
 from dew.nn.sharding import constrain, param
 
 __all__ = [
+    "ATTENTION_KINDS",
     "MLPBlock",
     "CausalSelfAttention",
     "DecoderLayer",
@@ -28,6 +29,12 @@ __all__ = [
 ]
 
 Dtype = Any
+
+# How CausalSelfAttention computes softmax(q k^T) v outside decoding: "einsum"
+# spells it out (the default), "xla" and "cudnn" hand it to
+# jax.nn.dot_product_attention with that implementation (cudnn: fused flash
+# attention on NVIDIA GPUs, bf16/fp16 only).
+ATTENTION_KINDS = ("einsum", "xla", "cudnn")
 
 
 class RMSNorm(nn.Module):
@@ -100,9 +107,13 @@ class CausalSelfAttention(nn.Module):
     rotary: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: Literal["einsum", "xla", "cudnn"] = "einsum"
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False) -> jax.Array:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"Unknown attention {self.attention!r}; use one of "
+                             f"{', '.join(map(repr, ATTENTION_KINDS))}.")
         batch, length, features = x.shape
         heads, width = self.num_heads, self.head_features
         qkv_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
@@ -125,10 +136,14 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = jnp.tril(jnp.ones((length, length), bool))[None, None]
 
-        scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(width)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        attended = jnp.einsum("bhts,bshd->bthd", weights, v)
+        if decode or self.attention == "einsum":
+            scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(width)
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+            weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+            attended = jnp.einsum("bhts,bshd->bthd", weights, v)
+        else:
+            attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                    implementation=self.attention)
         attended = constrain(attended, head_axes)
 
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
@@ -201,13 +216,15 @@ class DecoderLayer(nn.Module):
     mlp_activation: Literal["gelu", "swiglu"] = "gelu"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: Literal["einsum", "xla", "cudnn"] = "einsum"
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False) -> jax.Array:
         kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         residual_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
         attention = CausalSelfAttention(self.num_heads, self.head_features, self.max_len,
-                                        rotary=self.rotary, name="attention", **kinds)
+                                        rotary=self.rotary, attention=self.attention,
+                                        name="attention", **kinds)
         x = x + attention(RMSNorm(name="attention_norm", **kinds)(x), positions, decode=decode)
         x = constrain(x, residual_axes)
         mlp = MLPBlock(self.mlp_features, self.mlp_activation, name="mlp", **kinds)
