@@ -1,0 +1,56 @@
+"""The GPU benchmark's CPU smoke mode runs end to end, and its FLOP count matches the model."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parent.parent / "benchmarks" / "gpu_bench.py"
+
+
+@pytest.mark.slow  # two compiles of a model, in a fresh interpreter
+def test_gpu_benchmark_smoke_mode_trains_both_loops_and_prints_the_figures():
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--remat", "dots_saveable", "--peak-flops", "1e12"],
+        capture_output=True, text=True, timeout=500,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    result = json.loads(next(line for line in lines if line.startswith("RESULT "))[7:])
+    assert result["attention"] == "xla" and result["remat"] == "dots_saveable"
+    for side in ("hand-written jit", "Trainer.fit"):
+        line = next(line for line in lines if line.startswith(side))
+        assert "tokens/s" in line and "MFU" in line and "n/a" not in line
+    assert any(line.startswith("ratio Trainer.fit / hand-written") for line in lines)
+    # Both loops learn the repeated batch: the loss falls from about log(vocab).
+    hand, fit = result["hand"], result["trainer"]
+    assert abs(hand["first_loss"] - math.log(128)) < 0.5
+    assert hand["last_loss"] < hand["first_loss"] and fit["last_loss"] < hand["first_loss"]
+    assert hand["step_s"] > 0 and fit["step_s"] > 0
+    # The FLOP count's parameters: every parameter is in a matmul except the embedding
+    # table and the norms' scales (2 per layer and the final one), counted from the model.
+    width, vocab, layers = 64, 128, 2
+    in_matmuls = result["flops_per_token"] - 6 * layers * 32 * width
+    assert in_matmuls / 6 == result["parameters"] - vocab * width - (2 * layers + 1) * width
+    mfu = result["flops_per_token"] * result["tokens_per_step"] / fit["step_s"] / 1e12
+    assert f"MFU {100 * mfu:.1f}%" in next(line for line in lines if line.startswith("Trainer"))
+
+
+def test_peak_table_matches_device_kinds():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import gpu_bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    assert gpu_bench.peak_flops("NVIDIA H200") == 989e12
+    assert gpu_bench.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_bench.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_bench.peak_flops("cpu") is None
+    # the default model is the size the benchmark is named for
+    params = gpu_bench.ONE_B.matmul_parameters() + gpu_bench.ONE_B.vocab * gpu_bench.ONE_B.width
+    assert 0.9e9 < params < 1.2e9
