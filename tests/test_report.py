@@ -56,7 +56,8 @@ def test_report_renders_plots_and_one_page(tmp_path, capsys):
     page = Page()
     page.feed(page_path.read_text())
     sources = sorted(page.images)
-    assert sources == sorted(["plots/loss.png", "plots/lr.png", "plots/val__loss.png",
+    # loss and val/loss share one chart; lr is the learning-rate chart; goodput has its bar
+    assert sources == sorted(["plots/loss.png", "plots/learning_rate.png", "plots/goodput.png",
                               "../previews/samples/step_00000040.png"])
     for source in sources:
         with Image.open(page_path.parent / source) as image:
@@ -66,6 +67,8 @@ def test_report_renders_plots_and_one_page(tmp_path, capsys):
         # the curve is drawn in matplotlib's first colour (tab:blue, #1f77b4)
         pixels = np.asarray(plot.convert("RGB")).reshape(-1, 3)
         assert np.sum(np.all(np.abs(pixels.astype(int) - [31, 119, 180]) < 30, axis=1)) > 200
+        # val/loss (one point) is drawn in the second colour (tab:orange, #ff7f0e) beside it
+        assert np.sum(np.all(np.abs(pixels.astype(int) - [255, 127, 14]) < 30, axis=1)) > 10
     text = "".join(page.text)
     assert "<once> upon a time" in text  # escaped in the page, intact once parsed
     assert "goodput at step 41" in text and '"fraction": 0.8' in text
@@ -80,3 +83,45 @@ def test_report_of_a_directory_without_a_journal_says_what_it_needs(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "holds no scalars.jsonl" in result.stderr and "LocalTracker" in result.stderr
+
+
+def _recipe_run(directory, learning_rate, scale):
+    from dew.telemetry.records import RunStarted
+
+    tracker = LocalTracker(directory)
+    tracker.artifact(RunStarted(config={"model": {"name": "causal_transformer", "num_layers": 2},
+                                        "optimizer": {"learning_rate": learning_rate}},
+                                start=0, steps=30), 0)
+    for step in range(1, 31):
+        noise = 0.3 * math.sin(step * 1.7)  # a ragged curve, for the smoothing to show
+        tracker.log({"train/loss": scale * math.exp(-step / 10) + noise,
+                     "train/step_time": 0.01}, step)
+    tracker.artifact(Goodput(1.0, 5.0, 3.0, compile_seconds=1.5), 30)
+    tracker.close()
+
+
+def test_several_runs_overlay_in_one_colour_each_with_the_recipe_side_by_side(tmp_path):
+    from dew.cli.report import render_report
+
+    for name, lr, scale in (("a", 1e-3, 2.0), ("b", 3e-3, 1.0)):
+        _recipe_run(tmp_path / name, lr, scale)
+    page_path = render_report([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    page = Page()
+    page.feed(page_path.read_text())
+    assert sorted(page.images) == ["plots/goodput.png", "plots/loss.png", "plots/step_time.png"]
+    with Image.open(tmp_path / "out/plots/loss.png") as plot:
+        pixels = np.asarray(plot.convert("RGB")).reshape(-1, 3).astype(int)
+
+    def count(rgb, tolerance=30):
+        return int(np.sum(np.all(np.abs(pixels - rgb) < tolerance, axis=1)))
+
+    # run a in tab:blue, run b in tab:orange, each bold (smoothed) over faint raw values:
+    # the faint line is the colour blended three quarters into the white background
+    for rgb in ([31, 119, 180], [255, 127, 14]):
+        faint = [round(255 - 0.25 * (255 - c)) for c in rgb]
+        assert count(rgb) > 150 and count(faint, 12) > 50
+    text = page_path.read_text()
+    # the recipe table has a column per run and marks the field that differs
+    assert "<th>a</th><th>b</th>" in text
+    assert "<tr class='differs'><td>optimizer.learning_rate</td><td>0.001</td><td>0.003</td>" in text
+    assert "<tr><td>model.num_layers</td><td>2</td><td>2</td></tr>" in text
