@@ -15,12 +15,42 @@ __all__ = ["main"]
 COMMANDS = {
     "train": ("dew.cli.train", "train from a recipe file, with key=value overrides"),
     "recipes": ("dew.cli.recipes", "list the recipes dew ships"),
-    "report": ("dew.cli.report", "render a local run's journal into plots and an HTML page"),
+    "report": ("dew.cli.report", "render local runs' journals into one page of charts"),
+    "describe": ("dew.cli.describe", "a registered component's fields, types and defaults"),
 }
+
+
+def version() -> str:
+    """The dew distributions installed, with their versions (installed metadata only).
+
+    >>> version().startswith("dew-core ")
+    True
+    """
+    from importlib import metadata
+
+    found = []
+    for name in ("dew-core", "dew-objectives", "dew-trackers", "dew-data"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found) or "dew (no installed distribution found)"
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (reading metadata is not free)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the installed dew versions")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(version())
+        parser.exit()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dew", description="dew trains JAX models.")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)

@@ -54,7 +54,10 @@ class RunConfig(pydantic.BaseModel):
 
     description: str | None = pydantic.Field(None, description="one line shown by `dew recipes`")
     seed: int = pydantic.Field(0, description="the run key is drawn from it")
-    model: ComponentConfig = pydantic.Field(description="a registered model (dew.models) and its fields")
+    model: ComponentConfig | None = pydantic.Field(
+        None, description="a registered model (dew.models) and its fields; omit it for an "
+        "objective that builds its own network (one without a model field)"
+    )
     objective: ComponentConfig = pydantic.Field(
         description="a registered objective (dew.objectives) and its fields; the model is supplied"
     )
@@ -70,8 +73,26 @@ class RunConfig(pydantic.BaseModel):
 
     @pydantic.field_validator("model")
     @classmethod
-    def _registered_model(cls, value: ComponentConfig) -> ComponentConfig:
-        return check_component("models", value)
+    def _registered_model(cls, value: ComponentConfig | None) -> ComponentConfig | None:
+        return None if value is None else check_component("models", value)
+
+    @pydantic.model_validator(mode="after")
+    def _model_matches_objective(self) -> RunConfig:
+        """A model section exactly when the objective takes a model, so --check catches it."""
+        from dew import registry
+
+        try:
+            fields = registry.objectives.fields(self.objective.name)
+        except Exception:  # noqa: BLE001 - an unloadable objective is reported by its own check
+            return self
+        name = self.objective.name
+        if "model" in fields and fields["model"][1] is ... and self.model is None:
+            raise ValueError(f"objective {name!r} trains a model: add a model section "
+                             "(name: and the model's fields)")
+        if "model" not in fields and self.model is not None:
+            raise ValueError(f"objective {name!r} builds its own network and takes no model: "
+                             "remove the model section")
+        return self
 
     @pydantic.field_validator("objective")
     @classmethod
@@ -157,7 +178,11 @@ def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
     ``trainer.steps=10`` sets an integer, ``trackers.0.directory=/tmp/run`` an
     element of a list, ``trainer.profile=null`` clears a section. A key that
     does not exist yet is created, so the schema, not this function, decides
-    whether it is allowed.
+    whether it is allowed. ``key+=value`` appends to the list at key (a list
+    value appends each of its items; a missing key starts a list):
+
+    >>> apply_overrides({"trackers": [{"name": "local"}]}, ["trackers+={name: tensorboard}"])
+    {'trackers': [{'name': 'local'}, {'name': 'tensorboard'}]}
     """
     if not isinstance(data, dict):
         raise RecipeError(f"Overrides need a recipe that is a mapping, not {type(data).__name__}.")
@@ -167,7 +192,8 @@ def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
             raise RecipeError(
                 f"The override {override!r} is not key=value; write for example trainer.steps=10."
             )
-        parts = key.strip().split(".")
+        append = key.rstrip().endswith("+")
+        parts = key.strip().removesuffix("+").split(".")
         node: Any = data
         for depth, part in enumerate(parts[:-1]):
             where = ".".join(parts[: depth + 1])
@@ -185,11 +211,29 @@ def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
                 )
             node = child
         last = parts[-1]
-        if isinstance(node, list):
+        if append:
+            _append(node, last, _scalar(value), override)
+        elif isinstance(node, list):
             node[_index(last, node, key, override)] = _scalar(value)
         else:
             node[last] = _scalar(value)
     return data
+
+
+def _append(node: Any, last: str, value: Any, override: str) -> None:
+    """key+=value: extend the list at node[last] (created when missing) with value."""
+    if isinstance(node, list):
+        target = node[_index(last, node, last, override)]
+    else:
+        target = node.get(last)
+        if target is None:
+            target = node[last] = []
+    if not isinstance(target, list):
+        raise RecipeError(
+            f"The override {override!r} appends with +=, but {last} holds {target!r}, not a "
+            f"list; set it with = instead."
+        )
+    target.extend(value if isinstance(value, list) else [value])
 
 
 def _index(part: str, items: list, where: str, override: str) -> int:

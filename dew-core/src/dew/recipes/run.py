@@ -9,7 +9,8 @@ Strings among a component's fields may hold two placeholders, replaced when
 the run is built (run.json keeps them as written): ``{stdlib}``, the folder
 of Python's standard library (a corpus every machine has), and
 ``{timestamp}``, process 0's clock when the run started (``run_timestamp``),
-the same on every process.
+the same on every process, written without colons (``2026-12-01_09-30-00``)
+so a folder named after it is valid on every file system and in a URL.
 """
 
 from __future__ import annotations
@@ -23,17 +24,36 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
 
-__all__ = ["ConfiguredTracker", "build_objective", "build_trackers", "expand", "sample", "train"]
+__all__ = [
+    "ConfiguredTracker",
+    "ScheduleReshapedWarning",
+    "build_objective",
+    "build_trackers",
+    "expand",
+    "sample",
+    "train",
+    "warn_if_schedule_reshaped",
+]
+
+
+class ScheduleReshapedWarning(UserWarning):
+    """A resumed run's learning-rate schedule differs from the one its checkpoints trained with."""
 
 
 def expand(value: Any, timestamp: str) -> Any:
-    """value with {stdlib} and {timestamp} replaced in every string it holds."""
+    """value with {stdlib} and {timestamp} replaced in every string it holds.
+
+    The timestamp's colons become dashes, so it can name a folder anywhere:
+
+    >>> expand({"directory": "runs/{timestamp}"}, "2026-12-01_09:30:00")
+    {'directory': 'runs/2026-12-01_09-30-00'}
+    """
     if isinstance(value, str):
         if "{stdlib}" in value:
             import sysconfig
 
             value = value.replace("{stdlib}", sysconfig.get_paths()["stdlib"])
-        return value.replace("{timestamp}", timestamp)
+        return value.replace("{timestamp}", timestamp.replace(":", "-"))
     if isinstance(value, dict):
         return {k: expand(v, timestamp) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -66,7 +86,11 @@ def _tokenizer(reader: Any) -> Any:
 
 
 def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str = "") -> Any:
-    """The recipe's objective around model, given the reader's tokenizer if it takes one."""
+    """The recipe's objective around model, given the reader's tokenizer if it takes one.
+
+    An objective that declares no ``model`` field (one that builds its own
+    network, as the plugin guide's example does) is not handed the model.
+    """
     from dew import registry
 
     fields = _fields("objectives", config.objective, timestamp)
@@ -74,7 +98,9 @@ def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str =
     tokenizer = _tokenizer(reader)
     if tokenizer is not None and "tokenizer" not in fields and _accepts(component, "tokenizer"):
         fields["tokenizer"] = tokenizer
-    return registry.objectives.build(config.objective.name, model=model, **fields)
+    if _accepts(component, "model"):
+        fields["model"] = model
+    return registry.objectives.build(config.objective.name, **fields)
 
 
 def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
@@ -150,6 +176,41 @@ def _optimizer_config(config: RunConfig, steps: int) -> Any:
     return optimizer
 
 
+def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: int | None,
+                              directory: Any, resumed_at: int) -> None:
+    """Warn when resuming with another trainer.steps changes the learning-rate schedule.
+
+    A decaying schedule whose length is not set (optimizer.decay_steps) is
+    stretched over the run's steps, so resuming with a new ``steps`` changes
+    the rate from the resumed step on: a jump, not a continuation. The saved
+    run.json says what the checkpoints were trained with.
+    """
+    import warnings
+
+    from dew.recipes.config import RUN_FILE, RunConfig
+    from dew.training.config import fit_kwargs
+
+    saved = Path(str(directory)) / RUN_FILE
+    if not saved.is_file():
+        return
+    try:
+        before = RunConfig.read(saved)
+    except Exception:  # noqa: BLE001 - an unreadable old recipe is no reason to stop training
+        return
+    old_steps = fit_kwargs(before.trainer, steps_per_epoch)["steps"]
+    old = _optimizer_config(before, old_steps)
+    new = _optimizer_config(config, steps)
+    if old_steps == steps or old.decay_steps == new.decay_steps:
+        return
+    warnings.warn(ScheduleReshapedWarning(
+        f"This run resumes at step {resumed_at} of checkpoints trained for {old_steps} steps; "
+        f"with {steps} steps its {new.schedule} learning-rate schedule now decays over "
+        f"{new.decay_steps} updates instead of {old.decay_steps}, so the rate changes from the "
+        f"resumed step on. To continue the old schedule, set optimizer.decay_steps="
+        f"{old.decay_steps}."
+    ), stacklevel=2)
+
+
 def _ramped(config: RunConfig, dataset: Any) -> Any:
     ramp = config.trainer.batch_ramp
     if ramp is None:
@@ -173,8 +234,9 @@ def train(config: RunConfig) -> Any:
     from dew.training.optim import build_optimizer
     from dew.training.trainer import Trainer
 
-    model = models.build(config.model.name, **_fields("models", config.model, stamp))
-    if config.quantization is not None:
+    model = (None if config.model is None
+             else models.build(config.model.name, **_fields("models", config.model, stamp)))
+    if config.quantization is not None and model is not None:
         from dew.training.quantization import apply_quantization
 
         model = apply_quantization(model, config.quantization)
@@ -189,6 +251,10 @@ def train(config: RunConfig) -> Any:
     checkpoints = _checkpoints(config)
     if checkpoints is not None:
         checkpoints.acquire()  # a second run on a live directory is refused before it writes anything
+    resumed_at = checkpoints.latest if checkpoints is not None else None
+    if resumed_at is not None:
+        warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
+                                  checkpoints.directory, resumed_at)
     if checkpoints is not None and jax.process_index() == 0:
         config.save(checkpoints.directory if hasattr(checkpoints, "directory")
                     else _absolute(config.trainer.checkpoint_dir))

@@ -1,0 +1,128 @@
+"""``dew describe [NAME]``: a registered component's fields, with their types and defaults.
+
+Without NAME, every registered name by group. A name registered in two groups
+(a tracker and a dataset both called ``local``, say) is picked with its group:
+``dew describe trackers/local``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from typing import Any
+
+__all__ = ["UnknownComponentError", "add_arguments", "describe", "run"]
+
+# Fields a recipe fills in itself, by group: the objective is handed the model,
+# and a tokenizer when the data reader has one and the recipe gives none.
+SUPPLIED = {
+    "objectives": {"model": "supplied by the recipe (its model section)",
+                   "tokenizer": "taken from the data reader when the recipe sets none"},
+}
+
+
+class UnknownComponentError(LookupError):
+    """No registry holds the name, or more than one does and the group was not given."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", metavar="NAME",
+                        help="a registered name (causal_transformer, lm, local, ...), optionally "
+                             "GROUP/NAME; omit to list every name")
+
+
+def _where(name: str) -> tuple[str, str]:
+    from dew import registry
+
+    group, _, bare = name.rpartition("/")
+    if group:
+        if group not in registry.GROUPS:
+            raise UnknownComponentError(
+                f"No group {group!r}; the groups are {', '.join(registry.GROUPS)}.")
+        if bare not in registry.registry(group):
+            raise UnknownComponentError(
+                f"No {group} component is named {bare!r}; `dew describe` lists them.")
+        return group, bare
+    found = [g for g in registry.GROUPS if bare in registry.registry(g)]
+    if not found:
+        raise UnknownComponentError(
+            f"Nothing is registered as {bare!r}; `dew describe` with no name lists every name.")
+    if len(found) > 1:
+        raise UnknownComponentError(
+            f"{bare!r} names a component in {' and '.join(found)}; say which, e.g. "
+            f"`dew describe {found[0]}/{bare}`.")
+    return found[0], bare
+
+
+def _default_text(default: Any) -> str:
+    if default is ...:
+        return "required"
+    if inspect.isfunction(default) or inspect.isclass(default):
+        return f"= {default.__qualname__}"
+    return f"= {default!r}"
+
+
+def describe(name: str) -> str:
+    """The text ``dew describe name`` prints: where the component comes from, then its fields.
+
+    >>> print(describe("local").splitlines()[0])
+    local (trackers, from dew-core): dew.training.trackers:LocalTracker
+    """
+    from dew import registry
+
+    group, bare = _where(name)
+    table = registry.registry(group)
+    provider = table.provider(bare)
+    component = table.load(bare)
+    lines = [f"{bare} ({group}, from {provider.distribution}): {provider.value}"]
+    doc = inspect.getdoc(component) or ""
+    if doc:
+        lines += ["", doc.split("\n\n")[0]]
+    fields = registry.declared_fields(component)
+    supplied = SUPPLIED.get(group, {})
+    if not fields:
+        lines += ["", "no fields"]
+        return "\n".join(lines)
+    lines += ["", "fields (in a recipe, under its section next to `name:`):"]
+    lines += _rows(fields, supplied)
+    load = getattr(component, "load", None) if group == "datasets" else None
+    if callable(load):
+        keywords = {k: v for k, v in registry.declared_fields(load).items() if k != "batch"}
+        lines += ["", "load keywords (in a recipe, under data.load; batch is data.batch, and "
+                  "seed is the recipe's seed unless set here):"]
+        lines += _rows(keywords, {}) if keywords else ["  none"]
+    return "\n".join(lines)
+
+
+def _rows(fields: dict[str, tuple[Any, Any]], supplied: dict[str, str]) -> list[str]:
+    from dew.cli.train import _type_name
+
+    rows = [(field, _type_name(annotation),
+             supplied[field] if field in supplied else _default_text(default))
+            for field, (annotation, default) in fields.items()]
+    width = max(len(r[0]) for r in rows) + 2
+    kinds = min(max(len(r[1]) for r in rows), 40)
+    return [f"  {field:<{width}}{kind.ljust(kinds)}  {default}" for field, kind, default in rows]
+
+
+def listing() -> str:
+    """Every registered name, by group, with the distribution that ships it."""
+    from dew import registry
+
+    lines = []
+    for group in registry.GROUPS:
+        names = registry.registry(group).names()
+        lines.append(f"{group}:")
+        lines += [f"  {name:<24}{dist}" for name, dist in sorted(names.items())] or ["  (none)"]
+    lines.append("\n`dew describe NAME` lists a component's fields.")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        print(describe(args.name) if args.name else listing())
+    except UnknownComponentError as error:
+        print(f"dew describe: {error}", file=sys.stderr)
+        return 2
+    return 0
