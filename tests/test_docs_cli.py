@@ -143,3 +143,28 @@ def test_a_model_section_exactly_when_the_objective_takes_a_model():
             RunConfig.parse({**base, "model": model})
     with pytest.raises(RecipeError, match="objective 'lm' trains a model: add a model section"):
         RunConfig.parse({**base, "objective": {"name": "lm", "seq_len": 4}})
+
+
+SMALL = """
+model: {name: causal_transformer, vocab_size: 257, emb_features: 16, num_layers: 1,
+        num_heads: 2, mlp_features: 32, max_seq_len: 16}
+objective: {name: lm, seq_len: 8}
+data: {name: token_windows, files: "{stdlib}/abc.py", length: 8, tokenizer: byte, batch: 4}
+optimizer: {learning_rate: 1.0e-3, schedule: cosine}
+trainer: {steps: 2, log_every: 1, checkpoint_every: 2}
+"""
+
+
+@pytest.mark.slow  # two short trainings through the recipe path
+def test_dew_train_warns_when_a_resume_reshapes_the_schedule(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text(SMALL)
+    checkpoints = f"trainer.checkpoint_dir={tmp_path / 'ckpt'}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScheduleReshapedWarning)
+        assert main(["train", str(recipe), checkpoints]) == 0  # a fresh run: nothing to warn
+    with pytest.warns(ScheduleReshapedWarning, match="resumes at step 2 of checkpoints trained "
+                                                     "for 2 steps.*decay_steps=2"):
+        assert main(["train", str(recipe), checkpoints, "trainer.steps=4"]) == 0
+    assert json.loads((tmp_path / "ckpt" / "run.json").read_text())["trainer"]["steps"] == 4
