@@ -51,6 +51,7 @@ def test_check_prints_the_resolved_recipe(capsys):
     assert config["trainer"]["steps"] == 7 and config["model"]["name"] == "causal_transformer"
 
 
+@pytest.mark.slow
 def test_dew_train_tiny_lm_trains_and_samples(tmp_path):
     """The README's command, a few steps long, through the installed console script.
 

@@ -257,6 +257,7 @@ def test_save_writes_run_json_that_reads_back(tmp_path):
 # -- training from a recipe ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_runs_the_recipe_and_prints_a_sample(tmp_path, capsys):
     config = RunConfig.parse(recipe(
         objective={"name": "lm", "seq_len": 16, "prompt": "dew", "preview_tokens": 8},

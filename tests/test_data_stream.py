@@ -242,6 +242,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_workers_give_the_same_stream_and_positions_cross_worker_counts(tmp_path: Path):
     script = tmp_path / "workers.py"
     script.write_text(textwrap.dedent(WORKERS_SCRIPT))

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 
+@pytest.mark.slow
 def test_a_resumed_fit_reads_the_records_an_uninterrupted_fit_reads(tmp_path: Path, python_in_subprocess):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i} of a small corpus\n" for i in range(300)))

@@ -15,7 +15,12 @@ def python_blocks(page: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+# Pages whose examples train through the command line: the fast lane skips them.
+SLOW = {"cli.md"}
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW
+                                  else p for p in PAGES], ids=[p.name for p in PAGES])
 def test_every_python_block_runs(page, python_in_subprocess, tmp_path):
     program = "\n".join(python_blocks(page))
     python_in_subprocess(program, cwd=tmp_path)

@@ -168,3 +168,13 @@ def test_dew_train_warns_when_a_resume_reshapes_the_schedule(tmp_path, monkeypat
                                                      "for 2 steps.*decay_steps=2"):
         assert main(["train", str(recipe), checkpoints, "trainer.steps=4"]) == 0
     assert json.loads((tmp_path / "ckpt" / "run.json").read_text())["trainer"]["steps"] == 4
+
+
+@pytest.mark.parametrize("name", ["dew.cli.describe", "dew.cli.run_page"])
+def test_docstring_examples_of_the_cli_modules_run(name):
+    # tests/test_docstrings.py leaves dew.cli.* out; these two have examples of their own
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -19,7 +19,12 @@ MODULES = sorted(
 )
 
 
-@pytest.mark.parametrize("name", MODULES)
+# Modules whose examples build and run models (tens of seconds): the fast lane skips them.
+SLOW = {"dew.nn.backbones"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in MODULES])
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,

@@ -39,6 +39,7 @@ def batch():
     return {"text": rng.integers(0, 257, size=(3, 9)).astype(np.int32)}
 
 
+@pytest.mark.slow
 def test_loss_and_accuracy_match_a_hand_computation(variables, batch):
     objective = LMObjective(MODEL, seq_len=8)
     loss, aux = jax.jit(objective.loss)(variables, batch, STEP)
@@ -154,6 +155,7 @@ print(tokenizer.decode(out.tokens[0]))
 '''
 
 
+@pytest.mark.slow
 def test_key_concepts_program_runs_as_written(tmp_path):
     result = run_python(KEY_CONCEPTS, devices=1, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

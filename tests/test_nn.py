@@ -70,6 +70,7 @@ def test_param_refuses_names_that_do_not_match_the_shape():
         Wrong().init(jax.random.key(0), jnp.ones((3, 3)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cached_decode_matches_the_full_forward_at_every_position(variant):
     model = build(**VARIANTS[variant])
@@ -111,6 +112,7 @@ def test_bad_configuration_and_inputs_fail_clearly():
         jax.eval_shape(model.apply, variables, jnp.zeros((1, 25), jnp.int32))
 
 
+@pytest.mark.slow
 def test_logical_names_shard_on_a_mesh(python_in_subprocess):
     """Under a 2x2 mesh with rules in context the sharded model computes the same logits."""
     out = python_in_subprocess("""

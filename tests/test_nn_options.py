@@ -40,6 +40,7 @@ def test_xla_attention_gives_the_einsum_logits_and_parameters():
                                rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 def test_rematerialized_layers_give_the_same_loss_and_gradients(policy):
     model, tokens, variables = _setup()
@@ -51,6 +52,7 @@ def test_rematerialized_layers_give_the_same_loss_and_gradients(policy):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_decode_with_the_options_matches_the_full_forward():
     model = CausalTransformer(**TINY, attention="xla", remat="full")
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, TINY["vocab_size"])

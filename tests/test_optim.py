@@ -61,6 +61,7 @@ def _assert_same(ours: optax.GradientTransformation, hand: optax.GradientTransfo
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_adamw_cosine_masks_norms_biases_and_embeddings():
     config = OptimizerConfig(solver="adamw", learning_rate=1e-2, schedule="cosine",
                              warmup_steps=2, decay_steps=6, end_factor=0.1,

@@ -222,6 +222,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, s
     return losses
 
 
+@pytest.mark.slow
 def test_sigterm_at_three_points_then_rerun_matches_the_uninterrupted_run(
         tmp_path: Path, uninterrupted: dict[tuple[int, str], float]) -> None:
     """One run stopped three times (mid-step, during evaluation, during a save), each time resumed."""

@@ -22,6 +22,7 @@ def model_and_inputs():
     return model, tokens, model.init(jax.random.key(0), tokens)
 
 
+@pytest.mark.slow
 def test_variables_are_the_float_models(model_and_inputs):
     model, tokens, variables = model_and_inputs
     quantized = apply_quantization(model, Quantization("int8"))

@@ -60,6 +60,7 @@ def _runs(tmp_path: Path) -> list[Path]:
     return [tmp_path / "one", tmp_path / "a", tmp_path / "b"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["one run", "two runs overlaid"])
 def test_headless_chromium_loads_every_chart_and_preview(tmp_path, which):
     chromium = _chromium()

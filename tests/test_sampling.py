@@ -52,6 +52,7 @@ def naive_greedy(model, variables, prompt, steps):
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [MODEL, ROTARY], ids=["learned", "rotary"])
 def test_greedy_equals_a_naive_loop_and_batching_changes_nothing(model, variables):
     steps = 8
@@ -65,6 +66,7 @@ def test_greedy_equals_a_naive_loop_and_batching_changes_nothing(model, variable
     assert all(0 <= t < VOCAB for row in batched.tokens for t in row)
 
 
+@pytest.mark.slow
 def test_top_k_one_and_tiny_top_p_are_greedy(variables):
     params = variables[MODEL]
     greedy = generate(MODEL, params, PROMPTS, 6, jax.random.key(1), GREEDY).tokens

@@ -74,6 +74,7 @@ def server(tmp_path_factory):
         log.close()
 
 
+@pytest.mark.slow
 def test_mlflow_read_back_through_the_client(server, tmp_path):
     from mlflow import MlflowClient
 

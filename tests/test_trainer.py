@@ -87,6 +87,7 @@ def dataset(make=batch_at, rows=8) -> Dataset:
     return Dataset(train=lambda partition: Stream(make), val=None, records=None, batch=rows)
 
 
+@pytest.mark.slow
 def test_fit_matches_a_hand_written_optax_loop():
     objective, recorder = Regression(), Recorder()
     optimizer = optax.adam(1e-2)
@@ -119,6 +120,7 @@ def test_fit_matches_a_hand_written_optax_loop():
     assert int(state.step) == int(state.microstep) == int(state.updates) == 12
 
 
+@pytest.mark.slow
 def test_accumulation_equals_one_batch_k_times_larger():
     k, rows = 4, 2
     small = Trainer(Regression(), optax.sgd(0.05, momentum=0.9), key=jax.random.key(0), accumulation=k)
@@ -136,6 +138,7 @@ def test_accumulation_equals_one_batch_k_times_larger():
     assert int(accumulated.window.filled) == 0
 
 
+@pytest.mark.slow
 def test_the_step_traces_once_and_donates_the_state_not_the_batch():
     objective = Regression()
     trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0))
@@ -248,6 +251,7 @@ def test_mesh_sizes_that_do_not_divide_the_devices_are_refused():
         build_mesh(MeshSpec(fsdp=3))
 
 
+@pytest.mark.slow
 def test_a_batch_ramp_compiles_once_per_size_it_names():
     from dew.data import ramped
     from dew.data.sources import ArrayRecords

@@ -24,7 +24,7 @@ def smooth(values: np.ndarray, weight: float = 0.6) -> np.ndarray:
 
     >>> smooth(np.array([1.0, 1.0, 1.0])).tolist()
     [1.0, 1.0, 1.0]
-    >>> [round(v, 3) for v in smooth(np.array([0.0, 1.0, float("nan"), 1.0]), 0.5)]
+    >>> smooth(np.array([0.0, 1.0, float("nan"), 1.0]), 0.5).round(3).tolist()
     [0.0, 0.667, nan, 0.857]
     """
     if not 0 <= weight < 1:
