@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = r"""
 import sys
 import jax
@@ -115,6 +117,7 @@ def _pool(tmp_path: Path, mode: str) -> list[tuple[int, str, str]]:
     return results
 
 
+@pytest.mark.slow
 def test_two_processes_write_their_shards_and_process_0_commits(tmp_path: Path) -> None:
     results = _pool(tmp_path, "shared")
     for index, (code, out, err) in enumerate(results):
@@ -132,6 +135,7 @@ def workers_pid(out: str) -> tuple[int, int]:
     return int(words[3]), int(words[-1])
 
 
+@pytest.mark.slow
 def test_every_process_is_refused_a_directory_another_process_writes(tmp_path: Path) -> None:
     from dew.training.checkpoint_lease import LEASE, this_process
 
@@ -144,6 +148,7 @@ def test_every_process_is_refused_a_directory_another_process_writes(tmp_path: P
     assert not [p for p in (tmp_path / "run").iterdir() if p.name != LEASE]
 
 
+@pytest.mark.slow
 def test_every_process_refuses_a_directory_it_cannot_see(tmp_path: Path) -> None:
     for code, out, err in _pool(tmp_path, "unshared"):
         assert code == 3, err[-4000:]

@@ -30,6 +30,7 @@ def _loss_and_grads(model, variables, tokens):
     return jax.jit(jax.value_and_grad(loss))(variables["params"])
 
 
+@pytest.mark.slow
 def test_xla_attention_gives_the_einsum_logits_and_parameters():
     model, tokens, variables = _setup()
     fused = CausalTransformer(**TINY, attention="xla")

@@ -71,6 +71,7 @@ def test_adamw_cosine_masks_norms_biases_and_embeddings():
     _assert_same(build_optimizer(config), hand)
 
 
+@pytest.mark.slow
 def test_mask_matters():
     """Decaying everything gives other parameters, so the masked comparison is not vacuous."""
     config = OptimizerConfig(learning_rate=1e-2, weight_decay=0.5)

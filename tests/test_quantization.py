@@ -30,6 +30,7 @@ def test_variables_are_the_float_models(model_and_inputs):
     assert shapes == jax.tree.map(jnp.shape, variables)
 
 
+@pytest.mark.slow
 def test_trunk_matmuls_match_qwix_with_the_same_rule(model_and_inputs):
     model, tokens, variables = model_and_inputs
     ours = apply_quantization(model, Quantization("int8")).apply(variables, tokens)
@@ -41,6 +42,7 @@ def test_trunk_matmuls_match_qwix_with_the_same_rule(model_and_inputs):
     assert 0 < error < 0.1  # quantized, so not equal, but close
 
 
+@pytest.mark.slow
 def test_nothing_selected_is_the_float_model(model_and_inputs):
     model, tokens, variables = model_and_inputs
     untouched = apply_quantization(model, Quantization("int8", modules="no_such_module"))
@@ -48,6 +50,7 @@ def test_nothing_selected_is_the_float_model(model_and_inputs):
                                   np.asarray(model.apply(variables, tokens)))
 
 
+@pytest.mark.slow
 def test_quantized_model_trains(model_and_inputs):
     model, tokens, variables = model_and_inputs
     quantized = apply_quantization(model, Quantization("int8", backward="int8"))

@@ -42,6 +42,9 @@ def _run(directory):
     pixels[:, :8, 0] = 255
     tracker.artifact(Artifact("samples", "image", pixels), 40)
     tracker.artifact(Artifact("story", "text", "<once> upon a time"), 40)
+    frames = np.zeros((3, 8, 8, 3), np.uint8)
+    frames[1, :, :, 1] = 255
+    tracker.artifact(Artifact("clip", "video", frames), 40)
     tracker.artifact(Goodput(1.5, 10.0, 8.0, compile_seconds=1.0), 41)
     tracker.close()
 
@@ -58,10 +61,11 @@ def test_report_renders_plots_and_one_page(tmp_path, capsys):
     sources = sorted(page.images)
     # loss and val/loss share one chart; lr is the learning-rate chart; goodput has its bar
     assert sources == sorted(["plots/loss.png", "plots/learning_rate.png", "plots/goodput.png",
-                              "../previews/samples/step_00000040.png"])
+                              "../previews/samples/step_00000040.png",
+                              "../previews/clip/step_00000040.gif"])
     for source in sources:
         with Image.open(page_path.parent / source) as image:
-            assert image.format == "PNG"
+            assert image.format == ("GIF" if source.endswith(".gif") else "PNG")
     with Image.open(run / "report/plots/loss.png") as plot:
         assert plot.size == (640, 360)
         # the curve is drawn in matplotlib's first colour (tab:blue, #1f77b4)

@@ -76,7 +76,8 @@ def test_headless_chromium_loads_every_chart_and_preview(tmp_path, which):
     images = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
     expected = {"plots/loss.png", "plots/goodput.png"}
     if which == "one run":
-        expected |= {"plots/learning_rate.png", "../previews/samples/step_00000040.png"}
+        expected |= {"plots/learning_rate.png", "../previews/samples/step_00000040.png",
+                     "../previews/clip/step_00000040.gif"}
     else:
         expected |= {"plots/step_time.png"}
     assert {src for src, _, _ in images} == expected

@@ -74,6 +74,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy(variables):
         assert generate(MODEL, params, PROMPTS, 6, jax.random.key(5), sampling).tokens == greedy
 
 
+@pytest.mark.slow
 def test_accepts_boxed_variables_and_arrays(boxed, variables):
     prompts = np.asarray([[1, 2, 3], [4, 5, 6]], np.int32)
     from_boxed = generate(MODEL, boxed[MODEL], prompts, 4, jax.random.key(2))
@@ -82,6 +83,7 @@ def test_accepts_boxed_variables_and_arrays(boxed, variables):
     assert [row[:3] for row in from_boxed.tokens] == prompts.tolist()
 
 
+@pytest.mark.slow
 def test_compiles_once_per_shape(variables):
     params = variables[MODEL]
     sampling = Sampling(temperature=0.5, top_k=5)
@@ -107,6 +109,7 @@ def test_sampling_draws_from_the_filtered_softmax():
     assert np.mean(cold == 3) > 0.99
 
 
+@pytest.mark.slow
 def test_bad_settings_and_prompts_fail_clearly(variables):
     for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_k=1.5), dict(top_p=0.0),
                 dict(top_p=1.5)):
