@@ -108,6 +108,7 @@ class Counter(Objective):
         return ("text",)
 
 
+@pytest.mark.slow
 def test_a_rollout_samples_with_the_live_parameters_and_the_step_compiles_once():
     from dew.sampling import Sampling, generate
 
@@ -225,6 +226,7 @@ def sgd_step(objective, optimizer):
     return step
 
 
+@pytest.mark.slow
 def test_a_custom_step_composes_with_the_ema():
     objective = Linear(ema=EMASpec(decay=0.5))
     trainer = Trainer(objective, optax.identity(), key=jax.random.key(0), step=sgd_step)

@@ -86,6 +86,7 @@ def paths_of(tree):
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+@pytest.mark.slow
 def test_frozen_leaves_never_train_and_exist_once():
     objective = Distill(ema=EMASpec(decay=0.5))
     data, make = batches()
@@ -135,6 +136,7 @@ def test_a_frozen_leaf_an_optimizer_group_trains_is_refused_naming_it():
         trainer.place()
 
 
+@pytest.mark.slow
 def test_frozen_leaves_shard_by_the_layout_and_restore_from_a_checkpoint(python_in_subprocess, tmp_path):
     out = python_in_subprocess(f"""
         import sys

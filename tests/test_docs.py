@@ -16,7 +16,7 @@ def python_blocks(page: Path) -> list[str]:
 
 
 # Pages whose examples train through the command line: the fast lane skips them.
-SLOW = {"cli.md"}
+SLOW = {"cli.md", "training.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW
