@@ -99,7 +99,7 @@ def _recipe_run(directory, learning_rate, scale):
     for step in range(1, 31):
         noise = 0.3 * math.sin(step * 1.7)  # a ragged curve, for the smoothing to show
         tracker.log({"train/loss": scale * math.exp(-step / 10) + noise,
-                     "train/step_time": 0.01}, step)
+                     "train/step_time": 0.01, "evaluation/batches": 5}, step)
     tracker.artifact(Goodput(1.0, 5.0, 3.0, compile_seconds=1.5), 30)
     tracker.close()
 
@@ -112,7 +112,9 @@ def test_several_runs_overlay_in_one_colour_each_with_the_recipe_side_by_side(tm
     page_path = render_report([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
     page = Page()
     page.feed(page_path.read_text())
+    # a constant that is no step time (a count of batches) gets no chart, only its table row
     assert sorted(page.images) == ["plots/goodput.png", "plots/loss.png", "plots/step_time.png"]
+    assert "<td>evaluation/batches</td><td>30</td><td>5</td>" in page_path.read_text()
     with Image.open(tmp_path / "out/plots/loss.png") as plot:
         pixels = np.asarray(plot.convert("RGB")).reshape(-1, 3).astype(int)
 

@@ -76,21 +76,28 @@ def _kind(name: str) -> str:
     return ""
 
 
-def chart_groups(names: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """Charts as (title, metrics): the grouped ones first, then one chart per other metric.
+def _base(name: str) -> str:
+    """A metric's name without its split: train/accuracy, val/accuracy and accuracy share one."""
+    head, _, rest = name.partition("/")
+    return rest if rest and head in ("train", "val", "eval", "validation") else name
 
-    >>> chart_groups(["val/loss", "train/loss", "train/lr", "train/grad_norm"])
+
+def chart_groups(names: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Charts as (title, metrics): the grouped ones first, then one chart per other metric
+    with its training and validation series together.
+
+    >>> chart_groups(["val/loss", "train/loss", "train/lr", "val/accuracy", "accuracy"])
     [('loss', ['train/loss', 'val/loss']), ('learning rate', ['train/lr']), \
-('train/grad_norm', ['train/grad_norm'])]
+('accuracy', ['accuracy', 'val/accuracy'])]
     """
     grouped: dict[str, list[str]] = {title: [] for title in GROUPS}
-    rest = []
+    rest: dict[str, list[str]] = {}
     # training series before validation ones, so the first colour is the training loss
     for name in sorted(set(names), key=lambda n: (n.startswith(("val", "eval")), n)):
         kind = _kind(name)
-        (grouped[kind] if kind else rest).append(name)
-    return [(title, members) for title, members in grouped.items() if members] + [
-        (name, [name]) for name in rest]
+        (grouped[kind] if kind else rest.setdefault(_base(name), [])).append(name)
+    return [(title, members) for title, members in grouped.items() if members] + sorted(
+        rest.items())
 
 
 def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -117,7 +124,11 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
 
     several = len(runs) > 1
     paths = []
+    varying = {name for run in runs for name, (_, values) in run.series.items()
+               if len(set(values[np.isfinite(values)].tolist())) > 1}
     for title, members in chart_groups(sorted({n for run in runs for n in run.series})):
+        if title not in GROUPS and not varying.intersection(members):
+            continue  # a constant (a count of evaluation batches): the table says it all
         if title not in GROUPS:  # past the grouped charts
             goodput = {run.label: run.goodput for run in runs if run.goodput}
             if goodput and not any(p.stem == "goodput" for p in paths):
@@ -131,7 +142,8 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
                                       *run.series[name], color,
                                       STYLES[m % len(STYLES)] if several else "-"))
         paths.append(plot_lines(title, lines, out / "plots" / f"{safe_name(title)}.png",
-                                smoothed=title != "learning rate"))
+                                smoothed=title != "learning rate",
+                                log_y=True if title == "throughput" else None))
     goodput = {run.label: run.goodput for run in runs if run.goodput}
     if goodput and not any(p.stem == "goodput" for p in paths):
         paths.append(plot_goodput(goodput, out / "plots" / "goodput.png"))

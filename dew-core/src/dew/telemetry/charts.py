@@ -82,12 +82,13 @@ def _save(figure, path: str | Path) -> Path:
 
 
 def plot_lines(title: str, lines: Sequence[Line], path: str | Path, weight: float = 0.6,
-               smoothed: bool = True) -> Path:
+               smoothed: bool = True, log_y: bool | None = None) -> Path:
     """Every line on one chart: raw values faint, their smoothed curve bold in the same colour.
 
     A line of a few points, or any line when smoothed is False (a schedule, which
-    has no noise to smooth away), is drawn raw only.
-    The y axis turns logarithmic when every value is positive and they span 100x or more.
+    has no noise to smooth away), is drawn raw only. log_y None turns the y axis
+    logarithmic when every value is positive and they span 1000x or more (True
+    asks for it whenever every value is positive: rates in different units).
     """
     from matplotlib.ticker import MaxNLocator
 
@@ -109,7 +110,8 @@ def plot_lines(title: str, lines: Sequence[Line], path: str | Path, weight: floa
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(True, alpha=0.3)
     finite = np.concatenate(shown_all) if shown_all else np.array([])
-    if len(finite) and np.all(finite > 0) and finite.max() / finite.min() > 100:
+    positive = len(finite) > 0 and bool(np.all(finite > 0))
+    if positive and (log_y or (log_y is None and finite.max() / finite.min() > 1000)):
         axes.set_yscale("log")
     if lines:
         axes.legend(loc="best", fontsize="small")
