@@ -219,7 +219,7 @@ def main() -> None:
     peak_text = f"{peak / 1e12:.0f} TFLOP/s bf16" if peak else "unknown peak"
     print(f"device: {device.device_kind} ({device.platform}), {peak_text}")
     hand = hand_loop(model, optimizer, batch, steps)
-    print(f"model: {hand['parameters'] / 1e9:.4g}B parameters, {shape.layers} layers x "
+    print(f"model: {hand['parameters']:,} parameters, {shape.layers} layers x "
           f"{shape.width} wide, {shape.heads} heads, SwiGLU {shape.mlp}, vocab {shape.vocab}; "
           f"bf16 compute, float32 parameters; attention={attention}, remat={remat}")
     print(f"batch: {shape.batch} x {shape.seq} tokens; "
