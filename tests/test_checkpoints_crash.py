@@ -174,6 +174,7 @@ def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how:
             subprocess.run(["umount", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_host_and_device_digests_agree_for_every_dtype_and_sharding(python_in_subprocess) -> None:
     """Restores on the CPU digest on the host (numpy), saves on the devices (XLA): the numbers must agree."""
     code = """

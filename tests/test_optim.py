@@ -83,6 +83,7 @@ def test_mask_matters():
                                rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_lion_linear_with_clipping():
     config = OptimizerConfig(solver="lion", learning_rate=1e-3, schedule="linear",
                              warmup_steps=2, decay_steps=5, weight_decay=0.1, clip_norm=0.5)
