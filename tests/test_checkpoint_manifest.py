@@ -139,6 +139,7 @@ def test_fuzz_arbitrary_bytes(raw: bytes) -> None:
     _parse_in_time(raw)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(JSON)
 def test_fuzz_arbitrary_json(document: object) -> None:

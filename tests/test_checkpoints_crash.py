@@ -146,6 +146,7 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["tmpfs", "rlimit"])
 def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how: str) -> None:
     mount = tmp_path / "disk"

@@ -198,6 +198,7 @@ print("handed over", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["finishing", "failing"])
 def test_a_save_in_flight_at_exit_is_finished_or_abandoned_loudly(tmp_path: Path, how: str) -> None:
     directory = tmp_path / "run"

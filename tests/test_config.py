@@ -368,6 +368,7 @@ def test_run_timestamp_format():
     assert abs(time.mktime(time.strptime(stamp, "%Y-%m-%d_%H:%M:%S")) - time.time()) < 5
 
 
+@pytest.mark.slow
 def test_run_timestamp_is_process_zeros_in_a_pool(tmp_path):
     """Two real processes join a pool through prepare_process; process 1's clock is wrong."""
     with socket.socket() as probe:

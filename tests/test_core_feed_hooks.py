@@ -162,6 +162,7 @@ class Reusing:
         self.used, self.sample = pickle.loads(state)
 
 
+@pytest.mark.slow
 def test_a_stateful_rollout_resumes_exactly_with_the_data_position(tmp_path):
     uninterrupted = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=Reusing())
     expected = jax.device_get(uninterrupted.fit(numbered(), steps=8, log_every=8).params)
@@ -368,6 +369,7 @@ def test_a_program_that_exits_right_after_fit_keeps_its_final_checkpoint(python_
     assert Checkpoints(tmp_path).latest == 6
 
 
+@pytest.mark.slow
 def test_a_failing_fit_finishes_the_checkpoint_it_had_started(python_in_subprocess, tmp_path):
     result = python_in_subprocess(f"""
         import jax, optax, sys

@@ -192,6 +192,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_a_two_process_pool_reads_the_one_process_order(tmp_path: Path):
     script = tmp_path / "pool.py"
     script.write_text(textwrap.dedent(POOL_SCRIPT))

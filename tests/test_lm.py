@@ -65,6 +65,7 @@ def test_init_returns_partitioned_variables_for_seq_len_windows():
     assert objective.init(jax.random.key(0), given) is given
 
 
+@pytest.mark.slow
 def test_evaluate_and_perplexity(variables, batch):
     objective = LMObjective(MODEL, seq_len=8)
     outputs = objective.evaluate(variables, batch, STEP)

@@ -309,6 +309,7 @@ with PreemptionWatch() as watch:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigterm", "notice"])
 def test_a_pool_stops_at_one_agreed_step(tmp_path: Path, how: str) -> None:
     import socket
@@ -392,6 +393,7 @@ def _interrupted(tmp_path: Path, signals: int) -> tuple[subprocess.CompletedProc
     return subprocess.CompletedProcess(child.args, child.returncode, "".join(lines) + out, err), tmp_path
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_step_and_exits_130(tmp_path: Path) -> None:
     from dew import Checkpoints
 
@@ -403,6 +405,7 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path: Path) -> None:
     assert Checkpoints(tmp_path / "checkpoints").latest == step
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     result, _ = _interrupted(tmp_path, signals=2)
     assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-2000:])

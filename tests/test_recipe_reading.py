@@ -62,6 +62,7 @@ def _bounded() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_dew_train_refuses_hostile_recipe_with_one_message(case, tmp_path):
     content, expected = HOSTILE[case]
@@ -153,6 +154,7 @@ def _check_one(text: str, tmp_path: Path) -> None:
     assert time.monotonic() - started < 10.0
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edits=st.lists(st.tuples(st.lists(_SECTIONS, min_size=1, max_size=3), _TREES), max_size=4))
 def test_fuzz_structured_edits_of_a_real_recipe(edits, tmp_path):

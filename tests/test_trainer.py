@@ -197,6 +197,7 @@ def test_repeated_non_finite_losses_stop_the_run_naming_the_step():
         trainer.fit(dataset(poisoned), steps=40, log_every=10)
 
 
+@pytest.mark.slow
 def test_ema_follows_the_selected_leaves_only():
     spec = EMASpec(decay=0.5, select=under("params/Dense_0"))
     trainer = Trainer(Regression(ema=spec), optax.sgd(0.1), key=jax.random.key(1))
