@@ -64,3 +64,71 @@ def test_live_display_on_a_terminal_keeps_the_spec_lines():
     for line in SPEC_LINES:
         assert line in text
     assert "steps/s" in text and "loss 0.0102" in text and "50/100" in text
+
+
+PTY_RUN = r'''
+import itertools, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import linen as nn
+from dew import Checkpoints, Trainer
+from dew.data import Dataset
+from dew.objectives.base import Aux, Mean, Objective
+
+
+class Line(Objective):
+    def init(self, key, variables=None):
+        return nn.Dense(1).init(key, jnp.zeros((1, 1)))
+
+    def loss(self, variables, batch, step):
+        errors = (nn.Dense(1).apply(variables, batch["x"]) - 2 * batch["x"]) ** 2
+        return Mean(errors.sum(), jnp.asarray(errors.size, jnp.float32)), Aux()
+
+
+def slow(partition):
+    for _ in itertools.count():
+        time.sleep(0.05)
+        yield {"x": np.ones((4, 1), np.float32)}
+
+
+Trainer(Line(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=Checkpoints(sys.argv[1])).fit(
+    Dataset(train=slow, batch=4), steps=40, log_every=20, checkpoint_every=20)
+'''
+
+
+def test_a_terminal_shows_the_compile_line_checkpoint_lines_and_an_eta_that_agrees(tmp_path):
+    """A real fit on a pseudo-terminal: rich draws the bar, the news lines print above it."""
+    import os
+    import pty
+    import re
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(PTY_RUN)
+    leader, follower = pty.openpty()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="160", TERM="xterm")
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt")], stdout=follower,
+                             stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert child.wait(timeout=300) == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    assert "compiling the step for batches of 4 rows: " in text
+    assert re.search(r"step 20: checkpoint handed to the writer, the loop blocked [0-9.]+ s", text)
+    assert re.search(r"step 40: checkpoint handed to the writer", text)
+    assert f"checkpoints: {tmp_path / 'ckpt'}" in text
+    # Every drawn bar's time left is the steps left over its own rate (within rounding).
+    bars = re.findall(r"(\d+)/40 .*?([0-9.]+) steps/s\s+eta (\d+):(\d\d):(\d\d)", text)
+    assert bars, text[-2000:]
+    for done, rate, hours, minutes, seconds in bars:
+        left = int(hours) * 3600 + int(minutes) * 60 + int(seconds)
+        expected = (40 - int(done)) / float(rate)
+        assert abs(left - expected) <= 1 + 0.05 * expected, (done, rate, left)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import types
 import typing
@@ -13,7 +14,9 @@ from typing import Any
 
 import pydantic
 
-__all__ = ["add_arguments", "field_lines", "run"]
+__all__ = ["TRACEBACK_VARIABLE", "add_arguments", "field_lines", "is_dews", "run"]
+
+TRACEBACK_VARIABLE = "DEW_TRACEBACK"
 
 
 def _type_name(annotation: Any) -> str:
@@ -115,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides, values read as YAML (trainer.steps=10)")
     parser.add_argument("--check", action="store_true",
                         help="validate the recipe and print it as JSON (secrets redacted), without training")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on a failure dew recognises, print the whole traceback, not one message "
+                             f"(or set {TRACEBACK_VARIABLE}=1)")
     parser.epilog = (
         "examples:\n  dew train tiny-lm\n  dew train my-run.yaml trainer.steps=200 "
         "optimizer.learning_rate=1e-3\n\n" + fields_help()
@@ -133,5 +139,29 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         print(json.dumps(config.recorded(), indent=2))
         return 0
-    config.train()
+    try:
+        config.train()
+    except Exception as error:
+        if args.traceback or os.environ.get(TRACEBACK_VARIABLE) or not is_dews(error):
+            raise
+        print(f"dew train: {type(error).__name__}: {error}", file=sys.stderr)
+        for note in getattr(error, "__notes__", ()):
+            print(f"dew train: {note}", file=sys.stderr)
+        print(f"dew train: (run with --traceback or {TRACEBACK_VARIABLE}=1 for the traceback)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def is_dews(error: BaseException) -> bool:
+    """Whether dew raised this error on purpose: its class is defined in a dew module.
+
+    Such an error's message says what went wrong and how to fix it, so the
+    command prints the message alone; anything else is a bug and keeps its
+    traceback.
+
+    >>> from dew.training.mesh import MeshSizeError
+    >>> is_dews(MeshSizeError("x")), is_dews(ValueError("x"))
+    (True, False)
+    """
+    return type(error).__module__.split(".")[0] == "dew"

@@ -272,6 +272,14 @@ class Objective(Generic[Loss, Effects]):
         """Batch keys the loss reads; the trainer checks them before compiling."""
         return ()
 
+    def check_batch(self, batch: Mapping[str, np.ndarray], step: int) -> None:
+        """Refuse, on the host and before the step runs, a batch the loss cannot use.
+
+        The trainer calls it with this process's share of every batch; raise
+        an error naming the key, the step and what was expected (token ids
+        outside the vocabulary, for example). Keep it cheap.
+        """
+
     def tokens(self, batch: Mapping[str, Any]) -> int | None:
         """Tokens one global batch of these shapes trains on, for throughput (None: not token data)."""
         return None

@@ -84,7 +84,6 @@ class Console:
             MofNCompleteColumn,
             Progress,
             TextColumn,
-            TimeRemainingColumn,
         )
 
         console = RichConsole(file=self._out(), force_terminal=True if self.live else None)
@@ -93,7 +92,7 @@ class Console:
             MofNCompleteColumn(),
             BarColumn(),
             TextColumn("{task.fields[rate]} steps/s"),
-            TimeRemainingColumn(),
+            TextColumn("eta {task.fields[eta]}"),
             TextColumn("loss {task.fields[loss]}"),
             console=console,
             refresh_per_second=4,
@@ -101,18 +100,27 @@ class Console:
         )
         self._progress.start()
         self._task = self._progress.add_task(
-            "fit", total=self._steps, completed=self._start, rate="-", loss="-"
+            "fit", total=self._steps, completed=self._start, rate="-", eta="-", loss="-"
         )
         self._started_at = time.perf_counter()
 
     def advance(self, step: int) -> None:
-        """Note that step steps are done (cheap: no printing, no device access)."""
+        """Note that step steps are done (cheap: no printing, no device access).
+
+        The bar's rate and its time left come from the same count, so they
+        agree: time left is the steps left over that rate.
+        """
         self._step = step
         if self._progress is not None:
             elapsed = time.perf_counter() - self._started_at
             done = step - self._start
-            rate = f"{done / elapsed:.2f}" if elapsed > 0 and done > 0 else "-"
-            self._progress.update(self._task, completed=step, rate=rate)
+            if elapsed > 0 and done > 0:
+                rate = done / elapsed
+                left = int(round((self._steps - step) / rate))
+                fields = {"rate": f"{rate:.2f}", "eta": f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"}
+            else:
+                fields = {"rate": "-", "eta": "-"}
+            self._progress.update(self._task, completed=step, **fields)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Print a log step's loss, learning rate, tokens per second and step time (every

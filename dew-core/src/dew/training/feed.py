@@ -22,7 +22,7 @@ import base64
 import json
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -115,6 +115,7 @@ class Feed:
     required: Sequence[str] = ()
     rollout: Rollout | None = None
     ramp_sizes: frozenset[int] = frozenset()
+    check: Callable[[Mapping[str, Any], int], None] | None = None
     clock: FeedClock = field(default_factory=FeedClock)
     _stream: Iterator | None = None
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
@@ -180,6 +181,8 @@ class Feed:
             self.clock.rollout += time.perf_counter() - rolled
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
         shapes = self._check(host, step)
+        if self.check is not None:
+            self.check(host, step)
         rows = _rows(shapes)
         return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows)
 

@@ -421,7 +421,8 @@ class Trainer(Generic[Loss, Effects]):
             return state
         schedule = getattr(dataset.train, "schedule", None) or ()
         feed = Feed(dataset, mesh, data_partition(mesh), required=tuple(self.objective.required_keys()),
-                    rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in schedule))
+                    rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in schedule),
+                    check=getattr(self.objective, "check_batch", None))
         feed.open(position, resuming=start > 0)
         progress.start(self, start, steps, mesh.shape)
         if self.checkpoints is not None:

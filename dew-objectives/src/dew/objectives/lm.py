@@ -31,7 +31,7 @@ from dew.objectives.base import (
 from dew.sampling import Sampling, generate
 from dew.telemetry.artifacts import Artifact
 
-__all__ = ["BatchShapeError", "LMObjective", "MissingBatchKeyError", "Perplexity", "Tokenizer"]
+__all__ = ["BatchShapeError", "LMObjective", "TokenRangeError", "MissingBatchKeyError", "Perplexity", "Tokenizer"]
 
 
 class MissingBatchKeyError(KeyError):
@@ -43,6 +43,10 @@ class MissingBatchKeyError(KeyError):
 
 class BatchShapeError(ValueError):
     """A batch array has another shape or dtype than the objective expects."""
+
+
+class TokenRangeError(ValueError):
+    """A batch holds token ids outside the model's vocabulary."""
 
 
 class Tokenizer(Protocol):
@@ -110,6 +114,24 @@ class LMObjective(Objective):
 
     def required_keys(self) -> Sequence[str]:
         return ("text",)
+
+    def check_batch(self, batch: Mapping[str, Any], step: int) -> None:
+        """Token ids must lie in [0, the model's vocab_size): refused before the step, by name."""
+        vocab = getattr(self.model, "vocab_size", None)
+        text = batch.get("text")
+        if vocab is None or text is None or not hasattr(text, "dtype"):
+            return
+        if not jnp.issubdtype(text.dtype, jnp.integer):
+            raise BatchShapeError(f"Batch key 'text' of step {step} holds {text.dtype}; token ids "
+                                  "must be integers.")
+        high, low = int(text.max(initial=0)), int(text.min(initial=0))
+        if high >= vocab or low < 0:
+            raise TokenRangeError(
+                f"Batch key 'text' of step {step} holds token id {high if high >= vocab else low}, "
+                f"outside the model's vocabulary of {vocab} ids (0 to {vocab - 1}). The tokenizer "
+                f"makes more ids than the model has rows: build the model with vocab_size of at "
+                f"least {high + 1}, or use the tokenizer it was built for."
+            )
 
     def tokens(self, batch: Mapping[str, Any]) -> int | None:
         """The predicted tokens of a global batch: seq_len per row."""
