@@ -1,16 +1,18 @@
 """Step time with every tracker logging every step, against no tracker, in one run.
 
-    .venv/bin/python benchmarks/trackers_bench.py [--steps 60] [--repeats 3] [--arms each]
+    .venv/bin/python benchmarks/trackers_bench.py [--step-ms 10 100] [--repeats 3] [--arms each]
 
-Both arms run the same fit (log_every=1, so the loop fetches and logs metrics
-at every step in both); the tracker arm fans out to LocalTracker,
-TensorBoardTracker, MLflowTracker (SQLite store, or --mlflow-uri) and an
-offline WandbTracker. The step time is the Goodput record's step_seconds per
-step after the first (compile excluded). Arms alternate to spread drift
-between them, and each arm's best of the repeats is compared, since load
-from elsewhere only ever adds time. Prints the ratio (target <= 1.02) and
-the host time one log() call costs in each sink. --arms each also times
-every tracker on its own.
+For each target step time (10 ms and 100 ms by default) the model's width is
+calibrated so one step takes about that long, then both arms run the same fit
+(log_every=1, so the loop fetches and logs metrics at every step in both); the
+tracker arm fans out to LocalTracker, TensorBoardTracker, MLflowTracker
+(SQLite store, or --mlflow-uri) and an offline WandbTracker. The step time is
+the Goodput record's step_seconds per step after the first (compile
+excluded). Arms alternate to spread drift between them, and each arm's best
+of the repeats is compared, since load from elsewhere only ever adds time.
+Prints one ratio per step time (target <= 1.02) and the host time one log()
+call costs the caller in each sink. --arms each also times every tracker on
+its own.
 """
 
 from __future__ import annotations
@@ -106,6 +108,25 @@ def sinks(root: Path, index: int, mlflow_uri: str, arm: str = "all") -> list:
     return [make[name]() for name in names]
 
 
+def calibrate(target_ms: float, batch: int) -> int:
+    """A width whose training step takes about target_ms here (time grows with width²)."""
+    def step_ms(width: int) -> float:
+        objective = Regression(width)
+        params = objective.init(jax.random.key(0))
+        x = jnp.ones((batch, 64))
+        grad = jax.jit(jax.grad(lambda p: jnp.sum(objective.model.apply(p, x) ** 2)))
+        jax.block_until_ready(grad(params))
+        began = time.perf_counter()
+        for _ in range(5):
+            jax.block_until_ready(grad(params))
+        return 1e3 * (time.perf_counter() - began) / 5
+
+    width = 256
+    for _ in range(2):  # once from a guess, once from the first estimate
+        width = max(32, int(width * (target_ms / step_ms(width)) ** 0.5) // 32 * 32)
+    return width
+
+
 def fit(args, arm: str, root: Path, index: int) -> float:
     capture = Capture()
     others = sinks(root, index, args.mlflow_uri, arm)
@@ -142,37 +163,17 @@ def per_call(root: Path, mlflow_uri: str, calls: int = 200) -> None:
             sink.log(scalars, step)
             caller += time.perf_counter() - began
             time.sleep(0.005)  # paced like a loop, so a batching sink can batch
-        sender = getattr(sink, "_sender", None)
-        if sender is not None:
-            sender.drain()
-        if hasattr(sink, "flush"):
-            sink.flush()
+        sink.flush()
         cpu = time.process_time() - cpu
         sink.close()
         print(f"  {type(sink).__name__:20s} caller {1e6 * caller / calls:8.1f} us, "
               f"process CPU {1e6 * cpu / calls:8.1f} us per log() call")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--mlflow-uri", default=None)
-    parser.add_argument("--arms", choices=("all", "each"), default="all",
-                        help="'each' also times every tracker on its own")
-    args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="dew-trackers-bench-"))
-    os.environ.setdefault("WANDB_DIR", str(root))
-    os.environ.setdefault("WANDB_SILENT", "true")
-    args.mlflow_uri = args.mlflow_uri or f"sqlite:///{root / 'mlflow.db'}"
-    os.chdir(root)  # a SQLite store keeps its artifacts in ./mlruns
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, width {args.width}, "
-          f"batch {args.batch}, {args.steps} steps, log_every=1, mlflow {args.mlflow_uri}")
+def compare(args, root: Path, index: int) -> tuple[float, int]:
+    """Run every arm args.repeats times; print each arm's best; return the ratio."""
     arms = ARMS if args.arms == "each" else ("none", "all")
     times: dict[str, list[float]] = {arm: [] for arm in arms}
-    index = 0
     for _ in range(args.repeats):
         for arm in arms:
             times[arm].append(fit(args, arm, root, index))
@@ -183,7 +184,37 @@ def main() -> None:
         best, middle = min(times[arm]), statistics.median(times[arm])
         print(f"{arm:12s} best {1e3 * best:7.2f} ms/step, median {1e3 * middle:7.2f} "
               f"(of {args.repeats}); best vs none {best / base:.3f}")
-    print(f"ratio, every tracker vs none: {min(times['all']) / base:.3f} (target <= 1.02)")
+    return min(times["all"]) / base, index
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[10.0, 100.0],
+                        help="target step times; the width is calibrated to each")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="timed seconds per fit (sets the steps for each step time)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--mlflow-uri", default=None)
+    parser.add_argument("--arms", choices=("all", "each"), default="all",
+                        help="'each' also times every tracker on its own")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="dew-trackers-bench-"))
+    os.environ.setdefault("WANDB_DIR", str(root))
+    os.environ.setdefault("WANDB_SILENT", "true")
+    args.mlflow_uri = args.mlflow_uri or f"sqlite:///{root / 'mlflow.db'}"
+    os.chdir(root)  # a SQLite store keeps its artifacts in ./mlruns
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {args.batch}, "
+          f"log_every=1, mlflow {args.mlflow_uri}")
+    ratios, index = {}, 0
+    for target in args.step_ms:
+        args.width = calibrate(target, args.batch)
+        args.steps = max(20, int(args.seconds * 1e3 / target))
+        print(f"-- step of ~{target:g} ms: width {args.width}, {args.steps} steps", flush=True)
+        ratios[target], index = compare(args, root, index)
+    for target, ratio in ratios.items():
+        print(f"ratio at ~{target:g} ms steps, all four trackers vs none: {ratio:.3f} "
+              "(target <= 1.02)")
     print("per-call cost (host time of log(), 4 scalars):")
     per_call(root, args.mlflow_uri)
 

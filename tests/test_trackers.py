@@ -70,6 +70,7 @@ def test_plot_reads_the_journal_and_never_changes_it(tmp_path):
     for step in range(1, 21):
         tracker.log({"loss": 1.0 / step, "lr": 0.1}, step=step)
     tracker.log({"loss": float("nan")}, step=21)
+    tracker.flush()  # the tracker thread writes rows a batch at a time
     # A row appended by someone else appears in the plot: plot() reads the file.
     with open(tmp_path / "scalars.jsonl", "a") as handle:
         handle.write(json.dumps({"step": 22, "extra": 3.0}) + "\n")
@@ -204,25 +205,6 @@ def test_tensorboard_read_back_through_its_event_reader(tmp_path):
     assert json.loads(record.tensor_proto.string_val[0]) == {
         "step": 8, "type": "profile_window",
         "record": {"directory": "/tmp/trace", "start": 5, "steps": 3}}
-
-
-def test_sender_keeps_order_batches_and_surfaces_a_failure():
-    from dew.trackers._worker import Sender
-
-    received: list[list[int]] = []
-    sender = Sender(received.append, "test-sender")
-    for item in range(100):
-        sender.submit(item)
-    sender.drain()
-    assert [item for batch in received for item in batch] == list(range(100))
-
-    def broken(items):
-        raise ConnectionError("tracking server went away")
-
-    failing = Sender(broken, "test-failing")
-    failing.submit(1)
-    with pytest.raises(ConnectionError, match="went away"):
-        failing.drain()
 
 
 def test_local_video_preview_is_an_animated_gif(tmp_path):

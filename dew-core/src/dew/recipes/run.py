@@ -78,7 +78,12 @@ def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str =
 
 
 def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
-    """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None."""
+    """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None.
+
+    Each receives the recipe, as ``RunConfig.recorded`` writes it down (secrets
+    redacted), with the run's RunStarted record, and records it where runs are
+    compared (MLflow parameters, TensorBoard hparams, W&B config).
+    """
     from dew import registry
 
     built = [registry.trackers.build(t.name, **_fields("trackers", t, timestamp))
@@ -87,7 +92,7 @@ def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
     if wandb is not None:
         built.append(registry.trackers.build(
             "wandb", project=wandb.project, name=wandb.name, entity=wandb.entity,
-            offline=wandb.offline, config=config.recorded(),
+            offline=wandb.offline,
         ))
     if not built:
         return None
