@@ -127,7 +127,7 @@ def calibrate(target_ms: float, batch: int) -> int:
     return width
 
 
-def fit(args, arm: str, root: Path, index: int) -> float:
+def fit(args, arm: str, root: Path, index: int) -> tuple[float, float]:
     capture = Capture()
     others = sinks(root, index, args.mlflow_uri, arm)
     for sink in others:  # open each sink before timing (run creation is a one-off cost)
@@ -147,7 +147,7 @@ def fit(args, arm: str, root: Path, index: int) -> float:
     per_step = good.step_seconds / (args.steps - 1)
     print(f"  {arm:12s} step {1e3 * per_step:7.2f} ms  (fit wall {good.wall_seconds:5.1f} s, "
           f"process cpu {cpu:5.1f} s, close {closing:4.1f} s)", flush=True)
-    return per_step
+    return per_step, cpu
 
 
 def per_call(root: Path, mlflow_uri: str, calls: int = 200) -> None:
@@ -174,16 +174,22 @@ def compare(args, root: Path, index: int) -> tuple[float, int]:
     """Run every arm args.repeats times; print each arm's best; return the ratio."""
     arms = ARMS if args.arms == "each" else ("none", "all")
     times: dict[str, list[float]] = {arm: [] for arm in arms}
+    cpus: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(args.repeats):
         for arm in arms:
-            times[arm].append(fit(args, arm, root, index))
+            step, cpu = fit(args, arm, root, index)
+            times[arm].append(step)
+            cpus[arm].append(cpu)
             index += 1
     # The fastest of the repeats: other load on the machine only ever adds time.
     base = min(times["none"])
     for arm in arms:
         best, middle = min(times[arm]), statistics.median(times[arm])
+        paired = statistics.median(a / b for a, b in zip(times[arm], times["none"], strict=True))
         print(f"{arm:12s} best {1e3 * best:7.2f} ms/step, median {1e3 * middle:7.2f} "
-              f"(of {args.repeats}); best vs none {best / base:.3f}")
+              f"(of {args.repeats}); best vs none {best / base:.3f}; median of paired "
+              f"ratios {paired:.3f}"
+              f"; process CPU best vs none {min(cpus[arm]) / min(cpus['none']):.3f}")
     return min(times["all"]) / base, index
 
 
@@ -191,9 +197,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-ms", type=float, nargs="+", default=[10.0, 100.0],
                         help="target step times; the width is calibrated to each")
-    parser.add_argument("--seconds", type=float, default=3.0,
+    parser.add_argument("--seconds", type=float, default=2.0,
                         help="timed seconds per fit (sets the steps for each step time)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--mlflow-uri", default=None)
     parser.add_argument("--arms", choices=("all", "each"), default="all",

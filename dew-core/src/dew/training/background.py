@@ -208,6 +208,7 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         with writer.lock:
             self.hurry = True
+            self.retry_at = 0.0  # a failing remote gets one attempt now, then its pauses
             writer.lock.notify_all()
             while self.items or self.busy:
                 left = None if deadline is None else deadline - time.monotonic()
