@@ -41,12 +41,26 @@ def _summarize(preview: Artifact) -> Any:
 
 
 def _hparams(config: Mapping[str, Any]) -> Any:
-    """The hparams plugin's session summary holding the recipe's flattened fields."""
-    from tensorboard.plugins.hparams import summary as hparams_summary
+    """The hparams plugin's session summary holding the recipe's flattened fields
+    (built here from the plugin's protos: its own helper needs TensorFlow)."""
+    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+    from tensorboard.util import tensor_util
 
     from dew.training.trackers import recipe_fields
 
-    return hparams_summary.session_start_pb(hparams=recipe_fields(config))
+    session = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+    for name, value in recipe_fields(config).items():
+        if isinstance(value, bool):
+            session.hparams[name].bool_value = value
+        elif isinstance(value, int | float):
+            session.hparams[name].number_value = value
+        else:
+            session.hparams[name].string_value = str(value)
+    data = plugin_data_pb2.HParamsPluginData(session_start_info=session)
+    return summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+        tag=metadata.SESSION_START_INFO_TAG, metadata=metadata.create_summary_metadata(data),
+        tensor=tensor_util.make_tensor_proto(0))])
 
 
 class TensorBoardTracker:

@@ -1,0 +1,92 @@
+"""The recipe in every tracker: a `dew train` run whose trackers were named in the recipe
+(TensorBoard, MLflow with a run name) and through trainer.wandb, read back through each
+tracker's own reader, shows the recipe's fields under their dotted names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+pytest.importorskip("tensorboard")
+
+from wandb_datastore import read_datastore  # noqa: E402 - a helper beside the tests
+
+DEW = Path(sys.executable).with_name("dew")
+RECIPE = Path(__file__).resolve().parents[1] / "dew-core/src/dew/recipes/tiny-lm.yaml"
+
+
+@pytest.mark.slow
+def test_the_recipe_reaches_every_tracker_as_searchable_fields(tmp_path):
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["data"]["files"] = "{stdlib}/a*.py"
+    recipe["trainer"].update(steps=2, log_every=1, wandb={
+        "project": "dew-recipe", "name": "wandb-named", "offline": True})
+    recipe["trackers"] = [
+        {"name": "tensorboard", "directory": str(tmp_path / "tb")},
+        {"name": "mlflow", "experiment": "dew-recipe", "uri": mlflow_uri,
+         "run_name": "mlflow-named"},
+    ]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_DIR": str(tmp_path),
+           "WANDB_SILENT": "true", "WANDB_API_KEY": ""}
+    env.pop("WANDB_MODE", None)
+    result = subprocess.run([str(DEW), "train", str(tmp_path / "recipe.yaml")],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+
+    # MLflow: the run's parameters, and the name the recipe gave it.
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("dew-recipe").experiment_id])
+    assert run.info.run_name == "mlflow-named"
+    params = run.data.params
+    assert params["trainer.steps"] == "2" and params["model.name"] == "causal_transformer"
+    assert params["model.num_layers"] == "2" and params["optimizer.solver"] == "adamw"
+    assert params["trackers.1.run_name"] == "mlflow-named"
+    assert params["trainer.wandb.project"] == "dew-recipe"
+    searched = client.search_runs([run.info.experiment_id],
+                                  filter_string="params.`optimizer.solver` = 'adamw'")
+    assert [r.info.run_id for r in searched] == [run.info.run_id]
+
+    # TensorBoard: the hparams plugin's session holds the same fields.
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["trainer.steps"].number_value == 2
+    assert hparams["model.name"].string_value == "causal_transformer"
+    assert hparams["optimizer.learning_rate"].number_value == pytest.approx(3e-3)
+    assert hparams["trainer.wandb.name"].string_value == "wandb-named"
+
+    # W&B (named through trainer.wandb): the run's config in its offline datastore.
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (datastore,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in read_datastore(datastore)):
+        assert time.monotonic() < deadline, "W&B never finished writing the offline run"
+        time.sleep(0.2)
+    records = read_datastore(datastore)
+    config = {}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        updates = (record.run.config.update if kind == "run" else
+                   record.config.update if kind == "config" else [])
+        config.update({item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                       for item in updates})
+    (named,) = [r.run.display_name for r in records if r.WhichOneof("record_type") == "run"]
+    assert named == "wandb-named"
+    assert config["trainer.steps"] == 2 and config["model.name"] == "causal_transformer"
+    assert config["trackers.1.run_name"] == "mlflow-named"
