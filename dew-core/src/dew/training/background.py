@@ -27,7 +27,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Channel", "Dropped", "TrackerWarning", "TrackerWriteError"]
+__all__ = ["Channel", "Dropped", "TrackerWarning", "TrackerWriteError", "let_others_run"]
+
+
+def let_others_run() -> None:
+    """Hand the interpreter to any thread waiting for it (the training loop).
+
+    A thread that wants the GIL back otherwise waits for the switch interval
+    (5 ms) while the writer holds it; a tracker calls this between the items
+    of a batch, so the loop waits at most one item's work.
+    """
+    time.sleep(0)
 
 
 class TrackerWriteError(RuntimeError):
@@ -90,7 +100,7 @@ class _Writer:
                     batches, wait = self._due()
             for channel, items in batches:
                 channel.deliver(items)
-                time.sleep(0)  # let the training thread take the interpreter between sinks
+                let_others_run()
             with self.lock:
                 for channel, _ in batches:
                     channel.busy = False

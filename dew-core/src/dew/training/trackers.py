@@ -201,9 +201,12 @@ class LocalTracker:
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """On the tracker thread: the journals' rows and the preview files, in order."""
         from dew.telemetry.render import write_preview
+        from dew.training.background import let_others_run
 
         rows: dict[str, list[Mapping[str, Any]]] = {}
-        for kind, value, step in items:
+        for index, (kind, value, step) in enumerate(items):
+            if index % 16 == 15:
+                let_others_run()
             if kind == "log":
                 rows.setdefault(self.SCALARS, []).append(scalar_row(value, step))
                 continue

@@ -16,7 +16,7 @@ from typing import Any
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.telemetry.render import safe_name, write_preview
 from dew.trackers import require
-from dew.training.background import Channel, TrackerWriteError
+from dew.training.background import Channel, TrackerWriteError, let_others_run
 from dew.training.trackers import Reported, check_reported, recipe_fields
 
 __all__ = ["MLflowTracker", "TrackerUnreachableError"]
@@ -166,12 +166,14 @@ class MLflowTracker:
         with _bounded_requests(self.request_timeout, retries=0):
             metrics: list[Any] = []
             for kind, value, step, stamp in [*items, ("end", None, 0, 0)]:
+                let_others_run()
                 if kind == "log":
                     metrics += [Metric(key, float(number), stamp, int(step))
                                 for key, number in value.items()]
                     continue
                 for begin in range(0, len(metrics), _METRICS):
                     client.log_batch(run_id, metrics=metrics[begin:begin + _METRICS])
+                    let_others_run()
                 metrics = []
                 if kind != "artifact":
                     continue

@@ -103,9 +103,11 @@ class TensorBoardTracker:
         from tensorboard.plugins.text.summary_v2 import text_pb
 
         from dew.telemetry.records import RunStarted
+        from dew.training.background import let_others_run
 
         writer = self.writer
         for kind, value, step in items:
+            let_others_run()
             if kind == "log":
                 values = [summary_pb2.Summary.Value(tag=name, simple_value=float(number))
                           for name, number in value.items()]

@@ -11,7 +11,7 @@ import numpy as np
 
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.trackers import require
-from dew.training.background import Channel, TrackerWriteError
+from dew.training.background import Channel, TrackerWriteError, let_others_run
 from dew.training.trackers import Reported, check_reported, recipe_fields
 
 __all__ = ["WandbTracker"]
@@ -97,6 +97,7 @@ class WandbTracker:
 
         run = self.run
         for kind, value, step in items:
+            let_others_run()
             if kind == "log":
                 run.log({name: float(number) for name, number in value.items()}, step=int(step))
                 continue
