@@ -87,3 +87,14 @@ def test_close_gives_up_on_a_remote_that_stays_away_within_its_timeout():
     with pytest.warns(TrackerWarning, match=r"127\.0\.0\.1:1: 3 reports \(steps 0 to 2\)"):
         channel.close()
     assert time.monotonic() - began < 10
+
+
+def test_rows_of_a_tracker_nobody_closed_are_written_at_exit(tmp_path, python_in_subprocess):
+    python_in_subprocess(f"""
+        from dew.training.trackers import LocalTracker
+        tracker = LocalTracker({str(tmp_path)!r})
+        for step in range(1, 101):
+            tracker.log({{"loss": 1.0 / step}}, step=step)
+    """)  # exits at once, with the rows still queued for the tracker thread
+    rows = (tmp_path / "scalars.jsonl").read_text().splitlines()
+    assert len(rows) == 100 and rows[-1] == '{"step": 100, "loss": 0.01}'

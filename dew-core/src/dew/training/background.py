@@ -19,10 +19,13 @@ a warning instead of an error, so training is never stopped by it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +69,7 @@ class _Writer:
         self.lock = threading.Condition(threading.Lock())
         self.ready: dict[Channel, None] = {}  # channels holding items, in arrival order
         self.thread: threading.Thread | None = None
+        self.channels: weakref.WeakSet[Channel] = weakref.WeakSet()  # for flush_all
 
     def start(self) -> None:
         """Start the thread unless it runs (called with the lock held)."""
@@ -85,6 +89,7 @@ class _Writer:
                 batches.append((channel, channel.items))
                 channel.items = []
                 channel.busy = True
+                channel.hurry = False
                 del self.ready[channel]
             else:
                 left = due - now
@@ -108,14 +113,23 @@ class _Writer:
                         self.ready[channel] = None
                 self.lock.notify_all()
 
+    def flush_all(self) -> None:
+        """At interpreter exit: write what every channel still holds (a tracker nobody
+        closed), each within its close timeout, so the last rows are not lost."""
+        for channel in list(self.channels):
+            with contextlib.suppress(Exception):
+                channel.flush(channel.close_timeout)
+
     def after_fork(self) -> None:
         """A forked child has no writer thread; the next submit starts one."""
         self.lock = threading.Condition(threading.Lock())
         self.ready = {}
         self.thread = None
+        self.channels = weakref.WeakSet()
 
 
 _WRITER = _Writer()
+atexit.register(_WRITER.flush_all)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WRITER.after_fork)
 
@@ -176,6 +190,7 @@ class Channel:
         self.pause = retry[0]
         self.dropped = 0
         self.dropped_steps: tuple[int | None, int | None] = (None, None)
+        _WRITER.channels.add(self)
 
     # -- the caller's side ---------------------------------------------------
 
