@@ -90,3 +90,14 @@ def test_the_recipe_reaches_every_tracker_as_searchable_fields(tmp_path):
     assert named == "wandb-named"
     assert config["trainer.steps"] == 2 and config["model.name"] == "causal_transformer"
     assert config["trackers.1.run_name"] == "mlflow-named"
+
+
+def test_a_trackers_entry_names_its_run_with_run_name():
+    from dew.recipes.components import problems_of
+    from dew.registry import trackers
+
+    for name, fields in (("mlflow", {"experiment": "e"}), ("wandb", {"project": "p"})):
+        assert problems_of("trackers", name, {**fields, "run_name": "wider-mlp"}) == []
+        assert trackers.build(name, **fields, run_name="wider-mlp").name == "wider-mlp"
+        with pytest.raises(ValueError, match="two run names"):
+            trackers.load(name)(*fields.values(), "one", run_name="other")
