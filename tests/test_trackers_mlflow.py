@@ -182,6 +182,18 @@ def test_a_dead_address_fails_before_step_one_within_seconds():
     assert time.monotonic() - began < 60  # compile included; MLflow's own retries took 251 s
 
 
+def test_an_address_with_a_password_is_named_without_it():
+    from dew.trackers.mlflow import MLflowTracker, TrackerUnreachableError
+
+    port = mlflow_server.free_port()
+    tracker = MLflowTracker("dew-dead", uri=f"http://ann:hunter2@127.0.0.1:{port}",
+                            connect_timeout=2)
+    with pytest.raises(TrackerUnreachableError) as caught:
+        tracker.log({"loss": 1.0}, step=1)
+    assert f"http://ann:***@127.0.0.1:{port}" in str(caught.value)
+    assert "hunter2" not in str(caught.value) and "hunter2" not in repr(tracker)
+
+
 def test_a_server_that_never_answers_fails_within_the_connect_timeout():
     from dew.trackers.mlflow import MLflowTracker, TrackerUnreachableError
 

@@ -8,6 +8,7 @@ import os
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -48,6 +49,15 @@ def _bounded_requests(timeout: float, retries: int) -> Iterator[None]:
     finally:
         for name in added:
             os.environ.pop(name, None)
+
+
+def _shown(uri: str) -> str:
+    """uri as messages and records show it: a password in it becomes ``***``."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def _retryable(error: BaseException) -> bool:
@@ -104,24 +114,31 @@ class MLflowTracker:
     def _named_uri(self) -> str:
         """The address for messages, without importing MLflow."""
         if self.uri is not None:
-            return self.uri
-        return os.environ.get("MLFLOW_TRACKING_URI", "MLflow's default store (./mlruns)")
+            return _shown(self.uri)
+        return _shown(os.environ.get("MLFLOW_TRACKING_URI", "MLflow's default store (./mlruns)"))
 
-    @property
-    def where(self) -> str:
-        """The tracking URI this tracker reports to, as MLflow resolves it."""
+    def _resolved_uri(self) -> str:
         if self.uri is not None:
             return self.uri
         from mlflow.tracking import get_tracking_uri
 
         return get_tracking_uri()
 
+    @property
+    def where(self) -> str:
+        """The tracking URI this tracker reports to, as MLflow resolves it (a password
+        in it shown as ``***``)."""
+        return _shown(self._resolved_uri())
+
     def _check_server(self) -> None:
         """Fail within connect_timeout when an HTTP tracking server does not answer."""
-        where = self.where
-        if not where.startswith(("http://", "https://")):
+        where, uri = self.where, self._resolved_uri()
+        if not uri.startswith(("http://", "https://")):
             return
-        probe = f"{where.rstrip('/')}/health"
+        parts = urllib.parse.urlsplit(uri)
+        host = parts.netloc.rpartition("@")[2]  # any answer will do, so no credentials
+        probe = urllib.parse.urlunsplit((parts.scheme, host, f"{parts.path.rstrip('/')}/health",
+                                         "", ""))
         try:
             with urllib.request.urlopen(probe, timeout=self.connect_timeout):  # noqa: S310
                 return
@@ -150,14 +167,27 @@ class MLflowTracker:
                                      else client.create_experiment(self.experiment))
                     run = client.create_run(experiment_id, run_name=self.name)
             except Exception as error:
-                raise TrackerUnreachableError(
+                raise TrackerUnreachableError(self._scrub(
                     f"MLflowTracker could not open a run in experiment {self.experiment!r} at "
-                    f"{self.where}: {error}") from error
+                    f"{self.where}: {error}")) from error
             self._run = (client, run.info.run_id)
         return self._run
 
+    def _scrub(self, text: str) -> str:
+        """text with the tracking URI's password hidden (MLflow's errors quote the URL)."""
+        uri = self._resolved_uri()
+        return text.replace(uri.rstrip("/"), _shown(uri).rstrip("/"))
+
     def _send(self, items: list[tuple[Any, ...]]) -> None:
-        """On the tracker thread: metrics in batched requests, other uploads in order."""
+        """On the tracker thread: everything in order, a failure named with the URI."""
+        try:
+            self._send_all(items)
+        except Exception as error:
+            raise TrackerWriteError(self._scrub(
+                f"MLflowTracker at {self.where}: {type(error).__name__}: {error}")) from error
+
+    def _send_all(self, items: list[tuple[Any, ...]]) -> None:
+        """Metrics in batched requests, other uploads in order."""
         from mlflow.entities import Metric
 
         from dew.telemetry.records import RunStarted
@@ -243,7 +273,8 @@ class MLflowTracker:
                               f"(it stays RUNNING there): {error}", TrackerWarning, stacklevel=2)
 
     def __repr__(self) -> str:
-        return f"MLflowTracker({self.experiment!r}, {self.name!r}, uri={self.uri!r})"
+        uri = None if self.uri is None else _shown(self.uri)
+        return f"MLflowTracker({self.experiment!r}, {self.name!r}, uri={uri!r})"
 
 
 def _upload(client: Any, run_id: str, preview: Any, step: int) -> None:
