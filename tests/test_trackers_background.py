@@ -98,3 +98,19 @@ def test_rows_of_a_tracker_nobody_closed_are_written_at_exit(tmp_path, python_in
     """)  # exits at once, with the rows still queued for the tracker thread
     rows = (tmp_path / "scalars.jsonl").read_text().splitlines()
     assert len(rows) == 100 and rows[-1] == '{"step": 100, "loss": 0.01}'
+
+
+def test_items_that_arrive_during_a_slow_send_wait_for_the_next_interval():
+    batches: list[int] = []
+
+    def slow(items):  # a request that takes a while, as an HTTP server's does
+        batches.append(len(items))
+        time.sleep(0.05)
+
+    channel = Channel(slow, "a slow server", interval=0.3)
+    for step in range(300):  # about 1.5 s of steps, 5 ms apart
+        channel.submit(("log", {"loss": 1.0}, step))
+        time.sleep(0.005)
+    channel.close()
+    assert sum(batches) == 300
+    assert len(batches) <= 12, batches  # one request an interval, not one per send's length

@@ -200,10 +200,11 @@ class Channel:
             self.check()
         writer = _WRITER
         with writer.lock:
-            if not self.items and not self.busy:
+            if not self.items:  # the first of a batch: the batch is due an interval later
                 self.due = time.monotonic() + self.interval
-                writer.ready[self] = None
-                writer.lock.notify()
+                if not self.busy:  # else the writer registers it when the send ends
+                    writer.ready[self] = None
+                    writer.lock.notify()
             self.items.append(item)
             if len(self.items) > self.buffer:
                 self._overflow(writer)
