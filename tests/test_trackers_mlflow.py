@@ -15,16 +15,12 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 from PIL import Image
 
 import dew
-from dew.data import Dataset
-from dew.objectives.base import Aux, Mean, Objective
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Goodput
 from dew.training.background import TrackerWarning
@@ -33,6 +29,7 @@ from dew.training.trackers import Trackers
 pytest.importorskip("mlflow")
 
 import mlflow_server  # noqa: E402 - a helper beside the tests
+from tiny_regression import Regression, dataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -140,34 +137,6 @@ trackers:
 # -- faults: a dead address, a server that hangs, a server killed mid-run -----
 
 
-class Linear(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(1)(x)
-
-
-class Regression(Objective):
-    def __init__(self):
-        self.model = Linear()
-
-    def init(self, key, variables=None):
-        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 4)))
-
-    def loss(self, variables, batch, step):
-        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
-        return Mean(jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)), Aux()
-
-
-def _dataset() -> Dataset:
-    def stream(partition):
-        rng = np.random.default_rng(0)
-        while True:
-            x = rng.normal(size=(8, 4)).astype(np.float32)
-            yield {"x": x, "y": x.sum(axis=1, keepdims=True)}
-
-    return Dataset(train=stream, val=None, records=None, batch=8)
-
-
 def _trainer(tracker):
     return dew.Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0), tracker=tracker)
 
@@ -178,7 +147,7 @@ def test_a_dead_address_fails_before_step_one_within_seconds():
     uri = f"http://127.0.0.1:{mlflow_server.free_port()}"  # nothing listens there
     began = time.monotonic()
     with pytest.raises(TrackerUnreachableError, match=re.escape(uri)):
-        _trainer(MLflowTracker("dew-dead", uri=uri, connect_timeout=2)).fit(_dataset(), steps=3)
+        _trainer(MLflowTracker("dew-dead", uri=uri, connect_timeout=2)).fit(dataset(), steps=3)
     assert time.monotonic() - began < 60  # compile included; MLflow's own retries took 251 s
 
 
@@ -240,7 +209,7 @@ def test_a_server_killed_mid_run_neither_stops_training_nor_hides_the_loss(tmp_p
         began = time.monotonic()
         with pytest.warns(TrackerWarning, match=re.escape(uri)):
             state = _trainer(Trackers(KillAt(process, 5), tracker)).fit(
-                _dataset(), steps=steps, log_every=1)
+                dataset(), steps=steps, log_every=1)
         assert int(state.step) == steps and time.monotonic() - began < 120
         process = mlflow_server.start(tmp_path, port)  # the server comes back
         tracker.close()

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
 pytest.importorskip("tensorboard")
 
-from wandb_datastore import read_datastore  # noqa: E402 - a helper beside the tests
+from wandb_datastore import finished_records  # noqa: E402 - a helper beside the tests
 
 DEW = Path(sys.executable).with_name("dew")
 RECIPE = Path(__file__).resolve().parents[1] / "dew-core/src/dew/recipes/tiny-lm.yaml"
@@ -74,11 +73,7 @@ def test_the_recipe_reaches_every_tracker_as_searchable_fields(tmp_path):
     # W&B (named through trainer.wandb): the run's config in its offline datastore.
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (datastore,) = run_dir.glob("run-*.wandb")
-    deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "exit" for r in read_datastore(datastore)):
-        assert time.monotonic() < deadline, "W&B never finished writing the offline run"
-        time.sleep(0.2)
-    records = read_datastore(datastore)
+    records = finished_records(datastore)
     config = {}
     for record in records:
         kind = record.WhichOneof("record_type")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from dew.telemetry.records import RunStarted
 
 pytest.importorskip("wandb")
 
-from wandb_datastore import read_datastore  # noqa: E402 - a helper beside the tests
+from wandb_datastore import finished_records  # noqa: E402 - a helper beside the tests
 
 
 def test_wandb_offline_read_back(tmp_path, monkeypatch):
@@ -39,12 +38,7 @@ def test_wandb_offline_read_back(tmp_path, monkeypatch):
 
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (datastore,) = run_dir.glob("run-*.wandb")
-    # W&B's service writes the datastore after finish() returns: wait (bounded) for its exit.
-    deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "exit" for r in read_datastore(datastore)):
-        assert time.monotonic() < deadline, "W&B never finished writing the offline run"
-        time.sleep(0.2)
-    records = read_datastore(datastore)
+    records = finished_records(datastore)
     kinds = [r.WhichOneof("record_type") for r in records]
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert len(runs) == 1, kinds

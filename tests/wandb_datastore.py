@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 _BLOCK = 32 * 1024  # the datastore is a LevelDB-style log: 32 KiB blocks of framed chunks
@@ -40,3 +41,13 @@ def read_datastore(path: Path) -> list:
         record.ParseFromString(payload)
         records.append(record)
     return records
+
+
+def finished_records(path: Path, timeout: float = 60.0) -> list:
+    """The datastore's records once W&B's service has written the run's exit record (it
+    writes after finish() returns), waiting at most timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not any(r.WhichOneof("record_type") == "exit" for r in read_datastore(path)):
+        assert time.monotonic() < deadline, "W&B never finished writing the offline run"
+        time.sleep(0.2)
+    return read_datastore(path)
