@@ -310,3 +310,18 @@ def test_readers_skip_a_torn_last_line_and_refuse_a_damaged_middle(tmp_path):
     journal.write_text('{"step": 1, "lo\n' + whole)
     with pytest.raises(TornJournalError, match=r"scalars.jsonl, line 1"):
         list(journal_rows(journal))
+
+
+def test_a_local_tracker_told_not_to_stop_warns_and_counts_what_it_lost(tmp_path):
+    from dew.training.background import TrackerWarning
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    tracker = LocalTracker(blocked / "run", stop_on_failure=False, close_timeout=0.5)
+    with pytest.warns(TrackerWarning) as seen:
+        for step in range(1, 4):
+            tracker.log({"loss": 1.0}, step=step)  # never raises
+        tracker.close()
+    messages = [str(w.message) for w in seen]
+    assert any(str(blocked / "run") in m and "retrying" in m for m in messages)
+    assert any("3 reports (steps 1 to 3)" in m for m in messages)

@@ -148,7 +148,8 @@ class LocalTracker:
     values. A write that fails is truncated back to the last whole line, so a
     journal never holds half a row, and its error names the file; it stops the
     run (raised by the next call or by ``close``) unless stop_on_failure is
-    False, when the tracker retries and warns instead.
+    False, when the tracker retries and warns instead (and ``close`` gives up
+    after close_timeout seconds, warning how many reports were lost).
 
     >>> import tempfile, json, pathlib
     >>> directory = pathlib.Path(tempfile.mkdtemp())
@@ -164,14 +165,15 @@ class LocalTracker:
     PREVIEWS = "previews.jsonl"
 
     def __init__(self, directory: str | Path, *, plots: bool = False,
-                 stop_on_failure: bool = True) -> None:
+                 stop_on_failure: bool = True, close_timeout: float = 30.0) -> None:
         from dew.training.background import Channel
 
         self.directory = Path(directory)
         self.plots = plots
         self._handles: dict[str, Any] = {}
         self._channel = Channel(self._send, f"LocalTracker at {self.directory}", interval=0.5,
-                                stop_on_failure=stop_on_failure, on_recover=self._recovered)
+                                stop_on_failure=stop_on_failure, close_timeout=close_timeout,
+                                on_recover=self._recovered)
 
     def _append(self, journal: str, rows: list[Mapping[str, Any]]) -> None:
         """Append rows to journal in one write; on failure cut the file back to whole lines."""
