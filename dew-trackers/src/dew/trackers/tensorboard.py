@@ -75,17 +75,21 @@ class TensorBoardTracker:
 
     Summaries are built and written by dew's tracker thread
     (dew.training.background), so a step only enqueues its values; a failure
-    names the directory and is raised by the next call or by ``close``.
+    names the directory and is raised by the next call or by ``close``, unless
+    stop_on_failure is False (then it is retried and warned of, and ``close``
+    gives up after close_timeout seconds).
     """
 
-    def __init__(self, directory: str | Path, *, stop_on_failure: bool = True) -> None:
+    def __init__(self, directory: str | Path, *, stop_on_failure: bool = True,
+                 close_timeout: float = 30.0) -> None:
         from dew.training.background import Channel
 
         require("tensorboard", "tensorboard", "TensorBoardTracker")
         self.directory = Path(directory)
         self._writer: Any = None
         self._channel = Channel(self._send, f"TensorBoardTracker at {self.directory}",
-                                interval=0.5, stop_on_failure=stop_on_failure)
+                                interval=0.5, stop_on_failure=stop_on_failure,
+                                close_timeout=close_timeout)
 
     @property
     def writer(self) -> Any:
