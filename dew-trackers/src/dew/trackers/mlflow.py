@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.telemetry.render import safe_name, write_preview
 from dew.trackers import require
-from dew.training.background import Channel, TrackerWriteError, let_others_run
+from dew.training.background import Channel, TrackerWarning, TrackerWriteError, let_others_run
 from dew.training.trackers import Reported, check_reported, recipe_fields
 
 __all__ = ["MLflowTracker", "TrackerUnreachableError"]
@@ -60,12 +62,17 @@ def _shown(uri: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
+def _param_name(name: str) -> str:
+    """name as MLflow accepts a parameter's: other characters become ``_``, at most 250."""
+    return re.sub(r"[^\w\-. /]", "_", name)[:250]
+
+
 def _retryable(error: BaseException) -> bool:
     """A request worth repeating: anything but a refusal of the request itself (4xx)."""
-    from mlflow.exceptions import RestException
+    from mlflow.exceptions import MlflowException
 
     cause = error.__cause__ if isinstance(error, TrackerWriteError) else error
-    return not (isinstance(cause, RestException) and 400 <= cause.get_http_status_code() < 500)
+    return not (isinstance(cause, MlflowException) and 400 <= cause.get_http_status_code() < 500)
 
 
 class MLflowTracker:
@@ -189,6 +196,7 @@ class MLflowTracker:
     def _send_all(self, items: list[tuple[Any, ...]]) -> None:
         """Metrics in batched requests, other uploads in order."""
         from mlflow.entities import Metric
+        from mlflow.exceptions import MlflowException
 
         from dew.telemetry.records import RunStarted
 
@@ -208,7 +216,15 @@ class MLflowTracker:
                 if kind != "artifact":
                     continue
                 if isinstance(value, RunStarted) and value.config:
-                    self._log_params(client, run_id, value.config)
+                    try:
+                        self._log_params(client, run_id, value.config)
+                    except MlflowException as error:
+                        if _retryable(error):
+                            raise
+                        # a field MLflow refuses costs no metrics
+                        warnings.warn(self._scrub(
+                            f"MLflowTracker at {self.where} could not record the recipe as "
+                            f"parameters: {error}"), TrackerWarning, stacklevel=2)
                 if is_record(value):
                     self._log_record(client, run_id, value, step)
                 for preview in previews_of(value):
@@ -217,8 +233,9 @@ class MLflowTracker:
     def _log_params(self, client: Any, run_id: str, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        fields = {name: str(value)[:_PARAM_LENGTH]
-                  for name, value in recipe_fields(config).items() if name not in self._params}
+        fields = {_param_name(name): str(value)[:_PARAM_LENGTH]
+                  for name, value in recipe_fields(config).items()}
+        fields = {name: value for name, value in fields.items() if name not in self._params}
         params = [Param(name, value) for name, value in fields.items()]
         for begin in range(0, len(params), _PARAMS):
             client.log_batch(run_id, params=params[begin:begin + _PARAMS])
@@ -265,10 +282,6 @@ class MLflowTracker:
                 if self._channel.stop_on_failure:
                     raise TrackerWriteError(f"MLflowTracker could not end run {run_id} at "
                                             f"{self.where}: {error}") from error
-                import warnings
-
-                from dew.training.background import TrackerWarning
-
                 warnings.warn(f"MLflowTracker could not end run {run_id} at {self.where} "
                               f"(it stays RUNNING there): {error}", TrackerWarning, stacklevel=2)
 
