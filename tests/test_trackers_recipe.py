@@ -96,3 +96,22 @@ def test_a_trackers_entry_names_its_run_with_run_name():
         assert trackers.build(name, **fields, run_name="wider-mlp").name == "wider-mlp"
         with pytest.raises(ValueError, match="two run names"):
             trackers.load(name)(*fields.values(), "one", run_name="other")
+
+
+def test_recipe_fields_mlflow_would_refuse_become_names_it_takes(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from dew.telemetry.records import RunStarted
+    from dew.trackers.mlflow import MLflowTracker
+
+    monkeypatch.chdir(tmp_path)  # a SQLite store keeps its artifacts in ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MLflowTracker("dew-names", run_name="names", uri=uri)
+    tracker.log({"loss": 1.0}, step=1)
+    tracker.artifact(RunStarted({"data": {"load": {"split:train": 1}}, "x" * 300: 2}, 0, 2), 0)
+    tracker.log({"loss": 0.5}, step=2)
+    tracker.close()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("dew-names").experiment_id])
+    assert run.data.params == {"data.load.split_train": "1", "x" * 250: "2"}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
