@@ -217,7 +217,7 @@ def test_a_server_killed_mid_run_neither_stops_training_nor_hides_the_loss(tmp_p
         client = MlflowClient(tracking_uri=uri)
         (run,) = client.search_runs([client.get_experiment_by_name("dew-outage").experiment_id])
         assert run.info.run_name == "outage" and run.info.status == "FINISHED"
-        logged = {m.step for m in client.get_metric_history(run.info.run_id, "loss")}
+        logged = {m.step for m in client.get_metric_history(run.info.run_id, "train/loss")}
         (artifact,) = client.list_artifacts(run.info.run_id, "records/tracker_dropped")
         local = Path(client.download_artifacts(run.info.run_id, artifact.path, str(tmp_path)))
         dropped = json.loads(local.read_text())["record"]
