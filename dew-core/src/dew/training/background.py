@@ -277,7 +277,9 @@ class Channel:
     def _named(self, error: BaseException) -> TrackerWriteError:
         if isinstance(error, TrackerWriteError):
             return error
-        named = TrackerWriteError(f"{self.where}: {type(error).__name__}: {error}")
+        from dew.telemetry.redaction import redact_text
+
+        named = TrackerWriteError(redact_text(f"{self.where}: {type(error).__name__}: {error}"))
         named.__cause__ = error
         return named
 

@@ -54,12 +54,10 @@ def _bounded_requests(timeout: float, retries: int) -> Iterator[None]:
 
 
 def _shown(uri: str) -> str:
-    """uri as messages and records show it: a password in it becomes ``***``."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+    """uri as messages and records show it: a password or token in it becomes ``***``."""
+    from dew.telemetry.redaction import redact_text
+
+    return redact_text(uri)
 
 
 def _param_name(name: str) -> str:
@@ -181,9 +179,8 @@ class MLflowTracker:
         return self._run
 
     def _scrub(self, text: str) -> str:
-        """text with the tracking URI's password hidden (MLflow's errors quote the URL)."""
-        uri = self._resolved_uri()
-        return text.replace(uri.rstrip("/"), _shown(uri).rstrip("/"))
+        """text with credentials hidden (MLflow's errors quote the URL they called)."""
+        return _shown(text)
 
     def _send(self, items: list[tuple[Any, ...]]) -> None:
         """On the tracker thread: everything in order, a failure named with the URI."""
