@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import types
 import typing
@@ -13,7 +14,9 @@ from typing import Any
 
 import pydantic
 
-__all__ = ["add_arguments", "field_lines", "run"]
+__all__ = ["TRACEBACK", "add_arguments", "field_lines", "one_message", "run"]
+
+TRACEBACK = "DEW_TRACEBACK"  # set to 1 to see the traceback of an error dew names
 
 
 def _type_name(annotation: Any) -> str:
@@ -115,6 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dotted overrides, values read as YAML (trainer.steps=10)")
     parser.add_argument("--check", action="store_true",
                         help="validate the recipe and print it as JSON (secrets redacted), without training")
+    parser.add_argument("--traceback", action="store_true",
+                        help=f"show the whole traceback of an error dew names (or set {TRACEBACK}=1)")
     parser.epilog = (
         "examples:\n  dew train tiny-lm\n  dew train my-run.yaml trainer.steps=200 "
         "optimizer.learning_rate=1e-3\n\n" + fields_help()
@@ -133,5 +138,30 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         print(json.dumps(config.recorded(), indent=2))
         return 0
-    config.train()
+    try:
+        config.train()
+    except Exception as error:
+        if args.traceback or os.environ.get(TRACEBACK) or not _named(error):
+            raise
+        print(one_message(error), file=sys.stderr)
+        return 2 if isinstance(error, RecipeError) else 1
     return 0
+
+
+def _named(error: BaseException) -> bool:
+    """An error of dew's own (a class defined in a dew module): its message says what went
+    wrong and what to do, so its traceback only hides that."""
+    return type(error).__module__.split(".")[0] == "dew"
+
+
+def one_message(error: BaseException) -> str:
+    """error as `dew train` prints it: its class, its message, its notes, and how to see more.
+
+    >>> print(one_message(ValueError("the batch has no 'tokens'")))
+    dew train: ValueError: the batch has no 'tokens'
+      (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)
+    """
+    lines = [f"dew train: {type(error).__name__}: {error}"]
+    lines += [f"  {note}" for note in getattr(error, "__notes__", ())]
+    lines.append(f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)")
+    return "\n".join(lines)
