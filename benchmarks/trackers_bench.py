@@ -1,16 +1,20 @@
 """Step time with every tracker logging every step, against no tracker, in one run.
 
-    .venv/bin/python benchmarks/trackers_bench.py [--steps 60] [--repeats 3] [--arms each]
+    .venv/bin/python benchmarks/trackers_bench.py [--step-ms 10 100] [--repeats 8] [--arms each]
 
-Both arms run the same fit (log_every=1, so the loop fetches and logs metrics
-at every step in both); the tracker arm fans out to LocalTracker,
-TensorBoardTracker, MLflowTracker (SQLite store, or --mlflow-uri) and an
-offline WandbTracker. The step time is the Goodput record's step_seconds per
-step after the first (compile excluded). Arms alternate to spread drift
-between them, and each arm's best of the repeats is compared, since load
-from elsewhere only ever adds time. Prints the ratio (target <= 1.02) and
-the host time one log() call costs in each sink. --arms each also times
-every tracker on its own.
+For each target step time (10 ms and 100 ms by default) the model's width is
+calibrated so one step takes about that long, then both arms run the same fit
+(log_every=1, so the loop fetches and logs metrics at every step in both); the
+tracker arm fans out to LocalTracker, TensorBoardTracker, MLflowTracker
+(SQLite store, or --mlflow-uri) and an offline WandbTracker, opened once and
+kept open across the arm's fits (flushed after each, outside the timing). The step time is
+the median time between consecutive steps' metrics (the mean from the Goodput
+record is printed beside it; a burst of load from elsewhere moves the mean
+only). Arms alternate in ABBA order to spread drift and carry-over between
+them, and each arm's best of the repeats is compared, since load from
+elsewhere only ever adds time. Prints one ratio per step time (target <=
+1.02) and the host time one log() call costs the caller in each sink. --arms
+each also times every tracker on its own.
 """
 
 from __future__ import annotations
@@ -72,13 +76,21 @@ def dataset(rows: int) -> Dataset:
 
 
 class Capture:
-    """A sink that keeps only the Goodput record (both arms carry it)."""
+    """A sink that keeps the Goodput record and when each step's metrics arrived (both
+    arms carry it)."""
 
     def __init__(self) -> None:
         self.goodput = None
+        self.arrivals: list[float] = []
 
     def log(self, scalars, step):
-        pass
+        self.arrivals.append(time.perf_counter())
+
+    def median_step(self) -> float:
+        """The median time between consecutive steps' metrics (log_every=1), past the
+        first few: a burst of load from elsewhere moves the mean, not the median."""
+        gaps = np.diff(self.arrivals[3:])
+        return float(np.median(gaps))
 
     def artifact(self, value, step):
         if getattr(value, "type", None) == "goodput":
@@ -106,12 +118,48 @@ def sinks(root: Path, index: int, mlflow_uri: str, arm: str = "all") -> list:
     return [make[name]() for name in names]
 
 
-def fit(args, arm: str, root: Path, index: int) -> float:
+def calibrate(target_ms: float, batch: int) -> int:
+    """A width whose training step takes about target_ms here (time grows with width²)."""
+    def step_ms(width: int) -> float:
+        objective = Regression(width)
+        params = objective.init(jax.random.key(0))
+        x = jnp.ones((batch, 64))
+        grad = jax.jit(jax.grad(lambda p: jnp.sum(objective.model.apply(p, x) ** 2)))
+        jax.block_until_ready(grad(params))
+        times = []
+        for _ in range(10):  # the fastest of ten: load from elsewhere only adds time
+            began = time.perf_counter()
+            jax.block_until_ready(grad(params))
+            times.append(time.perf_counter() - began)
+        return 1e3 * min(times)
+
+    width = 512
+    for _ in range(2):  # once from a guess, once from the first estimate
+        width = max(32, int(width * (target_ms / step_ms(width)) ** 0.5) // 32 * 32)
+    return width
+
+
+class Offset:
+    """A sink seen at steps shifted by offset, so the sinks one arm keeps open across
+    its fits always receive increasing steps (W&B ignores a step it has seen)."""
+
+    def __init__(self, sink, offset: int) -> None:
+        self.sink, self.offset = sink, offset
+
+    def log(self, scalars, step):
+        self.sink.log(scalars, step + self.offset)
+
+    def artifact(self, value, step):
+        self.sink.artifact(value, step + self.offset)
+
+    def close(self):
+        pass
+
+
+def fit(args, arm: str, opened: list, offset: int) -> tuple[float, float]:
+    """One fit of the arm; its sinks stay open between fits and are flushed after each."""
     capture = Capture()
-    others = sinks(root, index, args.mlflow_uri, arm)
-    for sink in others:  # open each sink before timing (run creation is a one-off cost)
-        sink.log({"warmup": 0.0}, 0)
-    tracker = Trackers(capture, *others)
+    tracker = Trackers(capture, *(Offset(sink, offset) for sink in opened))
     trainer = dew.Trainer(Regression(args.width), optax.adam(1e-3), key=jax.random.key(0),
                           tracker=tracker)
     cpu = time.process_time()
@@ -119,22 +167,35 @@ def fit(args, arm: str, root: Path, index: int) -> float:
         trainer.fit(dataset(args.batch), steps=args.steps, log_every=1)
     cpu = time.process_time() - cpu
     began = time.perf_counter()
-    for sink in others:
-        sink.close()
-    closing = time.perf_counter() - began
+    for sink in opened:
+        sink.flush()  # the writer's backlog lands on this arm, not on the next fit
+    flushing = time.perf_counter() - began
     good = capture.goodput
-    per_step = good.step_seconds / (args.steps - 1)
-    print(f"  {arm:12s} step {1e3 * per_step:7.2f} ms  (fit wall {good.wall_seconds:5.1f} s, "
-          f"process cpu {cpu:5.1f} s, close {closing:4.1f} s)", flush=True)
-    return per_step
+    per_step = capture.median_step()
+    print(f"  {arm:12s} step {1e3 * per_step:7.2f} ms median, "
+          f"{1e3 * good.step_seconds / (args.steps - 1):7.2f} ms mean  "
+          f"(fit wall {good.wall_seconds:5.1f} s, "
+          f"process cpu {cpu:5.1f} s, flush {flushing:4.1f} s)", flush=True)
+    return per_step, cpu
 
 
 def per_call(root: Path, mlflow_uri: str, calls: int = 200) -> None:
     """What one log() costs in each sink: the caller's wall time, and the process CPU
-    time including the sink's background work (counted until it has all been sent)."""
+    time including the sink's background work (counted until it has all been sent),
+    beside a sink that does nothing."""
     scalars = {"loss": 0.5, "abs": 0.25, "throughput/steps_per_second": 10.0,
                "throughput/records_per_second": 2560.0}
-    for sink in sinks(root, 99, mlflow_uri):
+    class Nothing(Capture):
+        """The floor: a sink that only copies the values (waking after a pause costs
+        the caller something on its own)."""
+
+        def log(self, scalars, step):
+            dict(scalars)
+
+        def flush(self):
+            pass
+
+    for sink in [Nothing(), *sinks(root, 99, mlflow_uri)]:
         sink.log(scalars, 0)  # open it
         cpu, caller = time.process_time(), 0.0
         for step in range(1, calls + 1):
@@ -142,22 +203,52 @@ def per_call(root: Path, mlflow_uri: str, calls: int = 200) -> None:
             sink.log(scalars, step)
             caller += time.perf_counter() - began
             time.sleep(0.005)  # paced like a loop, so a batching sink can batch
-        sender = getattr(sink, "_sender", None)
-        if sender is not None:
-            sender.drain()
-        if hasattr(sink, "flush"):
-            sink.flush()
+        sink.flush()
         cpu = time.process_time() - cpu
         sink.close()
         print(f"  {type(sink).__name__:20s} caller {1e6 * caller / calls:8.1f} us, "
               f"process CPU {1e6 * cpu / calls:8.1f} us per log() call")
 
 
+def compare(args, root: Path, index: int) -> tuple[tuple[float, float, float], int]:
+    """Run every arm args.repeats times; print each arm's figures; return the ratios of
+    all four trackers to none: best to best, median to median, median of the pairs."""
+    arms = ARMS if args.arms == "each" else ("none", "all")
+    opened = {arm: sinks(root, index, args.mlflow_uri, arm) for arm in arms}
+    for sink in (sink for group in opened.values() for sink in group):
+        sink.log({"warmup": 0.0}, 0)  # run creation is a one-off cost, not timed
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    cpus: dict[str, list[float]] = {arm: [] for arm in arms}
+    for repeat in range(args.repeats):
+        # none-all, all-none, ...: drift lands on each arm as often as on the other.
+        for arm in arms if repeat % 2 == 0 else arms[::-1]:
+            step, cpu = fit(args, arm, opened[arm], 1 + repeat * args.steps)
+            times[arm].append(step)
+            cpus[arm].append(cpu)
+    for sink in (sink for group in opened.values() for sink in group):
+        sink.close()
+    # The fastest of the repeats: other load on the machine only ever adds time.
+    base = min(times["none"])
+    for arm in arms:
+        best, middle = min(times[arm]), statistics.median(times[arm])
+        paired = statistics.median(a / b for a, b in zip(times[arm], times["none"], strict=True))
+        print(f"{arm:12s} best {1e3 * best:7.2f} ms/step, median {1e3 * middle:7.2f} "
+              f"(of {args.repeats}); best vs none {best / base:.3f}; median of paired "
+              f"ratios {paired:.3f}"
+              f"; process CPU best vs none {min(cpus[arm]) / min(cpus['none']):.3f}")
+    ratios = (min(times["all"]) / base,
+              statistics.median(times["all"]) / statistics.median(times["none"]),
+              statistics.median(a / b for a, b in zip(times["all"], times["none"], strict=True)))
+    return ratios, index + 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[10.0, 100.0],
+                        help="target step times; the width is calibrated to each")
+    parser.add_argument("--seconds", type=float, default=1.5,
+                        help="timed seconds per fit (sets the steps for each step time)")
+    parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--mlflow-uri", default=None)
     parser.add_argument("--arms", choices=("all", "each"), default="all",
@@ -168,22 +259,17 @@ def main() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     args.mlflow_uri = args.mlflow_uri or f"sqlite:///{root / 'mlflow.db'}"
     os.chdir(root)  # a SQLite store keeps its artifacts in ./mlruns
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, width {args.width}, "
-          f"batch {args.batch}, {args.steps} steps, log_every=1, mlflow {args.mlflow_uri}")
-    arms = ARMS if args.arms == "each" else ("none", "all")
-    times: dict[str, list[float]] = {arm: [] for arm in arms}
-    index = 0
-    for _ in range(args.repeats):
-        for arm in arms:
-            times[arm].append(fit(args, arm, root, index))
-            index += 1
-    # The fastest of the repeats: other load on the machine only ever adds time.
-    base = min(times["none"])
-    for arm in arms:
-        best, middle = min(times[arm]), statistics.median(times[arm])
-        print(f"{arm:12s} best {1e3 * best:7.2f} ms/step, median {1e3 * middle:7.2f} "
-              f"(of {args.repeats}); best vs none {best / base:.3f}")
-    print(f"ratio, every tracker vs none: {min(times['all']) / base:.3f} (target <= 1.02)")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {args.batch}, "
+          f"log_every=1, mlflow {args.mlflow_uri}")
+    ratios, index = {}, 0
+    for target in args.step_ms:
+        args.width = calibrate(target, args.batch)
+        args.steps = max(20, int(args.seconds * 1e3 / target))
+        print(f"-- step of ~{target:g} ms: width {args.width}, {args.steps} steps", flush=True)
+        ratios[target], index = compare(args, root, index)
+    for target, (best, middle, paired) in ratios.items():
+        print(f"ratio at ~{target:g} ms steps, all four trackers vs none: best {best:.3f}, "
+              f"median {middle:.3f}, median of pairs {paired:.3f} (target <= 1.02)")
     print("per-call cost (host time of log(), 4 scalars):")
     per_call(root, args.mlflow_uri)
 

@@ -167,3 +167,20 @@ def test_key_concepts_program_runs_as_written(tmp_path):
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
     assert losses[-1] < 0.1, losses
     assert lines[-1].startswith("dew trains jax models. dew trains"), lines[-1]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_first_step():
+    import itertools
+
+
+    from dew import Trainer, models
+    from dew.data import Dataset
+    from dew.objectives.lm import LMObjective, TokenRangeError
+
+    model = models.build("causal_transformer", vocab_size=10, emb_features=8, num_layers=1,
+                         num_heads=2, mlp_features=8, max_seq_len=8)
+    objective = LMObjective(model, seq_len=4)
+    batch = {"text": np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 12]], np.int32)}
+    trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(TokenRangeError, match=r"step 0 holds token id 12, outside the model's vocabulary of 10 ids"):
+        trainer.fit(Dataset(train=lambda p: itertools.repeat(batch), batch=2), steps=2)

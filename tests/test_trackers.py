@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -70,6 +71,7 @@ def test_plot_reads_the_journal_and_never_changes_it(tmp_path):
     for step in range(1, 21):
         tracker.log({"loss": 1.0 / step, "lr": 0.1}, step=step)
     tracker.log({"loss": float("nan")}, step=21)
+    tracker.flush()  # the tracker thread writes rows a batch at a time
     # A row appended by someone else appears in the plot: plot() reads the file.
     with open(tmp_path / "scalars.jsonl", "a") as handle:
         handle.write(json.dumps({"step": 22, "extra": 3.0}) + "\n")
@@ -206,25 +208,6 @@ def test_tensorboard_read_back_through_its_event_reader(tmp_path):
         "record": {"directory": "/tmp/trace", "start": 5, "steps": 3}}
 
 
-def test_sender_keeps_order_batches_and_surfaces_a_failure():
-    from dew.trackers._worker import Sender
-
-    received: list[list[int]] = []
-    sender = Sender(received.append, "test-sender")
-    for item in range(100):
-        sender.submit(item)
-    sender.drain()
-    assert [item for batch in received for item in batch] == list(range(100))
-
-    def broken(items):
-        raise ConnectionError("tracking server went away")
-
-    failing = Sender(broken, "test-failing")
-    failing.submit(1)
-    with pytest.raises(ConnectionError, match="went away"):
-        failing.drain()
-
-
 def test_local_video_preview_is_an_animated_gif(tmp_path):
     frames = np.zeros((3, 4, 4, 3), np.uint8)
     for index in range(3):
@@ -237,3 +220,108 @@ def test_local_video_preview_is_an_animated_gif(tmp_path):
         for index in range(3):
             gif.seek(index)
             np.testing.assert_array_equal(np.asarray(gif.convert("RGB")), frames[index])
+
+
+# -- a full disk under the tracking directory ----------------------------------
+
+FULL_DISK = """
+import json, os, resource, signal, sys
+from dew.training.background import TrackerWriteError
+from dew.training.trackers import LocalTracker
+
+directory, limit = sys.argv[1], int(sys.argv[2])
+if limit:  # no tmpfs: a file-size limit makes writes fail the same way (EFBIG)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+tracker = LocalTracker(directory)
+error = None
+for step in range(1, 100_000):
+    try:
+        tracker.log({f"metric/{i:03d}": step + i / 7 for i in range(40)}, step=step)
+        if step % 50 == 0:
+            tracker.flush()
+    except TrackerWriteError as caught:
+        error = caught
+        break
+try:
+    tracker.close()
+except TrackerWriteError as caught:
+    error = error or caught
+print(json.dumps({"error": str(error), "step": step}))
+"""
+
+
+def _tmpfs(path, size):
+    """path as a small tmpfs when this process may mount one (root), else None."""
+    import subprocess
+
+    path.mkdir()
+    if os.geteuid() != 0:
+        return None
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True)
+    return path if done.returncode == 0 else None
+
+
+def test_a_full_disk_names_the_journal_and_leaves_it_readable(tmp_path):
+    import subprocess
+    import sys
+
+    from dew.cli.report import render_report
+    from dew.telemetry.render import journal_rows
+
+    disk = tmp_path / "disk"
+    mounted = _tmpfs(disk, "64k")
+    try:
+        run = disk / "run"
+        result = subprocess.run(
+            [sys.executable, "-c", FULL_DISK, str(run), "0" if mounted else str(64 * 1024)],
+            capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        outcome = json.loads(result.stdout)
+        journal = run / "scalars.jsonl"
+        assert str(journal) in outcome["error"]  # the message names the file
+        assert ("No space left" if mounted else "File too large") in outcome["error"]
+        raw = journal.read_bytes()
+        assert raw.endswith(b"\n")  # the failed write was cut back to the last whole row
+        rows = list(journal_rows(journal))
+        assert len(rows) == raw.count(b"\n") and rows[0]["step"] == 1
+        assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
+        page = render_report(run, tmp_path / "page")  # dew report reads it
+        assert page.exists()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_readers_skip_a_torn_last_line_and_refuse_a_damaged_middle(tmp_path):
+    from dew.cli.report import render_report
+    from dew.telemetry.render import TornJournalError, journal_rows
+
+    tracker = LocalTracker(tmp_path)
+    for step in range(1, 4):
+        tracker.log({"loss": 1.0 / step}, step=step)
+    tracker.close()
+    journal = tmp_path / "scalars.jsonl"
+    whole = journal.read_text()
+    journal.write_text(whole + '{"step": 4, "lo')  # a writer killed mid-line
+    assert [row["step"] for row in journal_rows(journal)] == [1, 2, 3]
+    assert render_report(tmp_path, tmp_path / "page").exists()
+    journal.write_text('{"step": 1, "lo\n' + whole)
+    with pytest.raises(TornJournalError, match=r"scalars.jsonl, line 1"):
+        list(journal_rows(journal))
+
+
+def test_a_local_tracker_told_not_to_stop_warns_and_counts_what_it_lost(tmp_path):
+    from dew.training.background import TrackerWarning
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    tracker = LocalTracker(blocked / "run", stop_on_failure=False, close_timeout=0.5)
+    with pytest.warns(TrackerWarning) as seen:
+        for step in range(1, 4):
+            tracker.log({"loss": 1.0}, step=step)  # never raises
+        tracker.close()
+    messages = [str(w.message) for w in seen]
+    assert any(str(blocked / "run") in m and "retrying" in m for m in messages)
+    assert any("3 reports (steps 1 to 3)" in m for m in messages)

@@ -6,72 +6,40 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+import jax
 import numpy as np
+import optax
 import pytest
 from PIL import Image
 
+import dew
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Goodput
+from dew.training.background import TrackerWarning
+from dew.training.trackers import Trackers
 
 pytest.importorskip("mlflow")
 
-START_TIMEOUT = 240.0  # a cold server on a busy 2-core machine took ~60 s
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+import mlflow_server  # noqa: E402 - a helper beside the tests
+from tiny_regression import Regression, dataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
-    mlflow = Path(sys.executable).with_name("mlflow")
-    environment = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    log = open(root / "server.log", "w")  # noqa: SIM115
-    process = subprocess.Popen(
-        [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts")],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    probe = f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
-    deadline = time.monotonic() + START_TIMEOUT
+    process = mlflow_server.start(root, port := mlflow_server.free_port())
     try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"mlflow server exited with {process.returncode}:\n"
-                            + (root / "server.log").read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(probe, timeout=30) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not answer within {START_TIMEOUT:.0f} s:\n"
-                            + (root / "server.log").read_text()[-3000:])
-            time.sleep(0.5)
-        yield uri
+        yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
+        mlflow_server.stop(process)
 
 
 @pytest.mark.slow
@@ -165,3 +133,98 @@ trackers:
     files = [p for p in stored.rglob("*") if p.is_file()]
     assert any("run_started" in p.as_posix() for p in files)  # the recipe was recorded there
     assert not [p for p in files if PASSWORD.encode() in p.read_bytes()]
+
+
+# -- faults: a dead address, a server that hangs, a server killed mid-run -----
+
+
+def _trainer(tracker):
+    return dew.Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0), tracker=tracker)
+
+
+def test_a_dead_address_fails_before_step_one_within_seconds():
+    from dew.trackers.mlflow import MLflowTracker, TrackerUnreachableError
+
+    uri = f"http://127.0.0.1:{mlflow_server.free_port()}"  # nothing listens there
+    began = time.monotonic()
+    with pytest.raises(TrackerUnreachableError, match=re.escape(uri)):
+        _trainer(MLflowTracker("dew-dead", uri=uri, connect_timeout=2)).fit(dataset(), steps=3)
+    assert time.monotonic() - began < 60  # compile included; MLflow's own retries took 251 s
+
+
+def test_an_address_with_a_password_is_named_without_it():
+    from dew.trackers.mlflow import MLflowTracker, TrackerUnreachableError
+
+    port = mlflow_server.free_port()
+    tracker = MLflowTracker("dew-dead", uri=f"http://ann:hunter2@127.0.0.1:{port}",
+                            connect_timeout=2)
+    with pytest.raises(TrackerUnreachableError) as caught:
+        tracker.log({"loss": 1.0}, step=1)
+    assert f"http://ann:***@127.0.0.1:{port}" in str(caught.value)
+    assert "hunter2" not in str(caught.value) and "hunter2" not in repr(tracker)
+
+
+def test_a_server_that_never_answers_fails_within_the_connect_timeout():
+    from dew.trackers.mlflow import MLflowTracker, TrackerUnreachableError
+
+    with socket.socket() as listener:  # accepts connections (the kernel does) and says nothing
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        uri = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        tracker = MLflowTracker("dew-hung", uri=uri, connect_timeout=1.5)
+        began = time.monotonic()
+        with pytest.raises(TrackerUnreachableError, match=rf"{re.escape(uri)}.*1\.5 s"):
+            tracker.log({"loss": 1.0}, step=1)
+        assert time.monotonic() - began < 10
+
+
+class KillAt:
+    """A sink that kills the tracking server (SIGKILL) when the run reaches a step."""
+
+    def __init__(self, process, step):
+        self.process, self.step = process, step
+
+    def log(self, scalars, step):
+        if step == self.step:
+            mlflow_server.stop(self.process, signal.SIGKILL)
+
+    def artifact(self, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_neither_stops_training_nor_hides_the_loss(tmp_path):
+    from mlflow import MlflowClient
+
+    from dew.trackers.mlflow import MLflowTracker
+
+    port = mlflow_server.free_port()
+    uri = f"http://127.0.0.1:{port}"
+    process = mlflow_server.start(tmp_path, port)
+    try:
+        tracker = MLflowTracker("dew-outage", run_name="outage", uri=uri, buffer=5)
+        steps = 30
+        began = time.monotonic()
+        with pytest.warns(TrackerWarning, match=re.escape(uri)):
+            state = _trainer(Trackers(KillAt(process, 5), tracker)).fit(
+                dataset(), steps=steps, log_every=1)
+        assert int(state.step) == steps and time.monotonic() - began < 120
+        process = mlflow_server.start(tmp_path, port)  # the server comes back
+        tracker.close()
+
+        client = MlflowClient(tracking_uri=uri)
+        (run,) = client.search_runs([client.get_experiment_by_name("dew-outage").experiment_id])
+        assert run.info.run_name == "outage" and run.info.status == "FINISHED"
+        logged = {m.step for m in client.get_metric_history(run.info.run_id, "train/loss")}
+        (artifact,) = client.list_artifacts(run.info.run_id, "records/tracker_dropped")
+        local = Path(client.download_artifacts(run.info.run_id, artifact.path, str(tmp_path)))
+        dropped = json.loads(local.read_text())["record"]
+        assert dropped["where"] == uri and dropped["reports"] >= steps - 5 - 5
+        lost = set(range(dropped["first_step"], dropped["last_step"] + 1))
+        assert steps in logged and not logged & lost  # the newest arrived; nothing twice
+        assert logged | lost >= set(range(1, steps + 1))  # every step is accounted for
+    finally:
+        mlflow_server.stop(process)

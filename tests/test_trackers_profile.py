@@ -6,17 +6,14 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 
 import dew
-from dew.data import Dataset
-from dew.objectives.base import Aux, Mean, Objective
 from dew.telemetry import profiling
 from dew.training.profiling import ProfilerBusyError, ProfileWindow
 from dew.training.trackers import LocalTracker, Trackers
+from tiny_regression import Regression, dataset
 
 
 def _traces(directory):
@@ -54,36 +51,6 @@ def test_window_opens_after_warmup_and_closes_after_steps(tmp_path):
         ProfileWindow(str(tmp_path), steps=0)
 
 
-class Linear(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(1)(x)
-
-
-class Regression(Objective):
-    def __init__(self):
-        self.model = Linear()
-
-    def init(self, key, variables=None):
-        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 4)))
-
-    def loss(self, variables, batch, step):
-        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
-        return Mean(jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)), Aux()
-
-
-def _dataset() -> Dataset:
-    def stream(partition):
-        index = 0
-        while True:
-            rng = np.random.default_rng(index)
-            x = rng.normal(size=(8, 4)).astype(np.float32)
-            yield {"x": x, "y": x.sum(axis=1, keepdims=True)}
-            index += 1
-
-    return Dataset(train=stream, val=None, records=None, batch=8)
-
-
 class Recorder:
     def __init__(self):
         self.rows = []
@@ -103,7 +70,7 @@ def test_a_fit_reports_its_window_goodput_and_lines(tmp_path, capsys):
     trainer = dew.Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0),
                           tracker=Trackers(local, recorder),
                           profile=ProfileWindow(str(tmp_path / "trace"), steps=2, warmup=2))
-    trainer.fit(_dataset(), steps=8, log_every=4)
+    trainer.fit(dataset(), steps=8, log_every=4)
     local.close()
 
     rows = [json.loads(line) for line in (tmp_path / "run/scalars.jsonl").read_text().splitlines()]
@@ -132,4 +99,4 @@ def test_a_fit_inside_dew_profile_refuses_its_window(tmp_path):
                           profile=ProfileWindow(str(tmp_path / "window"), steps=2))
     with dew.profile(tmp_path / "outer"):
         with pytest.raises(ProfilerBusyError, match="ProfileWindow"):
-            trainer.fit(_dataset(), steps=4, log_every=2)
+            trainer.fit(dataset(), steps=4, log_every=2)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,41 +15,7 @@ from dew.telemetry.records import RunStarted
 
 pytest.importorskip("wandb")
 
-_BLOCK = 32 * 1024  # the datastore is a LevelDB-style log: 32 KiB blocks of framed chunks
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def read_datastore(path: Path) -> list:
-    """Every Record in a W&B .wandb file, decoded with wandb's protobuf."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", "not a W&B datastore"
-    position, pending, payloads = 7, b"", []
-    while position + 7 <= len(data):
-        left = _BLOCK - position % _BLOCK
-        if left < 7:
-            position += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        chunk = data[position + 7:position + 7 + length]
-        position += 7 + length
-        if kind == _FULL:
-            payloads.append(chunk)
-        elif kind == _FIRST:
-            pending = chunk
-        elif kind == _MIDDLE:
-            pending += chunk
-        elif kind == _LAST:
-            payloads.append(pending + chunk)
-        else:
-            break
-    records = []
-    for payload in payloads:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        records.append(record)
-    return records
+from wandb_datastore import finished_records  # noqa: E402 - a helper beside the tests
 
 
 def test_wandb_offline_read_back(tmp_path, monkeypatch):
@@ -75,12 +38,7 @@ def test_wandb_offline_read_back(tmp_path, monkeypatch):
 
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (datastore,) = run_dir.glob("run-*.wandb")
-    # W&B's service writes the datastore after finish() returns: wait (bounded) for its exit.
-    deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "exit" for r in read_datastore(datastore)):
-        assert time.monotonic() < deadline, "W&B never finished writing the offline run"
-        time.sleep(0.2)
-    records = read_datastore(datastore)
+    records = finished_records(datastore)
     kinds = [r.WhichOneof("record_type") for r in records]
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert len(runs) == 1, kinds

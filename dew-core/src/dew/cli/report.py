@@ -38,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
 def _rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    from dew.telemetry.render import journal_rows
+
+    return list(journal_rows(path))
 
 
 def _labels(directories: Sequence[Path]) -> list[str]:

@@ -14,9 +14,9 @@ from typing import Any
 
 import pydantic
 
-__all__ = ["TRACEBACK_VARIABLE", "add_arguments", "field_lines", "is_dews", "run"]
+__all__ = ["TRACEBACK", "add_arguments", "field_lines", "one_message", "run"]
 
-TRACEBACK_VARIABLE = "DEW_TRACEBACK"
+TRACEBACK = "DEW_TRACEBACK"  # set to 1 to see the traceback of an error dew names
 
 
 def _type_name(annotation: Any) -> str:
@@ -119,8 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="validate the recipe and print it as JSON (secrets redacted), without training")
     parser.add_argument("--traceback", action="store_true",
-                        help="on a failure dew recognises, print the whole traceback, not one message "
-                             f"(or set {TRACEBACK_VARIABLE}=1)")
+                        help=f"show the whole traceback of an error dew names (or set {TRACEBACK}=1)")
     parser.epilog = (
         "examples:\n  dew train tiny-lm\n  dew train my-run.yaml trainer.steps=200 "
         "optimizer.learning_rate=1e-3\n\n" + fields_help()
@@ -142,26 +141,27 @@ def run(args: argparse.Namespace) -> int:
     try:
         config.train()
     except Exception as error:
-        if args.traceback or os.environ.get(TRACEBACK_VARIABLE) or not is_dews(error):
+        if args.traceback or os.environ.get(TRACEBACK) or not _named(error):
             raise
-        print(f"dew train: {type(error).__name__}: {error}", file=sys.stderr)
-        for note in getattr(error, "__notes__", ()):
-            print(f"dew train: {note}", file=sys.stderr)
-        print(f"dew train: (run with --traceback or {TRACEBACK_VARIABLE}=1 for the traceback)",
-              file=sys.stderr)
-        return 1
+        print(one_message(error), file=sys.stderr)
+        return 2 if isinstance(error, RecipeError) else 1
     return 0
 
 
-def is_dews(error: BaseException) -> bool:
-    """Whether dew raised this error on purpose: its class is defined in a dew module.
-
-    Such an error's message says what went wrong and how to fix it, so the
-    command prints the message alone; anything else is a bug and keeps its
-    traceback.
-
-    >>> from dew.training.mesh import MeshSizeError
-    >>> is_dews(MeshSizeError("x")), is_dews(ValueError("x"))
-    (True, False)
-    """
+def _named(error: BaseException) -> bool:
+    """An error of dew's own (a class defined in a dew module): its message says what went
+    wrong and what to do, so its traceback only hides that."""
     return type(error).__module__.split(".")[0] == "dew"
+
+
+def one_message(error: BaseException) -> str:
+    """error as `dew train` prints it: its class, its message, its notes, and how to see more.
+
+    >>> print(one_message(ValueError("the batch has no 'tokens'")))
+    dew train: ValueError: the batch has no 'tokens'
+      (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)
+    """
+    lines = [f"dew train: {type(error).__name__}: {error}"]
+    lines += [f"  {note}" for note in getattr(error, "__notes__", ())]
+    lines.append(f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)")
+    return "\n".join(lines)

@@ -21,12 +21,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dew.recipes.errors import RecipeError
+
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
 
 __all__ = [
     "ConfiguredTracker",
     "ScheduleReshapedWarning",
+    "VocabularyMismatchError",
     "build_objective",
     "build_trackers",
     "expand",
@@ -96,6 +99,7 @@ def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str =
     fields = _fields("objectives", config.objective, timestamp)
     component = registry.objectives.load(config.objective.name)
     tokenizer = _tokenizer(reader)
+    _check_vocabulary(config, model, tokenizer)
     if tokenizer is not None and "tokenizer" not in fields and _accepts(component, "tokenizer"):
         fields["tokenizer"] = tokenizer
     if _accepts(component, "model"):
@@ -103,8 +107,29 @@ def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str =
     return registry.objectives.build(config.objective.name, **fields)
 
 
+def _check_vocabulary(config: RunConfig, model: Any, tokenizer: Any) -> None:
+    """Refuse, before anything compiles, data whose token ids the model cannot embed (an
+    id at or above its vocab_size would index past the embedding table)."""
+    ids, rows = getattr(tokenizer, "vocab_size", None), getattr(model, "vocab_size", None)
+    if isinstance(ids, int) and isinstance(rows, int) and ids > rows:
+        raise VocabularyMismatchError(
+            f"data {config.data.name!r} yields token ids up to {ids - 1} "
+            f"({type(tokenizer).__name__}), but model.vocab_size is {rows}: the model has no "
+            f"row for ids {rows} and above. Set model.vocab_size to at least {ids}, or use a "
+            "tokenizer with fewer ids.")
+
+
+class VocabularyMismatchError(RecipeError):
+    """The data's token ids reach past the model's vocabulary (found before step 1)."""
+
+
 def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
-    """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None."""
+    """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None.
+
+    Each receives the recipe, as ``RunConfig.recorded`` writes it down (secrets
+    redacted), with the run's RunStarted record, and records it where runs are
+    compared (MLflow parameters, TensorBoard hparams, W&B config).
+    """
     from dew import registry
 
     built = [registry.trackers.build(t.name, **_fields("trackers", t, timestamp))
@@ -113,7 +138,7 @@ def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
     if wandb is not None:
         built.append(registry.trackers.build(
             "wandb", project=wandb.project, name=wandb.name, entity=wandb.entity,
-            offline=wandb.offline, config=config.recorded(),
+            offline=wandb.offline,
         ))
     if not built:
         return None

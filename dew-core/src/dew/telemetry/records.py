@@ -22,6 +22,7 @@ __all__ = [
     "ProfileWindowRecord",
     "Record",
     "RunStarted",
+    "TrackerDropped",
     "is_record",
     "json_value",
     "previews_of",
@@ -174,3 +175,26 @@ class Goodput:
     def to_json(self) -> dict[str, Any]:
         return {**_fields(self), "fraction": json_value(self.fraction),
                 "badput": json_value(self.badput)}
+
+
+@dataclass(frozen=True)
+class TrackerDropped:
+    """A tracker could not write for a while and lost ``reports`` reports (one per log
+    or artifact call) from steps ``first_step`` to ``last_step``; ``where`` is the
+    file or address it writes to and ``error`` the last failure it met."""
+
+    type: ClassVar[str] = "tracker_dropped"
+
+    where: str
+    reports: int
+    first_step: int | None
+    last_step: int | None
+    error: str
+
+    @classmethod
+    def of(cls, dropped: Any, where: str) -> TrackerDropped:
+        """The record of a channel's Dropped count (dew.training.background)."""
+        return cls(where, dropped.items, dropped.first_step, dropped.last_step, dropped.error)
+
+    def to_json(self) -> dict[str, Any]:
+        return _fields(self)

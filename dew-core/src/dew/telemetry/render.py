@@ -23,7 +23,9 @@ from dew.telemetry.artifacts import Artifact
 __all__ = [
     "NON_FINITE",
     "gif_bytes",
+    "TornJournalError",
     "image_grid",
+    "journal_rows",
     "plot_journal",
     "plot_series",
     "png_bytes",
@@ -120,12 +122,31 @@ def write_preview(artifact: Artifact, directory: str | Path, step: int) -> Path:
 # -- scalar journals -----------------------------------------------------------
 
 
-def _rows(journal: Path) -> Iterator[dict[str, Any]]:
-    with open(journal, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if line:
-                yield json.loads(line)
+class TornJournalError(ValueError):
+    """A journal line other than the last is not JSON: the file was damaged, not cut short."""
+
+
+def journal_rows(journal: str | Path) -> Iterator[dict[str, Any]]:
+    """The rows of a JSONL journal, skipping a last line cut short by a crash or a full disk.
+
+    >>> import pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "scalars.jsonl"
+    >>> _ = path.write_text('{"step": 1}\\n{"step": 2, "lo')
+    >>> list(journal_rows(path))
+    [{'step': 1}]
+    """
+    with open(journal, encoding="utf-8", errors="replace") as handle:
+        lines = handle.read().split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):  # no newline after it: a write that never finished
+                return
+            raise TornJournalError(f"{journal}, line {number}, is not JSON ({error}); the "
+                                   "journal was damaged.") from error
 
 
 def _number(value: Any) -> float | None:
@@ -139,7 +160,7 @@ def _number(value: Any) -> float | None:
 def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every metric of a scalar journal as (steps, values), in journal order."""
     series: dict[str, tuple[list[int], list[float]]] = {}
-    for row in _rows(Path(journal)):
+    for row in journal_rows(journal):
         step = int(row["step"])
         for name, value in row.items():
             number = _number(value) if name != "step" else None

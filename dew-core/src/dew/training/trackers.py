@@ -9,16 +9,19 @@ in dew-trackers and are imported only when one of them logs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Record, is_record, previews_of, record_row
 
-__all__ = ["LocalTracker", "NotAReportError", "Reported", "Tracker", "Trackers", "scalar_row"]
+__all__ = ["LocalTracker", "NotAReportError", "Reported", "Tracker", "Trackers", "recipe_fields",
+           "scalar_row"]
 
 Reported: TypeAlias = Artifact | Record
 
@@ -67,6 +70,30 @@ def scalar_row(scalars: Mapping[str, float], step: int) -> dict[str, Any]:
     return row
 
 
+def recipe_fields(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
+    """A recipe as flat, searchable fields: nested names joined by dots, list items by
+    their index (the override syntax), None as ``"null"``, anything else as text.
+
+    >>> recipe_fields({"trainer": {"steps": 10, "wandb": None}, "trackers": [{"name": "local"}]})
+    {'trainer.steps': 10, 'trainer.wandb': 'null', 'trackers.0.name': 'local'}
+    """
+    fields: dict[str, str | int | float | bool] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            fields.update(recipe_fields(value, f"{name}."))
+        elif isinstance(value, list | tuple) and value:
+            fields.update(recipe_fields({str(i): v for i, v in enumerate(value)}, f"{name}."))
+        elif value is None:
+            fields[name] = "null"
+        elif isinstance(value, bool | int | str) or (isinstance(value, float)
+                                                    and math.isfinite(value)):
+            fields[name] = value
+        else:
+            fields[name] = str(value)
+    return fields
+
+
 class Trackers:
     """Several trackers as one: every report reaches every sink.
 
@@ -108,13 +135,21 @@ class Trackers:
 
 
 class LocalTracker:
-    """Writes a run's reports into a directory, one line per report, as it happens.
+    """Writes a run's reports into a directory, one line per report.
 
     ``scalars.jsonl`` holds one row per ``log`` call, ``records.jsonl`` one
     row per record, ``previews.jsonl`` one row per preview file written under
     ``previews/``. Non-finite values are the strings ``NaN``, ``+Inf`` and
     ``-Inf``. ``plot()`` draws each metric from the journal into ``plots/``;
     nothing is kept in memory between calls.
+
+    The files are written by dew's tracker thread (dew.training.background),
+    in the order of the calls, a batch at a time, so a step only enqueues its
+    values. A write that fails is truncated back to the last whole line, so a
+    journal never holds half a row, and its error names the file; it stops the
+    run (raised by the next call or by ``close``) unless stop_on_failure is
+    False, when the tracker retries and warns instead (and ``close`` gives up
+    after close_timeout seconds, warning how many reports were lost).
 
     >>> import tempfile, json, pathlib
     >>> directory = pathlib.Path(tempfile.mkdtemp())
@@ -129,53 +164,103 @@ class LocalTracker:
     RECORDS = "records.jsonl"
     PREVIEWS = "previews.jsonl"
 
-    def __init__(self, directory: str | Path, *, plots: bool = False) -> None:
+    def __init__(self, directory: str | Path, *, plots: bool = False,
+                 stop_on_failure: bool = True, close_timeout: float = 30.0) -> None:
+        from dew.training.background import Channel
+
         self.directory = Path(directory)
         self.plots = plots
-        self._handles: dict[str, IO[str]] = {}
+        self._handles: dict[str, Any] = {}
+        self._channel = Channel(self._send, f"LocalTracker at {self.directory}", interval=0.5,
+                                stop_on_failure=stop_on_failure, close_timeout=close_timeout,
+                                on_recover=self._recovered)
 
-    def _write(self, journal: str, row: Mapping[str, Any]) -> None:
-        handle = self._handles.get(journal)
-        if handle is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            handle = self._handles[journal] = open(  # noqa: SIM115 - held until close()
-                self.directory / journal, "a", encoding="utf-8"
-            )
-        handle.write(json.dumps(row, allow_nan=False) + "\n")
-        handle.flush()
+    def _append(self, journal: str, rows: list[Mapping[str, Any]]) -> None:
+        """Append rows to journal in one write; on failure cut the file back to whole lines."""
+        from dew.training.background import TrackerWriteError
+
+        path = self.directory / journal
+        data = "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows).encode()
+        try:
+            handle = self._handles.get(journal)
+            if handle is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                handle = self._handles[journal] = open(path, "ab", buffering=0)  # noqa: SIM115
+        except OSError as error:
+            raise TrackerWriteError(f"LocalTracker could not open {path}: {error}") from error
+        size = os.fstat(handle.fileno()).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[handle.write(view):]
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(handle.fileno(), size)
+            raise TrackerWriteError(
+                f"LocalTracker could not write {len(rows)} rows to {path} (the journal is kept "
+                f"as it was, {size} bytes): {error}") from error
+
+    def _send(self, items: list[tuple[str, Any, int]]) -> None:
+        """On the tracker thread: the journals' rows and the preview files, in order."""
+        from dew.telemetry.render import write_preview
+        from dew.training.background import let_others_run
+
+        rows: dict[str, list[Mapping[str, Any]]] = {}
+        for index, (kind, value, step) in enumerate(items):
+            if index % 16 == 15:
+                let_others_run()
+            if kind == "log":
+                rows.setdefault(self.SCALARS, []).append(scalar_row(value, step))
+                continue
+            if is_record(value):
+                rows.setdefault(self.RECORDS, []).append(record_row(value, step))
+            for preview in previews_of(value):
+                try:
+                    path = write_preview(preview, self.directory / "previews", step)
+                except OSError as error:
+                    raise OSError(f"LocalTracker could not write preview {preview.name!r} "
+                                  f"under {self.directory / 'previews'}: {error}") from error
+                rows.setdefault(self.PREVIEWS, []).append({
+                    "step": int(step), "name": preview.name, "kind": preview.kind,
+                    "path": path.relative_to(self.directory).as_posix(),
+                })
+        for journal, journal_rows in rows.items():
+            self._append(journal, journal_rows)
+
+    def _recovered(self, dropped: Any) -> None:
+        from dew.telemetry.records import TrackerDropped
+
+        record = TrackerDropped.of(dropped, str(self.directory))
+        self._append(self.RECORDS, [record_row(record, dropped.last_step or 0)])
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        self._write(self.SCALARS, scalar_row(scalars, step))
+        self._channel.submit(("log", dict(scalars), step))
 
     def artifact(self, value: Reported, step: int) -> None:
-        from dew.telemetry.render import write_preview
-
         check_reported(value)
-        if is_record(value):
-            self._write(self.RECORDS, record_row(value, step))
-        for preview in previews_of(value):
-            path = write_preview(preview, self.directory / "previews", step)
-            self._write(self.PREVIEWS, {
-                "step": int(step), "name": preview.name, "kind": preview.kind,
-                "path": path.relative_to(self.directory).as_posix(),
-            })
+        self._channel.submit(("artifact", value, step))
+
+    def flush(self) -> None:
+        """Wait until every report so far is in the journals; raise what failed."""
+        self._channel.flush()
+        self._channel.check()
 
     def plot(self) -> list[Path]:
         """Draw every metric of the scalar journal into ``plots/``; return the PNG paths."""
         from dew.telemetry.render import plot_journal
 
-        handle = self._handles.get(self.SCALARS)
-        if handle is not None:
-            handle.flush()
+        self.flush()
         return plot_journal(self.directory / self.SCALARS, self.directory / "plots")
 
     def close(self) -> None:
-        handles, self._handles = self._handles, {}
-        for handle in handles.values():
-            handle.close()
+        try:
+            self._channel.close()
+        finally:
+            handles, self._handles = self._handles, {}
+            for handle in handles.values():
+                handle.close()
         if self.plots:
             self.plot()
 
     def __repr__(self) -> str:
         return f"LocalTracker({str(self.directory)!r}, plots={self.plots})"
-

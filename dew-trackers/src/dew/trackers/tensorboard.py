@@ -40,19 +40,56 @@ def _summarize(preview: Artifact) -> Any:
     return summary_pb2.Summary.Value(tag=tag, image=image)
 
 
+def _hparams(config: Mapping[str, Any]) -> Any:
+    """The hparams plugin's session summary holding the recipe's flattened fields
+    (built here from the plugin's protos: its own helper needs TensorFlow)."""
+    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+    from tensorboard.util import tensor_util
+
+    from dew.training.trackers import recipe_fields
+
+    session = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+    for name, value in recipe_fields(config).items():
+        if isinstance(value, bool):
+            session.hparams[name].bool_value = value
+        elif isinstance(value, int | float):
+            session.hparams[name].number_value = value
+        else:
+            session.hparams[name].string_value = str(value)
+    data = plugin_data_pb2.HParamsPluginData(session_start_info=session)
+    return summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+        tag=metadata.SESSION_START_INFO_TAG, metadata=metadata.create_summary_metadata(data),
+        tensor=tensor_util.make_tensor_proto(0))])
+
+
 class TensorBoardTracker:
     """Writes scalars, previews and records into one TensorBoard event file in directory.
 
     The file is created when the first value arrives. Scalars are scalar
     summaries; a preview is an image summary (a video its animated GIF) or a
     text summary under ``previews/<name>``; a record is its JSON journal row
-    as a text summary under ``reporting/<type>``.
+    as a text summary under ``reporting/<type>``. The recipe a RunStarted
+    record carries also becomes the hparams plugin's session, its fields
+    flattened to dotted names, so runs can be compared by them.
+
+    Summaries are built and written by dew's tracker thread
+    (dew.training.background), so a step only enqueues its values; a failure
+    names the directory and is raised by the next call or by ``close``, unless
+    stop_on_failure is False (then it is retried and warned of, and ``close``
+    gives up after close_timeout seconds).
     """
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, *, stop_on_failure: bool = True,
+                 close_timeout: float = 30.0) -> None:
+        from dew.training.background import Channel
+
         require("tensorboard", "tensorboard", "TensorBoardTracker")
         self.directory = Path(directory)
         self._writer: Any = None
+        self._channel = Channel(self._send, f"TensorBoardTracker at {self.directory}",
+                                interval=0.5, stop_on_failure=stop_on_failure,
+                                close_timeout=close_timeout)
 
     @property
     def writer(self) -> Any:
@@ -64,40 +101,53 @@ class TensorBoardTracker:
             self._writer = EventFileWriter(str(self.directory), max_queue_size=1000, flush_secs=10)
         return self._writer
 
-    def _write(self, values: list[Any], step: int) -> None:
+    def _send(self, items: list[tuple[str, Any, int]]) -> None:
+        """On the tracker thread: one event per call, then the file is flushed."""
         from tensorboard.compat.proto import event_pb2, summary_pb2
-
-        event = event_pb2.Event(
-            wall_time=time.time(), step=int(step), summary=summary_pb2.Summary(value=values)
-        )
-        self.writer.add_event(event)
-
-    def log(self, scalars: Mapping[str, float], step: int) -> None:
-        from tensorboard.compat.proto import summary_pb2
-
-        values = [summary_pb2.Summary.Value(tag=name, simple_value=float(value))
-                  for name, value in scalars.items()]
-        self._write(values, step)
-
-    def artifact(self, value: Reported, step: int) -> None:
         from tensorboard.plugins.text.summary_v2 import text_pb
 
+        from dew.telemetry.records import RunStarted
+        from dew.training.background import let_others_run
+
+        writer = self.writer
+        for kind, value, step in items:
+            let_others_run()
+            if kind == "log":
+                values = [summary_pb2.Summary.Value(tag=name, simple_value=float(number))
+                          for name, number in value.items()]
+            else:
+                values = []
+                if is_record(value):
+                    text = json.dumps(record_row(value, step), allow_nan=False)
+                    values.append(text_pb(f"reporting/{value.type}", text).value[0])
+                values += [_summarize(preview) for preview in previews_of(value)]
+            summary = summary_pb2.Summary(value=values)
+            writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                             summary=summary))
+            if isinstance(value, RunStarted) and value.config:
+                writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                                 summary=_hparams(value.config)))
+        writer.flush()
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        self._channel.submit(("log", dict(scalars), step))
+
+    def artifact(self, value: Reported, step: int) -> None:
         check_reported(value)
-        values = []
-        if is_record(value):
-            text = json.dumps(record_row(value, step), allow_nan=False)
-            values.append(text_pb(f"reporting/{value.type}", text).value[0])
-        values += [_summarize(preview) for preview in previews_of(value)]
-        self._write(values, step)
+        self._channel.submit(("artifact", value, step))
 
     def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        """Wait until every report so far is in the event file; raise what failed."""
+        self._channel.flush()
+        self._channel.check()
 
     def close(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        try:
+            self._channel.close()
+        finally:
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()
 
     def __repr__(self) -> str:
         return f"TensorBoardTracker({str(self.directory)!r})"

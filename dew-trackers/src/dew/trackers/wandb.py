@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dew.telemetry.records import is_record, previews_of, record_row
+from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.trackers import require
-from dew.trackers._worker import Sender
-from dew.training.trackers import Reported, check_reported
+from dew.training.background import Channel, TrackerWriteError, let_others_run
+from dew.training.trackers import Reported, check_reported, recipe_fields
 
 __all__ = ["WandbTracker"]
 
@@ -24,14 +23,20 @@ class WandbTracker:
     Scalars go to the run's history. Every preview is written as a file in
     the run's directory (``previews/<name>/step_<step>.<ext>``), and an image
     is also logged as a ``wandb.Image`` under ``previews/<name>``. A record is
-    written to ``records/<type>/step_<step>.json`` in the run's directory.
-    offline=True keeps everything on disk (``wandb sync`` uploads it later)
-    and needs no network; id resumes (or names) a run.
+    written to ``records/<type>/step_<step>.json`` in the run's directory. The
+    recipe a RunStarted record carries becomes the run's config, flattened to
+    dotted names. offline=True keeps everything on disk (``wandb sync``
+    uploads it later) and needs no network; id resumes (or names) a run; name
+    (or run_name, the key a recipe's ``trackers:`` entry uses) is its display
+    name.
 
-    The run starts on the caller's thread; every later call to wandb runs on a
-    background thread, in order, so a step pays microseconds for a log. A
-    failure there is raised by the next call or by ``close``, which waits for
-    everything queued before finishing the run.
+    The run starts on the caller's thread and must start within
+    connect_timeout seconds (W&B's ``init_timeout``). Every later call to
+    wandb runs on dew's tracker thread, in order, so a step pays microseconds
+    for a log. With stop_on_failure False (the default) a failed call is
+    retried with a growing pause, dropping the oldest beyond buffer, and a
+    ``tracker_dropped`` record says what was lost once W&B takes calls again;
+    with True a failure is raised by the next call or by ``close``.
     """
 
     def __init__(
@@ -43,16 +48,28 @@ class WandbTracker:
         config: Mapping[str, object] | None = None,
         offline: bool = False,
         id: str | None = None,
+        run_name: str | None = None,
+        connect_timeout: float = 30.0,
+        stop_on_failure: bool = False,
+        buffer: int = 10_000,
+        close_timeout: float = 30.0,
     ) -> None:
         require("wandb", "wandb", "WandbTracker")
+        if name is not None and run_name is not None and name != run_name:
+            raise ValueError(f"WandbTracker got two run names, {name!r} and {run_name!r}; "
+                             "give one (run_name is the key recipes use).")
         self.project = project
-        self.name = name
+        self.name = name if name is not None else run_name
         self.entity = entity
         self.config = dict(config or {})
         self.offline = offline
         self.id = id
+        self.connect_timeout = connect_timeout
         self._run: Any = None
-        self._sender = Sender(_call_each, "dew-wandb")
+        where = f"WandbTracker for project {project!r}" + (" (offline)" if offline else "")
+        self._channel = Channel(self._send, where, stop_on_failure=stop_on_failure,
+                                buffer=buffer, close_timeout=close_timeout,
+                                on_recover=self._recovered)
 
     @property
     def run(self) -> Any:
@@ -60,23 +77,37 @@ class WandbTracker:
         if self._run is None:
             import wandb
 
-            self._run = wandb.init(
-                project=self.project, name=self.name, entity=self.entity,
-                config=self.config, id=self.id, resume="allow" if self.id else None,
-                mode="offline" if self.offline else None, reinit="create_new",
-                settings=wandb.Settings(console="off"),
-            )
+            try:
+                self._run = wandb.init(
+                    project=self.project, name=self.name, entity=self.entity,
+                    config=self.config, id=self.id, resume="allow" if self.id else None,
+                    mode="offline" if self.offline else None, reinit="create_new",
+                    settings=wandb.Settings(console="off", init_timeout=self.connect_timeout),
+                )
+            except Exception as error:
+                raise TrackerWriteError(
+                    f"WandbTracker could not start a run in project {self.project!r} within "
+                    f"{self.connect_timeout:g} s: {error}. Check the network and WANDB_API_KEY, "
+                    "use offline=True, or remove the tracker.") from error
         return self._run
 
-    def log(self, scalars: Mapping[str, float], step: int) -> None:
-        row = {name: float(value) for name, value in scalars.items()}
-        self._sender.submit(partial(self.run.log, row, step=int(step)))
+    def _send(self, items: list[tuple[str, Any, int]]) -> None:
+        """On the tracker thread: history rows, files and config, in order."""
+        from dew.telemetry.records import RunStarted
 
-    def artifact(self, value: Reported, step: int) -> None:
+        run = self.run
+        for kind, value, step in items:
+            let_others_run()
+            if kind == "log":
+                run.log({name: float(number) for name, number in value.items()}, step=int(step))
+                continue
+            if isinstance(value, RunStarted) and value.config:
+                run.config.update(recipe_fields(value.config), allow_val_change=True)
+            self._write_artifact(run, value, step)
+
+    def _write_artifact(self, run: Any, value: Any, step: int) -> None:
         from dew.telemetry.render import image_grid, safe_name, write_preview
 
-        check_reported(value)
-        run = self.run
         directory = Path(run.dir)
         if is_record(value):
             path = directory / "records" / safe_name(value.type) / f"step_{int(step):08d}.json"
@@ -92,20 +123,34 @@ class WandbTracker:
                     image_grid(np.asarray(preview.data)), caption=preview.name
                 )
         if media:
-            self._sender.submit(partial(run.log, media, step=int(step)))
+            run.log(media, step=int(step))
+
+    def _recovered(self, dropped: Any) -> None:
+        record = TrackerDropped.of(dropped, self._channel.where)
+        self._write_artifact(self.run, record, dropped.last_step or 0)
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        self.run  # noqa: B018 - the run starts on the first value, on the caller's thread
+        self._channel.submit(("log", dict(scalars), step))
+
+    def artifact(self, value: Reported, step: int) -> None:
+        check_reported(value)
+        self.run  # noqa: B018
+        self._channel.submit(("artifact", value, step))
+
+    def flush(self) -> None:
+        """Wait until every call so far reached wandb; raise what failed."""
+        self._channel.flush()
+        self._channel.check()
 
     def close(self) -> None:
-        run, self._run = self._run, None
-        if run is not None:
-            try:
-                self._sender.drain()
-            finally:
-                run.finish()
+        if self._run is None:
+            return
+        try:
+            self._channel.close()
+        finally:
+            run, self._run = self._run, None
+            run.finish()
 
     def __repr__(self) -> str:
         return f"WandbTracker({self.project!r}, {self.name!r}, offline={self.offline})"
-
-
-def _call_each(calls: list[Any]) -> None:
-    for call in calls:
-        call()

@@ -1,0 +1,325 @@
+"""One background thread that writes every tracker's reports, so a step only enqueues.
+
+A tracker owns a Channel: ``submit`` appends an item under one lock (a few
+microseconds on the training thread) and the process's single writer thread
+later hands the channel everything queued since its last batch, in order, to
+the tracker's ``send``. A channel with an interval lets items build up that
+long, so a backend with a high cost per request (an HTTP server) gets one
+request per interval rather than one per step.
+
+When ``send`` raises, the channel's policy decides. A channel that stops the
+run on failure keeps the error and raises it, as a TrackerWriteError naming
+where the tracker writes, on the next ``submit`` or at ``close``. A channel
+that does not (remote trackers by default) keeps the items, retries with a
+growing pause, and drops the oldest once more than ``buffer`` wait; when a
+send succeeds again it tells its tracker how many were dropped
+(``on_recover``), and ``close`` gives up after ``close_timeout`` seconds with
+a warning instead of an error, so training is never stopped by it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Channel", "Dropped", "TrackerWarning", "TrackerWriteError", "let_others_run"]
+
+
+def let_others_run() -> None:
+    """Hand the interpreter to any thread waiting for it (the training loop).
+
+    A thread that wants the GIL back otherwise waits for the switch interval
+    (5 ms) while the writer holds it; a tracker calls this between the items
+    of a batch, so the loop waits at most one item's work.
+    """
+    time.sleep(0)
+
+
+class TrackerWriteError(RuntimeError):
+    """A tracker could not write where it reports to; the message names the place."""
+
+
+class TrackerWarning(UserWarning):
+    """A tracker that does not stop the run failed to write, or dropped reports."""
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """What a channel lost while its tracker could not write: ``items`` reports
+    (one per log or artifact call) between steps ``first_step`` and ``last_step``."""
+
+    items: int
+    first_step: int | None
+    last_step: int | None
+    error: str
+
+
+class _Writer:
+    """The process's writer thread and the channels with queued items."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition(threading.Lock())
+        self.ready: dict[Channel, None] = {}  # channels holding items, in arrival order
+        self.thread: threading.Thread | None = None
+        self.channels: weakref.WeakSet[Channel] = weakref.WeakSet()  # for flush_all
+
+    def start(self) -> None:
+        """Start the thread unless it runs (called with the lock held)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="dew-trackers", daemon=True)
+            self.thread.start()
+
+    def _due(self) -> tuple[list[tuple[Channel, list[Any]]], float | None]:
+        """Take the batches that are due; else say how long until the next one is."""
+        now = time.monotonic()
+        batches, wait = [], None
+        for channel in list(self.ready):
+            if channel.busy:
+                continue
+            due = channel.retry_at if channel.hurry else max(channel.due, channel.retry_at)
+            if due <= now:
+                batches.append((channel, channel.items))
+                channel.items = []
+                channel.busy = True
+                channel.hurry = False
+                del self.ready[channel]
+            else:
+                left = due - now
+                wait = left if wait is None else min(wait, left)
+        return batches, wait
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                batches, wait = self._due()
+                while not batches:
+                    self.lock.wait(wait)
+                    batches, wait = self._due()
+            for channel, items in batches:
+                channel.deliver(items)
+                let_others_run()
+            with self.lock:
+                for channel, _ in batches:
+                    channel.busy = False
+                    if channel.items:
+                        self.ready[channel] = None
+                self.lock.notify_all()
+
+    def flush_all(self) -> None:
+        """At interpreter exit: write what every channel still holds (a tracker nobody
+        closed), each within its close timeout, so the last rows are not lost."""
+        for channel in list(self.channels):
+            with contextlib.suppress(Exception):
+                channel.flush(channel.close_timeout)
+
+    def after_fork(self) -> None:
+        """A forked child has no writer thread; the next submit starts one."""
+        self.lock = threading.Condition(threading.Lock())
+        self.ready = {}
+        self.thread = None
+        self.channels = weakref.WeakSet()
+
+
+_WRITER = _Writer()
+atexit.register(_WRITER.flush_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WRITER.after_fork)
+
+
+def _step_of(item: Any) -> int | None:
+    step = getattr(item, "step", None)
+    if step is None and isinstance(item, tuple) and len(item) >= 3:
+        step = item[2]
+    return step if isinstance(step, int) else None
+
+
+class Channel:
+    """One tracker's queue on the shared writer thread.
+
+    send receives a list of items in submission order and writes them all;
+    where names the file or address, for error messages.
+
+    >>> received = []
+    >>> channel = Channel(received.extend, "a list in memory")
+    >>> for step in range(3):
+    ...     channel.submit(("log", {"loss": 1.0 / (step + 1)}, step))
+    >>> channel.close()
+    >>> [item[2] for item in received]
+    [0, 1, 2]
+    """
+
+    def __init__(
+        self,
+        send: Callable[[list[Any]], None],
+        where: str,
+        *,
+        interval: float = 0.0,
+        stop_on_failure: bool = True,
+        buffer: int = 10_000,
+        retry: tuple[float, float] = (1.0, 30.0),
+        close_timeout: float = 30.0,
+        on_recover: Callable[[Dropped], None] | None = None,
+        retryable: Callable[[BaseException], bool] = lambda error: True,
+    ) -> None:
+        self.send = send
+        self.where = where
+        self.interval = interval
+        self.stop_on_failure = stop_on_failure
+        self.buffer = buffer
+        self.retry = retry
+        self.close_timeout = close_timeout
+        self.on_recover = on_recover
+        self.retryable = retryable
+        # Guarded by the writer's lock:
+        self.items: list[Any] = []
+        self.busy = False
+        self.hurry = False
+        self.due = 0.0  # when the batch building up is sent
+        self.retry_at = 0.0  # not before this, after a failure
+        # Written by the writer thread, read by the caller:
+        self.error: BaseException | None = None
+        self.failing: BaseException | None = None
+        self.pause = retry[0]
+        self.dropped = 0
+        self.dropped_steps: tuple[int | None, int | None] = (None, None)
+        _WRITER.channels.add(self)
+
+    # -- the caller's side ---------------------------------------------------
+
+    def submit(self, item: Any) -> None:
+        """Queue item for the writer; raise a failure met since the last call."""
+        if self.error is not None:
+            self.check()
+        writer = _WRITER
+        with writer.lock:
+            if not self.items:  # the first of a batch: the batch is due an interval later
+                self.due = time.monotonic() + self.interval
+                if not self.busy:  # else the writer registers it when the send ends
+                    writer.ready[self] = None
+                    writer.lock.notify()
+            self.items.append(item)
+            if len(self.items) > self.buffer:
+                self._overflow(writer)
+            writer.start()
+
+    def _overflow(self, writer: _Writer) -> None:
+        """Too many items wait: a failing remote drops the oldest, anything else waits."""
+        if self.stop_on_failure or self.failing is None:
+            self.hurry = True
+            writer.lock.notify_all()
+            while len(self.items) > self.buffer and self.error is None:
+                writer.lock.wait(1.0)
+            return
+        extra = len(self.items) - self.buffer
+        self._count_dropped(self.items[:extra])
+        del self.items[:extra]
+
+    def check(self) -> None:
+        """Raise the failure the writer met for this channel, once."""
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued is written (or given up on); True when it was."""
+        writer = _WRITER
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with writer.lock:
+            self.hurry = True
+            self.retry_at = 0.0  # a failing remote gets one attempt now, then its pauses
+            writer.lock.notify_all()
+            while self.items or self.busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.hurry = False
+                    return False
+                writer.lock.wait(left if left is None else min(left, 1.0))
+            self.hurry = False
+        return True
+
+    def close(self) -> None:
+        """Write what is queued, then raise a failure or warn of what was lost."""
+        timeout = None if self.stop_on_failure else self.close_timeout
+        if not self.flush(timeout):
+            with _WRITER.lock:
+                lost, self.items = self.items, []
+                _WRITER.ready.pop(self, None)
+            self._count_dropped(lost)
+        if self.dropped:
+            warnings.warn(
+                f"{self.where}: {self.dropped} reports (steps {self.dropped_steps[0]} to "
+                f"{self.dropped_steps[1]}) could not be written and were dropped; last error: "
+                f"{self.failing}", TrackerWarning, stacklevel=3)
+            self.dropped = 0
+        self.check()
+
+    # -- the writer's side ---------------------------------------------------
+
+    def _count_dropped(self, items: list[Any]) -> None:
+        if not items:
+            return
+        steps = [s for s in (_step_of(item) for item in items) if s is not None]
+        first, last = self.dropped_steps
+        if steps:
+            first = min(steps) if first is None else min(first, *steps)
+            last = max(steps) if last is None else max(last, *steps)
+        self.dropped += len(items)
+        self.dropped_steps = (first, last)
+
+    def _named(self, error: BaseException) -> TrackerWriteError:
+        if isinstance(error, TrackerWriteError):
+            return error
+        from dew.telemetry.redaction import redact_text
+
+        named = TrackerWriteError(redact_text(f"{self.where}: {type(error).__name__}: {error}"))
+        named.__cause__ = error
+        return named
+
+    def deliver(self, items: list[Any]) -> None:
+        """On the writer thread: send items, applying the failure policy."""
+        try:
+            self.send(items)
+        except Exception as error:  # noqa: BLE001 - surfaced on the caller's thread
+            named = self._named(error)
+            if self.stop_on_failure:
+                if self.error is None:
+                    self.error = named
+                return
+            if not self.retryable(named):
+                self._count_dropped(items)
+                warnings.warn(f"{named} ({len(items)} reports dropped; training continues)",
+                              TrackerWarning, stacklevel=2)
+                self.failing = named  # the next send that succeeds reports the drop
+                return
+            if self.failing is None:
+                warnings.warn(f"{named} (retrying; training continues)", TrackerWarning,
+                              stacklevel=2)
+            self.failing = named
+            with _WRITER.lock:
+                self.items[:0] = items
+                extra = len(self.items) - self.buffer
+                if extra > 0:
+                    self._count_dropped(self.items[:extra])
+                    del self.items[:extra]
+                self.retry_at = time.monotonic() + self.pause
+                self.pause = min(self.pause * 2, self.retry[1])
+            return
+        if self.failing is not None:
+            failing, self.failing = self.failing, None
+            self.pause = self.retry[0]
+            if self.dropped and self.on_recover is not None:
+                dropped = Dropped(self.dropped, *self.dropped_steps, str(failing))
+                self.dropped, self.dropped_steps = 0, (None, None)
+                try:
+                    self.on_recover(dropped)
+                except Exception as error:  # noqa: BLE001 - a report about a report
+                    warnings.warn(f"{self.where}: could not report {dropped}: {error}",
+                                  TrackerWarning, stacklevel=2)

@@ -1,0 +1,42 @@
+"""`dew train` answers an error dew names with one message, not a traceback (which stays
+one flag away), and refuses token ids past the model's vocabulary before step 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEW = Path(sys.executable).with_name("dew")
+
+
+def _train(tmp_path, *overrides, env=None):
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    environment.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [str(DEW), "train", "tiny-lm", "trainer.steps=2", "data.files={stdlib}/a*.py",
+         f"trackers.0.directory={tmp_path}/runs", *overrides],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment)
+
+
+def test_token_ids_past_the_vocabulary_are_refused_before_step_one(tmp_path):
+    result = _train(tmp_path, "model.vocab_size=200")
+    assert result.returncode == 2, result.stdout + result.stderr
+    first, *rest = result.stderr.strip().splitlines()
+    assert first.startswith("dew train: VocabularyMismatchError: data 'token_windows' yields "
+                            "token ids up to 256 (ByteTokenizer), but model.vocab_size is 200")
+    assert "at least 257" in first and "Traceback" not in result.stderr
+    assert rest == ["  (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)"]
+    assert "compiling the step" not in result.stdout  # refused before anything compiled
+
+    shown = _train(tmp_path, "model.vocab_size=200", env={"DEW_TRACEBACK": "1"})
+    assert shown.returncode == 1 and "Traceback (most recent call last)" in shown.stderr
+    assert "VocabularyMismatchError" in shown.stderr.strip().splitlines()[-1]
+
+
+def test_a_mesh_that_does_not_fit_is_one_message(tmp_path):
+    result = _train(tmp_path, "trainer.mesh.fsdp=3")  # one CPU device
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.startswith("dew train: MeshSizeError: ")
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 4

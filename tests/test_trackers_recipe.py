@@ -1,0 +1,117 @@
+"""The recipe in every tracker: a `dew train` run whose trackers were named in the recipe
+(TensorBoard, MLflow with a run name) and through trainer.wandb, read back through each
+tracker's own reader, shows the recipe's fields under their dotted names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+pytest.importorskip("tensorboard")
+
+from wandb_datastore import finished_records  # noqa: E402 - a helper beside the tests
+
+DEW = Path(sys.executable).with_name("dew")
+RECIPE = Path(__file__).resolve().parents[1] / "dew-core/src/dew/recipes/tiny-lm.yaml"
+
+
+@pytest.mark.slow
+def test_the_recipe_reaches_every_tracker_as_searchable_fields(tmp_path):
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["data"]["files"] = "{stdlib}/a*.py"
+    recipe["trainer"].update(steps=2, log_every=1, wandb={
+        "project": "dew-recipe", "name": "wandb-named", "offline": True})
+    recipe["trackers"] = [
+        {"name": "tensorboard", "directory": str(tmp_path / "tb")},
+        {"name": "mlflow", "experiment": "dew-recipe", "uri": mlflow_uri,
+         "run_name": "mlflow-named"},
+    ]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_DIR": str(tmp_path),
+           "WANDB_SILENT": "true", "WANDB_API_KEY": ""}
+    env.pop("WANDB_MODE", None)
+    result = subprocess.run([str(DEW), "train", str(tmp_path / "recipe.yaml")],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+
+    # MLflow: the run's parameters, and the name the recipe gave it.
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("dew-recipe").experiment_id])
+    assert run.info.run_name == "mlflow-named"
+    params = run.data.params
+    assert params["trainer.steps"] == "2" and params["model.name"] == "causal_transformer"
+    assert params["model.num_layers"] == "2" and params["optimizer.solver"] == "adamw"
+    assert params["trackers.1.run_name"] == "mlflow-named"
+    assert params["trainer.wandb.project"] == "dew-recipe"
+    searched = client.search_runs([run.info.experiment_id],
+                                  filter_string="params.`optimizer.solver` = 'adamw'")
+    assert [r.info.run_id for r in searched] == [run.info.run_id]
+
+    # TensorBoard: the hparams plugin's session holds the same fields.
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["trainer.steps"].number_value == 2
+    assert hparams["model.name"].string_value == "causal_transformer"
+    assert hparams["optimizer.learning_rate"].number_value == pytest.approx(3e-3)
+    assert hparams["trainer.wandb.name"].string_value == "wandb-named"
+
+    # W&B (named through trainer.wandb): the run's config in its offline datastore.
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (datastore,) = run_dir.glob("run-*.wandb")
+    records = finished_records(datastore)
+    config = {}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        updates = (record.run.config.update if kind == "run" else
+                   record.config.update if kind == "config" else [])
+        config.update({item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                       for item in updates})
+    (named,) = [r.run.display_name for r in records if r.WhichOneof("record_type") == "run"]
+    assert named == "wandb-named"
+    assert config["trainer.steps"] == 2 and config["model.name"] == "causal_transformer"
+    assert config["trackers.1.run_name"] == "mlflow-named"
+
+
+def test_a_trackers_entry_names_its_run_with_run_name():
+    from dew.recipes.components import problems_of
+    from dew.registry import trackers
+
+    for name, fields in (("mlflow", {"experiment": "e"}), ("wandb", {"project": "p"})):
+        assert problems_of("trackers", name, {**fields, "run_name": "wider-mlp"}) == []
+        assert trackers.build(name, **fields, run_name="wider-mlp").name == "wider-mlp"
+        with pytest.raises(ValueError, match="two run names"):
+            trackers.load(name)(*fields.values(), "one", run_name="other")
+
+
+def test_recipe_fields_mlflow_would_refuse_become_names_it_takes(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from dew.telemetry.records import RunStarted
+    from dew.trackers.mlflow import MLflowTracker
+
+    monkeypatch.chdir(tmp_path)  # a SQLite store keeps its artifacts in ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MLflowTracker("dew-names", run_name="names", uri=uri)
+    tracker.log({"loss": 1.0}, step=1)
+    tracker.artifact(RunStarted({"data": {"load": {"split:train": 1}}, "x" * 300: 2}, 0, 2), 0)
+    tracker.log({"loss": 0.5}, step=2)
+    tracker.close()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("dew-names").experiment_id])
+    assert run.data.params == {"data.load.split_train": "1", "x" * 250: "2"}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
