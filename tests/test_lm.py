@@ -172,7 +172,6 @@ def test_key_concepts_program_runs_as_written(tmp_path):
 def test_token_ids_outside_the_vocabulary_are_refused_before_the_first_step():
     import itertools
 
-
     from dew import Trainer, models
     from dew.data import Dataset
     from dew.objectives.lm import LMObjective, TokenRangeError
