@@ -41,11 +41,6 @@ def write_back(params: Variables, variables: Variables | None) -> Variables:
     return merged
 
 
-def _finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
 def _scalar(value: Any) -> jax.Array:
     if isinstance(value, Mean):
         return value.value.astype(jnp.float32)
@@ -84,8 +79,10 @@ def build_train_step(
         grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
         if scaler is not None:
             grads = jax.tree.map(lambda g: g / scaler.scale, grads)
-        finite = _finite(grads) & jnp.isfinite(loss.total)
         count = jnp.asarray(loss.count, jnp.float32)
+        # One reduction tells both: the norm is finite only when every gradient entry is.
+        norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(norm) & jnp.isfinite(loss.total)
 
         def accept(state: TrainState) -> TrainState:
             return _accept(state, grads, count, aux, optimizer, accumulation, ema, trainable_filter)
@@ -99,7 +96,7 @@ def build_train_step(
         new = new.replace(step=state.step + 1)
         metrics = {
             "loss": _scalar(loss), "finite": finite, "updates": new.updates,
-            "grad_norm": optax.tree.norm(grads) / jnp.maximum(count, 1),
+            "grad_norm": norm / jnp.maximum(count, 1),
         }
         for name, value in aux.metrics.items():
             metrics[name] = _scalar(value)

@@ -180,6 +180,10 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
         directory = os.path.abspath(os.path.expanduser(settings.compilation_cache_dir))
         os.makedirs(directory, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", directory)
+        # Keep every executable, not only those above JAX's default of one second of
+        # compilation: a run's first step waits for all of them.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if settings.multi_host and not _pool_joined():
         _join_pool()
 
