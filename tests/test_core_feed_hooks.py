@@ -388,3 +388,21 @@ def test_a_failing_fit_finishes_the_checkpoint_it_had_started(python_in_subproce
     """)
     assert "raised the data disk went away" in result
     assert Checkpoints(tmp_path).latest == 3
+
+
+def test_a_streak_of_rejected_steps_stops_the_run_without_waiting_for_a_log_step():
+    from dew.training.trainer import NonFiniteLossError
+
+    drawn = []
+
+    def poisoned(i):
+        drawn.append(i)
+        batch = batch_at(i)
+        if i >= 3:
+            batch["y"] = np.full_like(batch["y"], np.nan)
+        return batch
+
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(NonFiniteLossError, match=r"Step 8 was the 5th step in a row"):
+        trainer.fit(numbered(poisoned), steps=2000, log_every=1000)
+    assert len(drawn) < 40, len(drawn)  # before: every batch up to the log step at 1000
