@@ -26,6 +26,7 @@ _EXPORTS = {
     "registry": Export("dew.registry", attribute=""),
     "plugins": Export("dew.plugins", attribute=""),
     "profile": Export("dew.telemetry.profiling"),
+    "Pretrained": Export("dew.pretrained.model"),
 }
 
 __getattr__, __dir__ = exporter(__name__, _EXPORTS)

@@ -17,6 +17,9 @@ COMMANDS = {
     "recipes": ("dew.cli.recipes", "list the recipes dew ships"),
     "report": ("dew.cli.report", "render local runs' journals into one page of charts"),
     "describe": ("dew.cli.describe", "a registered component's fields, types and defaults"),
+    "generate": ("dew.cli.generate", "continue prompts with a trained run or an exported model"),
+    "eval": ("dew.cli.evaluate", "a kept step's validation metrics, perplexity included"),
+    "export": ("dew.cli.export", "write a kept step as a Hugging Face model directory"),
 }
 
 

@@ -37,10 +37,14 @@ REMAT_POLICIES = {
 class CausalTransformer(nn.Module):
     """A decoder-only transformer over token ids, with a cached decode path.
 
-    Pre-norm layers (RMSNorm) of causal multi-head attention and a
-    feed-forward block. Positions are learned (a table of max_seq_len rows)
-    or rotary; the feed-forward block is GELU or SwiGLU; the output head is
-    the embedding table (tied) or a separate matrix. Parameters live under
+    Pre-norm layers (RMSNorm, norm_epsilon) of causal attention and a
+    feed-forward block. Attention has num_heads query heads sharing
+    num_kv_heads key/value heads (grouped-query attention; None gives every
+    query head its own). Positions are learned (a table of max_seq_len rows)
+    or rotary (frequencies from rope_base); the feed-forward block is GELU or
+    SwiGLU; the output head is the embedding table (tied) or a separate
+    matrix. With rotary positions, SwiGLU and no biases it is exactly
+    Hugging Face's Llama, which ``dew.pretrained`` reads and writes. Parameters live under
     ``embed``, ``position`` (learned only), ``layers_0`` ... ``layers_{n-1}``,
     ``final_norm`` and ``head`` (untied only); each is named by its logical axes.
 
@@ -67,6 +71,9 @@ class CausalTransformer(nn.Module):
     position_embedding: Literal["learned", "rotary"] = "learned"
     mlp_activation: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = False
+    num_kv_heads: int | None = None
+    rope_base: float = 10_000.0
+    norm_epsilon: float = 1e-6
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     attention: Literal["einsum", "xla", "cudnn"] = "einsum"
@@ -86,6 +93,12 @@ class CausalTransformer(nn.Module):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"Unknown remat {self.remat!r}; use one of "
                              f"{', '.join(map(repr, REMAT_POLICIES))}.")
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1
+                                              or self.num_heads % self.num_kv_heads):
+            raise ValueError(
+                f"CausalTransformer.num_kv_heads={self.num_kv_heads} must divide num_heads="
+                f"{self.num_heads}: each key/value head serves the same number of query heads."
+            )
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward and backward) at seq_len: 6 per weight the token
@@ -151,12 +164,14 @@ class CausalTransformer(nn.Module):
             layer = layer_class(
                 self.num_heads, self.head_width, self.mlp_features, self.max_seq_len,
                 rotary=self.position_embedding == "rotary", mlp_activation=self.mlp_activation,
-                attention=self.attention, name=f"layers_{i}", **kinds,
+                attention=self.attention, num_kv_heads=self.num_kv_heads,
+                rope_base=self.rope_base, norm_epsilon=self.norm_epsilon,
+                name=f"layers_{i}", **kinds,
             )
             x = layer(x, positions) if layer_class is not DecoderLayer else layer(
                 x, positions, decode=decode)
 
-        x = RMSNorm(name="final_norm", **kinds)(x)
+        x = RMSNorm(self.norm_epsilon, name="final_norm", **kinds)(x)
         if self.tie_embeddings:
             logits = embed.attend(x)
         else:

@@ -91,11 +91,15 @@ def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> 
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with an optional key/value cache.
+    """Causal self-attention with grouped key/value heads and an optional key/value cache.
+
+    num_kv_heads key/value heads serve num_heads query heads (None: one each);
+    query head h reads key/value head ``h // (num_heads // num_kv_heads)``, the
+    grouping Hugging Face's Llama uses, so its checkpoints map head for head.
 
     Without decode, position t attends to positions 0..t of the same call.
     With decode, keys and values are written into the 'cache' collection
-    (``cached_key`` and ``cached_value`` of shape [B, max_len, heads, kv])
+    (``cached_key`` and ``cached_value`` of shape [B, max_len, kv_heads, kv])
     at each row's ``positions``, and every query attends to the cached slots
     at or before its own position. The work per new token is then fixed by
     max_len, not by how long the prompt was.
@@ -105,9 +109,16 @@ class CausalSelfAttention(nn.Module):
     head_features: int
     max_len: int
     rotary: bool = False
+    num_kv_heads: int | None = None
+    rope_base: float = 10_000.0
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: Literal["einsum", "xla", "cudnn"] = "einsum"
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or one per query head."""
+        return self.num_kv_heads or self.num_heads
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False) -> jax.Array:
@@ -115,33 +126,40 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"Unknown attention {self.attention!r}; use one of "
                              f"{', '.join(map(repr, ATTENTION_KINDS))}.")
         batch, length, features = x.shape
-        heads, width = self.num_heads, self.head_features
+        heads, kv_heads, width = self.num_heads, self.kv_heads, self.head_features
+        if heads % kv_heads:
+            raise ValueError(f"num_heads={heads} is not a multiple of num_kv_heads={kv_heads}; "
+                             "each key/value head must serve the same number of query heads.")
         qkv_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                     in_axis=0, out_axis=(1, 2))
-        project = {
-            name: param(self, name, qkv_init, (features, heads, width),
-                        (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype).astype(self.dtype)
-            for name in ("query", "key", "value")
-        }
-        q = jnp.einsum("bte,ehd->bthd", x, project["query"])
-        k = jnp.einsum("bte,ehd->bthd", x, project["key"])
-        v = jnp.einsum("bte,ehd->bthd", x, project["value"])
+
+        def project(name: str, count: int) -> jax.Array:
+            kernel = param(self, name, qkv_init, (features, count, width),
+                           (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype)
+            return jnp.einsum("bte,ehd->bthd", x, kernel.astype(self.dtype))
+
+        q, k, v = project("query", heads), project("key", kv_heads), project("value", kv_heads)
         head_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS, None)
         q, k, v = (constrain(t, head_axes) for t in (q, k, v))
         if self.rotary:
-            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+            q = apply_rotary(q, positions, self.rope_base)
+            k = apply_rotary(k, positions, self.rope_base)
 
         if decode:
             k, v, mask = self._update_cache(k, v, positions)
         else:
-            mask = jnp.tril(jnp.ones((length, length), bool))[None, None]
+            mask = jnp.tril(jnp.ones((length, length), bool))[None, None, None]
 
         if decode or self.attention == "einsum":
-            scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(width)
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+            # Query heads in groups of `share` per key/value head: [B, T, G, S, D].
+            share = heads // kv_heads
+            grouped = q.reshape(batch, length, kv_heads, share, width)
+            scores = jnp.einsum("btgsd,bugd->bgstu", grouped, k).astype(jnp.float32)
+            scores = jnp.where(mask, scores / math.sqrt(width), jnp.finfo(jnp.float32).min)
             weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-            attended = jnp.einsum("bhts,bshd->bthd", weights, v)
-        else:
+            attended = jnp.einsum("bgstu,bugd->btgsd", weights, v)
+            attended = attended.reshape(batch, length, heads, width)
+        else:  # grouped key/value heads are read the same way: head h uses h // share
             attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                     implementation=self.attention)
         attended = constrain(attended, head_axes)
@@ -156,7 +174,7 @@ class CausalSelfAttention(nn.Module):
         self, k: jax.Array, v: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         batch = k.shape[0]
-        shape = (batch, self.max_len, self.num_heads, self.head_features)
+        shape = (batch, self.max_len, self.kv_heads, self.head_features)
         cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, self.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, self.dtype)
         if cached_key.value.shape[0] != batch:
@@ -171,7 +189,7 @@ class CausalSelfAttention(nn.Module):
         cached_value.value = cached_value.value.at[rows, positions].set(v.astype(self.dtype),
                                                                        mode="drop")
         slots = jnp.arange(self.max_len)
-        mask = (slots[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+        mask = (slots[None, None, :] <= positions[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
         return cached_key.value, cached_value.value, mask
 
 
@@ -214,6 +232,9 @@ class DecoderLayer(nn.Module):
     max_len: int
     rotary: bool = False
     mlp_activation: Literal["gelu", "swiglu"] = "gelu"
+    num_kv_heads: int | None = None
+    rope_base: float = 10_000.0
+    norm_epsilon: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: Literal["einsum", "xla", "cudnn"] = "einsum"
@@ -223,10 +244,12 @@ class DecoderLayer(nn.Module):
         kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         residual_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
         attention = CausalSelfAttention(self.num_heads, self.head_features, self.max_len,
-                                        rotary=self.rotary, attention=self.attention,
+                                        rotary=self.rotary, num_kv_heads=self.num_kv_heads,
+                                        rope_base=self.rope_base, attention=self.attention,
                                         name="attention", **kinds)
-        x = x + attention(RMSNorm(name="attention_norm", **kinds)(x), positions, decode=decode)
+        norm = {"epsilon": self.norm_epsilon, **kinds}
+        x = x + attention(RMSNorm(name="attention_norm", **norm)(x), positions, decode=decode)
         x = constrain(x, residual_axes)
         mlp = MLPBlock(self.mlp_features, self.mlp_activation, name="mlp", **kinds)
-        x = x + mlp(RMSNorm(name="mlp_norm", **kinds)(x))
+        x = x + mlp(RMSNorm(name="mlp_norm", **norm)(x))
         return constrain(x, residual_axes)

@@ -43,6 +43,28 @@ TrackerConfig = Annotated[
 ]
 
 
+class InitConfig(pydantic.BaseModel):
+    """Where a run's weights start: a pretrained directory, or another run's parameters."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    pretrained: str | None = pydantic.Field(
+        None, description="a directory Pretrained.save, `dew export` or transformers wrote"
+    )
+    run: str | None = pydantic.Field(
+        None, description="another run's checkpoint directory: its parameters alone"
+    )
+    step: int | None = pydantic.Field(None, ge=0, description="the step of init.run (default newest)")
+
+    @pydantic.model_validator(mode="after")
+    def _one_source(self) -> InitConfig:
+        if (self.pretrained is None) == (self.run is None):
+            raise ValueError("set exactly one of init.pretrained and init.run")
+        if self.step is not None and self.run is None:
+            raise ValueError("init.step selects a step of init.run; set init.run too")
+        return self
+
+
 class RunConfig(pydantic.BaseModel):
     """A run: a model, an objective, data, an optimizer, a trainer, trackers and a seed.
 
@@ -69,6 +91,9 @@ class RunConfig(pydantic.BaseModel):
     )
     quantization: Quantization | None = pydantic.Field(
         None, description="train the model's trunk matmuls quantized (qwix)"
+    )
+    init: InitConfig | None = pydantic.Field(
+        None, description="start from pretrained weights instead of a fresh initialization"
     )
 
     @pydantic.field_validator("model")

@@ -28,11 +28,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConfiguredTracker",
+    "Parts",
     "ScheduleReshapedWarning",
     "VocabularyMismatchError",
     "build_objective",
+    "build_parts",
     "build_trackers",
     "expand",
+    "initial_variables",
+    "run_optimizer",
     "sample",
     "train",
     "warn_if_schedule_reshaped",
@@ -177,7 +181,7 @@ def _absolute(path: str | None) -> str | None:
     return str(Path(path).expanduser().resolve())
 
 
-def _checkpoints(config: RunConfig) -> Any:
+def _checkpoints(config: RunConfig, timestamp: str = "") -> Any:
     from dew.training.config import checkpoint_kwargs
 
     kwargs = checkpoint_kwargs(config.trainer)
@@ -187,7 +191,7 @@ def _checkpoints(config: RunConfig) -> Any:
 
     for name in ("directory", "local_directory"):
         if name in kwargs:
-            kwargs[name] = _absolute(kwargs[name])
+            kwargs[name] = _absolute(expand(kwargs[name], timestamp))
     directory = kwargs.pop("directory")
     return Checkpoints(directory, **kwargs)
 
@@ -236,6 +240,13 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
     ), stacklevel=2)
 
 
+def run_optimizer(config: RunConfig, steps: int) -> Any:
+    """The recipe's optimizer for a run of steps (the schedule's decay counted to its end)."""
+    from dew.training.optim import build_optimizer
+
+    return build_optimizer(_optimizer_config(config, steps))
+
+
 def _ramped(config: RunConfig, dataset: Any) -> Any:
     ramp = config.trainer.batch_ramp
     if ramp is None:
@@ -243,6 +254,84 @@ def _ramped(config: RunConfig, dataset: Any) -> Any:
     from dew.data import ramped
 
     return ramped(dataset, start=ramp.start, steps=ramp.steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What a recipe builds before training: the model, the data reader and its
+    tokenizer, the objective, and the dataset (None when not asked for)."""
+
+    model: Any
+    reader: Any
+    tokenizer: Any
+    objective: Any
+    dataset: Any = None
+
+
+def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = True) -> Parts:
+    """Build the recipe's model, reader, objective and (with_data) its loaded dataset.
+
+    The inference commands rebuild a trained run this way from its run.json,
+    without reading its data.
+    """
+    from dew import models, registry
+
+    model = (None if config.model is None
+             else models.build(config.model.name, **_fields("models", config.model, timestamp)))
+    if config.quantization is not None and model is not None:
+        from dew.training.quantization import apply_quantization
+
+        model = apply_quantization(model, config.quantization)
+    reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, timestamp))
+    dataset = None
+    if with_data:
+        load = expand(dict(config.data.load), timestamp)
+        if "seed" not in load and _accepts(reader.load, "seed"):
+            load["seed"] = config.seed  # the run's seed orders its data too
+        dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
+    objective = build_objective(config, model, reader, timestamp)
+    return Parts(model, reader, _tokenizer(reader), objective, dataset)
+
+
+def initial_variables(config: RunConfig, objective: Any) -> Any:
+    """What the recipe's init section starts the run from (None: a fresh initialization).
+
+    ``init.pretrained`` reads a directory Pretrained.save, ``dew export`` or
+    transformers wrote, into the recipe model's max_seq_len and param_dtype;
+    ``init.run`` is another run's parameters alone (``ParamsFrom``). The
+    trainer checks either against the tree a fresh init makes, naming each
+    path whose shape differs.
+    """
+    init = config.init
+    if init is None:
+        return None
+    if init.pretrained is not None:
+        from dew.pretrained import Pretrained
+
+        model = getattr(objective, "model", None)
+        source = _absolute(init.pretrained)
+        loaded = Pretrained.load(source, max_seq_len=getattr(model, "max_seq_len", None),
+                                 param_dtype=getattr(model, "param_dtype", None))
+        if model is not None and hasattr(model, "rope_base"):
+            from dew.pretrained.llama import check_same_function
+
+            check_same_function(model, loaded.model, f"init.pretrained {source}")
+        return dict(loaded.variables)
+    from dew.training.initializers import ParamsFrom
+
+    return ParamsFrom(_absolute(init.run), step=init.step)
+
+
+def _where(checkpoints: Any, journals: list[str]) -> str:
+    """Where this run keeps its configuration, checkpoints and journal, one line each."""
+    if checkpoints is None:
+        lines = ["Run: no checkpoints are kept; set trainer.checkpoint_dir to keep the weights."]
+    else:
+        lines = [f"Run: {checkpoints.directory}",
+                 f"  configuration: {Path(checkpoints.directory) / 'run.json'}",
+                 f"  checkpoints: {checkpoints.directory}"]
+    lines += [f"  journal: {directory}" for directory in journals]
+    return "\n".join(lines)
 
 
 def train(config: RunConfig) -> Any:
@@ -254,26 +343,14 @@ def train(config: RunConfig) -> Any:
 
     import jax
 
-    from dew import models, registry
     from dew.training.config import fit_kwargs
-    from dew.training.optim import build_optimizer
     from dew.training.trainer import Trainer
 
-    model = (None if config.model is None
-             else models.build(config.model.name, **_fields("models", config.model, stamp)))
-    if config.quantization is not None and model is not None:
-        from dew.training.quantization import apply_quantization
-
-        model = apply_quantization(model, config.quantization)
-    reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, stamp))
-    load = expand(dict(config.data.load), stamp)
-    if "seed" not in load and _accepts(reader.load, "seed"):
-        load["seed"] = config.seed  # the run's seed orders its data too
-    dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
-    objective = build_objective(config, model, reader, stamp)
+    parts = build_parts(config, stamp)
+    objective, dataset = parts.objective, parts.dataset
     fit = fit_kwargs(config.trainer, dataset.steps_per_epoch)
-    optimizer = build_optimizer(_optimizer_config(config, fit["steps"]))
-    checkpoints = _checkpoints(config)
+    optimizer = run_optimizer(config, fit["steps"])
+    checkpoints = _checkpoints(config, stamp)
     if checkpoints is not None:
         checkpoints.acquire()  # a second run on a live directory is refused before it writes anything
     resumed_at = checkpoints.latest if checkpoints is not None else None
@@ -281,13 +358,18 @@ def train(config: RunConfig) -> Any:
         warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
                                   checkpoints.directory, resumed_at)
     if checkpoints is not None and jax.process_index() == 0:
-        config.save(checkpoints.directory if hasattr(checkpoints, "directory")
-                    else _absolute(config.trainer.checkpoint_dir))
+        config.save(checkpoints.directory)
+    initializer = initial_variables(config, objective)
     key = jax.random.key(config.seed)
     tracker = build_trackers(config, stamp)
+    if jax.process_index() == 0:
+        journals = [str(Path(expand(t.fields["directory"], stamp)).expanduser().resolve())
+                    for t in config.trackers if t.name == "local" and "directory" in t.fields]
+        print(_where(checkpoints, journals), flush=True)
+    extra = {} if initializer is None else {"initializer": initializer}
     try:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
-                                      checkpoints=checkpoints, tracker=tracker)
+                                      checkpoints=checkpoints, tracker=tracker, **extra)
         state = trainer.fit(dataset, **fit)
     except BaseException:
         # The run's own failure is the one to see; closing still flushes what it can.
@@ -297,6 +379,9 @@ def train(config: RunConfig) -> Any:
     _close(checkpoints, tracker)
     # Every process takes part (the weights may be sharded across them); one prints.
     sample(objective, state, key, quiet=jax.process_index() != 0)
+    if checkpoints is not None and jax.process_index() == 0:
+        print(f"Checkpoints kept in {checkpoints.directory}: `dew generate "
+              f"{checkpoints.directory} PROMPT`, `dew eval` and `dew export` read them.")
     return state
 
 

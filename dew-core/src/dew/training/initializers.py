@@ -103,7 +103,11 @@ def place_weights(weights: Variables, shardings: Mapping[str, NamedSharding] | C
 class ParamsFrom:
     """The parameters alone of another run's training checkpoint (its newest step, or step).
 
-    Only the ``params`` field of the saved TrainState is read (an Orbax
+    field chooses the saved TrainState field: ``params`` (the live weights)
+    or ``ema`` (the EMA's own leaves of a run that kept one, a pruned copy of
+    params read in the tree the checkpoint records; ``overlay(params, ema)``
+    is the averaged model). Only that field
+    of the saved TrainState is read (an Orbax
     partial restore), after the step's files are checked against their
     recorded hashes and before each leaf is checked against its digest, so
     a damaged checkpoint is refused rather than trained from.
@@ -111,6 +115,7 @@ class ParamsFrom:
 
     directory: str | os.PathLike
     step: int | None = None
+    field: str = "params"
 
     def __call__(self, abstract: Variables) -> Variables:
         import orbax.checkpoint as ocp
@@ -132,30 +137,38 @@ class ParamsFrom:
         if problem is not None:
             raise CheckpointCorrupted(step, *problem)
         saved = {leaf["path"]: leaf for leaf in manifest["leaves"]}
+        field = self.field
+        if field not in ("params", "ema") or not any(n.startswith(f".{field}[") for n in saved):
+            raise InitializerMismatchError(
+                f"Step {step} of {checkpoints.directory} holds no {field!r} field to read "
+                "parameters from; ask for 'params' (or 'ema' of a run that kept an EMA)."
+            )
+        if field == "ema":  # only the selected leaves were saved
+            abstract = _saved_params(saved, field)
         template = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray), dict(abstract))
         item = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), dict(abstract))
         try:
             restored = ocp.PyTreeCheckpointer().restore(
                 os.fspath(path / "state"),
-                args=ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": template},
+                args=ocp.args.PyTreeRestore(item={field: item}, restore_args={field: template},
                                             partial_restore=True),
-            )["params"]
+            )[field]
         except (KeyError, ValueError) as error:
-            compare_trees(abstract, _saved_params(saved), what=f"The parameters of {path}")
+            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}")
             raise InitializerMismatchError(f"The parameters of {path} cannot be read: {error}") from error
-        flat, _ = jax.tree_util.tree_flatten_with_path({"params": restored})
+        flat, _ = jax.tree_util.tree_flatten_with_path({field: restored})
         digests = integrity.digests_as_lists(integrity.digest_leaves([np.asarray(x) for _, x in flat]))
         for (leaf_path, _), digest in zip(flat, digests, strict=True):
-            name = ".params" + jax.tree_util.keystr(leaf_path)
+            name = "." + jax.tree_util.keystr(leaf_path).removeprefix("['").replace("']", "", 1)
             if name in saved and saved[name]["digest"] != digest:
                 raise CheckpointCorrupted(step, path / "state", f"leaf {name} does not match its digest")
         return restored
 
 
-def _saved_params(saved: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """The params leaves a manifest records, as a tree of shape stand-ins."""
+def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params") -> dict[str, Any]:
+    """The leaves of field a manifest records, as a tree of shape stand-ins."""
     out: dict[str, Any] = {}
-    prefix = ".params"
+    prefix = f".{field}"
     for name, leaf in saved.items():
         if not name.startswith(prefix + "["):
             continue

@@ -28,7 +28,7 @@ from dew.objectives.base import (
     Step,
     Variables,
 )
-from dew.sampling import Sampling, generate
+from dew.sampling import Sampling, TextGeneration, generate
 from dew.telemetry.artifacts import Artifact
 
 __all__ = ["BatchShapeError", "LMObjective", "TokenRangeError", "MissingBatchKeyError", "Perplexity", "Tokenizer"]
@@ -104,6 +104,10 @@ class LMObjective(Objective):
                 f"LMObjective.seq_len={self.seq_len} exceeds the model's max_seq_len={limit}; "
                 "shorten the windows or build a model with a longer max_seq_len."
             )
+        if self.tokenizer is not None:
+            from dew.pretrained import check_vocabulary
+
+            check_vocabulary(self.tokenizer, self.model)
 
     # -- the Objective protocol --------------------------------------------------
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
@@ -169,8 +173,25 @@ class LMObjective(Objective):
         prompt = list(self.tokenizer.encode(self.prompt))
         limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)
         new = max(min(self.preview_tokens, limit - len(prompt)), 0)
-        out = generate(self.model, variables, [prompt], new, key, self.preview_sampling)
+        out = generate(self.model, variables, [prompt], new, key, self.preview_sampling,
+                       eos_id=getattr(self.tokenizer, "eos_id", None))
         return Artifact("sample", "text", self.tokenizer.decode(out.tokens[0]))
+
+    def pipeline(self, state: Any, *,
+                 sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
+        """Text generation with state's weights: the EMA copy when the run kept one.
+
+        state is a TrainState (or a variables tree). The pipeline samples as
+        preview_sampling unless sampling (a Sampling, or its fields as a
+        mapping) is given; its save writes the weights through Pretrained.save.
+        """
+        if isinstance(sampling, Mapping):
+            sampling = Sampling(**sampling)
+        averaged = getattr(state, "averaged", None)
+        variables = averaged if averaged is not None else getattr(state, "params", state)
+        variables = {name: value for name, value in variables.items() if name != "cache"}
+        return TextGeneration(self.model, variables, self.tokenizer,
+                              sampling or self.preview_sampling)
 
     # -- internals ---------------------------------------------------------------------
     def _windows(self, batch: Batch) -> jax.Array:

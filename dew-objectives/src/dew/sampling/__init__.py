@@ -2,6 +2,7 @@
 
 from dew.sampling.generate import Generation, InvalidPromptError, PromptTooLongError, generate
 from dew.sampling.options import InvalidSamplingError, Sampling, choose
+from dew.sampling.pipeline import TextGeneration
 
 __all__ = [
     "Generation",
@@ -9,6 +10,7 @@ __all__ = [
     "InvalidSamplingError",
     "PromptTooLongError",
     "Sampling",
+    "TextGeneration",
     "choose",
     "generate",
 ]

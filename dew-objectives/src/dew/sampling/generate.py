@@ -5,8 +5,10 @@ The prompts are right-padded into one batch and run through the model once
 decoded at a time inside a ``lax.fori_loop``: each step feeds the last
 token at its row's own position, so prompts of different lengths generate
 exactly what they would alone, and each step costs the same however long the
-prompts were. The whole loop is compiled once per (batch, padded length,
-max_new_tokens, sampling, model).
+prompts were. Given an end-of-document id, a row stops at it (the id ends its
+new tokens) and the loop ends early once every row has stopped. The whole
+loop is compiled once per (batch, padded length, max_new_tokens, sampling,
+end-of-document id, model).
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class Generation:
     """What generate returns.
 
     tokens holds, per row, the prompt followed by the new tokens (plain
-    ints); prompt_lengths says where each prompt ends.
+    ints); prompt_lengths says where each prompt ends; stopped says which
+    rows ended at the end-of-document id (which is then their last token).
     """
 
     tokens: list[list[int]]
     prompt_lengths: tuple[int, ...]
+    stopped: tuple[bool, ...] = ()
 
     @property
     def new_tokens(self) -> list[list[int]]:
@@ -94,28 +98,36 @@ def _variables(params: Mapping[str, Any]) -> dict[str, Any]:
     return variables
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling"))
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "eos_id"))
 def _generate(model: nn.Module, variables: dict[str, Any], padded: jax.Array,
               lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
-              sampling: Sampling) -> jax.Array:
+              sampling: Sampling, eos_id: int | None) -> jax.Array:
     batch, width = padded.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     logits, mutated = model.apply(variables, padded, positions, decode=True, mutable=["cache"])
     last = logits[jnp.arange(batch), lengths - 1]
     first = choose(last, jax.random.fold_in(key, 0), sampling)
-    out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+    done = first == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
 
-    def step(i, carry):
-        cache, token, out = carry
+    def running(carry):
+        i, _, _, _, done = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def step(carry):
+        i, cache, token, out, done = carry
         logits, mutated = model.apply(
             {**variables, "cache": cache}, token[:, None], (lengths + i - 1)[:, None],
             decode=True, mutable=["cache"],
         )
         token = choose(logits[:, 0], jax.random.fold_in(key, i), sampling)
-        return mutated["cache"], token, out.at[:, i].set(token)
+        out = out.at[:, i].set(jnp.where(done, -1, token))
+        if eos_id is not None:
+            done = done | (token == eos_id)
+        return i + 1, mutated["cache"], token, out, done
 
-    _, _, out = jax.lax.fori_loop(1, max_new_tokens, step, (mutated["cache"], first, out))
-    return out
+    carry = (jnp.asarray(1, jnp.int32), mutated["cache"], first, out, done)
+    return jax.lax.while_loop(running, step, carry)[3]
 
 
 def generate(
@@ -125,6 +137,8 @@ def generate(
     max_new_tokens: int,
     key: jax.Array,
     sampling: Sampling = Sampling(),
+    *,
+    eos_id: int | None = None,
 ) -> Generation:
     """Continue each prompt by max_new_tokens tokens.
 
@@ -132,7 +146,8 @@ def generate(
     params its full variables (``state.params``; partitioned boxes are
     accepted), prompts a list of token-id sequences, possibly of different
     lengths, or a 2-D array. key drives the random draws (unused when
-    sampling is greedy).
+    sampling is greedy). With eos_id, a row stops after producing it, so it
+    may hold fewer than max_new_tokens new tokens.
     """
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
             or max_new_tokens < 0:
@@ -150,12 +165,17 @@ def generate(
             f"Ask for at most {max(limit - longest, 0)} new tokens or shorten the prompt."
         )
     if max_new_tokens == 0:
-        return Generation([list(row) for row in rows], tuple(lengths))
+        return Generation([list(row) for row in rows], tuple(lengths), (False,) * len(rows))
     padded = np.zeros((len(rows), max(lengths)), np.int32)
     for i, row in enumerate(rows):
         padded[i, : len(row)] = row
     new = _generate(model, _variables(params), jnp.asarray(padded),
                     jnp.asarray(lengths, jnp.int32), key,
-                    max_new_tokens=max_new_tokens, sampling=sampling)
-    new = np.asarray(new)
-    return Generation([row + new[i].tolist() for i, row in enumerate(rows)], tuple(lengths))
+                    max_new_tokens=max_new_tokens, sampling=sampling,
+                    eos_id=None if eos_id is None else int(eos_id))
+    tokens, stopped = [], []
+    for row, produced in zip(rows, np.asarray(new).tolist(), strict=True):
+        produced = [t for t in produced if t >= 0]
+        tokens.append(row + produced)
+        stopped.append(eos_id is not None and bool(produced) and produced[-1] == eos_id)
+    return Generation(tokens, tuple(lengths), tuple(stopped))

@@ -1,0 +1,40 @@
+"""What can go wrong moving weights in and out, each error named for its cause."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationMismatchError",
+    "NoExactCounterpartError",
+    "PretrainedError",
+    "TensorMismatchError",
+    "UnsupportedArchitectureError",
+    "VocabularyMismatchError",
+]
+
+
+class PretrainedError(ValueError):
+    """A pretrained directory or model that cannot be read or written as asked."""
+
+
+class NoExactCounterpartError(PretrainedError):
+    """A model configuration that the target format cannot express exactly.
+
+    dew never exports approximately: the field named in the message has to
+    change (and the model be retrained) before the weights mean the same there.
+    """
+
+
+class UnsupportedArchitectureError(PretrainedError):
+    """A checkpoint of an architecture dew cannot load."""
+
+
+class TensorMismatchError(PretrainedError):
+    """A tensor is missing, left over, or of another shape than the model needs."""
+
+
+class VocabularyMismatchError(PretrainedError):
+    """A tokenizer produces ids the model has no embedding row for."""
+
+
+class ConfigurationMismatchError(PretrainedError):
+    """Pretrained weights computed by another configuration than the model they should start."""

@@ -1,0 +1,74 @@
+"""Generation that stops at the end-of-document id, and LMObjective.pipeline."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.data import ByteTokenizer
+from dew.nn.backbones import CausalTransformer
+from dew.objectives.lm import LMObjective
+from dew.sampling import Sampling, TextGeneration, generate
+
+MODEL = CausalTransformer(vocab_size=257, emb_features=32, num_layers=1, num_heads=4,
+                          num_kv_heads=2, mlp_features=64, max_seq_len=48,
+                          position_embedding="rotary", mlp_activation="swiglu")
+
+
+def _variables(seed: int):
+    return MODEL.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_a_row_stops_at_the_end_of_document_id():
+    variables = _variables(0)
+    prompts = [[100, 101, 119], [106, 97, 120, 32, 116]]
+    greedy = Sampling(temperature=0.0)
+    free = generate(MODEL, variables, prompts, 20, jax.random.key(0), greedy)
+    assert free.stopped == (False, False)
+    # The third token row 0 produces on its own becomes the end-of-document id.
+    eos = free.new_tokens[0][2]
+    stopped = generate(MODEL, variables, prompts, 20, jax.random.key(0), greedy, eos_id=eos)
+    for row, unstopped in zip(stopped.new_tokens, free.new_tokens, strict=True):
+        if eos in unstopped:
+            cut = unstopped.index(eos) + 1
+            assert row == unstopped[:cut]
+        else:
+            assert row == unstopped
+    assert stopped.stopped[0] and stopped.new_tokens[0][-1] == eos
+
+
+def test_pipeline_uses_the_ema_weights_and_matches_generate():
+    tokenizer = ByteTokenizer()
+    objective = LMObjective(MODEL, seq_len=16, tokenizer=tokenizer,
+                            preview_sampling=Sampling(temperature=0.0))
+    live, averaged = _variables(0), _variables(1)
+    state = types.SimpleNamespace(params=live, averaged=averaged)
+    pipeline = objective.pipeline(state)
+    assert isinstance(pipeline, TextGeneration)
+    for used, wanted in zip(jax.tree.leaves(pipeline.variables), jax.tree.leaves(averaged),
+                            strict=True):
+        assert used is wanted
+    ids = tokenizer.encode("def f(")
+    expected = generate(MODEL, averaged, [ids], 10, jax.random.key(0), Sampling(temperature=0.0),
+                        eos_id=tokenizer.eos_id)
+    assert pipeline("def f(", max_new_tokens=10) == tokenizer.decode(expected.new_tokens[0])
+    without = objective.pipeline(types.SimpleNamespace(params=live, averaged=None))
+    other = generate(MODEL, live, [ids], 10, jax.random.key(0), Sampling(temperature=0.0),
+                     eos_id=tokenizer.eos_id)
+    assert without(["def f("], max_new_tokens=10) == [tokenizer.decode(other.new_tokens[0])]
+
+
+def test_pipeline_save_writes_a_pretrained_directory(tmp_path):
+    objective = LMObjective(MODEL, seq_len=16, tokenizer=ByteTokenizer())
+    variables = _variables(2)
+    pipeline = objective.pipeline(variables, sampling={"temperature": 0.0})
+    pipeline.save(tmp_path)
+    again = TextGeneration.load(tmp_path)
+    assert again.model == MODEL and again.tokenizer == ByteTokenizer()
+    for a, b in zip(jax.tree.leaves(pipeline.variables), jax.tree.leaves(again.variables),
+                    strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert again(["abc", "x"], max_new_tokens=6) == pipeline(["abc", "x"], max_new_tokens=6)

@@ -1,0 +1,195 @@
+"""Pretrained against the real transformers: what dew writes, transformers reads, and back.
+
+Every comparison is with transformers' own LlamaForCausalLM on CPU in fp32,
+on a batch of prompts; round trips compare the arrays bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn.backbones import CausalTransformer
+from dew.pretrained import (
+    NoExactCounterpartError,
+    Pretrained,
+    TensorMismatchError,
+    UnsupportedArchitectureError,
+    VocabularyMismatchError,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = np.random.default_rng(0).integers(0, 61, (3, 19))
+
+
+def _llama(**overrides) -> CausalTransformer:
+    fields = dict(vocab_size=61, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  mlp_features=48, max_seq_len=32, position_embedding="rotary",
+                  mlp_activation="swiglu", rope_base=500.0, norm_epsilon=1e-5)
+    return CausalTransformer(**{**fields, **overrides})
+
+
+def _variables(model: CausalTransformer):
+    """Initialized variables with every leaf perturbed, so norm scales of 1 hide nothing."""
+    import flax.linen as nn
+
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+
+    leaves, tree = jax.tree.flatten(nn.meta.unbox(variables))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree.unflatten(tree, [leaf + 0.05 * jax.random.normal(k, leaf.shape)
+                                     for leaf, k in zip(leaves, keys, strict=True)])
+
+
+def _dew_logits(model, variables, ids=PROMPTS) -> np.ndarray:
+    return np.asarray(model.apply(variables, jnp.asarray(ids, jnp.int32)))
+
+
+def _hf_logits(directory, ids=PROMPTS) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+    model = _llama(tie_embeddings=tied)
+    variables = _variables(model)
+    Pretrained(model, variables).save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_key_value_heads"] == 2 and config["tie_word_embeddings"] is tied
+    theirs = _hf_logits(tmp_path)
+    ours = _dew_logits(model, variables)
+    assert theirs.shape == ours.shape == (3, 19, 61)
+    assert np.abs(theirs - ours).max() <= 1e-4
+
+
+def _hf_saved(directory, **overrides):
+    torch.manual_seed(0)
+    fields = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, rope_theta=1000.0, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides}))
+    with torch.no_grad():
+        for parameter in hf.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    hf.save_pretrained(directory)
+    return hf.eval()
+
+
+def test_a_model_transformers_initialized_loads_into_dew(tmp_path):
+    hf = _hf_saved(tmp_path)
+    loaded = Pretrained.load(tmp_path)
+    assert loaded.model.num_kv_heads == 1 and loaded.model.rope_base == 1000.0
+    assert loaded.model.norm_epsilon == 1e-5
+    with torch.no_grad():
+        theirs = hf(torch.tensor(PROMPTS)).logits.numpy()
+    assert np.abs(_dew_logits(loaded.model, loaded.variables) - theirs).max() <= 1e-4
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"num_kv_heads": None, "tie_embeddings": True, "dtype": jnp.bfloat16,
+     "param_dtype": jnp.bfloat16},
+], ids=["fp32-grouped", "bf16-tied"])
+def test_dew_to_transformers_to_dew_is_bitwise(tmp_path, fields):
+    model = _llama(**fields)
+    variables = jax.tree.map(lambda leaf: leaf.astype(model.param_dtype), _variables(model))
+    Pretrained(model, variables).save(tmp_path / "dew")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dew")
+    assert str(hf.dtype) == f"torch.{jnp.dtype(model.param_dtype).name}"
+    hf.save_pretrained(tmp_path / "hf")  # transformers' own writer this time
+    back = Pretrained.load(tmp_path / "hf")
+    assert back.model == model
+    original = jax.tree_util.tree_flatten_with_path(variables)[0]
+    restored = dict(jax.tree_util.tree_flatten_with_path(back.variables)[0])
+    assert len(original) == len(restored)
+    for path, leaf in original:
+        again = restored[path]
+        assert again.dtype == leaf.dtype
+        assert np.array_equal(np.asarray(again), np.asarray(leaf)), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("field, value", [("position_embedding", "learned"),
+                                          ("mlp_activation", "gelu")])
+def test_a_configuration_without_an_exact_counterpart_is_refused_naming_the_field(
+        tmp_path, field, value):
+    model = _llama(**{field: value})
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(NoExactCounterpartError, match=f"CausalTransformer.{field}='{value}'"):
+        Pretrained(model, variables).save(tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_an_unsupported_architecture_names_itself_and_the_supported_ones(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        Pretrained.load(tmp_path)
+
+
+def test_a_missing_or_misshapen_tensor_names_its_path_and_shapes(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _hf_saved(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    shape = tensors[name].shape
+    save_file({k: v for k, v in tensors.items() if k != name}, tmp_path / "model.safetensors")
+    with pytest.raises(TensorMismatchError, match=rf"{name} \(shape \({shape[0]}, {shape[1]}\)"):
+        Pretrained.load(tmp_path)
+    save_file({**tensors, name: tensors[name][:4]}, tmp_path / "model.safetensors")
+    with pytest.raises(TensorMismatchError,
+                       match=rf"{name} .* has shape \(4, 32\).* makes it \(8, 32\)"
+                             r".*layers_1/attention/key of shape \(32, 1, 8\)"):
+        Pretrained.load(tmp_path)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    from dew.data import ByteTokenizer
+    from dew.objectives.lm import LMObjective
+
+    model = _llama(vocab_size=200)
+    with pytest.raises(VocabularyMismatchError, match="257 ids but the model's vocab_size is 200"):
+        LMObjective(model, seq_len=16, tokenizer=ByteTokenizer())
+    with pytest.raises(VocabularyMismatchError):
+        Pretrained(model, _variables(model), ByteTokenizer()).save(tmp_path)
+
+
+def test_the_tokenizer_travels_with_the_weights(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dew.data import ByteTokenizer, HFTokenizer
+
+    model = _llama(vocab_size=257)
+    variables = _variables(model)
+    Pretrained(model, variables, ByteTokenizer()).save(tmp_path / "byte")
+    assert Pretrained.load(tmp_path / "byte").tokenizer == ByteTokenizer()
+    # transformers reads the byte-level tokenizer.json with dew's ids, byte for byte.
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "byte")
+    for text in ["def f(x):\n\treturn x", "héllo wörld", "日本語 🙂", " two  spaces"]:
+        ids = ByteTokenizer().encode(text)
+        assert theirs.encode(text) == ids
+        assert theirs.decode(ids + [256], skip_special_tokens=True) == text
+    assert theirs.eos_token_id == 256
+
+    vocab = {f"t{i}": i for i in range(59)} | {"[UNK]": 59, "</s>": 60}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    inner.save(str(tmp_path / "source.json"))
+    tokenizer = HFTokenizer.from_file(tmp_path / "source.json")
+    small = _llama()
+    Pretrained(small, _variables(small), tokenizer).save(tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    loaded = Pretrained.load(tmp_path / "hf").tokenizer
+    assert loaded.eos_id == 60 and loaded.encode("t3 t7") == [3, 7]
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert theirs.encode("t3 t7") == [3, 7] and theirs.eos_token_id == 60
