@@ -38,8 +38,10 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
     assert trained.returncode == 0, trained.stdout + trained.stderr[-4000:]
     (run,) = (tmp_path / "runs" / "tiny-lm").iterdir()
     # The console says where the run keeps what it wrote.
-    assert f"Run: {run}" in trained.stdout
-    assert f"checkpoints: {run}" in trained.stdout and f"journal: {run}" in trained.stdout
+    assert f"Run: {run} (its recipe in {run / 'run.json'})" in trained.stdout
+    assert f"checkpoints: {run}" in trained.stdout
+    assert f"tracking: {run.relative_to(tmp_path)}" in trained.stdout
+    assert f"dew generate {run} PROMPT" in trained.stdout
     assert (run / "run.json").is_file() and (run / "scalars.jsonl").is_file()
 
     # dew eval recomputes the validation the run itself logged at its last step.
@@ -50,6 +52,7 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
     assert scores["step"] == 4 and logged["step"] == 4
     assert scores["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-6)
     assert scores["val/perplexity"] == pytest.approx(np.exp(logged["val/loss"]), rel=1e-6)
+    assert scores["val_ema/loss"] != scores["val/loss"]  # the EMA copy scores too
     earlier = _dew("eval", str(run), "--step", "2", "--json", cwd=tmp_path)
     assert earlier.returncode == 0, earlier.stderr[-4000:]
     assert json.loads(earlier.stdout)["val/loss"] != scores["val/loss"]
@@ -134,7 +137,8 @@ def test_a_model_transformers_initialized_fine_tunes_in_dew(tmp_path):
         f"trackers.0.directory={tmp_path}/run", "objective.prompt=null",
     ])
     state = recipe.train()
-    losses = [row["loss"] for row in _journal(tmp_path / "run" / "scalars.jsonl") if "loss" in row]
+    losses = [row["train/loss"] for row in _journal(tmp_path / "run" / "scalars.jsonl")
+              if "train/loss" in row]
     assert int(state.step) == 3 and len(losses) == 3
 
     # Step 1's loss is transformers' own cross-entropy of the first batch.

@@ -1,4 +1,8 @@
-"""``dew eval RUN``: the validation metrics of a kept step, perplexity included."""
+"""``dew eval RUN``: the validation metrics of a kept step, perplexity included.
+
+The live parameters score as ``val/...``, as the run itself logged them;
+when the run kept an EMA copy, it scores as well, under ``val_ema/...``.
+"""
 
 from __future__ import annotations
 
@@ -57,11 +61,16 @@ def run(args: argparse.Namespace) -> int:
 
         def reader(partition):
             return itertools.islice(whole(partition), limit)
-    result = evaluate(opened.objective, opened.variables, reader,
-                      key=jax.random.key(opened.config.seed),
-                      metrics=tuple(opened.objective.metrics()), step=opened.step or 0,
-                      split=args.split)
-    values = result.scalars
+    values: dict[str, float] = {}
+    kept = [(args.split, opened.live)]
+    if opened.variables is not opened.live:
+        kept.append((f"{args.split}_ema", opened.variables))
+    for split, variables in kept:
+        result = evaluate(opened.objective, variables, reader,
+                          key=jax.random.key(opened.config.seed),
+                          metrics=tuple(opened.objective.metrics()), step=opened.step or 0,
+                          split=split)
+        values.update(result.scalars)
     if args.json:
         print(json.dumps({"step": opened.step, "split": args.split, **values}))
     else:

@@ -28,7 +28,11 @@ class NoCheckpointError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class Opened:
-    """A trained model ready for inference, and where it came from."""
+    """A trained model ready for inference, and where it came from.
+
+    variables are what inference uses: the EMA copy when the run kept one,
+    else the live parameters; live holds the live parameters either way.
+    """
 
     model: Any
     objective: Any
@@ -37,6 +41,7 @@ class Opened:
     step: int | None
     config: Any  # the RunConfig, or None for an exported directory
     source: Path
+    live: Any = None
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +49,9 @@ def add_run_argument(parser: argparse.ArgumentParser) -> None:
                         help="a run directory (it holds run.json) or an exported model directory")
 
 
-def _read_variables(objective: Any, directory: Path, step: int | None) -> tuple[Any, int]:
-    """The parameters alone of step (newest when None): the EMA copy when the run kept one.
+def _read_variables(objective: Any, directory: Path, step: int | None
+                    ) -> tuple[Any, Any, int]:
+    """The parameters alone of step (newest when None), live and EMA (None when not kept).
 
     Only reads: a run still training may be writing its next step beside the
     kept ones, and nothing here touches it.
@@ -73,12 +79,13 @@ def _read_variables(objective: Any, directory: Path, step: int | None) -> tuple[
     manifest = json.loads((store.step_path(number) / MANIFEST).read_text())
     leaves = [leaf["path"] for leaf in manifest["leaves"]]
     abstract = nn.meta.unbox(jax.eval_shape(objective.init, jax.random.key(0)))
-    variables = ParamsFrom(directory, step=number)(abstract)
+    live = ParamsFrom(directory, step=number)(abstract)
+    averaged = None
     if any(name.startswith(".ema[") for name in leaves):
         from dew.training.trees import overlay
 
-        variables = overlay(variables, ParamsFrom(directory, step=number, field="ema")(abstract))
-    return variables, number
+        averaged = overlay(live, ParamsFrom(directory, step=number, field="ema")(abstract))
+    return live, averaged, number
 
 
 def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = None) -> Opened:
@@ -105,7 +112,8 @@ def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
     objective = registry.objectives.build("lm", model=loaded.model,
                                           seq_len=loaded.model.max_seq_len,
                                           tokenizer=loaded.tokenizer)
-    return Opened(loaded.model, objective, loaded.tokenizer, loaded.variables, None, None, path)
+    return Opened(loaded.model, objective, loaded.tokenizer, loaded.variables, None, None, path,
+                  loaded.variables)
 
 
 def _open_trained(path: Path, step: int | None) -> Opened:
@@ -114,5 +122,6 @@ def _open_trained(path: Path, step: int | None) -> Opened:
 
     config = RunConfig.read(path)
     parts = build_parts(config, with_data=False)
-    variables, number = _read_variables(parts.objective, path, step)
-    return Opened(parts.model, parts.objective, parts.tokenizer, variables, number, config, path)
+    live, averaged, number = _read_variables(parts.objective, path, step)
+    return Opened(parts.model, parts.objective, parts.tokenizer,
+                  averaged if averaged is not None else live, number, config, path, live)

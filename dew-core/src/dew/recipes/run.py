@@ -322,16 +322,12 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
     return ParamsFrom(_absolute(init.run), step=init.step)
 
 
-def _where(checkpoints: Any, journals: list[str]) -> str:
-    """Where this run keeps its configuration, checkpoints and journal, one line each."""
+def _where(checkpoints: Any) -> str:
+    """The run directory, before the trainer lists its checkpoints and trackers."""
     if checkpoints is None:
-        lines = ["Run: no checkpoints are kept; set trainer.checkpoint_dir to keep the weights."]
-    else:
-        lines = [f"Run: {checkpoints.directory}",
-                 f"  configuration: {Path(checkpoints.directory) / 'run.json'}",
-                 f"  checkpoints: {checkpoints.directory}"]
-    lines += [f"  journal: {directory}" for directory in journals]
-    return "\n".join(lines)
+        return "Run: no checkpoints are kept; set trainer.checkpoint_dir to keep the weights."
+    return (f"Run: {checkpoints.directory} (its recipe in "
+            f"{Path(checkpoints.directory) / 'run.json'})")
 
 
 def train(config: RunConfig) -> Any:
@@ -363,9 +359,7 @@ def train(config: RunConfig) -> Any:
     key = jax.random.key(config.seed)
     tracker = build_trackers(config, stamp)
     if jax.process_index() == 0:
-        journals = [str(Path(expand(t.fields["directory"], stamp)).expanduser().resolve())
-                    for t in config.trackers if t.name == "local" and "directory" in t.fields]
-        print(_where(checkpoints, journals), flush=True)
+        print(_where(checkpoints), flush=True)
     extra = {} if initializer is None else {"initializer": initializer}
     try:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
@@ -380,8 +374,8 @@ def train(config: RunConfig) -> Any:
     # Every process takes part (the weights may be sharded across them); one prints.
     sample(objective, state, key, quiet=jax.process_index() != 0)
     if checkpoints is not None and jax.process_index() == 0:
-        print(f"Checkpoints kept in {checkpoints.directory}: `dew generate "
-              f"{checkpoints.directory} PROMPT`, `dew eval` and `dew export` read them.")
+        print(f"Use the run: dew generate {checkpoints.directory} PROMPT; dew eval and dew "
+              "export read it too.")
     return state
 
 
