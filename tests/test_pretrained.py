@@ -58,6 +58,7 @@ def _hf_logits(directory, ids=PROMPTS) -> np.ndarray:
         return model(torch.tensor(ids)).logits.numpy()
 
 
+@pytest.mark.slow  # the first to import torch and transformers
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
     model = _llama(tie_embeddings=tied)
