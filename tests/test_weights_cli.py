@@ -112,7 +112,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_training(tmp_path):
                    "trainer.steps=1", f"trainer.checkpoint_dir={tmp_path}/run", cwd=tmp_path)
     assert refused.returncode != 0
     assert "VocabularyMismatchError" in refused.stderr
-    assert "257 ids but the model's vocab_size is 200" in refused.stderr
+    assert "vocab_size is 200" in refused.stderr and "257" in refused.stderr
     assert "step 1" not in refused.stdout
 
 
