@@ -22,11 +22,11 @@ def _train(tmp_path, *overrides, env=None):
 
 def test_token_ids_past_the_vocabulary_are_refused_before_step_one(tmp_path):
     result = _train(tmp_path, "model.vocab_size=200")
-    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr
     first, *rest = result.stderr.strip().splitlines()
-    assert first.startswith("dew train: VocabularyMismatchError: data 'token_windows' yields "
-                            "token ids up to 256 (ByteTokenizer), but model.vocab_size is 200")
-    assert "at least 257" in first and "Traceback" not in result.stderr
+    assert first.startswith("dew train: VocabularyMismatchError: The tokenizer has 257 ids but the "
+                            "model's vocab_size is 200")
+    assert "vocab_size >= 257" in first and "Traceback" not in result.stderr
     assert rest == ["  (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)"]
     assert "compiling the step" not in result.stdout  # refused before anything compiled
 

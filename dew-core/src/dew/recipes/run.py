@@ -30,7 +30,6 @@ __all__ = [
     "ConfiguredTracker",
     "Parts",
     "ScheduleReshapedWarning",
-    "VocabularyMismatchError",
     "build_objective",
     "build_parts",
     "build_trackers",
@@ -103,28 +102,15 @@ def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str =
     fields = _fields("objectives", config.objective, timestamp)
     component = registry.objectives.load(config.objective.name)
     tokenizer = _tokenizer(reader)
-    _check_vocabulary(config, model, tokenizer)
+    if tokenizer is not None and model is not None:
+        from dew.pretrained import check_vocabulary
+
+        check_vocabulary(tokenizer, model)  # before anything compiles
     if tokenizer is not None and "tokenizer" not in fields and _accepts(component, "tokenizer"):
         fields["tokenizer"] = tokenizer
     if _accepts(component, "model"):
         fields["model"] = model
     return registry.objectives.build(config.objective.name, **fields)
-
-
-def _check_vocabulary(config: RunConfig, model: Any, tokenizer: Any) -> None:
-    """Refuse, before anything compiles, data whose token ids the model cannot embed (an
-    id at or above its vocab_size would index past the embedding table)."""
-    ids, rows = getattr(tokenizer, "vocab_size", None), getattr(model, "vocab_size", None)
-    if isinstance(ids, int) and isinstance(rows, int) and ids > rows:
-        raise VocabularyMismatchError(
-            f"data {config.data.name!r} yields token ids up to {ids - 1} "
-            f"({type(tokenizer).__name__}), but model.vocab_size is {rows}: the model has no "
-            f"row for ids {rows} and above. Set model.vocab_size to at least {ids}, or use a "
-            "tokenizer with fewer ids.")
-
-
-class VocabularyMismatchError(RecipeError):
-    """The data's token ids reach past the model's vocabulary (found before step 1)."""
 
 
 def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
