@@ -13,7 +13,7 @@ the model reads as its noise level (``noise_input``).
 >>> float(alpha), float(sigma)
 (0.75, 0.25)
 >>> [round(float(s), 3) for s in EDM(sigma_min=0.002, sigma_max=80.0).sampling_times(3)]
-[80.0, 2.516, 0.002]
+[80.0, 2.515, 0.002]
 """
 
 from __future__ import annotations
