@@ -46,14 +46,18 @@ class ConditionError(ValueError):
 class Attention(nn.Module):
     """Multi-head attention over x [B, T, E]; mask [B or 1, 1, T, S] keeps True pairs.
 
-    With context [B, S, E], keys and values come from it instead of x.
+    With context [B, S, E], keys and values come from it instead of x. past
+    (keys, values [B, P, heads, head width]) is attended before this call's
+    own keys (S = P + T). This call's keys and values are sown under
+    ``intermediates/.../kv``, so a caller can keep them as the next call's past.
     """
 
     num_heads: int
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None = None,
-                 context: jax.Array | None = None) -> jax.Array:
+                 context: jax.Array | None = None,
+                 past: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         features = x.shape[-1]
         if features % self.num_heads:
             raise ValueError(f"Attention width {features} is not divisible by num_heads="
@@ -68,6 +72,9 @@ class Attention(nn.Module):
         q = jnp.einsum("bte,ehd->bthd", x, kernels["query"])
         k = jnp.einsum("bse,ehd->bshd", source, kernels["key"])
         v = jnp.einsum("bse,ehd->bshd", source, kernels["value"])
+        self.sow("intermediates", "kv", (k, v))  # kept only when applied with that collection mutable
+        if past is not None:  # keys and values of earlier tokens, attended before this call's
+            k, v = jnp.concatenate([past[0], k], axis=1), jnp.concatenate([past[1], v], axis=1)
         scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(width)
         if mask is not None:
             scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
