@@ -137,3 +137,9 @@ class BlockDiffusionObjective(Objective):
         tokens = self.generate(variables, key, self.preview_rows, prefix=prefix)
         text = "\n---\n".join(self.tokenizer.decode([int(i) for i in row]) for row in tokens)
         return Artifact("sample", "text", text)
+
+    def pipeline(self, state: Any, *, ema: bool = True) -> Any:
+        """A pipeline that writes text with state's (EMA) parameters (or given variables)."""
+        from dew.objectives.diffusion_pipeline import TextDiffusionPipeline, variables_of
+
+        return TextDiffusionPipeline(self, variables_of(state, ema))

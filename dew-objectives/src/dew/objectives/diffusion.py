@@ -274,9 +274,7 @@ class DiffusionObjective(Objective):
         return Artifact("samples", self.key, _tile(pixels, columns))
 
     def pipeline(self, state: Any, *, ema: bool = True) -> Any:
-        """A pipeline that samples from this objective's model with state's (EMA) parameters."""
-        from dew.objectives.diffusion_pipeline import DiffusionPipeline
+        """A pipeline that samples with state's (EMA) parameters (or given variables)."""
+        from dew.objectives.diffusion_pipeline import DiffusionPipeline, variables_of
 
-        averaged = getattr(state, "averaged", None)
-        variables = averaged if ema and averaged is not None else getattr(state, "params", state)
-        return DiffusionPipeline(self, variables)
+        return DiffusionPipeline(self, variables_of(state, ema))
