@@ -60,8 +60,27 @@ def _check_steps(steps: int) -> None:
         raise ValueError(f"A sampler needs at least 1 step, got steps={steps}.")
 
 
+class _UnitTime:
+    """Times uniform on [t_min, 1] for training and evenly spaced for sampling; the model reads t."""
+
+    t_min: float
+
+    def time_at(self, u: jax.Array) -> jax.Array:
+        return self.t_min + jnp.asarray(u, jnp.float32) * (1.0 - self.t_min)
+
+    def sample_times(self, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        return self.time_at(jax.random.uniform(key, shape, jnp.float32))
+
+    def sampling_times(self, steps: int) -> jax.Array:
+        _check_steps(steps)
+        return jnp.linspace(1.0, self.t_min, steps, dtype=jnp.float32)
+
+    def noise_input(self, t: jax.Array) -> jax.Array:
+        return jnp.asarray(t, jnp.float32)
+
+
 @dataclass(frozen=True)
-class VPLinear:
+class VPLinear(_UnitTime):
     """DDPM's variance-preserving process with a linear beta(t) on t in [0, 1].
 
     alpha(t) = exp(-(beta_min t + (beta_max - beta_min) t^2 / 2) / 2) and
@@ -79,22 +98,10 @@ class VPLinear:
         alpha = jnp.exp(log_alpha)
         return alpha, jnp.sqrt(-jnp.expm1(2.0 * log_alpha))
 
-    def time_at(self, u: jax.Array) -> jax.Array:
-        return self.t_min + jnp.asarray(u, jnp.float32) * (1.0 - self.t_min)
-
-    def sample_times(self, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-        return self.time_at(jax.random.uniform(key, shape, jnp.float32))
-
-    def sampling_times(self, steps: int) -> jax.Array:
-        _check_steps(steps)
-        return jnp.linspace(1.0, self.t_min, steps, dtype=jnp.float32)
-
-    def noise_input(self, t: jax.Array) -> jax.Array:
-        return jnp.asarray(t, jnp.float32)
 
 
 @dataclass(frozen=True)
-class VPCosine:
+class VPCosine(_UnitTime):
     """The cosine variance-preserving schedule (Nichol and Dhariwal) on t in [0, 1].
 
     alpha(t) = cos(pi/2 (t + s) / (1 + s)) / cos(pi/2 s / (1 + s)), kept above
@@ -112,18 +119,6 @@ class VPCosine:
         alpha = jnp.clip(alpha, self.alpha_min, 1.0)
         return alpha, jnp.sqrt(jnp.maximum(1.0 - alpha * alpha, 0.0))
 
-    def time_at(self, u: jax.Array) -> jax.Array:
-        return self.t_min + jnp.asarray(u, jnp.float32) * (1.0 - self.t_min)
-
-    def sample_times(self, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-        return self.time_at(jax.random.uniform(key, shape, jnp.float32))
-
-    def sampling_times(self, steps: int) -> jax.Array:
-        _check_steps(steps)
-        return jnp.linspace(1.0, self.t_min, steps, dtype=jnp.float32)
-
-    def noise_input(self, t: jax.Array) -> jax.Array:
-        return jnp.asarray(t, jnp.float32)
 
 
 def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float = 7.0) -> jax.Array:

@@ -14,7 +14,6 @@ cached (``dew.sampling.block_generate``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -24,17 +23,10 @@ import jax.numpy as jnp
 
 from dew.diffusion.masking import mask_tokens, nelbo_weight, stratified_times
 from dew.objectives.base import (
-    Aux,
-    Batch,
     EMASpec,
-    Mean,
-    MeanMetric,
-    Metric,
-    Objective,
-    Step,
     Variables,
 )
-from dew.objectives.masked_diffusion import masked_cross_entropy, token_windows
+from dew.objectives.masked_diffusion import TokenDiffusion, masked_cross_entropy
 from dew.sampling.masked import block_generate
 from dew.telemetry.artifacts import Artifact
 
@@ -53,7 +45,7 @@ def block_causal_mask(seq_len: int, block_size: int) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class BlockDiffusionObjective(Objective):
+class BlockDiffusionObjective(TokenDiffusion):
     """BD3-LM over windows of seq_len ids in blocks of block_size, with a TokenDenoiser."""
 
     model: nn.Module
@@ -76,18 +68,6 @@ class BlockDiffusionObjective(Objective):
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len="
                              f"{self.model.max_seq_len}.")
 
-    @property
-    def mask_id(self) -> int:
-        return int(self.model.vocab_size)
-
-    def required_keys(self) -> Sequence[str]:
-        return ("text",)
-
-    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
-        if variables is not None:
-            return variables
-        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
-
     def logits(self, variables: Variables, noisy: jax.Array, tokens: jax.Array) -> jax.Array:
         """The model's logits [B, L, V] at the noisy window, given the clean one beside it."""
         rows, length = tokens.shape
@@ -107,18 +87,6 @@ class BlockDiffusionObjective(Objective):
         return masked_cross_entropy(self.logits(variables, noisy, tokens), tokens, masked,
                                     nelbo_weight(t))
 
-    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
-        """The negative ELBO per token."""
-        tokens = token_windows(batch, self.seq_len, type(self).__name__)
-        per_token = self.per_token(variables, tokens, step.key)
-        return Mean(jnp.sum(per_token), jnp.asarray(per_token.size, jnp.float32)), Aux()
-
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
-        return {"loss": self.loss(variables, batch, step)[0]}
-
-    def metrics(self) -> tuple[Metric, ...]:
-        return (MeanMetric("loss"),)
-
     def generate(self, variables: Variables, key: jax.Array, rows: int, *,
                  prefix: jax.Array | None = None, steps: int | None = None) -> jax.Array:
         """rows samples of seq_len ids written block by block (prefix fills whole first blocks)."""
@@ -135,11 +103,4 @@ class BlockDiffusionObjective(Objective):
             ids = ids[: len(ids) - len(ids) % self.block_size]
             prefix = jnp.asarray([ids] * self.preview_rows, jnp.int32) if ids else None
         tokens = self.generate(variables, key, self.preview_rows, prefix=prefix)
-        text = "\n---\n".join(self.tokenizer.decode([int(i) for i in row]) for row in tokens)
-        return Artifact("sample", "text", text)
-
-    def pipeline(self, state: Any, *, ema: bool = True) -> Any:
-        """A pipeline that writes text with state's (EMA) parameters (or given variables)."""
-        from dew.objectives.diffusion_pipeline import TextDiffusionPipeline, variables_of
-
-        return TextDiffusionPipeline(self, variables_of(state, ema))
+        return Artifact("sample", "text", self.decode(tokens))

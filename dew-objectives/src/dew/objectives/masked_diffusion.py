@@ -35,7 +35,13 @@ from dew.objectives.base import (
 from dew.sampling.masked import masked_generate
 from dew.telemetry.artifacts import Artifact
 
-__all__ = ["InvalidTokensError", "MaskedDiffusionObjective", "token_windows"]
+__all__ = [
+    "InvalidTokensError",
+    "MaskedDiffusionObjective",
+    "TokenDiffusion",
+    "masked_cross_entropy",
+    "token_windows",
+]
 
 
 class InvalidTokensError(ValueError):
@@ -64,8 +70,61 @@ def masked_cross_entropy(logits: jax.Array, tokens: jax.Array, masked: jax.Array
     return jnp.where(masked, weight * per_token, 0.0)
 
 
+class TokenDiffusion(Objective):
+    """What masked and block diffusion share: windows under "text", the NELBO per token, pipelines.
+
+    A subclass gives per_token (the weighted loss of each token) and generate.
+    """
+
+    model: nn.Module
+    seq_len: int
+    tokenizer: Any
+
+    @property
+    def mask_id(self) -> int:
+        """The absorbing state: the model's vocab_size."""
+        return int(self.model.vocab_size)
+
+    def required_keys(self) -> Sequence[str]:
+        return ("text",)
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        if variables is not None:
+            return variables
+        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+
+    def per_token(self, variables: Variables, tokens: jax.Array, key: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def generate(self, variables: Variables, key: jax.Array, rows: int, *,
+                 steps: int | None = None) -> jax.Array:
+        raise NotImplementedError
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        """The negative ELBO per token (an upper bound on the NLL per token, in nats)."""
+        tokens = token_windows(batch, self.seq_len, type(self).__name__)
+        per_token = self.per_token(variables, tokens, step.key)
+        return Mean(jnp.sum(per_token), jnp.asarray(per_token.size, jnp.float32)), Aux()
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        return {"loss": self.loss(variables, batch, step)[0]}
+
+    def metrics(self) -> tuple[Metric, ...]:
+        return (MeanMetric("loss"),)
+
+    def decode(self, tokens: jax.Array) -> str:
+        """Rows of ids as text, separated by a rule line."""
+        return "\n---\n".join(self.tokenizer.decode([int(i) for i in row]) for row in tokens)
+
+    def pipeline(self, state: Any, *, ema: bool = True) -> Any:
+        """A pipeline that writes text with state's (EMA) parameters (or given variables)."""
+        from dew.objectives.diffusion_pipeline import TextDiffusionPipeline, variables_of
+
+        return TextDiffusionPipeline(self, variables_of(state, ema))
+
+
 @dataclass(frozen=True)
-class MaskedDiffusionObjective(Objective):
+class MaskedDiffusionObjective(TokenDiffusion):
     """MDLM over windows of seq_len ids with a TokenDenoiser (mask id = its vocab_size)."""
 
     model: nn.Module
@@ -85,18 +144,6 @@ class MaskedDiffusionObjective(Objective):
         if not 0.0 < self.t_min < 1.0:
             raise ValueError(f"t_min must lie in (0, 1), got {self.t_min}.")
 
-    @property
-    def mask_id(self) -> int:
-        return int(self.model.vocab_size)
-
-    def required_keys(self) -> Sequence[str]:
-        return ("text",)
-
-    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
-        if variables is not None:
-            return variables
-        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
-
     def per_token(self, variables: Variables, tokens: jax.Array, key: jax.Array) -> jax.Array:
         """(1/t) CE of each masked token, 0 for the rest, [B, seq_len]."""
         time_key, mask_key = jax.random.split(key)
@@ -104,18 +151,6 @@ class MaskedDiffusionObjective(Objective):
         noisy, masked = mask_tokens(mask_key, tokens, t, self.mask_id)
         logits = self.model.apply(variables, noisy)
         return masked_cross_entropy(logits, tokens, masked, nelbo_weight(t))
-
-    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
-        """The negative ELBO per token (an upper bound on the NLL per token, in nats)."""
-        tokens = token_windows(batch, self.seq_len, type(self).__name__)
-        per_token = self.per_token(variables, tokens, step.key)
-        return Mean(jnp.sum(per_token), jnp.asarray(per_token.size, jnp.float32)), Aux()
-
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
-        return {"loss": self.loss(variables, batch, step)[0]}
-
-    def metrics(self) -> tuple[Metric, ...]:
-        return (MeanMetric("loss"),)
 
     def generate(self, variables: Variables, key: jax.Array, rows: int, *,
                  steps: int | None = None) -> jax.Array:
@@ -127,11 +162,4 @@ class MaskedDiffusionObjective(Objective):
         if self.tokenizer is None:
             return None
         tokens = jax.jit(lambda v, k: self.generate(v, k, self.preview_rows))(variables, key)
-        text = "\n---\n".join(self.tokenizer.decode([int(i) for i in row]) for row in tokens)
-        return Artifact("sample", "text", text)
-
-    def pipeline(self, state: Any, *, ema: bool = True) -> Any:
-        """A pipeline that writes text with state's (EMA) parameters (or given variables)."""
-        from dew.objectives.diffusion_pipeline import TextDiffusionPipeline, variables_of
-
-        return TextDiffusionPipeline(self, variables_of(state, ema))
+        return Artifact("sample", "text", self.decode(tokens))
