@@ -1,5 +1,7 @@
 """Every diffusion objective trains on 8 fake devices (fsdp=4, tensor=2) to the single-device
-losses, and a run stopped by SIGTERM resumes to the uninterrupted run's losses bit for bit."""
+losses, and a run stopped by SIGTERM resumes to the uninterrupted run's losses bit for bit.
+
+One interpreter trains the four objectives in turn, so each run pays one start-up."""
 
 from __future__ import annotations
 
@@ -128,6 +130,7 @@ def _losses(path: Path) -> dict[tuple[str, int], float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_eight_devices_match_one_and_a_stopped_run_resumes_bitwise(tmp_path: Path) -> None:
     code, out, err = _run(tmp_path, "single", 1)
     assert code == 0, err[-4000:]
@@ -140,15 +143,16 @@ def test_eight_devices_match_one_and_a_stopped_run_resumes_bitwise(tmp_path: Pat
     for key in single:
         np.testing.assert_allclose(mesh[key], single[key], rtol=2e-4, err_msg=str(key))
 
-    # Stopped by SIGTERM inside each objective's run in turn, then resumed to the end.
+    # Stopped by SIGTERM inside each objective's run in turn, then resumed to the end (one
+    # device, against the uninterrupted one-device run).
     stops = {f"batch {name} 3" for name in OBJECTIVES}
     runs = 0
     while True:
-        code, out, err = _run(tmp_path, "stopped", 8, stops)
+        code, out, err = _run(tmp_path, "stopped", 1, stops)
         runs += 1
         if code == 0 or runs > len(OBJECTIVES):
             break
         assert code == 143, err[-4000:]
         stops = {stop for stop in stops if stop not in out}
     assert code == 0 and runs == len(OBJECTIVES) + 1, (runs, err[-4000:])
-    assert _losses(tmp_path / "stopped.jsonl") == mesh  # every loss, bit for bit
+    assert _losses(tmp_path / "stopped.jsonl") == single  # every loss, bit for bit
