@@ -157,3 +157,33 @@ def test_schedule_objects_and_names_agree():
     a, _ = by_name.loss(variables, images(), STEP)
     b, _ = by_object.loss(variables, images(), STEP)
     assert float(a.value) == float(b.value)
+
+
+def test_text_conditioning_trains_with_a_frozen_encoder():
+    import itertools
+
+    import optax
+
+    from dew import Trainer
+    from dew.data import Dataset
+
+    model = DiT(image_size=8, channels=1, patch_size=4, emb_features=16, num_layers=1,
+                num_heads=2, mlp_features=32, text_vocab_size=20, text_length=5)
+    objective = DiffusionObjective(model, freeze_text_encoder=True, ema=None)
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.integers(0, 256, (4, 8, 8, 1)).astype(np.uint8),
+             "caption": rng.integers(0, 20, (4, 5)).astype(np.int32)}
+    start = init(objective)
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), initializer=start)
+    state = trainer.fit(Dataset(train=lambda _: itertools.repeat(batch), batch=4), steps=3,
+                        log_every=3)
+    after = jax.device_get(nn.meta.unbox(state.params))
+    for name, leaf in jax.tree_util.tree_leaves_with_path(start["params"]["text"]):
+        path = [k.key for k in name]
+        kept = after["params"]["text"]
+        for part in path:
+            kept = kept[part]
+        np.testing.assert_array_equal(kept, leaf)
+    assert not np.array_equal(after["params"]["patch"]["kernel"], start["params"]["patch"]["kernel"])
+    with pytest.raises(InvalidConditionError, match=r"'caption' holds token id 21.*text_vocab_size=20"):
+        objective.loss(start, dict(batch, caption=np.full((4, 5), 21, np.int32)), STEP)

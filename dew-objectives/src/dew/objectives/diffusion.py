@@ -30,12 +30,14 @@ from dew.objectives.base import (
     Aux,
     Batch,
     EMASpec,
+    LeafFilter,
     Mean,
     MeanMetric,
     Metric,
     Objective,
     Step,
     Variables,
+    under,
 )
 from dew.telemetry.artifacts import Artifact
 
@@ -94,7 +96,8 @@ class DiffusionObjective(Objective):
     target what the model predicts (eps, x0, v, velocity; velocity by default
     for flow, eps otherwise); weighting the loss weighting (uniform, min_snr,
     edm). guidance, sampler and sample_steps set how previews (and
-    pipelines, by default) sample.
+    pipelines, by default) sample. freeze_text_encoder keeps the model's text
+    encoder (``params/text``) fixed, as loaded by the trainer's initializer.
     """
 
     model: nn.Module
@@ -113,6 +116,7 @@ class DiffusionObjective(Objective):
     sample_steps: int = 32
     preview_count: int = 8
     noise_buckets: int = 4
+    freeze_text_encoder: bool = False
     ema: EMASpec | None = field(default_factory=lambda: EMASpec(0.999))
 
     def __post_init__(self) -> None:
@@ -125,6 +129,11 @@ class DiffusionObjective(Objective):
             raise ValueError("noise_buckets, sample_steps and preview_count must each be at least 1.")
 
     # -- what the objective is built from ----------------------------------------------
+    @property
+    def frozen(self) -> LeafFilter | None:
+        """The text encoder's parameters when freeze_text_encoder (a pretrained start keeps them)."""
+        return under("params/text") if self.freeze_text_encoder else None
+
     @property
     def key(self) -> str:
         """The batch key of the pixels: 'video' for a model with frames, else 'image'."""
