@@ -62,10 +62,14 @@ class Conditioning(Protocol):
     def of(self, requests: Sequence[Any]) -> jax.Array | None: ...
 
 
-def _check_on_host(check: Callable[[np.ndarray], None], values: jax.Array) -> None:
-    """Run check now on concrete values, or from the compiled program on traced ones."""
+def _check_on_host(check: Callable[[np.ndarray], None], values: jax.Array, low: int,
+                   high: int) -> None:
+    """Run check now on concrete values; on traced ones, call it from the compiled program
+    only when a value falls outside [low, high], so a good batch costs no trip to the host."""
     if isinstance(values, jax.core.Tracer):
-        jax.debug.callback(lambda v: check(np.asarray(v)), values)
+        bad = jnp.any((values < low) | (values > high))
+        jax.lax.cond(bad, lambda v: jax.debug.callback(lambda w: check(np.asarray(w)), v),
+                     lambda v: None, values)
     else:
         check(np.asarray(values))
 
@@ -130,7 +134,7 @@ class ClassLabels:
                 f"Batch key {self.key!r} must hold integer labels [batch], got "
                 f"{getattr(labels, 'dtype', type(labels).__name__)} of shape "
                 f"{tuple(getattr(labels, 'shape', ()))}.")
-        _check_on_host(lambda v: self.check(v, allow_null=True), labels)
+        _check_on_host(lambda v: self.check(v, allow_null=True), labels, 0, self.num_classes)
         return jnp.asarray(labels, jnp.int32)
 
     def null(self, rows: int) -> jax.Array:
@@ -171,7 +175,7 @@ class TextTokens:
             raise InvalidConditionError(
                 f"Batch key {self.key!r} must hold integer token ids [batch, {self.length}], got "
                 f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {shape}.")
-        _check_on_host(self.check, ids)
+        _check_on_host(self.check, ids, 0, self.vocab_size)
         return jnp.asarray(ids, jnp.int32)
 
     def null(self, rows: int) -> jax.Array:
