@@ -24,7 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.diffusion import Diffusion, Method, Schedule, drop_condition, guide, schedule_named
+from dew.diffusion import (
+    Diffusion,
+    Method,
+    RectifiedFlow,
+    Schedule,
+    drop_condition,
+    guide,
+    schedule_named,
+)
 from dew.inputs import Conditioning, Unconditional, conditioning_of
 from dew.objectives.base import (
     Aux,
@@ -145,7 +153,7 @@ class DiffusionObjective(Objective):
     def process(self) -> Diffusion:
         schedule: Schedule = (schedule_named(self.schedule) if isinstance(self.schedule, str)
                               else self.schedule)
-        target = self.target or ("velocity" if self.schedule == "flow" else "eps")
+        target = self.target or ("velocity" if isinstance(schedule, RectifiedFlow) else "eps")
         return Diffusion(schedule, target=target, weighting=self.weighting, data_std=self.data_std)
 
     @property
