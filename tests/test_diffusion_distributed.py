@@ -79,8 +79,8 @@ class Losses:
 
     def log(self, scalars, step):
         with open(losses, "a") as handle:
-            handle.write(json.dumps({"objective": self.name, "step": step,
-                                     "loss": scalars["loss"]}) + "\n")
+            loss = scalars.get("train/loss", scalars.get("loss"))
+            handle.write(json.dumps({"objective": self.name, "step": step, "loss": loss}) + "\n")
 
     def artifact(self, value, step):
         pass

@@ -57,7 +57,7 @@ def test_digits_samples_are_the_classes_asked_for(tmp_path):
 def test_recipe_learns_and_writes_previews(name, overrides, tmp_path):
     _run(name, tmp_path, overrides)
     rows = [json.loads(line) for line in (tmp_path / "run" / "scalars.jsonl").read_text().splitlines()]
-    losses = [row["loss"] for row in rows if "loss" in row]
+    losses = [row["train/loss"] for row in rows if "train/loss" in row]
     assert len(losses) >= 5 and losses[-1] < 0.8 * losses[0], losses
     previews = [json.loads(line) for line in (tmp_path / "run" / "previews.jsonl").read_text().splitlines()]
     assert previews and all((tmp_path / "run" / p["path"]).is_file() for p in previews), previews
