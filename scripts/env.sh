@@ -12,7 +12,7 @@ DISTRIBUTIONS=(
     "$ROOT/dew-core[quantization]"
     "$ROOT/dew-objectives"
     "$ROOT/dew-trackers[all]"
-    "$ROOT/dew-data[hf]"
+    "$ROOT/dew-data[hf,digits]"
 )
 
 _find_python() {

@@ -140,6 +140,7 @@ class TrainerConfig(pydantic.BaseModel):
     )
     log_every: int = Field(100, ge=1, description="steps between logged metrics")
     eval_every: int | None = Field(None, ge=1, description="steps between validations")
+    preview: bool = Field(False, description="write the objective's preview at each validation")
     checkpoint_every: int | None = Field(None, ge=1, description="steps between checkpoints")
 
     @pydantic.model_validator(mode="after")
@@ -204,6 +205,7 @@ def fit_kwargs(config: TrainerConfig, steps_per_epoch: int | None = None) -> dic
         "log_every": config.log_every,
         "eval_every": config.eval_every,
         "checkpoint_every": config.checkpoint_every,
+        "preview": config.preview,
     }
 
 

@@ -469,7 +469,7 @@ class Trainer(Generic[Loss, Effects]):
                         progress.note(f"step {done}: stopping early: {progress.stop_requested}")
                         break
             progress.drain()
-            if dataset.val is not None:
+            if dataset.val is not None or preview:  # the last step's scores and preview
                 self._evaluate(progress, dataset, state, done, metrics, preview)
             self._finish_saves(progress)
         except BaseException as error:

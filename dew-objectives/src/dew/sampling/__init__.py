@@ -1,6 +1,7 @@
-"""Generation from trained models: choose tokens, decode with a key/value cache."""
+"""Generation from trained models: choose tokens, decode with a key/value cache, unmask."""
 
 from dew.sampling.generate import Generation, InvalidPromptError, PromptTooLongError, generate
+from dew.sampling.masked import block_generate, masked_generate
 from dew.sampling.options import InvalidSamplingError, Sampling, choose
 from dew.sampling.pipeline import TextGeneration
 
@@ -11,6 +12,8 @@ __all__ = [
     "PromptTooLongError",
     "Sampling",
     "TextGeneration",
+    "block_generate",
     "choose",
     "generate",
+    "masked_generate",
 ]

@@ -1,0 +1,165 @@
+"""Masked (absorbing-state) diffusion over token ids: MDLM's continuous-time ELBO.
+
+A batch holds token windows under "text" ([B, seq_len], or token_windows'
+[B, seq_len + 1] of which the first seq_len are used). Each row is noised at
+its own time t (stratified over the batch) by masking each token with
+probability t; the model (a ``TokenDenoiser``) predicts the masked tokens,
+and the loss is the negative ELBO per token: the sum over masked tokens of
+(1/t) times their cross-entropy, divided by the number of tokens. Previews
+sample with ``dew.sampling.masked_generate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from dew.diffusion.masking import mask_tokens, nelbo_weight, stratified_times
+from dew.objectives.base import (
+    Aux,
+    Batch,
+    EMASpec,
+    Mean,
+    MeanMetric,
+    Metric,
+    Objective,
+    Step,
+    Variables,
+)
+from dew.sampling.masked import masked_generate
+from dew.telemetry.artifacts import Artifact
+
+__all__ = [
+    "InvalidTokensError",
+    "MaskedDiffusionObjective",
+    "TokenDiffusion",
+    "masked_cross_entropy",
+    "token_windows",
+]
+
+
+class InvalidTokensError(ValueError):
+    """Token windows of the wrong shape or dtype for a masked-diffusion objective."""
+
+
+def token_windows(batch: Batch, seq_len: int, owner: str) -> jax.Array:
+    """The first seq_len ids of each window under "text", checked."""
+    if "text" not in batch:
+        raise InvalidTokensError(f"{owner} reads token ids under the batch key 'text', but the batch "
+                                 f"has keys {sorted(batch)}.")
+    text = batch["text"]
+    shape = tuple(getattr(text, "shape", ()))
+    if len(shape) != 2 or shape[1] not in (seq_len, seq_len + 1):
+        raise InvalidTokensError(f"Batch key 'text' has shape {shape}; {owner}(seq_len={seq_len}) "
+                                 f"expects [batch, {seq_len}] (or token_windows' [batch, {seq_len + 1}]).")
+    if not jnp.issubdtype(text.dtype, jnp.integer):
+        raise InvalidTokensError(f"Batch key 'text' holds {text.dtype}; token ids must be integers.")
+    return jnp.asarray(text[:, :seq_len], jnp.int32)
+
+
+def masked_cross_entropy(logits: jax.Array, tokens: jax.Array, masked: jax.Array,
+                         weight: jax.Array) -> jax.Array:
+    """weight times the cross-entropy of each masked token (0 elsewhere), per token."""
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
+    return jnp.where(masked, weight * per_token, 0.0)
+
+
+class TokenDiffusion(Objective):
+    """What masked and block diffusion share: windows under "text", the NELBO per token, pipelines.
+
+    A subclass gives per_token (the weighted loss of each token) and generate.
+    """
+
+    model: nn.Module
+    seq_len: int
+    tokenizer: Any
+
+    @property
+    def mask_id(self) -> int:
+        """The absorbing state: the model's vocab_size."""
+        return int(self.model.vocab_size)
+
+    def required_keys(self) -> Sequence[str]:
+        return ("text",)
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        if variables is not None:
+            return variables
+        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+
+    def per_token(self, variables: Variables, tokens: jax.Array, key: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def generate(self, variables: Variables, key: jax.Array, rows: int, *,
+                 steps: int | None = None) -> jax.Array:
+        raise NotImplementedError
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        """The negative ELBO per token (an upper bound on the NLL per token, in nats)."""
+        tokens = token_windows(batch, self.seq_len, type(self).__name__)
+        per_token = self.per_token(variables, tokens, step.key)
+        return Mean(jnp.sum(per_token), jnp.asarray(per_token.size, jnp.float32)), Aux()
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        return {"loss": self.loss(variables, batch, step)[0]}
+
+    def metrics(self) -> tuple[Metric, ...]:
+        return (MeanMetric("loss"),)
+
+    def decode(self, tokens: jax.Array) -> str:
+        """Rows of ids as text, separated by a rule line."""
+        return "\n---\n".join(self.tokenizer.decode([int(i) for i in row]) for row in tokens)
+
+    def pipeline(self, state: Any, *, ema: bool = True) -> Any:
+        """A pipeline that writes text with state's (EMA) parameters (or given variables)."""
+        from dew.objectives.diffusion_pipeline import TextDiffusionPipeline, variables_of
+
+        return TextDiffusionPipeline(self, variables_of(state, ema))
+
+
+@dataclass(frozen=True)
+class MaskedDiffusionObjective(TokenDiffusion):
+    """MDLM over windows of seq_len ids with a TokenDenoiser (mask id = its vocab_size)."""
+
+    model: nn.Module
+    seq_len: int
+    _: KW_ONLY
+    t_min: float = 1e-3
+    tokenizer: Any = None
+    preview_rows: int = 2
+    preview_steps: int = 64
+    temperature: float = 1.0
+    ema: EMASpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.seq_len > getattr(self.model, "max_seq_len", self.seq_len):
+            raise ValueError(f"{type(self).__name__}.seq_len={self.seq_len} must lie in [1, the "
+                             f"model's max_seq_len={getattr(self.model, 'max_seq_len', '?')}].")
+        if not 0.0 < self.t_min < 1.0:
+            raise ValueError(f"t_min must lie in (0, 1), got {self.t_min}.")
+
+    def per_token(self, variables: Variables, tokens: jax.Array, key: jax.Array) -> jax.Array:
+        """(1/t) CE of each masked token, 0 for the rest, [B, seq_len]."""
+        time_key, mask_key = jax.random.split(key)
+        t = stratified_times(time_key, tokens.shape[0], self.t_min)[:, None]
+        noisy, masked = mask_tokens(mask_key, tokens, t, self.mask_id)
+        logits = self.model.apply(variables, noisy)
+        return masked_cross_entropy(logits, tokens, masked, nelbo_weight(t))
+
+    def generate(self, variables: Variables, key: jax.Array, rows: int, *,
+                 steps: int | None = None) -> jax.Array:
+        """rows samples of seq_len ids."""
+        return masked_generate(self.model, variables, rows, self.seq_len, key,
+                               steps=steps or self.preview_steps, temperature=self.temperature)
+
+    def preview(self, variables: Variables, key: jax.Array) -> Artifact | None:
+        if self.tokenizer is None:
+            return None
+        tokens = jax.jit(lambda v, k: self.generate(v, k, self.preview_rows))(variables, key)
+        return Artifact("sample", "text", self.decode(tokens))

@@ -1,0 +1,138 @@
+"""Masked and block diffusion: the MDLM ELBO by hand, BD3-LM's two limits, the cached sampler."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.diffusion.masking import unmask_step
+from dew.nn.token_denoiser import TokenDenoiser
+from dew.objectives.base import Step
+from dew.objectives.block_diffusion import BlockDiffusionObjective
+from dew.objectives.masked_diffusion import InvalidTokensError, MaskedDiffusionObjective
+from dew.sampling.masked import block_generate, masked_generate
+
+VOCAB, LENGTH = 3, 3
+MODEL = TokenDenoiser(vocab_size=VOCAB, emb_features=16, num_layers=2, num_heads=2,
+                      mlp_features=32, max_seq_len=8)
+SEQUENCE = np.asarray([0, 2, 1], np.int32)
+
+
+def step(seed):
+    return Step(step=jnp.int32(0), microstep=jnp.int32(0), updates=jnp.int32(0),
+                key=jax.random.key(seed))
+
+
+@pytest.fixture(scope="module")
+def variables():
+    # Random but not uniform predictions: scale the head so the ELBO terms differ.
+    variables = nn.meta.unbox(MODEL.init(jax.random.key(0), jnp.zeros((1, LENGTH), jnp.int32)))
+    params = dict(variables["params"], head=variables["params"]["head"] * 4.0)
+    return {"params": params}
+
+
+def log_probs(variables, tokens):
+    logits = np.asarray(MODEL.apply(variables, jnp.asarray(tokens)[None]), np.float64)[0]
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def hand_elbo(variables):
+    """sum over masked sets M of  integral_0^1 t^|M| (1-t)^(L-|M|) (1/t) dt  *  sum_{l in M} CE_l(M)."""
+    total = 0.0
+    for k in range(1, LENGTH + 1):
+        beta = math.factorial(k - 1) * math.factorial(LENGTH - k) / math.factorial(LENGTH)
+        for masked in itertools.combinations(range(LENGTH), k):
+            noisy = SEQUENCE.copy()
+            noisy[list(masked)] = VOCAB
+            lp = log_probs(variables, noisy)
+            total += beta * sum(-lp[position, SEQUENCE[position]] for position in masked)
+    return total / LENGTH  # per token
+
+
+def monte_carlo(objective, variables, rows=8192, draws=8):
+    batch = {"text": np.tile(SEQUENCE, (rows, 1))}
+    loss = jax.jit(objective.loss)
+    return float(np.mean([float(loss(variables, batch, step(seed))[0].value) for seed in range(draws)]))
+
+
+@pytest.mark.slow
+def test_masked_diffusion_loss_is_the_hand_computed_elbo(variables):
+    objective = MaskedDiffusionObjective(MODEL, seq_len=LENGTH, t_min=1e-4)
+    expected = hand_elbo(variables)
+    assert expected > 0.5  # not a trivially small number
+    np.testing.assert_allclose(monte_carlo(objective, variables), expected, rtol=0.02)
+
+
+def test_one_block_covering_the_window_is_masked_diffusion(variables):
+    masked = MaskedDiffusionObjective(MODEL, seq_len=LENGTH)
+    block = BlockDiffusionObjective(MODEL, seq_len=LENGTH, block_size=LENGTH)
+    batch = {"text": np.tile(SEQUENCE, (64, 1))}
+    for seed in range(3):
+        a, _ = jax.jit(masked.loss)(variables, batch, step(seed))
+        b, _ = jax.jit(block.loss)(variables, batch, step(seed))
+        np.testing.assert_allclose(float(b.value), float(a.value), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_block_size_one_is_the_autoregressive_loss(variables):
+    objective = BlockDiffusionObjective(MODEL, seq_len=LENGTH, block_size=1, t_min=1e-4)
+    # By hand: each position predicted from the clean ids before it and a mask in its place,
+    # under a plain causal mask.
+    ar = []
+    for position in range(LENGTH):
+        tokens = np.append(SEQUENCE[:position], VOCAB)
+        causal = jnp.tril(jnp.ones((len(tokens), len(tokens)), bool))[None, None]
+        logits = np.asarray(MODEL.apply(variables, jnp.asarray(tokens)[None], None, causal),
+                            np.float64)[0, -1]
+        ar.append(-(logits[SEQUENCE[position]] - np.log(np.exp(logits).sum())))
+    # The logits of the all-masked window are exactly those causal predictions...
+    all_masked = jnp.full((1, LENGTH), VOCAB)
+    logits = np.asarray(objective.logits(variables, all_masked, jnp.asarray(SEQUENCE)[None]))[0]
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(-lp[np.arange(LENGTH), SEQUENCE], ar, rtol=1e-4, atol=1e-6)
+    # ...and the (1/t)-weighted loss averages to their mean.
+    np.testing.assert_allclose(monte_carlo(objective, variables), np.mean(ar), rtol=0.02)
+
+
+@pytest.mark.slow
+def test_block_sampler_with_a_kv_cache_matches_recomputing_the_prefix(variables):
+    rows, length, size, steps = 2, 6, 2, 3
+    key = jax.random.key(7)
+    cached = block_generate(MODEL, variables, rows, length, size, key, steps=steps)
+
+    # Without a cache: every step reads the whole clean prefix again, block-causally.
+    tokens = jnp.zeros((rows, 0), jnp.int32)
+    times = jnp.linspace(1.0, 0.0, steps + 1)
+    for start in range(0, length, size):
+        block = jnp.full((rows, size), VOCAB, jnp.int32)
+        ids = jnp.arange(start + size) // size
+        mask = (ids[:, None] >= ids[None, :]) | (ids[:, None] == start // size)
+        mask = mask & ~((ids[:, None] < start // size) & (ids[None, :] == start // size))
+        for i in range(steps):
+            logits = MODEL.apply(variables, jnp.concatenate([tokens, block], 1), None, mask[None, None])
+            block = unmask_step(jax.random.fold_in(jax.random.fold_in(key, start), i), block,
+                                logits[:, start:], times[i], times[i + 1], VOCAB)
+        tokens = jnp.concatenate([tokens, block], 1)
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(tokens))
+    assert int(jnp.max(cached)) < VOCAB  # nothing left masked
+
+
+def test_masked_generate_reveals_everything_and_keeps_a_prefix(variables):
+    out = masked_generate(MODEL, variables, 3, LENGTH, jax.random.key(1), steps=4,
+                          prefix=jnp.asarray([[2], [2], [2]]))
+    assert out.shape == (3, LENGTH) and int(out.max()) < VOCAB
+    assert out[:, 0].tolist() == [2, 2, 2]
+
+
+def test_bad_windows_are_refused(variables):
+    objective = MaskedDiffusionObjective(MODEL, seq_len=LENGTH)
+    with pytest.raises(InvalidTokensError, match=r"shape \(2, 7\).*\[batch, 3\]"):
+        objective.loss(variables, {"text": np.zeros((2, 7), np.int32)}, step(0))
+    with pytest.raises(ValueError, match="multiple of block_size=2"):
+        BlockDiffusionObjective(MODEL, seq_len=LENGTH, block_size=2)
