@@ -481,7 +481,7 @@ class Trainer(Generic[Loss, Effects]):
             feed.close()
             if profile is not None:
                 profile.close()
-        progress.finish(done, state, progress.clock.goodput(feed.clock.data, feed.clock.rollout))
+        progress.finish(done, state, progress.clock.goodput(feed.clock.data, feed.clock.rollout, feed.clock.reward))
         return state
 
     def _evaluate(self, progress: Progress, dataset: Dataset, state: TrainState, done: int,

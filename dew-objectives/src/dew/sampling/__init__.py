@@ -1,6 +1,12 @@
 """Generation from trained models: choose tokens, decode with a key/value cache."""
 
-from dew.sampling.generate import Generation, InvalidPromptError, PromptTooLongError, generate
+from dew.sampling.generate import (
+    Generation,
+    InvalidPromptError,
+    PromptTooLongError,
+    generate,
+    sample_on_device,
+)
 from dew.sampling.options import InvalidSamplingError, Sampling, choose
 from dew.sampling.pipeline import TextGeneration
 
@@ -13,4 +19,5 @@ __all__ = [
     "TextGeneration",
     "choose",
     "generate",
+    "sample_on_device",
 ]
