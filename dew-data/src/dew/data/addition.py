@@ -12,9 +12,9 @@ seeded generator, in one of three forms:
   ``rejected`` (the prompt and a wrong one), their masks over the answer and
   ``prompt_length``, for DPO.
 
->>> data = Addition(form="prompts", problems=8, max_operand=9).load(batch=4)
->>> bytes(next(iter(data.train(None)))["prompt"][0]).rstrip(b"\\0").decode()[-1]
-'='
+>>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
+>>> bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()[-1], record["answer"].tolist()
+('=', [49, 50])
 """
 
 from __future__ import annotations
