@@ -42,7 +42,7 @@ def test_gae_equals_the_discounted_sum_of_td_errors():
         v_next = np.append(v[1:], 0.0)  # the value after the last token is 0
         delta = r + gamma * v_next - v
         for k, t in enumerate(on):
-            expected = sum((gamma * lam) ** l * delta[k + l] for l in range(len(on) - k))
+            expected = sum((gamma * lam) ** n * delta[k + n] for n in range(len(on) - k))
             assert advantages[i, t] == pytest.approx(expected, rel=1e-5, abs=1e-5)
             assert returns[i, t] == pytest.approx(expected + v[k], rel=1e-5, abs=1e-5)
         assert not advantages[i, mask[i] == 0].any() and not returns[i, mask[i] == 0].any()

@@ -13,8 +13,11 @@ seeded generator, in one of three forms:
   ``prompt_length``, for DPO.
 
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
->>> bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()[-1], record["answer"].tolist()
-('=', [49, 50])
+>>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
+>>> answer = bytes(a for a in record["answer"].tolist() if a >= 0).decode()
+>>> a, b = prompt.rstrip("=").split("+")
+>>> prompt.endswith("="), int(a) + int(b) == int(answer)
+(True, True)
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, *, gamma: flo
 
     >>> a, r = gae(np.array([[0.0, 1.0]]), np.array([[0.5, 0.5]]), np.ones((1, 2)), gamma=1.0, lam=1.0)
     >>> a.tolist(), r.tolist()
-    [[0.5, 0.5]], [[1.0, 1.0]]
+    ([[0.5, 0.5]], [[1.0, 1.0]])
     """
     rewards, values, mask = (np.asarray(x, np.float64) for x in (rewards, values, mask))
     advantages = np.zeros_like(rewards)

@@ -114,14 +114,14 @@ class Length:
     stop: str | None = None
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
-        return np.asarray([-self.scale * abs(len(_cut(c, self.stop)) - self.target) for c in completions],
+        return np.asarray([0.0 - self.scale * abs(len(_cut(c, self.stop)) - self.target) for c in completions],
                           np.float32)
 
 
 def resolve(reward: str | Mapping[str, Any] | Reward) -> Reward:
     """A reward object from a registered name, ``{"name": ..., **fields}``, or the object itself.
 
-    >>> resolve({"name": "length", "target": 3})([" ab", "abcdef"], {}).tolist()
+    >>> resolve({"name": "length", "target": 3})(["abc", "abcdef"], {}).tolist()
     [0.0, -3.0]
     """
     from dew import registry
