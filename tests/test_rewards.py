@@ -7,6 +7,7 @@ import pytest
 
 from dew import registry
 from dew.rewards import (
+    Brightness,
     ExactMatch,
     Length,
     NonFiniteRewardError,
@@ -19,7 +20,8 @@ from dew.rewards import (
 
 def test_built_in_rewards_are_registered_by_dew_objectives():
     names = registry.rewards.names()
-    for name, cls in (("exact_match", ExactMatch), ("regex_format", RegexFormat), ("length", Length)):
+    for name, cls in (("exact_match", ExactMatch), ("regex_format", RegexFormat), ("length", Length),
+                      ("brightness", Brightness)):
         assert names[name] == "dew-objectives"
         assert registry.rewards.load(name) is cls
     assert registry.registry("rewards") is registry.rewards

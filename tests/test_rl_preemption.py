@@ -39,7 +39,7 @@ def reward(completions, context):
 class Losses:
     def log(self, scalars, step):
         with open(losses, "a") as handle:
-            kept = {k: v for k, v in scalars.items() if not k.startswith("throughput/")}
+            kept = {k: v for k, v in scalars.items() if "time" not in k and "throughput" not in k}
             handle.write(json.dumps({"step": step, "scalars": kept}) + "\n")
     def artifact(self, value, step):
         pass

@@ -28,7 +28,8 @@ class _Metrics:
 
     @hookimpl
     def dew_step_end(self, step, metrics):
-        self.rows.append({k: float(v) for k, v in metrics.items()})
+        # Metrics arrive named by convention (train/loss); keep the bare names.
+        self.rows.append({k.removeprefix("train/"): float(v) for k, v in metrics.items()})
 
 
 def _run(recipe: str, *overrides: str) -> list[dict[str, float]]:

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = [
+    "Brightness",
     "ExactMatch",
     "Length",
     "NonFiniteRewardError",
@@ -115,6 +116,17 @@ class Length:
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
         return np.asarray([0.0 - self.scale * abs(len(_cut(c, self.stop)) - self.target) for c in completions],
+                          np.float32)
+
+
+@dataclass(frozen=True)
+class Brightness:
+    """The mean value of each completion's pixels (an image as an array), times scale."""
+
+    scale: float = 1.0
+
+    def __call__(self, completions: Sequence[Any], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+        return np.asarray([self.scale * float(np.mean(np.asarray(c, np.float32))) for c in completions],
                           np.float32)
 
 
