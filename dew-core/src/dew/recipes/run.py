@@ -21,8 +21,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dew.recipes.errors import RecipeError
-
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
 
