@@ -1,7 +1,7 @@
 """A third party's distribution, installed beside dew, is found by name and used in a run.
 
 tests/third_party/ is a separate distribution (``dew-example-plugin``) that
-registers a model, an objective, a tracker and a hook implementation through
+registers a model, an objective, a tracker, a reward and a hook implementation through
 entry points only. It is built and installed into a fresh venv beside dew-core's
 wheel; nothing in dew names it.
 """
@@ -30,13 +30,18 @@ from dew.data.base import Dataset
 from dew.training import Trainer
 
 out = {{
-    "names": {{g: registry.registry(g).names() for g in ("models", "objectives", "trackers", "plugins")}},
+    "names": {{g: registry.registry(g).names() for g in ("models", "objectives", "trackers", "plugins", "rewards")}},
     "plugin_module_loaded_early": "dew_example_plugin.hooks" in sys.modules,
 }}
 model = registry.models.build("example_regressor", features=1)
 objective = registry.objectives.build("example_regression", inputs=4, features=1)
 tracker = registry.trackers.build("example_jsonl", path={tracker!r})
 out["classes"] = [type(x).__module__ + "." + type(x).__name__ for x in (model, objective, tracker)]
+out["reward"] = [float(v) for v in registry.rewards.build("example_shout", scale=2.0)(["ABc", "ab", "1"], {{}})]
+try:
+    registry.rewards.load("exact_match")  # dew's own rewards ship with dew-objectives, not installed here
+except registry.UnknownNameError as error:
+    out["unknown_reward"] = str(error)
 out["hooks"] = [n for n, p in dew.plugins.manager().list_name_plugin() if p is not None]
 
 def rows(index):
@@ -87,6 +92,12 @@ def test_third_party_components_are_found_by_name_and_used_in_a_run(tmp_path, tm
     assert out["names"]["objectives"]["example_regression"] == plugin
     assert out["names"]["trackers"]["example_jsonl"] == plugin
     assert out["names"]["plugins"] == {"example_step_log": plugin}
+    assert out["names"]["rewards"] == {"example_shout": plugin}
+    # The reward found by name scores as its own code says: 2 x the share of capitals.
+    assert out["reward"] == pytest.approx([2 * 2 / 3, 0.0, 0.0])
+    # An unknown reward names what exists and what to install.
+    assert "example_shout (dew-example-plugin)" in out["unknown_reward"]
+    assert "pip install dew-objectives" in out["unknown_reward"]
     assert out["plugin_module_loaded_early"] is False
     assert out["classes"] == [
         "dew_example_plugin.model.Regressor",

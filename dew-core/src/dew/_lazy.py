@@ -75,6 +75,7 @@ _SHIPPED_BY = {
     "dew.sampling": "dew-objectives",
     "dew.diffusion": "dew-objectives",
     "dew.inputs": "dew-objectives",
+    "dew.rewards": "dew-objectives",
     "dew.trackers": "dew-trackers",
     "dew.data": "dew-data",
 }

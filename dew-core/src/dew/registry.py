@@ -39,6 +39,7 @@ __all__ = [
     "objectives",
     "plugins",
     "registry",
+    "rewards",
     "trackers",
 ]
 
@@ -129,6 +130,22 @@ def _normalize(name: str) -> str:
 
 _SCAN_LOCK = threading.Lock()
 
+# The dew distribution whose pyproject registers a group's built-in names.
+_BUILT_INS_FROM = {
+    "dew.objectives": "dew-objectives",
+    "dew.rewards": "dew-objectives",
+    "dew.trackers": "dew-trackers",
+    "dew.datasets": "dew-data",
+}
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib_metadata.distribution(distribution)
+    except importlib_metadata.PackageNotFoundError:
+        return False
+    return True
+
 
 class Registry:
     """The components registered under one entry-point group, resolved lazily.
@@ -193,6 +210,9 @@ class Registry:
             ) or "none"
             close = difflib.get_close_matches(name, list(providers), n=3)
             hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            builtin = _BUILT_INS_FROM.get(self.group)
+            if builtin is not None and not _installed(builtin):
+                hint += f" dew's own {self.kind}s ship with {builtin}, which is not installed: pip install {builtin}."
             raise UnknownNameError(
                 f"No {self.kind} named {name!r} in entry-point group {self.group!r}.{hint} "
                 f"Available: {available}. A component from another package appears "
@@ -349,6 +369,7 @@ GROUPS = {
     "trackers": "dew.trackers",
     "datasets": "dew.datasets",
     "plugins": "dew.plugins",
+    "rewards": "dew.rewards",
 }
 
 models = Registry("dew.models", "model")
@@ -356,8 +377,9 @@ objectives = Registry("dew.objectives", "objective")
 trackers = Registry("dew.trackers", "tracker")
 datasets = Registry("dew.datasets", "dataset")
 plugins = Registry("dew.plugins", "plugin")
+rewards = Registry("dew.rewards", "reward")
 
-_BY_GROUP = {r.group: r for r in (models, objectives, trackers, datasets, plugins)}
+_BY_GROUP = {r.group: r for r in (models, objectives, trackers, datasets, plugins, rewards)}
 
 
 def registry(group: str) -> Registry:

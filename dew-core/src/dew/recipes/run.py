@@ -33,6 +33,7 @@ __all__ = [
     "build_trackers",
     "expand",
     "initial_variables",
+    "objective_parts",
     "run_optimizer",
     "sample",
     "train",
@@ -347,7 +348,8 @@ def train(config: RunConfig) -> Any:
     extra = {} if initializer is None else {"initializer": initializer}
     try:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
-                                      checkpoints=checkpoints, tracker=tracker, **extra)
+                                      checkpoints=checkpoints, tracker=tracker,
+                                      **{**objective_parts(objective), **extra})
         state = trainer.fit(dataset, **fit)
     except BaseException:
         # The run's own failure is the one to see; closing still flushes what it can.
@@ -361,6 +363,23 @@ def train(config: RunConfig) -> Any:
         print(f"Use the run: dew generate {checkpoints.directory} PROMPT; dew eval and dew "
               "export read it too.")
     return state
+
+
+def objective_parts(objective: Any) -> dict[str, Any]:
+    """What an objective hands the Trainer besides itself: a rollout and starting weights.
+
+    An objective that samples its own batches (GRPO, PPO) or checks them on
+    the host (DPO) has ``rollout()``; one that starts from another run's
+    weights has ``initializer()``. A recipe cannot name either directly: they
+    are code, and the objective's fields configure them.
+    """
+    parts: dict[str, Any] = {}
+    for name in ("rollout", "initializer"):
+        make = getattr(objective, name, None)
+        made = make() if callable(make) else None
+        if made is not None:
+            parts[name] = made
+    return parts
 
 
 def _close(checkpoints: Any, tracker: Any) -> None:

@@ -132,8 +132,10 @@ class Goodput:
     ``step_seconds`` is time spent in training steps (the good part); the
     other fields split the rest: tracing and compiling, waiting for the next
     batch, blocked on checkpoint writes, evaluation, work redone after a
-    preemption, and the rollout that makes a batch on the host before the
-    step. ``first_step_seconds`` is the time from the start of the fit
+    preemption, the rollout that makes a batch on the host before the
+    step, and the part of the rollout spent scoring it with a reward (a
+    rollout that keeps ``reward_seconds`` reports it; ``rollout_seconds``
+    excludes it). ``first_step_seconds`` is the time from the start of the fit
     to the end of its first step.
 
     >>> g = Goodput(2.0, 10.0, 7.5, 1.5, 0.5, 0.25, 0.25, 0.0)
@@ -152,6 +154,7 @@ class Goodput:
     eval_seconds: float = 0.0
     lost_seconds: float = 0.0
     rollout_seconds: float = 0.0
+    reward_seconds: float = 0.0
 
     @property
     def fraction(self) -> float:
@@ -168,6 +171,7 @@ class Goodput:
             "evaluation": self.eval_seconds,
             "preemption": self.lost_seconds,
             "rollout": self.rollout_seconds,
+            "reward": self.reward_seconds,
         }
         rest = self.wall_seconds - self.step_seconds - sum(named.values())
         return {**named, "other": max(rest, 0.0)}

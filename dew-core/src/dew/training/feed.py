@@ -90,10 +90,15 @@ def unpack_position(position: bytes | None) -> tuple[bytes | None, bytes | None]
 
 @dataclass
 class FeedClock:
-    """Seconds spent waiting for the stream and running the rollout."""
+    """Seconds spent waiting for the stream, running the rollout, and in its reward.
+
+    A rollout that keeps a running total of the seconds its reward took
+    (``reward_seconds``) has them counted apart from the rest of its time.
+    """
 
     data: float = 0.0
     rollout: float = 0.0
+    reward: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -176,9 +181,12 @@ class Feed:
         self.clock.data += rolled - began
         _check_mapping(batch, step, "The training stream")
         if self.rollout is not None:
+            scored = getattr(self.rollout, "reward_seconds", 0.0)
             batch = self.rollout(state, batch, state.key_for(step, purpose="rollout"))
             _check_mapping(batch, step, "The rollout")
-            self.clock.rollout += time.perf_counter() - rolled
+            reward = getattr(self.rollout, "reward_seconds", 0.0) - scored
+            self.clock.reward += reward
+            self.clock.rollout += time.perf_counter() - rolled - reward
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
         shapes = self._check(host, step)
         if self.check is not None:

@@ -49,14 +49,14 @@ class Clock:
     checkpoint: float = 0.0
     eval: float = 0.0
 
-    def goodput(self, data: float, rollout: float) -> Goodput:
+    def goodput(self, data: float, rollout: float, reward: float = 0.0) -> Goodput:
         wall = time.perf_counter() - self.started
-        overhead = self.first_step + data + rollout + self.checkpoint + self.eval
+        overhead = self.first_step + data + rollout + reward + self.checkpoint + self.eval
         return Goodput(
             first_step_seconds=self.first_step, wall_seconds=wall,
             step_seconds=max(0.0, wall - overhead), compile_seconds=self.compile,
             data_seconds=data, checkpoint_seconds=self.checkpoint, eval_seconds=self.eval,
-            rollout_seconds=rollout,
+            rollout_seconds=rollout, reward_seconds=reward,
         )
 
 

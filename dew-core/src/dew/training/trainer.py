@@ -203,7 +203,8 @@ class Trainer(Generic[Loss, Effects]):
             boxed = jax.eval_shape(lambda k: self.objective.init(stream(k, "init")), self.key)
             self.__dict__["_boxed_variables"] = boxed  # a source reads these below
             weights = self._abstract_weights  # read outside the trace: a source does real work
-            return boxed, jax.eval_shape(lambda k: self.initial_state(weights, k), self.key)
+            # The weights are an argument, so init sees tracers it can compute on (a copy, say).
+            return boxed, jax.eval_shape(self.initial_state, weights, self.key)
 
         def both(k: jax.Array) -> tuple[Any, TrainState]:
             boxed = self.objective.init(stream(k, "init"))
@@ -481,7 +482,7 @@ class Trainer(Generic[Loss, Effects]):
             feed.close()
             if profile is not None:
                 profile.close()
-        progress.finish(done, state, progress.clock.goodput(feed.clock.data, feed.clock.rollout))
+        progress.finish(done, state, progress.clock.goodput(feed.clock.data, feed.clock.rollout, feed.clock.reward))
         return state
 
     def _evaluate(self, progress: Progress, dataset: Dataset, state: TrainState, done: int,

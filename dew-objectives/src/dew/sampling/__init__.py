@@ -1,6 +1,12 @@
 """Generation from trained models: choose tokens, decode with a key/value cache, unmask."""
 
-from dew.sampling.generate import Generation, InvalidPromptError, PromptTooLongError, generate
+from dew.sampling.generate import (
+    Generation,
+    InvalidPromptError,
+    PromptTooLongError,
+    generate,
+    sample_on_device,
+)
 from dew.sampling.masked import block_generate, masked_generate
 from dew.sampling.options import InvalidSamplingError, Sampling, choose
 from dew.sampling.pipeline import TextGeneration
@@ -16,4 +22,5 @@ __all__ = [
     "choose",
     "generate",
     "masked_generate",
+    "sample_on_device",
 ]

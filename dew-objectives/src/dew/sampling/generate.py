@@ -25,7 +25,7 @@ import numpy as np
 
 from dew.sampling.options import Sampling, choose
 
-__all__ = ["Generation", "InvalidPromptError", "PromptTooLongError", "generate"]
+__all__ = ["Generation", "InvalidPromptError", "PromptTooLongError", "generate", "sample_on_device"]
 
 
 class InvalidPromptError(ValueError):
@@ -179,3 +179,16 @@ def generate(
         tokens.append(row + produced)
         stopped.append(eos_id is not None and bool(produced) and produced[-1] == eos_id)
     return Generation(tokens, tuple(lengths), tuple(stopped))
+
+
+def sample_on_device(model: nn.Module, params: Mapping[str, Any], padded: jax.Array, lengths: jax.Array,
+                     key: jax.Array, max_new_tokens: int, sampling: Sampling = Sampling()) -> jax.Array:
+    """New tokens [B, max_new_tokens] for right-padded prompts, left on the devices.
+
+    The sampler generate uses, without its host-side checks and copies: the
+    parameters are an argument of the compiled loop (read where they live,
+    as a trainer's state holds them), and one compile serves every call with
+    the same shapes. A rollout calls this at each step with the live policy.
+    """
+    return _generate(model, _variables(params), padded, lengths, key,
+                     max_new_tokens=int(max_new_tokens), sampling=sampling, eos_id=None)

@@ -1,0 +1,194 @@
+"""Direct preference optimization: raise the chosen completion's likelihood over the rejected one's.
+
+A batch holds pairs of token sequences that share a prompt: ``chosen`` and
+``rejected`` (int32 [B, L], prompt then completion, right-padded), each with
+a mask (``chosen_mask``, ``rejected_mask``: 1 on the completion's tokens) and
+``prompt_length`` [B]. The implicit reward of a completion is beta times its
+log-likelihood ratio to a reference policy; the losses are
+
+- ``sigmoid`` (DPO): -log sigmoid(beta * (margin_chosen - margin_rejected))
+- ``ipo``: (margin_chosen - margin_rejected - 1 / (2 beta))^2
+- ``simpo`` (reference-free): -log sigmoid(beta * (mean logp_chosen - mean logp_rejected) - gamma)
+
+where margin = log pi(completion) - log pi_ref(completion). The reference
+is a frozen copy of the policy's starting weights (``reference="frozen"``),
+or log-probabilities a reader computed beforehand (``"precomputed"``, read
+from ``chosen_reference_logp`` and ``rejected_reference_logp``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
+from dew.objectives.policy import (
+    REFERENCE,
+    PolicyFrom,
+    policy_variables,
+    reference_variables,
+    token_logprobs,
+    with_reference,
+)
+
+__all__ = ["DPOObjective", "MismatchedPairError", "PairCheck", "sequence_logprob"]
+
+
+class MismatchedPairError(ValueError):
+    """A chosen and a rejected sequence of one pair do not share their prompt."""
+
+
+def sequence_logprob(model: nn.Module, variables: Variables, tokens: jax.Array,
+                     mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The summed log-probability of the masked tokens of each row, and how many there are."""
+    logp, _ = token_logprobs(model, variables, tokens)
+    weights = jnp.asarray(mask, jnp.float32)[:, 1:]
+    return jnp.sum(logp * weights, axis=-1), jnp.sum(weights, axis=-1)
+
+
+@dataclass(frozen=True)
+class PairCheck:
+    """A rollout that only checks each batch on the host: every pair shares its prompt.
+
+    It returns the batch unchanged, so the step compiles once; a pair whose
+    chosen and rejected prompts differ is refused, naming its row.
+    """
+
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    prompt_length_key: str = "prompt_length"
+
+    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> Mapping[str, Any]:
+        check_pairs(batch, self.chosen_key, self.rejected_key, self.prompt_length_key)
+        return batch
+
+
+def check_pairs(batch: Mapping[str, Any], chosen_key: str = "chosen", rejected_key: str = "rejected",
+                prompt_length_key: str = "prompt_length") -> None:
+    """Refuse a batch in which some pair's chosen and rejected sequences start with different prompts.
+
+    >>> import numpy as np
+    >>> check_pairs({"chosen": np.array([[1, 2, 3]]), "rejected": np.array([[1, 5, 3]]),
+    ...              "prompt_length": np.array([2])})
+    Traceback (most recent call last):
+    ...
+    dew.objectives.dpo.MismatchedPairError: Pair 0 of the batch has different prompts: ...
+    """
+    chosen, rejected = np.asarray(batch[chosen_key]), np.asarray(batch[rejected_key])
+    lengths = np.asarray(batch[prompt_length_key]).reshape(-1)
+    if chosen.shape[0] != rejected.shape[0] or chosen.shape[0] != lengths.shape[0]:
+        raise MismatchedPairError(
+            f"The batch holds {chosen.shape[0]} {chosen_key!r}, {rejected.shape[0]} {rejected_key!r} "
+            f"and {lengths.shape[0]} {prompt_length_key!r} rows; a pair is one row of each."
+        )
+    for i, n in enumerate(lengths):
+        n = int(n)
+        if not np.array_equal(chosen[i, :n], rejected[i, :n]):
+            raise MismatchedPairError(
+                f"Pair {i} of the batch has different prompts: {chosen_key} starts "
+                f"{chosen[i, :n].tolist()} and {rejected_key} {rejected[i, :n].tolist()} over its "
+                f"{n} prompt tokens. Both completions of a pair must follow the same prompt; "
+                "fix the record in the data."
+            )
+
+
+@dataclass(frozen=True)
+class DPOObjective(Objective):
+    """Preference pairs scored against a frozen reference (see the module docstring).
+
+    metrics: ``reward_margin`` (beta times the difference of the chosen's and
+    the rejected's log-ratio to the reference), ``preference_accuracy`` (the
+    share of pairs whose margin is positive), ``chosen_logp`` and
+    ``rejected_logp`` (summed over each completion). ``start_from`` names a
+    checkpoint directory (a language-model run) whose parameters the policy
+    and the reference start from when the run is fresh.
+    """
+
+    model: nn.Module
+    seq_len: int
+    _: KW_ONLY
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    gamma: float = 0.5
+    reference: Literal["frozen", "precomputed"] = "frozen"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    prompt_length_key: str = "prompt_length"
+    start_from: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"DPOObjective.beta must be positive, got {self.beta}.")
+
+    @property
+    def holds_reference(self) -> bool:
+        return self.loss_type != "simpo" and self.reference == "frozen"
+
+    @property
+    def frozen(self) -> LeafFilter | None:  # type: ignore[override]
+        return under(REFERENCE) if self.holds_reference else None
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        """The policy's variables (given ones pass through) and, with a frozen reference, its copy."""
+        if variables is None:
+            variables = self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+        if not self.holds_reference:
+            return policy_variables(variables)
+        return with_reference(variables)
+
+    def initializer(self) -> PolicyFrom | None:
+        """The starting weights a recipe passes to the Trainer: start_from's parameters."""
+        return None if self.start_from is None else PolicyFrom(self.start_from)
+
+    def rollout(self) -> PairCheck:
+        """The host-side check a recipe runs before each step: pairs share their prompt."""
+        return PairCheck(self.chosen_key, self.rejected_key, self.prompt_length_key)
+
+    def required_keys(self) -> Sequence[str]:
+        keys = [self.chosen_key, self.rejected_key, f"{self.chosen_key}_mask", f"{self.rejected_key}_mask"]
+        if self.loss_type != "simpo" and self.reference == "precomputed":
+            keys += [f"{self.chosen_key}_reference_logp", f"{self.rejected_key}_reference_logp"]
+        return tuple(keys)
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        policy = policy_variables(variables)
+        chosen, rejected = batch[self.chosen_key], batch[self.rejected_key]
+        chosen_mask, rejected_mask = batch[f"{self.chosen_key}_mask"], batch[f"{self.rejected_key}_mask"]
+        # One forward pass over both halves of every pair.
+        tokens = jnp.concatenate([chosen, rejected], axis=0)
+        masks = jnp.concatenate([chosen_mask, rejected_mask], axis=0)
+        logp, counts = sequence_logprob(self.model, policy, tokens, masks)
+        pairs = chosen.shape[0]
+        logp_c, logp_r = logp[:pairs], logp[pairs:]
+        if self.loss_type == "simpo":
+            logits = self.beta * (logp_c / jnp.maximum(counts[:pairs], 1.0)
+                                  - logp_r / jnp.maximum(counts[pairs:], 1.0)) - self.gamma
+            losses = -jax.nn.log_sigmoid(logits)
+            margin = logits
+        else:
+            if self.reference == "precomputed":
+                ref_c = jnp.asarray(batch[f"{self.chosen_key}_reference_logp"], jnp.float32)
+                ref_r = jnp.asarray(batch[f"{self.rejected_key}_reference_logp"], jnp.float32)
+            else:
+                ref, _ = sequence_logprob(self.model, reference_variables(variables), tokens, masks)
+                ref = jax.lax.stop_gradient(ref)
+                ref_c, ref_r = ref[:pairs], ref[pairs:]
+            difference = (logp_c - ref_c) - (logp_r - ref_r)
+            margin = self.beta * difference
+            if self.loss_type == "ipo":
+                losses = (difference - 1.0 / (2.0 * self.beta)) ** 2
+            else:
+                losses = -jax.nn.log_sigmoid(margin)
+        metrics = {
+            "reward_margin": Mean.of(margin),
+            "preference_accuracy": Mean.of((margin > 0).astype(jnp.float32)),
+            "chosen_logp": Mean.of(logp_c),
+            "rejected_logp": Mean.of(logp_r),
+        }
+        return Mean.of(losses), Aux(metrics=metrics)

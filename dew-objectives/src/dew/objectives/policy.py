@@ -1,0 +1,106 @@
+"""What the preference and RL objectives share: a policy beside its frozen reference.
+
+The variables of such an objective are the policy's own Flax variables
+(``{"params": ...}``, exactly what a language-model run trains and saves)
+plus a ``reference`` collection holding a copy of the policy's starting
+parameters. The collection is declared frozen, so the trainer keeps one copy
+of it, never differentiates it and gives it no optimizer state or EMA.
+Because the policy sits where a language model's parameters sit, a run can
+start from a language-model run's checkpoint (``PolicyFrom``), and the
+reference becomes a copy of those trained weights.
+
+``token_logprobs`` scores tokens under a model: the log-probability of every
+token given the ones before it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.objectives.base import Variables
+
+__all__ = ["REFERENCE", "PolicyFrom", "policy_variables", "reference_variables", "token_logprobs",
+           "with_reference"]
+
+REFERENCE = "reference"
+
+
+def token_logprobs(model: nn.Module, variables: Variables, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """log p(tokens[:, t] | tokens[:, :t]) for t >= 1, as [B, T-1], and the entropy of each prediction.
+
+    >>> import jax.numpy as jnp, flax.linen as nn
+    >>> class Uniform(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return jnp.zeros(x.shape + (4,))
+    >>> logp, entropy = token_logprobs(Uniform(), {}, jnp.zeros((1, 3), jnp.int32))
+    >>> [round(float(v), 4) for v in logp[0]], round(float(entropy[0, 0]), 4)
+    ([-1.3863, -1.3863], 1.3863)
+    """
+    logits = model.apply(variables, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return chosen, entropy
+
+
+def policy_variables(variables: Variables) -> dict[str, Any]:
+    """The policy's own variables: everything but the reference collection (and a decode cache)."""
+    return {k: v for k, v in variables.items() if k not in (REFERENCE, "cache")}
+
+
+def reference_variables(variables: Variables) -> dict[str, Any]:
+    """The frozen reference as variables the model applies ({"params": ...})."""
+    if REFERENCE not in variables:
+        raise KeyError(
+            f"The variables hold no {REFERENCE!r} collection (they hold {sorted(variables)}); the "
+            "objective was built without a frozen reference."
+        )
+    return {"params": jax.lax.stop_gradient(variables[REFERENCE])}
+
+
+def with_reference(policy: Variables) -> dict[str, Any]:
+    """The policy's variables plus a reference collection copying its parameters.
+
+    Starting weights that already hold a reference pass through unchanged.
+    """
+    policy = dict(policy)
+    if REFERENCE in policy:
+        return policy
+    return {**policy, REFERENCE: jax.tree.map(jnp.copy, policy["params"])}
+
+
+@dataclass(frozen=True)
+class PolicyFrom:
+    """The policy's parameters from another run's checkpoint, for an objective holding a reference.
+
+    Reads only the ``params`` collection (a language-model run's weights)
+    with ``dew.training.ParamsFrom``, less the top-level parameters named in
+    ``exclude`` (a value head the other run did not have); the objective's
+    ``init`` then copies them into the reference and adds what was left out.
+    Give it to ``Trainer(initializer=...)``.
+    """
+
+    directory: str | os.PathLike
+    step: int | None = None
+    exclude: tuple[str, ...] = ()
+
+    def __call__(self, abstract: Variables) -> Variables:
+        from dew.training.initializers import ParamsFrom
+
+        directory = os.fspath(self.directory)
+        if "://" not in directory:
+            directory = os.path.abspath(os.path.expanduser(directory))
+        params = {k: v for k, v in abstract["params"].items() if k not in self.exclude}
+        return ParamsFrom(directory, self.step)({"params": params})
+
+
+def unboxed(variables: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(nn.meta.unbox(variables))

@@ -1,0 +1,280 @@
+"""Proximal policy optimization of a language model against a reward, with a learned value.
+
+A ``PPORollout`` (``PPOObjective.rollout()``) samples one completion per
+prompt with the live policy, scores it with the reward, and turns it into
+per-token rewards: minus ``kl_coef`` times the log-ratio of the sampling
+policy to the frozen reference at every completion token, plus the reward
+at the last one. GAE(gamma, lambda) over those and the value head's
+estimates gives each token's advantage (whitened over the rollout) and
+return. The rollout then serves that one sample as ``minibatches``
+minibatches for ``epochs`` epochs, one per step, reshuffled each epoch, and
+only then samples again; its position, the sample included, is saved with
+checkpoints, so a resumed run continues inside the same sample.
+
+``kl_coef`` adapts (Ziegler et al. 2019): after each sample it moves by
+``clip(kl / kl_target - 1, -0.2, 0.2) * rows / kl_horizon`` of itself.
+
+The value head is a linear map of the policy's last hidden state (the
+output of its ``features_module``, ``final_norm`` in dew's transformers),
+under ``params/value_head``. The loss per completion token is
+
+    clipped policy loss + value_coef * 0.5 * max((V - R)^2, (V_old + clip(V - V_old, ±value_clip) - R)^2)
+    - entropy_coef * entropy
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.advantages import gae
+from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
+from dew.objectives.grpo import clipped_policy_loss
+from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_reference
+from dew.objectives.rollouts import CompletionRollout
+from dew.rewards import resolve
+from dew.sampling import Sampling
+
+__all__ = ["PPOObjective", "PPORollout", "ValueHead", "policy_and_values"]
+
+VALUE_HEAD = "value_head"
+
+
+class ValueHead(nn.Module):
+    """One number per position from the policy's hidden state."""
+
+    @nn.compact
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        return nn.Dense(1, kernel_init=nn.initializers.zeros, name="dense")(hidden.astype(jnp.float32))[..., 0]
+
+
+def policy_and_values(model: nn.Module, variables: Variables, tokens: jax.Array,
+                      features_module: str = "final_norm") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """log p of each next token [B, T-1], the entropy of each prediction, and the value at each position."""
+    params = dict(variables["params"])
+    head = params.pop(VALUE_HEAD)
+    logits, captured = model.apply(
+        {**policy_variables(variables), "params": params}, tokens[:, :-1],
+        capture_intermediates=lambda module, method: module.name == features_module and method == "__call__",
+        mutable=["intermediates"],
+    )
+    found = captured["intermediates"].get(features_module)
+    if found is None:
+        raise ValueError(
+            f"The model has no submodule named {features_module!r} to read hidden states from for "
+            "the value head; set PPOObjective(features_module=...) to the module whose output is the "
+            "last hidden state."
+        )
+    hidden = found["__call__"][0]
+    values = ValueHead().apply({"params": head}, hidden)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return chosen, entropy, values
+
+
+class PPORollout:
+    """One sample served as minibatches for several epochs, with an adaptive KL coefficient.
+
+    Stateful: ``get_state``/``set_state`` carry the sample being served, where
+    in it the next step is, and the KL coefficient.
+    """
+
+    def __init__(self, objective: PPOObjective, sampler: CompletionRollout) -> None:
+        self.objective = objective
+        self.sampler = sampler
+        self.kl_coef = objective.kl_coef
+        self.sample: dict[str, np.ndarray] | None = None
+        self.order: np.ndarray | None = None
+        self.served = 0
+        model, features = objective.model, objective.features_module
+        self._evaluate = jax.jit(lambda variables, tokens: policy_and_values(model, variables, tokens, features))
+        self._reference = jax.jit(lambda ref, tokens: _logp(model, ref, tokens))
+
+    @property
+    def reward_seconds(self) -> float:
+        return self.sampler.reward_seconds
+
+    @property
+    def steps_per_sample(self) -> int:
+        return self.objective.epochs * self.objective.minibatches
+
+    def __call__(self, state: Any, batch: Any, key: jax.Array) -> dict[str, np.ndarray]:
+        if self.sample is None or self.served >= self.steps_per_sample:
+            self._draw(state, batch, key)
+        assert self.sample is not None and self.order is not None
+        rows = self.sample["tokens"].shape[0]
+        size = rows // self.objective.minibatches
+        epoch, part = divmod(self.served, self.objective.minibatches)
+        picked = self.order[epoch, part * size:(part + 1) * size]
+        self.served += 1
+        return {name: values[picked] for name, values in self.sample.items()}
+
+    def _draw(self, state: Any, batch: Any, key: jax.Array) -> None:
+        objective = self.objective
+        sample_key, order_key = jax.random.split(key)
+        rolled = self.sampler(state, batch, sample_key)
+        tokens = jnp.asarray(rolled["tokens"])
+        old_logp, _, values = self._evaluate(state.params, tokens)
+        ref_logp = self._reference({"params": state.params[REFERENCE]}, tokens)
+        mask = np.asarray(rolled["mask"], np.float32)[:, 1:]
+        old_logp, values, ref_logp = (np.asarray(x, np.float32) for x in (old_logp, values, ref_logp))
+        log_ratio = (old_logp - ref_logp) * mask
+        rewards = -self.kl_coef * log_ratio
+        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+        rewards[np.arange(mask.shape[0]), last] += rolled["reward"]
+        advantage, returns = gae(rewards, values, mask, gamma=objective.gamma, lam=objective.lam)
+        on = mask > 0
+        mean, std = advantage[on].mean(), advantage[on].std() + 1e-8
+        advantage = np.where(on, (advantage - mean) / std, 0.0).astype(np.float32)
+        kl = float(log_ratio.sum() / max(mask.sum(), 1.0))
+        rows = mask.shape[0]
+        if rows % objective.minibatches:
+            raise ValueError(
+                f"PPOObjective(minibatches={objective.minibatches}) does not divide the rollout of "
+                f"{rows} completions; make the batch of prompts a multiple of minibatches."
+            )
+        error = np.clip(kl / objective.kl_target - 1.0, -0.2, 0.2)
+        self.kl_coef = float(self.kl_coef * (1.0 + error * rows / objective.kl_horizon))
+        self.sample = {
+            "tokens": np.asarray(rolled["tokens"], np.int32), "mask": np.asarray(rolled["mask"], np.float32),
+            "reward": np.asarray(rolled["reward"], np.float32), "old_logp": old_logp, "old_values": values,
+            "advantage": advantage, "returns": returns,
+            "kl_coef": np.full((rows,), self.kl_coef, np.float32),
+            "kl": (log_ratio.sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)).astype(np.float32),
+        }
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(order_key)).ravel().tolist())
+        self.order = np.stack([rng.permutation(rows) for _ in range(objective.epochs)])
+        self.served = 0
+
+    def get_state(self) -> bytes:
+        buffer = io.BytesIO()
+        arrays = {} if self.sample is None else {f"sample/{k}": v for k, v in self.sample.items()}
+        if self.order is not None:
+            arrays["order"] = self.order
+        meta = json.dumps({"served": self.served, "kl_coef": self.kl_coef})
+        np.savez(buffer, meta=np.frombuffer(meta.encode(), np.uint8), **arrays)
+        return buffer.getvalue()
+
+    def set_state(self, state: bytes) -> None:
+        with np.load(io.BytesIO(state)) as saved:
+            meta = json.loads(saved["meta"].tobytes().decode())
+            sample = {k.split("/", 1)[1]: saved[k] for k in saved.files if k.startswith("sample/")}
+            self.order = saved["order"] if "order" in saved.files else None
+        self.sample = sample or None
+        self.served = int(meta["served"])
+        self.kl_coef = float(meta["kl_coef"])
+
+
+def _logp(model: nn.Module, variables: Variables, tokens: jax.Array) -> jax.Array:
+    logits = model.apply(variables, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+@dataclass(frozen=True)
+class PPOObjective(Objective):
+    """PPO with a value head over completions a PPORollout serves (see the module docstring).
+
+    metrics: ``reward`` (the sequence reward's mean), ``kl`` (the sampling
+    policy's log-ratio to the reference, per token), ``kl_coef``,
+    ``clip_fraction``, ``entropy``, ``value_loss``. Each step trains on one
+    minibatch: a batch of P prompts gives steps of P / minibatches rows.
+    """
+
+    model: nn.Module
+    reward: Any = "exact_match"
+    _: KW_ONLY
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    epochs: int = 2
+    minibatches: int = 2
+    clip: float = 0.2
+    value_clip: float = 0.2
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    kl_target: float = 0.1
+    kl_horizon: float = 10000.0
+    features_module: str = "final_norm"
+    stop_token: int | None = None
+    prompt_key: str = "prompt"
+    prompt_length_key: str = "prompt_length"
+    start_from: str | None = None
+    tokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ValueError(f"PPOObjective needs epochs >= 1 and minibatches >= 1, got {self.epochs} "
+                             f"and {self.minibatches}.")
+
+    @property
+    def frozen(self) -> LeafFilter | None:  # type: ignore[override]
+        return under(REFERENCE)
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        """The policy's variables (given ones pass through), a value head and the reference's copy."""
+        model_key, head_key = jax.random.split(key)
+        if variables is None:
+            variables = self.model.init(model_key, jnp.zeros((1, 1), jnp.int32))
+        variables = dict(variables)
+        params = dict(variables["params"])
+        if VALUE_HEAD not in params:
+            _, captured = self.model.apply(
+                variables, jnp.zeros((1, 1), jnp.int32),
+                capture_intermediates=lambda m, method: m.name == self.features_module and method == "__call__",
+                mutable=["intermediates"])
+            hidden = captured["intermediates"][self.features_module]["__call__"][0]
+            policy = {k: v for k, v in params.items()}
+            variables = with_reference({**variables, "params": policy})
+            head = ValueHead().init(head_key, hidden)["params"]
+            return {**variables, "params": {**policy, VALUE_HEAD: head}}
+        return with_reference(variables) if REFERENCE not in variables else variables
+
+    def initializer(self) -> PolicyFrom | None:
+        """The starting weights a recipe passes to the Trainer: start_from's parameters (no value head)."""
+        return None if self.start_from is None else PolicyFrom(self.start_from, exclude=(VALUE_HEAD,))
+
+    def rollout(self) -> PPORollout:
+        """The rollout that samples, scores and serves this objective's minibatches."""
+        sampler = CompletionRollout(
+            self.model, resolve(self.reward), group_size=1, max_new_tokens=self.max_new_tokens,
+            sampling=Sampling(temperature=self.temperature), tokenizer=self.tokenizer,
+            stop_token=self.stop_token, prompt_key=self.prompt_key, prompt_length_key=self.prompt_length_key,
+        )
+        return PPORollout(self, sampler)
+
+    def required_keys(self) -> Sequence[str]:
+        return ("tokens", "mask", "reward", "old_logp", "old_values", "advantage", "returns")
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        tokens = batch["tokens"]
+        mask = jnp.asarray(batch["mask"], jnp.float32)[:, 1:]
+        logp, entropy, values = policy_and_values(self.model, variables, tokens, self.features_module)
+        policy_loss, clipped = clipped_policy_loss(logp, batch["old_logp"], batch["advantage"], self.clip)
+        old_values, returns = batch["old_values"], batch["returns"]
+        bounded = old_values + jnp.clip(values - old_values, -self.value_clip, self.value_clip)
+        value_loss = 0.5 * jnp.maximum((values - returns) ** 2, (bounded - returns) ** 2)
+        per_token = policy_loss + self.value_coef * value_loss - self.entropy_coef * entropy
+        count = jnp.sum(mask)
+        metrics: dict[str, Any] = {
+            "reward": Mean.of(batch["reward"]),
+            "kl": Mean.of(batch["kl"]),
+            "clip_fraction": Mean(jnp.sum(clipped * mask), count),
+            "entropy": Mean(jnp.sum(entropy * mask), count),
+            "value_loss": Mean(jnp.sum(value_loss * mask), count),
+        }
+        if "kl_coef" in batch:
+            metrics["kl_coef"] = Mean.of(batch["kl_coef"])
+        return Mean(jnp.sum(per_token * mask), count), Aux(metrics=metrics)
+

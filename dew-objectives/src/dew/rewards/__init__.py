@@ -1,0 +1,170 @@
+"""Rewards for preference and reinforcement learning, found by name in ``dew.rewards``.
+
+A reward scores a batch of completions (text) against what the records
+carry beside their prompts (an answer, a target length): it is called as
+``reward(completions, context)`` where ``context`` maps each batch key the
+rollout kept to one value per completion, and returns one number per
+completion. dew's own rewards register under the entry-point group
+``dew.rewards`` exactly as a third party's do, so a recipe names any of
+them the same way; ``score`` runs one and refuses a value that is not a
+finite number, naming the record.
+
+>>> from dew.rewards import ExactMatch, score
+>>> score(ExactMatch(), ["12\\nrest", "13"], {"answer": ["12", "12"]}).tolist()
+[1.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "Brightness",
+    "ExactMatch",
+    "Length",
+    "NonFiniteRewardError",
+    "RegexFormat",
+    "Reward",
+    "RewardShapeError",
+    "resolve",
+    "score",
+]
+
+
+class NonFiniteRewardError(ValueError):
+    """A reward returned NaN or an infinity for a completion."""
+
+
+class RewardShapeError(ValueError):
+    """A reward returned another number of values than completions it was given."""
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Score completions: one number per completion, higher is better."""
+
+    def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> Sequence[float]: ...
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu":  # token ids of one byte each
+        return bytes(int(v) % 256 for v in value.reshape(-1) if v >= 0).decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _cut(completion: str, stop: str | None) -> str:
+    return completion.split(stop, 1)[0] if stop else completion
+
+
+@dataclass(frozen=True)
+class ExactMatch:
+    """1 where the completion, up to ``stop`` and stripped, equals the record's ``key`` value; else 0."""
+
+    key: str = "answer"
+    stop: str | None = "\n"
+    strip: bool = True
+
+    def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+        if self.key not in context:
+            raise KeyError(
+                f"ExactMatch compares completions with the batch key {self.key!r}, but the "
+                f"records carry {sorted(context)}; set ExactMatch(key=...) to the key holding the answers."
+            )
+        out = []
+        for completion, answer in zip(completions, context[self.key], strict=True):
+            got, want = _cut(completion, self.stop), _text(answer)
+            if self.strip:
+                got, want = got.strip(), want.strip()
+            out.append(float(got == want))
+        return np.asarray(out, np.float32)
+
+
+@dataclass(frozen=True)
+class RegexFormat:
+    """1 where the completion (up to ``stop``) matches ``pattern`` (wholly, or anywhere with full=False)."""
+
+    pattern: str
+    full: bool = True
+    stop: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as error:
+            raise ValueError(f"RegexFormat.pattern {self.pattern!r} is not a regular expression: {error}.") from None
+
+    def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+        compiled = re.compile(self.pattern)
+        match = compiled.fullmatch if self.full else compiled.search
+        return np.asarray([float(match(_cut(c, self.stop)) is not None) for c in completions], np.float32)
+
+
+@dataclass(frozen=True)
+class Length:
+    """Minus scale times the distance, in characters, of the completion (up to ``stop``) from target."""
+
+    target: int
+    scale: float = 1.0
+    stop: str | None = None
+
+    def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+        return np.asarray([0.0 - self.scale * abs(len(_cut(c, self.stop)) - self.target) for c in completions],
+                          np.float32)
+
+
+@dataclass(frozen=True)
+class Brightness:
+    """The mean value of each completion's pixels (an image as an array), times scale."""
+
+    scale: float = 1.0
+
+    def __call__(self, completions: Sequence[Any], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+        return np.asarray([self.scale * float(np.mean(np.asarray(c, np.float32))) for c in completions],
+                          np.float32)
+
+
+def resolve(reward: str | Mapping[str, Any] | Reward) -> Reward:
+    """A reward object from a registered name, ``{"name": ..., **fields}``, or the object itself.
+
+    >>> resolve({"name": "length", "target": 3})(["abc", "abcdef"], {}).tolist()
+    [0.0, -3.0]
+    """
+    from dew import registry
+
+    if isinstance(reward, str):
+        return registry.rewards.build(reward)
+    if isinstance(reward, Mapping):
+        fields = dict(reward)
+        name = fields.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"A reward given as a mapping needs a 'name' (a registered reward), got {reward!r}.")
+        return registry.rewards.build(name, **fields)
+    if callable(reward):
+        return reward
+    raise TypeError(f"A reward is a registered name, a mapping with a name, or a callable; got {reward!r}.")
+
+
+def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+    """The reward's values as float32 [len(completions)], refused when any is not finite."""
+    values = np.asarray(reward(completions, context), np.float32).reshape(-1)
+    if values.shape[0] != len(completions):
+        raise RewardShapeError(
+            f"The reward {reward!r} returned {values.shape[0]} values for {len(completions)} "
+            "completions; return one number per completion."
+        )
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        i = int(bad[0])
+        raise NonFiniteRewardError(
+            f"The reward {reward!r} returned {values[i]} for record {i} (completion "
+            f"{completions[i]!r}); {bad.size} of {len(completions)} values are not finite. A reward "
+            "must return a finite number for every completion (score a failure as 0 or a penalty)."
+        )
+    return values

@@ -1,0 +1,167 @@
+"""GRPO: the loss and gradient equal the written formula; bad groups and rewards are refused; the
+rollout samples with the live parameters through one compiled sampler."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.models import build
+from dew.objectives.base import Step
+from dew.objectives.grpo import GroupSizeError, GRPOObjective
+from dew.objectives.policy import token_logprobs
+from dew.rewards import NonFiniteRewardError
+
+VOCAB, LENGTH, G = 13, 10, 4
+generate_module = importlib.import_module("dew.sampling.generate")
+
+
+def _model():
+    return build("causal_transformer", vocab_size=VOCAB, emb_features=16, num_layers=1, num_heads=2,
+                 mlp_features=32, max_seq_len=16)
+
+
+def _step():
+    zero = jnp.asarray(0)
+    return Step(step=zero, microstep=zero, updates=zero, key=jax.random.key(0))
+
+
+def _by_hand_logp(model, params, tokens):
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    top = logits.max(-1, keepdims=True)
+    log_z = jnp.log(jnp.sum(jnp.exp(logits - top), -1)) + top[..., 0]
+    return jnp.sum(logits * jax.nn.one_hot(tokens[:, 1:], VOCAB), -1) - log_z
+
+
+def _batch(model, params, rows=8):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, VOCAB, size=(rows, LENGTH)).astype(np.int32)
+    mask = np.zeros((rows, LENGTH), np.float32)
+    for i in range(rows):
+        mask[i, 4:LENGTH - (i % 3)] = 1.0  # completions of different lengths
+    reward = np.asarray([1, 0, 0, 1, 0.5, 0.5, 1, 0][:rows], np.float32)
+    # The sampling policy differs from the current one, so some ratios leave [0.8, 1.2].
+    old = np.asarray(_by_hand_logp(model, params, jnp.asarray(tokens)))
+    old = old + rng.normal(scale=0.3, size=old.shape).astype(np.float32)
+    return {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask), "reward": jnp.asarray(reward),
+            "old_logp": jnp.asarray(old)}
+
+
+@pytest.mark.parametrize("normalize", ["token", "sequence"])
+def test_loss_and_gradient_equal_the_clipped_objective_with_k3(normalize):
+    model = _model()
+    objective = GRPOObjective(model, group_size=G, clip=0.2, beta=0.1, normalize=normalize)
+    variables = objective.init(jax.random.key(0))
+    variables["reference"] = model.init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))["params"]
+    batch = _batch(model, variables["params"])
+    r = np.asarray(batch["reward"]).reshape(-1, G)
+    advantage = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1)
+    m = np.asarray(batch["mask"])[:, 1:]
+
+    def by_hand(params):
+        logp = _by_hand_logp(model, params, batch["tokens"])
+        ratio = jnp.exp(logp - batch["old_logp"])
+        a = advantage[:, None]
+        surrogate = jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a)
+        ref = _by_hand_logp(model, variables["reference"], batch["tokens"])
+        k3 = jnp.exp(ref - logp) - (ref - logp) - 1
+        per_token = -(surrogate - 0.1 * k3)
+        if normalize == "token":
+            return jnp.sum(per_token * m) / m.sum()
+        return jnp.mean(jnp.sum(per_token * m, 1) / m.sum(1))
+
+    def through_objective(params):
+        return objective.loss({**variables, "params": params}, batch, _step())[0].value
+
+    expected, expected_grad = jax.jit(jax.value_and_grad(by_hand))(variables["params"])
+    got, got_grad = jax.jit(jax.value_and_grad(through_objective))(variables["params"])
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(expected_grad), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()) + 1e-7)
+    metrics = objective.loss(variables, batch, _step())[1].metrics
+    ratio = np.exp(np.asarray(_by_hand_logp(model, variables["params"], batch["tokens"])) - batch["old_logp"])
+    clipped = (np.abs(ratio - 1) > 0.2) * m
+    assert 0 < clipped.sum() < m.sum()  # the fixture exercises both sides of the clip
+    np.testing.assert_allclose(metrics["clip_fraction"].value, clipped.sum() / m.sum(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["reward"].value, np.mean(np.asarray(batch["reward"])), rtol=1e-6)
+
+
+def test_a_group_size_that_does_not_divide_the_batch_is_refused_naming_both():
+    model = _model()
+    objective = GRPOObjective(model, group_size=G)
+    variables = objective.init(jax.random.key(0))
+    batch = {k: v[:6] for k, v in _batch(model, variables["params"]).items()}
+    with pytest.raises(GroupSizeError, match=r"group_size=4 does not divide the batch of 6 rows"):
+        objective.loss(variables, batch, _step())
+
+
+class _State:
+    def __init__(self, params):
+        self.params = params
+
+
+def _prompts():
+    prompt = np.zeros((2, 3), np.int32)
+    prompt[0, :3] = [1, 2, 3]
+    prompt[1, :2] = [4, 5]
+    return {"prompt": prompt, "prompt_length": np.asarray([3, 2], np.int32),
+            "answer": np.asarray([[7], [8]], np.int32)}
+
+
+def test_a_reward_returning_nan_is_refused_naming_the_record():
+    model = _model()
+
+    def flaky(completions, context):
+        return [float("nan") if i == 5 else 0.0 for i in range(len(completions))]
+
+    objective = GRPOObjective(model, reward=flaky, group_size=G, max_new_tokens=3)
+    rollout = objective.rollout()
+    state = _State(objective.init(jax.random.key(0)))
+    with pytest.raises(NonFiniteRewardError, match="returned nan for record 5"):
+        rollout(state, _prompts(), jax.random.key(1))
+
+
+def test_the_rollout_samples_with_live_parameters_through_one_compiled_sampler():
+    model = _model()
+    seen = []
+
+    def first_token(completions, context):
+        seen.append((list(completions), {k: np.asarray(v) for k, v in context.items()}))
+        return [float(len(c)) for c in completions]
+
+    objective = GRPOObjective(model, reward=first_token, group_size=G, max_new_tokens=4, beta=0.0)
+    rollout = objective.rollout()
+    variables = objective.init(jax.random.key(0))
+    batch = _prompts()
+    out = rollout(_State(variables), batch, jax.random.key(2))
+    compiled = generate_module._generate._cache_size()
+    # Other parameters (values, not shapes): the same executable, and other samples.
+    moved = jax.tree.map(lambda x: x * 1.5, variables)
+    again = rollout(_State(moved), batch, jax.random.key(2))
+    assert generate_module._generate._cache_size() == compiled
+    assert not np.array_equal(out["tokens"], again["tokens"]) or not np.allclose(out["old_logp"], again["old_logp"])
+    tokens, mask = out["tokens"], out["mask"]
+    assert tokens.shape == (2 * G, 3 + 4) and mask.shape == tokens.shape
+    # Each row is its prompt, then the completion right after it; the mask covers the completion.
+    for i in range(2 * G):
+        n = int(batch["prompt_length"][i // G])
+        np.testing.assert_array_equal(tokens[i, :n], batch["prompt"][i // G, :n])
+        np.testing.assert_array_equal(mask[i], [0] * n + [1] * 4 + [0] * (3 - n))
+    # The same key and parameters give what the sampler alone gives.
+    from dew.sampling import Sampling, sample_on_device
+
+    prompts = np.repeat(batch["prompt"], G, 0)
+    alone = sample_on_device(model, {"params": variables["params"]}, jnp.asarray(prompts),
+                             jnp.repeat(jnp.asarray(batch["prompt_length"]), G), jax.random.key(2), 4,
+                             Sampling(temperature=1.0))
+    np.testing.assert_array_equal(tokens[0, 3:7], np.asarray(alone)[0])
+    # old_logp scores the sequences under the sampling parameters; answers reach the reward per completion.
+    expected = token_logprobs(model, {"params": variables["params"]}, jnp.asarray(tokens))[0]
+    np.testing.assert_allclose(out["old_logp"], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(seen[0][1]["answer"][:, 0], [7] * G + [8] * G)
+    assert out["reward"].tolist() == [float(len(c)) for c in seen[0][0]]
+    assert rollout.reward_seconds > 0
