@@ -24,6 +24,7 @@ from dew.recipes.components import ComponentConfig, DataConfig, check_component
 from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
 from dew.recipes.reading import RecipeFileError, read_recipe_file, read_yaml
 from dew.training.config import TrainerConfig
+from dew.training.lora import Lora
 from dew.training.optim import OptimizerConfig
 from dew.training.quantization import Quantization
 
@@ -94,6 +95,9 @@ class RunConfig(pydantic.BaseModel):
     )
     init: InitConfig | None = pydantic.Field(
         None, description="start from pretrained weights instead of a fresh initialization"
+    )
+    lora: Lora | None = pydantic.Field(
+        None, description="train low-rank adapters on the model's attention/MLP weights, the rest frozen (qwix)"
     )
 
     @pydantic.field_validator("model")

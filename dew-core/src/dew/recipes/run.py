@@ -267,6 +267,10 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
         from dew.training.quantization import apply_quantization
 
         model = apply_quantization(model, config.quantization)
+    if config.lora is not None and model is not None:
+        from dew.training.lora import apply_lora
+
+        model = apply_lora(model, config.lora)
     reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, timestamp))
     dataset = None
     if with_data:
@@ -275,6 +279,10 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
             load["seed"] = config.seed  # the run's seed orders its data too
         dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
     objective = build_objective(config, model, reader, timestamp)
+    if config.lora is not None:
+        from dew.training.lora import adapters_only
+
+        objective = adapters_only(objective)  # the base weights are frozen: one copy, no optimizer state
     return Parts(model, reader, _tokenizer(reader), objective, dataset)
 
 

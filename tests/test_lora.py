@@ -1,0 +1,124 @@
+"""LoRA through qwix: adapters start at zero, train alone, and resume bitwise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew import Checkpoints, Trainer, models
+from dew.data import Dataset
+from dew.objectives.lm import LMObjective
+from dew.training import trees
+from dew.training.lora import Lora, LoraError, adapters_only, apply_lora, is_adapter
+
+pytest.importorskip("qwix")
+
+SEQ = 8
+
+
+def tiny():
+    return models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1,
+                        num_heads=2, mlp_features=32, max_seq_len=16)
+
+
+def windows(rows=4):
+    def make(index):
+        return {"text": np.random.default_rng(index).integers(0, 32, (rows, SEQ + 1)).astype(np.int32)}
+
+    class Counting:
+        def __init__(self):
+            self.index = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.index += 1
+            return make(self.index - 1)
+
+        def get_state(self):
+            return str(self.index).encode()
+
+        def set_state(self, state):
+            self.index = int(state)
+
+    return Dataset(train=lambda partition: Counting(), batch=rows)
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    model = tiny()
+    wrapped = apply_lora(model, Lora(rank=2, alpha=4.0, targets=("attention", "mlp")))
+    tokens = jnp.zeros((1, SEQ), jnp.int32)
+    return model, wrapped, jax.jit(wrapped.init)(jax.random.key(0), tokens)
+
+
+def test_adapters_sit_beside_each_targeted_weight_and_start_as_the_base_model(lora_model):
+    model, wrapped, variables = lora_model
+    adapters = [p for p in trees.paths(variables) if is_adapter(tuple(p.split("/")), None)]
+    assert sorted(adapters) == sorted(f"params/layers_0/{module}/{name}_lora_{ab}"
+                                      for module, names in (("attention", ("query", "key", "value", "out")),
+                                                            ("mlp", ("wi", "wo")))
+                                      for name in names for ab in "ab")
+    base = trees.select(variables, lambda path, leaf: not is_adapter(path, leaf))
+    tokens = jax.random.randint(jax.random.key(3), (2, SEQ), 0, 32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(wrapped.apply)(variables, tokens)),
+                                  np.asarray(jax.jit(model.apply)(base, tokens)))
+
+
+def test_only_the_adapters_train_and_hold_optimizer_state(lora_model):
+    _, wrapped, variables = lora_model
+    objective = adapters_only(LMObjective(model=wrapped, seq_len=SEQ))
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), initializer=variables)
+    state = trainer.fit(windows(), steps=3, log_every=3)
+    final = jax.device_get(state.params)
+    start = jax.device_get(variables)
+    changed = []
+    for path in trees.paths(start):
+        keys = path.split("/")
+        before, after = start, final
+        for key in keys:
+            before, after = before[key], after[key]
+        before = before.unbox() if hasattr(before, "unbox") else before
+        after = after.unbox() if hasattr(after, "unbox") else after
+        if not np.array_equal(np.asarray(before), np.asarray(after)):
+            changed.append(path)
+    assert changed and all(is_adapter(tuple(p.split("/")), None) for p in changed)
+    assert any(p.endswith("_lora_b") for p in changed)  # B leaves zero, so the adapters learn
+    adapter_elements = sum(np.size(x) for x in jax.tree.leaves(
+        trees.select(start, lambda path, leaf: is_adapter(path, leaf))))
+    moments = [x for x in jax.tree.leaves(state.opt_state) if np.ndim(x)]
+    assert sum(np.size(x) for x in moments) == 2 * adapter_elements  # Adam's two moments, adapters only
+
+
+def test_a_lora_run_resumes_bitwise(lora_model, tmp_path):
+    _, wrapped, variables = lora_model
+
+    def trainer(checkpoints=None):
+        return Trainer(adapters_only(LMObjective(model=wrapped, seq_len=SEQ)), optax.adam(1e-2),
+                       key=jax.random.key(0), initializer=variables, checkpoints=checkpoints)
+
+    expected = jax.device_get(trainer().fit(windows(), steps=4, log_every=4).params)
+    trainer(Checkpoints(tmp_path)).fit(windows(), steps=2, log_every=2)
+    resumed = jax.device_get(trainer(Checkpoints(tmp_path)).fit(windows(), steps=4, log_every=4).params)
+    jax.tree.map(np.testing.assert_array_equal, resumed, expected)
+
+
+def test_a_target_that_matches_no_module_is_refused_naming_it():
+    wrapped = apply_lora(tiny(), Lora(rank=2, targets=("attention", r".*feedforward")))
+    with pytest.raises(LoraError, match=r"'\.\*feedforward'.*matches no module.*layers_0/attention"):
+        wrapped.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+
+
+def test_a_rank_wider_than_a_layer_is_refused_naming_the_layer():
+    wrapped = apply_lora(tiny(), Lora(rank=17, targets=("mlp",)))
+    with pytest.raises(LoraError, match=r"rank 17 .* layer layers_0/mlp/wi .*at most 16"):
+        wrapped.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+
+
+def test_a_quantized_base_is_refused_for_now():
+    with pytest.raises(LoraError, match="base='float32'"):
+        Lora(base="nf4")
