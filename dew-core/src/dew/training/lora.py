@@ -138,28 +138,6 @@ def _prod(shape: tuple[int, ...]) -> int:
     return out
 
 
-class _LoraModule:
-    """model with adapters: init checks the spec against the base, then adds them."""
-
-    def __init__(self, base: Any, wrapped: Any, spec: Lora) -> None:
-        self.base = base
-        self.wrapped = wrapped
-        self.spec = spec
-
-    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
-        import jax
-
-        abstract = jax.eval_shape(lambda: self.base.init(rngs, *args, **kwargs))
-        selected(self.spec, abstract)
-        return self.wrapped.init(rngs, *args, **kwargs)
-
-    def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.wrapped.apply(variables, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.base, name)
-
-
 def apply_lora(model: Any, spec: Lora) -> Any:
     """model with low-rank adapters on the weights spec targets.
 
@@ -173,7 +151,24 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     modules = "|".join(f"(?:{pattern})" for pattern in spec.patterns())
     rule = qwix.LoraRule(module_path=modules, rank=spec.rank, alpha=spec.alpha,
                          dropout=spec.dropout)
-    return _LoraModule(model, qwix.apply_lora_to_model(model, _provider(qwix)([rule])), spec)
+    wrapped = qwix.apply_lora_to_model(model, _provider(qwix)([rule]))
+    qwix_class = type(wrapped)
+    base_init = qwix_class.init
+
+    def init(self: Any, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The base model's variables and the adapters, once spec fits this model."""
+        import jax
+
+        abstract = jax.eval_shape(lambda: model.init(rngs, *args, **kwargs))
+        selected(spec, abstract)
+        return base_init(self, rngs, *args, **kwargs)
+
+    # A subclass of qwix's (a linen module still, so objectives accept it);
+    # init is set after the class is made so linen does not wrap it.
+    checked = type(qwix_class.__name__, (qwix_class,), {})
+    checked.init = init
+    wrapped.__class__ = checked
+    return wrapped
 
 
 def _provider(qwix: Any) -> Any:
