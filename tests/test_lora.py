@@ -12,7 +12,7 @@ from dew import Checkpoints, Trainer, models
 from dew.data import Dataset
 from dew.objectives.lm import LMObjective
 from dew.training import trees
-from dew.training.lora import Lora, LoraError, adapters_only, apply_lora, is_adapter
+from dew.training.lora import Lora, LoraError, adapters_only, apply_lora, is_adapter, merge_lora
 
 pytest.importorskip("qwix")
 
@@ -122,3 +122,23 @@ def test_a_rank_wider_than_a_layer_is_refused_naming_the_layer():
 def test_a_quantized_base_is_refused_for_now():
     with pytest.raises(LoraError, match="base='float32'"):
         Lora(base="nf4")
+
+
+def test_merged_weights_give_the_adapted_models_logits(lora_model):
+    model, wrapped, variables = lora_model
+    # Trained adapters: B no longer zero, so the merge has something to add.
+    keys = iter(jax.random.split(jax.random.key(7), 64))
+
+    def perturb(path, leaf):
+        names = [str(getattr(p, "key", "")) for p in path]
+        return 0.3 * jax.random.normal(next(keys), leaf.shape) if any(
+            n.endswith("_lora_b") for n in names) else leaf
+
+    trained = jax.tree_util.tree_map_with_path(perturb, jax.device_get(variables))
+    merged = merge_lora(trained, Lora(rank=2, alpha=4.0))
+    assert not [p for p in trees.paths(merged) if "lora" in p]
+    tokens = jax.random.randint(jax.random.key(3), (2, SEQ), 0, 32)
+    adapted = np.asarray(jax.jit(wrapped.apply)(trained, tokens))
+    base_only = trees.select(trained, lambda path, leaf: not is_adapter(path, leaf))
+    assert not np.allclose(np.asarray(jax.jit(model.apply)(base_only, tokens)), adapted, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(jax.jit(model.apply)(merged, tokens)), adapted, atol=1e-5, rtol=1e-5)

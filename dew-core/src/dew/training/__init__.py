@@ -46,6 +46,7 @@ _EXPORTS = {
     "Lora": Export("dew.training.lora"),
     "apply_lora": Export("dew.training.lora"),
     "adapters_only": Export("dew.training.lora"),
+    "merge_lora": Export("dew.training.lora"),
     "TensorBoardTracker": Export("dew.trackers.tensorboard", _TRACKERS, "tensorboard"),
     "MLflowTracker": Export("dew.trackers.mlflow", _TRACKERS, "mlflow"),
     "WandbTracker": Export("dew.trackers.wandb", _TRACKERS, "wandb"),

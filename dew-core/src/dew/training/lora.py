@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["PRESETS", "Lora", "LoraError", "adapters_only", "apply_lora", "is_adapter"]
+__all__ = ["PRESETS", "Lora", "LoraError", "adapters_only", "apply_lora", "is_adapter", "merge_lora"]
 
 # Named groups of the causal transformer's modules: regular expressions
 # matched in full against Flax module paths, as qwix matches its rules.
@@ -234,3 +234,41 @@ def adapters_only(objective: Any) -> Any:
     which adds "not an adapter" to objective's own frozen leaves.
     """
     return _AdaptersOnly(objective)
+
+
+def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
+    """The base model's variables with each adapter's product added into its weight.
+
+    The result has the base model's tree (no adapters), so the plain model
+    (and any exporter of it) computes what the adapted model computes. The
+    adapter's A holds the weight's leading (input) dimensions and B its
+    trailing ones, as qwix lays them out for dew's layers; a weight whose
+    adapters do not fit that layout is refused.
+    """
+    import jax.numpy as jnp
+
+    scale = spec.alpha / spec.rank
+
+    def merge(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            if isinstance(value, Mapping):
+                out[key] = merge(value, f"{prefix}/{key}")
+            elif not str(key).endswith(ADAPTER_SUFFIXES):
+                out[key] = value
+        for key in list(out):
+            a, b = tree.get(f"{key}_lora_a"), tree.get(f"{key}_lora_b")
+            if a is None or b is None:
+                continue
+            weight = out[key]
+            array = weight.unbox() if hasattr(weight, "unbox") else weight
+            a, b = (x.unbox() if hasattr(x, "unbox") else x for x in (a, b))
+            product = jnp.tensordot(a, b, axes=1)
+            if product.size != array.size or product.shape[: a.ndim - 1] != array.shape[: a.ndim - 1]:
+                raise LoraError(f"The adapters of {prefix}/{key} (A {a.shape}, B {b.shape}) do not fit "
+                                f"its weight of shape {array.shape}; they cannot be merged.")
+            merged = (array + scale * product.reshape(array.shape)).astype(array.dtype)
+            out[key] = weight.replace_boxed(merged) if hasattr(weight, "replace_boxed") else merged
+        return out
+
+    return merge(variables, "")
