@@ -59,3 +59,53 @@ def counting_dataset(make, rows: int) -> Dataset:
 
 def markov_dataset(rows: int = 16) -> Dataset:
     return counting_dataset(lambda i: {"text": markov_rows(i, rows)}, rows)
+
+
+# -- one small run of each objective, for the many-device and resume checks --------------------
+
+
+def sft_rows(index: int, rows: int = 16) -> dict[str, np.ndarray]:
+    """Markov rows packed as 2-3 documents each, the first third of every document a prompt."""
+    text = markov_rows(index, rows)
+    rng = np.random.default_rng(index + 99)
+    segments = np.zeros_like(text)
+    mask = np.zeros_like(text)
+    for r in range(rows):
+        cuts = sorted(rng.choice(np.arange(3, SEQ - 2), size=2, replace=False))
+        bounds = [0, *cuts, SEQ + 1 - int(rng.integers(0, 2))]  # sometimes a padded tail
+        for number, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), 1):
+            segments[r, a:b] = number
+            mask[r, a + (b - a) // 3:b] = 1
+    return {"text": text, "segment_ids": segments, "loss_mask": mask}
+
+
+def digit_images() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    return (data.images / 16.0).astype(np.float32)[..., None], data.target
+
+
+def small_run(kind: str):
+    """(objective, dataset) of a tiny run of kind: 'distillation', 'sft' or 'jepa'."""
+    if kind == "distillation":
+        from dew.objectives.distillation import DistillationObjective
+
+        objective = DistillationObjective(student_model(), teacher_model(), SEQ, reverse=0.5, labels=0.2, hidden=0.5)
+        return objective, markov_dataset()
+    if kind == "sft":
+        from dew.objectives.lm import LMObjective
+
+        return LMObjective(teacher_model(), SEQ), counting_dataset(sft_rows, 16)
+    if kind == "jepa":
+        from dew.nn.vit import ViTEncoder
+        from dew.objectives.jepa import JepaObjective
+
+        images, _ = digit_images()
+        encoder = ViTEncoder(image_size=8, patch=2, channels=1, emb_features=16, num_layers=1, num_heads=2,
+                             mlp_features=32)
+        objective = JepaObjective(encoder, blocks=2, predictor_features=16, predictor_layers=1,
+                                  momentum_steps=10)
+        return objective, counting_dataset(
+            lambda i: {"image": images[np.random.default_rng(i).choice(len(images), 16, replace=False)]}, 16)
+    raise ValueError(kind)

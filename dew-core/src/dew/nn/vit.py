@@ -20,7 +20,7 @@ parameter carries logical axis names, so the trainer's Layout shards it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -30,10 +30,28 @@ from dew.nn import sharding as axes
 from dew.nn.layers import MLPBlock, RMSNorm
 from dew.nn.sharding import constrain, param
 
-__all__ = ["EncoderLayer", "Predictor", "ViTEncoder", "patchify"]
+__all__ = ["EncoderLayer", "Predictor", "ViTEncoder", "patchify", "sincos_positions"]
 
 Dtype = Any
 _RESIDUAL = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
+
+
+def sincos_positions(grid: tuple[int, int, int], features: int) -> jax.Array:
+    """Fixed sine-cosine embeddings [N, features] of each patch's (frame, row, column), a third of the width each.
+
+    >>> sincos_positions((1, 2, 2), 12).shape
+    (4, 12)
+    """
+    part = 2 * (features // 6)
+    coordinates = jnp.stack(jnp.meshgrid(*(jnp.arange(n, dtype=jnp.float32) for n in grid), indexing="ij"), -1)
+    coordinates = coordinates.reshape(-1, 3)
+    frequencies = 1.0 / 10_000.0 ** (jnp.arange(part // 2, dtype=jnp.float32) / max(part // 2, 1))
+    pieces = []
+    for axis in range(3):
+        angles = coordinates[:, axis:axis + 1] * frequencies
+        pieces += [jnp.sin(angles), jnp.cos(angles)]
+    table = jnp.concatenate(pieces, axis=-1)
+    return jnp.pad(table, ((0, 0), (0, features - table.shape[-1])))
 
 
 def patchify(pixels: jax.Array, patch: int, tubelet: int = 1) -> jax.Array:
@@ -96,6 +114,7 @@ class ViTEncoder(nn.Module):
     mlp_features: int
     frames: int = 1
     tubelet: int = 1
+    positions: Literal["sincos", "learned"] = "sincos"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -119,8 +138,11 @@ class ViTEncoder(nn.Module):
                              f"{self.num_patches} (image_size={self.image_size}, frames={self.frames}).")
         kernel = param(self, "patch_embed", nn.initializers.lecun_normal(), (patches.shape[-1], self.emb_features),
                        (None, axes.EMBED), self.param_dtype)
-        table = param(self, "position", nn.initializers.normal(0.02), (self.num_patches, self.emb_features),
-                      (None, axes.EMBED), self.param_dtype)
+        if self.positions == "learned":
+            table = param(self, "position", nn.initializers.normal(0.02), (self.num_patches, self.emb_features),
+                          (None, axes.EMBED), self.param_dtype)
+        else:
+            table = sincos_positions(self.grid, self.emb_features)
         x = constrain(jnp.einsum("bnp,pe->bne", patches, kernel) + table, _RESIDUAL)
         for i in range(self.num_layers):
             x = EncoderLayer(self.num_heads, self.mlp_features, self.dtype, self.param_dtype, name=f"layers_{i}")(
@@ -136,7 +158,7 @@ class Predictor(nn.Module):
     output [B, N, out_features] is meaningful at the target patches.
     """
 
-    num_patches: int
+    grid: tuple[int, int, int]
     emb_features: int
     out_features: int
     num_layers: int
@@ -152,8 +174,7 @@ class Predictor(nn.Module):
                      (axes.EMBED, axes.MLP), self.param_dtype)
         mask_token = param(self, "mask_token", nn.initializers.normal(0.02), (self.emb_features,), (axes.MLP,),
                            self.param_dtype)
-        table = param(self, "position", nn.initializers.normal(0.02), (self.num_patches, self.emb_features),
-                      (None, axes.MLP), self.param_dtype)
+        table = sincos_positions(self.grid, self.emb_features)
         x = jnp.einsum("bne,em->bnm", context, into)
         x = jnp.where(targets[..., None], mask_token, x) + table
         allowed = visible | targets

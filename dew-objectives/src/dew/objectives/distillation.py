@@ -21,6 +21,7 @@ the student and projection start from the run's own init key.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -84,7 +85,8 @@ class DistillationObjective(Objective):
     """A student causal language model distilled from a frozen teacher over token windows.
 
     model is the student; teacher a model of the same vocabulary (usually
-    larger). Both read windows of seq_len + 1 ids under "text" (inputs the
+    larger), or in a recipe the teacher's model config ({"name": ..., fields}),
+    with teacher_checkpoint the directory of the run that trained it. Both read windows of seq_len + 1 ids under "text" (inputs the
     first seq_len, targets the last seq_len, as LMObjective's), and an
     optional "loss_mask" [batch, seq_len] of 0/1 that leaves positions out.
     forward and reverse weigh the two KL directions, labels the hard-label
@@ -94,9 +96,10 @@ class DistillationObjective(Objective):
     """
 
     model: nn.Module
-    teacher: nn.Module
+    teacher: nn.Module | Mapping[str, Any]
     seq_len: int
     _: KW_ONLY
+    teacher_checkpoint: str | None = None
     temperature: float = 2.0
     forward: float = 1.0
     reverse: float = 0.0
@@ -107,6 +110,11 @@ class DistillationObjective(Objective):
     frozen = staticmethod(under("params/teacher"))
 
     def __post_init__(self) -> None:
+        if isinstance(self.teacher, Mapping):  # a recipe's model config: {"name": ..., fields}
+            from dew import models
+
+            fields = dict(self.teacher)
+            object.__setattr__(self, "teacher", models.build(fields.pop("name"), **fields))
         if self.temperature <= 0:
             raise ValueError(f"DistillationObjective.temperature must be positive, got {self.temperature}.")
         if min(self.forward, self.reverse, self.labels, self.hidden) < 0:
@@ -118,6 +126,18 @@ class DistillationObjective(Objective):
             raise VocabularyMismatchError(_vocabulary_message(student, teacher))
 
     # -- the teacher's weights ---------------------------------------------------------
+    def initializer(self) -> Any:
+        """The teacher read from teacher_checkpoint (a run's checkpoint directory), or None.
+
+        A recipe's run passes it to the Trainer (``objective_parts``); in code, pass
+        ``objective.teacher_from(...)`` as the Trainer's initializer instead.
+        """
+        if self.teacher_checkpoint is None:
+            return None
+        from dew.training.initializers import ParamsFrom
+
+        return self.teacher_from(ParamsFrom(os.path.abspath(os.path.expanduser(self.teacher_checkpoint))))
+
     def teacher_from(self, source: Any) -> Any:
         """A Trainer initializer that reads the teacher from source and leaves the rest to init.
 

@@ -125,7 +125,7 @@ class JepaObjective(Objective):
 
     @property
     def predictor(self) -> Predictor:
-        return Predictor(self.model.num_patches, self.predictor_features, self.model.emb_features,
+        return Predictor(self.model.grid, self.predictor_features, self.model.emb_features,
                          self.predictor_layers, self.predictor_heads, 2 * self.predictor_features)
 
     def _example(self) -> jax.Array:
@@ -189,5 +189,7 @@ class JepaObjective(Objective):
                 f"Batch key {self.input_key!r} has shape {tuple(pixels.shape)}; the encoder expects "
                 f"[batch, {', '.join(map(str, expected))}] images or [batch, frames, ...] videos."
             )
+        if jnp.issubdtype(pixels.dtype, jnp.integer):  # uint8 pixels (the digits reader's) to [0, 1]
+            return jnp.asarray(pixels, jnp.float32) / 255.0
         return jnp.asarray(pixels, jnp.float32)
 
