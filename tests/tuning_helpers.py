@@ -73,7 +73,7 @@ def sft_rows(index: int, rows: int = 16) -> dict[str, np.ndarray]:
     for r in range(rows):
         cuts = sorted(rng.choice(np.arange(3, SEQ - 2), size=2, replace=False))
         bounds = [0, *cuts, SEQ + 1 - int(rng.integers(0, 2))]  # sometimes a padded tail
-        for number, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), 1):
+        for number, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), 1):
             segments[r, a:b] = number
             mask[r, a + (b - a) // 3:b] = 1
     return {"text": text, "segment_ids": segments, "loss_mask": mask}
