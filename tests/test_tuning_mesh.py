@@ -22,7 +22,7 @@ from dew.training.mesh import MeshSpec
 
 class Losses:
     def __init__(self): self.values = []
-    def log(self, scalars, step): self.values.append(float(scalars["loss"]))
+    def log(self, scalars, step): self.values.append(float(scalars.get("train/loss", scalars.get("loss"))))
     def artifact(self, value, step): pass
     def close(self): pass
 
