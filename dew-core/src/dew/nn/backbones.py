@@ -59,6 +59,8 @@ class CausalTransformer(nn.Module):
     ("einsum", or jax.nn.dot_product_attention's "xla" or "cudnn"); ``remat``
     names a rematerialization policy of ``REMAT_POLICIES`` applied to every
     layer. Both change speed and memory only, never the parameters.
+    segment_ids [B, T] (training only) number documents packed into one row:
+    attention never crosses from one document to another.
     """
 
     vocab_size: int
@@ -123,7 +125,8 @@ class CausalTransformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array | None = None, *, decode: bool = False
+        self, tokens: jax.Array, positions: jax.Array | None = None, *, decode: bool = False,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         self._check()
         tokens = jnp.asarray(tokens)
@@ -168,8 +171,12 @@ class CausalTransformer(nn.Module):
                 rope_base=self.rope_base, norm_epsilon=self.norm_epsilon,
                 name=f"layers_{i}", **kinds,
             )
-            x = layer(x, positions) if layer_class is not DecoderLayer else layer(
-                x, positions, decode=decode)
+            if layer_class is DecoderLayer:
+                x = layer(x, positions, decode=decode, segment_ids=segment_ids)
+            elif segment_ids is None:
+                x = layer(x, positions)
+            else:
+                x = layer(x, positions, segment_ids=segment_ids)
 
         x = RMSNorm(self.norm_epsilon, name="final_norm", **kinds)(x)
         if self.tie_embeddings:

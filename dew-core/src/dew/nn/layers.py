@@ -98,6 +98,8 @@ class CausalSelfAttention(nn.Module):
     grouping Hugging Face's Llama uses, so its checkpoints map head for head.
 
     Without decode, position t attends to positions 0..t of the same call.
+    segment_ids [B, T], when given, number the documents packed into each
+    row: a position then attends only within its own document.
     With decode, keys and values are written into the 'cache' collection
     (``cached_key`` and ``cached_value`` of shape [B, max_len, kv_heads, kv])
     at each row's ``positions``, and every query attends to the cached slots
@@ -121,7 +123,8 @@ class CausalSelfAttention(nn.Module):
         return self.num_kv_heads or self.num_heads
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"Unknown attention {self.attention!r}; use one of "
                              f"{', '.join(map(repr, ATTENTION_KINDS))}.")
@@ -149,6 +152,8 @@ class CausalSelfAttention(nn.Module):
             k, v, mask = self._update_cache(k, v, positions)
         else:
             mask = jnp.tril(jnp.ones((length, length), bool))[None, None, None]
+            if segment_ids is not None:  # packed documents: a query sees its own document only
+                mask = mask & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
 
         if decode or self.attention == "einsum":
             # Query heads in groups of `share` per key/value head: [B, T, G, S, D].
@@ -160,7 +165,9 @@ class CausalSelfAttention(nn.Module):
             attended = jnp.einsum("bgstu,bugd->btgsd", weights, v)
             attended = attended.reshape(batch, length, heads, width)
         else:  # grouped key/value heads are read the same way: head h uses h // share
-            attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+            documents = None if segment_ids is None else (
+                segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+            attended = jax.nn.dot_product_attention(q, k, v, mask=documents, is_causal=True,
                                                     implementation=self.attention)
         attended = constrain(attended, head_axes)
 
@@ -240,7 +247,8 @@ class DecoderLayer(nn.Module):
     attention: Literal["einsum", "xla", "cudnn"] = "einsum"
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         residual_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
         attention = CausalSelfAttention(self.num_heads, self.head_features, self.max_len,
@@ -248,7 +256,8 @@ class DecoderLayer(nn.Module):
                                         rope_base=self.rope_base, attention=self.attention,
                                         name="attention", **kinds)
         norm = {"epsilon": self.norm_epsilon, **kinds}
-        x = x + attention(RMSNorm(name="attention_norm", **norm)(x), positions, decode=decode)
+        x = x + attention(RMSNorm(name="attention_norm", **norm)(x), positions, decode=decode,
+                          segment_ids=segment_ids)
         x = constrain(x, residual_axes)
         mlp = MLPBlock(self.mlp_features, self.mlp_activation, name="mlp", **kinds)
         x = x + mlp(RMSNorm(name="mlp_norm", **norm)(x))

@@ -46,7 +46,7 @@ class ScheduleReshapedWarning(UserWarning):
 
 
 def expand(value: Any, timestamp: str) -> Any:
-    """value with {stdlib} and {timestamp} replaced in every string it holds.
+    """value with {stdlib}, {recipes} and {timestamp} replaced in every string it holds.
 
     The timestamp's colons become dashes, so it can name a folder anywhere:
 
@@ -54,6 +54,8 @@ def expand(value: Any, timestamp: str) -> Any:
     {'directory': 'runs/2026-12-01_09-30-00'}
     """
     if isinstance(value, str):
+        if "{recipes}" in value:  # data shipped beside the recipes (a fine-tuning set, say)
+            value = value.replace("{recipes}", str(Path(__file__).resolve().parent))
         if "{stdlib}" in value:
             import sysconfig
 

@@ -3,6 +3,20 @@
 A batch holds token windows of seq_len + 1 ids under "text"; the model reads
 the first seq_len and is scored on predicting the seq_len that follow, one
 position later.
+
+Supervised fine-tuning adds two optional keys of the same shape as "text":
+
+- "loss_mask": 1 where a token is to be predicted (a completion), 0 where
+  it is only read (a prompt, padding). A target scores only when its mask
+  is 1, so masked positions give exactly zero gradient.
+- "segment_ids": the number of the document each token belongs to, when
+  several are packed into one row (0 marks padding). Attention stays inside
+  a document, positions restart at each document's first token, and a
+  document's last token is not asked to predict the next document's first.
+  The model must accept ``positions`` and ``segment_ids`` (CausalTransformer
+  does).
+
+``dew.data.prompt_completion`` reads prompt/completion records into such rows.
 """
 
 from __future__ import annotations
@@ -31,7 +45,8 @@ from dew.objectives.base import (
 from dew.sampling import Sampling, TextGeneration, generate
 from dew.telemetry.artifacts import Artifact
 
-__all__ = ["BatchShapeError", "LMObjective", "TokenRangeError", "MissingBatchKeyError", "Perplexity", "Tokenizer"]
+__all__ = ["BatchShapeError", "LMObjective", "MissingBatchKeyError", "Perplexity", "TokenRangeError",
+           "Tokenizer", "segment_positions"]
 
 
 class MissingBatchKeyError(KeyError):
@@ -150,11 +165,10 @@ class LMObjective(Objective):
         return float(per_token(self.seq_len)) * tokens
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
-        """Total cross-entropy over all predicted tokens, and the accuracy as a Mean."""
-        per_token, correct = self._score(variables, batch)
-        count = jnp.asarray(per_token.size, jnp.float32)
-        loss = Mean(jnp.sum(per_token), count)
-        accuracy = Mean(jnp.sum(correct.astype(jnp.float32)), count)
+        """Total cross-entropy over the scored tokens, and the accuracy as a Mean."""
+        per_token, correct, weights = self._score(variables, batch)
+        loss = Mean.of(per_token, weights)
+        accuracy = Mean.of(correct, weights)
         return loss, Aux(metrics={"accuracy": accuracy})
 
     def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
@@ -214,11 +228,48 @@ class LMObjective(Objective):
             )
         return jnp.asarray(text, jnp.int32)
 
-    def _score(self, variables: Variables, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    def _aligned(self, batch: Batch, key: str, text: jax.Array) -> jax.Array | None:
+        if key not in batch:
+            return None
+        value = batch[key]
+        if tuple(getattr(value, "shape", ())) != tuple(text.shape):
+            raise BatchShapeError(
+                f"Batch key {key!r} has shape {tuple(getattr(value, 'shape', ()))}; it must match "
+                f"'text' {tuple(text.shape)}, one value per token."
+            )
+        return jnp.asarray(value, jnp.int32)
+
+    def _score(self, variables: Variables, batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         text = self._windows(batch)
         inputs, targets = text[:, :-1], text[:, 1:]
         params = {name: value for name, value in variables.items() if name != "cache"}
-        logits = self.model.apply(params, inputs)
+        weights = None
+        segments = self._aligned(batch, "segment_ids", text)
+        if segments is None:
+            logits = self.model.apply(params, inputs)
+        else:
+            read = segments[:, :-1]
+            logits = self.model.apply(params, inputs, segment_positions(read), segment_ids=read)
+            weights = (segments[:, 1:] == read) & (segments[:, 1:] != 0)
+        mask = self._aligned(batch, "loss_mask", text)
+        if mask is not None:
+            weights = (mask[:, 1:] != 0) if weights is None else weights & (mask[:, 1:] != 0)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        if weights is not None:  # a masked position contributes an exact zero, never a NaN
+            per_token = jnp.where(weights, per_token, 0.0)
         correct = jnp.argmax(logits, axis=-1) == targets
-        return per_token, correct
+        return per_token, correct, weights
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Each token's position within its own document (0 at every document's first token).
+
+    >>> import jax.numpy as jnp
+    >>> segment_positions(jnp.asarray([[1, 1, 1, 2, 2, 0]])).tolist()
+    [[0, 1, 2, 0, 1, 0]]
+    """
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)

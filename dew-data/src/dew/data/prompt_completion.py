@@ -1,0 +1,184 @@
+"""PromptCompletion: prompt/completion records as rows for supervised fine-tuning.
+
+Each JSONL line holds a prompt and a completion (``prompt_key``,
+``completion_key``). A record becomes the ids of its prompt, then of its
+completion, then the end-of-document id; only the completion and the
+end-of-document id are scored (``loss_mask``). When the tokenizer carries a
+chat template (a ``transformers`` tokenizer with ``apply_chat_template`` and a
+``chat_template``), the prompt is rendered as a user turn followed by the
+assistant's generation prompt; otherwise ``template`` (``"{prompt}"`` by
+default) formats it.
+
+With ``pack`` (the default) records are laid end to end, first come first
+served, into rows of ``length + 1`` ids, each numbered in ``segment_ids``
+(1, 2, ...; 0 marks padding), so LMObjective keeps attention inside each
+one. Without it every record has a row of its own. A record too long for a
+row keeps its completion and drops the start of its prompt; a completion
+that alone does not fit fails, naming the record and the limit. A record
+with nothing to score (an empty completion) is skipped with a warning
+naming it.
+
+>>> import json, tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (folder / "sft.jsonl").write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\\n")
+>>> rows = PromptCompletion(files=str(folder / "sft.jsonl"), length=8).rows()
+>>> rows["text"][0].tolist(), rows["loss_mask"][0].tolist()
+([50, 43, 50, 61, 52, 256, 256, 256, 256], [0, 0, 0, 0, 1, 1, 0, 0, 0])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.base import Dataset
+from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
+from dew.data.sources import ArrayRecords, expand_files
+from dew.data.stream import record_dataset
+from dew.data.token_windows import resolve_tokenizer, split_records
+
+__all__ = ["CompletionTooLongError", "NothingToScoreWarning", "PromptCompletion"]
+
+
+class CompletionTooLongError(DataError, ValueError):
+    """A record's completion does not fit in one row, so it could not be scored whole."""
+
+
+class NothingToScoreWarning(UserWarning):
+    """A record leaves no token to score (its completion is empty); it is skipped."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One record's ids and its mask (1 where scored), with where it came from."""
+
+    where: str
+    ids: np.ndarray
+    mask: np.ndarray
+
+
+@dataclass(frozen=True)
+class PromptCompletion:
+    """Prompt/completion JSONL files as rows of ``text``, ``loss_mask`` and ``segment_ids``.
+
+    files are paths or globs of ``.jsonl`` files; length is the model's window
+    (rows hold length + 1 ids, as TokenWindows' do); tokenizer is ``"byte"``,
+    a tokenizer.json path or an object with ``encode`` and ``eos_id``.
+    """
+
+    files: str | Sequence[str | os.PathLike[str]]
+    length: int = 1024
+    tokenizer: Any = "byte"
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    template: str = "{prompt}"
+    pack: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.files, str | os.PathLike):
+            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
+        if self.length < 1:
+            raise ValueError(f"PromptCompletion.length must be at least 1, got {self.length}.")
+        if "{prompt}" not in self.template:
+            raise ValueError(f"PromptCompletion.template must contain '{{prompt}}', got {self.template!r}.")
+
+    # -- records -----------------------------------------------------------------------
+    def pairs(self) -> Iterator[tuple[str, str, str]]:
+        """(where, prompt, completion) of every record, where being 'file:line'."""
+        for path in expand_files(self.files):
+            with Path(path).open(encoding="utf-8") as handle:
+                for number, line in enumerate(handle, 1):
+                    if line.strip():
+                        yield (f"{path}:{number}", *self._pair(line, f"{path}:{number}"))
+
+    def _pair(self, line: str, where: str) -> tuple[str, str]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per line.") from None
+        if not isinstance(record, dict):
+            raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
+        for key in (self.prompt_key, self.completion_key):
+            if not isinstance(record.get(key), str):
+                raise MissingKeyError(
+                    f"{where} has no text under {key!r} (keys: {sorted(record)}); set prompt_key= and "
+                    "completion_key= to the keys the records use."
+                )
+        return record[self.prompt_key], record[self.completion_key]
+
+    def render(self, tokenizer: Any, prompt: str) -> str:
+        """The prompt as the model reads it: the tokenizer's chat template, or template."""
+        if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+            return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return self.template.format(prompt=prompt)
+
+    def encoded(self) -> list[Encoded]:
+        """Every record's ids and mask, fitted to a row (prompts cut from the front when needed)."""
+        tokenizer = resolve_tokenizer(self.tokenizer)
+        limit = self.length + 1
+        out = []
+        for where, prompt, completion in self.pairs():
+            if not completion:
+                warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
+                              "skipped.", NothingToScoreWarning, stacklevel=2)
+                continue
+            prompt_ids = _ids(tokenizer, self.render(tokenizer, prompt))
+            completion_ids = _ids(tokenizer, completion) + [int(tokenizer.eos_id)]
+            if len(completion_ids) > limit:
+                raise CompletionTooLongError(
+                    f"{where}: the completion is {len(completion_ids)} tokens with its end-of-document "
+                    f"id, more than a row of length + 1 = {limit} holds. Raise length (the model's "
+                    "window) or shorten or drop this record."
+                )
+            prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(completion_ids) - limit):]
+            ids = np.asarray(prompt_ids + completion_ids, np.int32)
+            mask = np.concatenate([np.zeros(len(prompt_ids), np.int32), np.ones(len(completion_ids), np.int32)])
+            out.append(Encoded(where, ids, mask))
+        if not out:
+            raise EmptyDatasetError(f"{self.files!r} holds no record with a completion to score.")
+        return out
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """text, loss_mask and segment_ids, each [rows, length + 1] int32."""
+        tokenizer = resolve_tokenizer(self.tokenizer)
+        limit = self.length + 1
+        rows: list[list[Encoded]] = []
+        used = limit
+        for record in self.encoded():
+            if not self.pack or used + len(record.ids) > limit:
+                rows.append([])
+                used = 0
+            rows[-1].append(record)
+            used += len(record.ids)
+        text = np.full((len(rows), limit), int(tokenizer.eos_id), np.int32)
+        mask = np.zeros((len(rows), limit), np.int32)
+        segments = np.zeros((len(rows), limit), np.int32)
+        for r, records in enumerate(rows):
+            start = 0
+            for number, record in enumerate(records, 1):
+                stop = start + len(record.ids)
+                text[r, start:stop], mask[r, start:stop], segments[r, start:stop] = record.ids, record.mask, number
+                start = stop
+        return {"text": text, "loss_mask": mask, "segment_ids": segments}
+
+    def records(self) -> ArrayRecords:
+        """The rows as a record source for train_stream."""
+        return ArrayRecords(self.rows())
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A Dataset over the rows, a seeded val_fraction of them held out, the rest streamed."""
+        train, val = split_records(self.records(), val_fraction, val_seed)
+        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return [int(i) for i in tokenizer.encode(text)]

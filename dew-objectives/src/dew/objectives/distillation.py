@@ -1,0 +1,278 @@
+"""Knowledge distillation: a small language model learns a larger frozen one's distributions.
+
+The variables hold the student (trained) beside the teacher (frozen, declared
+through ``Objective.frozen`` so the trainer keeps one copy of it and no
+optimizer state) and, when hidden states are matched, a learned projection
+from the student's width to the teacher's::
+
+    {"params": {"student": ..., "teacher": ..., "projection": ...}}
+
+The loss at temperature T is ``T**2 * (forward * KL(p_T || q_T) + reverse *
+KL(q_T || p_T)) + labels * CE(targets, q_1) + hidden * |P h_s - h_t|**2``,
+where p_T and q_T are the teacher's and the student's softmax of logits / T
+and each term is a mean over predicted tokens (the T**2 keeps the gradient's
+scale independent of T, as Hinton et al. propose).
+
+The teacher's weights reach the run as the Trainer's ``initializer``:
+``Trainer(objective, ..., initializer=objective.teacher_from(ParamsFrom(run)))``
+reads another run's checkpoint (or pass a teacher variables tree directly);
+the student and projection start from the run's own init key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from dew.nn import sharding as axes
+from dew.objectives.base import (
+    Aux,
+    Batch,
+    Mean,
+    MeanMetric,
+    Metric,
+    Objective,
+    Step,
+    Variables,
+    under,
+)
+from dew.objectives.lm import BatchShapeError, MissingBatchKeyError
+
+__all__ = ["DistillationObjective", "VocabularyMismatchError", "distillation_terms"]
+
+
+class VocabularyMismatchError(ValueError):
+    """The student and the teacher score different vocabularies, so their distributions cannot be compared."""
+
+
+def distillation_terms(student_logits: jax.Array, teacher_logits: jax.Array,
+                       temperature: float) -> tuple[jax.Array, jax.Array]:
+    """Per-position forward KL(p_T || q_T) and reverse KL(q_T || p_T) at a temperature.
+
+    >>> import jax.numpy as jnp
+    >>> same = jnp.log(jnp.asarray([[0.25, 0.75]]))
+    >>> [float(x[0]) for x in distillation_terms(same, same, 2.0)]
+    [0.0, 0.0]
+    """
+    log_q = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+    log_p = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+    forward = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    reverse = jnp.sum(jnp.exp(log_q) * (log_q - log_p), axis=-1)
+    return forward, reverse
+
+
+class _Projection(nn.Module):
+    """A learned map from the student's hidden width to the teacher's."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = axes.param(self, "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                            (axes.EMBED, axes.MLP))
+        return jnp.einsum("bte,ef->btf", x, kernel)
+
+
+@dataclass(frozen=True)
+class DistillationObjective(Objective):
+    """A student causal language model distilled from a frozen teacher over token windows.
+
+    model is the student; teacher a model of the same vocabulary (usually
+    larger), or in a recipe the teacher's model config ({"name": ..., fields}),
+    with teacher_checkpoint the directory of the run that trained it. Both read windows of seq_len + 1 ids under "text" (inputs the
+    first seq_len, targets the last seq_len, as LMObjective's), and an
+    optional "loss_mask" [batch, seq_len] of 0/1 that leaves positions out.
+    forward and reverse weigh the two KL directions, labels the hard-label
+    cross-entropy, hidden the match of hidden states: the output of the
+    submodule named hidden_layer in each model (the final norm by default),
+    the student's through a learned projection.
+    """
+
+    model: nn.Module
+    teacher: nn.Module | Mapping[str, Any]
+    seq_len: int
+    _: KW_ONLY
+    teacher_checkpoint: str | None = None
+    temperature: float = 2.0
+    forward: float = 1.0
+    reverse: float = 0.0
+    labels: float = 0.0
+    hidden: float = 0.0
+    hidden_layer: str = "final_norm"
+
+    frozen = staticmethod(under("params/teacher"))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.teacher, Mapping):  # a recipe's model config: {"name": ..., fields}
+            from dew import models
+
+            fields = dict(self.teacher)
+            object.__setattr__(self, "teacher", models.build(fields.pop("name"), **fields))
+        if self.temperature <= 0:
+            raise ValueError(f"DistillationObjective.temperature must be positive, got {self.temperature}.")
+        if min(self.forward, self.reverse, self.labels, self.hidden) < 0:
+            raise ValueError("DistillationObjective's weights (forward, reverse, labels, hidden) must be >= 0.")
+        if self.forward + self.reverse + self.labels + self.hidden == 0:
+            raise ValueError("DistillationObjective needs a positive weight on forward, reverse, labels or hidden.")
+        student, teacher = getattr(self.model, "vocab_size", None), getattr(self.teacher, "vocab_size", None)
+        if student is not None and teacher is not None and student != teacher:
+            raise VocabularyMismatchError(_vocabulary_message(student, teacher))
+
+    # -- the teacher's weights ---------------------------------------------------------
+    def initializer(self) -> Any:
+        """The teacher read from teacher_checkpoint (a run's checkpoint directory), or None.
+
+        A recipe's run passes it to the Trainer (``objective_parts``); in code, pass
+        ``objective.teacher_from(...)`` as the Trainer's initializer instead.
+        """
+        if self.teacher_checkpoint is None:
+            return None
+        from dew.training.initializers import ParamsFrom
+
+        return self.teacher_from(ParamsFrom(os.path.abspath(os.path.expanduser(self.teacher_checkpoint))))
+
+    def teacher_from(self, source: Any) -> Any:
+        """A Trainer initializer that reads the teacher from source and leaves the rest to init.
+
+        source is a teacher variables tree ({"params": ...}) or a weight
+        source such as ``ParamsFrom(run_directory)``, called with the
+        teacher's abstract variables.
+        """
+
+        def read(abstract: Variables) -> Variables:
+            teacher_abstract = {"params": abstract["params"]["teacher"]}
+            weights = source(teacher_abstract) if callable(source) else source
+            weights = nn.meta.unbox(weights)
+            if "params" not in weights:
+                raise ValueError(f"The teacher's weights hold collections {sorted(weights)}; expected "
+                                 "Flax variables with a 'params' collection.")
+            self._check_teacher_vocabulary(weights["params"], teacher_abstract["params"])
+            return {"params": {"teacher": weights["params"]}}
+
+        return read
+
+    def _check_teacher_vocabulary(self, weights: Mapping[str, Any], abstract: Mapping[str, Any]) -> None:
+        given, expected = _vocabulary_of(weights), _vocabulary_of(abstract)
+        if given is not None and expected is not None and given != expected:
+            raise VocabularyMismatchError(
+                f"The teacher's weights score a vocabulary of {given} tokens, but the student "
+                f"scores {expected}. " + _vocabulary_advice()
+            )
+
+    # -- the Objective protocol ------------------------------------------------------------
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        """Student, teacher and projection; given variables fill what they hold (the teacher alone, or all)."""
+        given = dict((variables or {}).get("params", {}))
+        student_key, teacher_key, projection_key = jax.random.split(key, 3)
+        tokens = jnp.zeros((1, self.seq_len), jnp.int32)
+        params: dict[str, Any] = {}
+        params["student"] = given.get("student") or self.model.init(student_key, tokens)["params"]
+        params["teacher"] = given.get("teacher") or self.teacher.init(teacher_key, tokens)["params"]
+        if self.hidden:
+            if "projection" in given:
+                params["projection"] = given["projection"]
+            else:
+                student_width = self._hidden(params["student"], self.model, tokens).shape[-1]
+                teacher_width = self._hidden(params["teacher"], self.teacher, tokens).shape[-1]
+                params["projection"] = _Projection(teacher_width).init(
+                    projection_key, jnp.zeros((1, 1, student_width)))["params"]
+        return {"params": params}
+
+    def required_keys(self) -> Sequence[str]:
+        return ("text",)
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        """The weighted sum of the KL terms, the label loss and the hidden match, per scored token."""
+        inputs, targets, weights = self._windows(batch)
+        params = variables["params"]
+        student_logits, student_hidden = self._apply(params["student"], self.model, inputs)
+        teacher_logits, teacher_hidden = self._apply(params["teacher"], self.teacher, inputs)
+        teacher_logits = jax.lax.stop_gradient(teacher_logits)
+        if student_logits.shape[-1] != teacher_logits.shape[-1]:
+            raise VocabularyMismatchError(_vocabulary_message(student_logits.shape[-1], teacher_logits.shape[-1]))
+        forward, reverse = distillation_terms(student_logits, teacher_logits, self.temperature)
+        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(student_logits, targets)
+        per_token = self.temperature**2 * (self.forward * forward + self.reverse * reverse)
+        per_token = per_token + self.labels * cross_entropy
+        metrics: dict[str, Any] = {
+            "kl_forward": Mean.of(forward, weights),
+            "kl_reverse": Mean.of(reverse, weights),
+            "cross_entropy": Mean.of(cross_entropy, weights),
+            "agreement": Mean.of(jnp.argmax(student_logits, -1) == jnp.argmax(teacher_logits, -1), weights),
+        }
+        if self.hidden:
+            projected = _Projection(teacher_hidden.shape[-1]).apply({"params": params["projection"]}, student_hidden)
+            error = jnp.mean((projected - jax.lax.stop_gradient(teacher_hidden)) ** 2, axis=-1)
+            per_token = per_token + self.hidden * error
+            metrics["hidden_error"] = Mean.of(error, weights)
+        return Mean.of(per_token, weights), Aux(metrics=metrics)
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        loss, aux = self.loss(variables, batch, step)
+        return {"loss": loss, **aux.metrics}
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The validation metrics evaluate supports: the loss, both KLs, cross-entropy and agreement."""
+        return tuple(MeanMetric(name) for name in ("loss", "kl_forward", "kl_reverse", "cross_entropy", "agreement"))
+
+    # -- internals -----------------------------------------------------------------------------
+    def _apply(self, params: Any, model: nn.Module, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        if not self.hidden:
+            return model.apply({"params": params}, inputs), None
+        logits, state = model.apply({"params": params}, inputs, capture_intermediates=self._captures)
+        return logits, self._captured(state, model)
+
+    def _hidden(self, params: Any, model: nn.Module, inputs: jax.Array) -> jax.Array:
+        _, state = model.apply({"params": params}, inputs, capture_intermediates=self._captures)
+        return self._captured(state, model)
+
+    def _captures(self, module: nn.Module, method: str) -> bool:
+        return method == "__call__" and module.name == self.hidden_layer
+
+    def _captured(self, state: Mapping[str, Any], model: nn.Module) -> jax.Array:
+        found = state.get("intermediates", {}).get(self.hidden_layer, {}).get("__call__")
+        if not found:
+            raise ValueError(
+                f"{type(model).__name__} has no submodule named {self.hidden_layer!r} whose output "
+                "DistillationObjective(hidden_layer=...) could match; name one of its top-level submodules."
+            )
+        return found[0]
+
+    def _windows(self, batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if "text" not in batch:
+            raise MissingBatchKeyError(
+                f"DistillationObjective reads token windows under 'text', but the batch has keys "
+                f"{sorted(batch)}; yield {{'text': int32 [batch, {self.seq_len + 1}]}}."
+            )
+        text = batch["text"]
+        if getattr(text, "ndim", None) != 2 or text.shape[1] != self.seq_len + 1:
+            raise BatchShapeError(
+                f"Batch key 'text' has shape {tuple(getattr(text, 'shape', ()))}, but "
+                f"DistillationObjective(seq_len={self.seq_len}) expects (batch, {self.seq_len + 1})."
+            )
+        text = jnp.asarray(text, jnp.int32)
+        weights = batch.get("loss_mask")
+        weights = jnp.ones(text[:, 1:].shape, jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
+        return text[:, :-1], text[:, 1:], weights
+
+
+def _vocabulary_of(params: Mapping[str, Any]) -> int | None:
+    embed = params.get("embed", {}).get("embedding") if isinstance(params.get("embed"), Mapping) else None
+    return None if embed is None else int(embed.shape[0])
+
+
+def _vocabulary_advice() -> str:
+    return ("Distillation compares the two distributions token by token, so both must use the same "
+            "tokenizer; pick a teacher trained with the student's tokenizer or build the student with "
+            "the teacher's vocab_size.")
+
+
+def _vocabulary_message(student: int, teacher: int) -> str:
+    return f"The student's vocabulary has {student} tokens but the teacher's has {teacher}. " + _vocabulary_advice()

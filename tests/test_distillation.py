@@ -1,0 +1,140 @@
+"""DistillationObjective: the loss against a hand-written formula, learning from a trained teacher,
+a teacher read from another run's checkpoint, and teachers that cannot be compared."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew import Checkpoints, Trainer
+from dew.objectives.base import Step
+from dew.objectives.distillation import DistillationObjective, VocabularyMismatchError
+from dew.objectives.lm import LMObjective
+from dew.registry import objectives
+from dew.training.initializers import ParamsFrom
+
+from .tuning_helpers import SEQ, markov_dataset, markov_rows, student_model, teacher_model
+
+STEP = Step(step=jnp.int32(0), microstep=jnp.int32(0), updates=jnp.int32(0), key=jax.random.key(0))
+
+
+def numpy_log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_registered_as_distillation():
+    assert objectives.load("distillation") is DistillationObjective
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_loss_and_gradient_equal_the_hand_written_formula(temperature):
+    objective = DistillationObjective(student_model(), teacher_model(), SEQ, temperature=temperature,
+                                      forward=0.7, reverse=0.4, labels=0.3)
+    variables = nn.meta.unbox(objective.init(jax.random.key(0)))
+    batch = {"text": markov_rows(0, rows=3)}
+    loss, aux = objective.loss(variables, batch, STEP)
+
+    inputs, targets = batch["text"][:, :-1], batch["text"][:, 1:]
+    s = np.asarray(student_model().apply({"params": variables["params"]["student"]}, inputs), np.float64)
+    t = np.asarray(teacher_model().apply({"params": variables["params"]["teacher"]}, inputs), np.float64)
+    log_q, log_p = numpy_log_softmax(s / temperature), numpy_log_softmax(t / temperature)
+    q, p = np.exp(log_q), np.exp(log_p)
+    forward = (p * (log_p - log_q)).sum(-1)
+    reverse = (q * (log_q - log_p)).sum(-1)
+    ce = -np.take_along_axis(numpy_log_softmax(s), targets[..., None], -1)[..., 0]
+    expected = temperature**2 * (0.7 * forward + 0.4 * reverse) + 0.3 * ce
+    np.testing.assert_allclose(float(loss.value), expected.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(aux.metrics["kl_forward"].value), forward.mean(), rtol=1e-5)
+
+    # The gradient with respect to the student's logits, written out:
+    #  d/ds T^2 KL(p||q) = T (q - p);  d/ds T^2 KL(q||p) = T q (log q - log p - KL(q||p));
+    #  d/ds CE = softmax(s) - onehot(targets).
+    def through_logits(logits):
+        from dew.objectives.distillation import distillation_terms
+        f, r = distillation_terms(logits, jnp.asarray(t, jnp.float32), temperature)
+        c = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return jnp.sum(temperature**2 * (0.7 * f + 0.4 * r) + 0.3 * c)
+
+    grad = np.asarray(jax.grad(through_logits)(jnp.asarray(s, jnp.float32)), np.float64)
+    onehot = np.eye(s.shape[-1])[targets]
+    expected_grad = (0.7 * temperature * (q - p)
+                     + 0.4 * temperature * q * (log_q - log_p - reverse[..., None])
+                     + 0.3 * (np.exp(numpy_log_softmax(s)) - onehot))
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-6)
+
+    # And the objective's gradient reaches the student only.
+    grads = jax.grad(lambda v: objective.loss(v, batch, STEP)[0].total)(variables)
+    assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads["params"]["teacher"]))
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads["params"]["student"]))
+
+
+def test_hidden_states_match_through_a_learned_projection():
+    objective = DistillationObjective(student_model(), teacher_model(), SEQ, forward=0.0, hidden=1.0)
+    variables = nn.meta.unbox(objective.init(jax.random.key(0)))
+    kernel = variables["params"]["projection"]["kernel"]
+    assert kernel.shape == (8, 32)
+    batch = {"text": markov_rows(1, rows=2)}
+    loss, aux = objective.loss(variables, batch, STEP)
+
+    def final_norm(model, params):
+        _, state = model.apply({"params": params}, batch["text"][:, :-1],
+                               capture_intermediates=lambda m, name: m.name == "final_norm")
+        return np.asarray(state["intermediates"]["final_norm"]["__call__"][0])
+
+    hs = final_norm(student_model(), variables["params"]["student"])
+    ht = final_norm(teacher_model(), variables["params"]["teacher"])
+    expected = ((hs @ np.asarray(kernel) - ht) ** 2).mean(-1).mean()
+    np.testing.assert_allclose(float(loss.value), expected, rtol=1e-5)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_naming_both():
+    with pytest.raises(VocabularyMismatchError, match=r"student's vocabulary has 12 tokens but the teacher's has 16"):
+        DistillationObjective(student_model(vocab=12), teacher_model(), SEQ)
+    # Weights of another vocabulary, read for a teacher module that claims the right one.
+    objective = DistillationObjective(student_model(), teacher_model(), SEQ)
+    wrong = nn.meta.unbox(student_model(vocab=20).init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32)))
+    trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), initializer=objective.teacher_from(wrong))
+    with pytest.raises(VocabularyMismatchError, match=r"vocabulary of 20 tokens, but the student scores 16"):
+        trainer.place()
+
+
+def kl_to(teacher_params, student_params, rows):
+    t = teacher_model().apply({"params": teacher_params}, rows[:, :-1])
+    s = student_model().apply({"params": student_params}, rows[:, :-1])
+    log_p, log_q = jax.nn.log_softmax(t), jax.nn.log_softmax(s)
+    return float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1)))
+
+
+@pytest.mark.slow
+def test_a_student_distilled_from_a_checkpointed_teacher_gets_closer_to_it_than_one_trained_on_labels(tmp_path):
+    data = markov_dataset()
+    teacher_run = Trainer(LMObjective(teacher_model(), SEQ), optax.adam(3e-3), key=jax.random.key(0),
+                          checkpoints=Checkpoints(tmp_path / "teacher"))
+    teacher = jax.device_get(teacher_run.fit(data, steps=150, log_every=150).params)["params"]
+
+    objective = DistillationObjective(student_model(), teacher_model(), SEQ, temperature=1.0)
+    distill = Trainer(objective, optax.adam(3e-3), key=jax.random.key(1),
+                      initializer=objective.teacher_from(ParamsFrom(tmp_path / "teacher")))
+    start = jax.device_get(distill.place()[0].params)["params"]
+    jax.tree.map(np.testing.assert_array_equal, start["teacher"], teacher)  # read from the checkpoint
+    state = distill.fit(markov_dataset(), steps=60, log_every=60)
+    assert not [p for p in jax.tree_util.tree_flatten_with_path(state.opt_state)[0] if "teacher" in str(p[0])]
+    distilled = jax.device_get(state.params)["params"]["student"]
+
+    # The same student, from the same weights, trained on the labels for as many steps.
+    labels = Trainer(LMObjective(student_model(), SEQ), optax.adam(3e-3), key=jax.random.key(1),
+                     initializer={"params": start["student"]})
+    labelled = jax.device_get(labels.fit(markov_dataset(), steps=60, log_every=60).params)["params"]
+
+    held_out = markov_rows(10_000, rows=64)
+    before = kl_to(teacher, start["student"], held_out)
+    after_distill, after_labels = kl_to(teacher, distilled, held_out), kl_to(teacher, labelled, held_out)
+    print(f"KL(teacher || student): start {before:.4f}, labels {after_labels:.4f}, distilled {after_distill:.4f}")
+    assert after_distill < after_labels < before
+    assert after_distill < 0.9 * after_labels

@@ -1,0 +1,125 @@
+"""JepaObjective: masks, the EMA target encoder against a hand computation, and a linear probe on digits."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew import Checkpoints, Trainer
+from dew.nn.vit import ViTEncoder
+from dew.objectives.base import Step
+from dew.objectives.jepa import JepaObjective, MaskCoversImageError, block_masks, collapse_metrics
+from dew.registry import objectives
+
+from .tuning_helpers import counting_dataset, digit_images
+
+STEP = Step(step=jnp.int32(0), microstep=jnp.int32(0), updates=jnp.int32(0), key=jax.random.key(0))
+
+
+def encoder(**overrides):
+    fields = dict(image_size=8, patch=2, channels=1, emb_features=32, num_layers=2, num_heads=2, mlp_features=64)
+    return ViTEncoder(**{**fields, **overrides})
+
+
+def digits():
+    return digit_images()
+
+
+def digit_dataset(images, rows=64):
+    return counting_dataset(
+        lambda i: {"image": images[np.random.default_rng(i).choice(len(images), rows, replace=False)]}, rows)
+
+
+def test_registered_and_every_parameter_has_logical_axes():
+    assert objectives.load("jepa") is JepaObjective
+    objective = JepaObjective(encoder(), blocks=3)
+    abstract = jax.eval_shape(objective.init, jax.random.key(0))
+    boxed = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert boxed and all(isinstance(x, nn.LogicallyPartitioned) for x in boxed)
+
+
+def test_image_blocks_and_video_tubes_and_a_mask_over_the_whole_image_is_refused():
+    masks = np.asarray(block_masks(jax.random.key(3), (1, 4, 4), 3, (2, 2)))
+    assert masks.shape == (3, 16) and (masks.sum(1) == 4).all()
+    for m in masks:  # each a 2x2 rectangle of the 4x4 grid
+        rows, columns = np.nonzero(m.reshape(4, 4))
+        assert np.ptp(rows) == 1 and np.ptp(columns) == 1
+    tubes = np.asarray(block_masks(jax.random.key(3), (3, 4, 4), 3, (2, 2))).reshape(3, 3, 16)
+    assert (tubes == tubes[:, :1]).all() and (tubes[:, 0] == masks).all()  # the same rectangle in every frame
+    with pytest.raises(MaskCoversImageError, match=r"4 blocks of 2x2 patches can hide all 16 patches .* below 16"):
+        JepaObjective(encoder(), blocks=4, block=(2, 2))
+    with pytest.raises(MaskCoversImageError, match=r"1 blocks of 5x1 patches"):
+        JepaObjective(encoder(), blocks=1, block=(5, 1))
+
+
+def test_the_context_encoder_sees_only_visible_patches_and_videos_train():
+    model = encoder()
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
+    pixels = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
+    visible = jnp.asarray(np.random.default_rng(0).random((2, 16)) < 0.5).at[:, 0].set(True)
+    noise = jnp.where(jnp.repeat(jnp.repeat(~visible.reshape(2, 4, 4), 2, 1), 2, 2)[..., None], 5.0, 0.0)
+    a, b = model.apply(variables, pixels, visible), model.apply(variables, pixels + noise, visible)
+    np.testing.assert_allclose(np.asarray(a)[np.asarray(visible)], np.asarray(b)[np.asarray(visible)], atol=1e-5)
+    video = JepaObjective(encoder(frames=4, tubelet=2), input_key="video", blocks=2)
+    variables = nn.meta.unbox(video.init(jax.random.key(0)))
+    loss, aux = video.loss(variables, {"video": jax.random.normal(jax.random.key(2), (2, 4, 8, 8, 1))}, STEP)
+    assert float(loss.count) == 2 * 2 * 4 * 2 and np.isfinite(float(loss.value))  # rows x blocks x 4 patches x 2 times
+    assert set(aux.metrics) >= {"embedding_std", "effective_rank"}
+
+
+def test_collapse_metrics_tell_collapsed_from_spread_embeddings():
+    collapsed = collapse_metrics(jnp.ones((32, 8)) + 1e-4 * jax.random.normal(jax.random.key(0), (32, 8)))
+    spread = collapse_metrics(jax.random.normal(jax.random.key(1), (32, 8)))
+    assert float(collapsed["embedding_std"]) < 1e-3 < 0.2 < float(spread["embedding_std"])
+    assert float(spread["effective_rank"]) > 6.0
+
+
+def momentum(updates, start, end, steps):
+    progress = min(updates / steps, 1.0)
+    return end - (end - start) * (np.cos(np.pi * progress) + 1) / 2
+
+
+def test_the_target_encoder_is_the_ema_of_the_context_encoder_at_every_step(tmp_path):
+    images, _ = digits()
+    objective = JepaObjective(encoder(emb_features=16, num_layers=1, mlp_features=32), blocks=3,
+                              predictor_features=16, predictor_layers=1, momentum=(0.9, 1.0), momentum_steps=4)
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path))
+    state, _, _ = trainer.place()
+    target = jax.device_get(state.params)["params"]["encoder"]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.ema)["params"]["encoder"], target)
+    for step in range(1, 6):
+        state = trainer.fit(digit_dataset(images, rows=16), steps=step, log_every=1, checkpoint_every=1)
+        live = jax.device_get(state.params)["params"]["encoder"]
+        rate = momentum(step - 1, 0.9, 1.0, 4)
+        target = jax.tree.map(lambda t, p, r=rate: r * t + (1 - r) * p, target, live)
+        kept = jax.device_get(state.ema)["params"]["encoder"]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), kept, target)
+    assert "predictor" not in jax.device_get(state.ema)["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "Not yet shown: after 300-2000 steps on the 8x8 digits, a logistic-regression probe on the mean-pooled "
+    "features of the trained encoder scores about the same as (or below) the random encoder's (0.45-0.81 "
+    "against 0.49-0.76 over the settings tried), so the proof the issue asks for is still open."))
+def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
+    from sklearn.linear_model import LogisticRegression
+
+    images, labels = digits()
+    objective = JepaObjective(encoder(), blocks=3, momentum=(0.99, 1.0), momentum_steps=300)
+    trainer = Trainer(objective, optax.adamw(2e-3, weight_decay=0.05), key=jax.random.key(0))
+    random_variables = jax.device_get(trainer.place()[0].params)
+    state = trainer.fit(digit_dataset(images), steps=300, log_every=100)
+
+    def probe(variables):
+        features = np.asarray(jax.jit(objective.features)(variables, images))
+        fit = LogisticRegression(max_iter=2000).fit(features[:1200], labels[:1200])
+        return fit.score(features[1200:], labels[1200:])
+
+    random, trained = probe(random_variables), probe(jax.device_get(state.averaged))
+    print(f"linear probe accuracy on digits: random encoder {random:.3f}, JEPA target encoder {trained:.3f}")
+    assert trained > random + 0.1

@@ -1,0 +1,135 @@
+"""Supervised fine-tuning: loss masks, packed documents and the prompt/completion reader."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data.errors import MissingKeyError
+from dew.data.prompt_completion import (
+    CompletionTooLongError,
+    NothingToScoreWarning,
+    PromptCompletion,
+)
+from dew.nn.backbones import CausalTransformer
+from dew.objectives.base import Step
+from dew.objectives.lm import LMObjective
+from dew.registry import datasets
+
+MODEL = CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2, mlp_features=32,
+                          max_seq_len=16)
+SEQ = 15
+STEP = Step(step=jnp.int32(0), microstep=jnp.int32(0), updates=jnp.int32(0), key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def variables():
+    return nn.meta.unbox(LMObjective(MODEL, SEQ).init(jax.random.key(0)))
+
+
+def rows(seed, count=3):
+    return np.random.default_rng(seed).integers(0, 32, size=(count, SEQ + 1)).astype(np.int32)
+
+
+def test_masked_positions_contribute_exactly_zero_gradient(variables):
+    objective = LMObjective(MODEL, SEQ)
+    text = rows(0)
+    mask = (np.random.default_rng(1).random(text.shape) < 0.5).astype(np.int32)
+    mask[:, 1] = 1  # every row scores something
+    mask[:, -1] = 0  # the last token is a target only, never read
+    grad = jax.grad(lambda v: objective.loss(v, {"text": text, "loss_mask": mask}, STEP)[0].total)(variables)
+
+    # Independently: the cross-entropy summed over the unmasked targets alone.
+    def hand(v):
+        logits = MODEL.apply(v, text[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, text[:, 1:])
+        return jnp.sum(jnp.where(mask[:, 1:] == 1, ce, 0.0))
+
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grad, jax.grad(hand)(variables))
+    # A masked target may be anything: the gradient does not change by a bit.
+    scrambled = text.copy()
+    scrambled[:, -1] = (text[:, -1] + 7) % 32
+    again = jax.grad(lambda v: objective.loss(v, {"text": scrambled, "loss_mask": mask}, STEP)[0].total)(variables)
+    jax.tree.map(np.testing.assert_array_equal, grad, again)
+    loss, aux = objective.loss(variables, {"text": text, "loss_mask": mask}, STEP)
+    assert float(loss.count) == mask[:, 1:].sum() and float(aux.metrics["accuracy"].count) == mask[:, 1:].sum()
+
+
+def test_packed_documents_give_each_document_its_unpacked_loss(variables):
+    objective = LMObjective(MODEL, SEQ)
+    rng = np.random.default_rng(2)
+    documents = [rng.integers(0, 32, size=n).astype(np.int32) for n in (5, 7, 4)]
+    text = np.zeros((1, SEQ + 1), np.int32)
+    segments = np.zeros((1, SEQ + 1), np.int32)
+    start = 0
+    for number, doc in enumerate(documents, 1):
+        text[0, start:start + len(doc)], segments[0, start:start + len(doc)] = doc, number
+        start += len(doc)
+    text[0, start:] = rng.integers(0, 32, size=SEQ + 1 - start)  # padding: anything
+
+    totals = []
+    for number, doc in enumerate(documents, 1):
+        only = (segments == number).astype(np.int32)
+        loss, _ = objective.loss(variables, {"text": text, "segment_ids": segments, "loss_mask": only}, STEP)
+        # The document alone, as the model reads it with no packing at all.
+        logits = MODEL.apply(variables, doc[None, :-1])
+        alone = optax.softmax_cross_entropy_with_integer_labels(logits, doc[None, 1:])
+        np.testing.assert_allclose(float(loss.total), float(alone.sum()), rtol=2e-5)
+        assert float(loss.count) == len(doc) - 1
+        totals.append(float(loss.total))
+    packed, _ = objective.loss(variables, {"text": text, "segment_ids": segments}, STEP)
+    np.testing.assert_allclose(float(packed.total), sum(totals), rtol=2e-5)
+    assert float(packed.count) == sum(len(d) - 1 for d in documents)
+
+
+def write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_the_reader_masks_prompts_and_packs_records_into_numbered_segments(tmp_path):
+    files = write(tmp_path / "a.jsonl", [{"prompt": "ab", "completion": "c"}, {"prompt": "de", "completion": "fg"},
+                                         {"prompt": "hijk", "completion": "lmn"}])
+    reader = datasets.build("prompt_completion", files=files, length=9)
+    got = reader.rows()
+    eos = 256
+    assert got["text"].tolist() == [
+        [97, 98, 99, eos, 100, 101, 102, 103, eos, eos],
+        [104, 105, 106, 107, 108, 109, 110, eos, eos, eos],
+    ]
+    assert got["loss_mask"].tolist() == [[0, 0, 1, 1, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]]
+    assert got["segment_ids"].tolist() == [[1, 1, 1, 1, 2, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]]
+    unpacked = PromptCompletion(files=files, length=9, pack=False).rows()
+    assert unpacked["text"].shape == (3, 10) and unpacked["segment_ids"].max() == 1
+    from dew.data import DataPartition
+
+    batch = next(reader.load(batch=2).train(DataPartition()))
+    assert set(batch) == {"text", "loss_mask", "segment_ids"} and batch["text"].shape == (2, 10)
+
+
+def test_a_long_prompt_loses_its_start_and_a_long_completion_fails_naming_the_record_and_limit(tmp_path):
+    files = write(tmp_path / "b.jsonl", [{"prompt": "0123456789", "completion": "abc"}])
+    got = PromptCompletion(files=files, length=5).rows()
+    assert got["text"][0].tolist() == [56, 57, 97, 98, 99, 256]  # the prompt's last two bytes remain
+    too_long = write(tmp_path / "c.jsonl", [{"prompt": "p", "completion": "ok"}, {"prompt": "p", "completion": "abcdefgh"}])
+    with pytest.raises(CompletionTooLongError, match=r"c\.jsonl:2: the completion is 9 tokens .* length \+ 1 = 6"):
+        PromptCompletion(files=too_long, length=5).rows()
+
+
+def test_a_record_with_nothing_to_score_warns_naming_it_and_is_skipped(tmp_path):
+    files = write(tmp_path / "d.jsonl", [{"prompt": "p", "completion": ""}, {"prompt": "q", "completion": "r"}])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = PromptCompletion(files=files, length=5).rows()
+    assert [str(w.message) for w in caught if w.category is NothingToScoreWarning][0].startswith(
+        f"{tmp_path / 'd.jsonl'}:1 has an empty completion")
+    assert got["text"].shape == (1, 6) and got["loss_mask"].sum() == 2
+    with pytest.raises(MissingKeyError, match=r"d2\.jsonl:1 has no text under 'completion'"):
+        PromptCompletion(files=write(tmp_path / "d2.jsonl", [{"prompt": "p", "answer": "x"}]), length=5).rows()
