@@ -104,7 +104,7 @@ def test_trainer_kwargs_build_the_trainers_own_objects():
 
 def test_fit_kwargs_count_epochs_in_steps():
     assert fit_kwargs(TrainerConfig(epochs=2.5, log_every=7), steps_per_epoch=4) == {
-        "steps": 10, "log_every": 7, "eval_every": None, "checkpoint_every": None}
+        "steps": 10, "log_every": 7, "eval_every": None, "checkpoint_every": None, "preview": False}
     with pytest.raises(ValueError, match="set trainer.steps instead"):
         fit_kwargs(TrainerConfig(epochs=1), steps_per_epoch=None)
 

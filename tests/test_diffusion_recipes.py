@@ -14,7 +14,8 @@ from dew.recipes.run import build_objective, train
 
 
 def _run(name, tmp_path, overrides=()):
-    config = RunConfig.load(name, [f"trackers.0.directory={tmp_path}/run", *overrides])
+    config = RunConfig.load(name, [f"trackers.0.directory={tmp_path}/run",
+                                   f"trainer.checkpoint_dir={tmp_path}/run", *overrides])
     state = train(config)
     return config, state
 
