@@ -17,10 +17,8 @@ so its figure sits a little above 1. On a CPU the process peak is rougher.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import textwrap
+
+from reference_memory import STEP_MB, report, run
 
 PROGRAM = """
 import contextlib, io, itertools, json, resource, sys
@@ -45,24 +43,12 @@ baseline = rss_mb()
 trainer = Trainer(objective, optax.adam(1e-4), key=jax.random.key(0))
 with contextlib.redirect_stdout(io.StringIO()):
     state = trainer.fit(data, steps=3, log_every=3)
-from dew.training.mesh import data_partition, shard_batch
-sharded = shard_batch(batch, trainer.device_mesh, data_partition(trainer.device_mesh))
-memory = trainer.compile(state, sharded).executable.memory_analysis()
-step_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-           + memory.temp_size_in_bytes) / 2**20
+""" + STEP_MB + """
 size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree)) / 2**20
 teacher_mb = size(state.params["params"]["teacher"]) if cfg["teacher"] else 0.0
 print(json.dumps({"peak_mb": rss_mb() - baseline, "step_mb": step_mb, "state_mb": size(state),
                   "teacher_mb": teacher_mb}))
 """
-
-
-def run(cfg: dict) -> dict:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(PROGRAM), json.dumps(cfg)],
-                            capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise SystemExit(result.stderr[-3000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -71,17 +57,12 @@ def main() -> None:
     parser.add_argument("--teacher-layers", type=int, default=4)
     args = parser.parse_args()
     cfg = {"teacher_width": args.teacher_width, "teacher_layers": args.teacher_layers}
-    alone = run({**cfg, "teacher": False})
-    both = run({**cfg, "teacher": True})
+    alone = run(PROGRAM, {**cfg, "teacher": False})
+    both = run(PROGRAM, {**cfg, "teacher": True})
     teacher = both["teacher_mb"]
     print(f"teacher: {args.teacher_layers} layers of width {args.teacher_width}, {teacher:.1f} MB of parameters; "
           "student: 1 layer of width 64; adam")
-    for name, row in (("student on labels", alone), ("student distilled", both)):
-        print(f"  {name:>18}: state {row['state_mb']:7.1f} MB, compiled step {row['step_mb']:7.1f} MB, "
-              f"process peak +{row['peak_mb']:7.1f} MB")
-    copies = lambda key: (both[key] - alone[key]) / teacher  # noqa: E731
-    print(f"the teacher costs (in copies of its bytes; target 1): state {copies('state_mb'):.2f}, "
-          f"compiled step {copies('step_mb'):.2f}, process peak {copies('peak_mb'):.2f}")
+    report({"student on labels": alone, "student distilled": both}, teacher, "the teacher")
 
 
 if __name__ == "__main__":

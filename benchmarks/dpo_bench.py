@@ -17,10 +17,8 @@ peak is the rougher figure.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import textwrap
+
+from reference_memory import STEP_MB, report, run
 
 PROGRAM = """
 import contextlib, io, itertools, json, resource, sys
@@ -49,23 +47,11 @@ trainer = Trainer(objective, optax.adam(1e-4), key=jax.random.key(0))
 baseline = rss_mb()
 with contextlib.redirect_stdout(io.StringIO()):
     state = trainer.fit(data, steps=3, log_every=3)
-from dew.training.mesh import data_partition, shard_batch
-sharded = shard_batch(batch, trainer.device_mesh, data_partition(trainer.device_mesh))
-memory = trainer.compile(state, sharded).executable.memory_analysis()
-step_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-           + memory.temp_size_in_bytes) / 2**20
+""" + STEP_MB + """
 size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree)) / 2**20
 print(json.dumps({"peak_mb": rss_mb() - baseline, "step_mb": step_mb, "state_mb": size(state),
                   "policy_mb": size(state.params["params"])}))
 """
-
-
-def run(cfg: dict) -> dict:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(PROGRAM), json.dumps(cfg)],
-                            capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise SystemExit(result.stderr[-3000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -73,17 +59,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     cfg = vars(parser.parse_args())
-    alone = run({**cfg, "reference": False})
-    held = run({**cfg, "reference": True})
+    alone = run(PROGRAM, {**cfg, "reference": False})
+    held = run(PROGRAM, {**cfg, "reference": True})
     model = alone["policy_mb"]
     print(f"policy: causal transformer, {cfg['layers']} layers of width {cfg['width']}, "
           f"{model:.1f} MB of parameters, adam")
-    for name, row in (("precomputed reference", alone), ("frozen reference held", held)):
-        print(f"  {name:>22}: state {row['state_mb']:7.1f} MB, compiled step {row['step_mb']:7.1f} MB, "
-              f"process peak +{row['peak_mb']:7.1f} MB")
-    copies = lambda key: (held[key] - alone[key]) / model  # noqa: E731
-    print(f"the reference costs (in copies of the policy's bytes; target 1): state {copies('state_mb'):.2f}, "
-          f"compiled step {copies('step_mb'):.2f}, process peak {copies('peak_mb'):.2f}")
+    report({"precomputed reference": alone, "frozen reference held": held}, model, "the reference")
 
 
 if __name__ == "__main__":

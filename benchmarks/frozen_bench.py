@@ -17,10 +17,8 @@ allocator keeps after freeing.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import textwrap
+
+from reference_memory import STEP_MB, report, run
 
 PROGRAM = """
 import itertools, io, contextlib, json, resource, sys
@@ -68,11 +66,7 @@ trainer = Trainer(Objective_(), optax.adam(1e-4), key=jax.random.key(0))
 baseline = rss_mb()
 with contextlib.redirect_stdout(io.StringIO()):
     state = trainer.fit(data, steps=3, log_every=3)
-from dew.training.mesh import data_partition, shard_batch
-sharded = shard_batch(batch, trainer.device_mesh, data_partition(trainer.device_mesh))
-memory = trainer.compile(state, sharded).executable.memory_analysis()
-step_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-           + memory.temp_size_in_bytes) / 2**20
+""" + STEP_MB + """
 size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
 state_mb = size(state) / 2**20
 print(json.dumps({"peak_mb": rss_mb() - baseline, "step_mb": step_mb, "state_mb": size(state) / 2**20,
@@ -80,30 +74,17 @@ print(json.dumps({"peak_mb": rss_mb() - baseline, "step_mb": step_mb, "state_mb"
 """
 
 
-def run(cfg: dict) -> dict:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(PROGRAM), json.dumps(cfg)],
-                            capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise SystemExit(result.stderr[-3000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     cfg = vars(parser.parse_args())
-    alone = run({**cfg, "reference": False})
-    both = run({**cfg, "reference": True})
+    alone = run(PROGRAM, {**cfg, "reference": False})
+    both = run(PROGRAM, {**cfg, "reference": True})
     model = alone["policy_mb"]
     print(f"model: {cfg['layers']} dense layers of {cfg['width']}x{cfg['width']}, "
           f"{model:.1f} MB of parameters, adam")
-    for name, row in (("trained alone", alone), ("with a frozen reference", both)):
-        print(f"  {name:>24}: state {row['state_mb']:7.1f} MB, compiled step {row['step_mb']:7.1f} MB, "
-              f"process peak +{row['peak_mb']:7.1f} MB")
-    copies = lambda key: (both[key] - alone[key]) / model  # noqa: E731
-    print(f"the reference costs (in copies of the model's bytes; target 1): state {copies('state_mb'):.2f}, "
-          f"compiled step {copies('step_mb'):.2f}, process peak {copies('peak_mb'):.2f}")
+    report({"trained alone": alone, "with a frozen reference": both}, model, "the reference")
 
 
 if __name__ == "__main__":
