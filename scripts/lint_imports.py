@@ -4,13 +4,14 @@ import-linter finds a root package's files through ``importlib.util.find_spec``,
 whose search locations list only dew-core's ``dew/`` directory: the other
 distributions join the package through ``pkgutil.extend_path`` when ``dew`` is
 imported. This script imports ``dew``, points its spec at every portion, and
-runs the contracts from pyproject.toml. A forbidden module that no distribution
-ships yet (a contract written ahead of its code) cannot be imported by anyone,
-so it is dropped from the check with a note rather than failing the run.
+runs the contracts from pyproject.toml. A contract that names a module no
+distribution ships fails the run: a contract about a module that does not
+exist would pass without checking anything.
 
-One contract is added to those of pyproject.toml, generated from the source
-tree so that it never falls behind: no module of dew-core imports any module
-that dew-objectives, dew-trackers or dew-data ships.
+Contracts between the distributions are generated from the source tree, so
+they never fall behind it: no module of dew-core imports a module of the other
+three, dew-data and dew-trackers import nothing of each other or of
+dew-objectives, and dew-objectives imports nothing of dew-trackers.
 """
 
 from __future__ import annotations
@@ -35,27 +36,33 @@ def _exists(module: str) -> bool:
         return False
 
 
+class MissingModuleError(ValueError):
+    """A contract names a module that no installed distribution ships."""
+
+
 def _ini(settings: dict) -> str:
     """The [tool.importlinter] table as import-linter's INI configuration."""
     parser = configparser.ConfigParser()
     head = {k: v for k, v in settings.items() if k != "contracts"}
     parser["importlinter"] = {k: _value(v) for k, v in head.items()}
     for index, contract in enumerate(settings.get("contracts", [])):
-        contract = dict(contract)
         for key in ("source_modules", "forbidden_modules"):
-            if key in contract:
-                kept = [m for m in contract[key] if _exists(m)]
-                for missing in sorted(set(contract[key]) - set(kept)):
-                    print(f"note: {contract['name']!r}: {missing} does not exist yet; "
-                          f"nothing can import it", file=sys.stderr)
-                contract[key] = kept
-        if not contract.get("source_modules") or not contract.get("forbidden_modules", [None]):
-            print(f"note: {contract['name']!r} has nothing to check yet", file=sys.stderr)
-            continue
+            missing = [m for m in contract.get(key, []) if not _exists(m) and not _external(m)]
+            if missing:
+                raise MissingModuleError(
+                    f"contract {contract['name']!r} names {', '.join(missing)} in {key}, which no "
+                    f"installed distribution ships: it would check nothing. Install the "
+                    f"distribution, or fix the contract in pyproject.toml."
+                )
         parser[f"importlinter:contract:{index}"] = {k: _value(v) for k, v in contract.items()}
     with tempfile.NamedTemporaryFile("w", suffix=".ini", delete=False) as file:
         parser.write(file)
     return file.name
+
+
+def _external(module: str) -> bool:
+    """A third-party package (not under dew) that a contract forbids: present or not, it is a name."""
+    return module.partition(".")[0] != "dew"
 
 
 def _value(value: object) -> str:
@@ -75,17 +82,34 @@ def _modules(source: Path) -> list[str]:
     return names
 
 
-def core_contract() -> dict:
-    """dew-core's modules import no module of the other three distributions, read from the tree."""
-    others = [m for d in ("dew-objectives", "dew-trackers", "dew-data")
-              for m in _modules(ROOT / d / "src")]
+DISTRIBUTIONS = ("dew-core", "dew-objectives", "dew-trackers", "dew-data")
+
+
+def distribution_contract(source: str, forbidden: tuple[str, ...]) -> dict:
+    """No module of the source distribution imports a module of the forbidden ones, read from src/."""
+    others = [m for d in forbidden for m in _modules(ROOT / d / "src")]
     return {
-        "name": "dew-core imports no module of another distribution (every module, from src/)",
+        "name": f"{source} imports no module of {', '.join(forbidden)} (every module, from src/)",
         "type": "forbidden",
-        "source_modules": _modules(ROOT / "dew-core" / "src"),
+        "source_modules": _modules(ROOT / source / "src"),
         "forbidden_modules": others,
         "as_packages": "False",
     }
+
+
+def core_contract() -> dict:
+    """dew-core's modules import no module of the other three distributions."""
+    return distribution_contract("dew-core", DISTRIBUTIONS[1:])
+
+
+def generated_contracts() -> list[dict]:
+    """The contracts between distributions: what each may not import of the others."""
+    return [
+        core_contract(),
+        distribution_contract("dew-data", ("dew-objectives", "dew-trackers")),
+        distribution_contract("dew-trackers", ("dew-objectives", "dew-data")),
+        distribution_contract("dew-objectives", ("dew-trackers",)),
+    ]
 
 
 def main() -> int:
@@ -94,8 +118,12 @@ def main() -> int:
     # Every portion of the shared package, not only dew-core's.
     dew.__spec__.submodule_search_locations[:] = list(dew.__path__)
     settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    settings["contracts"] = [*settings.get("contracts", []), core_contract()]
-    config = _ini(settings)
+    settings["contracts"] = [*settings.get("contracts", []), *generated_contracts()]
+    try:
+        config = _ini(settings)
+    except MissingModuleError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
     from importlinter.cli import lint_imports
 

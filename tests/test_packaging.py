@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import fresh_venv as fv  # tests/ is on sys.path (conftest.py)
+import fresh_venv as fv  # every test folder is on sys.path (conftest.py)
 
 pytestmark = pytest.mark.slow
-
-
-OBJECTIVES_LM = fv.ROOT / "dew-objectives" / "src" / "dew" / "objectives" / "lm.py"
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +55,13 @@ def attempt(label, action):
     except Exception as error:
         out["errors"][label] = [type(error).__name__, str(error)]
 attempt("base", lambda: importlib.import_module("dew.objectives.base"))
-attempt("lm", lambda: importlib.import_module("dew.objectives.lm").LMObjective)
+attempt("lm", lambda: registry.objectives.load("lm"))
+attempt("lm_module", lambda: importlib.import_module("dew.objectives.lm"))
 attempt("tensorboard", lambda: dew.training.TensorBoardTracker)
 attempt("tokenizer", lambda: dew.data.ByteTokenizer)
 attempt("model", lambda: dew.models.load("causal_transformer"))
+from dew._surface import install_hint
+out["hint"] = install_hint("dew-trackers", "tensorboard")
 print(json.dumps(out))
 """
 
@@ -87,14 +87,14 @@ def test_core_alone(tmp_path, wheels, dependencies):
     assert set(out["names"]["trackers"].values()) == {"dew-core"}
     assert out["names"]["objectives"] == {}
     assert "base" in out["files"]
-    kind, message = out["errors"]["lm"]
-    assert kind == "MissingDistributionError" and "pip install dew-objectives" in message
-    kind, message = out["errors"]["tensorboard"]
-    assert kind == "MissingDistributionError" and "dew-trackers[tensorboard]" in message
+    kind, message = out["errors"]["lm"]  # a registry name from an absent distribution
+    assert kind == "UnknownNameError" and "pip install dew-objectives" in message
+    assert out["errors"]["lm_module"][0] == "ModuleNotFoundError"  # a plain import stays Python's
+    kind, message = out["errors"]["tensorboard"]  # a surface name from an absent distribution
+    assert kind == "MissingDistributionError" and "pip install dew-trackers" in message
     kind, message = out["errors"]["tokenizer"]
-    assert kind == "MissingDistributionError" and "dew-data" in message
-    if "model" in out["errors"]:  # the backbone module may not be written yet
-        assert out["errors"]["model"][0] != "MissingDistributionError", out["errors"]["model"]
+    assert kind == "MissingDistributionError" and "pip install dew-data" in message
+    assert "model" not in out["errors"] and out["files"]["model"].startswith(str(tmp_path / "venv"))
 
 
 def test_core_and_objectives(tmp_path, wheels, dependencies):
@@ -103,8 +103,7 @@ def test_core_and_objectives(tmp_path, wheels, dependencies):
     assert out["names"]["objectives"]["lm"] == "dew-objectives"
     site = str(tmp_path / "venv")
     assert out["files"]["base"].startswith(site)
-    if OBJECTIVES_LM.exists():
-        assert out["files"]["lm"].startswith(site), out["errors"].get("lm")
+    assert out["files"]["lm"].startswith(site), out["errors"].get("lm")
     assert out["errors"]["tensorboard"][0] == "MissingDistributionError"
     assert out["errors"]["tokenizer"][0] == "MissingDistributionError"
 
@@ -117,8 +116,9 @@ def test_all_four(tmp_path, wheels, dependencies):
     assert out["names"]["objectives"]["lm"] == "dew-objectives"
     assert "tensorboard" not in out["errors"] or (
         out["errors"]["tensorboard"][0] != "MissingDistributionError"), out["errors"]
-    if (fv.ROOT / "dew-data/src/dew/data/tokenizers.py").exists():
-        assert out["files"]["tokenizer"].startswith(str(tmp_path / "venv")), out["errors"]
+    assert out["files"]["tokenizer"].startswith(str(tmp_path / "venv")), out["errors"]
+    # the extra comes from dew-trackers' own metadata, as installed from its wheel
+    assert "pip install 'dew-trackers[tensorboard]'" in out["hint"], out["hint"]
     help_text = fv.run([str(python.parent / "dew"), "--help"], cwd="/").stdout
     assert "train" in help_text
 
@@ -131,6 +131,5 @@ def test_editable_core_beside_a_plugin_wheel(tmp_path, wheels, dependencies):
     assert out["files"]["base"] == str(fv.ROOT / "dew-core/src/dew/objectives/base.py")
     assert out["names"]["models"]["causal_transformer"] == "dew-core"
     assert out["names"]["objectives"]["lm"] == "dew-objectives"
-    if OBJECTIVES_LM.exists():
-        assert out["files"]["lm"].startswith(str(tmp_path / "venv")), out["errors"].get("lm")
+    assert out["files"]["lm"].startswith(str(tmp_path / "venv")), out["errors"].get("lm")
     assert out["errors"]["tensorboard"][0] == "MissingDistributionError"

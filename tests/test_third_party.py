@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import fresh_venv as fv  # tests/ is on sys.path (conftest.py)
+import fresh_venv as fv  # every test folder is on sys.path (conftest.py)
 
 pytestmark = pytest.mark.slow
 

@@ -1,33 +1,33 @@
 """dew trains JAX models: a Flax model, an Objective, a Dataset and the Trainer.
 
-Every public name here is resolved on first use, so ``import dew`` costs
-almost nothing and imports no tracker backend, Grain or plugin.
+The names below are imported on first use, so ``import dew`` costs almost
+nothing: no JAX, no tracker backend, no Grain, no plugin.
 """
+
+from __future__ import annotations
 
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)  # noqa: F821
 
-from dew._lazy import Export, exporter, install_finder
-from dew._lazy import MissingDistributionError as MissingDistributionError
+from typing import TYPE_CHECKING
 
-install_finder()  # a module of an absent distribution fails naming what to install
+from dew._surface import MissingDistributionError as MissingDistributionError
+from dew._surface import surface
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "Trainer": Export("dew.training.trainer"),
-    "TrainState": Export("dew.training.state"),
-    "Checkpoints": Export("dew.training.checkpoints"),
-    "MeshSpec": Export("dew.training.mesh"),
-    "Layout": Export("dew.training.layout"),
-    "Dataset": Export("dew.data.base"),
-    "DataPartition": Export("dew.data.base"),
-    "Objective": Export("dew.objectives.base"),
-    "models": Export("dew.models", attribute=""),
-    "registry": Export("dew.registry", attribute=""),
-    "plugins": Export("dew.plugins", attribute=""),
-    "profile": Export("dew.telemetry.profiling"),
-    "Pretrained": Export("dew.pretrained.model"),
-}
+if TYPE_CHECKING:
+    from dew import models as models
+    from dew import plugins as plugins
+    from dew import registry as registry
+    from dew.data.base import DataPartition as DataPartition
+    from dew.data.base import Dataset as Dataset
+    from dew.objectives.base import Objective as Objective
+    from dew.pretrained.model import Pretrained as Pretrained
+    from dew.telemetry.profiling import profile as profile
+    from dew.training.checkpoints import Checkpoints as Checkpoints
+    from dew.training.layout import Layout as Layout
+    from dew.training.mesh import MeshSpec as MeshSpec
+    from dew.training.state import TrainState as TrainState
+    from dew.training.trainer import Trainer as Trainer
 
-__getattr__, __dir__ = exporter(__name__, _EXPORTS)
-__all__ = sorted([*_EXPORTS, "MissingDistributionError"])
+__getattr__, __dir__, __all__ = surface(__name__, __file__, eager=("MissingDistributionError",))

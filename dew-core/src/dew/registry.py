@@ -24,7 +24,7 @@ from typing import Any
 import importlib_metadata
 import pydantic
 
-from dew._lazy import MissingDistributionError
+from dew._surface import MissingDistributionError, install_hint
 
 __all__ = [
     "GROUPS",
@@ -97,31 +97,13 @@ class Provider:
         return f"{self.distribution}[{','.join(extras)}]" if extras else self.distribution
 
     def _install_hint(self, missing: str) -> str:
-        """What to install: the extra of the distribution that requires the missing module."""
-        top = _normalize(missing.partition(".")[0])
-        extras: list[str] = []
-        dist = getattr(self.entry_point, "dist", None)
-        try:
-            dist = dist or importlib_metadata.distribution(self.distribution)
-            requires = dist.requires or []
-        except importlib_metadata.PackageNotFoundError:
-            requires = []
-        for line in requires:
-            requirement, _, marker = line.partition(";")
-            name = _normalize(re.split(r"[\s\[<>=!~(]", requirement.strip(), maxsplit=1)[0])
-            extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", marker)
-            if extra and name == top and extra.group(1) not in extras:
-                extras.append(extra.group(1))
-        extras += list(getattr(self.entry_point, "extras", None) or [])
-        if extras:
-            requirement = f"{self.distribution}[{extras[0]}]"
-            return f"Install the extra that provides it: pip install '{requirement}'."
-        if top == _normalize(self.value.partition(":")[0].partition(".")[0]):
-            return f"{self.distribution} looks incomplete; reinstall it: pip install --force-reinstall {self.distribution}."
-        return (
-            f"{self.distribution} needs the package that provides {missing!r}; "
-            f"reinstall {self.distribution} with its dependencies: pip install {self.distribution}."
-        )
+        """What to install: an extra that provides the missing module, or the distribution again."""
+        module = self.value.partition(":")[0].strip()
+        if _normalize(missing.partition(".")[0]) == _normalize(module.partition(".")[0]):
+            return (f"{self.distribution} looks incomplete; reinstall it: "
+                    f"pip install --force-reinstall {self.distribution}.")
+        extras = tuple(getattr(self.entry_point, "extras", None) or ())
+        return install_hint(self.distribution, missing, extras) + "."
 
 
 def _normalize(name: str) -> str:
@@ -317,7 +299,10 @@ def _accepts_var_keyword(component: Any) -> bool:
 
 
 def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[str, Any]:
-    """Validate kwargs for component; raise InvalidFieldsError naming the fields."""
+    """kwargs checked against component's declared fields, mappings made into their types.
+
+    Raises InvalidFieldsError naming every unknown or invalid field.
+    """
     fields = declared_fields(component)
     unknown = [k for k in kwargs if k not in fields]
     if unknown and not _accepts_var_keyword(component):
@@ -335,7 +320,7 @@ def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[s
         **{k: (_lenient(fields[k][0]), fields[k][1]) for k in fields},
     )
     try:
-        model.model_validate(known)
+        validated = model.model_validate(known)
     except pydantic.ValidationError as error:
         problems = []
         for e in error.errors():
@@ -347,7 +332,10 @@ def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[s
             f"{what} got invalid fields: " + "; ".join(problems)
             + f". Its fields are: {', '.join(fields)}."
         ) from None
-    return dict(kwargs)  # values pass through unchanged: validation only checks them
+    # A mapping or list given for a structured field (a recipe's ``sampling: {temperature: 0.8}``)
+    # becomes the declared type; every other value passes through as given.
+    return {k: getattr(validated, k) if k in known and isinstance(v, dict | list) else v
+            for k, v in kwargs.items()}
 
 
 def _lenient(annotation: Any) -> Any:

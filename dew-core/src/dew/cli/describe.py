@@ -14,12 +14,9 @@ from typing import Any
 
 __all__ = ["UnknownComponentError", "add_arguments", "describe", "run"]
 
-# Fields a recipe fills in itself, by group: the objective is handed the model,
-# and a tokenizer when the data reader has one and the recipe gives none.
-SUPPLIED = {
-    "objectives": {"model": "supplied by the recipe (its model section)",
-                   "tokenizer": "taken from the data reader when the recipe sets none"},
-}
+# What a recipe run hands an objective that declares it in Objective.run_inputs.
+SUPPLIED = {"model": "supplied by the recipe (its model section)",
+            "tokenizer": "taken from the data reader when the recipe sets none"}
 
 
 class UnknownComponentError(LookupError):
@@ -80,7 +77,9 @@ def describe(name: str) -> str:
     if doc:
         lines += ["", doc.split("\n\n")[0]]
     fields = registry.declared_fields(component)
-    supplied = SUPPLIED.get(group, {})
+    from dew.recipes.run import run_inputs
+
+    supplied = {k: v for k, v in SUPPLIED.items() if k in run_inputs(component)}
     if not fields:
         lines += ["", "no fields"]
         return "\n".join(lines)

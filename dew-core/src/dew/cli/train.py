@@ -38,6 +38,8 @@ def _type_name(annotation: Any) -> str:
 def _submodel(annotation: Any) -> type[pydantic.BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
         return annotation
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        return _as_model(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
             if isinstance(arg, type) and issubclass(arg, pydantic.BaseModel):
@@ -48,12 +50,18 @@ def _submodel(annotation: Any) -> type[pydantic.BaseModel] | None:
 
 
 def _as_model(cls: type) -> type[pydantic.BaseModel]:
-    """A pydantic model with a dataclass's fields, for listing them."""
+    """A pydantic model with a dataclass's fields (and their metadata's descriptions), for listing them."""
     hints = typing.get_type_hints(cls)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.init:
-            default = ... if f.default is dataclasses.MISSING else f.default
+            description = f.metadata.get("description")
+            if f.default is not dataclasses.MISSING:
+                default = pydantic.Field(f.default, description=description)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = pydantic.Field(default_factory=f.default_factory, description=description)
+            else:
+                default = pydantic.Field(..., description=description)
             fields[f.name] = (hints.get(f.name, Any), default)
     return pydantic.create_model(cls.__name__, **fields)
 
@@ -61,12 +69,11 @@ def _as_model(cls: type) -> type[pydantic.BaseModel]:
 def _default(field: Any) -> str:
     if field.is_required():
         return "required"
-    if field.default_factory is not None:
-        value = field.default_factory()
-        if isinstance(value, pydantic.BaseModel):
-            return ""
-        return f"= {value!r}"
-    return f"= {field.default!r}"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, pydantic.BaseModel) or dataclasses.is_dataclass(value):
+        return ""  # its own fields are listed below it
+    text = repr(value)
+    return f"= {text}" if len(text) <= 40 else "= (see the docs)"
 
 
 def field_lines(model: type[pydantic.BaseModel], prefix: str = "") -> Iterator[tuple[str, str, str]]:
@@ -89,7 +96,8 @@ def field_lines(model: type[pydantic.BaseModel], prefix: str = "") -> Iterator[t
                 yield f"{key}.N.<field>", "", "the component's own fields"
             continue
         if inner is not None:
-            optional = inner is not annotation
+            optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(
+                arg is type(None) for arg in typing.get_args(annotation))
             if optional or field.description:
                 kind = f"{inner.__name__}{' | null' if optional else ''}"
                 yield key, f"{kind} {_default(field)}".strip(), field.description or ""

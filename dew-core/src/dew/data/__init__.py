@@ -1,22 +1,23 @@
 """Datasets: the Dataset pair of iterator factories (dew-core) and the
-tokenizers and Grain-backed readers (dew-data), resolved on first use."""
+tokenizers and Grain-backed readers (dew-data), imported on first use."""
+
+from __future__ import annotations
 
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)  # noqa: F821
 
-from dew._lazy import Export, exporter
+from typing import TYPE_CHECKING
 
-_DATA = "dew-data"
-_EXPORTS = {
-    "Dataset": Export("dew.data.base"),
-    "DataPartition": Export("dew.data.base"),
-    "Reader": Export("dew.data.base"),
-    "ByteTokenizer": Export("dew.data.tokenizers", _DATA),
-    "HFTokenizer": Export("dew.data.hf_tokenizer", _DATA, "hf"),
-    "TokenWindows": Export("dew.data.token_windows", _DATA),
-    "HFImages": Export("dew.data.images", _DATA, "hf"),
-    "train_stream": Export("dew.data.stream", _DATA),
-    "ramped": Export("dew.data.ramp", _DATA),
-}
+from dew._surface import surface
 
-__getattr__, __dir__ = exporter(__name__, _EXPORTS)
-__all__ = sorted(_EXPORTS)
+if TYPE_CHECKING:
+    from dew.data.base import DataPartition as DataPartition
+    from dew.data.base import Dataset as Dataset
+    from dew.data.base import Reader as Reader
+    from dew.data.hf_tokenizer import HFTokenizer as HFTokenizer
+    from dew.data.images import HFImages as HFImages
+    from dew.data.ramp import ramped as ramped
+    from dew.data.stream import train_stream as train_stream
+    from dew.data.token_windows import TokenWindows as TokenWindows
+    from dew.data.tokenizers import ByteTokenizer as ByteTokenizer
+
+__getattr__, __dir__, __all__ = surface(__name__, __file__, elsewhere="dew-data")

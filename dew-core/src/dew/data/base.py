@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GLOBAL_POSITION", "SINGLE", "Batch", "DataPartition", "Dataset", "Reader", "Resumable", "is_global_position"]
+__all__ = ["GLOBAL_POSITION", "SINGLE", "Batch", "DataPartition", "Dataset", "Reader", "Resumable", "TextReader", "is_global_position"]
 
 Batch = Mapping[str, Any]
 
@@ -60,6 +60,19 @@ class Resumable(Protocol):
     def get_state(self) -> bytes: ...
 
     def set_state(self, state: bytes) -> None: ...
+
+
+@runtime_checkable
+class TextReader(Protocol):
+    """A dataset reader that encodes text: it says with which tokenizer.
+
+    A recipe hands that tokenizer to an objective that takes one, so the
+    model's vocabulary and the data's always agree.
+    """
+
+    def text_tokenizer(self) -> Any:
+        """The tokenizer (an object with ``encode``, ``decode`` and ``vocab_size``) this reader uses."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import flax.struct
 import jax
@@ -237,10 +237,16 @@ class Objective(Generic[Loss, Effects]):
     loss and the metrics it reports; ``preview`` to nothing. ``ema`` names the
     leaves that keep an exponential moving average (None keeps none);
     ``frozen`` the leaves that never train (None freezes none).
+
+    ``run_inputs`` says what a recipe run hands the constructor besides the
+    recipe's own fields: ``"model"`` (the network the recipe's ``model``
+    section builds) and ``"tokenizer"`` (the data reader's, unless the recipe
+    gives one). An objective that builds its own network declares neither.
     """
 
     ema: EMASpec | None = None
     frozen: LeafFilter | None = None
+    run_inputs: ClassVar[frozenset[str]] = frozenset()
 
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """Return the model's variables (Flax's nested dict), possibly partitioned.

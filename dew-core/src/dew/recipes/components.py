@@ -9,19 +9,16 @@ file is parsed, before anything is built.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection
 from typing import Any
 
 import pydantic
 from pydantic_core import PydanticCustomError
 
-__all__ = ["ComponentConfig", "DataConfig", "check_component", "coerced"]
+__all__ = ["ComponentConfig", "DataConfig", "check_component"]
 
-# Fields a run supplies itself. The objective is always built around the
-# recipe's model, so a recipe cannot give one; it takes the data reader's
-# tokenizer unless the recipe gives its own.
-SUPPLIED: dict[str, frozenset[str]] = {"objectives": frozenset({"model"})}
-MAY_SUPPLY: dict[str, frozenset[str]] = {"objectives": frozenset({"tokenizer"})}
+# Of what an objective declares in Objective.run_inputs, the run always supplies the
+# model (a recipe cannot give one), and the tokenizer unless the recipe gives its own.
+ALWAYS_SUPPLIED = frozenset({"model"})
 
 
 class ComponentConfig(pydantic.BaseModel):
@@ -69,29 +66,15 @@ def _adapter(annotation: Any) -> pydantic.TypeAdapter:
     return _adapter_or_none(annotation) or pydantic.TypeAdapter(Any)
 
 
-def coerced(group: str, name: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """fields as the component's annotations read them: a mapping given for a dataclass
-    field (``preview_sampling: {temperature: 0.8}``) becomes that dataclass."""
-    from dew import registry as registries
-
-    declared = registries.declared_fields(registries.registry(group).load(name))
-    out = {}
-    for key, value in fields.items():
-        if key in declared and isinstance(value, dict | list):
-            value = _adapter(declared[key][0]).validate_python(value)
-        out[key] = value
-    return out
-
-
 def _given(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def problems_of(group: str, name: str, fields: dict[str, Any], supplied: Collection[str] = (),
-                may_supply: Collection[str] = ()) -> list[tuple[tuple[str, ...], str]]:
+def problems_of(group: str, name: str, fields: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
     """What is wrong with a component given by name and fields, as (sub-path, message) pairs."""
     from dew import registry as registries
+    from dew.recipes.run import run_inputs
 
     registry = registries.registry(group)
     if name not in registry:
@@ -102,9 +85,12 @@ def problems_of(group: str, name: str, fields: dict[str, Any], supplied: Collect
         return [(("name",), f"no {registry.kind} named {name!r}.{hint} Allowed: {allowed}. "
                            "Another distribution's components appear once it is installed.")]
     try:
-        declared = registries.declared_fields(registry.load(name))
+        component = registry.load(name)
+        declared = registries.declared_fields(component)
     except Exception as error:  # noqa: BLE001 - a component that cannot even be imported
         return [(("name",), f"{registry.kind} {name!r} could not be loaded: {error}")]
+    inputs = run_inputs(component) if group == "objectives" else frozenset()
+    supplied, may_supply = inputs & ALWAYS_SUPPLIED, inputs - ALWAYS_SUPPLIED
     problems: list[tuple[tuple[str, ...], str]] = []
     for key, value in fields.items():
         if key in supplied:
@@ -153,8 +139,7 @@ def _load_problems(config: DataConfig) -> list[tuple[tuple[str, ...], str]]:
 
 def check_component(group: str, config: ComponentConfig) -> ComponentConfig:
     """Raise pydantic's error, each problem with its sub-path, when config is not buildable."""
-    found = problems_of(group, config.name, config.fields, SUPPLIED.get(group, frozenset()),
-                        MAY_SUPPLY.get(group, frozenset()))
+    found = problems_of(group, config.name, config.fields)
     if isinstance(config, DataConfig) and config.load and not found:
         found = _load_problems(config)
     if found:

@@ -107,18 +107,20 @@ class RunConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _model_matches_objective(self) -> RunConfig:
-        """A model section exactly when the objective takes a model, so --check catches it."""
+        """A model section exactly when the objective takes a model (its run_inputs), so
+        --check catches it."""
         from dew import registry
+        from dew.recipes.run import run_inputs
 
         try:
-            fields = registry.objectives.fields(self.objective.name)
+            takes_model = "model" in run_inputs(registry.objectives.load(self.objective.name))
         except Exception:  # noqa: BLE001 - an unloadable objective is reported by its own check
             return self
         name = self.objective.name
-        if "model" in fields and fields["model"][1] is ... and self.model is None:
+        if takes_model and self.model is None:
             raise ValueError(f"objective {name!r} trains a model: add a model section "
                              "(name: and the model's fields)")
-        if "model" not in fields and self.model is not None:
+        if not takes_model and self.model is not None:
             raise ValueError(f"objective {name!r} builds its own network and takes no model: "
                              "remove the model section")
         return self

@@ -34,8 +34,9 @@ __all__ = [
     "expand",
     "initial_variables",
     "objective_parts",
+    "run_inputs",
     "run_optimizer",
-    "sample",
+    "show_sample",
     "train",
     "warn_if_schedule_reshaped",
 ]
@@ -68,48 +69,46 @@ def expand(value: Any, timestamp: str) -> Any:
     return value
 
 
-def _accepts(component: Any, name: str) -> bool:
-    from dew.registry import declared_fields
-
-    return name in declared_fields(component)
-
-
 def _fields(group: str, component: Any, timestamp: str) -> dict[str, Any]:
-    """A component's fields, placeholders replaced and mappings made into their types."""
-    from dew.recipes.components import coerced
+    """A component's fields as the recipe gives them, placeholders replaced (the registry's
+    build validates them and makes mappings into their declared types)."""
+    return expand(component.fields, timestamp)
 
-    return coerced(group, component.name, expand(component.fields, timestamp))
+
+def run_inputs(component: Any) -> frozenset[str]:
+    """What a run hands an objective class besides its fields (``Objective.run_inputs``)."""
+    from dew.objectives.base import Objective
+
+    if isinstance(component, type) and issubclass(component, Objective):
+        return component.run_inputs
+    return frozenset()
 
 
 def _tokenizer(reader: Any) -> Any:
-    """The reader's tokenizer as an object; a reader may hold a name ("byte") that its
-    module's resolve_tokenizer turns into one."""
-    tokenizer = getattr(reader, "tokenizer", None)
-    if tokenizer is None or hasattr(tokenizer, "decode"):
-        return tokenizer
-    module = sys.modules.get(type(reader).__module__)
-    resolve = getattr(module, "resolve_tokenizer", None)
-    return resolve(tokenizer) if resolve is not None else None
+    """The reader's tokenizer, when the reader encodes text (dew.data.base.TextReader)."""
+    from dew.data.base import TextReader
+
+    return reader.text_tokenizer() if isinstance(reader, TextReader) else None
 
 
 def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str = "") -> Any:
     """The recipe's objective around model, given the reader's tokenizer if it takes one.
 
-    An objective that declares no ``model`` field (one that builds its own
-    network, as the plugin guide's example does) is not handed the model.
+    What the run hands the objective besides the recipe's fields is what the
+    objective declares in ``Objective.run_inputs``: the model, the tokenizer.
     """
     from dew import registry
 
     fields = _fields("objectives", config.objective, timestamp)
-    component = registry.objectives.load(config.objective.name)
+    inputs = run_inputs(registry.objectives.load(config.objective.name))
     tokenizer = _tokenizer(reader)
     if tokenizer is not None and model is not None:
         from dew.pretrained import check_vocabulary
 
         check_vocabulary(tokenizer, model)  # before anything compiles
-    if tokenizer is not None and "tokenizer" not in fields and _accepts(component, "tokenizer"):
+    if tokenizer is not None and "tokenizer" not in fields and "tokenizer" in inputs:
         fields["tokenizer"] = tokenizer
-    if _accepts(component, "model"):
+    if "model" in inputs:
         fields["model"] = model
     return registry.objectives.build(config.objective.name, **fields)
 
@@ -169,9 +168,7 @@ def _absolute(path: str | None) -> str | None:
 
 
 def _checkpoints(config: RunConfig, timestamp: str = "") -> Any:
-    from dew.training.config import checkpoint_kwargs
-
-    kwargs = checkpoint_kwargs(config.trainer)
+    kwargs = config.trainer.checkpoint_arguments()
     if kwargs is None:
         return None
     from dew.training.checkpoints import Checkpoints
@@ -204,7 +201,6 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
     import warnings
 
     from dew.recipes.config import RUN_FILE, RunConfig
-    from dew.training.config import fit_kwargs
 
     saved = Path(str(directory)) / RUN_FILE
     if not saved.is_file():
@@ -213,7 +209,7 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
         before = RunConfig.read(saved)
     except Exception:  # noqa: BLE001 - an unreadable old recipe is no reason to stop training
         return
-    old_steps = fit_kwargs(before.trainer, steps_per_epoch)["steps"]
+    old_steps = before.trainer.total_steps(steps_per_epoch)
     old = _optimizer_config(before, old_steps)
     new = _optimizer_config(config, steps)
     if old_steps == steps or old.decay_steps == new.decay_steps:
@@ -277,7 +273,7 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
     dataset = None
     if with_data:
         load = expand(dict(config.data.load), timestamp)
-        if "seed" not in load and _accepts(reader.load, "seed"):
+        if "seed" not in load and "seed" in registry.declared_fields(reader.load):
             load["seed"] = config.seed  # the run's seed orders its data too
         dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
     objective = build_objective(config, model, reader, timestamp)
@@ -334,12 +330,11 @@ def train(config: RunConfig) -> Any:
 
     import jax
 
-    from dew.training.config import fit_kwargs
     from dew.training.trainer import Trainer
 
     parts = build_parts(config, stamp)
     objective, dataset = parts.objective, parts.dataset
-    fit = fit_kwargs(config.trainer, dataset.steps_per_epoch)
+    fit = config.trainer.fit_arguments(dataset.steps_per_epoch)
     optimizer = run_optimizer(config, fit["steps"])
     checkpoints = _checkpoints(config, stamp)
     if checkpoints is not None:
@@ -368,7 +363,7 @@ def train(config: RunConfig) -> Any:
         raise
     _close(checkpoints, tracker)
     # Every process takes part (the weights may be sharded across them); one prints.
-    sample(objective, state, key, quiet=jax.process_index() != 0)
+    show_sample(objective, state, key, quiet=jax.process_index() != 0)
     if checkpoints is not None and jax.process_index() == 0:
         print(f"Use the run: dew generate {checkpoints.directory} PROMPT; dew eval and dew "
               "export read it too.")
@@ -402,7 +397,7 @@ def _close(checkpoints: Any, tracker: Any) -> None:
             tracker.close()
 
 
-def sample(objective: Any, state: Any, key: Any, out: Any = None, quiet: bool = False) -> Any:
+def show_sample(objective: Any, state: Any, key: Any, out: Any = None, quiet: bool = False) -> Any:
     """Print the objective's preview of the trained weights (EMA when kept), if it has one."""
     import jax
 

@@ -2,55 +2,58 @@
 
 dew.training knows no modality: it imports nothing from dew.diffusion,
 dew.inputs or dew.sampling, and a tracker backend only when that tracker
-logs. Every name below resolves on first use.
+logs. Every name below is imported on first use; the tracker classes come
+from dew-trackers.
 """
 
-from dew._lazy import Export, exporter
+from __future__ import annotations
 
-_BASE = "dew.objectives.base"
-_TRACKERS = "dew-trackers"
-_EXPORTS = {
-    "Aux": Export(_BASE),
-    "EMASpec": Export(_BASE),
-    "Metric": Export(_BASE),
-    "Objective": Export(_BASE),
-    "Step": Export(_BASE),
-    "everything": Export(_BASE),
-    "under": Export(_BASE),
-    "TrainState": Export("dew.training.state"),
-    "Trainer": Export("dew.training.trainer"),
-    "Rollout": Export("dew.training.feed"),
-    "MeshSpec": Export("dew.training.mesh"),
-    "build_mesh": Export("dew.training.mesh"),
-    "data_partition": Export("dew.training.mesh"),
-    "shard_batch": Export("dew.training.mesh"),
-    "Layout": Export("dew.training.layout"),
-    "DEFAULT_RULES": Export("dew.training.layout"),
-    "ema_update": Export("dew.training.ema"),
-    "write_back": Export("dew.training.step"),
-    "evaluate": Export("dew.training.evaluation"),
-    "Evaluation": Export("dew.training.evaluation"),
-    "Checkpoints": Export("dew.training.checkpoints"),
-    "Preempted": Export("dew.training.runtime"),
-    "PreemptionNotice": Export("dew.training.runtime"),
-    "prepare_process": Export("dew.training.runtime"),
-    "run_timestamp": Export("dew.training.runtime"),
-    "Tracker": Export("dew.training.trackers"),
-    "Trackers": Export("dew.training.trackers"),
-    "LocalTracker": Export("dew.training.trackers"),
-    "ProfileWindow": Export("dew.training.profiling"),
-    "build_optimizer": Export("dew.training.optim"),
-    "TrainerConfig": Export("dew.training.config"),
-    "Quantization": Export("dew.training.quantization"),
-    "apply_quantization": Export("dew.training.quantization"),
-    "Lora": Export("dew.training.lora"),
-    "apply_lora": Export("dew.training.lora"),
-    "adapters_only": Export("dew.training.lora"),
-    "merge_lora": Export("dew.training.lora"),
-    "TensorBoardTracker": Export("dew.trackers.tensorboard", _TRACKERS, "tensorboard"),
-    "MLflowTracker": Export("dew.trackers.mlflow", _TRACKERS, "mlflow"),
-    "WandbTracker": Export("dew.trackers.wandb", _TRACKERS, "wandb"),
-}
+from typing import TYPE_CHECKING
 
-__getattr__, __dir__ = exporter(__name__, _EXPORTS)
-__all__ = sorted(_EXPORTS)
+from dew._surface import surface
+
+if TYPE_CHECKING:
+    from dew.objectives.base import Aux as Aux
+    from dew.objectives.base import EMASpec as EMASpec
+    from dew.objectives.base import Metric as Metric
+    from dew.objectives.base import Objective as Objective
+    from dew.objectives.base import Step as Step
+    from dew.objectives.base import cosine_decay as cosine_decay
+    from dew.objectives.base import everything as everything
+    from dew.objectives.base import under as under
+    from dew.trackers.mlflow import MLflowTracker as MLflowTracker
+    from dew.trackers.tensorboard import TensorBoardTracker as TensorBoardTracker
+    from dew.trackers.wandb import WandbTracker as WandbTracker
+    from dew.training.checkpoints import Checkpoints as Checkpoints
+    from dew.training.config import TrainerConfig as TrainerConfig
+    from dew.training.ema import ema_update as ema_update
+    from dew.training.evaluation import Evaluation as Evaluation
+    from dew.training.evaluation import evaluate as evaluate
+    from dew.training.initializers import ParamsFrom as ParamsFrom
+    from dew.training.layout import DEFAULT_RULES as DEFAULT_RULES
+    from dew.training.layout import Layout as Layout
+    from dew.training.lora import Lora as Lora
+    from dew.training.lora import adapters_only as adapters_only
+    from dew.training.lora import apply_lora as apply_lora
+    from dew.training.lora import merge_lora as merge_lora
+    from dew.training.mesh import MeshSpec as MeshSpec
+    from dew.training.mesh import build_mesh as build_mesh
+    from dew.training.mesh import data_partition as data_partition
+    from dew.training.mesh import shard_batch as shard_batch
+    from dew.training.optim import build_optimizer as build_optimizer
+    from dew.training.profiling import ProfileWindow as ProfileWindow
+    from dew.training.protocols import Rollout as Rollout
+    from dew.training.protocols import Tracker as Tracker
+    from dew.training.quantization import Quantization as Quantization
+    from dew.training.quantization import apply_quantization as apply_quantization
+    from dew.training.runtime.preemption import Preempted as Preempted
+    from dew.training.runtime.preemption import PreemptionNotice as PreemptionNotice
+    from dew.training.runtime.process import prepare_process as prepare_process
+    from dew.training.runtime.process import run_timestamp as run_timestamp
+    from dew.training.state import TrainState as TrainState
+    from dew.training.step import write_back as write_back
+    from dew.training.trackers import LocalTracker as LocalTracker
+    from dew.training.trackers import Trackers as Trackers
+    from dew.training.trainer import Trainer as Trainer
+
+__getattr__, __dir__, __all__ = surface(__name__, __file__, elsewhere="dew-trackers")

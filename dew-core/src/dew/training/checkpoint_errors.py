@@ -11,15 +11,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "CheckpointCorrupted",
-    "CheckpointDirectoryNotShared",
+    "CheckpointCorruptedError",
+    "CheckpointDirectoryNotSharedError",
     "CheckpointError",
-    "CheckpointLeaseHeld",
-    "CheckpointMetaMismatch",
-    "CheckpointNotFound",
-    "CheckpointTreeMismatch",
+    "CheckpointLeaseHeldError",
+    "CheckpointMetaMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointTreeMismatchError",
     "CheckpointWriteError",
-    "PositionShareMismatch",
+    "PositionShareMismatchError",
     "require_same_meta",
 ]
 
@@ -41,7 +41,7 @@ class CheckpointWriteError(CheckpointError):
         )
 
 
-class CheckpointCorrupted(CheckpointError):
+class CheckpointCorruptedError(CheckpointError):
     """A committed step's files do not match what was written."""
 
     def __init__(self, step: int, file: object, reason: str, good: int | None = None,
@@ -58,11 +58,11 @@ class CheckpointCorrupted(CheckpointError):
         )
         super().__init__(f"Checkpoint step {step} is corrupt: {file}: {reason}.{older}")
 
-    def with_good(self, good: int | None) -> CheckpointCorrupted:
-        return CheckpointCorrupted(self.step, self.file, self.reason, good, searched=True)
+    def with_good(self, good: int | None) -> CheckpointCorruptedError:
+        return CheckpointCorruptedError(self.step, self.file, self.reason, good, searched=True)
 
 
-class CheckpointTreeMismatch(CheckpointError, ValueError):
+class CheckpointTreeMismatchError(CheckpointError, ValueError):
     """The restore template's leaves differ from the saved ones."""
 
     def __init__(self, step: int, differences: Sequence[str]) -> None:
@@ -77,7 +77,7 @@ class CheckpointTreeMismatch(CheckpointError, ValueError):
         )
 
 
-class CheckpointLeaseHeld(CheckpointError):
+class CheckpointLeaseHeldError(CheckpointError):
     """Another process holds the writer's lease of the directory."""
 
     def __init__(self, directory: object, lease: object, holder: Any) -> None:
@@ -91,7 +91,7 @@ class CheckpointLeaseHeld(CheckpointError):
         )
 
 
-class CheckpointMetaMismatch(CheckpointError, ValueError):
+class CheckpointMetaMismatchError(CheckpointError, ValueError):
     """A configuration field saved with the checkpoint differs from the current one."""
 
     def __init__(self, step: int, fields: Mapping[str, tuple[Any, Any]]) -> None:
@@ -104,11 +104,11 @@ class CheckpointMetaMismatch(CheckpointError, ValueError):
         )
 
 
-class CheckpointNotFound(CheckpointError, FileNotFoundError):
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The requested step (or any step) is not in the directory."""
 
 
-class PositionShareMismatch(CheckpointError, ValueError):
+class PositionShareMismatchError(CheckpointError, ValueError):
     """The saved data position belongs to a share this process does not read."""
 
     def __init__(self, step: int, share: int, shares: int, saved: Sequence[int], saved_shares: int) -> None:
@@ -121,7 +121,7 @@ class PositionShareMismatch(CheckpointError, ValueError):
         )
 
 
-class CheckpointDirectoryNotShared(CheckpointError):
+class CheckpointDirectoryNotSharedError(CheckpointError):
     """Some processes of a pool cannot see what process 0 writes."""
 
     def __init__(self, directory: object, missing: Sequence[int]) -> None:
@@ -135,7 +135,7 @@ class CheckpointDirectoryNotShared(CheckpointError):
 
 def require_same_meta(step: int, saved: Mapping[str, Any], current: Mapping[str, Any],
                       fields: Sequence[str] | None = None) -> None:
-    """Raise CheckpointMetaMismatch naming every field whose saved value differs.
+    """Raise CheckpointMetaMismatchError naming every field whose saved value differs.
 
     fields limits the comparison (default: every key of current). A field
     the checkpoint lacks counts as different.
@@ -149,7 +149,7 @@ def require_same_meta(step: int, saved: Mapping[str, Any], current: Mapping[str,
         if saved.get(name, missing) != current.get(name)
     }
     if differing:
-        raise CheckpointMetaMismatch(step, differing)
+        raise CheckpointMetaMismatchError(step, differing)
 
 
 def _first_line(error: BaseException) -> str:

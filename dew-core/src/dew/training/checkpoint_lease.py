@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dew.training.checkpoint_errors import CheckpointLeaseHeld
+from dew.training.checkpoint_errors import CheckpointLeaseHeldError
 
 __all__ = ["LEASE", "Holder", "acquire", "holder_of", "release"]
 
@@ -155,7 +155,7 @@ def _age(path: Any) -> float:
 def acquire(directory: Any) -> None:
     """Take (or join, within this process) the writer's lease of directory, creating directory.
 
-    Raises CheckpointLeaseHeld naming the holder when another live process
+    Raises CheckpointLeaseHeldError naming the holder when another live process
     holds it. A stale lease (its holder gone) is replaced, with a warning.
     """
     directory.mkdir(parents=True, exist_ok=True)
@@ -180,10 +180,10 @@ def acquire(directory: Any) -> None:
                 _LOG.warning("Recovering the writer's lease of %s from %s, which is no longer running.",
                              directory, holder.describe())
             else:
-                raise CheckpointLeaseHeld(directory, path, holder)
+                raise CheckpointLeaseHeldError(directory, path, holder)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        raise CheckpointLeaseHeld(directory, directory / LEASE, holder_of(directory))
+        raise CheckpointLeaseHeldError(directory, directory / LEASE, holder_of(directory))
 
 
 def release(directory: Any) -> None:

@@ -5,7 +5,7 @@ digests, the data positions), so it is checked first and as strictly: the
 bytes must be JSON, the JSON must carry a SHA-256 of its canonical form that
 matches, and the content must fit the schema below (types exact, no unknown
 fields, base64 that decodes, the step of its own directory). Anything else is
-damage, reported as CheckpointCorrupted naming ``dew.json``, and handled like
+damage, reported as CheckpointCorruptedError naming ``dew.json``, and handled like
 any other damaged step.
 
 Format 1 manifests (written before the manifest had a digest) are read with
@@ -18,7 +18,7 @@ the schema checks alone.
 >>> parse_manifest(b"null", 3, "3/dew.json")
 Traceback (most recent call last):
 ...
-dew.training.checkpoint_errors.CheckpointCorrupted: Checkpoint step 3 is corrupt: 3/dew.json: dew's manifest is not a JSON object (it holds null).
+dew.training.checkpoint_errors.CheckpointCorruptedError: Checkpoint step 3 is corrupt: 3/dew.json: dew's manifest is not a JSON object (it holds null).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dew.training.checkpoint_errors import CheckpointCorrupted
+from dew.training.checkpoint_errors import CheckpointCorruptedError
 
 __all__ = ["FORMAT", "Manifest", "parse_manifest", "render_manifest"]
 
@@ -130,10 +130,10 @@ def _shown(value: Any) -> str:
 
 
 def parse_manifest(raw: bytes, step: int, file: object) -> Manifest:
-    """Check and read the manifest bytes of step; CheckpointCorrupted(step, file, why) when damaged."""
+    """Check and read the manifest bytes of step; CheckpointCorruptedError(step, file, why) when damaged."""
 
-    def damaged(reason: str) -> CheckpointCorrupted:
-        return CheckpointCorrupted(step, file, f"dew's manifest {reason}")
+    def damaged(reason: str) -> CheckpointCorruptedError:
+        return CheckpointCorruptedError(step, file, f"dew's manifest {reason}")
 
     try:
         document = json.loads(raw)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from dew.data.base import DataPartition
-from dew.training.checkpoint_errors import CheckpointDirectoryNotShared
+from dew.training.checkpoint_errors import CheckpointDirectoryNotSharedError
 
 __all__ = ["barrier", "gather_positions", "pooled", "probe_shared_directory"]
 
@@ -71,7 +71,7 @@ def gather_positions(position: bytes | None, partition: DataPartition) -> dict[s
 def probe_shared_directory(directory: Any) -> None:
     """In a pool, check every process sees a file process 0 writes into directory.
 
-    Raises CheckpointDirectoryNotShared on every process, naming the processes
+    Raises CheckpointDirectoryNotSharedError on every process, naming the processes
     that cannot see it. Alone, or for a bucket, nothing is checked.
     """
     if not pooled() or str(directory).startswith("gs://"):
@@ -89,4 +89,4 @@ def probe_shared_directory(directory: Any) -> None:
         probe.unlink()
     missing = [index for index, flag in enumerate(seen.reshape(-1)) if not flag]
     if missing:
-        raise CheckpointDirectoryNotShared(directory, missing)
+        raise CheckpointDirectoryNotSharedError(directory, missing)

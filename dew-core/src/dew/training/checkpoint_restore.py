@@ -1,8 +1,8 @@
 """Reading one committed step back, checked: manifest first, then files and leaves beside Orbax's read.
 
-Nothing here writes. A damaged step raises CheckpointCorrupted naming the
+Nothing here writes. A damaged step raises CheckpointCorruptedError naming the
 file; an intact step that does not fit the state asked for raises
-CheckpointTreeMismatch (or whatever the caller's meta check raises) before
+CheckpointTreeMismatchError (or whatever the caller's meta check raises) before
 a single array is read, where the manifest can tell.
 """
 
@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 
 from dew.data.base import DataPartition
 from dew.training import checkpoint_integrity as integrity
-from dew.training.checkpoint_errors import CheckpointCorrupted, CheckpointTreeMismatch
+from dew.training.checkpoint_errors import CheckpointCorruptedError, CheckpointTreeMismatchError
 from dew.training.checkpoint_manifest import Manifest, parse_manifest
 from dew.training.checkpoint_store import read_position
 from dew.training.state import TrainState
@@ -42,14 +42,14 @@ class Restored:
 
 
 def read_manifest(directory: Any, step: int) -> Manifest:
-    """The checked manifest of the step in directory; CheckpointCorrupted when missing or damaged."""
+    """The checked manifest of the step in directory; CheckpointCorruptedError when missing or damaged."""
     path = directory / integrity.MANIFEST
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise CheckpointCorrupted(step, path, "dew's manifest is missing") from None
+        raise CheckpointCorruptedError(step, path, "dew's manifest is missing") from None
     except OSError as error:
-        raise CheckpointCorrupted(step, path, f"dew's manifest cannot be read ({error})") from None
+        raise CheckpointCorruptedError(step, path, f"dew's manifest cannot be read ({error})") from None
     return parse_manifest(raw, step, path)
 
 
@@ -57,7 +57,7 @@ def intact(directory: Any, step: int) -> bool:
     """Whether the step's manifest and every file it lists are as written (reads every file)."""
     try:
         manifest = read_manifest(directory, step)
-    except CheckpointCorrupted:
+    except CheckpointCorruptedError:
         return False
     return integrity.verify_files(directory, manifest.files, manifest.file_hash) is None
 
@@ -74,11 +74,11 @@ def restore_step(directory: Any, step: int, template: TrainState, expected: Expe
     if manifest.nodes is not None:
         differences = sorted(set(differences) | set(integrity.compare_nodes(saved_nodes, nodes)))
     if differences:
-        raise CheckpointTreeMismatch(step, differences)
+        raise CheckpointTreeMismatchError(step, differences)
     position = read_position(step, manifest.data, partition)
     problem = integrity.verify_sizes(directory, manifest.files)
     if problem is not None:
-        raise CheckpointCorrupted(step, *problem)
+        raise CheckpointCorruptedError(step, *problem)
     with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="dew-verify") as pool:
         hashed = integrity.start_hashing(directory, manifest.files, pool, manifest.file_hash)  # beside Orbax
         try:
@@ -86,19 +86,19 @@ def restore_step(directory: Any, step: int, template: TrainState, expected: Expe
         except Exception as error:  # Orbax raises bare exceptions for damaged data
             problem = hashed()
             if problem is not None:
-                raise CheckpointCorrupted(step, *problem) from error
+                raise CheckpointCorruptedError(step, *problem) from error
             first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
-            raise CheckpointTreeMismatch(
+            raise CheckpointTreeMismatchError(
                 step, [f"its files are intact, but Orbax cannot read them into this state ({first})"]
             ) from error
         digests = integrity.start_digests(jax.tree_util.tree_leaves(restored), pool)
         problem = hashed()
         if problem is not None:
-            raise CheckpointCorrupted(step, *problem)
+            raise CheckpointCorruptedError(step, *problem)
         values = digests()
     for leaf, digest in zip(manifest.leaves, values, strict=True):
         if leaf.digest != digest:
-            raise CheckpointCorrupted(step, directory / "state", f"leaf {leaf.path} does not match its digest")
+            raise CheckpointCorruptedError(step, directory / "state", f"leaf {leaf.path} does not match its digest")
     return Restored(step=step, state=restored, position=position, meta=dict(manifest.meta))
 
 

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from dew.data.base import DataPartition, is_global_position
-from dew.training.checkpoint_errors import PositionShareMismatch
+from dew.training.checkpoint_errors import PositionShareMismatchError
 from dew.training.checkpoint_manifest import Positions
 
 __all__ = ["TMP", "Store", "absolute", "read_position", "remove_half_written", "rmtree"]
@@ -70,7 +70,7 @@ def read_position(step: int, data: Positions, partition: DataPartition) -> bytes
     anyone = next((value for value in saved.values() if is_global_position(value)), None)
     if anyone is not None:
         return anyone
-    raise PositionShareMismatch(step, partition.share, partition.shares, sorted(saved), data.shares)
+    raise PositionShareMismatchError(step, partition.share, partition.shares, sorted(saved), data.shares)
 
 
 def remove_half_written(directory: Any) -> None:

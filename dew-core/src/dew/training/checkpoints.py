@@ -35,9 +35,9 @@ from dew.data.base import DataPartition
 from dew.training import checkpoint_integrity as integrity
 from dew.training import checkpoint_lease as lease
 from dew.training.checkpoint_errors import (
-    CheckpointCorrupted,
-    CheckpointLeaseHeld,
-    CheckpointNotFound,
+    CheckpointCorruptedError,
+    CheckpointLeaseHeldError,
+    CheckpointNotFoundError,
     CheckpointWriteError,
 )
 from dew.training.checkpoint_manifest import Manifest, render_manifest
@@ -84,18 +84,18 @@ class Checkpoints:
     directory as they found it. The first save() (or acquire()) makes this
     object the directory's writer, holding a lease file that names this
     process until close() or exit; another process's save() is then refused
-    with CheckpointLeaseHeld naming the holder. A lease left by a process
+    with CheckpointLeaseHeldError naming the holder. A lease left by a process
     that is gone is taken over. Only the writer removes half-written steps.
 
     Every restore checks the step against its manifest, whose own digest is
     checked first: the files' sizes and hashes, the leaves' digests after
-    reading. A damaged step raises CheckpointCorrupted naming the step, the
+    reading. A damaged step raises CheckpointCorruptedError naming the step, the
     file and the newest older good step; with fallback=True (the default, so
     an unattended restart keeps going) restore warns on stderr, moves the
     damaged step aside to ``<step>.dew-corrupt`` (when no other process
     writes the directory) and continues from that older step instead. An
     intact step that does not fit the state being restored (another
-    optimizer, model or configuration) raises CheckpointTreeMismatch naming
+    optimizer, model or configuration) raises CheckpointTreeMismatchError naming
     the differing leaves, and nothing on disk changes.
 
     local_directory (one per host) receives the saves the trainer marks
@@ -162,7 +162,7 @@ class Checkpoints:
     def acquire(self) -> None:
         """Become the directory's writer now, rather than at the first save().
 
-        Takes the writer's lease (raising CheckpointLeaseHeld, naming the
+        Takes the writer's lease (raising CheckpointLeaseHeldError, naming the
         holder, when another live process has it), removes half-written steps
         and opens the Orbax writer. A trainer calls this before it trains, so
         a second run on a live directory is refused before it spends a step.
@@ -196,14 +196,14 @@ class Checkpoints:
 
     def _take_lease(self, stores: list[Store]) -> None:
         """Process 0 takes the lease of each store; every process raises if it could not."""
-        failure: CheckpointLeaseHeld | None = None
+        failure: CheckpointLeaseHeldError | None = None
         taken: list[Store] = []
         if jax.process_index() == 0:
             try:
                 for store in stores:
                     lease.acquire(store.directory)
                     taken.append(store)
-            except CheckpointLeaseHeld as error:
+            except CheckpointLeaseHeldError as error:
                 failure = error
                 self._release_lease(taken)
         if pooled():
@@ -211,7 +211,7 @@ class Checkpoints:
 
             refused = int(multihost_utils.broadcast_one_to_all(np.asarray(failure is not None, np.int32)))
             if refused and failure is None:
-                failure = CheckpointLeaseHeld(self.directory, self.directory / lease.LEASE,
+                failure = CheckpointLeaseHeldError(self.directory, self.directory / lease.LEASE,
                                               lease.holder_of(self.directory))
         if failure is not None:
             raise failure
@@ -241,8 +241,8 @@ class Checkpoints:
     def manifest(self, step: int) -> dict[str, Any]:
         """The checked manifest of step as plain data: meta, data positions, leaf digests, file checksums.
 
-        Raises CheckpointCorrupted when the manifest is damaged (see
-        checkpoint_manifest), CheckpointNotFound when there is no such step.
+        Raises CheckpointCorruptedError when the manifest is damaged (see
+        checkpoint_manifest), CheckpointNotFoundError when there is no such step.
         """
         self._probe()
         self._settle()
@@ -253,8 +253,8 @@ class Checkpoints:
         """The meta saved with step (default: the newest), read from its checked manifest alone.
 
         Reads no arrays, so a caller can compare the saved configuration with
-        its own before restoring. Raises CheckpointCorrupted for a damaged
-        manifest, CheckpointNotFound when there is no such step.
+        its own before restoring. Raises CheckpointCorruptedError for a damaged
+        manifest, CheckpointNotFoundError when there is no such step.
         """
         self._probe()
         self._settle()
@@ -427,8 +427,8 @@ class Checkpoints:
         sharding. check, when given, is called with the step's saved meta and
         the step number before any array is read, so a changed configuration
         is reported as such (its exception propagates, nothing on disk
-        changes). Raises CheckpointTreeMismatch, PositionShareMismatch or
-        CheckpointCorrupted (see the class docstring for fallback).
+        changes). Raises CheckpointTreeMismatchError, PositionShareMismatchError or
+        CheckpointCorruptedError (see the class docstring for fallback).
         """
         self._probe()
         self._settle()
@@ -437,7 +437,7 @@ class Checkpoints:
         for index, (store, number) in enumerate(candidates):
             try:
                 return restore_step(store.step_path(number), number, template, expected, partition, check)
-            except CheckpointCorrupted as error:
+            except CheckpointCorruptedError as error:
                 older = candidates[index + 1:]
                 good = self._newest_good(older)
                 error = error.with_good(None if good is None else good[1])
@@ -447,20 +447,20 @@ class Checkpoints:
                 print(message, file=sys.stderr, flush=True)
                 _LOG.warning(message)
                 self._quarantine(store, number)
-        raise CheckpointNotFound(f"No checkpoint to restore in {self.directory}.")  # pragma: no cover
+        raise CheckpointNotFoundError(f"No checkpoint to restore in {self.directory}.")  # pragma: no cover
 
     def _candidates(self, step: int | None) -> list[tuple[Store, int]]:
         found = [(store, number) for store in reversed(self._stores) for number in store.committed()]
         if step is not None:
             found = [(store, number) for store, number in found if number == step]
             if not found:
-                raise CheckpointNotFound(
+                raise CheckpointNotFoundError(
                     f"Checkpoint step {step} is not in {self.directory}; it holds steps "
                     f"{sorted({n for s in self._stores for n in s.committed()})}."
                 )
             return found[-1:]  # the persistent copy when both hold it
         if not found:
-            raise CheckpointNotFound(
+            raise CheckpointNotFoundError(
                 f"{self.directory} holds no committed checkpoint; check .latest before restoring."
             )
         # Newest first; on a tie the persistent copy (listed last) wins.
@@ -480,7 +480,7 @@ class Checkpoints:
         if transient:
             try:
                 self._take_lease([store])
-            except CheckpointLeaseHeld as error:
+            except CheckpointLeaseHeldError as error:
                 who = error.holder.describe() if error.holder is not None else "another process"
                 message = f"dew: left damaged step {step} in place, since {who} writes {store.directory}."
                 print(message, file=sys.stderr, flush=True)

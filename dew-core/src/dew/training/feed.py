@@ -24,7 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,33 +32,14 @@ from jax.sharding import Mesh
 
 from dew.data.base import DataPartition, Dataset, Resumable
 from dew.training.mesh import BatchMismatchError, global_shape, shard_batch
+from dew.training.protocols import Rollout
 from dew.training.state import TrainState
 
-__all__ = ["Feed", "Fed", "Rollout", "StatefulRollout", "pack_position", "unpack_position"]
+__all__ = ["Feed", "Fed", "pack_position", "unpack_position"]
 
 _ROLLOUT_POSITION = b"dew-rollout-position:"
 
 Signature = tuple[tuple[str, tuple[int, ...], str], ...]
-
-
-@runtime_checkable
-class Rollout(Protocol):
-    """Produce a batch on the host, before the compiled step reads it.
-
-    Called with the live state, this process's prefetched batch and a key
-    from the run's rollout stream (folded with the step). It returns this
-    process's share of the batch the step trains on: a mapping of arrays
-    whose shapes are the same at every step, so the step compiles once.
-    A rollout that also has ``get_state() -> bytes`` and
-    ``set_state(bytes)`` is saved with the data position and resumed.
-    """
-
-    def __call__(self, state: TrainState, batch: Mapping[str, Any], key: jax.Array) -> Mapping[str, Any]: ...
-
-
-@runtime_checkable
-class StatefulRollout(Rollout, Resumable, Protocol):
-    """A rollout whose position (get_state/set_state) a checkpoint keeps."""
 
 
 def pack_position(data: bytes | None, rollout: bytes | None) -> bytes | None:

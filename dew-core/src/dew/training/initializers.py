@@ -121,7 +121,7 @@ class ParamsFrom:
         import orbax.checkpoint as ocp
 
         from dew.training import checkpoint_integrity as integrity
-        from dew.training.checkpoint_errors import CheckpointCorrupted
+        from dew.training.checkpoint_errors import CheckpointCorruptedError
         from dew.training.checkpoints import Checkpoints
 
         checkpoints = Checkpoints(self.directory)
@@ -135,7 +135,7 @@ class ParamsFrom:
         manifest = checkpoints.manifest(step)
         problem = integrity.verify_files(path, manifest["files"])
         if problem is not None:
-            raise CheckpointCorrupted(step, *problem)
+            raise CheckpointCorruptedError(step, *problem)
         saved = {leaf["path"]: leaf for leaf in manifest["leaves"]}
         field = self.field
         if field not in ("params", "ema") or not any(n.startswith(f".{field}[") for n in saved):
@@ -161,7 +161,7 @@ class ParamsFrom:
         for (leaf_path, _), digest in zip(flat, digests, strict=True):
             name = "." + jax.tree_util.keystr(leaf_path).removeprefix("['").replace("']", "", 1)
             if name in saved and saved[name]["digest"] != digest:
-                raise CheckpointCorrupted(step, path / "state", f"leaf {name} does not match its digest")
+                raise CheckpointCorruptedError(step, path / "state", f"leaf {name} does not match its digest")
         return restored
 
 

@@ -85,11 +85,16 @@ class Layout:
     refused until offload lands.
     """
 
-    rules: LogicalAxisRules | Mapping[str, MeshAxes] = DEFAULT_RULES
-    min_shard: int = 2**16
-    tolerance: float = 0.02
-    host: tuple[str, ...] = field(default=())
-    host_parameters: tuple[str, ...] = field(default=())
+    rules: LogicalAxisRules | Mapping[str, MeshAxes] = field(default=DEFAULT_RULES, metadata={
+        "description": "[logical axis, mesh axes] pairs in precedence order (default DEFAULT_RULES)"})
+    min_shard: int = field(default=2**16, metadata={
+        "description": "parameters smaller than this stay replicated"})
+    tolerance: float = field(default=0.02, metadata={
+        "description": "share of shardable memory a layout may leave replicated"})
+    host: tuple[str, ...] = field(default=(), metadata={
+        "description": "state fields kept in host memory between steps"})
+    host_parameters: tuple[str, ...] = field(default=(), metadata={
+        "description": "parameter patterns placed in host memory for inference"})
 
     def __post_init__(self) -> None:
         if self.host or self.host_parameters:

@@ -145,9 +145,9 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     at random, B zero); ``apply`` takes them with the base model's inputs.
     Every other attribute is the base model's (its config, its flops).
     """
-    from dew._lazy import import_from
+    from dew._surface import import_or_explain
 
-    qwix = import_from("qwix", "dew-core", "quantization")
+    qwix = import_or_explain("qwix", "dew-core")
     modules = "|".join(f"(?:{pattern})" for pattern in spec.patterns())
     rule = qwix.LoraRule(module_path=modules, rank=spec.rank, alpha=spec.alpha,
                          dropout=spec.dropout)

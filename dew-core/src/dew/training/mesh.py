@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -38,6 +38,11 @@ BATCH_AXES = ("data", "fsdp", "expert")
 BATCH_SPEC = PartitionSpec(BATCH_AXES)
 
 
+def _doc(text: str) -> dict[str, str]:
+    """A field's description, for ``dew train --help`` and ``dew describe``."""
+    return {"description": text}
+
+
 class MeshSizeError(ValueError):
     """The mesh's axis sizes do not divide the devices there are."""
 
@@ -54,13 +59,14 @@ class BatchMismatchError(ValueError):
 class MeshSpec:
     """How many devices each sharding axis takes; data parallelism fills the rest."""
 
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
-    sequence: int = 1
-    stage: int = 1
-    microbatches: int | None = None
-    replicas: int = 1
+    fsdp: int = field(default=1, metadata=_doc("devices the parameters and optimizer state shard over"))
+    expert: int = field(default=1, metadata=_doc("devices an MoE layer's experts split over"))
+    tensor: int = field(default=1, metadata=_doc("devices the mlp, head and vocabulary widths split over"))
+    sequence: int = field(default=1, metadata=_doc("devices the sequence dimension splits over"))
+    stage: int = field(default=1, metadata=_doc("pipeline stages the layer stack splits into"))
+    microbatches: int | None = field(
+        default=None, metadata=_doc("microbatches per step through the stages (a multiple of stage)"))
+    replicas: int = field(default=1, metadata=_doc("host groups the data axis spans (hybrid sharding)"))
 
     def __post_init__(self) -> None:
         for name in ("fsdp", "expert", "tensor", "sequence", "stage", "replicas"):

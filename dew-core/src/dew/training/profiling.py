@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dew.telemetry import profiling
@@ -21,9 +21,9 @@ class ProfileWindow:
     2
     """
 
-    directory: str
-    steps: int
-    warmup: int = 2
+    directory: str = field(metadata={"description": "where the trace is written"})
+    steps: int = field(metadata={"description": "steps traced"})
+    warmup: int = field(default=2, metadata={"description": "steps run before the window opens"})
 
     def __post_init__(self) -> None:
         if int(self.steps) < 1:

@@ -71,7 +71,7 @@ def apply_quantization(model: Any, spec: Quantization) -> Any:
     The wrapped module's ``init`` and ``apply`` take the same inputs and
     variables as model's.
     """
-    from dew._lazy import import_from
+    from dew._surface import import_or_explain
 
-    qwix = import_from("qwix", "dew-core", "quantization")
+    qwix = import_or_explain("qwix", "dew-core")
     return qwix.quantize_model(model, qwix.QtProvider([spec.rule()]))

@@ -15,36 +15,16 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any
 
 from dew.telemetry.artifacts import Artifact
-from dew.telemetry.records import Record, is_record, previews_of, record_row
+from dew.telemetry.records import is_record, previews_of, record_row
+from dew.training.protocols import Reported, Tracker
 
-__all__ = ["LocalTracker", "NotAReportError", "Reported", "Tracker", "Trackers", "recipe_fields",
-           "scalar_row"]
-
-Reported: TypeAlias = Artifact | Record
-
+__all__ = ["LocalTracker", "NotAReportError", "Trackers", "check_reported", "recipe_fields", "scalar_row"]
 
 class NotAReportError(TypeError):
     """artifact() was given something that is neither a preview nor a record."""
-
-
-@runtime_checkable
-class Tracker(Protocol):
-    """A sink for a run's scalars, previews and records."""
-
-    def log(self, scalars: Mapping[str, float], step: int) -> None:
-        """Record scalar values at step."""
-        ...
-
-    def artifact(self, value: Reported, step: int) -> None:
-        """Record a preview or a typed record at step."""
-        ...
-
-    def close(self) -> None:
-        """Flush and release what the tracker holds."""
-        ...
 
 
 def check_reported(value: object) -> None:

@@ -29,11 +29,12 @@ from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
 from dew.telemetry.hardware import peak_flops
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
-from dew.training.feed import Feed, Rollout
+from dew.training.feed import Feed
 from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
 from dew.training.layout import Layout, Placement
 from dew.training.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.progress import NonFiniteLossError, Progress
+from dew.training.protocols import Rollout
 from dew.training.runtime.preemption import Preempted, PreemptionWatch
 from dew.training.state import Scaler, TrainState, Window, stream
 from dew.training.step import StepFn, build_train_step, follow_ema
@@ -136,12 +137,15 @@ class Trainer(Generic[Loss, Effects]):
         rollout: Rollout | None = None,
         initializer: Initializer = None,
     ) -> Trainer:
-        """Build the trainer a TrainerConfig describes; the field mapping lives in config.py."""
-        from dew.training.config import trainer_kwargs
+        """Build the trainer a TrainerConfig describes: its TrainerSettings fields, mapped here.
 
+        The other fields reach their owners elsewhere (dew.training.config).
+        """
         return Trainer(
             objective, optimizer, key=key, checkpoints=checkpoints, tracker=tracker,
-            step=step, rollout=rollout, initializer=initializer, **trainer_kwargs(config),
+            step=step, rollout=rollout, initializer=initializer,
+            mesh=config.mesh, layout=config.layout, accumulation=config.accumulation,
+            dynamic_scale=config.dynamic_scale, profile=config.profile,
         )
 
     # -- the state ------------------------------------------------------------------

@@ -81,6 +81,10 @@ class PromptCompletion:
     template: str = "{prompt}"
     pack: bool = True
 
+    def text_tokenizer(self) -> Any:
+        """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
+        return resolve_tokenizer(self.tokenizer)
+
     def __post_init__(self) -> None:
         if not isinstance(self.files, str | os.PathLike):
             object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))

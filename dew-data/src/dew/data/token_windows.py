@@ -121,6 +121,10 @@ class TokenWindows:
     tokenizer: Any = "byte"
     cache_dir: str | None = None
 
+    def text_tokenizer(self) -> Any:
+        """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
+        return resolve_tokenizer(self.tokenizer)
+
     def __post_init__(self) -> None:
         if (self.files is None) == (self.dataset is None):
             raise ValueError("TokenWindows reads either files= or dataset=; give exactly one.")

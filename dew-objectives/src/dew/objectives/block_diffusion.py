@@ -15,7 +15,7 @@ cached (``dew.sampling.block_generate``).
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -47,6 +47,8 @@ def block_causal_mask(seq_len: int, block_size: int) -> jax.Array:
 @dataclass(frozen=True)
 class BlockDiffusionObjective(TokenDiffusion):
     """BD3-LM over windows of seq_len ids in blocks of block_size, with a TokenDenoiser."""
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     seq_len: int

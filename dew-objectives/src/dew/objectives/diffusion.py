@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax
@@ -51,7 +51,7 @@ from dew.telemetry.artifacts import Artifact
 
 __all__ = [
     "DiffusionObjective",
-    "FrameCountError",
+    "ModelFrameCountError",
     "GuidanceError",
     "InvalidPixelsError",
     "MissingPixelsError",
@@ -63,7 +63,7 @@ class InvalidPixelsError(ValueError):
     """Images or videos that are not uint8 pixels of the shape the model was built for."""
 
 
-class FrameCountError(InvalidPixelsError):
+class ModelFrameCountError(InvalidPixelsError):
     """A video with another number of frames than the model was built for."""
 
 
@@ -107,6 +107,8 @@ class DiffusionObjective(Objective):
     pipelines, by default) sample. freeze_text_encoder keeps the model's text
     encoder (``params/text``) fixed, as loaded by the trainer's initializer.
     """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     _: KW_ONLY
@@ -200,7 +202,7 @@ class DiffusionObjective(Objective):
                 f"Batch key {self.key!r} holds {dtype} pixels; expected uint8 in [0, 255] "
                 "(as dew's readers deliver them); convert with np.uint8 after scaling to [0, 255].")
         if self.key == "video" and len(shape) == 5 and shape[1] != self.shape[0]:
-            raise FrameCountError(
+            raise ModelFrameCountError(
                 f"Batch key 'video' holds videos of {shape[1]} frames (shape {shape}), but the model "
                 f"was built for frames={self.shape[0]}; cut the clips to {self.shape[0]} frames.")
         if shape[1:] != self.shape:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -45,10 +45,10 @@ from dew.objectives.base import (
 )
 from dew.objectives.lm import BatchShapeError, MissingBatchKeyError
 
-__all__ = ["DistillationObjective", "VocabularyMismatchError", "distillation_terms"]
+__all__ = ["DistillationObjective", "TeacherVocabularyError", "distillation_terms"]
 
 
-class VocabularyMismatchError(ValueError):
+class TeacherVocabularyError(ValueError):
     """The student and the teacher score different vocabularies, so their distributions cannot be compared."""
 
 
@@ -95,6 +95,8 @@ class DistillationObjective(Objective):
     the student's through a learned projection.
     """
 
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+
     model: nn.Module
     teacher: nn.Module | Mapping[str, Any]
     seq_len: int
@@ -123,7 +125,7 @@ class DistillationObjective(Objective):
             raise ValueError("DistillationObjective needs a positive weight on forward, reverse, labels or hidden.")
         student, teacher = getattr(self.model, "vocab_size", None), getattr(self.teacher, "vocab_size", None)
         if student is not None and teacher is not None and student != teacher:
-            raise VocabularyMismatchError(_vocabulary_message(student, teacher))
+            raise TeacherVocabularyError(_vocabulary_message(student, teacher))
 
     # -- the teacher's weights ---------------------------------------------------------
     def initializer(self) -> Any:
@@ -161,7 +163,7 @@ class DistillationObjective(Objective):
     def _check_teacher_vocabulary(self, weights: Mapping[str, Any], abstract: Mapping[str, Any]) -> None:
         given, expected = _vocabulary_of(weights), _vocabulary_of(abstract)
         if given is not None and expected is not None and given != expected:
-            raise VocabularyMismatchError(
+            raise TeacherVocabularyError(
                 f"The teacher's weights score a vocabulary of {given} tokens, but the student "
                 f"scores {expected}. " + _vocabulary_advice()
             )
@@ -196,7 +198,7 @@ class DistillationObjective(Objective):
         teacher_logits, teacher_hidden = self._apply(params["teacher"], self.teacher, inputs)
         teacher_logits = jax.lax.stop_gradient(teacher_logits)
         if student_logits.shape[-1] != teacher_logits.shape[-1]:
-            raise VocabularyMismatchError(_vocabulary_message(student_logits.shape[-1], teacher_logits.shape[-1]))
+            raise TeacherVocabularyError(_vocabulary_message(student_logits.shape[-1], teacher_logits.shape[-1]))
         forward, reverse = distillation_terms(student_logits, teacher_logits, self.temperature)
         cross_entropy = optax.softmax_cross_entropy_with_integer_labels(student_logits, targets)
         per_token = self.temperature**2 * (self.forward * forward + self.reverse * reverse)

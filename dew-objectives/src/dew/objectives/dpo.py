@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax
@@ -109,6 +109,8 @@ class DPOObjective(Objective):
     checkpoint directory (a language-model run) whose parameters the policy
     and the reference start from when the run is fresh.
     """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
 
     model: nn.Module
     seq_len: int

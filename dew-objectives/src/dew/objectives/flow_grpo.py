@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -127,6 +127,8 @@ class FlowGRPOObjective(Objective):
 
     metrics: ``reward``, ``kl`` (per step), ``clip_fraction``.
     """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
 
     model: nn.Module
     reward: Any = "brightness"

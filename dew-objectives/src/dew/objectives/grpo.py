@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax
@@ -92,6 +92,8 @@ class GRPOObjective(Objective):
     token), ``clip_fraction`` (tokens whose ratio was clipped) and
     ``entropy`` (of the policy's next-token distribution, per token).
     """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     reward: Any = "exact_match"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +94,8 @@ class JepaObjective(Objective):
     holds pixels under input_key: [B, H, W, C] images or [B, F, H, W, C]
     videos. momentum (start, end) and momentum_steps set the EMA's schedule.
     """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
 
     model: ViTEncoder
     _: KW_ONLY

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import flax.linen as nn
 import jax
@@ -100,6 +100,8 @@ class LMObjective(Objective):
     With a tokenizer and a prompt, preview continues the prompt by
     preview_tokens tokens with preview_sampling and returns it as text.
     """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     seq_len: int

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -126,6 +126,8 @@ class TokenDiffusion(Objective):
 @dataclass(frozen=True)
 class MaskedDiffusionObjective(TokenDiffusion):
     """MDLM over windows of seq_len ids with a TokenDenoiser (mask id = its vocab_size)."""
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     seq_len: int

@@ -28,7 +28,7 @@ import io
 import json
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -189,6 +189,8 @@ class PPOObjective(Objective):
     ``clip_fraction``, ``entropy``, ``value_loss``. Each step trains on one
     minibatch: a batch of P prompts gives steps of P / minibatches rows.
     """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     reward: Any = "exact_match"

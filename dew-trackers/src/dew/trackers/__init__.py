@@ -9,20 +9,19 @@ extra to install as soon as it is built.
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-from dew._lazy import Export, MissingDistributionError, exporter
+from dew._surface import MissingDistributionError, install_hint, surface
 
-_EXPORTS = {
-    "TensorBoardTracker": Export("dew.trackers.tensorboard", "dew-trackers", "tensorboard"),
-    "MLflowTracker": Export("dew.trackers.mlflow", "dew-trackers", "mlflow"),
-    "WandbTracker": Export("dew.trackers.wandb", "dew-trackers", "wandb"),
-}
+if TYPE_CHECKING:
+    from dew.trackers.mlflow import MLflowTracker as MLflowTracker
+    from dew.trackers.tensorboard import TensorBoardTracker as TensorBoardTracker
+    from dew.trackers.wandb import WandbTracker as WandbTracker
 
-__getattr__, __dir__ = exporter(__name__, _EXPORTS)
-__all__ = sorted([*_EXPORTS, "require"])
+__getattr__, __dir__, __all__ = surface(__name__, __file__, eager=("require",))
 
 
-def require(module: str, extra: str, tracker: str) -> None:
+def require(module: str, tracker: str) -> None:
     """Raise MissingDistributionError unless module can be imported (without importing it)."""
     try:
         found = importlib.util.find_spec(module) is not None
@@ -30,6 +29,5 @@ def require(module: str, extra: str, tracker: str) -> None:
         found = False
     if not found:
         raise MissingDistributionError(
-            f"{tracker} needs {module!r}, which is not installed. It ships with the "
-            f"{extra!r} extra: pip install 'dew-trackers[{extra}]'"
+            f"{tracker} needs {module!r}, which is not installed. {install_hint('dew-trackers', module)}"
         )

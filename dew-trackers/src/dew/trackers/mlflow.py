@@ -20,7 +20,8 @@ from dew.telemetry.records import TrackerDropped, is_record, previews_of, record
 from dew.telemetry.render import safe_name, write_preview
 from dew.trackers import require
 from dew.training.background import Channel, TrackerWarning, TrackerWriteError, let_others_run
-from dew.training.trackers import Reported, check_reported, recipe_fields
+from dew.training.protocols import Reported
+from dew.training.trackers import check_reported, recipe_fields
 
 __all__ = ["MLflowTracker", "TrackerUnreachableError"]
 
@@ -100,7 +101,7 @@ class MLflowTracker:
                  run_name: str | None = None, connect_timeout: float = 10.0,
                  request_timeout: float = 10.0, stop_on_failure: bool = False,
                  buffer: int = 10_000, close_timeout: float = 30.0) -> None:
-        require("mlflow", "mlflow", "MLflowTracker")
+        require("mlflow", "MLflowTracker")
         if name is not None and run_name is not None and name != run_name:
             raise ValueError(f"MLflowTracker got two run names, {name!r} and {run_name!r}; "
                              "give one (run_name is the key recipes use).")

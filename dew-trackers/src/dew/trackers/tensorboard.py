@@ -13,7 +13,8 @@ import numpy as np
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import is_record, previews_of, record_row
 from dew.trackers import require
-from dew.training.trackers import Reported, check_reported
+from dew.training.protocols import Reported
+from dew.training.trackers import check_reported
 
 __all__ = ["TensorBoardTracker"]
 
@@ -84,7 +85,7 @@ class TensorBoardTracker:
                  close_timeout: float = 30.0) -> None:
         from dew.training.background import Channel
 
-        require("tensorboard", "tensorboard", "TensorBoardTracker")
+        require("tensorboard", "TensorBoardTracker")
         self.directory = Path(directory)
         self._writer: Any = None
         self._channel = Channel(self._send, f"TensorBoardTracker at {self.directory}",

@@ -12,7 +12,8 @@ import numpy as np
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.trackers import require
 from dew.training.background import Channel, TrackerWriteError, let_others_run
-from dew.training.trackers import Reported, check_reported, recipe_fields
+from dew.training.protocols import Reported
+from dew.training.trackers import check_reported, recipe_fields
 
 __all__ = ["WandbTracker"]
 
@@ -54,7 +55,7 @@ class WandbTracker:
         buffer: int = 10_000,
         close_timeout: float = 30.0,
     ) -> None:
-        require("wandb", "wandb", "WandbTracker")
+        require("wandb", "WandbTracker")
         if name is not None and run_name is not None and name != run_name:
             raise ValueError(f"WandbTracker got two run names, {name!r} and {run_name!r}; "
                              "give one (run_name is the key recipes use).")

@@ -1,20 +1,22 @@
 """What a training process needs around the loop: setup before JAX starts, and preemption.
 
-Every name resolves on first use, so importing this package starts nothing.
+Every name is imported on first use, so importing this package starts nothing.
 """
 
-from dew._lazy import Export, exporter
+from __future__ import annotations
 
-_PREEMPTION = "dew.training.runtime.preemption"
-_PROCESS = "dew.training.runtime.process"
-_EXPORTS = {
-    "Preempted": Export(_PREEMPTION),
-    "PreemptionNotice": Export(_PREEMPTION),
-    "PreemptionWatch": Export(_PREEMPTION),
-    "BackendAlreadyStartedError": Export(_PROCESS),
-    "prepare_process": Export(_PROCESS),
-    "run_timestamp": Export(_PROCESS),
-}
+from typing import TYPE_CHECKING
 
-__getattr__, __dir__ = exporter(__name__, _EXPORTS)
-__all__ = sorted(_EXPORTS)
+from dew._surface import surface
+
+if TYPE_CHECKING:
+    from dew.training.runtime.preemption import Preempted as Preempted
+    from dew.training.runtime.preemption import PreemptionNotice as PreemptionNotice
+    from dew.training.runtime.preemption import PreemptionWatch as PreemptionWatch
+    from dew.training.runtime.process import (
+        BackendAlreadyStartedError as BackendAlreadyStartedError,
+    )
+    from dew.training.runtime.process import prepare_process as prepare_process
+    from dew.training.runtime.process import run_timestamp as run_timestamp
+
+__getattr__, __dir__, __all__ = surface(__name__, __file__)

@@ -13,8 +13,9 @@ import resource
 import shlex
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+
+import pydantic
+from pydantic import Field
 
 __all__ = [
     "BackendAlreadyStartedError",
@@ -35,20 +36,17 @@ class ProcessPoolError(RuntimeError):
     """multi_host was asked for, but nothing describes the pool to join."""
 
 
-class ProcessSettings(Protocol):
-    """What prepare_process reads: TrainerConfig has these fields."""
+class ProcessSettings(pydantic.BaseModel):
+    """What prepare_process reads; a recipe's ``trainer`` section holds these fields."""
 
-    xla_flags: Sequence[str]
-    multi_host: bool
-    compilation_cache_dir: str | None
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-
-@dataclass(frozen=True)
-class _Defaults:
-    xla_flags: tuple[str, ...] = ()
-    multi_host: bool = False
-    compilation_cache_dir: str | None = None
-    core_dumps: bool = False
+    xla_flags: list[str] = Field(default_factory=list, description="appended to XLA_FLAGS")
+    multi_host: bool = Field(False, description="join the JAX process pool the environment names")
+    compilation_cache_dir: str | None = Field(None, description="persistent compilation cache")
+    core_dumps: bool = Field(
+        False, description="let a crash write a core file (it holds secrets from the environment)"
+    )
 
 
 def _backend_started() -> bool:
@@ -153,7 +151,7 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
     backend, it raises BackendAlreadyStartedError when flags or the pool
     would be lost; limits and the cache are set either way.
     """
-    settings = config if config is not None else _Defaults()
+    settings = config if config is not None else ProcessSettings()
     flags = tuple(settings.xla_flags or ())
     started = _backend_started()
     if started:
@@ -171,7 +169,7 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
                 "array or asks for devices."
             )
     _raise_soft_limit(resource.RLIMIT_NOFILE)
-    _set_core_limit(bool(getattr(settings, "core_dumps", False)))
+    _set_core_limit(settings.core_dumps)
     if flags:
         os.environ["XLA_FLAGS"] = _merged_flags(os.environ.get("XLA_FLAGS", ""), flags)
     import jax

@@ -22,7 +22,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
 
 from dew.data.base import DataPartition
-from dew.training.checkpoint_errors import CheckpointDirectoryNotShared, PositionShareMismatch
+from dew.training.checkpoint_errors import CheckpointDirectoryNotSharedError, PositionShareMismatchError
 from dew.training.checkpoints import Checkpoints
 from dew.training.state import TrainState
 
@@ -42,7 +42,7 @@ def state_of(offset):
 if mode == "unshared":
     try:
         Checkpoints(f"{directory}/process-{process}").latest
-    except CheckpointDirectoryNotShared as error:
+    except CheckpointDirectoryNotSharedError as error:
         print("refused:", error, flush=True)
         sys.exit(3)
     sys.exit(0)
@@ -50,10 +50,10 @@ if mode == "unshared":
 mine = DataPartition(share=process, shares=2)
 checkpoints = Checkpoints(directory, keep=2)
 if mode == "held":  # another live process holds the writer's lease: every process is refused
-    from dew.training.checkpoint_errors import CheckpointLeaseHeld
+    from dew.training.checkpoint_errors import CheckpointLeaseHeldError
     try:
         checkpoints.save(1, state_of(1), position=None, partition=mine, meta={})
-    except CheckpointLeaseHeld as error:
+    except CheckpointLeaseHeldError as error:
         print("refused:", error, flush=True)
         sys.exit(4)
     sys.exit(0)
@@ -80,7 +80,7 @@ for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(expected))
         np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(other.data))
 try:
     checkpoints.restore(template, partition=DataPartition())
-except PositionShareMismatch as error:
+except PositionShareMismatchError as error:
     assert "shares [0, 1] of 2" in str(error), error
 else:
     raise AssertionError("a single-share restore of two shares' positions was accepted")

@@ -14,11 +14,11 @@ import pytest
 
 from dew.data.base import GLOBAL_POSITION, DataPartition
 from dew.training.checkpoint_errors import (
-    CheckpointCorrupted,
-    CheckpointMetaMismatch,
-    CheckpointNotFound,
-    CheckpointTreeMismatch,
-    PositionShareMismatch,
+    CheckpointCorruptedError,
+    CheckpointMetaMismatchError,
+    CheckpointNotFoundError,
+    CheckpointTreeMismatchError,
+    PositionShareMismatchError,
     require_same_meta,
 )
 from dew.training.checkpoint_manifest import render_manifest
@@ -132,10 +132,10 @@ def test_meta_must_be_json(tmp_path: Path) -> None:
 
 def test_missing_steps_are_named(tmp_path: Path) -> None:
     checkpoints = Checkpoints(tmp_path)
-    with pytest.raises(CheckpointNotFound, match="no committed checkpoint"):
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
         checkpoints.restore(template_of(full_state()), partition=SINGLE)
     save(checkpoints, 3, full_state())
-    with pytest.raises(CheckpointNotFound, match=r"step 7 .* steps \[3\]"):
+    with pytest.raises(CheckpointNotFoundError, match=r"step 7 .* steps \[3\]"):
         checkpoints.restore(template_of(full_state()), partition=SINGLE, step=7)
 
 
@@ -144,7 +144,7 @@ def test_tree_mismatch_names_the_leaves(tmp_path: Path) -> None:
     save(checkpoints, 1, full_state(width=16))
     other = full_state(width=8)
     other = other.replace(params={**other.params, "extra": {"z": jnp.zeros(2)}})
-    with pytest.raises(CheckpointTreeMismatch) as caught:
+    with pytest.raises(CheckpointTreeMismatchError) as caught:
         checkpoints.restore(template_of(other), partition=SINGLE)
     message = str(caught.value)
     assert "['params']['w'] was saved as float32[16, 16], the state has float32[8, 8]" in message
@@ -153,7 +153,7 @@ def test_tree_mismatch_names_the_leaves(tmp_path: Path) -> None:
 
 def test_meta_guard_names_fields() -> None:
     require_same_meta(3, {"accumulation": 2, "scaler": [1, 2]}, {"accumulation": 2, "scaler": (1, 2)})
-    with pytest.raises(CheckpointMetaMismatch, match="accumulation: saved 2, now 4"):
+    with pytest.raises(CheckpointMetaMismatchError, match="accumulation: saved 2, now 4"):
         require_same_meta(3, {"accumulation": 2}, {"accumulation": 4})
 
 
@@ -164,7 +164,7 @@ def test_positions_belong_to_their_share(tmp_path: Path) -> None:
     checkpoints.wait()
     restored = checkpoints.restore(template_of(state), partition=DataPartition(share=1, shares=2))
     assert restored.position == b"offset-3"
-    with pytest.raises(PositionShareMismatch, match=r"shares \[1\] of 2, but this process reads share 0 of 1"):
+    with pytest.raises(PositionShareMismatchError, match=r"shares \[1\] of 2, but this process reads share 0 of 1"):
         checkpoints.restore(template_of(state), partition=SINGLE)
     everywhere = GLOBAL_POSITION + b"1024"
     checkpoints.save(2, state, position=everywhere, partition=DataPartition(share=1, shares=2), meta={})
@@ -205,7 +205,7 @@ def test_corruption_is_named_and_falls_back(tmp_path: Path, how: str, capsys: py
     checkpoints.wait()
     _corrupt(tmp_path / "2", how)
     target = _corrupt(tmp_path / "3", how)
-    with pytest.raises(CheckpointCorrupted) as caught:
+    with pytest.raises(CheckpointCorruptedError) as caught:
         checkpoints.restore(template_of(full_state(0, width=64)), partition=SINGLE)
     error = caught.value
     assert error.step == 3 and error.good == 1 and error.file == str(target)
@@ -235,7 +235,7 @@ def test_digests_catch_what_the_files_do_not(tmp_path: Path) -> None:
     leaf = next(item for item in manifest["leaves"] if item["path"] == ".params['params']['w']")
     leaf["digest"] ^= 1
     manifest_path.write_bytes(reseal(manifest))  # the manifest's own digest agrees: only the leaf's differs
-    with pytest.raises(CheckpointCorrupted, match=r"leaf \.params\['params'\]\['w'\] does not match its digest"):
+    with pytest.raises(CheckpointCorruptedError, match=r"leaf \.params\['params'\]\['w'\] does not match its digest"):
         checkpoints.restore(template_of(full_state()), partition=SINGLE)
 
 

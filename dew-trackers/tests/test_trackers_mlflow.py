@@ -29,7 +29,8 @@ from dew.training.trackers import Trackers
 pytest.importorskip("mlflow")
 
 import mlflow_server  # noqa: E402 - a helper beside the tests
-from tiny_regression import Regression, dataset  # noqa: E402
+from dew.testing.doubles import Regression
+from dew.testing.doubles import regression_dataset as dataset
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,14 @@ import textwrap
 import time
 
 import numpy as np
+import pydantic
 import pytest
 
 from dew import registry
 from dew.data.base import Dataset
 from dew.recipes.config import RunConfig, apply_overrides, shipped
 from dew.recipes.errors import RecipeError
-from dew.training.config import TrainerConfig, fit_kwargs, trainer_kwargs
+from dew.training.config import TrainerConfig
 from dew.training.runtime.process import _merged_flags, run_timestamp
 
 # -- a tiny registered reader, so recipes can be checked without the data distribution --
@@ -81,7 +82,9 @@ def problems(data: dict) -> str:
 # -- TrainerConfig -------------------------------------------------------------------------
 
 
-def test_trainer_kwargs_build_the_trainers_own_objects():
+def test_the_trainer_fields_are_the_trainers_own_types():
+    # One type per concept: the recipe's mesh, layout and profile are validated as the very
+    # MeshSpec, Layout and ProfileWindow the Trainer takes; no mapper sits between them.
     from dew.training.layout import Layout
     from dew.training.mesh import MeshSpec
     from dew.training.profiling import ProfileWindow
@@ -92,21 +95,42 @@ def test_trainer_kwargs_build_the_trainers_own_objects():
         layout={"rules": [["embed", "fsdp"], ["mlp", ["tensor", "fsdp"]]], "min_shard": 8},
         profile={"directory": "/tmp/trace", "steps": 3},
     )
-    assert trainer_kwargs(config) == {
-        "mesh": MeshSpec(fsdp=2, tensor=2, stage=2, microbatches=4),
-        "layout": Layout(rules=(("embed", "fsdp"), ("mlp", ("tensor", "fsdp"))), min_shard=8),
-        "accumulation": 2,
-        "dynamic_scale": True,
-        "profile": ProfileWindow("/tmp/trace", steps=3, warmup=2),
-    }
-    assert trainer_kwargs(TrainerConfig(steps=1))["layout"] == Layout()
+    assert config.mesh == MeshSpec(fsdp=2, tensor=2, stage=2, microbatches=4)
+    assert config.layout == Layout(rules=(("embed", "fsdp"), ("mlp", ("tensor", "fsdp"))), min_shard=8)
+    assert config.profile == ProfileWindow("/tmp/trace", steps=3, warmup=2)
+    assert TrainerConfig(steps=1).layout == Layout()
+    # the checks are the types' own, written once
+    with pytest.raises(pydantic.ValidationError, match="must be a multiple of stage"):
+        TrainerConfig(steps=1, mesh={"stage": 2, "microbatches": 3})
+    with pytest.raises(pydantic.ValidationError, match="at least one step"):
+        TrainerConfig(steps=1, profile={"directory": "t", "steps": 0})
+    with pytest.raises(pydantic.ValidationError, match="fsdpp"):
+        TrainerConfig(steps=1, mesh={"fsdpp": 2})
 
 
-def test_fit_kwargs_count_epochs_in_steps():
-    assert fit_kwargs(TrainerConfig(epochs=2.5, log_every=7), steps_per_epoch=4) == {
+def test_each_group_of_trainer_fields_belongs_to_its_owner():
+    from dew.training.cadence import Cadence
+    from dew.training.checkpoint_settings import CheckpointSettings
+    from dew.training.config import TrainerSettings
+    from dew.training.runtime.process import ProcessSettings
+
+    config = TrainerConfig(steps=5, checkpoint_dir="ckpt", keep=2, xla_flags=["--a=1"], log_every=2)
+    for owner in (Cadence, CheckpointSettings, ProcessSettings, TrainerSettings):
+        assert isinstance(config, owner)
+        assert set(owner.model_fields) <= set(TrainerConfig.model_fields)
+    groups = [set(o.model_fields) for o in (Cadence, CheckpointSettings, ProcessSettings, TrainerSettings)]
+    assert sum(len(g) for g in groups) == len(set().union(*groups))  # no field has two owners
+    assert config.checkpoint_arguments() == {"directory": "ckpt", "keep": 2}
+    assert ProcessSettings(**{k: getattr(config, k) for k in ProcessSettings.model_fields}).xla_flags == ["--a=1"]
+
+
+def test_fit_arguments_count_epochs_in_steps():
+    from dew.training.cadence import EpochsNeedRecordsError
+
+    assert TrainerConfig(epochs=2.5, log_every=7).fit_arguments(steps_per_epoch=4) == {
         "steps": 10, "log_every": 7, "eval_every": None, "checkpoint_every": None, "preview": False}
-    with pytest.raises(ValueError, match="set trainer.steps instead"):
-        fit_kwargs(TrainerConfig(epochs=1), steps_per_epoch=None)
+    with pytest.raises(EpochsNeedRecordsError, match="set trainer.steps instead"):
+        TrainerConfig(epochs=1).fit_arguments(steps_per_epoch=None)
 
 
 def test_trainer_from_config_uses_the_mapping():

@@ -20,7 +20,7 @@ pytest.importorskip("tensorboard")
 from wandb_datastore import finished_records  # noqa: E402 - a helper beside the tests
 
 DEW = Path(sys.executable).with_name("dew")
-RECIPE = Path(__file__).resolve().parents[1] / "dew-core/src/dew/recipes/tiny-lm.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "dew-core/src/dew/recipes/tiny-lm.yaml"
 
 
 EVERY_LOG = ("train/loss", "train/accuracy", "train/lr", "train/grad_norm")

@@ -17,6 +17,7 @@ from dew import Checkpoints, Trainer, models
 from dew.data import Dataset
 from dew.objectives.base import Aux, EMASpec, Mean, Objective
 from dew.plugins import StepContribution, hookimpl, registered
+from dew.testing.doubles import RecordingTracker
 from dew.training.mesh import BatchMismatchError
 from dew.training.trainer import StepCompositionError
 
@@ -70,18 +71,7 @@ def numbered(make=batch_at, val=None):
     return Dataset(train=lambda p: Numbered(make), val=val, batch=8)
 
 
-class Recorder:
-    def __init__(self):
-        self.scalars, self.records = [], []
-
-    def log(self, scalars, step):
-        self.scalars.append((step, dict(scalars)))
-
-    def artifact(self, value, step):
-        self.records.append((step, value))
-
-    def close(self):
-        pass
+Recorder = RecordingTracker
 
 
 # -- rollouts ------------------------------------------------------------------------------
@@ -203,7 +193,7 @@ def test_rollout_time_is_its_own_row_of_the_goodput_split():
     tracker = Recorder()
     Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), rollout=rollout, tracker=tracker).fit(
         numbered(), steps=4, log_every=4)
-    goodput = next(v for _, v in tracker.records if getattr(v, "type", "") == "goodput")
+    goodput = next(v for _, v in tracker.artifacts if getattr(v, "type", "") == "goodput")
     assert goodput.rollout_seconds >= 0.2 and goodput.badput["rollout"] >= 0.2
     assert goodput.data_seconds < goodput.rollout_seconds
 
@@ -265,7 +255,7 @@ def test_evaluation_compiles_once_per_batch_shape_over_several_events():
     val = lambda partition: iter([batch_at(100), batch_at(101)])  # noqa: E731
     trainer = Trainer(Linear(ema=EMASpec(0.9)), optax.sgd(0.1), key=jax.random.key(0), tracker=Recorder())
     trainer.fit(numbered(val=val), steps=8, eval_every=2, log_every=4)
-    events = [v for _, v in trainer.tracker.records if getattr(v, "type", "") == "evaluation"]
+    events = [v for _, v in trainer.tracker.artifacts if getattr(v, "type", "") == "evaluation"]
     assert [e.step for e in events] == [2, 4, 6, 8]
     assert trainer._evaluator.traces == 1
 
@@ -287,7 +277,7 @@ def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
                       checkpoints=checkpoints)
     with registered(Plugin()):
         state = trainer.fit(numbered(), steps=50, log_every=2)
-    logged = {step: scalars for step, scalars in tracker.scalars if "train/loss" in scalars}
+    logged = {step: scalars for step, scalars in tracker.rows if "train/loss" in scalars}
     assert sorted(logged) == [2, 4]
     for scalars in logged.values():
         assert scalars["plugin/twice"] == pytest.approx(2 * scalars["train/loss"])
@@ -351,7 +341,7 @@ def test_each_rejected_step_is_reported_at_its_step():
         warnings.simplefilter("error")
         Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), tracker=tracker).fit(
             numbered(poisoned), steps=8, log_every=8)
-    assert [(s, v) for s, v in tracker.scalars if "train/rejected_steps_in_a_row" in v] == [
+    assert [(s, v) for s, v in tracker.rows if "train/rejected_steps_in_a_row" in v] == [
         (4, {"train/rejected_steps_in_a_row": 1.0})]
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from dew.data.base import DataPartition
-from dew.training.checkpoint_errors import CheckpointLeaseHeld
+from dew.training.checkpoint_errors import CheckpointLeaseHeldError
 from dew.training.checkpoint_lease import LEASE, this_process
 from dew.training.checkpoints import Checkpoints
-from test_checkpoints_crash import HERE, STATE  # tests/ is on sys.path (conftest.py)
+from test_checkpoints_crash import HERE, STATE  # every test folder is on sys.path (conftest.py)
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
 
@@ -123,7 +123,7 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path: Path) -> None:
         # Reading a directory someone writes is fine.
         assert Checkpoints(directory).latest == 1
         second = Checkpoints(directory)
-        with pytest.raises(CheckpointLeaseHeld) as caught:
+        with pytest.raises(CheckpointLeaseHeldError) as caught:
             second.save(2, HERE["make_state"](2, 8), position=None, partition=DataPartition(), meta={})
         message = str(caught.value)
         assert f"process {holder.pid} on host {socket.gethostname()!r}" in message, message
@@ -174,7 +174,7 @@ def test_a_reused_process_id_does_not_hold_the_lease(tmp_path: Path) -> None:
 
 def test_a_lease_from_another_host_is_never_taken_over(tmp_path: Path) -> None:
     _plant(tmp_path, host="elsewhere.example", pid=4242, start="b/1")
-    with pytest.raises(CheckpointLeaseHeld, match=r"process 4242 on host 'elsewhere.example'.*delete .*"
+    with pytest.raises(CheckpointLeaseHeldError, match=r"process 4242 on host 'elsewhere.example'.*delete .*"
                                                    + LEASE.replace(".", r"\.")):
         _save(tmp_path, 1)
     (tmp_path / LEASE).unlink()  # as the message says, once that process is known to be gone

@@ -15,10 +15,10 @@ from dew.nn.unet import UNet
 from dew.objectives.base import Step
 from dew.objectives.diffusion import (
     DiffusionObjective,
-    FrameCountError,
     GuidanceError,
     InvalidPixelsError,
     MissingPixelsError,
+    ModelFrameCountError,
 )
 
 DIT = DiT(image_size=8, channels=1, patch_size=2, emb_features=32, num_layers=1, num_heads=2,
@@ -135,7 +135,7 @@ def test_bad_input_names_the_key_the_value_and_what_was_expected():
     video = VideoDiT(frames=3, image_size=8, channels=1, patch_size=4, emb_features=16,
                      num_layers=1, num_heads=2, mlp_features=32)
     clips = DiffusionObjective(video)
-    with pytest.raises(FrameCountError, match=r"'video' holds videos of 5 frames.*frames=3"):
+    with pytest.raises(ModelFrameCountError, match=r"'video' holds videos of 5 frames.*frames=3"):
         clips.loss(init(clips), {"video": np.zeros((2, 5, 8, 8, 1), np.uint8)}, STEP)
 
     unconditional = DiT(image_size=8, channels=1, patch_size=2, emb_features=16, num_layers=1,

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dew.training.checkpoint_errors import CheckpointCorrupted
+from dew.training.checkpoint_errors import CheckpointCorruptedError
 from dew.training.checkpoint_manifest import Manifest, parse_manifest, render_manifest
 from dew.training.checkpoints import Checkpoints
-from test_checkpoints import (  # tests/ is on sys.path (conftest.py)
+from test_checkpoints import (  # every test folder is on sys.path (conftest.py)
     SINGLE,
     assert_same,
     full_state,
@@ -81,11 +81,11 @@ def test_a_damaged_manifest_is_named_and_skipped(tmp_path: Path, how: str, capsy
         damage(tmp_path / "2" / "dew.json")
 
     good = 1 if how == "another-step" else 2
-    with pytest.raises(CheckpointCorrupted) as caught:
+    with pytest.raises(CheckpointCorruptedError) as caught:
         Checkpoints(tmp_path, fallback=False).restore(template_of(full_state()), partition=SINGLE)
     assert caught.value.step == 3 and caught.value.file == str(tmp_path / "3" / "dew.json")
     assert reason in str(caught.value) and f"newest older good step is {good}" in str(caught.value)
-    with pytest.raises(CheckpointCorrupted, match=re.escape(reason)):
+    with pytest.raises(CheckpointCorruptedError, match=re.escape(reason)):
         Checkpoints(tmp_path).meta(3)
 
     restored = Checkpoints(tmp_path).restore(template_of(full_state()), partition=SINGLE)
@@ -114,11 +114,11 @@ def test_a_valid_manifest_reads_back() -> None:
 
 
 def _parse_in_time(raw: bytes) -> None:
-    """Every input gives a Manifest or CheckpointCorrupted, within a second."""
+    """Every input gives a Manifest or CheckpointCorruptedError, within a second."""
     began = time.perf_counter()
     try:
         result = parse_manifest(raw, 7, "7/dew.json")
-    except CheckpointCorrupted as error:
+    except CheckpointCorruptedError as error:
         assert error.step == 7 and "dew's manifest" in error.reason
     else:
         assert isinstance(result, Manifest) and result.step == 7
@@ -182,6 +182,6 @@ def test_fuzz_one_byte_of_a_valid_manifest(byte: bytes, where: int) -> None:
 
 @pytest.mark.parametrize("raw", [b"[" * 200_000, b'{"a":' * 200_000, b"9" * 100_000, b'"\\ud800"', b"1e999999"])
 def test_pathological_manifests_are_refused_quickly(raw: bytes) -> None:
-    with pytest.raises(CheckpointCorrupted):
+    with pytest.raises(CheckpointCorruptedError):
         parse_manifest(raw, 7, "7/dew.json")
     _parse_in_time(raw)

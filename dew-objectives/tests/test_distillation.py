@@ -12,7 +12,7 @@ import pytest
 
 from dew import Checkpoints, Trainer
 from dew.objectives.base import Step
-from dew.objectives.distillation import DistillationObjective, VocabularyMismatchError
+from dew.objectives.distillation import DistillationObjective, TeacherVocabularyError
 from dew.objectives.lm import LMObjective
 from dew.registry import objectives
 from dew.training.initializers import ParamsFrom
@@ -94,13 +94,13 @@ def test_hidden_states_match_through_a_learned_projection():
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_naming_both():
-    with pytest.raises(VocabularyMismatchError, match=r"student's vocabulary has 12 tokens but the teacher's has 16"):
+    with pytest.raises(TeacherVocabularyError, match=r"student's vocabulary has 12 tokens but the teacher's has 16"):
         DistillationObjective(student_model(vocab=12), teacher_model(), SEQ)
     # Weights of another vocabulary, read for a teacher module that claims the right one.
     objective = DistillationObjective(student_model(), teacher_model(), SEQ)
     wrong = nn.meta.unbox(student_model(vocab=20).init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32)))
     trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), initializer=objective.teacher_from(wrong))
-    with pytest.raises(VocabularyMismatchError, match=r"vocabulary of 20 tokens, but the student scores 16"):
+    with pytest.raises(TeacherVocabularyError, match=r"vocabulary of 20 tokens, but the student scores 16"):
         trainer.place()
 
 

@@ -8,79 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 
 from dew import Trainer
 from dew.data import Dataset
-from dew.objectives.base import Aux, EMASpec, Mean, Objective, under
+from dew.objectives.base import EMASpec, under
+from dew.testing import doubles
 from dew.training.mesh import BatchMismatchError, MeshSizeError, MeshSpec, build_mesh, shard_batch
 from dew.training.step import write_back
 from dew.training.trainer import NonFiniteLossError
 
-
-class MLP(nn.Module):
-    hidden: int = 16
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
-        x = nn.tanh(x)
-        return nn.Dense(1, kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("mlp", "embed")))(x)
-
-
-class Regression(Objective):
-    def __init__(self, ema=None):
-        self.model = MLP()
-        self.ema = ema
-        self.traces = 0
-
-    def init(self, key, variables=None):
-        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 4)))
-
-    def loss(self, variables, batch, step):
-        self.traces += 1
-        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
-        scale = jnp.where(batch["poison"][0] > 0, jnp.inf, 1.0) if "poison" in batch else 1.0
-        return Mean(jnp.sum(errors) * scale, jnp.asarray(errors.size, jnp.float32)), Aux(
-            metrics={"abs": Mean(jnp.sum(jnp.sqrt(errors)), jnp.asarray(errors.size, jnp.float32))})
-
-    def required_keys(self):
-        return ("x", "y")
-
-
-def batch_at(index: int, rows: int = 8) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(index)
-    x = rng.normal(size=(rows, 4)).astype(np.float32)
-    return {"x": x, "y": (x @ np.arange(1, 5, dtype=np.float32)[:, None] + 1).astype(np.float32)}
-
-
-class Stream:
-    def __init__(self, make=batch_at):
-        self.index, self.make = 0, make
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.index += 1
-        return self.make(self.index - 1)
-
-
-class Recorder:
-    def __init__(self):
-        self.rows: list[tuple[int, dict]] = []
-        self.artifacts: list = []
-
-    def log(self, scalars, step):
-        self.rows.append((step, dict(scalars)))
-
-    def artifact(self, value, step):
-        self.artifacts.append((step, value))
-
-    def close(self):
-        pass
+MLP = doubles.MLP
+Regression = doubles.Regression
+Recorder = doubles.RecordingTracker
+Stream = doubles.RegressionStream
+batch_at = doubles.regression_batch
 
 
 def dataset(make=batch_at, rows=8) -> Dataset:

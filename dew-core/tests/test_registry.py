@@ -14,8 +14,8 @@ from pathlib import Path
 import flax.linen as nn
 import pytest
 
+from dew import MissingDistributionError
 from dew import registry as registry_module
-from dew._lazy import MissingDistributionError
 from dew.registry import InvalidFieldsError, NameConflictError, Registry, UnknownNameError
 
 GROUP = "dewtest.things"

@@ -19,8 +19,7 @@ from dew.objectives.base import Mean, MeanMetric, Step
 from dew.objectives.lm import BatchShapeError, LMObjective, MissingBatchKeyError, Perplexity
 from dew.registry import objectives
 from dew.telemetry.artifacts import Artifact
-
-from .conftest import run_python
+from dew.testing.processes import run_python
 
 MODEL = CausalTransformer(vocab_size=257, emb_features=16, num_layers=1, num_heads=2,
                           mlp_features=32, max_seq_len=16)

@@ -15,9 +15,9 @@ from flax import linen as nn
 from dew import Checkpoints, Trainer
 from dew.data import Dataset
 from dew.objectives.base import Aux, Mean, Objective
-from dew.training.checkpoint_errors import CheckpointCorrupted, CheckpointTreeMismatch
+from dew.training.checkpoint_errors import CheckpointCorruptedError, CheckpointTreeMismatchError
 from dew.training.trainer import ResumeMismatchError
-from test_checkpoints import (  # tests/ is on sys.path (conftest.py)
+from test_checkpoints import (  # every test folder is on sys.path (conftest.py)
     SINGLE,
     full_state,
     save,
@@ -64,7 +64,7 @@ def test_another_optimizer_is_a_named_mismatch_and_changes_nothing(tmp_path: Pat
     directory = _trained(tmp_path)
     before = _listing(directory)
     changed = Trainer(Tiny(), optax.adamw(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory))
-    with pytest.raises(CheckpointTreeMismatch) as caught:
+    with pytest.raises(CheckpointTreeMismatchError) as caught:
         changed.place()
     message = str(caught.value)
     # adamw's state has one more (empty) node than adam's; the leaves are the same.
@@ -108,7 +108,7 @@ def test_an_intact_step_orbax_cannot_read_is_a_mismatch_not_damage(tmp_path: Pat
     state = full_state(1)
     other = state.replace(opt_state=(*state.opt_state, optax.EmptyState()))
     before = _listing(tmp_path)
-    with pytest.raises(CheckpointTreeMismatch, match="its files are intact, but Orbax cannot read them"):
+    with pytest.raises(CheckpointTreeMismatchError, match="its files are intact, but Orbax cannot read them"):
         Checkpoints(tmp_path).restore(template_of(other), partition=SINGLE)
     assert _listing(tmp_path) == before
 
@@ -119,7 +119,7 @@ def test_damage_is_still_quarantined(tmp_path: Path) -> None:
         save(checkpoints, step, full_state(step))
     checkpoints.close()
     (tmp_path / "2" / "_CHECKPOINT_METADATA").unlink()
-    with pytest.raises(CheckpointCorrupted):
+    with pytest.raises(CheckpointCorruptedError):
         Checkpoints(tmp_path, fallback=False).restore(template_of(full_state()), partition=SINGLE)
     assert (tmp_path / "2").is_dir()  # fallback=False only reports
     restored = Checkpoints(tmp_path).restore(template_of(full_state()), partition=SINGLE)

@@ -11,9 +11,10 @@ import pytest
 
 import dew
 from dew.telemetry import profiling
+from dew.testing.doubles import RecordingTracker, Regression
+from dew.testing.doubles import regression_dataset as dataset
 from dew.training.profiling import ProfilerBusyError, ProfileWindow
 from dew.training.trackers import LocalTracker, Trackers
-from tiny_regression import Regression, dataset
 
 
 def _traces(directory):
@@ -51,22 +52,8 @@ def test_window_opens_after_warmup_and_closes_after_steps(tmp_path):
         ProfileWindow(str(tmp_path), steps=0)
 
 
-class Recorder:
-    def __init__(self):
-        self.rows = []
-
-    def log(self, scalars, step):
-        self.rows.append({"step": step, **{k: float(v) for k, v in scalars.items()}})
-
-    def artifact(self, value, step):
-        pass
-
-    def close(self):
-        pass
-
-
 def test_a_fit_reports_its_window_goodput_and_lines(tmp_path, capsys):
-    local, recorder = LocalTracker(tmp_path / "run"), Recorder()
+    local, recorder = LocalTracker(tmp_path / "run"), RecordingTracker()
     trainer = dew.Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0),
                           tracker=Trackers(local, recorder),
                           profile=ProfileWindow(str(tmp_path / "trace"), steps=2, warmup=2))
@@ -74,7 +61,7 @@ def test_a_fit_reports_its_window_goodput_and_lines(tmp_path, capsys):
     local.close()
 
     rows = [json.loads(line) for line in (tmp_path / "run/scalars.jsonl").read_text().splitlines()]
-    assert rows == recorder.rows and [row["step"] for row in rows] == [4, 8]
+    assert rows == [{"step": step, **row} for step, row in recorder.rows] and [row["step"] for row in rows] == [4, 8]
     records = [json.loads(line) for line in (tmp_path / "run/records.jsonl").read_text().splitlines()]
     kinds = [row["type"] for row in records]
     assert kinds[0] == "run_started" and kinds[-1] == "goodput" and "profile_window" in kinds

@@ -1,0 +1,52 @@
+"""Settings and fixtures every test folder of the workspace shares.
+
+Each distribution keeps its tests beside it (dew-core/tests, dew-objectives/tests,
+dew-trackers/tests, dew-data/tests); tests of the whole house (packaging, docs,
+the third-party plugin) live in tests/. This file is loaded for all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Strict JAX, here and in every interpreter a test starts: implicit rank
+# promotion is a bug in dew, not a convenience.
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
+
+import pytest  # noqa: E402
+
+from dew.testing.doubles import RecordingTracker  # noqa: E402
+from dew.testing.processes import run_python  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+TEST_FOLDERS = [ROOT / "tests", *sorted(ROOT.glob("dew-*/tests"))]
+# Helper modules beside the tests (fresh_venv, mlflow_server, ...) import by name
+# under --import-mode=importlib.
+for folder in TEST_FOLDERS:
+    sys.path.insert(0, str(folder))
+
+
+@pytest.fixture
+def python_in_subprocess():
+    """Call with (code, devices=8): asserts a zero exit and returns stdout."""
+
+    def call(code: str, devices: int = 1, **kwargs) -> str:
+        result = run_python(code, devices=devices, **kwargs)
+        assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+        return result.stdout
+
+    return call
+
+
+@pytest.fixture
+def recorder() -> RecordingTracker:
+    """A tracker that keeps every report in memory."""
+    return RecordingTracker()
+
+
+@pytest.fixture
+def repository() -> Path:
+    """The workspace root (the four distributions, docs/, scripts/, benchmarks/)."""
+    return ROOT

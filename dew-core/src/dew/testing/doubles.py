@@ -1,0 +1,139 @@
+"""Small, real components for tests: a regression objective, its data, a recording tracker.
+
+They are the smallest things a fit accepts, for tests of what the trainer
+does (logging, checkpoints, hooks, preemption) rather than of what a model
+learns. Every test in dew that needs "some objective" or "a tracker that
+remembers" uses these, and a plugin's own tests may too.
+
+>>> import jax, optax
+>>> from dew.training import Trainer
+>>> recorder = RecordingTracker()
+>>> state = Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0),
+...                 tracker=recorder).fit(regression_dataset(), steps=4, log_every=2)
+>>> [step for step, _ in recorder.rows]
+[2, 4]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from dew.data.base import DataPartition, Dataset
+from dew.objectives.base import Aux, EMASpec, Mean, Objective
+
+__all__ = [
+    "MLP",
+    "RecordingTracker",
+    "Regression",
+    "RegressionStream",
+    "regression_batch",
+    "regression_dataset",
+]
+
+FEATURES = 4
+
+
+class MLP(nn.Module):
+    """Four features to one output through a tanh layer; both kernels name their logical axes."""
+
+    hidden: int = 16
+
+    @nn.compact
+    def __call__(self, x_bf: jnp.ndarray) -> jnp.ndarray:
+        dense = nn.initializers.lecun_normal()
+        h_bh = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(dense, ("embed", "mlp")))(x_bf)
+        return nn.Dense(1, kernel_init=nn.with_logical_partitioning(dense, ("mlp", "embed")))(nn.tanh(h_bh))
+
+
+class Regression(Objective):
+    """Mean squared error of an MLP on batches {"x": [B, 4], "y": [B, 1]}.
+
+    A batch may carry "poison" ([B], any row > 0 makes the loss infinite) to
+    test non-finite steps; ``traces`` counts how often the loss was traced.
+    """
+
+    def __init__(self, ema: EMASpec | None = None, hidden: int = 16) -> None:
+        self.model = MLP(hidden)
+        self.ema = ema
+        self.traces = 0
+
+    def init(self, key: Any, variables: Any = None) -> Any:
+        if variables is not None:
+            return variables
+        return self.model.init(key, jnp.zeros((1, FEATURES)))
+
+    def loss(self, variables: Any, batch: Mapping[str, Any], step: Any) -> tuple[Mean, Aux]:
+        self.traces += 1
+        errors_b1 = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
+        scale = jnp.where(batch["poison"][0] > 0, jnp.inf, 1.0) if "poison" in batch else 1.0
+        count = jnp.asarray(errors_b1.size, jnp.float32)
+        absolute = Mean(jnp.sum(jnp.sqrt(errors_b1)), count)
+        return Mean(jnp.sum(errors_b1) * scale, count), Aux(metrics={"abs": absolute})
+
+    def required_keys(self) -> tuple[str, ...]:
+        return ("x", "y")
+
+
+def regression_batch(index: int, rows: int = 8) -> dict[str, np.ndarray]:
+    """Batch number index: normal features and the target x · (1, 2, 3, 4) + 1."""
+    rng = np.random.default_rng(index)
+    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+    weights = np.arange(1, FEATURES + 1, dtype=np.float32)[:, None]
+    return {"x": x, "y": (x @ weights + 1).astype(np.float32)}
+
+
+class RegressionStream:
+    """An endless, resumable iterator of regression batches (its state is the next index)."""
+
+    def __init__(self, make: Callable[[int], dict[str, np.ndarray]] = regression_batch) -> None:
+        self.index, self.make = 0, make
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        self.index += 1
+        return self.make(self.index - 1)
+
+    def get_state(self) -> bytes:
+        return str(self.index).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.index = int(state)
+
+
+def regression_dataset(rows: int = 8, val: Callable[[DataPartition], Any] | None = None) -> Dataset:
+    """A Dataset of endless regression batches of rows rows (every process reads the same)."""
+    return Dataset(
+        train=lambda partition: RegressionStream(lambda i: regression_batch(i, rows)),
+        val=val,
+        records=None,
+        batch=rows,
+    )
+
+
+class RecordingTracker:
+    """A tracker that keeps every report in memory, in the order it arrived."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.artifacts: list[tuple[int, Any]] = []
+        self.closed = 0
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        self.rows.append((step, {name: float(value) for name, value in scalars.items()}))
+
+    def artifact(self, value: Any, step: int) -> None:
+        self.artifacts.append((step, value))
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def series(self, name: str) -> list[tuple[int, float]]:
+        """(step, value) of one scalar, for every row that holds it."""
+        return [(step, row[name]) for step, row in self.rows if name in row]

@@ -1,0 +1,66 @@
+"""How long a fit runs and how often it logs, evaluates and saves: the arguments of Trainer.fit.
+
+A recipe writes them in its ``trainer`` section; ``Cadence.fit_arguments``
+turns them into ``Trainer.fit``'s keywords, counting ``epochs`` in steps.
+
+>>> Cadence(epochs=2.5, log_every=7).fit_arguments(steps_per_epoch=4)["steps"]
+10
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+from pydantic import Field
+
+__all__ = ["Cadence", "EpochsNeedRecordsError"]
+
+
+class EpochsNeedRecordsError(ValueError):
+    """A run counted in epochs reads a dataset that does not know its size."""
+
+
+class Cadence(pydantic.BaseModel):
+    """The step a fit finishes at, and the intervals of its logging, validation and checkpoints."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    steps: int | None = Field(None, ge=1, description="train until this step")
+    epochs: float | None = Field(
+        None, gt=0, description="or train this many passes over the data (when steps is unset)"
+    )
+    log_every: int = Field(100, ge=1, description="steps between logged metrics")
+    eval_every: int | None = Field(None, ge=1, description="steps between validations")
+    preview: bool = Field(False, description="write the objective's preview at each validation")
+    checkpoint_every: int | None = Field(None, ge=1, description="steps between checkpoints")
+
+    @pydantic.model_validator(mode="after")
+    def _length_is_given(self) -> Cadence:
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set trainer.steps (the step to finish at) or trainer.epochs")
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("set trainer.steps or trainer.epochs, not both")
+        return self
+
+    def total_steps(self, steps_per_epoch: int | None = None) -> int:
+        """The step to finish at: steps, or epochs over a dataset of steps_per_epoch."""
+        if self.steps is not None:
+            return self.steps
+        if steps_per_epoch is None:
+            raise EpochsNeedRecordsError(
+                "trainer.epochs needs a dataset that knows its size (records); this one does "
+                "not, so set trainer.steps instead."
+            )
+        assert self.epochs is not None
+        return max(1, round(self.epochs * steps_per_epoch))
+
+    def fit_arguments(self, steps_per_epoch: int | None = None) -> dict[str, Any]:
+        """Trainer.fit's keywords: the step to finish at and the loop's intervals."""
+        return {
+            "steps": self.total_steps(steps_per_epoch),
+            "log_every": self.log_every,
+            "eval_every": self.eval_every,
+            "checkpoint_every": self.checkpoint_every,
+            "preview": self.preview,
+        }

@@ -1,0 +1,67 @@
+"""Layering: the import contracts span all four distributions, catch a planted violation,
+and refuse to pass when a module they name does not exist."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+LINT = Path(__file__).resolve().parents[1] / "scripts" / "lint_imports.py"
+
+
+def _planted(tmp_path: Path, contracts: str) -> subprocess.CompletedProcess:
+    code = f"""
+import sys
+sys.path.insert(0, {str(LINT.parent)!r})
+import dew, lint_imports
+from importlinter.cli import lint_imports as run
+dew.__spec__.submodule_search_locations[:] = list(dew.__path__)
+config = lint_imports._ini({{"root_packages": ["dew"], "include_external_packages": True,
+    "contracts": {contracts}}})
+print("EXIT", run(config_filename=config, no_cache=True))
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+
+
+def test_import_contracts_see_every_distribution_and_catch_a_violation(tmp_path):
+    # scripts/lint_imports.py runs pyproject's contracts across all four portions of
+    # the dew package. A planted contract that the code breaks must come back broken,
+    # or the check would be vacuous (import-linter alone sees only dew-core's portion).
+    result = _planted(tmp_path, """[{"name": "planted", "type": "forbidden",
+        "source_modules": ["dew.trackers.tensorboard"], "forbidden_modules": ["tensorboard"]}]""")
+    assert result.returncode == 0, result.stderr
+    assert "EXIT 1" in result.stdout and "planted BROKEN" in result.stdout, result.stdout
+    kept = subprocess.run([sys.executable, str(LINT)], capture_output=True, text=True, timeout=300)
+    assert kept.returncode == 0, kept.stdout[-3000:] + kept.stderr[-3000:]
+    assert "0 broken" in kept.stdout
+
+
+def test_training_contract_breaks_where_diffusion_inputs_and_sampling_are_imported(tmp_path):
+    # The spec's rule for dew.training, planted on a module that does import them.
+    result = _planted(tmp_path, """[{"name": "planted", "type": "forbidden",
+        "source_modules": ["dew.objectives.diffusion", "dew.objectives.lm"],
+        "forbidden_modules": ["dew.diffusion", "dew.inputs", "dew.sampling"]}]""")
+    assert "EXIT 1" in result.stdout and "planted BROKEN" in result.stdout, result.stdout + result.stderr
+    assert "dew.objectives.diffusion -> dew.diffusion" in result.stdout
+    assert "dew.objectives.diffusion -> dew.inputs" in result.stdout
+    assert "-> dew.sampling" in result.stdout
+
+
+def test_every_distribution_has_a_generated_contract():
+    sys.path.insert(0, str(LINT.parent))
+    import lint_imports
+
+    contracts = {c["name"].split(" imports")[0]: c for c in lint_imports.generated_contracts()}
+    assert set(contracts) == set(lint_imports.DISTRIBUTIONS)
+    assert "dew.data.tokenizers" in contracts["dew-trackers"]["forbidden_modules"]
+    assert "dew.trackers.mlflow" in contracts["dew-objectives"]["forbidden_modules"]
+    assert "dew.objectives.lm" in contracts["dew-data"]["forbidden_modules"]
+
+
+def test_a_contract_naming_a_module_that_does_not_exist_fails(tmp_path):
+    result = _planted(tmp_path, """[{"name": "ahead of its code", "type": "forbidden",
+        "source_modules": ["dew.training"], "forbidden_modules": ["dew.holography"]}]""")
+    assert result.returncode != 0
+    assert "MissingModuleError" in result.stderr and "dew.holography" in result.stderr, result.stderr
