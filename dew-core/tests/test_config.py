@@ -36,8 +36,7 @@ class Repeated:
     text: str = "dew trains jax models. "
     seq_len: int = 16
 
-    @property
-    def tokenizer(self):
+    def text_tokenizer(self):  # dew.data.base.TextReader: the recipe hands it to the objective
         from dew.data.tokenizers import ByteTokenizer
 
         return ByteTokenizer()
@@ -231,11 +230,14 @@ def test_quantization_is_read_and_checked():
 
 
 def test_component_mappings_become_their_dataclasses():
-    from dew.recipes.components import coerced
+    from dew import models, registry
     from dew.sampling import Sampling
 
-    fields = {"seq_len": 16, "preview_sampling": {"temperature": 0.5, "top_k": 3}}
-    assert coerced("objectives", "lm", fields)["preview_sampling"] == Sampling(0.5, 3)
+    model = models.build("causal_transformer", vocab_size=8, emb_features=8, num_layers=1,
+                         num_heads=1, mlp_features=8, max_seq_len=16)
+    fields = {"model": model, "seq_len": 16, "preview_sampling": {"temperature": 0.5, "top_k": 3}}
+    built = registry.objectives.build("lm", **fields)  # the one place fields are checked and coerced
+    assert built.preview_sampling == Sampling(0.5, 3) and built.seq_len == 16 and built.model is model
     text = problems(recipe(objective={"name": "lm", "seq_len": 16,
                                       "preview_sampling": {"temperature": "hot"}}))
     assert "objective.preview_sampling.temperature: Input should be a valid number" in text

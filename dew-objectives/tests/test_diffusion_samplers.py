@@ -34,8 +34,11 @@ SCHEDULES = {"vp_linear": VPLinear(), "vp_cosine": VPCosine(), "edm": EDM(),
 def gaussian_denoiser(schedule, mean=MEAN, std=STD):
     def denoise(x, t):
         alpha, sigma = schedule.alpha_sigma(t)
-        gain = alpha * std**2 / (alpha**2 * std**2 + sigma**2)
-        x0 = mean + gain * (x - alpha * mean)
+        # alpha and sigma are scalars or [B, 1]: spell out the broadcast over the features
+        alpha, sigma = (jax.lax.broadcast_to_rank(jnp.asarray(v), x.ndim) for v in (alpha, sigma))
+        mean_f, std_f = mean[None, :], std[None, :]
+        gain = alpha * std_f**2 / (alpha**2 * std_f**2 + sigma**2)
+        x0 = mean_f + gain * (x - alpha * mean_f)
         return x0, (x - alpha * x0) / sigma
 
     return denoise

@@ -338,13 +338,21 @@ def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[s
             for k, v in kwargs.items()}
 
 
+def type_adapter(annotation: Any) -> pydantic.TypeAdapter | None:
+    """pydantic's validator for annotation, or None when pydantic cannot build one."""
+    for config in (pydantic.ConfigDict(arbitrary_types_allowed=True), None):
+        try:
+            return pydantic.TypeAdapter(annotation, config=config)
+        except pydantic.PydanticUserError:  # a dataclass or model brings its own config
+            continue
+        except Exception:  # noqa: BLE001 - an annotation pydantic cannot build a schema for
+            return None
+    return None
+
+
 def _lenient(annotation: Any) -> Any:
     """An annotation pydantic can check; anything it cannot becomes Any."""
-    if annotation is Any:
-        return Any
-    try:
-        pydantic.TypeAdapter(annotation, config=pydantic.ConfigDict(arbitrary_types_allowed=True))
-    except Exception:  # noqa: BLE001
+    if annotation is Any or type_adapter(annotation) is None:
         return Any
     return annotation
 

@@ -140,7 +140,7 @@ class CausalTransformer(nn.Module):
         if decode:
             index = self.variable("cache", "index", jnp.zeros, (batch,), jnp.int32)
             if positions is None:
-                positions = index.value[:, None] + jnp.arange(length, dtype=jnp.int32)
+                positions = index.value[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
             positions = jnp.asarray(positions, jnp.int32)
             index.value = positions[:, -1] + 1
         elif positions is None:

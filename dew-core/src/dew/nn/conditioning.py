@@ -56,8 +56,8 @@ class Dense(nn.Module):
                        (self.in_axis, self.out_axis), self.param_dtype)
         bias = param(self, "bias", nn.initializers.zeros, (self.features,), (self.out_axis,),
                      self.param_dtype)
-        return (jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
-                + bias.astype(self.dtype))
+        y = jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+        return y + jax.lax.broadcast_to_rank(bias.astype(self.dtype), y.ndim)
 
 
 class NoiseEmbedding(nn.Module):

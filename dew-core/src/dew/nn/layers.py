@@ -50,7 +50,8 @@ class RMSNorm(nn.Module):
                       self.param_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
-        return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+        scale_e = jax.lax.broadcast_to_rank(scale.astype(jnp.float32), normed.ndim)
+        return (normed * scale_e).astype(self.dtype)
 
 
 class Embed(nn.Module):
@@ -80,7 +81,7 @@ def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> 
     """Rotate pairs of features of x [B, T, H, D] by angles set by positions [B, T]."""
     half = x.shape[-1] // 2
     frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, :, None, None] * frequencies  # [B, T, 1, half]
+    angles = positions.astype(jnp.float32)[:, :, None, None] * frequencies[None, None, None, :]  # [B, T, 1, half]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x32 = x.astype(jnp.float32)
     first, second = x32[..., :half], x32[..., half : 2 * half]

@@ -61,7 +61,7 @@ class GroupNorm(nn.Module):
         normed = ((grouped - mean) * jax.lax.rsqrt(var + 1e-5)).reshape(b, h, w, c)
         scale = param(self, "scale", nn.initializers.ones, (c,), (axes.MLP,))
         shift = param(self, "bias", nn.initializers.zeros, (c,), (axes.MLP,))
-        return normed * scale + shift
+        return normed * scale[None, None, None, :] + shift[None, None, None, :]
 
 
 class ResBlock(nn.Module):

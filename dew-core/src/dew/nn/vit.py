@@ -48,7 +48,7 @@ def sincos_positions(grid: tuple[int, int, int], features: int) -> jax.Array:
     frequencies = 1.0 / 10_000.0 ** (jnp.arange(part // 2, dtype=jnp.float32) / max(part // 2, 1))
     pieces = []
     for axis in range(3):
-        angles = coordinates[:, axis:axis + 1] * frequencies
+        angles = coordinates[:, axis:axis + 1] * frequencies[None, :]
         pieces += [jnp.sin(angles), jnp.cos(angles)]
     table = jnp.concatenate(pieces, axis=-1)
     return jnp.pad(table, ((0, 0), (0, features - table.shape[-1])))

@@ -44,26 +44,10 @@ class DataConfig(ComponentConfig):
     )
 
 
-def _adapter_or_none(annotation: Any) -> pydantic.TypeAdapter | None:
-    for config in (pydantic.ConfigDict(arbitrary_types_allowed=True), None):
-        try:
-            return pydantic.TypeAdapter(annotation, config=config)
-        except pydantic.PydanticUserError:  # a dataclass or model brings its own config
-            continue
-        except Exception:  # noqa: BLE001 - an annotation pydantic cannot build a schema for
-            return None
-    return None
-
-
-def _lenient(annotation: Any) -> Any:
-    """An annotation pydantic can check; any it cannot becomes Any."""
-    if annotation is Any or _adapter_or_none(annotation) is None:
-        return Any
-    return annotation
-
-
 def _adapter(annotation: Any) -> pydantic.TypeAdapter:
-    return _adapter_or_none(annotation) or pydantic.TypeAdapter(Any)
+    from dew.registry import type_adapter
+
+    return type_adapter(annotation) or pydantic.TypeAdapter(Any)
 
 
 def _given(value: Any) -> str:
@@ -103,7 +87,7 @@ def problems_of(group: str, name: str, fields: dict[str, Any]) -> list[tuple[tup
             problems.append(((key,), f"{registry.kind} {name!r} has no field {key!r} (given "
                              f"{_given(value)}). Allowed: {', '.join(declared)}{hint}"))
             continue
-        annotation = _lenient(declared[key][0])
+        annotation = registries._lenient(declared[key][0])
         try:
             _adapter(annotation).validate_python(value)
         except pydantic.ValidationError as error:

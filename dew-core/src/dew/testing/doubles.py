@@ -5,13 +5,12 @@ does (logging, checkpoints, hooks, preemption) rather than of what a model
 learns. Every test in dew that needs "some objective" or "a tracker that
 remembers" uses these, and a plugin's own tests may too.
 
->>> import jax, optax
->>> from dew.training import Trainer
 >>> recorder = RecordingTracker()
->>> state = Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0),
-...                 tracker=recorder).fit(regression_dataset(), steps=4, log_every=2)
->>> [step for step, _ in recorder.rows]
-[2, 4]
+>>> recorder.log({"train/loss": 0.5}, step=2)
+>>> recorder.series("train/loss")
+[(2, 0.5)]
+>>> sorted(regression_batch(0))
+['x', 'y']
 """
 
 from __future__ import annotations
