@@ -21,9 +21,10 @@ silently, which is why dew keeps its own.
 from __future__ import annotations
 
 import hashlib
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -34,7 +35,7 @@ from jax import lax
 
 __all__ = [
     "COMMIT_FILES", "MANIFEST", "compare_leaves", "compare_nodes", "digest_leaves", "digests_as_lists", "file_table",
-    "leaf_table", "node_table", "start_hashing", "verify_files", "verify_sizes",
+    "leaf_table", "node_table", "prepare_digests", "start_hashing", "verify_files", "verify_sizes",
 ]
 
 MANIFEST = "dew.json"
@@ -91,9 +92,64 @@ def _digest_all(leaves: Sequence[jax.Array]) -> jax.Array:
     return jnp.stack([_digest(leaf) for leaf in leaves])
 
 
+# Digest programs compiled ahead (prepare_digests), by the leaves' shapes, dtypes and shardings.
+_PREPARED: dict[tuple[Any, ...], Future[Any]] = {}
+_PREPARED_LIMIT = 8
+_prepared_lock = threading.Lock()
+
+
+def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(leaf.shape), np.dtype(leaf.dtype).str, getattr(leaf, "sharding", None))
+                 for leaf in leaves)
+
+
+def prepare_digests(leaves: Sequence[Any]) -> None:
+    """Compile the digest program for leaves shaped like these on a background thread.
+
+    Compiling it costs about a second of CPU, which the first save would
+    otherwise spend while the loop waits; digest_leaves uses the compiled
+    program once it is ready (and waits for it when a save comes first,
+    rather than compiling a second time). leaves may be arrays or
+    jax.ShapeDtypeStruct with shardings.
+    """
+    leaves = list(leaves)
+    try:
+        key = _signature(leaves)
+        hash(key)
+    except TypeError:  # a sharding that cannot be a key: the first save compiles instead
+        return
+    with _prepared_lock:
+        if key in _PREPARED:
+            return
+        if len(_PREPARED) >= _PREPARED_LIMIT:
+            _PREPARED.pop(next(iter(_PREPARED)))
+        future: Future[Any] = Future()
+        _PREPARED[key] = future
+    specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+             for leaf in leaves]
+
+    def compile_() -> None:
+        try:
+            future.set_result(_digest_all.lower(specs).compile())
+        except BaseException as error:  # noqa: BLE001 - the save then compiles it itself
+            future.set_exception(error)
+
+    threading.Thread(target=compile_, name="dew-digest-compile", daemon=True).start()
+
+
 def digest_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
     """Dispatch the digests of leaves (uint32[len(leaves)]) without waiting for them."""
-    return _digest_all(list(leaves))
+    leaves = list(leaves)
+    try:
+        future = _PREPARED.get(_signature(leaves))
+    except TypeError:
+        future = None
+    if future is not None:
+        try:
+            return future.result()(leaves)
+        except Exception:  # noqa: BLE001 - not compiled, or for other placements: compile now
+            pass
+    return _digest_all(leaves)
 
 
 def leaf_table(state: Any) -> list[dict[str, Any]]:

@@ -263,6 +263,15 @@ class Checkpoints:
 
     # -- saving ---------------------------------------------------------------
 
+    def prepare(self, state: TrainState) -> None:
+        """Get ready, in the background, to save states shaped like state.
+
+        Compiles the program that digests the leaves on their devices, so the
+        first save() does not spend that second while the loop waits. A
+        trainer calls it once its step runs; save() works without it.
+        """
+        integrity.prepare_digests(jax.tree_util.tree_leaves(state))
+
     def save(
         self,
         step: int,

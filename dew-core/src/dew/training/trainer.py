@@ -449,6 +449,8 @@ class Trainer(Generic[Loss, Effects]):
                     state, step_metrics = compiled[fed.signature](state, fed.batch)
                     done = step + 1
                     progress.stepped(done, step_metrics, first=step == start)
+                    if step == start and self.checkpoints is not None:
+                        self.checkpoints.prepare(state)  # compiles the leaf digests off the loop
                     if profile is not None:
                         record = profile.on_step(done, state)
                         if record is not None:
@@ -505,6 +507,11 @@ class Trainer(Generic[Loss, Effects]):
 
     def _save(self, progress: Progress, feed: Feed, state: TrainState, done: int, *,
               local: bool = False) -> int:
+        # The steps already dispatched finish first: their time is the steps' (the loop runs
+        # ahead of the device by up to log_every steps), not the checkpoint's.
+        began = time.perf_counter()
+        jax.block_until_ready(state)
+        in_flight = time.perf_counter() - began
         began = time.perf_counter()
         self.checkpoints.save(done, state, position=feed.position(), partition=feed.partition,
                               meta=self._meta(), local=local)
@@ -512,7 +519,8 @@ class Trainer(Generic[Loss, Effects]):
         progress.clock.checkpoint += blocked
         path = str(self.checkpoints.path(done))
         progress.note(f"step {done}: checkpoint {'(local) ' if local else ''}handed to the writer, "
-                      f"the loop blocked {blocked:.2f} s ({path})")
+                      f"the loop blocked {blocked:.2f} s, after {in_flight:.2f} s finishing the "
+                      f"steps in flight ({path})")
         progress.checkpoint(done, path)
         return done
 
