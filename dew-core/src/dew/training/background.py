@@ -1,7 +1,8 @@
 """One background thread that writes every tracker's reports, so a step only enqueues.
 
-A tracker owns a Channel: ``submit`` appends an item under one lock (a few
-microseconds on the training thread) and the process's single writer thread
+A tracker owns a Channel: ``submit`` appends an item to a deque (no lock; a
+microsecond on the training thread), and takes the writer's lock only for the
+first item of a batch, to schedule it. The process's single writer thread
 later hands the channel everything queued since its last batch, in order, to
 the tracker's ``send``. A channel with an interval lets items build up that
 long, so a backend with a high cost per request (an HTTP server) gets one
@@ -26,6 +27,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,8 +88,8 @@ class _Writer:
                 continue
             due = channel.retry_at if channel.hurry else max(channel.due, channel.retry_at)
             if due <= now:
-                batches.append((channel, channel.items))
-                channel.items = []
+                channel.queued = False  # before taking: an item added after it schedules anew
+                batches.append((channel, channel.take()))
                 channel.busy = True
                 channel.hurry = False
                 del self.ready[channel]
@@ -104,12 +106,14 @@ class _Writer:
                     self.lock.wait(wait)
                     batches, wait = self._due()
             for channel, items in batches:
-                channel.deliver(items)
-                let_others_run()
+                if items:
+                    channel.deliver(items)
+                    let_others_run()
             with self.lock:
                 for channel, _ in batches:
                     channel.busy = False
-                    if channel.items:
+                    if channel.items or channel.queued:  # arrived or put back during the send
+                        channel.queued = True
                         self.ready[channel] = None
                 self.lock.notify_all()
 
@@ -178,8 +182,10 @@ class Channel:
         self.close_timeout = close_timeout
         self.on_recover = on_recover
         self.retryable = retryable
-        # Guarded by the writer's lock:
-        self.items: list[Any] = []
+        # Appended by the caller without a lock; taken and put back under the writer's lock:
+        self.items: deque[Any] = deque()
+        # Guarded by the writer's lock (queued is read without it, see submit):
+        self.queued = False  # scheduled with the writer (or to be, once its send ends)
         self.busy = False
         self.hurry = False
         self.due = 0.0  # when the batch building up is sent
@@ -198,17 +204,36 @@ class Channel:
         """Queue item for the writer; raise a failure met since the last call."""
         if self.error is not None:
             self.check()
+        self.items.append(item)
+        # The writer clears queued before it takes a batch, so an item appended before it
+        # reads queued False is either in that batch or scheduled here; an extra schedule
+        # finds an empty batch, which is skipped.
+        if not self.queued or len(self.items) > self.buffer:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        """The first item of a batch: make the batch due an interval from now."""
         writer = _WRITER
         with writer.lock:
-            if not self.items:  # the first of a batch: the batch is due an interval later
+            if not self.queued:
+                self.queued = True
                 self.due = time.monotonic() + self.interval
                 if not self.busy:  # else the writer registers it when the send ends
                     writer.ready[self] = None
                     writer.lock.notify()
-            self.items.append(item)
             if len(self.items) > self.buffer:
                 self._overflow(writer)
             writer.start()
+
+    def take(self) -> list[Any]:
+        """Everything queued, oldest first, removed from the queue (under the writer's lock)."""
+        items = []
+        pop = self.items.popleft
+        try:
+            while True:
+                items.append(pop())
+        except IndexError:
+            return items
 
     def _overflow(self, writer: _Writer) -> None:
         """Too many items wait: a failing remote drops the oldest, anything else waits."""
@@ -219,8 +244,7 @@ class Channel:
                 writer.lock.wait(1.0)
             return
         extra = len(self.items) - self.buffer
-        self._count_dropped(self.items[:extra])
-        del self.items[:extra]
+        self._count_dropped([self.items.popleft() for _ in range(extra)])
 
     def check(self) -> None:
         """Raise the failure the writer met for this channel, once."""
@@ -250,7 +274,8 @@ class Channel:
         timeout = None if self.stop_on_failure else self.close_timeout
         if not self.flush(timeout):
             with _WRITER.lock:
-                lost, self.items = self.items, []
+                lost = self.take()
+                self.queued = False
                 _WRITER.ready.pop(self, None)
             self._count_dropped(lost)
         if self.dropped:
@@ -304,11 +329,10 @@ class Channel:
                               stacklevel=2)
             self.failing = named
             with _WRITER.lock:
-                self.items[:0] = items
+                self.items.extendleft(reversed(items))
                 extra = len(self.items) - self.buffer
                 if extra > 0:
-                    self._count_dropped(self.items[:extra])
-                    del self.items[:extra]
+                    self._count_dropped([self.items.popleft() for _ in range(extra)])
                 self.retry_at = time.monotonic() + self.pause
                 self.pause = min(self.pause * 2, self.retry[1])
             return
