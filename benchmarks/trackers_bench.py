@@ -82,9 +82,16 @@ class Capture:
     def __init__(self) -> None:
         self.goodput = None
         self.arrivals: list[float] = []
+        self.thread_cpu: list[float] = []
 
     def log(self, scalars, step):
         self.arrivals.append(time.perf_counter())
+        self.thread_cpu.append(time.thread_time())
+
+    def median_thread_cpu(self) -> float:
+        """The training thread's own CPU time per step (median, past the first few): what
+        the loop itself spends, trackers' hand-off included, whatever else the machine runs."""
+        return float(np.median(np.diff(self.thread_cpu[3:])))
 
     def median_step(self) -> float:
         """The median time between consecutive steps' metrics (log_every=1), past the
@@ -156,7 +163,7 @@ class Offset:
         pass
 
 
-def fit(args, arm: str, opened: list, offset: int) -> tuple[float, float]:
+def fit(args, arm: str, opened: list, offset: int) -> tuple[float, float, float]:
     """One fit of the arm; its sinks stay open between fits and are flushed after each."""
     capture = Capture()
     tracker = Trackers(capture, *(Offset(sink, offset) for sink in opened))
@@ -172,11 +179,13 @@ def fit(args, arm: str, opened: list, offset: int) -> tuple[float, float]:
     flushing = time.perf_counter() - began
     good = capture.goodput
     per_step = capture.median_step()
+    thread = capture.median_thread_cpu()
     print(f"  {arm:12s} step {1e3 * per_step:7.2f} ms median, "
           f"{1e3 * good.step_seconds / (args.steps - 1):7.2f} ms mean  "
           f"(fit wall {good.wall_seconds:5.1f} s, "
-          f"process cpu {cpu:5.1f} s, flush {flushing:4.1f} s)", flush=True)
-    return per_step, cpu
+          f"process cpu {cpu:5.1f} s, flush {flushing:4.1f} s; training thread "
+          f"{1e6 * thread:6.0f} us CPU/step)", flush=True)
+    return per_step, cpu, thread
 
 
 def per_call(root: Path, mlflow_uri: str, calls: int = 200) -> None:
@@ -219,12 +228,14 @@ def compare(args, root: Path, index: int) -> tuple[tuple[float, float, float], i
         sink.log({"warmup": 0.0}, 0)  # run creation is a one-off cost, not timed
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     cpus: dict[str, list[float]] = {arm: [] for arm in arms}
+    threads: dict[str, list[float]] = {arm: [] for arm in arms}
     for repeat in range(args.repeats):
         # none-all, all-none, ...: drift lands on each arm as often as on the other.
         for arm in arms if repeat % 2 == 0 else arms[::-1]:
-            step, cpu = fit(args, arm, opened[arm], 1 + repeat * args.steps)
+            step, cpu, thread = fit(args, arm, opened[arm], 1 + repeat * args.steps)
             times[arm].append(step)
             cpus[arm].append(cpu)
+            threads[arm].append(thread)
     for sink in (sink for group in opened.values() for sink in group):
         sink.close()
     # The fastest of the repeats: other load on the machine only ever adds time.
@@ -235,7 +246,9 @@ def compare(args, root: Path, index: int) -> tuple[tuple[float, float, float], i
         print(f"{arm:12s} best {1e3 * best:7.2f} ms/step, median {1e3 * middle:7.2f} "
               f"(of {args.repeats}); best vs none {best / base:.3f}; median of paired "
               f"ratios {paired:.3f}"
-              f"; process CPU best vs none {min(cpus[arm]) / min(cpus['none']):.3f}")
+              f"; process CPU best vs none {min(cpus[arm]) / min(cpus['none']):.3f}; training "
+              f"thread CPU/step median {1e6 * statistics.median(threads[arm]):.0f} us (spread "
+              f"{1e6 * min(threads[arm]):.0f}-{1e6 * max(threads[arm]):.0f})")
     ratios = (min(times["all"]) / base,
               statistics.median(times["all"]) / statistics.median(times["none"]),
               statistics.median(a / b for a, b in zip(times["all"], times["none"], strict=True)))

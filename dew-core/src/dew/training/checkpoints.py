@@ -382,8 +382,11 @@ class Checkpoints:
     def _prune(self, store: Store) -> None:
         if self.keep is None:
             return
+        stale = store.committed()[: -self.keep]
+        if not stale and not pooled():
+            return  # nothing to remove: no reload of Orbax's step list while the loop waits
         if jax.process_index() == 0:
-            for step in store.committed()[: -self.keep]:
+            for step in stale:
                 rmtree(store.step_path(step))
         barrier(f"dew-checkpoints-pruned-{store.local}")
         store.manager.reload()

@@ -1,0 +1,58 @@
+"""Checkpoints.prepare: the leaf digests compiled ahead give the numbers the host computes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dew.training import checkpoint_integrity as integrity
+
+
+def _leaves() -> list[jax.Array]:
+    key = jax.random.key(7)
+    return [
+        jax.random.normal(key, (33, 17)),
+        jnp.arange(24, dtype=jnp.int32).reshape(2, 3, 4),
+        jax.random.normal(jax.random.fold_in(key, 1), (9,)).astype(jnp.bfloat16),
+        jnp.asarray([True, False, True]),
+        jnp.asarray(2.5),
+    ]
+
+
+def test_prepared_digests_equal_the_host_computation() -> None:
+    leaves = _leaves()
+    integrity.prepare_digests(leaves)
+    future = integrity._PREPARED[integrity._signature(leaves)]
+    compiled = future.result(timeout=300)  # the background compile finished without error
+    expected = [integrity._host_digest(leaf) for leaf in leaves]  # numpy, from the host copies
+    assert integrity.digests_as_lists(compiled(leaves)) == expected
+    assert integrity.digests_as_lists(integrity.digest_leaves(leaves)) == expected
+
+
+def test_leaves_of_another_shape_are_digested_without_the_prepared_program() -> None:
+    leaves = _leaves()
+    integrity.prepare_digests(leaves)
+    integrity._PREPARED[integrity._signature(leaves)].result(timeout=300)
+    other = [jnp.ones((5, 2)), *leaves[1:]]
+    assert integrity.digests_as_lists(integrity.digest_leaves(other)) == [
+        integrity._host_digest(leaf) for leaf in other]
+
+
+def test_a_failed_compile_leaves_saving_to_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    leaves = [jnp.full((3, 3), 4.0)]
+
+    class Broken:
+        def lower(self, *args: object) -> object:
+            raise RuntimeError("no compiler today")
+
+        def __call__(self, leaves: list[jax.Array]) -> jax.Array:
+            return original(leaves)
+
+    original = integrity._digest_all
+    monkeypatch.setattr(integrity, "_digest_all", Broken())
+    integrity.prepare_digests(leaves)
+    with pytest.raises(RuntimeError, match="no compiler today"):
+        integrity._PREPARED[integrity._signature(leaves)].result(timeout=60)
+    assert integrity.digests_as_lists(integrity.digest_leaves(leaves)) == [integrity._host_digest(leaves[0])]
+    integrity._PREPARED.pop(integrity._signature(leaves))
