@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -64,6 +66,40 @@ def _hparams(config: Mapping[str, Any]) -> Any:
         tensor=tensor_util.make_tensor_proto(0))])
 
 
+class _EventFile:
+    """An event file written directly, one record per event, by the caller (dew's tracker
+    thread): the same file and records as tensorboard's EventFileWriter, without the second
+    thread that writer hands every event to (a thread switch per step)."""
+
+    def __init__(self, directory: Path) -> None:
+        import socket
+
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        directory.mkdir(parents=True, exist_ok=True)
+        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+                f"{os.getpid()}.{next(_FILES)}")
+        self.path = directory / name
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._records = RecordWriter(self._file)
+        self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
+                                       source_metadata=event_pb2.SourceMetadata(writer="dew")))
+        self.flush()
+
+    def add_event(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_FILES = itertools.count()
+
+
 class TensorBoardTracker:
     """Writes scalars, previews and records into one TensorBoard event file in directory.
 
@@ -93,13 +129,10 @@ class TensorBoardTracker:
                                 close_timeout=close_timeout)
 
     @property
-    def writer(self) -> Any:
-        """The event-file writer, opened on first use."""
+    def writer(self) -> _EventFile:
+        """The event file, opened on first use."""
         if self._writer is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._writer = EventFileWriter(str(self.directory), max_queue_size=1000, flush_secs=10)
+            self._writer = _EventFile(self.directory)
         return self._writer
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
