@@ -36,7 +36,6 @@ import jax
 from dew.recipes.config import RunConfig
 from dew.recipes.run import build_parts, objective_parts, run_optimizer
 from dew.training.checkpoints import Checkpoints
-from dew.training.config import fit_kwargs
 from dew.training.trainer import Trainer
 
 
@@ -77,7 +76,7 @@ class Capture:
 def fit(config: RunConfig, directory: Path | None) -> tuple[Any, TimedCheckpoints | None, str, float]:
     """One fit of the recipe: its Goodput record, its checkpoints, its console text, wall seconds."""
     parts = build_parts(config)
-    steps = fit_kwargs(config.trainer, parts.dataset.steps_per_epoch)
+    steps = config.trainer.fit_arguments(parts.dataset.steps_per_epoch)
     checkpoints = None if directory is None else TimedCheckpoints(directory, keep=2)
     capture = Capture()
     trainer = Trainer.from_config(config.trainer, parts.objective, run_optimizer(config, steps["steps"]),
