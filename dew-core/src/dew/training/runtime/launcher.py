@@ -116,7 +116,8 @@ class _Pool:
         failed = {i: s for i, s in ended.items() if s != 0 and s not in _STOP_STATUSES}
         if failed:
             index, status = min(failed.items())
-            self.kill(f"rank {index} failed with status {status}")
+            self.say(f"rank {index} failed with status {status}")
+            self.kill("the pool cannot go on without it")
             return status
         stopped = [s for s in ended.values() if s in _STOP_STATUSES]
         if stopped and self.deadline is None:  # the scheduler signalled a rank directly
