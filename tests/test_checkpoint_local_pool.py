@@ -117,7 +117,7 @@ def test_a_pool_keeps_local_steps_on_each_process_s_own_disk(tmp_path: Path) -> 
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
-    for index, (worker, (out, err)) in enumerate(zip(workers, results)):
+    for index, (worker, (out, err)) in enumerate(zip(workers, results, strict=True)):
         assert worker.returncode == 0, f"process {index}:\n{out}\n{err[-5000:]}"
         assert out.splitlines()[-3:] == ["local restore ok", "placement limit ok", "agreement ok"], out
     assert "holds the shards of another placement" in results[0][1]

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from dew.data.base import DataPartition
