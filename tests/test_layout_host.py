@@ -132,6 +132,24 @@ for name, host in (("resident", ()), ("offloaded", ("opt_state", "ema"))):
         "param_kinds": sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.params)}),
         "specs": [str(x.sharding.spec) for x in jax.tree.leaves(state.opt_state)],
     }
+# resumed: a run stopped at step 3 restores its state (host-resident or not) and goes on; the
+# generator above has no data position, so both resumed runs read their batches from the start again
+import tempfile
+from dew.training.checkpoints import Checkpoints
+for name, host in (("resumed_resident", ()), ("resumed_offloaded", ("opt_state",))):
+    directory = tempfile.mkdtemp()
+    resumed = []
+    for steps in (3, 5):
+        losses = Losses()
+        checkpoints = Checkpoints(directory)
+        trainer = Trainer(LM(), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(fsdp=4, tensor=2),
+                          layout=Layout(min_shard=0, tolerance=0.25, host=host), tracker=losses,
+                          checkpoints=checkpoints)
+        state = trainer.fit(Dataset(train=batches, batch=16), steps=steps, log_every=1, checkpoint_every=3)
+        checkpoints.close()
+        resumed += losses.values
+    out[name] = {"losses": resumed,
+                 "opt_kinds": sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})}
 print("RESULT" + json.dumps(out))
 """
 
@@ -147,3 +165,8 @@ def test_an_offloaded_optimizer_state_trains_exactly_like_a_resident_one(python_
     assert len(resident["losses"]) == 5
     assert offloaded["losses"] == resident["losses"]
     assert offloaded["params"] == resident["params"] and offloaded["opt_state"] == resident["opt_state"]
+    # 3 steps, then 2 more after a restore: the host-resident state restores into host memory
+    assert result["resumed_offloaded"]["losses"] == result["resumed_resident"]["losses"]
+    assert result["resumed_offloaded"]["losses"][:3] == resident["losses"][:3]
+    assert len(result["resumed_offloaded"]["losses"]) == 5
+    assert result["resumed_offloaded"]["opt_kinds"] == [HOST_MEMORY]

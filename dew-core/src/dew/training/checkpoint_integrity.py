@@ -91,9 +91,19 @@ def _digest_all(leaves: Sequence[jax.Array]) -> jax.Array:
     return jnp.stack([_digest(leaf) for leaf in leaves])
 
 
+def _in_device_memory(leaf: jax.Array) -> jax.Array:
+    """leaf, copied to device memory if it sits in host memory (Layout.host): XLA computes
+    only on operands in one memory space."""
+    sharding = getattr(leaf, "sharding", None)
+    kind = getattr(sharding, "memory_kind", None)
+    if kind is None or kind == "device":
+        return leaf
+    return jax.device_put(leaf, sharding.with_memory_kind("device"))
+
+
 def digest_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
     """Dispatch the digests of leaves (uint32[len(leaves)]) without waiting for them."""
-    return _digest_all(list(leaves))
+    return _digest_all([_in_device_memory(leaf) for leaf in leaves])
 
 
 def leaf_table(state: Any) -> list[dict[str, Any]]:
