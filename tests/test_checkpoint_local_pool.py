@@ -26,7 +26,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 
 from jax.experimental import multihost_utils
 from dew.data.base import DataPartition
-from dew.training.checkpoint_local import LocalPlacementMismatch
+from dew.training.checkpoint_local import LocalPlacementMismatchError
 from dew.training.checkpoints import Checkpoints
 from dew.training.state import TrainState
 
@@ -75,7 +75,7 @@ assert other.step == 1 and other.position == f"p{process}@1".encode()
 same(other.state, state_of(1, P()))
 try:
     checkpoints.restore(template(P()), partition=mine, step=2)
-except LocalPlacementMismatch as error:
+except LocalPlacementMismatchError as error:
     assert "same processes, mesh and layout" in str(error), error
 else:
     raise AssertionError("a local step was read into another placement")

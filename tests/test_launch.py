@@ -19,7 +19,7 @@ import yaml
 
 from dew.cli import main
 from dew.training.runtime.pool import (
-    CoordinatorUnreachable,
+    CoordinatorUnreachableError,
     PoolEnvironmentError,
     PoolSeat,
     first_host,
@@ -67,7 +67,7 @@ def _free_port() -> int:
 def test_an_unreachable_coordinator_is_named_with_the_fix():
     port = _free_port()
     started = time.monotonic()
-    with pytest.raises(CoordinatorUnreachable) as error:
+    with pytest.raises(CoordinatorUnreachableError) as error:
         reach_coordinator(f"127.0.0.1:{port}", index=1, timeout=1.0)
     assert time.monotonic() - started < 10
     message = str(error.value)
@@ -75,7 +75,7 @@ def test_an_unreachable_coordinator_is_named_with_the_fix():
     with socket.socket() as holder:  # process 0 cannot listen where another program does
         holder.bind(("", port))
         holder.listen()
-        with pytest.raises(CoordinatorUnreachable, match=f"cannot listen on port {port}"):
+        with pytest.raises(CoordinatorUnreachableError, match=f"cannot listen on port {port}"):
             reach_coordinator(f"127.0.0.1:{port}", index=0, timeout=1.0)
         reach_coordinator(f"127.0.0.1:{port}", index=1, timeout=1.0)  # and a rank reaches it
 

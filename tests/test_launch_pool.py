@@ -126,5 +126,5 @@ def test_a_rank_that_cannot_reach_its_coordinator_names_it(tmp_path):
     code = launch.wait(timeout=120)
     assert code == 1, launch.text()
     text = launch.text()
-    assert f"CoordinatorUnreachable: Process 1 could not reach the pool's coordinator at 127.0.0.1:{port}" in text
+    assert f"CoordinatorUnreachableError: Process 1 could not reach the pool's coordinator at 127.0.0.1:{port}" in text
     assert "rank 1 failed with status 1" in text

@@ -31,7 +31,7 @@ from dew.training.checkpoint_errors import CheckpointNotFoundError
 
 __all__ = [
     "PLACEMENT",
-    "LocalPlacementMismatch",
+    "LocalPlacementMismatchError",
     "agreed_steps",
     "all_agree",
     "local_manager",
@@ -42,7 +42,7 @@ __all__ = [
 PLACEMENT = "dew-placement.json"  # in a local pool step: whose shards these are
 
 
-class LocalPlacementMismatch(CheckpointNotFoundError):
+class LocalPlacementMismatchError(CheckpointNotFoundError):
     """A local step was asked for by number, but it was saved from another placement."""
 
 

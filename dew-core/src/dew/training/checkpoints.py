@@ -41,7 +41,7 @@ from dew.training.checkpoint_errors import (
 )
 from dew.training.checkpoint_local import (
     PLACEMENT,
-    LocalPlacementMismatch,
+    LocalPlacementMismatchError,
     agreed_steps,
     all_agree,
     local_manager,
@@ -488,7 +488,7 @@ class Checkpoints:
                                "placement (a local step restores only into the same processes, mesh and "
                                "layout that saved it)")
                     if step is not None and not any(n == number for s, n in candidates if s is not store):
-                        raise LocalPlacementMismatch(f"{message}; restore a persistent step instead, or the "
+                        raise LocalPlacementMismatchError(f"{message}; restore a persistent step instead, or the "
                                                      "same placement.")
                     print(f"dew: {message}; skipping it.", file=sys.stderr, flush=True)
                     continue

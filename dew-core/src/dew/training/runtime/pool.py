@@ -26,7 +26,7 @@ __all__ = [
     "COORDINATOR_PORT",
     "CONNECT_TIMEOUT",
     "DEFAULT_PORT",
-    "CoordinatorUnreachable",
+    "CoordinatorUnreachableError",
     "PoolEnvironmentError",
     "PoolSeat",
     "connect_timeout",
@@ -45,7 +45,7 @@ class PoolEnvironmentError(RuntimeError):
     """The environment starts a pool but leaves out, or contradicts, what a process needs to join it."""
 
 
-class CoordinatorUnreachable(RuntimeError):
+class CoordinatorUnreachableError(RuntimeError):
     """A process of a pool could not reach process 0's coordinator address in time."""
 
 
@@ -181,7 +181,7 @@ def connect_timeout(env: Mapping[str, str] | None = None) -> float:
 
 
 def reach_coordinator(address: str, index: int, timeout: float) -> None:
-    """Wait until process 0's coordinator accepts a connection, or raise CoordinatorUnreachable.
+    """Wait until process 0's coordinator accepts a connection, or raise CoordinatorUnreachableError.
 
     JAX's own client aborts the process (a C++ check failure, no Python
     exception) when the coordinator does not answer, so the failure is found
@@ -195,7 +195,7 @@ def reach_coordinator(address: str, index: int, timeout: float) -> None:
             try:
                 probe.bind(("", port))
             except OSError as error:
-                raise CoordinatorUnreachable(
+                raise CoordinatorUnreachableError(
                     f"Process 0 cannot listen on port {port} for the pool's coordinator ({error.strerror}). "
                     f"Another program holds it: pick a free port (dew launch --port PORT, or "
                     f"{COORDINATOR_PORT}=PORT on a cluster).") from None
@@ -211,7 +211,7 @@ def reach_coordinator(address: str, index: int, timeout: float) -> None:
         if time.monotonic() >= deadline:
             break
         time.sleep(0.25)
-    raise CoordinatorUnreachable(
+    raise CoordinatorUnreachableError(
         f"Process {index} could not reach the pool's coordinator at {address} within {timeout:g} s "
         f"({last}). Process 0 listens there: check that it started, that {host} resolves to its "
         f"host from this one, and that port {port} is open between the hosts (or choose another with "

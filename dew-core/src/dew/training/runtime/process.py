@@ -151,7 +151,7 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
     Kubernetes indexed Job describes (see ``dew.training.runtime.pool``),
     else one JAX detects itself. A process other than 0 first waits for the
     coordinator to accept connections (``DEW_CONNECT_TIMEOUT`` seconds,
-    300 by default) and raises CoordinatorUnreachable, naming the address,
+    300 by default) and raises CoordinatorUnreachableError, naming the address,
     if it never does.
 
     Call it before anything touches a device. Called after JAX opened its
