@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 SMALL = ["model.num_layers=1", "model.emb_features=32", "model.mlp_features=64", "model.num_heads=2",
-         "data.batch=4", "trackers=[]", "objective.preview_tokens=4", "trainer.log_every=1",
+         "data.batch=4", "trackers=[]", "objective.prompt=null", "trainer.log_every=1",
          "trainer.checkpoint_every=100000"]
 
 
