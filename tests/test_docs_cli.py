@@ -32,7 +32,8 @@ COMMANDS = _commands()
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[:60] for c in COMMANDS])
 def test_every_command_on_the_page_runs(argv, capsys):
-    if argv[0] == "train":  # resolved and checked in full, not trained
+    if argv[0] == "train" or (argv[0] == "launch" and "--print" not in argv):
+        # resolved and checked in full, not trained (a launch prints its ranks' commands)
         argv = [*argv, "--check"] if "--check" not in argv else argv
     try:
         code = main(argv)
@@ -40,12 +41,22 @@ def test_every_command_on_the_page_runs(argv, capsys):
         code = stop.code
     output = capsys.readouterr()
     assert code == 0, output.err
-    if argv[0] == "train":
+    if argv[0] == "train" and "--check" in argv:
         json.loads(output.out)
 
 
 def test_every_command_kind_is_on_the_page():
-    assert {c[0] for c in COMMANDS} >= {"--version", "recipes", "describe", "train"}
+    assert {c[0] for c in COMMANDS} >= {"--version", "recipes", "describe", "train", "launch"}
+
+
+def test_the_cluster_examples_on_the_page_are_what_launch_prints(capsys):
+    """The sbatch script and the JobSet manifest shown under `dew launch` are the command's output."""
+    text = PAGE.read_text()
+    for kind, language in (("slurm", "bash"), ("jobset", "yaml")):
+        command = re.search(rf"^`dew launch (--print {kind} .*?)`$", text, flags=re.M).group(1)
+        assert main(["launch", *shlex.split(command)]) == 0
+        printed = capsys.readouterr().out
+        assert f"```{language}\n{printed}```" in text, f"docs/cli.md shows a stale --print {kind}"
 
 
 def test_every_shipped_recipe_is_described():

@@ -49,8 +49,3 @@ def test_a_rule_onto_a_batch_axis_is_refused():
     layout = Layout(rules=(("embed", "data"),), min_shard=0)
     with pytest.raises(LayoutError, match="split the batch"):
         layout.spec((64,), ("embed",), mesh(data=2))
-
-
-def test_offload_fields_are_refused_until_supported():
-    with pytest.raises(LayoutError, match="not supported yet"):
-        Layout(host=("opt_state",))

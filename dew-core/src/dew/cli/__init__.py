@@ -20,6 +20,7 @@ COMMANDS = {
     "generate": ("dew.cli.generate", "continue prompts with a trained run or an exported model"),
     "eval": ("dew.cli.evaluate", "a kept step's validation metrics, perplexity included"),
     "export": ("dew.cli.export", "write a kept step as a Hugging Face model directory"),
+    "launch": ("dew.cli.launch", "train a recipe as a process pool: local, under srun, or on Kubernetes"),
 }
 
 

@@ -137,9 +137,19 @@ def prepare_digests(leaves: Sequence[Any]) -> None:
     threading.Thread(target=compile_, name="dew-digest-compile", daemon=True).start()
 
 
+def _in_device_memory(leaf: jax.Array) -> jax.Array:
+    """leaf, copied to device memory if it sits in host memory (Layout.host): XLA computes
+    only on operands in one memory space."""
+    sharding = getattr(leaf, "sharding", None)
+    kind = getattr(sharding, "memory_kind", None)
+    if kind is None or kind == "device":
+        return leaf
+    return jax.device_put(leaf, sharding.with_memory_kind("device"))
+
+
 def digest_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
     """Dispatch the digests of leaves (uint32[len(leaves)]) without waiting for them."""
-    leaves = list(leaves)
+    leaves = [_in_device_memory(leaf) for leaf in leaves]
     try:
         future = _PREPARED.get(_signature(leaves))
     except TypeError:

@@ -34,6 +34,7 @@ class Store:
 
     directory: Any
     local: bool
+    per_process: bool = False  # a pool's local store: this process's own folder, its own shards
     manager: ocp.CheckpointManager | None = None
     pending: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)

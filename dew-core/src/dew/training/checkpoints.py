@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from dew.data.base import DataPartition
@@ -39,6 +38,15 @@ from dew.training.checkpoint_errors import (
     CheckpointLeaseHeldError,
     CheckpointNotFoundError,
     CheckpointWriteError,
+)
+from dew.training.checkpoint_local import (
+    PLACEMENT,
+    LocalPlacementMismatchError,
+    agreed_steps,
+    all_agree,
+    local_manager,
+    placement_of,
+    process_directory,
 )
 from dew.training.checkpoint_manifest import Manifest, render_manifest
 from dew.training.checkpoint_pool import barrier, gather_positions, pooled, probe_shared_directory
@@ -66,6 +74,7 @@ class _Pending:
     positions: dict[str, Any]
     meta: dict[str, Any]
     digests: jax.Array | None = None
+    placement: dict[str, Any] | None = None  # a pool's local step: whose shards it holds
     dispatched: threading.Event = field(default_factory=threading.Event)
 
 
@@ -100,7 +109,11 @@ class Checkpoints:
 
     local_directory (one per host) receives the saves the trainer marks
     local, every local_every steps; restore prefers a local step when it is
-    newer than the persistent one. Local checkpoints are for a lone process.
+    newer than the persistent one. In a pool each process writes and commits
+    its own shards in ``local_directory/process-<index>`` (see
+    checkpoint_local): a local step counts once every process holds it, and
+    restores only into the placement that saved it; otherwise the newest
+    persistent step is restored.
 
     In a pool every process calls every method in the same order; each writes
     its own shards, process 0 holds the lease and commits. On first use
@@ -146,11 +159,9 @@ class Checkpoints:
         """In a pool, check once that every process sees the directory (a lone process skips this)."""
         if self._probed:
             return
-        if self._local is not None and pooled():
-            raise ValueError(
-                "Local emergency checkpoints (local_directory) are supported for a lone process only; "
-                "drop local_directory when training in a pool."
-            )
+        if self._local is not None and pooled() and not self._local.per_process:
+            self._local.directory = process_directory(self.local_directory)
+            self._local.per_process = True
         probe_shared_directory(self.directory)
         self._probed = True
 
@@ -173,21 +184,24 @@ class Checkpoints:
         self._take_lease(self._stores)
         try:
             for store in self._stores:
-                if jax.process_index() == 0:
-                    remove_half_written(store.directory)
+                if jax.process_index() == 0 or store.per_process:
+                    if store.directory.exists():
+                        remove_half_written(store.directory)
                 barrier(f"dew-checkpoints-clean-{store.local}")
-                store.manager = ocp.CheckpointManager(
-                    store.directory,
-                    options=ocp.CheckpointManagerOptions(
-                        max_to_keep=None,  # dew prunes, only after the newer step committed
-                        create=True,
-                        enable_async_checkpointing=True,
-                        cleanup_tmp_directories=False,
-                        async_options=ocp.AsyncOptions(
-                            post_finalization_callback=lambda store=store: self._write_manifest(store)
-                        ),
+                options = dict(
+                    max_to_keep=None,  # dew prunes, only after the newer step committed
+                    create=True,
+                    enable_async_checkpointing=True,
+                    cleanup_tmp_directories=False,
+                    async_options=ocp.AsyncOptions(
+                        post_finalization_callback=lambda store=store: self._write_manifest(store)
                     ),
                 )
+                if store.per_process:
+                    store.manager = local_manager(store.directory, options)
+                else:
+                    store.manager = ocp.CheckpointManager(store.directory,
+                                                          options=ocp.CheckpointManagerOptions(**options))
         except BaseException:
             self._release_lease(self._stores)
             raise
@@ -195,30 +209,28 @@ class Checkpoints:
         _watch_at_exit(self)
 
     def _take_lease(self, stores: list[Store]) -> None:
-        """Process 0 takes the lease of each store; every process raises if it could not."""
+        """Process 0 takes the lease of each shared store, every process that of its own local
+        store; every process raises if any could not."""
         failure: CheckpointLeaseHeldError | None = None
         taken: list[Store] = []
-        if jax.process_index() == 0:
-            try:
-                for store in stores:
+        try:
+            for store in stores:
+                if jax.process_index() == 0 or store.per_process:
                     lease.acquire(store.directory)
                     taken.append(store)
-            except CheckpointLeaseHeldError as error:
-                failure = error
-                self._release_lease(taken)
+        except CheckpointLeaseHeldError as error:
+            failure = error
+            self._release_lease(taken)
         if pooled():
-            from jax.experimental import multihost_utils
-
-            refused = int(multihost_utils.broadcast_one_to_all(np.asarray(failure is not None, np.int32)))
-            if refused and failure is None:
+            if not all_agree(failure is None) and failure is None:
                 failure = CheckpointLeaseHeldError(self.directory, self.directory / lease.LEASE,
                                               lease.holder_of(self.directory))
         if failure is not None:
             raise failure
 
     def _release_lease(self, stores: list[Store]) -> None:
-        if jax.process_index() == 0:
-            for store in stores:
+        for store in stores:
+            if jax.process_index() == 0 or store.per_process:
                 lease.release(store.directory)
 
     # -- queries --------------------------------------------------------------
@@ -228,8 +240,14 @@ class Checkpoints:
         """The newest committed step, persistent or local (None when there is none)."""
         self._probe()
         self._settle()
-        steps = [step for store in self._stores for step in store.committed()]
+        steps = [step for store in self._stores for step in self._committed(store)]
         return max(steps, default=None)
+
+    def _committed(self, store: Store) -> list[int]:
+        """A store's committed steps; for a pool's local store, those every process committed."""
+        if store.per_process:
+            return agreed_steps(store.committed())
+        return store.committed()
 
     def path(self, step: int) -> Path:
         """The directory of step (the persistent one unless only the local store holds it)."""
@@ -312,8 +330,11 @@ class Checkpoints:
         )
         with store.lock:
             store.pending = pending
+        if store.per_process:
+            pending.placement = placement_of(state)
         try:
-            store.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)), force=True)
+            saved = ocp.args.PyTreeSave(state) if store.per_process else ocp.args.StandardSave(state)
+            store.manager.save(step, args=ocp.args.Composite(state=saved), force=True)
         except Exception as error:
             store.pending = None
             raise CheckpointWriteError(step, store.directory, error) from error
@@ -334,6 +355,8 @@ class Checkpoints:
         temporary = store.directory / f"{pending.step}{TMP}"
         if not pending.dispatched.wait(timeout=600) or pending.digests is None:
             raise RuntimeError(f"the leaf digests of step {pending.step} were never computed")
+        if pending.placement is not None:
+            (temporary / PLACEMENT).write_text(json.dumps(pending.placement))
         body = {
             "step": pending.step,
             "meta": pending.meta,
@@ -385,7 +408,7 @@ class Checkpoints:
         stale = store.committed()[: -self.keep]
         if not stale and not pooled():
             return  # nothing to remove: no reload of Orbax's step list while the loop waits
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 or store.per_process:
             for step in stale:
                 rmtree(store.step_path(step))
         barrier(f"dew-checkpoints-pruned-{store.local}")
@@ -444,7 +467,7 @@ class Checkpoints:
         """
         self._probe()
         self._settle()
-        candidates = self._candidates(step)
+        candidates = self._placed(self._candidates(step), template, step)
         expected = integrity.leaf_table(template), integrity.node_table(template)
         for index, (store, number) in enumerate(candidates):
             try:
@@ -461,14 +484,41 @@ class Checkpoints:
                 self._quarantine(store, number)
         raise CheckpointNotFoundError(f"No checkpoint to restore in {self.directory}.")  # pragma: no cover
 
+    def _placed(self, candidates: list[tuple[Store, int]], template: TrainState,
+                step: int | None) -> list[tuple[Store, int]]:
+        """candidates without the pool's local steps saved from another placement than template's."""
+        if not any(store.per_process for store, _ in candidates):
+            return candidates
+        wanted = placement_of(template)
+        kept = []
+        for store, number in candidates:
+            if store.per_process:
+                path = store.step_path(number) / PLACEMENT
+                saved = json.loads(path.read_text()) if path.exists() else None
+                if not all_agree(saved == wanted):
+                    message = (f"local step {number} in {self.local_directory} holds the shards of another "
+                               "placement (a local step restores only into the same processes, mesh and "
+                               "layout that saved it)")
+                    if step is not None and not any(n == number for s, n in candidates if s is not store):
+                        raise LocalPlacementMismatchError(f"{message}; restore a persistent step instead, or the "
+                                                     "same placement.")
+                    print(f"dew: {message}; skipping it.", file=sys.stderr, flush=True)
+                    continue
+            kept.append((store, number))
+        if not kept:
+            raise CheckpointNotFoundError(
+                f"No checkpoint in {self.directory} restores into this placement: its local steps were "
+                "saved from another one and there is no persistent step.")
+        return kept
+
     def _candidates(self, step: int | None) -> list[tuple[Store, int]]:
-        found = [(store, number) for store in reversed(self._stores) for number in store.committed()]
+        found = [(store, number) for store in reversed(self._stores) for number in self._committed(store)]
         if step is not None:
             found = [(store, number) for store, number in found if number == step]
             if not found:
                 raise CheckpointNotFoundError(
                     f"Checkpoint step {step} is not in {self.directory}; it holds steps "
-                    f"{sorted({n for s in self._stores for n in s.committed()})}."
+                    f"{sorted({n for s in self._stores for n in self._committed(s)})}."
                 )
             return found[-1:]  # the persistent copy when both hold it
         if not found:

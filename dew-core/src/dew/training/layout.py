@@ -8,6 +8,7 @@ are dropped, so a single table serves every topology.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
     "DEFAULT_RULES",
+    "HOST_MEMORY",
+    "HOST_RESIDENT",
     "Layout",
     "LayoutError",
     "LogicalAxisRules",
@@ -53,6 +56,9 @@ DEFAULT_RULES: LogicalAxisRules = (
     ("layers", "stage"),
 )
 
+HOST_RESIDENT = ("opt_state", "ema")  # TrainState fields Layout.host may keep in host memory
+HOST_MEMORY = "pinned_host"  # the memory kind they, and offloaded parameters, sit in
+
 _PARAMETER_AXES = ("fsdp", "expert", "tensor")
 _FORBIDDEN_FOR_PARAMETERS = ("data", "sequence")
 
@@ -81,8 +87,13 @@ class Layout:
     below min_shard elements stays replicated (the collectives would cost
     more than the memory saved); tolerance is the share of shardable
     parameter memory per device above perfect sharding that check() accepts.
-    host and host_parameters (memory offload) are reserved: naming any is
-    refused until offload lands.
+
+    host lists TrainState fields (of HOST_RESIDENT) that live in pinned host
+    memory between steps: the compiled step copies them to the devices,
+    updates them there and copies the result back, so only their address
+    changes, never their values. host_parameters are globs over parameter
+    paths (``params/layers_*``) that an inference placement (offloaded())
+    keeps in pinned host memory, each with the split the rules give it.
     """
 
     rules: LogicalAxisRules | Mapping[str, MeshAxes] = field(default=DEFAULT_RULES, metadata={
@@ -97,10 +108,19 @@ class Layout:
         "description": "parameter patterns placed in host memory for inference"})
 
     def __post_init__(self) -> None:
-        if self.host or self.host_parameters:
+        object.__setattr__(self, "host", tuple(self.host))
+        object.__setattr__(self, "host_parameters", tuple(self.host_parameters))
+        if "params" in self.host:
             raise LayoutError(
-                "Layout.host and Layout.host_parameters (host-memory offload) are not supported "
-                "yet; leave them empty."
+                "Layout.host=('params', ...) asks for a CPU-owned train state (the optimizer "
+                "transaction on a CPU companion mesh), which dew does not build yet. Keep the "
+                f"parameters on the devices and offload the other fields: host={HOST_RESIDENT}."
+            )
+        unknown = [name for name in self.host if name not in HOST_RESIDENT]
+        if unknown:
+            raise LayoutError(
+                f"Layout.host names {unknown}, which are not host-resident fields of the train "
+                f"state; choose among {list(HOST_RESIDENT)}."
             )
         if self.min_shard < 0 or not 0 <= self.tolerance <= 1:
             raise LayoutError(
@@ -191,19 +211,63 @@ class Layout:
         return jax.tree.map(one, tree, is_leaf=_is_box)
 
     def offloaded(self, mesh: Mesh, tree: TreeT) -> Placement:
-        """shardings with each leaf's memory kind; without host_parameters, the same."""
-        return self.shardings(mesh, tree)
+        """shardings with each leaf's memory kind: pinned host memory where host_parameters match.
+
+        A selected leaf keeps the spec the rules give it, so it is the same
+        shard, in another memory. Each pattern must match at least one
+        path, or LayoutError names it (a typo would otherwise keep the
+        weights on the devices, silently).
+        """
+        placement = self.shardings(mesh, tree)
+        if not self.host_parameters:
+            return placement
+        chosen = self._selected(tree)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, sharding: sharding.with_memory_kind(HOST_MEMORY)
+            if parameter_path(path) in chosen else sharding,
+            placement,
+        )
+
+    def _selected(self, tree: Any) -> set[str]:
+        """The paths host_parameters match in tree; LayoutError for a pattern matching none."""
+        paths = [parameter_path(path) for path, _ in
+                 jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]]
+        chosen: set[str] = set()
+        for pattern in self.host_parameters:
+            hits = fnmatch.filter(paths, pattern)
+            if not hits:
+                sample = ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "")
+                raise LayoutError(
+                    f"Layout.host_parameters pattern {pattern!r} matches no parameter; paths look like "
+                    f"{sample}. Fix or drop the pattern."
+                )
+            chosen.update(hits)
+        return chosen
 
     def check(self, params: Any, shardings: Placement, mesh: Mesh) -> None:
-        """Refuse a layout that leaves more than tolerance of the shardable memory replicated.
+        """Refuse a layout that leaves more than tolerance of the shardable memory replicated,
+        or that names host_parameters for a placement that does not keep them in host memory.
 
         Per device, a perfectly sharded parameter holds size / devices
         elements, where devices is the product of the parameter axes. Only
         parameters of at least min_shard elements count: the smaller ones are
-        replicated on purpose.
+        replicated on purpose. host_parameters belong to offloaded(): a
+        training placement (shardings()) has nothing that fetches them.
         """
         leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]
         placements = jax.tree.leaves(shardings)
+        if self.host_parameters:
+            chosen = self._selected(params)
+            kept = {parameter_path(path) for (path, _), s in zip(leaves, placements, strict=True)
+                    if s.memory_kind == HOST_MEMORY}
+            if not chosen <= kept:
+                raise LayoutError(
+                    f"Layout.host_parameters {list(self.host_parameters)} is for an inference "
+                    "placement (Layout.offloaded), which fetches each layer's weights as it "
+                    "reaches them; this placement keeps them on the devices, and a step would "
+                    "find nothing bringing host weights back. Drop host_parameters here (to "
+                    f"offload training state use Layout.host={HOST_RESIDENT})."
+                )
         # A dense model has no expert dimension to split: the expert axis then
         # replicates it like data parallelism does, and does not count here.
         uses_expert = any("expert" in _axes(s.spec) for s in placements)
@@ -234,6 +298,23 @@ class Layout:
                 f"divide too few of the model's dimensions. Most replicated: {names}. Choose mesh "
                 "sizes that divide the model's widths, or raise Layout.tolerance."
             )
+
+
+def parameter_path(path: Sequence[Any]) -> str:
+    """A leaf's path as host_parameters patterns read it: keys joined by slashes.
+
+    >>> parameter_path((jax.tree_util.DictKey("params"), jax.tree_util.DictKey("layers_0")))
+    'params/layers_0'
+    """
+    parts = []
+    for key in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                parts.append(str(getattr(key, attribute)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
 
 
 def _axes(spec: PartitionSpec) -> set[str]:

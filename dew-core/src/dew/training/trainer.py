@@ -33,6 +33,7 @@ from dew.training.feed import Feed
 from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
 from dew.training.layout import Layout, Placement
 from dew.training.mesh import MeshSpec, build_mesh, data_partition
+from dew.training.offload import fetching, in_host_memory
 from dew.training.progress import NonFiniteLossError, Progress
 from dew.training.protocols import Rollout
 from dew.training.runtime.preemption import Preempted, PreemptionWatch
@@ -255,7 +256,7 @@ class Trainer(Generic[Loss, Effects]):
         def place(tree: Any) -> Any:
             return jax.tree_util.tree_map_with_path(lambda path, leaf: follow(_names(path), leaf), tree)
 
-        return TrainState(
+        placement = TrainState(
             params=params,
             opt_state=place(state.opt_state),
             key=replicated, step=replicated, microstep=replicated, updates=replicated,
@@ -263,6 +264,7 @@ class Trainer(Generic[Loss, Effects]):
             scaler=jax.tree.map(lambda _: replicated, state.scaler) if state.scaler is not None else None,
             window=place(state.window) if state.window is not None else None,
         )
+        return in_host_memory(placement, self.layout.host)  # Layout.host's fields wait in host memory
 
     def _meta(self) -> dict[str, Any]:
         scaler = None
@@ -372,7 +374,7 @@ class Trainer(Generic[Loss, Effects]):
         shardings = self.shardings(state)
         batch_sh = jax.tree.map(lambda x: x.sharding, dict(batch))
         jitted = jax.jit(
-            self._step_function(), in_shardings=(shardings, batch_sh),
+            fetching(self._step_function(), shardings, self.layout.host), in_shardings=(shardings, batch_sh),
             out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
             donate_argnums=(0,),
         )

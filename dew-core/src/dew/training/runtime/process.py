@@ -111,22 +111,25 @@ def _merged_flags(current: str, extra: Sequence[str]) -> str:
 def _join_pool() -> None:
     import jax
 
+    from dew.training.runtime.pool import connect_timeout, reach_coordinator, seat_from_environment
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    count = os.environ.get("JAX_NUM_PROCESSES")
-    index = os.environ.get("JAX_PROCESS_ID")
-    if coordinator and count is not None and index is not None:
-        jax.distributed.initialize(coordinator, num_processes=int(count), process_id=int(index))
+    seat = seat_from_environment()
+    if seat is not None:
+        timeout = connect_timeout()
+        reach_coordinator(seat.coordinator, seat.index, timeout)
+        jax.distributed.initialize(seat.coordinator, num_processes=seat.processes, process_id=seat.index,
+                                   initialization_timeout=max(1, int(timeout)))
     else:
-        # A cluster JAX knows (Slurm, TPU pods, Kubernetes' indexed jobs, ...)
-        # describes the pool itself.
+        # A cluster JAX knows (TPU pods, Open MPI, ...) describes the pool itself.
         try:
             jax.distributed.initialize()
         except ValueError as error:
             raise ProcessPoolError(
-                f"multi_host is set, but JAX found no process pool to join ({error}). Run under "
-                "a cluster scheduler JAX recognises, or set JAX_COORDINATOR_ADDRESS (host:port "
-                "of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID for every process."
+                f"multi_host is set, but JAX found no process pool to join ({error}). Start the "
+                "processes with `dew launch` (a local pool, or one rank under srun or a Kubernetes "
+                "indexed Job), or set JAX_COORDINATOR_ADDRESS (host:port of process 0), "
+                "JAX_NUM_PROCESSES and JAX_PROCESS_ID for every process."
             ) from error
 
 
@@ -144,8 +147,12 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
     there. ``config.compilation_cache_dir`` turns on JAX's persistent
     compilation cache. With ``config.multi_host``, the process joins the JAX
     process pool that ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID`` describe, or the one the cluster environment
-    describes when they are unset.
+    ``JAX_PROCESS_ID`` describe, else the one Slurm's ``srun`` or a
+    Kubernetes indexed Job describes (see ``dew.training.runtime.pool``),
+    else one JAX detects itself. A process other than 0 first waits for the
+    coordinator to accept connections (``DEW_CONNECT_TIMEOUT`` seconds,
+    300 by default) and raises CoordinatorUnreachableError, naming the address,
+    if it never does.
 
     Call it before anything touches a device. Called after JAX opened its
     backend, it raises BackendAlreadyStartedError when flags or the pool

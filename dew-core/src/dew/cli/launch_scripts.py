@@ -1,0 +1,131 @@
+"""What ``dew launch --print`` writes: an ``sbatch`` script and a JobSet manifest for a recipe.
+
+Both start one ``dew launch`` per rank, which reads its place in the pool
+from what the engine sets (srun's ``SLURM_*`` variables; the indexed Job's
+``JOB_COMPLETION_INDEX`` and the two ``DEW_*`` variables the manifest sets),
+so nothing in dew schedules anything: the cluster's own engine does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ScriptRequest", "jobset_manifest", "job_name", "slurm_script"]
+
+_MARGIN = 30  # seconds beyond the grace: the ranks' own exit after the launcher's kill
+
+
+@dataclass(frozen=True)
+class ScriptRequest:
+    """A recipe and how to run it on a cluster: processes, processes per node, port, grace, image."""
+
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    processes: int = 1
+    per_node: int = 1
+    port: int | None = None  # None: Slurm's job-derived port; 8476 for a JobSet
+    grace: float = 300.0
+    image: str = "IMAGE-WITH-DEW-INSTALLED"
+
+    def rank_command(self) -> list[str]:
+        """The command every rank runs: dew launch, which joins the pool the engine describes."""
+        return ["dew", "launch", "--grace", f"{self.grace:g}", self.recipe, *self.overrides]
+
+
+def job_name(recipe: str) -> str:
+    """A name a scheduler and Kubernetes' DNS both accept, from the recipe's name.
+
+    >>> job_name("recipes/My_Run.yaml")
+    'dew-my-run'
+    """
+    stem = re.sub(r"[^a-z0-9-]+", "-", Path(recipe).stem.lower()).strip("-")
+    return f"dew-{stem}"[:40].rstrip("-")
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
+    """An sbatch script: request.processes tasks, request.per_node per node, one rank each.
+
+    >>> print(slurm_script(ScriptRequest("tiny-lm", processes=2), ["--print", "slurm"]).splitlines()[3])
+    #SBATCH --nodes=2
+    """
+    if request.processes % request.per_node:
+        raise ValueError(f"{request.processes} processes do not fill nodes of {request.per_node}; "
+                         "choose --per-node dividing -n.")
+    name = job_name(request.recipe)
+    warning = int(request.grace) + _MARGIN
+    lines = [
+        "#!/bin/bash",
+        f"# written by: dew launch {_command_line(asked)}",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={request.processes // request.per_node}",
+        f"#SBATCH --ntasks-per-node={request.per_node}",
+        f"#SBATCH --signal=TERM@{warning}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={name}-%j.log",
+        "# --signal: every rank hears SIGTERM that many seconds before the time limit, time for",
+        "# the pool to checkpoint within its grace. --requeue: a preempted job queues again and",
+        "# resumes from its checkpoint, so trainer.checkpoint_dir must be on a filesystem every",
+        "# node sees. Add your site's --partition, --time, --gpus-per-task lines here.",
+        "set -euo pipefail",
+        *([f"export DEW_COORDINATOR_PORT={request.port}"] if request.port is not None else []),
+        f"srun --kill-on-bad-exit=1 {_command_line(request.rank_command())}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def jobset_manifest(request: ScriptRequest, asked: Sequence[str]) -> str:
+    """A JobSet of one indexed Job with request.processes pods, one rank each.
+
+    >>> print(jobset_manifest(ScriptRequest("tiny-lm", processes=2), []).splitlines()[4])
+    kind: JobSet
+    """
+    name = job_name(request.recipe)
+    port = request.port if request.port is not None else 8476
+    coordinator = f"{name}-ranks-0-0.{name}:{port}"
+    n = request.processes
+    return f"""\
+# written by: dew launch {_command_line(asked)}
+# kubectl apply -f this file (the JobSet controller must be installed: jobset.sigs.k8s.io).
+# trainer.checkpoint_dir must be a volume every pod mounts, or a bucket (gs://...).
+apiVersion: jobset.x-k8s.io/v1alpha2
+kind: JobSet
+metadata:
+  name: {name}
+spec:
+  failurePolicy:
+    maxRestarts: 10   # a pool that stopped or failed starts again and resumes from its checkpoint
+  replicatedJobs:
+    - name: ranks
+      replicas: 1
+      template:
+        spec:
+          parallelism: {n}
+          completions: {n}
+          completionMode: Indexed   # JOB_COMPLETION_INDEX is each pod's rank
+          backoffLimit: 0
+          template:
+            spec:
+              restartPolicy: Never
+              terminationGracePeriodSeconds: {int(request.grace) + _MARGIN}
+              containers:
+                - name: dew
+                  image: {json.dumps(request.image)}
+                  command: {json.dumps(request.rank_command())}
+                  env:
+                    - name: DEW_NUM_PROCESSES
+                      value: "{n}"
+                    - name: DEW_COORDINATOR_ADDRESS   # pod 0 of job 0, through the JobSet's service
+                      value: "{coordinator}"
+                  ports:
+                    - containerPort: {port}
+"""

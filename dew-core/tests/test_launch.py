@@ -1,0 +1,222 @@
+"""dew launch without training: the pool read from Slurm's and Kubernetes' environment, the
+printed sbatch script and JobSet manifest, and the launcher's stop handling over real child
+processes (plain Python programs, so each case takes about a second)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dew.cli import main
+from dew.training.runtime.pool import (
+    CoordinatorUnreachableError,
+    PoolEnvironmentError,
+    PoolSeat,
+    first_host,
+    reach_coordinator,
+    seat_from_environment,
+)
+
+
+def test_slurm_environment_names_the_first_node_of_the_step():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "a100-[07-10,03]",
+           "SLURM_JOB_ID": "4097"}
+    seat = seat_from_environment(env)
+    # the port JAX's own Slurm detection picks for that job: both sides agree
+    assert seat == PoolSeat(f"a100-07:{4097 % 4096 + 61440}", 8, 5, "slurm")
+    assert seat_from_environment(env, port=9000).coordinator == "a100-07:9000"
+    assert seat_from_environment({**env, "DEW_COORDINATOR_PORT": "9100"}).coordinator == "a100-07:9100"
+    assert first_host("solo") == "solo" and first_host("n[1-4]") == "n1"
+
+
+def test_kubernetes_indexed_job_reads_its_index_and_the_manifest_s_variables():
+    env = {"JOB_COMPLETION_INDEX": "2", "DEW_NUM_PROCESSES": "4",
+           "DEW_COORDINATOR_ADDRESS": "dew-x-ranks-0-0.dew-x:8476", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    assert seat_from_environment(env) == PoolSeat("dew-x-ranks-0-0.dew-x:8476", 4, 2, "kubernetes")
+    with pytest.raises(PoolEnvironmentError, match="DEW_NUM_PROCESSES and DEW_COORDINATOR_ADDRESS"):
+        seat_from_environment({"JOB_COMPLETION_INDEX": "0"})
+
+
+def test_explicit_variables_win_and_contradictions_are_named():
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
+           "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1"}
+    assert seat_from_environment(env) == PoolSeat("h:1", 2, 1, "environment")
+    with pytest.raises(PoolEnvironmentError, match="index 4 of a pool of 4"):
+        seat_from_environment({"SLURM_PROCID": "4", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1"})
+    with pytest.raises(PoolEnvironmentError, match="JAX_PROCESS_ID is not"):
+        seat_from_environment({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"})
+    assert seat_from_environment({"PATH": "/bin"}) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_an_unreachable_coordinator_is_named_with_the_fix():
+    port = _free_port()
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnreachableError) as error:
+        reach_coordinator(f"127.0.0.1:{port}", index=1, timeout=1.0)
+    assert time.monotonic() - started < 10
+    message = str(error.value)
+    assert f"127.0.0.1:{port}" in message and "--port" in message and "DEW_CONNECT_TIMEOUT" in message
+    with socket.socket() as holder:  # process 0 cannot listen where another program does
+        holder.bind(("", port))
+        holder.listen()
+        with pytest.raises(CoordinatorUnreachableError, match=f"cannot listen on port {port}"):
+            reach_coordinator(f"127.0.0.1:{port}", index=0, timeout=1.0)
+        reach_coordinator(f"127.0.0.1:{port}", index=1, timeout=1.0)  # and a rank reaches it
+
+
+def _printed(argv: list[str], capsys) -> str:
+    assert main(["launch", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_jobset_manifest_gives_every_pod_its_seat(capsys):
+    text = _printed(["--print", "jobset", "-n", "4", "--image", "reg/dew:1", "tiny-lm", "trainer.steps=9"],
+                    capsys)
+    manifest = yaml.safe_load(text)
+    assert manifest["kind"] == "JobSet" and manifest["metadata"]["name"] == "dew-tiny-lm"
+    job = manifest["spec"]["replicatedJobs"][0]
+    spec = job["template"]["spec"]
+    assert spec["parallelism"] == spec["completions"] == 4 and spec["completionMode"] == "Indexed"
+    pod = spec["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > 300  # the launcher's grace fits in Kubernetes' own
+    container = pod["containers"][0]
+    assert container["image"] == "reg/dew:1"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    # JobSet's pod DNS name: <jobset>-<replicated job>-<job index>-<pod index>.<jobset>
+    assert env["DEW_COORDINATOR_ADDRESS"] == f"dew-tiny-lm-{job['name']}-0-0.dew-tiny-lm:8476"
+    # what pod 3 reads, and what it would run
+    seat = seat_from_environment({**env, "JOB_COMPLETION_INDEX": "3"})
+    assert seat == PoolSeat(env["DEW_COORDINATOR_ADDRESS"], 4, 3, "kubernetes")
+    assert container["command"][:2] == ["dew", "launch"] and container["command"][-2:] == ["tiny-lm",
+                                                                                         "trainer.steps=9"]
+
+
+def test_the_sbatch_script_is_valid_bash_and_its_srun_line_joins_the_pool(tmp_path, capsys, monkeypatch):
+    text = _printed(["--print", "slurm", "-n", "8", "--per-node", "4", "tiny-lm", "trainer.steps=9"], capsys)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=4\n" in text
+    assert "#SBATCH --signal=TERM@" in text and "#SBATCH --requeue\n" in text
+    srun = shlex.split(next(line for line in text.splitlines() if line.startswith("srun ")))
+    command = srun[srun.index("dew") + 1:]
+    for name, value in {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gpu[3-4]",
+                        "SLURM_JOB_ID": "77"}.items():
+        monkeypatch.setenv(name, value)
+    assert main([*command, "--check"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("rank 6: ")
+    assert f"JAX_COORDINATOR_ADDRESS=gpu3:{77 + 61440}" in line and "JAX_NUM_PROCESSES=8" in line
+    assert line.endswith("train tiny-lm trainer.steps=9 trainer.multi_host=true")
+
+
+def test_launch_outside_any_pool_says_how_to_start_one(capsys, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "JAX_COORDINATOR", "JOB_COMPLETION")):
+            monkeypatch.delenv(name)
+    assert main(["launch", "tiny-lm", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "-n N" in err and "--print slurm" in err
+    assert main(["launch", "tiny-lm", "no_such_field=1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err
+
+
+# The launcher over real processes. Each rank prints "ready" and then either finishes, fails,
+# or (like a rank busy writing its checkpoint) ignores SIGTERM.
+RANK = r"""
+import os, signal, sys, time
+mode = sys.argv[1]
+if mode == "deaf":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+elif mode == "stops":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+os.write(1, f"ready {os.getpid()}\n".encode())  # one write: the ranks share the pipe
+if mode == "fails":
+    time.sleep(0.5)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+LAUNCHER = """
+import sys
+from dew.training.runtime.launcher import Rank, supervise
+modes, grace = sys.argv[1].split(","), float(sys.argv[2])
+ranks = [Rank(i, (sys.executable, sys.argv[3], mode)) for i, mode in enumerate(modes)]
+sys.exit(supervise(ranks, grace=grace))
+"""
+
+
+def _launcher(tmp_path: Path, modes: str, grace: float) -> tuple[subprocess.Popen, list[int]]:
+    (tmp_path / "rank.py").write_text(textwrap.dedent(RANK))
+    (tmp_path / "launcher.py").write_text(textwrap.dedent(LAUNCHER))
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), modes, str(grace),
+                                 str(tmp_path / "rank.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    pids = []
+    while len(pids) < len(modes.split(",")):
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()
+        assert line.startswith("ready "), (line, launcher.stderr.read())
+        pids.append(int(line.split()[1]))
+    return launcher, pids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_stop_reaches_every_rank_and_the_pool_exits_143(tmp_path):
+    launcher, pids = _launcher(tmp_path, "stops,stops", grace=30)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=20) == 143
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_ranks_that_outlive_the_grace_are_killed_and_the_status_says_so(tmp_path):
+    launcher, pids = _launcher(tmp_path, "stops,deaf", grace=1.5)
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=20) == 137
+    assert 1.5 <= time.monotonic() - started < 10
+    assert all(_gone(pid) for pid in pids)
+    assert "did not stop within the grace of 1.5 s: killing rank 1" in launcher.stderr.read()
+
+
+def test_a_second_signal_kills_every_rank_at_once(tmp_path):
+    launcher, pids = _launcher(tmp_path, "deaf,deaf", grace=300)
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=20) == 143
+    assert time.monotonic() - started < 5
+    assert all(_gone(pid) for pid in pids)
+    assert "a second SIGTERM: killing ranks 0" in launcher.stderr.read()
+
+
+def test_a_failed_rank_fails_the_pool_with_its_status(tmp_path):
+    launcher, pids = _launcher(tmp_path, "deaf,fails", grace=300)
+    assert launcher.wait(timeout=20) == 3
+    assert all(_gone(pid) for pid in pids)
+    said = launcher.stderr.read()
+    assert "rank 1 failed with status 3" in said and "without it: killing rank 0 (pid" in said

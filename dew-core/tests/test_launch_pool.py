@@ -1,0 +1,130 @@
+"""`dew launch -n 2` over real processes: the shipped tiny-lm recipe (shrunk by overrides) trains in
+a pool of two ranks joined over 127.0.0.1, stops with its checkpoint on SIGTERM to the launcher
+(exit 143), resumes from it, and dies at once on a second SIGTERM; a rank that cannot reach its
+coordinator says where it looked."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+SMALL = ["model.num_layers=1", "model.emb_features=32", "model.mlp_features=64", "model.num_heads=2",
+         "data.batch=4", "trackers=[]", "objective.prompt=null", "trainer.log_every=1",
+         "trainer.checkpoint_every=100000"]
+
+
+class Launch:
+    """dew launch in a subprocess, its output collected by threads so that the test can wait on it."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict | None = None) -> None:
+        environment = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                           **(env or {}))
+        self.process = subprocess.Popen([sys.executable, "-m", "dew.cli", "launch", *args], cwd=cwd,
+                                        env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(stream, into), daemon=True)
+                         for stream, into in ((self.process.stdout, self.out), (self.process.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.out):
+                found = re.search(pattern, line)
+                if found:
+                    return found
+            assert self.process.poll() is None, self.text()
+            time.sleep(0.1)
+        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.text()}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return code
+
+    def text(self) -> str:
+        return "".join(self.out) + "\n--- stderr ---\n" + "".join(self.err)[-6000:]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] == "Z"
+
+
+@pytest.mark.slow
+def test_a_pool_of_two_trains_stops_with_its_checkpoint_on_sigterm_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    args = ["-n", "2", "--grace", "120", "tiny-lm", *SMALL, f"trainer.checkpoint_dir={run}"]
+    launch = Launch([*args, "trainer.steps=100000"], tmp_path)
+    launch.wait_for(r"\(2 process\(es\)\)")
+    launch.wait_for(r"^step 3: loss")
+    signalled = time.monotonic()
+    launch.process.send_signal(signal.SIGTERM)
+    code = launch.wait(timeout=150)
+    assert code == 143, launch.text()
+    assert time.monotonic() - signalled < 120  # within the grace
+    stopped = int(re.search(r"preempted at step (\d+); its checkpoint", launch.text()).group(1))
+    assert stopped >= 3 and (run / str(stopped)).is_dir(), launch.text()
+    assert "asking the ranks to checkpoint and exit within 120 s" in launch.text()
+
+    again = Launch([*args, f"trainer.steps={stopped + 2}"], tmp_path)
+    assert again.wait(timeout=300) == 0, again.text()
+    assert f"Training from step {stopped} to {stopped + 2}" in again.text()
+    assert (run / str(stopped + 2)).is_dir()
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_ends_every_rank_at_once(tmp_path):
+    launch = Launch(["-n", "2", "tiny-lm", *SMALL, "trainer.steps=100000",
+                     f"trainer.checkpoint_dir={tmp_path / 'run'}"], tmp_path)
+    launch.wait_for(r"^step 2: loss")
+    launch.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    second = time.monotonic()
+    launch.process.send_signal(signal.SIGTERM)
+    assert launch.wait(timeout=60) == 143, launch.text()
+    assert time.monotonic() - second < 5
+    killed = re.search(r"a second SIGTERM: killing ranks? (.*)", launch.text())
+    assert killed, launch.text()
+    pids = [int(p) for p in re.findall(r"pid (\d+)", killed.group(1))]
+    assert pids and all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_reach_its_coordinator_names_it(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "5"}
+    launch = Launch(["--port", str(port), "--connect-timeout", "2", "tiny-lm", *SMALL], tmp_path, env=slurm)
+    code = launch.wait(timeout=120)
+    assert code == 1, launch.text()
+    text = launch.text()
+    assert f"CoordinatorUnreachableError: Process 1 could not reach the pool's coordinator at 127.0.0.1:{port}" in text
+    assert "rank 1 failed with status 1" in text
