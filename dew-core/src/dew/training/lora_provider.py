@@ -7,6 +7,8 @@ is the one place to change when they do.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from typing import Any
 
 __all__ = ["provider"]
@@ -21,10 +23,14 @@ def provider(qwix: Any) -> Any:
     einsum), and (b) finds the weight an einsum reads by identity, and
     failing that by shape: once the base is quantized (QLoRA) the operand is
     a fresh copy of the quantized weight, and dew's query, key and value
-    share one shape, so qwix gives up. This provider remembers, per module,
-    the name of the latest parameter of each shape the module read (dew's
-    layers read a weight right before the einsum that uses it) and takes
-    that name when the operand is a quantized weight. (c) qwix's quantized
+    share one shape, so qwix gives up (so it does, silently, for weights
+    given as numpy arrays). This provider remembers, per module, the names
+    of the weights the module read through ``Module.param`` that no einsum
+    has used yet, by shape, and gives an einsum's operand the first of its
+    shape: dew's layers read each weight right before the einsum that uses
+    it, and a layer reading several first uses them in the order it read
+    them. An einsum of two activations finds no weight of its operand's
+    shape waiting. (c) qwix's quantized
     weight cannot be cast (``kernel.astype(dtype)`` in dew's layers); the
     layer here gets one that can.
     """
@@ -45,24 +51,34 @@ def provider(qwix: Any) -> Any:
     class Provider(qwix.LoraProvider):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._latest: dict[int, dict[tuple[int, ...], str]] = {}
+            # Per live module: the names of the weights it read and no einsum has used yet, by shape.
+            self._unused: dict[int, tuple[Any, dict[tuple[int, ...], deque[str]]]] = {}
+
+        def _reads(self, module: Any) -> dict[tuple[int, ...], deque[str]]:
+            held = self._unused.get(id(module))
+            if held is None or held[0]() is not module:  # a module since collected left its id behind
+                held = self._unused[id(module)] = (weakref.ref(module), {})
+            return held[1]
 
         def nn_param(self, module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
             value = super().nn_param(module, name, *args, **kwargs)
             if isinstance(value, ptq.WithAux):
                 value = Held(value.array, value.how)
-            shape = getattr(value, "shape", None)
-            if shape is not None:
-                self._latest.setdefault(id(module), {})[tuple(shape)] = name
+            shape = tuple(getattr(value, "shape", ()))
+            if len(shape) >= 2:
+                self._reads(module).setdefault(shape, deque()).append(name)
             return value
 
         def _weight_name(self, rhs: Any) -> str | None:
-            if isinstance(rhs, ptq.WithAux):  # a quantized weight: never an activation
-                module = flax_util.get_current_module()
-                return self._latest.get(id(module), {}).get(tuple(rhs.shape))
-            try:
+            """The weight rhs is: the first one of its shape the module read and no einsum used yet."""
+            waiting = self._reads(flax_util.get_current_module()).get(tuple(rhs.shape))
+            if waiting:
+                return waiting.popleft()
+            if isinstance(rhs, ptq.WithAux):
+                return None
+            try:  # a weight not read through Module.param: qwix's own search
                 return flax_util.find_param(rhs, ptq.WithAux)
-            except ValueError:  # several candidates of its shape: not a weight read as such
+            except ValueError:  # several candidates of its shape
                 return None
 
         def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> Any:
