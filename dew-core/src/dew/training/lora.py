@@ -317,7 +317,7 @@ def base_digest(variables: Mapping[str, Any]) -> str:
 class _AdaptersOnly:
     """inner, training its adapters alone; a reference policy is the base model, not a copy.
 
-    Everything but ``frozen``, ``init``, ``loss`` and ``evaluate`` is inner's.
+    Everything but ``frozen``, ``init``, ``initializer``, ``loss`` and ``evaluate`` is inner's.
     """
 
     def __init__(self, inner: Any) -> None:
@@ -354,6 +354,12 @@ class _AdaptersOnly:
                     for key, value in tree.items()}
 
         return {**variables, self._reference: zeroed(variables["params"])}
+
+    def initializer(self) -> Any:
+        """inner's starting weights (another run's policy, say), read as the base under the adapters."""
+        make = getattr(self.inner, "initializer", None)
+        source = make() if callable(make) else None
+        return BaseWeights(source) if callable(source) and not isinstance(source, BaseWeights) else source
 
     def loss(self, variables: Any, batch: Any, step: Any) -> Any:
         return self.inner.loss(self._with_reference(variables), batch, step)
