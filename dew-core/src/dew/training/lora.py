@@ -165,7 +165,7 @@ def apply_lora(model: Any, spec: Lora) -> Any:
 
         abstract = jax.eval_shape(lambda: model.init(rngs, *args, **kwargs))
         selected(spec, abstract)
-        return base_init(self, rngs, *args, **kwargs)
+        return bytewise(base_init(self, rngs, *args, **kwargs))
 
     # A subclass of qwix's (a linen module still, so objectives accept it);
     # init is set after the class is made so linen does not wrap it.
@@ -207,7 +207,34 @@ def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
 
     import jax.numpy as jnp
 
-    return fresh.replace(array=qarray.quantize(jnp.asarray(given).reshape(fresh.shape), fresh.how))
+    return bytewise(fresh.replace(array=qarray.quantize(jnp.asarray(given).reshape(fresh.shape), fresh.how)))
+
+
+def bytewise(tree: Any) -> Any:
+    """tree with 4-bit codes (nf4) held one per byte, as uint8.
+
+    XLA on the CPU lays a uint4 array out packed inside a compiled step but
+    unpacked when it is placed, and refuses the mismatch, so the trainer's
+    state holds the codes one to a byte (a quarter of float32, as int8);
+    qwix reads the codes through its nf4 table whatever their integer type.
+    """
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    def widen(leaf: Any) -> Any:
+        if not _is_quantized(leaf):
+            return leaf
+        codes = leaf.array.qvalue
+        raw = _unbox(codes)
+        if getattr(raw, "dtype", None) != jnp.uint4:
+            return leaf
+        wide = raw.astype(jnp.uint8)
+        codes = codes.replace_boxed(wide) if hasattr(codes, "replace_boxed") else wide
+        return leaf.replace(array=dataclasses.replace(leaf.array, qvalue=codes))
+
+    return jax.tree.map(widen, tree, is_leaf=_is_quantized)
 
 
 def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
