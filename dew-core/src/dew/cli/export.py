@@ -28,8 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dew.cli.runs import NoCheckpointError, NotARunError, open_run
-    from dew.pretrained import Pretrained, PretrainedError
-
+    from dew.pretrained import PretrainedError
     from dew.training.lora import LoraError
 
     try:

@@ -203,9 +203,8 @@ def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
             raise LoraError(f"The base weight {path} has shape {tuple(given.shape)}, but the adapted "
                             f"model's is {tuple(_unbox(fresh).shape)}; start from weights of this model.")
         return given
-    from qwix._src.core import qarray
-
     import jax.numpy as jnp
+    from qwix._src.core import qarray
 
     return bytewise(fresh.replace(array=qarray.quantize(jnp.asarray(given).reshape(fresh.shape), fresh.how)))
 

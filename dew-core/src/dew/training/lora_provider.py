@@ -34,12 +34,11 @@ def provider(qwix: Any) -> Any:
     weight cannot be cast (``kernel.astype(dtype)`` in dew's layers); the
     layer here gets one that can.
     """
+    import flax
     import jax.numpy as jnp
     from qwix._src.providers import lora as qlora
     from qwix._src.providers import ptq
     from qwix._src.utils import flax_util
-
-    import flax
 
     @flax.struct.dataclass
     class Held(ptq.WithAux):
