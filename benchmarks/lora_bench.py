@@ -1,12 +1,14 @@
-"""What LoRA saves: optimizer-state bytes of the adapters alone, against full fine-tuning.
+"""What LoRA and QLoRA save: optimizer-state bytes of the adapters alone, base bytes quantized.
 
 The same causal transformer trains a few steps with AdamW through
-Trainer.fit twice in this process: every weight trained (full fine-tuning),
-then with rank-r adapters on the attention and MLP weights and the base
-frozen (``adapters_only``). Printed: the bytes of the TrainState's
-parameters and optimizer state, the adapters' own bytes, the ratio of the
-two optimizer states (target: the adapters' share of the model, far below
-1).
+Trainer.fit in this process: every weight trained (full fine-tuning), then
+with rank-r adapters on the attention and MLP weights and the base frozen
+(``adapters_only``), the base held as stored (LoRA) and quantized to int8
+and nf4 (QLoRA). Printed: the bytes of the TrainState's parameters and
+optimizer state, the adapters' own bytes, the ratio of each optimizer state
+to full fine-tuning's (target: the adapters' share of the model, far below
+1) and of each parameter tree to full fine-tuning's (QLoRA: near a quarter,
+the adapted weights' codes taking one byte each).
 
     .venv/bin/python benchmarks/lora_bench.py [--width 256] [--layers 4] [--rank 8]
 """
@@ -57,17 +59,21 @@ def main() -> None:
     model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=args.width,
                          num_layers=args.layers, num_heads=4, mlp_features=4 * args.width, max_seq_len=SEQ)
     full = run(LMObjective(model=model, seq_len=SEQ), args.steps)
-    lora_model = apply_lora(model, Lora(rank=args.rank, targets=("attention", "mlp")))
-    lora = run(adapters_only(LMObjective(model=lora_model, seq_len=SEQ)), args.steps)
-    adapters = trees.select(lora.params, is_adapter)
     print(f"model: {args.layers} layers of width {args.width}, rank {args.rank} adapters on attention and MLP")
-    for name, state in (("full fine-tuning", full), ("LoRA", lora)):
-        print(f"  {name:>16}: params {nbytes(state.params) / 2**20:8.2f} MB, "
-              f"optimizer state {nbytes(state.opt_state) / 2**20:8.3f} MB")
-    print(f"  adapters alone: {nbytes(adapters) / 2**20:.3f} MB "
-          f"({nbytes(adapters) / nbytes(full.params):.4f} of the model)")
-    print(f"optimizer state, LoRA / full: {nbytes(lora.opt_state) / nbytes(full.opt_state):.4f}; "
-          f"LoRA optimizer state / (2 x adapters): {nbytes(lora.opt_state) / (2 * nbytes(adapters)):.3f}")
+    print(f"  {'full fine-tuning':>16}: params {nbytes(full.params) / 2**20:8.2f} MB, "
+          f"optimizer state {nbytes(full.opt_state) / 2**20:8.3f} MB")
+    for base in ("float32", "int8", "nf4"):
+        lora_model = apply_lora(model, Lora(rank=args.rank, targets=("attention", "mlp"), base=base))
+        lora = run(adapters_only(LMObjective(model=lora_model, seq_len=SEQ)), args.steps)
+        adapters = trees.select(lora.params, is_adapter)
+        name = "LoRA" if base == "float32" else f"QLoRA {base}"
+        print(f"  {name:>16}: params {nbytes(lora.params) / 2**20:8.2f} MB, "
+              f"optimizer state {nbytes(lora.opt_state) / 2**20:8.3f} MB "
+              f"(adapters {nbytes(adapters) / 2**20:.3f} MB, {nbytes(adapters) / nbytes(full.params):.4f} "
+              "of the model)")
+        print(f"    {name}: optimizer state / full {nbytes(lora.opt_state) / nbytes(full.opt_state):.4f}; "
+              f"params / full {nbytes(lora.params) / nbytes(full.params):.4f}; "
+              f"optimizer state / (2 x adapters) {nbytes(lora.opt_state) / (2 * nbytes(adapters)):.3f}")
 
 
 if __name__ == "__main__":

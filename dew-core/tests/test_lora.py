@@ -119,9 +119,9 @@ def test_a_rank_wider_than_a_layer_is_refused_naming_the_layer():
         wrapped.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
 
 
-def test_a_quantized_base_is_refused_for_now():
-    with pytest.raises(LoraError, match="base='float32'"):
-        Lora(base="nf4")
+def test_an_unknown_base_dtype_is_refused_naming_the_choices():
+    with pytest.raises(LoraError, match="'int4' is not a base dtype.*float32, int8, nf4"):
+        Lora(base="int4")
 
 
 def test_merged_weights_give_the_adapted_models_logits(lora_model):

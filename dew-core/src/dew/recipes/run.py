@@ -289,9 +289,10 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
 
     ``init.pretrained`` reads a directory Pretrained.save, ``dew export`` or
     transformers wrote, into the recipe model's max_seq_len and param_dtype;
-    ``init.run`` is another run's parameters alone (``ParamsFrom``). The
-    trainer checks either against the tree a fresh init makes, naming each
-    path whose shape differs.
+    ``init.run`` is another run's parameters alone (``ParamsFrom``). With a
+    ``lora`` section either is the base under fresh adapters (quantized for
+    QLoRA). The trainer checks either against the tree a fresh init makes,
+    naming each path whose shape differs.
     """
     init = config.init
     if init is None:
@@ -310,7 +311,12 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
         return dict(loaded.variables)
     from dew.training.initializers import ParamsFrom
 
-    return ParamsFrom(_absolute(init.run), step=init.step)
+    source = ParamsFrom(_absolute(init.run), step=init.step)
+    if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
+        from dew.training.lora import BaseWeights
+
+        return BaseWeights(source)
+    return source
 
 
 def _where(checkpoints: Any) -> str:

@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["PRESETS", "Lora", "LoraError", "adapters_only", "apply_lora", "is_adapter", "merge_lora"]
+__all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "apply_lora", "base_digest", "base_model", "base_shapes",
+           "is_adapter", "merge_lora", "with_base"]
 
 # Named groups of the causal transformer's modules: regular expressions
 # matched in full against Flax module paths, as qwix matches its rules.
@@ -35,10 +36,10 @@ PRESETS: Mapping[str, str] = {
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
-# The base weights' dtype. Only the stored dtype for now: qwix 0.1.8 finds
-# the weight of an einsum by identity, and once the base is quantized
-# (int8, nf4) it cannot tell dew's same-shaped query/key/value apart.
-BaseDtype = Literal["float32"]
+# The base weights' dtype: as stored (float32), or quantized for QLoRA, the
+# adapted weights held as int8 or 4-bit NormalFloat codes with their scales.
+BaseDtype = Literal["float32", "int8", "nf4"]
+QTYPES: Mapping[str, str | None] = {"float32": None, "int8": "int8", "nf4": "nf4"}
 
 
 class LoraError(ValueError):
@@ -59,8 +60,10 @@ class Lora:
     against module paths such as ``layers_0/attention``; every weight matmul
     of a matched module gets an adapter. The adapter adds ``alpha / rank`` times its
     low-rank product; ``dropout`` drops the adapter's input during training.
-    ``base`` is the frozen weights' dtype; only ``float32`` (the weights as
-    stored) is accepted for now, a quantized base (QLoRA) is refused.
+    ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
+    ``int8`` or ``nf4`` (QLoRA) holds each adapted weight quantized, in
+    channel-wise int8 or 4-bit NormalFloat, and computes with it; the
+    adapters stay in float.
     """
 
     rank: int = 8
@@ -72,9 +75,8 @@ class Lora:
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):
             object.__setattr__(self, "targets", (self.targets,))
-        if self.base != "float32":
-            raise LoraError(f"Lora.base={self.base!r} is not supported yet: a quantized base (QLoRA) "
-                            "needs qwix to find each einsum's weight once quantized; use base='float32'.")
+        if self.base not in QTYPES:
+            raise LoraError(f"Lora.base={self.base!r} is not a base dtype; use one of {', '.join(QTYPES)}.")
         if self.rank < 1:
             raise LoraError(f"Lora.rank must be a positive integer, not {self.rank}.")
         if not 0.0 <= self.dropout < 1.0:
@@ -150,8 +152,10 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     qwix = import_or_explain("qwix", "dew-core")
     modules = "|".join(f"(?:{pattern})" for pattern in spec.patterns())
     rule = qwix.LoraRule(module_path=modules, rank=spec.rank, alpha=spec.alpha,
-                         dropout=spec.dropout)
-    wrapped = qwix.apply_lora_to_model(model, _provider(qwix)([rule]))
+                         dropout=spec.dropout, weight_qtype=QTYPES[spec.base])
+    from dew.training.lora_provider import provider
+
+    wrapped = qwix.apply_lora_to_model(model, provider(qwix)([rule]))
     qwix_class = type(wrapped)
     base_init = qwix_class.init
 
@@ -161,55 +165,186 @@ def apply_lora(model: Any, spec: Lora) -> Any:
 
         abstract = jax.eval_shape(lambda: model.init(rngs, *args, **kwargs))
         selected(spec, abstract)
-        return base_init(self, rngs, *args, **kwargs)
+        return bytewise(base_init(self, rngs, *args, **kwargs))
 
     # A subclass of qwix's (a linen module still, so objectives accept it);
     # init is set after the class is made so linen does not wrap it.
-    checked = type(qwix_class.__name__, (qwix_class,), {})
+    checked = type(qwix_class.__name__, (qwix_class,), {"dew_base_model": (model,)})  # a tuple: linen would wrap a module
     checked.init = init
     wrapped.__class__ = checked
     return wrapped
 
 
-def _provider(qwix: Any) -> Any:
-    """qwix's LoraProvider, with an einsum that works inside a compact linen module.
+def base_model(model: Any) -> Any:
+    """The model apply_lora wrapped (model itself when it wraps nothing)."""
+    held = getattr(type(model), "dew_base_model", None)
+    return model if held is None else held[0]
 
-    qwix 0.1.8's einsum stores the adapter's einsum string as an attribute
-    of the current module, which a linen module refuses outside ``setup``
-    (dew's layers are compact and compute their projections with einsum);
-    this einsum is qwix's without that store.
-    """
+
+def _unbox(leaf: Any) -> Any:
+    return leaf.unbox() if hasattr(leaf, "unbox") else leaf
+
+
+def _unbox_tree(tree: Any) -> Any:
+    import flax.linen as nn
+
+    return nn.meta.unbox(tree)
+
+
+def _is_quantized(leaf: Any) -> bool:
+    """Whether leaf is a weight qwix holds quantized (its WithAux: codes, scales, how)."""
+    return type(leaf).__name__ == "WithAux" and hasattr(leaf, "how")
+
+
+def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
+    """given in the form fresh has: quantized as fresh's is (QLoRA), else as it is."""
+    if _is_quantized(given) or not _is_quantized(fresh):
+        if not _is_quantized(given) and tuple(given.shape) != tuple(_unbox(fresh).shape):
+            raise LoraError(f"The base weight {path} has shape {tuple(given.shape)}, but the adapted "
+                            f"model's is {tuple(_unbox(fresh).shape)}; start from weights of this model.")
+        return given
     import jax.numpy as jnp
-    from qwix._src.providers import lora as qlora
-    from qwix._src.providers import ptq
-    from qwix._src.utils import flax_util
+    from qwix._src.core import qarray
 
-    class Provider(qwix.LoraProvider):
-        def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> Any:
-            result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
-            rule, _ = self._get_current_rule_and_op_id("einsum", repeated_call=True)
-            if not isinstance(rule, qwix.LoraRule) or len(operands) != 2:
-                return result
-            lhs, rhs = operands
-            name = flax_util.find_param(rhs, ptq.WithAux)
-            if name is None:  # an einsum of two activations (attention scores)
-                return result
-            a_shape, b_shape, lora_str, a_transpose, b_transpose = qlora._parse_einsum_str_for_lora(
-                lhs.shape, rhs.shape, einsum_str, rule.rank)
-            lora_a, lora_b = qlora._get_or_create_lora_params(
-                name=name, rule=rule, a_shape=a_shape, b_shape=b_shape,
-                a_sharding_transpose=a_transpose, b_sharding_transpose=b_transpose)
-            if rule.dropout > 0:
-                from flax import nnx
+    return bytewise(fresh.replace(array=qarray.quantize(jnp.asarray(given).reshape(fresh.shape), fresh.how)))
 
-                lhs = nnx.Dropout(rule.dropout, deterministic=False)(lhs, rngs=flax_util.make_rng("dropout"))
-            return result + jnp.einsum(lora_str, lhs, lora_a, lora_b, **kwargs) * (rule.alpha / rule.rank)
 
-    return Provider
+def bytewise(tree: Any) -> Any:
+    """tree with 4-bit codes (nf4) held one per byte, as uint8.
+
+    XLA on the CPU lays a uint4 array out packed inside a compiled step but
+    unpacked when it is placed, and refuses the mismatch, so the trainer's
+    state holds the codes one to a byte (a quarter of float32, as int8);
+    qwix reads the codes through its nf4 table whatever their integer type.
+    """
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    def widen(leaf: Any) -> Any:
+        if not _is_quantized(leaf):
+            return leaf
+        codes = leaf.array.qvalue
+        raw = _unbox(codes)
+        if getattr(raw, "dtype", None) != jnp.uint4:
+            return leaf
+        wide = raw.astype(jnp.uint8)
+        codes = codes.replace_boxed(wide) if hasattr(codes, "replace_boxed") else wide
+        return leaf.replace(array=dataclasses.replace(leaf.array, qvalue=codes))
+
+    return jax.tree.map(widen, tree, is_leaf=_is_quantized)
+
+
+def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """fresh (an adapted model's variables) with every base weight taken from given.
+
+    given is a base model's variables (no adapters: a Pretrained directory,
+    another run's parameters) or an adapted model's; its adapters, where it
+    has them, replace fresh's. A base weight is quantized as fresh holds it
+    (QLoRA). A base leaf given lacks, or one fresh has no place for, is
+    refused by name: a half-loaded base would train silently from noise.
+    """
+    import flax.linen as nn
+
+    fresh = nn.meta.unbox(fresh)
+    given = nn.meta.unbox(given)
+    missing: list[str] = []
+
+    def walk(tree: Mapping[str, Any], other: Any, prefix: str) -> dict[str, Any]:
+        other = other if isinstance(other, Mapping) else {}
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            path = f"{prefix}/{key}" if prefix else str(key)
+            if isinstance(value, Mapping):
+                out[key] = walk(value, other.get(key), path)
+            elif key in other:
+                out[key] = other[key] if is_adapter((key,), None) else _base_leaf(value, other[key], path)
+            elif is_adapter((key,), None):
+                out[key] = value  # a fresh adapter: A drawn, B zero
+            else:
+                missing.append(path)
+        extra = [f"{prefix}/{key}" for key in other if key not in tree]
+        if extra:
+            raise LoraError(f"The starting weights hold {', '.join(extra[:4])}, which the adapted "
+                            "model has no place for; start from weights of the model the recipe builds.")
+        return out
+
+    merged = walk({key: value for key, value in fresh.items() if key == "params"},
+                  {key: value for key, value in given.items() if key == "params"}, "")
+    if missing:
+        raise LoraError(f"The starting weights lack {len(missing)} base weight(s) of the adapted model, "
+                        f"first {missing[0]}; start from weights of the model the recipe builds.")
+    return {**fresh, **merged}
+
+
+def base_shapes(abstract: Mapping[str, Any]) -> dict[str, Any]:
+    """abstract (an adapted model's variables) as the base model's: no adapters, weights in float."""
+    import flax.linen as nn
+    import jax
+
+    def walk(tree: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            if isinstance(value, Mapping):
+                out[key] = walk(value)
+            elif _is_quantized(value):
+                scale = _unbox(value.array.scale)
+                out[key] = jax.ShapeDtypeStruct(tuple(value.shape), scale.dtype)
+            elif not is_adapter((key,), None):
+                out[key] = value
+        return out
+
+    return walk(nn.meta.unbox(dict(abstract)))
+
+
+@dataclass(frozen=True)
+class BaseWeights:
+    """A weight source read for the base model alone, for a run that adds adapters to it.
+
+    source is any ``WeightSource`` (``ParamsFrom`` of a run trained
+    without adapters, say); it is asked for the base model's tree, and the
+    adapted objective's ``init`` adds fresh adapters (and quantizes a QLoRA
+    base).
+    """
+
+    source: Callable[[Any], Any]
+
+    def __call__(self, abstract: Mapping[str, Any]) -> Any:
+        return self.source(base_shapes(abstract))
+
+
+def base_digest(variables: Mapping[str, Any]) -> str:
+    """A sha256 of the base weights (every parameter but the adapters): paths, dtypes, shapes, bytes.
+
+    Stored with exported adapters, so that adapters are never put onto a
+    base other than the one they were trained on.
+    """
+    import hashlib
+
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    digest = hashlib.sha256()
+    params = nn.meta.unbox(dict(variables).get("params", variables))
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    named = sorted(("/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path), leaf)
+                   for path, leaf in flat)
+    for name, leaf in named:
+        if any(part.endswith(ADAPTER_SUFFIXES) for part in name.split("/")):
+            continue
+        array = np.asarray(jax.device_get(leaf))
+        digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
 class _AdaptersOnly:
-    """inner, with every leaf but the adapters frozen (everything else is inner's)."""
+    """inner, training its adapters alone; a reference policy is the base model, not a copy.
+
+    Everything but ``frozen``, ``init``, ``initializer``, ``loss`` and ``evaluate`` is inner's.
+    """
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -223,6 +358,41 @@ class _AdaptersOnly:
 
         return frozen
 
+    @property
+    def _reference(self) -> str | None:
+        return getattr(self.inner, "reference_collection", None)
+
+    def init(self, key: Any, variables: Any = None) -> Any:
+        """inner's fresh variables without its reference copy, the base from variables when given."""
+        fresh = dict(self.inner.init(key))
+        fresh.pop(self._reference, None)  # the reference is the base model: see loss
+        return fresh if variables is None else with_base(fresh, variables)
+
+    def _with_reference(self, variables: Any) -> Any:
+        """variables plus the reference as inner reads it: the same base weights, adapters' B at zero."""
+        if self._reference is None:
+            return variables
+        import jax.numpy as jnp
+
+        def zeroed(tree: Mapping[str, Any]) -> dict[str, Any]:
+            return {key: zeroed(value) if isinstance(value, Mapping)
+                    else jnp.zeros_like(value) if str(key).endswith("_lora_b") else value
+                    for key, value in tree.items()}
+
+        return {**variables, self._reference: zeroed(variables["params"])}
+
+    def initializer(self) -> Any:
+        """inner's starting weights (another run's policy, say), read as the base under the adapters."""
+        make = getattr(self.inner, "initializer", None)
+        source = make() if callable(make) else None
+        return BaseWeights(source) if callable(source) and not isinstance(source, BaseWeights) else source
+
+    def loss(self, variables: Any, batch: Any, step: Any) -> Any:
+        return self.inner.loss(self._with_reference(variables), batch, step)
+
+    def evaluate(self, variables: Any, batch: Any, step: Any) -> Any:
+        return self.inner.evaluate(self._with_reference(variables), batch, step)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
@@ -230,8 +400,13 @@ class _AdaptersOnly:
 def adapters_only(objective: Any) -> Any:
     """objective, training the LoRA adapters alone: every other leaf is frozen.
 
-    The result answers every attribute as objective does, except ``frozen``,
-    which adds "not an adapter" to objective's own frozen leaves.
+    The result answers every attribute as objective does, except: ``frozen``
+    adds "not an adapter" to objective's own frozen leaves; ``init`` puts
+    given base weights under fresh adapters (``with_base``); and an
+    objective that keeps a frozen copy of its starting policy (DPO, GRPO:
+    its ``reference_collection``) keeps none, its reference being the same
+    base weights with the adapters' contribution at zero, exactly the model
+    before fine-tuning, without a second copy of the weights.
     """
     return _AdaptersOnly(objective)
 
@@ -261,6 +436,10 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
             if a is None or b is None:
                 continue
             weight = out[key]
+            if _is_quantized(weight):  # QLoRA: the merged weight is float, the codes' values plus the product
+                from qwix._src.core import qarray
+
+                weight = qarray.dequantize(_unbox_tree(weight.array))
             array = weight.unbox() if hasattr(weight, "unbox") else weight
             a, b = (x.unbox() if hasattr(x, "unbox") else x for x in (a, b))
             product = jnp.tensordot(a, b, axes=1)

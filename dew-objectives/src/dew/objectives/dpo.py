@@ -133,6 +133,14 @@ class DPOObjective(Objective):
         return self.loss_type != "simpo" and self.reference == "frozen"
 
     @property
+    def reference_collection(self) -> str | None:
+        """The collection holding the frozen copy of the starting policy (None: no copy is kept).
+
+        ``adapters_only`` reads it to keep no copy: with LoRA the reference is the base model.
+        """
+        return REFERENCE if self.holds_reference else None
+
+    @property
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
         return under(REFERENCE) if self.holds_reference else None
 

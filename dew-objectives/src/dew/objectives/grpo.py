@@ -117,6 +117,14 @@ class GRPOObjective(Objective):
                              f"completions), got {self.group_size}.")
 
     @property
+    def reference_collection(self) -> str | None:
+        """The collection holding the frozen copy of the starting policy (None: no copy is kept).
+
+        ``adapters_only`` reads it to keep no copy: with LoRA the reference is the base model.
+        """
+        return REFERENCE if self.beta > 0 else None
+
+    @property
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
         return under(REFERENCE) if self.beta > 0 else None
 

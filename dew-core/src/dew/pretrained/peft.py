@@ -1,0 +1,169 @@
+"""LoRA adapters in and out, in the layout Hugging Face's PEFT reads and writes.
+
+``save_adapters`` writes ``adapter_config.json`` and
+``adapter_model.safetensors`` for the Llama that ``Pretrained.save`` writes
+of the same base model: ``peft.PeftModel.from_pretrained(base, directory)``
+then computes what dew's adapted model computes. ``load_adapters`` reads
+them back onto an adapted model's variables.
+
+Layouts: qwix keeps an adapter as A of shape ``[*inputs, rank]`` and B of
+shape ``[rank, *outputs]`` beside a weight whose einsum contracts the
+inputs; PEFT keeps ``lora_A.weight`` as ``[rank, in]`` and
+``lora_B.weight`` as ``[out, rank]`` beside a torch Linear of weight
+``[out, in]``. The Llama tensors flatten dew's input and output dimensions
+in the same order (query: ``[embed, heads, head_dim]`` is ``[heads *
+head_dim, embed]`` transposed), so each move is a reshape and a transpose.
+Both scale the product by ``alpha / rank``.
+
+The safetensors file's metadata records a digest of the base weights
+(``dew.training.lora.base_digest``): adapters put onto another base are
+refused, naming both digests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.pretrained import llama
+from dew.pretrained.errors import PretrainedError, TensorMismatchError
+from dew.pretrained.tensors import write_tensors
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterBaseMismatchError", "load_adapters", "save_adapters"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DIGEST_KEY = "dew_base_digest"
+PREFIX = "base_model.model."  # PeftModelForCausalLM's prefix before the transformers model's names
+
+
+class AdapterBaseMismatchError(PretrainedError):
+    """Adapters trained on one base model offered to another (their base digests differ)."""
+
+
+def _adapted(model: Any) -> dict[tuple[str, ...], str]:
+    """dew path of each Llama Linear weight -> its PEFT module name (``model.layers.0.self_attn.q_proj``)."""
+    return {tensor.path: name.removesuffix(".weight") for name, tensor in llama.tensors(model).items()
+            if name.endswith("_proj.weight")}
+
+
+def _node(params: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any] | None:
+    node: Any = params
+    for part in path[:-1]:
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node if isinstance(node, Mapping) else None
+
+
+def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any], spec: Any,
+                  *, base_name: str = "") -> Path:
+    """Write the adapters of variables (an adapted model's) as a PEFT LoRA directory; return it.
+
+    model is the base CausalTransformer, spec the ``Lora`` the adapters were
+    made by, base_name what adapter_config.json records as the base model
+    (a path or a hub name; PEFT reads it only when asked to load the base).
+    """
+    import flax.linen as nn
+    import jax
+
+    from dew.training.lora import base_digest
+
+    llama.model_to_config(model)  # refuses a model with no Llama counterpart, naming the field
+    params = nn.meta.unbox(dict(variables).get("params", variables))
+    tensors: dict[str, np.ndarray] = {}
+    targets: set[str] = set()
+    for path, module in _adapted(model).items():
+        node = _node(params, path)
+        if node is None or f"{path[-1]}_lora_a" not in node:
+            continue
+        a = np.asarray(jax.device_get(node[f"{path[-1]}_lora_a"]), np.float32)
+        b = np.asarray(jax.device_get(node[f"{path[-1]}_lora_b"]), np.float32)
+        rank = a.shape[-1]
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = a.reshape(-1, rank).T
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = b.reshape(rank, -1).T
+        targets.add(module.rsplit(".", 1)[-1])
+    if not tensors:
+        raise TensorMismatchError("The variables hold no LoRA adapters on the Llama projections "
+                                  "(q/k/v/o_proj, gate/up/down_proj); export the merged model instead.")
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_name),
+        "r": int(spec.rank),
+        "lora_alpha": float(spec.alpha),
+        "lora_dropout": float(spec.dropout),
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    write_tensors(target / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: base_digest(variables)})
+    (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return target
+
+
+def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any]) -> dict[str, Any]:
+    """variables (an adapted model's, on its base) with the adapters a PEFT directory holds.
+
+    Refuses adapters recorded for another base (AdapterBaseMismatchError,
+    naming both digests), and adapters whose shapes or rank do not fit the
+    adapted model's (TensorMismatchError).
+    """
+    import flax.linen as nn
+    from safetensors import safe_open
+
+    from dew.training.lora import base_digest
+
+    source = Path(directory)
+    weights = source / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{source} holds no {ADAPTER_WEIGHTS}; point at a directory "
+                                "`dew export --adapters` or PEFT's save_pretrained wrote.")
+    with safe_open(str(weights), framework="numpy") as handle:
+        recorded = (handle.metadata() or {}).get(DIGEST_KEY)
+        found = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    mine = base_digest(variables)
+    if recorded is not None and recorded != mine:
+        raise AdapterBaseMismatchError(
+            f"The adapters in {source} were trained on a base of digest {recorded}, but these variables' "
+            f"base has digest {mine}. Load them onto the base they were trained on (the run's "
+            "init.pretrained or init.run).")
+    out = nn.meta.unbox(dict(variables))
+    params = out["params"] = dict(out["params"])
+    used: set[str] = set()
+    for path, module in _adapted(model).items():
+        a_name, b_name = f"{PREFIX}{module}.lora_A.weight", f"{PREFIX}{module}.lora_B.weight"
+        node = _node(params, path)
+        if a_name not in found or node is None or f"{path[-1]}_lora_a" not in node:
+            continue
+        a, b = node[f"{path[-1]}_lora_a"], node[f"{path[-1]}_lora_b"]
+        new_a, new_b = found[a_name].T, found[b_name].T
+        if new_a.size != np.size(a) or new_b.size != np.size(b):
+            raise TensorMismatchError(
+                f"{a_name} and {b_name} in {source} have shapes {found[a_name].shape} and "
+                f"{found[b_name].shape}; the adapted model's {'/'.join(path)} needs A {tuple(a.shape)} "
+                f"and B {tuple(b.shape)}. Load adapters of the same rank and targets.")
+        parent = params
+        for part in path[:-1]:
+            parent[part] = dict(parent[part])
+            parent = parent[part]
+        parent[f"{path[-1]}_lora_a"] = np.asarray(new_a.reshape(a.shape), a.dtype)
+        parent[f"{path[-1]}_lora_b"] = np.asarray(new_b.reshape(b.shape), b.dtype)
+        used.update((a_name, b_name))
+    unused = sorted(set(found) - used)
+    if unused:
+        raise TensorMismatchError(f"{source} holds adapters this model has no adapter for: "
+                                  f"{', '.join(unused[:4])}. Build the model with the same Lora targets.")
+    return out

@@ -1,0 +1,119 @@
+"""A LoRA run from `dew train` on an exported model, out through `dew export`: merged into a Llama
+transformers loads, or as PEFT adapters the real `peft` puts onto the transformers base."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.pretrained import Pretrained
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("qwix")
+
+DEW = Path(sys.executable).parent / "dew"
+SMALL = ["model.emb_features=32", "model.num_layers=1", "model.mlp_features=64", "lora.rank=4",
+         "data.files={stdlib}/abc.py", "trainer.steps=4", "trainer.log_every=2", "objective.prompt=null",
+         "optimizer.learning_rate=5.0e-2", "optimizer.warmup_steps=0"]
+
+
+def _dew(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run([str(DEW), *args], capture_output=True, text=True, timeout=500, cwd=cwd, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    return result
+
+
+def _base(directory: Path, seed: int) -> Path:
+    """A model as `dew export` writes it: the shape tiny-lm-qlora's SMALL overrides give."""
+    model = models.build("causal_transformer", vocab_size=257, emb_features=32, num_layers=1, num_heads=4,
+                         mlp_features=64, max_seq_len=128, position_embedding="rotary",
+                         mlp_activation="swiglu")
+    variables = model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))
+    return Pretrained(model, variables).save(directory)
+
+
+def _train(tmp_path: Path, base: str) -> Path:
+    _base(tmp_path / "exported", seed=0)
+    run = tmp_path / f"run-{base}"
+    _dew("train", "tiny-lm-qlora", *SMALL, f"lora.base={base}", f"init.pretrained={tmp_path}/exported",
+         f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}", cwd=tmp_path)
+    return run
+
+
+def _tokens() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 257, (2, 12)).astype(np.int32)
+
+
+def _dew_logits(run: Path) -> tuple[np.ndarray, object]:
+    from dew.cli.runs import open_run
+
+    opened = open_run(run)
+    return np.asarray(opened.model.apply(opened.variables, jnp.asarray(_tokens()))), opened
+
+
+def _torch_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(_tokens(), dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.slow
+def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path):
+    from peft import PeftModel
+
+    from dew.pretrained.peft import AdapterBaseMismatchError, load_adapters
+    from dew.training.lora import base_model, with_base
+
+    run = _train(tmp_path, "float32")
+    adapted, opened = _dew_logits(run)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert np.abs(_torch_logits(base) - adapted).max() > 1e-3  # the adapters trained: the check can fail
+
+    _dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
+
+    out = _dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
+    assert "the adapters" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["adapter_config.json",
+                                                                          "adapter_model.safetensors"]
+    with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    np.testing.assert_allclose(_torch_logits(with_peft), adapted, atol=1e-4, rtol=0)
+
+    # Read back by dew onto the same base: the run's adapters; onto another base: refused.
+    fresh = opened.model.init(jax.random.key(9), jnp.zeros((1, 8), jnp.int32))
+    same = with_base(fresh, Pretrained.load(tmp_path / "exported").variables)
+    loaded = load_adapters(tmp_path / "adapters", base_model(opened.model), same)
+    np.testing.assert_allclose(np.asarray(opened.model.apply(loaded, jnp.asarray(_tokens()))), adapted,
+                               atol=1e-5, rtol=0)
+    other = with_base(fresh, Pretrained.load(_base(tmp_path / "other", seed=1)).variables)
+    with pytest.raises(AdapterBaseMismatchError, match=r"base of digest [0-9a-f]{64}.*base has digest [0-9a-f]{64}"):
+        load_adapters(tmp_path / "adapters", base_model(opened.model), other)
+
+
+@pytest.mark.slow
+def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path):
+    run = _train(tmp_path, "nf4")
+    adapted, _ = _dew_logits(run)
+    _dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
+
+
+def test_adapters_of_a_model_without_lora_are_refused(tmp_path, capsys):
+    from dew.cli import main
+
+    _base(tmp_path / "exported", seed=0)
+    assert main(["export", "--adapters", str(tmp_path / "exported"), str(tmp_path / "out")]) == 2
+    assert "has no lora section" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
