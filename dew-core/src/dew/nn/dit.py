@@ -210,7 +210,7 @@ class DiT(ConditionedModule):
         h = Dense(self.emb_features, None, axes.EMBED, name="patch")(tokens)
         position = param(self, "position", nn.initializers.normal(0.02),
                          (tokens.shape[1], self.emb_features), (None, axes.EMBED))
-        h = constrain(h + position, TOKENS)
+        h = constrain(h + position[None], TOKENS)
         c = self.conditioning(level, condition)
         for i in range(self.num_layers):
             h = AdaLNBlock(self.num_heads, self.mlp_features, name=f"blocks_{i}")(h, c)

@@ -43,7 +43,7 @@ class Conv(nn.Module):
         bias = param(self, "bias", nn.initializers.zeros, (self.features,), (axes.MLP,))
         out = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return out + bias
+        return out + bias[None, None, None, :]
 
 
 class GroupNorm(nn.Module):

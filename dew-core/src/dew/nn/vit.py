@@ -143,7 +143,7 @@ class ViTEncoder(nn.Module):
                           (None, axes.EMBED), self.param_dtype)
         else:
             table = sincos_positions(self.grid, self.emb_features)
-        x = constrain(jnp.einsum("bnp,pe->bne", patches, kernel) + table, _RESIDUAL)
+        x = constrain(jnp.einsum("bnp,pe->bne", patches, kernel) + table[None], _RESIDUAL)
         for i in range(self.num_layers):
             x = EncoderLayer(self.num_heads, self.mlp_features, self.dtype, self.param_dtype, name=f"layers_{i}")(
                 x, visible)

@@ -75,7 +75,7 @@ def collapse_metrics(embeddings: jax.Array) -> dict[str, jax.Array]:
     x = embeddings.astype(jnp.float32)
     normed = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
     std = jnp.mean(jnp.std(normed, axis=0))
-    singular = jnp.linalg.svd(x - x.mean(axis=0), compute_uv=False)
+    singular = jnp.linalg.svd(x - x.mean(axis=0, keepdims=True), compute_uv=False)
     p = singular / jnp.maximum(jnp.sum(singular), 1e-12)
     entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-12)), 0.0))
     return {"embedding_std": std, "effective_rank": jnp.exp(entropy)}
