@@ -132,8 +132,13 @@ class MoEBlock(nn.Module):
         dispatch = jnp.sum(placed, axis=2)  # [B, T, E, C]
         combine = jnp.sum(placed * gates[..., None, None], axis=2)
 
+        # Each device routes its own rows to every expert, then one reshard (an all-to-all
+        # over the expert axis) trades its rows' share of all experts for all rows' share
+        # of its own experts; the outputs travel back the same way.
+        local_axes = (None, axes.BATCH, None, axes.ACTIVATION_EMBED)
         expert_axes = (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_EMBED)
-        routed = constrain(jnp.einsum("btxc,bte->xbce", dispatch.astype(self.dtype), x), expert_axes)
+        routed = constrain(jnp.einsum("btxc,bte->xbce", dispatch.astype(self.dtype), x), local_axes)
+        routed = constrain(routed, expert_axes)
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
 
         def kernel(name: str, shape: tuple[int, int], names: tuple[str, str]) -> jax.Array:
@@ -150,6 +155,7 @@ class MoEBlock(nn.Module):
         hidden = constrain(hidden, (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_MLP))
         down = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
         outputs = constrain(jnp.einsum("xbcm,xme->xbce", hidden, down), expert_axes)
+        outputs = constrain(outputs, local_axes)
         y = jnp.einsum("btxc,xbce->bte", combine.astype(self.dtype), outputs)
 
         if self.is_initializing():  # statistics of the init's dummy input are not worth keeping
