@@ -17,7 +17,7 @@ abstract init, and ``flax.linen.meta.unbox`` strips the boxes.
 ...     @nn.compact
 ...     def __call__(self, x):
 ...         w = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (EMBED,))
-...         return constrain(x * w, (BATCH, ACTIVATION_EMBED))
+...         return constrain(x * w[None, :], (BATCH, ACTIVATION_EMBED))
 >>> variables = Scale().init(jax.random.key(0), jnp.ones((2, 3)))
 >>> nn.get_partition_spec(variables)["params"]["scale"]
 P('embed',)
