@@ -61,6 +61,13 @@ class CausalTransformer(nn.Module):
     layer. Both change speed and memory only, never the parameters.
     segment_ids [B, T] (training only) number documents packed into one row:
     attention never crosses from one document to another.
+
+    experts above 0 replaces every layer's feed-forward block with a
+    mixture of that many experts (dew.nn.moe.MoEBlock, under ``moe``), each
+    token routed to experts_per_token of them, each expert taking at most
+    expert_capacity times its even share of a sequence's tokens. The blocks
+    sow their load-balancing loss into the "moe" collection, which
+    LMObjective reads and adds to its loss.
     """
 
     vocab_size: int
@@ -80,6 +87,9 @@ class CausalTransformer(nn.Module):
     param_dtype: Any = jnp.float32
     attention: Literal["einsum", "xla", "cudnn"] = "einsum"
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_capacity: float = 1.25
 
     def _check(self) -> None:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features",
@@ -95,6 +105,12 @@ class CausalTransformer(nn.Module):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"Unknown remat {self.remat!r}; use one of "
                              f"{', '.join(map(repr, REMAT_POLICIES))}.")
+        if self.experts < 0 or (self.experts and not 1 <= self.experts_per_token <= self.experts):
+            raise ValueError(
+                f"CausalTransformer.experts={self.experts} and experts_per_token="
+                f"{self.experts_per_token}: experts must be 0 (a dense feed-forward block) or "
+                "positive, with experts_per_token between 1 and experts."
+            )
         if self.num_kv_heads is not None and (self.num_kv_heads < 1
                                               or self.num_heads % self.num_kv_heads):
             raise ValueError(
@@ -115,6 +131,8 @@ class CausalTransformer(nn.Module):
         kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
         attention = 2 * self.emb_features * width + 2 * self.emb_features * kv_heads * self.head_width
         mlp = (3 if self.mlp_activation == "swiglu" else 2) * self.emb_features * self.mlp_features
+        if self.experts:  # a token passes through experts_per_token experts and the router
+            mlp = self.experts_per_token * mlp + self.emb_features * self.experts
         weights = self.num_layers * (attention + mlp) + self.emb_features * self.vocab_size
         return float(6 * weights + 12 * self.num_layers * width * seq_len)
 
@@ -169,7 +187,8 @@ class CausalTransformer(nn.Module):
                 rotary=self.position_embedding == "rotary", mlp_activation=self.mlp_activation,
                 attention=self.attention, num_kv_heads=self.num_kv_heads,
                 rope_base=self.rope_base, norm_epsilon=self.norm_epsilon,
-                name=f"layers_{i}", **kinds,
+                experts=self.experts, experts_per_token=self.experts_per_token,
+                expert_capacity=self.expert_capacity, name=f"layers_{i}", **kinds,
             )
             if layer_class is DecoderLayer:
                 x = layer(x, positions, decode=decode, segment_ids=segment_ids)

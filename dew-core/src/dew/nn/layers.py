@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import sharding as axes
+from dew.nn.moe import MoEBlock
 from dew.nn.sharding import constrain, param
 
 __all__ = [
@@ -149,6 +150,10 @@ class CausalSelfAttention(nn.Module):
             q = apply_rotary(q, positions, self.rope_base)
             k = apply_rotary(k, positions, self.rope_base)
 
+        # Queries keep their share of the positions; every device sees all keys and values
+        # (an all-gather over the sequence axis), so attention is exact under a sequence split.
+        whole = (axes.BATCH, None, axes.ACTIVATION_HEADS, None)
+        k, v = constrain(k, whole), constrain(v, whole)
         if decode:
             k, v, mask = self._update_cache(k, v, positions)
         else:
@@ -232,7 +237,12 @@ class MLPBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """One pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x)).
+
+    With experts above 0 the feed-forward block is a MoEBlock (named "moe")
+    of that many experts, experts_per_token of them per token, each with
+    expert_capacity times its even share of a sequence's tokens.
+    """
 
     num_heads: int
     head_features: int
@@ -246,6 +256,9 @@ class DecoderLayer(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: Literal["einsum", "xla", "cudnn"] = "einsum"
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_capacity: float = 1.25
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False,
@@ -260,6 +273,11 @@ class DecoderLayer(nn.Module):
         x = x + attention(RMSNorm(name="attention_norm", **norm)(x), positions, decode=decode,
                           segment_ids=segment_ids)
         x = constrain(x, residual_axes)
-        mlp = MLPBlock(self.mlp_features, self.mlp_activation, name="mlp", **kinds)
+        mlp: nn.Module
+        if self.experts:
+            mlp = MoEBlock(self.experts, self.mlp_features, self.experts_per_token,
+                           self.expert_capacity, self.mlp_activation, name="moe", **kinds)
+        else:
+            mlp = MLPBlock(self.mlp_features, self.mlp_activation, name="mlp", **kinds)
         x = x + mlp(RMSNorm(name="mlp_norm", **norm)(x))
         return constrain(x, residual_axes)

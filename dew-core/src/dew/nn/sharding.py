@@ -17,7 +17,7 @@ abstract init, and ``flax.linen.meta.unbox`` strips the boxes.
 ...     @nn.compact
 ...     def __call__(self, x):
 ...         w = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (EMBED,))
-...         return constrain(x * w, (BATCH, ACTIVATION_EMBED))
+...         return constrain(x * w[None, :], (BATCH, ACTIVATION_EMBED))
 >>> variables = Scale().init(jax.random.key(0), jnp.ones((2, 3)))
 >>> nn.get_partition_spec(variables)["params"]["scale"]
 P('embed',)
@@ -34,6 +34,7 @@ import jax
 __all__ = [
     "ACTIVATION_AXES",
     "ACTIVATION_EMBED",
+    "ACTIVATION_EXPERT",
     "ACTIVATION_HEADS",
     "ACTIVATION_LENGTH",
     "ACTIVATION_MLP",
@@ -48,6 +49,7 @@ __all__ = [
     "PARAMETER_AXES",
     "VOCAB",
     "AxisNames",
+    "SequenceSplitError",
     "constrain",
     "param",
     "partitioned",
@@ -86,6 +88,8 @@ ACTIVATION_MLP = "activation_mlp"
 """The hidden width inside a feed-forward block."""
 ACTIVATION_VOCAB = "activation_vocab"
 """The vocabulary dimension of logits."""
+ACTIVATION_EXPERT = "activation_expert"
+"""The expert dimension of the tokens an MoE layer dispatched to its experts."""
 
 ACTIVATION_AXES: tuple[str, ...] = (
     BATCH,
@@ -94,9 +98,14 @@ ACTIVATION_AXES: tuple[str, ...] = (
     ACTIVATION_HEADS,
     ACTIVATION_MLP,
     ACTIVATION_VOCAB,
+    ACTIVATION_EXPERT,
 )
 
 Initializer = Callable[..., jax.Array]
+
+
+class SequenceSplitError(ValueError):
+    """An activation's positions do not divide over the mesh axes its length is split on."""
 
 
 def partitioned(init: Initializer, axes: AxisNames) -> Initializer:
@@ -142,4 +151,31 @@ def constrain(x: jax.Array, axes: AxisNames) -> jax.Array:
             f"constrain got {len(axes)} axis names {axes} for an array of shape "
             f"{tuple(x.shape)}; give one logical name (or None) per dimension."
         )
+    _check_length(x, axes)
     return nn.with_logical_constraint(x, axes)
+
+
+def _check_length(x: jax.Array, axes: tuple[str | None, ...]) -> None:
+    """Refuse positions the sequence split cannot divide evenly, naming both numbers.
+
+    The compiler would pad an uneven split silently; a sequence length the
+    'sequence' axis does not divide is almost always a configuration mistake,
+    and the message is clearer here than a shape error deep in the step.
+    """
+    if ACTIVATION_LENGTH not in axes:
+        return
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return
+    mapped = nn.logical_to_mesh_axes((ACTIVATION_LENGTH,))[0]
+    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+    ways = 1
+    for name in names:
+        ways *= dict(mesh.shape).get(name, 1)
+    length = x.shape[axes.index(ACTIVATION_LENGTH)]
+    if ways > 1 and length % ways:
+        raise SequenceSplitError(
+            f"A sequence of {length} positions cannot be split evenly over the mesh axes "
+            f"{names} ({ways} devices); use a sequence length that is a multiple of {ways}, "
+            f"or set MeshSpec.sequence to a divisor of {length}."
+        )

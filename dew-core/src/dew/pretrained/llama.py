@@ -100,6 +100,7 @@ def model_to_config(model: Any, *, eos_id: int | None = None, bos_id: int | None
     exact = {
         "position_embedding": ("rotary", "Llama has no learned position table"),
         "mlp_activation": ("swiglu", "Llama's feed-forward block is SwiGLU (silu-gated)"),
+        "experts": (0, "Llama's feed-forward block is dense, not a mixture of experts"),
     }
     for field, (needed, why) in exact.items():
         value = getattr(model, field)

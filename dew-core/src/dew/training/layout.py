@@ -36,8 +36,11 @@ TreeT = TypeVar("TreeT")
 Placement = Any  # a tree of NamedSharding shaped like the placed tree
 
 DEFAULT_RULES: LogicalAxisRules = (
-    # activations
+    # activations. An MoE layer's dispatched tokens put their experts on the expert
+    # axis first, so the rows of those tokens fall back to the data and fsdp axes.
+    ("activation_expert", "expert"),
     ("batch", ("data", "fsdp", "expert")),
+    ("batch", ("data", "fsdp")),
     ("activation_length", "sequence"),
     ("activation_heads", "tensor"),
     ("activation_mlp", "tensor"),
@@ -203,12 +206,13 @@ class Layout:
     def shardings(self, mesh: Mesh, tree: TreeT) -> Placement:
         """A NamedSharding per leaf of tree, from its declared axes (boxes are removed)."""
 
-        def one(x: Any) -> NamedSharding:
+        def one(path: Any, x: Any) -> NamedSharding:
             names = tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else None
             value = x.unbox() if _is_box(x) else x
+            _check_experts(jax.tree_util.keystr(path), tuple(value.shape), names, mesh)
             return NamedSharding(mesh, self.spec(tuple(value.shape), names, mesh))
 
-        return jax.tree.map(one, tree, is_leaf=_is_box)
+        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
 
     def offloaded(self, mesh: Mesh, tree: TreeT) -> Placement:
         """shardings with each leaf's memory kind: pinned host memory where host_parameters match.
@@ -268,12 +272,12 @@ class Layout:
                     "find nothing bringing host weights back. Drop host_parameters here (to "
                     f"offload training state use Layout.host={HOST_RESIDENT})."
                 )
-        # A dense model has no expert dimension to split: the expert axis then
-        # replicates it like data parallelism does, and does not count here.
-        uses_expert = any("expert" in _axes(s.spec) for s in placements)
-        devices = math.prod(
-            mesh.shape.get(a, 1) for a in _PARAMETER_AXES if a != "expert" or uses_expert
-        )
+        # Only an MoE layer's expert weights have an expert dimension to split: every
+        # other parameter is replicated over the expert axis as over the data axis,
+        # so its perfect sharding spans the other parameter axes alone.
+        dense = math.prod(mesh.shape.get(a, 1) for a in _PARAMETER_AXES if a != "expert")
+        devices = dense * max((mesh.shape.get("expert", 1) for s in placements
+                               if "expert" in _axes(s.spec)), default=1)
         if devices == 1:
             return
         held = ideal = 0.0
@@ -282,10 +286,12 @@ class Layout:
             size = math.prod(leaf.shape)
             if size < self.min_shard:
                 continue
+            split = "expert" in _axes(sharding.spec)
+            perfect = size / (dense * (mesh.shape.get("expert", 1) if split else 1))
             per_device = size / _shard_factor(sharding.spec, mesh)
             held += per_device
-            ideal += size / devices
-            worst.append((per_device - size / devices, jax.tree_util.keystr(path), tuple(leaf.shape)))
+            ideal += perfect
+            worst.append((per_device - perfect, jax.tree_util.keystr(path), tuple(leaf.shape)))
         if ideal == 0:
             return
         excess = held / ideal - 1
@@ -315,6 +321,25 @@ def parameter_path(path: Sequence[Any]) -> str:
         else:
             parts.append(str(key))
     return "/".join(parts)
+
+
+def _check_experts(path: str, shape: tuple[int, ...], names: tuple[str | None, ...] | None,
+                   mesh: Mesh) -> None:
+    """Refuse experts the expert axis cannot split evenly, whatever the parameter's size.
+
+    Left to the rules, such a dimension would quietly stay whole, and every
+    device would hold (and compute) every expert.
+    """
+    ways = mesh.shape.get("expert", 1)
+    if ways == 1 or not names or "expert" not in names:
+        return
+    experts = shape[names.index("expert")]
+    if experts % ways:
+        raise LayoutError(
+            f"{path} has {experts} experts, which do not divide over MeshSpec.expert={ways} "
+            f"devices; use a number of experts that is a multiple of {ways}, or an expert axis "
+            f"that divides {experts}."
+        )
 
 
 def _axes(spec: PartitionSpec) -> set[str]:

@@ -1,8 +1,8 @@
 """The six-axis device mesh, and how a global batch splits over it.
 
 Parameters shard over 'fsdp', 'expert' and 'tensor'; a batch's rows split
-over 'data', 'fsdp' and 'expert' (BATCH_AXES); 'sequence' would split
-positions and 'stage' pipeline stages. Axes of size 1 cost nothing, so one
+over 'data', 'fsdp' and 'expert' (BATCH_AXES), its positions over 'sequence',
+and 'stage' would split pipeline stages. Axes of size 1 cost nothing, so one
 code path serves every topology.
 """
 
@@ -36,6 +36,7 @@ __all__ = [
 MESH_AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 BATCH_AXES = ("data", "fsdp", "expert")
 BATCH_SPEC = PartitionSpec(BATCH_AXES)
+SEQUENCE_AXIS = "sequence"
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -90,7 +91,7 @@ def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None
     Devices are laid out row-major over MESH_AXES, so the last axes hold
     neighbouring devices.
     """
-    for name in ("sequence", "stage"):
+    for name in ("stage",):
         if getattr(spec, name) > 1:
             raise UnsupportedAxisError(
                 f"MeshSpec.{name}={getattr(spec, name)}: the {name} axis is not supported yet; "
@@ -130,7 +131,10 @@ def data_partition(mesh: Mesh) -> DataPartition:
 
     A device's row shard is its position over BATCH_AXES. Processes holding
     the same row shards form one group that reads one share; groups must
-    hold disjoint, contiguous, equally many row shards.
+    hold disjoint, contiguous, equally many row shards. The sequence axis is
+    not among them: devices that split one row's positions hold the same
+    rows, so their processes read the same whole rows, and shard_batch puts
+    each device's positions in place.
     """
     names = mesh.axis_names
     batch_dims = [names.index(a) for a in BATCH_AXES]
@@ -162,10 +166,26 @@ def data_partition(mesh: Mesh) -> DataPartition:
 
 
 def batch_shardings(mesh: Mesh, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
-    """The sharding of every leaf of a global batch: rows over BATCH_AXES."""
-    return jax.tree.map(
-        lambda x: NamedSharding(mesh, BATCH_SPEC if np.ndim(x) else PartitionSpec()), dict(batch)
-    )
+    """The sharding of every leaf of a global batch: rows over BATCH_AXES, positions over
+    'sequence'.
+
+    A leaf's second dimension is its positions. It splits over the sequence
+    axis when that axis divides it, and is kept whole on each device
+    otherwise: an LM's windows hold seq_len + 1 ids, and the model splits the
+    seq_len it reads where it constrains its activations (a length the axis
+    does not divide is refused there, by dew.nn.sharding.constrain).
+    """
+    ways = mesh.shape.get(SEQUENCE_AXIS, 1)
+
+    def one(x: Any) -> NamedSharding:
+        shape = np.shape(x)
+        if not shape:
+            return NamedSharding(mesh, PartitionSpec())
+        if ways > 1 and len(shape) > 1 and shape[1] % ways == 0:
+            return NamedSharding(mesh, PartitionSpec(BATCH_AXES, SEQUENCE_AXIS))
+        return NamedSharding(mesh, BATCH_SPEC)
+
+    return jax.tree.map(one, dict(batch))
 
 
 def shard_batch(

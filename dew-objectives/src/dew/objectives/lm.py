@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dew.nn.moe import MOE_COLLECTION, moe_statistics
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -97,6 +98,10 @@ class LMObjective(Objective):
 
     loss reports the mean cross-entropy per predicted token and, as a
     metric, the fraction of tokens whose most likely prediction is right.
+    A model with experts (CausalTransformer(experts=...)) also reports its
+    routers' load_balancing_loss and dropped_fraction (averaged over its MoE
+    layers), and trains on cross-entropy + expert_loss_weight times the
+    balance loss; evaluation scores the cross-entropy alone.
     With a tokenizer and a prompt, preview continues the prompt by
     preview_tokens tokens with preview_sampling and returns it as text.
     """
@@ -111,8 +116,13 @@ class LMObjective(Objective):
     ema: EMASpec | None = None
     preview_tokens: int = 64
     preview_sampling: Sampling = Sampling(temperature=0.0)
+    expert_loss_weight: float = 0.01
 
     def __post_init__(self) -> None:
+        if self.expert_loss_weight < 0:
+            raise ValueError(f"LMObjective.expert_loss_weight must be >= 0, got "
+                             f"{self.expert_loss_weight}; 0 reports the balance loss without "
+                             "training on it.")
         if self.seq_len < 1:
             raise ValueError(f"LMObjective.seq_len must be at least 1, got {self.seq_len}.")
         limit = getattr(self.model, "max_seq_len", None)
@@ -168,15 +178,25 @@ class LMObjective(Objective):
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         """Total cross-entropy over the scored tokens, and the accuracy as a Mean."""
-        per_token, correct, weights = self._score(variables, batch)
+        per_token, correct, weights, routing = self._score(variables, batch)
         loss = Mean.of(per_token, weights)
-        accuracy = Mean.of(correct, weights)
-        return loss, Aux(metrics={"accuracy": accuracy})
+        metrics: dict[str, Any] = {"accuracy": Mean.of(correct, weights)}
+        if routing:
+            # The balance loss is a per-batch scalar: weighting it by the token count keeps
+            # it a mean per token when microbatches and shards sum their totals.
+            for name, value in routing.items():
+                metrics[name] = Mean(value * loss.count, loss.count)
+            balance = routing["load_balancing_loss"]
+            loss = Mean(loss.total + self.expert_loss_weight * balance * loss.count, loss.count)
+        return loss, Aux(metrics=metrics)
 
     def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
-        """The loss and the accuracy as Means; Perplexity() reduces "loss" to exp(loss)."""
-        loss, aux = self.loss(variables, batch, step)
-        return {"loss": loss, "accuracy": aux.metrics["accuracy"]}
+        """The loss and the accuracy as Means; Perplexity() reduces "loss" to exp(loss).
+
+        The loss here is the cross-entropy alone, without an MoE balance term.
+        """
+        per_token, correct, weights, _ = self._score(variables, batch)
+        return {"loss": Mean.of(per_token, weights), "accuracy": Mean.of(correct, weights)}
 
     def metrics(self) -> tuple[Metric, ...]:
         """The validation metrics this objective's evaluate outputs support."""
@@ -241,17 +261,26 @@ class LMObjective(Objective):
             )
         return jnp.asarray(value, jnp.int32)
 
-    def _score(self, variables: Variables, batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    def _score(self, variables: Variables, batch: Batch
+               ) -> tuple[jax.Array, jax.Array, jax.Array | None, dict[str, jax.Array]]:
         text = self._windows(batch)
         inputs, targets = text[:, :-1], text[:, 1:]
-        params = {name: value for name, value in variables.items() if name != "cache"}
+        params = {name: value for name, value in variables.items()
+                  if name not in ("cache", MOE_COLLECTION)}
         weights = None
         segments = self._aligned(batch, "segment_ids", text)
+        # Only a model that declares experts is applied with the "moe" collection mutable,
+        # so a model (or wrapper) that knows nothing of it is called exactly as before.
+        routed = bool(getattr(self.model, "experts", 0))
+        options: dict[str, Any] = {"mutable": [MOE_COLLECTION]} if routed else {}
         if segments is None:
-            logits = self.model.apply(params, inputs)
+            out = self.model.apply(params, inputs, **options)
         else:
             read = segments[:, :-1]
-            logits = self.model.apply(params, inputs, segment_positions(read), segment_ids=read)
+            out = self.model.apply(params, inputs, segment_positions(read), segment_ids=read,
+                                   **options)
+        logits, routing = (out[0], moe_statistics(out[1])) if routed else (out, {})
+        if segments is not None:
             weights = (segments[:, 1:] == read) & (segments[:, 1:] != 0)
         mask = self._aligned(batch, "loss_mask", text)
         if mask is not None:
@@ -260,7 +289,7 @@ class LMObjective(Objective):
         if weights is not None:  # a masked position contributes an exact zero, never a NaN
             per_token = jnp.where(weights, per_token, 0.0)
         correct = jnp.argmax(logits, axis=-1) == targets
-        return per_token, correct, weights
+        return per_token, correct, weights, routing
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
