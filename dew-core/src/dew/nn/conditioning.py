@@ -107,7 +107,7 @@ class TextEncoder(nn.Module):
                       (self.vocab_size + 1, self.features), (axes.VOCAB, axes.EMBED))
         position = param(self, "position", nn.initializers.normal(0.02),
                          (self.max_length, self.features), (None, axes.EMBED))
-        x = jnp.take(table, tokens.astype(jnp.int32), axis=0) + position[: tokens.shape[1]]
+        x = jnp.take(table, tokens.astype(jnp.int32), axis=0) + position[None, : tokens.shape[1]]
         for i in range(self.num_layers):
             h = nn.LayerNorm(use_scale=False, use_bias=False, name=f"norm_{i}")(x)
             x = x + Attention(self.num_heads, name=f"attention_{i}")(h)

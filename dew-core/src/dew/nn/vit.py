@@ -176,7 +176,7 @@ class Predictor(nn.Module):
                            self.param_dtype)
         table = sincos_positions(self.grid, self.emb_features)
         x = jnp.einsum("bne,em->bnm", context, into)
-        x = jnp.where(targets[..., None], mask_token, x) + table
+        x = jnp.where(targets[..., None], mask_token[None, None, :], x) + table[None]
         allowed = visible | targets
         for i in range(self.num_layers):
             x = EncoderLayer(self.num_heads, self.mlp_features, self.dtype, self.param_dtype, name=f"layers_{i}")(
