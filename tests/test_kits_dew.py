@@ -14,8 +14,17 @@ import pytest
 from dew.nn.backbones import CausalTransformer
 from dew.nn.dit import DiT
 from dew.objectives.base import EMASpec
-from dew.testing import DatasetReaderKit, ModelKit, ObjectiveKit, RolloutKit, TrackerKit
+from dew.testing import (
+    DatasetReaderKit,
+    FakeDeviceRunError,
+    ModelKit,
+    ObjectiveKit,
+    RolloutKit,
+    TrackerKit,
+)
 from dew.training import Trainer
+from dew.training.layout import Layout
+from dew.training.mesh import MeshSpec
 
 VOCAB, LENGTH = 13, 8
 
@@ -40,6 +49,7 @@ class TestLanguageModelObjective(ObjectiveKit):
         return {"text": token_rows(4, LENGTH + 1)}
 
 
+@pytest.mark.slow
 class TestDistillationObjective(ObjectiveKit):
     """A frozen teacher under params/teacher, and a hard-label term over masked positions."""
 
@@ -55,6 +65,7 @@ class TestDistillationObjective(ObjectiveKit):
         return {"text": token_rows(4, LENGTH + 1, seed=1), "loss_mask": mask}
 
 
+@pytest.mark.slow
 class TestDPOObjective(ObjectiveKit):
     def objective(self):
         from dew.objectives.dpo import DPOObjective
@@ -75,6 +86,7 @@ class TestDPOObjective(ObjectiveKit):
                 "prompt_length": np.full((4,), 3, np.int32)}
 
 
+@pytest.mark.slow
 class TestGRPOObjective(ObjectiveKit):
     """Groups of 4 completions; the halves split between groups, as the rollout lays them out."""
 
@@ -96,6 +108,7 @@ class TestGRPOObjective(ObjectiveKit):
                 "reward": np.asarray([1, 0, 0, 1, 0.5, 0, 1, 0], np.float32), "old_logp": old}
 
 
+@pytest.mark.slow
 class TestDiffusionObjective(ObjectiveKit):
     """Noise and levels come from the step's key: the microbatch check compares counts and the
     accumulated step against the microbatches differentiated by hand."""
@@ -131,12 +144,33 @@ class TestCausalTransformerModel(ModelKit):
 
 @pytest.mark.slow
 class TestDiTModel(ModelKit):
+    """On pure FSDP. With a tensor axis the kit finds DiT's modulation, final and noise
+    kernels replicated (see TestDiTModelOnTensorAxis)."""
+
+    mesh = MeshSpec(fsdp=8)
+    layout = Layout(min_shard=1024)  # the [6 x embed] modulation bias names no axis either
+
     def model(self):
         return DiT(image_size=8, channels=1, patch_size=2, emb_features=64, num_layers=1,
                    num_heads=4, mlp_features=128, num_classes=10)
 
     def inputs(self):
         return (jnp.zeros((2, 8, 8, 1)), jnp.zeros((2,)), jnp.zeros((2,), jnp.int32))
+
+
+@pytest.mark.slow
+class TestDiTModelOnTensorAxis(TestDiTModel):
+    """A known gap the kit found: DiT's adaLN modulation kernels [embed, 6 x embed] (and the
+    final and noise-embedding layers) name only their embed axis, so a tensor axis replicates
+    them (65.6% over perfect sharding at fsdp 4 x tensor 2). Strict: fixing DiT fails this
+    marker, and the class then belongs with the others."""
+
+    mesh = MeshSpec(fsdp=4, tensor=2)
+
+    @pytest.mark.xfail(strict=True, raises=FakeDeviceRunError,
+                       reason="DiT's modulation kernels do not name an axis a tensor rule maps")
+    def test_layout_check_passes_on_fake_devices(self):
+        super().test_layout_check_passes_on_fake_devices()
 
 
 # -- trackers ------------------------------------------------------------------------------------
@@ -167,21 +201,18 @@ class TestTensorBoardTracker(TrackerKit):
     def read_back(self, directory):
         from tensorboard.backend.event_processing import event_accumulator as ea
 
-        reader = ea.EventAccumulator(str(Path(directory) / "tb"), size_guidance={ea.TENSORS: 0})
+        reader = ea.EventAccumulator(str(Path(directory) / "tb"), size_guidance={ea.SCALARS: 0})
         reader.Reload()
-        return {tag: [(e.step, float(tensor_value(e.tensor_proto))) for e in reader.Tensors(tag)]
-                for tag in reader.Tags()["tensors"]}
-
-
-def tensor_value(proto) -> float:
-    from tensorboard.util import tensor_util
-
-    return float(tensor_util.make_ndarray(proto))
+        return {tag: [(e.step, e.value) for e in reader.Scalars(tag)]
+                for tag in reader.Tags()["scalars"]}
 
 
 @pytest.mark.slow
 class TestMLflowTracker(TrackerKit):
-    """A SQLite tracking store in the test's directory, read with MLflow's own client."""
+    """A SQLite tracking store in the test's directory, read with MLflow's own client. MLflow's
+    store clips an infinity to the largest float (docs/trackers.md)."""
+
+    non_finite = "clipped"
 
     def tracker(self, directory):
         pytest.importorskip("mlflow")
@@ -204,11 +235,13 @@ class TestWandbTracker(TrackerKit):
 
     @pytest.fixture(autouse=True)
     def _offline(self, monkeypatch, tmp_path):
-        pytest.importorskip("wandb")
+        wandb = pytest.importorskip("wandb")
         monkeypatch.setenv("WANDB_DIR", str(tmp_path))
         monkeypatch.setenv("WANDB_SILENT", "true")
         monkeypatch.setenv("WANDB_API_KEY", "")
         monkeypatch.delenv("WANDB_MODE", raising=False)
+        yield
+        wandb.teardown()  # W&B keeps the first WANDB_DIR it read until its setup is torn down
 
     def tracker(self, directory):
         from dew.trackers.wandb import WandbTracker
@@ -258,6 +291,7 @@ class TestDigitsReader(DatasetReaderKit):
 
 
 # -- rollouts ------------------------------------------------------------------------------------
+@pytest.mark.slow
 class TestGRPORollout(RolloutKit):
     """Completions stop at different lengths; the rollout pads them to one shape."""
 

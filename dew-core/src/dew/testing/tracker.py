@@ -14,14 +14,17 @@ files W&B writes) rather than the tracker's code::
             return {name: [(step, value), ...], ...}
 
 ``read_back`` returns every scalar series by name as (step, value) pairs.
-A backend that cannot store NaN or infinities sets ``non_finite = "dropped"``
-(and says so in its documentation): the kit then checks that logging them
-does not fail and that the finite values around them arrive.
+A backend that cannot store NaN or infinities says so in its documentation
+and sets ``non_finite``: ``"clipped"`` when NaN reads back but an infinity
+comes back as the largest float (MLflow's store), ``"dropped"`` when none of
+them is stored. The kit then checks that logging them does not fail and
+that the finite values around them arrive.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -34,7 +37,7 @@ Series = Mapping[str, Sequence[tuple[int, float]]]
 class TrackerKit:
     """Conformance tests for a tracker (see the module docstring)."""
 
-    non_finite: Literal["kept", "dropped"] = "kept"
+    non_finite: Literal["kept", "clipped", "dropped"] = "kept"
     rtol: float = 1e-6
 
     def tracker(self, directory: Path) -> Any:
@@ -79,8 +82,9 @@ class TrackerKit:
         if self.non_finite == "dropped":
             return
         assert 2 in got and math.isnan(got[2]), f"NaN at step 2 read back as {got.get(2)}."
-        assert got.get(3) == math.inf, f"+inf at step 3 read back as {got.get(3)}."
-        assert got.get(4) == -math.inf, f"-inf at step 4 read back as {got.get(4)}."
+        largest = sys.float_info.max if self.non_finite == "clipped" else math.inf
+        assert got.get(3) == largest, f"+inf at step 3 read back as {got.get(3)}, expected {largest}."
+        assert got.get(4) == -largest, f"-inf at step 4 read back as {got.get(4)}, expected {-largest}."
 
     def test_close_twice_is_safe(self, tmp_path: Path) -> None:
         tracker = self.tracker(tmp_path)
