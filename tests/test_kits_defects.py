@@ -347,11 +347,13 @@ class TestRolloutTrimsToLongest(RolloutCase):
 
 # What each planted defect must fail, and nothing else; the healthy classes fail nothing.
 EXPECTED_FAILURES = {
-    "TestObjectiveMeanOfMicrobatch": {"test_mean_totals_add_up_over_microbatches"},
+    # Its halves count 1 and 2 rows: their means averaged are not the batch's mean.
+    "TestObjectiveMeanOfMicrobatch": {"test_mean_totals_add_up_over_microbatches",
+                                      "test_accumulated_step_equals_one_large_step"},
     "TestObjectiveEMAOfNothing": {"test_ema_selects_leaves_that_exist"},
     "TestObjectiveFrozenNothing": {"test_frozen_leaves_get_no_optimizer_state_and_do_not_move"},
+    # Every test that compiles the loss (alone, or in the trainer's step) fails.
     "TestObjectiveUntraceable": {"test_loss_compiles_and_matches_eager",
-                                 "test_loss_differentiates_every_trainable_leaf",
                                  "test_accumulated_step_equals_one_large_step",
                                  "test_frozen_leaves_get_no_optimizer_state_and_do_not_move"},
     "TestModelUnnamedParameter": {"test_every_parameter_declares_logical_axes"},
@@ -394,9 +396,10 @@ def test_each_kit_fails_on_its_planted_defect_and_passes_without_it(tmp_path):
     assert set(outcomes) == set(EXPECTED_FAILURES) | set(HEALTHY), sorted(outcomes)
     for healthy in HEALTHY:
         assert set(outcomes[healthy].values()) == {"passed"}, (healthy, outcomes[healthy])
-    for broken, expected in EXPECTED_FAILURES.items():
-        failed = {name for name, kind in outcomes[broken].items() if kind in ("failure", "error")}
-        assert failed == expected, (broken, outcomes[broken])
+    failed = {broken: {name for name, kind in outcomes[broken].items() if kind in ("failure", "error")}
+              for broken in EXPECTED_FAILURES}
+    assert failed == EXPECTED_FAILURES
+    for broken in EXPECTED_FAILURES:
         # The same kit tests ran for the healthy twin, so a defect is what made them fail.
         twin = next(h for h in HEALTHY if broken.startswith(h.replace("Healthy", "")))
         assert set(outcomes[broken]) == set(outcomes[twin]), broken
