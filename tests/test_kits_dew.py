@@ -319,3 +319,15 @@ def test_every_kit_is_applied_here():
     applied = {kit: [c for c in globals().values()
                      if isinstance(c, type) and issubclass(c, kit) and c is not kit] for kit in kits}
     assert all(applied.values()), {k.__name__: v for k, v in applied.items()}
+
+
+def test_the_kits_import_no_pytest_and_import_dew_imports_no_kit(python_in_subprocess):
+    """A plugin's suite may run the kits under any runner; import dew stays light."""
+    out = python_in_subprocess("""
+        import sys
+        import dew
+        light = sorted(m for m in ("dew.testing", "jax") if m in sys.modules)
+        import dew.testing
+        print(light, sorted(m for m in ("pytest", "_pytest") if m in sys.modules))
+    """)
+    assert out.split("\n")[0] == "[] []"
