@@ -137,7 +137,7 @@ class Block(nn.Module):
         y = nn.Dense(self.width, kernel_init=named(self.names),
                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (self.names[1],)))(x)
         if self.unnamed_scale:
-            y = y * self.param("scale", nn.initializers.ones, (self.width,))
+            y = y * self.param("scale", nn.initializers.ones, (self.width,))[None, :]
         return y
 
 
