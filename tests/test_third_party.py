@@ -68,7 +68,7 @@ expected = []
 for index in range(3):
     batch = rows(index)
     loss_fn = lambda p: jnp.mean((batch["x"] @ p["params"]["Dense_0"]["kernel"]
-                                  + p["params"]["Dense_0"]["bias"] - batch["y"]) ** 2)
+                                  + p["params"]["Dense_0"]["bias"][None, :] - batch["y"]) ** 2)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     expected.append(float(loss))
     updates, opt_state = optimizer.update(grads, opt_state, params)
