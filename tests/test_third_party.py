@@ -9,6 +9,8 @@ wheel; nothing in dew names it.
 from __future__ import annotations
 
 import json
+import shutil
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +68,7 @@ expected = []
 for index in range(3):
     batch = rows(index)
     loss_fn = lambda p: jnp.mean((batch["x"] @ p["params"]["Dense_0"]["kernel"]
-                                  + p["params"]["Dense_0"]["bias"] - batch["y"]) ** 2)
+                                  + p["params"]["Dense_0"]["bias"][None, :] - batch["y"]) ** 2)
     loss, grads = jax.value_and_grad(loss_fn)(params)
     expected.append(float(loss))
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -116,3 +118,33 @@ def test_third_party_components_are_found_by_name_and_used_in_a_run(tmp_path, tm
     np.testing.assert_allclose([hooked_losses[s] for s in (1, 2, 3)], expected, rtol=1e-5)
     assert expected[2] < expected[0]  # the run learned something
     assert hooked[-1] == {"hook": "dew_run_end", "step": 3}
+
+
+def test_the_plugins_own_suite_passes_dews_conformance_kits(tmp_path, tmp_path_factory):
+    """The plugin's tests/ subclass dew.testing's kits; installed beside dew-core's wheel only,
+    they run with pytest from the plugin's own directory and every inherited test passes."""
+    base = tmp_path_factory.getbasetemp()
+    wheels = fv.session_wheels(base)
+    plugin_wheel = fv.build_wheels(tmp_path / "plugin-wheel", PLUGIN)["dew-example-plugin"]
+    python = fv.create(tmp_path / "venv", fv.session_dependencies(base))
+    fv.install(python, wheels["dew-core"], plugin_wheel)
+    checkout = tmp_path / "checkout"  # the plugin's repository, outside dew's
+    shutil.copytree(PLUGIN, checkout, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    report = tmp_path / "report.xml"
+    fv.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
+           cwd=checkout, timeout=600)
+
+    outcomes: dict[str, dict[str, str]] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        outcomes.setdefault(case.get("classname").split(".")[-1], {})[case.get("name")] = kind
+    assert set(outcomes) == {"TestRegressor", "TestRegressionObjective", "TestJsonLinesTracker"}
+    assert outcomes["TestRegressor"]["test_layout_check_passes_on_fake_devices"] == "passed"
+    assert outcomes["TestRegressionObjective"]["test_mean_totals_add_up_over_microbatches"] == "passed"
+    assert outcomes["TestJsonLinesTracker"]["test_non_finite_values_are_logged"] == "passed"
+    # The objective declares no EMA and no frozen leaves: only those two tests skip.
+    skipped = {(c, n) for c, tests in outcomes.items() for n, kind in tests.items() if kind == "skipped"}
+    assert skipped == {("TestRegressionObjective", "test_ema_selects_leaves_that_exist"),
+                       ("TestRegressionObjective",
+                        "test_frozen_leaves_get_no_optimizer_state_and_do_not_move")}
+    assert all(kind in ("passed", "skipped") for tests in outcomes.values() for kind in tests.values())
