@@ -16,7 +16,8 @@ import pytest
 import dew
 
 ROOT = Path(__file__).resolve().parents[1]
-SURFACES = ["dew", "dew.training", "dew.data", "dew.recipes", "dew.training.runtime", "dew.trackers"]
+SURFACES = ["dew", "dew.training", "dew.data", "dew.recipes", "dew.training.runtime", "dew.trackers",
+            "dew.testing"]
 # Names the spec gives that do not follow the rule (an exception that reports an outcome).
 SPEC_NAMED = {"Preempted"}
 
