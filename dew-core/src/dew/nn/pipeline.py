@@ -215,30 +215,43 @@ def _whole(a: jax.Array) -> jax.Array:
 def _gpipe(stack: nn.Module, stages: int, count: int, x: jax.Array, positions: jax.Array,
            segment_ids: jax.Array | None) -> jax.Array:
     """Run every microbatch through every stage: iteration t feeds microbatch t to stage 0,
-    and stage s works on microbatch t - s (on zeros where there is none)."""
+    and stage s works on microbatch t - s (on zeros where there is none).
+
+    The iterations are one scan (the stack's parameters broadcast to each), so the step
+    compiles one iteration whatever the number of microbatches.
+    """
     state_axes = (axes.LAYERS, axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
-    inputs = _microbatches(x, count)
-    rows = inputs.shape[1]
-    positions_in = _microbatches(positions, count)
-    segments_in = None if segment_ids is None else _microbatches(segment_ids, count)
-    state = jnp.zeros((stages, *inputs.shape[1:]), x.dtype)
-    where = jnp.zeros((stages, rows, positions.shape[1]), positions.dtype)
-    segments = None if segments_in is None else jnp.zeros_like(where, segments_in.dtype)
-    outputs = []
-    for t in range(count + stages - 1):
-        feed = min(t, count - 1)  # past the last microbatch stage 0 idles on a copy
+    iterations = count + stages - 1
 
-        def shifted(carried: jax.Array, fresh: jax.Array) -> jax.Array:
-            return jnp.roll(carried, 1, axis=0).at[0].set(fresh)
+    def fed(a: jax.Array) -> jax.Array:
+        """The microbatch stage 0 takes at each iteration (past the last it idles on a copy)."""
+        cut = _microbatches(a, count)
+        return cut[jnp.minimum(jnp.arange(iterations), count - 1)]
 
-        state = constrain(shifted(state, inputs[feed]), state_axes)
-        where = shifted(where, positions_in[feed])
-        if segments is not None:
-            segments = shifted(segments, segments_in[feed])
-        state = constrain(stack(state, where, segments)[0], state_axes)
-        if t >= stages - 1:
-            outputs.append(state[stages - 1])
-    return _whole(jnp.stack(outputs))
+    feeds = (fed(x), fed(positions), None if segment_ids is None else fed(segment_ids))
+    rows = feeds[0].shape[1]
+    carry = (
+        jnp.zeros((stages, rows, *x.shape[1:]), x.dtype),
+        jnp.zeros((stages, rows, positions.shape[1]), positions.dtype),
+        None if segment_ids is None else jnp.zeros((stages, rows, segment_ids.shape[1]),
+                                                   segment_ids.dtype),
+    )
+
+    def shifted(carried: jax.Array | None, fresh: jax.Array | None) -> jax.Array | None:
+        if carried is None or fresh is None:
+            return None
+        return jnp.roll(carried, 1, axis=0).at[0].set(fresh)
+
+    def iteration(module: nn.Module, carry: tuple, feed: tuple) -> tuple[tuple, jax.Array]:
+        state, where, segments = (shifted(c, f) for c, f in zip(carry, feed, strict=True))
+        state = constrain(state, state_axes)
+        state = constrain(module(state, where, segments)[0], state_axes)
+        return (state, where, segments), state[stages - 1]
+
+    loop = nn.scan(iteration, variable_broadcast="params", split_rngs={"params": False},
+                   length=iterations)
+    _, finished = loop(stack, carry, feeds)
+    return _whole(finished[stages - 1:])
 
 
 def unstack_layers(params: Mapping[str, Any], num_layers: int, name: str = "layers") -> dict[str, Any]:
