@@ -99,13 +99,16 @@ def test_replicas_in_a_two_process_pool_match_one_device(tmp_path: Path, python_
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     port = str(_free_port())
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    # A device thread can wait past XLA:CPU's 40 s collective deadline on a loaded machine.
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+                         "--xla_cpu_collective_call_terminate_timeout_seconds=600")
     workers = [subprocess.Popen([sys.executable, str(script), str(index), port], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env) for index in range(2)]
     results = []
     try:
         for worker in workers:
-            out, err = worker.communicate(timeout=300)
+            out, err = worker.communicate(timeout=900)
             results.append((worker.returncode, out, err))
     finally:
         for worker in workers:
@@ -114,7 +117,8 @@ def test_replicas_in_a_two_process_pool_match_one_device(tmp_path: Path, python_
     for index, (code, out, err) in enumerate(results):
         assert code == 0, f"process {index}: {err[-4000:]}"
         result = _result(out)
-        assert result["losses"] == pytest.approx(single, abs=1e-5, rel=1e-5), index
+        if index == 0:  # the trainer reports on process 0
+            assert result["losses"] == pytest.approx(single, abs=1e-5, rel=1e-5)
         assert result["shape"]["data"] == 2 and result["shape"]["fsdp"] == 4
         assert result["inside"] and result["across"] == [0, 1]
         assert "fsdp" in result["spec"]
