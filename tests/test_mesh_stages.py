@@ -123,7 +123,7 @@ def test_pipeline_stages_match_one_device(python_in_subprocess):
 RESUME = COMMON + r"""
 import shutil
 from dew.training.checkpoints import Checkpoints
-directory = sys.argv[1]
+directory = json.loads(sys.argv[1])  # run() passes its argument as JSON
 _, _, full = train({"fsdp": 8}, steps=10)
 _, _, first = train({"fsdp": 8}, steps=5, checkpoints=Checkpoints(directory + "/a"))
 shutil.copytree(directory + "/a", directory + "/b")
