@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from dew.nn import sharding as axes
 from dew.nn.layers import DecoderLayer, Embed, RMSNorm
+from dew.nn.pipeline import run_stack
 from dew.nn.sharding import constrain, param
 
 __all__ = ["REMAT_POLICIES", "CausalTransformer"]
@@ -59,6 +60,10 @@ class CausalTransformer(nn.Module):
     ("einsum", or jax.nn.dot_product_attention's "xla" or "cudnn"); ``remat``
     names a rematerialization policy of ``REMAT_POLICIES`` applied to every
     layer. Both change speed and memory only, never the parameters.
+    ``scan_layers`` stores the layers as one stack under ``layers`` (every
+    weight with a leading ``layers`` axis, the one a mesh's ``stage`` axis
+    splits into pipeline stages; dew.nn.pipeline) and runs them as one scan,
+    which compiles one layer instead of num_layers. The function is the same.
     segment_ids [B, T] (training only) number documents packed into one row:
     attention never crosses from one document to another.
 
@@ -90,6 +95,7 @@ class CausalTransformer(nn.Module):
     experts: int = 0
     experts_per_token: int = 2
     expert_capacity: float = 1.25
+    scan_layers: bool = False
 
     def _check(self) -> None:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features",
@@ -178,10 +184,25 @@ class CausalTransformer(nn.Module):
                              "use 'learned' or 'rotary'.")
         x = constrain(x, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED))
 
+        layer_options = {
+            "rotary": self.position_embedding == "rotary", "mlp_activation": self.mlp_activation,
+            "attention": self.attention, "num_kv_heads": self.num_kv_heads,
+            "rope_base": self.rope_base, "norm_epsilon": self.norm_epsilon, **kinds,
+        }
+        if self.scan_layers:
+            def rematerialized(body: Any) -> Any:
+                if self.remat == "none":
+                    return body
+                return nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+
+            x = run_stack(self, DecoderLayer, self.num_layers, x, positions, segment_ids,
+                          decode=decode, wrap=rematerialized, num_heads=self.num_heads,
+                          head_features=self.head_width, mlp_features=self.mlp_features,
+                          max_len=self.max_seq_len, **layer_options)
         layer_class: Any = DecoderLayer
         if self.remat != "none" and not decode:
             layer_class = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat])
-        for i in range(self.num_layers):
+        for i in range(0 if self.scan_layers else self.num_layers):
             layer = layer_class(
                 self.num_heads, self.head_width, self.mlp_features, self.max_seq_len,
                 rotary=self.position_embedding == "rotary", mlp_activation=self.mlp_activation,

@@ -106,6 +106,10 @@ class Pretrained:
         eos = getattr(self.tokenizer, "eos_id", None)
         config = llama.model_to_config(self.model, eos_id=eos)
         params = _host(self.variables.get("params", self.variables))
+        if getattr(self.model, "scan_layers", False):  # the format numbers its layers
+            from dew.nn.pipeline import unstack_layers
+
+            params = unstack_layers(params, self.model.num_layers)
         table = llama.tensors(self.model)
         out: dict[str, np.ndarray] = {}
         for name, tensor in table.items():

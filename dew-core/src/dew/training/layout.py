@@ -141,7 +141,13 @@ class Layout:
     # -- one leaf -------------------------------------------------------------
     def spec(self, shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mesh) -> PartitionSpec:
         """The PartitionSpec of one parameter of shape with logical names on mesh."""
-        if math.prod(shape) < self.min_shard or not shape:
+        if not shape:
+            return PartitionSpec()
+        if math.prod(shape) < self.min_shard:
+            # Small leaves stay replicated, except that a stacked layer keeps its pipeline
+            # stage: each stage's devices hold that stage's layers and no others.
+            if names and names[0] == "layers" and len(names) == len(shape):
+                return PartitionSpec(*self._resolve(tuple(shape), ("layers",) + (None,) * (len(shape) - 1), mesh))
             return PartitionSpec()
         if names is None:
             return self._heuristic(shape, mesh)

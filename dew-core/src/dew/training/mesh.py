@@ -26,7 +26,7 @@ __all__ = [
     "BatchMismatchError",
     "MeshSizeError",
     "MeshSpec",
-    "UnsupportedAxisError",
+    "ReplicaError",
     "batch_shardings",
     "build_mesh",
     "data_partition",
@@ -46,10 +46,6 @@ def _doc(text: str) -> dict[str, str]:
 
 class MeshSizeError(ValueError):
     """The mesh's axis sizes do not divide the devices there are."""
-
-
-class UnsupportedAxisError(NotImplementedError):
-    """A mesh axis dew cannot use yet was given a size above 1."""
 
 
 class BatchMismatchError(ValueError):
@@ -75,8 +71,12 @@ class MeshSpec:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MeshSpec.{name} must be a positive integer, got {value!r}.")
         if self.microbatches is not None and self.microbatches % self.stage:
-            raise ValueError(
-                f"MeshSpec.microbatches ({self.microbatches}) must be a multiple of stage ({self.stage})."
+            from dew.nn.pipeline import MicrobatchError
+
+            raise MicrobatchError(
+                f"MeshSpec.microbatches ({self.microbatches}) must be a multiple of stage "
+                f"({self.stage}): every stage takes a share of each round; set it to "
+                f"{self.stage * max(1, round(self.microbatches / self.stage))} or leave it None."
             )
 
     @property
@@ -91,17 +91,6 @@ def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None
     Devices are laid out row-major over MESH_AXES, so the last axes hold
     neighbouring devices.
     """
-    for name in ("stage",):
-        if getattr(spec, name) > 1:
-            raise UnsupportedAxisError(
-                f"MeshSpec.{name}={getattr(spec, name)}: the {name} axis is not supported yet; "
-                f"set {name}=1 and use fsdp, tensor, expert or data parallelism."
-            )
-    if spec.replicas > 1:
-        raise UnsupportedAxisError(
-            f"MeshSpec.replicas={spec.replicas}: hybrid (multi-slice) data parallelism is not "
-            "supported yet; set replicas=1."
-        )
     devices = list(jax.devices() if devices is None else devices)
     inner = spec.model_devices
     if len(devices) % inner:
@@ -118,8 +107,57 @@ def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None
         "sequence": spec.sequence,
         "stage": spec.stage,
     }
-    grid = np.asarray(devices, dtype=object).reshape([shape[a] for a in MESH_AXES])
+    if spec.replicas > 1:
+        grid = _hybrid_grid(spec, shape, devices)
+    else:
+        grid = np.asarray(devices, dtype=object).reshape([shape[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+# -- replicas: hybrid sharded data parallelism over granules -----------------------------
+
+
+class ReplicaError(ValueError):
+    """spec.replicas cannot split the devices' granules (slices or processes) into equal groups."""
+
+
+def granules(devices: Sequence[Any]) -> tuple[str, int]:
+    """How devices fall into granules: by slice_index, or by process when every device shares
+    one slice (or the platform has no slices); and how many there are."""
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if len(slices) > 1:
+        return "slice_index", len(slices)
+    return "process_index", len({d.process_index for d in devices})
+
+
+def _hybrid_grid(spec: MeshSpec, shape: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
+    """The devices laid out the way MaxText lays out a multislice mesh.
+
+    The data axis takes replicas groups of granules as its outer factor; a
+    group of several granules also spans fsdp across them; every other axis
+    lies inside one granule.
+    """
+    from jax.experimental import mesh_utils
+
+    attribute, count = granules(devices)
+    if count % spec.replicas:
+        raise ReplicaError(
+            f"MeshSpec.replicas={spec.replicas} cannot group the {count} granules (devices "
+            f"grouped by {attribute}) evenly; choose replicas that divide {count}, or 1."
+        )
+    per_group = count // spec.replicas
+    if shape["data"] % spec.replicas or spec.fsdp % per_group:
+        raise ReplicaError(
+            f"MeshSpec.replicas={spec.replicas} needs the data axis ({shape['data']} devices) to "
+            f"be a multiple of replicas and fsdp={spec.fsdp} a multiple of the {per_group} "
+            f"granules each group spans; choose replicas and fsdp so that both divide."
+        )
+    outer = {a: 1 for a in MESH_AXES} | {"data": spec.replicas, "fsdp": per_group}
+    inner = {a: shape[a] // outer[a] for a in MESH_AXES}
+    return mesh_utils.create_hybrid_device_mesh(
+        [inner[a] for a in MESH_AXES], [outer[a] for a in MESH_AXES], devices,
+        process_is_granule=attribute == "process_index", allow_split_physical_axes=True,
+    )
 
 
 def _row_shards(mesh: Mesh) -> int:

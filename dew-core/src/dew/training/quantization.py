@@ -15,9 +15,9 @@ from typing import Any
 
 __all__ = ["Quantization", "QuantizationError", "apply_quantization"]
 
-# The layer stack of dew's backbones (layers_0, layers_1, ...): the embedding
-# and the output head keep full precision.
-TRUNK = r".*layers_\d+.*"
+# The layer stack of dew's backbones (layers_0, layers_1, ..., or one scanned
+# stack, layers): the embedding and the output head keep full precision.
+TRUNK = r".*layers(_\d+)?(/.*)?"
 
 
 class QuantizationError(ValueError):

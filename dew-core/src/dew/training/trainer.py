@@ -25,6 +25,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data.base import Dataset
+from dew.nn.pipeline import pipeline
 from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
 from dew.telemetry.hardware import peak_flops
 from dew.training.ema import ema_leaves
@@ -37,6 +38,7 @@ from dew.training.offload import fetching, in_host_memory
 from dew.training.progress import NonFiniteLossError, Progress
 from dew.training.protocols import Rollout
 from dew.training.runtime.preemption import Preempted, PreemptionWatch
+from dew.training.stages import bank_sites, check_stages, schedule_of, with_bubble
 from dew.training.state import Scaler, TrainState, Window, stream
 from dew.training.step import StepFn, build_train_step, follow_ema
 from dew.training.trees import paths, select, trains
@@ -154,6 +156,12 @@ class Trainer(Generic[Loss, Effects]):
     def device_mesh(self) -> Mesh:
         """The mesh MeshSpec describes over this process pool's devices, built on first use."""
         return build_mesh(self.mesh)
+
+    @property
+    def bank_sites(self) -> tuple[str, ...]:
+        """The objective's scanned layer stacks ('params/model/layers', ...): the banks a host
+        layout streams, and what the mesh's stage axis splits into pipeline stages."""
+        return bank_sites(self._boxed_variables)
 
     @property
     def _trains(self) -> Callable[[tuple[str, ...], Any], bool]:
@@ -282,6 +290,7 @@ class Trainer(Generic[Loss, Effects]):
         arguments.
         """
         self._check_frozen_optimizer()
+        check_stages(self._boxed_variables, self.mesh)
         abstract = self._abstract_state
         shardings = self.shardings(abstract)
         self.layout.check(abstract.params, shardings.params, self.device_mesh)
@@ -349,6 +358,9 @@ class Trainer(Generic[Loss, Effects]):
 
     # -- compilation ----------------------------------------------------------------
     def _step_function(self) -> StepFn:
+        return with_bubble(self._transaction(), schedule_of(self.mesh))
+
+    def _transaction(self) -> StepFn:
         ema = self.objective.ema
         if self.step_factory is None:
             return build_train_step(self.objective, self.optimizer, accumulation=self.accumulation, ema=ema)
@@ -379,7 +391,8 @@ class Trainer(Generic[Loss, Effects]):
             donate_argnums=(0,),
         )
         shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
-        with jax.set_mesh(mesh), nn.logical_axis_rules(self.layout.axis_rules):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(self.layout.axis_rules), \
+                pipeline(schedule_of(self.mesh)):
             executable = jitted.lower(state, shapes).compile()
         return CompiledStep(executable, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
 

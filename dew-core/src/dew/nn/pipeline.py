@@ -1,0 +1,286 @@
+"""A scanned decoder stack, and the GPipe schedule that runs it over pipeline stages.
+
+A scanned stack stores every layer's parameters stacked on a leading
+``layers`` axis (one array per weight instead of one per layer), which the
+Layout's ``layers`` rule splits over the ``stage`` mesh axis. The stored tree
+is the same whatever the mesh: only how a step runs it changes.
+
+Outside a pipeline schedule (or at init) the stack is one ``scan`` over the
+layers. Inside ``pipeline(Schedule(stages, microbatches))``, which the trainer
+opens while it compiles its step, the layers are viewed as ``[stages,
+layers_per_stage]`` and the batch as ``microbatches`` slices; every iteration
+each stage runs its layers on the slice it holds, then hands its output to
+the next stage (a shift along the stage-sharded dimension, a collective
+permute under GSPMD). A stage is idle (runs on zeros) for ``stages - 1`` of
+the ``microbatches + stages - 1`` iterations: that share is the bubble.
+
+>>> import jax, jax.numpy as jnp
+>>> from dew.nn.backbones import CausalTransformer
+>>> model = CausalTransformer(vocab_size=16, emb_features=8, num_layers=4, num_heads=2,
+...                           mlp_features=16, max_seq_len=8, scan_layers=True)
+>>> tokens = jnp.ones((4, 8), jnp.int32)
+>>> variables = model.init(jax.random.key(0), tokens)
+>>> variables["params"]["layers"]["mlp"]["wi"].value.shape  # layers stacked in front
+(4, 8, 16)
+>>> with pipeline(Schedule(stages=2, microbatches=4)):
+...     piped = model.apply(variables, tokens)
+>>> bool(jnp.allclose(piped, model.apply(variables, tokens), atol=1e-5))
+True
+>>> Schedule(stages=2, microbatches=4).bubble  # (2 - 1) / (4 + 2 - 1)
+0.2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.nn import sharding as axes
+from dew.nn.sharding import constrain
+
+__all__ = [
+    "MicrobatchError",
+    "Schedule",
+    "StageDivisionError",
+    "current_schedule",
+    "pipeline",
+    "run_stack",
+    "stack_layers",
+    "unstack_layers",
+]
+
+
+class StageDivisionError(ValueError):
+    """The pipeline stages do not divide a scanned stack's layers."""
+
+
+class MicrobatchError(ValueError):
+    """The microbatches do not divide a batch, or are not a multiple of the stages."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a scanned stack is pipelined: stages (the mesh's stage axis) and microbatches.
+
+    microbatches None means one per stage, the smallest schedule.
+    """
+
+    stages: int = 1
+    microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ValueError(f"Schedule.stages must be at least 1, got {self.stages}.")
+        if self.microbatches is not None and (self.microbatches < 1
+                                              or self.microbatches % self.stages):
+            raise MicrobatchError(
+                f"microbatches={self.microbatches} is not a positive multiple of stage="
+                f"{self.stages}; set MeshSpec.microbatches to {self.stages}, "
+                f"{2 * self.stages}, {4 * self.stages}, ... or leave it None (one per stage)."
+            )
+
+    @property
+    def count(self) -> int:
+        """The number of microbatches a step is cut into."""
+        return self.microbatches or self.stages
+
+    @property
+    def iterations(self) -> int:
+        """Iterations of the GPipe loop: every microbatch passes every stage once."""
+        return self.count + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The share of stage-iterations spent idle: (stages - 1) / (microbatches + stages - 1)."""
+        return (self.stages - 1) / self.iterations
+
+
+_CURRENT: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("dew_pipeline",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def pipeline(schedule: Schedule) -> Iterator[Schedule]:
+    """Run scanned stacks traced inside this block under schedule."""
+    token = _CURRENT.set(schedule)
+    try:
+        yield schedule
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_schedule() -> Schedule:
+    """The schedule a scanned stack traced now runs under (one stage outside ``pipeline``)."""
+    return _CURRENT.get() or Schedule()
+
+
+def _body(layer_class: type[nn.Module], decode: bool) -> type[nn.Module]:
+    """layer_class as a scan body: (x, positions, segment_ids) -> (x, None)."""
+
+    class Scanned(layer_class):  # type: ignore[misc, valid-type]
+        @nn.compact
+        def __call__(self, x: jax.Array, positions: jax.Array,
+                     segment_ids: jax.Array | None) -> tuple[jax.Array, None]:
+            if decode:
+                return layer_class.__call__(self, x, positions, decode=True), None
+            return layer_class.__call__(self, x, positions, segment_ids=segment_ids), None
+
+    Scanned.__name__ = f"Scanned{layer_class.__name__}"
+    return Scanned
+
+
+def run_stack(
+    parent: nn.Module,
+    layer_class: type[nn.Module],
+    num_layers: int,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    name: str = "layers",
+    decode: bool = False,
+    wrap: Callable[[type[nn.Module]], type[nn.Module]] = lambda c: c,
+    **layer_kwargs: Any,
+) -> jax.Array:
+    """Apply num_layers layers of layer_class to x as one stack stored under name.
+
+    Call from parent's compact method. wrap (rematerialization, say) is applied
+    to the scan body. Under a pipeline schedule with more than one stage the
+    stack runs as a GPipe pipeline; at init, with one stage, and when decoding
+    (each layer's key/value cache stacked like its parameters), as a plain scan.
+    """
+    schedule = current_schedule()
+    body = _body(layer_class, decode)
+    body = body if decode else wrap(body)
+    scan = {"variable_axes": {"params": 0, "cache": 0}, "split_rngs": {"params": True},
+            "in_axes": (nn.broadcast, nn.broadcast),
+            "metadata_params": {nn.PARTITION_NAME: axes.LAYERS}}
+    if schedule.stages == 1 or decode or parent.is_initializing():
+        stack = nn.scan(body, length=num_layers, **scan)(name=name, **layer_kwargs)
+        return stack(x, positions, segment_ids)[0]
+
+    stages, count = schedule.stages, schedule.count
+    if num_layers % stages:
+        raise StageDivisionError(
+            f"A stack of {num_layers} layers cannot be split into stage={stages} pipeline "
+            f"stages; choose a stage count that divides {num_layers} (or a layer count that "
+            f"{stages} divides)."
+        )
+    batch = x.shape[0]
+    if batch % count:
+        raise MicrobatchError(
+            f"A batch of {batch} rows cannot be cut into microbatches={count}; choose a batch "
+            f"size that {count} divides, or set MeshSpec.microbatches to a divisor of {batch} "
+            f"that is a multiple of stage={stages}."
+        )
+    per_stage = num_layers // stages
+
+    def to_stages(tree: Any) -> Any:  # boxes dropped: the stages read plain arrays
+        return jax.tree.map(lambda a: a.reshape(stages, per_stage, *a.shape[1:]),
+                            nn.meta.unbox(tree))
+
+    def from_stages(tree: Any) -> Any:
+        return jax.tree.map(lambda a: a.reshape(num_layers, *a.shape[2:]), tree)
+
+    stage_scan = nn.scan(body, length=per_stage,
+                         **{**scan, "variable_axes": {"params": 0}, "metadata_params": {}})
+    stage_map = nn.vmap(stage_scan, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(0, 0, 0), out_axes=0, spmd_axis_name="stage")
+    stack = nn.map_variables(stage_map, "params", trans_in_fn=to_stages,
+                             trans_out_fn=from_stages)(name=name, **layer_kwargs)
+    return _gpipe(stack, stages, count, x, positions, segment_ids)
+
+
+def _microbatches(a: jax.Array, count: int) -> jax.Array:
+    """[B, ...] as [count, B // count, ...], microbatch m holding rows m, m + count, ...
+
+    Rows interleave so that every microbatch keeps the batch sharding's row
+    blocks, and cutting the batch moves no data between devices.
+    """
+    return a.reshape(a.shape[0] // count, count, *a.shape[1:]).swapaxes(0, 1)
+
+
+def _whole(a: jax.Array) -> jax.Array:
+    """The inverse of _microbatches."""
+    return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def _gpipe(stack: nn.Module, stages: int, count: int, x: jax.Array, positions: jax.Array,
+           segment_ids: jax.Array | None) -> jax.Array:
+    """Run every microbatch through every stage: iteration t feeds microbatch t to stage 0,
+    and stage s works on microbatch t - s (on zeros where there is none).
+
+    The iterations are one scan (the stack's parameters broadcast to each), so the step
+    compiles one iteration whatever the number of microbatches.
+    """
+    state_axes = (axes.LAYERS, axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
+    iterations = count + stages - 1
+
+    def fed(a: jax.Array) -> jax.Array:
+        """The microbatch stage 0 takes at each iteration (past the last it idles on a copy)."""
+        cut = _microbatches(a, count)
+        return cut[jnp.minimum(jnp.arange(iterations), count - 1)]
+
+    feeds = (fed(x), fed(positions), None if segment_ids is None else fed(segment_ids))
+    rows = feeds[0].shape[1]
+    carry = (
+        jnp.zeros((stages, rows, *x.shape[1:]), x.dtype),
+        jnp.zeros((stages, rows, positions.shape[1]), positions.dtype),
+        None if segment_ids is None else jnp.zeros((stages, rows, segment_ids.shape[1]),
+                                                   segment_ids.dtype),
+    )
+
+    def shifted(carried: jax.Array | None, fresh: jax.Array | None) -> jax.Array | None:
+        if carried is None or fresh is None:
+            return None
+        return jnp.roll(carried, 1, axis=0).at[0].set(fresh)
+
+    def iteration(module: nn.Module, carry: tuple, feed: tuple) -> tuple[tuple, jax.Array]:
+        state, where, segments = (shifted(c, f) for c, f in zip(carry, feed, strict=True))
+        state = constrain(state, state_axes)
+        state = constrain(module(state, where, segments)[0], state_axes)
+        return (state, where, segments), state[stages - 1]
+
+    loop = nn.scan(iteration, variable_broadcast="params", split_rngs={"params": False},
+                   length=iterations)
+    _, finished = loop(stack, carry, feeds)
+    return _whole(finished[stages - 1:])
+
+
+def unstack_layers(params: Mapping[str, Any], num_layers: int, name: str = "layers") -> dict[str, Any]:
+    """params with the stack under name split into num_layers entries name_0, name_1, ...
+
+    The tree an unscanned model of the same configuration holds, which is
+    what formats that number their layers (Hugging Face's) are written from.
+
+    >>> import numpy as np
+    >>> flat = unstack_layers({"layers": {"w": np.arange(6).reshape(3, 2)}, "head": 1}, 3)
+    >>> sorted(flat), flat["layers_2"]["w"].tolist()
+    (['head', 'layers_0', 'layers_1', 'layers_2'], [4, 5])
+    """
+    out = {key: value for key, value in params.items() if key != name}
+    stack = params[name]
+    for i in range(num_layers):
+        out[f"{name}_{i}"] = jax.tree.map(lambda a, i=i: a[i], stack)
+    return out
+
+
+def stack_layers(params: Mapping[str, Any], num_layers: int, name: str = "layers") -> dict[str, Any]:
+    """The inverse of unstack_layers: name_0 ... name_{n-1} stacked into one entry name.
+
+    >>> import numpy as np
+    >>> flat = {"layers_0": {"w": np.zeros(2)}, "layers_1": {"w": np.ones(2)}}
+    >>> stack_layers(flat, 2)["layers"]["w"].tolist()
+    [[0.0, 0.0], [1.0, 1.0]]
+    """
+    names = [f"{name}_{i}" for i in range(num_layers)]
+    out = {key: value for key, value in params.items() if key not in names}
+    out[name] = jax.tree.map(lambda *layers: jnp.stack(layers), *(params[n] for n in names))
+    return out
