@@ -123,3 +123,34 @@ def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
     random, trained = probe(random_variables), probe(jax.device_get(state.averaged))
     print(f"linear probe accuracy on digits: random encoder {random:.3f}, JEPA target encoder {trained:.3f}")
     assert trained > random + 0.1
+
+
+def test_the_target_encoder_is_a_feature_extractor_that_saves_and_loads(tmp_path):
+    from dew.objectives.diffusion_pipeline import load_pipeline
+    from dew.objectives.jepa import FeatureExtraction
+
+    images, _ = digits()
+    objective = JepaObjective(encoder(emb_features=16, num_layers=1, mlp_features=32), blocks=2,
+                              predictor_features=16, predictor_layers=1, momentum=(0.5, 1.0), momentum_steps=4)
+    state = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0)).fit(digit_dataset(images, rows=16), steps=3,
+                                                                             log_every=3)
+    pipeline = objective.pipeline(state)
+    assert isinstance(pipeline, FeatureExtraction) and set(pipeline.variables["params"]) == {"encoder"}
+    features = pipeline(images[:40], batch=16)  # three batches, the last one short
+
+    # Independently: the target encoder's (EMA) embeddings, averaged over the patches.
+    target = jax.device_get(state.ema)["params"]["encoder"]
+    by_hand = np.asarray(objective.model.apply({"params": target}, images[:40])).mean(axis=1)
+    assert features.shape == (40, 16)
+    np.testing.assert_allclose(features, by_hand, rtol=1e-5, atol=1e-6)
+    as_bytes = np.round(images[:40] * 255).astype(np.uint8)  # uint8 pixels are read as 0-255
+    np.testing.assert_allclose(pipeline(as_bytes), np.asarray(objective.model.apply(
+        {"params": target}, as_bytes.astype(np.float32) / 255)).mean(axis=1), rtol=1e-5, atol=1e-6)
+    live = objective.pipeline(state, ema=False)(images[:40])
+    assert not np.allclose(live, features)  # the context encoder is another network
+
+    pipeline.save(tmp_path / "encoder")
+    loaded = load_pipeline(tmp_path / "encoder")
+    assert isinstance(loaded, FeatureExtraction)
+    assert loaded.objective.model.grid == objective.model.grid and loaded.objective.blocks == 2
+    np.testing.assert_array_equal(loaded(images[:40], batch=16), features)
