@@ -210,7 +210,7 @@ def test_a_pretrained_teacher_that_cannot_serve_is_refused_naming_why(tmp_path):
     from dew.pretrained import ConfigurationMismatchError
 
     directory = str(llama_teacher_directory(tmp_path / "teacher", "dew"))
-    with pytest.raises(VocabularyMismatchError, match=r"student's vocabulary has 12 tokens but the teacher's has 16"):
+    with pytest.raises(TeacherVocabularyError, match=r"student's vocabulary has 12 tokens but the teacher's has 16"):
         DistillationObjective(student_model(vocab=12), None, SEQ, teacher_pretrained=directory)
     with pytest.raises(ConfigurationMismatchError, match=r"emb_features=32 .* has 16\. Set objective\.teacher\."
                                                          r"emb_features=32"):
@@ -239,6 +239,7 @@ def test_a_recipe_reads_its_teacher_from_an_exported_directory(tmp_path):
         f"objective.teacher_pretrained={tmp_path}/teacher", "data.files={stdlib}/abc.py"])
     objective = build_parts(recipe, with_data=False).objective
     assert objective.teacher == teacher
+    assert objective.tokenizer is not None  # the reader's, so that pipeline() can write text
     read = objective_parts(objective)["initializer"]
     abstract = nn.meta.unbox(jax.eval_shape(objective.init, jax.random.key(0)))
     weights = read(abstract)["params"]["teacher"]

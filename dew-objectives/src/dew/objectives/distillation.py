@@ -104,7 +104,7 @@ class DistillationObjective(Objective):
     supplies it) lets ``pipeline`` turn the student into text generation.
     """
 
-    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     teacher: nn.Module | Mapping[str, Any] | None
