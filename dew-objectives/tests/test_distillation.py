@@ -17,7 +17,14 @@ from dew.objectives.lm import LMObjective
 from dew.registry import objectives
 from dew.training.initializers import ParamsFrom
 
-from .tuning_helpers import SEQ, markov_dataset, markov_rows, student_model, teacher_model
+from .tuning_helpers import (
+    SEQ,
+    counting_dataset,
+    markov_dataset,
+    markov_rows,
+    student_model,
+    teacher_model,
+)
 
 STEP = Step(step=jnp.int32(0), microstep=jnp.int32(0), updates=jnp.int32(0), key=jax.random.key(0))
 
@@ -138,3 +145,132 @@ def test_a_student_distilled_from_a_checkpointed_teacher_gets_closer_to_it_than_
     print(f"KL(teacher || student): start {before:.4f}, labels {after_labels:.4f}, distilled {after_distill:.4f}")
     assert after_distill < after_labels < before
     assert after_distill < 0.9 * after_labels
+
+
+# -- a teacher from a Pretrained directory, and the student as a text-generation pipeline ---------------
+
+
+def llama_teacher_directory(path, writer="transformers"):
+    """A random Llama teacher of the markov vocabulary, written by transformers (or by dew's Pretrained)."""
+    if writer == "transformers":
+        torch = pytest.importorskip("torch")
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                          tie_word_embeddings=False)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+        return path
+    from dew.pretrained import Pretrained
+
+    model = llama_student(emb=32, layers=2)
+    Pretrained(model, model.init(jax.random.key(5), jnp.zeros((1, SEQ), jnp.int32))).save(path)
+    return path
+
+
+def llama_student(vocab=16, emb=8, layers=1):
+    from dew.nn.backbones import CausalTransformer
+
+    return CausalTransformer(vocab_size=vocab, emb_features=emb, num_layers=layers, num_heads=2, mlp_features=2 * emb,
+                             max_seq_len=SEQ, position_embedding="rotary", mlp_activation="swiglu")
+
+
+@pytest.mark.parametrize("writer", ["transformers", "dew"])
+def test_a_teacher_from_a_pretrained_directory_is_read_whole_and_held_frozen(tmp_path, writer):
+    from dew.pretrained import Pretrained
+
+    directory = llama_teacher_directory(tmp_path / "teacher", writer)
+    objective = DistillationObjective(student_model(), None, SEQ, teacher_pretrained=str(directory))
+    loaded = Pretrained.load(directory)
+    assert objective.teacher == loaded.model  # the architecture comes from config.json
+    trainer = Trainer(objective, optax.adam(3e-3), key=jax.random.key(1), initializer=objective.initializer())
+    start = jax.device_get(trainer.place()[0].params)["params"]
+    jax.tree.map(np.testing.assert_array_equal, start["teacher"], jax.device_get(loaded.variables["params"]))
+
+    rows = markov_rows(7, rows=2)
+    if writer == "transformers":  # dew's teacher computes transformers' own logits from those weights
+        import torch
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        with torch.no_grad():
+            theirs = hf(torch.tensor(rows[:, :-1], dtype=torch.long)).logits.numpy()
+        ours = np.asarray(objective.teacher.apply({"params": start["teacher"]}, rows[:, :-1]))
+        assert np.abs(ours - theirs).max() <= 1e-4
+
+    state = trainer.fit(markov_dataset(), steps=3, log_every=3)
+    after = jax.device_get(state.params)["params"]
+    jax.tree.map(np.testing.assert_array_equal, after["teacher"], start["teacher"])  # frozen
+    assert not [p for p in jax.tree_util.tree_flatten_with_path(state.opt_state)[0] if "teacher" in str(p[0])]
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["student"]),
+                                                        jax.tree.leaves(start["student"]), strict=True))
+
+
+def test_a_pretrained_teacher_that_cannot_serve_is_refused_naming_why(tmp_path):
+    from dew.pretrained import ConfigurationMismatchError
+
+    directory = str(llama_teacher_directory(tmp_path / "teacher", "dew"))
+    with pytest.raises(TeacherVocabularyError, match=r"student's vocabulary has 12 tokens but the teacher's has 16"):
+        DistillationObjective(student_model(vocab=12), None, SEQ, teacher_pretrained=directory)
+    with pytest.raises(ConfigurationMismatchError, match=r"emb_features=32 .* has 16\. Set objective\.teacher\."
+                                                         r"emb_features=32"):
+        DistillationObjective(student_model(), llama_student(emb=16, layers=2), SEQ, teacher_pretrained=directory)
+    with pytest.raises(ValueError, match="teacher_checkpoint or from teacher_pretrained; set one"):
+        DistillationObjective(student_model(), None, SEQ, teacher_pretrained=directory, teacher_checkpoint="runs/x")
+    with pytest.raises(FileNotFoundError, match=r"holds no config\.json"):
+        DistillationObjective(student_model(), None, SEQ, teacher_pretrained=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="needs a teacher"):
+        DistillationObjective(student_model(), None, SEQ)
+    # The same architecture given explicitly is accepted, and reads the same weights.
+    given = DistillationObjective(student_model(), llama_student(emb=32, layers=2), SEQ, teacher_pretrained=directory)
+    assert given.teacher == llama_student(emb=32, layers=2)
+
+
+def test_a_recipe_reads_its_teacher_from_an_exported_directory(tmp_path):
+    from dew.pretrained import Pretrained
+    from dew.recipes.config import RunConfig
+    from dew.recipes.run import build_parts, objective_parts
+
+    teacher = llama_student(vocab=257, emb=32, layers=1)
+    teacher = teacher.clone(max_seq_len=64)
+    Pretrained(teacher, teacher.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))).save(tmp_path / "teacher")
+    recipe = RunConfig.load("tiny-distill", overrides=[
+        "objective.teacher=null", "objective.teacher_checkpoint=null",
+        f"objective.teacher_pretrained={tmp_path}/teacher", "data.files={stdlib}/abc.py"])
+    objective = build_parts(recipe, with_data=False).objective
+    assert objective.teacher == teacher
+    assert objective.tokenizer is not None  # the reader's, so that pipeline() can write text
+    read = objective_parts(objective)["initializer"]
+    abstract = nn.meta.unbox(jax.eval_shape(objective.init, jax.random.key(0)))
+    weights = read(abstract)["params"]["teacher"]
+    jax.tree.map(np.testing.assert_array_equal, weights,
+                 jax.device_get(Pretrained.load(tmp_path / "teacher").variables["params"]))
+
+
+def test_the_distilled_student_is_a_text_generation_pipeline_that_saves_for_transformers(tmp_path):
+    from dew.data import ByteTokenizer
+    from dew.sampling import Sampling, TextGeneration, generate
+
+    tokenizer = ByteTokenizer()
+    student = llama_student(vocab=257, emb=16).clone(max_seq_len=32)
+    teacher = llama_student(vocab=257, emb=32, layers=2).clone(max_seq_len=32)
+    objective = DistillationObjective(student, teacher, 16, tokenizer=tokenizer)
+    text = np.asarray([tokenizer.encode("distil me, again and again")[:17]] * 4, np.int32)
+    data = counting_dataset(lambda i: {"text": text}, 4)
+    state = Trainer(objective, optax.adam(3e-3), key=jax.random.key(0)).fit(data, steps=2, log_every=2)
+
+    pipeline = objective.pipeline(state)
+    student_params = jax.device_get(state.params)["params"]["student"]
+    assert set(pipeline.variables) == {"params"}
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(pipeline.variables["params"]), student_params)
+    expected = generate(student, {"params": student_params}, [tokenizer.encode("dis")], 6, jax.random.key(0),
+                        Sampling(temperature=0.0), eos_id=tokenizer.eos_id)
+    assert pipeline("dis", max_new_tokens=6) == tokenizer.decode(expected.new_tokens[0])
+
+    pipeline.save(tmp_path / "student")
+    loaded = TextGeneration.load(tmp_path / "student")
+    assert loaded.model == student
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded.variables["params"]), student_params)
+    assert loaded("dis", max_new_tokens=6) == pipeline("dis", max_new_tokens=6)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        DistillationObjective(student, teacher, 16).pipeline(state)

@@ -103,23 +103,63 @@ def test_the_target_encoder_is_the_ema_of_the_context_encoder_at_every_step(tmp_
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
-    "Not yet shown: after 300-2000 steps on the 8x8 digits, a logistic-regression probe on the mean-pooled "
-    "features of the trained encoder scores about the same as (or below) the random encoder's (0.45-0.81 "
-    "against 0.49-0.76 over the settings tried), so the proof the issue asks for is still open."))
+    "Not yet shown. Probing standardized mean-pooled features (logistic regression, 1200 train / 597 test "
+    "digits, JEPA trained on the 1200 train images only), the trained target encoder scores 0.71-0.81 against "
+    "the same-seed random encoder's 0.71-0.76, over: 600-3000 steps, lr 1e-3 and 3e-3, 1-3 blocks of 2x2 or "
+    "3x3 patches, momentum from 0.95 or 0.99, learned or sine-cosine positions, standardized pixels, "
+    "batch-standardized targets; another random init alone scores 0.80. The gain stops at about +0.05 after "
+    "1500 steps (0.812 at 1500 and at 3000), short of a margin that holds across seeds."))
 def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
     from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
 
     images, labels = digits()
-    objective = JepaObjective(encoder(), blocks=3, momentum=(0.99, 1.0), momentum_steps=300)
-    trainer = Trainer(objective, optax.adamw(2e-3, weight_decay=0.05), key=jax.random.key(0))
-    random_variables = jax.device_get(trainer.place()[0].params)
-    state = trainer.fit(digit_dataset(images), steps=300, log_every=100)
+    train = images[:1200]  # JEPA sees the probe's training images only, never the held-out ones
+    steps = 1500
+    objective = JepaObjective(encoder(), blocks=3, momentum=(0.99, 1.0), momentum_steps=steps)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 50, steps)
+    trainer = Trainer(objective, optax.adamw(schedule, weight_decay=0.05), key=jax.random.key(0))
+    random_state = trainer.place()[0]
+    random = objective.pipeline(jax.device_get(random_state.params))
+    state = trainer.fit(digit_dataset(train), steps=steps, log_every=steps // 3)
 
-    def probe(variables):
-        features = np.asarray(jax.jit(objective.features)(variables, images))
-        fit = LogisticRegression(max_iter=2000).fit(features[:1200], labels[:1200])
-        return fit.score(features[1200:], labels[1200:])
+    def probe(pipeline):  # the same pipeline, scaling and classifier for both encoders
+        features = pipeline(images)
+        scale = StandardScaler().fit(features[:1200])
+        fit = LogisticRegression(max_iter=3000).fit(scale.transform(features[:1200]), labels[:1200])
+        return fit.score(scale.transform(features[1200:]), labels[1200:])
 
-    random, trained = probe(random_variables), probe(jax.device_get(state.averaged))
-    print(f"linear probe accuracy on digits: random encoder {random:.3f}, JEPA target encoder {trained:.3f}")
-    assert trained > random + 0.1
+    before, after = probe(random), probe(objective.pipeline(state))
+    print(f"linear probe accuracy on digits: random encoder {before:.3f}, JEPA target encoder {after:.3f}")
+    assert after > before + 0.1
+
+
+def test_the_target_encoder_is_a_feature_extractor_that_saves_and_loads(tmp_path):
+    from dew.objectives.diffusion_pipeline import load_pipeline
+    from dew.objectives.jepa import FeatureExtraction
+
+    images, _ = digits()
+    objective = JepaObjective(encoder(emb_features=16, num_layers=1, mlp_features=32), blocks=2,
+                              predictor_features=16, predictor_layers=1, momentum=(0.5, 1.0), momentum_steps=4)
+    state = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0)).fit(digit_dataset(images, rows=16), steps=3,
+                                                                             log_every=3)
+    pipeline = objective.pipeline(state)
+    assert isinstance(pipeline, FeatureExtraction) and set(pipeline.variables["params"]) == {"encoder"}
+    features = pipeline(images[:40], batch=16)  # three batches, the last one short
+
+    # Independently: the target encoder's (EMA) embeddings, averaged over the patches.
+    target = jax.device_get(state.ema)["params"]["encoder"]
+    by_hand = np.asarray(objective.model.apply({"params": target}, images[:40])).mean(axis=1)
+    assert features.shape == (40, 16)
+    np.testing.assert_allclose(features, by_hand, rtol=1e-5, atol=1e-6)
+    as_bytes = np.round(images[:40] * 255).astype(np.uint8)  # uint8 pixels are read as 0-255
+    np.testing.assert_allclose(pipeline(as_bytes), np.asarray(objective.model.apply(
+        {"params": target}, as_bytes.astype(np.float32) / 255)).mean(axis=1), rtol=1e-5, atol=1e-6)
+    live = objective.pipeline(state, ema=False)(images[:40])
+    assert not np.allclose(live, features)  # the context encoder is another network
+
+    pipeline.save(tmp_path / "encoder")
+    loaded = load_pipeline(tmp_path / "encoder")
+    assert isinstance(loaded, FeatureExtraction)
+    assert loaded.objective.model.grid == objective.model.grid and loaded.objective.blocks == 2
+    np.testing.assert_array_equal(loaded(images[:40], batch=16), features)

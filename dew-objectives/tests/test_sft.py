@@ -133,3 +133,23 @@ def test_a_record_with_nothing_to_score_warns_naming_it_and_is_skipped(tmp_path)
     assert got["text"].shape == (1, 6) and got["loss_mask"].sum() == 2
     with pytest.raises(MissingKeyError, match=r"d2\.jsonl:1 has no text under 'completion'"):
         PromptCompletion(files=write(tmp_path / "d2.jsonl", [{"prompt": "p", "answer": "x"}]), length=5).rows()
+
+
+def test_the_fine_tuned_model_is_a_pipeline_that_answers_the_prompts_it_learned(tmp_path):
+    from dew import Trainer
+    from dew.data import ByteTokenizer
+    from dew.sampling import TextGeneration
+
+    files = write(tmp_path / "qa.jsonl", [{"prompt": "2+2=", "completion": "4"}, {"prompt": "3+5=", "completion": "8"},
+                                          {"prompt": "9+0=", "completion": "9"}])
+    reader = PromptCompletion(files=files, length=15)
+    model = CausalTransformer(vocab_size=257, emb_features=32, num_layers=1, num_heads=2, mlp_features=64,
+                              max_seq_len=16, position_embedding="rotary", mlp_activation="swiglu")
+    objective = LMObjective(model, 15, tokenizer=ByteTokenizer())
+    state = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0)).fit(reader.load(batch=2), steps=80,
+                                                                           log_every=80)
+    pipeline = objective.pipeline(state)
+    assert pipeline(["2+2=", "3+5=", "9+0="], max_new_tokens=4) == ["4", "8", "9"]  # each stops at its end id
+    pipeline.save(tmp_path / "tuned")
+    loaded = TextGeneration.load(tmp_path / "tuned")
+    assert loaded(["2+2=", "3+5="], max_new_tokens=4) == ["4", "8"]

@@ -68,7 +68,7 @@ def _fields(component: Any) -> dict[str, Any]:
     for field in dataclasses.fields(component):
         if field.name in _SKIPPED or field.name.startswith("_"):
             continue
-        value = getattr(component, field.name)
+        value = _dtype_name(getattr(component, field.name))
         try:
             json.dumps(value)
         except TypeError as error:
@@ -77,6 +77,14 @@ def _fields(component: Any) -> dict[str, Any]:
                 f"{CONFIG}; give it by name (a schedule as 'vp_cosine', say) to save.") from error
         out[field.name] = value
     return out
+
+
+def _dtype_name(value: Any) -> Any:
+    """A dtype field (jnp.float32, say) by its name ("float32"), which builds the same module; else value."""
+    scalar_type = isinstance(value, type) and (issubclass(value, np.generic) or hasattr(value, "dtype"))
+    if scalar_type or isinstance(value, np.dtype):  # jnp.float32 is not a numpy type but has a dtype
+        return np.dtype(value).name
+    return value
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:

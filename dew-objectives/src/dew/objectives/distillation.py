@@ -14,9 +14,13 @@ and each term is a mean over predicted tokens (the T**2 keeps the gradient's
 scale independent of T, as Hinton et al. propose).
 
 The teacher's weights reach the run as the Trainer's ``initializer``:
-``Trainer(objective, ..., initializer=objective.teacher_from(ParamsFrom(run)))``
-reads another run's checkpoint (or pass a teacher variables tree directly);
-the student and projection start from the run's own init key.
+``Trainer(objective, ..., initializer=objective.initializer())`` when the
+objective names where they are (``teacher_checkpoint``, another run's
+checkpoint directory, or ``teacher_pretrained``, a directory ``dew export``,
+``Pretrained.save`` or transformers wrote); or
+``objective.teacher_from(ParamsFrom(run))`` or ``objective.teacher_from(variables)``
+for weights at hand. The student and projection start from the run's own init
+key.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from dew.objectives.base import (
     Variables,
     under,
 )
-from dew.objectives.lm import BatchShapeError, MissingBatchKeyError
+from dew.objectives.lm import BatchShapeError, MissingBatchKeyError, Tokenizer
+from dew.sampling import Sampling, TextGeneration
 
 __all__ = ["DistillationObjective", "TeacherVocabularyError", "distillation_terms"]
 
@@ -85,38 +90,56 @@ class DistillationObjective(Objective):
     """A student causal language model distilled from a frozen teacher over token windows.
 
     model is the student; teacher a model of the same vocabulary (usually
-    larger), or in a recipe the teacher's model config ({"name": ..., fields}),
-    with teacher_checkpoint the directory of the run that trained it. Both read windows of seq_len + 1 ids under "text" (inputs the
-    first seq_len, targets the last seq_len, as LMObjective's), and an
+    larger), or in a recipe the teacher's model config ({"name": ..., fields}).
+    Its weights come from teacher_checkpoint (the directory of the run that
+    trained it) or teacher_pretrained (a Hugging Face Llama directory, as
+    ``dew export`` writes; teacher may then be None, and is read from its
+    config.json). Both models read windows of seq_len + 1 ids under "text"
+    (inputs the first seq_len, targets the last seq_len, as LMObjective's), and an
     optional "loss_mask" [batch, seq_len] of 0/1 that leaves positions out.
     forward and reverse weigh the two KL directions, labels the hard-label
     cross-entropy, hidden the match of hidden states: the output of the
     submodule named hidden_layer in each model (the final norm by default),
-    the student's through a learned projection.
+    the student's through a learned projection. tokenizer (a recipe's reader
+    supplies it) lets ``pipeline`` turn the student into text generation.
     """
 
-    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
-    teacher: nn.Module | Mapping[str, Any]
+    teacher: nn.Module | Mapping[str, Any] | None
     seq_len: int
     _: KW_ONLY
     teacher_checkpoint: str | None = None
+    teacher_pretrained: str | None = None
     temperature: float = 2.0
     forward: float = 1.0
     reverse: float = 0.0
     labels: float = 0.0
     hidden: float = 0.0
     hidden_layer: str = "final_norm"
+    tokenizer: Tokenizer | None = None
 
     frozen = staticmethod(under("params/teacher"))
 
     def __post_init__(self) -> None:
+        if self.teacher_checkpoint is not None and self.teacher_pretrained is not None:
+            raise ValueError("DistillationObjective reads the teacher's weights from teacher_checkpoint or from "
+                             "teacher_pretrained; set one of the two.")
         if isinstance(self.teacher, Mapping):  # a recipe's model config: {"name": ..., fields}
             from dew import models
 
             fields = dict(self.teacher)
             object.__setattr__(self, "teacher", models.build(fields.pop("name"), **fields))
+        if self.teacher_pretrained is not None:
+            object.__setattr__(self, "teacher", _pretrained_teacher(self.teacher_pretrained, self.teacher))
+        elif self.teacher is None:
+            raise ValueError("DistillationObjective needs a teacher: a model (or its config), or teacher_pretrained "
+                             "naming a directory that `dew export` or transformers wrote.")
+        limit = getattr(self.teacher, "max_seq_len", None)
+        if limit is not None and self.seq_len > limit:
+            raise ValueError(f"DistillationObjective.seq_len={self.seq_len} exceeds the teacher's max_seq_len="
+                             f"{limit}; shorten the windows or use a teacher built for longer ones.")
         if self.temperature <= 0:
             raise ValueError(f"DistillationObjective.temperature must be positive, got {self.temperature}.")
         if min(self.forward, self.reverse, self.labels, self.hidden) < 0:
@@ -129,16 +152,27 @@ class DistillationObjective(Objective):
 
     # -- the teacher's weights ---------------------------------------------------------
     def initializer(self) -> Any:
-        """The teacher read from teacher_checkpoint (a run's checkpoint directory), or None.
+        """The teacher read from teacher_checkpoint or teacher_pretrained, or None when neither is set.
 
-        A recipe's run passes it to the Trainer (``objective_parts``); in code, pass
-        ``objective.teacher_from(...)`` as the Trainer's initializer instead.
+        A recipe's run passes it to the Trainer (``objective_parts``); in code,
+        pass it (or ``objective.teacher_from(...)``) as the Trainer's initializer.
         """
+        if self.teacher_pretrained is not None:
+            directory, teacher = _absolute(self.teacher_pretrained), self.teacher
+
+            def read_pretrained(abstract: Variables) -> Variables:
+                from dew.pretrained import Pretrained
+
+                loaded = Pretrained.load(directory, max_seq_len=getattr(teacher, "max_seq_len", None),
+                                         param_dtype=getattr(teacher, "param_dtype", None))
+                return {"params": loaded.variables["params"]}
+
+            return self.teacher_from(read_pretrained)
         if self.teacher_checkpoint is None:
             return None
         from dew.training.initializers import ParamsFrom
 
-        return self.teacher_from(ParamsFrom(os.path.abspath(os.path.expanduser(self.teacher_checkpoint))))
+        return self.teacher_from(ParamsFrom(_absolute(self.teacher_checkpoint)))
 
     def teacher_from(self, source: Any) -> Any:
         """A Trainer initializer that reads the teacher from source and leaves the rest to init.
@@ -224,6 +258,25 @@ class DistillationObjective(Objective):
         """The validation metrics evaluate supports: the loss, both KLs, cross-entropy and agreement."""
         return tuple(MeanMetric(name) for name in ("loss", "kl_forward", "kl_reverse", "cross_entropy", "agreement"))
 
+    def pipeline(self, state: Any, *,
+                 sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
+        """The distilled student as text generation (its EMA copy when the run kept one).
+
+        state is a TrainState or a variables tree holding ``params/student``;
+        the teacher and the projection stay behind. Greedy unless sampling (a
+        Sampling or its fields) is given; ``save`` writes the student through
+        Pretrained.save.
+        """
+        if isinstance(sampling, Mapping):
+            sampling = Sampling(**sampling)
+        averaged = getattr(state, "averaged", None)
+        variables = averaged if averaged is not None else getattr(state, "params", state)
+        student = variables.get("params", {}).get("student")
+        if student is None:
+            raise ValueError("DistillationObjective.pipeline needs variables with params/student; got "
+                             f"{sorted(variables.get('params', variables))}.")
+        return TextGeneration(self.model, {"params": student}, self.tokenizer, sampling or Sampling(temperature=0.0))
+
     # -- internals -----------------------------------------------------------------------------
     def _apply(self, params: Any, model: nn.Module, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         if not self.hidden:
@@ -263,6 +316,37 @@ class DistillationObjective(Objective):
         weights = batch.get("loss_mask")
         weights = jnp.ones(text[:, 1:].shape, jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
         return text[:, :-1], text[:, 1:], weights
+
+
+def _absolute(path: str | os.PathLike[str]) -> str:
+    return os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+
+def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | None) -> nn.Module:
+    """The teacher module directory's config.json describes (given, when set, must compute the same function).
+
+    Only the config is read here; the weights are read when the run starts (``initializer``).
+    """
+    import json
+
+    from dew.pretrained import CONFIG_FILE, ConfigurationMismatchError, llama
+
+    path = os.path.join(_absolute(directory), CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"DistillationObjective.teacher_pretrained: {os.path.dirname(path)} holds no {CONFIG_FILE}; point at "
+            "a directory that `dew export`, Pretrained.save or transformers' save_pretrained wrote."
+        )
+    with open(path) as handle:
+        config = json.load(handle)
+    if given is None:
+        return llama.config_to_model(config, dtype=(config.get("dew") or {}).get("dtype"))
+    try:
+        llama.check_same_function(given, llama.config_to_model(config), f"teacher_pretrained {directory}")
+    except ConfigurationMismatchError as error:  # the advice names the teacher's fields, not the student's
+        raise ConfigurationMismatchError(str(error).replace("Set model.", "Set objective.teacher.")
+                                         + " Or leave teacher out (None): it is then read from config.json.") from None
+    return given
 
 
 def _vocabulary_of(params: Mapping[str, Any]) -> int | None:

@@ -20,16 +20,25 @@ standard deviation of the target encoder's normalized, pooled embeddings
 across the batch (near 0 when collapsed; 1/sqrt(width) for spread-out ones)
 and their effective rank (exp of the entropy of the normalized singular
 values; near 1 when collapsed).
+
+What a run leaves for others is the target encoder as a feature extractor:
+``objective.pipeline(state)`` maps images (or videos) to one mean-pooled
+embedding each, for a linear probe or retrieval; its ``save`` writes dew's
+pipeline layout (``config.json`` naming the registered model and objective
+with their fields, ``params.npz`` the encoder's parameters), which
+``dew.objectives.diffusion_pipeline.load_pipeline`` reads back.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew.nn.vit import Predictor, ViTEncoder
 from dew.objectives.base import (
@@ -43,9 +52,10 @@ from dew.objectives.base import (
     cosine_decay,
     under,
 )
+from dew.objectives.diffusion_pipeline import _Saved, variables_of
 from dew.objectives.lm import BatchShapeError, MissingBatchKeyError
 
-__all__ = ["JepaObjective", "MaskCoversImageError", "block_masks", "collapse_metrics"]
+__all__ = ["FeatureExtraction", "JepaObjective", "MaskCoversImageError", "block_masks", "collapse_metrics"]
 
 
 class MaskCoversImageError(ValueError):
@@ -175,8 +185,26 @@ class JepaObjective(Objective):
 
     # -- a feature extractor -------------------------------------------------------------------
     def features(self, variables: Variables, pixels: jax.Array) -> jax.Array:
-        """Mean-pooled embeddings [B, E] of the encoder in variables (pass ``state.averaged`` for the target's)."""
+        """Mean-pooled embeddings [B, E] of the encoder in variables (pass ``state.averaged`` for the target's).
+
+        Integer pixels are read as 0-255 and scaled to [0, 1], as in training.
+        """
+        if jnp.issubdtype(jnp.asarray(pixels).dtype, jnp.integer):
+            pixels = jnp.asarray(pixels, jnp.float32) / 255.0
         return jnp.mean(self.model.apply({"params": variables["params"]["encoder"]}, pixels), axis=1)
+
+    def pipeline(self, state: Any, *, ema: bool = True) -> FeatureExtraction:
+        """A feature extractor over state's target encoder (its EMA; the context encoder when ema=False).
+
+        state is a TrainState or a variables tree holding ``params/encoder``;
+        the predictor is left behind (inference never needs it).
+        """
+        variables = variables_of(state, ema)
+        encoder = variables["params"]["encoder"] if "params" in variables else None
+        if encoder is None:
+            raise ValueError(f"JepaObjective.pipeline needs variables with params/encoder; got collections "
+                             f"{sorted(variables)}.")
+        return FeatureExtraction(self, {"params": {"encoder": encoder}})
 
     def _pixels(self, batch: Batch) -> jax.Array:
         if self.input_key not in batch:
@@ -195,3 +223,26 @@ class JepaObjective(Objective):
             return jnp.asarray(pixels, jnp.float32) / 255.0
         return jnp.asarray(pixels, jnp.float32)
 
+
+
+@dataclass(frozen=True)
+class FeatureExtraction(_Saved):
+    """Images (or videos) to the JEPA encoder's mean-pooled embeddings, [N, emb_features] numpy.
+
+    Pixels come as the training batches held them: floats, or uint8 scaled to
+    [0, 1]. ``batch`` rows go through the encoder at a time.
+    """
+
+    def __call__(self, pixels: Any, *, batch: int = 256) -> np.ndarray:
+        """Embeddings of pixels [N, H, W, C] (or [N, F, H, W, C]), in order."""
+        pixels = np.asarray(pixels)
+        extract = self._extract
+        parts = [np.asarray(extract(self.variables, jnp.asarray(pixels[i:i + batch])))
+                 for i in range(0, len(pixels), batch)]
+        return np.concatenate(parts) if parts else np.zeros((0, self.objective.model.emb_features), np.float32)
+
+
+    @functools.cached_property
+    def _extract(self) -> Any:
+        """The objective's feature function, compiled once per pipeline."""
+        return jax.jit(self.objective.features)

@@ -119,6 +119,8 @@ class LMObjective(Objective):
     expert_loss_weight: float = 0.01
 
     def __post_init__(self) -> None:
+        if isinstance(self.preview_sampling, Mapping):  # a recipe's {temperature: ..., top_k: ...}
+            object.__setattr__(self, "preview_sampling", Sampling(**self.preview_sampling))
         if self.expert_loss_weight < 0:
             raise ValueError(f"LMObjective.expert_loss_weight must be >= 0, got "
                              f"{self.expert_loss_weight}; 0 reports the balance loss without "
