@@ -431,3 +431,11 @@ def test_docstring_examples_run():
     for module in (dew.training.config, dew.recipes.config):
         result = doctest.testmod(module)
         assert result.attempted and not result.failed, module.__name__
+
+
+def test_a_run_json_from_before_layout_was_one_type_still_reads():
+    # Runs trained before the recipe validated Layout itself wrote ``layout: {rules: null}``.
+    from dew.training.layout import DEFAULT_RULES
+
+    config = TrainerConfig(steps=1, layout={"rules": None, "min_shard": 4, "tolerance": 0.02})
+    assert config.layout.rules == DEFAULT_RULES and config.layout.min_shard == 4

@@ -50,6 +50,14 @@ class TrainerSettings(pydantic.BaseModel):
     dynamic_scale: bool = Field(False, description="dynamic loss scaling for low-precision runs")
     profile: ProfileWindow | None = Field(None, description="one profiler window per fit")
 
+    @pydantic.field_validator("layout", mode="before")
+    @classmethod
+    def _unset_rules_are_the_defaults(cls, value: object) -> object:
+        """A run.json written before Layout was the recipe's type says ``rules: null``."""
+        if isinstance(value, dict) and "rules" in value and value["rules"] is None:
+            return {k: v for k, v in value.items() if k != "rules"}
+        return value
+
 
 class WandbSettings(pydantic.BaseModel):
     """A Weights & Biases run the trainer reports to as well."""
