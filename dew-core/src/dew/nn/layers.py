@@ -139,49 +139,49 @@ class CausalSelfAttention(nn.Module):
                                                     in_axis=0, out_axis=(1, 2))
 
         def project(name: str, count: int) -> jax.Array:
-            kernel = param(self, name, qkv_init, (features, count, width),
-                           (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype)
-            return jnp.einsum("bte,ehd->bthd", x, kernel.astype(self.dtype))
+            kernel_dhk = param(self, name, qkv_init, (features, count, width),
+                               (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype)
+            return jnp.einsum("btd,dhk->bthk", x, kernel_dhk.astype(self.dtype))
 
-        q, k, v = project("query", heads), project("key", kv_heads), project("value", kv_heads)
+        q_bthk, k_bshk, v_bshk = project("query", heads), project("key", kv_heads), project("value", kv_heads)
         head_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS, None)
-        q, k, v = (constrain(t, head_axes) for t in (q, k, v))
+        q_bthk, k_bshk, v_bshk = (constrain(t, head_axes) for t in (q_bthk, k_bshk, v_bshk))
         if self.rotary:
-            q = apply_rotary(q, positions, self.rope_base)
-            k = apply_rotary(k, positions, self.rope_base)
+            q_bthk = apply_rotary(q_bthk, positions, self.rope_base)
+            k_bshk = apply_rotary(k_bshk, positions, self.rope_base)
 
         # Queries keep their share of the positions; every device sees all keys and values
         # (an all-gather over the sequence axis), so attention is exact under a sequence split.
         whole = (axes.BATCH, None, axes.ACTIVATION_HEADS, None)
-        k, v = constrain(k, whole), constrain(v, whole)
-        if decode:
-            k, v, mask = self._update_cache(k, v, positions)
+        k_bshk, v_bshk = constrain(k_bshk, whole), constrain(v_bshk, whole)
+        if decode:  # keys and values come from the cache: s runs over its max_len slots
+            k_bshk, v_bshk, mask = self._update_cache(k_bshk, v_bshk, positions)
         else:
             mask = jnp.tril(jnp.ones((length, length), bool))[None, None, None]
             if segment_ids is not None:  # packed documents: a query sees its own document only
                 mask = mask & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
 
         if decode or self.attention == "einsum":
-            # Query heads in groups of `share` per key/value head: [B, T, G, S, D].
+            # Query heads in groups of n per key/value head (g groups): [B, T, G, N, K].
             share = heads // kv_heads
-            grouped = q.reshape(batch, length, kv_heads, share, width)
-            scores = jnp.einsum("btgsd,bugd->bgstu", grouped, k).astype(jnp.float32)
-            scores = jnp.where(mask, scores / math.sqrt(width), jnp.finfo(jnp.float32).min)
-            weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-            attended = jnp.einsum("bgstu,bugd->btgsd", weights, v)
-            attended = attended.reshape(batch, length, heads, width)
+            q_btgnk = q_bthk.reshape(batch, length, kv_heads, share, width)
+            scores_bgnts = jnp.einsum("btgnk,bsgk->bgnts", q_btgnk, k_bshk).astype(jnp.float32)
+            scores_bgnts = jnp.where(mask, scores_bgnts / math.sqrt(width), jnp.finfo(jnp.float32).min)
+            weights_bgnts = jax.nn.softmax(scores_bgnts, axis=-1).astype(self.dtype)
+            out_btgnk = jnp.einsum("bgnts,bsgk->btgnk", weights_bgnts, v_bshk)
+            out_bthk = out_btgnk.reshape(batch, length, heads, width)
         else:  # grouped key/value heads are read the same way: head h uses h // share
             documents = None if segment_ids is None else (
                 segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-            attended = jax.nn.dot_product_attention(q, k, v, mask=documents, is_causal=True,
-                                                    implementation=self.attention)
-        attended = constrain(attended, head_axes)
+            out_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=documents,
+                                                    is_causal=True, implementation=self.attention)
+        out_bthk = constrain(out_bthk, head_axes)
 
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                     in_axis=(0, 1), out_axis=2)
-        out_kernel = param(self, "out", out_init, (heads, width, features),
-                           (axes.HEADS, axes.KV, axes.EMBED), self.param_dtype)
-        return jnp.einsum("bthd,hde->bte", attended, out_kernel.astype(self.dtype))
+        out_kernel_hkd = param(self, "out", out_init, (heads, width, features),
+                               (axes.HEADS, axes.KV, axes.EMBED), self.param_dtype)
+        return jnp.einsum("bthk,hkd->btd", out_bthk, out_kernel_hkd.astype(self.dtype))
 
     def _update_cache(
         self, k: jax.Array, v: jax.Array, positions: jax.Array
@@ -223,17 +223,17 @@ class MLPBlock(nn.Module):
             return param(self, name, init, shape, names, self.param_dtype).astype(self.dtype)
 
         up = (features, self.hidden_features)
-        hidden = jnp.einsum("bte,em->btm", x, kernel("wi", up, (axes.EMBED, axes.MLP)))
+        h_btm = jnp.einsum("btd,dm->btm", x, kernel("wi", up, (axes.EMBED, axes.MLP)))
         if self.activation == "swiglu":
-            gate = jnp.einsum("bte,em->btm", x, kernel("wi_gate", up, (axes.EMBED, axes.MLP)))
-            hidden = nn.silu(gate) * hidden
+            gate_btm = jnp.einsum("btd,dm->btm", x, kernel("wi_gate", up, (axes.EMBED, axes.MLP)))
+            h_btm = nn.silu(gate_btm) * h_btm
         elif self.activation == "gelu":
-            hidden = nn.gelu(hidden)
+            h_btm = nn.gelu(h_btm)
         else:
             raise ValueError(f"Unknown MLP activation {self.activation!r}; use 'gelu' or 'swiglu'.")
-        hidden = constrain(hidden, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_MLP))
-        down = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
-        return jnp.einsum("btm,me->bte", hidden, down)
+        h_btm = constrain(h_btm, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_MLP))
+        down_md = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
+        return jnp.einsum("btm,md->btd", h_btm, down_md)
 
 
 class DecoderLayer(nn.Module):
