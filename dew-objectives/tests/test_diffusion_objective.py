@@ -127,9 +127,12 @@ def test_bad_input_names_the_key_the_value_and_what_was_expected():
         objective.loss(variables, {"label": np.zeros(4, np.int32)}, STEP)
     with pytest.raises(InvalidConditionError, match=r"'label' holds 12.*num_classes=10.*\[0, 9\]"):
         objective.loss(variables, dict(images(), label=np.asarray([1, 2, 3, 12], np.int32)), STEP)
-    # Inside the compiled step the check runs on the host and its message comes through.
+    # A training step is checked on the host before it runs (the trainer calls check_batch);
+    # inside a compiled evaluation the check calls back to the host and its message comes through.
+    with pytest.raises(InvalidConditionError, match=r"'label' holds 12.*num_classes=10"):
+        objective.check_batch(dict(images(), label=np.asarray([1, 2, 3, 12], np.int32)), 0)
     with pytest.raises(Exception, match=r"'label' holds 12.*num_classes=10"):
-        jax.block_until_ready(jax.jit(objective.loss)(
+        jax.block_until_ready(jax.jit(objective.evaluate)(
             variables, dict(images(), label=np.asarray([1, 2, 3, 12], np.int32)), STEP))
 
     video = VideoDiT(frames=3, image_size=8, channels=1, patch_size=4, emb_features=16,

@@ -1,4 +1,5 @@
-"""Pipelines sample class-conditional images and text, and save/load in dew's own layout."""
+"""Pipelines sample class-conditional images and text, and save/load through Pretrained in dew's
+own layout."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_class_pipeline_saves_and_loads_to_the_same_samples(tmp_path):
     assert images.shape == (3, 8, 8, 1) and images.dtype == np.uint8
     pipeline.save(tmp_path / "saved")
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert config["model"]["name"] == "dit" and config["objective"]["name"] == "diffusion"
+    assert config["model"]["name"] == "dit" and config["task"]["name"] == "diffusion"
     loaded = load_pipeline(tmp_path / "saved")
     np.testing.assert_array_equal(loaded([0, 2, 1], key=jax.random.key(4)), images)
     with pytest.raises(InvalidConditionError, match=r"holds 3.*num_classes=3"):
@@ -56,5 +57,5 @@ def test_block_diffusion_pipeline_writes_text(tmp_path):
     texts = pipeline(2, key=jax.random.key(1))
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
     pipeline.save(tmp_path / "text")
-    again = load_pipeline(tmp_path / "text", tokenizer=tokenizer)
+    again = load_pipeline(tmp_path / "text")  # the tokenizer is saved beside the weights
     assert again(2, key=jax.random.key(1)) == texts

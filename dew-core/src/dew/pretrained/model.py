@@ -5,7 +5,10 @@ For dew's CausalTransformer the format is Hugging Face's Llama:
 tokenizer has one), which ``transformers.AutoModelForCausalLM`` loads as it
 is, and which ``Pretrained.load`` reads back bit for bit. A directory that
 transformers wrote for a Llama model loads the same way, to fine-tune or to
-sample from.
+sample from. Every other model (a DiT, a UNet, a token denoiser) is written
+in dew's own layout (``dew.pretrained.native``), with the task its weights
+serve, so that ``Pretrained.load(directory).pipeline()`` samples as the
+pipeline that saved it did.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from dew.pretrained import llama
-from dew.pretrained.errors import TensorMismatchError, VocabularyMismatchError
+from dew.pretrained import llama, native
+from dew.pretrained.errors import PretrainedError, TensorMismatchError, VocabularyMismatchError
 from dew.pretrained.tensors import WEIGHTS, TensorFiles, write_tensors
 from dew.pretrained.tokenizers import read_tokenizer, write_tokenizer
 
@@ -73,7 +76,9 @@ class Pretrained:
     """A model with its variables and tokenizer, ready to save, share, sample or fine-tune.
 
     variables is the model's variable tree (``{"params": ...}``, as
-    ``state.params`` holds it); tokenizer may be None.
+    ``state.params`` holds it); tokenizer may be None. task names what the
+    weights are for, as ``{"name": <a registered objective>, "fields":
+    {...}}`` (a pipeline's save fills it in); only dew's own layout keeps it.
 
     >>> import tempfile, jax, jax.numpy as jnp
     >>> from dew.nn.backbones import CausalTransformer
@@ -91,6 +96,14 @@ class Pretrained:
     model: Any
     variables: Mapping[str, Any]
     tokenizer: Any = None
+    task: Mapping[str, Any] | None = None
+
+    @property
+    def format(self) -> str:
+        """'llama' for a CausalTransformer (Hugging Face's layout), else 'dew' (dew's own)."""
+        from dew.nn.backbones import CausalTransformer
+
+        return "llama" if isinstance(self.model, CausalTransformer) else native.FORMAT
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write config.json, model.safetensors and the tokenizer into directory; return it.
@@ -103,6 +116,8 @@ class Pretrained:
 
         if self.tokenizer is not None:
             check_vocabulary(self.tokenizer, self.model)
+        if self.format == native.FORMAT:
+            return self._save_native(Path(directory))
         eos = getattr(self.tokenizer, "eos_id", None)
         config = llama.model_to_config(self.model, eos_id=eos)
         params = _host(self.variables.get("params", self.variables))
@@ -132,14 +147,69 @@ class Pretrained:
         (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return target
 
+    def _save_native(self, target: Path) -> Path:
+        """dew's own layout (see dew.pretrained.native): every variable by its path, the task."""
+        import jax
+
+        config = native.config_of(self.model, self.task, self.tokenizer)
+        tensors = native.tensors_of(_host(self.variables))
+        if jax.process_index() != 0:
+            return target
+        target.mkdir(parents=True, exist_ok=True)
+        config["dew"] = {"tokenizer": write_tokenizer(self.tokenizer, target)}
+        write_tensors(target / WEIGHTS, tensors, {"format": native.FORMAT})
+        (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        return target
+
+    def pipeline(self, **fields: Any) -> Any:
+        """The task's pipeline over these weights: its objective built again, then ``pipeline``.
+
+        fields override the recorded objective fields (a tokenizer the
+        directory could not keep, say). Raises PretrainedError when no task
+        was saved, and TensorMismatchError, naming each path, when a
+        saved variable does not fit the objective's model.
+        """
+        import flax.linen as nn
+        import jax
+        import jax.numpy as jnp
+
+        from dew import registry
+
+        if self.task is None:
+            raise PretrainedError(
+                f"These {type(self.model).__name__} weights record no task to build a pipeline for; "
+                "save them through an objective's pipeline (objective.pipeline(state).save) or "
+                "build the objective yourself and call its pipeline(variables).")
+        given = dict(self.task.get("fields", {}))
+        if self.tokenizer is not None:
+            given.setdefault("tokenizer", self.tokenizer)
+        objective = registry.objectives.build(self.task["name"], model=self.model,
+                                              **{**given, **fields})
+        fresh = native.tensors_of(jax.eval_shape(lambda k: nn.meta.unbox(objective.init(k)),
+                                                 jax.random.key(0)))
+        variables = jax.tree.map(jnp.asarray, dict(self.variables))
+        # A pipeline may keep part of the objective's variables (an encoder without its
+        # predictor); each kept one must sit where, and be shaped as, the objective makes it.
+        wrong = [f"{path}: shape {tuple(value.shape)}, expected "
+                 f"{tuple(fresh[path].shape) if path in fresh else 'no such variable'}"
+                 for path, value in native.tensors_of(variables).items()
+                 if path not in fresh or tuple(fresh[path].shape) != tuple(value.shape)]
+        if wrong:
+            raise TensorMismatchError(
+                f"The saved variables do not fit the {self.task['name']} objective's model: "
+                f"{'; '.join(wrong[:6])}{f'; and {len(wrong) - 6} more' if len(wrong) > 6 else ''}. "
+                "Load them with the model configuration they were saved with.")
+        return objective.pipeline(variables)
+
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, max_seq_len: int | None = None,
              param_dtype: Any = None, dtype: Any = None) -> Pretrained:
         """Read a directory Pretrained.save or transformers' save_pretrained wrote.
 
-        max_seq_len overrides the config's max_position_embeddings (the
-        decode cache is that long); param_dtype casts the weights (default:
-        as stored). Raises UnsupportedArchitectureError,
+        A directory in dew's own layout comes back as it was saved, task
+        included; the options below apply to the Llama layout. max_seq_len
+        overrides the config's max_position_embeddings (the decode cache is
+        that long); param_dtype casts the weights (default: as stored). Raises UnsupportedArchitectureError,
         NoExactCounterpartError or TensorMismatchError, each naming what is
         wrong.
         """
@@ -154,6 +224,11 @@ class Pretrained:
             )
         config = json.loads(config_path.read_text())
         own = config.get("dew") or {}
+        if config.get("format") == native.FORMAT:
+            model = native.build_model(config, source)
+            variables = native.read_variables(source)
+            tokenizer = read_tokenizer(source, own.get("tokenizer"), None)
+            return cls(model, variables, tokenizer, config.get("task"))
         dtype = dtype or own.get("dtype")
         model = llama.config_to_model(config, max_seq_len=max_seq_len,
                                       param_dtype=param_dtype, dtype=dtype)

@@ -291,8 +291,10 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
     transformers wrote, into the recipe model's max_seq_len and param_dtype;
     ``init.run`` is another run's parameters alone (``ParamsFrom``). With a
     ``lora`` section either is the base under fresh adapters (quantized for
-    QLoRA). The trainer checks either against the tree a fresh init makes,
-    naming each path whose shape differs.
+    QLoRA). An objective with ``starting_weights`` (a preference or RL
+    objective, whose reference copies the policy) narrows what is read to
+    the model's part. The trainer checks either against the tree a fresh
+    init makes, naming each path whose shape differs.
     """
     init = config.init
     if init is None:
@@ -315,8 +317,11 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         from dew.training.lora import BaseWeights
 
-        return BaseWeights(source)
-    return source
+        source = BaseWeights(source)
+    narrow = getattr(objective, "starting_weights", None)
+    # An objective whose variables hold more than the model's (a frozen reference,
+    # a value head) reads only the model's part; its init makes the rest.
+    return narrow(source) if callable(narrow) else source
 
 
 def _where(checkpoints: Any) -> str:
@@ -380,8 +385,9 @@ def objective_parts(objective: Any) -> dict[str, Any]:
     """What an objective hands the Trainer besides itself: a rollout and starting weights.
 
     An objective that samples its own batches (GRPO, PPO) or checks them on
-    the host (DPO) has ``rollout()``; one that starts from another run's
-    weights has ``initializer()``. A recipe cannot name either directly: they
+    the host (DPO) has ``rollout()``; one that starts from weights of its
+    own (a distillation's teacher) has ``initializer()``; the recipe's init
+    section overrides it. A recipe cannot name either directly: they
     are code, and the objective's fields configure them.
     """
     parts: dict[str, Any] = {}

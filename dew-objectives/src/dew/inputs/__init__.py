@@ -55,7 +55,9 @@ class Conditioning(Protocol):
 
     key: str | None
 
-    def read(self, batch: Mapping[str, Any]) -> jax.Array | None: ...
+    def read(self, batch: Mapping[str, Any], *, traced_check: bool = True) -> jax.Array | None: ...
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None: ...
 
     def null(self, rows: int) -> jax.Array | None: ...
 
@@ -63,10 +65,17 @@ class Conditioning(Protocol):
 
 
 def _check_on_host(check: Callable[[np.ndarray], None], values: jax.Array, low: int,
-                   high: int) -> None:
-    """Run check now on concrete values; on traced ones, call it from the compiled program
-    only when a value falls outside [low, high], so a good batch costs no trip to the host."""
+                   high: int, traced: bool = True) -> None:
+    """Run check now on concrete values; on traced ones (when traced), call it from the
+    compiled program only when a value falls outside [low, high].
+
+    Even a callback that never fires makes a CPU program run synchronously
+    with its caller, so a training step leaves it out (traced=False): the
+    trainer refuses a bad batch on the host first (``check_batch``).
+    """
     if isinstance(values, jax.core.Tracer):
+        if not traced:
+            return
         bad = jnp.any((values < low) | (values > high))
         jax.lax.cond(bad, lambda v: jax.debug.callback(lambda w: check(np.asarray(w)), v),
                      lambda v: None, values)
@@ -88,7 +97,10 @@ class Unconditional:
 
     key: str | None = None
 
-    def read(self, batch: Mapping[str, Any]) -> None:
+    def read(self, batch: Mapping[str, Any], *, traced_check: bool = True) -> None:
+        return None
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
         return None
 
     def null(self, rows: int) -> None:
@@ -127,14 +139,20 @@ class ClassLabels:
                 f"num_classes={self.num_classes}: labels must lie in [0, {self.num_classes - 1}]"
                 + (f" ({self.num_classes} is the null label)." if allow_null else "."))
 
-    def read(self, batch: Mapping[str, Any]) -> jax.Array:
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Refuse, on the host, a batch whose labels lie outside [0, num_classes]."""
+        if self.key in batch:
+            self.check(np.asarray(batch[self.key]), allow_null=True)
+
+    def read(self, batch: Mapping[str, Any], *, traced_check: bool = True) -> jax.Array:
         labels = _take(batch, self.key, "class labels")
         if getattr(labels, "ndim", None) != 1 or not jnp.issubdtype(labels.dtype, jnp.integer):
             raise InvalidConditionError(
                 f"Batch key {self.key!r} must hold integer labels [batch], got "
                 f"{getattr(labels, 'dtype', type(labels).__name__)} of shape "
                 f"{tuple(getattr(labels, 'shape', ()))}.")
-        _check_on_host(lambda v: self.check(v, allow_null=True), labels, 0, self.num_classes)
+        _check_on_host(lambda v: self.check(v, allow_null=True), labels, 0, self.num_classes,
+                       traced_check)
         return jnp.asarray(labels, jnp.int32)
 
     def null(self, rows: int) -> jax.Array:
@@ -168,14 +186,19 @@ class TextTokens:
                 f"was built for text_vocab_size={self.vocab_size}: ids must lie in "
                 f"[0, {self.vocab_size - 1}] ({self.vocab_size} is the null token).")
 
-    def read(self, batch: Mapping[str, Any]) -> jax.Array:
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Refuse, on the host, a batch whose token ids lie outside [0, vocab_size]."""
+        if self.key in batch:
+            self.check(np.asarray(batch[self.key]))
+
+    def read(self, batch: Mapping[str, Any], *, traced_check: bool = True) -> jax.Array:
         ids = _take(batch, self.key, "token ids")
         shape = tuple(getattr(ids, "shape", ()))
         if len(shape) != 2 or shape[1] != self.length or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise InvalidConditionError(
                 f"Batch key {self.key!r} must hold integer token ids [batch, {self.length}], got "
                 f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {shape}.")
-        _check_on_host(self.check, ids, 0, self.vocab_size)
+        _check_on_host(self.check, ids, 0, self.vocab_size, traced_check)
         return jnp.asarray(ids, jnp.int32)
 
     def null(self, rows: int) -> jax.Array:

@@ -183,6 +183,10 @@ class DiffusionObjective(Objective):
         key = self.conditioning.key
         return (self.key,) if key is None else (self.key, key)
 
+    def check_batch(self, batch: Mapping[str, Any], step: int) -> None:
+        """Refuse, on the host before the step, labels or token ids outside the model's range."""
+        self.conditioning.check_batch(batch)
+
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         if variables is not None:
             return variables
@@ -219,7 +223,9 @@ class DiffusionObjective(Objective):
     def _losses(self, variables: Variables, batch: Batch, key: jax.Array, training: bool,
                 t: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         x0 = self.pixels(batch)
-        condition = self.conditioning.read(batch)
+        # A training step leaves the in-program label check out (the trainer ran check_batch on
+        # the host): a host callback, even one that never fires, makes a CPU step synchronous.
+        condition = self.conditioning.read(batch, traced_check=not training)
         noise_key, drop_key = jax.random.split(key)
         if condition is not None and training and self.condition_dropout > 0:
             null = self.conditioning.null(1)[0]

@@ -5,19 +5,18 @@ the trained variables (the EMA copy when kept). A ``DiffusionPipeline`` turns
 class labels, text prompts or nothing into uint8 images or videos; a
 ``TextDiffusionPipeline`` writes token sequences and decodes them.
 
-``save(directory)`` writes dew's own layout, which ``load_pipeline`` reads:
-
-- ``config.json``: ``{"format": "dew-pipeline", "version": 1, "model": {"name":
-  <registered model name>, "fields": {...}}, "objective": {"name": <registered
-  objective name>, "fields": {...}}}``; every field is as the recipe would give it.
-- ``params.npz``: every variable as a numpy array, named by its path with
-  "/" between keys (``params/blocks_0/attention/query``).
+``save(directory)`` writes through ``Pretrained.save`` in dew's own layout
+(``dew.pretrained.native``: config.json naming the registered model and its
+fields and the objective as the task, model.safetensors with every variable
+by its path, the tokenizer beside them). ``Pretrained.load(directory)``
+reads it back and its ``pipeline()`` samples exactly as the saved pipeline
+did; ``DiffusionPipeline.load`` and ``TextDiffusionPipeline.load`` (or
+``load_pipeline``) do both at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,7 +24,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -36,12 +34,9 @@ __all__ = [
     "variables_of",
 ]
 
-CONFIG, PARAMS, FORMAT = "config.json", "params.npz", "dew-pipeline"
-_SKIPPED = {"model", "tokenizer", "ema", "parent", "name"}
-
 
 class PipelineFormatError(ValueError):
-    """A directory that is not a saved dew pipeline, or a pipeline that cannot be saved."""
+    """A directory whose saved task is not the pipeline it is loaded as."""
 
 
 def variables_of(state: Any, ema: bool = True) -> Mapping[str, Any]:
@@ -52,82 +47,33 @@ def variables_of(state: Any, ema: bool = True) -> Mapping[str, Any]:
     return state
 
 
-def _registered_name(group: str, component: Any) -> str:
-    from dew import registry
-
-    found = registry.registry(group)
-    for name in found.names():
-        if found.load(name) is type(component):
-            return name
-    raise PipelineFormatError(f"{type(component).__name__} is not registered in {group!r}; register "
-                              "it (an entry point) so that a saved pipeline can be built again.")
-
-
-def _fields(component: Any) -> dict[str, Any]:
-    out = {}
-    for field in dataclasses.fields(component):
-        if field.name in _SKIPPED or field.name.startswith("_"):
-            continue
-        value = _dtype_name(getattr(component, field.name))
-        try:
-            json.dumps(value)
-        except TypeError as error:
-            raise PipelineFormatError(
-                f"{type(component).__name__}.{field.name}={value!r} cannot be written to "
-                f"{CONFIG}; give it by name (a schedule as 'vp_cosine', say) to save.") from error
-        out[field.name] = value
-    return out
-
-
-def _dtype_name(value: Any) -> Any:
-    """A dtype field (jnp.float32, say) by its name ("float32"), which builds the same module; else value."""
-    scalar_type = isinstance(value, type) and (issubclass(value, np.generic) or hasattr(value, "dtype"))
-    if scalar_type or isinstance(value, np.dtype):  # jnp.float32 is not a numpy type but has a dtype
-        return np.dtype(value).name
-    return value
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for key, value in tree.items():
-        path = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, path))
-        else:
-            out[path] = np.asarray(jax.device_get(value))
-    return out
-
-
-def _unflatten(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in arrays.items():
-        node = tree
-        *parents, leaf = path.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = jnp.asarray(value)
-    return tree
-
-
 @dataclasses.dataclass(frozen=True)
 class _Saved:
     objective: Any
     variables: Mapping[str, Any]
 
+    def pretrained(self) -> Any:
+        """The model, variables, tokenizer and task (the objective) as a Pretrained."""
+        from dew.pretrained import Pretrained
+        from dew.pretrained.native import component_fields, registered_name
+
+        task = {"name": registered_name("dew.objectives", self.objective),
+                "fields": component_fields(self.objective)}
+        return Pretrained(self.objective.model, nn.meta.unbox(self.variables),
+                          getattr(self.objective, "tokenizer", None), task)
+
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write config.json and params.npz (see the module's docstring) into directory."""
-        target = Path(directory)
-        config = {
-            "format": FORMAT, "version": 1,
-            "model": {"name": _registered_name("dew.models", self.objective.model),
-                      "fields": _fields(self.objective.model)},
-            "objective": {"name": _registered_name("dew.objectives", self.objective),
-                          "fields": _fields(self.objective)},
-        }
-        target.mkdir(parents=True, exist_ok=True)
-        np.savez(target / PARAMS, **_flatten(nn.meta.unbox(self.variables)))
-        (target / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        return target
+        """Write the pipeline through Pretrained.save, in dew's own layout; return directory."""
+        return self.pretrained().save(directory)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str], **fields: Any) -> Any:
+        """The pipeline save wrote in directory (fields override the saved objective's)."""
+        pipeline = load_pipeline(directory, **fields)
+        if not isinstance(pipeline, cls):
+            raise PipelineFormatError(f"{directory} holds a {type(pipeline).__name__}, not a "
+                                      f"{cls.__name__}; load it with load_pipeline.")
+        return pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,24 +114,12 @@ class TextDiffusionPipeline(_Saved):
         return [tokenizer.decode([int(i) for i in row]) for row in tokens]
 
 
-def load_pipeline(directory: str | os.PathLike[str], *, tokenizer: Any = None) -> Any:
-    """The pipeline a save wrote: its model and objective built again, its variables read back."""
-    from dew import models, registry
+def load_pipeline(directory: str | os.PathLike[str], **fields: Any) -> Any:
+    """The pipeline a save wrote: Pretrained.load, then its task's pipeline.
 
-    source = Path(directory)
-    try:
-        config = json.loads((source / CONFIG).read_text())
-    except FileNotFoundError as error:
-        raise PipelineFormatError(f"{source} holds no {CONFIG}; point at a directory a pipeline's "
-                                  "save wrote.") from error
-    if config.get("format") != FORMAT:
-        raise PipelineFormatError(f"{source / CONFIG} is not a dew pipeline (format "
-                                  f"{config.get('format')!r}, expected {FORMAT!r}).")
-    model = models.build(config["model"]["name"], **config["model"]["fields"])
-    fields = dict(config["objective"]["fields"])
-    if tokenizer is not None:
-        fields["tokenizer"] = tokenizer
-    objective = registry.objectives.build(config["objective"]["name"], model=model, **fields)
-    with np.load(source / PARAMS) as arrays:
-        variables = _unflatten({name: arrays[name] for name in arrays.files})
-    return objective.pipeline(variables)
+    fields override the saved objective's (a tokenizer, say, when the saved
+    one could not be written).
+    """
+    from dew.pretrained import Pretrained
+
+    return Pretrained.load(directory).pipeline(**fields)

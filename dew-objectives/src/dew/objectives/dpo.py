@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax
@@ -36,6 +36,9 @@ from dew.objectives.policy import (
     token_logprobs,
     with_reference,
 )
+
+if TYPE_CHECKING:
+    from dew.training.initializers import WeightSource
 
 __all__ = ["DPOObjective", "MismatchedPairError", "PairCheck", "sequence_logprob"]
 
@@ -105,9 +108,9 @@ class DPOObjective(Objective):
     metrics: ``reward_margin`` (beta times the difference of the chosen's and
     the rejected's log-ratio to the reference), ``preference_accuracy`` (the
     share of pairs whose margin is positive), ``chosen_logp`` and
-    ``rejected_logp`` (summed over each completion). ``start_from`` names a
-    checkpoint directory (a language-model run) whose parameters the policy
-    and the reference start from when the run is fresh.
+    ``rejected_logp`` (summed over each completion). A recipe's ``init``
+    section (a language-model run, say) gives the parameters the policy and
+    the reference start from when the run is fresh.
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
@@ -122,7 +125,6 @@ class DPOObjective(Objective):
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     prompt_length_key: str = "prompt_length"
-    start_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -152,9 +154,9 @@ class DPOObjective(Objective):
             return policy_variables(variables)
         return with_reference(variables)
 
-    def initializer(self) -> PolicyFrom | None:
-        """The starting weights a recipe passes to the Trainer: start_from's parameters."""
-        return None if self.start_from is None else PolicyFrom(self.start_from)
+    def starting_weights(self, source: WeightSource) -> PolicyFrom:
+        """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
+        return PolicyFrom(source)
 
     def rollout(self) -> PairCheck:
         """The host-side check a recipe runs before each step: pairs share their prompt."""

@@ -17,9 +17,12 @@ advantage, plus beta times the exact KL of that step's Gaussian to the
 frozen reference's, ||mean - mean_ref||^2 / (2 std^2), averaged over steps
 and images.
 
-dew.diffusion (H-DIFF's flow-matching models and their training) had not
-landed when this was written: any velocity model of the signature above
-works, and a recipe on digits waits for it.
+A model trained by ``DiffusionObjective`` with the flow schedule and the
+velocity target (the digits-diffusion recipe's DiT) is such a model once
+its input is scaled as that objective scaled it: set ``data_std`` to the
+objective's (0.5 by default) and FlowGRPO feeds it the same. The
+flow-grpo-digits recipe starts from that run's weights (its ``init``
+section) and raises the brightness of the digits it draws.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -39,6 +42,9 @@ from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, V
 from dew.objectives.grpo import clipped_policy_loss, group_advantages
 from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_reference
 from dew.rewards import Reward, resolve, score
+
+if TYPE_CHECKING:
+    from dew.training.initializers import WeightSource
 
 __all__ = ["FlowGRPOObjective", "FlowRollout", "sde_step", "timesteps"]
 
@@ -65,7 +71,12 @@ def gaussian_logp(x: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Array:
 
 
 def _velocity(model: nn.Module, variables: Variables, x: jax.Array, t: jax.Array,
-              condition: jax.Array | None) -> jax.Array:
+              condition: jax.Array | None, data_std: float | None = None) -> jax.Array:
+    """The model's velocity at x, t; with data_std, x is scaled as a DiffusionObjective feeds it."""
+    if data_std is not None:
+        from dew.diffusion import Diffusion, RectifiedFlow
+
+        x, t = Diffusion(RectifiedFlow(), target="velocity", data_std=data_std).model_input(x, t)
     if condition is None:
         return model.apply(variables, x, t)
     return model.apply(variables, x, t, condition)
@@ -79,6 +90,7 @@ class FlowRollout:
         self.reward = reward
         self.reward_seconds = 0.0
         model, steps, noise = objective.model, objective.steps, objective.noise_level
+        data_std = objective.data_std
         shape = tuple(objective.image_shape)
 
         def sample(variables, condition, key):
@@ -91,7 +103,8 @@ class FlowRollout:
             def one(x, inputs):
                 t, k = inputs
                 t_rows = jnp.full((rows,), t)
-                velocity = _velocity(model, variables, x, t_rows, condition if objective.condition_key else None)
+                velocity = _velocity(model, variables, x, t_rows,
+                                     condition if objective.condition_key else None, data_std)
                 mean, std = sde_step(velocity, x, t_rows, dt, noise)
                 following = mean + std * jax.random.normal(k, x.shape)
                 return following, (following, gaussian_logp(following, mean, std))
@@ -114,6 +127,8 @@ class FlowRollout:
             condition = np.zeros((rows * g,), np.int32)
         trajectory, logp = self._sample({"params": state.params["params"]}, jnp.asarray(condition), key)
         images = np.asarray(trajectory[:, -1])
+        if objective.pixels:  # what a pipeline would show: a sample past [-1, 1] earns nothing more
+            images = np.clip(np.round((images + 1.0) * 127.5), 0, 255).astype(np.uint8)
         context = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()}
         began = time.perf_counter()
         rewards = score(self.reward, list(images), context)
@@ -124,6 +139,11 @@ class FlowRollout:
 @dataclass(frozen=True)
 class FlowGRPOObjective(Objective):
     """GRPO over an SDE sampler's steps of a flow-matching model (see the module docstring).
+
+    The reward scores each trajectory's last image: as sampled, or with
+    pixels as uint8 [0, 255] (samples in [-1, 1] rounded and clipped, as a
+    DiffusionPipeline returns them), so an image pushed past the range earns
+    nothing for it. data_std: see the module docstring.
 
     metrics: ``reward``, ``kl`` (per step), ``clip_fraction``.
     """
@@ -140,7 +160,8 @@ class FlowGRPOObjective(Objective):
     clip: float = 0.2
     beta: float = 0.01
     condition_key: str | None = None
-    start_from: str | None = None
+    data_std: float | None = None
+    pixels: bool = False
 
     @property
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
@@ -155,9 +176,9 @@ class FlowGRPOObjective(Objective):
             variables = self.model.init(key, *args)
         return with_reference(variables) if self.beta > 0 else policy_variables(variables)
 
-    def initializer(self) -> PolicyFrom | None:
-        """The starting weights a recipe passes to the Trainer: start_from's parameters."""
-        return None if self.start_from is None else PolicyFrom(self.start_from)
+    def starting_weights(self, source: WeightSource) -> PolicyFrom:
+        """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
+        return PolicyFrom(source)
 
     def rollout(self) -> FlowRollout:
         return FlowRollout(self, resolve(self.reward))
@@ -172,7 +193,7 @@ class FlowGRPOObjective(Objective):
         x = trajectory[:, :-1].reshape(rows * self.steps, *trajectory.shape[2:])
         t = jnp.tile(times, rows)
         cond = jnp.repeat(condition, self.steps, axis=0) if self.condition_key else None
-        velocity = _velocity(self.model, variables, x, t, cond)
+        velocity = _velocity(self.model, variables, x, t, cond, self.data_std)
         mean, std = sde_step(velocity, x, t, 1.0 / self.steps, self.noise_level)
         return mean, std
 

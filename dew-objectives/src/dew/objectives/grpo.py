@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax
@@ -37,6 +37,9 @@ from dew.objectives.policy import (
 from dew.objectives.rollouts import CompletionRollout
 from dew.rewards import resolve
 from dew.sampling import Sampling
+
+if TYPE_CHECKING:
+    from dew.training.initializers import WeightSource
 
 __all__ = ["GRPOObjective", "GroupSizeError", "group_advantages", "clipped_policy_loss"]
 
@@ -108,7 +111,6 @@ class GRPOObjective(Objective):
     stop_token: int | None = None
     prompt_key: str = "prompt"
     prompt_length_key: str = "prompt_length"
-    start_from: str | None = None
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
@@ -134,9 +136,9 @@ class GRPOObjective(Objective):
             variables = self.model.init(key, jnp.zeros((1, 1), jnp.int32))
         return with_reference(variables) if self.beta > 0 else policy_variables(variables)
 
-    def initializer(self) -> PolicyFrom | None:
-        """The starting weights a recipe passes to the Trainer: start_from's parameters."""
-        return None if self.start_from is None else PolicyFrom(self.start_from)
+    def starting_weights(self, source: WeightSource) -> PolicyFrom:
+        """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
+        return PolicyFrom(source)
 
     def rollout(self) -> CompletionRollout:
         """The rollout that samples and scores this objective's completions."""

@@ -23,10 +23,10 @@ values; near 1 when collapsed).
 
 What a run leaves for others is the target encoder as a feature extractor:
 ``objective.pipeline(state)`` maps images (or videos) to one mean-pooled
-embedding each, for a linear probe or retrieval; its ``save`` writes dew's
-pipeline layout (``config.json`` naming the registered model and objective
-with their fields, ``params.npz`` the encoder's parameters), which
-``dew.objectives.diffusion_pipeline.load_pipeline`` reads back.
+embedding each, for a linear probe or retrieval; its ``save`` writes the
+encoder's parameters through ``Pretrained.save`` in dew's own layout, which
+``Pretrained.load(directory).pipeline()`` (or
+``dew.objectives.diffusion_pipeline.load_pipeline``) reads back.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ plus a ``reference`` collection holding a copy of the policy's starting
 parameters. The collection is declared frozen, so the trainer keeps one copy
 of it, never differentiates it and gives it no optimizer state or EMA.
 Because the policy sits where a language model's parameters sit, a run can
-start from a language-model run's checkpoint (``PolicyFrom``), and the
-reference becomes a copy of those trained weights.
+start from a language-model run's checkpoint (a recipe's ``init`` section,
+narrowed to the policy by ``PolicyFrom``), and the reference becomes a copy
+of those trained weights.
 
 ``token_logprobs`` scores tokens under a model: the log-probability of every
 token given the ones before it.
@@ -15,8 +16,7 @@ token given the ones before it.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,27 +79,23 @@ def with_reference(policy: Variables) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PolicyFrom:
-    """The policy's parameters from another run's checkpoint, for an objective holding a reference.
+    """The policy's parameters read by another weight source, for an objective holding a reference.
 
-    Reads only the ``params`` collection (a language-model run's weights)
-    with ``dew.training.ParamsFrom``, less the top-level parameters named in
-    ``exclude`` (a value head the other run did not have); the objective's
-    ``init`` then copies them into the reference and adds what was left out.
-    Give it to ``Trainer(initializer=...)``.
+    source is what a recipe's ``init`` section reads (another run's
+    checkpoint through ``dew.training.ParamsFrom``, say). It is asked for
+    the ``params`` collection alone (a language-model run's weights), less
+    the top-level parameters named in ``exclude`` (a value head the other
+    run did not have); the objective's ``init`` then copies them into the
+    reference and adds what was left out. The objectives build it in
+    ``starting_weights``, which the recipe runner applies to ``init``.
     """
 
-    directory: str | os.PathLike
-    step: int | None = None
+    source: Callable[[Variables], Variables]
     exclude: tuple[str, ...] = ()
 
     def __call__(self, abstract: Variables) -> Variables:
-        from dew.training.initializers import ParamsFrom
-
-        directory = os.fspath(self.directory)
-        if "://" not in directory:
-            directory = os.path.abspath(os.path.expanduser(directory))
         params = {k: v for k, v in abstract["params"].items() if k not in self.exclude}
-        return ParamsFrom(directory, self.step)({"params": params})
+        return self.source({"params": params})
 
 
 def unboxed(variables: Mapping[str, Any]) -> dict[str, Any]:

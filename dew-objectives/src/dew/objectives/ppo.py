@@ -28,7 +28,7 @@ import io
 import json
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -42,6 +42,9 @@ from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_
 from dew.objectives.rollouts import CompletionRollout
 from dew.rewards import resolve
 from dew.sampling import Sampling
+
+if TYPE_CHECKING:
+    from dew.training.initializers import WeightSource
 
 __all__ = ["PPOObjective", "PPORollout", "ValueHead", "policy_and_values"]
 
@@ -212,7 +215,6 @@ class PPOObjective(Objective):
     stop_token: int | None = None
     prompt_key: str = "prompt"
     prompt_length_key: str = "prompt_length"
-    start_from: str | None = None
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
@@ -243,9 +245,9 @@ class PPOObjective(Objective):
             return {**variables, "params": {**policy, VALUE_HEAD: head}}
         return with_reference(variables) if REFERENCE not in variables else variables
 
-    def initializer(self) -> PolicyFrom | None:
-        """The starting weights a recipe passes to the Trainer: start_from's parameters (no value head)."""
-        return None if self.start_from is None else PolicyFrom(self.start_from, exclude=(VALUE_HEAD,))
+    def starting_weights(self, source: WeightSource) -> PolicyFrom:
+        """What a recipe's init section reads narrowed to the policy (the value head starts fresh)."""
+        return PolicyFrom(source, exclude=(VALUE_HEAD,))
 
     def rollout(self) -> PPORollout:
         """The rollout that samples, scores and serves this objective's minibatches."""

@@ -1,0 +1,135 @@
+"""dew's own Pretrained layout, for models no published format describes exactly.
+
+A diffusion transformer, a UNet or a token denoiser has no Hugging Face
+counterpart whose tensors mean the same, so ``Pretrained.save`` writes it
+in dew's own layout, which ``Pretrained.load`` reads back bit for bit:
+
+- ``config.json``: ``{"format": "dew", "version": 1, "model": {"name": <its
+  name in the dew.models registry>, "fields": {...}}, "task": null | {"name":
+  <an objective's registered name>, "fields": {...}}, "dew": {"tokenizer":
+  ...}}``. Fields are what a recipe gives (JSON values); a dtype is written
+  by name ("bfloat16"). ``task`` is what the weights are for: the objective a
+  pipeline is built from (``Pretrained.pipeline()``).
+- ``model.safetensors``: every variable, named by its path through the
+  variables tree with "/" between keys (``params/blocks_0/attention/query``),
+  in the dtype it had.
+- ``tokenizer.json`` when there is a tokenizer, as for the Llama layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.pretrained.errors import PretrainedError, TensorMismatchError
+
+__all__ = ["FORMAT", "component_fields", "registered_name", "read_variables", "tensors_of",
+           "unflatten"]
+
+FORMAT = "dew"
+VERSION = 1
+_SKIPPED = {"parent", "name", "model", "tokenizer", "ema"}
+
+
+def registered_name(group: str, component: Any) -> str:
+    """The name component's class is registered under in group (dew.models, dew.objectives)."""
+    from dew import registry
+
+    found = registry.registry(group)
+    for name in found.names():
+        if found.load(name) is type(component):
+            return name
+    raise PretrainedError(
+        f"{type(component).__name__} is not registered in {group!r}, so a saved directory could "
+        f"not build it again; register it (an entry point in the {group!r} group) to save it.")
+
+
+def _json_value(owner: str, name: str, value: Any) -> Any:
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        pass
+    try:
+        return np.dtype(value).name  # jnp.float32, np.dtype('bfloat16') -> its name
+    except TypeError:
+        raise PretrainedError(
+            f"{owner}.{name}={value!r} cannot be written to config.json; give it as a name or a "
+            "number (a schedule as 'vp_cosine', say) to save it.") from None
+
+
+def component_fields(component: Any) -> dict[str, Any]:
+    """component's dataclass fields as JSON values, less the ones a saved directory rebuilds."""
+    out = {}
+    for field in dataclasses.fields(component):
+        if field.name in _SKIPPED or field.name.startswith("_") or not field.init:
+            continue
+        out[field.name] = _json_value(type(component).__name__, field.name,
+                                      getattr(component, field.name))
+    return out
+
+
+def tensors_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    """Every leaf of a (host) variables tree by its '/'-joined path."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in variables.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(tensors_of(value, path))
+        else:
+            out[path] = value if hasattr(value, "shape") else np.asarray(value)
+    return out
+
+
+def unflatten(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """The variables tree whose '/'-joined leaf paths are arrays' names."""
+    tree: dict[str, Any] = {}
+    for path, value in arrays.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def config_of(model: Any, task: Mapping[str, Any] | None, tokenizer: Any) -> dict[str, Any]:
+    """config.json's content for model (the tokenizer entry is added by the writer)."""
+    return {
+        "format": FORMAT, "version": VERSION,
+        "model": {"name": registered_name("dew.models", model), "fields": component_fields(model)},
+        "task": None if task is None else dict(task),
+    }
+
+
+def build_model(config: Mapping[str, Any], source: Path) -> Any:
+    """The model config.json describes, built through the dew.models registry."""
+    from dew import models
+
+    if config.get("version") != VERSION:
+        raise PretrainedError(f"{source} is dew layout version {config.get('version')!r}; this dew "
+                              f"reads version {VERSION}. Save it again with this dew.")
+    entry = config.get("model") or {}
+    return models.build(entry["name"], **entry.get("fields", {}))
+
+
+def read_variables(source: Path) -> dict[str, Any]:
+    """Every tensor of source's model.safetensors, as the variables tree its names spell."""
+    import jax.numpy as jnp
+
+    from dew.pretrained.tensors import TensorFiles
+
+    files = TensorFiles(source)
+    names = files.names()
+    unnamed = sorted(n for n in names if not n.split("/")[0])
+    if unnamed:
+        raise TensorMismatchError(f"{source} holds tensor(s) not named by a variable path: "
+                                  f"{unnamed[:3]}; it was not written by Pretrained.save.")
+    return unflatten({name: jnp.asarray(value) for name, value in files.read(names)})
