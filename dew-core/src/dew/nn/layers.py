@@ -181,7 +181,9 @@ class CausalSelfAttention(nn.Module):
                                                     in_axis=(0, 1), out_axis=2)
         out_kernel_hkd = param(self, "out", out_init, (heads, width, features),
                                (axes.HEADS, axes.KV, axes.EMBED), self.param_dtype)
-        return jnp.einsum("bthk,hkd->btd", out_bthk, out_kernel_hkd.astype(self.dtype))
+        # "a" stands for the head width here: einsum sums the contracted axes in the order of
+        # their letters, and heads-then-width ("hk") would change the result in the last bits.
+        return jnp.einsum("btha,had->btd", out_bthk, out_kernel_hkd.astype(self.dtype))
 
     def _update_cache(
         self, k: jax.Array, v: jax.Array, positions: jax.Array
