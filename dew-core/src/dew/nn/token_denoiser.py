@@ -57,29 +57,32 @@ class TokenDenoiser(nn.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  mask: jax.Array | None = None,
                  past: Sequence[tuple[jax.Array, jax.Array]] | None = None) -> jax.Array:
-        tokens = jnp.asarray(tokens, jnp.int32)
-        if tokens.ndim != 2:
-            raise ValueError(f"TokenDenoiser takes ids [batch, length], got shape {tuple(tokens.shape)}.")
-        batch, length = tokens.shape
+        ids_bt = jnp.asarray(tokens, jnp.int32)
+        if ids_bt.ndim != 2:
+            raise ValueError(f"TokenDenoiser takes ids [batch, length], got shape {tuple(ids_bt.shape)}.")
+        batch, length = ids_bt.shape
         if positions is None:
             start = 0 if past is None else past[0][0].shape[1]
-            positions = jnp.broadcast_to(start + jnp.arange(length), (batch, length))
-        table = param(self, "embed", nn.initializers.normal(0.02),
-                      (self.vocab_size + 1, self.emb_features), (axes.VOCAB, axes.EMBED))
-        position = param(self, "position", nn.initializers.normal(0.02),
-                         (self.max_seq_len, self.emb_features), (None, axes.EMBED))
-        x = jnp.take(table, tokens, axis=0) + jnp.take(position, positions, axis=0)
-        x = constrain(x, TOKENS)
+            positions_bt = jnp.broadcast_to(start + jnp.arange(length), (batch, length))
+        else:
+            positions_bt = positions
+        # v: the vocabulary and the mask id; t: the positions up to max_seq_len
+        embed_vd = param(self, "embed", nn.initializers.normal(0.02),
+                         (self.vocab_size + 1, self.emb_features), (axes.VOCAB, axes.EMBED))
+        position_td = param(self, "position", nn.initializers.normal(0.02),
+                            (self.max_seq_len, self.emb_features), (None, axes.EMBED))
+        x_btd = jnp.take(embed_vd, ids_bt, axis=0) + jnp.take(position_td, positions_bt, axis=0)
+        x_btd = constrain(x_btd, TOKENS)
         for i in range(self.num_layers):
-            h = RMSNorm(name=f"attention_norm_{i}")(x)
-            x = x + Attention(self.num_heads, name=f"attention_{i}")(
-                h, mask, past=None if past is None else past[i])
-            h = RMSNorm(name=f"mlp_norm_{i}")(x)
-            h = nn.gelu(Dense(self.mlp_features, name=f"mlp_in_{i}")(h))
-            x = constrain(x + Dense(self.emb_features, axes.MLP, axes.EMBED, name=f"mlp_out_{i}")(h),
-                          TOKENS)
-        x = RMSNorm(name="final_norm")(x)
-        head = param(self, "head", nn.initializers.lecun_normal(),
-                     (self.emb_features, self.vocab_size), (axes.EMBED, axes.VOCAB))
-        logits = jnp.einsum("bte,ev->btv", x, head)
-        return constrain(logits, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB))
+            h_btd = RMSNorm(name=f"attention_norm_{i}")(x_btd)
+            x_btd = x_btd + Attention(self.num_heads, name=f"attention_{i}")(
+                h_btd, mask, past=None if past is None else past[i])
+            h_btd = RMSNorm(name=f"mlp_norm_{i}")(x_btd)
+            h_btm = nn.gelu(Dense(self.mlp_features, name=f"mlp_in_{i}")(h_btd))
+            h_btd = Dense(self.emb_features, axes.MLP, axes.EMBED, name=f"mlp_out_{i}")(h_btm)
+            x_btd = constrain(x_btd + h_btd, TOKENS)
+        x_btd = RMSNorm(name="final_norm")(x_btd)
+        head_dv = param(self, "head", nn.initializers.lecun_normal(),
+                        (self.emb_features, self.vocab_size), (axes.EMBED, axes.VOCAB))
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv)
+        return constrain(logits_btv, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB))

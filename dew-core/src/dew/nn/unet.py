@@ -29,7 +29,7 @@ __all__ = ["Conv", "GroupNorm", "ResBlock", "UNet"]
 
 
 class Conv(nn.Module):
-    """A same-padded convolution whose kernel [k, k, in, out] carries named axes."""
+    """A same-padded convolution of x [B, Y, X, C] whose kernel [k, k, in, out] carries named axes."""
 
     features: int
     size: int = 3
@@ -37,13 +37,15 @@ class Conv(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        x_byxc = x
         init = nn.initializers.zeros if self.zero else nn.initializers.lecun_normal()
-        kernel = param(self, "kernel", init, (self.size, self.size, x.shape[-1], self.features),
-                       (None, None, axes.EMBED, axes.MLP))
-        bias = param(self, "bias", nn.initializers.zeros, (self.features,), (axes.MLP,))
-        out = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
-                                           dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return out + bias[None, None, None, :]
+        kernel_yxcc = param(self, "kernel", init,
+                            (self.size, self.size, x_byxc.shape[-1], self.features),
+                            (None, None, axes.EMBED, axes.MLP))
+        bias_c = param(self, "bias", nn.initializers.zeros, (self.features,), (axes.MLP,))
+        out_byxc = jax.lax.conv_general_dilated(x_byxc, kernel_yxcc, (1, 1), "SAME",
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return out_byxc + bias_c[None, None, None, :]
 
 
 class GroupNorm(nn.Module):
@@ -53,30 +55,38 @@ class GroupNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        b, h, w, c = x.shape
-        groups = self.groups if c % self.groups == 0 else 1
-        grouped = x.reshape(b, h, w, groups, c // groups).astype(jnp.float32)
-        mean = grouped.mean(axis=(1, 2, 4), keepdims=True)
-        var = grouped.var(axis=(1, 2, 4), keepdims=True)
-        normed = ((grouped - mean) * jax.lax.rsqrt(var + 1e-5)).reshape(b, h, w, c)
-        scale = param(self, "scale", nn.initializers.ones, (c,), (axes.MLP,))
-        shift = param(self, "bias", nn.initializers.zeros, (c,), (axes.MLP,))
-        return normed * scale[None, None, None, :] + shift[None, None, None, :]
+        x_byxc = x
+        batch, rows, cols, channels = x_byxc.shape
+        groups = self.groups if channels % self.groups == 0 else 1
+        # n: the groups; c: the channels within one group
+        x_byxnc = x_byxc.reshape(batch, rows, cols, groups, channels // groups).astype(jnp.float32)
+        mean_bn = x_byxnc.mean(axis=(1, 2, 4), keepdims=True)  # keepdims: [B, 1, 1, N, 1]
+        var_bn = x_byxnc.var(axis=(1, 2, 4), keepdims=True)
+        normed_byxc = ((x_byxnc - mean_bn) * jax.lax.rsqrt(var_bn + 1e-5)).reshape(
+            batch, rows, cols, channels)
+        scale_c = param(self, "scale", nn.initializers.ones, (channels,), (axes.MLP,))
+        shift_c = param(self, "bias", nn.initializers.zeros, (channels,), (axes.MLP,))
+        return normed_byxc * scale_c[None, None, None, :] + shift_c[None, None, None, :]
 
 
 class ResBlock(nn.Module):
-    """x + conv(silu(norm(conv(silu(norm(x))) + embedding))), with a 1x1 skip when widths differ."""
+    """x + conv(silu(norm(conv(silu(norm(x))) + embedding))), with a 1x1 skip when widths differ.
+
+    x is [B, Y, X, C] and c, the condition vector, [B, D].
+    """
 
     features: int
 
     @nn.compact
     def __call__(self, x: jax.Array, c: jax.Array) -> jax.Array:
-        h = Conv(self.features, name="conv1")(nn.silu(GroupNorm(name="norm1")(x)))
-        h = h + Dense(self.features, axes.EMBED, axes.MLP, name="embedding")(nn.silu(c))[:, None, None]
-        h = Conv(self.features, zero=True, name="conv2")(nn.silu(GroupNorm(name="norm2")(h)))
-        if x.shape[-1] != self.features:
-            x = Conv(self.features, size=1, name="skip")(x)
-        return x + h
+        x_byxc, c_bd = x, c
+        h_byxc = Conv(self.features, name="conv1")(nn.silu(GroupNorm(name="norm1")(x_byxc)))
+        embedding_bc = Dense(self.features, axes.EMBED, axes.MLP, name="embedding")(nn.silu(c_bd))
+        h_byxc = h_byxc + embedding_bc[:, None, None]
+        h_byxc = Conv(self.features, zero=True, name="conv2")(nn.silu(GroupNorm(name="norm2")(h_byxc)))
+        if x_byxc.shape[-1] != self.features:
+            x_byxc = Conv(self.features, size=1, name="skip")(x_byxc)
+        return x_byxc + h_byxc
 
 
 class UNet(ConditionedModule):
@@ -94,27 +104,29 @@ class UNet(ConditionedModule):
     @nn.compact
     def __call__(self, x: jax.Array, level: jax.Array,
                  condition: jax.Array | None = None) -> jax.Array:
+        x_byxc = x
         expected = (self.image_size, self.image_size, self.channels)
-        if x.ndim != 4 or tuple(x.shape[1:]) != expected:
+        if x_byxc.ndim != 4 or tuple(x_byxc.shape[1:]) != expected:
             raise ValueError(f"UNet takes images [batch, {expected[0]}, {expected[1]}, "
-                             f"{expected[2]}], got shape {tuple(x.shape)}.")
+                             f"{expected[2]}], got shape {tuple(x_byxc.shape)}.")
         if self.image_size % (2 ** (len(self.multipliers) - 1)):
             raise ValueError(f"image_size={self.image_size} cannot be halved "
                              f"{len(self.multipliers) - 1} times; change it or the multipliers.")
-        c = self.conditioning(level, condition)
-        h = Conv(self.features, name="conv_in")(x.astype(jnp.float32))
-        skips = []
+        c_bd = self.conditioning(level, condition)
+        h_byxc = Conv(self.features, name="conv_in")(x_byxc.astype(jnp.float32))
+        skips_byxc = []  # one per level, at that level's resolution and width
         for i, multiplier in enumerate(self.multipliers):
-            h = ResBlock(self.features * multiplier, name=f"down_{i}")(h, c)
-            skips.append(h)
-            if i + 1 < len(self.multipliers):
-                b, hh, ww, ch = h.shape
-                h = h.reshape(b, hh // 2, 2, ww // 2, 2, ch).mean(axis=(2, 4))
-        h = ResBlock(h.shape[-1], name="middle")(h, c)
+            h_byxc = ResBlock(self.features * multiplier, name=f"down_{i}")(h_byxc, c_bd)
+            skips_byxc.append(h_byxc)
+            if i + 1 < len(self.multipliers):  # average pooling over 2x2 pixels
+                batch, rows, cols, channels = h_byxc.shape
+                h_bynxnc = h_byxc.reshape(batch, rows // 2, 2, cols // 2, 2, channels)
+                h_byxc = h_bynxnc.mean(axis=(2, 4))
+        h_byxc = ResBlock(h_byxc.shape[-1], name="middle")(h_byxc, c_bd)
         for i, multiplier in reversed(list(enumerate(self.multipliers))):
-            if h.shape[1] != skips[i].shape[1]:
-                h = h.repeat(2, axis=1).repeat(2, axis=2)
-            h = ResBlock(self.features * multiplier, name=f"up_{i}")(
-                jnp.concatenate([h, skips[i]], axis=-1), c)
-        h = nn.silu(GroupNorm(name="norm_out")(h))
-        return Conv(self.channels, zero=True, name="conv_out")(h)
+            if h_byxc.shape[1] != skips_byxc[i].shape[1]:  # nearest-neighbour up
+                h_byxc = h_byxc.repeat(2, axis=1).repeat(2, axis=2)
+            h_byxc = ResBlock(self.features * multiplier, name=f"up_{i}")(
+                jnp.concatenate([h_byxc, skips_byxc[i]], axis=-1), c_bd)
+        h_byxc = nn.silu(GroupNorm(name="norm_out")(h_byxc))
+        return Conv(self.channels, zero=True, name="conv_out")(h_byxc)
