@@ -229,7 +229,7 @@ def test_a_custom_step_composes_with_the_ema():
         batch = batch_at(i)
 
         def loss(p, batch=batch):
-            return jnp.mean((batch["x"] @ p["kernel"] + p["bias"] - batch["y"]) ** 2)
+            return jnp.mean((batch["x"] @ p["kernel"] + p["bias"][None, :] - batch["y"]) ** 2)
 
         grads = jax.grad(loss)(params)
         params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)

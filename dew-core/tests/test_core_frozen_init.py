@@ -101,8 +101,8 @@ def test_frozen_leaves_never_train_and_exist_once():
     ema = student
     for i in range(4):
         def loss(p, x=make(i)["x"]):
-            s = x @ p["kernel"] + p["bias"]
-            t = x @ teacher["kernel"] + teacher["bias"]
+            s = x @ p["kernel"] + p["bias"][None, :]
+            t = x @ teacher["kernel"] + teacher["bias"][None, :]
             return jnp.sum((s - t) ** 2) / s.size
         grads = jax.grad(loss)(student)
         updates, opt = tx.update(grads, opt, student)
