@@ -173,16 +173,16 @@ class CausalTransformer(nn.Module):
 
         kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         embed = Embed(self.vocab_size, self.emb_features, name="embed", **kinds)
-        x = embed(tokens.astype(jnp.int32))
+        x_btd = embed(tokens.astype(jnp.int32))
         if self.position_embedding == "learned":
-            table = param(self, "position", nn.initializers.normal(0.02),
-                          (self.max_seq_len, self.emb_features), (None, axes.EMBED),
-                          self.param_dtype)
-            x = x + jnp.take(table.astype(self.dtype), positions, axis=0)
+            table_sd = param(self, "position", nn.initializers.normal(0.02),
+                             (self.max_seq_len, self.emb_features), (None, axes.EMBED),
+                             self.param_dtype)
+            x_btd = x_btd + jnp.take(table_sd.astype(self.dtype), positions, axis=0)
         elif self.position_embedding != "rotary":
             raise ValueError(f"Unknown position_embedding {self.position_embedding!r}; "
                              "use 'learned' or 'rotary'.")
-        x = constrain(x, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED))
+        x_btd = constrain(x_btd, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED))
 
         layer_options = {
             "rotary": self.position_embedding == "rotary", "mlp_activation": self.mlp_activation,
@@ -195,10 +195,10 @@ class CausalTransformer(nn.Module):
                     return body
                 return nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
 
-            x = run_stack(self, DecoderLayer, self.num_layers, x, positions, segment_ids,
-                          decode=decode, wrap=rematerialized, num_heads=self.num_heads,
-                          head_features=self.head_width, mlp_features=self.mlp_features,
-                          max_len=self.max_seq_len, **layer_options)
+            x_btd = run_stack(self, DecoderLayer, self.num_layers, x_btd, positions, segment_ids,
+                              decode=decode, wrap=rematerialized, num_heads=self.num_heads,
+                              head_features=self.head_width, mlp_features=self.mlp_features,
+                              max_len=self.max_seq_len, **layer_options)
         layer_class: Any = DecoderLayer
         if self.remat != "none" and not decode:
             layer_class = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat])
@@ -212,19 +212,19 @@ class CausalTransformer(nn.Module):
                 expert_capacity=self.expert_capacity, name=f"layers_{i}", **kinds,
             )
             if layer_class is DecoderLayer:
-                x = layer(x, positions, decode=decode, segment_ids=segment_ids)
+                x_btd = layer(x_btd, positions, decode=decode, segment_ids=segment_ids)
             elif segment_ids is None:
-                x = layer(x, positions)
+                x_btd = layer(x_btd, positions)
             else:
-                x = layer(x, positions, segment_ids=segment_ids)
+                x_btd = layer(x_btd, positions, segment_ids=segment_ids)
 
-        x = RMSNorm(self.norm_epsilon, name="final_norm", **kinds)(x)
+        x_btd = RMSNorm(self.norm_epsilon, name="final_norm", **kinds)(x_btd)
         if self.tie_embeddings:
-            logits = embed.attend(x)
+            logits_btv = embed.attend(x_btd)
         else:
-            kernel = param(self, "head", nn.initializers.lecun_normal(),
-                           (self.emb_features, self.vocab_size), (axes.EMBED, axes.VOCAB),
-                           self.param_dtype)
-            logits = jnp.einsum("bte,ev->btv", x, kernel.astype(self.dtype))
-        logits = constrain(logits, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB))
-        return logits.astype(jnp.float32)
+            kernel_dv = param(self, "head", nn.initializers.lecun_normal(),
+                              (self.emb_features, self.vocab_size), (axes.EMBED, axes.VOCAB),
+                              self.param_dtype)
+            logits_btv = jnp.einsum("btd,dv->btv", x_btd, kernel_dv.astype(self.dtype))
+        logits_btv = constrain(logits_btv, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB))
+        return logits_btv.astype(jnp.float32)
