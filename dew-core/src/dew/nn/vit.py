@@ -43,15 +43,16 @@ def sincos_positions(grid: tuple[int, int, int], features: int) -> jax.Array:
     (4, 12)
     """
     part = 2 * (features // 6)
-    coordinates = jnp.stack(jnp.meshgrid(*(jnp.arange(n, dtype=jnp.float32) for n in grid), indexing="ij"), -1)
-    coordinates = coordinates.reshape(-1, 3)
-    frequencies = 1.0 / 10_000.0 ** (jnp.arange(part // 2, dtype=jnp.float32) / max(part // 2, 1))
+    coordinates_fyxn = jnp.stack(jnp.meshgrid(*(jnp.arange(n, dtype=jnp.float32) for n in grid), indexing="ij"),
+                                 -1)
+    coordinates_pn = coordinates_fyxn.reshape(-1, 3)
+    frequencies_n = 1.0 / 10_000.0 ** (jnp.arange(part // 2, dtype=jnp.float32) / max(part // 2, 1))
     pieces = []
     for axis in range(3):
-        angles = coordinates[:, axis:axis + 1] * frequencies[None, :]
-        pieces += [jnp.sin(angles), jnp.cos(angles)]
-    table = jnp.concatenate(pieces, axis=-1)
-    return jnp.pad(table, ((0, 0), (0, features - table.shape[-1])))
+        angles_pn = coordinates_pn[:, axis:axis + 1] * frequencies_n[None, :]
+        pieces += [jnp.sin(angles_pn), jnp.cos(angles_pn)]
+    table_pd = jnp.concatenate(pieces, axis=-1)
+    return jnp.pad(table_pd, ((0, 0), (0, features - table_pd.shape[-1])))
 
 
 def patchify(pixels: jax.Array, patch: int, tubelet: int = 1) -> jax.Array:
@@ -62,9 +63,11 @@ def patchify(pixels: jax.Array, patch: int, tubelet: int = 1) -> jax.Array:
     if height % patch or width % patch or frames % tubelet:
         raise ValueError(f"An input of {frames}x{height}x{width} does not divide into tubelets of "
                          f"{tubelet}x{patch}x{patch}; pick a patch (and tubelet) that divides it.")
-    x = pixels.reshape(batch, frames // tubelet, tubelet, height // patch, patch, width // patch, patch, channels)
-    x = x.transpose(0, 1, 3, 5, 2, 4, 6, 7)
-    return x.reshape(batch, -1, tubelet * patch * patch * channels)
+    # f y x count tubelets, patch rows and patch columns; the n's are the frames, rows and columns inside one.
+    cut_bfnynxnc = pixels.reshape(batch, frames // tubelet, tubelet, height // patch, patch, width // patch, patch,
+                                  channels)
+    cut_bfyxnnnc = cut_bfnynxnc.transpose(0, 1, 3, 5, 2, 4, 6, 7)
+    return cut_bfyxnnnc.reshape(batch, -1, tubelet * patch * patch * channels)
 
 
 class EncoderLayer(nn.Module):
@@ -80,19 +83,20 @@ class EncoderLayer(nn.Module):
         features = x.shape[-1]
         width = features // self.num_heads
         kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        h = RMSNorm(name="attention_norm", **kinds)(x)
+        h_btd = RMSNorm(name="attention_norm", **kinds)(x)
         init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=(1, 2))
-        q, k, v = (jnp.einsum("bte,ehd->bthd", h, param(self, name, init, (features, self.num_heads, width),
-                                                         (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype))
-                   for name in ("query", "key", "value"))
-        scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(width)
+        q_bthk, k_bshk, v_bshk = (
+            jnp.einsum("btd,dhk->bthk", h_btd, param(self, name, init, (features, self.num_heads, width),
+                                                     (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype))
+            for name in ("query", "key", "value"))
+        scores_bhts = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk).astype(jnp.float32) / math.sqrt(width)
         if allowed is not None:  # [B, S]: keys a query may read
-            scores = jnp.where(allowed[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-        attended = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1).astype(self.dtype), v)
+            scores_bhts = jnp.where(allowed[:, None, None, :], scores_bhts, jnp.finfo(jnp.float32).min)
+        out_bthk = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_bhts, axis=-1).astype(self.dtype), v_bshk)
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=(0, 1), out_axis=2)
-        out = param(self, "out", out_init, (self.num_heads, width, features), (axes.HEADS, axes.KV, axes.EMBED),
-                    self.param_dtype)
-        x = constrain(x + jnp.einsum("bthd,hde->bte", attended, out), _RESIDUAL)
+        out_kernel_hkd = param(self, "out", out_init, (self.num_heads, width, features),
+                               (axes.HEADS, axes.KV, axes.EMBED), self.param_dtype)
+        x = constrain(x + jnp.einsum("bthk,hkd->btd", out_bthk, out_kernel_hkd), _RESIDUAL)
         x = x + MLPBlock(self.mlp_features, "gelu", name="mlp", **kinds)(RMSNorm(name="mlp_norm", **kinds)(x))
         return constrain(x, _RESIDUAL)
 
@@ -132,22 +136,23 @@ class ViTEncoder(nn.Module):
     def __call__(self, pixels: jax.Array, visible: jax.Array | None = None) -> jax.Array:
         if self.emb_features % self.num_heads:
             raise ValueError(f"emb_features={self.emb_features} is not divisible by num_heads={self.num_heads}.")
-        patches = patchify(jnp.asarray(pixels, self.dtype), self.patch, self.tubelet)
-        if patches.shape[1] != self.num_patches:
-            raise ValueError(f"The input makes {patches.shape[1]} patches but the encoder was built for "
+        # n: the values of one patch (tubelet x patch x patch x channels)
+        patches_bpn = patchify(jnp.asarray(pixels, self.dtype), self.patch, self.tubelet)
+        if patches_bpn.shape[1] != self.num_patches:
+            raise ValueError(f"The input makes {patches_bpn.shape[1]} patches but the encoder was built for "
                              f"{self.num_patches} (image_size={self.image_size}, frames={self.frames}).")
-        kernel = param(self, "patch_embed", nn.initializers.lecun_normal(), (patches.shape[-1], self.emb_features),
-                       (None, axes.EMBED), self.param_dtype)
+        kernel_nd = param(self, "patch_embed", nn.initializers.lecun_normal(),
+                          (patches_bpn.shape[-1], self.emb_features), (None, axes.EMBED), self.param_dtype)
         if self.positions == "learned":
-            table = param(self, "position", nn.initializers.normal(0.02), (self.num_patches, self.emb_features),
-                          (None, axes.EMBED), self.param_dtype)
+            table_pd = param(self, "position", nn.initializers.normal(0.02), (self.num_patches, self.emb_features),
+                             (None, axes.EMBED), self.param_dtype)
         else:
-            table = sincos_positions(self.grid, self.emb_features)
-        x = constrain(jnp.einsum("bnp,pe->bne", patches, kernel) + table[None], _RESIDUAL)
+            table_pd = sincos_positions(self.grid, self.emb_features)
+        x_bpd = constrain(jnp.einsum("bpn,nd->bpd", patches_bpn, kernel_nd) + table_pd[None], _RESIDUAL)
         for i in range(self.num_layers):
-            x = EncoderLayer(self.num_heads, self.mlp_features, self.dtype, self.param_dtype, name=f"layers_{i}")(
-                x, visible)
-        return RMSNorm(name="final_norm", dtype=self.dtype, param_dtype=self.param_dtype)(x)
+            x_bpd = EncoderLayer(self.num_heads, self.mlp_features, self.dtype, self.param_dtype,
+                                 name=f"layers_{i}")(x_bpd, visible)
+        return RMSNorm(name="final_norm", dtype=self.dtype, param_dtype=self.param_dtype)(x_bpd)
 
 
 class Predictor(nn.Module):
@@ -170,18 +175,19 @@ class Predictor(nn.Module):
     @nn.compact
     def __call__(self, context: jax.Array, visible: jax.Array, targets: jax.Array) -> jax.Array:
         width = context.shape[-1]
-        into = param(self, "embed", nn.initializers.lecun_normal(), (width, self.emb_features),
-                     (axes.EMBED, axes.MLP), self.param_dtype)
-        mask_token = param(self, "mask_token", nn.initializers.normal(0.02), (self.emb_features,), (axes.MLP,),
-                           self.param_dtype)
-        table = sincos_positions(self.grid, self.emb_features)
-        x = jnp.einsum("bne,em->bnm", context, into)
-        x = jnp.where(targets[..., None], mask_token[None, None, :], x) + table[None]
-        allowed = visible | targets
+        # d: the context encoder's width (and out_features), m: the predictor's own (emb_features)
+        into_dm = param(self, "embed", nn.initializers.lecun_normal(), (width, self.emb_features),
+                        (axes.EMBED, axes.MLP), self.param_dtype)
+        mask_token_m = param(self, "mask_token", nn.initializers.normal(0.02), (self.emb_features,), (axes.MLP,),
+                             self.param_dtype)
+        table_pm = sincos_positions(self.grid, self.emb_features)
+        x_bpm = jnp.einsum("bpd,dm->bpm", context, into_dm)
+        x_bpm = jnp.where(targets[..., None], mask_token_m[None, None, :], x_bpm) + table_pm[None]
+        allowed_bp = visible | targets
         for i in range(self.num_layers):
-            x = EncoderLayer(self.num_heads, self.mlp_features, self.dtype, self.param_dtype, name=f"layers_{i}")(
-                x, allowed)
-        x = RMSNorm(name="final_norm", dtype=self.dtype, param_dtype=self.param_dtype)(x)
-        out = param(self, "out", nn.initializers.lecun_normal(), (self.emb_features, self.out_features),
-                    (axes.MLP, axes.EMBED), self.param_dtype)
-        return jnp.einsum("bnm,me->bne", x, out)
+            x_bpm = EncoderLayer(self.num_heads, self.mlp_features, self.dtype, self.param_dtype,
+                                 name=f"layers_{i}")(x_bpm, allowed_bp)
+        x_bpm = RMSNorm(name="final_norm", dtype=self.dtype, param_dtype=self.param_dtype)(x_bpm)
+        out_md = param(self, "out", nn.initializers.lecun_normal(), (self.emb_features, self.out_features),
+                       (axes.MLP, axes.EMBED), self.param_dtype)
+        return jnp.einsum("bpm,md->bpd", x_bpm, out_md)
