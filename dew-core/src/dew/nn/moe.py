@@ -114,31 +114,33 @@ class MoEBlock(nn.Module):
         experts, chosen_per_token = self.experts, self.experts_per_token
         capacity = expert_capacity(length, experts, chosen_per_token, self.capacity_factor)
 
-        router = param(self, "router", nn.initializers.normal(0.02), (features, experts),
+        # n: the experts_per_token choices of a token; s: an expert's capacity slots, the positions
+        # of the tokens it takes from a row.
+        router_de = param(self, "router", nn.initializers.normal(0.02), (features, experts),
                        (axes.EMBED, None), self.param_dtype)
-        logits = jnp.einsum("bte,ex->btx", x.astype(jnp.float32), router.astype(jnp.float32))
-        probabilities = jax.nn.softmax(logits, axis=-1)  # [B, T, E]
-        gates, chosen = jax.lax.top_k(probabilities, chosen_per_token)  # [B, T, K]
+        logits_bte = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router_de.astype(jnp.float32))
+        probabilities_bte = jax.nn.softmax(logits_bte, axis=-1)  # [B, T, E]
+        gates_btn, chosen_btn = jax.lax.top_k(probabilities_bte, chosen_per_token)  # [B, T, K]
         if chosen_per_token > 1:
-            gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+            gates_btn = gates_btn / jnp.sum(gates_btn, axis=-1, keepdims=True)
 
-        choice = jax.nn.one_hot(chosen, experts, dtype=jnp.int32)  # [B, T, K, E]
+        choice_btne = jax.nn.one_hot(chosen_btn, experts, dtype=jnp.int32)  # [B, T, K, E]
         # Slots are handed out first choice first, then second choice, each in token order.
-        ordered = jnp.swapaxes(choice, 1, 2).reshape(batch, chosen_per_token * length, experts)
-        slot = jnp.cumsum(ordered, axis=1) * ordered - 1  # -1 where the expert was not chosen
-        slot = jnp.swapaxes(slot.reshape(batch, chosen_per_token, length, experts), 1, 2)
+        ordered_bne = jnp.swapaxes(choice_btne, 1, 2).reshape(batch, chosen_per_token * length, experts)
+        slot_bne = jnp.cumsum(ordered_bne, axis=1) * ordered_bne - 1  # -1 where the expert was not chosen
+        slot_btne = jnp.swapaxes(slot_bne.reshape(batch, chosen_per_token, length, experts), 1, 2)
         # one_hot of -1 (not chosen) or of capacity and above (dropped) is all zeros.
-        placed = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # [B, T, K, E, C]
-        dispatch = jnp.sum(placed, axis=2)  # [B, T, E, C]
-        combine = jnp.sum(placed * gates[..., None, None], axis=2)
+        placed_btnes = jax.nn.one_hot(slot_btne, capacity, dtype=jnp.float32)  # [B, T, K, E, C]
+        dispatch_btes = jnp.sum(placed_btnes, axis=2)  # [B, T, E, C]
+        combine_btes = jnp.sum(placed_btnes * gates_btn[..., None, None], axis=2)
 
         # Each device routes its own rows to every expert, then one reshard (an all-to-all
         # over the expert axis) trades its rows' share of all experts for all rows' share
         # of its own experts; the outputs travel back the same way.
         local_axes = (None, axes.BATCH, None, axes.ACTIVATION_EMBED)
         expert_axes = (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_EMBED)
-        routed = constrain(jnp.einsum("btxc,bte->xbce", dispatch.astype(self.dtype), x), local_axes)
-        routed = constrain(routed, expert_axes)
+        routed_ebsd = constrain(jnp.einsum("btes,btd->ebsd", dispatch_btes.astype(self.dtype), x), local_axes)
+        routed_ebsd = constrain(routed_ebsd, expert_axes)
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
 
         def kernel(name: str, shape: tuple[int, int], names: tuple[str, str]) -> jax.Array:
@@ -146,28 +148,28 @@ class MoEBlock(nn.Module):
                          self.param_dtype).astype(self.dtype)
 
         up = (features, self.hidden_features)
-        hidden = jnp.einsum("xbce,xem->xbcm", routed, kernel("wi", up, (axes.EMBED, axes.MLP)))
+        h_ebsm = jnp.einsum("ebsd,edm->ebsm", routed_ebsd, kernel("wi", up, (axes.EMBED, axes.MLP)))
         if self.activation == "swiglu":
-            gate = jnp.einsum("xbce,xem->xbcm", routed, kernel("wi_gate", up, (axes.EMBED, axes.MLP)))
-            hidden = nn.silu(gate) * hidden
+            gate_ebsm = jnp.einsum("ebsd,edm->ebsm", routed_ebsd, kernel("wi_gate", up, (axes.EMBED, axes.MLP)))
+            h_ebsm = nn.silu(gate_ebsm) * h_ebsm
         else:
-            hidden = nn.gelu(hidden)
-        hidden = constrain(hidden, (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_MLP))
-        down = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
-        outputs = constrain(jnp.einsum("xbcm,xme->xbce", hidden, down), expert_axes)
-        outputs = constrain(outputs, local_axes)
-        y = jnp.einsum("btxc,xbce->bte", combine.astype(self.dtype), outputs)
+            h_ebsm = nn.gelu(h_ebsm)
+        h_ebsm = constrain(h_ebsm, (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_MLP))
+        down_emd = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
+        out_ebsd = constrain(jnp.einsum("ebsm,emd->ebsd", h_ebsm, down_emd), expert_axes)
+        out_ebsd = constrain(out_ebsd, local_axes)
+        y_btd = jnp.einsum("btes,ebsd->btd", combine_btes.astype(self.dtype), out_ebsd)
 
         if self.is_initializing():  # statistics of the init's dummy input are not worth keeping
-            return y.astype(x.dtype)
+            return y_btd.astype(x.dtype)
         # Switch's balance loss: experts times the dot product of each expert's share of
         # the assignments and its mean router probability.
-        share = jnp.mean(jnp.sum(choice, axis=2).astype(jnp.float32), axis=(0, 1)) / chosen_per_token
+        share_e = jnp.mean(jnp.sum(choice_btne, axis=2).astype(jnp.float32), axis=(0, 1)) / chosen_per_token
         self.sow(MOE_COLLECTION, "load_balancing_loss",
-                 experts * jnp.sum(share * jnp.mean(probabilities, axis=(0, 1))))
+                 experts * jnp.sum(share_e * jnp.mean(probabilities_bte, axis=(0, 1))))
         self.sow(MOE_COLLECTION, "dropped_fraction",
-                 1.0 - jnp.sum(dispatch) / (batch * length * chosen_per_token))
-        return y.astype(x.dtype)
+                 1.0 - jnp.sum(dispatch_btes) / (batch * length * chosen_per_token))
+        return y_btd.astype(x.dtype)
 
 
 def moe_statistics(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
