@@ -242,16 +242,17 @@ def _gpipe(stack: nn.Module, stages: int, count: int, x: jax.Array, positions: j
             return None
         return jnp.roll(carried, 1, axis=0).at[0].set(fresh)
 
+    # n: the stages (in the carried state) or the iterations (in the scan's outputs)
     def iteration(module: nn.Module, carry: tuple, feed: tuple) -> tuple[tuple, jax.Array]:
-        state, where, segments = (shifted(c, f) for c, f in zip(carry, feed, strict=True))
-        state = constrain(state, state_axes)
-        state = constrain(module(state, where, segments)[0], state_axes)
-        return (state, where, segments), state[stages - 1]
+        state_nbtd, where_nbt, segments_nbt = (shifted(c, f) for c, f in zip(carry, feed, strict=True))
+        state_nbtd = constrain(state_nbtd, state_axes)
+        state_nbtd = constrain(module(state_nbtd, where_nbt, segments_nbt)[0], state_axes)
+        return (state_nbtd, where_nbt, segments_nbt), state_nbtd[stages - 1]
 
     loop = nn.scan(iteration, variable_broadcast="params", split_rngs={"params": False},
                    length=iterations)
-    _, finished = loop(stack, carry, feeds)
-    return _whole(finished[stages - 1:])
+    _, finished_nbtd = loop(stack, carry, feeds)
+    return _whole(finished_nbtd[stages - 1:])
 
 
 def unstack_layers(params: Mapping[str, Any], num_layers: int, name: str = "layers") -> dict[str, Any]:
