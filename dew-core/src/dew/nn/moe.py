@@ -158,7 +158,8 @@ class MoEBlock(nn.Module):
         down_emd = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
         out_ebsd = constrain(jnp.einsum("ebsm,emd->ebsd", h_ebsm, down_emd), expert_axes)
         out_ebsd = constrain(out_ebsd, local_axes)
-        y_btd = jnp.einsum("btes,ebsd->btd", combine_btes.astype(self.dtype), out_ebsd)
+        # "a" is the slots here, so einsum sums them before the experts, as it always has
+        y_btd = jnp.einsum("btea,ebad->btd", combine_btes.astype(self.dtype), out_ebsd)
 
         if self.is_initializing():  # statistics of the init's dummy input are not worth keeping
             return y_btd.astype(x.dtype)

@@ -96,7 +96,8 @@ class EncoderLayer(nn.Module):
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=(0, 1), out_axis=2)
         out_kernel_hkd = param(self, "out", out_init, (self.num_heads, width, features),
                                (axes.HEADS, axes.KV, axes.EMBED), self.param_dtype)
-        x = constrain(x + jnp.einsum("bthk,hkd->btd", out_bthk, out_kernel_hkd), _RESIDUAL)
+        # "a" is the head width here, so einsum sums it before the heads, as it always has
+        x = constrain(x + jnp.einsum("btha,had->btd", out_bthk, out_kernel_hkd), _RESIDUAL)
         x = x + MLPBlock(self.mlp_features, "gelu", name="mlp", **kinds)(RMSNorm(name="mlp_norm", **kinds)(x))
         return constrain(x, _RESIDUAL)
 
