@@ -102,8 +102,8 @@ def test_the_target_encoder_is_the_ema_of_the_context_encoder_at_every_step(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "Not yet shown. Probing standardized mean-pooled features (logistic regression, 1200 train / 597 test "
+@pytest.mark.xfail(run=False, reason=(  # not run: 1500 steps to show a known failure
+    "Not yet shown (issue 14 stays open). Probing standardized mean-pooled features (logistic regression, 1200 train / 597 test "
     "digits, JEPA trained on the 1200 train images only), the trained target encoder scores 0.71-0.81 against "
     "the same-seed random encoder's 0.71-0.76, over: 600-3000 steps, lr 1e-3 and 3e-3, 1-3 blocks of 2x2 or "
     "3x3 patches, momentum from 0.95 or 0.99, learned or sine-cosine positions, standardized pixels, "
