@@ -51,7 +51,7 @@ def main() -> None:
 
     from dew import Trainer
     from dew.nn.backbones import CausalTransformer
-    from dew.nn.pipeline import Schedule
+    from dew.nn.pipeline import PipelineSchedule
     from dew.objectives.base import Aux, Mean, Objective
     from dew.training.mesh import MeshSpec, data_partition, shard_batch
 
@@ -92,7 +92,7 @@ def main() -> None:
             baseline = seconds
             print(f"{name:34s} {1e3 * seconds:8.1f} ms/step  (baseline)")
             continue
-        schedule = Schedule(mesh_spec.stage, mesh_spec.microbatches)
+        schedule = PipelineSchedule(mesh_spec.stage, mesh_spec.microbatches)
         reported = float(metrics["pipeline_bubble"])
         measured = 1 - baseline / seconds
         print(f"{name:34s} {1e3 * seconds:8.1f} ms/step  ratio {seconds / baseline:5.2f} x data "

@@ -236,6 +236,7 @@ class TestWandbTracker(TrackerKit):
     @pytest.fixture(autouse=True)
     def _offline(self, monkeypatch, tmp_path):
         wandb = pytest.importorskip("wandb")
+        wandb.teardown()  # an earlier test's W&B setup would keep writing into its own WANDB_DIR
         monkeypatch.setenv("WANDB_DIR", str(tmp_path))
         monkeypatch.setenv("WANDB_SILENT", "true")
         monkeypatch.setenv("WANDB_API_KEY", "")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dew.nn.backbones import CausalTransformer
-from dew.nn.pipeline import Schedule, pipeline, stack_layers, unstack_layers
+from dew.nn.pipeline import PipelineSchedule, pipeline, stack_layers, unstack_layers
 from dew.training.stages import bank_sites
 
 FIELDS = dict(vocab_size=61, emb_features=32, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -49,7 +49,7 @@ def test_the_stack_is_the_numbered_layers_stacked(scanned):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, variables["params"]))
 
 
-@pytest.mark.parametrize("schedule", [Schedule(2, 2), Schedule(2, 4), Schedule(4, 4)])
+@pytest.mark.parametrize("schedule", [PipelineSchedule(2, 2), PipelineSchedule(2, 4), PipelineSchedule(4, 4)])
 def test_a_pipeline_schedule_computes_the_same_logits(scanned, schedule):
     model, _, variables = scanned
     with pipeline(schedule):
@@ -81,7 +81,7 @@ def test_quantization_reaches_the_scanned_trunk(scanned):
     # slightly, so the scanned stack is held to the numbered layers' quantization error.
     error, reference = (float(jnp.abs(q - exact).max()) for q in (ours, flat))
     assert 0.5 * reference < error < 2 * reference, (error, reference)
-    with pipeline(Schedule(2, 4)):
+    with pipeline(PipelineSchedule(2, 4)):
         piped = apply_quantization(model, spec).apply(variables, TOKENS)
     assert 0.5 * reference < float(jnp.abs(piped - exact).max()) < 2 * reference
     weights_only = Quantization("int8", activations="none")

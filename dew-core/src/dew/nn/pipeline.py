@@ -6,7 +6,7 @@ Layout's ``layers`` rule splits over the ``stage`` mesh axis. The stored tree
 is the same whatever the mesh: only how a step runs it changes.
 
 Outside a pipeline schedule (or at init) the stack is one ``scan`` over the
-layers. Inside ``pipeline(Schedule(stages, microbatches))``, which the trainer
+layers. Inside ``pipeline(PipelineSchedule(stages, microbatches))``, which the trainer
 opens while it compiles its step, the layers are viewed as ``[stages,
 layers_per_stage]`` and the batch as ``microbatches`` slices; every iteration
 each stage runs its layers on the slice it holds, then hands its output to
@@ -22,11 +22,11 @@ the ``microbatches + stages - 1`` iterations: that share is the bubble.
 >>> variables = model.init(jax.random.key(0), tokens)
 >>> variables["params"]["layers"]["mlp"]["wi"].value.shape  # layers stacked in front
 (4, 8, 16)
->>> with pipeline(Schedule(stages=2, microbatches=4)):
+>>> with pipeline(PipelineSchedule(stages=2, microbatches=4)):
 ...     piped = model.apply(variables, tokens)
 >>> bool(jnp.allclose(piped, model.apply(variables, tokens), atol=1e-5))
 True
->>> Schedule(stages=2, microbatches=4).bubble  # (2 - 1) / (4 + 2 - 1)
+>>> PipelineSchedule(stages=2, microbatches=4).bubble  # (2 - 1) / (4 + 2 - 1)
 0.2
 """
 
@@ -47,7 +47,7 @@ from dew.nn.sharding import constrain
 
 __all__ = [
     "MicrobatchError",
-    "Schedule",
+    "PipelineSchedule",
     "StageDivisionError",
     "current_schedule",
     "pipeline",
@@ -66,7 +66,7 @@ class MicrobatchError(ValueError):
 
 
 @dataclass(frozen=True)
-class Schedule:
+class PipelineSchedule:
     """How a scanned stack is pipelined: stages (the mesh's stage axis) and microbatches.
 
     microbatches None means one per stage, the smallest schedule.
@@ -77,7 +77,7 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if self.stages < 1:
-            raise ValueError(f"Schedule.stages must be at least 1, got {self.stages}.")
+            raise ValueError(f"PipelineSchedule.stages must be at least 1, got {self.stages}.")
         if self.microbatches is not None and (self.microbatches < 1
                                               or self.microbatches % self.stages):
             raise MicrobatchError(
@@ -102,12 +102,12 @@ class Schedule:
         return (self.stages - 1) / self.iterations
 
 
-_CURRENT: contextvars.ContextVar[Schedule | None] = contextvars.ContextVar("dew_pipeline",
+_CURRENT: contextvars.ContextVar[PipelineSchedule | None] = contextvars.ContextVar("dew_pipeline",
                                                                            default=None)
 
 
 @contextlib.contextmanager
-def pipeline(schedule: Schedule) -> Iterator[Schedule]:
+def pipeline(schedule: PipelineSchedule) -> Iterator[PipelineSchedule]:
     """Run scanned stacks traced inside this block under schedule."""
     token = _CURRENT.set(schedule)
     try:
@@ -116,9 +116,9 @@ def pipeline(schedule: Schedule) -> Iterator[Schedule]:
         _CURRENT.reset(token)
 
 
-def current_schedule() -> Schedule:
+def current_schedule() -> PipelineSchedule:
     """The schedule a scanned stack traced now runs under (one stage outside ``pipeline``)."""
-    return _CURRENT.get() or Schedule()
+    return _CURRENT.get() or PipelineSchedule()
 
 
 def _body(layer_class: type[nn.Module], decode: bool) -> type[nn.Module]:

@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dew.nn.pipeline import Schedule, StageDivisionError
+from dew.nn.pipeline import PipelineSchedule, StageDivisionError
 from dew.nn.sharding import LAYERS
 from dew.training.mesh import MeshSpec
 
@@ -89,7 +89,7 @@ def check_stages(boxed: Any, spec: MeshSpec) -> None:
             )
 
 
-def with_bubble(step: Callable[..., tuple[Any, dict]], schedule: Schedule) -> Callable[..., tuple[Any, dict]]:
+def with_bubble(step: Callable[..., tuple[Any, dict]], schedule: PipelineSchedule) -> Callable[..., tuple[Any, dict]]:
     """step, reporting its schedule's bubble fraction as the metric pipeline_bubble when it
     pipelines (the share of stage-iterations a stage spends idle)."""
     if schedule.stages == 1:
@@ -102,6 +102,6 @@ def with_bubble(step: Callable[..., tuple[Any, dict]], schedule: Schedule) -> Ca
     return reported
 
 
-def schedule_of(spec: MeshSpec) -> Schedule:
+def schedule_of(spec: MeshSpec) -> PipelineSchedule:
     """The pipeline schedule a mesh spec asks for."""
-    return Schedule(stages=spec.stage, microbatches=spec.microbatches)
+    return PipelineSchedule(stages=spec.stage, microbatches=spec.microbatches)
