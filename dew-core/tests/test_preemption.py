@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dew.testing.processes import run_until_lines
 from dew.training.runtime import Preempted, PreemptionNotice, PreemptionWatch
 
 
@@ -194,20 +195,9 @@ def _steps(table: dict[tuple[int, str], float]) -> list[int]:
 def _train(tmp_path: Path, name: str, mode: str, trigger: str | None = None) -> tuple[int, str, str]:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    assert child.stdout is not None
-    lines = []
-    for line in child.stdout:
-        lines.append(line)
-        if trigger is not None and line.strip() == trigger:
-            child.send_signal(signal.SIGTERM)
-            trigger = None
-    child.wait(timeout=180)
-    return child.returncode, "".join(lines), child.stderr.read()
+    done = run_until_lines([sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), mode],
+                           signal_at=[trigger] if trigger is not None else [], timeout=180)
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,12 @@ the losses and end with the parameters of an uninterrupted run, bit for bit.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dew.testing.processes import run_until_lines
 
 pytestmark = pytest.mark.slow
 
@@ -62,18 +61,9 @@ print("finished", int(state.step), digest.hexdigest(), flush=True)
 def _train(tmp_path: Path, name: str, trigger: str | None = None) -> tuple[int, str, str]:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert child.stdout is not None
-    lines = []
-    for line in child.stdout:
-        lines.append(line)
-        if trigger is not None and line.strip() == trigger:
-            child.send_signal(signal.SIGTERM)
-            trigger = None
-    child.wait(timeout=300)
-    return child.returncode, "".join(lines), child.stderr.read()
+    done = run_until_lines([sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl")],
+                           signal_at=[trigger] if trigger is not None else [], timeout=300)
+    return done.returncode, done.stdout, done.stderr
 
 
 def _losses(path: Path) -> dict[tuple[int, str], float]:
