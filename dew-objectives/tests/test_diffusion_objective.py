@@ -95,6 +95,7 @@ def test_previews_are_a_grid_and_a_gif():
     assert (artifact.kind, artifact.data.shape) == ("video", (3, 8, 16, 1))
 
 
+@pytest.mark.slow
 def test_unet_trains_through_the_same_objective():
     model = UNet(image_size=8, channels=1, features=8, multipliers=(1, 2), emb_features=16,
                  num_classes=10)

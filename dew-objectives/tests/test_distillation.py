@@ -39,6 +39,7 @@ def test_registered_as_distillation():
     assert objectives.load("distillation") is DistillationObjective
 
 
+@pytest.mark.slow  # about 17 s on a quiet 2-core machine: the model's ops compile one by one (eager)
 @pytest.mark.parametrize("temperature", [1.0, 2.5])
 def test_loss_and_gradient_equal_the_hand_written_formula(temperature):
     objective = DistillationObjective(student_model(), teacher_model(), SEQ, temperature=temperature,
@@ -247,6 +248,7 @@ def test_a_recipe_reads_its_teacher_from_an_exported_directory(tmp_path):
                  jax.device_get(Pretrained.load(tmp_path / "teacher").variables["params"]))
 
 
+@pytest.mark.slow
 def test_the_distilled_student_is_a_text_generation_pipeline_that_saves_for_transformers(tmp_path):
     from dew.data import ByteTokenizer
     from dew.sampling import Sampling, TextGeneration, generate
