@@ -82,6 +82,7 @@ def test_loss_and_gradient_equal_the_hand_written_formula(temperature):
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads["params"]["student"]))
 
 
+@pytest.mark.slow
 def test_hidden_states_match_through_a_learned_projection():
     objective = DistillationObjective(student_model(), teacher_model(), SEQ, forward=0.0, hidden=1.0)
     variables = nn.meta.unbox(objective.init(jax.random.key(0)))
@@ -176,6 +177,7 @@ def llama_student(vocab=16, emb=8, layers=1):
                              max_seq_len=SEQ, position_embedding="rotary", mlp_activation="swiglu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", ["transformers", "dew"])
 def test_a_teacher_from_a_pretrained_directory_is_read_whole_and_held_frozen(tmp_path, writer):
     from dew.pretrained import Pretrained

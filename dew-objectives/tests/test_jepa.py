@@ -136,6 +136,7 @@ def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
     assert after > before + 0.1
 
 
+@pytest.mark.slow
 def test_the_target_encoder_is_a_feature_extractor_that_saves_and_loads(tmp_path):
     from dew.objectives.diffusion_pipeline import load_pipeline
     from dew.objectives.jepa import FeatureExtraction
