@@ -37,8 +37,9 @@ def write_files(blocks: list[str], directory: Path) -> list[str]:
     return program
 
 
-# Pages whose examples train through the command line: the fast lane skips them.
-SLOW = {"cli.md", "training.md"}
+# Pages whose examples train through the command line or train for more than a few seconds:
+# the fast lane skips them.
+SLOW = {"cli.md", "training.md", "plugins.md", "diffusion.md", "weights.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW

@@ -4,7 +4,6 @@ and fine-tune, through a recipe, a model that transformers initialized."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dew.testing.processes import device_env
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -20,8 +21,9 @@ DEW = Path(sys.executable).parent / "dew"
 
 
 def _dew(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    # One device; the commands of one test share their compiled programs (dew eval and dew
+    # generate load what dew train and the first of them compiled for the same model).
+    env = device_env(1, compilation_cache=cwd / ".xla-cache")
     return subprocess.run([str(DEW), *args], capture_output=True, text=True, timeout=400,
                           cwd=cwd, env=env)
 

@@ -6,14 +6,13 @@ One interpreter trains the four objectives in turn, so each run pays one start-u
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from dew.testing.processes import run_until_lines
 
 OBJECTIVES = ("image", "video", "masked", "block")
 STEPS = 6
@@ -99,24 +98,15 @@ for name in sys.argv[4].split(","):
 
 
 def _run(tmp_path: Path, name: str, devices: int, stop_at: set[str] = frozenset()) -> tuple[int, str, str]:
+    # The children share one compilation cache: the five stopped-and-resumed one-device runs load
+    # the programs the uninterrupted one-device run compiled instead of compiling them again.
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"),
-         str(devices), ",".join(OBJECTIVES)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert child.stdout is not None
-    lines = []
-    pending = set(stop_at)
-    for line in child.stdout:
-        lines.append(line)
-        if line.strip() in pending:
-            pending.discard(line.strip())
-            child.send_signal(signal.SIGTERM)
-    child.wait(timeout=900)
-    return child.returncode, "".join(lines), child.stderr.read()
+    finished = run_until_lines(
+        [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), str(devices),
+         ",".join(OBJECTIVES)],
+        signal_at=sorted(stop_at), devices=devices, timeout=900, compilation_cache=tmp_path / "xla-cache")
+    return finished.returncode, finished.stdout, finished.stderr
 
 
 def _losses(path: Path) -> dict[tuple[str, int], float]:

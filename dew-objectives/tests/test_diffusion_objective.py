@@ -84,6 +84,7 @@ def test_condition_dropout_trains_the_null_label():
     np.testing.assert_allclose(float(dropped.value), float(kept.value), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_previews_are_a_grid_and_a_gif():
     objective = DiffusionObjective(DIT, preview_count=4, sample_steps=2)
     artifact = objective.preview(init(objective), jax.random.key(1))
@@ -95,6 +96,7 @@ def test_previews_are_a_grid_and_a_gif():
     assert (artifact.kind, artifact.data.shape) == ("video", (3, 8, 16, 1))
 
 
+@pytest.mark.slow
 def test_unet_trains_through_the_same_objective():
     model = UNet(image_size=8, channels=1, features=8, multipliers=(1, 2), emb_features=16,
                  num_classes=10)
@@ -162,6 +164,7 @@ def test_schedule_objects_and_names_agree():
     assert float(a.value) == float(b.value)
 
 
+@pytest.mark.slow
 def test_text_conditioning_trains_with_a_frozen_encoder():
     import itertools
 

@@ -76,6 +76,7 @@ def _round_trip(objective, tmp_path, sample):
     return config
 
 
+@pytest.mark.slow
 def test_class_to_image_round_trip(tmp_path):
     objective = DiffusionObjective(DiT(**SMALL, num_classes=3), sample_steps=3, guidance=2.0,
                                    schedule="flow", sampler="heun")
@@ -85,6 +86,7 @@ def test_class_to_image_round_trip(tmp_path):
     assert config["task"]["name"] == "diffusion" and config["task"]["fields"]["guidance"] == 2.0
 
 
+@pytest.mark.slow
 def test_text_to_image_round_trip_keeps_the_tokenizer(tmp_path):
     tokenizer = ByteTokenizer()
     model = DiT(**SMALL, text_vocab_size=tokenizer.vocab_size, text_length=6)
@@ -94,6 +96,7 @@ def test_text_to_image_round_trip_keeps_the_tokenizer(tmp_path):
     assert type(Pretrained.load(tmp_path / "saved").tokenizer).__name__ == "ByteTokenizer"
 
 
+@pytest.mark.slow
 def test_video_round_trip(tmp_path):
     model = VideoDiT(frames=3, **SMALL, num_classes=2)
     objective = DiffusionObjective(model, sample_steps=2)

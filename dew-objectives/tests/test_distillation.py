@@ -39,6 +39,7 @@ def test_registered_as_distillation():
     assert objectives.load("distillation") is DistillationObjective
 
 
+@pytest.mark.slow  # about 17 s on a quiet 2-core machine: the model's ops compile one by one (eager)
 @pytest.mark.parametrize("temperature", [1.0, 2.5])
 def test_loss_and_gradient_equal_the_hand_written_formula(temperature):
     objective = DistillationObjective(student_model(), teacher_model(), SEQ, temperature=temperature,
@@ -81,6 +82,7 @@ def test_loss_and_gradient_equal_the_hand_written_formula(temperature):
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads["params"]["student"]))
 
 
+@pytest.mark.slow
 def test_hidden_states_match_through_a_learned_projection():
     objective = DistillationObjective(student_model(), teacher_model(), SEQ, forward=0.0, hidden=1.0)
     variables = nn.meta.unbox(objective.init(jax.random.key(0)))
@@ -175,6 +177,7 @@ def llama_student(vocab=16, emb=8, layers=1):
                              max_seq_len=SEQ, position_embedding="rotary", mlp_activation="swiglu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", ["transformers", "dew"])
 def test_a_teacher_from_a_pretrained_directory_is_read_whole_and_held_frozen(tmp_path, writer):
     from dew.pretrained import Pretrained
@@ -247,6 +250,7 @@ def test_a_recipe_reads_its_teacher_from_an_exported_directory(tmp_path):
                  jax.device_get(Pretrained.load(tmp_path / "teacher").variables["params"]))
 
 
+@pytest.mark.slow
 def test_the_distilled_student_is_a_text_generation_pipeline_that_saves_for_transformers(tmp_path):
     from dew.data import ByteTokenizer
     from dew.sampling import Sampling, TextGeneration, generate

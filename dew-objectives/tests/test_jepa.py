@@ -56,6 +56,7 @@ def test_image_blocks_and_video_tubes_and_a_mask_over_the_whole_image_is_refused
         JepaObjective(encoder(), blocks=1, block=(5, 1))
 
 
+@pytest.mark.slow
 def test_the_context_encoder_sees_only_visible_patches_and_videos_train():
     model = encoder()
     variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
@@ -83,6 +84,7 @@ def momentum(updates, start, end, steps):
     return end - (end - start) * (np.cos(np.pi * progress) + 1) / 2
 
 
+@pytest.mark.slow
 def test_the_target_encoder_is_the_ema_of_the_context_encoder_at_every_step(tmp_path):
     images, _ = digits()
     objective = JepaObjective(encoder(emb_features=16, num_layers=1, mlp_features=32), blocks=3,
@@ -134,6 +136,7 @@ def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
     assert after > before + 0.1
 
 
+@pytest.mark.slow
 def test_the_target_encoder_is_a_feature_extractor_that_saves_and_loads(tmp_path):
     from dew.objectives.diffusion_pipeline import load_pipeline
     from dew.objectives.jepa import FeatureExtraction

@@ -70,6 +70,7 @@ def test_uniform_routing_has_balance_loss_one_and_a_skewed_router_more():
     assert float(moe_statistics(sown)["load_balancing_loss"]) > 1.5
 
 
+@pytest.mark.slow
 def test_lm_objective_trains_on_the_balance_loss_with_its_weight():
     model = CausalTransformer(vocab_size=16, emb_features=8, num_layers=2, num_heads=2, mlp_features=16,
                               max_seq_len=6, experts=4, experts_per_token=2, expert_capacity=1.0)

@@ -58,11 +58,14 @@ print("finished", int(state.step), digest.hexdigest(), flush=True)
 '''
 
 
-def _train(tmp_path: Path, name: str, trigger: str | None = None) -> tuple[int, str, str]:
+def _train(tmp_path: Path, name: str, cache: Path, trigger: str | None = None) -> tuple[int, str, str]:
+    # cache: the three runs of one test share their compiled programs (the stopped and the
+    # resumed run load what the uninterrupted one compiled).
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     done = run_until_lines([sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl")],
-                           signal_at=[trigger] if trigger is not None else [], timeout=300)
+                           signal_at=[trigger] if trigger is not None else [], timeout=300,
+                           compilation_cache=cache)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -80,7 +83,8 @@ def _losses(path: Path) -> dict[tuple[int, str], float]:
 def test_a_run_stopped_mid_rollout_resumes_bitwise(tmp_path: Path) -> None:
     whole = tmp_path / "whole"
     whole.mkdir()
-    code, out, err = _train(whole, "run")
+    cache = tmp_path / "xla-cache"
+    code, out, err = _train(whole, "run", cache)
     assert code == 0, err[-4000:]
     expected = [line for line in out.splitlines() if line.startswith("finished")]
     assert expected and expected[0].startswith("finished 10")
@@ -88,12 +92,12 @@ def test_a_run_stopped_mid_rollout_resumes_bitwise(tmp_path: Path) -> None:
 
     # Stopped while the second sample is being scored (step 5): the first sample's state is
     # behind it and the second's is not yet served.
-    code, out, err = _train(tmp_path, "run", trigger="reward 2")
+    code, out, err = _train(tmp_path, "run", cache, trigger="reward 2")
     assert code == 143, err[-4000:]
     stopped = [line for line in err.splitlines() if line.startswith("dew: preempted at step")]
     step = int(stopped[0].split()[4].rstrip(";"))
     assert 5 <= step < 10
-    code, out, err = _train(tmp_path, "run")
+    code, out, err = _train(tmp_path, "run", cache)
     assert code == 0, err[-4000:]
     assert [line for line in out.splitlines() if line.startswith("finished")] == expected
     assert _losses(tmp_path / "run.jsonl") == _losses(whole / "run.jsonl")

@@ -38,6 +38,7 @@ def rows(seed, count=3):
     return np.random.default_rng(seed).integers(0, 32, size=(count, SEQ + 1)).astype(np.int32)
 
 
+@pytest.mark.slow
 def test_masked_positions_contribute_exactly_zero_gradient(variables):
     objective = LMObjective(MODEL, SEQ)
     text = rows(0)

@@ -61,10 +61,13 @@ def result(stdout: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["distillation", "sft", "jepa"])
 def test_eight_devices_match_one_and_resume_bitwise(kind, python_in_subprocess, tmp_path):
+    # The eight-device child builds three Trainers of one program: the second and third load
+    # the first one's executable from the compilation cache instead of compiling it again.
+    cache = tmp_path / "xla-cache"
     single = result(python_in_subprocess(PROGRAM.format(here=HERE, kind=kind, resume=False, tmp=str(tmp_path)),
-                                         devices=1, timeout=600))
+                                         devices=1, timeout=600, compilation_cache=cache))
     many = result(python_in_subprocess(PROGRAM.format(here=HERE, kind=kind, resume=True, tmp=str(tmp_path)),
-                                       devices=8, timeout=600))
+                                       devices=8, timeout=600, compilation_cache=cache))
     print(kind, single["losses"], many["losses"], many["sharded"], "of", many["leaves"], "leaves sharded")
     np.testing.assert_allclose(many["losses"], single["losses"], rtol=1e-4)
     assert many["sharded"] > 0  # the parameters really are split over the mesh

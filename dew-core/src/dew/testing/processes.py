@@ -19,21 +19,34 @@ from pathlib import Path
 __all__ = ["Finished", "device_env", "run_python", "run_until_lines"]
 
 
-def device_env(devices: int = 1, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a CPU-only JAX with `devices` fake devices, plus env."""
+def device_env(devices: int = 1, env: Mapping[str, str] | None = None, *,
+               compilation_cache: str | Path | None = None) -> dict[str, str]:
+    """This process's environment for a CPU-only JAX with `devices` fake devices, plus env.
+
+    compilation_cache names a directory where the children of one test keep
+    every program they compile (JAX's persistent cache, however small or
+    quick the program): a run that restarts, resumes or builds a second
+    Trainer then loads the executable the first one compiled. The cache is
+    keyed by the program itself, so a different program still compiles.
+    """
     environment = dict(os.environ)
     environment["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     environment["JAX_PLATFORMS"] = "cpu"
+    if compilation_cache is not None:
+        environment["JAX_COMPILATION_CACHE_DIR"] = str(compilation_cache)
+        environment["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        environment["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     environment.update(env or {})
     return environment
 
 
 def run_python(code: str, *, devices: int = 1, timeout: float = 300, env: Mapping[str, str] | None = None,
-               cwd: str | Path | None = None) -> subprocess.CompletedProcess:
-    """Run code (dedented) in a fresh interpreter with `devices` fake CPU devices."""
+               cwd: str | Path | None = None,
+               compilation_cache: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run code (dedented) in a fresh interpreter with `devices` fake CPU devices (see device_env)."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-        timeout=timeout, env=device_env(devices, env), cwd=cwd,
+        timeout=timeout, env=device_env(devices, env, compilation_cache=compilation_cache), cwd=cwd,
     )
 
 
@@ -47,7 +60,8 @@ class Finished:
 
 
 def run_until_lines(command: Sequence[str], *, signal_at: Iterable[str] = (), sig: int = signal.SIGTERM,
-                    devices: int = 1, timeout: float = 300, env: Mapping[str, str] | None = None) -> Finished:
+                    devices: int = 1, timeout: float = 300, env: Mapping[str, str] | None = None,
+                    compilation_cache: str | Path | None = None) -> Finished:
     """Run command, sending sig once for each line of signal_at the moment the child prints it.
 
     This is how a test preempts a training at an exact point: the child
@@ -56,7 +70,7 @@ def run_until_lines(command: Sequence[str], *, signal_at: Iterable[str] = (), si
     """
     pending = list(signal_at)
     child = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=device_env(devices, env))
+                             env=device_env(devices, env, compilation_cache=compilation_cache))
     assert child.stdout is not None and child.stderr is not None
     lines = []
     for line in child.stdout:
