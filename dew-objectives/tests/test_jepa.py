@@ -107,12 +107,12 @@ def test_the_target_encoder_is_the_ema_of_the_context_encoder_at_every_step(tmp_
 def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
     """JEPA's target encoder gives digits features a linear probe separates far better than random encoders' do.
 
-    The same ViT (learned position table, as initialized, so an untrained encoder's pooled features carry
-    little beyond the pixels' bag of values) is probed before and after 1500 JEPA steps on the 1200 training
+    The same ViT (with a learned position table) is probed before and after 1500 JEPA steps on the 1200 training
     digits (the objective standardizes pixels with the training images' mean and deviation, for every encoder);
     the probe is a logistic regression on standardized mean-pooled features, scored on the 597 held-out digits.
     The trained encoder must beat the best of four random initializations (the run's own and three others), not
-    one chosen seed. Seen here (run keys 0, 1, 2): random 0.564-0.603, trained target encoder 0.742-0.752.
+    one chosen seed. Seen here: random 0.564-0.603 (0.563-0.625 over twelve seeds), trained target encoder
+    0.742-0.752 (run keys 0, 1, 2).
     """
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
@@ -138,7 +138,7 @@ def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
     after = probe(objective.pipeline(state))
     print(f"linear probe accuracy on digits: random encoders {[round(b, 3) for b in before]}, "
           f"JEPA target encoder {after:.3f}")
-    assert after > max(before) + 0.1
+    assert after > max(before) + 0.1  # seen: 0.747 against at best 0.598 (margin ~0.15)
 
 
 def test_the_target_encoder_is_a_feature_extractor_that_saves_and_loads(tmp_path):
