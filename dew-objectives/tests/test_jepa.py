@@ -54,6 +54,8 @@ def test_image_blocks_and_video_tubes_and_a_mask_over_the_whole_image_is_refused
         JepaObjective(encoder(), blocks=4, block=(2, 2))
     with pytest.raises(MaskCoversImageError, match=r"1 blocks of 5x1 patches"):
         JepaObjective(encoder(), blocks=1, block=(5, 1))
+    with pytest.raises(ValueError, match=r"pixel_std, which must be positive; got 0.0"):
+        JepaObjective(encoder(), pixel_std=0.0)
 
 
 @pytest.mark.slow
@@ -104,36 +106,41 @@ def test_the_target_encoder_is_the_ema_of_the_context_encoder_at_every_step(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(run=False, reason=(  # not run: 1500 steps to show a known failure
-    "Not yet shown (issue 14 stays open). Probing standardized mean-pooled features (logistic regression, 1200 train / 597 test "
-    "digits, JEPA trained on the 1200 train images only), the trained target encoder scores 0.71-0.81 against "
-    "the same-seed random encoder's 0.71-0.76, over: 600-3000 steps, lr 1e-3 and 3e-3, 1-3 blocks of 2x2 or "
-    "3x3 patches, momentum from 0.95 or 0.99, learned or sine-cosine positions, standardized pixels, "
-    "batch-standardized targets; another random init alone scores 0.80. The gain stops at about +0.05 after "
-    "1500 steps (0.812 at 1500 and at 3000), short of a margin that holds across seeds."))
 def test_a_linear_probe_on_the_trained_encoder_beats_one_on_a_random_encoder():
+    """JEPA's target encoder gives digits features a linear probe separates far better than random encoders' do.
+
+    The same ViT (with a learned position table) is probed before and after 1500 JEPA steps on the 1200 training
+    digits (the objective standardizes pixels with the training images' mean and deviation, for every encoder);
+    the probe is a logistic regression on standardized mean-pooled features, scored on the 597 held-out digits.
+    The trained encoder must beat the best of four random initializations (the run's own and three others), not
+    one chosen seed. Seen here: random 0.564-0.603 (0.563-0.625 over twelve seeds), trained target encoder
+    0.742-0.752 (run keys 0, 1, 2).
+    """
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
     images, labels = digits()
     train = images[:1200]  # JEPA sees the probe's training images only, never the held-out ones
     steps = 1500
-    objective = JepaObjective(encoder(), blocks=3, momentum=(0.99, 1.0), momentum_steps=steps)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 50, steps)
+    objective = JepaObjective(encoder(positions="learned"), blocks=3, momentum=(0.99, 1.0), momentum_steps=steps,
+                              pixel_mean=float(train.mean()), pixel_std=float(train.std()))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, steps)
     trainer = Trainer(objective, optax.adamw(schedule, weight_decay=0.05), key=jax.random.key(0))
-    random_state = trainer.place()[0]
-    random = objective.pipeline(jax.device_get(random_state.params))
+    randoms = [jax.device_get(trainer.place()[0].params)]
+    randoms += [nn.meta.unbox(objective.init(jax.random.key(seed))) for seed in (1, 2, 3)]
     state = trainer.fit(digit_dataset(train), steps=steps, log_every=steps // 3)
 
-    def probe(pipeline):  # the same pipeline, scaling and classifier for both encoders
+    def probe(pipeline):  # the same pipeline, scaling and classifier for every encoder
         features = pipeline(images)
         scale = StandardScaler().fit(features[:1200])
         fit = LogisticRegression(max_iter=3000).fit(scale.transform(features[:1200]), labels[:1200])
         return fit.score(scale.transform(features[1200:]), labels[1200:])
 
-    before, after = probe(random), probe(objective.pipeline(state))
-    print(f"linear probe accuracy on digits: random encoder {before:.3f}, JEPA target encoder {after:.3f}")
-    assert after > before + 0.1
+    before = [probe(objective.pipeline(variables)) for variables in randoms]
+    after = probe(objective.pipeline(state))
+    print(f"linear probe accuracy on digits: random encoders {[round(b, 3) for b in before]}, "
+          f"JEPA target encoder {after:.3f}")
+    assert after > max(before) + 0.1  # seen: 0.747 against at best 0.598 (margin ~0.15)
 
 
 @pytest.mark.slow
@@ -143,21 +150,22 @@ def test_the_target_encoder_is_a_feature_extractor_that_saves_and_loads(tmp_path
 
     images, _ = digits()
     objective = JepaObjective(encoder(emb_features=16, num_layers=1, mlp_features=32), blocks=2,
-                              predictor_features=16, predictor_layers=1, momentum=(0.5, 1.0), momentum_steps=4)
+                              predictor_features=16, predictor_layers=1, momentum=(0.5, 1.0), momentum_steps=4,
+                              pixel_mean=0.3, pixel_std=0.4)
     state = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0)).fit(digit_dataset(images, rows=16), steps=3,
                                                                              log_every=3)
     pipeline = objective.pipeline(state)
     assert isinstance(pipeline, FeatureExtraction) and set(pipeline.variables["params"]) == {"encoder"}
     features = pipeline(images[:40], batch=16)  # three batches, the last one short
 
-    # Independently: the target encoder's (EMA) embeddings, averaged over the patches.
+    # Independently: the target encoder's (EMA) embeddings of the standardized pixels, averaged over the patches.
     target = jax.device_get(state.ema)["params"]["encoder"]
-    by_hand = np.asarray(objective.model.apply({"params": target}, images[:40])).mean(axis=1)
+    by_hand = np.asarray(objective.model.apply({"params": target}, (images[:40] - 0.3) / 0.4)).mean(axis=1)
     assert features.shape == (40, 16)
     np.testing.assert_allclose(features, by_hand, rtol=1e-5, atol=1e-6)
     as_bytes = np.round(images[:40] * 255).astype(np.uint8)  # uint8 pixels are read as 0-255
     np.testing.assert_allclose(pipeline(as_bytes), np.asarray(objective.model.apply(
-        {"params": target}, as_bytes.astype(np.float32) / 255)).mean(axis=1), rtol=1e-5, atol=1e-6)
+        {"params": target}, (as_bytes.astype(np.float32) / 255 - 0.3) / 0.4)).mean(axis=1), rtol=1e-5, atol=1e-6)
     live = objective.pipeline(state, ema=False)(images[:40])
     assert not np.allclose(live, features)  # the context encoder is another network
 
@@ -165,4 +173,5 @@ def test_the_target_encoder_is_a_feature_extractor_that_saves_and_loads(tmp_path
     loaded = load_pipeline(tmp_path / "encoder")
     assert isinstance(loaded, FeatureExtraction)
     assert loaded.objective.model.grid == objective.model.grid and loaded.objective.blocks == 2
+    assert (loaded.objective.pixel_mean, loaded.objective.pixel_std) == (0.3, 0.4)
     np.testing.assert_array_equal(loaded(images[:40], batch=16), features)
