@@ -213,3 +213,54 @@ def test_merged_and_peft_exports_of_the_stack_load_in_transformers_and_peft(adap
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(variables), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
     assert stack_layers(numbered(back)["params"], LAYERS).keys() == back["params"].keys()
+
+
+@pytest.mark.slow
+def test_a_scanned_lora_recipe_starts_from_a_numbered_export_and_exports_again(tmp_path):
+    """`dew train` with model.scan_layers=true: init.pretrained is stacked into the stack, the
+    adapters train on it, and `dew export` writes a merged Llama transformers computes alike."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dew import models
+    from dew.cli.runs import open_run
+    from dew.pretrained import Pretrained
+
+    base = models.build("causal_transformer", vocab_size=257, emb_features=32, num_layers=2, num_heads=4,
+                        mlp_features=64, max_seq_len=128, position_embedding="rotary", mlp_activation="swiglu")
+    Pretrained(base, base.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))).save(tmp_path / "exported")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    dew = Path(sys.executable).parent / "dew"
+    run = tmp_path / "run"
+
+    def call(*args):
+        done = subprocess.run([str(dew), *args], capture_output=True, text=True, timeout=500, cwd=tmp_path,
+                              env=env)
+        assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+
+    call("train", "tiny-lm-qlora", "model.emb_features=32", "model.num_layers=2", "model.mlp_features=64",
+         "model.scan_layers=true", "lora.rank=4", "lora.base=float32", "data.files={stdlib}/abc.py",
+         "trainer.steps=4", "trainer.log_every=2", "objective.prompt=null", "optimizer.learning_rate=5.0e-2",
+         "optimizer.warmup_steps=0", f"init.pretrained={tmp_path}/exported", f"trainer.checkpoint_dir={run}",
+         f"trackers.0.directory={run}")
+    opened = open_run(run)
+    assert "layers" in opened.variables["params"]  # trained as a stack
+    exported = Pretrained.load(tmp_path / "exported", scan_layers=True).variables["params"]["layers"]
+    for module, weight in (("attention", "query"), ("mlp", "wo")):  # the frozen base: the export's, stacked
+        np.testing.assert_array_equal(np.asarray(nn.meta.unbox(opened.variables["params"]["layers"][module][weight])),
+                                      np.asarray(exported[module][weight]))
+    tokens = np.random.default_rng(0).integers(0, 257, (2, 12)).astype(np.int32)
+    ours = np.asarray(opened.model.apply(opened.variables, jnp.asarray(tokens)))
+    call("export", str(run), str(tmp_path / "merged"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = merged(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        before = hf_base(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(before - ours).max() > 1e-3  # the adapters trained on the numbered export's weights
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)

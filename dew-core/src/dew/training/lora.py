@@ -262,9 +262,10 @@ def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, A
     """fresh (an adapted model's variables) with every base weight taken from given.
 
     given is a base model's variables (no adapters: a Pretrained directory,
-    another run's parameters, its layers numbered or scanned whichever fresh's are) or an adapted model's; its adapters, where it
-    has them, replace fresh's. A base weight is quantized as fresh holds it
-    (QLoRA). A base leaf given lacks, or one fresh has no place for, is
+    another run's parameters) or an adapted model's; its adapters, where it
+    has them, replace fresh's. Its layers may be numbered where fresh's are
+    one scanned stack, or the other way round: they are rearranged as
+    fresh's. A base weight is quantized as fresh holds it (QLoRA). A base leaf given lacks, or one fresh has no place for, is
     refused by name: a half-loaded base would train silently from noise.
     """
     import flax.linen as nn
