@@ -77,6 +77,7 @@ def test_the_numbered_targets_put_stacked_adapters_on_every_layer(adapted):
     assert jax.tree.map(jnp.shape, numbered(variables)) == jax.tree.map(jnp.shape, fresh)
 
 
+@pytest.mark.slow
 def test_the_stack_computes_the_numbered_adapted_model(adapted):
     scanned, flat, base, variables = adapted
     ours = scanned.apply(variables, TOKENS)
