@@ -265,3 +265,63 @@ def test_a_scanned_lora_recipe_starts_from_a_numbered_export_and_exports_again(t
         before = hf_base(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     assert np.abs(before - ours).max() > 1e-3  # the adapters trained on the numbered export's weights
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+STAGED = """
+import json
+import jax, numpy as np, optax
+import jax.numpy as jnp
+from dew import Trainer
+from dew.data import Dataset
+from dew.nn.backbones import CausalTransformer
+from dew.objectives.lm import LMObjective
+from dew.training.layout import Layout
+from dew.training.lora import Lora, adapters_only, apply_lora
+from dew.training.mesh import MeshSpec
+
+class Losses:
+    def __init__(self): self.values = []
+    def log(self, scalars, step): self.values.append(float(scalars["train/loss"]))
+    def artifact(self, value, step): pass
+    def close(self): pass
+
+def batches():
+    index = 0
+    while True:
+        yield {{"text": np.random.default_rng(index).integers(0, 64, (8, 9)).astype(np.int32)}}
+        index += 1
+
+model = CausalTransformer(vocab_size=64, emb_features=16, num_layers=2, num_heads=2, mlp_features=32,
+                          max_seq_len=8, position_embedding="rotary", mlp_activation="swiglu", scan_layers=True)
+base = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
+losses = Losses()
+wrapped = apply_lora(model, Lora(rank=2, alpha=4.0, targets=("attention", "mlp")))
+trainer = Trainer(adapters_only(LMObjective(model=wrapped, seq_len=8)), optax.adam(1e-2), key=jax.random.key(0),
+                  mesh=MeshSpec(**{mesh!r}), layout=Layout(min_shard=0, tolerance=1.0), tracker=losses,
+                  initializer=base)
+state = trainer.fit(Dataset(train=lambda partition: batches(), batch=8), steps=4, log_every=1)
+adapter = state.params["params"]["layers"]["attention"]["query_lora_a"]
+print("RESULT" + json.dumps({{"losses": losses.values, "spec": [str(a) for a in adapter.sharding.spec],
+                             "sites": list(trainer.bank_sites),
+                             "moved": float(jnp.abs(state.params["params"]["layers"]["mlp"]["wo_lora_b"]).max())}}))
+"""
+
+
+@pytest.mark.slow
+def test_stage_split_adapters_train_as_on_one_device(python_in_subprocess):
+    """stage=2 splits the stacked adapters with the layers and trains to the single-device losses."""
+    import json
+
+    def run(mesh, devices):
+        flags = (f"--xla_force_host_platform_device_count={devices} "
+                 "--xla_cpu_collective_call_terminate_timeout_seconds=600")  # load, not a hang
+        out = python_in_subprocess(STAGED.format(mesh=mesh), devices=devices, env={"XLA_FLAGS": flags},
+                                   timeout=900)
+        return json.loads(out.split("RESULT", 1)[1])
+
+    single = run({}, 1)
+    staged = run({"stage": 2, "microbatches": 4}, 8)
+    assert staged["spec"][0] == "stage"  # the adapters' layers axis is split with the layers
+    assert staged["sites"] == ["params/layers"]
+    assert len(single["losses"]) == 4 and single["moved"] > 1e-3  # B left zero: the adapters trained
+    np.testing.assert_allclose(staged["losses"], single["losses"], atol=1e-5, rtol=0)
