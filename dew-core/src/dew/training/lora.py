@@ -60,7 +60,10 @@ class Lora:
     ``targets`` are preset names (``"attention"``: the query, key, value and
     output projections; ``"mlp"``) or regular expressions matched in full
     against module paths such as ``layers_0/attention``; every weight matmul
-    of a matched module gets an adapter. The adapter adds ``alpha / rank`` times its
+    of a matched module gets an adapter. On a model whose layers are one scanned stack
+    (``scan_layers=True``) the targets still name the numbered layers, and must
+    pick a module in every layer or none (``dew.training.lora_stack``); the
+    adapters are then stacked like the weights. The adapter adds ``alpha / rank`` times its
     low-rank product; ``dropout`` drops the adapter's input during training.
     ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
     ``int8`` or ``nf4`` (QLoRA) holds each adapted weight quantized, in
