@@ -203,13 +203,16 @@ class Pretrained:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, max_seq_len: int | None = None,
-             param_dtype: Any = None, dtype: Any = None) -> Pretrained:
+             param_dtype: Any = None, dtype: Any = None, scan_layers: bool = False) -> Pretrained:
         """Read a directory Pretrained.save or transformers' save_pretrained wrote.
 
         A directory in dew's own layout comes back as it was saved, task
         included; the options below apply to the Llama layout. max_seq_len
         overrides the config's max_position_embeddings (the decode cache is
-        that long); param_dtype casts the weights (default: as stored). Raises UnsupportedArchitectureError,
+        that long); param_dtype casts the weights (default: as stored);
+        scan_layers builds the model with its layers as one scanned stack
+        (the one pipeline stages split) and stacks the numbered layers the
+        file holds into it. Raises UnsupportedArchitectureError,
         NoExactCounterpartError or TensorMismatchError, each naming what is
         wrong.
         """
@@ -265,6 +268,11 @@ class Pretrained:
             for part in tensor.path[:-1]:
                 node = node.setdefault(part, {})
             node[tensor.path[-1]] = jnp.asarray(tensor.from_hf(value), model.param_dtype)
+        if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
+            from dew.nn.pipeline import stack_layers
+
+            model = model.clone(scan_layers=True)
+            params = stack_layers(params, model.num_layers)
         tokenizer = read_tokenizer(source, own.get("tokenizer"), config.get("eos_token_id"))
         if tokenizer is not None:
             check_vocabulary(tokenizer, model)

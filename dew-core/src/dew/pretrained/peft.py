@@ -13,7 +13,8 @@ inputs; PEFT keeps ``lora_A.weight`` as ``[rank, in]`` and
 ``[out, in]``. The Llama tensors flatten dew's input and output dimensions
 in the same order (query: ``[embed, heads, head_dim]`` is ``[heads *
 head_dim, embed]`` transposed), so each move is a reshape and a transpose.
-Both scale the product by ``alpha / rank``.
+Both scale the product by ``alpha / rank``. A scanned stack's adapters
+(the ``layers`` axis in front) are written and read one layer at a time.
 
 The safetensors file's metadata records a digest of the base weights
 (``dew.training.lora.base_digest``): adapters put onto another base are
@@ -73,9 +74,11 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     import jax
 
     from dew.training.lora import base_digest
+    from dew.training.lora_stack import unstack_tree
 
     llama.model_to_config(model)  # refuses a model with no Llama counterpart, naming the field
-    params = nn.meta.unbox(dict(variables).get("params", variables))
+    # A scanned stack's adapters are written per layer, as PEFT numbers them.
+    params = unstack_tree(nn.meta.unbox(dict(variables).get("params", variables)))
     tensors: dict[str, np.ndarray] = {}
     targets: set[str] = set()
     for path, module in _adapted(model).items():
@@ -140,8 +143,10 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
             f"The adapters in {source} were trained on a base of digest {recorded}, but these variables' "
             f"base has digest {mine}. Load them onto the base they were trained on (the run's "
             "init.pretrained or init.run).")
+    from dew.training.lora_stack import is_scanned, unstack_tree
+
     out = nn.meta.unbox(dict(variables))
-    params = out["params"] = dict(out["params"])
+    params = unstack_tree(out["params"])  # a scanned stack is filled layer by layer, then stacked again
     used: set[str] = set()
     for path, module in _adapted(model).items():
         a_name, b_name = f"{PREFIX}{module}.lora_A.weight", f"{PREFIX}{module}.lora_B.weight"
@@ -166,4 +171,9 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     if unused:
         raise TensorMismatchError(f"{source} holds adapters this model has no adapter for: "
                                   f"{', '.join(unused[:4])}. Build the model with the same Lora targets.")
+    if is_scanned(model):
+        from dew.nn.pipeline import stack_layers
+
+        params = stack_layers(params, model.num_layers)
+    out["params"] = params
     return out

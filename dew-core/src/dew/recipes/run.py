@@ -305,7 +305,8 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
         model = getattr(objective, "model", None)
         source = _absolute(init.pretrained)
         loaded = Pretrained.load(source, max_seq_len=getattr(model, "max_seq_len", None),
-                                 param_dtype=getattr(model, "param_dtype", None))
+                                 param_dtype=getattr(model, "param_dtype", None),
+                                 scan_layers=bool(getattr(model, "scan_layers", False)))
         if model is not None and hasattr(model, "rope_base"):
             from dew.pretrained.llama import check_same_function
 

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dew.nn.sharding import LAYERS
+
 __all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "apply_lora", "base_digest", "base_model", "base_shapes",
            "is_adapter", "merge_lora", "with_base"]
 
@@ -58,7 +60,10 @@ class Lora:
     ``targets`` are preset names (``"attention"``: the query, key, value and
     output projections; ``"mlp"``) or regular expressions matched in full
     against module paths such as ``layers_0/attention``; every weight matmul
-    of a matched module gets an adapter. The adapter adds ``alpha / rank`` times its
+    of a matched module gets an adapter. On a model whose layers are one scanned stack
+    (``scan_layers=True``) the targets still name the numbered layers, and must
+    pick a module in every layer or none (``dew.training.lora_stack``); the
+    adapters are then stacked like the weights. The adapter adds ``alpha / rank`` times its
     low-rank product; ``dropout`` drops the adapter's input during training.
     ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
     ``int8`` or ``nf4`` (QLoRA) holds each adapted weight quantized, in
@@ -111,11 +116,20 @@ def _weights(variables: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def selected(spec: Lora, variables: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The weights spec adapts in a model of these variables; refuses an idle pattern or a too-large rank."""
+def selected(spec: Lora, variables: Mapping[str, Any],
+             patterns: tuple[str, ...] | None = None) -> dict[str, tuple[int, ...]]:
+    """The weights spec adapts in a model of these variables; refuses an idle pattern or a too-large rank.
+
+    patterns replaces spec's own (a scanned stack's exact module paths, one per target or
+    more: dew.training.lora_stack); a stacked weight's rank limit is one layer's.
+    """
+    from dew.training.lora_stack import stacked_width_shape
+
     weights = _weights(variables)
     chosen: dict[str, tuple[int, ...]] = {}
-    for target, pattern in zip(spec.targets, spec.patterns(), strict=True):
+    pairs = zip(spec.targets, spec.patterns(), strict=True) if patterns is None else (
+        (pattern, pattern) for pattern in patterns)
+    for target, pattern in pairs:
         matched = {path: shape for path, shape in weights.items()
                    if len(shape) >= 2 and re.fullmatch(pattern, path.rsplit("/", 1)[0])}
         if not matched:
@@ -123,7 +137,8 @@ def selected(spec: Lora, variables: Mapping[str, Any]) -> dict[str, tuple[int, .
             raise LoraError(f"Lora target {target!r} ({pattern}) matches no module of this model; "
                             f"its modules include {', '.join(modules[:6])}.")
         chosen.update(matched)
-    for path, shape in chosen.items():
+    for path, stored in chosen.items():
+        shape = stacked_width_shape(path, stored)
         # The weight is a matrix once its dimensions are split into inputs and
         # outputs; the split is the matmul's, so take the widest one.
         width = max(min(_prod(shape[:cut]), _prod(shape[cut:])) for cut in range(1, len(shape)))
@@ -148,9 +163,13 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     Every other attribute is the base model's (its config, its flops).
     """
     from dew._surface import import_or_explain
+    from dew.training.lora_stack import is_scanned, stacked_patterns
 
     qwix = import_or_explain("qwix", "dew-core")
-    modules = "|".join(f"(?:{pattern})" for pattern in spec.patterns())
+    # A scanned stack is one module for every layer: the numbered names the targets are
+    # written for are read as the stack's own paths (every layer or none).
+    patterns = stacked_patterns(model, spec) if is_scanned(model) else None
+    modules = "|".join(f"(?:{pattern})" for pattern in patterns or spec.patterns())
     rule = qwix.LoraRule(module_path=modules, rank=spec.rank, alpha=spec.alpha,
                          dropout=spec.dropout, weight_qtype=QTYPES[spec.base])
     from dew.training.lora_provider import provider
@@ -164,7 +183,7 @@ def apply_lora(model: Any, spec: Lora) -> Any:
         import jax
 
         abstract = jax.eval_shape(lambda: model.init(rngs, *args, **kwargs))
-        selected(spec, abstract)
+        selected(spec, abstract, patterns)
         return bytewise(base_init(self, rngs, *args, **kwargs))
 
     # A subclass of qwix's (a linen module still, so objectives accept it);
@@ -203,10 +222,16 @@ def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
             raise LoraError(f"The base weight {path} has shape {tuple(given.shape)}, but the adapted "
                             f"model's is {tuple(_unbox(fresh).shape)}; start from weights of this model.")
         return given
+    import jax
     import jax.numpy as jnp
     from qwix._src.core import qarray
 
-    return bytewise(fresh.replace(array=qarray.quantize(jnp.asarray(given).reshape(fresh.shape), fresh.how)))
+    def quantize(weight: Any) -> Any:
+        return qarray.quantize(weight, fresh.how)
+
+    if LAYERS in path.split("/"):  # a scanned stack: fresh.how is one layer's, so quantize each
+        quantize = jax.vmap(quantize)
+    return bytewise(fresh.replace(array=quantize(jnp.asarray(given).reshape(fresh.shape))))
 
 
 def bytewise(tree: Any) -> Any:
@@ -241,8 +266,9 @@ def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, A
 
     given is a base model's variables (no adapters: a Pretrained directory,
     another run's parameters) or an adapted model's; its adapters, where it
-    has them, replace fresh's. A base weight is quantized as fresh holds it
-    (QLoRA). A base leaf given lacks, or one fresh has no place for, is
+    has them, replace fresh's. Its layers may be numbered where fresh's are
+    one scanned stack, or the other way round: they are rearranged as
+    fresh's. A base weight is quantized as fresh holds it (QLoRA). A base leaf given lacks, or one fresh has no place for, is
     refused by name: a half-loaded base would train silently from noise.
     """
     import flax.linen as nn
@@ -270,6 +296,11 @@ def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, A
                             "model has no place for; start from weights of the model the recipe builds.")
         return out
 
+    from dew.training.lora_stack import laid_out_as
+
+    given_params = given.get("params")
+    if isinstance(given_params, Mapping) and isinstance(fresh.get("params"), Mapping):
+        given = {**given, "params": laid_out_as(given_params, fresh["params"])}  # scanned or numbered
     merged = walk({key: value for key, value in fresh.items() if key == "params"},
                   {key: value for key, value in given.items() if key == "params"}, "")
     if missing:
@@ -326,8 +357,11 @@ def base_digest(variables: Mapping[str, Any]) -> str:
     import jax
     import numpy as np
 
+    from dew.training.lora_stack import unstack_tree
+
     digest = hashlib.sha256()
-    params = nn.meta.unbox(dict(variables).get("params", variables))
+    # A scanned stack is digested as its numbered layers: the same base either way.
+    params = unstack_tree(nn.meta.unbox(dict(variables).get("params", variables)))
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     named = sorted(("/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path), leaf)
                    for path, leaf in flat)
@@ -417,9 +451,12 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
     The result has the base model's tree (no adapters), so the plain model
     (and any exporter of it) computes what the adapted model computes. The
     adapter's A holds the weight's leading (input) dimensions and B its
-    trailing ones, as qwix lays them out for dew's layers; a weight whose
-    adapters do not fit that layout is refused.
+    trailing ones, as qwix lays them out for dew's layers; in a scanned stack
+    (``params/layers``) both carry the layers axis in front, and each layer's
+    product is added to its own slice. A weight whose adapters do not fit
+    that layout is refused.
     """
+    import jax
     import jax.numpy as jnp
 
     scale = spec.alpha / spec.rank
@@ -439,10 +476,16 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
             if _is_quantized(weight):  # QLoRA: the merged weight is float, the codes' values plus the product
                 from qwix._src.core import qarray
 
-                weight = qarray.dequantize(_unbox_tree(weight.array))
+                dequantize = jax.vmap(qarray.dequantize) if LAYERS in prefix.split("/") else qarray.dequantize
+                weight = dequantize(_unbox_tree(weight.array))
             array = weight.unbox() if hasattr(weight, "unbox") else weight
             a, b = (x.unbox() if hasattr(x, "unbox") else x for x in (a, b))
-            product = jnp.tensordot(a, b, axes=1)
+            if LAYERS in prefix.split("/"):  # inside a scanned stack: one product per layer
+                product = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
+                                     b.reshape(b.shape[0], b.shape[1], -1))
+                product = product.reshape(*a.shape[:-1], *b.shape[2:])
+            else:
+                product = jnp.tensordot(a, b, axes=1)
             if product.size != array.size or product.shape[: a.ndim - 1] != array.shape[: a.ndim - 1]:
                 raise LoraError(f"The adapters of {prefix}/{key} (A {a.shape}, B {b.shape}) do not fit "
                                 f"its weight of shape {array.shape}; they cannot be merged.")

@@ -164,7 +164,8 @@ class DistillationObjective(Objective):
                 from dew.pretrained import Pretrained
 
                 loaded = Pretrained.load(directory, max_seq_len=getattr(teacher, "max_seq_len", None),
-                                         param_dtype=getattr(teacher, "param_dtype", None))
+                                         param_dtype=getattr(teacher, "param_dtype", None),
+                                         scan_layers=bool(getattr(teacher, "scan_layers", False)))
                 return {"params": loaded.variables["params"]}
 
             return self.teacher_from(read_pretrained)
