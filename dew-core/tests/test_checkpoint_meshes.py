@@ -19,12 +19,6 @@ metric is the EMA weights' loss) and a half-filled accumulation window
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -123,11 +117,13 @@ def place(tree, shardings):
 
 
 def host(state):
-    # The whole state as numpy on every process.
-    if jax.process_count() == 1:
-        return jax.device_get(state)
+    # The whole state as numpy on every process (host arrays stay as they are).
     from jax.experimental import multihost_utils
-    return multihost_utils.process_allgather(state, tiled=True)
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)
+        return np.asarray(jax.device_get(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(one, state)
 
 
 COMPILED = {}  # spec -> (trainer, shardings, compiled step): one compilation for every continuation
@@ -153,8 +149,8 @@ def in_memory(spec, saved, skip, steps):
         fed = feed.next(state, step)
         step_fn = COMPILED[name][2] = step_fn or run.compile(state, fed.batch)
         state, metrics = step_fn(state, fed.batch)
-        losses.append(float(metrics["loss"]))
-        ema.append(float(metrics["ema_loss"]))
+        losses.append(float(np.asarray(metrics["loss"].addressable_data(0))))
+        ema.append(float(np.asarray(metrics["ema_loss"].addressable_data(0))))
     feed.close()
     return losses, ema, list(SEEN[skip:]), state
 
@@ -165,6 +161,11 @@ def same(a, b):
     return (jax.tree.structure(a) == jax.tree.structure(b)
             and all(np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)
                     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+"""
+
+JOIN = r"""
+from dew.training.runtime.process import ProcessSettings, prepare_process
+prepare_process(ProcessSettings(multi_host=True))  # the pool run_pool describes, as a launched rank joins it
 """
 
 MESHES = COMMON + r"""
@@ -238,3 +239,133 @@ def test_a_checkpoint_moves_from_fsdp_to_pipeline_stages_adding_no_error(python_
         ["key", "step", "opt_state", "ema", "window", "position"], True)
     print("fsdp=8 vs stage=2 fsdp=4 after resume, largest loss difference:",
           max(abs(a - b) for a, b in zip(losses, full_losses[3:])))
+
+
+# Another process count. fsdp=8 over one process of 8 devices and over a pool of 2 processes x 4
+# devices is the same mesh shape; the shares of each batch move between processes. Each run
+# saves its step-3 state (pickled whole) beside its checkpoint, so the other can continue it in
+# memory.
+SAVE_ALONE = COMMON + r"""
+import pickle
+directory = json.loads(sys.argv[1])
+full = train({"fsdp": 8}, 6)
+first = train({"fsdp": 8}, 3, checkpoints=directory + "/alone", every=3)
+pickle.dump(host(first[3]), open(directory + "/alone.pkl", "wb"))
+print("RESULT" + json.dumps({"full": full[:3], "first": first[:3]}))
+"""
+
+IN_POOL = JOIN + COMMON + r"""
+import pickle
+directory = sys.argv[1]
+A = {"fsdp": 8}
+share = data_partition(trainer(A).device_mesh).share
+first = train(A, 3, checkpoints=directory + "/pool", every=3)
+if jax.process_index() == 0:
+    pickle.dump(host(first[3]), open(directory + "/pool.pkl", "wb"))
+else:
+    host(first[3])  # a collective: every process takes part
+alone = pickle.load(open(directory + "/alone.pkl", "rb"))
+restored = trainer(A, directory + "/alone").place()[0]
+resumed = train(A, 6, checkpoints=directory + "/alone")
+reference = in_memory(A, alone, 3, 3)
+print("RESULT" + json.dumps({"process": jax.process_index(), "share": share, "first": first[:3],
+                             "resumed": resumed[:3], "reference": reference[:3],
+                             "restored_equal": same(restored, alone),
+                             "final_equal": same(resumed[3], reference[3])}), flush=True)
+"""
+
+RESUME_ALONE = COMMON + r"""
+import pickle
+directory = json.loads(sys.argv[1])
+pool = pickle.load(open(directory + "/pool.pkl", "rb"))
+restored = trainer({"fsdp": 8}, directory + "/pool").place()[0]
+resumed = train({"fsdp": 8}, 6, checkpoints=directory + "/pool")
+reference = in_memory({"fsdp": 8}, pool, 3, 3)
+alone = pickle.load(open(directory + "/alone.pkl", "rb"))
+print("RESULT" + json.dumps({"resumed": resumed[:3], "reference": reference[:3],
+                             "step3_equal": same(pool, alone),
+                             "restored_equal": same(restored, pool),
+                             "final_equal": same(resumed[3], reference[3])}))
+"""
+
+
+def _merged(results: list[dict], key: str) -> list:
+    """The pool's (losses, EMA losses, global batches) of key: process 0 logs, the shares' rows join."""
+    ordered = sorted(results, key=lambda r: r["share"])
+    zero = next(r for r in results if r["process"] == 0)
+    losses, ema = zero[key][0], zero[key][1]
+    batches = [sum(rows, []) for rows in zip(*(r[key][2] for r in ordered), strict=True)]
+    return [losses, ema, batches]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_moves_between_one_process_and_a_pool_of_two(python_in_subprocess, tmp_path):
+    from dew.testing.processes import run_pool
+
+    alone = run(python_in_subprocess, SAVE_ALONE, str(tmp_path), devices=8)
+    pooled = run_pool(IN_POOL, processes=2, devices=4, args=[str(tmp_path)], timeout=900,
+                      env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {PATIENT}"})
+    for index, finished in enumerate(pooled):
+        assert finished.returncode == 0, f"process {index}: {finished.stderr[-4000:]}"
+    results = [_result(finished.stdout) for finished in pooled]
+    assert sorted(r["share"] for r in results) == [0, 1]  # each process reads half of every batch
+    back = run(python_in_subprocess, RESUME_ALONE, str(tmp_path), devices=8)
+    print(json.dumps({"alone": alone, "pool": results, "back": back}))
+    full_losses, full_ema, full_batches = alone["full"]
+    pool_first = _merged(results, "first")
+    pool_resumed = _merged(results, "resumed")
+    pool_reference = _merged(results, "reference")
+
+    # One process's checkpoint, read by the pool: the saved state bit for bit on every process,
+    # and the losses of that state continued in memory in the pool.
+    assert all(r["restored_equal"] and r["final_equal"] for r in results)
+    assert pool_resumed == pool_reference
+    # The pool's checkpoint, read by one process: likewise.
+    assert back["restored_equal"] and back["final_equal"]
+    assert back["resumed"] == back["reference"]
+    # The data position crosses the process count: the global batches after either resume are
+    # the uninterrupted run's, and so were the pool's own first batches.
+    assert pool_first[2] == alone["first"][2] == full_batches[:3]
+    assert pool_resumed[2] == back["resumed"][2] == full_batches[3:]
+    # Against the uninterrupted run of one process.
+    for losses, reference in ((pool_first[0], full_losses[:3]), (pool_resumed[0], full_losses[3:]),
+                              (back["resumed"][0], full_losses[3:])):
+        assert losses == pytest.approx(reference, abs=1e-5, rel=1e-5)
+    print("one process vs a pool of two, fsdp=8: step-3 states bitwise equal:", back["step3_equal"],
+          "; largest loss difference:",
+          max(abs(a - b) for a, b in zip(pool_first[0] + pool_resumed[0], full_losses)),
+          "; the pool's resumed losses bitwise equal to one process's:", pool_resumed[0] == full_losses[3:])
+
+
+REFUSED = COMMON + r"""
+import os
+from dew.nn.pipeline import StageDivisionError
+directory = json.loads(sys.argv[1])
+def saved(spec, layers=3):
+    return Trainer(LM(layers), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(**spec),
+                   layout=Layout(min_shard=0, tolerance=1.0), accumulation=2,
+                   checkpoints=Checkpoints(directory))
+saved({"fsdp": 2}).fit(DATA, steps=1)
+def files():
+    return sorted((os.path.relpath(os.path.join(d, f), directory), os.path.getsize(os.path.join(d, f)))
+                  for d, _, names in os.walk(directory) for f in names if not f.startswith(".dew-writer"))
+before = files()
+try:
+    saved({"stage": 2}).fit(DATA, steps=2)
+except StageDivisionError as error:
+    print("REFUSED", error)
+print("KEPT", files() == before)
+print("STEP", int(saved({"fsdp": 2}).place()[0].step))
+"""
+
+
+def test_a_restore_onto_stages_that_cannot_split_the_saved_layers_names_the_fix(python_in_subprocess, tmp_path):
+    out = python_in_subprocess(
+        f"import sys; sys.argv = ['x', {json.dumps(json.dumps(str(tmp_path)))}]\n" + REFUSED, devices=2)
+    lines = {line.split(" ", 1)[0]: line for line in out.splitlines()}
+    refused = lines["REFUSED"]
+    assert "params/layers has 3 layers" in refused and "stage=2" in refused
+    assert f"the checkpoint at step 1 in {tmp_path}" in refused
+    assert "restore it with stage=1 or stage=3" in refused
+    # Nothing written is touched, and the step still restores where it fits.
+    assert lines["KEPT"] == "KEPT True" and lines["STEP"] == "STEP 1"
