@@ -238,7 +238,7 @@ def test_a_checkpoint_moves_from_fsdp_to_pipeline_stages_adding_no_error(python_
     assert result["changed"] == dict.fromkeys(
         ["key", "step", "opt_state", "ema", "window", "position"], True)
     print("fsdp=8 vs stage=2 fsdp=4 after resume, largest loss difference:",
-          max(abs(a - b) for a, b in zip(losses, full_losses[3:])))
+          max(abs(a - b) for a, b in zip(losses, full_losses[3:], strict=True)))
 
 
 # Another process count. fsdp=8 over one process of 8 devices and over a pool of 2 processes x 4
@@ -333,7 +333,7 @@ def test_a_checkpoint_moves_between_one_process_and_a_pool_of_two(python_in_subp
         assert losses == pytest.approx(reference, abs=1e-5, rel=1e-5)
     print("one process vs a pool of two, fsdp=8: step-3 states bitwise equal:", back["step3_equal"],
           "; largest loss difference:",
-          max(abs(a - b) for a, b in zip(pool_first[0] + pool_resumed[0], full_losses)),
+          max(abs(a - b) for a, b in zip(pool_first[0] + pool_resumed[0], full_losses, strict=True)),
           "; the pool's resumed losses bitwise equal to one process's:", pool_resumed[0] == full_losses[3:])
 
 
