@@ -135,8 +135,8 @@ def in_memory(spec, saved, skip, steps):
     # run the trainer's compiled step. (losses, EMA losses, batches read, final state).
     name = json.dumps(spec, sort_keys=True)
     if name not in COMPILED:
-        run = trainer(spec)
-        COMPILED[name] = [run, run.place()[1], None]
+        run = trainer(spec)  # its shardings, from the shapes of a fresh state (nothing compiled)
+        COMPILED[name] = [run, run.shardings(jax.eval_shape(run.initial_state)), None]
     run, shardings, step_fn = COMPILED[name]
     state = place(saved, shardings)
     SEEN.clear()
@@ -205,18 +205,25 @@ def _result(stdout: str) -> dict:
     return json.loads(next(x for x in stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
 
 
-def run(python_in_subprocess, program: str, argument, devices: int) -> dict:
+def cached(directory) -> dict[str, str]:
+    """JAX's persistent compilation cache in directory: the runs of one test compile one program
+    each for the same mesh (a fit and its in-memory twin), so every one after the first loads it."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def run(python_in_subprocess, program: str, argument, devices: int, cache=None) -> dict:
     flags = f"--xla_force_host_platform_device_count={devices} {PATIENT}"
     stdout = python_in_subprocess(
         f"import sys; sys.argv = ['x', {json.dumps(json.dumps(argument))}]\n" + program,
-        devices=devices, env={"XLA_FLAGS": flags}, timeout=1200,
+        devices=devices, env={"XLA_FLAGS": flags, **(cached(cache) if cache else {})}, timeout=1200,
     )
     return _result(stdout)
 
 
 @pytest.mark.slow
 def test_a_checkpoint_moves_from_fsdp_to_pipeline_stages_adding_no_error(python_in_subprocess, tmp_path):
-    result = run(python_in_subprocess, MESHES, str(tmp_path), devices=8)
+    result = run(python_in_subprocess, MESHES, str(tmp_path), devices=8, cache=tmp_path / "cache")
     print(json.dumps(result))
     full_losses, full_ema, full_batches = result["full"]
     losses, ema, batches = result["resumed"]
@@ -302,14 +309,15 @@ def _merged(results: list[dict], key: str) -> list:
 def test_a_checkpoint_moves_between_one_process_and_a_pool_of_two(python_in_subprocess, tmp_path):
     from dew.testing.processes import run_pool
 
-    alone = run(python_in_subprocess, SAVE_ALONE, str(tmp_path), devices=8)
+    cache = tmp_path / "cache"
+    alone = run(python_in_subprocess, SAVE_ALONE, str(tmp_path), devices=8, cache=cache)
     pooled = run_pool(IN_POOL, processes=2, devices=4, args=[str(tmp_path)], timeout=900,
-                      env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {PATIENT}"})
+                      env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {PATIENT}", **cached(cache)})
     for index, finished in enumerate(pooled):
         assert finished.returncode == 0, f"process {index}: {finished.stderr[-4000:]}"
     results = [_result(finished.stdout) for finished in pooled]
     assert sorted(r["share"] for r in results) == [0, 1]  # each process reads half of every batch
-    back = run(python_in_subprocess, RESUME_ALONE, str(tmp_path), devices=8)
+    back = run(python_in_subprocess, RESUME_ALONE, str(tmp_path), devices=8, cache=cache)
     print(json.dumps({"alone": alone, "pool": results, "back": back}))
     full_losses, full_ema, full_batches = alone["full"]
     pool_first = _merged(results, "first")
@@ -359,6 +367,7 @@ print("STEP", int(saved({"fsdp": 2}).place()[0].step))
 """
 
 
+@pytest.mark.slow
 def test_a_restore_onto_stages_that_cannot_split_the_saved_layers_names_the_fix(python_in_subprocess, tmp_path):
     out = python_in_subprocess(
         f"import sys; sys.argv = ['x', {json.dumps(json.dumps(str(tmp_path)))}]\n" + REFUSED, devices=2)
