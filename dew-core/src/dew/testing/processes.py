@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Finished", "device_env", "run_python", "run_until_lines"]
+__all__ = ["Finished", "device_env", "free_port", "run_pool", "run_python", "run_until_lines"]
 
 
 def device_env(devices: int = 1, env: Mapping[str, str] | None = None, *,
@@ -80,3 +83,52 @@ def run_until_lines(command: Sequence[str], *, signal_at: Iterable[str] = (), si
             child.send_signal(sig)
     child.wait(timeout=timeout)
     return Finished(child.returncode, "".join(lines), child.stderr.read())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at this moment."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_pool(code: str, *, processes: int = 2, devices: int = 1, args: Sequence[str] = (),
+             timeout: float = 600, env: Mapping[str, str] | None = None) -> list[Finished]:
+    """Run code (dedented) in a real pool of processes joined over 127.0.0.1, each with `devices` fake devices.
+
+    Every process gets the pool's coordinator, size and its own index in
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, the
+    variables ``dew launch`` sets, so code joins the pool the way a launched
+    rank does (``dew.training.prepare_process`` with ``multi_host=True``).
+    args become sys.argv[1:]. Returns each process's Finished, in index
+    order; a process still running at the timeout is killed (with the rest).
+    """
+    port = free_port()
+    command = [sys.executable, "-c", textwrap.dedent(code), *args]
+    # Output goes to files, not pipes: a child that fills a pipe nobody reads yet would stall the pool.
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(processes)]
+    children = [
+        subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                         env=device_env(devices, {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                                                  "JAX_NUM_PROCESSES": str(processes),
+                                                  "JAX_PROCESS_ID": str(index), **(env or {})}))
+        for index, (out, err) in enumerate(outputs)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        for child in children:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    finished = []
+    for child, (out, err) in zip(children, outputs, strict=True):
+        texts = []
+        for stream in (out, err):
+            stream.seek(0)
+            texts.append(stream.read())
+            stream.close()
+        finished.append(Finished(child.returncode, *texts))
+    return finished

@@ -68,8 +68,12 @@ def _at(tree: Any, path: str) -> Any:
     return tree
 
 
-def check_stages(boxed: Any, spec: MeshSpec) -> None:
-    """Refuse a stage count the model's stacks cannot be split into, naming the fix."""
+def check_stages(boxed: Any, spec: MeshSpec, *, checkpoint: str | None = None) -> None:
+    """Refuse a stage count the model's stacks cannot be split into, naming the fix.
+
+    checkpoint names the saved step a trainer is about to restore, if any: its
+    layer count is then fixed, so the fix offered is a stage count alone.
+    """
     if spec.stage == 1:
         return
     sites = bank_sites(boxed)
@@ -82,10 +86,14 @@ def check_stages(boxed: Any, spec: MeshSpec) -> None:
     for site in sites:
         depth = _leaves(_at(boxed, site))[0].unbox().shape[0]
         if depth % spec.stage:
+            fits = " or ".join(f"stage={n}" for n in range(1, depth + 1) if depth % n == 0)
+            fix = (f"{checkpoint} holds these {depth} layers, so restore it with {fits}"
+                   if checkpoint is not None else
+                   f"choose a stage count that divides {depth} ({fits}), or a layer count that "
+                   f"{spec.stage} divides")
             raise StageDivisionError(
                 f"The stack {site} has {depth} layers, which stage={spec.stage} pipeline stages "
-                f"do not divide; choose a stage count that divides {depth}, or a layer count "
-                f"that {spec.stage} divides."
+                f"do not divide; {fix}."
             )
 
 

@@ -290,11 +290,13 @@ class Trainer(Generic[Loss, Effects]):
         arguments.
         """
         self._check_frozen_optimizer()
-        check_stages(self._boxed_variables, self.mesh)
+        latest = None if self.checkpoints is None else self.checkpoints.latest
+        saved = None if latest is None else f"the checkpoint at step {latest} in {self.checkpoints.directory}"
+        check_stages(self._boxed_variables, self.mesh, checkpoint=saved)
         abstract = self._abstract_state
         shardings = self.shardings(abstract)
         self.layout.check(abstract.params, shardings.params, self.device_mesh)
-        if self.checkpoints is not None and self.checkpoints.latest is not None:
+        if latest is not None:
             template = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
             )
