@@ -47,14 +47,15 @@ def test_a_custom_step_cannot_be_split_between_the_devices_and_the_cpu():
                 step=factory)
 
 
-# Both runs clip, accumulate over two microbatches, keep an EMA and freeze the first layer's bias, so
-# every part of the transaction runs on the CPU in the owned run. Resume: 5 steps, then 5 more.
+# Both runs clip, accumulate over two microbatches, scale the loss, keep an EMA and freeze the first
+# layer's bias, so every part of the transaction runs on the CPU in the owned run; they validate at
+# steps 5 and 10 (the owned run from a device copy). Resume: 5 steps, then 5 more.
 PROGRAM = r"""
 import json, os, tempfile
 import jax, numpy as np, optax
 from dew import Trainer
 from dew.objectives.base import EMASpec
-from dew.testing.doubles import RecordingTracker, Regression, regression_dataset
+from dew.testing.doubles import RecordingTracker, Regression, regression_batch, regression_dataset
 from dew.training.checkpoints import Checkpoints
 from dew.training.layout import Layout
 from dew.training.mesh import MeshSpec
@@ -72,7 +73,7 @@ MESH = MeshSpec(**json.loads(os.environ["OWNED_MESH"]))
 def trainer(host, tracker, checkpoints=None):
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(3e-2))
     return Trainer(Frozen(ema=EMASpec(decay=0.9)), optimizer, key=jax.random.key(0), mesh=MESH,
-                   layout=Layout(min_shard=0, tolerance=1.0, host=host), accumulation=2,
+                   layout=Layout(min_shard=0, tolerance=1.0, host=host), accumulation=2, dynamic_scale=True,
                    tracker=tracker, checkpoints=checkpoints)
 
 def leaves(tree):
@@ -81,8 +82,10 @@ def leaves(tree):
 def run(host, steps, checkpoints=None):
     tracker = RecordingTracker()
     t = trainer(host, tracker, checkpoints)
-    state = t.fit(regression_dataset(), steps=steps, log_every=1, checkpoint_every=5)
-    return t, state, [v for _, v in tracker.series("train/loss")]
+    val = lambda partition: iter([regression_batch(100 + i) for i in range(2)])
+    state = t.fit(regression_dataset(val=val), steps=steps, log_every=1, checkpoint_every=5, eval_every=5)
+    # the training losses, then the validation losses (a run's last step always validates)
+    return t, state, [v for _, v in tracker.series("train/loss")] + [v for _, v in tracker.series("val/loss")]
 
 out = {}
 for name, host in (("resident", ()), ("owned", ("params",))):
@@ -112,7 +115,8 @@ for steps in (5, 10):
     checkpoints = Checkpoints(directory)
     _, state, losses = run(("params",), steps, checkpoints)
     checkpoints.close()
-    resumed += losses
+    resumed.append(losses)
+resumed = resumed[0][:5] + resumed[1][:5] + resumed[0][5:] + resumed[1][5:]  # as one run reports them
 out["resumed"] = {"losses": resumed, "params": leaves(state.params), "opt_state": leaves(state.opt_state),
                   "ema": leaves(state.ema)}
 print("RESULT" + json.dumps(out))
@@ -124,7 +128,7 @@ TOLERANCE = 1e-6  # measured on CPU: every difference below is exactly 0, on 1 d
 def _compare(stdout: str) -> dict:
     result = json.loads(next(x for x in stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
     resident, owned, resumed = result["resident"], result["owned"], result["resumed"]
-    assert len(resident["losses"]) == 10
+    assert len(resident["losses"]) == 10 + 2  # ten steps, then the validation loss at steps 5 and 10
     assert (result["resident_compiles"], result["owned_compiles"]) == (0, 1)
     assert owned["losses"] == pytest.approx(resident["losses"], rel=TOLERANCE, abs=TOLERANCE)
     for field in ("params", "opt_state", "ema", "window"):
