@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
+from flax import linen as nn
 
 from dew import Trainer
-from dew.testing.doubles import Regression
+from dew.objectives.base import Aux, Mean
+from dew.testing.doubles import Regression, regression_dataset
 from dew.training.layout import Layout, LayoutError
 from dew.training.owned import CPUDeviceCountError, companion_mesh
 from dew.training.trainer import StepCompositionError
@@ -160,3 +163,29 @@ def test_a_cpu_owned_state_trains_like_a_resident_one_on_eight_devices(python_in
     assert result["companion"]["shape"]["fsdp"] == 4 and result["companion"]["shape"]["tensor"] == 2
     # the model's kernels are split over fsdp and tensor, on the companion as on the devices
     assert any("fsdp" in spec or "tensor" in spec for *_, spec in result["placed"])
+
+
+class Normalized(Regression):
+    """Regression after a batch norm, whose running statistics the loss returns as updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm(use_running_average=False, momentum=0.5, use_scale=False, use_bias=False)
+
+    def init(self, key, variables=None):
+        return {**super().init(key, variables), **self.norm.init(key, jnp.zeros((1, 4)))}
+
+    def loss(self, variables, batch, step):
+        x, updates = self.norm.apply({"batch_stats": variables["batch_stats"]}, batch["x"], mutable=["batch_stats"])
+        errors = (self.model.apply({"params": variables["params"]}, x) - batch["y"]) ** 2
+        return Mean(errors.sum(), jnp.asarray(errors.size, jnp.float32)), Aux(updates=updates)
+
+
+def test_collections_the_forward_writes_come_back_to_the_cpu_state():
+    states = {}
+    for name, host in (("resident", ()), ("owned", ("params",))):
+        trainer = Trainer(Normalized(), optax.adam(1e-2), key=jax.random.key(0), layout=Layout(host=host))
+        states[name] = trainer.fit(regression_dataset(), steps=3, log_every=1)
+    resident, owned = (jax.device_get(states[n].params) for n in ("resident", "owned"))
+    assert float(abs(resident["batch_stats"]["mean"]).sum()) > 0  # the statistics moved
+    assert jax.tree.map(lambda a, b: (a == b).all(), resident, owned) == jax.tree.map(lambda _: True, resident)
