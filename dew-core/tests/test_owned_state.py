@@ -9,6 +9,10 @@ kept on the devices), its numbers against a device-resident run, its placements 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,7 @@ from flax import linen as nn
 from dew import Trainer
 from dew.objectives.base import Aux, Mean
 from dew.testing.doubles import Regression, regression_dataset
+from dew.testing.processes import device_env
 from dew.training.layout import Layout, LayoutError
 from dew.training.owned import CPUDeviceCountError, companion_mesh
 from dew.training.trainer import StepCompositionError
@@ -189,3 +194,59 @@ def test_collections_the_forward_writes_come_back_to_the_cpu_state():
     resident, owned = (jax.device_get(states[n].params) for n in ("resident", "owned"))
     assert float(abs(resident["batch_stats"]["mean"]).sum()) > 0  # the statistics moved
     assert jax.tree.map(lambda a, b: (a == b).all(), resident, owned) == jax.tree.map(lambda _: True, resident)
+
+
+POOL_WORKER = r"""
+import json, sys
+process, port, host = int(sys.argv[1]), sys.argv[2], tuple(x for x in sys.argv[3].split(",") if x)
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+import numpy as np, optax
+from dew import Trainer
+from dew.testing.doubles import RecordingTracker, Regression, regression_dataset
+from dew.training.layout import Layout
+from dew.training.mesh import MeshSpec
+
+tracker = RecordingTracker()
+trainer = Trainer(Regression(), optax.adamw(3e-2), key=jax.random.key(0), mesh=MeshSpec(fsdp=2),
+                  layout=Layout(min_shard=0, tolerance=1.0, host=host), tracker=tracker)
+state = trainer.fit(regression_dataset(), steps=6, log_every=1)
+owners = None
+if trainer._execution is not None:
+    twin = np.vectorize(lambda d: d.process_index)
+    owners = [twin(trainer._execution.companion.devices).tolist(), twin(trainer.device_mesh.devices).tolist()]
+print("RESULT" + json.dumps({"losses": [v for _, v in tracker.series("train/loss")], "owners": owners}), flush=True)
+"""
+
+
+def _pool(script: Path, host: str) -> dict:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    env = device_env(2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
+                                      "--xla_cpu_collective_call_terminate_timeout_seconds=600"})
+    workers = [subprocess.Popen([sys.executable, str(script), str(index), port, host], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env) for index in range(2)]
+    try:
+        finished = [(worker, *worker.communicate(timeout=600)) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    for index, (worker, _, err) in enumerate(finished):
+        assert worker.returncode == 0, f"process {index}: {err[-4000:]}"
+    out = finished[0][1]  # the trainer reports on process 0
+    return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
+
+
+@pytest.mark.slow
+def test_each_process_owns_the_state_of_its_own_devices_in_a_pool(tmp_path: Path):
+    script = tmp_path / "worker.py"
+    script.write_text(POOL_WORKER)
+    resident, owned = _pool(script, ""), _pool(script, "params")
+    assert len(resident["losses"]) == 6
+    assert owned["losses"] == pytest.approx(resident["losses"], rel=TOLERANCE, abs=TOLERANCE)
+    companion, devices = owned["owners"]
+    assert companion == devices  # every shard's CPU twin is in the process of its device
+    assert sorted(set(jax.tree.leaves(companion))) == [0, 1]  # and the companion spans both
