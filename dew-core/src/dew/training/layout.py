@@ -18,6 +18,8 @@ import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dew.training.owned import companion_mesh
+
 __all__ = [
     "DEFAULT_RULES",
     "HOST_MEMORY",
@@ -94,7 +96,10 @@ class Layout:
     host lists TrainState fields (of HOST_RESIDENT) that live in pinned host
     memory between steps: the compiled step copies them to the devices,
     updates them there and copies the result back, so only their address
-    changes, never their values. host_parameters are globs over parameter
+    changes, never their values. host naming "params" goes further: the
+    CPU owns the whole state and runs the optimizer there, and the
+    accelerators compute with a per-step copy of the parameters
+    (dew.training.owned); the other names are then implied. host_parameters are globs over parameter
     paths (``params/layers_*``) that an inference placement (offloaded())
     keeps in pinned host memory, each with the split the rules give it.
     """
@@ -113,23 +118,28 @@ class Layout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "host", tuple(self.host))
         object.__setattr__(self, "host_parameters", tuple(self.host_parameters))
-        if "params" in self.host:
-            raise LayoutError(
-                "Layout.host=('params', ...) asks for a CPU-owned train state (the optimizer "
-                "transaction on a CPU companion mesh), which dew does not build yet. Keep the "
-                f"parameters on the devices and offload the other fields: host={HOST_RESIDENT}."
-            )
-        unknown = [name for name in self.host if name not in HOST_RESIDENT]
+        unknown = [name for name in self.host if name not in (*HOST_RESIDENT, "params")]
         if unknown:
             raise LayoutError(
                 f"Layout.host names {unknown}, which are not host-resident fields of the train "
-                f"state; choose among {list(HOST_RESIDENT)}."
+                f"state; choose among {list(HOST_RESIDENT)}, or 'params' for a train state the "
+                "CPU owns whole."
             )
         if self.min_shard < 0 or not 0 <= self.tolerance <= 1:
             raise LayoutError(
                 f"Layout needs min_shard >= 0 and tolerance in [0, 1], got {self.min_shard} "
                 f"and {self.tolerance}."
             )
+
+    @property
+    def owns_state(self) -> bool:
+        """Whether the CPU owns the whole train state (host names params): see dew.training.owned."""
+        return "params" in self.host
+
+    @property
+    def resident_fields(self) -> tuple[str, ...]:
+        """The fields kept in pinned host memory between steps: none when the CPU owns the state."""
+        return () if self.owns_state else self.host
 
     @property
     def axis_rules(self) -> LogicalAxisRules:
@@ -262,8 +272,12 @@ class Layout:
         elements, where devices is the product of the parameter axes. Only
         parameters of at least min_shard elements count: the smaller ones are
         replicated on purpose. host_parameters belong to offloaded(): a
-        training placement (shardings()) has nothing that fetches them.
+        training placement (shardings()) has nothing that fetches them. A
+        CPU-owned layout (host names params) needs a CPU device per
+        accelerator in every process, or CPUDeviceCountError says so.
         """
+        if self.owns_state:
+            companion_mesh(mesh)  # CPUDeviceCountError unless every process has a CPU twin per device
         leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]
         placements = jax.tree.leaves(shardings)
         if self.host_parameters:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,7 +22,7 @@ from dew.training.ema import ema_update
 from dew.training.state import TrainState, Window
 from dew.training.trees import overlay, select, trains
 
-__all__ = ["StepFn", "build_train_step", "follow_ema", "write_back"]
+__all__ = ["Gradients", "StepFn", "build_train_step", "differentiate", "follow_ema", "transaction", "write_back"]
 
 StepFn = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]
 
@@ -47,22 +48,31 @@ def _scalar(value: Any) -> jax.Array:
     return jnp.mean(jnp.asarray(value, jnp.float32))
 
 
-def build_train_step(
-    objective: Objective,
-    optimizer: optax.GradientTransformation,
-    *,
-    accumulation: int = 1,
-    ema: EMASpec | None = None,
-) -> StepFn:
-    """Return the pure step function: (state, batch) -> (state, metrics).
+@flax.struct.dataclass
+class Gradients:
+    """What differentiating one microbatch hands the transaction.
 
-    Only the leaves ``trees.trains(objective.frozen)`` accepts are
-    differentiated and updated; the frozen ones are read from the state as
-    they are. The EMA follows the leaves of ``state.ema``.
+    grads are summed (not averaged) over the microbatch and already divided
+    by the loss scale; loss is the objective's statistic and aux what else
+    its loss returned. The two halves of a step meet here, so a CPU-owned
+    state can run the first on the accelerators and the second on the CPU.
+    """
+
+    grads: Variables
+    loss: Any
+    aux: Aux
+
+
+def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, jax.Array]], Gradients]:
+    """The first half of a step: the gradients of the trainable leaves for one microbatch.
+
+    It reads the state's variables, counters, key, EMA and loss scale, never
+    its optimizer state or accumulation window, so it can run against a
+    snapshot that holds only those.
     """
     trainable_filter = trains(getattr(objective, "frozen", None))
 
-    def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+    def forward(state: TrainState, batch: Mapping[str, jax.Array]) -> Gradients:
         variables = state.params
         trainable = select(variables, trainable_filter)
         info = Step(
@@ -79,6 +89,29 @@ def build_train_step(
         grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
         if scaler is not None:
             grads = jax.tree.map(lambda g: g / scaler.scale, grads)
+        return Gradients(grads=grads, loss=loss, aux=aux)
+
+    return forward
+
+
+def transaction(
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulation: int = 1,
+    ema: EMASpec | None = None,
+    frozen: Callable[[tuple[str, ...], Any], bool] | None = None,
+) -> Callable[[TrainState, Gradients], tuple[TrainState, dict[str, jax.Array]]]:
+    """The second half of a step: accept or reject one microbatch's gradients, and update.
+
+    A non-finite loss or gradient leaves the state as it was (only the step
+    counter and the loss scaler move); a finite one is added to the
+    accumulation window, and a full window (or no window) drives the
+    optimizer and then the EMA.
+    """
+    trainable_filter = trains(frozen)
+
+    def apply(state: TrainState, computed: Gradients) -> tuple[TrainState, dict[str, jax.Array]]:
+        grads, loss, aux = computed.grads, computed.loss, computed.aux
         count = jnp.asarray(loss.count, jnp.float32)
         # One reduction tells both: the norm is finite only when every gradient entry is.
         norm = optax.tree.norm(grads)
@@ -103,6 +136,30 @@ def build_train_step(
         if new.scaler is not None:
             metrics["loss_scale"] = new.scaler.scale
         return new, metrics
+
+    return apply
+
+
+def build_train_step(
+    objective: Objective,
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulation: int = 1,
+    ema: EMASpec | None = None,
+) -> StepFn:
+    """Return the pure step function: (state, batch) -> (state, metrics).
+
+    Only the leaves ``trees.trains(objective.frozen)`` accepts are
+    differentiated and updated; the frozen ones are read from the state as
+    they are. The EMA follows the leaves of ``state.ema``. The step is
+    ``transaction`` applied to what ``differentiate`` returns, in one program.
+    """
+    forward = differentiate(objective)
+    apply = transaction(optimizer, accumulation=accumulation, ema=ema,
+                        frozen=getattr(objective, "frozen", None))
+
+    def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+        return apply(state, forward(state, batch))
 
     return train_step
 

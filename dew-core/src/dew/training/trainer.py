@@ -35,12 +35,13 @@ from dew.training.initializers import Initializer, WeightSource, compare_trees, 
 from dew.training.layout import Layout, Placement
 from dew.training.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.offload import fetching, in_host_memory
+from dew.training.owned import Execution
 from dew.training.progress import NonFiniteLossError, Progress
 from dew.training.protocols import Rollout
 from dew.training.runtime.preemption import Preempted, PreemptionWatch
 from dew.training.stages import bank_sites, check_stages, schedule_of, with_bubble
 from dew.training.state import Scaler, TrainState, Window, stream
-from dew.training.step import StepFn, build_train_step, follow_ema
+from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
 from dew.training.trees import paths, select, trains
 
 __all__ = [
@@ -108,7 +109,7 @@ class Trainer(Generic[Loss, Effects]):
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}.")
         if step is not None:
-            _check_composition(accumulation, dynamic_scale)
+            _check_composition(accumulation, dynamic_scale, layout.owns_state)
         if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         self.objective = objective
@@ -162,6 +163,15 @@ class Trainer(Generic[Loss, Effects]):
         """The objective's scanned layer stacks ('params/model/layers', ...): the banks a host
         layout streams, and what the mesh's stage axis splits into pipeline stages."""
         return bank_sites(self._boxed_variables)
+
+    @cached_property
+    def _execution(self) -> Execution | None:
+        """Where a CPU-owned state (Layout.host naming params) lives and computes; None otherwise."""
+        if not self.layout.owns_state:
+            return None
+        mesh = self.device_mesh
+        return Execution.of(mesh, self.layout.shardings(mesh, self._boxed_variables),
+                            nn.meta.unbox(self._boxed_variables), self._trains)
 
     @property
     def _trains(self) -> Callable[[tuple[str, ...], Any], bool]:
@@ -255,8 +265,16 @@ class Trainer(Generic[Loss, Effects]):
         )
 
     def shardings(self, state: TrainState) -> Placement:
-        """Place every field of state: parameter-shaped trees follow the parameters."""
-        mesh = self.device_mesh
+        """Place every field of state: parameter-shaped trees follow the parameters.
+
+        Layout.host's fields wait in pinned host memory; a CPU-owned state sits
+        on the CPU companion mesh, less its frozen parameters.
+        """
+        if self._execution is not None:
+            return self._execution.owned(self._placement(self._execution.companion, state))
+        return in_host_memory(self._placement(self.device_mesh, state), self.layout.resident_fields)
+
+    def _placement(self, mesh: Mesh, state: TrainState) -> Placement:
         replicated = NamedSharding(mesh, PartitionSpec())
         params = self.layout.shardings(mesh, self._boxed_variables)
         follow = _follower(params, state.params, replicated)
@@ -264,7 +282,7 @@ class Trainer(Generic[Loss, Effects]):
         def place(tree: Any) -> Any:
             return jax.tree_util.tree_map_with_path(lambda path, leaf: follow(_names(path), leaf), tree)
 
-        placement = TrainState(
+        return TrainState(
             params=params,
             opt_state=place(state.opt_state),
             key=replicated, step=replicated, microstep=replicated, updates=replicated,
@@ -272,7 +290,6 @@ class Trainer(Generic[Loss, Effects]):
             scaler=jax.tree.map(lambda _: replicated, state.scaler) if state.scaler is not None else None,
             window=place(state.window) if state.window is not None else None,
         )
-        return in_host_memory(placement, self.layout.host)  # Layout.host's fields wait in host memory
 
     def _meta(self) -> dict[str, Any]:
         scaler = None
@@ -304,6 +321,9 @@ class Trainer(Generic[Loss, Effects]):
             restored = self.checkpoints.restore(template, partition=data_partition(self.device_mesh),
                                                 check=self._check_resume)
             return restored.state, shardings, restored.position
+        if self._execution is not None:
+            weights = self._weights_on_mesh(self._execution.on_companion(shardings))
+            return self._execution.initialize(self.initial_state, shardings, weights, self.key), shardings, None
         weights = self._weights_on_mesh(shardings)
         state = jax.jit(self.initial_state, out_shardings=shardings)(weights, self.key)
         return state, shardings, None
@@ -320,7 +340,7 @@ class Trainer(Generic[Loss, Effects]):
         )
         compare_trees(fresh, given, what="The weights the run starts from")
         follow = _follower(shardings.params, self._abstract_state.params,
-                           NamedSharding(self.device_mesh, PartitionSpec()))
+                           NamedSharding(jax.tree.leaves(shardings.params)[0].mesh, PartitionSpec()))
         placed = place_weights(weights, lambda name, leaf: follow(tuple(name.split("/")), leaf))
         self._source_weights = None  # the host copy is not needed once the devices hold it
         return placed
@@ -386,9 +406,17 @@ class Trainer(Generic[Loss, Effects]):
         """Compile the transaction over state and one global batch; the state is donated."""
         mesh = self.device_mesh
         shardings = self.shardings(state)
+        if self._execution is not None:  # two programs: forward on the devices, the optimizer on the CPU
+            step = self._execution.compile(
+                differentiate(self.objective),
+                transaction(self.optimizer, accumulation=self.accumulation, ema=self.objective.ema,
+                            frozen=getattr(self.objective, "frozen", None)),
+                state, shardings, batch, rules=self.layout.axis_rules, schedule=schedule_of(self.mesh))
+            return CompiledStep(with_bubble(step, schedule_of(self.mesh)),
+                                {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
         batch_sh = jax.tree.map(lambda x: x.sharding, dict(batch))
         jitted = jax.jit(
-            fetching(self._step_function(), shardings, self.layout.host), in_shardings=(shardings, batch_sh),
+            fetching(self._step_function(), shardings, self.layout.resident_fields), in_shardings=(shardings, batch_sh),
             out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
             donate_argnums=(0,),
         )
@@ -513,9 +541,11 @@ class Trainer(Generic[Loss, Effects]):
         if dataset.val is None and not preview:
             return None
         began = time.perf_counter()
+        variables, averaged = (state.params, state.averaged) if self._execution is None \
+            else self._execution.readable(state)  # a CPU-owned state is read from an accelerator copy
         result = self._evaluator(
-            state.params, dataset.val, key=state.rng, metrics=tuple(metrics) or (OutputMeans(),),
-            step=done, averaged=state.averaged, preview=preview and self.tracker is not None,
+            variables, dataset.val, key=state.rng, metrics=tuple(metrics) or (OutputMeans(),),
+            step=done, averaged=averaged, preview=preview and self.tracker is not None,
             schedule_step=int(jax.device_get(state.updates)),
         )
         progress.clock.eval += time.perf_counter() - began
@@ -585,8 +615,15 @@ def _schedule_of(optimizer: Any) -> Callable[[int], Any] | None:
     return build_schedule(config)
 
 
-def _check_composition(accumulation: int, dynamic_scale: bool) -> None:
+def _check_composition(accumulation: int, dynamic_scale: bool, owns_state: bool) -> None:
     """A custom step replaces the transaction in which accumulation and loss scaling happen."""
+    if owns_state:
+        raise StepCompositionError(
+            "Trainer(step=...) is one program over the whole state, but Layout.host=('params',) "
+            "splits every step in two (gradients on the accelerators, the optimizer on the CPU), "
+            "which a custom step cannot be cut into. Drop step=, or keep the parameters on the "
+            "devices with Layout.host=('opt_state', 'ema')."
+        )
     refused = []
     if accumulation > 1:
         refused.append(f"accumulation={accumulation}")

@@ -1,0 +1,226 @@
+"""A CPU-owned train state: what Layout.host=("params",) builds.
+
+The one true copy of the state (variables, optimizer state, EMA,
+accumulation window, counters) lives on a CPU companion of the accelerator
+mesh: the same shape and axis names, each accelerator replaced by the CPU
+device of its own process at the same local index, so every leaf keeps the
+split the layout gives it. The optimizer transaction runs there, whole:
+clipping, accumulation, the update, the EMA.
+
+A step sends the accelerators what the forward and backward read (the
+parameter bank, with the counters, key, EMA and loss scale): a snapshot
+copied from the CPU master for this step and dropped after it, so the
+accelerators never hold a second master that could drift. The gradients
+come back to the CPU and the transaction consumes them there. Frozen
+parameters are the exception: nothing updates them, so they are placed on
+the accelerators once (``Execution.resident``) and stay there.
+
+On a machine without accelerators the two meshes are the same CPU devices;
+the code path and the numbers are the same, only the copies are free.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dew.nn.pipeline import PipelineSchedule, pipeline
+from dew.training.state import TrainState
+from dew.training.step import Gradients
+from dew.training.trees import overlay, paths, select
+
+__all__ = ["CPUDeviceCountError", "Execution", "companion_mesh"]
+
+Placement = Any  # a tree of NamedSharding shaped like the placed tree
+Forward = Callable[[TrainState, Mapping[str, jax.Array]], Gradients]
+Apply = Callable[[TrainState, Gradients], tuple[TrainState, dict[str, jax.Array]]]
+
+
+class CPUDeviceCountError(RuntimeError):
+    """A process has not as many CPU devices as accelerators, so the CPU companion mesh cannot mirror the mesh."""
+
+
+def companion_mesh(mesh: Mesh, cpus: Sequence[Any] | None = None) -> Mesh:
+    """The CPU mesh that mirrors mesh: same shape and axis names, each device's CPU twin.
+
+    A device's twin is the CPU device of the same process at the same local
+    index, so every process owns the state shards its accelerators compute
+    with. Each process needs exactly as many CPU devices as accelerators;
+    the count is fixed when JAX starts, so this only checks it. On a CPU
+    mesh every device is its own twin. cpus defaults to ``jax.devices("cpu")``.
+
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> companion_mesh(mesh).devices.tolist() == mesh.devices.tolist()
+    True
+    """
+    platform = mesh.devices.flat[0].platform
+    accelerators = _by_process(jax.devices(platform))
+    twins = _by_process(jax.devices("cpu") if cpus is None else cpus)
+    wrong = {p: (len(twins.get(p, [])), len(devices)) for p, devices in accelerators.items()
+             if len(twins.get(p, [])) != len(devices)}
+    if wrong:
+        described = "; ".join(f"process {p}: {cpu} CPU devices for {acc} {platform} devices"
+                              for p, (cpu, acc) in sorted(wrong.items()))
+        count = next(iter(wrong.values()))[1]
+        raise CPUDeviceCountError(
+            f"Layout.host=('params',) keeps the train state on a CPU companion with one CPU device per "
+            f"accelerator, but {described}. Start each process with as many CPU devices as accelerators, "
+            f"before JAX initializes: XLA_FLAGS=--xla_force_host_platform_device_count={count} (or "
+            f"jax.config.update('jax_num_cpu_devices', {count})); or keep the parameters on the devices "
+            "and offload the other fields with Layout.host=('opt_state', 'ema')."
+        )
+    twin = {device: twins[p][i] for p, devices in accelerators.items() for i, device in enumerate(devices)}
+    grid = np.vectorize(twin.__getitem__, otypes=[object])(mesh.devices)
+    return Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
+    grouped: dict[int, list[Any]] = defaultdict(list)
+    for device in sorted(devices, key=lambda d: d.id):
+        grouped[device.process_index].append(device)
+    return dict(grouped)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Where a CPU-owned run keeps its state and where it computes.
+
+    mesh is the accelerator mesh (forward and backward), companion its CPU
+    twin (the state and the transaction). bank is every variable's
+    placement on the accelerators, as the layout's rules give it; frozen
+    lists the paths ('params/encoder/kernel') of the parameters that never
+    train, which stay on the accelerators.
+    """
+
+    mesh: Mesh
+    companion: Mesh
+    bank: Placement
+    frozen: frozenset[str]
+
+    @classmethod
+    def of(cls, mesh: Mesh, bank: Placement, variables: Mapping[str, Any],
+           trains: Callable[[tuple[str, ...], Any], bool]) -> Execution:
+        """The execution of a run on mesh whose variables are placed as bank there.
+
+        The frozen parameters are those of the params collection that trains
+        does not accept; the companion is checked and built here.
+        """
+        trainable = set(paths(select(variables, trains)))
+        frozen = frozenset(p for p in paths(variables) if p.startswith("params/") and p not in trainable)
+        return cls(mesh, companion_mesh(mesh), bank, frozen)
+
+    @property
+    def resident(self) -> Placement:
+        """The frozen parameters' placement: on the accelerators, for the whole run."""
+        return _pick(self.bank, self.frozen)
+
+    # -- placements -------------------------------------------------------------
+    def owned(self, placement: TrainState) -> TrainState:
+        """A companion placement of the whole state, with the frozen parameters moved to the bank's."""
+        bank = _by_path(self.bank)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, sharding: bank[_path(path)] if _path(path) in self.frozen else sharding,
+            placement.params)
+        return placement.replace(params=params)
+
+    def on_companion(self, placement: TrainState) -> TrainState:
+        """placement with every leaf on the companion, the frozen parameters included."""
+        return jax.tree.map(lambda s: NamedSharding(self.companion, s.spec), placement)
+
+    def view(self, state: TrainState) -> TrainState:
+        """What the forward and backward read: the state less its optimizer state and window."""
+        return state.replace(opt_state=None, window=None)
+
+    def view_placement(self, state: TrainState) -> TrainState:
+        """The view's placement on the accelerators: variables and EMA as the bank, scalars replicated."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return TrainState(
+            params=self.bank, opt_state=None,
+            key=replicated, step=replicated, microstep=replicated, updates=replicated,
+            ema=None if state.ema is None else _pick(self.bank, paths(state.ema)),
+            scaler=None if state.scaler is None else jax.tree.map(lambda _: replicated, state.scaler),
+            window=None,
+        )
+
+    # -- moving values ----------------------------------------------------------
+    def snapshot(self, state: TrainState) -> TrainState:
+        """This step's bank: the view copied from the CPU master onto the accelerators."""
+        view = self.view(state)
+        return jax.device_put(view, self.view_placement(view))
+
+    def readable(self, state: TrainState) -> tuple[Any, Any]:
+        """The variables and EMA-averaged variables an evaluation reads, on the accelerators."""
+        bank = self.snapshot(state)
+        return bank.params, bank.averaged
+
+    def initialize(self, build: Callable[..., TrainState], placement: TrainState, *args: Any) -> TrainState:
+        """Build the fresh state on the companion, then move the frozen parameters to the accelerators."""
+        state = jax.jit(build, out_shardings=self.on_companion(placement))(*args)
+        return jax.device_put(state, placement)
+
+    # -- the step ---------------------------------------------------------------
+    def compile(self, forward: Forward, apply: Apply, state: TrainState, placement: TrainState,
+                batch: Mapping[str, jax.Array], *, rules: Any,
+                schedule: PipelineSchedule) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
+        """Compile the two halves of a step, each on its mesh, and return the step that joins them.
+
+        forward runs on the accelerators against the bank; its gradients are
+        copied to the companion, where apply (the optimizer transaction)
+        consumes the CPU state in place. The frozen parameters never enter
+        apply: they are no part of what it updates.
+        """
+        view = self.view(state)
+        view_sh = self.view_placement(view)
+        batch_sh = {k: v.sharding for k, v in batch.items()}
+        batch_shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(rules), pipeline(schedule):
+            differentiating = jax.jit(forward, in_shardings=(view_sh, batch_sh)).lower(
+                _abstract(view, view_sh), batch_shapes).compile()
+        owned_sh = self._without_frozen(placement)
+        computed = jax.eval_shape(forward, view, batch_shapes)
+        grads_sh = _pick(owned_sh.params, paths(computed.grads))
+        replicated = NamedSharding(self.companion, PartitionSpec())
+        gradients_sh = Gradients(grads=grads_sh, loss=jax.tree.map(lambda _: replicated, computed.loss),
+                                 aux=jax.tree.map(lambda _: replicated, computed.aux))
+        owned = self._without_frozen(state)
+        with jax.set_mesh(self.companion):
+            transacting = jax.jit(apply, in_shardings=(owned_sh, gradients_sh),
+                                  out_shardings=(owned_sh, replicated), donate_argnums=(0,)).lower(
+                _abstract(owned, owned_sh), _abstract(computed, gradients_sh)).compile()
+
+        def step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+            gradients = differentiating(self.snapshot(state), batch)
+            gradients = jax.device_put(gradients, gradients_sh)  # back to the CPU master
+            frozen = _pick(state.params, self.frozen)
+            new, metrics = transacting(self._without_frozen(state), gradients)
+            return new.replace(params=overlay(new.params, frozen)), metrics
+
+        return step
+
+    def _without_frozen(self, tree: TrainState) -> TrainState:
+        return tree.replace(params=select(tree.params, lambda path, _: "/".join(path) not in self.frozen))
+
+
+def _path(path: Sequence[Any]) -> str:
+    return "/".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+def _by_path(tree: Any) -> dict[str, Any]:
+    return {_path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _pick(tree: Any, chosen: Collection[str]) -> Any:
+    """The leaves of a variables-shaped tree at the chosen paths, in its nesting."""
+    chosen = set(chosen)
+    return select(tree, lambda path, _: "/".join(path) in chosen)
+
+
+def _abstract(tree: Any, placement: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placement)
