@@ -16,7 +16,6 @@ from dew.nn.dit import DiT
 from dew.objectives.base import EMASpec
 from dew.testing import (
     DatasetReaderKit,
-    FakeDeviceRunError,
     ModelKit,
     ObjectiveKit,
     RolloutKit,
@@ -144,8 +143,7 @@ class TestCausalTransformerModel(ModelKit):
 
 @pytest.mark.slow
 class TestDiTModel(ModelKit):
-    """On pure FSDP. With a tensor axis the kit finds DiT's modulation, final and noise
-    kernels replicated (see TestDiTModelOnTensorAxis)."""
+    """On pure FSDP (a tensor axis: TestDiTModelOnTensorAxis)."""
 
     mesh = MeshSpec(fsdp=8)
     layout = Layout(min_shard=1024)  # the [6 x embed] modulation bias names no axis either
@@ -160,17 +158,18 @@ class TestDiTModel(ModelKit):
 
 @pytest.mark.slow
 class TestDiTModelOnTensorAxis(TestDiTModel):
-    """A known gap the kit found: DiT's adaLN modulation kernels [embed, 6 x embed] (and the
-    final and noise-embedding layers) name only their embed axis, so a tensor axis replicates
-    them (65.6% over perfect sharding at fsdp 4 x tensor 2). Strict: fixing DiT fails this
-    marker, and the class then belongs with the others."""
+    """fsdp x tensor. The adaLN modulation kernels [embed, 6 x embed] name their output axis, so
+    a tensor axis splits them too (before, this layout kept 65.6% more than perfect sharding).
+    What a tensor axis still leaves whole is the noise embedding's first kernel [256
+    frequencies, embed], a fixed-size table: 0.04% of DiT-XL, but 19% of a one-block toy. With
+    four blocks the toy is 6-7% over perfect, hence the tolerance."""
 
     mesh = MeshSpec(fsdp=4, tensor=2)
+    layout = Layout(min_shard=1024, tolerance=0.1)
 
-    @pytest.mark.xfail(strict=True, raises=FakeDeviceRunError,
-                       reason="DiT's modulation kernels do not name an axis a tensor rule maps")
-    def test_layout_check_passes_on_fake_devices(self):
-        super().test_layout_check_passes_on_fake_devices()
+    def model(self):
+        return DiT(image_size=8, channels=1, patch_size=2, emb_features=64, num_layers=4,
+                   num_heads=4, mlp_features=128, num_classes=10)
 
 
 # -- trackers ------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class NoiseEmbedding(nn.Module):
         level_b = jnp.reshape(level, (-1,))
         h_bn = sinusoidal(level_b, self.frequencies)
         h_bd = nn.silu(Dense(self.features, None, axes.EMBED, name="fc1")(h_bn))
-        return Dense(self.features, axes.EMBED, None, name="fc2")(h_bd)
+        return Dense(self.features, axes.EMBED, axes.MLP, name="fc2")(h_bd)
 
 
 class LabelEmbedding(nn.Module):

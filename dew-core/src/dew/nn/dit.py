@@ -121,7 +121,9 @@ class AdaLNBlock(nn.Module):
                  group: Any = None, ungroup: Any = None) -> jax.Array:
         x_btd, c_bd = x, c
         width = x_btd.shape[-1]
-        modulation = Dense(6 * width, axes.EMBED, None, zero=True, name="modulation")(nn.silu(c_bd))
+        # [D, 6D] is the block's largest kernel: its output axis is named so a tensor axis splits it.
+        modulation = Dense(6 * width, axes.EMBED, axes.MLP, zero=True,
+                           name="modulation")(nn.silu(c_bd))
         shift_a_bd, scale_a_bd, gate_a_bd, shift_m_bd, scale_m_bd, gate_m_bd = jnp.split(
             modulation, 6, axis=-1)
         h_btd = _modulate(_norm(x_btd), shift_a_bd, scale_a_bd)
@@ -171,7 +173,7 @@ class ConditionedModule(nn.Module):
 
     def head(self, x: jax.Array, c: jax.Array, out_features: int) -> jax.Array:
         x_btd, c_bd = x, c
-        shift_bd, scale_bd = jnp.split(Dense(2 * self.emb_features, axes.EMBED, None, zero=True,
+        shift_bd, scale_bd = jnp.split(Dense(2 * self.emb_features, axes.EMBED, axes.MLP, zero=True,
                                              name="final_modulation")(nn.silu(c_bd)), 2, axis=-1)
         x_btd = _modulate(_norm(x_btd), shift_bd, scale_bd)
         return Dense(out_features, axes.EMBED, None, zero=True, name="final")(x_btd)
