@@ -11,7 +11,6 @@ import optax
 import pytest
 
 from dew import Trainer
-from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.nn.pipeline import PipelineSchedule, pipeline, stack_layers, unstack_layers
 from dew.objectives.lm import LMObjective
@@ -26,6 +25,7 @@ from dew.training.lora import (
     with_base,
 )
 from dew.training.lora_stack import unstack_tree
+from test_lora_base import windows  # the same tiny token stream (SEQ is 8 in both files)
 
 pytest.importorskip("qwix")
 
@@ -95,16 +95,6 @@ def test_the_stack_computes_the_numbered_adapted_model(adapted):
     assert base_digest(variables) == base_digest(numbered(variables))  # one base, either layout
 
 
-def _windows(rows=4):
-    def batches():
-        index = 0
-        while True:
-            yield {"text": np.random.default_rng(index).integers(0, 32, (rows, SEQ + 1)).astype(np.int32)}
-            index += 1
-
-    return Dataset(train=lambda partition: batches(), batch=rows)
-
-
 @pytest.mark.slow
 def test_training_the_stack_is_training_the_numbered_layers(adapted):
     scanned, flat, _, variables = adapted
@@ -112,7 +102,7 @@ def test_training_the_stack_is_training_the_numbered_layers(adapted):
     def fit(model, start):
         trainer = Trainer(adapters_only(LMObjective(model=model, seq_len=SEQ)), optax.adam(1e-2),
                           key=jax.random.key(0), initializer=start)
-        return jax.device_get(nn.meta.unbox(trainer.fit(_windows(), steps=3, log_every=3).params))
+        return jax.device_get(nn.meta.unbox(trainer.fit(windows(), steps=3, log_every=3).params))
 
     ours, theirs = fit(scanned, variables), fit(flat, numbered(variables))
     moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
