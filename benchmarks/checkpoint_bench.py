@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from dew.checkpoints.manager import Checkpoints
 from dew.data.base import DataPartition
-from dew.training.checkpoints import Checkpoints
 from dew.training.state import TrainState
 
 

@@ -33,9 +33,9 @@ from typing import Any
 
 import jax
 
+from dew.checkpoints.manager import Checkpoints
 from dew.recipes.config import RunConfig
 from dew.recipes.run import build_parts, objective_parts, run_optimizer
-from dew.training.checkpoints import Checkpoints
 from dew.training.trainer import Trainer
 
 

@@ -22,10 +22,10 @@ import numpy as np
 import optax
 
 from dew import Trainer, models
+from dew.adapters.lora import Lora, adapters_only, apply_lora, is_adapter
 from dew.data import Dataset
 from dew.objectives.lm import LMObjective
 from dew.training import trees
-from dew.training.lora import Lora, adapters_only, apply_lora, is_adapter
 
 SEQ, ROWS, VOCAB = 64, 8, 256
 

@@ -28,8 +28,8 @@ import jax, numpy as np, optax
 from dew import Trainer
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.lm import LMObjective
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec, data_partition, shard_batch
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec, data_partition, shard_batch
 
 cfg = json.loads(sys.argv[1])
 model = CausalTransformer(vocab_size=256, emb_features=cfg["width"], num_layers=2, num_heads=4,

@@ -53,7 +53,7 @@ def main() -> None:
     from dew.nn.backbones import CausalTransformer
     from dew.nn.pipeline import PipelineSchedule
     from dew.objectives.base import Aux, Mean, Objective
-    from dew.training.mesh import MeshSpec, data_partition, shard_batch
+    from dew.training.placement.mesh import MeshSpec, data_partition, shard_batch
 
     model = CausalTransformer(vocab_size=256, emb_features=args.width, num_layers=args.layers,
                               num_heads=4, mlp_features=4 * args.width, max_seq_len=args.seq,

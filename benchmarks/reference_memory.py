@@ -20,7 +20,7 @@ __all__ = ["STEP_MB", "report", "run"]
 # Appended to an arm's program once it has `trainer`, `state` and `batch`: the compiled
 # step's memory as XLA counts it (arguments and outputs less donated aliases, plus temporaries).
 STEP_MB = """
-from dew.training.mesh import data_partition, shard_batch
+from dew.training.placement.mesh import data_partition, shard_batch
 sharded = shard_batch(batch, trainer.device_mesh, data_partition(trainer.device_mesh))
 memory = trainer.compile(state, sharded).executable.memory_analysis()
 step_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes

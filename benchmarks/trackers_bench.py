@@ -37,7 +37,8 @@ from flax import linen as nn
 import dew
 from dew.data import Dataset
 from dew.objectives.base import Aux, Mean, Objective
-from dew.training.trackers import LocalTracker, Trackers
+from dew.tracking.composite import Trackers
+from dew.tracking.local import LocalTracker
 
 
 class MLP(nn.Module):

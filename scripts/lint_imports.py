@@ -8,7 +8,8 @@ runs the contracts from pyproject.toml. A contract that names a module no
 distribution ships fails the run: a contract about a module that does not
 exist would pass without checking anything.
 
-Contracts between the distributions are generated from the source tree, so
+The placement wing's contract (it imports nothing of the engine above it) and the
+contracts between the distributions are generated from the source tree, so
 they never fall behind it: no module of dew-core imports a module of the other
 three, dew-data and dew-trackers import nothing of each other or of
 dew-objectives, and dew-objectives imports nothing of dew-trackers.
@@ -102,9 +103,27 @@ def core_contract() -> dict:
     return distribution_contract("dew-core", DISTRIBUTIONS[1:])
 
 
+def placement_contract() -> dict:
+    """training/placement (mesh, layout, stages, offload) imports nothing else of dew.training:
+    the engine sits above it, and its types appear there in annotations only."""
+    training = ROOT / "dew-core" / "src"
+    placement = [m for m in _modules(training) if m.startswith("dew.training.placement")]
+    engine = [m for m in _modules(training)
+              if m.startswith("dew.training.") and not m.startswith("dew.training.placement")]
+    return {
+        "name": "dew.training.placement imports nothing of the engine above it (from src/)",
+        "type": "forbidden",
+        "source_modules": placement,
+        "forbidden_modules": engine,
+        "as_packages": "False",
+    }
+
+
 def generated_contracts() -> list[dict]:
-    """The contracts between distributions: what each may not import of the others."""
+    """The contracts between distributions (what each may not import of the others), and the
+    placement wing's floor inside dew.training."""
     return [
+        placement_contract(),
         core_contract(),
         distribution_contract("dew-data", ("dew-objectives", "dew-trackers")),
         distribution_contract("dew-trackers", ("dew-objectives", "dew-data")),

@@ -22,8 +22,8 @@ from dew.testing import (
     TrackerKit,
 )
 from dew.training import Trainer
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 
 VOCAB, LENGTH = 13, 8
 
@@ -177,7 +177,7 @@ class TestLocalTracker(TrackerKit):
     """Read back through dew's own journal reader (the one dew plot uses)."""
 
     def tracker(self, directory):
-        from dew.training.trackers import LocalTracker
+        from dew.tracking.local import LocalTracker
 
         return LocalTracker(directory)
 

@@ -26,8 +26,8 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 
 from jax.experimental import multihost_utils
 from dew.data.base import DataPartition
-from dew.training.checkpoint_local import LocalPlacementMismatchError
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.local import LocalPlacementMismatchError
+from dew.checkpoints.manager import Checkpoints
 from dew.training.state import TrainState
 
 mesh = jax.make_mesh((4,), ("data",))

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dew.training.checkpoint_errors import CheckpointCorruptedError
-from dew.training.checkpoint_manifest import Manifest, parse_manifest, render_manifest
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.errors import CheckpointCorruptedError
+from dew.checkpoints.manager import Checkpoints
+from dew.checkpoints.manifest import Manifest, parse_manifest, render_manifest
 from test_checkpoints import (  # every test folder is on sys.path (conftest.py)
     SINGLE,
     assert_same,

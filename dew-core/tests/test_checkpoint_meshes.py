@@ -31,10 +31,10 @@ from dew.data.stream import record_dataset
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.base import Aux, EMASpec, Mean, Objective
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.manager import Checkpoints
 from dew.training.feed import Feed
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec, data_partition
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec, data_partition
 
 ROWS = 16
 TEXTS = np.random.default_rng(0).integers(0, 32, size=(40, 9)).astype(np.int32)

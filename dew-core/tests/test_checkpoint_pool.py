@@ -22,8 +22,8 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
 
 from dew.data.base import DataPartition
-from dew.training.checkpoint_errors import CheckpointDirectoryNotSharedError, PositionShareMismatchError
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.errors import CheckpointDirectoryNotSharedError, PositionShareMismatchError
+from dew.checkpoints.manager import Checkpoints
 from dew.training.state import TrainState
 
 mesh = jax.make_mesh((4,), ("data",))
@@ -50,7 +50,7 @@ if mode == "unshared":
 mine = DataPartition(share=process, shares=2)
 checkpoints = Checkpoints(directory, keep=2)
 if mode == "held":  # another live process holds the writer's lease: every process is refused
-    from dew.training.checkpoint_errors import CheckpointLeaseHeldError
+    from dew.checkpoints.errors import CheckpointLeaseHeldError
     try:
         checkpoints.save(1, state_of(1), position=None, partition=mine, meta={})
     except CheckpointLeaseHeldError as error:
@@ -137,7 +137,7 @@ def workers_pid(out: str) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_every_process_is_refused_a_directory_another_process_writes(tmp_path: Path) -> None:
-    from dew.training.checkpoint_lease import LEASE, this_process
+    from dew.checkpoints.lease import LEASE, this_process
 
     (tmp_path / "run").mkdir()
     me = this_process()

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dew.training import checkpoint_integrity as integrity
+from dew.checkpoints import integrity
 
 
 def _leaves() -> list[jax.Array]:

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.data.base import GLOBAL_POSITION, DataPartition
-from dew.training.checkpoint_errors import (
+from dew.checkpoints.errors import (
     CheckpointCorruptedError,
     CheckpointMetaMismatchError,
     CheckpointNotFoundError,
@@ -21,8 +20,9 @@ from dew.training.checkpoint_errors import (
     PositionShareMismatchError,
     require_same_meta,
 )
-from dew.training.checkpoint_manifest import render_manifest
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.manager import Checkpoints
+from dew.checkpoints.manifest import render_manifest
+from dew.data.base import GLOBAL_POSITION, DataPartition
 from dew.training.state import Scaler, TrainState, Window
 
 SINGLE = DataPartition()
@@ -240,7 +240,7 @@ def test_digests_catch_what_the_files_do_not(tmp_path: Path) -> None:
 
 
 def test_digest_independent_of_sharding_and_sensitive_to_each_element() -> None:
-    from dew.training.checkpoint_integrity import digest_leaves
+    from dew.checkpoints.integrity import digest_leaves
 
     x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8)
     base = np.asarray(digest_leaves([x]))

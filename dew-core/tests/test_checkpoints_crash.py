@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from dew.checkpoints.manager import Checkpoints
 from dew.data.base import DataPartition
-from dew.training.checkpoints import Checkpoints
 
 STATE = """
 import jax, jax.numpy as jnp, numpy as np
 from dew.data.base import DataPartition
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.manager import Checkpoints
 from dew.training.state import Scaler, TrainState
 
 def make_state(seed, width):
@@ -70,7 +70,7 @@ checkpoints.save(1, make_state(1, 64), position=b"one", partition=DataPartition(
 checkpoints.wait()
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if point == "manifest":  # inside dew's last call before Orbax renames the step
-    import dew.training.checkpoint_integrity as integrity
+    import dew.checkpoints.integrity as integrity
     integrity.file_table = die
 if point == "rename":  # Orbax's commit itself
     from orbax.checkpoint._src.path import async_path
@@ -79,7 +79,7 @@ if point == "rename":  # Orbax's commit itself
     async_path.rename = rename
 if point == "prune":  # step 2 committed, step 1 half deleted
     import shutil
-    import dew.training.checkpoints as module
+    import dew.checkpoints.manager as module
     def prune(path):
         shutil.rmtree(path / "state")
         die()
@@ -163,7 +163,7 @@ def test_full_disk_surfaces_at_wait_and_keeps_the_last_step(tmp_path: Path, how:
         assert child.returncode not in (0, -signal.SIGKILL), child.stderr[-3000:]
         assert "step 1 committed" in child.stdout and "step 2 committed" not in child.stdout
         # Orbax's threads may log after the error; the error itself is the program's end.
-        assert ("dew.training.checkpoint_errors.CheckpointWriteError: Saving checkpoint step 2 "
+        assert ("dew.checkpoints.errors.CheckpointWriteError: Saving checkpoint step 2 "
                 f"into {directory} failed") in child.stderr, child.stderr[-3000:]
         checkpoints = Checkpoints(directory)
         restored = checkpoints.restore(HERE["template"](HERE["make_state"](0, 16)), partition=DataPartition())
@@ -183,7 +183,7 @@ import jax
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from dew.training import checkpoint_integrity as integrity
+from dew.checkpoints import integrity
 mesh = jax.make_mesh((2, 4), ("a", "b"))
 rng = np.random.default_rng(0)
 checked = 0

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from dew.checkpoints.errors import CheckpointLeaseHeldError
+from dew.checkpoints.lease import LEASE, this_process
+from dew.checkpoints.manager import Checkpoints
 from dew.data.base import DataPartition
-from dew.training.checkpoint_errors import CheckpointLeaseHeldError
-from dew.training.checkpoint_lease import LEASE, this_process
-from dew.training.checkpoints import Checkpoints
 from test_checkpoints_crash import HERE, STATE  # every test folder is on sys.path (conftest.py)
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
@@ -52,7 +52,7 @@ print("trained", flush=True)
 READER = """
 import sys, time
 from pathlib import Path
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.manager import Checkpoints
 directory, stop = sys.argv[1], Path(sys.argv[2])
 polls, seen = 0, set()
 while not stop.exists():
@@ -188,7 +188,7 @@ checkpoints = Checkpoints(directory, keep=1)
 checkpoints.save(1, make_state(1, 16), position=b"one", partition=DataPartition(), meta={})
 checkpoints.wait()
 if how == "failing":  # the background write of step 2 fails where dew records it
-    import dew.training.checkpoint_integrity as integrity
+    import dew.checkpoints.integrity as integrity
     def broken(*args, **kwargs):
         raise OSError("simulated write failure")
     integrity.file_table = broken

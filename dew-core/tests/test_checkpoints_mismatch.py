@@ -13,9 +13,9 @@ import pytest
 from flax import linen as nn
 
 from dew import Checkpoints, Trainer
+from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointTreeMismatchError
 from dew.data import Dataset
 from dew.objectives.base import Aux, Mean, Objective
-from dew.training.checkpoint_errors import CheckpointCorruptedError, CheckpointTreeMismatchError
 from dew.training.trainer import ResumeMismatchError
 from test_checkpoints import (  # every test folder is on sys.path (conftest.py)
     SINGLE,

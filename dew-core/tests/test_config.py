@@ -84,8 +84,8 @@ def problems(data: dict) -> str:
 def test_the_trainer_fields_are_the_trainers_own_types():
     # One type per concept: the recipe's mesh, layout and profile are validated as the very
     # MeshSpec, Layout and ProfileWindow the Trainer takes; no mapper sits between them.
-    from dew.training.layout import Layout
-    from dew.training.mesh import MeshSpec
+    from dew.training.placement.layout import Layout
+    from dew.training.placement.mesh import MeshSpec
     from dew.training.profiling import ProfileWindow
 
     config = TrainerConfig(
@@ -108,8 +108,8 @@ def test_the_trainer_fields_are_the_trainers_own_types():
 
 
 def test_each_group_of_trainer_fields_belongs_to_its_owner():
+    from dew.checkpoints.settings import CheckpointSettings
     from dew.training.cadence import Cadence
-    from dew.training.checkpoint_settings import CheckpointSettings
     from dew.training.config import TrainerSettings
     from dew.training.runtime.process import ProcessSettings
 
@@ -221,7 +221,7 @@ def test_load_keywords_are_checked_against_the_readers_load():
 
 
 def test_quantization_is_read_and_checked():
-    from dew.training.quantization import Quantization
+    from dew.adapters.quantization import Quantization
 
     config = RunConfig.parse(recipe(quantization={"dtype": "int8", "backward": "int8"}))
     assert config.quantization == Quantization("int8", backward="int8")
@@ -435,7 +435,7 @@ def test_docstring_examples_run():
 
 def test_a_run_json_from_before_layout_was_one_type_still_reads():
     # Runs trained before the recipe validated Layout itself wrote ``layout: {rules: null}``.
-    from dew.training.layout import DEFAULT_RULES
+    from dew.training.placement.layout import DEFAULT_RULES
 
     config = TrainerConfig(steps=1, layout={"rules": None, "min_shard": 4, "tolerance": 0.02})
     assert config.layout.rules == DEFAULT_RULES and config.layout.min_shard == 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from dew.telemetry.records import Goodput
-from dew.training.console import Console
+from dew.tracking.console import Console
 
 MESH = {"data": 1, "expert": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "stage": 1}
 SPEC_LINES = [

@@ -18,7 +18,7 @@ from dew.data import Dataset
 from dew.objectives.base import Aux, EMASpec, Mean, Objective
 from dew.plugins import StepContribution, hookimpl, registered
 from dew.testing.doubles import RecordingTracker
-from dew.training.mesh import BatchMismatchError
+from dew.training.placement.mesh import BatchMismatchError
 from dew.training.trainer import StepCompositionError
 
 

@@ -142,7 +142,7 @@ def test_frozen_leaves_shard_by_the_layout_and_restore_from_a_checkpoint(python_
         import sys
         import jax, numpy as np, optax
         from dew import Checkpoints, Trainer
-        from dew.training.mesh import MeshSpec
+        from dew.training.placement.mesh import MeshSpec
         sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
         from test_core_frozen_init import Distill, batches
         data, _ = batches(rows=8, width=256)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from dew.training.layout import Layout, LayoutError
-from dew.training.mesh import MESH_AXES
+from dew.training.placement.layout import Layout, LayoutError
+from dew.training.placement.mesh import MESH_AXES
 
 
 def mesh(**sizes):

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 from flax import linen as nn
 
-from dew.training.layout import HOST_MEMORY, HOST_RESIDENT, Layout, LayoutError
-from dew.training.mesh import MESH_AXES
+from dew.training.placement.layout import HOST_MEMORY, HOST_RESIDENT, Layout, LayoutError
+from dew.training.placement.mesh import MESH_AXES
 
 
 def test_host_names_only_host_resident_fields():
@@ -78,8 +78,8 @@ from flax import linen as nn
 from dew import Trainer
 from dew.data import Dataset
 from dew.objectives.base import Aux, Mean, Objective
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 
 def p(axes):
     return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
@@ -134,7 +134,7 @@ for name, host in (("resident", ()), ("offloaded", ("opt_state", "ema"))):
 # resumed: a run stopped at step 3 restores its state (host-resident or not) and goes on; the
 # generator above has no data position, so both resumed runs read their batches from the start again
 import tempfile
-from dew.training.checkpoints import Checkpoints
+from dew.checkpoints.manager import Checkpoints
 for name, host in (("resumed_resident", ()), ("resumed_offloaded", ("opt_state",))):
     directory = tempfile.mkdtemp()
     resumed = []

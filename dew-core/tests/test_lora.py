@@ -9,10 +9,10 @@ import optax
 import pytest
 
 from dew import Checkpoints, Trainer, models
+from dew.adapters.lora import Lora, LoraError, adapters_only, apply_lora, is_adapter, merge_lora
 from dew.data import Dataset
 from dew.objectives.lm import LMObjective
 from dew.training import trees
-from dew.training.lora import Lora, LoraError, adapters_only, apply_lora, is_adapter, merge_lora
 
 pytest.importorskip("qwix")
 

@@ -10,12 +10,7 @@ import optax
 import pytest
 
 from dew import Checkpoints, Trainer, models
-from dew.data import Dataset
-from dew.objectives.lm import LMObjective
-from dew.pretrained import Pretrained
-from dew.training import trees
-from dew.training.initializers import ParamsFrom
-from dew.training.lora import (
+from dew.adapters.lora import (
     BaseWeights,
     Lora,
     LoraError,
@@ -25,6 +20,11 @@ from dew.training.lora import (
     is_adapter,
     with_base,
 )
+from dew.data import Dataset
+from dew.objectives.lm import LMObjective
+from dew.pretrained import Pretrained
+from dew.training import trees
+from dew.training.initializers import ParamsFrom
 
 pytest.importorskip("qwix")
 

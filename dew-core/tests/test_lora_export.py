@@ -71,8 +71,8 @@ def _torch_logits(model) -> np.ndarray:
 def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path):
     from peft import PeftModel
 
+    from dew.adapters.lora import base_model, with_base
     from dew.pretrained.peft import AdapterBaseMismatchError, load_adapters
-    from dew.training.lora import base_model, with_base
 
     run = _train(tmp_path, "float32")
     adapted, opened = _dew_logits(run)

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from dew import Trainer, models
 from dew.data import Dataset
 from dew.objectives.lm import LMObjective
-from dew.training.layout import Layout
-from dew.training.lora import Lora, adapters_only, apply_lora
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.adapters.lora import Lora, adapters_only, apply_lora
+from dew.training.placement.mesh import MeshSpec
 
 class Losses:
     def __init__(self): self.values = []

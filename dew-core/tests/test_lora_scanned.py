@@ -11,10 +11,7 @@ import optax
 import pytest
 
 from dew import Trainer
-from dew.nn.backbones import CausalTransformer
-from dew.nn.pipeline import PipelineSchedule, pipeline, stack_layers, unstack_layers
-from dew.objectives.lm import LMObjective
-from dew.training.lora import (
+from dew.adapters.lora import (
     Lora,
     LoraError,
     adapters_only,
@@ -24,7 +21,10 @@ from dew.training.lora import (
     merge_lora,
     with_base,
 )
-from dew.training.lora_stack import unstack_tree
+from dew.adapters.lora_stack import unstack_tree
+from dew.nn.backbones import CausalTransformer
+from dew.nn.pipeline import PipelineSchedule, pipeline, stack_layers, unstack_layers
+from dew.objectives.lm import LMObjective
 from test_lora_base import windows  # the same tiny token stream (SEQ is 8 in both files)
 
 pytest.importorskip("qwix")
@@ -265,9 +265,9 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.lm import LMObjective
-from dew.training.layout import Layout
-from dew.training.lora import Lora, adapters_only, apply_lora
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.adapters.lora import Lora, adapters_only, apply_lora
+from dew.training.placement.mesh import MeshSpec
 
 class Losses:
     def __init__(self): self.values = []

@@ -13,8 +13,8 @@ from flax import linen as nn
 from dew import Trainer
 from dew.data import Dataset
 from dew.objectives.base import Aux, Mean, Objective
-from dew.training.layout import Layout, LayoutError
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout, LayoutError
+from dew.training.placement.mesh import MeshSpec
 
 def p(axes):
     return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
@@ -101,8 +101,8 @@ import jax, jax.numpy as jnp, optax
 from flax import linen as nn
 from dew import Trainer
 from dew.objectives.base import Objective
-from dew.training.layout import Layout, LayoutError
-from dew.training.mesh import MeshSpec, build_mesh
+from dew.training.placement.layout import Layout, LayoutError
+from dew.training.placement.mesh import MeshSpec, build_mesh
 
 class Odd(nn.Module):
     @nn.compact
@@ -130,7 +130,7 @@ def test_a_layout_that_replicates_too_much_is_refused(python_in_subprocess):
 
 PARTITION = r"""
 import jax
-from dew.training.mesh import MeshSpec, build_mesh, data_partition
+from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
 print(data_partition(build_mesh(MeshSpec(fsdp=2, tensor=2))))
 """
 

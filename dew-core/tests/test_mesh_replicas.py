@@ -24,8 +24,8 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.base import Aux, Mean, Objective
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 
 ROWS = 16
 
@@ -126,7 +126,7 @@ def test_replicas_in_a_two_process_pool_match_one_device(tmp_path: Path, python_
 
 def test_replicas_that_do_not_divide_the_granules_are_refused(python_in_subprocess) -> None:
     out = python_in_subprocess(r"""
-from dew.training.mesh import MeshSpec, ReplicaError, build_mesh
+from dew.training.placement.mesh import MeshSpec, ReplicaError, build_mesh
 try:
     build_mesh(MeshSpec(replicas=2))
 except ReplicaError as error:

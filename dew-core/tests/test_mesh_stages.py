@@ -17,8 +17,8 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.base import Aux, Mean, Objective
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 
 ROWS = 32
 
@@ -126,7 +126,7 @@ def test_pipeline_stages_match_one_device(python_in_subprocess):
 REFUSALS = COMMON + r"""
 from dew.nn.backbones import CausalTransformer
 from dew.nn.pipeline import MicrobatchError, StageDivisionError
-from dew.training.stages import NoStackError
+from dew.training.placement.stages import NoStackError
 try:
     Trainer(LM(layers=3), optax.sgd(0.1), key=jax.random.key(0), mesh=MeshSpec(stage=2)).place()
 except StageDivisionError as error:

@@ -24,8 +24,8 @@ from dew import Trainer
 from dew.objectives.base import Aux, Mean
 from dew.testing.doubles import Regression, regression_dataset
 from dew.testing.processes import device_env
-from dew.training.layout import Layout, LayoutError
-from dew.training.owned import CPUDeviceCountError, companion_mesh
+from dew.training.placement.layout import Layout, LayoutError
+from dew.training.placement.mesh import CPUDeviceCountError, companion_mesh
 from dew.training.trainer import StepCompositionError
 
 
@@ -64,9 +64,9 @@ import jax, numpy as np, optax
 from dew import Trainer
 from dew.objectives.base import EMASpec
 from dew.testing.doubles import RecordingTracker, Regression, regression_batch, regression_dataset
-from dew.training.checkpoints import Checkpoints
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.checkpoints.manager import Checkpoints
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 from dew.training import owned
 
 compiled = []  # each Execution.compile: the owned run's two-program step (one batch shape, one compile)
@@ -205,8 +205,8 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 import numpy as np, optax
 from dew import Trainer
 from dew.testing.doubles import RecordingTracker, Regression, regression_dataset
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 
 tracker = RecordingTracker()
 trainer = Trainer(Regression(), optax.adamw(3e-2), key=jax.random.key(0), mesh=MeshSpec(fsdp=2),

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from dew import models
-from dew.training.quantization import Quantization, QuantizationError, apply_quantization
+from dew.adapters.quantization import Quantization, QuantizationError, apply_quantization
 
 qwix = pytest.importorskip("qwix")
 

@@ -15,7 +15,7 @@ from PIL import Image
 from dew.cli import main
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Goodput
-from dew.training.trackers import LocalTracker
+from dew.tracking.local import LocalTracker
 
 
 class Page(HTMLParser):

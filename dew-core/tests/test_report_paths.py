@@ -14,7 +14,7 @@ import pytest
 
 from dew.cli import main
 from dew.telemetry.artifacts import Artifact
-from dew.training.trackers import LocalTracker
+from dew.tracking.local import LocalTracker
 from test_report import Page
 
 SECRET = "TOPSECRET-do-not-render"

@@ -11,7 +11,7 @@ import pytest
 
 from dew.nn.backbones import CausalTransformer
 from dew.nn.pipeline import PipelineSchedule, pipeline, stack_layers, unstack_layers
-from dew.training.stages import bank_sites
+from dew.training.placement.stages import bank_sites
 
 FIELDS = dict(vocab_size=61, emb_features=32, num_layers=4, num_heads=4, num_kv_heads=2,
               mlp_features=48, max_seq_len=32, position_embedding="rotary",
@@ -70,7 +70,7 @@ def test_the_decode_cache_is_stacked_and_decoding_matches(scanned):
 @pytest.mark.slow
 def test_quantization_reaches_the_scanned_trunk(scanned):
     pytest.importorskip("qwix")
-    from dew.training.quantization import Quantization, apply_quantization
+    from dew.adapters.quantization import Quantization, apply_quantization
 
     model, _, variables = scanned
     spec = Quantization("int8")
@@ -140,7 +140,7 @@ def _quantized_losses(model, variables, spec, schedule=None, steps=6):
     """Losses of a hand-written Adam loop training apply_quantization(model, spec) on TOKENS."""
     import optax
 
-    from dew.training.quantization import apply_quantization
+    from dew.adapters.quantization import apply_quantization
 
     quantized, tx = apply_quantization(model, spec), optax.adam(1e-2)
 
@@ -166,7 +166,7 @@ def _quantized_losses(model, variables, spec, schedule=None, steps=6):
 @pytest.mark.slow
 def test_the_quantized_stack_trains_as_the_numbered_layers(scanned):
     pytest.importorskip("qwix")
-    from dew.training.quantization import Quantization
+    from dew.adapters.quantization import Quantization
 
     model, _, variables = scanned
     numbered = CausalTransformer(**FIELDS)

@@ -15,7 +15,9 @@ from PIL import Image
 from dew.registry import UnknownNameError, trackers
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Goodput, ProfileWindowRecord, RunStarted
-from dew.training.trackers import LocalTracker, NotAReportError, Trackers
+from dew.tracking.composite import Trackers
+from dew.tracking.local import LocalTracker
+from dew.tracking.protocol import NotAReportError
 
 IMAGE = np.arange(2 * 4 * 5 * 3, dtype=np.uint8).reshape(2, 4, 5, 3)  # two 4x5 RGB images
 TEXT = "dew trains jax models.\nsecond line ü"
@@ -226,8 +228,8 @@ def test_local_video_preview_is_an_animated_gif(tmp_path):
 
 FULL_DISK = """
 import json, os, resource, signal, sys
-from dew.training.background import TrackerWriteError
-from dew.training.trackers import LocalTracker
+from dew.tracking.background import TrackerWriteError
+from dew.tracking.local import LocalTracker
 
 directory, limit = sys.argv[1], int(sys.argv[2])
 if limit:  # no tmpfs: a file-size limit makes writes fail the same way (EFBIG)
@@ -313,7 +315,7 @@ def test_readers_skip_a_torn_last_line_and_refuse_a_damaged_middle(tmp_path):
 
 
 def test_a_local_tracker_told_not_to_stop_warns_and_counts_what_it_lost(tmp_path):
-    from dew.training.background import TrackerWarning
+    from dew.tracking.background import TrackerWarning
 
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")

@@ -1,4 +1,4 @@
-"""The tracker thread (dew.training.background): one thread for every tracker, items in
+"""The tracker thread (dew.tracking.background): one thread for every tracker, items in
 order and batched, failures raised on the caller's thread or retried within a bound."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from dew.training.background import Channel, Dropped, TrackerWarning, TrackerWriteError
+from dew.tracking.background import Channel, Dropped, TrackerWarning, TrackerWriteError
 
 
 def test_every_channel_is_sent_in_order_by_one_thread():
@@ -94,7 +94,7 @@ def test_close_gives_up_on_a_remote_that_stays_away_within_its_timeout():
 
 def test_rows_of_a_tracker_nobody_closed_are_written_at_exit(tmp_path, python_in_subprocess):
     python_in_subprocess(f"""
-        from dew.training.trackers import LocalTracker
+        from dew.tracking.local import LocalTracker
         tracker = LocalTracker({str(tmp_path)!r})
         for step in range(1, 101):
             tracker.log({{"loss": 1.0 / step}}, step=step)

@@ -1,4 +1,4 @@
-"""The lock-free hand-off of dew.training.background: nothing is lost or reordered while the
+"""The lock-free hand-off of dew.tracking.background: nothing is lost or reordered while the
 writer takes batches concurrently with the caller's appends."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dew.training.background import Channel, TrackerWriteError
+from dew.tracking.background import Channel, TrackerWriteError
 
 
 @pytest.mark.parametrize("interval", [0.0, 0.002])

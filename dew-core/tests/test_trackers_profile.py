@@ -13,8 +13,9 @@ import dew
 from dew.telemetry import profiling
 from dew.testing.doubles import RecordingTracker, Regression
 from dew.testing.doubles import regression_dataset as dataset
+from dew.tracking.composite import Trackers
+from dew.tracking.local import LocalTracker
 from dew.training.profiling import ProfilerBusyError, ProfileWindow
-from dew.training.trackers import LocalTracker, Trackers
 
 
 def _traces(directory):

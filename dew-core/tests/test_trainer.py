@@ -13,7 +13,13 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.objectives.base import EMASpec, under
 from dew.testing import doubles
-from dew.training.mesh import BatchMismatchError, MeshSizeError, MeshSpec, build_mesh, shard_batch
+from dew.training.placement.mesh import (
+    BatchMismatchError,
+    MeshSizeError,
+    MeshSpec,
+    build_mesh,
+    shard_batch,
+)
 from dew.training.step import write_back
 from dew.training.trainer import NonFiniteLossError
 
@@ -97,7 +103,7 @@ def test_the_step_traces_once_and_donates_the_state_not_the_batch():
 
 
 def trainer_partition(trainer):
-    from dew.training.mesh import data_partition
+    from dew.training.placement.mesh import data_partition
 
     return data_partition(trainer.device_mesh)
 

@@ -10,13 +10,13 @@ import optax
 import pytest
 
 from dew import Trainer, models
+from dew.adapters.lora import Lora, adapters_only, apply_lora, base_model, is_adapter
 from dew.data import Dataset
 from dew.objectives.base import Step
 from dew.objectives.dpo import DPOObjective, sequence_logprob
 from dew.objectives.grpo import GRPOObjective
 from dew.objectives.policy import token_logprobs
 from dew.training import trees
-from dew.training.lora import Lora, adapters_only, apply_lora, base_model, is_adapter
 
 pytest.importorskip("qwix")
 

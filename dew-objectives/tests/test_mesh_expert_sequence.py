@@ -19,8 +19,8 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.lm import LMObjective
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 
 SEQ, ROWS = 8, 8
 model = CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
@@ -126,8 +126,8 @@ from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.nn.sharding import SequenceSplitError
 from dew.objectives.lm import LMObjective
-from dew.training.layout import Layout, LayoutError
-from dew.training.mesh import MeshSizeError, MeshSpec, build_mesh
+from dew.training.placement.layout import Layout, LayoutError
+from dew.training.placement.mesh import MeshSizeError, MeshSpec, build_mesh
 
 try:
     build_mesh(MeshSpec(expert=3, sequence=2))

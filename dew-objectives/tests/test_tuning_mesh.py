@@ -17,8 +17,8 @@ import jax, numpy as np, optax
 sys.path.insert(0, {here!r})
 from tuning_helpers import small_run
 from dew import Checkpoints, Trainer
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 
 class Losses:
     def __init__(self): self.values = []

@@ -23,8 +23,8 @@ from PIL import Image
 import dew
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Goodput
-from dew.training.background import TrackerWarning
-from dew.training.trackers import Trackers
+from dew.tracking.background import TrackerWarning
+from dew.tracking.composite import Trackers
 
 pytest.importorskip("mlflow")
 

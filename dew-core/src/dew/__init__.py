@@ -19,14 +19,14 @@ if TYPE_CHECKING:
     from dew import models as models
     from dew import plugins as plugins
     from dew import registry as registry
+    from dew.checkpoints.manager import Checkpoints as Checkpoints
     from dew.data.base import DataPartition as DataPartition
     from dew.data.base import Dataset as Dataset
     from dew.objectives.base import Objective as Objective
     from dew.pretrained.model import Pretrained as Pretrained
     from dew.telemetry.profiling import profile as profile
-    from dew.training.checkpoints import Checkpoints as Checkpoints
-    from dew.training.layout import Layout as Layout
-    from dew.training.mesh import MeshSpec as MeshSpec
+    from dew.training.placement.layout import Layout as Layout
+    from dew.training.placement.mesh import MeshSpec as MeshSpec
     from dew.training.state import TrainState as TrainState
     from dew.training.trainer import Trainer as Trainer
 

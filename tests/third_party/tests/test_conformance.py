@@ -16,7 +16,7 @@ from dew_example_plugin.objective import RegressionObjective
 from dew_example_plugin.tracker import JsonLinesTracker
 
 from dew.testing import ModelKit, ObjectiveKit, TrackerKit
-from dew.training.layout import Layout
+from dew.training.placement.layout import Layout
 
 
 class TestRegressor(ModelKit):

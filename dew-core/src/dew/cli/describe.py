@@ -64,7 +64,7 @@ def describe(name: str) -> str:
     """The text ``dew describe name`` prints: where the component comes from, then its fields.
 
     >>> print(describe("local").splitlines()[0])
-    local (trackers, from dew-core): dew.training.trackers:LocalTracker
+    local (trackers, from dew-core): dew.tracking.local:LocalTracker
     """
     from dew import registry
 

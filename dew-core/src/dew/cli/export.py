@@ -27,9 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dew.adapters.lora import LoraError
     from dew.cli.runs import NoCheckpointError, NotARunError, open_run
     from dew.pretrained import PretrainedError
-    from dew.training.lora import LoraError
 
     try:
         opened = open_run(args.run, step=args.step)
@@ -53,7 +53,7 @@ def _write(opened: Any, lora: Any, out: Path, *, adapters: bool) -> tuple[Path, 
 
     if lora is None:
         return Pretrained(opened.model, opened.variables, opened.tokenizer).save(out), "the model"
-    from dew.training.lora import base_model, merge_lora
+    from dew.adapters.lora import base_model, merge_lora
 
     base = base_model(opened.model)
     if adapters:

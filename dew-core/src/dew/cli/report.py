@@ -56,7 +56,7 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Any:
     """A run's scalars, records and preview index, read (never written) from its directory."""
     from dew.cli.run_page import RunData
     from dew.telemetry.render import read_scalars
-    from dew.training.trackers import LocalTracker
+    from dew.tracking.local import LocalTracker
 
     run_dir = Path(run_dir)
     journal = run_dir / LocalTracker.SCALARS

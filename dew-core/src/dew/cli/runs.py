@@ -61,8 +61,8 @@ def _read_variables(objective: Any, directory: Path, step: int | None
     import flax.linen as nn
     import jax
 
-    from dew.training.checkpoint_integrity import MANIFEST
-    from dew.training.checkpoint_store import Store
+    from dew.checkpoints.integrity import MANIFEST
+    from dew.checkpoints.store import Store
     from dew.training.initializers import ParamsFrom
 
     store = Store(directory, local=False)

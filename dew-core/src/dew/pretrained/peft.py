@@ -17,7 +17,7 @@ Both scale the product by ``alpha / rank``. A scanned stack's adapters
 (the ``layers`` axis in front) are written and read one layer at a time.
 
 The safetensors file's metadata records a digest of the base weights
-(``dew.training.lora.base_digest``): adapters put onto another base are
+(``dew.adapters.lora.base_digest``): adapters put onto another base are
 refused, naming both digests.
 """
 
@@ -73,8 +73,8 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     import flax.linen as nn
     import jax
 
-    from dew.training.lora import base_digest
-    from dew.training.lora_stack import unstack_tree
+    from dew.adapters.lora import base_digest
+    from dew.adapters.lora_stack import unstack_tree
 
     llama.model_to_config(model)  # refuses a model with no Llama counterpart, naming the field
     # A scanned stack's adapters are written per layer, as PEFT numbers them.
@@ -127,7 +127,7 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     import flax.linen as nn
     from safetensors import safe_open
 
-    from dew.training.lora import base_digest
+    from dew.adapters.lora import base_digest
 
     source = Path(directory)
     weights = source / ADAPTER_WEIGHTS
@@ -143,7 +143,7 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
             f"The adapters in {source} were trained on a base of digest {recorded}, but these variables' "
             f"base has digest {mine}. Load them onto the base they were trained on (the run's "
             "init.pretrained or init.run).")
-    from dew.training.lora_stack import is_scanned, unstack_tree
+    from dew.adapters.lora_stack import is_scanned, unstack_tree
 
     out = nn.meta.unbox(dict(variables))
     params = unstack_tree(out["params"])  # a scanned stack is filled layer by layer, then stacked again

@@ -20,13 +20,13 @@ from typing import Annotated, Any
 
 import pydantic
 
+from dew.adapters.lora import Lora
+from dew.adapters.quantization import Quantization
 from dew.recipes.components import ComponentConfig, DataConfig, check_component
 from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
 from dew.recipes.reading import RecipeFileError, read_recipe_file, read_yaml
 from dew.training.config import TrainerConfig
-from dew.training.lora import Lora
 from dew.training.optim import OptimizerConfig
-from dew.training.quantization import Quantization
 
 __all__ = [
     "RecipeError",

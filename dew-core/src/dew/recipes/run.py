@@ -134,7 +134,7 @@ def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
         return None
     if len(built) == 1:
         return ConfiguredTracker(built[0], config.recorded())
-    from dew.training.trackers import Trackers
+    from dew.tracking.composite import Trackers
 
     return ConfiguredTracker(Trackers(*built), config.recorded())
 
@@ -171,7 +171,7 @@ def _checkpoints(config: RunConfig, timestamp: str = "") -> Any:
     kwargs = config.trainer.checkpoint_arguments()
     if kwargs is None:
         return None
-    from dew.training.checkpoints import Checkpoints
+    from dew.checkpoints.manager import Checkpoints
 
     for name in ("directory", "local_directory"):
         if name in kwargs:
@@ -262,11 +262,11 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
     model = (None if config.model is None
              else models.build(config.model.name, **_fields("models", config.model, timestamp)))
     if config.quantization is not None and model is not None:
-        from dew.training.quantization import apply_quantization
+        from dew.adapters.quantization import apply_quantization
 
         model = apply_quantization(model, config.quantization)
     if config.lora is not None and model is not None:
-        from dew.training.lora import apply_lora
+        from dew.adapters.lora import apply_lora
 
         model = apply_lora(model, config.lora)
     reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, timestamp))
@@ -278,7 +278,7 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
         dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
     objective = build_objective(config, model, reader, timestamp)
     if config.lora is not None:
-        from dew.training.lora import adapters_only
+        from dew.adapters.lora import adapters_only
 
         objective = adapters_only(objective)  # the base weights are frozen: one copy, no optimizer state
     return Parts(model, reader, _tokenizer(reader), objective, dataset)
@@ -316,7 +316,7 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
 
     source = ParamsFrom(_absolute(init.run), step=init.step)
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
-        from dew.training.lora import BaseWeights
+        from dew.adapters.lora import BaseWeights
 
         source = BaseWeights(source)
     narrow = getattr(objective, "starting_weights", None)

@@ -197,7 +197,7 @@ class TrackerDropped:
 
     @classmethod
     def of(cls, dropped: Any, where: str) -> TrackerDropped:
-        """The record of a channel's Dropped count (dew.training.background)."""
+        """The record of a channel's Dropped count (dew.tracking.background)."""
         return cls(where, dropped.items, dropped.first_step, dropped.last_step, dropped.error)
 
     def to_json(self) -> dict[str, Any]:

@@ -27,8 +27,8 @@ import jax
 from flax import linen as nn
 
 from dew.testing.devices import call_on_fake_devices
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec, build_mesh
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec, build_mesh
 
 __all__ = ["ModelKit"]
 

@@ -8,7 +8,7 @@ their union:
   profile, the fields ``Trainer.from_config`` maps onto the constructor;
   mesh, layout and profile are the Trainer's own ``MeshSpec``, ``Layout``
   and ``ProfileWindow``, validated as they are;
-- ``CheckpointSettings`` (dew.training.checkpoint_settings): checkpoint_dir,
+- ``CheckpointSettings`` (dew.checkpoints.settings): checkpoint_dir,
   keep and the local checkpoints, the arguments of ``Checkpoints``;
 - ``ProcessSettings`` (dew.training.runtime.process): xla_flags, multi_host,
   compilation_cache_dir and core_dumps, read by ``prepare_process``;
@@ -27,10 +27,10 @@ from __future__ import annotations
 import pydantic
 from pydantic import Field
 
+from dew.checkpoints.settings import CheckpointSettings
 from dew.training.cadence import Cadence
-from dew.training.checkpoint_settings import CheckpointSettings
-from dew.training.layout import Layout
-from dew.training.mesh import MeshSpec
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec
 from dew.training.profiling import ProfileWindow
 from dew.training.runtime.process import ProcessSettings
 

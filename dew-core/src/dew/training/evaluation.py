@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dew.data.base import Reader
 from dew.objectives.base import Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.telemetry.artifacts import Artifact
-from dew.training.mesh import build_mesh, data_partition, global_shape, shard_batch
+from dew.training.placement.mesh import build_mesh, data_partition, global_shape, shard_batch
 from dew.training.state import stream
 
 __all__ = ["Evaluation", "Evaluator", "OutputMeans", "evaluate"]

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dew.data.base import DataPartition, Dataset, Resumable
-from dew.training.mesh import BatchMismatchError, global_shape, shard_batch
+from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
 from dew.training.protocols import Rollout
 from dew.training.state import TrainState
 

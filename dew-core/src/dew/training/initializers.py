@@ -120,9 +120,9 @@ class ParamsFrom:
     def __call__(self, abstract: Variables) -> Variables:
         import orbax.checkpoint as ocp
 
-        from dew.training import checkpoint_integrity as integrity
-        from dew.training.checkpoint_errors import CheckpointCorruptedError
-        from dew.training.checkpoints import Checkpoints
+        from dew.checkpoints import integrity
+        from dew.checkpoints.errors import CheckpointCorruptedError
+        from dew.checkpoints.manager import Checkpoints
 
         checkpoints = Checkpoints(self.directory)
         step = checkpoints.latest if self.step is None else int(self.step)

@@ -21,71 +21,25 @@ the code path and the numbers are the same, only the copies are free.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.nn.pipeline import PipelineSchedule, pipeline
+from dew.training.placement.mesh import companion_mesh
 from dew.training.state import TrainState
 from dew.training.step import Gradients
 from dew.training.trees import overlay, paths, select
 
-__all__ = ["CPUDeviceCountError", "Execution", "companion_mesh"]
+__all__ = ["Execution"]
 
 Placement = Any  # a tree of NamedSharding shaped like the placed tree
 Forward = Callable[[TrainState, Mapping[str, jax.Array]], Gradients]
 Apply = Callable[[TrainState, Gradients], tuple[TrainState, dict[str, jax.Array]]]
-
-
-class CPUDeviceCountError(RuntimeError):
-    """A process has not as many CPU devices as accelerators, so the CPU companion mesh cannot mirror the mesh."""
-
-
-def companion_mesh(mesh: Mesh, cpus: Sequence[Any] | None = None) -> Mesh:
-    """The CPU mesh that mirrors mesh: same shape and axis names, each device's CPU twin.
-
-    A device's twin is the CPU device of the same process at the same local
-    index, so every process owns the state shards its accelerators compute
-    with. Each process needs exactly as many CPU devices as accelerators;
-    the count is fixed when JAX starts, so this only checks it. On a CPU
-    mesh every device is its own twin. cpus defaults to ``jax.devices("cpu")``.
-
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> companion_mesh(mesh).devices.tolist() == mesh.devices.tolist()
-    True
-    """
-    platform = mesh.devices.flat[0].platform
-    accelerators = _by_process(jax.devices(platform))
-    twins = _by_process(jax.devices("cpu") if cpus is None else cpus)
-    wrong = {p: (len(twins.get(p, [])), len(devices)) for p, devices in accelerators.items()
-             if len(twins.get(p, [])) != len(devices)}
-    if wrong:
-        described = "; ".join(f"process {p}: {cpu} CPU devices for {acc} {platform} devices"
-                              for p, (cpu, acc) in sorted(wrong.items()))
-        count = next(iter(wrong.values()))[1]
-        raise CPUDeviceCountError(
-            f"Layout.host=('params',) keeps the train state on a CPU companion with one CPU device per "
-            f"accelerator, but {described}. Start each process with as many CPU devices as accelerators, "
-            f"before JAX initializes: XLA_FLAGS=--xla_force_host_platform_device_count={count} (or "
-            f"jax.config.update('jax_num_cpu_devices', {count})); or keep the parameters on the devices "
-            "and offload the other fields with Layout.host=('opt_state', 'ema')."
-        )
-    twin = {device: twins[p][i] for p, devices in accelerators.items() for i, device in enumerate(devices)}
-    grid = np.vectorize(twin.__getitem__, otypes=[object])(mesh.devices)
-    return Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types)
-
-
-def _by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
-    grouped: dict[int, list[Any]] = defaultdict(list)
-    for device in sorted(devices, key=lambda d: d.id):
-        grouped[device.process_index].append(device)
-    return dict(grouped)
 
 
 @dataclass(frozen=True)

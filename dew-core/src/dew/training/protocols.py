@@ -1,46 +1,24 @@
-"""The two things a run hands the trainer as code: where reports go, and how batches are made.
+"""The Rollout protocol: how a batch is made on the host before the compiled step reads it.
 
-``Tracker`` and ``Rollout`` sit here, beside nothing that trains, so a
-tracker or rollout plugin depends on these protocols (and on
-``dew.objectives.base`` and ``dew.data.base`` for the other two), never on
-the trainer. Importing this module imports no JAX.
+It sits here, beside nothing that trains, so a rollout plugin depends on
+this protocol (and on ``dew.data.base``), never on the trainer. Where
+reports go is the Tracker protocol of ``dew.tracking.protocol``. Importing
+this module imports no JAX.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from dew.data.base import Resumable
-from dew.telemetry.artifacts import Artifact
-from dew.telemetry.records import Record
 
 if TYPE_CHECKING:
     import jax
 
     from dew.training.state import TrainState
 
-__all__ = ["Reported", "Rollout", "StatefulRollout", "Tracker"]
-
-Reported: TypeAlias = Artifact | Record
-"""What ``Tracker.artifact`` receives: a preview or a typed record."""
-
-
-@runtime_checkable
-class Tracker(Protocol):
-    """A sink for a run's scalars, previews and records."""
-
-    def log(self, scalars: Mapping[str, float], step: int) -> None:
-        """Record scalar values at step."""
-        ...
-
-    def artifact(self, value: Reported, step: int) -> None:
-        """Record a preview or a typed record at step."""
-        ...
-
-    def close(self) -> None:
-        """Flush and release what the tracker holds."""
-        ...
+__all__ = ["Rollout", "StatefulRollout"]
 
 
 @runtime_checkable

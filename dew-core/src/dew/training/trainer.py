@@ -28,18 +28,18 @@ from dew.data.base import Dataset
 from dew.nn.pipeline import pipeline
 from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
 from dew.telemetry.hardware import peak_flops
+from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
 from dew.training.feed import Feed
 from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
-from dew.training.layout import Layout, Placement
-from dew.training.mesh import MeshSpec, build_mesh, data_partition
-from dew.training.offload import fetching, in_host_memory
 from dew.training.owned import Execution
-from dew.training.progress import NonFiniteLossError, Progress
+from dew.training.placement.layout import Layout, Placement
+from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
+from dew.training.placement.offload import fetching, in_host_memory
+from dew.training.placement.stages import bank_sites, check_stages, schedule_of, with_bubble
 from dew.training.protocols import Rollout
 from dew.training.runtime.preemption import Preempted, PreemptionWatch
-from dew.training.stages import bank_sites, check_stages, schedule_of, with_bubble
 from dew.training.state import Scaler, TrainState, Window, stream
 from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
 from dew.training.trees import paths, select, trains

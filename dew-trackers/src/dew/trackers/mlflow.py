@@ -19,9 +19,9 @@ from typing import Any
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.telemetry.render import safe_name, write_preview
 from dew.trackers import require
-from dew.training.background import Channel, TrackerWarning, TrackerWriteError, let_others_run
-from dew.training.protocols import Reported
-from dew.training.trackers import check_reported, recipe_fields
+from dew.tracking.background import Channel, TrackerWarning, TrackerWriteError, let_others_run
+from dew.tracking.protocol import Reported, check_reported
+from dew.tracking.rows import recipe_fields
 
 __all__ = ["MLflowTracker", "TrackerUnreachableError"]
 

@@ -15,8 +15,7 @@ import numpy as np
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import is_record, previews_of, record_row
 from dew.trackers import require
-from dew.training.protocols import Reported
-from dew.training.trackers import check_reported
+from dew.tracking.protocol import Reported, check_reported
 
 __all__ = ["TensorBoardTracker"]
 
@@ -50,7 +49,7 @@ def _hparams(config: Mapping[str, Any]) -> Any:
     from tensorboard.plugins.hparams import metadata, plugin_data_pb2
     from tensorboard.util import tensor_util
 
-    from dew.training.trackers import recipe_fields
+    from dew.tracking.rows import recipe_fields
 
     session = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
     for name, value in recipe_fields(config).items():
@@ -111,7 +110,7 @@ class TensorBoardTracker:
     flattened to dotted names, so runs can be compared by them.
 
     Summaries are built and written by dew's tracker thread
-    (dew.training.background), so a step only enqueues its values; a failure
+    (dew.tracking.background), so a step only enqueues its values; a failure
     names the directory and is raised by the next call or by ``close``, unless
     stop_on_failure is False (then it is retried and warned of, and ``close``
     gives up after close_timeout seconds).
@@ -119,7 +118,7 @@ class TensorBoardTracker:
 
     def __init__(self, directory: str | Path, *, stop_on_failure: bool = True,
                  close_timeout: float = 30.0) -> None:
-        from dew.training.background import Channel
+        from dew.tracking.background import Channel
 
         require("tensorboard", "TensorBoardTracker")
         self.directory = Path(directory)
@@ -141,7 +140,7 @@ class TensorBoardTracker:
         from tensorboard.plugins.text.summary_v2 import text_pb
 
         from dew.telemetry.records import RunStarted
-        from dew.training.background import let_others_run
+        from dew.tracking.background import let_others_run
 
         writer = self.writer
         for kind, value, step in items:

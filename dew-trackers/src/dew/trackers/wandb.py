@@ -11,9 +11,9 @@ import numpy as np
 
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.trackers import require
-from dew.training.background import Channel, TrackerWriteError, let_others_run
-from dew.training.protocols import Reported
-from dew.training.trackers import check_reported, recipe_fields
+from dew.tracking.background import Channel, TrackerWriteError, let_others_run
+from dew.tracking.protocol import Reported, check_reported
+from dew.tracking.rows import recipe_fields
 
 __all__ = ["WandbTracker"]
 

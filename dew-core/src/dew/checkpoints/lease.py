@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dew.training.checkpoint_errors import CheckpointLeaseHeldError
+from dew.checkpoints.errors import CheckpointLeaseHeldError
 
 __all__ = ["LEASE", "Holder", "acquire", "holder_of", "release"]
 

@@ -9,6 +9,7 @@ code path serves every topology.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +25,13 @@ __all__ = [
     "BATCH_SPEC",
     "MESH_AXES",
     "BatchMismatchError",
+    "CPUDeviceCountError",
     "MeshSizeError",
     "MeshSpec",
     "ReplicaError",
     "batch_shardings",
     "build_mesh",
+    "companion_mesh",
     "data_partition",
     "shard_batch",
 ]
@@ -280,3 +283,48 @@ def check_batch(batch: Mapping[str, Any], expected: Mapping[str, Any], partition
                     f"(global), but the compiled step expects shape {tuple(exp.shape)} and "
                     f"dtype {exp.dtype}. Every batch of a run must have the same shapes."
                 )
+
+
+class CPUDeviceCountError(RuntimeError):
+    """A process has not as many CPU devices as accelerators, so the CPU companion mesh cannot mirror the mesh."""
+
+
+def companion_mesh(mesh: Mesh, cpus: Sequence[Any] | None = None) -> Mesh:
+    """The CPU mesh that mirrors mesh: same shape and axis names, each device's CPU twin.
+
+    A device's twin is the CPU device of the same process at the same local
+    index, so every process owns the state shards its accelerators compute
+    with. Each process needs exactly as many CPU devices as accelerators;
+    the count is fixed when JAX starts, so this only checks it. On a CPU
+    mesh every device is its own twin. cpus defaults to ``jax.devices("cpu")``.
+
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> companion_mesh(mesh).devices.tolist() == mesh.devices.tolist()
+    True
+    """
+    platform = mesh.devices.flat[0].platform
+    accelerators = _by_process(jax.devices(platform))
+    twins = _by_process(jax.devices("cpu") if cpus is None else cpus)
+    wrong = {p: (len(twins.get(p, [])), len(devices)) for p, devices in accelerators.items()
+             if len(twins.get(p, [])) != len(devices)}
+    if wrong:
+        described = "; ".join(f"process {p}: {cpu} CPU devices for {acc} {platform} devices"
+                              for p, (cpu, acc) in sorted(wrong.items()))
+        count = next(iter(wrong.values()))[1]
+        raise CPUDeviceCountError(
+            f"Layout.host=('params',) keeps the train state on a CPU companion with one CPU device per "
+            f"accelerator, but {described}. Start each process with as many CPU devices as accelerators, "
+            f"before JAX initializes: XLA_FLAGS=--xla_force_host_platform_device_count={count} (or "
+            f"jax.config.update('jax_num_cpu_devices', {count})); or keep the parameters on the devices "
+            "and offload the other fields with Layout.host=('opt_state', 'ema')."
+        )
+    twin = {device: twins[p][i] for p, devices in accelerators.items() for i, device in enumerate(devices)}
+    grid = np.vectorize(twin.__getitem__, otypes=[object])(mesh.devices)
+    return Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
+    grouped: dict[int, list[Any]] = defaultdict(list)
+    for device in sorted(devices, key=lambda d: d.id):
+        grouped[device.process_index].append(device)
+    return dict(grouped)

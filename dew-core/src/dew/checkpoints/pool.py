@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew.checkpoints.errors import CheckpointDirectoryNotSharedError
 from dew.data.base import DataPartition
-from dew.training.checkpoint_errors import CheckpointDirectoryNotSharedError
 
 __all__ = ["barrier", "gather_positions", "pooled", "probe_shared_directory"]
 

@@ -18,7 +18,7 @@ the schema checks alone.
 >>> parse_manifest(b"null", 3, "3/dew.json")
 Traceback (most recent call last):
 ...
-dew.training.checkpoint_errors.CheckpointCorruptedError: Checkpoint step 3 is corrupt: 3/dew.json: dew's manifest is not a JSON object (it holds null).
+dew.checkpoints.errors.CheckpointCorruptedError: Checkpoint step 3 is corrupt: 3/dew.json: dew's manifest is not a JSON object (it holds null).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dew.training.checkpoint_errors import CheckpointCorruptedError
+from dew.checkpoints.errors import CheckpointCorruptedError
 
 __all__ = ["FORMAT", "Manifest", "parse_manifest", "render_manifest"]
 

@@ -17,7 +17,7 @@ from flax import linen as nn
 
 from dew.nn.pipeline import PipelineSchedule, StageDivisionError
 from dew.nn.sharding import LAYERS
-from dew.training.mesh import MeshSpec
+from dew.training.placement.mesh import MeshSpec
 
 __all__ = ["NoStackError", "bank_sites", "check_stages", "schedule_of", "with_bubble"]
 

@@ -30,16 +30,14 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from dew.data.base import DataPartition
-from dew.training import checkpoint_integrity as integrity
-from dew.training import checkpoint_lease as lease
-from dew.training.checkpoint_errors import (
+from dew.checkpoints import integrity, lease
+from dew.checkpoints.errors import (
     CheckpointCorruptedError,
     CheckpointLeaseHeldError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from dew.training.checkpoint_local import (
+from dew.checkpoints.local import (
     PLACEMENT,
     LocalPlacementMismatchError,
     agreed_steps,
@@ -48,17 +46,17 @@ from dew.training.checkpoint_local import (
     placement_of,
     process_directory,
 )
-from dew.training.checkpoint_manifest import Manifest, render_manifest
-from dew.training.checkpoint_pool import barrier, gather_positions, pooled, probe_shared_directory
-from dew.training.checkpoint_restore import MetaCheck, Restored, intact, read_manifest, restore_step
-from dew.training.checkpoint_store import (
+from dew.checkpoints.manifest import Manifest, render_manifest
+from dew.checkpoints.pool import barrier, gather_positions, pooled, probe_shared_directory
+from dew.checkpoints.restore import MetaCheck, Restored, State, intact, read_manifest, restore_step
+from dew.checkpoints.store import (
     TMP,
     Store,
     absolute,
     remove_half_written,
     rmtree,
 )
-from dew.training.state import TrainState
+from dew.data.base import DataPartition
 
 __all__ = ["Checkpoints", "Restored"]
 
@@ -281,7 +279,7 @@ class Checkpoints:
 
     # -- saving ---------------------------------------------------------------
 
-    def prepare(self, state: TrainState) -> None:
+    def prepare(self, state: Any) -> None:
         """Get ready, in the background, to save states shaped like state.
 
         Compiles the program that digests the leaves on their devices, so the
@@ -293,7 +291,7 @@ class Checkpoints:
     def save(
         self,
         step: int,
-        state: TrainState,
+        state: Any,
         *,
         position: bytes | None,
         partition: DataPartition,
@@ -454,8 +452,8 @@ class Checkpoints:
 
     # -- restoring ------------------------------------------------------------
 
-    def restore(self, template: TrainState, *, partition: DataPartition, step: int | None = None,
-                check: MetaCheck | None = None) -> Restored:
+    def restore(self, template: State, *, partition: DataPartition, step: int | None = None,
+                check: MetaCheck | None = None) -> Restored[State]:
         """Restore step (default: the newest) into the shardings of template's leaves.
 
         template is a TrainState of jax.ShapeDtypeStruct leaves, each with a
@@ -484,7 +482,7 @@ class Checkpoints:
                 self._quarantine(store, number)
         raise CheckpointNotFoundError(f"No checkpoint to restore in {self.directory}.")  # pragma: no cover
 
-    def _placed(self, candidates: list[tuple[Store, int]], template: TrainState,
+    def _placed(self, candidates: list[tuple[Store, int]], template: State,
                 step: int | None) -> list[tuple[Store, int]]:
         """candidates without the pool's local steps saved from another placement than template's."""
         if not any(store.per_process for store, _ in candidates):

@@ -18,7 +18,7 @@ import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.training.owned import companion_mesh
+from dew.training.placement.mesh import companion_mesh
 
 __all__ = [
     "DEFAULT_RULES",

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 
 from dew import plugins
 from dew.telemetry.records import Goodput, RunStarted
-from dew.training.console import Console
+from dew.tracking.console import Console
 
 __all__ = ["Clock", "NonFiniteLossError", "Progress", "nonfinite_limit"]
 

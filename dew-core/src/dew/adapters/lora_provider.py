@@ -1,6 +1,6 @@
 """The qwix provider behind ``apply_lora``: qwix's LoRA einsum, made to find dew's weights.
 
-Kept apart from ``dew.training.lora`` because it reaches into qwix's
+Kept apart from ``dew.adapters.lora`` because it reaches into qwix's
 private modules (``qwix._src``), which may move between qwix releases; this
 is the one place to change when they do.
 """

@@ -12,17 +12,16 @@ import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 
+from dew.checkpoints import integrity
+from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointTreeMismatchError
+from dew.checkpoints.manifest import Manifest, parse_manifest
+from dew.checkpoints.store import read_position
 from dew.data.base import DataPartition
-from dew.training import checkpoint_integrity as integrity
-from dew.training.checkpoint_errors import CheckpointCorruptedError, CheckpointTreeMismatchError
-from dew.training.checkpoint_manifest import Manifest, parse_manifest
-from dew.training.checkpoint_store import read_position
-from dew.training.state import TrainState
 
 __all__ = ["MetaCheck", "Restored", "intact", "read_manifest", "restore_step"]
 
@@ -31,12 +30,16 @@ Expected = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # the template's l
 _VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
 
 
+State = TypeVar("State")
+"""The saved tree (the trainer's TrainState): any pytree of arrays."""
+
+
 @dataclass(frozen=True)
-class Restored:
+class Restored(Generic[State]):
     """A restored step: its state (placed as the template asked), data position and meta."""
 
     step: int
-    state: TrainState
+    state: State
     position: bytes | None
     meta: dict[str, Any]
 
@@ -62,7 +65,7 @@ def intact(directory: Any, step: int) -> bool:
     return integrity.verify_files(directory, manifest.files, manifest.file_hash) is None
 
 
-def restore_step(directory: Any, step: int, template: TrainState, expected: Expected,
+def restore_step(directory: Any, step: int, template: State, expected: Expected,
                  partition: DataPartition, check: MetaCheck | None) -> Restored:
     """Read the step in directory into template, checking it on the way (see the module docstring)."""
     manifest = read_manifest(directory, step)
@@ -102,7 +105,7 @@ def restore_step(directory: Any, step: int, template: TrainState, expected: Expe
     return Restored(step=step, state=restored, position=position, meta=dict(manifest.meta))
 
 
-def _read_state(directory: Any, template: TrainState) -> TrainState:
+def _read_state(directory: Any, template: State) -> State:
     """Read the state item of a committed step directory into template's shardings (reads only)."""
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
         return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
-from dew.training.layout import HOST_MEMORY
-from dew.training.state import TrainState
-from dew.training.step import StepFn
+from dew.training.placement.layout import HOST_MEMORY
+
+if TYPE_CHECKING:  # the engine's types, named in annotations only: placement sits below it
+    from dew.training.state import TrainState
+    from dew.training.step import StepFn
 
 __all__ = ["fetching", "in_host_memory"]
 

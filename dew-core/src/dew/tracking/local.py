@@ -1,117 +1,19 @@
-"""Where a run's reports go: the Tracker protocol, a fan-out, and a local journal.
-
-A tracker receives scalars (``log``) and reports (``artifact``): a preview
-(dew.telemetry.artifacts.Artifact) or a typed record (anything with ``type``
-and ``to_json()``, see dew.telemetry.records). The trainer never closes a
-tracker; whoever built it does. Backends for TensorBoard, MLflow and W&B live
-in dew-trackers and are imported only when one of them logs.
-"""
+"""LocalTracker: a run's reports as JSONL journals and preview files in one directory."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import is_record, previews_of, record_row
-from dew.training.protocols import Reported, Tracker
+from dew.tracking.protocol import Reported, check_reported
+from dew.tracking.rows import scalar_row
 
-__all__ = ["LocalTracker", "NotAReportError", "Trackers", "check_reported", "recipe_fields", "scalar_row"]
-
-class NotAReportError(TypeError):
-    """artifact() was given something that is neither a preview nor a record."""
-
-
-def check_reported(value: object) -> None:
-    """Raise NotAReportError unless value is an Artifact or a record."""
-    if not (isinstance(value, Artifact) or is_record(value)):
-        raise NotAReportError(
-            f"A tracker reports an Artifact or a record (an object with a `type` name and "
-            f"`to_json()`); got {type(value).__name__}. Log numbers with log() instead."
-        )
-
-
-def _finite_or_name(value: float) -> float | str:
-    if math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-
-
-def scalar_row(scalars: Mapping[str, float], step: int) -> dict[str, Any]:
-    """The journal row of one log call: the step, then each value as a float or its name."""
-    row: dict[str, Any] = {"step": int(step)}
-    for name, value in scalars.items():
-        row[name] = _finite_or_name(float(value))
-    return row
-
-
-def recipe_fields(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
-    """A recipe as flat, searchable fields: nested names joined by dots, list items by
-    their index (the override syntax), None as ``"null"``, anything else as text.
-
-    >>> recipe_fields({"trainer": {"steps": 10, "wandb": None}, "trackers": [{"name": "local"}]})
-    {'trainer.steps': 10, 'trainer.wandb': 'null', 'trackers.0.name': 'local'}
-    """
-    fields: dict[str, str | int | float | bool] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            fields.update(recipe_fields(value, f"{name}."))
-        elif isinstance(value, list | tuple) and value:
-            fields.update(recipe_fields({str(i): v for i, v in enumerate(value)}, f"{name}."))
-        elif value is None:
-            fields[name] = "null"
-        elif isinstance(value, bool | int | str) or (isinstance(value, float)
-                                                    and math.isfinite(value)):
-            fields[name] = value
-        else:
-            fields[name] = str(value)
-    return fields
-
-
-class Trackers:
-    """Several trackers as one: every report reaches every sink.
-
-    A sink that raises does not stop the others from receiving the same
-    report; once all were attempted, the first failure is raised (the
-    others are attached to it as notes).
-    """
-
-    def __init__(self, *trackers: Tracker) -> None:
-        self.trackers: tuple[Tracker, ...] = tuple(trackers)
-
-    def _each(self, method: str, *args: Any) -> None:
-        failures: list[tuple[Tracker, BaseException]] = []
-        for tracker in self.trackers:
-            try:
-                getattr(tracker, method)(*args)
-            except Exception as error:  # noqa: BLE001 - every sink is attempted
-                failures.append((tracker, error))
-        if failures:
-            first = failures[0][1]
-            for tracker, error in failures[1:]:
-                first.add_note(f"{type(tracker).__name__}.{method} also failed: {error!r}")
-            raise first
-
-    def log(self, scalars: Mapping[str, float], step: int) -> None:
-        self._each("log", scalars, step)
-
-    def artifact(self, value: Reported, step: int) -> None:
-        self._each("artifact", value, step)
-
-    def close(self) -> None:
-        self._each("close")
-
-    def __len__(self) -> int:
-        return len(self.trackers)
-
-    def __repr__(self) -> str:
-        return f"Trackers({', '.join(repr(t) for t in self.trackers)})"
+__all__ = ["LocalTracker"]
 
 
 class LocalTracker:
@@ -123,7 +25,7 @@ class LocalTracker:
     ``-Inf``. ``plot()`` draws each metric from the journal into ``plots/``;
     nothing is kept in memory between calls.
 
-    The files are written by dew's tracker thread (dew.training.background),
+    The files are written by dew's tracker thread (dew.tracking.background),
     in the order of the calls, a batch at a time, so a step only enqueues its
     values. A write that fails is truncated back to the last whole line, so a
     journal never holds half a row, and its error names the file; it stops the
@@ -146,7 +48,7 @@ class LocalTracker:
 
     def __init__(self, directory: str | Path, *, plots: bool = False,
                  stop_on_failure: bool = True, close_timeout: float = 30.0) -> None:
-        from dew.training.background import Channel
+        from dew.tracking.background import Channel
 
         self.directory = Path(directory)
         self.plots = plots
@@ -157,7 +59,7 @@ class LocalTracker:
 
     def _append(self, journal: str, rows: list[Mapping[str, Any]]) -> None:
         """Append rows to journal in one write; on failure cut the file back to whole lines."""
-        from dew.training.background import TrackerWriteError
+        from dew.tracking.background import TrackerWriteError
 
         path = self.directory / journal
         data = "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows).encode()
@@ -183,7 +85,7 @@ class LocalTracker:
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """On the tracker thread: the journals' rows and the preview files, in order."""
         from dew.telemetry.render import write_preview
-        from dew.training.background import let_others_run
+        from dew.tracking.background import let_others_run
 
         rows: dict[str, list[Mapping[str, Any]]] = {}
         for index, (kind, value, step) in enumerate(items):

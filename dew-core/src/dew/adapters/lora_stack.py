@@ -14,7 +14,7 @@ like its weights (A ``[layers, *inputs, rank]``, B ``[layers, rank,
 
 >>> import jax.numpy as jnp
 >>> from dew.nn.backbones import CausalTransformer
->>> from dew.training.lora import Lora
+>>> from dew.adapters.lora import Lora
 >>> model = CausalTransformer(vocab_size=16, emb_features=8, num_layers=2, num_heads=2,
 ...                           mlp_features=16, max_seq_len=8, scan_layers=True)
 >>> stacked_patterns(model, Lora(targets=("attention",)))
@@ -47,7 +47,7 @@ def _module_paths(model: Any) -> list[str]:
     import jax
     import jax.numpy as jnp
 
-    from dew.training.lora import _weights
+    from dew.adapters.lora import _weights
 
     tokens = jnp.zeros((1, 1), jnp.int32)
     abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.key(0), tokens)))
@@ -62,7 +62,7 @@ def stacked_patterns(model: Any, spec: Any) -> tuple[str, ...]:
     when a pattern picks a module in some layers and not in others, naming
     the layers, or matches nothing.
     """
-    from dew.training.lora import LoraError
+    from dew.adapters.lora import LoraError
 
     scanned = _module_paths(model)
     numbered = _module_paths(model.clone(scan_layers=False))

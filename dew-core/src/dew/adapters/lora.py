@@ -62,7 +62,7 @@ class Lora:
     against module paths such as ``layers_0/attention``; every weight matmul
     of a matched module gets an adapter. On a model whose layers are one scanned stack
     (``scan_layers=True``) the targets still name the numbered layers, and must
-    pick a module in every layer or none (``dew.training.lora_stack``); the
+    pick a module in every layer or none (``dew.adapters.lora_stack``); the
     adapters are then stacked like the weights. The adapter adds ``alpha / rank`` times its
     low-rank product; ``dropout`` drops the adapter's input during training.
     ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
@@ -121,9 +121,9 @@ def selected(spec: Lora, variables: Mapping[str, Any],
     """The weights spec adapts in a model of these variables; refuses an idle pattern or a too-large rank.
 
     patterns replaces spec's own (a scanned stack's exact module paths, one per target or
-    more: dew.training.lora_stack); a stacked weight's rank limit is one layer's.
+    more: dew.adapters.lora_stack); a stacked weight's rank limit is one layer's.
     """
-    from dew.training.lora_stack import stacked_width_shape
+    from dew.adapters.lora_stack import stacked_width_shape
 
     weights = _weights(variables)
     chosen: dict[str, tuple[int, ...]] = {}
@@ -163,7 +163,7 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     Every other attribute is the base model's (its config, its flops).
     """
     from dew._surface import import_or_explain
-    from dew.training.lora_stack import is_scanned, stacked_patterns
+    from dew.adapters.lora_stack import is_scanned, stacked_patterns
 
     qwix = import_or_explain("qwix", "dew-core")
     # A scanned stack is one module for every layer: the numbered names the targets are
@@ -172,7 +172,7 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     modules = "|".join(f"(?:{pattern})" for pattern in patterns or spec.patterns())
     rule = qwix.LoraRule(module_path=modules, rank=spec.rank, alpha=spec.alpha,
                          dropout=spec.dropout, weight_qtype=QTYPES[spec.base])
-    from dew.training.lora_provider import provider
+    from dew.adapters.lora_provider import provider
 
     wrapped = qwix.apply_lora_to_model(model, provider(qwix)([rule]))
     qwix_class = type(wrapped)
@@ -296,7 +296,7 @@ def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, A
                             "model has no place for; start from weights of the model the recipe builds.")
         return out
 
-    from dew.training.lora_stack import laid_out_as
+    from dew.adapters.lora_stack import laid_out_as
 
     given_params = given.get("params")
     if isinstance(given_params, Mapping) and isinstance(fresh.get("params"), Mapping):
@@ -357,7 +357,7 @@ def base_digest(variables: Mapping[str, Any]) -> str:
     import jax
     import numpy as np
 
-    from dew.training.lora_stack import unstack_tree
+    from dew.adapters.lora_stack import unstack_tree
 
     digest = hashlib.sha256()
     # A scanned stack is digested as its numbered layers: the same base either way.

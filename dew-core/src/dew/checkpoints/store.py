@@ -18,9 +18,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from dew.checkpoints.errors import PositionShareMismatchError
+from dew.checkpoints.manifest import Positions
 from dew.data.base import DataPartition, is_global_position
-from dew.training.checkpoint_errors import PositionShareMismatchError
-from dew.training.checkpoint_manifest import Positions
 
 __all__ = ["TMP", "Store", "absolute", "read_position", "remove_half_written", "rmtree"]
 

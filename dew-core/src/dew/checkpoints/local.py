@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
-from dew.training.checkpoint_errors import CheckpointNotFoundError
+from dew.checkpoints.errors import CheckpointNotFoundError
 
 __all__ = [
     "PLACEMENT",

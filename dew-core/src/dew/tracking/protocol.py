@@ -1,0 +1,51 @@
+"""Where a run's reports go: the Tracker protocol, and what a tracker may be handed.
+
+A tracker receives scalars (``log``) and reports (``artifact``): a preview
+(dew.telemetry.artifacts.Artifact) or a typed record (anything with ``type``
+and ``to_json()``, see dew.telemetry.records). The trainer never closes a
+tracker; whoever built it does. Importing this module imports no JAX, so a
+tracker plugin depends on it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, TypeAlias, runtime_checkable
+
+from dew.telemetry.artifacts import Artifact
+from dew.telemetry.records import Record, is_record
+
+__all__ = ["NotAReportError", "Reported", "Tracker", "check_reported"]
+
+Reported: TypeAlias = Artifact | Record
+"""What ``Tracker.artifact`` receives: a preview or a typed record."""
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """A sink for a run's scalars, previews and records."""
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        """Record scalar values at step."""
+        ...
+
+    def artifact(self, value: Reported, step: int) -> None:
+        """Record a preview or a typed record at step."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release what the tracker holds."""
+        ...
+
+
+class NotAReportError(TypeError):
+    """artifact() was given something that is neither a preview nor a record."""
+
+
+def check_reported(value: object) -> None:
+    """Raise NotAReportError unless value is an Artifact or a record."""
+    if not (isinstance(value, Artifact) or is_record(value)):
+        raise NotAReportError(
+            f"A tracker reports an Artifact or a record (an object with a `type` name and "
+            f"`to_json()`); got {type(value).__name__}. Log numbers with log() instead."
+        )

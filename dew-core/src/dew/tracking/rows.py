@@ -1,0 +1,47 @@
+"""How a tracker writes values down: journal rows, and a recipe as flat fields."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["recipe_fields", "scalar_row"]
+
+
+def _finite_or_name(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+
+
+def scalar_row(scalars: Mapping[str, float], step: int) -> dict[str, Any]:
+    """The journal row of one log call: the step, then each value as a float or its name."""
+    row: dict[str, Any] = {"step": int(step)}
+    for name, value in scalars.items():
+        row[name] = _finite_or_name(float(value))
+    return row
+
+
+def recipe_fields(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
+    """A recipe as flat, searchable fields: nested names joined by dots, list items by
+    their index (the override syntax), None as ``"null"``, anything else as text.
+
+    >>> recipe_fields({"trainer": {"steps": 10, "wandb": None}, "trackers": [{"name": "local"}]})
+    {'trainer.steps': 10, 'trainer.wandb': 'null', 'trackers.0.name': 'local'}
+    """
+    fields: dict[str, str | int | float | bool] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            fields.update(recipe_fields(value, f"{name}."))
+        elif isinstance(value, list | tuple) and value:
+            fields.update(recipe_fields({str(i): v for i, v in enumerate(value)}, f"{name}."))
+        elif value is None:
+            fields[name] = "null"
+        elif isinstance(value, bool | int | str) or (isinstance(value, float)
+                                                    and math.isfinite(value)):
+            fields[name] = value
+        else:
+            fields[name] = str(value)
+    return fields
