@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-__all__ = ["add_arguments", "render", "run"]
+__all__ = ["add_arguments", "render_audit", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,11 +42,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**asdict(result), "exact": result.exact,
                           "segments": [asdict(s) for s in ledger.segments]}, indent=2))
     else:
-        print(render(result, ledger))
+        print(render_audit(result, ledger))
     return 0 if result.exact else 1
 
 
-def render(result: Any, ledger: Any) -> str:
+def render_audit(result: Any, ledger: Any) -> str:
     fits = "; ".join(f"from step {s.step} on {s.processes} process{'es' if s.processes > 1 else ''} "
                      f"({s.shares} data share{'s' if s.shares > 1 else ''})" for s in ledger.segments)
     lines = [f"{result.steps} steps in {len(ledger.segments)} fit{'s' if len(ledger.segments) > 1 else ''}: {fits}"]

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-__all__ = ["add_arguments", "render", "run"]
+__all__ = ["add_arguments", "render_diff", "run"]
 
 _SHOWN = 5  # differing leaves listed
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         body.update(bitwise=result.bitwise, within_tolerance=result.within_tolerance, through=result.through)
         print(json.dumps(body, indent=2, default=str))
     else:
-        print(render(result))
+        print(render_diff(result))
     return 0 if result.bitwise or result.within_tolerance else 1
 
 
@@ -58,7 +58,7 @@ def _value(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
-def render(result: Any) -> str:
+def render_diff(result: Any) -> str:
     """The comparison as lines of text, the verdict first."""
     lines = []
     if result.bitwise:

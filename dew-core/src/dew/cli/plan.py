@@ -17,7 +17,7 @@ import sys
 import tempfile
 from typing import Any
 
-__all__ = ["add_arguments", "render", "run"]
+__all__ = ["add_arguments", "render_plan", "run"]
 
 _LABELS = {
     "parameters": "parameters", "frozen": "frozen copies", "variables": "other variables",
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return answer.get("status", 2)
     plan = answer["plan"]
     plan["device_kinds"] = {kind.name: _estimate(plan, kind) for kind in kinds}
-    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
     return 0
 
 
@@ -139,7 +139,7 @@ def _size(count: float) -> str:
     return f"{sign}{int(count)} B"
 
 
-def render(plan: dict[str, Any]) -> str:
+def render_plan(plan: dict[str, Any]) -> str:
     """The plan as a page of text: bytes per device, collectives, FLOPs, device kinds, warnings."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan["mesh"].items() if size > 1) or "one device"
     lines = [f"dew plan: {plan['recipe']} on {plan['devices']} devices ({mesh}), global batch of "

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LeafGap", "LossGap", "NotARunDirectoryError", "RunDiff", "diff_runs", "flatten", "load_leaves"]
+__all__ = ["LeafGap", "LossGap", "NotARunDirectoryError", "RunDiff", "diff_runs", "load_leaves"]
 
 LOSS = "train/loss"
 
@@ -93,21 +93,21 @@ class RunDiff:
         return max([*self.common_steps, *self.loss_steps], default=0)
 
 
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
     """A nested recipe as dotted keys (lists by index).
 
-    >>> flatten({"optimizer": {"learning_rate": 0.1}, "trackers": [{"name": "local"}]})
+    >>> _dotted({"optimizer": {"learning_rate": 0.1}, "trackers": [{"name": "local"}]})
     {'optimizer.learning_rate': 0.1, 'trackers.0.name': 'local'}
     """
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
-            out.update(flatten(item, f"{prefix}{key}."))
+            out.update(_dotted(item, f"{prefix}{key}."))
         return out
     if isinstance(value, list | tuple) and value:
         out = {}
         for index, item in enumerate(value):
-            out.update(flatten(item, f"{prefix}{index}."))
+            out.update(_dotted(item, f"{prefix}{index}."))
         return out
     return {prefix[:-1]: value}
 
@@ -231,7 +231,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
     recipe_diff: list[tuple[str, Any, Any]] = []
     models: tuple[str, ...] = ()
     if all(r is not None for r in recipes):
-        left, right = flatten(recipes[0]), flatten(recipes[1])
+        left, right = _dotted(recipes[0]), _dotted(recipes[1])
         recipe_diff = [(k, left.get(k), right.get(k)) for k in sorted(set(left) | set(right))
                        if left.get(k) != right.get(k)]
         models = tuple(k for k, _, _ in recipe_diff if k == "model" or k.startswith("model."))
