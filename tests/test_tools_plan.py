@@ -86,9 +86,10 @@ def test_the_plan_s_bytes_are_xla_s_and_the_shardings_and_fsdp_divides_the_param
     assert replicated and all(sizes[leaf["path"].removeprefix(".params")] < 1024 for leaf in replicated)
     # Adam keeps two moments per parameter, split the same way, and a count.
     assert 2 * totals["parameters"] <= totals["optimizer"] <= 2 * totals["parameters"] + 64
-    # The compiled step gathers every sharded weight at least once (forward), whole.
+    # The compiled step gathers every sharded weight a matmul reads at least once, whole (the
+    # embedding table is read by a lookup, which needs no gather of it).
     gathered = sum(math.prod(leaf["shape"]) * 4 for leaf in plan["leaves"]
-                   if leaf["category"] == "parameters" and any(leaf["spec"]))
+                   if leaf["category"] == "parameters" and any(leaf["spec"]) and "embed" not in leaf["path"])
     assert plan["collectives"]["all-gather"]["bytes"] >= gathered
     # The matmuls XLA runs on all 8 devices are the objective's own count of the model's FLOPs.
     assert plan["flops_per_device"] * 8 == pytest.approx(plan["model_flops"], rel=0.05)
@@ -112,7 +113,7 @@ def test_a_layout_that_replicates_past_its_tolerance_is_refused_with_its_leaves(
     # docs/tools.md shows this refusal as it is printed.
     shown = re.search(r"```sh\ndew plan tiny-lm trainer.mesh.fsdp=3 --devices 3\n```\n\n```text\n(.*?)\n```",
                       DOCS.read_text(), flags=re.S)
-    assert shown and shown.group(1) == err.splitlines()[0]
+    assert shown and shown.group(1) == err.rstrip("\n")
 
 
 @pytest.mark.slow

@@ -14,14 +14,12 @@ interpreter sharing one compilation cache, and shared between the tests:
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -235,11 +233,11 @@ def test_the_ledger_replays_a_resume_over_the_steps_it_undid(tmp_path):
     """A crash after step 3's checkpoint undid steps 4-5; the resumed fit's lines replace them."""
     from dew.provenance.ledger import audit, read_ledger
 
-    rows = [{"kind": "open", "step": 0, "position": None, "processes": 2, "shares": 2, "accounted": True},
+    rows = [{"kind": "open", "step": 0, "position": None, "processes": 2, "shares": 2},
             {"kind": "order", "step": 1, "seed": 0, "size": 100}]
     rows += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"d{s}"} for s in range(1, 6)]
     rows += [{"kind": "checkpoint", "step": 3, "position": {"records": 12}},
-             {"kind": "open", "step": 3, "position": {"records": 12}, "processes": 1, "shares": 1, "accounted": True},
+             {"kind": "open", "step": 3, "position": {"records": 12}, "processes": 1, "shares": 1},
              {"kind": "order", "step": 4, "seed": 0, "size": 100}]
     rows += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"e{s}"} for s in range(4, 7)]
     (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "st')

@@ -29,12 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.provenance.ledger import LedgerMissingError, LedgerUnaccountedError, audit, read_ledger
+    from dew.provenance.ledger import LedgerMissingError, audit, read_ledger
 
     try:
         ledger = read_ledger(args.run)
         against = None if args.against is None else read_ledger(args.against)
-    except (LedgerMissingError, LedgerUnaccountedError) as error:
+    except LedgerMissingError as error:
         print(f"dew audit: {error}", file=sys.stderr)
         return 2
     result = audit(ledger, against, name=args.against or "RUN_B")

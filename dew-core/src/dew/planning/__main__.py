@@ -24,8 +24,9 @@ def main(argv: list[str]) -> int:
         named = type(error).__module__.split(".")[0] == "dew"
         if not named:
             traceback.print_exc()
-        leaves = error.leaves if isinstance(error, PlanRefusedError) else []
-        print(json.dumps({"error": {"type": type(error).__name__, "message": str(error), "leaves": leaves}}))
+        refused = isinstance(error, PlanRefusedError)
+        kind = type(error.__cause__ if refused and error.__cause__ is not None else error).__name__
+        print(json.dumps({"error": {"type": kind, "message": str(error), "leaves": error.leaves if refused else []}}))
         return 2 if named else 1
     print(json.dumps({"plan": plan.as_json()}))
     return 0

@@ -26,17 +26,13 @@ from typing import Any
 from dew.training.ledger import LEDGER
 
 __all__ = [
-    "Audit", "ConsumedStep", "Ledgered", "LedgerMissingError", "LedgerUnaccountedError", "Segment",
+    "Audit", "ConsumedStep", "Ledgered", "LedgerMissingError", "Segment",
     "audit", "read_ledger",
 ]
 
 
 class LedgerMissingError(FileNotFoundError):
     """The run directory holds no data ledger (a run trained before dew wrote one, or not a run)."""
-
-
-class LedgerUnaccountedError(ValueError):
-    """The run's training stream did not report its records, so its ledger holds no steps."""
 
 
 @dataclass(frozen=True)
@@ -82,14 +78,14 @@ def read_ledger(run: str | Path) -> Ledgered:
     path = Path(run) / LEDGER
     if not path.is_file():
         raise LedgerMissingError(
-            f"{Path(run)} holds no data ledger ({LEDGER}), and an audit needs one: dew writes it beside "
-            "the checkpoints of every run trained with checkpoints since it began to (older runs have none). "
-            "Resume or retrain the run with this dew to start one.")
+            f"{Path(run)} holds no data ledger ({LEDGER}), and an audit needs one: dew writes it beside the "
+            "checkpoints of a run whose training stream reports the records it reads (readers built on "
+            "dew.data.train_stream do); runs trained before dew wrote one have none. Resume or retrain the "
+            "run with this dew to start one.")
     steps: dict[int, ConsumedStep] = {}
     segments: list[Segment] = []
     orders: list[tuple[int, dict[str, Any]]] = []
     undone = 0
-    accounted = True
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -107,7 +103,6 @@ def read_ledger(run: str | Path) -> Ledgered:
             for step in later:
                 del steps[step]
             segments.append(Segment(row["step"], row["processes"], row["shares"], row.get("position")))
-            accounted = bool(row.get("accounted", True))
         elif kind == "order":
             order = {k: v for k, v in row.items() if k not in ("kind", "step")}
             orders = [(step, named) for step, named in orders if step < row["step"]]
@@ -117,11 +112,6 @@ def read_ledger(run: str | Path) -> Ledgered:
             if row["step"] in steps:
                 undone += 1
             steps[row["step"]] = ConsumedStep(row["step"], row["first"], row["end"], row["digest"])
-    if not steps and not accounted:
-        raise LedgerUnaccountedError(
-            f"The ledger of {Path(run)} holds no steps: the run's training stream does not report the "
-            "records it reads (dew.data.base.Accounted). Readers built on dew.data.train_stream do; an audit "
-            "needs one of them.")
     return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone)
 
 

@@ -139,8 +139,10 @@ class Feed:
             self.rollout.set_state(rollout_state)
         self._stream = stream
         self._step = start
+        if not isinstance(stream, Accounted):
+            self.ledger = None  # a stream that cannot say which records it read keeps no ledger
         if self.ledger is not None:
-            self.ledger.opened(start, data, self.partition, isinstance(stream, Accounted))
+            self.ledger.opened(start, data, self.partition)
 
     def position(self) -> bytes | None:
         """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
@@ -171,8 +173,8 @@ class Feed:
         rolled = time.perf_counter()
         self.clock.data += rolled - began
         self._step = step + 1
-        if self.ledger is not None and isinstance(self._stream, Accounted):
-            self.ledger.consumed(step + 1, self._stream.consumption())
+        if self.ledger is not None:
+            self.ledger.consumed(step + 1, self._stream.consumption())  # type: ignore[union-attr]
         _check_mapping(batch, step, "The training stream")
         if self.rollout is not None:
             scored = getattr(self.rollout, "reward_seconds", 0.0)

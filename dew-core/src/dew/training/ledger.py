@@ -57,7 +57,7 @@ def decoded_position(position: bytes | None) -> dict[str, Any] | None:
 class Ledger(Protocol):
     """Where a Feed reports the records each step consumed (the seam ``dew audit`` reads through)."""
 
-    def opened(self, step: int, position: bytes | None, partition: DataPartition, accounted: bool) -> None:
+    def opened(self, step: int, position: bytes | None, partition: DataPartition) -> None:
         """A fit opened the stream at step, from position (None: the start), as partition of a pool."""
 
     def consumed(self, step: int, consumption: Consumption) -> None:
@@ -91,11 +91,11 @@ class RecordLedger:
             handle.write("".join(line + "\n" for line in self._lines))
         self._lines.clear()
 
-    def opened(self, step: int, position: bytes | None, partition: DataPartition, accounted: bool) -> None:
+    def opened(self, step: int, position: bytes | None, partition: DataPartition) -> None:
         self._order = None
         self._add({"kind": "open", "step": int(step), "position": decoded_position(position),
-                   "processes": self.processes, "shares": partition.shares, "accounted": bool(accounted),
-                   "time": round(time.time(), 3)}, flush=True)
+                   "processes": self.processes, "shares": partition.shares, "time": round(time.time(), 3)},
+                  flush=True)
 
     def consumed(self, step: int, consumption: Consumption) -> None:
         order = dict(consumption.order)
