@@ -123,11 +123,13 @@ def _stderr_into(path: Path) -> Iterator[None]:
             os.close(saved)
 
 
-def _category(field_name: str, names: tuple[str, ...], leaf: Any, trains: Any) -> str:
+def _category(field_name: str, names: tuple[str, ...], leaf: Any, frozen: Any) -> str:
+    """A state leaf's part: trainable parameters, what the objective declares frozen (a LoRA base, a
+    reference, a teacher, whatever collection it sits in), other variables, or a field's own."""
     if field_name == "params":
-        if trains(names, leaf):
-            return "parameters"
-        return "frozen" if names[:1] == ("params",) else "variables"
+        if frozen is not None and frozen(names, leaf):
+            return "frozen"
+        return "parameters" if names[:1] == ("params",) else "variables"
     return {"opt_state": "optimizer", "ema": "ema", "window": "accumulation"}.get(field_name, "counters")
 
 
@@ -142,13 +144,13 @@ def _keys(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
 
 
-def _leaf_table(state: Any, batch: Mapping[str, Any], trains: Any) -> list[LeafBytes]:
+def _leaf_table(state: Any, batch: Mapping[str, Any], frozen: Any) -> list[LeafBytes]:
     import jax
 
     table = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         field_name = str(getattr(path[0], "name", path[0]))
-        category = _category(field_name, _keys(path[1:]), leaf, trains)
+        category = _category(field_name, _keys(path[1:]), leaf, frozen)
         sharding = leaf.sharding
         table.append(LeafBytes(jax.tree_util.keystr(path), category, tuple(leaf.shape), str(leaf.dtype),
                                _spec(sharding.spec), per_device_bytes(leaf.shape, leaf.dtype, sharding),
@@ -205,7 +207,6 @@ def make_plan(config: Any, recipe: str) -> Plan:
     from dew.training.feed import Feed
     from dew.training.placement.layout import LayoutError
     from dew.training.placement.mesh import data_partition
-    from dew.training.trees import trains
 
     notes = []
     if config.trainer.batch_ramp is not None:
@@ -246,7 +247,7 @@ def make_plan(config: Any, recipe: str) -> Plan:
         "host_argument": analysis.host_argument_size_in_bytes, "host_temporaries": analysis.host_temp_size_in_bytes,
     }
     module = Module.parse(compiled.as_text())
-    leaves = _leaf_table(state, fed.batch, trains(objective.frozen))
+    leaves = _leaf_table(state, fed.batch, objective.frozen)
     found = rematerializations(warnings)
     dump = os.environ.get(DUMP)
     if found:
