@@ -379,17 +379,21 @@ class ObjectiveKit:
         return Dataset(train=lambda partition: _Repeated(batch), batch=rows)
 
     def test_resumes_bitwise(self) -> None:
+        import shutil
+
         from dew.checkpoints.manager import Checkpoints
 
         stop, end = self.resume_steps
         optimizer = optax.adam(self.learning_rate)
-        whole = Trainer(self.objective(), optimizer, key=self._key()).fit(self._dataset(), steps=end, log_every=end)
         with tempfile.TemporaryDirectory(prefix="dew-kit-") as directory:
-            checkpoints = Checkpoints(directory)
-            Trainer(self.objective(), optimizer, key=self._key(), checkpoints=checkpoints).fit(
-                self._dataset(), steps=stop, log_every=end)
+            whole_run, resumed_run = Path(directory) / "whole", Path(directory) / "resumed"
+            checkpoints = Checkpoints(whole_run, keep=None)
+            whole = Trainer(self.objective(), optimizer, key=self._key(), checkpoints=checkpoints).fit(
+                self._dataset(), steps=end, checkpoint_every=stop, log_every=end)
             checkpoints.close()
-            checkpoints = Checkpoints(directory)
+            # The run as a preemption at step `stop` left it: that step's checkpoint alone.
+            shutil.copytree(whole_run / str(stop), resumed_run / str(stop))
+            checkpoints = Checkpoints(resumed_run)
             resumed = Trainer(self.objective(), optimizer, key=self._key(), checkpoints=checkpoints).fit(
                 self._dataset(), steps=end, log_every=end)
             checkpoints.close()
