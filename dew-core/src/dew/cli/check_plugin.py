@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-__all__ = ["add_arguments", "render_report", "run"]
+__all__ = ["add_arguments", "render_certification", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"distribution": args.distribution, "version": plugin_version, "dew": version(),
                           "passed": passed, "checks": [asdict(c) for c in checks]}, indent=2))
     else:
-        print(render_report(args.distribution, plugin_version, version(), checks))
+        print(render_certification(args.distribution, plugin_version, version(), checks))
     return 0 if passed else 1
 
 
-def render_report(distribution: str, plugin_version: str, dew: str, checks: list[Any]) -> str:
+def render_certification(distribution: str, plugin_version: str, dew: str, checks: list[Any]) -> str:
     """The certification as Markdown: a sentence of totals, one table row per check, then the failures."""
     import jax
 
