@@ -61,7 +61,7 @@ PLANTED = {
 
             def loss(self, variables, batch, step):
                 p = variables["params"]
-                errors = (batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2
+                errors = (batch["x"] @ p["w"] + p["b"][None, :] - batch["y"]) ** 2
                 rows = batch["x"].shape[0]
                 global_batch = rows * jax.device_count()  # under pmap, a batch was one device's share
                 return Mean(jnp.sum(errors) * rows / global_batch, jnp.asarray(errors.size, jnp.float32)), Aux()
