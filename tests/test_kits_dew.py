@@ -47,6 +47,15 @@ class TestLanguageModelObjective(ObjectiveKit):
     def batch(self):
         return {"text": token_rows(4, LENGTH + 1)}
 
+    # A child interpreter on 8 devices, and three fits with a checkpoint: the slow lane's.
+    @pytest.mark.slow
+    def test_gradients_on_many_devices_equal_one_device(self):
+        super().test_gradients_on_many_devices_equal_one_device()
+
+    @pytest.mark.slow
+    def test_resumes_bitwise(self):
+        super().test_resumes_bitwise()
+
 
 @pytest.mark.slow
 class TestDistillationObjective(ObjectiveKit):

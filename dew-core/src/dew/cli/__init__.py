@@ -21,6 +21,10 @@ COMMANDS = {
     "eval": ("dew.cli.evaluate", "a kept step's validation metrics, perplexity included"),
     "export": ("dew.cli.export", "write a kept step as a Hugging Face model directory"),
     "launch": ("dew.cli.launch", "train a recipe as a process pool: local, under srun, or on Kubernetes"),
+    "plan": ("dew.cli.plan", "compile a recipe's step for a mesh on fake devices: bytes, collectives, FLOPs"),
+    "diff": ("dew.cli.diff", "where two runs part: kept states, logged losses and recipes compared"),
+    "audit": ("dew.cli.audit", "prove from its ledger which records a run consumed, step by step"),
+    "check-plugin": ("dew.cli.check_plugin", "run dew's conformance kits on an installed distribution's components"),
 }
 
 

@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GLOBAL_POSITION", "SINGLE", "Batch", "DataPartition", "Dataset", "Reader", "Resumable", "TextReader", "is_global_position"]
+__all__ = [
+    "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Consumption", "DataPartition", "Dataset", "Reader",
+    "Resumable", "TextReader", "is_global_position",
+]
 
 Batch = Mapping[str, Any]
 
@@ -60,6 +63,36 @@ class Resumable(Protocol):
     def get_state(self) -> bytes: ...
 
     def set_state(self, state: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class Consumption:
+    """The records of one global batch: where they lie in the stream's global order, and which they are.
+
+    first and end bound the batch's positions in the endless global order
+    (records consumed before it, and after it); records holds the record
+    ids at those positions (indices into the source), in order; order names
+    what fixes that order (a seed and the source's size, say), so two runs
+    that read the same positions of different orders can be told apart.
+    """
+
+    first: int
+    end: int
+    records: Any  # an int64 array of end - first record ids
+    order: Mapping[str, Any]
+
+
+@runtime_checkable
+class Accounted(Protocol):
+    """A training stream that says which global records its last batch held (for the run's ledger).
+
+    Every share of a global batch reports the whole global batch, so the
+    process that journals it needs no other process's word.
+    """
+
+    def consumption(self) -> Consumption:
+        """The records of the global batch the last ``next()`` returned this process's rows of."""
+        ...
 
 
 @runtime_checkable

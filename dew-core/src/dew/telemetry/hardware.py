@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-__all__ = ["PEAK_BF16_FLOPS", "peak_flops"]
+__all__ = ["ACCELERATORS", "PEAK_BF16_FLOPS", "Accelerator", "UnknownAcceleratorError", "accelerator", "peak_flops"]
 
 PEAK_BF16_FLOPS: dict[str, float] = {
     "h200": 989e12,
@@ -44,3 +45,46 @@ def peak_flops(device_kind: str, environ: Mapping[str, str] | None = None) -> fl
         if name in kind:
             return flops
     return None
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """A device kind a plan is made for: its peak dense bf16 FLOP/s and its memory, from its datasheet."""
+
+    name: str
+    peak_flops: float
+    memory: int
+
+
+_GB = 10**9
+_GIB = 2**30
+# The kinds ``dew plan --device-kind`` knows, by the short names it takes.
+ACCELERATORS: dict[str, Accelerator] = {
+    "h100": Accelerator("NVIDIA H100 SXM (80 GB)", PEAK_BF16_FLOPS["h100"], 80 * _GB),
+    "h200": Accelerator("NVIDIA H200 SXM (141 GB)", PEAK_BF16_FLOPS["h200"], 141 * _GB),
+    "a100": Accelerator("NVIDIA A100 SXM (80 GB)", PEAK_BF16_FLOPS["a100"], 80 * _GB),
+    "l4": Accelerator("NVIDIA L4 (24 GB)", PEAK_BF16_FLOPS["l4"], 24 * _GB),
+    "tpu-v4": Accelerator("TPU v4 (32 GiB)", PEAK_BF16_FLOPS["tpu v4"], 32 * _GIB),
+    "tpu-v5e": Accelerator("TPU v5e (16 GiB)", PEAK_BF16_FLOPS["tpu v5e"], 16 * _GIB),
+    "tpu-v5p": Accelerator("TPU v5p (95 GiB)", PEAK_BF16_FLOPS["tpu v5p"], 95 * _GIB),
+    "tpu-v6e": Accelerator("TPU v6e (32 GiB)", PEAK_BF16_FLOPS["tpu v6 lite"], 32 * _GIB),
+}
+
+
+class UnknownAcceleratorError(ValueError):
+    """A device kind that is not in the table of ACCELERATORS."""
+
+
+def accelerator(kind: str) -> Accelerator:
+    """The table's entry for kind (case and spaces ignored); UnknownAcceleratorError names the known ones.
+
+    >>> accelerator("H100").memory
+    80000000000
+    """
+    key = kind.strip().lower().replace(" ", "-").replace("_", "-")
+    if key not in ACCELERATORS:
+        raise UnknownAcceleratorError(
+            f"No device kind {kind!r} in dew's table of accelerators; the known kinds are "
+            f"{', '.join(ACCELERATORS)}."
+        )
+    return ACCELERATORS[key]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from dew.testing.objective import ObjectiveKit as ObjectiveKit
     from dew.testing.objective import gradient_recorder as gradient_recorder
     from dew.testing.objective import split_rows as split_rows
+    from dew.testing.reward import RewardKit as RewardKit
     from dew.testing.rollout import RolloutKit as RolloutKit
     from dew.testing.tracker import TrackerKit as TrackerKit
 

@@ -55,15 +55,17 @@ spec.loader.exec_module(module)
 kit = module
 for part in {qualname!r}.split("."):
     kit = getattr(kit, part)
-getattr(kit(), {method!r})()
+getattr(kit(), {method!r})(*{args!r})
 """
 
 
-def call_on_fake_devices(kit: type, method: str, *, devices: int = 8, timeout: float = 300) -> str:
-    """Call ``kit().method()`` in a child interpreter with devices fake CPU devices.
+def call_on_fake_devices(kit: type, method: str, *, devices: int = 8, timeout: float = 300,
+                         args: tuple[str | int | float, ...] = ()) -> str:
+    """Call ``kit().method(*args)`` in a child interpreter with devices fake CPU devices.
 
     kit must be a class defined at the top level of a module file (a test
-    module), because the child loads it again from that file.
+    module), because the child loads it again from that file; args are
+    plain values (written into the child's code with repr).
     """
     if "<locals>" in kit.__qualname__:
         raise TypeError(
@@ -73,5 +75,6 @@ def call_on_fake_devices(kit: type, method: str, *, devices: int = 8, timeout: f
     path = getattr(module, "__file__", None)
     if path is None:
         raise TypeError(f"{kit.__qualname__}'s module {kit.__module__!r} has no file to load it from.")
-    code = _CALL.format(module=kit.__module__, path=str(path), qualname=kit.__qualname__, method=method)
+    code = _CALL.format(module=kit.__module__, path=str(path), qualname=kit.__qualname__, method=method,
+                        args=tuple(args))
     return run_on_fake_devices(code, devices=devices, timeout=timeout)

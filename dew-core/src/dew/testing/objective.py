@@ -15,8 +15,13 @@ variables with a ``params`` collection; ``loss`` gives a scalar ``Mean`` and
 an ``Aux``, compiles, and differentiates; the Mean's total and count add
 up over microbatches, so two accumulated halves train exactly like one
 batch (checked against plain ``jax.grad`` on the whole batch); the EMA's
-filter picks leaves that exist; and the leaves the objective declares
-frozen get no optimizer state and do not move.
+filter picks leaves that exist; the leaves the objective declares frozen
+get no optimizer state and do not move; the trainer's gradient over
+``devices`` fake CPU devices (a child process, data parallel) equals the
+one this process computes on one device; and a run stopped at a checkpoint
+and resumed ends bitwise where an uninterrupted run does. The class must be
+defined at the top level of its module for the many-device check, which
+loads it again in the child.
 
 A loss that draws noise from ``step.key`` cannot equal itself on another
 split of the batch; set ``stochastic = True`` and the microbatch test
@@ -26,8 +31,11 @@ microbatches differentiated by hand with the keys the trainer gives them.
 
 from __future__ import annotations
 
+import math
+import tempfile
 import unittest
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -36,6 +44,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 
+from dew.data.base import Dataset
 from dew.objectives.base import Aux, Mean, Objective, Step, Variables
 from dew.training.ema import ema_leaves
 from dew.training.state import TrainState
@@ -94,6 +103,8 @@ class ObjectiveKit:
 
     seed: int = 0
     microbatches: int = 2
+    devices: int = 8
+    resume_steps: tuple[int, int] = (2, 3)  # stop at the first, finish at the second
     stochastic: bool = False
     learning_rate: float = 0.1
     rtol: float = 2e-4
@@ -313,6 +324,102 @@ class ObjectiveKit:
                                         jax.tree.leaves(self._trainable(objective, start.params)),
                                         strict=True) if not np.array_equal(np.asarray(a), np.asarray(b))]
         assert trained, "No trainable leaf moved in a step."
+
+
+    # -- many devices and resuming ------------------------------------------------------------
+    def _tiled(self, rows: int) -> dict[str, Any]:
+        """The kit's batch repeated whole until its rows are a multiple of rows."""
+        batch = {k: np.asarray(v) for k, v in self.batch().items()}
+        count = {np.shape(v)[0] for v in batch.values() if np.ndim(v)}.pop()
+        times = math.lcm(count, rows) // count
+        return {k: np.concatenate([v] * times) if np.ndim(v) else v for k, v in batch.items()}
+
+    def test_gradients_on_many_devices_equal_one_device(self) -> None:
+        from dew.testing.devices import call_on_fake_devices
+
+        objective = self.objective()
+        batch = self._tiled(self.devices)
+        optimizer = gradient_recorder(self.learning_rate)
+        step = jax.jit(build_train_step(objective, optimizer, accumulation=1, ema=objective.ema))
+        one, _ = step(self._start(objective, optimizer), batch)
+        with tempfile.TemporaryDirectory(prefix="dew-kit-") as exchange:
+            np.savez(Path(exchange) / "batch.npz", **batch)
+            call_on_fake_devices(type(self), "gradients_here", devices=self.devices, args=(exchange,))
+            many = dict(np.load(Path(exchange) / "gradients.npz"))
+        expected = {p: np.asarray(g) for p, g in zip(paths(one.opt_state), jax.tree.leaves(one.opt_state),
+                                                       strict=True)}
+        assert sorted(many) == sorted(expected), "The trainer on many devices trains other leaves than on one."
+        for path, value in expected.items():
+            np.testing.assert_allclose(
+                many[path], value, rtol=self.rtol, atol=self.atol,
+                err_msg=f"The gradient on {self.devices} devices differs from one device's at {path}: the loss "
+                        "depends on how the batch is split over devices (does it read a device count, or a "
+                        "batch size other than the batch's own?)")
+
+    def gradients_here(self, exchange: str) -> None:
+        """The trainer's step on this process's devices (data parallel) over the exchanged batch; its
+        gradient is written back beside it (the child process of the test above)."""
+        from dew.training.placement.mesh import data_partition, shard_batch
+
+        assert len(jax.devices()) == self.devices, f"Expected {self.devices} devices, found {len(jax.devices())}."
+        batch = dict(np.load(Path(exchange) / "batch.npz"))
+        trainer = Trainer(self.objective(), gradient_recorder(self.learning_rate), key=self._key())
+        state, _, _ = trainer.place()
+        mesh = trainer.device_mesh
+        sharded = shard_batch(batch, mesh, data_partition(mesh))
+        after, metrics = trainer.compile(state, sharded)(state, sharded)
+        assert bool(metrics["finite"]), "The step's loss or gradient is not finite on many devices."
+        np.savez(Path(exchange) / "gradients.npz",
+                 **{p: np.asarray(g) for p, g in zip(paths(after.opt_state), jax.tree.leaves(after.opt_state),
+                                                      strict=True)})
+
+    def _dataset(self) -> Dataset:
+        batch = self.batch()
+        rows = {np.shape(v)[0] for v in batch.values() if np.ndim(v)}.pop()
+        return Dataset(train=lambda partition: _Repeated(batch), batch=rows)
+
+    def test_resumes_bitwise(self) -> None:
+        import shutil
+
+        from dew.checkpoints.manager import Checkpoints
+
+        stop, end = self.resume_steps
+        optimizer = optax.adam(self.learning_rate)
+        with tempfile.TemporaryDirectory(prefix="dew-kit-") as directory:
+            whole_run, resumed_run = Path(directory) / "whole", Path(directory) / "resumed"
+            checkpoints = Checkpoints(whole_run, keep=None)
+            whole = Trainer(self.objective(), optimizer, key=self._key(), checkpoints=checkpoints).fit(
+                self._dataset(), steps=end, checkpoint_every=stop, log_every=end)
+            checkpoints.close()
+            # The run as a preemption at step `stop` left it: that step's checkpoint alone.
+            shutil.copytree(whole_run / str(stop), resumed_run / str(stop))
+            checkpoints = Checkpoints(resumed_run)
+            resumed = Trainer(self.objective(), optimizer, key=self._key(), checkpoints=checkpoints).fit(
+                self._dataset(), steps=end, log_every=end)
+            checkpoints.close()
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(resumed)[0], jax.tree.leaves(whole),
+                                strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True), (
+                f"Stopped at step {stop} and resumed, the run ends at step {end} with another "
+                f"{jax.tree_util.keystr(path)} than an uninterrupted run: the objective keeps state outside "
+                "its variables, or draws randomness other than from step.key.")
+
+
+class _Repeated(Iterator[dict[str, Any]]):
+    """The same batch every step, with a position a checkpoint saves (a resumable iterator)."""
+
+    def __init__(self, batch: Mapping[str, Any]) -> None:
+        self.batch, self.index = dict(batch), 0
+
+    def __next__(self) -> dict[str, Any]:
+        self.index += 1
+        return self.batch
+
+    def get_state(self) -> bytes:
+        return str(self.index).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.index = int(state.decode())
 
 
 def _opt_state_paths(state: TrainState) -> list[str]:

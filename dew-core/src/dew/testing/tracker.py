@@ -14,6 +14,11 @@ files W&B writes) rather than the tracker's code::
             return {name: [(step, value), ...], ...}
 
 ``read_back`` returns every scalar series by name as (step, value) pairs.
+``log`` runs on the training thread, between steps: the kit times it and
+refuses a tracker whose median call takes longer than ``log_budget``
+seconds (a network round trip, say), which should hand its writes to a
+thread of its own (``dew.tracking.background.Channel``) instead.
+
 A backend that cannot store NaN or infinities says so in its documentation
 and sets ``non_finite``: ``"clipped"`` when NaN reads back but an infinity
 comes back as the largest float (MLflow's store), ``"dropped"`` when none of
@@ -24,7 +29,9 @@ that the finite values around them arrive.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +46,7 @@ class TrackerKit:
 
     non_finite: Literal["kept", "clipped", "dropped"] = "kept"
     rtol: float = 1e-6
+    log_budget: float = 0.005  # seconds a median log() call may take on the training thread
 
     def tracker(self, directory: Path) -> Any:
         """A fresh tracker that writes under directory."""
@@ -85,6 +93,22 @@ class TrackerKit:
         largest = sys.float_info.max if self.non_finite == "clipped" else math.inf
         assert got.get(3) == largest, f"+inf at step 3 read back as {got.get(3)}, expected {largest}."
         assert got.get(4) == -largest, f"-inf at step 4 read back as {got.get(4)}, expected {-largest}."
+
+    def test_log_does_not_block_the_step(self, tmp_path: Path) -> None:
+        tracker = self.tracker(tmp_path)
+        seconds = []
+        try:
+            for step in range(1, 65):
+                began = time.perf_counter()
+                tracker.log({"loss": 1.0 / step, "train/lr": 0.001}, step=step)
+                seconds.append(time.perf_counter() - began)
+        finally:
+            tracker.close()
+        median = statistics.median(seconds)
+        assert median <= self.log_budget, (
+            f"log() took {median * 1e3:.2f} ms per call (median of 64), over the {self.log_budget * 1e3:g} ms a "
+            "step can wait: write from a thread of the tracker's own (dew.tracking.background.Channel).")
+        assert len(self._series(tmp_path, "loss")) == 64, "Not every logged step read back after close()."
 
     def test_close_twice_is_safe(self, tmp_path: Path) -> None:
         tracker = self.tracker(tmp_path)

@@ -30,7 +30,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dew.data.base import DataPartition, Dataset, Resumable
+from dew.data.base import Accounted, DataPartition, Dataset, Resumable
+from dew.training.ledger import Ledger
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
 from dew.training.protocols import Rollout
 from dew.training.state import TrainState
@@ -103,11 +104,13 @@ class Feed:
     ramp_sizes: frozenset[int] = frozenset()
     check: Callable[[Mapping[str, Any], int], None] | None = None
     clock: FeedClock = field(default_factory=FeedClock)
+    ledger: Ledger | None = None  # told which records each step consumed (dew.training.ledger)
     _stream: Iterator | None = None
+    _step: int = 0
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
 
-    def open(self, position: bytes | None, *, resuming: bool) -> None:
-        """Open the stream (and the rollout's state) where position left them."""
+    def open(self, position: bytes | None, *, resuming: bool, start: int = 0) -> None:
+        """Open the stream (and the rollout's state) where position left them, for step start."""
         data, rollout_state = unpack_position(position)
         stream = iter(self.dataset.train(self.partition))
         if data is not None:
@@ -135,18 +138,27 @@ class Feed:
                 )
             self.rollout.set_state(rollout_state)
         self._stream = stream
+        self._step = start
+        if not isinstance(stream, Accounted):
+            self.ledger = None  # a stream that cannot say which records it read keeps no ledger
+        if self.ledger is not None:
+            self.ledger.opened(start, data, self.partition)
 
     def position(self) -> bytes | None:
         """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
         get_state = getattr(self._stream, "get_state", None)
         data = get_state() if callable(get_state) else None
         rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
+        if self.ledger is not None:
+            self.ledger.checkpoint(self._step, data)
         return pack_position(data, rollout)
 
     def close(self) -> None:
         close = getattr(self._stream, "close", None)
         if callable(close):
             close()
+        if self.ledger is not None:
+            self.ledger.close()
 
     def next(self, state: TrainState, step: int) -> Fed:
         """The batch of step, rolled out, checked and on the mesh."""
@@ -160,6 +172,9 @@ class Feed:
             ) from None
         rolled = time.perf_counter()
         self.clock.data += rolled - began
+        self._step = step + 1
+        if self.ledger is not None:
+            self.ledger.consumed(step + 1, self._stream.consumption())  # type: ignore[union-attr]
         _check_mapping(batch, step, "The training stream")
         if self.rollout is not None:
             scored = getattr(self.rollout, "reward_seconds", 0.0)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Generic
 
 import jax
@@ -33,6 +34,7 @@ from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
 from dew.training.feed import Feed
 from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
+from dew.training.ledger import RecordLedger
 from dew.training.owned import Execution
 from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
@@ -298,6 +300,21 @@ class Trainer(Generic[Loss, Effects]):
             scaler = {"growth_interval": s.growth_interval, "factor": s.factor, "minimum": s.minimum}
         return {"accumulation": self.accumulation, "scaler": scaler, "ema": self.objective.ema is not None}
 
+    def abstract_placement(self, *, checkpoint: str | None = None) -> tuple[TrainState, Placement]:
+        """The state this run places, as shapes that carry their shardings, and the shardings.
+
+        Checked as ``place`` checks it (the optimizer's groups, the pipeline
+        stages, the layout's tolerance), but nothing is materialized: ``dew
+        plan`` compiles the step over it for a model of any size.
+        """
+        self._check_frozen_optimizer()
+        check_stages(self._boxed_variables, self.mesh, checkpoint=checkpoint)
+        abstract = self._abstract_state
+        shardings = self.shardings(abstract)
+        self.layout.check(abstract.params, shardings.params, self.device_mesh)
+        template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        return template, shardings
+
     def place(self) -> tuple[TrainState, Placement, bytes | None]:
         """Put the state on the mesh, fresh or restored from the latest checkpoint.
 
@@ -306,17 +323,10 @@ class Trainer(Generic[Loss, Effects]):
         which takes the starting weights (already sharded) and the key as
         arguments.
         """
-        self._check_frozen_optimizer()
         latest = None if self.checkpoints is None else self.checkpoints.latest
         saved = None if latest is None else f"the checkpoint at step {latest} in {self.checkpoints.directory}"
-        check_stages(self._boxed_variables, self.mesh, checkpoint=saved)
-        abstract = self._abstract_state
-        shardings = self.shardings(abstract)
-        self.layout.check(abstract.params, shardings.params, self.device_mesh)
+        template, shardings = self.abstract_placement(checkpoint=saved)
         if latest is not None:
-            template = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-            )
             # The saved configuration is compared before any array is read, so a changed one is named.
             restored = self.checkpoints.restore(template, partition=data_partition(self.device_mesh),
                                                 check=self._check_resume)
@@ -441,6 +451,13 @@ class Trainer(Generic[Loss, Effects]):
                          peak_flops=peak_flops(next(iter(devices)).device_kind))
         return step
 
+    def _ledger(self) -> RecordLedger | None:
+        """The run's data ledger, beside its checkpoints (process 0 writes it for the pool)."""
+        directory = None if self.checkpoints is None else self.checkpoints.directory
+        if not isinstance(directory, Path) or jax.process_index() != 0:
+            return None  # no run directory, another process's, or a bucket (no appends there)
+        return RecordLedger(directory, processes=jax.process_count())
+
     @cached_property
     def _evaluator(self) -> Evaluator:
         return Evaluator(self.objective, self.device_mesh)
@@ -472,8 +489,8 @@ class Trainer(Generic[Loss, Effects]):
         schedule = getattr(dataset.train, "schedule", None) or ()
         feed = Feed(dataset, mesh, data_partition(mesh), required=tuple(self.objective.required_keys()),
                     rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in schedule),
-                    check=getattr(self.objective, "check_batch", None))
-        feed.open(position, resuming=start > 0)
+                    check=getattr(self.objective, "check_batch", None), ledger=self._ledger())
+        feed.open(position, resuming=start > 0, start=start)
         progress.start(self, start, steps, mesh.shape)
         if self.checkpoints is not None:
             progress.note(f"checkpoints: {self.checkpoints.directory}")

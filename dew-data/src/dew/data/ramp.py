@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dew.data.base import GLOBAL_POSITION, SINGLE, DataPartition, Dataset
+from dew.data.base import GLOBAL_POSITION, SINGLE, Consumption, DataPartition, Dataset
 from dew.data.errors import RampError
 from dew.data.stream import StreamReader, TrainStream, decode_position
 
@@ -118,6 +118,12 @@ class RampedStream:
         self.step += 1
         self.records += batch
         return out
+
+    def consumption(self) -> Consumption:
+        """The global batch the last ``next()`` returned rows of (the stream at that step's size)."""
+        if self._stream is None:
+            raise RuntimeError("consumption() describes the last batch; call next() first.")
+        return self._stream.consumption()
 
     def get_state(self) -> bytes:
         fields = {"records": self.records, "step": self.step, "seed": self.reader.seed,

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
-from dew.data.base import GLOBAL_POSITION, SINGLE, DataPartition, Dataset
+from dew.data.base import GLOBAL_POSITION, SINGLE, Consumption, DataPartition, Dataset
 from dew.data.errors import (
     BatchDivisionError,
     EmptyDatasetError,
@@ -188,6 +188,8 @@ class TrainStream:
         _rows(self.batch, partition)
         self.records = int(start)
         self._iterator: Iterator[dict[str, np.ndarray]] | None = None
+        self._order = RecordOrder(self.size, self.seed)
+        self._last: tuple[int, int] | None = None
 
     def _open(self) -> Iterator[dict[str, np.ndarray]]:
         if self._iterator is None:
@@ -202,8 +204,21 @@ class TrainStream:
 
     def __next__(self) -> dict[str, np.ndarray]:
         out = next(self._open())
+        self._last = (self.records, self.records + self.batch)
         self.records += self.batch
         return out
+
+    def consumption(self) -> Consumption:
+        """The global batch the last ``next()`` returned rows of: its positions and record ids.
+
+        The ids come from the same global order the shares read their rows
+        from, so every share reports the same global batch.
+        """
+        if self._last is None:
+            raise RuntimeError("consumption() describes the last batch; call next() first.")
+        first, end = self._last
+        return Consumption(first, end, self._order(np.arange(first, end, dtype=np.int64)),
+                           {"seed": self.seed, "size": self.size})
 
     @property
     def epoch(self) -> float:
@@ -232,6 +247,7 @@ class TrainStream:
             )
         self.close()
         self.records = int(fields["records"])
+        self._last = None
 
     def close(self) -> None:
         """Stop the prefetch threads and worker processes (a later next() reopens)."""

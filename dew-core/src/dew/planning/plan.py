@@ -1,0 +1,264 @@
+"""A plan of one training step: what each device holds, exchanges and computes, before any run.
+
+``make_plan`` runs in an interpreter that sees the target's number of
+devices (fake CPU devices: ``dew plan`` starts one). It builds the recipe's
+parts and its Trainer, takes the trainer's own abstract placement (the
+state as shapes with their shardings, checked by the layout's tolerance as
+``place`` checks it; nothing is materialized), feeds one batch through the
+trainer's own Feed (the rollout too, when the objective has one, which needs
+the real fresh state), and compiles the trainer's own step for the mesh
+with ``Trainer.compile``. From the compiled program it reads:
+
+* the bytes per device of every state leaf, from its sharding (parameters,
+  frozen copies, other variables, optimizer state, EMA, accumulation window,
+  counters) and of the batch; these sum to XLA's own argument size;
+* XLA's memory analysis: temporaries (activations and scratch), the output
+  not aliased to a donated input, and the peak they make;
+* the collectives one step runs, by kind, and the bytes they move, and the
+  matmul FLOPs per device, both over every loop's trip count (``hlo``);
+* the involuntary full rematerializations the SPMD partitioner reported,
+  with the parameter each concerns (``remat``).
+
+Everything is returned as plain data (``Plan.as_json``) for the command to
+print; the device kinds' step times and headroom are derived there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CATEGORIES", "LeafBytes", "Plan", "PlanRefusedError", "make_plan", "per_device_bytes"]
+
+# The state's parts, in the order a plan lists them.
+CATEGORIES = ("parameters", "frozen", "variables", "optimizer", "ema", "accumulation", "counters", "batch")
+DUMP = "DEW_PLAN_DUMP"  # where the child finds XLA's dump of the module before partitioning
+
+
+class PlanRefusedError(ValueError):
+    """The layout replicates more of the model than its tolerance allows; the plan names the leaves."""
+
+    def __init__(self, message: str, leaves: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.leaves = leaves
+
+
+@dataclass(frozen=True)
+class LeafBytes:
+    """One leaf of the step's inputs: its part of the state, shape, split and bytes on each device."""
+
+    path: str
+    category: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple[tuple[str, ...] | None, ...]
+    bytes: int
+    memory: str = "device"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one step of a recipe holds, moves and computes on each device of a mesh."""
+
+    recipe: str
+    devices: int
+    mesh: dict[str, int]
+    leaves: tuple[LeafBytes, ...]
+    memory: dict[str, int]
+    collectives: dict[str, dict[str, int]]
+    flops_per_device: int
+    model_flops: float | None
+    rematerializations: tuple[dict[str, Any], ...]
+    batch_rows: int
+    notes: tuple[str, ...] = field(default=())
+
+    def totals(self, memory: str = "device") -> dict[str, int]:
+        """Bytes per device of each category, in that memory."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for leaf in self.leaves:
+            if leaf.memory == memory:
+                out[leaf.category] += leaf.bytes
+        return out
+
+    @property
+    def peak(self) -> int:
+        """XLA's figure for the step's peak on one device: inputs, output not aliased, temporaries."""
+        m = self.memory
+        return m["argument"] + m["output"] - m["alias"] + m["temporaries"]
+
+    def as_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["totals"] = self.totals()
+        body["host_totals"] = self.totals("pinned_host")
+        body["peak"] = self.peak
+        return body
+
+
+def per_device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+    """Bytes one device holds of an array of shape and dtype under sharding."""
+    import numpy as np
+
+    return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+
+
+@contextlib.contextmanager
+def _stderr_into(path: Path) -> Iterator[None]:
+    """Send this process's file descriptor 2 (where XLA's C++ warnings go) into path meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("wb") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _category(field_name: str, names: tuple[str, ...], leaf: Any, frozen: Any) -> str:
+    """A state leaf's part: trainable parameters, what the objective declares frozen (a LoRA base, a
+    reference, a teacher, whatever collection it sits in), other variables, or a field's own."""
+    if field_name == "params":
+        if frozen is not None and frozen(names, leaf):
+            return "frozen"
+        return "parameters" if names[:1] == ("params",) else "variables"
+    return {"opt_state": "optimizer", "ema": "ema", "window": "accumulation"}.get(field_name, "counters")
+
+
+def _spec(spec: Any) -> tuple[tuple[str, ...] | None, ...]:
+    """A PartitionSpec as plain data: per dimension, the mesh axes it is split over (None: whole)."""
+    return tuple(None if axes is None else (axes,) if isinstance(axes, str) else tuple(axes) for axes in spec)
+
+
+def _keys(path: tuple[Any, ...]) -> tuple[str, ...]:
+    import jax
+
+    return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+def _leaf_table(state: Any, batch: Mapping[str, Any], frozen: Any) -> list[LeafBytes]:
+    import jax
+
+    table = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        field_name = str(getattr(path[0], "name", path[0]))
+        category = _category(field_name, _keys(path[1:]), leaf, frozen)
+        sharding = leaf.sharding
+        table.append(LeafBytes(jax.tree_util.keystr(path), category, tuple(leaf.shape), str(leaf.dtype),
+                               _spec(sharding.spec), per_device_bytes(leaf.shape, leaf.dtype, sharding),
+                               sharding.memory_kind or "device"))
+    for key, value in batch.items():
+        table.append(LeafBytes(f"batch[{key!r}]", "batch", tuple(value.shape), str(value.dtype),
+                               _spec(value.sharding.spec), per_device_bytes(value.shape, value.dtype, value.sharding)))
+    return table
+
+
+def _replicated(trainer: Any) -> list[dict[str, Any]]:
+    """The leaves the layout's tolerance counts, each with its bytes per device above perfect sharding."""
+    import jax
+    from flax import linen as nn
+
+    mesh = trainer.device_mesh
+    abstract = nn.meta.unbox(trainer._boxed_variables)
+    shardings = trainer.layout.shardings(mesh, trainer._boxed_variables)
+    axes = math.prod(mesh.shape.get(a, 1) for a in ("fsdp", "tensor"))
+    rows = []
+    for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
+                                      jax.tree.leaves(shardings), strict=True):
+        size = math.prod(leaf.shape)
+        if size < trainer.layout.min_shard:
+            continue
+        held = per_device_bytes(leaf.shape, leaf.dtype, sharding)
+        perfect = size * leaf.dtype.itemsize // (axes * (mesh.shape.get("expert", 1) if "expert" in str(sharding.spec) else 1))
+        if held > perfect:
+            rows.append({"path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "spec": str(sharding.spec),
+                         "bytes": held, "perfect": perfect})
+    return sorted(rows, key=lambda row: row["perfect"] - row["bytes"])
+
+
+def _trainer(config: Any, parts: Any) -> Any:
+    import jax
+
+    from dew.recipes.run import run_optimizer
+    from dew.training.trainer import Trainer
+
+    steps = config.trainer.fit_arguments(parts.dataset.steps_per_epoch)["steps"]
+    make = getattr(parts.objective, "rollout", None)  # as objective_parts does; weights are not read
+    rollout = make() if callable(make) else None
+    return Trainer.from_config(config.trainer, parts.objective, run_optimizer(config, steps),
+                               key=jax.random.key(config.seed), rollout=rollout)
+
+
+def make_plan(config: Any, recipe: str) -> Plan:
+    """Plan one step of config on this interpreter's devices (see the module docstring)."""
+    import jax
+
+    from dew.planning.hlo import Module
+    from dew.planning.remat import attribute, before_partitioning, rematerializations
+    from dew.recipes.run import build_parts
+    from dew.training.feed import Feed
+    from dew.training.placement.layout import LayoutError
+    from dew.training.placement.mesh import data_partition
+
+    notes = []
+    if config.trainer.batch_ramp is not None:
+        notes.append("the plan is for the full batch; the batch ramp's smaller batches need less")
+        config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"batch_ramp": None})})
+    if config.init is not None:
+        notes.append("the starting weights (init) are not read; the plan's shapes are a fresh init's")
+    parts = build_parts(config)
+    trainer = _trainer(config, parts)
+    mesh = trainer.device_mesh
+    try:
+        state, _ = trainer.abstract_placement()
+    except LayoutError as error:
+        raise PlanRefusedError(str(error), _replicated(trainer)) from error
+    objective = parts.objective
+    feed = Feed(parts.dataset, mesh, data_partition(mesh), required=tuple(objective.required_keys()),
+                rollout=trainer.rollout, check=objective.check_batch)
+    feed.open(None, resuming=False)
+    try:
+        live = trainer.place()[0] if trainer.rollout is not None else state  # a rollout samples with weights
+        fed = feed.next(live, 0)
+    finally:
+        feed.close()
+    if trainer.rollout is not None:
+        notes.append("the batch is the rollout's, sampled once from the fresh state")
+    log = Path(tempfile.mkstemp(prefix="dew-plan-", suffix=".log")[1])
+    try:
+        with _stderr_into(log):
+            compiled = trainer.compile(state, fed.batch).executable
+        warnings = log.read_text(errors="replace")
+    finally:
+        log.unlink(missing_ok=True)
+    analysis = compiled.memory_analysis()
+    memory = {
+        "argument": analysis.argument_size_in_bytes, "output": analysis.output_size_in_bytes,
+        "alias": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
+        "code": analysis.generated_code_size_in_bytes,
+        "host_argument": analysis.host_argument_size_in_bytes, "host_temporaries": analysis.host_temp_size_in_bytes,
+    }
+    module = Module.parse(compiled.as_text())
+    leaves = _leaf_table(state, fed.batch, objective.frozen)
+    found = rematerializations(warnings)
+    dump = os.environ.get(DUMP)
+    if found:
+        names = [leaf.path for leaf in leaves]
+        found = attribute(found, before_partitioning(Path(dump)) if dump else None, names)
+    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in fed.batch.items()}
+    model_flops = objective.flops(shapes)
+    return Plan(
+        recipe=recipe, devices=len(jax.devices()), mesh=dict(mesh.shape), leaves=tuple(leaves), memory=memory,
+        collectives={kind: {"count": c.count, "bytes": c.bytes} for kind, c in module.collectives().items()},
+        flops_per_device=module.matmul_flops(), model_flops=None if model_flops is None else float(model_flops),
+        rematerializations=tuple({**asdict(r), "describe": r.describe()} for r in found),
+        batch_rows=fed.rows, notes=tuple(notes),
+    )

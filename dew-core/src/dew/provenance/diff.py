@@ -1,0 +1,281 @@
+"""Where two runs part: their kept states, their logged losses and their recipes, compared.
+
+Every kept step's manifest records a digest of each leaf of the state
+(``dew.checkpoints.integrity``), the same whatever the sharding, so two
+runs' states are compared step by step without reading an array: the first
+kept step at which a leaf's digest differs, and which leaves. Asked to
+(``load``), the differing leaves of that step and of the last common step
+are read (Orbax partial restores, one step of one run at a time) for their
+largest elementwise gap. The logged losses come from the runs' journals
+(``scalars.jsonl``), the recipes from their ``run.json``.
+
+Two runs whose every common kept step has the same digests and whose losses
+are equal are identical through the last of those steps. Runs of different
+models are compared on the leaves both hold with the same path and shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LeafGap", "LossGap", "NotARunDirectoryError", "RunDiff", "diff_runs", "load_leaves"]
+
+LOSS = "train/loss"
+
+
+class NotARunDirectoryError(FileNotFoundError):
+    """A path given as a run holds neither a recipe (run.json) nor a kept step."""
+
+
+@dataclass(frozen=True)
+class LeafGap:
+    """The largest elementwise difference of one leaf at one step, and the largest magnitude there."""
+
+    path: str
+    step: int
+    gap: float
+    scale: float
+
+    @property
+    def relative(self) -> float:
+        return self.gap / self.scale if self.scale else (0.0 if self.gap == 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class LossGap:
+    step: int
+    a: float
+    b: float
+
+
+@dataclass(frozen=True)
+class RunDiff:
+    """How two runs compare (see the module docstring); ``verdict`` sums it up."""
+
+    a: str
+    b: str
+    recipe: tuple[tuple[str, Any, Any], ...]
+    models_differ: tuple[str, ...]
+    common_steps: tuple[int, ...]
+    first_state_step: int | None
+    differing: tuple[str, ...]  # the leaves that differ at first_state_step, in the state's order
+    incomparable: tuple[str, ...]
+    gaps: tuple[LeafGap, ...]
+    loss_steps: tuple[int, ...]
+    first_loss: LossGap | None  # the first logged loss beyond the tolerance
+    largest_loss: LossGap | None
+    rtol: float
+    atol: float
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def bitwise(self) -> bool:
+        losses_equal = self.largest_loss is None or self.largest_loss.a == self.largest_loss.b
+        return self.first_state_step is None and losses_equal and bool(self.common_steps or self.loss_steps)
+
+    @property
+    def within_tolerance(self) -> bool:
+        """Nothing differs beyond the tolerances: states equal or (loaded) close, losses close."""
+        if self.first_loss is not None or not (self.common_steps or self.loss_steps):
+            return False
+        if self.first_state_step is None:
+            return True
+        return bool(self.gaps) and all(g.gap <= self.atol + self.rtol * g.scale for g in self.gaps)
+
+    @property
+    def through(self) -> int:
+        return max([*self.common_steps, *self.loss_steps], default=0)
+
+
+def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested recipe as dotted keys (lists by index).
+
+    >>> _dotted({"optimizer": {"learning_rate": 0.1}, "trackers": [{"name": "local"}]})
+    {'optimizer.learning_rate': 0.1, 'trackers.0.name': 'local'}
+    """
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_dotted(item, f"{prefix}{key}."))
+        return out
+    if isinstance(value, list | tuple) and value:
+        out = {}
+        for index, item in enumerate(value):
+            out.update(_dotted(item, f"{prefix}{index}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def _recipe(run: Path) -> dict[str, Any] | None:
+    path = run / "run.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _kept(run: Path) -> list[int]:
+    from dew.checkpoints.store import Store
+
+    return Store(run, local=False).committed()
+
+
+def _leaves(run: Path, step: int) -> list[Any]:
+    from dew.checkpoints.restore import read_manifest
+
+    return list(read_manifest(run / str(step), step).leaves)
+
+
+def _journal(run: Path, recipe: Mapping[str, Any] | None) -> Path | None:
+    """The run's scalars journal: in the run directory, or where its recipe's local tracker wrote."""
+    if (run / "scalars.jsonl").is_file():
+        return run / "scalars.jsonl"
+    for tracker in (recipe or {}).get("trackers", []) or []:
+        directory = tracker.get("directory") if isinstance(tracker, Mapping) else None
+        if tracker.get("name") == "local" and directory and "{" not in directory:
+            candidate = Path(directory).expanduser() / "scalars.jsonl"
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _losses(journal: Path | None) -> dict[int, float]:
+    if journal is None:
+        return {}
+    out = {}
+    for line in journal.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if LOSS in row:
+            value = row[LOSS]
+            out[int(row["step"])] = float(value) if not isinstance(value, str) else float(
+                {"NaN": "nan", "+Inf": "inf", "-Inf": "-inf"}.get(value, value))
+    return out
+
+
+_TOKEN = re.compile(r"\.(\w+)|\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]")
+
+
+def _tokens(keystr: str) -> tuple[str, ...]:
+    """A leaf path written by jax.tree_util.keystr, as its keys: .a['b'][0] -> ('a', 'b', '0')."""
+    return tuple(next(g for g in match.groups() if g is not None) for match in _TOKEN.finditer(keystr))
+
+
+def load_leaves(run: Path, step: int, paths: Sequence[str]) -> dict[str, Any]:
+    """The arrays of the leaves at paths (manifest names) of a kept step, read alone (Orbax partial restore)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    wanted = {_tokens(p): p for p in paths}
+    directory = run / str(step) / "state"
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(directory).item_metadata.tree
+
+    def prune(node: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(node, Mapping):
+            kept = {k: prune(v, (*path, str(k))) for k, v in node.items()}
+            return {k: v for k, v in kept.items() if v is not None} or None
+        if isinstance(node, list | tuple):
+            items = [prune(v, (*path, str(i))) for i, v in enumerate(node)]
+            return items if any(i is not None for i in items) else None
+        if node is None or path not in wanted:
+            return None
+        return np.empty(tuple(node.shape), np.dtype(node.dtype))
+
+    item = prune(tree, ())
+    if item is None:
+        return {}
+    restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    read = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore,
+                                                                        partial_restore=True))
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(read)[0]:
+        tokens = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        if tokens in wanted:
+            out[wanted[tokens]] = np.asarray(leaf)
+    return out
+
+
+def _gaps(a: Path, b: Path, step: int, paths: Sequence[str]) -> list[LeafGap]:
+    import numpy as np
+
+    left = load_leaves(a, step, paths)
+    right = load_leaves(b, step, paths)
+    out = []
+    for path in paths:
+        if path in left and path in right:
+            x, y = left[path].astype(np.float64), right[path].astype(np.float64)
+            out.append(LeafGap(path, step, float(np.max(np.abs(x - y))) if x.size else 0.0,
+                               float(np.max(np.abs(y))) if y.size else 0.0))
+    return out
+
+
+def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float = 1e-6,
+              load: bool = False) -> RunDiff:
+    """Compare two run directories (see the module docstring)."""
+    runs = [Path(r).expanduser().resolve() for r in (a, b)]
+    recipes = [_recipe(r) for r in runs]
+    kept = [_kept(r) if r.is_dir() else [] for r in runs]
+    for run, recipe, steps in zip(runs, recipes, kept, strict=True):
+        if recipe is None and not steps:
+            raise NotARunDirectoryError(
+                f"{run} is not a run directory: it holds neither run.json nor a kept checkpoint step. Give the "
+                "directory dew train wrote (trainer.checkpoint_dir).")
+    notes: list[str] = []
+    recipe_diff: list[tuple[str, Any, Any]] = []
+    models: tuple[str, ...] = ()
+    if all(r is not None for r in recipes):
+        left, right = _dotted(recipes[0]), _dotted(recipes[1])
+        recipe_diff = [(k, left.get(k), right.get(k)) for k in sorted(set(left) | set(right))
+                       if left.get(k) != right.get(k)]
+        models = tuple(k for k, _, _ in recipe_diff if k == "model" or k.startswith("model."))
+    else:
+        notes.append("one run has no run.json; its recipe is not compared")
+    common = sorted(set(kept[0]) & set(kept[1]))
+    first_step, differing, incomparable = None, (), ()
+    for step in common:
+        mine = {leaf.path: leaf for leaf in _leaves(runs[0], step)}
+        theirs = {leaf.path: leaf for leaf in _leaves(runs[1], step)}
+        same_shape = [p for p in mine if p in theirs and mine[p].shape == theirs[p].shape
+                      and mine[p].dtype == theirs[p].dtype]
+        if not incomparable:
+            shaped = {p for p in mine if p in theirs} - set(same_shape)
+            incomparable = tuple(sorted((set(mine) ^ set(theirs)) | shaped))
+        changed = tuple(p for p in same_shape if mine[p].digest != theirs[p].digest)
+        if changed:
+            first_step, differing = step, changed
+            break
+    gaps: list[LeafGap] = []
+    if load and first_step is not None:
+        gaps = _gaps(runs[0], runs[1], first_step, differing)
+        last = common[-1]
+        if last != first_step:
+            mine = {leaf.path: leaf for leaf in _leaves(runs[0], last)}
+            theirs = {leaf.path: leaf for leaf in _leaves(runs[1], last)}
+            later = [p for p in mine if p in theirs and mine[p].shape == theirs[p].shape
+                     and mine[p].digest != theirs[p].digest]
+            gaps += _gaps(runs[0], runs[1], last, later)
+    losses = [_losses(_journal(r, recipe)) for r, recipe in zip(runs, recipes, strict=True)]
+    logged = sorted(set(losses[0]) & set(losses[1]))
+    first_loss = largest = None
+    for step in logged:
+        x, y = losses[0][step], losses[1][step]
+        gap = LossGap(step, x, y)
+        far = not (abs(x - y) <= atol + rtol * abs(y)) and not (x == y)
+        if far and first_loss is None:
+            first_loss = gap
+        if largest is None or abs(x - y) > abs(largest.a - largest.b) or (x != y and math.isnan(x - y)):
+            largest = gap
+    if not logged:
+        notes.append("no logged loss common to both runs (their journals, scalars.jsonl, hold none)")
+    if not common:
+        notes.append("no kept step common to both runs; their states are not compared")
+    return RunDiff(str(runs[0]), str(runs[1]), tuple(recipe_diff), models, tuple(common), first_step,
+                   differing, incomparable, tuple(gaps), tuple(logged), first_loss, largest, rtol, atol,
+                   tuple(notes))

@@ -1,0 +1,218 @@
+"""Read a run's data ledger back, and audit what it consumed against an uninterrupted run.
+
+A ledger (``dew.training.ledger``) is appended to by every fit of a run, so
+it holds history a resumed run undid: the steps a crashed fit took after
+its last checkpoint were trained again from there. Reading replays it:
+each ``open`` line drops the steps after the one it opened at, and the
+lines that follow take their place. What is left is, for every step of the
+run's final state, the global records it consumed.
+
+An audit compares that with what an uninterrupted run consumes: by default
+every position of the global order from the first one, once, in order,
+under one order throughout (the seed and source size the stream names); or
+another run's ledger (``against``), whose steps' record digests must match
+too. It counts positions, not just steps, so a skipped batch is reported as
+the records it held, and names the first step whose records differ.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dew.training.ledger import LEDGER
+
+__all__ = [
+    "Audit", "ConsumedStep", "Ledgered", "LedgerMissingError", "Segment",
+    "audit", "read_ledger",
+]
+
+
+class LedgerMissingError(FileNotFoundError):
+    """The run directory holds no data ledger (a run trained before dew wrote one, or not a run)."""
+
+
+@dataclass(frozen=True)
+class ConsumedStep:
+    """One step of the run's final state: the positions [first, end) it read and its records' digest."""
+
+    step: int
+    first: int
+    end: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One fit of the run: the step it opened at, its processes and data shares, where it resumed from."""
+
+    step: int
+    processes: int
+    shares: int
+    position: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Ledgered:
+    """A run's consumption as its final state saw it, step by step, with the fits that made it."""
+
+    steps: tuple[ConsumedStep, ...]
+    segments: tuple[Segment, ...]
+    orders: tuple[tuple[int, dict[str, Any]], ...]  # (first step, order) each time the order was named
+    undone: int = 0  # step lines a later fit replaced
+
+    @property
+    def order(self) -> dict[str, Any] | None:
+        return self.orders[-1][1] if self.orders else None
+
+    @property
+    def last(self) -> int:
+        return self.steps[-1].step if self.steps else 0
+
+
+def read_ledger(run: str | Path) -> Ledgered:
+    """The run's ledger, replayed (see the module docstring)."""
+    path = Path(run) / LEDGER
+    if not path.is_file():
+        raise LedgerMissingError(
+            f"{Path(run)} holds no data ledger ({LEDGER}), and an audit needs one: dew writes it beside the "
+            "checkpoints of a run whose training stream reports the records it reads (readers built on "
+            "dew.data.train_stream do); runs trained before dew wrote one have none. Resume or retrain the "
+            "run with this dew to start one.")
+    steps: dict[int, ConsumedStep] = {}
+    segments: list[Segment] = []
+    orders: list[tuple[int, dict[str, Any]]] = []
+    undone = 0
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                break  # a last line cut short by a crash: everything it described was undone with it
+            raise
+        kind = row.get("kind")
+        if kind == "open":
+            later = [s for s in steps if s > row["step"]]
+            undone += len(later)
+            for step in later:
+                del steps[step]
+            segments.append(Segment(row["step"], row["processes"], row["shares"], row.get("position")))
+        elif kind == "order":
+            order = {k: v for k, v in row.items() if k not in ("kind", "step")}
+            orders = [(step, named) for step, named in orders if step < row["step"]]
+            if not orders or orders[-1][1] != order:
+                orders.append((row["step"], order))
+        elif kind == "step":
+            if row["step"] in steps:
+                undone += 1
+            steps[row["step"]] = ConsumedStep(row["step"], row["first"], row["end"], row["digest"])
+    return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone)
+
+
+@dataclass(frozen=True)
+class Audit:
+    """What a run consumed against what it should have: counts of records and the first step that differs."""
+
+    steps: int
+    compared: int
+    records: int
+    expected: int
+    skipped: int
+    repeated: int
+    extra: int
+    first_difference: int | None
+    missing_steps: tuple[int, ...]
+    against: str
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def exact(self) -> bool:
+        return (self.first_difference is None and not self.skipped and not self.repeated and not self.extra
+                and not self.missing_steps)
+
+
+def _ideal(ledger: Ledgered) -> list[ConsumedStep]:
+    """An uninterrupted run of the same batch sizes: every position from the first, once, in order."""
+    start = ledger.segments[0].position["records"] if ledger.segments and ledger.segments[0].position else 0
+    out, at = [], start
+    for step in ledger.steps:
+        size = step.end - step.first
+        out.append(ConsumedStep(step.step, at, at + size, ""))
+        at += size
+    return out
+
+
+def _coverage(steps: Sequence[ConsumedStep]) -> list[tuple[int, int]]:
+    return [(s.first, s.end) for s in steps]
+
+
+def _compare_positions(mine: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """(skipped, repeated, extra) positions: theirs read more often than mine; mine more than once beyond
+    theirs; mine that theirs never read. A sweep over the intervals' ends."""
+    events: dict[int, list[int]] = {}
+    for which, spans in ((0, mine), (1, theirs)):
+        for first, end in spans:
+            events.setdefault(first, [0, 0])[which] += 1
+            events.setdefault(end, [0, 0])[which] -= 1
+    skipped = repeated = extra = 0
+    a = b = 0
+    points = sorted(events)
+    for here, there in zip(points, points[1:], strict=False):
+        a += events[here][0]
+        b += events[here][1]
+        width = there - here
+        skipped += width * max(0, b - a)
+        if b == 0:
+            extra += width * min(a, 1)
+            repeated += width * max(0, a - 1)
+        else:
+            repeated += width * max(0, a - b)
+    return skipped, repeated, extra
+
+
+def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN_B") -> Audit:
+    """Compare the run's consumption with an uninterrupted run (or with against's), step by step."""
+    notes = []
+    mine = list(ledger.steps)
+    changed = None
+    if against is None:
+        theirs = _ideal(ledger)
+        described = "an uninterrupted run (every position of the global order from the first, once)"
+        if len(ledger.orders) > 1:
+            changed = ledger.orders[1][0]
+            notes.append(f"the order changed at step {changed} (from {ledger.orders[0][1]} to "
+                         f"{ledger.orders[1][1]}): the same positions hold other records from there")
+    else:
+        theirs = list(against.steps)
+        described = name
+        if ledger.order and against.order and ledger.order != against.order:
+            notes.append(f"the runs read different orders ({ledger.order} and {against.order}): the same "
+                         "positions hold different records")
+    by_step = {s.step: s for s in theirs}
+    compared = [s for s in mine if s.step in by_step]
+    first = None
+    for step in compared:
+        other = by_step[step.step]
+        same_records = not other.digest or step.digest == other.digest
+        if (step.first, step.end) != (other.first, other.end) or not same_records:
+            first = step.step
+            break
+    last = min(ledger.last, max((s.step for s in theirs), default=0))
+    missing = tuple(s for s in range(1, last + 1) if s not in {m.step for m in mine} and s in by_step)
+    within = [s for s in mine if s.step <= last]
+    reference = [s for s in theirs if s.step <= last]
+    skipped, repeated, extra = _compare_positions(_coverage(within), _coverage(reference))
+    first = min((s for s in (first, changed, *missing[:1]) if s is not None), default=None)
+    if against is not None and ledger.last != against.last:
+        notes.append(f"the runs reached different steps ({ledger.last} and {against.last}); compared through "
+                     f"step {last}")
+    return Audit(steps=ledger.last, compared=last, records=sum(s.end - s.first for s in within),
+                 expected=sum(s.end - s.first for s in reference), skipped=skipped, repeated=repeated,
+                 extra=extra, first_difference=first, missing_steps=missing, against=described,
+                 notes=tuple(notes))

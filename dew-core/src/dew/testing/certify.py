@@ -1,0 +1,244 @@
+"""Certify an installed distribution's dew components with dew's conformance kits.
+
+A distribution registers its components through entry points (``dew.models``,
+``dew.objectives``, ``dew.trackers``, ``dew.datasets``, ``dew.rewards``,
+``dew.plugins``) and, for each, a subclass of the matching kit of
+``dew.testing`` under ``dew.conformance``, by the same name::
+
+    [project.entry-points."dew.conformance"]
+    my_objective = "my_package.conformance:MyObjectiveKit"
+
+The kit subclass supplies the component and example inputs (the kit's
+factory methods); the checks are the installed dew's. ``certify`` runs each
+kit in a fresh interpreter (``python -m dew.testing.certify``), every
+``test_*`` method of it, and collects one result per check. A reward without
+a kit of its own is checked with ``RewardKit``'s defaults; a hook module
+(``dew.plugins``) is registered with dew's plugin manager, which checks
+every implementation against dew's hook specifications. A component with
+no kit is reported unchecked, which fails the certification.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import unittest
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CONFORMANCE", "GROUPS", "Check", "NotADistributionError", "Subject", "certify", "checks_of", "subjects",
+]
+
+CONFORMANCE = "dew.conformance"
+# Component groups, with the kit (module, class) that checks each and the factory method that builds one.
+GROUPS: dict[str, tuple[str, str, str | None]] = {
+    "dew.objectives": ("dew.testing.objective", "ObjectiveKit", "objective"),
+    "dew.models": ("dew.testing.model", "ModelKit", "model"),
+    "dew.trackers": ("dew.testing.tracker", "TrackerKit", None),
+    "dew.datasets": ("dew.testing.dataset", "DatasetReaderKit", None),
+    "dew.rewards": ("dew.testing.reward", "RewardKit", "reward"),
+    "dew.plugins": ("dew.plugins", "hooks", None),
+}
+_KIND = {"dew.objectives": "objective", "dew.models": "model", "dew.trackers": "tracker",
+         "dew.datasets": "reader", "dew.rewards": "reward", "dew.plugins": "hooks"}
+
+
+class NotADistributionError(LookupError):
+    """No installed distribution has that name, or it registers no dew component."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    """One registered component and the kit that checks it (None: no kit registered)."""
+
+    group: str
+    name: str
+    value: str
+    kit: str | None
+
+    @property
+    def label(self) -> str:
+        return f"{_KIND[self.group]} `{self.name}`"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's outcome: passed, failed, skipped or unchecked, with what went wrong."""
+
+    subject: str
+    check: str
+    result: str
+    message: str = ""
+    seconds: float = 0.0
+
+
+def subjects(distribution: str) -> tuple[str, list[Subject]]:
+    """The distribution's version and its components, each with its registered kit."""
+    try:
+        found = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise NotADistributionError(
+            f"No installed distribution is named {distribution!r}. Install it (pip install ...) in this "
+            f"environment, or give the name its pyproject.toml declares; distributions registering dew "
+            f"components here: {', '.join(_registering()) or 'none'}.") from None
+    points = list(found.entry_points)
+    kits = {p.name: p.value for p in points if p.group == CONFORMANCE}
+    listed = [Subject(p.group, p.name, p.value, kits.get(p.name) if p.group != "dew.plugins" else "hooks")
+              for p in points if p.group in GROUPS]
+    if not listed:
+        raise NotADistributionError(
+            f"{found.metadata['Name']} registers no dew component: none of its entry points is in the groups "
+            f"{', '.join(GROUPS)}.")
+    return found.version, listed
+
+
+def _registering() -> list[str]:
+    names = set()
+    for group in GROUPS:
+        for point in metadata.entry_points(group=group):
+            if point.dist is not None:
+                names.add(point.dist.metadata["Name"])
+    return sorted(names)
+
+
+def _readable(method: str) -> str:
+    return method.removeprefix("test_").replace("_", " ")
+
+
+def _load(value: str) -> Any:
+    module, _, attribute = value.partition(":")
+    target = importlib.import_module(module)
+    for part in attribute.split(".") if attribute else ():
+        target = getattr(target, part)
+    return target
+
+
+def _tests(kit: type) -> list[str]:
+    """The kit's test methods in definition order, base classes first."""
+    names: list[str] = []
+    for cls in reversed(kit.__mro__):
+        names += [n for n in vars(cls) if n.startswith("test_") and callable(vars(cls)[n]) and n not in names]
+    return names
+
+
+def _run_method(kit: Any, name: str, subject: str) -> Check:
+    method = getattr(kit, name)
+    began = time.perf_counter()
+    try:
+        if "tmp_path" in inspect.signature(method).parameters:
+            with tempfile.TemporaryDirectory(prefix="dew-certify-") as directory:
+                method(Path(directory))
+        else:
+            method()
+    except unittest.SkipTest as skip:
+        return Check(subject, _readable(name), "skipped", str(skip), time.perf_counter() - began)
+    except Exception as error:  # noqa: BLE001 - a kit's failure is this check's result
+        message = str(error).strip() or type(error).__name__
+        if not isinstance(error, AssertionError):
+            message = f"{type(error).__name__}: {message}\n{traceback.format_exc(limit=-3)}"
+        return Check(subject, _readable(name), "failed", message[-4000:], time.perf_counter() - began)
+    return Check(subject, _readable(name), "passed", "", time.perf_counter() - began)
+
+
+def checks_of(subject: Subject) -> list[Check]:
+    """Run one subject's checks in this interpreter (the child process ``certify`` starts)."""
+    label = subject.label
+    if subject.group == "dew.plugins":
+        from dew.plugins import registered
+
+        def hooks_match_the_hook_specifications() -> None:
+            with registered(_load(subject.value), name=subject.name):
+                pass
+
+        return [_call(label, hooks_match_the_hook_specifications)]
+    component = _load(subject.value)
+    module, base, factory = GROUPS[subject.group]
+    kit_class: type
+    if subject.kit is None and subject.group == "dew.rewards":
+        from dew import registry
+
+        kit_class = type("DefaultRewardKit", (_load(f"{module}:{base}"),),
+                         {"reward": lambda self: registry.rewards.build(subject.name)})
+    else:
+        kit_class = _load(subject.kit or "")
+    expected = _load(f"{module}:{base}")
+    if not (isinstance(kit_class, type) and issubclass(kit_class, expected)):
+        return [Check(label, "its kit is dew's", "failed",
+                      f"{subject.kit} is not a subclass of dew.testing.{base}, the kit for {subject.group}.")]
+    results = []
+    if factory is not None and isinstance(component, type):
+        def kit_builds_the_registered_component() -> None:
+            built = getattr(kit_class(), factory)()
+            assert isinstance(built, component), (
+                f"The kit's {factory}() builds a {type(built).__name__}, not the registered "
+                f"{component.__name__}: it would certify another component.")
+
+        results.append(_call(label, kit_builds_the_registered_component))
+    kit = kit_class()
+    results += [_run_method(kit, name, label) for name in _tests(kit_class)]
+    return results
+
+
+def _call(label: str, function: Any) -> Check:
+    holder = type("Single", (), {f"test_{function.__name__}": staticmethod(function)})
+    return _run_method(holder, f"test_{function.__name__}", label)
+
+
+def certify(distribution: str, *, timeout: float = 1800) -> tuple[str, list[Check]]:
+    """Every component of distribution checked, each kit in a fresh interpreter; (version, checks)."""
+    version, listed = subjects(distribution)
+    results: list[Check] = []
+    for subject in listed:
+        if subject.kit is None and subject.group != "dew.rewards":
+            results.append(Check(subject.label, "has a conformance kit", "unchecked",
+                                 f"register a subclass of dew.testing.{GROUPS[subject.group][1]} under the "
+                                 f"entry-point group {CONFORMANCE} as {subject.name!r}"))
+            continue
+        results += _in_child(subject, timeout)
+    return version, results
+
+
+def _in_child(subject: Subject, timeout: float) -> list[Check]:
+    import os
+
+    from dew.plugins import AUTOLOAD_VARIABLE
+
+    # Each component alone: no other installed plugin's hooks run beside its checks.
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), **{AUTOLOAD_VARIABLE: "1"})
+    env.pop("XLA_FLAGS", None)  # one device: a kit's many-device checks start their own children
+    began = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "dew.testing.certify", json.dumps(asdict(subject))],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [Check(subject.label, "finishes", "failed", f"its checks ran longer than {timeout:g} s",
+                      time.perf_counter() - began)]
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"checks"')]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip()[-3000:]
+        return [Check(subject.label, "its kit runs", "failed",
+                      f"the checking process exited with status {done.returncode}:\n{tail}")]
+    return [Check(**check) for check in json.loads(lines[-1])["checks"]]
+
+
+def main(argv: list[str]) -> int:
+    subject = Subject(**json.loads(argv[1]))
+    try:
+        found = checks_of(subject)
+    except Exception as error:  # noqa: BLE001 - a kit that cannot be loaded is this subject's result
+        found = [Check(subject.label, "its kit loads", "failed", f"{type(error).__name__}: {error}")]
+    print(json.dumps({"checks": [asdict(check) for check in found]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

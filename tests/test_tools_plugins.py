@@ -1,0 +1,158 @@
+"""`dew check-plugin`: an installed distribution's components certified by dew.testing's kits.
+
+The project's example plugin (tests/third_party) and a planted one, written here, are installed
+with pip into a folder of their own (real distribution metadata, real entry points) that the
+command's interpreter sees on its path. The example passes every check; the planted plugin's
+objective reads the device count, as code written for pmap did, and fails exactly the check
+that trains it on eight devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dew.cli import main
+
+EXAMPLE = Path(__file__).with_name("third_party")
+
+PLANTED = {
+    "pyproject.toml": """
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "dew-planted-plugin"
+        version = "0.0.1"
+        dependencies = ["dew-core"]
+
+        [project.entry-points."dew.objectives"]
+        planted_regression = "dew_planted_plugin.objective:PlantedObjective"
+
+        [project.entry-points."dew.conformance"]
+        planted_regression = "dew_planted_plugin.conformance:PlantedKit"
+
+        [tool.setuptools.packages.find]
+        where = ["src"]
+    """,
+    "src/dew_planted_plugin/__init__.py": "",
+    "src/dew_planted_plugin/objective.py": """
+        import jax
+        import jax.numpy as jnp
+
+        from dew.objectives.base import Aux, Mean, Objective
+
+
+        class PlantedObjective(Objective):
+            def __init__(self, inputs: int = 4) -> None:
+                self.inputs = inputs
+
+            def init(self, key, variables=None):
+                if variables is not None:
+                    return variables
+                return {"params": {"w": jax.random.normal(key, (self.inputs, 1)), "b": jnp.zeros((1,))}}
+
+            def loss(self, variables, batch, step):
+                p = variables["params"]
+                errors = (batch["x"] @ p["w"] + p["b"][None, :] - batch["y"]) ** 2
+                rows = batch["x"].shape[0]
+                global_batch = rows * jax.device_count()  # under pmap, a batch was one device's share
+                return Mean(jnp.sum(errors) * rows / global_batch, jnp.asarray(errors.size, jnp.float32)), Aux()
+
+            def required_keys(self):
+                return ("x", "y")
+    """,
+    "src/dew_planted_plugin/conformance.py": """
+        import numpy as np
+
+        from dew.testing import ObjectiveKit
+        from dew_planted_plugin.objective import PlantedObjective
+
+
+        class PlantedKit(ObjectiveKit):
+            def objective(self):
+                return PlantedObjective()
+
+            def batch(self):
+                x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+                return {"x": x, "y": x.sum(axis=1, keepdims=True)}
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """Both plugins, installed by pip into one folder (no dependencies: dew is the environment's)."""
+    root = tmp_path_factory.mktemp("plugins")
+    planted = root / "planted"
+    for name, text in PLANTED.items():
+        (planted / name).parent.mkdir(parents=True, exist_ok=True)
+        (planted / name).write_text(textwrap.dedent(text))
+    target = root / "site"
+    for source in (EXAMPLE, planted):
+        build = root / f"build-{source.name}"
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                               "--no-build-isolation", "--target", str(target), str(source)],
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, TMPDIR=str(root)),
+                              cwd=build.parent)
+        assert done.returncode == 0, done.stderr
+    return target
+
+
+def _check(distribution: str, site: Path) -> tuple[int, dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-m", "dew.cli", "check-plugin", distribution, "--json"],
+                          capture_output=True, text=True, env=env, timeout=1200)
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return done.returncode, json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_the_example_plugin_passes_every_kit(installed):
+    code, report = _check("dew-example-plugin", installed)
+    results = {(c["subject"], c["check"]): c["result"] for c in report["checks"]}
+    assert code == 0, [c for c in report["checks"] if c["result"] not in ("passed", "skipped")]
+    subjects = {subject for subject, _ in results}
+    assert subjects == {"model `example_regressor`", "objective `example_regression`", "tracker `example_jsonl`",
+                        "reward `example_shout`", "hooks `example_step_log`"}
+    assert results[("objective `example_regression`", "gradients on many devices equal one device")] == "passed"
+    assert results[("objective `example_regression`", "resumes bitwise")] == "passed"
+    assert results[("tracker `example_jsonl`", "log does not block the step")] == "passed"
+    assert results[("model `example_regressor`", "layout check passes on fake devices")] == "passed"
+    assert results[("reward `example_shout`", "one finite value per completion")] == "passed"
+    assert results[("hooks `example_step_log`", "hooks match the hook specifications")] == "passed"
+    # The objective declares no EMA and no frozen leaves: only those checks skip.
+    assert {key for key, result in results.items() if result == "skipped"} == {
+        ("objective `example_regression`", "ema selects leaves that exist"),
+        ("objective `example_regression`", "frozen leaves get no optimizer state and do not move")}
+    assert report["passed"] is True and report["dew"].startswith("dew-core ")
+
+
+@pytest.mark.slow
+def test_a_plugin_whose_objective_reads_the_device_count_fails_that_check_by_name(installed, tmp_path):
+    code, report = _check("dew-planted-plugin", installed)
+    assert code == 1
+    failed = [(c["subject"], c["check"]) for c in report["checks"] if c["result"] == "failed"]
+    assert failed == [("objective `planted_regression`", "gradients on many devices equal one device")]
+    message = next(c["message"] for c in report["checks"] if c["result"] == "failed")
+    assert "The gradient on 8 devices differs from one device's" in message
+    # The Markdown report says so too, with the versions it was checked with.
+    env = dict(os.environ, PYTHONPATH=str(installed), JAX_PLATFORMS="cpu")
+    text = subprocess.run([sys.executable, "-m", "dew.cli", "check-plugin", "dew-planted-plugin"],
+                          capture_output=True, text=True, env=env, timeout=1200).stdout
+    assert "dew-planted-plugin 0.0.1 **does not pass** dew's conformance kits" in text
+    assert "| objective `planted_regression` | gradients on many devices equal one device | failed |" in text
+
+
+def test_a_distribution_that_is_not_installed_is_one_line(capsys):
+    assert main(["check-plugin", "dew-no-such-plugin"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No installed distribution is named 'dew-no-such-plugin'" in err

@@ -1,0 +1,271 @@
+"""`dew diff` and `dew audit` on real runs of the shipped tiny-lm recipe (shrunk by overrides).
+
+The runs are trained once per module, each by `dew train` (or `dew launch`) in a fresh
+interpreter sharing one compilation cache, and shared between the tests:
+
+* ref: one process, one device, 10 steps, a checkpoint every step, a batch ramp (4 then 8 rows);
+* again: ref trained again into another directory;
+* lr: ref with another learning rate;
+* eight: ref on 8 fake devices (data 4 x tensor 2);
+* pool: `dew launch -n 2` (two processes, two data shares), stopped by SIGTERM early, resumed
+  with `dew launch -n 1` to step 10.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dew.cli import main
+from dew.testing.processes import device_env
+
+STEPS = 10
+COMMON = [
+    "model.num_layers=1", "model.emb_features=32", "model.mlp_features=64", "model.num_heads=2",
+    "data.files={stdlib}/[a-b]*.py", "data.batch=8", "trainer.batch_ramp={start: 4, steps: 4}",
+    "objective.prompt=null", "optimizer.schedule=constant", "optimizer.warmup_steps=0",
+    "trainer.log_every=1", "trainer.keep=null",
+]
+
+
+def _recipe(run: Path, *extra: str) -> list[str]:
+    return ["tiny-lm", *COMMON, f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}", *extra]
+
+
+class Runs:
+    """Trains each run on first use, in a fresh interpreter; later uses share it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache = root / "compilation-cache"
+        self.made: dict[str, Path] = {}
+
+    def env(self, devices: int = 1) -> dict[str, str]:
+        return device_env(devices, compilation_cache=self.cache)
+
+    def train(self, name: str, *extra: str, devices: int = 1, steps: int = STEPS) -> Path:
+        if name not in self.made:
+            run = self.root / name
+            done = subprocess.run([sys.executable, "-m", "dew.cli", "train",
+                                   *_recipe(run, f"trainer.steps={steps}", "trainer.checkpoint_every=1", *extra)],
+                                  capture_output=True, text=True, env=self.env(devices), cwd=self.root, timeout=600)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            self.made[name] = run
+        return self.made[name]
+
+    @property
+    def ref(self) -> Path:
+        return self.train("ref")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runs"))
+
+
+def _dew(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# -- dew diff -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_identical_runs_are_identical_through_their_last_step(runs, capsys):
+    again = runs.train("again")
+    code, out, _ = _dew(["diff", str(runs.ref), str(again)], capsys)
+    assert code == 0, out
+    assert out.splitlines()[0] == f"identical through step {STEPS}"
+    assert f"states: identical at every common kept step ({STEPS}, through step {STEPS})" in out
+    # The recipes differ only in where each run writes.
+    differing = re.findall(r"^  (\S+): ", out.split("recipes differ:")[1], flags=re.M)
+    assert set(differing) == {"trainer.checkpoint_dir", "trackers.0.directory"}
+
+
+@pytest.mark.slow
+def test_a_changed_learning_rate_parts_at_step_one_at_the_parameters_alone(runs, capsys):
+    changed = runs.train("lr", "optimizer.learning_rate=0.001")
+    code, out, _ = _dew(["diff", str(runs.ref), str(changed), "--json"], capsys)
+    assert code == 1
+    result = json.loads(out)
+    assert result["first_state_step"] == 1
+    # Independently: at step 1 both runs differentiate the same parameters on the same batch, so
+    # Adam's moments agree, and only the update (the learning rate times it) differs; every
+    # trainable parameter moves at step 1 (no warmup), so the parameters, all of them, part.
+    manifest = json.loads((runs.ref / "1" / "dew.json").read_text())
+    parameters = [leaf["path"] for leaf in manifest["leaves"] if leaf["path"].startswith(".params['params']")]
+    assert result["differing"] == parameters
+    assert result["differing"][0] == manifest["leaves"][0]["path"] == ".params['params']['embed']['embedding']"
+    assert result["first_loss"]["step"] == 2  # the first loss computed with the updated weights
+    assert ["optimizer.learning_rate", 0.003, 0.001] in result["recipe"]
+
+
+@pytest.mark.slow
+def test_eight_devices_agree_with_one_within_the_tolerance(runs, capsys):
+    eight = runs.train("eight", "trainer.mesh.tensor=2", devices=8)
+    code, out, _ = _dew(["diff", str(runs.ref), str(eight), "--load", "--rtol", "1e-3", "--atol", "1e-5"], capsys)
+    assert code == 0, out
+    assert out.splitlines()[0].startswith("agree within the tolerance (rtol 0.001, atol 1e-05) through step 10")
+    assert "losses: within the tolerance at all 10 common logged steps" in out or "losses: equal" in out
+    # The gaps were measured, in the state's own leaves, at two steps.
+    gaps = re.findall(r"^  step (\d+) (\S+): largest gap (\S+)", out, flags=re.M)
+    assert gaps and all(float(gap) <= 1e-5 + 1e-3 for _, _, gap in gaps)
+
+
+@pytest.mark.slow
+def test_runs_of_different_models_are_compared_where_comparable(runs, capsys):
+    other = runs.train("heads", "model.num_heads=4", steps=2)
+    code, out, _ = _dew(["diff", str(runs.ref), str(other), "--json"], capsys)
+    result = json.loads(out)
+    assert code == 1
+    assert "model.num_heads" in result["models_differ"]
+    # The attention kernels change shape with the head count: not comparable; the rest is.
+    assert ".params['params']['layers_0']['attention']['query']" in result["incomparable"]
+    assert result["first_state_step"] == 1
+    assert ".params['params']['layers_0']['mlp']['wi']" in result["differing"]
+    assert result["common_steps"] == [1, 2]
+    text = _dew(["diff", str(runs.ref), str(other)], capsys)[1]
+    assert "the runs train different models (model.num_heads)" in text
+
+
+def test_a_path_that_is_not_a_run_is_named(tmp_path, capsys):
+    code, _, err = _dew(["diff", str(tmp_path), str(tmp_path / "missing")], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "is not a run directory" in err
+
+
+# -- dew audit ------------------------------------------------------------------------------------------
+def _launch(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dew.cli", "launch", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_a_pool_stopped_and_resumed_on_one_process_consumed_the_uninterrupted_records(runs, capsys):
+    run = runs.root / "pool"
+    env = runs.env(1)
+    pool = _launch(["-n", "2", "--grace", "120", *_recipe(run, "trainer.steps=100000")], env, runs.root)
+    lines = []
+    signalled = False
+    for line in pool.stdout:
+        lines.append(line)
+        if not signalled and re.match(r"^step 2: loss", line):
+            pool.send_signal(signal.SIGTERM)
+            signalled = True
+    assert pool.wait(timeout=300) == 143, "".join(lines)
+    stopped = int(re.search(r"preempted at step (\d+)", "".join(lines)).group(1))
+    assert 2 <= stopped < STEPS, "".join(lines)
+    resumed = _launch(["-n", "1", *_recipe(run, f"trainer.steps={STEPS}")], env, runs.root)
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+
+    code, out, _ = _dew(["audit", str(run), "--against", str(runs.ref)], capsys)
+    assert code == 0, out
+    assert f"from step 0 on 2 processes (2 data shares); from step {stopped} on 1 process (1 data share)" in out
+    # The ramp: 4 steps of 4 records, then 6 of 8.
+    assert (f"identical through step {STEPS} to {runs.ref}: 64 records consumed, 64 expected; 0 skipped, "
+            "0 repeated, 0 never in the reference") in out
+    # And step by step, as the two ledgers say, with the checkpoint's position where the pool stopped.
+    ledger = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (runs.ref / "ledger.jsonl").read_text().splitlines()]
+    steps = {row["step"]: row for row in ledger if row["kind"] == "step"}
+    assert [(r["first"], r["end"], r["digest"]) for r in reference if r["kind"] == "step"] == \
+        [(steps[s]["first"], steps[s]["end"], steps[s]["digest"]) for s in range(1, STEPS + 1)]
+    checkpoint = next(r for r in ledger if r["kind"] == "checkpoint" and r["step"] == stopped)
+    assert checkpoint["position"]["records"] == steps[stopped]["end"]
+    assert _dew(["audit", str(run)], capsys)[0] == 0
+
+
+_SKIPPING = """
+import sys
+from dew.data import ramp
+from dew.recipes.config import RunConfig
+
+resumed = ramp.RampedStream.set_state
+
+def skipping(self, state):  # a resume that loses one batch: the fault this test plants
+    resumed(self, state)
+    self.records += ramp.batch_at(self.schedule, self.step)
+
+ramp.RampedStream.set_state = skipping
+RunConfig.load("tiny-lm", overrides=sys.argv[1:]).train()
+"""
+
+
+@pytest.mark.slow
+def test_a_resume_that_skipped_a_batch_is_caught_at_that_step(runs, capsys):
+    run = runs.root / "skipped"
+    shutil.copytree(runs.ref, run)
+    for step in range(5, STEPS + 1):
+        shutil.rmtree(run / str(step))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_SKIPPING),
+                           *_recipe(run, f"trainer.steps={STEPS}", "trainer.checkpoint_every=1")[1:]],
+                          capture_output=True, text=True, env=runs.env(1), cwd=runs.root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    code, out, _ = _dew(["audit", str(run)], capsys)
+    assert code == 1, out
+    # Step 5 should have read positions 16-23 (after 4 steps of 4); it read 24-31. From then on
+    # everything is one batch late: 8 records skipped, 8 read past the uninterrupted run's end.
+    assert ("the records differ from step 5 from an uninterrupted run (every position of the global order "
+            "from the first, once): 64 records consumed, 64 expected; 8 skipped, 0 repeated, "
+            "8 never in the reference") in out
+    assert "6 step(s) trained after a checkpoint were undone by a resume and trained again" in out
+    against = _dew(["audit", str(run), "--against", str(runs.ref), "--json"], capsys)[1]
+    assert json.loads(against)["first_difference"] == 5
+
+
+def test_a_run_without_a_ledger_says_the_audit_needs_one(tmp_path, capsys):
+    (tmp_path / "run.json").write_text("{}")
+    code, _, err = _dew(["audit", str(tmp_path)], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "holds no data ledger (ledger.jsonl), and an audit needs one" in err
+
+
+def test_the_ledger_replays_a_resume_over_the_steps_it_undid(tmp_path):
+    """A crash after step 3's checkpoint undid steps 4-5; the resumed fit's lines replace them."""
+    from dew.provenance.ledger import audit, read_ledger
+
+    rows = [{"kind": "open", "step": 0, "position": None, "processes": 2, "shares": 2},
+            {"kind": "order", "step": 1, "seed": 0, "size": 100}]
+    rows += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"d{s}"} for s in range(1, 6)]
+    rows += [{"kind": "checkpoint", "step": 3, "position": {"records": 12}},
+             {"kind": "open", "step": 3, "position": {"records": 12}, "processes": 1, "shares": 1},
+             {"kind": "order", "step": 4, "seed": 0, "size": 100}]
+    rows += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"e{s}"} for s in range(4, 7)]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "st')
+    ledger = read_ledger(tmp_path)
+    assert [s.digest for s in ledger.steps] == ["d1", "d2", "d3", "e4", "e5", "e6"]
+    assert ledger.undone == 2 and [s.processes for s in ledger.segments] == [2, 1]
+    assert audit(ledger).exact
+    # A repeated batch: step 5 reads step 4's positions again.
+    rows[-2] = {"kind": "step", "step": 5, "first": 12, "end": 16, "digest": "e4"}
+    rows[-1] = {"kind": "step", "step": 6, "first": 16, "end": 20, "digest": "e5"}
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = audit(read_ledger(tmp_path))
+    assert (result.first_difference, result.skipped, result.repeated, result.extra) == (5, 4, 4, 0)
+
+
+def test_every_consumed_step_reports_the_records_the_shares_read():
+    """The global batch a stream reports is what its shares read, at any share count (TokenWindows)."""
+    import numpy as np
+
+    from dew.data import DataPartition
+    from dew.data.sources import ArrayRecords
+    from dew.data.stream import StreamReader
+
+    source = ArrayRecords({"id": np.arange(37)})
+    reader = StreamReader(source, batch=6, seed=3)
+    shares = [reader(DataPartition(s, 3)) for s in range(3)]
+    for _ in range(9):  # past one epoch of 37 records
+        rows = np.concatenate([next(stream)["id"] for stream in shares])
+        reported = [stream.consumption() for stream in shares]
+        assert all((r.first, r.end) == (reported[0].first, reported[0].end) for r in reported)
+        assert list(reported[0].records) == list(rows)
