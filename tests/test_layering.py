@@ -54,10 +54,24 @@ def test_every_distribution_has_a_generated_contract():
     import lint_imports
 
     contracts = {c["name"].split(" imports")[0]: c for c in lint_imports.generated_contracts()}
-    assert set(contracts) == set(lint_imports.DISTRIBUTIONS)
+    distributions = {name for name in contracts if name.startswith("dew-")}
+    assert distributions == set(lint_imports.DISTRIBUTIONS)
+    placement = contracts["dew.training.placement"]
+    assert "dew.training.placement.layout" in placement["source_modules"]
+    assert "dew.training.trainer" in placement["forbidden_modules"]
+    assert not any(m.startswith("dew.training.placement") for m in placement["forbidden_modules"])
     assert "dew.data.tokenizers" in contracts["dew-trackers"]["forbidden_modules"]
     assert "dew.trackers.mlflow" in contracts["dew-objectives"]["forbidden_modules"]
     assert "dew.objectives.lm" in contracts["dew-data"]["forbidden_modules"]
+
+
+def test_a_layers_contract_with_independent_wings_sees_the_engine_import_them(tmp_path):
+    # The same wings, planted above the engine instead of below it: the engine's real imports
+    # of tracking and checkpoints now run upwards, so the contract must come back broken.
+    result = _planted(tmp_path, """[{"name": "planted layers", "type": "layers",
+        "layers": ["dew.checkpoints | dew.tracking | dew.adapters", "dew.training"]}]""")
+    assert "EXIT 1" in result.stdout and "planted layers BROKEN" in result.stdout, result.stdout + result.stderr
+    assert "dew.training.trainer -> dew.tracking.progress" in result.stdout, result.stdout
 
 
 def test_a_contract_naming_a_module_that_does_not_exist_fails(tmp_path):
