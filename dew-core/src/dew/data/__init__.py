@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from dew.data.base import DataPartition as DataPartition
     from dew.data.base import Dataset as Dataset
     from dew.data.base import Reader as Reader
+    from dew.data.base import Reporting as Reporting
     from dew.data.hf_tokenizer import HFTokenizer as HFTokenizer
     from dew.data.images import HFImages as HFImages
     from dew.data.ramp import ramped as ramped

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GLOBAL_POSITION", "SINGLE", "Batch", "DataPartition", "Dataset", "Reader", "Resumable", "TextReader", "is_global_position"]
+__all__ = ["GLOBAL_POSITION", "SINGLE", "Batch", "DataPartition", "Dataset", "Reader", "Reporting", "Resumable",
+           "TextReader", "is_global_position"]
 
 Batch = Mapping[str, Any]
 
@@ -60,6 +61,19 @@ class Resumable(Protocol):
     def get_state(self) -> bytes: ...
 
     def set_state(self, state: bytes) -> None: ...
+
+
+@runtime_checkable
+class Reporting(Protocol):
+    """A training stream with scalars to log beside each step's metrics.
+
+    The trainer reads ``scalars()`` right after taking a step's batch and logs
+    them with that step (a mixture's ``data/<source>/records``, say). They
+    describe the stream up to and including that batch, so they must be a
+    function of the stream's position alone, the same on every process.
+    """
+
+    def scalars(self) -> Mapping[str, float]: ...
 
 
 @runtime_checkable

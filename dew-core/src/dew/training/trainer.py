@@ -493,7 +493,7 @@ class Trainer(Generic[Loss, Effects]):
                         compiled[fed.signature] = self._compile_for(progress, state, fed.batch)
                     state, step_metrics = compiled[fed.signature](state, fed.batch)
                     done = step + 1
-                    progress.stepped(done, step_metrics, first=step == start)
+                    progress.stepped(done, {**step_metrics, **fed.scalars}, first=step == start)
                     if step == start and self.checkpoints is not None:
                         self.checkpoints.prepare(state)  # compiles the leaf digests off the loop
                     if profile is not None:
