@@ -119,6 +119,9 @@ class _Parquet:
         self.groups.move_to_end(index)
         return self.groups[index]
 
+    def where(self, row: int) -> str:
+        return f"row {row} of {os.fspath(self.path)!r}"
+
     def values(self, start: int, stop: int) -> list[Any]:
         out: list[Any] = []
         group = int(np.searchsorted(self.starts, start, side="right")) - 1
@@ -149,6 +152,9 @@ class _Arrow:
         self.data = table.column(column)
         self.rows = len(self.data)
 
+    def where(self, row: int) -> str:
+        return f"row {row} of {os.fspath(self.path)!r}"
+
     def values(self, start: int, stop: int) -> list[Any]:
         return self.data.slice(start, stop - start).to_pylist()
 
@@ -177,6 +183,9 @@ class _Jsonl:
         """The 1-based line number of a row (counted only when an error needs it)."""
         with open(self.path, "rb") as handle:
             return handle.read(int(self.begins[row])).count(b"\n") + 1
+
+    def where(self, row: int) -> str:
+        return f"line {self._line(row)} of {os.fspath(self.path)!r}"
 
     def _parse(self, line: bytes, row: int) -> dict[str, Any]:
         try:
@@ -273,9 +282,9 @@ class Shards:
         return out
 
     def where(self, row: int) -> str:
-        """A row's file and row number within it, for messages."""
+        """Where a row is, for messages: its line of a JSONL file, else its row of the file."""
         shard = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return f"row {row - int(self.starts[shard])} of {os.fspath(self.files[shard])!r}"
+        return self.shards[shard].where(row - int(self.starts[shard]))
 
     def __getstate__(self) -> tuple[tuple[Path, ...], str]:
         return self.files, self.column

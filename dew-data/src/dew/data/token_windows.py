@@ -50,7 +50,7 @@ _JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 
 
 def resolve_tokenizer(tokenizer: Any) -> Any:
-    """"byte" -> ByteTokenizer, a path to a tokenizer.json -> HFTokenizer, else as given."""
+    """"byte" -> ByteTokenizer, a tokenizer.json or a folder holding one -> HFTokenizer, else as given."""
     if isinstance(tokenizer, str | os.PathLike):
         if os.fspath(tokenizer) == "byte":
             from dew.data.tokenizers import ByteTokenizer
@@ -58,6 +58,8 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
             return ByteTokenizer()
         from dew.data.hf_tokenizer import HFTokenizer
 
+        if Path(tokenizer).expanduser().is_dir():
+            return HFTokenizer.from_directory(Path(tokenizer).expanduser())
         return HFTokenizer.from_file(tokenizer)
     for needed in ("encode", "eos_id"):
         if not hasattr(tokenizer, needed):
