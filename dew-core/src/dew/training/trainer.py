@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Generic
+from typing import TYPE_CHECKING, Any, Generic
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,9 @@ from dew.training.stages import bank_sites, check_stages, schedule_of, with_bubb
 from dew.training.state import Scaler, TrainState, Window, stream
 from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
 from dew.training.trees import paths, select, trains
+
+if TYPE_CHECKING:
+    from dew.evaluations.base import Periodic
 
 __all__ = [
     "CompiledStep",
@@ -105,6 +108,7 @@ class Trainer(Generic[Loss, Effects]):
         rollout: Rollout | None = None,
         profile: Any = None,
         initializer: Initializer = None,
+        evaluations: Sequence[Periodic] = (),
     ) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}.")
@@ -125,6 +129,7 @@ class Trainer(Generic[Loss, Effects]):
         self.rollout = rollout
         self.profile = profile
         self.initializer = initializer
+        self.evaluations = tuple(evaluations)  # tasks scored on a cadence (dew.evaluations.Periodic)
         self._source_weights: Variables | None = None
 
     @classmethod
@@ -140,6 +145,7 @@ class Trainer(Generic[Loss, Effects]):
         step: Callable[[Objective, optax.GradientTransformation], StepFn] | None = None,
         rollout: Rollout | None = None,
         initializer: Initializer = None,
+        evaluations: Sequence[Periodic] = (),
     ) -> Trainer:
         """Build the trainer a TrainerConfig describes: its TrainerSettings fields, mapped here.
 
@@ -147,7 +153,7 @@ class Trainer(Generic[Loss, Effects]):
         """
         return Trainer(
             objective, optimizer, key=key, checkpoints=checkpoints, tracker=tracker,
-            step=step, rollout=rollout, initializer=initializer,
+            step=step, rollout=rollout, initializer=initializer, evaluations=evaluations,
             mesh=config.mesh, layout=config.layout, accumulation=config.accumulation,
             dynamic_scale=config.dynamic_scale, profile=config.profile,
         )
@@ -504,6 +510,9 @@ class Trainer(Generic[Loss, Effects]):
                     last = done == steps or stopping
                     if eval_every and done % eval_every == 0 and not last:
                         self._evaluate(progress, dataset, state, done, metrics, preview)
+                    for task in self.evaluations:
+                        if task.due(done, last):
+                            self._score_task(progress, task, state, done)
                     if self.checkpoints is not None:
                         local_every = self.checkpoints.local_every
                         if last or (checkpoint_every and done % checkpoint_every == 0):
@@ -551,6 +560,14 @@ class Trainer(Generic[Loss, Effects]):
         progress.clock.eval += time.perf_counter() - began
         progress.evaluation(result, done)
         return result
+
+    def _score_task(self, progress: Progress, task: Periodic, state: TrainState, done: int) -> None:
+        """Score one scheduled evaluation task on the live parameters and report it."""
+        began = time.perf_counter()
+        variables = state.params if self._execution is None else self._execution.readable(state)[0]
+        result = task(variables, mesh=self.device_mesh, step=done)
+        progress.clock.eval += time.perf_counter() - began
+        progress.evaluation(result, done)
 
     def _save(self, progress: Progress, feed: Feed, state: TrainState, done: int, *,
               local: bool = False) -> int:
