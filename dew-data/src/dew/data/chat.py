@@ -272,11 +272,7 @@ class ChatPreferences:
         """(where, chosen messages, rejected messages) of every record, the prompt prepended."""
         shards = Shards(expand_shards(self.files), self.chosen_key)
         rejected = Shards(expand_shards(self.files), self.rejected_key).values(0, len(shards))
-        prompts: list[Any] = [None] * len(shards)
-        try:
-            prompts = Shards(expand_shards(self.files), self.prompt_key).values(0, len(shards))
-        except KeyError:  # no prompt column: each side is a whole conversation
-            pass
+        prompts = Shards(expand_shards(self.files), self.prompt_key, optional=True).values(0, len(shards))
         for row, chosen in enumerate(shards.values(0, len(shards))):
             where = shards.where(row)
             prompt = [] if prompts[row] is None else check_messages(prompts[row], f"the prompt of {where}")

@@ -97,13 +97,14 @@ def _missing_column(path: Path, column: str, present: Sequence[str]) -> MissingK
 class _Parquet:
     """A Parquet file, read a row group at a time (the last two kept)."""
 
-    def __init__(self, path: Path, column: str) -> None:
+    def __init__(self, path: Path, column: str, optional: bool = False) -> None:
         import pyarrow.parquet as pq
 
         self.path, self.column = path, column
         self.file = pq.ParquetFile(path, memory_map=True)
         names = self.file.schema_arrow.names
-        if column not in names:
+        self.absent = column not in names
+        if self.absent and not optional:
             raise _missing_column(path, column, names)
         metadata = self.file.metadata
         sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
@@ -123,6 +124,8 @@ class _Parquet:
         return f"row {row} of {os.fspath(self.path)!r}"
 
     def values(self, start: int, stop: int) -> list[Any]:
+        if self.absent:
+            return [None] * (stop - start)
         out: list[Any] = []
         group = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
@@ -137,7 +140,7 @@ class _Parquet:
 class _Arrow:
     """An Arrow IPC file (file or stream format), memory-mapped: nothing is copied until read."""
 
-    def __init__(self, path: Path, column: str) -> None:
+    def __init__(self, path: Path, column: str, optional: bool = False) -> None:
         import pyarrow as pa
 
         self.path, self.column = path, column
@@ -147,26 +150,28 @@ class _Arrow:
         except pa.ArrowInvalid:
             source.seek(0)
             table = pa.ipc.open_stream(source).read_all()
-        if column not in table.column_names:
+        self.rows = table.num_rows
+        self.data = table.column(column) if column in table.column_names else None
+        if self.data is None and not optional:
             raise _missing_column(path, column, table.column_names)
-        self.data = table.column(column)
-        self.rows = len(self.data)
 
     def where(self, row: int) -> str:
         return f"row {row} of {os.fspath(self.path)!r}"
 
     def values(self, start: int, stop: int) -> list[Any]:
+        if self.data is None:
+            return [None] * (stop - start)
         return self.data.slice(start, stop - start).to_pylist()
 
 
 class _Jsonl:
     """A JSON-lines file, indexed by the byte offsets of its non-blank lines."""
 
-    def __init__(self, path: Path, column: str) -> None:
-        self.path, self.column = path, column
+    def __init__(self, path: Path, column: str, optional: bool = False) -> None:
+        self.path, self.column, self.optional = path, column, optional
         self.begins, self.ends = _line_index(path)
         self.rows = len(self.begins)
-        if self.rows:
+        if self.rows and not optional:
             first = self._parse(self._read(0, 1)[0], 0)
             if column not in first:
                 raise _missing_column(path, column, sorted(first))
@@ -206,12 +211,12 @@ class _Jsonl:
         out = []
         for row, line in enumerate(self._read(start, stop), start):
             record = self._parse(line, row)
-            if self.column not in record:
+            if self.column not in record and not self.optional:
                 raise MissingKeyError(
                     f"Line {self._line(row)} of {os.fspath(self.path)!r} has no key {self.column!r} "
                     f"(it has {sorted(record)}). Name the key that holds the data."
                 )
-            out.append(record[self.column])
+            out.append(record.get(self.column))
         return out
 
 
@@ -241,28 +246,32 @@ def _line_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return begins[keep], stops[keep]
 
 
-def open_shard(path: Path, column: str) -> _Parquet | _Arrow | _Jsonl:
-    """The reader for one shard file, by its suffix."""
+def open_shard(path: Path, column: str, optional: bool = False) -> _Parquet | _Arrow | _Jsonl:
+    """The reader for one shard file, by its suffix (optional: a missing column reads as None)."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return _Parquet(path, column)
+        return _Parquet(path, column, optional)
     if suffix == ".arrow":
-        return _Arrow(path, column)
-    return _Jsonl(path, column)
+        return _Arrow(path, column, optional)
+    return _Jsonl(path, column, optional)
 
 
 class Shards:
-    """One column of several shard files, as rows numbered across the files in order."""
+    """One column of several shard files, as rows numbered across the files in order.
 
-    def __init__(self, files: Sequence[str | os.PathLike[str]], column: str) -> None:
+    With optional, a file or record without the column reads as None instead of failing.
+    """
+
+    def __init__(self, files: Sequence[str | os.PathLike[str]], column: str, *, optional: bool = False) -> None:
         self.files = tuple(Path(f) for f in files)
         self.column = column
+        self.optional = optional
         if not self.files:
             raise EmptyDatasetError("No shard files were given; pass at least one path, glob or folder.")
         self._open()
 
     def _open(self) -> None:
-        self.shards = [open_shard(path, self.column) for path in self.files]
+        self.shards = [open_shard(path, self.column, self.optional) for path in self.files]
         self.starts = np.concatenate([[0], np.cumsum([s.rows for s in self.shards], dtype=np.int64)])
 
     def __len__(self) -> int:
@@ -286,11 +295,11 @@ class Shards:
         shard = int(np.searchsorted(self.starts, row, side="right")) - 1
         return self.shards[shard].where(row - int(self.starts[shard]))
 
-    def __getstate__(self) -> tuple[tuple[Path, ...], str]:
-        return self.files, self.column
+    def __getstate__(self) -> tuple[tuple[Path, ...], str, bool]:
+        return self.files, self.column, self.optional
 
-    def __setstate__(self, state: tuple[tuple[Path, ...], str]) -> None:
-        self.files, self.column = state
+    def __setstate__(self, state: tuple[tuple[Path, ...], str, bool]) -> None:
+        self.files, self.column, self.optional = state
         self._open()
 
     def __repr__(self) -> str:
