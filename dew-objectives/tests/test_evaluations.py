@@ -225,3 +225,53 @@ def test_scores_sharded_over_four_devices_equal_one_device(exported, choice_file
     four = json.loads(out.strip().splitlines()[-1])
     for a, b in zip(one, four, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dew_eval_scores_a_task_on_an_export(exported, choice_file, capsys):
+    from dew.cli import main
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    folder, subject = exported
+    assert main(["eval", str(folder / "model"), "--task", "multiple_choice", "--set", f"file={choice_file}",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = MultipleChoice(file=choice_file).evaluate(subject)
+    assert printed["eval/multiple_choice/accuracy"] == expected["accuracy"]
+    assert main(["eval", str(folder / "model"), "--task", "multiple_choice", "--set", "file=missing.jsonl"]) == 2
+    assert "missing.jsonl' does not exist" in capsys.readouterr().err
+
+
+SMALL = ["model.emb_features=32", "model.num_heads=4", "model.mlp_features=64", "model.num_layers=1",
+         "model.max_seq_len=64", "objective.seq_len=48", "data.length=48", "objective.prompt=null"]
+
+
+@pytest.mark.slow
+def test_a_recipe_scores_its_tasks_on_a_cadence_and_dew_eval_repeats_them(tmp_path, capsys):
+    """tiny-sft's trainer.evaluate: the multiple-choice task logged at steps 1 and 2, the same score
+    that `dew eval RUN --task` computes from the kept step."""
+    from dew.cli import main
+    from dew.recipes.config import RunConfig
+
+    run = tmp_path / "run"
+    task = '[{task: multiple_choice, label: sums, every: 1, file: "{recipes}/data/addition-choice.jsonl"}]'
+    config = RunConfig.load("tiny-sft", overrides=[*SMALL, "trainer.steps=2", "trainer.log_every=1",
+                                                   f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
+                                                   f"trainer.evaluate={task}"])
+    config.train()
+    rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
+    logged = {row["step"]: row["eval/sums/accuracy"] for row in rows if "eval/sums/accuracy" in row}
+    assert sorted(logged) == [1, 2] and all(row.get("eval/sums/records") in (None, 12.0) for row in rows)
+    capsys.readouterr()
+    assert main(["eval", str(run), "--task", "sums", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["step"] == 2 and printed["eval/sums/accuracy"] == logged[2]
+
+
+def test_a_recipe_names_a_bad_evaluation_entry():
+    from dew.recipes.config import RecipeError, RunConfig
+
+    with pytest.raises(RecipeError, match=r"trainer\.evaluate\.1\.fiel: evaluation task 'multiple_choice' has no "
+                                          r"field 'fiel'"):
+        RunConfig.load("tiny-sft", overrides=["trainer.evaluate.1.fiel=x.jsonl"])
+    with pytest.raises(RecipeError, match=r"trainer\.evaluate\.0\.task: no evaluation task named 'gsm9k'"):
+        RunConfig.load("tiny-sft", overrides=["trainer.evaluate.0.task=gsm9k"])

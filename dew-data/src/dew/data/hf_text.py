@@ -146,10 +146,10 @@ class StreamedWindows:
                  counts: np.ndarray, length: int) -> None:
         self.shards, self.tokenizer, self.block, self.length = shards, tokenizer, int(block), int(length)
         self.blocks = np.asarray(blocks, np.int64)
-        self.all_counts = np.asarray(counts, np.int64)  # per block of the whole corpus
-        self.counts = self.all_counts[self.blocks]
+        self.all_sizes = np.asarray(counts, np.int64)  # tokens per block of the whole corpus
+        self.sizes = self.all_sizes[self.blocks]
         self.width = self.length + 1
-        self.windows = int(self.counts.sum()) // self.width
+        self.windows = int(self.sizes.sum()) // self.width
         self._reset()
 
     def _reset(self) -> None:
@@ -190,7 +190,7 @@ class StreamedWindows:
             if len(self._layouts) >= 2:
                 self._layouts.popitem(last=False)
             order = np.arange(len(self.blocks)) if seed is None else epoch_order(len(self.blocks), seed, epoch)
-            starts = np.concatenate([[0], np.cumsum(self.counts[order], dtype=np.int64)])
+            starts = np.concatenate([[0], np.cumsum(self.sizes[order], dtype=np.int64)])
             self._layouts[key] = (self.blocks[order], starts)
         return self._layouts[key]
 
@@ -217,11 +217,11 @@ class StreamedWindows:
             at += size
             tokens = np.concatenate([p for ids in pieces for p in (np.asarray(ids, np.int32), eos)]) \
                 if pieces else np.zeros(0, np.int32)
-            if len(tokens) != self.all_counts[b]:
+            if len(tokens) != self.all_sizes[b]:
                 raise StaleIndexError(
                     f"Block {b} (documents {b * self.block} to {min((b + 1) * self.block, documents) - 1}, "
                     f"from {self.shards.where(b * self.block)}) holds {len(tokens)} tokens now, but "
-                    f"{int(self.all_counts[b])} when the corpus was indexed: the shards or the "
+                    f"{int(self.all_sizes[b])} when the corpus was indexed: the shards or the "
                     f"tokenizer changed since. Delete the stale index from cache_dir (or change it) "
                     f"and start the run afresh."
                 )
@@ -236,7 +236,7 @@ class StreamedWindows:
     def _read(self, positions: np.ndarray, seed: int | None) -> dict[str, np.ndarray]:
         if self.windows == 0:
             raise EmptyDatasetError(
-                f"The corpus holds {int(self.counts.sum())} tokens, fewer than one window of "
+                f"The corpus holds {int(self.sizes.sum())} tokens, fewer than one window of "
                 f"length + 1 = {self.width}.")
         text = np.empty((len(positions), self.width), np.int32)
         segments = np.empty((len(positions), self.width), np.int32)
@@ -250,10 +250,15 @@ class StreamedWindows:
             spans.append((row, order[first:last + 1], begin - int(starts[first])))
         self._tokenize([int(b) for _, blocks, _ in spans for b in blocks])
         for row, blocks, offset in spans:
-            pieces = [self._tokens[int(b)] for b in blocks]
-            tokens = np.concatenate([p[0] for p in pieces])[offset:offset + self.width]
-            starts = np.concatenate([p[1] for p in pieces])[offset:offset + self.width]
-            text[row] = tokens
+            filled = 0
+            starts = np.empty(self.width, bool)
+            for b in blocks:  # the window's slice of each block it spans
+                tokens, firsts = self._tokens[int(b)]
+                take = min(self.width - filled, len(tokens) - offset)
+                text[row, filled:filled + take] = tokens[offset:offset + take]
+                starts[filled:filled + take] = firsts[offset:offset + take]
+                filled += take
+                offset = 0
             numbered = np.cumsum(starts, dtype=np.int32)
             segments[row] = 1 + numbered - numbered[0]
         return {"text": text, "segment_ids": segments}
@@ -343,7 +348,7 @@ class HFText:
                                  length=self.length)
         if len(source) == 0:
             raise EmptyDatasetError(
-                f"The shards {self.files!r} hold {int(source.counts.sum())} tokens (end-of-document "
+                f"The shards {self.files!r} hold {int(source.sizes.sum())} tokens (end-of-document "
                 f"ids included), fewer than one window of length + 1 = {self.length + 1}. Add text "
                 f"or use a smaller length."
             )
@@ -366,10 +371,10 @@ class HFText:
                 f"smaller val_fraction, a smaller block, or more data.")
         chosen = np.random.default_rng(val_seed).permutation(total)
         train = StreamedWindows(everything.shards, everything.tokenizer, block=self.block,
-                                blocks=np.sort(chosen[held:]), counts=everything.all_counts,
+                                blocks=np.sort(chosen[held:]), counts=everything.all_sizes,
                                 length=self.length)
         val = StreamedWindows(everything.shards, everything.tokenizer, block=self.block,
-                              blocks=np.sort(chosen[:held]), counts=everything.all_counts,
+                              blocks=np.sort(chosen[:held]), counts=everything.all_sizes,
                               length=self.length)
         if len(val) < batch:
             raise EmptyDatasetError(

@@ -172,7 +172,7 @@ class MixtureSource:
             out[source] += count
         return out
 
-    def counts(self, records: int) -> dict[str, float]:
+    def position_scalars(self, records: int) -> dict[str, float]:
         """``data/<source>/records`` for the first records positions of the stream."""
         return {f"data/{name}/records": float(count)
                 for name, count in zip(self.names, self.drawn(records), strict=True)}

@@ -101,7 +101,7 @@ class _Parquet:
         import pyarrow.parquet as pq
 
         self.path, self.column = path, column
-        self.file = pq.ParquetFile(path, memory_map=True)
+        self.file = pq.ParquetFile(path)  # buffered reads: only the row groups in use stay in memory
         names = self.file.schema_arrow.names
         self.absent = column not in names
         if self.absent and not optional:

@@ -86,11 +86,12 @@ class EndlessSource(Protocol):
 class CountingSource(Protocol):
     """A record source that can say what the first ``records`` positions of its stream hold.
 
-    ``counts(records)`` returns scalars (a mixture's ``data/<source>/records``)
-    computed from the position alone, so every process reports the same.
+    ``position_scalars(records)`` returns scalars to log (a mixture's
+    ``data/<source>/records``) computed from the position alone, so every
+    process reports the same.
     """
 
-    def counts(self, records: int) -> Mapping[str, float]: ...
+    def position_scalars(self, records: int) -> Mapping[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ class TrainStream:
 
     def scalars(self) -> Mapping[str, float]:
         """What the stream so far holds, for the trainer to log (a CountingSource's counts)."""
-        return self.source.counts(self.records) if isinstance(self.source, CountingSource) else {}
+        return self.source.position_scalars(self.records) if isinstance(self.source, CountingSource) else {}
 
     @property
     def epoch(self) -> float:
