@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+
 from bpe_helpers import MARKED, UNMARKED, UNMARKED_AS_MARKED, build_tokenizer
 
 pytest.importorskip("transformers")

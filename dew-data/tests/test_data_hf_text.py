@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 import pytest
-from bpe_helpers import build_tokenizer
 
+from bpe_helpers import build_tokenizer
 from dew.data.base import DataPartition
 from dew.testing import DatasetReaderKit
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bpe_helpers import build_tokenizer
 
+from bpe_helpers import build_tokenizer
 from dew.evaluations import Subject, TaskFileError
 from dew.testing import EvaluationTaskKit
 

@@ -35,7 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingFileError, MissingKeyError
+from dew.data.errors import (
+    EmptyDatasetError,
+    MalformedRecordError,
+    MissingFileError,
+    MissingKeyError,
+)
 from dew.data.sources import expand_files
 
 __all__ = ["SHARD_SUFFIXES", "Shards", "expand_shards", "open_shard"]
