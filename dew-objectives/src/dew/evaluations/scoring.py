@@ -24,7 +24,8 @@ from dew.training.mesh import BATCH_AXES, build_mesh, data_partition, shard_batc
 
 __all__ = ["global_rows", "loglikelihoods", "task_mesh"]
 
-_COMPILED: dict[tuple[int, int], tuple[Any, Any, Callable]] = {}
+_COMPILED: dict[Any, Callable] = {}  # (model, mesh) -> the jitted scorer (its compiles keyed by shape)
+_KEPT = 8
 
 
 def task_mesh(mesh: Mesh | None) -> Mesh:
@@ -39,8 +40,14 @@ def global_rows(batch: int, mesh: Mesh) -> int:
 
 
 def _scorer(model: Any, mesh: Mesh) -> Callable:
-    key = (id(model), id(mesh))
+    """One jitted scorer per model and mesh (equal modules share it, so a rebuilt model recompiles nothing)."""
+    try:
+        key: Any = (hash(model), model, mesh)
+    except TypeError:  # a module holding something unhashable: one scorer per object
+        key = (id(model), mesh)
     if key not in _COMPILED:
+        if len(_COMPILED) >= _KEPT:
+            _COMPILED.pop(next(iter(_COMPILED)))
         routed = bool(getattr(model, "experts", 0))
 
         def score(variables: Mapping[str, Any], tokens: jax.Array, mask: jax.Array) -> jax.Array:
@@ -54,8 +61,8 @@ def _scorer(model: Any, mesh: Mesh) -> Callable:
             return jnp.sum(picked * mask[:, 1:], axis=-1)
 
         replicated = NamedSharding(mesh, PartitionSpec())
-        _COMPILED[key] = (model, mesh, jax.jit(score, out_shardings=replicated))
-    return _COMPILED[key][2]
+        _COMPILED[key] = jax.jit(score, out_shardings=replicated)
+    return _COMPILED[key]
 
 
 def loglikelihoods(model: Any, variables: Mapping[str, Any], rows: Sequence[tuple[Sequence[int], int]],
