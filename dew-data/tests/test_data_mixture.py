@@ -151,6 +151,11 @@ def test_bad_weights_and_sources_are_named(tmp_path):
     with pytest.raises(EmptyDatasetError, match="Mixture source 'prose': The files"):
         Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_windows", "files": str(tmp_path / "*.txt")}},
                 weights={"code": 1}).load(batch=2)
+    with pytest.raises(MixtureError, match="Mixture source 'prose': dataset 'token_windows' has no field 'lenght'"):
+        Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_windows", "files": "x", "lenght": 8}},
+                weights={"code": 1})
+    with pytest.raises(MixtureError, match="Mixture source 'prose': No dataset named 'token_window'"):
+        Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_window"}}, weights={"code": 1})
     with pytest.raises(MixtureError, match="'code' and 'wide' give 'x' different shapes"):
         Mixture(sources={"code": Tagged(0, 5), "wide": Tagged(1, 5, width=4)}, weights={"code": 1}).load(batch=2)
 

@@ -127,7 +127,7 @@ def _run_task(args: argparse.Namespace, opened: Any) -> int:
         values: dict[str, float] = {}
         for prefix, variables in kept:
             values.update(task(variables, step=opened.step or 0, prefix=prefix).scores)
-    except (TaskFileError, RecipeError, ValueError, KeyError) as error:
+    except (TaskFileError, RecipeError, registry.RegistryError, ValueError, KeyError, TypeError) as error:
         print(f"dew eval: {error}", file=sys.stderr)
         return 2
     if args.json:

@@ -231,6 +231,23 @@ class Mixture:
             raise MixtureError("A mixture takes weights= or schedule=; give exactly one.")
         for step, weights in self._steps():
             self._check(weights, f"the weights at step {step}" if self.schedule is not None else "weights")
+        for name, given in self.sources.items():
+            if isinstance(given, Mapping):
+                self._check_fields(name, given)
+
+    @staticmethod
+    def _check_fields(name: str, given: Mapping[str, Any]) -> None:
+        """A source given by registered name: the name exists and its fields are its reader's."""
+        from dew import registry
+
+        if "name" not in given:
+            raise MixtureError(
+                f"Mixture source {name!r} is {dict(given)!r}; name its registered dataset with "
+                f"name: (token_windows, hf_text, chat, ...), beside its fields.")
+        try:
+            registry.datasets.validate(str(given["name"]), {k: v for k, v in given.items() if k != "name"})
+        except registry.RegistryError as error:
+            raise MixtureError(f"Mixture source {name!r}: {error}") from None
 
     def _steps(self) -> list[tuple[int, Mapping[str, float]]]:
         if self.weights is not None:
@@ -272,10 +289,6 @@ class Mixture:
         built = {}
         for name, given in self.sources.items():
             if isinstance(given, Mapping):
-                if "name" not in given:
-                    raise MixtureError(
-                        f"Mixture source {name!r} is {dict(given)!r}; name its registered dataset with "
-                        f"name: (token_windows, hf_text, chat, ...), beside its fields.")
                 fields = {k: v for k, v in given.items() if k != "name"}
                 try:
                     built[name] = registry.datasets.build(str(given["name"]), **fields)
