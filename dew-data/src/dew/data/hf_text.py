@@ -59,7 +59,7 @@ from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError
 from dew.data.order import epoch_order
 from dew.data.shards import Shards, expand_shards
 from dew.data.stream import record_dataset
-from dew.data.token_windows import _encode, _fingerprint, resolve_tokenizer
+from dew.data.token_windows import encode_documents, resolve_tokenizer, tokenizer_fingerprint
 
 __all__ = ["HFText", "StaleIndexError", "StreamedWindows", "count_tokens"]
 
@@ -107,7 +107,7 @@ class _Count:
             texts.extend(found)
             owners.extend([b - first] * len(found))
         if texts:
-            lengths = np.asarray([len(ids) + 1 for ids in _encode(self.tokenizer, texts)], np.int64)
+            lengths = np.asarray([len(ids) + 1 for ids in encode_documents(self.tokenizer, texts)], np.int64)
             np.add.at(counts, np.asarray(owners), lengths)
         return counts
 
@@ -209,7 +209,7 @@ class StreamedWindows:
             found = _texts(self.shards, b * self.block, min((b + 1) * self.block, documents))
             texts.extend(found)
             sizes.append(len(found))
-        encoded = _encode(self.tokenizer, texts) if texts else []
+        encoded = encode_documents(self.tokenizer, texts) if texts else []
         eos = np.asarray([self.tokenizer.eos_id], np.int32)
         at = 0
         for b, size in zip(missing, sizes, strict=True):
@@ -321,7 +321,7 @@ class HFText:
         for path in shards.files:
             info = path.stat()
             files.append([os.fspath(path.resolve()), info.st_size, info.st_mtime_ns])
-        blob = json.dumps([files, self.text_key, self.block, _fingerprint(tokenizer)])
+        blob = json.dumps([files, self.text_key, self.block, tokenizer_fingerprint(tokenizer)])
         return "counts-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def token_counts(self, shards: Shards | None = None, tokenizer: Any | None = None) -> np.ndarray:

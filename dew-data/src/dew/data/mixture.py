@@ -302,14 +302,14 @@ class Mixture:
     def text_tokenizer(self) -> Any:
         """The sources' common tokenizer (None when none encodes text); they must agree."""
         from dew.data.base import TextReader
-        from dew.data.token_windows import _fingerprint
+        from dew.data.token_windows import tokenizer_fingerprint
 
         found = {name: reader.text_tokenizer() for name, reader in self.readers.items()
                  if isinstance(reader, TextReader)}
         found = {name: tokenizer for name, tokenizer in found.items() if tokenizer is not None}
         if not found:
             return None
-        prints = {name: _fingerprint(tokenizer) for name, tokenizer in found.items()}
+        prints = {name: tokenizer_fingerprint(tokenizer) for name, tokenizer in found.items()}
         if len(set(prints.values())) > 1:
             first, *rest = prints
             other = next(n for n in rest if prints[n] != prints[first])
