@@ -113,7 +113,8 @@ def test_conversations_from_parquet_equal_those_from_jsonl(marked, tmp_path):
 
 def test_preference_pairs_score_the_answers_after_their_shared_prompt(marked, tmp_path):
     from dew.data.chat import ChatPreferences
-    from dew.objectives.dpo import check_pairs
+
+    dpo = pytest.importorskip("dew.objectives.dpo")  # the objective these rows are for
 
     prompt = [{"role": "user", "content": "What is two plus two?"}]
     records = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "It is four."}],
@@ -122,7 +123,12 @@ def test_preference_pairs_score_the_answers_after_their_shared_prompt(marked, tm
                    {"role": "assistant", "content": "Documents are packed."}]}]
     files = _write(tmp_path / "pairs.jsonl", records)
     rows = ChatPreferences(files=str(files), tokenizer=str(marked), length=63).rows()
-    check_pairs(rows)
+    dpo.check_pairs(rows)  # what DPO's rollout checks before each step
+    from dew.nn.backbones import CausalTransformer
+
+    model = CausalTransformer(vocab_size=400, emb_features=8, num_layers=1, num_heads=2, mlp_features=16,
+                              max_seq_len=64)
+    assert set(dpo.DPOObjective(model, 63).required_keys()) <= set(rows)
     for i, record in enumerate(records):
         for side in ("chosen", "rejected"):
             ids, mask = _reference(marked, record.get("prompt", []) + record[side])

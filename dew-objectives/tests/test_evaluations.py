@@ -111,10 +111,11 @@ def test_multiple_choice_equals_a_hand_written_scorer_in_transformers(exported, 
     assert 0 < accuracy < 1  # the redrawn weights prefer some right answers and some wrong ones
 
 
+@pytest.mark.slow  # greedy decoding compiled in dew and run in transformers
 def test_generation_exact_match_equals_transformers_greedy_answers(exported, reference):
     """References are transformers' own greedy first words for half the prompts, so dew's exact
     match is one half exactly when it generates what transformers does."""
-    from dew.evaluations.generation import Generation
+    from dew.evaluations.generation import GenerationTask
 
     folder, subject = exported
     tokenizer, model = reference
@@ -130,7 +131,7 @@ def test_generation_exact_match_equals_transformers_greedy_answers(exported, ref
     records = [{"question": p, "answer": f"#### {w if i % 2 == 0 else w + 'x'}"}
                for i, (p, w) in enumerate(zip(prompts, firsts, strict=True))]
     file = _write(folder / "answers.jsonl", records)
-    task = Generation(file=file, max_new_tokens=6, pattern=r"(\S+)", answer_pattern=r"#### (.*)", batch=4)
+    task = GenerationTask(file=file, max_new_tokens=6, pattern=r"(\S+)", answer_pattern=r"#### (.*)", batch=8)
     assert task.evaluate(subject) == {"exact_match": 0.5, "records": 6.0}
 
 
@@ -170,19 +171,19 @@ class TestGenerationTask(EvaluationTaskKit):
         self.tmp = tmp_path
 
     def task(self):
-        from dew.evaluations.generation import Generation
+        from dew.evaluations.generation import GenerationTask
 
-        return Generation(file=self.file, max_new_tokens=3)
+        return GenerationTask(file=self.file, max_new_tokens=3)
 
     def subject(self):
         return self._subject
 
     def malformed(self):
-        from dew.evaluations.generation import Generation
+        from dew.evaluations.generation import GenerationTask
 
         file = self.tmp / "bad.jsonl"
         file.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n" + '{"question": "a", "answer": \n')
-        return Generation(file=str(file)), 2
+        return GenerationTask(file=str(file)), 2
 
 
 def test_bad_task_files_name_the_line_and_what_is_wrong(tmp_path, exported):

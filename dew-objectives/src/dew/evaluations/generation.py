@@ -1,4 +1,4 @@
-"""Generation: greedy answers scored by exact match, or by what a regular expression extracts (GSM8K style).
+"""GenerationTask: greedy answers scored by exact match or by a regular expression (GSM8K style).
 
 Each JSONL record holds a prompt and its reference answer::
 
@@ -33,11 +33,11 @@ from dew.evaluations.scoring import task_mesh
 from dew.sampling import Sampling, generate
 from dew.training.mesh import data_partition
 
-__all__ = ["Generation", "Problem"]
+__all__ = ["AnswerRecord", "GenerationTask"]
 
 
 @dataclass(frozen=True)
-class Problem:
+class AnswerRecord:
     """One record: where it is, the prompt the model continues and the reference answer."""
 
     line: int
@@ -53,7 +53,7 @@ def _first(pattern: re.Pattern[str], text: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class Generation:
+class GenerationTask:
     """Exact match of greedy generations against reference answers (see the module docstring)."""
 
     file: str
@@ -73,11 +73,11 @@ class Generation:
                 try:
                     re.compile(value)
                 except re.error as error:
-                    raise TaskFileError(f"Generation.{name} {value!r} is not a regular expression: {error}.") \
+                    raise TaskFileError(f"GenerationTask.{name} {value!r} is not a regular expression: {error}.") \
                         from None
         object.__setattr__(self, "stop", tuple(self.stop))
 
-    def problems(self) -> list[Problem]:
+    def problems(self) -> list[AnswerRecord]:
         """Every record of the file with its reference answer (TaskFileError names a bad line)."""
         answers = None if self.answer_pattern is None else re.compile(self.answer_pattern)
         out = []
@@ -100,7 +100,7 @@ class Generation:
                     raise TaskFileError(f"{where}: answer_pattern {self.answer_pattern!r} finds nothing in "
                                         f"the answer {reference[:80]!r}.")
                 reference = found
-            out.append(Problem(line, prompt, reference.strip()))
+            out.append(AnswerRecord(line, prompt, reference.strip()))
         if not out:
             raise TaskFileError(f"The task file {os.fspath(self.file)!r} holds no record.")
         return out
@@ -118,7 +118,7 @@ class Generation:
     def generations(self, subject: Subject, *, mesh: Any = None) -> dict[int, str]:
         """This process's generated texts, by record number."""
         if subject.tokenizer is None:
-            raise TaskFileError("Generation needs the run's tokenizer to turn prompts into ids; the "
+            raise TaskFileError("GenerationTask needs the run's tokenizer to turn prompts into ids; the "
                                 "run's data reader or export supplies one.")
         problems = self.problems()
         partition = data_partition(task_mesh(mesh))
