@@ -20,8 +20,9 @@ tokenizer still works on runs of adjacent documents. Where window ``i`` of
 epoch ``e`` starts is a sum of block lengths, which needs each block's token
 count: they are counted once, before the first step, in Grain workers
 (``index_workers``), and kept in ``cache_dir`` when it is set (one int64 per
-block). A block whose count changed since (the corpus was edited) is refused
-by name rather than silently shifting every later window.
+block; in a process pool, a ``cache_dir`` every process sees lets a restart
+skip the count). A block whose count changed since (the corpus was edited)
+is refused by name rather than silently shifting every later window.
 
 The position. Window ``r`` of the endless stream is a function of ``r``
 alone, so the stream is an EndlessSource of train_stream: its position is

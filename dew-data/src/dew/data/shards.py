@@ -6,7 +6,9 @@ pyarrow directly, never through a loading script, and never whole:
 
 - Arrow files are memory-mapped (IPC file or stream format), so their pages
   are the operating system's to keep or drop;
-- Parquet files are read one row group at a time (the last two stay cached);
+- Parquet files are read one row group at a time (the last two stay cached),
+  so a file's row groups, not the file, bound the memory (datasets and
+  pyarrow write groups of a few hundred MB at most);
 - JSONL files are indexed once by line offset (16 bytes a row), then read by
   seeking to the rows asked for.
 
