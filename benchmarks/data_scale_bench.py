@@ -133,11 +133,37 @@ class _Records:
         pass
 
 
+class _Timed:
+    """Wraps a stream; records how long each next() takes (the first, start-up, apart)."""
+
+    def __init__(self, stream: Any, seconds: list[float]) -> None:
+        self.stream, self.seconds = stream, seconds
+
+    def __iter__(self) -> _Timed:
+        return self
+
+    def __next__(self) -> Any:
+        began = time.perf_counter()
+        try:
+            return next(self.stream)
+        finally:
+            self.seconds.append(time.perf_counter() - began)
+
+    def get_state(self) -> bytes:
+        return self.stream.get_state()
+
+    def set_state(self, state: bytes) -> None:
+        self.stream.set_state(state)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 def wait(files: Path, tokenizer_path: Path, *, steps: int, workers: int) -> None:
     """The tiny-lm recipe's model and step, fed by HFText; the data wait as a share of wall time."""
     import jax
 
-    from dew import Trainer, models
+    from dew import Dataset, Trainer, models
     from dew.data.hf_text import HFText
     from dew.objectives.lm import LMObjective
     from dew.recipes.config import RunConfig
@@ -147,7 +173,10 @@ def wait(files: Path, tokenizer_path: Path, *, steps: int, workers: int) -> None
     recipe = RunConfig.load("tiny-lm")
     seq_len = recipe.objective.fields["seq_len"]
     reader = HFText(files=str(files), length=seq_len, tokenizer=str(tokenizer_path))
-    data = reader.load(batch=recipe.data.batch, seed=0, workers=workers)
+    loaded = reader.load(batch=recipe.data.batch, seed=0, workers=workers)
+    seconds: list[float] = []
+    data = Dataset(train=lambda partition: _Timed(loaded.train(partition), seconds), val=None,
+                   records=loaded.records, batch=loaded.batch)
     fields = {**recipe.model.fields, "vocab_size": reader.text_tokenizer().vocab_size}
     model = models.build(recipe.model.name, **fields)
     tracker = _Records()
@@ -156,10 +185,12 @@ def wait(files: Path, tokenizer_path: Path, *, steps: int, workers: int) -> None
     trainer.fit(data, steps=steps, log_every=max(1, steps // 4))
     goodput = next(r for r in tracker.records if isinstance(r, Goodput))
     steady = goodput.wall_seconds - goodput.first_step_seconds
+    later = sum(seconds[1:])
     print(f"wait      tiny-lm step (batch {recipe.data.batch} x {seq_len + 1} tokens), {steps} steps, workers "
           f"{workers}: data {goodput.data_seconds:.3f} s = {100 * goodput.data_seconds / goodput.wall_seconds:.2f}% "
-          f"of the wall {goodput.wall_seconds:.1f} s ({100 * goodput.data_seconds / max(steady, 1e-9):.2f}% after "
-          f"the first step; goal <= 1%)")
+          f"of the wall {goodput.wall_seconds:.1f} s (Goodput); the first batch {seconds[0]:.2f} s (start-up), the "
+          f"other {len(seconds) - 1} {later:.3f} s = {100 * later / max(steady, 1e-9):.2f}% of the wall after the "
+          f"first step (goal <= 1%)")
 
 
 def write_parquet(folder: Path, megabytes: int) -> Path:
