@@ -3,6 +3,7 @@ dew.testing, exactly as a plugin's components would in the plugin's own suite.""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -16,6 +17,7 @@ from dew.nn.dit import DiT
 from dew.objectives.base import EMASpec
 from dew.testing import (
     DatasetReaderKit,
+    EvaluationTaskKit,
     ModelKit,
     ObjectiveKit,
     RolloutKit,
@@ -322,9 +324,43 @@ class TestGRPORollout(RolloutKit):
                 {"prompt": token_rows(2, 5, seed=6), "prompt_length": np.asarray([5, 2], np.int32)}]
 
 
+# -- evaluation tasks ----------------------------------------------------------------------------
+class TestMultipleChoiceTaskKit(EvaluationTaskKit):
+    """Byte-level choices scored by a tiny random model, in batches of 1, 3 and 16 rows."""
+
+    @pytest.fixture(autouse=True)
+    def _file(self, tmp_path):
+        import json
+
+        records = [{"context": "2 + 2 =", "choices": ["4", "5", "22"], "answer": 0},
+                   {"context": "dew trains", "choices": ["jax models", "ducks"], "answer": 0}]
+        self.file = tmp_path / "choices.jsonl"
+        self.file.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def task(self, batch: int = 16):
+        from dew.evaluations.multiple_choice import MultipleChoice
+
+        return MultipleChoice(file=str(self.file), batch=batch)
+
+    def subject(self):
+        from dew.data import ByteTokenizer
+        from dew.evaluations import Subject
+
+        model = language_model(vocab=257)
+        return Subject(model, _variables(model), ByteTokenizer())
+
+    def rebatched(self, rows):
+        return self.task(rows)
+
+
+@functools.cache
+def _variables(model):
+    return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+
+
 def test_every_kit_is_applied_here():
     """Each kit has at least one of dew's components under it in this module."""
-    kits = (ObjectiveKit, ModelKit, TrackerKit, DatasetReaderKit, RolloutKit)
+    kits = (ObjectiveKit, ModelKit, TrackerKit, DatasetReaderKit, RolloutKit, EvaluationTaskKit)
     applied = {kit: [c for c in globals().values()
                      if isinstance(c, type) and issubclass(c, kit) and c is not kit] for kit in kits}
     assert all(applied.values()), {k.__name__: v for k, v in applied.items()}

@@ -67,7 +67,7 @@ print(json.dumps(out))
 
 
 def test_only_dew_core_ships_the_shared_packages_init(wheels):
-    shared = {"dew/__init__.py", "dew/objectives/__init__.py", "dew/data/__init__.py"}
+    shared = {"dew/__init__.py", "dew/objectives/__init__.py", "dew/data/__init__.py", "dew/evaluations/__init__.py"}
     for name, wheel in wheels.items():
         files = set(zipfile.ZipFile(wheel).namelist())
         if name == "dew-core":

@@ -35,6 +35,7 @@ __all__ = [
     "RegistryError",
     "UnknownNameError",
     "datasets",
+    "evaluations",
     "models",
     "objectives",
     "plugins",
@@ -118,6 +119,7 @@ _BUILT_INS_FROM = {
     "dew.rewards": "dew-objectives",
     "dew.trackers": "dew-trackers",
     "dew.datasets": "dew-data",
+    "dew.evaluations": "dew-objectives",
 }
 
 
@@ -366,6 +368,7 @@ GROUPS = {
     "datasets": "dew.datasets",
     "plugins": "dew.plugins",
     "rewards": "dew.rewards",
+    "evaluations": "dew.evaluations",
 }
 
 models = Registry("dew.models", "model")
@@ -374,8 +377,9 @@ trackers = Registry("dew.trackers", "tracker")
 datasets = Registry("dew.datasets", "dataset")
 plugins = Registry("dew.plugins", "plugin")
 rewards = Registry("dew.rewards", "reward")
+evaluations = Registry("dew.evaluations", "evaluation task")
 
-_BY_GROUP = {r.group: r for r in (models, objectives, trackers, datasets, plugins, rewards)}
+_BY_GROUP = {r.group: r for r in (models, objectives, trackers, datasets, plugins, rewards, evaluations)}
 
 
 def registry(group: str) -> Registry:

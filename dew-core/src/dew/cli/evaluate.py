@@ -2,6 +2,12 @@
 
 The live parameters score as ``val/...``, as the run itself logged them;
 when the run kept an EMA copy, it scores as well, under ``val_ema/...``.
+
+``--task NAME`` scores an evaluation task instead (``eval/NAME/...``), on a
+run's kept step or on an exported model: NAME is an entry of the run's
+``trainer.evaluate`` (its label or task), whose fields it takes, or any
+task registered in ``dew.evaluations``; ``--set key=value`` gives or
+overrides the task's fields (``--set file=arc.jsonl``).
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
@@ -23,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=None,
                         help="evaluate at most this many batches")
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    parser.add_argument("--task", default=None, metavar="NAME",
+                        help="score an evaluation task (an entry of the run's trainer.evaluate, or a "
+                             "registered task) instead of the validation split")
+    parser.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
+                        help="a field of the task (repeatable), read as YAML: --set file=arc.jsonl")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     except (NoCheckpointError, NotARunError) as error:
         print(f"dew eval: {error}", file=sys.stderr)
         return 2
+    if args.task is not None:
+        return _run_task(args, opened)
     if opened.config is None:
         print(f"dew eval: {opened.source} is an exported model; evaluation reads the data of a "
               "run, so point it at the run directory (it holds run.json).", file=sys.stderr)
@@ -77,4 +91,49 @@ def run(args: argparse.Namespace) -> int:
         print(f"{opened.source} step {opened.step} ({args.split}):")
         for name, value in values.items():
             print(f"  {name}: {value:.6g}" if isinstance(value, float) else f"  {name}: {value}")
+    return 0
+
+
+def _task_config(args: argparse.Namespace, opened: Any) -> Any:
+    """The task to score: the run's trainer.evaluate entry named args.task, else the registered
+    task of that name, with the --set fields over its own."""
+    from dew.evaluations.config import EvaluateConfig
+    from dew.recipes.config import apply_overrides
+
+    entries = [] if opened.config is None else list(opened.config.trainer.evaluate)
+    chosen = next((e for e in entries if e.name == args.task), None) or \
+        next((e for e in entries if e.task == args.task), None)
+    data = {"task": args.task} if chosen is None else chosen.model_dump()
+    data = apply_overrides(data, args.fields)
+    return EvaluateConfig.model_validate(data)
+
+
+def _run_task(args: argparse.Namespace, opened: Any) -> int:
+    from dew import registry
+    from dew.evaluations.base import TaskFileError, scheduled
+    from dew.recipes.config import RecipeError
+    from dew.recipes.run import expand
+
+    try:
+        config = _task_config(args, opened)
+        if config.task not in registry.evaluations:
+            raise RecipeError(f"no evaluation task named {config.task!r} in the run's trainer.evaluate "
+                              f"or in dew.evaluations; the registered tasks are "
+                              f"{', '.join(registry.evaluations.names()) or 'none'}.")
+        task = scheduled(config, opened.model, opened.tokenizer, expand=lambda f: expand(f, ""))
+        kept = [("eval", opened.live if opened.live is not None else opened.variables)]
+        if opened.live is not None and opened.variables is not opened.live:
+            kept.append(("eval_ema", opened.variables))
+        values: dict[str, float] = {}
+        for prefix, variables in kept:
+            values.update(task(variables, step=opened.step or 0, prefix=prefix).scores)
+    except (TaskFileError, RecipeError, registry.RegistryError, ValueError, KeyError, TypeError) as error:
+        print(f"dew eval: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"step": opened.step, "task": config.name, **values}))
+    else:
+        print(f"{opened.source} step {opened.step} (task {config.name}):")
+        for name, value in values.items():
+            print(f"  {name}: {value:.6g}")
     return 0

@@ -13,8 +13,14 @@ if TYPE_CHECKING:
     from dew.data.base import DataPartition as DataPartition
     from dew.data.base import Dataset as Dataset
     from dew.data.base import Reader as Reader
+    from dew.data.base import Reporting as Reporting
+    from dew.data.chat import Chat as Chat
+    from dew.data.chat import ChatPreferences as ChatPreferences
+    from dew.data.chat_template import ChatTemplate as ChatTemplate
+    from dew.data.hf_text import HFText as HFText
     from dew.data.hf_tokenizer import HFTokenizer as HFTokenizer
     from dew.data.images import HFImages as HFImages
+    from dew.data.mixture import Mixture as Mixture
     from dew.data.ramp import ramped as ramped
     from dew.data.stream import train_stream as train_stream
     from dew.data.token_windows import TokenWindows as TokenWindows

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Consumption", "DataPartition", "Dataset", "Reader",
-    "Resumable", "TextReader", "is_global_position",
+    "Reporting", "Resumable", "TextReader", "is_global_position",
 ]
 
 Batch = Mapping[str, Any]
@@ -93,6 +93,19 @@ class Accounted(Protocol):
     def consumption(self) -> Consumption:
         """The records of the global batch the last ``next()`` returned this process's rows of."""
         ...
+
+
+@runtime_checkable
+class Reporting(Protocol):
+    """A training stream with scalars to log beside each step's metrics.
+
+    The trainer reads ``scalars()`` right after taking a step's batch and logs
+    them with that step (a mixture's ``data/<source>/records``, say). They
+    describe the stream up to and including that batch, so they must be a
+    function of the stream's position alone, the same on every process.
+    """
+
+    def scalars(self) -> Mapping[str, float]: ...
 
 
 @runtime_checkable

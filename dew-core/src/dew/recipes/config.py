@@ -125,6 +125,21 @@ class RunConfig(pydantic.BaseModel):
                              "remove the model section")
         return self
 
+    @pydantic.field_validator("trainer")
+    @classmethod
+    def _registered_tasks(cls, value: TrainerConfig) -> TrainerConfig:
+        """Each trainer.evaluate entry names a registered task with fields it has."""
+        from pydantic_core import PydanticCustomError
+
+        from dew.recipes.components import problems_of
+
+        found = [(("evaluate", index, *(("task",) if sub == ("name",) else sub)), message)
+                 for index, entry in enumerate(value.evaluate)
+                 for sub, message in problems_of("evaluations", entry.task, entry.fields)]
+        if found:
+            raise PydanticCustomError("dew_component", "{message}", {"message": found[0][1], "problems": found})
+        return value
+
     @pydantic.field_validator("objective")
     @classmethod
     def _registered_objective(cls, value: ComponentConfig) -> ComponentConfig:

@@ -29,6 +29,7 @@ __all__ = [
     "Parts",
     "ScheduleReshapedWarning",
     "build_objective",
+    "build_evaluations",
     "build_parts",
     "build_trackers",
     "expand",
@@ -284,6 +285,14 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
     return Parts(model, reader, _tokenizer(reader), objective, dataset)
 
 
+def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> list[Any]:
+    """The recipe's trainer.evaluate tasks, each bound to the run's model and tokenizer."""
+    from dew.evaluations.base import scheduled
+
+    return [scheduled(entry, parts.model, parts.tokenizer, expand=lambda fields: expand(fields, timestamp))
+            for entry in config.trainer.evaluate]
+
+
 def initial_variables(config: RunConfig, objective: Any) -> Any:
     """What the recipe's init section starts the run from (None: a fresh initialization).
 
@@ -366,6 +375,7 @@ def train(config: RunConfig) -> Any:
     try:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
                                       checkpoints=checkpoints, tracker=tracker,
+                                      evaluations=build_evaluations(config, parts, stamp),
                                       **{**objective_parts(objective), **extra})
         state = trainer.fit(dataset, **fit)
     except BaseException:

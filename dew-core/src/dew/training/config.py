@@ -15,7 +15,10 @@ their union:
 - ``Cadence`` (dew.training.cadence): steps or epochs and the intervals,
   the arguments of ``Trainer.fit``;
 - wandb, the W&B tracker a recipe adds, and batch_ramp, which wraps the
-  dataset with ``dew.data.ramped``.
+  dataset with ``dew.data.ramped``;
+- evaluate, the evaluation tasks scored on a cadence
+  (``dew.evaluations.EvaluateConfig``), which the recipe builds into the
+  Trainer's ``evaluations``.
 
 >>> config = TrainerConfig(steps=10, mesh={"fsdp": 2})
 >>> config.mesh, config.log_every
@@ -28,6 +31,7 @@ import pydantic
 from pydantic import Field
 
 from dew.checkpoints.settings import CheckpointSettings
+from dew.evaluations.config import EvaluateConfig
 from dew.training.cadence import Cadence
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec
@@ -86,3 +90,5 @@ class TrainerConfig(TrainerSettings, CheckpointSettings, ProcessSettings, Cadenc
 
     wandb: WandbSettings | None = Field(None, description="also report to Weights & Biases")
     batch_ramp: BatchRamp | None = Field(None, description="grow the batch at the start")
+    evaluate: list[EvaluateConfig] = Field(
+        default_factory=list, description="evaluation tasks scored every few steps ({task, every, fields})")

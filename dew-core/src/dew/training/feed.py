@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dew.data.base import Accounted, DataPartition, Dataset, Resumable
+from dew.data.base import Accounted, DataPartition, Dataset, Reporting, Resumable
 from dew.training.ledger import Ledger
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
 from dew.training.protocols import Rollout
@@ -90,6 +90,7 @@ class Fed:
     batch: dict[str, jax.Array]
     signature: Signature
     rows: int
+    scalars: Mapping[str, float] = field(default_factory=dict)  # the stream's (Reporting), logged with the step
 
 
 @dataclass
@@ -170,6 +171,7 @@ class Feed:
                 f"The training stream ended at step {step}; Dataset.train must yield batches "
                 "endlessly (repeat the data, or lower steps)."
             ) from None
+        scalars = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
         rolled = time.perf_counter()
         self.clock.data += rolled - began
         self._step = step + 1
@@ -188,7 +190,7 @@ class Feed:
         if self.check is not None:
             self.check(host, step)
         rows = _rows(shapes)
-        return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows)
+        return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows, scalars)
 
     def _check(self, batch: Mapping[str, Any], step: int) -> dict[str, jax.ShapeDtypeStruct]:
         missing = [k for k in self.required if k not in batch]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Generic
+from typing import TYPE_CHECKING, Any, Generic
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,9 @@ from dew.training.runtime.preemption import Preempted, PreemptionWatch
 from dew.training.state import Scaler, TrainState, Window, stream
 from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
 from dew.training.trees import paths, select, trains
+
+if TYPE_CHECKING:
+    from dew.evaluations.base import Periodic
 
 __all__ = [
     "CompiledStep",
@@ -107,6 +110,7 @@ class Trainer(Generic[Loss, Effects]):
         rollout: Rollout | None = None,
         profile: Any = None,
         initializer: Initializer = None,
+        evaluations: Sequence[Periodic] = (),
     ) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}.")
@@ -127,6 +131,7 @@ class Trainer(Generic[Loss, Effects]):
         self.rollout = rollout
         self.profile = profile
         self.initializer = initializer
+        self.evaluations = tuple(evaluations)  # tasks scored on a cadence (dew.evaluations.Periodic)
         self._source_weights: Variables | None = None
 
     @classmethod
@@ -142,6 +147,7 @@ class Trainer(Generic[Loss, Effects]):
         step: Callable[[Objective, optax.GradientTransformation], StepFn] | None = None,
         rollout: Rollout | None = None,
         initializer: Initializer = None,
+        evaluations: Sequence[Periodic] = (),
     ) -> Trainer:
         """Build the trainer a TrainerConfig describes: its TrainerSettings fields, mapped here.
 
@@ -149,7 +155,7 @@ class Trainer(Generic[Loss, Effects]):
         """
         return Trainer(
             objective, optimizer, key=key, checkpoints=checkpoints, tracker=tracker,
-            step=step, rollout=rollout, initializer=initializer,
+            step=step, rollout=rollout, initializer=initializer, evaluations=evaluations,
             mesh=config.mesh, layout=config.layout, accumulation=config.accumulation,
             dynamic_scale=config.dynamic_scale, profile=config.profile,
         )
@@ -510,7 +516,7 @@ class Trainer(Generic[Loss, Effects]):
                         compiled[fed.signature] = self._compile_for(progress, state, fed.batch)
                     state, step_metrics = compiled[fed.signature](state, fed.batch)
                     done = step + 1
-                    progress.stepped(done, step_metrics, first=step == start)
+                    progress.stepped(done, {**step_metrics, **fed.scalars}, first=step == start)
                     if step == start and self.checkpoints is not None:
                         self.checkpoints.prepare(state)  # compiles the leaf digests off the loop
                     if profile is not None:
@@ -521,6 +527,9 @@ class Trainer(Generic[Loss, Effects]):
                     last = done == steps or stopping
                     if eval_every and done % eval_every == 0 and not last:
                         self._evaluate(progress, dataset, state, done, metrics, preview)
+                    for task in self.evaluations:
+                        if task.due(done, last):
+                            self._score_task(progress, task, state, done)
                     if self.checkpoints is not None:
                         local_every = self.checkpoints.local_every
                         if last or (checkpoint_every and done % checkpoint_every == 0):
@@ -568,6 +577,14 @@ class Trainer(Generic[Loss, Effects]):
         progress.clock.eval += time.perf_counter() - began
         progress.evaluation(result, done)
         return result
+
+    def _score_task(self, progress: Progress, task: Periodic, state: TrainState, done: int) -> None:
+        """Score one scheduled evaluation task on the live parameters and report it."""
+        began = time.perf_counter()
+        variables = state.params if self._execution is None else self._execution.readable(state)[0]
+        result = task(variables, mesh=self.device_mesh, step=done)
+        progress.clock.eval += time.perf_counter() - began
+        progress.evaluation(result, done)
 
     def _save(self, progress: Progress, feed: Feed, state: TrainState, done: int, *,
               local: bool = False) -> int:

@@ -60,6 +60,20 @@ class HFTokenizer:
         fingerprint = hashlib.sha256(file.read_bytes() + str(eos_id).encode()).hexdigest()
         return cls(tokenizer, int(eos_id), fingerprint)
 
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike[str]) -> HFTokenizer:
+        """Load a tokenizer directory's tokenizer.json, ending documents with the eos_token its
+        tokenizer_config.json names (else the first of EOS_CANDIDATES the vocabulary holds)."""
+        import json
+
+        folder = Path(path)
+        config = folder / "tokenizer_config.json"
+        eos = None
+        if config.is_file():
+            value = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            eos = value.get("content") if isinstance(value, dict) else value
+        return cls.from_file(folder / "tokenizer.json", eos_token=eos if isinstance(eos, str) else None)
+
     @property
     def vocab_size(self) -> int:
         """The number of ids, special tokens included."""
@@ -69,6 +83,11 @@ class HFTokenizer:
         """The ids of text (no special tokens added), followed by eos_id when add_eos."""
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         return ids + [self.eos_id] if add_eos else ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of text and each token's character span [start, end) in it."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(span) for span in encoding.offsets]
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The ids of many documents at once, each as an int32 array (no eos)."""

@@ -5,7 +5,9 @@ The global order. Each epoch is a seeded permutation of the records
 computed per index like Grain's index shuffle but vectorised), and the
 epochs are laid end to end into one endless order. Global batch ``g`` after a start position ``r`` is records
 ``[r + g*B, r + (g+1)*B)`` of that order, so batches cross epoch boundaries
-instead of dropping the last partial batch of each epoch. Share ``s`` of
+instead of dropping the last partial batch of each epoch. A source that lays
+out its own endless stream (an EndlessSource: a corpus tokenized as it is
+read, a mixture) maps the same positions to records itself. Share ``s`` of
 ``S`` reads rows ``[s*B/S, (s+1)*B/S)`` of every global batch; the union of
 the shares is therefore the same at any process count.
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import grain
 import numpy as np
@@ -51,17 +53,73 @@ from dew.data.errors import (
 from dew.data.order import RecordOrder
 
 __all__ = [
+    "CountingSource",
+    "EndlessSource",
     "StreamReader",
     "record_dataset",
     "TrainStream",
     "ValReader",
     "decode_position",
+    "stream_reader",
     "train_stream",
     "val_stream",
 ]
 
 Record = Mapping[str, Any]
 Transform = Callable[[Record], Record]
+
+
+@runtime_checkable
+class EndlessSource(Protocol):
+    """A record source that lays out its own endless stream (a streamed corpus, a mixture).
+
+    ``endless(seed)`` returns a function from stream positions (an int64 array
+    counting records of the whole global stream, across epochs) to those
+    records stacked column by column. A source without it is read through
+    ``take``/``[]`` in RecordOrder: one seeded permutation per epoch.
+    """
+
+    def endless(self, seed: int) -> Callable[[np.ndarray], dict[str, np.ndarray]]: ...
+
+
+@runtime_checkable
+class CountingSource(Protocol):
+    """A record source that can say what the first ``records`` positions of its stream hold.
+
+    ``position_scalars(records)`` returns scalars to log (a mixture's
+    ``data/<source>/records``) computed from the position alone, so every
+    process reports the same.
+    """
+
+    def position_scalars(self, records: int) -> Mapping[str, float]: ...
+
+
+@dataclass(frozen=True)
+class _Ordered:
+    """Positions -> records through a seeded RecordOrder and one gather."""
+
+    fetch: _Fetch
+    order: RecordOrder
+
+    def __call__(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        return self.fetch(self.order(positions))
+
+
+def stream_reader(source: Any, seed: int, transform: Transform | None = None
+                  ) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """The function from stream positions to stacked records that train_stream reads source with.
+
+    An EndlessSource lays out its own stream; any other source is shuffled by
+    RecordOrder, one seeded permutation per epoch laid end to end.
+    """
+    if isinstance(source, EndlessSource):
+        if transform is not None:
+            raise ValueError(
+                f"{type(source).__name__} lays out its own stream of stacked records, so it takes "
+                "no per-record transform; transform its records where they are made instead."
+            )
+        return source.endless(seed)
+    return _Ordered(_Fetch(source, transform), RecordOrder(_length(source), seed))
 
 
 def _rows(batch: int, partition: DataPartition) -> int:
@@ -126,20 +184,19 @@ _ENDLESS = 2**62  # chunks in an endless stream
 class _Chunk:
     """Chunk m of the stream after start: the records at positions [start + m*rows, ... + rows)."""
 
-    fetch: _Fetch
-    order: RecordOrder
+    read: Callable[[np.ndarray], dict[str, np.ndarray]]
     start: int
     rows: int
 
     def __call__(self, chunk: int) -> dict[str, np.ndarray]:
         first = self.start + int(chunk) * self.rows
-        return self.fetch(self.order(np.arange(first, first + self.rows, dtype=np.int64)))
+        return self.read(np.arange(first, first + self.rows, dtype=np.int64))
 
 
 def _pipeline(source: Any, *, batch: int, partition: DataPartition, seed: int, start: int,
               transform: Transform | None, workers: int, prefetch: int) -> Iterator[dict[str, np.ndarray]]:
     rows = _rows(batch, partition)
-    chunk = _Chunk(_Fetch(source, transform), RecordOrder(_length(source), seed), start, rows)
+    chunk = _Chunk(stream_reader(source, seed, transform), start, rows)
     chunks = grain.MapDataset.range(_ENDLESS)[partition.share :: partition.shares]
     dataset = chunks.map(chunk).to_iter_dataset(_read_options(prefetch))
     if workers > 0:
@@ -219,6 +276,10 @@ class TrainStream:
         first, end = self._last
         return Consumption(first, end, self._order(np.arange(first, end, dtype=np.int64)),
                            {"seed": self.seed, "size": self.size})
+
+    def scalars(self) -> Mapping[str, float]:
+        """What the stream so far holds, for the trainer to log (a CountingSource's counts)."""
+        return self.source.position_scalars(self.records) if isinstance(self.source, CountingSource) else {}
 
     @property
     def epoch(self) -> float:

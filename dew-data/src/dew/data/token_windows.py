@@ -43,14 +43,14 @@ from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, requir
 from dew.data.stream import record_dataset
 from dew.data.window_cache import content_digest
 
-__all__ = ["TokenWindows", "resolve_tokenizer", "split_records"]
+__all__ = ["TokenWindows", "encode_documents", "resolve_tokenizer", "split_records", "tokenizer_fingerprint"]
 
 _CHUNK = 256  # documents tokenized per encode_batch call
 _JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 
 
 def resolve_tokenizer(tokenizer: Any) -> Any:
-    """"byte" -> ByteTokenizer, a path to a tokenizer.json -> HFTokenizer, else as given."""
+    """"byte" -> ByteTokenizer, a tokenizer.json or a folder holding one -> HFTokenizer, else as given."""
     if isinstance(tokenizer, str | os.PathLike):
         if os.fspath(tokenizer) == "byte":
             from dew.data.tokenizers import ByteTokenizer
@@ -58,6 +58,8 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
             return ByteTokenizer()
         from dew.data.hf_tokenizer import HFTokenizer
 
+        if Path(tokenizer).expanduser().is_dir():
+            return HFTokenizer.from_directory(Path(tokenizer).expanduser())
         return HFTokenizer.from_file(tokenizer)
     for needed in ("encode", "eos_id"):
         if not hasattr(tokenizer, needed):
@@ -68,14 +70,16 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def _fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """What identifies a tokenizer's output: its own fingerprint (a file digest), else its type and sizes."""
     own = getattr(tokenizer, "fingerprint", None)
     if own:
         return str(own)
     return f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{tokenizer.vocab_size}:{tokenizer.eos_id}"
 
 
-def _encode(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
+def encode_documents(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
+    """The ids of many documents (no end-of-document id), batched when the tokenizer can."""
     from dew.data.tokenizers import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):  # a byte's id is its value: no per-byte Python work
@@ -197,10 +201,10 @@ class TokenWindows:
         for text in self.documents():
             chunk.append(text)
             if len(chunk) == _CHUNK:
-                pieces.extend(p for ids in _encode(tokenizer, chunk) for p in (ids, eos))
+                pieces.extend(p for ids in encode_documents(tokenizer, chunk) for p in (ids, eos))
                 chunk = []
         if chunk:
-            pieces.extend(p for ids in _encode(tokenizer, chunk) for p in (ids, eos))
+            pieces.extend(p for ids in encode_documents(tokenizer, chunk) for p in (ids, eos))
         return np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
 
     def _key(self, tokenizer: Any) -> str:
@@ -213,7 +217,7 @@ class TokenWindows:
                 source += content_digest(files)
         else:
             source = content_digest(p.resolve() for p in self._paths())
-        blob = json.dumps([source, self.text_key, self.length, _fingerprint(tokenizer)], default=str)
+        blob = json.dumps([source, self.text_key, self.length, tokenizer_fingerprint(tokenizer)], default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def windows(self) -> np.ndarray:

@@ -47,6 +47,16 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return ids + [self.eos_id] if add_eos else ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The byte ids of text and, for each, the span [start, end) of the character it belongs to."""
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for position, character in enumerate(text):
+            encoded = character.encode("utf-8")
+            ids.extend(encoded)
+            spans.extend([(position, position + 1)] * len(encoded))
+        return ids, spans
+
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """The text the byte ids spell, skipping special ids."""
         values = [int(i) for i in np.asarray(ids).reshape(-1)] if not isinstance(ids, list) else ids

@@ -1,0 +1,158 @@
+"""The evaluation-task protocol, what a task is given, and how a run schedules tasks.
+
+A task (``EvaluationTask``) scores a ``Subject`` (a causal model, its
+variables and its tokenizer) on its own records and returns its scores,
+``{"accuracy": 0.62, "records": 500}``, the same on every process. It is
+sharded like training: global batches of its records, each process reading
+its share (``DataPartition`` of the mesh), the model's forward run on the
+mesh, so a task's cost falls with the number of devices and its scores do
+not change.
+
+A run schedules tasks with ``Periodic`` (the recipe's ``trainer.evaluate``
+list: ``[{task: ..., every: ...}]``): the Trainer calls each every ``every``
+steps and at the last step, on the live parameters, and reports the scores
+as ``eval/<name>/<score>`` to the trackers and the ``dew_evaluation`` hook.
+
+>>> class Constant:
+...     def evaluate(self, subject, *, mesh=None):
+...         return {"accuracy": 0.5, "records": 2}
+>>> periodic = Periodic("toy", Constant(), every=10, model=None, tokenizer=None)
+>>> periodic.due(20, last=False), periodic.due(25, last=False), periodic.due(25, last=True)
+(True, False, True)
+>>> periodic({}, step=20).scores
+{'eval/toy/accuracy': 0.5, 'eval/toy/records': 2.0}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from dew.data.base import DataPartition
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from dew.evaluations.config import EvaluateConfig
+    from dew.training.evaluation import Evaluation
+
+__all__ = ["EvaluationTask", "Periodic", "Subject", "TaskFileError", "read_task_file", "scheduled",
+           "share_rows"]
+
+
+class TaskFileError(ValueError):
+    """A task's record file is missing, or a line of it is not a record the task can read."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What a task scores: a causal model (``model.apply(variables, ids) -> logits``), its
+    variables and the tokenizer its text goes through."""
+
+    model: Any
+    variables: Mapping[str, Any]
+    tokenizer: Any
+
+
+@runtime_checkable
+class EvaluationTask(Protocol):
+    """Scores a Subject on a task's records (see the module docstring).
+
+    ``evaluate`` returns plain floats keyed by score name, identical on every
+    process; ``records`` counts the task's records scored. mesh is the
+    run's device mesh (None: every local device along the data axis).
+    """
+
+    def evaluate(self, subject: Subject, *, mesh: Mesh | None = None) -> Mapping[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """A task a run scores every ``every`` steps (and at its last step) under ``eval/<name>/``."""
+
+    name: str
+    task: EvaluationTask
+    every: int | None
+    model: Any
+    tokenizer: Any
+
+    def due(self, done: int, last: bool) -> bool:
+        """Whether the task runs after step done."""
+        return last or (self.every is not None and done % self.every == 0)
+
+    def __call__(self, variables: Mapping[str, Any], *, mesh: Mesh | None = None, step: int = 0,
+                 prefix: str = "eval") -> Evaluation:
+        """Score variables; the Evaluation a tracker records, its scores under ``prefix/name/``."""
+        from dew.training.evaluation import Evaluation
+
+        began = time.perf_counter()
+        usable = {k: v for k, v in variables.items() if k != "cache"}
+        scores = self.task.evaluate(Subject(self.model, usable, self.tokenizer), mesh=mesh)
+        split = f"{prefix}/{self.name}"
+        named = {f"{split}/{key}": float(value) for key, value in scores.items()}
+        return Evaluation(step=int(step), split=split, scores=named, coordinated_batches=0,
+                          records=int(scores.get("records", 0)), uneven_shards=False,
+                          event_key=(int(step), zlib.crc32(split.encode())),
+                          elapsed_seconds=time.perf_counter() - began)
+
+
+def scheduled(config: EvaluateConfig, model: Any, tokenizer: Any, expand: Any = None) -> Periodic:
+    """The Periodic a recipe's ``trainer.evaluate`` entry describes, its task built by the registry.
+
+    expand, when given, rewrites the fields first (a recipe's ``{recipes}`` placeholders).
+    """
+    from dew import registry
+
+    fields = config.fields if expand is None else expand(config.fields)
+    task = registry.evaluations.build(config.task, **fields)
+    return Periodic(config.name, task, config.every, model, tokenizer)
+
+
+# -- what tasks share --------------------------------------------------------------------------
+
+def read_task_file(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of every non-blank line of a JSONL task file.
+
+    A line that is not a JSON object raises TaskFileError naming the file and the line.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise TaskFileError(f"The task file {os.fspath(path)!r} does not exist; pass the path of a "
+                            "JSONL file, one record per line.")
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TaskFileError(f"Line {number} of {os.fspath(path)!r} is not valid JSON "
+                                    f"({error.msg}); write one JSON object per line.") from None
+            if not isinstance(record, dict):
+                raise TaskFileError(f"Line {number} of {os.fspath(path)!r} holds a "
+                                    f"{type(record).__name__}, not a JSON object.")
+            yield number, record
+
+
+def share_rows(count: int, batch: int, partition: DataPartition) -> list[np.ndarray]:
+    """This share's row numbers of each global batch of ``batch`` over ``count`` rows, -1 for padding.
+
+    Global batch g holds rows [g*batch, (g+1)*batch); the last is padded to a
+    whole batch with -1, so every process runs the same number of equally
+    shaped batches. Share s of S reads rows [s*batch/S, (s+1)*batch/S) of each.
+    """
+    per = partition.rows(batch)
+    batches = max(1, -(-count // batch))
+    out = []
+    for g in range(batches):
+        rows = np.arange(g * batch + partition.share * per, g * batch + (partition.share + 1) * per)
+        out.append(np.where(rows < count, rows, -1))
+    return out

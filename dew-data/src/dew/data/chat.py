@@ -1,0 +1,318 @@
+"""Chat and ChatPreferences: conversations rendered with the model's own chat template.
+
+A conversation is a ``messages`` list of ``{"role", "content"}`` records
+(roles ``system``, ``user``, ``assistant`` and ``tool``; an assistant turn
+may carry ``tool_calls`` instead of content), one per JSONL line or per row
+of a Parquet or Arrow shard. Each is rendered with the tokenizer's chat
+template (``dew.data.chat_template``: sandboxed Jinja), tokenized whole, and
+scored only where the assistant wrote (``loss_mask``), as transformers'
+``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks it.
+
+``Chat`` packs the conversations end to end into rows of ``length + 1`` ids
+with ``segment_ids`` (1, 2, ... per conversation; 0 marks padding), like
+PromptCompletion, for LMObjective. A conversation longer than a row keeps
+its first ``length + 1`` tokens (one warning counts them).
+
+``ChatPreferences`` reads preference pairs for DPO and the post-training
+objectives: ``chosen`` and ``rejected`` conversations (each whole, or
+continuing a shared ``prompt`` list of messages), one pair per row:
+``chosen``, ``rejected`` (right-padded ids), their masks (the assistant's
+tokens after the shared prompt) and ``prompt_length`` (the tokens the two
+share from the start).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from dew.data.base import Dataset
+from dew.data.chat_template import ChatTemplate, read_chat_template
+from dew.data.errors import EmptyDatasetError, MalformedRecordError
+from dew.data.shards import Shards, expand_shards
+from dew.data.sources import ArrayRecords
+from dew.data.stream import record_dataset
+from dew.data.token_windows import resolve_tokenizer, split_records
+
+__all__ = ["ROLES", "Chat", "ChatPreferences", "ChatRecordError", "Conversation", "TruncatedWarning"]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatRecordError(MalformedRecordError):
+    """A conversation record is not a list of messages with known roles."""
+
+
+class TruncatedWarning(UserWarning):
+    """Conversations longer than a row were cut to fit it."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One rendered conversation: its ids and the mask of the assistant's tokens, and where it came from."""
+
+    where: str
+    ids: np.ndarray
+    mask: np.ndarray
+
+
+def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """The messages as plain dicts (keys whose value is null dropped), or ChatRecordError naming where."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ChatRecordError(f"{where} holds {type(messages).__name__} {str(messages)[:60]!r} where a "
+                              "conversation goes; a conversation is a non-empty list of messages.")
+    out = []
+    for number, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatRecordError(f"Message {number} of {where} is a {type(message).__name__}, not a "
+                                  "{role, content} object.")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ChatRecordError(
+                f"Message {number} of {where} has role {role!r}; the roles are {', '.join(ROLES)}. "
+                "Rename the role, or drop the message.")
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
+
+
+@dataclass(frozen=True)
+class _ChatFiles:
+    """What both chat readers share: the files, the tokenizer and its template."""
+
+    files: str | Sequence[str]
+    tokenizer: Any
+    chat_template: str | None
+    length: int
+
+    @cached_property
+    def _tokenizer(self) -> Any:
+        return resolve_tokenizer(self.tokenizer)
+
+    def text_tokenizer(self) -> Any:
+        """The tokenizer object this reader encodes with."""
+        return self._tokenizer
+
+    @cached_property
+    def template(self) -> ChatTemplate:
+        """The chat template: chat_template (its text, or a .jinja file) or the tokenizer's own."""
+        given = self.chat_template
+        if given is not None and given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
+            return read_chat_template(given)
+        if given is not None:
+            tokens = {}
+            if isinstance(self.tokenizer, str | os.PathLike) and os.fspath(self.tokenizer) != "byte":
+                from dew.data.chat_template import special_tokens
+
+                tokens = special_tokens(_config_beside(self.tokenizer))
+            return ChatTemplate(given, tokens)
+        if not isinstance(self.tokenizer, str | os.PathLike) or os.fspath(self.tokenizer) == "byte":
+            raise MalformedRecordError(
+                "This chat reader's tokenizer carries no chat template; give tokenizer= the folder of "
+                "a model's tokenizer (tokenizer.json and tokenizer_config.json), or chat_template=.")
+        return read_chat_template(self.tokenizer)
+
+    def column(self, key: str) -> tuple[Shards, list[Any]]:
+        shards = Shards(expand_shards(self.files), key)
+        return shards, shards.values(0, len(shards))
+
+    def encode(self, messages: list[dict[str, Any]], where: str) -> tuple[np.ndarray, np.ndarray]:
+        """The conversation's ids and its assistant mask."""
+        tokenizer = self.text_tokenizer()
+        rendered = self.template.render(messages)
+        ids, offsets = tokenizer.encode_offsets(rendered.text)
+        from dew.data.chat_template import assistant_mask
+
+        return np.asarray(ids, np.int32), assistant_mask(offsets, rendered.spans)
+
+
+def _config_beside(tokenizer: str | os.PathLike[str]) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    path = Path(tokenizer).expanduser()
+    folder = path if path.is_dir() else path.parent
+    config = folder / "tokenizer_config.json"
+    return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+
+
+def _warn_truncated(count: int, first: str, limit: int, stacklevel: int = 3) -> None:
+    if count:
+        warnings.warn(TruncatedWarning(
+            f"{count} conversation(s) were longer than a row of length + 1 = {limit} tokens and were cut "
+            f"to fit it (the first: {first}). Raise length to keep them whole."), stacklevel=stacklevel)
+
+
+@dataclass(frozen=True)
+class Chat:
+    """Conversations as packed rows of ``text``, ``loss_mask`` and ``segment_ids``.
+
+    files are ``.jsonl``, ``.parquet`` or ``.arrow`` shards (paths, globs or
+    folders) with a ``messages_key`` column; tokenizer is a model's tokenizer
+    folder (its chat template is used) or a tokenizer.json; chat_template
+    overrides the template (its text, or a ``.jinja`` file); length is the
+    model's window.
+    """
+
+    files: str | Sequence[str]
+    tokenizer: Any
+    chat_template: str | None = None
+    length: int = 1024
+    messages_key: str = "messages"
+    pack: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.files, str | os.PathLike):
+            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
+        if self.length < 1:
+            raise ValueError(f"Chat.length must be at least 1, got {self.length}.")
+
+    @cached_property
+    def _shared(self) -> _ChatFiles:
+        return _ChatFiles(self.files, self.tokenizer, self.chat_template, self.length)
+
+    def text_tokenizer(self) -> Any:
+        """The tokenizer object this reader encodes with."""
+        return self._shared.text_tokenizer()
+
+    def conversations(self) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+        """(where, messages) of every record, checked."""
+        shards, values = self._shared.column(self.messages_key)
+        for row, messages in enumerate(values):
+            where = shards.where(row)
+            yield where, check_messages(messages, where)
+
+    def encoded(self) -> list[Conversation]:
+        """Every conversation's ids and assistant mask, cut to a row."""
+        limit = self.length + 1
+        out, cut, first = [], 0, ""
+        for where, messages in self.conversations():
+            ids, mask = self._shared.encode(messages, where)
+            if len(ids) > limit:
+                cut, first = cut + 1, first or where
+                ids, mask = ids[:limit], mask[:limit]
+            if mask.any():
+                out.append(Conversation(where, ids, mask))
+        _warn_truncated(cut, first, limit)
+        if not out:
+            raise EmptyDatasetError(f"{self.files!r} holds no conversation with an assistant turn to score.")
+        return out
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """text, loss_mask and segment_ids, each [rows, length + 1] int32."""
+        tokenizer = self.text_tokenizer()
+        limit = self.length + 1
+        rows: list[list[Conversation]] = []
+        used = limit
+        for conversation in self.encoded():
+            if not self.pack or used + len(conversation.ids) > limit:
+                rows.append([])
+                used = 0
+            rows[-1].append(conversation)
+            used += len(conversation.ids)
+        text = np.full((len(rows), limit), int(tokenizer.eos_id), np.int32)
+        mask = np.zeros((len(rows), limit), np.int32)
+        segments = np.zeros((len(rows), limit), np.int32)
+        for r, packed in enumerate(rows):
+            start = 0
+            for number, conversation in enumerate(packed, 1):
+                stop = start + len(conversation.ids)
+                text[r, start:stop], mask[r, start:stop] = conversation.ids, conversation.mask
+                segments[r, start:stop] = number
+                start = stop
+        return {"text": text, "loss_mask": mask, "segment_ids": segments}
+
+    def records(self) -> ArrayRecords:
+        """The rows as a record source for train_stream (and a mixture)."""
+        return ArrayRecords(self.rows())
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A Dataset over the rows, a seeded val_fraction of them held out, the rest streamed."""
+        train, val = split_records(self.records(), val_fraction, val_seed)
+        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
+
+
+@dataclass(frozen=True)
+class ChatPreferences:
+    """Preference pairs of conversations as rows for DPO (see the module docstring).
+
+    Each record holds ``chosen_key`` and ``rejected_key`` message lists, and
+    optionally ``prompt_key``, a list both continue.
+    """
+
+    files: str | Sequence[str]
+    tokenizer: Any
+    chat_template: str | None = None
+    length: int = 1024
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    prompt_key: str = "prompt"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.files, str | os.PathLike):
+            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
+        if self.length < 1:
+            raise ValueError(f"ChatPreferences.length must be at least 1, got {self.length}.")
+
+    @cached_property
+    def _shared(self) -> _ChatFiles:
+        return _ChatFiles(self.files, self.tokenizer, self.chat_template, self.length)
+
+    def text_tokenizer(self) -> Any:
+        """The tokenizer object this reader encodes with."""
+        return self._shared.text_tokenizer()
+
+    def pairs(self) -> Iterator[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]:
+        """(where, chosen messages, rejected messages) of every record, the prompt prepended."""
+        shards = Shards(expand_shards(self.files), self.chosen_key)
+        rejected = Shards(expand_shards(self.files), self.rejected_key).values(0, len(shards))
+        prompts = Shards(expand_shards(self.files), self.prompt_key, optional=True).values(0, len(shards))
+        for row, chosen in enumerate(shards.values(0, len(shards))):
+            where = shards.where(row)
+            prompt = [] if prompts[row] is None else check_messages(prompts[row], f"the prompt of {where}")
+            yield (where, prompt + check_messages(chosen, f"the chosen side of {where}"),
+                   prompt + check_messages(rejected[row], f"the rejected side of {where}"))
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """chosen, rejected, chosen_mask, rejected_mask [pairs, length + 1] and prompt_length [pairs]."""
+        limit = self.length + 1
+        kept, cut, first = [], 0, ""
+        for where, chosen, rejected in self.pairs():
+            sides = [self._shared.encode(messages, where) for messages in (chosen, rejected)]
+            if any(len(ids) > limit for ids, _ in sides):
+                cut, first = cut + 1, first or where
+                sides = [(ids[:limit], mask[:limit]) for ids, mask in sides]
+            (a, _), (b, _) = sides
+            common = int(np.argmin(np.append(a[: len(b)] == b[: len(a)], False)))
+            masks = [np.where(np.arange(len(mask)) >= common, mask, 0) for _, mask in sides]
+            if all(m.any() for m in masks):
+                kept.append((sides, masks, common))
+        _warn_truncated(cut, first, limit, stacklevel=2)
+        if not kept:
+            raise EmptyDatasetError(f"{self.files!r} holds no preference pair with assistant tokens to score.")
+        out = {name: np.zeros((len(kept), limit), np.int32)
+               for name in (self.chosen_key, self.rejected_key, f"{self.chosen_key}_mask",
+                            f"{self.rejected_key}_mask")}
+        lengths = np.zeros(len(kept), np.int32)
+        for i, (sides, masks, common) in enumerate(kept):
+            for name, (ids, _), mask in zip((self.chosen_key, self.rejected_key), sides, masks, strict=True):
+                out[name][i, : len(ids)] = ids
+                out[f"{name}_mask"][i, : len(mask)] = mask
+            lengths[i] = common
+        return {**out, "prompt_length": lengths}
+
+    def records(self) -> ArrayRecords:
+        """The pairs as a record source."""
+        return ArrayRecords(self.rows())
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A Dataset over the pairs, a seeded val_fraction of them held out, the rest streamed."""
+        train, val = split_records(self.records(), val_fraction, val_seed)
+        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)

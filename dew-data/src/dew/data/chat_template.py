@@ -1,0 +1,272 @@
+"""A model's chat template, rendered in a sandbox, with the spans the assistant generates.
+
+A chat template is a Jinja program shipped with a tokenizer (``chat_template``
+in ``tokenizer_config.json``, or a ``chat_template.jinja`` file beside it)
+that turns a list of messages into the text the model reads. It comes with
+the model, from whoever published it, so it runs in Jinja's
+``ImmutableSandboxedEnvironment``, as transformers runs it, with the same
+helpers (``raise_exception``, ``strftime_now``, a ``tojson`` that does not
+escape HTML) and the tokenizer's special tokens (``bos_token``,
+``eos_token``, ...) in scope.
+
+Which characters the assistant wrote: templates that mark them with
+``{% generation %}...{% endgeneration %}`` say so directly, and the spans are
+recorded while rendering (as transformers' ``return_assistant_tokens_mask``
+does). For templates without markers, each assistant turn's span is found by
+rendering the conversation up to it with the generation prompt and up to its
+end: what lies between is the turn. A template that rewrites earlier turns
+(so one rendering is not a prefix of the next) is refused by name.
+
+Tokens are then scored (``mask``) when they overlap an assistant span, using
+the tokenizer's character offsets over the whole rendered text, exactly as
+transformers computes its assistant mask.
+
+>>> template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}"
+...                         "{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}"
+...                         "{% endif %}{% endfor %}")
+>>> rendered = template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+>>> rendered.text, rendered.spans
+('<user>hi<assistant>yo', ((19, 21),))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.errors import DataError, MissingFileError
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "read_chat_template",
+           "special_tokens"]
+
+_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(DataError, ValueError):
+    """A chat template is missing, fails to render a conversation, or cannot mark assistant turns."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as text, and the character spans [start, end) the assistant wrote."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+
+
+def _environment() -> Any:
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    tracking: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("dew_generation",
+                                                                                       default=None)
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: record where its output lands."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+        def _track(self, caller: Any) -> str:
+            text = caller()
+            state = tracking.get()
+            if state is not None:
+                blocks, spans = state
+                start = len("".join(blocks))
+                spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[Generation, loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+
+    @contextmanager
+    def track(blocks: list[str], spans: list[tuple[int, int]]) -> Any:
+        token = tracking.set((blocks, spans))
+        try:
+            yield
+        finally:
+            tracking.reset(token)
+
+    return environment, track
+
+
+class ChatTemplate:
+    """A Jinja chat template compiled in a sandbox; ``render`` a list of messages.
+
+    special_tokens (``{"eos_token": "<|im_end|>", ...}``) are in the
+    template's scope, as transformers puts its tokenizer's there.
+    """
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError("A chat template is a non-empty Jinja string.")
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self._compile()
+
+    def _compile(self) -> None:
+        import jinja2
+
+        environment, self._track = _environment()
+        try:
+            self._template = environment.from_string(self.source)
+        except jinja2.TemplateSyntaxError as error:
+            raise ChatTemplateError(f"The chat template does not parse: {error.message} (line {error.lineno}).") \
+                from None
+
+    def __getstate__(self) -> tuple[str, dict[str, str]]:
+        return self.source, self.special_tokens
+
+    def __setstate__(self, state: tuple[str, dict[str, str]]) -> None:
+        self.source, self.special_tokens = state
+        self._compile()
+
+    @property
+    def marks_generation(self) -> bool:
+        """Whether the template marks the assistant's text with ``{% generation %}``."""
+        return bool(_MARKER.search(self.source))
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                context: Mapping[str, Any]) -> tuple[str, list[tuple[int, int]]]:
+        import jinja2
+
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        try:
+            with self._track(blocks, spans):
+                for block in self._template.generate(messages=list(messages),
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     **{**self.special_tokens, **context}):
+                    blocks.append(block)
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"The chat template refused the conversation: {error}") from None
+        return "".join(blocks), spans
+
+    def text(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+             **context: Any) -> str:
+        """The conversation as the model reads it."""
+        return self._render(messages, add_generation_prompt, context)[0]
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
+               **context: Any) -> Rendered:
+        """The text and the assistant's spans (see the module docstring)."""
+        text, spans = self._render(messages, add_generation_prompt, context)
+        if self.marks_generation:
+            return Rendered(text, tuple(spans))
+        found = []
+        for index, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before = self._render(messages[:index], True, context)[0]
+            through = self._render(messages[: index + 1], False, context)[0]
+            if not (through.startswith(before) and text.startswith(through)):
+                raise ChatTemplateError(
+                    "This chat template has no {% generation %} markers and renders a conversation "
+                    f"differently from its first {index + 1} messages (message {index} changes what "
+                    "came before it), so the assistant's turns cannot be found. Give the reader a "
+                    "template that wraps each assistant turn in {% generation %}...{% endgeneration %}."
+                )
+            found.append((len(before), len(through)))
+        return Rendered(text, tuple(found))
+
+
+def assistant_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose characters overlap an assistant span (transformers' rule)."""
+    mask = np.zeros(len(offsets), np.int32)
+    span = 0
+    for token, (start, end) in enumerate(offsets):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        if end > spans[span][0]:
+            mask[token] = 1
+    return mask
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    """The special tokens a tokenizer_config.json names (``bos_token``, ``eos_token``, ...), as text."""
+    out = {}
+    for name in _SPECIAL:
+        text = _token_text(config.get(name))
+        if text is not None:
+            out[name] = text
+    return out
+
+
+def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
+    """The chat template shipped with a tokenizer.
+
+    path is a tokenizer directory, a file in one (``tokenizer.json``), or a
+    ``.jinja`` file. A directory's template is ``chat_template.jinja``, else
+    ``chat_template`` in ``tokenizer_config.json`` (the ``default`` one when it
+    lists several), else ``chat_template.json``; the special tokens come from
+    ``tokenizer_config.json``.
+    """
+    given = Path(path).expanduser()
+    if given.is_file() and given.suffix == ".jinja":
+        folder, source = given.parent, given.read_text(encoding="utf-8")
+    else:
+        folder = given if given.is_dir() else given.parent
+        if not folder.is_dir():
+            raise MissingFileError(f"The tokenizer path {os.fspath(path)!r} does not exist.")
+        source = _template_in(folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    return ChatTemplate(source, special_tokens(config))
+
+
+def _template_in(folder: Path) -> str:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        value = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, Mapping)}
+            value = named.get("default")
+        if isinstance(value, str) and value.strip():
+            return value
+    raise ChatTemplateError(
+        f"No chat template in {os.fspath(folder)!r}: it has no chat_template.jinja, and neither "
+        f"tokenizer_config.json nor chat_template.json holds a chat_template. Pass chat_template= "
+        f"(the template's text or a .jinja file)."
+    )

@@ -1,0 +1,313 @@
+"""Local Arrow, Parquet and JSONL shards read as one column of rows, by global row number.
+
+A corpus kept as Hugging Face datasets keep it (``save_to_disk`` folders of
+``.arrow`` files, ``.parquet`` exports, ``.jsonl`` dumps) is read here with
+pyarrow directly, never through a loading script, and never whole:
+
+- Arrow files are memory-mapped (IPC file or stream format), so their pages
+  are the operating system's to keep or drop;
+- Parquet files are read one row group at a time (the last two stay cached),
+  so a file's row groups, not the file, bound the memory (datasets and
+  pyarrow write groups of a few hundred MB at most);
+- JSONL files are indexed once by line offset (16 bytes a row), then read by
+  seeking to the rows asked for.
+
+``Shards(files, column)`` numbers the rows of all files in the order given;
+``values(start, stop)`` returns the column's values of rows ``[start, stop)``.
+A file without the column fails when it is opened, naming the file, the
+column and the columns it has. Shards pickle as their paths, so a Grain
+worker reopens them instead of copying data.
+
+>>> import json, tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (folder / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\\n" for t in "xyz"))
+>>> shards = Shards(expand_shards(str(folder)), "text")
+>>> len(shards), shards.values(1, 3)
+(3, ['y', 'z'])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.errors import (
+    EmptyDatasetError,
+    MalformedRecordError,
+    MissingFileError,
+    MissingKeyError,
+)
+from dew.data.sources import expand_files
+
+__all__ = ["SHARD_SUFFIXES", "Shards", "expand_shards", "open_shard"]
+
+_JSON = (".jsonl", ".json", ".ndjson")
+SHARD_SUFFIXES = (".parquet", ".arrow", *_JSON)
+_WHITESPACE = np.asarray([9, 10, 13, 32], np.uint8)
+_SCAN = 1 << 24  # bytes read at a time while indexing a JSONL file
+
+
+def expand_shards(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """Paths, globs and folders to shard files, in order.
+
+    A folder ``save_to_disk`` wrote lists its Arrow files in ``state.json``;
+    any other folder contributes its ``.parquet``, ``.arrow`` and ``.jsonl``
+    files, sorted by name.
+    """
+    if isinstance(patterns, str | os.PathLike):
+        patterns = [patterns]
+    files: list[Path] = []
+    for pattern in patterns:
+        path = Path(os.fspath(pattern)).expanduser()
+        if path.is_dir():
+            files.extend(_folder_shards(path))
+        else:
+            files.extend(expand_files(os.fspath(pattern)))
+    for path in files:
+        if path.suffix.lower() not in SHARD_SUFFIXES:
+            raise MissingFileError(
+                f"{os.fspath(path)!r} is not a shard this reader knows; it reads "
+                f"{', '.join(SHARD_SUFFIXES)} files. Convert it, or leave it out of the pattern."
+            )
+    return files
+
+
+def _folder_shards(folder: Path) -> list[Path]:
+    state = folder / "state.json"
+    if state.is_file():  # datasets' save_to_disk: the data files, in order
+        listed = json.loads(state.read_text(encoding="utf-8")).get("_data_files", [])
+        files = [folder / entry["filename"] for entry in listed if "filename" in entry]
+        if files:
+            return files
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in SHARD_SUFFIXES)
+    if not files:
+        raise MissingFileError(
+            f"The folder {os.fspath(folder)!r} holds no {', '.join(SHARD_SUFFIXES)} file. Pass the "
+            f"folder datasets' save_to_disk wrote, or the data files themselves."
+        )
+    return files
+
+
+def _missing_column(path: Path, column: str, present: Sequence[str]) -> MissingKeyError:
+    return MissingKeyError(
+        f"The shard {os.fspath(path)!r} has no column {column!r}; its columns are "
+        f"{list(present)}. Name the column that holds the data (text_key=, messages_key=, ...)."
+    )
+
+
+class _Parquet:
+    """A Parquet file, read a row group at a time (the last two kept)."""
+
+    def __init__(self, path: Path, column: str, optional: bool = False) -> None:
+        import pyarrow.parquet as pq
+
+        self.path, self.column = path, column
+        self.file = pq.ParquetFile(path)  # buffered reads: only the row groups in use stay in memory
+        names = self.file.schema_arrow.names
+        self.absent = column not in names
+        if self.absent and not optional:
+            raise _missing_column(path, column, names)
+        metadata = self.file.metadata
+        sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.rows = int(self.starts[-1])
+        self.groups: OrderedDict[int, Any] = OrderedDict()
+
+    def _group(self, index: int) -> Any:
+        if index not in self.groups:
+            if len(self.groups) >= 2:
+                self.groups.popitem(last=False)
+            self.groups[index] = self.file.read_row_group(index, columns=[self.column]).column(0)
+        self.groups.move_to_end(index)
+        return self.groups[index]
+
+    def where(self, row: int) -> str:
+        return f"row {row} of {os.fspath(self.path)!r}"
+
+    def values(self, start: int, stop: int) -> list[Any]:
+        if self.absent:
+            return [None] * (stop - start)
+        out: list[Any] = []
+        group = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            begin, end = int(self.starts[group]), int(self.starts[group + 1])
+            take = min(stop, end) - start
+            out.extend(self._group(group).slice(start - begin, take).to_pylist())
+            start += take
+            group += 1
+        return out
+
+
+class _Arrow:
+    """An Arrow IPC file (file or stream format), memory-mapped: nothing is copied until read."""
+
+    def __init__(self, path: Path, column: str, optional: bool = False) -> None:
+        import pyarrow as pa
+
+        self.path, self.column = path, column
+        source = pa.memory_map(os.fspath(path), "r")
+        try:
+            table = pa.ipc.open_file(source).read_all()
+        except pa.ArrowInvalid:
+            source.seek(0)
+            table = pa.ipc.open_stream(source).read_all()
+        self.rows = table.num_rows
+        self.data = table.column(column) if column in table.column_names else None
+        if self.data is None and not optional:
+            raise _missing_column(path, column, table.column_names)
+
+    def where(self, row: int) -> str:
+        return f"row {row} of {os.fspath(self.path)!r}"
+
+    def values(self, start: int, stop: int) -> list[Any]:
+        if self.data is None:
+            return [None] * (stop - start)
+        return self.data.slice(start, stop - start).to_pylist()
+
+
+class _Jsonl:
+    """A JSON-lines file, indexed by the byte offsets of its non-blank lines."""
+
+    def __init__(self, path: Path, column: str, optional: bool = False) -> None:
+        self.path, self.column, self.optional = path, column, optional
+        self.begins, self.ends = _line_index(path)
+        self.rows = len(self.begins)
+        if self.rows and not optional:
+            first = self._parse(self._read(0, 1)[0], 0)
+            if column not in first:
+                raise _missing_column(path, column, sorted(first))
+
+    def _read(self, start: int, stop: int) -> list[bytes]:
+        with open(self.path, "rb") as handle:
+            handle.seek(int(self.begins[start]))
+            blob = handle.read(int(self.ends[stop - 1] - self.begins[start]))
+        base = int(self.begins[start])
+        return [blob[int(b) - base:int(e) - base] for b, e in zip(self.begins[start:stop], self.ends[start:stop],
+                                                                 strict=True)]
+
+    def _line(self, row: int) -> int:
+        """The 1-based line number of a row (counted only when an error needs it)."""
+        with open(self.path, "rb") as handle:
+            return handle.read(int(self.begins[row])).count(b"\n") + 1
+
+    def where(self, row: int) -> str:
+        return f"line {self._line(row)} of {os.fspath(self.path)!r}"
+
+    def _parse(self, line: bytes, row: int) -> dict[str, Any]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise MalformedRecordError(
+                f"Line {self._line(row)} of {os.fspath(self.path)!r} is not valid JSON ({error.msg}); "
+                f"each line of a JSONL file must be one JSON object."
+            ) from None
+        if not isinstance(record, dict):
+            raise MalformedRecordError(
+                f"Line {self._line(row)} of {os.fspath(self.path)!r} holds a {type(record).__name__}, "
+                f"not a JSON object."
+            )
+        return record
+
+    def values(self, start: int, stop: int) -> list[Any]:
+        out = []
+        for row, line in enumerate(self._read(start, stop), start):
+            record = self._parse(line, row)
+            if self.column not in record and not self.optional:
+                raise MissingKeyError(
+                    f"Line {self._line(row)} of {os.fspath(self.path)!r} has no key {self.column!r} "
+                    f"(it has {sorted(record)}). Name the key that holds the data."
+                )
+            out.append(record.get(self.column))
+        return out
+
+
+def _line_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets where each non-blank line of path begins and ends (newline excluded).
+
+    One pass in chunks: the newlines' offsets, and how many non-whitespace
+    bytes come before each, so a line holding only whitespace is left out.
+    """
+    ends, solid = [], []
+    offset = total = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_SCAN):
+            data = np.frombuffer(chunk, np.uint8)
+            counted = np.cumsum(~np.isin(data, _WHITESPACE), dtype=np.int32)
+            newlines = np.flatnonzero(data == 10)
+            ends.append(newlines.astype(np.int64) + offset)
+            solid.append(counted[newlines].astype(np.int64) + total)
+            offset += len(data)
+            total += int(counted[-1])
+    stops = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+    before = np.concatenate(solid) if solid else np.zeros(0, np.int64)
+    if offset and (len(stops) == 0 or stops[-1] != offset - 1):  # a last line without a newline
+        stops, before = np.append(stops, offset), np.append(before, total)
+    begins = np.concatenate([[0], stops[:-1] + 1]).astype(np.int64) if len(stops) else stops
+    keep = np.diff(np.concatenate([[0], before])) > 0
+    return begins[keep], stops[keep]
+
+
+def open_shard(path: Path, column: str, optional: bool = False) -> _Parquet | _Arrow | _Jsonl:
+    """The reader for one shard file, by its suffix (optional: a missing column reads as None)."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _Parquet(path, column, optional)
+    if suffix == ".arrow":
+        return _Arrow(path, column, optional)
+    return _Jsonl(path, column, optional)
+
+
+class Shards:
+    """One column of several shard files, as rows numbered across the files in order.
+
+    With optional, a file or record without the column reads as None instead of failing.
+    """
+
+    def __init__(self, files: Sequence[str | os.PathLike[str]], column: str, *, optional: bool = False) -> None:
+        self.files = tuple(Path(f) for f in files)
+        self.column = column
+        self.optional = optional
+        if not self.files:
+            raise EmptyDatasetError("No shard files were given; pass at least one path, glob or folder.")
+        self._open()
+
+    def _open(self) -> None:
+        self.shards = [open_shard(path, self.column, self.optional) for path in self.files]
+        self.starts = np.concatenate([[0], np.cumsum([s.rows for s in self.shards], dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def values(self, start: int, stop: int) -> list[Any]:
+        """The column's values of rows [start, stop), across file boundaries."""
+        out: list[Any] = []
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            begin, end = int(self.starts[shard]), int(self.starts[shard + 1])
+            take = min(stop, end) - start
+            if take > 0:
+                out.extend(self.shards[shard].values(start - begin, start - begin + take))
+            start += max(take, 0)
+            shard += 1
+        return out
+
+    def where(self, row: int) -> str:
+        """Where a row is, for messages: its line of a JSONL file, else its row of the file."""
+        shard = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return self.shards[shard].where(row - int(self.starts[shard]))
+
+    def __getstate__(self) -> tuple[tuple[Path, ...], str, bool]:
+        return self.files, self.column, self.optional
+
+    def __setstate__(self, state: tuple[tuple[Path, ...], str, bool]) -> None:
+        self.files, self.column, self.optional = state
+        self._open()
+
+    def __repr__(self) -> str:
+        return f"Shards({len(self.files)} files, column={self.column!r}, rows={len(self)})"

@@ -1,0 +1,161 @@
+"""The chat readers render conversations with the model's own template and score the assistant's
+tokens exactly as transformers' apply_chat_template marks them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bpe_helpers import MARKED, UNMARKED, UNMARKED_AS_MARKED, build_tokenizer
+
+pytest.importorskip("transformers")
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": "What is two plus two?"},
+     {"role": "assistant", "content": "It is four."},
+     {"role": "user", "content": "Thank you!"},
+     {"role": "assistant", "content": "You are welcome, café!"}],
+    [{"role": "user", "content": "def add(x, y)"},
+     {"role": "assistant", "content": "return x + y"},
+     {"role": "tool", "content": "ok"},
+     {"role": "assistant", "content": "Documents are packed."}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello!"}],
+]
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _reference(folder, conversation):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    out = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    return out["input_ids"], out["assistant_masks"]
+
+
+@pytest.fixture(scope="module")
+def marked(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("marked"))
+
+
+def test_tokens_and_mask_equal_transformers(marked, tmp_path):
+    from dew.data.chat import Chat
+
+    files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    encoded = Chat(files=str(files), tokenizer=str(marked), length=256).encoded()
+    assert len(encoded) == len(CONVERSATIONS)
+    for conversation, got in zip(CONVERSATIONS, encoded, strict=True):
+        ids, mask = _reference(marked, conversation)
+        assert got.ids.tolist() == ids
+        assert got.mask.tolist() == mask
+        assert 0 < got.mask.sum() < len(ids)
+
+
+def test_a_template_without_markers_finds_the_same_turns(tmp_path):
+    """Rendering up to each assistant turn finds the spans a marked template declares."""
+    from dew.data.chat import Chat
+
+    plain = build_tokenizer(tmp_path / "plain", template=UNMARKED)
+    reference = build_tokenizer(tmp_path / "reference", template=UNMARKED_AS_MARKED)
+    files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    encoded = Chat(files=str(files), tokenizer=str(plain), length=256).encoded()
+    for conversation, got in zip(CONVERSATIONS, encoded, strict=True):
+        ids, mask = _reference(reference, conversation)
+        assert (got.ids.tolist(), got.mask.tolist()) == (ids, mask)
+
+
+def test_packed_rows_keep_each_conversation_and_its_mask(marked, tmp_path):
+    from dew.data.chat import Chat
+
+    files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS * 3])
+    chat = Chat(files=str(files), tokenizer=str(marked), length=127)
+    encoded, rows = chat.encoded(), chat.rows()
+    assert rows["text"].shape[1] == 128 and rows["text"].shape[0] < len(encoded)
+    pieces = []
+    for text, mask, segments in zip(rows["text"], rows["loss_mask"], rows["segment_ids"], strict=True):
+        for number in range(1, segments.max() + 1):
+            here = segments == number
+            assert np.flatnonzero(here).tolist() == list(range(here.argmax(), here.argmax() + here.sum()))
+            pieces.append((text[here].tolist(), mask[here].tolist()))
+        assert not mask[segments == 0].any()
+    assert pieces == [(c.ids.tolist(), c.mask.tolist()) for c in encoded]
+
+
+def test_an_unknown_role_names_the_record(marked, tmp_path):
+    from dew.data.chat import Chat, ChatRecordError
+
+    bad = [{"messages": CONVERSATIONS[0]},
+           {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}]
+    files = _write(tmp_path / "chat.jsonl", bad)
+    with pytest.raises(ChatRecordError, match=r"Message 1 of line 2 of .*chat.jsonl.* role 'robot'"):
+        Chat(files=str(files), tokenizer=str(marked)).encoded()
+
+
+def test_conversations_from_parquet_equal_those_from_jsonl(marked, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dew.data.chat import Chat
+
+    jsonl = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    pq.write_table(pa.table({"messages": CONVERSATIONS}), tmp_path / "chat.parquet")
+    a = Chat(files=str(jsonl), tokenizer=str(marked), length=200).rows()
+    b = Chat(files=str(tmp_path / "chat.parquet"), tokenizer=str(marked), length=200).rows()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_preference_pairs_score_the_answers_after_their_shared_prompt(marked, tmp_path):
+    from dew.data.chat import ChatPreferences
+
+    dpo = pytest.importorskip("dew.objectives.dpo")  # the objective these rows are for
+
+    prompt = [{"role": "user", "content": "What is two plus two?"}]
+    records = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "It is four."}],
+                "rejected": [{"role": "assistant", "content": "Five, thank you."}]},
+               {"chosen": CONVERSATIONS[2], "rejected": CONVERSATIONS[2][:1] + [
+                   {"role": "assistant", "content": "Documents are packed."}]}]
+    files = _write(tmp_path / "pairs.jsonl", records)
+    rows = ChatPreferences(files=str(files), tokenizer=str(marked), length=63).rows()
+    dpo.check_pairs(rows)  # what DPO's rollout checks before each step
+    from dew.nn.backbones import CausalTransformer
+
+    model = CausalTransformer(vocab_size=400, emb_features=8, num_layers=1, num_heads=2, mlp_features=16,
+                              max_seq_len=64)
+    assert set(dpo.DPOObjective(model, 63).required_keys()) <= set(rows)
+    for i, record in enumerate(records):
+        for side in ("chosen", "rejected"):
+            ids, mask = _reference(marked, record.get("prompt", []) + record[side])
+            n, common = len(ids), int(rows["prompt_length"][i])
+            assert rows[side][i, :n].tolist() == ids and not rows[side][i, n:].any()
+            expected = [m if t >= common else 0 for t, m in enumerate(mask)]
+            assert rows[f"{side}_mask"][i, :n].tolist() == expected and sum(expected) > 0
+        assert rows["chosen"][i, :common].tolist() == rows["rejected"][i, :common].tolist()
+        assert rows["chosen"][i, common] != rows["rejected"][i, common]
+
+
+def test_the_template_is_read_from_the_tokenizer_files(tmp_path):
+    from dew.data.chat_template import ChatTemplateError, read_chat_template
+
+    folder = build_tokenizer(tmp_path / "tok", template=None)
+    with pytest.raises(ChatTemplateError, match="No chat template"):
+        read_chat_template(folder)
+    (folder / "chat_template.jinja").write_text(MARKED)
+    template = read_chat_template(folder / "tokenizer.json")
+    assert template.marks_generation and template.special_tokens["eos_token"] == "<|im_end|>"
+
+
+def test_the_template_runs_sandboxed(tmp_path):
+    from dew.data.chat_template import ChatTemplate, ChatTemplateError
+
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(Exception, match="unsafe|not safely|access"):
+        ChatTemplate(escape).render([{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="refused the conversation: no system"):
+        ChatTemplate("{{ raise_exception('no system') }}").render([{"role": "user", "content": "x"}])

@@ -1,0 +1,175 @@
+"""HFText streams Arrow, Parquet and JSONL shards, tokenized as they are read, into TokenWindows'
+own windows; its endless stream shuffles blocks of documents and resumes anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bpe_helpers import build_tokenizer
+from dew.data.base import DataPartition
+from dew.testing import DatasetReaderKit
+
+pytest.importorskip("pyarrow")
+
+WORDS = "the a dew jax model trains data windows packed tokens quickly slowly café über".split()
+LENGTH = 31
+
+
+def _documents(count: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 40)))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The same 300 documents as JSONL, as Parquet (row groups of 64) and as a save_to_disk folder."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path_factory.mktemp("corpus")
+    texts = _documents(300)
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    pq.write_table(pa.table({"id": list(range(300)), "text": texts}), folder / "docs.parquet", row_group_size=64)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(folder / "saved"), num_shards=3)
+    tokenizer = build_tokenizer(folder / "tokenizer") / "tokenizer.json"
+    return folder, texts, str(tokenizer)
+
+
+def test_parquet_and_arrow_give_token_windows_own_windows(corpus):
+    """The windows in stored order are exactly what TokenWindows makes of the same text as JSONL."""
+    from dew.data.hf_text import HFText
+    from dew.data.token_windows import TokenWindows
+
+    folder, _, tokenizer = corpus
+    expected = TokenWindows(files=str(folder / "docs.jsonl"), length=LENGTH, tokenizer=tokenizer).windows()
+    for files in (str(folder / "docs.parquet"), str(folder / "saved")):
+        source = HFText(files=files, length=LENGTH, tokenizer=tokenizer, block=7).records()
+        got = source.take(np.arange(len(source)))
+        assert len(source) == len(expected)
+        assert np.array_equal(got["text"], expected)
+        # a window's segments restart after each end-of-document id
+        eos = source.tokenizer.eos_id
+        after = np.concatenate([np.zeros((len(expected), 1), bool), expected[:, :-1] == eos], axis=1)
+        assert np.array_equal(got["segment_ids"], 1 + np.cumsum(after, axis=1))
+
+
+def test_an_epoch_is_the_blocks_in_a_seeded_order(corpus):
+    """One epoch of the endless stream is every block's tokens, blocks in epoch_order, cut into windows."""
+    from dew.data.hf_text import HFText
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.data.order import epoch_order
+
+    folder, texts, tokenizer = corpus
+    block = 5
+    source = HFText(files=str(folder / "docs.parquet"), length=LENGTH, tokenizer=tokenizer, block=block).records()
+    encoder = HFTokenizer.from_file(tokenizer)
+    blocks = [texts[b * block:(b + 1) * block] for b in range(-(-len(texts) // block))]
+    for epoch in (0, 1):
+        order = epoch_order(len(blocks), 9, epoch)
+        stream = np.concatenate([np.asarray(encoder.encode(t, add_eos=True)) for b in order for t in blocks[b]])
+        windows = source.endless(9)(np.arange(epoch * len(source), (epoch + 1) * len(source)))["text"]
+        assert np.array_equal(windows.reshape(-1), stream[: len(source) * (LENGTH + 1)])
+
+
+class TestHFTextReader(DatasetReaderKit):
+    """Saved positions resume the stream on one process and on 2 or 3, crossing an epoch."""
+
+    shares = (2, 3)
+    before, after = 4, 5
+
+    @pytest.fixture(autouse=True)
+    def _corpus(self, corpus):
+        self.corpus = corpus
+
+    def dataset(self):
+        from dew.data.hf_text import HFText
+
+        folder, _, tokenizer = self.corpus
+        return HFText(files=str(folder / "docs.parquet"), length=LENGTH, tokenizer=tokenizer,
+                      block=4).load(batch=6 * 22, seed=1)  # 9 batches: more than the 208 windows
+
+
+WORKERS = """
+import sys
+import numpy as np
+
+def main():
+    from absl import flags
+    flags.FLAGS(sys.argv[:1])
+    from dew.data.base import DataPartition
+    from dew.data.hf_text import HFText
+    files, tokenizer = sys.argv[1], sys.argv[2]
+    reader = HFText(files=files, length=31, tokenizer=tokenizer, block=3)
+    streams = [reader.load(batch=8, seed=2, workers=w).train(DataPartition()) for w in (0, 2)]
+    batches = [[next(s) for _ in range(12)] for s in streams]
+    for s in streams:
+        s.close()
+    same = all(np.array_equal(a[k], b[k]) for a, b in zip(*batches) for k in a)
+    print("stream", same)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_workers_tokenize_the_same_stream(corpus, tmp_path):
+    """Two Grain worker processes tokenizing on the fly yield exactly the stream one process does."""
+    import subprocess
+    import sys
+
+    from dew.testing.processes import device_env
+
+    folder, _, tokenizer = corpus
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS)
+    result = subprocess.run([sys.executable, str(script), str(folder / "docs.jsonl"), tokenizer],
+                            env=device_env(1), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stream True" in result.stdout
+
+
+def test_validation_holds_out_whole_blocks(corpus):
+    from dew.data.hf_text import HFText
+
+    folder, _, tokenizer = corpus
+    data = HFText(files=str(folder / "docs.parquet"), length=LENGTH, tokenizer=tokenizer,
+                  block=10).load(batch=2, val_fraction=0.2, val_seed=3)
+    train, val = data.train.source, data.val.source
+    assert set(train.blocks.tolist()).isdisjoint(val.blocks.tolist())
+    assert len(train.blocks) + len(val.blocks) == 30 and len(val.blocks) == 6
+    rows = np.concatenate([b["text"] for b in data.val(DataPartition())])
+    assert np.array_equal(rows, val.take(np.arange(len(rows)))["text"])
+
+
+def test_a_missing_column_names_the_file_the_column_and_the_columns(corpus):
+    from dew.data.errors import MissingKeyError
+    from dew.data.hf_text import HFText
+
+    folder, _, tokenizer = corpus
+    for name, columns in (("docs.parquet", r"\['id', 'text'\]"), ("docs.jsonl", r"\['id', 'text'\]")):
+        with pytest.raises(MissingKeyError, match=rf"{name}' has no column 'body'; its columns are {columns}"):
+            HFText(files=str(folder / name), text_key="body", tokenizer=tokenizer).records()
+
+
+def test_a_corpus_changed_since_its_index_is_refused(corpus, tmp_path):
+    """The cached token counts are checked as blocks are tokenized: an edited shard is named."""
+    from dew.data.hf_text import HFText, StaleIndexError
+
+    folder, texts, tokenizer = corpus
+    shard = tmp_path / "docs.jsonl"
+    shard.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    reader = HFText(files=str(shard), length=LENGTH, tokenizer=tokenizer, cache_dir=str(tmp_path / "cache"))
+    counts = reader.token_counts()
+    assert len(os.listdir(tmp_path / "cache")) == 2  # the counts and their record
+    info = shard.stat()
+    shard.write_text(shard.read_text().replace("dew", "wed"))  # same size, other tokens
+    os.utime(shard, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert np.array_equal(reader.token_counts(), counts)  # the stale index is what the key finds
+    with pytest.raises(StaleIndexError, match="Block 0 .*docs.jsonl.*changed since"):
+        reader.records().take(np.arange(3))

@@ -1,0 +1,183 @@
+"""A mixture draws its sources by weight (Grain's interleave), follows a schedule, resumes
+bitwise at any process count, and reports what it drew from each source."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from dew.data.base import DataPartition
+from dew.data.sources import ArrayRecords
+from dew.testing import DatasetReaderKit
+
+
+class Tagged:
+    """A reader of n records whose "source" column is tag and "row" the record's number."""
+
+    def __init__(self, tag: int, n: int, width: int = 3) -> None:
+        self.tag, self.n, self.width = tag, n, width
+
+    def records(self) -> ArrayRecords:
+        rows = np.arange(self.n)
+        return ArrayRecords({"source": np.full(self.n, self.tag, np.int32), "row": rows,
+                             "x": np.repeat(rows[:, None], self.width, axis=1).astype(np.float32)})
+
+
+def _take(stream, count):
+    return [next(stream) for _ in range(count)]
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (1, 2, 3), (0.001, 0.5, 0.499), (5, 1)])
+def test_the_interleave_is_grains_own(weights):
+    """Which source fills each position, and which of its records, is grain.MapDataset.mix's choice."""
+    import grain
+
+    from dew.data.mixture import interleave, interleave_counts, proportions
+
+    parents = [grain.MapDataset.range(10**9).map(lambda j, i=i: (i, j)) for i in range(len(weights))]
+    mixed = grain.MapDataset.mix(parents, list(weights))
+    n = 2000
+    expected = np.asarray([mixed[k] for k in range(n)])
+    which, index = interleave(np.arange(n), proportions(weights))
+    assert np.array_equal(which, expected[:, 0]) and np.array_equal(index, expected[:, 1])
+    assert interleave_counts(n, proportions(weights)) == np.bincount(which, minlength=len(weights)).tolist()
+    far = np.arange(10**14, 10**14 + 64)  # a resumed run far along the stream costs the same
+    assert np.array_equal(interleave(far, proportions(weights))[0],
+                          np.asarray([mixed[int(k)][0] for k in far]))
+
+
+def test_draws_match_the_weights_and_each_source_keeps_its_own_order():
+    from dew.data.mixture import Mixture, _seed_of
+    from dew.data.order import RecordOrder
+
+    sources = {"a": Tagged(0, 50), "b": Tagged(1, 37), "c": Tagged(2, 11)}
+    weights = {"a": 0.5, "b": 0.3, "c": 0.2}
+    stream = Mixture(sources=sources, weights=weights).load(batch=16, seed=4).train(DataPartition())
+    batches = _take(stream, 100)
+    tags = np.concatenate([b["source"] for b in batches])
+    total = len(tags)
+    for tag, name in enumerate(weights):
+        drawn = int((tags == tag).sum())
+        p = weights[name]
+        assert abs(drawn - total * p) <= 3 * np.sqrt(total * p * (1 - p)), (name, drawn)
+        assert stream.scalars()[f"data/{name}/records"] == drawn
+        # source name's records, in the order drawn, are its own shuffled stream
+        rows = np.concatenate([b["row"][b["source"] == tag] for b in batches])
+        order = RecordOrder(sources[name].n, _seed_of(4, name))
+        assert np.array_equal(rows, order(np.arange(drawn)))
+
+
+def test_a_schedule_changes_the_weights_at_its_steps():
+    from dew.data.mixture import Mixture
+
+    schedule = [{"step": 0, "weights": {"a": 1.0}}, {"step": 3, "weights": {"a": 1.0, "b": 1.0}},
+                {"step": 5, "weights": {"b": 1.0}}]
+    stream = Mixture(sources={"a": Tagged(0, 20), "b": Tagged(1, 20)}, schedule=schedule).load(
+        batch=4).train(DataPartition())
+    batches = _take(stream, 7)
+    assert [b["source"].tolist() for b in batches] == [[0] * 4] * 3 + [[0, 1] * 2] * 2 + [[1] * 4] * 2
+    # b's records continue where they stopped: 4 drawn in steps 3-4, then records 4.. of its stream
+    rows_b = np.concatenate([b["row"][b["source"] == 1] for b in batches])
+    assert len(set(rows_b.tolist())) == len(rows_b) == 12
+    assert stream.scalars() == {"data/a/records": 16.0, "data/b/records": 12.0}
+
+
+class TestMixtureReader(DatasetReaderKit):
+    """A registered token_windows source beside in-memory ones, with a schedule: resumes bitwise
+    on one process and on 2 and 4, fills the keys one source lacks."""
+
+    shares = (2, 4)
+    before, after = 5, 6
+
+    @pytest.fixture(autouse=True)
+    def _text(self, tmp_path):
+        (tmp_path / "a.txt").write_text(" ".join(f"line {i} of the mixed text." for i in range(80)))
+        self.files = str(tmp_path / "*.txt")
+
+    def dataset(self):
+        from dew.data.mixture import Mixture
+
+        windows = {"name": "token_windows", "files": self.files, "length": 15}
+        packed = Packed(16)
+        return Mixture(sources={"windows": windows, "packed": packed},
+                       schedule=[{"step": 0, "weights": {"windows": 3, "packed": 1}},
+                                 {"step": 6, "weights": {"windows": 1, "packed": 2}}]).load(batch=8, seed=5)
+
+
+class Packed:
+    """Rows of 16 ids with a loss mask and segments, as packed readers give them."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def records(self) -> ArrayRecords:
+        ids = np.arange(40 * self.width, dtype=np.int32).reshape(40, self.width) % 200
+        return ArrayRecords({"text": ids, "loss_mask": (ids % 2).astype(np.int32),
+                             "segment_ids": np.full(ids.shape, 2, np.int32)})
+
+
+def test_a_missing_key_is_filled_for_the_sources_without_it():
+    from dew.data.mixture import Mixture
+
+    class Windows:
+        def records(self):
+            return ArrayRecords({"text": np.full((30, 16), 7, np.int32)})
+
+    stream = Mixture(sources={"w": Windows(), "p": Packed(16)}, weights={"w": 1, "p": 1}).load(
+        batch=4).train(DataPartition())
+    batch = next(stream)
+    plain = batch["text"][:, 0] == 7
+    assert plain.any() and (~plain).any()
+    assert (batch["loss_mask"][plain] == 1).all() and (batch["segment_ids"][plain] == 1).all()
+    assert (batch["segment_ids"][~plain] == 2).all()
+
+
+def test_bad_weights_and_sources_are_named(tmp_path):
+    from dew.data.errors import EmptyDatasetError
+    from dew.data.mixture import Mixture, MixtureError
+
+    sources = {"code": Tagged(0, 5), "prose": Tagged(1, 5)}
+    with pytest.raises(MixtureError, match="source 'prose' has weight -0.5"):
+        Mixture(sources=sources, weights={"code": 1.0, "prose": -0.5})
+    with pytest.raises(MixtureError, match="name source 'poetry'"):
+        Mixture(sources=sources, weights={"code": 1.0, "poetry": 1.0})
+    with pytest.raises(MixtureError, match="weights at step 10 is 0"):
+        Mixture(sources=sources, schedule=[{"step": 0, "weights": {"code": 1}}, {"step": 10, "weights": {"code": 0}}])
+    with pytest.raises(EmptyDatasetError, match="Mixture source 'prose' holds no records"):
+        Mixture(sources={"code": Tagged(0, 5), "prose": Tagged(1, 0)}, weights={"code": 1}).load(batch=2)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(EmptyDatasetError, match="Mixture source 'prose': The files"):
+        Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_windows", "files": str(tmp_path / "*.txt")}},
+                weights={"code": 1}).load(batch=2)
+    with pytest.raises(MixtureError, match="Mixture source 'prose': dataset 'token_windows' has no field 'lenght'"):
+        Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_windows", "files": "x", "lenght": 8}},
+                weights={"code": 1})
+    with pytest.raises(MixtureError, match="Mixture source 'prose': No dataset named 'token_window'"):
+        Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_window"}}, weights={"code": 1})
+    with pytest.raises(MixtureError, match="'code' and 'wide' give 'x' different shapes"):
+        Mixture(sources={"code": Tagged(0, 5), "wide": Tagged(1, 5, width=4)}, weights={"code": 1}).load(batch=2)
+
+
+def test_the_trainer_logs_each_sources_records(recorder):
+    """data/<source>/records reach the tracker with each logged step: the records drawn so far."""
+    from dew.data.mixture import Mixture
+    from dew.testing.doubles import Regression
+    from dew.training import Trainer
+
+    class Rows:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def records(self):
+            rng = np.random.default_rng(self.tag)
+            x = rng.normal(size=(32, 4)).astype(np.float32)
+            return ArrayRecords({"x": x, "y": x.sum(1, keepdims=True), "tag": np.full(32, self.tag)})
+
+    data = Mixture(sources={"a": Rows(0), "b": Rows(1)}, weights={"a": 3, "b": 1}).load(batch=8)
+    Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0), tracker=recorder).fit(data, steps=6, log_every=2)
+    tags = np.concatenate([b["tag"] for b in _take(data.train(DataPartition()), 6)])
+    for name, tag in (("a", 0), ("b", 1)):
+        assert recorder.series(f"data/{name}/records") == [
+            (step, float((tags[: step * 8] == tag).sum())) for step in (2, 4, 6)]

@@ -1,0 +1,145 @@
+"""GenerationTask: greedy answers scored by exact match or by a regular expression (GSM8K style).
+
+Each JSONL record holds a prompt and its reference answer::
+
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\\n#### 7"}
+
+The model continues ``template`` (filled from the record's fields) greedily
+through ``dew.sampling.generate`` for at most ``max_new_tokens`` tokens,
+stopping at the end-of-document id; the text is cut at the first of
+``stop``. With ``pattern`` the prediction is the first match of it in the
+text (its first group when it has one); with ``answer_pattern`` the
+reference is what that finds in the answer (GSM8K's ``#### (.*)``). Both
+are compared after stripping surrounding whitespace. ``exact_match`` is
+the share of records whose prediction equals the reference. The records
+are split into global batches of ``batch`` prompts and each process
+generates its share of every batch; the counts are summed over processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from dew.evaluations.base import Subject, TaskFileError, read_task_file, share_rows
+from dew.evaluations.scoring import task_mesh
+from dew.sampling import Sampling, generate
+from dew.training.placement.mesh import data_partition
+
+__all__ = ["AnswerRecord", "GenerationTask"]
+
+
+@dataclass(frozen=True)
+class AnswerRecord:
+    """One record: where it is, the prompt the model continues and the reference answer."""
+
+    line: int
+    prompt: str
+    reference: str
+
+
+def _first(pattern: re.Pattern[str], text: str) -> str | None:
+    found = pattern.search(text)
+    if found is None:
+        return None
+    return found.group(1) if pattern.groups else found.group(0)
+
+
+@dataclass(frozen=True)
+class GenerationTask:
+    """Exact match of greedy generations against reference answers (see the module docstring)."""
+
+    file: str
+    prompt_key: str = "question"
+    answer_key: str = "answer"
+    template: str | None = None
+    max_new_tokens: int = 64
+    pattern: str | None = None
+    answer_pattern: str | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    batch: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("pattern", "answer_pattern"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    re.compile(value)
+                except re.error as error:
+                    raise TaskFileError(f"GenerationTask.{name} {value!r} is not a regular expression: {error}.") \
+                        from None
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    def problems(self) -> list[AnswerRecord]:
+        """Every record of the file with its reference answer (TaskFileError names a bad line)."""
+        answers = None if self.answer_pattern is None else re.compile(self.answer_pattern)
+        out = []
+        for line, record in read_task_file(self.file):
+            where = f"Line {line} of {os.fspath(self.file)!r}"
+            keys = (self.answer_key,) + (() if self.template else (self.prompt_key,))
+            missing = [k for k in keys if k not in record]
+            if missing:
+                raise TaskFileError(f"{where} has no key {missing[0]!r} (it has {sorted(record)}); set "
+                                    "prompt_key= and answer_key= to the keys it uses.")
+            try:
+                prompt = self.template.format(**record) if self.template else str(record[self.prompt_key])
+            except (KeyError, IndexError, ValueError) as error:
+                raise TaskFileError(f"{where}: the template {self.template!r} cannot be filled from the "
+                                    f"record ({type(error).__name__}: {error}).") from None
+            reference = str(record[self.answer_key])
+            if answers is not None:
+                found = _first(answers, reference)
+                if found is None:
+                    raise TaskFileError(f"{where}: answer_pattern {self.answer_pattern!r} finds nothing in "
+                                        f"the answer {reference[:80]!r}.")
+                reference = found
+            out.append(AnswerRecord(line, prompt, reference.strip()))
+        if not out:
+            raise TaskFileError(f"The task file {os.fspath(self.file)!r} holds no record.")
+        return out
+
+    def prediction(self, text: str) -> str | None:
+        """What a generated text answers: cut at stop, then the pattern's match (None: no match)."""
+        for marker in self.stop:
+            if marker in text:
+                text = text[: text.index(marker)]
+        if self.pattern is None:
+            return text.strip()
+        found = _first(re.compile(self.pattern), text)
+        return None if found is None else found.strip()
+
+    def generations(self, subject: Subject, *, mesh: Any = None) -> dict[int, str]:
+        """This process's generated texts, by record number."""
+        if subject.tokenizer is None:
+            raise TaskFileError("GenerationTask needs the run's tokenizer to turn prompts into ids; the "
+                                "run's data reader or export supplies one.")
+        problems = self.problems()
+        partition = data_partition(task_mesh(mesh))
+        tokenizer = subject.tokenizer
+        eos = getattr(tokenizer, "eos_id", None)
+        prompts = [list(tokenizer.encode(p.prompt)) or [int(eos)] for p in problems]
+        out: dict[int, str] = {}
+        for mine in share_rows(len(problems), max(self.batch, partition.shares), partition):
+            kept = [int(r) for r in mine if r >= 0]
+            rows = [prompts[r] for r in kept] or [prompts[0]]  # every process generates each batch
+            made = generate(subject.model, subject.variables, rows, self.max_new_tokens, jax.random.key(0),
+                            Sampling(temperature=0.0), eos_id=eos)
+            for r, new in zip(kept, made.new_tokens, strict=False):
+                out[r] = tokenizer.decode([int(t) for t in new])
+        return out
+
+    def evaluate(self, subject: Subject, *, mesh: Any = None) -> dict[str, float]:
+        """exact_match over the records, and how many were scored."""
+        problems = self.problems()
+        right = sum(self.prediction(text) == problems[r].reference
+                    for r, text in self.generations(subject, mesh=mesh).items())
+        if jax.process_count() > 1:
+            right = int(np.asarray(multihost_utils.process_allgather(np.asarray(right, np.int64))).sum())
+        return {"exact_match": right / len(problems), "records": float(len(problems))}

@@ -1,0 +1,167 @@
+"""MultipleChoice: pick the answer the model finds most likely (HellaSwag, ARC, MMLU style).
+
+Each JSONL record holds a context, its choices and the right one::
+
+    {"context": "The capital of France is", "choices": ["Paris", "Rome"], "answer": 0}
+
+``answer`` is the index of the right choice, a letter (``"B"``), or the
+choice's label when choices come labelled as ARC's do
+(``{"text": [...], "label": ["A", "B", ...]}``). ``template`` formats the
+context from the record's fields (``"Question: {question}\\nAnswer:"``).
+
+A choice is scored by the summed log-probability of its tokens after the
+context, tokenized as the evaluation harnesses do: the context's trailing
+spaces move to the front of the continuation (``separator + choice``), the
+whole text is tokenized, and the continuation is what follows the
+context's own tokens; an empty context starts from the end-of-document id.
+A row longer than the model's window keeps its last ``max_seq_len + 1``
+tokens. ``accuracy`` picks the largest sum; ``accuracy_norm`` the largest sum
+per character of the continuation. All (record, choice) rows are scored in
+global batches of ``batch`` rows, sharded over the mesh like training.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dew.evaluations.base import Subject, TaskFileError, read_task_file
+from dew.evaluations.scoring import loglikelihoods
+
+__all__ = ["Choice", "MultipleChoice", "Question", "continuation_ids"]
+
+
+@dataclass(frozen=True)
+class Question:
+    """One record: where it is, its context, its choices and the index of the right one."""
+
+    line: int
+    context: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One scored row: the ids of context and continuation, and how many of them are the continuation."""
+
+    ids: tuple[int, ...]
+    scored: int
+    characters: int
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return [int(i) for i in tokenizer.encode(text)]
+
+
+def continuation_ids(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as the evaluation harnesses split them (module docstring)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    if not context:
+        return [int(tokenizer.eos_id)], _ids(tokenizer, continuation)
+    whole = _ids(tokenizer, context + continuation)
+    head = _ids(tokenizer, context)
+    return whole[: len(head)], whole[len(head):]
+
+
+@dataclass(frozen=True)
+class MultipleChoice:
+    """Accuracy over a JSONL file of multiple-choice records (see the module docstring)."""
+
+    file: str
+    context_key: str = "context"
+    choices_key: str = "choices"
+    answer_key: str = "answer"
+    template: str | None = None
+    separator: str = " "
+    batch: int = 16
+
+    def _where(self, line: int) -> str:
+        return f"Line {line} of {os.fspath(self.file)!r}"
+
+    def _question(self, line: int, record: Mapping[str, Any]) -> Question:
+        where = self._where(line)
+        for key in (self.choices_key, self.answer_key) + (() if self.template else (self.context_key,)):
+            if key not in record:
+                raise TaskFileError(f"{where} has no key {key!r} (it has {sorted(record)}); set "
+                                    "context_key=, choices_key= and answer_key= to the keys it uses.")
+        choices, labels = record[self.choices_key], None
+        if isinstance(choices, Mapping) and "text" in choices:  # ARC: {"text": [...], "label": [...]}
+            choices, labels = choices["text"], choices.get("label")
+        if (not isinstance(choices, Sequence) or isinstance(choices, str) or len(choices) < 2
+                or not all(isinstance(c, str) for c in choices)):
+            raise TaskFileError(f"{where}: {self.choices_key!r} must be a list of at least two strings, "
+                                f"got {choices!r}.")
+        try:
+            context = self.template.format(**record) if self.template else str(record[self.context_key])
+        except (KeyError, IndexError, ValueError) as error:
+            raise TaskFileError(f"{where}: the template {self.template!r} cannot be filled from the record "
+                                f"({type(error).__name__}: {error}); its keys are {sorted(record)}.") from None
+        return Question(line, context, tuple(choices), self._answer(record[self.answer_key], choices, labels, where))
+
+    def _answer(self, answer: Any, choices: Sequence[str], labels: Any, where: str) -> int:
+        index: int | None = None
+        if isinstance(answer, int) and not isinstance(answer, bool):
+            index = answer
+        elif isinstance(answer, str):
+            if labels is not None and answer in list(labels):
+                index = list(labels).index(answer)
+            elif answer.strip().isdigit():
+                index = int(answer.strip())
+            elif len(answer.strip()) == 1 and answer.strip().upper() in string.ascii_uppercase:
+                index = string.ascii_uppercase.index(answer.strip().upper())
+            elif answer in choices:
+                index = list(choices).index(answer)
+        if index is None or not 0 <= index < len(choices):
+            raise TaskFileError(f"{where}: the answer {answer!r} names none of its {len(choices)} choices; give "
+                                "its index (from 0), its letter, or its label.")
+        return index
+
+    def questions(self) -> list[Question]:
+        """Every record of the file, checked (TaskFileError names a bad line)."""
+        found = [self._question(line, record) for line, record in read_task_file(self.file)]
+        if not found:
+            raise TaskFileError(f"The task file {os.fspath(self.file)!r} holds no record.")
+        return found
+
+    def rows(self, tokenizer: Any, limit: int | None) -> list[Choice]:
+        """Every (question, choice) row in order, cut to the last limit ids."""
+        out = []
+        for question in self.questions():
+            for choice in question.choices:
+                continuation = self.separator + choice
+                head, tail = continuation_ids(tokenizer, question.context, continuation)
+                ids = (head + tail)[-limit:] if limit else head + tail
+                out.append(Choice(tuple(ids), min(len(tail), len(ids) - 1), len(continuation)))
+        return out
+
+    def choice_scores(self, subject: Subject, *, mesh: Any = None) -> list[np.ndarray]:
+        """Each question's summed log-probability of every choice, in file order."""
+        if subject.tokenizer is None:
+            raise TaskFileError("MultipleChoice needs the run's tokenizer to turn choices into ids; the "
+                                "run's data reader or export supplies one.")
+        questions = self.questions()
+        window = getattr(subject.model, "max_seq_len", None)
+        rows = self.rows(subject.tokenizer, None if window is None else window + 1)
+        sums = loglikelihoods(subject.model, subject.variables, [(r.ids, r.scored) for r in rows],
+                              batch=self.batch, mesh=mesh)
+        bounds = np.cumsum([0] + [len(q.choices) for q in questions])
+        return [sums[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def evaluate(self, subject: Subject, *, mesh: Any = None) -> dict[str, float]:
+        """accuracy and accuracy_norm over the records, and how many were scored."""
+        questions = self.questions()
+        right = right_norm = 0
+        for question, scores in zip(questions, self.choice_scores(subject, mesh=mesh), strict=True):
+            lengths = np.asarray([len(self.separator + c) for c in question.choices], np.float64)
+            right += int(np.argmax(scores)) == question.answer
+            right_norm += int(np.argmax(scores / lengths)) == question.answer
+        count = len(questions)
+        return {"accuracy": right / count, "accuracy_norm": right_norm / count, "records": float(count)}

@@ -1,0 +1,278 @@
+"""dew's evaluation tasks score an exported model as transformers does by hand, run on a cadence
+in training and from `dew eval --task`, shard over devices, and name a bad record's line."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bpe_helpers import build_tokenizer
+from dew.evaluations import Subject, TaskFileError
+from dew.testing import EvaluationTaskKit
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MAX_LEN = 48
+QUESTIONS = [
+    ("What is two plus two?", ["It is four.", "It is five.", "Thank you!"], 0),
+    ("The user asks a question and the", ["assistant answers it politely.", "tokens packed.", "dew"], 0),
+    ("def add(x, y):", ["return x + y", "return x - y"], 1),
+    ("Documents are tokenized on the fly, ", ["packed and shuffled by block.", "politely.", "four"], 2),
+    ("", ["It is four.", "Documents are packed."], 1),
+    (" ".join(["dew trains jax models on packed windows"] * 6), ["The user asks.", "It is four."], 0),
+]
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Llama-style dew model, its weights redrawn larger than at init, saved for transformers."""
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.nn.backbones import CausalTransformer
+    from dew.pretrained import Pretrained
+
+    folder = tmp_path_factory.mktemp("export")
+    tokens = build_tokenizer(folder / "tokenizer", template=None, eos="<|endoftext|>")
+    tokenizer = HFTokenizer.from_file(tokens / "tokenizer.json")
+    model = CausalTransformer(vocab_size=tokenizer.vocab_size, emb_features=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, mlp_features=64, max_seq_len=MAX_LEN,
+                              position_embedding="rotary", mlp_activation="swiglu")
+    shapes = jax.eval_shape(model.init, jax.random.key(3), jnp.zeros((1, 4), jnp.int32))
+    rng = np.random.default_rng(4)
+    variables = jax.tree.map(lambda x: (rng.normal(size=x.shape) * 0.3).astype(x.dtype), shapes)
+    Pretrained(model, variables, tokenizer).save(folder / "model")
+    loaded = Pretrained.load(folder / "model")
+    return folder, Subject(loaded.model, loaded.variables, loaded.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def choice_file(exported):
+    folder, _ = exported
+    return _write(folder / "choice.jsonl", [{"context": c, "choices": ch, "answer": a} for c, ch, a in QUESTIONS])
+
+
+@pytest.fixture(scope="module")
+def reference(exported):
+    """transformers' tokenizer and model, read from the export."""
+    folder, _ = exported
+    return (transformers.AutoTokenizer.from_pretrained(str(folder / "model")),
+            transformers.AutoModelForCausalLM.from_pretrained(str(folder / "model")).eval())
+
+
+def _hand_scores(reference, questions):
+    """Each choice's summed log-probability, by transformers, tokenized as the harnesses do."""
+    tokenizer, model = reference
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    out = []
+    for context, choices, _ in questions:
+        scores = []
+        for choice in choices:
+            continuation = " " + choice
+            stripped = context.rstrip()
+            continuation, context_text = context[len(stripped):] + continuation, stripped
+            if context_text:
+                head = ids(context_text)
+                tail = ids(context_text + continuation)[len(head):]
+            else:
+                head, tail = [tokenizer.eos_token_id], ids(continuation)
+            row = (head + tail)[-(MAX_LEN + 1):]
+            with torch.no_grad():
+                logits = model(torch.tensor([row[:-1]])).logits[0].double()
+            logp = torch.log_softmax(logits, -1)[torch.arange(len(row) - 1), torch.tensor(row[1:])]
+            scores.append(float(logp[-len(tail):].sum()))
+        out.append(np.asarray(scores))
+    return out
+
+
+def test_multiple_choice_equals_a_hand_written_scorer_in_transformers(exported, choice_file, reference):
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    _, subject = exported
+    task = MultipleChoice(file=choice_file, batch=4)
+    expected = _hand_scores(reference, QUESTIONS)
+    got = task.choice_scores(subject)
+    for mine, theirs in zip(got, expected, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-3)
+    accuracy = np.mean([int(np.argmax(s)) == a for s, (_, _, a) in zip(expected, QUESTIONS, strict=True)])
+    scores = task.evaluate(subject)
+    assert scores["accuracy"] == accuracy and scores["records"] == len(QUESTIONS)
+    assert 0 < accuracy < 1  # the redrawn weights prefer some right answers and some wrong ones
+
+
+@pytest.mark.slow  # greedy decoding compiled in dew and run in transformers
+def test_generation_exact_match_equals_transformers_greedy_answers(exported, reference):
+    """References are transformers' own greedy first words for half the prompts, so dew's exact
+    match is one half exactly when it generates what transformers does."""
+    from dew.evaluations.generation import GenerationTask
+
+    folder, subject = exported
+    tokenizer, model = reference
+    prompts = ["What is two plus two?", "def add(x, y):", "The user asks", "Documents are", "It is", "dew"]
+    firsts = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.eos_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        firsts.append(text.split()[0] if text.split() else "")
+    assert len(set(firsts)) > 1
+    records = [{"question": p, "answer": f"#### {w if i % 2 == 0 else w + 'x'}"}
+               for i, (p, w) in enumerate(zip(prompts, firsts, strict=True))]
+    file = _write(folder / "answers.jsonl", records)
+    task = GenerationTask(file=file, max_new_tokens=6, pattern=r"(\S+)", answer_pattern=r"#### (.*)", batch=8)
+    assert task.evaluate(subject) == {"exact_match": 0.5, "records": 6.0}
+
+
+class TestMultipleChoiceTask(EvaluationTaskKit):
+    @pytest.fixture(autouse=True)
+    def _given(self, exported, choice_file, tmp_path):
+        self.folder, self._subject = exported
+        self.file, self.tmp = choice_file, tmp_path
+
+    def task(self):
+        from dew.evaluations.multiple_choice import MultipleChoice
+
+        return MultipleChoice(file=self.file)
+
+    def subject(self):
+        return self._subject
+
+    def rebatched(self, rows):
+        from dew.evaluations.multiple_choice import MultipleChoice
+
+        return MultipleChoice(file=self.file, batch=rows)
+
+    def malformed(self):
+        from dew.evaluations.multiple_choice import MultipleChoice
+
+        file = self.tmp / "bad.jsonl"
+        file.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "answer": 0}) + "\n\n"
+                        + json.dumps({"context": "a", "choices": ["b", "c"], "answer": 7}) + "\n")
+        return MultipleChoice(file=str(file)), 3
+
+
+class TestGenerationTask(EvaluationTaskKit):
+    @pytest.fixture(autouse=True)
+    def _given(self, exported, tmp_path):
+        self.folder, self._subject = exported
+        self.file = _write(tmp_path / "gen.jsonl", [{"question": q, "answer": c[a]} for q, c, a in QUESTIONS[:4]])
+        self.tmp = tmp_path
+
+    def task(self):
+        from dew.evaluations.generation import GenerationTask
+
+        return GenerationTask(file=self.file, max_new_tokens=3)
+
+    def subject(self):
+        return self._subject
+
+    def malformed(self):
+        from dew.evaluations.generation import GenerationTask
+
+        file = self.tmp / "bad.jsonl"
+        file.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n" + '{"question": "a", "answer": \n')
+        return GenerationTask(file=str(file)), 2
+
+
+def test_bad_task_files_name_the_line_and_what_is_wrong(tmp_path, exported):
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    _, subject = exported
+    cases = [({"choices": ["a", "b"], "answer": 0}, "has no key 'context'"),
+             ({"context": "x", "choices": "ab", "answer": 0}, "must be a list of at least two strings"),
+             ({"context": "x", "choices": ["a", "b"], "answer": "C"}, "names none of its 2 choices")]
+    for record, message in cases:
+        file = _write(tmp_path / "t.jsonl", [{"context": "x", "choices": ["a", "b"], "answer": 1}, record])
+        with pytest.raises(TaskFileError, match=f"Line 2 of .*t.jsonl.*{message}"):
+            MultipleChoice(file=file).evaluate(subject)
+    arc = {"question": "x", "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]}, "answerKey": "C"}
+    task = MultipleChoice(file=_write(tmp_path / "arc.jsonl", [arc]), template="Question: {question}\nAnswer:",
+                          answer_key="answerKey")
+    assert task.questions()[0].answer == 2 and task.questions()[0].context == "Question: x\nAnswer:"
+
+
+@pytest.mark.slow
+def test_scores_sharded_over_four_devices_equal_one_device(exported, choice_file, python_in_subprocess):
+    """Batches split over a data axis of 4 devices give the single device's scores."""
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    folder, subject = exported
+    one = MultipleChoice(file=choice_file, batch=5).choice_scores(subject)
+    out = python_in_subprocess(f"""
+        import json, jax
+        from dew.evaluations import Subject
+        from dew.evaluations.multiple_choice import MultipleChoice
+        from dew.pretrained import Pretrained
+        from dew.training.placement.mesh import build_mesh
+        loaded = Pretrained.load({str(folder / "model")!r})
+        mesh = build_mesh()
+        assert mesh.shape["data"] == 4
+        scores = MultipleChoice(file={choice_file!r}, batch=5).choice_scores(
+            Subject(loaded.model, loaded.variables, loaded.tokenizer), mesh=mesh)
+        print(json.dumps([s.tolist() for s in scores]))
+    """, devices=4)
+    four = json.loads(out.strip().splitlines()[-1])
+    for a, b in zip(one, four, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dew_eval_scores_a_task_on_an_export(exported, choice_file, capsys):
+    from dew.cli import main
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    folder, subject = exported
+    assert main(["eval", str(folder / "model"), "--task", "multiple_choice", "--set", f"file={choice_file}",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = MultipleChoice(file=choice_file).evaluate(subject)
+    assert printed["eval/multiple_choice/accuracy"] == expected["accuracy"]
+    assert main(["eval", str(folder / "model"), "--task", "multiple_choice", "--set", "file=missing.jsonl"]) == 2
+    assert "missing.jsonl' does not exist" in capsys.readouterr().err
+
+
+SMALL = ["model.emb_features=32", "model.num_heads=4", "model.mlp_features=64", "model.num_layers=1",
+         "model.max_seq_len=64", "objective.seq_len=48", "data.length=48", "objective.prompt=null"]
+
+
+@pytest.mark.slow
+def test_a_recipe_scores_its_tasks_on_a_cadence_and_dew_eval_repeats_them(tmp_path, capsys):
+    """tiny-sft's trainer.evaluate: the multiple-choice task logged at steps 1 and 2, the same score
+    that `dew eval RUN --task` computes from the kept step."""
+    from dew.cli import main
+    from dew.recipes.config import RunConfig
+
+    run = tmp_path / "run"
+    task = '[{task: multiple_choice, label: sums, every: 1, file: "{recipes}/data/addition-choice.jsonl"}]'
+    config = RunConfig.load("tiny-sft", overrides=[*SMALL, "trainer.steps=2", "trainer.log_every=1",
+                                                   f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
+                                                   f"trainer.evaluate={task}"])
+    config.train()
+    rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
+    logged = {row["step"]: row["eval/sums/accuracy"] for row in rows if "eval/sums/accuracy" in row}
+    assert sorted(logged) == [1, 2] and all(row.get("eval/sums/records") in (None, 12.0) for row in rows)
+    capsys.readouterr()
+    assert main(["eval", str(run), "--task", "sums", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["step"] == 2 and printed["eval/sums/accuracy"] == logged[2]
+
+
+def test_a_recipe_names_a_bad_evaluation_entry():
+    from dew.recipes.config import RecipeError, RunConfig
+
+    with pytest.raises(RecipeError, match=r"trainer\.evaluate\.1\.fiel: evaluation task 'multiple_choice' has no "
+                                          r"field 'fiel'"):
+        RunConfig.load("tiny-sft", overrides=["trainer.evaluate.1.fiel=x.jsonl"])
+    with pytest.raises(RecipeError, match=r"trainer\.evaluate\.0\.task: no evaluation task named 'gsm9k'"):
+        RunConfig.load("tiny-sft", overrides=["trainer.evaluate.0.task=gsm9k"])
