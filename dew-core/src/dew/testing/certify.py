@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CONFORMANCE", "GROUPS", "Check", "NotADistributionError", "Subject", "certify", "checks_of", "subjects",
+    "CONFORMANCE", "GROUPS", "Check", "Component", "NotADistributionError", "certify", "checks_of", "subjects",
 ]
 
 CONFORMANCE = "dew.conformance"
@@ -57,7 +57,7 @@ class NotADistributionError(LookupError):
 
 
 @dataclass(frozen=True)
-class Subject:
+class Component:
     """One registered component and the kit that checks it (None: no kit registered)."""
 
     group: str
@@ -81,7 +81,7 @@ class Check:
     seconds: float = 0.0
 
 
-def subjects(distribution: str) -> tuple[str, list[Subject]]:
+def subjects(distribution: str) -> tuple[str, list[Component]]:
     """The distribution's version and its components, each with its registered kit."""
     try:
         found = metadata.distribution(distribution)
@@ -92,7 +92,7 @@ def subjects(distribution: str) -> tuple[str, list[Subject]]:
             f"components here: {', '.join(_registering()) or 'none'}.") from None
     points = list(found.entry_points)
     kits = {p.name: p.value for p in points if p.group == CONFORMANCE}
-    listed = [Subject(p.group, p.name, p.value, kits.get(p.name) if p.group != "dew.plugins" else "hooks")
+    listed = [Component(p.group, p.name, p.value, kits.get(p.name) if p.group != "dew.plugins" else "hooks")
               for p in points if p.group in GROUPS]
     if not listed:
         raise NotADistributionError(
@@ -149,7 +149,7 @@ def _run_method(kit: Any, name: str, subject: str) -> Check:
     return Check(subject, _readable(name), "passed", "", time.perf_counter() - began)
 
 
-def checks_of(subject: Subject) -> list[Check]:
+def checks_of(subject: Component) -> list[Check]:
     """Run one subject's checks in this interpreter (the child process ``certify`` starts)."""
     label = subject.label
     if subject.group == "dew.plugins":
@@ -207,7 +207,7 @@ def certify(distribution: str, *, timeout: float = 1800) -> tuple[str, list[Chec
     return version, results
 
 
-def _in_child(subject: Subject, timeout: float) -> list[Check]:
+def _in_child(subject: Component, timeout: float) -> list[Check]:
     import os
 
     from dew.plugins import AUTOLOAD_VARIABLE
@@ -231,7 +231,7 @@ def _in_child(subject: Subject, timeout: float) -> list[Check]:
 
 
 def main(argv: list[str]) -> int:
-    subject = Subject(**json.loads(argv[1]))
+    subject = Component(**json.loads(argv[1]))
     try:
         found = checks_of(subject)
     except Exception as error:  # noqa: BLE001 - a kit that cannot be loaded is this subject's result
