@@ -1,0 +1,552 @@
+"""The generation engine: a paged cache, continuous batching and shared prefixes.
+
+An ``Engine`` keeps the keys and values of every sequence in one pool of
+fixed-size blocks on the devices (dew.nn.paged_attention) and schedules the work
+on the host, in plain Python:
+
+- ``submit(request, key)`` queues a prompt to continue ``samples`` times. Its
+  prompt is written once (in chunks of ``prefill_chunk`` positions) and every
+  sample's block table points at the same blocks; the block a sample first
+  writes into is copied for it if others still read it (copy-on-write).
+- ``step()`` runs one round: admit queued prompts while blocks and rows allow,
+  write a chunk of each admitted prompt, start samples in free rows, and decode
+  ``steps_per_call`` tokens for every running sequence. A sequence that ends (a
+  stop token, a stop string, its max_new_tokens) frees its row and blocks at
+  once, and the next queued one takes them: the compiled programs never change.
+- When a running sequence needs a block and none is left, the longest running
+  sequence is pre-empted: its blocks are freed and it is queued again, first,
+  with what it produced so far; it resumes where it stopped.
+
+Every token is drawn with a key folded from its sequence's key and its
+position, so the samples depend only on the keys given to submit, not on the
+batch, the schedule or the pre-emptions, and ``snapshot()`` / ``restore()``
+carry unfinished sequences into another engine unchanged.
+
+>>> import jax, jax.numpy as jnp
+>>> from dew.nn.backbones import CausalTransformer
+>>> model = CausalTransformer(vocab_size=16, emb_features=16, num_layers=1, num_heads=2,
+...                           mlp_features=32, max_seq_len=32)
+>>> variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+>>> engine = Engine(model, EngineConfig(max_batch=8, block_size=4))
+>>> engine.set_params(variables)
+>>> group = engine.submit(Request((1, 2, 3, 4, 5), max_new_tokens=6, samples=4), jax.random.key(1))
+>>> done = engine.run()
+>>> [(c.sample, len(c.tokens)) for c in done]
+[(0, 6), (1, 6), (2, 6), (3, 6)]
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.nn.paged_attention import POOL_AXES, PagedView
+from dew.sampling import programs
+from dew.sampling.blocks import BlockPool
+from dew.sampling.errors import (
+    EngineConfigError,
+    InvalidVariablesError,
+    NotPagedModelError,
+    PromptTooLongError,
+)
+from dew.sampling.requests import (
+    Completion,
+    EngineConfig,
+    EngineSnapshot,
+    EngineStats,
+    Finish,
+    Request,
+    SequenceState,
+)
+
+__all__ = ["Engine"]
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One sample on the host: what it produced, and the blocks its table points at."""
+
+    id: int
+    request: int
+    sample: int
+    spec: Request
+    key: np.ndarray
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.spec.prompt) + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.spec.max_new_tokens - len(self.generated)
+
+
+@dataclass(eq=False)
+class _Group:
+    """Sequences that continue the same tokens: written once, then each sample forks the blocks.
+
+    Positions [0, written) are in the cache; all tokens but the last are
+    written before the samples start (the last is each sample's first input).
+    """
+
+    tokens: list[int]
+    members: collections.deque[_Sequence]
+    blocks: list[int] = field(default_factory=list)
+    written: int = 0
+
+    @property
+    def target(self) -> int:
+        return len(self.tokens) - 1
+
+
+def _variables(params: Mapping[str, Any]) -> dict[str, Any]:
+    variables = dict(nn.meta.unbox(params))
+    if "params" not in variables:
+        raise InvalidVariablesError("The engine takes the model's full variables ({'params': ...}, as "
+                        f"state.params holds them); got a dict with keys {sorted(variables)}.")
+    variables.pop("cache", None)
+    return variables
+
+
+def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
+class Engine:
+    """Generate continuations of many prompts through one paged cache (see the module docstring).
+
+    model is a causal decoder whose attention decodes through a paged cache
+    (any model built from dew.nn.layers.CausalSelfAttention, such as
+    ``causal_transformer``). detokenize (ids -> text) is needed for stop
+    strings. On a mesh (taken from the parameters' shardings, or given), the
+    programs run under the mesh and rules (default: Layout's), and the pool's
+    key/value heads are split as the attention's are.
+    """
+
+    def __init__(self, model: nn.Module, config: EngineConfig = EngineConfig(), *,
+                 detokenize: Callable[[Sequence[int]], str] | None = None,
+                 mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> None:
+        self.model = model
+        self.config = config
+        self.detokenize = detokenize
+        limit = config.max_len or getattr(model, "max_seq_len", None)
+        if limit is None:
+            raise EngineConfigError(f"{type(model).__name__} has no max_seq_len; give "
+                                    "EngineConfig.max_len.")
+        self.max_len = int(min(limit, getattr(model, "max_seq_len", limit)))
+        self.width = config.blocks_per_sequence(self.max_len)
+        self.blocks = BlockPool(config.pool_blocks(self.max_len), config.block_size)
+        self._mesh, self._rules = mesh, rules
+        self._variables: dict[str, Any] | None = None
+        self._cache: Any = None
+        self._sharding: Any = None
+        self._key_impl: str | None = None
+        self._waiting: collections.deque[_Group] = collections.deque()
+        self._prefilling: list[_Group] = []
+        self._ready: collections.deque[_Group] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._next_id = 0
+        self._next_request = 0
+        self._counts = collections.Counter()
+
+    # -- the model -----------------------------------------------------------------
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        """Decode with these variables from now on ({'params': ...}; boxes are accepted).
+
+        The registered prefixes are forgotten (their keys and values came from
+        the old weights); sequences in flight keep the keys and values they have.
+        """
+        self._variables = _variables(params)
+        self.blocks.forget()
+        if self._cache is None:
+            self._build_cache()
+
+    def _context(self) -> Any:
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self._mesh is not None:
+            stack.enter_context(jax.set_mesh(self._mesh))
+            stack.enter_context(nn.logical_axis_rules(self._rules))
+        return stack
+
+    def _build_cache(self) -> None:
+        config = self.config
+        if self._mesh is None:
+            self._mesh = _mesh_of(self._variables)
+        if self._mesh is not None and self._rules is None:
+            from dew.training import Layout
+
+            self._rules = Layout().axis_rules
+        num_blocks = self.blocks.num_blocks
+
+        def empty(variables: Any) -> Any:
+            view = PagedView(jnp.zeros((1, self.width), jnp.int32), jnp.zeros((1, 1), bool),
+                             num_blocks, config.block_size)
+            zeros = jnp.zeros((1, 1), jnp.int32)
+            return programs._apply(self.model, variables, {}, zeros, zeros, view)[1]
+
+        with self._context():
+            shapes = jax.eval_shape(empty, self._variables)
+        if not jax.tree.leaves(shapes):
+            raise NotPagedModelError(
+                f"{type(self.model).__name__} wrote no paged key/value cache when decoding; the "
+                "engine needs a causal decoder whose attention layers are dew.nn.layers."
+                "CausalSelfAttention (such as the causal_transformer model)."
+            )
+        self._sharding = self._pool_sharding(shapes)
+        by_rank = dict(self._sharding or ())
+        self._cache = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype, device=by_rank.get(len(s.shape))), shapes)
+
+    def _pool_sharding(self, shapes: Any) -> tuple[tuple[int, Any], ...] | None:
+        if self._mesh is None:
+            return None
+        heads = jax.tree.leaves(shapes)[0].shape[-2]
+        with nn.logical_axis_rules(self._rules):
+            mapped = nn.logical_to_mesh_axes(POOL_AXES)
+        split = mapped[2]
+        names = (split,) if isinstance(split, str) else tuple(split or ())
+        ways = math.prod(dict(self._mesh.shape).get(n, 1) for n in names)
+        spec = [None, None, split if ways > 1 and heads % ways == 0 else None, None]
+        ranks = {len(s.shape) for s in jax.tree.leaves(shapes)}
+        P = jax.sharding.PartitionSpec
+        return tuple((rank, jax.sharding.NamedSharding(self._mesh, P(*[None] * (rank - 4), *spec)))
+                     for rank in sorted(ranks))
+
+    @property
+    def cache(self) -> Any:
+        """The pools (a 'cache' collection of paged_key/paged_value per layer) on the devices."""
+        return self._cache
+
+    # -- requests ----------------------------------------------------------------------
+    def submit(self, request: Request, key: jax.Array) -> int:
+        """Queue request; sample j draws with ``fold_in(key, j)``. Returns the request's id."""
+        needed = len(request.prompt) + request.max_new_tokens
+        if needed > self.max_len:
+            raise PromptTooLongError(
+                f"A prompt of {len(request.prompt)} tokens plus max_new_tokens="
+                f"{request.max_new_tokens} is {needed} tokens, more than the cache holds "
+                f"(max_len={self.max_len}). Ask for at most "
+                f"{max(self.max_len - len(request.prompt), 0)} new tokens or shorten the prompt."
+            )
+        if len(request.stop_tokens) > self.config.max_stop_tokens:
+            raise EngineConfigError(
+                f"The request has {len(request.stop_tokens)} stop tokens and the engine takes at "
+                f"most {self.config.max_stop_tokens}; raise EngineConfig.max_stop_tokens.")
+        if request.stop_strings and self.detokenize is None:
+            raise EngineConfigError("The request has stop strings; build the Engine with "
+                                    "detokenize= (ids -> text) to check them.")
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 key
+            key = jax.random.wrap_key_data(key)
+        impl = str(jax.random.key_impl(key))
+        if self._key_impl not in (None, impl):
+            raise TypeError(f"Keys of {impl} and {self._key_impl} cannot be mixed in one engine.")
+        self._key_impl = impl
+        keys = np.asarray(_sample_keys(key, request.samples))
+        rid = self._next_request
+        self._next_request += 1
+        members = []
+        for j in range(request.samples):
+            members.append(_Sequence(self._next_id, rid, j, request, keys[j]))
+            self._next_id += 1
+        self._queue(list(request.prompt), members)
+        return rid
+
+    def _queue(self, tokens: list[int], members: list[_Sequence], *, first: bool = False) -> None:
+        groups = ([_Group(tokens, collections.deque(members))] if self.config.share_prefixes
+                  else [_Group(list(tokens), collections.deque([m])) for m in members])
+        if first:
+            self._waiting.extendleft(reversed(groups))
+        else:
+            self._waiting.extend(groups)
+
+    @property
+    def idle(self) -> bool:
+        """Whether every submitted sequence has finished."""
+        return not (self._waiting or self._prefilling or self._ready or self._running)
+
+    def run(self) -> list[Completion]:
+        """Step until idle; every completion finished on the way, in submission order."""
+        done: list[Completion] = []
+        while not self.idle:
+            done.extend(self.step())
+        return sorted(done, key=lambda c: c.id)
+
+    def step(self) -> list[Completion]:
+        """One round: admit, write a prefill chunk, start samples, decode. Returns what finished."""
+        if self._variables is None:
+            raise RuntimeError("Call Engine.set_params(variables) before stepping it.")
+        finished = [self._finish(s, "length") for s in self._admit()]
+        with self._context():
+            self._prefill()
+            self._start()
+            finished += self._decode()
+        self._counts["peak_blocks"] = max(self._counts["peak_blocks"], self.blocks.used_blocks)
+        return finished
+
+    # -- scheduling ----------------------------------------------------------------------
+    def _holding(self) -> bool:
+        return bool(self._running or self._prefilling or self._ready)
+
+    def _admit(self) -> list[_Sequence]:
+        """Move queued groups into prefill while rows and blocks allow; return empty requests."""
+        empty: list[_Sequence] = []
+        size = self.config.block_size
+        while self._waiting:
+            group = self._waiting[0]
+            if all(m.remaining <= 0 for m in group.members):
+                self._waiting.popleft()
+                empty.extend(group.members)
+                continue
+            pending = sum(len(g.members) for g in (*self._prefilling, *self._ready))
+            if len(self._running) + pending >= self.config.max_batch:
+                break
+            reused = (self.blocks.lookup(group.tokens[:group.target])
+                      if self.config.share_prefixes else [])
+            need = math.ceil(group.target / size) - len(reused)
+            if need + (1 if self._holding() else 0) > self.blocks.free_blocks:
+                self.blocks.release(reused)
+                break
+            group.blocks = reused + self.blocks.allocate(need)
+            group.written = len(reused) * size
+            self._counts["reused_tokens"] += group.written
+            self._waiting.popleft()
+            (self._ready if group.written >= group.target else self._prefilling).append(group)
+        return empty
+
+    def _prefill(self) -> None:
+        jobs = self._prefilling[: self.config.prefill_rows]
+        if not jobs:
+            return
+        size = self.config.block_size
+        # One program per power-of-two count of blocks up to prefill_chunk: short prompts
+        # are not padded to a long chunk.
+        longest = max(min(g.target - g.written, self.config.prefill_chunk) for g in jobs)
+        chunk = min(size * 2 ** math.ceil(math.log2(math.ceil(longest / size))),
+                    self.config.prefill_chunk, self.max_len)
+        rows = self.config.prefill_rows
+        tokens = np.zeros((rows, chunk), np.int32)
+        positions = np.zeros((rows, chunk), np.int32)
+        writes = np.zeros((rows, chunk), bool)
+        tables = np.zeros((rows, self.width), np.int32)
+        for r, group in enumerate(jobs):
+            start = group.written
+            end = min(start + chunk, group.target)
+            tokens[r, : end - start] = group.tokens[start:end]
+            positions[r, : end - start] = np.arange(start, end)
+            writes[r, : end - start] = True
+            tables[r, : len(group.blocks)] = group.blocks
+            group.written = end
+            self._counts["prefilled_tokens"] += end - start
+        self._cache = programs.prefill(self.model, self._variables, self._cache, tokens, positions,
+                                       tables, writes, sharding=self._sharding)
+        self._counts["prefill_calls"] += 1
+        for group in jobs:
+            if group.written >= group.target:
+                self._prefilling.remove(group)
+                self._ready.append(group)
+                if self.config.share_prefixes:
+                    self.blocks.register(group.tokens[: group.target], group.blocks)
+
+    def _start(self) -> None:
+        while self._ready and len(self._running) < self.config.max_batch:
+            group = self._ready[0]
+            sequence = group.members.popleft()
+            self.blocks.share(group.blocks)
+            sequence.blocks = list(group.blocks)
+            self._running.append(sequence)
+            if not group.members:
+                self.blocks.release(group.blocks)
+                self._ready.popleft()
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        """Free sequence's blocks and queue it first, to be written again from its tokens."""
+        self._running.remove(sequence)
+        if self.config.share_prefixes:
+            self.blocks.register(sequence.tokens[:-1], sequence.blocks)
+        self.blocks.release(sequence.blocks)
+        sequence.blocks = []
+        sequence.preemptions += 1
+        self._counts["preemptions"] += 1
+        self._queue(sequence.tokens, [sequence], first=True)
+
+    def _reserve(self) -> list[tuple[int, int]]:
+        """Give every running sequence the blocks its next tokens go to, pre-empting the longest
+        when the pool runs out. Returns the (source, target) blocks to copy first."""
+        size, steps = self.config.block_size, self.config.steps_per_call
+        copies: list[tuple[int, int]] = []
+        for sequence in list(self._running):
+            if sequence not in self._running:
+                continue
+            position = len(sequence.tokens) - 1
+            last = position + min(steps, sequence.remaining) - 1
+            column = position // size
+            shared = column < len(sequence.blocks) and self.blocks.references(
+                sequence.blocks[column]) > 1
+            need = max(last // size + 1 - len(sequence.blocks), 0) + int(shared)
+            while need > self.blocks.free_blocks and sequence in self._running:
+                self._preempt(max(self._running, key=lambda s: (len(s.tokens), s.id)))
+            if sequence not in self._running:
+                continue
+            if shared:
+                (fresh,) = self.blocks.allocate(1)
+                copies.append((sequence.blocks[column], fresh))
+                self.blocks.release([sequence.blocks[column]])
+                sequence.blocks[column] = fresh
+            sequence.blocks += self.blocks.allocate(max(last // size + 1 - len(sequence.blocks), 0))
+        self._counts["copies"] += len(copies)
+        return copies
+
+    def _decode(self) -> list[Completion]:
+        if not self._running:
+            return []
+        copies = self._reserve()
+        running = self._running
+        if not running:
+            return []
+        config = self.config
+        rows = next(b for b in config.buckets() if b >= len(running))
+        no_block = self.blocks.num_blocks
+        tokens = np.zeros(rows, np.int32)
+        positions = np.zeros(rows, np.int32)
+        tables = np.zeros((rows, self.width), np.int32)
+        limits = np.zeros(rows, np.int32)
+        keys = np.zeros((rows, *running[0].key.shape), running[0].key.dtype)
+        settings = np.tile(np.asarray([[0.0, 1.0, 0.0]], np.float32), (rows, 1))
+        top_k = np.zeros(rows, np.int32)
+        stops = np.full((rows, config.max_stop_tokens), -1, np.int32)
+        copy_from = np.zeros(rows, np.int32)
+        copy_to = np.full(rows, no_block, np.int32)
+        for i, (source, target) in enumerate(copies):
+            copy_from[i], copy_to[i] = source, target
+        for r, sequence in enumerate(running):
+            spec = sequence.spec
+            tokens[r] = sequence.tokens[-1]
+            positions[r] = len(sequence.tokens) - 1
+            tables[r, : len(sequence.blocks)] = sequence.blocks
+            limits[r] = min(config.steps_per_call, sequence.remaining)
+            keys[r] = sequence.key
+            temperature, k, p, min_p = spec.sampling.as_row()
+            settings[r] = (temperature, p, min_p)
+            top_k[r] = k
+            stops[r, : len(spec.stop_tokens)] = spec.stop_tokens
+        filtered = any(s.spec.sampling.filtered for s in running)
+        self._cache, out, logp = programs.decode(
+            self.model, self._variables, self._cache, tokens, positions, tables, limits, keys,
+            settings, top_k, stops, copy_from, copy_to, steps=config.steps_per_call,
+            filtered=filtered, key_impl=self._key_impl, sharding=self._sharding)
+        self._counts["decode_calls"] += 1
+        out, logp = np.asarray(out), np.asarray(logp)
+        finished = []
+        for r, sequence in enumerate(list(running)):
+            produced = out[r][out[r] >= 0]
+            before = len(sequence.generated)
+            sequence.generated += produced.tolist()
+            sequence.logprobs += logp[r, : produced.size].tolist()
+            self._counts["generated_tokens"] += int(produced.size)
+            reason: Finish | None = None
+            if produced.size and int(produced[-1]) in sequence.spec.stop_tokens:
+                reason = "stop_token"
+            elif sequence.spec.stop_strings and self._cut_at_stop_string(sequence, before):
+                reason = "stop_string"
+            elif sequence.remaining <= 0:
+                reason = "length"
+            if reason is not None:
+                self._running.remove(sequence)
+                if config.share_prefixes:
+                    self.blocks.register(sequence.tokens[:-1], sequence.blocks)
+                self.blocks.release(sequence.blocks)
+                sequence.blocks = []
+                finished.append(self._finish(sequence, reason))
+        return finished
+
+    def _cut_at_stop_string(self, sequence: _Sequence, before: int) -> bool:
+        """Cut sequence after the token that completed one of its stop strings, if one did."""
+        assert self.detokenize is not None
+        strings = sequence.spec.stop_strings
+        if not any(s in self.detokenize(sequence.generated) for s in strings):
+            return False
+        for end in range(before + 1, len(sequence.generated) + 1):
+            if any(s in self.detokenize(sequence.generated[:end]) for s in strings):
+                del sequence.generated[end:], sequence.logprobs[end:]
+                return True
+        return True  # the string spans earlier tokens only when detokenizing is not prefix-stable
+
+    @staticmethod
+    def _finish(sequence: _Sequence, reason: Finish) -> Completion:
+        return Completion(sequence.id, sequence.request, sequence.sample, sequence.spec.prompt,
+                          tuple(sequence.generated), tuple(sequence.logprobs), reason,
+                          sequence.preemptions)
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """Counts of the work done so far (calls, tokens, pre-emptions, peak blocks held)."""
+        return EngineStats(**{name: int(self._counts[name]) for name in EngineStats.__dataclass_fields__})
+
+    def compilations(self) -> int:
+        """Programs compiled so far for all engines (to check that nothing recompiles)."""
+        return programs.prefill._cache_size() + programs.decode._cache_size()
+
+    def _unfinished(self) -> list[_Sequence]:
+        groups = (*self._waiting, *self._prefilling, *self._ready)
+        return sorted([*self._running, *(m for g in groups for m in g.members)], key=lambda s: s.id)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every unfinished sequence with what it produced so far (host values only)."""
+        states = tuple(SequenceState(s.id, s.request, s.sample, s.spec,
+                                     tuple(int(x) for x in s.key), tuple(s.generated),
+                                     tuple(s.logprobs), s.preemptions)
+                       for s in self._unfinished())
+        return EngineSnapshot(states, self._next_id, self._next_request, self._key_impl or "")
+
+    def restore(self, snapshot: EngineSnapshot) -> None:
+        """Queue snapshot's sequences in this idle engine; they continue as they would have."""
+        if not self.idle:
+            raise RuntimeError("Restore a snapshot into an idle engine (this one has sequences "
+                               "in flight).")
+        self._next_id = max(self._next_id, snapshot.next_id)
+        self._next_request = max(self._next_request, snapshot.next_request)
+        self._key_impl = snapshot.key_impl or self._key_impl
+        pending: list[_Sequence] = []
+        for state in snapshot.sequences:
+            sequence = _Sequence(state.id, state.request, state.sample, state.spec,
+                                 np.asarray(state.key, np.uint32), list(state.tokens),
+                                 list(state.logprobs), preemptions=state.preemptions)
+            fresh = not sequence.generated
+            if pending and fresh and not pending[-1].generated \
+                    and pending[-1].request == sequence.request:
+                pending.append(sequence)
+                continue
+            if pending:
+                self._queue(pending[0].tokens, pending)
+            pending = [sequence]
+        if pending:
+            self._queue(pending[0].tokens, pending)
+
+
+@jax.jit
+def _fold(key: jax.Array, indices: jax.Array) -> jax.Array:
+    return jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(indices)
+
+
+def _sample_keys(key: jax.Array, count: int) -> jax.Array:
+    """The key data of ``fold_in(key, j)`` for j < count, in one call."""
+    return _fold(key, jnp.arange(count, dtype=jnp.uint32))
