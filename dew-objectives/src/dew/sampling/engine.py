@@ -239,6 +239,12 @@ class Engine:
     def submit(self, request: Request, key: jax.Array) -> int:
         """Queue request; sample j draws with ``fold_in(key, j)``. Returns the request's id."""
         needed = len(request.prompt) + request.max_new_tokens
+        if len(request.prompt) > self.max_len:
+            raise PromptTooLongError(
+                f"A prompt of {len(request.prompt)} tokens is longer than the cache "
+                f"(max_len={self.max_len} positions); shorten the prompt or use a model with a "
+                "longer max_seq_len."
+            )
         if needed > self.max_len:
             raise PromptTooLongError(
                 f"A prompt of {len(request.prompt)} tokens plus max_new_tokens="
@@ -391,7 +397,7 @@ class Engine:
         """Give every running sequence the blocks its next tokens go to, pre-empting the longest
         when the pool runs out. Returns the (source, target) blocks to copy first."""
         size, steps = self.config.block_size, self.config.steps_per_call
-        copies: list[tuple[int, int]] = []
+        copies: dict[_Sequence, tuple[int, int]] = {}
         for sequence in list(self._running):
             if sequence not in self._running:
                 continue
@@ -402,17 +408,19 @@ class Engine:
                 sequence.blocks[column]) > 1
             need = max(last // size + 1 - len(sequence.blocks), 0) + int(shared)
             while need > self.blocks.free_blocks and sequence in self._running:
-                self._preempt(max(self._running, key=lambda s: (len(s.tokens), s.id)))
+                victim = max(self._running, key=lambda s: (len(s.tokens), s.id))
+                self._preempt(victim)
+                copies.pop(victim, None)  # its copy's target went back to the pool
             if sequence not in self._running:
                 continue
             if shared:
                 (fresh,) = self.blocks.allocate(1)
-                copies.append((sequence.blocks[column], fresh))
+                copies[sequence] = (sequence.blocks[column], fresh)
                 self.blocks.release([sequence.blocks[column]])
                 sequence.blocks[column] = fresh
             sequence.blocks += self.blocks.allocate(max(last // size + 1 - len(sequence.blocks), 0))
         self._counts["copies"] += len(copies)
-        return copies
+        return list(copies.values())
 
     def _decode(self) -> list[Completion]:
         if not self._running:
@@ -501,8 +509,9 @@ class Engine:
         """Counts of the work done so far (calls, tokens, pre-emptions, peak blocks held)."""
         return EngineStats(**{name: int(self._counts[name]) for name in EngineStats.__dataclass_fields__})
 
-    def compilations(self) -> int:
-        """Programs compiled so far for all engines (to check that nothing recompiles)."""
+    @staticmethod
+    def compilations() -> int:
+        """Programs compiled so far, all engines together (to check that nothing recompiles)."""
         return programs.prefill._cache_size() + programs.decode._cache_size()
 
     def _unfinished(self) -> list[_Sequence]:
