@@ -7,6 +7,7 @@ reference the engine must match token for token at temperature 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -123,12 +124,16 @@ def test_a_group_writes_its_prompt_once_and_each_sample_copies_the_block_it_shar
     # The first decode writes position 6 into the shared half block: three samples copy
     # it, the last one left holding it writes in place.
     assert stats.copies == 3
+    # The same prompt submitted one sample at a time is written once too.
+    one_by_one, engine = run(LEARNED, params, [Request(prompt, 10, sampling=GREEDY)] * 4)
+    assert [list(c.tokens) for c in one_by_one] == [alone] * 4
+    assert engine.stats.prefilled_tokens == 6
     # Sampled: sharing changes nothing (each sample reads its prompt through the shared
     # blocks and writes only its own), and the samples differ from one another.
     hot = Request(prompt, 10, samples=4, sampling=Sampling(temperature=1.5))
     shared, with_sharing = run(LEARNED, params, [hot])
     separate, without = run(LEARNED, params, [hot],
-                            config=EngineConfig(**{**CONFIG.__dict__, "share_prefixes": False}))
+                            config=dataclasses.replace(CONFIG, share_prefixes=False))
     assert [c.tokens for c in shared] == [c.tokens for c in separate]
     assert len({c.tokens for c in shared}) > 1
     assert without.stats.prefilled_tokens == 4 * 6
@@ -217,7 +222,7 @@ def test_sampled_outputs_are_reproducible_from_the_seed_and_snapshots_continue_t
         engine.submit(request, jax.random.fold_in(jax.random.key(3), i))
     finished = engine.step() + engine.step()
     snapshot = engine.snapshot()
-    assert snapshot.sequences and any(s.tokens for s in snapshot.sequences)
+    assert snapshot.sequences and any(s.generated for s in snapshot.sequences)
     resumed = Engine(ROTARY, CONFIG)
     resumed.set_params(params)
     resumed.restore(snapshot)

@@ -116,10 +116,12 @@ class CompletionRollout:
         Prompt i's group draws with ``fold_in(key, i)``, its sample j with ``fold_in(that, j)``.
         """
         g, n = self.group_size, self.max_new_tokens
-        if self.engine is None:
+        if self.engine is None:  # every prompt written in one call, every sample decoding at once
+            steps = EngineConfig.steps_per_call
             config = self.engine_config or EngineConfig(
                 max_batch=len(prompts) * g, max_len=prompts.shape[1] + n,
-                block_size=min(16, prompts.shape[1] + n))
+                block_size=min(16, prompts.shape[1] + n), prefill_rows=len(prompts),
+                batch_buckets=min(4, -(-n // steps)))
             self.engine = Engine(self.model, config)
         self.engine.set_params(params)
         stops = () if self.stop_token is None else (int(self.stop_token),)

@@ -38,6 +38,7 @@ carry unfinished sequences into another engine unchanged.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -161,6 +162,8 @@ class Engine:
         self._prefilling: list[_Group] = []
         self._ready: collections.deque[_Group] = collections.deque()
         self._running: list[_Sequence] = []
+        self._open: dict[tuple[int, ...], _Group] = {}  # submitted groups whose samples wait
+        self._empty: list[_Sequence] = []  # asked for no new tokens
         self._next_id = 0
         self._next_request = 0
         self._counts = collections.Counter()
@@ -177,9 +180,8 @@ class Engine:
         if self._cache is None:
             self._build_cache()
 
-    def _context(self) -> Any:
-        import contextlib
-
+    def _context(self) -> contextlib.ExitStack:
+        """The mesh and axis rules the programs trace and run under (nothing on one device)."""
         stack = contextlib.ExitStack()
         if self._mesh is not None:
             stack.enter_context(jax.set_mesh(self._mesh))
@@ -194,16 +196,9 @@ class Engine:
             from dew.training import Layout
 
             self._rules = Layout().axis_rules
-        num_blocks = self.blocks.num_blocks
-
-        def empty(variables: Any) -> Any:
-            view = PagedView(jnp.zeros((1, self.width), jnp.int32), jnp.zeros((1, 1), bool),
-                             num_blocks, config.block_size)
-            zeros = jnp.zeros((1, 1), jnp.int32)
-            return programs._apply(self.model, variables, {}, zeros, zeros, view)[1]
-
         with self._context():
-            shapes = jax.eval_shape(empty, self._variables)
+            shapes = _pool_shapes(self.model, self._variables, self.blocks.num_blocks,
+                                  config.block_size, self.width)
         if not jax.tree.leaves(shapes):
             raise NotPagedModelError(
                 f"{type(self.model).__name__} wrote no paged key/value cache when decoding; the "
@@ -276,8 +271,25 @@ class Engine:
         return rid
 
     def _queue(self, tokens: list[int], members: list[_Sequence], *, first: bool = False) -> None:
-        groups = ([_Group(tokens, collections.deque(members))] if self.config.share_prefixes
-                  else [_Group(list(tokens), collections.deque([m])) for m in members])
+        """Queue members to continue tokens: last (a submission) or first (a pre-empted one).
+
+        A submission whose tokens equal those of a group not yet started joins it,
+        so prompts submitted one sample at a time are still written once.
+        """
+        self._empty += [m for m in members if m.remaining <= 0]
+        members = [m for m in members if m.remaining > 0]
+        if not members:
+            return
+        if not self.config.share_prefixes:
+            groups = [_Group(list(tokens), collections.deque([m])) for m in members]
+        else:
+            joined = None if first else self._open.get(tuple(tokens))
+            if joined is not None:
+                joined.members.extend(members)
+                return
+            groups = [_Group(tokens, collections.deque(members))]
+            if not first:
+                self._open[tuple(tokens)] = groups[0]
         if first:
             self._waiting.extendleft(reversed(groups))
         else:
@@ -286,20 +298,31 @@ class Engine:
     @property
     def idle(self) -> bool:
         """Whether every submitted sequence has finished."""
-        return not (self._waiting or self._prefilling or self._ready or self._running)
+        return not (self._waiting or self._prefilling or self._ready or self._running
+                    or self._empty)
 
     def run(self) -> list[Completion]:
         """Step until idle; every completion finished on the way, in submission order."""
         done: list[Completion] = []
         while not self.idle:
-            done.extend(self.step())
+            before = (self._counts["prefilled_tokens"], self._counts["generated_tokens"],
+                      len(self._waiting), len(self._ready))
+            finished = self.step()
+            done.extend(finished)
+            after = (self._counts["prefilled_tokens"], self._counts["generated_tokens"],
+                     len(self._waiting), len(self._ready))
+            if after == before and not finished:
+                raise RuntimeError("The engine made no progress in a step; this is a bug in its "
+                                   "scheduling (please report it with the EngineConfig used).")
         return sorted(done, key=lambda c: c.id)
 
     def step(self) -> list[Completion]:
         """One round: admit, write a prefill chunk, start samples, decode. Returns what finished."""
         if self._variables is None:
             raise RuntimeError("Call Engine.set_params(variables) before stepping it.")
-        finished = [self._finish(s, "length") for s in self._admit()]
+        finished = [self._finish(s, "length") for s in self._empty]
+        self._empty = []
+        self._admit()
         with self._context():
             self._prefill()
             self._start()
@@ -311,16 +334,11 @@ class Engine:
     def _holding(self) -> bool:
         return bool(self._running or self._prefilling or self._ready)
 
-    def _admit(self) -> list[_Sequence]:
-        """Move queued groups into prefill while rows and blocks allow; return empty requests."""
-        empty: list[_Sequence] = []
+    def _admit(self) -> None:
+        """Move queued groups into prefill while rows and blocks allow."""
         size = self.config.block_size
         while self._waiting:
             group = self._waiting[0]
-            if all(m.remaining <= 0 for m in group.members):
-                self._waiting.popleft()
-                empty.extend(group.members)
-                continue
             pending = sum(len(g.members) for g in (*self._prefilling, *self._ready))
             if len(self._running) + pending >= self.config.max_batch:
                 break
@@ -335,7 +353,6 @@ class Engine:
             self._counts["reused_tokens"] += group.written
             self._waiting.popleft()
             (self._ready if group.written >= group.target else self._prefilling).append(group)
-        return empty
 
     def _prefill(self) -> None:
         jobs = self._prefilling[: self.config.prefill_rows]
@@ -381,6 +398,8 @@ class Engine:
             if not group.members:
                 self.blocks.release(group.blocks)
                 self._ready.popleft()
+                if self._open.get(tuple(group.tokens)) is group:
+                    del self._open[tuple(group.tokens)]
 
     def _preempt(self, sequence: _Sequence) -> None:
         """Free sequence's blocks and queue it first, to be written again from its tokens."""
@@ -455,7 +474,8 @@ class Engine:
             settings[r] = (temperature, p, min_p)
             top_k[r] = k
             stops[r, : len(spec.stop_tokens)] = spec.stop_tokens
-        filtered = any(s.spec.sampling.filtered for s in running)
+        filtered = (None if all(s.spec.sampling.greedy for s in running)
+                    else any(s.spec.sampling.filtered for s in running))
         self._cache, out, logp = programs.decode(
             self.model, self._variables, self._cache, tokens, positions, tables, limits, keys,
             settings, top_k, stops, copy_from, copy_to, steps=config.steps_per_call,
@@ -516,7 +536,8 @@ class Engine:
 
     def _unfinished(self) -> list[_Sequence]:
         groups = (*self._waiting, *self._prefilling, *self._ready)
-        return sorted([*self._running, *(m for g in groups for m in g.members)], key=lambda s: s.id)
+        return sorted([*self._running, *self._empty, *(m for g in groups for m in g.members)],
+                      key=lambda s: s.id)
 
     def snapshot(self) -> EngineSnapshot:
         """Every unfinished sequence with what it produced so far (host values only)."""
@@ -534,21 +555,31 @@ class Engine:
         self._next_id = max(self._next_id, snapshot.next_id)
         self._next_request = max(self._next_request, snapshot.next_request)
         self._key_impl = snapshot.key_impl or self._key_impl
-        pending: list[_Sequence] = []
-        for state in snapshot.sequences:
+        for state in snapshot.sequences:  # samples of one prompt not yet started rejoin one group
             sequence = _Sequence(state.id, state.request, state.sample, state.spec,
-                                 np.asarray(state.key, np.uint32), list(state.tokens),
+                                 np.asarray(state.key, np.uint32), list(state.generated),
                                  list(state.logprobs), preemptions=state.preemptions)
-            fresh = not sequence.generated
-            if pending and fresh and not pending[-1].generated \
-                    and pending[-1].request == sequence.request:
-                pending.append(sequence)
-                continue
-            if pending:
-                self._queue(pending[0].tokens, pending)
-            pending = [sequence]
-        if pending:
-            self._queue(pending[0].tokens, pending)
+            self._queue(sequence.tokens, [sequence])
+
+
+_SHAPES: dict[Any, Any] = {}
+
+
+def _pool_shapes(model: nn.Module, variables: Any, num_blocks: int, block_size: int,
+                 width: int) -> Any:
+    """The shapes of model's pools (traced once per model, layout and parameter shapes)."""
+    leaves, structure = jax.tree.flatten(variables)
+    signature = (model, num_blocks, block_size, width, structure,
+                 tuple((x.shape, str(x.dtype)) for x in leaves))
+    if signature not in _SHAPES:
+        def empty(variables: Any) -> Any:
+            view = PagedView(jnp.zeros((1, width), jnp.int32), jnp.zeros((1, 1), bool),
+                             num_blocks, block_size)
+            zeros = jnp.zeros((1, 1), jnp.int32)
+            return programs._apply(model, variables, {}, zeros, zeros, view)[1]
+
+        _SHAPES[signature] = jax.eval_shape(empty, variables)
+    return _SHAPES[signature]
 
 
 @jax.jit

@@ -80,16 +80,20 @@ def _rows(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[lis
     return rows
 
 
-def default_config(rows: int, max_len: int, *, block_size: int = 16) -> EngineConfig:
+def default_config(rows: int, max_len: int, max_new_tokens: int, *,
+                   block_size: int = 16) -> EngineConfig:
     """The engine generate builds for rows prompts of a model of max_len positions.
 
     The batch is rounded up to a power of two so that calls of similar sizes share
-    one compiled program; blocks of block_size positions (fewer for a very short
-    model) and enough of them for every row at full length.
+    one compiled program, and every prompt is written in the same prefill call;
+    blocks of block_size positions (fewer for a very short model) and enough of
+    them for every row at full length; no more decode batch sizes than there
+    are decode calls to use them.
     """
     batch = 1 << max(rows - 1, 0).bit_length()
-    return EngineConfig(max_batch=batch, block_size=min(block_size, max_len),
-                        prefill_chunk=256, min_bucket=8)
+    rounds = -(-max_new_tokens // EngineConfig.steps_per_call)
+    return EngineConfig(max_batch=batch, block_size=min(block_size, max_len), prefill_rows=batch,
+                        batch_buckets=max(1, min(4, rounds)))
 
 
 def generate(
@@ -135,7 +139,8 @@ def generate(
     if max_new_tokens == 0:
         return Generation([list(row) for row in rows], tuple(lengths), (False,) * len(rows),
                           ((),) * len(rows))
-    engine = Engine(model, config or default_config(len(rows), limit), detokenize=detokenize)
+    engine = Engine(model, config or default_config(len(rows), limit, max_new_tokens),
+                    detokenize=detokenize)
     engine.set_params(params)
     stops = () if eos_id is None else (int(eos_id),)
     for i, row in enumerate(rows):

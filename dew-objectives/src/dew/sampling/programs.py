@@ -59,8 +59,11 @@ def prefill(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, pos
 
 
 def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-          top_p: jax.Array, min_p: jax.Array, filtered: bool) -> jax.Array:
+          top_p: jax.Array, min_p: jax.Array, filtered: bool | None) -> jax.Array:
+    """Each row's token: greedy where its temperature is 0, else drawn (filtered=None: all greedy)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if filtered is None:
+        return greedy
     scaled = filter_logits(logits, temperature, top_k, top_p, min_p, filtered=filtered)
     drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
     return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
@@ -71,14 +74,15 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
 def decode(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, positions: jax.Array,
            tables: jax.Array, limits: jax.Array, keys: jax.Array, settings: jax.Array,
            top_k: jax.Array, stops: jax.Array, copy_from: jax.Array, copy_to: jax.Array, *,
-           steps: int, filtered: bool, key_impl: str, sharding: Any = None
+           steps: int, filtered: bool | None, key_impl: str, sharding: Any = None
            ) -> tuple[Any, jax.Array, jax.Array]:
     """Decode up to steps tokens for each row [B]; returns the cache, tokens and log-probs [B, steps].
 
     Row b feeds tokens[b] at positions[b] and produces at most limits[b] tokens,
     stopping after one of stops[b] (padded with -1). settings [B, 3] hold each
     row's temperature, top_p and min_p, top_k [B] its top-k (0: off); keys [B, ...]
-    are the sequences' key data. Blocks copy_from[i] are first copied to
+    are the sequences' key data. filtered says whether a row uses a filter (None:
+    every row is greedy, and nothing is drawn). Blocks copy_from[i] are first copied to
     copy_to[i] (copy-on-write; out-of-range targets are skipped). Tokens not
     produced are -1. The log-probability is the model's own (temperature 1,
     unfiltered) of the token drawn.

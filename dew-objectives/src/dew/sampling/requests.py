@@ -161,7 +161,7 @@ class SequenceState:
     sample: int
     spec: Request
     key: tuple[int, ...]
-    tokens: tuple[int, ...] = ()
+    generated: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
     preemptions: int = 0
 
