@@ -261,7 +261,8 @@ def test_logprobs_are_the_models_own_and_stops_end_where_they_say(variables):
 def test_filters_keep_what_each_row_asks_for():
     probabilities = jnp.asarray([0.1, 0.2, 0.3, 0.4])
     logits = jnp.log(jnp.tile(probabilities, (4000, 1)))
-    draws = np.asarray(choose(logits, jax.random.key(0), Sampling(min_p=0.6)))  # p >= 0.24
+    draws = np.asarray(jax.jit(choose, static_argnums=2)(logits, jax.random.key(0),
+                                                         Sampling(min_p=0.6)))  # p >= 0.24
     assert set(draws.tolist()) == {2, 3}
     np.testing.assert_allclose(np.mean(draws == 3), 0.4 / 0.7, atol=0.03)
     # One batch, a different setting per row, equals each setting applied alone.
@@ -269,9 +270,10 @@ def test_filters_keep_what_each_row_asks_for():
             Sampling(temperature=2.0, min_p=0.6)]  # sqrt(p) / sqrt(0.4) >= 0.6
     batch = jnp.log(jnp.tile(probabilities, (4, 1)))
     columns = [jnp.asarray(c) for c in zip(*(s.as_row() for s in rows), strict=True)]
-    mixed = filter_logits(batch, *columns)
+    filtered = jax.jit(filter_logits)
+    mixed = filtered(batch, *columns)
     for i, sampling in enumerate(rows):
-        alone = filter_logits(batch[i:i + 1], *(c[i:i + 1] for c in columns))
+        alone = filtered(batch[i:i + 1], *(c[i:i + 1] for c in columns))
         np.testing.assert_array_equal(mixed[i], alone[0])
         kept = np.asarray(mixed[i]) > jnp.finfo(jnp.float32).min
         by_hand = {0: [1, 1, 1, 1], 1: [0, 0, 1, 1], 2: [0, 0, 1, 1], 3: [0, 1, 1, 1]}[i]
