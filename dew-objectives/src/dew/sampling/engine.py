@@ -41,7 +41,6 @@ import collections
 import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import flax.linen as nn
@@ -49,15 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.nn.paged_attention import POOL_AXES, PagedView
 from dew.sampling import programs
 from dew.sampling.blocks import BlockPool
-from dew.sampling.errors import (
-    EngineConfigError,
-    InvalidVariablesError,
-    NotPagedModelError,
-    PromptTooLongError,
-)
+from dew.sampling.errors import EngineConfigError, PromptTooLongError
+from dew.sampling.pool import empty_cache, mesh_of, model_variables
 from dew.sampling.requests import (
     Completion,
     EngineConfig,
@@ -65,68 +59,10 @@ from dew.sampling.requests import (
     EngineStats,
     Finish,
     Request,
-    SequenceState,
 )
+from dew.sampling.sequences import PromptGroup, Sample, sample_keys
 
 __all__ = ["Engine"]
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One sample on the host: what it produced, and the blocks its table points at."""
-
-    id: int
-    request: int
-    sample: int
-    spec: Request
-    key: np.ndarray
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    preemptions: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return list(self.spec.prompt) + self.generated
-
-    @property
-    def remaining(self) -> int:
-        return self.spec.max_new_tokens - len(self.generated)
-
-
-@dataclass(eq=False)
-class _Group:
-    """Sequences that continue the same tokens: written once, then each sample forks the blocks.
-
-    Positions [0, written) are in the cache; all tokens but the last are
-    written before the samples start (the last is each sample's first input).
-    """
-
-    tokens: list[int]
-    members: collections.deque[_Sequence]
-    blocks: list[int] = field(default_factory=list)
-    written: int = 0
-
-    @property
-    def target(self) -> int:
-        return len(self.tokens) - 1
-
-
-def _variables(params: Mapping[str, Any]) -> dict[str, Any]:
-    variables = dict(nn.meta.unbox(params))
-    if "params" not in variables:
-        raise InvalidVariablesError("The engine takes the model's full variables ({'params': ...}, as "
-                        f"state.params holds them); got a dict with keys {sorted(variables)}.")
-    variables.pop("cache", None)
-    return variables
-
-
-def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
-            return sharding.mesh
-    return None
 
 
 class Engine:
@@ -158,12 +94,12 @@ class Engine:
         self._cache: Any = None
         self._sharding: Any = None
         self._key_impl: str | None = None
-        self._waiting: collections.deque[_Group] = collections.deque()
-        self._prefilling: list[_Group] = []
-        self._ready: collections.deque[_Group] = collections.deque()
-        self._running: list[_Sequence] = []
-        self._open: dict[tuple[int, ...], _Group] = {}  # submitted groups whose samples wait
-        self._empty: list[_Sequence] = []  # asked for no new tokens
+        self._waiting: collections.deque[PromptGroup] = collections.deque()
+        self._prefilling: list[PromptGroup] = []
+        self._ready: collections.deque[PromptGroup] = collections.deque()
+        self._running: list[Sample] = []
+        self._open: dict[tuple[int, ...], PromptGroup] = {}  # submitted groups whose samples wait
+        self._empty: list[Sample] = []  # asked for no new tokens
         self._next_id = 0
         self._next_request = 0
         self._counts = collections.Counter()
@@ -175,7 +111,7 @@ class Engine:
         The registered prefixes are forgotten (their keys and values came from
         the old weights); sequences in flight keep the keys and values they have.
         """
-        self._variables = _variables(params)
+        self._variables = model_variables(params)
         self.blocks.forget()
         if self._cache is None:
             self._build_cache()
@@ -189,41 +125,16 @@ class Engine:
         return stack
 
     def _build_cache(self) -> None:
-        config = self.config
         if self._mesh is None:
-            self._mesh = _mesh_of(self._variables)
+            self._mesh = mesh_of(self._variables)
         if self._mesh is not None and self._rules is None:
             from dew.training import Layout
 
             self._rules = Layout().axis_rules
         with self._context():
-            shapes = _pool_shapes(self.model, self._variables, self.blocks.num_blocks,
-                                  config.block_size, self.width)
-        if not jax.tree.leaves(shapes):
-            raise NotPagedModelError(
-                f"{type(self.model).__name__} wrote no paged key/value cache when decoding; the "
-                "engine needs a causal decoder whose attention layers are dew.nn.layers."
-                "CausalSelfAttention (such as the causal_transformer model)."
-            )
-        self._sharding = self._pool_sharding(shapes)
-        by_rank = dict(self._sharding or ())
-        self._cache = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, s.dtype, device=by_rank.get(len(s.shape))), shapes)
-
-    def _pool_sharding(self, shapes: Any) -> tuple[tuple[int, Any], ...] | None:
-        if self._mesh is None:
-            return None
-        heads = jax.tree.leaves(shapes)[0].shape[-2]
-        with nn.logical_axis_rules(self._rules):
-            mapped = nn.logical_to_mesh_axes(POOL_AXES)
-        split = mapped[2]
-        names = (split,) if isinstance(split, str) else tuple(split or ())
-        ways = math.prod(dict(self._mesh.shape).get(n, 1) for n in names)
-        spec = [None, None, split if ways > 1 and heads % ways == 0 else None, None]
-        ranks = {len(s.shape) for s in jax.tree.leaves(shapes)}
-        P = jax.sharding.PartitionSpec
-        return tuple((rank, jax.sharding.NamedSharding(self._mesh, P(*[None] * (rank - 4), *spec)))
-                     for rank in sorted(ranks))
+            self._cache, self._sharding = empty_cache(
+                self.model, self._variables, self.blocks.num_blocks, self.config.block_size,
+                self.width, self._mesh, self._rules)
 
     @property
     def cache(self) -> Any:
@@ -260,17 +171,17 @@ class Engine:
         if self._key_impl not in (None, impl):
             raise TypeError(f"Keys of {impl} and {self._key_impl} cannot be mixed in one engine.")
         self._key_impl = impl
-        keys = np.asarray(_sample_keys(key, request.samples))
+        keys = sample_keys(key, request.samples)
         rid = self._next_request
         self._next_request += 1
         members = []
         for j in range(request.samples):
-            members.append(_Sequence(self._next_id, rid, j, request, keys[j]))
+            members.append(Sample(self._next_id, rid, j, request, keys[j]))
             self._next_id += 1
         self._queue(list(request.prompt), members)
         return rid
 
-    def _queue(self, tokens: list[int], members: list[_Sequence], *, first: bool = False) -> None:
+    def _queue(self, tokens: list[int], members: list[Sample], *, first: bool = False) -> None:
         """Queue members to continue tokens: last (a submission) or first (a pre-empted one).
 
         A submission whose tokens equal those of a group not yet started joins it,
@@ -281,13 +192,13 @@ class Engine:
         if not members:
             return
         if not self.config.share_prefixes:
-            groups = [_Group(list(tokens), collections.deque([m])) for m in members]
+            groups = [PromptGroup(list(tokens), collections.deque([m])) for m in members]
         else:
             joined = None if first else self._open.get(tuple(tokens))
             if joined is not None:
                 joined.members.extend(members)
                 return
-            groups = [_Group(tokens, collections.deque(members))]
+            groups = [PromptGroup(tokens, collections.deque(members))]
             if not first:
                 self._open[tuple(tokens)] = groups[0]
         if first:
@@ -320,7 +231,7 @@ class Engine:
         """One round: admit, write a prefill chunk, start samples, decode. Returns what finished."""
         if self._variables is None:
             raise RuntimeError("Call Engine.set_params(variables) before stepping it.")
-        finished = [self._finish(s, "length") for s in self._empty]
+        finished = [s.completion("length") for s in self._empty]
         self._empty = []
         self._admit()
         with self._context():
@@ -401,7 +312,7 @@ class Engine:
                 if self._open.get(tuple(group.tokens)) is group:
                     del self._open[tuple(group.tokens)]
 
-    def _preempt(self, sequence: _Sequence) -> None:
+    def _preempt(self, sequence: Sample) -> None:
         """Free sequence's blocks and queue it first, to be written again from its tokens."""
         self._running.remove(sequence)
         if self.config.share_prefixes:
@@ -416,7 +327,7 @@ class Engine:
         """Give every running sequence the blocks its next tokens go to, pre-empting the longest
         when the pool runs out. Returns the (source, target) blocks to copy first."""
         size, steps = self.config.block_size, self.config.steps_per_call
-        copies: dict[_Sequence, tuple[int, int]] = {}
+        copies: dict[Sample, tuple[int, int]] = {}
         for sequence in list(self._running):
             if sequence not in self._running:
                 continue
@@ -502,10 +413,10 @@ class Engine:
                     self.blocks.register(sequence.tokens[:-1], sequence.blocks)
                 self.blocks.release(sequence.blocks)
                 sequence.blocks = []
-                finished.append(self._finish(sequence, reason))
+                finished.append(sequence.completion(reason))
         return finished
 
-    def _cut_at_stop_string(self, sequence: _Sequence, before: int) -> bool:
+    def _cut_at_stop_string(self, sequence: Sample, before: int) -> bool:
         """Cut sequence after the token that completed one of its stop strings, if one did."""
         assert self.detokenize is not None
         strings = sequence.spec.stop_strings
@@ -516,12 +427,6 @@ class Engine:
                 del sequence.generated[end:], sequence.logprobs[end:]
                 return True
         return True  # the string spans earlier tokens only when detokenizing is not prefix-stable
-
-    @staticmethod
-    def _finish(sequence: _Sequence, reason: Finish) -> Completion:
-        return Completion(sequence.id, sequence.request, sequence.sample, sequence.spec.prompt,
-                          tuple(sequence.generated), tuple(sequence.logprobs), reason,
-                          sequence.preemptions)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -534,17 +439,14 @@ class Engine:
         """Programs compiled so far, all engines together (to check that nothing recompiles)."""
         return programs.prefill._cache_size() + programs.decode._cache_size()
 
-    def _unfinished(self) -> list[_Sequence]:
+    def _unfinished(self) -> list[Sample]:
         groups = (*self._waiting, *self._prefilling, *self._ready)
         return sorted([*self._running, *self._empty, *(m for g in groups for m in g.members)],
                       key=lambda s: s.id)
 
     def snapshot(self) -> EngineSnapshot:
         """Every unfinished sequence with what it produced so far (host values only)."""
-        states = tuple(SequenceState(s.id, s.request, s.sample, s.spec,
-                                     tuple(int(x) for x in s.key), tuple(s.generated),
-                                     tuple(s.logprobs), s.preemptions)
-                       for s in self._unfinished())
+        states = tuple(s.state() for s in self._unfinished())
         return EngineSnapshot(states, self._next_id, self._next_request, self._key_impl or "")
 
     def restore(self, snapshot: EngineSnapshot) -> None:
@@ -556,37 +458,5 @@ class Engine:
         self._next_request = max(self._next_request, snapshot.next_request)
         self._key_impl = snapshot.key_impl or self._key_impl
         for state in snapshot.sequences:  # samples of one prompt not yet started rejoin one group
-            sequence = _Sequence(state.id, state.request, state.sample, state.spec,
-                                 np.asarray(state.key, np.uint32), list(state.generated),
-                                 list(state.logprobs), preemptions=state.preemptions)
+            sequence = Sample.from_state(state)
             self._queue(sequence.tokens, [sequence])
-
-
-_SHAPES: dict[Any, Any] = {}
-
-
-def _pool_shapes(model: nn.Module, variables: Any, num_blocks: int, block_size: int,
-                 width: int) -> Any:
-    """The shapes of model's pools (traced once per model, layout and parameter shapes)."""
-    leaves, structure = jax.tree.flatten(variables)
-    signature = (model, num_blocks, block_size, width, structure,
-                 tuple((x.shape, str(x.dtype)) for x in leaves))
-    if signature not in _SHAPES:
-        def empty(variables: Any) -> Any:
-            view = PagedView(jnp.zeros((1, width), jnp.int32), jnp.zeros((1, 1), bool),
-                             num_blocks, block_size)
-            zeros = jnp.zeros((1, 1), jnp.int32)
-            return programs._apply(model, variables, {}, zeros, zeros, view)[1]
-
-        _SHAPES[signature] = jax.eval_shape(empty, variables)
-    return _SHAPES[signature]
-
-
-@jax.jit
-def _fold(key: jax.Array, indices: jax.Array) -> jax.Array:
-    return jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(indices)
-
-
-def _sample_keys(key: jax.Array, count: int) -> jax.Array:
-    """The key data of ``fold_in(key, j)`` for j < count, in one call."""
-    return _fold(key, jnp.arange(count, dtype=jnp.uint32))

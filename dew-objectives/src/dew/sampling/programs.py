@@ -23,7 +23,7 @@ from flax import traverse_util
 from dew.nn.paged_attention import POOL_NAMES, PagedView, copy_blocks, paged
 from dew.sampling.options import filter_logits
 
-__all__ = ["decode", "pool_only", "prefill"]
+__all__ = ["apply", "decode", "pool_only", "prefill"]
 
 
 def pool_only(cache: Any) -> dict[str, Any]:
@@ -40,8 +40,9 @@ def _placed(cache: Any, sharding: Any) -> Any:
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, by_rank[x.ndim]), cache)
 
 
-def _apply(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, positions: jax.Array,
+def apply(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, positions: jax.Array,
            view: PagedView) -> tuple[jax.Array, Any]:
+    """The model's logits for tokens at positions, and its pools after writing them through view."""
     with paged(view):
         logits, mutated = model.apply({**variables, "cache": cache}, tokens, positions, decode=True,
                                       mutable=["cache"])
@@ -54,7 +55,7 @@ def prefill(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, pos
     """Write the keys and values of tokens [R, C] at positions [R, C] into the rows' blocks."""
     num_blocks, block_size = jax.tree.leaves(cache)[0].shape[-4:-2]
     view = PagedView(tables, writes, num_blocks, block_size)
-    _, cache = _apply(model, variables, cache, tokens, positions, view)
+    _, cache = apply(model, variables, cache, tokens, positions, view)
     return _placed(cache, sharding)
 
 
@@ -101,7 +102,7 @@ def decode(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, posi
         i, cache, token, position, out, logp, stopped = carry
         active = ~stopped & (i < limits)
         view = PagedView(tables, active[:, None], num_blocks, block_size)
-        logits, cache = _apply(model, variables, cache, token[:, None], position[:, None], view)
+        logits, cache = apply(model, variables, cache, token[:, None], position[:, None], view)
         logits = logits[:, 0].astype(jnp.float32)
         keys = jax.vmap(jax.random.fold_in)(base, position + 1)
         new = _draw(logits, keys, temperature, top_k, top_p, min_p, filtered)
