@@ -20,7 +20,7 @@ MODULES = sorted(
 
 
 # Modules whose examples build and run models (tens of seconds): the fast lane skips them.
-SLOW = {"dew.nn.backbones"}
+SLOW = {"dew.nn.backbones", "dew.nn.paged_attention", "dew.sampling.engine"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n

@@ -3,8 +3,6 @@ rollout samples with the live parameters through one compiled sampler."""
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +13,9 @@ from dew.objectives.base import Step
 from dew.objectives.grpo import GroupSizeError, GRPOObjective
 from dew.objectives.policy import token_logprobs
 from dew.rewards import NonFiniteRewardError
+from dew.sampling import Engine
 
 VOCAB, LENGTH, G = 13, 10, 4
-generate_module = importlib.import_module("dew.sampling.generate")
 
 
 def _model():
@@ -138,11 +136,11 @@ def test_the_rollout_samples_with_live_parameters_through_one_compiled_sampler()
     variables = objective.init(jax.random.key(0))
     batch = _prompts()
     out = rollout(_State(variables), batch, jax.random.key(2))
-    compiled = generate_module._generate._cache_size()
+    compiled = Engine.compilations()
     # Other parameters (values, not shapes): the same executable, and other samples.
     moved = jax.tree.map(lambda x: x * 1.5, variables)
     again = rollout(_State(moved), batch, jax.random.key(2))
-    assert generate_module._generate._cache_size() == compiled
+    assert Engine.compilations() == compiled
     assert not np.array_equal(out["tokens"], again["tokens"]) or not np.allclose(out["old_logp"], again["old_logp"])
     tokens, mask = out["tokens"], out["mask"]
     assert tokens.shape == (2 * G, 3 + 4) and mask.shape == tokens.shape
@@ -151,14 +149,13 @@ def test_the_rollout_samples_with_live_parameters_through_one_compiled_sampler()
         n = int(batch["prompt_length"][i // G])
         np.testing.assert_array_equal(tokens[i, :n], batch["prompt"][i // G, :n])
         np.testing.assert_array_equal(mask[i], [0] * n + [1] * 4 + [0] * (3 - n))
-    # The same key and parameters give what the sampler alone gives.
-    from dew.sampling import Sampling, sample_on_device
+    # The same key and parameters give what generate gives alone (prompt i's group draws with
+    # fold_in(key, i), its sample j with fold_in of that and j: generate's row 0, sample 0).
+    from dew.sampling import Sampling, generate
 
-    prompts = np.repeat(batch["prompt"], G, 0)
-    alone = sample_on_device(model, {"params": variables["params"]}, jnp.asarray(prompts),
-                             jnp.repeat(jnp.asarray(batch["prompt_length"]), G), jax.random.key(2), 4,
-                             Sampling(temperature=1.0))
-    np.testing.assert_array_equal(tokens[0, 3:7], np.asarray(alone)[0])
+    alone = generate(model, {"params": variables["params"]}, [batch["prompt"][0, :3]], 4,
+                     jax.random.key(2), Sampling(temperature=1.0))
+    np.testing.assert_array_equal(tokens[0, 3:7], alone.new_tokens[0])
     # old_logp scores the sequences under the sampling parameters; answers reach the reward per completion.
     expected = token_logprobs(model, {"params": variables["params"]}, jnp.asarray(tokens))[0]
     np.testing.assert_allclose(out["old_logp"], expected, rtol=1e-5, atol=1e-6)

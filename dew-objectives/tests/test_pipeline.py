@@ -55,6 +55,11 @@ def test_pipeline_uses_the_ema_weights_and_matches_generate():
     expected = generate(MODEL, averaged, [ids], 10, jax.random.key(0), Sampling(temperature=0.0),
                         eos_id=tokenizer.eos_id)
     assert pipeline("def f(", max_new_tokens=10) == tokenizer.decode(expected.new_tokens[0])
+    # A stop string ends the text after its first occurrence: a printable byte it produced.
+    new = expected.new_tokens[0]
+    first = next(i for i, t in enumerate(new) if 32 <= t < 127)
+    stop = chr(new[first])
+    assert pipeline("def f(", max_new_tokens=10, stop=[stop]) == tokenizer.decode(new[: first + 1])
     without = objective.pipeline(types.SimpleNamespace(params=live, averaged=None))
     other = generate(MODEL, live, [ids], 10, jax.random.key(0), Sampling(temperature=0.0),
                      eos_id=tokenizer.eos_id)

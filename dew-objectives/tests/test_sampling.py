@@ -10,6 +10,7 @@ import pytest
 
 from dew.nn.backbones import CausalTransformer
 from dew.sampling import (
+    Engine,
     InvalidPromptError,
     InvalidSamplingError,
     PromptTooLongError,
@@ -17,7 +18,6 @@ from dew.sampling import (
     choose,
     generate,
 )
-from dew.sampling.generate import _generate
 
 VOCAB = 29
 MODEL = CausalTransformer(vocab_size=VOCAB, emb_features=16, num_layers=2, num_heads=2,
@@ -88,10 +88,10 @@ def test_compiles_once_per_shape(variables):
     params = variables[MODEL]
     sampling = Sampling(temperature=0.5, top_k=5)
     generate(MODEL, params, [[1, 2], [3, 4]], 5, jax.random.key(0), sampling)
-    before = _generate._cache_size()
+    before = Engine.compilations()
     for seed in range(3):
         generate(MODEL, params, [[seed, 2], [3, seed + 1]], 5, jax.random.key(seed), sampling)
-    assert _generate._cache_size() == before
+    assert Engine.compilations() == before
 
 
 def test_sampling_draws_from_the_filtered_softmax():

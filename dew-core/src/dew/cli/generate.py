@@ -17,6 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 picks the likeliest token")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="drop tokens less likely than this share of the likeliest")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end a continuation after this text (repeatable)")
     parser.add_argument("--step", type=int, default=None, help="a kept step of the run (default newest)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random draws")
 
@@ -31,11 +35,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "min_p": args.min_p}
     try:
         pipeline = opened.objective.pipeline(opened.variables, sampling=sampling)
+        options = {"stop": args.stop} if args.stop else {}
         texts = pipeline(list(args.prompts), max_new_tokens=args.max_new_tokens,
-                         key=jax.random.key(args.seed))
+                         key=jax.random.key(args.seed), **options)
     except ValueError as error:  # a prompt too long for the model, a sampling setting out of range
         print(f"dew generate: {error}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.nn import paged_attention as paged
 from dew.nn import sharding as axes
 from dew.nn.moe import MoEBlock
 from dew.nn.sharding import constrain, param
@@ -154,7 +155,9 @@ class CausalSelfAttention(nn.Module):
         # (an all-gather over the sequence axis), so attention is exact under a sequence split.
         whole = (axes.BATCH, None, axes.ACTIVATION_HEADS, None)
         k_bshk, v_bshk = constrain(k_bshk, whole), constrain(v_bshk, whole)
-        if decode:  # keys and values come from the cache: s runs over its max_len slots
+        if decode and paged.current_view() is not None:  # a paged cache: s runs over the row's blocks
+            k_bshk, v_bshk, mask = paged.update(self, k_bshk, v_bshk, positions)
+        elif decode:  # keys and values come from the cache: s runs over its max_len slots
             k_bshk, v_bshk, mask = self._update_cache(k_bshk, v_bshk, positions)
         else:
             mask = jnp.tril(jnp.ones((length, length), bool))[None, None, None]

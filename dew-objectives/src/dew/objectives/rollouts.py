@@ -1,10 +1,12 @@
 """Rollouts that sample completions from the live policy and score them with a reward.
 
-``CompletionRollout`` runs on the host before each step: it repeats each
-prompt of the batch ``group_size`` times, samples completions with the
-current parameters (the compiled sampler reads them on the devices; only
-the sampled ids come back to the host), cuts each completion at the stop
-token, decodes it, scores it with the reward, and scores every token of the
+``CompletionRollout`` runs on the host before each step: it asks the
+generation engine (``dew.sampling.Engine``) for ``group_size`` completions of
+each prompt of the batch with the current parameters (the prompt is written
+once and its samples share it; a completion ends at the stop token and frees
+its place for the next; the compiled programs read the parameters on the
+devices and only the sampled ids come back to the host), decodes each
+completion, scores it with the reward, and scores every token of the
 sequences under the sampling policy (``old_logp``, for the clipped ratio).
 What it returns has the same shapes at every step:
 
@@ -29,7 +31,7 @@ import numpy as np
 
 from dew.objectives.policy import token_logprobs
 from dew.rewards import Reward, score
-from dew.sampling import Sampling, sample_on_device
+from dew.sampling import Engine, EngineConfig, Request, Sampling
 
 __all__ = ["CompletionRollout", "RolloutBatchError"]
 
@@ -45,11 +47,16 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 class CompletionRollout:
-    """Sample group_size completions per prompt, score them, and lay them out for the step."""
+    """Sample group_size completions per prompt, score them, and lay them out for the step.
+
+    engine sets the generation engine's layout (default: every completion of a
+    step decoding at once, with room for all of them at full length).
+    """
 
     def __init__(self, model: nn.Module, reward: Reward, *, group_size: int, max_new_tokens: int,
                  sampling: Sampling, tokenizer: Any = None, stop_token: int | None = None,
-                 prompt_key: str = "prompt", prompt_length_key: str = "prompt_length") -> None:
+                 prompt_key: str = "prompt", prompt_length_key: str = "prompt_length",
+                 engine: EngineConfig | None = None) -> None:
         self.model = model
         self.reward = reward
         self.group_size = group_size
@@ -60,6 +67,8 @@ class CompletionRollout:
         self.prompt_key = prompt_key
         self.prompt_length_key = prompt_length_key
         self.reward_seconds = 0.0
+        self.engine_config = engine
+        self.engine: Engine | None = None
         self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens)[0])
 
     def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
@@ -75,8 +84,7 @@ class CompletionRollout:
         g, n = self.group_size, self.max_new_tokens
         prompts, lengths = np.repeat(prompts, g, axis=0), np.repeat(lengths, g, axis=0)
         params = {"params": state.params["params"]}
-        new = np.asarray(sample_on_device(self.model, params, jnp.asarray(prompts), jnp.asarray(lengths),
-                                          key, n, self.sampling))
+        new = self._sample(params, prompts[::g], lengths[::g], key)
         rows, width = prompts.shape
         tokens = np.zeros((rows, width + n), np.int32)
         mask = np.zeros((rows, width + n), np.float32)
@@ -100,3 +108,28 @@ class CompletionRollout:
         old_logp = self._score(params, jnp.asarray(tokens))
         self.last_completions = completions
         return {"tokens": tokens, "mask": mask, "reward": rewards, "old_logp": old_logp}
+
+    def _sample(self, params: Any, prompts: np.ndarray, lengths: np.ndarray,
+                key: jax.Array) -> np.ndarray:
+        """New tokens [prompts * group_size, max_new_tokens] (0 after a stop token), from the engine.
+
+        Prompt i's group draws with ``fold_in(key, i)``, its sample j with ``fold_in(that, j)``.
+        """
+        g, n = self.group_size, self.max_new_tokens
+        if self.engine is None:  # every prompt written in one call, every sample decoding at once
+            steps = EngineConfig.steps_per_call
+            config = self.engine_config or EngineConfig(
+                max_batch=len(prompts) * g, max_len=prompts.shape[1] + n,
+                block_size=min(16, prompts.shape[1] + n), prefill_rows=len(prompts),
+                batch_buckets=min(4, -(-n // steps)))
+            self.engine = Engine(self.model, config)
+        self.engine.set_params(params)
+        stops = () if self.stop_token is None else (int(self.stop_token),)
+        for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
+            request = Request(tuple(prompt[: int(length)]), n, samples=g, sampling=self.sampling,
+                              stop_tokens=stops)
+            self.engine.submit(request, jax.random.fold_in(key, i))
+        new = np.zeros((len(prompts) * g, n), np.int32)
+        for row, completion in enumerate(self.engine.run()):
+            new[row, : len(completion.tokens)] = completion.tokens
+        return new

@@ -1,39 +1,29 @@
-"""Autoregressive generation with a key/value cache.
+"""generate: continue a batch of prompts, through the generation engine.
 
-The prompts are right-padded into one batch and run through the model once
-(the prefill), which fills every layer's cache. Then one token per row is
-decoded at a time inside a ``lax.fori_loop``: each step feeds the last
-token at its row's own position, so prompts of different lengths generate
-exactly what they would alone, and each step costs the same however long the
-prompts were. Given an end-of-document id, a row stops at it (the id ends its
-new tokens) and the loop ends early once every row has stopped. The whole
-loop is compiled once per (batch, padded length, max_new_tokens, sampling,
-end-of-document id, model).
+A thin call into ``dew.sampling.Engine``: every prompt is one request, its
+samples drawn with ``fold_in(key, row)``; the engine writes the prompts into a
+paged cache, decodes the rows together, and a row that ends (at the
+end-of-document id or a stop string) frees its place at once. The engine's
+programs are compiled once per (model, configuration, batch size rounded up to
+a power of two), so calls with new prompts, keys or parameters reuse them.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dew.sampling.options import Sampling, choose
+from dew.sampling.engine import Engine
+from dew.sampling.errors import InvalidPromptError, PromptTooLongError
+from dew.sampling.options import Sampling
+from dew.sampling.requests import EngineConfig, Request
 
-__all__ = ["Generation", "InvalidPromptError", "PromptTooLongError", "generate", "sample_on_device"]
-
-
-class InvalidPromptError(ValueError):
-    """The prompts are not a batch of non-empty token-id sequences."""
-
-
-class PromptTooLongError(ValueError):
-    """A prompt plus the tokens to generate would not fit in the model's max_seq_len."""
+__all__ = ["Generation", "InvalidPromptError", "PromptTooLongError", "default_config", "generate"]
 
 
 @dataclass(frozen=True)
@@ -42,12 +32,15 @@ class Generation:
 
     tokens holds, per row, the prompt followed by the new tokens (plain
     ints); prompt_lengths says where each prompt ends; stopped says which
-    rows ended at the end-of-document id (which is then their last token).
+    rows ended at the end-of-document id (which is then their last token) or
+    at a stop string; logprobs holds the model's log-probability of each new
+    token.
     """
 
     tokens: list[list[int]]
     prompt_lengths: tuple[int, ...]
     stopped: tuple[bool, ...] = ()
+    logprobs: tuple[tuple[float, ...], ...] = ()
 
     @property
     def new_tokens(self) -> list[list[int]]:
@@ -87,47 +80,20 @@ def _rows(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[lis
     return rows
 
 
-def _variables(params: Mapping[str, Any]) -> dict[str, Any]:
-    variables = dict(nn.meta.unbox(params))
-    if "params" not in variables:
-        raise InvalidPromptError(
-            "generate takes the model's full variables ({'params': ...}, as state.params "
-            f"holds them); got a dict with keys {sorted(variables)}."
-        )
-    variables.pop("cache", None)
-    return variables
+def default_config(rows: int, max_len: int, max_new_tokens: int, *,
+                   block_size: int = 16) -> EngineConfig:
+    """The engine generate builds for rows prompts of a model of max_len positions.
 
-
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "sampling", "eos_id"))
-def _generate(model: nn.Module, variables: dict[str, Any], padded: jax.Array,
-              lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
-              sampling: Sampling, eos_id: int | None) -> jax.Array:
-    batch, width = padded.shape
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    logits, mutated = model.apply(variables, padded, positions, decode=True, mutable=["cache"])
-    last = logits[jnp.arange(batch), lengths - 1]
-    first = choose(last, jax.random.fold_in(key, 0), sampling)
-    out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
-    done = first == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
-
-    def running(carry):
-        i, _, _, _, done = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
-
-    def step(carry):
-        i, cache, token, out, done = carry
-        logits, mutated = model.apply(
-            {**variables, "cache": cache}, token[:, None], (lengths + i - 1)[:, None],
-            decode=True, mutable=["cache"],
-        )
-        token = choose(logits[:, 0], jax.random.fold_in(key, i), sampling)
-        out = out.at[:, i].set(jnp.where(done, -1, token))
-        if eos_id is not None:
-            done = done | (token == eos_id)
-        return i + 1, mutated["cache"], token, out, done
-
-    carry = (jnp.asarray(1, jnp.int32), mutated["cache"], first, out, done)
-    return jax.lax.while_loop(running, step, carry)[3]
+    The batch is rounded up to a power of two so that calls of similar sizes share
+    one compiled program, and every prompt is written in the same prefill call;
+    blocks of block_size positions (fewer for a very short model) and enough of
+    them for every row at full length; no more decode batch sizes than there
+    are decode calls to use them.
+    """
+    batch = 1 << max(rows - 1, 0).bit_length()
+    rounds = -(-max_new_tokens // EngineConfig.steps_per_call)
+    return EngineConfig(max_batch=batch, block_size=min(block_size, max_len), prefill_rows=batch,
+                        batch_buckets=max(1, min(4, rounds)))
 
 
 def generate(
@@ -139,15 +105,21 @@ def generate(
     sampling: Sampling = Sampling(),
     *,
     eos_id: int | None = None,
+    stop_strings: Sequence[str] = (),
+    detokenize: Callable[[Sequence[int]], str] | None = None,
+    config: EngineConfig | None = None,
 ) -> Generation:
     """Continue each prompt by max_new_tokens tokens.
 
-    model is a module with a cached decode path (``CausalTransformer``),
+    model is a causal decoder with a paged decode path (``CausalTransformer``),
     params its full variables (``state.params``; partitioned boxes are
     accepted), prompts a list of token-id sequences, possibly of different
     lengths, or a 2-D array. key drives the random draws (unused when
-    sampling is greedy). With eos_id, a row stops after producing it, so it
-    may hold fewer than max_new_tokens new tokens.
+    sampling is greedy); row i draws with ``fold_in(key, i)``. With eos_id, a
+    row stops after producing it; with stop_strings (and detokenize, ids ->
+    text) once its text contains one; it may then hold fewer than
+    max_new_tokens new tokens. config overrides the engine's layout
+    (default_config).
     """
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
             or max_new_tokens < 0:
@@ -156,8 +128,8 @@ def generate(
     max_new_tokens = int(max_new_tokens)
     rows = _rows(prompts)
     lengths = [len(row) for row in rows]
-    limit = getattr(model, "max_seq_len", None)
-    if limit is not None and max(lengths) + max_new_tokens > limit:
+    limit = (config.max_len if config is not None and config.max_len else None) or model.max_seq_len
+    if max(lengths) + max_new_tokens > limit:
         longest = max(lengths)
         raise PromptTooLongError(
             f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is "
@@ -165,30 +137,17 @@ def generate(
             f"Ask for at most {max(limit - longest, 0)} new tokens or shorten the prompt."
         )
     if max_new_tokens == 0:
-        return Generation([list(row) for row in rows], tuple(lengths), (False,) * len(rows))
-    padded = np.zeros((len(rows), max(lengths)), np.int32)
+        return Generation([list(row) for row in rows], tuple(lengths), (False,) * len(rows),
+                          ((),) * len(rows))
+    engine = Engine(model, config or default_config(len(rows), limit, max_new_tokens),
+                    detokenize=detokenize)
+    engine.set_params(params)
+    stops = () if eos_id is None else (int(eos_id),)
     for i, row in enumerate(rows):
-        padded[i, : len(row)] = row
-    new = _generate(model, _variables(params), jnp.asarray(padded),
-                    jnp.asarray(lengths, jnp.int32), key,
-                    max_new_tokens=max_new_tokens, sampling=sampling,
-                    eos_id=None if eos_id is None else int(eos_id))
-    tokens, stopped = [], []
-    for row, produced in zip(rows, np.asarray(new).tolist(), strict=True):
-        produced = [t for t in produced if t >= 0]
-        tokens.append(row + produced)
-        stopped.append(eos_id is not None and bool(produced) and produced[-1] == eos_id)
-    return Generation(tokens, tuple(lengths), tuple(stopped))
-
-
-def sample_on_device(model: nn.Module, params: Mapping[str, Any], padded: jax.Array, lengths: jax.Array,
-                     key: jax.Array, max_new_tokens: int, sampling: Sampling = Sampling()) -> jax.Array:
-    """New tokens [B, max_new_tokens] for right-padded prompts, left on the devices.
-
-    The sampler generate uses, without its host-side checks and copies: the
-    parameters are an argument of the compiled loop (read where they live,
-    as a trainer's state holds them), and one compile serves every call with
-    the same shapes. A rollout calls this at each step with the live policy.
-    """
-    return _generate(model, _variables(params), padded, lengths, key,
-                     max_new_tokens=int(max_new_tokens), sampling=sampling, eos_id=None)
+        request = Request(tuple(row), max_new_tokens, sampling=sampling, stop_tokens=stops,
+                          stop_strings=tuple(stop_strings))
+        engine.submit(request, jax.random.fold_in(key, i))
+    done = engine.run()
+    return Generation([row + list(c.tokens) for row, c in zip(rows, done, strict=True)],
+                      tuple(lengths), tuple(c.finish != "length" for c in done),
+                      tuple(c.logprobs for c in done))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-__all__ = ["InvalidSamplingError", "Sampling", "choose"]
+__all__ = ["InvalidSamplingError", "Sampling", "choose", "filter_logits"]
 
 
 class InvalidSamplingError(ValueError):
@@ -16,19 +16,21 @@ class InvalidSamplingError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """Temperature, then top-k, then nucleus (top-p) filtering, then a random draw.
+    """Temperature, then top-k, top-p (nucleus) and min-p filtering, then a random draw.
 
     temperature=0 is greedy: the most likely token every time, with no draw.
     top_k keeps the k most likely tokens; top_p keeps the smallest set of most
-    likely tokens whose probability reaches top_p. None turns a filter off.
+    likely tokens whose probability reaches top_p; min_p keeps the tokens at
+    least min_p times as likely as the most likely one. None turns a filter off.
 
     >>> Sampling(temperature=0.7, top_k=40)
-    Sampling(temperature=0.7, top_k=40, top_p=None)
+    Sampling(temperature=0.7, top_k=40, top_p=None, min_p=None)
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -44,10 +46,55 @@ class Sampling:
             raise InvalidSamplingError(
                 f"Sampling.top_p must lie in (0, 1] or be None, got {self.top_p!r}."
             )
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingError(
+                f"Sampling.min_p must lie in [0, 1] or be None, got {self.min_p!r}."
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a filter (top-k, top-p or min-p) is on, which costs a sort of the vocabulary."""
+        return not self.greedy and (self.top_k is not None or self.top_p is not None
+                                    or self.min_p is not None)
+
+    def as_row(self) -> tuple[float, int, float, float]:
+        """(temperature, top_k, top_p, min_p) with the filters that are off as 0, 0, 1 and 0."""
+        return (float(self.temperature), int(self.top_k or 0),
+                1.0 if self.top_p is None else float(self.top_p), float(self.min_p or 0.0))
+
+
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array, *, filtered: bool = True) -> jax.Array:
+    """Scaled and filtered logits [B, V], one setting per row (Sampling.as_row's values).
+
+    Each row is divided by its temperature (rows at 0 are left as they are: they
+    are greedy), then top-k, top-p and min-p set the tokens they drop to the
+    lowest float, so a draw from the result never picks them. filtered=False
+    skips the filters (and their sort) when no row uses one.
+    """
+    logits = logits.astype(jnp.float32)
+    scale = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    logits = logits / scale[:, None]
+    if not filtered:
+        return logits
+    excluded = jnp.finfo(jnp.float32).min
+    vocab = logits.shape[-1]
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.int32)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, excluded, logits)
+    ordered = jnp.where(ordered < kth, excluded, ordered)  # still sorted: the top-k survivors
+    probabilities = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probabilities, axis=-1) - probabilities
+    kept = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # the likeliest is always kept
+    threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < threshold, excluded, logits)
+    floor = ordered[:, :1] + jnp.log(jnp.maximum(min_p, 1e-38))[:, None]  # p >= min_p * p_max
+    return jnp.where((min_p[:, None] > 0) & (logits < floor), excluded, logits)
 
 
 def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -55,17 +102,7 @@ def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     logits = logits.astype(jnp.float32)
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
-    excluded = jnp.finfo(jnp.float32).min
-    if sampling.top_k is not None:
-        k = min(int(sampling.top_k), logits.shape[-1])
-        kth = jax.lax.top_k(logits, k)[0][:, -1:]
-        logits = jnp.where(logits < kth, excluded, logits)
-    if sampling.top_p is not None:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probabilities = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probabilities, axis=-1) - probabilities
-        kept = before < sampling.top_p  # the most likely token is always kept
-        threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, excluded, logits)
+    rows = logits.shape[0]
+    temperature, top_k, top_p, min_p = (jnp.full((rows,), value) for value in sampling.as_row())
+    logits = filter_logits(logits, temperature, top_k, top_p, min_p, filtered=sampling.filtered)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -33,12 +33,20 @@ from dew.sampling.options import Sampling
 __all__ = ["TextGeneration"]
 
 
+def _cut(text: str, stop: Sequence[str]) -> str:
+    """text up to the end of the first stop string in it (all of it without one)."""
+    ends = [text.index(s) + len(s) for s in stop if s in text]
+    return text[: min(ends)] if ends else text
+
+
 @dataclass(frozen=True)
 class TextGeneration:
     """Continue prompts with a causal model; each call returns one text per prompt.
 
-    The continuation stops at the tokenizer's end-of-document id (or after
-    max_new_tokens), and holds only the new text, not the prompt.
+    The continuation stops at the tokenizer's end-of-document id, after one of
+    the stop strings (which it then ends with), or after max_new_tokens, and
+    holds only the new text, not the prompt. The prompts of one call are
+    generated together by the generation engine (dew.sampling.Engine).
     """
 
     model: Any
@@ -57,21 +65,25 @@ class TextGeneration:
         check_vocabulary(self.tokenizer, self.model)
 
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
-               sampling: Sampling | None = None, key: jax.Array | None = None) -> Generation:
+               sampling: Sampling | None = None, key: jax.Array | None = None,
+               stop: Sequence[str] = ()) -> Generation:
         """The token ids of prompts and their continuations, as generate returns them."""
         ids = [list(self.tokenizer.encode(prompt)) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
-                        sampling or self.sampling, eos_id=getattr(self.tokenizer, "eos_id", None))
+                        sampling or self.sampling, eos_id=getattr(self.tokenizer, "eos_id", None),
+                        stop_strings=tuple(stop),
+                        detokenize=lambda ids: self.tokenizer.decode(list(ids)))
 
     def __call__(self, prompts: str | Sequence[str], *, max_new_tokens: int = 64,
-                 sampling: Sampling | None = None, key: jax.Array | None = None
-                 ) -> str | list[str]:
+                 sampling: Sampling | None = None, key: jax.Array | None = None,
+                 stop: Sequence[str] = ()) -> str | list[str]:
         """The continuation of each prompt as text (one str for one str prompt)."""
         single = isinstance(prompts, str)
         batch = [prompts] if single else list(prompts)
-        out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key)
-        texts = [self.tokenizer.decode(row) for row in out.new_tokens]
+        out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
+                          stop=stop)
+        texts = [_cut(self.tokenizer.decode(row), stop) for row in out.new_tokens]
         return texts[0] if single else texts
 
     def save(self, directory: str | os.PathLike[str]) -> Path:

@@ -1,0 +1,462 @@
+"""The generation engine: a paged cache, continuous batching and shared prefixes.
+
+An ``Engine`` keeps the keys and values of every sequence in one pool of
+fixed-size blocks on the devices (dew.nn.paged_attention) and schedules the work
+on the host, in plain Python:
+
+- ``submit(request, key)`` queues a prompt to continue ``samples`` times. Its
+  prompt is written once (in chunks of ``prefill_chunk`` positions) and every
+  sample's block table points at the same blocks; the block a sample first
+  writes into is copied for it if others still read it (copy-on-write).
+- ``step()`` runs one round: admit queued prompts while blocks and rows allow,
+  write a chunk of each admitted prompt, start samples in free rows, and decode
+  ``steps_per_call`` tokens for every running sequence. A sequence that ends (a
+  stop token, a stop string, its max_new_tokens) frees its row and blocks at
+  once, and the next queued one takes them: the compiled programs never change.
+- When a running sequence needs a block and none is left, the longest running
+  sequence is pre-empted: its blocks are freed and it is queued again, first,
+  with what it produced so far; it resumes where it stopped.
+
+Every token is drawn with a key folded from its sequence's key and its
+position, so the samples depend only on the keys given to submit, not on the
+batch, the schedule or the pre-emptions, and ``snapshot()`` / ``restore()``
+carry unfinished sequences into another engine unchanged.
+
+>>> import jax, jax.numpy as jnp
+>>> from dew.nn.backbones import CausalTransformer
+>>> model = CausalTransformer(vocab_size=16, emb_features=16, num_layers=1, num_heads=2,
+...                           mlp_features=32, max_seq_len=32)
+>>> variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+>>> engine = Engine(model, EngineConfig(max_batch=8, block_size=4))
+>>> engine.set_params(variables)
+>>> group = engine.submit(Request((1, 2, 3, 4, 5), max_new_tokens=6, samples=4), jax.random.key(1))
+>>> done = engine.run()
+>>> [(c.sample, len(c.tokens)) for c in done]
+[(0, 6), (1, 6), (2, 6), (3, 6)]
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.sampling import programs
+from dew.sampling.blocks import BlockPool
+from dew.sampling.errors import EngineConfigError, PromptTooLongError
+from dew.sampling.pool import empty_cache, mesh_of, model_variables
+from dew.sampling.requests import (
+    Completion,
+    EngineConfig,
+    EngineSnapshot,
+    EngineStats,
+    Finish,
+    Request,
+)
+from dew.sampling.sequences import PromptGroup, Sample, sample_keys
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Generate continuations of many prompts through one paged cache (see the module docstring).
+
+    model is a causal decoder whose attention decodes through a paged cache
+    (any model built from dew.nn.layers.CausalSelfAttention, such as
+    ``causal_transformer``). detokenize (ids -> text) is needed for stop
+    strings. On a mesh (taken from the parameters' shardings, or given), the
+    programs run under the mesh and rules (default: Layout's), and the pool's
+    key/value heads are split as the attention's are.
+    """
+
+    def __init__(self, model: nn.Module, config: EngineConfig = EngineConfig(), *,
+                 detokenize: Callable[[Sequence[int]], str] | None = None,
+                 mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> None:
+        self.model = model
+        self.config = config
+        self.detokenize = detokenize
+        limit = config.max_len or getattr(model, "max_seq_len", None)
+        if limit is None:
+            raise EngineConfigError(f"{type(model).__name__} has no max_seq_len; give "
+                                    "EngineConfig.max_len.")
+        self.max_len = int(min(limit, getattr(model, "max_seq_len", limit)))
+        self.width = config.blocks_per_sequence(self.max_len)
+        self.blocks = BlockPool(config.pool_blocks(self.max_len), config.block_size)
+        self._mesh, self._rules = mesh, rules
+        self._variables: dict[str, Any] | None = None
+        self._cache: Any = None
+        self._sharding: Any = None
+        self._key_impl: str | None = None
+        self._waiting: collections.deque[PromptGroup] = collections.deque()
+        self._prefilling: list[PromptGroup] = []
+        self._ready: collections.deque[PromptGroup] = collections.deque()
+        self._running: list[Sample] = []
+        self._open: dict[tuple[int, ...], PromptGroup] = {}  # submitted groups whose samples wait
+        self._empty: list[Sample] = []  # asked for no new tokens
+        self._next_id = 0
+        self._next_request = 0
+        self._counts = collections.Counter()
+
+    # -- the model -----------------------------------------------------------------
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        """Decode with these variables from now on ({'params': ...}; boxes are accepted).
+
+        The registered prefixes are forgotten (their keys and values came from
+        the old weights); sequences in flight keep the keys and values they have.
+        """
+        self._variables = model_variables(params)
+        self.blocks.forget()
+        if self._cache is None:
+            self._build_cache()
+
+    def _context(self) -> contextlib.ExitStack:
+        """The mesh and axis rules the programs trace and run under (nothing on one device)."""
+        stack = contextlib.ExitStack()
+        if self._mesh is not None:
+            stack.enter_context(jax.set_mesh(self._mesh))
+            stack.enter_context(nn.logical_axis_rules(self._rules))
+        return stack
+
+    def _build_cache(self) -> None:
+        if self._mesh is None:
+            self._mesh = mesh_of(self._variables)
+        if self._mesh is not None and self._rules is None:
+            from dew.training import Layout
+
+            self._rules = Layout().axis_rules
+        with self._context():
+            self._cache, self._sharding = empty_cache(
+                self.model, self._variables, self.blocks.num_blocks, self.config.block_size,
+                self.width, self._mesh, self._rules)
+
+    @property
+    def cache(self) -> Any:
+        """The pools (a 'cache' collection of paged_key/paged_value per layer) on the devices."""
+        return self._cache
+
+    # -- requests ----------------------------------------------------------------------
+    def submit(self, request: Request, key: jax.Array) -> int:
+        """Queue request; sample j draws with ``fold_in(key, j)``. Returns the request's id."""
+        needed = len(request.prompt) + request.max_new_tokens
+        if len(request.prompt) > self.max_len:
+            raise PromptTooLongError(
+                f"A prompt of {len(request.prompt)} tokens is longer than the cache "
+                f"(max_len={self.max_len} positions); shorten the prompt or use a model with a "
+                "longer max_seq_len."
+            )
+        if needed > self.max_len:
+            raise PromptTooLongError(
+                f"A prompt of {len(request.prompt)} tokens plus max_new_tokens="
+                f"{request.max_new_tokens} is {needed} tokens, more than the cache holds "
+                f"(max_len={self.max_len}). Ask for at most "
+                f"{max(self.max_len - len(request.prompt), 0)} new tokens or shorten the prompt."
+            )
+        if len(request.stop_tokens) > self.config.max_stop_tokens:
+            raise EngineConfigError(
+                f"The request has {len(request.stop_tokens)} stop tokens and the engine takes at "
+                f"most {self.config.max_stop_tokens}; raise EngineConfig.max_stop_tokens.")
+        if request.stop_strings and self.detokenize is None:
+            raise EngineConfigError("The request has stop strings; build the Engine with "
+                                    "detokenize= (ids -> text) to check them.")
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 key
+            key = jax.random.wrap_key_data(key)
+        impl = str(jax.random.key_impl(key))
+        if self._key_impl not in (None, impl):
+            raise TypeError(f"Keys of {impl} and {self._key_impl} cannot be mixed in one engine.")
+        self._key_impl = impl
+        keys = sample_keys(key, request.samples)
+        rid = self._next_request
+        self._next_request += 1
+        members = []
+        for j in range(request.samples):
+            members.append(Sample(self._next_id, rid, j, request, keys[j]))
+            self._next_id += 1
+        self._queue(list(request.prompt), members)
+        return rid
+
+    def _queue(self, tokens: list[int], members: list[Sample], *, first: bool = False) -> None:
+        """Queue members to continue tokens: last (a submission) or first (a pre-empted one).
+
+        A submission whose tokens equal those of a group not yet started joins it,
+        so prompts submitted one sample at a time are still written once.
+        """
+        self._empty += [m for m in members if m.remaining <= 0]
+        members = [m for m in members if m.remaining > 0]
+        if not members:
+            return
+        if not self.config.share_prefixes:
+            groups = [PromptGroup(list(tokens), collections.deque([m])) for m in members]
+        else:
+            joined = None if first else self._open.get(tuple(tokens))
+            if joined is not None:
+                joined.members.extend(members)
+                return
+            groups = [PromptGroup(tokens, collections.deque(members))]
+            if not first:
+                self._open[tuple(tokens)] = groups[0]
+        if first:
+            self._waiting.extendleft(reversed(groups))
+        else:
+            self._waiting.extend(groups)
+
+    @property
+    def idle(self) -> bool:
+        """Whether every submitted sequence has finished."""
+        return not (self._waiting or self._prefilling or self._ready or self._running
+                    or self._empty)
+
+    def run(self) -> list[Completion]:
+        """Step until idle; every completion finished on the way, in submission order."""
+        done: list[Completion] = []
+        while not self.idle:
+            before = (self._counts["prefilled_tokens"], self._counts["generated_tokens"],
+                      len(self._waiting), len(self._ready))
+            finished = self.step()
+            done.extend(finished)
+            after = (self._counts["prefilled_tokens"], self._counts["generated_tokens"],
+                     len(self._waiting), len(self._ready))
+            if after == before and not finished:
+                raise RuntimeError("The engine made no progress in a step; this is a bug in its "
+                                   "scheduling (please report it with the EngineConfig used).")
+        return sorted(done, key=lambda c: c.id)
+
+    def step(self) -> list[Completion]:
+        """One round: admit, write a prefill chunk, start samples, decode. Returns what finished."""
+        if self._variables is None:
+            raise RuntimeError("Call Engine.set_params(variables) before stepping it.")
+        finished = [s.completion("length") for s in self._empty]
+        self._empty = []
+        self._admit()
+        with self._context():
+            self._prefill()
+            self._start()
+            finished += self._decode()
+        self._counts["peak_blocks"] = max(self._counts["peak_blocks"], self.blocks.used_blocks)
+        return finished
+
+    # -- scheduling ----------------------------------------------------------------------
+    def _holding(self) -> bool:
+        return bool(self._running or self._prefilling or self._ready)
+
+    def _admit(self) -> None:
+        """Move queued groups into prefill while rows and blocks allow."""
+        size = self.config.block_size
+        while self._waiting:
+            group = self._waiting[0]
+            pending = sum(len(g.members) for g in (*self._prefilling, *self._ready))
+            if len(self._running) + pending >= self.config.max_batch:
+                break
+            reused = (self.blocks.lookup(group.tokens[:group.target])
+                      if self.config.share_prefixes else [])
+            need = math.ceil(group.target / size) - len(reused)
+            if need + (1 if self._holding() else 0) > self.blocks.free_blocks:
+                self.blocks.release(reused)
+                break
+            group.blocks = reused + self.blocks.allocate(need)
+            group.written = len(reused) * size
+            self._counts["reused_tokens"] += group.written
+            self._waiting.popleft()
+            (self._ready if group.written >= group.target else self._prefilling).append(group)
+
+    def _prefill(self) -> None:
+        jobs = self._prefilling[: self.config.prefill_rows]
+        if not jobs:
+            return
+        size = self.config.block_size
+        # One program per power-of-two count of blocks up to prefill_chunk: short prompts
+        # are not padded to a long chunk.
+        longest = max(min(g.target - g.written, self.config.prefill_chunk) for g in jobs)
+        chunk = min(size * 2 ** math.ceil(math.log2(math.ceil(longest / size))),
+                    self.config.prefill_chunk, self.max_len)
+        rows = self.config.prefill_rows
+        tokens = np.zeros((rows, chunk), np.int32)
+        positions = np.zeros((rows, chunk), np.int32)
+        writes = np.zeros((rows, chunk), bool)
+        tables = np.zeros((rows, self.width), np.int32)
+        for r, group in enumerate(jobs):
+            start = group.written
+            end = min(start + chunk, group.target)
+            tokens[r, : end - start] = group.tokens[start:end]
+            positions[r, : end - start] = np.arange(start, end)
+            writes[r, : end - start] = True
+            tables[r, : len(group.blocks)] = group.blocks
+            group.written = end
+            self._counts["prefilled_tokens"] += end - start
+        self._cache = programs.prefill(self.model, self._variables, self._cache, tokens, positions,
+                                       tables, writes, sharding=self._sharding)
+        self._counts["prefill_calls"] += 1
+        for group in jobs:
+            if group.written >= group.target:
+                self._prefilling.remove(group)
+                self._ready.append(group)
+                if self.config.share_prefixes:
+                    self.blocks.register(group.tokens[: group.target], group.blocks)
+
+    def _start(self) -> None:
+        while self._ready and len(self._running) < self.config.max_batch:
+            group = self._ready[0]
+            sequence = group.members.popleft()
+            self.blocks.share(group.blocks)
+            sequence.blocks = list(group.blocks)
+            self._running.append(sequence)
+            if not group.members:
+                self.blocks.release(group.blocks)
+                self._ready.popleft()
+                if self._open.get(tuple(group.tokens)) is group:
+                    del self._open[tuple(group.tokens)]
+
+    def _preempt(self, sequence: Sample) -> None:
+        """Free sequence's blocks and queue it first, to be written again from its tokens."""
+        self._running.remove(sequence)
+        if self.config.share_prefixes:
+            self.blocks.register(sequence.tokens[:-1], sequence.blocks)
+        self.blocks.release(sequence.blocks)
+        sequence.blocks = []
+        sequence.preemptions += 1
+        self._counts["preemptions"] += 1
+        self._queue(sequence.tokens, [sequence], first=True)
+
+    def _reserve(self) -> list[tuple[int, int]]:
+        """Give every running sequence the blocks its next tokens go to, pre-empting the longest
+        when the pool runs out. Returns the (source, target) blocks to copy first."""
+        size, steps = self.config.block_size, self.config.steps_per_call
+        copies: dict[Sample, tuple[int, int]] = {}
+        for sequence in list(self._running):
+            if sequence not in self._running:
+                continue
+            position = len(sequence.tokens) - 1
+            last = position + min(steps, sequence.remaining) - 1
+            column = position // size
+            shared = column < len(sequence.blocks) and self.blocks.references(
+                sequence.blocks[column]) > 1
+            need = max(last // size + 1 - len(sequence.blocks), 0) + int(shared)
+            while need > self.blocks.free_blocks and sequence in self._running:
+                victim = max(self._running, key=lambda s: (len(s.tokens), s.id))
+                self._preempt(victim)
+                copies.pop(victim, None)  # its copy's target went back to the pool
+            if sequence not in self._running:
+                continue
+            if shared:
+                (fresh,) = self.blocks.allocate(1)
+                copies[sequence] = (sequence.blocks[column], fresh)
+                self.blocks.release([sequence.blocks[column]])
+                sequence.blocks[column] = fresh
+            sequence.blocks += self.blocks.allocate(max(last // size + 1 - len(sequence.blocks), 0))
+        self._counts["copies"] += len(copies)
+        return list(copies.values())
+
+    def _decode(self) -> list[Completion]:
+        if not self._running:
+            return []
+        copies = self._reserve()
+        running = self._running
+        if not running:
+            return []
+        config = self.config
+        rows = next(b for b in config.buckets() if b >= len(running))
+        no_block = self.blocks.num_blocks
+        tokens = np.zeros(rows, np.int32)
+        positions = np.zeros(rows, np.int32)
+        tables = np.zeros((rows, self.width), np.int32)
+        limits = np.zeros(rows, np.int32)
+        keys = np.zeros((rows, *running[0].key.shape), running[0].key.dtype)
+        settings = np.tile(np.asarray([[0.0, 1.0, 0.0]], np.float32), (rows, 1))
+        top_k = np.zeros(rows, np.int32)
+        stops = np.full((rows, config.max_stop_tokens), -1, np.int32)
+        copy_from = np.zeros(rows, np.int32)
+        copy_to = np.full(rows, no_block, np.int32)
+        for i, (source, target) in enumerate(copies):
+            copy_from[i], copy_to[i] = source, target
+        for r, sequence in enumerate(running):
+            spec = sequence.spec
+            tokens[r] = sequence.tokens[-1]
+            positions[r] = len(sequence.tokens) - 1
+            tables[r, : len(sequence.blocks)] = sequence.blocks
+            limits[r] = min(config.steps_per_call, sequence.remaining)
+            keys[r] = sequence.key
+            temperature, k, p, min_p = spec.sampling.as_row()
+            settings[r] = (temperature, p, min_p)
+            top_k[r] = k
+            stops[r, : len(spec.stop_tokens)] = spec.stop_tokens
+        filtered = (None if all(s.spec.sampling.greedy for s in running)
+                    else any(s.spec.sampling.filtered for s in running))
+        self._cache, out, logp = programs.decode(
+            self.model, self._variables, self._cache, tokens, positions, tables, limits, keys,
+            settings, top_k, stops, copy_from, copy_to, steps=config.steps_per_call,
+            filtered=filtered, key_impl=self._key_impl, sharding=self._sharding)
+        self._counts["decode_calls"] += 1
+        out, logp = np.asarray(out), np.asarray(logp)
+        finished = []
+        for r, sequence in enumerate(list(running)):
+            produced = out[r][out[r] >= 0]
+            before = len(sequence.generated)
+            sequence.generated += produced.tolist()
+            sequence.logprobs += logp[r, : produced.size].tolist()
+            self._counts["generated_tokens"] += int(produced.size)
+            reason: Finish | None = None
+            if produced.size and int(produced[-1]) in sequence.spec.stop_tokens:
+                reason = "stop_token"
+            elif sequence.spec.stop_strings and self._cut_at_stop_string(sequence, before):
+                reason = "stop_string"
+            elif sequence.remaining <= 0:
+                reason = "length"
+            if reason is not None:
+                self._running.remove(sequence)
+                if config.share_prefixes:
+                    self.blocks.register(sequence.tokens[:-1], sequence.blocks)
+                self.blocks.release(sequence.blocks)
+                sequence.blocks = []
+                finished.append(sequence.completion(reason))
+        return finished
+
+    def _cut_at_stop_string(self, sequence: Sample, before: int) -> bool:
+        """Cut sequence after the token that completed one of its stop strings, if one did."""
+        assert self.detokenize is not None
+        strings = sequence.spec.stop_strings
+        if not any(s in self.detokenize(sequence.generated) for s in strings):
+            return False
+        for end in range(before + 1, len(sequence.generated) + 1):
+            if any(s in self.detokenize(sequence.generated[:end]) for s in strings):
+                del sequence.generated[end:], sequence.logprobs[end:]
+                return True
+        return True  # the string spans earlier tokens only when detokenizing is not prefix-stable
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """Counts of the work done so far (calls, tokens, pre-emptions, peak blocks held)."""
+        return EngineStats(**{name: int(self._counts[name]) for name in EngineStats.__dataclass_fields__})
+
+    @staticmethod
+    def compilations() -> int:
+        """Programs compiled so far, all engines together (to check that nothing recompiles)."""
+        return programs.prefill._cache_size() + programs.decode._cache_size()
+
+    def _unfinished(self) -> list[Sample]:
+        groups = (*self._waiting, *self._prefilling, *self._ready)
+        return sorted([*self._running, *self._empty, *(m for g in groups for m in g.members)],
+                      key=lambda s: s.id)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every unfinished sequence with what it produced so far (host values only)."""
+        states = tuple(s.state() for s in self._unfinished())
+        return EngineSnapshot(states, self._next_id, self._next_request, self._key_impl or "")
+
+    def restore(self, snapshot: EngineSnapshot) -> None:
+        """Queue snapshot's sequences in this idle engine; they continue as they would have."""
+        if not self.idle:
+            raise RuntimeError("Restore a snapshot into an idle engine (this one has sequences "
+                               "in flight).")
+        self._next_id = max(self._next_id, snapshot.next_id)
+        self._next_request = max(self._next_request, snapshot.next_request)
+        self._key_impl = snapshot.key_impl or self._key_impl
+        for state in snapshot.sequences:  # samples of one prompt not yet started rejoin one group
+            sequence = Sample.from_state(state)
+            self._queue(sequence.tokens, [sequence])
