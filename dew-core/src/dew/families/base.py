@@ -175,7 +175,7 @@ class Family:
             config["num_hidden_layers"] = fields["num_layers"]
             config.pop("layer_types", None)
         built = {**self.fields(config), "max_seq_len": int(config.get("max_position_embeddings", 2048))}
-        return CausalTransformer(**{**built, **fields, "family": self.label})
+        return CausalTransformer(**{**built, "family": self.label, **fields})
 
 
 class PresetError(NoExactCounterpartError, KeyError):

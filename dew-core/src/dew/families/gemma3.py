@@ -21,6 +21,7 @@ from dew.families.hf_config import (
     common_config,
     common_fields,
     layer_types,
+    number,
     refuse,
     rope_config,
     rope_fields,
@@ -81,7 +82,7 @@ def write(model: Any) -> dict[str, Any]:
            "rope_scaling": None if model.rope_scaling is None else scaling,
            "rope_parameters": {"full_attention": full, "sliding_attention": rope_config(local, None)},
            "sliding_window": model.sliding_window, "layer_types": types,
-           "query_pre_attn_scalar": model.query_pre_attn_scalar,
+           "query_pre_attn_scalar": number(model.query_pre_attn_scalar),
            "final_logit_softcapping": model.logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False}
     for pattern in range(1, model.num_layers + 2):  # transformers 4 reads a period, not the list

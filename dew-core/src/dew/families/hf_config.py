@@ -26,6 +26,7 @@ __all__ = [
     "dtype_name",
     "flat_rope_config",
     "layer_types",
+    "number",
     "refuse",
     "rope_config",
     "rope_fields",
@@ -58,9 +59,13 @@ def rope_parameters(config: Mapping[str, Any], nested: str | None = None) -> tup
 
 def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[str, Any], field: str,
                 *, theta: float) -> dict[str, Any]:
-    """rope_base, rope_scaling and rotary_fraction from one dict of rotary settings."""
+    """rope_base, rope_scaling and rotary_fraction from one dict of rotary settings.
+
+    theta is the family's default base, used when neither the dict nor the
+    top level of config names one.
+    """
     kind = params.get("rope_type") or params.get("type") or "default"
-    base = float(params.get("rope_theta", theta))
+    base = float(params.get("rope_theta", config.get("rope_theta", theta)))
     fraction = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
     out: dict[str, Any] = {"rope_base": base, "rotary_fraction": fraction, "rope_scaling": None}
     if kind == "default":
@@ -189,6 +194,13 @@ def flat_rope_config(model: Any) -> dict[str, Any]:
     if model.rotary_fraction != 1.0:
         out["partial_rotary_factor"] = float(model.rotary_fraction)
     return out
+
+
+def number(value: float | None) -> float | int | None:
+    """value as config.json writes it: an integer when it is whole (transformers checks types)."""
+    if value is None:
+        return None
+    return int(value) if float(value).is_integer() else float(value)
 
 
 def sliding_layers(types: list[str] | None) -> tuple[int, ...] | None:

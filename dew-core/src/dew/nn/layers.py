@@ -220,7 +220,7 @@ class CausalSelfAttention(nn.Module):
             if self.qkv_bias:
                 bias_hk = param(self, f"{name}_bias", nn.initializers.zeros, (count, width),
                                 (axes.HEADS, axes.KV), self.param_dtype)
-                out_bthk = out_bthk + bias_hk.astype(self.dtype)
+                out_bthk = out_bthk + bias_hk.astype(self.dtype)[None, None]
             return out_bthk
 
         q_bthk, k_bshk, v_bshk = project("query", heads), project("key", kv_heads), project("value", kv_heads)
@@ -286,7 +286,7 @@ class CausalSelfAttention(nn.Module):
         if self.out_bias:
             bias_d = param(self, "out_bias", nn.initializers.zeros, (features,), (axes.EMBED,),
                            self.param_dtype)
-            out_btd = out_btd + bias_d.astype(self.dtype)
+            out_btd = out_btd + bias_d.astype(self.dtype)[None, None]
         return out_btd
 
     def _update_cache(
@@ -340,8 +340,9 @@ class MLPBlock(nn.Module):
             kernel = param(self, name, init, shape, names, self.param_dtype).astype(self.dtype)
             out = jnp.einsum(spec, h, kernel)
             if self.bias:
-                out = out + param(self, f"{name}_bias", nn.initializers.zeros, shape[1:], names[1:],
-                                  self.param_dtype).astype(self.dtype)
+                bias = param(self, f"{name}_bias", nn.initializers.zeros, shape[1:], names[1:],
+                             self.param_dtype)
+                out = out + jax.lax.broadcast_to_rank(bias.astype(self.dtype), out.ndim)
             return out
 
         up = (features, self.hidden_features)
