@@ -347,6 +347,8 @@ def builder(name: str) -> Callable[..., Any]:
     build.__signature__ = inspect.Signature(parameters, return_annotation=CausalTransformer)  # type: ignore[attr-defined]
     build.__annotations__ = {p.name: p.annotation for p in parameters}
     build.__name__ = build.__qualname__ = name
-    build.__doc__ = (f"A CausalTransformer of the {name} family: ``preset`` (a published size) "
-                     "and CausalTransformer fields over it.")
+    made = family(name)
+    build.__doc__ = (f"A CausalTransformer of the {name} family ({made.architecture}): ``preset``, one "
+                     f"of {', '.join(made.presets)} (default {next(iter(made.presets))}), and "
+                     "CausalTransformer fields over it.")
     return build

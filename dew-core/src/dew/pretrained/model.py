@@ -93,12 +93,18 @@ def _placement(shardings: Any) -> Callable[[tuple[str, ...]], Any]:
 
 
 def _put(array: np.ndarray, dtype: Any, sharding: Any) -> Any:
-    """array in dtype on the devices: its sharding's, else the default device (a transfer, no
-    compiled program, so loading compiles nothing). device_put copies, and transposes a
-    transposed view far faster than numpy would."""
+    """array, a view of a buffer the next tensor overwrites, copied onto the devices in dtype:
+    its sharding's, else the default device's. A transposed view is left to device_put, whose
+    transposing copy is far faster than numpy's; a contiguous one is copied first, since a CPU
+    device may take a contiguous host array as its own memory rather than copy it. No
+    compiled program runs, so loading compiles nothing."""
     import jax
 
-    return jax.device_put(np.asarray(array).astype(np.dtype(dtype), copy=False), sharding)
+    view = np.asarray(array)
+    array = view.astype(np.dtype(dtype), copy=False)
+    if array is view and array.flags.c_contiguous:  # still the shared buffer
+        array = array.copy()
+    return jax.device_put(array, sharding).block_until_ready()
 
 
 def _at(params: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -328,7 +334,7 @@ class Pretrained:
                 node = params
                 for part in path[:-1]:
                     node = node.setdefault(part, {})
-                node[path[-1]] = _put(array, model.param_dtype, place(path)).block_until_ready()
+                node[path[-1]] = _put(array, model.param_dtype, place(path))
         if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
             from dew.nn.pipeline import stack_layers
 
