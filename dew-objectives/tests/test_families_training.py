@@ -124,3 +124,19 @@ def test_grpo_moves_the_policy_and_keeps_the_checkpoint_as_its_reference(workdir
     moved = [not np.array_equal(np.asarray(leaf), np.asarray(start[path]))
              for path, leaf in jax.tree_util.tree_leaves_with_path(state.params["params"])]
     assert any(moved)
+
+
+def test_addition_problems_are_written_in_the_checkpoints_own_tokenizer(workdir):
+    from dew.data.addition import Addition
+
+    directory = workdir / "checkpoints" / "gemma2-tiny"
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    records = Addition(form="prompts", problems=6, max_operand=40, tokenizer=str(directory / "tokenizer.json"))
+    assert records.text_tokenizer().eos_id == theirs.eos_token_id
+    columns = records.records().columns
+    a, b = (int(x) for x in np.random.default_rng(0).integers(0, 41, size=(6, 2))[2])  # the third problem
+    prompt = columns["prompt"][2][: columns["prompt_length"][2]].tolist()
+    assert prompt == theirs.encode(f"{a}+{b}=", add_special_tokens=False)
+    answer = [i for i in columns["answer"][2].tolist() if i >= 0]
+    assert answer == theirs.encode(str(a + b), add_special_tokens=False)
+    assert Addition(form="prompts").text_tokenizer() is None  # bytes, as before: no tokenizer handed on
