@@ -344,3 +344,13 @@ def test_on_eight_devices_every_family_computes_what_one_device_does(written, ou
     assert set(differences) == set(NAMES)
     for name, difference in differences.items():
         assert float(difference) <= 2e-5, (name, difference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_fused_attention_keeps_the_sliding_window_and_query_scale(written, ours, name):
+    # jax.nn.dot_product_attention (the "xla" and "cudnn" kinds) takes the window and the scale.
+    loaded = Pretrained.load(written[name][0])
+    fused = loaded.model.clone(attention="xla")
+    logits = np.asarray(jax.jit(fused.apply)(loaded.variables, jnp.asarray(PROMPTS, jnp.int32)))
+    assert np.abs(logits - ours(name)).max() <= 1e-5
