@@ -130,8 +130,10 @@ def selected(spec: Lora, variables: Mapping[str, Any],
     pairs = zip(spec.targets, spec.patterns(), strict=True) if patterns is None else (
         (pattern, pattern) for pattern in patterns)
     for target, pattern in pairs:
+        # A bias (a published family's q/k/v_bias) is added, never multiplied: it gets no adapter.
         matched = {path: shape for path, shape in weights.items()
-                   if len(shape) >= 2 and re.fullmatch(pattern, path.rsplit("/", 1)[0])}
+                   if len(shape) >= 2 and not path.endswith("_bias")
+                   and re.fullmatch(pattern, path.rsplit("/", 1)[0])}
         if not matched:
             modules = sorted({path.rsplit("/", 1)[0] for path in weights if "/" in path})
             raise LoraError(f"Lora target {target!r} ({pattern}) matches no module of this model; "

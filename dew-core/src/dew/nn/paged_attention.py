@@ -107,8 +107,9 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array,
     """Store k, v [B, T, kv_heads, width] at positions [B, T] in module's pool; read the rows back.
 
     Returns the keys and values of every position each row's table covers
-    ([B, W * block_size, kv_heads, width], slot s holding position s) and the mask
-    [B, 1, 1, T, S] of the slots each query may read: those at or before its position.
+    ([B, W * block_size, kv_heads, width], slot s holding position s) and the
+    position each slot holds ([1, S]), as the contiguous cache does, so the
+    attention layer builds one mask (causal, and windowed where it slides).
     """
     view = current_view()
     if view is None:
@@ -130,9 +131,8 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array,
         pool.value = flat.reshape(shape)
         rows = jnp.take(pool.value, tables, axis=0)  # [B, W, block_size, kv, width]
         read.append(rows.reshape(batch, -1, kv_heads, width))
-    slots = jnp.arange(read[0].shape[1])
-    mask = (slots[None, None, :] <= positions[:, :, None])[:, None, None]
-    return read[0], read[1], mask
+    slots = jnp.arange(read[0].shape[1], dtype=jnp.int32)[None, :]
+    return read[0], read[1], slots
 
 
 def copy_blocks(cache: Any, source: jax.Array, target: jax.Array) -> Any:

@@ -1,7 +1,12 @@
 """safetensors files in and out: one file, or the shards an index names.
 
 Tensors travel as numpy arrays (bfloat16 through ml_dtypes, which jax ships),
-read lazily from disk one name at a time.
+read from disk one name at a time, and written a shard at a time
+(``ShardWriter``), so neither direction holds a second copy of the whole
+checkpoint in host memory. Reading uses plain reads into a fresh array at
+the offsets the file's header gives: safetensors' own reader maps the file,
+and every page it touched would count against the process until the file is
+closed, up to a whole shard on top of the arrays already read.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["WEIGHTS", "WEIGHTS_INDEX", "TensorFiles", "write_tensors"]
+__all__ = ["WEIGHTS", "WEIGHTS_INDEX", "ShardWriter", "TensorFiles", "write_tensors"]
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -24,6 +29,74 @@ def write_tensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mappi
 
     save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()},
               str(path), metadata=dict(metadata))
+
+
+class ShardWriter:
+    """Tensors written into safetensors files of at most max_bytes each (one file: no index).
+
+    ``add`` buffers a tensor and writes the buffer out once the next tensor
+    would pass max_bytes; ``close`` names the files as transformers does
+    (``model.safetensors``, or ``model-00001-of-0000N.safetensors`` with
+    ``model.safetensors.index.json``) and removes the index and shards an
+    earlier save left there, which readers would otherwise prefer.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int, metadata: Mapping[str, str]) -> None:
+        self.directory, self.max_bytes, self.metadata = directory, int(max_bytes), dict(metadata)
+        self._buffer: dict[str, np.ndarray] = {}
+        self._size = 0
+        self._written: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if self._buffer and self._size + array.nbytes > self.max_bytes:
+            self._flush()
+        self._buffer[name] = np.ascontiguousarray(array)
+        self._size += array.nbytes
+        self.total += array.nbytes
+
+    def _flush(self) -> None:
+        path = self.directory / f".dew-shard-{len(self._written)}.safetensors"
+        write_tensors(path, self._buffer, self.metadata)
+        self._written.append((path, list(self._buffer)))
+        self._buffer, self._size = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write what is buffered, name the files, and return them."""
+        if self._buffer or not self._written:
+            self._flush()
+        stale = self._stale()
+        count = len(self._written)
+        if count == 1:
+            final = [self.directory / WEIGHTS]
+            self._written[0][0].replace(final[0])
+            for old in stale | {self.directory / WEIGHTS_INDEX}:
+                if old not in final:
+                    old.unlink(missing_ok=True)
+            return final
+        final, weight_map = [], {}
+        for number, (path, names) in enumerate(self._written, start=1):
+            target = self.directory / f"model-{number:05d}-of-{count:05d}.safetensors"
+            path.replace(target)
+            final.append(target)
+            weight_map.update({name: target.name for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for old in stale | {self.directory / WEIGHTS}:
+            if old not in final:
+                old.unlink(missing_ok=True)
+        return final
+
+    def _stale(self) -> set[Path]:
+        """Shards an earlier save's index named."""
+        index = self.directory / WEIGHTS_INDEX
+        if not index.is_file():
+            return set()
+        try:
+            names = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, AttributeError):
+            return set()
+        return {self.directory / name for name in names}
 
 
 class TensorFiles:
@@ -60,14 +133,66 @@ class TensorFiles:
                     out[name] = tuple(handle.get_slice(name).get_shape())
         return out
 
-    def read(self, names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, array) for each of names, one file open at a time."""
-        from safetensors import safe_open
+    def read(self, names: set[str], *, reuse: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, array) for each of names, in file order.
 
+        Each array is new; or, with reuse, a view of one buffer that the next
+        tensor overwrites (the caller copies it out before asking for the
+        next): the process then takes fresh memory only for what it keeps.
+        """
         by_file: dict[Path, list[str]] = {}
         for name in sorted(names):
             by_file.setdefault(self.files[name], []).append(name)
+        scratch = np.empty(0, np.uint8)
         for file, wanted in by_file.items():
-            with safe_open(str(file), framework="numpy") as handle:
+            header, start = _header(file)
+            wanted.sort(key=lambda name: header[name]["data_offsets"][0])
+            if reuse:
+                largest = max(header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n in wanted)
+                if largest > scratch.size:
+                    scratch = np.empty(largest, np.uint8)
+            with file.open("rb", buffering=0) as handle:
                 for name in wanted:
-                    yield name, handle.get_tensor(name)
+                    yield name, _read_one(handle, start, name, header[name], file, scratch if reuse else None)
+
+
+# safetensors' dtype names -> numpy's (bfloat16 and the float8s through ml_dtypes).
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+           "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    with file.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _read_one(handle: object, start: int, name: str, info: dict, file: Path,
+              scratch: np.ndarray | None = None) -> np.ndarray:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
+
+    kind = _DTYPES.get(info["dtype"])
+    if kind is None:
+        raise ValueError(f"{file} stores {name} as {info['dtype']}, which dew does not read.")
+    begin, end = info["data_offsets"]
+    shape, dtype = tuple(info["shape"]), np.dtype(kind)
+    if scratch is None:
+        array = np.empty(shape, dtype)
+    else:
+        array = scratch[: end - begin].view(dtype).reshape(shape)
+    if array.nbytes != end - begin:
+        raise ValueError(f"{file} is damaged: {name} holds {end - begin} bytes for shape "
+                         f"{tuple(info['shape'])} of {info['dtype']} ({array.nbytes} bytes).")
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    handle.seek(start + begin)  # type: ignore[attr-defined]
+    done = 0
+    while done < len(view):
+        count = handle.readinto(view[done:])  # type: ignore[attr-defined]
+        if not count:
+            raise ValueError(f"{file} ends inside {name}; the file was cut short (rewrite or fetch it again).")
+        done += count
+    return array

@@ -1,0 +1,58 @@
+"""LoRA on a published family: adapters on Qwen 2 (q/k/v biases, grouped heads) merge into a model
+transformers loads as Qwen 2, and go out as PEFT adapters the real peft puts onto transformers' base."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("qwix")
+pytest.importorskip("peft")
+
+from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
+
+TOKENS = np.random.default_rng(0).integers(0, 300, (2, 12)).astype(np.int32)
+
+
+def _torch_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(TOKENS, dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.slow
+def test_adapters_on_a_family_merge_and_export_as_peft_with_the_adapted_logits(tmp_path):
+    import flax.linen as nn
+    from peft import PeftModel
+
+    from dew.adapters.lora import Lora, apply_lora, is_adapter, merge_lora, with_base
+    from dew.pretrained import Pretrained
+    from dew.pretrained.peft import save_adapters
+
+    source = write_checkpoint("qwen2", tmp_path / "base", seed=5, redrawn=True)
+    loaded = Pretrained.load(source)
+    spec = Lora(rank=4, targets=("attention", "mlp"))
+    adapted = apply_lora(loaded.model, spec)
+    fresh = nn.meta.unbox(adapted.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    variables = with_base(fresh, loaded.variables)
+    # B starts at zero; draw it so the adapters change what the model computes.
+    leaves = jax.tree_util.tree_leaves_with_path(variables)
+    keys = iter(jax.random.split(jax.random.key(1), len(leaves)))
+    variables = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf + 0.05 * jax.random.normal(next(keys), leaf.shape)
+        if is_adapter(tuple(getattr(p, "key", "") for p in path), leaf) else leaf, variables)
+    ours = np.asarray(jax.jit(adapted.apply)(variables, jnp.asarray(TOKENS)))
+    base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    assert np.abs(_torch_logits(base) - ours).max() > 1e-3  # the adapters matter: the checks can fail
+
+    Pretrained(loaded.model, merge_lora(variables, spec)).save(tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert type(merged).__name__ == "Qwen2ForCausalLM"
+    np.testing.assert_allclose(_torch_logits(merged), ours, atol=1e-4, rtol=0)
+
+    save_adapters(tmp_path / "adapters", loaded.model, variables, spec, base_name=str(source))
+    with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    np.testing.assert_allclose(_torch_logits(with_peft), ours, atol=1e-4, rtol=0)
