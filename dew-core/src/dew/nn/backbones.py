@@ -187,7 +187,9 @@ class CausalTransformer(nn.Module):
         layer_options = {
             "rotary": self.position_embedding == "rotary", "mlp_activation": self.mlp_activation,
             "attention": self.attention, "num_kv_heads": self.num_kv_heads,
-            "rope_base": self.rope_base, "norm_epsilon": self.norm_epsilon, **kinds,
+            "rope_base": self.rope_base, "norm_epsilon": self.norm_epsilon, "experts": self.experts,
+            "experts_per_token": self.experts_per_token, "expert_capacity": self.expert_capacity,
+            **kinds,
         }
         if self.scan_layers:
             def rematerialized(body: Any) -> Any:
