@@ -1,8 +1,11 @@
 """``dew export RUN OUT``: a kept step as a Pretrained directory transformers loads.
 
 A LoRA run's adapters are merged into its base weights, so OUT is a plain
-Llama; ``--adapters`` writes them alone instead, in PEFT's layout, for the
-base the run started from.
+model of its family (Llama, Qwen 3, Gemma 2, ...); ``--adapters`` writes
+them alone instead, in PEFT's layout, for the base the run started from.
+``--verify`` then loads OUT in transformers on the CPU, compares its logits
+with dew's on fixed prompts, records the result in OUT/verification.json
+and fails above ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", action="store_true",
                         help="a LoRA run: write its adapters alone (PEFT's adapter_model.safetensors and "
                              "adapter_config.json) instead of the merged model")
+    parser.add_argument("--verify", action="store_true",
+                        help="load the export in transformers on the CPU and compare its logits with "
+                             "dew's on fixed prompts; write OUT/verification.json; fail above --tolerance")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="the largest absolute logit difference --verify accepts (default 1e-3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,12 +46,43 @@ def run(args: argparse.Namespace) -> int:
             print(f"dew export: {opened.source} has no lora section, so no adapters to write; "
                   "drop --adapters to export the model.", file=sys.stderr)
             return 2
+        if args.verify and args.adapters:
+            print("dew export: --verify checks a whole model; drop --adapters to verify the merged "
+                  "export.", file=sys.stderr)
+            return 2
         written, what = _write(opened, lora, args.out, adapters=args.adapters)
     except (NoCheckpointError, NotARunError, PretrainedError, LoraError) as error:
         print(f"dew export: {error}", file=sys.stderr)
         return 2
     step = "" if opened.step is None else f" (step {opened.step})"
     print(f"Exported {what} of {opened.source}{step} to {written}")
+    if args.verify:
+        return _verify(opened, lora, written, args.tolerance)
+    return 0
+
+
+def _verify(opened: Any, lora: Any, written: Path, tolerance: float | None) -> int:
+    """Certify the export against dew's own logits; 1 when they differ past tolerance."""
+    from dew.pretrained import PretrainedError
+    from dew.pretrained.verify import DEFAULT_TOLERANCE, ExportMismatchError, verify
+
+    model, variables = opened.model, opened.variables
+    if lora is not None:
+        from dew.training.lora import base_model, merge_lora
+
+        model, variables = base_model(opened.model), merge_lora(opened.variables, lora)
+    try:
+        result = verify(written, model, variables, tokenizer=opened.tokenizer,
+                        tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance)
+    except ExportMismatchError as error:
+        print(f"dew export --verify: {error}", file=sys.stderr)
+        return 1
+    except PretrainedError as error:
+        print(f"dew export --verify: {error}", file=sys.stderr)
+        return 2
+    print(f"Verified: transformers' {result.architecture} matches dew's logits within "
+          f"{result.max_abs_difference:.2g} (tolerance {result.tolerance:g}) on "
+          f"{len(result.prompt_lengths)} prompts; recorded in {written / 'verification.json'}")
     return 0
 
 
@@ -51,8 +90,10 @@ def _write(opened: Any, lora: Any, out: Path, *, adapters: bool) -> tuple[Path, 
     """Write opened's model (adapters merged), or its adapters alone; return where and what."""
     from dew.pretrained import Pretrained
 
+    kept = _tokenizer_files(opened)
     if lora is None:
-        return Pretrained(opened.model, opened.variables, opened.tokenizer).save(out), "the model"
+        return Pretrained(opened.model, opened.variables, opened.tokenizer,
+                          tokenizer_files=kept).save(out), "the model"
     from dew.training.lora import base_model, merge_lora
 
     base = base_model(opened.model)
@@ -63,4 +104,20 @@ def _write(opened: Any, lora: Any, out: Path, *, adapters: bool) -> tuple[Path, 
         name = str(getattr(init, "pretrained", None) or getattr(init, "run", None) or "")
         return save_adapters(out, base, opened.variables, lora, base_name=name), "the adapters"
     merged = merge_lora(opened.variables, lora)
-    return Pretrained(base, merged, opened.tokenizer).save(out), "the model, adapters merged,"
+    return (Pretrained(base, merged, opened.tokenizer, tokenizer_files=kept).save(out),
+            "the model, adapters merged,")
+
+
+def _tokenizer_files(opened: Any) -> Any:
+    """The tokenizer settings (chat template, special tokens) of the Hugging Face directory the
+    weights came from: the exported directory itself, or the run's init.pretrained."""
+    from dew.pretrained import CONFIG_FILE, TokenizerFiles
+
+    init = getattr(opened.config, "init", None) if opened.config is not None else None
+    source = opened.source if opened.config is None else getattr(init, "pretrained", None)
+    if source is None or not (Path(source) / CONFIG_FILE).is_file():
+        return None
+    import json
+
+    config = json.loads((Path(source) / CONFIG_FILE).read_text())
+    return TokenizerFiles.read(Path(source), config)

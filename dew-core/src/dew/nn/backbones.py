@@ -17,8 +17,18 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import sharding as axes
-from dew.nn.layers import DecoderLayer, Embed, RMSNorm
+from dew.nn.layers import (
+    ATTENTION_BLOCKS,
+    MLP_ACTIVATIONS,
+    MLP_BLOCKS,
+    NORM_PLACEMENTS,
+    QK_NORMS,
+    DecoderLayer,
+    Embed,
+    RMSNorm,
+)
 from dew.nn.pipeline import run_stack
+from dew.nn.rotary import RopeScaling
 from dew.nn.sharding import constrain, param
 
 __all__ = ["REMAT_POLICIES", "CausalTransformer"]
@@ -73,6 +83,34 @@ class CausalTransformer(nn.Module):
     expert_capacity times its even share of a sequence's tokens. The blocks
     sow their load-balancing loss into the "moe" collection, which
     LMObjective reads and adds to its loss.
+
+    The remaining fields are the parts published decoders differ in, each
+    computing exactly what that architecture does (``dew.families`` names the
+    presets: Llama, Mistral, Qwen 2 and 3, Gemma 1 to 3, Phi-3, OLMo 2):
+
+    - norm_placement: "pre" (Llama), "sandwich" (Gemma 2 and 3: a norm before
+      and after each block) or "post" (OLMo 2: after each block only);
+      norm_offset stores every RMSNorm weight as an offset from one (Gemma).
+    - qk_norm: RMSNorm of queries and keys before the rotation, "head" (per
+      head, Qwen 3 and Gemma 3) or "projection" (over all heads, OLMo 2).
+    - qkv_bias, out_bias, mlp_bias: biases on the query/key/value projections,
+      the attention output and the feed-forward matrices.
+    - rope_scaling (dew.nn.rotary.RopeScaling: linear, llama3, yarn) and
+      rotary_fraction (the share of a head that rotates, Phi-3's partial
+      rotary); local_rope_base is the base of the sliding-window layers when
+      it differs from rope_base (Gemma 3), those layers then unscaled.
+    - sliding_window: how many keys a query sees (itself included), in the
+      layers sliding_layers lists (None: all); the others see every key.
+    - attention_softcap and logit_softcap bound attention scores and logits
+      by ``c * tanh(x / c)`` (Gemma 2); query_pre_attn_scalar replaces the
+      head width in the score scale ``1/sqrt(...)``; scale_embeddings
+      multiplies the embeddings by ``sqrt(emb_features)`` (Gemma).
+    - mlp_activation "geglu" gates with tanh-approximated GELU (Gemma).
+    - attention_block and mlp_block name each layer's kind of block (one
+      each today; where latent attention or routed experts plug in).
+    - family names the published architecture the parts reproduce
+      (``dew.families``): Pretrained.save writes that family's layout
+      (None: Llama's, as before families existed).
     """
 
     vocab_size: int
@@ -96,6 +134,24 @@ class CausalTransformer(nn.Module):
     experts_per_token: int = 2
     expert_capacity: float = 1.25
     scan_layers: bool = False
+    family: str | None = None
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
+    norm_offset: bool = False
+    qk_norm: Literal["none", "head", "projection"] = "none"
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    rotary_fraction: float = 1.0
+    local_rope_base: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
+    attention_softcap: float | None = None
+    logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    scale_embeddings: bool = False
+    attention_block: Literal["grouped_query"] = "grouped_query"
+    mlp_block: Literal["dense"] = "dense"
 
     def _check(self) -> None:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features",
@@ -123,6 +179,40 @@ class CausalTransformer(nn.Module):
                 f"CausalTransformer.num_kv_heads={self.num_kv_heads} must divide num_heads="
                 f"{self.num_heads}: each key/value head serves the same number of query heads."
             )
+        choices = {"norm_placement": NORM_PLACEMENTS, "qk_norm": QK_NORMS,
+                   "mlp_activation": MLP_ACTIVATIONS, "attention_block": ATTENTION_BLOCKS,
+                   "mlp_block": MLP_BLOCKS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"CausalTransformer.{name}={getattr(self, name)!r} is not one of "
+                                 f"{', '.join(map(repr, allowed))}.")
+        if not 0 < self.rotary_fraction <= 1:
+            raise ValueError(f"CausalTransformer.rotary_fraction={self.rotary_fraction} must be in "
+                             "(0, 1]: the share of each head's features that rotate.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"CausalTransformer.sliding_window={self.sliding_window} must be at "
+                             "least 1 (or None: every layer sees every earlier key).")
+        outside = [i for i in self.sliding_layers or () if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"CausalTransformer.sliding_layers names layers {outside} of a model "
+                             f"with num_layers={self.num_layers}; number them 0..{self.num_layers - 1}.")
+        if self.scan_layers and len(set(self._layer_parts())) > 1:
+            raise ValueError(
+                "CausalTransformer.scan_layers=True needs every layer alike, but sliding_layers="
+                f"{self.sliding_layers} gives some layers a sliding window (or another rotary base) "
+                "and others none. Set scan_layers=False for this model.")
+
+    def _layer_parts(self) -> list[tuple[int | None, float, RopeScaling | None]]:
+        """Each layer's window, rotary base and rotary scaling, in order."""
+        out = []
+        for i in range(self.num_layers):
+            slides = self.sliding_window is not None and (
+                self.sliding_layers is None or i in self.sliding_layers)
+            if slides and self.local_rope_base is not None:
+                out.append((self.sliding_window, self.local_rope_base, None))
+            else:
+                out.append((self.sliding_window if slides else None, self.rope_base, self.rope_scaling))
+        return out
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward and backward) at seq_len: 6 per weight the token
@@ -136,7 +226,7 @@ class CausalTransformer(nn.Module):
         width = self.num_heads * self.head_width
         kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
         attention = 2 * self.emb_features * width + 2 * self.emb_features * kv_heads * self.head_width
-        mlp = (3 if self.mlp_activation == "swiglu" else 2) * self.emb_features * self.mlp_features
+        mlp = (2 if self.mlp_activation == "gelu" else 3) * self.emb_features * self.mlp_features
         if self.experts:  # a token passes through experts_per_token experts and the router
             mlp = self.experts_per_token * mlp + self.emb_features * self.experts
         weights = self.num_layers * (attention + mlp) + self.emb_features * self.vocab_size
@@ -174,6 +264,8 @@ class CausalTransformer(nn.Module):
         kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
         embed = Embed(self.vocab_size, self.emb_features, name="embed", **kinds)
         x_btd = embed(tokens.astype(jnp.int32))
+        if self.scale_embeddings:  # in the compute dtype, as Gemma rounds it
+            x_btd = x_btd * jnp.asarray(self.emb_features ** 0.5, self.dtype)
         if self.position_embedding == "learned":
             table_sd = param(self, "position", nn.initializers.normal(0.02),
                              (self.max_seq_len, self.emb_features), (None, axes.EMBED),
@@ -187,31 +279,37 @@ class CausalTransformer(nn.Module):
         layer_options = {
             "rotary": self.position_embedding == "rotary", "mlp_activation": self.mlp_activation,
             "attention": self.attention, "num_kv_heads": self.num_kv_heads,
-            "rope_base": self.rope_base, "norm_epsilon": self.norm_epsilon, "experts": self.experts,
+            "norm_epsilon": self.norm_epsilon, "experts": self.experts,
             "experts_per_token": self.experts_per_token, "expert_capacity": self.expert_capacity,
-            **kinds,
+            "norm_placement": self.norm_placement, "norm_offset": self.norm_offset,
+            "qk_norm": self.qk_norm, "qkv_bias": self.qkv_bias, "out_bias": self.out_bias,
+            "mlp_bias": self.mlp_bias, "rotary_fraction": self.rotary_fraction,
+            "attention_softcap": self.attention_softcap,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "attention_block": self.attention_block, "mlp_block": self.mlp_block, **kinds,
         }
+        parts = self._layer_parts()
         if self.scan_layers:
             def rematerialized(body: Any) -> Any:
                 if self.remat == "none":
                     return body
                 return nn.remat(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
 
+            window, base, scaling = parts[0]
             x_btd = run_stack(self, DecoderLayer, self.num_layers, x_btd, positions, segment_ids,
                               decode=decode, wrap=rematerialized, num_heads=self.num_heads,
                               head_features=self.head_width, mlp_features=self.mlp_features,
-                              max_len=self.max_seq_len, **layer_options)
+                              max_len=self.max_seq_len, window=window, rope_base=base,
+                              rope_scaling=scaling, **layer_options)
         layer_class: Any = DecoderLayer
         if self.remat != "none" and not decode:
             layer_class = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat])
         for i in range(0 if self.scan_layers else self.num_layers):
+            window, base, scaling = parts[i]
             layer = layer_class(
                 self.num_heads, self.head_width, self.mlp_features, self.max_seq_len,
-                rotary=self.position_embedding == "rotary", mlp_activation=self.mlp_activation,
-                attention=self.attention, num_kv_heads=self.num_kv_heads,
-                rope_base=self.rope_base, norm_epsilon=self.norm_epsilon,
-                experts=self.experts, experts_per_token=self.experts_per_token,
-                expert_capacity=self.expert_capacity, name=f"layers_{i}", **kinds,
+                window=window, rope_base=base, rope_scaling=scaling, name=f"layers_{i}",
+                **layer_options,
             )
             if layer_class is DecoderLayer:
                 x_btd = layer(x_btd, positions, decode=decode, segment_ids=segment_ids)
@@ -220,7 +318,7 @@ class CausalTransformer(nn.Module):
             else:
                 x_btd = layer(x_btd, positions, segment_ids=segment_ids)
 
-        x_btd = RMSNorm(self.norm_epsilon, name="final_norm", **kinds)(x_btd)
+        x_btd = RMSNorm(self.norm_epsilon, offset=self.norm_offset, name="final_norm", **kinds)(x_btd)
         if self.tie_embeddings:
             logits_btv = embed.attend(x_btd)
         else:
@@ -228,5 +326,7 @@ class CausalTransformer(nn.Module):
                               (self.emb_features, self.vocab_size), (axes.EMBED, axes.VOCAB),
                               self.param_dtype)
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, kernel_dv.astype(self.dtype))
+        if self.logit_softcap is not None:
+            logits_btv = jnp.tanh(logits_btv / self.logit_softcap) * self.logit_softcap
         logits_btv = constrain(logits_btv, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB))
         return logits_btv.astype(jnp.float32)

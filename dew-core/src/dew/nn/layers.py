@@ -4,10 +4,20 @@ Every parameter is declared through :func:`dew.nn.sharding.param`, so the
 trainer can shard it by name. Activations are constrained by their logical
 names at the block boundaries. Computation runs in ``dtype``; parameters are
 stored in ``param_dtype``; softmax and normalization statistics run in float32.
+
+The options published decoders differ in are fields of these layers, each
+computing exactly what that architecture computes: RMSNorm's ``1 +`` offset
+(Gemma), norms of the queries and keys per head (Qwen 3, Gemma 3) or over the
+whole projection (OLMo 2), biases on the projections (Qwen 2) and on the
+feed-forward block, partial and rescaled rotary positions (dew.nn.rotary),
+sliding windows, soft-capped attention scores and the query scale (Gemma 2),
+a GELU-gated feed-forward block (Gemma), and where the norms sit around each
+block (DecoderLayer.norm_placement).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
@@ -17,16 +27,23 @@ import jax.numpy as jnp
 
 from dew.nn import sharding as axes
 from dew.nn.moe import MoEBlock
+from dew.nn.rotary import RopeScaling, attention_scaling, inverse_frequencies, rotate
 from dew.nn.sharding import constrain, param
 
 __all__ = [
+    "ATTENTION_BLOCKS",
     "ATTENTION_KINDS",
-    "MLPBlock",
+    "MLP_ACTIVATIONS",
+    "MLP_BLOCKS",
+    "NORM_PLACEMENTS",
+    "QK_NORMS",
     "CausalSelfAttention",
     "DecoderLayer",
     "Embed",
+    "MLPBlock",
     "RMSNorm",
     "apply_rotary",
+    "attention_mask",
 ]
 
 Dtype = Any
@@ -37,22 +54,49 @@ Dtype = Any
 # attention on NVIDIA GPUs, bf16/fp16 only).
 ATTENTION_KINDS = ("einsum", "xla", "cudnn")
 
+# Where a decoder layer's norms sit: "pre" x + f(norm(x)) (Llama), "sandwich"
+# x + norm(f(norm(x))) (Gemma 2 and 3), "post" x + norm(f(x)) (OLMo 2).
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+# Norms of queries and keys before the rotation: none, one per head over its
+# width (Qwen 3, Gemma 3), or one over the whole projection (OLMo 2).
+QK_NORMS = ("none", "head", "projection")
+# The feed-forward block's nonlinearity: GELU (two matrices), or a gate of
+# SiLU (SwiGLU) or tanh-approximated GELU (GeGLU) over a third matrix.
+MLP_ACTIVATIONS = ("gelu", "swiglu", "geglu")
+# The attention and feed-forward blocks a decoder layer is built of: the place
+# where another kind of block (latent attention, routed experts) plugs in.
+ATTENTION_BLOCKS = ("grouped_query",)
+MLP_BLOCKS = ("dense",)
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square normalization with a learned per-feature scale."""
+    """Root-mean-square normalization with a learned per-feature scale.
+
+    It normalizes over the last ``len(scale_axes)`` dimensions (one by
+    default; two, heads and width, for OLMo 2's norm over a whole query
+    projection), whose scale carries those logical names. With offset the
+    stored weight w is an offset from one, and the scale is ``1 + w``
+    (Gemma's convention, its weights starting at zero).
+    """
 
     epsilon: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    offset: bool = False
+    scale_axes: tuple[str | None, ...] = (axes.EMBED,)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), (axes.EMBED,),
-                      self.param_dtype)
+        count = len(self.scale_axes)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = param(self, "scale", init, x.shape[-count:], self.scale_axes, self.param_dtype)
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
-        scale_e = jax.lax.broadcast_to_rank(scale.astype(jnp.float32), normed.ndim)
-        return (normed * scale_e).astype(self.dtype)
+        over = tuple(range(-count, 0))
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=over, keepdims=True) + self.epsilon)
+        scale32 = scale.astype(jnp.float32)
+        if self.offset:
+            scale32 = 1.0 + scale32
+        return (normed * jax.lax.broadcast_to_rank(scale32, normed.ndim)).astype(self.dtype)
 
 
 class Embed(nn.Module):
@@ -80,16 +124,23 @@ class Embed(nn.Module):
 
 def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
     """Rotate pairs of features of x [B, T, H, D] by angles set by positions [B, T]."""
-    half = x.shape[-1] // 2
-    frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, :, None, None] * frequencies[None, None, None, :]  # [B, T, 1, half]
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-    x32 = x.astype(jnp.float32)
-    first, second = x32[..., :half], x32[..., half : 2 * half]
-    rotated = jnp.concatenate(
-        [first * cos - second * sin, second * cos + first * sin, x32[..., 2 * half :]], axis=-1
-    )
-    return rotated.astype(x.dtype)
+    return rotate(x, positions, inverse_frequencies(x.shape[-1], base))
+
+
+def attention_mask(query_positions: jax.Array, key_positions: jax.Array,
+                   window: int | None = None) -> jax.Array:
+    """Which keys each query sees, [B, 1, 1, T, S]: keys at or before it, within window if set.
+
+    Positions are [B, T] and [B, S] (or [1, ...]); with a window w a query
+    at t sees keys s with ``t - w < s <= t``, the sliding window of Mistral,
+    Qwen 2 and Gemma 2 and 3.
+    """
+    query = query_positions[:, None, None, :, None]
+    key = key_positions[:, None, None, None, :]
+    mask = key <= query
+    if window is not None:
+        mask = mask & (query - key < window)
+    return mask
 
 
 class CausalSelfAttention(nn.Module):
@@ -106,7 +157,18 @@ class CausalSelfAttention(nn.Module):
     (``cached_key`` and ``cached_value`` of shape [B, max_len, kv_heads, kv])
     at each row's ``positions``, and every query attends to the cached slots
     at or before its own position. The work per new token is then fixed by
-    max_len, not by how long the prompt was.
+    max_len, not by how long the prompt was. The cache is read and written in
+    one method (``_update_cache``), which returns the keys, the values and
+    the position each cached key holds, so another cache can replace it.
+
+    The options of published architectures: qkv_bias and out_bias add biases
+    to the projections; qk_norm normalizes queries and keys before the
+    rotation (per head, or over the whole projection); rope_scaling and
+    rotary_fraction pick the rotary frequencies (dew.nn.rotary); window
+    limits each query to the window keys before it; softcap bounds the
+    scores by ``softcap * tanh(scores / softcap)``; query_pre_attn_scalar
+    replaces the head width in the ``1/sqrt`` score scale. The norms use
+    norm_epsilon and, with norm_offset, Gemma's ``1 + w`` scale.
     """
 
     num_heads: int
@@ -118,6 +180,16 @@ class CausalSelfAttention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: Literal["einsum", "xla", "cudnn"] = "einsum"
+    rope_scaling: RopeScaling | None = None
+    rotary_fraction: float = 1.0
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: Literal["none", "head", "projection"] = "none"
+    norm_epsilon: float = 1e-6
+    norm_offset: bool = False
+    window: int | None = None
+    softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -130,6 +202,9 @@ class CausalSelfAttention(nn.Module):
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"Unknown attention {self.attention!r}; use one of "
                              f"{', '.join(map(repr, ATTENTION_KINDS))}.")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"Unknown qk_norm {self.qk_norm!r}; use one of "
+                             f"{', '.join(map(repr, QK_NORMS))}.")
         batch, length, features = x.shape
         heads, kv_heads, width = self.num_heads, self.kv_heads, self.head_features
         if heads % kv_heads:
@@ -141,40 +216,64 @@ class CausalSelfAttention(nn.Module):
         def project(name: str, count: int) -> jax.Array:
             kernel_dhk = param(self, name, qkv_init, (features, count, width),
                                (axes.EMBED, axes.HEADS, axes.KV), self.param_dtype)
-            return jnp.einsum("btd,dhk->bthk", x, kernel_dhk.astype(self.dtype))
+            out_bthk = jnp.einsum("btd,dhk->bthk", x, kernel_dhk.astype(self.dtype))
+            if self.qkv_bias:
+                bias_hk = param(self, f"{name}_bias", nn.initializers.zeros, (count, width),
+                                (axes.HEADS, axes.KV), self.param_dtype)
+                out_bthk = out_bthk + bias_hk.astype(self.dtype)[None, None]
+            return out_bthk
 
         q_bthk, k_bshk, v_bshk = project("query", heads), project("key", kv_heads), project("value", kv_heads)
+        if self.qk_norm != "none":
+            scaled = (axes.KV,) if self.qk_norm == "head" else (axes.HEADS, axes.KV)
+            norm = {"epsilon": self.norm_epsilon, "offset": self.norm_offset, "scale_axes": scaled,
+                    "dtype": self.dtype, "param_dtype": self.param_dtype}
+            q_bthk = RMSNorm(name="query_norm", **norm)(q_bthk)
+            k_bshk = RMSNorm(name="key_norm", **norm)(k_bshk)
         head_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS, None)
         q_bthk, k_bshk, v_bshk = (constrain(t, head_axes) for t in (q_bthk, k_bshk, v_bshk))
         if self.rotary:
-            q_bthk = apply_rotary(q_bthk, positions, self.rope_base)
-            k_bshk = apply_rotary(k_bshk, positions, self.rope_base)
+            inverse = inverse_frequencies(width, self.rope_base, self.rope_scaling, self.rotary_fraction)
+            scale = attention_scaling(self.rope_scaling)
+            q_bthk = rotate(q_bthk, positions, inverse, scale)
+            k_bshk = rotate(k_bshk, positions, inverse, scale)
 
         # Queries keep their share of the positions; every device sees all keys and values
         # (an all-gather over the sequence axis), so attention is exact under a sequence split.
         whole = (axes.BATCH, None, axes.ACTIVATION_HEADS, None)
         k_bshk, v_bshk = constrain(k_bshk, whole), constrain(v_bshk, whole)
         if decode:  # keys and values come from the cache: s runs over its max_len slots
-            k_bshk, v_bshk, mask = self._update_cache(k_bshk, v_bshk, positions)
-        else:
-            mask = jnp.tril(jnp.ones((length, length), bool))[None, None, None]
+            k_bshk, v_bshk, key_positions = self._update_cache(k_bshk, v_bshk, positions)
+            mask = attention_mask(positions, key_positions, self.window)
+        else:  # positions along the row, whatever the rotary positions were
+            order = jnp.arange(length, dtype=jnp.int32)[None, :]
+            mask = attention_mask(order, order, self.window)
             if segment_ids is not None:  # packed documents: a query sees its own document only
                 mask = mask & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
 
-        if decode or self.attention == "einsum":
+        if decode or self.attention == "einsum" or self.softcap is not None:
             # Query heads in groups of n per key/value head (g groups): [B, T, G, N, K].
             share = heads // kv_heads
             q_btgnk = q_bthk.reshape(batch, length, kv_heads, share, width)
             scores_bgnts = jnp.einsum("btgnk,bsgk->bgnts", q_btgnk, k_bshk).astype(jnp.float32)
-            scores_bgnts = jnp.where(mask, scores_bgnts / math.sqrt(width), jnp.finfo(jnp.float32).min)
+            if self.query_pre_attn_scalar is None:
+                scores_bgnts = scores_bgnts / math.sqrt(width)
+            else:
+                scores_bgnts = scores_bgnts * float(self.query_pre_attn_scalar) ** -0.5
+            if self.softcap is not None:
+                scores_bgnts = jnp.tanh(scores_bgnts / self.softcap) * self.softcap
+            scores_bgnts = jnp.where(mask, scores_bgnts, jnp.finfo(jnp.float32).min)
             weights_bgnts = jax.nn.softmax(scores_bgnts, axis=-1).astype(self.dtype)
             out_btgnk = jnp.einsum("bgnts,bsgk->btgnk", weights_bgnts, v_bshk)
             out_bthk = out_btgnk.reshape(batch, length, heads, width)
         else:  # grouped key/value heads are read the same way: head h uses h // share
             documents = None if segment_ids is None else (
                 segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-            out_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=documents,
-                                                    is_causal=True, implementation=self.attention)
+            scale = None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
+            local = None if self.window is None else (self.window - 1, 0)
+            out_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=documents, scale=scale,
+                                                    is_causal=True, local_window_size=local,
+                                                    implementation=self.attention)
         out_bthk = constrain(out_bthk, head_axes)
 
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
@@ -183,11 +282,18 @@ class CausalSelfAttention(nn.Module):
                                (axes.HEADS, axes.KV, axes.EMBED), self.param_dtype)
         # "a" stands for the head width here: einsum sums the contracted axes in the order of
         # their letters, and heads-then-width ("hk") would change the result in the last bits.
-        return jnp.einsum("btha,had->btd", out_bthk, out_kernel_hkd.astype(self.dtype))
+        out_btd = jnp.einsum("btha,had->btd", out_bthk, out_kernel_hkd.astype(self.dtype))
+        if self.out_bias:
+            bias_d = param(self, "out_bias", nn.initializers.zeros, (features,), (axes.EMBED,),
+                           self.param_dtype)
+            out_btd = out_btd + bias_d.astype(self.dtype)[None, None]
+        return out_btd
 
     def _update_cache(
         self, k: jax.Array, v: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Write k and v [B, T, kv_heads, kv] at positions [B, T]; return every cached key and
+        value [B, S, kv_heads, kv] with the position each slot holds [B or 1, S]."""
         batch = k.shape[0]
         shape = (batch, self.max_len, self.kv_heads, self.head_features)
         cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, self.dtype)
@@ -203,47 +309,70 @@ class CausalSelfAttention(nn.Module):
                                                                    mode="drop")
         cached_value.value = cached_value.value.at[rows, positions].set(v.astype(self.dtype),
                                                                        mode="drop")
-        slots = jnp.arange(self.max_len)
-        mask = (slots[None, None, :] <= positions[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
-        return cached_key.value, cached_value.value, mask
+        slots = jnp.arange(self.max_len, dtype=jnp.int32)[None, :]
+        return cached_key.value, cached_value.value, slots
 
 
 class MLPBlock(nn.Module):
-    """A feed-forward block: GELU (two matrices) or SwiGLU (three)."""
+    """A feed-forward block: GELU (two matrices), SwiGLU or GeGLU (three).
+
+    The gated kinds compute ``act(x W_gate) * (x W_in)`` with SiLU (swiglu)
+    or tanh-approximated GELU (geglu, Gemma's ``gelu_pytorch_tanh``). With
+    bias every matrix has one (Llama's ``mlp_bias``).
+    """
 
     hidden_features: int
-    activation: Literal["gelu", "swiglu"] = "gelu"
+    activation: Literal["gelu", "swiglu", "geglu"] = "gelu"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"Unknown MLP activation {self.activation!r}; use one of "
+                             f"{', '.join(map(repr, MLP_ACTIVATIONS))}.")
         features = x.shape[-1]
         init = nn.initializers.lecun_normal()
 
-        def kernel(name: str, shape: tuple[int, int], names: tuple[str, str]) -> jax.Array:
-            return param(self, name, init, shape, names, self.param_dtype).astype(self.dtype)
+        def linear(name: str, h: jax.Array, shape: tuple[int, int], names: tuple[str, str],
+                   spec: str) -> jax.Array:
+            kernel = param(self, name, init, shape, names, self.param_dtype).astype(self.dtype)
+            out = jnp.einsum(spec, h, kernel)
+            if self.bias:
+                bias = param(self, f"{name}_bias", nn.initializers.zeros, shape[1:], names[1:],
+                             self.param_dtype)
+                out = out + jax.lax.broadcast_to_rank(bias.astype(self.dtype), out.ndim)
+            return out
 
         up = (features, self.hidden_features)
-        h_btm = jnp.einsum("btd,dm->btm", x, kernel("wi", up, (axes.EMBED, axes.MLP)))
-        if self.activation == "swiglu":
-            gate_btm = jnp.einsum("btd,dm->btm", x, kernel("wi_gate", up, (axes.EMBED, axes.MLP)))
-            h_btm = nn.silu(gate_btm) * h_btm
-        elif self.activation == "gelu":
+        h_btm = linear("wi", x, up, (axes.EMBED, axes.MLP), "btd,dm->btm")
+        if self.activation == "gelu":
             h_btm = nn.gelu(h_btm)
         else:
-            raise ValueError(f"Unknown MLP activation {self.activation!r}; use 'gelu' or 'swiglu'.")
+            gate_btm = linear("wi_gate", x, up, (axes.EMBED, axes.MLP), "btd,dm->btm")
+            act = nn.silu if self.activation == "swiglu" else functools.partial(nn.gelu, approximate=True)
+            h_btm = act(gate_btm) * h_btm
         h_btm = constrain(h_btm, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_MLP))
-        down_md = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
-        return jnp.einsum("btm,md->btd", h_btm, down_md)
+        return linear("wo", h_btm, (self.hidden_features, features), (axes.MLP, axes.EMBED),
+                      "btm,md->btd")
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x)).
+    """One decoder layer: attention, then a feed-forward block, each with a residual.
+
+    norm_placement says where the RMSNorms sit: "pre" (Llama) computes
+    x + attention(norm(x)), "sandwich" (Gemma 2, 3) x + norm(attention(norm(x))),
+    "post" (OLMo 2) x + norm(attention(x)); the same around the feed-forward
+    block. The norms before a block are named ``attention_norm`` and
+    ``mlp_norm``, those after it ``attention_post_norm`` and ``mlp_post_norm``.
 
     With experts above 0 the feed-forward block is a MoEBlock (named "moe")
     of that many experts, experts_per_token of them per token, each with
     expert_capacity times its even share of a sequence's tokens.
+    attention_block and mlp_block name the kind of each block (today one
+    each); another kind plugs in at ``_attention_block`` and ``_mlp_block``.
+    The other fields are those of CausalSelfAttention and MLPBlock.
     """
 
     num_heads: int
@@ -251,7 +380,7 @@ class DecoderLayer(nn.Module):
     mlp_features: int
     max_len: int
     rotary: bool = False
-    mlp_activation: Literal["gelu", "swiglu"] = "gelu"
+    mlp_activation: Literal["gelu", "swiglu", "geglu"] = "gelu"
     num_kv_heads: int | None = None
     rope_base: float = 10_000.0
     norm_epsilon: float = 1e-6
@@ -261,25 +390,65 @@ class DecoderLayer(nn.Module):
     experts: int = 0
     experts_per_token: int = 2
     expert_capacity: float = 1.25
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
+    norm_offset: bool = False
+    qk_norm: Literal["none", "head", "projection"] = "none"
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    rotary_fraction: float = 1.0
+    window: int | None = None
+    attention_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attention_block: Literal["grouped_query"] = "grouped_query"
+    mlp_block: Literal["dense"] = "dense"
+
+    def _attention_block(self) -> nn.Module:
+        """The attention block this layer's attention_block names."""
+        if self.attention_block != "grouped_query":
+            raise ValueError(f"Unknown attention_block {self.attention_block!r}; use one of "
+                             f"{', '.join(map(repr, ATTENTION_BLOCKS))}.")
+        return CausalSelfAttention(
+            self.num_heads, self.head_features, self.max_len, rotary=self.rotary,
+            num_kv_heads=self.num_kv_heads, rope_base=self.rope_base, attention=self.attention,
+            rope_scaling=self.rope_scaling, rotary_fraction=self.rotary_fraction,
+            qkv_bias=self.qkv_bias, out_bias=self.out_bias, qk_norm=self.qk_norm,
+            norm_epsilon=self.norm_epsilon, norm_offset=self.norm_offset, window=self.window,
+            softcap=self.attention_softcap, query_pre_attn_scalar=self.query_pre_attn_scalar,
+            name="attention", dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def _mlp_block(self) -> nn.Module:
+        """The feed-forward block: dense, or dew's mixture of experts when experts > 0."""
+        if self.mlp_block != "dense":
+            raise ValueError(f"Unknown mlp_block {self.mlp_block!r}; use one of "
+                             f"{', '.join(map(repr, MLP_BLOCKS))}.")
+        kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        if self.experts:
+            return MoEBlock(self.experts, self.mlp_features, self.experts_per_token,
+                            self.expert_capacity, self.mlp_activation, name="moe", **kinds)
+        return MLPBlock(self.mlp_features, self.mlp_activation, bias=self.mlp_bias, name="mlp", **kinds)
+
+    def _norm(self, name: str) -> RMSNorm:
+        return RMSNorm(self.norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype,
+                       offset=self.norm_offset, name=name)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, *, decode: bool = False,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"Unknown norm_placement {self.norm_placement!r}; use one of "
+                             f"{', '.join(map(repr, NORM_PLACEMENTS))}.")
         residual_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
-        attention = CausalSelfAttention(self.num_heads, self.head_features, self.max_len,
-                                        rotary=self.rotary, num_kv_heads=self.num_kv_heads,
-                                        rope_base=self.rope_base, attention=self.attention,
-                                        name="attention", **kinds)
-        norm = {"epsilon": self.norm_epsilon, **kinds}
-        x = x + attention(RMSNorm(name="attention_norm", **norm)(x), positions, decode=decode,
-                          segment_ids=segment_ids)
+        before = self.norm_placement in ("pre", "sandwich")
+        after = self.norm_placement in ("sandwich", "post")
+        attention = self._attention_block()
+        h = self._norm("attention_norm")(x) if before else x
+        h = attention(h, positions, decode=decode, segment_ids=segment_ids)
+        x = x + (self._norm("attention_post_norm")(h) if after else h)
         x = constrain(x, residual_axes)
-        mlp: nn.Module
-        if self.experts:
-            mlp = MoEBlock(self.experts, self.mlp_features, self.experts_per_token,
-                           self.expert_capacity, self.mlp_activation, name="moe", **kinds)
-        else:
-            mlp = MLPBlock(self.mlp_features, self.mlp_activation, name="mlp", **kinds)
-        x = x + mlp(RMSNorm(name="mlp_norm", **norm)(x))
+        mlp = self._mlp_block()
+        h = self._norm("mlp_norm")(x) if before else x
+        h = mlp(h)
+        x = x + (self._norm("mlp_post_norm")(h) if after else h)
         return constrain(x, residual_axes)

@@ -1,35 +1,52 @@
 """Pretrained: a model, its variables and its tokenizer, saved in the source's own format.
 
-For dew's CausalTransformer the format is Hugging Face's Llama:
-``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` when the
-tokenizer has one), which ``transformers.AutoModelForCausalLM`` loads as it
-is, and which ``Pretrained.load`` reads back bit for bit. A directory that
-transformers wrote for a Llama model loads the same way, to fine-tune or to
-sample from. Every other model (a DiT, a UNet, a token denoiser) is written
-in dew's own layout (``dew.pretrained.native``), with the task its weights
-serve, so that ``Pretrained.load(directory).pipeline()`` samples as the
-pipeline that saved it did.
+For dew's CausalTransformer the format is its family's Hugging Face layout
+(``dew.families``: Llama, Mistral, Qwen 2 and 3, Gemma 1 to 3, Phi-3,
+OLMo 2): ``config.json`` and ``model.safetensors`` (sharded with an index
+when large), plus the tokenizer, which ``transformers.AutoModelForCausalLM``
+loads as that family and ``Pretrained.load`` reads back bit for bit. A
+directory transformers wrote for any of those families loads the same way,
+to fine-tune or to sample from. Every other model (a DiT, a UNet, a token
+denoiser) is written in dew's own layout (``dew.pretrained.native``), with
+the task its weights serve, so that ``Pretrained.load(directory).pipeline()``
+samples as the pipeline that saved it did.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dew.pretrained import llama, native
+from dew.pretrained import native
 from dew.pretrained.errors import PretrainedError, TensorMismatchError, VocabularyMismatchError
-from dew.pretrained.tensors import WEIGHTS, TensorFiles, write_tensors
-from dew.pretrained.tokenizers import read_tokenizer, write_tokenizer
+from dew.pretrained.tensors import WEIGHTS, ShardWriter, TensorFiles, write_tensors
+from dew.pretrained.tokenizers import TokenizerFiles, read_tokenizer, write_tokenizer
 
-__all__ = ["CONFIG_FILE", "Pretrained", "check_vocabulary"]
+__all__ = ["CONFIG_FILE", "MAX_SHARD_BYTES", "Pretrained", "check_vocabulary", "model_from_config"]
 
 CONFIG_FILE = "config.json"
+MAX_SHARD_BYTES = 5 * 2**30
+"""The largest safetensors file Pretrained.save writes before it shards (5 GiB)."""
+
+
+def model_from_config(config: Mapping[str, Any], *, max_seq_len: int | None = None,
+                      param_dtype: Any = None, dtype: Any = None) -> Any:
+    """The CausalTransformer a Hugging Face config.json describes, through its family.
+
+    Raises UnsupportedArchitectureError (naming the architecture and the
+    covered ones) or NoExactCounterpartError (naming the config field).
+    """
+    from dew.families import for_config
+
+    dtype = dtype or (config.get("dew") or {}).get("dtype")
+    return for_config(config).model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
+                                    dtype=dtype)
 
 
 def check_vocabulary(tokenizer: Any, model: Any) -> None:
@@ -44,22 +61,43 @@ def check_vocabulary(tokenizer: Any, model: Any) -> None:
         )
 
 
-def _host(tree: Any) -> Any:
-    """tree's arrays whole on the host, Flax's partitioning boxes removed.
-
-    An array sharded across a process pool is gathered from every process
-    (each must call this); one on local devices is simply copied.
-    """
-    import flax.linen as nn
+def _fetch(leaf: Any) -> np.ndarray:
+    """One array whole on the host: gathered from every process of a pool (each must call
+    this, in the same order), or copied from local devices."""
     import jax
     from jax.experimental import multihost_utils
 
-    def fetch(leaf: Any) -> np.ndarray:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        return np.asarray(jax.device_get(leaf))
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
 
-    return jax.tree.map(fetch, nn.meta.unbox(tree))
+
+def _host(tree: Any) -> Any:
+    """tree's arrays whole on the host, Flax's partitioning boxes removed."""
+    import flax.linen as nn
+    import jax
+
+    return jax.tree.map(_fetch, nn.meta.unbox(tree))
+
+
+def _placement(shardings: Any) -> Callable[[tuple[str, ...]], Any]:
+    """Where each loaded parameter goes: its sharding in shardings (a tree like the variables'
+    or their params'), or the default device when shardings is None or has no such path."""
+    if shardings is None:
+        return lambda path: None
+    import flax.linen as nn
+
+    tree = nn.meta.unbox(shardings)
+    tree = tree.get("params", tree) if isinstance(tree, Mapping) else tree
+    return lambda path: _at(tree, path)
+
+
+def _put(array: np.ndarray, dtype: Any, sharding: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    array = np.asarray(array).astype(np.dtype(dtype), copy=False)
+    return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
 
 
 def _at(params: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -79,6 +117,9 @@ class Pretrained:
     ``state.params`` holds it); tokenizer may be None. task names what the
     weights are for, as ``{"name": <a registered objective>, "fields":
     {...}}`` (a pipeline's save fills it in); only dew's own layout keeps it.
+    tokenizer_files keeps what a Hugging Face directory says about its
+    tokenizer beyond ``tokenizer.json`` (special tokens, the chat template,
+    generation's stop ids), written back unchanged by save.
 
     >>> import tempfile, jax, jax.numpy as jnp
     >>> from dew.nn.backbones import CausalTransformer
@@ -97,55 +138,88 @@ class Pretrained:
     variables: Mapping[str, Any]
     tokenizer: Any = None
     task: Mapping[str, Any] | None = None
+    tokenizer_files: TokenizerFiles | None = None
 
     @property
     def format(self) -> str:
-        """'llama' for a CausalTransformer (Hugging Face's layout), else 'dew' (dew's own)."""
+        """A CausalTransformer's family (its Hugging Face layout: 'llama', 'qwen3', ...), else
+        'dew' (dew's own layout)."""
         from dew.nn.backbones import CausalTransformer
 
-        return "llama" if isinstance(self.model, CausalTransformer) else native.FORMAT
+        if isinstance(self.model, CausalTransformer):
+            return self.model.family or "llama"
+        return native.FORMAT
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write config.json, model.safetensors and the tokenizer into directory; return it.
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template, as the directory it was read from wrote it (None: none)."""
+        return None if self.tokenizer_files is None else self.tokenizer_files.chat_template
 
-        Raises NoExactCounterpartError, naming the field, when the model has
-        no exact counterpart in the format. In a process pool every process
-        calls it (sharded weights are gathered) and process 0 writes.
+    def save(self, directory: str | os.PathLike[str], *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+        """Write config.json, the safetensors weights and the tokenizer into directory; return it.
+
+        A CausalTransformer is written in its family's layout, in files of at
+        most max_shard_bytes (more than one: with an index, as transformers
+        shards). Raises NoExactCounterpartError, naming the field, when the
+        model has no exact counterpart in the format, before anything is
+        written. In a process pool every process calls it (sharded weights
+        are gathered one tensor at a time) and process 0 writes.
         """
+        import flax.linen as nn
         import jax
+
+        from dew.families import of_model
 
         if self.tokenizer is not None:
             check_vocabulary(self.tokenizer, self.model)
         if self.format == native.FORMAT:
             return self._save_native(Path(directory))
-        eos = getattr(self.tokenizer, "eos_id", None)
-        config = llama.model_to_config(self.model, eos_id=eos)
-        params = _host(self.variables.get("params", self.variables))
+        family = of_model(self.model)
+        config = family.config(self.model)
+        config.update(self._token_ids())
+        params = nn.meta.unbox(self.variables.get("params", self.variables))
         if getattr(self.model, "scan_layers", False):  # the format numbers its layers
             from dew.nn.pipeline import unstack_layers
 
             params = unstack_layers(params, self.model.num_layers)
-        table = llama.tensors(self.model)
-        out: dict[str, np.ndarray] = {}
-        for name, tensor in table.items():
-            value = _at(params, tensor.path)
-            if value is None or tuple(value.shape) != tensor.dew_shape:
-                found = None if value is None else tuple(value.shape)
-                raise TensorMismatchError(
-                    f"The variables have {found} at params/{'/'.join(tensor.path)}, but the "
-                    f"model needs shape {tensor.dew_shape} there (for {name}, "
-                    f"{tensor.hf_shape}). Save the variables this model was built with."
-                )
-            out[name] = tensor.to_hf(value)
+        table = family.table(self.model)
+        for name, entry in table.items():  # every tensor checked before a byte is written
+            for path, shape in zip(entry.paths, entry.dew_shapes, strict=True):
+                value = _at(params, path)
+                if value is None or tuple(value.shape) != shape:
+                    found = None if value is None else tuple(value.shape)
+                    raise TensorMismatchError(
+                        f"The variables have {found} at params/{'/'.join(path)}, but the model needs "
+                        f"shape {shape} there (for {name}, {entry.hf_shape}). Save the variables "
+                        "this model was built with.")
         target = Path(directory)
-        if jax.process_index() != 0:
+        writing = jax.process_index() == 0
+        if writing:
+            target.mkdir(parents=True, exist_ok=True)
+        shards = ShardWriter(target, max_shard_bytes, {"format": "pt"})
+        for name, entry in table.items():
+            value = entry.layout.to_hf([_fetch(_at(params, path)) for path in entry.paths])
+            if writing:
+                shards.add(name, value)
+        if not writing:
             return target
-        target.mkdir(parents=True, exist_ok=True)
+        shards.close()
         recorded = write_tokenizer(self.tokenizer, target)
+        if self.tokenizer_files is not None:
+            self.tokenizer_files.write(target)
         config["dew"] = {"dtype": np.dtype(self.model.dtype).name, "tokenizer": recorded}
-        write_tensors(target / WEIGHTS, out, {"format": "pt"})
         (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return target
+
+    def _token_ids(self) -> dict[str, Any]:
+        """config.json's special-token ids: those the source directory had, else the tokenizer's eos."""
+        ids: dict[str, Any] = {}
+        eos = getattr(self.tokenizer, "eos_id", None)
+        if eos is not None:
+            ids["eos_token_id"] = int(eos)
+        if self.tokenizer_files is not None:
+            ids.update(self.tokenizer_files.ids)
+        return ids
 
     def _save_native(self, target: Path) -> Path:
         """dew's own layout (see dew.pretrained.native): every variable by its path, the task."""
@@ -203,20 +277,27 @@ class Pretrained:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, max_seq_len: int | None = None,
-             param_dtype: Any = None, dtype: Any = None, scan_layers: bool = False) -> Pretrained:
+             param_dtype: Any = None, dtype: Any = None, scan_layers: bool = False,
+             shardings: Any = None) -> Pretrained:
         """Read a directory Pretrained.save or transformers' save_pretrained wrote.
 
         A directory in dew's own layout comes back as it was saved, task
-        included; the options below apply to the Llama layout. max_seq_len
-        overrides the config's max_position_embeddings (the decode cache is
-        that long); param_dtype casts the weights (default: as stored);
-        scan_layers builds the model with its layers as one scanned stack
-        (the one pipeline stages split) and stacks the numbered layers the
-        file holds into it. Raises UnsupportedArchitectureError,
-        NoExactCounterpartError or TensorMismatchError, each naming what is
-        wrong.
+        included; the options below apply to the Hugging Face layouts, whose
+        family config.json names (``dew.families``). max_seq_len overrides the
+        config's max_position_embeddings (the decode cache is that long);
+        param_dtype casts the weights (default: as stored); scan_layers
+        builds the model with its layers as one scanned stack (the one
+        pipeline stages split) and stacks the numbered layers the file holds
+        into it; shardings (a tree of shardings like the variables', as
+        ``Layout.shardings`` gives) places each tensor straight into its
+        sharding as it is read, one tensor at a time. Raises
+        UnsupportedArchitectureError, NoExactCounterpartError or
+        TensorMismatchError, each naming what is wrong, before any weight is
+        read.
         """
-        import jax.numpy as jnp
+        import jax
+
+        from dew.families import for_config
 
         source = Path(directory)
         config_path = source / CONFIG_FILE
@@ -232,48 +313,63 @@ class Pretrained:
             variables = native.read_variables(source)
             tokenizer = read_tokenizer(source, own.get("tokenizer"), None)
             return cls(model, variables, tokenizer, config.get("task"))
-        dtype = dtype or own.get("dtype")
-        model = llama.config_to_model(config, max_seq_len=max_seq_len,
-                                      param_dtype=param_dtype, dtype=dtype)
+        family = for_config(config)
+        model = family.model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
+                             dtype=dtype or own.get("dtype"))
         files = TensorFiles(source)
-        table = llama.tensors(model)
-        found = files.shapes()
-        missing = sorted(set(table) - set(found))
-        if missing:
-            name = missing[0]
-            raise TensorMismatchError(
-                f"{source} lacks {len(missing)} tensor(s) the model needs, first {name} "
-                f"(shape {table[name].hf_shape}, params/{'/'.join(table[name].path)} in dew)."
-            )
-        ignorable = {n for n in found if n.endswith("rotary_emb.inv_freq")}
-        if model.tie_embeddings:
-            ignorable.add("lm_head.weight")  # some writers keep the tied copy
-        extra = sorted(set(found) - set(table) - ignorable)
-        if extra:
-            raise TensorMismatchError(
-                f"{source} holds tensor(s) this Llama has no place for: {', '.join(extra[:5])}. "
-                "Was the checkpoint saved from another architecture?"
-            )
-        for name, tensor in table.items():
-            if found[name] != tensor.hf_shape:
-                raise TensorMismatchError(
-                    f"Tensor {name} in {source} has shape {found[name]}, but config.json makes "
-                    f"it {tensor.hf_shape} (params/{'/'.join(tensor.path)} of shape "
-                    f"{tensor.dew_shape} in dew)."
-                )
+        table = family.table(model)
+        _check_tensors(source, family.architecture, model, table, files.shapes())
+        place = _placement(None if scan_layers else shardings)
         params: dict[str, Any] = {}
         for name, value in files.read(set(table)):
-            tensor = table[name]
-            node = params
-            for part in tensor.path[:-1]:
-                node = node.setdefault(part, {})
-            node[tensor.path[-1]] = jnp.asarray(tensor.from_hf(value), model.param_dtype)
+            entry = table[name]
+            for path, array in zip(entry.paths, entry.layout.from_hf(value), strict=True):
+                node = params
+                for part in path[:-1]:
+                    node = node.setdefault(part, {})
+                node[path[-1]] = _put(array, model.param_dtype, place(path))
         if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
             from dew.nn.pipeline import stack_layers
 
             model = model.clone(scan_layers=True)
             params = stack_layers(params, model.num_layers)
-        tokenizer = read_tokenizer(source, own.get("tokenizer"), config.get("eos_token_id"))
+            if shardings is not None:
+                params = jax.device_put(params, _params_of(shardings))
+        kept = TokenizerFiles.read(source, config)
+        tokenizer = read_tokenizer(source, own.get("tokenizer"), config.get("eos_token_id"), kept)
         if tokenizer is not None:
             check_vocabulary(tokenizer, model)
-        return cls(model, {"params": params}, tokenizer)
+        return cls(model, {"params": params}, tokenizer, None, kept)
+
+
+def _params_of(shardings: Any) -> Any:
+    import flax.linen as nn
+
+    tree = nn.meta.unbox(shardings)
+    return tree.get("params", tree) if isinstance(tree, Mapping) else tree
+
+
+def _check_tensors(source: Path, architecture: str, model: Any, table: Mapping[str, Any],
+                   found: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a missing, left-over or misshapen tensor, naming its key and both shapes."""
+    missing = sorted(set(table) - set(found))
+    if missing:
+        entry = table[missing[0]]
+        raise TensorMismatchError(
+            f"{source} lacks {len(missing)} tensor(s) the model needs, first {entry.name} "
+            f"(shape {entry.hf_shape}, {entry.where} in dew).")
+    ignorable = {n for n in found if n.endswith("rotary_emb.inv_freq")}
+    if model.tie_embeddings:
+        ignorable.add("lm_head.weight")  # some writers keep the tied copy
+    extra = sorted(set(found) - set(table) - ignorable)
+    if extra:
+        raise TensorMismatchError(
+            f"{source} holds tensor(s) this {architecture} has no place for: {', '.join(extra[:5])}. "
+            "Was the checkpoint saved from another architecture, or does its config.json "
+            "describe another model?")
+    for name, entry in table.items():
+        if tuple(found[name]) != entry.hf_shape:
+            shapes = " and ".join(str(shape) for shape in entry.dew_shapes)
+            raise TensorMismatchError(
+                f"Tensor {name} in {source} has shape {tuple(found[name])}, but config.json makes "
+                f"it {entry.hf_shape} ({entry.where} of shape {shapes} in dew).")

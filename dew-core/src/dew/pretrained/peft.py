@@ -31,8 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dew.pretrained import llama
-from dew.pretrained.errors import PretrainedError, TensorMismatchError
+from dew.pretrained.errors import NoExactCounterpartError, PretrainedError, TensorMismatchError
 from dew.pretrained.tensors import write_tensors
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterBaseMismatchError", "load_adapters", "save_adapters"]
@@ -48,9 +47,21 @@ class AdapterBaseMismatchError(PretrainedError):
 
 
 def _adapted(model: Any) -> dict[tuple[str, ...], str]:
-    """dew path of each Llama Linear weight -> its PEFT module name (``model.layers.0.self_attn.q_proj``)."""
-    return {tensor.path: name.removesuffix(".weight") for name, tensor in llama.tensors(model).items()
-            if name.endswith("_proj.weight")}
+    """dew path of each Linear weight of model's family -> its PEFT module name
+    (``model.layers.0.self_attn.q_proj``); a fused Linear (Phi-3's qkv_proj) has none, since
+    one PEFT adapter there cannot hold dew's separate ones."""
+    from dew.families import of_model
+
+    return {entry.paths[0]: name.removesuffix(".weight") for name, entry in of_model(model).table(model).items()
+            if name.endswith("_proj.weight") and len(entry.paths) == 1}
+
+
+def _fused(model: Any) -> dict[tuple[str, ...], str]:
+    """dew path of each weight that model's family fuses with others -> the fused tensor's name."""
+    from dew.families import of_model
+
+    return {path: name for name, entry in of_model(model).table(model).items() if len(entry.paths) > 1
+            for path in entry.paths}
 
 
 def _node(params: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any] | None:
@@ -73,12 +84,20 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     import flax.linen as nn
     import jax
 
+    from dew.families import of_model
     from dew.training.lora import base_digest
     from dew.training.lora_stack import unstack_tree
 
-    llama.model_to_config(model)  # refuses a model with no Llama counterpart, naming the field
+    of_model(model).config(model)  # refuses a model with no counterpart in its family, naming the field
     # A scanned stack's adapters are written per layer, as PEFT numbers them.
     params = unstack_tree(nn.meta.unbox(dict(variables).get("params", variables)))
+    for path, name in _fused(model).items():
+        node = _node(params, path)
+        if node is not None and f"{path[-1]}_lora_a" in node:
+            raise NoExactCounterpartError(
+                f"params/{'/'.join(path)} has a LoRA adapter, but its family stores that weight fused "
+                f"into {name}, where one PEFT adapter cannot hold dew's separate ones. Export the "
+                "merged model instead (dew export without --adapters).")
     tensors: dict[str, np.ndarray] = {}
     targets: set[str] = set()
     for path, module in _adapted(model).items():
@@ -92,7 +111,7 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
         tensors[f"{PREFIX}{module}.lora_B.weight"] = b.reshape(rank, -1).T
         targets.add(module.rsplit(".", 1)[-1])
     if not tensors:
-        raise TensorMismatchError("The variables hold no LoRA adapters on the Llama projections "
+        raise TensorMismatchError("The variables hold no LoRA adapters on the family's projections "
                                   "(q/k/v/o_proj, gate/up/down_proj); export the merged model instead.")
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)

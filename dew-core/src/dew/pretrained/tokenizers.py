@@ -7,19 +7,98 @@ gives every byte its own value as id (and ``<|endoftext|>`` 256), so
 transformers encodes text exactly as dew does; config.json also names it
 under ``"dew"``, and dew reads it back as a ByteTokenizer. Both are read back
 through ``dew.data``, which says what to install when dew-data is absent.
+
+A directory transformers wrote keeps more beside ``tokenizer.json``: the
+special tokens, the chat template (in ``tokenizer_config.json`` or its own
+``chat_template.jinja``) and the stop ids of ``generation_config.json``.
+:class:`TokenizerFiles` keeps those files as they were written and writes
+them back unchanged, so an export carries the template a user chats with.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILE", "byte_level", "read_tokenizer", "write_tokenizer"]
+__all__ = ["KEPT_FILES", "TOKENIZER_FILE", "TokenizerFiles", "byte_level", "read_tokenizer",
+           "write_tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 END_OF_TEXT = "<|endoftext|>"
+# Files beside tokenizer.json that say how the tokenizer is used; kept verbatim.
+KEPT_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "chat_template.json", "added_tokens.json", "generation_config.json")
+# config.json's ids of special tokens (eos_token_id is a list in Llama 3's).
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(token, Mapping):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A Hugging Face directory's tokenizer settings, kept as written.
+
+    texts maps each file of KEPT_FILES that was there to its text; ids holds
+    config.json's special-token ids (bos, eos, pad), which an export writes
+    back into its config.json.
+    """
+
+    texts: Mapping[str, str] = field(default_factory=dict)
+    ids: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, directory: Path, config: Mapping[str, Any]) -> TokenizerFiles | None:
+        """The settings in directory (None when it holds none of them)."""
+        texts = {name: (directory / name).read_text() for name in KEPT_FILES if (directory / name).is_file()}
+        ids = {key: config[key] for key in TOKEN_IDS if config.get(key) is not None}
+        return cls(texts, ids) if texts or ids else None
+
+    def write(self, directory: Path) -> None:
+        """Write every kept file into directory, as it was read."""
+        for name, text in self.texts.items():
+            (directory / name).write_text(text)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """tokenizer_config.json as a mapping ({} when absent)."""
+        text = self.texts.get("tokenizer_config.json")
+        return json.loads(text) if text else {}
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template: chat_template.jinja, else tokenizer_config.json's (None: none)."""
+        if "chat_template.jinja" in self.texts:
+            return self.texts["chat_template.jinja"]
+        template = self.config.get("chat_template")
+        if template is None and "chat_template.json" in self.texts:
+            template = json.loads(self.texts["chat_template.json"]).get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default", next(iter(named.values()), None))
+        return template if isinstance(template, str) else None
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """bos/eos/pad/unk tokens by name, from tokenizer_config.json or special_tokens_map.json."""
+        found: dict[str, str] = {}
+        sources = [self.config]
+        if "special_tokens_map.json" in self.texts:
+            sources.append(json.loads(self.texts["special_tokens_map.json"]))
+        for source in sources:
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+                token = _content(source.get(key))
+                if token is not None:
+                    found.setdefault(key, token)
+        return found
 
 
 def _byte_characters() -> dict[int, str]:
@@ -73,11 +152,16 @@ def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:
                 "clean_up_tokenization_spaces": False}
     (directory / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
     return recorded
-    return {"kind": "unsaved", "type": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
 
 
-def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int | None) -> Any:
-    """The tokenizer saved in directory, or None when it holds none dew can rebuild."""
+def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: Any,
+                   files: TokenizerFiles | None = None) -> Any:
+    """The tokenizer saved in directory, or None when it holds none dew can rebuild.
+
+    Its end-of-document token is the one dew recorded, else the tokenizer's
+    own ``eos_token`` (tokenizer_config.json), else config.json's
+    eos_token_id (the first, when it is a list).
+    """
     import dew.data
 
     if recorded is not None and recorded.get("kind") == "byte":
@@ -85,10 +169,17 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
     file = directory / TOKENIZER_FILE
     if not file.is_file():
         return None
-    eos = (recorded or {}).get("eos_id", eos_id)
-    token = None
-    if eos is not None:
-        from tokenizers import Tokenizer
+    from tokenizers import Tokenizer
 
-        token = Tokenizer.from_file(str(file)).id_to_token(int(eos))
+    inner = Tokenizer.from_file(str(file))
+    token = None
+    eos = (recorded or {}).get("eos_id")
+    if eos is not None:
+        token = inner.id_to_token(int(eos))
+    if token is None and files is not None:
+        named = files.special_tokens.get("eos_token")
+        token = named if named is not None and inner.token_to_id(named) is not None else None
+    if token is None and eos_id is not None:
+        first = eos_id[0] if isinstance(eos_id, list | tuple) and eos_id else eos_id
+        token = inner.id_to_token(int(first)) if isinstance(first, int) else None
     return dew.data.HFTokenizer.from_file(file, eos_token=token)

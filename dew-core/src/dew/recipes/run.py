@@ -308,7 +308,7 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
                                  param_dtype=getattr(model, "param_dtype", None),
                                  scan_layers=bool(getattr(model, "scan_layers", False)))
         if model is not None and hasattr(model, "rope_base"):
-            from dew.pretrained.llama import check_same_function
+            from dew.pretrained import check_same_function
 
             check_same_function(model, loaded.model, f"init.pretrained {source}")
         return dict(loaded.variables)

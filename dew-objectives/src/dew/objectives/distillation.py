@@ -330,7 +330,12 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     """
     import json
 
-    from dew.pretrained import CONFIG_FILE, ConfigurationMismatchError, llama
+    from dew.pretrained import (
+        CONFIG_FILE,
+        ConfigurationMismatchError,
+        check_same_function,
+        model_from_config,
+    )
 
     path = os.path.join(_absolute(directory), CONFIG_FILE)
     if not os.path.isfile(path):
@@ -341,9 +346,9 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     with open(path) as handle:
         config = json.load(handle)
     if given is None:
-        return llama.config_to_model(config, dtype=(config.get("dew") or {}).get("dtype"))
+        return model_from_config(config)
     try:
-        llama.check_same_function(given, llama.config_to_model(config), f"teacher_pretrained {directory}")
+        check_same_function(given, model_from_config(config), f"teacher_pretrained {directory}")
     except ConfigurationMismatchError as error:  # the advice names the teacher's fields, not the student's
         raise ConfigurationMismatchError(str(error).replace("Set model.", "Set objective.teacher.")
                                          + " Or leave teacher out (None): it is then read from config.json.") from None

@@ -1,0 +1,352 @@
+"""A family: a preset of dew's decoder parts plus one converter, and the table of families.
+
+A :class:`Family` says how its ``config.json`` reads as CausalTransformer
+fields (``read``) and back (``write``), which tensors its checkpoints hold
+(the converter table of ``dew.families.convert``), and the configurations
+of its published sizes (``presets``, config-only: nothing is downloaded).
+Every family computes with the same decoder; a family is data, not code.
+
+What ``write`` produces is checked by reading it back: a model whose parts
+the family's config.json cannot say exactly is refused, naming the field,
+never exported approximately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dew.families.convert import Entry, dense_table
+from dew.families.hf_config import stored_dtype
+from dew.pretrained.errors import (
+    ConfigurationMismatchError,
+    NoExactCounterpartError,
+    UnsupportedArchitectureError,
+)
+
+__all__ = [
+    "FAMILIES",
+    "RUNTIME_FIELDS",
+    "Family",
+    "architectures",
+    "builder",
+    "check_same_function",
+    "family",
+    "for_config",
+    "function_fields",
+    "of_model",
+]
+
+# name -> module: each module defines FAMILY. Importing one imports nothing else.
+FAMILIES: Mapping[str, str] = {
+    "llama": "dew.families.llama",
+    "mistral": "dew.families.mistral",
+    "qwen2": "dew.families.qwen2",
+    "qwen3": "dew.families.qwen3",
+    "gemma": "dew.families.gemma",
+    "gemma2": "dew.families.gemma2",
+    "gemma3": "dew.families.gemma3",
+    "phi3": "dew.families.phi3",
+    "olmo2": "dew.families.olmo2",
+}
+
+# The layout a CausalTransformer whose family is None is written in.
+DEFAULT = "llama"
+
+# Fields that change how a model runs, not what it computes.
+RUNTIME_FIELDS = frozenset({"max_seq_len", "dtype", "param_dtype", "attention", "remat", "scan_layers",
+                            "family", "parent", "name"})
+
+# dew field -> the config.json key it mirrors, for messages.
+MIRRORED = {
+    "vocab_size": "vocab_size",
+    "emb_features": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "mlp_features": "intermediate_size",
+    "head_width": "head_dim",
+    "mlp_activation": "hidden_act",
+    "tie_embeddings": "tie_word_embeddings",
+    "rope_base": "rope_theta",
+    "norm_epsilon": "rms_norm_eps",
+    "sliding_window": "sliding_window",
+    "attention_softcap": "attn_logit_softcapping",
+    "logit_softcap": "final_logit_softcapping",
+    "query_pre_attn_scalar": "query_pre_attn_scalar",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A published decoder architecture: how its config.json and tensors map onto dew's decoder.
+
+    read maps a config.json to CausalTransformer fields (refusing values with
+    no exact counterpart, naming the field); write maps a model to the
+    config.json keys of this family; presets hold the config.json values of
+    published sizes; checkpoints says, for the documentation, which
+    published checkpoints the family covers.
+    """
+
+    name: str
+    architecture: str
+    model_type: str
+    read: Callable[[Mapping[str, Any]], dict[str, Any]]
+    write: Callable[[Any], dict[str, Any]]
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    fused: bool = False
+    also_reads: tuple[str, ...] = ()
+    checkpoints: str = ""
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The ``architectures`` names this family reads (the first is the one it writes)."""
+        return (self.architecture, *self.also_reads)
+
+    def table(self, model: Any) -> dict[str, Entry]:
+        """The converter table of model in this family's layout."""
+        return dense_table(model, fuse=self.fused)
+
+    @property
+    def label(self) -> str | None:
+        """What a model of this family holds in its ``family`` field (None for Llama, the default)."""
+        return None if self.name == DEFAULT else self.name
+
+    def fields(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The CausalTransformer fields config.json describes (family set; runtime fields left out)."""
+        return {**self.read(config), "family": self.label}
+
+    def model(self, config: Mapping[str, Any], *, max_seq_len: int | None = None,
+              param_dtype: Any = None, dtype: Any = None) -> Any:
+        """The CausalTransformer config.json describes, in param_dtype (default: as stored)."""
+        import jax.numpy as jnp
+
+        from dew.nn.backbones import CausalTransformer
+
+        kinds = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+        stored = kinds.get(stored_dtype(config), jnp.float32)
+        param_dtype = kinds.get(jnp.dtype(param_dtype or stored).name, jnp.float32)
+        dtype = kinds.get(jnp.dtype(dtype).name) if dtype is not None else param_dtype
+        return CausalTransformer(
+            **self.fields(config),
+            max_seq_len=int(max_seq_len or config.get("max_position_embeddings", 2048)),
+            dtype=dtype, param_dtype=param_dtype)
+
+    def config(self, model: Any) -> dict[str, Any]:
+        """model's config.json in this family's layout; refuses a part it cannot express."""
+        _check_decoder(model, self)
+        written = self.write(model)
+        try:
+            back = self.fields(written)
+        except NoExactCounterpartError as error:
+            raise NoExactCounterpartError(f"{self.architecture} cannot express this model: {error}") from None
+        again = _rebuilt(model, back)
+        mine, theirs = function_fields(model), function_fields(again)
+        for name, value in mine.items():
+            if theirs.get(name) != value:
+                hint = _fitting(model, self)
+                raise NoExactCounterpartError(
+                    f"CausalTransformer.{_field(name)}={_value(model, name)!r} has no exact counterpart "
+                    f"in {self.architecture} (its config.json would make it {_value(again, name)!r}). "
+                    f"Only a model built with this family's parts exports as {self.name}; dew never "
+                    f"exports approximately.{hint}")
+        return written
+
+    def preset(self, name: str) -> dict[str, Any]:
+        """The config.json values of a published size; PresetError lists the sizes there are."""
+        if name not in self.presets:
+            raise PresetError(f"The {self.name} family has no preset {name!r}; its presets are "
+                              f"{', '.join(map(repr, self.presets))}.")
+        return dict(self.presets[name])
+
+    def build(self, preset: str | None = None, **fields: Any) -> Any:
+        """A CausalTransformer of this family: a preset's configuration, then fields over it.
+
+        A num_layers given here also re-derives the layers' sliding pattern
+        the preset's configuration implies, unless sliding_layers is given.
+        """
+        from dew.nn.backbones import CausalTransformer
+
+        config = self.preset(preset or next(iter(self.presets)))
+        if "num_layers" in fields:
+            config["num_hidden_layers"] = fields["num_layers"]
+            config.pop("layer_types", None)
+        built = {**self.fields(config), "max_seq_len": int(config.get("max_position_embeddings", 2048))}
+        return CausalTransformer(**{**built, "family": self.label, **fields})
+
+
+class PresetError(NoExactCounterpartError, KeyError):
+    """A family asked for a preset it does not have."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _rebuilt(model: Any, fields: Mapping[str, Any]) -> Any:
+    """A CausalTransformer of fields alone (every other field at its default), model's runtime kept."""
+    from dew.nn.backbones import CausalTransformer
+
+    runtime = {f: getattr(model, f) for f in ("max_seq_len", "dtype", "param_dtype")}
+    return CausalTransformer(**{**fields, **runtime})
+
+
+def _field(name: str) -> str:
+    return {"kv_heads": "num_kv_heads", "head_width": "head_features",
+            "layers": "sliding_window"}.get(name, name)
+
+
+def _value(model: Any, name: str) -> Any:
+    return function_fields(model).get(name)
+
+
+def _check_decoder(model: Any, target: Family) -> None:
+    from dew.nn.backbones import CausalTransformer
+
+    if type(model) is not CausalTransformer:
+        raise NoExactCounterpartError(
+            f"Only dew's CausalTransformer has a Hugging Face counterpart ({target.architecture}); "
+            f"got {type(model).__module__}.{type(model).__qualname__}. A quantized or wrapped "
+            "model exports through the CausalTransformer it wraps.")
+    model._check()
+
+
+def _fitting(model: Any, tried: Family) -> str:
+    """A hint naming the families whose config.json does express model, if any."""
+    fits = []
+    for name in FAMILIES:
+        if name == tried.name:
+            continue
+        other = family(name)
+        try:
+            again = _rebuilt(model, other.fields(other.write(model)))
+        except Exception:  # noqa: BLE001 - any refusal means it does not fit
+            continue
+        if function_fields(again) == function_fields(model):
+            fits.append(name)
+    if not fits:
+        return ""
+    return f" It does fit {', '.join(fits)}: set CausalTransformer.family to {fits[0]!r}."
+
+
+def function_fields(model: Any) -> dict[str, Any]:
+    """What decides the function a CausalTransformer computes, normalized for comparison.
+
+    The head width and key/value heads as counts; each layer's sliding
+    window, rotary base and scaling as one list (``layers``); runtime
+    fields (dtype, max_seq_len, remat, ...) and the family name left out.
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(model):
+        if f.name in RUNTIME_FIELDS or f.name in ("head_features", "num_kv_heads", "sliding_window",
+                                                  "sliding_layers", "local_rope_base"):
+            continue
+        out[f.name] = getattr(model, f.name)
+    if not model.experts:
+        out.pop("experts_per_token", None)
+        out.pop("expert_capacity", None)
+    out["head_width"] = model.head_width
+    out["kv_heads"] = model.num_kv_heads or model.num_heads
+    parts = model._layer_parts()
+    windows = sorted({w for w, _, _ in parts if w is not None})
+    out["sliding_window"] = windows[0] if len(windows) == 1 else (windows or None)
+    out["layers"] = parts  # last: a difference in any of the above shows first by its own name
+    return out
+
+
+def check_same_function(model: Any, loaded: Any, source: str) -> None:
+    """Refuse to start model from loaded's weights unless both compute the same function.
+
+    Shapes alone would let a different rope_theta or norm epsilon through,
+    which gives the same tensors another meaning.
+    """
+    mine, theirs = function_fields(model), function_fields(loaded)
+    for name, value in theirs.items():
+        if mine.get(name) == value:
+            continue
+        setting = f"model.{_field(name)}"
+        key = MIRRORED.get(name)
+        mirrored = f" ({key} in its config.json)" if key else ""
+        shown = {"kv_heads": "kv_heads", "head_width": "head_width"}.get(name, _field(name))
+        raise ConfigurationMismatchError(
+            f"{source} was trained with {shown}={value!r}{mirrored}, but the model to start "
+            f"from it has {mine.get(name)!r}. Set {setting}={_setting(loaded, name)!r} so the "
+            "weights mean what they meant.")
+
+
+def _setting(model: Any, name: str) -> Any:
+    if name == "layers":
+        return model.sliding_window
+    if name in ("kv_heads", "head_width"):
+        return function_fields(model)[name]
+    return getattr(model, name)
+
+
+def family(name: str) -> Family:
+    """The family called name (``"qwen3"``); UnsupportedArchitectureError lists the others."""
+    if name not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"dew has no model family {name!r}; the families are {', '.join(FAMILIES)}.")
+    return importlib.import_module(FAMILIES[name]).FAMILY
+
+
+def architectures() -> dict[str, str]:
+    """Every architecture name dew reads, with the family that reads it."""
+    return {arch: name for name in FAMILIES for arch in family(name).architectures}
+
+
+def for_config(config: Mapping[str, Any]) -> Family:
+    """The family a config.json belongs to, by its ``architectures`` (else its ``model_type``)."""
+    named = list(config.get("architectures") or [])
+    kind = config.get("model_type")
+    covered = architectures()
+    for arch in named:
+        if arch in covered:
+            return family(covered[arch])
+    if not named:
+        for name in FAMILIES:
+            if family(name).model_type == kind:
+                return family(name)
+    what = ", ".join(named) or f"model_type {kind!r}"
+    raise UnsupportedArchitectureError(
+        f"The checkpoint is a {what}; dew loads {', '.join(covered)} "
+        f"(the families {', '.join(FAMILIES)}).")
+
+
+def of_model(model: Any) -> Family:
+    """The family model is written as: its ``family`` field, or Llama when it names none."""
+    return family(getattr(model, "family", None) or DEFAULT)
+
+
+def builder(name: str) -> Callable[..., Any]:
+    """The function ``models.build(name, ...)`` calls: a preset, then CausalTransformer fields over it.
+
+    Its signature declares ``preset`` and every CausalTransformer field (each
+    optional: left out, it comes from the preset), so the registry checks a
+    recipe's fields by name and type before anything is built.
+    """
+    import inspect
+    import typing
+
+    from dew.nn.backbones import CausalTransformer
+
+    def build(**fields: Any) -> Any:
+        return family(name).build(**fields)
+
+    hints = typing.get_type_hints(CausalTransformer)
+    parameters = [inspect.Parameter("preset", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                    annotation=str | None)]
+    for f in dataclasses.fields(CausalTransformer):
+        if f.name in RUNTIME_FIELDS - {"max_seq_len", "dtype", "param_dtype", "attention", "remat",
+                                        "scan_layers"}:
+            continue
+        parameters.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=hints[f.name] | None))
+    build.__signature__ = inspect.Signature(parameters, return_annotation=CausalTransformer)  # type: ignore[attr-defined]
+    build.__annotations__ = {p.name: p.annotation for p in parameters}
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = (f"A CausalTransformer of the {name} family: ``preset`` (a published size) "
+                     "and CausalTransformer fields over it.")
+    return build

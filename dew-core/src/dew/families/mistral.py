@@ -1,0 +1,69 @@
+"""Mistral (``MistralForCausalLM``): Llama's layer with an optional sliding window on every layer.
+
+Mistral 7B v0.1 lets each position see the 4096 before it (itself
+included); later Mistral checkpoints set ``sliding_window`` to null and are
+Llama's function exactly. No biases; SwiGLU; ``head_dim`` may differ from
+hidden/heads (Mistral Nemo).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dew.families.base import Family, builder
+from dew.families.hf_config import (
+    common_config,
+    common_fields,
+    flat_rope_config,
+    rope_fields,
+    rope_parameters,
+    window_fields,
+)
+from dew.families.llama import gated_silu
+
+__all__ = ["FAMILY", "build"]
+
+ARCHITECTURE = "MistralForCausalLM"
+
+
+def read(config: Any) -> dict[str, Any]:
+    params, where = rope_parameters(config)
+    fields = common_fields(config)
+    return {**fields, **gated_silu(config, ARCHITECTURE),
+            **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0),
+            **window_fields(config.get("sliding_window"), None, fields["num_layers"])}
+
+
+def write(model: Any) -> dict[str, Any]:
+    windows = {window for window, _, _ in model._layer_parts()}
+    window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
+    return {**common_config(model, ARCHITECTURE, "mistral"), **flat_rope_config(model),
+            "hidden_act": "silu", "sliding_window": window}
+
+
+_MISTRAL = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False}
+
+PRESETS = {
+    "7b-v0.1": {**_MISTRAL, "vocab_size": 32000, "max_position_embeddings": 32768,
+                "rope_theta": 10_000.0, "sliding_window": 4096},
+    "7b-v0.3": {**_MISTRAL, "vocab_size": 32768, "max_position_embeddings": 32768,
+                "rope_theta": 1_000_000.0, "sliding_window": None},
+    "nemo-12b": {**_MISTRAL, "vocab_size": 131072, "hidden_size": 5120, "num_hidden_layers": 40,
+                 "head_dim": 128, "max_position_embeddings": 1024000, "rope_theta": 1_000_000.0,
+                 "sliding_window": None},
+    "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "rms_norm_eps": 1e-5, "rope_theta": 10_000.0, "sliding_window": 8,
+             "tie_word_embeddings": False},
+}
+
+FAMILY = Family(
+    name="mistral", architecture=ARCHITECTURE, model_type="mistral", read=read, write=write,
+    presets=PRESETS,
+    checkpoints="Mistral 7B v0.1 to v0.3 (base and instruct), Mistral Nemo 12B, Mistral Small "
+                "(MistralForCausalLM text checkpoints)",
+)
+
+build = builder("mistral")

@@ -1,0 +1,172 @@
+"""Rotary position embeddings: the frequencies published models use, and the rotation.
+
+A rotary layer turns pairs of a head's features by angles ``position *
+inverse_frequency``. Feature i is paired with feature ``i + rotary_width/2``
+(the "rotate half" convention of Llama and every family after it), over the
+first ``rotary_width = int(head_width * fraction)`` features; the rest pass
+through unrotated (Phi-3's partial rotary). The frequencies are
+``base ** (-2i / rotary_width)``, optionally rescaled for longer contexts:
+
+* ``linear``: every frequency divided by ``factor`` (position interpolation);
+* ``llama3``: low frequencies divided by ``factor``, high ones kept, a smooth
+  blend between (Llama 3.1 and later);
+* ``yarn``: a ramp between interpolated and original frequencies, and the
+  rotated features scaled by an attention factor (YaRN; Qwen's long context).
+
+Each is computed here exactly as ``transformers`` computes it, in float32, so
+a checkpoint's positions mean the same in dew.
+
+>>> import numpy as np
+>>> inverse_frequencies(8, 10_000.0).round(4).tolist()
+[1.0, 0.1, 0.01, 0.001]
+>>> scaled = RopeScaling("linear", factor=2.0)
+>>> inverse_frequencies(8, 10_000.0, scaled).round(4).tolist()
+[0.5, 0.05, 0.005, 0.0005]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ROPE_KINDS", "RopeScaling", "attention_scaling", "inverse_frequencies", "rotate",
+           "rotary_width"]
+
+ROPE_KINDS = ("linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are rescaled for a longer context (None on a model: not at all).
+
+    kind picks the method; factor is how much longer the context is. llama3
+    needs low_freq_factor, high_freq_factor and original_max_len (the
+    pretraining context); yarn needs original_max_len and reads beta_fast
+    and beta_slow (None: 32 and 1), attention_factor (None: derived from
+    factor, or from mscale and mscale_all_dim when both are set) and
+    truncate, as ``transformers`` does.
+    """
+
+    kind: Literal["linear", "llama3", "yarn"]
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_len: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"RopeScaling.kind={self.kind!r} is not one of "
+                             f"{', '.join(map(repr, ROPE_KINDS))}.")
+        needed = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_len"),
+                  "yarn": ("original_max_len",), "linear": ()}[self.kind]
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"RopeScaling of kind {self.kind!r} needs {', '.join(missing)}; "
+                             "copy them from the checkpoint's rope_scaling (rope_parameters).")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be positive, got {self.factor}.")
+
+
+def rotary_width(head_width: int, fraction: float = 1.0) -> int:
+    """How many of a head's features rotate: ``int(head_width * fraction)``."""
+    return int(head_width * fraction)
+
+
+def _default(width: int, base: float) -> np.ndarray:
+    exponents = np.arange(0, width, 2, dtype=np.int64).astype(np.float32) / np.float32(width)
+    return (np.float32(1.0) / (np.float32(base) ** exponents)).astype(np.float32)
+
+
+def _llama3(inv: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    factor = np.float32(scaling.factor)
+    old = float(scaling.original_max_len)  # type: ignore[arg-type]
+    low, high = float(scaling.low_freq_factor), float(scaling.high_freq_factor)  # type: ignore[arg-type]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = np.float32(2 * math.pi) / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
+    smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn(width: int, base: float, scaling: RopeScaling) -> np.ndarray:
+    original = float(scaling.original_max_len)  # type: ignore[arg-type]
+    beta_fast = scaling.beta_fast or 32
+    beta_slow = scaling.beta_slow or 1
+
+    def correction(rotations: float) -> float:
+        return (width * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction(beta_fast), correction(beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, width - 1)
+    if low == high:
+        high += 0.001  # as transformers does, to avoid dividing by zero
+    positions = np.float32(base) ** (np.arange(0, width, 2).astype(np.float32) / np.float32(width))
+    extrapolation = np.float32(1.0) / positions
+    interpolation = np.float32(1.0) / (np.float32(scaling.factor) * positions)
+    ramp = np.clip((np.arange(width // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    keep = np.float32(1) - ramp
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def inverse_frequencies(head_width: int, base: float, scaling: RopeScaling | None = None,
+                        fraction: float = 1.0) -> np.ndarray:
+    """The float32 inverse frequencies of the rotated feature pairs: [rotary_width // 2]."""
+    width = rotary_width(head_width, fraction)
+    if scaling is not None and scaling.kind == "yarn":
+        return _yarn(width, base, scaling)
+    inv = _default(width, base)
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return (inv / np.float32(scaling.factor)).astype(np.float32)
+    return _llama3(inv, scaling)
+
+
+def attention_scaling(scaling: RopeScaling | None) -> float:
+    """The factor the rotated cos and sin are multiplied by (YaRN's attention factor, else 1)."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim))
+    return mscale(scaling.factor)
+
+
+def rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray, scale: float = 1.0) -> jax.Array:
+    """x [B, T, H, D] with its first ``2 * len(inverse)`` features rotated by positions [B, T].
+
+    Feature i turns with feature ``i + len(inverse)``; cos and sin are
+    multiplied by scale (YaRN's attention factor); the result has x's dtype.
+    """
+    half = int(inverse.shape[0])
+    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inverse)[None, None, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    x32 = x.astype(jnp.float32)
+    first, second = x32[..., :half], x32[..., half : 2 * half]
+    rotated = jnp.concatenate(
+        [first * cos - second * sin, second * cos + first * sin, x32[..., 2 * half :]], axis=-1
+    )
+    return rotated.astype(x.dtype)

@@ -1,0 +1,141 @@
+"""Certify an export: transformers loads it on the CPU and computes dew's logits.
+
+``verify(directory, model, variables)`` loads the directory with
+``transformers.AutoModelForCausalLM`` in float32, runs fixed prompts
+through it and through dew's own model (also in float32, on the very
+weights that were exported), and writes what it found into the directory
+as ``verification.json``: the largest absolute difference of the logits,
+the tolerance, the SHA-256 of the prompts, and the versions of the
+libraries on both sides. ``dew export --verify`` calls it after writing
+and fails when the difference passes the tolerance; the file stays, as the
+record of the failure.
+
+transformers and torch are needed here only (``pip install transformers
+torch``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.pretrained.errors import PretrainedError
+
+__all__ = ["DEFAULT_TOLERANCE", "VERIFICATION_FILE", "ExportMismatchError", "Verification", "prompts",
+           "verify"]
+
+VERIFICATION_FILE = "verification.json"
+DEFAULT_TOLERANCE = 1e-3
+"""Largest absolute logit difference accepted, in float32 on the CPU."""
+
+_LIBRARIES = ("dew-core", "jax", "jaxlib", "flax", "numpy", "safetensors", "transformers", "torch")
+_TEXTS = ("The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
+          "12 plus 30 is 42. 7 times 6 is 42 too.")
+
+
+class ExportMismatchError(PretrainedError):
+    """transformers computes other logits from an export than dew does from the same weights."""
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What a verification found: the largest difference, against the tolerance, on which prompts."""
+
+    max_abs_difference: float
+    tolerance: float
+    passed: bool
+    prompts_sha256: str
+    prompt_lengths: tuple[int, ...]
+    architecture: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+    def write(self, directory: Path) -> Path:
+        path = directory / VERIFICATION_FILE
+        record = {**asdict(self), "prompt_lengths": list(self.prompt_lengths)}
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        return path
+
+
+def prompts(vocab_size: int, max_len: int, tokenizer: Any = None) -> list[list[int]]:
+    """The fixed prompts: ids drawn from seed 0 (two rows), and fixed texts when a tokenizer is given."""
+    length = max(1, min(32, max_len))
+    rows = np.random.default_rng(0).integers(0, vocab_size, (2, length)).tolist()
+    if tokenizer is not None:
+        for text in _TEXTS:
+            ids = [int(i) for i in tokenizer.encode(text)][:length]
+            if ids and max(ids) < vocab_size:
+                rows.append(ids)
+    return rows
+
+
+def _digest(rows: Sequence[Sequence[int]]) -> str:
+    return hashlib.sha256(json.dumps([list(map(int, r)) for r in rows]).encode()).hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for name in _LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def verify(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any], *,
+           tokenizer: Any = None, tolerance: float = DEFAULT_TOLERANCE) -> Verification:
+    """Compare transformers' logits of the export in directory with dew's; record and return them.
+
+    Raises ExportMismatchError (after writing verification.json) when the
+    largest difference passes tolerance.
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        import torch
+        import transformers
+    except ImportError as error:
+        raise PretrainedError(f"Verifying an export needs transformers and torch ({error.name} is "
+                              "missing): pip install transformers torch.") from None
+
+    target = Path(directory)
+    config = json.loads((target / "config.json").read_text())
+    exact = model.clone(dtype=jnp.float32, param_dtype=jnp.float32)
+    weights = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
+                           nn.meta.unbox(dict(variables).get("params", variables)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    rows = prompts(model.vocab_size, model.max_seq_len, tokenizer)
+    # One batch, shorter prompts padded at their end: causal attention keeps each prompt's
+    # logits what they are alone, and only those positions are compared.
+    width = max(len(row) for row in rows)
+    ids = np.zeros((len(rows), width), np.int64)
+    real = np.zeros((len(rows), width), bool)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], real[i, :len(row)] = row, True
+    mine = np.asarray(jax.jit(exact.apply)({"params": weights}, jnp.asarray(ids, jnp.int32)))
+    with torch.no_grad():
+        other = theirs(torch.from_numpy(ids)).logits.float().numpy()
+    worst = float(np.abs(mine - other)[real].max())
+    result = Verification(
+        max_abs_difference=worst, tolerance=float(tolerance), passed=worst <= tolerance,
+        prompts_sha256=_digest(rows), prompt_lengths=tuple(len(r) for r in rows),
+        architecture=str((config.get("architectures") or ["?"])[0]), versions=_versions())
+    result.write(target)
+    if not result.passed:
+        raise ExportMismatchError(
+            f"transformers' {result.architecture} computes logits up to {worst:.3g} away from dew's "
+            f"on the same weights (tolerance {tolerance:g}); see {target / VERIFICATION_FILE}. The "
+            "export was written but does not compute what the run does: report it, with that file.")
+    return result

@@ -1,0 +1,346 @@
+"""Every dense family against transformers' own model of it.
+
+For each family, transformers builds its model at a tiny size (two or three
+layers, so sliding-window patterns alternate; prompts longer than the
+window), every weight redrawn (norm scales in [0.5, 1.5), biases around
+zero), and saves it with save_pretrained. dew reads that directory and must
+compute the same logits (fp32, within 1e-4); what dew writes must load in
+transformers as the same family with the same logits, and come back bitwise;
+the tokenizer must encode as AutoTokenizer does and keep its chat template.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.families import FAMILIES, family
+from dew.pretrained import (
+    NoExactCounterpartError,
+    Pretrained,
+    TensorMismatchError,
+    UnsupportedArchitectureError,
+    VocabularyMismatchError,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
+
+NAMES = list(FAMILIES)
+# Options the published checkpoints use (or allow), exercised here on top of each tiny preset:
+# biases in Llama, every rope variant (llama3 in llama's preset, linear, YaRN, Gemma 3's
+# scaled global layers), partial rotary (phi3's preset), sliding windows (mistral, qwen2,
+# gemma2/3 and phi3 presets, window 8 < the prompts' 19 positions).
+OVERRIDES = {
+    "llama": {"attention_bias": True, "mlp_bias": True},
+    "mistral": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "qwen2": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}},
+    "gemma3": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}
+PROMPTS = np.random.default_rng(0).integers(0, 300, (3, 19))
+TEXTS = ["the plus is 12 plus 30", "héllo wörld 日本語 🙂", "  two  spaces\nand a newline",
+         "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>model\nok<end_of_turn>"]
+CHAT = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]
+
+
+def _hf(directory) -> object:
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _hf_logits(model, ids=PROMPTS) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def _dew_logits(loaded, ids=PROMPTS) -> np.ndarray:
+    return np.asarray(jax.jit(loaded.model.apply)(loaded.variables, jnp.asarray(ids, jnp.int32)))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Each family's tiny checkpoint as transformers saved it, with transformers' logits."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for seed, name in enumerate(NAMES):
+        directory = write_checkpoint(name, root / name, overrides=OVERRIDES.get(name), seed=seed,
+                                     redrawn=True)
+        out[name] = (directory, _hf_logits(_hf(directory)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ours(written):
+    """dew's logits of each family's checkpoint, computed once (each is a compile) and shared."""
+    cache: dict[str, np.ndarray] = {}
+
+    def logits(name: str) -> np.ndarray:
+        if name not in cache:
+            cache[name] = _dew_logits(Pretrained.load(written[name][0]))
+        return cache[name]
+
+    return logits
+
+
+def _flat(variables) -> dict:
+    return {jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_dew_computes_what_transformers_computes(written, ours, name):
+    directory, theirs = written[name]
+    loaded = Pretrained.load(directory)
+    assert loaded.format == name and loaded.model.position_embedding == "rotary"
+    assert ours(name).shape == theirs.shape == (3, 19, 512)
+    assert np.abs(ours(name) - theirs).max() <= 1e-4, np.abs(ours(name) - theirs).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_an_export_loads_in_transformers_as_its_family_and_comes_back_bitwise(written, tmp_path, name):
+    directory, theirs = written[name]
+    loaded = Pretrained.load(directory)
+    loaded.save(tmp_path / "dew")
+    config = json.loads((tmp_path / "dew" / "config.json").read_text())
+    assert config["architectures"] == [family(name).architecture]
+    hf = _hf(tmp_path / "dew")
+    assert type(hf).__name__ == family(name).architecture
+    assert np.abs(_hf_logits(hf) - theirs).max() <= 1e-4
+    hf.save_pretrained(tmp_path / "hf")  # transformers' own writer, from dew's export
+    back = Pretrained.load(tmp_path / "hf")
+    assert back.model == loaded.model
+    original, again = _flat(loaded.variables), _flat(back.variables)
+    assert original.keys() == again.keys()
+    for key, value in original.items():
+        assert again[key].dtype == value.dtype and np.array_equal(again[key], value), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_the_tokenizer_encodes_as_autotokenizer_does_and_keeps_its_chat_template(written, tmp_path, name):
+    directory, _ = written[name]
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    loaded = Pretrained.load(directory)
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == theirs.encode(text, add_special_tokens=False), text
+    assert loaded.tokenizer.eos_id == theirs.eos_token_id
+    assert loaded.chat_template == theirs.chat_template and "messages" in loaded.chat_template
+    Pretrained(loaded.model, loaded.variables, loaded.tokenizer, tokenizer_files=loaded.tokenizer_files).save(
+        tmp_path)
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:  # with the specials the tokenizer adds itself (a bos in Llama's, Gemma's)
+        assert again.encode(text) == theirs.encode(text), text
+    assert again.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
+    assert (again.bos_token, again.eos_token, again.pad_token) == (theirs.bos_token, theirs.eos_token,
+                                                                    theirs.pad_token)
+    config = json.loads((tmp_path / "config.json").read_text())
+    original = json.loads((directory / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert config.get(key) == original.get(key), key
+
+
+@pytest.mark.slow
+def test_sharded_bf16_checkpoints_load_and_dew_writes_shards_transformers_reads(written, tmp_path):
+    directory, theirs = written["qwen3"]
+    fp32 = Pretrained.load(directory)
+    hf = _hf(directory).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16", max_shard_size="60KB")  # an index and several shards
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
+    bf16 = Pretrained.load(tmp_path / "bf16")
+    assert bf16.model.param_dtype == jnp.bfloat16
+    cast = _flat(jax.tree.map(lambda a: a.astype(jnp.bfloat16), fp32.variables))
+    for key, value in _flat(bf16.variables).items():  # torch and ml_dtypes round alike
+        assert value.dtype == jnp.bfloat16 and np.array_equal(value, cast[key]), key
+
+    fp32.save(tmp_path / "sharded", max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (tmp_path / "sharded" / "model.safetensors").exists()
+    assert np.abs(_hf_logits(_hf(tmp_path / "sharded")) - theirs).max() <= 1e-4
+    again = Pretrained.load(tmp_path / "sharded")
+    for key, value in _flat(fp32.variables).items():
+        assert np.array_equal(_flat(again.variables)[key], value), key
+    fp32.save(tmp_path / "sharded")  # saved again whole: the stale index and shards go
+    assert sorted(p.name for p in (tmp_path / "sharded").glob("model*")) == ["model.safetensors"]
+
+
+def _as_transformers_4(config: dict) -> dict:
+    """config.json as transformers 4 wrote it: top-level rope keys and torch_dtype, no layer_types."""
+    old = {k: v for k, v in config.items() if k not in ("rope_parameters", "dtype", "layer_types")}
+    old["torch_dtype"] = config["dtype"]
+    params = dict(config["rope_parameters"])
+    if "full_attention" in params:  # Gemma 3: global and local bases, the pattern as a period
+        full, local = dict(params["full_attention"]), params["sliding_attention"]
+        old["rope_theta"], old["rope_local_base_freq"] = full.pop("rope_theta"), local["rope_theta"]
+        old["rope_scaling"] = None if full["rope_type"] == "default" else full
+        old["sliding_window_pattern"] = 2
+        return old
+    old["rope_theta"] = params.pop("rope_theta")
+    if "partial_rotary_factor" in params:
+        old["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    old["rope_scaling"] = None if params["rope_type"] == "default" else params
+    return old
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gemma3", "phi3"])
+def test_transformers_4_config_layout_reads_as_the_same_model(written, tmp_path, name):
+    directory, _ = written[name]
+    config = json.loads((directory / "config.json").read_text())
+    assert "rope_parameters" in config and "dtype" in config  # transformers 5 wrote it
+    for file in directory.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(_as_transformers_4(config)))
+    assert Pretrained.load(tmp_path).model == Pretrained.load(directory).model
+
+
+def test_an_uncovered_architecture_names_itself_and_the_covered_ones(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError,
+                       match="GPT2LMHeadModel; dew loads LlamaForCausalLM.*Qwen3ForCausalLM.*Olmo2ForCausalLM"):
+        Pretrained.load(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, change, field", [
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type='dynamic'"),
+    ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                               "long_factor": [1.0] * 4}}, r"rope_scaling\.rope_type='longrope'"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ("qwen3", {"hidden_act": "relu"}, "hidden_act='relu'"),
+])
+def test_a_config_value_without_an_exact_counterpart_is_refused_naming_the_field(
+        written, tmp_path, name, change, field):
+    directory, _ = written[name]
+    config = {**json.loads((directory / "config.json").read_text()), "rope_parameters": None, **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NoExactCounterpartError, match=field):
+        Pretrained.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_missing_or_misshapen_fused_tensor_names_its_key_and_both_shapes(written, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory, _ = written["phi3"]
+    (tmp_path / "config.json").write_bytes((directory / "config.json").read_bytes())
+    tensors = load_file(directory / "model.safetensors")
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, tmp_path / "model.safetensors")
+    with pytest.raises(TensorMismatchError, match=rf"{name} \(shape \(128, 64\)"):
+        Pretrained.load(tmp_path)
+    save_file({**tensors, name: tensors[name][:96]}, tmp_path / "model.safetensors")
+    with pytest.raises(TensorMismatchError, match=rf"{name} .* has shape \(96, 64\).* makes it \(128, 64\)"
+                                                  r".*layers_1/attention/query \+ .*/value of shape"):
+        Pretrained.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_larger_than_the_embedding_is_refused_on_load(tmp_path):
+    write_checkpoint("qwen3", tmp_path, overrides={"vocab_size": 200, "pad_token_id": None})
+    with pytest.raises(VocabularyMismatchError, match=r"\d+ ids but the model's vocab_size is 200"):
+        Pretrained.load(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3"])
+def test_cached_decoding_matches_the_whole_sequence_across_windows(written, ours, name):
+    # Sliding windows, per-layer rotary bases and soft-capping hold token by token, as rollouts decode.
+    loaded = Pretrained.load(written[name][0], max_seq_len=32)
+    ids = jnp.asarray(PROMPTS, jnp.int32)
+    whole = ours(name)
+    step = jax.jit(lambda v, t: loaded.model.apply(v, t, decode=True, mutable=["cache"]))
+    cache: dict = {}
+    pieces = []
+    for t in range(ids.shape[1]):  # one token at a time: one compiled step
+        logits, cache = step({**loaded.variables, **cache}, ids[:, t:t + 1])
+        pieces.append(np.asarray(logits))
+    assert np.abs(np.concatenate(pieces, axis=1) - whole).max() <= 1e-4
+
+
+def test_a_model_its_family_cannot_express_is_refused_naming_the_field_and_the_family_that_can(tmp_path):
+    model = family("qwen3").build("tiny").clone(family="llama")
+    variables = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(NoExactCounterpartError,
+                       match=r"CausalTransformer\.qk_norm='head'.*LlamaForCausalLM.*family to 'qwen3'"):
+        Pretrained(model, variables).save(tmp_path)
+    gemma = family("gemma2").build("tiny", logit_softcap=None).clone(family="gemma3")
+    with pytest.raises(NoExactCounterpartError, match="CausalTransformer.qk_norm='none'.*Gemma3ForCausalLM"):
+        Pretrained(gemma, variables).save(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_families_build_by_name_from_presets_and_refuse_unknown_presets_and_fields():
+    from dew import models
+    from dew.nn.backbones import CausalTransformer
+    from dew.registry import InvalidFieldsError
+
+    names = models.names()
+    assert all(names.get(name) == "dew-core" for name in NAMES)
+    qwen = models.build("qwen3", preset="0.6b", num_layers=2, max_seq_len=128)
+    assert type(qwen) is CausalTransformer and qwen.family == "qwen3"
+    assert (qwen.qk_norm, qwen.head_width, qwen.num_kv_heads, qwen.num_layers) == ("head", 128, 8, 2)
+    gemma = models.build("gemma3", preset="1b", num_layers=12)  # the sliding pattern follows the layers
+    assert gemma.sliding_layers == tuple(i for i in range(12) if i not in (5, 11))
+    assert gemma.local_rope_base == 10_000.0 and gemma.rope_base == 1_000_000.0
+    with pytest.raises(InvalidFieldsError, match="has no field 'qk_norms'.*did you mean 'qk_norm'"):
+        models.build("qwen3", qk_norms="head")
+    with pytest.raises(KeyError, match="no preset '0.5b'; its presets are '0.6b', '1.7b'"):
+        models.build("qwen3", preset="0.5b")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_preset_writes_a_config_transformers_reads_as_that_size(tmp_path, name):
+    fam = family(name)
+    config_class = getattr(transformers, fam.architecture).config_class
+    for preset in fam.presets:
+        model = fam.build(preset)
+        config = fam.config(model)
+        theirs = config_class(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+        assert theirs.num_hidden_layers == model.num_layers and theirs.vocab_size == model.vocab_size
+        assert getattr(theirs, "head_dim", None) in (None, model.head_width)
+        if hasattr(theirs, "layer_types") and theirs.layer_types is not None:
+            sliding = [i for i, kind in enumerate(theirs.layer_types) if kind == "sliding_attention"]
+            assert [w is not None for w, _, _ in model._layer_parts()] == [
+                i in sliding for i in range(model.num_layers)], preset
+
+
+@pytest.mark.slow
+def test_on_eight_devices_every_family_computes_what_one_device_does(written, ours, tmp_path):
+    from dew.testing.processes import run_python
+
+    for name in NAMES:
+        np.save(tmp_path / f"{name}.npy", ours(name))
+    directories = {name: str(written[name][0]) for name in NAMES}
+    done = run_python(f"""
+        import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+        from dew.pretrained import Pretrained
+        from dew.training import Layout, MeshSpec, build_mesh
+        mesh = build_mesh(MeshSpec(fsdp=4, tensor=2))
+        layout = Layout(min_shard=0)  # shard even the tiny weights
+        ids = jnp.asarray({np.vstack([PROMPTS, PROMPTS[:1]]).tolist()!r}, jnp.int32)
+        for name, directory in {directories!r}.items():
+            model = Pretrained.load(directory).model
+            abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+            shardings = layout.shardings(mesh, abstract)
+            loaded = Pretrained.load(directory, shardings=shardings)
+            wi = loaded.variables["params"]["layers_0"]["mlp"]["wi"]
+            assert wi.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor"), wi.sharding
+            with jax.set_mesh(mesh), nn.logical_axis_rules(layout.axis_rules):
+                logits = jax.jit(model.apply)(loaded.variables, ids)
+            reference = np.load({str(tmp_path)!r} + f"/{{name}}.npy")
+            print(name, float(np.abs(np.asarray(logits)[:3] - reference).max()))
+    """, devices=8, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    differences = dict(line.split() for line in done.stdout.strip().splitlines())
+    assert set(differences) == set(NAMES)
+    for name, difference in differences.items():
+        assert float(difference) <= 2e-5, (name, difference)
