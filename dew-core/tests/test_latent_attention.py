@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dew.nn.latent_attention import LatentAttention, Yarn
+from dew.nn.latent_attention import LatentAttention
+from dew.nn.rotary import RopeScaling
 
 FEATURES, HEADS, KV_RANK, NOPE, ROPE, VALUE = 16, 2, 8, 4, 6, 5
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16,
@@ -66,9 +67,10 @@ def build(case: str) -> tuple[torch.nn.Module, torch.nn.Module, LatentAttention,
         if rank is not None:
             params["query_down_bias"] = attention.q_a_proj.bias.detach().numpy()
     rope = options["rope_parameters"]
-    yarn = None if rope["rope_type"] == "default" else Yarn(
-        rope["factor"], rope["original_max_position_embeddings"], beta_fast=rope["beta_fast"],
-        beta_slow=rope["beta_slow"], mscale=rope["mscale"], mscale_all_dim=rope["mscale_all_dim"])
+    yarn = None if rope["rope_type"] == "default" else RopeScaling(
+        "yarn", rope["factor"], original_max_len=rope["original_max_position_embeddings"],
+        beta_fast=rope["beta_fast"], beta_slow=rope["beta_slow"], mscale=rope["mscale"],
+        mscale_all_dim=rope["mscale_all_dim"])
     dew = LatentAttention(HEADS, max_len=32, kv_lora_rank=KV_RANK, q_lora_rank=rank, qk_nope_head_features=NOPE,
                           qk_rope_head_features=ROPE, v_head_features=VALUE, rope_base=rope["rope_theta"],
                           rope_scaling=yarn, rope_interleave=options["rope_interleave"],

@@ -48,6 +48,7 @@ collection, which ``LMObjective`` adds to its loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import flax.linen as nn
@@ -56,7 +57,6 @@ import jax.numpy as jnp
 
 from dew.nn import sharding as axes
 from dew.nn.grouped import GROUPED_MATMULS, SortedGroups
-from dew.nn.layers import MLPBlock
 from dew.nn.moe import (
     MOE_COLLECTION,
     ExpertConfigError,
@@ -69,12 +69,46 @@ from dew.nn.moe import (
 )
 from dew.nn.sharding import constrain, param
 
-__all__ = ["ROUTINGS", "SCORINGS", "RoutedExperts", "route"]
+__all__ = ["ROUTINGS", "SCORINGS", "RoutedExperts", "Routing", "route"]
 
 Dtype = Any
 
 ROUTINGS = ("dropless", "capacity")
 SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A decoder's routed experts (CausalTransformer.routing): RoutedExperts' options but the
+    expert count, experts per token and capacity factor, which the decoder holds itself.
+
+    hidden_features is each expert's hidden width (None: the decoder's
+    mlp_features; DeepSeek's and Qwen's ``moe_intermediate_size``); dropless
+    False selects capacity routing.
+    """
+
+    hidden_features: int | None = None
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    normalize_top_k: bool = True
+    routed_scale: float = 1.0
+    groups: int = 1
+    groups_per_token: int = 1
+    score_correction: bool = False
+    shared_features: int = 0
+    shared_gate: bool = False
+    dropless: bool = True
+    grouped_matmul: Literal["auto", "ragged_dot", "tiles"] = "auto"
+
+    def block(self, experts: int, mlp_features: int, experts_per_token: int, capacity_factor: float,
+              **kinds: Any) -> RoutedExperts:
+        """The RoutedExperts block these options describe (kinds: name, dtype, param_dtype)."""
+        return RoutedExperts(
+            experts, self.hidden_features or mlp_features, experts_per_token, scoring=self.scoring,
+            normalize_top_k=self.normalize_top_k, routed_scale=self.routed_scale, groups=self.groups,
+            groups_per_token=self.groups_per_token, score_correction=self.score_correction,
+            shared_features=self.shared_features, shared_gate=self.shared_gate,
+            routing="dropless" if self.dropless else "capacity", capacity_factor=capacity_factor,
+            grouped_matmul=self.grouped_matmul, **kinds)
 
 
 def route(logits_nE: jax.Array, experts_per_token: int, *, scoring: str = "softmax",
@@ -189,6 +223,8 @@ class RoutedExperts(nn.Module):
         y_btd = constrain(y_btd, (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED))
 
         if self.shared_features:
+            from dew.nn.layers import MLPBlock  # layers builds this block: imported when used
+
             shared_btd = MLPBlock(self.shared_features, "swiglu", name="shared", dtype=self.dtype,
                                   param_dtype=self.param_dtype)(x)
             if self.shared_gate:

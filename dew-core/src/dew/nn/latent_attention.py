@@ -10,8 +10,9 @@ up-projection, so they ride on a decoupled part: each query head has
 shares one rotated key of that width, projected beside the latent. A head's
 score is its ``qk_nope_head_features`` plain features against its key plus
 the rotated parts against each other, times ``1/sqrt(nope + rope)`` (and
-YaRN's mscale squared when the rotary frequencies are YaRN-scaled); the
-values have ``v_head_features`` per head.
+YaRN's mscale squared when the rotary frequencies are rescaled with an
+``mscale_all_dim``; ``dew.nn.rotary`` computes the frequencies); the values
+have ``v_head_features`` per head.
 
 With ``rope_interleave`` (DeepSeek's checkpoints) the rotary features are
 stored as interleaved pairs (x0, x1), (x2, x3), ...; otherwise as two halves.
@@ -43,9 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import sharding as axes
+from dew.nn.rotary import RopeScaling, attention_scaling, inverse_frequencies, rotate
 from dew.nn.sharding import constrain, param
 
-__all__ = ["LatentAttention", "Yarn", "rotary_frequencies"]
+__all__ = ["Latent", "LatentAttention", "softmax_scale"]
 
 Dtype = Any
 
@@ -54,75 +56,42 @@ def _mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN's rotary scaling (``rope_scaling`` of type ``yarn``), as transformers computes it.
+def softmax_scale(head_features: int, scaling: RopeScaling | None) -> float:
+    """DeepSeek's score scale: 1/sqrt(head width), times mscale(factor, mscale_all_dim) squared
+    when the rotary frequencies are rescaled with an mscale_all_dim (as YaRN's are)."""
+    scale = 1.0 / math.sqrt(head_features)
+    if scaling is not None and scaling.mscale_all_dim:
+        scale *= _mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return scale
 
-    factor stretches the context the model was trained on, original_max_len;
-    beta_fast and beta_slow bound the frequencies that are kept (fast) and
-    interpolated (slow), with a linear ramp between. The rotated features are
-    scaled by attention_factor (None: mscale(factor, mscale) / mscale(factor,
-    mscale_all_dim) when both are given, else mscale(factor)); with
-    mscale_all_dim the softmax scale is multiplied by mscale(factor,
-    mscale_all_dim) squared (DeepSeek's attention).
+
+@dataclass(frozen=True)
+class Latent:
+    """The shapes of a decoder's latent attention (CausalTransformer.latent, DeepSeek's config).
+
+    kv_lora_rank and q_lora_rank (None: queries projected directly) are the
+    latent widths; a head's query and key have qk_nope_head_features plain
+    and qk_rope_head_features rotated features, its value v_head_features;
+    interleave says the rotary features are stored as interleaved pairs;
+    norm_epsilon is the latent RMSNorms' (DeepSeek's are 1e-6 whatever
+    ``rms_norm_eps`` says).
     """
 
-    factor: float
-    original_max_len: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-    @property
-    def rotary_scale(self) -> float:
-        """What the rotated features (their cos and sin) are multiplied by."""
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return _mscale(self.factor, self.mscale) / _mscale(self.factor, self.mscale_all_dim)
-        return _mscale(self.factor)
-
-    @property
-    def softmax_scale(self) -> float:
-        """What the attention's 1/sqrt(head width) is multiplied by."""
-        return _mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+    kv_lora_rank: int
+    qk_nope_head_features: int
+    qk_rope_head_features: int
+    v_head_features: int
+    q_lora_rank: int | None = None
+    interleave: bool = True
+    norm_epsilon: float = 1e-6
 
 
-def rotary_frequencies(features: int, base: float, yarn: Yarn | None = None) -> np.ndarray:
-    """The features // 2 rotary frequencies (float32), YaRN-scaled when yarn is given."""
-    exponents = np.arange(0, features, 2, dtype=np.float32) / np.float32(features)
-    position_frequencies = np.float32(base) ** exponents
-    extrapolation = (1.0 / position_frequencies).astype(np.float32)
-    if yarn is None:
-        return extrapolation
-    interpolation = (1.0 / (np.float32(yarn.factor) * position_frequencies)).astype(np.float32)
-
-    def correction(rotations: float) -> float:
-        return (features * math.log(yarn.original_max_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction(yarn.beta_fast), correction(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, features - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(features // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    kept = (1 - ramp).astype(np.float32)
-    return (interpolation * (1 - kept) + extrapolation * kept).astype(np.float32)
-
-
-def _rotate(x: jax.Array, positions: jax.Array, frequencies: np.ndarray, scale: float,
+def _rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray, scale: float,
             interleaved: bool) -> jax.Array:
     """x [B, T, H, R] rotated by positions [B, T]; interleaved pairs come out as two halves."""
-    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(frequencies)[None, None, None]
-    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    first, second = (x32[..., 0::2], x32[..., 1::2]) if interleaved else (x32[..., :half], x32[..., half:])
-    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)
+    if interleaved:  # (x0, x1), (x2, x3), ... as [x0, x2, ...] then [x1, x3, ...]: the same dot products
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return rotate(x, positions, inverse, scale)
 
 
 class LatentAttention(nn.Module):
@@ -144,7 +113,7 @@ class LatentAttention(nn.Module):
     qk_rope_head_features: int = 64
     v_head_features: int = 128
     rope_base: float = 10_000.0
-    rope_scaling: Yarn | None = None
+    rope_scaling: RopeScaling | None = None
     rope_interleave: bool = True
     attention_bias: bool = False
     latent_norm_epsilon: float = 1e-6
@@ -156,10 +125,6 @@ class LatentAttention(nn.Module):
         """A query's (and a key's) width per head: plain and rotated features together."""
         return self.qk_nope_head_features + self.qk_rope_head_features
 
-    @property
-    def softmax_scale(self) -> float:
-        scale = self.rope_scaling.softmax_scale if self.rope_scaling is not None else 1.0
-        return scale / math.sqrt(self.qk_head_features)
 
     def _kernel(self, name: str, shape: tuple[int, ...], names: tuple[str | None, ...],
                 inputs: int = 1) -> jax.Array:
@@ -206,8 +171,8 @@ class LatentAttention(nn.Module):
         latent_btr = self._norm("kv_norm", compressed_btr[..., : self.kv_lora_rank])
         key_rope_btp = compressed_btr[..., self.kv_lora_rank:]
 
-        frequencies = rotary_frequencies(rope, self.rope_base, self.rope_scaling)
-        scale = self.rope_scaling.rotary_scale if self.rope_scaling is not None else 1.0
+        frequencies = inverse_frequencies(rope, self.rope_base, self.rope_scaling)
+        scale = attention_scaling(self.rope_scaling)
         q_nope_bthn = q_bthk[..., :nope]
         q_rope_bthp = _rotate(q_bthk[..., nope:], positions, frequencies, scale, self.rope_interleave)
         key_rope_btp = _rotate(key_rope_btp[:, :, None], positions, frequencies, scale,
@@ -240,7 +205,7 @@ class LatentAttention(nn.Module):
         return self._biased(jnp.einsum("btha,had->btd", out_bthv, out_hvd), "out_bias", (axes.EMBED,))
 
     def _softmax(self, scores_bhts: jax.Array, mask: jax.Array) -> jax.Array:
-        scores = scores_bhts.astype(jnp.float32) * self.softmax_scale
+        scores = scores_bhts.astype(jnp.float32) * softmax_scale(self.qk_head_features, self.rope_scaling)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         return jax.nn.softmax(scores, axis=-1).astype(self.dtype)
 
