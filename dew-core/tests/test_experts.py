@@ -160,6 +160,7 @@ def by_hand(params: dict, x: jax.Array, chosen: np.ndarray, gates: jax.Array) ->
     return total.reshape(x.shape)
 
 
+@pytest.mark.slow
 def test_dropless_serves_every_token_even_when_all_choose_one_expert():
     block = RoutedExperts(experts=4, hidden_features=HIDDEN, experts_per_token=2)
     x = jnp.asarray(np.abs(tokens(13, (2, 6, FEATURES))))
