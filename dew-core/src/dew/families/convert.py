@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Entry", "Layout", "dense_table", "fused", "heads_in", "heads_out", "reshaped", "same",
+__all__ = ["Entry", "TensorLayout", "dense_table", "fused", "heads_in", "heads_out", "reshaped", "same",
            "transposed"]
 
 Path = tuple[str, ...]
 
 
 @dataclass(frozen=True)
-class Layout:
+class TensorLayout:
     """How one tensor moves: to_hf(dew arrays) -> HF array; from_hf(HF array) -> dew arrays."""
 
     to_hf: Callable[[Sequence[np.ndarray]], np.ndarray]
@@ -50,7 +50,7 @@ class Entry:
     paths: tuple[Path, ...]
     hf_shape: tuple[int, ...]
     dew_shapes: tuple[tuple[int, ...], ...]
-    layout: Layout
+    layout: TensorLayout
     index: int | None = None
 
     @property
@@ -59,34 +59,34 @@ class Entry:
         return " + ".join(f"params/{'/'.join(p)}" for p in self.paths)
 
 
-def same() -> Layout:
+def same() -> TensorLayout:
     """The same array in both."""
-    return Layout(lambda arrays: arrays[0], lambda array: (array,))
+    return TensorLayout(lambda arrays: arrays[0], lambda array: (array,))
 
 
-def transposed() -> Layout:
+def transposed() -> TensorLayout:
     """A Linear weight: dew [in, out], HF [out, in]."""
-    return Layout(lambda arrays: arrays[0].T, lambda array: (array.T,))
+    return TensorLayout(lambda arrays: arrays[0].T, lambda array: (array.T,))
 
 
-def reshaped(dew_shape: tuple[int, ...], hf_shape: tuple[int, ...]) -> Layout:
+def reshaped(dew_shape: tuple[int, ...], hf_shape: tuple[int, ...]) -> TensorLayout:
     """The same values in another shape (a bias or norm scale per head: [heads, width] vs [heads*width])."""
-    return Layout(lambda arrays: arrays[0].reshape(hf_shape), lambda array: (array.reshape(dew_shape),))
+    return TensorLayout(lambda arrays: arrays[0].reshape(hf_shape), lambda array: (array.reshape(dew_shape),))
 
 
-def heads_in(embed: int, count: int, width: int) -> Layout:
+def heads_in(embed: int, count: int, width: int) -> TensorLayout:
     """A q/k/v projection: dew [embed, heads, width], HF [heads*width, embed]."""
-    return Layout(lambda arrays: arrays[0].reshape(embed, count * width).T,
+    return TensorLayout(lambda arrays: arrays[0].reshape(embed, count * width).T,
                   lambda array: (array.T.reshape(embed, count, width),))
 
 
-def heads_out(embed: int, count: int, width: int) -> Layout:
+def heads_out(embed: int, count: int, width: int) -> TensorLayout:
     """The attention output: dew [heads, width, embed], HF [embed, heads*width]."""
-    return Layout(lambda arrays: arrays[0].reshape(count * width, embed).T,
+    return TensorLayout(lambda arrays: arrays[0].reshape(count * width, embed).T,
                   lambda array: (array.T.reshape(count, width, embed),))
 
 
-def fused(parts: Sequence[tuple[Layout, int]]) -> Layout:
+def fused(parts: Sequence[tuple[TensorLayout, int]]) -> TensorLayout:
     """Several tensors stacked along HF's rows (Phi-3's qkv_proj, gate_up_proj): (layout, rows) each."""
     bounds = np.cumsum([rows for _, rows in parts])[:-1]
 
@@ -98,7 +98,7 @@ def fused(parts: Sequence[tuple[Layout, int]]) -> Layout:
         pieces = np.split(array, bounds, axis=0)
         return tuple(layout.from_hf(piece)[0] for (layout, _), piece in zip(parts, pieces, strict=True))
 
-    return Layout(to_hf, from_hf)
+    return TensorLayout(to_hf, from_hf)
 
 
 def _norms(model: Any) -> list[tuple[str, str]]:
@@ -121,7 +121,7 @@ def dense_table(model: Any, *, fuse: bool = False) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
 
     def add(name: str, paths: Sequence[Path], hf_shape: tuple[int, ...],
-            dew_shapes: Sequence[tuple[int, ...]], layout: Layout) -> None:
+            dew_shapes: Sequence[tuple[int, ...]], layout: TensorLayout) -> None:
         out[name] = Entry(name, tuple(paths), tuple(hf_shape), tuple(dew_shapes), layout)
 
     add("model.embed_tokens.weight", [("embed", "embedding")], (vocab, embed), [(vocab, embed)], same())

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SPECIALS", "TEMPLATES", "main", "tokenizer", "write_checkpoint"]
+__all__ = ["SPECIALS", "TEMPLATES", "redraw", "tokenizer", "write_checkpoint"]
 
 # Each family's special tokens: (bos, eos, pad, the chat turn markers).
 SPECIALS: Mapping[str, dict[str, Any]] = {

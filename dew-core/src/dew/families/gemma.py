@@ -21,7 +21,7 @@ from dew.families.hf_config import (
     rope_parameters,
 )
 
-__all__ = ["FAMILY", "build", "gated_gelu"]
+__all__ = ["FAMILY", "gated_gelu"]
 
 ARCHITECTURE = "GemmaForCausalLM"
 

@@ -26,7 +26,7 @@ from dew.families.hf_config import (
     window_fields,
 )
 
-__all__ = ["FAMILY", "build", "given"]
+__all__ = ["FAMILY", "given"]
 
 ARCHITECTURE = "Gemma2ForCausalLM"
 

@@ -30,7 +30,7 @@ from dew.families.hf_config import (
     window_fields,
 )
 
-__all__ = ["FAMILY", "build"]
+__all__ = ["FAMILY"]
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 

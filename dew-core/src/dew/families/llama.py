@@ -22,7 +22,7 @@ from dew.families.hf_config import (
     rope_parameters,
 )
 
-__all__ = ["FAMILY", "build"]
+__all__ = ["FAMILY", "gated_silu"]
 
 ARCHITECTURE = "LlamaForCausalLM"
 

@@ -25,7 +25,7 @@ from dew.families.hf_config import (
 )
 from dew.families.llama import gated_silu
 
-__all__ = ["FAMILY", "build"]
+__all__ = ["FAMILY"]
 
 ARCHITECTURE = "Phi3ForCausalLM"
 

@@ -24,7 +24,7 @@ from dew.families.hf_config import (
 )
 from dew.families.llama import gated_silu
 
-__all__ = ["FAMILY", "build", "qwen_windows", "qwen_window_config"]
+__all__ = ["FAMILY", "qwen_windows", "qwen_window_config"]
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 

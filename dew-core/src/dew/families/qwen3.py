@@ -20,7 +20,7 @@ from dew.families.hf_config import (
 from dew.families.llama import gated_silu
 from dew.families.qwen2 import qwen_window_config, qwen_windows
 
-__all__ = ["FAMILY", "build"]
+__all__ = ["FAMILY"]
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dew.families.base import Family
-from dew.families.convert import Entry, Layout, dense_table, heads_in, heads_out, same, transposed
+from dew.families.convert import (
+    Entry,
+    TensorLayout,
+    dense_table,
+    heads_in,
+    heads_out,
+    same,
+    transposed,
+)
 
 __all__ = ["ExpertNames", "RoutedFamily", "routed_table"]
 
@@ -54,7 +62,7 @@ def routed_table(model: Any, names: ExpertNames) -> dict[str, Entry]:
            if not any(path[:2] in replaced for path in entry.paths)}
 
     def add(name: str, paths: Sequence[Path], hf_shape: tuple[int, ...], dew_shapes: Sequence[tuple[int, ...]],
-            layout: Layout, index: int | None = None) -> None:
+            layout: TensorLayout, index: int | None = None) -> None:
         out[name] = Entry(name, tuple(paths), tuple(hf_shape), tuple(dew_shapes), layout, index)
 
     embed, experts = model.emb_features, model.experts

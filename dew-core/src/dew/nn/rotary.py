@@ -16,11 +16,10 @@ through unrotated (Phi-3's partial rotary). The frequencies are
 Each is computed here exactly as ``transformers`` computes it, in float32, so
 a checkpoint's positions mean the same in dew.
 
->>> import numpy as np
->>> inverse_frequencies(8, 10_000.0).round(4).tolist()
+>>> [round(float(f), 6) for f in inverse_frequencies(8, 10_000.0)]
 [1.0, 0.1, 0.01, 0.001]
 >>> scaled = RopeScaling("linear", factor=2.0)
->>> inverse_frequencies(8, 10_000.0, scaled).round(4).tolist()
+>>> [round(float(f), 6) for f in inverse_frequencies(8, 10_000.0, scaled)]
 [0.5, 0.05, 0.005, 0.0005]
 """
 

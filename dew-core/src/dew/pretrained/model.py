@@ -93,11 +93,12 @@ def _placement(shardings: Any) -> Callable[[tuple[str, ...]], Any]:
 
 
 def _put(array: np.ndarray, dtype: Any, sharding: Any) -> Any:
+    """array in dtype on the devices: its sharding's, else the default device (a transfer, no
+    compiled program, so loading compiles nothing). device_put copies, and transposes a
+    transposed view far faster than numpy would."""
     import jax
-    import jax.numpy as jnp
 
-    array = np.asarray(array).astype(np.dtype(dtype), copy=False)
-    return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
+    return jax.device_put(np.asarray(array).astype(np.dtype(dtype), copy=False), sharding)
 
 
 def _at(params: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -336,7 +337,7 @@ class Pretrained:
             for path in entry.paths if entry.index is not None else ():
                 experts[path] = max(experts.get(path, 0), entry.index + 1)
         pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}
-        for name, value in files.read(set(table)):
+        for name, value in files.read(set(table), reuse=True):  # value is gone at the next tensor
             entry = table[name]
             for path, array in zip(entry.paths, entry.layout.from_hf(value), strict=True):
                 if entry.index is not None:  # held on the host until its last slice arrives
@@ -351,7 +352,7 @@ class Pretrained:
                 node = params
                 for part in path[:-1]:
                     node = node.setdefault(part, {})
-                node[path[-1]] = _put(array, model.param_dtype, place(path))
+                node[path[-1]] = _put(array, model.param_dtype, place(path)).block_until_ready()
         if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
             from dew.nn.pipeline import stack_layers
 

@@ -1,9 +1,12 @@
 """safetensors files in and out: one file, or the shards an index names.
 
 Tensors travel as numpy arrays (bfloat16 through ml_dtypes, which jax ships),
-read lazily from disk one name at a time, and written a shard at a time
+read from disk one name at a time, and written a shard at a time
 (``ShardWriter``), so neither direction holds a second copy of the whole
-checkpoint in host memory.
+checkpoint in host memory. Reading uses plain reads into a fresh array at
+the offsets the file's header gives: safetensors' own reader maps the file,
+and every page it touched would count against the process until the file is
+closed, up to a whole shard on top of the arrays already read.
 """
 
 from __future__ import annotations
@@ -130,14 +133,66 @@ class TensorFiles:
                     out[name] = tuple(handle.get_slice(name).get_shape())
         return out
 
-    def read(self, names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, array) for each of names, one file open at a time."""
-        from safetensors import safe_open
+    def read(self, names: set[str], *, reuse: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, array) for each of names, in file order.
 
+        Each array is new; or, with reuse, a view of one buffer that the next
+        tensor overwrites (the caller copies it out before asking for the
+        next): the process then takes fresh memory only for what it keeps.
+        """
         by_file: dict[Path, list[str]] = {}
         for name in sorted(names):
             by_file.setdefault(self.files[name], []).append(name)
+        scratch = np.empty(0, np.uint8)
         for file, wanted in by_file.items():
-            with safe_open(str(file), framework="numpy") as handle:
+            header, start = _header(file)
+            wanted.sort(key=lambda name: header[name]["data_offsets"][0])
+            if reuse:
+                largest = max(header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n in wanted)
+                if largest > scratch.size:
+                    scratch = np.empty(largest, np.uint8)
+            with file.open("rb", buffering=0) as handle:
                 for name in wanted:
-                    yield name, handle.get_tensor(name)
+                    yield name, _read_one(handle, start, name, header[name], file, scratch if reuse else None)
+
+
+# safetensors' dtype names -> numpy's (bfloat16 and the float8s through ml_dtypes).
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+           "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
+    with file.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _read_one(handle: object, start: int, name: str, info: dict, file: Path,
+              scratch: np.ndarray | None = None) -> np.ndarray:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
+
+    kind = _DTYPES.get(info["dtype"])
+    if kind is None:
+        raise ValueError(f"{file} stores {name} as {info['dtype']}, which dew does not read.")
+    begin, end = info["data_offsets"]
+    shape, dtype = tuple(info["shape"]), np.dtype(kind)
+    if scratch is None:
+        array = np.empty(shape, dtype)
+    else:
+        array = scratch[: end - begin].view(dtype).reshape(shape)
+    if array.nbytes != end - begin:
+        raise ValueError(f"{file} is damaged: {name} holds {end - begin} bytes for shape "
+                         f"{tuple(info['shape'])} of {info['dtype']} ({array.nbytes} bytes).")
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    handle.seek(start + begin)  # type: ignore[attr-defined]
+    done = 0
+    while done < len(view):
+        count = handle.readinto(view[done:])  # type: ignore[attr-defined]
+        if not count:
+            raise ValueError(f"{file} ends inside {name}; the file was cut short (rewrite or fetch it again).")
+        done += count
+    return array

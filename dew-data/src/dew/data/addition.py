@@ -23,7 +23,7 @@ seeded generator, in one of three forms:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,13 +42,34 @@ def _ids(text: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Addition:
-    """Seeded ``a+b=`` problems with operands in [0, max_operand] (see the module docstring)."""
+    """Seeded ``a+b=`` problems with operands in [0, max_operand] (see the module docstring).
+
+    tokenizer ``"byte"`` writes every character as its byte (the default);
+    a tokenizer.json path (or an object with ``encode``) writes the same
+    text in that tokenizer's ids instead, so a published model's own
+    tokenizer reads the problems, and the run hands it to the objective.
+    """
 
     form: Literal["text", "prompts", "pairs"] = "text"
     problems: int = 2048
     max_operand: int = 49
     length: int = 32
     problem_seed: int = 0
+    tokenizer: Any = "byte"
+
+    def text_tokenizer(self) -> Any:
+        """The tokenizer the problems are written in (None for bytes, which need none)."""
+        if isinstance(self.tokenizer, str) and self.tokenizer == "byte":
+            return None
+        from dew.data.token_windows import resolve_tokenizer
+
+        return resolve_tokenizer(self.tokenizer)
+
+    def _encoder(self) -> Any:
+        tokenizer = self.text_tokenizer()
+        if tokenizer is None:
+            return _ids
+        return lambda text: [int(i) for i in tokenizer.encode(text)]
 
     def __post_init__(self) -> None:
         if self.problems < 1 or self.max_operand < 1:
@@ -61,11 +82,13 @@ class Addition:
     def records(self) -> ArrayRecords:
         """The records of the chosen form, as columns of numpy arrays."""
         operands = self._operands()
-        prompts = [_ids(f"{a}+{b}=") for a, b in operands]
-        answers = [_ids(str(a + b)) for a, b in operands]
+        ids = self._encoder()
+        newline = ids("\n")[-1]
+        prompts = [ids(f"{a}+{b}=") for a, b in operands]
+        answers = [ids(str(a + b)) for a, b in operands]
         if self.form == "text":
-            line = np.concatenate([_ids(f"{a}+{b}={a + b}\n") for a, b in operands] * 2)
-            starts = np.flatnonzero(np.r_[True, line[:-1] == NEWLINE][: len(line) - self.length - 1])
+            line = np.concatenate([ids(f"{a}+{b}={a + b}\n") for a, b in operands] * 2)
+            starts = np.flatnonzero(np.r_[True, line[:-1] == newline][: len(line) - self.length - 1])
             starts = starts[: self.problems]
             return ArrayRecords({"text": np.stack([line[s:s + self.length + 1] for s in starts]).astype(np.int32)})
         width = max(map(len, prompts))
@@ -79,14 +102,14 @@ class Addition:
                 answer[i, : len(a)] = a
             return ArrayRecords({"prompt": prompt, "prompt_length": lengths, "answer": answer})
         rng = np.random.default_rng(self.problem_seed + 1)
-        wrong = [_ids(str(a + b + int(rng.choice([-3, -2, -1, 1, 2, 3])) if a + b > 3 else a + b + 1))
+        wrong = [ids(str(a + b + int(rng.choice([-3, -2, -1, 1, 2, 3])) if a + b > 3 else a + b + 1))
                  for a, b in operands]
         full = max(len(p) + max(len(a), len(w)) + 1 for p, a, w in zip(prompts, answers, wrong, strict=True))
         columns = {name: np.zeros((self.problems, full), np.int32)
                    for name in ("chosen", "rejected", "chosen_mask", "rejected_mask")}
         for i, p in enumerate(prompts):
             for name, completion in (("chosen", answers[i]), ("rejected", wrong[i])):
-                row = p + completion + [NEWLINE]
+                row = p + completion + [newline]
                 columns[name][i, : len(row)] = row
                 columns[f"{name}_mask"][i, len(p): len(row)] = 1
         return ArrayRecords({**columns, "prompt_length": lengths})

@@ -1,0 +1,126 @@
+"""Objectives take a published family unchanged: SFT and GRPO start from checkpoints transformers
+wrote (Qwen 3 and Gemma 2, through the shipped recipes qwen3-sft and gemma-grpo).
+
+Each checkpoint is what ``python -m dew.families.examples`` writes: transformers' own model class
+with its own random initialization, saved with save_pretrained beside the family's tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from dew.plugins import hookimpl, registered
+from dew.recipes.config import RunConfig
+from dew.recipes.run import train
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    @hookimpl
+    def dew_step_end(self, step, metrics):
+        self.rows.append({k.removeprefix("train/"): float(v) for k, v in metrics.items()})
+
+
+def _run(recipe: str, overrides: list[str]) -> tuple[list[dict[str, float]], object]:
+    seen = _Metrics()
+    config = RunConfig.load(recipe, ["trainer.log_every=1", *overrides])
+    with registered(seen), contextlib.redirect_stdout(io.StringIO()):
+        state = train(config)
+    return seen.rows, state
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from dew.families.examples import main
+
+    directory = tmp_path_factory.mktemp("families")
+    for name in ("qwen3", "gemma2"):  # the recipes' first step, as a user runs it
+        assert main([name, str(directory / "checkpoints" / f"{name}-tiny"), "--seed", "1"]) == 0
+    return directory
+
+
+def _family(name: str, run: str) -> list[str]:
+    return [f"model.name={name}", f"init.pretrained=checkpoints/{name}-tiny",
+            f"data.tokenizer=checkpoints/{name}-tiny/tokenizer.json",
+            f"trainer.checkpoint_dir=runs/{run}", f"trackers.0.directory=runs/{run}"]
+
+
+def _transformers_loss(directory, batch) -> float:
+    """transformers' cross-entropy of a packed batch, completion tokens only, record by record."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    text, mask, segments = (np.asarray(batch[k]) for k in ("text", "loss_mask", "segment_ids"))
+    total, count = 0.0, 0
+    for row in range(text.shape[0]):
+        for number in set(segments[row].tolist()) - {0}:
+            where = np.nonzero(segments[row] == number)[0]
+            ids = text[row, where]
+            with torch.no_grad():
+                logits = hf(torch.tensor(ids[None, :-1], dtype=torch.long)).logits[0]
+            scored = mask[row, where][1:] == 1
+            ce = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:], dtype=torch.long),
+                                                   reduction="none")
+            total += float(ce.numpy()[scored].sum())
+            count += int(scored.sum())
+    return total / count
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+def test_sft_starts_at_the_checkpoints_own_loss_learns_and_exports_verified(workdir, monkeypatch, name):
+    from dew.cli import main
+    from dew.data.base import DataPartition
+    from dew.recipes.run import build_parts
+
+    monkeypatch.chdir(workdir)
+    overrides = ["trainer.steps=6", "optimizer.warmup_steps=0", "objective.prompt=null",
+                 "objective.seq_len=48", "data.length=48", "data.batch=4", *_family(name, f"sft-{name}")]
+    rows, _ = _run("qwen3-sft", overrides)
+    losses = [row["loss"] for row in rows]
+    assert len(losses) == 6 and np.all(np.isfinite(losses))
+    # Step 1 is scored by the checkpoint as transformers computes it, over the completions only.
+    batch = next(build_parts(RunConfig.load("qwen3-sft", overrides)).dataset.train(DataPartition()))
+    assert losses[0] == pytest.approx(_transformers_loss(workdir / f"checkpoints/{name}-tiny", batch),
+                                      abs=2e-4)
+    assert np.mean(losses[-2:]) < np.mean(losses[:2])
+    if name != "qwen3":  # one certified export is enough to show the trained run exports
+        return
+    assert main(["export", f"runs/sft-{name}", "exported", "--verify"]) == 0
+    assert json.loads((workdir / "exported" / "verification.json").read_text())["passed"]
+    template = (workdir / f"checkpoints/{name}-tiny/chat_template.jinja").read_text()
+    assert (workdir / "exported" / "chat_template.jinja").read_text() == template
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3"])
+def test_grpo_moves_the_policy_and_keeps_the_checkpoint_as_its_reference(workdir, monkeypatch, name):
+    from dew.pretrained import Pretrained
+
+    monkeypatch.chdir(workdir)
+    # A reward that a random model's completions already differ in (their length), so every
+    # group has an advantage to follow from the first step.
+    rows, state = _run("gemma-grpo", ["trainer.steps=3", "objective.group_size=4", "data.batch=2",
+                                      "objective.max_new_tokens=3", "objective.reward={name: length, target: 2}",
+                                      *_family(name, f"grpo-{name}")])
+    assert len(rows) == 3 and all(np.isfinite(row["loss"]) for row in rows)
+    assert {"reward", "kl", "clip_fraction"} <= set(rows[0])
+    assert abs(rows[0]["kl"]) < 1e-6  # the first rollout's policy is the reference itself
+    loaded = Pretrained.load(workdir / f"checkpoints/{name}-tiny", max_seq_len=32)
+    reference = jax.tree_util.tree_leaves_with_path(state.params["reference"])
+    start = dict(jax.tree_util.tree_leaves_with_path(loaded.variables["params"]))
+    assert len(reference) == len(start)
+    for path, leaf in reference:
+        assert np.array_equal(np.asarray(leaf), np.asarray(start[path])), jax.tree_util.keystr(path)
+    moved = [not np.array_equal(np.asarray(leaf), np.asarray(start[path]))
+             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params["params"])]
+    assert any(moved)
