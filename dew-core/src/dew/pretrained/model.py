@@ -98,7 +98,13 @@ def _put(array: np.ndarray, dtype: Any, sharding: Any) -> Any:
     transposed view far faster than numpy would."""
     import jax
 
-    return jax.device_put(np.asarray(array).astype(np.dtype(dtype), copy=False), sharding)
+    array = np.asarray(array).astype(np.dtype(dtype), copy=False)
+    if array.flags.c_contiguous:
+        # A contiguous view of the reader's reused buffer: jax's CPU client may keep aliasing it
+        # (even with may_alias=False, measured with jax 0.10), and the next tensor would overwrite
+        # this one; a non-contiguous (transposed) view is copied by device_put itself.
+        array = array.copy()
+    return jax.device_put(array, sharding)
 
 
 def _at(params: Mapping[str, Any], path: tuple[str, ...]) -> Any:
