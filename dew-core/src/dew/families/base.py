@@ -51,6 +51,9 @@ FAMILIES: Mapping[str, str] = {
     "gemma3": "dew.families.gemma3",
     "phi3": "dew.families.phi3",
     "olmo2": "dew.families.olmo2",
+    "mixtral": "dew.families.mixtral",
+    "qwen3_moe": "dew.families.qwen3_moe",
+    "deepseek_v3": "dew.families.deepseek_v3",
 }
 
 # The layout a CausalTransformer whose family is None is written in.
@@ -247,6 +250,11 @@ def function_fields(model: Any) -> dict[str, Any]:
     if not model.experts:
         out.pop("experts_per_token", None)
         out.pop("expert_capacity", None)
+    elif model.mlp_block == "routed" and model.routing is not None:
+        # How the grouped matmuls run is a runtime choice; dropless routing never reads the capacity.
+        out["routing"] = dataclasses.replace(model.routing, grouped_matmul="auto")
+        if model.routing.dropless:
+            out.pop("expert_capacity", None)
     out["head_width"] = model.head_width
     out["kv_heads"] = model.num_kv_heads or model.num_heads
     parts = model._layer_parts()

@@ -39,13 +39,19 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class Entry:
-    """One Hugging Face tensor: the dew path(s) it holds, both shapes, and its layout."""
+    """One Hugging Face tensor: the dew path(s) it holds, both shapes, and its layout.
+
+    With index, the tensor is one slice of each dew path along its first
+    dimension (one expert of a stacked [experts, ...] weight, which a
+    checkpoint stores expert by expert); dew_shapes are then the slices'.
+    """
 
     name: str
     paths: tuple[Path, ...]
     hf_shape: tuple[int, ...]
     dew_shapes: tuple[tuple[int, ...], ...]
     layout: TensorLayout
+    index: int | None = None
 
     @property
     def where(self) -> str:

@@ -38,6 +38,8 @@ SPECIALS: Mapping[str, dict[str, Any]] = {
             "turn": ["<|user|>", "<|assistant|>", "<|system|>"]},
     "olmo": {"bos": None, "eos": "<|endoftext|>", "pad": "<|pad|>",
              "turn": ["<|user|>", "<|assistant|>"]},
+    "deepseek": {"bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "pad": "<｜▁pad▁｜>",
+                 "turn": ["<｜User｜>", "<｜Assistant｜>"]},
 }
 
 # Chat templates in each family's published style (jinja, as tokenizer_config.json holds them).
@@ -58,10 +60,14 @@ TEMPLATES: Mapping[str, str] = {
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
     "olmo": ("{{ bos_token or '' }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
              "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
+    "deepseek": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>"
+                 "{{ m['content'] }}{% else %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"),
 }
 
 _STYLE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen", "qwen3": "qwen", "gemma": "gemma",
-          "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi", "olmo2": "olmo"}
+          "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi", "olmo2": "olmo", "mixtral": "mistral",
+          "qwen3_moe": "qwen", "deepseek_v3": "deepseek"}
 
 # A few merges over GPT-2's byte characters, so the tokenizer is a real BPE, not bytes alone.
 _MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("Ġ", "a"),
@@ -122,12 +128,14 @@ def redraw(model: Any, seed: int = 0) -> None:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
+    # DeepSeek-V3's score-correction bias is a stored buffer, not a parameter: drawn as a bias.
+    stored = [(name, buffer) for name, buffer in model.named_buffers() if name.endswith("e_score_correction_bias")]
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for name, parameter in [*model.named_parameters(), *stored]:
             shape = parameter.shape
             if "norm" in name:
                 values = 0.5 + torch.rand(shape, generator=generator)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 values = 0.3 * torch.randn(shape, generator=generator)
             else:
                 values = 0.1 * torch.randn(shape, generator=generator)

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import sharding as axes
+from dew.nn.experts import Routing
+from dew.nn.latent_attention import Latent
 from dew.nn.layers import (
     ATTENTION_BLOCKS,
     MLP_ACTIVATIONS,
@@ -106,8 +108,14 @@ class CausalTransformer(nn.Module):
       head width in the score scale ``1/sqrt(...)``; scale_embeddings
       multiplies the embeddings by ``sqrt(emb_features)`` (Gemma).
     - mlp_activation "geglu" gates with tanh-approximated GELU (Gemma).
-    - attention_block and mlp_block name each layer's kind of block (one
-      each today; where latent attention or routed experts plug in).
+    - attention_block and mlp_block name each layer's kind of block:
+      "latent" is DeepSeek's multi-head latent attention, its shapes in
+      latent (dew.nn.latent_attention.Latent; qkv_bias then puts biases on
+      its down-projections and output); "routed" the routed experts of
+      Mixtral, Qwen-MoE and DeepSeek-V3 (dew.nn.experts.RoutedExperts under
+      ``moe``: experts of them, experts_per_token per token, the other
+      options in routing), except in dense_layers, whose feed-forward block
+      is dense (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers).
     - family names the published architecture the parts reproduce
       (``dew.families``): Pretrained.save writes that family's layout
       (None: Llama's, as before families existed).
@@ -150,8 +158,11 @@ class CausalTransformer(nn.Module):
     logit_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
     scale_embeddings: bool = False
-    attention_block: Literal["grouped_query"] = "grouped_query"
-    mlp_block: Literal["dense"] = "dense"
+    attention_block: Literal["grouped_query", "latent"] = "grouped_query"
+    mlp_block: Literal["dense", "routed"] = "dense"
+    latent: Latent | None = None
+    routing: Routing | None = None
+    dense_layers: tuple[int, ...] = ()
 
     def _check(self) -> None:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features",
@@ -159,7 +170,22 @@ class CausalTransformer(nn.Module):
             if getattr(self, name) < 1:
                 raise ValueError(f"CausalTransformer.{name} must be at least 1, got "
                                  f"{getattr(self, name)}.")
-        if self.head_features is None and self.emb_features % self.num_heads:
+        if self.attention_block == "latent" and self.latent is None:
+            raise ValueError("CausalTransformer.attention_block='latent' needs latent (a "
+                             "dew.nn.latent_attention.Latent: the latent ranks and head widths).")
+        if self.mlp_block == "routed" and self.experts < 1:
+            raise ValueError("CausalTransformer.mlp_block='routed' needs experts (how many routed "
+                             "experts each layer has) of at least 1.")
+        outside = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"CausalTransformer.dense_layers names layers {outside} of a model with "
+                             f"num_layers={self.num_layers}; number them 0..{self.num_layers - 1}.")
+        if self.scan_layers and 0 < len(set(self.dense_layers)) < self.num_layers:
+            raise ValueError(
+                f"CausalTransformer.scan_layers=True needs every layer alike, but dense_layers="
+                f"{self.dense_layers} makes some feed-forward blocks dense and others routed. "
+                "Set scan_layers=False for this model.")
+        if self.attention_block != "latent" and self.head_features is None and self.emb_features % self.num_heads:
             raise ValueError(
                 f"emb_features={self.emb_features} is not divisible by num_heads="
                 f"{self.num_heads}; change one of them or set head_features explicitly."
@@ -214,6 +240,12 @@ class CausalTransformer(nn.Module):
                 out.append((self.sliding_window if slides else None, self.rope_base, self.rope_scaling))
         return out
 
+    def _mlp_of(self, layer: int) -> dict[str, Any]:
+        """Layer's feed-forward kind: its mlp_block and experts (dense in dense_layers)."""
+        if self.mlp_block == "routed" and layer in self.dense_layers:
+            return {"mlp_block": "dense", "experts": 0}
+        return {"mlp_block": self.mlp_block, "experts": self.experts}
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward and backward) at seq_len: 6 per weight the token
         passes through, plus the attention scores and their weighted sum (PaLM's estimate).
@@ -226,10 +258,27 @@ class CausalTransformer(nn.Module):
         width = self.num_heads * self.head_width
         kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
         attention = 2 * self.emb_features * width + 2 * self.emb_features * kv_heads * self.head_width
-        mlp = (2 if self.mlp_activation == "gelu" else 3) * self.emb_features * self.mlp_features
+        if self.attention_block == "latent" and self.latent is not None:
+            shape, heads, embed = self.latent, self.num_heads, self.emb_features
+            qk = shape.qk_nope_head_features + shape.qk_rope_head_features
+            width = heads * (qk + shape.v_head_features) // 2  # scores over qk, the sum over v
+            query = (embed * heads * qk if shape.q_lora_rank is None
+                     else shape.q_lora_rank * (embed + heads * qk))
+            attention = (query + embed * (shape.kv_lora_rank + shape.qk_rope_head_features)
+                         + shape.kv_lora_rank * heads * (shape.qk_nope_head_features + shape.v_head_features)
+                         + heads * shape.v_head_features * embed)
+        matrices = 2 if self.mlp_activation == "gelu" else 3
+        dense = matrices * self.emb_features * self.mlp_features
+        mlp = dense
         if self.experts:  # a token passes through experts_per_token experts and the router
-            mlp = self.experts_per_token * mlp + self.emb_features * self.experts
-        weights = self.num_layers * (attention + mlp) + self.emb_features * self.vocab_size
+            routing = self.routing if self.mlp_block == "routed" else None
+            hidden = (routing.hidden_features if routing else None) or self.mlp_features
+            mlp = self.experts_per_token * matrices * self.emb_features * hidden + self.emb_features * self.experts
+            if routing is not None:
+                mlp += 3 * self.emb_features * routing.shared_features
+        sparse = self.num_layers - (len(set(self.dense_layers)) if self.mlp_block == "routed" else 0)
+        weights = (self.num_layers * attention + sparse * mlp + (self.num_layers - sparse) * dense
+                   + self.emb_features * self.vocab_size)
         return float(6 * weights + 12 * self.num_layers * width * seq_len)
 
     @property
@@ -279,14 +328,15 @@ class CausalTransformer(nn.Module):
         layer_options = {
             "rotary": self.position_embedding == "rotary", "mlp_activation": self.mlp_activation,
             "attention": self.attention, "num_kv_heads": self.num_kv_heads,
-            "norm_epsilon": self.norm_epsilon, "experts": self.experts,
+            "norm_epsilon": self.norm_epsilon,
             "experts_per_token": self.experts_per_token, "expert_capacity": self.expert_capacity,
             "norm_placement": self.norm_placement, "norm_offset": self.norm_offset,
             "qk_norm": self.qk_norm, "qkv_bias": self.qkv_bias, "out_bias": self.out_bias,
             "mlp_bias": self.mlp_bias, "rotary_fraction": self.rotary_fraction,
             "attention_softcap": self.attention_softcap,
             "query_pre_attn_scalar": self.query_pre_attn_scalar,
-            "attention_block": self.attention_block, "mlp_block": self.mlp_block, **kinds,
+            "attention_block": self.attention_block, "latent": self.latent, "routing": self.routing,
+            **kinds,
         }
         parts = self._layer_parts()
         if self.scan_layers:
@@ -300,7 +350,7 @@ class CausalTransformer(nn.Module):
                               decode=decode, wrap=rematerialized, num_heads=self.num_heads,
                               head_features=self.head_width, mlp_features=self.mlp_features,
                               max_len=self.max_seq_len, window=window, rope_base=base,
-                              rope_scaling=scaling, **layer_options)
+                              rope_scaling=scaling, **self._mlp_of(0), **layer_options)
         layer_class: Any = DecoderLayer
         if self.remat != "none" and not decode:
             layer_class = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.remat])
@@ -309,7 +359,7 @@ class CausalTransformer(nn.Module):
             layer = layer_class(
                 self.num_heads, self.head_width, self.mlp_features, self.max_seq_len,
                 window=window, rope_base=base, rope_scaling=scaling, name=f"layers_{i}",
-                **layer_options,
+                **self._mlp_of(i), **layer_options,
             )
             if layer_class is DecoderLayer:
                 x_btd = layer(x_btd, positions, decode=decode, segment_ids=segment_ids)

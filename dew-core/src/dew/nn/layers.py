@@ -27,6 +27,8 @@ import jax.numpy as jnp
 
 from dew.nn import paged_attention as paged
 from dew.nn import sharding as axes
+from dew.nn.experts import Routing
+from dew.nn.latent_attention import Latent, LatentAttention
 from dew.nn.moe import MoEBlock
 from dew.nn.rotary import RopeScaling, attention_scaling, inverse_frequencies, rotate
 from dew.nn.sharding import constrain, param
@@ -66,8 +68,8 @@ QK_NORMS = ("none", "head", "projection")
 MLP_ACTIVATIONS = ("gelu", "swiglu", "geglu")
 # The attention and feed-forward blocks a decoder layer is built of: the place
 # where another kind of block (latent attention, routed experts) plugs in.
-ATTENTION_BLOCKS = ("grouped_query",)
-MLP_BLOCKS = ("dense",)
+ATTENTION_BLOCKS = ("grouped_query", "latent")
+MLP_BLOCKS = ("dense", "routed")
 
 
 class RMSNorm(nn.Module):
@@ -374,8 +376,10 @@ class DecoderLayer(nn.Module):
     With experts above 0 the feed-forward block is a MoEBlock (named "moe")
     of that many experts, experts_per_token of them per token, each with
     expert_capacity times its even share of a sequence's tokens.
-    attention_block and mlp_block name the kind of each block (today one
-    each); another kind plugs in at ``_attention_block`` and ``_mlp_block``.
+    attention_block and mlp_block name the kind of each block: "latent" is
+    DeepSeek's multi-head latent attention (dew.nn.latent_attention, shaped by
+    latent), "routed" the routed experts of the published MoE families
+    (dew.nn.experts.RoutedExperts under "moe", with routing's options).
     The other fields are those of CausalSelfAttention and MLPBlock.
     """
 
@@ -405,14 +409,28 @@ class DecoderLayer(nn.Module):
     window: int | None = None
     attention_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
-    attention_block: Literal["grouped_query"] = "grouped_query"
-    mlp_block: Literal["dense"] = "dense"
+    attention_block: Literal["grouped_query", "latent"] = "grouped_query"
+    mlp_block: Literal["dense", "routed"] = "dense"
+    latent: Latent | None = None
+    routing: Routing | None = None
 
     def _attention_block(self) -> nn.Module:
         """The attention block this layer's attention_block names."""
-        if self.attention_block != "grouped_query":
+        if self.attention_block not in ATTENTION_BLOCKS:
             raise ValueError(f"Unknown attention_block {self.attention_block!r}; use one of "
                              f"{', '.join(map(repr, ATTENTION_BLOCKS))}.")
+        if self.attention_block == "latent":
+            if self.latent is None:
+                raise ValueError("attention_block='latent' needs latent (a dew.nn.latent_attention.Latent "
+                                 "with the latent ranks and head widths).")
+            shape = self.latent
+            return LatentAttention(
+                self.num_heads, self.max_len, kv_lora_rank=shape.kv_lora_rank, q_lora_rank=shape.q_lora_rank,
+                qk_nope_head_features=shape.qk_nope_head_features,
+                qk_rope_head_features=shape.qk_rope_head_features, v_head_features=shape.v_head_features,
+                rope_base=self.rope_base, rope_scaling=self.rope_scaling, rope_interleave=shape.interleave,
+                attention_bias=self.qkv_bias, latent_norm_epsilon=shape.norm_epsilon, name="attention",
+                dtype=self.dtype, param_dtype=self.param_dtype)
         return CausalSelfAttention(
             self.num_heads, self.head_features, self.max_len, rotary=self.rotary,
             num_kv_heads=self.num_kv_heads, rope_base=self.rope_base, attention=self.attention,
@@ -423,11 +441,14 @@ class DecoderLayer(nn.Module):
             name="attention", dtype=self.dtype, param_dtype=self.param_dtype)
 
     def _mlp_block(self) -> nn.Module:
-        """The feed-forward block: dense, or dew's mixture of experts when experts > 0."""
-        if self.mlp_block != "dense":
+        """The feed-forward block: dense, routed experts, or dew's MoEBlock when experts > 0."""
+        if self.mlp_block not in MLP_BLOCKS:
             raise ValueError(f"Unknown mlp_block {self.mlp_block!r}; use one of "
                              f"{', '.join(map(repr, MLP_BLOCKS))}.")
         kinds = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        if self.mlp_block == "routed":
+            return (self.routing or Routing()).block(self.experts, self.mlp_features, self.experts_per_token,
+                                                     self.expert_capacity, name="moe", **kinds)
         if self.experts:
             return MoEBlock(self.experts, self.mlp_features, self.experts_per_token,
                             self.expert_capacity, self.mlp_activation, name="moe", **kinds)

@@ -18,11 +18,16 @@ tokens dispatched to the experts are constrained to ``ACTIVATION_EXPERT`` on
 the same axis, so the compiler moves tokens to their experts' devices (the
 all-to-all of expert parallelism) instead of gathering the weights.
 
-The block sows two scalars into the ``"moe"`` collection: the load-balancing
-loss (Switch's E * sum_e f_e * P_e, which is 1 when routing is uniform and
-grows as it concentrates) and the fraction of assignments dropped for lack of
-capacity. Apply with ``mutable=["moe"]`` to read them; :func:`moe_statistics`
-averages them over layers.
+The block sows three scalars into the ``"moe"`` collection: the
+load-balancing loss (Switch's E * sum_e f_e * P_e, which is 1 when routing is
+uniform and grows as it concentrates), ST-MoE's router z-loss (the mean
+squared logsumexp of the router's logits) and the fraction of assignments
+dropped for lack of capacity. Apply with ``mutable=["moe"]`` to read them;
+:func:`moe_statistics` averages them over layers.
+
+The routing and the experts' weights are shared with ``dew.nn.experts``
+(the dropless block of the published MoE families), whose
+``routing="capacity"`` runs through :func:`capacity_experts` here.
 
 >>> import jax, jax.numpy as jnp
 >>> block = MoEBlock(experts=4, hidden_features=16, experts_per_token=2)
@@ -32,13 +37,13 @@ averages them over layers.
 >>> y.shape, variables["params"]["wi"].value.shape
 ((2, 6, 8), (4, 8, 16))
 >>> sorted(moe_statistics(sown))
-['dropped_fraction', 'load_balancing_loss']
+['dropped_fraction', 'load_balancing_loss', 'router_z_loss']
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import flax.linen as nn
@@ -48,10 +53,25 @@ import jax.numpy as jnp
 from dew.nn import sharding as axes
 from dew.nn.sharding import constrain, param
 
-__all__ = ["MOE_COLLECTION", "ExpertConfigError", "MoEBlock", "expert_capacity", "moe_statistics"]
+__all__ = [
+    "MOE_COLLECTION",
+    "ROUTING_STATISTICS",
+    "ExpertConfigError",
+    "MoEBlock",
+    "balance_loss",
+    "capacity_experts",
+    "einsum_experts",
+    "expert_capacity",
+    "expert_kernels",
+    "moe_statistics",
+    "router_z_loss",
+]
 
 MOE_COLLECTION = "moe"
 """The collection an MoE block sows its routing statistics into."""
+
+ROUTING_STATISTICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction")
+"""The scalars an MoE block sows into MOE_COLLECTION, one of each per call."""
 
 Dtype = Any
 
@@ -114,8 +134,6 @@ class MoEBlock(nn.Module):
         experts, chosen_per_token = self.experts, self.experts_per_token
         capacity = expert_capacity(length, experts, chosen_per_token, self.capacity_factor)
 
-        # n: the experts_per_token choices of a token; s: an expert's capacity slots, the positions
-        # of the tokens it takes from a row.
         router_de = param(self, "router", nn.initializers.normal(0.02), (features, experts),
                        (axes.EMBED, None), self.param_dtype)
         logits_bte = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router_de.astype(jnp.float32))
@@ -124,67 +142,129 @@ class MoEBlock(nn.Module):
         if chosen_per_token > 1:
             gates_btn = gates_btn / jnp.sum(gates_btn, axis=-1, keepdims=True)
 
-        choice_btne = jax.nn.one_hot(chosen_btn, experts, dtype=jnp.int32)  # [B, T, K, E]
-        # Slots are handed out first choice first, then second choice, each in token order.
-        ordered_bne = jnp.swapaxes(choice_btne, 1, 2).reshape(batch, chosen_per_token * length, experts)
-        slot_bne = jnp.cumsum(ordered_bne, axis=1) * ordered_bne - 1  # -1 where the expert was not chosen
-        slot_btne = jnp.swapaxes(slot_bne.reshape(batch, chosen_per_token, length, experts), 1, 2)
-        # one_hot of -1 (not chosen) or of capacity and above (dropped) is all zeros.
-        placed_btnes = jax.nn.one_hot(slot_btne, capacity, dtype=jnp.float32)  # [B, T, K, E, C]
-        dispatch_btes = jnp.sum(placed_btnes, axis=2)  # [B, T, E, C]
-        combine_btes = jnp.sum(placed_btnes * gates_btn[..., None, None], axis=2)
-
-        # Each device routes its own rows to every expert, then one reshard (an all-to-all
-        # over the expert axis) trades its rows' share of all experts for all rows' share
-        # of its own experts; the outputs travel back the same way.
-        local_axes = (None, axes.BATCH, None, axes.ACTIVATION_EMBED)
-        expert_axes = (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_EMBED)
-        routed_ebsd = constrain(jnp.einsum("btes,btd->ebsd", dispatch_btes.astype(self.dtype), x), local_axes)
-        routed_ebsd = constrain(routed_ebsd, expert_axes)
-        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-
-        def kernel(name: str, shape: tuple[int, int], names: tuple[str, str]) -> jax.Array:
-            return param(self, name, init, (experts, *shape), (axes.EXPERT, *names),
-                         self.param_dtype).astype(self.dtype)
-
-        up = (features, self.hidden_features)
-        h_ebsm = jnp.einsum("ebsd,edm->ebsm", routed_ebsd, kernel("wi", up, (axes.EMBED, axes.MLP)))
-        if self.activation == "swiglu":
-            gate_ebsm = jnp.einsum("ebsd,edm->ebsm", routed_ebsd, kernel("wi_gate", up, (axes.EMBED, axes.MLP)))
-            h_ebsm = nn.silu(gate_ebsm) * h_ebsm
-        else:
-            h_ebsm = nn.gelu(h_ebsm)
-        h_ebsm = constrain(h_ebsm, (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_MLP))
-        down_emd = kernel("wo", (self.hidden_features, features), (axes.MLP, axes.EMBED))
-        out_ebsd = constrain(jnp.einsum("ebsm,emd->ebsd", h_ebsm, down_emd), expert_axes)
-        out_ebsd = constrain(out_ebsd, local_axes)
-        # "a" is the slots here, so einsum sums them before the experts, as it always has
-        y_btd = jnp.einsum("btea,ebad->btd", combine_btes.astype(self.dtype), out_ebsd)
+        kernels = expert_kernels(self, experts, features, self.hidden_features, self.activation,
+                                 self.param_dtype, self.dtype)
+        y_btd, kept = capacity_experts(x, gates_btn, chosen_btn, experts, capacity,
+                                       lambda routed: einsum_experts(routed, kernels), self.dtype)
 
         if self.is_initializing():  # statistics of the init's dummy input are not worth keeping
             return y_btd.astype(x.dtype)
-        # Switch's balance loss: experts times the dot product of each expert's share of
-        # the assignments and its mean router probability.
-        share_e = jnp.mean(jnp.sum(choice_btne, axis=2).astype(jnp.float32), axis=(0, 1)) / chosen_per_token
         self.sow(MOE_COLLECTION, "load_balancing_loss",
-                 experts * jnp.sum(share_e * jnp.mean(probabilities_bte, axis=(0, 1))))
-        self.sow(MOE_COLLECTION, "dropped_fraction",
-                 1.0 - jnp.sum(dispatch_btes) / (batch * length * chosen_per_token))
+                 balance_loss(probabilities_bte, chosen_btn, experts))
+        self.sow(MOE_COLLECTION, "router_z_loss", router_z_loss(logits_bte))
+        self.sow(MOE_COLLECTION, "dropped_fraction", 1.0 - kept)
         return y_btd.astype(x.dtype)
 
 
+def expert_kernels(module: nn.Module, experts: int, features: int, hidden_features: int,
+                   activation: str, param_dtype: Dtype, dtype: Dtype) -> dict[str, jax.Array]:
+    """The stacked weights of module's experts, each [experts, ...] with the EXPERT axis first.
+
+    ``wi`` (and ``wi_gate`` for SwiGLU) [E, features, hidden] and ``wo`` [E, hidden,
+    features], declared on module in that order and cast to dtype.
+    """
+    init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+    def kernel(name: str, shape: tuple[int, int], names: tuple[str, str]) -> jax.Array:
+        return param(module, name, init, (experts, *shape), (axes.EXPERT, *names), param_dtype).astype(dtype)
+
+    up = (features, hidden_features)
+    kernels = {"wi": kernel("wi", up, (axes.EMBED, axes.MLP))}
+    if activation == "swiglu":
+        kernels["wi_gate"] = kernel("wi_gate", up, (axes.EMBED, axes.MLP))
+    kernels["wo"] = kernel("wo", (hidden_features, features), (axes.MLP, axes.EMBED))
+    return kernels
+
+
+def einsum_experts(routed_ebsd: jax.Array, kernels: Mapping[str, jax.Array]) -> jax.Array:
+    """Every expert's feed-forward block on the tokens dispatched to it, [E, B, S, D] in and out.
+
+    SwiGLU when kernels hold ``wi_gate``, GELU otherwise (kernels from expert_kernels).
+    """
+    h_ebsm = jnp.einsum("ebsd,edm->ebsm", routed_ebsd, kernels["wi"])
+    if "wi_gate" in kernels:
+        gate_ebsm = jnp.einsum("ebsd,edm->ebsm", routed_ebsd, kernels["wi_gate"])
+        h_ebsm = nn.silu(gate_ebsm) * h_ebsm
+    else:
+        h_ebsm = nn.gelu(h_ebsm)
+    h_ebsm = constrain(h_ebsm, (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_MLP))
+    return jnp.einsum("ebsm,emd->ebsd", h_ebsm, kernels["wo"])
+
+
+def capacity_experts(x_btd: jax.Array, gates_btn: jax.Array, chosen_btn: jax.Array, experts: int,
+                     capacity: int, ffn: Callable[[jax.Array], jax.Array],
+                     dtype: Dtype) -> tuple[jax.Array, jax.Array]:
+    """Route each token to its chosen experts, at most capacity tokens of a row per expert.
+
+    gates_btn and chosen_btn [B, T, K] are each token's K gate values and expert ids,
+    first choice first; ffn maps the dispatched tokens [E, B, capacity, D] to the experts'
+    outputs of the same shape. Returns the gated sum of each token's kept experts' outputs
+    [B, T, D] and the fraction of the B * T * K assignments kept.
+    """
+    batch, length, _ = x_btd.shape
+    chosen_per_token = chosen_btn.shape[-1]
+    # n: the experts_per_token choices of a token; s: an expert's capacity slots, the positions
+    # of the tokens it takes from a row.
+    choice_btne = jax.nn.one_hot(chosen_btn, experts, dtype=jnp.int32)  # [B, T, K, E]
+    # Slots are handed out first choice first, then second choice, each in token order.
+    ordered_bne = jnp.swapaxes(choice_btne, 1, 2).reshape(batch, chosen_per_token * length, experts)
+    slot_bne = jnp.cumsum(ordered_bne, axis=1) * ordered_bne - 1  # -1 where the expert was not chosen
+    slot_btne = jnp.swapaxes(slot_bne.reshape(batch, chosen_per_token, length, experts), 1, 2)
+    # one_hot of -1 (not chosen) or of capacity and above (dropped) is all zeros.
+    placed_btnes = jax.nn.one_hot(slot_btne, capacity, dtype=jnp.float32)  # [B, T, K, E, C]
+    dispatch_btes = jnp.sum(placed_btnes, axis=2)  # [B, T, E, C]
+    combine_btes = jnp.sum(placed_btnes * gates_btn[..., None, None], axis=2)
+
+    # Each device routes its own rows to every expert, then one reshard (an all-to-all
+    # over the expert axis) trades its rows' share of all experts for all rows' share
+    # of its own experts; the outputs travel back the same way.
+    local_axes = (None, axes.BATCH, None, axes.ACTIVATION_EMBED)
+    expert_axes = (axes.ACTIVATION_EXPERT, axes.BATCH, None, axes.ACTIVATION_EMBED)
+    routed_ebsd = constrain(jnp.einsum("btes,btd->ebsd", dispatch_btes.astype(dtype), x_btd), local_axes)
+    routed_ebsd = constrain(routed_ebsd, expert_axes)
+    out_ebsd = constrain(ffn(routed_ebsd), expert_axes)
+    out_ebsd = constrain(out_ebsd, local_axes)
+    # "a" is the slots here, so einsum sums them before the experts, as it always has
+    y_btd = jnp.einsum("btea,ebad->btd", combine_btes.astype(dtype), out_ebsd)
+    kept = jnp.sum(dispatch_btes) / (batch * length * chosen_per_token)
+    return y_btd, kept
+
+
+def balance_loss(probabilities_bte: jax.Array, chosen_btn: jax.Array, experts: int) -> jax.Array:
+    """Switch Transformer's load-balancing loss: experts * sum_e f_e * P_e.
+
+    f_e is expert e's share of the assignments chosen_btn [..., K] and P_e its mean
+    probability [..., E] over the tokens; 1 when routing is uniform, larger as it concentrates.
+    """
+    chosen_per_token = chosen_btn.shape[-1]
+    lead = tuple(range(chosen_btn.ndim - 1))
+    counts_e = jnp.sum(jax.nn.one_hot(chosen_btn, experts, dtype=jnp.float32), axis=(*lead, -2))
+    share_e = counts_e / (math.prod(chosen_btn.shape[:-1]) * chosen_per_token)
+    return experts * jnp.sum(share_e * jnp.mean(probabilities_bte.astype(jnp.float32), axis=lead))
+
+
+def router_z_loss(logits_bte: jax.Array) -> jax.Array:
+    """ST-MoE's router z-loss: the mean over tokens of logsumexp(router logits) squared.
+
+    It keeps the router's logits small, where its softmax (and the bf16 matmuls
+    before it) stay well conditioned.
+    """
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_bte.astype(jnp.float32), axis=-1)))
+
+
 def moe_statistics(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """The load-balancing loss and dropped fraction of an apply's sown "moe" collection,
-    each averaged over the MoE blocks that sowed it (empty when none did).
+    """Each statistic of ROUTING_STATISTICS in an apply's sown "moe" collection, averaged
+    over the MoE blocks that sowed it (empty when none did).
 
     sown is the mutable output of ``apply(..., mutable=["moe"])``, with or
-    without its "moe" key.
+    without its "moe" key. A scanned stack sows one value per layer (an array
+    with a leading layers axis): each counts as one block.
     """
     tree = sown.get(MOE_COLLECTION, sown) if isinstance(sown, Mapping) else sown
     found: dict[str, list[jax.Array]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         names = [getattr(k, "key", None) for k in path]
-        name = next((n for n in reversed(names) if n in ("load_balancing_loss", "dropped_fraction")), None)
+        name = next((n for n in reversed(names) if n in ROUTING_STATISTICS), None)
         if name is not None:
-            found.setdefault(name, []).append(jnp.asarray(leaf, jnp.float32))
-    return {name: jnp.mean(jnp.stack(values)) for name, values in found.items()}
+            found.setdefault(name, []).append(jnp.ravel(jnp.asarray(leaf, jnp.float32)))
+    return {name: jnp.mean(jnp.concatenate(values)) for name, values in found.items()}

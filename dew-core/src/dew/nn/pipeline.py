@@ -49,6 +49,7 @@ __all__ = [
     "MicrobatchError",
     "PipelineSchedule",
     "StageDivisionError",
+    "StagedRoutingError",
     "current_schedule",
     "pipeline",
     "run_stack",
@@ -59,6 +60,10 @@ __all__ = [
 
 class StageDivisionError(ValueError):
     """The pipeline stages do not divide a scanned stack's layers."""
+
+
+class StagedRoutingError(ValueError):
+    """Mixture-of-experts layers were asked for their routing statistics inside pipeline stages."""
 
 
 class MicrobatchError(ValueError):
@@ -159,7 +164,8 @@ def run_stack(
     schedule = current_schedule()
     body = _body(layer_class, decode)
     body = body if decode else wrap(body)
-    scan = {"variable_axes": {"params": 0, "cache": 0}, "split_rngs": {"params": True},
+    # An MoE layer's routing statistics ("moe") are sown once per layer: stacked like the weights.
+    scan = {"variable_axes": {"params": 0, "cache": 0, "moe": 0}, "split_rngs": {"params": True},
             "in_axes": (nn.broadcast, nn.broadcast),
             "metadata_params": {nn.PARTITION_NAME: axes.LAYERS}}
     if schedule.stages == 1 or decode or parent.is_initializing():
@@ -167,6 +173,11 @@ def run_stack(
         return stack(x, positions, segment_ids)[0]
 
     stages, count = schedule.stages, schedule.count
+    if parent.is_mutable_collection("moe"):
+        raise StagedRoutingError(
+            "A stack of mixture-of-experts layers cannot report its routing statistics (the "
+            "balance loss an objective trains on) from inside pipeline stages: the stages' idle "
+            "iterations would count too. Run the experts without the stage axis (MeshSpec.stage=1).")
     if num_layers % stages:
         raise StageDivisionError(
             f"A stack of {num_layers} layers cannot be split into stage={stages} pipeline "

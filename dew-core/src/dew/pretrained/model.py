@@ -193,7 +193,10 @@ class Pretrained:
         for name, entry in table.items():  # every tensor checked before a byte is written
             for path, shape in zip(entry.paths, entry.dew_shapes, strict=True):
                 value = _at(params, path)
-                if value is None or tuple(value.shape) != shape:
+                stored = None if value is None else tuple(value.shape)
+                if entry.index is not None and stored is not None:  # one expert of a stacked weight
+                    stored = stored[1:] if stored and entry.index < stored[0] else None
+                if stored != shape:
                     found = None if value is None else tuple(value.shape)
                     raise TensorMismatchError(
                         f"The variables have {found} at params/{'/'.join(path)}, but the model needs "
@@ -204,8 +207,15 @@ class Pretrained:
         if writing:
             target.mkdir(parents=True, exist_ok=True)
         shards = ShardWriter(target, max_shard_bytes, {"format": "pt"})
+        stacked: dict[tuple[str, ...], np.ndarray] = {}  # the stacked weights being written expert by expert
         for name, entry in table.items():
-            value = entry.layout.to_hf([_fetch(_at(params, path)) for path in entry.paths])
+            if entry.index is None:
+                arrays = [_fetch(_at(params, path)) for path in entry.paths]
+            else:
+                if set(entry.paths) != set(stacked):
+                    stacked = {path: _fetch(_at(params, path)) for path in entry.paths}
+                arrays = [stacked[path][entry.index] for path in entry.paths]
+            value = entry.layout.to_hf(arrays)
             if writing:
                 shards.add(name, value)
         if not writing:
@@ -328,9 +338,23 @@ class Pretrained:
         _check_tensors(source, family.architecture, model, table, files.shapes())
         place = _placement(None if scan_layers else shardings)
         params: dict[str, Any] = {}
+        experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one
+        for entry in table.values():
+            for path in entry.paths if entry.index is not None else ():
+                experts[path] = max(experts.get(path, 0), entry.index + 1)
+        pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}
         for name, value in files.read(set(table), reuse=True):  # value is gone at the next tensor
             entry = table[name]
             for path, array in zip(entry.paths, entry.layout.from_hf(value), strict=True):
+                if entry.index is not None:  # held on the host until its last slice arrives
+                    buffer, filled = pending.get(path) or (np.empty((experts[path], *array.shape),
+                                                                    array.dtype), 0)
+                    buffer[entry.index] = array
+                    if filled + 1 < experts[path]:
+                        pending[path] = (buffer, filled + 1)
+                        continue
+                    pending.pop(path, None)
+                    array = buffer
                 node = params
                 for part in path[:-1]:
                     node = node.setdefault(part, {})

@@ -99,9 +99,11 @@ class LMObjective(Objective):
     loss reports the mean cross-entropy per predicted token and, as a
     metric, the fraction of tokens whose most likely prediction is right.
     A model with experts (CausalTransformer(experts=...)) also reports its
-    routers' load_balancing_loss and dropped_fraction (averaged over its MoE
-    layers), and trains on cross-entropy + expert_loss_weight times the
-    balance loss; evaluation scores the cross-entropy alone.
+    routers' load_balancing_loss, router_z_loss and dropped_fraction
+    (averaged over its MoE layers), and trains on cross-entropy +
+    expert_loss_weight times the balance loss + router_z_loss_weight times
+    the z-loss (ST-MoE's 1e-3 by default); evaluation scores the
+    cross-entropy alone.
     With a tokenizer and a prompt, preview continues the prompt by
     preview_tokens tokens with preview_sampling and returns it as text.
     """
@@ -117,6 +119,7 @@ class LMObjective(Objective):
     preview_tokens: int = 64
     preview_sampling: Sampling = Sampling(temperature=0.0)
     expert_loss_weight: float = 0.01
+    router_z_loss_weight: float = 1e-3
 
     def __post_init__(self) -> None:
         if isinstance(self.preview_sampling, Mapping):  # a recipe's {temperature: ..., top_k: ...}
@@ -124,6 +127,10 @@ class LMObjective(Objective):
         if self.expert_loss_weight < 0:
             raise ValueError(f"LMObjective.expert_loss_weight must be >= 0, got "
                              f"{self.expert_loss_weight}; 0 reports the balance loss without "
+                             "training on it.")
+        if self.router_z_loss_weight < 0:
+            raise ValueError(f"LMObjective.router_z_loss_weight must be >= 0, got "
+                             f"{self.router_z_loss_weight}; 0 reports the router z-loss without "
                              "training on it.")
         if self.seq_len < 1:
             raise ValueError(f"LMObjective.seq_len must be at least 1, got {self.seq_len}.")
@@ -188,8 +195,10 @@ class LMObjective(Objective):
             # it a mean per token when microbatches and shards sum their totals.
             for name, value in routing.items():
                 metrics[name] = Mean(value * loss.count, loss.count)
-            balance = routing["load_balancing_loss"]
-            loss = Mean(loss.total + self.expert_loss_weight * balance * loss.count, loss.count)
+            extra = self.expert_loss_weight * routing["load_balancing_loss"]
+            if "router_z_loss" in routing:
+                extra = extra + self.router_z_loss_weight * routing["router_z_loss"]
+            loss = Mean(loss.total + extra * loss.count, loss.count)
         return loss, Aux(metrics=metrics)
 
     def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:

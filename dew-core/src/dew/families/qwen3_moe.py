@@ -1,0 +1,87 @@
+"""Qwen 3 MoE (``Qwen3MoeForCausalLM``): Qwen 3's attention with routed SwiGLU experts.
+
+``num_experts`` experts of width ``moe_intermediate_size``, a softmax router
+choosing ``num_experts_per_tok`` per token, their probabilities renormalized
+only when ``norm_topk_prob`` (dew.nn.experts.RoutedExperts, dropless). A
+layer is routed unless ``mlp_only_layers`` lists it or ``decoder_sparse_step``
+skips it; those layers have a dense block of ``intermediate_size``
+(dense_layers). The q/k norms and the sliding-window settings are Qwen 3's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dew.families.base import builder
+from dew.families.hf_config import (
+    common_config,
+    common_fields,
+    flat_rope_config,
+    rope_fields,
+    rope_parameters,
+)
+from dew.families.llama import gated_silu
+from dew.families.qwen2 import qwen_window_config, qwen_windows
+from dew.families.routed import ExpertNames, RoutedFamily
+from dew.nn.experts import Routing
+
+__all__ = ["FAMILY", "build"]
+
+ARCHITECTURE = "Qwen3MoeForCausalLM"
+
+
+def read(config: Any) -> dict[str, Any]:
+    params, where = rope_parameters(config)
+    fields = common_fields(config, head_dim_default=128)
+    count = fields["num_layers"]
+    experts = int(config.get("num_experts", config.get("num_local_experts", 128)))  # transformers 5 writes the latter
+    step = int(config.get("decoder_sparse_step", 1) or 1)
+    only = set(config.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(count) if i in only or not (experts > 0 and (i + 1) % step == 0))
+    bias = bool(config.get("attention_bias", False))
+    routing = Routing(hidden_features=int(config.get("moe_intermediate_size", 768)),
+                      normalize_top_k=bool(config.get("norm_topk_prob", False)))
+    return {**fields, **gated_silu(config, ARCHITECTURE),
+            **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0),
+            **qwen_windows(config, count), "qk_norm": "head", "qkv_bias": bias, "out_bias": bias,
+            "mlp_block": "routed" if experts else "dense", "experts": experts,
+            "experts_per_token": int(config.get("num_experts_per_tok", 8)),
+            "routing": routing if experts else None, "dense_layers": dense if experts else ()}
+
+
+def write(model: Any) -> dict[str, Any]:
+    routing = model.routing or Routing()
+    return {**common_config(model, ARCHITECTURE, "qwen3_moe"), **flat_rope_config(model),
+            **qwen_window_config(model), "hidden_act": "silu", "attention_bias": bool(model.qkv_bias),
+            "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
+            "moe_intermediate_size": routing.hidden_features or model.mlp_features,
+            "norm_topk_prob": bool(routing.normalize_top_k), "decoder_sparse_step": 1,
+            "mlp_only_layers": sorted(set(model.dense_layers)), "router_aux_loss_coef": 0.001,
+            "output_router_logits": False}
+
+
+_QWEN3_MOE = {"vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+              "rope_theta": 1_000_000.0, "head_dim": 128, "num_key_value_heads": 4,
+              "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+              "use_sliding_window": False, "tie_word_embeddings": False}
+
+PRESETS = {
+    "30b-a3b": {**_QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_hidden_layers": 48, "num_attention_heads": 32},
+    "235b-a22b": {**_QWEN3_MOE, "hidden_size": 4096, "intermediate_size": 12288,
+                  "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64},
+    "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+             "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": False, "mlp_only_layers": [1],
+             "tie_word_embeddings": False},
+}
+
+FAMILY = RoutedFamily(
+    name="qwen3_moe", architecture=ARCHITECTURE, model_type="qwen3_moe", read=read, write=write,
+    presets=PRESETS, names=ExpertNames(),
+    checkpoints="Qwen 3 MoE (30B-A3B, 235B-A22B; base, instruct and thinking, the 2507 updates) and "
+                "Qwen3-Coder MoE text checkpoints",
+)
+
+build = builder("qwen3_moe")
