@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from dew.data.base import DataPartition, Dataset, Resumable
 from dew.training.mesh import BatchMismatchError, global_shape, shard_batch
-from dew.training.protocols import Rollout
+from dew.training.protocols import Refilling, Rollout
 from dew.training.state import TrainState
 
 __all__ = ["Feed", "Fed", "pack_position", "unpack_position"]
@@ -104,6 +104,7 @@ class Feed:
     check: Callable[[Mapping[str, Any], int], None] | None = None
     clock: FeedClock = field(default_factory=FeedClock)
     _stream: Iterator | None = None
+    _step: int = 0
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
 
     def open(self, position: bytes | None, *, resuming: bool) -> None:
@@ -135,6 +136,8 @@ class Feed:
                 )
             self.rollout.set_state(rollout_state)
         self._stream = stream
+        if isinstance(self.rollout, Refilling):
+            self.rollout.draw_from(self._more)
 
     def position(self) -> bytes | None:
         """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
@@ -151,16 +154,10 @@ class Feed:
     def next(self, state: TrainState, step: int) -> Fed:
         """The batch of step, rolled out, checked and on the mesh."""
         began = time.perf_counter()
-        try:
-            batch = next(self._stream)  # type: ignore[arg-type]
-        except StopIteration:
-            raise RuntimeError(
-                f"The training stream ended at step {step}; Dataset.train must yield batches "
-                "endlessly (repeat the data, or lower steps)."
-            ) from None
+        self._step = step
+        batch = self._more()
         rolled = time.perf_counter()
         self.clock.data += rolled - began
-        _check_mapping(batch, step, "The training stream")
         if self.rollout is not None:
             scored = getattr(self.rollout, "reward_seconds", 0.0)
             batch = self.rollout(state, batch, state.key_for(step, purpose="rollout"))
@@ -174,6 +171,18 @@ class Feed:
             self.check(host, step)
         rows = _rows(shapes)
         return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows)
+
+    def _more(self) -> Mapping[str, Any]:
+        """The stream's next batch (a Refilling rollout reads further ones within a step)."""
+        try:
+            batch = next(self._stream)  # type: ignore[arg-type]
+        except StopIteration:
+            raise RuntimeError(
+                f"The training stream ended at step {self._step}; Dataset.train must yield batches "
+                "endlessly (repeat the data, or lower steps)."
+            ) from None
+        _check_mapping(batch, self._step, "The training stream")
+        return batch
 
     def _check(self, batch: Mapping[str, Any], step: int) -> dict[str, jax.ShapeDtypeStruct]:
         missing = [k for k in self.required if k not in batch]

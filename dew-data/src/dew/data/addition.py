@@ -10,7 +10,14 @@ seeded generator, in one of three forms:
   rollout to sample completions that a reward checks;
 - ``"pairs"``: ``chosen`` (the prompt and the right answer and a newline),
   ``rejected`` (the prompt and a wrong one), their masks over the answer and
-  ``prompt_length``, for DPO.
+  ``prompt_length``, for DPO and reward models;
+- ``"labelled"``: ``completion`` (the prompt and the right or a wrong answer
+  and a newline), its mask over the answer, ``prompt_length`` and ``label``
+  (1 for the right answer, 0 for a wrong one, about half each), for KTO.
+
+``held_out`` keeps a fraction of the distinct problems out of training (the
+same problems whatever ``problem_seed``); ``val_problems`` records of them, in
+the same form, make the validation split.
 
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
 >>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
@@ -44,23 +51,53 @@ def _ids(text: str) -> list[int]:
 class Addition:
     """Seeded ``a+b=`` problems with operands in [0, max_operand] (see the module docstring)."""
 
-    form: Literal["text", "prompts", "pairs"] = "text"
+    form: Literal["text", "prompts", "pairs", "labelled"] = "text"
     problems: int = 2048
     max_operand: int = 49
     length: int = 32
     problem_seed: int = 0
+    held_out: float = 0.0
+    val_problems: int = 256
 
     def __post_init__(self) -> None:
         if self.problems < 1 or self.max_operand < 1:
             raise ValueError(f"Addition needs problems >= 1 and max_operand >= 1, got {self.problems} "
                              f"and {self.max_operand}.")
+        if not 0.0 <= self.held_out < 1.0:
+            raise ValueError(f"Addition.held_out is the fraction of problems kept for validation, in [0, 1); "
+                             f"got {self.held_out}.")
+        if self.held_out and self.form == "text":
+            raise ValueError("Addition.held_out needs a form of one problem per record ('prompts', 'pairs' or "
+                             "'labelled'); 'text' windows run across problems.")
+
+    def _split(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every problem (a, b), split into those trained on and those held out."""
+        n = self.max_operand + 1
+        every = np.stack(np.meshgrid(np.arange(n), np.arange(n), indexing="ij"), -1).reshape(-1, 2)
+        order = np.random.default_rng(2**20).permutation(len(every))  # one split for every problem_seed
+        cut = int(round(self.held_out * len(every)))
+        return every[np.sort(order[cut:])], every[np.sort(order[:cut])]
 
     def _operands(self) -> np.ndarray:
-        return np.random.default_rng(self.problem_seed).integers(0, self.max_operand + 1, size=(self.problems, 2))
+        rng = np.random.default_rng(self.problem_seed)
+        if not self.held_out:
+            return rng.integers(0, self.max_operand + 1, size=(self.problems, 2))
+        trained, _ = self._split()
+        return trained[rng.integers(0, len(trained), size=self.problems)]
 
     def records(self) -> ArrayRecords:
         """The records of the chosen form, as columns of numpy arrays."""
-        operands = self._operands()
+        return self._records(self._operands(), self.problem_seed + 1)
+
+    def val_records(self) -> ArrayRecords | None:
+        """Records of the held-out problems (None when nothing is held out)."""
+        if not self.held_out:
+            return None
+        _, held = self._split()
+        rng = np.random.default_rng(self.problem_seed + 3)
+        return self._records(held[rng.integers(0, len(held), size=self.val_problems)], self.problem_seed + 4)
+
+    def _records(self, operands: np.ndarray, wrong_seed: int) -> ArrayRecords:
         prompts = [_ids(f"{a}+{b}=") for a, b in operands]
         answers = [_ids(str(a + b)) for a, b in operands]
         if self.form == "text":
@@ -69,20 +106,22 @@ class Addition:
             starts = starts[: self.problems]
             return ArrayRecords({"text": np.stack([line[s:s + self.length + 1] for s in starts]).astype(np.int32)})
         width = max(map(len, prompts))
-        prompt = np.zeros((self.problems, width), np.int32)
+        prompt = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
             prompt[i, : len(p)] = p
         lengths = np.asarray([len(p) for p in prompts], np.int32)
         if self.form == "prompts":
-            answer = np.full((self.problems, max(map(len, answers))), -1, np.int32)
+            answer = np.full((len(prompts), max(map(len, answers))), -1, np.int32)
             for i, a in enumerate(answers):
                 answer[i, : len(a)] = a
             return ArrayRecords({"prompt": prompt, "prompt_length": lengths, "answer": answer})
-        rng = np.random.default_rng(self.problem_seed + 1)
+        rng = np.random.default_rng(wrong_seed)
         wrong = [_ids(str(a + b + int(rng.choice([-3, -2, -1, 1, 2, 3])) if a + b > 3 else a + b + 1))
                  for a, b in operands]
+        if self.form == "labelled":
+            return self._labelled(prompts, answers, wrong, rng.random(len(prompts)) < 0.5)
         full = max(len(p) + max(len(a), len(w)) + 1 for p, a, w in zip(prompts, answers, wrong, strict=True))
-        columns = {name: np.zeros((self.problems, full), np.int32)
+        columns = {name: np.zeros((len(prompts), full), np.int32)
                    for name in ("chosen", "rejected", "chosen_mask", "rejected_mask")}
         for i, p in enumerate(prompts):
             for name, completion in (("chosen", answers[i]), ("rejected", wrong[i])):
@@ -91,6 +130,21 @@ class Addition:
                 columns[f"{name}_mask"][i, len(p): len(row)] = 1
         return ArrayRecords({**columns, "prompt_length": lengths})
 
+    def _labelled(self, prompts: list[list[int]], answers: list[list[int]], wrong: list[list[int]],
+                  right: np.ndarray) -> ArrayRecords:
+        chosen = [a if r else w for a, w, r in zip(answers, wrong, right, strict=True)]
+        full = max(len(p) + len(c) + 1 for p, c in zip(prompts, chosen, strict=True))
+        completion = np.zeros((len(prompts), full), np.int32)
+        mask = np.zeros((len(prompts), full), np.int32)
+        for i, (p, c) in enumerate(zip(prompts, chosen, strict=True)):
+            row = p + c + [NEWLINE]
+            completion[i, : len(row)] = row
+            mask[i, len(p): len(row)] = 1
+        return ArrayRecords({"completion": completion, "completion_mask": mask,
+                             "prompt_length": np.asarray([len(p) for p in prompts], np.int32),
+                             "label": right.astype(np.int32)})
+
     def load(self, *, batch: int, seed: int = 0, workers: int = 0, prefetch: int = 4) -> Dataset:
-        """A shuffled, endless, resumable stream of the records, batch rows at a time."""
-        return record_dataset(self.records(), None, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
+        """A shuffled, endless, resumable stream of the records, batch rows at a time (and the held-out split)."""
+        return record_dataset(self.records(), self.val_records(), batch=batch, seed=seed, workers=workers,
+                              prefetch=prefetch)
