@@ -198,8 +198,13 @@ def test_each_variant_matches_on_eight_devices_and_resumes_bitwise_mid_rollout(t
     alone, sharded = _table(single / "log.jsonl", "whole"), _table(mesh / "log.jsonl", "whole")
     assert sorted({(n, s) for n, s, _ in alone}) == [(n, s) for n in sorted(RL + PAIRS) for s in range(1, STEPS + 1)]
     assert set(alone) == set(sharded)
-    for key, value in alone.items():
-        np.testing.assert_allclose(sharded[key], value, rtol=2e-4, atol=1e-6, err_msg=str(key))
+    for (name, step, metric), value in alone.items():
+        if metric.endswith("accuracy") and step == 1:
+            # It counts rows on one side of a threshold; at step 1 the policy is its reference, so every
+            # log-ratio is 0 up to rounding and the rows are tied.
+            continue
+        np.testing.assert_allclose(sharded[name, step, metric], value, rtol=2e-4, atol=1e-6,
+                                   err_msg=str((name, step, metric)))
 
     # Stopped mid-rollout and resumed: every logged number and the final weights, bit for bit.
     assert eight.stdout.count("preempted ") == len(RL + PAIRS), eight.stdout[-3000:]

@@ -41,8 +41,8 @@ def _variables(objective):
     variables = objective.init(jax.random.key(0))
     head = variables["params"][REWARD_HEAD]["dense"]  # redrawn: the head starts at zero
     rng = np.random.default_rng(1)
-    head = {"kernel": jnp.asarray(rng.normal(size=head["kernel"].shape), jnp.float32),
-            "bias": jnp.asarray([0.3], jnp.float32)}
+    assert set(head) == {"kernel"}  # no bias: Bradley-Terry sees differences of scores only
+    head = {"kernel": jnp.asarray(rng.normal(size=head["kernel"].shape), jnp.float32)}
     return {"params": {**variables["params"], REWARD_HEAD: {"dense": head}}}
 
 
@@ -55,7 +55,7 @@ def _score_by_hand(model, params, tokens, mask):
     scores = []
     for i in range(tokens.shape[0]):
         last = int(np.flatnonzero(np.asarray(mask[i]))[-1])
-        scores.append(jnp.dot(hidden[i, last], head["kernel"][:, 0]) + head["bias"][0])
+        scores.append(jnp.dot(hidden[i, last], head["kernel"][:, 0]))
     return jnp.stack(scores)
 
 

@@ -15,9 +15,12 @@ seeded generator, in one of three forms:
   and a newline), its mask over the answer, ``prompt_length`` and ``label``
   (1 for the right answer, 0 for a wrong one, about half each), for KTO.
 
-``held_out`` keeps a fraction of the distinct problems out of training (the
-same problems whatever ``problem_seed``); ``val_problems`` records of them, in
-the same form, make the validation split.
+A validation split (``val_problems`` records, in the same form) holds what
+training never sees: ``held_out`` keeps a fraction of the distinct problems
+out of training (the same problems whatever ``problem_seed``), and
+``held_out_misses`` the near misses at those distances from the right answer
+(the ``pairs`` and ``labelled`` forms' wrong answers are the right one moved
+by 1 to 3, never to a negative number).
 
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
 >>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
@@ -41,6 +44,7 @@ from dew.data.stream import record_dataset
 __all__ = ["Addition"]
 
 NEWLINE = ord("\n")
+_MISSES = (-3, -2, -1, 1, 2, 3)  # how far a near miss is from the right answer
 
 
 def _ids(text: str) -> list[int]:
@@ -57,6 +61,7 @@ class Addition:
     length: int = 32
     problem_seed: int = 0
     held_out: float = 0.0
+    held_out_misses: tuple[int, ...] = ()
     val_problems: int = 256
 
     def __post_init__(self) -> None:
@@ -69,6 +74,17 @@ class Addition:
         if self.held_out and self.form == "text":
             raise ValueError("Addition.held_out needs a form of one problem per record ('prompts', 'pairs' or "
                              "'labelled'); 'text' windows run across problems.")
+        misses = set(self.held_out_misses)
+        if misses and (self.form not in ("pairs", "labelled") or not misses < set(_MISSES) or 1 in misses
+                       or not any(m > 0 for m in misses)):
+            raise ValueError(
+                f"Addition.held_out_misses {sorted(misses)} must name distances among {list(_MISSES)}, one of "
+                "them positive and none of them 1 (training misses a small sum by +1), for the 'pairs' or "
+                f"'labelled' form; got form {self.form!r}.")
+
+    @property
+    def _holds_out(self) -> bool:
+        return bool(self.held_out or self.held_out_misses)
 
     def _split(self) -> tuple[np.ndarray, np.ndarray]:
         """Every problem (a, b), split into those trained on and those held out."""
@@ -87,17 +103,21 @@ class Addition:
 
     def records(self) -> ArrayRecords:
         """The records of the chosen form, as columns of numpy arrays."""
-        return self._records(self._operands(), self.problem_seed + 1)
+        misses = tuple(m for m in _MISSES if m not in self.held_out_misses)
+        return self._records(self._operands(), self.problem_seed + 1, misses)
 
     def val_records(self) -> ArrayRecords | None:
-        """Records of the held-out problems (None when nothing is held out)."""
-        if not self.held_out:
+        """Records of what training never sees: held-out problems and near misses (None: nothing held out)."""
+        if not self._holds_out:
             return None
-        _, held = self._split()
+        trained, held = self._split()
+        pool = held if self.held_out else trained
         rng = np.random.default_rng(self.problem_seed + 3)
-        return self._records(held[rng.integers(0, len(held), size=self.val_problems)], self.problem_seed + 4)
+        operands = pool[rng.integers(0, len(pool), size=self.val_problems)]
+        return self._records(operands, self.problem_seed + 4, tuple(self.held_out_misses) or _MISSES)
 
-    def _records(self, operands: np.ndarray, wrong_seed: int) -> ArrayRecords:
+    def _records(self, operands: np.ndarray, wrong_seed: int,
+                 misses: tuple[int, ...] = ()) -> ArrayRecords:
         prompts = [_ids(f"{a}+{b}=") for a, b in operands]
         answers = [_ids(str(a + b)) for a, b in operands]
         if self.form == "text":
@@ -116,8 +136,11 @@ class Addition:
                 answer[i, : len(a)] = a
             return ArrayRecords({"prompt": prompt, "prompt_length": lengths, "answer": answer})
         rng = np.random.default_rng(wrong_seed)
-        wrong = [_ids(str(a + b + int(rng.choice([-3, -2, -1, 1, 2, 3])) if a + b > 3 else a + b + 1))
-                 for a, b in operands]
+        if not self._holds_out or misses == _MISSES:  # the stream recipes have always read
+            wrong = [_ids(str(a + b + int(rng.choice(_MISSES)) if a + b > 3 else a + b + 1)) for a, b in operands]
+        else:
+            small = [m for m in misses if m > 0]
+            wrong = [_ids(str(a + b + int(rng.choice(misses if a + b > 3 else small)))) for a, b in operands]
         if self.form == "labelled":
             return self._labelled(prompts, answers, wrong, rng.random(len(prompts)) < 0.5)
         full = max(len(p) + max(len(a), len(w)) + 1 for p, a, w in zip(prompts, answers, wrong, strict=True))

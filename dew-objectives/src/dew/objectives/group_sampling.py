@@ -22,7 +22,8 @@ are generated:
   ``max_rounds`` samplings per step. The further prompts are the training
   stream's next batches (the Trainer hands the stream to a rollout that has
   ``draw_from``; called alone, the filter samples the same prompts again).
-  If the rounds run out, groups of equal rewards fill the rest.
+  If the rounds run out, groups of equal rewards fill the rest. In a pool of
+  processes every process samples as many rounds as the one that needs most.
 
 The counts are added to the batch, one value per row, so the objective logs
 them as metrics: ``dropped_groups`` (left out, all equal), ``filler_groups``
@@ -83,6 +84,20 @@ class OverlongShaping:
         return reward, (mask * (1.0 - truncated)[:, None]).astype(np.float32), truncated
 
 
+def _everywhere(done: bool) -> bool:
+    """Whether every process of the pool is done (alone: whether this one is).
+
+    The sampler runs compiled programs over the pool's devices, so every
+    process samples the same number of rounds: one that is full early
+    samples on, and keeps the groups it needs.
+    """
+    if jax.process_count() == 1:
+        return done
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(done))))
+
+
 class GroupFilter:
     """Dynamic sampling and overlong shaping around a group sampler (see the module docstring)."""
 
@@ -127,7 +142,7 @@ class GroupFilter:
             for group in self._groups(out, raw[-1]):
                 (equal if group.pop("equal") else varied).append(group)
             rounds += 1
-            if len(varied) >= wanted or rounds >= self.max_rounds:
+            if rounds >= self.max_rounds or _everywhere(len(varied) >= wanted):
                 break
             source = self._more() if self._more is not None else batch
             out = self._sample(state, source, jax.random.fold_in(key, rounds))

@@ -43,11 +43,17 @@ class SequenceTooLongError(ValueError):
 
 
 class ScalarHead(nn.Module):
-    """One number per position from a hidden state."""
+    """One number per position from a hidden state.
+
+    No bias: the Bradley-Terry loss sees only differences of scores, so a
+    bias would get no gradient but rounding noise (transformers' sequence-
+    classification heads leave it out too).
+    """
 
     @nn.compact
     def __call__(self, hidden: jax.Array) -> jax.Array:
-        return nn.Dense(1, kernel_init=nn.initializers.zeros, name="dense")(hidden.astype(jnp.float32))[..., 0]
+        dense = nn.Dense(1, use_bias=False, kernel_init=nn.initializers.zeros, name="dense")
+        return dense(hidden.astype(jnp.float32))[..., 0]
 
 
 def _hidden(model: nn.Module, params: Variables, tokens: jax.Array, features_module: str) -> jax.Array:
