@@ -276,3 +276,13 @@ def test_dynamic_sampling_fills_with_equal_groups_when_its_rounds_run_out():
     np.testing.assert_array_equal(out["tokens"][::2, 0], [1, 1, 1, 0])  # three varied groups, one filler
     assert out["filler_groups"][0] == 1 and out["dropped_groups"][0] == 3 * 3 - 1
     assert out["tokens"].shape == (8, 3)  # the shape of every step
+
+
+def test_dew_train_refuses_incompatible_options_before_writing_anything(tmp_path, monkeypatch, capsys):
+    from dew.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "addition-dapo", "objective.group_size=1"]) != 0
+    said = capsys.readouterr().err
+    assert "DAPOObjective.dynamic_sampling=True needs group_size >= 2" in said and "Traceback" not in said
+    assert not (tmp_path / "runs").exists()

@@ -28,7 +28,7 @@ from dew.cli import main
 os.chdir(sys.argv[3])  # the recipes' relative run paths meet here
 
 runs = [["addition-lm"]]
-runs += [[name, "trainer.steps=STEPS", "trainer.log_every=1"] for name in sys.argv[1].split(",")]
+runs += [[name, "trainer.log_every=1"] for name in sys.argv[1].split(",")]
 runs += [["addition-dpo", f"objective.loss_type={loss}", "trainer.log_every=1", "trainer.steps=30",
           f"trainer.checkpoint_dir=runs/dpo-{loss}", f'trackers=[{{"name":"local","directory":"runs/dpo-{loss}"}}]']
          + (["objective.label_smoothing=0.1"] if loss == "robust" else []) for loss in sys.argv[2].split(",")]
@@ -46,7 +46,7 @@ for arguments in runs:
 def runs(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("post-training")
     script = directory / "driver.py"
-    script.write_text(DRIVER.replace("STEPS", "60"))
+    script.write_text(DRIVER)
     done = run_until_lines([sys.executable, str(script), ",".join(GROUP), ",".join(DPO_LOSSES), str(directory)],
                            timeout=1700)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-4000:])
@@ -67,7 +67,7 @@ def _rise(rows: list[dict[str, float]], key: str, window: int = 15) -> tuple[flo
 def test_the_grpo_family_raises_the_exact_match_reward(runs, name):
     rows = _rows(runs, name)
     key = "sampled_reward" if name == "addition-dapo" else "reward"  # DAPO trains on the varied groups only
-    start, end = _rise(rows, key)
+    start, end = _rise(rows, key, 20)
     assert end > start + 0.1, (name, start, end)
     if name == "addition-dapo":  # dynamic sampling in the tracker
         assert sum(r["dropped_groups"] for r in rows) > 0 and max(r["sampling_rounds"] for r in rows) >= 2
@@ -85,15 +85,28 @@ def test_orpo_cpo_and_kto_learn_the_preferred_answers(runs):
     assert end > start + 0.5, ("orpo", start, end)
     start, end = _rise(_rows(runs, "addition-cpo"), "reward_margin", 5)
     assert end > start + 0.2, ("cpo", start, end)
-    kto = _rows(runs, "addition-kto")
+    kto = _rows(runs, "addition-kto")  # right answers rise against wrong ones, relative to the reference
     gap = [r["desirable_reward"] - r["undesirable_reward"] for r in kto]
     assert np.mean(gap[-5:]) > np.mean(gap[:5]) + 0.2, gap
-    assert np.mean([r["label_accuracy"] for r in kto[-5:]]) > 0.9
 
 
 def test_the_reward_model_ranks_held_out_pairs_and_grpo_climbs_it(runs):
     scalars = [json.loads(line) for line in (runs / "addition-reward-model" / "scalars.jsonl").read_text().splitlines()]
     held_out = [row["val/accuracy"] for row in scalars if "val/accuracy" in row]
-    assert held_out[-1] > 0.9, held_out
-    start, end = _rise(_rows(runs, "addition-grpo-rm"), "reward")
-    assert end > start + 0.2, (start, end)
+    assert held_out[0] < 0.9 < held_out[-1], held_out  # pairs whose near misses training never showed
+    start, end = _rise(_rows(runs, "addition-grpo-rm"), "reward", 20)
+    assert end > start + 0.5, (start, end)  # the reward model's score of the sampled answers
+
+
+def test_the_model_reward_scores_with_a_reward_model_run_and_refuses_another(runs):
+    from dew.rewards import resolve, score
+    from dew.rewards.model import NotARewardModelError
+
+    reward = resolve({"name": "model", "run": str(runs / "addition-reward-model"), "suffix": "\n"})
+    context = {"prompt_text": ["3+4=", "3+4=", "9+8=", "9+8="]}
+    got = score(reward, ["7", "9", "17", "15"], context)
+    assert got[0] > got[1] and got[2] > got[3], got
+    direct = reward.scoring(["3+4=7\n"])
+    np.testing.assert_allclose(got[0], direct[0], rtol=1e-6)
+    with pytest.raises(NotARewardModelError, match="trained LMObjective"):
+        resolve({"name": "model", "run": str(runs / "addition-lm")})

@@ -18,9 +18,11 @@ seeded generator, in one of three forms:
 A validation split (``val_problems`` records, in the same form) holds what
 training never sees: ``held_out`` keeps a fraction of the distinct problems
 out of training (the same problems whatever ``problem_seed``), and
-``held_out_misses`` the near misses at those distances from the right answer
-(the ``pairs`` and ``labelled`` forms' wrong answers are the right one moved
-by 1 to 3, never to a negative number).
+``held_out_misses`` the near misses at those distances from the right answer.
+The ``pairs`` and ``labelled`` forms' wrong answers are near misses (the
+right one moved by 1 to 3, never to a negative number), or with
+``misses="any"`` any other number from 0 to twice ``max_operand`` (less the
+held-out near misses, which only the validation split holds).
 
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
 >>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
@@ -62,6 +64,7 @@ class Addition:
     problem_seed: int = 0
     held_out: float = 0.0
     held_out_misses: tuple[int, ...] = ()
+    misses: Literal["near", "any"] = "near"
     val_problems: int = 256
 
     def __post_init__(self) -> None:
@@ -81,6 +84,7 @@ class Addition:
                 f"Addition.held_out_misses {sorted(misses)} must name distances among {list(_MISSES)}, one of "
                 "them positive and none of them 1 (training misses a small sum by +1), for the 'pairs' or "
                 f"'labelled' form; got form {self.form!r}.")
+
 
     @property
     def _holds_out(self) -> bool:
@@ -136,7 +140,11 @@ class Addition:
                 answer[i, : len(a)] = a
             return ArrayRecords({"prompt": prompt, "prompt_length": lengths, "answer": answer})
         rng = np.random.default_rng(wrong_seed)
-        if not self._holds_out or misses == _MISSES:  # the stream recipes have always read
+        if self.misses == "any" and misses != tuple(self.held_out_misses):  # (the validation split's are near)
+            top, kept = 2 * self.max_operand, set(self.held_out_misses)
+            wrong = [_ids(str(int(rng.choice([v for v in range(top + 1) if v != a + b and v - a - b not in kept]))))
+                     for a, b in operands]
+        elif not self._holds_out or misses == _MISSES:  # the stream recipes have always read
             wrong = [_ids(str(a + b + int(rng.choice(_MISSES)) if a + b > 3 else a + b + 1)) for a, b in operands]
         else:
             small = [m for m in misses if m > 0]
