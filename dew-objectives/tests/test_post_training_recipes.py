@@ -93,9 +93,27 @@ def test_orpo_cpo_and_kto_learn_the_preferred_answers(runs):
 def test_the_reward_model_ranks_held_out_pairs_and_grpo_climbs_it(runs):
     scalars = [json.loads(line) for line in (runs / "addition-reward-model" / "scalars.jsonl").read_text().splitlines()]
     held_out = [row["val/accuracy"] for row in scalars if "val/accuracy" in row]
-    assert held_out[0] < 0.9 < held_out[-1], held_out  # pairs whose near misses training never showed
+    assert _rows(runs, "addition-reward-model")[0]["accuracy"] < 0.6  # the head starts at zero: all ties
+    assert held_out[-1] > 0.9, held_out  # pairs whose near misses training never showed
     start, end = _rise(_rows(runs, "addition-grpo-rm"), "reward", 20)
     assert end > start + 0.5, (start, end)  # the reward model's score of the sampled answers
+    # ... and the share of right answers among answers sampled as in training rises with it.
+    before, after = (_sampled_exact_match(runs / name) for name in ("addition-lm", "addition-grpo-rm"))
+    assert after > before + 0.03, (before, after)
+
+
+def _sampled_exact_match(run: Path) -> float:
+    import jax
+
+    from dew.cli.runs import open_run
+    from dew.sampling import Sampling, generate
+
+    opened = open_run(run)
+    problems = [(a, b) for a in range(10) for b in range(10)] * 8
+    out = generate(opened.model, opened.variables, [list(f"{a}+{b}=".encode()) for a, b in problems], 4,
+                   jax.random.key(1), Sampling(temperature=0.8))
+    answers = [bytes(int(t) % 256 for t in row).decode(errors="replace").split("\n")[0] for row in out.new_tokens]
+    return float(np.mean([text == str(a + b) for text, (a, b) in zip(answers, problems, strict=True)]))
 
 
 def test_the_model_reward_scores_with_a_reward_model_run_and_refuses_another(runs):
