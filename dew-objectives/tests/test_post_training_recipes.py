@@ -29,7 +29,7 @@ os.chdir(sys.argv[3])  # the recipes' relative run paths meet here
 
 runs = [["addition-lm"]]
 runs += [[name, "trainer.log_every=1"] for name in sys.argv[1].split(",")]
-runs += [["addition-dpo", f"objective.loss_type={loss}", "trainer.log_every=1", "trainer.steps=30",
+runs += [["addition-dpo", f"objective.loss_type={loss}", "trainer.log_every=1",
           f"trainer.checkpoint_dir=runs/dpo-{loss}", f'trackers=[{{"name":"local","directory":"runs/dpo-{loss}"}}]']
          + (["objective.label_smoothing=0.1"] if loss == "robust" else []) for loss in sys.argv[2].split(",")]
 runs += [[name, "trainer.log_every=1"] for name in ("addition-orpo", "addition-cpo", "addition-kto",
