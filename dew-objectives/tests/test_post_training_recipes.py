@@ -16,7 +16,7 @@ import pytest
 
 from dew.testing.processes import run_until_lines
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # one run of every recipe, at the first test
 
 GROUP = ("addition-dr-grpo", "addition-dapo", "addition-gspo", "addition-rloo", "addition-cispo")
 DPO_LOSSES = ("hinge", "robust", "bco_pair")
