@@ -13,6 +13,7 @@ from dew.rewards import (
     NonFiniteRewardError,
     RegexFormat,
     RewardShapeError,
+    Weighted,
     resolve,
     score,
 )
@@ -57,3 +58,42 @@ def test_score_refuses_non_finite_values_and_wrong_counts_naming_the_record():
         score(lambda c, x: [0.0, float("inf")], ["a", "b"], {})
     with pytest.raises(RewardShapeError, match="returned 1 values for 2 completions"):
         score(lambda c, x: [0.0], ["a", "b"], {})
+
+
+def test_weighted_sums_named_rewards_and_names_a_failing_term():
+    assert registry.rewards.load("weighted") is Weighted and registry.rewards.load("format") is RegexFormat
+    reward = resolve({"name": "weighted", "rewards": [
+        {"name": "exact_match", "key": "answer", "weight": 2.0},
+        {"name": "format", "pattern": r"\d+", "match": 0.5, "miss": -1.0},
+    ]})
+    got = score(reward, ["12", "1x", "7"], {"answer": ["12", "12", "12"]})
+    np.testing.assert_allclose(got, [2.0 + 0.5, 0.0 - 1.0, 0.0 + 0.5])
+
+    def broken(completions, context):
+        return [0.0] * (len(completions) - 1) + [float("nan")]
+
+    with registry.rewards.temporary("broken", lambda: broken):
+        mixed = resolve({"name": "weighted", "rewards": [{"name": "length", "target": 1}, {"name": "broken"}]})
+        with pytest.raises(NonFiniteRewardError, match=r"reward .*broken \(term 1 of weighted\) returned nan for "
+                                                       r"record 2 \(completion 'c'\)"):
+            score(mixed, ["a", "b", "c"], {})
+    with pytest.raises(registry.UnknownNameError, match="exact_mach"):
+        resolve({"name": "weighted", "rewards": [{"name": "exact_mach"}]})
+    with pytest.raises(ValueError, match=r"Weighted\.rewards\[0\] must be a mapping with a 'name'"):
+        Weighted([{"weight": 1.0}])
+
+
+def test_a_reward_of_the_wrong_shape_is_refused_naming_it():
+    def two_columns(completions, context):
+        return np.zeros((len(completions), 2))
+
+    with pytest.raises(RewardShapeError, match=r"The reward .*two_columns returned 4 values for 2 completions "
+                                               r"\(an array of shape \(2, 2\)"):
+        score(two_columns, ["a", "b"], {})
+    with pytest.raises(NonFiniteRewardError, match=r"The reward _NanExact\(key='answer'.*returned nan for record 0"):
+        score(_NanExact(), ["a"], {"answer": ["a"]})
+
+
+class _NanExact(ExactMatch):
+    def __call__(self, completions, context):
+        return np.full(len(completions), np.nan, np.float32)

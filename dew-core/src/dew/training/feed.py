@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from dew.data.base import Accounted, DataPartition, Dataset, Reporting, Resumable
 from dew.training.ledger import Ledger
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
-from dew.training.protocols import Rollout
+from dew.training.protocols import Refilling, Rollout
 from dew.training.state import TrainState
 
 __all__ = ["Feed", "Fed", "pack_position", "unpack_position"]
@@ -107,7 +107,8 @@ class Feed:
     clock: FeedClock = field(default_factory=FeedClock)
     ledger: Ledger | None = None  # told which records each step consumed (dew.training.ledger)
     _stream: Iterator | None = None
-    _step: int = 0
+    _step: int = 0  # steps consumed (what the ledger counts)
+    _current: int = 0  # the step being fed (for messages)
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
 
     def open(self, position: bytes | None, *, resuming: bool, start: int = 0) -> None:
@@ -144,6 +145,8 @@ class Feed:
             self.ledger = None  # a stream that cannot say which records it read keeps no ledger
         if self.ledger is not None:
             self.ledger.opened(start, data, self.partition)
+        if isinstance(self.rollout, Refilling):
+            self.rollout.draw_from(self._more)
 
     def position(self) -> bytes | None:
         """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
@@ -164,20 +167,14 @@ class Feed:
     def next(self, state: TrainState, step: int) -> Fed:
         """The batch of step, rolled out, checked and on the mesh."""
         began = time.perf_counter()
-        try:
-            batch = next(self._stream)  # type: ignore[arg-type]
-        except StopIteration:
-            raise RuntimeError(
-                f"The training stream ended at step {step}; Dataset.train must yield batches "
-                "endlessly (repeat the data, or lower steps)."
-            ) from None
+        self._current = step
+        batch = self._more()
         scalars = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
         rolled = time.perf_counter()
         self.clock.data += rolled - began
         self._step = step + 1
         if self.ledger is not None:
             self.ledger.consumed(step + 1, self._stream.consumption())  # type: ignore[union-attr]
-        _check_mapping(batch, step, "The training stream")
         if self.rollout is not None:
             scored = getattr(self.rollout, "reward_seconds", 0.0)
             batch = self.rollout(state, batch, state.key_for(step, purpose="rollout"))
@@ -191,6 +188,18 @@ class Feed:
             self.check(host, step)
         rows = _rows(shapes)
         return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows, scalars)
+
+    def _more(self) -> Mapping[str, Any]:
+        """The stream's next batch (a Refilling rollout reads further ones within a step)."""
+        try:
+            batch = next(self._stream)  # type: ignore[arg-type]
+        except StopIteration:
+            raise RuntimeError(
+                f"The training stream ended at step {self._current}; Dataset.train must yield batches "
+                "endlessly (repeat the data, or lower steps)."
+            ) from None
+        _check_mapping(batch, self._current, "The training stream")
+        return batch
 
     def _check(self, batch: Mapping[str, Any], step: int) -> dict[str, jax.ShapeDtypeStruct]:
         missing = [k for k in self.required if k not in batch]

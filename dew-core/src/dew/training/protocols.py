@@ -8,7 +8,7 @@ this module imports no JAX.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from dew.data.base import Resumable
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from dew.training.state import TrainState
 
-__all__ = ["Rollout", "StatefulRollout"]
+__all__ = ["Refilling", "Rollout", "StatefulRollout"]
 
 
 @runtime_checkable
@@ -39,3 +39,17 @@ class Rollout(Protocol):
 @runtime_checkable
 class StatefulRollout(Rollout, Resumable, Protocol):
     """A rollout whose position (get_state/set_state) a checkpoint keeps."""
+
+
+@runtime_checkable
+class Refilling(Protocol):
+    """A rollout that may read more of the training stream within one step.
+
+    The trainer calls ``draw_from(more)`` once, before the first step;
+    ``more()`` returns this process's next batch of the stream. A rollout that
+    drops part of what it sampled (dynamic sampling drops groups whose
+    rewards are all equal) refills its batch from there; the stream's saved
+    position counts those batches, so a resumed run reads on after them.
+    """
+
+    def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None: ...

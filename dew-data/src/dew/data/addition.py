@@ -10,7 +10,19 @@ seeded generator, in one of three forms:
   rollout to sample completions that a reward checks;
 - ``"pairs"``: ``chosen`` (the prompt and the right answer and a newline),
   ``rejected`` (the prompt and a wrong one), their masks over the answer and
-  ``prompt_length``, for DPO.
+  ``prompt_length``, for DPO and reward models;
+- ``"labelled"``: ``completion`` (the prompt and the right or a wrong answer
+  and a newline), its mask over the answer, ``prompt_length`` and ``label``
+  (1 for the right answer, 0 for a wrong one, about half each), for KTO.
+
+A validation split (``val_problems`` records, in the same form) holds what
+training never sees: ``held_out`` keeps a fraction of the distinct problems
+out of training (the same problems whatever ``problem_seed``), and
+``held_out_misses`` the near misses at those distances from the right answer.
+The ``pairs`` and ``labelled`` forms' wrong answers are near misses (the
+right one moved by 1 to 3, never to a negative number), or with
+``misses="any"`` any other number from 0 to twice ``max_operand`` (less the
+held-out near misses, which only the validation split holds).
 
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
 >>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
@@ -34,6 +46,7 @@ from dew.data.stream import record_dataset
 __all__ = ["Addition"]
 
 NEWLINE = ord("\n")
+_MISSES = (-3, -2, -1, 1, 2, 3)  # how far a near miss is from the right answer
 
 
 def _ids(text: str) -> list[int]:
@@ -50,12 +63,34 @@ class Addition:
     tokenizer reads the problems, and the run hands it to the objective.
     """
 
-    form: Literal["text", "prompts", "pairs"] = "text"
+    form: Literal["text", "prompts", "pairs", "labelled"] = "text"
     problems: int = 2048
     max_operand: int = 49
     length: int = 32
     problem_seed: int = 0
+    held_out: float = 0.0
+    held_out_misses: tuple[int, ...] = ()
+    misses: Literal["near", "any"] = "near"
+    val_problems: int = 256
     tokenizer: Any = "byte"
+
+    def __post_init__(self) -> None:
+        if self.problems < 1 or self.max_operand < 1:
+            raise ValueError(f"Addition needs problems >= 1 and max_operand >= 1, got {self.problems} "
+                             f"and {self.max_operand}.")
+        if not 0.0 <= self.held_out < 1.0:
+            raise ValueError(f"Addition.held_out is the fraction of problems kept for validation, in [0, 1); "
+                             f"got {self.held_out}.")
+        if self.held_out and self.form == "text":
+            raise ValueError("Addition.held_out needs a form of one problem per record ('prompts', 'pairs' or "
+                             "'labelled'); 'text' windows run across problems.")
+        misses = set(self.held_out_misses)
+        if misses and (self.form not in ("pairs", "labelled") or not misses < set(_MISSES) or 1 in misses
+                       or not any(m > 0 for m in misses)):
+            raise ValueError(
+                f"Addition.held_out_misses {sorted(misses)} must name distances among {list(_MISSES)}, one of "
+                "them positive and none of them 1 (training misses a small sum by +1), for the 'pairs' or "
+                f"'labelled' form; got form {self.form!r}.")
 
     def text_tokenizer(self) -> Any:
         """The tokenizer the problems are written in (None for bytes, which need none)."""
@@ -71,17 +106,42 @@ class Addition:
             return _ids
         return lambda text: [int(i) for i in tokenizer.encode(text)]
 
-    def __post_init__(self) -> None:
-        if self.problems < 1 or self.max_operand < 1:
-            raise ValueError(f"Addition needs problems >= 1 and max_operand >= 1, got {self.problems} "
-                             f"and {self.max_operand}.")
+    @property
+    def _holds_out(self) -> bool:
+        return bool(self.held_out or self.held_out_misses)
+
+    def _split(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every problem (a, b), split into those trained on and those held out."""
+        n = self.max_operand + 1
+        every = np.stack(np.meshgrid(np.arange(n), np.arange(n), indexing="ij"), -1).reshape(-1, 2)
+        order = np.random.default_rng(2**20).permutation(len(every))  # one split for every problem_seed
+        cut = int(round(self.held_out * len(every)))
+        return every[np.sort(order[cut:])], every[np.sort(order[:cut])]
 
     def _operands(self) -> np.ndarray:
-        return np.random.default_rng(self.problem_seed).integers(0, self.max_operand + 1, size=(self.problems, 2))
+        rng = np.random.default_rng(self.problem_seed)
+        if not self.held_out:
+            return rng.integers(0, self.max_operand + 1, size=(self.problems, 2))
+        trained, _ = self._split()
+        return trained[rng.integers(0, len(trained), size=self.problems)]
 
     def records(self) -> ArrayRecords:
         """The records of the chosen form, as columns of numpy arrays."""
-        operands = self._operands()
+        misses = tuple(m for m in _MISSES if m not in self.held_out_misses)
+        return self._records(self._operands(), self.problem_seed + 1, misses)
+
+    def val_records(self) -> ArrayRecords | None:
+        """Records of what training never sees: held-out problems and near misses (None: nothing held out)."""
+        if not self._holds_out:
+            return None
+        trained, held = self._split()
+        pool = held if self.held_out else trained
+        rng = np.random.default_rng(self.problem_seed + 3)
+        operands = pool[rng.integers(0, len(pool), size=self.val_problems)]
+        return self._records(operands, self.problem_seed + 4, tuple(self.held_out_misses) or _MISSES)
+
+    def _records(self, operands: np.ndarray, wrong_seed: int,
+                 misses: tuple[int, ...] = ()) -> ArrayRecords:
         ids = self._encoder()
         newline = ids("\n")[-1]
         prompts = [ids(f"{a}+{b}=") for a, b in operands]
@@ -92,20 +152,29 @@ class Addition:
             starts = starts[: self.problems]
             return ArrayRecords({"text": np.stack([line[s:s + self.length + 1] for s in starts]).astype(np.int32)})
         width = max(map(len, prompts))
-        prompt = np.zeros((self.problems, width), np.int32)
+        prompt = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
             prompt[i, : len(p)] = p
         lengths = np.asarray([len(p) for p in prompts], np.int32)
         if self.form == "prompts":
-            answer = np.full((self.problems, max(map(len, answers))), -1, np.int32)
+            answer = np.full((len(prompts), max(map(len, answers))), -1, np.int32)
             for i, a in enumerate(answers):
                 answer[i, : len(a)] = a
             return ArrayRecords({"prompt": prompt, "prompt_length": lengths, "answer": answer})
-        rng = np.random.default_rng(self.problem_seed + 1)
-        wrong = [ids(str(a + b + int(rng.choice([-3, -2, -1, 1, 2, 3])) if a + b > 3 else a + b + 1))
-                 for a, b in operands]
+        rng = np.random.default_rng(wrong_seed)
+        if self.misses == "any" and misses != tuple(self.held_out_misses):  # (the validation split's are near)
+            top, kept = 2 * self.max_operand, set(self.held_out_misses)
+            wrong = [ids(str(int(rng.choice([v for v in range(top + 1) if v != a + b and v - a - b not in kept]))))
+                     for a, b in operands]
+        elif not self._holds_out or misses == _MISSES:  # the stream recipes have always read
+            wrong = [ids(str(a + b + int(rng.choice(_MISSES)) if a + b > 3 else a + b + 1)) for a, b in operands]
+        else:
+            small = [m for m in misses if m > 0]
+            wrong = [ids(str(a + b + int(rng.choice(misses if a + b > 3 else small)))) for a, b in operands]
+        if self.form == "labelled":
+            return self._labelled(prompts, answers, wrong, rng.random(len(prompts)) < 0.5, newline)
         full = max(len(p) + max(len(a), len(w)) + 1 for p, a, w in zip(prompts, answers, wrong, strict=True))
-        columns = {name: np.zeros((self.problems, full), np.int32)
+        columns = {name: np.zeros((len(prompts), full), np.int32)
                    for name in ("chosen", "rejected", "chosen_mask", "rejected_mask")}
         for i, p in enumerate(prompts):
             for name, completion in (("chosen", answers[i]), ("rejected", wrong[i])):
@@ -114,6 +183,21 @@ class Addition:
                 columns[f"{name}_mask"][i, len(p): len(row)] = 1
         return ArrayRecords({**columns, "prompt_length": lengths})
 
+    def _labelled(self, prompts: list[list[int]], answers: list[list[int]], wrong: list[list[int]],
+                  right: np.ndarray, newline: int) -> ArrayRecords:
+        chosen = [a if r else w for a, w, r in zip(answers, wrong, right, strict=True)]
+        full = max(len(p) + len(c) + 1 for p, c in zip(prompts, chosen, strict=True))
+        completion = np.zeros((len(prompts), full), np.int32)
+        mask = np.zeros((len(prompts), full), np.int32)
+        for i, (p, c) in enumerate(zip(prompts, chosen, strict=True)):
+            row = p + c + [newline]
+            completion[i, : len(row)] = row
+            mask[i, len(p): len(row)] = 1
+        return ArrayRecords({"completion": completion, "completion_mask": mask,
+                             "prompt_length": np.asarray([len(p) for p in prompts], np.int32),
+                             "label": right.astype(np.int32)})
+
     def load(self, *, batch: int, seed: int = 0, workers: int = 0, prefetch: int = 4) -> Dataset:
-        """A shuffled, endless, resumable stream of the records, batch rows at a time."""
-        return record_dataset(self.records(), None, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
+        """A shuffled, endless, resumable stream of the records, batch rows at a time (and the held-out split)."""
+        return record_dataset(self.records(), self.val_records(), batch=batch, seed=seed, workers=workers,
+                              prefetch=prefetch)

@@ -6,11 +6,17 @@ a mask (``chosen_mask``, ``rejected_mask``: 1 on the completion's tokens) and
 ``prompt_length`` [B]. The implicit reward of a completion is beta times its
 log-likelihood ratio to a reference policy; the losses are
 
-- ``sigmoid`` (DPO): -log sigmoid(beta * (margin_chosen - margin_rejected))
+- ``sigmoid`` (DPO): -log sigmoid(beta * (margin_chosen - margin_rejected)), with
+  ``label_smoothing`` eps: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h) (cDPO)
 - ``ipo``: (margin_chosen - margin_rejected - 1 / (2 beta))^2
+- ``hinge`` (SLiC): max(0, 1 - beta * (margin_chosen - margin_rejected))
+- ``robust`` (rDPO): the logistic loss unbiased for labels flipped with probability eps
+- ``bco_pair`` (BCO): -log sigmoid(beta margin_chosen - delta) - log sigmoid(-(beta margin_rejected - delta)),
+  delta the running mean of every beta * margin seen (kept in the ``bco`` collection)
 - ``simpo`` (reference-free): -log sigmoid(beta * (mean logp_chosen - mean logp_rejected) - gamma)
 
-where margin = log pi(completion) - log pi_ref(completion). The reference
+where margin = log pi(completion) - log pi_ref(completion) (``pair_losses.py``
+writes each out). The reference
 is a frozen copy of the policy's starting weights (``reference="frozen"``),
 or log-probabilities a reader computed beforehand (``"precomputed"``, read
 from ``chosen_reference_logp`` and ``rejected_reference_logp``).
@@ -27,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.policy import (
     REFERENCE,
@@ -41,6 +48,8 @@ if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
 
 __all__ = ["DPOObjective", "MismatchedPairError", "PairCheck", "sequence_logprob"]
+
+BCO = "bco"  # the collection holding bco_pair's running mean of rewards and how many it has seen
 
 
 class MismatchedPairError(ValueError):
@@ -119,8 +128,9 @@ class DPOObjective(Objective):
     seq_len: int
     _: KW_ONLY
     beta: float = 0.1
-    loss_type: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "bco_pair"] = "sigmoid"
     gamma: float = 0.5
+    label_smoothing: float = 0.0
     reference: Literal["frozen", "precomputed"] = "frozen"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
@@ -129,6 +139,12 @@ class DPOObjective(Objective):
     def __post_init__(self) -> None:
         if self.beta <= 0:
             raise ValueError(f"DPOObjective.beta must be positive, got {self.beta}.")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"DPOObjective.label_smoothing is the probability that a pair's labels are "
+                             f"flipped, in [0, 0.5); got {self.label_smoothing}.")
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ValueError(f"DPOObjective.label_smoothing applies to loss_type 'sigmoid' or 'robust', "
+                             f"not {self.loss_type!r}; set it to 0 or change loss_type.")
 
     @property
     def holds_reference(self) -> bool:
@@ -150,9 +166,11 @@ class DPOObjective(Objective):
         """The policy's variables (given ones pass through) and, with a frozen reference, its copy."""
         if variables is None:
             variables = self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
-        if not self.holds_reference:
-            return policy_variables(variables)
-        return with_reference(variables)
+        variables = with_reference(variables) if self.holds_reference else policy_variables(variables)
+        if self.loss_type == "bco_pair" and BCO not in variables:
+            variables = {**variables, BCO: {"mean": jnp.zeros((), jnp.float32),
+                                            "count": jnp.zeros((), jnp.float32)}}
+        return variables
 
     def starting_weights(self, source: WeightSource) -> PolicyFrom:
         """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
@@ -169,7 +187,8 @@ class DPOObjective(Objective):
         return tuple(keys)
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
-        policy = policy_variables(variables)
+        policy = {k: v for k, v in policy_variables(variables).items() if k != BCO}
+        updates = None
         chosen, rejected = batch[self.chosen_key], batch[self.rejected_key]
         chosen_mask, rejected_mask = batch[f"{self.chosen_key}_mask"], batch[f"{self.rejected_key}_mask"]
         # One forward pass over both halves of every pair.
@@ -194,13 +213,24 @@ class DPOObjective(Objective):
             difference = (logp_c - ref_c) - (logp_r - ref_r)
             margin = self.beta * difference
             if self.loss_type == "ipo":
-                losses = (difference - 1.0 / (2.0 * self.beta)) ** 2
+                losses = pair_losses.ipo(difference, self.beta)
+            elif self.loss_type == "hinge":
+                losses = pair_losses.hinge(difference, self.beta)
+            elif self.loss_type == "robust":
+                losses = pair_losses.robust(difference, self.beta, self.label_smoothing)
+            elif self.loss_type == "bco_pair":
+                rewards = jax.lax.stop_gradient(self.beta * jnp.concatenate([logp_c - ref_c, logp_r - ref_r]))
+                mean, count = pair_losses.running_mean(variables[BCO]["mean"], variables[BCO]["count"], rewards)
+                losses = pair_losses.bco_pair(logp_c - ref_c, logp_r - ref_r, self.beta, mean)
+                updates = {BCO: {"mean": mean, "count": count}}
             else:
-                losses = -jax.nn.log_sigmoid(margin)
+                losses = pair_losses.sigmoid(difference, self.beta, self.label_smoothing)
         metrics = {
             "reward_margin": Mean.of(margin),
             "preference_accuracy": Mean.of((margin > 0).astype(jnp.float32)),
             "chosen_logp": Mean.of(logp_c),
             "rejected_logp": Mean.of(logp_r),
         }
-        return Mean.of(losses), Aux(metrics=metrics)
+        if updates is not None:
+            metrics["reward_shift"] = Mean.of(updates[BCO]["mean"])
+        return Mean.of(losses), Aux(metrics=metrics, updates=updates)

@@ -7,12 +7,22 @@ them. Rows are grouped in consecutive runs of ``group_size``; each row's
 advantage is its reward less its group's mean, divided by the group's
 standard deviation (``scale_rewards``). The loss per completion token is
 
-    -(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) - beta * k3)
+    -(min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) - beta * k3)
 
 with ratio = pi / pi_old and k3 = exp(ref - logp) - (ref - logp) - 1, the
 KL estimator against a frozen reference (a copy of the starting policy). It
-is averaged over all completion tokens of the batch (``normalize="token"``)
-or over each completion, then over completions (``"sequence"``).
+is averaged over all completion tokens of the batch (``normalize="token"``),
+over each completion then over completions (``"sequence"``), or summed over
+each completion's tokens under a constant length (``"constant"``).
+
+The same objective carries the variants of the GRPO family (``grpo_family.py``
+registers each paper's settings under its own name): the leave-one-out
+baseline (``baseline``, RLOO), sequence-level ratios (``ratio``, GSPO),
+CISPO's clipped importance weights (``policy_loss``), DAPO's asymmetric
+clipping, dynamic sampling and overlong shaping (``clip_low``/``clip_high``,
+``dynamic_sampling``, ``overlong``), and Dr.GRPO's unscaled advantages under a
+constant length (``scale_rewards=False``, ``normalize="constant"``). The
+formulas are in ``group_losses.py``; the host-side filters in ``group_sampling.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +35,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.objectives import group_losses
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
+from dew.objectives.group_losses import (
+    Aggregation,
+    Baseline,
+    GroupSizeError,
+    PolicyLoss,
+    RatioLevel,
+    clipped_policy_loss,
+    group_advantages,
+)
+from dew.objectives.group_sampling import GroupFilter, IncompatibleOptionsError, OverlongShaping
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
@@ -41,49 +62,11 @@ from dew.sampling import Sampling
 if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
 
-__all__ = ["GRPOObjective", "GroupSizeError", "group_advantages", "clipped_policy_loss"]
+__all__ = ["GRPOObjective", "GroupSizeError", "IncompatibleOptionsError", "clipped_policy_loss",
+           "group_advantages"]
 
-
-class GroupSizeError(ValueError):
-    """The group size does not divide the number of rows in the batch."""
-
-
-def group_advantages(reward: jax.Array, group_size: int, *, scale: bool = True, eps: float = 1e-4) -> jax.Array:
-    """Each reward less its group's mean (over consecutive runs of group_size), over the group's std.
-
-    >>> [round(float(a), 3) for a in group_advantages(jnp.array([1.0, 0.0, 2.0, 2.0]), 2)]
-    [1.0, -1.0, 0.0, 0.0]
-    """
-    rows = reward.shape[0]
-    if rows % group_size:
-        raise GroupSizeError(
-            f"group_size={group_size} does not divide the batch of {rows} rows; each prompt's "
-            f"{group_size} completions must sit together. Make the batch a multiple of {group_size} "
-            "(prompts x group_size) or change group_size."
-        )
-    groups = reward.reshape(rows // group_size, group_size).astype(jnp.float32)
-    centred = groups - groups.mean(axis=1, keepdims=True)
-    if scale:
-        centred = centred / (groups.std(axis=1, keepdims=True) + eps)
-    return centred.reshape(rows)
-
-
-def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantage: jax.Array,
-                        clip: float) -> tuple[jax.Array, jax.Array]:
-    """Minus the clipped surrogate per token, and where the ratio was clipped (1.0) or not."""
-    ratio = jnp.exp(logp - old_logp)
-    advantage = advantage[:, None] if advantage.ndim == 1 else advantage
-    surrogate = jnp.minimum(ratio * advantage, jnp.clip(ratio, 1.0 - clip, 1.0 + clip) * advantage)
-    clipped = (jnp.abs(ratio - 1.0) > clip).astype(jnp.float32)
-    return -surrogate, clipped
-
-
-def token_mean(values: jax.Array, mask: jax.Array, normalize: str) -> Mean:
-    """values averaged over the mask: over all tokens, or per row then over rows."""
-    if normalize == "sequence":
-        per_row = jnp.sum(values * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-        return Mean(jnp.sum(per_row), jnp.asarray(per_row.shape[0], jnp.float32))
-    return Mean(jnp.sum(values * mask), jnp.sum(mask))
+# What the host-side filters add to a batch, logged as metrics of the same name.
+_ROLLOUT_STATISTICS = ("sampled_reward", "dropped_groups", "filler_groups", "sampling_rounds", "truncated")
 
 
 @dataclass(frozen=True)
@@ -92,8 +75,20 @@ class GRPOObjective(Objective):
 
     reward is a registered reward's name, ``{"name": ..., **fields}``, or a
     callable. metrics: ``reward`` (its mean over the batch), ``kl`` (k3, per
-    token), ``clip_fraction`` (tokens whose ratio was clipped) and
-    ``entropy`` (of the policy's next-token distribution, per token).
+    token), ``clip_fraction`` (tokens whose ratio left the clip range) and
+    ``entropy`` (of the policy's next-token distribution, per token); with
+    dynamic sampling or overlong shaping also ``sampled_reward`` (the raw
+    reward's mean over every completion sampled for the step),
+    ``dropped_groups``, ``filler_groups``, ``sampling_rounds`` and ``truncated``.
+
+    clip_low and clip_high bound the ratio to [1 - clip_low, 1 + clip_high]
+    (each defaults to clip). length_normalizer is the constant length of
+    ``normalize="constant"`` (default max_new_tokens). Dynamic sampling
+    drops groups whose rewards are all equal and refills the batch from the
+    stream, over at most max_sampling_rounds samplings; overlong shaping adds
+    ``-overlong_penalty * ramp`` to the reward of completions within
+    overlong_buffer tokens of max_new_tokens (``"penalty"``) or removes
+    truncated completions from the loss (``"mask"``).
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
@@ -105,18 +100,69 @@ class GRPOObjective(Objective):
     max_new_tokens: int = 8
     temperature: float = 1.0
     clip: float = 0.2
+    clip_low: float | None = None
+    clip_high: float | None = None
     beta: float = 0.04
     scale_rewards: bool = True
-    normalize: Literal["token", "sequence"] = "token"
+    baseline: Baseline = "mean"
+    ratio: RatioLevel = "token"
+    policy_loss: PolicyLoss = "clip"
+    normalize: Aggregation = "token"
+    length_normalizer: float | None = None
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    overlong: Literal["none", "penalty", "mask"] = "none"
+    overlong_buffer: int = 2
+    overlong_penalty: float = 1.0
     stop_token: int | None = None
     prompt_key: str = "prompt"
     prompt_length_key: str = "prompt_length"
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.dynamic_sampling and self.group_size < 2:
+            raise IncompatibleOptionsError(
+                f"{name}.dynamic_sampling=True needs group_size >= 2, got group_size={self.group_size}: "
+                "it drops groups whose rewards are all equal, and a group of one always is. Raise "
+                "group_size or set dynamic_sampling=False."
+            )
         if self.group_size < 2:
-            raise ValueError(f"GRPOObjective.group_size must be at least 2 (a group compares "
+            raise ValueError(f"{name}.group_size must be at least 2 (a group compares "
                              f"completions), got {self.group_size}.")
+        if self.policy_loss == "cispo" and self.ratio != "token":
+            raise IncompatibleOptionsError(
+                f"{name}.policy_loss='cispo' clips each token's importance weight, but ratio="
+                f"{self.ratio!r} takes one ratio per sequence (GSPO): token-level clipping of a "
+                "sequence-level ratio is not defined. Use ratio='token' with CISPO, or "
+                "policy_loss='clip' with GSPO."
+            )
+        for field in ("clip", "clip_low", "clip_high"):
+            value = getattr(self, field)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}.{field} must be >= 0, got {value}.")
+        if self.length_normalizer is not None and self.length_normalizer <= 0:
+            raise ValueError(f"{name}.length_normalizer must be positive, got {self.length_normalizer}.")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"{name}.max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}.")
+        if self.overlong != "none":
+            if self.stop_token is None:
+                raise IncompatibleOptionsError(
+                    f"{name}.overlong={self.overlong!r} needs stop_token: without one every completion "
+                    "runs to max_new_tokens and counts as truncated. Set stop_token or overlong='none'."
+                )
+            if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
+                raise ValueError(
+                    f"{name}.overlong_buffer must lie in [1, max_new_tokens={self.max_new_tokens}], got "
+                    f"{self.overlong_buffer}: the penalty ramps over the last overlong_buffer tokens."
+                )
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """(clip_low, clip_high), each defaulting to clip."""
+        low = self.clip if self.clip_low is None else self.clip_low
+        high = self.clip if self.clip_high is None else self.clip_high
+        return low, high
 
     @property
     def reference_collection(self) -> str | None:
@@ -140,14 +186,21 @@ class GRPOObjective(Objective):
         """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
         return PolicyFrom(source)
 
-    def rollout(self) -> CompletionRollout:
-        """The rollout that samples and scores this objective's completions."""
-        return CompletionRollout(
+    def rollout(self) -> CompletionRollout | GroupFilter:
+        """The rollout that samples and scores this objective's completions (filtered, when asked)."""
+        sampler = CompletionRollout(
             self.model, resolve(self.reward), group_size=self.group_size,
             max_new_tokens=self.max_new_tokens, sampling=Sampling(temperature=self.temperature),
             tokenizer=self.tokenizer, stop_token=self.stop_token, prompt_key=self.prompt_key,
             prompt_length_key=self.prompt_length_key,
         )
+        if not self.dynamic_sampling and self.overlong == "none":
+            return sampler
+        shaping = None if self.overlong == "none" else OverlongShaping(
+            self.overlong, max_new_tokens=self.max_new_tokens, buffer=self.overlong_buffer,
+            penalty=self.overlong_penalty, stop_token=self.stop_token)  # type: ignore[arg-type]
+        return GroupFilter(sampler, group_size=self.group_size, dynamic=self.dynamic_sampling,
+                           max_rounds=self.max_sampling_rounds, shaping=shaping)
 
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp")
@@ -155,20 +208,25 @@ class GRPOObjective(Objective):
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         tokens, reward = batch["tokens"], jnp.asarray(batch["reward"], jnp.float32)
         mask = jnp.asarray(batch["mask"], jnp.float32)[:, 1:]
-        advantage = group_advantages(reward, self.group_size, scale=self.scale_rewards)
+        advantage = group_advantages(reward, self.group_size, scale=self.scale_rewards, baseline=self.baseline)
         logp, entropy = token_logprobs(self.model, policy_variables(variables), tokens)
-        per_token, clipped = clipped_policy_loss(logp, batch["old_logp"], advantage, self.clip)
+        low, high = self.bounds
+        per_token, clipped = group_losses.policy_loss(
+            logp, batch["old_logp"], advantage, mask, clip_low=low, clip_high=high, level=self.ratio,
+            loss=self.policy_loss)
         metrics: dict[str, Any] = {
             "reward": Mean.of(reward),
             "clip_fraction": Mean(jnp.sum(clipped * mask), jnp.sum(mask)),
             "entropy": Mean(jnp.sum(entropy * mask), jnp.sum(mask)),
         }
+        for name in _ROLLOUT_STATISTICS:
+            if name in batch:
+                metrics[name] = Mean.of(batch[name])
         if self.beta > 0:
             ref_logp, _ = token_logprobs(self.model, reference_variables(variables), tokens)
             delta = jax.lax.stop_gradient(ref_logp) - logp
             k3 = jnp.exp(delta) - delta - 1.0
             per_token = per_token + self.beta * k3
             metrics["kl"] = Mean(jnp.sum(k3 * mask), jnp.sum(mask))
-        return token_mean(per_token, mask, self.normalize), Aux(metrics=metrics)
-
-
+        length = float(self.length_normalizer or self.max_new_tokens)
+        return group_losses.aggregate(per_token, mask, self.normalize, length), Aux(metrics=metrics)

@@ -14,6 +14,10 @@ What it returns has the same shapes at every step:
 - ``mask`` float32 [P*G, Lp+N]: 1 on the completion's tokens up to and with the stop token
 - ``reward`` float32 [P*G], ``old_logp`` float32 [P*G, Lp+N-1]
 
+The reward's context holds the batch's other keys, one value per
+completion, and ``prompt_text``: each completion's prompt as text (what a
+reward model scores with the completion).
+
 The time spent in the reward is kept apart (``reward_seconds``), so the
 goodput split shows it as its own row.
 """
@@ -102,6 +106,8 @@ class CompletionRollout:
             completions.append(_decode(self.tokenizer, shown.tolist()))
         context = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()
                    if k not in (self.prompt_key, self.prompt_length_key)}
+        context["prompt_text"] = [_decode(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
+                                  for i in range(rows)]
         began = time.perf_counter()
         rewards = score(self.reward, completions, context)
         self.reward_seconds += time.perf_counter() - began

@@ -7,7 +7,13 @@ rollout kept to one value per completion, and returns one number per
 completion. dew's own rewards register under the entry-point group
 ``dew.rewards`` exactly as a third party's do, so a recipe names any of
 them the same way; ``score`` runs one and refuses a value that is not a
-finite number, naming the record.
+finite number, naming the reward and the record. Besides the batch's keys,
+the GRPO and PPO rollouts put each completion's prompt, as text, in the
+context under ``prompt_text``.
+
+``weighted`` sums other rewards with weights; ``format`` (also registered as
+``regex_format``) checks completions against a regular expression; ``model``
+(``dew.rewards.model``) scores them with a trained reward-model run.
 
 >>> from dew.rewards import ExactMatch, score
 >>> score(ExactMatch(), ["12\\nrest", "13"], {"answer": ["12", "12"]}).tolist()
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -31,6 +37,8 @@ __all__ = [
     "RegexFormat",
     "Reward",
     "RewardShapeError",
+    "Weighted",
+    "describe",
     "resolve",
     "score",
 ]
@@ -88,11 +96,14 @@ class ExactMatch:
 
 @dataclass(frozen=True)
 class RegexFormat:
-    """1 where the completion (up to ``stop``) matches ``pattern`` (wholly, or anywhere with full=False)."""
+    """``match`` where the completion (up to ``stop``) matches ``pattern`` (wholly, or anywhere with
+    full=False), else ``miss``; registered as ``format`` and ``regex_format``."""
 
     pattern: str
     full: bool = True
     stop: str | None = None
+    match: float = 1.0
+    miss: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -102,8 +113,9 @@ class RegexFormat:
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
         compiled = re.compile(self.pattern)
-        match = compiled.fullmatch if self.full else compiled.search
-        return np.asarray([float(match(_cut(c, self.stop)) is not None) for c in completions], np.float32)
+        found = compiled.fullmatch if self.full else compiled.search
+        return np.asarray([self.match if found(_cut(c, self.stop)) is not None else self.miss
+                           for c in completions], np.float32)
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,48 @@ class Brightness:
                           np.float32)
 
 
+@dataclass(frozen=True)
+class Weighted:
+    """The weighted sum of other rewards: ``rewards`` lists each as ``{"name": ..., "weight": w, **fields}``.
+
+    A term without a weight counts once. Each term is scored (and checked)
+    on its own, so a failing term is named in the error.
+
+    >>> Weighted([{"name": "length", "target": 2}, {"name": "format", "pattern": "a+", "weight": 0.5}])(
+    ...     ["aa", "abc"], {}).tolist()
+    [0.5, -1.0]
+    """
+
+    rewards: Sequence[Mapping[str, Any]]
+    terms: tuple[tuple[float, Reward], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.rewards:
+            raise ValueError("Weighted.rewards lists no reward; give at least one {name: ..., weight: ...}.")
+        terms = []
+        for i, term in enumerate(self.rewards):
+            if not isinstance(term, Mapping) or not isinstance(term.get("name"), str):
+                raise ValueError(f"Weighted.rewards[{i}] must be a mapping with a 'name' (a registered reward) "
+                                 f"and optionally a 'weight', got {term!r}.")
+            fields = dict(term)
+            weight = float(fields.pop("weight", 1.0))
+            terms.append((weight, resolve(fields)))
+        object.__setattr__(self, "terms", tuple(terms))
+
+    def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+        total = np.zeros(len(completions), np.float32)
+        for i, (weight, reward) in enumerate(self.terms):
+            name = f"{describe(reward)} (term {i} of weighted)"
+            total += weight * score(reward, completions, context, name=name)
+        return total
+
+
+def describe(reward: Any) -> str:
+    """How errors name a reward: a function by its qualified name, anything else by its repr."""
+    name = getattr(reward, "__qualname__", None)
+    return name if isinstance(name, str) else repr(reward)
+
+
 def resolve(reward: str | Mapping[str, Any] | Reward) -> Reward:
     """A reward object from a registered name, ``{"name": ..., **fields}``, or the object itself.
 
@@ -151,19 +205,25 @@ def resolve(reward: str | Mapping[str, Any] | Reward) -> Reward:
     raise TypeError(f"A reward is a registered name, a mapping with a name, or a callable; got {reward!r}.")
 
 
-def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
-    """The reward's values as float32 [len(completions)], refused when any is not finite."""
-    values = np.asarray(reward(completions, context), np.float32).reshape(-1)
-    if values.shape[0] != len(completions):
+def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequence[Any]], *,
+          name: str | None = None) -> np.ndarray:
+    """The reward's values as float32 [len(completions)], refused when any is not finite.
+
+    name is how errors call the reward (``describe(reward)`` by default).
+    """
+    name = name or describe(reward)
+    values = np.asarray(reward(completions, context), np.float32)
+    if values.ndim != 1 or values.shape[0] != len(completions):
         raise RewardShapeError(
-            f"The reward {reward!r} returned {values.shape[0]} values for {len(completions)} "
-            "completions; return one number per completion."
+            f"The reward {name} returned {values.size} values for {len(completions)} completions "
+            f"(an array of shape {values.shape}, for records 0 to {len(completions) - 1}); return one "
+            "number per completion, as a sequence of shape (completions,)."
         )
     bad = np.flatnonzero(~np.isfinite(values))
     if bad.size:
         i = int(bad[0])
         raise NonFiniteRewardError(
-            f"The reward {reward!r} returned {values[i]} for record {i} (completion "
+            f"The reward {name} returned {values[i]} for record {i} (completion "
             f"{completions[i]!r}); {bad.size} of {len(completions)} values are not finite. A reward "
             "must return a finite number for every completion (score a failure as 0 or a penalty)."
         )

@@ -1,0 +1,182 @@
+"""KTO: unpaired completions labelled desirable or not, against a reference point.
+
+Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic
+Optimization". A batch holds single completions (``completion``: prompt then
+completion, right-padded, int32 [B, L]; ``completion_mask``: 1 on the
+completion's tokens; ``prompt_length`` [B]) and a ``label`` per row: 1 for a
+desirable completion, 0 for an undesirable one. With r = log pi(y|x) -
+log pi_ref(y|x) summed over the completion and z0 the reference point,
+
+    L = lambda_y - v(x, y),   v = lambda_D s(beta (r - z0))  if desirable
+                                  lambda_U s(beta (z0 - r))  if undesirable
+
+averaged over the batch. z0 estimates KL(pi || pi_ref) from mismatched
+pairs (each prompt followed by another row's completion: row i takes row
+i - 1's), as max(0, mean of their log-ratios), without gradient. The
+host-side step (``KTOBatch``, the objective's rollout) checks the labels and
+builds the mismatched pairs (``kl_completion``, ``kl_completion_mask``); a
+mismatched completion longer than the row's room is cut at the row's width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
+from dew.objectives.dpo import sequence_logprob
+from dew.objectives.policy import (
+    REFERENCE,
+    PolicyFrom,
+    policy_variables,
+    reference_variables,
+    with_reference,
+)
+
+if TYPE_CHECKING:
+    from dew.training.initializers import WeightSource
+
+__all__ = ["KTOBatch", "KTOObjective", "LabelError", "mismatched"]
+
+
+class LabelError(ValueError):
+    """KTO data without a label per completion, or with labels other than 0 and 1."""
+
+
+def mismatched(tokens: np.ndarray, mask: np.ndarray, prompt_length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's prompt followed by the previous row's completion (cut at the width), and its mask.
+
+    >>> t, m = mismatched(np.array([[1, 2, 7, 0], [3, 8, 9, 0]]), np.array([[0, 0, 1, 0], [0, 1, 1, 0]]),
+    ...                   np.array([2, 1]))
+    >>> t.tolist(), m.tolist()
+    ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0, 0, 1, 1], [0, 1, 0, 0]])
+    """
+    rows, width = tokens.shape
+    out = np.zeros_like(tokens)
+    out_mask = np.zeros(mask.shape, np.float32)
+    for i in range(rows):
+        j = (i - 1) % rows
+        n = int(prompt_length[i])
+        completion = tokens[j][np.asarray(mask[j]) > 0][: max(width - n, 0)]
+        out[i, :n] = tokens[i, :n]
+        out[i, n:n + completion.size] = completion
+        out_mask[i, n:n + completion.size] = 1.0
+    return out, out_mask
+
+
+@dataclass(frozen=True)
+class KTOBatch:
+    """The host-side step before each KTO step: labels checked, mismatched pairs added."""
+
+    completion_key: str = "completion"
+    label_key: str = "label"
+    prompt_length_key: str = "prompt_length"
+
+    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
+        if self.label_key not in batch:
+            raise LabelError(
+                f"KTO reads each completion's label (1 desirable, 0 undesirable) under "
+                f"KTOObjective.label_key={self.label_key!r}, but the batch holds {sorted(batch)}. Give "
+                "the data a label per completion (the addition reader's form 'labelled' does), or set "
+                "label_key to the key that holds them."
+            )
+        labels = np.asarray(batch[self.label_key]).reshape(-1)
+        bad = np.flatnonzero((labels != 0) & (labels != 1))
+        if bad.size:
+            raise LabelError(
+                f"KTOObjective.label_key={self.label_key!r} holds {labels[bad[0]].item()!r} at row {int(bad[0])}; "
+                "a label is 1 (desirable) or 0 (undesirable)."
+            )
+        for name in (self.completion_key, f"{self.completion_key}_mask", self.prompt_length_key):
+            if name not in batch:
+                raise LabelError(f"KTO reads {name!r}, but the batch holds {sorted(batch)}.")
+        tokens = np.asarray(batch[self.completion_key])
+        kl, kl_mask = mismatched(tokens, np.asarray(batch[f"{self.completion_key}_mask"]),
+                                 np.asarray(batch[self.prompt_length_key]).reshape(-1))
+        return {**batch, f"kl_{self.completion_key}": kl, f"kl_{self.completion_key}_mask": kl_mask}
+
+
+@dataclass(frozen=True)
+class KTOObjective(Objective):
+    """KTO on labelled completions against a frozen reference (see the module docstring).
+
+    metrics: ``kl`` (the reference point z0), ``desirable_reward`` and
+    ``undesirable_reward`` (beta r over each kind of row), and
+    ``label_accuracy`` (rows on their label's side of the reference point).
+    """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+
+    model: nn.Module
+    seq_len: int
+    _: KW_ONLY
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    completion_key: str = "completion"
+    label_key: str = "label"
+    prompt_length_key: str = "prompt_length"
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"KTOObjective.beta must be positive, got {self.beta}.")
+        if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
+            raise ValueError("KTOObjective.desirable_weight and undesirable_weight must be positive, got "
+                             f"{self.desirable_weight} and {self.undesirable_weight}.")
+
+    @property
+    def reference_collection(self) -> str | None:
+        """The collection holding the frozen copy of the starting policy."""
+        return REFERENCE
+
+    @property
+    def frozen(self) -> LeafFilter | None:  # type: ignore[override]
+        return under(REFERENCE)
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        """The policy's variables (given ones pass through) and the reference's copy."""
+        if variables is None:
+            variables = self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+        return with_reference(variables)
+
+    def starting_weights(self, source: WeightSource) -> PolicyFrom:
+        """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
+        return PolicyFrom(source)
+
+    def rollout(self) -> KTOBatch:
+        """The host-side step a recipe runs before each step: labels checked, mismatched pairs built."""
+        return KTOBatch(self.completion_key, self.label_key, self.prompt_length_key)
+
+    def required_keys(self) -> Sequence[str]:
+        c = self.completion_key
+        return (c, f"{c}_mask", self.label_key, f"kl_{c}", f"kl_{c}_mask")
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        c = self.completion_key
+        rows = batch[c].shape[0]
+        tokens = jnp.concatenate([batch[c], batch[f"kl_{c}"]], axis=0)
+        masks = jnp.concatenate([jnp.asarray(batch[f"{c}_mask"], jnp.float32),
+                                 jnp.asarray(batch[f"kl_{c}_mask"], jnp.float32)], axis=0)
+        logp, _ = sequence_logprob(self.model, policy_variables(variables), tokens, masks)
+        ref, _ = sequence_logprob(self.model, reference_variables(variables), tokens, masks)
+        ratio = logp - jax.lax.stop_gradient(ref)
+        r, kl_ratio = ratio[:rows], ratio[rows:]
+        z0 = jax.lax.stop_gradient(jnp.maximum(jnp.mean(kl_ratio), 0.0))
+        desirable = jnp.asarray(batch[self.label_key], jnp.float32).reshape(-1)
+        value = jnp.where(desirable > 0, self.desirable_weight * jax.nn.sigmoid(self.beta * (r - z0)),
+                          self.undesirable_weight * jax.nn.sigmoid(self.beta * (z0 - r)))
+        weight = jnp.where(desirable > 0, self.desirable_weight, self.undesirable_weight)
+        reward = self.beta * r
+        metrics: dict[str, Any] = {
+            "kl": Mean.of(z0),
+            "desirable_reward": Mean.of(reward, desirable),
+            "undesirable_reward": Mean.of(reward, 1.0 - desirable),
+            "label_accuracy": Mean.of(((r > z0) == (desirable > 0)).astype(jnp.float32)),
+        }
+        return Mean.of(weight - value), Aux(metrics=metrics)

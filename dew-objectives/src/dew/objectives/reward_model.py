@@ -1,0 +1,205 @@
+"""A Bradley-Terry reward model: a causal decoder with a scalar head, trained on preference pairs.
+
+The score of a sequence is a linear map (``params/reward_head``) of the
+decoder's last hidden state (the output of its ``features_module``,
+``final_norm`` in dew's transformers) at the completion's last token. On
+DPO's pairs (``chosen``, ``rejected``, their masks over the completion) the
+loss per pair is Bradley and Terry's
+
+    -log s(r(x, y_w) - r(x, y_l)) + center * (r(x, y_w) + r(x, y_l))^2
+
+(the second term, Eisenstein et al. 2023's auxiliary loss, keeps the scores
+centred on zero; off by default). ``pipeline`` scores text with the trained
+weights, and the ``model`` reward (``dew.rewards.model``) scores an RL run's
+completions with a trained reward-model run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Aux, Batch, Mean, MeanMetric, Metric, Objective, Step, Variables
+from dew.objectives.dpo import PairCheck
+from dew.objectives.policy import PolicyFrom
+
+if TYPE_CHECKING:
+    from dew.training.initializers import WeightSource
+
+__all__ = ["REWARD_HEAD", "RewardModelObjective", "RewardScoring", "SequenceTooLongError", "sequence_scores"]
+
+REWARD_HEAD = "reward_head"
+
+
+class SequenceTooLongError(ValueError):
+    """A text to score is longer than the reward model reads."""
+
+
+class ScalarHead(nn.Module):
+    """One number per position from a hidden state.
+
+    No bias: the Bradley-Terry loss sees only differences of scores, so a
+    bias would get no gradient but rounding noise (transformers' sequence-
+    classification heads leave it out too).
+    """
+
+    @nn.compact
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        dense = nn.Dense(1, use_bias=False, kernel_init=nn.initializers.zeros, name="dense")
+        return dense(hidden.astype(jnp.float32))[..., 0]
+
+
+def _hidden(model: nn.Module, params: Variables, tokens: jax.Array, features_module: str) -> jax.Array:
+    _, captured = model.apply(
+        params, tokens,
+        capture_intermediates=lambda module, method: module.name == features_module and method == "__call__",
+        mutable=["intermediates"],
+    )
+    found = captured["intermediates"].get(features_module)
+    if found is None:
+        raise ValueError(
+            f"The model has no submodule named {features_module!r} to read hidden states from for the "
+            "reward head; set RewardModelObjective(features_module=...) to the module whose output is "
+            "the last hidden state."
+        )
+    return found["__call__"][0]
+
+
+def sequence_scores(model: nn.Module, variables: Variables, tokens: jax.Array, mask: jax.Array,
+                    features_module: str = "final_norm") -> jax.Array:
+    """The reward head's value [B] at each row's last position where mask is 1."""
+    params = dict(variables["params"])
+    head = params.pop(REWARD_HEAD)
+    hidden = _hidden(model, {"params": params}, tokens, features_module)
+    values = ScalarHead().apply({"params": head}, hidden)
+    width = mask.shape[1]
+    last = width - 1 - jnp.argmax(jnp.flip(jnp.asarray(mask) > 0, axis=1), axis=1)
+    return jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
+
+
+@dataclass(frozen=True)
+class RewardModelObjective(Objective):
+    """Bradley-Terry on preference pairs (see the module docstring).
+
+    metrics: ``accuracy`` (pairs whose chosen scores higher), ``margin``
+    (the chosen's score less the rejected's), ``chosen_score`` and
+    ``rejected_score``; a validation split reports them too.
+    """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+
+    model: nn.Module
+    seq_len: int
+    _: KW_ONLY
+    center: float = 0.0
+    features_module: str = "final_norm"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    prompt_length_key: str = "prompt_length"
+    tokenizer: Any = None
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        """The decoder's variables (given ones pass through) and a reward head initialized to zero."""
+        model_key, head_key = jax.random.split(key)
+        if variables is None:
+            variables = self.model.init(model_key, jnp.zeros((1, 1), jnp.int32))
+        params = dict(variables["params"])
+        if REWARD_HEAD in params:
+            return {"params": params}
+        hidden = _hidden(self.model, {"params": params}, jnp.zeros((1, 1), jnp.int32), self.features_module)
+        return {"params": {**params, REWARD_HEAD: ScalarHead().init(head_key, hidden)["params"]}}
+
+    def starting_weights(self, source: WeightSource) -> PolicyFrom:
+        """What a recipe's init section reads narrowed to the decoder (the head starts fresh)."""
+        return PolicyFrom(source, exclude=(REWARD_HEAD,))
+
+    def rollout(self) -> PairCheck:
+        """The host-side check a recipe runs before each step: pairs share their prompt."""
+        return PairCheck(self.chosen_key, self.rejected_key, self.prompt_length_key)
+
+    def required_keys(self) -> Sequence[str]:
+        return (self.chosen_key, self.rejected_key, f"{self.chosen_key}_mask", f"{self.rejected_key}_mask")
+
+    def scores(self, variables: Variables, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+        """The score [B] of each row at its last masked position."""
+        return sequence_scores(self.model, variables, tokens, mask, self.features_module)
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        chosen, rejected = batch[self.chosen_key], batch[self.rejected_key]
+        tokens = jnp.concatenate([chosen, rejected], axis=0)
+        masks = jnp.concatenate([batch[f"{self.chosen_key}_mask"], batch[f"{self.rejected_key}_mask"]], axis=0)
+        scores = self.scores(variables, tokens, masks)
+        pairs = chosen.shape[0]
+        r_c, r_r = scores[:pairs], scores[pairs:]
+        losses = -jax.nn.log_sigmoid(r_c - r_r)
+        if self.center:
+            losses = losses + self.center * (r_c + r_r) ** 2
+        metrics = {
+            "accuracy": Mean.of((r_c > r_r).astype(jnp.float32)),
+            "margin": Mean.of(r_c - r_r),
+            "chosen_score": Mean.of(r_c),
+            "rejected_score": Mean.of(r_r),
+        }
+        return Mean.of(losses), Aux(metrics=metrics)
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The validation metrics: the loss and the pair accuracy and margin."""
+        return (MeanMetric("loss"), MeanMetric("accuracy"), MeanMetric("margin"))
+
+    def pipeline(self, state: Any) -> RewardScoring:
+        """Score texts with state's weights (a TrainState or a variables tree; the EMA copy when kept)."""
+        averaged = getattr(state, "averaged", None)
+        variables = averaged if averaged is not None else getattr(state, "params", state)
+        return RewardScoring(self, {"params": variables["params"]})
+
+
+class RewardScoring:
+    """Texts to the reward model's scores: ``scoring(["3+4=7\\n", ...])`` -> float32 [N].
+
+    Each text is encoded with the objective's tokenizer (UTF-8 bytes without
+    one, as dew's byte-level models read them) and scored at its last token.
+    Rows are padded to a width of a power of two, so a handful of programs
+    serve every length the model reads.
+    """
+
+    def __init__(self, objective: RewardModelObjective, variables: Variables) -> None:
+        self.objective = objective
+        self.variables = variables
+        self.max_length = int(getattr(objective.model, "max_seq_len", objective.seq_len))
+
+    def encode(self, text: str) -> list[int]:
+        tokenizer = self.objective.tokenizer
+        return list(tokenizer.encode(text)) if tokenizer is not None else list(text.encode("utf-8"))
+
+    def __call__(self, texts: str | Sequence[str], *, batch: int = 64) -> np.ndarray:
+        """The score of each text, in order."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        ids = [self.encode(t) for t in texts]
+        for i, row in enumerate(ids):
+            if not row or len(row) > self.max_length:
+                raise SequenceTooLongError(
+                    f"Text {i} ({texts[i]!r}) is {len(row)} tokens; the reward model scores texts of 1 to "
+                    f"{self.max_length} tokens (its max_seq_len)."
+                )
+        out = []
+        for start in range(0, len(ids), batch):
+            part = ids[start:start + batch]
+            width = min(max(8, 1 << (max(map(len, part)) - 1).bit_length()), self.max_length)
+            tokens = np.zeros((len(part), width), np.int32)
+            mask = np.zeros((len(part), width), np.float32)
+            for i, row in enumerate(part):
+                tokens[i, :len(row)] = row
+                mask[i, :len(row)] = 1.0
+            out.append(np.asarray(self._score(self.variables, jnp.asarray(tokens), jnp.asarray(mask))))
+        return np.concatenate(out).astype(np.float32) if out else np.zeros((0,), np.float32)
+
+    @functools.cached_property
+    def _score(self) -> Any:
+        return jax.jit(self.objective.scores)

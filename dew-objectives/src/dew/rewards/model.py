@@ -1,0 +1,59 @@
+"""The ``model`` reward: completions scored by a trained reward-model run.
+
+``{"name": "model", "run": "runs/rm"}`` in any RL recipe rebuilds the
+reward model that run trained (``RewardModelObjective``, from its run.json),
+reads its newest kept step (or ``step``), and scores each completion as the
+text ``prompt + completion + suffix``, the prompt being the rollout's
+``prompt_text``. ``suffix`` restores what the rollout cut off and the reward
+model's pairs ended with (the stop text, ``"\\n"`` for the addition pairs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NotARewardModelError", "RewardModel"]
+
+
+class NotARewardModelError(ValueError):
+    """The run a ``model`` reward names did not train a reward model."""
+
+
+@dataclass(frozen=True)
+class RewardModel:
+    """Score completions with the reward model a run trained (see the module docstring)."""
+
+    run: str
+    step: int | None = None
+    suffix: str = ""
+    scale: float = 1.0
+    scoring: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from dew.cli.runs import open_run  # the inference commands' way to rebuild a trained run
+        from dew.objectives.reward_model import RewardModelObjective
+
+        opened = open_run(Path(self.run), step=self.step)
+        if not isinstance(opened.objective, RewardModelObjective):
+            raise NotARewardModelError(
+                f"The reward 'model' reads a reward-model run, but {self.run} trained "
+                f"{type(opened.objective).__name__}. Train one with the reward_model objective "
+                "(the addition-reward-model recipe, say) and name its run directory."
+            )
+        object.__setattr__(self, "scoring", opened.objective.pipeline(opened.variables))
+
+    def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
+        if "prompt_text" not in context:
+            raise KeyError(
+                f"RewardModel(run={self.run!r}) scores each prompt with its completion, but the context "
+                f"holds no 'prompt_text' (it holds {sorted(context)}); use it with a rollout that gives "
+                "the prompts as text (the GRPO and PPO rollouts do)."
+            )
+        texts = [f"{prompt}{completion}{self.suffix}"
+                 for prompt, completion in zip(context["prompt_text"], completions, strict=True)]
+        return self.scale * self.scoring(texts)
