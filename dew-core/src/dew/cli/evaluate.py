@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from dew.recipes.run import build_parts
-    from dew.training.evaluation import evaluate
+    from dew.training.evaluation import OutputMeans, evaluate
 
     dataset = build_parts(opened.config).dataset
     if args.split == "val":
@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     for split, variables in kept:
         result = evaluate(opened.objective, variables, reader,
                           key=jax.random.key(opened.config.seed),
-                          metrics=tuple(opened.objective.metrics()), step=opened.step or 0,
+                          metrics=tuple(opened.objective.metrics()) or (OutputMeans(),),
+                          step=opened.step or 0,
                           split=split)
         values.update(result.scalars)
     if args.json:

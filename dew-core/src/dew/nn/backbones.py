@@ -134,7 +134,7 @@ class CausalTransformer(nn.Module):
         1392.0
         """
         width = self.num_heads * self.head_width
-        kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
+        kv_heads = self.num_kv_heads or self.num_heads
         attention = 2 * self.emb_features * width + 2 * self.emb_features * kv_heads * self.head_width
         mlp = (3 if self.mlp_activation == "swiglu" else 2) * self.emb_features * self.mlp_features
         if self.experts:  # a token passes through experts_per_token experts and the router

@@ -45,6 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.nn.sharding import constrain, param
 
@@ -56,7 +57,7 @@ MOE_COLLECTION = "moe"
 Dtype = Any
 
 
-class ExpertConfigError(ValueError):
+class ExpertConfigError(DewError, ValueError):
     """An MoE block's experts, experts per token or capacity factor cannot work together."""
 
 
@@ -183,7 +184,7 @@ def moe_statistics(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
     tree = sown.get(MOE_COLLECTION, sown) if isinstance(sown, Mapping) else sown
     found: dict[str, list[jax.Array]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [getattr(k, "key", None) for k in path]
+        names = [k.key if isinstance(k, jax.tree_util.DictKey) else None for k in path]
         name = next((n for n in reversed(names) if n in ("load_balancing_loss", "dropped_fraction")), None)
         if name is not None:
             found.setdefault(name, []).append(jnp.asarray(leaf, jnp.float32))

@@ -34,6 +34,7 @@ CONFIG_FILE = "config.json"
 
 def check_vocabulary(tokenizer: Any, model: Any) -> None:
     """Refuse a tokenizer whose ids reach past the model's embedding table."""
+    # Any flax Module and any tokenizer: one that does not say its vocabulary is not checked.
     have = getattr(model, "vocab_size", None)
     need = getattr(tokenizer, "vocab_size", None)
     if have is not None and need is not None and int(need) > int(have):
@@ -118,10 +119,10 @@ class Pretrained:
             check_vocabulary(self.tokenizer, self.model)
         if self.format == native.FORMAT:
             return self._save_native(Path(directory))
-        eos = getattr(self.tokenizer, "eos_id", None)
+        eos = getattr(self.tokenizer, "eos_id", None)  # any tokenizer: not every one has an end id
         config = llama.model_to_config(self.model, eos_id=eos)
         params = _host(self.variables.get("params", self.variables))
-        if getattr(self.model, "scan_layers", False):  # the format numbers its layers
+        if getattr(self.model, "scan_layers", False):  # any family; the format numbers its layers
             from dew.nn.pipeline import unstack_layers
 
             params = unstack_layers(params, self.model.num_layers)

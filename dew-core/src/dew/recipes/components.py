@@ -106,11 +106,11 @@ def _load_problems(config: DataConfig) -> list[tuple[tuple[str, ...], str]]:
     from dew import registry as registries
 
     reader = registries.datasets.load(config.name)
-    method = getattr(reader, "load", None)
+    method = getattr(reader, "load", None)  # a registered reader is any class, a third party's too
     if method is None:
         return [(("load",), f"dataset {config.name!r} has no load method to pass these to.")]
     declared = registries.declared_fields(method)
-    problems = []
+    problems: list[tuple[tuple[str, ...], str]] = []
     for key, value in config.load.items():
         if key == "batch":
             problems.append((("load", key), "give the batch as data.batch, not in data.load."))

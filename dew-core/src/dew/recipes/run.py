@@ -19,10 +19,14 @@ import contextlib
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    import jax
+
+    from dew.objectives.base import Objective
     from dew.recipes.config import RunConfig
+    from dew.training.state import TrainState
 
 __all__ = [
     "ConfiguredTracker",
@@ -156,13 +160,18 @@ class ConfiguredTracker:
             value = dataclasses.replace(value, config=self.config)
         self.tracker.artifact(value, step)
 
+    def directories(self) -> list[str]:
+        from dew.tracking.protocol import Located
+
+        return list(self.tracker.directories()) if isinstance(self.tracker, Located) else []
+
     def close(self) -> None:
         self.tracker.close()
 
 
-def _absolute(path: str | None) -> str | None:
+def _absolute(path: str) -> str:
     """A local path made absolute; a URL (gs://bucket/run, s3://...) passes through unchanged."""
-    if path is None or "://" in path:
+    if "://" in path:
         return path
     return str(Path(path).expanduser().resolve())
 
@@ -302,27 +311,30 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
     if init.pretrained is not None:
         from dew.pretrained import Pretrained
 
-        model = getattr(objective, "model", None)
+        model = objective.model if config.model is not None else None  # a model section: it has one
         source = _absolute(init.pretrained)
+        # A model is any registered flax Module: a family that has no such field takes the
+        # directory's own (max_seq_len, param_dtype), and one without rotary positions (rope_base)
+        # has no function to compare beyond its tensors' shapes.
         loaded = Pretrained.load(source, max_seq_len=getattr(model, "max_seq_len", None),
                                  param_dtype=getattr(model, "param_dtype", None),
                                  scan_layers=bool(getattr(model, "scan_layers", False)))
-        if model is not None and hasattr(model, "rope_base"):
+        if model is not None and getattr(model, "rope_base", None) is not None:
             from dew.pretrained.llama import check_same_function
 
             check_same_function(model, loaded.model, f"init.pretrained {source}")
         return dict(loaded.variables)
-    from dew.training.initializers import ParamsFrom
+    from dew.training.initializers import ParamsFrom, WeightSource
 
-    source = ParamsFrom(_absolute(init.run), step=init.step)
+    assert init.run is not None  # InitConfig holds exactly one of pretrained and run
+    run: WeightSource = ParamsFrom(_absolute(init.run), step=init.step)
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         from dew.adapters.lora import BaseWeights
 
-        source = BaseWeights(source)
-    narrow = getattr(objective, "starting_weights", None)
+        run = BaseWeights(run)
     # An objective whose variables hold more than the model's (a frozen reference,
     # a value head) reads only the model's part; its init makes the rest.
-    return narrow(source) if callable(narrow) else source
+    return objective.starting_weights(run)
 
 
 def _where(checkpoints: Any) -> str:
@@ -392,11 +404,11 @@ def objective_parts(objective: Any) -> dict[str, Any]:
     are code, and the objective's fields configure them.
     """
     parts: dict[str, Any] = {}
-    for name in ("rollout", "initializer"):
-        make = getattr(objective, name, None)
-        made = make() if callable(make) else None
-        if made is not None:
-            parts[name] = made
+    rollout, initializer = objective.rollout(), objective.initializer()
+    if rollout is not None:
+        parts["rollout"] = rollout
+    if initializer is not None:
+        parts["initializer"] = initializer
     return parts
 
 
@@ -410,19 +422,28 @@ def _close(checkpoints: Any, tracker: Any) -> None:
             tracker.close()
 
 
-def show_sample(objective: Any, state: Any, key: Any, out: Any = None, quiet: bool = False) -> Any:
-    """Print the objective's preview of the trained weights (EMA when kept), if it has one."""
-    import jax
+def show_sample(objective: Objective, state: TrainState, key: jax.Array, out: TextIO | None = None,
+                quiet: bool = False) -> Any:
+    """Print the objective's preview of the trained weights (EMA when kept), if it has one.
 
-    variables = state.averaged if getattr(state, "averaged", None) is not None else state.params
+    A preview is an Artifact (its text, or its kind and shape, is printed) or
+    a bare string; the objective's preview is returned either way.
+    """
+    import jax
+    import numpy as np
+
+    from dew.telemetry.artifacts import Artifact
+
+    variables = state.averaged if state.averaged is not None else state.params
     preview = objective.preview(variables, jax.random.fold_in(key, int(state.step)))
     if preview is None or quiet:
         return preview
     stream = out or sys.stdout
-    data = getattr(preview, "data", preview)
-    if isinstance(data, str):
-        print(f"Sample ({getattr(preview, 'name', 'preview')}):\n{data}", file=stream)
-    elif dataclasses.is_dataclass(preview):
-        print(f"Preview {preview.name!r}: {preview.kind} of shape "
-              f"{getattr(data, 'shape', '?')}", file=stream)
+    if isinstance(preview, str):
+        print(f"Sample (preview):\n{preview}", file=stream)
+    elif isinstance(preview, Artifact) and isinstance(preview.data, str):
+        print(f"Sample ({preview.name}):\n{preview.data}", file=stream)
+    elif isinstance(preview, Artifact):
+        print(f"Preview {preview.name!r}: {preview.kind} of shape {np.shape(preview.data)}",
+              file=stream)
     return preview

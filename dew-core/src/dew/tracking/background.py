@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["Channel", "Dropped", "TrackerWarning", "TrackerWriteError", "let_others_run"]
 
 
@@ -45,7 +47,7 @@ def let_others_run() -> None:
     time.sleep(0)
 
 
-class TrackerWriteError(RuntimeError):
+class TrackerWriteError(DewError, RuntimeError):
     """A tracker could not write where it reports to; the message names the place."""
 
 
@@ -134,12 +136,13 @@ class _Writer:
 
 _WRITER = _Writer()
 atexit.register(_WRITER.flush_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_WRITER.after_fork)
+_register_at_fork = getattr(os, "register_at_fork", None)  # POSIX only
+if _register_at_fork is not None:
+    _register_at_fork(after_in_child=_WRITER.after_fork)
 
 
 def _step_of(item: Any) -> int | None:
-    step = getattr(item, "step", None)
+    step = getattr(item, "step", None)  # an item is whatever its tracker submitted: a record, a tuple
     if step is None and isinstance(item, tuple) and len(item) >= 3:
         step = item[2]
     return step if isinstance(step, int) else None

@@ -122,6 +122,9 @@ class LocalTracker:
         check_reported(value)
         self._channel.submit(("artifact", value, step))
 
+    def directories(self) -> list[str]:
+        return [str(self.directory)]
+
     def flush(self) -> None:
         """Wait until every report so far is in the journals; raise what failed."""
         self._channel.flush()

@@ -21,6 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dew import plugins
+from dew.errors import DewError
 from dew.telemetry.records import Goodput, RunStarted
 from dew.tracking.console import Console
 
@@ -30,7 +31,7 @@ _NONFINITE_LIMIT = 5  # consecutive rejected steps (without a loss scaler) that 
 _NONFINITE_LIMIT_SCALED = 50
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(DewError, FloatingPointError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
@@ -153,7 +154,7 @@ class Progress:
             if upto is not None and pending.step >= upto:
                 break
             if not block and (not self.eager or pending.log
-                              or not pending.metrics["finite"].is_ready()):
+                              or not pending.metrics["finite"].is_ready()):  # type: ignore[attr-defined]  # an ArrayImpl method jax.Array does not declare
                 break
             ready.append(pending)
         if not ready:

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.data.base import Reader
+from dew.data.base import Reader, close_if_closable
 from dew.objectives.base import Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.telemetry.artifacts import Artifact
 from dew.training.placement.mesh import build_mesh, data_partition, global_shape, shard_batch
@@ -85,7 +85,7 @@ class OutputMeans:
                 out[key] = MeanMetric(key).update(out.get(key, (0.0, 0.0)), {key: value})
         return out
 
-    def result(self, accumulator: dict) -> dict[str, float]:  # type: ignore[override]
+    def result(self, accumulator: dict) -> dict[str, float]:
         return {key: MeanMetric(key).result(acc) for key, acc in accumulator.items()}
 
 
@@ -171,6 +171,7 @@ class Evaluator:
                 if not everyone:
                     uneven = someone
                     break
+                assert batch is not None  # every process has one, this one too
                 shapes = global_shape(batch, partition)
                 signature = jax.tree.structure(shapes), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes))
                 outputs = self._scorer(signature)(
@@ -183,9 +184,7 @@ class Evaluator:
                 coordinated += 1
                 rows += _rows(batch) * partition.shares
         finally:
-            close = getattr(iterator, "close", None)
-            if callable(close):
-                close()
+            close_if_closable(iterator)
         scores: dict[str, float] = {}
         if coordinated:
             for metric, accumulator in zip(metrics, accumulators, strict=True):

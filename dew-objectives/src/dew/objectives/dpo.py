@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import DewError
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.policy import (
     REFERENCE,
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["DPOObjective", "MismatchedPairError", "PairCheck", "sequence_logprob"]
 
 
-class MismatchedPairError(ValueError):
+class MismatchedPairError(DewError, ValueError):
     """A chosen and a rejected sequence of one pair do not share their prompt."""
 
 

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.policy import (
     REFERENCE,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["GRPOObjective", "GroupSizeError", "group_advantages", "clipped_policy_loss"]
 
 
-class GroupSizeError(ValueError):
+class GroupSizeError(DewError, ValueError):
     """The group size does not divide the number of rows in the batch."""
 
 

@@ -23,16 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import DewError
 from dew.sampling.options import Sampling, choose
 
 __all__ = ["Generation", "InvalidPromptError", "PromptTooLongError", "generate", "sample_on_device"]
 
 
-class InvalidPromptError(ValueError):
+class InvalidPromptError(DewError, ValueError):
     """The prompts are not a batch of non-empty token-id sequences."""
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(DewError, ValueError):
     """A prompt plus the tokens to generate would not fit in the model's max_seq_len."""
 
 
@@ -156,7 +157,7 @@ def generate(
     max_new_tokens = int(max_new_tokens)
     rows = _rows(prompts)
     lengths = [len(row) for row in rows]
-    limit = getattr(model, "max_seq_len", None)
+    limit = getattr(model, "max_seq_len", None)  # any flax Module: unbounded if it does not say
     if limit is not None and max(lengths) + max_new_tokens > limit:
         longest = max(lengths)
         raise PromptTooLongError(

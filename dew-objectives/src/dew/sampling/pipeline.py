@@ -62,14 +62,15 @@ class TextGeneration:
         ids = [list(self.tokenizer.encode(prompt)) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
-                        sampling or self.sampling, eos_id=getattr(self.tokenizer, "eos_id", None))
+                        sampling or self.sampling,
+                        eos_id=getattr(self.tokenizer, "eos_id", None))  # any tokenizer: it may have none
 
     def __call__(self, prompts: str | Sequence[str], *, max_new_tokens: int = 64,
                  sampling: Sampling | None = None, key: jax.Array | None = None
                  ) -> str | list[str]:
         """The continuation of each prompt as text (one str for one str prompt)."""
         single = isinstance(prompts, str)
-        batch = [prompts] if single else list(prompts)
+        batch = [prompts] if isinstance(prompts, str) else list(prompts)
         out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key)
         texts = [self.tokenizer.decode(row) for row in out.new_tokens]
         return texts[0] if single else texts

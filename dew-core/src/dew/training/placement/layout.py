@@ -18,7 +18,9 @@ import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dew.errors import DewError
 from dew.training.placement.mesh import companion_mesh
+from dew.tree_paths import path_name
 
 __all__ = [
     "DEFAULT_RULES",
@@ -68,7 +70,7 @@ _PARAMETER_AXES = ("fsdp", "expert", "tensor")
 _FORBIDDEN_FOR_PARAMETERS = ("data", "sequence")
 
 
-class LayoutError(ValueError):
+class LayoutError(DewError, ValueError):
     """A layout would place a parameter badly, or leaves too much of the model replicated."""
 
 
@@ -326,21 +328,7 @@ class Layout:
             )
 
 
-def parameter_path(path: Sequence[Any]) -> str:
-    """A leaf's path as host_parameters patterns read it: keys joined by slashes.
-
-    >>> parameter_path((jax.tree_util.DictKey("params"), jax.tree_util.DictKey("layers_0")))
-    'params/layers_0'
-    """
-    parts = []
-    for key in path:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(key, attribute):
-                parts.append(str(getattr(key, attribute)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
+parameter_path = path_name  # a leaf's path as host_parameters patterns read it
 
 
 def _check_experts(path: str, shape: tuple[int, ...], names: tuple[str | None, ...] | None,
