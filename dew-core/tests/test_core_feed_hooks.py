@@ -290,7 +290,6 @@ def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
 
 def test_a_recipes_checkpoint_url_reaches_checkpoints_unchanged():
     from dew.recipes.config import RunConfig
-    from dew.recipes.run import _checkpoints
 
     config = RunConfig.model_validate({
         "model": {"name": "causal_transformer", "vocab_size": 8, "emb_features": 8, "num_layers": 1,
@@ -299,7 +298,7 @@ def test_a_recipes_checkpoint_url_reaches_checkpoints_unchanged():
         "data": {"name": "token_windows", "files": "x.txt", "length": 4, "batch": 8},
         "trainer": {"steps": 1, "checkpoint_dir": "gs://a-bucket/runs/one"},
     })
-    assert str(_checkpoints(config).directory) == "gs://a-bucket/runs/one"
+    assert str(config.trainer.build_checkpoints().directory) == "gs://a-bucket/runs/one"
 
 
 # -- batch edges -------------------------------------------------------------------------------------

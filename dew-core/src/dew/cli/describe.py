@@ -79,7 +79,7 @@ def describe(name: str) -> str:
     if doc:
         lines += ["", doc.split("\n\n")[0]]
     fields = registry.declared_fields(component)
-    from dew.recipes.run import run_inputs
+    from dew.recipes.components import run_inputs
 
     supplied = {k: v for k, v in SUPPLIED.items() if k in run_inputs(component)}
     if not fields:

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from dew.training.evaluation import OutputMeans, evaluate
 
     dataset = build_parts(opened.config).dataset
+    assert dataset is not None  # build_parts loads the data unless asked not to
     if args.split == "val":
         if dataset.val is None:
             print("dew eval: the run's data has no validation split; set data.load.val_fraction "

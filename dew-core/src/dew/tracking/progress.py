@@ -112,11 +112,13 @@ class Progress:
         self.eager = jax.process_count() == 1
 
     # -- the run's edges -----------------------------------------------------------
-    def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int]) -> None:
+    def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int], *,
+              recipe: Mapping[str, Any] | None = None) -> None:
+        """The fit began: the RunStarted record (carrying the recipe, when the run has one)."""
         processes = jax.process_count()
         if self.console is not None:
             self.console.start(start, steps, dict(mesh), processes)
-        self.record(RunStarted(config={}, start=start, steps=steps, mesh=dict(mesh),
+        self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
                                processes=processes), start)
         self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
 

@@ -9,13 +9,14 @@ their union:
   mesh, layout and profile are the Trainer's own ``MeshSpec``, ``Layout``
   and ``ProfileWindow``, validated as they are;
 - ``CheckpointSettings`` (dew.checkpoints.settings): checkpoint_dir,
-  keep and the local checkpoints, the arguments of ``Checkpoints``;
+  keep and the local checkpoints, which build the ``Checkpoints``
+  (``build_checkpoints``);
 - ``ProcessSettings`` (dew.training.runtime.process): xla_flags, multi_host,
   compilation_cache_dir and core_dumps, read by ``prepare_process``;
 - ``Cadence`` (dew.training.cadence): steps or epochs and the intervals,
   the arguments of ``Trainer.fit``;
-- wandb, the W&B tracker a recipe adds, and batch_ramp, which wraps the
-  dataset with ``dew.data.ramped``.
+- wandb, the W&B tracker a recipe adds (``WandbSettings.build``), and
+  batch_ramp, which wraps the dataset with ``dew.data.ramped``.
 
 >>> config = TrainerConfig(steps=10, mesh={"fsdp": 2})
 >>> config.mesh, config.log_every
@@ -23,6 +24,8 @@ their union:
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import pydantic
 from pydantic import Field
@@ -34,7 +37,12 @@ from dew.training.placement.mesh import MeshSpec
 from dew.training.profiling import ProfileWindow
 from dew.training.runtime.process import ProcessSettings
 
-__all__ = ["BatchRamp", "TrainerConfig", "TrainerSettings", "WandbSettings"]
+if TYPE_CHECKING:
+    from dew.tracking.protocol import Tracker
+
+__all__ = ["RUN_FILE", "BatchRamp", "TrainerConfig", "TrainerSettings", "WandbSettings"]
+
+RUN_FILE = "run.json"  # a run's recipe, beside its checkpoints (RunConfig.save, Trainer(recipe=))
 
 _STRICT = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -68,6 +76,13 @@ class WandbSettings(pydantic.BaseModel):
     name: str | None = None
     entity: str | None = None
     offline: bool = False
+
+    def build(self) -> Tracker:
+        """The registered ``wandb`` tracker (dew-trackers[wandb]) these settings describe."""
+        from dew import registry
+
+        return registry.trackers.build("wandb", project=self.project, name=self.name,
+                                       entity=self.entity, offline=self.offline)
 
 
 class BatchRamp(pydantic.BaseModel):

@@ -10,11 +10,14 @@ notice and a plugin's stop request are handled between steps.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic
 
 import jax
@@ -30,6 +33,7 @@ from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
 from dew.telemetry.hardware import peak_flops
 from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.tracking.protocol import Located, Tracker
+from dew.training.config import RUN_FILE, TrainerSettings
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
 from dew.training.feed import Feed
@@ -46,9 +50,8 @@ from dew.training.state import Scaler, TrainState, Window, shardings_state, stre
 from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
 from dew.training.trees import paths, select, trains
 
-if TYPE_CHECKING:  # named in signatures; the trainer imports neither before a run uses them
+if TYPE_CHECKING:  # named in signatures; the trainer imports neither before a run uses it
     from dew.checkpoints.manager import Checkpoints
-    from dew.training.config import TrainerSettings
     from dew.training.profiling import ProfileWindow
 
 __all__ = [
@@ -93,7 +96,11 @@ class Trainer(Generic[Loss, Effects]):
     metrics)), ``rollout`` produces each batch on the host first, and
     ``initializer`` gives the weights a fresh run starts from (a variables
     tree, or a source such as ``ParamsFrom``); a run that finds its own
-    checkpoint resumes from it instead.
+    checkpoint resumes from it instead. ``recipe`` is the configuration the
+    run was built from, as recorded (``RunConfig.recorded``, secrets
+    redacted): once the trainer holds the checkpoint directory it writes it
+    there (run.json), and the run's RunStarted record carries it to the
+    trackers.
     """
 
     def __init__(
@@ -112,6 +119,7 @@ class Trainer(Generic[Loss, Effects]):
         rollout: Rollout | None = None,
         profile: ProfileWindow | None = None,
         initializer: Initializer = None,
+        recipe: Mapping[str, Any] | None = None,
     ) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}.")
@@ -132,6 +140,7 @@ class Trainer(Generic[Loss, Effects]):
         self.rollout = rollout
         self.profile = profile
         self.initializer = initializer
+        self.recipe = recipe
         self._source_weights: Variables | None = None
 
     @classmethod
@@ -147,6 +156,7 @@ class Trainer(Generic[Loss, Effects]):
         step: Callable[[Objective, Optimizer], StepFn] | None = None,
         rollout: Rollout | None = None,
         initializer: Initializer = None,
+        recipe: Mapping[str, Any] | None = None,
     ) -> Trainer:
         """Build the trainer a TrainerConfig describes: its TrainerSettings fields, mapped here.
 
@@ -154,7 +164,7 @@ class Trainer(Generic[Loss, Effects]):
         """
         return Trainer(
             objective, optimizer, key=key, checkpoints=checkpoints, tracker=tracker,
-            step=step, rollout=rollout, initializer=initializer,
+            step=step, rollout=rollout, initializer=initializer, recipe=recipe,
             mesh=config.mesh, layout=config.layout, accumulation=config.accumulation,
             dynamic_scale=config.dynamic_scale, profile=config.profile,
         )
@@ -487,6 +497,8 @@ class Trainer(Generic[Loss, Effects]):
         mesh = self.device_mesh
         if self.checkpoints is not None:
             self.checkpoints.acquire()  # refuse a second writer before training, not at the first save
+            if self.recipe is not None and jax.process_index() == 0:
+                _write_recipe(self.checkpoints.directory, self.recipe)  # only the writer writes it
         state, _, position = self.place()
         start = int(jax.device_get(state.step))
         if start >= steps:
@@ -495,7 +507,7 @@ class Trainer(Generic[Loss, Effects]):
                     rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in dataset.ramp),
                     check=self.objective.check_batch)
         feed.open(position, resuming=start > 0)
-        progress.start(self, start, steps, mesh.shape)
+        progress.start(self, start, steps, mesh.shape, recipe=self.recipe)
         if self.checkpoints is not None:
             progress.note(f"checkpoints: {self.checkpoints.directory}")
         written: Sequence[str] = self.tracker.directories() if isinstance(self.tracker, Located) else ()
@@ -614,6 +626,13 @@ class Trainer(Generic[Loss, Effects]):
                            f"({failure}); the previous committed step is kept.")
             print(f"dew: fit failed; the checkpoint under way was abandoned ({failure})",
                   file=sys.stderr, flush=True)
+
+
+def _write_recipe(directory: str | os.PathLike, recipe: Mapping[str, Any]) -> None:
+    """The run's recipe beside its checkpoints (run.json), as RunConfig.save writes it."""
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / RUN_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
 
 
 def _check_composition(accumulation: int, dynamic_scale: bool, owns_state: bool) -> None:
