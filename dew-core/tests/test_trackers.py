@@ -15,6 +15,7 @@ from PIL import Image
 from dew.registry import UnknownNameError, trackers
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Goodput, ProfileWindowRecord, RunStarted
+from dew.tracking.background import TrackerWriteError
 from dew.tracking.composite import Trackers
 from dew.tracking.local import LocalTracker
 from dew.tracking.protocol import NotAReportError
@@ -327,3 +328,31 @@ def test_a_local_tracker_told_not_to_stop_warns_and_counts_what_it_lost(tmp_path
     messages = [str(w.message) for w in seen]
     assert any(str(blocked / "run") in m and "retrying" in m for m in messages)
     assert any("3 reports (steps 1 to 3)" in m for m in messages)
+
+
+# -- synchronous reports (the spec's words) ----------------------------------------------------
+
+
+def test_a_local_tracker_writes_synchronous_reports(tmp_path):
+    # The spec (dew.training): "LocalTracker	Writes synchronous reports in a tracking directory."
+    # So the row is in the journal when log() returns, without a flush or close; a preview
+    # and a record are there when artifact() returns.
+    tracker = LocalTracker(tmp_path)
+    for step in range(1, 4):
+        tracker.log({"loss": 1.0 / step, "bad": float("inf")}, step=step)
+        rows = (tmp_path / "scalars.jsonl").read_text().splitlines()
+        assert json.loads(rows[-1]) == {"step": step, "loss": 1.0 / step, "bad": "+Inf"}
+        assert len(rows) == step
+    tracker.artifact(Artifact("sample", "text", "hello"), step=3)
+    previews = (tmp_path / "previews.jsonl").read_text().splitlines()
+    assert json.loads(previews[-1])["name"] == "sample"
+    assert (tmp_path / json.loads(previews[-1])["path"]).read_text() == "hello"
+    tracker.close()
+
+
+def test_a_local_tracker_that_cannot_write_raises_from_the_call_that_failed(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    tracker = LocalTracker(blocked / "run")
+    with pytest.raises(TrackerWriteError, match=str(blocked / "run")):
+        tracker.log({"loss": 1.0}, step=1)

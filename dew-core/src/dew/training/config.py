@@ -32,7 +32,7 @@ from pydantic import Field
 
 from dew.checkpoints.settings import CheckpointSettings
 from dew.training.cadence import Cadence
-from dew.training.placement.layout import Layout
+from dew.training.placement.layout import STAGE_RULE, Layout
 from dew.training.placement.mesh import MeshSpec
 from dew.training.profiling import ProfileWindow
 from dew.training.runtime.process import ProcessSettings
@@ -61,9 +61,14 @@ class TrainerSettings(pydantic.BaseModel):
     @pydantic.field_validator("layout", mode="before")
     @classmethod
     def _unset_rules_are_the_defaults(cls, value: object) -> object:
-        """A run.json written before Layout was the recipe's type says ``rules: null``."""
+        """A run.json written before Layout was the recipe's type says ``rules: null``; one
+        written while the defaults listed the layout's own stage rule (layers -> stage) lists
+        it, and it is left to the layout."""
         if isinstance(value, dict) and "rules" in value and value["rules"] is None:
             return {k: v for k, v in value.items() if k != "rules"}
+        if isinstance(value, dict) and isinstance(value.get("rules"), list | tuple):
+            rules = [rule for rule in value["rules"] if list(rule) != list(STAGE_RULE)]
+            return {**value, "rules": rules}
         return value
 
 
