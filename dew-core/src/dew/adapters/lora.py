@@ -22,11 +22,18 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dew.errors import DewError
 from dew.nn.sharding import LAYERS
-from dew.objectives.base import Objective
+from dew.objectives.base import Aux, Batch, Mean, Metric, Objective, Step, Variables
+
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+
+    from dew.training.initializers import Initializer, WeightSource
+    from dew.training.protocols import Rollout
 
 __all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "apply_lora", "base_digest", "base_model", "base_shapes",
            "is_adapter", "merge_lora", "with_base"]
@@ -411,14 +418,14 @@ class _AdaptersOnly(Objective):
     def _reference(self) -> str | None:
         return self.inner.reference_collection
 
-    def init(self, key: Any, variables: Any = None) -> Any:
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """inner's fresh variables without its reference copy, the base from variables when given."""
         fresh = dict(self.inner.init(key))
         if self._reference is not None:
             fresh.pop(self._reference, None)  # the reference is the base model: see loss
         return fresh if variables is None else with_base(fresh, variables)
 
-    def _with_reference(self, variables: Any) -> Any:
+    def _with_reference(self, variables: Variables) -> Variables:
         """variables plus the reference as inner reads it: the same base weights, adapters' B at zero."""
         if self._reference is None:
             return variables
@@ -431,25 +438,25 @@ class _AdaptersOnly(Objective):
 
         return {**variables, self._reference: zeroed(variables["params"])}
 
-    def initializer(self) -> Any:
+    def initializer(self) -> Initializer:
         """inner's starting weights (another run's policy, say), read as the base under the adapters."""
         source = self.inner.initializer()
         return BaseWeights(source) if callable(source) and not isinstance(source, BaseWeights) else source
 
-    def loss(self, variables: Any, batch: Any, step: Any) -> Any:
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         return self.inner.loss(self._with_reference(variables), batch, step)
 
-    def evaluate(self, variables: Any, batch: Any, step: Any) -> Any:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
         return self.inner.evaluate(self._with_reference(variables), batch, step)
 
     # -- the rest of what an objective declares is inner's ----------------------------------
-    def preview(self, variables: Any, key: Any) -> Any:
+    def preview(self, variables: Variables, key: jax.Array) -> Any:  # an Artifact, or None
         return self.inner.preview(variables, key)
 
     def required_keys(self) -> Sequence[str]:
         return self.inner.required_keys()
 
-    def check_batch(self, batch: Mapping[str, Any], step: int) -> None:
+    def check_batch(self, batch: Mapping[str, np.ndarray], step: int) -> None:
         self.inner.check_batch(batch, step)
 
     def tokens(self, batch: Mapping[str, Any]) -> int | None:
@@ -458,13 +465,13 @@ class _AdaptersOnly(Objective):
     def flops(self, batch: Mapping[str, Any]) -> float | None:
         return self.inner.flops(batch)
 
-    def rollout(self) -> Any:
+    def rollout(self) -> Rollout | None:
         return self.inner.rollout()
 
-    def starting_weights(self, source: Any) -> Any:
+    def starting_weights(self, source: WeightSource) -> WeightSource:
         return self.inner.starting_weights(source)
 
-    def metrics(self) -> Sequence[Any]:
+    def metrics(self) -> Sequence[Metric]:
         return self.inner.metrics()
 
     def pipeline(self, state: Any, **options: Any) -> Any:

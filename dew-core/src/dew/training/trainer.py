@@ -23,20 +23,21 @@ from typing import TYPE_CHECKING, Any, Generic
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data.base import Dataset
 from dew.errors import DewError
 from dew.nn.pipeline import pipeline
-from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
+from dew.objectives.base import Effects, LeafFilter, Loss, Metric, Objective, Variables
 from dew.telemetry.hardware import peak_flops
 from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.tracking.protocol import Located, Tracker
 from dew.training.config import RUN_FILE, TrainerSettings
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
-from dew.training.feed import Feed
+from dew.training.feed import Feed, Signature
 from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
 from dew.training.optim import ConfiguredOptimizer, Optimizer, ParamGroup
 from dew.training.owned import Execution
@@ -81,7 +82,7 @@ class FrozenTrainedError(DewError, ValueError):
 class CompiledStep:
     """One compiled transaction: ``new = step(old, batch)``; the old state is consumed."""
 
-    executable: Any
+    executable: StepFn  # a compiled executable, or the two programs of a CPU-owned state
     batch_shapes: dict[str, jax.ShapeDtypeStruct]
 
     def __call__(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
@@ -191,7 +192,7 @@ class Trainer(Generic[Loss, Effects]):
                             nn.meta.unbox(self._boxed_variables), self._trains)
 
     @property
-    def _schedule(self) -> Callable[[int], Any] | None:
+    def _schedule(self) -> optax.Schedule | None:
         """The learning-rate schedule a configured optimizer follows (None: it does not say)."""
         return self.optimizer.schedule if isinstance(self.optimizer, ConfiguredOptimizer) else None
 
@@ -201,7 +202,7 @@ class Trainer(Generic[Loss, Effects]):
         return self.optimizer.groups if isinstance(self.optimizer, ConfiguredOptimizer) else ()
 
     @property
-    def _trains(self) -> Callable[[tuple[str, ...], Any], bool]:
+    def _trains(self) -> LeafFilter:
         return trains(self.objective.frozen)
 
     def initial_state(self, initializer: Initializer = None, key: jax.Array | None = None) -> TrainState:
@@ -250,7 +251,7 @@ class Trainer(Generic[Loss, Effects]):
         )
 
     @cached_property
-    def _shapes(self) -> tuple[Any, TrainState]:
+    def _shapes(self) -> tuple[Variables, TrainState]:
         """The fresh variables with their logical axes, and the abstract state: one trace of init
         when the run starts from a random init."""
         if self.initializer is not None:
@@ -260,14 +261,14 @@ class Trainer(Generic[Loss, Effects]):
             # The weights are an argument, so init sees tracers it can compute on (a copy, say).
             return boxed, jax.eval_shape(self.initial_state, weights, self.key)
 
-        def both(k: jax.Array) -> tuple[Any, TrainState]:
+        def both(k: jax.Array) -> tuple[Variables, TrainState]:
             boxed = self.objective.init(stream(k, "init"))
             return boxed, self._state_from(boxed, k)
 
         return jax.eval_shape(both, self.key)
 
     @cached_property
-    def _boxed_variables(self) -> Any:
+    def _boxed_variables(self) -> Variables:
         """The objective's fresh variables as shapes, with the logical axes its modules declare."""
         return self._shapes[0]
 
@@ -276,7 +277,7 @@ class Trainer(Generic[Loss, Effects]):
         return self._shapes[1]
 
     @cached_property
-    def _abstract_weights(self) -> Any:
+    def _abstract_weights(self) -> Variables | None:
         """The shapes of the weights a fresh run starts from (None: a random init)."""
         if self.initializer is None:
             return None
@@ -361,7 +362,7 @@ class Trainer(Generic[Loss, Effects]):
         state = jax.jit(self.initial_state, out_shardings=shardings)(weights, self.key)
         return state, shardings, None
 
-    def _weights_on_mesh(self, shardings: TrainState) -> Any:
+    def _weights_on_mesh(self, shardings: TrainState) -> Variables | None:
         """The starting weights, checked against a fresh init and placed like the parameters."""
         weights = self._read_weights()
         if weights is None:
@@ -516,7 +517,7 @@ class Trainer(Generic[Loss, Effects]):
         profile = self.profile.schedule(start) if self.profile is not None else None
         if profile is not None:
             profile.on_step(start)  # a window without warmup opens before the first step
-        compiled: dict[Any, CompiledStep] = {}
+        compiled: dict[Signature, CompiledStep] = {}
         saved: int | None = None
         done = start
         try:
