@@ -81,19 +81,7 @@ def test_fit_scores_the_split_every_eval_every_steps_and_at_the_end():
 
     from dew import Trainer
     from dew.data import Dataset
-
-    class Recorder:
-        def __init__(self):
-            self.scalars, self.records = [], []
-
-        def log(self, scalars, step):
-            self.scalars.append((step, dict(scalars)))
-
-        def artifact(self, value, step):
-            self.records.append((step, value))
-
-        def close(self):
-            pass
+    from dew.testing.doubles import RecordingTracker
 
     def train(partition):
         rng = np.random.default_rng(0)
@@ -101,16 +89,16 @@ def test_fit_scores_the_split_every_eval_every_steps_and_at_the_end():
             x = rng.normal(size=(4,)).astype(np.float32)
             yield {"x": x, "y": 3 * x}
 
-    recorder = Recorder()
+    recorder = RecordingTracker()
     trainer = Trainer(Scale(), optax.sgd(0.05), key=jax.random.key(0), tracker=recorder)
     state = trainer.fit(Dataset(train=train, val=val_batches(2), batch=4), steps=6, log_every=3,
                         eval_every=2)
-    evaluations = [v for _, v in recorder.records if isinstance(v, Evaluation)]
+    evaluations = [v for _, v in recorder.artifacts if isinstance(v, Evaluation)]
     assert [e.step for e in evaluations] == [2, 4, 6]
     expected = evaluate(Scale(), state.params, val_batches(2), key=jax.random.key(0),
                         metrics=[MeanMetric("loss")], step=6)
     assert evaluations[-1].scores["val/loss"] == pytest.approx(expected.scores["val/loss"], rel=1e-6)
-    logged = [s for step, s in recorder.scalars if "val/loss" in s]
+    logged = [s for step, s in recorder.rows if "val/loss" in s]
     assert len(logged) == 3
 
 
