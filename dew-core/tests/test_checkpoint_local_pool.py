@@ -6,12 +6,13 @@ placement that saved it, and falls back to the shared persistent step otherwise.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dew.testing.processes import free_port
 
 WORKER = r"""
 import sys
@@ -96,17 +97,11 @@ print("agreement ok", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_pool_keeps_local_steps_on_each_process_s_own_disk(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     workers = [subprocess.Popen([sys.executable, str(script), str(index), port, str(tmp_path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dew.testing.processes import free_port
 
 WORKER = r"""
 import sys
@@ -89,16 +90,10 @@ print("restored", process, sorted(p.name for p in __import__("pathlib").Path(dir
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _pool(tmp_path: Path, mode: str) -> list[tuple[int, str, str]]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     workers = [
         subprocess.Popen([sys.executable, str(script), str(index), port, str(tmp_path / "run"), mode],

@@ -11,35 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 
-from dew import Checkpoints, Trainer, models
+from dew import Checkpoints, Trainer
 from dew.data import Dataset
-from dew.objectives.base import Aux, EMASpec, Mean, Objective
+from dew.objectives.base import EMASpec
 from dew.plugins import StepContribution, hookimpl, registered
-from dew.testing.doubles import RecordingTracker
+from dew.testing.doubles import Linear, RecordingTracker  # y = w.x + b by squared error
 from dew.training.placement.mesh import BatchMismatchError
 from dew.training.trainer import StepCompositionError
-
-
-class Linear(Objective):
-    """y = w.x + b by squared error; counts its traces."""
-
-    def __init__(self, ema=None):
-        self.model = nn.Dense(1)
-        self.ema = ema
-        self.traces = 0
-
-    def init(self, key, variables=None):
-        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 4)))
-
-    def loss(self, variables, batch, step):
-        self.traces += 1
-        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
-        return Mean(jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)), Aux()
-
-    def required_keys(self):
-        return ("x", "y")
 
 
 def batch_at(index, rows=8):
@@ -76,56 +55,6 @@ Recorder = RecordingTracker
 
 # -- rollouts ------------------------------------------------------------------------------
 
-class Counter(Objective):
-    """A tiny LM objective around a causal transformer, counting traces of its loss."""
-
-    def __init__(self):
-        from dew.objectives.lm import LMObjective
-
-        self.model = models.build("causal_transformer", vocab_size=16, emb_features=16, num_layers=1,
-                                  num_heads=2, mlp_features=32, max_seq_len=16)
-        self.lm = LMObjective(self.model, seq_len=8)
-        self.traces = 0
-
-    def init(self, key, variables=None):
-        return self.lm.init(key, variables)
-
-    def loss(self, variables, batch, step):
-        self.traces += 1
-        return self.lm.loss(variables, batch, step)
-
-    def required_keys(self):
-        return ("text",)
-
-
-@pytest.mark.slow
-def test_a_rollout_samples_with_the_live_parameters_and_the_step_compiles_once():
-    from dew.sampling import Sampling, generate
-
-    objective = Counter()
-    prompts = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
-    seen = []
-
-    def rollout(state, batch, key):
-        params = jax.device_get(state.params)
-        out = generate(objective.model, state.params, prompts, max_new_tokens=6, key=key,
-                       sampling=Sampling(temperature=0))
-        seen.append((params, np.asarray(out.tokens)))
-        return {"text": batch["text"], "sample": np.asarray(out.tokens, np.int32)}
-
-    # The model learns to count on from each prompt; the rollout's samples show it learning.
-    text = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
-    data = Dataset(train=lambda p: itertools.repeat({"text": text}), batch=2)
-    trainer = Trainer(objective, optax.adam(0.05), key=jax.random.key(0), rollout=rollout)
-    trainer.fit(data, steps=30, log_every=30)
-    assert objective.traces == 1
-    # Each sample is what generate makes from the parameters the step received.
-    for params, tokens in (seen[0], seen[-1]):
-        again = generate(objective.model, params, prompts, max_new_tokens=6, key=jax.random.key(9),
-                         sampling=Sampling(temperature=0))
-        np.testing.assert_array_equal(np.asarray(again.tokens), tokens)
-    assert not np.array_equal(seen[0][1], seen[-1][1]), "samples did not follow the training"
-    np.testing.assert_array_equal(seen[-1][1], text)
 
 
 class Reusing:
@@ -287,19 +216,6 @@ def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
 
 
 # -- recipes keep checkpoint URLs ------------------------------------------------------------------
-
-def test_a_recipes_checkpoint_url_reaches_checkpoints_unchanged():
-    from dew.recipes.config import RunConfig
-    from dew.recipes.run import _checkpoints
-
-    config = RunConfig.model_validate({
-        "model": {"name": "causal_transformer", "vocab_size": 8, "emb_features": 8, "num_layers": 1,
-                  "num_heads": 2, "mlp_features": 8, "max_seq_len": 8},
-        "objective": {"name": "lm", "seq_len": 4},
-        "data": {"name": "token_windows", "files": "x.txt", "length": 4, "batch": 8},
-        "trainer": {"steps": 1, "checkpoint_dir": "gs://a-bucket/runs/one"},
-    })
-    assert str(_checkpoints(config).directory) == "gs://a-bucket/runs/one"
 
 
 # -- batch edges -------------------------------------------------------------------------------------

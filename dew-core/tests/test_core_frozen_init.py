@@ -15,6 +15,7 @@ from flax import linen as nn
 from dew import Checkpoints, Trainer
 from dew.data import Dataset
 from dew.objectives.base import Aux, EMASpec, Mean, Objective, under
+from dew.testing.doubles import RecordingTracker
 from dew.training.initializers import InitializerMismatchError, ParamsFrom
 from dew.training.optim import OptimizerConfig, ParamGroup, build_optimizer
 from dew.training.state import STREAMS, stream
@@ -240,8 +241,6 @@ def test_random_streams_never_meet_over_the_first_100000_steps():
 
 
 def test_the_step_and_the_rollout_draw_their_own_streams():
-    seen = []
-
     class Draw(Objective):
         def init(self, key, variables=None):
             return {"params": {"w": jnp.zeros(())}}
@@ -250,16 +249,6 @@ def test_the_step_and_the_rollout_draw_their_own_streams():
             draw = jax.random.uniform(step.key)
             return Mean(variables["params"]["w"] ** 2, jnp.asarray(1.0)), Aux(metrics={"draw": draw})
 
-    class Recording:
-        def log(self, scalars, step):
-            seen.append((step, scalars["train/draw"]))
-
-        def artifact(self, value, step):
-            pass
-
-        def close(self):
-            pass
-
     rollout_keys = []
 
     def rollout(state, batch, key):
@@ -267,8 +256,11 @@ def test_the_step_and_the_rollout_draw_their_own_streams():
         return batch
 
     data = Dataset(train=lambda p: itertools.repeat({"x": np.zeros((1,), np.float32)}), batch=1)
-    trainer = Trainer(Draw(), optax.sgd(0.1), key=jax.random.key(3), tracker=Recording(), rollout=rollout)
+    recording = RecordingTracker()
+    trainer = Trainer(Draw(), optax.sgd(0.1), key=jax.random.key(3), tracker=recording, rollout=rollout)
     state = trainer.fit(data, steps=3, log_every=1)
+    seen = recording.series("train/draw")
+    assert len(seen) == 3
     for step, draw in seen:
         assert draw == pytest.approx(float(jax.random.uniform(state.key_for(step - 1))))
     for step, key in enumerate(rollout_keys):

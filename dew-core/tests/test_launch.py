@@ -5,7 +5,6 @@ processes (plain Python programs, so each case takes about a second)."""
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import yaml
 
 from dew.cli import main
+from dew.testing.processes import free_port
 from dew.training.runtime.pool import (
     CoordinatorUnreachableError,
     PoolEnvironmentError,
@@ -58,14 +58,8 @@ def test_explicit_variables_win_and_contradictions_are_named():
     assert seat_from_environment({"PATH": "/bin"}) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_an_unreachable_coordinator_is_named_with_the_fix():
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     with pytest.raises(CoordinatorUnreachableError) as error:
         reach_coordinator(f"127.0.0.1:{port}", index=1, timeout=1.0)
@@ -105,36 +99,6 @@ def test_the_jobset_manifest_gives_every_pod_its_seat(capsys):
     assert seat == PoolSeat(env["DEW_COORDINATOR_ADDRESS"], 4, 3, "kubernetes")
     assert container["command"][:2] == ["dew", "launch"] and container["command"][-2:] == ["tiny-lm",
                                                                                          "trainer.steps=9"]
-
-
-def test_the_sbatch_script_is_valid_bash_and_its_srun_line_joins_the_pool(tmp_path, capsys, monkeypatch):
-    text = _printed(["--print", "slurm", "-n", "8", "--per-node", "4", "tiny-lm", "trainer.steps=9"], capsys)
-    script = tmp_path / "job.sbatch"
-    script.write_text(text)
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=4\n" in text
-    assert "#SBATCH --signal=TERM@" in text and "#SBATCH --requeue\n" in text
-    srun = shlex.split(next(line for line in text.splitlines() if line.startswith("srun ")))
-    command = srun[srun.index("dew") + 1:]
-    for name, value in {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gpu[3-4]",
-                        "SLURM_JOB_ID": "77"}.items():
-        monkeypatch.setenv(name, value)
-    assert main([*command, "--check"]) == 0
-    line = capsys.readouterr().out.strip()
-    assert line.startswith("rank 6: ")
-    assert f"JAX_COORDINATOR_ADDRESS=gpu3:{77 + 61440}" in line and "JAX_NUM_PROCESSES=8" in line
-    assert line.endswith("train tiny-lm trainer.steps=9 trainer.multi_host=true")
-
-
-def test_launch_outside_any_pool_says_how_to_start_one(capsys, monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(("SLURM_", "JAX_COORDINATOR", "JOB_COMPLETION")):
-            monkeypatch.delenv(name)
-    assert main(["launch", "tiny-lm", "--check"]) == 2
-    err = capsys.readouterr().err
-    assert "-n N" in err and "--print slurm" in err
-    assert main(["launch", "tiny-lm", "no_such_field=1"]) == 2
-    assert "no_such_field" in capsys.readouterr().err
 
 
 # The launcher over real processes. Each rank prints "ready" and then either finishes, fails,

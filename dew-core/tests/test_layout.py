@@ -49,3 +49,36 @@ def test_a_rule_onto_a_batch_axis_is_refused():
     layout = Layout(rules=(("embed", "data"),), min_shard=0)
     with pytest.raises(LayoutError, match="split the batch"):
         layout.spec((64,), ("embed",), mesh(data=2))
+
+
+# -- the stage axis is the layout's own ----------------------------------------------------------
+
+
+def test_a_rule_onto_the_stage_axis_is_refused_and_the_stack_is_placed_there_by_the_layout():
+    # The spec (dew.training, Layout): "A parameter the rules place on the data, sequence or stage
+    # axis is refused. [...] The stage axis holds the layer stack's pipeline stages, which the
+    # decoder places itself from the stored tree."
+    from dew.training.placement.layout import DEFAULT_RULES
+
+    for rules in ((("mlp", "stage"),), (("layers", "stage"),), {"embed": ("fsdp", "stage")}):
+        with pytest.raises(LayoutError, match="stage axis"):
+            Layout(rules=rules)
+    assert all("stage" not in ((axes,) if isinstance(axes, str) else tuple(axes or ()))
+               for _, axes in DEFAULT_RULES)
+    # No rule names it, yet the stored tree's layers axis splits over the stage axis, whatever
+    # the rules, and a small stacked leaf keeps its stage too (its devices hold its layers).
+    stages = mesh(stage=2, fsdp=2)
+    assert LAYOUT.spec((4, 64, 256), ("layers", "embed", "mlp"), stages) == PartitionSpec("stage", "fsdp", None)
+    assert Layout().spec((4, 8), ("layers", "embed"), stages) == PartitionSpec("stage", None)
+    own = Layout(rules=(("embed", "fsdp"),), min_shard=0)
+    assert own.spec((4, 64), ("layers", "embed"), stages) == PartitionSpec("stage", "fsdp")
+    # Activations the stack carries (a pipeline's state) are constrained the same way.
+    assert ("layers", "stage") in own.axis_rules and ("layers", "stage") in Layout().axis_rules
+
+
+def test_a_run_json_written_when_the_defaults_listed_the_stage_rule_still_reads():
+    from dew.training.config import TrainerConfig
+
+    written = [["embed", "fsdp"], ["layers", "stage"]]  # as an older dew's run.json records them
+    config = TrainerConfig(steps=1, layout={"rules": written})
+    assert config.layout.axis_rules == (("embed", "fsdp"), ("layers", "stage"))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dew.testing.processes import free_port
 
 MODEL = r"""
 import json, sys
@@ -23,21 +24,15 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
-from dew.objectives.base import Aux, Mean, Objective
+from dew.testing.doubles import NextToken, RecordingTracker
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec
 
 ROWS = 16
 
-class LM(Objective):
-    model = CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
-                              mlp_features=32, max_seq_len=8)
-    def init(self, key, variables=None):
-        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 8), jnp.int32))
-    def loss(self, variables, batch, step):
-        logits = self.model.apply(variables, batch["text"][:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:])
-        return Mean(ce.sum(), jnp.asarray(ce.size, jnp.float32)), Aux()
+def LM():  # the next-token cross entropy of a tiny decoder, dew.testing's double
+    return NextToken(CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
+                                       mlp_features=32, max_seq_len=8))
 
 def batches(partition):
     step = 0
@@ -47,18 +42,13 @@ def batches(partition):
         yield {"text": rows[partition.share * share:(partition.share + 1) * share]}
         step += 1
 
-class Log:
-    def __init__(self): self.values = []
-    def log(self, scalars, step): self.values.append(scalars["train/loss"])
-    def artifact(self, value, step): pass
-    def close(self): pass
 
 def train(spec):
-    log = Log()
+    log = RecordingTracker()
     trainer = Trainer(LM(), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(**spec),
                       layout=Layout(min_shard=0, tolerance=1.0), tracker=log)
     state = trainer.fit(Dataset(train=batches, batch=ROWS), steps=10, log_every=1)
-    return trainer, state, log.values
+    return trainer, state, log.values("train/loss")
 """
 
 WORKER = r"""
@@ -82,12 +72,6 @@ print("RESULT" + json.dumps({"losses": losses, "shape": dict(mesh.shape), "insid
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _result(out: str) -> dict:
     return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
 
@@ -98,7 +82,7 @@ def test_replicas_in_a_two_process_pool_match_one_device(tmp_path: Path, python_
                                           devices=1))["losses"]
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     # A device thread can wait past XLA:CPU's 40 s collective deadline on a loaded machine.
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 "

@@ -16,24 +16,18 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
-from dew.objectives.base import Aux, Mean, Objective
+from dew.testing.doubles import NextToken, RecordingTracker
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec
 
 ROWS = 32
 
-class LM(Objective):
+class LM(NextToken):  # the next-token cross entropy of a scanned decoder, dew.testing's double
     def __init__(self, layers=4):
-        self.model = CausalTransformer(vocab_size=32, emb_features=16, num_layers=layers,
-                                       num_heads=2, mlp_features=32, max_seq_len=8,
-                                       position_embedding="rotary", mlp_activation="swiglu",
-                                       scan_layers=True)
-    def init(self, key, variables=None):
-        return variables if variables is not None else self.model.init(key, jnp.zeros((1, 8), jnp.int32))
-    def loss(self, variables, batch, step):
-        logits = self.model.apply(variables, batch["text"][:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:])
-        return Mean(ce.sum(), jnp.asarray(ce.size, jnp.float32)), Aux()
+        super().__init__(CausalTransformer(vocab_size=32, emb_features=16, num_layers=layers,
+                                           num_heads=2, mlp_features=32, max_seq_len=8,
+                                           position_embedding="rotary", mlp_activation="swiglu",
+                                           scan_layers=True))
 
 class Stream:
     def __init__(self, partition):
@@ -52,14 +46,9 @@ class Stream:
 
 data = Dataset(train=Stream, batch=ROWS)
 
-class Log:
-    def __init__(self): self.rows = []
-    def log(self, scalars, step): self.rows.append(dict(scalars))
-    def artifact(self, value, step): pass
-    def close(self): pass
 
 def train(spec, steps=10, checkpoints=None, layers=4):
-    log = Log()
+    log = RecordingTracker()
     trainer = Trainer(LM(layers), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(**spec),
                       layout=Layout(min_shard=0, tolerance=1.0), tracker=log,
                       checkpoints=checkpoints)
@@ -72,8 +61,8 @@ out = {}
 for name, spec in json.loads(sys.argv[1]).items():
     trainer, state, log = train(spec)
     kernel = state.params["params"]["layers"]["mlp"]["wi"]
-    out[name] = {"losses": [r["train/loss"] for r in log.rows],
-                 "bubble": [r.get("train/pipeline_bubble") for r in log.rows][-1],
+    out[name] = {"losses": log.values("train/loss"),
+                 "bubble": [r.get("train/pipeline_bubble") for _, r in log.rows][-1],
                  "spec": str(kernel.sharding.spec), "sites": list(trainer.bank_sites),
                  "shard": list(kernel.addressable_shards[0].data.shape)}
 print("RESULT" + json.dumps(out))

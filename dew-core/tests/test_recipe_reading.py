@@ -154,13 +154,6 @@ def _check_one(text: str, tmp_path: Path) -> None:
     assert time.monotonic() - started < 10.0
 
 
-@pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(edits=st.lists(st.tuples(st.lists(_SECTIONS, min_size=1, max_size=3), _TREES), max_size=4))
-def test_fuzz_structured_edits_of_a_real_recipe(edits, tmp_path):
-    _check_one(_recipe_text(yaml.safe_load(TINY), edits), tmp_path)
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=st.sampled_from(list("ab:-[]{},&*!<>|'\"#\n \t?%@`1.e") + ["\x00", "\ufeff"]),
                     max_size=200))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from dew.data.errors import (
 from dew.data.order import epoch_order, permute
 from dew.data.sources import ArrayRecords
 from dew.data.stream import train_stream, val_stream
+from dew.testing.processes import free_port
 
 N = 23  # not a multiple of any batch below: batches cross epoch boundaries
 
@@ -181,12 +181,6 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     return env
@@ -196,7 +190,7 @@ def _env() -> dict[str, str]:
 def test_a_two_process_pool_reads_the_one_process_order(tmp_path: Path):
     script = tmp_path / "pool.py"
     script.write_text(textwrap.dedent(POOL_SCRIPT))
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r), str(outs[r])],
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

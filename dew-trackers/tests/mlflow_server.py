@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from dew.testing.processes import free_port  # noqa: F401 - the tests take it from here
+
 START_TIMEOUT = 240.0  # a cold server on a busy 2-core machine took ~60 s
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start(root: Path, port: int) -> subprocess.Popen:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints as Checkpoints
     from dew.data.base import DataPartition as DataPartition
     from dew.data.base import Dataset as Dataset
+    from dew.errors import DewError as DewError
     from dew.objectives.base import Objective as Objective
     from dew.pretrained.model import Pretrained as Pretrained
     from dew.telemetry.profiling import profile as profile

@@ -23,10 +23,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["MissingDistributionError", "import_or_explain", "install_hint", "surface"]
 
 
-class MissingDistributionError(ImportError):
+class MissingDistributionError(DewError, ImportError):
     """A dew name lives in a distribution, or needs an extra, that is not installed."""
 
 
@@ -127,6 +129,7 @@ def surface(package: str, init_file: str, *, elsewhere: str | None = None,
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
             missing = error.name or module_name
+            extras: tuple[str, ...]
             if missing == "dew" or missing.startswith("dew."):
                 distribution, extras = elsewhere or "dew-core", ()
             else:

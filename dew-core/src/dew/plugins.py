@@ -47,6 +47,8 @@ from typing import Any
 
 import pluggy
 
+from dew.errors import DewError
+
 __all__ = [
     "AUTOLOAD_VARIABLE",
     "BLOCK_VARIABLE",
@@ -70,11 +72,11 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-class HookImplementationError(TypeError):
+class HookImplementationError(DewError, TypeError):
     """A plugin implements a hook that does not exist, or takes an argument the hook lacks."""
 
 
-class PluginLoadError(RuntimeError):
+class PluginLoadError(DewError, RuntimeError):
     """An installed plugin failed while being imported or instantiated; the message names its
     entry point, its distribution and the switch that skips it."""
 

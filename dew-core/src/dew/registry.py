@@ -25,6 +25,7 @@ import importlib_metadata
 import pydantic
 
 from dew._surface import MissingDistributionError, install_hint
+from dew.errors import DewError
 
 __all__ = [
     "GROUPS",
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-class RegistryError(LookupError):
+class RegistryError(DewError, LookupError):
     """Base class of the errors a registry raises."""
 
 
@@ -71,8 +72,8 @@ class Provider:
     name: str
     value: str
     distribution: str
-    entry_point: Any = None
-    component: Any = None  # set for temporary registrations
+    entry_point: importlib_metadata.EntryPoint | None = None
+    component: Any = None  # set for temporary registrations: any object a registry holds
 
     def load(self) -> Any:
         if self.component is not None:
@@ -94,7 +95,7 @@ class Provider:
     @property
     def requirement(self) -> str:
         """What to install for this name: the distribution, with its entry point's extras."""
-        extras = list(getattr(self.entry_point, "extras", None) or [])
+        extras = [] if self.entry_point is None else list(self.entry_point.extras)
         return f"{self.distribution}[{','.join(extras)}]" if extras else self.distribution
 
     def _install_hint(self, missing: str) -> str:
@@ -103,7 +104,7 @@ class Provider:
         if _normalize(missing.partition(".")[0]) == _normalize(module.partition(".")[0]):
             return (f"{self.distribution} looks incomplete; reinstall it: "
                     f"pip install --force-reinstall {self.distribution}.")
-        extras = tuple(getattr(self.entry_point, "extras", None) or ())
+        extras = () if self.entry_point is None else tuple(self.entry_point.extras)
         return install_hint(self.distribution, missing, extras) + "."
 
 
@@ -270,8 +271,8 @@ def declared_fields(component: Any) -> dict[str, tuple[Any, Any]]:
                 continue
             if f.default is not dataclasses.MISSING:
                 default = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                default = f.default_factory()  # type: ignore[misc]
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
             else:
                 default = ...
             out[f.name] = (hints.get(f.name, Any), default)
@@ -317,7 +318,7 @@ def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[s
         )
     known = {k: v for k, v in kwargs.items() if k in fields}
     model = pydantic.create_model(  # type: ignore[call-overload]
-        f"{getattr(component, '__name__', 'Component')}Fields",
+        f"{getattr(component, '__name__', 'Component')}Fields",  # a class, or any callable
         __config__=pydantic.ConfigDict(arbitrary_types_allowed=True, strict=False),
         **{k: (_lenient(fields[k][0]), fields[k][1]) for k in fields},
     )

@@ -20,11 +20,20 @@ True
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from dew.errors import DewError
 from dew.nn.sharding import LAYERS
+from dew.objectives.base import Aux, Batch, Mean, Metric, Objective, Step, Variables
+
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+
+    from dew.training.initializers import Initializer, WeightSource
+    from dew.training.protocols import Rollout
 
 __all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "apply_lora", "base_digest", "base_model", "base_shapes",
            "is_adapter", "merge_lora", "with_base"]
@@ -44,7 +53,7 @@ BaseDtype = Literal["float32", "int8", "nf4"]
 QTYPES: Mapping[str, str | None] = {"float32": None, "int8": "int8", "nf4": "nf4"}
 
 
-class LoraError(ValueError):
+class LoraError(DewError, ValueError):
     """A LoRA spec that cannot be applied to this model."""
 
 
@@ -101,6 +110,8 @@ class Lora:
 
 def _weights(variables: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every parameter's "module/param" path and shape."""
+    import numpy as np
+
     out: dict[str, tuple[int, ...]] = {}
 
     def walk(tree: Mapping[str, Any], prefix: str) -> None:
@@ -109,8 +120,7 @@ def _weights(variables: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
             if isinstance(value, Mapping):
                 walk(value, path)
             else:
-                array = value.unbox() if hasattr(value, "unbox") else value  # a partitioning box
-                out[path] = tuple(getattr(array, "shape", ()))
+                out[path] = tuple(np.shape(_unbox(value)))  # a partitioning box, or the array
 
     walk(variables.get("params", {}), "")
     return out
@@ -191,19 +201,30 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     # A subclass of qwix's (a linen module still, so objectives accept it);
     # init is set after the class is made so linen does not wrap it.
     checked = type(qwix_class.__name__, (qwix_class,), {"dew_base_model": (model,)})  # a tuple: linen would wrap a module
-    checked.init = init
+    checked.init = init  # type: ignore[attr-defined]  # a linen Module class: it has init
     wrapped.__class__ = checked
     return wrapped
 
 
 def base_model(model: Any) -> Any:
     """The model apply_lora wrapped (model itself when it wraps nothing)."""
-    held = getattr(type(model), "dew_base_model", None)
+    held = getattr(type(model), "dew_base_model", None)  # any flax Module: only apply_lora's has it
     return model if held is None else held[0]
 
 
+def _digest_part(entry: Any) -> Any:
+    """A path entry as the base digest names it: a key or an attribute's name, else the entry."""
+    import jax
+
+    if isinstance(entry, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
+        return entry.key
+    return entry.name if isinstance(entry, jax.tree_util.GetAttrKey) else entry
+
+
 def _unbox(leaf: Any) -> Any:
-    return leaf.unbox() if hasattr(leaf, "unbox") else leaf
+    from flax.core import meta
+
+    return leaf.unbox() if isinstance(leaf, meta.AxisMetadata) else leaf
 
 
 def _unbox_tree(tree: Any) -> Any:
@@ -214,7 +235,8 @@ def _unbox_tree(tree: Any) -> Any:
 
 def _is_quantized(leaf: Any) -> bool:
     """Whether leaf is a weight qwix holds quantized (its WithAux: codes, scales, how)."""
-    return type(leaf).__name__ == "WithAux" and hasattr(leaf, "how")
+    # qwix is an optional dependency, so its class is matched by name and shape, not imported.
+    return type(leaf).__name__ == "WithAux" and getattr(leaf, "how", None) is not None
 
 
 def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
@@ -248,16 +270,17 @@ def bytewise(tree: Any) -> Any:
 
     import jax
     import jax.numpy as jnp
+    from flax.core import meta
 
     def widen(leaf: Any) -> Any:
         if not _is_quantized(leaf):
             return leaf
         codes = leaf.array.qvalue
         raw = _unbox(codes)
-        if getattr(raw, "dtype", None) != jnp.uint4:
+        if raw.dtype != jnp.uint4:
             return leaf
         wide = raw.astype(jnp.uint8)
-        codes = codes.replace_boxed(wide) if hasattr(codes, "replace_boxed") else wide
+        codes = codes.replace_boxed(wide) if isinstance(codes, meta.AxisMetadata) else wide
         return leaf.replace(array=dataclasses.replace(leaf.array, qvalue=codes))
 
     return jax.tree.map(widen, tree, is_leaf=_is_quantized)
@@ -365,8 +388,7 @@ def base_digest(variables: Mapping[str, Any]) -> str:
     # A scanned stack is digested as its numbered layers: the same base either way.
     params = unstack_tree(nn.meta.unbox(dict(variables).get("params", variables)))
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    named = sorted(("/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path), leaf)
-                   for path, leaf in flat)
+    named = sorted(("/".join(str(_digest_part(k)) for k in path), leaf) for path, leaf in flat)
     for name, leaf in named:
         if any(part.endswith(ADAPTER_SUFFIXES) for part in name.split("/")):
             continue
@@ -376,35 +398,36 @@ def base_digest(variables: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
-class _AdaptersOnly:
+class _AdaptersOnly(Objective):
     """inner, training its adapters alone; a reference policy is the base model, not a copy.
 
-    Everything but ``frozen``, ``init``, ``initializer``, ``loss`` and ``evaluate`` is inner's.
+    ``frozen``, ``init``, ``initializer``, ``loss`` and ``evaluate`` are its
+    own; every other declared capability is inner's, and so is any other
+    attribute inner has (its fields: ``seq_len``, a ``prompt``).
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Objective) -> None:
         self.inner = inner
-
-    @property
-    def frozen(self) -> Callable[[tuple[str, ...], Any], bool]:
-        also = getattr(self.inner, "frozen", None)
+        also = inner.frozen
 
         def frozen(path: tuple[str, ...], leaf: Any) -> bool:
             return not is_adapter(path, leaf) or (also is not None and bool(also(path, leaf)))
 
-        return frozen
+        self.frozen = frozen
+        self.ema = inner.ema  # model and tokenizer are inner's too (see __getattr__)
 
     @property
     def _reference(self) -> str | None:
-        return getattr(self.inner, "reference_collection", None)
+        return self.inner.reference_collection
 
-    def init(self, key: Any, variables: Any = None) -> Any:
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """inner's fresh variables without its reference copy, the base from variables when given."""
         fresh = dict(self.inner.init(key))
-        fresh.pop(self._reference, None)  # the reference is the base model: see loss
+        if self._reference is not None:
+            fresh.pop(self._reference, None)  # the reference is the base model: see loss
         return fresh if variables is None else with_base(fresh, variables)
 
-    def _with_reference(self, variables: Any) -> Any:
+    def _with_reference(self, variables: Variables) -> Variables:
         """variables plus the reference as inner reads it: the same base weights, adapters' B at zero."""
         if self._reference is None:
             return variables
@@ -417,23 +440,54 @@ class _AdaptersOnly:
 
         return {**variables, self._reference: zeroed(variables["params"])}
 
-    def initializer(self) -> Any:
+    def initializer(self) -> Initializer:
         """inner's starting weights (another run's policy, say), read as the base under the adapters."""
-        make = getattr(self.inner, "initializer", None)
-        source = make() if callable(make) else None
+        source = self.inner.initializer()
         return BaseWeights(source) if callable(source) and not isinstance(source, BaseWeights) else source
 
-    def loss(self, variables: Any, batch: Any, step: Any) -> Any:
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         return self.inner.loss(self._with_reference(variables), batch, step)
 
-    def evaluate(self, variables: Any, batch: Any, step: Any) -> Any:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
         return self.inner.evaluate(self._with_reference(variables), batch, step)
+
+    # -- the rest of what an objective declares is inner's ----------------------------------
+    def preview(self, variables: Variables, key: jax.Array) -> Any:  # an Artifact, or None
+        return self.inner.preview(variables, key)
+
+    def required_keys(self) -> Sequence[str]:
+        return self.inner.required_keys()
+
+    def check_batch(self, batch: Mapping[str, np.ndarray], step: int) -> None:
+        self.inner.check_batch(batch, step)
+
+    def tokens(self, batch: Mapping[str, Any]) -> int | None:
+        return self.inner.tokens(batch)
+
+    def flops(self, batch: Mapping[str, Any]) -> float | None:
+        return self.inner.flops(batch)
+
+    def rollout(self) -> Rollout | None:
+        return self.inner.rollout()
+
+    def starting_weights(self, source: WeightSource) -> WeightSource:
+        return self.inner.starting_weights(source)
+
+    def metrics(self) -> Sequence[Metric]:
+        return self.inner.metrics()
+
+    def pipeline(self, state: Any, **options: Any) -> Any:
+        return self.inner.pipeline(state, **options)
+
+    @property
+    def reference_collection(self) -> str | None:
+        return self.inner.reference_collection  # kept out of init: see _reference
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
-def adapters_only(objective: Any) -> Any:
+def adapters_only(objective: Objective) -> Objective:
     """objective, training the LoRA adapters alone: every other leaf is frozen.
 
     The result answers every attribute as objective does, except: ``frozen``
@@ -460,6 +514,7 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
     """
     import jax
     import jax.numpy as jnp
+    from flax.core import meta
 
     scale = spec.alpha / spec.rank
 
@@ -480,8 +535,8 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
 
                 dequantize = jax.vmap(qarray.dequantize) if LAYERS in prefix.split("/") else qarray.dequantize
                 weight = dequantize(_unbox_tree(weight.array))
-            array = weight.unbox() if hasattr(weight, "unbox") else weight
-            a, b = (x.unbox() if hasattr(x, "unbox") else x for x in (a, b))
+            array = _unbox(weight)
+            a, b = (_unbox(x) for x in (a, b))
             if LAYERS in prefix.split("/"):  # inside a scanned stack: one product per layer
                 product = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
                                      b.reshape(b.shape[0], b.shape[1], -1))
@@ -492,7 +547,7 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
                 raise LoraError(f"The adapters of {prefix}/{key} (A {a.shape}, B {b.shape}) do not fit "
                                 f"its weight of shape {array.shape}; they cannot be merged.")
             merged = (array + scale * product.reshape(array.shape)).astype(array.dtype)
-            out[key] = weight.replace_boxed(merged) if hasattr(weight, "replace_boxed") else merged
+            out[key] = weight.replace_boxed(merged) if isinstance(weight, meta.AxisMetadata) else merged
         return out
 
     return merge(variables, "")

@@ -63,7 +63,7 @@ def provider(qwix: Any) -> Any:
             value = super().nn_param(module, name, *args, **kwargs)
             if isinstance(value, ptq.WithAux):
                 value = Held(value.array, value.how)
-            shape = tuple(getattr(value, "shape", ()))
+            shape = tuple(getattr(value, "shape", ()))  # what qwix hands a layer: an array, or not
             if len(shape) >= 2:
                 self._reads(module).setdefault(shape, deque()).append(name)
             return value

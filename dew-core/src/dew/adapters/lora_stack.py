@@ -38,7 +38,7 @@ _NUMBERED = re.compile(rf"{LAYERS}_(\d+)(/.*)?")
 
 def is_scanned(model: Any) -> bool:
     """Whether model keeps its layers as one scanned stack (dew's ``scan_layers`` option)."""
-    return bool(getattr(model, "scan_layers", False))
+    return bool(getattr(model, "scan_layers", False))  # any flax Module: only dew's decoders scan
 
 
 def _module_paths(model: Any) -> list[str]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["Quantization", "QuantizationError", "apply_quantization"]
 
 # The layer stack of dew's backbones (layers_0, layers_1, ..., or one scanned
@@ -20,7 +22,7 @@ __all__ = ["Quantization", "QuantizationError", "apply_quantization"]
 TRUNK = r".*layers(_\d+)?(/.*)?"
 
 
-class QuantizationError(ValueError):
+class QuantizationError(DewError, ValueError):
     """A quantization spec qwix cannot apply."""
 
 

@@ -10,6 +10,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = [
     "CheckpointCorruptedError",
     "CheckpointDirectoryNotSharedError",
@@ -24,7 +26,7 @@ __all__ = [
 ]
 
 
-class CheckpointError(Exception):
+class CheckpointError(DewError):
     """Base class of dew's checkpoint failures."""
 
 

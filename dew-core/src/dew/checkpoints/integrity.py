@@ -35,7 +35,8 @@ from jax import lax
 
 __all__ = [
     "COMMIT_FILES", "MANIFEST", "compare_leaves", "compare_nodes", "digest_leaves", "digests_as_lists", "file_table",
-    "leaf_table", "node_table", "prepare_digests", "start_hashing", "verify_files", "verify_sizes",
+    "leaf_table", "node_table", "prepare_digests", "sharding_of", "start_hashing", "verify_files",
+    "verify_sizes",
 ]
 
 MANIFEST = "dew.json"
@@ -98,9 +99,13 @@ _PREPARED_LIMIT = 8
 _prepared_lock = threading.Lock()
 
 
+def sharding_of(leaf: Any) -> Any:
+    """A leaf's sharding: an array's, or a restore template's (None for a host array)."""
+    return leaf.sharding if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) else None
+
+
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple((tuple(leaf.shape), np.dtype(leaf.dtype).str, getattr(leaf, "sharding", None))
-                 for leaf in leaves)
+    return tuple((tuple(leaf.shape), np.dtype(leaf.dtype).str, sharding_of(leaf)) for leaf in leaves)
 
 
 def prepare_digests(leaves: Sequence[Any]) -> None:
@@ -125,8 +130,7 @@ def prepare_digests(leaves: Sequence[Any]) -> None:
             _PREPARED.pop(next(iter(_PREPARED)))
         future: Future[Any] = Future()
         _PREPARED[key] = future
-    specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
-             for leaf in leaves]
+    specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding_of(leaf)) for leaf in leaves]
 
     def compile_() -> None:
         try:
@@ -137,17 +141,17 @@ def prepare_digests(leaves: Sequence[Any]) -> None:
     threading.Thread(target=compile_, name="dew-digest-compile", daemon=True).start()
 
 
-def _in_device_memory(leaf: jax.Array) -> jax.Array:
+def _in_device_memory(leaf: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
     """leaf, copied to device memory if it sits in host memory (Layout.host): XLA computes
     only on operands in one memory space."""
-    sharding = getattr(leaf, "sharding", None)
-    kind = getattr(sharding, "memory_kind", None)
+    sharding = sharding_of(leaf)
+    kind = None if sharding is None else sharding.memory_kind
     if kind is None or kind == "device":
         return leaf
     return jax.device_put(leaf, sharding.with_memory_kind("device"))
 
 
-def digest_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
+def digest_leaves(leaves: Sequence[jax.Array | np.ndarray]) -> jax.Array:
     """Dispatch the digests of leaves (uint32[len(leaves)]) without waiting for them."""
     leaves = [_in_device_memory(leaf) for leaf in leaves]
     try:
@@ -393,7 +397,8 @@ def _host_digest(array: jax.Array) -> int:
 
 def _on_host(leaf: Any) -> bool:
     return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
-            and all(device.platform == "cpu" for device in leaf.sharding.device_set))
+            and all(device.platform == "cpu"  # type: ignore[attr-defined]  # jax.Device declares none
+                    for device in leaf.sharding.device_set))
 
 
 def start_digests(leaves: Sequence[jax.Array], pool: ThreadPoolExecutor) -> Callable[[], list[int]]:

@@ -201,7 +201,7 @@ def release(directory: Any) -> None:
             try:
                 (directory / LEASE).unlink()
             except OSError as error:
-                if getattr(error, "errno", None) != errno.ENOENT:
+                if error.errno != errno.ENOENT:
                     _LOG.warning("Could not remove the writer's lease %s: %s", directory / LEASE, error)
 
 

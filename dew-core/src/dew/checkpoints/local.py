@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from dew.checkpoints.errors import CheckpointNotFoundError
+from dew.checkpoints.integrity import sharding_of
 
 __all__ = [
     "PLACEMENT",
@@ -82,9 +83,9 @@ def placement_of(tree: Any) -> dict[str, Any]:
     Works on arrays and on ShapeDtypeStructs with shardings alike, so a
     saved state and a restore template compare.
     """
-    leaves = []
+    leaves: list[list[tuple[int, Any]] | None] = []
     for leaf in jax.tree_util.tree_leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
+        sharding = sharding_of(leaf)
         if sharding is None:
             leaves.append(None)
             continue

@@ -324,7 +324,7 @@ class Checkpoints:
             leaves=integrity.leaf_table(state),
             nodes=integrity.node_table(state),
             positions=gather_positions(position, partition),
-            meta=meta,
+            meta=dict(meta),
         )
         with store.lock:
             store.pending = pending
@@ -332,6 +332,7 @@ class Checkpoints:
             pending.placement = placement_of(state)
         try:
             saved = ocp.args.PyTreeSave(state) if store.per_process else ocp.args.StandardSave(state)
+            assert store.manager is not None  # acquire() opened it
             store.manager.save(step, args=ocp.args.Composite(state=saved), force=True)
         except Exception as error:
             store.pending = None
@@ -370,9 +371,8 @@ class Checkpoints:
         target = temporary / integrity.MANIFEST
         with target.open("wb") as handle:
             handle.write(render_manifest(body))
-            if hasattr(handle, "fileno"):
-                handle.flush()
-                os.fsync(handle.fileno())
+            handle.flush()
+            os.fsync(handle.fileno())
 
     def _settle(self) -> None:
         """Wait for pending saves; raise the first failure; apply retention."""
@@ -410,6 +410,7 @@ class Checkpoints:
             for step in stale:
                 rmtree(store.step_path(step))
         barrier(f"dew-checkpoints-pruned-{store.local}")
+        assert store.manager is not None  # pruning follows a save, which opened it
         store.manager.reload()
 
     def wait(self) -> None:
@@ -578,6 +579,7 @@ def _watch_at_exit(checkpoints: Checkpoints) -> None:
     with _exit_hook:
         if _hooked:
             return
+        # A private CPython function (run before threads are joined at exit): probed, not assumed.
         register = getattr(threading, "_register_atexit", None)
         if register is None:  # pragma: no cover - every CPython since 3.9 has it
             import atexit

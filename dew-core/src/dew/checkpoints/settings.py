@@ -8,10 +8,15 @@ True
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 from pydantic import Field
+
+from dew.placeholders import absolute, expand
+
+if TYPE_CHECKING:
+    from dew.checkpoints.manager import Checkpoints
 
 __all__ = ["CheckpointSettings"]
 
@@ -33,6 +38,23 @@ class CheckpointSettings(pydantic.BaseModel):
         if self.local_every is not None and self.local_checkpoint_dir is None:
             raise ValueError("local_every needs local_checkpoint_dir")
         return self
+
+    def build_checkpoints(self, timestamp: str = "") -> Checkpoints | None:
+        """The Checkpoints these settings describe, or None when no checkpoint_dir is named.
+
+        Placeholders in the directories are replaced (``{timestamp}``: see
+        dew.placeholders) and local paths made absolute; a URL stays as given.
+        """
+        if self.checkpoint_dir is None:
+            return None
+        from dew.checkpoints.manager import Checkpoints
+
+        local = self.local_checkpoint_dir
+        return Checkpoints(
+            absolute(expand(self.checkpoint_dir, timestamp)), keep=self.keep,
+            local_directory=None if local is None else absolute(expand(local, timestamp)),
+            local_every=self.local_every if local is not None else None,
+        )
 
     def checkpoint_arguments(self) -> dict[str, Any] | None:
         """Checkpoints' keywords, or None when no checkpoint directory is named."""

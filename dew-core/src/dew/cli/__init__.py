@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             module.add_arguments(command)
             command.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
+    if not getattr(args, "_run", None):  # argparse sets it only when a command was chosen
         parser.print_help()
         return 0 if args.command is None else 2
     return int(args._run(args) or 0)

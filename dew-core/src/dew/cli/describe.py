@@ -12,6 +12,8 @@ import inspect
 import sys
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["UnknownComponentError", "add_arguments", "describe", "run"]
 
 # What a recipe run hands an objective that declares it in Objective.run_inputs.
@@ -19,7 +21,7 @@ SUPPLIED = {"model": "supplied by the recipe (its model section)",
             "tokenizer": "taken from the data reader when the recipe sets none"}
 
 
-class UnknownComponentError(LookupError):
+class UnknownComponentError(DewError, LookupError):
     """No registry holds the name, or more than one does and the group was not given."""
 
 
@@ -77,7 +79,7 @@ def describe(name: str) -> str:
     if doc:
         lines += ["", doc.split("\n\n")[0]]
     fields = registry.declared_fields(component)
-    from dew.recipes.run import run_inputs
+    from dew.recipes.components import run_inputs
 
     supplied = {k: v for k, v in SUPPLIED.items() if k in run_inputs(component)}
     if not fields:
@@ -85,6 +87,7 @@ def describe(name: str) -> str:
         return "\n".join(lines)
     lines += ["", "fields (in a recipe, under its section next to `name:`):"]
     lines += _rows(fields, supplied)
+    # A registered reader is any class (a third party's too); one without load has no keywords.
     load = getattr(component, "load", None) if group == "datasets" else None
     if callable(load):
         keywords = {k: v for k, v in registry.declared_fields(load).items() if k != "batch"}

@@ -56,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from dew.recipes.run import build_parts
-    from dew.training.evaluation import evaluate
+    from dew.training.evaluation import OutputMeans, evaluate
 
     dataset = build_parts(opened.config).dataset
+    assert dataset is not None  # build_parts loads the data unless asked not to
     if args.split == "val":
         if dataset.val is None:
             print("dew eval: the run's data has no validation split; set data.load.val_fraction "
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     for split, variables in kept:
         result = evaluate(opened.objective, variables, reader,
                           key=jax.random.key(opened.config.seed),
-                          metrics=tuple(opened.objective.metrics()), step=opened.step or 0,
+                          metrics=tuple(opened.objective.metrics()) or (OutputMeans(),),
+                          step=opened.step or 0,
                           split=split)
         values.update(result.scalars)
     if args.json:

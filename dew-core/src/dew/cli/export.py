@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         opened = open_run(args.run, step=args.step)
-        lora = getattr(opened.config, "lora", None)
+        lora = None if opened.config is None else opened.config.lora
         if args.adapters and lora is None:
             print(f"dew export: {opened.source} has no lora section, so no adapters to write; "
                   "drop --adapters to export the model.", file=sys.stderr)
@@ -100,8 +100,8 @@ def _write(opened: Any, lora: Any, out: Path, *, adapters: bool) -> tuple[Path, 
     if adapters:
         from dew.pretrained.peft import save_adapters
 
-        init = getattr(opened.config, "init", None)
-        name = str(getattr(init, "pretrained", None) or getattr(init, "run", None) or "")
+        init = None if opened.config is None else opened.config.init
+        name = "" if init is None else str(init.pretrained or init.run or "")
         return save_adapters(out, base, opened.variables, lora, base_name=name), "the adapters"
     merged = merge_lora(opened.variables, lora)
     return (Pretrained(base, merged, opened.tokenizer, tokenizer_files=kept).save(out),

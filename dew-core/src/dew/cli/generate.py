@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
@@ -35,14 +37,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
+    from dew.objectives.base import NoPipelineError
+
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "min_p": args.min_p}
+    # A text pipeline takes its sampling as a keyword; which keywords are the objective's own.
+    make: Callable[..., Any] = opened.objective.pipeline
     try:
-        pipeline = opened.objective.pipeline(opened.variables, sampling=sampling)
+        pipeline = make(opened.variables, sampling=sampling)
         options = {"stop": args.stop} if args.stop else {}
         texts = pipeline(list(args.prompts), max_new_tokens=args.max_new_tokens,
                          key=jax.random.key(args.seed), **options)
-    except ValueError as error:  # a prompt too long for the model, a sampling setting out of range
+    except (ValueError, NoPipelineError) as error:  # a prompt too long, a setting out of range
         print(f"dew generate: {error}", file=sys.stderr)
         return 2
     for prompt, text in zip(args.prompts, texts, strict=True):

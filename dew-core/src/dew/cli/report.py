@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["NoJournalError", "add_arguments", "load_run", "render_report", "run"]
 
 
-class NoJournalError(FileNotFoundError):
+class NoJournalError(DewError, FileNotFoundError):
     """The directory holds no LocalTracker journal to report on."""
 
 

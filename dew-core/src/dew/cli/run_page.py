@@ -123,7 +123,7 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
     from dew.telemetry.render import safe_name
 
     several = len(runs) > 1
-    paths = []
+    paths: list[Path] = []
     varying = {name for run in runs for name, (_, values) in run.series.items()
                if len(set(values[np.isfinite(values)].tolist())) > 1}
     for title, members in chart_groups(sorted({n for run in runs for n in run.series})):

@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["NoCheckpointError", "NotARunError", "Opened", "open_run"]
 
 
-class NotARunError(FileNotFoundError):
+class NotARunError(DewError, FileNotFoundError):
     """The directory is neither a run (run.json) nor an exported model (config.json)."""
 
 
-class NoCheckpointError(FileNotFoundError):
+class NoCheckpointError(DewError, FileNotFoundError):
     """The run directory holds no kept checkpoint step to read weights from."""
 
 

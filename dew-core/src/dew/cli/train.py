@@ -29,10 +29,10 @@ def _type_name(annotation: Any) -> str:
         return f"list[{_type_name(typing.get_args(annotation)[0])}]"
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"  # typing's objects vary
     if annotation is type(None):
         return "null"
-    return getattr(annotation, "__name__", str(annotation))
+    return getattr(annotation, "__name__", str(annotation))  # a class, or a typing construct
 
 
 def _submodel(annotation: Any) -> type[pydantic.BaseModel] | None:
@@ -44,7 +44,7 @@ def _submodel(annotation: Any) -> type[pydantic.BaseModel] | None:
         for arg in typing.get_args(annotation):
             if isinstance(arg, type) and issubclass(arg, pydantic.BaseModel):
                 return arg
-            if dataclasses.is_dataclass(arg):
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg):
                 return _as_model(arg)
     return None
 
@@ -170,6 +170,6 @@ def one_message(error: BaseException) -> str:
       (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)
     """
     lines = [f"dew train: {type(error).__name__}: {error}"]
-    lines += [f"  {note}" for note in getattr(error, "__notes__", ())]
+    lines += [f"  {note}" for note in getattr(error, "__notes__", ())]  # set by add_note only
     lines.append(f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)")
     return "\n".join(lines)

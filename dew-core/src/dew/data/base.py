@@ -8,13 +8,13 @@ a checkpoint resume the stream where it stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
-    "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Consumption", "DataPartition", "Dataset", "Reader",
-    "Reporting", "Resumable", "TextReader", "is_global_position",
+    "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset",
+    "Reader", "Reporting", "Resumable", "TextReader", "Tokenizer", "close_if_closable", "is_global_position",
 ]
 
 Batch = Mapping[str, Any]
@@ -109,6 +109,28 @@ class Reporting(Protocol):
 
 
 @runtime_checkable
+class Closable(Protocol):
+    """An iterator that holds something to let go of (files, worker processes) until closed."""
+
+    def close(self) -> None: ...
+
+
+def close_if_closable(iterator: object) -> None:
+    """Close iterator when it is Closable; any other iterator holds nothing to let go of."""
+    if isinstance(iterator, Closable):
+        iterator.close()
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What dew asks of a tokenizer: text to ids, and ids back to text."""
+
+    def encode(self, text: str) -> Sequence[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
 class TextReader(Protocol):
     """A dataset reader that encodes text: it says with which tokenizer.
 
@@ -116,8 +138,8 @@ class TextReader(Protocol):
     model's vocabulary and the data's always agree.
     """
 
-    def text_tokenizer(self) -> Any:
-        """The tokenizer (an object with ``encode``, ``decode`` and ``vocab_size``) this reader uses."""
+    def text_tokenizer(self) -> Tokenizer:
+        """The tokenizer (``encode``, ``decode`` and usually ``vocab_size``) this reader uses."""
         ...
 
 
@@ -126,13 +148,17 @@ class Dataset:
     """Where batches come from: train and val factories, record count, global batch.
 
     records is the number of training examples (None when unknown or
-    endless) and batch the global batch size, in rows.
+    endless) and batch the global batch size, in rows. ramp holds the
+    ``(step, batch)`` pairs a batch ramp follows (``dew.data.ramped``), from
+    step 0; empty when every batch has ``batch`` rows. The trainer accepts
+    one batch shape per size the ramp names.
     """
 
     train: Reader
     val: Reader | None = None
     records: int | None = None
     batch: int = 1
+    ramp: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not callable(self.train):

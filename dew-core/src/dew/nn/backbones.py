@@ -256,7 +256,7 @@ class CausalTransformer(nn.Module):
         1392.0
         """
         width = self.num_heads * self.head_width
-        kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
+        kv_heads = self.num_kv_heads or self.num_heads
         attention = 2 * self.emb_features * width + 2 * self.emb_features * kv_heads * self.head_width
         if self.attention_block == "latent" and self.latent is not None:
             shape, heads, embed = self.latent, self.num_heads, self.emb_features

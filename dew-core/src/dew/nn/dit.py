@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.nn.conditioning import Dense, LabelEmbedding, NoiseEmbedding, TextEncoder
 from dew.nn.sharding import constrain, param
@@ -39,7 +40,7 @@ __all__ = ["AdaLNBlock", "Attention", "ConditionError", "ConditionedModule", "Di
 TOKENS = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
 
 
-class ConditionError(ValueError):
+class ConditionError(DewError, ValueError):
     """A denoiser was given a condition it was not built for, or none when it needs one."""
 
 

@@ -50,6 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.nn.sharding import constrain, param
 
@@ -76,7 +77,7 @@ ROUTING_STATISTICS = ("load_balancing_loss", "router_z_loss", "dropped_fraction"
 Dtype = Any
 
 
-class ExpertConfigError(ValueError):
+class ExpertConfigError(DewError, ValueError):
     """An MoE block's experts, experts per token or capacity factor cannot work together."""
 
 
@@ -263,7 +264,7 @@ def moe_statistics(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
     tree = sown.get(MOE_COLLECTION, sown) if isinstance(sown, Mapping) else sown
     found: dict[str, list[jax.Array]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [getattr(k, "key", None) for k in path]
+        names = [k.key if isinstance(k, jax.tree_util.DictKey) else None for k in path]
         name = next((n for n in reversed(names) if n in ROUTING_STATISTICS), None)
         if name is not None:
             found.setdefault(name, []).append(jnp.ravel(jnp.asarray(leaf, jnp.float32)))

@@ -42,6 +42,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.nn.sharding import constrain
 
@@ -58,15 +59,15 @@ __all__ = [
 ]
 
 
-class StageDivisionError(ValueError):
+class StageDivisionError(DewError, ValueError):
     """The pipeline stages do not divide a scanned stack's layers."""
 
 
-class StagedRoutingError(ValueError):
+class StagedRoutingError(DewError, ValueError):
     """Mixture-of-experts layers were asked for their routing statistics inside pipeline stages."""
 
 
-class MicrobatchError(ValueError):
+class MicrobatchError(DewError, ValueError):
     """The microbatches do not divide a batch, or are not a multiple of the stages."""
 
 
@@ -129,7 +130,7 @@ def current_schedule() -> PipelineSchedule:
 def _body(layer_class: type[nn.Module], decode: bool) -> type[nn.Module]:
     """layer_class as a scan body: (x, positions, segment_ids) -> (x, None)."""
 
-    class Scanned(layer_class):  # type: ignore[misc, valid-type]
+    class Scanned(layer_class):
         @nn.compact
         def __call__(self, x: jax.Array, positions: jax.Array,
                      segment_ids: jax.Array | None) -> tuple[jax.Array, None]:
@@ -256,6 +257,7 @@ def _gpipe(stack: nn.Module, stages: int, count: int, x: jax.Array, positions: j
     # n: the stages (in the carried state) or the iterations (in the scan's outputs)
     def iteration(module: nn.Module, carry: tuple, feed: tuple) -> tuple[tuple, jax.Array]:
         state_nbtd, where_nbt, segments_nbt = (shifted(c, f) for c, f in zip(carry, feed, strict=True))
+        assert state_nbtd is not None  # the carried state always has both halves
         state_nbtd = constrain(state_nbtd, state_axes)
         state_nbtd = constrain(module(state_nbtd, where_nbt, segments_nbt)[0], state_axes)
         return (state_nbtd, where_nbt, segments_nbt), state_nbtd[stages - 1]

@@ -31,6 +31,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from dew.errors import DewError
+
 __all__ = [
     "ACTIVATION_AXES",
     "ACTIVATION_EMBED",
@@ -104,7 +106,7 @@ ACTIVATION_AXES: tuple[str, ...] = (
 Initializer = Callable[..., jax.Array]
 
 
-class SequenceSplitError(ValueError):
+class SequenceSplitError(DewError, ValueError):
     """An activation's positions do not divide over the mesh axes its length is split on."""
 
 

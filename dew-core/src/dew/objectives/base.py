@@ -24,12 +24,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
+
+from dew.data.base import Tokenizer
+from dew.errors import DewError
+
+# The class's annotations resolve at run time (a registry reads a subclass's type hints, its
+# base's included); the trainer's types, named in the seams' signatures only, need not.
+if TYPE_CHECKING:
+    from dew.training.initializers import Initializer, WeightSource
+    from dew.training.protocols import Rollout
 
 __all__ = [
     "Aux",
@@ -40,12 +50,14 @@ __all__ = [
     "Mean",
     "MeanMetric",
     "Metric",
+    "NoPipelineError",
     "Objective",
     "Step",
     "Variables",
     "cosine_decay",
     "everything",
     "under",
+    "variables_of",
 ]
 
 Variables = Mapping[str, Any]
@@ -62,6 +74,9 @@ class Mean:
     >>> float(Mean(jnp.asarray(6.0), jnp.asarray(3)).value)
     2.0
     """
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
+        def replace(self, **changes: Any) -> Mean: ...
 
     total: jax.Array
     count: jax.Array
@@ -93,6 +108,9 @@ class Aux:
     writes back with ``write_back``.
     """
 
+    if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
+        def replace(self, **changes: Any) -> Aux: ...
+
     metrics: Mapping[str, Any] = field(default_factory=dict)
     updates: Variables | None = None
 
@@ -106,6 +124,9 @@ class Step:
     and step), ema the averaged variables when an EMA is kept.
     """
 
+    if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
+        def replace(self, **changes: Any) -> Step: ...
+
     step: jax.Array
     microstep: jax.Array
     updates: jax.Array
@@ -115,6 +136,14 @@ class Step:
 
 
 LeafFilter = Callable[[tuple[str, ...], Any], bool]
+
+
+def variables_of(state: Any, ema: bool = True) -> Variables:
+    """The variables a pipeline runs with: a TrainState's EMA copy (when it kept one and ema),
+    else its parameters; a variables tree passes through as it is."""
+    if isinstance(state, Mapping):
+        return state
+    return state.averaged if ema and state.averaged is not None else state.params
 
 
 def everything(path: tuple[str, ...], leaf: Any) -> bool:
@@ -197,13 +226,16 @@ class Metric(Protocol):
     accumulator that ``empty`` starts; ``result`` turns it into the score.
     """
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def empty(self) -> Any: ...
 
     def update(self, accumulator: Any, outputs: Mapping[str, np.ndarray]) -> Any: ...
 
-    def result(self, accumulator: Any) -> float: ...
+    def result(self, accumulator: Any) -> float | Mapping[str, float]:
+        """The score; a metric that scores several things returns them by name."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -230,6 +262,10 @@ class MeanMetric:
         return total / count if count else math.nan
 
 
+class NoPipelineError(DewError, TypeError):
+    """The objective declares no pipeline: nothing says what its trained weights are for."""
+
+
 class Objective(Generic[Loss, Effects]):
     """Define what is learned: the variables, the loss, what evaluation produces.
 
@@ -242,11 +278,24 @@ class Objective(Generic[Loss, Effects]):
     recipe's own fields: ``"model"`` (the network the recipe's ``model``
     section builds) and ``"tokenizer"`` (the data reader's, unless the recipe
     gives one). An objective that builds its own network declares neither.
+
+    Every other capability a run, a command or an adapter asks of an
+    objective is declared below with the default an objective without it
+    has, so nothing probes for it: ``rollout``, ``initializer``,
+    ``starting_weights``, ``metrics``, ``pipeline`` and
+    ``reference_collection``. The ``model`` and ``tokenizer`` it holds are
+    declared by type, and held when ``run_inputs`` names them.
     """
 
     ema: EMASpec | None = None
     frozen: LeafFilter | None = None
     run_inputs: ClassVar[frozenset[str]] = frozenset()
+    # Declared without a value: a dataclass subclass would read a value here as its field's
+    # default. An objective whose run_inputs name "model" (or "tokenizer") holds one.
+    model: nn.Module
+    """The network it trains, which a recipe's model section builds (``"model" in run_inputs``)."""
+    tokenizer: Tokenizer | None
+    """How its text becomes ids and back (``"tokenizer" in run_inputs``); None when not given."""
 
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """Return the model's variables (Flax's nested dict), possibly partitioned.
@@ -293,4 +342,47 @@ class Objective(Generic[Loss, Effects]):
     def flops(self, batch: Mapping[str, Any]) -> float | None:
         """Model FLOPs of one training step (forward and backward) on a global batch of these
         shapes, for the MFU estimate; None when the model does not say."""
+        return None
+
+    # -- what a run, a command or an adapter asks of it beyond the loss --------------------
+    def rollout(self) -> Rollout | None:
+        """The rollout that makes each batch on the host before the step reads it (GRPO samples
+        completions, DPO checks its pairs); None trains on the dataset's batches as they come."""
+        return None
+
+    def initializer(self) -> Initializer:
+        """The weights a fresh run starts from when the recipe names none (a distillation's
+        teacher read from its directory, say); None starts from a random init."""
+        return None
+
+    def starting_weights(self, source: WeightSource) -> WeightSource:
+        """What of source (another run's or a pretrained model's weights) a fresh run starts from.
+
+        All of it by default. An objective whose variables hold more than the
+        model's (a frozen reference, a value head) narrows it to the model's
+        part, and its init makes the rest.
+        """
+        return source
+
+    def metrics(self) -> Sequence[Metric]:
+        """What ``dew eval`` scores a validation pass with; () scores every Mean evaluate returns."""
+        return ()
+
+    def pipeline(self, state: Any) -> Any:
+        """What the trained weights are for: a callable that generates, embeds or classifies.
+
+        state is a TrainState or a variables tree. An objective that has a
+        pipeline overrides this, adding the options its pipeline takes as
+        keywords; this default raises NoPipelineError.
+        """
+        raise NoPipelineError(
+            f"{type(self).__name__} declares no pipeline, so nothing says what its trained "
+            "weights are for (generation, embedding, ...); train an objective that has one, or "
+            "use the weights directly (state.params)."
+        )
+
+    @property
+    def reference_collection(self) -> str | None:
+        """The collection holding a frozen copy of the starting policy (DPO, GRPO keep one),
+        which a LoRA run replaces by the base model itself; None when there is none."""
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dew.errors import DewError
+
 __all__ = [
     "ConfigurationMismatchError",
     "NoExactCounterpartError",
@@ -12,7 +14,7 @@ __all__ = [
 ]
 
 
-class PretrainedError(ValueError):
+class PretrainedError(DewError, ValueError):
     """A pretrained directory or model that cannot be read or written as asked."""
 
 

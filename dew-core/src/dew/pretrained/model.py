@@ -51,6 +51,7 @@ def model_from_config(config: Mapping[str, Any], *, max_seq_len: int | None = No
 
 def check_vocabulary(tokenizer: Any, model: Any) -> None:
     """Refuse a tokenizer whose ids reach past the model's embedding table."""
+    # Any flax Module and any tokenizer: one that does not say its vocabulary is not checked.
     have = getattr(model, "vocab_size", None)
     need = getattr(tokenizer, "vocab_size", None)
     if have is not None and need is not None and int(need) > int(have):
@@ -172,7 +173,6 @@ class Pretrained:
         written. In a process pool every process calls it (sharded weights
         are gathered one tensor at a time) and process 0 writes.
         """
-        import flax.linen as nn
         import jax
 
         from dew.families import of_model
@@ -184,7 +184,7 @@ class Pretrained:
         family = of_model(self.model)
         config = family.config(self.model)
         config.update(self._token_ids())
-        params = nn.meta.unbox(self.variables.get("params", self.variables))
+        params = _host(self.variables.get("params", self.variables))
         if getattr(self.model, "scan_layers", False):  # the format numbers its layers
             from dew.nn.pipeline import unstack_layers
 

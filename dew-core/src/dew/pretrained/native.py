@@ -84,7 +84,7 @@ def tensors_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, np.n
         if isinstance(value, Mapping):
             out.update(tensors_of(value, path))
         else:
-            out[path] = value if hasattr(value, "shape") else np.asarray(value)
+            out[path] = value if isinstance(value, np.ndarray) else np.asarray(value)
     return out
 
 

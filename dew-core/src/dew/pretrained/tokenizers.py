@@ -134,7 +134,7 @@ def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:
     """Write tokenizer into directory; return what config.json records of it (None: nothing)."""
     if tokenizer is None:
         return None
-    inner = getattr(tokenizer, "tokenizer", None)
+    inner = getattr(tokenizer, "tokenizer", None)  # any tokenizer: HFTokenizer wraps a saveable one
     recorded: dict[str, Any] = {"kind": "file", "eos_id": int(tokenizer.eos_id)}
     if type(tokenizer).__name__ == "ByteTokenizer":
         recorded["kind"] = "byte"
@@ -142,7 +142,7 @@ def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:
             inner = byte_level(int(tokenizer.eos_id))
         except ImportError:  # the tokenizers library (dew-data[hf]) is absent: dew alone reads it
             return recorded
-    if inner is None or not hasattr(inner, "save"):
+    if inner is None or getattr(inner, "save", None) is None:  # a library's tokenizer, or not
         return {"kind": "unsaved",
                 "type": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
     inner.save(str(directory / TOKENIZER_FILE))

@@ -9,12 +9,17 @@ file is parsed, before anything is built.
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 from pydantic_core import PydanticCustomError
 
-__all__ = ["ComponentConfig", "DataConfig", "check_component"]
+from dew.placeholders import expand
+
+if TYPE_CHECKING:
+    from dew.data.base import Dataset
+
+__all__ = ["ComponentConfig", "DataConfig", "check_component", "run_inputs"]
 
 # Of what an objective declares in Objective.run_inputs, the run always supplies the
 # model (a recipe cannot give one), and the tokenizer unless the recipe gives its own.
@@ -33,6 +38,14 @@ class ComponentConfig(pydantic.BaseModel):
         """The component's own fields, as the recipe gives them."""
         return dict(self.model_extra or {})
 
+    def build(self, group: str, timestamp: str = "", **supplied: Any) -> Any:
+        """The registered component this section names, built from its fields (placeholders
+        replaced, see dew.placeholders) and what the run supplies besides them (an
+        objective's model and tokenizer). The registry validates every field first."""
+        from dew import registry
+
+        return registry.registry(group).build(self.name, **expand(self.fields, timestamp), **supplied)
+
 
 class DataConfig(ComponentConfig):
     """A registered dataset reader, its fields, and how it loads: the global batch and
@@ -42,6 +55,25 @@ class DataConfig(ComponentConfig):
     load: dict[str, Any] = pydantic.Field(
         default_factory=dict, description="other keywords of the reader's load (val_fraction)"
     )
+
+    def load_dataset(self, reader: Any, timestamp: str = "", *, seed: int | None = None) -> Dataset:
+        """reader's Dataset as this section loads it: data.batch rows, data.load's keywords
+        (placeholders replaced), and seed when the reader's load takes one and data.load sets
+        none. reader is what ``build("datasets")`` returned."""
+        from dew import registry
+
+        load = expand(self.load, timestamp)
+        seeded = seed is not None and "seed" not in load and "seed" in registry.declared_fields(reader.load)
+        return reader.load(batch=self.batch, **load, **({"seed": seed} if seeded else {}))
+
+
+def run_inputs(component: Any) -> frozenset[str]:
+    """What a run hands an objective class besides its fields (``Objective.run_inputs``)."""
+    from dew.objectives.base import Objective
+
+    if isinstance(component, type) and issubclass(component, Objective):
+        return component.run_inputs
+    return frozenset()
 
 
 def _adapter(annotation: Any) -> pydantic.TypeAdapter:
@@ -58,7 +90,6 @@ def _given(value: Any) -> str:
 def problems_of(group: str, name: str, fields: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
     """What is wrong with a component given by name and fields, as (sub-path, message) pairs."""
     from dew import registry as registries
-    from dew.recipes.run import run_inputs
 
     registry = registries.registry(group)
     if name not in registry:
@@ -106,11 +137,11 @@ def _load_problems(config: DataConfig) -> list[tuple[tuple[str, ...], str]]:
     from dew import registry as registries
 
     reader = registries.datasets.load(config.name)
-    method = getattr(reader, "load", None)
+    method = getattr(reader, "load", None)  # a registered reader is any class, a third party's too
     if method is None:
         return [(("load",), f"dataset {config.name!r} has no load method to pass these to.")]
     declared = registries.declared_fields(method)
-    problems = []
+    problems: list[tuple[tuple[str, ...], str]] = []
     for key, value in config.load.items():
         if key == "batch":
             problems.append((("load", key), "give the batch as data.batch, not in data.load."))

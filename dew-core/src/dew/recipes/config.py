@@ -16,17 +16,21 @@ import json
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import pydantic
 
 from dew.adapters.lora import Lora
 from dew.adapters.quantization import Quantization
-from dew.recipes.components import ComponentConfig, DataConfig, check_component
+from dew.recipes.components import ComponentConfig, DataConfig, check_component, run_inputs
 from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
 from dew.recipes.reading import RecipeFileError, read_recipe_file, read_yaml
-from dew.training.config import TrainerConfig
+from dew.training.config import RUN_FILE, TrainerConfig
 from dew.training.optim import OptimizerConfig
+
+if TYPE_CHECKING:
+    from dew.tracking.protocol import Tracker
+    from dew.training.state import TrainState
 
 __all__ = [
     "RecipeError",
@@ -36,7 +40,6 @@ __all__ = [
     "shipped",
 ]
 
-RUN_FILE = "run.json"
 
 # A tracker is checked on its own, so each one's problems carry its index.
 TrackerConfig = Annotated[
@@ -110,7 +113,6 @@ class RunConfig(pydantic.BaseModel):
         """A model section exactly when the objective takes a model (its run_inputs), so
         --check catches it."""
         from dew import registry
-        from dew.recipes.run import run_inputs
 
         try:
             takes_model = "model" in run_inputs(registry.objectives.load(self.objective.name))
@@ -201,7 +203,24 @@ class RunConfig(pydantic.BaseModel):
             path = path / RUN_FILE
         return cls.parse(json.loads(path.read_text()), str(path))
 
-    def train(self) -> Any:
+    def build_trackers(self, timestamp: str = "") -> Tracker | None:
+        """The trackers section (and trainer.wandb) built, as one tracker; None for none.
+
+        The trainer hands each the recipe, as ``recorded`` writes it down
+        (secrets redacted), in the run's RunStarted record, and each records it
+        where runs are compared (MLflow parameters, TensorBoard hparams, W&B
+        config).
+        """
+        built = [tracker.build("trackers", timestamp) for tracker in self.trackers]
+        wandb = [] if self.trainer.wandb is None else [self.trainer.wandb.build()]
+        every = [*built, *wandb]
+        if len(every) <= 1:
+            return every[0] if every else None
+        from dew.tracking.composite import Trackers
+
+        return Trackers(*every)
+
+    def train(self) -> TrainState:
         """Build everything and train; return the final TrainState (see dew.recipes.run)."""
         from dew.recipes.run import train
 

@@ -11,10 +11,12 @@ from typing import Any
 
 import pydantic
 
+from dew.errors import DewError
+
 __all__ = ["Problem", "RecipeError", "from_validation_error", "model_at"]
 
 
-class RecipeError(ValueError):
+class RecipeError(DewError, ValueError):
     """A recipe that cannot run: an unknown field, a wrong type, an unknown registered name."""
 
 
@@ -36,6 +38,8 @@ def field_names(holder: type) -> list[str]:
     """The field names of a pydantic model or a dataclass."""
     if issubclass(holder, pydantic.BaseModel):
         return list(holder.model_fields)
+    if not dataclasses.is_dataclass(holder):
+        raise TypeError(f"{holder.__name__} is neither a pydantic model nor a dataclass.")
     return [f.name for f in dataclasses.fields(holder) if f.init]
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
 __all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_NODES", "RecipeFileError", "read_recipe_file", "read_yaml"]
@@ -42,7 +43,7 @@ class RecipeFileError(RecipeError):
     repeating a key."""
 
 
-class _Refused(yaml.YAMLError):
+class _Refused(DewError, yaml.YAMLError):
     """A bound crossed while reading; carries the message the RecipeFileError gets."""
 
 

@@ -1,37 +1,56 @@
 """Build what a RunConfig describes, train it, and show a sample from the result.
 
+Each section of a recipe builds what it describes: a component (model,
+objective, data reader, tracker) its registered object
+(``ComponentConfig.build``), the data section its Dataset
+(``DataConfig.load_dataset``), the checkpoint settings the Checkpoints
+(``CheckpointSettings.build_checkpoints``), the trackers section and
+``trainer.wandb`` the trackers (``RunConfig.build_trackers``), the trainer
+settings the Trainer (``Trainer.from_config``). This module orders them.
+
 The order matters: ``prepare_process`` runs before anything opens JAX's
 backend, so the recipe's XLA flags and process pool take effect; the run key
 is drawn from the recipe's seed; the objective is built around the model and
-takes the data reader's tokenizer when the recipe gives none.
-
-Strings among a component's fields may hold two placeholders, replaced when
-the run is built (run.json keeps them as written): ``{stdlib}``, the folder
-of Python's standard library (a corpus every machine has), and
-``{timestamp}``, process 0's clock when the run started (``run_timestamp``),
-the same on every process, written without colons (``2026-12-01_09-30-00``)
-so a folder named after it is valid on every file system and in a URL.
+takes the data reader's tokenizer when the recipe gives none. The trainer
+takes the checkpoint directory's lease before it trains, writes the recipe
+there (run.json) and hands it to the trackers with the run's RunStarted
+record. Strings may hold placeholders (``{timestamp}``, ``{stdlib}``,
+``{recipes}``): see ``dew.placeholders``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+from dew import registry
+from dew.data.base import TextReader
+from dew.placeholders import absolute, expand
+from dew.recipes.components import run_inputs
 
 if TYPE_CHECKING:
+    import jax
+    from flax import linen as nn
+
+    from dew.checkpoints.manager import Checkpoints
+    from dew.data.base import Dataset, Tokenizer
+    from dew.objectives.base import Objective
     from dew.recipes.config import RunConfig
+    from dew.tracking.protocol import Tracker
+    from dew.training.initializers import Initializer
+    from dew.training.optim import ConfiguredOptimizer, OptimizerConfig
+    from dew.training.state import TrainState
 
 __all__ = [
-    "ConfiguredTracker",
     "Parts",
     "ScheduleReshapedWarning",
     "build_objective",
     "build_evaluations",
     "build_parts",
-    "build_trackers",
     "expand",
     "initial_variables",
     "objective_parts",
@@ -47,141 +66,32 @@ class ScheduleReshapedWarning(UserWarning):
     """A resumed run's learning-rate schedule differs from the one its checkpoints trained with."""
 
 
-def expand(value: Any, timestamp: str) -> Any:
-    """value with {stdlib}, {recipes} and {timestamp} replaced in every string it holds.
-
-    The timestamp's colons become dashes, so it can name a folder anywhere:
-
-    >>> expand({"directory": "runs/{timestamp}"}, "2026-12-01_09:30:00")
-    {'directory': 'runs/2026-12-01_09-30-00'}
-    """
-    if isinstance(value, str):
-        if "{recipes}" in value:  # data shipped beside the recipes (a fine-tuning set, say)
-            value = value.replace("{recipes}", str(Path(__file__).resolve().parent))
-        if "{stdlib}" in value:
-            import sysconfig
-
-            value = value.replace("{stdlib}", sysconfig.get_paths()["stdlib"])
-        return value.replace("{timestamp}", timestamp.replace(":", "-"))
-    if isinstance(value, dict):
-        return {k: expand(v, timestamp) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(expand(v, timestamp) for v in value)
-    return value
-
-
-def _fields(group: str, component: Any, timestamp: str) -> dict[str, Any]:
-    """A component's fields as the recipe gives them, placeholders replaced (the registry's
-    build validates them and makes mappings into their declared types)."""
-    return expand(component.fields, timestamp)
-
-
-def run_inputs(component: Any) -> frozenset[str]:
-    """What a run hands an objective class besides its fields (``Objective.run_inputs``)."""
-    from dew.objectives.base import Objective
-
-    if isinstance(component, type) and issubclass(component, Objective):
-        return component.run_inputs
-    return frozenset()
-
-
-def _tokenizer(reader: Any) -> Any:
+def _tokenizer(reader: Any) -> Tokenizer | None:
     """The reader's tokenizer, when the reader encodes text (dew.data.base.TextReader)."""
-    from dew.data.base import TextReader
-
     return reader.text_tokenizer() if isinstance(reader, TextReader) else None
 
 
-def build_objective(config: RunConfig, model: Any, reader: Any, timestamp: str = "") -> Any:
+def build_objective(config: RunConfig, model: nn.Module | None, reader: Any,
+                    timestamp: str = "") -> Objective:
     """The recipe's objective around model, given the reader's tokenizer if it takes one.
 
     What the run hands the objective besides the recipe's fields is what the
-    objective declares in ``Objective.run_inputs``: the model, the tokenizer.
+    objective declares in ``Objective.run_inputs``: the model, the tokenizer
+    (unless the recipe gives its own).
     """
-    from dew import registry
-
-    fields = _fields("objectives", config.objective, timestamp)
     inputs = run_inputs(registry.objectives.load(config.objective.name))
     tokenizer = _tokenizer(reader)
     if tokenizer is not None and model is not None:
         from dew.pretrained import check_vocabulary
 
         check_vocabulary(tokenizer, model)  # before anything compiles
-    if tokenizer is not None and "tokenizer" not in fields and "tokenizer" in inputs:
-        fields["tokenizer"] = tokenizer
-    if "model" in inputs:
-        fields["model"] = model
-    return registry.objectives.build(config.objective.name, **fields)
+    given = config.objective.fields
+    supplied = {name: value for name, value in (("model", model), ("tokenizer", tokenizer))
+                if name in inputs and name not in given and (name == "model" or value is not None)}
+    return config.objective.build("objectives", timestamp, **supplied)
 
 
-def build_trackers(config: RunConfig, timestamp: str = "") -> Any:
-    """The recipe's trackers (and W&B when trainer.wandb is set) as one tracker, or None.
-
-    Each receives the recipe, as ``RunConfig.recorded`` writes it down (secrets
-    redacted), with the run's RunStarted record, and records it where runs are
-    compared (MLflow parameters, TensorBoard hparams, W&B config).
-    """
-    from dew import registry
-
-    built = [registry.trackers.build(t.name, **_fields("trackers", t, timestamp))
-             for t in config.trackers]
-    wandb = config.trainer.wandb
-    if wandb is not None:
-        built.append(registry.trackers.build(
-            "wandb", project=wandb.project, name=wandb.name, entity=wandb.entity,
-            offline=wandb.offline,
-        ))
-    if not built:
-        return None
-    if len(built) == 1:
-        return ConfiguredTracker(built[0], config.recorded())
-    from dew.tracking.composite import Trackers
-
-    return ConfiguredTracker(Trackers(*built), config.recorded())
-
-
-class ConfiguredTracker:
-    """A tracker whose RunStarted records carry the recipe, which the loop does not know."""
-
-    def __init__(self, tracker: Any, config: dict[str, Any]) -> None:
-        self.tracker = tracker
-        self.config = config
-
-    def log(self, scalars: Any, step: int) -> None:
-        self.tracker.log(scalars, step)
-
-    def artifact(self, value: Any, step: int) -> None:
-        from dew.telemetry.records import RunStarted
-
-        if isinstance(value, RunStarted) and not value.config:
-            value = dataclasses.replace(value, config=self.config)
-        self.tracker.artifact(value, step)
-
-    def close(self) -> None:
-        self.tracker.close()
-
-
-def _absolute(path: str | None) -> str | None:
-    """A local path made absolute; a URL (gs://bucket/run, s3://...) passes through unchanged."""
-    if path is None or "://" in path:
-        return path
-    return str(Path(path).expanduser().resolve())
-
-
-def _checkpoints(config: RunConfig, timestamp: str = "") -> Any:
-    kwargs = config.trainer.checkpoint_arguments()
-    if kwargs is None:
-        return None
-    from dew.checkpoints.manager import Checkpoints
-
-    for name in ("directory", "local_directory"):
-        if name in kwargs:
-            kwargs[name] = _absolute(expand(kwargs[name], timestamp))
-    directory = kwargs.pop("directory")
-    return Checkpoints(directory, **kwargs)
-
-
-def _optimizer_config(config: RunConfig, steps: int) -> Any:
+def _optimizer_config(config: RunConfig, steps: int) -> OptimizerConfig:
     """The optimizer config, its decay counted to the run's last update when unset."""
     optimizer = config.optimizer
     if optimizer.schedule != "constant" and optimizer.decay_steps is None:
@@ -199,15 +109,13 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
     the rate from the resumed step on: a jump, not a continuation. The saved
     run.json says what the checkpoints were trained with.
     """
-    import warnings
-
-    from dew.recipes.config import RUN_FILE, RunConfig
+    from dew.training.config import RUN_FILE
 
     saved = Path(str(directory)) / RUN_FILE
     if not saved.is_file():
         return
     try:
-        before = RunConfig.read(saved)
+        before = type(config).read(saved)
     except Exception:  # noqa: BLE001 - an unreadable old recipe is no reason to stop training
         return
     old_steps = before.trainer.total_steps(steps_per_epoch)
@@ -224,14 +132,14 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
     ), stacklevel=2)
 
 
-def run_optimizer(config: RunConfig, steps: int) -> Any:
+def run_optimizer(config: RunConfig, steps: int) -> ConfiguredOptimizer:
     """The recipe's optimizer for a run of steps (the schedule's decay counted to its end)."""
     from dew.training.optim import build_optimizer
 
     return build_optimizer(_optimizer_config(config, steps))
 
 
-def _ramped(config: RunConfig, dataset: Any) -> Any:
+def _ramped(config: RunConfig, dataset: Dataset) -> Dataset:
     ramp = config.trainer.batch_ramp
     if ramp is None:
         return dataset
@@ -240,16 +148,16 @@ def _ramped(config: RunConfig, dataset: Any) -> Any:
     return ramped(dataset, start=ramp.start, steps=ramp.steps)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Parts:
     """What a recipe builds before training: the model, the data reader and its
     tokenizer, the objective, and the dataset (None when not asked for)."""
 
-    model: Any
-    reader: Any
-    tokenizer: Any
-    objective: Any
-    dataset: Any = None
+    model: nn.Module | None
+    reader: Any  # a registered reader: any class with a load method
+    tokenizer: Tokenizer | None
+    objective: Objective
+    dataset: Dataset | None = None
 
 
 def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = True) -> Parts:
@@ -258,10 +166,7 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
     The inference commands rebuild a trained run this way from its run.json,
     without reading its data.
     """
-    from dew import models, registry
-
-    model = (None if config.model is None
-             else models.build(config.model.name, **_fields("models", config.model, timestamp)))
+    model = None if config.model is None else config.model.build("models", timestamp)
     if config.quantization is not None and model is not None:
         from dew.adapters.quantization import apply_quantization
 
@@ -270,13 +175,10 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
         from dew.adapters.lora import apply_lora
 
         model = apply_lora(model, config.lora)
-    reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, timestamp))
+    reader = config.data.build("datasets", timestamp)
     dataset = None
-    if with_data:
-        load = expand(dict(config.data.load), timestamp)
-        if "seed" not in load and "seed" in registry.declared_fields(reader.load):
-            load["seed"] = config.seed  # the run's seed orders its data too
-        dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
+    if with_data:  # the run's seed orders its data too
+        dataset = _ramped(config, config.data.load_dataset(reader, timestamp, seed=config.seed))
     objective = build_objective(config, model, reader, timestamp)
     if config.lora is not None:
         from dew.adapters.lora import adapters_only
@@ -293,14 +195,14 @@ def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> l
             for entry in config.trainer.evaluate]
 
 
-def initial_variables(config: RunConfig, objective: Any) -> Any:
+def initial_variables(config: RunConfig, objective: Objective) -> Initializer:
     """What the recipe's init section starts the run from (None: a fresh initialization).
 
     ``init.pretrained`` reads a directory Pretrained.save, ``dew export`` or
     transformers wrote, into the recipe model's max_seq_len and param_dtype;
     ``init.run`` is another run's parameters alone (``ParamsFrom``). With a
     ``lora`` section either is the base under fresh adapters (quantized for
-    QLoRA). An objective with ``starting_weights`` (a preference or RL
+    QLoRA). An objective's ``starting_weights`` (a preference or RL
     objective, whose reference copies the policy) narrows what is read to
     the model's part. The trainer checks either against the tree a fresh
     init makes, naming each path whose shape differs.
@@ -311,30 +213,33 @@ def initial_variables(config: RunConfig, objective: Any) -> Any:
     if init.pretrained is not None:
         from dew.pretrained import Pretrained
 
-        model = getattr(objective, "model", None)
-        source = _absolute(init.pretrained)
+        model = objective.model if config.model is not None else None  # a model section: it has one
+        source = absolute(init.pretrained)
+        # A model is any registered flax Module: a family that has no such field takes the
+        # directory's own (max_seq_len, param_dtype), and one without rotary positions (rope_base)
+        # has no function to compare beyond its tensors' shapes.
         loaded = Pretrained.load(source, max_seq_len=getattr(model, "max_seq_len", None),
                                  param_dtype=getattr(model, "param_dtype", None),
                                  scan_layers=bool(getattr(model, "scan_layers", False)))
-        if model is not None and hasattr(model, "rope_base"):
+        if model is not None and getattr(model, "rope_base", None) is not None:
             from dew.pretrained import check_same_function
 
             check_same_function(model, loaded.model, f"init.pretrained {source}")
         return dict(loaded.variables)
-    from dew.training.initializers import ParamsFrom
+    from dew.training.initializers import ParamsFrom, WeightSource
 
-    source = ParamsFrom(_absolute(init.run), step=init.step)
+    assert init.run is not None  # InitConfig holds exactly one of pretrained and run
+    run: WeightSource = ParamsFrom(absolute(init.run), step=init.step)
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         from dew.adapters.lora import BaseWeights
 
-        source = BaseWeights(source)
-    narrow = getattr(objective, "starting_weights", None)
+        run = BaseWeights(run)
     # An objective whose variables hold more than the model's (a frozen reference,
     # a value head) reads only the model's part; its init makes the rest.
-    return narrow(source) if callable(narrow) else source
+    return objective.starting_weights(run)
 
 
-def _where(checkpoints: Any) -> str:
+def _where(checkpoints: Checkpoints | None) -> str:
     """The run directory, before the trainer lists its checkpoints and trackers."""
     if checkpoints is None:
         return "Run: no checkpoints are kept; set trainer.checkpoint_dir to keep the weights."
@@ -342,7 +247,7 @@ def _where(checkpoints: Any) -> str:
             f"{Path(checkpoints.directory) / 'run.json'})")
 
 
-def train(config: RunConfig) -> Any:
+def train(config: RunConfig) -> TrainState:
     """Build the run config describes, train it to its last step and return the TrainState."""
     from dew.training.runtime.process import prepare_process, run_timestamp
 
@@ -355,28 +260,25 @@ def train(config: RunConfig) -> Any:
 
     parts = build_parts(config, stamp)
     objective, dataset = parts.objective, parts.dataset
+    assert dataset is not None  # build_parts loads it unless asked not to
     fit = config.trainer.fit_arguments(dataset.steps_per_epoch)
-    optimizer = run_optimizer(config, fit["steps"])
-    checkpoints = _checkpoints(config, stamp)
-    if checkpoints is not None:
-        checkpoints.acquire()  # a second run on a live directory is refused before it writes anything
-    resumed_at = checkpoints.latest if checkpoints is not None else None
-    if resumed_at is not None:
+    checkpoints = config.trainer.build_checkpoints(stamp)
+    resumed_at = None if checkpoints is None else checkpoints.latest
+    if checkpoints is not None and resumed_at is not None:
         warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
                                   checkpoints.directory, resumed_at)
-    if checkpoints is not None and jax.process_index() == 0:
-        config.save(checkpoints.directory)
     initializer = initial_variables(config, objective)
     key = jax.random.key(config.seed)
-    tracker = build_trackers(config, stamp)
+    tracker = config.build_trackers(stamp)
     if jax.process_index() == 0:
         print(_where(checkpoints), flush=True)
-    extra = {} if initializer is None else {"initializer": initializer}
     try:
-        trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
-                                      checkpoints=checkpoints, tracker=tracker,
-                                      evaluations=build_evaluations(config, parts, stamp),
-                                      **{**objective_parts(objective), **extra})
+        # The recipe's init section, else the weights the objective starts from (a teacher's).
+        trainer = Trainer.from_config(
+            config.trainer, objective, run_optimizer(config, fit["steps"]), key=key,
+            checkpoints=checkpoints, tracker=tracker, rollout=objective.rollout(),
+            initializer=objective.initializer() if initializer is None else initializer,
+            evaluations=build_evaluations(config, parts, stamp), recipe=config.recorded())
         state = trainer.fit(dataset, **fit)
     except BaseException:
         # The run's own failure is the one to see; closing still flushes what it can.
@@ -392,25 +294,21 @@ def train(config: RunConfig) -> Any:
     return state
 
 
-def objective_parts(objective: Any) -> dict[str, Any]:
-    """What an objective hands the Trainer besides itself: a rollout and starting weights.
+def objective_parts(objective: Objective) -> dict[str, Any]:
+    """What an objective hands the Trainer besides itself: its rollout and starting weights.
 
     An objective that samples its own batches (GRPO, PPO) or checks them on
-    the host (DPO) has ``rollout()``; one that starts from weights of its
-    own (a distillation's teacher) has ``initializer()``; the recipe's init
-    section overrides it. A recipe cannot name either directly: they
-    are code, and the objective's fields configure them.
+    the host (DPO) has a ``rollout()``; one that starts from weights of its
+    own (a distillation's teacher) an ``initializer()``; the recipe's init
+    section overrides the latter. A recipe cannot name either directly: they
+    are code, and the objective's fields configure them. Keys whose value is
+    None are left out, so the result passes to the Trainer as keywords.
     """
-    parts: dict[str, Any] = {}
-    for name in ("rollout", "initializer"):
-        make = getattr(objective, name, None)
-        made = make() if callable(make) else None
-        if made is not None:
-            parts[name] = made
-    return parts
+    made = {"rollout": objective.rollout(), "initializer": objective.initializer()}
+    return {name: value for name, value in made.items() if value is not None}
 
 
-def _close(checkpoints: Any, tracker: Any) -> None:
+def _close(checkpoints: Checkpoints | None, tracker: Tracker | None) -> None:
     """Wait for the last checkpoint and close the trackers, raising the first failure."""
     try:
         if checkpoints is not None:
@@ -420,19 +318,28 @@ def _close(checkpoints: Any, tracker: Any) -> None:
             tracker.close()
 
 
-def show_sample(objective: Any, state: Any, key: Any, out: Any = None, quiet: bool = False) -> Any:
-    """Print the objective's preview of the trained weights (EMA when kept), if it has one."""
-    import jax
+def show_sample(objective: Objective, state: TrainState, key: jax.Array, out: TextIO | None = None,
+                quiet: bool = False) -> Any:
+    """Print the objective's preview of the trained weights (EMA when kept), if it has one.
 
-    variables = state.averaged if getattr(state, "averaged", None) is not None else state.params
+    A preview is an Artifact (its text, or its kind and shape, is printed) or
+    a bare string; the objective's preview is returned either way.
+    """
+    import jax
+    import numpy as np
+
+    from dew.telemetry.artifacts import Artifact
+
+    variables = state.averaged if state.averaged is not None else state.params
     preview = objective.preview(variables, jax.random.fold_in(key, int(state.step)))
     if preview is None or quiet:
         return preview
     stream = out or sys.stdout
-    data = getattr(preview, "data", preview)
-    if isinstance(data, str):
-        print(f"Sample ({getattr(preview, 'name', 'preview')}):\n{data}", file=stream)
-    elif dataclasses.is_dataclass(preview):
-        print(f"Preview {preview.name!r}: {preview.kind} of shape "
-              f"{getattr(data, 'shape', '?')}", file=stream)
+    if isinstance(preview, str):
+        print(f"Sample (preview):\n{preview}", file=stream)
+    elif isinstance(preview, Artifact) and isinstance(preview.data, str):
+        print(f"Sample ({preview.name}):\n{preview.data}", file=stream)
+    elif isinstance(preview, Artifact):
+        print(f"Preview {preview.name!r}: {preview.kind} of shape {np.shape(preview.data)}",
+              file=stream)
     return preview

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
@@ -63,7 +64,8 @@ GOODPUT_PARTS = (
 )
 
 
-def _figure(height: float = 3.6, layout: str | None = None):
+def _figure(height: float = 3.6,
+            layout: Literal["constrained", "compressed", "tight"] | None = None) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -16,10 +16,12 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from dew.errors import DewError
+
 __all__ = ["ProfilerBusyError", "active", "profile", "start", "stop", "tracing"]
 
 
-class ProfilerBusyError(RuntimeError):
+class ProfilerBusyError(DewError, RuntimeError):
     """A profiler trace was asked for while another one is being written."""
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -39,8 +39,9 @@ class Record(Protocol):
     def to_json(self) -> dict[str, Any]: ...
 
 
-def is_record(value: object) -> bool:
+def is_record(value: object) -> TypeGuard[Record]:
     """True for anything carrying a ``type`` name and a ``to_json`` method."""
+    # A record is any object of that shape, a third party's too: probing is the definition.
     return isinstance(getattr(value, "type", None), str) and callable(
         getattr(value, "to_json", None)
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.errors import DewError
 from dew.telemetry.artifacts import Artifact
 
 __all__ = [
@@ -122,7 +123,7 @@ def write_preview(artifact: Artifact, directory: str | Path, step: int) -> Path:
 # -- scalar journals -----------------------------------------------------------
 
 
-class TornJournalError(ValueError):
+class TornJournalError(DewError, ValueError):
     """A journal line other than the last is not JSON: the file was damaged, not cut short."""
 
 

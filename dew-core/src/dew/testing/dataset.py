@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from dew.data.base import SINGLE, DataPartition, Dataset, Resumable, is_global_position
+from dew.data.base import (
+    SINGLE,
+    DataPartition,
+    Dataset,
+    Resumable,
+    close_if_closable,
+    is_global_position,
+)
 
 __all__ = ["DatasetReaderKit"]
 
@@ -37,9 +44,7 @@ def _take(stream: Iterator, count: int) -> list[dict[str, np.ndarray]]:
 
 
 def _close(stream: Any) -> None:
-    close = getattr(stream, "close", None)
-    if callable(close):
-        close()
+    close_if_closable(stream)
 
 
 def _join(shares: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -91,6 +96,7 @@ class DatasetReaderKit:
     def _resumed(self, dataset: Dataset, position: bytes, partition: DataPartition) -> list[dict]:
         stream = self._open(dataset, partition)
         try:
+            assert isinstance(stream, Resumable), f"{type(stream).__name__} has no set_state."
             stream.set_state(position)
             return _take(stream, self.after)
         finally:

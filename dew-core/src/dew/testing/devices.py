@@ -13,12 +13,13 @@ import os
 import sys
 from pathlib import Path
 
+from dew.errors import DewError
 from dew.testing.processes import run_python
 
 __all__ = ["FakeDeviceRunError", "call_on_fake_devices", "run_on_fake_devices"]
 
 
-class FakeDeviceRunError(AssertionError):
+class FakeDeviceRunError(DewError, AssertionError):
     """The child process exited with an error; the message holds the end of its output."""
 
 
@@ -72,7 +73,7 @@ def call_on_fake_devices(kit: type, method: str, *, devices: int = 8, timeout: f
             f"{kit.__qualname__} is defined inside a function; a check on fake devices loads the "
             "class again in a child process, so define it at the top level of its module.")
     module = sys.modules.get(kit.__module__)
-    path = getattr(module, "__file__", None)
+    path = getattr(module, "__file__", None)  # a module built in memory has none
     if path is None:
         raise TypeError(f"{kit.__qualname__}'s module {kit.__module__!r} has no file to load it from.")
     code = _CALL.format(module=kit.__module__, path=str(path), qualname=kit.__qualname__, method=method,

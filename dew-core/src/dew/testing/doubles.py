@@ -1,4 +1,4 @@
-"""Small, real components for tests: a regression objective, its data, a recording tracker.
+"""Small, real components for tests: objectives, their data, a recording tracker.
 
 They are the smallest things a fit accepts, for tests of what the trainer
 does (logging, checkpoints, hooks, preemption) rather than of what a model
@@ -18,15 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import linen as nn
 
 from dew.data.base import DataPartition, Dataset
-from dew.objectives.base import Aux, EMASpec, Mean, Objective
+from dew.objectives.base import Aux, Batch, EMASpec, Mean, Objective, Step, Variables
 
 __all__ = [
     "MLP",
+    "Linear",
+    "NextToken",
     "RecordingTracker",
     "Regression",
     "RegressionStream",
@@ -76,6 +80,54 @@ class Regression(Objective):
 
     def required_keys(self) -> tuple[str, ...]:
         return ("x", "y")
+
+
+class Linear(Objective):
+    """Squared error of one Dense layer from x to y, on batches {"x": [B, inputs], "y": [B, outputs]}.
+
+    The smallest objective with a parameter per feature; ``traces`` counts
+    how often the loss was traced (a test of compilation counts reads it).
+    """
+
+    def __init__(self, inputs: int = FEATURES, outputs: int = 1, ema: EMASpec | None = None) -> None:
+        self.model = nn.Dense(outputs)
+        self.inputs = inputs
+        self.ema = ema
+        self.traces = 0
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        return variables if variables is not None else self.model.init(key, jnp.zeros((1, self.inputs)))
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        self.traces += 1
+        errors = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size, jnp.float32)), Aux()
+
+    def required_keys(self) -> tuple[str, ...]:
+        return ("x", "y")
+
+
+class NextToken(Objective):
+    """The mean next-token cross entropy of a causal model, on batches {"text": int [B, seq_len + 1]}.
+
+    model is any module mapping token ids [B, T] to logits [B, T, vocab]
+    (dew.nn's CausalTransformer, say); init draws it for windows of seq_len
+    tokens unless starting weights are given.
+    """
+
+    def __init__(self, model: nn.Module, seq_len: int = 8) -> None:
+        self.model = model
+        self.seq_len = seq_len
+
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
+        if variables is not None:
+            return variables
+        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
+        logits = self.model.apply(variables, batch["text"][:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:])
+        return Mean(ce.sum(), jnp.asarray(ce.size, jnp.float32)), Aux()
 
 
 def regression_batch(index: int, rows: int = 8) -> dict[str, np.ndarray]:
@@ -136,3 +188,7 @@ class RecordingTracker:
     def series(self, name: str) -> list[tuple[int, float]]:
         """(step, value) of one scalar, for every row that holds it."""
         return [(step, row[name]) for step, row in self.rows if name in row]
+
+    def values(self, name: str) -> list[float]:
+        """The values of one scalar, in the order they were logged."""
+        return [value for _, value in self.series(name)]

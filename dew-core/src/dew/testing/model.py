@@ -29,6 +29,7 @@ from flax import linen as nn
 from dew.testing.devices import call_on_fake_devices
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec, build_mesh
+from dew.tree_paths import path_name
 
 __all__ = ["ModelKit"]
 
@@ -61,7 +62,7 @@ class ModelKit:
     def _parameters(self) -> list[tuple[str, Any]]:
         params = self.boxed_variables().get("params", {})
         leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
-        return [("/".join(str(getattr(p, "key", p)) for p in path), leaf) for path, leaf in leaves]
+        return [(path_name(path), leaf) for path, leaf in leaves]
 
     def test_every_parameter_declares_logical_axes(self) -> None:
         parameters = self._parameters()

@@ -150,7 +150,7 @@ class ObjectiveKit:
         leaves = jax.tree.leaves(variables)
         assert leaves, f"{type(objective).__name__}.init returned no arrays."
         for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
-            assert hasattr(leaf, "shape") and hasattr(leaf, "dtype"), (
+            assert isinstance(leaf, jax.Array | np.ndarray | np.generic), (
                 f"init's leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array.")
         again = init(self._key())
         _close(again, variables, 0, 0, "init with the same key gives another value")

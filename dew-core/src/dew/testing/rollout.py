@@ -60,7 +60,7 @@ class RolloutKit:
     def _outputs(self, rollout: Any, state: Any) -> list[Mapping[str, Any]]:
         batches = list(self.batches())
         assert batches, "batches() returned no batch."
-        out = []
+        out: list[Mapping[str, Any]] = []
         for index in range(self.calls):
             key = jax.random.fold_in(jax.random.key(self.seed), index)
             result = rollout(state, batches[index % len(batches)], key)

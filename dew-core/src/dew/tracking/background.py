@@ -16,6 +16,11 @@ growing pause, and drops the oldest once more than ``buffer`` wait; when a
 send succeeds again it tells its tracker how many were dropped
 (``on_recover``), and ``close`` gives up after ``close_timeout`` seconds with
 a warning instead of an error, so training is never stopped by it.
+
+A synchronous channel (``synchronous=True``: LocalTracker's cheap appends)
+sends on the caller's thread instead, in ``submit`` itself, under the same
+policy: a failure that stops the run is raised by the call that met it, and
+a tolerated one keeps the items for the next call after its pause.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["Channel", "Dropped", "TrackerWarning", "TrackerWriteError", "let_others_run"]
 
 
@@ -45,7 +52,7 @@ def let_others_run() -> None:
     time.sleep(0)
 
 
-class TrackerWriteError(RuntimeError):
+class TrackerWriteError(DewError, RuntimeError):
     """A tracker could not write where it reports to; the message names the place."""
 
 
@@ -134,12 +141,13 @@ class _Writer:
 
 _WRITER = _Writer()
 atexit.register(_WRITER.flush_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_WRITER.after_fork)
+_register_at_fork = getattr(os, "register_at_fork", None)  # POSIX only
+if _register_at_fork is not None:
+    _register_at_fork(after_in_child=_WRITER.after_fork)
 
 
 def _step_of(item: Any) -> int | None:
-    step = getattr(item, "step", None)
+    step = getattr(item, "step", None)  # an item is whatever its tracker submitted: a record, a tuple
     if step is None and isinstance(item, tuple) and len(item) >= 3:
         step = item[2]
     return step if isinstance(step, int) else None
@@ -172,8 +180,10 @@ class Channel:
         close_timeout: float = 30.0,
         on_recover: Callable[[Dropped], None] | None = None,
         retryable: Callable[[BaseException], bool] = lambda error: True,
+        synchronous: bool = False,
     ) -> None:
         self.send = send
+        self.synchronous = synchronous
         self.where = where
         self.interval = interval
         self.stop_on_failure = stop_on_failure
@@ -205,6 +215,10 @@ class Channel:
         if self.error is not None:
             self.check()
         self.items.append(item)
+        if self.synchronous:
+            if self.failing is None or time.monotonic() >= self.retry_at:  # not in a pause
+                self._send_now()
+            return
         # The writer clears queued before it takes a batch, so an item appended before it
         # reads queued False is either in that batch or scheduled here; an extra schedule
         # finds an empty batch, which is skipped.
@@ -246,6 +260,13 @@ class Channel:
         extra = len(self.items) - self.buffer
         self._count_dropped([self.items.popleft() for _ in range(extra)])
 
+    def _send_now(self) -> None:
+        """A synchronous channel: send what is queued on this thread; raise what stops the run."""
+        items = self.take()
+        if items:
+            self.deliver(items)
+        self.check()
+
     def check(self) -> None:
         """Raise the failure the writer met for this channel, once."""
         error, self.error = self.error, None
@@ -256,6 +277,8 @@ class Channel:
         """Wait until everything queued is written (or given up on); True when it was."""
         writer = _WRITER
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.synchronous:
+            return self._flush_now(deadline)
         with writer.lock:
             self.hurry = True
             self.retry_at = 0.0  # a failing remote gets one attempt now, then its pauses
@@ -268,6 +291,19 @@ class Channel:
                 writer.lock.wait(left if left is None else min(left, 1.0))
             self.hurry = False
         return True
+
+    def _flush_now(self, deadline: float | None) -> bool:
+        """A synchronous channel's flush: send what waits, retrying until the deadline."""
+        while True:
+            items = self.take()
+            if items:
+                self.deliver(items)
+            if not self.items or self.error is not None:
+                return not self.items
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            time.sleep(min(self.pause, left) if left is not None else self.pause)
 
     def close(self) -> None:
         """Write what is queued, then raise a failure or warn of what was lost."""

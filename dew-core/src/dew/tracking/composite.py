@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dew.tracking.protocol import Reported, Tracker
+from dew.tracking.protocol import Located, Reported, Tracker
 
 __all__ = ["Trackers"]
 
@@ -30,8 +30,8 @@ class Trackers:
                 failures.append((tracker, error))
         if failures:
             first = failures[0][1]
-            for tracker, error in failures[1:]:
-                first.add_note(f"{type(tracker).__name__}.{method} also failed: {error!r}")
+            for tracker, other in failures[1:]:
+                first.add_note(f"{type(tracker).__name__}.{method} also failed: {other!r}")
             raise first
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
@@ -42,6 +42,11 @@ class Trackers:
 
     def close(self) -> None:
         self._each("close")
+
+    def directories(self) -> Sequence[str]:
+        """Where each of the trackers that says where writes, in order."""
+        return [where for tracker in self.trackers if isinstance(tracker, Located)
+                for where in tracker.directories()]
 
     def __len__(self) -> int:
         return len(self.trackers)

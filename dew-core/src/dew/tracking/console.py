@@ -64,7 +64,7 @@ class Console:
     def _wants_live(self) -> bool:
         if self.live is not None:
             return self.live
-        isatty = getattr(self._out(), "isatty", None)
+        isatty = getattr(self._out(), "isatty", None)  # any writable stream: a test's may have none
         return bool(isatty and isatty())
 
     # -- the trainer's calls ----------------------------------------------------

@@ -17,7 +17,7 @@ __all__ = ["LocalTracker"]
 
 
 class LocalTracker:
-    """Writes a run's reports into a directory, one line per report.
+    """Writes synchronous reports in a directory, one line per report.
 
     ``scalars.jsonl`` holds one row per ``log`` call, ``records.jsonl`` one
     row per record, ``previews.jsonl`` one row per preview file written under
@@ -25,13 +25,14 @@ class LocalTracker:
     ``-Inf``. ``plot()`` draws each metric from the journal into ``plots/``;
     nothing is kept in memory between calls.
 
-    The files are written by dew's tracker thread (dew.tracking.background),
-    in the order of the calls, a batch at a time, so a step only enqueues its
-    values. A write that fails is truncated back to the last whole line, so a
-    journal never holds half a row, and its error names the file; it stops the
-    run (raised by the next call or by ``close``) unless stop_on_failure is
-    False, when the tracker retries and warns instead (and ``close`` gives up
-    after close_timeout seconds, warning how many reports were lost).
+    Synchronous: when ``log`` or ``artifact`` returns, its row is in the
+    journal (one append to an open file; a preview's file is written first).
+    A write that fails is truncated back to the last whole line, so a journal
+    never holds half a row, and the call that failed raises TrackerWriteError
+    naming the file, unless stop_on_failure is False: then it warns, keeps
+    the reports and writes them with a later call once a pause has passed
+    (``close`` gives up after close_timeout seconds, warning how many reports
+    were lost). The remote trackers keep dew's background writer thread.
 
     >>> import tempfile, json, pathlib
     >>> directory = pathlib.Path(tempfile.mkdtemp())
@@ -53,7 +54,7 @@ class LocalTracker:
         self.directory = Path(directory)
         self.plots = plots
         self._handles: dict[str, Any] = {}
-        self._channel = Channel(self._send, f"LocalTracker at {self.directory}", interval=0.5,
+        self._channel = Channel(self._send, f"LocalTracker at {self.directory}", synchronous=True,
                                 stop_on_failure=stop_on_failure, close_timeout=close_timeout,
                                 on_recover=self._recovered)
 
@@ -83,14 +84,11 @@ class LocalTracker:
                 f"as it was, {size} bytes): {error}") from error
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
-        """On the tracker thread: the journals' rows and the preview files, in order."""
+        """The journals' rows and the preview files of items, in order (on the caller's thread)."""
         from dew.telemetry.render import write_preview
-        from dew.tracking.background import let_others_run
 
         rows: dict[str, list[Mapping[str, Any]]] = {}
-        for index, (kind, value, step) in enumerate(items):
-            if index % 16 == 15:
-                let_others_run()
+        for kind, value, step in items:
             if kind == "log":
                 rows.setdefault(self.SCALARS, []).append(scalar_row(value, step))
                 continue
@@ -122,8 +120,12 @@ class LocalTracker:
         check_reported(value)
         self._channel.submit(("artifact", value, step))
 
+    def directories(self) -> list[str]:
+        return [str(self.directory)]
+
     def flush(self) -> None:
-        """Wait until every report so far is in the journals; raise what failed."""
+        """Write any report a failed write left waiting; raise what failed (every other report
+        is in its journal already)."""
         self._channel.flush()
         self._channel.check()
 

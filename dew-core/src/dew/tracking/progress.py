@@ -21,6 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dew import plugins
+from dew.errors import DewError
 from dew.telemetry.records import Goodput, RunStarted
 from dew.tracking.console import Console
 
@@ -30,7 +31,7 @@ _NONFINITE_LIMIT = 5  # consecutive rejected steps (without a loss scaler) that 
 _NONFINITE_LIMIT_SCALED = 50
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(DewError, FloatingPointError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
@@ -111,11 +112,13 @@ class Progress:
         self.eager = jax.process_count() == 1
 
     # -- the run's edges -----------------------------------------------------------
-    def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int]) -> None:
+    def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int], *,
+              recipe: Mapping[str, Any] | None = None) -> None:
+        """The fit began: the RunStarted record (carrying the recipe, when the run has one)."""
         processes = jax.process_count()
         if self.console is not None:
             self.console.start(start, steps, dict(mesh), processes)
-        self.record(RunStarted(config={}, start=start, steps=steps, mesh=dict(mesh),
+        self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
                                processes=processes), start)
         self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
 
@@ -153,7 +156,7 @@ class Progress:
             if upto is not None and pending.step >= upto:
                 break
             if not block and (not self.eager or pending.log
-                              or not pending.metrics["finite"].is_ready()):
+                              or not pending.metrics["finite"].is_ready()):  # type: ignore[attr-defined]  # an ArrayImpl method jax.Array does not declare
                 break
             ready.append(pending)
         if not ready:

@@ -9,13 +9,14 @@ tracker plugin depends on it alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, TypeAlias, runtime_checkable
 
+from dew.errors import DewError
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Record, is_record
 
-__all__ = ["NotAReportError", "Reported", "Tracker", "check_reported"]
+__all__ = ["Located", "NotAReportError", "Reported", "Tracker", "check_reported"]
 
 Reported: TypeAlias = Artifact | Record
 """What ``Tracker.artifact`` receives: a preview or a typed record."""
@@ -38,7 +39,20 @@ class Tracker(Protocol):
         ...
 
 
-class NotAReportError(TypeError):
+@runtime_checkable
+class Located(Protocol):
+    """A tracker that writes where a person can look says where: the trainer prints it.
+
+    Optional beside Tracker: a tracker that keeps its reports elsewhere (a
+    server, memory) needs nothing more than log, artifact and close.
+    """
+
+    def directories(self) -> Sequence[str]:
+        """The directories (or URLs) this tracker writes into."""
+        ...
+
+
+class NotAReportError(DewError, TypeError):
     """artifact() was given something that is neither a preview nor a record."""
 
 

@@ -14,10 +14,12 @@ from typing import Any
 import pydantic
 from pydantic import Field
 
+from dew.errors import DewError
+
 __all__ = ["Cadence", "EpochsNeedRecordsError"]
 
 
-class EpochsNeedRecordsError(ValueError):
+class EpochsNeedRecordsError(DewError, ValueError):
     """A run counted in epochs reads a dataset that does not know its size."""
 
 

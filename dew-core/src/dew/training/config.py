@@ -9,13 +9,14 @@ their union:
   mesh, layout and profile are the Trainer's own ``MeshSpec``, ``Layout``
   and ``ProfileWindow``, validated as they are;
 - ``CheckpointSettings`` (dew.checkpoints.settings): checkpoint_dir,
-  keep and the local checkpoints, the arguments of ``Checkpoints``;
+  keep and the local checkpoints, which build the ``Checkpoints``
+  (``build_checkpoints``);
 - ``ProcessSettings`` (dew.training.runtime.process): xla_flags, multi_host,
   compilation_cache_dir and core_dumps, read by ``prepare_process``;
 - ``Cadence`` (dew.training.cadence): steps or epochs and the intervals,
   the arguments of ``Trainer.fit``;
-- wandb, the W&B tracker a recipe adds, and batch_ramp, which wraps the
-  dataset with ``dew.data.ramped``;
+- wandb, the W&B tracker a recipe adds (``WandbSettings.build``), and
+  batch_ramp, which wraps the dataset with ``dew.data.ramped``;
 - evaluate, the evaluation tasks scored on a cadence
   (``dew.evaluations.EvaluateConfig``), which the recipe builds into the
   Trainer's ``evaluations``.
@@ -27,18 +28,25 @@ their union:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pydantic
 from pydantic import Field
 
 from dew.checkpoints.settings import CheckpointSettings
 from dew.evaluations.config import EvaluateConfig
 from dew.training.cadence import Cadence
-from dew.training.placement.layout import Layout
+from dew.training.placement.layout import STAGE_RULE, Layout
 from dew.training.placement.mesh import MeshSpec
 from dew.training.profiling import ProfileWindow
 from dew.training.runtime.process import ProcessSettings
 
-__all__ = ["BatchRamp", "TrainerConfig", "TrainerSettings", "WandbSettings"]
+if TYPE_CHECKING:
+    from dew.tracking.protocol import Tracker
+
+__all__ = ["RUN_FILE", "BatchRamp", "TrainerConfig", "TrainerSettings", "WandbSettings"]
+
+RUN_FILE = "run.json"  # a run's recipe, beside its checkpoints (RunConfig.save, Trainer(recipe=))
 
 _STRICT = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -57,9 +65,14 @@ class TrainerSettings(pydantic.BaseModel):
     @pydantic.field_validator("layout", mode="before")
     @classmethod
     def _unset_rules_are_the_defaults(cls, value: object) -> object:
-        """A run.json written before Layout was the recipe's type says ``rules: null``."""
+        """A run.json written before Layout was the recipe's type says ``rules: null``; one
+        written while the defaults listed the layout's own stage rule (layers -> stage) lists
+        it, and it is left to the layout."""
         if isinstance(value, dict) and "rules" in value and value["rules"] is None:
             return {k: v for k, v in value.items() if k != "rules"}
+        if isinstance(value, dict) and isinstance(value.get("rules"), list | tuple):
+            rules = [rule for rule in value["rules"] if list(rule) != list(STAGE_RULE)]
+            return {**value, "rules": rules}
         return value
 
 
@@ -72,6 +85,13 @@ class WandbSettings(pydantic.BaseModel):
     name: str | None = None
     entity: str | None = None
     offline: bool = False
+
+    def build(self) -> Tracker:
+        """The registered ``wandb`` tracker (dew-trackers[wandb]) these settings describe."""
+        from dew import registry
+
+        return registry.trackers.build("wandb", project=self.project, name=self.name,
+                                       entity=self.entity, offline=self.offline)
 
 
 class BatchRamp(pydantic.BaseModel):

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.data.base import Reader
+from dew.data.base import Reader, close_if_closable
 from dew.objectives.base import Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.telemetry.artifacts import Artifact
 from dew.training.placement.mesh import build_mesh, data_partition, global_shape, shard_batch
@@ -35,7 +35,9 @@ class Evaluation:
 
     coordinated_batches is how many global batches every rank scored,
     records how many rows they held, uneven_shards whether some rank had
-    batches left over. previews are kept on rank 0 only.
+    batches left over. elapsed_seconds is rank zero's wall time from the
+    call through the closing of its iterator, the same number on every
+    rank. previews are kept on rank 0 only.
     """
 
     step: int
@@ -85,7 +87,7 @@ class OutputMeans:
                 out[key] = MeanMetric(key).update(out.get(key, (0.0, 0.0)), {key: value})
         return out
 
-    def result(self, accumulator: dict) -> dict[str, float]:  # type: ignore[override]
+    def result(self, accumulator: dict) -> dict[str, float]:
         return {key: MeanMetric(key).result(acc) for key, acc in accumulator.items()}
 
 
@@ -95,6 +97,19 @@ def _any_everywhere(flag: bool) -> tuple[bool, bool]:
         return flag, flag
     flags = np.asarray(multihost_utils.process_allgather(np.asarray(flag, np.int32)))
     return bool(flags.min()), bool(flags.max())
+
+
+def _rank_zeros(seconds: float) -> float:
+    """Rank zero's seconds, on every rank: an event's wall time is rank zero's.
+
+    Sent as the float64's bits (two uint32), so every rank holds exactly rank
+    zero's number whatever precision JAX computes in.
+    """
+    if jax.process_count() == 1:
+        return seconds
+    bits = np.asarray([seconds], np.float64).view(np.uint32)
+    sent = np.asarray(multihost_utils.broadcast_one_to_all(bits), np.uint32)
+    return float(sent.view(np.float64)[0])
 
 
 def _rows(batch: Mapping[str, Any]) -> int:
@@ -155,7 +170,8 @@ class Evaluator:
             sample = self.objective.preview(averaged if averaged is not None else variables, shown)
             previews = tuple(p for p in ([sample] if isinstance(sample, Artifact) else list(sample or ())) if p)
         if not metrics or batches is None:
-            return Evaluation(step, split, {}, 0, 0, False, event_key, time.perf_counter() - started, previews)
+            return Evaluation(step, split, {}, 0, 0, False, event_key,
+                              _rank_zeros(time.perf_counter() - started), previews)
 
         event = jax.random.fold_in(jax.random.fold_in(stream(key, "evaluation"), step), event_key[1])
         partition = data_partition(self.mesh)
@@ -171,6 +187,7 @@ class Evaluator:
                 if not everyone:
                     uneven = someone
                     break
+                assert batch is not None  # every process has one, this one too
                 shapes = global_shape(batch, partition)
                 signature = jax.tree.structure(shapes), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes))
                 outputs = self._scorer(signature)(
@@ -183,9 +200,7 @@ class Evaluator:
                 coordinated += 1
                 rows += _rows(batch) * partition.shares
         finally:
-            close = getattr(iterator, "close", None)
-            if callable(close):
-                close()
+            close_if_closable(iterator)
         scores: dict[str, float] = {}
         if coordinated:
             for metric, accumulator in zip(metrics, accumulators, strict=True):
@@ -196,7 +211,7 @@ class Evaluator:
                     scores[f"{split}/{metric.name}"] = float(result)
         return Evaluation(
             step, split, scores, coordinated, rows, uneven, event_key,
-            time.perf_counter() - started, previews,
+            _rank_zeros(time.perf_counter() - started), previews,  # the iterator is closed by now
         )
 
 

@@ -30,13 +30,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dew.data.base import Accounted, DataPartition, Dataset, Reporting, Resumable
+from dew.data.base import Accounted, DataPartition, Dataset, Reporting, Resumable, close_if_closable
+from dew.errors import DewError
 from dew.training.ledger import Ledger
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
-from dew.training.protocols import Refilling, Rollout
+from dew.training.protocols import Refilling, RewardTimed, Rollout
 from dew.training.state import TrainState
 
-__all__ = ["Feed", "Fed", "pack_position", "unpack_position"]
+__all__ = ["Feed", "Fed", "RolloutStateError", "pack_position", "unpack_position"]
 
 _ROLLOUT_POSITION = b"dew-rollout-position:"
 
@@ -68,6 +69,10 @@ def unpack_position(position: bytes | None) -> tuple[bytes | None, bytes | None]
     data = payload.get("data")
     return (None if data is None else base64.b64decode(data, validate=True),
             base64.b64decode(payload["rollout"], validate=True))
+
+
+class RolloutStateError(DewError, ValueError):
+    """A checkpoint holds a rollout's state, but the trainer's rollout cannot take it back."""
 
 
 @dataclass
@@ -134,7 +139,7 @@ class Feed:
             )
         if rollout_state is not None:
             if not isinstance(self.rollout, Resumable):
-                raise BatchMismatchError(
+                raise RolloutStateError(
                     "The checkpoint holds a rollout state, but this trainer's rollout has no "
                     "set_state; resume with the rollout the run was trained with."
                 )
@@ -150,17 +155,14 @@ class Feed:
 
     def position(self) -> bytes | None:
         """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
-        get_state = getattr(self._stream, "get_state", None)
-        data = get_state() if callable(get_state) else None
+        data = self._stream.get_state() if isinstance(self._stream, Resumable) else None
         rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
         if self.ledger is not None:
             self.ledger.checkpoint(self._step, data)
         return pack_position(data, rollout)
 
     def close(self) -> None:
-        close = getattr(self._stream, "close", None)
-        if callable(close):
-            close()
+        close_if_closable(self._stream)
         if self.ledger is not None:
             self.ledger.close()
 
@@ -176,10 +178,11 @@ class Feed:
         if self.ledger is not None:
             self.ledger.consumed(step + 1, self._stream.consumption())  # type: ignore[union-attr]
         if self.rollout is not None:
-            scored = getattr(self.rollout, "reward_seconds", 0.0)
-            batch = self.rollout(state, batch, state.key_for(step, purpose="rollout"))
+            rollout = self.rollout
+            scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
+            batch = rollout(state, batch, state.key_for(step, purpose="rollout"))
             _check_mapping(batch, step, "The rollout")
-            reward = getattr(self.rollout, "reward_seconds", 0.0) - scored
+            reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
             self.clock.reward += reward
             self.clock.rollout += time.perf_counter() - rolled - reward
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}

@@ -23,7 +23,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from dew.errors import DewError
 from dew.objectives.base import Variables
+from dew.tree_paths import path_name
 
 __all__ = [
     "Initializer",
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 
-class InitializerMismatchError(ValueError):
+class InitializerMismatchError(DewError, ValueError):
     """The weights a run starts from do not fit the tree or shapes the objective's init makes."""
 
 
@@ -51,14 +53,9 @@ Initializer = Variables | WeightSource | None
 
 def _leaves(tree: Any) -> dict[str, Any]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {"/".join(_key(k) for k in path): leaf for path, leaf in flat}
+    return {path_name(path): leaf for path, leaf in flat}
 
 
-def _key(entry: Any) -> str:
-    for attribute in ("key", "name", "idx"):
-        if hasattr(entry, attribute):
-            return str(getattr(entry, attribute))
-    return str(entry)
 
 
 def compare_trees(expected: Any, given: Any, *, what: str) -> None:
@@ -79,6 +76,11 @@ def compare_trees(expected: Any, given: Any, *, what: str) -> None:
         )
 
 
+def _reader(array: np.ndarray) -> Callable[[Any], np.ndarray]:
+    """The callback make_array_from_callback calls for each shard: array's slice at index."""
+    return lambda index: array[index]
+
+
 def place_weights(weights: Variables, shardings: Mapping[str, NamedSharding] | Callable[[str, Any], NamedSharding]) -> Any:
     """Put host or device weights on the mesh, each leaf in the sharding its path is given.
 
@@ -89,13 +91,12 @@ def place_weights(weights: Variables, shardings: Mapping[str, NamedSharding] | C
     flat, tree = jax.tree_util.tree_flatten_with_path(weights)
     placed = []
     for path, leaf in flat:
-        name = "/".join(_key(k) for k in path)
+        name = path_name(path)
         sharding = shardings(name, leaf) if callable(shardings) else shardings[name]
         if isinstance(leaf, jax.Array):
             placed.append(jax.device_put(leaf, sharding))
         else:
-            array = np.asarray(leaf)
-            placed.append(jax.make_array_from_callback(array.shape, sharding, lambda index, a=array: a[index]))
+            placed.append(jax.make_array_from_callback(np.shape(leaf), sharding, _reader(np.asarray(leaf))))
     return jax.tree_util.tree_unflatten(tree, placed)
 
 

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 import pydantic
+
+from dew.errors import DewError
+from dew.tree_paths import path_name
 
 __all__ = [
     "DEFAULT_NO_DECAY",
@@ -40,6 +44,7 @@ __all__ = [
     "build_optimizer",
     "build_schedule",
     "ConfiguredOptimizer",
+    "Optimizer",
     "leaf_path",
     "matches",
 ]
@@ -49,7 +54,7 @@ __all__ = [
 DEFAULT_NO_DECAY: tuple[str, ...] = ("*bias", "*scale", "*norm*", "*embed*")
 
 
-class OptimizerConfigError(ValueError):
+class OptimizerConfigError(DewError, ValueError):
     """An optimizer config that cannot be built as given."""
 
 
@@ -172,17 +177,7 @@ def build_schedule(config: OptimizerConfig) -> optax.Schedule:
 # -- parameter groups --------------------------------------------------------------
 
 
-def leaf_path(path: Sequence[Any]) -> str:
-    """A tree path as the ``/``-joined string the globs match (``params/dense/kernel``)."""
-    parts = []
-    for entry in path:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(entry, attribute):
-                parts.append(str(getattr(entry, attribute)))
-                break
-        else:
-            parts.append(str(entry))
-    return "/".join(parts)
+leaf_path = path_name  # a tree path as the ``/``-joined string the globs match
 
 
 def matches(patterns: Sequence[str], path: str) -> bool:
@@ -265,17 +260,33 @@ def _solver(config: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransf
     )
 
 
-class ConfiguredOptimizer(NamedTuple):
-    """An optax transformation with the config it was built from.
+@dataclass(frozen=True)
+class ConfiguredOptimizer:
+    """An optax transformation with what the trainer reads of it besides its updates.
 
-    It is used like any optax transformation (``init``, ``update``); the
-    config lets the trainer check the parameter groups against what the
-    objective freezes, and read the learning-rate schedule.
+    It is used like any optax transformation (``init``, ``update``). The
+    trainer takes it as it takes a bare one, and reads two more things: the
+    learning-rate ``schedule`` it follows (logged beside the loss), and its
+    parameter ``groups`` (checked against what the objective freezes).
+
+    >>> tx = build_optimizer(OptimizerConfig(learning_rate=0.5, groups=[{"match": "*head*"}]))
+    >>> float(tx.schedule(10)), tx.groups[0].match
+    (0.5, ('*head*',))
     """
 
-    init: Callable[..., Any]
-    update: Callable[..., Any]
-    config: OptimizerConfig
+    transformation: optax.GradientTransformation
+    schedule: optax.Schedule | None = None
+    groups: tuple[ParamGroup, ...] = ()
+
+    def init(self, params: Any) -> optax.OptState:
+        return self.transformation.init(params)
+
+    def update(self, updates: Any, state: optax.OptState, params: Any = None) -> tuple[Any, optax.OptState]:
+        return self.transformation.update(updates, state, params)
+
+
+Optimizer = optax.GradientTransformation | ConfiguredOptimizer
+"""What a Trainer takes: any optax transformation, or one with its schedule and groups."""
 
 
 def build_optimizer(config: OptimizerConfig) -> ConfiguredOptimizer:
@@ -283,8 +294,9 @@ def build_optimizer(config: OptimizerConfig) -> ConfiguredOptimizer:
     parts: list[optax.GradientTransformation] = []
     if config.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(config.clip_norm))
-    parts.append(_solver(config, build_schedule(config)))
+    schedule = build_schedule(config)
+    parts.append(_solver(config, schedule))
     if any(group.lr_scale != 1.0 for group in config.groups):
         parts.append(scale_by_group(config))
     chain = parts[0] if len(parts) == 1 else optax.chain(*parts)
-    return ConfiguredOptimizer(chain.init, chain.update, config)
+    return ConfiguredOptimizer(chain, schedule, config.groups)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.nn.pipeline import PipelineSchedule, pipeline
 from dew.training.placement.mesh import companion_mesh
-from dew.training.state import TrainState
+from dew.training.state import TrainState, shardings_state
 from dew.training.step import Gradients
 from dew.training.trees import overlay, paths, select
 
@@ -95,7 +95,7 @@ class Execution:
     def view_placement(self, state: TrainState) -> TrainState:
         """The view's placement on the accelerators: variables and EMA as the bank, scalars replicated."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        return TrainState(
+        return shardings_state(
             params=self.bank, opt_state=None,
             key=replicated, step=replicated, microstep=replicated, updates=replicated,
             ema=None if state.ema is None else _pick(self.bank, paths(state.ema)),

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from dew.training.state import TrainState
 
-__all__ = ["Refilling", "Rollout", "StatefulRollout"]
+__all__ = ["Refilling", "RewardTimed", "Rollout", "StatefulRollout"]
 
 
 @runtime_checkable
@@ -34,6 +34,14 @@ class Rollout(Protocol):
     """
 
     def __call__(self, state: TrainState, batch: Mapping[str, Any], key: jax.Array) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class RewardTimed(Protocol):
+    """A rollout that keeps a running total of the seconds its reward took, so the run's
+    goodput counts them apart from the rest of the rollout's time."""
+
+    reward_seconds: float
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ step s folds s into its branch, so two purposes never draw the same key.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from dew.objectives.base import Variables
 from dew.training.trees import overlay
 
-__all__ = ["STREAMS", "Scaler", "TrainState", "Window", "stream"]
+__all__ = ["STREAMS", "Scaler", "TrainState", "Window", "shardings_state", "stream"]
 
 STREAMS = ("init", "step", "rollout", "evaluation", "preview")
 
@@ -44,6 +44,9 @@ class Scaler:
     a row double it.
     """
 
+    if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
+        def replace(self, **changes: Any) -> Scaler: ...
+
     scale: jax.Array
     streak: jax.Array
     growth_interval: int = flax.struct.field(pytree_node=False, default=2000)
@@ -69,6 +72,9 @@ class Scaler:
 class Window:
     """A half-filled gradient-accumulation window: summed gradients and loss counts."""
 
+    if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
+        def replace(self, **changes: Any) -> Window: ...
+
     grads: Variables
     count: jax.Array
     filled: jax.Array
@@ -86,6 +92,9 @@ class TrainState:
     with the root key, step decides the next random draw. key is stored as
     raw key data so it checkpoints like any array.
     """
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
+        def replace(self, **changes: Any) -> TrainState: ...
 
     params: Variables
     opt_state: Any
@@ -117,3 +126,8 @@ class TrainState:
         for value in data:
             key = jax.random.fold_in(key, value)
         return key
+
+
+def shardings_state(**fields: Any) -> TrainState:
+    """A TrainState whose leaves are shardings, not arrays: where each field of a state goes."""
+    return TrainState(**fields)

@@ -70,7 +70,7 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
     its optimizer state or accumulation window, so it can run against a
     snapshot that holds only those.
     """
-    trainable_filter = trains(getattr(objective, "frozen", None))
+    trainable_filter = trains(objective.frozen)
 
     def forward(state: TrainState, batch: Mapping[str, jax.Array]) -> Gradients:
         variables = state.params
@@ -156,7 +156,7 @@ def build_train_step(
     """
     forward = differentiate(objective)
     apply = transaction(optimizer, accumulation=accumulation, ema=ema,
-                        frozen=getattr(objective, "frozen", None))
+                        frozen=objective.frozen)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         return apply(state, forward(state, batch))

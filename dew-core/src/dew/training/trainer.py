@@ -10,6 +10,8 @@ notice and a plugin's stop request are handled between steps.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,15 +28,19 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data.base import Dataset
+from dew.errors import DewError
 from dew.nn.pipeline import pipeline
-from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
+from dew.objectives.base import Effects, LeafFilter, Loss, Metric, Objective, Variables
 from dew.telemetry.hardware import peak_flops
 from dew.tracking.progress import NonFiniteLossError, Progress
+from dew.tracking.protocol import Located, Tracker
+from dew.training.config import RUN_FILE, TrainerSettings
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
-from dew.training.feed import Feed
+from dew.training.feed import Feed, Signature
 from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
 from dew.training.ledger import RecordLedger
+from dew.training.optim import ConfiguredOptimizer, Optimizer, ParamGroup
 from dew.training.owned import Execution
 from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
@@ -42,12 +48,14 @@ from dew.training.placement.offload import fetching, in_host_memory
 from dew.training.placement.stages import bank_sites, check_stages, schedule_of, with_bubble
 from dew.training.protocols import Rollout
 from dew.training.runtime.preemption import Preempted, PreemptionWatch
-from dew.training.state import Scaler, TrainState, Window, stream
+from dew.training.state import Scaler, TrainState, Window, shardings_state, stream
 from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
 from dew.training.trees import paths, select, trains
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # named in signatures; the trainer imports none before a run uses it
+    from dew.checkpoints.manager import Checkpoints
     from dew.evaluations.base import Periodic
+    from dew.training.profiling import ProfileWindow
 
 __all__ = [
     "CompiledStep",
@@ -60,15 +68,15 @@ __all__ = [
 ]
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(DewError, ValueError):
     """A checkpoint was written with another accumulation length or loss-scaler configuration."""
 
 
-class StepCompositionError(ValueError):
+class StepCompositionError(DewError, ValueError):
     """A custom step was combined with a capability it cannot compose with."""
 
 
-class FrozenTrainedError(ValueError):
+class FrozenTrainedError(DewError, ValueError):
     """The optimizer was configured to train a variable the objective declares frozen."""
 
 
@@ -76,7 +84,7 @@ class FrozenTrainedError(ValueError):
 class CompiledStep:
     """One compiled transaction: ``new = step(old, batch)``; the old state is consumed."""
 
-    executable: Any
+    executable: StepFn  # a compiled executable, or the two programs of a CPU-owned state
     batch_shapes: dict[str, jax.ShapeDtypeStruct]
 
     def __call__(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
@@ -91,26 +99,31 @@ class Trainer(Generic[Loss, Effects]):
     metrics)), ``rollout`` produces each batch on the host first, and
     ``initializer`` gives the weights a fresh run starts from (a variables
     tree, or a source such as ``ParamsFrom``); a run that finds its own
-    checkpoint resumes from it instead.
+    checkpoint resumes from it instead. ``recipe`` is the configuration the
+    run was built from, as recorded (``RunConfig.recorded``, secrets
+    redacted): once the trainer holds the checkpoint directory it writes it
+    there (run.json), and the run's RunStarted record carries it to the
+    trackers.
     """
 
     def __init__(
         self,
         objective: Objective[Loss, Effects],
-        optimizer: optax.GradientTransformation,
+        optimizer: Optimizer,
         *,
         key: jax.Array,
         mesh: MeshSpec = MeshSpec(),
         layout: Layout = Layout(),
         accumulation: int = 1,
         dynamic_scale: bool = False,
-        checkpoints: Any = None,
-        tracker: Any = None,
-        step: Callable[[Objective[Loss, Effects], optax.GradientTransformation], StepFn] | None = None,
+        checkpoints: Checkpoints | None = None,
+        tracker: Tracker | None = None,
+        step: Callable[[Objective[Loss, Effects], Optimizer], StepFn] | None = None,
         rollout: Rollout | None = None,
-        profile: Any = None,
+        profile: ProfileWindow | None = None,
         initializer: Initializer = None,
         evaluations: Sequence[Periodic] = (),
+        recipe: Mapping[str, Any] | None = None,
     ) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {accumulation}.")
@@ -132,22 +145,24 @@ class Trainer(Generic[Loss, Effects]):
         self.profile = profile
         self.initializer = initializer
         self.evaluations = tuple(evaluations)  # tasks scored on a cadence (dew.evaluations.Periodic)
+        self.recipe = recipe
         self._source_weights: Variables | None = None
 
     @classmethod
     def from_config(
         cls,
-        config: Any,
+        config: TrainerSettings,
         objective: Objective,
-        optimizer: optax.GradientTransformation,
+        optimizer: Optimizer,
         *,
         key: jax.Array,
-        checkpoints: Any = None,
-        tracker: Any = None,
-        step: Callable[[Objective, optax.GradientTransformation], StepFn] | None = None,
+        checkpoints: Checkpoints | None = None,
+        tracker: Tracker | None = None,
+        step: Callable[[Objective, Optimizer], StepFn] | None = None,
         rollout: Rollout | None = None,
         initializer: Initializer = None,
         evaluations: Sequence[Periodic] = (),
+        recipe: Mapping[str, Any] | None = None,
     ) -> Trainer:
         """Build the trainer a TrainerConfig describes: its TrainerSettings fields, mapped here.
 
@@ -155,7 +170,7 @@ class Trainer(Generic[Loss, Effects]):
         """
         return Trainer(
             objective, optimizer, key=key, checkpoints=checkpoints, tracker=tracker,
-            step=step, rollout=rollout, initializer=initializer, evaluations=evaluations,
+            step=step, rollout=rollout, initializer=initializer, evaluations=evaluations, recipe=recipe,
             mesh=config.mesh, layout=config.layout, accumulation=config.accumulation,
             dynamic_scale=config.dynamic_scale, profile=config.profile,
         )
@@ -182,7 +197,17 @@ class Trainer(Generic[Loss, Effects]):
                             nn.meta.unbox(self._boxed_variables), self._trains)
 
     @property
-    def _trains(self) -> Callable[[tuple[str, ...], Any], bool]:
+    def _schedule(self) -> optax.Schedule | None:
+        """The learning-rate schedule a configured optimizer follows (None: it does not say)."""
+        return self.optimizer.schedule if isinstance(self.optimizer, ConfiguredOptimizer) else None
+
+    @property
+    def _groups(self) -> tuple[ParamGroup, ...]:
+        """A configured optimizer's parameter groups (a bare optax transformation has none)."""
+        return self.optimizer.groups if isinstance(self.optimizer, ConfiguredOptimizer) else ()
+
+    @property
+    def _trains(self) -> LeafFilter:
         return trains(self.objective.frozen)
 
     def initial_state(self, initializer: Initializer = None, key: jax.Array | None = None) -> TrainState:
@@ -194,8 +219,12 @@ class Trainer(Generic[Loss, Effects]):
         """
         key = self.key if key is None else key
         if initializer is None:
-            initializer = self._read_weights()
-        return self._state_from(self.objective.init(stream(key, "init"), initializer), key)
+            weights = self._read_weights()
+        elif isinstance(initializer, WeightSource):  # a source other than the run's, read here
+            weights = nn.meta.unbox(initializer(nn.meta.unbox(self._boxed_variables)))
+        else:
+            weights = initializer
+        return self._state_from(self.objective.init(stream(key, "init"), weights), key)
 
     def _state_from(self, variables: Variables, key: jax.Array) -> TrainState:
         """The fresh state around the variables an objective's init returned."""
@@ -227,7 +256,7 @@ class Trainer(Generic[Loss, Effects]):
         )
 
     @cached_property
-    def _shapes(self) -> tuple[Any, TrainState]:
+    def _shapes(self) -> tuple[Variables, TrainState]:
         """The fresh variables with their logical axes, and the abstract state: one trace of init
         when the run starts from a random init."""
         if self.initializer is not None:
@@ -237,14 +266,14 @@ class Trainer(Generic[Loss, Effects]):
             # The weights are an argument, so init sees tracers it can compute on (a copy, say).
             return boxed, jax.eval_shape(self.initial_state, weights, self.key)
 
-        def both(k: jax.Array) -> tuple[Any, TrainState]:
+        def both(k: jax.Array) -> tuple[Variables, TrainState]:
             boxed = self.objective.init(stream(k, "init"))
             return boxed, self._state_from(boxed, k)
 
         return jax.eval_shape(both, self.key)
 
     @cached_property
-    def _boxed_variables(self) -> Any:
+    def _boxed_variables(self) -> Variables:
         """The objective's fresh variables as shapes, with the logical axes its modules declare."""
         return self._shapes[0]
 
@@ -253,7 +282,7 @@ class Trainer(Generic[Loss, Effects]):
         return self._shapes[1]
 
     @cached_property
-    def _abstract_weights(self) -> Any:
+    def _abstract_weights(self) -> Variables | None:
         """The shapes of the weights a fresh run starts from (None: a random init)."""
         if self.initializer is None:
             return None
@@ -290,7 +319,7 @@ class Trainer(Generic[Loss, Effects]):
         def place(tree: Any) -> Any:
             return jax.tree_util.tree_map_with_path(lambda path, leaf: follow(_names(path), leaf), tree)
 
-        return TrainState(
+        return shardings_state(
             params=params,
             opt_state=place(state.opt_state),
             key=replicated, step=replicated, microstep=replicated, updates=replicated,
@@ -329,13 +358,15 @@ class Trainer(Generic[Loss, Effects]):
         which takes the starting weights (already sharded) and the key as
         arguments.
         """
-        latest = None if self.checkpoints is None else self.checkpoints.latest
-        saved = None if latest is None else f"the checkpoint at step {latest} in {self.checkpoints.directory}"
+        checkpoints = self.checkpoints
+        latest = None if checkpoints is None else checkpoints.latest
+        saved = None if checkpoints is None or latest is None \
+            else f"the checkpoint at step {latest} in {checkpoints.directory}"
         template, shardings = self.abstract_placement(checkpoint=saved)
-        if latest is not None:
+        if checkpoints is not None and latest is not None:
             # The saved configuration is compared before any array is read, so a changed one is named.
-            restored = self.checkpoints.restore(template, partition=data_partition(self.device_mesh),
-                                                check=self._check_resume)
+            restored = checkpoints.restore(template, partition=data_partition(self.device_mesh),
+                                           check=self._check_resume)
             return restored.state, shardings, restored.position
         if self._execution is not None:
             weights = self._weights_on_mesh(self._execution.on_companion(shardings))
@@ -344,7 +375,7 @@ class Trainer(Generic[Loss, Effects]):
         state = jax.jit(self.initial_state, out_shardings=shardings)(weights, self.key)
         return state, shardings, None
 
-    def _weights_on_mesh(self, shardings: TrainState) -> Any:
+    def _weights_on_mesh(self, shardings: TrainState) -> Variables | None:
         """The starting weights, checked against a fresh init and placed like the parameters."""
         weights = self._read_weights()
         if weights is None:
@@ -363,14 +394,13 @@ class Trainer(Generic[Loss, Effects]):
 
     def _check_frozen_optimizer(self) -> None:
         """Refuse an optimizer whose parameter groups select only frozen leaves to train."""
-        config = getattr(self.optimizer, "config", None)
-        if self.objective.frozen is None or config is None:
+        if self.objective.frozen is None or not self._groups:
             return
         from dew.training.optim import matches
 
         every = paths(nn.meta.unbox(self._boxed_variables))
         trainable = set(paths(select(nn.meta.unbox(self._boxed_variables), self._trains)))
-        for group in getattr(config, "groups", ()):
+        for group in self._groups:
             if group.lr_scale == 0:
                 continue
             chosen = [p for p in every if p.startswith("params/") and matches(group.match, p)]
@@ -426,7 +456,7 @@ class Trainer(Generic[Loss, Effects]):
             step = self._execution.compile(
                 differentiate(self.objective),
                 transaction(self.optimizer, accumulation=self.accumulation, ema=self.objective.ema,
-                            frozen=getattr(self.objective, "frozen", None)),
+                            frozen=self.objective.frozen),
                 state, shardings, batch, rules=self.layout.axis_rules, schedule=schedule_of(self.mesh))
             return CompiledStep(with_bubble(step, schedule_of(self.mesh)),
                                 {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
@@ -484,28 +514,30 @@ class Trainer(Generic[Loss, Effects]):
         steps = int(steps)
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch,
                             log_every=log_every, dynamic_scale=self.dynamic_scale,
-                            schedule=_schedule_of(self.optimizer))
+                            schedule=self._schedule)
         mesh = self.device_mesh
         if self.checkpoints is not None:
             self.checkpoints.acquire()  # refuse a second writer before training, not at the first save
+            if self.recipe is not None and jax.process_index() == 0:
+                _write_recipe(self.checkpoints.directory, self.recipe)  # only the writer writes it
         state, _, position = self.place()
         start = int(jax.device_get(state.step))
         if start >= steps:
             return state
-        schedule = getattr(dataset.train, "schedule", None) or ()
         feed = Feed(dataset, mesh, data_partition(mesh), required=tuple(self.objective.required_keys()),
-                    rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in schedule),
-                    check=getattr(self.objective, "check_batch", None), ledger=self._ledger())
+                    rollout=self.rollout, ramp_sizes=frozenset(int(size) for _, size in dataset.ramp),
+                    check=self.objective.check_batch, ledger=self._ledger())
         feed.open(position, resuming=start > 0, start=start)
-        progress.start(self, start, steps, mesh.shape)
+        progress.start(self, start, steps, mesh.shape, recipe=self.recipe)
         if self.checkpoints is not None:
             progress.note(f"checkpoints: {self.checkpoints.directory}")
-        for where in _tracker_directories(self.tracker):
+        written: Sequence[str] = self.tracker.directories() if isinstance(self.tracker, Located) else ()
+        for where in written:
             progress.note(f"tracking: {where}")
         profile = self.profile.schedule(start) if self.profile is not None else None
         if profile is not None:
             profile.on_step(start)  # a window without warmup opens before the first step
-        compiled: dict[Any, CompiledStep] = {}
+        compiled: dict[Signature, CompiledStep] = {}
         saved: int | None = None
         done = start
         try:
@@ -590,15 +622,17 @@ class Trainer(Generic[Loss, Effects]):
               local: bool = False) -> int:
         # The steps already dispatched finish first: their time is the steps' (the loop runs
         # ahead of the device by up to log_every steps), not the checkpoint's.
+        checkpoints = self.checkpoints
+        assert checkpoints is not None  # the loop saves only when the trainer has checkpoints
         began = time.perf_counter()
         jax.block_until_ready(state)
         in_flight = time.perf_counter() - began
         began = time.perf_counter()
-        self.checkpoints.save(done, state, position=feed.position(), partition=feed.partition,
-                              meta=self._meta(), local=local)
+        checkpoints.save(done, state, position=feed.position(), partition=feed.partition,
+                         meta=self._meta(), local=local)
         blocked = time.perf_counter() - began
         progress.clock.checkpoint += blocked
-        path = str(self.checkpoints.path(done))
+        path = str(checkpoints.path(done))
         progress.note(f"step {done}: checkpoint {'(local) ' if local else ''}handed to the writer, "
                       f"the loop blocked {blocked:.2f} s, after {in_flight:.2f} s finishing the "
                       f"steps in flight ({path})")
@@ -626,27 +660,11 @@ class Trainer(Generic[Loss, Effects]):
                   file=sys.stderr, flush=True)
 
 
-def _tracker_directories(tracker: Any) -> list[str]:
-    """Where a tracker (or each tracker of a fan-out or wrapper) writes, when it has a directory."""
-    if tracker is None:
-        return []
-    found = [str(tracker.directory)] if getattr(tracker, "directory", None) is not None else []
-    for inner in (getattr(tracker, "trackers", None) or ()):
-        found.extend(_tracker_directories(inner))
-    wrapped = getattr(tracker, "tracker", None)
-    if wrapped is not None and wrapped is not tracker:
-        found.extend(_tracker_directories(wrapped))
-    return found
-
-
-def _schedule_of(optimizer: Any) -> Callable[[int], Any] | None:
-    """The learning-rate schedule of an optimizer built from a config (None otherwise)."""
-    config = getattr(optimizer, "config", None)
-    if config is None:
-        return None
-    from dew.training.optim import build_schedule
-
-    return build_schedule(config)
+def _write_recipe(directory: str | os.PathLike, recipe: Mapping[str, Any]) -> None:
+    """The run's recipe beside its checkpoints (run.json), as RunConfig.save writes it."""
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / RUN_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
 
 
 def _check_composition(accumulation: int, dynamic_scale: bool, owns_state: bool) -> None:
@@ -687,7 +705,7 @@ def _follower(params: Any, abstract_params: Any, fallback: NamedSharding) -> Cal
     def follow(names: tuple[str, ...], leaf: Any) -> NamedSharding:
         for start in range(len(names)):
             tail = names[start:]
-            if tail in by_path and shapes[tail] == getattr(leaf, "shape", np.shape(leaf)):
+            if tail in by_path and shapes[tail] == np.shape(leaf):
                 return by_path[tail]
         return fallback
 

@@ -8,6 +8,8 @@ ValueError, KeyError).
 
 from __future__ import annotations
 
+from dew.errors import DewError
+
 __all__ = [
     "BatchDivisionError",
     "DataError",
@@ -22,7 +24,7 @@ __all__ = [
 ]
 
 
-class DataError(Exception):
+class DataError(DewError):
     """Base class of dew-data's errors."""
 
 

@@ -93,7 +93,7 @@ class RecordOrder:
         return self.n, self.seed
 
     def __setstate__(self, state: tuple[int, int]) -> None:
-        self.__init__(*state)
+        RecordOrder.__init__(self, *state)
 
     def _epoch(self, epoch: int, within: np.ndarray) -> np.ndarray:
         if self.n > _TABLE_LIMIT:

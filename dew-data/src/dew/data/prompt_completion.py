@@ -119,7 +119,8 @@ class PromptCompletion:
 
     def render(self, tokenizer: Any, prompt: str) -> str:
         """The prompt as the model reads it: the tokenizer's chat template, or template."""
-        if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+        # Any tokenizer: one from transformers may carry a chat template, and renders it itself.
+        if getattr(tokenizer, "chat_template", None) and getattr(tokenizer, "apply_chat_template", None):
             return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                  add_generation_prompt=True)
         return self.template.format(prompt=prompt)

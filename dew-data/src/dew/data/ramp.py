@@ -168,6 +168,7 @@ def ramped(dataset: Dataset, schedule: Sequence[tuple[int, int]] | None = None, 
     if (schedule is None) == (start is None):
         raise RampError("ramped takes either a schedule of (step, batch) pairs or start= and steps=.")
     if schedule is None:
+        assert start is not None  # one of the two is given, checked above
         schedule = linear_schedule(int(start), dataset.batch, int(steps if steps is not None else 1))
     pairs = _checked(schedule)
     reader = dataset.train
@@ -180,4 +181,4 @@ def ramped(dataset: Dataset, schedule: Sequence[tuple[int, int]] | None = None, 
             f"batch size mid-stream. Build the Dataset with StreamReader, or ramp inside your reader."
         )
     return Dataset(train=RampedReader(reader, pairs), val=dataset.val, records=dataset.records,
-                   batch=pairs[-1][1])
+                   batch=pairs[-1][1], ramp=pairs)

@@ -42,7 +42,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import grain
 import numpy as np
 
-from dew.data.base import GLOBAL_POSITION, SINGLE, Consumption, DataPartition, Dataset
+from dew.data.base import (
+    GLOBAL_POSITION,
+    SINGLE,
+    Consumption,
+    DataPartition,
+    Dataset,
+    close_if_closable,
+)
 from dew.data.errors import (
     BatchDivisionError,
     EmptyDatasetError,
@@ -151,7 +158,9 @@ class _Fetch:
 
     def __call__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         indices = np.asarray(indices, dtype=np.int64)
-        if self.transform is None and hasattr(self.source, "take"):
+        # A source is any indexable (ArrayRecords, a third party's); one that can take a batch of
+        # indices at once (ArrayRecords.take) is read that way.
+        if self.transform is None and getattr(self.source, "take", None) is not None:
             return dict(self.source.take(indices))
         records = [self.source[int(i)] for i in indices]
         if self.transform is not None:
@@ -313,9 +322,7 @@ class TrainStream:
     def close(self) -> None:
         """Stop the prefetch threads and worker processes (a later next() reopens)."""
         iterator, self._iterator = self._iterator, None
-        closer = getattr(iterator, "close", None)
-        if closer is not None:
-            closer()
+        close_if_closable(iterator)
 
     def __enter__(self) -> TrainStream:
         return self

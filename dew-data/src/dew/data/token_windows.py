@@ -61,8 +61,9 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
         if Path(tokenizer).expanduser().is_dir():
             return HFTokenizer.from_directory(Path(tokenizer).expanduser())
         return HFTokenizer.from_file(tokenizer)
-    for needed in ("encode", "eos_id"):
-        if not hasattr(tokenizer, needed):
+    missing = object()
+    for needed in ("encode", "eos_id"):  # any object may be given: it is checked, not trusted
+        if getattr(tokenizer, needed, missing) is missing:
             raise TypeError(
                 f"A tokenizer must have encode(text) and eos_id; {type(tokenizer).__name__} lacks "
                 f"{needed}. Pass 'byte', a path to a tokenizer.json, or such an object."
@@ -72,7 +73,7 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """What identifies a tokenizer's output: its own fingerprint (a file digest), else its type and sizes."""
-    own = getattr(tokenizer, "fingerprint", None)
+    own = getattr(tokenizer, "fingerprint", None)  # any tokenizer; dew's own say how they encode
     if own:
         return str(own)
     return f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{tokenizer.vocab_size}:{tokenizer.eos_id}"
@@ -84,7 +85,7 @@ def encode_documents(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
 
     if isinstance(tokenizer, ByteTokenizer):  # a byte's id is its value: no per-byte Python work
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
-    if hasattr(tokenizer, "encode_batch"):
+    if getattr(tokenizer, "encode_batch", None) is not None:  # any tokenizer; a library's batches
         return list(tokenizer.encode_batch(list(texts)))
     return [np.asarray(tokenizer.encode(text), dtype=np.int32) for text in texts]
 
@@ -245,6 +246,7 @@ class TokenWindows:
         windows = tokens[: count * width].reshape(count, width)
         if key is None:
             return windows
+        assert self.cache_dir is not None  # a key is made only when there is a cache
         path = window_cache.write(self.cache_dir, key, windows)
         return np.load(path, mmap_mode="r", allow_pickle=False)
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dew.errors import DewError
+
 __all__ = ["ByteTokenizer", "UnknownTokenError"]
 
 
-class UnknownTokenError(ValueError):
+class UnknownTokenError(DewError, ValueError):
     """decode() was given an id outside the tokenizer's vocabulary."""
 
 

@@ -17,11 +17,12 @@ from dew.data.base import Dataset
 from dew.data.errors import EmptyDatasetError
 from dew.data.sources import ArrayRecords
 from dew.data.stream import record_dataset
+from dew.errors import DewError
 
 __all__ = ["FrameCountError", "VideoArrays", "held_out", "load_records"]
 
 
-class FrameCountError(ValueError):
+class FrameCountError(DewError, ValueError):
     """Videos with another number of frames than the reader was asked for."""
 
 

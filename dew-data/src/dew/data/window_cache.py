@@ -80,7 +80,8 @@ def _problem(path: Path, key: str) -> str | None:
             return f"{candidate.name} is a symbolic link"
         if not stat.S_ISREG(info.st_mode):
             return f"{candidate.name} is not a regular file"
-        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        geteuid = getattr(os, "geteuid", None)  # POSIX only
+        if geteuid is not None and info.st_uid != geteuid():
             return f"{candidate.name} belongs to user id {info.st_uid}, not to this user"
     try:
         record = json.loads(record_path.read_text(encoding="utf-8"))

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import BatchKeyError, DewError
+
 __all__ = [
     "ClassLabels",
     "Conditioning",
@@ -39,21 +41,19 @@ __all__ = [
 ]
 
 
-class InvalidConditionError(ValueError):
+class InvalidConditionError(DewError, ValueError):
     """A condition's values lie outside what the model was built for."""
 
 
-class MissingConditionError(KeyError):
-    """The batch lacks the key a conditional model reads its condition from."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+# The batch lacks the key a conditional model reads its condition from: dew's one batch-key error.
+MissingConditionError = BatchKeyError
 
 
 class Conditioning(Protocol):
     """What objectives and pipelines need of a condition."""
 
-    key: str | None
+    @property
+    def key(self) -> str | None: ...
 
     def read(self, batch: Mapping[str, Any], *, traced_check: bool = True) -> jax.Array | None: ...
 
@@ -146,8 +146,9 @@ class ClassLabels:
 
     def read(self, batch: Mapping[str, Any], *, traced_check: bool = True) -> jax.Array:
         labels = _take(batch, self.key, "class labels")
+        # A batch value is whatever the reader yields (an array, a tracer, a list): probed.
         if getattr(labels, "ndim", None) != 1 or not jnp.issubdtype(labels.dtype, jnp.integer):
-            raise InvalidConditionError(
+            raise BatchKeyError(
                 f"Batch key {self.key!r} must hold integer labels [batch], got "
                 f"{getattr(labels, 'dtype', type(labels).__name__)} of shape "
                 f"{tuple(getattr(labels, 'shape', ()))}.")
@@ -193,9 +194,9 @@ class TextTokens:
 
     def read(self, batch: Mapping[str, Any], *, traced_check: bool = True) -> jax.Array:
         ids = _take(batch, self.key, "token ids")
-        shape = tuple(getattr(ids, "shape", ()))
+        shape = tuple(getattr(ids, "shape", ()))  # whatever the reader yields: probed
         if len(shape) != 2 or shape[1] != self.length or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise InvalidConditionError(
+            raise BatchKeyError(
                 f"Batch key {self.key!r} must hold integer token ids [batch, {self.length}], got "
                 f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {shape}.")
         _check_on_host(self.check, ids, 0, self.vocab_size, traced_check)
@@ -222,6 +223,7 @@ class TextTokens:
 def conditioning_of(model: Any, *, label_key: str = "label", text_key: str = "caption",
                     tokenizer: Any = None) -> Conditioning:
     """The spec a model's fields imply: labels, text tokens or nothing."""
+    # Any flax Module: what it is conditioned on is read from the fields it has.
     classes = int(getattr(model, "num_classes", 0) or 0)
     vocab = int(getattr(model, "text_vocab_size", 0) or 0)
     if classes:

@@ -66,7 +66,7 @@ class BlockDiffusionObjective(TokenDiffusion):
         if self.block_size < 1 or self.seq_len % self.block_size:
             raise ValueError(f"BlockDiffusionObjective.seq_len={self.seq_len} must be a positive "
                              f"multiple of block_size={self.block_size}.")
-        if self.seq_len > getattr(self.model, "max_seq_len", self.seq_len):
+        if self.seq_len > getattr(self.model, "max_seq_len", self.seq_len):  # any flax Module
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len="
                              f"{self.model.max_seq_len}.")
 

@@ -33,7 +33,8 @@ from dew.diffusion import (
     guide,
     schedule_named,
 )
-from dew.inputs import Conditioning, Unconditional, conditioning_of
+from dew.errors import BatchKeyError, DewError
+from dew.inputs import ClassLabels, Conditioning, Unconditional, conditioning_of
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -59,22 +60,20 @@ __all__ = [
 ]
 
 
-class InvalidPixelsError(ValueError):
-    """Images or videos that are not uint8 pixels of the shape the model was built for."""
+# Images or videos that are not uint8 pixels of the shape the model was built for: dew's one
+# batch-key error.
+InvalidPixelsError = BatchKeyError
 
 
-class ModelFrameCountError(InvalidPixelsError):
+class ModelFrameCountError(BatchKeyError):
     """A video with another number of frames than the model was built for."""
 
 
-class MissingPixelsError(KeyError):
-    """The batch lacks the key the pixels are read from."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+# The batch lacks the key the pixels are read from: dew's one batch-key error.
+MissingPixelsError = BatchKeyError
 
 
-class GuidanceError(ValueError):
+class GuidanceError(DewError, ValueError):
     """A guidance scale was asked of a model that has no condition to guide by."""
 
 
@@ -140,7 +139,7 @@ class DiffusionObjective(Objective):
 
     # -- what the objective is built from ----------------------------------------------
     @property
-    def frozen(self) -> LeafFilter | None:
+    def frozen(self) -> LeafFilter | None:  # type: ignore[override]  # derived from a field here
         """The text encoder's parameters when freeze_text_encoder (a pretrained start keeps them)."""
         return under("params/text") if self.freeze_text_encoder else None
 
@@ -149,7 +148,7 @@ class DiffusionObjective(Objective):
         """The batch key of the pixels: 'video' for a model with frames, else 'image'."""
         if self.modality is not None:
             return self.modality
-        return "video" if getattr(self.model, "frames", None) else "image"
+        return "video" if getattr(self.model, "frames", None) else "image"  # any flax Module
 
     @property
     def process(self) -> Diffusion:
@@ -200,6 +199,7 @@ class DiffusionObjective(Objective):
                 f"DiffusionObjective reads {self.key}s under the batch key {self.key!r}, but the "
                 f"batch has keys {sorted(batch)}.")
         value = batch[self.key]
+        # A batch value is whatever the reader yields (an array, a tracer, a list): probed.
         shape, dtype = tuple(getattr(value, "shape", ())), getattr(value, "dtype", None)
         if dtype != jnp.uint8:
             raise InvalidPixelsError(
@@ -228,7 +228,9 @@ class DiffusionObjective(Objective):
         condition = self.conditioning.read(batch, traced_check=not training)
         noise_key, drop_key = jax.random.split(key)
         if condition is not None and training and self.condition_dropout > 0:
-            null = self.conditioning.null(1)[0]
+            nulls = self.conditioning.null(1)
+            assert nulls is not None  # a model with a condition has a null one
+            null = nulls[0]
             condition = drop_condition(drop_key, condition, null, self.condition_dropout)
         noisy = self.process.noisy(noise_key, x0, t)
         output = self._apply(variables, noisy.x, noisy.t, condition)
@@ -285,7 +287,7 @@ class DiffusionObjective(Objective):
 
     def preview_conditions(self, rows: int) -> jax.Array | None:
         """What previews ask for: every class in turn, or the null condition."""
-        number = getattr(self.conditioning, "num_classes", None)
+        number = self.conditioning.num_classes if isinstance(self.conditioning, ClassLabels) else None
         if number:
             return jnp.arange(rows, dtype=jnp.int32) % number
         return None
@@ -296,7 +298,7 @@ class DiffusionObjective(Objective):
         x = jax.jit(lambda v, k: self.sample(v, k, self.preview_conditions(rows), rows))(variables, key)
         pixels = to_pixels(x)
         columns = min(rows, 8)
-        return Artifact("samples", self.key, _tile(pixels, columns))
+        return Artifact("samples", "video" if self.key == "video" else "image", _tile(pixels, columns))
 
     def pipeline(self, state: Any, *, ema: bool = True) -> Any:
         """A pipeline that samples with state's (EMA) parameters (or given variables)."""

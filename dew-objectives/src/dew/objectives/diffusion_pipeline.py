@@ -26,6 +26,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from dew.errors import DewError
+from dew.objectives.base import variables_of
+
 __all__ = [
     "DiffusionPipeline",
     "PipelineFormatError",
@@ -35,16 +38,8 @@ __all__ = [
 ]
 
 
-class PipelineFormatError(ValueError):
+class PipelineFormatError(DewError, ValueError):
     """A directory whose saved task is not the pipeline it is loaded as."""
-
-
-def variables_of(state: Any, ema: bool = True) -> Mapping[str, Any]:
-    """A TrainState's EMA copy (when kept and ema) or its parameters; variables pass through."""
-    if hasattr(state, "params"):
-        averaged = getattr(state, "averaged", None)
-        return averaged if ema and averaged is not None else state.params
-    return state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +55,7 @@ class _Saved:
         task = {"name": registered_name("dew.objectives", self.objective),
                 "fields": component_fields(self.objective)}
         return Pretrained(self.objective.model, nn.meta.unbox(self.variables),
-                          getattr(self.objective, "tokenizer", None), task)
+                          self.objective.tokenizer, task)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write the pipeline through Pretrained.save, in dew's own layout; return directory."""

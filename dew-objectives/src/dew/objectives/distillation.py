@@ -33,8 +33,10 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.objectives.base import (
     Aux,
@@ -46,6 +48,7 @@ from dew.objectives.base import (
     Step,
     Variables,
     under,
+    variables_of,
 )
 from dew.objectives.lm import BatchShapeError, MissingBatchKeyError, Tokenizer
 from dew.sampling import Sampling, TextGeneration
@@ -53,7 +56,7 @@ from dew.sampling import Sampling, TextGeneration
 __all__ = ["DistillationObjective", "TeacherVocabularyError", "distillation_terms"]
 
 
-class TeacherVocabularyError(ValueError):
+class TeacherVocabularyError(DewError, ValueError):
     """The student and the teacher score different vocabularies, so their distributions cannot be compared."""
 
 
@@ -136,7 +139,7 @@ class DistillationObjective(Objective):
         elif self.teacher is None:
             raise ValueError("DistillationObjective needs a teacher: a model (or its config), or teacher_pretrained "
                              "naming a directory that `dew export` or transformers wrote.")
-        limit = getattr(self.teacher, "max_seq_len", None)
+        limit = getattr(self.teacher, "max_seq_len", None)  # any flax Module: unchecked if it has none
         if limit is not None and self.seq_len > limit:
             raise ValueError(f"DistillationObjective.seq_len={self.seq_len} exceeds the teacher's max_seq_len="
                              f"{limit}; shorten the windows or use a teacher built for longer ones.")
@@ -146,6 +149,7 @@ class DistillationObjective(Objective):
             raise ValueError("DistillationObjective's weights (forward, reverse, labels, hidden) must be >= 0.")
         if self.forward + self.reverse + self.labels + self.hidden == 0:
             raise ValueError("DistillationObjective needs a positive weight on forward, reverse, labels or hidden.")
+        # Any flax Modules: a pair that does not say its vocabularies is not checked.
         student, teacher = getattr(self.model, "vocab_size", None), getattr(self.teacher, "vocab_size", None)
         if student is not None and teacher is not None and student != teacher:
             raise TeacherVocabularyError(_vocabulary_message(student, teacher))
@@ -163,6 +167,7 @@ class DistillationObjective(Objective):
             def read_pretrained(abstract: Variables) -> Variables:
                 from dew.pretrained import Pretrained
 
+                # Any flax Module: a family without these fields takes the directory's own.
                 loaded = Pretrained.load(directory, max_seq_len=getattr(teacher, "max_seq_len", None),
                                          param_dtype=getattr(teacher, "param_dtype", None),
                                          scan_layers=bool(getattr(teacher, "scan_layers", False)))
@@ -211,7 +216,9 @@ class DistillationObjective(Objective):
         tokens = jnp.zeros((1, self.seq_len), jnp.int32)
         params: dict[str, Any] = {}
         params["student"] = given.get("student") or self.model.init(student_key, tokens)["params"]
-        params["teacher"] = given.get("teacher") or self.teacher.init(teacher_key, tokens)["params"]
+        teacher = self.teacher
+        assert teacher is not None and not isinstance(teacher, Mapping)  # __post_init__ built it
+        params["teacher"] = given.get("teacher") or teacher.init(teacher_key, tokens)["params"]
         if self.hidden:
             if "projection" in given:
                 params["projection"] = given["projection"]
@@ -245,6 +252,7 @@ class DistillationObjective(Objective):
             "agreement": Mean.of(jnp.argmax(student_logits, -1) == jnp.argmax(teacher_logits, -1), weights),
         }
         if self.hidden:
+            assert teacher_hidden is not None  # _apply returns the hidden states when hidden is set
             projected = _Projection(teacher_hidden.shape[-1]).apply({"params": params["projection"]}, student_hidden)
             error = jnp.mean((projected - jax.lax.stop_gradient(teacher_hidden)) ** 2, axis=-1)
             per_token = per_token + self.hidden * error
@@ -270,8 +278,7 @@ class DistillationObjective(Objective):
         """
         if isinstance(sampling, Mapping):
             sampling = Sampling(**sampling)
-        averaged = getattr(state, "averaged", None)
-        variables = averaged if averaged is not None else getattr(state, "params", state)
+        variables = variables_of(state)
         student = variables.get("params", {}).get("student")
         if student is None:
             raise ValueError("DistillationObjective.pipeline needs variables with params/student; got "
@@ -308,9 +315,9 @@ class DistillationObjective(Objective):
                 f"{sorted(batch)}; yield {{'text': int32 [batch, {self.seq_len + 1}]}}."
             )
         text = batch["text"]
-        if getattr(text, "ndim", None) != 2 or text.shape[1] != self.seq_len + 1:
+        if np.ndim(text) != 2 or np.shape(text)[1] != self.seq_len + 1:
             raise BatchShapeError(
-                f"Batch key 'text' has shape {tuple(getattr(text, 'shape', ()))}, but "
+                f"Batch key 'text' has shape {tuple(np.shape(text))}, but "
                 f"DistillationObjective(seq_len={self.seq_len}) expects (batch, {self.seq_len + 1})."
             )
         text = jnp.asarray(text, jnp.int32)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import DewError
 from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.policy import (
@@ -52,7 +53,7 @@ __all__ = ["DPOObjective", "MismatchedPairError", "PairCheck", "sequence_logprob
 BCO = "bco"  # the collection holding bco_pair's running mean of rewards and how many it has seen
 
 
-class MismatchedPairError(ValueError):
+class MismatchedPairError(DewError, ValueError):
     """A chosen and a rejected sequence of one pair do not share their prompt."""
 
 

@@ -129,7 +129,8 @@ class FlowRollout:
         images = np.asarray(trajectory[:, -1])
         if objective.pixels:  # what a pipeline would show: a sample past [-1, 1] earns nothing more
             images = np.clip(np.round((images + 1.0) * 127.5), 0, 255).astype(np.uint8)
-        context = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()}
+        # A reward reads the batch's other keys, repeated per sample, as whatever they hold.
+        context: dict[str, Any] = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()}
         began = time.perf_counter()
         rewards = score(self.reward, list(images), context)
         self.reward_seconds += time.perf_counter() - began

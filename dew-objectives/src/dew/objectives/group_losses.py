@@ -22,6 +22,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
 from dew.objectives.base import Mean
 
 __all__ = [
@@ -43,7 +44,7 @@ PolicyLoss = Literal["clip", "cispo"]
 Aggregation = Literal["token", "sequence", "constant"]
 
 
-class GroupSizeError(ValueError):
+class GroupSizeError(DewError, ValueError):
     """The group size does not divide the number of rows in the batch."""
 
 

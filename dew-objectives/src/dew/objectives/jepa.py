@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import DewError
 from dew.nn.vit import Predictor, ViTEncoder
 from dew.objectives.base import (
     Aux,
@@ -58,7 +59,7 @@ from dew.objectives.lm import BatchShapeError, MissingBatchKeyError
 __all__ = ["FeatureExtraction", "JepaObjective", "MaskCoversImageError", "block_masks", "collapse_metrics"]
 
 
-class MaskCoversImageError(ValueError):
+class MaskCoversImageError(DewError, ValueError):
     """The masking could hide every patch, leaving the context encoder nothing to see."""
 
 

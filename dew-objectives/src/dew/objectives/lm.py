@@ -24,13 +24,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from dew.data.base import Tokenizer  # what LMObjective needs of one to render previews
+from dew.errors import BatchKeyError, DewError
 from dew.nn.moe import MOE_COLLECTION, moe_statistics
 from dew.objectives.base import (
     Aux,
@@ -42,6 +45,7 @@ from dew.objectives.base import (
     Objective,
     Step,
     Variables,
+    variables_of,
 )
 from dew.sampling import Sampling, TextGeneration, generate
 from dew.telemetry.artifacts import Artifact
@@ -50,27 +54,13 @@ __all__ = ["BatchShapeError", "LMObjective", "MissingBatchKeyError", "Perplexity
            "Tokenizer", "segment_positions"]
 
 
-class MissingBatchKeyError(KeyError):
-    """The batch lacks a key the objective reads."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+# A batch without the key the loss reads, or with it misshapen: dew's one batch-key error.
+MissingBatchKeyError = BatchKeyError
+BatchShapeError = BatchKeyError
 
 
-class BatchShapeError(ValueError):
-    """A batch array has another shape or dtype than the objective expects."""
-
-
-class TokenRangeError(ValueError):
+class TokenRangeError(DewError, ValueError):
     """A batch holds token ids outside the model's vocabulary."""
-
-
-class Tokenizer(Protocol):
-    """What LMObjective needs of a tokenizer to render previews."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -134,7 +124,7 @@ class LMObjective(Objective):
                              "training on it.")
         if self.seq_len < 1:
             raise ValueError(f"LMObjective.seq_len must be at least 1, got {self.seq_len}.")
-        limit = getattr(self.model, "max_seq_len", None)
+        limit = getattr(self.model, "max_seq_len", None)  # any flax Module: a family without it is not checked
         if limit is not None and self.seq_len > limit:
             raise ValueError(
                 f"LMObjective.seq_len={self.seq_len} exceeds the model's max_seq_len={limit}; "
@@ -157,9 +147,9 @@ class LMObjective(Objective):
 
     def check_batch(self, batch: Mapping[str, Any], step: int) -> None:
         """Token ids must lie in [0, the model's vocab_size): refused before the step, by name."""
-        vocab = getattr(self.model, "vocab_size", None)
+        vocab = getattr(self.model, "vocab_size", None)  # any flax Module: a family without it is not checked
         text = batch.get("text")
-        if vocab is None or text is None or not hasattr(text, "dtype"):
+        if vocab is None or text is None or not isinstance(text, np.ndarray | jax.Array):
             return
         if not jnp.issubdtype(text.dtype, jnp.integer):
             raise BatchShapeError(f"Batch key 'text' of step {step} holds {text.dtype}; token ids "
@@ -179,7 +169,7 @@ class LMObjective(Objective):
 
     def flops(self, batch: Mapping[str, Any]) -> float | None:
         """The model's training FLOPs per token, times the batch's tokens (when the model says)."""
-        per_token = getattr(self.model, "flops_per_token", None)
+        per_token = getattr(self.model, "flops_per_token", None)  # any flax Module: None if it does not say
         tokens = self.tokens(batch)
         if per_token is None or tokens is None:
             return None
@@ -218,10 +208,10 @@ class LMObjective(Objective):
         if self.tokenizer is None or self.prompt is None:
             return None
         prompt = list(self.tokenizer.encode(self.prompt))
-        limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)
+        limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)  # any flax Module
         new = max(min(self.preview_tokens, limit - len(prompt)), 0)
         out = generate(self.model, variables, [prompt], new, key, self.preview_sampling,
-                       eos_id=getattr(self.tokenizer, "eos_id", None))
+                       eos_id=getattr(self.tokenizer, "eos_id", None))  # any tokenizer: it may have none
         return Artifact("sample", "text", self.tokenizer.decode(out.tokens[0]))
 
     def pipeline(self, state: Any, *,
@@ -234,9 +224,7 @@ class LMObjective(Objective):
         """
         if isinstance(sampling, Mapping):
             sampling = Sampling(**sampling)
-        averaged = getattr(state, "averaged", None)
-        variables = averaged if averaged is not None else getattr(state, "params", state)
-        variables = {name: value for name, value in variables.items() if name != "cache"}
+        variables = {name: value for name, value in variables_of(state).items() if name != "cache"}
         return TextGeneration(self.model, variables, self.tokenizer,
                               sampling or self.preview_sampling)
 
@@ -249,9 +237,9 @@ class LMObjective(Objective):
             )
         text = batch["text"]
         expected = ("batch", self.seq_len + 1)
-        if getattr(text, "ndim", None) != 2 or text.shape[1] != self.seq_len + 1:
+        if np.ndim(text) != 2 or np.shape(text)[1] != self.seq_len + 1:
             raise BatchShapeError(
-                f"Batch key 'text' has shape {tuple(getattr(text, 'shape', ()))}, but "
+                f"Batch key 'text' has shape {tuple(np.shape(text))}, but "
                 f"LMObjective(seq_len={self.seq_len}) expects {expected}: seq_len + 1 ids per "
                 "row (inputs are the first seq_len, targets the last seq_len)."
             )
@@ -265,9 +253,9 @@ class LMObjective(Objective):
         if key not in batch:
             return None
         value = batch[key]
-        if tuple(getattr(value, "shape", ())) != tuple(text.shape):
+        if tuple(np.shape(value)) != tuple(text.shape):
             raise BatchShapeError(
-                f"Batch key {key!r} has shape {tuple(getattr(value, 'shape', ()))}; it must match "
+                f"Batch key {key!r} has shape {tuple(np.shape(value))}; it must match "
                 f"'text' {tuple(text.shape)}, one value per token."
             )
         return jnp.asarray(value, jnp.int32)
@@ -282,7 +270,7 @@ class LMObjective(Objective):
         segments = self._aligned(batch, "segment_ids", text)
         # Only a model that declares experts is applied with the "moe" collection mutable,
         # so a model (or wrapper) that knows nothing of it is called exactly as before.
-        routed = bool(getattr(self.model, "experts", 0))
+        routed = bool(getattr(self.model, "experts", 0))  # any flax Module: only MoE families route
         options: dict[str, Any] = {"mutable": [MOE_COLLECTION]} if routed else {}
         if segments is None:
             out = self.model.apply(params, inputs, **options)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from dew.diffusion.masking import mask_tokens, nelbo_weight, stratified_times
+from dew.errors import BatchKeyError
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -44,8 +45,8 @@ __all__ = [
 ]
 
 
-class InvalidTokensError(ValueError):
-    """Token windows of the wrong shape or dtype for a masked-diffusion objective."""
+# Token windows missing, or of the wrong shape or dtype: dew's one batch-key error.
+InvalidTokensError = BatchKeyError
 
 
 def token_windows(batch: Batch, seq_len: int, owner: str) -> jax.Array:
@@ -54,7 +55,7 @@ def token_windows(batch: Batch, seq_len: int, owner: str) -> jax.Array:
         raise InvalidTokensError(f"{owner} reads token ids under the batch key 'text', but the batch "
                                  f"has keys {sorted(batch)}.")
     text = batch["text"]
-    shape = tuple(getattr(text, "shape", ()))
+    shape = tuple(getattr(text, "shape", ()))  # a batch value is whatever the reader yields
     if len(shape) != 2 or shape[1] not in (seq_len, seq_len + 1):
         raise InvalidTokensError(f"Batch key 'text' has shape {shape}; {owner}(seq_len={seq_len}) "
                                  f"expects [batch, {seq_len}] (or token_windows' [batch, {seq_len + 1}]).")
@@ -140,6 +141,7 @@ class MaskedDiffusionObjective(TokenDiffusion):
     ema: EMASpec | None = None
 
     def __post_init__(self) -> None:
+        # Any flax Module: one that does not say its max_seq_len bounds nothing.
         if self.seq_len < 1 or self.seq_len > getattr(self.model, "max_seq_len", self.seq_len):
             raise ValueError(f"{type(self).__name__}.seq_len={self.seq_len} must lie in [1, the "
                              f"model's max_seq_len={getattr(self.model, 'max_seq_len', '?')}].")

@@ -164,7 +164,7 @@ class PPORollout:
         if self.order is not None:
             arrays["order"] = self.order
         meta = json.dumps({"served": self.served, "kl_coef": self.kl_coef})
-        np.savez(buffer, meta=np.frombuffer(meta.encode(), np.uint8), **arrays)
+        np.savez(buffer, meta=np.frombuffer(meta.encode(), np.uint8), **arrays)  # type: ignore[arg-type]  # numpy's stub reads **arrays as its allow_pickle
         return buffer.getvalue()
 
     def set_state(self, state: bytes) -> None:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import BatchKeyError
 from dew.objectives.policy import token_logprobs
 from dew.rewards import Reward, score
 from dew.sampling import Engine, EngineConfig, Request, Sampling
@@ -40,8 +41,8 @@ from dew.sampling import Engine, EngineConfig, Request, Sampling
 __all__ = ["CompletionRollout", "RolloutBatchError"]
 
 
-class RolloutBatchError(ValueError):
-    """The batch a rollout receives lacks the prompts or their lengths."""
+# The batch a rollout receives lacks the prompts or their lengths: dew's one batch-key error.
+RolloutBatchError = BatchKeyError
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -104,7 +105,8 @@ class CompletionRollout:
             tokens[i, length:length + n] = completion
             mask[i, length:length + kept] = 1.0
             completions.append(_decode(self.tokenizer, shown.tolist()))
-        context = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()
+        # A reward reads the batch's other keys, repeated per completion, as whatever they hold.
+        context: dict[str, Any] = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()
                    if k not in (self.prompt_key, self.prompt_length_key)}
         context["prompt_text"] = [_decode(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
                                   for i in range(rows)]

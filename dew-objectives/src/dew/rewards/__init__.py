@@ -29,6 +29,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from dew.errors import DewError
+
 __all__ = [
     "Brightness",
     "ExactMatch",
@@ -44,11 +46,11 @@ __all__ = [
 ]
 
 
-class NonFiniteRewardError(ValueError):
+class NonFiniteRewardError(DewError, ValueError):
     """A reward returned NaN or an infinity for a completion."""
 
 
-class RewardShapeError(ValueError):
+class RewardShapeError(DewError, ValueError):
     """A reward returned another number of values than completions it was given."""
 
 

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+from dew.errors import DewError
+
 __all__ = ["EngineConfigError", "InvalidPromptError", "InvalidVariablesError", "NotPagedModelError",
            "PromptTooLongError"]
 
 
-class InvalidPromptError(ValueError):
+class InvalidPromptError(DewError, ValueError):
     """The prompts are not a batch of non-empty token-id sequences."""
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(DewError, ValueError):
     """A prompt plus the tokens to generate would not fit in the cache (the model's max_seq_len)."""
 
 
-class EngineConfigError(ValueError):
+class EngineConfigError(DewError, ValueError):
     """An EngineConfig setting is out of range, or cannot hold one sequence of the model."""
 
 
-class NotPagedModelError(TypeError):
+class NotPagedModelError(DewError, TypeError):
     """The model has no attention layer that decodes through a paged cache."""
 
 
-class InvalidVariablesError(TypeError):
+class InvalidVariablesError(DewError, TypeError):
     """What was passed as the model's variables is not its full variables ({'params': ...})."""

@@ -76,7 +76,7 @@ def block_generate(model: Any, variables: Any, rows: int, length: int, block_siz
         return [(jnp.concatenate([p[0], n[0]], 1), jnp.concatenate([p[1], n[1]], 1))
                 for p, n in zip(past, new, strict=True)]
 
-    if done:
+    if prefix is not None and done:
         prefix = prefix.astype(jnp.int32)
         blocks.append(prefix)
         past = cache(prefix, None, 0)

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
+
 __all__ = ["InvalidSamplingError", "Sampling", "choose", "filter_logits"]
 
 
-class InvalidSamplingError(ValueError):
+class InvalidSamplingError(DewError, ValueError):
     """A Sampling setting is out of its range."""
 
 

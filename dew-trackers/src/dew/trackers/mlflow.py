@@ -151,7 +151,7 @@ class MLflowTracker:
         except urllib.error.HTTPError:
             return  # it answered: a server without /health, or behind a proxy
         except (OSError, ValueError) as error:
-            reason = getattr(error, "reason", error)
+            reason = getattr(error, "reason", error)  # urllib's URLError says why; others are it
             raise TrackerUnreachableError(
                 f"MLflowTracker: the tracking server {where} did not answer within "
                 f"{self.connect_timeout:g} s ({reason}). Start it, fix the uri (or "

@@ -182,5 +182,8 @@ class TensorBoardTracker:
             if writer is not None:
                 writer.close()
 
+    def directories(self) -> list[str]:
+        return [str(self.directory)]
+
     def __repr__(self) -> str:
         return f"TensorBoardTracker({str(self.directory)!r})"

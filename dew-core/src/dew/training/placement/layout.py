@@ -18,7 +18,10 @@ import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dew.errors import DewError
+from dew.nn.sharding import LAYERS
 from dew.training.placement.mesh import companion_mesh
+from dew.tree_paths import path_name
 
 __all__ = [
     "DEFAULT_RULES",
@@ -29,6 +32,7 @@ __all__ = [
     "LogicalAxisRules",
     "MeshAxes",
     "Placement",
+    "STAGE_RULE",
     "logical_names",
 ]
 
@@ -58,8 +62,10 @@ DEFAULT_RULES: LogicalAxisRules = (
     ("heads", "tensor"),
     ("kv", None),
     ("expert", "expert"),
-    ("layers", "stage"),
 )
+# The stage axis is not a rule's to give: it holds the layer stack's pipeline stages, which the
+# layout places from the stored tree's layers axis itself (Layout.axis_rules ends with it).
+STAGE_RULE = (LAYERS, "stage")
 
 HOST_RESIDENT = ("opt_state", "ema")  # TrainState fields Layout.host may keep in host memory
 HOST_MEMORY = "pinned_host"  # the memory kind they, and offloaded parameters, sit in
@@ -68,7 +74,7 @@ _PARAMETER_AXES = ("fsdp", "expert", "tensor")
 _FORBIDDEN_FOR_PARAMETERS = ("data", "sequence")
 
 
-class LayoutError(ValueError):
+class LayoutError(DewError, ValueError):
     """A layout would place a parameter badly, or leaves too much of the model replicated."""
 
 
@@ -125,6 +131,14 @@ class Layout:
                 f"state; choose among {list(HOST_RESIDENT)}, or 'params' for a train state the "
                 "CPU owns whole."
             )
+        for name, axes in self._pairs():
+            if "stage" in ((axes,) if isinstance(axes, str) else tuple(axes or ())):
+                raise LayoutError(
+                    f"The rule {name!r} -> {axes!r} places {name} on the stage axis, which holds "
+                    "the layer stack's pipeline stages: the layout puts the stored tree's layers "
+                    "axis there itself, and nothing else belongs there. Drop the rule (map "
+                    f"{name} to fsdp, tensor or expert)."
+                )
         if self.min_shard < 0 or not 0 <= self.tolerance <= 1:
             raise LayoutError(
                 f"Layout needs min_shard >= 0 and tolerance in [0, 1], got {self.min_shard} "
@@ -141,12 +155,16 @@ class Layout:
         """The fields kept in pinned host memory between steps: none when the CPU owns the state."""
         return () if self.owns_state else self.host
 
-    @property
-    def axis_rules(self) -> LogicalAxisRules:
-        """The rules as flax reads them: (logical, mesh axes) pairs in precedence order."""
+    def _pairs(self) -> LogicalAxisRules:
         if isinstance(self.rules, Mapping):
             return tuple(self.rules.items())
         return tuple((name, axes) for name, axes in self.rules)
+
+    @property
+    def axis_rules(self) -> LogicalAxisRules:
+        """The rules as flax reads them, (logical, mesh axes) pairs in precedence order, and
+        last the layout's own: the stored tree's layers axis on the stage axis."""
+        return (*self._pairs(), STAGE_RULE)
 
     # -- one leaf -------------------------------------------------------------
     def spec(self, shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mesh) -> PartitionSpec:
@@ -326,21 +344,7 @@ class Layout:
             )
 
 
-def parameter_path(path: Sequence[Any]) -> str:
-    """A leaf's path as host_parameters patterns read it: keys joined by slashes.
-
-    >>> parameter_path((jax.tree_util.DictKey("params"), jax.tree_util.DictKey("layers_0")))
-    'params/layers_0'
-    """
-    parts = []
-    for key in path:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(key, attribute):
-                parts.append(str(getattr(key, attribute)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
+parameter_path = path_name  # a leaf's path as host_parameters patterns read it
 
 
 def _check_experts(path: str, shape: tuple[int, ...], names: tuple[str | None, ...] | None,

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dew.data.base import DataPartition
+from dew.errors import BatchKeyError, DewError
 
 __all__ = [
     "BATCH_AXES",
@@ -47,12 +48,13 @@ def _doc(text: str) -> dict[str, str]:
     return {"description": text}
 
 
-class MeshSizeError(ValueError):
+class MeshSizeError(DewError, ValueError):
     """The mesh's axis sizes do not divide the devices there are."""
 
 
-class BatchMismatchError(ValueError):
-    """A batch lacks a key, or a leaf's shape or dtype differs from the compiled step's."""
+# A batch lacks a key, or a leaf's shape or dtype differs from the compiled step's: dew's one
+# batch-key error, under the name this module has always given it.
+BatchMismatchError = BatchKeyError
 
 
 @dataclass(frozen=True)
@@ -120,14 +122,14 @@ def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None
 # -- replicas: hybrid sharded data parallelism over granules -----------------------------
 
 
-class ReplicaError(ValueError):
+class ReplicaError(DewError, ValueError):
     """spec.replicas cannot split the devices' granules (slices or processes) into equal groups."""
 
 
 def granules(devices: Sequence[Any]) -> tuple[str, int]:
     """How devices fall into granules: by slice_index, or by process when every device shares
     one slice (or the platform has no slices); and how many there are."""
-    slices = {getattr(d, "slice_index", 0) for d in devices}
+    slices = {getattr(d, "slice_index", 0) for d in devices}  # a JAX device: only TPUs have slices
     if len(slices) > 1:
         return "slice_index", len(slices)
     return "process_index", len({d.process_index for d in devices})
@@ -182,7 +184,7 @@ def data_partition(mesh: Mesh) -> DataPartition:
     sizes = [mesh.shape[a] for a in BATCH_AXES]
     holdings: dict[int, set[int]] = {}
     for index in np.ndindex(mesh.devices.shape):
-        device = mesh.devices[index]
+        device: jax.Device = mesh.devices[index]
         row = int(np.ravel_multi_index([index[d] for d in batch_dims], sizes))
         holdings.setdefault(device.process_index, set()).add(row)
     groups = sorted({frozenset(rows) for rows in holdings.values()}, key=min)
@@ -255,7 +257,7 @@ def global_shape(batch: Mapping[str, Any], partition: DataPartition) -> dict[str
     """The abstract global batch that a process-local share stands for."""
 
     def one(x: Any) -> jax.ShapeDtypeStruct:
-        x = np.asarray(x) if not hasattr(x, "shape") else x
+        x = x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x)
         shape = (x.shape[0] * partition.shares, *x.shape[1:]) if len(x.shape) else ()
         return jax.ShapeDtypeStruct(shape, x.dtype)
 
@@ -285,7 +287,7 @@ def check_batch(batch: Mapping[str, Any], expected: Mapping[str, Any], partition
                 )
 
 
-class CPUDeviceCountError(RuntimeError):
+class CPUDeviceCountError(DewError, RuntimeError):
     """A process has not as many CPU devices as accelerators, so the CPU companion mesh cannot mirror the mesh."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import linen as nn
 
+from dew.errors import DewError
 from dew.nn.pipeline import PipelineSchedule, StageDivisionError
 from dew.nn.sharding import LAYERS
 from dew.training.placement.mesh import MeshSpec
@@ -22,7 +23,7 @@ from dew.training.placement.mesh import MeshSpec
 __all__ = ["NoStackError", "bank_sites", "check_stages", "schedule_of", "with_bubble"]
 
 
-class NoStackError(ValueError):
+class NoStackError(DewError, ValueError):
     """Pipeline stages were asked for, but the model declares no scanned layer stack."""
 
 

@@ -22,6 +22,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dew.errors import DewError
+
 __all__ = [
     "COORDINATOR_PORT",
     "CONNECT_TIMEOUT",
@@ -41,11 +43,11 @@ DEFAULT_PORT = 8476
 _DEFAULT_TIMEOUT = 300.0  # JAX's own initialization timeout
 
 
-class PoolEnvironmentError(RuntimeError):
+class PoolEnvironmentError(DewError, RuntimeError):
     """The environment starts a pool but leaves out, or contradicts, what a process needs to join it."""
 
 
-class CoordinatorUnreachableError(RuntimeError):
+class CoordinatorUnreachableError(DewError, RuntimeError):
     """A process of a pool could not reach process 0's coordinator address in time."""
 
 

@@ -40,7 +40,7 @@ class Preempted(SystemExit):
         self._announced = False
 
     @property
-    def code(self) -> int:  # read by the interpreter when this exception ends the program
+    def code(self) -> int:  # type: ignore[override]  # the interpreter reads it at exit: say why
         if not self._announced:
             self._announced = True
             print(f"dew: {self}", file=sys.stderr, flush=True)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import pydantic
 from pydantic import Field
 
+from dew.errors import DewError
+
 __all__ = [
     "BackendAlreadyStartedError",
     "ProcessPoolError",
@@ -28,11 +30,11 @@ __all__ = [
 TIMESTAMP_FORMAT = "%Y-%m-%d_%H:%M:%S"
 
 
-class BackendAlreadyStartedError(RuntimeError):
+class BackendAlreadyStartedError(DewError, RuntimeError):
     """prepare_process ran after JAX opened its backend, so a setting would be lost."""
 
 
-class ProcessPoolError(RuntimeError):
+class ProcessPoolError(DewError, RuntimeError):
     """multi_host was asked for, but nothing describes the pool to join."""
 
 

@@ -32,6 +32,7 @@ from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.base import Aux, EMASpec, Mean, Objective
 from dew.checkpoints.manager import Checkpoints
+from dew.testing.doubles import RecordingTracker
 from dew.training.feed import Feed
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec, data_partition
@@ -88,13 +89,6 @@ class Seen:
 DATA = Dataset(train=lambda partition: Seen(RECORDS.train(partition)), batch=ROWS)
 
 
-class Log:
-    def __init__(self): self.rows = []
-    def log(self, scalars, step): self.rows.append(dict(scalars))
-    def artifact(self, value, step): pass
-    def close(self): pass
-
-
 def trainer(spec, checkpoints=None, tracker=None):
     return Trainer(LM(), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(**spec),
                    layout=Layout(min_shard=0, tolerance=1.0), accumulation=2, tracker=tracker,
@@ -103,11 +97,10 @@ def trainer(spec, checkpoints=None, tracker=None):
 
 def train(spec, steps, checkpoints=None, every=None):
     # (losses, EMA losses, batches read, final state) of a fit to steps.
-    log = Log()
+    log = RecordingTracker()
     SEEN.clear()
     state = trainer(spec, checkpoints, log).fit(DATA, steps=steps, log_every=1, checkpoint_every=every)
-    return ([r["train/loss"] for r in log.rows], [r["train/ema_loss"] for r in log.rows], list(SEEN),
-            state)
+    return (log.values("train/loss"), log.values("train/ema_loss"), list(SEEN), state)
 
 
 def place(tree, shardings):

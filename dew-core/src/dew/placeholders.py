@@ -1,0 +1,52 @@
+"""The placeholders a recipe's strings may hold, and where a recipe's local paths resolve.
+
+A recipe's component fields, data.load and checkpoint directories may hold
+three placeholders, replaced when the run is built (run.json keeps them as
+written): ``{stdlib}``, the folder of Python's standard library (a corpus
+every machine has); ``{recipes}``, the folder of the recipes dew ships (data
+beside them); and ``{timestamp}``, process 0's clock when the run started
+(``run_timestamp``), the same on every process, written without colons
+(``2026-12-01_09-30-00``) so a folder named after it is valid on every file
+system and in a URL. Importing this module imports nothing of dew's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["absolute", "expand"]
+
+
+def expand(value: Any, timestamp: str) -> Any:
+    """value with {stdlib}, {recipes} and {timestamp} replaced in every string it holds.
+
+    The timestamp's colons become dashes, so it can name a folder anywhere:
+
+    >>> expand({"directory": "runs/{timestamp}"}, "2026-12-01_09:30:00")
+    {'directory': 'runs/2026-12-01_09-30-00'}
+    """
+    if isinstance(value, str):
+        if "{recipes}" in value:  # data shipped beside the recipes (a fine-tuning set, say)
+            value = value.replace("{recipes}", str(Path(__file__).resolve().parent / "recipes"))
+        if "{stdlib}" in value:
+            import sysconfig
+
+            value = value.replace("{stdlib}", sysconfig.get_paths()["stdlib"])
+        return value.replace("{timestamp}", timestamp.replace(":", "-"))
+    if isinstance(value, dict):
+        return {k: expand(v, timestamp) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(expand(v, timestamp) for v in value)
+    return value
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute; a URL (gs://bucket/run, s3://...) passes through unchanged.
+
+    >>> absolute("gs://bucket/run")
+    'gs://bucket/run'
+    """
+    if "://" in path:
+        return path
+    return str(Path(path).expanduser().resolve())

@@ -1,0 +1,108 @@
+"""Recipes that name the objectives' and data's components: shipped recipes parse, fields are checked and built, run.json reads back, a recipe trains (they need every distribution)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dew import registry
+from dew.recipes.config import RunConfig, shipped
+from dew.recipes.errors import RecipeError
+from test_config import (  # every test folder is on sys.path (conftest.py)
+    RECIPE,
+    _find_config,
+    problems,
+    recipe,
+    repeated_reader,  # noqa: F401 - the autouse fixture registering "repeated"
+)
+
+
+@pytest.mark.parametrize("name", sorted(shipped()))
+def test_every_shipped_recipe_parses(name):
+    config = RunConfig.load(name)
+    assert config.description, f"{name} needs a one-line description for `dew recipes`"
+
+
+def test_component_fields_are_checked_against_the_component():
+    model = dict(RECIPE["model"], emb_features="wide", dropout=0.1)
+    del model["num_layers"]
+    text = problems(recipe(model=model, objective={"name": "lm", "seq_len": 16, "model": "x"}))
+    assert "model.emb_features: Input should be a valid integer" in text and "'wide'" in text
+    assert "model.dropout: model 'causal_transformer' has no field 'dropout'" in text
+    assert "model.num_layers: model 'causal_transformer' requires this field" in text
+    assert "objective.model: the run supplies" in text
+    assert "4 problem(s)" in text
+
+
+def test_quantization_is_read_and_checked():
+    from dew.adapters.quantization import Quantization
+
+    config = RunConfig.parse(recipe(quantization={"dtype": "int8", "backward": "int8"}))
+    assert config.quantization == Quantization("int8", backward="int8")
+    text = problems(recipe(quantization={"dtyp": "int8"}))
+    assert "quantization.dtyp: unknown field" in text and "dtype, activations" in text
+
+
+def test_component_mappings_become_their_dataclasses():
+    from dew import models
+    from dew.sampling import Sampling
+
+    model = models.build("causal_transformer", vocab_size=8, emb_features=8, num_layers=1,
+                         num_heads=1, mlp_features=8, max_seq_len=16)
+    fields = {"model": model, "seq_len": 16, "preview_sampling": {"temperature": 0.5, "top_k": 3}}
+    built = registry.objectives.build("lm", **fields)  # the one place fields are checked and coerced
+    assert built.preview_sampling == Sampling(0.5, 3) and built.seq_len == 16 and built.model is model
+    text = problems(recipe(objective={"name": "lm", "seq_len": 16,
+                                      "preview_sampling": {"temperature": "hot"}}))
+    assert "objective.preview_sampling.temperature: Input should be a valid number" in text
+
+
+def test_load_applies_overrides_then_validates(tmp_path):
+    path = tmp_path / "run.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(RECIPE))
+    config = RunConfig.load(path, ["trainer.steps=7", "optimizer.solver=lion"])
+    assert config.trainer.steps == 7 and config.optimizer.solver == "lion"
+    with pytest.raises(RecipeError, match=r"trainer\.stepz: unknown field"):
+        RunConfig.load(path, ["trainer.stepz=7"])
+
+
+def test_save_writes_run_json_that_reads_back(tmp_path):
+    config = RunConfig.parse(recipe(trackers=[{"name": "local", "directory": str(tmp_path)}]))
+    path = config.save(tmp_path / "run")
+    assert path.name == "run.json"
+    written = json.loads(path.read_text())
+    assert written["trainer"]["steps"] == 3 and written["model"]["emb_features"] == 16
+    assert RunConfig.read(path.parent) == config
+
+
+@pytest.mark.slow
+def test_train_runs_the_recipe_and_prints_a_sample(tmp_path, capsys):
+    config = RunConfig.parse(recipe(
+        objective={"name": "lm", "seq_len": 16, "prompt": "dew", "preview_tokens": 8},
+        trackers=[{"name": "local", "directory": str(tmp_path / "track")}],
+        trainer={"steps": 3, "log_every": 1, "checkpoint_dir": str(tmp_path / "ckpt"),
+                 "checkpoint_every": 3}))
+    state = config.train()
+    assert int(state.step) == 3
+    assert RunConfig.read(tmp_path / "ckpt") == config
+    out = capsys.readouterr().out
+    assert "Sample (sample):\ndew" in out
+    scalars = (tmp_path / "track" / "scalars.jsonl").read_text()
+    assert '"train/loss"' in scalars and '"train/lr"' in scalars
+    rows = [json.loads(line) for line in (tmp_path / "track" / "records.jsonl").read_text().splitlines()]
+    started = next(row for row in rows if "run_started" in json.dumps(row))
+    assert config.model_dump(mode="json") == _find_config(started)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import dew.recipes.config
+    import dew.training.config
+
+    for module in (dew.training.config, dew.recipes.config):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__
