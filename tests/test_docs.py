@@ -41,7 +41,7 @@ def write_files(blocks: list[str], directory: Path) -> list[str]:
 
 # Pages whose examples train through the command line or train for more than a few seconds:
 # the fast lane skips them.
-SLOW = {"cli.md", "training.md", "plugins.md", "diffusion.md", "weights.md"}
+SLOW = {"cli.md", "training.md", "plugins.md", "diffusion.md", "weights.md", "objectives.md", "resuming.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW

@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 MESH_AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
+# A batch's rows split over these and no others: a tensor group's devices compute different
+# widths of the same rows, so each holds them whole (docs/distributed.md, "What each axis splits").
 BATCH_AXES = ("data", "fsdp", "expert")
 BATCH_SPEC = PartitionSpec(BATCH_AXES)
 SEQUENCE_AXIS = "sequence"
