@@ -43,7 +43,7 @@ class _StoppedAt(SystemExit):
         self._announced = False
 
     @property
-    def code(self) -> int:  # read by the interpreter when this exception ends the program
+    def code(self) -> int:  # type: ignore[override]  # read by the interpreter when this ends the program
         if not self._announced:
             self._announced = True
             print(f"dew: {self}", file=sys.stderr, flush=True)
