@@ -2,7 +2,8 @@
 
 A block whose first line is ``# file: NAME`` is a file of the example (a plugin's module, its
 test module): it is written to NAME in the page's working directory instead, where the
-page's other blocks import or test it.
+page's other blocks import or test it. A page that holds the line ``<!-- devices: N -->``
+runs on N fake CPU devices (its examples build meshes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ PAGES = sorted(p for p in DOCS.glob("*.md") if "```python" in p.read_text())
 
 
 FILE = re.compile(r"# file: ([\w./-]+)\n")
+DEVICES = re.compile(r"^<!-- devices: (\d+) -->$", flags=re.M)
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -39,11 +41,12 @@ def write_files(blocks: list[str], directory: Path) -> list[str]:
 
 # Pages whose examples train through the command line or train for more than a few seconds:
 # the fast lane skips them.
-SLOW = {"cli.md", "training.md", "plugins.md", "diffusion.md", "weights.md"}
+SLOW = {"cli.md", "training.md", "plugins.md", "diffusion.md", "weights.md", "objectives.md", "resuming.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW
                                   else p for p in PAGES], ids=[p.name for p in PAGES])
 def test_every_python_block_runs(page, python_in_subprocess, tmp_path):
     program = "\n".join(write_files(python_blocks(page), tmp_path))
-    python_in_subprocess(program, cwd=tmp_path)
+    devices = DEVICES.search(page.read_text())
+    python_in_subprocess(program, cwd=tmp_path, devices=int(devices.group(1)) if devices else 1)

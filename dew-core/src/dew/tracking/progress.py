@@ -105,6 +105,10 @@ class Progress:
         self.hooks = plugins.hook()
         self.pending: list[_Pending] = []
         self.last_log: tuple[float, int] | None = None
+        # The first step's own timing, compile excluded: when its compile ended, when it was
+        # ready, and the step count it made (the first log step's rate starts from it).
+        self.compiled_at: float | None = None
+        self.first: tuple[float, float, int] | None = None
         self.rejected_streak = 0
         self.stop_requested: str | None = None
         # Reading a step's metrics as soon as they are ready is process-local timing; in a
@@ -138,7 +142,9 @@ class Progress:
         """Step done was dispatched; report what is due or already computed."""
         if first:
             jax.block_until_ready(metrics)
-            self.clock.first_step = time.perf_counter() - self.clock.started
+            ready = time.perf_counter()
+            self.clock.first_step = ready - self.clock.started
+            self.first = (ready if self.compiled_at is None else self.compiled_at, ready, done)
         due = any(p.log for p in self.pending)
         self._read(upto=done, block=due)
         self.pending.append(_Pending(done, metrics, done % self.log_every == 0))
@@ -189,6 +195,27 @@ class Progress:
                 "dynamic_scale for low-precision training."
             )
 
+    def compiled(self, seconds: float) -> None:
+        """A step program was compiled in seconds: compile time, kept out of every rate."""
+        self.clock.compile += seconds
+        if self.compiled_at is None:
+            self.compiled_at = time.perf_counter()
+
+    def _span(self, done: int, now: float) -> tuple[int, float] | None:
+        """The steps and seconds the rate logged at step done covers: since the previous log,
+        or, at the first log, since the end of the first compile (the first step alone: until
+        it was ready, its own time)."""
+        if self.last_log is not None:
+            at, step_then = self.last_log
+            return done - step_then, now - at
+        if self.first is None:
+            return None
+        compiled_at, ready, first = self.first
+        if self.console is not None:
+            self.console.note(f"step {done}: throughput is timed from the end of the first step's "
+                              f"compile; the {self.clock.compile:.2f} s of compiling are excluded")
+        return done - first + 1, (ready if done == first else now) - compiled_at
+
     def measure(self, *, records: int, tokens: int | None, flops: float | None,
                 peak_flops: float | None) -> None:
         """What one step processes, for the throughput scalars (set from the first batch)."""
@@ -203,10 +230,11 @@ class Progress:
                    if k not in ("finite", "updates")}
         if self.schedule is not None and "updates" in host:
             scalars["train/lr"] = float(np.asarray(self.schedule(int(np.asarray(host["updates"])))))
-        if self.last_log is not None:
-            at, step_then = self.last_log
-            if done > step_then and now > at:
-                rate = (done - step_then) / (now - at)
+        span = self._span(done, now)
+        if span is not None:
+            steps, seconds = span
+            if steps > 0 and seconds > 0:
+                rate = steps / seconds
                 devices = jax.device_count()
                 scalars["train/step_time"] = 1.0 / rate
                 scalars["throughput/steps_per_second"] = rate

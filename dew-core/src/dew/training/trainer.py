@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -47,7 +48,12 @@ from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.placement.offload import fetching, in_host_memory
 from dew.training.placement.stages import bank_sites, check_stages, schedule_of, with_bubble
 from dew.training.protocols import Rollout
-from dew.training.runtime.preemption import Preempted, PreemptionWatch
+from dew.training.runtime.preemption import (
+    Preempted,
+    PreemptionWatch,
+    UnsavedStopError,
+    UnsavedStopWarning,
+)
 from dew.training.state import Scaler, TrainState, Window, shardings_state, stream
 from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
 from dew.training.trees import paths, select, trains
@@ -479,7 +485,7 @@ class Trainer(Generic[Loss, Effects]):
         began = time.perf_counter()
         step = self.compile(state, batch)
         seconds = time.perf_counter() - began
-        progress.clock.compile += seconds
+        progress.compiled(seconds)
         progress.note(f"compiling the step for batches of {rows} rows: {seconds:.2f} s")
         devices = self.device_mesh.devices.flat
         progress.measure(records=rows, tokens=self.objective.tokens(shapes),
@@ -520,6 +526,11 @@ class Trainer(Generic[Loss, Effects]):
             self.checkpoints.acquire()  # refuse a second writer before training, not at the first save
             if self.recipe is not None and jax.process_index() == 0:
                 _write_recipe(self.checkpoints.directory, self.recipe)  # only the writer writes it
+        elif jax.process_index() == 0:
+            warnings.warn(UnsavedStopWarning(
+                "This fit has no Checkpoints, so a preemption notice (SIGTERM, Ctrl-C) would stop it "
+                "with nothing saved and running again would start over. Give the Trainer "
+                "checkpoints=Checkpoints(directory) to make a stop resumable."), stacklevel=2)
         state, _, position = self.place()
         start = int(jax.device_get(state.step))
         if start >= steps:
@@ -570,11 +581,13 @@ class Trainer(Generic[Loss, Effects]):
                             self._save(progress, feed, state, done, local=True)
                     if watch.reached(done):
                         progress.drain()
-                        if self.checkpoints is not None and saved != done:
+                        if self.checkpoints is None:
+                            raise UnsavedStopError(done, status=watch.status)
+                        if saved != done:
                             saved = self._save(progress, feed, state, done)
                         self._finish_saves(progress)
                         progress.hooks.dew_preempted(step=done)
-                        raise Preempted(done, saved=self.checkpoints is not None, status=watch.status)
+                        raise Preempted(done, status=watch.status)
                     if stopping:
                         progress.note(f"step {done}: stopping early: {progress.stop_requested}")
                         break

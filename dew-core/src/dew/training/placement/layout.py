@@ -224,21 +224,35 @@ class Layout:
         return result
 
     def _heuristic(self, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
-        """Shard the largest dimension that fsdp divides; replicate otherwise."""
-        size = mesh.shape.get("fsdp", 1)
-        if size == 1:
-            return PartitionSpec()
-        order = sorted(range(len(shape)), key=lambda i: -shape[i])
-        for i in order:
-            if shape[i] % size == 0:
-                spec: list[MeshAxes] = [None] * len(shape)
-                spec[i] = "fsdp"
-                return PartitionSpec(*spec)
-        return PartitionSpec()
+        """Split a leaf no module declared over the parameter axes, the largest axis first.
+
+        Each axis of size above 1 (fsdp, expert, tensor; equal sizes in that
+        order) takes the dimension with the most left to split that it
+        divides, so under tensor=4 alone a (1024, 1024) matrix splits four
+        ways, and under fsdp=2, tensor=4 eight ways. An axis that divides no
+        dimension leaves the leaf whole along it.
+        """
+        sizes = {axis: mesh.shape.get(axis, 1) for axis in _PARAMETER_AXES}
+        axes = sorted((a for a in _PARAMETER_AXES if sizes[a] > 1), key=lambda a: -sizes[a])
+        left = list(shape)
+        placed: list[list[str]] = [[] for _ in shape]
+        for axis in axes:
+            fits = [i for i in range(len(shape)) if left[i] % sizes[axis] == 0]
+            if not fits:
+                continue
+            dimension = max(fits, key=lambda i: left[i])  # the first of equals, as before
+            placed[dimension].append(axis)
+            left[dimension] //= sizes[axis]
+        return PartitionSpec(*(None if not p else p[0] if len(p) == 1 else tuple(p) for p in placed))
 
     # -- whole trees ------------------------------------------------------------
     def shardings(self, mesh: Mesh, tree: TreeT) -> Placement:
-        """A NamedSharding per leaf of tree, from its declared axes (boxes are removed)."""
+        """A NamedSharding per leaf of tree, from its declared axes (boxes are removed).
+
+        A leaf no module declares axes for takes the largest-divisible-axis
+        heuristic (the largest parameter axis first, see _heuristic), so a
+        model family can be declared a module at a time.
+        """
 
         def one(path: Any, x: Any) -> NamedSharding:
             names = tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else None

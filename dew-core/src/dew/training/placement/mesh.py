@@ -38,6 +38,8 @@ __all__ = [
 ]
 
 MESH_AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
+# A batch's rows split over these and no others: a tensor group's devices compute different
+# widths of the same rows, so each holds them whole (docs/distributed.md, "What each axis splits").
 BATCH_AXES = ("data", "fsdp", "expert")
 BATCH_SPEC = PartitionSpec(BATCH_AXES)
 SEQUENCE_AXIS = "sequence"
@@ -91,11 +93,17 @@ class MeshSpec:
 
 
 def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None) -> Mesh:
-    """Build the six-axis mesh spec describes, over devices (default: every device).
+    """Build the six-axis mesh spec describes.
 
-    Devices are laid out row-major over MESH_AXES, so the last axes hold
-    neighbouring devices.
+    devices, when given, are laid out row-major over MESH_AXES in the order
+    given, so the last axes hold neighbouring entries. Unset, every device
+    is placed by ``jax.make_mesh``, in the order it gives the platform's
+    topology: on CPU and GPU the devices' own order, on a TPU slice the
+    order of its interconnect's torus, so the axes whose collectives run
+    most (the last ones) fall on neighbouring chips. ``spec.replicas``
+    above 1 lays out replica groups instead (see _hybrid_grid).
     """
+    given = devices is not None
     devices = list(jax.devices() if devices is None else devices)
     inner = spec.model_devices
     if len(devices) % inner:
@@ -112,11 +120,23 @@ def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None
         "sequence": spec.sequence,
         "stage": spec.stage,
     }
+    sizes = [shape[a] for a in MESH_AXES]
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if spec.replicas > 1:
         grid = _hybrid_grid(spec, shape, devices)
+    elif given:
+        grid = np.asarray(devices, dtype=object).reshape(sizes)
     else:
-        grid = np.asarray(devices, dtype=object).reshape([shape[a] for a in MESH_AXES])
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        attribute, count = granules(devices)
+        if attribute == "slice_index":
+            raise ReplicaError(
+                f"These devices span {count} slices, and one mesh laid out over all of them would "
+                f"run fsdp's gathers across the slow links between slices. Set "
+                f"MeshSpec.replicas={count} (or a divisor of it), so that the data axis crosses "
+                "slices and every other axis stays inside one."
+            )
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 # -- replicas: hybrid sharded data parallelism over granules -----------------------------

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from dew.training.runtime.preemption import Preempted as Preempted
     from dew.training.runtime.preemption import PreemptionNotice as PreemptionNotice
     from dew.training.runtime.preemption import PreemptionWatch as PreemptionWatch
+    from dew.training.runtime.preemption import UnsavedStopError as UnsavedStopError
+    from dew.training.runtime.preemption import UnsavedStopWarning as UnsavedStopWarning
     from dew.training.runtime.process import (
         BackendAlreadyStartedError as BackendAlreadyStartedError,
     )

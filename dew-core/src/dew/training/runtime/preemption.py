@@ -19,23 +19,26 @@ from typing import Any
 
 import jax
 
-__all__ = ["INTERRUPTED_STATUS", "PREEMPTED_STATUS", "Preempted", "PreemptionNotice", "PreemptionWatch"]
+__all__ = [
+    "INTERRUPTED_STATUS",
+    "PREEMPTED_STATUS",
+    "Preempted",
+    "PreemptionNotice",
+    "PreemptionWatch",
+    "UnsavedStopError",
+    "UnsavedStopWarning",
+]
 
 PREEMPTED_STATUS = 143  # 128 + SIGTERM, what a scheduler expects of a stopped job
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, what a shell expects after Ctrl-C
 
 
-class Preempted(SystemExit):
-    """fit stopped at a preemption notice, at step, after writing that step's checkpoint.
+class _StoppedAt(SystemExit):
+    """A fit stopped on request at step: exits with status and one line on stderr, uncaught."""
 
-    Uncaught, it ends the program with exit status 143 and one line on
-    stderr (printed when the interpreter reads the exit code).
-    """
-
-    def __init__(self, step: int, saved: bool = True, status: int = PREEMPTED_STATUS) -> None:
-        super().__init__(int(step), bool(saved), int(status))  # args: pickles back the same
+    def __init__(self, step: int, status: int = PREEMPTED_STATUS) -> None:
+        super().__init__(int(step), int(status))  # args: pickles back the same
         self.step = int(step)
-        self.saved = bool(saved)
         self.status = int(status)
         self._announced = False
 
@@ -46,13 +49,41 @@ class Preempted(SystemExit):
             print(f"dew: {self}", file=sys.stderr, flush=True)
         return self.status
 
+    @property
+    def _what(self) -> str:
+        return "interrupted (Ctrl-C)" if self.status == INTERRUPTED_STATUS else "preempted"
+
+
+class Preempted(_StoppedAt):
+    """fit stopped at a preemption notice, at step, after writing that step's checkpoint.
+
+    Uncaught, it ends the program with exit status 143 (130 after Ctrl-C)
+    and one line on stderr (printed when the interpreter reads the exit
+    code). A fit without Checkpoints raises UnsavedStopError instead, so
+    this class always means the step is on disk.
+    """
+
     def __str__(self) -> str:
-        what = "interrupted (Ctrl-C)" if self.status == INTERRUPTED_STATUS else "preempted"
-        if not self.saved:
-            return (f"{what} at step {self.step}; the trainer has no Checkpoints, so nothing "
-                    "was written and running again starts over.")
-        return (f"{what} at step {self.step}; its checkpoint and data position are written. "
+        return (f"{self._what} at step {self.step}; its checkpoint and data position are written. "
                 "Run the same command again to resume.")
+
+
+class UnsavedStopError(_StoppedAt):
+    """fit stopped at a preemption notice, at step, with no Checkpoints to write it to.
+
+    It exits as Preempted does (status 143, 130 after Ctrl-C, one line on
+    stderr) but is not one: nothing was saved, and running again starts
+    over. fit warns of this when it starts (UnsavedStopWarning).
+    """
+
+    def __str__(self) -> str:
+        return (f"{self._what} at step {self.step}; nothing was saved, because the trainer has no "
+                "Checkpoints, so running again starts over. Give the Trainer "
+                "checkpoints=Checkpoints(directory) to make a stop resumable.")
+
+
+class UnsavedStopWarning(UserWarning):
+    """A fit without Checkpoints started: a preemption notice would stop it with nothing saved."""
 
 
 class PreemptionNotice:
