@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
+    from dew.cli.runs import declares
     from dew.recipes.run import build_parts
-    from dew.training.evaluation import evaluate
+    from dew.training.evaluation import OutputMeans, evaluate
 
     dataset = build_parts(opened.config).dataset
     if args.split == "val":
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
         def reader(partition):
             return itertools.islice(whole(partition), limit)
+    # An objective without metrics() is scored by the means its evaluate() returns.
+    metrics = (tuple(opened.objective.metrics()) if declares(opened.objective, "metrics")
+               else ()) or (OutputMeans(),)
     values: dict[str, float] = {}
     kept = [(args.split, opened.live)]
     if opened.variables is not opened.live:
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     for split, variables in kept:
         result = evaluate(opened.objective, variables, reader,
                           key=jax.random.key(opened.config.seed),
-                          metrics=tuple(opened.objective.metrics()), step=opened.step or 0,
+                          metrics=metrics, step=opened.step or 0,
                           split=split)
         values.update(result.scalars)
     if args.json:

@@ -31,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import jax
 
+    from dew.cli.runs import require
+
+    require(opened.objective, "pipeline", "generate", "what its trained weights are for")
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     try:
         pipeline = opened.objective.pipeline(opened.variables, sampling=sampling)

@@ -9,6 +9,7 @@ whether dew or transformers wrote it.
 from dew.pretrained.errors import (
     ConfigurationMismatchError,
     NoExactCounterpartError,
+    NoPretrainedModelError,
     PretrainedError,
     TensorMismatchError,
     UnsupportedArchitectureError,
@@ -22,6 +23,7 @@ __all__ = [
     "SUPPORTED",
     "ConfigurationMismatchError",
     "NoExactCounterpartError",
+    "NoPretrainedModelError",
     "Pretrained",
     "PretrainedError",
     "TensorMismatchError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigurationMismatchError",
+    "NoPretrainedModelError",
     "NoExactCounterpartError",
     "PretrainedError",
     "TensorMismatchError",
@@ -14,6 +15,10 @@ __all__ = [
 
 class PretrainedError(ValueError):
     """A pretrained directory or model that cannot be read or written as asked."""
+
+
+class NoPretrainedModelError(FileNotFoundError):
+    """The directory holds no model to load (no config.json): not written yet, or another folder."""
 
 
 class NoExactCounterpartError(PretrainedError):

@@ -84,7 +84,7 @@ class LocalTracker:
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """On the tracker thread: the journals' rows and the preview files, in order."""
-        from dew.telemetry.render import write_preview
+        from dew.telemetry.render import preview_columns, write_preview
         from dew.tracking.background import let_others_run
 
         rows: dict[str, list[Mapping[str, Any]]] = {}
@@ -102,10 +102,14 @@ class LocalTracker:
                 except OSError as error:
                     raise OSError(f"LocalTracker could not write preview {preview.name!r} "
                                   f"under {self.directory / 'previews'}: {error}") from error
-                rows.setdefault(self.PREVIEWS, []).append({
+                row: dict[str, Any] = {
                     "step": int(step), "name": preview.name, "kind": preview.kind,
                     "path": path.relative_to(self.directory).as_posix(),
-                })
+                }
+                if preview.labels:  # what each cell shows, and the grid's width
+                    row["labels"] = list(preview.labels)
+                    row["columns"] = preview_columns(preview)
+                rows.setdefault(self.PREVIEWS, []).append(row)
         for journal, journal_rows in rows.items():
             self._append(journal, journal_rows)
 

@@ -97,6 +97,7 @@ class Progress:
         self.flops_per_step: float | None = None
         self.peak_flops: float | None = None
         self.log_every = log_every
+        self.steps: int | None = None  # the fit's last step, always logged
         self.limit = nonfinite_limit(dynamic_scale)
         self.clock = Clock()
         self.rank0 = jax.process_index() == 0
@@ -113,6 +114,7 @@ class Progress:
     # -- the run's edges -----------------------------------------------------------
     def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int]) -> None:
         processes = jax.process_count()
+        self.steps = int(steps)
         if self.console is not None:
             self.console.start(start, steps, dict(mesh), processes)
         self.record(RunStarted(config={}, start=start, steps=steps, mesh=dict(mesh),
@@ -138,7 +140,7 @@ class Progress:
             self.clock.first_step = time.perf_counter() - self.clock.started
         due = any(p.log for p in self.pending)
         self._read(upto=done, block=due)
-        self.pending.append(_Pending(done, metrics, done % self.log_every == 0))
+        self.pending.append(_Pending(done, metrics, done % self.log_every == 0 or done == self.steps))
         if self.console is not None:
             self.console.advance(done)
 

@@ -30,6 +30,7 @@ from dew.nn.pipeline import pipeline
 from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
 from dew.telemetry.hardware import peak_flops
 from dew.tracking.progress import NonFiniteLossError, Progress
+from dew.training.cadence import log_interval
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
 from dew.training.feed import Feed
@@ -482,8 +483,9 @@ class Trainer(Generic[Loss, Effects]):
     ) -> TrainState:
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
         steps = int(steps)
+        every = log_interval(steps, log_every)  # a run shorter than log_every still logs
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch,
-                            log_every=log_every, dynamic_scale=self.dynamic_scale,
+                            log_every=every, dynamic_scale=self.dynamic_scale,
                             schedule=_schedule_of(self.optimizer))
         mesh = self.device_mesh
         if self.checkpoints is not None:
@@ -498,6 +500,9 @@ class Trainer(Generic[Loss, Effects]):
                     check=getattr(self.objective, "check_batch", None), ledger=self._ledger())
         feed.open(position, resuming=start > 0, start=start)
         progress.start(self, start, steps, mesh.shape)
+        if every != log_every:
+            progress.note(f"log_every={log_every} is more than the run's {steps} steps: logging "
+                          f"every {every} step{'s' if every > 1 else ''} instead (and the last)")
         if self.checkpoints is not None:
             progress.note(f"checkpoints: {self.checkpoints.directory}")
         for where in _tracker_directories(self.tracker):
