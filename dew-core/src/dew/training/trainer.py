@@ -542,6 +542,7 @@ class Trainer(Generic[Loss, Effects]):
                         elif local_every and done % local_every == 0:
                             self._save(progress, feed, state, done, local=True)
                     if watch.reached(done):
+                        progress.note(watch.stopping(done, saving=self.checkpoints is not None and saved != done))
                         progress.drain()
                         if self.checkpoints is not None and saved != done:
                             saved = self._save(progress, feed, state, done)
