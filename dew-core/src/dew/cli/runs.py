@@ -19,7 +19,7 @@ __all__ = ["MissingCapabilityError", "NoCheckpointError", "NotARunError", "Opene
            "open_run", "require"]
 
 # Where the capabilities a command asks of a plugin's objective are explained.
-CAPABILITIES_DOC = "docs/plugins.md, \"What dew generate and dew eval ask of an objective\""
+CAPABILITIES_DOC = "docs/plugins.md#what-dew-generate-and-dew-eval-ask-of-an-objective"
 
 
 class NotARunError(FileNotFoundError):
