@@ -146,6 +146,12 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"dew {argv[0]}: ") and expected in err and "Traceback" not in err, (argv, err)
+    # the error itself, with its traceback, one flag away (before or after the command)
+    from dew.recipes.folder import NotARunFolderError
+
+    for argv in (["--traceback", "train", "--resume", "nowhere"], ["train", "--resume", "nowhere", "--traceback"]):
+        with pytest.raises(NotARunFolderError):
+            main(argv)
 
 
 # -- Ctrl-C, then the printed command, then SIGTERM, then dew report: one folder -------------------------

@@ -226,9 +226,9 @@ class Pretrained:
         source = Path(directory)
         config_path = source / CONFIG_FILE
         if not config_path.is_file():
-            what = "does not exist" if not source.exists() else f"holds no {CONFIG_FILE}"
+            what = " (the directory does not exist)" if not source.exists() else ""
             raise NoPretrainedModelError(
-                f"{source} {what}, so there is no model to load; point at a directory that "
+                f"{source} holds no {CONFIG_FILE}{what}, so there is no model to load; point at a directory that "
                 f"Pretrained.save, `dew export` or transformers' save_pretrained wrote ({CONFIG_FILE} "
                 "beside the weights), or write one there first."
             )
