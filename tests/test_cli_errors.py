@@ -1,5 +1,6 @@
-"""`dew train` answers an error dew names with one message, not a traceback (which stays
-one flag away), and refuses token ids past the model's vocabulary before step 1."""
+"""`dew train` answers an error dew names with one message and exit status 2, not a traceback
+(which stays one flag away, with Python's status 1), and refuses token ids past the model's
+vocabulary before step 1."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _train(tmp_path, *overrides, env=None):
 
 def test_token_ids_past_the_vocabulary_are_refused_before_step_one(tmp_path):
     result = _train(tmp_path, "model.vocab_size=200")
-    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr
     first, *rest = result.stderr.strip().splitlines()
     assert first.startswith("dew train: VocabularyMismatchError: The tokenizer has 257 ids but the "
                             "model's vocab_size is 200")
@@ -37,6 +38,6 @@ def test_token_ids_past_the_vocabulary_are_refused_before_step_one(tmp_path):
 
 def test_a_mesh_that_does_not_fit_is_one_message(tmp_path):
     result = _train(tmp_path, "trainer.mesh.fsdp=3")  # one CPU device
-    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("dew train: MeshSizeError: ")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 4

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +76,14 @@ if point == "rename":  # Orbax's commit itself
     async def rename(*a, **k):
         die()
     async_path.rename = rename
+if point == "during-write":  # Orbax writes step 2 in the background; it cannot commit
+    import time                  # before dew's digests are in, so holding them holds the commit
+    import dew.checkpoints.integrity as integrity
+    def digests(leaves):
+        print("writing", flush=True)
+        while True:
+            time.sleep(0.01)  # until the test's kill -9
+    integrity.digest_leaves = digests
 if point == "prune":  # step 2 committed, step 1 half deleted
     import shutil
     import dew.checkpoints.manager as module
@@ -101,10 +108,11 @@ def test_kill_9_during_a_save_keeps_the_last_committed_step(tmp_path: Path, poin
     child = subprocess.Popen([sys.executable, str(script), str(directory), point], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     assert child.stdout is not None
-    wanted = {"during-write": "saving", "after-return": "returned"}.get(point)
+    # The kill goes when the child says it is at the point (during-write: its write under way
+    # and held there), never after a pause that a busy machine could outlast.
+    wanted = {"during-write": "writing", "after-return": "returned"}.get(point)
     for line in child.stdout:
         if wanted and line.strip() == wanted:
-            time.sleep(0.05 if point == "during-write" else 0.0)
             child.send_signal(signal.SIGKILL)
             break
     child.wait(timeout=120)

@@ -58,6 +58,8 @@ polls, seen = 0, set()
 while not stop.exists():
     latest = Checkpoints(directory).latest
     polls += 1
+    if polls == 1:
+        print("polling", flush=True)
     if latest is not None:
         seen.add(latest)
     time.sleep(0.02)
@@ -99,6 +101,7 @@ def _save(directory: Path, step: int, width: int = 8) -> Checkpoints:
 def test_a_reader_polling_every_20_ms_never_harms_the_writer(tmp_path: Path) -> None:
     directory, stop = tmp_path / "run", tmp_path / "stop"
     reader = _popen(_script(tmp_path, "reader.py", READER), str(directory), str(stop))
+    assert reader.stdout is not None and reader.stdout.readline().strip() == "polling"  # before training
     trainer = _popen(_script(tmp_path, "trainer.py", TRAINER), str(directory))
     try:
         out, err = trainer.communicate(timeout=300)
@@ -107,7 +110,7 @@ def test_a_reader_polling_every_20_ms_never_harms_the_writer(tmp_path: Path) -> 
         reader_out, reader_err = reader.communicate(timeout=60)
     assert trainer.returncode == 0 and out.strip().endswith("trained"), err[-3000:]
     assert reader.returncode == 0, reader_err[-3000:]
-    polls = int(reader_out.split()[1])
+    polls = int(reader_out.split()[1])  # the first line ("polling") was read above
     assert polls >= 20, reader_out  # the reader really was polling while the trainer saved
     assert sorted(p.name for p in directory.iterdir()) == ["5", "6"]  # no lease, no half-written step left
     checkpoints = Checkpoints(directory)

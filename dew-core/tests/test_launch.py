@@ -169,13 +169,18 @@ def test_ranks_that_outlive_the_grace_are_killed_and_the_status_says_so(tmp_path
 def test_a_second_signal_kills_every_rank_at_once(tmp_path):
     launcher, pids = _launcher(tmp_path, "deaf,deaf", grace=300)
     launcher.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    # the second once the launcher says it acted on the first (two pending at once are one)
+    said = ""
+    while "asking the ranks to checkpoint and exit" not in said:
+        line = launcher.stderr.readline()
+        assert line, said  # the launcher ended without acting on the signal
+        said += line
     started = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=20) == 143
     assert time.monotonic() - started < 5
     assert all(_gone(pid) for pid in pids)
-    assert "a second SIGTERM: killing ranks 0" in launcher.stderr.read()
+    assert "a second SIGTERM: killing ranks 0" in said + launcher.stderr.read()
 
 
 def test_a_failed_rank_fails_the_pool_with_its_status(tmp_path):

@@ -76,11 +76,15 @@ def test_notice_in_code_and_outside_the_main_thread() -> None:
 
 
 def test_a_second_sigterm_ends_the_process_at_once() -> None:
+    # The second signal is sent once the first is known to be handled (reached says so), not
+    # after a pause: two signals pending at once would run the handler only once.
     code = (
         "import os, signal, time\nfrom dew.training.runtime import PreemptionWatch\n"
         "with PreemptionWatch() as watch:\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.2)\n    print(watch.reached(1), flush=True)\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(5)\n    print('survived')\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n    deadline = time.monotonic() + 60\n"
+        "    while not watch.reached(1) and time.monotonic() < deadline:\n        time.sleep(0.01)\n"
+        "    print(watch.reached(1), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n    print('survived')\n"
     )
     result = _python(code)
     assert result.stdout.strip() == "True" and result.returncode == -signal.SIGTERM
@@ -97,6 +101,20 @@ from dew.data import Dataset
 from dew.objectives.base import Aux, Mean, Objective
 
 directory, losses, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+from dew.training.runtime import PreemptionNotice
+
+
+def hold(point):
+    """At the point the test signals (the mode), stay until the signal has arrived: the stop
+    then lands in that phase however late a busy machine delivers it."""
+    if mode == point and not hold.done:
+        hold.done = True
+        deadline = time.monotonic() + 120
+        while not PreemptionNotice.received() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+hold.done = False
 
 
 class Regression(Objective):
@@ -125,6 +143,8 @@ class Batches:
         self.index += 1
         print("batch", self.index, flush=True)
         time.sleep(self.pause)
+        if self.index == 3:
+            hold("step")
         return {"x": x, "y": np.tanh(x[:, :3] * 2 + 1)}
 
     def get_state(self):
@@ -136,8 +156,8 @@ class Batches:
 
 def validation(partition):
     print("evaluating", flush=True)
+    hold("eval")
     for index in range(2):
-        time.sleep(0.3)
         rng = np.random.default_rng(1000 + index)
         x = rng.normal(size=(8, 4)).astype(np.float32)
         yield {"x": x, "y": np.tanh(x[:, :3] * 2 + 1)}
@@ -158,7 +178,8 @@ if mode == "save":
 
     def slow_save(self, step, *args, **kwargs):
         print("saving", step, flush=True)
-        time.sleep(0.4)
+        if step == 8:
+            hold("save")
         return original(self, step, *args, **kwargs)
 
     Checkpoints.save = slow_save
@@ -360,25 +381,37 @@ def batches(partition):
         yield {"x": np.full((8, 4), index, np.float32)}
 
 
+if sys.argv[2] == "hold":  # the stop's save is still under way when the second Ctrl-C arrives
+    def held(self, step, *args, **kwargs):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    Checkpoints.save = held
+
 Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0),
         checkpoints=Checkpoints(sys.argv[1])).fit(Dataset(train=batches, batch=8), steps=10_000)
 '''
 
 
 def _interrupted(tmp_path: Path, signals: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """Ctrl-C at batch 5; a second one only once the run says it is stopping (its own line, not
+    a pause: the first stop is then known to be under way, its save held until the second)."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / "checkpoints")],
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path / "checkpoints"),
+                              "hold" if signals > 1 else "save"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
+    sent = 0
     for line in child.stdout:
         lines.append(line)
-        if line.startswith("batch 5"):
+        if (sent == 0 and line.startswith("batch 5")) or (0 < sent < signals and "Ctrl-C: stopping here" in line):
+            child.send_signal(signal.SIGINT)
+            sent += 1
+        if sent == signals:
             break
-    for _ in range(signals):
-        child.send_signal(signal.SIGINT)
-        time.sleep(0.3)  # Python runs a handler once for signals that arrive together
     out, err = child.communicate(timeout=120)
     return subprocess.CompletedProcess(child.args, child.returncode, "".join(lines) + out, err), tmp_path
 
@@ -399,3 +432,4 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path: Path) -> None:
 def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     result, _ = _interrupted(tmp_path, signals=2)
     assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-2000:])
+    assert "a second Ctrl-C stops at once" in result.stdout

@@ -59,13 +59,26 @@ def test_report_renders_plots_and_one_page(tmp_path, capsys):
     page = Page()
     page.feed(page_path.read_text())
     sources = sorted(page.images)
-    # loss and val/loss share one chart; lr is the learning-rate chart; goodput has its bar
+    # loss and val/loss share one chart; lr is the learning-rate chart; goodput has its bar;
+    # the 16-pixel image and the 8-pixel clip are shown enlarged (copies beside the page)
     assert sources == sorted(["plots/loss.png", "plots/learning_rate.png", "plots/goodput.png",
-                              "../previews/samples/step_00000040.png",
-                              "../previews/clip/step_00000040.gif"])
+                              "previews/samples/step_00000040/whole.png",
+                              "previews/clip/step_00000040/whole.gif"])
     for source in sources:
         with Image.open(page_path.parent / source) as image:
             assert image.format == ("GIF" if source.endswith(".gif") else "PNG")
+    # each enlargement is the preview the run wrote, every pixel a square block (nearest neighbour)
+    for source, original in (("previews/samples/step_00000040/whole.png", "previews/samples/step_00000040.png"),
+                             ("previews/clip/step_00000040/whole.gif", "previews/clip/step_00000040.gif")):
+        with Image.open(page_path.parent / source) as big, Image.open(run / original) as small:
+            factor = big.width // small.width
+            assert factor * small.width >= 384 and big.size == (small.width * factor, small.height * factor)
+            for frame in range(getattr(small, "n_frames", 1)):
+                big.seek(frame)
+                small.seek(frame)
+                pixels = np.asarray(small.convert("RGB"))
+                assert np.array_equal(np.asarray(big.convert("RGB")),
+                                      pixels.repeat(factor, 0).repeat(factor, 1))
     with Image.open(run / "report/plots/loss.png") as plot:
         assert plot.size == (640, 360)
         # the curve is drawn in matplotlib's first colour (tab:blue, #1f77b4)

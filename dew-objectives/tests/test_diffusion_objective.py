@@ -89,11 +89,14 @@ def test_previews_are_a_grid_and_a_gif():
     objective = DiffusionObjective(DIT, preview_count=4, sample_steps=2)
     artifact = objective.preview(init(objective), jax.random.key(1))
     assert (artifact.kind, artifact.data.shape, artifact.data.dtype) == ("image", (8, 32, 1), np.uint8)
+    # each cell of the grid, row by row, says the class it was drawn for (a report shows it)
+    assert artifact.labels == ("class 0", "class 1", "class 2", "class 3") and artifact.columns == 4
     video = VideoDiT(frames=3, image_size=8, channels=1, patch_size=4, emb_features=16,
                      num_layers=1, num_heads=2, mlp_features=32)
     objective = DiffusionObjective(video, schedule="flow", preview_count=2, sample_steps=2)
     artifact = objective.preview(init(objective), jax.random.key(1))
     assert (artifact.kind, artifact.data.shape) == ("video", (3, 8, 16, 1))
+    assert (artifact.labels, artifact.columns) == ((), None)  # unconditional: nothing to name
 
 
 @pytest.mark.slow

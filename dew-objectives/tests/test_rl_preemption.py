@@ -26,13 +26,18 @@ from dew.data.addition import Addition
 from dew.models import build
 from dew.objectives.ppo import PPOObjective
 
-directory, losses = sys.argv[1], sys.argv[2]
+from dew.training.runtime import PreemptionNotice
+
+directory, losses, hold_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 calls = [0]
 
 def reward(completions, context):
     calls[0] += 1
     print("reward", calls[0], flush=True)
-    time.sleep(0.5)  # a slow scorer: the signal lands inside the rollout
+    if calls[0] == hold_at:  # the scorer the test signals stays until the signal has arrived
+        deadline = time.monotonic() + 120
+        while not PreemptionNotice.received() and time.monotonic() < deadline:
+            time.sleep(0.01)
     return [float(c.strip() == "5") for c in completions]
 
 class Losses:
@@ -63,7 +68,9 @@ def _train(tmp_path: Path, name: str, cache: Path, trigger: str | None = None) -
     # resumed run load what the uninterrupted one compiled).
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    done = run_until_lines([sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl")],
+    hold_at = trigger.split()[-1] if trigger is not None else "0"  # "reward 2": hold the second call
+    done = run_until_lines([sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"),
+                            hold_at],
                            signal_at=[trigger] if trigger is not None else [], timeout=300,
                            compilation_cache=cache)
     return done.returncode, done.stdout, done.stderr

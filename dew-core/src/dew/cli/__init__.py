@@ -1,14 +1,24 @@
 """The ``dew`` command. Each subcommand lives in its own module, imported only
-when that subcommand runs, so ``dew --help`` stays fast."""
+when that subcommand runs, so ``dew --help`` stays fast; ``main`` dispatches
+to it and is the one place a command's errors become its exit status."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["INTERRUPTED", "REFUSED", "TRACEBACK", "is_dews", "main", "refusal"]
+
+TRACEBACK = "DEW_TRACEBACK"  # set to 1 to see the traceback of an error dew names
+TRACEBACK_HELP = f"show the whole traceback of an error dew names (or set {TRACEBACK}=1)"
+REFUSED = 2  # dew named what is wrong: a recipe, a missing prerequisite, bad input
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
 
 # subcommand -> (module, one-line help). A module defines
 # add_arguments(parser) and run(args) -> int.
@@ -57,8 +67,16 @@ class _Version(argparse.Action):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dew`` command with argv; return its exit status (see docs/cli.md, "Exit status").
+
+    Every command's errors end here: an error of dew's own says what is wrong,
+    in which file and what to do, so it is printed as ``dew COMMAND: ...``
+    and the status is 2; its traceback is one flag away (``--traceback`` or
+    ``DEW_TRACEBACK=1``). Anything else is a bug and keeps its traceback.
+    """
     parser = argparse.ArgumentParser(prog="dew", description="dew trains JAX models.")
     parser.add_argument("--version", action=_Version)
+    parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -67,12 +85,78 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(command)
+            # SUPPRESS: `dew --traceback train ...` is not undone by the command's own default
+            command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
+                                 help=TRACEBACK_HELP)
             command.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):  # argparse sets it only when a command was chosen
         parser.print_help()
         return 0 if args.command is None else 2
-    return int(args._run(args) or 0)
+    shown = bool(args.traceback or os.environ.get(TRACEBACK))
+    with _warnings_as_lines(args.command):
+        try:
+            return int(args._run(args) or 0)
+        except KeyboardInterrupt:
+            if shown:
+                raise
+            print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            return INTERRUPTED
+        except Exception as error:
+            if shown or not is_dews(error):
+                raise
+            print(refusal(args.command, error), file=sys.stderr, flush=True)
+            return REFUSED
+
+
+def is_dews(error: BaseException) -> bool:
+    """Whether error is one of dew's own, whose message says what went wrong and what to do:
+    an instance of the root ``dew.errors.DewError``, or a class a ``dew`` module defines."""
+    from dew.errors import DewError
+
+    return isinstance(error, DewError) or (
+        isinstance(error, Exception) and type(error).__module__.split(".")[0] == "dew")
+
+
+def refusal(command: str, error: BaseException) -> str:
+    """error as a dew command prints it: its class, its message, its notes, and how to see more.
+
+    A recipe's problems are printed as they are (they name the file and each
+    path in it).
+
+    >>> print(refusal("train", ValueError("the batch has no 'tokens'")))
+    dew train: ValueError: the batch has no 'tokens'
+      (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)
+    """
+    from dew.recipes.errors import RecipeError
+
+    notes = [f"  {note}" for note in getattr(error, "__notes__", ())]  # set by add_note only
+    if isinstance(error, RecipeError):
+        return "\n".join([f"dew {command}: {error}", *notes])
+    return "\n".join([f"dew {command}: {type(error).__name__}: {error}", *notes,
+                      f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)"])
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """Print dew's own warnings as ``dew COMMAND: message`` lines, without Python's source line.
+
+    Only the formatting changes: filters, and anything that records warnings
+    (pytest.warns, catch_warnings(record=True)), see them as before.
+    """
+    original = warnings.formatwarning
+
+    def formatted(message: Any, category: type[Warning], filename: str, lineno: int,
+                  line: str | None = None) -> str:
+        if category.__module__.split(".")[0] == "dew":
+            return f"dew {command}: {message}\n"
+        return original(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,7 +14,7 @@ from typing import Any
 
 from dew.errors import DewError
 
-__all__ = ["UnknownComponentError", "add_arguments", "describe", "run"]
+__all__ = ["UnknownComponentError", "add_arguments", "describe", "markdown", "run"]
 
 # What a recipe run hands an objective that declares it in Objective.run_inputs.
 SUPPLIED = {"model": "supplied by the recipe (its model section)",
@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", metavar="NAME",
                         help="a registered name (causal_transformer, lm, local, ...), optionally "
                              "GROUP/NAME; omit to list every name")
+    parser.add_argument("--markdown", action="store_true",
+                        help="every registered name as a Markdown table, by distribution and "
+                             "group (docs/plugins.md shows it)")
 
 
 def _where(name: str) -> tuple[str, str]:
@@ -121,7 +124,25 @@ def listing() -> str:
     return "\n".join(lines)
 
 
+def markdown() -> str:
+    """Every registered name as a Markdown table: one row per distribution and group, in the
+    order of the groups. docs/plugins.md shows it (a test keeps the two the same)."""
+    from dew import registry
+
+    rows: dict[tuple[str, str], list[str]] = {}
+    for group, entry_points in registry.GROUPS.items():
+        for name, distribution in sorted(registry.registry(group).names().items()):
+            rows.setdefault((distribution, entry_points), []).append(f"`{name}`")
+    lines = ["| distribution | group | names |", "| --- | --- | --- |"]
+    lines += [f"| `{dist}` | `{group}` | {', '.join(names)} |"
+              for (dist, group), names in sorted(rows.items(), key=lambda item: item[0][0])]
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print(markdown())
+        return 0
     try:
         print(describe(args.name) if args.name else listing())
     except UnknownComponentError as error:

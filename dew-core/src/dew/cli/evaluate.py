@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
+    from dew.cli.runs import declares
     from dew.recipes.run import build_parts
     from dew.training.evaluation import OutputMeans, evaluate
 
@@ -76,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
         def reader(partition):
             return itertools.islice(whole(partition), limit)
+    # An objective without metrics() is scored by the means its evaluate() returns.
+    metrics = (tuple(opened.objective.metrics()) if declares(opened.objective, "metrics")
+               else ()) or (OutputMeans(),)
     values: dict[str, float] = {}
     kept = [(args.split, opened.live)]
     if opened.variables is not opened.live:
@@ -83,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
     for split, variables in kept:
         result = evaluate(opened.objective, variables, reader,
                           key=jax.random.key(opened.config.seed),
-                          metrics=tuple(opened.objective.metrics()) or (OutputMeans(),),
-                          step=opened.step or 0,
+                          metrics=metrics, step=opened.step or 0,
                           split=split)
         values.update(result.scalars)
     if args.json:

@@ -1,10 +1,15 @@
-"""The page ``dew report`` writes: one or several LocalTracker runs as charts, previews and tables.
+"""The page ``dew report`` writes: one or several LocalTracker runs as previews, charts and tables.
 
 A static HTML file beside PNG charts: nothing runs in the browser and no
-server is needed. Metrics are grouped by what they mean, so the charts a
-person looks for come first: losses (training and validation together), the
-learning rate, throughput, step time, then where the wall time went (goodput);
-every other metric gets its own chart. Given several runs, each chart overlays
+server is needed. What the model does comes first: the previews (text
+samples, images drawn at a readable size with their labels, clips as GIFs)
+by step. Then the charts, grouped by what they mean: losses (training and
+validation on one chart), the learning rate, throughput in each of its
+units, step time, then where the wall time went (goodput); every other
+metric gets its own chart, its validation series beside its training one.
+A chart a run cannot have yet (a rate needs two logged steps) is named with
+the reason. The recipe is shown as what the run sets, against the defaults,
+with the full recipe folded away. Given several runs, each chart overlays
 them in one colour per run.
 """
 
@@ -21,13 +26,23 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunData", "chart_groups", "contained", "flatten", "write_page"]
+__all__ = ["RunData", "chart_groups", "contained", "flatten", "missing_charts", "write_page"]
+
+LOCAL_PREVIEWS = "previews.jsonl"
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
           "#7f7f7f", "#bcbd22", "#17becf")
 STYLES = ("-", "--", ":", "-.")
-# The charts that gather several metrics, in page order.
-GROUPS = ("loss", "learning rate", "throughput", "step time")
+# The charts that gather several metrics, in page order; throughput has one chart per unit.
+THROUGHPUT = {"tokens_per_second": "tokens per second", "examples_per_second": "examples per second",
+              "steps_per_second": "steps per second", "mfu": "model FLOPs utilization"}
+GROUPS = ("loss", "learning rate", *THROUGHPUT.values(), "step time")
+# The prefixes of a metric's split: validation and evaluation series chart beside training's.
+SPLITS = ("train", "val", "eval", "validation", "val_ema", "eval_ema")
+# How many of the latest steps of each preview the page shows.
+PREVIEW_STEPS = 8
+# Pictures narrower than these are drawn larger (nearest neighbour, so pixels stay sharp).
+CELL_WIDTH, GRID_WIDTH = 96, 384
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -71,15 +86,15 @@ def _kind(name: str) -> str:
         return "learning rate"
     if "step_time" in leaf:
         return "step time"
-    if "per_second" in leaf or (name.startswith("throughput/") and leaf != "mfu"):
-        return "throughput"
+    if name.startswith("throughput/") or "per_second" in leaf:
+        return THROUGHPUT.get(leaf, leaf.replace("_", " "))
     return ""
 
 
 def _base(name: str) -> str:
     """A metric's name without its split: train/accuracy, val/accuracy and accuracy share one."""
     head, _, rest = name.partition("/")
-    return rest if rest and head in ("train", "val", "eval", "validation") else name
+    return rest if rest and head in SPLITS else name
 
 
 def chart_groups(names: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -95,22 +110,21 @@ def chart_groups(names: Sequence[str]) -> list[tuple[str, list[str]]]:
     # training series before validation ones, so the first colour is the training loss
     for name in sorted(set(names), key=lambda n: (n.startswith(("val", "eval")), n)):
         kind = _kind(name)
-        (grouped[kind] if kind else rest.setdefault(_base(name), [])).append(name)
+        (grouped.setdefault(kind, []) if kind else rest.setdefault(_base(name), [])).append(name)
     return [(title, members) for title, members in grouped.items() if members] + sorted(
         rest.items())
 
 
 def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, leaf) for every leaf of nested mappings; lists stay whole.
+    """(dotted key, leaf) for every leaf of nested mappings (and lists of them, by index);
+    other lists stay whole.
 
     >>> list(flatten({"model": {"name": "m", "layers": 2}, "seed": 0}))
     [('model.name', 'm'), ('model.layers', 2), ('seed', 0)]
     """
-    if isinstance(value, Mapping) and value:
-        for key, inner in value.items():
-            yield from flatten(inner, f"{prefix}{key}.")
-    else:
-        yield prefix[:-1], value
+    from dew.recipes.defaults import flat_recipe
+
+    return flat_recipe(value, prefix)
 
 
 def _number(value: float) -> str:
@@ -142,8 +156,7 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
                                       *run.series[name], color,
                                       STYLES[m % len(STYLES)] if several else "-"))
         paths.append(plot_lines(title, lines, out / "plots" / f"{safe_name(title)}.png",
-                                smoothed=title != "learning rate",
-                                log_y=True if title == "throughput" else None))
+                                smoothed=title != "learning rate"))
     goodput = {run.label: run.goodput for run in runs if run.goodput}
     if goodput and not any(p.stem == "goodput" for p in paths):
         paths.append(plot_goodput(goodput, out / "plots" / "goodput.png"))
@@ -168,6 +181,63 @@ def contained(run_dir: Path, name: Any) -> Path | None:
     return target if target.is_relative_to(root) else None
 
 
+def _frames(image: Any) -> list[Any]:
+    from PIL import ImageSequence
+
+    return [frame.copy() for frame in ImageSequence.Iterator(image)]
+
+
+def _write_scaled(frames: list[Any], factor: int, target: Path, duration: Any) -> Path:
+    """frames (one image, or a GIF's frames) enlarged factor times, nearest neighbour."""
+    from PIL import Image
+
+    scaled = [f.resize((f.width * factor, f.height * factor), Image.Resampling.NEAREST) for f in frames]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if len(scaled) == 1 and target.suffix == ".png":
+        scaled[0].save(target, format="PNG")
+    else:
+        scaled[0].save(target, format="GIF", save_all=True, append_images=scaled[1:],
+                       duration=duration or 125, loop=0)
+    return target
+
+
+def _factor(width: int, wanted: int) -> int:
+    return max(1, math.ceil(wanted / max(width, 1)))
+
+
+def _pictures(source: Path, row: Mapping[str, Any], out: Path) -> list[tuple[Path, str]]:
+    """The files the page shows for an image or clip preview, each with its caption: the cells
+    of a labelled grid one by one, or the whole picture; enlarged when small (into out)."""
+    from PIL import Image
+
+    from dew.telemetry.render import safe_name
+
+    folder = out / "previews" / safe_name(str(row["name"])) / f"step_{int(row['step']):08d}"
+    suffix = source.suffix
+    with Image.open(source) as image:
+        frames = _frames(image)
+        duration = image.info.get("duration")
+    width, height = frames[0].size
+    labels = [str(label) for label in row.get("labels") or ()]
+    columns = int(row.get("columns") or 0)
+    if labels and columns > 0:
+        rows = math.ceil(len(labels) / columns)
+        cell_w, cell_h = width // columns, height // rows
+        if cell_w > 0 and cell_h > 0:
+            factor = _factor(cell_w, CELL_WIDTH)
+            shown = []
+            for index, label in enumerate(labels):
+                r, c = divmod(index, columns)
+                box = (c * cell_w, r * cell_h, (c + 1) * cell_w, (r + 1) * cell_h)
+                cell = [frame.crop(box) for frame in frames]
+                shown.append((_write_scaled(cell, factor, folder / f"cell_{index:03d}{suffix}",
+                                            duration), label))
+            return shown
+    if width >= GRID_WIDTH // 2:
+        return [(source, "")]  # large enough as it is
+    return [(_write_scaled(frames, _factor(width, GRID_WIDTH), folder / f"whole{suffix}", duration), "")]
+
+
 def _previews(runs: Sequence[RunData], out: Path) -> list[str]:
     parts = []
     for run in runs:
@@ -176,24 +246,43 @@ def _previews(runs: Sequence[RunData], out: Path) -> list[str]:
             by_name.setdefault(row["name"], []).append(row)
         for name, rows in by_name.items():
             title = f"{name} ({run.label})" if len(runs) > 1 else name
-            parts.append(f"<h3>{html.escape(title)}</h3><div class='strip'>")
-            for row in sorted(rows, key=lambda r: int(r["step"])):
-                source = contained(run.directory, row["path"])
-                caption = f"step {int(row['step'])}"
-                if source is None:
-                    refused = f"(refused: {row['path']!r} lies outside the run directory)"
-                    parts.append(f"<figure><figcaption>{html.escape(name)} at {caption}"
-                                 f"</figcaption><p>{html.escape(refused)}</p></figure>")
-                    continue
-                if row["kind"] == "text":
-                    text = source.read_text(encoding="utf-8") if source.is_file() else "(missing)"
-                    body = f"<pre>{html.escape(text)}</pre>"
-                else:
-                    body = (f"<img class='preview' src='{_link(source, out)}' "
-                            f"alt='{html.escape(name)} at {caption}'>")
-                parts.append(f"<figure>{body}<figcaption>{caption}</figcaption></figure>")
+            ordered = sorted(rows, key=lambda r: int(r["step"]))
+            hidden = len(ordered) - PREVIEW_STEPS
+            parts.append(f"<h3>{html.escape(title)}</h3>")
+            if hidden > 0:
+                parts.append(f"<p class='note'>The latest {PREVIEW_STEPS} steps; {hidden} earlier "
+                             f"are listed in {LOCAL_PREVIEWS}.</p>")
+            parts.append("<div class='strip'>")
+            for row in ordered[-PREVIEW_STEPS:]:
+                parts.append(_preview(run, name, row, out))
             parts.append("</div>")
     return parts
+
+
+def _preview(run: RunData, name: str, row: Mapping[str, Any], out: Path) -> str:
+    """One preview at one step, as a figure captioned with its step."""
+    source = contained(run.directory, row["path"])
+    caption = f"step {int(row['step'])}"
+    if source is None:
+        refused = f"(refused: {row['path']!r} lies outside the run directory)"
+        return (f"<figure><figcaption>{html.escape(name)} at {caption}</figcaption>"
+                f"<p>{html.escape(refused)}</p></figure>")
+    if not source.is_file():
+        return f"<figure><figcaption>{caption}</figcaption><p>(missing: {html.escape(str(row['path']))})</p></figure>"
+    if row["kind"] == "text":
+        text = source.read_text(encoding="utf-8", errors="replace")
+        return f"<figure class='sample'><figcaption>{caption}</figcaption><pre>{html.escape(text)}</pre></figure>"
+    try:
+        pictures = _pictures(source, row, out)
+    except (OSError, ValueError) as error:  # not an image after all: say so, show nothing
+        return f"<figure><figcaption>{caption}</figcaption><p>(unreadable: {html.escape(str(error))})</p></figure>"
+    cells = "".join(
+        f"<figure class='cell'><img class='preview' src='{_link(path, out)}' "
+        f"alt='{html.escape(name)} at {caption}{(': ' + html.escape(label)) if label else ''}'>"
+        + (f"<figcaption class='label'>{html.escape(label)}</figcaption>" if label else "")
+        + "</figure>" for path, label in pictures)
+    grid = "<div class='cells'>" + cells + "</div>" if len(pictures) > 1 else cells
+    return f"<figure class='shot'><figcaption>{caption}</figcaption>{grid}</figure>"
 
 
 def _cell(value: Any) -> str:
@@ -202,20 +291,83 @@ def _cell(value: Any) -> str:
 
 
 def _recipe(runs: Sequence[RunData]) -> list[str]:
+    """What each run sets against the defaults, then the full recipe folded away."""
+    from dew.recipes.defaults import defaults_of
+
     tables = [dict(flatten(run.recipe)) if run.recipe else {} for run in runs]
     keys = list(dict.fromkeys(key for table in tables for key in table))
     if not keys:
         return []
-    head = "".join(f"<th>{html.escape(run.label)}</th>" for run in runs) if len(runs) > 1 \
-        else "<th>value</th>"
-    parts = ["<h2>Recipe</h2><table class='recipe'><tr><th>field</th>" + head + "</tr>"]
-    for key in keys:
-        cells = [_cell(table[key]) if key in table else "" for table in tables]
-        differs = " class='differs'" if len(set(cells)) > 1 else ""
+    defaults = []
+    for run in runs:
+        try:
+            defaults.append(defaults_of(run.recipe) if run.recipe else {})
+        except Exception:  # noqa: BLE001 - a recipe this dew cannot read: every field counts as set
+            defaults.append({})
+    several = len(runs) > 1
+    head = "".join(f"<th>{html.escape(run.label)}</th>" for run in runs) if several else "<th>value</th>"
+
+    def cells(key: str) -> list[str]:
+        return [_cell(table[key]) if key in table else "" for table in tables]
+
+    def sets(index: int, key: str) -> bool:
+        return key in tables[index] and (key not in defaults[index]
+                                         or defaults[index][key] != tables[index][key])
+
+    chosen = [key for key in keys
+              if any(sets(i, key) for i in range(len(runs))) or len(set(cells(key))) > 1]
+    who = "each run sets" if several else "the run sets"
+    parts = [f"<h2>Recipe</h2><p class='note'>The fields {who} ({len(chosen)} of {len(keys)}); "
+             "every other field keeps its default. The full recipe is folded below.</p>",
+             f"<table class='recipe' id='recipe-set'><tr><th>field</th>{head}<th>default</th></tr>"]
+    for key in chosen:
+        known = {_cell(d[key]) for d in defaults if key in d}
+        default = known.pop() if len(known) == 1 else ("(none)" if not known else "(differs)")
+        differs = " class='differs'" if len(set(cells(key))) > 1 else ""
         parts.append(f"<tr{differs}><td>{html.escape(key)}</td>"
-                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+                     + "".join(f"<td>{c}</td>" for c in cells(key))
+                     + f"<td class='default'>{default}</td></tr>")
     parts.append("</table>")
+    parts.append(f"<details id='recipe-full'><summary>The full recipe ({len(keys)} fields)</summary>"
+                 f"<table class='recipe'><tr><th>field</th>{head}</tr>")
+    for key in keys:
+        differs = " class='differs'" if len(set(cells(key))) > 1 else ""
+        parts.append(f"<tr{differs}><td>{html.escape(key)}</td>"
+                     + "".join(f"<td>{c}</td>" for c in cells(key)) + "</tr>")
+    parts.append("</table></details>")
     return parts
+
+
+def _started(run: RunData) -> dict[str, Any]:
+    for row in reversed(run.records):
+        if row.get("type") == "run_started":
+            return dict(row.get("record") or {})
+    return {}
+
+
+def missing_charts(runs: Sequence[RunData]) -> list[str]:
+    """Why a chart a person looks for is not on the page: one sentence per run and reason."""
+    notes = []
+    for run in runs:
+        who = f"{run.label}: " if len(runs) > 1 else ""
+        logged = sorted({int(s) for steps, _ in run.series.values() for s in steps})
+        started = _started(run)
+        trainer = (run.recipe.get("trainer") or {}) if isinstance(run.recipe, Mapping) else {}
+        every, steps = trainer.get("log_every"), started.get("steps")
+        cadence = (f" (it logs every {every} steps and at its last, step {steps})"
+                   if every and steps else "")
+        if not logged:
+            notes.append(f"{who}No charts: the journal holds no logged step yet{cadence}; the run "
+                         "stopped, or is still running, before its first log.")
+            continue
+        rates = [name for name in run.series if name.startswith("throughput/") or "step_time" in name]
+        if not rates and len(logged) < 2:
+            notes.append(f"{who}No throughput or step-time chart: each is a rate between two "
+                         f"logged steps, and the run logged one (step {logged[0]}){cadence}.")
+        if run.goodput is None:
+            notes.append(f"{who}No goodput bar: a fit writes where its wall time went when it "
+                         "ends, and this one has not ended (it was stopped, or is still running).")
+    return notes
 
 
 def _last_values(runs: Sequence[RunData]) -> list[str]:
@@ -255,18 +407,20 @@ def _records(runs: Sequence[RunData]) -> list[str]:
 STYLE = (
     "body{font-family:sans-serif;margin:2em;max-width:1400px;color:#222}"
     "table{border-collapse:collapse;margin-bottom:1em}td,th{border:1px solid #ccc;padding:2px 8px;"
-    "text-align:left;vertical-align:top}tr.differs td{background:#fff3cd}"
+    "text-align:left;vertical-align:top}tr.differs td{background:#fff3cd}td.default{color:#777}"
     ".grid{display:flex;flex-wrap:wrap;gap:8px}.grid img{width:560px}"
-    ".strip{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}"
+    ".strip{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start}"
+    ".cells{display:flex;flex-wrap:wrap;gap:6px;max-width:960px}"
     "figure{margin:0}figcaption{font-size:small;color:#555;text-align:center}"
-    "img.preview{image-rendering:pixelated;max-width:512px;min-width:128px}"
+    "figcaption.label{color:#222}img.preview{image-rendering:pixelated;display:block}"
     "pre{background:#f6f6f6;padding:8px;overflow:auto;max-width:640px;white-space:pre-wrap}"
-    "summary{cursor:pointer}"
+    "p.note{color:#555}summary{cursor:pointer}"
 )
 
 
 def write_page(runs: Sequence[RunData], out: Path) -> Path:
-    """Draw the charts into out/plots and write out/index.html; return the page's path."""
+    """Draw the charts into out/plots, the previews' enlargements into out/previews, and write
+    out/index.html; return the page's path."""
     out.mkdir(parents=True, exist_ok=True)
     if len(runs) == 1:
         parts = [f"<h1>dew run {html.escape(str(runs[0].directory.absolute()))}</h1>"]
@@ -275,15 +429,17 @@ def write_page(runs: Sequence[RunData], out: Path) -> Path:
                         f"{html.escape(run.label)}: {html.escape(str(run.directory.absolute()))}"
                         "</li>" for i, run in enumerate(runs))
         parts = [f"<h1>dew runs ({len(runs)})</h1><ul>{items}</ul>"]
+    previews = _previews(runs, out)
+    if previews:
+        parts += ["<h2 id='previews'>Previews</h2>", *previews]
     charts = _charts(runs, out)
+    parts.append("<h2 id='charts'>Charts</h2>")
+    parts += [f"<p class='note missing'>{html.escape(note)}</p>" for note in missing_charts(runs)]
     if charts:
-        parts.append("<h2>Charts</h2><div class='grid'>")
+        parts.append("<div class='grid'>")
         parts += [f"<img src='{_link(path, out)}' alt='{html.escape(path.stem)}'>"
                   for path in charts]
         parts.append("</div>")
-    previews = _previews(runs, out)
-    if previews:
-        parts += ["<h2>Previews</h2>", *previews]
     parts += _recipe(runs) + _last_values(runs) + _records(runs)
     page = out / "index.html"
     page.write_text(

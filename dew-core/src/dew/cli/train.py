@@ -1,11 +1,11 @@
-"""``dew train RECIPE [key=value ...]``: check a recipe, then train it."""
+"""``dew train RECIPE [key=value ...]``: check a recipe, then train it; ``dew train --resume RUN``
+continues a run in its folder."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import types
 import typing
@@ -14,9 +14,7 @@ from typing import Any
 
 import pydantic
 
-__all__ = ["TRACEBACK", "add_arguments", "field_lines", "one_message", "run"]
-
-TRACEBACK = "DEW_TRACEBACK"  # set to 1 to see the traceback of an error dew names
+__all__ = ["add_arguments", "field_lines", "fields_help", "run"]
 
 
 def _type_name(annotation: Any) -> str:
@@ -121,55 +119,53 @@ def fields_help() -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("recipe", help="a recipe file, or the name of a shipped one (`dew recipes`)")
+    parser.add_argument("recipe", nargs="?", help="a recipe file, or the name of a shipped one (`dew recipes`)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, values read as YAML (trainer.steps=10)")
+    parser.add_argument("--resume", metavar="RUN", default=None,
+                        help="continue the run in folder RUN (it holds run.json; dew train prints it "
+                             "when a run stops): its checkpoints, journal and recipe, with any "
+                             "key=value overrides (trainer.steps=2000 trains further)")
     parser.add_argument("--check", action="store_true",
                         help="validate the recipe and print it as JSON (secrets redacted), without training")
-    parser.add_argument("--traceback", action="store_true",
-                        help=f"show the whole traceback of an error dew names (or set {TRACEBACK}=1)")
     parser.epilog = (
         "examples:\n  dew train tiny-lm\n  dew train my-run.yaml trainer.steps=200 "
-        "optimizer.learning_rate=1e-3\n\n" + fields_help()
+        "optimizer.learning_rate=1e-3\n  dew train --resume runs/tiny-lm/2026-12-01_09-30-00\n\n"
+        + fields_help()
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the recipe (or read back the run to resume), then train it in its folder.
+
+    Errors reach the dispatcher (dew.cli.main), which prints dew's own in one
+    message; a stop on request prints the command that resumes the run.
+    """
     from dew.recipes.config import RunConfig
     from dew.recipes.errors import RecipeError
+    from dew.recipes.folder import RunFolder, resumed, stopped_line, train_in
+    from dew.training.runtime.preemption import Preempted
 
-    try:
+    if args.resume is not None:
+        overrides = [*([args.recipe] if args.recipe is not None else []), *args.overrides]
+        if any("=" not in item for item in overrides):
+            raise RecipeError(f"--resume {args.resume} continues that run's own recipe; give "
+                              "key=value overrides after it, not a recipe.")
+        config, folder = resumed(args.resume, overrides)
+    elif args.recipe is None:
+        raise RecipeError("dew train needs a recipe (a file, or a shipped one: `dew recipes`), or "
+                          "--resume RUN to continue a run.")
+    else:
         config = RunConfig.load(args.recipe, overrides=args.overrides)
-    except RecipeError as error:
-        print(f"dew train: {error}", file=sys.stderr)
-        return 2
+        folder = RunFolder.new(config)
     if args.check:
         print(json.dumps(config.recorded(), indent=2))
         return 0
     try:
-        config.train()
-    except Exception as error:
-        if args.traceback or os.environ.get(TRACEBACK) or not _named(error):
-            raise
-        print(one_message(error), file=sys.stderr)
-        return 2 if isinstance(error, RecipeError) else 1
+        train_in(config, folder)
+    except Preempted as stop:
+        if config.trainer.multi_host:
+            raise  # a rank of a pool: its launcher says how the pool resumes
+        print(f"dew train: {stopped_line(stop, folder)}", file=sys.stderr, flush=True)
+        return stop.status
     return 0
-
-
-def _named(error: BaseException) -> bool:
-    """An error of dew's own (a class defined in a dew module): its message says what went
-    wrong and what to do, so its traceback only hides that."""
-    return type(error).__module__.split(".")[0] == "dew"
-
-
-def one_message(error: BaseException) -> str:
-    """error as `dew train` prints it: its class, its message, its notes, and how to see more.
-
-    >>> print(one_message(ValueError("the batch has no 'tokens'")))
-    dew train: ValueError: the batch has no 'tokens'
-      (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)
-    """
-    lines = [f"dew train: {type(error).__name__}: {error}"]
-    lines += [f"  {note}" for note in getattr(error, "__notes__", ())]  # set by add_note only
-    lines.append(f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)")
-    return "\n".join(lines)

@@ -12,6 +12,7 @@ from typing import Any
 from dew.pretrained.errors import (
     ConfigurationMismatchError,
     NoExactCounterpartError,
+    NoPretrainedModelError,
     PretrainedError,
     TensorMismatchError,
     UnsupportedArchitectureError,
@@ -25,6 +26,7 @@ __all__ = [
     "SUPPORTED",
     "ConfigurationMismatchError",
     "NoExactCounterpartError",
+    "NoPretrainedModelError",
     "Pretrained",
     "PretrainedError",
     "TensorMismatchError",

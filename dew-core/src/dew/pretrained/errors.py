@@ -6,6 +6,7 @@ from dew.errors import DewError
 
 __all__ = [
     "ConfigurationMismatchError",
+    "NoPretrainedModelError",
     "NoExactCounterpartError",
     "PretrainedError",
     "TensorMismatchError",
@@ -16,6 +17,10 @@ __all__ = [
 
 class PretrainedError(DewError, ValueError):
     """A pretrained directory or model that cannot be read or written as asked."""
+
+
+class NoPretrainedModelError(FileNotFoundError):
+    """The directory holds no model to load (no config.json): not written yet, or another folder."""
 
 
 class NoExactCounterpartError(PretrainedError):

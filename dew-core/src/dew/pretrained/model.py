@@ -24,7 +24,12 @@ from typing import Any
 import numpy as np
 
 from dew.pretrained import native
-from dew.pretrained.errors import PretrainedError, TensorMismatchError, VocabularyMismatchError
+from dew.pretrained.errors import (
+    NoPretrainedModelError,
+    PretrainedError,
+    TensorMismatchError,
+    VocabularyMismatchError,
+)
 from dew.pretrained.tensors import WEIGHTS, ShardWriter, TensorFiles, write_tensors
 from dew.pretrained.tokenizers import TokenizerFiles, read_tokenizer, write_tokenizer
 
@@ -319,9 +324,11 @@ class Pretrained:
         source = Path(directory)
         config_path = source / CONFIG_FILE
         if not config_path.is_file():
-            raise FileNotFoundError(
-                f"{source} holds no {CONFIG_FILE}; point at a directory that Pretrained.save, "
-                "`dew export` or transformers' save_pretrained wrote."
+            what = " (the directory does not exist)" if not source.exists() else ""
+            raise NoPretrainedModelError(
+                f"{source} holds no {CONFIG_FILE}{what}, so there is no model to load; point at a directory that "
+                f"Pretrained.save, `dew export` or transformers' save_pretrained wrote ({CONFIG_FILE} "
+                "beside the weights), or write one there first."
             )
         config = json.loads(config_path.read_text())
         own = config.get("dew") or {}

@@ -220,11 +220,14 @@ class RunConfig(pydantic.BaseModel):
 
         return Trackers(*every)
 
-    def train(self) -> TrainState:
-        """Build everything and train; return the final TrainState (see dew.recipes.run)."""
+    def train(self, *, timestamp: str | None = None) -> TrainState:
+        """Build everything and train; return the final TrainState (see dew.recipes.run).
+
+        timestamp expands ``{timestamp}`` (``dew train --resume`` passes the one the run
+        started with); None takes the clock now."""
         from dew.recipes.run import train
 
-        return train(self)
+        return train(self, timestamp=timestamp)
 
 
 # -- overrides ---------------------------------------------------------------------
@@ -332,6 +335,9 @@ def recipe_path(recipe: str | Path) -> Path:
     name = str(recipe).removesuffix(".yaml")
     if name in recipes:
         return recipes[name]
+    if (path / RUN_FILE).is_file():
+        raise RecipeError(f"{str(recipe)!r} is a run's folder, not a recipe: continue it with "
+                          f"dew train --resume {recipe}")
     raise RecipeError(
         f"No recipe file {str(recipe)!r} and no shipped recipe of that name. Shipped: "
         f"{', '.join(recipes) or 'none'} (see `dew recipes`)."

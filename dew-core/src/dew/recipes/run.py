@@ -247,24 +247,41 @@ def _where(checkpoints: Checkpoints | None) -> str:
             f"{Path(checkpoints.directory) / 'run.json'})")
 
 
-def train(config: RunConfig) -> TrainState:
-    """Build the run config describes, train it to its last step and return the TrainState."""
+def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
+    """Build the run config describes, train it to its last step and return the TrainState.
+
+    timestamp expands ``{timestamp}`` (a resumed run passes the one it started with);
+    None takes process 0's clock now.
+    """
     from dew.training.runtime.process import prepare_process, run_timestamp
 
     prepare_process(config.trainer)
-    stamp = run_timestamp()
+    stamp = timestamp or run_timestamp()
 
     import jax
 
+    from dew.recipes.folder import resuming_line
+    from dew.telemetry.artifacts import Artifact
     from dew.training.trainer import Trainer
 
     parts = build_parts(config, stamp)
     objective, dataset = parts.objective, parts.dataset
     assert dataset is not None  # build_parts loads it unless asked not to
     fit = config.trainer.fit_arguments(dataset.steps_per_epoch)
+    if fit["eval_every"] and dataset.val is None and not fit["preview"]:
+        from dew.recipes.errors import RecipeError
+
+        raise RecipeError(
+            f"The recipe sets trainer.eval_every={fit['eval_every']}, which scores the validation "
+            f"split, but its data {config.data.name!r} holds none out: hold some out (data.load."
+            "val_fraction, for a reader that takes it: dew describe " + config.data.name + "), set "
+            "trainer.preview=true to write previews alone, or unset trainer.eval_every.")
     checkpoints = config.trainer.build_checkpoints(stamp)
     resumed_at = None if checkpoints is None else checkpoints.latest
     if checkpoints is not None and resumed_at is not None:
+        if jax.process_index() == 0:
+            print(resuming_line(checkpoints.directory, resumed_at, fit["steps"],
+                                _trained_for(checkpoints.directory, dataset.steps_per_epoch)), flush=True)
         warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
                                   checkpoints.directory, resumed_at)
     initializer = initial_variables(config, objective)
@@ -285,13 +302,29 @@ def train(config: RunConfig) -> TrainState:
         with contextlib.suppress(Exception):
             _close(checkpoints, tracker)
         raise
-    _close(checkpoints, tracker)
-    # Every process takes part (the weights may be sharded across them); one prints.
-    show_sample(objective, state, key, quiet=jax.process_index() != 0)
+    # Every process takes part (the weights may be sharded across them); one prints. The
+    # sample is journaled with its step, unless the last validation journaled a preview there.
+    try:
+        sample = show_sample(objective, state, key, quiet=jax.process_index() != 0)
+        if (tracker is not None and isinstance(sample, Artifact) and not config.trainer.preview
+                and int(state.step) != resumed_at and jax.process_index() == 0):
+            tracker.artifact(sample, int(state.step))
+    finally:
+        _close(checkpoints, tracker)
     if checkpoints is not None and jax.process_index() == 0:
         print(f"Use the run: dew generate {checkpoints.directory} PROMPT; dew eval and dew "
               "export read it too.")
     return state
+
+
+def _trained_for(directory: Any, steps_per_epoch: int | None) -> int | None:
+    """The trainer.steps the run.json in directory trained with (None when unreadable)."""
+    from dew.recipes.config import RUN_FILE, RunConfig
+
+    try:
+        return RunConfig.read(Path(str(directory)) / RUN_FILE).trainer.total_steps(steps_per_epoch)
+    except Exception:  # noqa: BLE001 - an unreadable old recipe only shortens the line
+        return None
 
 
 def objective_parts(objective: Objective) -> dict[str, Any]:

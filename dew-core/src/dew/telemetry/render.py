@@ -25,12 +25,14 @@ __all__ = [
     "NON_FINITE",
     "gif_bytes",
     "TornJournalError",
+    "grid_columns",
     "image_grid",
     "journal_rows",
     "plot_journal",
     "plot_series",
     "png_bytes",
     "preview_bytes",
+    "preview_columns",
     "preview_suffix",
     "read_scalars",
     "safe_name",
@@ -47,6 +49,18 @@ def safe_name(name: str) -> str:
     return cleaned or "unnamed"
 
 
+def grid_columns(count: int) -> int:
+    """How many columns image_grid tiles a batch of count images into (a near-square grid)."""
+    return math.ceil(math.sqrt(count))
+
+
+def preview_columns(artifact: Artifact) -> int:
+    """The width, in cells, of a labelled preview's grid: as given, else as image_grid tiles it."""
+    if artifact.columns is not None:
+        return artifact.columns
+    return grid_columns(len(artifact.labels))
+
+
 def image_grid(pixels: np.ndarray) -> np.ndarray:
     """One (H, W, C) uint8 image: a single image as is, a batch tiled into a near-square grid."""
     array = np.asarray(pixels)
@@ -57,7 +71,7 @@ def image_grid(pixels: np.ndarray) -> np.ndarray:
     if array.ndim != 4:
         raise ValueError(f"An image preview is (H, W, C) or (N, H, W, C); got shape {array.shape}.")
     count, height, width, channels = array.shape
-    columns = math.ceil(math.sqrt(count))
+    columns = grid_columns(count)
     rows = math.ceil(count / columns)
     grid = np.zeros((rows * height, columns * width, channels), np.uint8)
     for index in range(count):

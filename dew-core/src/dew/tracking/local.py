@@ -85,7 +85,7 @@ class LocalTracker:
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """The journals' rows and the preview files of items, in order (on the caller's thread)."""
-        from dew.telemetry.render import write_preview
+        from dew.telemetry.render import preview_columns, write_preview
 
         rows: dict[str, list[Mapping[str, Any]]] = {}
         for kind, value, step in items:
@@ -100,10 +100,14 @@ class LocalTracker:
                 except OSError as error:
                     raise OSError(f"LocalTracker could not write preview {preview.name!r} "
                                   f"under {self.directory / 'previews'}: {error}") from error
-                rows.setdefault(self.PREVIEWS, []).append({
+                row: dict[str, Any] = {
                     "step": int(step), "name": preview.name, "kind": preview.kind,
                     "path": path.relative_to(self.directory).as_posix(),
-                })
+                }
+                if preview.labels:  # what each cell shows, and the grid's width
+                    row["labels"] = list(preview.labels)
+                    row["columns"] = preview_columns(preview)
+                rows.setdefault(self.PREVIEWS, []).append(row)
         for journal, journal_rows in rows.items():
             self._append(journal, journal_rows)
 

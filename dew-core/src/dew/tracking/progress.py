@@ -98,6 +98,7 @@ class Progress:
         self.flops_per_step: float | None = None
         self.peak_flops: float | None = None
         self.log_every = log_every
+        self.steps: int | None = None  # the fit's last step, always logged
         self.limit = nonfinite_limit(dynamic_scale)
         self.clock = Clock()
         self.rank0 = jax.process_index() == 0
@@ -120,6 +121,7 @@ class Progress:
               recipe: Mapping[str, Any] | None = None) -> None:
         """The fit began: the RunStarted record (carrying the recipe, when the run has one)."""
         processes = jax.process_count()
+        self.steps = int(steps)
         if self.console is not None:
             self.console.start(start, steps, dict(mesh), processes)
         self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
@@ -147,7 +149,7 @@ class Progress:
             self.first = (ready if self.compiled_at is None else self.compiled_at, ready, done)
         due = any(p.log for p in self.pending)
         self._read(upto=done, block=due)
-        self.pending.append(_Pending(done, metrics, done % self.log_every == 0))
+        self.pending.append(_Pending(done, metrics, done % self.log_every == 0 or done == self.steps))
         if self.console is not None:
             self.console.advance(done)
 

@@ -16,7 +16,9 @@ from pydantic import Field
 
 from dew.errors import DewError
 
-__all__ = ["Cadence", "EpochsNeedRecordsError"]
+__all__ = ["Cadence", "EpochsNeedRecordsError", "log_interval"]
+
+LOGS_AT_LEAST = 10  # a run shorter than log_every logs this many times over its steps
 
 
 class EpochsNeedRecordsError(DewError, ValueError):
@@ -66,3 +68,15 @@ class Cadence(pydantic.BaseModel):
             "checkpoint_every": self.checkpoint_every,
             "preview": self.preview,
         }
+
+
+def log_interval(steps: int, log_every: int) -> int:
+    """The steps between logs a fit of steps uses: log_every, unless that is more than the run
+    lasts; then enough to log LOGS_AT_LEAST times over it (every step of a run shorter than that).
+
+    >>> log_interval(1000, 100), log_interval(20, 100), log_interval(5, 100)
+    (100, 2, 1)
+    """
+    if steps >= log_every:
+        return log_every
+    return max(1, steps // LOGS_AT_LEAST)

@@ -122,15 +122,16 @@ class ParamsFrom:
         import orbax.checkpoint as ocp
 
         from dew.checkpoints import integrity
-        from dew.checkpoints.errors import CheckpointCorruptedError
+        from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointNotFoundError
         from dew.checkpoints.manager import Checkpoints
 
         checkpoints = Checkpoints(self.directory)
         step = checkpoints.latest if self.step is None else int(self.step)
         if step is None:
-            raise FileNotFoundError(
-                f"{checkpoints.directory} holds no committed checkpoint to take parameters from; "
-                "point ParamsFrom at a run's checkpoint directory."
+            what = "does not exist" if not checkpoints.directory.exists() else "holds no committed checkpoint"
+            raise CheckpointNotFoundError(
+                f"{checkpoints.directory} {what}, so there are no parameters to start from: train "
+                "the run that writes it first, or point ParamsFrom at a run's checkpoint directory."
             )
         path = checkpoints.path(step)
         manifest = checkpoints.manifest(step)

@@ -35,6 +35,7 @@ from dew.objectives.base import Effects, LeafFilter, Loss, Metric, Objective, Va
 from dew.telemetry.hardware import peak_flops
 from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.tracking.protocol import Located, Tracker
+from dew.training.cadence import log_interval
 from dew.training.config import RUN_FILE, TrainerSettings
 from dew.training.ema import ema_leaves
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
@@ -518,8 +519,9 @@ class Trainer(Generic[Loss, Effects]):
     ) -> TrainState:
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
         steps = int(steps)
+        every = log_interval(steps, log_every)  # a run shorter than log_every still logs
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch,
-                            log_every=log_every, dynamic_scale=self.dynamic_scale,
+                            log_every=every, dynamic_scale=self.dynamic_scale,
                             schedule=self._schedule)
         mesh = self.device_mesh
         if self.checkpoints is not None:
@@ -540,6 +542,9 @@ class Trainer(Generic[Loss, Effects]):
                     check=self.objective.check_batch, ledger=self._ledger())
         feed.open(position, resuming=start > 0, start=start)
         progress.start(self, start, steps, mesh.shape, recipe=self.recipe)
+        if every != log_every:
+            progress.note(f"log_every={log_every} is more than the run's {steps} steps: logging "
+                          f"every {every} step{'s' if every > 1 else ''} instead (and the last)")
         if self.checkpoints is not None:
             progress.note(f"checkpoints: {self.checkpoints.directory}")
         written: Sequence[str] = self.tracker.directories() if isinstance(self.tracker, Located) else ()
@@ -580,6 +585,7 @@ class Trainer(Generic[Loss, Effects]):
                         elif local_every and done % local_every == 0:
                             self._save(progress, feed, state, done, local=True)
                     if watch.reached(done):
+                        progress.note(watch.stopping(done, saving=self.checkpoints is not None and saved != done))
                         progress.drain()
                         if self.checkpoints is None:
                             raise UnsavedStopError(done, status=watch.status)

@@ -298,7 +298,10 @@ class DiffusionObjective(Objective):
         x = jax.jit(lambda v, k: self.sample(v, k, self.preview_conditions(rows), rows))(variables, key)
         pixels = to_pixels(x)
         columns = min(rows, 8)
-        return Artifact("samples", "video" if self.key == "video" else "image", _tile(pixels, columns))
+        conditions = self.preview_conditions(rows)
+        labels = () if conditions is None else tuple(f"class {int(c)}" for c in np.asarray(conditions))
+        return Artifact("samples", "video" if self.key == "video" else "image", _tile(pixels, columns),
+                        labels=labels, columns=columns if labels else None)
 
     def pipeline(self, state: Any, *, ema: bool = True) -> Any:
         """A pipeline that samples with state's (EMA) parameters (or given variables)."""

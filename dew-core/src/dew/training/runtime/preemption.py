@@ -169,6 +169,15 @@ class PreemptionWatch:
         """The exit status the stop asks for: 130 after Ctrl-C, else 143."""
         return PreemptionNotice.status
 
+    def stopping(self, step: int, saving: bool) -> str:
+        """The line a run prints as it starts to stop at step: what asked, and that a second
+        signal stops at once (losing the checkpoint being written, when one is)."""
+        what = "Ctrl-C" if self.status == INTERRUPTED_STATUS else "SIGTERM"
+        if not saving:
+            return f"step {step}: {what}: stopping here (a second {what} stops at once)"
+        return (f"step {step}: {what}: stopping here once this step's checkpoint is written (a "
+                f"second {what} stops at once, without it)")
+
     def reached(self, step: int) -> bool:
         """Whether the run should stop after step (every process of a pool agrees)."""
         if self._pooled:

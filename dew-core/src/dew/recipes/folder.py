@@ -1,0 +1,340 @@
+"""A run is one folder: where a recipe trains, how it is resumed by name, and what a run that
+never started leaves behind (nothing).
+
+A recipe's ``trainer.checkpoint_dir`` names the run's folder; ``run.json``
+there is the recipe as written, placeholders included, and the shipped
+recipes journal into the same folder. A folder named after ``{timestamp}``
+is a new one at every ``dew train RECIPE``, so that command cannot resume
+it; ``dew train --resume RUN`` does: it reads ``RUN/run.json`` back, forces
+the checkpoints into RUN, and expands every ``{timestamp}`` as the first
+run did, in the working directory it started in, so the checkpoints and
+the journal continue together. ``started.json`` beside run.json records
+that timestamp and directory (a run folder from before it existed gives
+them up by matching its path against the recipe's ``checkpoint_dir``).
+
+A run that fails before it kept anything (a missing teacher, a base run
+that is not there, a mesh that does not fit) removes the folders it
+created, so no empty run folder is left for every later command to trip
+over; one that kept a checkpoint or logged a step keeps its folder, and its
+error says how to resume it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dew.recipes.errors import RecipeError
+
+if TYPE_CHECKING:
+    from dew.recipes.config import RunConfig
+
+__all__ = [
+    "STARTED",
+    "NotARunFolderError",
+    "RunFolder",
+    "resume_command",
+    "resumed",
+    "resuming_line",
+    "shown",
+    "stopped_line",
+    "train_in",
+]
+
+STARTED = "started.json"
+# What a run writes into its folder before its first step: nothing worth keeping on its own.
+_BOOKKEEPING = frozenset({"run.json", STARTED, "records.jsonl", ".dew-writer.json"})
+_STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+
+
+class NotARunFolderError(RecipeError):
+    """``dew train --resume RUN`` was given a path that holds no run.json a run wrote."""
+
+
+def shown(path: str | os.PathLike[str]) -> str:
+    """path as a person types it here: relative to the working directory when inside it."""
+    path = Path(path)
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
+def resume_command(directory: str | os.PathLike[str]) -> str:
+    """The command that continues the run in directory, ready to paste.
+
+    >>> resume_command("/somewhere/else/runs/tiny lm")
+    "dew train --resume '/somewhere/else/runs/tiny lm'"
+    """
+    return f"dew train --resume {shlex.quote(shown(directory))}"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """Where a run lives: its folder (None without checkpoints), its timestamp, the working
+    directory its recipe's relative paths start from, and whether it is resumed by name."""
+
+    directory: Path | None
+    timestamp: str | None
+    cwd: Path
+    resumed: bool = False
+
+    @classmethod
+    def new(cls, config: RunConfig) -> RunFolder:
+        """The folder a fresh ``dew train RECIPE`` trains into, its timestamp taken now.
+
+        A process pool agrees on its timestamp inside the run (process 0's
+        clock), so a pooled run's folder is left to it.
+        """
+        if config.trainer.multi_host:
+            return cls(None, None, Path.cwd())
+        from dew.training.runtime.process import run_timestamp
+
+        stamp = run_timestamp()
+        return cls(_directory(config, stamp, Path.cwd()), stamp, Path.cwd())
+
+    def directories(self, config: RunConfig) -> list[Path]:
+        """Every folder the run writes: its checkpoints, and each tracker's directory."""
+        found = [] if self.directory is None else [self.directory]
+        for tracker in config.trackers:
+            where = tracker.fields.get("directory")
+            if isinstance(where, str) and "://" not in where and self.timestamp is not None:
+                found.append(_absolute(_expand(where, self.timestamp), self.cwd))
+        return list(dict.fromkeys(found))
+
+    def record(self) -> None:
+        """Write started.json (the timestamp and working directory) once the folder exists."""
+        if self.directory is None or self.timestamp is None or not self.directory.is_dir():
+            return
+        target = self.directory / STARTED
+        if not target.exists():
+            target.write_text(json.dumps({"timestamp": self.timestamp, "cwd": str(self.cwd)}) + "\n")
+
+
+def _expand(value: str, timestamp: str) -> str:
+    from dew.recipes.run import expand
+
+    return str(expand(value, timestamp))
+
+
+def _absolute(path: str, cwd: Path) -> Path:
+    return Path(os.path.normpath(cwd / Path(path).expanduser()))
+
+
+def _directory(config: RunConfig, timestamp: str, cwd: Path) -> Path | None:
+    where = config.trainer.checkpoint_dir
+    if where is None or "://" in where:
+        return None  # no folder, or a bucket: nothing here to resume by name
+    return _absolute(_expand(where, timestamp), cwd)
+
+
+# -- resuming by name -------------------------------------------------------------------------
+
+
+def _origin(run: Path, template: str | None) -> tuple[str | None, Path]:
+    """The timestamp and working directory the run in folder run started with."""
+    saved = run / STARTED
+    if saved.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            data = json.loads(saved.read_text())
+            return str(data["timestamp"]), Path(data["cwd"])
+    if not template:
+        return None, Path.cwd()
+    # An older folder: its path is the template expanded, so it gives the timestamp back.
+    pattern = re.escape(os.path.normpath(template)).replace(re.escape("{timestamp}"), f"(?P<stamp>{_STAMP})")
+    found = re.search(rf"(?:^|/){pattern}$", str(run))
+    if found is None:
+        return None, Path.cwd()
+    stamp = found.groupdict().get("stamp")
+    root = Path(str(run)[: found.start()] or "/") if not Path(template).is_absolute() else Path.cwd()
+    timestamp = None if stamp is None else stamp[:10] + "_" + stamp[11:].replace("-", ":")
+    return timestamp, root
+
+
+def _redacted(data: Any, prefix: str = "") -> list[str]:
+    from dew.telemetry.redaction import REDACTED
+
+    if isinstance(data, dict):
+        return [p for key, value in data.items() for p in _redacted(value, f"{prefix}{key}.")]
+    if isinstance(data, list):
+        return [p for index, value in enumerate(data) for p in _redacted(value, f"{prefix}{index}.")]
+    return [prefix[:-1]] if isinstance(data, str) and REDACTED in data else []
+
+
+def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple[RunConfig, RunFolder]:
+    """The recipe of the run in folder run (its run.json, with overrides) and the folder to
+    continue: its checkpoints stay in run, its placeholders expand as they first did."""
+    from dew.recipes.config import RUN_FILE, RunConfig, apply_overrides
+
+    directory = Path(os.path.abspath(Path(run).expanduser()))
+    saved = directory / RUN_FILE
+    if not saved.is_file():
+        what = "does not exist" if not directory.exists() else f"holds no {RUN_FILE}"
+        raise NotARunFolderError(
+            f"{shown(directory)} {what}, so there is no run to resume: --resume takes the folder "
+            f"`dew train` printed (it holds {RUN_FILE}); to start a run, give its recipe instead "
+            "(dew train RECIPE).")
+    try:
+        data = json.loads(saved.read_text())
+    except (OSError, ValueError) as error:
+        raise NotARunFolderError(f"{shown(saved)} cannot be read as a run's recipe ({error}).") from None
+    template = (data.get("trainer") or {}).get("checkpoint_dir") if isinstance(data, dict) else None
+    data = apply_overrides(data, [*overrides, f"trainer.checkpoint_dir={directory}"])
+    hidden = _redacted(data)
+    if hidden:
+        raise RecipeError(
+            f"{shown(saved)} holds redacted secrets ({', '.join(hidden)}), which a run never writes "
+            f"down; give them again: {resume_command(directory)} "
+            + " ".join(f"{key}=..." for key in hidden))
+    config = RunConfig.parse(data, str(saved))
+    timestamp, cwd = _origin(directory, template)
+    return config, RunFolder(directory, timestamp, cwd, resumed=True)
+
+
+# -- training in a folder -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _inside(cwd: Path) -> Iterator[None]:
+    here = Path.cwd()
+    if cwd == here or not cwd.is_dir():
+        yield
+        return
+    print(f"Resuming in {cwd}, where the run started (its recipe's relative paths start there).",
+          flush=True)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+def _kept_nothing(directory: Path) -> bool:
+    """Whether directory holds only what a run writes before its first step."""
+    for path in directory.rglob("*"):
+        if path.is_dir():
+            continue
+        if path.name not in _BOOKKEEPING or path.parent != directory:
+            return False
+    return True
+
+
+def train_in(config: RunConfig, folder: RunFolder) -> Any:
+    """Train config in folder; return the final TrainState.
+
+    Folders the run created are removed when it fails before keeping
+    anything; otherwise its error carries the command that resumes it. A
+    stop on request (Preempted) passes through, for the caller to say how
+    to resume.
+    """
+    from dew.training.runtime.preemption import Preempted
+
+    created = {d: _first_missing(d) for d in folder.directories(config) if not d.exists()}
+    try:
+        with _inside(folder.cwd) if folder.resumed else contextlib.nullcontext():
+            return config.train(timestamp=folder.timestamp)
+    except Preempted:
+        raise
+    except BaseException as error:
+        removed = [d for d in created if d.is_dir() and _kept_nothing(d)]
+        for directory in removed:
+            shutil.rmtree(directory, ignore_errors=True)
+            _remove_empty_parents(directory, created[directory])
+        if isinstance(error, Exception):
+            for field in _fields_naming(config, folder, str(error)):
+                error.add_note(f"The recipe's {field} names it: create it first (a shipped "
+                               f"recipe's description says how), or point {field} at one that exists.")
+            if removed:
+                error.add_note(f"The run never started: nothing was kept ({', '.join(map(shown, removed))} "
+                               "removed).")
+            elif folder.directory is not None and (folder.directory / "run.json").is_file():
+                error.add_note(_resume_note(folder.directory))
+        raise
+    finally:
+        folder.record()
+
+
+def _first_missing(directory: Path) -> Path:
+    """The outermost folder of directory's path that does not exist yet (what mkdir -p makes)."""
+    top = directory
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    return top
+
+
+def _remove_empty_parents(directory: Path, top: Path) -> None:
+    """Remove the folders between directory and top (included) that a run created and left empty."""
+    current = directory.parent
+    while top in (current, *current.parents) and current.is_dir() and not any(current.iterdir()):
+        current.rmdir()
+        if current == top:
+            break
+        current = current.parent
+
+
+def _fields_naming(config: RunConfig, folder: RunFolder, message: str) -> list[str]:
+    """The recipe's fields whose path (placeholders expanded, made absolute) the message names:
+    a missing base run, teacher, export or tokenizer is then traced to where the recipe asks for it."""
+    from dew.tracking.rows import recipe_fields
+
+    found = []
+    for key, value in recipe_fields(config.model_dump(mode="json")).items():
+        if not isinstance(value, str) or not value or key.startswith("trainer.checkpoint_dir"):
+            continue
+        if folder.timestamp is not None:
+            value = _expand(value, folder.timestamp)
+        if "/" not in value and "." not in value:
+            continue  # a name, not a path
+        where = str(_absolute(value, folder.cwd))
+        if where in message or (("/" in value) and f"'{value}'" in message):
+            found.append(key)
+    return found
+
+
+def _latest(directory: Path) -> int | None:
+    from dew.checkpoints.store import Store
+
+    with contextlib.suppress(Exception):
+        kept = Store(directory, local=False).committed()
+        return kept[-1] if kept else None
+    return None
+
+
+def _resume_note(directory: Path) -> str:
+    latest = _latest(directory)
+    kept = f"its newest checkpoint is step {latest}" if latest is not None else \
+        "it kept no checkpoint yet, so it starts over"
+    return f"The run is in {shown(directory)} ({kept}); once fixed, resume it with: {resume_command(directory)}"
+
+
+def stopped_line(stop: Any, folder: RunFolder) -> str:
+    """What ``dew train`` prints when a signal stopped the run (a Preempted): where, and how on."""
+    from dew.training.runtime.preemption import INTERRUPTED_STATUS
+
+    what = "interrupted (Ctrl-C)" if stop.status == INTERRUPTED_STATUS else "preempted"
+    if not stop.saved or folder.directory is None:
+        return (f"{what} at step {stop.step}; no checkpoints are kept (trainer.checkpoint_dir is "
+                "unset), so nothing was written and running again starts over.")
+    return (f"{what} at step {stop.step}; its checkpoint, data position and journal are in "
+            f"{shown(folder.directory)}. Resume with: {resume_command(folder.directory)}")
+
+
+def resuming_line(directory: Any, resumed_at: int, steps: int, trained_for: int | None) -> str:
+    """The one line a run that found its folder's checkpoints prints: it resumes (or is done),
+    and how to start fresh instead."""
+    where = shown(directory)
+    before = "" if trained_for is None or trained_for == steps else \
+        f" (its checkpoints trained with trainer.steps={trained_for})"
+    fresh = (f"to start fresh instead, set trainer.checkpoint_dir to a new folder or remove {where}")
+    if resumed_at >= steps:
+        return (f"{where} already holds step {resumed_at}{before}, at or past trainer.steps={steps}: "
+                f"nothing to train; to train further, {resume_command(directory)} "
+                f"trainer.steps=N; {fresh}.")
+    return f"Resuming {where} at step {resumed_at}{before}, to step {steps}; {fresh}."

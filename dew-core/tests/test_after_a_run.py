@@ -1,0 +1,245 @@
+"""What a person meets after a run, through the real `dew` command in subprocesses.
+
+A run is one folder, resumed by name: Ctrl-C and SIGTERM print the command that resumes it,
+that command continues the same folder (checkpoints and journal together) and `dew report`
+shows the whole run; a crash after a checkpoint says the same. A fixed-folder recipe run again
+says in one line that it resumes and how to start fresh. A missing prerequisite is one message,
+status 2, and leaves no folder. A run shorter than log_every logs ten times and its last step.
+
+The subprocesses share one compilation cache, so only the first compiles the small model's step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dew.testing.processes import device_env
+
+pytestmark = pytest.mark.slow  # every test here runs `dew` in subprocesses (the fixture trains twice)
+
+DEW = Path(sys.executable).with_name("dew")
+
+# tiny-lm, shrunk: the shipped recipe (its {timestamp} folder, its local journal) on a small model.
+SMALL = ["model.num_layers=1", "model.emb_features=32", "model.mlp_features=64", "model.num_heads=2",
+         "model.max_seq_len=32", "objective.seq_len=16", "objective.preview_tokens=8",
+         "data.length=16", "data.batch=4", "data.files={stdlib}/abc.py"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = device_env(1, compilation_cache=cache)
+    env.pop("DEW_TRACEBACK", None)
+    return env
+
+
+def _dew(args: list[str], cwd: Path, cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DEW), *args], capture_output=True, text=True, cwd=cwd, env=_env(cache),
+                          timeout=timeout)
+
+
+def _logged(run: Path, name: str = "train/loss") -> list[int]:
+    return [row["step"] for row in map(json.loads, (run / "scalars.jsonl").read_text().splitlines())
+            if name in row]
+
+
+def _committed(run: Path) -> list[int]:
+    return sorted(int(p.name) for p in run.iterdir() if p.name.isdigit() and (p / "dew.json").is_file())
+
+
+# -- one small run in a fixed folder, then the same command with two more steps ------------------------
+
+class Trained:
+    def __init__(self, root: Path, first: subprocess.CompletedProcess, again: subprocess.CompletedProcess):
+        self.root, self.first, self.again = root, first, again
+        self.run = root / "runs" / "fixed"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Trained:
+    root = tmp_path_factory.mktemp("after")
+    fixed = ["trainer.checkpoint_dir=runs/fixed", "trackers.0.directory=runs/fixed"]
+    first = _dew(["train", "tiny-lm", *SMALL, *fixed, "trainer.steps=20"], root, cache)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    again = _dew(["train", "tiny-lm", *SMALL, *fixed, "trainer.steps=22"], root, cache)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    return Trained(root, first, again)
+
+
+def test_a_short_run_logs_ten_times_and_its_last_step(trained: Trained) -> None:
+    out = trained.first.stdout
+    note = "log_every=100 is more than the run's 20 steps: logging every 2 steps instead (and the last)"
+    assert out.count(note) == 1, out[-3000:]
+    # the first run logged every other step to its last; the second, 22 steps, its last
+    assert _logged(trained.run) == [*range(2, 21, 2), 22]
+    assert re.search(r"^step 20: loss \d", out, re.M) and re.search(r"^step 22: loss \d", trained.again.stdout, re.M)
+
+
+def test_rerunning_a_fixed_folder_says_it_resumes_and_how_to_start_fresh(trained: Trained) -> None:
+    lines = [line for line in trained.again.stdout.splitlines() if "runs/fixed" in line and "Resum" in line]
+    assert lines == ["Resuming runs/fixed at step 20 (its checkpoints trained with trainer.steps=20), to step "
+                     "22; to start fresh instead, set trainer.checkpoint_dir to a new folder or remove "
+                     "runs/fixed."], trained.again.stdout[-3000:]
+    # the schedule's change is one line of dew's, not Python's warning with its source line
+    err = trained.again.stderr.strip().splitlines()
+    said = [line for line in err if "learning-rate schedule" in line]
+    assert len(said) == 1 and said[0].startswith("dew train: This run resumes at step 20 of checkpoints "
+                                                 "trained for 20 steps;"), err
+    assert not [line for line in err if "Warning" in line or "warnings.warn" in line or ".py:" in line], err
+    assert _committed(trained.run) == [20, 22] and "Resum" not in trained.first.stdout
+
+
+def test_the_sample_is_journaled_with_its_step(trained: Trained) -> None:
+    rows = [json.loads(line) for line in (trained.run / "previews.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["name"], row["kind"]) for row in rows] == [(20, "sample", "text"), (22, "sample", "text")]
+    printed = trained.first.stdout.split("Sample (sample):\n", 1)[1].split("\nUse the run:")[0]
+    assert (trained.run / rows[0]["path"]).read_text() == printed  # the text the console showed
+    assert printed.startswith("def __init__(self")  # the recipe's prompt, continued
+
+
+def test_the_report_of_the_run_shows_its_work_in_a_headless_browser(trained: Trained, cache: Path,
+                                                                     tmp_path: Path) -> None:
+    from test_report_browser import rendered
+
+    result = _dew(["report", "runs/fixed"], trained.root, cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = rendered(trained.run / "report" / "index.html", tmp_path)
+    assert seen["headings"][:2] == ["previews", "charts"]
+    # the samples each session journaled, with their steps, as the console printed them
+    assert seen["steps"] == ["step 20", "step 22"]
+    assert seen["samples"][0] == (trained.run / "previews/sample/step_00000020.txt").read_text().strip()
+    charts = {Path(i["src"]).stem: i for i in seen["images"] if i["src"].startswith("plots/")}
+    for name in ("loss", "learning_rate", "tokens_per_second", "examples_per_second", "steps_per_second",
+                 "step_time", "goodput"):
+        assert charts[name]["loaded"] and charts[name]["width"] > 300, (name, sorted(charts))
+    assert seen["notes"] == []  # nothing missing: the run logged often and ended
+    # the recipe: what this run set beside each default; the full recipe folded away
+    chosen = {row[0]: row[1:] for row in seen["set"]}
+    assert chosen["trainer.steps"] == ["22", "null"] and chosen["model.num_layers"][0] == "1"
+    assert chosen["trainer.checkpoint_dir"] == ["runs/fixed", "null"]
+    assert "optimizer.solver" not in chosen and "seed" not in chosen  # left at their defaults
+    assert seen["full"] == {"open": False, "shown": False}
+
+
+def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.CaptureFixture) -> None:
+    from dew.cli import main
+
+    cases = [
+        (["train", "--resume", str(trained.root / "nowhere")], "does not exist, so there is no run to resume"),
+        (["train", str(trained.run)], "is a run's folder, not a recipe: continue it with dew train --resume"),
+        (["train", "--resume", str(trained.run), "tiny-lm"], "give key=value overrides after it"),
+        (["eval", str(trained.run)], "the run's data has no validation split"),
+        (["generate", str(trained.root), "x"], "holds neither run.json"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"dew {argv[0]}: ") and expected in err and "Traceback" not in err, (argv, err)
+    # the error itself, with its traceback, one flag away (before or after the command)
+    from dew.recipes.folder import NotARunFolderError
+
+    for argv in (["--traceback", "train", "--resume", "nowhere"], ["train", "--resume", "nowhere", "--traceback"]):
+        with pytest.raises(NotARunFolderError):
+            main(argv)
+
+
+# -- Ctrl-C, then the printed command, then SIGTERM, then dew report: one folder -------------------------
+
+def _stopped(command: list[str], cwd: Path, cache: Path, at: str, sig: int) -> tuple[int, str, str]:
+    """Run command and send sig once it prints the line at (the run is then past that step)."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                             env=_env(cache))
+    assert child.stdout is not None and child.stderr is not None
+    lines = []
+    for line in child.stdout:
+        lines.append(line)
+        if re.match(at, line):
+            child.send_signal(sig)
+            break
+    out, err = child.communicate(timeout=300)
+    return child.returncode, "".join(lines) + out, err
+
+
+def test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder(tmp_path: Path, cache: Path) -> None:
+    code, out, err = _stopped([str(DEW), "train", "tiny-lm", *SMALL, "trainer.steps=100000",
+                               "trainer.log_every=1"], tmp_path, cache, r"^step 3: loss", signal.SIGINT)
+    assert code == 130, err[-3000:]
+    said = err.strip().splitlines()[-1]
+    found = re.fullmatch(r"dew train: interrupted \(Ctrl-C\) at step (\d+); its checkpoint, data position and "
+                         r"journal are in (runs/tiny-lm/[\d_-]+)\. Resume with: (dew train --resume \2)", said)
+    assert found, err[-3000:]
+    first, folder, command = int(found.group(1)), found.group(2), found.group(3)
+    assert "Traceback" not in err and first >= 3
+
+    code, out, err = _stopped(shlex.split(command.replace("dew", str(DEW), 1)), tmp_path, cache,
+                              rf"^step {first + 2}: loss", signal.SIGTERM)
+    assert code == 143, err[-3000:]
+    assert f"Training from step {first} to 100000" in out
+    said = err.strip().splitlines()[-1]
+    second = int(re.fullmatch(rf"dew train: preempted at step (\d+); its checkpoint, data position and journal "
+                              rf"are in {folder}\. Resume with: {command}", said).group(1))
+    assert second > first
+
+    report = _dew(["report", folder], tmp_path, cache)
+    assert report.returncode == 0, report.stderr[-3000:]
+    run = tmp_path / folder
+    assert [p.name for p in (tmp_path / "runs" / "tiny-lm").iterdir()] == [run.name]  # one folder
+    assert _committed(run) == [first, second]  # both stops' checkpoints
+    assert _logged(run) == list(range(1, second + 1))  # the journal continues, each step once
+    started = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert [row["record"]["start"] for row in started if row["type"] == "run_started"] == [0, first]
+    page = (run / "report" / "index.html").read_text()
+    assert re.search(rf"<td>train/loss</td><td>{second}</td>", page)
+
+
+def test_a_crash_after_a_checkpoint_prints_the_command_that_resumes(tmp_path: Path, cache: Path) -> None:
+    """A learning rate of 1e30 makes every step after the first non-finite: the run stops, named."""
+    result = _dew(["train", "tiny-lm", *SMALL, "trainer.steps=100", "trainer.log_every=1",
+                   "trainer.checkpoint_every=1", "optimizer.learning_rate=1e30", "optimizer.clip_norm=null"],
+                  tmp_path, cache)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("dew train: NonFiniteLossError: ") and "Traceback" not in result.stderr
+    resume = next(line for line in lines if "resume it with" in line)
+    folder = re.search(r"The run is in (runs/tiny-lm/[\d_-]+) \(its newest checkpoint is step (\d+)\); once "
+                       r"fixed, resume it with: dew train --resume \1$", resume.strip())
+    assert folder, lines
+    assert _committed(tmp_path / folder.group(1))[-1] == int(folder.group(2))
+
+
+# -- a missing prerequisite: one message, status 2, no folder --------------------------------------------
+
+PREREQUISITES = {
+    "teacher": (["tiny-distill", "data.files={stdlib}/abc.py"], "CheckpointNotFoundError",
+                "objective.teacher_checkpoint"),
+    "base run": (["addition-dpo"], "CheckpointNotFoundError", "init.run"),
+    "export": (["tiny-lm-sft"], "NoPretrainedModelError", "init.pretrained"),
+    "tokenizer": (["tiny-lm", *SMALL, "data.tokenizer=missing/tokenizer.json"], "does not exist",
+                  "data.tokenizer"),
+    "validation split": (["tiny-lm", *SMALL, "trainer.eval_every=5"], "holds none out",
+                         "data.load.val_fraction"),
+    "data glob": (["tiny-lm", *SMALL, "data.files=nothing/*.py"], "matches no file", "data.files"),
+}
+
+
+@pytest.mark.parametrize("missing", sorted(PREREQUISITES))
+def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_path: Path, cache: Path) -> None:
+    args, error, field = PREREQUISITES[missing]
+    result = _dew(["train", *args, "trainer.steps=2"], tmp_path, cache)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    first = result.stderr.strip().splitlines()[0]
+    assert first.startswith("dew train: ") and error in first, result.stderr
+    assert field in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 4, result.stderr
+    assert not (tmp_path / "runs").exists(), list(tmp_path.rglob("*"))  # nothing left behind

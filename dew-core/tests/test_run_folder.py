@@ -1,0 +1,55 @@
+"""dew.recipes.folder without training: what `dew train --resume RUN` reads back from a run's folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dew.recipes import RecipeError, RunConfig
+from dew.recipes.folder import STARTED, NotARunFolderError, RunFolder, resume_command, resumed
+
+
+def _run_folder(root: Path, *overrides: str) -> Path:
+    folder = root / "runs" / "tiny-lm" / "2026-01-02_03-04-05"
+    RunConfig.load("tiny-lm", overrides=list(overrides)).save(folder)
+    return folder
+
+
+def test_a_folder_written_before_started_json_gives_its_timestamp_and_directory_back(tmp_path, monkeypatch):
+    folder = _run_folder(tmp_path)
+    monkeypatch.chdir(tmp_path / "runs")  # resumed from elsewhere
+    config, where = resumed(folder, ["trainer.steps=700"])
+    assert (where.timestamp, where.cwd, where.directory) == ("2026-01-02_03:04:05", tmp_path, folder)
+    assert config.trainer.steps == 700 and config.trainer.checkpoint_dir == str(folder)
+    # every {timestamp} folder of the run (its journal's) is the first run's
+    assert where.directories(config) == [folder]
+
+
+def test_started_json_is_read_first(tmp_path):
+    folder = _run_folder(tmp_path, "trainer.checkpoint_dir=elsewhere/{timestamp}")
+    (folder / STARTED).write_text(json.dumps({"timestamp": "2030-05-06_07:08:09", "cwd": str(tmp_path / "w")}))
+    _, where = resumed(folder)
+    assert (where.timestamp, where.cwd) == ("2030-05-06_07:08:09", tmp_path / "w")
+    RunFolder(folder, "2031-01-01_00:00:00", tmp_path).record()  # never overwrites the first run's
+    assert json.loads((folder / STARTED).read_text())["timestamp"] == "2030-05-06_07:08:09"
+
+
+def test_what_resume_refuses(tmp_path):
+    with pytest.raises(NotARunFolderError, match="does not exist, so there is no run to resume"):
+        resumed(tmp_path / "nowhere")
+    with pytest.raises(NotARunFolderError, match="holds no run.json"):
+        resumed(tmp_path)
+    folder = _run_folder(tmp_path, "trackers+={name: mlflow, experiment: e, uri: 'http://ann:hunter2@host:5000'}")
+    assert json.loads((folder / "run.json").read_text())["trackers"][1]["uri"] == "http://ann:***@host:5000"
+    with pytest.raises(RecipeError, match=r"redacted secrets \(trackers\.1\.uri\).*trackers\.1\.uri=\.\.\."):
+        resumed(folder)
+    given = "trackers.1.uri=http://ann:hunter2@host:5000"  # given again, the run resumes
+    assert resumed(folder, [given])[0].trackers[1].fields["uri"] == "http://ann:hunter2@host:5000"
+
+
+def test_the_resume_command_is_the_folder_as_typed_here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resume_command(tmp_path / "runs" / "a b") == "dew train --resume 'runs/a b'"
+    assert resume_command("/elsewhere/run") == "dew train --resume /elsewhere/run"
