@@ -28,30 +28,6 @@ class NoCheckpointError(DewError, FileNotFoundError):
     """The run directory holds no kept checkpoint step to read weights from."""
 
 
-class MissingCapabilityError(TypeError):
-    """A command needs a capability the run's objective does not define (a plugin's objective
-    without ``pipeline()``, say)."""
-
-
-def declares(objective: Any, capability: str) -> bool:
-    """Whether objective's class defines capability itself, rather than leaving it to the base
-    class's default (or to nothing)."""
-    from dew.objectives.base import Objective
-
-    own = getattr(type(objective), capability, None)
-    return own is not None and own is not getattr(Objective, capability, None)
-
-
-def require(objective: Any, capability: str, command: str, what: str) -> None:
-    """Refuse in one line, naming the capability and where it is explained, when objective
-    does not define it."""
-    if not declares(objective, capability):
-        name = f"{type(objective).__module__}.{type(objective).__qualname__}"
-        raise MissingCapabilityError(
-            f"dew {command} needs the objective's {capability}() ({what}), and {name} defines "
-            f"none; {CAPABILITIES_DOC} shows how to add it.")
-
-
 @dataclass(frozen=True)
 class Opened:
     """A trained model ready for inference, and where it came from.

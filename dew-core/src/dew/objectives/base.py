@@ -377,8 +377,9 @@ class Objective(Generic[Loss, Effects]):
         """
         raise NoPipelineError(
             f"{type(self).__name__} declares no pipeline, so nothing says what its trained "
-            "weights are for (generation, embedding, ...); train an objective that has one, or "
-            "use the weights directly (state.params)."
+            "weights are for (generation, embedding, ...); give it a pipeline() (docs/plugins.md#"
+            "what-dew-generate-and-dew-eval-ask-of-an-objective shows how), or use the weights "
+            "directly (state.params)."
         )
 
     @property
