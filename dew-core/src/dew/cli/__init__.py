@@ -17,9 +17,10 @@ COMMANDS = {
     "recipes": ("dew.cli.recipes", "list the recipes dew ships"),
     "report": ("dew.cli.report", "render local runs' journals into one page of charts"),
     "describe": ("dew.cli.describe", "a registered component's fields, types and defaults"),
-    "generate": ("dew.cli.generate", "continue prompts with a trained run or an exported model"),
-    "eval": ("dew.cli.evaluate", "a kept step's validation metrics, perplexity included"),
-    "export": ("dew.cli.export", "write a kept step as a Hugging Face model directory"),
+    "generate": ("dew.cli.generate", "samples from a trained run or an exported model: texts, images, clips"),
+    "eval": ("dew.cli.evaluate", "a kept step's validation metrics, as its objective defines them"),
+    "export": ("dew.cli.export", "write a kept step's model in its published format (or dew's own)"),
+    "embed": ("dew.cli.embed", "vectors for images from a representation run's encoder"),
     "launch": ("dew.cli.launch", "train a recipe as a process pool: local, under srun, or on Kubernetes"),
 }
 

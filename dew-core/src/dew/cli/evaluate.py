@@ -1,7 +1,12 @@
-"""``dew eval RUN``: the validation metrics of a kept step, perplexity included.
+"""``dew eval RUN``: the validation metrics of a kept step, as the objective defines them.
 
-The live parameters score as ``val/...``, as the run itself logged them;
-when the run kept an EMA copy, it scores as well, under ``val_ema/...``.
+The objective's own metrics score the run's held-out split: loss, accuracy
+and perplexity for a language model, the reward of greedy answers for an RL
+policy, the preference margin for DPO, the denoising loss per noise band for
+diffusion, the collapse figures for JEPA (every Mean its evaluate returns
+when it names no metrics). The live parameters score as ``val/...``, as the
+run itself logged them; when the run kept an EMA copy, it scores as well,
+under ``val_ema/...``.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 __all__ = ["add_arguments", "run"]
 
@@ -26,13 +32,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import NoCheckpointError, NotARunError, open_run
+    from dew.cli.runs import expected, open_run, refused
 
     try:
-        opened = open_run(args.run, step=args.step)
-    except (NoCheckpointError, NotARunError) as error:
-        print(f"dew eval: {error}", file=sys.stderr)
-        return 2
+        return _evaluate(args, open_run(args.run, step=args.step))
+    except Exception as error:
+        if not expected(error):
+            raise
+        return refused("eval", error)
+
+
+def _evaluate(args: argparse.Namespace, opened: Any) -> int:
     if opened.config is None:
         print(f"dew eval: {opened.source} is an exported model; evaluation reads the data of a "
               "run, so point it at the run directory (it holds run.json).", file=sys.stderr)
@@ -42,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from dew.recipes.run import build_parts
-    from dew.training.evaluation import evaluate
+    from dew.training.evaluation import OutputMeans, evaluate
 
     dataset = build_parts(opened.config).dataset
     if args.split == "val":
@@ -65,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
     kept = [(args.split, opened.live)]
     if opened.variables is not opened.live:
         kept.append((f"{args.split}_ema", opened.variables))
+    metrics = tuple(opened.objective.metrics()) or (OutputMeans(),)
     for split, variables in kept:
+        # The EMA copy reaches evaluate as the trainer hands it (JEPA's targets read it).
         result = evaluate(opened.objective, variables, reader,
-                          key=jax.random.key(opened.config.seed),
-                          metrics=tuple(opened.objective.metrics()), step=opened.step or 0,
-                          split=split)
+                          key=jax.random.key(opened.config.seed), metrics=metrics,
+                          step=opened.step or 0, split=split, averaged=opened.averaged)
         values.update(result.scalars)
     if args.json:
         print(json.dumps({"step": opened.step, "split": args.split, **values}))

@@ -24,12 +24,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from dew.objectives.inference import Pipeline
 
 __all__ = [
     "Aux",
@@ -273,6 +276,23 @@ class Objective(Generic[Loss, Effects]):
     def preview(self, variables: Variables, key: jax.Array) -> Any:
         """A sample to show a person (an Artifact), or None."""
         return None
+
+    def metrics(self) -> Sequence[Metric]:
+        """The validation metrics evaluate's outputs support; () reports every Mean it returns."""
+        return ()
+
+    def pipeline(self, state: Any, **options: Any) -> Pipeline:
+        """The inference task of state's weights (a TrainState, its EMA copy when kept, or variables).
+
+        Every command (generate, eval, embed, export) goes through it; options
+        are the objective's own (sampling settings, ``ema=False``). An
+        objective without one refuses, naming the capability.
+        """
+        from dew.objectives.inference import NoPipelineError
+
+        raise NoPipelineError(f"{type(self).__name__} declares no pipeline, so its weights serve no "
+                              "inference command; implement Objective.pipeline(state) to return a "
+                              "dew.objectives.inference.Pipeline.")
 
     def required_keys(self) -> Sequence[str]:
         """Batch keys the loss reads; the trainer checks them before compiling."""

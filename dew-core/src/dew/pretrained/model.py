@@ -1,14 +1,16 @@
 """Pretrained: a model, its variables and its tokenizer, saved in the source's own format.
 
-For dew's CausalTransformer the format is Hugging Face's Llama:
-``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` when the
-tokenizer has one), which ``transformers.AutoModelForCausalLM`` loads as it
-is, and which ``Pretrained.load`` reads back bit for bit. A directory that
-transformers wrote for a Llama model loads the same way, to fine-tune or to
-sample from. Every other model (a DiT, a UNet, a token denoiser) is written
-in dew's own layout (``dew.pretrained.native``), with the task its weights
-serve, so that ``Pretrained.load(directory).pipeline()`` samples as the
-pipeline that saved it did.
+For dew's CausalTransformer built as a Llama (rotary positions, SwiGLU) the
+format is Hugging Face's Llama: ``config.json`` and ``model.safetensors``
+(plus ``tokenizer.json`` when the tokenizer has one), which
+``transformers.AutoModelForCausalLM`` loads as it is, and which
+``Pretrained.load`` reads back bit for bit. A directory that transformers
+wrote for a Llama model loads the same way, to fine-tune or to sample from.
+Every other model (a DiT, a UNet, a token denoiser, a CausalTransformer with
+learned positions or gelu) is written in dew's own layout
+(``dew.pretrained.native``), with the task its weights serve, so that
+``Pretrained.load(directory).pipeline()`` samples as the pipeline that saved
+it did.
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ from typing import Any
 import numpy as np
 
 from dew.pretrained import llama, native
-from dew.pretrained.errors import PretrainedError, TensorMismatchError, VocabularyMismatchError
+from dew.pretrained.errors import (
+    NoExactCounterpartError,
+    PretrainedError,
+    TensorMismatchError,
+    VocabularyMismatchError,
+)
 from dew.pretrained.tensors import WEIGHTS, TensorFiles, write_tensors
 from dew.pretrained.tokenizers import read_tokenizer, write_tokenizer
 
 __all__ = ["CONFIG_FILE", "Pretrained", "check_vocabulary"]
 
 CONFIG_FILE = "config.json"
+# What save's format names: the Hugging Face layout by its family, or dew's own.
+_FORMATS = {"hf": "llama", "llama": "llama", native.FORMAT: native.FORMAT}
 
 
 def check_vocabulary(tokenizer: Any, model: Any) -> None:
@@ -100,23 +109,37 @@ class Pretrained:
 
     @property
     def format(self) -> str:
-        """'llama' for a CausalTransformer (Hugging Face's layout), else 'dew' (dew's own)."""
+        """The model's own format: 'llama' (Hugging Face's layout) for a CausalTransformer that
+        is exactly a Llama, else 'dew' (dew's own layout, which every registered model has)."""
         from dew.nn.backbones import CausalTransformer
 
-        return "llama" if isinstance(self.model, CausalTransformer) else native.FORMAT
+        if not isinstance(self.model, CausalTransformer):
+            return native.FORMAT
+        if type(self.model) is CausalTransformer:
+            try:
+                llama.model_to_config(self.model)
+            except NoExactCounterpartError:  # learned positions, gelu, experts: dew's own layout
+                return native.FORMAT
+        return "llama"  # a wrapped model is refused by save, saying how to export it
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
+    def save(self, directory: str | os.PathLike[str], *, format: str | None = None) -> Path:
         """Write config.json, model.safetensors and the tokenizer into directory; return it.
 
-        Raises NoExactCounterpartError, naming the field, when the model has
-        no exact counterpart in the format. In a process pool every process
-        calls it (sharded weights are gathered) and process 0 writes.
+        format None writes the model's own format (``format``); "hf" asks for
+        the Hugging Face layout and raises NoExactCounterpartError, naming
+        the field, when the model has no exact counterpart there; "dew"
+        writes dew's own layout. In a process pool every process calls it
+        (sharded weights are gathered) and process 0 writes.
         """
         import jax
 
         if self.tokenizer is not None:
             check_vocabulary(self.tokenizer, self.model)
-        if self.format == native.FORMAT:
+        chosen = _FORMATS.get(format or self.format)
+        if chosen is None:
+            raise PretrainedError(f"Pretrained.save writes format 'hf' (Hugging Face) or 'dew' "
+                                  f"(dew's own layout), not {format!r}.")
+        if chosen == native.FORMAT:
             return self._save_native(Path(directory))
         eos = getattr(self.tokenizer, "eos_id", None)
         config = llama.model_to_config(self.model, eos_id=eos)

@@ -38,6 +38,7 @@ __all__ = [
     "run_optimizer",
     "show_sample",
     "train",
+    "usage",
     "warn_if_schedule_reshaped",
 ]
 
@@ -367,7 +368,8 @@ def train(config: RunConfig) -> Any:
         trainer = Trainer.from_config(config.trainer, objective, optimizer, key=key,
                                       checkpoints=checkpoints, tracker=tracker,
                                       **{**objective_parts(objective), **extra})
-        state = trainer.fit(dataset, **fit)
+        # Validation scores what the objective defines (a reward, a perplexity), as `dew eval` does.
+        state = trainer.fit(dataset, **fit, metrics=tuple(objective.metrics()))
     except BaseException:
         # The run's own failure is the one to see; closing still flushes what it can.
         with contextlib.suppress(Exception):
@@ -377,9 +379,19 @@ def train(config: RunConfig) -> Any:
     # Every process takes part (the weights may be sharded across them); one prints.
     show_sample(objective, state, key, quiet=jax.process_index() != 0)
     if checkpoints is not None and jax.process_index() == 0:
-        print(f"Use the run: dew generate {checkpoints.directory} PROMPT; dew eval and dew "
-              "export read it too.")
+        print(usage(objective, state, checkpoints.directory))
     return state
+
+
+def usage(objective: Any, state: Any, directory: Any) -> str:
+    """The console's last line: the commands that use the trained run, as its pipeline takes them."""
+    from dew.objectives.inference import PipelineError
+
+    try:
+        command = objective.pipeline(state).usage(directory)
+    except PipelineError:  # nothing to sample or export: the metrics remain
+        return f"Use the run: dew eval {directory} (its objective declares no pipeline)."
+    return f"Use the run: {command}; dew eval and dew export read it too."
 
 
 def objective_parts(objective: Any) -> dict[str, Any]:

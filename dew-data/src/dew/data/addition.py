@@ -12,6 +12,11 @@ seeded generator, in one of three forms:
   ``rejected`` (the prompt and a wrong one), their masks over the answer and
   ``prompt_length``, for DPO.
 
+The ids are bytes, so the reader's tokenizer (``text_tokenizer``) is dew's
+ByteTokenizer: a recipe hands it to the objective, and every command that
+rebuilds the run reads and writes text with it. ``load(val_fraction=...)``
+holds a seeded share of the problems out for validation.
+
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
 >>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
 >>> answer = bytes(a for a in record["answer"].tolist() if a >= 0).decode()
@@ -23,13 +28,13 @@ seeded generator, in one of three forms:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from dew.data.base import Dataset
 from dew.data.sources import ArrayRecords
-from dew.data.stream import record_dataset
+from dew.data.videos import load_records
 
 __all__ = ["Addition"]
 
@@ -91,6 +96,15 @@ class Addition:
                 columns[f"{name}_mask"][i, len(p): len(row)] = 1
         return ArrayRecords({**columns, "prompt_length": lengths})
 
-    def load(self, *, batch: int, seed: int = 0, workers: int = 0, prefetch: int = 4) -> Dataset:
-        """A shuffled, endless, resumable stream of the records, batch rows at a time."""
-        return record_dataset(self.records(), None, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
+    def text_tokenizer(self) -> Any:
+        """The tokenizer the ids are written in: one id per byte (dew's ByteTokenizer)."""
+        from dew.data.tokenizers import ByteTokenizer
+
+        return ByteTokenizer()
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A shuffled, endless, resumable stream of the records, batch rows at a time; a seeded
+        val_fraction of the problems held out (at least one global batch) for validation."""
+        return load_records(self.records(), batch=batch, seed=seed, val_fraction=val_fraction,
+                            val_seed=val_seed, workers=workers, prefetch=prefetch)

@@ -223,13 +223,10 @@ class LMObjective(Objective):
         preview_sampling unless sampling (a Sampling, or its fields as a
         mapping) is given; its save writes the weights through Pretrained.save.
         """
-        if isinstance(sampling, Mapping):
-            sampling = Sampling(**sampling)
-        averaged = getattr(state, "averaged", None)
-        variables = averaged if averaged is not None else getattr(state, "params", state)
-        variables = {name: value for name, value in variables.items() if name != "cache"}
-        return TextGeneration(self.model, variables, self.tokenizer,
-                              sampling or self.preview_sampling)
+        from dew.objectives.policy import policy_pipeline
+
+        return policy_pipeline(self.model, state, self.tokenizer,
+                               sampling=sampling or self.preview_sampling)
 
     # -- internals ---------------------------------------------------------------------
     def _windows(self, batch: Batch) -> jax.Array:

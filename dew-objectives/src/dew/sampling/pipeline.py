@@ -1,9 +1,13 @@
 """TextGeneration: a trained causal language model as a prompt-in, text-out task.
 
 It holds what inference needs and nothing a run needs (no optimizer state,
-no counters): the model, its variables, the tokenizer and default sampling.
-``save`` writes it through ``Pretrained.save``, so what a run trained can be
-loaded by transformers, or by ``TextGeneration.load`` later.
+no counters): the model, its variables, the tokenizer, default sampling and
+the token that ends a continuation. ``save`` writes it through
+``Pretrained.save``, so what a run trained can be loaded by transformers, or
+by ``TextGeneration.load`` later. It is the pipeline of every objective that
+trains a causal language model (language modelling, fine-tuning,
+distillation's student, the policy of the preference and RL objectives), and
+``generate`` serves ``dew generate``.
 
 >>> import jax, jax.numpy as jnp
 >>> from dew.data import ByteTokenizer
@@ -23,10 +27,17 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
+from dew.objectives.inference import (
+    Generated,
+    Pipeline,
+    Request,
+    UnsupportedRequestError,
+    write_texts,
+)
 from dew.sampling.generate import Generation, generate
 from dew.sampling.options import Sampling
 
@@ -34,17 +45,23 @@ __all__ = ["TextGeneration"]
 
 
 @dataclass(frozen=True)
-class TextGeneration:
+class TextGeneration(Pipeline):
     """Continue prompts with a causal model; each call returns one text per prompt.
 
-    The continuation stops at the tokenizer's end-of-document id (or after
-    max_new_tokens), and holds only the new text, not the prompt.
+    The continuation stops at stop_token (default: the tokenizer's
+    end-of-document id) or after max_new_tokens, and holds only the new
+    text, not the prompt.
     """
 
     model: Any
     variables: Mapping[str, Any]
     tokenizer: Any
     sampling: Sampling = Sampling(temperature=0.0)
+    stop_token: int | None = None
+
+    accepts: ClassVar[str] = "one or more text prompts to continue"
+    options: ClassVar[frozenset[str]] = frozenset(
+        {"count", "max_new_tokens", "temperature", "top_k", "top_p"})
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -56,29 +73,62 @@ class TextGeneration:
 
         check_vocabulary(self.tokenizer, self.model)
 
+    @property
+    def stop(self) -> int | None:
+        """The id that ends a continuation: stop_token, else the tokenizer's end-of-document id."""
+        return self.stop_token if self.stop_token is not None else getattr(self.tokenizer, "eos_id", None)
+
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None) -> Generation:
         """The token ids of prompts and their continuations, as generate returns them."""
         ids = [list(self.tokenizer.encode(prompt)) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
-                        sampling or self.sampling, eos_id=getattr(self.tokenizer, "eos_id", None))
+                        sampling or self.sampling, eos_id=self.stop)
 
     def __call__(self, prompts: str | Sequence[str], *, max_new_tokens: int = 64,
                  sampling: Sampling | None = None, key: jax.Array | None = None
                  ) -> str | list[str]:
-        """The continuation of each prompt as text (one str for one str prompt)."""
+        """The continuation of each prompt as text (one str for one str prompt), without the stop token."""
         single = isinstance(prompts, str)
         batch = [prompts] if single else list(prompts)
         out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key)
-        texts = [self.tokenizer.decode(row) for row in out.new_tokens]
+        texts = [self.tokenizer.decode(row[:-1] if stopped else row)
+                 for row, stopped in zip(out.new_tokens, out.stopped, strict=True)]
         return texts[0] if single else texts
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the model, its variables and tokenizer in their source's format (Pretrained)."""
+    def generate(self, request: Request) -> Generated:
+        """Each prompt of request continued (count times), shown as the prompt and its continuation.
+
+        Sampling is greedy unless request sets a temperature (then the
+        count continuations of a prompt differ); with request.out the texts
+        are also written there, as samples.txt.
+        """
+        self.check(request)
+        if not request.inputs:
+            raise UnsupportedRequestError(f"No prompt was given: {self.describe()}.")
+        count = request.count or 1
+        prompts = [prompt for prompt in request.inputs for _ in range(count)]
+        given = {name: getattr(request, name) for name in ("temperature", "top_k", "top_p")
+                 if getattr(request, name) is not None}  # greedy unless a temperature is given
+        sampling = Sampling(**{"temperature": 0.0, **given})
+        texts = self(prompts, max_new_tokens=request.max_new_tokens or 64, sampling=sampling,
+                     key=jax.random.key(request.seed))
+        shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))
+        return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
+
+    def usage(self, run: Any) -> str:
+        return f"dew generate {run} PROMPT"
+
+    def pretrained(self) -> Any:
+        """The model, its variables and tokenizer, as Pretrained.save writes them."""
         from dew.pretrained import Pretrained
 
-        return Pretrained(self.model, self.variables, self.tokenizer).save(directory)
+        return Pretrained(self.model, self.variables, self.tokenizer)
+
+    def save(self, directory: str | os.PathLike[str], *, format: str | None = None) -> Path:
+        """Write the model, its variables and tokenizer in their source's format (Pretrained)."""
+        return self.pretrained().save(directory, format=format)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, sampling: Sampling | None = None,
