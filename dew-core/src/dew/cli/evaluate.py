@@ -52,7 +52,7 @@ def _evaluate(args: argparse.Namespace, opened: Any) -> int:
     import jax
 
     from dew.recipes.run import build_parts
-    from dew.training.evaluation import OutputMeans, evaluate
+    from dew.training.evaluation import Evaluator, OutputMeans
 
     dataset = build_parts(opened.config).dataset
     if args.split == "val":
@@ -76,11 +76,12 @@ def _evaluate(args: argparse.Namespace, opened: Any) -> int:
     if opened.variables is not opened.live:
         kept.append((f"{args.split}_ema", opened.variables))
     metrics = tuple(opened.objective.metrics()) or (OutputMeans(),)
+    evaluator = Evaluator(opened.objective)  # one compiled scorer for both passes
     for split, variables in kept:
-        # The EMA copy reaches evaluate as the trainer hands it (JEPA's targets read it).
-        result = evaluate(opened.objective, variables, reader,
-                          key=jax.random.key(opened.config.seed), metrics=metrics,
-                          step=opened.step or 0, split=split, averaged=opened.averaged)
+        # The EMA copy reaches the scorer as the trainer hands it (JEPA's targets read it).
+        result = evaluator(variables, reader, key=jax.random.key(opened.config.seed),
+                           metrics=metrics, step=opened.step or 0, split=split,
+                           averaged=opened.averaged)
         values.update(result.scalars)
     if args.json:
         print(json.dumps({"step": opened.step, "split": args.split, **values}))

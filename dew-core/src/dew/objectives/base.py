@@ -241,6 +241,10 @@ class Objective(Generic[Loss, Effects]):
     leaves that keep an exponential moving average (None keeps none);
     ``frozen`` the leaves that never train (None freezes none).
 
+    ``pipeline`` wraps trained weights in the inference task every command
+    goes through (``dew.objectives.inference``); ``metrics`` names the
+    validation metrics its evaluate outputs support.
+
     ``run_inputs`` says what a recipe run hands the constructor besides the
     recipe's own fields: ``"model"`` (the network the recipe's ``model``
     section builds) and ``"tokenizer"`` (the data reader's, unless the recipe

@@ -69,10 +69,6 @@ class _Saved(Pipeline):
         return Pretrained(self.objective.model, nn.meta.unbox(self.variables),
                           getattr(self.objective, "tokenizer", None), task)
 
-    def save(self, directory: str | os.PathLike[str], *, format: str | None = None) -> Path:
-        """Write the pipeline through Pretrained.save, in dew's own layout; return directory."""
-        return self.pretrained().save(directory, format=format)
-
     @classmethod
     def load(cls, directory: str | os.PathLike[str], **fields: Any) -> Any:
         """The pipeline save wrote in directory (fields override the saved objective's)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
@@ -125,10 +124,6 @@ class TextGeneration(Pipeline):
         from dew.pretrained import Pretrained
 
         return Pretrained(self.model, self.variables, self.tokenizer)
-
-    def save(self, directory: str | os.PathLike[str], *, format: str | None = None) -> Path:
-        """Write the model, its variables and tokenizer in their source's format (Pretrained)."""
-        return self.pretrained().save(directory, format=format)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, sampling: Sampling | None = None,
