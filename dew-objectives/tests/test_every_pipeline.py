@@ -200,3 +200,50 @@ def test_feature_extraction_embeds_images_and_sends_generate_to_dew_embed():
     with pytest.raises(UnsupportedRequestError,
                        match=r"makes no samples; it turns images into vectors: use `dew embed RUN"):
         pipeline.generate(Request())
+
+
+@pytest.mark.slow
+def test_a_lora_policy_exports_merged_and_as_peft_adapters_that_compute_it(tmp_path):
+    """`dew export`'s writer on a GRPO policy trained with LoRA: the merged Llama and the base with
+    PEFT's adapters both compute, in transformers, what the adapted policy computes in dew."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from dew.adapters.lora import Lora, adapters_only, apply_lora, is_adapter, merge_lora
+    from dew.cli.export import _write
+    from dew.objectives.grpo import GRPOObjective
+    from dew.pretrained import Pretrained
+
+    lora = Lora(rank=2, alpha=4.0, targets=("attention", "mlp"))
+    objective = adapters_only(GRPOObjective(apply_lora(LM, lora), tokenizer=TOKENIZER, stop_token=10))
+    variables = nn.meta.unbox(objective.init(jax.random.key(0)))
+    assert "reference" not in variables  # with LoRA the reference is the base model itself
+    leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    variables = jax.tree.unflatten(tree, [  # the adapters trained: B is no longer zero
+        leaf + 0.05 * jax.random.normal(k, leaf.shape) if is_adapter(tuple(p.key for p in path), leaf)
+        else leaf for (path, leaf), k in zip(leaves, keys, strict=True)])
+    ids = np.random.default_rng(0).integers(0, 257, (2, 9))
+    adapted = np.asarray(objective.model.apply(variables, jnp.asarray(ids, jnp.int32)))
+    opened = types.SimpleNamespace(pipeline=lambda: objective.pipeline(variables),
+                                   config=types.SimpleNamespace(init=None))
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(torch.tensor(ids)).logits.numpy()
+
+    written, what = _write(opened, lora, tmp_path / "merged", adapters=False, format=None)
+    assert "adapters merged (Hugging Face's Llama layout)" in what
+    merged = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32)
+    np.testing.assert_allclose(logits(merged), adapted, atol=1e-4, rtol=0)
+    _write(opened, lora, tmp_path / "adapters", adapters=True, format=None)
+    # The base the adapters go onto: the weights with every adapter's B at zero, merged away.
+    zero = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros_like(x) if str(p[-1].key).endswith("_lora_b") else x, variables)
+    Pretrained(LM, merge_lora(zero, lora), TOKENIZER).save(tmp_path / "base")
+    with_peft = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+        tmp_path / "adapters")
+    np.testing.assert_allclose(logits(with_peft), adapted, atol=1e-4, rtol=0)

@@ -271,13 +271,14 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
 
         model = apply_lora(model, config.lora)
     reader = registry.datasets.build(config.data.name, **_fields("datasets", config.data, timestamp))
+    # The objective first: a tokenizer the model cannot embed is refused before any data is read.
+    objective = build_objective(config, model, reader, timestamp)
     dataset = None
     if with_data:
         load = expand(dict(config.data.load), timestamp)
         if "seed" not in load and "seed" in registry.declared_fields(reader.load):
             load["seed"] = config.seed  # the run's seed orders its data too
         dataset = _ramped(config, reader.load(batch=config.data.batch, **load))
-    objective = build_objective(config, model, reader, timestamp)
     if config.lora is not None:
         from dew.adapters.lora import adapters_only
 
