@@ -192,8 +192,8 @@ def test_feature_extraction_embeds_images_and_sends_generate_to_dew_embed():
     variables = objective.init(jax.random.key(0))
     pipeline = objective.pipeline(variables)
     pixels = np.random.default_rng(0).integers(0, 256, (3, 8, 8, 1)).astype(np.uint8)
-    by_hand = jnp.mean(encoder.apply({"params": variables["params"]["encoder"]},
-                                     (pixels / 255.0 - 0.3) / 0.4), axis=1)
+    by_hand = jax.jit(lambda params, x: jnp.mean(encoder.apply({"params": params}, (x / 255.0 - 0.3) / 0.4),
+                                                 axis=1))(variables["params"]["encoder"], pixels)
     np.testing.assert_allclose(pipeline.embed(pixels), by_hand, rtol=1e-5, atol=1e-6)
     with pytest.raises(UnsupportedRequestError, match=r"shape \(2, 5, 5\) cannot be embedded"):
         pipeline.embed(np.zeros((2, 5, 5)))

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="the folder samples are written to (images default to ./samples)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="new tokens per prompt at most (default 64)")
+                        help="new tokens per prompt at most (default: 64, or as many as the "
+                             "model's length leaves)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="0 (the default) picks the likeliest token")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")

@@ -49,8 +49,9 @@ class Opened:
     pretrained: Any = None
 
     def pipeline(self) -> Any:
-        """The inference task of these weights: the objective's pipeline, or the export's task's."""
-        if self.pretrained is not None and self.pretrained.task is not None:
+        """The inference task of these weights: the objective's pipeline, or the export's task's
+        (an export that records none, and is no language model, is refused naming that)."""
+        if self.objective is None:
             return self.pretrained.pipeline()
         return self.objective.pipeline(self.variables)
 
@@ -130,9 +131,11 @@ def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
     from dew import registry
     from dew.pretrained import Pretrained
 
+    from dew.nn.backbones import CausalTransformer
+
     loaded = Pretrained.load(path, max_seq_len=max_seq_len)
     objective = None
-    if loaded.task is None:  # a language model (dew's Llama layout, or transformers')
+    if loaded.task is None and isinstance(loaded.model, CausalTransformer):  # a language model
         objective = registry.objectives.build("lm", model=loaded.model,
                                               seq_len=loaded.model.max_seq_len,
                                               tokenizer=loaded.tokenizer)

@@ -100,8 +100,10 @@ class TextGeneration(Pipeline):
         """Each prompt of request continued (count times), shown as the prompt and its continuation.
 
         Sampling is greedy unless request sets a temperature (then the
-        count continuations of a prompt differ); with request.out the texts
-        are also written there, as samples.txt.
+        count continuations of a prompt differ); without max_new_tokens a
+        continuation is up to 64 tokens, as many as the model's max_seq_len
+        leaves room for. With request.out the texts are also written there,
+        as samples.txt.
         """
         self.check(request)
         if not request.inputs:
@@ -111,8 +113,10 @@ class TextGeneration(Pipeline):
         given = {name: getattr(request, name) for name in ("temperature", "top_k", "top_p")
                  if getattr(request, name) is not None}  # greedy unless a temperature is given
         sampling = Sampling(**{"temperature": 0.0, **given})
-        texts = self(prompts, max_new_tokens=request.max_new_tokens or 64, sampling=sampling,
-                     key=jax.random.key(request.seed))
+        longest = max(len(self.tokenizer.encode(prompt)) for prompt in request.inputs)
+        room = getattr(self.model, "max_seq_len", longest + 64) - longest
+        texts = self(prompts, max_new_tokens=request.max_new_tokens or max(min(64, room), 0),
+                     sampling=sampling, key=jax.random.key(request.seed))
         shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))
         return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
 
