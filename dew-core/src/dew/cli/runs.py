@@ -129,9 +129,8 @@ def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = N
 
 def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
     from dew import registry
-    from dew.pretrained import Pretrained
-
     from dew.nn.backbones import CausalTransformer
+    from dew.pretrained import Pretrained
 
     loaded = Pretrained.load(path, max_seq_len=max_seq_len)
     objective = None
