@@ -57,7 +57,7 @@ class Opened:
 
 
 def refused(command: str, error: BaseException) -> int:
-    """Print error as `dew COMMAND: message` on stderr, one line per line of it; return 2."""
+    """Print error on stderr as `dew COMMAND: message`; return 2, a refusal's exit code."""
     print(f"dew {command}: {error}", file=sys.stderr)
     return 2
 
