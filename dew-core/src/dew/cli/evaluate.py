@@ -1,7 +1,12 @@
-"""``dew eval RUN``: the validation metrics of a kept step, perplexity included.
+"""``dew eval RUN``: the validation metrics of a kept step, as the objective defines them.
 
-The live parameters score as ``val/...``, as the run itself logged them;
-when the run kept an EMA copy, it scores as well, under ``val_ema/...``.
+The objective's own metrics score the run's held-out split: loss, accuracy
+and perplexity for a language model, the reward of greedy answers for an RL
+policy, the preference margin for DPO, the denoising loss per noise band for
+diffusion, the collapse figures for JEPA (every Mean its evaluate returns
+when it names no metrics). The live parameters score as ``val/...``, as the
+run itself logged them; when the run kept an EMA copy, it scores as well,
+under ``val_ema/...``.
 
 ``--task NAME`` scores an evaluation task instead (``eval/NAME/...``), on a
 run's kept step or on an exported model: NAME is an entry of the run's
@@ -38,15 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import NoCheckpointError, NotARunError, open_run
+    from dew.cli.runs import expected, open_run, refused
 
     try:
         opened = open_run(args.run, step=args.step)
-    except (NoCheckpointError, NotARunError) as error:
-        print(f"dew eval: {error}", file=sys.stderr)
-        return 2
-    if args.task is not None:
-        return _run_task(args, opened)
+        if args.task is not None:
+            return _run_task(args, opened)
+        return _evaluate(args, opened)
+    except Exception as error:
+        if not expected(error):
+            raise
+        return refused("eval", error)
+
+
+def _evaluate(args: argparse.Namespace, opened: Any) -> int:
     if opened.config is None:
         print(f"dew eval: {opened.source} is an exported model; evaluation reads the data of a "
               "run, so point it at the run directory (it holds run.json).", file=sys.stderr)
@@ -55,9 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from dew.cli.runs import declares
     from dew.recipes.run import build_parts
-    from dew.training.evaluation import OutputMeans, evaluate
+    from dew.training.evaluation import Evaluator, OutputMeans
 
     dataset = build_parts(opened.config).dataset
     assert dataset is not None  # build_parts loads the data unless asked not to
@@ -77,18 +86,18 @@ def run(args: argparse.Namespace) -> int:
 
         def reader(partition):
             return itertools.islice(whole(partition), limit)
-    # An objective without metrics() is scored by the means its evaluate() returns.
-    metrics = (tuple(opened.objective.metrics()) if declares(opened.objective, "metrics")
-               else ()) or (OutputMeans(),)
     values: dict[str, float] = {}
     kept = [(args.split, opened.live)]
     if opened.variables is not opened.live:
         kept.append((f"{args.split}_ema", opened.variables))
+    # An objective without metrics() is scored by the means its evaluate() returns.
+    metrics = tuple(opened.objective.metrics()) or (OutputMeans(),)
+    evaluator = Evaluator(opened.objective)  # one compiled scorer for both passes
     for split, variables in kept:
-        result = evaluate(opened.objective, variables, reader,
-                          key=jax.random.key(opened.config.seed),
-                          metrics=metrics, step=opened.step or 0,
-                          split=split)
+        # The EMA copy reaches the scorer as the trainer hands it (JEPA's targets read it).
+        result = evaluator(variables, reader, key=jax.random.key(opened.config.seed),
+                           metrics=metrics, step=opened.step or 0, split=split,
+                           averaged=opened.averaged)
         values.update(result.scalars)
     if args.json:
         print(json.dumps({"step": opened.step, "split": args.split, **values}))

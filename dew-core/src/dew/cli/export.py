@@ -1,22 +1,29 @@
-"""``dew export RUN OUT``: a kept step as a Pretrained directory transformers loads.
+"""``dew export RUN OUT``: a kept step's model, in the format its architecture is published in.
 
-A LoRA run's adapters are merged into its base weights, so OUT is a plain
-model of its family (Llama, Qwen 3, Gemma 2, ...); ``--adapters`` writes
-them alone instead, in PEFT's layout, for the base the run started from.
-``--verify`` then loads OUT in transformers on the CPU, compares its logits
-with dew's on fixed prompts, records the result in OUT/verification.json
-and fails above ``--tolerance``.
+What is written is the run's pipeline's model: a language model (and the
+policy of a preference or RL run, without its reference or value head) in
+its family's Hugging Face layout (Llama, Qwen 3, Gemma 2, ...) when the
+family expresses it exactly, in dew's own layout otherwise (``--format dew``
+asks for it, ``--format hf`` refuses a model with no exact counterpart); a
+diffusion model, a token denoiser or a JEPA encoder in dew's own layout (no
+published format computes the same function), which ``Pretrained.load``
+reads back with the task it serves. A LoRA run's adapters are merged into
+its base weights, so OUT is a plain model; ``--adapters`` writes them alone
+instead, in PEFT's layout, for the base the run started from. ``--verify``
+then loads OUT in transformers on the CPU, compares its logits with dew's on
+fixed prompts, records the result in OUT/verification.json and fails above
+``--tolerance``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 __all__ = ["add_arguments", "run"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dew.cli.runs import add_run_argument
@@ -24,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_argument(parser)
     parser.add_argument("out", metavar="OUT", type=Path, help="the directory to write")
     parser.add_argument("--step", type=int, default=None, help="a kept step (default newest)")
+    parser.add_argument("--format", choices=("hf", "dew"), default=None,
+                        help="hf: Hugging Face's layout (refused without an exact counterpart); "
+                             "dew: dew's own; default: the model's own format")
     parser.add_argument("--adapters", action="store_true",
                         help="a LoRA run: write its adapters alone (PEFT's adapter_model.safetensors and "
                              "adapter_config.json) instead of the merged model")
@@ -35,25 +45,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.adapters.lora import LoraError
-    from dew.cli.runs import NoCheckpointError, NotARunError, open_run
-    from dew.pretrained import PretrainedError
+    from dew.cli.runs import expected, open_run, refused
 
     try:
         opened = open_run(args.run, step=args.step)
         lora = None if opened.config is None else opened.config.lora
         if args.adapters and lora is None:
-            print(f"dew export: {opened.source} has no lora section, so no adapters to write; "
-                  "drop --adapters to export the model.", file=sys.stderr)
-            return 2
-        if args.verify and args.adapters:
-            print("dew export: --verify checks a whole model; drop --adapters to verify the merged "
-                  "export.", file=sys.stderr)
-            return 2
-        written, what = _write(opened, lora, args.out, adapters=args.adapters)
-    except (NoCheckpointError, NotARunError, PretrainedError, LoraError) as error:
-        print(f"dew export: {error}", file=sys.stderr)
-        return 2
+            return refused("export", f"{opened.source} has no lora section, so no adapters to "
+                                     "write; drop --adapters to export the model.")
+        if args.verify and (args.adapters or args.format == "dew"):
+            return refused("export", "--verify checks a whole model in its Hugging Face layout; drop "
+                                     "--adapters and --format dew to verify the export.")
+        written, what = _write(opened, lora, args.out, adapters=args.adapters, format=args.format)
+    except Exception as error:
+        if not expected(error):
+            raise
+        return refused("export", error)
     step = "" if opened.step is None else f" (step {opened.step})"
     print(f"Exported {what} of {opened.source}{step} to {written}")
     if args.verify:
@@ -86,26 +93,33 @@ def _verify(opened: Any, lora: Any, written: Path, tolerance: float | None) -> i
     return 0
 
 
-def _write(opened: Any, lora: Any, out: Path, *, adapters: bool) -> tuple[Path, str]:
-    """Write opened's model (adapters merged), or its adapters alone; return where and what."""
+def _write(opened: Any, lora: Any, out: Path, *, adapters: bool, format: str | None
+           ) -> tuple[Path, str]:
+    """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
     from dew.pretrained import Pretrained
 
     kept = _tokenizer_files(opened)
+    pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept)
     if lora is None:
-        return Pretrained(opened.model, opened.variables, opened.tokenizer,
-                          tokenizer_files=kept).save(out), "the model"
+        return pretrained.save(out, format=format), f"the model ({_layout(pretrained, format)})"
     from dew.adapters.lora import base_model, merge_lora
 
-    base = base_model(opened.model)
+    base = base_model(pretrained.model)
     if adapters:
         from dew.pretrained.peft import save_adapters
 
-        init = None if opened.config is None else opened.config.init
-        name = "" if init is None else str(init.pretrained or init.run or "")
-        return save_adapters(out, base, opened.variables, lora, base_name=name), "the adapters"
-    merged = merge_lora(opened.variables, lora)
-    return (Pretrained(base, merged, opened.tokenizer, tokenizer_files=kept).save(out),
-            "the model, adapters merged,")
+        init = getattr(opened.config, "init", None)
+        name = str(getattr(init, "pretrained", None) or getattr(init, "run", None) or "")
+        return save_adapters(out, base, pretrained.variables, lora, base_name=name), "the adapters"
+    merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
+                        pretrained.task, kept)
+    return merged.save(out, format=format), f"the model, adapters merged ({_layout(merged, format)}),"
+
+
+def _layout(pretrained: Any, format: str | None) -> str:
+    """The layout save writes for format, in words."""
+    chosen = pretrained.format if format in (None, "hf") else format
+    return "dew's own layout" if chosen == "dew" else f"Hugging Face's {chosen} layout"
 
 
 def _tokenizer_files(opened: Any) -> Any:

@@ -1,11 +1,18 @@
-"""``dew generate RUN PROMPT...``: continue prompts with a trained or exported model."""
+"""``dew generate RUN [INPUT...]``: samples from a trained run or an exported model.
+
+What INPUT means is the run's pipeline's to say: prompts to continue (a
+language model, the policy of a preference or RL run), prompts to start from
+(masked and block diffusion), class labels to draw (a class-conditional
+image or video model; none for unconditional samples). Texts are printed;
+images are written as a PNG grid (and one PNG each), videos as GIFs, under
+--out, and the command says where. An input or option the pipeline cannot
+take is refused in one line saying what it takes.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 __all__ = ["add_arguments", "run"]
 
@@ -14,9 +21,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dew.cli.runs import add_run_argument
 
     add_run_argument(parser)
-    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue (several: one batch)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 picks the likeliest token")
+    parser.add_argument("inputs", nargs="*", metavar="INPUT",
+                        help="prompts, or class labels: what the run's model takes (none: "
+                             "unconditional samples)")
+    parser.add_argument("--count", type=int, default=None,
+                        help="samples per input (or in all, without inputs)")
+    parser.add_argument("--steps", type=int, default=None, help="sampler steps (diffusion)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="classifier-free guidance scale (a conditional diffusion model)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the folder samples are written to (images default to ./samples)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="new tokens per prompt at most (default: 64, or as many as the "
+                             "model's length leaves)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 (the default) picks the likeliest token")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
     parser.add_argument("--min-p", type=float, default=None,
@@ -28,29 +47,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import NoCheckpointError, NotARunError, open_run
+    from dew.cli.runs import expected, open_run, refused
+    from dew.objectives.inference import Request
 
     try:
-        opened = open_run(args.run, step=args.step)
-    except (NoCheckpointError, NotARunError) as error:
-        print(f"dew generate: {error}", file=sys.stderr)
-        return 2
-    import jax
-
-    from dew.objectives.base import NoPipelineError
-
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "min_p": args.min_p}
-    # A text pipeline takes its sampling as a keyword; which keywords are the objective's own.
-    make: Callable[..., Any] = opened.objective.pipeline
-    try:
-        pipeline = make(opened.variables, sampling=sampling)
-        options = {"stop": args.stop} if args.stop else {}
-        texts = pipeline(list(args.prompts), max_new_tokens=args.max_new_tokens,
-                         key=jax.random.key(args.seed), **options)
-    except (ValueError, NoPipelineError) as error:  # a prompt too long, a setting out of range
-        print(f"dew generate: {error}", file=sys.stderr)
-        return 2
-    for prompt, text in zip(args.prompts, texts, strict=True):
-        print(prompt + text)
+        request = Request(tuple(args.inputs), count=args.count, steps=args.steps,
+                          guidance=args.guidance, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, stop=tuple(args.stop), seed=args.seed, out=args.out)
+        made = open_run(args.run, step=args.step).pipeline().generate(request)
+    except Exception as error:
+        if not expected(error):
+            raise
+        return refused("generate", error)
+    if made.texts:
+        several = len(made.texts) > 1 and any("\n" in text for text in made.texts)
+        print("\n---\n".join(made.texts) if several else "\n".join(made.texts))
+    if made.files:
+        folder = made.files[0].parent
+        print(f"Wrote {made.samples} sample(s) to {folder}: {made.files[0].name}"
+              + (f" (all of them) and {len(made.files) - 1} file(s) more, one each"
+                 if len(made.files) > 1 else ""))
     return 0

@@ -11,13 +11,14 @@ one); from an export, from the export itself.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dew.errors import DewError
 
-__all__ = ["NoCheckpointError", "NotARunError", "Opened", "open_run"]
+__all__ = ["NoCheckpointError", "NotARunError", "Opened", "expected", "open_run", "refused"]
 
 
 class NotARunError(DewError, FileNotFoundError):
@@ -33,7 +34,9 @@ class Opened:
     """A trained model ready for inference, and where it came from.
 
     variables are what inference uses: the EMA copy when the run kept one,
-    else the live parameters; live holds the live parameters either way.
+    else the live parameters; live holds the live parameters either way and
+    averaged the EMA copy (None when none was kept). An exported directory
+    keeps what Pretrained.load read of it (pretrained).
     """
 
     model: Any
@@ -44,6 +47,26 @@ class Opened:
     config: Any  # the RunConfig, or None for an exported directory
     source: Path
     live: Any = None
+    averaged: Any = None
+    pretrained: Any = None
+
+    def pipeline(self) -> Any:
+        """The inference task of these weights: the objective's pipeline, or the export's task's
+        (an export that records none, and is no language model, is refused naming that)."""
+        if self.objective is None:
+            return self.pretrained.pipeline()
+        return self.objective.pipeline(self.variables)
+
+
+def refused(command: str, error: BaseException) -> int:
+    """Print error on stderr as `dew COMMAND: message`; return 2, a refusal's exit code."""
+    print(f"dew {command}: {error}", file=sys.stderr)
+    return 2
+
+
+def expected(error: BaseException) -> bool:
+    """An error a command reports in one line: dew's own (its message says what to do) or bad input."""
+    return type(error).__module__.split(".")[0] == "dew" or isinstance(error, ValueError | OSError)
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:
@@ -108,14 +131,17 @@ def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = N
 
 def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
     from dew import registry
+    from dew.nn.backbones import CausalTransformer
     from dew.pretrained import Pretrained
 
     loaded = Pretrained.load(path, max_seq_len=max_seq_len)
-    objective = registry.objectives.build("lm", model=loaded.model,
-                                          seq_len=loaded.model.max_seq_len,
-                                          tokenizer=loaded.tokenizer)
+    objective = None
+    if loaded.task is None and isinstance(loaded.model, CausalTransformer):  # a language model
+        objective = registry.objectives.build("lm", model=loaded.model,
+                                              seq_len=loaded.model.max_seq_len,
+                                              tokenizer=loaded.tokenizer)
     return Opened(loaded.model, objective, loaded.tokenizer, loaded.variables, None, None, path,
-                  loaded.variables)
+                  loaded.variables, pretrained=loaded)
 
 
 def _open_trained(path: Path, step: int | None) -> Opened:
@@ -126,4 +152,4 @@ def _open_trained(path: Path, step: int | None) -> Opened:
     parts = build_parts(config, with_data=False)
     live, averaged, number = _read_variables(parts.objective, path, step)
     return Opened(parts.model, parts.objective, parts.tokenizer,
-                  averaged if averaged is not None else live, number, config, path, live)
+                  averaged if averaged is not None else live, number, config, path, live, averaged)

@@ -33,13 +33,15 @@ import numpy as np
 from flax import linen as nn
 
 from dew.data.base import Tokenizer
-from dew.errors import DewError
 
 # The class's annotations resolve at run time (a registry reads a subclass's type hints, its
 # base's included); the trainer's types, named in the seams' signatures only, need not.
 if TYPE_CHECKING:
     from dew.training.initializers import Initializer, WeightSource
     from dew.training.protocols import Rollout
+
+if TYPE_CHECKING:
+    from dew.objectives.inference import Pipeline
 
 __all__ = [
     "Aux",
@@ -50,14 +52,12 @@ __all__ = [
     "Mean",
     "MeanMetric",
     "Metric",
-    "NoPipelineError",
     "Objective",
     "Step",
     "Variables",
     "cosine_decay",
     "everything",
     "under",
-    "variables_of",
 ]
 
 Variables = Mapping[str, Any]
@@ -136,14 +136,6 @@ class Step:
 
 
 LeafFilter = Callable[[tuple[str, ...], Any], bool]
-
-
-def variables_of(state: Any, ema: bool = True) -> Variables:
-    """The variables a pipeline runs with: a TrainState's EMA copy (when it kept one and ema),
-    else its parameters; a variables tree passes through as it is."""
-    if isinstance(state, Mapping):
-        return state
-    return state.averaged if ema and state.averaged is not None else state.params
 
 
 def everything(path: tuple[str, ...], leaf: Any) -> bool:
@@ -262,10 +254,6 @@ class MeanMetric:
         return total / count if count else math.nan
 
 
-class NoPipelineError(DewError, TypeError):
-    """The objective declares no pipeline: nothing says what its trained weights are for."""
-
-
 class Objective(Generic[Loss, Effects]):
     """Define what is learned: the variables, the loss, what evaluation produces.
 
@@ -273,6 +261,10 @@ class Objective(Generic[Loss, Effects]):
     loss and the metrics it reports; ``preview`` to nothing. ``ema`` names the
     leaves that keep an exponential moving average (None keeps none);
     ``frozen`` the leaves that never train (None freezes none).
+
+    ``pipeline`` wraps trained weights in the inference task every command
+    goes through (``dew.objectives.inference``); ``metrics`` names the
+    validation metrics its evaluate outputs support.
 
     ``run_inputs`` says what a recipe run hands the constructor besides the
     recipe's own fields: ``"model"`` (the network the recipe's ``model``
@@ -323,6 +315,24 @@ class Objective(Generic[Loss, Effects]):
         """A sample to show a person (an Artifact), or None."""
         return None
 
+    def metrics(self) -> Sequence[Metric]:
+        """The validation metrics evaluate's outputs support; () reports every Mean it returns."""
+        return ()
+
+    def pipeline(self, state: Any, **options: Any) -> Pipeline:
+        """The inference task of state's weights (a TrainState, its EMA copy when kept, or variables).
+
+        Every command (generate, eval, embed, export) goes through it; options
+        are the objective's own (sampling settings, ``ema=False``). An
+        objective without one refuses, naming the capability.
+        """
+        from dew.objectives.inference import NoPipelineError
+
+        raise NoPipelineError(f"{type(self).__name__} declares no pipeline, so its weights serve no "
+                              "inference command; implement Objective.pipeline(state) to return a "
+                              "dew.objectives.inference.Pipeline (docs/plugins.md#what-dew-generate-"
+                              "and-dew-eval-ask-of-an-objective shows how).")
+
     def required_keys(self) -> Sequence[str]:
         """Batch keys the loss reads; the trainer checks them before compiling."""
         return ()
@@ -363,24 +373,6 @@ class Objective(Generic[Loss, Effects]):
         part, and its init makes the rest.
         """
         return source
-
-    def metrics(self) -> Sequence[Metric]:
-        """What ``dew eval`` scores a validation pass with; () scores every Mean evaluate returns."""
-        return ()
-
-    def pipeline(self, state: Any) -> Any:
-        """What the trained weights are for: a callable that generates, embeds or classifies.
-
-        state is a TrainState or a variables tree. An objective that has a
-        pipeline overrides this, adding the options its pipeline takes as
-        keywords; this default raises NoPipelineError.
-        """
-        raise NoPipelineError(
-            f"{type(self).__name__} declares no pipeline, so nothing says what its trained "
-            "weights are for (generation, embedding, ...); give it a pipeline() (docs/plugins.md#"
-            "what-dew-generate-and-dew-eval-ask-of-an-objective shows how), or use the weights "
-            "directly (state.params)."
-        )
 
     @property
     def reference_collection(self) -> str | None:

@@ -2,14 +2,16 @@
 
 For dew's CausalTransformer the format is its family's Hugging Face layout
 (``dew.families``: Llama, Mistral, Qwen 2 and 3, Gemma 1 to 3, Phi-3,
-OLMo 2): ``config.json`` and ``model.safetensors`` (sharded with an index
+OLMo 2, Mixtral, Qwen3-MoE, DeepSeek-V3) when the family expresses the model
+exactly: ``config.json`` and ``model.safetensors`` (sharded with an index
 when large), plus the tokenizer, which ``transformers.AutoModelForCausalLM``
 loads as that family and ``Pretrained.load`` reads back bit for bit. A
 directory transformers wrote for any of those families loads the same way,
 to fine-tune or to sample from. Every other model (a DiT, a UNet, a token
-denoiser) is written in dew's own layout (``dew.pretrained.native``), with
-the task its weights serve, so that ``Pretrained.load(directory).pipeline()``
-samples as the pipeline that saved it did.
+denoiser, a CausalTransformer with learned positions or gelu) is written in
+dew's own layout (``dew.pretrained.native``), with the task its weights
+serve, so that ``Pretrained.load(directory).pipeline()`` samples as the
+pipeline that saved it did.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from dew.pretrained import native
 from dew.pretrained.errors import (
+    NoExactCounterpartError,
     NoPretrainedModelError,
     PretrainedError,
     TensorMismatchError,
@@ -155,28 +158,37 @@ class Pretrained:
 
     @property
     def format(self) -> str:
-        """A CausalTransformer's family (its Hugging Face layout: 'llama', 'qwen3', ...), else
-        'dew' (dew's own layout)."""
+        """The model's own format: its family's Hugging Face layout ('llama', 'qwen3', ...) for a
+        CausalTransformer that family expresses exactly, else 'dew' (dew's own layout, which every
+        registered model has)."""
+        from dew.families import of_model
         from dew.nn.backbones import CausalTransformer
 
-        if isinstance(self.model, CausalTransformer):
-            return self.model.family or "llama"
-        return native.FORMAT
+        if not isinstance(self.model, CausalTransformer):
+            return native.FORMAT
+        try:
+            of_model(self.model).config(self.model)
+        except NoExactCounterpartError:  # learned positions, gelu, ...: dew's own layout
+            return native.FORMAT
+        return self.model.family or "llama"
 
     @property
     def chat_template(self) -> str | None:
         """The tokenizer's chat template, as the directory it was read from wrote it (None: none)."""
         return None if self.tokenizer_files is None else self.tokenizer_files.chat_template
 
-    def save(self, directory: str | os.PathLike[str], *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    def save(self, directory: str | os.PathLike[str], *, format: str | None = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
         """Write config.json, the safetensors weights and the tokenizer into directory; return it.
 
-        A CausalTransformer is written in its family's layout, in files of at
-        most max_shard_bytes (more than one: with an index, as transformers
-        shards). Raises NoExactCounterpartError, naming the field, when the
-        model has no exact counterpart in the format, before anything is
-        written. In a process pool every process calls it (sharded weights
-        are gathered one tensor at a time) and process 0 writes.
+        format None writes the model's own format (``format``); "hf" asks for
+        its family's Hugging Face layout and raises NoExactCounterpartError,
+        naming the field, when the model has no exact counterpart there, before
+        anything is written; "dew" writes dew's own layout. The Hugging Face
+        layout is written in files of at most max_shard_bytes (more than one:
+        with an index, as transformers shards). In a process pool every
+        process calls it (sharded weights are gathered one tensor at a time)
+        and process 0 writes.
         """
         import jax
 
@@ -184,7 +196,11 @@ class Pretrained:
 
         if self.tokenizer is not None:
             check_vocabulary(self.tokenizer, self.model)
-        if self.format == native.FORMAT:
+        chosen = format or self.format
+        if chosen not in ("hf", native.FORMAT, self.format):
+            raise PretrainedError(f"Pretrained.save writes format 'hf' (Hugging Face) or 'dew' "
+                                  f"(dew's own layout), not {format!r}.")
+        if chosen == native.FORMAT:
             return self._save_native(Path(directory))
         family = of_model(self.model)
         config = family.config(self.model)

@@ -117,7 +117,13 @@ def build_model(config: Mapping[str, Any], source: Path) -> Any:
         raise PretrainedError(f"{source} is dew layout version {config.get('version')!r}; this dew "
                               f"reads version {VERSION}. Save it again with this dew.")
     entry = config.get("model") or {}
-    return models.build(entry["name"], **entry.get("fields", {}))
+    fields = dict(entry.get("fields", {}))
+    for name, value in fields.items():  # a dtype is written by its name
+        if name.endswith("dtype") and isinstance(value, str):
+            import jax.numpy as jnp
+
+            fields[name] = jnp.dtype(value)
+    return models.build(entry["name"], **fields)
 
 
 def read_variables(source: Path) -> dict[str, Any]:

@@ -58,6 +58,7 @@ __all__ = [
     "run_optimizer",
     "show_sample",
     "train",
+    "usage",
     "warn_if_schedule_reshaped",
 ]
 
@@ -176,10 +177,11 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
 
         model = apply_lora(model, config.lora)
     reader = config.data.build("datasets", timestamp)
+    # The objective first: a tokenizer the model cannot embed is refused before any data is read.
+    objective = build_objective(config, model, reader, timestamp)
     dataset = None
     if with_data:  # the run's seed orders its data too
         dataset = _ramped(config, config.data.load_dataset(reader, timestamp, seed=config.seed))
-    objective = build_objective(config, model, reader, timestamp)
     if config.lora is not None:
         from dew.adapters.lora import adapters_only
 
@@ -296,7 +298,8 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             checkpoints=checkpoints, tracker=tracker, rollout=objective.rollout(),
             initializer=objective.initializer() if initializer is None else initializer,
             evaluations=build_evaluations(config, parts, stamp), recipe=config.recorded())
-        state = trainer.fit(dataset, **fit)
+        # Validation scores what the objective defines (a reward, a perplexity), as `dew eval` does.
+        state = trainer.fit(dataset, **fit, metrics=tuple(objective.metrics()))
     except BaseException:
         # The run's own failure is the one to see; closing still flushes what it can.
         with contextlib.suppress(Exception):
@@ -312,8 +315,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     finally:
         _close(checkpoints, tracker)
     if checkpoints is not None and jax.process_index() == 0:
-        print(f"Use the run: dew generate {checkpoints.directory} PROMPT; dew eval and dew "
-              "export read it too.")
+        print(usage(objective, state, checkpoints.directory))
     return state
 
 
@@ -325,6 +327,17 @@ def _trained_for(directory: Any, steps_per_epoch: int | None) -> int | None:
         return RunConfig.read(Path(str(directory)) / RUN_FILE).trainer.total_steps(steps_per_epoch)
     except Exception:  # noqa: BLE001 - an unreadable old recipe only shortens the line
         return None
+
+
+def usage(objective: Objective, state: Any, directory: Any) -> str:
+    """The console's last line: the commands that use the trained run, as its pipeline takes them."""
+    from dew.objectives.inference import PipelineError
+
+    try:
+        command = objective.pipeline(state).usage(directory)
+    except PipelineError:  # nothing to sample or export: the metrics remain
+        return f"Use the run: dew eval {directory} (its objective declares no pipeline)."
+    return f"Use the run: {command}; dew eval and dew export read it too."
 
 
 def objective_parts(objective: Objective) -> dict[str, Any]:

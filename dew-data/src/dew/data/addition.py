@@ -24,6 +24,11 @@ right one moved by 1 to 3, never to a negative number), or with
 ``misses="any"`` any other number from 0 to twice ``max_operand`` (less the
 held-out near misses, which only the validation split holds).
 
+The ids are bytes, so the reader's tokenizer (``text_tokenizer``) is dew's
+ByteTokenizer: a recipe hands it to the objective, and every command that
+rebuilds the run reads and writes text with it. ``load(val_fraction=...)``
+holds a seeded share of the problems out for validation.
+
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
 >>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
 >>> answer = bytes(a for a in record["answer"].tolist() if a >= 0).decode()
@@ -42,6 +47,7 @@ import numpy as np
 from dew.data.base import Dataset
 from dew.data.sources import ArrayRecords
 from dew.data.stream import record_dataset
+from dew.data.videos import load_records
 
 __all__ = ["Addition"]
 
@@ -93,17 +99,20 @@ class Addition:
                 f"'labelled' form; got form {self.form!r}.")
 
     def text_tokenizer(self) -> Any:
-        """The tokenizer the problems are written in (None for bytes, which need none)."""
+        """The tokenizer the problems are written in: one id per byte (dew's ByteTokenizer) for
+        "byte", else the one tokenizer names."""
         if isinstance(self.tokenizer, str) and self.tokenizer == "byte":
-            return None
+            from dew.data.tokenizers import ByteTokenizer
+
+            return ByteTokenizer()
         from dew.data.token_windows import resolve_tokenizer
 
         return resolve_tokenizer(self.tokenizer)
 
     def _encoder(self) -> Any:
-        tokenizer = self.text_tokenizer()
-        if tokenizer is None:
+        if isinstance(self.tokenizer, str) and self.tokenizer == "byte":
             return _ids
+        tokenizer = self.text_tokenizer()
         return lambda text: [int(i) for i in tokenizer.encode(text)]
 
     @property
@@ -197,7 +206,16 @@ class Addition:
                              "prompt_length": np.asarray([len(p) for p in prompts], np.int32),
                              "label": right.astype(np.int32)})
 
-    def load(self, *, batch: int, seed: int = 0, workers: int = 0, prefetch: int = 4) -> Dataset:
-        """A shuffled, endless, resumable stream of the records, batch rows at a time (and the held-out split)."""
-        return record_dataset(self.records(), self.val_records(), batch=batch, seed=seed, workers=workers,
-                              prefetch=prefetch)
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A shuffled, endless, resumable stream of the records, batch rows at a time, and a held-out
+        split: the problems held_out/held_out_misses keep from training, else a seeded
+        val_fraction of the records (at least one global batch); none when neither is set."""
+        if self._holds_out:
+            if val_fraction:
+                raise ValueError("Addition holds out problems already (held_out or held_out_misses); "
+                                 "set data.load.val_fraction only without them.")
+            return record_dataset(self.records(), self.val_records(), batch=batch, seed=seed,
+                                  workers=workers, prefetch=prefetch)
+        return load_records(self.records(), batch=batch, seed=seed, val_fraction=val_fraction,
+                            val_seed=val_seed, workers=workers, prefetch=prefetch)

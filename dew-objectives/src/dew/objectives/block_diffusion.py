@@ -96,6 +96,14 @@ class BlockDiffusionObjective(TokenDiffusion):
                               steps=steps or self.preview_steps, temperature=self.temperature,
                               prefix=prefix)
 
+    def prefix_of(self, prompt: str, rows: int) -> jax.Array:
+        """prompt's ids [rows, P] for generate's prefix: whole blocks, shorter than seq_len."""
+        from dew.objectives.diffusion_pipeline import prefix_ids
+
+        if self.tokenizer is None:
+            raise ValueError(f"{type(self).__name__} has no tokenizer to read a prompt with.")
+        return prefix_ids(self.tokenizer, prompt, rows, self.seq_len, self.block_size)
+
     def preview(self, variables: Variables, key: jax.Array) -> Artifact | None:
         if self.tokenizer is None:
             return None
@@ -104,5 +112,6 @@ class BlockDiffusionObjective(TokenDiffusion):
             ids = list(self.tokenizer.encode(self.prompt))
             ids = ids[: len(ids) - len(ids) % self.block_size]
             prefix = jnp.asarray([ids] * self.preview_rows, jnp.int32) if ids else None
-        tokens = self.generate(variables, key, self.preview_rows, prefix=prefix)
-        return Artifact("sample", "text", self.decode(tokens))
+        # One compiled program for every block (eager, each block's loop would compile on its own).
+        write = jax.jit(lambda v, k: self.generate(v, k, self.preview_rows, prefix=prefix))
+        return Artifact("sample", "text", self.decode(write(variables, key)))

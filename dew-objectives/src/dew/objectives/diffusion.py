@@ -305,6 +305,7 @@ class DiffusionObjective(Objective):
 
     def pipeline(self, state: Any, *, ema: bool = True) -> Any:
         """A pipeline that samples with state's (EMA) parameters (or given variables)."""
-        from dew.objectives.diffusion_pipeline import DiffusionPipeline, variables_of
+        from dew.objectives.diffusion_pipeline import DiffusionPipeline
+        from dew.objectives.inference import variables_of
 
         return DiffusionPipeline(self, variables_of(state, ema))

@@ -3,7 +3,10 @@
 ``objective.pipeline(state)`` returns a pipeline holding the objective and
 the trained variables (the EMA copy when kept). A ``DiffusionPipeline`` turns
 class labels, text prompts or nothing into uint8 images or videos; a
-``TextDiffusionPipeline`` writes token sequences and decodes them.
+``TextDiffusionPipeline`` writes token sequences and decodes them. Both are
+``dew.objectives.inference.Pipeline``s: ``generate(request)`` serves
+``dew generate``, writing images as a PNG grid (and one PNG each) and videos
+as animated GIFs.
 
 ``save(directory)`` writes through ``Pretrained.save`` in dew's own layout
 (``dew.pretrained.native``: config.json naming the registered model and its
@@ -20,21 +23,29 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dew.errors import DewError
-from dew.objectives.base import variables_of
+from dew.objectives.inference import (
+    Generated,
+    Pipeline,
+    Request,
+    UnsupportedRequestError,
+    write_texts,
+)
 
 __all__ = [
     "DiffusionPipeline",
     "PipelineFormatError",
+    "PixelPipeline",
     "TextDiffusionPipeline",
     "load_pipeline",
-    "variables_of",
+    "write_samples",
 ]
 
 
@@ -43,7 +54,7 @@ class PipelineFormatError(DewError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Saved:
+class _Saved(Pipeline):
     objective: Any
     variables: Mapping[str, Any]
 
@@ -57,10 +68,6 @@ class _Saved:
         return Pretrained(self.objective.model, nn.meta.unbox(self.variables),
                           self.objective.tokenizer, task)
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the pipeline through Pretrained.save, in dew's own layout; return directory."""
-        return self.pretrained().save(directory)
-
     @classmethod
     def load(cls, directory: str | os.PathLike[str], **fields: Any) -> Any:
         """The pipeline save wrote in directory (fields override the saved objective's)."""
@@ -71,9 +78,138 @@ class _Saved:
         return pipeline
 
 
+def _tile(pixels: np.ndarray, columns: int) -> np.ndarray:
+    from dew.objectives.diffusion import _tile
+
+    return _tile(pixels, columns)
+
+
+def write_samples(pixels: np.ndarray, directory: str | os.PathLike[str], *, video: bool,
+                  columns: int) -> tuple[Path, ...]:
+    """uint8 samples [N, H, W, C] (or videos [N, T, H, W, C]) as files in directory.
+
+    Images: ``samples.png``, a grid of columns per row, and ``sample_000.png``
+    onwards; videos: ``samples.gif``, the grid animated, and one GIF each.
+    Returns the paths, the grid first.
+    """
+    from dew.telemetry.render import gif_bytes, png_bytes
+
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    suffix, encode = (".gif", gif_bytes) if video else (".png", png_bytes)
+    grid = target / f"samples{suffix}"
+    grid.write_bytes(encode(_tile(pixels, max(1, min(columns, len(pixels))))))
+    files = [grid]
+    for index, sample in enumerate(pixels):
+        path = target / f"sample_{index:03d}{suffix}"
+        path.write_bytes(encode(sample))
+        files.append(path)
+    return tuple(files)
+
+
+class PixelPipeline(_Saved):
+    """What the image and video pipelines share: reading labels or prompts, writing files.
+
+    A subclass gives ``conditioning`` (what its model reads, ``dew.inputs``),
+    ``video`` and ``sample``.
+    """
+
+    @property
+    def conditioning(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def video(self) -> bool:
+        raise NotImplementedError
+
+    def sample(self, conditions: Sequence[Any] | None, rows: int, key: jax.Array,
+               steps: int | None, guidance: float | None) -> np.ndarray:
+        """uint8 samples [rows, ...] for conditions (one each) or unconditioned."""
+        raise NotImplementedError
+
+    @property
+    def accepts(self) -> str:  # type: ignore[override]
+        from dew.inputs import ClassLabels, TextTokens
+
+        kind = "clips" if self.video else "images"
+        conditioning = self.conditioning
+        if isinstance(conditioning, ClassLabels):
+            return (f"class labels 0 to {conditioning.num_classes - 1}, or none for unconditional "
+                    f"{kind}")
+        if isinstance(conditioning, TextTokens):
+            return f"text prompts, or none for unconditional {kind}"
+        return f"no inputs: its model draws unconditional {kind}"
+
+    @property
+    def options(self) -> frozenset[str]:  # type: ignore[override]
+        from dew.inputs import Unconditional
+
+        if isinstance(self.conditioning, Unconditional):
+            return frozenset({"count", "steps"})
+        return frozenset({"count", "steps", "guidance"})
+
+    def usage(self, run: Any) -> str:
+        from dew.inputs import ClassLabels, TextTokens
+
+        if isinstance(self.conditioning, ClassLabels):
+            return f"dew generate {run} LABEL... --count N --out DIR"
+        if isinstance(self.conditioning, TextTokens):
+            return f"dew generate {run} PROMPT... --count N --out DIR"
+        return f"dew generate {run} --count N --out DIR"
+
+    def conditions_of(self, inputs: Sequence[str]) -> list[Any]:
+        """What the model reads for each input: a label in range, or a prompt; refused in one line."""
+        from dew.inputs import ClassLabels, TextTokens
+
+        conditioning = self.conditioning
+        if not inputs:
+            return []
+        if isinstance(conditioning, ClassLabels):
+            labels = []
+            for given in inputs:
+                try:
+                    label = int(given)
+                except ValueError:
+                    raise UnsupportedRequestError(
+                        f"{given!r} is not a class label: {self.describe()}.") from None
+                if not 0 <= label < conditioning.num_classes:
+                    raise UnsupportedRequestError(
+                        f"Label {label} is out of range: {self.describe()}.")
+                labels.append(label)
+            return labels
+        if isinstance(conditioning, TextTokens):
+            return list(inputs)
+        raise UnsupportedRequestError(f"{', '.join(map(repr, inputs[:3]))} cannot condition this "
+                                      f"model: {self.describe()}.")
+
+    def generate(self, request: Request) -> Generated:
+        """count samples per input (8 unconditioned when none is given), written under request.out."""
+        self.check(request)
+        conditions = self.conditions_of(request.inputs)
+        count = request.count or (1 if conditions else 8)
+        asked = [c for c in conditions for _ in range(count)]
+        rows = len(asked) or count
+        try:
+            pixels = self.sample(asked or None, rows, jax.random.key(request.seed), request.steps,
+                                 request.guidance)
+        except ValueError as error:  # a guidance scale the model cannot use, say
+            raise UnsupportedRequestError(f"{error} {self.describe()}.") from None
+        files = write_samples(pixels, request.out or Path("samples"), video=self.video,
+                              columns=count if conditions and count > 1 else 8)
+        return Generated(files=files, samples=rows)
+
+
 @dataclasses.dataclass(frozen=True)
-class DiffusionPipeline(_Saved):
+class DiffusionPipeline(PixelPipeline):
     """Images or videos from a DiffusionObjective's model and its trained variables."""
+
+    @property
+    def conditioning(self) -> Any:
+        return self.objective.conditioning
+
+    @property
+    def video(self) -> bool:
+        return self.objective.key == "video"
 
     def __call__(self, conditions: Sequence[Any] | None = None, *, rows: int | None = None,
                  key: jax.Array | None = None, steps: int | None = None,
@@ -93,20 +229,54 @@ class DiffusionPipeline(_Saved):
         x = sample(self.variables, key if key is not None else jax.random.key(0), condition)
         return to_pixels(x)
 
+    def sample(self, conditions: Sequence[Any] | None, rows: int, key: jax.Array,
+               steps: int | None, guidance: float | None) -> np.ndarray:
+        return self(conditions, rows=rows, key=key, steps=steps, guidance=guidance)
+
 
 @dataclasses.dataclass(frozen=True)
 class TextDiffusionPipeline(_Saved):
-    """Token sequences from a masked- or block-diffusion objective's model."""
+    """Token sequences from a masked- or block-diffusion objective's model.
+
+    A prompt, when given, is kept as the start of each sequence and the
+    model fills in the rest (block diffusion needs it to fill whole blocks).
+    """
+
+    accepts: ClassVar[str] = "text prompts to start from, or none"
+    options: ClassVar[frozenset[str]] = frozenset({"count", "steps"})
+
+    def usage(self, run: Any) -> str:
+        return f"dew generate {run} [PROMPT] --count N"
 
     def __call__(self, rows: int = 1, *, key: jax.Array | None = None,
-                 steps: int | None = None) -> list[str] | jax.Array:
+                 steps: int | None = None, prompt: str | None = None) -> list[str] | jax.Array:
         """rows samples, decoded to text when the objective has a tokenizer (else ids)."""
-        tokens = self.objective.generate(self.variables, key if key is not None else jax.random.key(0),
-                                         rows, steps=steps)
-        tokenizer = self.objective.tokenizer
+        objective = self.objective
+        prefix = None if prompt is None else objective.prefix_of(prompt, rows)
+        write = jax.jit(lambda v, k: objective.generate(v, k, rows, steps=steps, prefix=prefix))
+        tokens = write(self.variables, key if key is not None else jax.random.key(0))
+        tokenizer = objective.tokenizer
         if tokenizer is None:
             return tokens
         return [tokenizer.decode([int(i) for i in row]) for row in tokens]
+
+    def generate(self, request: Request) -> Generated:
+        """count sequences per prompt (or count from nothing), decoded."""
+        self.check(request)
+        if self.objective.tokenizer is None:
+            raise UnsupportedRequestError(f"{self.name} has no tokenizer to write text with; build "
+                                          "the objective with tokenizer=.")
+        count = request.count or 1
+        key = jax.random.key(request.seed)
+        texts: list[str] = []
+        try:
+            for index, prompt in enumerate(request.inputs or (None,)):
+                texts += self(count, key=jax.random.fold_in(key, index), steps=request.steps,
+                              prompt=prompt)
+        except ValueError as error:
+            raise UnsupportedRequestError(f"{error} {self.describe()}.") from None
+        return Generated(texts=tuple(texts), files=write_texts(tuple(texts), request.out),
+                         samples=len(texts))
 
 
 def load_pipeline(directory: str | os.PathLike[str], **fields: Any) -> Any:
@@ -118,3 +288,15 @@ def load_pipeline(directory: str | os.PathLike[str], **fields: Any) -> Any:
     from dew.pretrained import Pretrained
 
     return Pretrained.load(directory).pipeline(**fields)
+
+
+def prefix_ids(tokenizer: Any, prompt: str, rows: int, length: int, multiple: int = 1) -> jax.Array:
+    """prompt's ids repeated for rows, refused unless shorter than length and a multiple of multiple."""
+    ids = list(tokenizer.encode(prompt))
+    if not ids or len(ids) >= length:
+        raise ValueError(f"The prompt {prompt!r} is {len(ids)} tokens; it must hold at least one "
+                         f"and fewer than the {length} the model writes.")
+    if len(ids) % multiple:
+        raise ValueError(f"The prompt {prompt!r} is {len(ids)} tokens; block diffusion writes whole "
+                         f"blocks of {multiple}, so a prompt must be a multiple of {multiple} tokens.")
+    return jnp.asarray([ids] * rows, jnp.int32)

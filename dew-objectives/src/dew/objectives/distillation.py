@@ -48,7 +48,6 @@ from dew.objectives.base import (
     Step,
     Variables,
     under,
-    variables_of,
 )
 from dew.objectives.lm import BatchShapeError, MissingBatchKeyError, Tokenizer
 from dew.sampling import Sampling, TextGeneration
@@ -276,14 +275,15 @@ class DistillationObjective(Objective):
         Sampling or its fields) is given; ``save`` writes the student through
         Pretrained.save.
         """
-        if isinstance(sampling, Mapping):
-            sampling = Sampling(**sampling)
+        from dew.objectives.inference import variables_of
+        from dew.objectives.policy import policy_pipeline
+
         variables = variables_of(state)
         student = variables.get("params", {}).get("student")
         if student is None:
             raise ValueError("DistillationObjective.pipeline needs variables with params/student; got "
                              f"{sorted(variables.get('params', variables))}.")
-        return TextGeneration(self.model, {"params": student}, self.tokenizer, sampling or Sampling(temperature=0.0))
+        return policy_pipeline(self.model, {"params": student}, self.tokenizer, sampling=sampling)
 
     # -- internals -----------------------------------------------------------------------------
     def _apply(self, params: Any, model: nn.Module, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:

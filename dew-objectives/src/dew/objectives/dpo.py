@@ -39,6 +39,7 @@ from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, V
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    policy_pipeline,
     policy_variables,
     reference_variables,
     token_logprobs,
@@ -46,6 +47,7 @@ from dew.objectives.policy import (
 )
 
 if TYPE_CHECKING:
+    from dew.sampling import TextGeneration
     from dew.training.initializers import WeightSource
 
 __all__ = ["DPOObjective", "MismatchedPairError", "PairCheck", "sequence_logprob"]
@@ -120,10 +122,13 @@ class DPOObjective(Objective):
     share of pairs whose margin is positive), ``chosen_logp`` and
     ``rejected_logp`` (summed over each completion). A recipe's ``init``
     section (a language-model run, say) gives the parameters the policy and
-    the reference start from when the run is fresh.
+    the reference start from when the run is fresh. Validation scores
+    held-out pairs with the same loss and metrics. tokenizer (a recipe's
+    reader supplies it) and stop_token make the trained policy text
+    generation (``pipeline``).
     """
 
-    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     seq_len: int
@@ -136,6 +141,8 @@ class DPOObjective(Objective):
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     prompt_length_key: str = "prompt_length"
+    stop_token: int | None = None
+    tokenizer: Any = None
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -176,6 +183,11 @@ class DPOObjective(Objective):
     def starting_weights(self, source: WeightSource) -> PolicyFrom:
         """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
         return PolicyFrom(source)
+
+    def pipeline(self, state: Any, *, sampling: Any = None) -> TextGeneration:
+        """The policy (without its reference) as text generation, stopping at stop_token."""
+        return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
+                               stop_token=self.stop_token)
 
     def rollout(self) -> PairCheck:
         """The host-side check a recipe runs before each step: pairs share their prompt."""

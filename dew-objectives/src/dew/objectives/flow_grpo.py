@@ -23,6 +23,12 @@ its input is scaled as that objective scaled it: set ``data_std`` to the
 objective's (0.5 by default) and FlowGRPO feeds it the same. The
 flow-grpo-digits recipe starts from that run's weights (its ``init``
 section) and raises the brightness of the digits it draws.
+
+What the trained weights are for is drawing images: ``pipeline`` samples
+with the ODE the SDE shares its marginals with (Euler over ``steps`` steps,
+no noise after the first draw), optionally with classifier-free guidance
+through the model's null label; validation draws the held-out labels that
+way and reports the mean ``reward`` of the images.
 """
 
 from __future__ import annotations
@@ -38,15 +44,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
+from dew.objectives.base import (
+    Aux,
+    Batch,
+    LeafFilter,
+    Mean,
+    Metric,
+    Objective,
+    Step,
+    Variables,
+    under,
+)
+from dew.objectives.diffusion_pipeline import PixelPipeline
 from dew.objectives.grpo import clipped_policy_loss, group_advantages
+from dew.objectives.inference import variables_of
 from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_reference
+from dew.objectives.rollouts import RewardMetric
 from dew.rewards import Reward, resolve, score
 
 if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
 
-__all__ = ["FlowGRPOObjective", "FlowRollout", "sde_step", "timesteps"]
+__all__ = ["FlowGRPOObjective", "FlowPipeline", "FlowRollout", "sde_step", "timesteps"]
 
 
 def timesteps(steps: int) -> jax.Array:
@@ -187,6 +206,56 @@ class FlowGRPOObjective(Objective):
     def required_keys(self) -> Sequence[str]:
         return ("trajectory", "old_logp", "reward", "condition")
 
+    @property
+    def conditioning(self) -> Any:
+        """What the model reads beside x and t (``dew.inputs``): its labels, or nothing."""
+        from dew.inputs import Unconditional, conditioning_of
+
+        return conditioning_of(self.model, label_key=self.condition_key) if self.condition_key \
+            else Unconditional()
+
+    def sample(self, variables: Variables, key: jax.Array, condition: jax.Array | None, rows: int, *,
+               steps: int | None = None, guidance: float = 1.0) -> jax.Array:
+        """Images [rows, *image_shape] in [-1, 1] by the ODE from noise (Euler, t from 1 to 0).
+
+        condition is the model's input (None: the null condition); with
+        guidance != 1 the velocity is guided away from the null condition's.
+        """
+        steps = steps or self.steps
+        params = {"params": variables["params"]}
+        null = self.conditioning.null(rows)
+        condition = null if condition is None else condition
+        x = jax.random.normal(key, (rows, *self.image_shape), jnp.float32)
+        dt = 1.0 / steps
+
+        def step(x: jax.Array, t: jax.Array) -> tuple[jax.Array, None]:
+            times = jnp.full((rows,), t)
+            velocity = _velocity(self.model, params, x, times, condition, self.data_std)
+            if guidance != 1.0:
+                unguided = _velocity(self.model, params, x, times, null, self.data_std)
+                velocity = unguided + guidance * (velocity - unguided)
+            return x - dt * velocity, None
+
+        return jax.lax.scan(step, x, timesteps(steps)[:-1])[0]
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """The held-out conditions (or rows) drawn by the ODE, for ``metrics`` to score."""
+        rows = int(next(iter(batch.values())).shape[0])
+        condition = self.conditioning.read(batch, traced_check=False) if self.condition_key else None
+        x = self.sample(policy_variables(variables), step.key, condition, rows)
+        # What the rollout's reward sees: uint8 pixels (as a pipeline returns them) or the samples.
+        image = jnp.clip(jnp.round((x + 1.0) * 127.5), 0, 255).astype(jnp.uint8) if self.pixels else x
+        return {"image": image, **{k: v for k, v in batch.items() if k != "image"}}
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The mean reward of the images drawn for the validation conditions."""
+        return (_ImageReward(resolve(self.reward), output="image"),)
+
+    def pipeline(self, state: Any, *, ema: bool = True) -> FlowPipeline:
+        """Images for labels (or unconditioned) from the policy in state, by the ODE."""
+        return FlowPipeline(self, policy_variables(variables_of(state, ema)))
+
+
     def _means(self, variables: Variables, trajectory: jax.Array, condition: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Every step's mean [B, steps, ...] under variables, and the steps' standard deviations."""
         rows = trajectory.shape[0]
@@ -216,3 +285,46 @@ class FlowGRPOObjective(Objective):
             per_step = per_step + self.beta * kl
             metrics["kl"] = Mean.of(kl)
         return Mean.of(per_step), Aux(metrics=metrics)
+
+
+class _ImageReward(RewardMetric):
+    """RewardMetric over images: the reward reads the arrays themselves."""
+
+    def completions(self, outputs: Mapping[str, Any]) -> list[Any]:
+        return list(np.asarray(outputs[self.output]))
+
+
+@dataclass(frozen=True)
+class FlowPipeline(PixelPipeline):
+    """Images from a FlowGRPO policy: labels (or nothing) in, uint8 images out."""
+
+    @property
+    def conditioning(self) -> Any:
+        return self.objective.conditioning
+
+    @property
+    def video(self) -> bool:
+        return len(self.objective.image_shape) == 4
+
+    def __call__(self, conditions: Sequence[Any] | None = None, *, rows: int | None = None,
+                 key: jax.Array | None = None, steps: int | None = None,
+                 guidance: float | None = None) -> np.ndarray:
+        """uint8 images [N, ...]: one per condition (a label), or rows unconditioned."""
+        from dew.inputs import Unconditional
+        from dew.objectives.diffusion import to_pixels
+
+        objective = self.objective
+        condition = None if conditions is None else objective.conditioning.of(list(conditions))
+        count = rows if condition is None else int(condition.shape[0])
+        if count is None:
+            raise ValueError("Give conditions (labels) or rows for unconditional samples.")
+        scale = 1.0 if guidance is None else float(guidance)
+        if scale != 1.0 and isinstance(objective.conditioning, Unconditional):
+            raise ValueError(f"guidance={scale} was asked of an unconditional model; guidance "
+                             "needs the model's null label.")
+        draw = jax.jit(lambda v, k, c: objective.sample(v, k, c, count, steps=steps, guidance=scale))
+        return to_pixels(draw(self.variables, key if key is not None else jax.random.key(0), condition))
+
+    def sample(self, conditions: Sequence[Any] | None, rows: int, key: jax.Array,
+               steps: int | None, guidance: float | None) -> np.ndarray:
+        return self(conditions, rows=rows, key=key, steps=steps, guidance=guidance)

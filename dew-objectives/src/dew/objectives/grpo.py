@@ -27,7 +27,7 @@ formulas are in ``group_losses.py``; the host-side filters in ``group_sampling.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -36,7 +36,17 @@ import jax
 import jax.numpy as jnp
 
 from dew.objectives import group_losses
-from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
+from dew.objectives.base import (
+    Aux,
+    Batch,
+    LeafFilter,
+    Mean,
+    Metric,
+    Objective,
+    Step,
+    Variables,
+    under,
+)
 from dew.objectives.group_losses import (
     Aggregation,
     Baseline,
@@ -50,14 +60,15 @@ from dew.objectives.group_sampling import GroupFilter, IncompatibleOptionsError,
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    policy_pipeline,
     policy_variables,
     reference_variables,
     token_logprobs,
     with_reference,
 )
-from dew.objectives.rollouts import CompletionRollout
+from dew.objectives.rollouts import CompletionRollout, RewardMetric, greedy_outputs
 from dew.rewards import resolve
-from dew.sampling import Sampling
+from dew.sampling import Sampling, TextGeneration
 
 if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
@@ -204,6 +215,21 @@ class GRPOObjective(Objective):
 
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp")
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
+        return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
+                              self.max_new_tokens, self.prompt_key, self.prompt_length_key)
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The mean reward of the greedy completions of the validation prompts."""
+        return (RewardMetric(resolve(self.reward), tokenizer=self.tokenizer, stop_token=self.stop_token),)
+
+    def pipeline(self, state: Any, *, sampling: Sampling | Mapping[str, Any] | None = None
+                 ) -> TextGeneration:
+        """The policy as text generation (greedy unless sampling says otherwise), stopping at stop_token."""
+        return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
+                               stop_token=self.stop_token)
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         tokens, reward = batch["tokens"], jnp.asarray(batch["reward"], jnp.float32)

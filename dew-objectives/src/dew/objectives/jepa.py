@@ -53,7 +53,8 @@ from dew.objectives.base import (
     cosine_decay,
     under,
 )
-from dew.objectives.diffusion_pipeline import _Saved, variables_of
+from dew.objectives.diffusion_pipeline import _Saved
+from dew.objectives.inference import UnsupportedRequestError, variables_of
 from dew.objectives.lm import BatchShapeError, MissingBatchKeyError
 
 __all__ = ["FeatureExtraction", "JepaObjective", "MaskCoversImageError", "block_masks", "collapse_metrics"]
@@ -248,6 +249,28 @@ class FeatureExtraction(_Saved):
     [0, 1]; the objective's pixel_mean and pixel_std standardize them as in
     training. ``batch`` rows go through the encoder at a time.
     """
+
+    @property
+    def accepts(self) -> str:  # type: ignore[override]
+        model = self.objective.model
+        side, channels = model.image_size, model.channels
+        return f"images [N, {side}, {side}, {channels}] (uint8 or floats) to embed"
+
+    def usage(self, run: Any) -> str:
+        return f"dew embed {run} INPUTS OUT.npy"
+
+    def instead_of(self, command: str) -> str:
+        return "it turns images into vectors: use `dew embed RUN INPUTS OUT.npy`."
+
+    def embed(self, inputs: Any) -> np.ndarray:
+        """One embedding per image, [N, emb_features]; inputs of another shape are refused in one line."""
+        pixels = np.asarray(inputs)
+        model = self.objective.model
+        expected = (model.image_size, model.image_size, model.channels)
+        if pixels.ndim not in (4, 5) or tuple(pixels.shape[-3:]) != expected:
+            raise UnsupportedRequestError(f"Inputs of shape {pixels.shape} cannot be embedded: "
+                                          f"{self.name} takes {self.accepts}.")
+        return self(pixels)
 
     def __call__(self, pixels: Any, *, batch: int = 256) -> np.ndarray:
         """Embeddings of pixels [N, H, W, C] (or [N, F, H, W, C]), in order."""

@@ -45,7 +45,6 @@ from dew.objectives.base import (
     Objective,
     Step,
     Variables,
-    variables_of,
 )
 from dew.sampling import Sampling, TextGeneration, generate
 from dew.telemetry.artifacts import Artifact
@@ -222,11 +221,10 @@ class LMObjective(Objective):
         preview_sampling unless sampling (a Sampling, or its fields as a
         mapping) is given; its save writes the weights through Pretrained.save.
         """
-        if isinstance(sampling, Mapping):
-            sampling = Sampling(**sampling)
-        variables = {name: value for name, value in variables_of(state).items() if name != "cache"}
-        return TextGeneration(self.model, variables, self.tokenizer,
-                              sampling or self.preview_sampling)
+        from dew.objectives.policy import policy_pipeline
+
+        return policy_pipeline(self.model, state, self.tokenizer,
+                               sampling=sampling or self.preview_sampling)
 
     # -- internals ---------------------------------------------------------------------
     def _windows(self, batch: Batch) -> jax.Array:

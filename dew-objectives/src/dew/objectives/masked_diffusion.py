@@ -98,8 +98,16 @@ class TokenDiffusion(Objective):
         raise NotImplementedError
 
     def generate(self, variables: Variables, key: jax.Array, rows: int, *,
-                 steps: int | None = None) -> jax.Array:
+                 steps: int | None = None, prefix: jax.Array | None = None) -> jax.Array:
         raise NotImplementedError
+
+    def prefix_of(self, prompt: str, rows: int) -> jax.Array:
+        """prompt's ids [rows, P] for generate's prefix; ValueError when it cannot start a sample."""
+        from dew.objectives.diffusion_pipeline import prefix_ids
+
+        if self.tokenizer is None:
+            raise ValueError(f"{type(self).__name__} has no tokenizer to read a prompt with.")
+        return prefix_ids(self.tokenizer, prompt, rows, self.seq_len)
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         """The negative ELBO per token (an upper bound on the NLL per token, in nats)."""
@@ -119,7 +127,8 @@ class TokenDiffusion(Objective):
 
     def pipeline(self, state: Any, *, ema: bool = True) -> Any:
         """A pipeline that writes text with state's (EMA) parameters (or given variables)."""
-        from dew.objectives.diffusion_pipeline import TextDiffusionPipeline, variables_of
+        from dew.objectives.diffusion_pipeline import TextDiffusionPipeline
+        from dew.objectives.inference import variables_of
 
         return TextDiffusionPipeline(self, variables_of(state, ema))
 
@@ -157,10 +166,11 @@ class MaskedDiffusionObjective(TokenDiffusion):
         return masked_cross_entropy(logits, tokens, masked, nelbo_weight(t))
 
     def generate(self, variables: Variables, key: jax.Array, rows: int, *,
-                 steps: int | None = None) -> jax.Array:
-        """rows samples of seq_len ids."""
+                 steps: int | None = None, prefix: jax.Array | None = None) -> jax.Array:
+        """rows samples of seq_len ids (prefix [rows, P] kept as their start)."""
         return masked_generate(self.model, variables, rows, self.seq_len, key,
-                               steps=steps or self.preview_steps, temperature=self.temperature)
+                               steps=steps or self.preview_steps, temperature=self.temperature,
+                               prefix=prefix)
 
     def preview(self, variables: Variables, key: jax.Array) -> Artifact | None:
         if self.tokenizer is None:

@@ -11,7 +11,10 @@ narrowed to the policy by ``PolicyFrom``), and the reference becomes a copy
 of those trained weights.
 
 ``token_logprobs`` scores tokens under a model: the log-probability of every
-token given the ones before it.
+token given the ones before it. ``policy_pipeline`` is what every objective
+that trains a causal language model serves once trained: text generation
+from the policy alone (its EMA copy when kept), without the reference, a
+value head or a teacher, with the run's tokenizer and stop token.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from dew.objectives.base import Variables
+from dew.objectives.inference import variables_of
+from dew.sampling import Sampling, TextGeneration
 
-__all__ = ["REFERENCE", "PolicyFrom", "policy_variables", "reference_variables", "token_logprobs",
-           "with_reference"]
+__all__ = ["REFERENCE", "PolicyFrom", "policy_pipeline", "policy_variables", "reference_variables",
+           "token_logprobs", "with_reference"]
 
 REFERENCE = "reference"
 
@@ -54,6 +59,27 @@ def token_logprobs(model: nn.Module, variables: Variables, tokens: jax.Array) ->
 def policy_variables(variables: Variables) -> dict[str, Any]:
     """The policy's own variables: everything but the reference collection (and a decode cache)."""
     return {k: v for k, v in variables.items() if k not in (REFERENCE, "cache")}
+
+
+def policy_pipeline(model: nn.Module, state: Any, tokenizer: Any, *,
+                    sampling: Sampling | Mapping[str, Any] | None = None,
+                    stop_token: int | None = None,
+                    leave_out: tuple[str, ...] = ()) -> TextGeneration:
+    """Text generation from the policy in state: a TrainState (its EMA copy when kept) or variables.
+
+    The pipeline holds the policy's own variables: the frozen reference, a
+    decode cache and the top-level parameters named in leave_out (a value
+    head) stay behind. It samples greedily unless sampling (a Sampling or
+    its fields) says otherwise, and a continuation ends at stop_token
+    (default: the tokenizer's end-of-document id).
+    """
+    if isinstance(sampling, Mapping):  # a recipe's or a caller's {temperature: ..., top_k: ...}
+        sampling = Sampling(**sampling)
+    variables = policy_variables(variables_of(state))
+    if leave_out:
+        variables["params"] = {k: v for k, v in variables["params"].items() if k not in leave_out}
+    return TextGeneration(model, variables, tokenizer, sampling or Sampling(temperature=0.0),
+                          stop_token=stop_token)
 
 
 def reference_variables(variables: Variables) -> dict[str, Any]:

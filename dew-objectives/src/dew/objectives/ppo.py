@@ -20,13 +20,17 @@ under ``params/value_head``. The loss per completion token is
 
     clipped policy loss + value_coef * 0.5 * max((V - R)^2, (V_old + clip(V - V_old, ±value_clip) - R)^2)
     - entropy_coef * entropy
+
+Validation continues held-out prompts greedily and reports their mean
+``reward``; the trained policy, without its value head, is text generation
+(``pipeline``).
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,12 +40,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.objectives.advantages import gae
-from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
+from dew.objectives.base import (
+    Aux,
+    Batch,
+    LeafFilter,
+    Mean,
+    Metric,
+    Objective,
+    Step,
+    Variables,
+    under,
+)
 from dew.objectives.grpo import clipped_policy_loss
-from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_reference
-from dew.objectives.rollouts import CompletionRollout
+from dew.objectives.policy import (
+    REFERENCE,
+    PolicyFrom,
+    policy_pipeline,
+    policy_variables,
+    with_reference,
+)
+from dew.objectives.rollouts import CompletionRollout, RewardMetric, greedy_outputs
 from dew.rewards import resolve
-from dew.sampling import Sampling
+from dew.sampling import Sampling, TextGeneration
 
 if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
@@ -260,6 +280,21 @@ class PPOObjective(Objective):
 
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp", "old_values", "advantage", "returns")
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
+        return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
+                              self.max_new_tokens, self.prompt_key, self.prompt_length_key)
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The mean reward of the greedy completions of the validation prompts."""
+        return (RewardMetric(resolve(self.reward), tokenizer=self.tokenizer, stop_token=self.stop_token),)
+
+    def pipeline(self, state: Any, *, sampling: Sampling | Mapping[str, Any] | None = None
+                 ) -> TextGeneration:
+        """The policy without its value head as text generation, stopping at stop_token."""
+        return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
+                               stop_token=self.stop_token, leave_out=(VALUE_HEAD,))
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         tokens = batch["tokens"]

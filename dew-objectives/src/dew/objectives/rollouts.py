@@ -20,6 +20,11 @@ reward model scores with the completion).
 
 The time spent in the reward is kept apart (``reward_seconds``), so the
 goodput split shows it as its own row.
+
+Validation asks the same question without sampling noise: ``greedy_outputs``
+continues a validation batch's prompts greedily inside the compiled scorer,
+and ``RewardMetric`` cuts each completion at the stop token, decodes it and
+scores it with the reward on the host, as the rollout does.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from dew.objectives.policy import token_logprobs
 from dew.rewards import Reward, score
 from dew.sampling import Engine, EngineConfig, Request, Sampling
 
-__all__ = ["CompletionRollout", "RolloutBatchError"]
+__all__ = ["CompletionRollout", "RewardMetric", "RolloutBatchError", "completion_text", "greedy_continuation",
+           "greedy_outputs"]
 
 
 # The batch a rollout receives lacks the prompts or their lengths: dew's one batch-key error.
@@ -49,6 +55,99 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
     if tokenizer is None:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
     return tokenizer.decode(list(ids))
+
+
+def completion_text(tokenizer: Any, completion: Sequence[int], stop_token: int | None) -> tuple[str, int]:
+    """A completion's text up to the stop token, and how many of its tokens count (the stop included)."""
+    completion = np.asarray(completion).reshape(-1)
+    kept, shown = len(completion), completion
+    if stop_token is not None:
+        stops = np.flatnonzero(completion == stop_token)
+        if stops.size:
+            kept, shown = int(stops[0]) + 1, completion[: int(stops[0])]
+    return _decode(tokenizer, [int(t) for t in shown if t >= 0]), kept
+
+
+def greedy_continuation(model: nn.Module, variables: Any, prompts: jax.Array, lengths: jax.Array,
+                        max_new_tokens: int) -> jax.Array:
+    """The likeliest max_new_tokens after each right-padded prompt, [B, N], traceable.
+
+    Each new token runs the model over the whole padded row (no cache): the
+    causal mask keeps a position from seeing the padding after it, and a
+    validation batch is small, so the simplicity is worth the recompute.
+
+    >>> import flax.linen as nn
+    >>> class Next(nn.Module):  # always predicts the token after the current one
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return jax.nn.one_hot((x + 1) % 8, 8)
+    >>> greedy_continuation(Next(), {}, jnp.array([[3, 0], [5, 6]]), jnp.array([1, 2]), 3).tolist()
+    [[4, 5, 6], [7, 0, 1]]
+    """
+    rows, width = prompts.shape
+    index = jnp.arange(rows)
+    tokens = jnp.concatenate([prompts, jnp.zeros((rows, max_new_tokens), prompts.dtype)], axis=1)
+
+    def next_token(i: jax.Array, tokens: jax.Array) -> jax.Array:
+        logits = model.apply(variables, tokens)
+        chosen = jnp.argmax(logits[index, lengths + i - 1], axis=-1).astype(tokens.dtype)
+        return tokens.at[index, lengths + i].set(chosen)
+
+    tokens = jax.lax.fori_loop(0, max_new_tokens, next_token, tokens)
+    return tokens[index[:, None], lengths[:, None] + jnp.arange(max_new_tokens)[None, :]]
+
+
+def greedy_outputs(model: nn.Module, variables: Any, batch: Mapping[str, Any], key: jax.Array,
+                   max_new_tokens: int, prompt_key: str = "prompt",
+                   prompt_length_key: str = "prompt_length") -> dict[str, Any]:
+    """A validation batch's prompts continued greedily (traceable): ``completion`` [B, N] and the
+    batch's other keys, which a reward reads as each completion's context."""
+    for name in (prompt_key, prompt_length_key):
+        if name not in batch:
+            raise RolloutBatchError(
+                f"Validation reads prompts under {prompt_key!r} and their lengths under "
+                f"{prompt_length_key!r}, but the batch holds {sorted(batch)}.")
+    params = {"params": variables["params"]}
+    lengths = jnp.reshape(jnp.asarray(batch[prompt_length_key], jnp.int32), (-1,))
+    new = greedy_continuation(model, params, jnp.asarray(batch[prompt_key], jnp.int32), lengths,
+                              max_new_tokens)
+    context = {k: v for k, v in batch.items() if k not in (prompt_key, prompt_length_key)}
+    return {"completion": new, **context}
+
+
+class RewardMetric:
+    """The mean reward of the completions an evaluation wrote (``greedy_outputs``), on the host.
+
+    Each completion is cut at stop_token and decoded with tokenizer (bytes
+    when None), then scored with the reward against the batch's other
+    outputs, as ``CompletionRollout`` scores what it samples.
+    """
+
+    def __init__(self, reward: Reward, *, tokenizer: Any = None, stop_token: int | None = None,
+                 name: str = "reward", output: str = "completion") -> None:
+        self.reward = reward
+        self.tokenizer = tokenizer
+        self.stop_token = stop_token
+        self.name = name
+        self.output = output
+
+    def empty(self) -> tuple[float, float]:
+        return (0.0, 0.0)
+
+    def completions(self, outputs: Mapping[str, Any]) -> list[Any]:
+        """What the reward scores: each completion's text."""
+        return [completion_text(self.tokenizer, row, self.stop_token)[0]
+                for row in np.asarray(outputs[self.output])]
+
+    def update(self, accumulator: tuple[float, float], outputs: Mapping[str, Any]) -> tuple[float, float]:
+        completions = self.completions(outputs)
+        context = {k: np.asarray(v) for k, v in outputs.items() if k != self.output}
+        values = score(self.reward, completions, context)
+        return (accumulator[0] + float(values.sum()), accumulator[1] + float(values.size))
+
+    def result(self, accumulator: tuple[float, float]) -> float:
+        total, count = accumulator
+        return total / count if count else float("nan")
 
 
 class CompletionRollout:
@@ -96,15 +195,11 @@ class CompletionRollout:
         completions = []
         for i in range(rows):
             length, completion = int(lengths[i]), new[i]
-            kept, shown = n, completion
-            if self.stop_token is not None:
-                stops = np.flatnonzero(completion == self.stop_token)
-                if stops.size:
-                    kept, shown = int(stops[0]) + 1, completion[: int(stops[0])]
+            text, kept = completion_text(self.tokenizer, completion, self.stop_token)
             tokens[i, :length] = prompts[i, :length]
             tokens[i, length:length + n] = completion
             mask[i, length:length + kept] = 1.0
-            completions.append(_decode(self.tokenizer, shown.tolist()))
+            completions.append(text)
         # A reward reads the batch's other keys, repeated per completion, as whatever they hold.
         context: dict[str, Any] = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()
                    if k not in (self.prompt_key, self.prompt_length_key)}

@@ -1,9 +1,13 @@
 """TextGeneration: a trained causal language model as a prompt-in, text-out task.
 
 It holds what inference needs and nothing a run needs (no optimizer state,
-no counters): the model, its variables, the tokenizer and default sampling.
-``save`` writes it through ``Pretrained.save``, so what a run trained can be
-loaded by transformers, or by ``TextGeneration.load`` later.
+no counters): the model, its variables, the tokenizer, default sampling and
+the token that ends a continuation. ``save`` writes it through
+``Pretrained.save``, so what a run trained can be loaded by transformers, or
+by ``TextGeneration.load`` later. It is the pipeline of every objective that
+trains a causal language model (language modelling, fine-tuning,
+distillation's student, the policy of the preference and RL objectives), and
+``generate`` serves ``dew generate``.
 
 >>> import jax, jax.numpy as jnp
 >>> from dew.data import ByteTokenizer
@@ -22,11 +26,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
+from dew.objectives.inference import (
+    Generated,
+    Pipeline,
+    Request,
+    UnsupportedRequestError,
+    write_texts,
+)
 from dew.sampling.generate import Generation, generate
 from dew.sampling.options import Sampling
 
@@ -40,19 +50,25 @@ def _cut(text: str, stop: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True)
-class TextGeneration:
+class TextGeneration(Pipeline):
     """Continue prompts with a causal model; each call returns one text per prompt.
 
-    The continuation stops at the tokenizer's end-of-document id, after one of
-    the stop strings (which it then ends with), or after max_new_tokens, and
-    holds only the new text, not the prompt. The prompts of one call are
-    generated together by the generation engine (dew.sampling.Engine).
+    The continuation stops at stop_token (default: the tokenizer's
+    end-of-document id, which is not shown), after one of the stop strings
+    (which it then ends with), or after max_new_tokens, and holds only the
+    new text, not the prompt. The prompts of one call are generated together
+    by the generation engine (dew.sampling.Engine).
     """
 
     model: Any
     variables: Mapping[str, Any]
     tokenizer: Any
     sampling: Sampling = Sampling(temperature=0.0)
+    stop_token: int | None = None
+
+    accepts: ClassVar[str] = "one or more text prompts to continue"
+    options: ClassVar[frozenset[str]] = frozenset(
+        {"count", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "stop"})
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -64,6 +80,11 @@ class TextGeneration:
 
         check_vocabulary(self.tokenizer, self.model)
 
+    @property
+    def stop(self) -> int | None:
+        """The id that ends a continuation: stop_token, else the tokenizer's end-of-document id."""
+        return self.stop_token if self.stop_token is not None else getattr(self.tokenizer, "eos_id", None)
+
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
                stop: Sequence[str] = ()) -> Generation:
@@ -71,26 +92,54 @@ class TextGeneration:
         ids = [list(self.tokenizer.encode(prompt)) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
-                        sampling or self.sampling, eos_id=getattr(self.tokenizer, "eos_id", None),
-                        stop_strings=tuple(stop),
+                        sampling or self.sampling, eos_id=self.stop, stop_strings=tuple(stop),
                         detokenize=lambda ids: self.tokenizer.decode(list(ids)))
 
     def __call__(self, prompts: str | Sequence[str], *, max_new_tokens: int = 64,
                  sampling: Sampling | None = None, key: jax.Array | None = None,
                  stop: Sequence[str] = ()) -> str | list[str]:
-        """The continuation of each prompt as text (one str for one str prompt)."""
+        """The continuation of each prompt as text (one str for one str prompt), without the stop token."""
         single = isinstance(prompts, str)
         batch = [prompts] if single else list(prompts)
         out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                           stop=stop)
-        texts = [_cut(self.tokenizer.decode(row), stop) for row in out.new_tokens]
+        ended = self.stop
+        texts = [_cut(self.tokenizer.decode(row[:-1] if row and row[-1] == ended else row), stop)
+                 for row in out.new_tokens]
         return texts[0] if single else texts
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the model, its variables and tokenizer in their source's format (Pretrained)."""
+    def generate(self, request: Request) -> Generated:
+        """Each prompt of request continued (count times), shown as the prompt and its continuation.
+
+        Sampling is greedy unless request sets a temperature (then the
+        count continuations of a prompt differ); without max_new_tokens a
+        continuation is up to 64 tokens, as many as the model's max_seq_len
+        leaves room for. With request.out the texts are also written there,
+        as samples.txt.
+        """
+        self.check(request)
+        if not request.inputs:
+            raise UnsupportedRequestError(f"No prompt was given: {self.describe()}.")
+        count = request.count or 1
+        prompts = [prompt for prompt in request.inputs for _ in range(count)]
+        given = {name: getattr(request, name) for name in ("temperature", "top_k", "top_p", "min_p")
+                 if getattr(request, name) is not None}  # greedy unless a temperature is given
+        sampling = Sampling(**{"temperature": 0.0, **given})
+        longest = max(len(self.tokenizer.encode(prompt)) for prompt in request.inputs)
+        room = getattr(self.model, "max_seq_len", longest + 64) - longest
+        texts = self(prompts, max_new_tokens=request.max_new_tokens or max(min(64, room), 0),
+                     sampling=sampling, key=jax.random.key(request.seed), stop=request.stop)
+        shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))
+        return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
+
+    def usage(self, run: Any) -> str:
+        return f"dew generate {run} PROMPT"
+
+    def pretrained(self) -> Any:
+        """The model, its variables and tokenizer, as Pretrained.save writes them."""
         from dew.pretrained import Pretrained
 
-        return Pretrained(self.model, self.variables, self.tokenizer).save(directory)
+        return Pretrained(self.model, self.variables, self.tokenizer)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, sampling: Sampling | None = None,

@@ -1,0 +1,68 @@
+"""``dew embed RUN INPUT... OUT.npy``: one vector per input from a representation run's encoder.
+
+INPUTs are ``.npy`` arrays of images (``[N, H, W, C]``, or one image
+``[H, W, C]``) or image files (PNG, JPEG: grayscale reads as one channel,
+color as three), taken in order. The run's pipeline (a JEPA run's target
+encoder, say) turns them into an array ``[N, features]`` saved to OUT.npy.
+A run whose model makes samples rather than vectors says to use
+``dew generate`` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "read_inputs", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dew.cli.runs import add_run_argument
+
+    add_run_argument(parser)
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", type=Path,
+                        help=".npy arrays of images, or image files (PNG, JPEG)")
+    parser.add_argument("out", metavar="OUT.npy", type=Path, help="where the vectors are saved")
+    parser.add_argument("--step", type=int, default=None, help="a kept step (default newest)")
+
+
+def read_inputs(paths: list[Path]) -> Any:
+    """The images paths hold, stacked in order as one array [N, ...]."""
+    import numpy as np
+
+    parts = []
+    for path in paths:
+        if path.suffix == ".npy":
+            array = np.load(path, allow_pickle=False)
+            parts.append(array[None] if array.ndim == 3 else array)
+            continue
+        from PIL import Image
+
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("L" if image.mode in ("1", "L", "P", "I") else "RGB"))
+        parts.append((pixels[..., None] if pixels.ndim == 2 else pixels)[None])
+    shapes = {part.shape[1:] for part in parts}
+    if len(shapes) > 1:
+        raise ValueError(f"The inputs hold images of different shapes {sorted(shapes)}; give "
+                         "images of one shape.")
+    return np.concatenate(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dew.cli.runs import expected, open_run, refused
+
+    try:
+        pipeline = open_run(args.run, step=args.step).pipeline()
+        vectors = pipeline.embed(read_inputs(args.inputs))
+        target = args.out if args.out.suffix == ".npy" else args.out.with_name(args.out.name + ".npy")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        np.save(target, vectors)
+    except Exception as error:
+        if not expected(error):
+            raise
+        return refused("embed", error)
+    print(f"Wrote {vectors.shape[0]} embedding(s) of {vectors.shape[1]} features to {target}")
+    return 0

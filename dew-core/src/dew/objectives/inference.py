@@ -1,0 +1,186 @@
+"""Pipelines: what a trained objective's weights are for, as every command reaches them.
+
+``objective.pipeline(state)`` wraps trained weights (the EMA copy when the
+run kept one) in an inference task: text generation, images for labels,
+embeddings. The commands speak to every pipeline through the same three
+methods, each declared here with a default that refuses in one line and
+says what to use instead:
+
+- ``generate(request)``: samples for ``dew generate`` (texts shown, files
+  written), from a ``Request`` holding what the user typed;
+- ``embed(inputs)``: one vector per input, for ``dew embed``;
+- ``pretrained()``: the model, weights and tokenizer ``dew export`` writes
+  (``save(directory)`` writes them through ``Pretrained.save``).
+
+A pipeline lists the request options it reads (``options``) and says in a
+line what it takes (``accepts``); ``check`` refuses any other option, so a
+guidance scale given to a language model fails naming what the model takes
+rather than being ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from dew.errors import DewError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dew.pretrained.model import Pretrained
+
+__all__ = [
+    "Generated",
+    "NoPipelineError",
+    "Pipeline",
+    "PipelineError",
+    "Request",
+    "UnsupportedRequestError",
+    "variables_of",
+    "write_texts",
+]
+
+
+class PipelineError(DewError, ValueError):
+    """A pipeline cannot do what was asked of it."""
+
+
+class NoPipelineError(PipelineError):
+    """An objective that declares no pipeline, so its weights serve no command."""
+
+
+class UnsupportedRequestError(PipelineError):
+    """An input or option the pipeline cannot take (a text prompt to a class-conditional model)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a person asks a pipeline for, as typed: the inputs and the options set.
+
+    inputs are prompts or labels as strings (the pipeline reads them); count
+    is how many samples per input (or in all, with no inputs); steps the
+    sampler's steps, guidance the classifier-free guidance scale;
+    max_new_tokens, the sampling options (temperature, top_k, top_p, min_p)
+    and the stop strings are a language model's; seed picks the random draws; out is the directory
+    files go to. An option left None takes the pipeline's default.
+    """
+
+    inputs: tuple[str, ...] = ()
+    count: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    out: Path | None = None
+
+    OPTIONS: ClassVar[tuple[str, ...]] = ("count", "steps", "guidance", "max_new_tokens",
+                                          "temperature", "top_k", "top_p", "min_p", "stop")
+
+    def __post_init__(self) -> None:
+        if self.count is not None and self.count < 1:
+            raise UnsupportedRequestError(f"count must be at least 1, got {self.count}.")
+        if self.steps is not None and self.steps < 1:
+            raise UnsupportedRequestError(f"steps must be at least 1, got {self.steps}.")
+
+    def given(self) -> tuple[str, ...]:
+        """The options set (not None), in declaration order."""
+        return tuple(f.name for f in fields(self)
+                     if f.name in self.OPTIONS and getattr(self, f.name) not in (None, ()))
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What a generation made: texts to show (one per sample) and the files written."""
+
+    texts: tuple[str, ...] = ()
+    files: tuple[Path, ...] = ()
+    samples: int = 0
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class Pipeline:
+    """The inference task of a trained objective (see the module docstring).
+
+    Subclasses set ``accepts`` (one line: what ``generate`` takes) and
+    ``options`` (the Request options it reads), and implement the methods
+    they support; the defaults refuse, naming what to use instead.
+    """
+
+    accepts: ClassVar[str] = "nothing: it makes no samples"
+    options: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def describe(self) -> str:
+        """One line: what generate takes, and the options it reads."""
+        options = ", ".join(_flag(o) for o in Request.OPTIONS if o in self.options)
+        return f"{self.name} takes {self.accepts}" + (f" (options: {options})" if options else "")
+
+    def check(self, request: Request) -> None:
+        """Refuse the options this pipeline does not read, in one line naming what it takes."""
+        unread = [o for o in request.given() if o not in self.options]
+        if unread:
+            raise UnsupportedRequestError(
+                f"{', '.join(_flag(o) for o in unread)} {'does' if len(unread) == 1 else 'do'} "
+                f"not apply here: {self.describe()}.")
+
+    def generate(self, request: Request) -> Generated:
+        """Samples for request: texts and/or files under request.out."""
+        raise UnsupportedRequestError(f"{self.name} makes no samples; {self.instead_of('generate')}")
+
+    def embed(self, inputs: Any) -> np.ndarray:
+        """One vector per input, [N, features]."""
+        raise UnsupportedRequestError(f"{self.name} makes no embeddings; {self.instead_of('embed')}")
+
+    def usage(self, run: Any) -> str:
+        """The command that uses run through this pipeline, as a person would type it."""
+        return f"dew generate {run} INPUT..."
+
+    def instead_of(self, command: str) -> str:
+        """What to use instead of command on this pipeline (a sentence)."""
+        if command == "embed":
+            return "use `dew generate RUN ...` for its samples."
+        return "use `dew embed RUN INPUTS OUT.npy` for its embeddings."
+
+    def pretrained(self) -> Pretrained:
+        """The model, its variables, tokenizer and task, as ``dew export`` writes them."""
+        raise UnsupportedRequestError(f"{self.name} holds no weights to export.")
+
+    def save(self, directory: str | os.PathLike[str], *, format: str | None = None) -> Path:
+        """Write the weights in their source's own format (see Pretrained.save); return directory."""
+        return self.pretrained().save(directory, format=format)
+
+
+def variables_of(state: Any, ema: bool = True) -> Mapping[str, Any]:
+    """A TrainState's EMA copy (when kept and ema) or its parameters; a variables tree passes through.
+
+    The decode cache a sampler may have left in the variables is dropped.
+    """
+    if not isinstance(state, Mapping):  # a TrainState
+        state = state.averaged if ema and state.averaged is not None else state.params
+    return {name: value for name, value in state.items() if name != "cache"}
+
+
+def write_texts(texts: tuple[str, ...], directory: str | os.PathLike[str] | None) -> tuple[Path, ...]:
+    """texts as ``samples.txt`` in directory, separated by rule lines; nothing when directory is None."""
+    if directory is None:
+        return ()
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / "samples.txt"
+    path.write_text("\n---\n".join(texts) + "\n", encoding="utf-8")
+    return (path,)

@@ -1,0 +1,405 @@
+"""Every shipped recipe makes a usable run: `dew train` a few steps, then `dew generate`, `dew eval`
+and `dew export` on it (and `dew embed` where the run makes vectors), each as a user types it.
+
+The matrix enumerates the shipped recipes, so a recipe added later is trained here too. Each
+recipe's cell runs its commands in one fresh interpreter through ``dew.cli.main``, the function
+the ``dew`` console script calls (``test_the_console_script_is_main`` checks they agree, exit
+codes included). Every model is shrunk by the same rules for its registered name, so a recipe
+that starts from another recipe's run (``init.run: runs/addition-lm``) or export
+(``exported/tiny-lm``) finds a base of its own shape: that recipe's cell, trained once and shared.
+The cells share one persistent compilation cache and compile without XLA's backend
+optimizations: two training steps do not repay them.
+
+What each cell proves, against an independent computation where there is one:
+- `dew eval RUN` with no flags reproduces the validation the trainer itself logged at the last
+  step, metric for metric (the objective's own: perplexity, reward, preference accuracy, the
+  loss per noise band, the collapse figures);
+- `dew generate` writes what the run's pipeline takes and makes (texts; a PNG grid and one PNG
+  per image; GIFs for clips), and refuses an input it cannot take in one line saying what it takes;
+- `dew export` writes every model: a language model (and every RL/preference policy) as a Llama
+  that transformers loads and computes as dew did from the checkpoint, the rest in dew's own
+  layout that ``Pretrained.load`` reads back with its task;
+- no command ends in a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dew.recipes.config import recipe_path, shipped
+from dew.recipes.reading import read_recipe_file
+from dew.testing.processes import run_python
+
+RECIPES = sorted(shipped())
+
+# Each registered model, shrunk: the same fields for the same model, so bases and their
+# dependents (a DPO policy and its language model, a teacher and its run) keep one shape.
+SMALL_MODELS = {
+    "causal_transformer": {"emb_features": 16, "num_layers": 1, "num_heads": 2, "mlp_features": 32},
+    "token_denoiser": {"emb_features": 16, "num_layers": 1, "num_heads": 2, "mlp_features": 32},
+    "dit": {"emb_features": 16, "num_layers": 1, "num_heads": 2, "mlp_features": 32},
+    "video_dit": {"emb_features": 16, "num_layers": 1, "num_heads": 2, "mlp_features": 32},
+    "vit_encoder": {"emb_features": 16, "num_layers": 1, "num_heads": 2, "mlp_features": 32},
+    "unet": {"emb_features": 16, "features": 8, "multipliers": [1]},
+}
+# Objective fields a recipe sets that only cost time here: previews, sampling lengths, group sizes.
+SMALL_OBJECTIVE = {"prompt": None, "preview_steps": 2, "preview_rows": 1, "preview_count": 2,
+                   "preview_tokens": 2, "sample_steps": 2, "group_size": 2, "steps": 2,
+                   "max_new_tokens": 2, "epochs": 1}
+PROMPTS = ["12+3=", "def "]
+# One device, compiled without the backend's optimizations (numbers differ in the last bits from
+# an optimized program's, so every process of the matrix compiles this way).
+FLAGS = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+
+
+def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        return [leaf for key, value in tree.items() for leaf in _leaves(value, f"{prefix}{key}.")]
+    if isinstance(tree, list):
+        return [leaf for i, value in enumerate(tree) for leaf in _leaves(value, f"{prefix}{i}.")]
+    return [(prefix[:-1], tree)]
+
+
+def references(recipe: dict) -> list[tuple[str, str, str]]:
+    """(dotted key, "runs" or "exported", recipe name) for each path in recipe naming another
+    recipe's run (runs/NAME/...) or export (exported/NAME)."""
+    found = []
+    for key, value in _leaves(recipe):
+        if key.startswith("trackers.") or key == "trainer.checkpoint_dir" or not isinstance(value, str):
+            continue
+        parts = Path(value).parts
+        if len(parts) >= 2 and parts[0] in ("runs", "exported") and parts[1] in RECIPES:
+            found.append((key, parts[0], parts[1]))
+    return found
+
+
+def overrides(name: str, runs: Path, exported: Path) -> list[str]:
+    """dew train's key=value overrides that make recipe name a two-step run of tiny models."""
+    recipe = read_recipe_file(recipe_path(name))
+    run = runs / name
+    out = ["trainer.steps=2", "trainer.log_every=1", "trainer.eval_every=null",
+           "trainer.checkpoint_every=null", "trainer.preview=false", f"trainer.checkpoint_dir={run}",
+           "data.batch=4"]
+    out += [f"trackers.{i}.directory={run}" for i, t in enumerate(recipe.get("trackers") or [])
+            if t.get("name") == "local"]
+    sections = [("model", recipe.get("model"))]
+    sections += [(f"objective.{k}", v) for k, v in recipe["objective"].items()
+                 if isinstance(v, dict) and "name" in v]  # a teacher's model, say
+    for where, section in sections:
+        if section and section.get("name") in SMALL_MODELS:
+            out += [f"{where}.{k}={json.dumps(v)}" for k, v in SMALL_MODELS[section["name"]].items()]
+    out += [f"objective.{k}={json.dumps(v)}" for k, v in SMALL_OBJECTIVE.items()
+            if k in recipe["objective"]]
+    files = recipe["data"].get("files")
+    if isinstance(files, str) and files.startswith("{stdlib}"):
+        out.append("data.files={stdlib}/a*.py")
+    for key, kind, base in references(recipe):
+        out.append(f"{key}={(runs if kind == 'runs' else exported) / base}")
+    return out
+
+
+# One cell: dew's commands in one interpreter, each through dew.cli.main as the console script
+# calls it; every result (exit code, stdout, stderr) is written to a JSON file.
+CELL = r'''
+import contextlib, io, json, os, sys, time, traceback
+from pathlib import Path
+
+spec = json.loads(os.environ["DEW_MATRIX_CELL"])
+results = []
+
+def dew(*argv):
+    from dew.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    began = time.process_time()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as stop:  # argparse's refusals, as the console script exits with them
+            code = stop.code
+        except BaseException:
+            code = "traceback"
+            traceback.print_exc()
+    results.append({"argv": [str(a) for a in argv], "code": code, "out": out.getvalue(),
+                    "err": err.getvalue(), "cpu": time.process_time() - began})
+    return results[-1]
+
+def finish(**extra):
+    Path(spec["result"]).write_text(json.dumps({"commands": results, **extra}))
+    sys.exit(0)
+
+run, exported, name = spec["run"], spec["exported"], spec["name"]
+if dew("train", name, *spec["overrides"])["code"] != 0:
+    finish()
+
+from dew.cli.runs import open_run
+
+opened = open_run(Path(run))
+pipeline = opened.pipeline()
+kind = type(pipeline).__name__
+bad = []
+dew("eval", run, "--json")
+if kind == "TextGeneration":
+    dew("generate", run, *spec["prompts"], "--max-new-tokens", "3")
+    bad.append(dew("generate", run, "x", "--guidance", "2"))
+    bad.append(dew("generate", run))
+elif kind == "FeatureExtraction":
+    import numpy as np
+    from dew.data.base import SINGLE
+    from dew.recipes.run import build_parts
+
+    batch = next(iter(build_parts(opened.config).dataset.val(SINGLE)))
+    key = pipeline.objective.input_key
+    np.save("inputs.npy", batch[key][:3])
+    dew("embed", run, "inputs.npy", "vectors.npy")
+    bad.append(dew("generate", run))
+    np.save("wrong.npy", np.zeros((2, 5, 5, 3), np.uint8))
+    bad.append(dew("embed", run, "wrong.npy", "never.npy"))
+elif kind == "TextDiffusionPipeline":
+    dew("generate", run, "--count", "2", "--steps", "2", "--out", "texts")
+    dew("generate", run, "abc", "--steps", "2")  # block diffusion refuses a partial block
+    bad.append(dew("generate", run, "--guidance", "2"))
+else:  # images or clips
+    accepts = pipeline.accepts
+    labels = ["0", "1"] if "label" in accepts else []
+    guidance = ["--guidance", "2"] if "guidance" in pipeline.options else []
+    dew("generate", run, *labels, "--count", "2", "--steps", "2", *guidance, "--out", "samples")
+    if labels:
+        bad.append(dew("generate", run, "a cat"))
+        bad.append(dew("generate", run, "99"))
+dew("export", run, exported)
+extra = {"kind": kind, "accepts": pipeline.accepts}
+if kind == "TextGeneration":
+    import jax.numpy as jnp
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 256, (2, 9))
+    np.save("ids.npy", ids)
+    np.save("logits.npy", np.asarray(pipeline.model.apply(pipeline.variables, jnp.asarray(ids, jnp.int32))))
+    dew("generate", exported, *spec["prompts"], "--max-new-tokens", "3")
+    if opened.config.lora is not None:
+        dew("export", run, exported + "-adapters", "--adapters")
+else:
+    import jax
+    import numpy as np
+    from dew.pretrained import Pretrained
+
+    loaded = Pretrained.load(exported)
+    saved = jax.tree.leaves(jax.device_get(dict(pipeline.variables)))
+    extra["bitwise"] = len(saved) == len(jax.tree.leaves(loaded.variables)) and all(
+        np.array_equal(a, b) for a, b in zip(saved, jax.tree.leaves(loaded.variables)))
+    extra["task"] = (loaded.task or {}).get("name")
+    extra["reloaded"] = type(loaded.pipeline()).__name__
+finish(bad=[len(results) - 1 - results[::-1].index(b) for b in bad], **extra)
+'''
+
+
+class Matrix:
+    """The cells, each trained once and shared (a dependent's base first)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cells: dict[str, dict] = {}
+        self.cache = root / "xla-cache"
+
+    def cell(self, name: str) -> dict:
+        if name in self.cells:
+            assert "failed" not in self.cells[name], self.cells[name]["failed"]
+            return self.cells[name]
+        recipe = read_recipe_file(recipe_path(name))
+        for _, _, base in references(recipe):
+            assert self.cell(base)["commands"][0]["code"] == 0, f"{name}'s base {base} did not train"
+        runs, exported = self.root / "runs", self.root / "exported"
+        result = self.root / f"{name}.json"
+        spec = {"name": name, "run": str(runs / name), "exported": str(exported / name),
+                "overrides": overrides(name, runs, exported), "prompts": PROMPTS, "result": str(result)}
+        work = self.root / "work" / name
+        work.mkdir(parents=True, exist_ok=True)
+        finished = run_python(CELL, cwd=work, timeout=400, compilation_cache=self.cache,
+                              env={"DEW_MATRIX_CELL": json.dumps(spec), "XLA_FLAGS": FLAGS})
+        if finished.returncode != 0 or not result.is_file():
+            self.cells[name] = {"failed": finished.stdout + finished.stderr[-6000:]}
+        else:
+            self.cells[name] = json.loads(result.read_text())
+        cell = self.cells[name]
+        assert "failed" not in cell, cell.get("failed")
+        cell.update(name=name, run=runs / name, exported=exported / name, work=work)
+        return cell
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> Matrix:
+    return Matrix(tmp_path_factory.mktemp("matrix"))
+
+
+def _command(cell: dict, verb: str, *, index: int = 0) -> dict:
+    found = [c for c in cell["commands"] if c["argv"][0] == verb]
+    assert len(found) > index, f"{cell['name']}: no dew {verb} ran: {cell['commands'][-1]}"
+    return found[index]
+
+
+def _ok(command: dict) -> dict:
+    assert command["code"] == 0, f"dew {' '.join(command['argv'])} exited {command['code']}:\n" \
+                                 f"{command['out'][-2000:]}\n{command['err'][-4000:]}"
+    return command
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def _logged_validation(run: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines() if line]
+    scores = [row for row in rows if any(k.startswith("val/") for k in row)]
+    assert scores, f"{run} logged no validation"
+    return {k: v for k, v in scores[-1].items() if k.startswith("val/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_run_generates_evaluates_and_exports(name, matrix):
+    cell = matrix.cell(name)
+    train = _ok(cell["commands"][0])
+    for command in cell["commands"]:
+        assert command["code"] != "traceback" and "Traceback" not in command["err"], command
+    run, kind = cell["run"], cell["kind"]
+    usage = [line for line in train["out"].splitlines() if line.startswith("Use the run: ")]
+    assert usage and str(run) in usage[0]
+    assert ("dew embed" if kind == "FeatureExtraction" else "dew generate") in usage[0]
+
+    # dew eval, no flags: the objective's validation of the last step, as the trainer logged it.
+    scores = json.loads(_ok(_command(cell, "eval"))["out"])
+    logged = _logged_validation(run)
+    assert scores["step"] == 2
+    assert {k for k in scores if k.startswith("val/")} == set(logged)
+    for key, value in logged.items():
+        assert scores[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+    # Bad input: one line saying what the pipeline takes, exit 2.
+    for index in cell["bad"]:
+        refused = cell["commands"][index]
+        assert refused["code"] == 2, refused
+        lines = refused["err"].strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"dew {refused['argv'][0]}: "), refused
+
+    export = _ok(_command(cell, "export"))
+    assert str(cell["exported"]) in export["out"]
+    if kind == "TextGeneration":
+        _check_text(cell)
+    elif kind == "FeatureExtraction":
+        _check_embeddings(cell)
+    elif kind == "TextDiffusionPipeline":
+        _check_text_diffusion(cell)
+    else:
+        _check_pixels(cell)
+    if kind != "TextGeneration":  # dew's own layout, read back bit for bit with the task it serves
+        config = json.loads((cell["exported"] / "config.json").read_text())
+        assert config["format"] == "dew" and "dew's own layout" in export["out"]
+        assert cell["bitwise"] and cell["task"] == read_recipe_file(recipe_path(name))["objective"]["name"]
+        assert cell["reloaded"] == kind
+
+
+def _check_text(cell: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    shown = _ok(_command(cell, "generate"))["out"]  # each prompt and its continuation, in order
+    assert shown.startswith(PROMPTS[0]) and f"\n{PROMPTS[1]}" in shown
+    # The export reads back through every command: generating from it says the same.
+    assert _ok(_command(cell, "generate", index=3))["out"] == shown
+    assert "Hugging Face's Llama layout" in _command(cell, "export")["out"]
+    # transformers computes from the export what dew computes from the checkpoint.
+    work = cell["work"]
+    ids, ours = np.load(work / "ids.npy"), np.load(work / "logits.npy")
+    model = transformers.AutoModelForCausalLM.from_pretrained(cell["exported"], dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model.eval()(torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() <= 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cell["exported"])
+    assert tokenizer.encode("12+3=") == list(b"12+3=")
+    if any(c["argv"][-1] == "--adapters" for c in cell["commands"]):
+        export = _ok([c for c in cell["commands"] if c["argv"][-1] == "--adapters"][0])
+        assert (Path(export["argv"][2]) / "adapter_config.json").is_file()
+
+
+def _check_embeddings(cell: dict) -> None:
+    _ok(_command(cell, "embed"))
+    vectors, inputs = np.load(cell["work"] / "vectors.npy"), np.load(cell["work"] / "inputs.npy")
+    assert vectors.shape[0] == inputs.shape[0] == 3 and vectors.ndim == 2 and np.isfinite(vectors).all()
+    refused = _command(cell, "generate")
+    assert refused["code"] == 2 and "dew embed" in refused["err"]
+
+
+def _check_text_diffusion(cell: dict) -> None:
+    made = _ok(_command(cell, "generate"))["out"]
+    written = (cell["work"] / "texts" / "samples.txt").read_bytes().decode("utf-8")  # \r kept
+    assert written.count("\n---\n") == 1  # two samples, a rule between them
+    assert all(text in made for text in written[:-1].split("\n---\n"))
+    prompted = _command(cell, "generate", index=1)
+    if "block" in cell["name"]:
+        assert prompted["code"] == 2 and "whole blocks" in prompted["err"]
+    else:
+        assert _ok(prompted)["out"].startswith("abc")
+
+
+def _check_pixels(cell: dict) -> None:
+    made = _ok(_command(cell, "generate"))
+    samples = cell["work"] / "samples"
+    labelled = "label" in cell["accepts"]
+    count = 4 if labelled else 2
+    singles = sorted(samples.glob("sample_*"))
+    assert len(singles) == count
+    assert f"Wrote {count} sample(s) to samples: samples{singles[0].suffix}" in made["out"]
+    if singles[0].suffix == ".png":
+        side, _ = _png_size(singles[0])
+        width, height = _png_size(samples / "samples.png")
+        assert (width, height) == ((2 if labelled else count) * side, (2 if labelled else 1) * side)
+    else:
+        from PIL import Image
+
+        with Image.open(samples / "samples.gif") as grid, Image.open(singles[0]) as clip:
+            assert grid.n_frames == clip.n_frames > 1
+    if labelled:
+        for index in cell["bad"]:
+            assert "class labels 0 to" in cell["commands"][index]["err"]
+
+
+@pytest.mark.slow
+def test_the_console_script_is_main(matrix):
+    """The installed `dew` script gives what dew.cli.main gave the cells: output and exit codes."""
+    import subprocess
+
+    from dew.testing.processes import device_env
+
+    # A class-conditional run's cell (one the matrix made already, when it ran first).
+    order = sorted(RECIPES, key=lambda n: n not in matrix.cells)
+    cell = next(c for c in map(matrix.cell, order) if "label" in c["accepts"] and c["bad"])
+    script = Path(sys.executable).parent / "dew"
+    env = device_env(1, {"XLA_FLAGS": FLAGS}, compilation_cache=matrix.cache)
+    for command in (cell["commands"][cell["bad"][0]], _command(cell, "eval")):
+        ran = subprocess.run([str(script), *command["argv"]], capture_output=True, text=True,
+                             cwd=cell["work"], env=env, timeout=300)
+        assert (ran.returncode, ran.stdout, ran.stderr) == (command["code"], command["out"],
+                                                           command["err"]), command["argv"]
+    unknown = subprocess.run([str(script), "generate"], capture_output=True, text=True, env=env)
+    assert unknown.returncode == 2 and "RUN" in unknown.stderr  # argparse's refusal, exit 2
+
+
+def test_every_recipe_reference_names_a_shipped_recipe():
+    """The matrix finds a dependent's base by its path: each init/teacher path names a recipe."""
+    for name in RECIPES:
+        recipe = read_recipe_file(recipe_path(name))
+        for key, value in _leaves(recipe):
+            if key.split(".")[-1] in ("run", "pretrained", "teacher_checkpoint", "teacher_pretrained") \
+                    and isinstance(value, str):
+                parts = Path(value).parts
+                assert parts[:1] in (("runs",), ("exported",)) and parts[1] in RECIPES, (name, key, value)
+
