@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dew.recipes.errors import RecipeError
+from dew.recipes.resuming import resume_command, shown
 
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
@@ -41,10 +41,7 @@ __all__ = [
     "STARTED",
     "NotARunFolderError",
     "RunFolder",
-    "resume_command",
     "resumed",
-    "resuming_line",
-    "shown",
     "stopped_line",
     "train_in",
 ]
@@ -57,23 +54,6 @@ _STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
 
 class NotARunFolderError(RecipeError):
     """``dew train --resume RUN`` was given a path that holds no run.json a run wrote."""
-
-
-def shown(path: str | os.PathLike[str]) -> str:
-    """path as a person types it here: relative to the working directory when inside it."""
-    path = Path(path)
-    with contextlib.suppress(ValueError):
-        return str(path.relative_to(Path.cwd()))
-    return str(path)
-
-
-def resume_command(directory: str | os.PathLike[str]) -> str:
-    """The command that continues the run in directory, ready to paste.
-
-    >>> resume_command("/somewhere/else/runs/tiny lm")
-    "dew train --resume '/somewhere/else/runs/tiny lm'"
-    """
-    return f"dew train --resume {shlex.quote(shown(directory))}"
 
 
 @dataclass(frozen=True)
@@ -324,17 +304,3 @@ def stopped_line(stop: Any, folder: RunFolder) -> str:
                 "unset), so nothing was written and running again starts over.")
     return (f"{what} at step {stop.step}; its checkpoint, data position and journal are in "
             f"{shown(folder.directory)}. Resume with: {resume_command(folder.directory)}")
-
-
-def resuming_line(directory: Any, resumed_at: int, steps: int, trained_for: int | None) -> str:
-    """The one line a run that found its folder's checkpoints prints: it resumes (or is done),
-    and how to start fresh instead."""
-    where = shown(directory)
-    before = "" if trained_for is None or trained_for == steps else \
-        f" (its checkpoints trained with trainer.steps={trained_for})"
-    fresh = (f"to start fresh instead, set trainer.checkpoint_dir to a new folder or remove {where}")
-    if resumed_at >= steps:
-        return (f"{where} already holds step {resumed_at}{before}, at or past trainer.steps={steps}: "
-                f"nothing to train; to train further, {resume_command(directory)} "
-                f"trainer.steps=N; {fresh}.")
-    return f"Resuming {where} at step {resumed_at}{before}, to step {steps}; {fresh}."

@@ -262,7 +262,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
 
     import jax
 
-    from dew.recipes.folder import resuming_line
+    from dew.recipes.resuming import resuming_line, trained_for
     from dew.telemetry.artifacts import Artifact
     from dew.training.trainer import Trainer
 
@@ -283,7 +283,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     if checkpoints is not None and resumed_at is not None:
         if jax.process_index() == 0:
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"],
-                                _trained_for(checkpoints.directory, dataset.steps_per_epoch)), flush=True)
+                                trained_for(checkpoints.directory, dataset.steps_per_epoch)), flush=True)
         warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
                                   checkpoints.directory, resumed_at)
     initializer = initial_variables(config, objective)
@@ -317,16 +317,6 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     if checkpoints is not None and jax.process_index() == 0:
         print(usage(objective, state, checkpoints.directory))
     return state
-
-
-def _trained_for(directory: Any, steps_per_epoch: int | None) -> int | None:
-    """The trainer.steps the run.json in directory trained with (None when unreadable)."""
-    from dew.recipes.config import RUN_FILE, RunConfig
-
-    try:
-        return RunConfig.read(Path(str(directory)) / RUN_FILE).trainer.total_steps(steps_per_epoch)
-    except Exception:  # noqa: BLE001 - an unreadable old recipe only shortens the line
-        return None
 
 
 def usage(objective: Objective, state: Any, directory: Any) -> str:
