@@ -15,7 +15,7 @@ import pytest
 from dew.data import ByteTokenizer
 from dew.models import build
 from dew.objectives.base import Objective, Step
-from dew.objectives.inference import NoPipelineError, Request, UnsupportedRequestError
+from dew.objectives.inference import GenerateRequest, NoPipelineError, UnsupportedRequestError
 from dew.sampling import Sampling, TextGeneration, generate
 
 TOKENIZER = ByteTokenizer()
@@ -43,9 +43,9 @@ def test_a_pipeline_refuses_an_option_it_does_not_read_saying_what_it_takes():
     with pytest.raises(UnsupportedRequestError,
                        match=r"^--steps, --guidance do not apply here: TextGeneration takes one or "
                              r"more text prompts to continue \(options: --count, --max-new-tokens"):
-        pipeline.generate(Request(("x",), steps=3, guidance=2.0))
+        pipeline.generate(GenerateRequest(("x",), steps=3, guidance=2.0))
     with pytest.raises(UnsupportedRequestError, match="No prompt was given"):
-        pipeline.generate(Request())
+        pipeline.generate(GenerateRequest())
 
 
 def test_every_policy_pipeline_holds_the_policy_alone_and_stops_at_the_stop_token():
@@ -142,7 +142,7 @@ def test_pixel_generate_writes_a_grid_and_refuses_what_the_model_cannot_take(tmp
 
     objective = DiffusionObjective(_dit(), schedule="flow", sampler="euler", sample_steps=2)
     pipeline = objective.pipeline(nn.meta.unbox(objective.init(jax.random.key(0))))
-    made = pipeline.generate(Request(("0", "2"), count=2, out=tmp_path))
+    made = pipeline.generate(GenerateRequest(("0", "2"), count=2, out=tmp_path))
     assert [p.name for p in made.files] == ["samples.png", *(f"sample_{i:03d}.png" for i in range(4))]
     drawn = pipeline([0, 0, 2, 2], key=jax.random.key(0))
     for index, path in enumerate(made.files[1:]):
@@ -157,13 +157,13 @@ def test_pixel_generate_writes_a_grid_and_refuses_what_the_model_cannot_take(tmp
                            (("0",), r"^--max-new-tokens does not apply")):
         extra = {"max_new_tokens": 3} if "max" in message else {}
         with pytest.raises(UnsupportedRequestError, match=message):
-            pipeline.generate(Request(asked, out=tmp_path, **extra))
+            pipeline.generate(GenerateRequest(asked, out=tmp_path, **extra))
     free = DiffusionObjective(_dit(0), sample_steps=2)
     plain = free.pipeline(nn.meta.unbox(free.init(jax.random.key(0))))
     with pytest.raises(UnsupportedRequestError, match="cannot condition this model: .*unconditional"):
-        plain.generate(Request(("1",), out=tmp_path))
+        plain.generate(GenerateRequest(("1",), out=tmp_path))
     with pytest.raises(UnsupportedRequestError, match="--guidance does not apply"):
-        plain.generate(Request(guidance=2.0, out=tmp_path))
+        plain.generate(GenerateRequest(guidance=2.0, out=tmp_path))
 
 
 def test_text_diffusion_keeps_the_prompt_and_block_diffusion_wants_whole_blocks():
@@ -173,13 +173,13 @@ def test_text_diffusion_keeps_the_prompt_and_block_diffusion_wants_whole_blocks(
     denoiser = build("token_denoiser", vocab_size=257, emb_features=16, num_layers=1, num_heads=2,
                      mlp_features=32, max_seq_len=8)
     masked = MaskedDiffusionObjective(denoiser, 8, tokenizer=TOKENIZER)
-    texts = masked.pipeline(masked.init(jax.random.key(0))).generate(Request(("ab",), count=2, steps=2)).texts
+    texts = masked.pipeline(masked.init(jax.random.key(0))).generate(GenerateRequest(("ab",), count=2, steps=2)).texts
     assert len(texts) == 2 and all(t.startswith("ab") for t in texts)
     block = BlockDiffusionObjective(denoiser, 8, block_size=4, tokenizer=TOKENIZER)
     writer = block.pipeline(block.init(jax.random.key(0)))
     with pytest.raises(UnsupportedRequestError, match="whole blocks of 4"):
-        writer.generate(Request(("abc",), steps=2))
-    assert writer.generate(Request(("abcd",), steps=2)).texts[0].startswith("abcd")
+        writer.generate(GenerateRequest(("abc",), steps=2))
+    assert writer.generate(GenerateRequest(("abcd",), steps=2)).texts[0].startswith("abcd")
 
 
 def test_feature_extraction_embeds_images_and_sends_generate_to_dew_embed():
@@ -199,7 +199,7 @@ def test_feature_extraction_embeds_images_and_sends_generate_to_dew_embed():
         pipeline.embed(np.zeros((2, 5, 5)))
     with pytest.raises(UnsupportedRequestError,
                        match=r"makes no samples; it turns images into vectors: use `dew embed RUN"):
-        pipeline.generate(Request())
+        pipeline.generate(GenerateRequest())
 
 
 @pytest.mark.slow

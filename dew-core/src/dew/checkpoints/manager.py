@@ -52,9 +52,9 @@ from dew.checkpoints.restore import MetaCheck, Restored, State, intact, read_man
 from dew.checkpoints.store import (
     TMP,
     Store,
-    absolute,
     remove_half_written,
     rmtree,
+    store_path,
 )
 from dew.data.base import DataPartition
 
@@ -134,9 +134,9 @@ class Checkpoints:
             raise ValueError(f"Checkpoints(local_every=...) must be at least 1 or None, got {local_every}.")
         if local_every is not None and local_directory is None:
             raise ValueError("Checkpoints(local_every=...) needs a local_directory to write into.")
-        self.directory = absolute(directory)
+        self.directory = store_path(directory)
         self.keep = keep
-        self.local_directory = None if local_directory is None else absolute(local_directory)
+        self.local_directory = None if local_directory is None else store_path(local_directory)
         self.local_every = local_every
         self.fallback = fallback
         self._persistent = Store(self.directory, local=False)

@@ -22,7 +22,7 @@ from dew.checkpoints.errors import PositionShareMismatchError
 from dew.checkpoints.manifest import Positions
 from dew.data.base import DataPartition, is_global_position
 
-__all__ = ["TMP", "Store", "absolute", "read_position", "remove_half_written", "rmtree"]
+__all__ = ["TMP", "Store", "read_position", "remove_half_written", "rmtree", "store_path"]
 
 _LOG = logging.getLogger("dew.checkpoints")
 TMP = ".orbax-checkpoint-tmp"
@@ -54,7 +54,7 @@ class Store:
         return sorted(steps)
 
 
-def absolute(directory: str | os.PathLike) -> Any:
+def store_path(directory: str | os.PathLike) -> Any:
     text = os.fspath(directory)
     if "://" in text:
         return epath.Path(text)

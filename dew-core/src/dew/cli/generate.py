@@ -48,10 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dew.cli.runs import expected, open_run, refused
-    from dew.objectives.inference import Request
+    from dew.objectives.inference import GenerateRequest
 
     try:
-        request = Request(tuple(args.inputs), count=args.count, steps=args.steps,
+        request = GenerateRequest(tuple(args.inputs), count=args.count, steps=args.steps,
                           guidance=args.guidance, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, stop=tuple(args.stop), seed=args.seed, out=args.out)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from dew.data.base import DataPartition
+from dew.errors import DewError
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -48,7 +49,7 @@ __all__ = ["EvaluationTask", "Periodic", "Subject", "TaskFileError", "read_task_
            "share_rows"]
 
 
-class TaskFileError(ValueError):
+class TaskFileError(DewError, ValueError):
     """A task's record file is missing, or a line of it is not a record the task can read."""
 
 

@@ -33,6 +33,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
+
 __all__ = ["GROUPED_MATMULS", "GroupedMatmulError", "SortedGroups", "default_tile"]
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiles")
@@ -41,7 +43,7 @@ GROUPED_MATMULS = ("auto", "ragged_dot", "tiles")
 GroupedMatmul = Literal["auto", "ragged_dot", "tiles"]
 
 
-class GroupedMatmulError(ValueError):
+class GroupedMatmulError(DewError, ValueError):
     """A grouped matmul was asked for with a kind or tile that does not exist."""
 
 

@@ -7,7 +7,7 @@ methods, each declared here with a default that refuses in one line and
 says what to use instead:
 
 - ``generate(request)``: samples for ``dew generate`` (texts shown, files
-  written), from a ``Request`` holding what the user typed;
+  written), from a ``GenerateRequest`` holding what the user typed;
 - ``embed(inputs)``: one vector per input, for ``dew embed``;
 - ``pretrained()``: the model, weights and tokenizer ``dew export`` writes
   (``save(directory)`` writes them through ``Pretrained.save``).
@@ -38,7 +38,7 @@ __all__ = [
     "NoPipelineError",
     "Pipeline",
     "PipelineError",
-    "Request",
+    "GenerateRequest",
     "UnsupportedRequestError",
     "variables_of",
     "write_texts",
@@ -58,7 +58,7 @@ class UnsupportedRequestError(PipelineError):
 
 
 @dataclass(frozen=True)
-class Request:
+class GenerateRequest:
     """What a person asks a pipeline for, as typed: the inputs and the options set.
 
     inputs are prompts or labels as strings (the pipeline reads them); count
@@ -114,7 +114,7 @@ class Pipeline:
     """The inference task of a trained objective (see the module docstring).
 
     Subclasses set ``accepts`` (one line: what ``generate`` takes) and
-    ``options`` (the Request options it reads), and implement the methods
+    ``options`` (the GenerateRequest options it reads), and implement the methods
     they support; the defaults refuse, naming what to use instead.
     """
 
@@ -127,10 +127,10 @@ class Pipeline:
 
     def describe(self) -> str:
         """One line: what generate takes, and the options it reads."""
-        options = ", ".join(_flag(o) for o in Request.OPTIONS if o in self.options)
+        options = ", ".join(_flag(o) for o in GenerateRequest.OPTIONS if o in self.options)
         return f"{self.name} takes {self.accepts}" + (f" (options: {options})" if options else "")
 
-    def check(self, request: Request) -> None:
+    def check(self, request: GenerateRequest) -> None:
         """Refuse the options this pipeline does not read, in one line naming what it takes."""
         unread = [o for o in request.given() if o not in self.options]
         if unread:
@@ -138,7 +138,7 @@ class Pipeline:
                 f"{', '.join(_flag(o) for o in unread)} {'does' if len(unread) == 1 else 'do'} "
                 f"not apply here: {self.describe()}.")
 
-    def generate(self, request: Request) -> Generated:
+    def generate(self, request: GenerateRequest) -> Generated:
         """Samples for request: texts and/or files under request.out."""
         raise UnsupportedRequestError(f"{self.name} makes no samples; {self.instead_of('generate')}")
 

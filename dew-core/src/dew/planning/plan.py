@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["CATEGORIES", "LeafBytes", "Plan", "PlanRefusedError", "make_plan", "per_device_bytes"]
 
 # The state's parts, in the order a plan lists them.
@@ -42,7 +44,7 @@ CATEGORIES = ("parameters", "frozen", "variables", "optimizer", "ema", "accumula
 DUMP = "DEW_PLAN_DUMP"  # where the child finds XLA's dump of the module before partitioning
 
 
-class PlanRefusedError(ValueError):
+class PlanRefusedError(DewError, ValueError):
     """The layout replicates more of the model than its tolerance allows; the plan names the leaves."""
 
     def __init__(self, message: str, leaves: list[dict[str, Any]]) -> None:

@@ -19,7 +19,7 @@ class PretrainedError(DewError, ValueError):
     """A pretrained directory or model that cannot be read or written as asked."""
 
 
-class NoPretrainedModelError(FileNotFoundError):
+class NoPretrainedModelError(DewError, FileNotFoundError):
     """The directory holds no model to load (no config.json): not written yet, or another folder."""
 
 

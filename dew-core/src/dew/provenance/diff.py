@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = ["LeafGap", "LossGap", "NotARunDirectoryError", "RunDiff", "diff_runs", "load_leaves"]
 
 LOSS = "train/loss"
 
 
-class NotARunDirectoryError(FileNotFoundError):
+class NotARunDirectoryError(DewError, FileNotFoundError):
     """A path given as a run holds neither a recipe (run.json) nor a kept step."""
 
 

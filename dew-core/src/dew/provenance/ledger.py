@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dew.errors import DewError
 from dew.training.ledger import LEDGER
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 
-class LedgerMissingError(FileNotFoundError):
+class LedgerMissingError(DewError, FileNotFoundError):
     """The run directory holds no data ledger (a run trained before dew wrote one, or not a run)."""
 
 

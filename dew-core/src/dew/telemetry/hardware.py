@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dew.errors import DewError
+
 __all__ = ["ACCELERATORS", "PEAK_BF16_FLOPS", "Accelerator", "UnknownAcceleratorError", "accelerator", "peak_flops"]
 
 PEAK_BF16_FLOPS: dict[str, float] = {
@@ -71,7 +73,7 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
-class UnknownAcceleratorError(ValueError):
+class UnknownAcceleratorError(DewError, ValueError):
     """A device kind that is not in the table of ACCELERATORS."""
 
 

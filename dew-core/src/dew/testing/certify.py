@@ -34,6 +34,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dew.errors import DewError
+
 __all__ = [
     "CONFORMANCE", "GROUPS", "Check", "Component", "NotADistributionError", "certify", "checks_of", "subjects",
 ]
@@ -52,7 +54,7 @@ _KIND = {"dew.objectives": "objective", "dew.models": "model", "dew.trackers": "
          "dew.datasets": "reader", "dew.rewards": "reward", "dew.plugins": "hooks"}
 
 
-class NotADistributionError(LookupError):
+class NotADistributionError(DewError, LookupError):
     """No installed distribution has that name, or it registers no dew component."""
 
 

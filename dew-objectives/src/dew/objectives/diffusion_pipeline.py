@@ -33,8 +33,8 @@ import numpy as np
 from dew.errors import DewError
 from dew.objectives.inference import (
     Generated,
+    GenerateRequest,
     Pipeline,
-    Request,
     UnsupportedRequestError,
     write_texts,
 )
@@ -182,7 +182,7 @@ class PixelPipeline(_Saved):
         raise UnsupportedRequestError(f"{', '.join(map(repr, inputs[:3]))} cannot condition this "
                                       f"model: {self.describe()}.")
 
-    def generate(self, request: Request) -> Generated:
+    def generate(self, request: GenerateRequest) -> Generated:
         """count samples per input (8 unconditioned when none is given), written under request.out."""
         self.check(request)
         conditions = self.conditions_of(request.inputs)
@@ -260,7 +260,7 @@ class TextDiffusionPipeline(_Saved):
             return tokens
         return [tokenizer.decode([int(i) for i in row]) for row in tokens]
 
-    def generate(self, request: Request) -> Generated:
+    def generate(self, request: GenerateRequest) -> Generated:
         """count sequences per prompt (or count from nothing), decoded."""
         self.check(request)
         if self.objective.tokenizer is None:

@@ -40,12 +40,13 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from dew.errors import DewError
 from dew.objectives.group_losses import GroupSizeError
 
 __all__ = ["GroupFilter", "IncompatibleOptionsError", "OverlongShaping", "overlong_penalty"]
 
 
-class IncompatibleOptionsError(ValueError):
+class IncompatibleOptionsError(DewError, ValueError):
     """Two options of an objective that cannot be used together (the message names both fields)."""
 
 

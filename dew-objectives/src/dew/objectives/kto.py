@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import DewError
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.dpo import sequence_logprob
 from dew.objectives.policy import (
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["KTOBatch", "KTOObjective", "LabelError", "mismatched"]
 
 
-class LabelError(ValueError):
+class LabelError(DewError, ValueError):
     """KTO data without a label per completion, or with labels other than 0 and 1."""
 
 
@@ -55,7 +56,7 @@ def mismatched(tokens: np.ndarray, mask: np.ndarray, prompt_length: np.ndarray) 
     >>> t, m = mismatched(np.array([[1, 2, 7, 0], [3, 8, 9, 0]]), np.array([[0, 0, 1, 0], [0, 1, 1, 0]]),
     ...                   np.array([2, 1]))
     >>> t.tolist(), m.tolist()
-    ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0, 0, 1, 1], [0, 1, 0, 0]])
+    ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
     """
     rows, width = tokens.shape
     out = np.zeros_like(tokens)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.errors import DewError
 from dew.objectives.base import Aux, Batch, Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck
 from dew.objectives.policy import PolicyFrom
@@ -38,7 +39,7 @@ __all__ = ["REWARD_HEAD", "RewardModelObjective", "RewardScoring", "SequenceTooL
 REWARD_HEAD = "reward_head"
 
 
-class SequenceTooLongError(ValueError):
+class SequenceTooLongError(DewError, ValueError):
     """A text to score is longer than the reward model reads."""
 
 

@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from dew.errors import DewError
+
 __all__ = ["NotARewardModelError", "RewardModel"]
 
 
-class NotARewardModelError(ValueError):
+class NotARewardModelError(DewError, ValueError):
     """The run a ``model`` reward names did not train a reward model."""
 
 

@@ -28,10 +28,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dew.errors import DewError
+
 __all__ = ["BlockPool", "OutOfBlocksError"]
 
 
-class OutOfBlocksError(RuntimeError):
+class OutOfBlocksError(DewError, RuntimeError):
     """The pool has fewer available blocks than asked for (the engine pre-empts a sequence then)."""
 
 

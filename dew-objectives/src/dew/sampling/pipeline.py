@@ -32,8 +32,8 @@ import jax
 
 from dew.objectives.inference import (
     Generated,
+    GenerateRequest,
     Pipeline,
-    Request,
     UnsupportedRequestError,
     write_texts,
 )
@@ -108,7 +108,7 @@ class TextGeneration(Pipeline):
                  for row in out.new_tokens]
         return texts[0] if single else texts
 
-    def generate(self, request: Request) -> Generated:
+    def generate(self, request: GenerateRequest) -> Generated:
         """Each prompt of request continued (count times), shown as the prompt and its continuation.
 
         Sampling is greedy unless request sets a temperature (then the
