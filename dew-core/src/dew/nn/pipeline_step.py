@@ -223,7 +223,7 @@ def pipelined_gradients(loss: Loss, params: Any, batch: Any,
         def returned(c: dict[str, Any]) -> dict[str, Any]:
             rows_now = _rows(cut, now["backward_microbatch"][0])
             _, back = jax.vjp(lambda p: embed(p, rows_now)[0], params)
-            return {**c, "grads": _add(c["grads"], back(dx[0])[0])}
+            return {**c, "grads": _add(c["grads"], back(_whole_rows_if_uneven(dx[0]))[0])}
 
         return jax.lax.cond(now["returned"], returned, lambda c: c, c)
 
@@ -237,6 +237,27 @@ def pipelined_gradients(loss: Loss, params: Any, batch: Any,
     stacked = jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(depth, *a.shape[3:]), done["stack_grads"])
     (from_stack,) = pull(stacked)
     return _add(done["grads"], from_stack), (done["value"], done["aux"])
+
+
+def _whole_rows_if_uneven(cotangent: jax.Array) -> jax.Array:
+    """cotangent, its rows gathered onto every device when they do not split evenly over the batch axes.
+
+    A microbatch may have fewer rows than there are batch shards. XLA's CPU
+    partitioner then pads the rows, and its backward of the embedding lookup
+    (a scatter-add) came out wrong in that case (measured on jax 0.10.2); one
+    microbatch's cotangent, whole, is a small gather.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return cotangent
+    import flax.linen as nn
+
+    mapped = nn.logical_to_mesh_axes((axes.BATCH,))[0]
+    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+    ways = int(np.prod([dict(mesh.shape).get(name, 1) for name in names]))
+    if cotangent.shape[0] % ways == 0:
+        return cotangent
+    return constrain(cotangent, (None, *[None] * (cotangent.ndim - 1)))
 
 
 def _round_inputs(table: Timetable) -> dict[str, jax.Array]:
