@@ -5,7 +5,8 @@ jax.distributed over 127.0.0.1. Without it, this process is one rank of a
 pool a cluster engine started (srun, a Kubernetes indexed Job or JobSet),
 and its place is read from that engine's environment. Either way the ranks
 run ``dew train`` with ``trainer.multi_host=true``, under the launcher's
-stop handling (dew.training.runtime.launcher). ``--print slurm|jobset``
+stop handling (dew.training.runtime.launcher), each on GPUs of its own when
+the machine has several (dew.training.runtime.gpus). ``--print slurm|jobset``
 writes a ready sbatch script or JobSet manifest instead of running.
 """
 
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --print slurm: ranks per node (default 1)")
     parser.add_argument("--image", default=None,
                         help="with --print jobset: the container image that has dew installed")
+    parser.add_argument("--gpus-per-process", type=int, default=None, metavar="K",
+                        help="with --print: the GPUs each rank is given (Slurm --gpus-per-task, the pod's "
+                             "nvidia.com/gpu limit); a local pool splits the machine's GPUs evenly")
     parser.add_argument("--check", action="store_true",
                         help="check the recipe and print each rank's command, without starting them")
     parser.epilog = (
@@ -73,6 +77,7 @@ def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
     from dew.cli.launch_scripts import ScriptRequest, jobset_manifest, slurm_script
     request = ScriptRequest(args.recipe, tuple(args.overrides), processes=args.processes or 1,
                             per_node=args.per_node, port=args.port, grace=args.grace,
+                            gpus_per_process=args.gpus_per_process,
                             **({"image": args.image} if args.image else {}))
     try:
         text = slurm_script(request, argv) if args.print_kind == "slurm" else jobset_manifest(request, argv)
@@ -86,6 +91,7 @@ def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
 def run(args: argparse.Namespace) -> int:
     from dew.recipes.config import RunConfig
     from dew.recipes.errors import RecipeError
+    from dew.training.runtime.gpus import GpuShareError, gpu_environment
     from dew.training.runtime.launcher import Rank, supervise
     from dew.training.runtime.pool import (
         CONNECT_TIMEOUT,
@@ -110,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         from dew.training.runtime.pool import PoolSeat
 
         address = f"127.0.0.1:{args.port or _free_port()}"
-        seats = [PoolSeat(address, args.processes, i, "local") for i in range(args.processes)]
+        seats = [PoolSeat(address, args.processes, i, "local", local_index=i, local_count=args.processes)
+                 for i in range(args.processes)]
     else:
         try:
             seat = seat_from_environment(port=args.port)
@@ -123,7 +130,12 @@ def run(args: argparse.Namespace) -> int:
                   "cluster job with --print slurm or --print jobset.", file=sys.stderr)
             return 2
         seats = [seat]
-    ranks = [Rank(s.index, argv, {**s.environment(), **env}) for s in seats]
+    try:
+        ranks = [Rank(s.index, argv, {**s.environment(), **gpu_environment(s.local_index, s.local_count), **env})
+                 for s in seats]
+    except GpuShareError as error:
+        print(f"dew launch: {error}", file=sys.stderr)
+        return 2
     if args.check:
         for rank in ranks:
             variables = " ".join(f"{k}={v}" for k, v in sorted(rank.env.items()))
@@ -143,4 +155,6 @@ def _asked(args: argparse.Namespace) -> list[str]:
         asked += ["--port", str(args.port)]
     if args.image:
         asked += ["--image", args.image]
+    if args.gpus_per_process is not None:
+        asked += ["--gpus-per-process", str(args.gpus_per_process)]
     return [*asked, args.recipe, *args.overrides]

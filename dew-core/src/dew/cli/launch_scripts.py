@@ -31,6 +31,7 @@ class ScriptRequest:
     port: int | None = None  # None: Slurm's job-derived port; 8476 for a JobSet
     grace: float = 300.0
     image: str = "IMAGE-WITH-DEW-INSTALLED"
+    gpus_per_process: int | None = None  # None: the script asks for no GPUs (add your site's own)
 
     def rank_command(self) -> list[str]:
         """The command every rank runs: dew launch, which joins the pool the engine describes."""
@@ -60,8 +61,14 @@ def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
     if request.processes % request.per_node:
         raise ValueError(f"{request.processes} processes do not fill nodes of {request.per_node}; "
                          "choose --per-node dividing -n.")
+    _check_gpus(request)
     name = job_name(request.recipe)
     warning = int(request.grace) + _MARGIN
+    gpus = [] if request.gpus_per_process is None else [
+        f"#SBATCH --gpus-per-task={request.gpus_per_process}",
+        f"# --gpus-per-task: each rank its own {request.gpus_per_process} GPU(s) ({request.per_node * request.gpus_per_process}"
+        " per node); dew launch makes them the rank's JAX devices (JAX_LOCAL_DEVICE_IDS).",
+    ]
     lines = [
         "#!/bin/bash",
         f"# written by: dew launch {_command_line(asked)}",
@@ -72,10 +79,12 @@ def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={name}-%j.log",
+        *gpus,
         "# --signal: every rank hears SIGTERM that many seconds before the time limit, time for",
         "# the pool to checkpoint within its grace. --requeue: a preempted job queues again and",
         "# resumes from its checkpoint, so trainer.checkpoint_dir must be on a filesystem every",
-        "# node sees. Add your site's --partition, --time, --gpus-per-task lines here.",
+        "# node sees. Add your site's --partition and --time lines here"
+        + (", and the GPUs (--gpus-per-process K writes them)." if request.gpus_per_process is None else "."),
         "set -euo pipefail",
         *([f"export DEW_COORDINATOR_PORT={request.port}"] if request.port is not None else []),
         f"srun --kill-on-bad-exit=1 {_command_line(request.rank_command())}",
@@ -89,8 +98,13 @@ def jobset_manifest(request: ScriptRequest, asked: Sequence[str]) -> str:
     >>> print(jobset_manifest(ScriptRequest("tiny-lm", processes=2), []).splitlines()[4])
     kind: JobSet
     """
+    _check_gpus(request)
     name = job_name(request.recipe)
     port = request.port if request.port is not None else 8476
+    gpus = "" if request.gpus_per_process is None else f"""
+                  resources:
+                    limits:   # the pod's own GPUs, one rank per pod: all of them are the rank's
+                      nvidia.com/gpu: {request.gpus_per_process}"""
     coordinator = f"{name}-ranks-0-0.{name}:{port}"
     n = request.processes
     return f"""\
@@ -127,5 +141,11 @@ spec:
                     - name: DEW_COORDINATOR_ADDRESS   # pod 0 of job 0, through the JobSet's service
                       value: "{coordinator}"
                   ports:
-                    - containerPort: {port}
+                    - containerPort: {port}{gpus}
 """
+
+
+def _check_gpus(request: ScriptRequest) -> None:
+    if request.gpus_per_process is not None and request.gpus_per_process < 1:
+        raise ValueError(f"--gpus-per-process {request.gpus_per_process}: a rank needs at least one GPU "
+                         "(leave the option out for ranks on the CPU).")

@@ -139,6 +139,28 @@ def _size(count: float) -> str:
     return f"{sign}{int(count)} B"
 
 
+def _pipeline_lines(figures: dict[str, Any]) -> list[str]:
+    """The schedule's bubble and held activations, as render_plan prints them.
+
+    >>> for line in _pipeline_lines({"schedule": "1f1b", "stages": 4, "microbatches": 8, "repeats": 1,
+    ...                                "bubble": 3 / 11, "held": 7, "gpipe_held": 11}):
+    ...     print(line)
+    pipeline: 1f1b, 4 stages x 8 microbatches
+      bubble 27.3% of each stage's time
+      a stage holds at most 7 microbatch chunk inputs (recomputing each chunk in its backward); GPipe: 11
+    """
+    kind = figures["schedule"]
+    name = f"interleaved {kind}" if figures["repeats"] > 1 else kind
+    chunks = f", {figures['repeats']} chunks per stage" if figures["repeats"] > 1 else ""
+    if kind == "gpipe":
+        held = f"a stage holds all its {figures['held']} iterations' activations, inside every layer"
+    else:
+        held = (f"a stage holds at most {figures['held']} microbatch chunk inputs (recomputing each chunk in "
+                f"its backward); GPipe: {figures['gpipe_held']}")
+    return [f"pipeline: {name}, {figures['stages']} stages x {figures['microbatches']} microbatches{chunks}",
+            f"  bubble {100 * figures['bubble']:.1f}% of each stage's time", f"  {held}"]
+
+
 def render_plan(plan: dict[str, Any]) -> str:
     """The plan as a page of text: bytes per device, collectives, FLOPs, device kinds, warnings."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan["mesh"].items() if size > 1) or "one device"
@@ -159,6 +181,8 @@ def render_plan(plan: dict[str, Any]) -> str:
     ]
     for kind, found in sorted(plan["collectives"].items()) or [("none", None)]:
         lines.append(f"  {kind:<20}" + (f"{found['count']:>6} x, {_size(found['bytes']):>12}" if found else ""))
+    if plan.get("pipeline"):
+        lines += ["", *_pipeline_lines(plan["pipeline"])]
     flops = plan["flops_per_device"]
     lines += ["", f"FLOPs per step: {flops:.3g} per device, {flops * plan['devices']:.3g} on all "
               f"{plan['devices']} (matmuls, over every loop's trips)"]

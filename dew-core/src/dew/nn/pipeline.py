@@ -1,4 +1,4 @@
-"""A scanned decoder stack, and the GPipe schedule that runs it over pipeline stages.
+"""A scanned decoder stack, and the schedules that run it over pipeline stages.
 
 A scanned stack stores every layer's parameters stacked on a leading
 ``layers`` axis (one array per weight instead of one per layer), which the
@@ -28,6 +28,19 @@ the ``microbatches + stages - 1`` iterations: that share is the bubble.
 True
 >>> PipelineSchedule(stages=2, microbatches=4).bubble  # (2 - 1) / (4 + 2 - 1)
 0.2
+
+That is GPipe: the backward is JAX's autodiff of the loop, so it starts once
+every microbatch is through, and every iteration's activations stay alive
+until then. The 1F1B family (``kind="1f1b"``, and interleaved with
+``repeats`` chunks per device) needs the loss inside the schedule instead: a
+microbatch's backward starts as soon as its loss is known. That is the
+step's business (dew.nn.pipeline_step); a model takes part through
+``stack_session``, which lets the step run the model's stack in pieces.
+Outside a step (evaluation, generation) a 1F1B schedule runs forward as
+GPipe does, which computes the same function.
+
+>>> PipelineSchedule(stages=4, microbatches=8, kind="1f1b", repeats=2).bubble  # 3 / (2 * 8 + 3)
+0.15789473684210525
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -47,16 +60,24 @@ from dew.nn import sharding as axes
 from dew.nn.sharding import constrain
 
 __all__ = [
+    "SCHEDULES",
     "MicrobatchError",
     "PipelineSchedule",
+    "StackSession",
     "StageDivisionError",
+    "StackSessionError",
     "StagedRoutingError",
     "current_schedule",
+    "join_microbatches",
     "pipeline",
     "run_stack",
+    "split_microbatches",
     "stack_layers",
+    "stack_session",
     "unstack_layers",
 ]
+
+SCHEDULES = ("gpipe", "1f1b")
 
 
 class StageDivisionError(DewError, ValueError):
@@ -71,15 +92,25 @@ class MicrobatchError(DewError, ValueError):
     """The microbatches do not divide a batch, or are not a multiple of the stages."""
 
 
+class StackSessionError(DewError, ValueError):
+    """A step asked to run a model's stack in pieces (1F1B), but the model's call cannot be cut so."""
+
+
 @dataclass(frozen=True)
 class PipelineSchedule:
-    """How a scanned stack is pipelined: stages (the mesh's stage axis) and microbatches.
+    """How a scanned stack is pipelined: stages (the mesh's stage axis), microbatches, and the kind.
 
-    microbatches None means one per stage, the smallest schedule.
+    microbatches None means one per stage, the smallest schedule. kind
+    "gpipe" runs every forward, then JAX's autodiff of them; "1f1b"
+    interleaves each microbatch's backward with later forwards, and with
+    repeats above 1 each device holds that many chunks of the stack (virtual
+    stages), which a microbatch visits lap by lap around the stage ring.
     """
 
     stages: int = 1
     microbatches: int | None = None
+    kind: Literal["gpipe", "1f1b"] = "gpipe"
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -91,6 +122,37 @@ class PipelineSchedule:
                 f"{self.stages}; set MeshSpec.microbatches to {self.stages}, "
                 f"{2 * self.stages}, {4 * self.stages}, ... or leave it None (one per stage)."
             )
+        if self.kind not in SCHEDULES:
+            raise ValueError(f"Unknown pipeline schedule {self.kind!r}; use one of "
+                             f"{', '.join(map(repr, SCHEDULES))}.")
+        if self.repeats < 1 or (self.repeats > 1 and self.kind != "1f1b"):
+            raise ValueError(
+                f"repeats={self.repeats} chunks per device interleave a 1F1B schedule; use "
+                f"kind='1f1b' with repeats above 1, or repeats=1 (got kind={self.kind!r}).")
+
+    @property
+    def interleaves(self) -> bool:
+        """Whether backwards interleave with forwards: the step, not autodiff, runs the schedule."""
+        return self.kind == "1f1b" and self.stages > 1
+
+    @property
+    def chunks(self) -> int:
+        """How many pieces the stack is cut into: stages times repeats."""
+        return self.stages * self.repeats
+
+    @property
+    def held(self) -> int:
+        """Microbatch activations a device holds at the peak, in units of one microbatch's.
+
+        GPipe's autodiff keeps every loop iteration's activations inside the
+        layers; 1F1B keeps only each in-flight chunk's input (and recomputes
+        the chunk in its backward), this many at most.
+        """
+        if not self.interleaves:
+            return self.iterations if self.stages > 1 else 1
+        from dew.nn.timetable import timetable
+
+        return timetable(self.stages, self.count, self.repeats).slots
 
     @property
     def count(self) -> int:
@@ -99,12 +161,12 @@ class PipelineSchedule:
 
     @property
     def iterations(self) -> int:
-        """Iterations of the GPipe loop: every microbatch passes every stage once."""
-        return self.count + self.stages - 1
+        """Forward iterations: every microbatch passes every chunk once, the ring filling and emptying."""
+        return self.repeats * self.count + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """The share of stage-iterations spent idle: (stages - 1) / (microbatches + stages - 1)."""
+        """The share of stage-iterations spent idle: (stages - 1) / (repeats * microbatches + stages - 1)."""
         return (self.stages - 1) / self.iterations
 
 
@@ -125,6 +187,41 @@ def pipeline(schedule: PipelineSchedule) -> Iterator[PipelineSchedule]:
 def current_schedule() -> PipelineSchedule:
     """The schedule a scanned stack traced now runs under (one stage outside ``pipeline``)."""
     return _CURRENT.get() or PipelineSchedule()
+
+
+@dataclass
+class StackSession:
+    """How the one stack a model call runs is cut out of it, for a step that schedules it itself.
+
+    mode "capture": the stack does nothing (returns its input) and records
+    what it was given, ``found = (x, positions, segment_ids, stack_params)``;
+    "inject": the stack returns ``value`` instead of computing; "stage": the
+    stack runs a chunk of its layers, ``value = (chunk_params, x, positions,
+    segment_ids)``, on those inputs instead of its own, and leaves the output
+    in ``result``. In every mode the rest of the call runs as usual, which
+    the step then ignores where it does not need it.
+    """
+
+    mode: Literal["capture", "inject", "stage"]
+    value: Any = None
+    found: tuple[Any, ...] | None = None
+    result: Any = None
+    calls: int = 0
+
+
+_SESSION: contextvars.ContextVar[StackSession | None] = contextvars.ContextVar("dew_stack_session",
+                                                                              default=None)
+
+
+@contextlib.contextmanager
+def stack_session(mode: Literal["capture", "inject", "stage"], value: Any = None) -> Iterator[StackSession]:
+    """Run the scanned stacks traced inside this block as session says (see StackSession)."""
+    session = StackSession(mode, value)
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
 
 
 def _body(layer_class: type[nn.Module], decode: bool) -> type[nn.Module]:
@@ -169,6 +266,11 @@ def run_stack(
     scan = {"variable_axes": {"params": 0, "cache": 0, "moe": 0}, "split_rngs": {"params": True},
             "in_axes": (nn.broadcast, nn.broadcast),
             "metadata_params": {nn.PARTITION_NAME: axes.LAYERS}}
+    session = _SESSION.get()
+    if session is not None and not decode and not parent.is_initializing():
+        chunk_scan = {**scan, "variable_axes": {"params": 0}, "metadata_params": {}}
+        return _in_session(session, parent, body, chunk_scan, name, layer_kwargs, x, positions,
+                           segment_ids)
     if schedule.stages == 1 or decode or parent.is_initializing():
         stack = nn.scan(body, length=num_layers, **scan)(name=name, **layer_kwargs)
         return stack(x, positions, segment_ids)[0]
@@ -210,7 +312,37 @@ def run_stack(
     return _gpipe(stack, stages, count, x, positions, segment_ids)
 
 
-def _microbatches(a: jax.Array, count: int) -> jax.Array:
+def _in_session(session: StackSession, parent: nn.Module, body: type[nn.Module], scan: dict[str, Any],
+                name: str, layer_kwargs: dict[str, Any], x: jax.Array, positions: jax.Array,
+                segment_ids: jax.Array | None) -> jax.Array:
+    """run_stack's part in a StackSession: record, stand in, or run one chunk of the layers."""
+    session.calls += 1
+    if session.calls > 1:
+        raise StackSessionError(
+            "A 1F1B pipeline schedule cuts one layer stack per loss into stages, but this loss runs "
+            f"{session.calls} stacks (several models, or one model called several times). Use "
+            "MeshSpec(schedule='gpipe'), which pipelines each call on its own.")
+    if session.mode == "capture":
+        mutable = parent.scope.mutable if parent.scope is not None else False
+        if mutable not in (False, None, (), []):
+            raise StackSessionError(
+                f"A 1F1B pipeline schedule runs the layer stack as a function of its parameters alone, "
+                f"but this model is called with the collections {mutable!r} mutable (a mixture of "
+                "experts' balance statistics, say), which the stack's layers would write. Use "
+                "MeshSpec(schedule='gpipe') for this model.")
+        session.found = (x, positions, segment_ids, nn.meta.unbox(parent.variables["params"][name]))
+        return x
+    if session.mode == "inject":
+        return session.value
+    chunk, inputs, where, segments = session.value
+    length = jax.tree.leaves(chunk)[0].shape[0]
+    runner = nn.map_variables(nn.scan(body, length=length, **scan), "params",
+                              trans_in_fn=lambda _: {"params": chunk})(name=name, **layer_kwargs)
+    session.result = runner(inputs, where, segments)[0]
+    return x
+
+
+def split_microbatches(a: jax.Array, count: int) -> jax.Array:
     """[B, ...] as [count, B // count, ...], microbatch m holding rows m, m + count, ...
 
     Rows interleave so that every microbatch keeps the batch sharding's row
@@ -219,8 +351,8 @@ def _microbatches(a: jax.Array, count: int) -> jax.Array:
     return a.reshape(a.shape[0] // count, count, *a.shape[1:]).swapaxes(0, 1)
 
 
-def _whole(a: jax.Array) -> jax.Array:
-    """The inverse of _microbatches."""
+def join_microbatches(a: jax.Array) -> jax.Array:
+    """The inverse of split_microbatches."""
     return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
@@ -237,7 +369,7 @@ def _gpipe(stack: nn.Module, stages: int, count: int, x: jax.Array, positions: j
 
     def fed(a: jax.Array) -> jax.Array:
         """The microbatch stage 0 takes at each iteration (past the last it idles on a copy)."""
-        cut = _microbatches(a, count)
+        cut = split_microbatches(a, count)
         return cut[jnp.minimum(jnp.arange(iterations), count - 1)]
 
     feeds = (fed(x), fed(positions), None if segment_ids is None else fed(segment_ids))
@@ -265,7 +397,7 @@ def _gpipe(stack: nn.Module, stages: int, count: int, x: jax.Array, positions: j
     loop = nn.scan(iteration, variable_broadcast="params", split_rngs={"params": False},
                    length=iterations)
     _, finished_nbtd = loop(stack, carry, feeds)
-    return _whole(finished_nbtd[stages - 1:])
+    return join_microbatches(finished_nbtd[stages - 1:])
 
 
 def unstack_layers(params: Mapping[str, Any], num_layers: int, name: str = "layers") -> dict[str, Any]:

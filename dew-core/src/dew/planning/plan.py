@@ -17,7 +17,10 @@ with ``Trainer.compile``. From the compiled program it reads:
 * the collectives one step runs, by kind, and the bytes they move, and the
   matmul FLOPs per device, both over every loop's trip count (``hlo``);
 * the involuntary full rematerializations the SPMD partitioner reported,
-  with the parameter each concerns (``remat``).
+  with the parameter each concerns (``remat``);
+* with pipeline stages, the schedule's figures (``pipeline_figures``): its
+  bubble and how many microbatches' activations a stage holds at the peak,
+  beside which XLA's temporaries above are the measured peak.
 
 Everything is returned as plain data (``Plan.as_json``) for the command to
 print; the device kinds' step times and headroom are derived there.
@@ -37,7 +40,8 @@ from typing import Any
 
 from dew.errors import DewError
 
-__all__ = ["CATEGORIES", "LeafBytes", "Plan", "PlanRefusedError", "make_plan", "per_device_bytes"]
+__all__ = ["CATEGORIES", "LeafBytes", "Plan", "PlanRefusedError", "make_plan", "per_device_bytes",
+           "pipeline_figures"]
 
 # The state's parts, in the order a plan lists them.
 CATEGORIES = ("parameters", "frozen", "variables", "optimizer", "ema", "accumulation", "counters", "batch")
@@ -80,6 +84,7 @@ class Plan:
     rematerializations: tuple[dict[str, Any], ...]
     batch_rows: int
     notes: tuple[str, ...] = field(default=())
+    pipeline: dict[str, Any] | None = None
 
     def totals(self, memory: str = "device") -> dict[str, int]:
         """Bytes per device of each category, in that memory."""
@@ -101,6 +106,26 @@ class Plan:
         body["host_totals"] = self.totals("pinned_host")
         body["peak"] = self.peak
         return body
+
+
+def pipeline_figures(spec: Any) -> dict[str, Any] | None:
+    """A mesh spec's pipeline schedule in figures (None without stages): its kind, stages,
+    microbatches and chunks per stage, the bubble, and the microbatch activations a stage holds at the
+    peak, against GPipe's on the same stages and microbatches.
+
+    >>> from dew.training.placement.mesh import MeshSpec
+    >>> figures = pipeline_figures(MeshSpec(stage=4, microbatches=8, schedule="1f1b"))
+    >>> figures["held"], figures["gpipe_held"], round(figures["bubble"], 3)
+    (7, 11, 0.273)
+    """
+    from dew.training.placement.stages import schedule_of
+
+    schedule = schedule_of(spec)
+    if schedule.stages == 1:
+        return None
+    return {"schedule": schedule.kind, "stages": schedule.stages, "microbatches": schedule.count,
+            "repeats": schedule.repeats, "bubble": schedule.bubble, "held": schedule.held,
+            "gpipe_held": schedule.count + schedule.stages - 1}
 
 
 def per_device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
@@ -262,5 +287,5 @@ def make_plan(config: Any, recipe: str) -> Plan:
         collectives={kind: {"count": c.count, "bytes": c.bytes} for kind, c in module.collectives().items()},
         flops_per_device=module.matmul_flops(), model_flops=None if model_flops is None else float(model_flops),
         rematerializations=tuple({**asdict(r), "describe": r.describe()} for r in found),
-        batch_rows=fed.rows, notes=tuple(notes),
+        batch_rows=fed.rows, notes=tuple(notes), pipeline=pipeline_figures(config.trainer.mesh),
     )

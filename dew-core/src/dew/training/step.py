@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dew.nn.pipeline import current_schedule
+from dew.nn.pipeline_step import pipelined_gradients
 from dew.objectives.base import Aux, EMASpec, Mean, Objective, Step, Variables
 from dew.training.ema import ema_update
 from dew.training.state import TrainState, Window
@@ -68,7 +70,8 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
 
     It reads the state's variables, counters, key, EMA and loss scale, never
     its optimizer state or accumulation window, so it can run against a
-    snapshot that holds only those.
+    snapshot that holds only those. Under a 1F1B pipeline schedule the
+    schedule differentiates, one microbatch at a time (dew.nn.pipeline_step).
     """
     trainable_filter = trains(objective.frozen)
 
@@ -81,17 +84,35 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
         )
         scaler = state.scaler
 
-        def total(p: Variables) -> tuple[jax.Array, tuple[Mean, Aux]]:
-            loss, aux = objective.loss(overlay(variables, p), batch, info)
+        def total(p: Variables, rows: Mapping[str, jax.Array] = batch) -> tuple[jax.Array, tuple[Mean, Aux]]:
+            loss, aux = objective.loss(overlay(variables, p), rows, info)
             scaled = loss.total.astype(jnp.float32)
             return (scaled * scaler.scale if scaler is not None else scaled), (loss, aux)
 
-        grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
+        schedule = current_schedule()
+        if schedule.interleaves:
+            grads, (_, (loss, aux)) = pipelined_gradients(total, trainable, batch, schedule)
+            aux = _microbatch_mean(aux, schedule.count)
+        else:
+            grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
         if scaler is not None:
             grads = jax.tree.map(lambda g: g / scaler.scale, grads)
         return Gradients(grads=grads, loss=loss, aux=aux)
 
     return forward
+
+
+def _microbatch_mean(aux: Aux, count: int) -> Aux:
+    """aux summed over count microbatches, as one batch's: a Mean's totals add up, a plain metric
+    is averaged. Written-back collections have no sum, and are refused."""
+    if aux.updates:
+        raise ValueError(
+            "A 1F1B pipeline schedule scores a loss one microbatch at a time, but this objective's loss "
+            f"writes back the collections {sorted(aux.updates)}, which cannot be summed over microbatches. "
+            "Use MeshSpec(schedule='gpipe').")
+    metrics = {name: value if isinstance(value, Mean) else jax.tree.map(lambda a: a / count, value)
+               for name, value in aux.metrics.items()}
+    return Aux(metrics=metrics, updates=aux.updates)
 
 
 def transaction(

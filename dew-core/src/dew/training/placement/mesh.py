@@ -71,9 +71,14 @@ class MeshSpec:
     microbatches: int | None = field(
         default=None, metadata=_doc("microbatches per step through the stages (a multiple of stage)"))
     replicas: int = field(default=1, metadata=_doc("host groups the data axis spans (hybrid sharding)"))
+    schedule: str = field(default="gpipe", metadata=_doc(
+        "how the stages run their microbatches: gpipe (all forwards, then autodiff) or 1f1b (each "
+        "backward as soon as its loss is known)"))
+    circular_repeats: int = field(default=1, metadata=_doc(
+        "chunks of the layer stack per stage device under 1f1b (interleaved 1F1B, virtual stages)"))
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "expert", "tensor", "sequence", "stage", "replicas"):
+        for name in ("fsdp", "expert", "tensor", "sequence", "stage", "replicas", "circular_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MeshSpec.{name} must be a positive integer, got {value!r}.")
@@ -85,6 +90,16 @@ class MeshSpec:
                 f"({self.stage}): every stage takes a share of each round; set it to "
                 f"{self.stage * max(1, round(self.microbatches / self.stage))} or leave it None."
             )
+        from dew.nn.pipeline import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"MeshSpec.schedule={self.schedule!r} is no pipeline schedule; use one of "
+                             f"{', '.join(map(repr, SCHEDULES))}.")
+        if self.circular_repeats > 1 and self.schedule != "1f1b":
+            raise ValueError(
+                f"MeshSpec.circular_repeats={self.circular_repeats} interleaves a 1F1B schedule (each stage "
+                "device holds that many chunks of the stack); set schedule='1f1b' too, or "
+                "circular_repeats=1.")
 
     @property
     def model_devices(self) -> int:

@@ -84,17 +84,20 @@ def check_stages(boxed: Any, spec: MeshSpec, *, checkpoint: str | None = None) -
             "the model declares none (no parameter has the 'layers' axis first). Build the "
             "model with scan_layers=True, or set stage=1."
         )
+    chunks = spec.stage * spec.circular_repeats
     for site in sites:
         depth = _leaves(_at(boxed, site))[0].unbox().shape[0]
-        if depth % spec.stage:
-            fits = " or ".join(f"stage={n}" for n in range(1, depth + 1) if depth % n == 0)
+        if depth % chunks:
+            fits = " or ".join(f"stage={n}" for n in range(1, depth + 1)
+                               if depth % (n * spec.circular_repeats) == 0)
+            repeats = f" x circular_repeats={spec.circular_repeats}" if spec.circular_repeats > 1 else ""
             fix = (f"{checkpoint} holds these {depth} layers, so restore it with {fits}"
                    if checkpoint is not None else
                    f"choose a stage count that divides {depth} ({fits}), or a layer count that "
-                   f"{spec.stage} divides")
+                   f"{chunks} divides")
             raise StageDivisionError(
-                f"The stack {site} has {depth} layers, which stage={spec.stage} pipeline stages "
-                f"do not divide; {fix}."
+                f"The stack {site} has {depth} layers, which stage={spec.stage}{repeats} pipeline "
+                f"chunks do not divide; {fix}."
             )
 
 
@@ -113,4 +116,5 @@ def with_bubble(step: Callable[..., tuple[Any, dict]], schedule: PipelineSchedul
 
 def schedule_of(spec: MeshSpec) -> PipelineSchedule:
     """The pipeline schedule a mesh spec asks for."""
-    return PipelineSchedule(stages=spec.stage, microbatches=spec.microbatches)
+    return PipelineSchedule(stages=spec.stage, microbatches=spec.microbatches, kind=spec.schedule,  # type: ignore[arg-type]
+                            repeats=spec.circular_repeats)

@@ -55,6 +55,9 @@ class CoordinatorUnreachableError(DewError, RuntimeError):
 class PoolSeat:
     """One process's place in a pool: the coordinator's host:port, the pool's size, this index.
 
+    local_index and local_count place the process among those on its own
+    machine, which share the machine's GPUs (dew.training.runtime.gpus).
+
     >>> seat = PoolSeat("127.0.0.1:8476", processes=2, index=1, source="local")
     >>> seat.environment()["JAX_PROCESS_ID"]
     '1'
@@ -64,6 +67,8 @@ class PoolSeat:
     processes: int
     index: int
     source: str
+    local_index: int = 0
+    local_count: int = 1
 
     def environment(self) -> dict[str, str]:
         """The variables dew.training.prepare_process reads to join this pool."""
@@ -127,7 +132,7 @@ def seat_from_environment(env: Mapping[str, str] | None = None, port: int | None
 
     >>> seat_from_environment({"SLURM_PROCID": "3", "SLURM_NTASKS": "4",
     ...                        "SLURM_STEP_NODELIST": "gpu[12-15]"})
-    PoolSeat(coordinator='gpu12:8476', processes=4, index=3, source='slurm')
+    PoolSeat(coordinator='gpu12:8476', processes=4, index=3, source='slurm', local_index=0, local_count=1)
     >>> seat_from_environment({}) is None
     True
     """
@@ -148,7 +153,9 @@ def seat_from_environment(env: Mapping[str, str] | None = None, port: int | None
                 "SLURM_PROCID and SLURM_NTASKS are set but SLURM_STEP_NODELIST is not; start the "
                 "processes with srun inside the allocation (sbatch runs one shell, srun the tasks).")
         seat = PoolSeat(f"{first_host(nodes)}:{_port(env, port)}", _integer(env, "SLURM_NTASKS"),
-                        _integer(env, "SLURM_PROCID"), "slurm")
+                        _integer(env, "SLURM_PROCID"), "slurm",
+                        local_index=_integer(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else 0,
+                        local_count=_tasks_here(env))
         return _checked(seat, "SLURM_PROCID and SLURM_NTASKS")
     if env.get("JOB_COMPLETION_INDEX") is not None:
         missing = [n for n in ("DEW_NUM_PROCESSES", "DEW_COORDINATOR_ADDRESS") if not env.get(n)]
@@ -161,6 +168,27 @@ def seat_from_environment(env: Mapping[str, str] | None = None, port: int | None
                         _integer(env, "JOB_COMPLETION_INDEX"), "kubernetes")
         return _checked(seat, "JOB_COMPLETION_INDEX and DEW_NUM_PROCESSES")
     return None
+
+
+def _tasks_here(env: Mapping[str, str]) -> int:
+    """How many tasks of the Slurm step run on this node.
+
+    >>> _tasks_here({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"})
+    3
+    >>> _tasks_here({"SLURM_NTASKS_PER_NODE": "8"})
+    8
+    """
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return _integer(env, "SLURM_NTASKS_PER_NODE")
+    per_node = env.get("SLURM_TASKS_PER_NODE", "")
+    counts: list[int] = []
+    for part in filter(None, per_node.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise PoolEnvironmentError(f"SLURM_TASKS_PER_NODE={per_node!r} is not a Slurm task count list.")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = _integer(env, "SLURM_NODEID") if env.get("SLURM_NODEID") else 0
+    return counts[node] if node < len(counts) else 1
 
 
 def _split(address: str) -> tuple[str, int]:
