@@ -27,13 +27,15 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dew.errors import DewError
+
 __all__ = ["DEVICE_IDS", "GpuShareError", "gpu_environment", "gpu_share", "visible_gpus"]
 
 DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
 _DRIVER = Path("/proc/driver/nvidia/gpus")
 
 
-class GpuShareError(ValueError):
+class GpuShareError(DewError, ValueError):
     """The GPUs a machine shows cannot be split evenly among the processes started on it."""
 
 
