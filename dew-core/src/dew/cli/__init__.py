@@ -153,7 +153,7 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
             return f"dew {command}: {message}\n"
         return original(message, category, filename, lineno, line)
 
-    warnings.formatwarning = formatted  # type: ignore[assignment]
+    warnings.formatwarning = formatted
     try:
         yield
     finally:

@@ -76,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
             "axis takes the rest).")
     answer = _plan_in_child(args.recipe, list(args.overrides), args.devices, args.timeout)
     if "error" in answer:
-        error = answer["error"]
+        failed = answer["error"]
         if args.json:
-            print(json.dumps({"refused" if error["leaves"] else "error": error}, indent=2))
+            print(json.dumps({"refused" if failed["leaves"] else "error": failed}, indent=2))
         else:
-            print(f"dew plan: {error['type']}: {error['message']}", file=sys.stderr)
-            for leaf in error["leaves"]:
+            print(f"dew plan: {failed['type']}: {failed['message']}", file=sys.stderr)
+            for leaf in failed["leaves"]:
                 print(f"  {leaf['path']} {tuple(leaf['shape'])} split {leaf['spec']}: {_size(leaf['bytes'])} "
                       f"per device, {_size(leaf['perfect'])} if sharded perfectly", file=sys.stderr)
         return answer.get("status", 2)

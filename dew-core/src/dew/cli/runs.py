@@ -58,7 +58,7 @@ class Opened:
         return self.objective.pipeline(self.variables)
 
 
-def refused(command: str, error: BaseException) -> int:
+def refused(command: str, error: BaseException | str) -> int:
     """Print error on stderr as `dew COMMAND: message`; return 2, a refusal's exit code."""
     print(f"dew {command}: {error}", file=sys.stderr)
     return 2

@@ -64,7 +64,7 @@ def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[st
     theta is the family's default base, used when neither the dict nor the
     top level of config names one.
     """
-    kind = params.get("rope_type") or params.get("type") or "default"
+    kind: Any = params.get("rope_type") or params.get("type") or "default"  # a config.json value
     base = float(params.get("rope_theta", config.get("rope_theta", theta)))
     fraction = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
     out: dict[str, Any] = {"rope_base": base, "rotary_fraction": fraction, "rope_scaling": None}
@@ -73,9 +73,9 @@ def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[st
     if kind not in ROPE_KINDS:
         raise refuse(architecture, f"{field}.rope_type", kind,
                      f"it computes the rope types 'default', {', '.join(map(repr, ROPE_KINDS))}")
-    original = (params.get("original_max_position_embeddings")
-                or config.get("original_max_position_embeddings")
-                or config.get("max_position_embeddings"))
+    original: Any = (params.get("original_max_position_embeddings")
+                     or config.get("original_max_position_embeddings")
+                     or config.get("max_position_embeddings"))
     factor = params.get("factor")
     if factor is None and kind == "yarn" and original:
         factor = float(config["max_position_embeddings"]) / float(original)
@@ -85,8 +85,8 @@ def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[st
                "beta_fast": "beta_fast", "beta_slow": "beta_slow",
                "attention_factor": "attention_factor", "mscale": "mscale",
                "mscale_all_dim": "mscale_all_dim"}
-    extra = {mine: float(params[theirs]) for mine, theirs in numbers.items()
-             if params.get(theirs) is not None}
+    extra: dict[str, Any] = {mine: float(params[theirs]) for mine, theirs in numbers.items()
+                             if params.get(theirs) is not None}
     if kind in ("llama3", "yarn"):
         extra["original_max_len"] = int(original)
     if kind == "yarn":

@@ -45,7 +45,7 @@ _MISTRAL = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers"
             "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
             "tie_word_embeddings": False}
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "7b-v0.1": {**_MISTRAL, "vocab_size": 32000, "max_position_embeddings": 32768,
                 "rope_theta": 10_000.0, "sliding_window": 4096},
     "7b-v0.3": {**_MISTRAL, "vocab_size": 32768, "max_position_embeddings": 32768,

@@ -52,7 +52,7 @@ _MIXTRAL = {"num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps":
             "rope_theta": 1_000_000.0, "num_local_experts": 8, "num_experts_per_tok": 2,
             "sliding_window": None, "tie_word_embeddings": False}
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "8x7b": {**_MIXTRAL, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "max_position_embeddings": 32768},
     "8x22b": {**_MIXTRAL, "vocab_size": 32768, "hidden_size": 6144, "intermediate_size": 16384,

@@ -51,7 +51,7 @@ def write(model: Any) -> dict[str, Any]:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "mini-4k": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
                 "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,

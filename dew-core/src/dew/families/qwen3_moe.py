@@ -65,7 +65,7 @@ _QWEN3_MOE = {"vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_
               "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
               "use_sliding_window": False, "tie_word_embeddings": False}
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "30b-a3b": {**_QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
                 "num_hidden_layers": 48, "num_attention_heads": 32},
     "235b-a22b": {**_QWEN3_MOE, "hidden_size": 4096, "intermediate_size": 12288,

@@ -230,7 +230,7 @@ class CausalTransformer(nn.Module):
 
     def _layer_parts(self) -> list[tuple[int | None, float, RopeScaling | None]]:
         """Each layer's window, rotary base and rotary scaling, in order."""
-        out = []
+        out: list[tuple[int | None, float, RopeScaling | None]] = []
         for i in range(self.num_layers):
             slides = self.sliding_window is not None and (
                 self.sliding_layers is None or i in self.sliding_layers)

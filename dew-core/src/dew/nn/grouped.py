@@ -124,6 +124,7 @@ class SortedGroups:
         """Each group's packed rows times that group's weights [G, D, M]."""
         if self.kind == "ragged_dot":
             return jax.lax.ragged_dot(packed, weights_gdm, self.sizes)
+        assert self.tile_groups is not None
         per_tile_pdm = jnp.take(weights_gdm, self.tile_groups, axis=0)
         return jnp.einsum("ptd,pdm->ptm", packed, per_tile_pdm)
 

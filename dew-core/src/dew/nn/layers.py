@@ -275,9 +275,10 @@ class CausalSelfAttention(nn.Module):
         else:  # grouped key/value heads are read the same way: head h uses h // share
             documents = None if segment_ids is None else (
                 segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-            scale = None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
+            score_scale = (None if self.query_pre_attn_scalar is None
+                           else float(self.query_pre_attn_scalar) ** -0.5)
             local = None if self.window is None else (self.window - 1, 0)
-            out_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=documents, scale=scale,
+            out_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=documents, scale=score_scale,
                                                     is_causal=True, local_window_size=local,
                                                     implementation=self.attention)
         out_bthk = constrain(out_bthk, head_axes)

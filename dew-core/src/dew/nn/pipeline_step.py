@@ -179,7 +179,9 @@ def pipelined_gradients(loss: Loss, params: Any, batch: Any,
     rows = _round_inputs(table)
 
     def forward_half(c: dict[str, Any], now: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
-        x, where, segments = (None if a is None else jnp.roll(a, 1, axis=0) for a in c["state"])
+        prev_x, prev_where, prev_segments = c["state"]  # only the segments may be absent
+        x, where = jnp.roll(prev_x, 1, axis=0), jnp.roll(prev_where, 1, axis=0)
+        segments = None if prev_segments is None else jnp.roll(prev_segments, 1, axis=0)
 
         def fresh() -> tuple[jax.Array, tuple[Any, Any]]:
             return embed(params, _rows(cut, now["forward_microbatch"][0]))

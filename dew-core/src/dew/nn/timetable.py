@@ -84,12 +84,12 @@ class Timetable:
     @property
     def forwards(self) -> np.ndarray:
         """Per round: some device runs a forward."""
-        return (self.forward_microbatch >= 0).any(axis=1)
+        return np.asarray((self.forward_microbatch >= 0).any(axis=1))
 
     @property
     def backwards(self) -> np.ndarray:
         """Per round: some device runs a backward."""
-        return (self.backward_microbatch >= 0).any(axis=1)
+        return np.asarray((self.backward_microbatch >= 0).any(axis=1))
 
     @property
     def bubble(self) -> float:

@@ -319,12 +319,12 @@ class Objective(Generic[Loss, Effects]):
         """The validation metrics evaluate's outputs support; () reports every Mean it returns."""
         return ()
 
-    def pipeline(self, state: Any, **options: Any) -> Pipeline:
+    def pipeline(self, state: Any) -> Pipeline:
         """The inference task of state's weights (a TrainState, its EMA copy when kept, or variables).
 
-        Every command (generate, eval, embed, export) goes through it; options
-        are the objective's own (sampling settings, ``ema=False``). An
-        objective without one refuses, naming the capability.
+        Every command (generate, eval, embed, export) goes through it; an
+        objective adds its own keyword options (sampling settings,
+        ``ema=False``). An objective without one refuses, naming the capability.
         """
         from dew.objectives.inference import NoPipelineError
 

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
             traceback.print_exc()
         refused = isinstance(error, PlanRefusedError)
         kind = type(error.__cause__ if refused and error.__cause__ is not None else error).__name__
-        print(json.dumps({"error": {"type": kind, "message": str(error), "leaves": error.leaves if refused else []}}))
+        print(json.dumps({"error": {"type": kind, "message": str(error), "leaves": error.leaves if isinstance(error, PlanRefusedError) else []}}))
         return 2 if named else 1
     print(json.dumps({"plan": plan.as_json()}))
     return 0

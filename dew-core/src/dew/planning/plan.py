@@ -249,6 +249,7 @@ def make_plan(config: Any, recipe: str) -> Plan:
     except LayoutError as error:
         raise PlanRefusedError(str(error), _replicated(trainer)) from error
     objective = parts.objective
+    assert parts.dataset is not None  # build_parts loads it (with_data defaults to True)
     feed = Feed(parts.dataset, mesh, data_partition(mesh), required=tuple(objective.required_keys()),
                 rollout=trainer.rollout, check=objective.check_batch)
     feed.open(None, resuming=False)

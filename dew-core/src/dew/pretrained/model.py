@@ -363,8 +363,9 @@ class Pretrained:
         params: dict[str, Any] = {}
         experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one
         for entry in table.values():
-            for path in entry.paths if entry.index is not None else ():
-                experts[path] = max(experts.get(path, 0), entry.index + 1)
+            if entry.index is not None:
+                for path in entry.paths:
+                    experts[path] = max(experts.get(path, 0), entry.index + 1)
         pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}
         for name, value in files.read(set(table), reuse=True):  # value is gone at the next tensor
             entry = table[name]

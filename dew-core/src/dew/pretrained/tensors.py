@@ -187,7 +187,8 @@ def _read_one(handle: object, start: int, name: str, info: dict, file: Path,
     if array.nbytes != end - begin:
         raise ValueError(f"{file} is damaged: {name} holds {end - begin} bytes for shape "
                          f"{tuple(info['shape'])} of {info['dtype']} ({array.nbytes} bytes).")
-    view = memoryview(array.reshape(-1).view(np.uint8))
+    # numpy's stub declares ndarray.__buffer__ only for Python 3.12 and later
+    view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     handle.seek(start + begin)  # type: ignore[attr-defined]
     done = 0
     while done < len(view):

@@ -120,7 +120,8 @@ def defaults_of(recorded: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     plain = {k: v for k, v in recorded.items() if k not in COMPONENTS}
     fields = {k: f for k, f in RunConfig.model_fields.items() if k not in COMPONENTS}
-    schema = pydantic.create_model("Sections", **{k: (f.annotation, f) for k, f in fields.items()})
+    definitions: dict[str, Any] = {k: (f.annotation, f) for k, f in fields.items()}  # each (type, FieldInfo)
+    schema = pydantic.create_model("Sections", **definitions)
     _schema(schema, plain, "", out)
     for section, group in COMPONENTS.items():
         value = recorded.get(section)

@@ -369,9 +369,10 @@ class ObjectiveKit:
         sharded = shard_batch(batch, mesh, data_partition(mesh))
         after, metrics = trainer.compile(state, sharded)(state, sharded)
         assert bool(metrics["finite"]), "The step's loss or gradient is not finite on many devices."
-        np.savez(Path(exchange) / "gradients.npz",
-                 **{p: np.asarray(g) for p, g in zip(paths(after.opt_state), jax.tree.leaves(after.opt_state),
-                                                      strict=True)})
+        # Any values: numpy's savez stub reads **arrays as its allow_pickle flag
+        gradients: dict[str, Any] = {p: np.asarray(g) for p, g in zip(
+            paths(after.opt_state), jax.tree.leaves(after.opt_state), strict=True)}
+        np.savez(Path(exchange) / "gradients.npz", **gradients)
 
     def _dataset(self) -> Dataset:
         batch = self.batch()

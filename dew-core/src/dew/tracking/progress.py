@@ -64,7 +64,7 @@ class Clock:
 @dataclass
 class _Pending:
     step: int
-    metrics: dict[str, jax.Array]
+    metrics: dict[str, jax.Array | float]  # the step's arrays and the stream's scalars
     log: bool
 
 
@@ -140,7 +140,7 @@ class Progress:
             self.console.close()
 
     # -- per step --------------------------------------------------------------------
-    def stepped(self, done: int, metrics: dict[str, jax.Array], *, first: bool) -> None:
+    def stepped(self, done: int, metrics: dict[str, jax.Array | float], *, first: bool) -> None:
         """Step done was dispatched; report what is due or already computed."""
         if first:
             jax.block_until_ready(metrics)
@@ -164,7 +164,7 @@ class Progress:
             if upto is not None and pending.step >= upto:
                 break
             if not block and (not self.eager or pending.log
-                              or not pending.metrics["finite"].is_ready()):  # type: ignore[attr-defined]  # an ArrayImpl method jax.Array does not declare
+                              or not pending.metrics["finite"].is_ready()):  # type: ignore[union-attr]  # the step's array; is_ready is an ArrayImpl method jax.Array does not declare
                 break
             ready.append(pending)
         if not ready:

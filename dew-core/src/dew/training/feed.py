@@ -171,7 +171,7 @@ class Feed:
         began = time.perf_counter()
         self._current = step
         batch = self._more()
-        scalars = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
+        scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
         rolled = time.perf_counter()
         self.clock.data += rolled - began
         self._step = step + 1

@@ -336,7 +336,7 @@ class HFText:
             if cached is not None:
                 return np.asarray(cached)
         counts = count_tokens(shards, tokenizer, self.block, workers=self.index_workers)
-        if key is not None:
+        if self.cache_dir is not None and key is not None:
             window_cache.write(self.cache_dir, key, counts)
         return counts
 

@@ -154,7 +154,8 @@ class RewardModelObjective(Objective):
         """The validation metrics: the loss and the pair accuracy and margin."""
         return (MeanMetric("loss"), MeanMetric("accuracy"), MeanMetric("margin"))
 
-    def pipeline(self, state: Any) -> RewardScoring:
+    # RewardScoring is not (yet) a Pipeline: a reward scores texts, the commands' generate/embed do not apply
+    def pipeline(self, state: Any) -> RewardScoring:  # type: ignore[override]
         """Score texts with state's weights (a TrainState or a variables tree; the EMA copy when kept)."""
         averaged = getattr(state, "averaged", None)
         variables = averaged if averaged is not None else getattr(state, "params", state)

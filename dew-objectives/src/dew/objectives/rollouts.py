@@ -59,12 +59,12 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 def completion_text(tokenizer: Any, completion: Sequence[int], stop_token: int | None) -> tuple[str, int]:
     """A completion's text up to the stop token, and how many of its tokens count (the stop included)."""
-    completion = np.asarray(completion).reshape(-1)
-    kept, shown = len(completion), completion
+    row = np.asarray(completion).reshape(-1)
+    kept, shown = len(row), row
     if stop_token is not None:
-        stops = np.flatnonzero(completion == stop_token)
+        stops = np.flatnonzero(row == stop_token)
         if stops.size:
-            kept, shown = int(stops[0]) + 1, completion[: int(stops[0])]
+            kept, shown = int(stops[0]) + 1, row[: int(stops[0])]
     return _decode(tokenizer, [int(t) for t in shown if t >= 0]), kept
 
 
@@ -141,7 +141,7 @@ class RewardMetric:
 
     def update(self, accumulator: tuple[float, float], outputs: Mapping[str, Any]) -> tuple[float, float]:
         completions = self.completions(outputs)
-        context = {k: np.asarray(v) for k, v in outputs.items() if k != self.output}
+        context: dict[str, Any] = {k: np.asarray(v) for k, v in outputs.items() if k != self.output}
         values = score(self.reward, completions, context)
         return (accumulator[0] + float(values.sum()), accumulator[1] + float(values.size))
 

@@ -102,7 +102,7 @@ class Engine:
         self._empty: list[Sample] = []  # asked for no new tokens
         self._next_id = 0
         self._next_request = 0
-        self._counts = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
 
     # -- the model -----------------------------------------------------------------
     def set_params(self, params: Mapping[str, Any]) -> None:
@@ -437,7 +437,8 @@ class Engine:
     @staticmethod
     def compilations() -> int:
         """Programs compiled so far, all engines together (to check that nothing recompiles)."""
-        return programs.prefill._cache_size() + programs.decode._cache_size()
+        # _cache_size is jax's own count of a jitted function's programs; its JitWrapped stub omits it
+        return programs.prefill._cache_size() + programs.decode._cache_size()  # type: ignore[attr-defined]
 
     def _unfinished(self) -> list[Sample]:
         groups = (*self._waiting, *self._prefilling, *self._ready)

@@ -100,7 +100,7 @@ class TextGeneration(Pipeline):
                  stop: Sequence[str] = ()) -> str | list[str]:
         """The continuation of each prompt as text (one str for one str prompt), without the stop token."""
         single = isinstance(prompts, str)
-        batch = [prompts] if single else list(prompts)
+        batch = [prompts] if isinstance(prompts, str) else list(prompts)
         out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                           stop=stop)
         ended = self.stop

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -44,7 +44,7 @@ def mesh_of(tree: Any) -> jax.sharding.Mesh | None:
     for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
-            return sharding.mesh
+            return cast(jax.sharding.Mesh, sharding.mesh)  # a placed array's mesh is concrete
     return None
 
 
