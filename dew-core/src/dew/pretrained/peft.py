@@ -74,12 +74,14 @@ def _node(params: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any]
 
 
 def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any], spec: Any,
-                  *, base_name: str = "") -> Path:
+                  *, base_name: str = "", force: bool = False) -> Path:
     """Write the adapters of variables (an adapted model's) as a PEFT LoRA directory; return it.
 
     model is the base CausalTransformer, spec the ``Lora`` the adapters were
     made by, base_name what adapter_config.json records as the base model
     (a path or a hub name; PEFT reads it only when asked to load the base).
+    The directory is written whole and swapped in, as ``Pretrained.save``
+    writes (force: the same meaning there).
     """
     import flax.linen as nn
     import jax
@@ -114,7 +116,6 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
         raise TensorMismatchError("The variables hold no LoRA adapters on the family's projections "
                                   "(q/k/v/o_proj, gate/up/down_proj); export the merged model instead.")
     target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -131,8 +132,11 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
         "inference_mode": True,
         "modules_to_save": None,
     }
-    write_tensors(target / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: base_digest(variables)})
-    (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    from dew.pretrained.writing import replacing
+
+    with replacing(target, force=force) as fresh:
+        write_tensors(fresh / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: base_digest(variables)})
+        (fresh / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target
 
 
