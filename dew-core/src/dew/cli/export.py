@@ -49,7 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dew.cli.runs import expected, open_run, refused
-
     from dew.pretrained.writing import check_out
 
     try:
