@@ -202,11 +202,13 @@ def _header(file: Path) -> tuple[dict, int]:
         size_on_disk = file.stat().st_size
         with file.open("rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
-            if size_on_disk < 8 or size > min(size_on_disk - 8, 2**27):
-                raise DamagedFileError(f"{file} has no readable safetensors header: {again}")
-            header = json.loads(handle.read(size))
+            text = handle.read(size) if 8 <= size_on_disk and size <= min(size_on_disk - 8, 2**27) else None
     except OSError as error:
         raise DamagedFileError(f"{file} cannot be read ({error.strerror}).") from None
+    if text is None:
+        raise DamagedFileError(f"{file} has no readable safetensors header: {again}")
+    try:
+        header = json.loads(text)
     except (ValueError, UnicodeDecodeError):
         raise DamagedFileError(f"{file}'s safetensors header is not valid JSON: {again}") from None
     if not isinstance(header, dict):
