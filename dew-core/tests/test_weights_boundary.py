@@ -292,7 +292,6 @@ def _snapshot(root: Path) -> dict[str, bytes]:
             for p in sorted(root.rglob("*")) if p.is_symlink() or p.is_file()}
 
 
-@pytest.mark.slow
 def test_the_commands_refuse_every_damaged_directory_in_one_line(good, tmp_path):
     damaged: dict[str, tuple[Path, str, tuple[str, ...]]] = {}
 
