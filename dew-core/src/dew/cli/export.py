@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", action="store_true",
                         help="a LoRA run: write its adapters alone (PEFT's adapter_model.safetensors and "
                              "adapter_config.json) instead of the merged model")
+    parser.add_argument("--force", action="store_true",
+                        help="write into an OUT that holds files dew did not write: the export's own "
+                             "files are replaced, the others kept (a symbolic link is never followed)")
     parser.add_argument("--verify", action="store_true",
                         help="load the export in transformers on the CPU and compare its logits with "
                              "dew's on fixed prompts; write OUT/verification.json; fail above --tolerance")
@@ -46,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dew.cli.runs import expected, open_run, refused
+    from dew.pretrained.writing import check_out
 
     try:
+        check_out(Path(args.out).absolute(), force=args.force)  # refused before the run is read
         opened = open_run(args.run, step=args.step)
         lora = None if opened.config is None else opened.config.lora
         if args.adapters and lora is None:
@@ -56,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         if args.verify and (args.adapters or args.format == "dew"):
             return refused("export", "--verify checks a whole model in its Hugging Face layout; drop "
                                      "--adapters and --format dew to verify the export.")
-        written, what = _write(opened, lora, args.out, adapters=args.adapters, format=args.format)
+        written, what = _write(opened, lora, args.out, adapters=args.adapters, format=args.format,
+                               force=args.force)
     except Exception as error:
         if not expected(error):
             raise
@@ -93,15 +99,14 @@ def _verify(opened: Any, lora: Any, written: Path, tolerance: float | None) -> i
     return 0
 
 
-def _write(opened: Any, lora: Any, out: Path, *, adapters: bool, format: str | None
-           ) -> tuple[Path, str]:
+def _write(opened: Any, lora: Any, out: Path, *, adapters: bool, format: str | None,
+           force: bool = False) -> tuple[Path, str]:
     """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
     from dew.pretrained import Pretrained
-
     kept = _tokenizer_files(opened)
     pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept)
     if lora is None:
-        return pretrained.save(out, format=format), f"the model ({_layout(pretrained, format)})"
+        return pretrained.save(out, format=format, force=force), f"the model ({_layout(pretrained, format)})"
     from dew.adapters.lora import base_model, merge_lora
 
     base = base_model(pretrained.model)
@@ -110,10 +115,11 @@ def _write(opened: Any, lora: Any, out: Path, *, adapters: bool, format: str | N
 
         init = getattr(opened.config, "init", None)
         name = str(getattr(init, "pretrained", None) or getattr(init, "run", None) or "")
-        return save_adapters(out, base, pretrained.variables, lora, base_name=name), "the adapters"
+        return save_adapters(out, base, pretrained.variables, lora, base_name=name,
+                             force=force), "the adapters"
     merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
                         pretrained.task, kept)
-    return merged.save(out, format=format), f"the model, adapters merged ({_layout(merged, format)}),"
+    return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"
 
 
 def _layout(pretrained: Any, format: str | None) -> str:

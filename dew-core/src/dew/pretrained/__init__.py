@@ -11,6 +11,8 @@ from typing import Any
 
 from dew.pretrained.errors import (
     ConfigurationMismatchError,
+    ConfigValueError,
+    DamagedFileError,
     NoExactCounterpartError,
     NoPretrainedModelError,
     PretrainedError,
@@ -24,7 +26,9 @@ from dew.pretrained.tokenizers import TokenizerFiles
 __all__ = [
     "CONFIG_FILE",
     "SUPPORTED",
+    "ConfigValueError",
     "ConfigurationMismatchError",
+    "DamagedFileError",
     "NoExactCounterpartError",
     "NoPretrainedModelError",
     "Pretrained",

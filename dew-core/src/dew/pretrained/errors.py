@@ -5,7 +5,9 @@ from __future__ import annotations
 from dew.errors import DewError
 
 __all__ = [
+    "ConfigValueError",
     "ConfigurationMismatchError",
+    "DamagedFileError",
     "NoPretrainedModelError",
     "NoExactCounterpartError",
     "PretrainedError",
@@ -45,3 +47,13 @@ class VocabularyMismatchError(PretrainedError):
 
 class ConfigurationMismatchError(PretrainedError):
     """Pretrained weights computed by another configuration than the model they should start."""
+
+
+class DamagedFileError(PretrainedError):
+    """A file of a model directory that cannot be read as what it should be (cut short, not
+    safetensors or JSON, too large to be what it claims, or missing where its index points)."""
+
+
+class ConfigValueError(PretrainedError):
+    """A config.json field whose value no model can have (not a positive size, or larger than
+    the weights present), refused before anything is allocated."""

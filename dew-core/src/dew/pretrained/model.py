@@ -16,6 +16,7 @@ pipeline that saved it did.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -27,14 +28,17 @@ import numpy as np
 
 from dew.pretrained import native
 from dew.pretrained.errors import (
+    ConfigValueError,
     NoExactCounterpartError,
     NoPretrainedModelError,
     PretrainedError,
     TensorMismatchError,
     VocabularyMismatchError,
 )
+from dew.pretrained.reading import check_config_bounds, check_float_dtype, read_json
 from dew.pretrained.tensors import WEIGHTS, ShardWriter, TensorFiles, write_tensors
 from dew.pretrained.tokenizers import TokenizerFiles, read_tokenizer, write_tokenizer
+from dew.pretrained.writing import replacing
 
 __all__ = ["CONFIG_FILE", "MAX_SHARD_BYTES", "Pretrained", "check_vocabulary", "model_from_config"]
 
@@ -178,7 +182,7 @@ class Pretrained:
         return None if self.tokenizer_files is None else self.tokenizer_files.chat_template
 
     def save(self, directory: str | os.PathLike[str], *, format: str | None = None,
-             max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+             max_shard_bytes: int = MAX_SHARD_BYTES, force: bool = False) -> Path:
         """Write config.json, the safetensors weights and the tokenizer into directory; return it.
 
         format None writes the model's own format (``format``); "hf" asks for
@@ -189,6 +193,11 @@ class Pretrained:
         with an index, as transformers shards). In a process pool every
         process calls it (sharded weights are gathered one tensor at a time)
         and process 0 writes.
+
+        The directory is written whole or not at all (``dew.pretrained.writing``):
+        into a fresh directory beside it, then swapped in. One that holds files
+        dew did not write is refused (ExportDirectoryError) unless force, which
+        keeps those files and replaces only the export's own.
         """
         import jax
 
@@ -201,7 +210,7 @@ class Pretrained:
             raise PretrainedError(f"Pretrained.save writes format 'hf' (Hugging Face) or 'dew' "
                                   f"(dew's own layout), not {format!r}.")
         if chosen == native.FORMAT:
-            return self._save_native(Path(directory))
+            return self._save_native(Path(directory), force)
         family = of_model(self.model)
         config = family.config(self.model)
         config.update(self._token_ids())
@@ -225,8 +234,12 @@ class Pretrained:
                         "this model was built with.")
         target = Path(directory)
         writing = jax.process_index() == 0
-        if writing:
-            target.mkdir(parents=True, exist_ok=True)
+        with replacing(target, force=force) if writing else contextlib.nullcontext(target) as fresh:
+            self._write_hf(fresh, writing, table, params, config, max_shard_bytes)
+        return target
+
+    def _write_hf(self, target: Path, writing: bool, table: Mapping[str, Any], params: Any,
+                  config: dict[str, Any], max_shard_bytes: int) -> None:
         shards = ShardWriter(target, max_shard_bytes, {"format": "pt"})
         stacked: dict[tuple[str, ...], np.ndarray] = {}  # the stacked weights being written expert by expert
         for name, entry in table.items():
@@ -240,14 +253,13 @@ class Pretrained:
             if writing:
                 shards.add(name, value)
         if not writing:
-            return target
+            return
         shards.close()
         recorded = write_tokenizer(self.tokenizer, target)
         if self.tokenizer_files is not None:
             self.tokenizer_files.write(target)
         config["dew"] = {"dtype": np.dtype(self.model.dtype).name, "tokenizer": recorded}
         (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        return target
 
     def _token_ids(self) -> dict[str, Any]:
         """config.json's special-token ids: those the source directory had, else the tokenizer's eos."""
@@ -259,7 +271,7 @@ class Pretrained:
             ids.update(self.tokenizer_files.ids)
         return ids
 
-    def _save_native(self, target: Path) -> Path:
+    def _save_native(self, target: Path, force: bool = False) -> Path:
         """dew's own layout (see dew.pretrained.native): every variable by its path, the task."""
         import jax
 
@@ -267,10 +279,10 @@ class Pretrained:
         tensors = native.tensors_of(_host(self.variables))
         if jax.process_index() != 0:
             return target
-        target.mkdir(parents=True, exist_ok=True)
-        config["dew"] = {"tokenizer": write_tokenizer(self.tokenizer, target)}
-        write_tensors(target / WEIGHTS, tensors, {"format": native.FORMAT})
-        (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        with replacing(target, force=force) as fresh:
+            config["dew"] = {"tokenizer": write_tokenizer(self.tokenizer, fresh)}
+            write_tensors(fresh / WEIGHTS, tensors, {"format": native.FORMAT})
+            (fresh / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return target
 
     def pipeline(self, **fields: Any) -> Any:
@@ -346,19 +358,33 @@ class Pretrained:
                 f"Pretrained.save, `dew export` or transformers' save_pretrained wrote ({CONFIG_FILE} "
                 "beside the weights), or write one there first."
             )
-        config = json.loads(config_path.read_text())
+        config = read_json(config_path)
         own = config.get("dew") or {}
+        if not isinstance(own, Mapping):
+            raise ConfigValueError(f"{config_path} sets dew={own!r}; dew writes an object there. "
+                                   "Remove the key or write the model again.")
         if config.get("format") == native.FORMAT:
             model = native.build_model(config, source)
             variables = native.read_variables(source)
             tokenizer = read_tokenizer(source, own.get("tokenizer"), None)
             return cls(model, variables, tokenizer, config.get("task"))
         family = for_config(config)
-        model = family.model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
-                             dtype=dtype or own.get("dtype"))
-        files = TensorFiles(source)
+        files = TensorFiles(source)  # every header checked
+        check_config_bounds(config, config_path, len(files.names()), files.nbytes)
+        try:
+            model = family.model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
+                                 dtype=dtype or own.get("dtype"))
+        except (TypeError, ValueError, KeyError) as error:
+            if isinstance(error, PretrainedError):
+                raise
+            raise ConfigValueError(f"{config_path} does not describe a {family.architecture} dew can "
+                                   f"build: {type(error).__name__}: {error}. Fix config.json or write "
+                                   "the model again.") from None
         table = family.table(model)
         _check_tensors(source, family.architecture, model, table, files.shapes())
+        stored = files.dtypes()
+        for name in table:
+            check_float_dtype(files.files[name], name, stored[name])
         place = _placement(None if scan_layers else shardings)
         params: dict[str, Any] = {}
         experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one

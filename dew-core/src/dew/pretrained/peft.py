@@ -31,7 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from dew.pretrained.errors import NoExactCounterpartError, PretrainedError, TensorMismatchError
+from dew.pretrained.errors import (
+    NoExactCounterpartError,
+    NoPretrainedModelError,
+    PretrainedError,
+    TensorMismatchError,
+)
 from dew.pretrained.tensors import write_tensors
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterBaseMismatchError", "load_adapters", "save_adapters"]
@@ -74,12 +79,14 @@ def _node(params: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any]
 
 
 def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any], spec: Any,
-                  *, base_name: str = "") -> Path:
+                  *, base_name: str = "", force: bool = False) -> Path:
     """Write the adapters of variables (an adapted model's) as a PEFT LoRA directory; return it.
 
     model is the base CausalTransformer, spec the ``Lora`` the adapters were
     made by, base_name what adapter_config.json records as the base model
     (a path or a hub name; PEFT reads it only when asked to load the base).
+    The directory is written whole and swapped in, as ``Pretrained.save``
+    writes (force: the same meaning there).
     """
     import flax.linen as nn
     import jax
@@ -114,7 +121,6 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
         raise TensorMismatchError("The variables hold no LoRA adapters on the family's projections "
                                   "(q/k/v/o_proj, gate/up/down_proj); export the merged model instead.")
     target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -131,28 +137,43 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
         "inference_mode": True,
         "modules_to_save": None,
     }
-    write_tensors(target / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: base_digest(variables)})
-    (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    from dew.pretrained.writing import replacing
+
+    with replacing(target, force=force) as fresh:
+        write_tensors(fresh / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: base_digest(variables)})
+        (fresh / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target
 
 
-def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any]) -> dict[str, Any]:
+def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any],
+                  *, spec: Any = None) -> dict[str, Any]:
     """variables (an adapted model's, on its base) with the adapters a PEFT directory holds.
 
     Refuses adapters recorded for another base (AdapterBaseMismatchError,
-    naming both digests), and adapters whose shapes or rank do not fit the
-    adapted model's (TensorMismatchError).
+    naming both digests); an adapter_config.json whose rank or targets are
+    not the adapted model's (or whose alpha is not spec's, when given); and
+    tensors missing, left over, stored transposed, misshapen or not floats
+    (TensorMismatchError, naming the tensor and the file).
     """
     import flax.linen as nn
     from safetensors import safe_open
 
     from dew.adapters.lora import base_digest
+    from dew.pretrained.reading import check_float_dtype, read_json
+    from dew.pretrained.tensors import _header
 
     source = Path(directory)
     weights = source / ADAPTER_WEIGHTS
     if not weights.is_file():
-        raise FileNotFoundError(f"{source} holds no {ADAPTER_WEIGHTS}; point at a directory "
-                                "`dew export --adapters` or PEFT's save_pretrained wrote.")
+        raise NoPretrainedModelError(f"{source} holds no {ADAPTER_WEIGHTS}; point at a directory "
+                                     "`dew export --adapters` or PEFT's save_pretrained wrote.")
+    if not (source / ADAPTER_CONFIG).is_file():
+        raise NoPretrainedModelError(f"{source} holds no {ADAPTER_CONFIG}, which says the adapters' rank "
+                                     "and targets; copy it beside the weights (PEFT writes both).")
+    config = read_json(source / ADAPTER_CONFIG, "adapter config")
+    header, _ = _header(weights)
+    for name, info in header.items():
+        check_float_dtype(weights, name, info["dtype"])
     with safe_open(str(weights), framework="numpy") as handle:
         recorded = (handle.metadata() or {}).get(DIGEST_KEY)
         found = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
@@ -162,6 +183,7 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
             f"The adapters in {source} were trained on a base of digest {recorded}, but these variables' "
             f"base has digest {mine}. Load them onto the base they were trained on (the run's "
             "init.pretrained or init.run).")
+    _check_config(source, config, model, variables, spec)
     from dew.adapters.lora_stack import is_scanned, unstack_tree
 
     out = nn.meta.unbox(dict(variables))
@@ -170,15 +192,33 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     for path, module in _adapted(model).items():
         a_name, b_name = f"{PREFIX}{module}.lora_A.weight", f"{PREFIX}{module}.lora_B.weight"
         node = _node(params, path)
-        if a_name not in found or node is None or f"{path[-1]}_lora_a" not in node:
+        if node is None or f"{path[-1]}_lora_a" not in node:
             continue
-        a, b = node[f"{path[-1]}_lora_a"], node[f"{path[-1]}_lora_b"]
-        new_a, new_b = found[a_name].T, found[b_name].T
-        if new_a.size != np.size(a) or new_b.size != np.size(b):
+        if a_name not in found:
+            if b_name in found:
+                raise TensorMismatchError(f"{source / ADAPTER_WEIGHTS} holds {b_name} but not {a_name}; "
+                                          "an adapter needs both. Write the adapters again.")
             raise TensorMismatchError(
-                f"{a_name} and {b_name} in {source} have shapes {found[a_name].shape} and "
-                f"{found[b_name].shape}; the adapted model's {'/'.join(path)} needs A {tuple(a.shape)} "
-                f"and B {tuple(b.shape)}. Load adapters of the same rank and targets.")
+                f"{source / ADAPTER_WEIGHTS} has no adapter for {module} (no {a_name}), which the "
+                f"adapted model's {'/'.join(path)} carries and {ADAPTER_CONFIG} targets. The file "
+                "lacks tensors: write the adapters again.")
+        a, b = node[f"{path[-1]}_lora_a"], node[f"{path[-1]}_lora_b"]
+        if b_name not in found:
+            raise TensorMismatchError(f"{source / ADAPTER_WEIGHTS} holds {a_name} but not {b_name}; "
+                                      "an adapter needs both. Write the adapters again.")
+        rank = int(np.shape(a)[-1])
+        want_a = (rank, int(np.prod(np.shape(a)[:-1])))
+        want_b = (int(np.prod(np.shape(b)[1:])), rank)
+        for name, want in ((a_name, want_a), (b_name, want_b)):
+            have = tuple(found[name].shape)
+            if have != want:
+                turned = " (stored transposed)" if have == want[::-1] else ""
+                raise TensorMismatchError(
+                    f"{name} in {source / ADAPTER_WEIGHTS} has shape {have}{turned}; the adapted "
+                    f"model's {'/'.join(path)} needs {want} (PEFT's lora_A is [rank, in], lora_B "
+                    "[out, rank]). Load adapters of the same rank and targets, written by PEFT or "
+                    "`dew export --adapters`.")
+        new_a, new_b = found[a_name].T, found[b_name].T
         parent = params
         for part in path[:-1]:
             parent[part] = dict(parent[part])
@@ -196,3 +236,38 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
         params = stack_layers(params, model.num_layers)
     out["params"] = params
     return out
+
+
+def _check_config(source: Path, config: Mapping[str, Any], model: Any, variables: Mapping[str, Any],
+                  spec: Any) -> None:
+    """Refuse an adapter_config.json whose rank, targets (or alpha, given spec) are not the model's."""
+    import flax.linen as nn
+
+    from dew.adapters.lora_stack import unstack_tree
+
+    where = source / ADAPTER_CONFIG
+    if config.get("peft_type", "LORA") != "LORA":
+        raise PretrainedError(f"{where} is a {config.get('peft_type')!r} adapter; dew reads LoRA adapters.")
+    params = unstack_tree(nn.meta.unbox(dict(variables).get("params", variables)))
+    ranks, targets = set(), set()
+    for path, module in _adapted(model).items():
+        node = _node(params, path)
+        if node is not None and f"{path[-1]}_lora_a" in node:
+            ranks.add(int(np.shape(node[f"{path[-1]}_lora_a"])[-1]))
+            targets.add(module.rsplit(".", 1)[-1])
+    rank = config.get("r")
+    if ranks and rank not in ranks:
+        raise TensorMismatchError(f"{where} sets r={rank!r}, but the adapted model's adapters have rank "
+                                  f"{', '.join(map(str, sorted(ranks)))}. Build the model's Lora with "
+                                  f"rank={rank!r}, or load adapters of its rank.")
+    named = config.get("target_modules")
+    named = {named} if isinstance(named, str) else set(named or ())
+    if targets and named != targets:
+        raise TensorMismatchError(f"{where} targets {sorted(named)}, but the adapted model carries "
+                                  f"adapters on {sorted(targets)}. Build the model's Lora with the "
+                                  "same targets, or load adapters made for these.")
+    if spec is not None and config.get("lora_alpha") is not None \
+            and float(config["lora_alpha"]) != float(spec.alpha):
+        raise TensorMismatchError(f"{where} sets lora_alpha={config['lora_alpha']}, but the Lora "
+                                  f"given has alpha={spec.alpha}; the adapters would be scaled "
+                                  "differently. Use the same alpha.")

@@ -14,8 +14,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from dew.pretrained.errors import DamagedFileError
 
 __all__ = ["WEIGHTS", "WEIGHTS_INDEX", "ShardWriter", "TensorFiles", "write_tensors"]
 
@@ -100,38 +103,67 @@ class ShardWriter:
 
 
 class TensorFiles:
-    """The tensors of a directory, by name: ``model.safetensors`` or the shards of its index."""
+    """The tensors of a directory, by name: ``model.safetensors`` or the shards of its index.
+
+    Every file's header is read and checked when the directory is opened (a
+    file cut short, not safetensors, or missing where the index points is a
+    DamagedFileError naming it), so what reading finds later is known to fit.
+    """
 
     def __init__(self, directory: Path) -> None:
+        from dew.pretrained.errors import NoPretrainedModelError
+        from dew.pretrained.reading import read_json
+
         index = directory / WEIGHTS_INDEX
         single = directory / WEIGHTS
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, "weights index").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(file, str) and "/" not in file for file in weight_map.values()):
+                raise DamagedFileError(f"{index} has no weight_map of tensor names to file names in "
+                                       "this directory; write the model again.")
             self.files = {name: directory / file for name, file in weight_map.items()}
+            for file in sorted(set(self.files.values())):
+                if not file.is_file():
+                    raise DamagedFileError(f"{index} names {file.name}, which {directory} does not hold; "
+                                           "copy the missing shard there, or write the model again.")
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="numpy") as handle:
-                self.files = {name: single for name in handle.keys()}  # noqa: SIM118
+            self.files = {}
         else:
-            raise FileNotFoundError(
+            raise NoPretrainedModelError(
                 f"{directory} holds neither {WEIGHTS} nor {WEIGHTS_INDEX}; point at a directory "
                 "that Pretrained.save or transformers' save_pretrained wrote."
             )
+        self.headers: dict[Path, tuple[dict, int]] = {}
+        for file in sorted(set(self.files.values())) or [single]:
+            self.headers[file] = _header(file)
+        if not self.files:
+            self.files = {name: single for name in self.headers[single][0]}
+        for name, file in self.files.items():
+            if name not in self.headers[file][0]:
+                raise DamagedFileError(f"{index} puts {name} in {file.name}, which does not hold it; "
+                                       "write the model again.")
 
     def names(self) -> set[str]:
         return set(self.files)
 
+    def info(self, name: str) -> dict[str, Any]:
+        """name's header entry: dtype, shape, data_offsets."""
+        return self.headers[self.files[name]][0][name]
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, read from the headers alone."""
-        from safetensors import safe_open
+        return {name: tuple(self.info(name)["shape"]) for name in self.files}
 
-        out: dict[str, tuple[int, ...]] = {}
-        for file in sorted(set(self.files.values())):
-            with safe_open(str(file), framework="numpy") as handle:
-                for name in handle.keys():  # noqa: SIM118
-                    out[name] = tuple(handle.get_slice(name).get_shape())
-        return out
+    def dtypes(self) -> dict[str, str]:
+        """Every tensor's stored dtype, as safetensors names it (F32, BF16, I32, ...)."""
+        return {name: self.info(name)["dtype"] for name in self.files}
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of tensor data the files hold."""
+        return sum(end - begin for header, _ in self.headers.values()
+                   for begin, end in (info["data_offsets"] for info in header.values()))
 
     def read(self, names: set[str], *, reuse: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """(name, array) for each of names, in file order.
@@ -145,7 +177,7 @@ class TensorFiles:
             by_file.setdefault(self.files[name], []).append(name)
         scratch = np.empty(0, np.uint8)
         for file, wanted in by_file.items():
-            header, start = _header(file)
+            header, start = self.headers[file]
             wanted.sort(key=lambda name: header[name]["data_offsets"][0])
             if reuse:
                 largest = max(header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n in wanted)
@@ -163,12 +195,48 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
 
 
 def _header(file: Path) -> tuple[dict, int]:
-    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts."""
-    with file.open("rb") as handle:
-        size = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(size))
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data starts;
+    DamagedFileError, naming the file, unless every tensor's bytes lie inside it."""
+    again = "it was cut short or is not a safetensors file; write or copy it again."
+    try:
+        size_on_disk = file.stat().st_size
+        with file.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            text = handle.read(size) if 8 <= size_on_disk and size <= min(size_on_disk - 8, 2**27) else None
+    except OSError as error:
+        raise DamagedFileError(f"{file} cannot be read ({error.strerror}).") from None
+    if text is None:
+        raise DamagedFileError(f"{file} has no readable safetensors header: {again}")
+    try:
+        header = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        raise DamagedFileError(f"{file}'s safetensors header is not valid JSON: {again}") from None
+    if not isinstance(header, dict):
+        raise DamagedFileError(f"{file}'s safetensors header is not an object: {again}")
     header.pop("__metadata__", None)
+    data = size_on_disk - 8 - size
+    for name, info in header.items():
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = [int(x) for x in info["shape"]]
+            kind = _DTYPES.get(info["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise DamagedFileError(f"{file}'s header entry for {name} is malformed: {again}") from None
+        if kind is None:
+            raise DamagedFileError(f"{file} stores {name} as {info['dtype']}, which dew does not read.")
+        if not 0 <= begin <= end <= data:
+            raise DamagedFileError(f"{file} ends before the data of {name} (bytes {begin}..{end} of "
+                                   f"{data}): {again}")
+        if any(n < 0 for n in shape) or int(np.prod(shape)) * np.dtype(_numpy_dtype(kind)).itemsize != end - begin:
+            raise DamagedFileError(f"{file} gives {name} {end - begin} bytes for shape {tuple(shape)} of "
+                                   f"{info['dtype']}: {again}")
     return header, 8 + size
+
+
+def _numpy_dtype(kind: str) -> Any:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
+
+    return np.dtype(kind)
 
 
 def _read_one(handle: object, start: int, name: str, info: dict, file: Path,
@@ -177,7 +245,7 @@ def _read_one(handle: object, start: int, name: str, info: dict, file: Path,
 
     kind = _DTYPES.get(info["dtype"])
     if kind is None:
-        raise ValueError(f"{file} stores {name} as {info['dtype']}, which dew does not read.")
+        raise DamagedFileError(f"{file} stores {name} as {info['dtype']}, which dew does not read.")
     begin, end = info["data_offsets"]
     shape, dtype = tuple(info["shape"]), np.dtype(kind)
     if scratch is None:
@@ -185,8 +253,8 @@ def _read_one(handle: object, start: int, name: str, info: dict, file: Path,
     else:
         array = scratch[: end - begin].view(dtype).reshape(shape)
     if array.nbytes != end - begin:
-        raise ValueError(f"{file} is damaged: {name} holds {end - begin} bytes for shape "
-                         f"{tuple(info['shape'])} of {info['dtype']} ({array.nbytes} bytes).")
+        raise DamagedFileError(f"{file} is damaged: {name} holds {end - begin} bytes for shape "
+                               f"{tuple(info['shape'])} of {info['dtype']} ({array.nbytes} bytes).")
     # numpy's stub declares ndarray.__buffer__ only for Python 3.12 and later
     view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     handle.seek(start + begin)  # type: ignore[attr-defined]
@@ -194,6 +262,6 @@ def _read_one(handle: object, start: int, name: str, info: dict, file: Path,
     while done < len(view):
         count = handle.readinto(view[done:])  # type: ignore[attr-defined]
         if not count:
-            raise ValueError(f"{file} ends inside {name}; the file was cut short (rewrite or fetch it again).")
+            raise DamagedFileError(f"{file} ends inside {name}; the file was cut short (rewrite or fetch it again).")
         done += count
     return array

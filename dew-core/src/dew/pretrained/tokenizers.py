@@ -171,7 +171,13 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: Any
         return None
     from tokenizers import Tokenizer
 
-    inner = Tokenizer.from_file(str(file))
+    try:
+        inner = Tokenizer.from_file(str(file))
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        from dew.pretrained.errors import DamagedFileError
+
+        raise DamagedFileError(f"{file} is not a tokenizer the tokenizers library reads ({error}); "
+                               "copy the model's tokenizer.json there again.") from None
     token = None
     eos = (recorded or {}).get("eos_id")
     if eos is not None:

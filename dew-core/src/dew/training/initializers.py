@@ -147,6 +147,9 @@ class ParamsFrom:
             )
         if field == "ema":  # only the selected leaves were saved
             abstract = _saved_params(saved, field)
+        else:  # every leaf the declared model has, and no other, of the same shape: never zero-filled
+            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}")
+            _check_float_kinds(abstract, _saved_params(saved, field), path)
         template = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray), dict(abstract))
         item = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), dict(abstract))
         try:
@@ -165,6 +168,20 @@ class ParamsFrom:
             if name in saved and saved[name]["digest"] != digest:
                 raise CheckpointCorruptedError(step, path / "state", f"leaf {name} does not match its digest")
         return restored
+
+
+def _check_float_kinds(expected: Any, saved: Any, path: Any) -> None:
+    """Refuse a saved leaf of an integer or boolean dtype where the model keeps a float."""
+    want, got = _leaves(expected), _leaves(saved)
+    wrong = [f"{name}: {np.dtype(got[name].dtype).name}, expected {np.dtype(want[name].dtype).name}"
+             for name in want
+             if name in got and jax.numpy.issubdtype(want[name].dtype, jax.numpy.floating)
+             and not jax.numpy.issubdtype(got[name].dtype, jax.numpy.floating)]
+    if wrong:
+        raise InitializerMismatchError(
+            f"The parameters of {path} hold leaves of another kind of dtype: {'; '.join(wrong[:8])}. "
+            "They would not convert without changing their meaning; start from a checkpoint of "
+            "the same model.")
 
 
 def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params") -> dict[str, Any]:

@@ -195,6 +195,11 @@ class DistillationObjective(Objective):
                 raise ValueError(f"The teacher's weights hold collections {sorted(weights)}; expected "
                                  "Flax variables with a 'params' collection.")
             self._check_teacher_vocabulary(weights["params"], teacher_abstract["params"])
+            from dew.training.initializers import compare_trees
+
+            # Every leaf of the declared teacher, and no other, of its shape: none is left to init.
+            compare_trees(nn.meta.unbox(teacher_abstract)["params"], weights["params"],
+                          what="The teacher's weights")
             return {"params": {"teacher": weights["params"]}}
 
         return read

@@ -1,0 +1,158 @@
+"""Writing a model directory whole: into a fresh directory beside OUT, then swapped in.
+
+``replacing(out)`` yields a new empty directory next to OUT; what is written
+there becomes OUT in one step (an atomic exchange of the two names where
+the system has one, else two renames), and the previous OUT is removed.
+A kill at any moment leaves the previous export or the new one whole, and
+nothing of an earlier export (a stale index, a shard) survives into the new
+one, since the new one never shared its directory.
+
+OUT must be new, empty, or an export dew wrote (its config.json carries
+dew's record, or its adapter weights dew's base digest), holding only the
+files an export writes. Anything else is someone else's and is refused,
+naming it, unless ``force``: then those other entries are moved into the
+new export as they are (a symbolic link stays a link; nothing is written
+through one), and only the files the export writes are replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from dew.pretrained.errors import PretrainedError
+
+__all__ = ["WRITTEN_NAMES", "ExportDirectoryError", "check_out", "foreign_entries", "replacing"]
+
+# What an export writes (besides the shards model-NNNNN-of-NNNNN.safetensors).
+WRITTEN_NAMES = frozenset({
+    "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+    "added_tokens.json", "generation_config.json", "verification.json", "adapter_config.json",
+    "adapter_model.safetensors",
+})
+
+
+class ExportDirectoryError(PretrainedError):
+    """OUT cannot take an export: it is a file or a link, or it holds files dew did not write."""
+
+
+def _written_name(name: str) -> bool:
+    return name in WRITTEN_NAMES or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
+def _dews(out: Path) -> bool:
+    """Whether out holds an export dew wrote: its config.json's record, or its adapters' digest."""
+    config = out / "config.json"
+    if config.is_file() and not config.is_symlink():
+        try:
+            if config.stat().st_size < 2**24:
+                read = json.loads(config.read_text())
+                if isinstance(read, dict) and ("dew" in read or read.get("format") == "dew"):
+                    return True
+        except (OSError, ValueError):
+            pass
+    adapters = out / "adapter_model.safetensors"
+    if adapters.is_file() and not adapters.is_symlink():
+        try:
+            from safetensors import safe_open
+
+            from dew.pretrained.peft import DIGEST_KEY
+
+            with safe_open(str(adapters), framework="numpy") as handle:
+                return DIGEST_KEY in (handle.metadata() or {})
+        except Exception:  # noqa: BLE001 - unreadable weights are not dew's record
+            return False
+    return False
+
+
+def foreign_entries(out: Path) -> list[str]:
+    """The entries of out that an export of dew's did not write (all of them, if none did)."""
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return []
+    if not _dews(out):
+        return entries
+    return [name for name in entries if not _written_name(name) or (out / name).is_symlink()
+            or not (out / name).is_file()]
+
+
+def check_out(out: Path, *, force: bool = False) -> list[str]:
+    """Refuse an OUT that is a file or a link, or holds others' files (unless force); return those."""
+    if out.is_symlink():
+        raise ExportDirectoryError(
+            f"{out} is a symbolic link; dew writes an export only into a real directory. Give the "
+            "directory it points to, or a new path.")
+    if out.exists() and not out.is_dir():
+        raise ExportDirectoryError(
+            f"{out} is a file, not a directory; give a new or empty directory as OUT (or remove "
+            "the file first).")
+    if not out.exists():
+        return []
+    foreign = foreign_entries(out)
+    if foreign and not force:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ExportDirectoryError(
+            f"{out} holds files dew did not write ({shown}); an export there would overwrite or "
+            "mix with them. Give a new or empty directory, or pass --force (force=True) to "
+            "replace the export's own files and keep the others.")
+    return foreign
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names a and b in one step (Linux renameat2); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    done = call(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return done == 0
+
+
+@contextlib.contextmanager
+def replacing(out: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
+    """A fresh directory to write an export into; on success it becomes out (see the module).
+
+    On an error the fresh directory is removed and out is left as it was.
+    """
+    out = Path(out).absolute()
+    foreign = check_out(out, force=force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-", dir=out.parent))
+    try:
+        yield fresh
+        for name in foreign:  # force: the others' entries travel into the new export as they are
+            if not (fresh / name).exists() and not (fresh / name).is_symlink() and not _written_name(name):
+                os.rename(out / name, fresh / name)
+        os.chmod(fresh, 0o777 & ~_umask())
+        if out.exists():
+            if not _exchange(fresh, out):
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-old-", dir=out.parent))
+                os.rename(out, old / "out")
+                os.rename(fresh, out)
+                fresh = old
+        else:
+            os.rename(fresh, out)
+            return
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    shutil.rmtree(fresh, ignore_errors=True)  # the previous export (rmtree never follows a link)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
