@@ -162,19 +162,21 @@ class Pretrained:
 
     @property
     def format(self) -> str:
-        """The model's own format: its family's Hugging Face layout ('llama', 'qwen3', ...) for a
-        CausalTransformer that family expresses exactly, else 'dew' (dew's own layout, which every
-        registered model has)."""
+        """The model's own format: the Hugging Face layout of the family a CausalTransformer
+        names ('qwen3', ...), or Llama's when it names none and is exactly a Llama; else 'dew'
+        (dew's own layout, which every registered model has)."""
         from dew.families import of_model
         from dew.nn.backbones import CausalTransformer
 
         if not isinstance(self.model, CausalTransformer):
             return native.FORMAT
+        if self.model.family is not None:  # a family it claims: save refuses what it cannot express
+            return self.model.family
         try:
             of_model(self.model).config(self.model)
         except NoExactCounterpartError:  # learned positions, gelu, ...: dew's own layout
             return native.FORMAT
-        return self.model.family or "llama"
+        return "llama"
 
     @property
     def chat_template(self) -> str | None:
