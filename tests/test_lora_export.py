@@ -22,7 +22,7 @@ pytest.importorskip("qwix")
 
 DEW = Path(sys.executable).parent / "dew"
 SMALL = ["model.emb_features=32", "model.num_layers=1", "model.mlp_features=64", "lora.rank=4",
-         "data.files={stdlib}/abc.py", "data.load.val_fraction=0", "trainer.steps=4", "trainer.log_every=2", "objective.prompt=null",
+         "data.files={stdlib}/abc.py", "data.load.val_fraction=0", "trainer.eval_every=null", "trainer.steps=4", "trainer.log_every=2", "objective.prompt=null",
          "optimizer.learning_rate=5.0e-2", "optimizer.warmup_steps=0"]
 
 

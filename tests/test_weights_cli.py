@@ -135,7 +135,7 @@ def test_a_model_transformers_initialized_fine_tunes_in_dew(tmp_path):
     recipe = RunConfig.load("tiny-lm", overrides=[
         "model.emb_features=32", "model.num_heads=4", "model.num_kv_heads=2",
         "model.mlp_features=64", f"init.pretrained={tmp_path}/hf", "data.files={stdlib}/abc.py",
-        "data.load.val_fraction=0", "trainer.steps=3", "trainer.log_every=1", f"trainer.checkpoint_dir={tmp_path}/run",
+        "data.load.val_fraction=0", "trainer.eval_every=null", "trainer.steps=3", "trainer.log_every=1", f"trainer.checkpoint_dir={tmp_path}/run",
         f"trackers.0.directory={tmp_path}/run", "objective.prompt=null",
     ])
     state = recipe.train()

@@ -236,7 +236,7 @@ def test_a_scanned_lora_recipe_starts_from_a_numbered_export_and_exports_again(t
 
     call("train", "tiny-lm-qlora", "model.emb_features=32", "model.num_layers=2", "model.mlp_features=64",
          "model.scan_layers=true", "lora.rank=4", "lora.base=float32", "data.files={stdlib}/abc.py",
-         "data.load.val_fraction=0", "trainer.steps=4", "trainer.log_every=2", "objective.prompt=null", "optimizer.learning_rate=5.0e-2",
+         "data.load.val_fraction=0", "trainer.eval_every=null", "trainer.steps=4", "trainer.log_every=2", "objective.prompt=null", "optimizer.learning_rate=5.0e-2",
          "optimizer.warmup_steps=0", f"init.pretrained={tmp_path}/exported", f"trainer.checkpoint_dir={run}",
          f"trackers.0.directory={run}")
     opened = open_run(run)
