@@ -29,6 +29,14 @@ import numpy as np
 from dew.errors import DewError
 from dew.objectives.base import Aux, Batch, Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck
+from dew.objectives.inference import (
+    Generated,
+    GenerateRequest,
+    Pipeline,
+    UnsupportedRequestError,
+    variables_of,
+    write_texts,
+)
 from dew.objectives.policy import PolicyFrom
 
 if TYPE_CHECKING:
@@ -155,15 +163,16 @@ class RewardModelObjective(Objective):
         return (MeanMetric("loss"), MeanMetric("accuracy"), MeanMetric("margin"))
 
     # RewardScoring is not (yet) a Pipeline: a reward scores texts, the commands' generate/embed do not apply
-    def pipeline(self, state: Any) -> RewardScoring:  # type: ignore[override]
+    def pipeline(self, state: Any) -> RewardScoring:
         """Score texts with state's weights (a TrainState or a variables tree; the EMA copy when kept)."""
-        averaged = getattr(state, "averaged", None)
-        variables = averaged if averaged is not None else getattr(state, "params", state)
-        return RewardScoring(self, {"params": variables["params"]})
+        return RewardScoring(self, {"params": variables_of(state)["params"]})
 
 
-class RewardScoring:
+class RewardScoring(Pipeline):
     """Texts to the reward model's scores: ``scoring(["3+4=7\\n", ...])`` -> float32 [N].
+
+    As the run's pipeline, ``dew generate RUN TEXT...`` prints each text's
+    score before it.
 
     Each text is encoded with the objective's tokenizer (UTF-8 bytes without
     one, as dew's byte-level models read them) and scored at its last token.
@@ -175,6 +184,20 @@ class RewardScoring:
         self.objective = objective
         self.variables = variables
         self.max_length = int(getattr(objective.model, "max_seq_len", objective.seq_len))
+
+    accepts: ClassVar[str] = "one or more texts to score"
+
+    def generate(self, request: GenerateRequest) -> Generated:
+        """Each input text's score, shown as ``score<TAB>text``."""
+        self.check(request)
+        if not request.inputs:
+            raise UnsupportedRequestError(f"No text was given: {self.describe()}.")
+        scores = self(list(request.inputs))
+        shown = tuple(f"{float(score):.4f}\t{text}" for score, text in zip(scores, request.inputs, strict=True))
+        return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
+
+    def usage(self, run: Any) -> str:
+        return f"dew generate {run} TEXT"
 
     def encode(self, text: str) -> list[int]:
         tokenizer = self.objective.tokenizer
