@@ -371,9 +371,7 @@ class Pretrained:
             tokenizer = read_tokenizer(source, own.get("tokenizer"), None)
             return cls(model, variables, tokenizer, config.get("task"))
         family = for_config(config)
-        files = TensorFiles(source)  # every header checked
-        check_config_bounds(config, config_path, len(files.names()), files.nbytes)
-        try:
+        try:  # the model's description only (no array): a value with no counterpart is named first
             model = family.model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
                                  dtype=dtype or own.get("dtype"))
         except (TypeError, ValueError, KeyError) as error:
@@ -382,6 +380,8 @@ class Pretrained:
             raise ConfigValueError(f"{config_path} does not describe a {family.architecture} dew can "
                                    f"build: {type(error).__name__}: {error}. Fix config.json or write "
                                    "the model again.") from None
+        files = TensorFiles(source)  # every header checked
+        check_config_bounds(config, config_path, len(files.names()), files.nbytes)
         table = family.table(model)
         _check_tensors(source, family.architecture, model, table, files.shapes())
         stored = files.dtypes()
