@@ -353,9 +353,12 @@ EXPECTED_FAILURES = {
     "TestObjectiveEMAOfNothing": {"test_ema_selects_leaves_that_exist"},
     "TestObjectiveFrozenNothing": {"test_frozen_leaves_get_no_optimizer_state_and_do_not_move"},
     # Every test that compiles the loss (alone, or in the trainer's step) fails.
+    # every test that compiles the loss (on one device or eight, or resumed) meets the host read
     "TestObjectiveUntraceable": {"test_loss_compiles_and_matches_eager",
                                  "test_accumulated_step_equals_one_large_step",
-                                 "test_frozen_leaves_get_no_optimizer_state_and_do_not_move"},
+                                 "test_frozen_leaves_get_no_optimizer_state_and_do_not_move",
+                                 "test_gradients_on_many_devices_equal_one_device",
+                                 "test_resumes_bitwise"},
     "TestModelUnnamedParameter": {"test_every_parameter_declares_logical_axes"},
     "TestModelMisspelledAxis": {"test_logical_axes_are_named_in_the_layout_rules",
                                 "test_layout_check_passes_on_fake_devices"},

@@ -78,11 +78,19 @@ def test_lm_objective_trains_on_the_balance_loss_with_its_weight():
     variables = LMObjective(model, seq_len=6).init(jax.random.key(0))
     zero = jnp.asarray(0)
     step = Step(step=zero, microstep=zero, updates=zero, key=jax.random.key(0))
-    plain, aux = LMObjective(model, seq_len=6, expert_loss_weight=0.0).loss(variables, {"text": text}, step)
-    weighted, _ = LMObjective(model, seq_len=6, expert_loss_weight=0.5).loss(variables, {"text": text}, step)
+    plain, aux = LMObjective(model, seq_len=6, expert_loss_weight=0.0,
+                             router_z_loss_weight=0.0).loss(variables, {"text": text}, step)
+    weighted, _ = LMObjective(model, seq_len=6, expert_loss_weight=0.5,
+                              router_z_loss_weight=0.0).loss(variables, {"text": text}, step)
     balance = aux.metrics["load_balancing_loss"].value
     assert float(balance) >= 1.0 and 0 <= float(aux.metrics["dropped_fraction"].value) < 1
     assert float(weighted.value) == pytest.approx(float(plain.value) + 0.5 * float(balance), rel=1e-6)
+    # The router z-loss adds its own weight times its statistic (ST-MoE's mean squared logsumexp).
+    both, _ = LMObjective(model, seq_len=6, expert_loss_weight=0.5,
+                          router_z_loss_weight=0.1).loss(variables, {"text": text}, step)
+    z = aux.metrics["router_z_loss"].value
+    assert float(z) > 0
+    assert float(both.value) == pytest.approx(float(weighted.value) + 0.1 * float(z), rel=1e-6)
     # Evaluation scores the cross-entropy alone.
     scored = LMObjective(model, seq_len=6, expert_loss_weight=0.5).evaluate(variables, {"text": text}, step)
     assert float(scored["loss"].value) == pytest.approx(float(plain.value), rel=1e-6)
