@@ -15,6 +15,31 @@ from pathlib import Path
 # promotion is a bug in dew, not a convenience.
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 
+
+def _compilation_cache() -> None:
+    """Keep every program the suite compiles in JAX's persistent cache, here and in every
+    child a test starts (they inherit the environment), so a program compiled once (by an
+    earlier test, another worker or the last run of the suite) is loaded, not compiled.
+
+    The cache lives outside the checkout, keyed by JAX's version: ``DEW_TEST_COMPILATION_CACHE``
+    names another folder, or ``off`` compiles everything afresh. A test that names its own
+    cache (``device_env(compilation_cache=...)``, ``trainer.compilation_cache_dir``) keeps it.
+    """
+    import importlib.metadata
+
+    chosen = os.environ.get("DEW_TEST_COMPILATION_CACHE", "")
+    if chosen.lower() == "off":
+        return
+    version = importlib.metadata.version("jax")
+    folder = Path(chosen) if chosen else Path.home() / ".cache" / "dew" / f"test-compilation-jax-{version}"
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))  # least recently used go
+
+
+_compilation_cache()
+
 import pytest  # noqa: E402
 
 from dew.testing.doubles import RecordingTracker  # noqa: E402
