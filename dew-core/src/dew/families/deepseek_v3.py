@@ -34,7 +34,7 @@ from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 from dew.nn.latent_attention import Latent
 
-__all__ = ["FAMILY", "build"]
+__all__ = ["FAMILY"]
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 

@@ -24,7 +24,7 @@ from dew.families.llama import gated_silu
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 
-__all__ = ["FAMILY", "build"]
+__all__ = ["FAMILY"]
 
 ARCHITECTURE = "MixtralForCausalLM"
 

@@ -25,7 +25,7 @@ from dew.families.qwen2 import qwen_window_config, qwen_windows
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 
-__all__ = ["FAMILY", "build"]
+__all__ = ["FAMILY"]
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 

@@ -55,7 +55,7 @@ def mismatched(tokens: np.ndarray, mask: np.ndarray, prompt_length: np.ndarray) 
     >>> t, m = mismatched(np.array([[1, 2, 7, 0], [3, 8, 9, 0]]), np.array([[0, 0, 1, 0], [0, 1, 1, 0]]),
     ...                   np.array([2, 1]))
     >>> t.tolist(), m.tolist()
-    ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0, 0, 1, 1], [0, 1, 0, 0]])
+    ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
     """
     rows, width = tokens.shape
     out = np.zeros_like(tokens)
