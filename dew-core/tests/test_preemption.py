@@ -378,7 +378,7 @@ def _interrupted(tmp_path: Path, signals: int) -> tuple[subprocess.CompletedProc
             break
     for _ in range(signals):
         child.send_signal(signal.SIGINT)
-        time.sleep(0.3)  # Python runs a handler once for signals that arrive together
+        time.sleep(0.05)  # Python runs a handler once for signals that arrive together
     out, err = child.communicate(timeout=120)
     return subprocess.CompletedProcess(child.args, child.returncode, "".join(lines) + out, err), tmp_path
 

@@ -234,8 +234,15 @@ def make_plan(config: Any, recipe: str) -> Plan:
         notes.append("the batch is the rollout's, sampled once from the fresh state")
     log = Path(tempfile.mkstemp(prefix="dew-plan-", suffix=".log")[1])
     try:
-        with _stderr_into(log):
-            compiled = trainer.compile(state, fed.batch).executable
+        # The partitioner reports on stderr only while it compiles: a program loaded from a
+        # persistent compilation cache would report nothing, so the plan always compiles.
+        cached = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            with _stderr_into(log):
+                compiled = trainer.compile(state, fed.batch).executable
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cached)
         warnings = log.read_text(errors="replace")
     finally:
         log.unlink(missing_ok=True)
