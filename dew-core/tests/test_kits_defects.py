@@ -352,8 +352,7 @@ EXPECTED_FAILURES = {
                                       "test_accumulated_step_equals_one_large_step"},
     "TestObjectiveEMAOfNothing": {"test_ema_selects_leaves_that_exist"},
     "TestObjectiveFrozenNothing": {"test_frozen_leaves_get_no_optimizer_state_and_do_not_move"},
-    # Every test that compiles the loss (alone, or in the trainer's step) fails.
-    # every test that compiles the loss (on one device or eight, or resumed) meets the host read
+    # Every test that compiles the loss (alone, in the trainer's step, on eight devices, resumed) fails.
     "TestObjectiveUntraceable": {"test_loss_compiles_and_matches_eager",
                                  "test_accumulated_step_equals_one_large_step",
                                  "test_frozen_leaves_get_no_optimizer_state_and_do_not_move",

@@ -224,6 +224,27 @@ def _trainer(config: Any, parts: Any) -> Any:
                                key=jax.random.key(config.seed), rollout=rollout)
 
 
+@contextlib.contextmanager
+def _always_compiling() -> Iterator[None]:
+    """Compile afresh even where a persistent compilation cache is set.
+
+    The partitioner reports rematerializations on stderr only while it compiles; a program
+    loaded from the cache would report nothing. JAX decides once per process whether it uses
+    the cache, so the decision is reset on the way in and on the way out.
+    """
+    import jax
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        reset_cache()
+
+
 def make_plan(config: Any, recipe: str) -> Plan:
     """Plan one step of config on this interpreter's devices (see the module docstring)."""
     import jax
@@ -262,7 +283,7 @@ def make_plan(config: Any, recipe: str) -> Plan:
         notes.append("the batch is the rollout's, sampled once from the fresh state")
     log = Path(tempfile.mkstemp(prefix="dew-plan-", suffix=".log")[1])
     try:
-        with _stderr_into(log):
+        with _stderr_into(log), _always_compiling():
             compiled = trainer.compile(state, fed.batch).executable
         warnings = log.read_text(errors="replace")
     finally:

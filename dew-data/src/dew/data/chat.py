@@ -148,8 +148,31 @@ def _warn_truncated(count: int, first: str, limit: int, stacklevel: int = 3) -> 
             f"to fit it (the first: {first}). Raise length to keep them whole."), stacklevel=stacklevel)
 
 
+class _ChatReader:
+    """What Chat and ChatPreferences share: their files settled, one _ChatFiles, its tokenizer."""
+
+    files: Any
+    tokenizer: Any
+    chat_template: Any
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.files, str | os.PathLike):
+            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
+        if self.length < 1:
+            raise ValueError(f"{type(self).__name__}.length must be at least 1, got {self.length}.")
+
+    @cached_property
+    def _shared(self) -> _ChatFiles:
+        return _ChatFiles(self.files, self.tokenizer, self.chat_template, self.length)
+
+    def text_tokenizer(self) -> Any:
+        """The tokenizer object this reader encodes with."""
+        return self._shared.text_tokenizer()
+
+
 @dataclass(frozen=True)
-class Chat:
+class Chat(_ChatReader):
     """Conversations as packed rows of ``text``, ``loss_mask`` and ``segment_ids``.
 
     files are ``.jsonl``, ``.parquet`` or ``.arrow`` shards (paths, globs or
@@ -165,20 +188,6 @@ class Chat:
     length: int = 1024
     messages_key: str = "messages"
     pack: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.files, str | os.PathLike):
-            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
-        if self.length < 1:
-            raise ValueError(f"Chat.length must be at least 1, got {self.length}.")
-
-    @cached_property
-    def _shared(self) -> _ChatFiles:
-        return _ChatFiles(self.files, self.tokenizer, self.chat_template, self.length)
-
-    def text_tokenizer(self) -> Any:
-        """The tokenizer object this reader encodes with."""
-        return self._shared.text_tokenizer()
 
     def conversations(self) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         """(where, messages) of every record, checked."""
@@ -239,7 +248,7 @@ class Chat:
 
 
 @dataclass(frozen=True)
-class ChatPreferences:
+class ChatPreferences(_ChatReader):
     """Preference pairs of conversations as rows for DPO (see the module docstring).
 
     Each record holds ``chosen_key`` and ``rejected_key`` message lists, and
@@ -253,20 +262,6 @@ class ChatPreferences:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     prompt_key: str = "prompt"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.files, str | os.PathLike):
-            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
-        if self.length < 1:
-            raise ValueError(f"ChatPreferences.length must be at least 1, got {self.length}.")
-
-    @cached_property
-    def _shared(self) -> _ChatFiles:
-        return _ChatFiles(self.files, self.tokenizer, self.chat_template, self.length)
-
-    def text_tokenizer(self) -> Any:
-        """The tokenizer object this reader encodes with."""
-        return self._shared.text_tokenizer()
 
     def pairs(self) -> Iterator[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]:
         """(where, chosen messages, rejected messages) of every record, the prompt prepended."""
