@@ -1,24 +1,21 @@
-"""A preemption notice to a fit without Checkpoints: warned of at the start, and no Preempted at the stop.
+"""A preemption notice to a fit without Checkpoints: no Preempted at the stop, which says nothing was saved.
 
 The spec (Preempted): "Trainer.fit stopped at a preemption notice, at step,
 and wrote that step's checkpoint and data position." A fit that has no
-Checkpoints cannot write one, so it says so when it starts
-(UnsavedStopWarning) and, at the notice, exits with the documented status
+Checkpoints cannot write one, so at the notice it exits with the documented status
 (143) through UnsavedStopError, whose message says nothing was saved.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import optax
 import pytest
 
-from dew import Checkpoints, Trainer
+from dew import Trainer
 from dew.plugins import hookimpl, registered
 from dew.testing.doubles import Regression, regression_dataset
-from dew.training.runtime import Preempted, PreemptionNotice, UnsavedStopError, UnsavedStopWarning
+from dew.training.runtime import Preempted, PreemptionNotice, UnsavedStopError
 
 
 class NoticeAt:
@@ -33,10 +30,9 @@ class NoticeAt:
             PreemptionNotice.send()
 
 
-def test_a_fit_without_checkpoints_warns_and_stops_without_claiming_a_save(capsys):
+def test_a_fit_without_checkpoints_stops_without_claiming_a_save(capsys):
     trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0))
-    with registered(NoticeAt(2)), pytest.warns(UnsavedStopWarning, match="no Checkpoints"), \
-            pytest.raises(UnsavedStopError) as stopped:
+    with registered(NoticeAt(2)), pytest.raises(UnsavedStopError) as stopped:
         trainer.fit(regression_dataset(), steps=10, log_every=1)
     error = stopped.value
     assert not isinstance(error, Preempted) and isinstance(error, SystemExit)
@@ -45,14 +41,6 @@ def test_a_fit_without_checkpoints_warns_and_stops_without_claiming_a_save(capsy
         f"dew: preempted at step {error.step}; nothing was saved, because the trainer has no Checkpoints, so "
         "running again starts over. Give the Trainer checkpoints=Checkpoints(directory) to make a "
         "stop resumable.")
-
-
-def test_a_fit_with_checkpoints_does_not_warn(tmp_path):
-    trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0),
-                      checkpoints=Checkpoints(tmp_path / "run"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UnsavedStopWarning)
-        trainer.fit(regression_dataset(), steps=0)  # places the state, then has nothing to do
 
 
 SIGTERM = r"""
@@ -83,7 +71,6 @@ def test_sigterm_ends_an_unsaved_fit_with_143_and_says_nothing_was_saved():
     result = run_python(SIGTERM)
     assert result.returncode == 143, result.stderr[-3000:]
     assert "finished" not in result.stdout
-    assert "UnsavedStopWarning: This fit has no Checkpoints" in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("dew: preempted at step ") and "nothing was saved" in last, last
     assert "checkpoint and data position are written" not in result.stderr

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -53,7 +52,6 @@ from dew.training.runtime.preemption import (
     Preempted,
     PreemptionWatch,
     UnsavedStopError,
-    UnsavedStopWarning,
 )
 from dew.training.state import Scaler, TrainState, Window, shardings_state, stream
 from dew.training.step import StepFn, build_train_step, differentiate, follow_ema, transaction
@@ -528,11 +526,6 @@ class Trainer(Generic[Loss, Effects]):
             self.checkpoints.acquire()  # refuse a second writer before training, not at the first save
             if self.recipe is not None and jax.process_index() == 0:
                 _write_recipe(self.checkpoints.directory, self.recipe)  # only the writer writes it
-        elif jax.process_index() == 0:
-            warnings.warn(UnsavedStopWarning(
-                "This fit has no Checkpoints, so a preemption notice (SIGTERM, Ctrl-C) would stop it "
-                "with nothing saved and running again would start over. Give the Trainer "
-                "checkpoints=Checkpoints(directory) to make a stop resumable."), stacklevel=2)
         state, _, position = self.place()
         start = int(jax.device_get(state.step))
         if start >= steps:

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from dew.training.runtime.preemption import PreemptionNotice as PreemptionNotice
     from dew.training.runtime.preemption import PreemptionWatch as PreemptionWatch
     from dew.training.runtime.preemption import UnsavedStopError as UnsavedStopError
-    from dew.training.runtime.preemption import UnsavedStopWarning as UnsavedStopWarning
     from dew.training.runtime.process import (
         BackendAlreadyStartedError as BackendAlreadyStartedError,
     )

@@ -26,7 +26,6 @@ __all__ = [
     "PreemptionNotice",
     "PreemptionWatch",
     "UnsavedStopError",
-    "UnsavedStopWarning",
 ]
 
 PREEMPTED_STATUS = 143  # 128 + SIGTERM, what a scheduler expects of a stopped job
@@ -73,17 +72,13 @@ class UnsavedStopError(_StoppedAt):
 
     It exits as Preempted does (status 143, 130 after Ctrl-C, one line on
     stderr) but is not one: nothing was saved, and running again starts
-    over. fit warns of this when it starts (UnsavedStopWarning).
+    over.
     """
 
     def __str__(self) -> str:
         return (f"{self._what} at step {self.step}; nothing was saved, because the trainer has no "
                 "Checkpoints, so running again starts over. Give the Trainer "
                 "checkpoints=Checkpoints(directory) to make a stop resumable.")
-
-
-class UnsavedStopWarning(UserWarning):
-    """A fit without Checkpoints started: a preemption notice would stop it with nothing saved."""
 
 
 class PreemptionNotice:
