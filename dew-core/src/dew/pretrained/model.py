@@ -311,15 +311,13 @@ class Pretrained:
             given.setdefault("tokenizer", self.tokenizer)
         objective = registry.objectives.build(self.task["name"], model=self.model,
                                               **{**given, **fields})
-        fresh = native.tensors_of(jax.eval_shape(lambda k: nn.meta.unbox(objective.init(k)),
-                                                 jax.random.key(0)))
+        fresh = native.shapes_of(jax.eval_shape(lambda k: nn.meta.unbox(objective.init(k)),
+                                                jax.random.key(0)))
         variables = jax.tree.map(jnp.asarray, dict(self.variables))
         # A pipeline may keep part of the objective's variables (an encoder without its
         # predictor); each kept one must sit where, and be shaped as, the objective makes it.
-        wrong = [f"{path}: shape {tuple(value.shape)}, expected "
-                 f"{tuple(fresh[path].shape) if path in fresh else 'no such variable'}"
-                 for path, value in native.tensors_of(variables).items()
-                 if path not in fresh or tuple(fresh[path].shape) != tuple(value.shape)]
+        wrong = [f"{path}: shape {shape}, expected {fresh.get(path, 'no such variable')}"
+                 for path, shape in native.shapes_of(variables).items() if fresh.get(path) != shape]
         if wrong:
             raise TensorMismatchError(
                 f"The saved variables do not fit the {self.task['name']} objective's model: "

@@ -28,7 +28,7 @@ import numpy as np
 
 from dew.pretrained.errors import PretrainedError, TensorMismatchError
 
-__all__ = ["FORMAT", "component_fields", "registered_name", "read_variables", "tensors_of",
+__all__ = ["FORMAT", "component_fields", "registered_name", "read_variables", "shapes_of", "tensors_of",
            "unflatten"]
 
 FORMAT = "dew"
@@ -85,6 +85,18 @@ def tensors_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, np.n
             out.update(tensors_of(value, path))
         else:
             out[path] = value if isinstance(value, np.ndarray) else np.asarray(value)
+    return out
+
+
+def shapes_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Every leaf's shape by its '/'-joined path; the leaves may be abstract (jax.eval_shape's)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for key, value in variables.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(shapes_of(value, path))
+        else:
+            out[path] = tuple(value.shape)
     return out
 
 
