@@ -315,7 +315,7 @@ def _check_text(cell: dict) -> None:
     assert shown.startswith(PROMPTS[0]) and f"\n{PROMPTS[1]}" in shown
     # The export reads back through every command: generating from it says the same.
     assert _ok(_command(cell, "generate", index=3))["out"] == shown
-    assert "Hugging Face's Llama layout" in _command(cell, "export")["out"]
+    assert "Hugging Face's llama layout" in _command(cell, "export")["out"]
     # transformers computes from the export what dew computes from the checkpoint.
     work = cell["work"]
     ids, ours = np.load(work / "ids.npy"), np.load(work / "logits.npy")

@@ -235,7 +235,7 @@ def test_a_lora_policy_exports_merged_and_as_peft_adapters_that_compute_it(tmp_p
             return model.eval()(torch.tensor(ids)).logits.numpy()
 
     written, what = _write(opened, lora, tmp_path / "merged", adapters=False, format=None)
-    assert "adapters merged (Hugging Face's Llama layout)" in what
+    assert "adapters merged (Hugging Face's llama layout)" in what
     merged = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32)
     np.testing.assert_allclose(logits(merged), adapted, atol=1e-4, rtol=0)
     _write(opened, lora, tmp_path / "adapters", adapters=True, format=None)
