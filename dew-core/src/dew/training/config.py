@@ -23,7 +23,7 @@ their union:
 
 >>> config = TrainerConfig(steps=10, mesh={"fsdp": 2})
 >>> config.mesh, config.log_every
-(MeshSpec(fsdp=2, expert=1, tensor=1, sequence=1, stage=1, microbatches=None, replicas=1), 100)
+(MeshSpec(fsdp=2, expert=1, tensor=1, sequence=1, stage=1, microbatches=None, replicas=1, schedule='gpipe', circular_repeats=1), 100)
 """
 
 from __future__ import annotations
