@@ -41,8 +41,8 @@ def test_the_walkthrough_takes_a_plugin_objective_through_generate_and_eval():
     for needed in ("def pipeline(", "def metrics(", 'main(["generate"', 'main(["eval"'):
         assert needed in block, needed
     # the refusal of an objective without pipeline() points at this very section (its anchor)
-    from dew.cli.runs import CAPABILITIES_DOC
+    from dew.objectives.base import PIPELINE_GUIDE
 
     heading = section.splitlines()[0].lstrip("# ")
     anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-    assert CAPABILITIES_DOC == f"docs/plugins.md#{anchor}"
+    assert PIPELINE_GUIDE == f"docs/plugins.md#{anchor}"

@@ -65,6 +65,9 @@ Batch = Mapping[str, Any]
 Loss = TypeVar("Loss")
 Effects = TypeVar("Effects")
 
+# The docs section that shows a plugin objective how to serve the inference commands.
+PIPELINE_GUIDE = "docs/plugins.md#what-dew-generate-and-dew-eval-ask-of-an-objective"
+
 
 @flax.struct.dataclass
 class Mean:
@@ -330,8 +333,7 @@ class Objective(Generic[Loss, Effects]):
 
         raise NoPipelineError(f"{type(self).__name__} declares no pipeline, so its weights serve no "
                               "inference command; implement Objective.pipeline(state) to return a "
-                              "dew.objectives.inference.Pipeline (docs/plugins.md#what-dew-generate-"
-                              "and-dew-eval-ask-of-an-objective shows how).")
+                              f"dew.objectives.inference.Pipeline ({PIPELINE_GUIDE} shows how).")
 
     def required_keys(self) -> Sequence[str]:
         """Batch keys the loss reads; the trainer checks them before compiling."""
