@@ -69,7 +69,9 @@ class Trained:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Trained:
     root = tmp_path_factory.mktemp("after")
-    fixed = ["trainer.checkpoint_dir=runs/fixed", "trackers.0.directory=runs/fixed"]
+    # no validation split, so dew eval's refusal of a run without one is seen on it
+    fixed = ["trainer.checkpoint_dir=runs/fixed", "trackers.0.directory=runs/fixed", "data.load.val_fraction=0",
+             "trainer.preview=true"]
     first = _dew(["train", "tiny-lm", *SMALL, *fixed, "trainer.steps=20"], root, cache)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     again = _dew(["train", "tiny-lm", *SMALL, *fixed, "trainer.steps=22"], root, cache)
@@ -221,13 +223,14 @@ def test_a_crash_after_a_checkpoint_prints_the_command_that_resumes(tmp_path: Pa
 # -- a missing prerequisite: one message, status 2, no folder --------------------------------------------
 
 PREREQUISITES = {
-    "teacher": (["tiny-distill", "data.files={stdlib}/abc.py"], "CheckpointNotFoundError",
+    "teacher": (["tiny-distill", "data.files={stdlib}/abc.py", "data.load.val_fraction=0",
+                             "trainer.eval_every=null"], "CheckpointNotFoundError",
                 "objective.teacher_checkpoint"),
     "base run": (["addition-dpo"], "CheckpointNotFoundError", "init.run"),
     "export": (["tiny-lm-sft"], "NoPretrainedModelError", "init.pretrained"),
     "tokenizer": (["tiny-lm", *SMALL, "data.tokenizer=missing/tokenizer.json"], "does not exist",
                   "data.tokenizer"),
-    "validation split": (["tiny-lm", *SMALL, "trainer.eval_every=5"], "holds none out",
+    "validation split": (["tiny-lm", *SMALL, "data.load.val_fraction=0", "trainer.eval_every=5"], "holds none out",
                          "data.load.val_fraction"),
     "data glob": (["tiny-lm", *SMALL, "data.files=nothing/*.py"], "matches no file", "data.files"),
 }

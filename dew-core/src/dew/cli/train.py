@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from dew.recipes.config import RunConfig
     from dew.recipes.errors import RecipeError
     from dew.recipes.folder import RunFolder, resumed, stopped_line, train_in
-    from dew.training.runtime.preemption import Preempted
+    from dew.training.runtime.preemption import Preempted, UnsavedStopError
 
     if args.resume is not None:
         overrides = [*([args.recipe] if args.recipe is not None else []), *args.overrides]
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         train_in(config, folder)
-    except Preempted as stop:
+    except (Preempted, UnsavedStopError) as stop:
         if config.trainer.multi_host:
             raise  # a rank of a pool: its launcher says how the pool resumes
         print(f"dew train: {stopped_line(stop, folder)}", file=sys.stderr, flush=True)

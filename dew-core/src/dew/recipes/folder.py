@@ -295,11 +295,12 @@ def _resume_note(directory: Path) -> str:
 
 
 def stopped_line(stop: Any, folder: RunFolder) -> str:
-    """What ``dew train`` prints when a signal stopped the run (a Preempted): where, and how on."""
-    from dew.training.runtime.preemption import INTERRUPTED_STATUS
+    """What ``dew train`` prints when a signal stopped the run (a Preempted, or an UnsavedStopError
+    when nothing could be written): where, and how on."""
+    from dew.training.runtime.preemption import INTERRUPTED_STATUS, UnsavedStopError
 
     what = "interrupted (Ctrl-C)" if stop.status == INTERRUPTED_STATUS else "preempted"
-    if not stop.saved or folder.directory is None:
+    if isinstance(stop, UnsavedStopError) or folder.directory is None:
         return (f"{what} at step {stop.step}; no checkpoints are kept (trainer.checkpoint_dir is "
                 "unset), so nothing was written and running again starts over.")
     return (f"{what} at step {stop.step}; its checkpoint, data position and journal are in "

@@ -33,7 +33,6 @@ from dew.placeholders import absolute, expand
 from dew.recipes.components import run_inputs
 
 if TYPE_CHECKING:
-    import jax
     from flax import linen as nn
 
     from dew.checkpoints.manager import Checkpoints
@@ -308,7 +307,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     # Every process takes part (the weights may be sharded across them); one prints. The
     # sample is journaled with its step, unless the last validation journaled a preview there.
     try:
-        sample = show_sample(objective, state, key, quiet=jax.process_index() != 0)
+        sample = show_sample(objective, state, quiet=jax.process_index() != 0)
         if (tracker is not None and isinstance(sample, Artifact) and not config.trainer.preview
                 and int(state.step) != resumed_at and jax.process_index() == 0):
             tracker.artifact(sample, int(state.step))
@@ -354,20 +353,22 @@ def _close(checkpoints: Checkpoints | None, tracker: Tracker | None) -> None:
             tracker.close()
 
 
-def show_sample(objective: Objective, state: TrainState, key: jax.Array, out: TextIO | None = None,
+def show_sample(objective: Objective, state: TrainState, out: TextIO | None = None,
                 quiet: bool = False) -> Any:
     """Print the objective's preview of the trained weights (EMA when kept), if it has one.
 
     A preview is an Artifact (its text, or its kind and shape, is printed) or
-    a bare string; the objective's preview is returned either way.
+    a bare string; the objective's preview is returned either way. It draws
+    from the state's key as a validation's preview at this step does, so the
+    sample printed is the one journaled there.
     """
-    import jax
     import numpy as np
 
     from dew.telemetry.artifacts import Artifact
+    from dew.training.evaluation import preview_key
 
     variables = state.averaged if state.averaged is not None else state.params
-    preview = objective.preview(variables, jax.random.fold_in(key, int(state.step)))
+    preview = objective.preview(variables, preview_key(state.rng, int(state.step)))
     if preview is None or quiet:
         return preview
     stream = out or sys.stdout

@@ -26,7 +26,7 @@ from dew.telemetry.artifacts import Artifact
 from dew.training.placement.mesh import build_mesh, data_partition, global_shape, shard_batch
 from dew.training.state import stream
 
-__all__ = ["Evaluation", "Evaluator", "OutputMeans", "evaluate"]
+__all__ = ["Evaluation", "Evaluator", "OutputMeans", "evaluate", "preview_key"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,18 @@ def _rows(batch: Mapping[str, Any]) -> int:
     return int(np.shape(leaves[0])[0]) if leaves else 0
 
 
+def _typed(key: jax.Array) -> jax.Array:
+    """key as a typed key (a state's raw uint32 key data is wrapped)."""
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jnp.unsignedinteger):
+        return jax.random.wrap_key_data(key)
+    return key
+
+
+def preview_key(key: jax.Array, step: int) -> jax.Array:
+    """The key a preview at step draws from: the run's preview stream, folded with the step."""
+    return jax.random.fold_in(stream(_typed(key), "preview"), int(step))
+
+
 class Evaluator:
     """Scores validation passes for one objective, compiling once per batch shape.
 
@@ -162,11 +174,10 @@ class Evaluator:
         started = time.perf_counter()
         step = int(step)
         event_key = (step, zlib.crc32(split.encode()))
-        if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jnp.unsignedinteger):
-            key = jax.random.wrap_key_data(key)
+        key = _typed(key)
         previews: tuple[Artifact, ...] = ()
         if preview and jax.process_index() == 0:
-            shown = jax.random.fold_in(stream(key, "preview"), step)
+            shown = preview_key(key, step)
             sample = self.objective.preview(averaged if averaged is not None else variables, shown)
             previews = tuple(p for p in ([sample] if isinstance(sample, Artifact) else list(sample or ())) if p)
         if not metrics or batches is None:
