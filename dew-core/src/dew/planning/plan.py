@@ -235,7 +235,7 @@ def _always_compiling() -> Iterator[None]:
     import jax
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-    enabled = jax.config.jax_enable_compilation_cache
+    enabled = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag read as JAX documents
     jax.config.update("jax_enable_compilation_cache", False)
     reset_cache()
     try:
