@@ -35,7 +35,12 @@ from dew.pretrained.errors import (
     TensorMismatchError,
     VocabularyMismatchError,
 )
-from dew.pretrained.reading import check_config_bounds, check_float_dtype, read_json
+from dew.pretrained.reading import (
+    check_config_bounds,
+    check_config_sizes,
+    check_float_dtype,
+    read_json,
+)
 from dew.pretrained.tensors import WEIGHTS, ShardWriter, TensorFiles, write_tensors
 from dew.pretrained.tokenizers import TokenizerFiles, read_tokenizer, write_tokenizer
 from dew.pretrained.writing import replacing
@@ -369,6 +374,7 @@ class Pretrained:
             tokenizer = read_tokenizer(source, own.get("tokenizer"), None)
             return cls(model, variables, tokenizer, config.get("task"))
         family = for_config(config)
+        check_config_sizes(config, config_path)  # a size that is no positive integer, named as such
         try:  # the model's description only (no array): a value with no counterpart is named first
             model = family.model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
                                  dtype=dtype or own.get("dtype"))

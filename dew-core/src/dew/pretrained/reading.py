@@ -18,7 +18,7 @@ from typing import Any
 
 from dew.pretrained.errors import ConfigValueError, DamagedFileError, TensorMismatchError
 
-__all__ = ["MAX_JSON_BYTES", "check_config_bounds", "check_float_dtype", "read_json"]
+__all__ = ["MAX_JSON_BYTES", "check_config_bounds", "check_config_sizes", "check_float_dtype", "read_json"]
 
 MAX_JSON_BYTES = 16 * 2**20
 """The largest config.json (or adapter_config.json, index) dew reads (16 MB)."""
@@ -56,11 +56,8 @@ def read_json(path: Path, what: str = "config") -> dict[str, Any]:
     return read
 
 
-def check_config_bounds(config: Mapping[str, Any], path: Path, tensors: int, nbytes: int) -> None:
-    """Refuse a size field that is not a positive integer, or that the weights present cannot hold.
-
-    tensors and nbytes count what the directory's safetensors headers hold.
-    """
+def check_config_sizes(config: Mapping[str, Any], path: Path) -> None:
+    """Refuse a size field that is not a positive integer, before anything is built from it."""
     for key in SIZES:
         value = config.get(key)
         if value is None:
@@ -68,6 +65,14 @@ def check_config_bounds(config: Mapping[str, Any], path: Path, tensors: int, nby
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigValueError(f"{path} sets {key}={value!r}; it must be a positive integer. "
                                    "Fix config.json (or write the model again).")
+
+
+def check_config_bounds(config: Mapping[str, Any], path: Path, tensors: int, nbytes: int) -> None:
+    """Refuse a size field that is not a positive integer, or that the weights present cannot hold.
+
+    tensors and nbytes count what the directory's safetensors headers hold.
+    """
+    check_config_sizes(config, path)
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int) and layers > tensors:
         raise ConfigValueError(
