@@ -194,6 +194,11 @@ def _keystr_parts(name: str) -> list[str]:
 
     A quantized leaf (a qwix QArray) is reached by attribute, so its keys are
     not all bracketed; each part reads back as the name path_name gives it.
+
+    >>> _keystr_parts(".params['layers_0']['key']['array'].qvalue")
+    ['params', 'layers_0', 'key', 'array', 'qvalue']
+    >>> _keystr_parts("['a'][0]['b/c']")
+    ['a', '0', 'b/c']
     """
     parts = []
     for match in _KEYSTR_PART.finditer(name):
