@@ -50,18 +50,22 @@ def test_digits_samples_are_the_classes_asked_for(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, overrides", [
-    ("moving-digits", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=10",
+    ("moving-digits", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=1",
                        "data.batch=16", "objective.sample_steps=4", "objective.preview_count=2"]),
-    ("masked-diffusion", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=10",
+    ("masked-diffusion", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=1",
                           "data.files={stdlib}/a*.py", "objective.preview_steps=8"]),
-    ("block-diffusion", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=10",
+    ("block-diffusion", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=1",
                          "data.files={stdlib}/a*.py", "objective.preview_steps=2"]),
 ])
 def test_recipe_learns_and_writes_previews(name, overrides, tmp_path):
     _run(name, tmp_path, overrides)
     rows = [json.loads(line) for line in (tmp_path / "run" / "scalars.jsonl").read_text().splitlines()]
-    losses = [row["train/loss"] for row in rows if "train/loss" in row]
-    assert len(losses) >= 5 and losses[-1] < 0.8 * losses[0], losses
+    losses = np.asarray([row["train/loss"] for row in rows if "train/loss" in row])
+    # Every step's loss, compared as the means of the first and last ten: one step's diffusion
+    # loss (its noise levels drawn per row) moves by +-10% from the next, as much as the 60 steps
+    # lower it once past the first ten, so two single steps measured the draw, not the learning.
+    first, last = losses[:10].mean(), losses[-10:].mean()
+    assert len(losses) == 60 and last < 0.7 * first, (first, last, losses.round(3).tolist())
     previews = [json.loads(line) for line in (tmp_path / "run" / "previews.jsonl").read_text().splitlines()]
     assert previews and all((tmp_path / "run" / p["path"]).is_file() for p in previews), previews
     suffix = ".gif" if name == "moving-digits" else ".txt"

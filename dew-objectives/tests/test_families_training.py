@@ -128,6 +128,7 @@ def test_grpo_moves_the_policy_and_keeps_the_checkpoint_as_its_reference(workdir
 
 def test_addition_problems_are_written_in_the_checkpoints_own_tokenizer(workdir):
     from dew.data.addition import Addition
+    from dew.data.tokenizers import ByteTokenizer
 
     directory = workdir / "checkpoints" / "gemma2-tiny"
     theirs = transformers.AutoTokenizer.from_pretrained(directory)
@@ -139,4 +140,12 @@ def test_addition_problems_are_written_in_the_checkpoints_own_tokenizer(workdir)
     assert prompt == theirs.encode(f"{a}+{b}=", add_special_tokens=False)
     answer = [i for i in columns["answer"][2].tolist() if i >= 0]
     assert answer == theirs.encode(str(a + b), add_special_tokens=False)
-    assert Addition(form="prompts").text_tokenizer() is None  # bytes, as before: no tokenizer handed on
+    # Without a tokenizer the problems are bytes, and the tokenizer handed on (so `dew generate` can
+    # read and write the run's text) is the one that writes exactly those bytes.
+    default = Addition(form="prompts", problems=6, max_operand=40)
+    tokenizer = default.text_tokenizer()
+    assert isinstance(tokenizer, ByteTokenizer)
+    byte_columns = default.records().columns
+    byte_prompt = byte_columns["prompt"][2][: byte_columns["prompt_length"][2]].tolist()
+    assert byte_prompt == list(f"{a}+{b}=".encode()) == tokenizer.encode(f"{a}+{b}=")
+    assert [i for i in byte_columns["answer"][2].tolist() if i >= 0] == list(str(a + b).encode())

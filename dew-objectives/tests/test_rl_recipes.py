@@ -47,7 +47,10 @@ def addition_lm(tmp_path_factory):
     previous = os.getcwd()
     os.chdir(directory)
     try:
-        rows = _run("addition-lm")
+        # 100 of the recipe's 150 steps: the rotary/SwiGLU model the recipe builds (so it exports
+        # as a Llama) reaches ~70% exact match at 150, where PPO's +0.1 in 100 steps would run into
+        # its plateau near the greedy model's ~92%; at 100 steps the RL stages start near 23%.
+        rows = _run("addition-lm", "trainer.steps=100", "trainer.checkpoint_every=100")
         assert rows[-1]["loss"] < rows[0]["loss"]
         yield directory
     finally:

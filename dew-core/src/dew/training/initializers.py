@@ -14,7 +14,9 @@ argument, so they are never constants inside an executable.
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -184,6 +186,32 @@ def _check_float_kinds(expected: Any, saved: Any, path: Any) -> None:
             "the same model.")
 
 
+_KEYSTR_PART = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\]]*)\]|\.([^.\[]+)""")
+
+
+def _keystr_parts(name: str) -> list[str]:
+    """The keys of a leaf path as ``jax.tree_util.keystr`` writes it: ``['a'][0].qvalue`` is a, 0, qvalue.
+
+    A quantized leaf (a qwix QArray) is reached by attribute, so its keys are
+    not all bracketed; each part reads back as the name path_name gives it.
+
+    >>> _keystr_parts(".params['layers_0']['key']['array'].qvalue")
+    ['params', 'layers_0', 'key', 'array', 'qvalue']
+    >>> _keystr_parts("['a'][0]['b/c']")
+    ['a', '0', 'b/c']
+    """
+    parts = []
+    for match in _KEYSTR_PART.finditer(name):
+        bracketed, attribute = match.groups()
+        if attribute is not None:
+            parts.append(attribute)
+        elif bracketed[:1] in ("'", '"'):
+            parts.append(str(ast.literal_eval(bracketed)))
+        else:
+            parts.append(bracketed)
+    return parts
+
+
 def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params") -> dict[str, Any]:
     """The leaves of field a manifest records, as a tree of shape stand-ins."""
     out: dict[str, Any] = {}
@@ -191,7 +219,7 @@ def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params")
     for name, leaf in saved.items():
         if not name.startswith(prefix + "["):
             continue
-        keys = [part.strip("'\"]") for part in name[len(prefix) + 1:].split("][")]
+        keys = _keystr_parts(name[len(prefix):])
         node = out
         for key in keys[:-1]:
             node = node.setdefault(key, {})
