@@ -15,6 +15,7 @@ argument, so they are never constants inside an executable.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -184,6 +185,9 @@ def _check_float_kinds(expected: Any, saved: Any, path: Any) -> None:
             "the same model.")
 
 
+_PATH_ENTRY = re.compile(r"\[(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\]|\.(\w+)")
+
+
 def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params") -> dict[str, Any]:
     """The leaves of field a manifest records, as a tree of shape stand-ins."""
     out: dict[str, Any] = {}
@@ -191,7 +195,9 @@ def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params")
     for name, leaf in saved.items():
         if not name.startswith(prefix + "["):
             continue
-        keys = [part.strip("'\"]") for part in name[len(prefix) + 1:].split("][")]
+        # ['key'] entries, and .attribute ones (a quantized weight's .array.qvalue), in order
+        keys = [next(group for group in match.groups() if group is not None)
+                for match in _PATH_ENTRY.finditer(name[len(prefix):])]
         node = out
         for key in keys[:-1]:
             node = node.setdefault(key, {})
