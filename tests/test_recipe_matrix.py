@@ -25,7 +25,9 @@ What each cell proves, against an independent computation where there is one:
 from __future__ import annotations
 
 import json
+import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,7 @@ SMALL_OBJECTIVE = {"prompt": None, "preview_steps": 2, "preview_rows": 1, "previ
                    "preview_tokens": 2, "sample_steps": 2, "group_size": 2, "steps": 2,
                    "max_new_tokens": 2, "epochs": 1}
 PROMPTS = ["12+3=", "def "]
+SCORED = ["3+4=7", "3+4=9"]  # texts a reward model scores
 # One device, compiled without the backend's optimizations (numbers differ in the last bits from
 # an optimized program's, so every process of the matrix compiles this way).
 FLAGS = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
@@ -68,16 +71,26 @@ def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def references(recipe: dict) -> list[tuple[str, str, str]]:
-    """(dotted key, "runs" or "exported", recipe name) for each path in recipe naming another
-    recipe's run (runs/NAME/...) or export (exported/NAME)."""
+    """(dotted key, "runs", "exported" or "checkpoints", name) for each path in recipe naming another
+    recipe's run (runs/NAME/...) or export (exported/NAME), or a checkpoint its description says
+    how to write (checkpoints/NAME/...)."""
     found = []
     for key, value in _leaves(recipe):
         if key.startswith("trackers.") or key == "trainer.checkpoint_dir" or not isinstance(value, str):
             continue
         parts = Path(value).parts
-        if len(parts) >= 2 and parts[0] in ("runs", "exported") and parts[1] in RECIPES:
+        if len(parts) >= 2 and ((parts[0] in ("runs", "exported") and parts[1] in RECIPES)
+                                or parts[0] == "checkpoints"):
             found.append((key, parts[0], parts[1]))
     return found
+
+
+def checkpoint_command(recipe: dict, name: str) -> list[str]:
+    """The command recipe's description gives for writing checkpoints/name, as a user types it."""
+    found = re.search(rf"python -m ([\w.]+) ([\w-]+) checkpoints/{re.escape(name)}\b",
+                      " ".join(recipe.get("description", "").split()))
+    assert found, f"the recipe reads checkpoints/{name}, but its description says no command that writes it"
+    return ["-m", found[1], found[2]]
 
 
 def overrides(name: str, runs: Path, exported: Path) -> list[str]:
@@ -100,9 +113,15 @@ def overrides(name: str, runs: Path, exported: Path) -> list[str]:
     files = recipe["data"].get("files")
     if isinstance(files, str) and files.startswith("{stdlib}"):
         out.append("data.files={stdlib}/a*.py")
-    for key, kind, base in references(recipe):
-        out.append(f"{key}={(runs if kind == 'runs' else exported) / base}")
+    homes = {"runs": runs, "exported": exported, "checkpoints": runs.parent / "checkpoints"}
+    for key, kind, _ in references(recipe):
+        value = Path(_value(recipe, key))  # the base's own directory, or a file in it (a tokenizer)
+        out.append(f"{key}={homes[kind].joinpath(*value.parts[1:])}")
     return out
+
+
+def _value(recipe: dict, key: str) -> Any:
+    return dict(_leaves(recipe))[key]
 
 
 # One cell: dew's commands in one interpreter, each through dew.cli.main as the console script
@@ -165,6 +184,10 @@ elif kind == "TextDiffusionPipeline":
     dew("generate", run, "--count", "2", "--steps", "2", "--out", "texts")
     dew("generate", run, "abc", "--steps", "2")  # block diffusion refuses a partial block
     bad.append(dew("generate", run, "--guidance", "2"))
+elif kind == "RewardScoring":
+    dew("generate", run, *spec["scored"])
+    bad.append(dew("generate", run))
+    bad.append(dew("generate", run, spec["scored"][0], "--count", "2"))
 else:  # images or clips
     accepts = pipeline.accepts
     labels = ["0", "1"] if "label" in accepts else []
@@ -196,6 +219,8 @@ else:
         np.array_equal(a, b) for a, b in zip(saved, jax.tree.leaves(loaded.variables)))
     extra["task"] = (loaded.task or {}).get("name")
     extra["reloaded"] = type(loaded.pipeline()).__name__
+    if kind == "RewardScoring":  # the export scores through every command as the run does
+        dew("generate", exported, *spec["scored"])
 finish(bad=[len(results) - 1 - results[::-1].index(b) for b in bad], **extra)
 '''
 
@@ -213,12 +238,15 @@ class Matrix:
             assert "failed" not in self.cells[name], self.cells[name]["failed"]
             return self.cells[name]
         recipe = read_recipe_file(recipe_path(name))
-        for _, _, base in references(recipe):
-            assert self.cell(base)["commands"][0]["code"] == 0, f"{name}'s base {base} did not train"
+        for _, kind, base in references(recipe):
+            if kind == "checkpoints":
+                self.checkpoint(recipe, base)
+            else:
+                assert self.cell(base)["commands"][0]["code"] == 0, f"{name}'s base {base} did not train"
         runs, exported = self.root / "runs", self.root / "exported"
         result = self.root / f"{name}.json"
         spec = {"name": name, "run": str(runs / name), "exported": str(exported / name),
-                "overrides": overrides(name, runs, exported), "prompts": PROMPTS, "result": str(result)}
+                "overrides": overrides(name, runs, exported), "prompts": PROMPTS, "scored": SCORED, "result": str(result)}
         work = self.root / "work" / name
         work.mkdir(parents=True, exist_ok=True)
         finished = run_python(CELL, cwd=work, timeout=400, compilation_cache=self.cache,
@@ -231,6 +259,16 @@ class Matrix:
         assert "failed" not in cell, cell.get("failed")
         cell.update(name=name, run=runs / name, exported=exported / name, work=work)
         return cell
+
+
+    def checkpoint(self, recipe: dict, name: str) -> Path:
+        """checkpoints/name, written once by the command the recipe's description gives."""
+        target = self.root / "checkpoints" / name
+        if not (target / "config.json").is_file():
+            command = [sys.executable, *checkpoint_command(recipe, name), str(target)]
+            made = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            assert made.returncode == 0, (command, made.stdout, made.stderr[-4000:])
+        return target
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +337,8 @@ def test_a_recipe_run_generates_evaluates_and_exports(name, matrix):
         _check_embeddings(cell)
     elif kind == "TextDiffusionPipeline":
         _check_text_diffusion(cell)
+    elif kind == "RewardScoring":
+        _check_scores(cell)
     else:
         _check_pixels(cell)
     if kind != "TextGeneration":  # dew's own layout, read back bit for bit with the task it serves
@@ -315,7 +355,10 @@ def _check_text(cell: dict) -> None:
     assert shown.startswith(PROMPTS[0]) and f"\n{PROMPTS[1]}" in shown
     # The export reads back through every command: generating from it says the same.
     assert _ok(_command(cell, "generate", index=3))["out"] == shown
-    assert "Hugging Face's llama layout" in _command(cell, "export")["out"]
+    # A family's model in its family's layout; dew's own transformer, exactly a Llama, in Llama's.
+    model = read_recipe_file(recipe_path(cell["name"]))["model"]["name"]
+    layout = "llama" if model == "causal_transformer" else model
+    assert f"Hugging Face's {layout} layout" in _command(cell, "export")["out"]
     # transformers computes from the export what dew computes from the checkpoint.
     work = cell["work"]
     ids, ours = np.load(work / "ids.npy"), np.load(work / "logits.npy")
@@ -323,8 +366,12 @@ def _check_text(cell: dict) -> None:
     with torch.no_grad():
         theirs = model.eval()(torch.tensor(ids)).logits.numpy()
     assert np.abs(ours - theirs).max() <= 1e-4
+    # The export's tokenizer is the run's: bytes, or the checkpoint's the recipe read (as transformers reads it).
     tokenizer = transformers.AutoTokenizer.from_pretrained(cell["exported"])
-    assert tokenizer.encode("12+3=") == list(b"12+3=")
+    source = read_recipe_file(recipe_path(cell["name"]))["data"].get("tokenizer")
+    expected = list(b"12+3=") if source is None else transformers.AutoTokenizer.from_pretrained(
+        cell["run"].parent.parent.joinpath(*Path(source).parts[:2])).encode("12+3=")
+    assert tokenizer.encode("12+3=") == expected
     if any(c["argv"][-1] == "--adapters" for c in cell["commands"]):
         export = _ok([c for c in cell["commands"] if c["argv"][-1] == "--adapters"][0])
         assert (Path(export["argv"][2]) / "adapter_config.json").is_file()
@@ -336,6 +383,14 @@ def _check_embeddings(cell: dict) -> None:
     assert vectors.shape[0] == inputs.shape[0] == 3 and vectors.ndim == 2 and np.isfinite(vectors).all()
     refused = _command(cell, "generate")
     assert refused["code"] == 2 and "dew embed" in refused["err"]
+
+
+def _check_scores(cell: dict) -> None:
+    shown = _ok(_command(cell, "generate"))["out"].splitlines()  # "score<TAB>text", one per text, in order
+    assert [line.split("\t", 1)[1] for line in shown] == SCORED
+    assert all(np.isfinite(float(line.split("\t", 1)[0])) for line in shown)
+    assert _ok(_command(cell, "generate", index=3))["out"].splitlines() == shown  # from the export
+    assert "No text was given" in cell["commands"][cell["bad"][0]]["err"]
 
 
 def _check_text_diffusion(cell: dict) -> None:
@@ -375,8 +430,6 @@ def _check_pixels(cell: dict) -> None:
 @pytest.mark.slow
 def test_the_console_script_is_main(matrix):
     """The installed `dew` script gives what dew.cli.main gave the cells: output and exit codes."""
-    import subprocess
-
     from dew.testing.processes import device_env
 
     # A class-conditional run's cell (one the matrix made already, when it ran first).
@@ -401,5 +454,8 @@ def test_every_recipe_reference_names_a_shipped_recipe():
             if key.split(".")[-1] in ("run", "pretrained", "teacher_checkpoint", "teacher_pretrained") \
                     and isinstance(value, str):
                 parts = Path(value).parts
-                assert parts[:1] in (("runs",), ("exported",)) and parts[1] in RECIPES, (name, key, value)
+                if parts[:1] == ("checkpoints",):  # written by a command the description gives
+                    assert checkpoint_command(recipe, parts[1])[1] == "dew.families.examples", (name, value)
+                else:
+                    assert parts[:1] in (("runs",), ("exported",)) and parts[1] in RECIPES, (name, key, value)
 
