@@ -2,13 +2,15 @@
 and `dew export` on it (and `dew embed` where the run makes vectors), each as a user types it.
 
 The matrix enumerates the shipped recipes, so a recipe added later is trained here too. Each
-recipe's cell runs its commands in one fresh interpreter through ``dew.cli.main``, the function
-the ``dew`` console script calls (``test_the_console_script_is_main`` checks they agree, exit
-codes included). Every model is shrunk by the same rules for its registered name, so a recipe
+recipe's cell runs its commands through ``dew.cli.main``, the function the ``dew`` console script
+calls (``test_the_console_script_is_main`` checks they agree, exit codes included), in one worker
+interpreter that runs cell after cell (started again if one dies): dew is imported and JAX
+started once. Every model is shrunk by the same rules for its registered name, so a recipe
 that starts from another recipe's run (``init.run: runs/addition-lm``) or export
-(``exported/tiny-lm``) finds a base of its own shape: that recipe's cell, trained once and shared.
-The cells share one persistent compilation cache and compile without XLA's backend
-optimizations: two training steps do not repay them.
+(``exported/tiny-lm``) finds a base of its own shape: that recipe's cell, trained once and shared;
+a checkpoint a recipe reads (``checkpoints/gemma2-tiny``) is written once by the command its
+description gives. The cells share one persistent compilation cache and compile without XLA's
+backend optimizations: two training steps do not repay them.
 
 What each cell proves, against an independent computation where there is one:
 - `dew eval RUN` with no flags reproduces the validation the trainer itself logged at the last
@@ -25,8 +27,14 @@ What each cell proves, against an independent computation where there is one:
 from __future__ import annotations
 
 import json
+import queue
+import re
 import struct
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +43,7 @@ import pytest
 
 from dew.recipes.config import recipe_path, shipped
 from dew.recipes.reading import read_recipe_file
-from dew.testing.processes import run_python
+from dew.testing.processes import device_env
 
 RECIPES = sorted(shipped())
 
@@ -54,6 +62,7 @@ SMALL_OBJECTIVE = {"prompt": None, "preview_steps": 2, "preview_rows": 1, "previ
                    "preview_tokens": 2, "sample_steps": 2, "group_size": 2, "steps": 2,
                    "max_new_tokens": 2, "epochs": 1}
 PROMPTS = ["12+3=", "def "]
+SCORED = ["3+4=7", "3+4=9"]  # texts a reward model scores
 # One device, compiled without the backend's optimizations (numbers differ in the last bits from
 # an optimized program's, so every process of the matrix compiles this way).
 FLAGS = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
@@ -68,16 +77,26 @@ def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def references(recipe: dict) -> list[tuple[str, str, str]]:
-    """(dotted key, "runs" or "exported", recipe name) for each path in recipe naming another
-    recipe's run (runs/NAME/...) or export (exported/NAME)."""
+    """(dotted key, "runs", "exported" or "checkpoints", name) for each path in recipe naming another
+    recipe's run (runs/NAME/...) or export (exported/NAME), or a checkpoint its description says
+    how to write (checkpoints/NAME/...)."""
     found = []
     for key, value in _leaves(recipe):
         if key.startswith("trackers.") or key == "trainer.checkpoint_dir" or not isinstance(value, str):
             continue
         parts = Path(value).parts
-        if len(parts) >= 2 and parts[0] in ("runs", "exported") and parts[1] in RECIPES:
+        if len(parts) >= 2 and ((parts[0] in ("runs", "exported") and parts[1] in RECIPES)
+                                or parts[0] == "checkpoints"):
             found.append((key, parts[0], parts[1]))
     return found
+
+
+def checkpoint_command(recipe: dict, name: str) -> list[str]:
+    """The command recipe's description gives for writing checkpoints/name, as a user types it."""
+    found = re.search(rf"python -m ([\w.]+) ([\w-]+) checkpoints/{re.escape(name)}\b",
+                      " ".join(recipe.get("description", "").split()))
+    assert found, f"the recipe reads checkpoints/{name}, but its description says no command that writes it"
+    return ["-m", found[1], found[2]]
 
 
 def overrides(name: str, runs: Path, exported: Path) -> list[str]:
@@ -101,20 +120,26 @@ def overrides(name: str, runs: Path, exported: Path) -> list[str]:
     if isinstance(files, str) and files.startswith("{stdlib}"):
         out.append("data.files={stdlib}/a*.py")
     for key, kind, base in references(recipe):
-        out.append(f"{key}={(runs if kind == 'runs' else exported) / base}")
+        if kind == "checkpoints":  # the checkpoint's directory, or a file in it (its tokenizer)
+            out.append(f"{key}={runs.parent.joinpath(*Path(_value(recipe, key)).parts)}")
+        else:  # the base cell's run (checkpoints in its top folder) or export
+            out.append(f"{key}={(runs if kind == 'runs' else exported) / base}")
     return out
 
 
-# One cell: dew's commands in one interpreter, each through dew.cli.main as the console script
-# calls it; every result (exit code, stdout, stderr) is written to a JSON file.
-CELL = r'''
+def _value(recipe: dict, key: str) -> Any:
+    return dict(_leaves(recipe))[key]
+
+
+# The cells' worker: one interpreter runs cell after cell (a spec per line on stdin), each cell's
+# dew commands through dew.cli.main as the console script calls it, writing every result (exit
+# code, stdout, stderr) to the cell's JSON file; a line DONE ends each cell. One interpreter for
+# all cells imports dew and starts JAX once, and programs the cells share compile once.
+WORKER = r'''
 import contextlib, io, json, os, sys, time, traceback
 from pathlib import Path
 
-spec = json.loads(os.environ["DEW_MATRIX_CELL"])
-results = []
-
-def dew(*argv):
+def dew(results, *argv):
     from dew.cli import main
     out, err = io.StringIO(), io.StringIO()
     began = time.process_time()
@@ -130,73 +155,90 @@ def dew(*argv):
                     "err": err.getvalue(), "cpu": time.process_time() - began})
     return results[-1]
 
-def finish(**extra):
+def finish(spec, results, **extra):
     Path(spec["result"]).write_text(json.dumps({"commands": results, **extra}))
-    sys.exit(0)
 
-run, exported, name = spec["run"], spec["exported"], spec["name"]
-if dew("train", name, *spec["overrides"])["code"] != 0:
-    finish()
+def cell(spec):
+    results = []
+    os.chdir(spec["work"])
+    run, exported, name = spec["run"], spec["exported"], spec["name"]
+    if dew(results, "train", name, *spec["overrides"])["code"] != 0:
+        return finish(spec, results)
 
-from dew.cli.runs import open_run
+    from dew.cli.runs import open_run
 
-opened = open_run(Path(run))
-pipeline = opened.pipeline()
-kind = type(pipeline).__name__
-bad = []
-dew("eval", run, "--json")
-if kind == "TextGeneration":
-    dew("generate", run, *spec["prompts"], "--max-new-tokens", "3")
-    bad.append(dew("generate", run, "x", "--guidance", "2"))
-    bad.append(dew("generate", run))
-elif kind == "FeatureExtraction":
-    import numpy as np
-    from dew.data.base import SINGLE
-    from dew.recipes.run import build_parts
+    opened = open_run(Path(run))
+    pipeline = opened.pipeline()
+    kind = type(pipeline).__name__
+    bad = []
+    dew(results, "eval", run, "--json")
+    if kind == "TextGeneration":
+        dew(results, "generate", run, *spec["prompts"], "--max-new-tokens", "3")
+        bad.append(dew(results, "generate", run, "x", "--guidance", "2"))
+        bad.append(dew(results, "generate", run))
+    elif kind == "FeatureExtraction":
+        import numpy as np
+        from dew.data.base import SINGLE
+        from dew.recipes.run import build_parts
 
-    batch = next(iter(build_parts(opened.config).dataset.val(SINGLE)))
-    key = pipeline.objective.input_key
-    np.save("inputs.npy", batch[key][:3])
-    dew("embed", run, "inputs.npy", "vectors.npy")
-    bad.append(dew("generate", run))
-    np.save("wrong.npy", np.zeros((2, 5, 5, 3), np.uint8))
-    bad.append(dew("embed", run, "wrong.npy", "never.npy"))
-elif kind == "TextDiffusionPipeline":
-    dew("generate", run, "--count", "2", "--steps", "2", "--out", "texts")
-    dew("generate", run, "abc", "--steps", "2")  # block diffusion refuses a partial block
-    bad.append(dew("generate", run, "--guidance", "2"))
-else:  # images or clips
-    accepts = pipeline.accepts
-    labels = ["0", "1"] if "label" in accepts else []
-    guidance = ["--guidance", "2"] if "guidance" in pipeline.options else []
-    dew("generate", run, *labels, "--count", "2", "--steps", "2", *guidance, "--out", "samples")
-    if labels:
-        bad.append(dew("generate", run, "a cat"))
-        bad.append(dew("generate", run, "99"))
-dew("export", run, exported)
-extra = {"kind": kind, "accepts": pipeline.accepts}
-if kind == "TextGeneration":
-    import jax.numpy as jnp
-    import numpy as np
+        batch = next(iter(build_parts(opened.config).dataset.val(SINGLE)))
+        key = pipeline.objective.input_key
+        np.save("inputs.npy", batch[key][:3])
+        dew(results, "embed", run, "inputs.npy", "vectors.npy")
+        bad.append(dew(results, "generate", run))
+        np.save("wrong.npy", np.zeros((2, 5, 5, 3), np.uint8))
+        bad.append(dew(results, "embed", run, "wrong.npy", "never.npy"))
+    elif kind == "TextDiffusionPipeline":
+        dew(results, "generate", run, "--count", "2", "--steps", "2", "--out", "texts")
+        dew(results, "generate", run, "abc", "--steps", "2")  # block diffusion refuses a partial block
+        bad.append(dew(results, "generate", run, "--guidance", "2"))
+    elif kind == "RewardScoring":
+        dew(results, "generate", run, *spec["scored"])
+        bad.append(dew(results, "generate", run))
+        bad.append(dew(results, "generate", run, spec["scored"][0], "--count", "2"))
+    else:  # images or clips
+        accepts = pipeline.accepts
+        labels = ["0", "1"] if "label" in accepts else []
+        guidance = ["--guidance", "2"] if "guidance" in pipeline.options else []
+        dew(results, "generate", run, *labels, "--count", "2", "--steps", "2", *guidance, "--out", "samples")
+        if labels:
+            bad.append(dew(results, "generate", run, "a cat"))
+            bad.append(dew(results, "generate", run, "99"))
+    dew(results, "export", run, exported)
+    extra = {"kind": kind, "accepts": pipeline.accepts}
+    if kind == "TextGeneration":
+        import jax.numpy as jnp
+        import numpy as np
 
-    ids = np.random.default_rng(0).integers(0, 256, (2, 9))
-    np.save("ids.npy", ids)
-    np.save("logits.npy", np.asarray(pipeline.model.apply(pipeline.variables, jnp.asarray(ids, jnp.int32))))
-    dew("generate", exported, *spec["prompts"], "--max-new-tokens", "3")
-    if opened.config.lora is not None:
-        dew("export", run, exported + "-adapters", "--adapters")
-else:
-    import jax
-    import numpy as np
-    from dew.pretrained import Pretrained
+        ids = np.random.default_rng(0).integers(0, 256, (2, 9))
+        np.save("ids.npy", ids)
+        np.save("logits.npy", np.asarray(pipeline.model.apply(pipeline.variables, jnp.asarray(ids, jnp.int32))))
+        dew(results, "generate", exported, *spec["prompts"], "--max-new-tokens", "3")
+        if opened.config.lora is not None:
+            dew(results, "export", run, exported + "-adapters", "--adapters")
+    else:
+        import jax
+        import numpy as np
+        from dew.pretrained import Pretrained
 
-    loaded = Pretrained.load(exported)
-    saved = jax.tree.leaves(jax.device_get(dict(pipeline.variables)))
-    extra["bitwise"] = len(saved) == len(jax.tree.leaves(loaded.variables)) and all(
-        np.array_equal(a, b) for a, b in zip(saved, jax.tree.leaves(loaded.variables)))
-    extra["task"] = (loaded.task or {}).get("name")
-    extra["reloaded"] = type(loaded.pipeline()).__name__
-finish(bad=[len(results) - 1 - results[::-1].index(b) for b in bad], **extra)
+        loaded = Pretrained.load(exported)
+        saved = jax.tree.leaves(jax.device_get(dict(pipeline.variables)))
+        extra["bitwise"] = len(saved) == len(jax.tree.leaves(loaded.variables)) and all(
+            np.array_equal(a, b) for a, b in zip(saved, jax.tree.leaves(loaded.variables)))
+        extra["task"] = (loaded.task or {}).get("name")
+        extra["reloaded"] = type(loaded.pipeline()).__name__
+        if kind == "RewardScoring":  # the export scores through every command as the run does
+            dew(results, "generate", exported, *spec["scored"])
+    finish(spec, results, bad=[len(results) - 1 - results[::-1].index(b) for b in bad], **extra)
+
+
+for line in sys.stdin:
+    spec = json.loads(line)
+    try:
+        cell(spec)
+    except BaseException:
+        Path(spec["result"]).write_text(json.dumps({"failed": traceback.format_exc()}))
+    print("\nDONE", flush=True)
 '''
 
 
@@ -207,35 +249,92 @@ class Matrix:
         self.root = root
         self.cells: dict[str, dict] = {}
         self.cache = root / "xla-cache"
+        self.worker: subprocess.Popen | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+
+    def _worker(self) -> subprocess.Popen:
+        """The cells' interpreter (see WORKER), started again when one died or overran."""
+        if self.worker is None or self.worker.poll() is not None:
+            self.lines = queue.Queue()
+            self.worker = subprocess.Popen(
+                [sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=(self.root / "worker.log").open("a"), text=True, cwd=self.root,
+                env=device_env(1, {"XLA_FLAGS": FLAGS}, compilation_cache=self.cache))
+            threading.Thread(target=_forward, args=(self.worker.stdout, self.lines), daemon=True).start()
+        return self.worker
+
+    def _run(self, spec: dict, timeout: float = 400) -> str:
+        """Run one cell in the worker; what it printed besides its results (its failure, if any)."""
+        worker = self._worker()
+        assert worker.stdin is not None
+        worker.stdin.write(json.dumps(spec) + "\n")
+        worker.stdin.flush()
+        printed, deadline = [], time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                worker.kill()
+                return "".join(printed) + f"\nthe cell ran past {timeout} s"
+            if line is None:  # the worker died
+                return "".join(printed) + (self.root / "worker.log").read_text()[-6000:]
+            if line == "DONE\n":
+                return "".join(printed)
+            printed.append(line)
+
+    def close(self) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            assert self.worker.stdin is not None
+            self.worker.stdin.close()
+            self.worker.wait(timeout=60)
 
     def cell(self, name: str) -> dict:
         if name in self.cells:
             assert "failed" not in self.cells[name], self.cells[name]["failed"]
             return self.cells[name]
         recipe = read_recipe_file(recipe_path(name))
-        for _, _, base in references(recipe):
-            assert self.cell(base)["commands"][0]["code"] == 0, f"{name}'s base {base} did not train"
+        for _, kind, base in references(recipe):
+            if kind == "checkpoints":
+                self.checkpoint(recipe, base)
+            else:
+                assert self.cell(base)["commands"][0]["code"] == 0, f"{name}'s base {base} did not train"
         runs, exported = self.root / "runs", self.root / "exported"
         result = self.root / f"{name}.json"
         spec = {"name": name, "run": str(runs / name), "exported": str(exported / name),
-                "overrides": overrides(name, runs, exported), "prompts": PROMPTS, "result": str(result)}
+                "overrides": overrides(name, runs, exported), "prompts": PROMPTS, "scored": SCORED, "result": str(result)}
         work = self.root / "work" / name
         work.mkdir(parents=True, exist_ok=True)
-        finished = run_python(CELL, cwd=work, timeout=400, compilation_cache=self.cache,
-                              env={"DEW_MATRIX_CELL": json.dumps(spec), "XLA_FLAGS": FLAGS})
-        if finished.returncode != 0 or not result.is_file():
-            self.cells[name] = {"failed": finished.stdout + finished.stderr[-6000:]}
-        else:
-            self.cells[name] = json.loads(result.read_text())
+        spec["work"] = str(work)
+        printed = self._run(spec)
+        self.cells[name] = json.loads(result.read_text()) if result.is_file() else {"failed": printed}
         cell = self.cells[name]
         assert "failed" not in cell, cell.get("failed")
         cell.update(name=name, run=runs / name, exported=exported / name, work=work)
         return cell
 
 
+    def checkpoint(self, recipe: dict, name: str) -> Path:
+        """checkpoints/name, written once by the command the recipe's description gives."""
+        target = self.root / "checkpoints" / name
+        if not (target / "config.json").is_file():
+            command = [sys.executable, *checkpoint_command(recipe, name), str(target)]
+            made = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            assert made.returncode == 0, (command, made.stdout, made.stderr[-4000:])
+        return target
+
+
+def _forward(stream: Any, lines: queue.Queue) -> None:
+    """Every line the worker prints, then None when it exits."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> Matrix:
-    return Matrix(tmp_path_factory.mktemp("matrix"))
+def matrix(tmp_path_factory) -> Iterator[Matrix]:
+    made = Matrix(tmp_path_factory.mktemp("matrix"))
+    yield made
+    made.close()
 
 
 def _command(cell: dict, verb: str, *, index: int = 0) -> dict:
@@ -299,6 +398,8 @@ def test_a_recipe_run_generates_evaluates_and_exports(name, matrix):
         _check_embeddings(cell)
     elif kind == "TextDiffusionPipeline":
         _check_text_diffusion(cell)
+    elif kind == "RewardScoring":
+        _check_scores(cell)
     else:
         _check_pixels(cell)
     if kind != "TextGeneration":  # dew's own layout, read back bit for bit with the task it serves
@@ -315,7 +416,10 @@ def _check_text(cell: dict) -> None:
     assert shown.startswith(PROMPTS[0]) and f"\n{PROMPTS[1]}" in shown
     # The export reads back through every command: generating from it says the same.
     assert _ok(_command(cell, "generate", index=3))["out"] == shown
-    assert "Hugging Face's llama layout" in _command(cell, "export")["out"]
+    # A family's model in its family's layout; dew's own transformer, exactly a Llama, in Llama's.
+    model = read_recipe_file(recipe_path(cell["name"]))["model"]["name"]
+    layout = "llama" if model == "causal_transformer" else model
+    assert f"Hugging Face's {layout} layout" in _command(cell, "export")["out"]
     # transformers computes from the export what dew computes from the checkpoint.
     work = cell["work"]
     ids, ours = np.load(work / "ids.npy"), np.load(work / "logits.npy")
@@ -323,8 +427,13 @@ def _check_text(cell: dict) -> None:
     with torch.no_grad():
         theirs = model.eval()(torch.tensor(ids)).logits.numpy()
     assert np.abs(ours - theirs).max() <= 1e-4
+    # The export's tokenizer is the run's: bytes, or the checkpoint's the recipe read (as transformers reads it).
     tokenizer = transformers.AutoTokenizer.from_pretrained(cell["exported"])
-    assert tokenizer.encode("12+3=") == list(b"12+3=")
+    source = read_recipe_file(recipe_path(cell["name"]))["data"].get("tokenizer")
+    read = source is not None and Path(source).parts[0] == "checkpoints"
+    expected = transformers.AutoTokenizer.from_pretrained(cell["run"].parent.parent.joinpath(
+        *Path(source).parts[:2])).encode("12+3=") if read else list(b"12+3=")
+    assert tokenizer.encode("12+3=") == expected
     if any(c["argv"][-1] == "--adapters" for c in cell["commands"]):
         export = _ok([c for c in cell["commands"] if c["argv"][-1] == "--adapters"][0])
         assert (Path(export["argv"][2]) / "adapter_config.json").is_file()
@@ -336,6 +445,14 @@ def _check_embeddings(cell: dict) -> None:
     assert vectors.shape[0] == inputs.shape[0] == 3 and vectors.ndim == 2 and np.isfinite(vectors).all()
     refused = _command(cell, "generate")
     assert refused["code"] == 2 and "dew embed" in refused["err"]
+
+
+def _check_scores(cell: dict) -> None:
+    shown = _ok(_command(cell, "generate"))["out"].splitlines()  # "score<TAB>text", one per text, in order
+    assert [line.split("\t", 1)[1] for line in shown] == SCORED
+    assert all(np.isfinite(float(line.split("\t", 1)[0])) for line in shown)
+    assert _ok(_command(cell, "generate", index=3))["out"].splitlines() == shown  # from the export
+    assert "No text was given" in cell["commands"][cell["bad"][0]]["err"]
 
 
 def _check_text_diffusion(cell: dict) -> None:
@@ -375,10 +492,6 @@ def _check_pixels(cell: dict) -> None:
 @pytest.mark.slow
 def test_the_console_script_is_main(matrix):
     """The installed `dew` script gives what dew.cli.main gave the cells: output and exit codes."""
-    import subprocess
-
-    from dew.testing.processes import device_env
-
     # A class-conditional run's cell (one the matrix made already, when it ran first).
     order = sorted(RECIPES, key=lambda n: n not in matrix.cells)
     cell = next(c for c in map(matrix.cell, order) if "label" in c["accepts"] and c["bad"])
@@ -401,5 +514,8 @@ def test_every_recipe_reference_names_a_shipped_recipe():
             if key.split(".")[-1] in ("run", "pretrained", "teacher_checkpoint", "teacher_pretrained") \
                     and isinstance(value, str):
                 parts = Path(value).parts
-                assert parts[:1] in (("runs",), ("exported",)) and parts[1] in RECIPES, (name, key, value)
+                if parts[:1] == ("checkpoints",):  # written by a command the description gives
+                    assert checkpoint_command(recipe, parts[1])[1] == "dew.families.examples", (name, value)
+                else:
+                    assert parts[:1] in (("runs",), ("exported",)) and parts[1] in RECIPES, (name, key, value)
 

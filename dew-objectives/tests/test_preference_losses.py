@@ -15,7 +15,7 @@ import pytest
 from dew import registry
 from dew.data import Dataset
 from dew.objectives.dpo import DPOObjective
-from dew.objectives.kto import KTOObjective, LabelError, mismatched
+from dew.objectives.kto import KTOObjective, LabelError, mismatched, mismatched_in_graph
 from dew.objectives.reference_free import CPOObjective, ORPOObjective
 from dew.training import Trainer
 
@@ -227,6 +227,31 @@ def test_mismatched_pairs_are_cut_at_the_row_width():
     assert out_mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
     cut, cut_mask = mismatched(tokens, mask, np.array([4, 2]))
     assert cut[0].tolist() == [1, 2, 3, 4, 7] and cut_mask[0].tolist() == [0, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("rows", [4, 7])
+def test_kto_validation_builds_the_mismatched_pairs_the_rollout_builds(rows):
+    """Held-out batches skip the host-side rollout: evaluate builds the same pairs in the program."""
+    labelled = _labelled(rows, rows)
+    model = FixedLogits(2 * rows, LENGTH, VOCAB)
+    objective = KTOObjective(model, LENGTH, beta=0.4, desirable_weight=1.0, undesirable_weight=1.5)
+    rolled = objective.rollout()(None, labelled, jax.random.key(0))
+    kl, kl_mask = jax.jit(mismatched_in_graph)(*(jnp.asarray(labelled[k]) for k in
+                                                ("completion", "completion_mask", "prompt_length")))
+    np.testing.assert_array_equal(kl, rolled["kl_completion"])
+    np.testing.assert_array_equal(kl_mask, rolled["kl_completion_mask"])
+    tokens = np.array([[1, 2, 3, 4, 0], [5, 6, 7, 8, 9]])  # a completion cut at the row's width
+    mask = np.array([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
+    for lengths in ([1, 2], [4, 2]):
+        cut, cut_mask = mismatched_in_graph(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(lengths))
+        want, want_mask = mismatched(tokens, mask, np.asarray(lengths))
+        assert cut.tolist() == want.tolist() and cut_mask.tolist() == want_mask.tolist()
+    variables = {**objective.init(jax.random.key(0)), "params": {"logits": logits(5, 2 * rows, LENGTH, VOCAB)},
+                 "reference": {"logits": logits(6, 2 * rows, LENGTH, VOCAB)}}
+    held_out = objective.evaluate(variables, {k: jnp.asarray(v) for k, v in labelled.items()}, step())
+    trained, aux = objective.loss(variables, {k: jnp.asarray(v) for k, v in rolled.items()}, step())
+    np.testing.assert_allclose(held_out["loss"].value, trained.value, rtol=1e-6)
+    np.testing.assert_allclose(held_out["kl"].value, aux.metrics["kl"].value, rtol=1e-6)
 
 
 def test_preference_objectives_are_registered():

@@ -176,12 +176,22 @@ class Pretrained:
         if not isinstance(self.model, CausalTransformer):
             return native.FORMAT
         if self.model.family is not None:  # a family it claims: save refuses what it cannot express
-            return self.model.family
+            return native.FORMAT if self.beyond_family() else self.model.family
         try:
             of_model(self.model).config(self.model)
         except NoExactCounterpartError:  # learned positions, gelu, ...: dew's own layout
             return native.FORMAT
-        return "llama"
+        return native.FORMAT if self.beyond_family() else "llama"
+
+    def beyond_family(self) -> list[str]:
+        """The top-level parameters the family's Hugging Face layout has no place for (a reward
+        model's scalar head beside its decoder, say): saving in that layout would drop them."""
+        from dew.families import of_model
+
+        covered = {path[0] for entry in of_model(self.model).table(self.model).values() for path in entry.paths}
+        if getattr(self.model, "scan_layers", False):  # the stacked layers the table numbers
+            covered.add("layers")
+        return sorted(set(self.variables.get("params", self.variables)) - covered)
 
     @property
     def chat_template(self) -> str | None:
@@ -221,6 +231,12 @@ class Pretrained:
         family = of_model(self.model)
         config = family.config(self.model)
         config.update(self._token_ids())
+        extra = self.beyond_family()
+        if extra:
+            raise NoExactCounterpartError(
+                f"The variables hold params/{', params/'.join(extra)} beside the model's own, which "
+                "the Hugging Face layout has no place for; save with format 'dew' (dew's own "
+                "layout keeps every variable).")
         params = _host(self.variables.get("params", self.variables))
         if getattr(self.model, "scan_layers", False):  # the format numbers its layers
             from dew.nn.pipeline import unstack_layers

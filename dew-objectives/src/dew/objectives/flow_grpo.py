@@ -169,6 +169,7 @@ class FlowGRPOObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    tokenizer = None  # labels in, images out: its pipeline saves no tokenizer (not a field)
 
     model: nn.Module
     reward: Any = "brightness"

@@ -113,7 +113,7 @@ class JepaObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
-    tokenizer = None  # pixels in, embeddings out: its pipeline saves no tokenizer
+    tokenizer = None  # pixels in, embeddings out: its pipeline saves no tokenizer (not a field)
 
     model: ViTEncoder
     _: KW_ONLY

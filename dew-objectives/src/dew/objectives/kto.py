@@ -16,6 +16,8 @@ i - 1's), as max(0, mean of their log-ratios), without gradient. The
 host-side step (``KTOBatch``, the objective's rollout) checks the labels and
 builds the mismatched pairs (``kl_completion``, ``kl_completion_mask``); a
 mismatched completion longer than the row's room is cut at the row's width.
+Validation batches do not pass through the rollout, so ``evaluate`` builds
+the same pairs in the compiled program (``mismatched_in_graph``).
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ from dew.objectives.dpo import sequence_logprob
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    policy_pipeline,
     policy_variables,
     reference_variables,
     with_reference,
 )
 
 if TYPE_CHECKING:
+    from dew.sampling import TextGeneration
     from dew.training.initializers import WeightSource
 
-__all__ = ["KTOBatch", "KTOObjective", "LabelError", "mismatched"]
+__all__ = ["KTOBatch", "KTOObjective", "LabelError", "mismatched", "mismatched_in_graph"]
 
 
 class LabelError(DewError, ValueError):
@@ -69,6 +73,29 @@ def mismatched(tokens: np.ndarray, mask: np.ndarray, prompt_length: np.ndarray) 
         out[i, n:n + completion.size] = completion
         out_mask[i, n:n + completion.size] = 1.0
     return out, out_mask
+
+
+def mismatched_in_graph(tokens: jax.Array, mask: jax.Array, prompt_length: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``mismatched`` as traceable jax operations, for batches that skip the host-side rollout.
+
+    >>> t, m = mismatched_in_graph(jnp.array([[1, 2, 7, 0], [3, 8, 9, 0]]), jnp.array([[0, 0, 1, 0], [0, 1, 1, 0]]),
+    ...                            jnp.array([2, 1]))
+    >>> t.tolist(), m.tolist()
+    ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    """
+    width = tokens.shape[1]
+    kept = jnp.asarray(mask) > 0
+    # Each row's completion tokens moved to its front, in order; then each row takes the previous row's.
+    order = jnp.argsort(jnp.logical_not(kept).astype(jnp.int32), axis=1, stable=True)
+    completions = jnp.roll(jnp.take_along_axis(tokens, order, axis=1), 1, axis=0)
+    counts = jnp.roll(jnp.sum(kept, axis=1), 1, axis=0)
+    starts = jnp.asarray(prompt_length).reshape(-1, 1)
+    position = jnp.arange(width)[None, :]
+    offset = position - starts
+    inside = (offset >= 0) & (offset < counts[:, None])
+    taken = jnp.take_along_axis(completions, jnp.clip(offset, 0, width - 1), axis=1)
+    out = jnp.where(position < starts, tokens, jnp.where(inside, taken, 0)).astype(tokens.dtype)
+    return out, inside.astype(jnp.float32)
 
 
 @dataclass(frozen=True)
@@ -110,9 +137,11 @@ class KTOObjective(Objective):
     metrics: ``kl`` (the reference point z0), ``desirable_reward`` and
     ``undesirable_reward`` (beta r over each kind of row), and
     ``label_accuracy`` (rows on their label's side of the reference point).
+    tokenizer (a recipe's reader supplies it) and stop_token make the trained
+    policy text generation (``pipeline``).
     """
 
-    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     seq_len: int
@@ -123,6 +152,8 @@ class KTOObjective(Objective):
     completion_key: str = "completion"
     label_key: str = "label"
     prompt_length_key: str = "prompt_length"
+    stop_token: int | None = None
+    tokenizer: Any = None
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -150,6 +181,11 @@ class KTOObjective(Objective):
         """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
         return PolicyFrom(source)
 
+    def pipeline(self, state: Any, *, sampling: Any = None) -> TextGeneration:
+        """The policy (without its reference) as text generation, stopping at stop_token."""
+        return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
+                               stop_token=self.stop_token)
+
     def rollout(self) -> KTOBatch:
         """The host-side step a recipe runs before each step: labels checked, mismatched pairs built."""
         return KTOBatch(self.completion_key, self.label_key, self.prompt_length_key)
@@ -157,6 +193,15 @@ class KTOObjective(Objective):
     def required_keys(self) -> Sequence[str]:
         c = self.completion_key
         return (c, f"{c}_mask", self.label_key, f"kl_{c}", f"kl_{c}_mask")
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """The loss and metrics on a held-out batch, its mismatched pairs built here (no rollout ran)."""
+        c = self.completion_key
+        if f"kl_{c}" not in batch:
+            kl, kl_mask = mismatched_in_graph(batch[c], batch[f"{c}_mask"],
+                                              jnp.reshape(batch[self.prompt_length_key], (-1,)))
+            batch = {**batch, f"kl_{c}": kl, f"kl_{c}_mask": kl_mask}
+        return super().evaluate(variables, batch, step)
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         c = self.completion_key

@@ -12,6 +12,7 @@ on the chosen completion to a contrast between the two (``pair_losses.py``):
   -log sigmoid(beta * (log pi(y_w) - log pi(y_l))) + alpha * NLL(y_w).
 
 NLL(y_w) is the chosen completion's mean negative log-probability per token.
+Once trained, the policy is text generation (``pipeline``), as a DPO policy is.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import jax.numpy as jnp
 from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, Mean, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck, sequence_logprob
-from dew.objectives.policy import PolicyFrom, policy_variables
+from dew.objectives.policy import PolicyFrom, policy_pipeline, policy_variables
 
 if TYPE_CHECKING:
+    from dew.sampling import TextGeneration
     from dew.training.initializers import WeightSource
 
 __all__ = ["CPOObjective", "ORPOObjective"]
@@ -37,9 +39,13 @@ __all__ = ["CPOObjective", "ORPOObjective"]
 
 @dataclass(frozen=True)
 class _Pairs(Objective):
-    """What ORPO and CPO share: a policy alone, scored on both halves of each pair in one pass."""
+    """What ORPO and CPO share: a policy alone, scored on both halves of each pair in one pass.
 
-    run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    tokenizer (a recipe's reader supplies it) and stop_token make the trained
+    policy text generation (``pipeline``).
+    """
+
+    run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
 
     model: nn.Module
     seq_len: int
@@ -48,6 +54,8 @@ class _Pairs(Objective):
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     prompt_length_key: str = "prompt_length"
+    stop_token: int | None = None
+    tokenizer: Any = None
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -62,6 +70,11 @@ class _Pairs(Objective):
     def starting_weights(self, source: WeightSource) -> PolicyFrom:
         """What a recipe's init section reads narrowed to the model's parameters."""
         return PolicyFrom(source)
+
+    def pipeline(self, state: Any, *, sampling: Any = None) -> TextGeneration:
+        """The policy as text generation, stopping at stop_token."""
+        return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
+                               stop_token=self.stop_token)
 
     def rollout(self) -> PairCheck:
         """The host-side check a recipe runs before each step: pairs share their prompt."""

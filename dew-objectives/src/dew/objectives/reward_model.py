@@ -162,7 +162,6 @@ class RewardModelObjective(Objective):
         """The validation metrics: the loss and the pair accuracy and margin."""
         return (MeanMetric("loss"), MeanMetric("accuracy"), MeanMetric("margin"))
 
-    # RewardScoring is not (yet) a Pipeline: a reward scores texts, the commands' generate/embed do not apply
     def pipeline(self, state: Any) -> RewardScoring:
         """Score texts with state's weights (a TrainState or a variables tree; the EMA copy when kept)."""
         return RewardScoring(self, {"params": variables_of(state)["params"]})
@@ -198,6 +197,17 @@ class RewardScoring(Pipeline):
 
     def usage(self, run: Any) -> str:
         return f"dew generate {run} TEXT"
+
+    def pretrained(self) -> Any:
+        """The decoder, its head and the objective (the task) as a Pretrained: dew's own layout
+        (a published decoder's layout has no place for the head), which ``Pretrained.load`` reads
+        back into this pipeline."""
+        from dew.pretrained import Pretrained
+        from dew.pretrained.native import component_fields, registered_name
+
+        task = {"name": registered_name("dew.objectives", self.objective),
+                "fields": component_fields(self.objective)}
+        return Pretrained(self.objective.model, nn.meta.unbox(self.variables), self.objective.tokenizer, task)
 
     def encode(self, text: str) -> list[int]:
         tokenizer = self.objective.tokenizer

@@ -100,8 +100,9 @@ def greedy_continuation(model: nn.Module, variables: Any, prompts: jax.Array, le
 def greedy_outputs(model: nn.Module, variables: Any, batch: Mapping[str, Any], key: jax.Array,
                    max_new_tokens: int, prompt_key: str = "prompt",
                    prompt_length_key: str = "prompt_length") -> dict[str, Any]:
-    """A validation batch's prompts continued greedily (traceable): ``completion`` [B, N] and the
-    batch's other keys, which a reward reads as each completion's context."""
+    """A validation batch's prompts continued greedily (traceable): ``completion`` [B, N], the
+    prompts and their lengths (under ``PROMPT`` and ``PROMPT_LENGTH``, for ``RewardMetric``'s
+    ``prompt_text``) and the batch's other keys, which a reward reads as each completion's context."""
     for name in (prompt_key, prompt_length_key):
         if name not in batch:
             raise RolloutBatchError(
@@ -112,7 +113,12 @@ def greedy_outputs(model: nn.Module, variables: Any, batch: Mapping[str, Any], k
     new = greedy_continuation(model, params, jnp.asarray(batch[prompt_key], jnp.int32), lengths,
                               max_new_tokens)
     context = {k: v for k, v in batch.items() if k not in (prompt_key, prompt_length_key)}
-    return {"completion": new, **context}
+    return {"completion": new, PROMPT: jnp.asarray(batch[prompt_key], jnp.int32), PROMPT_LENGTH: lengths,
+            **context}
+
+
+# Where greedy_outputs keeps the prompts a RewardMetric decodes into each completion's prompt_text.
+PROMPT, PROMPT_LENGTH = "validation_prompt", "validation_prompt_length"
 
 
 class RewardMetric:
@@ -141,7 +147,12 @@ class RewardMetric:
 
     def update(self, accumulator: tuple[float, float], outputs: Mapping[str, Any]) -> tuple[float, float]:
         completions = self.completions(outputs)
-        context: dict[str, Any] = {k: np.asarray(v) for k, v in outputs.items() if k != self.output}
+        context: dict[str, Any] = {k: np.asarray(v) for k, v in outputs.items()
+                                   if k not in (self.output, PROMPT, PROMPT_LENGTH)}
+        if PROMPT in outputs:  # each completion's prompt as text, as CompletionRollout gives it
+            prompts, lengths = np.asarray(outputs[PROMPT]), np.asarray(outputs[PROMPT_LENGTH]).reshape(-1)
+            context["prompt_text"] = [_decode(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
+                                      for i in range(len(prompts))]
         values = score(self.reward, completions, context)
         return (accumulator[0] + float(values.sum()), accumulator[1] + float(values.size))
 
