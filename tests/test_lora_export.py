@@ -56,7 +56,7 @@ def _tokens() -> np.ndarray:
 
 
 def _dew_logits(run: Path) -> tuple[np.ndarray, object]:
-    from dew.cli.runs import open_run
+    from dew.recipes.opening import open_run
 
     opened = open_run(run)
     return np.asarray(opened.model.apply(opened.variables, jnp.asarray(_tokens()))), opened

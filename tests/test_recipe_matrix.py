@@ -165,7 +165,7 @@ def cell(spec):
     if dew(results, "train", name, *spec["overrides"])["code"] != 0:
         return finish(spec, results)
 
-    from dew.cli.runs import open_run
+    from dew.recipes.opening import open_run
 
     opened = open_run(Path(run))
     pipeline = opened.pipeline()

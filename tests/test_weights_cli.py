@@ -66,7 +66,7 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from dew.cli.runs import open_run
+    from dew.recipes.opening import open_run
 
     opened = open_run(run)
     # The commands use the EMA copy the run kept: the live parameters with the averages in place.

@@ -218,8 +218,8 @@ def test_a_scanned_lora_recipe_starts_from_a_numbered_export_and_exports_again(t
     from pathlib import Path
 
     from dew import models
-    from dew.cli.runs import open_run
     from dew.pretrained import Pretrained
+    from dew.recipes.opening import open_run
 
     base = models.build("causal_transformer", vocab_size=257, emb_features=32, num_layers=2, num_heads=4,
                         mlp_features=64, max_seq_len=128, position_embedding="rotary", mlp_activation="swiglu")

@@ -105,7 +105,7 @@ def test_the_reward_model_ranks_held_out_pairs_and_grpo_climbs_it(runs):
 def _sampled_exact_match(run: Path) -> float:
     import jax
 
-    from dew.cli.runs import open_run
+    from dew.recipes.opening import open_run
     from dew.sampling import Sampling, generate
 
     opened = open_run(run)

@@ -52,7 +52,8 @@ def read_inputs(paths: list[Path]) -> Any:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from dew.cli.runs import expected, open_run, refused
+    from dew.cli.runs import expected, refused
+    from dew.recipes.opening import open_run
 
     try:
         pipeline = open_run(args.run, step=args.step).pipeline()

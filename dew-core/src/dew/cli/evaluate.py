@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import expected, open_run, refused
+    from dew.cli.runs import expected, refused
+    from dew.recipes.opening import open_run
 
     try:
         opened = open_run(args.run, step=args.step)

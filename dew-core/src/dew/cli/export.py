@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import expected, open_run, refused
+    from dew.cli.runs import expected, refused
     from dew.pretrained.writing import check_out
+    from dew.recipes.opening import open_run
 
     try:
         check_out(Path(args.out).absolute(), force=args.force)  # refused before the run is read

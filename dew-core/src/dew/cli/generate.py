@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import expected, open_run, refused
+    from dew.cli.runs import expected, refused
     from dew.objectives.inference import GenerateRequest
+    from dew.recipes.opening import open_run
 
     try:
         request = GenerateRequest(tuple(args.inputs), count=args.count, steps=args.steps,

@@ -37,8 +37,10 @@ class RewardModel:
     scoring: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        from dew.cli.runs import open_run  # the inference commands' way to rebuild a trained run
         from dew.objectives.reward_model import RewardModelObjective
+        from dew.recipes.opening import (
+            open_run,  # the inference commands' way to rebuild a trained run
+        )
 
         opened = open_run(Path(self.run), step=self.step)
         if not isinstance(opened.objective, RewardModelObjective):

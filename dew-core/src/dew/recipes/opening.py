@@ -1,0 +1,137 @@
+"""A trained model rebuilt for inference from a run folder or an exported directory.
+
+A run folder (``run.json`` beside the checkpoints, as ``dew train`` writes
+it) gives the model, objective and tokenizer again from its recipe, and the
+parameters alone of a kept step (the EMA copy too when the run kept one); an
+exported directory (``config.json`` and the weights, as ``dew export`` or
+transformers writes them) gives them from the export. The inference commands
+and a model reward open runs through here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dew.errors import DewError
+
+__all__ = ["NoCheckpointError", "NotARunError", "Opened", "open_run"]
+
+
+class NotARunError(DewError, FileNotFoundError):
+    """The directory is neither a run (run.json) nor an exported model (config.json)."""
+
+
+class NoCheckpointError(DewError, FileNotFoundError):
+    """The run directory holds no kept checkpoint step to read weights from."""
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A trained model ready for inference, and where it came from.
+
+    variables are what inference uses: the EMA copy when the run kept one,
+    else the live parameters; live holds the live parameters either way and
+    averaged the EMA copy (None when none was kept). An exported directory
+    keeps what Pretrained.load read of it (pretrained).
+    """
+
+    model: Any
+    objective: Any
+    tokenizer: Any
+    variables: Any
+    step: int | None
+    config: Any  # the RunConfig, or None for an exported directory
+    source: Path
+    live: Any = None
+    averaged: Any = None
+    pretrained: Any = None
+
+    def pipeline(self) -> Any:
+        """The inference task of these weights: the objective's pipeline, or the export's task's
+        (an export that records none, and is no language model, is refused naming that)."""
+        if self.objective is None:
+            return self.pretrained.pipeline()
+        return self.objective.pipeline(self.variables)
+
+
+def _read_variables(objective: Any, directory: Path, step: int | None
+                    ) -> tuple[Any, Any, int]:
+    """The parameters alone of step (newest when None), live and EMA (None when not kept).
+
+    Only reads: a run still training may be writing its next step beside the
+    kept ones, and nothing here touches it.
+    """
+    import json
+
+    import flax.linen as nn
+    import jax
+
+    from dew.checkpoints.integrity import MANIFEST
+    from dew.checkpoints.store import Store
+    from dew.training.initializers import ParamsFrom
+
+    store = Store(directory, local=False)
+    kept = store.committed()
+    if not kept:
+        raise NoCheckpointError(
+            f"The run {directory} has no checkpoint: looked in {directory}, which holds no "
+            "committed step. Train with trainer.checkpoint_dir set (shipped recipes do) until "
+            "the run reaches a checkpoint step."
+        )
+    number = kept[-1] if step is None else int(step)
+    if number not in kept:
+        raise NoCheckpointError(f"The run {directory} kept no step {number}; it keeps {kept}.")
+    manifest = json.loads((store.step_path(number) / MANIFEST).read_text())
+    leaves = [leaf["path"] for leaf in manifest["leaves"]]
+    abstract = nn.meta.unbox(jax.eval_shape(objective.init, jax.random.key(0)))
+    live = ParamsFrom(directory, step=number)(abstract)
+    averaged = None
+    if any(name.startswith(".ema[") for name in leaves):
+        from dew.training.trees import overlay
+
+        averaged = overlay(live, ParamsFrom(directory, step=number, field="ema")(abstract))
+    return live, averaged, number
+
+
+def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = None) -> Opened:
+    """Rebuild model, objective, tokenizer and variables from a run or an exported directory."""
+    from dew.pretrained import CONFIG_FILE
+    from dew.recipes.config import RUN_FILE
+
+    path = Path(path).expanduser().resolve()
+    if (path / RUN_FILE).is_file():
+        return _open_trained(path, step)
+    if (path / CONFIG_FILE).is_file():
+        return _open_exported(path, max_seq_len)
+    raise NotARunError(
+        f"{path} holds neither {RUN_FILE} (a run `dew train` wrote, with checkpoint_dir set) nor "
+        f"{CONFIG_FILE} (a model `dew export` or transformers wrote)."
+    )
+
+
+def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
+    from dew import registry
+    from dew.nn.backbones import CausalTransformer
+    from dew.pretrained import Pretrained
+
+    loaded = Pretrained.load(path, max_seq_len=max_seq_len)
+    objective = None
+    if loaded.task is None and isinstance(loaded.model, CausalTransformer):  # a language model
+        objective = registry.objectives.build("lm", model=loaded.model,
+                                              seq_len=loaded.model.max_seq_len,
+                                              tokenizer=loaded.tokenizer)
+    return Opened(loaded.model, objective, loaded.tokenizer, loaded.variables, None, None, path,
+                  loaded.variables, pretrained=loaded)
+
+
+def _open_trained(path: Path, step: int | None) -> Opened:
+    from dew.recipes.config import RunConfig
+    from dew.recipes.run import build_parts
+
+    config = RunConfig.read(path)
+    parts = build_parts(config, with_data=False)
+    live, averaged, number = _read_variables(parts.objective, path, step)
+    return Opened(parts.model, parts.objective, parts.tokenizer,
+                  averaged if averaged is not None else live, number, config, path, live, averaged)
