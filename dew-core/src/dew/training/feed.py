@@ -13,7 +13,8 @@ both shapes, before anything compiles for it.
 
 The position a checkpoint saves is the stream's (``get_state``), with the
 rollout's state packed beside it when the rollout has one, so a resumed
-run continues both where they stopped.
+run continues both where they stopped. The ledger is told every batch a
+step read: the first, and any a refilling rollout drew within the step.
 """
 
 from __future__ import annotations
@@ -30,9 +31,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dew.data.base import Accounted, DataPartition, Dataset, Reporting, Resumable, close_if_closable
+from dew.data.base import (
+    Accounted,
+    Consumption,
+    DataPartition,
+    Dataset,
+    Reporting,
+    Resumable,
+    close_if_closable,
+)
 from dew.errors import DewError
-from dew.training.ledger import Ledger
+from dew.training.ledger import Ledger, joined
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
 from dew.training.protocols import Refilling, RewardTimed, Rollout
 from dew.training.state import TrainState
@@ -114,6 +123,7 @@ class Feed:
     _stream: Iterator | None = None
     _step: int = 0  # steps consumed (what the ledger counts)
     _current: int = 0  # the step being fed (for messages)
+    _drawn: list[Consumption] = field(default_factory=list)  # batches read since the last step's ledger line
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
 
     def open(self, position: bytes | None, *, resuming: bool, start: int = 0) -> None:
@@ -175,8 +185,6 @@ class Feed:
         rolled = time.perf_counter()
         self.clock.data += rolled - began
         self._step = step + 1
-        if self.ledger is not None:
-            self.ledger.consumed(step + 1, self._stream.consumption())  # type: ignore[union-attr]
         if self.rollout is not None:
             rollout = self.rollout
             scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
@@ -185,6 +193,9 @@ class Feed:
             reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
             self.clock.reward += reward
             self.clock.rollout += time.perf_counter() - rolled - reward
+        if self.ledger is not None:  # after the rollout: a refilling one read more of the stream
+            self.ledger.consumed(step + 1, joined(self._drawn))
+            self._drawn.clear()
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
         shapes = self._check(host, step)
         if self.check is not None:
@@ -202,6 +213,8 @@ class Feed:
                 "endlessly (repeat the data, or lower steps)."
             ) from None
         _check_mapping(batch, self._current, "The training stream")
+        if self.ledger is not None:
+            self._drawn.append(self._stream.consumption())  # type: ignore[union-attr]
         return batch
 
     def _check(self, batch: Mapping[str, Any], step: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -3,7 +3,10 @@
 A run's Feed hands the ledger each step's global batch as the stream
 reports it (``dew.data.base.Accounted``): its positions in the global
 record order and a digest of its record ids (sorted first, so the order of
-rows within a step does not matter; the steps stay in order). The ledger
+rows within a step does not matter; the steps stay in order). A step whose
+rollout refilled its batch from the stream (``Refilling``: DAPO's dynamic
+sampling) read several batches; its line covers all of them (``joined``),
+so the positions of the steps still tile the stream's order. The ledger
 also notes where each fit opened the stream (the step and the position it
 resumed from, the process and share counts) and the position every
 checkpoint saved. ``dew audit`` reads it back to prove that a run which was
@@ -25,15 +28,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from dew.data.base import GLOBAL_POSITION, Consumption, DataPartition, is_global_position
+from dew.errors import DewError
 
-__all__ = ["LEDGER", "Ledger", "RecordLedger", "decoded_position", "records_digest"]
+__all__ = ["LEDGER", "Ledger", "LedgerGapError", "RecordLedger", "decoded_position", "joined", "records_digest"]
 
 LEDGER = "ledger.jsonl"
 _FLUSH_EVERY = 256  # lines held before a write, between checkpoints
@@ -43,6 +47,40 @@ def records_digest(records: Any) -> str:
     """A digest of a set of record ids that ignores their order (sorted, then SHA-256)."""
     ids = np.sort(np.asarray(records, dtype=np.int64).reshape(-1)).astype("<i8")
     return hashlib.sha256(ids.tobytes()).hexdigest()[:32]
+
+
+class LedgerGapError(DewError, ValueError):
+    """The batches one step read do not follow each other in the stream's global order."""
+
+
+def joined(batches: Sequence[Consumption]) -> Consumption:
+    """The consumption of one step that read several batches in turn (a refilled rollout's).
+
+    Consecutive batches of one stream lie end to end in its global order, so
+    the step read the positions from the first batch's to the last's, and
+    their records in that order.
+
+    >>> a = Consumption(0, 2, np.array([5, 1]), {"seed": 0})
+    >>> b = Consumption(2, 4, np.array([3, 0]), {"seed": 0})
+    >>> step = joined([a, b])
+    >>> (step.first, step.end, step.records.tolist())
+    (0, 4, [5, 1, 3, 0])
+    """
+    if not batches:
+        raise ValueError("joined needs at least one batch's consumption.")
+    for before, after in zip(batches, batches[1:], strict=False):
+        if after.first != before.end or dict(after.order) != dict(before.order):
+            raise LedgerGapError(
+                f"One step read the stream's positions [{before.first}, {before.end}) under order "
+                f"{dict(before.order)} and then [{after.first}, {after.end}) under {dict(after.order)}: "
+                "the batches a step draws in turn must follow each other in one global order, or the "
+                "ledger cannot say which records the step consumed. The stream's consumption() must "
+                "report each next() batch's own positions."
+            )
+    if len(batches) == 1:
+        return batches[0]
+    records = np.concatenate([np.asarray(b.records, dtype=np.int64).reshape(-1) for b in batches])
+    return Consumption(batches[0].first, batches[-1].end, records, batches[-1].order)
 
 
 def decoded_position(position: bytes | None) -> dict[str, Any] | None:
@@ -61,7 +99,7 @@ class Ledger(Protocol):
         """A fit opened the stream at step, from position (None: the start), as partition of a pool."""
 
     def consumed(self, step: int, consumption: Consumption) -> None:
-        """The global batch of step (counted from 1, as checkpoints are)."""
+        """The global batches step read (counted from 1, as checkpoints are), joined into one."""
 
     def checkpoint(self, step: int, position: bytes | None) -> None:
         """A checkpoint of step saved position."""
