@@ -4,7 +4,9 @@ The rollout is dew's own ``GroupFilter`` with dynamic sampling, around a sampler
 gives every prompt a group of two completions whose rewards are all equal when the prompt's record
 id is even, so those groups are dropped and the step reads further prompt batches from the stream.
 The sampler writes down the record ids of every batch it was handed: the account the ledger is
-checked against, step by step.
+checked against, step by step. Last, the shipped addition-dapo recipe (shrunk, from a fresh policy
+whose groups are all wrong, so every step samples all its rounds) is trained, stopped and resumed
+by `dew train`, and `dew audit` reads its ledger.
 """
 
 from __future__ import annotations
@@ -133,3 +135,26 @@ def test_batches_of_one_step_that_leave_a_gap_are_refused_naming_both_spans():
         joined([first, later])
     step = joined([first, Consumption(4, 8, np.arange(4, 8), order)])
     assert (step.first, step.end) == (0, 8) and records_digest(step.records) == records_digest(range(8))
+
+
+DAPO = ["addition-dapo", "init=null", "model.num_layers=1", "model.emb_features=32", "model.mlp_features=64",
+        "objective.group_size=2", "data.batch=4", "trainer.log_every=1", "trainer.checkpoint_every=1"]
+
+
+@pytest.mark.slow
+def test_dew_audit_counts_the_prompts_dapo_refilled_across_a_resume(tmp_path, monkeypatch, capsys):
+    from dew.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the recipe's relative run directory
+    assert main(["train", *DAPO, "trainer.steps=2"]) == 0
+    assert main(["train", *DAPO, "trainer.steps=4"]) == 0
+    run = tmp_path / "runs" / "addition-dapo"
+    rounds = {row["step"]: row["train/sampling_rounds"] for row in map(json.loads, (run / "scalars.jsonl").open())
+              if "train/sampling_rounds" in row}
+    assert sorted(rounds) == [1, 2, 3, 4] and max(rounds.values()) > 1, rounds
+    ledger = read_ledger(run)
+    assert len(ledger.segments) == 2
+    # Every round of a step sampled one batch of 4 prompts from the stream: the first, then the refills.
+    assert [s.end - s.first for s in ledger.steps] == [4 * round(rounds[s.step]) for s in ledger.steps]
+    capsys.readouterr()
+    assert main(["audit", str(run)]) == 0, capsys.readouterr().out
