@@ -158,3 +158,33 @@ def test_dew_audit_counts_the_prompts_dapo_refilled_across_a_resume(tmp_path, mo
     assert [s.end - s.first for s in ledger.steps] == [4 * round(rounds[s.step]) for s in ledger.steps]
     capsys.readouterr()
     assert main(["audit", str(run)]) == 0, capsys.readouterr().out
+
+
+def test_a_mixtures_record_counts_include_the_batches_a_rollout_refilled_from():
+    """data/<source>/records, logged with a step, count every batch the step drew, refills included."""
+    from dew.data.base import DataPartition
+    from dew.data.mixture import Mixture
+    from dew.testing.doubles import RecordingTracker
+
+    class Rows:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def records(self):
+            x = np.random.default_rng(self.tag).normal(size=(32, 4)).astype(np.float32)
+            return ArrayRecords({"x": x, "y": x.sum(1, keepdims=True), "tag": np.full(32, self.tag)})
+
+    def equal(state, batch, key):  # every group's rewards equal: each step samples all max_rounds rounds
+        rows = {k: np.repeat(np.asarray(batch[k]), 2, axis=0) for k in ("x", "y")}
+        return {**rows, "reward": np.ones(2 * len(batch["x"]), np.float32)}
+
+    data = Mixture(sources={"a": Rows(0), "b": Rows(1)}, weights={"a": 3, "b": 1}).load(batch=PROMPTS)
+    recorder = RecordingTracker()
+    rollout = GroupFilter(equal, group_size=2, dynamic=True, max_rounds=2)
+    Trainer(Linear(), optax.sgd(0.01), key=jax.random.key(0), tracker=recorder, rollout=rollout).fit(
+        data, steps=4, log_every=2)
+    stream = data.train(DataPartition())
+    tags = np.concatenate([next(stream)["tag"] for _ in range(8)])  # two batches a step
+    for name, tag in (("a", 0), ("b", 1)):
+        assert recorder.series(f"data/{name}/records") == [
+            (step, float((tags[: step * 2 * PROMPTS] == tag).sum())) for step in (2, 4)]

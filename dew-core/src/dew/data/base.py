@@ -99,9 +99,10 @@ class Accounted(Protocol):
 class Reporting(Protocol):
     """A training stream with scalars to log beside each step's metrics.
 
-    The trainer reads ``scalars()`` right after taking a step's batch and logs
+    The trainer reads ``scalars()`` once a step's batch is made (after the
+    rollout, which may have drawn further batches: ``Refilling``) and logs
     them with that step (a mixture's ``data/<source>/records``, say). They
-    describe the stream up to and including that batch, so they must be a
+    describe the stream up to and including those batches, so they must be a
     function of the stream's position alone, the same on every process.
     """
 

@@ -181,7 +181,6 @@ class Feed:
         began = time.perf_counter()
         self._current = step
         batch = self._more()
-        scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
         rolled = time.perf_counter()
         self.clock.data += rolled - began
         self._step = step + 1
@@ -196,6 +195,8 @@ class Feed:
         if self.ledger is not None:  # after the rollout: a refilling one read more of the stream
             self.ledger.consumed(step + 1, joined(self._drawn))
             self._drawn.clear()
+        # Read once the rollout is done, so what the stream reports counts the batches it refilled from.
+        scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
         shapes = self._check(host, step)
         if self.check is not None:

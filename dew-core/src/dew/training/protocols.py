@@ -57,7 +57,8 @@ class Refilling(Protocol):
     ``more()`` returns this process's next batch of the stream. A rollout that
     drops part of what it sampled (dynamic sampling drops groups whose
     rewards are all equal) refills its batch from there; the stream's saved
-    position counts those batches, so a resumed run reads on after them.
+    position counts those batches, so a resumed run reads on after them, and
+    the run's data ledger lists their records with the step that drew them.
     """
 
     def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None: ...
