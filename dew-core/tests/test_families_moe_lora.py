@@ -150,3 +150,23 @@ def test_a_scanned_stack_adapts_its_experts_as_the_numbered_layers_do(mixtral, a
     np.testing.assert_array_equal(np.asarray(jax.jit(scanned.apply)(stacked, jnp.asarray(TOKENS))), ours)
     merged = np.asarray(jax.jit(stack.apply)(merge_lora(stacked, SPEC), jnp.asarray(TOKENS)))
     np.testing.assert_allclose(merged, ours, atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_training_the_adapters_moves_every_experts_pair(mixtral):
+    import optax
+
+    from dew import Trainer
+    from dew.adapters.lora import adapters_only
+    from dew.data import Dataset
+    from dew.objectives.lm import LMObjective
+
+    adapted = apply_lora(mixtral.model, SPEC)
+    windows = Dataset(train=lambda partition: iter(
+        lambda: {"text": np.random.default_rng(0).integers(0, 300, (2, 9)).astype(np.int32)}, None), batch=2)
+    state = Trainer(adapters_only(LMObjective(model=adapted, seq_len=8)), optax.adam(1e-2),
+                    key=jax.random.key(0)).fit(windows, steps=2, log_every=2)
+    moe = nn.meta.unbox(state.params)["params"]["layers_0"]["moe"]
+    for name in ("wi", "wi_gate", "wo"):  # B starts at zero: a gradient reached every expert's own B
+        moved = np.abs(np.asarray(moe[f"{name}_lora_b"])).reshape(mixtral.model.experts, -1).max(axis=1)
+        assert (moved > 0).all(), (name, moved)
