@@ -42,7 +42,10 @@ __all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "appl
 # matched in full against Flax module paths, as qwix matches its rules.
 PRESETS: Mapping[str, str] = {
     "attention": r".*layers_\d+/attention",
-    "mlp": r".*layers_\d+/mlp",
+    # The feed-forward blocks: dense (mlp), and in a mixture-of-experts family the routed block
+    # (moe: its router, and each expert's own adapters on the stacked wi/wi_gate/wo) and its
+    # shared experts (moe/shared).
+    "mlp": r".*layers_\d+/(?:mlp|moe|moe/shared)",
 }
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
@@ -72,7 +75,10 @@ class Lora:
     of a matched module gets an adapter. On a model whose layers are one scanned stack
     (``scan_layers=True``) the targets still name the numbered layers, and must
     pick a module in every layer or none (``dew.adapters.lora_stack``); the
-    adapters are then stacked like the weights. The adapter adds ``alpha / rank`` times its
+    adapters are then stacked like the weights. In a mixture-of-experts family
+    ``"mlp"`` also names the routed block (``layers_N/moe``: its router, and
+    the experts' stacked weights, each expert with its own low-rank pair) and
+    its shared experts; routed experts take LoRA in float without dropout. The adapter adds ``alpha / rank`` times its
     low-rank product; ``dropout`` drops the adapter's input during training.
     ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
     ``int8`` or ``nf4`` (QLoRA) holds each adapted weight quantized, in
@@ -151,6 +157,8 @@ def selected(spec: Lora, variables: Mapping[str, Any],
         chosen.update(matched)
     for path, stored in chosen.items():
         shape = stacked_width_shape(path, stored)
+        if _is_expert_weight(path, weights):  # one [in, out] matrix per expert, each adapted alone
+            shape = shape[-2:]
         # The weight is a matrix once its dimensions are split into inputs and
         # outputs; the split is the matmul's, so take the widest one.
         width = max(min(_prod(shape[:cut]), _prod(shape[cut:])) for cut in range(1, len(shape)))
@@ -158,6 +166,14 @@ def selected(spec: Lora, variables: Mapping[str, Any],
             raise LoraError(f"Lora rank {spec.rank} is larger than layer {path} allows "
                             f"(shape {shape}, width {width}); use a rank of at most {width}.")
     return chosen
+
+
+def _is_expert_weight(path: str, weights: Mapping[str, Any]) -> bool:
+    """Whether path ("module/param") is a routed-experts block's stacked [E, in, out] weight."""
+    from dew.nn.experts import EXPERT_WEIGHTS
+
+    module, name = path.rsplit("/", 1)
+    return name in EXPERT_WEIGHTS and f"{module}/router" in weights
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -509,12 +525,16 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
     adapter's A holds the weight's leading (input) dimensions and B its
     trailing ones, as qwix lays them out for dew's layers; in a scanned stack
     (``params/layers``) both carry the layers axis in front, and each layer's
-    product is added to its own slice. A weight whose adapters do not fit
+    product is added to its own slice. A routed-experts weight [E, in, out] has
+    A [E, in, rank] and B [E, rank, out]: each expert's product goes to its own
+    slice. A weight whose adapters do not fit
     that layout is refused.
     """
     import jax
     import jax.numpy as jnp
     from flax.core import meta
+
+    from dew.nn.experts import EXPERT_WEIGHTS
 
     scale = spec.alpha / spec.rank
 
@@ -537,7 +557,9 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
                 weight = dequantize(_unbox_tree(weight.array))
             array = _unbox(weight)
             a, b = (_unbox(x) for x in (a, b))
-            if LAYERS in prefix.split("/"):  # inside a scanned stack: one product per layer
+            if key in EXPERT_WEIGHTS and "router" in tree:  # routed experts: one product per expert
+                product = jnp.einsum("...ir,...ro->...io", a, b)
+            elif LAYERS in prefix.split("/"):  # inside a scanned stack: one product per layer
                 product = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
                                      b.reshape(b.shape[0], b.shape[1], -1))
                 product = product.reshape(*a.shape[:-1], *b.shape[2:])

@@ -40,6 +40,9 @@ def provider(qwix: Any) -> Any:
     from qwix._src.providers import ptq
     from qwix._src.utils import flax_util
 
+    from dew.adapters.lora import LoraError
+    from dew.nn.experts import EXPERT_WEIGHTS, RoutedExperts
+
     @flax.struct.dataclass
     class Held(ptq.WithAux):
         """A quantized weight as a layer reads it: ``astype`` casts its scale (qwix's fails on it)."""
@@ -61,12 +64,32 @@ def provider(qwix: Any) -> Any:
 
         def nn_param(self, module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
             value = super().nn_param(module, name, *args, **kwargs)
+            if isinstance(module, RoutedExperts) and name in EXPERT_WEIGHTS:
+                return self._expert_weight(module, name, value)
             if isinstance(value, ptq.WithAux):
                 value = Held(value.array, value.how)
             shape = tuple(getattr(value, "shape", ()))  # what qwix hands a layer: an array, or not
             if len(shape) >= 2:
                 self._reads(module).setdefault(shape, deque()).append(name)
             return value
+
+        def _expert_weight(self, module: Any, name: str, weight: Any) -> Any:
+            """weight [E, in, out] plus its per-expert low-rank product, when a LoRA rule matches module."""
+            rule, _ = self._get_current_rule_and_op_id("einsum", only_rule=True)
+            if not isinstance(rule, qwix.LoraRule):
+                return weight  # not adapted: never queued for an einsum (see _weight_name)
+            if isinstance(weight, ptq.WithAux) or rule.weight_qtype is not None:
+                raise LoraError(f"{'/'.join(module.path)}/{name} is a routed-experts weight, which "
+                                "LoRA adapts in float only; use Lora(base='float32') or target the attention.")
+            if rule.dropout > 0:
+                raise LoraError(f"{'/'.join(module.path)}/{name} is a routed-experts weight, whose adapters "
+                                "take no dropout; use Lora(dropout=0.0) or target the attention.")
+            experts, inputs, outputs = weight.shape
+            lora_a, lora_b = qlora._get_or_create_lora_params(
+                name=name, rule=rule, a_shape=(experts, inputs, rule.rank), b_shape=(experts, rule.rank, outputs),
+                a_sharding_transpose=(0, 1, None), b_sharding_transpose=(0, None, 2))
+            product = jnp.einsum("eir,ero->eio", lora_a, lora_b)
+            return weight + (rule.alpha / rule.rank) * product.astype(weight.dtype)
 
         def _weight_name(self, rhs: Any) -> str | None:
             """The weight rhs is: the first one of its shape the module read and no einsum used yet."""

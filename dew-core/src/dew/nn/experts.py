@@ -69,12 +69,14 @@ from dew.nn.moe import (
 )
 from dew.nn.sharding import constrain, param
 
-__all__ = ["ROUTINGS", "SCORINGS", "RoutedExperts", "Routing", "route"]
+__all__ = ["EXPERT_WEIGHTS", "ROUTINGS", "SCORINGS", "RoutedExperts", "Routing", "route"]
 
 Dtype = Any
 
 ROUTINGS = ("dropless", "capacity")
 SCORINGS = ("softmax", "sigmoid")
+EXPERT_WEIGHTS = ("wi", "wi_gate", "wo")
+"""The stacked [experts, in, out] weights of a RoutedExperts block (LoRA adapts each expert's own)."""
 
 
 @dataclass(frozen=True)

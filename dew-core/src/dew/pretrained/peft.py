@@ -69,6 +69,17 @@ def _fused(model: Any) -> dict[tuple[str, ...], str]:
             for path in entry.paths}
 
 
+def _adapter_paths(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The path of every weight in params that has a LoRA adapter (its A)."""
+    out: list[tuple[str, ...]] = []
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            out.extend(_adapter_paths(value, (*prefix, str(key))))
+        elif str(key).endswith("_lora_a"):
+            out.append((*prefix, str(key).removesuffix("_lora_a")))
+    return out
+
+
 def _node(params: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any] | None:
     node: Any = params
     for part in path[:-1]:
@@ -107,6 +118,7 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
                 "merged model instead (dew export without --adapters).")
     tensors: dict[str, np.ndarray] = {}
     targets: set[str] = set()
+    written: set[tuple[str, ...]] = set()
     for path, module in _adapted(model).items():
         node = _node(params, path)
         if node is None or f"{path[-1]}_lora_a" not in node:
@@ -117,6 +129,14 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
         tensors[f"{PREFIX}{module}.lora_A.weight"] = a.reshape(-1, rank).T
         tensors[f"{PREFIX}{module}.lora_B.weight"] = b.reshape(rank, -1).T
         targets.add(module.rsplit(".", 1)[-1])
+        written.add(path)
+    unwritten = sorted("/".join(path) for path in _adapter_paths(params) if path not in written)
+    if unwritten:  # a routed expert's or a router's adapters, say: no PEFT LoRA module holds them
+        raise NoExactCounterpartError(
+            f"{', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''} ({len(unwritten)} weight(s)) "
+            "have LoRA adapters, which no PEFT LoRA "
+            "module of its family holds (routed experts, routers); export the merged model instead "
+            "(dew export without --adapters).")
     if not tensors:
         raise TensorMismatchError("The variables hold no LoRA adapters on the family's projections "
                                   "(q/k/v/o_proj, gate/up/down_proj); export the merged model instead.")

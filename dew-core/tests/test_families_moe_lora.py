@@ -1,0 +1,172 @@
+"""LoRA on the mixture-of-experts families: the routed experts' stacked weights get adapters.
+
+A routed-experts block keeps its experts' weights stacked [E, in, out] and multiplies them in a
+grouped matmul that qwix never sees, so LoRA used to leave them alone without a word (a target
+naming the block adapted its router only, and ``"mlp"`` matched no MoE layer). Here each expert
+gets its own pair A [E, in, r], B [E, r, out]; the adapted model must compute exactly what the
+base model computes on weights merged by hand in numpy (W + alpha / r * A @ B, expert by
+expert), and ``merge_lora`` must produce those weights. What cannot carry them is refused in
+one line: PEFT export, a quantized (QLoRA) base, dropout.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("qwix")
+
+from dew.adapters.lora import Lora, LoraError, apply_lora, is_adapter, merge_lora, with_base  # noqa: E402
+from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
+from dew.pretrained import NoExactCounterpartError, Pretrained  # noqa: E402
+
+TOKENS = np.random.default_rng(0).integers(0, 300, (2, 12)).astype(np.int32)
+SPEC = Lora(rank=2, alpha=6.0, targets=("mlp",))
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Pretrained:
+    return Pretrained.load(write_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral"), seed=3, redrawn=True))
+
+
+@pytest.fixture(scope="module")
+def adapted_mixtral(mixtral) -> tuple[object, dict]:
+    return _adapted_variables(mixtral, SPEC)
+
+
+def _adapted_variables(loaded: Pretrained, spec: Lora) -> tuple[object, dict]:
+    """The adapted model and its variables on loaded's base, every adapter drawn away from zero."""
+    adapted = apply_lora(loaded.model, spec)
+    fresh = nn.meta.unbox(adapted.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    variables = with_base(fresh, loaded.variables)
+    leaves = jax.tree_util.tree_leaves_with_path(variables)
+    keys = iter(jax.random.split(jax.random.key(1), len(leaves)))
+    variables = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf + 0.1 * jax.random.normal(next(keys), leaf.shape)
+        if is_adapter(tuple(getattr(p, "key", "") for p in path), leaf) else leaf, variables)
+    return adapted, variables
+
+
+def _merged_by_hand(params: dict, scale: float, *, experts: bool = True) -> dict:
+    """params with every adapter's product added into its weight, in numpy (no adapters left)."""
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out[key] = _merged_by_hand(value, scale, experts=experts)
+        elif not key.endswith(("_lora_a", "_lora_b")):
+            weight = np.asarray(value, np.float64)
+            if f"{key}_lora_a" in params:
+                a = np.asarray(params[f"{key}_lora_a"], np.float64)
+                b = np.asarray(params[f"{key}_lora_b"], np.float64)
+                if key in ("wi", "wi_gate", "wo"):  # [E, in, r] @ [E, r, out], expert by expert
+                    delta = np.stack([a[e] @ b[e] for e in range(a.shape[0])]) * experts
+                else:
+                    delta = a.reshape(-1, a.shape[-1]) @ b.reshape(b.shape[0], -1)
+                weight = weight + scale * delta.reshape(weight.shape)
+            out[key] = weight.astype(np.float32)
+    return out
+
+
+@pytest.mark.slow
+def test_mlp_targets_adapt_every_expert_with_its_own_pair_and_merge_exactly(mixtral, adapted_mixtral):
+    adapted, variables = adapted_mixtral
+    params = variables["params"]
+    experts = mixtral.model.experts
+    for layer in range(mixtral.model.num_layers):
+        moe = params[f"layers_{layer}"]["moe"]
+        for name in ("wi", "wi_gate", "wo"):
+            e, inputs, outputs = moe[name].shape
+            assert e == experts
+            assert moe[f"{name}_lora_a"].shape == (experts, inputs, SPEC.rank)
+            assert moe[f"{name}_lora_b"].shape == (experts, SPEC.rank, outputs)
+        assert not any(key.endswith("_lora_a") for key in params[f"layers_{layer}"]["attention"])
+
+    ours = np.asarray(jax.jit(adapted.apply)(variables, jnp.asarray(TOKENS)))
+    scale = SPEC.alpha / SPEC.rank
+    by_hand = {"params": _merged_by_hand(params, scale)}
+    base_apply = jax.jit(mixtral.model.apply)  # compiled once, for both weights below
+    expected = np.asarray(base_apply(by_hand, jnp.asarray(TOKENS)))
+    np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=0)
+    # The experts' adapters matter: without their deltas the logits move.
+    no_experts = {"params": _merged_by_hand(params, scale, experts=False)}
+    assert np.abs(np.asarray(base_apply(no_experts, jnp.asarray(TOKENS))) - ours).max() > 1e-3
+
+    merged = merge_lora(variables, SPEC)
+    flat_merged = dict(jax.tree_util.tree_leaves_with_path(merged))
+    flat_hand = dict(jax.tree_util.tree_leaves_with_path(by_hand))
+    assert flat_merged.keys() == flat_hand.keys()
+    for path, value in flat_hand.items():
+        np.testing.assert_allclose(np.asarray(flat_merged[path]), value, atol=1e-6, rtol=0,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_what_cannot_carry_expert_adapters_refuses_in_one_line(mixtral, adapted_mixtral, tmp_path):
+    from dew.pretrained.peft import save_adapters
+
+    _, variables = adapted_mixtral
+    with pytest.raises(NoExactCounterpartError, match=r"layers_0/moe/wi, .* have LoRA adapters, .*routed experts") as refused:
+        save_adapters(tmp_path / "adapters", mixtral.model, variables, SPEC)
+    assert "\n" not in str(refused.value) and "merged" in str(refused.value)
+    assert not (tmp_path / "adapters").exists()
+
+    dummy = jnp.zeros((1, 4), jnp.int32)
+    for spec, what in ((Lora(rank=2, targets=("mlp",), base="int8"), "float"),
+                       (Lora(rank=2, targets=("mlp",), dropout=0.1), "dropout")):
+        with pytest.raises(LoraError, match=rf"moe/wi .*routed-experts.*{what}") as refused:
+            jax.eval_shape(lambda spec=spec: apply_lora(mixtral.model, spec).init(jax.random.key(0), dummy))
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_mlp_reaches_the_routed_and_shared_experts_of_a_model_with_a_dense_first_layer(tmp_path):
+    loaded = Pretrained.load(write_checkpoint("deepseek_v3", tmp_path / "base", seed=1, redrawn=True))
+    adapted = apply_lora(loaded.model, Lora(rank=2, targets=("mlp",)))
+    abstract = jax.eval_shape(lambda: adapted.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    params = nn.meta.unbox(abstract)["params"]
+    assert "wi_lora_a" in params["layers_0"]["mlp"]  # the dense first layer
+    routed = [key for key in params if key.startswith("layers_") and "moe" in params[key]]
+    assert routed
+    for layer in routed:
+        moe = params[layer]["moe"]
+        assert moe["wi_lora_a"].shape[0] == loaded.model.experts
+        assert "wi_lora_a" in moe["shared"]
+
+
+@pytest.mark.slow
+def test_a_scanned_stack_adapts_its_experts_as_the_numbered_layers_do(mixtral, adapted_mixtral):
+    adapted, variables = adapted_mixtral
+    ours = np.asarray(jax.jit(adapted.apply)(variables, jnp.asarray(TOKENS)))
+    stack = mixtral.model.clone(scan_layers=True)
+    scanned = apply_lora(stack, SPEC)
+    fresh = nn.meta.unbox(scanned.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    layers, experts = mixtral.model.num_layers, mixtral.model.experts
+    assert fresh["params"]["layers"]["moe"]["wo_lora_b"].shape[:3] == (layers, experts, SPEC.rank)
+    stacked = with_base(fresh, variables)  # the numbered layers' adapters, stacked
+    np.testing.assert_array_equal(np.asarray(jax.jit(scanned.apply)(stacked, jnp.asarray(TOKENS))), ours)
+    merged = np.asarray(jax.jit(stack.apply)(merge_lora(stacked, SPEC), jnp.asarray(TOKENS)))
+    np.testing.assert_allclose(merged, ours, atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_training_the_adapters_moves_every_experts_pair(mixtral):
+    import optax
+
+    from dew import Trainer
+    from dew.adapters.lora import adapters_only
+    from dew.data import Dataset
+    from dew.objectives.lm import LMObjective
+
+    adapted = apply_lora(mixtral.model, SPEC)
+    windows = Dataset(train=lambda partition: iter(
+        lambda: {"text": np.random.default_rng(0).integers(0, 300, (2, 9)).astype(np.int32)}, None), batch=2)
+    state = Trainer(adapters_only(LMObjective(model=adapted, seq_len=8)), optax.adam(1e-2),
+                    key=jax.random.key(0)).fit(windows, steps=2, log_every=2)
+    moe = nn.meta.unbox(state.params)["params"]["layers_0"]["moe"]
+    for name in ("wi", "wi_gate", "wo"):  # B starts at zero: a gradient reached every expert's own B
+        moved = np.abs(np.asarray(moe[f"{name}_lora_b"])).reshape(mixtral.model.experts, -1).max(axis=1)
+        assert (moved > 0).all(), (name, moved)
