@@ -109,3 +109,40 @@ def test_routing_a_family_cannot_express_is_refused_by_name(tmp_path):
     with pytest.raises(NoExactCounterpartError, match=r"CausalTransformer\.routing=.*sigmoid.*MixtralForCausalLM"):
         Pretrained(sigmoid, variables).save(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_on_eight_devices_with_an_expert_axis_every_moe_family_computes_what_transformers_does(tmp_path):
+    """fsdp 2 x tensor 2 x expert 2, every weight sharded (the experts' stacks over the expert
+    axis): each family's logits are still transformers' own."""
+    from dew.testing.processes import run_python
+
+    directories = {}
+    for name in NAMES:
+        directories[name] = str(write_checkpoint(name, tmp_path / name, seed=NAMES.index(name), redrawn=True))
+        np.save(tmp_path / f"{name}.npy", _hf_logits(_hf(directories[name])))
+    done = run_python(f"""
+        import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+        from dew.pretrained import Pretrained
+        from dew.training import Layout, MeshSpec, build_mesh
+        mesh = build_mesh(MeshSpec(fsdp=2, tensor=2, expert=2))
+        layout = Layout(min_shard=0)  # shard even the tiny weights
+        ids = jnp.asarray({PROMPTS.tolist()!r}, jnp.int32)
+        for name, directory in {directories!r}.items():
+            model = Pretrained.load(directory).model
+            abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+            loaded = Pretrained.load(directory, shardings=layout.shardings(mesh, abstract))
+            stacks = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(loaded.variables)[0]
+                      if jax.tree_util.keystr(path).endswith("['moe']['wi']")]
+            assert stacks and all(leaf.sharding.spec[0] == "expert" for leaf in stacks), [
+                leaf.sharding.spec for leaf in stacks]
+            with jax.set_mesh(mesh), nn.logical_axis_rules(layout.axis_rules):
+                logits = jax.jit(model.apply)(loaded.variables, ids)
+            reference = np.load({str(tmp_path)!r} + f"/{{name}}.npy")
+            print(name, float(np.abs(np.asarray(logits) - reference).max()))
+    """, devices=8, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    differences = dict(line.split() for line in done.stdout.strip().splitlines())
+    assert set(differences) == set(NAMES)
+    for name, difference in differences.items():
+        assert float(difference) <= 1e-4, (name, difference)
