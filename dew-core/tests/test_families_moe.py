@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from dew.families import family
-from dew.pretrained import NoExactCounterpartError, Pretrained
+from dew.pretrained import NoExactCounterpartError, Pretrained, TensorMismatchError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -146,3 +146,41 @@ def test_on_eight_devices_with_an_expert_axis_every_moe_family_computes_what_tra
     assert set(differences) == set(NAMES)
     for name, difference in differences.items():
         assert float(difference) <= 1e-4, (name, difference)
+
+
+def _add_tensors(directory, tensors: dict[str, np.ndarray], shard: str) -> None:
+    """Write tensors beside a checkpoint's own, in a shard its index names (as a published one is)."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(directory / shard))
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(directory / "model.safetensors"), framework="numpy") as opened:
+            data = {"metadata": {}, "weight_map": dict.fromkeys(opened.keys(), "model.safetensors")}
+    data["weight_map"].update(dict.fromkeys(tensors, shard))
+    index.write_text(json.dumps(data))
+
+
+def test_a_deepseek_checkpoint_keeps_its_multi_token_prediction_layer_unread(tmp_path):
+    """Published DeepSeek-V3 directories hold num_nextn_predict_layers layers after the last; the
+    model computes none of them (nor does transformers), so they are left unread, and only they."""
+    source = write_checkpoint("deepseek_v3", tmp_path / "source", seed=2, redrawn=True)
+    plain = Pretrained.load(source)
+    config = json.loads((source / "config.json").read_text())
+    after = config["num_hidden_layers"]
+    _add_tensors(source, {f"model.layers.{after}.eh_proj.weight": np.ones((64, 128), np.float32),
+                          f"model.layers.{after}.enorm.weight": np.ones((64,), np.float32)}, "mtp.safetensors")
+    (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(TensorMismatchError, match=f"model.layers.{after}.eh_proj.weight"):
+        Pretrained.load(source)  # the config says the checkpoint holds no such layer
+    (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))  # as saved
+    loaded = Pretrained.load(source)
+    original, again = _flat(plain.variables), _flat(loaded.variables)
+    assert original.keys() == again.keys() and all(np.array_equal(again[k], v) for k, v in original.items())
+    _add_tensors(source, {f"model.layers.{after + 1}.enorm.weight": np.ones((64,), np.float32)}, "more.safetensors")
+    with pytest.raises(TensorMismatchError, match=f"model.layers.{after + 1}.enorm.weight"):
+        Pretrained.load(source)  # one prediction layer declared: a second is no part of it

@@ -103,6 +103,9 @@ class Family:
     fused: bool = False
     also_reads: tuple[str, ...] = ()
     checkpoints: str = ""
+    unread: Callable[[Mapping[str, Any]], tuple[str, ...]] = lambda config: ()
+    """The name prefixes of tensors a checkpoint of this config holds that the model does not
+    compute (DeepSeek-V3's multi-token-prediction layer): left unread, as transformers leaves them."""
 
     @property
     def architectures(self) -> tuple[str, ...]:

@@ -115,11 +115,19 @@ PRESETS = {
                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}},
 }
 
+def unread(config: Any) -> tuple[str, ...]:
+    """The multi-token-prediction layers (``num_nextn_predict_layers`` of them, numbered after the
+    model's last layer): the published checkpoints hold them, the model does not compute them."""
+    layers = int(config.get("num_hidden_layers") or 0)
+    extra = int(config.get("num_nextn_predict_layers") or 0)
+    return tuple(f"model.layers.{layers + i}." for i in range(extra))
+
+
 FAMILY = RoutedFamily(
     name="deepseek_v3", architecture=ARCHITECTURE, model_type="deepseek_v3", read=read, write=write,
-    presets=PRESETS, names=ExpertNames(shared="shared_experts"),
+    presets=PRESETS, names=ExpertNames(shared="shared_experts"), unread=unread,
     checkpoints="DeepSeek-V3 and V3-0324, DeepSeek-R1 and R1-0528 (671B; the multi-token-prediction "
-                "layer is not read), and other DeepseekV3ForCausalLM checkpoints",
+                "layer is left unread, as transformers leaves it), and other DeepseekV3ForCausalLM checkpoints",
 )
 
 build = builder("deepseek_v3")
