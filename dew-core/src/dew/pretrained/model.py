@@ -111,18 +111,30 @@ def _placement(shardings: Any) -> Callable[[tuple[str, ...]], Any]:
 
 
 def _put(array: np.ndarray, dtype: Any, sharding: Any) -> Any:
-    """array, a view of a buffer the next tensor overwrites, copied onto the devices in dtype:
-    its sharding's, else the default device's. A transposed view is left to device_put, whose
-    transposing copy is far faster than numpy's; a contiguous one is copied first, since a CPU
-    device may take a contiguous host array as its own memory rather than copy it. No
-    compiled program runs, so loading compiles nothing."""
+    """array, a view of file pages about to be released, copied onto the devices in dtype: its
+    sharding's, else the default device's, in one pass over its bytes. A transposed or cast
+    view is left to device_put (or astype), whose copy also lays the array out; a contiguous
+    one is copied into fresh memory aligned as a CPU device takes it as its own, so device_put
+    copies it no second time. No compiled program runs, so loading compiles nothing."""
     import jax
 
     view = np.asarray(array)
     array = view.astype(np.dtype(dtype), copy=False)
-    if array is view and array.flags.c_contiguous:  # still the shared buffer
-        array = array.copy()
+    if array is view and array.flags.c_contiguous:  # still the file's pages
+        array = _aligned_copy(array)
     return jax.device_put(array, sharding).block_until_ready()
+
+
+_ALIGNMENT = 64  # the bytes a CPU device's buffers are aligned to; an aligned host array is taken as is
+
+
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of array in fresh memory starting on an _ALIGNMENT boundary."""
+    raw = np.empty(array.nbytes + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    np.copyto(copy, array)
+    return copy
 
 
 def _at(params: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -415,7 +427,7 @@ class Pretrained:
                 for path in entry.paths:
                     experts[path] = max(experts.get(path, 0), entry.index + 1)
         pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}
-        for name, value in files.read(set(table), reuse=True):  # value is gone at the next tensor
+        for name, value in files.mapped(set(table)):  # value's pages are gone at the next tensor
             entry = table[name]
             for path, array in zip(entry.paths, entry.layout.from_hf(value), strict=True):
                 if entry.index is not None:  # held on the host until its last slice arrives
