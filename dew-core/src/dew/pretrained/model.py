@@ -429,7 +429,12 @@ class Pretrained:
         pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}
         for name, value in files.mapped(set(table)):  # value's pages are gone at the next tensor
             entry = table[name]
-            for path, array in zip(entry.paths, entry.layout.from_hf(value), strict=True):
+            arrays = entry.layout.from_hf(value)
+            as_stored = (entry.index is None and len(arrays) == 1 and arrays[0].flags.c_contiguous
+                   and arrays[0].dtype == np.dtype(model.param_dtype))
+            if as_stored:  # kept as stored: read once into memory the device takes as its own
+                arrays = entry.layout.from_hf(files.read_aligned(name))
+            for path, array in zip(entry.paths, arrays, strict=True):
                 if entry.index is not None:  # held on the host until its last slice arrives
                     buffer, filled = pending.get(path) or (np.empty((experts[path], *array.shape),
                                                                     array.dtype), 0)
@@ -442,7 +447,8 @@ class Pretrained:
                 node = params
                 for part in path[:-1]:
                     node = node.setdefault(part, {})
-                node[path[-1]] = _put(array, model.param_dtype, place(path))
+                node[path[-1]] = (jax.device_put(array, place(path)).block_until_ready() if as_stored
+                                  else _put(array, model.param_dtype, place(path)))
         if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
             from dew.nn.pipeline import stack_layers
 

@@ -191,6 +191,18 @@ class TensorFiles:
                     yield name, _read_one(handle, start, name, header[name], file, scratch if reuse else None)
 
 
+    def read_aligned(self, name: str, alignment: int = 64) -> np.ndarray:
+        """name's tensor read into fresh memory that starts on an alignment boundary (what a CPU
+        device takes as its own buffer without copying it)."""
+        file = self.files[name]
+        header, start = self.headers[file]
+        info = header[name]
+        begin, end = info["data_offsets"]
+        raw = np.empty(end - begin + alignment, np.uint8)
+        first = -raw.ctypes.data % alignment
+        with file.open("rb", buffering=0) as handle:
+            return _read_one(handle, start, name, info, file, raw[first:first + end - begin])
+
     def mapped(self, names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
         """(name, read-only array) for each of names, in file order, each a view of the file's bytes.
 
