@@ -185,3 +185,21 @@ def test_a_missing_or_misshapen_tensor_names_its_path_and_shapes(tmp_path):
         Pretrained.load(tmp_path)
 
 
+
+
+def test_param_dtype_casts_every_stored_weight_as_numpy_casts_it(tmp_path):
+    """Loading float32 weights with param_dtype=bfloat16 gives each leaf, laid out in dew's
+    layout or kept as stored, exactly numpy's cast of the float32 leaf."""
+    model = _llama()
+    variables = _variables(model)
+    Pretrained(model, variables).save(tmp_path / "fp32", format="hf")
+    back = Pretrained.load(tmp_path / "fp32", param_dtype=jnp.bfloat16)
+    original = jax.tree_util.tree_flatten_with_path(variables)[0]
+    restored = dict(jax.tree_util.tree_flatten_with_path(back.variables)[0])
+    assert len(original) == len(restored)
+    for path, leaf in original:
+        again = restored[path]
+        assert again.dtype == jnp.bfloat16, jax.tree_util.keystr(path)
+        expected = np.asarray(leaf).astype(jnp.bfloat16)
+        assert np.array_equal(np.asarray(again).view(np.uint16), expected.view(np.uint16)), \
+            jax.tree_util.keystr(path)

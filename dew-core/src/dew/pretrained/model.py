@@ -111,18 +111,30 @@ def _placement(shardings: Any) -> Callable[[tuple[str, ...]], Any]:
 
 
 def _put(array: np.ndarray, dtype: Any, sharding: Any) -> Any:
-    """array, a view of a buffer the next tensor overwrites, copied onto the devices in dtype:
-    its sharding's, else the default device's. A transposed view is left to device_put, whose
-    transposing copy is far faster than numpy's; a contiguous one is copied first, since a CPU
-    device may take a contiguous host array as its own memory rather than copy it. No
-    compiled program runs, so loading compiles nothing."""
+    """array, a view of file pages about to be released, copied onto the devices in dtype: its
+    sharding's, else the default device's, in one pass over its bytes when no cast is asked. A
+    transposed view is left to device_put, whose transposing copy is far faster than numpy's; a
+    contiguous one is cast into fresh memory aligned as a CPU device takes it as its own, so
+    device_put copies it no second time. No compiled program runs, so loading compiles nothing."""
     import jax
 
     view = np.asarray(array)
-    array = view.astype(np.dtype(dtype), copy=False)
-    if array is view and array.flags.c_contiguous:  # still the shared buffer
-        array = array.copy()
-    return jax.device_put(array, sharding).block_until_ready()
+    if view.flags.c_contiguous:  # cast (if at all) and copied out of the file's pages at once
+        return jax.device_put(_aligned_copy(view, np.dtype(dtype)), sharding).block_until_ready()
+    return jax.device_put(view.astype(np.dtype(dtype), copy=False), sharding).block_until_ready()
+
+
+_ALIGNMENT = 64  # the bytes a CPU device's buffers are aligned to; an aligned host array is taken as is
+
+
+def _aligned_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """array cast to dtype in fresh memory starting on an _ALIGNMENT boundary."""
+    nbytes = array.size * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    copy = raw[start:start + nbytes].view(dtype).reshape(array.shape)
+    np.copyto(copy, array, casting="unsafe")
+    return copy
 
 
 def _at(params: Mapping[str, Any], path: tuple[str, ...]) -> Any:
@@ -417,9 +429,14 @@ class Pretrained:
                 for path in entry.paths:
                     experts[path] = max(experts.get(path, 0), entry.index + 1)
         pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}
-        for name, value in files.read(set(table), reuse=True):  # value is gone at the next tensor
+        for name, value in files.mapped(set(table)):  # value's pages are gone at the next tensor
             entry = table[name]
-            for path, array in zip(entry.paths, entry.layout.from_hf(value), strict=True):
+            arrays = entry.layout.from_hf(value)
+            as_stored = (entry.index is None and len(arrays) == 1 and arrays[0].flags.c_contiguous
+                   and arrays[0].dtype == np.dtype(model.param_dtype))
+            if as_stored:  # kept as stored: read once into memory the device takes as its own
+                arrays = entry.layout.from_hf(files.read_aligned(name))
+            for path, array in zip(entry.paths, arrays, strict=True):
                 if entry.index is not None:  # held on the host until its last slice arrives
                     buffer, filled = pending.get(path) or (np.empty((experts[path], *array.shape),
                                                                     array.dtype), 0)
@@ -432,7 +449,8 @@ class Pretrained:
                 node = params
                 for part in path[:-1]:
                     node = node.setdefault(part, {})
-                node[path[-1]] = _put(array, model.param_dtype, place(path))
+                node[path[-1]] = (jax.device_put(array, place(path)).block_until_ready() if as_stored
+                                  else _put(array, model.param_dtype, place(path)))
         if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
             from dew.nn.pipeline import stack_layers
 

@@ -3,15 +3,18 @@
 Tensors travel as numpy arrays (bfloat16 through ml_dtypes, which jax ships),
 read from disk one name at a time, and written a shard at a time
 (``ShardWriter``), so neither direction holds a second copy of the whole
-checkpoint in host memory. Reading uses plain reads into a fresh array at
-the offsets the file's header gives: safetensors' own reader maps the file,
-and every page it touched would count against the process until the file is
-closed, up to a whole shard on top of the arrays already read.
+checkpoint in host memory. ``read`` uses plain reads into a fresh array at
+the offsets the file's header gives; ``mapped`` maps one tensor's bytes at a
+time and lets go of the pages once the caller has copied them out (mapping
+the whole file, as safetensors' own reader does, would count every page
+touched against the process until the file is closed, up to a whole shard on
+top of the arrays already read).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -186,6 +189,62 @@ class TensorFiles:
             with file.open("rb", buffering=0) as handle:
                 for name in wanted:
                     yield name, _read_one(handle, start, name, header[name], file, scratch if reuse else None)
+
+
+    def read_aligned(self, name: str, alignment: int = 64) -> np.ndarray:
+        """name's tensor read into fresh memory that starts on an alignment boundary (what a CPU
+        device takes as its own buffer without copying it)."""
+        file = self.files[name]
+        header, start = self.headers[file]
+        info = header[name]
+        begin, end = info["data_offsets"]
+        raw = np.empty(end - begin + alignment, np.uint8)
+        first = -raw.ctypes.data % alignment
+        with file.open("rb", buffering=0) as handle:
+            return _read_one(handle, start, name, info, file, raw[first:first + end - begin])
+
+    def mapped(self, names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, read-only array) for each of names, in file order, each a view of the file's bytes.
+
+        No copy is made: the caller copies what it keeps (transposing or
+        casting on the way, in one pass) before asking for the next tensor,
+        whose arrival releases this one's pages from the process.
+        """
+        import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
+
+        by_file: dict[Path, list[str]] = {}
+        for name in sorted(names):
+            by_file.setdefault(self.files[name], []).append(name)
+        for file, wanted in by_file.items():
+            header, start = self.headers[file]
+            wanted.sort(key=lambda name: header[name]["data_offsets"][0])
+            with file.open("rb") as handle:
+                for name in wanted:
+                    info = header[name]
+                    begin, end = (start + offset for offset in info["data_offsets"])
+                    dtype = np.dtype(_DTYPES[info["dtype"]])
+                    if end == begin:  # an empty tensor: nothing to map
+                        yield name, np.empty(tuple(info["shape"]), dtype)
+                        continue
+                    page = begin - begin % mmap.ALLOCATIONGRANULARITY
+                    try:
+                        region = mmap.mmap(handle.fileno(), end - page, offset=page, prot=mmap.PROT_READ,
+                                           flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                    except (OSError, ValueError) as error:
+                        raise DamagedFileError(f"{file} cannot be read at {name} ({error}); the file was "
+                                               "cut short or changed: write or copy it again.") from None
+                    try:
+                        array = np.frombuffer(region, dtype, count=(end - begin) // dtype.itemsize,
+                                              offset=begin - page).reshape(tuple(info["shape"]))
+                        yield name, array
+                        del array
+                    finally:  # the pages leave the process's memory even if a view lingers
+                        if hasattr(region, "madvise"):
+                            region.madvise(mmap.MADV_DONTNEED)
+                        try:
+                            region.close()
+                        except BufferError:  # a view still exported: the mapping goes with it
+                            pass
 
 
 # safetensors' dtype names -> numpy's (bfloat16 and the float8s through ml_dtypes).
