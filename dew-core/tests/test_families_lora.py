@@ -25,25 +25,18 @@ def _torch_logits(model) -> np.ndarray:
 
 @pytest.mark.slow
 def test_adapters_on_a_family_merge_and_export_as_peft_with_the_adapted_logits(tmp_path):
-    import flax.linen as nn
     from peft import PeftModel
 
-    from dew.adapters.lora import Lora, apply_lora, is_adapter, merge_lora, with_base
+    from dew.adapters.lora import Lora, merge_lora
     from dew.pretrained import Pretrained
     from dew.pretrained.peft import save_adapters
+    from dew.testing.adapters import drawn_adapters
 
     source = write_checkpoint("qwen2", tmp_path / "base", seed=5, redrawn=True)
     loaded = Pretrained.load(source)
     spec = Lora(rank=4, targets=("attention", "mlp"))
-    adapted = apply_lora(loaded.model, spec)
-    fresh = nn.meta.unbox(adapted.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
-    variables = with_base(fresh, loaded.variables)
     # B starts at zero; draw it so the adapters change what the model computes.
-    leaves = jax.tree_util.tree_leaves_with_path(variables)
-    keys = iter(jax.random.split(jax.random.key(1), len(leaves)))
-    variables = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf + 0.05 * jax.random.normal(next(keys), leaf.shape)
-        if is_adapter(tuple(getattr(p, "key", "") for p in path), leaf) else leaf, variables)
+    adapted, variables = drawn_adapters(loaded.model, loaded.variables, spec, scale=0.05)
     ours = np.asarray(jax.jit(adapted.apply)(variables, jnp.asarray(TOKENS)))
     base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     assert np.abs(_torch_logits(base) - ours).max() > 1e-3  # the adapters matter: the checks can fail

@@ -21,9 +21,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("qwix")
 
-from dew.adapters.lora import Lora, LoraError, apply_lora, is_adapter, merge_lora, with_base  # noqa: E402
+from dew.adapters.lora import Lora, LoraError, apply_lora, merge_lora, with_base  # noqa: E402
 from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
 from dew.pretrained import NoExactCounterpartError, Pretrained  # noqa: E402
+from dew.testing.adapters import drawn_adapters  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, 300, (2, 12)).astype(np.int32)
 SPEC = Lora(rank=2, alpha=6.0, targets=("mlp",))
@@ -41,15 +42,7 @@ def adapted_mixtral(mixtral) -> tuple[object, dict]:
 
 def _adapted_variables(loaded: Pretrained, spec: Lora) -> tuple[object, dict]:
     """The adapted model and its variables on loaded's base, every adapter drawn away from zero."""
-    adapted = apply_lora(loaded.model, spec)
-    fresh = nn.meta.unbox(adapted.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
-    variables = with_base(fresh, loaded.variables)
-    leaves = jax.tree_util.tree_leaves_with_path(variables)
-    keys = iter(jax.random.split(jax.random.key(1), len(leaves)))
-    variables = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf + 0.1 * jax.random.normal(next(keys), leaf.shape)
-        if is_adapter(tuple(getattr(p, "key", "") for p in path), leaf) else leaf, variables)
-    return adapted, variables
+    return drawn_adapters(loaded.model, loaded.variables, spec, scale=0.1)
 
 
 def _merged_by_hand(params: dict, scale: float, *, experts: bool = True) -> dict:

@@ -68,11 +68,10 @@ def check_config_sizes(config: Mapping[str, Any], path: Path) -> None:
 
 
 def check_config_bounds(config: Mapping[str, Any], path: Path, tensors: int, nbytes: int) -> None:
-    """Refuse a size field that is not a positive integer, or that the weights present cannot hold.
+    """Refuse a size field that the weights present cannot hold (check_config_sizes first).
 
     tensors and nbytes count what the directory's safetensors headers hold.
     """
-    check_config_sizes(config, path)
     layers = config.get("num_hidden_layers")
     if isinstance(layers, int) and layers > tensors:
         raise ConfigValueError(

@@ -125,8 +125,8 @@ def _typed(key: jax.Array) -> jax.Array:
 
 
 def preview_key(key: jax.Array, step: int) -> jax.Array:
-    """The key a preview at step draws from: the run's preview stream, folded with the step."""
-    return jax.random.fold_in(stream(_typed(key), "preview"), int(step))
+    """The key a preview at step draws from: the typed root key's preview stream, folded with the step."""
+    return jax.random.fold_in(stream(key, "preview"), int(step))
 
 
 class Evaluator:
