@@ -18,6 +18,16 @@ def test_check_prints_the_resolved_recipe(capsys):
     assert config["trainer"]["steps"] == 7 and config["model"]["name"] == "causal_transformer"
 
 
+def test_overrides_after_an_option_are_overrides_too(capsys):
+    # argparse alone stops a trailing key=value list at the first option
+    assert main(["train", "tiny-lm", "--check", "trainer.steps=9", "optimizer.learning_rate=0.002"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["trainer"]["steps"] == 9 and config["optimizer"]["learning_rate"] == 0.002
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "tiny-lm", "--check", "--no-such-flag"])
+    assert stopped.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_dew_train_tiny_lm_trains_and_samples(tmp_path):
     """The README's command, a few steps long, through the installed console script.

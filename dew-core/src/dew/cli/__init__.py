@@ -90,7 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
                                  help=TRACEBACK_HELP)
             command.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling a trailing key=value list at the first option, so overrides
+    # written after one (`dew plan tiny-lm --devices 2 trainer.steps=4`) come back here.
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    if isinstance(getattr(args, "overrides", None), list) and overrides:
+        args.overrides.extend(overrides)
+        extra = [item for item in extra if item not in overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_run", None):  # argparse sets it only when a command was chosen
         parser.print_help()
         return 0 if args.command is None else 2
