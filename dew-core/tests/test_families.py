@@ -30,6 +30,7 @@ from dew.pretrained import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from against_transformers import PROMPTS, check_exports_back, flat, hf_logits, hf_model  # noqa: E402
 from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
 
 # The mixture-of-experts families have their own file (test_families_moe): these are the dense ones.
@@ -44,19 +45,10 @@ OVERRIDES = {
     "qwen2": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}},
     "gemma3": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
 }
-PROMPTS = np.random.default_rng(0).integers(0, 300, (3, 19))
 TEXTS = ["the plus is 12 plus 30", "héllo wörld 日本語 🙂", "  two  spaces\nand a newline",
          "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>model\nok<end_of_turn>"]
 CHAT = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]
 
-
-def _hf(directory) -> object:
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
-def _hf_logits(model, ids=PROMPTS) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
 
 
 def _dew_logits(loaded, ids=PROMPTS) -> np.ndarray:
@@ -71,7 +63,7 @@ def written(tmp_path_factory):
     for seed, name in enumerate(NAMES):
         directory = write_checkpoint(name, root / name, overrides=OVERRIDES.get(name), seed=seed,
                                      redrawn=True)
-        out[name] = (directory, _hf_logits(_hf(directory)))
+        out[name] = (directory, hf_logits(hf_model(directory)))
     return out
 
 
@@ -88,10 +80,6 @@ def ours(written):
     return logits
 
 
-def _flat(variables) -> dict:
-    return {jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]}
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
@@ -107,20 +95,7 @@ def test_dew_computes_what_transformers_computes(written, ours, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_an_export_loads_in_transformers_as_its_family_and_comes_back_bitwise(written, tmp_path, name):
     directory, theirs = written[name]
-    loaded = Pretrained.load(directory)
-    loaded.save(tmp_path / "dew")
-    config = json.loads((tmp_path / "dew" / "config.json").read_text())
-    assert config["architectures"] == [family(name).architecture]
-    hf = _hf(tmp_path / "dew")
-    assert type(hf).__name__ == family(name).architecture
-    assert np.abs(_hf_logits(hf) - theirs).max() <= 1e-4
-    hf.save_pretrained(tmp_path / "hf")  # transformers' own writer, from dew's export
-    back = Pretrained.load(tmp_path / "hf")
-    assert back.model == loaded.model
-    original, again = _flat(loaded.variables), _flat(back.variables)
-    assert original.keys() == again.keys()
-    for key, value in original.items():
-        assert again[key].dtype == value.dtype and np.array_equal(again[key], value), key
+    check_exports_back(Pretrained.load(directory), theirs, name, tmp_path)
 
 
 @pytest.mark.slow
@@ -151,23 +126,23 @@ def test_the_tokenizer_encodes_as_autotokenizer_does_and_keeps_its_chat_template
 def test_sharded_bf16_checkpoints_load_and_dew_writes_shards_transformers_reads(written, tmp_path):
     directory, theirs = written["qwen3"]
     fp32 = Pretrained.load(directory)
-    hf = _hf(directory).to(torch.bfloat16)
+    hf = hf_model(directory).to(torch.bfloat16)
     hf.save_pretrained(tmp_path / "bf16", max_shard_size="60KB")  # an index and several shards
     assert (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
     bf16 = Pretrained.load(tmp_path / "bf16")
     assert bf16.model.param_dtype == jnp.bfloat16
-    cast = _flat(jax.tree.map(lambda a: a.astype(jnp.bfloat16), fp32.variables))
-    for key, value in _flat(bf16.variables).items():  # torch and ml_dtypes round alike
+    cast = flat(jax.tree.map(lambda a: a.astype(jnp.bfloat16), fp32.variables))
+    for key, value in flat(bf16.variables).items():  # torch and ml_dtypes round alike
         assert value.dtype == jnp.bfloat16 and np.array_equal(value, cast[key]), key
 
     fp32.save(tmp_path / "sharded", max_shard_bytes=40_000)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     assert not (tmp_path / "sharded" / "model.safetensors").exists()
-    assert np.abs(_hf_logits(_hf(tmp_path / "sharded")) - theirs).max() <= 1e-4
+    assert np.abs(hf_logits(hf_model(tmp_path / "sharded")) - theirs).max() <= 1e-4
     again = Pretrained.load(tmp_path / "sharded")
-    for key, value in _flat(fp32.variables).items():
-        assert np.array_equal(_flat(again.variables)[key], value), key
+    for key, value in flat(fp32.variables).items():
+        assert np.array_equal(flat(again.variables)[key], value), key
     fp32.save(tmp_path / "sharded")  # saved again whole: the stale index and shards go
     assert sorted(p.name for p in (tmp_path / "sharded").glob("model*")) == ["model.safetensors"]
 

@@ -27,50 +27,26 @@ from dew.pretrained import NoExactCounterpartError, Pretrained, TensorMismatchEr
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from against_transformers import PROMPTS, check_exports_back, flat, hf_logits, hf_model  # noqa: E402
 from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
 
 NAMES = ["mixtral", "qwen3_moe", "deepseek_v3"]
-PROMPTS = np.random.default_rng(0).integers(0, 300, (3, 19))
 
 
-def _hf(directory) -> object:
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
-def _hf_logits(model) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(PROMPTS)).logits.numpy()
-
-
-def _flat(variables) -> dict:
-    return {jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_dew_computes_what_transformers_computes_and_exports_it_back(tmp_path, name):
     source = write_checkpoint(name, tmp_path / "source", seed=NAMES.index(name), redrawn=True)
-    theirs = _hf_logits(_hf(source))
+    theirs = hf_logits(hf_model(source))
     loaded = Pretrained.load(source)
     assert loaded.format == name and loaded.model.mlp_block == "routed"
     mine = np.asarray(jax.jit(loaded.model.apply)(loaded.variables, jnp.asarray(PROMPTS, jnp.int32)))
     assert mine.shape == theirs.shape == (3, 19, 512)
     assert np.abs(mine - theirs).max() <= 1e-4, np.abs(mine - theirs).max()
 
-    loaded.save(tmp_path / "dew")
-    config = json.loads((tmp_path / "dew" / "config.json").read_text())
-    assert config["architectures"] == [family(name).architecture]
-    hf = _hf(tmp_path / "dew")
-    assert type(hf).__name__ == family(name).architecture
-    assert np.abs(_hf_logits(hf) - theirs).max() <= 1e-4
-    hf.save_pretrained(tmp_path / "hf")  # transformers' own writer, from dew's export
-    back = Pretrained.load(tmp_path / "hf")
-    assert back.model == loaded.model
-    original, again = _flat(loaded.variables), _flat(back.variables)
-    assert original.keys() == again.keys()
-    for key, value in original.items():
-        assert again[key].dtype == value.dtype and np.array_equal(again[key], value), key
+    check_exports_back(loaded, theirs, name, tmp_path)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -120,7 +96,7 @@ def test_on_eight_devices_with_an_expert_axis_every_moe_family_computes_what_tra
     directories = {}
     for name in NAMES:
         directories[name] = str(write_checkpoint(name, tmp_path / name, seed=NAMES.index(name), redrawn=True))
-        np.save(tmp_path / f"{name}.npy", _hf_logits(_hf(directories[name])))
+        np.save(tmp_path / f"{name}.npy", hf_logits(hf_model(directories[name])))
     done = run_python(f"""
         import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
         from dew.pretrained import Pretrained
@@ -179,7 +155,7 @@ def test_a_deepseek_checkpoint_keeps_its_multi_token_prediction_layer_unread(tmp
         Pretrained.load(source)  # the config says the checkpoint holds no such layer
     (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))  # as saved
     loaded = Pretrained.load(source)
-    original, again = _flat(plain.variables), _flat(loaded.variables)
+    original, again = flat(plain.variables), flat(loaded.variables)
     assert original.keys() == again.keys() and all(np.array_equal(again[k], v) for k, v in original.items())
     _add_tensors(source, {f"model.layers.{after + 1}.enorm.weight": np.ones((64,), np.float32)}, "more.safetensors")
     with pytest.raises(TensorMismatchError, match=f"model.layers.{after + 1}.enorm.weight"):

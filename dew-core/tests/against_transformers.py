@@ -1,0 +1,54 @@
+"""What the family tests share: transformers' model of a saved directory, its logits, and
+the check that dew's export loads back in transformers and returns to dew bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dew.families import family
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = np.random.default_rng(0).integers(0, 300, (3, 19))
+
+
+def hf_model(directory: Path) -> object:
+    """transformers' own causal LM read from directory, in float32."""
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids=PROMPTS) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def flat(variables) -> dict[str, np.ndarray]:
+    """Every leaf of a variables tree by its key path, as numpy."""
+    return {jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]}
+
+
+def check_exports_back(loaded, theirs: np.ndarray, name: str, out: Path) -> None:
+    """dew's export of loaded is read by transformers as family name with logits theirs
+    (within 1e-4), and transformers' own save of it comes back to dew bitwise."""
+    from dew.pretrained import Pretrained
+
+    loaded.save(out / "dew")
+    config = json.loads((out / "dew" / "config.json").read_text())
+    assert config["architectures"] == [family(name).architecture]
+    hf = hf_model(out / "dew")
+    assert type(hf).__name__ == family(name).architecture
+    assert np.abs(hf_logits(hf) - theirs).max() <= 1e-4
+    hf.save_pretrained(out / "hf")  # transformers' own writer, from dew's export
+    back = Pretrained.load(out / "hf")
+    assert back.model == loaded.model
+    original, again = flat(loaded.variables), flat(back.variables)
+    assert original.keys() == again.keys()
+    for key, value in original.items():
+        assert again[key].dtype == value.dtype and np.array_equal(again[key], value), key
