@@ -26,19 +26,29 @@ __all__ = ["FAMILY"]
 ARCHITECTURE = "MistralForCausalLM"
 
 
-def read(config: Any) -> dict[str, Any]:
+def layer_fields(config: Any, architecture: str, theta: float) -> dict[str, Any]:
+    """Mistral's layer read from config (Mixtral's too, whose rope base defaults higher)."""
     params, where = rope_parameters(config)
     fields = common_fields(config)
-    return {**fields, **gated_silu(config, ARCHITECTURE),
-            **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0),
+    return {**fields, **gated_silu(config, architecture),
+            **rope_fields(config, architecture, params, where, theta=theta),
             **window_fields(config.get("sliding_window"), None, fields["num_layers"])}
 
 
-def write(model: Any) -> dict[str, Any]:
+def layer_config(model: Any, architecture: str, model_type: str) -> dict[str, Any]:
+    """Mistral's layer as config.json fields: one window for every layer, or none."""
     windows = {window for window, _, _ in model._layer_parts()}
     window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
-    return {**common_config(model, ARCHITECTURE, "mistral"), **flat_rope_config(model),
+    return {**common_config(model, architecture, model_type), **flat_rope_config(model),
             "hidden_act": "silu", "sliding_window": window}
+
+
+def read(config: Any) -> dict[str, Any]:
+    return layer_fields(config, ARCHITECTURE, theta=10_000.0)
+
+
+def write(model: Any) -> dict[str, Any]:
+    return layer_config(model, ARCHITECTURE, "mistral")
 
 
 _MISTRAL = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

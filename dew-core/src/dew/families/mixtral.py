@@ -12,15 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from dew.families.base import builder
-from dew.families.hf_config import (
-    common_config,
-    common_fields,
-    flat_rope_config,
-    rope_fields,
-    rope_parameters,
-    window_fields,
-)
-from dew.families.llama import gated_silu
+from dew.families.mistral import layer_config, layer_fields
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 
@@ -30,20 +22,12 @@ ARCHITECTURE = "MixtralForCausalLM"
 
 
 def read(config: Any) -> dict[str, Any]:
-    params, where = rope_parameters(config)
-    fields = common_fields(config)
-    return {**fields, **gated_silu(config, ARCHITECTURE),
-            **rope_fields(config, ARCHITECTURE, params, where, theta=1_000_000.0),
-            **window_fields(config.get("sliding_window"), None, fields["num_layers"]),
-            "mlp_block": "routed", "experts": int(config.get("num_local_experts", 8)),
+    return {**layer_fields(config, ARCHITECTURE, theta=1_000_000.0), "mlp_block": "routed", "experts": int(config.get("num_local_experts", 8)),
             "experts_per_token": int(config.get("num_experts_per_tok", 2)), "routing": Routing()}
 
 
 def write(model: Any) -> dict[str, Any]:
-    windows = {window for window, _, _ in model._layer_parts()}
-    window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
-    return {**common_config(model, ARCHITECTURE, "mixtral"), **flat_rope_config(model),
-            "hidden_act": "silu", "sliding_window": window, "num_local_experts": model.experts,
+    return {**layer_config(model, ARCHITECTURE, "mixtral"), "num_local_experts": model.experts,
             "num_experts_per_tok": model.experts_per_token, "router_jitter_noise": 0.0,
             "router_aux_loss_coef": 0.02, "output_router_logits": False}
 

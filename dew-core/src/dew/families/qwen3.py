@@ -25,19 +25,29 @@ __all__ = ["FAMILY"]
 ARCHITECTURE = "Qwen3ForCausalLM"
 
 
-def read(config: Any) -> dict[str, Any]:
+def layer_fields(config: Any, architecture: str) -> dict[str, Any]:
+    """Qwen 3's layer read from config (Qwen 3 MoE's attention too)."""
     params, where = rope_parameters(config)
     fields = common_fields(config, head_dim_default=128)
     bias = bool(config.get("attention_bias", False))
-    return {**fields, **gated_silu(config, ARCHITECTURE),
-            **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0),
+    return {**fields, **gated_silu(config, architecture),
+            **rope_fields(config, architecture, params, where, theta=10_000.0),
             **qwen_windows(config, fields["num_layers"]), "qk_norm": "head", "qkv_bias": bias,
             "out_bias": bias}
 
 
-def write(model: Any) -> dict[str, Any]:
-    return {**common_config(model, ARCHITECTURE, "qwen3"), **flat_rope_config(model),
+def layer_config(model: Any, architecture: str, model_type: str) -> dict[str, Any]:
+    """Qwen 3's layer as config.json fields."""
+    return {**common_config(model, architecture, model_type), **flat_rope_config(model),
             **qwen_window_config(model), "hidden_act": "silu", "attention_bias": bool(model.qkv_bias)}
+
+
+def read(config: Any) -> dict[str, Any]:
+    return layer_fields(config, ARCHITECTURE)
+
+
+def write(model: Any) -> dict[str, Any]:
+    return layer_config(model, ARCHITECTURE, "qwen3")
 
 
 _QWEN3 = {"vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,

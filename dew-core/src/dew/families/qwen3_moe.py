@@ -13,15 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from dew.families.base import builder
-from dew.families.hf_config import (
-    common_config,
-    common_fields,
-    flat_rope_config,
-    rope_fields,
-    rope_parameters,
-)
-from dew.families.llama import gated_silu
-from dew.families.qwen2 import qwen_window_config, qwen_windows
+from dew.families.qwen3 import layer_config, layer_fields
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 
@@ -31,29 +23,22 @@ ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
 def read(config: Any) -> dict[str, Any]:
-    params, where = rope_parameters(config)
-    fields = common_fields(config, head_dim_default=128)
+    fields = layer_fields(config, ARCHITECTURE)
     count = fields["num_layers"]
     experts = int(config.get("num_experts", config.get("num_local_experts", 128)))  # transformers 5 writes the latter
     step = int(config.get("decoder_sparse_step", 1) or 1)
     only = set(config.get("mlp_only_layers") or ())
     dense = tuple(i for i in range(count) if i in only or not (experts > 0 and (i + 1) % step == 0))
-    bias = bool(config.get("attention_bias", False))
     routing = Routing(hidden_features=int(config.get("moe_intermediate_size", 768)),
                       normalize_top_k=bool(config.get("norm_topk_prob", False)))
-    return {**fields, **gated_silu(config, ARCHITECTURE),
-            **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0),
-            **qwen_windows(config, count), "qk_norm": "head", "qkv_bias": bias, "out_bias": bias,
-            "mlp_block": "routed" if experts else "dense", "experts": experts,
+    return {**fields, "mlp_block": "routed" if experts else "dense", "experts": experts,
             "experts_per_token": int(config.get("num_experts_per_tok", 8)),
             "routing": routing if experts else None, "dense_layers": dense if experts else ()}
 
 
 def write(model: Any) -> dict[str, Any]:
     routing = model.routing or Routing()
-    return {**common_config(model, ARCHITECTURE, "qwen3_moe"), **flat_rope_config(model),
-            **qwen_window_config(model), "hidden_act": "silu", "attention_bias": bool(model.qkv_bias),
-            "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
+    return {**layer_config(model, ARCHITECTURE, "qwen3_moe"), "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
             "moe_intermediate_size": routing.hidden_features or model.mlp_features,
             "norm_topk_prob": bool(routing.normalize_top_k), "decoder_sparse_step": 1,
             "mlp_only_layers": sorted(set(model.dense_layers)), "router_aux_loss_coef": 0.001,
