@@ -24,6 +24,15 @@ def test_every_shipped_recipe_parses(name):
     assert config.description, f"{name} needs a one-line description for `dew recipes`"
 
 
+@pytest.mark.parametrize("name", sorted(shipped()))
+def test_every_shipped_recipe_validates_on_a_cadence_before_its_last_step(name):
+    # The recipe matrix shows each run keeps a held-out split (`dew eval RUN` with no flags);
+    # this shows training reports on it while it runs, not only once the last step is done.
+    trainer = RunConfig.load(name).trainer
+    assert trainer.eval_every is not None and trainer.eval_every < trainer.steps, (
+        f"{name}: trainer.eval_every={trainer.eval_every} with steps={trainer.steps} validates at the end only")
+
+
 def test_component_fields_are_checked_against_the_component():
     model = dict(RECIPE["model"], emb_features="wide", dropout=0.1)
     del model["num_layers"]

@@ -149,3 +149,53 @@ def test_addition_problems_are_written_in_the_checkpoints_own_tokenizer(workdir)
     byte_prompt = byte_columns["prompt"][2][: byte_columns["prompt_length"][2]].tolist()
     assert byte_prompt == list(f"{a}+{b}=".encode()) == tokenizer.encode(f"{a}+{b}=")
     assert [i for i in byte_columns["answer"][2].tolist() if i >= 0] == list(str(a + b).encode())
+
+
+def _start(workdir, name: str) -> dict:
+    from dew.pretrained import Pretrained
+
+    loaded = Pretrained.load(workdir / f"checkpoints/{name}-tiny", max_seq_len=32)
+    return dict(jax.tree_util.tree_leaves_with_path(loaded.variables["params"]))
+
+
+def _assert_reference_is_the_checkpoint_and_the_policy_moved(state, start: dict) -> None:
+    reference = jax.tree_util.tree_leaves_with_path(state.params["reference"])
+    assert len(reference) == len(start)
+    for path, leaf in reference:
+        assert np.array_equal(np.asarray(leaf), np.asarray(start[path])), jax.tree_util.keystr(path)
+    policy = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params["params"])
+              if path in start]  # PPO's value head is the policy's own, beside the checkpoint's weights
+    assert len(policy) == len(start)
+    assert any(not np.array_equal(np.asarray(leaf), np.asarray(start[path])) for path, leaf in policy)
+
+
+# The addition recipes (issue 26, item 5: every objective takes any family), with their model and
+# start swapped for a published family's checkpoint and its tokenizer.
+def _addition_from(name: str, run: str) -> list[str]:
+    return [f"model={{name: {name}, preset: tiny, max_seq_len: 32}}", f"init={{pretrained: checkpoints/{name}-tiny}}",
+            f"data.tokenizer=checkpoints/{name}-tiny/tokenizer.json", f"trainer.checkpoint_dir=runs/{run}",
+            f"trackers.0.directory=runs/{run}", "trainer.eval_every=null", "data.load.val_fraction=0",
+            "optimizer.warmup_steps=0"]
+
+
+def test_dpo_starts_from_a_family_checkpoint_as_policy_and_reference(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    rows, state = _run("addition-dpo", ["trainer.steps=3", "data.batch=4", "optimizer.learning_rate=1e-2",
+                                        *_addition_from("qwen3", "dpo-qwen3")])
+    assert len(rows) == 3 and all(np.isfinite(row["loss"]) for row in rows)
+    # Step 1: the policy is its reference, so every log-ratio is 0 and the loss is -log sigmoid(0).
+    assert rows[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-5)
+    assert abs(rows[0]["reward_margin"]) < 1e-5
+    _assert_reference_is_the_checkpoint_and_the_policy_moved(state, _start(workdir, "qwen3"))
+
+
+def test_ppo_starts_from_a_family_checkpoint_with_a_value_head_beside_it(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    rows, state = _run("addition-ppo", ["trainer.steps=2", "data.batch=4", "objective.max_new_tokens=3",
+                                        "objective.reward={name: length, target: 2}",
+                                        "objective.epochs=1", "objective.minibatches=1",
+                                        *_addition_from("gemma2", "ppo-gemma2")])
+    assert len(rows) == 2 and all(np.isfinite(row["loss"]) for row in rows)
+    assert abs(rows[0]["kl"]) < 1e-6  # the first sample's policy is the reference itself
+    assert "value_head" in state.params["params"]
+    _assert_reference_is_the_checkpoint_and_the_policy_moved(state, _start(workdir, "gemma2"))
