@@ -89,29 +89,32 @@ def sequence_shards() -> tuple[tuple[str, ...], int]:
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
                    scale: float | None = None, window: int | None = None) -> jax.Array:
-    """Causal attention of q [B, T, H, D] over k, v [B, T, G, D] (G key/value heads, H a multiple),
+    """Causal attention of q [B, T, H, K] over k, v [B, T, G, K] (G key/value heads, H a multiple),
     with keys and values passed around the mesh axes the logical ``activation_length`` maps to.
 
     Query head h reads key/value head h // (H // G), as CausalSelfAttention
     does. segment_ids [B, T] keep packed documents apart; scale multiplies
-    the scores (default 1/sqrt(D)); window limits each query to the window
+    the scores (default 1/sqrt(K)); window limits each query to the window
     keys before it. Without a mesh (or with one device on the sequence
     axis) it is one block on one device.
     """
-    batch, length = q.shape[:2]
+    q_bthk, k_bsgk, v_bsgk = q, k, v
+    batch, length = q_bthk.shape[:2]
     names, shards = sequence_shards()
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    segments = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    scale = 1.0 / math.sqrt(q_bthk.shape[-1]) if scale is None else float(scale)
+    segments_bt = (jnp.zeros((batch, length), jnp.int32) if segment_ids is None
+                   else segment_ids.astype(jnp.int32))
     if shards == 1:
-        index = jnp.arange(length, dtype=jnp.int32)
-        return _attend(q, k, v, index, segments, (), 1, scale, window).astype(q.dtype)
+        index_t = jnp.arange(length, dtype=jnp.int32)
+        out_bthk = _attend(q_bthk, k_bsgk, v_bsgk, index_t, segments_bt, (), 1, scale, window)
+        return out_bthk.astype(q_bthk.dtype)
     _check_length(length, shards)
     local = functools.partial(_zigzag_ring, axis=names, shards=shards, scale=scale, window=window)
     rows = PartitionSpec(None, names)
     heads = PartitionSpec(None, names, None, None)
-    out = jax.shard_map(local, in_specs=(heads, heads, heads, rows), out_specs=heads,
-                        axis_names=frozenset(names), check_vma=False)(q, k, v, segments)
-    return out.astype(q.dtype)
+    out_bthk = jax.shard_map(local, in_specs=(heads, heads, heads, rows), out_specs=heads,
+                             axis_names=frozenset(names), check_vma=False)(q_bthk, k_bsgk, v_bsgk, segments_bt)
+    return out_bthk.astype(q_bthk.dtype)
 
 
 def _zigzag_ring(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, *, axis: tuple[str, ...],
@@ -165,38 +168,41 @@ def _shift(tree: Any, axis: tuple[str, ...], shards: int) -> Any:
     return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), tree)
 
 
-def _grouped(q: jax.Array, groups: int) -> jax.Array:
-    b, t, h, d = q.shape
-    return q.reshape(b, t, groups, h // groups, d)
+def _grouped(x: jax.Array, groups: int) -> jax.Array:
+    """[B, T, H, K] as [B, T, G, N, K]: the query heads in groups of N per key/value head."""
+    x_bthk = x
+    b, t, h, k = x_bthk.shape
+    return x_bthk.reshape(b, t, groups, h // groups, k)
 
 
 def _mask(q_index: jax.Array, k_index: jax.Array, q_segments: jax.Array, k_segments: jax.Array,
           window: int | None) -> jax.Array:
     """[B, 1, 1, Tq, Tk]: causal by global index (within window if set), within one document."""
-    causal = q_index[:, None] >= k_index[None, :]
+    causal_ts = q_index[:, None] >= k_index[None, :]
     if window is not None:
-        causal = causal & (q_index[:, None] - k_index[None, :] < window)
-    same = q_segments[:, :, None] == k_segments[:, None, :]
-    return (causal[None] & same)[:, None, None]
+        causal_ts = causal_ts & (q_index[:, None] - k_index[None, :] < window)
+    same_bts = q_segments[:, :, None] == k_segments[:, None, :]
+    return (causal_ts[None] & same_bts)[:, None, None]
 
 
 def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
-    """[B, G, N, Tq, Tk] scaled scores of grouped q [B, Tq, G, N, D] against k [B, Tk, G, D]."""
-    return jnp.einsum("btgnd,bsgd->bgnts", q, k).astype(jnp.float32) * scale
+    """[B, G, N, T, S] scaled scores of grouped queries [B, T, G, N, K] against keys [B, S, G, K]."""
+    q_btgnk, k_bsgk = q, k
+    return jnp.einsum("btgnk,bsgk->bgnts", q_btgnk, k_bsgk).astype(jnp.float32) * scale
 
 
 def _block_forward(carry: tuple[jax.Array, ...], q: jax.Array, k: jax.Array, v: jax.Array,
                    mask: jax.Array, scale: float) -> tuple[jax.Array, ...]:
     """Fold one block of keys into (output, running max, running sum) of the queries q."""
-    out, peak, total = carry
-    scores = jnp.where(mask, _scores(q, k, scale), -jnp.inf)
-    new_peak = jnp.maximum(peak, scores.max(axis=-1))
-    safe = jnp.where(jnp.isneginf(new_peak), 0.0, new_peak)
-    rescale = jnp.exp(peak - safe)
-    weights = jnp.where(mask, jnp.exp(scores - safe[..., None]), 0.0)
-    out = out * rescale.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
-        "bgnts,bsgd->btgnd", weights, v.astype(jnp.float32))
-    return out, new_peak, total * rescale + weights.sum(axis=-1)
+    out_btgnk, peak_bgnt, total_bgnt = carry
+    scores_bgnts = jnp.where(mask, _scores(q, k, scale), -jnp.inf)
+    new_peak_bgnt = jnp.maximum(peak_bgnt, scores_bgnts.max(axis=-1))
+    safe_bgnt = jnp.where(jnp.isneginf(new_peak_bgnt), 0.0, new_peak_bgnt)
+    rescale_bgnt = jnp.exp(peak_bgnt - safe_bgnt)
+    weights_bgnts = jnp.where(mask, jnp.exp(scores_bgnts - safe_bgnt[..., None]), 0.0)
+    out_btgnk = out_btgnk * rescale_bgnt.transpose(0, 3, 1, 2)[..., None] + jnp.einsum(
+        "bgnts,bsgk->btgnk", weights_bgnts, v.astype(jnp.float32))
+    return out_btgnk, new_peak_bgnt, total_bgnt * rescale_bgnt + weights_bgnts.sum(axis=-1)
 
 
 # The pieces of work one ring step does, as (queries, keys) parts of the two blocks of chunks: "all",
@@ -300,13 +306,14 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array, segment
 def _block_backward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, logsumexp: jax.Array,
                     grad: jax.Array, dot: jax.Array, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block's share of dq, dk, dv, from its probabilities recomputed against the saved logsumexp."""
-    weights = jnp.where(mask, jnp.exp(_scores(q, k, scale) - logsumexp[..., None]), 0.0)
-    dv = jnp.einsum("bgnts,btgnd->bsgd", weights, grad)
-    dweights = jnp.einsum("btgnd,bsgd->bgnts", grad, v.astype(jnp.float32))
-    dscores = weights * (dweights - dot[..., None]) * scale
-    dq = jnp.einsum("bgnts,bsgd->btgnd", dscores, k.astype(jnp.float32))
-    dk = jnp.einsum("bgnts,btgnd->bsgd", dscores, q.astype(jnp.float32))
-    return dq, dk, dv
+    q_btgnk, k_bsgk, v_bsgk, grad_btgnk = q, k, v, grad
+    weights_bgnts = jnp.where(mask, jnp.exp(_scores(q_btgnk, k_bsgk, scale) - logsumexp[..., None]), 0.0)
+    dv_bsgk = jnp.einsum("bgnts,btgnk->bsgk", weights_bgnts, grad_btgnk)
+    dweights_bgnts = jnp.einsum("btgnk,bsgk->bgnts", grad_btgnk, v_bsgk.astype(jnp.float32))
+    dscores_bgnts = weights_bgnts * (dweights_bgnts - dot[..., None]) * scale
+    dq_btgnk = jnp.einsum("bgnts,bsgk->btgnk", dscores_bgnts, k_bsgk.astype(jnp.float32))
+    dk_bsgk = jnp.einsum("bgnts,btgnk->bsgk", dscores_bgnts, q_btgnk.astype(jnp.float32))
+    return dq_btgnk, dk_bsgk, dv_bsgk
 
 
 def _unfold(pieces: tuple[Piece, ...], grads: tuple[jax.Array, ...], qg: jax.Array, index: jax.Array,
