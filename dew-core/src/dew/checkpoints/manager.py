@@ -40,7 +40,6 @@ from dew.checkpoints.errors import (
 from dew.checkpoints.local import (
     PLACEMENT,
     LocalPlacementMismatchError,
-    agreed_steps,
     all_agree,
     local_manager,
     placement_of,
@@ -48,6 +47,7 @@ from dew.checkpoints.local import (
 )
 from dew.checkpoints.manifest import Manifest, render_manifest
 from dew.checkpoints.pool import barrier, gather_positions, pooled, probe_shared_directory
+from dew.checkpoints.replicas import fits, pool_placement, pool_steps
 from dew.checkpoints.restore import MetaCheck, Restored, State, intact, read_manifest, restore_step
 from dew.checkpoints.store import (
     TMP,
@@ -109,9 +109,11 @@ class Checkpoints:
     local, every local_every steps; restore prefers a local step when it is
     newer than the persistent one. In a pool each process writes and commits
     its own shards in ``local_directory/process-<index>`` (see
-    checkpoint_local): a local step counts once every process holds it, and
-    restores only into the placement that saved it; otherwise the newest
-    persistent step is restored.
+    checkpoint_local): a local step counts once every process holds it (a
+    process that lost its copy takes one from a process on another slice that
+    holds the same shards, dew.checkpoints.replicas), and restores only into
+    the placement that saved it; otherwise the newest persistent step is
+    restored.
 
     In a pool every process calls every method in the same order; each writes
     its own shards, process 0 holds the lease and commits. On first use
@@ -242,9 +244,10 @@ class Checkpoints:
         return max(steps, default=None)
 
     def _committed(self, store: Store) -> list[int]:
-        """A store's committed steps; for a pool's local store, those every process committed."""
+        """A store's committed steps; for a pool's local store, those every process committed (a
+        process that lost one first takes a replica's copy: dew.checkpoints.replicas)."""
         if store.per_process:
-            return agreed_steps(store.committed())
+            return pool_steps(store)
         return store.committed()
 
     def path(self, step: int) -> Path:
@@ -329,7 +332,7 @@ class Checkpoints:
         with store.lock:
             store.pending = pending
         if store.per_process:
-            pending.placement = placement_of(state)
+            pending.placement = pool_placement(state)
         try:
             saved = ocp.args.PyTreeSave(state) if store.per_process else ocp.args.StandardSave(state)
             assert store.manager is not None  # acquire() opened it
@@ -494,7 +497,7 @@ class Checkpoints:
             if store.per_process:
                 path = store.step_path(number) / PLACEMENT
                 saved = json.loads(path.read_text()) if path.exists() else None
-                if not all_agree(saved == wanted):
+                if not all_agree(fits(saved, wanted)):
                     message = (f"local step {number} in {self.local_directory} holds the shards of another "
                                "placement (a local step restores only into the same processes, mesh and "
                                "layout that saved it)")

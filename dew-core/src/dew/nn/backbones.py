@@ -69,7 +69,9 @@ class CausalTransformer(nn.Module):
     pass them to write each row at its own place (prompts of different lengths).
 
     ``attention`` picks how attention is computed in training and prefill
-    ("einsum", or jax.nn.dot_product_attention's "xla" or "cudnn"); ``remat``
+    ("einsum", or jax.nn.dot_product_attention's "xla" or "cudnn", each of which gathers every
+    key and value onto each device of the mesh's sequence axis; or "ring", which passes them
+    around that axis blockwise, dew.nn.ring_attention); ``remat``
     names a rematerialization policy of ``REMAT_POLICIES`` applied to every
     layer. Both change speed and memory only, never the parameters.
     ``scan_layers`` stores the layers as one stack under ``layers`` (every
@@ -136,7 +138,7 @@ class CausalTransformer(nn.Module):
     norm_epsilon: float = 1e-6
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    attention: Literal["einsum", "xla", "cudnn"] = "einsum"
+    attention: Literal["einsum", "xla", "cudnn", "ring"] = "einsum"
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     experts: int = 0
     experts_per_token: int = 2

@@ -30,6 +30,7 @@ from dew.nn import sharding as axes
 from dew.nn.experts import Routing
 from dew.nn.latent_attention import Latent, LatentAttention
 from dew.nn.moe import MoEBlock
+from dew.nn.ring_attention import RingAttentionError, ring_attention
 from dew.nn.rotary import RopeScaling, attention_scaling, inverse_frequencies, rotate
 from dew.nn.sharding import constrain, param
 
@@ -54,8 +55,10 @@ Dtype = Any
 # How CausalSelfAttention computes softmax(q k^T) v outside decoding: "einsum"
 # spells it out (the default), "xla" and "cudnn" hand it to
 # jax.nn.dot_product_attention with that implementation (cudnn: fused flash
-# attention on NVIDIA GPUs, bf16/fp16 only).
-ATTENTION_KINDS = ("einsum", "xla", "cudnn")
+# attention on NVIDIA GPUs, bf16/fp16 only). These three gather every key and
+# value onto each device of the sequence axis; "ring" passes them around it
+# instead, blockwise and load-balanced (dew.nn.ring_attention).
+ATTENTION_KINDS = ("einsum", "xla", "cudnn", "ring")
 
 # Where a decoder layer's norms sit: "pre" x + f(norm(x)) (Llama), "sandwich"
 # x + norm(f(norm(x))) (Gemma 2 and 3), "post" x + norm(f(x)) (OLMo 2).
@@ -182,7 +185,7 @@ class CausalSelfAttention(nn.Module):
     rope_base: float = 10_000.0
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-    attention: Literal["einsum", "xla", "cudnn"] = "einsum"
+    attention: Literal["einsum", "xla", "cudnn", "ring"] = "einsum"
     rope_scaling: RopeScaling | None = None
     rotary_fraction: float = 1.0
     qkv_bias: bool = False
@@ -243,21 +246,32 @@ class CausalSelfAttention(nn.Module):
 
         # Queries keep their share of the positions; every device sees all keys and values
         # (an all-gather over the sequence axis), so attention is exact under a sequence split.
+        # "ring" instead passes the keys and values around the sequence axis (not when decoding).
+        ring = self.attention == "ring" and not decode
+        if ring and self.softcap is not None:
+            raise RingAttentionError("attention='ring' folds raw scores blockwise and cannot soft-cap "
+                                     "them; use attention='einsum' for a model with softcap.")
         whole = (axes.BATCH, None, axes.ACTIVATION_HEADS, None)
-        k_bshk, v_bshk = constrain(k_bshk, whole), constrain(v_bshk, whole)
+        if not ring:
+            k_bshk, v_bshk = constrain(k_bshk, whole), constrain(v_bshk, whole)
         if decode:  # keys and values come from the cache (paged blocks, or max_len slots)
             if paged.current_view() is not None:
                 k_bshk, v_bshk, key_positions = paged.update(self, k_bshk, v_bshk, positions)
             else:
                 k_bshk, v_bshk, key_positions = self._update_cache(k_bshk, v_bshk, positions)
             mask = attention_mask(positions, key_positions, self.window)
-        else:  # positions along the row, whatever the rotary positions were
+        elif not ring:  # positions along the row, whatever the rotary positions were
             order = jnp.arange(length, dtype=jnp.int32)[None, :]
             mask = attention_mask(order, order, self.window)
             if segment_ids is not None:  # packed documents: a query sees its own document only
                 mask = mask & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
 
-        if decode or self.attention == "einsum" or self.softcap is not None:
+        if ring:
+            score_scale = (None if self.query_pre_attn_scalar is None
+                           else float(self.query_pre_attn_scalar) ** -0.5)
+            out_bthk = ring_attention(q_bthk, k_bshk, v_bshk, segment_ids, scale=score_scale,
+                                      window=self.window).astype(self.dtype)
+        elif decode or self.attention in ("einsum", "ring") or self.softcap is not None:
             # Query heads in groups of n per key/value head (g groups): [B, T, G, N, K].
             share = heads // kv_heads
             q_btgnk = q_bthk.reshape(batch, length, kv_heads, share, width)
@@ -395,7 +409,7 @@ class DecoderLayer(nn.Module):
     norm_epsilon: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-    attention: Literal["einsum", "xla", "cudnn"] = "einsum"
+    attention: Literal["einsum", "xla", "cudnn", "ring"] = "einsum"
     experts: int = 0
     experts_per_token: int = 2
     expert_capacity: float = 1.25
