@@ -33,7 +33,6 @@ from dew.checkpoints.integrity import sharding_of
 __all__ = [
     "PLACEMENT",
     "LocalPlacementMismatchError",
-    "agreed_steps",
     "all_agree",
     "local_manager",
     "placement_of",
@@ -101,19 +100,3 @@ def all_agree(flag: bool) -> bool:
 
     flags = np.asarray(multihost_utils.process_allgather(np.asarray(bool(flag), np.int32)))
     return bool(flags.all())
-
-
-def agreed_steps(steps: list[int]) -> list[int]:
-    """The steps every process of the pool lists (a collective; each process passes its own)."""
-    from jax.experimental import multihost_utils
-
-    count = int(np.asarray(multihost_utils.process_allgather(np.asarray(len(steps), np.int64))).max())
-    if count == 0:
-        return []
-    padded = np.full(count, -1, np.int64)
-    padded[: len(steps)] = steps
-    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, count)
-    common = set(every[0].tolist())
-    for row in every[1:]:
-        common &= set(row.tolist())
-    return sorted(int(step) for step in common if step >= 0)
