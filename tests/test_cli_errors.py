@@ -41,3 +41,19 @@ def test_a_mesh_that_does_not_fit_is_one_message(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("dew train: MeshSizeError: ")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 4
+
+
+def test_an_unwritable_tracker_directory_is_refused_before_step_one(tmp_path):
+    # TensorBoard opens its event file with the first value: without a check before step 1 the
+    # run trained to its first log (here its last step) and only then failed.
+    (tmp_path / "a-file").write_text("in the way")
+    result = _train(tmp_path, "trackers.0.name=tensorboard", "trackers.0.directory=a-file/run",
+                    "trainer.log_every=2", "trainer.eval_every=null")
+    assert result.returncode == 2, result.stdout + result.stderr
+    first = result.stderr.strip().splitlines()[0]
+    assert first.startswith(f"dew train: TrackerWriteError: The tracker directory {tmp_path}/a-file/run "
+                            "cannot be written (NotADirectoryError"), result.stderr
+    assert "trackers.0.directory" in result.stderr and "Traceback" not in result.stderr
+    assert "compiling the step" not in result.stdout and "step 2:" not in result.stdout  # nothing trained
+    assert (tmp_path / "a-file").read_text() == "in the way"
+    assert not (tmp_path / "runs").exists(), sorted(tmp_path.rglob("*"))  # no run folder left behind

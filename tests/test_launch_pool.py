@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from dew.testing.processes import free_port
 
 SMALL = ["model.num_layers=1", "model.emb_features=32", "model.mlp_features=64", "model.num_heads=2",
          "data.batch=4", "trackers=[]", "objective.prompt=null", "trainer.log_every=1",
@@ -133,9 +134,7 @@ def test_a_second_sigterm_ends_every_rank_at_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_that_cannot_reach_its_coordinator_names_it(tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "5"}
     launch = Launch(["--port", str(port), "--connect-timeout", "2", "tiny-lm", *SMALL], tmp_path, env=slurm)
     code = launch.wait(timeout=120)

@@ -3,6 +3,7 @@ transformers loads, or as PEFT adapters the real `peft` puts onto the transforme
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path):
     assert "the adapters" in out.stdout
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["adapter_config.json",
                                                                           "adapter_model.safetensors"]
+    written = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == f"{tmp_path}/exported"  # the run's init.pretrained
     with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     np.testing.assert_allclose(_torch_logits(with_peft), adapted, atol=1e-4, rtol=0)
 

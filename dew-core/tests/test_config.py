@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from dew import registry
 from dew.data.base import Dataset
 from dew.recipes.config import RunConfig, apply_overrides, shipped
 from dew.recipes.errors import RecipeError
+from dew.testing.processes import free_port
 from dew.training.config import TrainerConfig
 from dew.training.runtime.process import _merged_flags, run_timestamp
 
@@ -317,9 +317,7 @@ def test_run_timestamp_format():
 @pytest.mark.slow
 def test_run_timestamp_is_process_zeros_in_a_pool(tmp_path):
     """Two real processes join a pool through prepare_process; process 1's clock is wrong."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     code = textwrap.dedent("""
         import os, time
         from dew.training import TrainerConfig, prepare_process, run_timestamp

@@ -9,7 +9,6 @@ kept on the devices), its numbers against a device-resident run, its placements 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from flax import linen as nn
 from dew import Trainer
 from dew.objectives.base import Aux, Mean
 from dew.testing.doubles import Regression, regression_dataset
-from dew.testing.processes import device_env
+from dew.testing.processes import device_env, free_port
 from dew.training.placement.layout import Layout, LayoutError
 from dew.training.placement.mesh import CPUDeviceCountError, companion_mesh
 from dew.training.trainer import StepCompositionError
@@ -221,9 +220,7 @@ print("RESULT" + json.dumps({"losses": [v for _, v in tracker.series("train/loss
 
 
 def _pool(script: Path, host: str) -> dict:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+    port = str(free_port())
     env = device_env(2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
                                       "--xla_cpu_collective_call_terminate_timeout_seconds=600"})
     workers = [subprocess.Popen([sys.executable, str(script), str(index), port, host], stdout=subprocess.PIPE,

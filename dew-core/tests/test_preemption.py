@@ -323,11 +323,9 @@ with PreemptionWatch() as watch:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigterm", "notice"])
 def test_a_pool_stops_at_one_agreed_step(tmp_path: Path, how: str) -> None:
-    import socket
+    from dew.testing.processes import free_port
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+    port = str(free_port())
     script = tmp_path / "watch.py"
     script.write_text(POOL_WATCH)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")

@@ -276,3 +276,49 @@ def test_a_recipe_names_a_bad_evaluation_entry():
         RunConfig.load("tiny-sft", overrides=["trainer.evaluate.1.fiel=x.jsonl"])
     with pytest.raises(RecipeError, match=r"trainer\.evaluate\.0\.task: no evaluation task named 'gsm9k'"):
         RunConfig.load("tiny-sft", overrides=["trainer.evaluate.0.task=gsm9k"])
+
+
+GENERATION_POOL = r"""
+import json, sys
+from dew.training.runtime.process import ProcessSettings, prepare_process
+prepare_process(ProcessSettings(multi_host=True))  # the pool run_pool describes
+import jax
+from dew.evaluations import Subject
+from dew.evaluations.generation import GenerationTask
+from dew.pretrained import Pretrained
+
+loaded = Pretrained.load(sys.argv[1])
+subject = Subject(loaded.model, loaded.variables, loaded.tokenizer)
+task = GenerationTask(file=sys.argv[2], max_new_tokens=4, pattern=r"(\S+)", batch=4)
+mine = task.generations(subject)
+print("RESULT" + json.dumps({"rank": jax.process_index(), "mine": {str(k): v for k, v in mine.items()},
+                             "scores": task.evaluate(subject)}))
+"""
+
+
+@pytest.mark.slow  # a pool of two interpreters
+def test_generation_split_over_two_processes_equals_one_process(exported, tmp_path):
+    """Each process generates its share of every global batch; together they generate what one
+    process does, and both report the exact match one process computes."""
+    from dew.evaluations.generation import GenerationTask
+    from dew.testing.processes import run_pool
+
+    folder, subject = exported
+    prompts = ["What is two plus two?", "def add(x, y):", "The user asks", "Documents are", "It is", "dew"]
+    alone = GenerationTask(file=_write(tmp_path / "p.jsonl", [{"question": p, "answer": "x"} for p in prompts]),
+                           max_new_tokens=4, batch=4)
+    texts = alone.generations(subject)
+    assert sorted(texts) == list(range(6))
+    words = [alone.prediction(texts[r]) or "" for r in range(6)]  # the first word, as pattern reads it
+    file = _write(tmp_path / "answers.jsonl", [{"question": p, "answer": w if i % 3 else "never said"}
+                                               for i, (p, w) in enumerate(zip(prompts, words, strict=True))])
+    single = GenerationTask(file=file, max_new_tokens=4, pattern=r"(\S+)", batch=4).evaluate(subject)
+    assert 0 < single["exact_match"] < 1 and single["records"] == 6  # some right, some wrong
+    finished = run_pool(GENERATION_POOL, processes=2, args=(str(folder / "model"), file), timeout=600)
+    for done in finished:
+        assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(d.stdout.split("RESULT", 1)[1]) for d in finished]
+    shares = [{int(k): v for k, v in r["mine"].items()} for r in results]
+    assert set(shares[0]).isdisjoint(shares[1]) and shares[0] and shares[1]  # each generated its own rows
+    assert {**shares[0], **shares[1]} == texts
+    assert [r["scores"] for r in results] == [single, single]

@@ -286,3 +286,17 @@ def test_dew_train_refuses_incompatible_options_before_writing_anything(tmp_path
     said = capsys.readouterr().err
     assert "DAPOObjective.dynamic_sampling=True needs group_size >= 2" in said and "Traceback" not in said
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_filter_passes_on_the_reward_time_its_sampler_declares():
+    """GroupFilter reports the reward seconds of a sampler that keeps them (dew.training's
+    RewardTimed), so the goodput split counts them apart; a plain function sampler has none."""
+
+    class Timed:
+        reward_seconds = 1.25
+
+        def __call__(self, state, batch, key):
+            return {}
+
+    assert GroupFilter(Timed(), group_size=2, dynamic=True).reward_seconds == 1.25
+    assert GroupFilter(lambda state, batch, key: {}, group_size=2, dynamic=True).reward_seconds == 0.0

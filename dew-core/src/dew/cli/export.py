@@ -114,8 +114,8 @@ def _write(opened: Any, lora: Any, out: Path, *, adapters: bool, format: str | N
     if adapters:
         from dew.pretrained.peft import save_adapters
 
-        init = getattr(opened.config, "init", None)
-        name = str(getattr(init, "pretrained", None) or getattr(init, "run", None) or "")
+        init = opened.config.init if opened.config is not None else None
+        name = "" if init is None else str(init.pretrained or init.run or "")
         return save_adapters(out, base, pretrained.variables, lora, base_name=name,
                              force=force), "the adapters"
     merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
@@ -134,8 +134,8 @@ def _tokenizer_files(opened: Any) -> Any:
     weights came from: the exported directory itself, or the run's init.pretrained."""
     from dew.pretrained import CONFIG_FILE, TokenizerFiles
 
-    init = getattr(opened.config, "init", None) if opened.config is not None else None
-    source = opened.source if opened.config is None else getattr(init, "pretrained", None)
+    init = opened.config.init if opened.config is not None else None
+    source = opened.source if opened.config is None else (init.pretrained if init is not None else None)
     if source is None or not (Path(source) / CONFIG_FILE).is_file():
         return None
     import json

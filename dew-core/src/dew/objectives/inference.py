@@ -41,6 +41,7 @@ __all__ = [
     "GenerateRequest",
     "UnsupportedRequestError",
     "variables_of",
+    "write_file",
     "write_texts",
 ]
 
@@ -182,5 +183,29 @@ def write_texts(texts: tuple[str, ...], directory: str | os.PathLike[str] | None
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
     path = target / "samples.txt"
-    path.write_text("\n---\n".join(texts) + "\n", encoding="utf-8")
+    write_file(path, ("\n---\n".join(texts) + "\n").encode("utf-8"))
     return (path,)
+
+
+def write_file(path: str | os.PathLike[str], data: bytes) -> Path:
+    """data as the file path, written beside it and renamed into place; return path.
+
+    A link planted at path is replaced, never written through (a sample
+    directory that names a file outside it cannot make dew overwrite that
+    file), and a reader never sees half a file.
+    """
+    import tempfile
+
+    path = Path(path)
+    handle, written = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(written, 0o666 & ~mask)
+        os.replace(written, path)
+    except BaseException:
+        Path(written).unlink(missing_ok=True)
+        raise
+    return path

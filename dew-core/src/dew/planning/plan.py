@@ -218,10 +218,9 @@ def _trainer(config: Any, parts: Any) -> Any:
     from dew.training.trainer import Trainer
 
     steps = config.trainer.fit_arguments(parts.dataset.steps_per_epoch)["steps"]
-    make = getattr(parts.objective, "rollout", None)  # as objective_parts does; weights are not read
-    rollout = make() if callable(make) else None
+    # The rollout an objective declares (Objective.rollout), as a recipe's run builds it; weights are not read.
     return Trainer.from_config(config.trainer, parts.objective, run_optimizer(config, steps),
-                               key=jax.random.key(config.seed), rollout=rollout)
+                               key=jax.random.key(config.seed), rollout=parts.objective.rollout())
 
 
 @contextlib.contextmanager

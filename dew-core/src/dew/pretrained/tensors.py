@@ -23,6 +23,9 @@ import numpy as np
 
 from dew.pretrained.errors import DamagedFileError
 
+# Releasing a mapping's pages at once: a POSIX flag the mmap module has where the platform does.
+_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
+
 __all__ = ["WEIGHTS", "WEIGHTS_INDEX", "ShardWriter", "TensorFiles", "write_tensors"]
 
 WEIGHTS = "model.safetensors"
@@ -239,8 +242,8 @@ class TensorFiles:
                         yield name, array
                         del array
                     finally:  # the pages leave the process's memory even if a view lingers
-                        if hasattr(region, "madvise"):
-                            region.madvise(mmap.MADV_DONTNEED)
+                        if _DONTNEED is not None:
+                            region.madvise(_DONTNEED)
                         try:
                             region.close()
                         except BufferError:  # a view still exported: the mapping goes with it

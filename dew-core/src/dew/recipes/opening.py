@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from dew.recipes.config import RunConfig
 
 __all__ = ["NoCheckpointError", "NotARunError", "Opened", "open_run"]
 
@@ -42,7 +45,7 @@ class Opened:
     tokenizer: Any
     variables: Any
     step: int | None
-    config: Any  # the RunConfig, or None for an exported directory
+    config: RunConfig | None  # None for an exported directory
     source: Path
     live: Any = None
     averaged: Any = None

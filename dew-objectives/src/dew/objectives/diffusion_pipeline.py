@@ -36,6 +36,7 @@ from dew.objectives.inference import (
     GenerateRequest,
     Pipeline,
     UnsupportedRequestError,
+    write_file,
     write_texts,
 )
 
@@ -98,11 +99,11 @@ def write_samples(pixels: np.ndarray, directory: str | os.PathLike[str], *, vide
     target.mkdir(parents=True, exist_ok=True)
     suffix, encode = (".gif", gif_bytes) if video else (".png", png_bytes)
     grid = target / f"samples{suffix}"
-    grid.write_bytes(encode(_tile(pixels, max(1, min(columns, len(pixels))))))
+    write_file(grid, encode(_tile(pixels, max(1, min(columns, len(pixels))))))
     files = [grid]
     for index, sample in enumerate(pixels):
         path = target / f"sample_{index:03d}{suffix}"
-        path.write_bytes(encode(sample))
+        write_file(path, encode(sample))
         files.append(path)
     return tuple(files)
 

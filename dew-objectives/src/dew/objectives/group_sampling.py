@@ -42,6 +42,7 @@ import numpy as np
 
 from dew.errors import DewError
 from dew.objectives.group_losses import GroupSizeError
+from dew.training.protocols import RewardTimed
 
 __all__ = ["GroupFilter", "IncompatibleOptionsError", "OverlongShaping", "overlong_penalty"]
 
@@ -120,7 +121,7 @@ class GroupFilter:
     @property
     def reward_seconds(self) -> float:
         """The seconds the sampler's reward took (the goodput split shows them apart)."""
-        return float(getattr(self.sampler, "reward_seconds", 0.0))
+        return float(self.sampler.reward_seconds) if isinstance(self.sampler, RewardTimed) else 0.0
 
     def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None:
         """Refill from more() (the training stream's next batch of prompts) instead of the same prompts."""

@@ -1,0 +1,71 @@
+"""An export killed with SIGKILL part way leaves its OUT holding one export whole: the previous one
+or the new one, never shards of both (the export is written beside OUT and swapped in).
+
+A child saves exports of one model over and over into the same OUT, export n with every weight
+equal to n, sharded (several files and an index). It is killed at moments spread over a save; OUT
+must then load with every weight the same n, one the child had started to write.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from dew.pretrained import Pretrained
+from dew.testing.processes import device_env
+
+SAVER = r"""
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from dew.nn.backbones import CausalTransformer
+from dew.pretrained import Pretrained
+
+out = sys.argv[1]
+model = CausalTransformer(vocab_size=64, emb_features=64, num_layers=2, num_heads=4, mlp_features=256,
+                          max_seq_len=32, position_embedding="rotary", mlp_activation="swiglu")
+shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+for n in range(1, 10**6):
+    began = time.perf_counter()
+    variables = jax.tree.map(lambda x: np.full(x.shape, n, x.dtype), shapes)
+    Pretrained(model, variables, None).save(out, max_shard_bytes=100_000)
+    print("saved", n, time.perf_counter() - began, flush=True)
+"""
+
+
+def _values(out) -> set[float]:
+    loaded = Pretrained.load(out)
+    return {float(v) for leaf in jax.tree.leaves(loaded.variables) for v in np.unique(np.asarray(leaf))}
+
+
+@pytest.mark.slow  # three child interpreters
+@pytest.mark.parametrize("share", [0.2, 0.5, 0.8])
+def test_a_killed_export_leaves_out_holding_one_export_whole(tmp_path, share):
+    out = tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "-c", SAVER, str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=device_env(1))
+    assert child.stdout is not None
+    seconds, last = [], 0
+    try:
+        for line in child.stdout:
+            _, n, took = line.split()
+            last = int(n)
+            seconds.append(float(took))
+            if last == 3:  # the saves are warm: kill the fourth part way through
+                time.sleep(share * float(np.median(seconds)))
+                child.send_signal(signal.SIGKILL)
+                break
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL, child.stderr.read()[-3000:] if child.stderr else ""
+    assert (out / "model.safetensors.index.json").is_file()
+    # Every weight the same number: one export, whole, and one the child wrote (3 done, 4 begun).
+    values = _values(out)
+    assert len(values) == 1 and values <= {float(last), float(last + 1)}, values

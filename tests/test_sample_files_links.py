@@ -1,0 +1,54 @@
+"""The files `dew generate --out DIR` writes (samples.txt; samples.png and one image each) replace
+a link planted at their name instead of writing through it: a sample directory that names a file
+outside it cannot make dew overwrite that file (issue 37: nothing outside OUT changes)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def _planted(tmp_path, names):
+    out = tmp_path / "out"
+    out.mkdir()
+    outside = {}
+    for name in names:
+        victim = tmp_path / f"outside-{name}"
+        victim.write_text("precious")
+        os.symlink(victim, out / name)
+        outside[name] = victim
+    return out, outside
+
+
+def test_sample_texts_replace_a_planted_link(tmp_path):
+    from dew.objectives.inference import write_texts
+
+    out, outside = _planted(tmp_path, ["samples.txt"])
+    (path,) = write_texts(("one", "two"), out)
+    assert outside["samples.txt"].read_text() == "precious"
+    assert not path.is_symlink() and path.read_text() == "one\n---\ntwo\n"
+    assert sorted(p.name for p in out.iterdir()) == ["samples.txt"]  # no temporary file left
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # as a plain write would make it
+
+
+def test_sample_images_replace_planted_links(tmp_path):
+    from PIL import Image
+
+    from dew.objectives.diffusion_pipeline import write_samples
+
+    out, outside = _planted(tmp_path, ["samples.png", "sample_001.png"])
+    pixels = np.zeros((2, 4, 4, 3), np.uint8)
+    pixels[1] = 255
+    files = write_samples(pixels, out, video=False, columns=2)
+    assert [f.name for f in files] == ["samples.png", "sample_000.png", "sample_001.png"]
+    assert all(v.read_text() == "precious" for v in outside.values())
+    assert not any(f.is_symlink() for f in files)
+    with Image.open(out / "sample_001.png") as image:
+        assert np.array_equal(np.asarray(image.convert("RGB")), pixels[1])
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
