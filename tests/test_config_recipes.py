@@ -115,3 +115,38 @@ def test_docstring_examples_run():
     for module in (dew.training.config, dew.recipes.config):
         result = doctest.testmod(module)
         assert result.attempted and not result.failed, module.__name__
+
+
+def test_init_ignore_starts_the_named_leaves_fresh_and_reads_the_rest(tmp_path):
+    """A recipe's init.ignore: the other run lacks the head and holds a leaf this model lacks;
+    the named leaves start as the run's own init makes them, every other leaf is read bitwise."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from dew.checkpoints.manager import Checkpoints
+    from dew.data.base import DataPartition
+    from dew.recipes.run import build_parts, initial_variables
+    from dew.training.state import Scaler, TrainState, stream
+
+    config = RunConfig.load("tiny-lm", [f"init.run={tmp_path}/other", "seed=3",
+                                        "init.ignore=[params/head*, params/value_head*]"])
+    objective = build_parts(config, with_data=False).objective
+    fresh = jax.device_get(nn.meta.unbox(objective.init(stream(jax.random.key(3), "init"))))
+    other = jax.device_get(nn.meta.unbox(objective.init(jax.random.key(11))))
+    saved = {"params": {**{k: v for k, v in other["params"].items() if k != "head"},
+                        "value_head": {"kernel": np.ones((4, 1), np.float32)}}}
+    state = TrainState(params=saved, opt_state=(), key=jax.random.key_data(jax.random.key(0)),
+                       step=np.int32(1), microstep=np.int32(0), updates=np.int32(1), ema=None,
+                       scaler=Scaler.create(), window=None)
+    checkpoints = Checkpoints(tmp_path / "other")
+    checkpoints.save(1, state, position=b"", partition=DataPartition(), meta={})
+    checkpoints.wait()
+    checkpoints.close()
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), fresh)
+    read = initial_variables(config, objective)(abstract)
+    assert sorted(read["params"]) == sorted(fresh["params"])  # the value head is not read
+    np.testing.assert_array_equal(read["params"]["head"], fresh["params"]["head"])
+    jax.tree.map(np.testing.assert_array_equal, read["params"]["embed"], other["params"]["embed"])
+    jax.tree.map(np.testing.assert_array_equal, read["params"]["layers_1"], other["params"]["layers_1"])

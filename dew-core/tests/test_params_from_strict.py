@@ -73,3 +73,25 @@ def test_an_integer_leaf_where_the_model_keeps_floats_is_refused(tmp_path):
     expected = {"params": {"w": jax.ShapeDtypeStruct((3, 4), jnp.float32)}}
     with pytest.raises(InitializerMismatchError, match=r"params/w: int32, expected float32"):
         ParamsFrom(tmp_path / "ints")(expected)
+
+
+def test_named_leaves_are_left_to_the_fresh_init_and_unread(run):
+    """What the user names in ignore may be missing (it starts fresh) or left over (it is not read);
+    every other leaf is still read bit for bit and still checked."""
+    from dew.training.initializers import IgnoringLeaves
+
+    directory, params = run
+    other = {"params": {"embed": params["params"]["embed"], "head": params["params"]["head"],
+                        "position": np.zeros((16, 4), np.float32)}}  # no gate; a position table
+    fresh = {"params": {"embed": np.ones((8, 4), np.float32), "head": np.ones((4, 8), np.float32),
+                        "position": np.full((16, 4), 7.0, np.float32)}}
+    ignore = ("params/position", "params/gate*")
+    source = IgnoringLeaves(ParamsFrom(directory, ignore=ignore), ignore, fresh=lambda: fresh)
+    read = source(_abstract(other))
+    assert sorted(read["params"]) == ["embed", "head", "position"]
+    np.testing.assert_array_equal(read["params"]["embed"], params["params"]["embed"])
+    np.testing.assert_array_equal(read["params"]["head"], params["params"]["head"])
+    np.testing.assert_array_equal(read["params"]["position"], fresh["params"]["position"])
+    with pytest.raises(InitializerMismatchError, match="params/position: missing"):  # gate alone is not enough
+        IgnoringLeaves(ParamsFrom(directory, ignore=("params/gate",)), ("params/gate",),
+                       fresh=lambda: fresh)(_abstract(other))

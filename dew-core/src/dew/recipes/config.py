@@ -59,6 +59,10 @@ class InitConfig(pydantic.BaseModel):
         None, description="another run's checkpoint directory: its parameters alone"
     )
     step: int | None = pydantic.Field(None, ge=0, description="the step of init.run (default newest)")
+    ignore: tuple[str, ...] = pydantic.Field(
+        (), description="glob patterns of leaf paths (params/head/*) left at the fresh "
+        "initialization: not required of the source, and not read from it"
+    )
 
     @pydantic.model_validator(mode="after")
     def _one_source(self) -> InitConfig:

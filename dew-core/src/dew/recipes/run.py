@@ -212,6 +212,24 @@ def initial_variables(config: RunConfig, objective: Objective) -> Initializer:
     init = config.init
     if init is None:
         return None
+    read = _read_initial(config, objective)
+    if not init.ignore:
+        return read
+    import jax
+
+    from dew.training.initializers import IgnoringLeaves, WeightSource
+    from dew.training.state import stream
+
+    assert read is not None  # an init section reads weights
+    source = read if isinstance(read, WeightSource) else (lambda abstract: read)
+    # The ignored leaves start as the trainer's own random init would start them: same key.
+    return IgnoringLeaves(source, tuple(init.ignore),
+                          fresh=lambda: objective.init(stream(jax.random.key(config.seed), "init")))
+
+
+def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
+    init = config.init
+    assert init is not None  # initial_variables reads only a recipe with an init section
     if init.pretrained is not None:
         from dew.pretrained import Pretrained
 
@@ -231,7 +249,7 @@ def initial_variables(config: RunConfig, objective: Objective) -> Initializer:
     from dew.training.initializers import ParamsFrom, WeightSource
 
     assert init.run is not None  # InitConfig holds exactly one of pretrained and run
-    run: WeightSource = ParamsFrom(absolute(init.run), step=init.step)
+    run: WeightSource = ParamsFrom(absolute(init.run), step=init.step, ignore=tuple(init.ignore))
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         from dew.adapters.lora import BaseWeights
 

@@ -15,6 +15,7 @@ argument, so they are never constants inside an executable.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from dew.objectives.base import Variables
 from dew.tree_paths import path_name
 
 __all__ = [
+    "IgnoringLeaves",
     "Initializer",
     "InitializerMismatchError",
     "ParamsFrom",
@@ -60,9 +62,39 @@ def _leaves(tree: Any) -> dict[str, Any]:
 
 
 
-def compare_trees(expected: Any, given: Any, *, what: str) -> None:
-    """Refuse given unless it has expected's leaf paths, shapes and dtypes' kinds; name the first differences."""
-    want, got = _leaves(expected), _leaves(given)
+def ignored(path: str, ignore: tuple[str, ...]) -> bool:
+    """Whether a '/'-joined leaf path matches one of the glob patterns in ignore."""
+    return any(fnmatch.fnmatchcase(path, pattern) for pattern in ignore)
+
+
+def without(tree: Any, ignore: tuple[str, ...]) -> Any:
+    """tree less the leaves whose paths match ignore (emptied mappings dropped too)."""
+    if not ignore:
+        return tree
+
+    def prune(node: Any, prefix: str) -> Any:
+        if not isinstance(node, Mapping):
+            return node
+        out = {}
+        for key, value in node.items():
+            path = f"{prefix}/{key}" if prefix else str(key)
+            if isinstance(value, Mapping):
+                kept = prune(value, path)
+                if kept:
+                    out[key] = kept
+            elif not ignored(path, ignore):
+                out[key] = value
+        return out
+
+    return prune(tree, "")
+
+
+def compare_trees(expected: Any, given: Any, *, what: str, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse given unless it has expected's leaf paths, shapes and dtypes' kinds; name the first differences.
+
+    Leaves whose paths match a pattern of ignore may be missing or left over.
+    """
+    want, got = _leaves(without(expected, ignore)), _leaves(without(given, ignore))
     problems = []
     for path in want:
         if path not in got:
@@ -74,7 +106,9 @@ def compare_trees(expected: Any, given: Any, *, what: str) -> None:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise InitializerMismatchError(
             f"{what} do not fit the variables the objective's init makes: {shown}. Start from "
-            "weights of the same architecture and configuration, or change the model to match them."
+            "weights of the same architecture and configuration, change the model to match them, "
+            "or name the leaves to leave at their fresh initialization (a recipe's init.ignore, "
+            "glob patterns such as 'params/head/*')."
         )
 
 
@@ -119,6 +153,7 @@ class ParamsFrom:
     directory: str | os.PathLike
     step: int | None = None
     field: str = "params"
+    ignore: tuple[str, ...] = ()  # glob patterns of leaf paths neither required nor read
 
     def __call__(self, abstract: Variables) -> Variables:
         import orbax.checkpoint as ocp
@@ -150,8 +185,10 @@ class ParamsFrom:
         if field == "ema":  # only the selected leaves were saved
             abstract = _saved_params(saved, field)
         else:  # every leaf the declared model has, and no other, of the same shape: never zero-filled
-            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}")
-            _check_float_kinds(abstract, _saved_params(saved, field), path)
+            abstract = without(abstract, self.ignore)
+            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}",
+                          ignore=self.ignore)
+            _check_float_kinds(abstract, without(_saved_params(saved, field), self.ignore), path)
         template = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray), dict(abstract))
         item = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), dict(abstract))
         try:
@@ -161,7 +198,8 @@ class ParamsFrom:
                                             partial_restore=True),
             )[field]
         except (KeyError, ValueError) as error:
-            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}")
+            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}",
+                          ignore=self.ignore)
             raise InitializerMismatchError(f"The parameters of {path} cannot be read: {error}") from error
         flat, _ = jax.tree_util.tree_flatten_with_path({field: restored})
         digests = integrity.digests_as_lists(integrity.digest_leaves([np.asarray(x) for _, x in flat]))
@@ -170,6 +208,37 @@ class ParamsFrom:
             if name in saved and saved[name]["digest"] != digest:
                 raise CheckpointCorruptedError(step, path / "state", f"leaf {name} does not match its digest")
         return restored
+
+
+@dataclass(frozen=True)
+class IgnoringLeaves:
+    """Another source's weights, with the leaves ignore names left at the fresh initialization.
+
+    A leaf whose '/'-joined path matches a glob pattern of ignore is neither
+    asked of source nor taken from what it returns (a head the other run did
+    not have, or had and this model lacks); fresh (the objective's own init,
+    with the run's key) gives the ones the objective's variables have.
+    """
+
+    source: Callable[[Variables], Variables]
+    ignore: tuple[str, ...]
+    fresh: Callable[[], Variables]
+
+    def __call__(self, abstract: Variables) -> Variables:
+        read = without(dict(self.source(without(abstract, self.ignore))), self.ignore)
+        left = [path for path in _leaves(abstract) if ignored(path, self.ignore)]
+        if not left:
+            return read
+        from flax.linen import meta
+
+        fresh = _leaves(meta.unbox(self.fresh()))  # an objective's init may box its leaves
+        for path in left:
+            node = read
+            *parents, name = path.split("/")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[name] = fresh[path]
+        return read
 
 
 def _check_float_kinds(expected: Any, saved: Any, path: Any) -> None:
