@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DEW = Path(sys.executable).with_name("dew")
 
 
@@ -57,3 +59,25 @@ def test_an_unwritable_tracker_directory_is_refused_before_step_one(tmp_path):
     assert "compiling the step" not in result.stdout and "step 2:" not in result.stdout  # nothing trained
     assert (tmp_path / "a-file").read_text() == "in the way"
     assert not (tmp_path / "runs").exists(), sorted(tmp_path.rglob("*"))  # no run folder left behind
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_message_without_orbaxs_thread_tracebacks(tmp_path):
+    """Orbax's writer threads log the failed write with tracebacks, and asyncio raises "Event loop
+    is closed" behind them; dew train shows only its own line naming the step (issue 37)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        result = _train(tmp_path, "trainer.steps=4", "trainer.checkpoint_every=2",
+                        f"trainer.checkpoint_dir={disk}/run")
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(f"dew train: CheckpointWriteError: Saving checkpoint step 2 into {disk}/run "
+                               "failed"), lines[:3]
+    assert "No space left on device" in lines[0] and "Traceback" not in result.stderr
+    assert len(lines) == 3 and lines[-1].startswith("  (run with --traceback"), lines

@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
     shown = bool(args.traceback or os.environ.get(TRACEBACK))
-    with _warnings_as_lines(args.command):
+    with _warnings_as_lines(args.command), (contextlib.nullcontext() if shown else _writers_quiet()):
         try:
             return int(args._run(args) or 0)
         except KeyboardInterrupt:
@@ -144,6 +144,40 @@ def refusal(command: str, error: BaseException) -> str:
         return "\n".join([f"dew {command}: {error}", *notes])
     return "\n".join([f"dew {command}: {type(error).__name__}: {error}", *notes,
                       f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)"])
+
+
+@contextlib.contextmanager
+def _writers_quiet() -> Iterator[None]:
+    """Keep the tracebacks of Orbax's writer threads off the console while a command runs.
+
+    A failed checkpoint write (a full disk) is logged with its traceback by each
+    of Orbax's background threads, and asyncio callbacks that arrive after its
+    event loop closed raise "Event loop is closed" as unraisable errors; the
+    same failure then reaches dew, which names the step and what to do in one
+    line. With --traceback all of it is shown.
+    """
+    import logging
+
+    class FromWriters(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+    absl = logging.getLogger("absl")
+    writers = FromWriters()
+    absl.addFilter(writers)
+    previous = sys.unraisablehook
+
+    def unraisable(failure: Any) -> None:
+        if isinstance(failure.exc_value, RuntimeError) and str(failure.exc_value) == "Event loop is closed":
+            return
+        previous(failure)
+
+    sys.unraisablehook = unraisable
+    try:
+        yield
+    finally:
+        absl.removeFilter(writers)
+        sys.unraisablehook = previous
 
 
 @contextlib.contextmanager
