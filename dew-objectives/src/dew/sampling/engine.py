@@ -486,10 +486,12 @@ class Engine:
             sequence.logprobs += logp[r, : produced.size].tolist()
             self._counts["generated_tokens"] += int(produced.size)
             reason: Finish | None = None
-            if produced.size and int(produced[-1]) in sequence.spec.stop_tokens:
+            # A stop string completed before the stop token the device stopped at ends it first.
+            if sequence.spec.stop_strings and self._cut_at_stop_string(sequence, before):
+                reason = ("stop_token" if int(sequence.generated[-1]) in sequence.spec.stop_tokens
+                          else "stop_string")
+            elif produced.size and int(produced[-1]) in sequence.spec.stop_tokens:
                 reason = "stop_token"
-            elif sequence.spec.stop_strings and self._cut_at_stop_string(sequence, before):
-                reason = "stop_string"
             elif sequence.remaining <= 0:
                 reason = "length"
             if reason is not None:
