@@ -115,3 +115,26 @@ def test_extend_and_release_refuse_what_is_not_kept_and_what_would_not_fit(varia
     (plain,) = engine.run()
     with pytest.raises(UnknownSequenceError, match="keep_cache=True"):
         engine.extend(plain.id, (1,), 2)
+
+
+def test_a_stop_string_completed_before_the_stop_token_of_the_same_decode_call_ends_the_turn(variables):
+    # An environment's turn ends at its stop strings ("=" closes a calculator call) even when the
+    # device ran on to the stop token (a newline) within the same call of steps_per_call tokens.
+    letters = "abcdefghijklmnopqrstuvwxyzABC"
+
+    def text(ids):
+        return "".join(letters[i] for i in ids)
+
+    greedy = Sampling(temperature=0)
+    engine = _engine(variables)
+    engine.submit(Request(PROMPT, 4, sampling=greedy), jax.random.key(0))
+    (full,) = engine.run()
+    later = [t for t in full.tokens[1:] if t != full.tokens[0]]
+    assert later, full.tokens  # a stop token other than the first token, within the first call
+    engine = Engine(MODEL, CONFIG, detokenize=text)
+    engine.set_params(variables)
+    engine.submit(Request(PROMPT, 4, sampling=greedy, stop_tokens=(later[0],),
+                          stop_strings=(text(full.tokens[:1]),)), jax.random.key(0))
+    (cut,) = engine.run()
+    assert cut.tokens == full.tokens[:1] and cut.finish == "stop_string"
+    assert len(cut.logprobs) == 1
