@@ -23,9 +23,9 @@ from dew.environments import (
     EnvironmentTimeoutWarning,
     NotAnEnvironmentError,
     Reply,
-    resolve,
+    resolve_environment,
 )
-from dew.environments.calculator import Calculator, evaluate
+from dew.environments.calculator import Calculator, arithmetic
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.episodes import EpisodeRollout
 from dew.objectives.grpo import GRPOObjective
@@ -52,20 +52,20 @@ class TestCalculatorKit(EnvironmentKit):
 def test_the_calculator_is_registered_and_resolved_by_name_fields_or_instance():
     assert registry.environments.names()["calculator"] == "dew-objectives"
     assert registry.registry("environments") is registry.environments
-    assert resolve("calculator") == Calculator()
-    assert resolve({"name": "calculator", "open_call": False}) == Calculator(open_call=False)
+    assert resolve_environment("calculator") == Calculator()
+    assert resolve_environment({"name": "calculator", "open_call": False}) == Calculator(open_call=False)
     mine = Calculator(max_turns=3)
-    assert resolve(mine) is mine
+    assert resolve_environment(mine) is mine
     with pytest.raises(NotAnEnvironmentError, match="start\\(prompt, record\\)"):
-        resolve(object())
+        resolve_environment(object())
     with pytest.raises(registry.UnknownNameError, match="calculator"):
-        resolve("calculater")
+        resolve_environment("calculater")
 
 
 def test_a_calculator_episode_answers_a_call_with_its_value_and_the_question_then_scores_the_answer():
-    assert evaluate("12+30") == 42 and evaluate("(2+3)*4-1") == 19
+    assert arithmetic("12+30") == 42 and arithmetic("(2+3)*4-1") == 19
     with pytest.raises(ValueError, match="not an integer expression"):
-        evaluate("__import__('os')")
+        arithmetic("__import__('os')")
     episode = Calculator().start("7+8=", {"answer": "15"})
     assert episode.opening() == "calc("
     assert episode.step("7+8=") == Reply("15\n7+8=")       # the addition model closes with "="

@@ -12,7 +12,7 @@ open after them, or one that outgrows the model's length, ends with reward 0.
 
 Environments register under the entry-point group ``dew.environments`` (dew's
 own: ``calculator``), so a recipe names one as ``objective.environment``;
-``resolve`` turns a name, ``{"name": ..., **fields}`` or an instance into one.
+``resolve_environment`` turns a name, ``{"name": ..., **fields}`` or an instance into one.
 An environment that raises, or does not answer within the rollout's
 ``turn_timeout``, ends that episode with reward 0 and an
 ``EnvironmentFailedWarning`` (``EnvironmentTimeoutWarning`` for a timeout);
@@ -35,7 +35,7 @@ __all__ = [
     "Episode",
     "NotAnEnvironmentError",
     "Reply",
-    "resolve",
+    "resolve_environment",
 ]
 
 
@@ -94,10 +94,10 @@ class EnvironmentTimeoutWarning(EnvironmentFailedWarning):
     """The environment did not answer a turn within the turn timeout: the episode ended with reward 0."""
 
 
-def resolve(spec: Any) -> Environment:
+def resolve_environment(spec: Any) -> Environment:
     """An environment from a registered name, ``{"name": ..., **fields}``, or an instance.
 
-    >>> resolve({"name": "calculator", "max_turns": 2}).max_turns
+    >>> resolve_environment({"name": "calculator", "max_turns": 2}).max_turns
     2
     """
     if isinstance(spec, str | Mapping):

@@ -28,16 +28,16 @@ from typing import Any
 from dew.environments import Reply
 from dew.rewards import ExactMatch
 
-__all__ = ["Calculator", "CalculatorEpisode", "evaluate"]
+__all__ = ["Calculator", "CalculatorEpisode", "arithmetic"]
 
 _CALL = re.compile(r"(?:calc\()?([^()=\n]*(?:\([^()=\n]*\)[^()=\n]*)*)[)=]\s*$")
 _OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
-def evaluate(expression: str) -> int:
+def arithmetic(expression: str) -> int:
     """The value of an integer expression of +, -, * and parentheses; ValueError for anything else.
 
-    >>> evaluate("12+30"), evaluate("(2+3)*4-1")
+    >>> arithmetic("12+30"), arithmetic("(2+3)*4-1")
     (42, 19)
     """
     def value(node: ast.AST) -> int:
@@ -78,7 +78,7 @@ class CalculatorEpisode:
         if call is not None and self.calls < self.environment.max_calls:
             self.calls += 1
             try:
-                result = str(evaluate(call.group(1)))
+                result = str(arithmetic(call.group(1)))
             except ValueError:
                 result = "error"
             return Reply(f"{result}\n{self.prompt}")

@@ -44,7 +44,7 @@ from dew.environments import (
     EnvironmentTimeoutWarning,
     Episode,
     Reply,
-    resolve,
+    resolve_environment,
 )
 from dew.objectives.policy import token_logprobs
 from dew.objectives.rollouts import RolloutBatchError, completion_text
@@ -122,7 +122,7 @@ class EpisodeRollout:
                  max_length: int | None = None, turn_timeout: float | None = 10.0,
                  engine: EngineConfig | None = None) -> None:
         self.model = model
-        self.environment: Environment = resolve(environment)
+        self.environment: Environment = resolve_environment(environment)
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
