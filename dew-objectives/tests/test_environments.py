@@ -84,7 +84,8 @@ def test_a_calculator_episode_answers_a_call_with_its_value_and_the_question_the
 class Scripted:
     """Opens with '<'; answers a first turn with '!' and its length; ends the second with reward 2.
 
-    Episodes of prompts starting with fail_on raise in `where` ("start" or "step"); those of prompts
+    Episodes of prompts starting with fail_on raise in `where` ("start" or "step", or answer with a
+    string for "reply"); those of prompts
     starting with hang_on sleep 30 s in step.
     """
 
@@ -112,6 +113,8 @@ class _ScriptedEpisode:
     def step(self, action):
         if self.environment.where == "step" and self.prompt.startswith(self.environment.fail_on):
             raise RuntimeError("the tool broke")
+        if self.environment.where == "reply" and self.prompt.startswith(self.environment.fail_on):
+            return "a string, not a Reply"
         if self.prompt.startswith(self.environment.hang_on):
             time.sleep(30)
         self.turns += 1
@@ -168,11 +171,13 @@ def test_a_row_holds_prompt_opening_turns_and_answers_with_the_mask_on_the_turns
     np.testing.assert_array_equal(again["tokens"], out["tokens"])
 
 
-@pytest.mark.parametrize("where", ["start", "step"])
+@pytest.mark.parametrize("where", ["start", "step", "reply"])
 def test_an_environment_that_raises_ends_its_episodes_with_zero_reward_and_a_warning(state, where):
     rollout = _rollout(Scripted(fail_on="1", where=where))
-    said = "the start" if where == "start" else "a turn"
-    with pytest.warns(EnvironmentFailedWarning, match=f"Scripted raised RuntimeError: the tool broke in {said}"):
+    said = {"start": "raised RuntimeError: the tool broke in the start",
+            "step": "raised RuntimeError: the tool broke in a turn",
+            "reply": r"answered a turn of episode \d with a str, not a dew.environments.Reply"}[where]
+    with pytest.warns(EnvironmentFailedWarning, match=f"Scripted {said}"):
         out = rollout(state, BATCH, jax.random.key(3))
     np.testing.assert_array_equal(out["reward"], [0.0, 0.0, 2.0, 2.0])
     np.testing.assert_array_equal(out["failed_episodes"], [1.0, 1.0, 0.0, 0.0])

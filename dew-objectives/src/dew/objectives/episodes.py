@@ -26,6 +26,7 @@ lock of the rollout's.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -107,6 +108,16 @@ class _Play:
     failed: bool = False
     done: bool = False
     transcript: list[str] = field(default_factory=list)
+
+    def opening(self) -> str:
+        """The episode's opening (called in a guarded thread: whatever it raises is the environment's)."""
+        assert self.episode is not None, "the episode was never opened"
+        return self.episode.opening()
+
+    def step(self, action: str) -> Any:
+        """The episode's reply to action (called in a guarded thread, as opening)."""
+        assert self.episode is not None, "the episode was never opened"
+        return self.episode.step(action)
 
 
 class EpisodeRollout:
@@ -196,13 +207,13 @@ class EpisodeRollout:
                 plays.append(_Play(len(plays), self._decode(ids), list(ids), [0.0] * len(ids)))
                 records.append(record)
         environment = self.environment
-        episodes = self._call(plays, [lambda p=p, r=r: environment.start(p.prompt, r)
+        episodes = self._call(plays, [functools.partial(environment.start, p.prompt, r)
                                       for p, r in zip(plays, records, strict=True)], "the start")
         for play, episode in zip(plays, episodes, strict=True):
             if not play.failed:
                 play.episode = episode
         alive = [p for p in plays if not p.done]
-        openings = self._call(alive, [lambda p=p: p.episode.opening() for p in alive], "the opening")
+        openings = self._call(alive, [p.opening for p in alive], "the opening")
         stops = () if self.stop_token is None else (int(self.stop_token),)
         by_request: dict[int, _Play] = {}  # an episode is one request: its turns keep the request's id
         for play, opening in zip(alive, openings, strict=True):
@@ -233,9 +244,8 @@ class EpisodeRollout:
                 play.turns += 1
                 actions.append(completion_text(self.tokenizer, list(done.tokens), self.stop_token)[0])
                 play.transcript.append(actions[-1])
-            replies = self._call(turn_of, [lambda p=p, a=a: p.episode.step(a)
-                                           for p, a in zip(turn_of, actions, strict=True)],
-                                 "a turn")
+            replies = self._call(turn_of, [functools.partial(p.step, a)
+                                           for p, a in zip(turn_of, actions, strict=True)], "a turn")
             for play, done, reply in zip(turn_of, finished, replies, strict=True):
                 if play.failed or not isinstance(reply, Reply):
                     if not play.failed:
