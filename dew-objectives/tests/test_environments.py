@@ -204,3 +204,63 @@ def test_grpo_with_an_environment_plays_episodes():
     rollout = objective.rollout()
     assert isinstance(rollout, EpisodeRollout) and rollout.environment == Calculator()
     assert rollout.turn_timeout == 10.0
+
+
+KITS = '''
+from dataclasses import dataclass, field
+
+from dew.environments import Reply
+from dew.environments.calculator import Calculator
+from dew.testing import EnvironmentKit
+
+
+class CalculatorKit(EnvironmentKit):
+    def environment(self):
+        return Calculator()
+
+    def problems(self):
+        return [("3+4=", {"answer": "7"}), ("1+1=", {"answer": "2"})]
+
+
+@dataclass
+class Shared:
+    """Every episode appends to one list: episodes played together answer otherwise."""
+
+    max_turns: int = 2
+    stop_strings: tuple = ()
+    seen: list = field(default_factory=list)
+
+    def start(self, prompt, record):
+        return self
+
+    def opening(self):
+        return ""
+
+    def step(self, action):
+        self.seen.append(action)
+        return Reply(str(len(self.seen)))
+
+
+class SharedKit(EnvironmentKit):
+    def environment(self):
+        return Shared()
+
+    def problems(self):
+        return [("a", {}), ("b", {})]
+'''
+
+
+def test_check_plugin_certifies_an_environment_with_its_kit(tmp_path, monkeypatch):
+    from dew.testing.certify import GROUPS, Component, checks_of
+
+    assert GROUPS["dew.environments"][:2] == ("dew.testing.environment", "EnvironmentKit")
+    (tmp_path / "environment_kits.py").write_text(KITS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    good = checks_of(Component("dew.environments", "calculator", "dew.environments.calculator:Calculator",
+                               "environment_kits:CalculatorKit"))
+    assert {c.subject for c in good} == {"environment `calculator`"}
+    assert [c.check for c in good if c.result != "passed"] == [], good
+    assert "kit builds the registered component" in {c.check for c in good}
+    bad = checks_of(Component("dew.environments", "shared", "environment_kits:Shared", "environment_kits:SharedKit"))
+    failed = {c.check for c in bad if c.result == "failed"}
+    assert "episodes share no state" in failed, bad
