@@ -196,6 +196,8 @@ class EpisodeRollout:
         g, width = self.group_size, self.max_length
         params = {"params": state.params["params"]}
         engine = self._engine(len(prompts) * g)
+        for left in engine.kept:  # a call stopped midway (an interrupt) left these behind
+            engine.release(left)
         engine.set_params(params)
 
         plays: list[_Play] = []
