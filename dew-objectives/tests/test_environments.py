@@ -165,6 +165,10 @@ def test_a_row_holds_prompt_opening_turns_and_answers_with_the_mask_on_the_turns
         turn = bytes(tokens[c:d].tolist()).decode(errors="replace")
         assert bytes(tokens[e:f].tolist()) == f"!{len(turn)}".encode()
         assert not tokens[i:].any()  # padding after the episode
+    # The cache carries each episode across its turns: each prompt (and opening) is written once for
+    # its group, all but its last token (4 each); a second turn writes the first turn's last token and
+    # the answer but its last token ("!n": 1 + 1), nothing of the earlier turns again.
+    assert rollout.engine.stats.prefilled_tokens == 2 * 4 + 4 * 2
     expected = token_logprobs(MODEL, {"params": state.params["params"]}, jnp.asarray(out["tokens"]))[0]
     np.testing.assert_allclose(out["old_logp"], expected, rtol=1e-5, atol=1e-5)
     again = rollout(state, BATCH, jax.random.key(3))  # the same key: the same episodes
