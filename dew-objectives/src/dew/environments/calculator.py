@@ -13,7 +13,8 @@ question again, so the model's next turn is its answer. A turn that is not
 a call is the answer: the episode ends with 1 when it equals the record's
 ``key`` value (``dew.rewards.ExactMatch``), else 0. With open_call the
 opening starts the call, so a model that never saw the tool still writes one
-and learns from the reward what to put in it and what to do with the result.
+(the addition model writes an expression and closes it with ``=``); which
+expression it writes, and whether it reads the result, is left to the reward.
 """
 
 from __future__ import annotations
