@@ -138,3 +138,21 @@ def test_a_stop_string_completed_before_the_stop_token_of_the_same_decode_call_e
     (cut,) = engine.run()
     assert cut.tokens == full.tokens[:1] and cut.finish == "stop_string"
     assert len(cut.logprobs) == 1
+
+
+def test_continuations_queued_behind_a_prompt_that_needs_their_blocks_give_them_back(variables):
+    # 9 usable blocks of 4: three continuations hold 2 blocks each while they wait behind a prompt
+    # of 28 positions that needs 7; with nothing running, they give their blocks back (and are
+    # written again) instead of the engine stalling.
+    small = EngineConfig(max_batch=8, block_size=4, num_blocks=10, prefill_chunk=8, steps_per_call=4)
+    key = jax.random.key(5)
+    engine = _engine(variables, small)
+    engine.submit(Request(PROMPT, 3, samples=3, sampling=SAMPLED, keep_cache=True), key)
+    first = engine.run()
+    engine.submit(Request(tuple(range(1, 25)), 4), jax.random.key(9))
+    for done in first:
+        engine.extend(done.id, ANSWERS[0], 3)
+    finished = engine.run()
+    assert engine.blocks.used_blocks == 0
+    reference = _episodes(_engine(variables), key)[1]
+    assert [c.tokens for c in finished[1:]] == [c.tokens for c in reference]

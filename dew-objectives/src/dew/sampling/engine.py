@@ -276,6 +276,18 @@ class Engine:
             self.blocks.release(sequence.blocks)
             sequence.blocks = []
 
+    def _unhold_waiting(self) -> bool:
+        """Let queued continuations (not the first) give their blocks back, to be written again."""
+        freed = False
+        for group in list(self._waiting)[1:]:
+            if group.blocks:
+                if self.config.share_prefixes:
+                    self.blocks.register(group.tokens[:group.written], group.blocks)
+                self.blocks.release(group.blocks)
+                group.blocks, group.written = [], 0
+                freed = True
+        return freed
+
     def _make_room(self, count: int) -> None:
         """Free kept blocks, least recently kept first, until count blocks are available."""
         for sequence in list(self._kept.values()):
@@ -341,6 +353,8 @@ class Engine:
             self._make_room(need + extra)
             if need + extra > self.blocks.free_blocks:
                 self.blocks.release(reused)
+                if not self._holding() and self._unhold_waiting():
+                    continue  # continuations queued behind it held the blocks it needs
                 break
             if not continuing:
                 group.written = len(reused) * size
