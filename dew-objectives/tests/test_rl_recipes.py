@@ -1,4 +1,5 @@
-"""The addition recipes learn: a language model first, then GRPO and PPO raise its reward, DPO its margin.
+"""The addition recipes learn: a language model first, then GRPO and PPO raise its reward, DPO its margin,
+and GRPO over calculator episodes raises their exact-match rate.
 
 Each stage runs from its shipped recipe through dew.recipes.run.train (the
 path of `dew train`), in a temporary directory so the recipes' relative
@@ -86,3 +87,14 @@ def test_dpo_raises_the_preferred_margin(addition_lm, monkeypatch):
     start, end = _rise(rows, "reward_margin", 5)
     assert end > start + 0.2, (start, end)
     assert np.mean([r["preference_accuracy"] for r in rows[-5:]]) > 0.75
+
+
+def test_grpo_raises_the_exact_match_rate_of_calculator_episodes(addition_lm, monkeypatch):
+    monkeypatch.chdir(addition_lm)
+    rows = _run("addition-calculator")
+    start, end = _rise(rows, "reward", 15)  # the reward is the episodes' exact-match rate
+    assert end > start + 0.08, (start, end)
+    # the model learns to close the call it is handed, so the calculator answers and it answers after
+    assert np.mean([r["turns"] for r in rows[:3]]) < np.mean([r["turns"] for r in rows[-10:]])
+    assert np.mean([r["turns"] for r in rows[-10:]]) > 1.9
+    assert not any(r["failed_episodes"] for r in rows)

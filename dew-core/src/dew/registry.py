@@ -36,6 +36,7 @@ __all__ = [
     "RegistryError",
     "UnknownNameError",
     "datasets",
+    "environments",
     "evaluations",
     "models",
     "objectives",
@@ -121,6 +122,7 @@ _BUILT_INS_FROM = {
     "dew.trackers": "dew-trackers",
     "dew.datasets": "dew-data",
     "dew.evaluations": "dew-objectives",
+    "dew.environments": "dew-objectives",
 }
 
 
@@ -370,6 +372,7 @@ GROUPS = {
     "plugins": "dew.plugins",
     "rewards": "dew.rewards",
     "evaluations": "dew.evaluations",
+    "environments": "dew.environments",
 }
 
 models = Registry("dew.models", "model")
@@ -379,8 +382,10 @@ datasets = Registry("dew.datasets", "dataset")
 plugins = Registry("dew.plugins", "plugin")
 rewards = Registry("dew.rewards", "reward")
 evaluations = Registry("dew.evaluations", "evaluation task")
+environments = Registry("dew.environments", "environment")
 
-_BY_GROUP = {r.group: r for r in (models, objectives, trackers, datasets, plugins, rewards, evaluations)}
+_BY_GROUP = {r.group: r for r in (models, objectives, trackers, datasets, plugins, rewards, evaluations,
+                                  environments)}
 
 
 def registry(group: str) -> Registry:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from dew.testing.devices import FakeDeviceRunError as FakeDeviceRunError
     from dew.testing.devices import call_on_fake_devices as call_on_fake_devices
     from dew.testing.devices import run_on_fake_devices as run_on_fake_devices
+    from dew.testing.environment import EnvironmentKit as EnvironmentKit
     from dew.testing.evaluation import EvaluationTaskKit as EvaluationTaskKit
     from dew.testing.model import ModelKit as ModelKit
     from dew.testing.objective import ObjectiveKit as ObjectiveKit

@@ -2,7 +2,7 @@
 
 A distribution registers its components through entry points (``dew.models``,
 ``dew.objectives``, ``dew.trackers``, ``dew.datasets``, ``dew.rewards``,
-``dew.plugins``) and, for each, a subclass of the matching kit of
+``dew.environments``, ``dew.plugins``) and, for each, a subclass of the matching kit of
 ``dew.testing`` under ``dew.conformance``, by the same name::
 
     [project.entry-points."dew.conformance"]
@@ -48,10 +48,12 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
     "dew.trackers": ("dew.testing.tracker", "TrackerKit", None),
     "dew.datasets": ("dew.testing.dataset", "DatasetReaderKit", None),
     "dew.rewards": ("dew.testing.reward", "RewardKit", "reward"),
+    "dew.environments": ("dew.testing.environment", "EnvironmentKit", "environment"),
     "dew.plugins": ("dew.plugins", "hooks", None),
 }
 _KIND = {"dew.objectives": "objective", "dew.models": "model", "dew.trackers": "tracker",
-         "dew.datasets": "reader", "dew.rewards": "reward", "dew.plugins": "hooks"}
+         "dew.datasets": "reader", "dew.rewards": "reward", "dew.environments": "environment",
+         "dew.plugins": "hooks"}
 
 
 class NotADistributionError(DewError, LookupError):

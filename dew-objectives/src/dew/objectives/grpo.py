@@ -47,6 +47,7 @@ from dew.objectives.base import (
     Variables,
     under,
 )
+from dew.objectives.episodes import EpisodeRollout
 from dew.objectives.group_losses import (
     Aggregation,
     Baseline,
@@ -77,7 +78,8 @@ __all__ = ["GRPOObjective", "GroupSizeError", "IncompatibleOptionsError", "clipp
            "group_advantages"]
 
 # What the host-side filters add to a batch, logged as metrics of the same name.
-_ROLLOUT_STATISTICS = ("sampled_reward", "dropped_groups", "filler_groups", "sampling_rounds", "truncated")
+_ROLLOUT_STATISTICS = ("sampled_reward", "dropped_groups", "filler_groups", "sampling_rounds", "truncated",
+                       "turns", "failed_episodes")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,13 @@ class GRPOObjective(Objective):
     ``-overlong_penalty * ramp`` to the reward of completions within
     overlong_buffer tokens of max_new_tokens (``"penalty"``) or removes
     truncated completions from the loss (``"mask"``).
+
+    environment (a registered environment's name, ``{"name": ..., **fields}``
+    or an instance; ``dew.environments``) makes each completion a multi-turn
+    episode (``EpisodeRollout``): the model's turns of max_new_tokens each, the
+    environment's answers between them (outside the loss), and the
+    environment's reward at the end instead of reward's; turn_timeout bounds
+    each call into it (then also ``turns`` and ``failed_episodes`` are logged).
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
@@ -129,6 +138,8 @@ class GRPOObjective(Objective):
     prompt_key: str = "prompt"
     prompt_length_key: str = "prompt_length"
     tokenizer: Any = None
+    environment: Any = None
+    turn_timeout: float | None = 10.0
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -197,14 +208,22 @@ class GRPOObjective(Objective):
         """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
         return PolicyFrom(source)
 
-    def rollout(self) -> CompletionRollout | GroupFilter:
+    def rollout(self) -> CompletionRollout | EpisodeRollout | GroupFilter:
         """The rollout that samples and scores this objective's completions (filtered, when asked)."""
-        sampler = CompletionRollout(
-            self.model, resolve(self.reward), group_size=self.group_size,
-            max_new_tokens=self.max_new_tokens, sampling=Sampling(temperature=self.temperature),
-            tokenizer=self.tokenizer, stop_token=self.stop_token, prompt_key=self.prompt_key,
-            prompt_length_key=self.prompt_length_key,
-        )
+        sampler: CompletionRollout | EpisodeRollout
+        if self.environment is not None:
+            sampler = EpisodeRollout(
+                self.model, self.environment, group_size=self.group_size,
+                max_new_tokens=self.max_new_tokens, sampling=Sampling(temperature=self.temperature),
+                tokenizer=self.tokenizer, stop_token=self.stop_token, prompt_key=self.prompt_key,
+                prompt_length_key=self.prompt_length_key, turn_timeout=self.turn_timeout)
+        else:
+            sampler = CompletionRollout(
+                self.model, resolve(self.reward), group_size=self.group_size,
+                max_new_tokens=self.max_new_tokens, sampling=Sampling(temperature=self.temperature),
+                tokenizer=self.tokenizer, stop_token=self.stop_token, prompt_key=self.prompt_key,
+                prompt_length_key=self.prompt_length_key,
+            )
         if not self.dynamic_sampling and self.overlong == "none":
             return sampler
         shaping = None if self.overlong == "none" else OverlongShaping(

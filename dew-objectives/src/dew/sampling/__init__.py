@@ -7,6 +7,7 @@ from dew.sampling.errors import (
     InvalidVariablesError,
     NotPagedModelError,
     PromptTooLongError,
+    UnknownSequenceError,
 )
 from dew.sampling.generate import Generation, generate
 from dew.sampling.masked import block_generate, masked_generate
@@ -38,6 +39,7 @@ __all__ = [
     "Sampling",
     "SequenceState",
     "TextGeneration",
+    "UnknownSequenceError",
     "block_generate",
     "choose",
     "filter_logits",

@@ -16,6 +16,12 @@ on the host, in plain Python:
 - When a running sequence needs a block and none is left, the longest running
   sequence is pre-empted: its blocks are freed and it is queued again, first,
   with what it produced so far; it resumes where it stopped.
+- A request with ``keep_cache`` keeps each finished sample's blocks:
+  ``extend(id, tokens, max_new_tokens)`` continues it after tokens (an
+  environment's answer in a multi-turn episode), writing only the new tokens
+  (and the last one it produced), and ``release(id)`` lets the blocks go. When
+  the pool runs short, kept blocks go first (least recently kept first); a
+  continuation of one whose blocks went is written again from its tokens.
 
 Every token is drawn with a key folded from its sequence's key and its
 position, so the samples depend only on the keys given to submit, not on the
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,7 +57,7 @@ import numpy as np
 
 from dew.sampling import programs
 from dew.sampling.blocks import BlockPool
-from dew.sampling.errors import EngineConfigError, PromptTooLongError
+from dew.sampling.errors import EngineConfigError, PromptTooLongError, UnknownSequenceError
 from dew.sampling.pool import empty_cache, mesh_of, model_variables
 from dew.sampling.requests import (
     Completion,
@@ -100,6 +107,7 @@ class Engine:
         self._running: list[Sample] = []
         self._open: dict[tuple[int, ...], PromptGroup] = {}  # submitted groups whose samples wait
         self._empty: list[Sample] = []  # asked for no new tokens
+        self._kept: collections.OrderedDict[int, Sample] = collections.OrderedDict()  # finished, kept
         self._next_id = 0
         self._next_request = 0
         self._counts: collections.Counter[str] = collections.Counter()
@@ -206,6 +214,89 @@ class Engine:
         else:
             self._waiting.extend(groups)
 
+    def extend(self, sequence: int, tokens: Sequence[int], max_new_tokens: int, *,
+               keep_cache: bool = False) -> int:
+        """Continue the finished, kept sequence after tokens; returns the continuation's id.
+
+        The continuation samples as its request did (the same key, sampling and
+        stops) for at most max_new_tokens; its Completion's prompt is everything
+        before its new tokens. Only the tokens not yet in the cache are written.
+        """
+        if sequence not in self._kept:
+            raise UnknownSequenceError(
+                f"Sequence {sequence} is not a finished sequence this engine keeps: submit its "
+                "request with keep_cache=True, and extend or release each kept sequence once.")
+        old = self._kept.pop(sequence)
+        history = (*old.tokens, *(int(t) for t in tokens))
+        if len(history) + max_new_tokens > self.max_len:
+            self._drop(old)
+            raise PromptTooLongError(
+                f"Sequence {sequence} holds {len(old.tokens)} tokens; {len(tokens)} more plus "
+                f"max_new_tokens={max_new_tokens} make {len(history) + max_new_tokens}, more than the "
+                f"cache holds (max_len={self.max_len}). Ask for at most "
+                f"{max(self.max_len - len(history), 0)} new tokens.")
+        spec = dataclasses.replace(old.spec, prompt=history, max_new_tokens=max_new_tokens,
+                                   keep_cache=keep_cache)
+        follower = Sample(self._next_id, old.request, old.sample, spec, old.key,
+                          preemptions=old.preemptions)
+        self._next_id += 1
+        if not old.blocks or follower.remaining <= 0:  # its blocks went: written again
+            self._drop(old)
+            self._queue(list(history), [follower])
+            return follower.id
+        size = self.config.block_size
+        written = len(old.tokens) - 1  # the last token it produced was never fed
+        column = written // size
+        if written % size and self.blocks.references(old.blocks[column]) > 1:
+            written = column * size  # a block others read is not written into: its part again
+        held = math.ceil(written / size)
+        self.blocks.release(old.blocks[held:])
+        self._counts["reused_tokens"] += written
+        self._waiting.append(PromptGroup(list(history), collections.deque([follower]),
+                                         old.blocks[:held], written))
+        return follower.id
+
+    def release(self, sequence: int) -> None:
+        """Let a finished, kept sequence's blocks go (its episode is over)."""
+        if sequence not in self._kept:
+            raise UnknownSequenceError(f"Sequence {sequence} is not a finished sequence this engine "
+                                       "keeps (already extended or released?).")
+        self._drop(self._kept.pop(sequence))
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """The finished sequences whose blocks are kept for extend, least recently kept first."""
+        return tuple(self._kept)
+
+    def _drop(self, sequence: Sample) -> None:
+        """Release sequence's blocks, registered as a prefix first (a continuation may reuse them)."""
+        if sequence.blocks:
+            if self.config.share_prefixes:
+                self.blocks.register(sequence.tokens[:-1], sequence.blocks)
+            self.blocks.release(sequence.blocks)
+            sequence.blocks = []
+
+    def _unhold_waiting(self) -> bool:
+        """Let queued continuations (not the first) give their blocks back, to be written again."""
+        freed = False
+        for group in list(self._waiting)[1:]:
+            if group.blocks:
+                if self.config.share_prefixes:
+                    self.blocks.register(group.tokens[:group.written], group.blocks)
+                self.blocks.release(group.blocks)
+                group.blocks, group.written = [], 0
+                freed = True
+        return freed
+
+    def _make_room(self, count: int) -> None:
+        """Free kept blocks, least recently kept first, until count blocks are available."""
+        for sequence in list(self._kept.values()):
+            if self.blocks.free_blocks >= count:
+                return
+            if sequence.blocks:
+                self._drop(sequence)
+                self._counts["evictions"] += 1
+
     @property
     def idle(self) -> bool:
         """Whether every submitted sequence has finished."""
@@ -232,6 +323,7 @@ class Engine:
         if self._variables is None:
             raise RuntimeError("Call Engine.set_params(variables) before stepping it.")
         finished = [s.completion("length") for s in self._empty]
+        self._kept.update((s.id, s) for s in self._empty if s.spec.keep_cache)
         self._empty = []
         self._admit()
         with self._context():
@@ -253,15 +345,21 @@ class Engine:
             pending = sum(len(g.members) for g in (*self._prefilling, *self._ready))
             if len(self._running) + pending >= self.config.max_batch:
                 break
+            continuing = bool(group.blocks)  # a kept sequence's continuation holds its blocks
             reused = (self.blocks.lookup(group.tokens[:group.target])
-                      if self.config.share_prefixes else [])
-            need = math.ceil(group.target / size) - len(reused)
-            if need + (1 if self._holding() else 0) > self.blocks.free_blocks:
+                      if self.config.share_prefixes and not continuing else [])
+            need = max(math.ceil(group.target / size) - len(group.blocks) - len(reused), 0)
+            extra = 1 if self._holding() else 0
+            self._make_room(need + extra)
+            if need + extra > self.blocks.free_blocks:
                 self.blocks.release(reused)
+                if not self._holding() and self._unhold_waiting():
+                    continue  # continuations queued behind it held the blocks it needs
                 break
-            group.blocks = reused + self.blocks.allocate(need)
-            group.written = len(reused) * size
-            self._counts["reused_tokens"] += group.written
+            if not continuing:
+                group.written = len(reused) * size
+                self._counts["reused_tokens"] += group.written
+            group.blocks = group.blocks + reused + self.blocks.allocate(need)
             self._waiting.popleft()
             (self._ready if group.written >= group.target else self._prefilling).append(group)
 
@@ -337,6 +435,7 @@ class Engine:
             shared = column < len(sequence.blocks) and self.blocks.references(
                 sequence.blocks[column]) > 1
             need = max(last // size + 1 - len(sequence.blocks), 0) + int(shared)
+            self._make_room(need)
             while need > self.blocks.free_blocks and sequence in self._running:
                 victim = max(self._running, key=lambda s: (len(s.tokens), s.id))
                 self._preempt(victim)
@@ -401,18 +500,20 @@ class Engine:
             sequence.logprobs += logp[r, : produced.size].tolist()
             self._counts["generated_tokens"] += int(produced.size)
             reason: Finish | None = None
-            if produced.size and int(produced[-1]) in sequence.spec.stop_tokens:
+            # A stop string completed before the stop token the device stopped at ends it first.
+            if sequence.spec.stop_strings and self._cut_at_stop_string(sequence, before):
+                reason = ("stop_token" if int(sequence.generated[-1]) in sequence.spec.stop_tokens
+                          else "stop_string")
+            elif produced.size and int(produced[-1]) in sequence.spec.stop_tokens:
                 reason = "stop_token"
-            elif sequence.spec.stop_strings and self._cut_at_stop_string(sequence, before):
-                reason = "stop_string"
             elif sequence.remaining <= 0:
                 reason = "length"
             if reason is not None:
                 self._running.remove(sequence)
-                if config.share_prefixes:
-                    self.blocks.register(sequence.tokens[:-1], sequence.blocks)
-                self.blocks.release(sequence.blocks)
-                sequence.blocks = []
+                if sequence.spec.keep_cache:
+                    self._kept[sequence.id] = sequence
+                else:
+                    self._drop(sequence)
                 finished.append(sequence.completion(reason))
         return finished
 

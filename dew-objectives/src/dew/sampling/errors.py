@@ -5,7 +5,7 @@ from __future__ import annotations
 from dew.errors import DewError
 
 __all__ = ["EngineConfigError", "InvalidPromptError", "InvalidVariablesError", "NotPagedModelError",
-           "PromptTooLongError"]
+           "PromptTooLongError", "UnknownSequenceError"]
 
 
 class InvalidPromptError(DewError, ValueError):
@@ -26,3 +26,10 @@ class NotPagedModelError(DewError, TypeError):
 
 class InvalidVariablesError(DewError, TypeError):
     """What was passed as the model's variables is not its full variables ({'params': ...})."""
+
+
+class UnknownSequenceError(DewError, KeyError):
+    """Engine.extend or release named a sequence the engine does not keep."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])

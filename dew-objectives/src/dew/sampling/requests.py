@@ -99,7 +99,10 @@ class Request:
     max_new_tokens bounds each sample's new tokens; a sample also ends after
     producing one of stop_tokens (kept as its last token) or once its text
     contains one of stop_strings (the engine needs a detokenize function then;
-    the tokens end with the one that completed the string).
+    the tokens end with the one that completed the string). keep_cache: a
+    finished sample keeps its cache blocks, so ``Engine.extend`` continues it
+    after more tokens (an environment's answer) without writing its tokens
+    again; ``Engine.release`` lets them go.
     """
 
     prompt: tuple[int, ...]
@@ -108,6 +111,7 @@ class Request:
     sampling: Sampling = Sampling()
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    keep_cache: bool = False
 
     def __post_init__(self) -> None:
         prompt = tuple(int(t) for t in self.prompt)
@@ -188,3 +192,4 @@ class EngineStats:
     preemptions: int = 0
     peak_blocks: int = 0
     copies: int = 0
+    evictions: int = 0
