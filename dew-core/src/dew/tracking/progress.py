@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from dew import plugins
 from dew.errors import DewError
 from dew.telemetry.records import Goodput, RunStarted
+from dew.tracking.background import LOOP, tracker_cpu_seconds
 from dew.tracking.console import Console
 
 __all__ = ["Clock", "NonFiniteLossError", "Progress", "nonfinite_limit"]
@@ -115,6 +116,8 @@ class Progress:
         # Reading a step's metrics as soon as they are ready is process-local timing; in a
         # pool every process must stop at the same step, so only the log-step reads count.
         self.eager = jax.process_count() == 1
+        self.tracker_cpu_at_start = tracker_cpu_seconds()
+        self.in_loop = False  # holding the tracker writer to the loop's waits (LOOP)
 
     # -- the run's edges -----------------------------------------------------------
     def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int], *,
@@ -127,8 +130,17 @@ class Progress:
         self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
                                processes=processes), start)
         self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
+        if not self.in_loop:  # from here the trackers' writer works while the loop waits
+            self.in_loop = True
+            LOOP.enter()
+
+    def _leave_loop(self) -> None:
+        if self.in_loop:
+            self.in_loop = False
+            LOOP.leave()
 
     def finish(self, step: int, state: Any, goodput: Goodput) -> None:
+        self._leave_loop()
         self.record(goodput, step)
         if self.console is not None:
             self.console.finish(goodput)
@@ -136,6 +148,7 @@ class Progress:
         self.hooks.dew_run_end(step=step, state=state)
 
     def close(self) -> None:
+        self._leave_loop()
         if self.console is not None:
             self.console.close()
 
@@ -143,7 +156,8 @@ class Progress:
     def stepped(self, done: int, metrics: dict[str, jax.Array | float], *, first: bool) -> None:
         """Step done was dispatched; report what is due or already computed."""
         if first:
-            jax.block_until_ready(metrics)
+            with LOOP.waiting():
+                jax.block_until_ready(metrics)
             ready = time.perf_counter()
             self.clock.first_step = ready - self.clock.started
             self.first = (ready if self.compiled_at is None else self.compiled_at, ready, done)
@@ -170,7 +184,11 @@ class Progress:
         if not ready:
             return
         del self.pending[: len(ready)]
-        values = jax.device_get([p.metrics for p in ready])
+        if block:  # the loop waits for its device: the trackers' writer may work meanwhile
+            with LOOP.waiting():
+                values = jax.device_get([p.metrics for p in ready])
+        else:
+            values = jax.device_get([p.metrics for p in ready])
         for pending, host in zip(ready, values, strict=True):
             self._check_finite(pending.step, host)
             if pending.log:
@@ -246,6 +264,8 @@ class Progress:
                 if self.flops_per_step is not None and self.peak_flops:
                     scalars["throughput/mfu"] = rate * self.flops_per_step / (self.peak_flops * devices)
         self.last_log = (now, done)
+        if self.tracker is not None:
+            scalars["telemetry/tracker_cpu_seconds"] = tracker_cpu_seconds() - self.tracker_cpu_at_start
         scalars.update(self._hook_scalars(done, scalars))
         if self.console is not None:
             self.console.log(done, scalars)
