@@ -11,6 +11,7 @@ the trainer hands it values and asks it what the hooks want.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -69,6 +70,25 @@ class _Pending:
     log: bool
 
 
+class _Loading:
+    """The installed plugins loading on a thread of their own (entry points are read and
+    imported: a tenth of a second or more), overlapping the fit's first compiles."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._thread = threading.Thread(target=self._load, name="dew-plugins", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _load() -> None:
+        with contextlib.suppress(Exception):  # a load error is raised again by plugins.hook()
+            plugins.manager()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
 def _conventional(name: str) -> str:
     """A step metric's logged name: train/<name>, unless it names its own group.
 
@@ -104,7 +124,8 @@ class Progress:
         self.clock = Clock()
         self.rank0 = jax.process_index() == 0
         self.console = Console() if self.rank0 else None
-        self.hooks = plugins.hook()
+        self._hooks: Any = None
+        self._plugins: _Loading | None = _Loading()
         self.pending: list[_Pending] = []
         self.last_log: tuple[float, int] | None = None
         # The first step's own timing, compile excluded: when its compile ended, when it was
@@ -118,6 +139,17 @@ class Progress:
         self.eager = jax.process_count() == 1
         self.tracker_cpu_at_start = tracker_cpu_seconds()
         self.in_loop = False  # holding the tracker writer to the loop's waits (LOOP)
+
+    @property
+    def hooks(self) -> Any:
+        """The plugins' hook relay (the installed plugins load on a thread of their own while
+        the fit builds its state, the first time a process fits; a load error is raised here)."""
+        if self._hooks is None:
+            if self._plugins is not None:
+                self._plugins.wait()
+                self._plugins = None
+            self._hooks = plugins.hook()
+        return self._hooks
 
     # -- the run's edges -----------------------------------------------------------
     def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int], *,
