@@ -94,6 +94,7 @@ print("logged", flush=True)
 """
 
 
+@pytest.mark.slow  # two interpreters that start W&B (~10 s)
 def test_wandb_offline_keeps_every_step_when_the_parents_service_stops_and_at_exit(tmp_path):
     """Every step logged reaches the run's datastore with no lost connection, in a process that
     inherited another's W&B service address (WANDB_SERVICE) and outlives it, whether its
