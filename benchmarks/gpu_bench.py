@@ -1,21 +1,38 @@
-"""A ~1B-parameter decoder in bf16 on one accelerator: Trainer.fit against a hand-written jit loop.
+"""MFU on one accelerator: a ~1B dense decoder, a Qwen3-0.6B and a Qwen3-MoE-shaped model, bf16.
 
-Both sides train the same CausalTransformer (rotary positions, SwiGLU, bf16
-compute over float32 parameters, AdamW) on the same batch. Attention goes
-through jax.nn.dot_product_attention ("cudnn" on GPU, "xla" elsewhere) and
-every layer may be rematerialized with one of REMAT_POLICIES. The script prints
-step time, tokens per second and MFU (the model's FLOPs per step over the
-chip's peak bf16 FLOP/s) for each side, and the ratio of Trainer.fit's step
-time to the hand-written loop's, measured in the same process.
+For each model, Trainer.fit and a hand-written donated jax.jit loop train
+the same model (bf16 compute over float32 parameters, AdamW) on the same
+batch. Attention goes through jax.nn.dot_product_attention ("cudnn" on GPU,
+"xla" elsewhere) and every layer may be rematerialized with one of
+REMAT_POLICIES. For each model the script prints step time, tokens per
+second per chip and MFU (the model's FLOPs per step over the chip's peak bf16
+FLOP/s) for each side, the ratio of Trainer.fit's step time to the
+hand-written loop's (measured in the same process), and Trainer.fit's step
+split into compute (the hand-written loop's step: the same program with no
+host work around it), data (the Goodput record's wait for batches) and host
+(the rest: the loop's own Python).
+
+The models (``--models``, all three by default):
+
+- ``dense-1b``: 18 layers x 2048 wide, SwiGLU 5632, vocab 32000 (~1.1B parameters);
+- ``qwen3-0.6b``: ``models.build("qwen3", preset="0.6b")`` as published;
+- ``qwen3-moe``: ``models.build("qwen3_moe", preset="30b-a3b")``'s layer (128
+  experts of width 768, 8 per token) with ``--moe-layers`` of them (4 by
+  default, so the parameters and AdamW's moments fit one chip).
 
 FLOPs per token follow the usual count for training (forward + backward =
-3x forward): 6 x (parameters in matmuls, output head included, embedding
-lookup excluded) + 6 x layers x sequence x heads x head width for causal
-attention (half of the full T x T score matrix is needed).
+3x forward): 6 x (weights a token passes through: matmuls, the output head,
+for MoE the router and its experts_per_token experts; the embedding lookup
+excluded) + 6 x layers x sequence x attention width for causal attention
+(half of the full T x T score matrix is needed). The weights are counted by
+the model itself (CausalTransformer.flops_per_token).
 
-    .venv/bin/python benchmarks/gpu_bench.py                      # the 1B model, on the GPU
-    .venv/bin/python benchmarks/gpu_bench.py --remat full --batch 32
-    .venv/bin/python benchmarks/gpu_bench.py --smoke              # a tiny model on the CPU, seconds
+On a machine without an accelerator the script says so and exits 0;
+``--smoke`` runs every model at a tiny size on the CPU instead, in seconds.
+
+    .venv/bin/python benchmarks/gpu_bench.py                      # all three, on the GPU
+    .venv/bin/python benchmarks/gpu_bench.py --models dense-1b --remat full --batch 32
+    .venv/bin/python benchmarks/gpu_bench.py --smoke              # tiny models on the CPU
 """
 
 from __future__ import annotations
@@ -80,6 +97,39 @@ class Shape:
 ONE_B = Shape(vocab=32_000, width=2048, layers=18, heads=16, mlp=5632, seq=2048, batch=16)
 SMOKE = Shape(vocab=128, width=64, layers=2, heads=4, mlp=128, seq=32, batch=4)
 
+MODELS = ("dense-1b", "qwen3-0.6b", "qwen3-moe")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A family preset the benchmark trains: which, at what size, on what batch."""
+
+    family: str
+    preset: str
+    seq: int
+    batch: int
+    fields: tuple[tuple[str, int], ...] = ()  # CausalTransformer fields over the preset
+
+
+PRESETS = {
+    "qwen3-0.6b": Preset("qwen3", "0.6b", seq=2048, batch=16),
+    "qwen3-moe": Preset("qwen3_moe", "30b-a3b", seq=2048, batch=8, fields=(("num_layers", 4),)),
+}
+SMOKE_PRESETS = {
+    "qwen3-0.6b": Preset("qwen3", "tiny", seq=32, batch=4),
+    "qwen3-moe": Preset("qwen3_moe", "tiny", seq=32, batch=4),
+}
+
+
+def causal_flops_per_token(model, seq: int) -> float:
+    """Training FLOPs per token of a CausalTransformer, counted as Shape.flops_per_token counts:
+    6 per weight a token passes through (the model's own count) + 6 x layers x seq x attention
+    width (causal: half the scores)."""
+    width = model.num_heads * model.head_width
+    attention_full = 12 * model.num_layers * width * seq  # flops_per_token counts the full square
+    weights = (model.flops_per_token(seq) - attention_full) / 6
+    return 6 * weights + 6 * model.num_layers * seq * width
+
 
 def peak_flops(device_kind: str) -> float | None:
     """The table's peak bf16 FLOP/s for a device kind, or None when it is not listed."""
@@ -100,6 +150,17 @@ def build(shape: Shape, attention: str, remat: str):
     )
 
 
+def build_preset(preset: Preset, attention: str, remat: str, fields: dict | None = None):
+    """A family preset as the benchmark trains it: bf16 compute, float32 parameters."""
+    import jax.numpy as jnp
+
+    from dew import models
+
+    return models.build(preset.family, preset=preset.preset, max_seq_len=preset.seq,
+                        dtype=jnp.bfloat16, param_dtype=jnp.float32, attention=attention,
+                        remat=remat, **{**dict(preset.fields), **(fields or {})})
+
+
 def hand_loop(model, optimizer, batch, steps: int) -> dict:
     """The same training in a donated jax.jit step: ms per step after a compiled first step."""
     import jax
@@ -112,8 +173,11 @@ def hand_loop(model, optimizer, batch, steps: int) -> dict:
         params = nn.meta.unbox(model.init(jax.random.key(0), tokens[:, :-1]))["params"]
         return params, optimizer.init(params)
 
+    options = {"mutable": ["moe"]} if getattr(model, "experts", 0) else {}  # routing statistics
+
     def loss_fn(params, tokens):
-        logits = model.apply({"params": params}, tokens[:, :-1])
+        out = model.apply({"params": params}, tokens[:, :-1], **options)
+        logits = out[0] if options else out
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def step(params, opt_state, tokens):
@@ -171,25 +235,82 @@ def trainer_fit(model, optimizer, batch, steps: int, seq: int) -> dict:
         trainer.fit(data, steps=steps + 1, log_every=steps + 1)
     g = tracker.goodput
     return {"step_s": (g.wall_seconds - g.first_step_seconds) / steps,
-            "first_step_s": g.first_step_seconds, "last_loss": tracker.loss}
+            "first_step_s": g.first_step_seconds, "last_loss": tracker.loss,
+            "data_s": g.data_seconds / (steps + 1)}
 
 
-def summary(name: str, step_s: float, shape: Shape, peak: float | None) -> str:
-    tokens = shape.batch * shape.seq
-    mfu = (f"{100 * shape.flops_per_token() * tokens / step_s / peak:.1f}%"
+def summary(name: str, step_s: float, tokens: int, flops_per_token: float, peak: float | None,
+            chips: int = 1) -> str:
+    mfu = (f"{100 * flops_per_token * tokens / step_s / (peak * chips):.1f}%"
            if peak else "n/a (no peak for this device; pass --peak-flops)")
-    return (f"{name:<16} step {1000 * step_s:9.2f} ms   {tokens / step_s:12,.0f} tokens/s   "
-            f"MFU {mfu}")
+    return (f"{name:<16} step {1000 * step_s:9.2f} ms   {tokens / step_s / chips:12,.0f} tokens/s "
+            f"per chip   MFU {mfu}")
+
+
+def split(fit: dict, hand: dict) -> dict:
+    """Trainer.fit's step as compute (the hand-written loop's step), data and host (the rest)."""
+    data = min(fit["data_s"], fit["step_s"])
+    compute = min(hand["step_s"], fit["step_s"] - data)  # a noisy hand-written run can be slower
+    return {"compute_s": compute, "data_s": data, "host_s": fit["step_s"] - compute - data}
+
+
+def bench(name: str, model, tokens_shape: tuple[int, int, int], flops_per_token: float,
+          args, peak: float | None, attention: str, remat: str, steps: int) -> dict:
+    """Both loops on one model; prints its lines and returns its RESULT."""
+    import jax
+    import numpy as np
+    import optax
+
+    batch_rows, seq, vocab = tokens_shape
+    began = time.perf_counter()
+    optimizer = optax.adamw(1e-3, weight_decay=0.01)
+    rng = np.random.default_rng(0)
+    batch = {"text": rng.integers(0, vocab, (batch_rows, seq + 1)).astype(np.int32)}
+    chips = 1  # one device trains: the figures are per chip
+    tokens = batch_rows * seq
+    print(f"== {name}")
+    hand = hand_loop(model, optimizer, batch, steps)
+    print(f"model: {hand['parameters']:,} parameters, {model.num_layers} layers x "
+          f"{model.emb_features} wide, {model.num_heads} heads"
+          + (f", {model.experts} experts ({model.experts_per_token} per token)"
+             if model.experts else f", MLP {model.mlp_features}")
+          + f", vocab {model.vocab_size}; bf16 compute, float32 parameters; attention={attention}, "
+          f"remat={remat}")
+    print(f"batch: {batch_rows} x {seq} tokens; {flops_per_token / 1e9:.4g} GFLOP per token; "
+          f"{steps} timed steps")
+    print(summary("hand-written jit", hand["step_s"], tokens, flops_per_token, peak, chips))
+    result = {"model": name, "device": jax.devices()[0].device_kind, "attention": attention,
+              "remat": remat, "parameters": hand["parameters"], "tokens_per_step": tokens,
+              "flops_per_token": flops_per_token, "peak_flops": peak, "hand": hand}
+    if not args.skip_trainer:
+        gc.collect()
+        fit = trainer_fit(model, optimizer, batch, steps, seq)
+        print(summary("Trainer.fit", fit["step_s"], tokens, flops_per_token, peak, chips))
+        print(f"ratio Trainer.fit / hand-written step time: {fit['step_s'] / hand['step_s']:.3f}")
+        parts = split(fit, hand)
+        print("Trainer.fit step split: " + ", ".join(
+            f"{part[:-2]} {1000 * seconds:.2f} ms ({100 * seconds / fit['step_s']:.1f}%)"
+            for part, seconds in parts.items()))
+        result["trainer"] = fit
+        result["split"] = parts
+    result["seconds"] = time.perf_counter() - began
+    print(f"({name}: {result['seconds']:.0f} s end to end)")
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true",
-                        help="a tiny model for a few steps: checks the script on a CPU in seconds")
+                        help="tiny models for a few steps: checks the script on a CPU in seconds")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
+                        help="which models to train (default all three)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; smoke 3)")
     for name in ("vocab", "width", "layers", "heads", "mlp", "seq", "batch"):
         parser.add_argument(f"--{name}", type=int, default=None,
-                            help=f"model/batch size (default {getattr(ONE_B, name)})")
+                            help=f"dense-1b's model/batch size (default {getattr(ONE_B, name)})")
+    parser.add_argument("--moe-layers", type=int, default=None,
+                        help="layers of the Qwen3-MoE-shaped model (default 4; smoke: the tiny preset's)")
     parser.add_argument("--remat", choices=REMAT_CHOICES, default=None,
                         help="per-layer rematerialization (default dots_saveable; smoke none)")
     parser.add_argument("--attention", choices=("cudnn", "xla", "einsum"), default=None,
@@ -200,42 +321,39 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
-    import numpy as np
-    import optax
 
-    base = SMOKE if args.smoke else ONE_B
-    shape = Shape(**{k: getattr(args, k) or v for k, v in asdict(base).items()})
-    steps = args.steps or (3 if args.smoke else 20)
     device = jax.devices()[0]
+    if device.platform == "cpu" and not args.smoke:
+        print(f"gpu_bench: no accelerator here (JAX sees {jax.device_count()} CPU device(s)); "
+              "nothing to measure. Run it on a machine with a GPU, or pass --smoke to check the "
+              "script on this CPU at a tiny size.")
+        return
+
+    began = time.perf_counter()
+    base = SMOKE if args.smoke else ONE_B
+    steps = args.steps or (3 if args.smoke else 20)
     attention = args.attention or ("cudnn" if device.platform == "gpu" else "xla")
     remat = args.remat or ("none" if args.smoke else "dots_saveable")
     peak = args.peak_flops or peak_flops(device.device_kind)
-
-    model = build(shape, attention, remat)
-    optimizer = optax.adamw(1e-3, weight_decay=0.01)
-    rng = np.random.default_rng(0)
-    batch = {"text": rng.integers(0, shape.vocab, (shape.batch, shape.seq + 1)).astype(np.int32)}
-
     peak_text = f"{peak / 1e12:.0f} TFLOP/s bf16" if peak else "unknown peak"
     print(f"device: {device.device_kind} ({device.platform}), {peak_text}")
-    hand = hand_loop(model, optimizer, batch, steps)
-    print(f"model: {hand['parameters']:,} parameters, {shape.layers} layers x "
-          f"{shape.width} wide, {shape.heads} heads, SwiGLU {shape.mlp}, vocab {shape.vocab}; "
-          f"bf16 compute, float32 parameters; attention={attention}, remat={remat}")
-    print(f"batch: {shape.batch} x {shape.seq} tokens; "
-          f"{shape.flops_per_token() / 1e9:.4g} GFLOP per token; {steps} timed steps")
-    print(summary("hand-written jit", hand["step_s"], shape, peak))
-    result = {"device": device.device_kind, "attention": attention, "remat": remat,
-              "parameters": hand["parameters"], "tokens_per_step": shape.batch * shape.seq,
-              "flops_per_token": shape.flops_per_token(), "peak_flops": peak,
-              "hand": hand}
-    if not args.skip_trainer:
+
+    for name in args.models:
+        if name == "dense-1b":
+            shape = Shape(**{k: getattr(args, k) or v for k, v in asdict(base).items()})
+            model = build(shape, attention, remat)
+            bench(name, model, (shape.batch, shape.seq, shape.vocab), shape.flops_per_token(),
+                  args, peak, attention, remat, steps)
+        else:
+            preset = (SMOKE_PRESETS if args.smoke else PRESETS)[name]
+            fields = {"num_layers": args.moe_layers} if name == "qwen3-moe" and args.moe_layers else {}
+            model = build_preset(preset, attention, remat, fields)
+            bench(name, model, (preset.batch, preset.seq, model.vocab_size),
+                  causal_flops_per_token(model, preset.seq), args, peak, attention, remat, steps)
+        del model
         gc.collect()
-        fit = trainer_fit(model, optimizer, batch, steps, shape.seq)
-        print(summary("Trainer.fit", fit["step_s"], shape, peak))
-        print(f"ratio Trainer.fit / hand-written step time: {fit['step_s'] / hand['step_s']:.3f}")
-        result["trainer"] = fit
-    print("RESULT " + json.dumps(result))
+        jax.clear_caches()  # the next model's programs and buffers only
+    print(f"all models: {time.perf_counter() - began:.0f} s end to end")
 
 
 if __name__ == "__main__":

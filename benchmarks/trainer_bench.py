@@ -6,16 +6,20 @@ compilation cache and then with JAX's persistent cache warmed by an earlier
 run of the same program; steady-state ms per step comes from one interpreter
 in which the two loops alternate, so the machine's drift hits both alike.
 Same model, batch and optimizer; the script prints each figure and the
-ratios. Targets: steady state <= 1.03, first step <= 1.1, memory <= 1.1, and a
-warm cache at most half the cold first step.
+ratios, the first step's as min and median over the repeats' pairs. The
+default model is the key-concepts page's (64 wide, 2 layers, 4 heads, MLP
+256, batch 8 x 64 tokens). Goals: steady state <= 1.02, first step <= 1.05,
+memory <= 1.1, and a warm cache at most half the cold first step. The
+machine may be shared: read the ratios, not the seconds.
 
-    .venv/bin/python benchmarks/trainer_bench.py [--steps 30] [--width 384]
+    .venv/bin/python benchmarks/trainer_bench.py [--steps 30] [--width 384 --layers 4 --seq 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -32,9 +36,9 @@ if cfg.get("cache"):  # what prepare_process does for a recipe's trainer.compila
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 def rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-model = models.build("causal_transformer", vocab_size=256, emb_features=cfg["width"],
-                     num_layers=cfg["layers"], num_heads=8, mlp_features=4 * cfg["width"],
-                     max_seq_len=cfg["seq"])
+model = models.build("causal_transformer", vocab_size=257, emb_features=cfg["width"],
+                     num_layers=cfg["layers"], num_heads=cfg["heads"], mlp_features=4 * cfg["width"],
+                     max_seq_len=2 * cfg["seq"])
 objective = LMObjective(model, seq_len=cfg["seq"])
 optimizer = optax.adamw(1e-3)
 rng = np.random.default_rng(0)
@@ -141,11 +145,14 @@ def measure(program: str, cfg: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--width", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steady-steps", type=int, default=150,
+                        help="steps per round of the steady-state comparison")
     cfg = vars(parser.parse_args())
     params = cfg["layers"] * 12 * cfg["width"] ** 2
     print(f"model: {cfg['layers']} layers x width {cfg['width']} (~{params / 1e6:.1f}M params), "
@@ -164,7 +171,7 @@ def main() -> None:
             warm[name] = min(measure(program, {**cfg, "cache": cache})["first"]
                              for _ in range(cfg["repeats"]))
     # Steady state: both loops alternate in one process, so drift hits them alike.
-    steady = measure(STEADY, cfg)
+    steady = measure(STEADY, {**cfg, "steps": cfg["steady_steps"], "repeats": max(5, cfg["repeats"])})
     best["hand-written"]["step_ms"] = min(steady["hand"])
     best["Trainer.fit"]["step_ms"] = min(steady["trainer"])
     for name, b in best.items():
@@ -172,11 +179,17 @@ def main() -> None:
               f"peak +{b['peak_mb']:7.1f} MB")
     print("steady-state ms/step by round: hand " + ", ".join(f"{x:.1f}" for x in steady["hand"])
           + "; trainer " + ", ".join(f"{x:.1f}" for x in steady["trainer"]))
+    firsts = [t["first"] / h["first"] for h, t in zip(rows["hand-written"], rows["Trainer.fit"], strict=True)]
+    print("first step Trainer / hand-written by pair: " + ", ".join(f"{r:.3f}" for r in firsts)
+          + f"; min {min(firsts):.3f}, median {statistics.median(firsts):.3f} (goal <= 1.05)")
+    pairs = [t / h for h, t in zip(steady["hand"], steady["trainer"], strict=True)]
+    print("steady step Trainer / hand-written by round: " + ", ".join(f"{r:.3f}" for r in pairs)
+          + f"; min {min(pairs):.3f}, median {statistics.median(pairs):.3f} (goal <= 1.02)")
     h, t = best["hand-written"], best["Trainer.fit"]
     print(f"first step with a warm compilation cache: hand-written {warm['hand-written']:.2f} s, "
           f"Trainer.fit {warm['Trainer.fit']:.2f} s")
-    print(f"ratio (Trainer / hand-written): steady state {t['step_ms'] / h['step_ms']:.3f} "
-          f"(target <= 1.03), first step {t['first'] / h['first']:.3f} (target <= 1.1), "
+    print(f"ratio of bests (Trainer / hand-written): steady state {t['step_ms'] / h['step_ms']:.3f} "
+          f"(goal <= 1.02), first step {t['first'] / h['first']:.3f} (goal <= 1.05), "
           f"warm first step {warm['Trainer.fit'] / warm['hand-written']:.3f}, "
           f"peak memory {t['peak_mb'] / h['peak_mb']:.3f} (target <= 1.1)")
     print(f"ratio (warm cache / cold) for Trainer.fit's first step: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,18 @@ import pytest
 BENCH = Path(__file__).parent.parent / "benchmarks" / "gpu_bench.py"
 
 
-@pytest.mark.slow  # two compiles of a model, in a fresh interpreter
+@pytest.mark.slow  # two compiles of each of two models, in a fresh interpreter
 def test_gpu_benchmark_smoke_mode_trains_both_loops_and_prints_the_figures():
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--remat", "dots_saveable", "--peak-flops", "1e12"],
+        [sys.executable, str(BENCH), "--smoke", "--remat", "dots_saveable", "--peak-flops", "1e12",
+         "--models", "dense-1b", "qwen3-moe"],
         capture_output=True, text=True, timeout=500,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    result = json.loads(next(line for line in lines if line.startswith("RESULT "))[7:])
+    results = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+    assert [r["model"] for r in results] == ["dense-1b", "qwen3-moe"]
+    result, moe = results
     assert result["attention"] == "xla" and result["remat"] == "dots_saveable"
     for side in ("hand-written jit", "Trainer.fit"):
         line = next(line for line in lines if line.startswith(side))
@@ -39,6 +43,26 @@ def test_gpu_benchmark_smoke_mode_trains_both_loops_and_prints_the_figures():
     assert in_matmuls / 6 == result["parameters"] - vocab * width - (2 * layers + 1) * width
     mfu = result["flops_per_token"] * result["tokens_per_step"] / fit["step_s"] / 1e12
     assert f"MFU {100 * mfu:.1f}%" in next(line for line in lines if line.startswith("Trainer"))
+    # The step split adds up to Trainer.fit's step, compute being the hand-written step.
+    for each in results:
+        parts = each["split"]
+        assert sum(parts.values()) == pytest.approx(each["trainer"]["step_s"])
+        assert min(parts.values()) >= 0 and parts["compute_s"] <= each["hand"]["step_s"]
+    # The Qwen3-MoE tiny preset (64 wide, 3 layers, layer 1 dense, 8 experts of 32, 3 per token,
+    # 4 heads and 2 KV heads of 16, vocab 512, untied head) counted by hand: a token passes
+    # through q/k/v/o, the router and 3 experts (the dense layer's 3 matrices), then the head.
+    attention = 2 * 64 * 64 + 2 * 64 * 2 * 16
+    weights = 3 * attention + 2 * (3 * 3 * 64 * 32 + 64 * 8) + 3 * 64 * 128 + 64 * 512
+    assert moe["flops_per_token"] == 6 * weights + 6 * 3 * 32 * 64
+    assert moe["hand"]["last_loss"] < moe["hand"]["first_loss"]
+    assert abs(moe["hand"]["first_loss"] - math.log(512)) < 1.0  # near uniform at the start
+
+
+def test_gpu_benchmark_without_an_accelerator_says_so_and_exits_cleanly():
+    run = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no accelerator here" in run.stdout and "RESULT" not in run.stdout
 
 
 def test_peak_table_matches_device_kinds():

@@ -66,3 +66,79 @@ def test_wandb_offline_read_back(tmp_path, monkeypatch):
         np.asarray(Image.open(files / "previews/samples/step_00000003.png")), image)
     row = json.loads((files / "records/run_started/step_00000003.json").read_text())
     assert row["record"]["mesh"] == {"data": 1} and row["record"]["steps"] == 3
+
+
+SERVICE_OWNER = """
+import os, sys, wandb
+run = wandb.init(project="owner", name="owner", mode="offline")  # starts this process's W&B service
+print(os.environ["WANDB_SERVICE"], flush=True)  # the address W&B hands to child processes
+sys.stdin.readline()
+run.finish()
+"""  # and at exit W&B's own hook shuts the service down
+
+LOG_EVERY_STEP = """
+import sys, time
+from dew.trackers.wandb import WandbTracker
+closed = WandbTracker("dew-tests", "closed", offline=True)
+left_open = WandbTracker("dew-tests", "left-open", offline=True)  # its owner never closes it
+for step in range(300):
+    closed.log({"loss": 1.0 / (step + 1)}, step)
+    left_open.log({"loss": 1.0 / (step + 1)}, step)
+    if step == 100:
+        print("halfway", flush=True)
+        sys.stdin.readline()  # meanwhile the process whose service was inherited exits
+    if step % 50 == 0:
+        time.sleep(0.6)  # some batches go out during the run, the rest at close or at exit
+closed.close()
+print("logged", flush=True)
+"""
+
+
+@pytest.mark.slow  # two interpreters that start W&B (~10 s)
+def test_wandb_offline_keeps_every_step_when_the_parents_service_stops_and_at_exit(tmp_path):
+    """Every step logged reaches the run's datastore with no lost connection, in a process that
+    inherited another's W&B service address (WANDB_SERVICE) and outlives it, whether its
+    tracker is closed or left open at exit.
+
+    The two ways W&B offline lost its connection (ConnectionResetError: Connection lost) and
+    the reports after: a run on a service another process started, which stopped it; and a
+    tracker left open, whose last batch was sent after W&B's own exit hook had stopped the
+    service."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "WANDB_API_KEY": ""}
+    owner = subprocess.Popen([sys.executable, "-c", SERVICE_OWNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    child = None
+    try:
+        address = owner.stdout.readline().strip()
+        assert address, "the service owner printed no address"
+        child = subprocess.Popen([sys.executable, "-c", LOG_EVERY_STEP], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**env, "WANDB_SERVICE": address}, cwd=tmp_path)
+        assert child.stdout.readline().strip() == "halfway"
+        owner.communicate("go\n", timeout=120)  # the service the child was handed stops
+        out, err = child.communicate("go\n", timeout=300)
+    finally:
+        for process in (owner, child):
+            if process is not None and process.poll() is None:
+                process.kill()
+    assert child.returncode == 0 and "logged" in out, err[-3000:]
+    assert "ConnectionResetError" not in err and "TrackerWarning" not in err, err[-3000:]
+    runs = {}
+    for datastore in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"):
+        records = finished_records(datastore)
+        (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        losses = {}
+        for record in records:
+            if record.WhichOneof("record_type") == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                if "loss" in row:  # W&B's own rows (runtime, timestamps) carry no loss
+                    losses[int(row["_step"])] = row["loss"]
+        runs[run.display_name] = losses
+    assert set(runs) == {"owner", "closed", "left-open"}
+    for name in ("closed", "left-open"):
+        assert runs[name] == {step: 1.0 / (step + 1) for step in range(300)}, name

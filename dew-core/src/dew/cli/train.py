@@ -161,8 +161,11 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         print(json.dumps(config.recorded(), indent=2))
         return 0
+    from dew.cli.compilation_cache import default_compilation_cache
+
     try:
-        train_in(config, folder)
+        with default_compilation_cache(config.trainer.compilation_cache_dir):
+            train_in(config, folder)
     except (Preempted, UnsavedStopError) as stop:
         if config.trainer.multi_host:
             raise  # a rank of a pool: its launcher says how the pool resumes

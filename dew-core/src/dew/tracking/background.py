@@ -21,6 +21,14 @@ A synchronous channel (``synchronous=True``: LocalTracker's cheap appends)
 sends on the caller's thread instead, in ``submit`` itself, under the same
 policy: a failure that stops the run is raised by the call that met it, and
 a tolerated one keeps the items for the next call after its pause.
+
+On two cores the writer and the training loop share the interpreter: while
+the writer holds it, the loop cannot dispatch its next step. A fit therefore
+tells the writer when it waits for the device (``LOOP``): while a fit runs,
+the writer starts a batch, and each item of it, only inside such a wait (or
+once it has waited ``LoopWindow.patience`` seconds for one, so a loop that
+never waits still gets its reports written). Every send's CPU time is
+counted (``tracker_cpu_seconds``), on whichever thread it ran.
 """
 
 from __future__ import annotations
@@ -33,13 +41,118 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from dew.errors import DewError
 
-__all__ = ["Channel", "Dropped", "TrackerWarning", "TrackerWriteError", "let_others_run"]
+__all__ = ["LOOP", "Channel", "Dropped", "LoopWindow", "TrackerWarning", "TrackerWriteError",
+           "let_others_run", "tracker_cpu_seconds"]
+
+
+class LoopWindow:
+    """When the training loops of this process wait for their devices.
+
+    A fit calls ``enter`` when it starts and ``leave`` when it ends, and wraps
+    each wait for the device in ``waiting()``. The window is open while no fit
+    runs or while one waits: the writer thread does its work then, so it does
+    not hold the interpreter while a loop dispatches a step.
+
+    >>> window = LoopWindow()
+    >>> window.is_open()
+    True
+    >>> window.enter()
+    >>> window.is_open()
+    False
+    >>> with window.waiting():
+    ...     window.is_open()
+    True
+    >>> window.leave()
+    >>> window.is_open()
+    True
+    """
+
+    patience = 0.1
+    """Seconds a batch of the writer waits, in all, for the window before it goes on anyway."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No loop runs (a forked child starts so: it inherits no running fit)."""
+        self._lock = threading.Lock()
+        self._loops = 0
+        self._waiting = 0
+        self._open = threading.Event()
+        self._open.set()
+
+    def _update(self) -> None:
+        if self._loops <= 0 or self._waiting > 0:
+            self._open.set()
+        else:
+            self._open.clear()
+
+    def enter(self) -> None:
+        """A fit started: the writer now works while it waits."""
+        with self._lock:
+            self._loops += 1
+            self._update()
+
+    def leave(self) -> None:
+        """A fit ended."""
+        with self._lock:
+            self._loops = max(0, self._loops - 1)
+            self._update()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The caller waits for its device inside: the writer may run."""
+        with self._lock:
+            self._waiting += 1
+            self._update()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                self._update()
+
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the window opens or timeout seconds pass; True when it is open."""
+        return self._open.wait(timeout) if timeout > 0 else self._open.is_set()
+
+
+LOOP = LoopWindow()
+"""The process's window: dew.tracking.progress opens it around the loop's waits."""
+
+
+class _CpuMeter:
+    """The CPU seconds every channel's sends took, on whichever thread they ran."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.seconds += seconds
+
+
+_CPU = _CpuMeter()
+
+
+def tracker_cpu_seconds() -> float:
+    """The CPU time every tracker's sends have taken in this process so far, in seconds
+    (the writer thread's work, and a synchronous tracker's on the caller's thread). A
+    service a tracker talks to (W&B's own process, an MLflow server) is not counted."""
+    return _CPU.seconds
+
+
+_BATCH = threading.local()  # on the writer thread: when its batch stops waiting for the window
 
 
 def let_others_run() -> None:
@@ -47,9 +160,14 @@ def let_others_run() -> None:
 
     A thread that wants the GIL back otherwise waits for the switch interval
     (5 ms) while the writer holds it; a tracker calls this between the items
-    of a batch, so the loop waits at most one item's work.
+    of a batch, so the loop waits at most one item's work. On the writer
+    thread it also waits for the loop's window (see LoopWindow), within the
+    batch's patience.
     """
     time.sleep(0)
+    deadline = getattr(_BATCH, "deadline", None)
+    if deadline is not None:
+        LOOP.wait(deadline - time.monotonic())
 
 
 class TrackerWriteError(DewError, RuntimeError):
@@ -114,7 +232,12 @@ class _Writer:
                     batches, wait = self._due()
             for channel, items in batches:
                 if items:
-                    channel.deliver(items)
+                    _BATCH.deadline = time.monotonic() + LOOP.patience
+                    LOOP.wait(LOOP.patience)
+                    try:
+                        channel.deliver(items)
+                    finally:
+                        _BATCH.deadline = None
                     let_others_run()
             with self.lock:
                 for channel, _ in batches:
@@ -137,6 +260,7 @@ class _Writer:
         self.ready = {}
         self.thread = None
         self.channels = weakref.WeakSet()
+        LOOP.reset()
 
 
 _WRITER = _Writer()
@@ -345,7 +469,14 @@ class Channel:
         return named
 
     def deliver(self, items: list[Any]) -> None:
-        """On the writer thread: send items, applying the failure policy."""
+        """On the writer thread: send items, applying the failure policy (its CPU time counted)."""
+        began = time.thread_time()
+        try:
+            self._deliver(items)
+        finally:
+            _CPU.add(time.thread_time() - began)
+
+    def _deliver(self, items: list[Any]) -> None:
         try:
             self.send(items)
         except Exception as error:  # noqa: BLE001 - surfaced on the caller's thread

@@ -11,6 +11,7 @@ the trainer hands it values and asks it what the hooks want.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from jax.experimental import multihost_utils
 from dew import plugins
 from dew.errors import DewError
 from dew.telemetry.records import Goodput, RunStarted
+from dew.tracking.background import LOOP, tracker_cpu_seconds
 from dew.tracking.console import Console
 
 __all__ = ["Clock", "NonFiniteLossError", "Progress", "nonfinite_limit"]
@@ -68,6 +70,25 @@ class _Pending:
     log: bool
 
 
+class _Loading:
+    """The installed plugins loading on a thread of their own (entry points are read and
+    imported: a tenth of a second or more), overlapping the fit's first compiles."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._thread = threading.Thread(target=self._load, name="dew-plugins", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _load() -> None:
+        with contextlib.suppress(Exception):  # a load error is raised again by plugins.hook()
+            plugins.manager()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
 def _conventional(name: str) -> str:
     """A step metric's logged name: train/<name>, unless it names its own group.
 
@@ -103,7 +124,8 @@ class Progress:
         self.clock = Clock()
         self.rank0 = jax.process_index() == 0
         self.console = Console() if self.rank0 else None
-        self.hooks = plugins.hook()
+        self._hooks: Any = None
+        self._plugins: _Loading | None = _Loading()
         self.pending: list[_Pending] = []
         self.last_log: tuple[float, int] | None = None
         # The first step's own timing, compile excluded: when its compile ended, when it was
@@ -115,6 +137,19 @@ class Progress:
         # Reading a step's metrics as soon as they are ready is process-local timing; in a
         # pool every process must stop at the same step, so only the log-step reads count.
         self.eager = jax.process_count() == 1
+        self.tracker_cpu_at_start = tracker_cpu_seconds()
+        self.in_loop = False  # holding the tracker writer to the loop's waits (LOOP)
+
+    @property
+    def hooks(self) -> Any:
+        """The plugins' hook relay (the installed plugins load on a thread of their own while
+        the fit builds its state, the first time a process fits; a load error is raised here)."""
+        if self._hooks is None:
+            if self._plugins is not None:
+                self._plugins.wait()
+                self._plugins = None
+            self._hooks = plugins.hook()
+        return self._hooks
 
     # -- the run's edges -----------------------------------------------------------
     def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int], *,
@@ -127,8 +162,17 @@ class Progress:
         self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
                                processes=processes), start)
         self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
+        if not self.in_loop:  # from here the trackers' writer works while the loop waits
+            self.in_loop = True
+            LOOP.enter()
+
+    def _leave_loop(self) -> None:
+        if self.in_loop:
+            self.in_loop = False
+            LOOP.leave()
 
     def finish(self, step: int, state: Any, goodput: Goodput) -> None:
+        self._leave_loop()
         self.record(goodput, step)
         if self.console is not None:
             self.console.finish(goodput)
@@ -136,6 +180,7 @@ class Progress:
         self.hooks.dew_run_end(step=step, state=state)
 
     def close(self) -> None:
+        self._leave_loop()
         if self.console is not None:
             self.console.close()
 
@@ -143,7 +188,8 @@ class Progress:
     def stepped(self, done: int, metrics: dict[str, jax.Array | float], *, first: bool) -> None:
         """Step done was dispatched; report what is due or already computed."""
         if first:
-            jax.block_until_ready(metrics)
+            with LOOP.waiting():
+                jax.block_until_ready(metrics)
             ready = time.perf_counter()
             self.clock.first_step = ready - self.clock.started
             self.first = (ready if self.compiled_at is None else self.compiled_at, ready, done)
@@ -170,7 +216,11 @@ class Progress:
         if not ready:
             return
         del self.pending[: len(ready)]
-        values = jax.device_get([p.metrics for p in ready])
+        if block:  # the loop waits for its device: the trackers' writer may work meanwhile
+            with LOOP.waiting():
+                values = jax.device_get([p.metrics for p in ready])
+        else:
+            values = jax.device_get([p.metrics for p in ready])
         for pending, host in zip(ready, values, strict=True):
             self._check_finite(pending.step, host)
             if pending.log:
@@ -246,6 +296,8 @@ class Progress:
                 if self.flops_per_step is not None and self.peak_flops:
                     scalars["throughput/mfu"] = rate * self.flops_per_step / (self.peak_flops * devices)
         self.last_log = (now, done)
+        if self.tracker is not None:
+            scalars["telemetry/tracker_cpu_seconds"] = tracker_cpu_seconds() - self.tracker_cpu_at_start
         scalars.update(self._hook_scalars(done, scalars))
         if self.console is not None:
             self.console.log(done, scalars)

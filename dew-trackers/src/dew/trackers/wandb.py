@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
-from collections.abc import Mapping
+import os
+import re
+import weakref
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,37 @@ __all__ = ["WandbTracker"]
 # Seconds a batch builds up: every run.log is a round trip through wandb's own event-loop
 # thread, so the writer wakes twice a second for a batch of steps rather than at every step.
 _INTERVAL = 0.5
+
+
+def _own_service() -> None:
+    """Make wandb start this process's own service, unless this process started the one
+    ``WANDB_SERVICE`` names.
+
+    wandb hands its service's address to child processes in ``WANDB_SERVICE``, and a run
+    started where it is set talks to that service: one another process started and stops
+    when that process exits or finishes with W&B (its exit hook shuts it down). A run of
+    a child that outlives it then loses its connection mid-run (``ConnectionResetError:
+    Connection lost``) and every report after, and a run the child leaves open is only
+    finished when the other process exits. The address names the process that started
+    the service (``<version>-<pid>-unix-<path>``, or ``-tcp-``); one from another process
+    is dropped from this process's environment, so wandb starts a service of its own.
+    """
+    address = os.environ.get("WANDB_SERVICE", "")
+    started_by = re.match(r"[^-]+-(\d+)-(?:unix|tcp)-", address)
+    if started_by is not None and int(started_by.group(1)) != os.getpid():
+        del os.environ["WANDB_SERVICE"]
+
+
+def _close_at_exit(tracker: weakref.ReferenceType[WandbTracker]) -> Callable[[], None]:
+    """An exit hook that closes a tracker its owner left open (without keeping it alive)."""
+
+    def close() -> None:
+        alive = tracker()
+        if alive is not None:
+            with contextlib.suppress(Exception):
+                alive.close()
+
+    return close
 
 
 class WandbTracker:
@@ -71,6 +107,7 @@ class WandbTracker:
         self.id = id
         self.connect_timeout = connect_timeout
         self._run: Any = None
+        self._exit_hook: Callable[[], None] | None = None
         where = f"WandbTracker for project {project!r}" + (" (offline)" if offline else "")
         self._channel = Channel(self._send, where, interval=_INTERVAL, stop_on_failure=stop_on_failure,
                                 buffer=buffer, close_timeout=close_timeout,
@@ -82,6 +119,7 @@ class WandbTracker:
         if self._run is None:
             import wandb
 
+            _own_service()
             try:
                 self._run = wandb.init(
                     project=self.project, name=self.name, entity=self.entity,
@@ -94,6 +132,10 @@ class WandbTracker:
                     f"WandbTracker could not start a run in project {self.project!r} within "
                     f"{self.connect_timeout:g} s: {error}. Check the network and WANDB_API_KEY, "
                     "use offline=True, or remove the tracker.") from error
+            # W&B stops its service at exit, from a hook registered when the service started;
+            # exit hooks run last registered first, so this one closes the tracker before.
+            self._exit_hook = _close_at_exit(weakref.ref(self))
+            atexit.register(self._exit_hook)
         return self._run
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
@@ -149,6 +191,9 @@ class WandbTracker:
         self._channel.check()
 
     def close(self) -> None:
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+            self._exit_hook = None
         if self._run is None:
             return
         try:

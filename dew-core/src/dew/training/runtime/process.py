@@ -25,6 +25,7 @@ __all__ = [
     "ProcessSettings",
     "prepare_process",
     "run_timestamp",
+    "use_compilation_cache",
 ]
 
 TIMESTAMP_FORMAT = "%Y-%m-%d_%H:%M:%S"
@@ -181,18 +182,25 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
     _set_core_limit(settings.core_dumps)
     if flags:
         os.environ["XLA_FLAGS"] = _merged_flags(os.environ.get("XLA_FLAGS", ""), flags)
-    import jax
+    import jax  # noqa: F401 - imported here, after XLA_FLAGS are set, as before
 
     if settings.compilation_cache_dir:
         directory = os.path.abspath(os.path.expanduser(settings.compilation_cache_dir))
         os.makedirs(directory, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", directory)
-        # Keep every executable, not only those above JAX's default of one second of
-        # compilation: a run's first step waits for all of them.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        use_compilation_cache(directory)
     if settings.multi_host and not _pool_joined():
         _join_pool()
+
+
+def use_compilation_cache(directory: str) -> None:
+    """Turn on JAX's persistent compilation cache in directory, keeping every executable
+    (not only those above JAX's default of one second of compilation: a run's first step
+    waits for all of them)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def run_timestamp() -> str:
