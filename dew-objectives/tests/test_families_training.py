@@ -199,3 +199,46 @@ def test_ppo_starts_from_a_family_checkpoint_with_a_value_head_beside_it(workdir
     assert abs(rows[0]["kl"]) < 1e-6  # the first sample's policy is the reference itself
     assert "value_head" in state.params["params"]
     _assert_reference_is_the_checkpoint_and_the_policy_moved(state, _start(workdir, "gemma2"))
+
+
+# DeepSeek-V3's latent attention samples through the generation engine's paged pools (issue 29,
+# item 1: the engine runs on any registered causal decoder): GRPO and `dew generate` from its checkpoint.
+@pytest.fixture(scope="module")
+def deepseek(workdir):
+    from dew.families.examples import main
+
+    assert main(["deepseek_v3", str(workdir / "checkpoints" / "deepseek_v3-tiny"), "--seed", "1"]) == 0
+    return workdir
+
+
+def test_grpo_and_generate_run_on_deepseek_v3s_latent_attention(deepseek, monkeypatch, capsys):
+    import jax.numpy as jnp
+
+    from dew.cli import main
+    from dew.recipes.opening import open_run
+
+    monkeypatch.chdir(deepseek)
+    rows, state = _run("gemma-grpo", ["trainer.steps=3", "objective.group_size=4", "data.batch=2",
+                                      "objective.max_new_tokens=3", "objective.reward={name: length, target: 2}",
+                                      *_family("deepseek_v3", "grpo-deepseek_v3"),
+                                      # the folder: its tokenizer_config.json names DeepSeek's end token
+                                      "data.tokenizer=checkpoints/deepseek_v3-tiny",
+                                      "trainer.eval_every=null", "data.load.val_fraction=0"])
+    assert len(rows) == 3 and all(np.isfinite(row["loss"]) for row in rows)
+    assert abs(rows[0]["kl"]) < 1e-6  # the first rollout's policy is the reference itself
+    _assert_reference_is_the_checkpoint_and_the_policy_moved(state, _start(deepseek, "deepseek_v3"))
+
+    # `dew generate` on the trained run continues a prompt as argmax of a full forward pass does.
+    capsys.readouterr()
+    assert main(["generate", "runs/grpo-deepseek_v3", "3+4=", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    opened = open_run("runs/grpo-deepseek_v3")
+    tokenizer = opened.tokenizer
+    forward = jax.jit(opened.model.apply)  # one program: a causal model's scores ignore the padding after
+    ids = tokenizer.encode("3+4=")
+    for _ in range(4):
+        logits = forward(opened.variables, jnp.asarray([ids + [0] * (16 - len(ids))], jnp.int32))
+        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+        if ids[-1] == tokenizer.eos_id:
+            break
+    assert printed == tokenizer.decode(ids) + "\n"

@@ -23,6 +23,17 @@ max_len, rope]) and attends in the latent space: the key's up-projection is
 folded into the query and the value's into the output, so nothing of size
 heads x max_len is built per token.
 
+A paged decode (inside ``dew.nn.paged_attention.paged``, as the generation
+engine runs it) caches the same two things, in the pools ``paged_latent``
+[blocks, block_size, 1, kv_lora_rank] and ``paged_key_rope`` [blocks,
+block_size, 1, rope]: one shared "head" each, as a single key/value head
+would be, so the block tables, prefix sharing and copy-on-write work as for
+grouped-query attention. This is what DeepSeek's own inference caches, and
+the point of the latent: kv_lora_rank + rope numbers per token and layer
+(576 in DeepSeek-V3) where the expanded keys and values would take
+heads x (nope + rope + v) (40960), 71 times less. Attention then runs in
+the absorbed form above; it equals the expanded form up to rounding.
+
 >>> import jax, jax.numpy as jnp
 >>> attention = LatentAttention(num_heads=2, max_len=8, kv_lora_rank=4, qk_nope_head_features=4,
 ...                             qk_rope_head_features=2, v_head_features=3)
@@ -43,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn import paged_attention as paged
 from dew.nn import sharding as axes
 from dew.nn.rotary import RopeScaling, attention_scaling, inverse_frequencies, rotate
 from dew.nn.sharding import constrain, param
@@ -211,6 +223,13 @@ class LatentAttention(nn.Module):
 
     def _update_cache(self, latent_btr: jax.Array, key_rope_btp: jax.Array,
                       positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Store this call's latents and rotated keys; every cached one, and the causal mask [B, 1, T, S]."""
+        if paged.current_view() is not None:  # the engine's blocks: one shared "head" per pool
+            (latent_bs1r, key_rope_bs1p), slots = paged.store(
+                self, dict(zip(paged.LATENT_POOL_NAMES, (latent_btr[:, :, None], key_rope_btp[:, :, None]),
+                               strict=True)), positions)
+            mask = (slots[:, None, :] <= positions[:, :, None])[:, None]
+            return latent_bs1r[:, :, 0], key_rope_bs1p[:, :, 0], mask
         batch = latent_btr.shape[0]
         cached_latent = self.variable("cache", "cached_latent", jnp.zeros,
                                       (batch, self.max_len, self.kv_lora_rank), self.dtype)

@@ -16,6 +16,13 @@ the gathered slot ``s`` holds position ``s``, and every query attends to the slo
 or before its own position. That is the layout the contiguous cache has, so the
 masks and scores computed after the cache step are the same in both paths.
 
+A layer chooses what it stores per token (``store``): grouped-query attention its
+keys and values (``update``); multi-head latent attention (dew.nn.latent_attention)
+its compressed latent and its shared rotary key (``LATENT_POOL_NAMES``), each pool
+with one "head", as a single key/value head would be. Every pool has the same
+``[num_blocks, block_size, heads, width]`` layout, so the block tables, copy-on-write
+and the engine's scheduling do not depend on which attention a model has.
+
 >>> import jax, jax.numpy as jnp
 >>> from dew.nn.backbones import CausalTransformer
 >>> model = CausalTransformer(vocab_size=11, emb_features=8, num_layers=1, num_heads=2,
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,16 +56,21 @@ import jax.numpy as jnp
 from dew.nn import sharding as axes
 
 __all__ = [
+    "LATENT_POOL_NAMES",
     "POOL_AXES",
     "POOL_NAMES",
     "PagedView",
     "copy_blocks",
     "current_view",
     "paged",
+    "store",
     "update",
 ]
 
-POOL_NAMES = ("paged_key", "paged_value")
+LATENT_POOL_NAMES = ("paged_latent", "paged_key_rope")
+"""The pools of a latent attention layer: its normalized kv latent and its rotated shared key."""
+
+POOL_NAMES = ("paged_key", "paged_value", *LATENT_POOL_NAMES)
 """The names of a layer's pool variables in the 'cache' collection."""
 
 POOL_AXES: tuple[str | None, ...] = (None, None, axes.ACTIVATION_HEADS, None)
@@ -102,21 +114,22 @@ def current_view() -> PagedView | None:
     return _CURRENT.get()
 
 
-def update(module: nn.Module, k: jax.Array, v: jax.Array,
-           positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Store k, v [B, T, kv_heads, width] at positions [B, T] in module's pool; read the rows back.
+def store(module: nn.Module, entries: Mapping[str, jax.Array],
+          positions: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """Store each of entries ({pool name: [B, T, heads, width]}) at positions [B, T]; read the rows back.
 
-    Returns the keys and values of every position each row's table covers
-    ([B, W * block_size, kv_heads, width], slot s holding position s) and the
+    Returns, in entries' order, every position each row's table covers
+    ([B, W * block_size, heads, width], slot s holding position s), and the
     position each slot holds ([1, S]), as the contiguous cache does, so the
     attention layer builds one mask (causal, and windowed where it slides).
     """
     view = current_view()
     if view is None:
-        raise RuntimeError("paged_attention.update runs inside paged(PagedView(...)) only.")
-    batch, length, kv_heads, width = k.shape
-    shape = (view.num_blocks, view.block_size, kv_heads, width)
-    pools = [module.variable("cache", name, jnp.zeros, shape, k.dtype) for name in POOL_NAMES]
+        raise RuntimeError("paged_attention.store runs inside paged(PagedView(...)) only.")
+    unknown = set(entries) - set(POOL_NAMES)
+    if unknown:
+        raise ValueError(f"Unknown pool names {sorted(unknown)}; a pool is one of {POOL_NAMES} "
+                         "(copy-on-write copies those only).")
     tables = view.block_tables.astype(jnp.int32)
     capacity = view.num_blocks * view.block_size
     column = jnp.clip(positions // view.block_size, 0, tables.shape[1] - 1)
@@ -124,15 +137,30 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array,
     slot = block * view.block_size + positions % view.block_size
     slot = jnp.where(view.writes, slot, capacity).reshape(-1)  # out of range: dropped
     read = []
-    for pool, new in zip(pools, (k, v), strict=True):
-        flat = pool.value.reshape(capacity, kv_heads, width)
-        flat = flat.at[slot].set(new.reshape(batch * length, kv_heads, width).astype(flat.dtype),
+    for name, new in entries.items():
+        batch, length, heads, width = new.shape
+        shape = (view.num_blocks, view.block_size, heads, width)
+        pool = module.variable("cache", name, jnp.zeros, shape, new.dtype)
+        flat = pool.value.reshape(capacity, heads, width)
+        flat = flat.at[slot].set(new.reshape(batch * length, heads, width).astype(flat.dtype),
                                  mode="drop")
         pool.value = flat.reshape(shape)
-        rows = jnp.take(pool.value, tables, axis=0)  # [B, W, block_size, kv, width]
-        read.append(rows.reshape(batch, -1, kv_heads, width))
-    slots = jnp.arange(read[0].shape[1], dtype=jnp.int32)[None, :]
-    return read[0], read[1], slots
+        rows = jnp.take(pool.value, tables, axis=0)  # [B, W, block_size, heads, width]
+        read.append(rows.reshape(batch, -1, heads, width))
+    slots = jnp.arange(tables.shape[1] * view.block_size, dtype=jnp.int32)[None, :]
+    return read, slots
+
+
+def update(module: nn.Module, k: jax.Array, v: jax.Array,
+           positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Store k, v [B, T, kv_heads, width] at positions [B, T] in module's pool; read the rows back.
+
+    Returns the keys and values of every position each row's table covers
+    ([B, W * block_size, kv_heads, width], slot s holding position s) and the
+    position each slot holds ([1, S]) (see ``store``).
+    """
+    (keys, values), slots = store(module, {"paged_key": k, "paged_value": v}, positions)
+    return keys, values, slots
 
 
 def copy_blocks(cache: Any, source: jax.Array, target: jax.Array) -> Any:

@@ -76,8 +76,9 @@ class Engine:
     """Generate continuations of many prompts through one paged cache (see the module docstring).
 
     model is a causal decoder whose attention decodes through a paged cache
-    (any model built from dew.nn.layers.CausalSelfAttention, such as
-    ``causal_transformer``). detokenize (ids -> text) is needed for stop
+    (any model built from dew.nn.layers.CausalSelfAttention or
+    dew.nn.latent_attention.LatentAttention: ``causal_transformer`` and every
+    registered family, DeepSeek-V3's latent attention included). detokenize (ids -> text) is needed for stop
     strings. On a mesh (taken from the parameters' shardings, or given), the
     programs run under the mesh and rules (default: Layout's), and the pool's
     key/value heads are split as the attention's are.
@@ -146,7 +147,8 @@ class Engine:
 
     @property
     def cache(self) -> Any:
-        """The pools (a 'cache' collection of paged_key/paged_value per layer) on the devices."""
+        """The pools (a 'cache' collection of paged_key/paged_value per layer, paged_latent/paged_key_rope
+        for latent attention) on the devices."""
         return self._cache
 
     # -- requests ----------------------------------------------------------------------

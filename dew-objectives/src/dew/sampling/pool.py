@@ -3,7 +3,8 @@
 The pools' shapes come from tracing the model once with an empty 'cache'
 collection (once per model, layout and parameter shapes, not per engine). On a
 mesh, each pool's key/value heads are split as the attention's activations are
-(``POOL_AXES`` under the rules), so a layer writes its keys where it computed them.
+(``POOL_AXES`` under the rules), so a layer writes its keys where it computed them;
+a latent attention's pools have one shared "head" and are kept whole on every device.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def empty_cache(model: nn.Module, variables: Any, num_blocks: int, block_size: i
         raise NotPagedModelError(
             f"{type(model).__name__} wrote no paged key/value cache when decoding; the engine "
             "needs a causal decoder whose attention layers are dew.nn.layers.CausalSelfAttention "
-            "(such as the causal_transformer model)."
+            "or dew.nn.latent_attention.LatentAttention (such as the causal_transformer model or "
+            "any registered family)."
         )
     sharding = _sharding(shapes, mesh, rules)
     by_rank = dict(sharding or ())
