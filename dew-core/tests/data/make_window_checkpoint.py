@@ -77,8 +77,11 @@ def main(target: Path) -> None:
     final = again.fit(DATA, steps=6)
     again.checkpoints.close()
     shutil.rmtree(scratch)
-    leaves = lambda tree: {"/".join(str(p.key) for p in path): np.asarray(leaf).tolist()
-                           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    def leaves(tree):
+        return {"/".join(str(p.key) for p in path): np.asarray(leaf).tolist()
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
     expected = {"step": int(final.step), "updates": int(final.updates), "microstep": int(final.microstep),
                 "params": leaves(final.params), "ema": leaves(final.ema),
                 "loss_scale": float(final.scaler.scale)}
