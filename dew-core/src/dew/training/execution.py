@@ -55,8 +55,7 @@ class Execution(Protocol):
         """The fresh state build(*args) computes, placed as placement says."""
         ...
 
-    def compile(self, program: Program, state: TrainState, placement: Placement,
-                batch: Mapping[str, jax.Array]) -> StepFn:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
         """The step program compiled over state and one global batch; the state is donated."""
         ...
 
@@ -93,9 +92,8 @@ class DeviceExecution:
     def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: Any) -> TrainState:
         return jax.jit(build, out_shardings=placement)(*args)
 
-    def compile(self, program: Program, state: TrainState, placement: Placement,
-                batch: Mapping[str, jax.Array]) -> StepFn:
-        schedule = schedule_of(self.spec)
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+        placement, schedule = self.placement(state), schedule_of(self.spec)
         step = fetching(with_bubble(program.step(), schedule), placement, self.layout.resident_fields)
         jitted = jax.jit(step, in_shardings=(placement, {k: v.sharding for k, v in batch.items()}),
                          out_shardings=(placement, NamedSharding(self.mesh, PartitionSpec())),

@@ -28,8 +28,9 @@ from dew.tracking.protocol import Located
 from dew.training.evaluation import Evaluator, OutputMeans
 from dew.training.execution import Execution
 from dew.training.feed import Feed
-from dew.training.loop import StepRecord
+from dew.training.loop import Compilation, StepRecord
 from dew.training.runtime.preemption import Preempted, PreemptionWatch, UnsavedStopError
+from dew.training.state import TrainState
 
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
@@ -63,8 +64,8 @@ class Hook:
         """Step record.done was dispatched."""
         return None
 
-    def end(self, record: StepRecord) -> Contribution | None:
-        """The loop ended at record (its last step, or a stop): finish what is under way."""
+    def end(self, done: int, state: TrainState) -> Contribution | None:
+        """The loop ended at step done (its last, or a stop) with state: finish what is under way."""
         return None
 
     def fail(self, error: BaseException) -> None:
@@ -92,10 +93,10 @@ class Reporting(Hook):
 
     def __init__(self, progress: Progress, trainer: Any, feed: Feed, *, start: int, steps: int,
                  notes: Sequence[str]) -> None:
-        self.progress, self.trainer, self.feed, self.objective = progress, trainer, feed, trainer.objective
+        self.progress, self.trainer, self.feed = progress, trainer, feed
         self.start, self.steps, self.notes = start, steps, tuple(notes)
         self.failed = False
-        self.last: StepRecord | None = None
+        self.last: tuple[int, TrainState] | None = None
 
     def open(self) -> None:
         self.progress.start(self.trainer, self.start, self.steps, self.trainer.device_mesh.shape,
@@ -105,28 +106,24 @@ class Reporting(Hook):
 
     def after(self, record: StepRecord) -> Contribution | None:
         if record.compiled is not None:
-            self._compiled(record)
+            self._compiled(record.compiled)
         self.progress.stepped(record.done, record.metrics, first=record.first)
-        self.last = record
+        self.last = record.done, record.state
         stop = self.progress.stop_requested
         return None if stop is None else Contribution(stop=stop)
 
-    def _compiled(self, record: StepRecord) -> None:
-        compiled = record.compiled
-        assert compiled is not None
-        shapes = compiled.shapes
-        rows = next((v.shape[0] for v in shapes.values() if v.shape), 0)
+    def _compiled(self, compiled: Compilation) -> None:
         self.progress.compiled(compiled.seconds, at=compiled.at)
-        self.progress.note(f"compiling the step for batches of {rows} rows: {compiled.seconds:.2f} s")
+        self.progress.note(f"compiling the step for batches of {compiled.rows} rows: {compiled.seconds:.2f} s")
         device = next(iter(self.trainer.device_mesh.devices.flat))
-        self.progress.measure(records=rows, tokens=self.objective.tokens(shapes),
-                              flops=self.objective.flops(shapes), peak_flops=peak_flops(device.device_kind))
+        self.progress.measure(records=compiled.rows, tokens=compiled.tokens, flops=compiled.flops,
+                              peak_flops=peak_flops(device.device_kind))
 
-    def take(self, contribution: Contribution | None, record: StepRecord) -> StepRecord:
-        """Report what a hook contributed at record; a stop marks the record the last."""
+    def take(self, contribution: Contribution | None, done: int) -> str | None:
+        """Report what a hook contributed at step done; return its reason to stop, if it gave one."""
         if contribution is None:
-            return record
-        progress, done = self.progress, record.done
+            return None
+        progress = self.progress
         for line in contribution.notes:
             progress.note(line)
         for item in contribution.records:
@@ -137,12 +134,12 @@ class Reporting(Hook):
             progress.evaluation(result, done)
         if contribution.checkpoint is not None:
             progress.checkpoint(done, contribution.checkpoint)
-        return record if contribution.stop is None else record.stopping(contribution.stop)
+        return contribution.stop
 
     def note(self, line: str) -> None:
         self.progress.note(line)
 
-    def end(self, record: StepRecord) -> Contribution | None:
+    def end(self, done: int, state: TrainState) -> Contribution | None:
         self.progress.drain()
         return None
 
@@ -153,9 +150,8 @@ class Reporting(Hook):
     def close(self) -> None:
         if self.failed or self.last is None:
             return
-        clock = self.feed.clock
-        self.progress.finish(self.last.done, self.last.state,
-                             self.progress.clock.goodput(clock.data, clock.rollout, clock.reward))
+        clock, (done, state) = self.feed.clock, self.last
+        self.progress.finish(done, state, self.progress.clock.goodput(clock.data, clock.rollout, clock.reward))
 
 
 class Profiling(Hook):
@@ -189,18 +185,19 @@ class Evaluating(Hook):
         self.writes_preview = preview and tracked  # a preview is written only where a tracker keeps it
 
     def after(self, record: StepRecord) -> Contribution | None:
-        return self._evaluate(record) if _every(record.done, self.every) and not record.last else None
+        return self._evaluate(record.done, record.state) if _every(record.done, self.every) and not record.last \
+            else None
 
-    def end(self, record: StepRecord) -> Contribution | None:
-        return self._evaluate(record)  # the last step's scores and preview
+    def end(self, done: int, state: TrainState) -> Contribution | None:
+        return self._evaluate(done, state)  # the last step's scores and preview
 
-    def _evaluate(self, record: StepRecord) -> Contribution | None:
+    def _evaluate(self, done: int, state: TrainState) -> Contribution | None:
         if self.dataset.val is None and not self.preview:
             return None
-        began, state = time.perf_counter(), record.state
+        began = time.perf_counter()
         variables, averaged = self.execution.readable(state)
         result = self.evaluator(
-            variables, self.dataset.val, key=state.rng, metrics=self.metrics, step=record.done,
+            variables, self.dataset.val, key=state.rng, metrics=self.metrics, step=done,
             averaged=averaged, preview=self.writes_preview, schedule_step=int(jax.device_get(state.updates)),
         )
         return Contribution(evaluations=(result,), eval_seconds=time.perf_counter() - began)
@@ -257,7 +254,7 @@ class Saving(Hook):
                    f"steps in flight ({path})",),
             checkpoint_seconds=blocked, checkpoint=path)
 
-    def end(self, record: StepRecord) -> Contribution:
+    def end(self, done: int, state: TrainState) -> Contribution:
         """Wait for the writes under way, so a program that exits after fit loses no step."""
         began = time.perf_counter()
         self.checkpoints.wait()
@@ -297,8 +294,8 @@ class Preemption(Hook):
         if saving is None:
             raise UnsavedStopError(done, status=self.watch.status)
         if saving.saved != done:
-            self.reporting.take(saving.save(record), record)
-        self.reporting.take(saving.end(record), record)
+            self.reporting.take(saving.save(record), done)
+        self.reporting.take(saving.end(done, record.state), done)
         progress.hooks.dew_preempted(step=done)
         raise Preempted(done, status=self.watch.status)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from dew.objectives.base import Objective
 from dew.training.feed import Feed, Signature
 from dew.training.state import TrainState
 
@@ -33,11 +34,13 @@ StepProgram = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, 
 
 @dataclass(frozen=True)
 class Compilation:
-    """A step program compiled for a new batch shape: how long it took and for what."""
+    """A step program compiled for a new batch shape: how long it took, and what a step of it processes."""
 
     seconds: float
     at: float  # perf_counter when it finished
-    shapes: dict[str, jax.ShapeDtypeStruct]
+    rows: int
+    tokens: int | None
+    flops: float | None
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,9 @@ class StepRecord:
 
 
 def steps(state: TrainState, feed: Feed, compile: Callable[[TrainState, Mapping[str, jax.Array]], StepProgram],
-          start: int, stop: int) -> Iterator[StepRecord]:
-    """Dispatch steps start+1 .. stop, yielding each one's record as soon as it is dispatched."""
+          objective: Objective, start: int, stop: int) -> Iterator[StepRecord]:
+    """Dispatch steps start+1 .. stop, yielding each one's record as soon as it is dispatched; the
+    objective says what a step of each new batch shape processes (tokens, flops)."""
     compiled: dict[Signature, StepProgram] = {}
     for step in range(start, stop):
         fed = feed.next(state, step)
@@ -71,15 +75,19 @@ def steps(state: TrainState, feed: Feed, compile: Callable[[TrainState, Mapping[
             began = time.perf_counter()
             compiled[fed.signature] = compile(state, fed.batch)
             at = time.perf_counter()
-            compilation = Compilation(at - began, at, {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                                       for k, v in fed.batch.items()})
+            shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in fed.batch.items()}
+            rows = next((v.shape[0] for v in shapes.values() if v.shape), 0)
+            compilation = Compilation(at - began, at, rows, objective.tokens(shapes), objective.flops(shapes))
         state, metrics = compiled[fed.signature](state, fed.batch)
         yield StepRecord(step + 1, state, {**metrics, **fed.scalars}, first=step == start,
                          last=step + 1 == stop, compiled=compilation)
 
 
-def train(records: Iterator[StepRecord], reporting: Reporting, hooks: Sequence[Hook]) -> StepRecord | None:
-    """Run every record through the hooks in order, then end them; a failure reaches each hook."""
+def train(records: Iterator[StepRecord], reporting: Reporting, hooks: Sequence[Hook]) -> TrainState:
+    """Run every record through the hooks in order, then end them; a failure reaches each hook.
+
+    Returns the last step's state.
+    """
     everyone = (reporting, *hooks)
     record = None
     try:
@@ -87,13 +95,15 @@ def train(records: Iterator[StepRecord], reporting: Reporting, hooks: Sequence[H
             hook.open()
         for record in records:
             for hook in everyone:
-                record = reporting.take(hook.after(record), record)
+                stop = reporting.take(hook.after(record), record.done)
+                record = record if stop is None else record.stopping(stop)
             if record.stop is not None:
                 reporting.note(f"step {record.done}: stopping early: {record.stop}")
                 break
+        assert record is not None, "a fit runs at least one step"
+        done, state = record.done, record.state
         for hook in everyone:
-            if record is not None:
-                reporting.take(hook.end(record), record)
+            reporting.take(hook.end(done, state), done)
     except BaseException as error:
         for hook in reversed(everyone):
             hook.fail(error)
@@ -101,4 +111,4 @@ def train(records: Iterator[StepRecord], reporting: Reporting, hooks: Sequence[H
     finally:
         for hook in reversed(everyone):
             hook.close()
-    return record
+    return state

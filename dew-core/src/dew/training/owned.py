@@ -135,8 +135,7 @@ class OwnedExecution:
         return jax.device_put(state, placement)
 
     # -- the step ---------------------------------------------------------------
-    def compile(self, program: Program, state: TrainState, placement: TrainState,
-                batch: Mapping[str, jax.Array]) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
         """Compile the two halves of a step, each on its mesh, and return the step that joins them.
 
         forward runs on the accelerators against the bank; its gradients are
@@ -145,6 +144,7 @@ class OwnedExecution:
         apply: they are no part of what it updates.
         """
         forward, apply = program.halves()
+        placement = self.placement(state)
         rules, schedule = self.layout.axis_rules, schedule_of(self.spec)
         view = self.view(state)
         view_sh = self.view_placement(view)

@@ -11,7 +11,7 @@ feed and runs ``steps`` through the hooks (dew.training.loop).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Generic
 
 import jax
@@ -152,7 +152,7 @@ class Trainer(Generic[Loss, Effects]):
 
     def compile(self, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
         """The step compiled over state and one global batch; the state is donated."""
-        return self.execution.compile(self.program, state, self.shardings(state), batch)
+        return self.execution.compile(self.program, state, batch)
 
     @cached_property
     def _evaluator(self) -> Evaluator:
@@ -190,7 +190,8 @@ class Trainer(Generic[Loss, Effects]):
                     hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
                     hooks.Preemption(reporting, saving)]
         try:
-            last = loop.train(loop.steps(state, feed, self.compile, start, steps), reporting, concerns)
+            state = loop.train(loop.steps(state, feed, partial(self.execution.compile, self.program), self.objective,
+                                          start, steps), reporting, concerns)
         finally:
             feed.close()
-        return state if last is None else last.state
+        return state
