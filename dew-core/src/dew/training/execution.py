@@ -30,9 +30,13 @@ from dew.training.state import TrainState, shardings_state
 if TYPE_CHECKING:
     from dew.training.placement.mesh import MeshSpec
     from dew.training.program import Program
-    from dew.training.step import StepFn
 
-__all__ = ["DeviceExecution", "Execution", "execution_for", "follower", "state_placement"]
+__all__ = ["CompiledStep", "DeviceExecution", "Execution", "execution_for", "follower", "state_placement"]
+
+
+# One compiled transaction, new = step(old, batch): the old state is consumed (its buffers donated).
+# A compiled executable on the devices, or the two programs of a CPU-owned state joined.
+CompiledStep = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]
 
 
 class Execution(Protocol):
@@ -55,7 +59,7 @@ class Execution(Protocol):
         """The fresh state build(*args) computes, placed as placement says."""
         ...
 
-    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
         """The step program compiled over state and one global batch; the state is donated."""
         ...
 
@@ -92,7 +96,7 @@ class DeviceExecution:
     def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: Any) -> TrainState:
         return jax.jit(build, out_shardings=placement)(*args)
 
-    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
         placement, schedule = self.placement(state), schedule_of(self.spec)
         step = fetching(with_bubble(program.step(), schedule), placement, self.layout.resident_fields)
         jitted = jax.jit(step, in_shardings=(placement, {k: v.sharding for k, v in batch.items()}),

@@ -11,7 +11,7 @@ feed and runs ``steps`` through the hooks (dew.training.loop).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property, partial
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic
 
 import jax
@@ -26,7 +26,7 @@ from dew.training import hooks, loop
 from dew.training.cadence import log_interval
 from dew.training.config import TrainerSettings
 from dew.training.evaluation import Evaluator
-from dew.training.execution import Execution, execution_for
+from dew.training.execution import CompiledStep, Execution, execution_for
 from dew.training.feed import Feed
 from dew.training.initializers import Initializer
 from dew.training.optim import ConfiguredOptimizer, Optimizer
@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # named in signatures; the trainer imports none before a run 
     from dew.evaluations.base import Periodic
     from dew.training.profiling import ProfileWindow
 
-__all__ = ["FrozenTrainedError", "NonFiniteLossError", "ResumeMismatchError", "Rollout",
+__all__ = ["CompiledStep", "FrozenTrainedError", "NonFiniteLossError", "ResumeMismatchError", "Rollout",
            "StepCompositionError", "Trainer"]
 
 
@@ -150,7 +150,7 @@ class Trainer(Generic[Loss, Effects]):
         weights = self.start.weights_on_mesh(self.execution.weights_placement(shardings))
         return self.execution.initialize(self.initial_state, shardings, weights, self.key), shardings, None
 
-    def compile(self, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+    def compile(self, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
         """The step compiled over state and one global batch; the state is donated."""
         return self.execution.compile(self.program, state, batch)
 
@@ -190,8 +190,8 @@ class Trainer(Generic[Loss, Effects]):
                     hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
                     hooks.Preemption(reporting, saving)]
         try:
-            state = loop.train(loop.steps(state, feed, partial(self.execution.compile, self.program), self.objective,
-                                          start, steps), reporting, concerns)
+            state = loop.train(loop.steps(state, feed, self.compile, self.objective, start, steps), reporting,
+                               concerns)
         finally:
             feed.close()
         return state
