@@ -30,13 +30,19 @@ from dew.training.state import TrainState, shardings_state
 if TYPE_CHECKING:
     from dew.training.placement.mesh import MeshSpec
     from dew.training.program import Program
+    from dew.training.step import StepFn
 
 __all__ = ["CompiledStep", "DeviceExecution", "Execution", "execution_for", "follower", "state_placement"]
 
 
-# One compiled transaction, new = step(old, batch): the old state is consumed (its buffers donated).
-# A compiled executable on the devices, or the two programs of a CPU-owned state joined.
-CompiledStep = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]
+@dataclass(frozen=True)
+class CompiledStep:
+    """One compiled transaction: ``new = step(old, batch)``; the old state is consumed (donated)."""
+
+    executable: StepFn  # a compiled executable, or the two programs of a CPU-owned state joined
+
+    def __call__(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+        return self.executable(state, batch)
 
 
 class Execution(Protocol):
@@ -59,7 +65,7 @@ class Execution(Protocol):
         """The fresh state build(*args) computes, placed as placement says."""
         ...
 
-    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
         """The step program compiled over state and one global batch; the state is donated."""
         ...
 
@@ -96,7 +102,7 @@ class DeviceExecution:
     def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: Any) -> TrainState:
         return jax.jit(build, out_shardings=placement)(*args)
 
-    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
         placement, schedule = self.placement(state), schedule_of(self.spec)
         step = fetching(with_bubble(program.step(), schedule), placement, self.layout.resident_fields)
         jitted = jax.jit(step, in_shardings=(placement, {k: v.sharding for k, v in batch.items()}),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from dew.objectives.base import Objective
+from dew.training.execution import CompiledStep
 from dew.training.feed import Feed, Signature
 from dew.training.state import TrainState
 
@@ -63,7 +64,7 @@ class StepRecord:
         return self if self.stop is not None else dataclasses.replace(self, stop=reason, last=True)
 
 
-def steps(state: TrainState, feed: Feed, compile: Callable[[TrainState, Mapping[str, jax.Array]], StepProgram],
+def steps(state: TrainState, feed: Feed, compile: Callable[[TrainState, Mapping[str, jax.Array]], CompiledStep],
           objective: Objective, start: int, stop: int) -> Iterator[StepRecord]:
     """Dispatch steps start+1 .. stop, yielding each one's record as soon as it is dispatched; the
     objective says what a step of each new batch shape processes (tokens, flops)."""
@@ -73,7 +74,7 @@ def steps(state: TrainState, feed: Feed, compile: Callable[[TrainState, Mapping[
         compilation = None
         if fed.signature not in compiled:
             began = time.perf_counter()
-            compiled[fed.signature] = compile(state, fed.batch)
+            compiled[fed.signature] = compile(state, fed.batch).executable
             at = time.perf_counter()
             shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in fed.batch.items()}
             rows = next((v.shape[0] for v in shapes.values() if v.shape), 0)

@@ -152,7 +152,7 @@ class Trainer(Generic[Loss, Effects]):
 
     def compile(self, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
         """The step compiled over state and one global batch; the state is donated."""
-        return self.execution.compile(self.program, state, batch)
+        return CompiledStep(self.execution.compile(self.program, state, batch))
 
     @cached_property
     def _evaluator(self) -> Evaluator:
