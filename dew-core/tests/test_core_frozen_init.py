@@ -174,7 +174,7 @@ def test_starting_weights_reach_the_initializer_as_arguments_not_constants():
     trainer = Trainer(Distill(width=width), optax.adam(1e-3), key=jax.random.key(0), initializer=weights)
     state, shardings, _ = trainer.place()
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), weights)
-    placed = trainer._weights_on_mesh(shardings)
+    placed = trainer.start.weights_on_mesh(shardings)
     text = jax.jit(trainer.initial_state, out_shardings=shardings).lower(placed, trainer.key).as_text()
     sizes = [int(np.prod([int(d) for d in dims.split("x")[:-1]] or [1])) * 4
              for dims in re.findall(r"constant dense<[^>]*> : tensor<([0-9x]*[a-z0-9]+)>", text)]

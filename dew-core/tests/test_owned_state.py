@@ -68,9 +68,9 @@ from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec
 from dew.training import owned
 
-compiled = []  # each Execution.compile: the owned run's two-program step (one batch shape, one compile)
-original = owned.Execution.compile
-owned.Execution.compile = lambda self, *a, **k: compiled.append(dict(self.mesh.shape)) or original(self, *a, **k)
+compiled = []  # each OwnedExecution.compile: the owned run's two-program step (one batch shape, one compile)
+original = owned.OwnedExecution.compile
+owned.OwnedExecution.compile = lambda self, *a, **k: compiled.append(dict(self.mesh.shape)) or original(self, *a, **k)
 
 class Frozen(Regression):
     frozen = staticmethod(lambda path, leaf: path[-2:] == ("Dense_0", "bias"))
@@ -102,7 +102,7 @@ for name, host in (("resident", ()), ("owned", ("params",))):
     out[name] = {"losses": losses, "params": leaves(state.params), "opt_state": leaves(state.opt_state),
                  "ema": leaves(state.ema), "window": leaves(state.window)}
     if name == "owned":
-        companion = t._execution.companion
+        companion = t.execution.companion
         out["companion"] = {"shape": dict(companion.shape), "mesh": dict(t.device_mesh.shape),
                             "axes": [list(companion.axis_names), list(t.device_mesh.axis_names)]}
         frozen = {"params/Dense_0/bias"}
@@ -113,7 +113,7 @@ for name, host in (("resident", ()), ("owned", ("params",))):
             placed.append([name_, mesh == companion, mesh == t.device_mesh,
                            all(d.platform == "cpu" for d in mesh.devices.flat), str(leaf.sharding.spec)])
         out["placed"] = placed
-        out["frozen_resident"] = t._execution.resident["params"]["Dense_0"]["bias"].mesh == t.device_mesh
+        out["frozen_resident"] = t.execution.resident["params"]["Dense_0"]["bias"].mesh == t.device_mesh
     else:
         out["resident_specs"] = [str(x.sharding.spec) for x in jax.tree.leaves(state)]
 directory = tempfile.mkdtemp()
@@ -212,9 +212,9 @@ trainer = Trainer(Regression(), optax.adamw(3e-2), key=jax.random.key(0), mesh=M
                   layout=Layout(min_shard=0, tolerance=1.0, host=host), tracker=tracker)
 state = trainer.fit(regression_dataset(), steps=6, log_every=1)
 owners = None
-if trainer._execution is not None:
+if trainer.layout.owns_state:
     twin = np.vectorize(lambda d: d.process_index)
-    owners = [twin(trainer._execution.companion.devices).tolist(), twin(trainer.device_mesh.devices).tolist()]
+    owners = [twin(trainer.execution.companion.devices).tolist(), twin(trainer.device_mesh.devices).tolist()]
 print("RESULT" + json.dumps({"losses": [v for _, v in tracker.series("train/loss")], "owners": owners}), flush=True)
 """
 

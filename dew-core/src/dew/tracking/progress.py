@@ -247,11 +247,12 @@ class Progress:
                 "dynamic_scale for low-precision training."
             )
 
-    def compiled(self, seconds: float) -> None:
-        """A step program was compiled in seconds: compile time, kept out of every rate."""
+    def compiled(self, seconds: float, at: float | None = None) -> None:
+        """A step program was compiled in seconds (finishing at perf_counter at, or now): compile
+        time, kept out of every rate."""
         self.clock.compile += seconds
         if self.compiled_at is None:
-            self.compiled_at = time.perf_counter()
+            self.compiled_at = time.perf_counter() if at is None else at
 
     def _span(self, done: int, now: float) -> tuple[int, float] | None:
         """The steps and seconds the rate logged at step done covers: since the previous log,

@@ -23,28 +23,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.nn.pipeline import PipelineSchedule, pipeline
-from dew.training.placement.mesh import companion_mesh
+from dew.nn.pipeline import pipeline
+from dew.training.execution import state_placement
+from dew.training.placement.layout import Layout
+from dew.training.placement.mesh import MeshSpec, companion_mesh
+from dew.training.placement.stages import schedule_of, with_bubble
 from dew.training.state import TrainState, shardings_state
 from dew.training.step import Gradients
 from dew.training.trees import overlay, paths, select
 
-__all__ = ["Execution"]
+if TYPE_CHECKING:
+    from dew.training.program import Program
+
+__all__ = ["OwnedExecution"]
 
 Placement = Any  # a tree of NamedSharding shaped like the placed tree
-Forward = Callable[[TrainState, Mapping[str, jax.Array]], Gradients]
-Apply = Callable[[TrainState, Gradients], tuple[TrainState, dict[str, jax.Array]]]
 
 
 @dataclass(frozen=True)
-class Execution:
-    """Where a CPU-owned run keeps its state and where it computes.
+class OwnedExecution:
+    """Where a CPU-owned run keeps its state and where it computes (an ``Execution``).
 
     mesh is the accelerator mesh (forward and backward), companion its CPU
     twin (the state and the transaction). bank is every variable's
@@ -53,22 +57,33 @@ class Execution:
     train, which stay on the accelerators.
     """
 
+    spec: MeshSpec
     mesh: Mesh
     companion: Mesh
+    layout: Layout
+    boxed: Any  # the fresh variables as shapes, with their logical axes
     bank: Placement
     frozen: frozenset[str]
 
     @classmethod
-    def of(cls, mesh: Mesh, bank: Placement, variables: Mapping[str, Any],
-           trains: Callable[[tuple[str, ...], Any], bool]) -> Execution:
-        """The execution of a run on mesh whose variables are placed as bank there.
+    def of(cls, spec: MeshSpec, mesh: Mesh, layout: Layout, boxed: Any, variables: Mapping[str, Any],
+           trains: Callable[[tuple[str, ...], Any], bool]) -> OwnedExecution:
+        """The execution of a run on mesh whose variables the layout places there.
 
         The frozen parameters are those of the params collection that trains
         does not accept; the companion is checked and built here.
         """
         trainable = set(paths(select(variables, trains)))
         frozen = frozenset(p for p in paths(variables) if p.startswith("params/") and p not in trainable)
-        return cls(mesh, companion_mesh(mesh), bank, frozen)
+        return cls(spec, mesh, companion_mesh(mesh), layout, boxed, layout.shardings(mesh, boxed), frozen)
+
+    def placement(self, state: TrainState) -> TrainState:
+        """The whole state on the companion, less its frozen parameters (on the accelerators)."""
+        return self.owned(state_placement(self.companion, self.layout, self.boxed, state))
+
+    def weights_placement(self, placement: TrainState) -> TrainState:
+        """The starting weights wait on the companion, where the initializer runs."""
+        return self.on_companion(placement)
 
     @property
     def resident(self) -> Placement:
@@ -120,9 +135,7 @@ class Execution:
         return jax.device_put(state, placement)
 
     # -- the step ---------------------------------------------------------------
-    def compile(self, forward: Forward, apply: Apply, state: TrainState, placement: TrainState,
-                batch: Mapping[str, jax.Array], *, rules: Any,
-                schedule: PipelineSchedule) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
         """Compile the two halves of a step, each on its mesh, and return the step that joins them.
 
         forward runs on the accelerators against the bank; its gradients are
@@ -130,6 +143,9 @@ class Execution:
         consumes the CPU state in place. The frozen parameters never enter
         apply: they are no part of what it updates.
         """
+        forward, apply = program.halves()
+        placement = self.placement(state)
+        rules, schedule = self.layout.axis_rules, schedule_of(self.spec)
         view = self.view(state)
         view_sh = self.view_placement(view)
         batch_sh = {k: v.sharding for k, v in batch.items()}
@@ -156,7 +172,7 @@ class Execution:
             new, metrics = transacting(self._without_frozen(state), gradients)
             return new.replace(params=overlay(new.params, frozen)), metrics
 
-        return step
+        return with_bubble(step, schedule)
 
     def _without_frozen(self, tree: TrainState) -> TrainState:
         return tree.replace(params=select(tree.params, lambda path, _: "/".join(path) not in self.frozen))

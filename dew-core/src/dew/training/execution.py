@@ -1,0 +1,155 @@
+"""Where a run's state lives and computes: one execution strategy, chosen once per run.
+
+An ``Execution`` places the abstract state, initializes a fresh one,
+compiles the step program and reads the state back for an evaluation.
+``DeviceExecution`` keeps the state on the accelerator mesh (the fields
+Layout.host names wait in pinned host memory and are fetched inside the
+step); ``OwnedExecution`` (Layout.host naming params, ``dew.training.owned``)
+keeps it on a CPU companion mesh and runs the optimizer there. Nothing
+outside the two asks which one a run has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dew.nn.pipeline import pipeline
+from dew.objectives.base import LeafFilter, Variables
+from dew.training.placement.layout import Layout, Placement
+from dew.training.placement.offload import fetching, in_host_memory
+from dew.training.placement.stages import schedule_of, with_bubble
+from dew.training.state import TrainState, shardings_state
+
+if TYPE_CHECKING:
+    from dew.training.placement.mesh import MeshSpec
+    from dew.training.program import Program
+    from dew.training.step import StepFn
+
+__all__ = ["CompiledStep", "DeviceExecution", "Execution", "execution_for", "follower", "state_placement"]
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """One compiled transaction: ``new = step(old, batch)``; the old state is consumed (donated)."""
+
+    executable: StepFn  # a compiled executable, or the two programs of a CPU-owned state joined
+
+    def __call__(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+        return self.executable(state, batch)
+
+
+class Execution(Protocol):
+    """Where the state of one run lives and where its step computes."""
+
+    @property
+    def mesh(self) -> Mesh:
+        """The accelerator mesh the forward and backward run on."""
+        ...
+
+    def placement(self, state: TrainState) -> Placement:
+        """Every field of the (abstract) state's sharding."""
+        ...
+
+    def weights_placement(self, placement: Placement) -> Placement:
+        """Where the starting weights wait before the initializer reads them."""
+        ...
+
+    def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: Any) -> TrainState:
+        """The fresh state build(*args) computes, placed as placement says."""
+        ...
+
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+        """The step program compiled over state and one global batch; the state is donated."""
+        ...
+
+    def readable(self, state: TrainState) -> tuple[Variables, Variables | None]:
+        """The variables and EMA-averaged variables an evaluation reads, on the accelerators."""
+        ...
+
+
+def execution_for(spec: MeshSpec, mesh: Mesh, layout: Layout, boxed: Variables, trains: LeafFilter) -> Execution:
+    """The execution a layout asks for: CPU-owned when Layout.host names params, else on the devices."""
+    if layout.owns_state:
+        from dew.training.owned import OwnedExecution
+
+        return OwnedExecution.of(spec, mesh, layout, boxed, nn.meta.unbox(boxed), trains)
+    return DeviceExecution(spec, mesh, layout, boxed)
+
+
+@dataclass(frozen=True)
+class DeviceExecution:
+    """The state on the accelerator mesh; Layout.host's fields in pinned host memory between steps."""
+
+    spec: MeshSpec
+    mesh: Mesh
+    layout: Layout
+    boxed: Variables  # the fresh variables as shapes, with their logical axes
+
+    def placement(self, state: TrainState) -> Placement:
+        return in_host_memory(state_placement(self.mesh, self.layout, self.boxed, state),
+                              self.layout.resident_fields)
+
+    def weights_placement(self, placement: Placement) -> Placement:
+        return placement
+
+    def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: Any) -> TrainState:
+        return jax.jit(build, out_shardings=placement)(*args)
+
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+        placement, schedule = self.placement(state), schedule_of(self.spec)
+        step = fetching(with_bubble(program.step(), schedule), placement, self.layout.resident_fields)
+        jitted = jax.jit(step, in_shardings=(placement, {k: v.sharding for k, v in batch.items()}),
+                         out_shardings=(placement, NamedSharding(self.mesh, PartitionSpec())),
+                         donate_argnums=(0,))
+        shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.layout.axis_rules), pipeline(schedule):
+            return jitted.lower(state, shapes).compile()
+
+    def readable(self, state: TrainState) -> tuple[Variables, Variables | None]:
+        return state.params, state.averaged
+
+
+def state_placement(mesh: Mesh, layout: Layout, boxed: Variables, state: TrainState) -> Placement:
+    """Place every field of state on mesh: parameter-shaped trees follow the parameters."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = layout.shardings(mesh, boxed)
+    follow = follower(params, state.params, replicated)
+
+    def place(tree: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(lambda path, leaf: follow(_names(path), leaf), tree)
+
+    return shardings_state(
+        params=params,
+        opt_state=place(state.opt_state),
+        key=replicated, step=replicated, microstep=replicated, updates=replicated,
+        ema=place(state.ema) if state.ema is not None else None,
+        scaler=jax.tree.map(lambda _: replicated, state.scaler) if state.scaler is not None else None,
+        window=place(state.window) if state.window is not None else None,
+    )
+
+
+def _names(path: Sequence[Any]) -> tuple[str, ...]:
+    """The dictionary keys along a pytree path (sequence and attribute steps dropped)."""
+    return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+def follower(params: Any, abstract_params: Any, fallback: NamedSharding) -> Callable[[tuple[str, ...], Any], NamedSharding]:
+    """A function giving a leaf the sharding of the parameter at its path's tail (same shape)."""
+    by_path = {_names(path): sharding for path, sharding in jax.tree_util.tree_flatten_with_path(params)[0]}
+    shapes = {_names(path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+
+    def follow(names: tuple[str, ...], leaf: Any) -> NamedSharding:
+        for start in range(len(names)):
+            tail = names[start:]
+            if tail in by_path and shapes[tail] == np.shape(leaf):
+                return by_path[tail]
+        return fallback
+
+    return follow

@@ -1,0 +1,305 @@
+"""What a fit does between steps, one hook per concern, each with its cadence.
+
+A hook sees every ``StepRecord`` (dew.training.loop), does what its cadence
+makes due and returns a ``Contribution``: lines for the console, records
+and evaluations for the trackers, seconds for the goodput clock, a
+checkpoint handed to the writer, or a reason to stop. ``Reporting`` (the
+``Progress`` of the fit, owning its clock) is the hook the others report
+through; it asks the run to stop when a plugin does. The others: validation
+and scheduled evaluation tasks, saves (with local saves), a profile window,
+and the preemption watch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from dew.data.base import Dataset
+from dew.objectives.base import Metric
+from dew.telemetry.hardware import peak_flops
+from dew.tracking.progress import Progress
+from dew.tracking.protocol import Located
+from dew.training.evaluation import Evaluator, OutputMeans
+from dew.training.execution import Execution
+from dew.training.feed import Feed
+from dew.training.loop import Compilation, StepRecord
+from dew.training.runtime.preemption import Preempted, PreemptionWatch, UnsavedStopError
+from dew.training.state import TrainState
+
+if TYPE_CHECKING:
+    from dew.checkpoints.manager import Checkpoints
+    from dew.evaluations.base import Periodic
+    from dew.training.profiling import ProfileSchedule, ProfileWindow
+
+__all__ = ["Contribution", "Evaluating", "Hook", "Preemption", "Profiling", "Reporting", "Saving", "Scoring",
+           "opening_notes"]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What a hook adds to a step: reported by ``Reporting``, in this order."""
+
+    notes: tuple[str, ...] = ()
+    records: tuple[Any, ...] = ()  # tracker artifacts (a profile window's record)
+    evaluations: tuple[Any, ...] = ()  # Evaluation results, logged and handed to plugins
+    eval_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
+    checkpoint: str | None = None  # the path of a checkpoint handed to the writer
+    stop: str | None = None  # why the run should stop after this step
+
+
+class Hook:
+    """One concern of the loop; every method may return nothing."""
+
+    def open(self) -> None:
+        """The fit is about to dispatch its first step."""
+
+    def after(self, record: StepRecord) -> Contribution | None:
+        """Step record.done was dispatched."""
+        return None
+
+    def end(self, done: int, state: TrainState) -> Contribution | None:
+        """The loop ended at step done (its last, or a stop) with state: finish what is under way."""
+        return None
+
+    def fail(self, error: BaseException) -> None:
+        """The fit is failing with error (Preempted included)."""
+
+    def close(self) -> None:
+        """Release what open took; called however the fit ends."""
+
+
+def opening_notes(steps: int, log_every: int, every: int, checkpoints: Checkpoints | None,
+                  tracker: Any) -> list[str]:
+    """The console lines a fit opens with: a shortened log interval, where it saves and tracks."""
+    notes = [f"log_every={log_every} is more than the run's {steps} steps: logging every {every} "
+             f"step{'s' if every > 1 else ''} instead (and the last)"] if every != log_every else []
+    notes += [f"checkpoints: {checkpoints.directory}"] if checkpoints is not None else []
+    return notes + [f"tracking: {where}" for where in (tracker.directories() if isinstance(tracker, Located) else ())]
+
+
+def _every(done: int, every: int | None) -> bool:
+    return bool(every) and done % every == 0  # type: ignore[operator]  # every is an int when truthy
+
+
+class Reporting(Hook):
+    """The fit's Progress as a hook: it reads step metrics one step late and reports contributions."""
+
+    def __init__(self, progress: Progress, trainer: Any, feed: Feed, *, start: int, steps: int,
+                 notes: Sequence[str]) -> None:
+        self.progress, self.trainer, self.feed = progress, trainer, feed
+        self.start, self.steps, self.notes = start, steps, tuple(notes)
+        self.failed = False
+        self.last: tuple[int, TrainState] | None = None
+
+    def open(self) -> None:
+        self.progress.start(self.trainer, self.start, self.steps, self.trainer.device_mesh.shape,
+                            recipe=self.trainer.recipe)
+        for line in self.notes:
+            self.progress.note(line)
+
+    def after(self, record: StepRecord) -> Contribution | None:
+        if record.compiled is not None:
+            self._compiled(record.compiled)
+        self.progress.stepped(record.done, record.metrics, first=record.first)
+        self.last = record.done, record.state
+        stop = self.progress.stop_requested
+        return None if stop is None else Contribution(stop=stop)
+
+    def _compiled(self, compiled: Compilation) -> None:
+        self.progress.compiled(compiled.seconds, at=compiled.at)
+        self.progress.note(f"compiling the step for batches of {compiled.rows} rows: {compiled.seconds:.2f} s")
+        device = next(iter(self.trainer.device_mesh.devices.flat))
+        self.progress.measure(records=compiled.rows, tokens=compiled.tokens, flops=compiled.flops,
+                              peak_flops=peak_flops(device.device_kind))
+
+    def take(self, contribution: Contribution | None, done: int) -> str | None:
+        """Report what a hook contributed at step done; return its reason to stop, if it gave one."""
+        if contribution is None:
+            return None
+        progress = self.progress
+        for line in contribution.notes:
+            progress.note(line)
+        for item in contribution.records:
+            progress.record(item, done)
+        progress.clock.eval += contribution.eval_seconds
+        progress.clock.checkpoint += contribution.checkpoint_seconds
+        for result in contribution.evaluations:
+            progress.evaluation(result, done)
+        if contribution.checkpoint is not None:
+            progress.checkpoint(done, contribution.checkpoint)
+        return contribution.stop
+
+    def note(self, line: str) -> None:
+        self.progress.note(line)
+
+    def end(self, done: int, state: TrainState) -> Contribution | None:
+        self.progress.drain()
+        return None
+
+    def fail(self, error: BaseException) -> None:
+        self.failed = True
+        self.progress.close()
+
+    def close(self) -> None:
+        if self.failed or self.last is None:
+            return
+        clock, (done, state) = self.feed.clock, self.last
+        self.progress.finish(done, state, self.progress.clock.goodput(clock.data, clock.rollout, clock.reward))
+
+
+class Profiling(Hook):
+    """A profile window: opened after its warmup, its record reported when it closes."""
+
+    def __init__(self, window: ProfileWindow, start: int) -> None:
+        self.window, self.start = window, start
+        self.schedule: ProfileSchedule | None = None
+
+    def open(self) -> None:
+        self.schedule = self.window.schedule(self.start)
+        self.schedule.on_step(self.start)  # a window without warmup opens before the first step
+
+    def after(self, record: StepRecord) -> Contribution | None:
+        assert self.schedule is not None
+        window = self.schedule.on_step(record.done, record.state)
+        return None if window is None else Contribution(records=(window,))
+
+    def close(self) -> None:
+        if self.schedule is not None:
+            self.schedule.close()
+
+
+class Evaluating(Hook):
+    """Validation every eval_every steps, and once at the end (with the preview) when there is any."""
+
+    def __init__(self, evaluator: Evaluator, execution: Execution, dataset: Dataset, *, every: int | None,
+                 metrics: Sequence[Metric], preview: bool, tracked: bool) -> None:
+        self.evaluator, self.execution, self.dataset = evaluator, execution, dataset
+        self.every, self.metrics, self.preview = every, tuple(metrics) or (OutputMeans(),), preview
+        self.writes_preview = preview and tracked  # a preview is written only where a tracker keeps it
+
+    def after(self, record: StepRecord) -> Contribution | None:
+        return self._evaluate(record.done, record.state) if _every(record.done, self.every) and not record.last \
+            else None
+
+    def end(self, done: int, state: TrainState) -> Contribution | None:
+        return self._evaluate(done, state)  # the last step's scores and preview
+
+    def _evaluate(self, done: int, state: TrainState) -> Contribution | None:
+        if self.dataset.val is None and not self.preview:
+            return None
+        began = time.perf_counter()
+        variables, averaged = self.execution.readable(state)
+        result = self.evaluator(
+            variables, self.dataset.val, key=state.rng, metrics=self.metrics, step=done,
+            averaged=averaged, preview=self.writes_preview, schedule_step=int(jax.device_get(state.updates)),
+        )
+        return Contribution(evaluations=(result,), eval_seconds=time.perf_counter() - began)
+
+
+class Scoring(Hook):
+    """The scheduled evaluation tasks (dew.evaluations.Periodic), each on its own cadence."""
+
+    def __init__(self, tasks: Sequence[Periodic], execution: Execution) -> None:
+        self.tasks, self.execution = tuple(tasks), execution
+
+    def after(self, record: StepRecord) -> Contribution | None:
+        due = [task for task in self.tasks if task.due(record.done, record.last)]
+        if not due:
+            return None
+        began = time.perf_counter()
+        variables = self.execution.readable(record.state)[0]
+        results = tuple(task(variables, mesh=self.execution.mesh, step=record.done) for task in due)
+        return Contribution(evaluations=results, eval_seconds=time.perf_counter() - began)
+
+
+class Saving(Hook):
+    """Checkpoints every checkpoint_every steps and at the last, local ones every local_every."""
+
+    def __init__(self, checkpoints: Checkpoints, feed: Feed, meta: dict[str, Any], *, every: int | None) -> None:
+        self.checkpoints, self.feed, self.meta, self.every = checkpoints, feed, meta, every
+        self.saved: int | None = None
+
+    def after(self, record: StepRecord) -> Contribution | None:
+        if record.first:
+            self.checkpoints.prepare(record.state)  # compiles the leaf digests off the loop
+        if record.last or _every(record.done, self.every):
+            return self.save(record)
+        if _every(record.done, self.checkpoints.local_every):
+            return self.save(record, local=True)
+        return None
+
+    def save(self, record: StepRecord, *, local: bool = False) -> Contribution:
+        # The steps already dispatched finish first: their time is the steps' (the loop runs
+        # ahead of the device by up to log_every steps), not the checkpoint's.
+        began = time.perf_counter()
+        jax.block_until_ready(record.state)
+        in_flight = time.perf_counter() - began
+        began = time.perf_counter()
+        self.checkpoints.save(record.done, record.state, position=self.feed.position(),
+                              partition=self.feed.partition, meta=self.meta, local=local)
+        blocked = time.perf_counter() - began
+        if not local:
+            self.saved = record.done
+        path = str(self.checkpoints.path(record.done))
+        return Contribution(
+            notes=(f"step {record.done}: checkpoint {'(local) ' if local else ''}handed to the writer, "
+                   f"the loop blocked {blocked:.2f} s, after {in_flight:.2f} s finishing the "
+                   f"steps in flight ({path})",),
+            checkpoint_seconds=blocked, checkpoint=path)
+
+    def end(self, done: int, state: TrainState) -> Contribution:
+        """Wait for the writes under way, so a program that exits after fit loses no step."""
+        began = time.perf_counter()
+        self.checkpoints.wait()
+        return Contribution(checkpoint_seconds=time.perf_counter() - began)
+
+    def fail(self, error: BaseException) -> None:
+        """On a failing fit, finish the checkpoint already handed to the writer, and say so."""
+        if isinstance(error, Preempted):
+            return
+        try:
+            self.checkpoints.wait()
+        except Exception as failure:  # noqa: BLE001 - the fit's own error is the one to raise
+            error.add_note(f"dew: the checkpoint being written when the fit failed was not completed "
+                           f"({failure}); the previous committed step is kept.")
+            print(f"dew: fit failed; the checkpoint under way was abandoned ({failure})",
+                  file=sys.stderr, flush=True)
+
+
+class Preemption(Hook):
+    """A preemption notice (SIGTERM) stops the run at the next step, saved: Preempted is raised."""
+
+    def __init__(self, reporting: Reporting, saving: Saving | None) -> None:
+        self.reporting, self.saving = reporting, saving
+        self.watch: PreemptionWatch | None = None
+
+    def open(self) -> None:
+        self.watch = PreemptionWatch().__enter__()
+
+    def after(self, record: StepRecord) -> Contribution | None:
+        assert self.watch is not None
+        done, saving = record.done, self.saving
+        if not self.watch.reached(done):
+            return None
+        progress = self.reporting.progress
+        progress.note(self.watch.stopping(done, saving=saving is not None and saving.saved != done))
+        progress.drain()
+        if saving is None:
+            raise UnsavedStopError(done, status=self.watch.status)
+        if saving.saved != done:
+            self.reporting.take(saving.save(record), done)
+        self.reporting.take(saving.end(done, record.state), done)
+        progress.hooks.dew_preempted(step=done)
+        raise Preempted(done, status=self.watch.status)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.__exit__(None, None, None)
+            self.watch = None

@@ -1,0 +1,36 @@
+"""What a fit writes beside its checkpoints: the recipe it was built from and the data ledger."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from dew.training.config import RUN_FILE
+from dew.training.ledger import RecordLedger
+
+if TYPE_CHECKING:
+    from dew.checkpoints.manager import Checkpoints
+
+__all__ = ["ledger_beside", "write_recipe"]
+
+
+def write_recipe(checkpoints: Checkpoints, recipe: Mapping[str, Any]) -> None:
+    """The run's recipe beside its checkpoints (run.json), as RunConfig.save writes it; only the
+    pool's writer (process 0) writes it."""
+    if jax.process_index() != 0:
+        return
+    target = Path(checkpoints.directory)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / RUN_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
+
+
+def ledger_beside(checkpoints: Checkpoints | None) -> RecordLedger | None:
+    """The run's data ledger, beside its checkpoints (process 0 writes it for the pool)."""
+    directory = None if checkpoints is None else checkpoints.directory
+    if not isinstance(directory, Path) or jax.process_index() != 0:
+        return None  # no run directory, another process's, or a bucket (no appends there)
+    return RecordLedger(directory, processes=jax.process_count())
