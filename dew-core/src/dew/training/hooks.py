@@ -3,7 +3,7 @@
 A hook sees every ``StepRecord`` (dew.training.loop), does what its cadence
 makes due and returns a ``Contribution``: lines for the console, records
 and evaluations for the trackers, seconds for the goodput clock, a
-checkpoint handed to the writer, or a reason to stop. ``Reporting`` (the
+checkpoint handed to the writer, or a reason to stop. ``ProgressHook`` (the
 ``Progress`` of the fit, owning its clock) is the hook the others report
 through; it asks the run to stop when a plugin does. The others: validation
 and scheduled evaluation tasks, saves (with local saves), a profile window,
@@ -37,13 +37,13 @@ if TYPE_CHECKING:
     from dew.evaluations.base import Periodic
     from dew.training.profiling import ProfileSchedule, ProfileWindow
 
-__all__ = ["Contribution", "Evaluating", "Hook", "Preemption", "Profiling", "Reporting", "Saving", "Scoring",
+__all__ = ["Contribution", "Evaluating", "Hook", "Preemption", "Profiling", "ProgressHook", "Saving", "Scoring",
            "opening_notes"]
 
 
 @dataclass(frozen=True)
 class Contribution:
-    """What a hook adds to a step: reported by ``Reporting``, in this order."""
+    """What a hook adds to a step: reported by ``ProgressHook``, in this order."""
 
     notes: tuple[str, ...] = ()
     records: tuple[Any, ...] = ()  # tracker artifacts (a profile window's record)
@@ -88,7 +88,7 @@ def _every(done: int, every: int | None) -> bool:
     return bool(every) and done % every == 0  # type: ignore[operator]  # every is an int when truthy
 
 
-class Reporting(Hook):
+class ProgressHook(Hook):
     """The fit's Progress as a hook: it reads step metrics one step late and reports contributions."""
 
     def __init__(self, progress: Progress, trainer: Any, feed: Feed, *, start: int, steps: int,
@@ -276,7 +276,7 @@ class Saving(Hook):
 class Preemption(Hook):
     """A preemption notice (SIGTERM) stops the run at the next step, saved: Preempted is raised."""
 
-    def __init__(self, reporting: Reporting, saving: Saving | None) -> None:
+    def __init__(self, reporting: ProgressHook, saving: Saving | None) -> None:
         self.reporting, self.saving = reporting, saving
         self.watch: PreemptionWatch | None = None
 

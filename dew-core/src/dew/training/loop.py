@@ -3,7 +3,7 @@
 ``steps`` is the engine: for each step it takes the feed's next batch,
 compiles the program for a batch shape it has not seen, dispatches the
 step and yields a ``StepRecord`` (the new state and its metrics, still on
-the device). ``train`` drives it: after each record every hook (dew.training.hooks)
+the device). ``run_hooks`` drives it: after each record every hook (dew.training.hooks)
 does what its cadence makes due and returns what it contributes, which the
 reporting hook hands on; the run stops at its last step or when a
 contribution asks it to. Reading step n's metrics happens while step n+1
@@ -26,9 +26,9 @@ from dew.training.feed import Feed, Signature
 from dew.training.state import TrainState
 
 if TYPE_CHECKING:
-    from dew.training.hooks import Hook, Reporting
+    from dew.training.hooks import Hook, ProgressHook
 
-__all__ = ["Compilation", "StepRecord", "steps", "train"]
+__all__ = ["Compilation", "StepRecord", "run_hooks", "steps"]
 
 StepProgram = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]
 
@@ -84,7 +84,7 @@ def steps(state: TrainState, feed: Feed, compile: Callable[[TrainState, Mapping[
                          last=step + 1 == stop, compiled=compilation)
 
 
-def train(records: Iterator[StepRecord], reporting: Reporting, hooks: Sequence[Hook]) -> TrainState:
+def run_hooks(records: Iterator[StepRecord], reporting: ProgressHook, hooks: Sequence[Hook]) -> TrainState:
     """Run every record through the hooks in order, then end them; a failure reaches each hook.
 
     Returns the last step's state.

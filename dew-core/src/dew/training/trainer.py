@@ -180,7 +180,7 @@ class Trainer(Generic[Loss, Effects]):
                     ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
                     ledger=ledger_beside(self.checkpoints))
         feed.open(position, resuming=start > 0, start=start)
-        reporting = hooks.Reporting(progress, self, feed, start=start, steps=steps,
+        reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
                                     notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
         saving = None if self.checkpoints is None else \
             hooks.Saving(self.checkpoints, feed, self.program.meta(), every=checkpoint_every)
@@ -190,7 +190,7 @@ class Trainer(Generic[Loss, Effects]):
                     hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
                     hooks.Preemption(reporting, saving)]
         try:
-            state = loop.train(loop.steps(state, feed, self.compile, self.objective, start, steps), reporting,
+            state = loop.run_hooks(loop.steps(state, feed, self.compile, self.objective, start, steps), reporting,
                                concerns)
         finally:
             feed.close()
