@@ -50,7 +50,6 @@ __all__ = [
     "build_objective",
     "build_evaluations",
     "build_parts",
-    "check_tracker_directories",
     "expand",
     "initial_variables",
     "objective_parts",
@@ -267,35 +266,6 @@ def _where(checkpoints: Checkpoints | None) -> str:
             f"{Path(checkpoints.directory) / 'run.json'})")
 
 
-def check_tracker_directories(tracker: Tracker | None) -> None:
-    """Refuse, before step 1, a tracker directory this process cannot write into.
-
-    A tracker opens its files lazily (TensorBoard's event file with the first
-    value), so an unwritable directory would otherwise be found at the first
-    log, after the steps before it trained. A URL (``scheme://``) is the
-    tracker's own to reach. Raises TrackerWriteError naming the directory.
-    """
-    import tempfile
-
-    from dew.tracking.background import TrackerWriteError
-    from dew.tracking.protocol import Located
-
-    if not isinstance(tracker, Located):
-        return
-    for where in tracker.directories():
-        if "://" in where:
-            continue
-        try:
-            Path(where).mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=where):
-                pass
-        except OSError as error:
-            raise TrackerWriteError(
-                f"The tracker directory {Path(where).absolute()} cannot be written ({type(error).__name__}: "
-                f"{error.strerror or error}); nothing was trained. Point the tracker at a directory "
-                "this process can write.") from None
-
-
 def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     """Build the run config describes, train it to its last step and return the TrainState.
 
@@ -339,8 +309,6 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     if jax.process_index() == 0:
         print(_where(checkpoints), flush=True)
     try:
-        if jax.process_index() == 0:
-            check_tracker_directories(tracker)
         # The recipe's init section, else the weights the objective starts from (a teacher's).
         trainer = Trainer.from_config(
             config.trainer, objective, run_optimizer(config, fit["steps"]), key=key,

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from dew.data.base import Dataset
 from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
+from dew.tracking.directories import check_directories
 from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.tracking.protocol import Tracker
 from dew.training import hooks, loop
@@ -167,6 +168,8 @@ class Trainer(Generic[Loss, Effects]):
         schedule = self.optimizer.schedule if isinstance(self.optimizer, ConfiguredOptimizer) else None
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch, log_every=every,
                             dynamic_scale=self.dynamic_scale, schedule=schedule)
+        if jax.process_index() == 0:
+            check_directories(self.tracker)  # a tracker opens its files at the first value, after steps
         if self.checkpoints is not None:
             self.checkpoints.acquire()  # refuse a second writer before training, not at the first save
             if self.recipe is not None:
