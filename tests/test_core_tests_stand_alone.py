@@ -23,8 +23,11 @@ What neither catches: a program assembled at run time (joined from pieces, or re
 a registered name reached through a variable or an override (``objective.name=lm``); a ``dew``
 command whose implementation imports another distribution's module lazily (``dew generate``
 runs dew.sampling) when the test names no shipped recipe; an entry point loaded only while a
-test runs. Running dew-core's whole suite with the hook would catch those, at the cost of the
-suite itself.
+test runs; and dew-core's own source reaching another distribution while a test runs
+(``Pretrained.load`` reads a directory's tokenizer.json through dew-data's ``HFTokenizer``, so
+every test that loads a Hugging Face directory with a tokenizer needs dew-data). Running
+dew-core's suite with the hook in a ``sitecustomize`` on ``PYTHONPATH`` (so the children the
+tests start carry it too) catches those, at the cost of the suite itself.
 """
 
 from __future__ import annotations
