@@ -5,7 +5,8 @@ distribution whose ``src`` folder (``[tool.setuptools.packages.find] where`` in 
 pyproject) holds its file; a name a surface lists (``from dew.data import TokenWindows``)
 belongs to the module the surface's ``TYPE_CHECKING`` block imports it from; a shipped
 recipe belongs elsewhere when its objective or data is registered by another
-distribution's entry points. ``tests/test_core_tests_stand_alone.py`` uses these maps.
+distribution's entry points. ``tests/test_core_tests_stand_alone.py`` uses these maps; run as a
+script, this module runs pytest as if dew-core alone were installed (see ``main``).
 """
 
 from __future__ import annotations
@@ -232,3 +233,44 @@ def _yaml_sections(text: str) -> Iterator[tuple[str, str]]:
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, dict) and isinstance(item.get("name"), str):
                 yield section, item["name"]
+
+
+SITECUSTOMIZE = '''"""Refuse every module a distribution other than dew-core ships (written by core_test_reach)."""
+import importlib.abc
+import sys
+
+BLOCKED = frozenset({blocked!r})
+
+
+class OtherDistributions(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: not dew-core's)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, OtherDistributions())
+'''
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/core_test_reach.py [PYTEST ARGS]``: run pytest (dew-core/tests by default) as
+    if only dew-core were installed, in this interpreter and every child the tests start (the
+    import hook is a ``sitecustomize`` on ``PYTHONPATH``). Slower than the guard test, and it
+    finds what the guard cannot: reaches that happen only while a test runs."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dew-core-alone-") as folder:
+        Path(folder, "sitecustomize.py").write_text(SITECUSTOMIZE.format(blocked=sorted(foreign_modules())))
+        path = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH", "")) if p)
+        command = [sys.executable, "-m", "pytest", *(argv or [str(ROOT / "dew-core" / "tests")])]
+        return subprocess.call(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

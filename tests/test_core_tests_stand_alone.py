@@ -26,8 +26,10 @@ runs dew.sampling) when the test names no shipped recipe; an entry point loaded 
 test runs; and dew-core's own source reaching another distribution while a test runs
 (``Pretrained.load`` reads a directory's tokenizer.json through dew-data's ``HFTokenizer``, so
 every test that loads a Hugging Face directory with a tokenizer needs dew-data). Running
-dew-core's suite with the hook in a ``sitecustomize`` on ``PYTHONPATH`` (so the children the
-tests start carry it too) catches those, at the cost of the suite itself.
+dew-core's suite with the hook in a ``sitecustomize`` on ``PYTHONPATH``, so the children the
+tests start carry it too, catches those at the cost of the suite itself:
+``python tests/core_test_reach.py -m "not slow"`` (pytest's arguments; dew-core/tests unless
+given).
 """
 
 from __future__ import annotations
