@@ -252,9 +252,9 @@ def test_every_placeholder_expand_replaces_is_documented():
 EXIT_STATUSES = {
     0: "tests/test_docs_cli.py::test_every_command_on_the_page_runs",
     1: "tests/test_docs_cli.py::test_an_unexpected_error_keeps_its_traceback_and_exits_1",
-    2: "dew-core/tests/test_after_a_run.py::test_a_missing_prerequisite_is_one_message_and_no_folder",
-    130: "dew-core/tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",
-    143: "dew-core/tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",
+    2: "tests/test_after_a_run.py::test_a_missing_prerequisite_is_one_message_and_no_folder",
+    130: "tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",
+    143: "tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",
 }
 
 

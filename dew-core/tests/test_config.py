@@ -1,11 +1,10 @@
-"""Recipes and the trainer's config: parsing, overrides, errors that name the path, the
-mapping onto the Trainer, run.json, and the process setup that runs before JAX starts."""
+"""The trainer's config and recipe overrides: the mapping onto the Trainer, run.json, and the
+process setup that runs before JAX starts. (Recipes parsed against registered objectives and
+readers are tested in tests/test_recipe_config.py: they need dew-objectives.)"""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import itertools
 import os
 import re
 import subprocess
@@ -13,69 +12,14 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pydantic
 import pytest
 
-from dew import registry
-from dew.data.base import Dataset
-from dew.recipes.config import RunConfig, apply_overrides, shipped
+from dew.recipes.config import apply_overrides
 from dew.recipes.errors import RecipeError
 from dew.testing.processes import free_port
 from dew.training.config import TrainerConfig
 from dew.training.runtime.process import _merged_flags, run_timestamp
-
-# -- a tiny registered reader, so recipes can be checked without the data distribution --
-
-
-@dataclasses.dataclass(frozen=True)
-class Repeated:
-    """One sentence, tokenized as bytes, in every row of every batch."""
-
-    text: str = "dew trains jax models. "
-    seq_len: int = 16
-
-    def text_tokenizer(self):  # dew.data.base.TextReader: the recipe hands it to the objective
-        from dew.data.tokenizers import ByteTokenizer
-
-        return ByteTokenizer()
-
-    def load(self, batch: int) -> Dataset:
-        ids = np.frombuffer((self.text * 40).encode(), np.uint8)[: self.seq_len + 1]
-        rows = np.tile(ids.astype(np.int32), (batch, 1))
-        return Dataset(train=lambda part: itertools.repeat({"text": rows[: part.rows(batch)]}),
-                       val=None, records=64, batch=batch)
-
-
-@pytest.fixture(autouse=True)
-def repeated_reader():
-    with registry.datasets.temporary("repeated", Repeated):
-        yield
-
-
-RECIPE = {
-    "description": "a test run",
-    "seed": 3,
-    "model": {"name": "causal_transformer", "vocab_size": 257, "emb_features": 16,
-              "num_layers": 1, "num_heads": 2, "mlp_features": 32, "max_seq_len": 32},
-    "objective": {"name": "lm", "seq_len": 16},
-    "data": {"name": "repeated", "batch": 4, "seq_len": 16},
-    "optimizer": {"learning_rate": 0.003},
-    "trainer": {"steps": 3, "log_every": 1},
-}
-
-
-def recipe(**sections) -> dict:
-    data = copy.deepcopy(RECIPE)
-    data.update(sections)
-    return data
-
-
-def problems(data: dict) -> str:
-    with pytest.raises(RecipeError) as caught:
-        RunConfig.parse(data, "test.yaml")
-    return str(caught.value)
-
 
 # -- TrainerConfig -------------------------------------------------------------------------
 
@@ -140,66 +84,6 @@ def test_trainer_from_config_uses_the_mapping():
     trainer = Trainer.from_config(TrainerConfig(steps=1, mesh={"fsdp": 1}, accumulation=3),
                                   objective, None, key=jax.random.key(0))
     assert trainer.accumulation == 3 and trainer.objective is objective
-
-
-# -- parsing and errors ---------------------------------------------------------------------
-
-
-def test_a_shipped_recipe_exists():
-    assert "tiny-lm" in shipped()
-
-
-def test_unknown_field_names_the_path_and_what_exists():
-    text = problems(recipe(trainer={"steps": 3, "mesh": {"fsdpp": 2}}))
-    assert "trainer.mesh.fsdpp: unknown field (given 2)" in text
-    assert "fsdp, expert, tensor, sequence, stage, microbatches, replicas" in text
-    assert "did you mean 'fsdp'" in text
-
-
-def test_wrong_type_names_the_path_and_the_value():
-    text = problems(recipe(trainer={"steps": 3, "mesh": {"fsdp": "two"}}))
-    assert re.search(r"trainer\.mesh\.fsdp: Input should be a valid integer.*given 'two'", text)
-
-
-def test_unknown_registered_name_lists_the_registered_ones():
-    text = problems(recipe(model={"name": "causal_transformr"}))
-    assert "model.name: no model named 'causal_transformr'" in text
-    assert "Did you mean 'causal_transformer'" in text
-    assert "causal_transformer (dew-core)" in text
-    text = problems(recipe(trackers=[{"name": "local", "directory": "/tmp/x"}, {"name": "nope"}]))
-    assert "trackers.1.name: no tracker named 'nope'" in text and "local (dew-core)" in text
-
-
-def test_every_problem_is_reported_at_once():
-    text = problems(recipe(optimizer={"solver": "adam"}, seed="x", extra=1))
-    assert "optimizer.solver: Input should be 'adamw', 'lion', 'sgd' or 'adafactor' (given 'adam')" in text
-    assert "seed: Input should be a valid integer" in text
-    assert "extra: unknown field (given 1)" in text
-
-
-def test_bad_recipe_fails_before_anything_runs(tmp_path, python_in_subprocess):
-    """Parsing a bad recipe opens no JAX backend and builds nothing."""
-    path = tmp_path / "bad.yaml"
-    path.write_text("model: {name: causal_transformer}\nobjective: {name: lm, seq_len: 8}\n"
-                    "data: {name: nope, batch: 2}\ntrainer: {steps: 2, mesh: {fsdp: two}}\n")
-    out = python_in_subprocess(f"""
-        from jax._src import xla_bridge
-        from dew.recipes import RunConfig, RecipeError
-        try:
-            RunConfig.load({str(path)!r})
-        except RecipeError as error:
-            print(error)
-        print("backend opened:", xla_bridge.backends_are_initialized())
-    """)
-    assert "trainer.mesh.fsdp" in out and "data.name: no dataset named 'nope'" in out
-    assert "backend opened: False" in out
-
-
-def test_load_keywords_are_checked_against_the_readers_load():
-    text = problems(recipe(data={"name": "repeated", "batch": 4, "load": {"val_fracton": 0.1}}))
-    assert "data.load.val_fracton: repeated.load takes no 'val_fracton'" in text
-    text = problems(recipe(data={"name": "repeated", "batch": 4, "load": {"batch": 2}}))
-    assert "data.load.batch: give the batch as data.batch" in text
 
 
 # -- overrides, run.json ----------------------------------------------------------------------

@@ -68,29 +68,19 @@ def test_live_display_on_a_terminal_keeps_the_spec_lines():
 
 PTY_RUN = r'''
 import itertools, sys, time
-import jax, jax.numpy as jnp, numpy as np, optax
-from flax import linen as nn
+import jax, numpy as np, optax
 from dew import Checkpoints, Trainer
 from dew.data import Dataset
-from dew.objectives.base import Aux, Mean, Objective
+from dew.testing.doubles import Linear
 
 
-class Line(Objective):
-    def init(self, key, variables=None):
-        return nn.Dense(1).init(key, jnp.zeros((1, 1)))
-
-    def loss(self, variables, batch, step):
-        errors = (nn.Dense(1).apply(variables, batch["x"]) - 2 * batch["x"]) ** 2
-        return Mean(errors.sum(), jnp.asarray(errors.size, jnp.float32)), Aux()
-
-
-def slow(partition):
+def slow(partition):  # y = 2x, one batch every 50 ms
     for _ in itertools.count():
         time.sleep(0.05)
-        yield {"x": np.ones((4, 1), np.float32)}
+        yield {"x": np.ones((4, 1), np.float32), "y": np.full((4, 1), 2.0, np.float32)}
 
 
-Trainer(Line(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=Checkpoints(sys.argv[1])).fit(
+Trainer(Linear(inputs=1), optax.sgd(0.1), key=jax.random.key(0), checkpoints=Checkpoints(sys.argv[1])).fit(
     Dataset(train=slow, batch=4), steps=40, log_every=20, checkpoint_every=20)
 '''
 

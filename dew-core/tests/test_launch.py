@@ -1,6 +1,7 @@
-"""dew launch without training: the pool read from Slurm's and Kubernetes' environment, the
-printed sbatch script and JobSet manifest, and the launcher's stop handling over real child
-processes (plain Python programs, so each case takes about a second)."""
+"""dew launch without training: the pool read from Slurm's and Kubernetes' environment, and the
+launcher's stop handling over real child processes (plain Python programs, so each case takes
+about a second). The printed JobSet manifest of a shipped recipe is tested in
+tests/test_launch_manifest.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from dew.cli import main
 from dew.testing.processes import free_port
 from dew.training.runtime.pool import (
     CoordinatorUnreachableError,
@@ -72,33 +71,6 @@ def test_an_unreachable_coordinator_is_named_with_the_fix():
         with pytest.raises(CoordinatorUnreachableError, match=f"cannot listen on port {port}"):
             reach_coordinator(f"127.0.0.1:{port}", index=0, timeout=1.0)
         reach_coordinator(f"127.0.0.1:{port}", index=1, timeout=1.0)  # and a rank reaches it
-
-
-def _printed(argv: list[str], capsys) -> str:
-    assert main(["launch", *argv]) == 0
-    return capsys.readouterr().out
-
-
-def test_the_jobset_manifest_gives_every_pod_its_seat(capsys):
-    text = _printed(["--print", "jobset", "-n", "4", "--image", "reg/dew:1", "tiny-lm", "trainer.steps=9"],
-                    capsys)
-    manifest = yaml.safe_load(text)
-    assert manifest["kind"] == "JobSet" and manifest["metadata"]["name"] == "dew-tiny-lm"
-    job = manifest["spec"]["replicatedJobs"][0]
-    spec = job["template"]["spec"]
-    assert spec["parallelism"] == spec["completions"] == 4 and spec["completionMode"] == "Indexed"
-    pod = spec["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > 300  # the launcher's grace fits in Kubernetes' own
-    container = pod["containers"][0]
-    assert container["image"] == "reg/dew:1"
-    env = {e["name"]: e["value"] for e in container["env"]}
-    # JobSet's pod DNS name: <jobset>-<replicated job>-<job index>-<pod index>.<jobset>
-    assert env["DEW_COORDINATOR_ADDRESS"] == f"dew-tiny-lm-{job['name']}-0-0.dew-tiny-lm:8476"
-    # what pod 3 reads, and what it would run
-    seat = seat_from_environment({**env, "JOB_COMPLETION_INDEX": "3"})
-    assert seat == PoolSeat(env["DEW_COORDINATOR_ADDRESS"], 4, 3, "kubernetes")
-    assert container["command"][:2] == ["dew", "launch"] and container["command"][-2:] == ["tiny-lm",
-                                                                                         "trainer.steps=9"]
 
 
 # The launcher over real processes. Each rank prints "ready" and then either finishes, fails,

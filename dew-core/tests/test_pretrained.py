@@ -130,37 +130,6 @@ def test_a_configuration_without_an_exact_counterpart_is_refused_naming_the_fiel
     assert not (tmp_path / "model.safetensors").exists()
 
 
-def test_the_key_concepts_model_saves_in_dews_own_layout_and_reads_back_bit_for_bit(tmp_path):
-    """The spec's example model (learned positions, GELU) has no Llama counterpart: its own format
-    is dew's layout, which Pretrained.load and TextGeneration.load read back."""
-    from safetensors.numpy import load_file
-
-    from dew import models
-    from dew.data import ByteTokenizer
-    from dew.sampling import Sampling, TextGeneration, generate
-
-    model = models.build("causal_transformer", vocab_size=257, emb_features=64, num_layers=2,
-                         num_heads=4, mlp_features=256, max_seq_len=128)
-    variables = _variables(model)
-    written = Pretrained(model, variables, ByteTokenizer()).save(tmp_path / "native")
-    config = json.loads((written / "config.json").read_text())
-    assert config["format"] == "dew" and config["model"]["name"] == "causal_transformer"
-    stored = load_file(str(written / "model.safetensors"))  # each variable by its path, as it was
-    flat = {"/".join(str(k.key) for k in path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]}
-    assert set(stored) == set(flat)
-    assert all(np.array_equal(stored[name], flat[name]) for name in flat)
-    loaded = Pretrained.load(written)
-    assert loaded.model == model and isinstance(loaded.tokenizer, ByteTokenizer)
-    np.testing.assert_array_equal(_dew_logits(loaded.model, loaded.variables, PROMPTS % 257),
-                                  _dew_logits(model, variables, PROMPTS % 257))
-    again = TextGeneration.load(written)
-    expected = generate(model, variables, [[100, 101, 119]], 5, jax.random.key(0),
-                        Sampling(temperature=0.0), eos_id=256)
-    assert again("dew", max_new_tokens=5) == ByteTokenizer().decode(
-        [t for t in expected.new_tokens[0] if t != 256])
-
-
 def test_an_unsupported_architecture_names_itself_and_the_supported_ones(tmp_path):
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)

@@ -17,6 +17,7 @@ from dew import registry
 from dew.data import Dataset
 from dew.objectives.base import Step
 from dew.objectives.flow_grpo import FlowGRPOObjective
+from dew.testing.doubles import RecordingTracker
 from dew.training import Trainer
 
 SHAPE, STEPS, G = (2, 2, 1), 4, 4
@@ -111,17 +112,10 @@ def test_a_run_raises_the_brightness_of_the_samples():
     objective = registry.objectives.build("flow_grpo", model=Velocity(), image_shape=SHAPE, steps=STEPS,
                                           group_size=8, beta=0.0)
     data = Dataset(train=lambda partition: itertools.repeat({"x": np.zeros((4, 1), np.float32)}), batch=4)
-    seen = []
-
-    class Capture:
-        def log(self, scalars, step):
-            seen.append(float(scalars.get("train/reward", scalars.get("reward"))))
-
-        def artifact(self, value, step):
-            pass
-
+    recorder = RecordingTracker()
     trainer = Trainer(objective, optax.adam(3e-3), key=jax.random.key(0), rollout=objective.rollout(),
-                      tracker=Capture())
+                      tracker=recorder)
     trainer.fit(data, steps=40, log_every=1)
+    seen = recorder.values("train/reward")
     start, end = np.mean(seen[:5]), np.mean(seen[-5:])
     assert end > start + 0.5, (start, end)

@@ -19,6 +19,7 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.lm import LMObjective
+from dew.testing.doubles import RecordingTracker
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec
 
@@ -38,18 +39,12 @@ def batches(partition):
         yield {"text": rows[partition.share * share:(partition.share + 1) * share]}
         step += 1
 
-class Scalars:
-    def __init__(self): self.rows = []
-    def log(self, scalars, step): self.rows.append(dict(scalars))
-    def artifact(self, value, step): pass
-    def close(self): pass
-
 def pick(rows, name):
-    return [float(next(v for k, v in r.items() if k.endswith(name))) for r in rows]
+    return [float(next(v for k, v in r.items() if k.endswith(name))) for _, r in rows]
 
 out = {}
 for name, spec in json.loads(sys.argv[1]).items():
-    scalars = Scalars()
+    scalars = RecordingTracker()
     trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), mesh=MeshSpec(**spec),
                       layout=Layout(min_shard=0, tolerance=0.25), tracker=scalars)
     state = trainer.fit(Dataset(train=batches, batch=ROWS), steps=10, log_every=1)

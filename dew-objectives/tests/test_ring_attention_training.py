@@ -20,6 +20,7 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.lm import LMObjective
+from dew.testing.doubles import RecordingTracker
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec
 
@@ -39,21 +40,15 @@ def batches(partition):
         yield {"text": text[rows], "segment_ids": segments[rows]}
         step += 1
 
-class Scalars:
-    def __init__(self): self.rows = []
-    def log(self, scalars, step): self.rows.append(dict(scalars))
-    def artifact(self, value, step): pass
-    def close(self): pass
-
 out = {}
 for name, (attention, spec) in json.loads(sys.argv[1]).items():
     model = CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=4, num_kv_heads=2,
                               mlp_features=32, max_seq_len=SEQ, position_embedding="rotary", attention=attention)
-    scalars = Scalars()
+    scalars = RecordingTracker()
     trainer = Trainer(LMObjective(model, seq_len=SEQ), optax.adam(1e-2), key=jax.random.key(0),
                       mesh=MeshSpec(**spec), layout=Layout(min_shard=0, tolerance=0.25), tracker=scalars)
     trainer.fit(Dataset(train=batches, batch=ROWS), steps=8, log_every=1)
-    out[name] = [float(next(v for k, v in r.items() if k.endswith("/loss"))) for r in scalars.rows]
+    out[name] = [float(next(v for k, v in r.items() if k.endswith("/loss"))) for _, r in scalars.rows]
 print("RESULT" + json.dumps(out))
 """
 
