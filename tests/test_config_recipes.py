@@ -9,9 +9,9 @@ import pytest
 from dew import registry
 from dew.recipes.config import RunConfig, shipped
 from dew.recipes.errors import RecipeError
-from test_config import (  # every test folder is on sys.path (conftest.py)
+from test_config import _find_config  # every test folder is on sys.path (conftest.py)
+from test_recipe_config import (
     RECIPE,
-    _find_config,
     problems,
     recipe,
     repeated_reader,  # noqa: F401 - the autouse fixture registering "repeated"
