@@ -15,6 +15,15 @@ The position a checkpoint saves is the stream's (``get_state``), with the
 rollout's state packed beside it when the rollout has one, so a resumed
 run continues both where they stopped. The ledger is told every batch a
 step read: the first, and any a refilling rollout drew within the step.
+
+Each batch a rollout that samples and scores (``Transcribed``: GRPO's,
+PPO's) makes is written to the rollout journal
+(``dew.training.rollout_journal``), kept beside the ledger: a run directory
+written by process 0. A run resumed alone (one process) replays the
+journaled batches of the steps it had made past its checkpoint instead of
+making them again: it reads the stream as the first run did, checks each
+batch against the one the line was made from, and puts the rollout's state
+back; a batch that differs is sampled again, with a warning.
 """
 
 from __future__ import annotations
@@ -41,12 +50,13 @@ from dew.data.base import (
     close_if_closable,
 )
 from dew.errors import DewError
-from dew.training.ledger import Ledger, joined
+from dew.training.ledger import Ledger, RecordLedger, joined
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
-from dew.training.protocols import Refilling, RewardTimed, Rollout
+from dew.training.protocols import Refilling, RewardTimed, Rollout, Transcribed
+from dew.training.rollout_journal import Rolled, RolloutJournal, batch_digest
 from dew.training.state import TrainState
 
-__all__ = ["Feed", "Fed", "RolloutStateError", "pack_position", "unpack_position"]
+__all__ = ["Feed", "Fed", "ReplayMismatchWarning", "RolloutStateError", "pack_position", "unpack_position"]
 
 _ROLLOUT_POSITION = b"dew-rollout-position:"
 
@@ -82,6 +92,11 @@ def unpack_position(position: bytes | None) -> tuple[bytes | None, bytes | None]
 
 class RolloutStateError(DewError, ValueError):
     """A checkpoint holds a rollout's state, but the trainer's rollout cannot take it back."""
+
+
+class ReplayMismatchWarning(UserWarning):
+    """A resumed run's stream gave a step another batch than the one its journaled rollout was made
+    from: that step, and every later one, is sampled again rather than replayed."""
 
 
 @dataclass
@@ -120,10 +135,14 @@ class Feed:
     check: Callable[[Mapping[str, Any], int], None] | None = None
     clock: FeedClock = field(default_factory=FeedClock)
     ledger: Ledger | None = None  # told which records each step consumed (dew.training.ledger)
+    journal: RolloutJournal | None = None  # each rolled-out batch (default: beside a RecordLedger)
+    replayed: int = 0  # steps whose batch came from the journal rather than the rollout
     _stream: Iterator | None = None
     _step: int = 0  # steps consumed (what the ledger counts)
     _current: int = 0  # the step being fed (for messages)
     _drawn: list[Consumption] = field(default_factory=list)  # batches read since the last step's ledger line
+    _draws: int = 0  # stream batches read in all
+    _replay: dict[int, Rolled] = field(default_factory=dict)  # journaled steps a resumed run replays
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
 
     def open(self, position: bytes | None, *, resuming: bool, start: int = 0) -> None:
@@ -156,6 +175,15 @@ class Feed:
             self.rollout.set_state(rollout_state)
         self._stream = stream
         self._step = start
+        if self.journal is None and isinstance(self.rollout, Transcribed) and isinstance(self.ledger, RecordLedger):
+            # the run directory, process 0's; a rollout that only checks its batch (DPO's) has
+            # nothing it paid for and is not Transcribed
+            self.journal = RolloutJournal(self.ledger.path.parent)
+        if self.journal is not None:
+            replayable = self.journal.opened(start)
+            # A pool's other processes keep no journal: one process replaying alone would leave
+            # the others' sampling programs waiting for it.
+            self._replay = replayable if jax.process_count() == 1 else {}
         if not isinstance(stream, Accounted):
             self.ledger = None  # a stream that cannot say which records it read keeps no ledger
         if self.ledger is not None:
@@ -169,6 +197,8 @@ class Feed:
         rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
         if self.ledger is not None:
             self.ledger.checkpoint(self._step, data)
+        if self.journal is not None:
+            self.journal.checkpoint(self._step)
         return pack_position(data, rollout)
 
     def close(self) -> None:
@@ -185,13 +215,18 @@ class Feed:
         self.clock.data += rolled - began
         self._step = step + 1
         if self.rollout is not None:
-            rollout = self.rollout
-            scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
-            batch = rollout(state, batch, state.key_for(step, purpose="rollout"))
-            _check_mapping(batch, step, "The rollout")
-            reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
-            self.clock.reward += reward
-            self.clock.rollout += time.perf_counter() - rolled - reward
+            replay = self._replayed(step, batch)
+            if replay is not None:
+                batch = replay
+            else:
+                rollout, drawn, source = self.rollout, self._draws, batch
+                scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
+                batch = rollout(state, batch, state.key_for(step, purpose="rollout"))
+                _check_mapping(batch, step, "The rollout")
+                reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
+                self.clock.reward += reward
+                self.clock.rollout += time.perf_counter() - rolled - reward
+                self._journal(step, source, batch, self._draws - drawn + 1)
         if self.ledger is not None:  # after the rollout: a refilling one read more of the stream
             self.ledger.consumed(step + 1, joined(self._drawn))
             self._drawn.clear()
@@ -204,6 +239,35 @@ class Feed:
         rows = _rows(shapes)
         return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows, scalars)
 
+    def _replayed(self, step: int, batch: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The journaled batch of step when the stream gave it the batch the line was made from."""
+        entry = self._replay.pop(step, None)
+        if entry is None:
+            return None
+        if entry.data != batch_digest(batch):
+            warnings.warn(ReplayMismatchWarning(
+                f"Step {step} read another stream batch than its journaled rollout was made from (the "
+                "data or its order changed since that run): sampling it, and every later step, again."),
+                stacklevel=3)
+            self._replay.clear()
+            return None
+        for _ in range(entry.draws - 1):  # what a refilling rollout read within the step
+            self._more()
+        if entry.state is not None and isinstance(self.rollout, Resumable):
+            self.rollout.set_state(entry.state)
+        self.replayed += 1
+        return entry.batch
+
+    def _journal(self, step: int, source: Mapping[str, Any], batch: Mapping[str, Any], draws: int) -> None:
+        """Write the batch the rollout made for step (with what it read and scored) to the journal."""
+        rollout = self.rollout
+        transcript = rollout.transcript() if isinstance(rollout, Transcribed) else []  # drained either way
+        if self.journal is None:
+            return
+        state = rollout.get_state() if isinstance(rollout, Resumable) else None
+        arrays = {k: np.asarray(jax.device_get(v)) for k, v in batch.items()}
+        self.journal.write(Rolled(step, arrays, batch_digest(source), draws, state, tuple(transcript)))
+
     def _more(self) -> Mapping[str, Any]:
         """The stream's next batch (a Refilling rollout reads further ones within a step)."""
         try:
@@ -214,6 +278,7 @@ class Feed:
                 "endlessly (repeat the data, or lower steps)."
             ) from None
         _check_mapping(batch, self._current, "The training stream")
+        self._draws += 1
         if self.ledger is not None:
             self._drawn.append(self._stream.consumption())  # type: ignore[union-attr]
         return batch

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from dew.training.state import TrainState
 
-__all__ = ["Refilling", "RewardTimed", "Rollout", "StatefulRollout"]
+__all__ = ["Refilling", "RewardTimed", "Rollout", "StatefulRollout", "Transcribed"]
 
 
 @runtime_checkable
@@ -62,3 +62,18 @@ class Refilling(Protocol):
     """
 
     def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None: ...
+
+
+@runtime_checkable
+class Transcribed(Protocol):
+    """A rollout that can say, as plain data, what it scored since it was last asked.
+
+    ``transcript()`` returns one mapping per scoring round (a refilling rollout
+    scores several per step) and forgets them: ``prompts`` and ``completions``
+    (text), ``rewards`` (one number each) and ``context`` (the records' other
+    keys, one value per completion). The rollout journal keeps them with the
+    step, so ``dew rescore`` can score them with another reward and ``dew
+    report`` can show them.
+    """
+
+    def transcript(self) -> list[dict[str, Any]]: ...

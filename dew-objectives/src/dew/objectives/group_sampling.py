@@ -42,6 +42,7 @@ import numpy as np
 
 from dew.errors import DewError
 from dew.objectives.group_losses import GroupSizeError
+from dew.training.protocols import Transcribed
 
 __all__ = ["GroupFilter", "IncompatibleOptionsError", "OverlongShaping", "overlong_penalty"]
 
@@ -121,6 +122,10 @@ class GroupFilter:
     def reward_seconds(self) -> float:
         """The seconds the sampler's reward took (the goodput split shows them apart)."""
         return float(getattr(self.sampler, "reward_seconds", 0.0))
+
+    def transcript(self) -> list[dict[str, Any]]:
+        """What the sampler scored since the last transcript, every round of dynamic sampling included."""
+        return self.sampler.transcript() if isinstance(self.sampler, Transcribed) else []
 
     def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None:
         """Refill from more() (the training stream's next batch of prompts) instead of the same prompts."""

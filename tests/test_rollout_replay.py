@@ -1,0 +1,106 @@
+"""A resumed run replays the rollouts its journal holds past its checkpoint, for any rollout: one that
+refills its batch from the stream and keeps a state of its own reads the same records and ends in the
+same state as an uninterrupted run, without being called for the replayed steps.
+
+The rollout is a double around dew's Linear objective: it depends on the live parameters and the key,
+refills from the stream on some steps (``Refilling``), counts what it made (``Resumable``) and says
+what it scored (``Transcribed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from dew import Checkpoints, Trainer
+from dew.data import Dataset
+from dew.data.sources import ArrayRecords
+from dew.data.stream import StreamReader
+from dew.provenance.ledger import audit, read_ledger
+from dew.testing.doubles import Linear
+from dew.training.rollout_journal import read_journal
+
+pytestmark = pytest.mark.slow
+
+RECORDS, PROMPTS, STEPS = 64, 4, 8
+
+
+def _dataset() -> Dataset:
+    ids = np.arange(RECORDS)
+    x = np.random.default_rng(0).normal(size=(RECORDS, 4)).astype(np.float32)
+    source = ArrayRecords({"id": ids, "x": x, "y": x.sum(axis=1, keepdims=True)})
+    return Dataset(train=StreamReader(source, batch=PROMPTS, seed=1), batch=PROMPTS)
+
+
+class Drifting:
+    """Targets moved by the live parameters, the key and a count it keeps; a batch whose first record
+    id is odd is swapped for the stream's next one. Call number fail_at raises (a crash)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.made, self.calls, self.fail_at = 0, 0, fail_at
+        self.more = None
+        self.kernels: list[np.ndarray] = []  # the kernel each call sampled with
+
+    def draw_from(self, more) -> None:
+        self.more = more
+
+    def __call__(self, state, batch, key):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("the rollout crashed")
+        if int(np.asarray(batch["id"])[0]) % 2:
+            batch = self.more()
+        self.made += 1
+        kernel = np.asarray(state.params["params"]["kernel"])
+        self.kernels.append(kernel)
+        x = np.asarray(batch["x"])
+        noise = np.asarray(jax.random.normal(key, (len(x), 1)))
+        y = np.asarray(batch["y"]) + 0.1 * self.made + 0.5 * x @ kernel + 0.01 * noise
+        return {"x": x, "y": y.astype(np.float32)}
+
+    def get_state(self) -> bytes:
+        return json.dumps({"made": self.made}).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.made = json.loads(state)["made"]
+
+    def transcript(self) -> list[dict]:
+        return [{"prompts": [], "completions": [], "rewards": [float(self.made)], "context": {}}]
+
+
+def _fit(directory, rollout: Drifting) -> str | None:
+    try:
+        state = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=rollout,
+                        checkpoints=Checkpoints(directory)).fit(_dataset(), steps=STEPS, log_every=STEPS,
+                                                                 checkpoint_every=4)
+    except RuntimeError as error:
+        assert "the rollout crashed" in str(error)
+        return None
+    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(state.params))).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    rollout = Drifting()
+    return directory, _fit(directory, rollout), rollout
+
+
+def test_a_refilling_stateful_rollout_is_replayed_bitwise_from_the_journal(uninterrupted, tmp_path):
+    reference, expected, whole = uninterrupted
+    assert any(e.draws > 1 for e in read_journal(reference)), "no step refilled"
+    # Crashed in step 6's rollout: the checkpoint is at step 4, the journal holds steps 0-5.
+    assert _fit(tmp_path, Drifting(fail_at=7)) is None
+    assert [e.step for e in read_journal(tmp_path)] == [0, 1, 2, 3, 4, 5]
+    resumed = Drifting()
+    assert _fit(tmp_path, resumed) == expected
+    assert resumed.calls == 2 and resumed.made == whole.made  # steps 6 and 7 made, 4 and 5 replayed
+    # Replaying read the refills again: the same records, step by step, as the uninterrupted run.
+    assert audit(read_ledger(tmp_path), read_ledger(reference)).exact
+    journal = read_journal(tmp_path)
+    assert [e.transcript[0]["rewards"] for e in journal] == [[float(i + 1)] for i in range(STEPS)]
