@@ -1,4 +1,8 @@
-"""A resumed run replays the rollouts its journal holds past its checkpoint, for any rollout: one that
+"""Asynchronous rollouts and the rollout journal, on any rollout.
+
+A rollout with max_lag L makes the next steps' batches from the policy up to L steps behind while a
+step trains; max_lag 0 is the on-policy run, bit for bit. A resumed run replays the rollouts its journal
+holds past its checkpoint (asynchronous or not): one that
 refills its batch from the stream and keeps a state of its own reads the same records and ends in the
 same state as an uninterrupted run, without being called for the replayed steps.
 
@@ -73,15 +77,31 @@ class Drifting:
         return [{"prompts": [], "completions": [], "rewards": [float(self.made)], "context": {}}]
 
 
+class Lagged(Drifting):
+    """Drifting, run ahead by up to max_lag steps."""
+
+    def __init__(self, max_lag: int, fail_at: int | None = None) -> None:
+        super().__init__(fail_at)
+        self.max_lag = max_lag
+
+
+def _train(directory, rollout: Drifting, steps: int = STEPS):
+    return Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=rollout,
+                   checkpoints=None if directory is None else Checkpoints(directory)).fit(
+        _dataset(), steps=steps, log_every=steps, checkpoint_every=4)
+
+
+def _digest(state) -> str:
+    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(state.params))).hexdigest()
+
+
 def _fit(directory, rollout: Drifting) -> str | None:
     try:
-        state = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=rollout,
-                        checkpoints=Checkpoints(directory)).fit(_dataset(), steps=STEPS, log_every=STEPS,
-                                                                 checkpoint_every=4)
+        state = _train(directory, rollout)
     except RuntimeError as error:
         assert "the rollout crashed" in str(error)
         return None
-    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(state.params))).hexdigest()
+    return _digest(state)
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +124,41 @@ def test_a_refilling_stateful_rollout_is_replayed_bitwise_from_the_journal(unint
     assert audit(read_ledger(tmp_path), read_ledger(reference)).exact
     journal = read_journal(tmp_path)
     assert [e.transcript[0]["rewards"] for e in journal] == [[float(i + 1)] for i in range(STEPS)]
+
+
+def test_max_lag_0_is_the_on_policy_run_bitwise(uninterrupted, tmp_path):
+    _, expected, whole = uninterrupted
+    rollout = Lagged(0)
+    assert _fit(tmp_path, rollout) == expected
+    for seen, on_policy in zip(rollout.kernels, whole.kernels, strict=True):
+        np.testing.assert_array_equal(seen, on_policy)
+
+
+def test_max_lag_1_samples_each_step_from_the_policy_one_step_behind(uninterrupted):
+    _, on_policy, whole = uninterrupted
+    rollout = Lagged(1)
+    assert _digest(_train(None, rollout)) != on_policy
+    # Steps 0 and 1 are both made from the starting policy; step s > 1 from the policy after s - 1
+    # steps, which a run of s - 1 steps ends with (the steps before do not depend on what is made ahead).
+    np.testing.assert_array_equal(rollout.kernels[0], whole.kernels[0])
+    np.testing.assert_array_equal(rollout.kernels[1], whole.kernels[0])
+    for step in (3, 6):
+        behind = _train(None, Lagged(1), steps=step - 1)
+        np.testing.assert_array_equal(rollout.kernels[step], np.asarray(behind.params["params"]["kernel"]))
+    # One batch made past the last step, while it trained: what a longer run would train on next.
+    assert rollout.calls == STEPS + 1
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_an_asynchronous_run_resumes_bitwise_from_its_journal(lag, tmp_path):
+    reference = tmp_path / "whole"
+    whole = Lagged(lag)
+    expected = _fit(reference, whole)
+    # Crashed making step 6 (ahead): the checkpoint after step 4 saved the position step 4 was made
+    # from, and the journal holds the steps made ahead of it, from the policies behind it.
+    stopped = tmp_path / "stopped"
+    assert _fit(stopped, Lagged(lag, fail_at=7)) is None
+    resumed = Lagged(lag)
+    assert _fit(stopped, resumed) == expected
+    assert resumed.calls == STEPS + lag - 6  # steps 4 and 5 replayed; 6, 7 and lag past the end made
+    assert audit(read_ledger(stopped), read_ledger(reference)).exact

@@ -52,7 +52,8 @@ from dew.data.base import (
 from dew.errors import DewError
 from dew.training.ledger import Ledger, RecordLedger, joined
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
-from dew.training.protocols import Refilling, RewardTimed, Rollout, Transcribed
+from dew.training.protocols import Lagging, Refilling, RewardTimed, Rollout, Transcribed
+from dew.training.rollout_ahead import Ahead
 from dew.training.rollout_journal import Rolled, RolloutJournal, batch_digest
 from dew.training.state import TrainState
 
@@ -113,6 +114,19 @@ class FeedClock:
 
 
 @dataclass(frozen=True)
+class _Made:
+    """One step's batch on the host, with what making it read and cost."""
+
+    batch: Mapping[str, Any]
+    drawn: list[Consumption]  # the stream batches it read, for the ledger
+    scalars: Mapping[str, float]
+    before: tuple[bytes | None, bytes | None]  # the stream's and rollout's positions it was made from (ahead)
+    data: float = 0.0
+    rollout: float = 0.0
+    reward: float = 0.0
+
+
+@dataclass(frozen=True)
 class Fed:
     """One batch on the mesh, with the signature the compiled step is keyed by."""
 
@@ -143,6 +157,7 @@ class Feed:
     _drawn: list[Consumption] = field(default_factory=list)  # batches read since the last step's ledger line
     _draws: int = 0  # stream batches read in all
     _replay: dict[int, Rolled] = field(default_factory=dict)  # journaled steps a resumed run replays
+    _ahead: Ahead[_Made] | None = None  # the worker making later steps' batches (a rollout's max_lag > 0)
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
 
     def open(self, position: bytes | None, *, resuming: bool, start: int = 0) -> None:
@@ -190,11 +205,18 @@ class Feed:
             self.ledger.opened(start, data, self.partition)
         if isinstance(self.rollout, Refilling):
             self.rollout.draw_from(self._more)
+        lag = self.rollout.max_lag if isinstance(self.rollout, Lagging) else 0
+        self._ahead = Ahead(self._make, lag) if lag != 0 else None
 
     def position(self) -> bytes | None:
-        """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
-        data = self._stream.get_state() if isinstance(self._stream, Resumable) else None
-        rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
+        """What a checkpoint saves: the stream's position, with the rollout's state if it has one.
+
+        Run ahead, the batches under way are waited for (the journal holds them
+        then) and the position saved is the one the next step's batch was made
+        from, so a resumed run makes (or replays) the steps the stopped one made ahead.
+        """
+        made = self._ahead.settle() if self._ahead is not None else []  # the worker is idle after
+        data, rollout = made[0][1].before if made else self._positions()
         if self.ledger is not None:
             self.ledger.checkpoint(self._step, data)
         if self.journal is not None:
@@ -202,6 +224,8 @@ class Feed:
         return pack_position(data, rollout)
 
     def close(self) -> None:
+        if self._ahead is not None:  # before the stream: the worker may be reading it
+            self._ahead.close()
         close_if_closable(self._stream)
         if self.ledger is not None:
             self.ledger.close()
@@ -209,35 +233,60 @@ class Feed:
     def next(self, state: TrainState, step: int) -> Fed:
         """The batch of step, rolled out, checked and on the mesh."""
         began = time.perf_counter()
-        self._current = step
-        batch = self._more()
-        rolled = time.perf_counter()
-        self.clock.data += rolled - began
         self._step = step + 1
-        if self.rollout is not None:
-            replay = self._replayed(step, batch)
-            if replay is not None:
-                batch = replay
-            else:
-                rollout, drawn, source = self.rollout, self._draws, batch
-                scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
-                batch = rollout(state, batch, state.key_for(step, purpose="rollout"))
-                _check_mapping(batch, step, "The rollout")
-                reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
-                self.clock.reward += reward
-                self.clock.rollout += time.perf_counter() - rolled - reward
-                self._journal(step, source, batch, self._draws - drawn + 1)
+        if self._ahead is None:  # made here and now, from the policy about to train on it
+            key = state.key_for(step, purpose="rollout") if self.rollout is not None else None
+            made = self._make(state, step, key)
+            self.clock.data += made.data
+            self.clock.reward += made.reward
+            self.clock.rollout += made.rollout
+        else:  # made on the worker, ahead: the wait is what the step lost to it
+            made = self._ahead.take(state, step)
+            waited = time.perf_counter() - began
+            reward = min(made.reward, waited)
+            self.clock.reward += reward
+            self.clock.rollout += waited - reward
         if self.ledger is not None:  # after the rollout: a refilling one read more of the stream
-            self.ledger.consumed(step + 1, joined(self._drawn))
-            self._drawn.clear()
-        # Read once the rollout is done, so what the stream reports counts the batches it refilled from.
-        scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
+            self.ledger.consumed(step + 1, joined(made.drawn))
+        batch = made.batch
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
         shapes = self._check(host, step)
         if self.check is not None:
             self.check(host, step)
         rows = _rows(shapes)
-        return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows, scalars)
+        return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows, made.scalars)
+
+    def _make(self, state: TrainState, step: int, key: jax.Array | None) -> _Made:
+        """Read step's batch from the stream and roll it out (or replay it from the journal)."""
+        self._current = step
+        before = self._positions() if self._ahead is not None else (None, None)
+        drawn = self._drawn = []
+        began = time.perf_counter()
+        batch = self._more()
+        rolled = time.perf_counter()
+        reward = 0.0
+        if self.rollout is not None:
+            replay = self._replayed(step, batch)
+            if replay is not None:
+                batch = replay
+            else:
+                rollout, count, source = self.rollout, self._draws, batch
+                scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
+                batch = rollout(state, batch, key)
+                _check_mapping(batch, step, "The rollout")
+                reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
+                self._journal(step, source, batch, self._draws - count + 1)
+        # Read once the rollout is done, so what the stream reports counts the batches it refilled from.
+        scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
+        ended = time.perf_counter()
+        return _Made(batch, drawn, scalars, before, data=rolled - began, rollout=ended - rolled - reward,
+                     reward=reward)
+
+    def _positions(self) -> tuple[bytes | None, bytes | None]:
+        """The stream's position and the rollout's state, as they are now."""
+        data = self._stream.get_state() if isinstance(self._stream, Resumable) else None
+        rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
+        return data, rollout
 
     def _replayed(self, step: int, batch: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """The journaled batch of step when the stream gave it the batch the line was made from."""

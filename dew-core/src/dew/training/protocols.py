@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from dew.training.state import TrainState
 
-__all__ = ["Refilling", "RewardTimed", "Rollout", "StatefulRollout", "Transcribed"]
+__all__ = ["Lagging", "Refilling", "RewardTimed", "Rollout", "StatefulRollout", "Transcribed"]
 
 
 @runtime_checkable
@@ -77,3 +77,20 @@ class Transcribed(Protocol):
     """
 
     def transcript(self) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class Lagging(Protocol):
+    """A rollout that may sample the batches of later steps while a step trains.
+
+    ``max_lag`` bounds how many steps the sampling policy may be behind the
+    policy that trains on its batch: 0 samples each step from its own policy
+    (on-policy, the batch made when the step asks for it); L > 0 makes the
+    batches of the next L steps on a worker thread while a step trains
+    (``dew.training.rollout_ahead``). Such a rollout reads only the state's
+    parameters (a copy), and returns the sampling policy's log-probabilities
+    with its batch, so the objective's importance ratio is taken against the
+    policy that sampled.
+    """
+
+    max_lag: int

@@ -105,7 +105,7 @@ class GroupFilter:
 
     def __init__(self, sampler: Callable[[Any, Mapping[str, Any], jax.Array], Mapping[str, Any]], *,
                  group_size: int, dynamic: bool, max_rounds: int = 4,
-                 shaping: OverlongShaping | None = None) -> None:
+                 shaping: OverlongShaping | None = None, max_lag: int = 0) -> None:
         if dynamic and group_size < 2:
             raise IncompatibleOptionsError(
                 f"dynamic sampling needs group_size >= 2, got {group_size}: a group of one always has "
@@ -116,6 +116,7 @@ class GroupFilter:
         self.dynamic = dynamic
         self.max_rounds = max_rounds
         self.shaping = shaping
+        self.max_lag = max_lag  # run ahead by the trainer (dew.training.protocols.Lagging), 0: on-policy
         self._more: Callable[[], Mapping[str, Any]] | None = None
 
     @property

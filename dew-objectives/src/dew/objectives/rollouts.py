@@ -172,13 +172,17 @@ class CompletionRollout:
 
     engine sets the generation engine's layout (default: every completion of a
     step decoding at once, with room for all of them at full length).
+    max_lag > 0 lets the trainer sample later steps' completions while a step
+    trains (``dew.training.protocols.Lagging``); old_logp is always scored
+    with the parameters that sampled.
     """
 
     def __init__(self, model: nn.Module, reward: Reward, *, group_size: int, max_new_tokens: int,
                  sampling: Sampling, tokenizer: Any = None, stop_token: int | None = None,
                  prompt_key: str = "prompt", prompt_length_key: str = "prompt_length",
-                 engine: EngineConfig | None = None) -> None:
+                 engine: EngineConfig | None = None, max_lag: int = 0) -> None:
         self.model = model
+        self.max_lag = max_lag
         self.reward = reward
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
