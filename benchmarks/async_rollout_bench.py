@@ -16,7 +16,11 @@ two curves as the same within noise.
 The overlap needs somewhere to run: the sampler and the step compete for
 the same cores on a CPU-only machine, so there the ratio shows what
 overlapping host-side work (the engine's scheduling, decoding, the reward)
-with the step's computation buys on that machine, no more.
+with the step's computation buys on that machine, no more. It also prints
+the share of a synchronous step spent making its batch (the Feed's
+``next``, timed around it): overlapping the rest with the next batch can
+save at most that rest, so 1 - share bounds the async / sync ratio from
+below on any machine where the batch takes as long as here.
 
     .venv/bin/python benchmarks/async_rollout_bench.py [--steps 40] [--repeats 2] [--lm-steps 150]
 """
@@ -28,9 +32,30 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
+
+FED: list[float] = []  # seconds of each Feed.next of the run under way
+
+
+def _timed_feed() -> None:
+    """Time every Feed.next (the batch's making, or the wait for it when made ahead)."""
+    import time
+
+    from dew.training.feed import Feed
+
+    plain = Feed.next
+
+    def timed(self, state, step):
+        began = time.perf_counter()
+        try:
+            return plain(self, state, step)
+        finally:
+            FED.append(time.perf_counter() - began)
+
+    Feed.next = timed  # type: ignore[method-assign]
 
 
 def _train(arguments: list[str]) -> None:
@@ -64,11 +89,15 @@ def main() -> None:
         if not (root / "runs" / "addition-lm" / "run.json").exists():
             _train(["addition-lm", f"trainer.steps={args.lm_steps}", f"trainer.checkpoint_every={args.lm_steps}",
                     "trainer.eval_every=null"])
+        _timed_feed()
         times: dict[int, list[float]] = {0: [], 1: []}
+        fed: dict[int, list[float]] = {0: [], 1: []}
         rewards: dict[int, list[list[float]]] = {0: [], 1: []}
         for repeat in range(args.repeats):
             for lag in (0, 1):
                 run = root / "runs" / f"grpo-lag{lag}-{repeat}"
+                shutil.rmtree(run, ignore_errors=True)  # a run left there would resume, not train
+                FED.clear()
                 _train(["addition-grpo", f"objective.max_lag={lag}", f"seed={repeat}", f"trainer.steps={args.steps}",
                         "trainer.log_every=1", "trainer.eval_every=null", f"trainer.checkpoint_every={args.steps}",
                         f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}"])
@@ -77,6 +106,7 @@ def main() -> None:
                 times[lag] += [steps[s]["train/step_time"] for s in sorted(steps)
                                if args.warmup < s < args.steps and "train/step_time" in steps[s]]
                 rewards[lag].append([steps[s]["train/reward"] for s in sorted(steps)])
+                fed[lag] += FED[args.warmup:-1]
                 print(f"run {repeat} max_lag={lag}: median {statistics.median(times[lag]):.4f} s/step so far",
                       flush=True)
 
@@ -87,6 +117,10 @@ def main() -> None:
         print(f"{name:<22}{min(times[lag]):>10.4f}{statistics.median(times[lag]):>10.4f}")
     print(f"{'async / sync':<22}{min(times[1]) / min(times[0]):>10.3f}"
           f"{statistics.median(times[1]) / statistics.median(times[0]):>10.3f}   (goal <= 0.7)")
+    share = statistics.median(fed[0]) / statistics.median(times[0])
+    print(f"making the batch: median {statistics.median(fed[0]):.4f} s of a synchronous step "
+          f"({share:.0%}); asynchronous, the step waits a median {statistics.median(fed[1]):.4f} s for it. "
+          f"Overlap can bring async / sync down to about {max(share, 1 - share):.2f} at best here.")
 
     print(f"\nmean train/reward per {args.window} steps (each mode averaged over its runs):")
     for lag in (0, 1):

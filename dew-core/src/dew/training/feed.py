@@ -151,6 +151,7 @@ class Feed:
     ledger: Ledger | None = None  # told which records each step consumed (dew.training.ledger)
     journal: RolloutJournal | None = None  # each rolled-out batch (default: beside a RecordLedger)
     replayed: int = 0  # steps whose batch came from the journal rather than the rollout
+    lag: int = 0  # how many steps ahead the batches are made (the rollout's max_lag)
     _stream: Iterator | None = None
     _step: int = 0  # steps consumed (what the ledger counts)
     _current: int = 0  # the step being fed (for messages)
@@ -205,8 +206,11 @@ class Feed:
             self.ledger.opened(start, data, self.partition)
         if isinstance(self.rollout, Refilling):
             self.rollout.draw_from(self._more)
-        lag = self.rollout.max_lag if isinstance(self.rollout, Lagging) else 0
-        self._ahead = Ahead(self._make, lag) if lag != 0 else None
+        self.lag = self.rollout.max_lag if isinstance(self.rollout, Lagging) else 0
+        # Two threads launching programs with collectives over several devices may reach them in
+        # different orders and deadlock: on a larger mesh the lagged batches are made in the loop.
+        threaded = jax.process_count() == 1 and self.mesh.devices.size == 1
+        self._ahead = Ahead(self._make, self.lag, threaded=threaded) if self.lag != 0 else None
 
     def position(self) -> bytes | None:
         """What a checkpoint saves: the stream's position, with the rollout's state if it has one.

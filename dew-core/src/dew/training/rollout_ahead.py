@@ -23,6 +23,17 @@ checkpoint's policy: the lag is shorter right after the resume.)
 
 The key of step t is the run's rollout key of t, as on-policy, so ``max_lag:
 0`` and the steps of an asynchronous run whose lag is 0 draw the same.
+
+Only a run on one device of one process makes its batches on a worker
+thread. On a larger mesh the sampler's programs and the step's would be
+launched from two threads, and programs with collectives over several
+devices, launched concurrently, may reach the devices in different orders
+and deadlock; there each batch is made in the loop, when its step asks for
+it, from the same lagged copy of the parameters, the same key and the same
+place in the stream (``threaded=False``), so the run trains on exactly the
+batches a one-device run would, without the overlap. Overlapping there
+needs the trainer to launch its step and the sampler's programs in one
+order (a hook of the trainer's loop), which is not there yet.
 """
 
 from __future__ import annotations
@@ -55,22 +66,48 @@ def parameters_copy(state: Any) -> Any:
     return state.replace(params=jax.block_until_ready(params))
 
 
+class _Deferred(Generic[Made]):
+    """A batch made when it is first asked for, in the asking thread (Ahead's threaded=False)."""
+
+    def __init__(self, make: Callable[..., Made], *arguments: Any) -> None:
+        self._make: Callable[[], Made] | None = lambda: make(*arguments)
+        self._made: Made | None = None
+        self._error: BaseException | None = None
+
+    def result(self) -> Made:
+        if self._make is not None:
+            make, self._make = self._make, None
+            try:
+                self._made = make()
+            except BaseException as error:
+                self._error = error
+        if self._error is not None:
+            raise self._error
+        return self._made  # type: ignore[return-value]
+
+    def cancel(self) -> bool:
+        self._make = None
+        return True
+
+
 class Ahead(Generic[Made]):
     """The batches of the next ``lag`` steps, made on one worker thread (see the module docstring).
 
     make(state, step, key) makes one step's batch; it runs on the worker, one
-    step at a time in step order.
+    step at a time in step order. threaded=False makes each in the thread that
+    takes it (or settles), when it is asked for: the same batches, in the same
+    order, from the same parameters, without a second thread.
     """
 
-    def __init__(self, make: Callable[[Any, int, jax.Array], Made], lag: int) -> None:
+    def __init__(self, make: Callable[[Any, int, jax.Array], Made], lag: int, *, threaded: bool = True) -> None:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
             raise LagError(f"max_lag must be a whole number of steps >= 0, got {lag!r}: 0 samples each "
                            "step's batch from the policy it trains, 1 (the default) from the policy one step "
                            "behind while the step before trains.")
         self.make = make
         self.lag = lag
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dew-rollout-ahead")
-        self._pending: dict[int, Future[Made]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dew-rollout-ahead") if threaded else None
+        self._pending: dict[int, Future[Made] | _Deferred[Made]] = {}
         self._failed: BaseException | None = None  # a batch that failed: none after it is made
 
     def take(self, state: Any, step: int) -> Made:
@@ -80,7 +117,8 @@ class Ahead(Generic[Made]):
             if ahead not in self._pending:
                 copied = copied if copied is not None else parameters_copy(state)
                 key = jax.block_until_ready(state.key_for(ahead, purpose="rollout"))
-                self._pending[ahead] = self._pool.submit(self._make, copied, ahead, key)
+                self._pending[ahead] = (self._pool.submit(self._make, copied, ahead, key) if self._pool is not None
+                                        else _Deferred(self._make, copied, ahead, key))
         return self._pending.pop(step).result()
 
     def _make(self, state: Any, step: int, key: jax.Array) -> Made:
@@ -95,12 +133,14 @@ class Ahead(Generic[Made]):
             raise
 
     def settle(self) -> list[tuple[int, Made]]:
-        """Wait for every batch under way; they stay to be taken. (step, batch) in step order."""
+        """Wait for every batch under way (make them, unthreaded); they stay to be taken. (step, batch)
+        in step order."""
         return [(step, self._pending[step].result()) for step in sorted(self._pending)]
 
     def close(self) -> None:
         """Stop making: batches not begun are dropped, the one being made is waited for (its error dropped)."""
         for future in self._pending.values():
             future.cancel()
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._pending.clear()
