@@ -32,5 +32,5 @@ def test_every_command_on_the_page_parses(argv):
     parser.parse_args(argv[1:])  # exits (a failure here) on anything the command does not accept
 
 
-def test_the_page_covers_the_four_commands():
-    assert {argv[0] for argv in COMMANDS_ON_PAGE} == {"plan", "diff", "audit", "check-plugin"}
+def test_the_page_covers_the_five_commands():
+    assert {argv[0] for argv in COMMANDS_ON_PAGE} == {"plan", "diff", "audit", "rescore", "check-plugin"}

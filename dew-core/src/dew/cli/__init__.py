@@ -35,6 +35,7 @@ COMMANDS = {
     "plan": ("dew.cli.plan", "compile a recipe's step for a mesh on fake devices: bytes, collectives, FLOPs"),
     "diff": ("dew.cli.diff", "where two runs part: kept states, logged losses and recipes compared"),
     "audit": ("dew.cli.audit", "prove from its ledger which records a run consumed, step by step"),
+    "rescore": ("dew.cli.rescore", "score a run's journaled completions with another reward, without the model"),
     "check-plugin": ("dew.cli.check_plugin", "run dew's conformance kits on an installed distribution's components"),
 }
 

@@ -7,6 +7,8 @@ by step. Then the charts, grouped by what they mean: losses (training and
 validation on one chart), the learning rate, throughput in each of its
 units, step time, then where the wall time went (goodput); every other
 metric gets its own chart, its validation series beside its training one.
+A run that journaled its rollouts (``rollouts.jsonl``: GRPO, PPO) shows
+its sampled completions with their rewards, by step, after the previews.
 A chart a run cannot have yet (a rate needs two logged steps) is named with
 the reason. The recipe is shown as what the run sets, against the defaults,
 with the full recipe folded away. Given several runs, each chart overlays
@@ -41,6 +43,8 @@ GROUPS = ("loss", "learning rate", *THROUGHPUT.values(), "step time")
 SPLITS = ("train", "val", "eval", "validation", "val_ema", "eval_ema")
 # How many of the latest steps of each preview the page shows.
 PREVIEW_STEPS = 8
+# How many of the latest journaled rollout steps, and completions of each, the page shows.
+ROLLOUT_STEPS, ROLLOUT_ROWS = 8, 8
 # Pictures narrower than these are drawn larger (nearest neighbour, so pixels stay sharp).
 CELL_WIDTH, GRID_WIDTH = 96, 384
 
@@ -56,6 +60,7 @@ class RunData:
     series: Series
     records: tuple[dict[str, Any], ...]
     previews: tuple[dict[str, Any], ...]
+    rollouts: tuple[Any, ...] = ()  # the journaled rollouts' transcripts (dew.training.rollout_journal.Rolled)
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -285,6 +290,37 @@ def _preview(run: RunData, name: str, row: Mapping[str, Any], out: Path) -> str:
     return f"<figure class='shot'><figcaption>{caption}</figcaption>{grid}</figure>"
 
 
+def _rollouts(runs: Sequence[RunData]) -> list[str]:
+    """Each run's latest journaled steps: the mean reward, then the first completions with theirs."""
+    parts = []
+    for run in runs:
+        steps = [entry for entry in run.rollouts if entry.transcript]
+        if not steps:
+            continue
+        shown = steps[-ROLLOUT_STEPS:]
+        if len(runs) > 1:
+            parts.append(f"<h3>{html.escape(run.label)}</h3>")
+        parts.append(f"<p class='note'>The latest {len(shown)} of {len(steps)} journaled steps, the first "
+                     f"{ROLLOUT_ROWS} completions of each (all of them are in rollouts.jsonl; "
+                     "dew rescore scores them with another reward).</p>")
+        parts.append("<table class='rollouts'><tr><th>step</th><th>prompt</th><th>completion</th>"
+                     "<th>reward</th></tr>")
+        for entry in shown:
+            rows = [(p, c, r) for round_ in entry.transcript
+                    for p, c, r in zip(round_.get("prompts") or [], round_.get("completions") or [],
+                                       round_.get("rewards") or [], strict=False)]
+            rewards = [float(r) for _, _, r in rows]
+            mean = _number(float(np.mean(rewards))) if rewards else "-"
+            for index, (prompt, completion, reward) in enumerate(rows[:ROLLOUT_ROWS]):
+                head = (f"<td rowspan='{min(len(rows), ROLLOUT_ROWS)}'>{entry.step}<br>"
+                        f"<span class='note'>{len(rows)} sampled, mean {mean}</span></td>") if index == 0 else ""
+                parts.append(f"<tr>{head}<td><pre>{html.escape(str(prompt))}</pre></td>"
+                             f"<td><pre>{html.escape(str(completion))}</pre></td>"
+                             f"<td>{_number(float(reward))}</td></tr>")
+        parts.append("</table>")
+    return ["<h2 id='rollouts'>Rollouts</h2>", *parts] if parts else []
+
+
 def _cell(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     return html.escape(text)
@@ -432,6 +468,7 @@ def write_page(runs: Sequence[RunData], out: Path) -> Path:
     previews = _previews(runs, out)
     if previews:
         parts += ["<h2 id='previews'>Previews</h2>", *previews]
+    parts += _rollouts(runs)
     charts = _charts(runs, out)
     parts.append("<h2 id='charts'>Charts</h2>")
     parts += [f"<p class='note missing'>{html.escape(note)}</p>" for note in missing_charts(runs)]

@@ -15,6 +15,15 @@ The position a checkpoint saves is the stream's (``get_state``), with the
 rollout's state packed beside it when the rollout has one, so a resumed
 run continues both where they stopped. The ledger is told every batch a
 step read: the first, and any a refilling rollout drew within the step.
+
+Each batch a rollout that samples and scores (``Transcribed``: GRPO's,
+PPO's) makes is written to the rollout journal
+(``dew.training.rollout_journal``), kept beside the ledger: a run directory
+written by process 0. A run resumed alone (one process) replays the
+journaled batches of the steps it had made past its checkpoint instead of
+making them again: it reads the stream as the first run did, checks each
+batch against the one the line was made from, and puts the rollout's state
+back; a batch that differs is sampled again, with a warning.
 """
 
 from __future__ import annotations
@@ -41,12 +50,14 @@ from dew.data.base import (
     close_if_closable,
 )
 from dew.errors import DewError
-from dew.training.ledger import Ledger, joined
+from dew.training.ledger import Ledger, RecordLedger, joined
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
-from dew.training.protocols import Refilling, RewardTimed, Rollout
+from dew.training.protocols import Lagging, Refilling, RewardTimed, Rollout, Transcribed
+from dew.training.rollout_ahead import Ahead
+from dew.training.rollout_journal import Rolled, RolloutJournal, batch_digest
 from dew.training.state import TrainState
 
-__all__ = ["Feed", "Fed", "RolloutStateError", "pack_position", "unpack_position"]
+__all__ = ["Feed", "Fed", "ReplayMismatchWarning", "RolloutStateError", "pack_position", "unpack_position"]
 
 _ROLLOUT_POSITION = b"dew-rollout-position:"
 
@@ -84,6 +95,11 @@ class RolloutStateError(DewError, ValueError):
     """A checkpoint holds a rollout's state, but the trainer's rollout cannot take it back."""
 
 
+class ReplayMismatchWarning(UserWarning):
+    """A resumed run's stream gave a step another batch than the one its journaled rollout was made
+    from: that step, and every later one, is sampled again rather than replayed."""
+
+
 @dataclass
 class FeedClock:
     """Seconds spent waiting for the stream, running the rollout, and in its reward.
@@ -92,6 +108,19 @@ class FeedClock:
     (``reward_seconds``) has them counted apart from the rest of its time.
     """
 
+    data: float = 0.0
+    rollout: float = 0.0
+    reward: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Made:
+    """One step's batch on the host, with what making it read and cost."""
+
+    batch: Mapping[str, Any]
+    drawn: list[Consumption]  # the stream batches it read, for the ledger
+    scalars: Mapping[str, float]
+    before: tuple[bytes | None, bytes | None]  # the stream's and rollout's positions it was made from (ahead)
     data: float = 0.0
     rollout: float = 0.0
     reward: float = 0.0
@@ -120,10 +149,16 @@ class Feed:
     check: Callable[[Mapping[str, Any], int], None] | None = None
     clock: FeedClock = field(default_factory=FeedClock)
     ledger: Ledger | None = None  # told which records each step consumed (dew.training.ledger)
+    journal: RolloutJournal | None = None  # each rolled-out batch (default: beside a RecordLedger)
+    replayed: int = 0  # steps whose batch came from the journal rather than the rollout
+    lag: int = 0  # how many steps ahead the batches are made (the rollout's max_lag)
     _stream: Iterator | None = None
     _step: int = 0  # steps consumed (what the ledger counts)
     _current: int = 0  # the step being fed (for messages)
     _drawn: list[Consumption] = field(default_factory=list)  # batches read since the last step's ledger line
+    _draws: int = 0  # stream batches read in all
+    _replay: dict[int, Rolled] = field(default_factory=dict)  # journaled steps a resumed run replays
+    _ahead: Ahead[_Made] | None = None  # the worker making later steps' batches (a rollout's max_lag > 0)
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
 
     def open(self, position: bytes | None, *, resuming: bool, start: int = 0) -> None:
@@ -156,22 +191,45 @@ class Feed:
             self.rollout.set_state(rollout_state)
         self._stream = stream
         self._step = start
+        if self.journal is None and isinstance(self.rollout, Transcribed) and isinstance(self.ledger, RecordLedger):
+            # the run directory, process 0's; a rollout that only checks its batch (DPO's) has
+            # nothing it paid for and is not Transcribed
+            self.journal = RolloutJournal(self.ledger.path.parent)
+        if self.journal is not None:
+            replayable = self.journal.opened(start)
+            # A pool's other processes keep no journal: one process replaying alone would leave
+            # the others' sampling programs waiting for it.
+            self._replay = replayable if jax.process_count() == 1 else {}
         if not isinstance(stream, Accounted):
             self.ledger = None  # a stream that cannot say which records it read keeps no ledger
         if self.ledger is not None:
             self.ledger.opened(start, data, self.partition)
         if isinstance(self.rollout, Refilling):
             self.rollout.draw_from(self._more)
+        self.lag = self.rollout.max_lag if isinstance(self.rollout, Lagging) else 0
+        # Two threads launching programs with collectives over several devices may reach them in
+        # different orders and deadlock: on a larger mesh the lagged batches are made in the loop.
+        threaded = jax.process_count() == 1 and self.mesh.devices.size == 1
+        self._ahead = Ahead(self._make, self.lag, threaded=threaded) if self.lag != 0 else None
 
     def position(self) -> bytes | None:
-        """What a checkpoint saves: the stream's position, with the rollout's state if it has one."""
-        data = self._stream.get_state() if isinstance(self._stream, Resumable) else None
-        rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
+        """What a checkpoint saves: the stream's position, with the rollout's state if it has one.
+
+        Run ahead, the batches under way are waited for (the journal holds them
+        then) and the position saved is the one the next step's batch was made
+        from, so a resumed run makes (or replays) the steps the stopped one made ahead.
+        """
+        made = self._ahead.settle() if self._ahead is not None else []  # the worker is idle after
+        data, rollout = made[0][1].before if made else self._positions()
         if self.ledger is not None:
             self.ledger.checkpoint(self._step, data)
+        if self.journal is not None:
+            self.journal.checkpoint(self._step)
         return pack_position(data, rollout)
 
     def close(self) -> None:
+        if self._ahead is not None:  # before the stream: the worker may be reading it
+            self._ahead.close()
         close_if_closable(self._stream)
         if self.ledger is not None:
             self.ledger.close()
@@ -179,30 +237,89 @@ class Feed:
     def next(self, state: TrainState, step: int) -> Fed:
         """The batch of step, rolled out, checked and on the mesh."""
         began = time.perf_counter()
-        self._current = step
-        batch = self._more()
-        rolled = time.perf_counter()
-        self.clock.data += rolled - began
         self._step = step + 1
-        if self.rollout is not None:
-            rollout = self.rollout
-            scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
-            batch = rollout(state, batch, state.key_for(step, purpose="rollout"))
-            _check_mapping(batch, step, "The rollout")
-            reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
+        if self._ahead is None:  # made here and now, from the policy about to train on it
+            key = state.key_for(step, purpose="rollout") if self.rollout is not None else None
+            made = self._make(state, step, key)
+            self.clock.data += made.data
+            self.clock.reward += made.reward
+            self.clock.rollout += made.rollout
+        else:  # made on the worker, ahead: the wait is what the step lost to it
+            made = self._ahead.take(state, step)
+            waited = time.perf_counter() - began
+            reward = min(made.reward, waited)
             self.clock.reward += reward
-            self.clock.rollout += time.perf_counter() - rolled - reward
+            self.clock.rollout += waited - reward
         if self.ledger is not None:  # after the rollout: a refilling one read more of the stream
-            self.ledger.consumed(step + 1, joined(self._drawn))
-            self._drawn.clear()
-        # Read once the rollout is done, so what the stream reports counts the batches it refilled from.
-        scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
+            self.ledger.consumed(step + 1, joined(made.drawn))
+        batch = made.batch
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
         shapes = self._check(host, step)
         if self.check is not None:
             self.check(host, step)
         rows = _rows(shapes)
-        return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows, scalars)
+        return Fed(shard_batch(host, self.mesh, self.partition), _signature(shapes), rows, made.scalars)
+
+    def _make(self, state: TrainState, step: int, key: jax.Array | None) -> _Made:
+        """Read step's batch from the stream and roll it out (or replay it from the journal)."""
+        self._current = step
+        before = self._positions() if self._ahead is not None else (None, None)
+        drawn = self._drawn = []
+        began = time.perf_counter()
+        batch = self._more()
+        rolled = time.perf_counter()
+        reward = 0.0
+        if self.rollout is not None:
+            replay = self._replayed(step, batch)
+            if replay is not None:
+                batch = replay
+            else:
+                rollout, count, source = self.rollout, self._draws, batch
+                scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
+                batch = rollout(state, batch, key)
+                _check_mapping(batch, step, "The rollout")
+                reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
+                self._journal(step, source, batch, self._draws - count + 1)
+        # Read once the rollout is done, so what the stream reports counts the batches it refilled from.
+        scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
+        ended = time.perf_counter()
+        return _Made(batch, drawn, scalars, before, data=rolled - began, rollout=ended - rolled - reward,
+                     reward=reward)
+
+    def _positions(self) -> tuple[bytes | None, bytes | None]:
+        """The stream's position and the rollout's state, as they are now."""
+        data = self._stream.get_state() if isinstance(self._stream, Resumable) else None
+        rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
+        return data, rollout
+
+    def _replayed(self, step: int, batch: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The journaled batch of step when the stream gave it the batch the line was made from."""
+        entry = self._replay.pop(step, None)
+        if entry is None:
+            return None
+        if entry.data != batch_digest(batch):
+            warnings.warn(ReplayMismatchWarning(
+                f"Step {step} read another stream batch than its journaled rollout was made from (the "
+                "data or its order changed since that run): sampling it, and every later step, again."),
+                stacklevel=3)
+            self._replay.clear()
+            return None
+        for _ in range(entry.draws - 1):  # what a refilling rollout read within the step
+            self._more()
+        if entry.state is not None and isinstance(self.rollout, Resumable):
+            self.rollout.set_state(entry.state)
+        self.replayed += 1
+        return entry.batch
+
+    def _journal(self, step: int, source: Mapping[str, Any], batch: Mapping[str, Any], draws: int) -> None:
+        """Write the batch the rollout made for step (with what it read and scored) to the journal."""
+        rollout = self.rollout
+        transcript = rollout.transcript() if isinstance(rollout, Transcribed) else []  # drained either way
+        if self.journal is None:
+            return
+        state = rollout.get_state() if isinstance(rollout, Resumable) else None
+        arrays = {k: np.asarray(jax.device_get(v)) for k, v in batch.items()}
+        self.journal.write(Rolled(step, arrays, batch_digest(source), draws, state, tuple(transcript)))
 
     def _more(self) -> Mapping[str, Any]:
         """The stream's next batch (a Refilling rollout reads further ones within a step)."""
@@ -214,6 +331,7 @@ class Feed:
                 "endlessly (repeat the data, or lower steps)."
             ) from None
         _check_mapping(batch, self._current, "The training stream")
+        self._draws += 1
         if self.ledger is not None:
             self._drawn.append(self._stream.consumption())  # type: ignore[union-attr]
         return batch

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from dew.training.state import TrainState
 
-__all__ = ["Refilling", "RewardTimed", "Rollout", "StatefulRollout"]
+__all__ = ["Lagging", "Refilling", "RewardTimed", "Rollout", "StatefulRollout", "Transcribed"]
 
 
 @runtime_checkable
@@ -62,3 +62,35 @@ class Refilling(Protocol):
     """
 
     def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None: ...
+
+
+@runtime_checkable
+class Transcribed(Protocol):
+    """A rollout that can say, as plain data, what it scored since it was last asked.
+
+    ``transcript()`` returns one mapping per scoring round (a refilling rollout
+    scores several per step) and forgets them: ``prompts`` and ``completions``
+    (text), ``rewards`` (one number each) and ``context`` (the records' other
+    keys, one value per completion). The rollout journal keeps them with the
+    step, so ``dew rescore`` can score them with another reward and ``dew
+    report`` can show them.
+    """
+
+    def transcript(self) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class Lagging(Protocol):
+    """A rollout that may sample the batches of later steps while a step trains.
+
+    ``max_lag`` bounds how many steps the sampling policy may be behind the
+    policy that trains on its batch: 0 samples each step from its own policy
+    (on-policy, the batch made when the step asks for it); L > 0 makes the
+    batches of the next L steps on a worker thread while a step trains
+    (``dew.training.rollout_ahead``). Such a rollout reads only the state's
+    parameters (a copy), and returns the sampling policy's log-probabilities
+    with its batch, so the objective's importance ratio is taken against the
+    policy that sampled.
+    """
+
+    max_lag: int

@@ -42,7 +42,7 @@ import numpy as np
 
 from dew.errors import DewError
 from dew.objectives.group_losses import GroupSizeError
-from dew.training.protocols import RewardTimed
+from dew.training.protocols import RewardTimed, Transcribed
 
 __all__ = ["GroupFilter", "IncompatibleOptionsError", "OverlongShaping", "overlong_penalty"]
 
@@ -105,7 +105,7 @@ class GroupFilter:
 
     def __init__(self, sampler: Callable[[Any, Mapping[str, Any], jax.Array], Mapping[str, Any]], *,
                  group_size: int, dynamic: bool, max_rounds: int = 4,
-                 shaping: OverlongShaping | None = None) -> None:
+                 shaping: OverlongShaping | None = None, max_lag: int = 0) -> None:
         if dynamic and group_size < 2:
             raise IncompatibleOptionsError(
                 f"dynamic sampling needs group_size >= 2, got {group_size}: a group of one always has "
@@ -116,12 +116,17 @@ class GroupFilter:
         self.dynamic = dynamic
         self.max_rounds = max_rounds
         self.shaping = shaping
+        self.max_lag = max_lag  # run ahead by the trainer (dew.training.protocols.Lagging), 0: on-policy
         self._more: Callable[[], Mapping[str, Any]] | None = None
 
     @property
     def reward_seconds(self) -> float:
         """The seconds the sampler's reward took (the goodput split shows them apart)."""
         return float(self.sampler.reward_seconds) if isinstance(self.sampler, RewardTimed) else 0.0
+
+    def transcript(self) -> list[dict[str, Any]]:
+        """What the sampler scored since the last transcript, every round of dynamic sampling included."""
+        return self.sampler.transcript() if isinstance(self.sampler, Transcribed) else []
 
     def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None:
         """Refill from more() (the training stream's next batch of prompts) instead of the same prompts."""

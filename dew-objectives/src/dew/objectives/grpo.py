@@ -23,6 +23,17 @@ clipping, dynamic sampling and overlong shaping (``clip_low``/``clip_high``,
 ``dynamic_sampling``, ``overlong``), and Dr.GRPO's unscaled advantages under a
 constant length (``scale_rewards=False``, ``normalize="constant"``). The
 formulas are in ``group_losses.py``; the host-side filters in ``group_sampling.py``.
+
+Rollouts are asynchronous by default (``max_lag=1``): the completions of
+step n+1 are sampled, from the policy of step n, while step n trains, so a
+step trains on completions of the policy at most ``max_lag`` steps behind
+it. pi_old in the ratio is that sampling policy (``old_logp`` is scored with
+the parameters that sampled), so the clipped ratio corrects for the lag as
+it corrects for several updates on one sample. ``max_lag=0`` samples each
+step from the policy it trains, when it asks (on-policy). The lag is a field
+of the objective, beside the clip range it interacts with, rather than of
+the trainer: it changes what the loss estimates, and a recipe that sets it
+sets it with the objective it changes.
 """
 
 from __future__ import annotations
@@ -134,6 +145,7 @@ class GRPOObjective(Objective):
     overlong: Literal["none", "penalty", "mask"] = "none"
     overlong_buffer: int = 2
     overlong_penalty: float = 1.0
+    max_lag: int = 1
     stop_token: int | None = None
     prompt_key: str = "prompt"
     prompt_length_key: str = "prompt_length"
@@ -165,6 +177,9 @@ class GRPOObjective(Objective):
                 raise ValueError(f"{name}.{field} must be >= 0, got {value}.")
         if self.length_normalizer is not None and self.length_normalizer <= 0:
             raise ValueError(f"{name}.length_normalizer must be positive, got {self.length_normalizer}.")
+        if isinstance(self.max_lag, bool) or not isinstance(self.max_lag, int) or self.max_lag < 0:
+            raise ValueError(f"{name}.max_lag must be a whole number of steps >= 0, got {self.max_lag!r}: "
+                             "0 samples each step from the policy it trains, 1 while the step before trains.")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"{name}.max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}.")
         if self.overlong != "none":
@@ -222,7 +237,7 @@ class GRPOObjective(Objective):
                 self.model, resolve(self.reward), group_size=self.group_size,
                 max_new_tokens=self.max_new_tokens, sampling=Sampling(temperature=self.temperature),
                 tokenizer=self.tokenizer, stop_token=self.stop_token, prompt_key=self.prompt_key,
-                prompt_length_key=self.prompt_length_key,
+                prompt_length_key=self.prompt_length_key, max_lag=self.max_lag,
             )
         if not self.dynamic_sampling and self.overlong == "none":
             return sampler
@@ -230,7 +245,7 @@ class GRPOObjective(Objective):
             self.overlong, max_new_tokens=self.max_new_tokens, buffer=self.overlong_buffer,
             penalty=self.overlong_penalty, stop_token=self.stop_token)  # type: ignore[arg-type]
         return GroupFilter(sampler, group_size=self.group_size, dynamic=self.dynamic_sampling,
-                           max_rounds=self.max_sampling_rounds, shaping=shaping)
+                           max_rounds=self.max_sampling_rounds, shaping=shaping, max_lag=self.max_lag)
 
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp")

@@ -126,6 +126,10 @@ class PPORollout:
     def reward_seconds(self) -> float:
         return self.sampler.reward_seconds
 
+    def transcript(self) -> list[dict[str, Any]]:
+        """What the sampler scored since the last transcript (nothing on the steps that serve a sample)."""
+        return self.sampler.transcript()
+
     @property
     def steps_per_sample(self) -> int:
         return self.objective.epochs * self.objective.minibatches

@@ -19,7 +19,9 @@ completion, and ``prompt_text``: each completion's prompt as text (what a
 reward model scores with the completion).
 
 The time spent in the reward is kept apart (``reward_seconds``), so the
-goodput split shows it as its own row.
+goodput split shows it as its own row. What each call scored (prompts,
+completions, rewards and their context, as text and numbers) is kept until
+``transcript()`` takes it: the rollout journal writes it with the step.
 
 Validation asks the same question without sampling noise: ``greedy_outputs``
 continues a validation batch's prompts greedily inside the compiled scorer,
@@ -30,6 +32,7 @@ scores it with the reward on the host, as the rollout does.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,6 +120,9 @@ def greedy_outputs(model: nn.Module, variables: Any, batch: Mapping[str, Any], k
             **context}
 
 
+# How many calls' transcripts a rollout holds for a journal that has not asked for them.
+_KEPT_ROUNDS = 64
+
 # Where greedy_outputs keeps the prompts a RewardMetric decodes into each completion's prompt_text.
 PROMPT, PROMPT_LENGTH = "validation_prompt", "validation_prompt_length"
 
@@ -166,13 +172,17 @@ class CompletionRollout:
 
     engine sets the generation engine's layout (default: every completion of a
     step decoding at once, with room for all of them at full length).
+    max_lag > 0 lets the trainer sample later steps' completions while a step
+    trains (``dew.training.protocols.Lagging``); old_logp is always scored
+    with the parameters that sampled.
     """
 
     def __init__(self, model: nn.Module, reward: Reward, *, group_size: int, max_new_tokens: int,
                  sampling: Sampling, tokenizer: Any = None, stop_token: int | None = None,
                  prompt_key: str = "prompt", prompt_length_key: str = "prompt_length",
-                 engine: EngineConfig | None = None) -> None:
+                 engine: EngineConfig | None = None, max_lag: int = 0) -> None:
         self.model = model
+        self.max_lag = max_lag
         self.reward = reward
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
@@ -184,6 +194,7 @@ class CompletionRollout:
         self.reward_seconds = 0.0
         self.engine_config = engine
         self.engine: Engine | None = None
+        self._rounds: deque[dict[str, Any]] = deque(maxlen=_KEPT_ROUNDS)
         self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens)[0])
 
     def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
@@ -221,7 +232,17 @@ class CompletionRollout:
         self.reward_seconds += time.perf_counter() - began
         old_logp = self._score(params, jnp.asarray(tokens))
         self.last_completions = completions
+        self._rounds.append({"prompts": context["prompt_text"], "completions": completions,
+                             "rewards": np.asarray(rewards, np.float32).tolist(),
+                             "context": {k: v for k, v in context.items() if k != "prompt_text"}})
         return {"tokens": tokens, "mask": mask, "reward": rewards, "old_logp": old_logp}
+
+    def transcript(self) -> list[dict[str, Any]]:
+        """What the calls since the last transcript scored, one mapping per call (then forgotten):
+        ``prompts``, ``completions``, ``rewards`` and ``context`` (the batch's other keys)."""
+        rounds = list(self._rounds)
+        self._rounds.clear()
+        return rounds
 
     def _sample(self, params: Any, prompts: np.ndarray, lengths: np.ndarray,
                 key: jax.Array) -> np.ndarray:

@@ -1,0 +1,142 @@
+"""``dew rescore RUN reward=NAME [reward.FIELD=VALUE ...]``: a run's journaled completions, scored again.
+
+A run with a rollout journals what it sampled (``rollouts.jsonl`` in its
+checkpoint directory: ``dew.training.rollout_journal``). This command reads
+each step's completions, prompts and records back and scores them with
+another registered reward, without loading or running the model: whether a
+stricter or a differently shaped reward would have ranked the same samples
+otherwise. It prints, per step, the mean reward the run trained on beside
+the mean of the new one, and with ``--out`` writes every completion's new
+score as JSON lines (``step``, ``round``, ``rewards``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.errors import DewError
+
+__all__ = ["RescoreError", "add_arguments", "parse_reward", "rescore", "run"]
+
+
+class RescoreError(DewError, ValueError):
+    """dew rescore was not told which reward to score with, or the reward failed on the journal."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN", type=Path,
+                        help="a run's checkpoint directory (it holds rollouts.jsonl)")
+    parser.add_argument("overrides", metavar="reward=NAME", nargs="*",
+                        help="the registered reward to score with (reward=NAME), and its fields "
+                             "(reward.FIELD=VALUE, the value read as YAML)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write every completion's new score here, as JSON lines")
+
+
+def parse_reward(items: Sequence[str]) -> dict[str, Any]:
+    """``reward=NAME`` and ``reward.FIELD=VALUE`` as ``{"name": NAME, FIELD: VALUE}``.
+
+    >>> parse_reward(["reward=exact_match", "reward.key=answer", "reward.strip=false"])
+    {'name': 'exact_match', 'key': 'answer', 'strip': False}
+    """
+    import yaml
+
+    spec: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not (key == "reward" or key.startswith("reward.")):
+            raise RescoreError(f"{item!r} is not reward=NAME or reward.FIELD=VALUE; dew rescore takes "
+                               "only the reward to score with, e.g. reward=exact_match reward.key=answer.")
+        if key == "reward":
+            spec["name"] = value
+        else:
+            spec[key.removeprefix("reward.")] = yaml.safe_load(value)
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise RescoreError("Name the reward to score with: dew rescore RUN reward=NAME (dew describe "
+                           "lists the registered rewards).")
+    return spec
+
+
+def _context(round_: Mapping[str, Any]) -> dict[str, Any]:
+    """What the reward reads besides the completions, as the rollout handed it (arrays per key)."""
+    context: dict[str, Any] = {k: np.asarray(v) for k, v in (round_.get("context") or {}).items()}
+    context["prompt_text"] = list(round_.get("prompts") or [])
+    return context
+
+
+def rescore(run_dir: str | Path, reward: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every journaled round of run_dir scored with reward (``{"name": ..., **fields}``).
+
+    One row per round: ``step``, ``round``, ``journaled`` (the rewards the run
+    trained on) and ``rewards`` (the new ones), in step order.
+    """
+    from dew import registry
+    from dew.training.rollout_journal import read_journal
+
+    entries = read_journal(run_dir, batches=False)
+    fields = {k: v for k, v in reward.items() if k != "name"}
+    try:
+        scorer = registry.rewards.build(str(reward["name"]), **fields)
+    except (ValueError, TypeError) as error:  # a field the reward's own checks refuse
+        raise RescoreError(f"The reward {reward['name']!r} refused its fields {fields}: {error}") from None
+    rows = []
+    for entry in entries:
+        for index, round_ in enumerate(entry.transcript):
+            completions = list(round_.get("completions") or [])
+            try:
+                values = np.asarray(scorer(completions, _context(round_)), np.float64).reshape(-1)
+            except (KeyError, ValueError, TypeError) as error:
+                raise RescoreError(f"The reward {reward['name']!r} failed on step {entry.step}'s completions: "
+                                   f"{error}") from None
+            if values.shape[0] != len(completions) or not np.all(np.isfinite(values)):
+                raise RescoreError(
+                    f"The reward {reward['name']!r} gave step {entry.step} {values.shape[0]} values for "
+                    f"{len(completions)} completions, or one that is not finite: a reward returns one "
+                    "finite number per completion.")
+            rows.append({"step": entry.step, "round": index, "journaled": list(round_.get("rewards") or []),
+                         "rewards": values.tolist()})
+    if not rows:
+        raise RescoreError(f"The journal in {str(run_dir)!r} holds no transcripts to score: its rollout "
+                           "kept no text (it is not Transcribed).")
+    return rows
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if len(values) else math.nan
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = parse_reward(args.overrides)
+        rows = rescore(args.run_dir, spec)
+    except DewError as error:  # one line: what is wrong and what to do
+        print(f"dew rescore: {error}", file=sys.stderr)
+        return 2
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], []).append(row)
+    name = spec["name"]
+    print(f"{'step':>6}  {'completions':>11}  {'journaled':>10}  {name:>10}")
+    for step, found in by_step.items():
+        old = [v for r in found for v in r["journaled"]]
+        new = [v for r in found for v in r["rewards"]]
+        print(f"{step:>6}  {len(new):>11}  {_mean(old):>10.4f}  {_mean(new):>10.4f}")
+    old = [v for r in rows for v in r["journaled"]]
+    new = [v for r in rows for v in r["rewards"]]
+    print(f"{'all':>6}  {len(new):>11}  {_mean(old):>10.4f}  {_mean(new):>10.4f}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps({"step": row["step"], "round": row["round"], "reward": name,
+                                         "rewards": row["rewards"]}) + "\n")
+        print(f"Wrote {args.out}")
+    return 0

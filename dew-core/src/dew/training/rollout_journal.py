@@ -1,0 +1,204 @@
+"""The rollout journal: every batch a rollout made, beside the checkpoints, to replay and to read.
+
+A run whose trainer has a rollout (GRPO, PPO, DPO's check) pays for each
+step's batch on the host: sampled completions, their rewards, the sampling
+policy's log-probabilities. The Feed writes each such batch here as soon
+as the rollout returns it, with what the step read to make it:
+
+- ``batch``: the arrays the step trained on (tokens, mask, rewards,
+  ``old_logp``, ...), stored bit for bit (``.npz``, base64 in the line);
+- ``data``: a digest of the stream's batch the rollout was handed, and
+  ``draws``: how many of the stream's batches the step read (a refilling
+  rollout reads more than one);
+- ``state``: the rollout's own state after the step, for a rollout that
+  keeps one (PPO's sample being served);
+- ``transcript``: what the rollout scored, as text (``Transcribed``): each
+  round's prompts, completions, rewards and the records' other keys.
+
+A run resumed from a checkpoint at step k finds the lines of the steps it
+already made past k (the run went on after its last checkpoint) and
+replays them: it reads the same stream batches, checks that they are the
+ones the line was made from, and trains on the journaled batch instead of
+sampling it again, so the resumed run is bitwise the uninterrupted one and
+pays only for what it had not sampled. ``dew rescore`` scores the
+transcripts with another reward, and ``dew report`` shows them.
+
+It is JSON lines in ``rollouts.jsonl`` in the checkpoint directory
+(``open`` lines where a fit opened, ``checkpoint`` lines where one saved,
+``rollout`` lines), appended and flushed at every step; a line cut short by
+a crash is skipped. A step journaled twice (a resumed run sampled it again)
+is read as its last line.
+
+>>> import numpy as np
+>>> decode_batch(encode_batch({"x": np.arange(3, dtype=np.int8)}))["x"].tolist()
+[0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.errors import DewError
+
+__all__ = ["ROLLOUTS", "Rolled", "RolloutJournal", "RolloutJournalError", "batch_digest", "decode_batch",
+           "encode_batch", "read_journal", "to_plain"]
+
+ROLLOUTS = "rollouts.jsonl"
+
+
+class RolloutJournalError(DewError, FileNotFoundError):
+    """A directory holds no rollout journal, or one this dew cannot read."""
+
+
+@dataclass(frozen=True)
+class Rolled:
+    """One step's batch as the rollout made it (see the module docstring)."""
+
+    step: int  # the step that trained on it, counted from 0 (the step's index, not the count done)
+    batch: Mapping[str, np.ndarray]
+    data: str
+    draws: int = 1
+    state: bytes | None = None
+    transcript: tuple[Mapping[str, Any], ...] = field(default=())
+
+
+def batch_digest(batch: Mapping[str, Any]) -> str:
+    """A digest of a batch's keys, dtypes, shapes and bytes (what a replayed line is checked against).
+
+    >>> batch_digest({"a": np.zeros(2)}) == batch_digest({"a": np.zeros(2)})
+    True
+    >>> batch_digest({"a": np.zeros(2)}) == batch_digest({"a": np.zeros(2, np.float32)})
+    False
+    """
+    digest = hashlib.sha256()
+    for key in sorted(batch):
+        value = np.asarray(batch[key])
+        if value.dtype.kind == "O":  # strings and other objects: their text
+            value = np.asarray([str(v) for v in value.reshape(-1)], dtype=str).reshape(value.shape)
+        digest.update(f"{key}|{value.dtype.str}|{value.shape}|".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()[:32]
+
+
+def encode_batch(batch: Mapping[str, Any]) -> str:
+    """A batch's arrays as base64 ``.npz`` bytes: every bit kept, dtypes and shapes included."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **{key: np.asarray(value) for key, value in batch.items()})  # type: ignore[arg-type]
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def decode_batch(text: str) -> dict[str, np.ndarray]:
+    """The arrays ``encode_batch`` wrote."""
+    with np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False) as saved:
+        return {key: saved[key] for key in saved.files}
+
+
+def to_plain(value: Any) -> Any:
+    """value as JSON can hold it: arrays and numpy scalars as lists and numbers, bytes as text."""
+    if isinstance(value, np.ndarray):
+        return [to_plain(v) for v in value.tolist()] if value.dtype.kind in "OSU" else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_plain(v) for v in value]
+    return value
+
+
+def _line(entry: Rolled) -> str:
+    return json.dumps({
+        "kind": "rollout", "step": int(entry.step), "data": entry.data, "draws": int(entry.draws),
+        "state": None if entry.state is None else base64.b64encode(entry.state).decode(),
+        "transcript": to_plain(list(entry.transcript)), "batch": encode_batch(entry.batch),
+    }, sort_keys=True)
+
+
+def _entry(row: Mapping[str, Any]) -> Rolled:
+    state = row.get("state")
+    return Rolled(step=int(row["step"]), batch=decode_batch(row["batch"]), data=str(row["data"]),
+                  draws=int(row.get("draws", 1)),
+                  state=None if state is None else base64.b64decode(state, validate=True),
+                  transcript=tuple(row.get("transcript") or ()))
+
+
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The journal's lines as rows, skipping any a crash cut short."""
+    with path.open(encoding="utf-8") as handle:
+        for text in handle:
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError:
+                continue  # the last line of a run that died while writing it
+            if isinstance(row, dict):
+                yield row
+
+
+def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]:
+    """Every step's last journaled rollout in directory, in step order.
+
+    batches=False leaves the arrays unread (``batch`` is empty): what a
+    reader of the transcripts alone needs, without decoding every batch.
+    """
+    path = Path(directory) / ROLLOUTS
+    if not path.is_file():
+        raise RolloutJournalError(
+            f"{str(directory)!r} holds no {ROLLOUTS}: a run writes its rollout journal in its checkpoint "
+            "directory when its trainer has a rollout (GRPO, PPO) and checkpoints in a local directory. "
+            "Point at that directory.")
+    last: dict[int, dict[str, Any]] = {}
+    for row in _rows(path):
+        if row.get("kind") == "rollout":
+            last[int(row["step"])] = row
+    if not batches:
+        return [Rolled(step=s, batch={}, data=str(r["data"]), draws=int(r.get("draws", 1)),
+                       transcript=tuple(r.get("transcript") or ())) for s, r in sorted(last.items())]
+    try:
+        return [_entry(row) for _, row in sorted(last.items())]
+    except (KeyError, ValueError, OSError) as error:
+        raise RolloutJournalError(f"{path} holds a rollout line this dew cannot read ({error}).") from None
+
+
+class RolloutJournal:
+    """The journal as JSON lines appended to ``directory/rollouts.jsonl`` (see the module docstring)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.path = Path(directory) / ROLLOUTS
+
+    def _append(self, lines: Sequence[str]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write("".join(line + "\n" for line in lines))
+
+    def opened(self, step: int) -> dict[int, Rolled]:
+        """Note that a fit opened at step; return the lines it can replay (steps from step on)."""
+        found: dict[int, Rolled] = {}
+        if self.path.is_file():
+            for row in _rows(self.path):
+                if row.get("kind") == "rollout" and int(row["step"]) >= step:
+                    try:
+                        found[int(row["step"])] = _entry(row)
+                    except (KeyError, ValueError, OSError):
+                        found.pop(int(row["step"]), None)  # unreadable: that step samples again
+        self._append([json.dumps({"kind": "open", "step": int(step), "time": round(time.time(), 3)})])
+        return found
+
+    def write(self, entry: Rolled) -> None:
+        """Journal one step's rollout, written through at once (it was paid for)."""
+        self._append([_line(entry)])
+
+    def checkpoint(self, step: int) -> None:
+        """A checkpoint saved the position after step steps."""
+        self._append([json.dumps({"kind": "checkpoint", "step": int(step)})])
