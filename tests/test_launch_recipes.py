@@ -7,7 +7,7 @@ import shlex
 import subprocess
 
 from dew.cli import main
-from test_launch import _printed  # every test folder is on sys.path (conftest.py)
+from test_launch_manifest import _printed  # every test folder is on sys.path (conftest.py)
 
 
 def test_the_sbatch_script_is_valid_bash_and_its_srun_line_joins_the_pool(tmp_path, capsys, monkeypatch):

@@ -74,8 +74,9 @@ def test_a_fit_reports_its_window_goodput_and_lines(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("Training from step 0 to 8 on {'data': 1")
     assert out[0].endswith("(1 process(es))")
-    assert out[1] == f"tracking: {tmp_path / 'run'}"
-    assert out[2].startswith("compiling the step for batches of 8 rows: ")
+    assert out[1].startswith("no checkpoints: a preemption notice (SIGTERM) stops this run without saving it")
+    assert out[2] == f"tracking: {tmp_path / 'run'}"
+    assert out[3].startswith("compiling the step for batches of 8 rows: ")
     logged = [line for line in out if line.startswith("step ") and ": loss " in line]
     assert [line.split(":")[0] for line in logged] == ["step 4", "step 8"]
     # once, at the first logged step: the compile is not in the throughput

@@ -104,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
     shown = bool(args.traceback or os.environ.get(TRACEBACK))
-    with _warnings_as_lines(args.command), (contextlib.nullcontext() if shown else _writers_quiet()):
+    if not shown:
+        _writers_quiet()
+    with _warnings_as_lines(args.command):
         try:
             return int(args._run(args) or 0)
         except KeyboardInterrupt:
@@ -147,38 +149,55 @@ def refusal(command: str, error: BaseException) -> str:
                       f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)"])
 
 
-@contextlib.contextmanager
-def _writers_quiet() -> Iterator[None]:
-    """Keep the tracebacks of Orbax's writer threads off the console while a command runs.
+def _writers_quiet() -> None:
+    """Keep the tracebacks of Orbax's writer threads off the console for the rest of the process.
 
     A failed checkpoint write (a full disk) is logged with its traceback by each
-    of Orbax's background threads, and asyncio callbacks that arrive after its
-    event loop closed raise "Event loop is closed" as unraisable errors; the
-    same failure then reaches dew, which names the step and what to do in one
-    line. With --traceback all of it is shown.
+    of Orbax's background threads, asyncio reports the futures it gathered as
+    never retrieved when they are collected (at exit, too), and callbacks that
+    arrive after its event loop closed raise "Event loop is closed" as
+    unraisable errors; the same failure reaches dew, which names the step and
+    what to do in one line. With --traceback all of it is shown.
     """
     import logging
 
-    class FromWriters(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _FromOrbax) for f in logger.filters):
+            logger.addFilter(_FromOrbax())
+    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
 
-    absl = logging.getLogger("absl")
-    writers = FromWriters()
-    absl.addFilter(writers)
-    previous = sys.unraisablehook
 
-    def unraisable(failure: Any) -> None:
+def _orbax_traceback(error: BaseException | None) -> bool:
+    """Whether error was raised inside Orbax (a frame of its traceback is Orbax's)."""
+    frames = error.__traceback__ if error is not None else None
+    while frames is not None:
+        if f"{os.sep}orbax{os.sep}" in frames.tb_frame.f_code.co_filename:
+            return True
+        frames = frames.tb_next
+    return False
+
+
+class _FromOrbax:
+    """A logging filter dropping records that carry a traceback from Orbax's writers."""
+
+    def filter(self, record: Any) -> bool:
+        if not record.exc_info:
+            return True
+        return not (f"{os.sep}orbax{os.sep}" in record.pathname or _orbax_traceback(record.exc_info[1]))
+
+
+class _QuietClosedLoop:
+    """sys.unraisablehook, less asyncio's "Event loop is closed" after Orbax's loop ended."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, failure: Any) -> None:
         if isinstance(failure.exc_value, RuntimeError) and str(failure.exc_value) == "Event loop is closed":
             return
-        previous(failure)
-
-    sys.unraisablehook = unraisable
-    try:
-        yield
-    finally:
-        absl.removeFilter(writers)
-        sys.unraisablehook = previous
+        self.previous(failure)
 
 
 @contextlib.contextmanager
