@@ -6,7 +6,7 @@ who installed only dew-core, can run. Two checks hold that line:
 
 - **Collection with the other distributions blocked.** A child interpreter puts an import hook
   in front of every other finder that refuses each module another distribution ships (found
-  from their pyprojects' source folders: ``dew.objectives.lm``, ``dew.data.tokenizers``,
+  from their pyprojects' source folders: ``dew.objectives.lm``, ``dew.data.stream``,
   ``dew.sampling``, ``dew.trackers``, ...), then runs ``pytest --collect-only`` over
   dew-core/tests. A test module that imports one at its top, or through a surface
   (``from dew.data import ByteTokenizer``), or a registry that loads an entry point while
@@ -60,7 +60,7 @@ class OtherDistributions(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, OtherDistributions())
 try:  # the hook itself: a blocked module cannot be imported, directly or through a surface
-    from dew.data import ByteTokenizer  # noqa: F401
+    from dew.data import TokenWindows  # noqa: F401
 except ImportError:
     print("HOOK-HOLDS")
 import pytest
@@ -83,9 +83,9 @@ def _collect_blocked(*paths: Path) -> tuple[str, dict[str, int]]:
 def test_the_other_distributions_modules_are_found():
     foreign = reach.foreign_modules()
     # a module of each other distribution, and none of dew-core's (namespace packages two fill)
-    assert {"dew.objectives.lm", "dew.data.tokenizers", "dew.sampling", "dew.trackers.wandb"} <= foreign
+    assert {"dew.objectives.lm", "dew.data.stream", "dew.sampling", "dew.trackers.wandb"} <= foreign
     assert not {"dew.objectives", "dew.objectives.base", "dew.data", "dew.data.base", "dew.testing",
-                "dew.evaluations", "dew.tracking"} & foreign
+                "dew.evaluations", "dew.tracking", "dew.data.tokenizers", "dew.data.hf_tokenizer"} & foreign
     assert reach.foreign_recipes()["tiny-lm"] == "its objective 'lm' is dew-objectives's"
 
 
@@ -109,7 +109,7 @@ def test_no_dew_core_test_reaches_another_distribution():
 def test_the_scan_finds_each_kind_of_reach(tmp_path):
     source = textwrap.dedent('''
         import dew.sampling
-        from dew.data import ByteTokenizer, Dataset
+        from dew.data import TokenWindows, Dataset
         from dew.objectives.base import Objective
 
         CHILD = f"""
@@ -127,7 +127,7 @@ def test_the_scan_finds_each_kind_of_reach(tmp_path):
     found = [r.what for r in reach.reaches(path)]
     joined = "\n".join(found)
     assert "imports dew.sampling (dew.sampling" in joined
-    assert "imports dew.data.ByteTokenizer (dew.data.tokenizers" in joined
+    assert "imports dew.data.TokenWindows (dew.data.token_windows" in joined
     assert "code in a string imports dew.trackers.wandb.WandbTracker" in joined
     assert "imports dew.objectives.lm (dew.objectives.lm" in joined
     assert "names the shipped recipe 'tiny-lm'" in joined

@@ -60,7 +60,7 @@ def test_every_distribution_has_a_generated_contract():
     assert "dew.training.placement.layout" in placement["source_modules"]
     assert "dew.training.trainer" in placement["forbidden_modules"]
     assert not any(m.startswith("dew.training.placement") for m in placement["forbidden_modules"])
-    assert "dew.data.tokenizers" in contracts["dew-trackers"]["forbidden_modules"]
+    assert "dew.data.stream" in contracts["dew-trackers"]["forbidden_modules"]
     assert "dew.trackers.mlflow" in contracts["dew-objectives"]["forbidden_modules"]
     assert "dew.objectives.lm" in contracts["dew-data"]["forbidden_modules"]
 

@@ -59,6 +59,7 @@ attempt("lm", lambda: registry.objectives.load("lm"))
 attempt("lm_module", lambda: importlib.import_module("dew.objectives.lm"))
 attempt("tensorboard", lambda: dew.training.TensorBoardTracker)
 attempt("tokenizer", lambda: dew.data.ByteTokenizer)
+attempt("reader", lambda: dew.data.TokenWindows)
 attempt("model", lambda: dew.models.load("causal_transformer"))
 from dew._surface import install_hint
 out["hint"] = install_hint("dew-trackers", "tensorboard")
@@ -92,8 +93,10 @@ def test_core_alone(tmp_path, wheels, dependencies):
     assert out["errors"]["lm_module"][0] == "ModuleNotFoundError"  # a plain import stays Python's
     kind, message = out["errors"]["tensorboard"]  # a surface name from an absent distribution
     assert kind == "MissingDistributionError" and "pip install dew-trackers" in message
-    kind, message = out["errors"]["tokenizer"]
+    kind, message = out["errors"]["reader"]
     assert kind == "MissingDistributionError" and "pip install dew-data" in message
+    # the tokenizers a published model's directory holds are read by dew-core alone
+    assert "tokenizer" not in out["errors"] and out["files"]["tokenizer"].startswith(str(tmp_path / "venv"))
     assert "model" not in out["errors"] and out["files"]["model"].startswith(str(tmp_path / "venv"))
 
 
@@ -105,7 +108,7 @@ def test_core_and_objectives(tmp_path, wheels, dependencies):
     assert out["files"]["base"].startswith(site)
     assert out["files"]["lm"].startswith(site), out["errors"].get("lm")
     assert out["errors"]["tensorboard"][0] == "MissingDistributionError"
-    assert out["errors"]["tokenizer"][0] == "MissingDistributionError"
+    assert out["errors"]["reader"][0] == "MissingDistributionError"
 
 
 def test_all_four(tmp_path, wheels, dependencies):
@@ -116,7 +119,7 @@ def test_all_four(tmp_path, wheels, dependencies):
     assert out["names"]["objectives"]["lm"] == "dew-objectives"
     assert "tensorboard" not in out["errors"] or (
         out["errors"]["tensorboard"][0] != "MissingDistributionError"), out["errors"]
-    assert out["files"]["tokenizer"].startswith(str(tmp_path / "venv")), out["errors"]
+    assert out["files"]["reader"].startswith(str(tmp_path / "venv")), out["errors"]
     # the extra comes from dew-trackers' own metadata, as installed from its wheel
     assert "pip install 'dew-trackers[tensorboard]'" in out["hint"], out["hint"]
     help_text = fv.run([str(python.parent / "dew"), "--help"], cwd="/").stdout

@@ -1,5 +1,6 @@
-"""Datasets: the Dataset pair of iterator factories (dew-core) and the
-tokenizers and Grain-backed readers (dew-data), imported on first use."""
+"""Datasets: the Dataset pair of iterator factories and the tokenizers (dew-core; the
+tokenizers read published models' tokenizer.json too) and the Grain-backed readers
+(dew-data), imported on first use."""
 
 from __future__ import annotations
 
