@@ -52,3 +52,33 @@ def check_exports_back(loaded, theirs: np.ndarray, name: str, out: Path) -> None
     assert original.keys() == again.keys()
     for key, value in original.items():
         assert again[key].dtype == value.dtype and np.array_equal(again[key], value), key
+
+
+TEXTS = ["the plus is 12 plus 30", "héllo wörld 日本語 🙂", "  two  spaces\nand a newline",
+         "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>model\nok<end_of_turn>"]
+CHAT = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]
+
+
+def check_tokenizer_reads(directory: Path):
+    """dew's tokenizer of directory encodes TEXTS as AutoTokenizer does and keeps its end token and
+    chat template; returns what dew loaded and transformers' tokenizer."""
+    from dew.pretrained import Pretrained
+
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    loaded = Pretrained.load(directory)
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == theirs.encode(text, add_special_tokens=False), text
+    assert loaded.tokenizer.eos_id == theirs.eos_token_id
+    assert loaded.chat_template == theirs.chat_template and "messages" in loaded.chat_template
+    return loaded, theirs
+
+
+def check_tokenizer_written(saved: Path, theirs) -> None:
+    """The tokenizer dew saved in saved reads in transformers as theirs: the same ids with the
+    specials it adds itself, the same chat template, the same special tokens."""
+    again = transformers.AutoTokenizer.from_pretrained(saved)
+    for text in TEXTS:
+        assert again.encode(text) == theirs.encode(text), text
+    assert again.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
+    assert (again.bos_token, again.eos_token, again.pad_token) == (theirs.bos_token, theirs.eos_token,
+                                                                    theirs.pad_token)

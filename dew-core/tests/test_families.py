@@ -30,7 +30,15 @@ from dew.pretrained import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from against_transformers import PROMPTS, check_exports_back, flat, hf_logits, hf_model  # noqa: E402
+from against_transformers import (  # noqa: E402
+    PROMPTS,
+    check_exports_back,
+    check_tokenizer_reads,
+    check_tokenizer_written,
+    flat,
+    hf_logits,
+    hf_model,
+)
 from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
 
 # The mixture-of-experts families have their own file (test_families_moe): these are the dense ones.
@@ -45,9 +53,6 @@ OVERRIDES = {
     "qwen2": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}},
     "gemma3": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
 }
-TEXTS = ["the plus is 12 plus 30", "héllo wörld 日本語 🙂", "  two  spaces\nand a newline",
-         "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>model\nok<end_of_turn>"]
-CHAT = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]
 
 
 
@@ -102,20 +107,10 @@ def test_an_export_loads_in_transformers_as_its_family_and_comes_back_bitwise(wr
 @pytest.mark.parametrize("name", NAMES)
 def test_the_tokenizer_encodes_as_autotokenizer_does_and_keeps_its_chat_template(written, tmp_path, name):
     directory, _ = written[name]
-    theirs = transformers.AutoTokenizer.from_pretrained(directory)
-    loaded = Pretrained.load(directory)
-    for text in TEXTS:
-        assert loaded.tokenizer.encode(text) == theirs.encode(text, add_special_tokens=False), text
-    assert loaded.tokenizer.eos_id == theirs.eos_token_id
-    assert loaded.chat_template == theirs.chat_template and "messages" in loaded.chat_template
+    loaded, theirs = check_tokenizer_reads(directory)
     Pretrained(loaded.model, loaded.variables, loaded.tokenizer, tokenizer_files=loaded.tokenizer_files).save(
         tmp_path)
-    again = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    for text in TEXTS:  # with the specials the tokenizer adds itself (a bos in Llama's, Gemma's)
-        assert again.encode(text) == theirs.encode(text), text
-    assert again.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
-    assert (again.bos_token, again.eos_token, again.pad_token) == (theirs.bos_token, theirs.eos_token,
-                                                                    theirs.pad_token)
+    check_tokenizer_written(tmp_path, theirs)  # with the specials the tokenizer adds itself (a bos in Llama's, Gemma's)
     config = json.loads((tmp_path / "config.json").read_text())
     original = json.loads((directory / "config.json").read_text())
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

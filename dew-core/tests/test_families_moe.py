@@ -27,7 +27,15 @@ from dew.pretrained import NoExactCounterpartError, Pretrained, TensorMismatchEr
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from against_transformers import PROMPTS, check_exports_back, flat, hf_logits, hf_model  # noqa: E402
+from against_transformers import (  # noqa: E402
+    PROMPTS,
+    check_exports_back,
+    check_tokenizer_reads,
+    check_tokenizer_written,
+    flat,
+    hf_logits,
+    hf_model,
+)
 from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
 
 NAMES = ["mixtral", "qwen3_moe", "deepseek_v3"]
@@ -162,25 +170,12 @@ def test_a_deepseek_checkpoint_keeps_its_multi_token_prediction_layer_unread(tmp
         Pretrained.load(source)  # one prediction layer declared: a second is no part of it
 
 
-TEXTS = ["the plus is 12 plus 30", "héllo wörld 日本語 🙂", "  two  spaces\nand a newline",
-         "<｜User｜>hi<｜Assistant｜>ok<｜end▁of▁sentence｜>", "[INST] hi [/INST]", "<|im_start|>user\nhi<|im_end|>"]
-CHAT = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_tokenizer_encodes_as_autotokenizer_does_and_keeps_its_chat_template(tmp_path, name):
     # DeepSeek's full-width specials are no dense family's: its tokenizer is checked here.
     directory = write_checkpoint(name, tmp_path / "source", seed=NAMES.index(name))
-    theirs = transformers.AutoTokenizer.from_pretrained(directory)
-    loaded = Pretrained.load(directory)
-    for text in TEXTS:
-        assert loaded.tokenizer.encode(text) == theirs.encode(text, add_special_tokens=False), text
-    assert loaded.tokenizer.eos_id == theirs.eos_token_id
-    assert loaded.chat_template == theirs.chat_template and "messages" in loaded.chat_template
+    loaded, theirs = check_tokenizer_reads(directory)
     loaded.save(tmp_path / "dew")
-    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "dew")
-    for text in TEXTS:  # with the specials the tokenizer adds itself (DeepSeek's and Mistral's bos)
-        assert again.encode(text) == theirs.encode(text), text
-    assert again.apply_chat_template(CHAT, tokenize=False) == theirs.apply_chat_template(CHAT, tokenize=False)
-    assert (again.bos_token, again.eos_token, again.pad_token) == (theirs.bos_token, theirs.eos_token,
-                                                                    theirs.pad_token)
+    check_tokenizer_written(tmp_path / "dew", theirs)  # with the specials the tokenizer adds itself (DeepSeek's and Mistral's bos)
