@@ -6,25 +6,22 @@ A step whose lost shards no other process holds is still no step of the pool."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dew.testing.processes import free_port
+from dew.testing.processes import run_pool
 
 WORKER = r"""
-import shutil, sys
+import os, shutil, sys
 from pathlib import Path
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-process, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+process, root = int(os.environ["JAX_PROCESS_ID"]), Path(sys.argv[1])
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=2, process_id=process)
 
 from jax.experimental import multihost_utils
 from dew.data.base import DataPartition
@@ -100,22 +97,10 @@ print("no replica ok", flush=True)
 
 @pytest.mark.slow
 def test_a_process_that_lost_its_local_step_resumes_from_a_replica_s(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    port = str(free_port())
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    workers = [subprocess.Popen([sys.executable, str(script), str(index), port, str(tmp_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-               for index in range(2)]
-    try:
-        results = [worker.communicate(timeout=300) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-    for index, (worker, (out, err)) in enumerate(zip(workers, results, strict=True)):
-        assert worker.returncode == 0, f"process {index}:\n{out}\n{err[-5000:]}"
-        assert out.splitlines()[-2:] == ["replica restore ok", "no replica ok"], out
+    results = run_pool(WORKER, processes=2, devices=2, args=[str(tmp_path)], timeout=300)
+    for index, done in enumerate(results):
+        assert done.returncode == 0, f"process {index}:\n{done.stdout}\n{done.stderr[-5000:]}"
+        assert done.stdout.splitlines()[-2:] == ["replica restore ok", "no replica ok"], done.stdout
     # Process 1 says where its copy came from; process 0 had nothing to take.
-    assert "local step 3 was missing" in results[1][1] and "copied from process 0" in results[1][1]
-    assert "was missing" not in results[0][1]
+    assert "local step 3 was missing" in results[1].stderr and "copied from process 0" in results[1].stderr
+    assert "was missing" not in results[0].stderr
