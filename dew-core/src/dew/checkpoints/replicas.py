@@ -108,13 +108,14 @@ def _broadcast(payload: bytes | None, source: int) -> bytes:
     from jax.experimental import multihost_utils
 
     mine = jax.process_index() == source
-    size = np.frombuffer(len(payload).to_bytes(8, "little") if mine else bytes(8), np.uint8)
-    size = int.from_bytes(bytes(np.asarray(multihost_utils.broadcast_one_to_all(size, is_source=mine)).tolist()),
+    data = payload if mine and payload is not None else b""
+    header = np.frombuffer(len(data).to_bytes(8, "little") if mine else bytes(8), np.uint8)
+    size = int.from_bytes(bytes(np.asarray(multihost_utils.broadcast_one_to_all(header, is_source=mine)).tolist()),
                           "little")
     pieces = []
     for start in range(0, size, _CHUNK):
         length = min(_CHUNK, size - start)
-        chunk = np.frombuffer(payload[start:start + length], np.uint8) if mine else np.zeros(length, np.uint8)
+        chunk = np.frombuffer(data[start:start + length], np.uint8) if mine else np.zeros(length, np.uint8)
         pieces.append(np.asarray(multihost_utils.broadcast_one_to_all(chunk, is_source=mine)).tobytes())
     return b"".join(pieces)
 

@@ -312,7 +312,7 @@ def for_config(config: Mapping[str, Any]) -> Family:
     """The family a config.json belongs to, by its ``architectures`` (else its ``model_type``)."""
     named = list(config.get("architectures") or [])
     kind = config.get("model_type")
-    if kind in FAMILIES and named and named[0] in family(kind).architectures:
+    if isinstance(kind, str) and kind in FAMILIES and named and named[0] in family(kind).architectures:
         return family(kind)  # the usual case, without importing every family to find it
     covered = architectures()
     for arch in named:

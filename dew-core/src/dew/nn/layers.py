@@ -294,7 +294,7 @@ class CausalSelfAttention(nn.Module):
             local = None if self.window is None else (self.window - 1, 0)
             out_bthk = jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, mask=documents, scale=score_scale,
                                                     is_causal=True, local_window_size=local,
-                                                    implementation=self.attention)
+                                                    implementation="cudnn" if self.attention == "cudnn" else "xla")
         out_bthk = constrain(out_bthk, head_axes)
 
         out_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",

@@ -258,7 +258,8 @@ def _fold(pieces: tuple[Piece, ...], carry: tuple[jax.Array, ...], qg: jax.Array
     """Fold the pieces of one ring step into the running (output, max, sum)."""
     for q_part, k_part in pieces:
         mask = _piece_mask((q_part, k_part), index, segments, keys, window)
-        part = (_part(carry[0], q_part, 1), _part(carry[1], q_part, 3), _part(carry[2], q_part, 3))
+        part: tuple[jax.Array, ...] = (_part(carry[0], q_part, 1), _part(carry[1], q_part, 3),
+                                       _part(carry[2], q_part, 3))
         part = _block_forward(part, _part(qg, q_part, 1), _part(keys[0], k_part, 1), _part(keys[1], k_part, 1),
                               mask, scale)
         carry = (_set(carry[0], part[0], q_part, 1), _set(carry[1], part[1], q_part, 3),
@@ -277,8 +278,8 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array, segment
     groups = k.shape[2]
     qg = _grouped(q, groups)
     b, t, g, n, d = qg.shape
-    carry = (jnp.zeros((b, t, g, n, d), jnp.float32), jnp.full((b, g, n, t), -jnp.inf, jnp.float32),
-             jnp.zeros((b, g, n, t), jnp.float32))
+    carry: tuple[jax.Array, ...] = (jnp.zeros((b, t, g, n, d), jnp.float32),
+                                    jnp.full((b, g, n, t), -jnp.inf, jnp.float32), jnp.zeros((b, g, n, t), jnp.float32))
     keys = (k, v, index, segments)
     fold = functools.partial(_fold, qg=qg, index=index, segments=segments, scale=scale, window=window)
     carry = fold(_OWN if shards > 1 else _ONE_BLOCK, carry, keys=keys)
@@ -340,7 +341,8 @@ def _attend_backward(axis: tuple[str, ...], shards: int, scale: float, window: i
     unfold = functools.partial(_unfold, qg=qg, index=index, segments=segments, logsumexp=logsumexp, grad=grad,
                                dot=dot, scale=scale, window=window)
     keys = (k, v, index, segments)
-    grads = (jnp.zeros(qg.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    grads: tuple[jax.Array, ...] = (jnp.zeros(qg.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+                                    jnp.zeros(v.shape, jnp.float32))
     grads = unfold(_OWN if shards > 1 else _ONE_BLOCK, grads, keys=keys)
     if shards > 1:  # the keys' gradients travel with them
         device = jax.lax.axis_index(axis)

@@ -269,7 +269,7 @@ class Feed:
         batch = self._more()
         rolled = time.perf_counter()
         reward = 0.0
-        if self.rollout is not None:
+        if self.rollout is not None and key is not None:
             replay = self._replayed(step, batch)
             if replay is not None:
                 batch = replay
@@ -314,7 +314,8 @@ class Feed:
     def _journal(self, step: int, source: Mapping[str, Any], batch: Mapping[str, Any], draws: int) -> None:
         """Write the batch the rollout made for step (with what it read and scored) to the journal."""
         rollout = self.rollout
-        transcript = rollout.transcript() if isinstance(rollout, Transcribed) else []  # drained either way
+        transcript: list[dict[str, Any]] = (rollout.transcript() if isinstance(rollout, Transcribed)
+                                            else [])  # drained either way
         if self.journal is None:
             return
         state = rollout.get_state() if isinstance(rollout, Resumable) else None
