@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dew.testing.processes import device_env
+from dew.testing.processes import device_env, shared_compilation_cache
 
 pytestmark = pytest.mark.slow  # every test here runs `dew` in subprocesses (the fixture trains twice)
 
@@ -35,7 +35,7 @@ SMALL = ["model.num_layers=1", "model.emb_features=32", "model.mlp_features=64",
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("xla-cache")
+    return shared_compilation_cache(tmp_path_factory.mktemp("xla-cache"))
 
 
 def _env(cache: Path) -> dict[str, str]:

@@ -43,7 +43,7 @@ import pytest
 
 from dew.recipes.config import recipe_path, shipped
 from dew.recipes.reading import read_recipe_file
-from dew.testing.processes import device_env
+from dew.testing.processes import device_env, shared_compilation_cache
 
 RECIPES = sorted(shipped())
 
@@ -248,7 +248,7 @@ class Matrix:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.cells: dict[str, dict] = {}
-        self.cache = root / "xla-cache"
+        self.cache = shared_compilation_cache(root / "xla-cache")
         self.worker: subprocess.Popen | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from dew.cli import main
-from dew.testing.processes import device_env
+from dew.testing.processes import device_env, shared_compilation_cache
 
 STEPS = 10
 COMMON = [
@@ -45,7 +45,7 @@ class Runs:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.cache = root / "compilation-cache"
+        self.cache = shared_compilation_cache(root / "compilation-cache")
         self.made: dict[str, Path] = {}
 
     def env(self, devices: int = 1) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dew.testing.processes import device_env
+from dew.testing.processes import device_env, shared_compilation_cache
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -23,7 +23,7 @@ DEW = Path(sys.executable).parent / "dew"
 def _dew(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     # One device; the commands of one test share their compiled programs (dew eval and dew
     # generate load what dew train and the first of them compiled for the same model).
-    env = device_env(1, compilation_cache=cwd / ".xla-cache")
+    env = device_env(1, compilation_cache=shared_compilation_cache(cwd / ".xla-cache"))
     return subprocess.run([str(DEW), *args], capture_output=True, text=True, timeout=400,
                           cwd=cwd, env=env)
 

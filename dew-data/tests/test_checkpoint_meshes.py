@@ -22,6 +22,8 @@ import json
 
 import pytest
 
+from dew.testing.processes import shared_compilation_cache
+
 COMMON = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -201,7 +203,7 @@ def _result(stdout: str) -> dict:
 def cached(directory) -> dict[str, str]:
     """JAX's persistent compilation cache in directory: the runs of one test compile one program
     each for the same mesh (a fit and its in-memory twin), so every one after the first loads it."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    return {"JAX_COMPILATION_CACHE_DIR": str(shared_compilation_cache(directory)), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dew.testing.processes import run_until_lines
+from dew.testing.processes import run_until_lines, shared_compilation_cache
 
 OBJECTIVES = ("image", "video", "masked", "block")
 STEPS = 6
@@ -105,7 +105,7 @@ def _run(tmp_path: Path, name: str, devices: int, stop_at: set[str] = frozenset(
     finished = run_until_lines(
         [sys.executable, str(script), str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), str(devices),
          ",".join(OBJECTIVES)],
-        signal_at=sorted(stop_at), devices=devices, timeout=900, compilation_cache=tmp_path / "xla-cache")
+        signal_at=sorted(stop_at), devices=devices, timeout=900, compilation_cache=shared_compilation_cache(tmp_path / "xla-cache"))
     return finished.returncode, finished.stdout, finished.stderr
 
 

@@ -31,7 +31,7 @@ from dew.sampling import (
     filter_logits,
     generate,
 )
-from dew.testing.processes import run_python
+from dew.testing.processes import run_python, shared_compilation_cache
 
 VOCAB = 29
 SHAPE = dict(vocab_size=VOCAB, emb_features=16, num_layers=2, num_heads=2, mlp_features=32,
@@ -349,7 +349,7 @@ print("RESULT " + json.dumps({"one": one, "many": many, "spec": str(pool.shardin
 
 @pytest.mark.slow
 def test_the_engine_shards_with_the_models_layout_and_samples_the_same(tmp_path):
-    result = run_python(SHARDED, devices=8, timeout=600, compilation_cache=tmp_path)
+    result = run_python(SHARDED, devices=8, timeout=600, compilation_cache=shared_compilation_cache(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line[7:])

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dew.testing.processes import run_until_lines
+from dew.testing.processes import run_until_lines, shared_compilation_cache
 
 pytestmark = pytest.mark.slow
 
@@ -192,7 +192,7 @@ def test_each_variant_matches_on_eight_devices_and_resumes_bitwise_mid_rollout(t
     assert one.returncode == 0, one.stderr[-4000:]
     # The stopped and resumed runs load the programs the whole run compiled.
     eight = run_until_lines([sys.executable, str(script), str(mesh), "8", names], devices=8, timeout=2400,
-                            compilation_cache=tmp_path / "xla-cache")
+                            compilation_cache=shared_compilation_cache(tmp_path / "xla-cache"))
     assert eight.returncode == 0, eight.stderr[-4000:]
 
     alone, sharded = _table(single / "log.jsonl", "whole"), _table(mesh / "log.jsonl", "whole")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dew.testing.processes import run_until_lines
+from dew.testing.processes import run_until_lines, shared_compilation_cache
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def _losses(path: Path) -> dict[tuple[int, str], float]:
 def test_a_run_stopped_mid_rollout_resumes_bitwise(tmp_path: Path) -> None:
     whole = tmp_path / "whole"
     whole.mkdir()
-    cache = tmp_path / "xla-cache"
+    cache = shared_compilation_cache(tmp_path / "xla-cache")
     code, out, err = _train(whole, "run", cache)
     assert code == 0, err[-4000:]
     expected = [line for line in out.splitlines() if line.startswith("finished")]

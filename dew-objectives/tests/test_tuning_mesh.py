@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dew.testing.processes import shared_compilation_cache
+
 HERE = str(Path(__file__).resolve().parent)
 
 PROGRAM = """
@@ -63,7 +65,7 @@ def result(stdout: str) -> dict:
 def test_eight_devices_match_one_and_resume_bitwise(kind, python_in_subprocess, tmp_path):
     # The eight-device child builds three Trainers of one program: the second and third load
     # the first one's executable from the compilation cache instead of compiling it again.
-    cache = tmp_path / "xla-cache"
+    cache = shared_compilation_cache(tmp_path / "xla-cache")
     single = result(python_in_subprocess(PROGRAM.format(here=HERE, kind=kind, resume=False, tmp=str(tmp_path)),
                                          devices=1, timeout=600, compilation_cache=cache))
     many = result(python_in_subprocess(PROGRAM.format(here=HERE, kind=kind, resume=True, tmp=str(tmp_path)),

@@ -19,7 +19,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Finished", "device_env", "free_port", "run_pool", "run_python", "run_until_lines"]
+__all__ = ["Finished", "device_env", "free_port", "run_pool", "run_python", "run_until_lines",
+           "shared_compilation_cache"]
+
+
+def shared_compilation_cache(fallback: str | Path) -> Path:
+    """The compilation cache this process already names (JAX_COMPILATION_CACHE_DIR), else fallback.
+
+    A test suite that keeps one persistent cache for itself and its children
+    sets that variable; children given this folder load what any earlier test,
+    or the last run of the suite, compiled. Without it, fallback (a folder the
+    caller owns) still lets the children of one test share their programs.
+    """
+    return Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or fallback)
 
 
 def device_env(devices: int = 1, env: Mapping[str, str] | None = None, *,
