@@ -1,9 +1,17 @@
 """The diffusion recipes: class-conditional digits learned well enough for a classifier to read
-the samples; moving digits, masked and block diffusion train and write previews in the run directory."""
+the samples; moving digits, masked and block diffusion train and write previews in the run directory;
+flow-grpo-digits raises the brightness of the digits the digits-diffusion run draws.
+
+The digits-diffusion run is trained once (a module fixture) and read by both of its tests: the
+class accuracy of its samples, and the flow-grpo-digits recipe that starts from it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,6 +19,7 @@ import pytest
 
 from dew.recipes.config import RunConfig
 from dew.recipes.run import build_objective, train
+from dew.training.initializers import ParamsFrom
 
 
 def _run(name, tmp_path, overrides=()):
@@ -20,17 +29,27 @@ def _run(name, tmp_path, overrides=()):
     return config, state
 
 
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunConfig, object, Path]:
+    """The digits-diffusion recipe trained for 650 of its 1500 steps (the cosine schedule
+    shortened with them), its run folder at runs/digits-diffusion under the returned root."""
+    root = tmp_path_factory.mktemp("digits")
+    run = root / "runs" / "digits-diffusion"
+    config = RunConfig.load("digits-diffusion", [f"trackers.0.directory={run}", f"trainer.checkpoint_dir={run}",
+                                                 "trainer.steps=650", "trainer.eval_every=650"])
+    return config, train(config), root
+
+
 @pytest.mark.slow
-def test_digits_samples_are_the_classes_asked_for(tmp_path):
+def test_digits_samples_are_the_classes_asked_for(digits):
     from sklearn.linear_model import LogisticRegression
 
     from dew import models, registry
     from dew.data.digits import digit_images
 
-    # 650 of the recipe's 1500 steps (the cosine schedule shortened with them): these samples
-    # read 99.5% right (800 steps: 100%; 550: 75.5%); at 300 steps, before the labels are
-    # learned, 12-15% (chance is 10%).
-    config, state = _run("digits-diffusion", tmp_path, ["trainer.steps=650", "trainer.eval_every=650"])
+    # After 650 steps these samples read 99.5% right (800 steps: 100%; 550: 75.5%); at 300
+    # steps, before the labels are learned, 12-15% (chance is 10%).
+    config, state, root = digits
     model = models.build(config.model.name, **config.model.fields)
     reader = registry.datasets.build(config.data.name, **config.data.fields)
     objective = build_objective(config, model, reader)
@@ -45,8 +64,33 @@ def test_digits_samples_are_the_classes_asked_for(tmp_path):
     accuracy = float(np.mean(read == asked))
     assert accuracy >= 0.8, accuracy
 
-    previews = [json.loads(line) for line in (tmp_path / "run" / "previews.jsonl").read_text().splitlines()]
-    assert previews and all((tmp_path / "run" / p["path"]).is_file() for p in previews), previews
+    run = root / "runs" / "digits-diffusion"
+    previews = [json.loads(line) for line in (run / "previews.jsonl").read_text().splitlines()]
+    assert previews and all((run / p["path"]).is_file() for p in previews), previews
+
+
+@pytest.mark.slow
+def test_flow_grpo_raises_the_brightness_of_digits(digits, monkeypatch):
+    # The second stage runs from its shipped recipe in the digits run's root, so its
+    # ``init: run: runs/digits-diffusion`` finds the first stage's checkpoint; the reward is read
+    # back from the local tracker's scalars.
+    root = digits[2]
+    monkeypatch.chdir(root)
+    with contextlib.redirect_stdout(io.StringIO()):
+        state = train(RunConfig.load("flow-grpo-digits", ["trainer.steps=16", "trainer.log_every=1"]))
+    rows = [json.loads(line) for line in
+            (root / "runs" / "flow-grpo-digits" / "scalars.jsonl").read_text().splitlines()]
+    reward = np.asarray([row["train/reward"] for row in rows if "train/reward" in row])
+    assert len(reward) == 16
+    start, end = reward[:4].mean(), reward[-4:].mean()
+    assert end > start + 0.05, reward
+
+    # The frozen reference is the digits run's parameters, read independently.
+    started = ParamsFrom(root / "runs" / "digits-diffusion")(
+        {"params": jax.device_get(state.params["reference"])})["params"]
+    for kept, read in zip(jax.tree.leaves(jax.device_get(state.params["reference"])),
+                          jax.tree.leaves(started), strict=True):
+        np.testing.assert_array_equal(kept, read)
 
 
 @pytest.mark.slow

@@ -4,13 +4,14 @@ and off-policy), an asynchronous run's old_logp is the lagged sampling policy's,
 the journal with another reward, and ``dew report`` shows it.
 
 One tiny addition policy; the fits of each max_lag share one rollout (its engine compiles once) and
-all share one persistent compilation cache (the later fits load the step the first compiled), so the
-module costs one cold compile.
+all share one persistent compilation cache (the later fits load the step the first compiled; the
+suite's own where it keeps one), so the module costs at most one cold compile.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from dew.data.addition import Addition
 from dew.models import build
 from dew.objectives.grpo import GRPOObjective
 from dew.rewards import ExactMatch
+from dew.testing.processes import shared_compilation_cache
 from dew.tracking.local import LocalTracker
 from dew.training.feed import ReplayMismatchWarning
 from dew.training.rollout_journal import ROLLOUTS, read_journal
@@ -103,7 +105,8 @@ def runs(tmp_path_factory):
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     before = {name: getattr(jax.config, name) for name in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla-cache")))
+    jax.config.update("jax_compilation_cache_dir",
+                      str(shared_compilation_cache(tmp_path_factory.mktemp("xla-cache"))))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     try:
@@ -226,3 +229,85 @@ def test_report_shows_the_sampled_completions_by_step(whole, tmp_path):
     last = read_journal(directory)[-1]
     assert html.escape(last.transcript[0]["completions"][0]) in page
     assert f"<td rowspan='8'>{last.step}<br>" in page
+
+
+SHARDED = r'''
+import hashlib, json, sys
+import jax, numpy as np, optax
+from dew import Checkpoints, Trainer
+from dew.data.addition import Addition
+from dew.models import build
+from dew.objectives.grpo import GRPOObjective
+from dew.rewards import ExactMatch
+from dew.training import MeshSpec
+import dew.training.feed as feed
+
+out = sys.argv[1]
+placed = []
+place = feed.shard_batch
+
+
+def recording(batch, mesh, partition, expected=None):
+    arrays = place(batch, mesh, partition, expected)
+    placed.append({key: str(array.sharding.spec) for key, array in arrays.items()})
+    return arrays
+
+
+feed.shard_batch = recording  # every batch the feed puts on the mesh, fresh or replayed
+calls = {"n": 0, "fail_at": None}
+
+
+def reward(completions, context):
+    calls["n"] += 1
+    if calls["n"] == calls["fail_at"]:
+        raise RuntimeError("the scorer crashed")
+    lengths = np.asarray([len(c.split("\n")[0]) for c in completions], np.float32)
+    return ExactMatch()(completions, context) + np.float32(0.1) * lengths
+
+
+model = build("causal_transformer", vocab_size=257, emb_features=16, num_layers=1, num_heads=2, mlp_features=32,
+              max_seq_len=16)
+objective = GRPOObjective(model, reward=reward, group_size=4, max_new_tokens=3, stop_token=10, temperature=1.0,
+                          max_lag=0)
+rollout = objective.rollout()
+
+
+def fit(directory, fail_at=None):
+    calls["n"], calls["fail_at"] = 0, fail_at
+    placed.clear()
+    data = Addition(form="prompts", problems=64, max_operand=9).load(batch=4, seed=0)
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), mesh=MeshSpec(fsdp=2, tensor=2),
+                      checkpoints=Checkpoints(directory), rollout=rollout)
+    try:
+        state = trainer.fit(data, steps=6, log_every=1, checkpoint_every=3)
+    except RuntimeError:
+        return None, list(placed), calls["n"]
+    leaves = jax.tree.leaves(jax.device_get(state.params))
+    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest(), list(placed), calls["n"]
+
+
+whole = fit(f"{out}/whole")
+crashed = fit(f"{out}/stopped", fail_at=6)
+resumed = fit(f"{out}/stopped")
+print("RESULT" + json.dumps({"whole": whole, "crashed": crashed, "resumed": resumed}))
+'''
+
+
+def test_replayed_batches_are_placed_as_fresh_batches_on_a_mesh(tmp_path):
+    """The spec: replay records follow batches. On 8 devices (data=2, fsdp=2, tensor=2) a run
+    resumed from step 3 replays steps 3 and 4 from the journal: the feed places them with the
+    batch's own sharding, exactly as the uninterrupted run placed the batches it sampled, and the
+    run ends bitwise the uninterrupted one, calling the reward only for step 5."""
+    from dew.testing.processes import run_python
+
+    done = run_python(SHARDED.replace("sys.argv[1]", repr(str(tmp_path))), devices=8, timeout=600,
+                      compilation_cache=shared_compilation_cache(tmp_path / "xla-cache"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.split("RESULT", 1)[1])
+    (digest, placed, calls), (_, _, crashed_calls), (resumed, replaced, resumed_calls) = (
+        result["whole"], result["crashed"], result["resumed"])
+    assert calls == 6 and crashed_calls == 6 and resumed_calls == 1
+    assert resumed == digest
+    assert len(placed) == 6 and len(replaced) == 3
+    assert replaced == placed[3:]  # steps 3 and 4 replayed, step 5 sampled: placed alike
+    assert all("data" in spec["tokens"] for spec in placed), placed  # the batch axes, not replicated
