@@ -42,12 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.errors import BatchKeyError
-from dew.objectives.policy import token_logprobs
-from dew.rewards import Reward, score
+from dew.objectives.base import Batch, Metric, Step, Variables
+from dew.objectives.policy import policy_variables, token_logprobs
+from dew.rewards import Reward, resolve, score
 from dew.sampling import Engine, EngineConfig, Request, Sampling
 
-__all__ = ["CompletionRollout", "PolicyRollout", "RewardMetric", "RolloutBatchError", "completion_text",
-           "greedy_continuation", "greedy_outputs"]
+__all__ = ["CompletionRollout", "GreedyRewardValidation", "PolicyRollout", "RewardMetric", "RolloutBatchError",
+           "completion_text", "greedy_continuation", "greedy_outputs"]
 
 
 # The batch a rollout receives lacks the prompts or their lengths: dew's one batch-key error.
@@ -165,6 +166,31 @@ class RewardMetric:
     def result(self, accumulator: tuple[float, float]) -> float:
         total, count = accumulator
         return total / count if count else float("nan")
+
+
+class GreedyRewardValidation:
+    """Validation of a policy trained on a reward: held-out prompts continued greedily, then scored.
+
+    The objectives that sample completions (GRPO and its family, PPO) mix it
+    in before ``Objective``; it reads their fields of the same names.
+    """
+
+    model: nn.Module
+    reward: Any
+    max_new_tokens: int
+    tokenizer: Any
+    stop_token: int | None
+    prompt_key: str
+    prompt_length_key: str
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
+        return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
+                              self.max_new_tokens, self.prompt_key, self.prompt_length_key)
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The mean reward of the greedy completions of the validation prompts."""
+        return (RewardMetric(resolve(self.reward), tokenizer=self.tokenizer, stop_token=self.stop_token),)
 
 
 class PolicyRollout:
