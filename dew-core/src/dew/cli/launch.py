@@ -13,7 +13,6 @@ writes a ready sbatch script or JobSet manifest instead of running.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 
 __all__ = ["add_arguments", "rank_argv", "run"]
@@ -67,12 +66,6 @@ def rank_argv(recipe: str, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "dew.cli", "train", recipe, *overrides, "trainer.multi_host=true"]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
     from dew.cli.launch_scripts import ScriptRequest, jobset_manifest, slurm_script
     request = ScriptRequest(args.recipe, tuple(args.overrides), processes=args.processes or 1,
@@ -113,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
     env = {} if args.connect_timeout is None else {CONNECT_TIMEOUT: f"{args.connect_timeout:g}"}
     argv = tuple(rank_argv(args.recipe, overrides))
     if args.processes is not None:
-        from dew.training.runtime.pool import PoolSeat
+        from dew.training.runtime.pool import PoolSeat, free_port
 
-        address = f"127.0.0.1:{args.port or _free_port()}"
+        address = f"127.0.0.1:{args.port or free_port()}"
         seats = [PoolSeat(address, args.processes, i, "local", local_index=i, local_count=args.processes)
                  for i in range(args.processes)]
     else:

@@ -22,14 +22,17 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dew.pretrained.errors import PretrainedError, TensorMismatchError
 
-__all__ = ["FORMAT", "component_fields", "registered_name", "read_variables", "shapes_of", "tensors_of",
-           "unflatten"]
+if TYPE_CHECKING:
+    from dew.pretrained.model import Pretrained
+
+__all__ = ["FORMAT", "component_fields", "objective_pretrained", "registered_name", "read_variables",
+           "shapes_of", "tensors_of", "unflatten"]
 
 FORMAT = "dew"
 VERSION = 1
@@ -74,6 +77,17 @@ def component_fields(component: Any) -> dict[str, Any]:
         out[field.name] = _json_value(type(component).__name__, field.name,
                                       getattr(component, field.name))
     return out
+
+
+def objective_pretrained(objective: Any, variables: Mapping[str, Any]) -> Pretrained:
+    """objective's model and tokenizer with variables, the objective kept as their task: what a
+    pipeline built from an objective exports, for ``Pretrained.pipeline()`` to build it again."""
+    import flax.linen as nn
+
+    from dew.pretrained.model import Pretrained
+
+    task = {"name": registered_name("dew.objectives", objective), "fields": component_fields(objective)}
+    return Pretrained(objective.model, nn.meta.unbox(variables), objective.tokenizer, task)
 
 
 def tensors_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:

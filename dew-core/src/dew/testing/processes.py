@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from dew.training.runtime.pool import free_port
 
 __all__ = ["Finished", "device_env", "free_port", "run_pool", "run_python", "run_until_lines",
            "shared_compilation_cache"]
@@ -95,13 +96,6 @@ def run_until_lines(command: Sequence[str], *, signal_at: Iterable[str] = (), si
             child.send_signal(sig)
     child.wait(timeout=timeout)
     return Finished(child.returncode, "".join(lines), child.stderr.read())
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at this moment."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_pool(code: str, *, processes: int = 2, devices: int = 1, args: Sequence[str] = (),

@@ -149,7 +149,8 @@ def _warn_truncated(count: int, first: str, limit: int, stacklevel: int = 3) -> 
 
 
 class _ChatReader:
-    """What Chat and ChatPreferences share: their files settled, one _ChatFiles, its tokenizer."""
+    """What Chat and ChatPreferences share: their files settled, one _ChatFiles, its tokenizer, and
+    their rows as records and as a Dataset."""
 
     files: Any
     tokenizer: Any
@@ -169,6 +170,21 @@ class _ChatReader:
     def text_tokenizer(self) -> Any:
         """The tokenizer object this reader encodes with."""
         return self._shared.text_tokenizer()
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """The encoded records as columns of equal length (each reader's own layout)."""
+        raise NotImplementedError
+
+    def records(self) -> ArrayRecords:
+        """The rows (Chat's packed conversations, ChatPreferences' pairs) as a record source for
+        train_stream (and a mixture)."""
+        return ArrayRecords(self.rows())
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A Dataset over the rows, a seeded val_fraction of them held out, the rest streamed."""
+        train, val = split_records(self.records(), val_fraction, val_seed)
+        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
 
 
 @dataclass(frozen=True)
@@ -236,16 +252,6 @@ class Chat(_ChatReader):
                 start = stop
         return {"text": text, "loss_mask": mask, "segment_ids": segments}
 
-    def records(self) -> ArrayRecords:
-        """The rows as a record source for train_stream (and a mixture)."""
-        return ArrayRecords(self.rows())
-
-    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
-             workers: int = 0, prefetch: int = 4) -> Dataset:
-        """A Dataset over the rows, a seeded val_fraction of them held out, the rest streamed."""
-        train, val = split_records(self.records(), val_fraction, val_seed)
-        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
-
 
 @dataclass(frozen=True)
 class ChatPreferences(_ChatReader):
@@ -301,13 +307,3 @@ class ChatPreferences(_ChatReader):
                 out[f"{name}_mask"][i, : len(mask)] = mask
             lengths[i] = common
         return {**out, "prompt_length": lengths}
-
-    def records(self) -> ArrayRecords:
-        """The pairs as a record source."""
-        return ArrayRecords(self.rows())
-
-    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
-             workers: int = 0, prefetch: int = 4) -> Dataset:
-        """A Dataset over the pairs, a seeded val_fraction of them held out, the rest streamed."""
-        train, val = split_records(self.records(), val_fraction, val_seed)
-        return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)

@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,13 +60,9 @@ class _Saved(Pipeline):
 
     def pretrained(self) -> Any:
         """The model, variables, tokenizer and task (the objective) as a Pretrained."""
-        from dew.pretrained import Pretrained
-        from dew.pretrained.native import component_fields, registered_name
+        from dew.pretrained.native import objective_pretrained
 
-        task = {"name": registered_name("dew.objectives", self.objective),
-                "fields": component_fields(self.objective)}
-        return Pretrained(self.objective.model, nn.meta.unbox(self.variables),
-                          self.objective.tokenizer, task)
+        return objective_pretrained(self.objective, self.variables)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], **fields: Any) -> Any:

@@ -47,8 +47,7 @@ from dew.environments import (
     Reply,
     resolve_environment,
 )
-from dew.objectives.policy import token_logprobs
-from dew.objectives.rollouts import RolloutBatchError, completion_text
+from dew.objectives.rollouts import PolicyRollout, completion_text
 from dew.sampling import Engine, EngineConfig, Request, Sampling
 
 __all__ = ["EpisodeRollout", "guarded_calls"]
@@ -120,7 +119,7 @@ class _Play:
         return self.episode.step(action)
 
 
-class EpisodeRollout:
+class EpisodeRollout(PolicyRollout):
     """Play group_size episodes of the environment per prompt and lay them out (module docstring).
 
     max_new_tokens bounds each turn; stop_token (and the environment's
@@ -132,22 +131,12 @@ class EpisodeRollout:
                  prompt_key: str = "prompt", prompt_length_key: str = "prompt_length",
                  max_length: int | None = None, turn_timeout: float | None = 10.0,
                  engine: EngineConfig | None = None) -> None:
-        self.model = model
+        super().__init__(model, group_size=group_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                         tokenizer=tokenizer, stop_token=stop_token, prompt_key=prompt_key,
+                         prompt_length_key=prompt_length_key, engine=engine)
         self.environment: Environment = resolve_environment(environment)
-        self.group_size = group_size
-        self.max_new_tokens = max_new_tokens
-        self.sampling = sampling
-        self.tokenizer = tokenizer
-        self.stop_token = stop_token
-        self.prompt_key = prompt_key
-        self.prompt_length_key = prompt_length_key
         self.max_length = int(max_length or model.max_seq_len)
         self.turn_timeout = turn_timeout
-        self.engine_config = engine
-        self.engine: Engine | None = None
-        self.reward_seconds = 0.0  # time in the environment, shown apart in the goodput split
-        self.last_completions: list[str] = []
-        self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens)[0])
 
     # -- text --------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -183,14 +172,7 @@ class EpisodeRollout:
 
     # -- one rollout -------------------------------------------------------------------
     def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
-        for name in (self.prompt_key, self.prompt_length_key):
-            if name not in batch:
-                raise RolloutBatchError(
-                    f"The rollout reads prompts under {self.prompt_key!r} (int32 [prompts, width], "
-                    f"right-padded) and their lengths under {self.prompt_length_key!r}, but the batch "
-                    f"holds {sorted(batch)}.")
-        prompts = np.asarray(batch[self.prompt_key], np.int32)
-        lengths = np.asarray(batch[self.prompt_length_key], np.int32).reshape(-1)
+        prompts, lengths = self.read_prompts(batch)
         others = {k: np.asarray(v) for k, v in batch.items()
                   if k not in (self.prompt_key, self.prompt_length_key)}
         g, width = self.group_size, self.max_length
@@ -216,7 +198,6 @@ class EpisodeRollout:
                 play.episode = episode
         alive = [p for p in plays if not p.done]
         openings = self._call(alive, [p.opening for p in alive], "the opening")
-        stops = () if self.stop_token is None else (int(self.stop_token),)
         by_request: dict[int, _Play] = {}  # an episode is one request: its turns keep the request's id
         for play, opening in zip(alive, openings, strict=True):
             if play.done:
@@ -226,7 +207,7 @@ class EpisodeRollout:
             if room <= 0:
                 play.done = True
                 continue
-            request = Request(tuple(play.tokens), room, sampling=self.sampling, stop_tokens=stops,
+            request = Request(tuple(play.tokens), room, sampling=self.sampling, stop_tokens=self.stop_tokens,
                               stop_strings=tuple(environment.stop_strings), keep_cache=True)
             by_request[engine.submit(request, jax.random.fold_in(key, play.index))] = play
         self._play(engine, by_request)

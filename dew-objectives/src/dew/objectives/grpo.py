@@ -52,7 +52,6 @@ from dew.objectives.base import (
     Batch,
     LeafFilter,
     Mean,
-    Metric,
     Objective,
     Step,
     Variables,
@@ -78,7 +77,7 @@ from dew.objectives.policy import (
     token_logprobs,
     with_reference,
 )
-from dew.objectives.rollouts import CompletionRollout, RewardMetric, greedy_outputs
+from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation
 from dew.rewards import resolve
 from dew.sampling import Sampling, TextGeneration
 
@@ -94,7 +93,7 @@ _ROLLOUT_STATISTICS = ("sampled_reward", "dropped_groups", "filler_groups", "sam
 
 
 @dataclass(frozen=True)
-class GRPOObjective(Objective):
+class GRPOObjective(GreedyRewardValidation, Objective):
     """GRPO over completions a rollout samples (see the module docstring).
 
     reward is a registered reward's name, ``{"name": ..., **fields}``, or a
@@ -249,15 +248,6 @@ class GRPOObjective(Objective):
 
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp")
-
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
-        """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
-        return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
-                              self.max_new_tokens, self.prompt_key, self.prompt_length_key)
-
-    def metrics(self) -> tuple[Metric, ...]:
-        """The mean reward of the greedy completions of the validation prompts."""
-        return (RewardMetric(resolve(self.reward), tokenizer=self.tokenizer, stop_token=self.stop_token),)
 
     def pipeline(self, state: Any, *, sampling: Sampling | Mapping[str, Any] | None = None
                  ) -> TextGeneration:

@@ -45,7 +45,6 @@ from dew.objectives.base import (
     Batch,
     LeafFilter,
     Mean,
-    Metric,
     Objective,
     Step,
     Variables,
@@ -59,7 +58,7 @@ from dew.objectives.policy import (
     policy_variables,
     with_reference,
 )
-from dew.objectives.rollouts import CompletionRollout, RewardMetric, greedy_outputs
+from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation
 from dew.rewards import resolve
 from dew.sampling import Sampling, TextGeneration
 
@@ -208,7 +207,7 @@ def _logp(model: nn.Module, variables: Variables, tokens: jax.Array) -> jax.Arra
 
 
 @dataclass(frozen=True)
-class PPOObjective(Objective):
+class PPOObjective(GreedyRewardValidation, Objective):
     """PPO with a value head over completions a PPORollout serves (see the module docstring).
 
     metrics: ``reward`` (the sequence reward's mean), ``kl`` (the sampling
@@ -284,15 +283,6 @@ class PPOObjective(Objective):
 
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp", "old_values", "advantage", "returns")
-
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
-        """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
-        return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
-                              self.max_new_tokens, self.prompt_key, self.prompt_length_key)
-
-    def metrics(self) -> tuple[Metric, ...]:
-        """The mean reward of the greedy completions of the validation prompts."""
-        return (RewardMetric(resolve(self.reward), tokenizer=self.tokenizer, stop_token=self.stop_token),)
 
     def pipeline(self, state: Any, *, sampling: Sampling | Mapping[str, Any] | None = None
                  ) -> TextGeneration:

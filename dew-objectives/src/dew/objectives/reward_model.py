@@ -202,12 +202,9 @@ class RewardScoring(Pipeline):
         """The decoder, its head and the objective (the task) as a Pretrained: dew's own layout
         (a published decoder's layout has no place for the head), which ``Pretrained.load`` reads
         back into this pipeline."""
-        from dew.pretrained import Pretrained
-        from dew.pretrained.native import component_fields, registered_name
+        from dew.pretrained.native import objective_pretrained
 
-        task = {"name": registered_name("dew.objectives", self.objective),
-                "fields": component_fields(self.objective)}
-        return Pretrained(self.objective.model, nn.meta.unbox(self.variables), self.objective.tokenizer, task)
+        return objective_pretrained(self.objective, self.variables)
 
     def encode(self, text: str) -> list[int]:
         tokenizer = self.objective.tokenizer

@@ -42,12 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.errors import BatchKeyError
-from dew.objectives.policy import token_logprobs
-from dew.rewards import Reward, score
+from dew.objectives.base import Batch, Metric, Step, Variables
+from dew.objectives.policy import policy_variables, token_logprobs
+from dew.rewards import Reward, resolve, score
 from dew.sampling import Engine, EngineConfig, Request, Sampling
 
-__all__ = ["CompletionRollout", "RewardMetric", "RolloutBatchError", "completion_text", "greedy_continuation",
-           "greedy_outputs"]
+__all__ = ["CompletionRollout", "GreedyRewardValidation", "PolicyRollout", "RewardMetric", "RolloutBatchError",
+           "completion_text", "greedy_continuation", "greedy_outputs"]
 
 
 # The batch a rollout receives lacks the prompts or their lengths: dew's one batch-key error.
@@ -167,7 +168,78 @@ class RewardMetric:
         return total / count if count else float("nan")
 
 
-class CompletionRollout:
+class GreedyRewardValidation:
+    """Validation of a policy trained on a reward: held-out prompts continued greedily, then scored.
+
+    The objectives that sample completions (GRPO and its family, PPO) mix it
+    in before ``Objective``; it reads their fields of the same names.
+    """
+
+    model: nn.Module
+    reward: Any
+    max_new_tokens: int
+    tokenizer: Any
+    stop_token: int | None
+    prompt_key: str
+    prompt_length_key: str
+
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+        """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
+        return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
+                              self.max_new_tokens, self.prompt_key, self.prompt_length_key)
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """The mean reward of the greedy completions of the validation prompts."""
+        return (RewardMetric(resolve(self.reward), tokenizer=self.tokenizer, stop_token=self.stop_token),)
+
+
+class PolicyRollout:
+    """What a rollout that samples the live policy through the generation engine holds.
+
+    ``CompletionRollout`` and ``EpisodeRollout`` share it: the model and its
+    sampling settings (group_size samples per prompt, max_new_tokens each,
+    ending at stop_token), the batch keys the prompts are read from, the
+    engine's layout (None: the rollout's own default) and the engine once
+    built, the time spent in the reward (``reward_seconds``, its own row of
+    the goodput split), and the scorer of ``old_logp`` under the sampling policy.
+    """
+
+    def __init__(self, model: nn.Module, *, group_size: int, max_new_tokens: int, sampling: Sampling,
+                 tokenizer: Any = None, stop_token: int | None = None, prompt_key: str = "prompt",
+                 prompt_length_key: str = "prompt_length", engine: EngineConfig | None = None) -> None:
+        self.model = model
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.tokenizer = tokenizer
+        self.stop_token = stop_token
+        self.prompt_key = prompt_key
+        self.prompt_length_key = prompt_length_key
+        self.engine_config = engine
+        self.engine: Engine | None = None
+        self.reward_seconds = 0.0
+        self.last_completions: list[str] = []
+        self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens)[0])
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        """The engine's stop tokens: stop_token, when there is one."""
+        return () if self.stop_token is None else (int(self.stop_token),)
+
+    def read_prompts(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's prompts (int32 [prompts, width], right-padded) and their lengths [prompts]."""
+        for name in (self.prompt_key, self.prompt_length_key):
+            if name not in batch:
+                raise RolloutBatchError(
+                    f"The rollout reads prompts under {self.prompt_key!r} (int32 [prompts, width], "
+                    f"right-padded) and their lengths under {self.prompt_length_key!r}, but the batch "
+                    f"holds {sorted(batch)}."
+                )
+        return (np.asarray(batch[self.prompt_key], np.int32),
+                np.asarray(batch[self.prompt_length_key], np.int32).reshape(-1))
+
+
+class CompletionRollout(PolicyRollout):
     """Sample group_size completions per prompt, score them, and lay them out for the step.
 
     engine sets the generation engine's layout (default: every completion of a
@@ -181,32 +253,15 @@ class CompletionRollout:
                  sampling: Sampling, tokenizer: Any = None, stop_token: int | None = None,
                  prompt_key: str = "prompt", prompt_length_key: str = "prompt_length",
                  engine: EngineConfig | None = None, max_lag: int = 0) -> None:
-        self.model = model
-        self.max_lag = max_lag
+        super().__init__(model, group_size=group_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                         tokenizer=tokenizer, stop_token=stop_token, prompt_key=prompt_key,
+                         prompt_length_key=prompt_length_key, engine=engine)
         self.reward = reward
-        self.group_size = group_size
-        self.max_new_tokens = max_new_tokens
-        self.sampling = sampling
-        self.tokenizer = tokenizer
-        self.stop_token = stop_token
-        self.prompt_key = prompt_key
-        self.prompt_length_key = prompt_length_key
-        self.reward_seconds = 0.0
-        self.engine_config = engine
-        self.engine: Engine | None = None
+        self.max_lag = max_lag
         self._rounds: deque[dict[str, Any]] = deque(maxlen=_KEPT_ROUNDS)
-        self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens)[0])
 
     def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
-        for name in (self.prompt_key, self.prompt_length_key):
-            if name not in batch:
-                raise RolloutBatchError(
-                    f"The rollout reads prompts under {self.prompt_key!r} (int32 [prompts, width], "
-                    f"right-padded) and their lengths under {self.prompt_length_key!r}, but the batch "
-                    f"holds {sorted(batch)}."
-                )
-        prompts = np.asarray(batch[self.prompt_key], np.int32)
-        lengths = np.asarray(batch[self.prompt_length_key], np.int32).reshape(-1)
+        prompts, lengths = self.read_prompts(batch)
         g, n = self.group_size, self.max_new_tokens
         prompts, lengths = np.repeat(prompts, g, axis=0), np.repeat(lengths, g, axis=0)
         params = {"params": state.params["params"]}
@@ -259,10 +314,9 @@ class CompletionRollout:
                 batch_buckets=min(4, -(-n // steps)))
             self.engine = Engine(self.model, config)
         self.engine.set_params(params)
-        stops = () if self.stop_token is None else (int(self.stop_token),)
         for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
             request = Request(tuple(prompt[: int(length)]), n, samples=g, sampling=self.sampling,
-                              stop_tokens=stops)
+                              stop_tokens=self.stop_tokens)
             self.engine.submit(request, jax.random.fold_in(key, i))
         new = np.zeros((len(prompts) * g, n), np.int32)
         for row, completion in enumerate(self.engine.run()):

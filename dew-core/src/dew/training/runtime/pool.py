@@ -33,6 +33,7 @@ __all__ = [
     "PoolSeat",
     "connect_timeout",
     "first_host",
+    "free_port",
     "reach_coordinator",
     "seat_from_environment",
 ]
@@ -74,6 +75,13 @@ class PoolSeat:
         """The variables dew.training.prepare_process reads to join this pool."""
         return {"JAX_COORDINATOR_ADDRESS": self.coordinator, "JAX_NUM_PROCESSES": str(self.processes),
                 "JAX_PROCESS_ID": str(self.index)}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at this moment (a local pool's coordinator)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def first_host(nodelist: str) -> str:
