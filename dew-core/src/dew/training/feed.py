@@ -11,6 +11,11 @@ anything else (a missing or extra key, another shape or dtype, a batch that
 is not a mapping) is refused at the step it arrives, naming the key and
 both shapes, before anything compiles for it.
 
+A fit starts the stream before it places the state (``begin``): the
+first batch is read on a thread meanwhile (dew.training.opening), and
+``open`` continues that stream when the restored position is the one it
+began at, or opens afresh.
+
 The position a checkpoint saves is the stream's (``get_state``), with the
 rollout's state packed beside it when the rollout has one, so a resumed
 run continues both where they stopped. The ledger is told every batch a

@@ -4,8 +4,9 @@ A facade over the engine's parts: the ``Program`` (what a step computes
 and the state it starts from, dew.training.program), the ``Execution``
 (where the state lives and the step runs, chosen once,
 dew.training.execution), the ``Feed`` (stream -> rollout -> check -> shard)
-and the hooks (dew.training.hooks). ``fit`` places the state, opens the
-feed and runs ``steps`` through the hooks (dew.training.loop).
+and the hooks (dew.training.hooks). ``fit`` starts the feed's stream,
+places the state while the stream's first batch is read, opens the feed
+and runs ``steps`` through the hooks (dew.training.loop).
 """
 
 from __future__ import annotations
