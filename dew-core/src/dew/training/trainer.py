@@ -180,30 +180,43 @@ class Trainer(Generic[Loss, Effects]):
                     required=tuple(self.objective.required_keys()), rollout=self.rollout,
                     ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
                     ledger=ledger_beside(self.checkpoints))
+        state, start = self._start(feed, steps)
+        if start >= steps:
+            return state
+        reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
+                                    notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
+        saving = None if self.checkpoints is None else \
+            hooks.Saving(self.checkpoints, feed, self.program.meta(), every=checkpoint_every)
+        concerns = [*([hooks.Profiling(self.profile, start)] if self.profile is not None else []),
+                    hooks.Evaluating(self._evaluator, self.execution, dataset, every=eval_every, metrics=metrics,
+                                     preview=preview, tracked=self.tracker is not None),
+                    hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
+                    hooks.Preemption(reporting, saving)]
+        try:
+            state = loop.run_hooks(loop.steps(state, feed, self.compile, self.objective, start, steps), reporting,
+                               concerns)
+        finally:
+            feed.close()
+        return state
+
+    def _start(self, feed: Feed, steps: int) -> tuple[TrainState, int]:
+        """The placed state and its step, with feed open for it: its stream started before placing, so
+        its start-up overlaps the placement. A failure, a SIGTERM, or a fit already at its target
+        closes the feed here."""
         try:
             with closing_on_sigterm(feed.close):  # a SIGTERM while placing ends the stream's workers too
                 if self._overlap_start:
                     self._begin(feed, steps)
                 state, _, position = self.place()
                 start = int(jax.device_get(state.step))
-                if start >= steps:
-                    return state
-                feed.open(position, resuming=start > 0, start=start)
-            reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
-                                        notes=hooks.opening_notes(steps, log_every, every, self.checkpoints,
-                                                                  self.tracker))
-            saving = None if self.checkpoints is None else \
-                hooks.Saving(self.checkpoints, feed, self.program.meta(), every=checkpoint_every)
-            concerns = [*([hooks.Profiling(self.profile, start)] if self.profile is not None else []),
-                        hooks.Evaluating(self._evaluator, self.execution, dataset, every=eval_every, metrics=metrics,
-                                         preview=preview, tracked=self.tracker is not None),
-                        hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
-                        hooks.Preemption(reporting, saving)]
-            state = loop.run_hooks(loop.steps(state, feed, self.compile, self.objective, start, steps), reporting,
-                                   concerns)
-        finally:
+                if start < steps:
+                    feed.open(position, resuming=start > 0, start=start)
+                    return state, start
+        except BaseException:
             feed.close()
-        return state
+            raise
+        feed.close()
+        return state, start
 
     _overlap_start = True  # the stream starts while the state is placed (False: the old order, a baseline)
 
