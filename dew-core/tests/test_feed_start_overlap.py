@@ -172,3 +172,26 @@ def test_a_failed_placement_closes_the_stream_that_started(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         fresh.fit(watched(log, streams), steps=4, log_every=1)
     assert log == [("train", None), ("read", 0), ("placing", True), ("closed", 1)]
+
+
+def test_a_resume_that_falls_back_to_an_older_step_reopens_its_stream_there(tmp_path, capsys):
+    first = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path, keep=None))
+    first.fit(Dataset(train=lambda p: Watched([]), val=None, batch=8), steps=4, log_every=1, checkpoint_every=2)
+    files = [p for p in (tmp_path / "4" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    damaged = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the manifest still reads, the arrays do not: place() falls back to step 2
+    damaged.write_bytes(bytes(data))
+    log: list = []
+    streams: list = []
+    resumed = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path))
+    placing(resumed, streams, log)
+    state = resumed.fit(watched(log, streams), steps=6, log_every=1)
+    assert "Restoring step 2 instead" in capsys.readouterr().err
+    # Started at step 4's position, closed once step 2 was restored, opened again there.
+    assert log[:5] == [("train", None), ("set_state", b"4"), ("read", 4), ("placing", True), ("placed", None)]
+    assert log[5:8] == [("closed", 5), ("train", None), ("set_state", b"2")]
+    assert log[-1] == ("closed", 6)
+    whole = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0))
+    expected = whole.fit(Dataset(train=lambda p: Watched([]), val=None, batch=8), steps=6, log_every=1)
+    assert_same_params(state, expected)
