@@ -13,13 +13,16 @@ machine has it) and a byte-level BPE tokenizer trained here with the
    tokenizer's own rate;
 3. wait: the tiny-lm recipe's model and step (Trainer + LMObjective) fed by
    that stream, with the share of wall time the loop spent waiting for data
-   (the trainer's own Goodput record; goal <= 1%);
+   (the trainer's own Goodput record; goal <= 1%): the stream started before
+   the state is placed (the trainer's order) against the old order (opened
+   after placement), alternated ``--rounds`` times, min and median;
 4. memory: a Parquet corpus of ``--parquet-mb`` megabytes of text (20 by
    default; 2048 for the 2 GB run) generated into a temporary folder, indexed
    and streamed by a fresh process whose peak resident memory is printed,
    beside a process that only imports the same modules (goal <= 500 MB).
 
 Run: .venv/bin/python benchmarks/data_scale_bench.py [--quick] [--parquet-mb 2048] [--skip-wait]
+     [--only-wait] [--wait-steps 20] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -159,8 +162,13 @@ class _Timed:
         self.stream.close()
 
 
-def wait(files: Path, tokenizer_path: Path, *, steps: int, workers: int) -> None:
-    """The tiny-lm recipe's model and step, fed by HFText; the data wait as a share of wall time."""
+def wait(files: Path, tokenizer_path: Path, *, steps: int, workers: int, overlap: bool) -> tuple[float, float, float]:
+    """The tiny-lm recipe's model and step, fed by HFText; the data wait as a share of wall time.
+
+    overlap False is the old order (the stream opened once the state is
+    placed). Returns the Goodput share of the wall spent waiting for data,
+    the share after the first step, and the first next()'s own seconds.
+    """
     import jax
 
     from dew import Dataset, Trainer, models
@@ -182,15 +190,30 @@ def wait(files: Path, tokenizer_path: Path, *, steps: int, workers: int) -> None
     tracker = _Records()
     trainer = Trainer(LMObjective(model, seq_len=seq_len), run_optimizer(recipe, steps), key=jax.random.key(0),
                       tracker=tracker)
+    trainer._overlap_start = overlap
     trainer.fit(data, steps=steps, log_every=max(1, steps // 4))
     goodput = next(r for r in tracker.records if isinstance(r, Goodput))
     steady = goodput.wall_seconds - goodput.first_step_seconds
     later = sum(seconds[1:])
-    print(f"wait      tiny-lm step (batch {recipe.data.batch} x {seq_len + 1} tokens), {steps} steps, workers "
-          f"{workers}: data {goodput.data_seconds:.3f} s = {100 * goodput.data_seconds / goodput.wall_seconds:.2f}% "
-          f"of the wall {goodput.wall_seconds:.1f} s (Goodput); the first batch {seconds[0]:.2f} s (start-up), the "
-          f"other {len(seconds) - 1} {later:.3f} s = {100 * later / max(steady, 1e-9):.2f}% of the wall after the "
-          f"first step (goal <= 1%)")
+    return goodput.data_seconds / goodput.wall_seconds, later / max(steady, 1e-9), seconds[0]
+
+
+def waits(files: Path, tokenizer_path: Path, *, steps: int, workers: int, rounds: int) -> None:
+    """wait() with the stream started before placement (after) and after it (before), alternated."""
+    arms: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
+    for _ in range(rounds):
+        for overlap in (False, True):
+            arms[overlap].append(wait(files, tokenizer_path, steps=steps, workers=workers, overlap=overlap))
+    for overlap, name in ((False, "opened after placement (before)"), (True, "started before placement (after)")):
+        shares = [100 * share for share, _, _ in arms[overlap]]
+        later = [100 * rest for _, rest, _ in arms[overlap]]
+        first = [seconds for _, _, seconds in arms[overlap]]
+        print(f"wait      tiny-lm, {steps} steps, workers {workers}, stream {name}: data wait min "
+              f"{min(shares):.2f}%, median {statistics.median(shares):.2f}% of the wall (Goodput; goal <= 1%); "
+              f"after the first step median {statistics.median(later):.2f}%; the first next() itself median "
+              f"{statistics.median(first):.2f} s")
+    ratios = [a[0] / max(b[0], 1e-9) for a, b in zip(arms[False], arms[True], strict=True)]
+    print(f"          before / after, per round: min {min(ratios):.1f}x, median {statistics.median(ratios):.1f}x")
 
 
 def write_parquet(folder: Path, megabytes: int) -> Path:
@@ -268,18 +291,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer documents and steps")
     parser.add_argument("--parquet-mb", type=int, default=20, help="megabytes of text in the Parquet corpus")
     parser.add_argument("--skip-wait", action="store_true", help="skip the training run")
+    parser.add_argument("--only-wait", action="store_true", help="only the training runs (part 3)")
+    parser.add_argument("--wait-steps", type=int, default=20, help="steps of each training run")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two stream orders")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         folder = Path(directory)
         files, texts = corpus(folder, 150 if args.quick else 1200)
         tokenizer_path = train_tokenizer(folder, texts)
-        raw = tokenize(files, texts, tokenizer_path, 1023)
-        for workers in (0, 2):
-            stream(files, tokenizer_path, length=1023, batch=16, workers=workers, steps=20 if args.quick else 100,
-                   raw=raw)
+        if not args.only_wait:
+            raw = tokenize(files, texts, tokenizer_path, 1023)
+            for workers in (0, 2):
+                stream(files, tokenizer_path, length=1023, batch=16, workers=workers,
+                       steps=20 if args.quick else 100, raw=raw)
         if not args.skip_wait:
             for workers in (0, 2):
-                wait(files, tokenizer_path, steps=20 if args.quick else 200, workers=workers)
+                waits(files, tokenizer_path, steps=args.wait_steps, workers=workers,
+                      rounds=args.rounds)
+        if args.only_wait:
+            return
         memory(folder, tokenizer_path, args.parquet_mb, 20 if args.quick else 200)
 
 

@@ -137,7 +137,10 @@ class Goodput:
     step, and the part of the rollout spent scoring it with a reward (a
     rollout that keeps ``reward_seconds`` reports it; ``rollout_seconds``
     excludes it). ``first_step_seconds`` is the time from the start of the fit
-    to the end of its first step.
+    to the end of its first step. ``data_seconds`` is only the time the step
+    loop stood waiting for a batch: a fit starts its stream before it places
+    the state, and the part of the stream's start-up (worker processes, the
+    first batch) that ran while the state was placed is not waiting.
 
     >>> g = Goodput(2.0, 10.0, 7.5, 1.5, 0.5, 0.25, 0.25, 0.0)
     >>> g.fraction, g.badput["other"]

@@ -11,6 +11,11 @@ anything else (a missing or extra key, another shape or dtype, a batch that
 is not a mapping) is refused at the step it arrives, naming the key and
 both shapes, before anything compiles for it.
 
+A fit starts the stream before it places the state (``begin``): the
+first batch is read on a thread meanwhile (dew.training.opening), and
+``open`` continues that stream when the restored position is the one it
+began at, or opens afresh.
+
 The position a checkpoint saves is the stream's (``get_state``), with the
 rollout's state packed beside it when the rollout has one, so a resumed
 run continues both where they stopped. The ledger is told every batch a
@@ -51,6 +56,7 @@ from dew.data.base import (
 )
 from dew.errors import DewError
 from dew.training.ledger import Ledger, RecordLedger, joined
+from dew.training.opening import FirstRead
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
 from dew.training.protocols import Lagging, Refilling, RewardTimed, Rollout, Transcribed
 from dew.training.rollout_ahead import Ahead
@@ -160,28 +166,27 @@ class Feed:
     _replay: dict[int, Rolled] = field(default_factory=dict)  # journaled steps a resumed run replays
     _ahead: Ahead[_Made] | None = None  # the worker making later steps' batches (a rollout's max_lag > 0)
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
+    _first: FirstRead | None = None  # the first batch, read on a thread since begin()
+    _begun: tuple[bytes | None, bool] | None = None  # the position (and resuming) begin() opened at
+    _before: bytes | None = None  # the stream's position before its first batch (begun early)
+
+    def begin(self, position: bytes | None, *, resuming: bool) -> None:
+        """Open the stream where position left it and start reading its first batch on a thread
+        (dew.training.opening), so its start-up runs while the fit places its state; ``open`` with
+        the same position continues this stream, another position closes it and opens afresh."""
+        self._close_stream()
+        stream = self._stream_at(unpack_position(position)[0], resuming)
+        self._stream, self._begun = stream, (position, resuming)
+        self._before = stream.get_state() if isinstance(stream, Resumable) else None
+        self._first = FirstRead(stream)
 
     def open(self, position: bytes | None, *, resuming: bool, start: int = 0) -> None:
         """Open the stream (and the rollout's state) where position left them, for step start."""
         data, rollout_state = unpack_position(position)
-        stream = iter(self.dataset.train(self.partition))
-        if data is not None:
-            if isinstance(stream, Resumable):
-                stream.set_state(data)
-            else:
-                warnings.warn(
-                    "The checkpoint holds a data position but the training iterator has no "
-                    "set_state; the stream restarts from its beginning and may replay records.",
-                    stacklevel=3,
-                )
-        elif resuming:
-            warnings.warn(
-                "Resuming from a checkpoint that holds no data position (the training iterator "
-                "had no get_state when it was saved): the stream restarts from its first record, "
-                "so records already trained on will be seen again. Give the iterator get_state and "
-                "set_state, or use a reader built on dew.data.train_stream.",
-                stacklevel=3,
-            )
+        if self._first is None or self._begun != (position, resuming):
+            self._close_stream()
+            self._stream = self._stream_at(data, resuming)
+        stream = self._stream
         if rollout_state is not None:
             if not isinstance(self.rollout, Resumable):
                 raise RolloutStateError(
@@ -189,7 +194,6 @@ class Feed:
                     "set_state; resume with the rollout the run was trained with."
                 )
             self.rollout.set_state(rollout_state)
-        self._stream = stream
         self._step = start
         if self.journal is None and isinstance(self.rollout, Transcribed) and isinstance(self.ledger, RecordLedger):
             # the run directory, process 0's; a rollout that only checks its batch (DPO's) has
@@ -230,9 +234,39 @@ class Feed:
     def close(self) -> None:
         if self._ahead is not None:  # before the stream: the worker may be reading it
             self._ahead.close()
-        close_if_closable(self._stream)
+        self._close_stream()
         if self.ledger is not None:
             self.ledger.close()
+
+    def _stream_at(self, data: bytes | None, resuming: bool) -> Iterator:
+        """The training stream, at data (its start when None)."""
+        stream = iter(self.dataset.train(self.partition))
+        if data is not None:
+            if isinstance(stream, Resumable):
+                stream.set_state(data)
+            else:
+                warnings.warn(
+                    "The checkpoint holds a data position but the training iterator has no "
+                    "set_state; the stream restarts from its beginning and may replay records.",
+                    stacklevel=4,
+                )
+        elif resuming:
+            warnings.warn(
+                "Resuming from a checkpoint that holds no data position (the training iterator "
+                "had no get_state when it was saved): the stream restarts from its first record, "
+                "so records already trained on will be seen again. Give the iterator get_state and "
+                "set_state, or use a reader built on dew.data.train_stream.",
+                stacklevel=4,
+            )
+        return stream
+
+    def _close_stream(self) -> None:
+        """Close the stream (a first batch under way is waited for a while first)."""
+        if self._first is not None:
+            self._first.settle()
+            self._first = None
+        stream, self._stream = self._stream, None
+        close_if_closable(stream)
 
     def next(self, state: TrainState, step: int) -> Fed:
         """The batch of step, rolled out, checked and on the mesh."""
@@ -288,7 +322,10 @@ class Feed:
 
     def _positions(self) -> tuple[bytes | None, bytes | None]:
         """The stream's position and the rollout's state, as they are now."""
-        data = self._stream.get_state() if isinstance(self._stream, Resumable) else None
+        if self._first is not None:  # the first batch is being read on its thread: where it began
+            data = self._before
+        else:
+            data = self._stream.get_state() if isinstance(self._stream, Resumable) else None
         rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
         return data, rollout
 
@@ -325,7 +362,11 @@ class Feed:
     def _more(self) -> Mapping[str, Any]:
         """The stream's next batch (a Refilling rollout reads further ones within a step)."""
         try:
-            batch = next(self._stream)  # type: ignore[arg-type]
+            if self._first is not None:  # begun early: what is left of reading it is waited for here
+                first, self._first = self._first, None
+                batch = first.take()
+            else:
+                batch = next(self._stream)  # type: ignore[arg-type]
         except StopIteration:
             raise RuntimeError(
                 f"The training stream ended at step {self._current}; Dataset.train must yield batches "

@@ -1,0 +1,94 @@
+"""A stream's first batch read on a thread while the fit places its state.
+
+A fit opens its data stream before it places the state (restores it, or
+compiles and runs the initializer), so the stream's start-up (Grain's
+worker processes starting, the first windows tokenized and packed) runs
+beside work the fit does anyway. ``FirstRead`` reads the first batch on a
+thread; the step loop takes it (waiting only for what is left), and an
+error the read raised is raised there, where a user sees a data error.
+
+``closing_on_sigterm`` covers the start-up: a SIGTERM that arrives while
+the state is placed closes the stream (its worker processes end) before
+the signal ends the process, as it did before the stream was open.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import jax
+
+__all__ = ["FirstRead", "closing_on_sigterm"]
+
+_CLOSE_WAIT_SECONDS = 10.0  # how long closing waits for a read under way before closing the stream under it
+
+
+class FirstRead:
+    """The first next() of stream, run on a thread from construction; ``take`` waits for it."""
+
+    def __init__(self, stream: Iterator) -> None:
+        self.started = time.perf_counter()
+        self._stream = stream
+        self._batch: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name="dew-feed-first-batch", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._batch = next(self._stream)
+        except BaseException as error:  # noqa: BLE001 - raised again by take(), in the step loop
+            self._error = error
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def take(self) -> Any:
+        """The first batch, once read (the stream's own error, StopIteration included, if it failed)."""
+        self._thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error.with_traceback(error.__traceback__)
+        batch, self._batch = self._batch, None
+        return batch
+
+    def settle(self, timeout: float = _CLOSE_WAIT_SECONDS) -> None:
+        """Wait (up to timeout) for the read under way, before the stream is closed under it."""
+        self._thread.join(timeout)
+
+
+@contextmanager
+def closing_on_sigterm(close: Callable[[], None]) -> Iterator[None]:
+    """While inside, a SIGTERM calls close, then ends the process by the signal as before.
+
+    Only where SIGTERM would end the process anyway (the default handler, in
+    the main thread of a lone process): a handler someone installed, or a
+    pool's preemption service, is left to do what it does.
+    """
+    installed = (threading.current_thread() is threading.main_thread() and jax.process_count() == 1
+                 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    if not installed:
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            close()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
