@@ -21,11 +21,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-__all__ = ["FirstRead", "closing_on_sigterm"]
+if TYPE_CHECKING:
+    from dew.checkpoints.manager import Checkpoints
+    from dew.training.feed import Feed
+    from dew.training.placement.layout import Placement
+    from dew.training.state import TrainState
+
+__all__ = ["FirstRead", "closing_on_sigterm", "start_placed"]
 
 _CLOSE_WAIT_SECONDS = 10.0  # how long closing waits for a read under way before closing the stream under it
 
@@ -92,3 +98,53 @@ def closing_on_sigterm(close: Callable[[], None]) -> Iterator[None]:
     finally:
         if signal.getsignal(signal.SIGTERM) is on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def start_placed(place: Callable[[], tuple[TrainState, Placement, bytes | None]], feed: Feed,
+                 checkpoints: Checkpoints | None, steps: int, *, overlap: bool = True) -> tuple[TrainState, int]:
+    """The placed state and its step, with feed open for it.
+
+    With overlap, the stream starts before place() runs, so its start-up
+    overlaps the placement. A failure, a SIGTERM, or a fit already at its
+    target step closes the feed here.
+    """
+    try:
+        with closing_on_sigterm(feed.close):  # a SIGTERM while placing ends the stream's workers too
+            if overlap:
+                _begin(feed, checkpoints, steps)
+            state, _, position = place()
+            start = int(jax.device_get(state.step))
+            if start < steps:
+                feed.open(position, resuming=start > 0, start=start)
+                return state, start
+    except BaseException:
+        feed.close()
+        raise
+    feed.close()
+    return state, start
+
+
+def _begin(feed: Feed, checkpoints: Checkpoints | None, steps: int) -> None:
+    """Start the stream where this fit will continue it, before the state is placed.
+
+    The step and position come from the newest checkpoint's manifest (no
+    array is read). A fit already at its target reads no data; when the
+    manifest cannot say or the stream cannot start, nothing starts here and
+    place() and open() raise what they raise; open() opens afresh when the
+    restored position is another (a damaged step fell back to an older one).
+    """
+    latest = None if checkpoints is None else checkpoints.latest
+    position = None
+    try:
+        if checkpoints is not None and latest is not None:
+            if latest >= steps:
+                return
+            # read here, as Checkpoints is: only a run that keeps checkpoints imports them
+            from dew.checkpoints.manifest import Positions
+            from dew.checkpoints.store import read_position
+
+            saved = Positions.model_validate(checkpoints.manifest(latest)["data"])
+            position = read_position(latest, saved, feed.partition)
+        feed.begin(position, resuming=latest is not None)
+    except Exception:  # noqa: BLE001 - raised again where a fit that did not start early raises it
+        feed.close()

@@ -15,7 +15,17 @@ from dew.training.ledger import RecordLedger
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
 
-__all__ = ["ledger_beside", "write_recipe"]
+__all__ = ["claim", "ledger_beside", "write_recipe"]
+
+
+def claim(checkpoints: Checkpoints | None, recipe: Mapping[str, Any] | None) -> None:
+    """Take the run directory before training (a second writer is refused now, not at the first
+    save) and write the recipe there."""
+    if checkpoints is None:
+        return
+    checkpoints.acquire()
+    if recipe is not None:
+        write_recipe(checkpoints, recipe)
 
 
 def write_recipe(checkpoints: Checkpoints, recipe: Mapping[str, Any]) -> None:

@@ -4,9 +4,9 @@ A facade over the engine's parts: the ``Program`` (what a step computes
 and the state it starts from, dew.training.program), the ``Execution``
 (where the state lives and the step runs, chosen once,
 dew.training.execution), the ``Feed`` (stream -> rollout -> check -> shard)
-and the hooks (dew.training.hooks). ``fit`` starts the feed's stream,
-places the state while the stream's first batch is read, opens the feed
-and runs ``steps`` through the hooks (dew.training.loop).
+and the hooks (dew.training.hooks). ``fit`` places the state while the
+feed's first batch is read (dew.training.opening), then runs ``steps``
+through the hooks (dew.training.loop).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from dew.training.evaluation import Evaluator
 from dew.training.execution import CompiledStep, Execution, execution_for
 from dew.training.feed import Feed
 from dew.training.initializers import Initializer
-from dew.training.opening import closing_on_sigterm
+from dew.training.opening import start_placed
 from dew.training.optim import ConfiguredOptimizer, Optimizer
 from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.placement.stages import bank_sites, check_stages
 from dew.training.program import Program, ResumeMismatchError, StepCompositionError
 from dew.training.protocols import Rollout
-from dew.training.rundir import ledger_beside, write_recipe
+from dew.training.rundir import claim, ledger_beside
 from dew.training.start import FrozenTrainedError, Start
 from dew.training.state import TrainState
 from dew.training.step import StepFn
@@ -66,6 +66,8 @@ class Trainer(Generic[Loss, Effects]):
     redacted): the trainer writes it beside its checkpoints (run.json), and
     the run's RunStarted record carries it to the trackers.
     """
+
+    _overlap_start = True  # the stream starts while the state is placed (False: the old order, a baseline)
 
     def __init__(self, objective: Objective[Loss, Effects], optimizer: Optimizer, *, key: jax.Array,
                  mesh: MeshSpec = MeshSpec(), layout: Layout = Layout(), accumulation: int = 1,
@@ -172,15 +174,12 @@ class Trainer(Generic[Loss, Effects]):
                             dynamic_scale=self.dynamic_scale, schedule=schedule)
         if jax.process_index() == 0:
             check_directories(self.tracker)  # a tracker opens its files at the first value, after steps
-        if self.checkpoints is not None:
-            self.checkpoints.acquire()  # refuse a second writer before training, not at the first save
-            if self.recipe is not None:
-                write_recipe(self.checkpoints, self.recipe)
+        claim(self.checkpoints, self.recipe)  # a second writer is refused before training
         feed = Feed(dataset, self.device_mesh, data_partition(self.device_mesh),
                     required=tuple(self.objective.required_keys()), rollout=self.rollout,
                     ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
                     ledger=ledger_beside(self.checkpoints))
-        state, start = self._start(feed, steps)
+        state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
         if start >= steps:
             return state
         reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
@@ -198,51 +197,3 @@ class Trainer(Generic[Loss, Effects]):
         finally:
             feed.close()
         return state
-
-    def _start(self, feed: Feed, steps: int) -> tuple[TrainState, int]:
-        """The placed state and its step, with feed open for it: its stream started before placing, so
-        its start-up overlaps the placement. A failure, a SIGTERM, or a fit already at its target
-        closes the feed here."""
-        try:
-            with closing_on_sigterm(feed.close):  # a SIGTERM while placing ends the stream's workers too
-                if self._overlap_start:
-                    self._begin(feed, steps)
-                state, _, position = self.place()
-                start = int(jax.device_get(state.step))
-                if start < steps:
-                    feed.open(position, resuming=start > 0, start=start)
-                    return state, start
-        except BaseException:
-            feed.close()
-            raise
-        feed.close()
-        return state, start
-
-    _overlap_start = True  # the stream starts while the state is placed (False: the old order, a baseline)
-
-    def _begin(self, feed: Feed, steps: int) -> None:
-        """Start the stream where this fit will continue it, before place(), so its start-up (worker
-        processes, the first batch) overlaps the placement.
-
-        The step and position come from the newest checkpoint's manifest (no
-        array is read). A fit already at its target reads no data; when the
-        manifest cannot say or the stream cannot start, nothing starts here and
-        place() and open() raise what they raise; open() opens afresh when the
-        restored position is another (a damaged step fell back to an older one).
-        """
-        checkpoints = self.checkpoints
-        latest = None if checkpoints is None else checkpoints.latest
-        position = None
-        try:
-            if checkpoints is not None and latest is not None:
-                if latest >= steps:
-                    return
-                # read here, as Checkpoints is: only a run that keeps checkpoints imports them
-                from dew.checkpoints.manifest import Positions
-                from dew.checkpoints.store import read_position
-
-                saved = Positions.model_validate(checkpoints.manifest(latest)["data"])
-                position = read_position(latest, saved, feed.partition)
-            feed.begin(position, resuming=latest is not None)
-        except Exception:  # noqa: BLE001 - raised again where a fit that did not start early raises it
-            feed.close()
