@@ -79,7 +79,7 @@ class Mean:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Mean: ...
+        def replace(self, **changes: object) -> Mean: ...
 
     total: jax.Array
     count: jax.Array
@@ -112,7 +112,7 @@ class Aux:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Aux: ...
+        def replace(self, **changes: object) -> Aux: ...
 
     metrics: Mapping[str, Any] = field(default_factory=dict)
     updates: Variables | None = None
@@ -128,7 +128,7 @@ class Step:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Step: ...
+        def replace(self, **changes: object) -> Step: ...
 
     step: jax.Array
     microstep: jax.Array

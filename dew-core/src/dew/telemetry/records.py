@@ -34,7 +34,8 @@ __all__ = [
 class Record(Protocol):
     """What a tracker needs from a record: its type name and its JSON form."""
 
-    type: str
+    @property
+    def type(self) -> str: ...  # a class's name for its records (a ClassVar on dew's own)
 
     def to_json(self) -> dict[str, Any]: ...
 
