@@ -132,7 +132,7 @@ class TextGeneration(Pipeline):
         shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))
         return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
 
-    def usage(self, run: Any) -> str:
+    def usage(self, run: object) -> str:
         return f"dew generate {run} PROMPT"
 
     def pretrained(self) -> Any:
