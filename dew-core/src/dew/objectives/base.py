@@ -317,8 +317,8 @@ class Objective(Generic[Loss, Effects]):
             outputs[name] = value if isinstance(value, Mean) else Mean(jnp.sum(value), jnp.asarray(jnp.size(value), jnp.float32))
         return outputs
 
-    def preview(self, variables: Variables, key: jax.Array) -> Artifact | None:
-        """A sample to show a person (an Artifact), or None."""
+    def preview(self, variables: Variables, key: jax.Array) -> Artifact | Sequence[Artifact] | None:
+        """A sample to show a person (an Artifact, or several), or None."""
         return None
 
     def metrics(self) -> Sequence[Metric]:

@@ -184,7 +184,7 @@ class RewardScoring(Pipeline):
     def __init__(self, objective: RewardModelObjective, variables: Variables) -> None:
         self.objective = objective
         self.variables = variables
-        self.max_length = int(getattr(objective.model, "max_seq_len", objective.seq_len))
+        self.max_length = int(getattr(objective.model, "max_seq_len", objective.seq_len))  # any flax Module
 
     accepts: ClassVar[str] = "one or more texts to score"
 
