@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
@@ -39,6 +39,12 @@ from dew.objectives.inference import (
 )
 from dew.sampling.generate import Generation, generate
 from dew.sampling.options import Sampling
+
+if TYPE_CHECKING:
+    from flax.linen import Module
+
+    from dew.pretrained.model import Pretrained as PretrainedModel
+    from dew.typing import PyTree
 
 __all__ = ["TextGeneration"]
 
@@ -60,8 +66,8 @@ class TextGeneration(Pipeline):
     by the generation engine (dew.sampling.Engine).
     """
 
-    model: Any
-    variables: Mapping[str, Any]
+    model: Module
+    variables: Mapping[str, PyTree]
     tokenizer: Any
     sampling: Sampling = Sampling(temperature=0.0)
     stop_token: int | None = None
@@ -135,7 +141,7 @@ class TextGeneration(Pipeline):
     def usage(self, run: object) -> str:
         return f"dew generate {run} PROMPT"
 
-    def pretrained(self) -> Any:
+    def pretrained(self) -> PretrainedModel:
         """The model, its variables and tokenizer, as Pretrained.save writes them."""
         from dew.pretrained import Pretrained
 
