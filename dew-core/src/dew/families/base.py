@@ -334,7 +334,7 @@ def for_config(config: Mapping[str, Any]) -> Family:
 
 def of_model(model: Module) -> Family:
     """The family model is written as: its ``family`` field, or Llama when it names none."""
-    return family(getattr(model, "family", None) or DEFAULT)
+    return family(getattr(model, "family", None) or DEFAULT)  # any flax Module: dew's decoders name theirs
 
 
 def builder(name: str) -> Callable[..., Any]:

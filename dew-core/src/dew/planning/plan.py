@@ -176,7 +176,7 @@ def _leaf_table(state: Any, batch: Mapping[str, Any], frozen: Any) -> list[LeafB
 
     table = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        field_name = str(getattr(path[0], "name", path[0]))
+        field_name = str(getattr(path[0], "name", path[0]))  # a JAX key entry: attribute ones have names
         category = _category(field_name, _keys(path[1:]), leaf, frozen)
         sharding = leaf.sharding
         table.append(LeafBytes(jax.tree_util.keystr(path), category, tuple(leaf.shape), str(leaf.dtype),

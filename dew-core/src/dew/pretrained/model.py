@@ -309,7 +309,7 @@ class Pretrained:
     def _token_ids(self) -> dict[str, Any]:
         """config.json's special-token ids: those the source directory had, else the tokenizer's eos."""
         ids: dict[str, Any] = {}
-        eos = getattr(self.tokenizer, "eos_id", None)
+        eos = getattr(self.tokenizer, "eos_id", None)  # any tokenizer: it may have none
         if eos is not None:
             ids["eos_token_id"] = int(eos)
         if self.tokenizer_files is not None:

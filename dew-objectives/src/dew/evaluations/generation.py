@@ -123,7 +123,7 @@ class GenerationTask:
         problems = self.problems()
         partition = data_partition(task_mesh(mesh))
         tokenizer = subject.tokenizer
-        eos: Any = getattr(tokenizer, "eos_id", None)
+        eos: Any = getattr(tokenizer, "eos_id", None)  # any tokenizer: it may have none
         prompts = [list(tokenizer.encode(p.prompt)) or [int(eos)] for p in problems]
         out: dict[int, str] = {}
         for mine in share_rows(len(problems), max(self.batch, partition.shares), partition):

@@ -148,7 +148,7 @@ class MultipleChoice:
             raise TaskFileError("MultipleChoice needs the run's tokenizer to turn choices into ids; the "
                                 "run's data reader or export supplies one.")
         questions = self.questions()
-        window = getattr(subject.model, "max_seq_len", None)
+        window = getattr(subject.model, "max_seq_len", None)  # any flax Module: unbounded if it has none
         rows = self.rows(subject.tokenizer, None if window is None else window + 1)
         sums = loglikelihoods(subject.model, subject.variables, [(r.ids, r.scored) for r in rows],
                               batch=self.batch, mesh=mesh)

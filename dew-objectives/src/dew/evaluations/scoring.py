@@ -48,7 +48,7 @@ def _scorer(model: Any, mesh: Mesh) -> Callable:
     if key not in _COMPILED:
         if len(_COMPILED) >= _KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
-        routed = bool(getattr(model, "experts", 0))
+        routed = bool(getattr(model, "experts", 0))  # any flax Module: only MoE families route
 
         def score(variables: Mapping[str, Any], tokens: jax.Array, mask: jax.Array) -> jax.Array:
             params = {k: v for k, v in variables.items() if k not in ("cache", MOE_COLLECTION)}

@@ -94,7 +94,7 @@ class Engine:
         self.model = model
         self.config = config
         self.detokenize = detokenize
-        limit = config.max_len or getattr(model, "max_seq_len", None)
+        limit = config.max_len or getattr(model, "max_seq_len", None)  # any flax Module: unbounded if it has none
         if limit is None:
             raise EngineConfigError(f"{type(model).__name__} has no max_seq_len; give "
                                     "EngineConfig.max_len.")

@@ -89,7 +89,7 @@ class TextGeneration(Pipeline):
     @property
     def stop(self) -> int | None:
         """The id that ends a continuation: stop_token, else the tokenizer's end-of-document id."""
-        return self.stop_token if self.stop_token is not None else getattr(self.tokenizer, "eos_id", None)
+        return self.stop_token if self.stop_token is not None else getattr(self.tokenizer, "eos_id", None)  # any tokenizer: it may have none
 
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
@@ -132,7 +132,7 @@ class TextGeneration(Pipeline):
                  if getattr(request, name) is not None}  # greedy unless a temperature is given
         sampling = Sampling(**{"temperature": 0.0, **given})
         longest = max(len(self.tokenizer.encode(prompt)) for prompt in request.inputs)
-        room = getattr(self.model, "max_seq_len", longest + 64) - longest
+        room = getattr(self.model, "max_seq_len", longest + 64) - longest  # any flax Module
         texts = self(prompts, max_new_tokens=request.max_new_tokens or max(min(64, room), 0),
                      sampling=sampling, key=jax.random.key(request.seed), stop=request.stop)
         shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))

@@ -49,7 +49,7 @@ def model_variables(params: Mapping[str, PyTree]) -> dict[str, PyTree]:
 def mesh_of(tree: PyTree) -> jax.sharding.Mesh | None:
     """The mesh of the first leaf of tree placed on more than one device, if any."""
     for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
+        sharding = getattr(leaf, "sharding", None)  # any leaf: only placed arrays have one
         if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
             return cast(jax.sharding.Mesh, sharding.mesh)  # a placed array's mesh is concrete
     return None
