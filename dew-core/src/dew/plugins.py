@@ -43,11 +43,16 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from dew.training.evaluation import Evaluation
+    from dew.training.state import TrainState
+    from dew.training.trainer import Trainer
 
 __all__ = [
     "AUTOLOAD_VARIABLE",
@@ -124,19 +129,19 @@ class Hooks:
     """
 
     @hookspec
-    def dew_run_start(self, trainer: Any, start: int, steps: int) -> None:
+    def dew_run_start(self, trainer: Trainer, start: int, steps: int) -> None:
         """The trainer is about to run; start is the first step (after a resume) and
         steps the step count fit() trains to."""
 
     @hookspec
-    def dew_step_end(self, step: int, metrics: Mapping[str, float]) -> Any:
+    def dew_step_end(self, step: int, metrics: Mapping[str, float]) -> StepContribution | Mapping[str, float] | None:
         """A log step finished; metrics holds the scalars the host read for it.
 
         Return None, a mapping of further scalars to log with them, or a
         StepContribution (scalars, and stop=True to end the run at this step)."""
 
     @hookspec
-    def dew_evaluation(self, step: int, evaluation: Any) -> None:
+    def dew_evaluation(self, step: int, evaluation: Evaluation) -> None:
         """The validation split was scored at step; evaluation is the trainer's
         Evaluation result (its reduced metrics and artifacts)."""
 
@@ -149,7 +154,7 @@ class Hooks:
         """A preemption notice stopped the run at step, after its state was saved."""
 
     @hookspec
-    def dew_run_end(self, step: int, state: Any) -> None:
+    def dew_run_end(self, step: int, state: TrainState) -> None:
         """fit() finished at step; state is the final TrainState."""
 
 

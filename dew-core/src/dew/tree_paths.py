@@ -13,14 +13,14 @@ everywhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-__all__ = ["path_name"]
+__all__ = ["key_name", "path_name"]
 
 
-def _part(entry: Any) -> str:
+def key_name(entry: object) -> str:
+    """One step of a key path as its name: a key, an index or an attribute's name."""
     if isinstance(entry, DictKey | FlattenedIndexKey):
         return str(entry.key)
     if isinstance(entry, GetAttrKey):
@@ -30,6 +30,6 @@ def _part(entry: Any) -> str:
     return str(entry)
 
 
-def path_name(path: Sequence[Any]) -> str:
+def path_name(path: Sequence[object]) -> str:
     """A tree path (``tree_flatten_with_path``'s keys) as the ``/``-joined name globs match."""
-    return "/".join(_part(entry) for entry in path)
+    return "/".join(key_name(entry) for entry in path)

@@ -27,13 +27,18 @@ from typing import TYPE_CHECKING, Any, Literal
 from dew.errors import DewError
 from dew.nn.sharding import LAYERS
 from dew.objectives.base import Aux, Batch, Mean, Metric, Objective, Step, Variables
+from dew.typing import PyTree
 
 if TYPE_CHECKING:
     import jax
     import numpy as np
+    from flax.linen import Module
 
+    from dew.objectives.inference import Pipeline
+    from dew.telemetry.artifacts import Artifact
     from dew.training.initializers import Initializer, WeightSource
     from dew.training.protocols import Rollout
+    from dew.training.state import TrainState
 
 __all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "apply_lora", "base_digest", "base_model", "base_shapes",
            "is_adapter", "merge_lora", "with_base"]
@@ -60,7 +65,7 @@ class LoraError(DewError, ValueError):
     """A LoRA spec that cannot be applied to this model."""
 
 
-def is_adapter(path: tuple[str, ...], leaf: Any) -> bool:
+def is_adapter(path: tuple[str, ...], leaf: PyTree) -> bool:
     """Whether a variables-tree path names a LoRA adapter (A or B) qwix created."""
     return bool(path) and path[-1].endswith(ADAPTER_SUFFIXES)
 
@@ -114,13 +119,13 @@ class Lora:
         return tuple(PRESETS.get(target, target) for target in self.targets)
 
 
-def _weights(variables: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+def _weights(variables: Mapping[str, PyTree]) -> dict[str, tuple[int, ...]]:
     """Every parameter's "module/param" path and shape."""
     import numpy as np
 
     out: dict[str, tuple[int, ...]] = {}
 
-    def walk(tree: Mapping[str, Any], prefix: str) -> None:
+    def walk(tree: Mapping[str, PyTree], prefix: str) -> None:
         for key, value in tree.items():
             path = f"{prefix}/{key}" if prefix else str(key)
             if isinstance(value, Mapping):
@@ -132,7 +137,7 @@ def _weights(variables: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def selected(spec: Lora, variables: Mapping[str, Any],
+def selected(spec: Lora, variables: Mapping[str, PyTree],
              patterns: tuple[str, ...] | None = None) -> dict[str, tuple[int, ...]]:
     """The weights spec adapts in a model of these variables; refuses an idle pattern or a too-large rank.
 
@@ -168,7 +173,7 @@ def selected(spec: Lora, variables: Mapping[str, Any],
     return chosen
 
 
-def _is_expert_weight(path: str, weights: Mapping[str, Any]) -> bool:
+def _is_expert_weight(path: str, weights: Mapping[str, PyTree]) -> bool:
     """Whether path ("module/param") is a routed-experts block's stacked [E, in, out] weight."""
     from dew.nn.experts import EXPERT_WEIGHTS
 
@@ -183,7 +188,7 @@ def _prod(shape: tuple[int, ...]) -> int:
     return out
 
 
-def apply_lora(model: Any, spec: Lora) -> Any:
+def apply_lora(model: Module, spec: Lora) -> Module:
     """model with low-rank adapters on the weights spec targets.
 
     ``init`` returns the base model's variables plus the adapters (A drawn
@@ -222,13 +227,13 @@ def apply_lora(model: Any, spec: Lora) -> Any:
     return wrapped
 
 
-def base_model(model: Any) -> Any:
+def base_model(model: Module) -> Module:
     """The model apply_lora wrapped (model itself when it wraps nothing)."""
     held = getattr(type(model), "dew_base_model", None)  # any flax Module: only apply_lora's has it
     return model if held is None else held[0]
 
 
-def _digest_part(entry: Any) -> Any:
+def _digest_part(entry: object) -> object:
     """A path entry as the base digest names it: a key or an attribute's name, else the entry."""
     import jax
 
@@ -237,25 +242,25 @@ def _digest_part(entry: Any) -> Any:
     return entry.name if isinstance(entry, jax.tree_util.GetAttrKey) else entry
 
 
-def _unbox(leaf: Any) -> Any:
+def _unbox(leaf: PyTree) -> PyTree:
     from flax.core import meta
 
     return leaf.unbox() if isinstance(leaf, meta.AxisMetadata) else leaf
 
 
-def _unbox_tree(tree: Any) -> Any:
+def _unbox_tree(tree: PyTree) -> PyTree:
     import flax.linen as nn
 
     return nn.meta.unbox(tree)
 
 
-def _is_quantized(leaf: Any) -> bool:
+def _is_quantized(leaf: object) -> bool:
     """Whether leaf is a weight qwix holds quantized (its WithAux: codes, scales, how)."""
     # qwix is an optional dependency, so its class is matched by name and shape, not imported.
     return type(leaf).__name__ == "WithAux" and getattr(leaf, "how", None) is not None
 
 
-def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
+def _base_leaf(fresh: PyTree, given: PyTree, path: str) -> PyTree:
     """given in the form fresh has: quantized as fresh's is (QLoRA), else as it is."""
     if _is_quantized(given) or not _is_quantized(fresh):
         if not _is_quantized(given) and tuple(given.shape) != tuple(_unbox(fresh).shape):
@@ -266,7 +271,7 @@ def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
     import jax.numpy as jnp
     from qwix._src.core import qarray
 
-    def quantize(weight: Any) -> Any:
+    def quantize(weight: PyTree) -> PyTree:
         return qarray.quantize(weight, fresh.how)
 
     if LAYERS in path.split("/"):  # a scanned stack: fresh.how is one layer's, so quantize each
@@ -274,7 +279,7 @@ def _base_leaf(fresh: Any, given: Any, path: str) -> Any:
     return bytewise(fresh.replace(array=quantize(jnp.asarray(given).reshape(fresh.shape))))
 
 
-def bytewise(tree: Any) -> Any:
+def bytewise(tree: PyTree) -> PyTree:
     """tree with 4-bit codes (nf4) held one per byte, as uint8.
 
     XLA on the CPU lays a uint4 array out packed inside a compiled step but
@@ -288,7 +293,7 @@ def bytewise(tree: Any) -> Any:
     import jax.numpy as jnp
     from flax.core import meta
 
-    def widen(leaf: Any) -> Any:
+    def widen(leaf: PyTree) -> PyTree:
         if not _is_quantized(leaf):
             return leaf
         codes = leaf.array.qvalue
@@ -302,7 +307,7 @@ def bytewise(tree: Any) -> Any:
     return jax.tree.map(widen, tree, is_leaf=_is_quantized)
 
 
-def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+def with_base(fresh: Mapping[str, PyTree], given: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """fresh (an adapted model's variables) with every base weight taken from given.
 
     given is a base model's variables (no adapters: a Pretrained directory,
@@ -318,9 +323,9 @@ def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, A
     given = nn.meta.unbox(given)
     missing: list[str] = []
 
-    def walk(tree: Mapping[str, Any], other: Any, prefix: str) -> dict[str, Any]:
+    def walk(tree: Mapping[str, PyTree], other: PyTree, prefix: str) -> dict[str, PyTree]:
         other = other if isinstance(other, Mapping) else {}
-        out: dict[str, Any] = {}
+        out: dict[str, PyTree] = {}
         for key, value in tree.items():
             path = f"{prefix}/{key}" if prefix else str(key)
             if isinstance(value, Mapping):
@@ -350,13 +355,13 @@ def with_base(fresh: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, A
     return {**fresh, **merged}
 
 
-def base_shapes(abstract: Mapping[str, Any]) -> dict[str, Any]:
+def base_shapes(abstract: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """abstract (an adapted model's variables) as the base model's: no adapters, weights in float."""
     import flax.linen as nn
     import jax
 
-    def walk(tree: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def walk(tree: Mapping[str, PyTree]) -> dict[str, PyTree]:
+        out: dict[str, PyTree] = {}
         for key, value in tree.items():
             if isinstance(value, Mapping):
                 out[key] = walk(value)
@@ -380,13 +385,13 @@ class BaseWeights:
     base).
     """
 
-    source: Callable[[Any], Any]
+    source: Callable[[Variables], Variables]
 
-    def __call__(self, abstract: Mapping[str, Any]) -> Any:
+    def __call__(self, abstract: Variables) -> Variables:
         return self.source(base_shapes(abstract))
 
 
-def base_digest(variables: Mapping[str, Any]) -> str:
+def base_digest(variables: Mapping[str, PyTree]) -> str:
     """A sha256 of the base weights (every parameter but the adapters): paths, dtypes, shapes, bytes.
 
     Stored with exported adapters, so that adapters are never put onto a
@@ -426,7 +431,7 @@ class _AdaptersOnly(Objective):
         self.inner = inner
         also = inner.frozen
 
-        def frozen(path: tuple[str, ...], leaf: Any) -> bool:
+        def frozen(path: tuple[str, ...], leaf: PyTree) -> bool:
             return not is_adapter(path, leaf) or (also is not None and bool(also(path, leaf)))
 
         self.frozen = frozen
@@ -449,7 +454,7 @@ class _AdaptersOnly(Objective):
             return variables
         import jax.numpy as jnp
 
-        def zeroed(tree: Mapping[str, Any]) -> dict[str, Any]:
+        def zeroed(tree: Mapping[str, PyTree]) -> dict[str, PyTree]:
             return {key: zeroed(value) if isinstance(value, Mapping)
                     else jnp.zeros_like(value) if str(key).endswith("_lora_b") else value
                     for key, value in tree.items()}
@@ -464,11 +469,11 @@ class _AdaptersOnly(Objective):
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         return self.inner.loss(self._with_reference(variables), batch, step)
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         return self.inner.evaluate(self._with_reference(variables), batch, step)
 
     # -- the rest of what an objective declares is inner's ----------------------------------
-    def preview(self, variables: Variables, key: jax.Array) -> Any:  # an Artifact, or None
+    def preview(self, variables: Variables, key: jax.Array) -> Artifact | Sequence[Artifact] | None:
         return self.inner.preview(variables, key)
 
     def required_keys(self) -> Sequence[str]:
@@ -477,10 +482,10 @@ class _AdaptersOnly(Objective):
     def check_batch(self, batch: Mapping[str, np.ndarray], step: int) -> None:
         self.inner.check_batch(batch, step)
 
-    def tokens(self, batch: Mapping[str, Any]) -> int | None:
+    def tokens(self, batch: Mapping[str, jax.ShapeDtypeStruct]) -> int | None:
         return self.inner.tokens(batch)
 
-    def flops(self, batch: Mapping[str, Any]) -> float | None:
+    def flops(self, batch: Mapping[str, jax.ShapeDtypeStruct]) -> float | None:
         return self.inner.flops(batch)
 
     def rollout(self) -> Rollout | None:
@@ -492,7 +497,7 @@ class _AdaptersOnly(Objective):
     def metrics(self) -> Sequence[Metric]:
         return self.inner.metrics()
 
-    def pipeline(self, state: Any, **options: Any) -> Any:
+    def pipeline(self, state: TrainState | Variables, **options: Any) -> Pipeline:
         return self.inner.pipeline(state, **options)
 
     @property
@@ -517,7 +522,7 @@ def adapters_only(objective: Objective) -> Objective:
     return _AdaptersOnly(objective)
 
 
-def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
+def merge_lora(variables: Mapping[str, PyTree], spec: Lora) -> dict[str, PyTree]:
     """The base model's variables with each adapter's product added into its weight.
 
     The result has the base model's tree (no adapters), so the plain model
@@ -538,8 +543,8 @@ def merge_lora(variables: Mapping[str, Any], spec: Lora) -> dict[str, Any]:
 
     scale = spec.alpha / spec.rank
 
-    def merge(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def merge(tree: Mapping[str, PyTree], prefix: str) -> dict[str, PyTree]:
+        out: dict[str, PyTree] = {}
         for key, value in tree.items():
             if isinstance(value, Mapping):
                 out[key] = merge(value, f"{prefix}/{key}")

@@ -27,21 +27,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dew.nn.sharding import LAYERS
+
+if TYPE_CHECKING:
+    from flax.linen import Module
+
+    from dew.adapters.lora import Lora
+    from dew.typing import PyTree
 
 __all__ = ["is_scanned", "laid_out_as", "stacked_patterns", "stacked_width_shape", "unstack_tree"]
 
 _NUMBERED = re.compile(rf"{LAYERS}_(\d+)(/.*)?")
 
 
-def is_scanned(model: Any) -> bool:
+def is_scanned(model: Module) -> bool:
     """Whether model keeps its layers as one scanned stack (dew's ``scan_layers`` option)."""
     return bool(getattr(model, "scan_layers", False))  # any flax Module: only dew's decoders scan
 
 
-def _module_paths(model: Any) -> list[str]:
+def _module_paths(model: Module) -> list[str]:
     """The module paths holding parameters in model (a CausalTransformer-like token model)."""
     import flax.linen as nn
     import jax
@@ -54,7 +60,7 @@ def _module_paths(model: Any) -> list[str]:
     return sorted({path.rsplit("/", 1)[0] for path in _weights(abstract) if "/" in path})
 
 
-def stacked_patterns(model: Any, spec: Any) -> tuple[str, ...]:
+def stacked_patterns(model: Module, spec: Lora) -> tuple[str, ...]:
     """spec's targets as exact module paths of model's scanned stack (and of its other modules).
 
     A pattern may name the numbered layers (``.*layers_\\d+/attention``, the
@@ -99,7 +105,7 @@ def stacked_width_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[1:] if path.split("/", 1)[0] == LAYERS else shape
 
 
-def unstack_tree(params: Mapping[str, Any]) -> dict[str, Any]:
+def unstack_tree(params: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """params with a scanned stack (``layers``) split into numbered layers; params as they are without one.
 
     The count is the stack's leading dimension, so this needs no model;
@@ -116,7 +122,7 @@ def unstack_tree(params: Mapping[str, Any]) -> dict[str, Any]:
     return unstack_layers(params, int(leaves[0].shape[0]) if leaves else 0)
 
 
-def laid_out_as(given: Mapping[str, Any], fresh: Mapping[str, Any]) -> dict[str, Any]:
+def laid_out_as(given: Mapping[str, PyTree], fresh: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """given (a params tree) with its layers stacked or numbered as fresh's are.
 
     A base written by a numbered model (a Hugging Face directory, a run

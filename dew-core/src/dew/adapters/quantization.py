@@ -11,9 +11,12 @@ the quantized model. qwix is imported only here, when a model is wrapped
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from flax.linen import Module
 
 __all__ = ["Quantization", "QuantizationError", "apply_quantization"]
 
@@ -67,7 +70,7 @@ class Quantization:
         )
 
 
-def apply_quantization(model: Any, spec: Quantization) -> Any:
+def apply_quantization(model: Module, spec: Quantization) -> Module:
     """model, wrapped so the matmuls spec selects train in spec's dtypes.
 
     The wrapped module's ``init`` and ``apply`` take the same inputs and

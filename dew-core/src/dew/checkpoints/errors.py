@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from dew.checkpoints.lease import Holder
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -82,7 +85,7 @@ class CheckpointTreeMismatchError(CheckpointError, ValueError):
 class CheckpointLeaseHeldError(CheckpointError):
     """Another process holds the writer's lease of the directory."""
 
-    def __init__(self, directory: object, lease: object, holder: Any) -> None:
+    def __init__(self, directory: object, lease: object, holder: Holder | None) -> None:
         self.directory = str(directory)
         self.holder = holder
         who = holder.describe() if holder is not None else "a process whose lease file cannot be read"
@@ -96,7 +99,7 @@ class CheckpointLeaseHeldError(CheckpointError):
 class CheckpointMetaMismatchError(CheckpointError, ValueError):
     """A configuration field saved with the checkpoint differs from the current one."""
 
-    def __init__(self, step: int, fields: Mapping[str, tuple[Any, Any]]) -> None:
+    def __init__(self, step: int, fields: Mapping[str, tuple[object, object]]) -> None:
         self.step = step
         self.fields = dict(fields)
         shown = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, (old, new) in self.fields.items())
@@ -135,7 +138,7 @@ class CheckpointDirectoryNotSharedError(CheckpointError):
         )
 
 
-def require_same_meta(step: int, saved: Mapping[str, Any], current: Mapping[str, Any],
+def require_same_meta(step: int, saved: Mapping[str, object], current: Mapping[str, object],
                       fields: Sequence[str] | None = None) -> None:
     """Raise CheckpointMetaMismatchError naming every field whose saved value differs.
 

@@ -23,15 +23,21 @@ from __future__ import annotations
 import hashlib
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Sharding
+
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.checkpoints.store import Location
 
 __all__ = [
     "COMMIT_FILES", "MANIFEST", "compare_leaves", "compare_nodes", "digest_leaves", "digests_as_lists", "file_table",
@@ -94,21 +100,21 @@ def _digest_all(leaves: Sequence[jax.Array]) -> jax.Array:
 
 
 # Digest programs compiled ahead (prepare_digests), by the leaves' shapes, dtypes and shardings.
-_PREPARED: dict[tuple[Any, ...], Future[Any]] = {}
+_PREPARED: dict[tuple[Hashable, ...], Future[jax.stages.Compiled]] = {}
 _PREPARED_LIMIT = 8
 _prepared_lock = threading.Lock()
 
 
-def sharding_of(leaf: Any) -> Any:
+def sharding_of(leaf: object) -> Sharding | None:
     """A leaf's sharding: an array's, or a restore template's (None for a host array)."""
     return leaf.sharding if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) else None
 
 
-def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+def _signature(leaves: Sequence[jax.Array | np.ndarray | jax.ShapeDtypeStruct]) -> tuple[Hashable, ...]:
     return tuple((tuple(leaf.shape), np.dtype(leaf.dtype).str, sharding_of(leaf)) for leaf in leaves)
 
 
-def prepare_digests(leaves: Sequence[Any]) -> None:
+def prepare_digests(leaves: Sequence[jax.Array | jax.ShapeDtypeStruct]) -> None:
     """Compile the digest program for leaves shaped like these on a background thread.
 
     Compiling it costs about a second of CPU, which the first save would
@@ -128,7 +134,7 @@ def prepare_digests(leaves: Sequence[Any]) -> None:
             return
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.pop(next(iter(_PREPARED)))
-        future: Future[Any] = Future()
+        future: Future[jax.stages.Compiled] = Future()
         _PREPARED[key] = future
     specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding_of(leaf)) for leaf in leaves]
 
@@ -145,8 +151,7 @@ def _in_device_memory(leaf: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
     """leaf, copied to device memory if it sits in host memory (Layout.host): XLA computes
     only on operands in one memory space."""
     sharding = sharding_of(leaf)
-    kind = None if sharding is None else sharding.memory_kind
-    if kind is None or kind == "device":
+    if sharding is None or sharding.memory_kind is None or sharding.memory_kind == "device":
         return leaf
     return jax.device_put(leaf, sharding.with_memory_kind("device"))
 
@@ -166,7 +171,7 @@ def digest_leaves(leaves: Sequence[jax.Array | np.ndarray]) -> jax.Array:
     return _digest_all(leaves)
 
 
-def leaf_table(state: Any) -> list[dict[str, Any]]:
+def leaf_table(state: PyTree) -> list[dict[str, Any]]:
     """Path, shape and dtype of every leaf, in flattening order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     for path, leaf in flat:
@@ -183,7 +188,7 @@ FILE_HASH = "crc32"  # what new manifests record; "sha256" is read in older ones
 _NAMES = {"crc32": "CRC-32", "sha256": "SHA-256"}
 
 
-def _checksum(path: Any, algorithm: str = FILE_HASH) -> str:
+def _checksum(path: Location, algorithm: str = FILE_HASH) -> str:
     """The file's checksum as hex (zlib and hashlib release the GIL on large chunks)."""
     with path.open("rb") as handle:
         if algorithm == "crc32":
@@ -197,7 +202,7 @@ def _checksum(path: Any, algorithm: str = FILE_HASH) -> str:
         return digest.hexdigest()
 
 
-def _files(root: Any) -> list[Any]:
+def _files(root: Location) -> list[Location]:
     found = []
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
         if entry.is_dir():
@@ -207,9 +212,9 @@ def _files(root: Any) -> list[Any]:
     return found
 
 
-def file_table(step_directory: Any) -> dict[str, list[Any]]:
+def file_table(step_directory: Location) -> dict[str, list[int | str]]:
     """Size and checksum (FILE_HASH) of every file under step_directory, by relative path."""
-    table: dict[str, list[Any]] = {}
+    table: dict[str, list[int | str]] = {}
     for file in _files(step_directory):
         relative = str(PurePosixPath(*file.parts[len(step_directory.parts):]))
         if relative in COMMIT_FILES or relative == MANIFEST:
@@ -218,7 +223,7 @@ def file_table(step_directory: Any) -> dict[str, list[Any]]:
     return table
 
 
-def verify_sizes(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tuple[str, str] | None:
+def verify_sizes(step_directory: Location, table: Mapping[str, Sequence[int | str]]) -> tuple[str, str] | None:
     """The first (file, what is wrong) whose presence or size disagrees with table (no file is read)."""
     for name in COMMIT_FILES:
         if not (step_directory / name).exists():
@@ -233,11 +238,11 @@ def verify_sizes(step_directory: Any, table: Mapping[str, Sequence[Any]]) -> tup
     return None
 
 
-def _algorithm_of(recorded: Any) -> str:
+def _algorithm_of(recorded: object) -> str:
     return "sha256" if isinstance(recorded, str) and len(recorded) == 64 else "crc32"
 
 
-def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
+def start_hashing(step_directory: Location, table: Mapping[str, Sequence[int | str]],
                   pool: ThreadPoolExecutor | None = None,
                   algorithm: str | None = None) -> Callable[[], tuple[str, str] | None]:
     """Hash table's files on pool's threads; the returned call waits and names the first bad file.
@@ -277,7 +282,7 @@ def start_hashing(step_directory: Any, table: Mapping[str, Sequence[Any]],
     return finish
 
 
-def verify_files(step_directory: Any, table: Mapping[str, Sequence[Any]],
+def verify_files(step_directory: Location, table: Mapping[str, Sequence[int | str]],
                  algorithm: str | None = None) -> tuple[str, str] | None:
     """The first (file, what is wrong) that disagrees with table, or None when all agree."""
     return verify_sizes(step_directory, table) or start_hashing(step_directory, table, algorithm=algorithm)()
@@ -298,7 +303,7 @@ def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mappin
     return sorted(differences)
 
 
-def _children(tree: Any) -> list[tuple[Any, Any]] | None:
+def _children(tree: PyTree) -> list[tuple[Hashable, PyTree]] | None:
     """tree's immediate (key, child) pairs, or None when tree is a leaf."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
     if len(pairs) == 1 and pairs[0][0] == () and pairs[0][1] is tree:
@@ -306,7 +311,7 @@ def _children(tree: Any) -> list[tuple[Any, Any]] | None:
     return [(path[0], child) for path, child in pairs]
 
 
-def node_table(tree: Any) -> list[dict[str, Any]]:
+def node_table(tree: PyTree) -> list[dict[str, Any]]:
     """Path, type name and child count of every interior node (None and empty nodes included).
 
     Two trees with the same leaves can still differ here: optax's adam and
@@ -314,7 +319,7 @@ def node_table(tree: Any) -> list[dict[str, Any]]:
     """
     table: list[dict[str, Any]] = []
 
-    def walk(node: Any, prefix: str) -> None:
+    def walk(node: PyTree, prefix: str) -> None:
         children = _children(node)
         if children is None:
             return
@@ -395,7 +400,7 @@ def _host_digest(array: jax.Array) -> int:
     return int(total)
 
 
-def _on_host(leaf: Any) -> bool:
+def _on_host(leaf: object) -> bool:
     return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
             and all(device.platform == "cpu"  # type: ignore[attr-defined]  # jax.Device declares none
                     for device in leaf.sharding.device_set))

@@ -32,9 +32,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dew.checkpoints.errors import CheckpointLeaseHeldError
+
+if TYPE_CHECKING:
+    from dew.checkpoints.store import Location
 
 __all__ = ["LEASE", "Holder", "acquire", "holder_of", "release"]
 
@@ -95,7 +98,7 @@ def is_gone(holder: Holder) -> bool:
     return bool(holder.start and now and now != holder.start)
 
 
-def holder_of(directory: Any) -> Holder | None:
+def holder_of(directory: Location) -> Holder | None:
     """The holder named by directory's lease file; None when there is none or it cannot be read."""
     try:
         data = json.loads((directory / LEASE).read_text())
@@ -104,12 +107,12 @@ def holder_of(directory: Any) -> Holder | None:
         return None
 
 
-def _local(directory: Any) -> bool:
+def _local(directory: Location) -> bool:
     return isinstance(directory, Path)
 
 
 @contextlib.contextmanager
-def _serialized(directory: Any):
+def _serialized(directory: Location):
     """Hold an exclusive flock on directory (local paths), so a take-over is one act per host."""
     if not _local(directory):
         yield
@@ -124,7 +127,7 @@ def _serialized(directory: Any):
         os.close(descriptor)  # releases the flock
 
 
-def _create(directory: Any, me: Holder) -> bool:
+def _create(directory: Location, me: Holder) -> bool:
     """Write the lease naming me if there is none; False when a lease file already exists."""
     payload = json.dumps({**asdict(me), "taken": time.time()}).encode()
     path = directory / LEASE
@@ -145,14 +148,14 @@ def _create(directory: Any, me: Holder) -> bool:
     return True
 
 
-def _age(path: Any) -> float:
+def _age(path: Location) -> float:
     try:
         return time.time() - path.stat().st_mtime
     except (OSError, AttributeError):
         return 0.0
 
 
-def acquire(directory: Any) -> None:
+def acquire(directory: Location) -> None:
     """Take (or join, within this process) the writer's lease of directory, creating directory.
 
     Raises CheckpointLeaseHeldError naming the holder when another live process
@@ -186,7 +189,7 @@ def acquire(directory: Any) -> None:
         raise CheckpointLeaseHeldError(directory, directory / LEASE, holder_of(directory))
 
 
-def release(directory: Any) -> None:
+def release(directory: Location) -> None:
     """Drop this process's hold on directory's lease; the file goes when the last holder lets go."""
     key = str(directory)
     with _held_lock:
@@ -205,7 +208,7 @@ def release(directory: Any) -> None:
                     _LOG.warning("Could not remove the writer's lease %s: %s", directory / LEASE, error)
 
 
-def holds(directory: Any) -> bool:
+def holds(directory: Location) -> bool:
     """True when this process holds directory's lease."""
     with _held_lock:
         return _held.get(str(directory), 0) > 0

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -29,6 +30,10 @@ from orbax.checkpoint import type_handlers
 
 from dew.checkpoints.errors import CheckpointNotFoundError
 from dew.checkpoints.integrity import sharding_of
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.checkpoints.store import Location
 
 __all__ = [
     "PLACEMENT",
@@ -46,7 +51,7 @@ class LocalPlacementMismatchError(CheckpointNotFoundError):
     """A local step was asked for by number, but it was saved from another placement."""
 
 
-def process_directory(root: Any) -> Any:
+def process_directory(root: Location) -> Location:
     """This process's own folder under a pool's local_directory."""
     return root / f"process-{jax.process_index()}"
 
@@ -56,7 +61,7 @@ def _multiprocessing() -> ocp.options.MultiprocessingOptions:
                                               barrier_sync_key_prefix="dew-local")
 
 
-def local_manager(directory: Any, options: dict[str, Any]) -> ocp.CheckpointManager:
+def local_manager(directory: Location, options: Mapping[str, Any]) -> ocp.CheckpointManager:
     """An Orbax manager for which every process is its own primary host, writing only its shards."""
     multiprocessing = _multiprocessing()
     registry = type_handlers.create_type_handler_registry(
@@ -72,24 +77,26 @@ def local_manager(directory: Any, options: dict[str, Any]) -> ocp.CheckpointMana
     )
 
 
-def _index(index: tuple[slice, ...]) -> list[list[int | None]]:
+def _index(index: tuple[slice, ...] | None) -> list[list[int | None]]:
+    assert index is not None  # a device the sharding addresses holds a slice of the leaf
     return [[s.start, s.stop] for s in index]
 
 
-def placement_of(tree: Any) -> dict[str, Any]:
+def placement_of(tree: PyTree) -> dict[str, Any]:
     """What this process holds of tree: the process count and a digest of each leaf's shards per device.
 
     Works on arrays and on ShapeDtypeStructs with shardings alike, so a
     saved state and a restore template compare.
     """
-    leaves: list[list[tuple[int, Any]] | None] = []
+    leaves: list[list[tuple[int, list[list[int | None]]]] | None] = []
     for leaf in jax.tree_util.tree_leaves(tree):
         sharding = sharding_of(leaf)
         if sharding is None:
             leaves.append(None)
             continue
         held = sharding.addressable_devices_indices_map(tuple(leaf.shape))
-        leaves.append(sorted((device.id, _index(index)) for device, index in held.items()))
+        leaves.append(sorted((device.id, _index(index))  # type: ignore[attr-defined]  # jax.Device declares none
+                             for device, index in held.items()))
     digest = hashlib.sha256(json.dumps(leaves).encode()).hexdigest()
     return {"processes": jax.process_count(), "process": jax.process_index(), "shards": digest}
 

@@ -57,6 +57,7 @@ from dew.checkpoints.store import (
     store_path,
 )
 from dew.data.base import DataPartition
+from dew.typing import PyTree
 
 __all__ = ["Checkpoints", "Restored"]
 
@@ -70,7 +71,7 @@ class _Pending:
     leaves: list[dict[str, Any]]
     nodes: list[dict[str, Any]]
     positions: dict[str, Any]
-    meta: dict[str, Any]
+    meta: dict[str, object]
     digests: jax.Array | None = None
     placement: dict[str, Any] | None = None  # a pool's local step: whose shards it holds
     dispatched: threading.Event = field(default_factory=threading.Event)
@@ -282,7 +283,7 @@ class Checkpoints:
 
     # -- saving ---------------------------------------------------------------
 
-    def prepare(self, state: Any) -> None:
+    def prepare(self, state: PyTree) -> None:
         """Get ready, in the background, to save states shaped like state.
 
         Compiles the program that digests the leaves on their devices, so the
@@ -294,11 +295,11 @@ class Checkpoints:
     def save(
         self,
         step: int,
-        state: Any,
+        state: PyTree,
         *,
         position: bytes | None,
         partition: DataPartition,
-        meta: Mapping[str, Any],
+        meta: Mapping[str, object],
         local: bool = False,
     ) -> None:
         """Start writing state, this process's data position and meta as step.

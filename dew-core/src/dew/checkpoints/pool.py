@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import base64
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from dew.checkpoints.errors import CheckpointDirectoryNotSharedError
 from dew.data.base import DataPartition
+
+if TYPE_CHECKING:
+    from dew.checkpoints.store import Location
 
 __all__ = ["barrier", "gather_positions", "pooled", "probe_shared_directory"]
 
@@ -68,7 +71,7 @@ def gather_positions(position: bytes | None, partition: DataPartition) -> dict[s
     return {"shares": shares.pop(), "positions": positions}
 
 
-def probe_shared_directory(directory: Any) -> None:
+def probe_shared_directory(directory: Location) -> None:
     """In a pool, check every process sees a file process 0 writes into directory.
 
     Raises CheckpointDirectoryNotSharedError on every process, naming the processes

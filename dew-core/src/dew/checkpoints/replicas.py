@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import tarfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -37,6 +37,10 @@ import numpy as np
 from dew.checkpoints.local import PLACEMENT, placement_of
 from dew.checkpoints.pool import barrier, pooled
 from dew.checkpoints.store import TMP, Store, rmtree
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.checkpoints.store import Location
 
 __all__ = ["fits", "pool_placement", "pool_steps"]
 
@@ -44,19 +48,24 @@ _LOG = logging.getLogger("dew.checkpoints")
 _CHUNK = 1 << 26  # bytes broadcast at a time
 
 
-def _holds(tree: Any) -> str:
+def _holds(tree: PyTree) -> str:
     """A digest of the shard indices this process holds of tree, whatever devices hold them."""
     from dew.checkpoints.integrity import sharding_of
 
-    leaves: list[list[Any] | None] = []
+    leaves: list[list[list[list[int | None]]] | None] = []
     for leaf in jax.tree_util.tree_leaves(tree):
         sharding = sharding_of(leaf)
         if sharding is None:
             leaves.append(None)
             continue
         held = sharding.addressable_devices_indices_map(tuple(leaf.shape)).values()
-        leaves.append(sorted([[s.start, s.stop] for s in index] for index in held))
+        leaves.append(sorted([[s.start, s.stop] for s in _held(index)] for index in held))
     return hashlib.sha256(json.dumps(leaves).encode()).hexdigest()
+
+
+def _held(index: tuple[slice, ...] | None) -> tuple[slice, ...]:
+    assert index is not None  # a device the sharding addresses holds a slice of the leaf
+    return index
 
 
 def _gather_digests(digest: str) -> list[str]:
@@ -68,7 +77,7 @@ def _gather_digests(digest: str) -> list[str]:
     return [bytes(row.tolist()).hex() for row in every]
 
 
-def pool_placement(state: Any) -> dict[str, Any]:
+def pool_placement(state: PyTree) -> dict[str, Any]:
     """This process's placement of state (placement_of) and the pool's table of every process's
     shards and shard indices (a collective: every process calls it with its own state)."""
     placement = placement_of(state)
@@ -120,7 +129,7 @@ def _broadcast(payload: bytes | None, source: int) -> bytes:
     return b"".join(pieces)
 
 
-def _pack(directory: Any) -> bytes:
+def _pack(directory: Location) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
         archive.add(directory, arcname=".")

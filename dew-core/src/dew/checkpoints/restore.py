@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -23,9 +23,12 @@ from dew.checkpoints.manifest import Manifest, parse_manifest
 from dew.checkpoints.store import read_position
 from dew.data.base import DataPartition
 
+if TYPE_CHECKING:
+    from dew.checkpoints.store import Location
+
 __all__ = ["MetaCheck", "Restored", "intact", "read_manifest", "restore_step"]
 
-MetaCheck = Callable[[Mapping[str, Any], int], None]
+MetaCheck = Callable[[Mapping[str, object], int], None]
 Expected = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # the template's leaf and node tables
 _VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
 
@@ -41,10 +44,10 @@ class Restored(Generic[State]):
     step: int
     state: State
     position: bytes | None
-    meta: dict[str, Any]
+    meta: dict[str, object]
 
 
-def read_manifest(directory: Any, step: int) -> Manifest:
+def read_manifest(directory: Location, step: int) -> Manifest:
     """The checked manifest of the step in directory; CheckpointCorruptedError when missing or damaged."""
     path = directory / integrity.MANIFEST
     try:
@@ -56,7 +59,7 @@ def read_manifest(directory: Any, step: int) -> Manifest:
     return parse_manifest(raw, step, path)
 
 
-def intact(directory: Any, step: int) -> bool:
+def intact(directory: Location, step: int) -> bool:
     """Whether the step's manifest and every file it lists are as written (reads every file)."""
     try:
         manifest = read_manifest(directory, step)
@@ -65,7 +68,7 @@ def intact(directory: Any, step: int) -> bool:
     return integrity.verify_files(directory, manifest.files, manifest.file_hash) is None
 
 
-def restore_step(directory: Any, step: int, template: State, expected: Expected,
+def restore_step(directory: Location, step: int, template: State, expected: Expected,
                  partition: DataPartition, check: MetaCheck | None) -> Restored:
     """Read the step in directory into template, checking it on the way (see the module docstring)."""
     manifest = read_manifest(directory, step)
@@ -105,7 +108,7 @@ def restore_step(directory: Any, step: int, template: State, expected: Expected,
     return Restored(step=step, state=restored, position=position, meta=dict(manifest.meta))
 
 
-def _read_state(directory: Any, template: State) -> State:
+def _read_state(directory: Location, template: State) -> State:
     """Read the state item of a committed step directory into template's shardings (reads only)."""
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
         return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))

@@ -8,7 +8,7 @@ True
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pydantic
 from pydantic import Field
@@ -56,11 +56,11 @@ class CheckpointSettings(pydantic.BaseModel):
             local_every=self.local_every if local is not None else None,
         )
 
-    def checkpoint_arguments(self) -> dict[str, Any] | None:
+    def checkpoint_arguments(self) -> dict[str, object] | None:
         """Checkpoints' keywords, or None when no checkpoint directory is named."""
         if self.checkpoint_dir is None:
             return None
-        arguments: dict[str, Any] = {"directory": self.checkpoint_dir, "keep": self.keep}
+        arguments: dict[str, object] = {"directory": self.checkpoint_dir, "keep": self.keep}
         if self.local_checkpoint_dir is not None:
             arguments["local_directory"] = self.local_checkpoint_dir
             arguments["local_every"] = self.local_every

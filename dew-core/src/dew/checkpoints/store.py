@@ -13,7 +13,7 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import orbax.checkpoint as ocp
 from etils import epath
@@ -22,24 +22,30 @@ from dew.checkpoints.errors import PositionShareMismatchError
 from dew.checkpoints.manifest import Positions
 from dew.data.base import DataPartition, is_global_position
 
-__all__ = ["TMP", "Store", "read_position", "remove_half_written", "rmtree", "store_path"]
+if TYPE_CHECKING:
+    from dew.checkpoints.manager import _Pending
+
+__all__ = ["TMP", "Location", "Store", "read_position", "remove_half_written", "rmtree", "store_path"]
 
 _LOG = logging.getLogger("dew.checkpoints")
 TMP = ".orbax-checkpoint-tmp"
+
+Location: TypeAlias = Path | epath.Path
+"""Where checkpoints live: a local path, or a bucket's (``gs://...``) as etils reads it."""
 
 
 @dataclass
 class Store:
     """One directory and the Orbax manager that writes into it."""
 
-    directory: Any
+    directory: Location
     local: bool
     per_process: bool = False  # a pool's local store: this process's own folder, its own shards
     manager: ocp.CheckpointManager | None = None
-    pending: Any = None
+    pending: _Pending | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def step_path(self, step: int) -> Any:
+    def step_path(self, step: int) -> Location:
         return self.directory / str(step)
 
     def committed(self) -> list[int]:
@@ -54,7 +60,7 @@ class Store:
         return sorted(steps)
 
 
-def store_path(directory: str | os.PathLike) -> Any:
+def store_path(directory: str | os.PathLike) -> Location:
     text = os.fspath(directory)
     if "://" in text:
         return epath.Path(text)
@@ -74,7 +80,7 @@ def read_position(step: int, data: Positions, partition: DataPartition) -> bytes
     raise PositionShareMismatchError(step, partition.share, partition.shares, sorted(saved), data.shares)
 
 
-def remove_half_written(directory: Any) -> None:
+def remove_half_written(directory: Location) -> None:
     """Delete the steps a writer left unfinished (only the directory's writer may call this)."""
     for entry in directory.iterdir():
         if TMP in entry.name:
@@ -82,7 +88,7 @@ def remove_half_written(directory: Any) -> None:
             rmtree(entry)
 
 
-def rmtree(path: Any) -> None:
+def rmtree(path: Location) -> None:
     if isinstance(path, Path):
         shutil.rmtree(path, ignore_errors=False)
     else:

@@ -11,7 +11,12 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import logging
+    from collections.abc import Callable
+    from sys import UnraisableHookArgs
 
 __all__ = ["INTERRUPTED", "REFUSED", "TRACEBACK", "is_dews", "main", "refusal"]
 
@@ -95,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # argparse stops filling a trailing key=value list at the first option, so overrides
     # written after one (`dew plan tiny-lm --devices 2 trainer.steps=4`) come back here.
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
-    if isinstance(getattr(args, "overrides", None), list) and overrides:
+    if isinstance(getattr(args, "overrides", None), list) and overrides:  # only commands that take overrides
         args.overrides.extend(overrides)
         extra = [item for item in extra if item not in overrides]
     if extra:
@@ -182,7 +187,7 @@ def _orbax_traceback(error: BaseException | None) -> bool:
 class _FromOrbax:
     """A logging filter dropping records that carry a traceback from Orbax's writers."""
 
-    def filter(self, record: Any) -> bool:
+    def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info:
             return True
         return not (f"{os.sep}orbax{os.sep}" in record.pathname or _orbax_traceback(record.exc_info[1]))
@@ -191,10 +196,10 @@ class _FromOrbax:
 class _QuietClosedLoop:
     """sys.unraisablehook, less asyncio's "Event loop is closed" after Orbax's loop ended."""
 
-    def __init__(self, previous: Any) -> None:
+    def __init__(self, previous: Callable[[UnraisableHookArgs], object]) -> None:
         self.previous = previous
 
-    def __call__(self, failure: Any) -> None:
+    def __call__(self, failure: UnraisableHookArgs) -> None:
         if isinstance(failure.exc_value, RuntimeError) and str(failure.exc_value) == "Event loop is closed":
             return
         self.previous(failure)
@@ -209,7 +214,7 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
     """
     original = warnings.formatwarning
 
-    def formatted(message: Any, category: type[Warning], filename: str, lineno: int,
+    def formatted(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   line: str | None = None) -> str:
         if category.__module__.split(".")[0] == "dew":
             return f"dew {command}: {message}\n"

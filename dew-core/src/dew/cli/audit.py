@@ -12,7 +12,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dew.provenance.ledger import Audit, Ledgered
 
 __all__ = ["add_arguments", "render_audit", "run"]
 
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.exact else 1
 
 
-def render_audit(result: Any, ledger: Any) -> str:
+def render_audit(result: Audit, ledger: Ledgered) -> str:
     fits = "; ".join(f"from step {s.step} on {s.processes} process{'es' if s.processes > 1 else ''} "
                      f"({s.shares} data share{'s' if s.shares > 1 else ''})" for s in ledger.segments)
     lines = [f"{result.steps} steps in {len(ledger.segments)} fit{'s' if len(ledger.segments) > 1 else ''}: {fits}"]

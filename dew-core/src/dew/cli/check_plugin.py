@@ -15,7 +15,10 @@ import json
 import platform
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dew.testing.certify import Check
 
 __all__ = ["add_arguments", "render_certification", "run"]
 
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
-def render_certification(distribution: str, plugin_version: str, dew: str, checks: list[Any]) -> str:
+def render_certification(distribution: str, plugin_version: str, dew: str, checks: list[Check]) -> str:
     """The certification as Markdown: a sentence of totals, one table row per check, then the failures."""
     import jax
 

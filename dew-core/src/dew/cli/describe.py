@@ -57,7 +57,7 @@ def _where(name: str) -> tuple[str, str]:
     return found[0], bare
 
 
-def _default_text(default: Any) -> str:
+def _default_text(default: object) -> str:
     if default is ...:
         return "required"
     if inspect.isfunction(default) or inspect.isclass(default):

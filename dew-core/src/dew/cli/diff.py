@@ -13,7 +13,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dew.provenance.diff import RunDiff
 
 __all__ = ["add_arguments", "render_diff", "run"]
 
@@ -54,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.bitwise or result.within_tolerance else 1
 
 
-def _value(value: Any) -> str:
+def _value(value: object) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
-def render_diff(result: Any) -> str:
+def render_diff(result: RunDiff) -> str:
     """The comparison as lines of text, the verdict first."""
     lines = []
     if result.bitwise:
@@ -87,9 +90,9 @@ def render_diff(result: Any) -> str:
         lines.append(f"losses: part at step {lost.step}: {lost.a:.8g} and {lost.b:.8g}")
     elif result.loss_steps:
         largest = result.largest_loss
-        gap = abs(largest.a - largest.b) if largest else 0.0
-        lines.append(f"losses: {'equal' if gap == 0 else 'within the tolerance'} at all "
-                     f"{len(result.loss_steps)} common logged steps (largest gap {gap:.3g} at step "
+        widest = abs(largest.a - largest.b) if largest else 0.0
+        lines.append(f"losses: {'equal' if widest == 0 else 'within the tolerance'} at all "
+                     f"{len(result.loss_steps)} common logged steps (largest gap {widest:.3g} at step "
                      f"{largest.step if largest else '-'})")
     if result.recipe:
         lines.append("recipes differ:")

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["add_arguments", "read_inputs", "run"]
 
@@ -27,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=None, help="a kept step (default newest)")
 
 
-def read_inputs(paths: list[Path]) -> Any:
+def read_inputs(paths: list[Path]) -> np.ndarray:
     """The images paths hold, stacked in order as one array [N, ...]."""
     import numpy as np
 

@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dew.recipes.opening import Opened
 
 __all__ = ["add_arguments", "run"]
 
@@ -57,11 +60,13 @@ def run(args: argparse.Namespace) -> int:
         return refused("eval", error)
 
 
-def _evaluate(args: argparse.Namespace, opened: Any) -> int:
+def _evaluate(args: argparse.Namespace, opened: Opened) -> int:
     if opened.config is None:
         print(f"dew eval: {opened.source} is an exported model; evaluation reads the data of a "
               "run, so point it at the run directory (it holds run.json).", file=sys.stderr)
         return 2
+    objective, live = opened.objective, opened.live
+    assert objective is not None and live is not None  # a run directory's: its recipe's, read from its steps
     import itertools
 
     import jax
@@ -88,12 +93,12 @@ def _evaluate(args: argparse.Namespace, opened: Any) -> int:
         def reader(partition):
             return itertools.islice(whole(partition), limit)
     values: dict[str, float] = {}
-    kept = [(args.split, opened.live)]
-    if opened.variables is not opened.live:
+    kept = [(args.split, live)]
+    if opened.variables is not live:
         kept.append((f"{args.split}_ema", opened.variables))
     # An objective without metrics() is scored by the means its evaluate() returns.
-    metrics = tuple(opened.objective.metrics()) or (OutputMeans(),)
-    evaluator = Evaluator(opened.objective)  # one compiled scorer for both passes
+    metrics = tuple(objective.metrics()) or (OutputMeans(),)
+    evaluator = Evaluator(objective)  # one compiled scorer for both passes
     for split, variables in kept:
         # The EMA copy reaches the scorer as the trainer hands it (JEPA's targets read it).
         result = evaluator(variables, reader, key=jax.random.key(opened.config.seed),
@@ -109,7 +114,7 @@ def _evaluate(args: argparse.Namespace, opened: Any) -> int:
     return 0
 
 
-def _task_config(args: argparse.Namespace, opened: Any) -> Any:
+def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
     """The task to score: the run's trainer.evaluate entry named args.task, else the registered
     task of that name, with the --set fields over its own."""
     from dew.evaluations.config import EvaluateConfig
@@ -123,7 +128,7 @@ def _task_config(args: argparse.Namespace, opened: Any) -> Any:
     return EvaluateConfig.model_validate(data)
 
 
-def _run_task(args: argparse.Namespace, opened: Any) -> int:
+def _run_task(args: argparse.Namespace, opened: Opened) -> int:
     from dew import registry
     from dew.evaluations.base import TaskFileError, scheduled
     from dew.recipes.config import RecipeError

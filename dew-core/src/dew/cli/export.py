@@ -21,7 +21,13 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dew.adapters.lora import Lora
+    from dew.pretrained.model import Pretrained as PretrainedModel
+    from dew.pretrained.tokenizers import TokenizerFiles as SavedTokenizerFiles
+    from dew.recipes.opening import Opened
 
 __all__ = ["add_arguments", "run"]
 
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify(opened: Any, lora: Any, written: Path, tolerance: float | None) -> int:
+def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float | None) -> int:
     """Certify the export against dew's own logits; 1 when they differ past tolerance."""
     from dew.pretrained import PretrainedError
     from dew.pretrained.verify import DEFAULT_TOLERANCE, ExportMismatchError, verify
@@ -100,7 +106,7 @@ def _verify(opened: Any, lora: Any, written: Path, tolerance: float | None) -> i
     return 0
 
 
-def _write(opened: Any, lora: Any, out: Path, *, adapters: bool, format: str | None,
+def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, format: str | None,
            force: bool = False) -> tuple[Path, str]:
     """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
     from dew.pretrained import Pretrained
@@ -123,13 +129,13 @@ def _write(opened: Any, lora: Any, out: Path, *, adapters: bool, format: str | N
     return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"
 
 
-def _layout(pretrained: Any, format: str | None) -> str:
+def _layout(pretrained: PretrainedModel, format: str | None) -> str:
     """The layout save writes for format, in words."""
     chosen = pretrained.format if format in (None, "hf") else format
     return "dew's own layout" if chosen == "dew" else f"Hugging Face's {chosen} layout"
 
 
-def _tokenizer_files(opened: Any) -> Any:
+def _tokenizer_files(opened: Opened) -> SavedTokenizerFiles | None:
     """The tokenizer settings (chat template, special tokens) of the Hugging Face directory the
     weights came from: the exported directory itself, or the run's init.pretrained."""
     from dew.pretrained import CONFIG_FILE, TokenizerFiles

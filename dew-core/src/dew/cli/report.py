@@ -6,9 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from dew.cli.run_page import RunData as RunPageData
 
 __all__ = ["NoJournalError", "add_arguments", "load_run", "render_report", "run"]
 
@@ -54,7 +57,7 @@ def _labels(directories: Sequence[Path]) -> list[str]:
     return [str(d) for d in directories]
 
 
-def load_run(run_dir: str | Path, label: str | None = None) -> Any:
+def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
     """A run's scalars, records and preview index, read (never written) from its directory."""
     from dew.cli.run_page import RunData
     from dew.telemetry.render import read_scalars

@@ -24,9 +24,14 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+    from dew.training.rollout_journal import Rolled
 
 __all__ = ["RunData", "chart_groups", "contained", "flatten", "missing_charts", "write_page"]
 
@@ -60,7 +65,7 @@ class RunData:
     series: Series
     records: tuple[dict[str, Any], ...]
     previews: tuple[dict[str, Any], ...]
-    rollouts: tuple[Any, ...] = ()  # the journaled rollouts' transcripts (dew.training.rollout_journal.Rolled)
+    rollouts: tuple[Rolled, ...] = ()  # the journaled rollouts' transcripts
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -120,7 +125,7 @@ def chart_groups(names: Sequence[str]) -> list[tuple[str, list[str]]]:
         rest.items())
 
 
-def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def flatten(value: object, prefix: str = "") -> Iterator[tuple[str, object]]:
     """(dotted key, leaf) for every leaf of nested mappings (and lists of them, by index);
     other lists stay whole.
 
@@ -172,7 +177,7 @@ def _link(path: Path, out: Path) -> str:
     return html.escape(Path(os.path.relpath(path.resolve(), out.resolve())).as_posix())
 
 
-def contained(run_dir: Path, name: Any) -> Path | None:
+def contained(run_dir: Path, name: object) -> Path | None:
     """run_dir/name with every link resolved, or None when that leads outside run_dir.
 
     A journal is data, possibly written by someone else: a preview path such as
@@ -186,13 +191,13 @@ def contained(run_dir: Path, name: Any) -> Path | None:
     return target if target.is_relative_to(root) else None
 
 
-def _frames(image: Any) -> list[Any]:
+def _frames(image: PILImage.Image) -> list[PILImage.Image]:
     from PIL import ImageSequence
 
     return [frame.copy() for frame in ImageSequence.Iterator(image)]
 
 
-def _write_scaled(frames: list[Any], factor: int, target: Path, duration: Any) -> Path:
+def _write_scaled(frames: list[PILImage.Image], factor: int, target: Path, duration: object) -> Path:
     """frames (one image, or a GIF's frames) enlarged factor times, nearest neighbour."""
     from PIL import Image
 
@@ -321,7 +326,7 @@ def _rollouts(runs: Sequence[RunData]) -> list[str]:
     return ["<h2 id='rollouts'>Rollouts</h2>", *parts] if parts else []
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     return html.escape(text)
 

@@ -10,14 +10,17 @@ import sys
 import types
 import typing
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["add_arguments", "field_lines", "fields_help", "run"]
 
 
-def _type_name(annotation: Any) -> str:
+def _type_name(annotation: object) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
@@ -33,7 +36,7 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))  # a class, or a typing construct
 
 
-def _submodel(annotation: Any) -> type[pydantic.BaseModel] | None:
+def _submodel(annotation: object) -> type[pydantic.BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
         return annotation
     if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
@@ -64,7 +67,7 @@ def _as_model(cls: type) -> type[pydantic.BaseModel]:
     return pydantic.create_model(cls.__name__, **fields)
 
 
-def _default(field: Any) -> str:
+def _default(field: Any) -> str:  # a pydantic FieldInfo (its default_factory's arity varies)
     if field.is_required():
         return "required"
     value = field.default_factory() if field.default_factory is not None else field.default

@@ -40,9 +40,14 @@ from dew.data.base import DataPartition
 from dew.errors import DewError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from flax.linen import Module
     from jax.sharding import Mesh
 
+    from dew.data.base import Tokenizer
     from dew.evaluations.config import EvaluateConfig
+    from dew.objectives.base import Variables
     from dew.training.evaluation import Evaluation
 
 __all__ = ["EvaluationTask", "Periodic", "Subject", "TaskFileError", "read_task_file", "scheduled",
@@ -58,9 +63,9 @@ class Subject:
     """What a task scores: a causal model (``model.apply(variables, ids) -> logits``), its
     variables and the tokenizer its text goes through."""
 
-    model: Any
-    variables: Mapping[str, Any]
-    tokenizer: Any
+    model: Module
+    variables: Variables
+    tokenizer: Tokenizer | None  # None when neither the run's data nor its export supplied one
 
 
 @runtime_checkable
@@ -82,14 +87,14 @@ class Periodic:
     name: str
     task: EvaluationTask
     every: int | None
-    model: Any
-    tokenizer: Any
+    model: Module
+    tokenizer: Tokenizer | None
 
     def due(self, done: int, last: bool) -> bool:
         """Whether the task runs after step done."""
         return last or (self.every is not None and done % self.every == 0)
 
-    def __call__(self, variables: Mapping[str, Any], *, mesh: Mesh | None = None, step: int = 0,
+    def __call__(self, variables: Variables, *, mesh: Mesh | None = None, step: int = 0,
                  prefix: str = "eval") -> Evaluation:
         """Score variables; the Evaluation a tracker records, its scores under ``prefix/name/``."""
         from dew.training.evaluation import Evaluation
@@ -105,7 +110,8 @@ class Periodic:
                           elapsed_seconds=time.perf_counter() - began)
 
 
-def scheduled(config: EvaluateConfig, model: Any, tokenizer: Any, expand: Any = None) -> Periodic:
+def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None,
+              expand: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Periodic:
     """The Periodic a recipe's ``trainer.evaluate`` entry describes, its task built by the registry.
 
     expand, when given, rewrites the fields first (a recipe's ``{recipes}`` placeholders).

@@ -17,7 +17,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.convert import Entry, dense_table
 from dew.families.hf_config import stored_dtype
@@ -26,6 +26,10 @@ from dew.pretrained.errors import (
     NoExactCounterpartError,
     UnsupportedArchitectureError,
 )
+
+if TYPE_CHECKING:
+    from flax.linen import Module
+    from jax.typing import DTypeLike
 
 __all__ = [
     "FAMILIES",
@@ -98,7 +102,7 @@ class Family:
     architecture: str
     model_type: str
     read: Callable[[Mapping[str, Any]], dict[str, Any]]
-    write: Callable[[Any], dict[str, Any]]
+    write: Callable[[Module], dict[str, Any]]
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     fused: bool = False
     also_reads: tuple[str, ...] = ()
@@ -112,7 +116,7 @@ class Family:
         """The ``architectures`` names this family reads (the first is the one it writes)."""
         return (self.architecture, *self.also_reads)
 
-    def table(self, model: Any) -> dict[str, Entry]:
+    def table(self, model: Module) -> dict[str, Entry]:
         """The converter table of model in this family's layout."""
         return dense_table(model, fuse=self.fused)
 
@@ -126,7 +130,7 @@ class Family:
         return {**self.read(config), "family": self.label}
 
     def model(self, config: Mapping[str, Any], *, max_seq_len: int | None = None,
-              param_dtype: Any = None, dtype: Any = None) -> Any:
+              param_dtype: DTypeLike | None = None, dtype: DTypeLike | None = None) -> Module:
         """The CausalTransformer config.json describes, in param_dtype (default: as stored)."""
         import jax.numpy as jnp
 
@@ -141,7 +145,7 @@ class Family:
             max_seq_len=int(max_seq_len or config.get("max_position_embeddings", 2048)),
             dtype=dtype, param_dtype=param_dtype)
 
-    def config(self, model: Any) -> dict[str, Any]:
+    def config(self, model: Module) -> dict[str, Any]:
         """model's config.json in this family's layout; refuses a part it cannot express."""
         _check_decoder(model, self)
         written = self.write(model)
@@ -168,7 +172,7 @@ class Family:
                               f"{', '.join(map(repr, self.presets))}.")
         return dict(self.presets[name])
 
-    def build(self, preset: str | None = None, **fields: Any) -> Any:
+    def build(self, preset: str | None = None, **fields: Any) -> Module:
         """A CausalTransformer of this family: a preset's configuration, then fields over it.
 
         A num_layers given here also re-derives the layers' sliding pattern
@@ -191,7 +195,7 @@ class PresetError(NoExactCounterpartError, KeyError):
         return str(self.args[0])
 
 
-def _rebuilt(model: Any, fields: Mapping[str, Any]) -> Any:
+def _rebuilt(model: Module, fields: Mapping[str, Any]) -> Module:
     """A CausalTransformer of fields alone (every other field at its default), model's runtime kept."""
     from dew.nn.backbones import CausalTransformer
 
@@ -204,11 +208,11 @@ def _field(name: str) -> str:
             "layers": "sliding_window"}.get(name, name)
 
 
-def _value(model: Any, name: str) -> Any:
+def _value(model: Module, name: str) -> Any:
     return function_fields(model).get(name)
 
 
-def _check_decoder(model: Any, target: Family) -> None:
+def _check_decoder(model: Module, target: Family) -> None:
     from dew.nn.backbones import CausalTransformer
 
     if type(model) is not CausalTransformer:
@@ -219,7 +223,7 @@ def _check_decoder(model: Any, target: Family) -> None:
     model._check()
 
 
-def _fitting(model: Any, tried: Family) -> str:
+def _fitting(model: Module, tried: Family) -> str:
     """A hint naming the families whose config.json does express model, if any."""
     fits = []
     for name in FAMILIES:
@@ -237,7 +241,7 @@ def _fitting(model: Any, tried: Family) -> str:
     return f" It does fit {', '.join(fits)}: set CausalTransformer.family to {fits[0]!r}."
 
 
-def function_fields(model: Any) -> dict[str, Any]:
+def function_fields(model: Module) -> dict[str, Any]:
     """What decides the function a CausalTransformer computes, normalized for comparison.
 
     The head width and key/value heads as counts; each layer's sliding
@@ -267,7 +271,7 @@ def function_fields(model: Any) -> dict[str, Any]:
     return out
 
 
-def check_same_function(model: Any, loaded: Any, source: str) -> None:
+def check_same_function(model: Module, loaded: Module, source: str) -> None:
     """Refuse to start model from loaded's weights unless both compute the same function.
 
     Shapes alone would let a different rope_theta or norm epsilon through,
@@ -287,7 +291,7 @@ def check_same_function(model: Any, loaded: Any, source: str) -> None:
             "weights mean what they meant.")
 
 
-def _setting(model: Any, name: str) -> Any:
+def _setting(model: Module, name: str) -> Any:
     if name == "layers":
         return model.sliding_window
     if name in ("kv_heads", "head_width"):
@@ -328,9 +332,9 @@ def for_config(config: Mapping[str, Any]) -> Family:
         f"(the families {', '.join(FAMILIES)}).")
 
 
-def of_model(model: Any) -> Family:
+def of_model(model: Module) -> Family:
     """The family model is written as: its ``family`` field, or Llama when it names none."""
-    return family(getattr(model, "family", None) or DEFAULT)
+    return family(getattr(model, "family", None) or DEFAULT)  # any flax Module: dew's decoders name theirs
 
 
 def builder(name: str) -> Callable[..., Any]:

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from flax.linen import Module
 
 __all__ = ["Entry", "TensorLayout", "dense_table", "fused", "heads_in", "heads_out", "reshaped", "same",
            "transposed"]
@@ -101,7 +104,7 @@ def fused(parts: Sequence[tuple[TensorLayout, int]]) -> TensorLayout:
     return TensorLayout(to_hf, from_hf)
 
 
-def _norms(model: Any) -> list[tuple[str, str]]:
+def _norms(model: Module) -> list[tuple[str, str]]:
     """(dew norm name, HF norm name) of a layer, by where the model's norms sit."""
     return {
         "pre": [("attention_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")],
@@ -114,7 +117,7 @@ def _norms(model: Any) -> list[tuple[str, str]]:
     }[model.norm_placement]
 
 
-def dense_table(model: Any, *, fuse: bool = False) -> dict[str, Entry]:
+def dense_table(model: Module, *, fuse: bool = False) -> dict[str, Entry]:
     """Every tensor of model's dense Hugging Face layout, by name (fuse: Phi-3's fused projections)."""
     embed, mlp, vocab = model.emb_features, model.mlp_features, model.vocab_size
     heads, kv_heads, width = model.num_heads, model.num_kv_heads or model.num_heads, model.head_width

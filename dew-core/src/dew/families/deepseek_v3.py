@@ -18,7 +18,7 @@ the model transformers or dew computes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import builder
 from dew.families.hf_config import (
@@ -34,12 +34,17 @@ from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 from dew.nn.latent_attention import Latent
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     fields = common_fields(config)
     heads = fields["num_heads"]
@@ -75,7 +80,7 @@ def read(config: Any) -> dict[str, Any]:
             "dense_layers": tuple(range(min(int(config.get("first_k_dense_replace") or 0), fields["num_layers"])))}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     latent, routing = model.latent, model.routing
     if latent is None or routing is None:
         raise refuse(ARCHITECTURE, "attention_block/mlp_block", (model.attention_block, model.mlp_block),
@@ -115,7 +120,7 @@ PRESETS = {
                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}},
 }
 
-def unread(config: Any) -> tuple[str, ...]:
+def unread(config: Mapping[str, Any]) -> tuple[str, ...]:
     """The multi-token-prediction layers (``num_nextn_predict_layers`` of them, numbered after the
     model's last layer): the published checkpoints hold them, the model does not compute them."""
     layers = int(config.get("num_hidden_layers") or 0)

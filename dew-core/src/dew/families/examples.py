@@ -22,7 +22,10 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flax.linen import Module
 
 __all__ = ["SPECIALS", "TEMPLATES", "redraw", "tokenizer", "write_checkpoint"]
 
@@ -117,7 +120,7 @@ def _classes(family_name: str) -> tuple[Any, Any]:
     return model_class.config_class, model_class
 
 
-def redraw(model: Any, seed: int = 0) -> None:
+def redraw(model: Module, seed: int = 0) -> None:
     """Draw every weight of a torch model again, norm scales and biases far from their defaults.
 
     Norm weights land in [0.5, 1.5) (so a norm that should scale by ``1 + w``

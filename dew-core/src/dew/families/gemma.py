@@ -9,7 +9,7 @@ transformers reads as ``gelu_pytorch_tanh``); the head is tied by default.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.hf_config import (
@@ -21,12 +21,17 @@ from dew.families.hf_config import (
     rope_parameters,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY", "gated_gelu"]
 
 ARCHITECTURE = "GemmaForCausalLM"
 
 
-def gated_gelu(config: Any, architecture: str, key: str, accepted: tuple[str, ...]) -> dict[str, Any]:
+def gated_gelu(config: Mapping[str, Any], architecture: str, key: str, accepted: tuple[str, ...]) -> dict[str, Any]:
     """GeGLU with tanh-approximated GELU, from config's activation key; refuse another."""
     act = config.get(key) or "gelu_pytorch_tanh"
     if act not in accepted:
@@ -35,20 +40,20 @@ def gated_gelu(config: Any, architecture: str, key: str, accepted: tuple[str, ..
     return {"mlp_activation": "geglu"}
 
 
-def gemma_parts(config: Any) -> dict[str, Any]:
+def gemma_parts(config: Mapping[str, Any]) -> dict[str, Any]:
     """What every Gemma shares: the ``1 +`` norms, scaled embeddings, biases when asked."""
     bias = bool(config.get("attention_bias", False))
     return {"norm_offset": True, "scale_embeddings": True, "qkv_bias": bias, "out_bias": bias}
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     return {**common_fields(config, head_dim_default=256, tie_default=True),
             **gated_gelu(config, ARCHITECTURE, "hidden_act", ("gelu", "gelu_pytorch_tanh")),
             **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0), **gemma_parts(config)}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return {**common_config(model, ARCHITECTURE, "gemma"), **flat_rope_config(model),
             "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
             "attention_bias": bool(model.qkv_bias)}

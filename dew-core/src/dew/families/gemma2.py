@@ -10,7 +10,7 @@ alternate a sliding window (even layers, from 0) with full attention.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.gemma import gated_gelu, gemma_parts
@@ -26,17 +26,22 @@ from dew.families.hf_config import (
     window_fields,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY", "given"]
 
 ARCHITECTURE = "Gemma2ForCausalLM"
 
 
-def given(config: Any, key: str, default: Any) -> Any:
+def given(config: Mapping[str, Any], key: str, default: Any) -> Any:
     """config[key] when the key is there (null included), else transformers' default."""
     return config[key] if key in config else default
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     fields = common_fields(config, head_dim_default=256, tie_default=True)
     count = fields["num_layers"]
@@ -57,7 +62,7 @@ def _float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return {**common_config(model, ARCHITECTURE, "gemma2"), **flat_rope_config(model),
             "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
             "attention_bias": bool(model.qkv_bias), "sliding_window": model.sliding_window,

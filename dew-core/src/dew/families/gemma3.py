@@ -12,7 +12,7 @@ larger models). transformers' Gemma 3 applies no attention soft-capping
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.gemma import gated_gelu, gemma_parts
@@ -30,12 +30,17 @@ from dew.families.hf_config import (
     window_fields,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 
 
-def _ropes(config: Any) -> dict[str, Any]:
+def _ropes(config: Mapping[str, Any]) -> dict[str, Any]:
     """Global and local rotary settings, as transformers 5 reads either config layout."""
     full, _ = rope_parameters(config, "full_attention")
     if config.get("rope_scaling"):
@@ -52,7 +57,7 @@ def _ropes(config: Any) -> dict[str, Any]:
     return {**out, "local_rope_base": local_fields["rope_base"]}
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     if config.get("use_bidirectional_attention"):
         raise refuse(ARCHITECTURE, "use_bidirectional_attention", True,
                      "its decoder is causal (bidirectional Gemma 3 is an encoder)")
@@ -71,7 +76,7 @@ def read(config: Any) -> dict[str, Any]:
                               else float(config["final_logit_softcapping"]))}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     local = model.rope_base if model.local_rope_base is None else model.local_rope_base
     full = rope_config(model.rope_base, model.rope_scaling)
     scaling = {k: v for k, v in full.items() if k != "rope_theta"}

@@ -12,12 +12,15 @@ writes carries both, so either version reads it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dew.nn.rotary import ROPE_KINDS, RopeScaling
 from dew.pretrained.errors import NoExactCounterpartError
+
+if TYPE_CHECKING:
+    from flax.linen import Module
 
 __all__ = [
     "DTYPES",
@@ -158,7 +161,7 @@ def common_fields(config: Mapping[str, Any], *, head_dim_default: int | None = N
     }
 
 
-def common_config(model: Any, architecture: str, model_type: str) -> dict[str, Any]:
+def common_config(model: Module, architecture: str, model_type: str) -> dict[str, Any]:
     """The config.json keys every dense family writes the same way."""
     name = dtype_name(model.param_dtype)
     return {
@@ -182,7 +185,7 @@ def common_config(model: Any, architecture: str, model_type: str) -> dict[str, A
     }
 
 
-def flat_rope_config(model: Any) -> dict[str, Any]:
+def flat_rope_config(model: Module) -> dict[str, Any]:
     """Top-level rotary keys (transformers 4) and ``rope_parameters`` (5) for one global rope."""
     params = rope_config(model.rope_base, model.rope_scaling, model.rotary_fraction)
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
@@ -210,7 +213,7 @@ def sliding_layers(types: list[str] | None) -> tuple[int, ...] | None:
     return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
 
 
-def layer_types(model: Any) -> list[str]:
+def layer_types(model: Module) -> list[str]:
     """``layer_types`` as transformers writes it: each layer sliding_attention or full_attention."""
     return ["sliding_attention" if window is not None else "full_attention"
             for window, _, _ in model._layer_parts()]

@@ -10,7 +10,7 @@ bias on q/k/v/o, ``mlp_bias`` on the three feed-forward matrices.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.hf_config import (
@@ -22,12 +22,17 @@ from dew.families.hf_config import (
     rope_parameters,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY", "gated_silu"]
 
 ARCHITECTURE = "LlamaForCausalLM"
 
 
-def gated_silu(config: Any, architecture: str) -> dict[str, Any]:
+def gated_silu(config: Mapping[str, Any], architecture: str) -> dict[str, Any]:
     """The SwiGLU feed-forward block every Llama-like family uses; refuse another activation."""
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -35,7 +40,7 @@ def gated_silu(config: Any, architecture: str) -> dict[str, Any]:
     return {"mlp_activation": "swiglu"}
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     bias = bool(config.get("attention_bias", False))
     return {**common_fields(config), **gated_silu(config, ARCHITECTURE),
@@ -43,7 +48,7 @@ def read(config: Any) -> dict[str, Any]:
             "qkv_bias": bias, "out_bias": bias, "mlp_bias": bool(config.get("mlp_bias", False))}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return {**common_config(model, ARCHITECTURE, "llama"), **flat_rope_config(model),
             "hidden_act": "silu", "attention_bias": bool(model.qkv_bias),
             "mlp_bias": bool(model.mlp_bias), "pretraining_tp": 1}

@@ -8,7 +8,7 @@ hidden/heads (Mistral Nemo).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.hf_config import (
@@ -21,12 +21,17 @@ from dew.families.hf_config import (
 )
 from dew.families.llama import gated_silu
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "MistralForCausalLM"
 
 
-def layer_fields(config: Any, architecture: str, theta: float) -> dict[str, Any]:
+def layer_fields(config: Mapping[str, Any], architecture: str, theta: float) -> dict[str, Any]:
     """Mistral's layer read from config (Mixtral's too, whose rope base defaults higher)."""
     params, where = rope_parameters(config)
     fields = common_fields(config)
@@ -35,7 +40,7 @@ def layer_fields(config: Any, architecture: str, theta: float) -> dict[str, Any]
             **window_fields(config.get("sliding_window"), None, fields["num_layers"])}
 
 
-def layer_config(model: Any, architecture: str, model_type: str) -> dict[str, Any]:
+def layer_config(model: Module, architecture: str, model_type: str) -> dict[str, Any]:
     """Mistral's layer as config.json fields: one window for every layer, or none."""
     windows = {window for window, _, _ in model._layer_parts()}
     window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
@@ -43,11 +48,11 @@ def layer_config(model: Any, architecture: str, model_type: str) -> dict[str, An
             "hidden_act": "silu", "sliding_window": window}
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     return layer_fields(config, ARCHITECTURE, theta=10_000.0)
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return layer_config(model, ARCHITECTURE, "mistral")
 
 

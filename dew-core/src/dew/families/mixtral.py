@@ -9,24 +9,29 @@ transformers' training inputs only and changes nothing the model computes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import builder
 from dew.families.mistral import layer_config, layer_fields
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "MixtralForCausalLM"
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**layer_fields(config, ARCHITECTURE, theta=1_000_000.0), "mlp_block": "routed", "experts": int(config.get("num_local_experts", 8)),
             "experts_per_token": int(config.get("num_experts_per_tok", 2)), "routing": Routing()}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return {**layer_config(model, ARCHITECTURE, "mixtral"), "num_local_experts": model.experts,
             "num_experts_per_tok": model.experts_per_token, "router_jitter_noise": 0.0,
             "router_aux_loss_coef": 0.02, "output_router_logits": False}

@@ -8,7 +8,7 @@ per head. ``attention_bias`` puts a bias on q/k/v/o.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.hf_config import (
@@ -20,12 +20,17 @@ from dew.families.hf_config import (
 )
 from dew.families.llama import gated_silu
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "Olmo2ForCausalLM"
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     bias = bool(config.get("attention_bias", False))
     return {**common_fields(config), **gated_silu(config, ARCHITECTURE),
@@ -33,7 +38,7 @@ def read(config: Any) -> dict[str, Any]:
             "norm_placement": "post", "qk_norm": "projection", "qkv_bias": bias, "out_bias": bias}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return {**common_config(model, ARCHITECTURE, "olmo2"), **flat_rope_config(model),
             "hidden_act": "silu", "attention_bias": bool(model.qkv_bias)}
 

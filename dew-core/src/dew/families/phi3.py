@@ -11,7 +11,7 @@ frequencies by the sequence's length and is refused, naming the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.hf_config import (
@@ -25,12 +25,17 @@ from dew.families.hf_config import (
 )
 from dew.families.llama import gated_silu
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "Phi3ForCausalLM"
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind != "default":  # transformers reads Phi-3's "su" and "yarn" as LongRoPE
@@ -42,7 +47,7 @@ def read(config: Any) -> dict[str, Any]:
             **window_fields(config.get("sliding_window"), None, fields["num_layers"])}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     windows = {window for window, _, _ in model._layer_parts()}
     window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
     return {**common_config(model, ARCHITECTURE, "phi3"), **flat_rope_config(model),

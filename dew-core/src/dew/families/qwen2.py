@@ -9,7 +9,7 @@ checkpoints rescale rotary frequencies with YaRN.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.hf_config import (
@@ -24,12 +24,17 @@ from dew.families.hf_config import (
 )
 from dew.families.llama import gated_silu
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY", "qwen_windows", "qwen_window_config"]
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 
 
-def qwen_windows(config: Any, count: int) -> dict[str, Any]:
+def qwen_windows(config: Mapping[str, Any], count: int) -> dict[str, Any]:
     """Qwen's sliding window: on layers max_window_layers.. when use_sliding_window, or as listed."""
     if not config.get("use_sliding_window", False):
         return window_fields(None, None, count)
@@ -41,7 +46,7 @@ def qwen_windows(config: Any, count: int) -> dict[str, Any]:
     return window_fields(window, listed, count)
 
 
-def qwen_window_config(model: Any) -> dict[str, Any]:
+def qwen_window_config(model: Module) -> dict[str, Any]:
     """use_sliding_window, sliding_window, max_window_layers and layer_types for model."""
     types = layer_types(model)
     sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
@@ -52,7 +57,7 @@ def qwen_window_config(model: Any) -> dict[str, Any]:
     return out
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     fields = common_fields(config)
     return {**fields, **gated_silu(config, ARCHITECTURE),
@@ -60,7 +65,7 @@ def read(config: Any) -> dict[str, Any]:
             **qwen_windows(config, fields["num_layers"]), "qkv_bias": True}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return {**common_config(model, ARCHITECTURE, "qwen2"), **flat_rope_config(model),
             **qwen_window_config(model), "hidden_act": "silu"}
 

@@ -7,7 +7,7 @@ bias on q/k/v/o. The sliding-window settings are Qwen 2's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family, builder
 from dew.families.hf_config import (
@@ -20,12 +20,17 @@ from dew.families.hf_config import (
 from dew.families.llama import gated_silu
 from dew.families.qwen2 import qwen_window_config, qwen_windows
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
 
-def layer_fields(config: Any, architecture: str) -> dict[str, Any]:
+def layer_fields(config: Mapping[str, Any], architecture: str) -> dict[str, Any]:
     """Qwen 3's layer read from config (Qwen 3 MoE's attention too)."""
     params, where = rope_parameters(config)
     fields = common_fields(config, head_dim_default=128)
@@ -36,17 +41,17 @@ def layer_fields(config: Any, architecture: str) -> dict[str, Any]:
             "out_bias": bias}
 
 
-def layer_config(model: Any, architecture: str, model_type: str) -> dict[str, Any]:
+def layer_config(model: Module, architecture: str, model_type: str) -> dict[str, Any]:
     """Qwen 3's layer as config.json fields."""
     return {**common_config(model, architecture, model_type), **flat_rope_config(model),
             **qwen_window_config(model), "hidden_act": "silu", "attention_bias": bool(model.qkv_bias)}
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     return layer_fields(config, ARCHITECTURE)
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     return layer_config(model, ARCHITECTURE, "qwen3")
 
 

@@ -10,19 +10,24 @@ skips it; those layers have a dense block of ``intermediate_size``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import builder
 from dew.families.qwen3 import layer_config, layer_fields
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from flax.linen import Module
+
 __all__ = ["FAMILY"]
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
-def read(config: Any) -> dict[str, Any]:
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
     fields = layer_fields(config, ARCHITECTURE)
     count = fields["num_layers"]
     experts = int(config.get("num_experts", config.get("num_local_experts", 128)))  # transformers 5 writes the latter
@@ -36,7 +41,7 @@ def read(config: Any) -> dict[str, Any]:
             "routing": routing if experts else None, "dense_layers": dense if experts else ()}
 
 
-def write(model: Any) -> dict[str, Any]:
+def write(model: Module) -> dict[str, Any]:
     routing = model.routing or Routing()
     return {**layer_config(model, ARCHITECTURE, "qwen3_moe"), "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
             "moe_intermediate_size": routing.hidden_features or model.mlp_features,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.families.base import Family
 from dew.families.convert import (
@@ -27,6 +27,9 @@ from dew.families.convert import (
     same,
     transposed,
 )
+
+if TYPE_CHECKING:
+    from flax.linen import Module
 
 __all__ = ["ExpertNames", "RoutedFamily", "routed_table"]
 
@@ -50,7 +53,7 @@ class ExpertNames:
     shared_gate: str | None = None
 
 
-def routed_table(model: Any, names: ExpertNames) -> dict[str, Entry]:
+def routed_table(model: Module, names: ExpertNames) -> dict[str, Entry]:
     """Every tensor of model's Hugging Face layout, routed layers and latent attention included."""
     out = dense_table(model)
     routed = [i for i in range(model.num_layers) if model._mlp_of(i)["mlp_block"] == "routed"]
@@ -99,7 +102,7 @@ def routed_table(model: Any, names: ExpertNames) -> dict[str, Entry]:
     return out
 
 
-def _latent_entries(add: Any, model: Any, hf: str, attention: Path) -> None:
+def _latent_entries(add: Any, model: Module, hf: str, attention: Path) -> None:
     """DeepSeek's attention tensors (``self_attn.q_a_proj`` ...) against LatentAttention's."""
     shape, embed, heads = model.latent, model.emb_features, model.num_heads
     qk = shape.qk_nope_head_features + shape.qk_rope_head_features
@@ -138,6 +141,6 @@ class RoutedFamily(Family):
 
     names: ExpertNames = ExpertNames()
 
-    def table(self, model: Any) -> dict[str, Entry]:
+    def table(self, model: Module) -> dict[str, Entry]:
         """The converter table of model in this family's layout."""
         return routed_table(model, self.names)

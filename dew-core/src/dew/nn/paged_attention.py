@@ -47,13 +47,18 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dew.nn import sharding as axes
+
+if TYPE_CHECKING:
+    from jax.tree_util import KeyPath
+
+    from dew.typing import PyTree
 
 __all__ = [
     "LATENT_POOL_NAMES",
@@ -163,14 +168,14 @@ def update(module: nn.Module, k: jax.Array, v: jax.Array,
     return keys, values, slots
 
 
-def copy_blocks(cache: Any, source: jax.Array, target: jax.Array) -> Any:
+def copy_blocks(cache: PyTree, source: jax.Array, target: jax.Array) -> PyTree:
     """cache with block target[i] of every pool a copy of block source[i] (copy-on-write).
 
     Pairs whose target is out of range (the pool's size) are skipped, so a fixed
     number of pairs can be passed padded. A stacked pool (scanned layers,
     [layers, blocks, ...]) is copied in every layer.
     """
-    def one(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
+    def one(path: KeyPath, leaf: jax.Array) -> jax.Array:
         if not (isinstance(path[-1], jax.tree_util.DictKey) and path[-1].key in POOL_NAMES):
             return leaf
         lead = (slice(None),) * (leaf.ndim - 4)

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.nn.sharding import constrain
+from dew.typing import PyTree
 
 __all__ = [
     "SCHEDULES",
@@ -203,9 +204,9 @@ class StackSession:
     """
 
     mode: Literal["capture", "inject", "stage"]
-    value: Any = None
-    found: tuple[Any, ...] | None = None
-    result: Any = None
+    value: PyTree = None
+    found: tuple[PyTree, ...] | None = None
+    result: PyTree = None
     calls: int = 0
 
 
@@ -214,7 +215,7 @@ _SESSION: contextvars.ContextVar[StackSession | None] = contextvars.ContextVar("
 
 
 @contextlib.contextmanager
-def stack_session(mode: Literal["capture", "inject", "stage"], value: Any = None) -> Iterator[StackSession]:
+def stack_session(mode: Literal["capture", "inject", "stage"], value: PyTree = None) -> Iterator[StackSession]:
     """Run the scanned stacks traced inside this block as session says (see StackSession)."""
     session = StackSession(mode, value)
     token = _SESSION.set(session)
@@ -296,11 +297,11 @@ def run_stack(
         )
     per_stage = num_layers // stages
 
-    def to_stages(tree: Any) -> Any:  # boxes dropped: the stages read plain arrays
+    def to_stages(tree: PyTree) -> PyTree:  # boxes dropped: the stages read plain arrays
         return jax.tree.map(lambda a: a.reshape(stages, per_stage, *a.shape[1:]),
                             nn.meta.unbox(tree))
 
-    def from_stages(tree: Any) -> Any:
+    def from_stages(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda a: a.reshape(num_layers, *a.shape[2:]), tree)
 
     stage_scan = nn.scan(body, length=per_stage,
@@ -400,7 +401,7 @@ def _gpipe(stack: nn.Module, stages: int, count: int, x: jax.Array, positions: j
     return join_microbatches(finished_nbtd[stages - 1:])
 
 
-def unstack_layers(params: Mapping[str, Any], num_layers: int, name: str = "layers") -> dict[str, Any]:
+def unstack_layers(params: Mapping[str, PyTree], num_layers: int, name: str = "layers") -> dict[str, PyTree]:
     """params with the stack under name split into num_layers entries name_0, name_1, ...
 
     The tree an unscanned model of the same configuration holds, which is
@@ -418,7 +419,7 @@ def unstack_layers(params: Mapping[str, Any], num_layers: int, name: str = "laye
     return out
 
 
-def stack_layers(params: Mapping[str, Any], num_layers: int, name: str = "layers") -> dict[str, Any]:
+def stack_layers(params: Mapping[str, PyTree], num_layers: int, name: str = "layers") -> dict[str, PyTree]:
     """The inverse of unstack_layers: name_0 ... name_{n-1} stacked into one entry name.
 
     >>> import numpy as np

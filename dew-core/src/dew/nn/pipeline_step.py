@@ -34,7 +34,7 @@ auxiliary outputs and the gradients are summed over the microbatches.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -51,21 +51,25 @@ from dew.nn.pipeline import (
 )
 from dew.nn.sharding import constrain
 from dew.nn.timetable import Timetable, timetable
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.nn.pipeline import StackSession
 
 __all__ = ["pipelined_gradients"]
 
-Loss = Callable[[Any, Any], tuple[jax.Array, Any]]
+Loss = Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]
 _STATE = (axes.LAYERS, axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
 _STASH = (axes.LAYERS, None, axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
 
 
-def _add(a: Any, b: Any) -> Any:
+def _add(a: PyTree, b: PyTree) -> PyTree:
     return jax.tree.map(jnp.add, a, b)
 
 
-def _cut(batch: Any, count: int) -> Any:
+def _cut(batch: PyTree, count: int) -> PyTree:
     """Every leaf with rows as [count, rows // count, ...] (scalars stay whole)."""
-    def one(a: Any) -> Any:
+    def one(a: PyTree) -> PyTree:
         a = jnp.asarray(a)
         if a.ndim == 0:
             return a
@@ -79,12 +83,12 @@ def _cut(batch: Any, count: int) -> Any:
     return jax.tree.map(one, batch)
 
 
-def _rows(cut: Any, index: Any) -> Any:
+def _rows(cut: PyTree, index: PyTree) -> PyTree:
     """Microbatch index (a traced integer) of a cut batch."""
     return jax.tree.map(lambda a: a if a.ndim == 0 else jax.lax.dynamic_index_in_dim(a, index, 0, False), cut)
 
 
-def _found(session: Any) -> tuple[Any, ...]:
+def _found(session: StackSession) -> tuple[PyTree, ...]:
     if session.found is None:
         raise StackSessionError(
             "A 1F1B pipeline schedule cuts the model's scanned layer stack into stages, but the loss ran "
@@ -92,22 +96,22 @@ def _found(session: Any) -> tuple[Any, ...]:
     return session.found
 
 
-def _pick(tree: Any, index: jax.Array) -> Any:
+def _pick(tree: PyTree, index: jax.Array) -> PyTree:
     """Per device (leading axis), the entry index[device] of the next axis."""
     return jax.tree.map(lambda a: jax.vmap(lambda row, i: row[i])(a, index), tree)
 
 
-def _put(tree: Any, index: jax.Array, update: Any) -> Any:
+def _put(tree: PyTree, index: jax.Array, update: PyTree) -> PyTree:
     """Per device, tree[device, index[device]] += update[device]."""
     return jax.tree.map(lambda a, u: jax.vmap(lambda row, i, v: row.at[i].add(v))(a, index, u), tree, update)
 
 
-def _stash_write(stash: Any, slot: jax.Array, value: Any) -> Any:
+def _stash_write(stash: PyTree, slot: jax.Array, value: PyTree) -> PyTree:
     return jax.tree.map(lambda s, v: jax.vmap(lambda row, i, x: row.at[i].set(x))(s, slot, v), stash, value)
 
 
-def pipelined_gradients(loss: Loss, params: Any, batch: Any,
-                        schedule: PipelineSchedule) -> tuple[Any, tuple[jax.Array, Any]]:
+def pipelined_gradients(loss: Loss, params: PyTree, batch: PyTree,
+                        schedule: PipelineSchedule) -> tuple[PyTree, tuple[jax.Array, PyTree]]:
     """The gradient of the summed loss over params, and (the summed loss, the summed aux).
 
     loss(params, rows) -> (scalar, aux) scores a batch of rows; schedule is
@@ -118,22 +122,22 @@ def pipelined_gradients(loss: Loss, params: Any, batch: Any,
     cut = _cut(batch, count)
     first = _rows(cut, 0)
 
-    def embed(p: Any, rows: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+    def embed(p: PyTree, rows: PyTree) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
         with stack_session("capture") as session:
             loss(p, rows)
         x, where, segments, _ = _found(session)
         return x, (where, segments)
 
-    def stack_of(p: Any) -> Any:
+    def stack_of(p: PyTree) -> PyTree:
         with stack_session("capture") as session:
             loss(p, first)
         return _found(session)[3]
 
-    def head(p: Any, rows: Any, y: jax.Array) -> tuple[jax.Array, Any]:
+    def head(p: PyTree, rows: PyTree, y: jax.Array) -> tuple[jax.Array, PyTree]:
         with stack_session("inject", y):
             return loss(p, rows)
 
-    def chunk(weights: Any, x: jax.Array, where: jax.Array, segments: Any) -> jax.Array:
+    def chunk(weights: PyTree, x: jax.Array, where: jax.Array, segments: PyTree) -> jax.Array:
         with stack_session("stage", (weights, x, where, segments)) as session:
             loss(params, first)
         return session.result
@@ -170,23 +174,23 @@ def pipelined_gradients(loss: Loss, params: Any, batch: Any,
     }
     stage_forward = jax.vmap(chunk, spmd_axis_name="stage")
 
-    def stage_backward(weights: Any, x: jax.Array, where: jax.Array, segments: Any,
-                       cotangent: jax.Array) -> tuple[Any, jax.Array]:
+    def stage_backward(weights: PyTree, x: jax.Array, where: jax.Array, segments: PyTree,
+                       cotangent: jax.Array) -> tuple[PyTree, jax.Array]:
         _, back = jax.vjp(lambda w, h: chunk(w, h, where, segments), weights, x)
         return back(cotangent)
 
     stage_backward = jax.vmap(stage_backward, spmd_axis_name="stage")
     rows = _round_inputs(table)
 
-    def forward_half(c: dict[str, Any], now: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
+    def forward_half(c: dict[str, PyTree], now: dict[str, jax.Array]) -> tuple[dict[str, PyTree], jax.Array]:
         prev_x, prev_where, prev_segments = c["state"]  # only the segments may be absent
         x, where = jnp.roll(prev_x, 1, axis=0), jnp.roll(prev_where, 1, axis=0)
         segments = None if prev_segments is None else jnp.roll(prev_segments, 1, axis=0)
 
-        def fresh() -> tuple[jax.Array, tuple[Any, Any]]:
+        def fresh() -> tuple[jax.Array, tuple[PyTree, PyTree]]:
             return embed(params, _rows(cut, now["forward_microbatch"][0]))
 
-        def carried() -> tuple[jax.Array, tuple[Any, Any]]:
+        def carried() -> tuple[jax.Array, tuple[PyTree, PyTree]]:
             return x[0], (where[0], None if segments is None else segments[0])
 
         x0, (w0, s0) = jax.lax.cond(now["fresh"], fresh, carried)
@@ -199,19 +203,19 @@ def pipelined_gradients(loss: Loss, params: Any, batch: Any,
         held, *rest = stash
         c = {**c, "state": (y, where, segments), "stash": (constrain(held, _STASH), *rest)}
 
-        def scored(c: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
+        def scored(c: dict[str, PyTree]) -> tuple[dict[str, PyTree], jax.Array]:
             rows_now = _rows(cut, now["forward_microbatch"][-1])
             value, back, aux = jax.vjp(lambda p, h: head(p, rows_now, h), params, y[-1], has_aux=True)
             grads, gy = back(jnp.ones_like(value))
             return {**c, "grads": _add(c["grads"], grads), "value": c["value"] + value,
                     "aux": _add(c["aux"], aux)}, gy
 
-        def unscored(c: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
+        def unscored(c: dict[str, PyTree]) -> tuple[dict[str, PyTree], jax.Array]:
             return c, jnp.zeros(x0.shape, x0.dtype)
 
         return jax.lax.cond(now["finished"], scored, unscored, c)
 
-    def backward_half(c: dict[str, Any], now: dict[str, jax.Array], gy: jax.Array) -> dict[str, Any]:
+    def backward_half(c: dict[str, PyTree], now: dict[str, jax.Array], gy: jax.Array) -> dict[str, PyTree]:
         cotangent = jnp.roll(c["cotangent"], -1, axis=0)
         cotangent = constrain(cotangent.at[-1].set(jnp.where(now["finished"], gy, cotangent[-1])), _STATE)
         x, where, segments = _pick(c["stash"], now["backward_slot"])
@@ -222,14 +226,14 @@ def pipelined_gradients(loss: Loss, params: Any, batch: Any,
         c = {**c, "cotangent": constrain(dx, _STATE),
              "stack_grads": _put(c["stack_grads"], now["backward_lap"], dweights)}
 
-        def returned(c: dict[str, Any]) -> dict[str, Any]:
+        def returned(c: dict[str, PyTree]) -> dict[str, PyTree]:
             rows_now = _rows(cut, now["backward_microbatch"][0])
             _, back = jax.vjp(lambda p: embed(p, rows_now)[0], params)
             return {**c, "grads": _add(c["grads"], back(_whole_rows_if_uneven(dx[0]))[0])}
 
         return jax.lax.cond(now["returned"], returned, lambda c: c, c)
 
-    def one_round(c: dict[str, Any], now: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+    def one_round(c: dict[str, PyTree], now: dict[str, jax.Array]) -> tuple[dict[str, PyTree], None]:
         zero = jnp.zeros(x0.shape, x0.dtype)
         c, gy = jax.lax.cond(now["forwards"], forward_half, lambda c, now: (c, zero), c, now)
         c = jax.lax.cond(now["backwards"], backward_half, lambda c, now, gy: c, c, now, gy)

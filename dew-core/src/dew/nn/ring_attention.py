@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -47,6 +47,9 @@ from jax.sharding import PartitionSpec
 
 from dew.errors import DewError
 from dew.nn import sharding as axes
+
+if TYPE_CHECKING:
+    from dew.typing import PyTree
 
 __all__ = ["RingAttentionError", "ring_attention", "sequence_shards", "zigzag_order"]
 
@@ -162,7 +165,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array, segments
     return _forward(q, k, v, index, segments, axis, shards, scale, window)[0]
 
 
-def _shift(tree: Any, axis: tuple[str, ...], shards: int) -> Any:
+def _shift(tree: PyTree, axis: tuple[str, ...], shards: int) -> PyTree:
     """Every device's tree to the next device of the sequence ring."""
     ring = [(i, (i + 1) % shards) for i in range(shards)]
     return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), tree)

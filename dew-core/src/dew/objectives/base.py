@@ -33,12 +33,15 @@ import numpy as np
 from flax import linen as nn
 
 from dew.data.base import Tokenizer
+from dew.typing import PyTree
 
 # The class's annotations resolve at run time (a registry reads a subclass's type hints, its
 # base's included); the trainer's types, named in the seams' signatures only, need not.
 if TYPE_CHECKING:
+    from dew.telemetry.artifacts import Artifact
     from dew.training.initializers import Initializer, WeightSource
     from dew.training.protocols import Rollout
+    from dew.training.state import TrainState
 
 if TYPE_CHECKING:
     from dew.objectives.inference import Pipeline
@@ -60,8 +63,8 @@ __all__ = [
     "under",
 ]
 
-Variables = Mapping[str, Any]
-Batch = Mapping[str, Any]
+Variables = Mapping[str, PyTree]  # collections ('params', ...) of nested arrays
+Batch = Mapping[str, jax.Array]  # what a loss reads, inside the compiled step
 Loss = TypeVar("Loss")
 Effects = TypeVar("Effects")
 
@@ -79,7 +82,7 @@ class Mean:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Mean: ...
+        def replace(self, **changes: object) -> Mean: ...
 
     total: jax.Array
     count: jax.Array
@@ -112,9 +115,9 @@ class Aux:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Aux: ...
+        def replace(self, **changes: object) -> Aux: ...
 
-    metrics: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, Mean | jax.Array] = field(default_factory=dict)
     updates: Variables | None = None
 
 
@@ -128,7 +131,7 @@ class Step:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Step: ...
+        def replace(self, **changes: object) -> Step: ...
 
     step: jax.Array
     microstep: jax.Array
@@ -138,10 +141,10 @@ class Step:
     training: bool = flax.struct.field(pytree_node=False, default=True)
 
 
-LeafFilter = Callable[[tuple[str, ...], Any], bool]
+LeafFilter = Callable[[tuple[str, ...], PyTree], bool]
 
 
-def everything(path: tuple[str, ...], leaf: Any) -> bool:
+def everything(path: tuple[str, ...], leaf: PyTree) -> bool:
     """Accept every leaf."""
     return True
 
@@ -157,7 +160,7 @@ def under(prefix: str | Sequence[str]) -> LeafFilter:
     """
     parts = tuple(p for p in prefix.split("/") if p) if isinstance(prefix, str) else tuple(prefix)
 
-    def accept(path: tuple[str, ...], leaf: Any) -> bool:
+    def accept(path: tuple[str, ...], leaf: PyTree) -> bool:
         return tuple(path[: len(parts)]) == parts
 
     accept.__name__ = f"under({'/'.join(parts)!r})"
@@ -243,7 +246,7 @@ class MeanMetric:
     def empty(self) -> tuple[float, float]:
         return (0.0, 0.0)
 
-    def update(self, accumulator: tuple[float, float], outputs: Mapping[str, Any]) -> tuple[float, float]:
+    def update(self, accumulator: tuple[float, float], outputs: Mapping[str, PyTree]) -> tuple[float, float]:
         value = outputs[self.output or self.name]
         if isinstance(value, Mean):
             total, count = float(np.sum(value.total)), float(np.sum(value.count))
@@ -306,23 +309,23 @@ class Objective(Generic[Loss, Effects]):
         """Return the loss as a Mean over this microbatch, and its Aux."""
         raise NotImplementedError(f"{type(self).__name__} must implement loss(variables, batch, step).")
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """Per-batch outputs a Metric reduces; by default the loss and its metrics as Means."""
         loss, aux = self.loss(variables, batch, step)
-        outputs: dict[str, Any] = {"loss": loss}
+        outputs: dict[str, PyTree] = {"loss": loss}
         for name, value in aux.metrics.items():
             outputs[name] = value if isinstance(value, Mean) else Mean(jnp.sum(value), jnp.asarray(jnp.size(value), jnp.float32))
         return outputs
 
-    def preview(self, variables: Variables, key: jax.Array) -> Any:
-        """A sample to show a person (an Artifact), or None."""
+    def preview(self, variables: Variables, key: jax.Array) -> Artifact | Sequence[Artifact] | None:
+        """A sample to show a person (an Artifact, or several), or None."""
         return None
 
     def metrics(self) -> Sequence[Metric]:
         """The validation metrics evaluate's outputs support; () reports every Mean it returns."""
         return ()
 
-    def pipeline(self, state: Any) -> Pipeline:
+    def pipeline(self, state: TrainState | Variables) -> Pipeline:
         """The inference task of state's weights (a TrainState, its EMA copy when kept, or variables).
 
         Every command (generate, eval, embed, export) goes through it; an
@@ -347,11 +350,11 @@ class Objective(Generic[Loss, Effects]):
         outside the vocabulary, for example). Keep it cheap.
         """
 
-    def tokens(self, batch: Mapping[str, Any]) -> int | None:
+    def tokens(self, batch: Mapping[str, jax.ShapeDtypeStruct]) -> int | None:
         """Tokens one global batch of these shapes trains on, for throughput (None: not token data)."""
         return None
 
-    def flops(self, batch: Mapping[str, Any]) -> float | None:
+    def flops(self, batch: Mapping[str, jax.ShapeDtypeStruct]) -> float | None:
         """Model FLOPs of one training step (forward and backward) on a global batch of these
         shapes, for the MFU estimate; None when the model does not say."""
         return None

@@ -24,14 +24,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from dew.errors import DewError
 
 if TYPE_CHECKING:
     import numpy as np
+    from numpy.typing import ArrayLike
 
+    from dew.objectives.base import Variables
     from dew.pretrained.model import Pretrained
+    from dew.training.state import TrainState
 
 __all__ = [
     "Generated",
@@ -143,11 +146,11 @@ class Pipeline:
         """Samples for request: texts and/or files under request.out."""
         raise UnsupportedRequestError(f"{self.name} makes no samples; {self.instead_of('generate')}")
 
-    def embed(self, inputs: Any) -> np.ndarray:
+    def embed(self, inputs: ArrayLike) -> np.ndarray:
         """One vector per input, [N, features]."""
         raise UnsupportedRequestError(f"{self.name} makes no embeddings; {self.instead_of('embed')}")
 
-    def usage(self, run: Any) -> str:
+    def usage(self, run: object) -> str:
         """The command that uses run through this pipeline, as a person would type it."""
         return f"dew generate {run} INPUT..."
 
@@ -166,7 +169,7 @@ class Pipeline:
         return self.pretrained().save(directory, format=format)
 
 
-def variables_of(state: Any, ema: bool = True) -> Mapping[str, Any]:
+def variables_of(state: TrainState | Variables, ema: bool = True) -> Variables:
     """A TrainState's EMA copy (when kept and ema) or its parameters; a variables tree passes through.
 
     The decode cache a sampler may have left in the variables is dropped.

@@ -36,9 +36,22 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec, Sharding
+    from jax.tree_util import KeyPath
+    from jax.typing import DTypeLike
+
+    from dew.objectives.base import LeafFilter
+    from dew.recipes.config import RunConfig
+    from dew.recipes.run import Parts
+    from dew.training.placement.mesh import MeshSpec as _MeshSpec
+    from dew.training.state import TrainState
+    from dew.training.trainer import Trainer as _Trainer
+    from dew.typing import PyTree
 
 __all__ = ["CATEGORIES", "LeafBytes", "Plan", "PlanRefusedError", "make_plan", "per_device_bytes",
            "pipeline_figures"]
@@ -108,7 +121,7 @@ class Plan:
         return body
 
 
-def pipeline_figures(spec: Any) -> dict[str, Any] | None:
+def pipeline_figures(spec: _MeshSpec) -> dict[str, Any] | None:
     """A mesh spec's pipeline schedule in figures (None without stages): its kind, stages,
     microbatches and chunks per stage, the bubble, and the microbatch activations a stage holds at the
     peak, against GPipe's on the same stages and microbatches.
@@ -128,7 +141,7 @@ def pipeline_figures(spec: Any) -> dict[str, Any] | None:
             "gpipe_held": schedule.count + schedule.stages - 1}
 
 
-def per_device_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+def per_device_bytes(shape: tuple[int, ...], dtype: DTypeLike, sharding: Sharding) -> int:
     """Bytes one device holds of an array of shape and dtype under sharding."""
     import numpy as np
 
@@ -150,7 +163,7 @@ def _stderr_into(path: Path) -> Iterator[None]:
             os.close(saved)
 
 
-def _category(field_name: str, names: tuple[str, ...], leaf: Any, frozen: Any) -> str:
+def _category(field_name: str, names: tuple[str, ...], leaf: PyTree, frozen: LeafFilter | None) -> str:
     """A state leaf's part: trainable parameters, what the objective declares frozen (a LoRA base, a
     reference, a teacher, whatever collection it sits in), other variables, or a field's own."""
     if field_name == "params":
@@ -160,23 +173,23 @@ def _category(field_name: str, names: tuple[str, ...], leaf: Any, frozen: Any) -
     return {"opt_state": "optimizer", "ema": "ema", "window": "accumulation"}.get(field_name, "counters")
 
 
-def _spec(spec: Any) -> tuple[tuple[str, ...] | None, ...]:
+def _spec(spec: PartitionSpec) -> tuple[tuple[str, ...] | None, ...]:
     """A PartitionSpec as plain data: per dimension, the mesh axes it is split over (None: whole)."""
     return tuple(None if axes is None else (axes,) if isinstance(axes, str) else tuple(axes) for axes in spec)
 
 
-def _keys(path: tuple[Any, ...]) -> tuple[str, ...]:
+def _keys(path: KeyPath) -> tuple[str, ...]:
     import jax
 
     return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
 
 
-def _leaf_table(state: Any, batch: Mapping[str, Any], frozen: Any) -> list[LeafBytes]:
+def _leaf_table(state: TrainState, batch: Mapping[str, Any], frozen: LeafFilter | None) -> list[LeafBytes]:
     import jax
 
     table = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        field_name = str(getattr(path[0], "name", path[0]))
+        field_name = str(getattr(path[0], "name", path[0]))  # a JAX key entry: attribute ones have names
         category = _category(field_name, _keys(path[1:]), leaf, frozen)
         sharding = leaf.sharding
         table.append(LeafBytes(jax.tree_util.keystr(path), category, tuple(leaf.shape), str(leaf.dtype),
@@ -188,7 +201,7 @@ def _leaf_table(state: Any, batch: Mapping[str, Any], frozen: Any) -> list[LeafB
     return table
 
 
-def _replicated(trainer: Any) -> list[dict[str, Any]]:
+def _replicated(trainer: _Trainer) -> list[dict[str, Any]]:
     """The leaves the layout's tolerance counts, each with its bytes per device above perfect sharding."""
     import jax
     from flax import linen as nn
@@ -211,12 +224,13 @@ def _replicated(trainer: Any) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: row["perfect"] - row["bytes"])
 
 
-def _trainer(config: Any, parts: Any) -> Any:
+def _trainer(config: RunConfig, parts: Parts) -> Any:  # a Trainer; its compiled step is read as jax.stages.Compiled
     import jax
 
     from dew.recipes.run import run_optimizer
     from dew.training.trainer import Trainer
 
+    assert parts.dataset is not None  # build_parts loads the data unless asked not to
     steps = config.trainer.fit_arguments(parts.dataset.steps_per_epoch)["steps"]
     # The rollout an objective declares (Objective.rollout), as a recipe's run builds it; weights are not read.
     return Trainer.from_config(config.trainer, parts.objective, run_optimizer(config, steps),
@@ -244,7 +258,7 @@ def _always_compiling() -> Iterator[None]:
         reset_cache()
 
 
-def make_plan(config: Any, recipe: str) -> Plan:
+def make_plan(config: RunConfig, recipe: str) -> Plan:
     """Plan one step of config on this interpreter's devices (see the module docstring)."""
     import jax
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,16 @@ from dew.pretrained.tensors import WEIGHTS, ShardWriter, TensorFiles, write_tens
 from dew.pretrained.tokenizers import TokenizerFiles, read_tokenizer, write_tokenizer
 from dew.pretrained.writing import replacing
 
+if TYPE_CHECKING:
+    from flax.linen import Module
+    from jax import Array
+    from jax.sharding import Sharding
+    from jax.typing import DTypeLike
+    from numpy.typing import ArrayLike
+
+    from dew.objectives.inference import Pipeline
+    from dew.typing import PyTree
+
 __all__ = ["CONFIG_FILE", "MAX_SHARD_BYTES", "Pretrained", "check_vocabulary", "model_from_config"]
 
 CONFIG_FILE = "config.json"
@@ -53,7 +63,7 @@ MAX_SHARD_BYTES = 5 * 2**30
 
 
 def model_from_config(config: Mapping[str, Any], *, max_seq_len: int | None = None,
-                      param_dtype: Any = None, dtype: Any = None) -> Any:
+                      param_dtype: DTypeLike | None = None, dtype: DTypeLike | None = None) -> Module:
     """The CausalTransformer a Hugging Face config.json describes, through its family.
 
     Raises UnsupportedArchitectureError (naming the architecture and the
@@ -66,7 +76,7 @@ def model_from_config(config: Mapping[str, Any], *, max_seq_len: int | None = No
                                     dtype=dtype)
 
 
-def check_vocabulary(tokenizer: Any, model: Any) -> None:
+def check_vocabulary(tokenizer: object, model: Module) -> None:
     """Refuse a tokenizer whose ids reach past the model's embedding table."""
     # Any flax Module and any tokenizer: one that does not say its vocabulary is not checked.
     have = getattr(model, "vocab_size", None)
@@ -79,7 +89,7 @@ def check_vocabulary(tokenizer: Any, model: Any) -> None:
         )
 
 
-def _fetch(leaf: Any) -> np.ndarray:
+def _fetch(leaf: ArrayLike) -> np.ndarray:
     """One array whole on the host: gathered from every process of a pool (each must call
     this, in the same order), or copied from local devices."""
     import jax
@@ -90,7 +100,7 @@ def _fetch(leaf: Any) -> np.ndarray:
     return np.asarray(jax.device_get(leaf))
 
 
-def _host(tree: Any) -> Any:
+def _host(tree: PyTree) -> PyTree:
     """tree's arrays whole on the host, Flax's partitioning boxes removed."""
     import flax.linen as nn
     import jax
@@ -98,7 +108,7 @@ def _host(tree: Any) -> Any:
     return jax.tree.map(_fetch, nn.meta.unbox(tree))
 
 
-def _placement(shardings: Any) -> Callable[[tuple[str, ...]], Any]:
+def _placement(shardings: PyTree) -> Callable[[tuple[str, ...]], PyTree]:
     """Where each loaded parameter goes: its sharding in shardings (a tree like the variables'
     or their params'), or the default device when shardings is None or has no such path."""
     if shardings is None:
@@ -110,7 +120,7 @@ def _placement(shardings: Any) -> Callable[[tuple[str, ...]], Any]:
     return lambda path: _at(tree, path)
 
 
-def _put(array: np.ndarray, dtype: Any, sharding: Any) -> Any:
+def _put(array: np.ndarray, dtype: DTypeLike, sharding: Sharding | None) -> Array:
     """array, a view of file pages about to be released, copied onto the devices in dtype: its
     sharding's, else the default device's, in one pass over its bytes when no cast is asked. A
     transposed view is left to device_put, whose transposing copy is far faster than numpy's; a
@@ -137,8 +147,8 @@ def _aligned_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return copy
 
 
-def _at(params: Mapping[str, Any], path: tuple[str, ...]) -> Any:
-    node: Any = params
+def _at(params: Mapping[str, PyTree], path: tuple[str, ...]) -> PyTree:
+    node: PyTree = params
     for part in path:
         if not isinstance(node, Mapping) or part not in node:
             return None
@@ -171,8 +181,8 @@ class Pretrained:
     True
     """
 
-    model: Any
-    variables: Mapping[str, Any]
+    model: Module
+    variables: Mapping[str, PyTree]
     tokenizer: Any = None
     task: Mapping[str, Any] | None = None
     tokenizer_files: TokenizerFiles | None = None
@@ -299,7 +309,7 @@ class Pretrained:
     def _token_ids(self) -> dict[str, Any]:
         """config.json's special-token ids: those the source directory had, else the tokenizer's eos."""
         ids: dict[str, Any] = {}
-        eos = getattr(self.tokenizer, "eos_id", None)
+        eos = getattr(self.tokenizer, "eos_id", None)  # any tokenizer: it may have none
         if eos is not None:
             ids["eos_token_id"] = int(eos)
         if self.tokenizer_files is not None:
@@ -320,7 +330,7 @@ class Pretrained:
             (fresh / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return target
 
-    def pipeline(self, **fields: Any) -> Any:
+    def pipeline(self, **fields: Any) -> Pipeline:
         """The task's pipeline over these weights: its objective built again, then ``pipeline``.
 
         fields override the recorded objective fields (a tokenizer the
@@ -360,8 +370,8 @@ class Pretrained:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, max_seq_len: int | None = None,
-             param_dtype: Any = None, dtype: Any = None, scan_layers: bool = False,
-             shardings: Any = None) -> Pretrained:
+             param_dtype: DTypeLike | None = None, dtype: DTypeLike | None = None, scan_layers: bool = False,
+             shardings: PyTree = None) -> Pretrained:
         """Read a directory Pretrained.save or transformers' save_pretrained wrote.
 
         A directory in dew's own layout comes back as it was saved, task
@@ -422,7 +432,7 @@ class Pretrained:
         for name in table:
             check_float_dtype(files.files[name], name, stored[name])
         place = _placement(None if scan_layers else shardings)
-        params: dict[str, Any] = {}
+        params: dict[str, PyTree] = {}
         experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one
         for entry in table.values():
             if entry.index is not None:
@@ -465,14 +475,14 @@ class Pretrained:
         return cls(model, {"params": params}, tokenizer, None, kept)
 
 
-def _params_of(shardings: Any) -> Any:
+def _params_of(shardings: PyTree) -> PyTree:
     import flax.linen as nn
 
     tree = nn.meta.unbox(shardings)
     return tree.get("params", tree) if isinstance(tree, Mapping) else tree
 
 
-def _check_tensors(source: Path, architecture: str, model: Any, table: Mapping[str, Any],
+def _check_tensors(source: Path, architecture: str, model: Module, table: Mapping[str, Any],
                    found: Mapping[str, tuple[int, ...]]) -> None:
     """Refuse a missing, left-over or misshapen tensor, naming its key and both shapes."""
     missing = sorted(set(table) - set(found))

@@ -29,7 +29,12 @@ import numpy as np
 from dew.pretrained.errors import PretrainedError, TensorMismatchError
 
 if TYPE_CHECKING:
+    from flax.linen import Module
+    from numpy.typing import ArrayLike
+
+    from dew.data.base import Tokenizer
     from dew.pretrained.model import Pretrained
+    from dew.typing import PyTree
 
 __all__ = ["FORMAT", "component_fields", "objective_pretrained", "registered_name", "read_variables",
            "shapes_of", "tensors_of", "unflatten"]
@@ -39,7 +44,7 @@ VERSION = 1
 _SKIPPED = {"parent", "name", "model", "tokenizer", "ema"}
 
 
-def registered_name(group: str, component: Any) -> str:
+def registered_name(group: str, component: object) -> str:
     """The name component's class is registered under in group (dew.models, dew.objectives)."""
     from dew import registry
 
@@ -79,7 +84,7 @@ def component_fields(component: Any) -> dict[str, Any]:
     return out
 
 
-def objective_pretrained(objective: Any, variables: Mapping[str, Any]) -> Pretrained:
+def objective_pretrained(objective: Any, variables: Mapping[str, PyTree]) -> Pretrained:
     """objective's model and tokenizer with variables, the objective kept as their task: what a
     pipeline built from an objective exports, for ``Pretrained.pipeline()`` to build it again."""
     import flax.linen as nn
@@ -90,7 +95,7 @@ def objective_pretrained(objective: Any, variables: Mapping[str, Any]) -> Pretra
     return Pretrained(objective.model, nn.meta.unbox(variables), objective.tokenizer, task)
 
 
-def tensors_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+def tensors_of(variables: Mapping[str, PyTree], prefix: str = "") -> dict[str, np.ndarray]:
     """Every leaf of a (host) variables tree by its '/'-joined path."""
     out: dict[str, np.ndarray] = {}
     for key, value in variables.items():
@@ -102,7 +107,7 @@ def tensors_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, np.n
     return out
 
 
-def shapes_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
+def shapes_of(variables: Mapping[str, PyTree], prefix: str = "") -> dict[str, tuple[int, ...]]:
     """Every leaf's shape by its '/'-joined path; the leaves may be abstract (jax.eval_shape's)."""
     out: dict[str, tuple[int, ...]] = {}
     for key, value in variables.items():
@@ -114,9 +119,9 @@ def shapes_of(variables: Mapping[str, Any], prefix: str = "") -> dict[str, tuple
     return out
 
 
-def unflatten(arrays: Mapping[str, Any]) -> dict[str, Any]:
+def unflatten(arrays: Mapping[str, ArrayLike]) -> dict[str, PyTree]:
     """The variables tree whose '/'-joined leaf paths are arrays' names."""
-    tree: dict[str, Any] = {}
+    tree: dict[str, PyTree] = {}
     for path, value in arrays.items():
         node = tree
         *parents, leaf = path.split("/")
@@ -126,7 +131,7 @@ def unflatten(arrays: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def config_of(model: Any, task: Mapping[str, Any] | None, tokenizer: Any) -> dict[str, Any]:
+def config_of(model: Module, task: Mapping[str, Any] | None, tokenizer: Tokenizer | None) -> dict[str, Any]:
     """config.json's content for model (the tokenizer entry is added by the writer)."""
     return {
         "format": FORMAT, "version": VERSION,
@@ -135,7 +140,7 @@ def config_of(model: Any, task: Mapping[str, Any] | None, tokenizer: Any) -> dic
     }
 
 
-def build_model(config: Mapping[str, Any], source: Path) -> Any:
+def build_model(config: Mapping[str, Any], source: Path) -> Module:
     """The model config.json describes, built through the dew.models registry."""
     from dew import models
 
@@ -152,7 +157,7 @@ def build_model(config: Mapping[str, Any], source: Path) -> Any:
     return models.build(entry["name"], **fields)
 
 
-def read_variables(source: Path) -> dict[str, Any]:
+def read_variables(source: Path) -> dict[str, PyTree]:
     """Every tensor of source's model.safetensors, as the variables tree its names spell."""
     import jax.numpy as jnp
 

@@ -27,7 +27,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,13 @@ from dew.pretrained.errors import (
     TensorMismatchError,
 )
 from dew.pretrained.tensors import write_tensors
+
+if TYPE_CHECKING:
+    from flax.linen import Module
+
+    from dew.adapters.lora import Lora
+    from dew.objectives.base import Variables
+    from dew.typing import PyTree
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterBaseMismatchError", "load_adapters", "save_adapters"]
 
@@ -51,7 +58,7 @@ class AdapterBaseMismatchError(PretrainedError):
     """Adapters trained on one base model offered to another (their base digests differ)."""
 
 
-def _adapted(model: Any) -> dict[tuple[str, ...], str]:
+def _adapted(model: Module) -> dict[tuple[str, ...], str]:
     """dew path of each Linear weight of model's family -> its PEFT module name
     (``model.layers.0.self_attn.q_proj``); a fused Linear (Phi-3's qkv_proj) has none, since
     one PEFT adapter there cannot hold dew's separate ones."""
@@ -61,7 +68,7 @@ def _adapted(model: Any) -> dict[tuple[str, ...], str]:
             if name.endswith("_proj.weight") and len(entry.paths) == 1}
 
 
-def _fused(model: Any) -> dict[tuple[str, ...], str]:
+def _fused(model: Module) -> dict[tuple[str, ...], str]:
     """dew path of each weight that model's family fuses with others -> the fused tensor's name."""
     from dew.families import of_model
 
@@ -69,7 +76,7 @@ def _fused(model: Any) -> dict[tuple[str, ...], str]:
             for path in entry.paths}
 
 
-def _adapter_paths(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def _adapter_paths(params: Mapping[str, PyTree], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """The path of every weight in params that has a LoRA adapter (its A)."""
     out: list[tuple[str, ...]] = []
     for key, value in params.items():
@@ -80,8 +87,8 @@ def _adapter_paths(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> l
     return out
 
 
-def _node(params: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any] | None:
-    node: Any = params
+def _node(params: Mapping[str, PyTree], path: tuple[str, ...]) -> Mapping[str, PyTree] | None:
+    node: PyTree = params
     for part in path[:-1]:
         if not isinstance(node, Mapping) or part not in node:
             return None
@@ -89,7 +96,7 @@ def _node(params: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any]
     return node if isinstance(node, Mapping) else None
 
 
-def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any], spec: Any,
+def save_adapters(directory: str | os.PathLike[str], model: Module, variables: Variables, spec: Lora,
                   *, base_name: str = "", force: bool = False) -> Path:
     """Write the adapters of variables (an adapted model's) as a PEFT LoRA directory; return it.
 
@@ -165,8 +172,8 @@ def save_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     return target
 
 
-def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any],
-                  *, spec: Any = None) -> dict[str, Any]:
+def load_adapters(directory: str | os.PathLike[str], model: Module, variables: Variables,
+                  *, spec: Lora | None = None) -> dict[str, PyTree]:
     """variables (an adapted model's, on its base) with the adapters a PEFT directory holds.
 
     Refuses adapters recorded for another base (AdapterBaseMismatchError,
@@ -258,8 +265,8 @@ def load_adapters(directory: str | os.PathLike[str], model: Any, variables: Mapp
     return out
 
 
-def _check_config(source: Path, config: Mapping[str, Any], model: Any, variables: Mapping[str, Any],
-                  spec: Any) -> None:
+def _check_config(source: Path, config: Mapping[str, Any], model: Module, variables: Variables,
+                  spec: Lora | None) -> None:
     """Refuse an adapter_config.json whose rank, targets (or alpha, given spec) are not the model's."""
     import flax.linen as nn
 

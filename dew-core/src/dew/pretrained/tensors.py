@@ -231,6 +231,7 @@ class TensorFiles:
                         continue
                     page = begin - begin % mmap.ALLOCATIONGRANULARITY
                     try:
+                        # MAP_POPULATE is Linux-only: mmap has it where the platform does.
                         region = mmap.mmap(handle.fileno(), end - page, offset=page, prot=mmap.PROT_READ,
                                            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                     except (OSError, ValueError) as error:

@@ -21,7 +21,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from dew.data.base import Tokenizer
 
 __all__ = ["KEPT_FILES", "TOKENIZER_FILE", "TokenizerFiles", "byte_level", "read_tokenizer",
            "write_tokenizer"]
@@ -36,7 +41,7 @@ KEPT_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _content(token: Any) -> str | None:
+def _content(token: object) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(token, Mapping):
         token = token.get("content")
@@ -115,7 +120,7 @@ def _byte_characters() -> dict[int, str]:
     return characters
 
 
-def byte_level(eos_id: int = 256) -> Any:
+def byte_level(eos_id: int = 256) -> HFTokenizer:
     """A ``tokenizers.Tokenizer`` whose id of each byte is the byte, and eos_id ends a document."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -130,7 +135,7 @@ def byte_level(eos_id: int = 256) -> Any:
     return tokenizer
 
 
-def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:
+def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:  # any tokenizer with an eos_id
     """Write tokenizer into directory; return what config.json records of it (None: nothing)."""
     if tokenizer is None:
         return None
@@ -154,8 +159,8 @@ def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:
     return recorded
 
 
-def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: Any,
-                   files: TokenizerFiles | None = None) -> Any:
+def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int | None,
+                   files: TokenizerFiles | None = None) -> Tokenizer | None:
     """The tokenizer saved in directory, or None when it holds none dew can rebuild.
 
     Its end-of-document token is the one dew recorded, else the tokenizer's

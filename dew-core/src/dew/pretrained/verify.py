@@ -23,11 +23,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dew.pretrained.errors import PretrainedError
+
+if TYPE_CHECKING:
+    from flax.linen import Module
+
+    from dew.data.base import Tokenizer
+    from dew.objectives.base import Variables
 
 __all__ = ["DEFAULT_TOLERANCE", "VERIFICATION_FILE", "ExportMismatchError", "Verification", "prompts",
            "verify"]
@@ -66,7 +72,7 @@ class Verification:
         return path
 
 
-def prompts(vocab_size: int, max_len: int, tokenizer: Any = None) -> list[list[int]]:
+def prompts(vocab_size: int, max_len: int, tokenizer: Tokenizer | None = None) -> list[list[int]]:
     """The fixed prompts: ids drawn from seed 0 (two rows), and fixed texts when a tokenizer is given."""
     length = max(1, min(32, max_len))
     rows = np.random.default_rng(0).integers(0, vocab_size, (2, length)).tolist()
@@ -92,8 +98,8 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def verify(directory: str | os.PathLike[str], model: Any, variables: Mapping[str, Any], *,
-           tokenizer: Any = None, tolerance: float = DEFAULT_TOLERANCE) -> Verification:
+def verify(directory: str | os.PathLike[str], model: Module, variables: Variables, *,
+           tokenizer: Tokenizer | None = None, tolerance: float = DEFAULT_TOLERANCE) -> Verification:
     """Compare transformers' logits of the export in directory with dew's; record and return them.
 
     Raises ExportMismatchError (after writing verification.json) when the

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dew.errors import DewError
+from dew.tree_paths import key_name
 
 __all__ = ["LeafGap", "LossGap", "NotARunDirectoryError", "RunDiff", "diff_runs", "load_leaves"]
 
@@ -198,7 +199,7 @@ def load_leaves(run: Path, step: int, paths: Sequence[str]) -> dict[str, Any]:
                                                                         partial_restore=True))
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(read)[0]:
-        tokens = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        tokens = tuple(key_name(k) for k in path)
         if tokens in wanted:
             out[wanted[tokens]] = np.asarray(leaf)
     return out

@@ -9,6 +9,7 @@ file is parsed, before anything is built.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pydantic
@@ -67,7 +68,7 @@ class DataConfig(ComponentConfig):
         return reader.load(batch=self.batch, **load, **({"seed": seed} if seeded else {}))
 
 
-def run_inputs(component: Any) -> frozenset[str]:
+def run_inputs(component: object) -> frozenset[str]:
     """What a run hands an objective class besides its fields (``Objective.run_inputs``)."""
     from dew.objectives.base import Objective
 
@@ -76,18 +77,18 @@ def run_inputs(component: Any) -> frozenset[str]:
     return frozenset()
 
 
-def _adapter(annotation: Any) -> pydantic.TypeAdapter:
+def _adapter(annotation: object) -> pydantic.TypeAdapter:
     from dew.registry import type_adapter
 
     return type_adapter(annotation) or pydantic.TypeAdapter(Any)
 
 
-def _given(value: Any) -> str:
+def _given(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def problems_of(group: str, name: str, fields: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tuple[tuple[str, ...], str]]:
     """What is wrong with a component given by name and fields, as (sub-path, message) pairs."""
     from dew import registry as registries
 

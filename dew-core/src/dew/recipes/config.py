@@ -158,7 +158,7 @@ class RunConfig(pydantic.BaseModel):
 
     # -- reading and writing ------------------------------------------------------
     @classmethod
-    def parse(cls, data: Any, source: str = "<recipe>") -> RunConfig:
+    def parse(cls, data: object, source: str = "<recipe>") -> RunConfig:
         """Validate a recipe's contents; raise one RecipeError naming every problem."""
         if not isinstance(data, Mapping):
             raise RecipeError(

@@ -34,7 +34,7 @@ COMPONENTS = {"model": "models", "objective": "objectives", "data": "datasets", 
 _MISSING = object()
 
 
-def flat_recipe(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def flat_recipe(value: object, prefix: str = "") -> Iterator[tuple[str, object]]:
     """(dotted key, leaf) for every leaf of a recorded recipe: mappings and lists of mappings
     are opened (list items by index, as overrides name them); other lists stay whole.
 
@@ -51,7 +51,7 @@ def flat_recipe(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix[:-1], value
 
 
-def _json(value: Any) -> Any:
+def _json(value: object) -> object:
     from pydantic_core import to_jsonable_python
 
     try:
@@ -60,7 +60,7 @@ def _json(value: Any) -> Any:
         return _MISSING
 
 
-def _model(annotation: Any) -> type[pydantic.BaseModel] | None:
+def _model(annotation: object) -> type[pydantic.BaseModel] | None:
     """The pydantic model an annotation holds (through Optional), or None."""
     if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
         return annotation
@@ -71,7 +71,7 @@ def _model(annotation: Any) -> type[pydantic.BaseModel] | None:
     return None
 
 
-def _put(out: dict[str, Any], key: str, default: Any) -> None:
+def _put(out: dict[str, object], key: str, default: object) -> None:
     value = _json(default)
     if value is _MISSING:
         return
@@ -79,7 +79,7 @@ def _put(out: dict[str, Any], key: str, default: Any) -> None:
         out[inner] = leaf
 
 
-def _schema(model: type[pydantic.BaseModel], data: Any, prefix: str, out: dict[str, Any]) -> None:
+def _schema(model: type[pydantic.BaseModel], data: object, prefix: str, out: dict[str, object]) -> None:
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         inner = _model(field.annotation)
@@ -91,7 +91,7 @@ def _schema(model: type[pydantic.BaseModel], data: Any, prefix: str, out: dict[s
             _put(out, key, field.get_default(call_default_factory=True))
 
 
-def _component(group: str, data: Any, prefix: str, out: dict[str, Any]) -> None:
+def _component(group: str, data: object, prefix: str, out: dict[str, object]) -> None:
     from dew import registry
 
     if not isinstance(data, Mapping) or not isinstance(data.get("name"), str):
@@ -112,12 +112,12 @@ def _component(group: str, data: Any, prefix: str, out: dict[str, Any]) -> None:
                 _put(out, f"{prefix}load.{name}", default)
 
 
-def defaults_of(recorded: Mapping[str, Any]) -> dict[str, Any]:
+def defaults_of(recorded: Mapping[str, object]) -> dict[str, object]:
     """Every field of the recorded recipe that has a default, flat (see ``flat_recipe``), with
     that default as JSON."""
     from dew.recipes.config import RunConfig
 
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     plain = {k: v for k, v in recorded.items() if k not in COMPONENTS}
     fields = {k: f for k, f in RunConfig.model_fields.items() if k not in COMPONENTS}
     definitions: dict[str, Any] = {k: (f.annotation, f) for k, f in fields.items()}  # each (type, FieldInfo)
@@ -135,7 +135,7 @@ def defaults_of(recorded: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def set_by(recorded: Mapping[str, Any]) -> list[str]:
+def set_by(recorded: Mapping[str, object]) -> list[str]:
     """The flat keys of the fields the recorded recipe sets: no default, or another value."""
     defaults = defaults_of(recorded)
     return [key for key, value in flat_recipe(recorded)

@@ -7,7 +7,7 @@ import difflib
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeGuard
 
 import pydantic
 
@@ -23,12 +23,12 @@ class RecipeError(DewError, ValueError):
 Problem = tuple[str, str]  # (dotted path, what is wrong there)
 
 
-def _given(value: Any) -> str:
+def _given(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _structured(annotation: Any) -> bool:
+def _structured(annotation: object) -> TypeGuard[type]:
     return isinstance(annotation, type) and (
         issubclass(annotation, pydantic.BaseModel) or dataclasses.is_dataclass(annotation)
     )
@@ -43,7 +43,7 @@ def field_names(holder: type) -> list[str]:
     return [f.name for f in dataclasses.fields(holder) if f.init]
 
 
-def _models_in(annotation: Any) -> list[type]:
+def _models_in(annotation: object) -> list[type]:
     """The models and dataclasses an annotation can hold (through Optional, unions, lists)."""
     if _structured(annotation):
         return [annotation]
@@ -56,7 +56,7 @@ def _models_in(annotation: Any) -> list[type]:
     return []
 
 
-def model_at(root: type[pydantic.BaseModel], loc: Sequence[Any]) -> type | None:
+def model_at(root: type[pydantic.BaseModel], loc: Sequence[int | str]) -> type | None:
     """The pydantic model (or dataclass) that holds the fields found at loc under root."""
     current: type | None = root
     for part in loc:
@@ -76,7 +76,7 @@ def model_at(root: type[pydantic.BaseModel], loc: Sequence[Any]) -> type | None:
     return current
 
 
-def _allowed_fields(root: type[pydantic.BaseModel], loc: Sequence[Any]) -> str:
+def _allowed_fields(root: type[pydantic.BaseModel], loc: Sequence[int | str]) -> str:
     holder = model_at(root, loc[:-1])
     if holder is None:
         return ""
@@ -86,7 +86,7 @@ def _allowed_fields(root: type[pydantic.BaseModel], loc: Sequence[Any]) -> str:
     return f" Allowed here: {', '.join(names)}{hint}"
 
 
-def _path(loc: Sequence[Any]) -> str:
+def _path(loc: Sequence[int | str]) -> str:
     # Union members appear in pydantic's locations as type names; they are not
     # keys of the file, so they are left out of the path.
     parts = [str(p) for p in loc if isinstance(p, int) or not any(c in str(p) for c in "[]()|,")]
@@ -94,7 +94,7 @@ def _path(loc: Sequence[Any]) -> str:
 
 
 def from_validation_error(
-    error: pydantic.ValidationError, root: type[pydantic.BaseModel], prefix: Sequence[Any] = ()
+    error: pydantic.ValidationError, root: type[pydantic.BaseModel], prefix: Sequence[int | str] = ()
 ) -> list[Problem]:
     """Turn pydantic's errors into (path, message) problems a person can act on."""
     problems: list[Problem] = []

@@ -29,13 +29,15 @@ import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dew.recipes.errors import RecipeError
 from dew.recipes.resuming import resume_command, shown
 
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
+    from dew.training.runtime.preemption import Preempted, UnsavedStopError
+    from dew.training.state import TrainState
 
 __all__ = [
     "STARTED",
@@ -138,7 +140,7 @@ def _origin(run: Path, template: str | None) -> tuple[str | None, Path]:
     return timestamp, root
 
 
-def _redacted(data: Any, prefix: str = "") -> list[str]:
+def _redacted(data: object, prefix: str = "") -> list[str]:
     from dew.telemetry.redaction import REDACTED
 
     if isinstance(data, dict):
@@ -206,7 +208,7 @@ def _kept_nothing(directory: Path) -> bool:
     return True
 
 
-def train_in(config: RunConfig, folder: RunFolder) -> Any:
+def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
     """Train config in folder; return the final TrainState.
 
     Folders the run created are removed when it fails before keeping
@@ -294,7 +296,7 @@ def _resume_note(directory: Path) -> str:
     return f"The run is in {shown(directory)} ({kept}); once fixed, resume it with: {resume_command(directory)}"
 
 
-def stopped_line(stop: Any, folder: RunFolder) -> str:
+def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder) -> str:
     """What ``dew train`` prints when a signal stopped the run (a Preempted, or an UnsavedStopError
     when nothing could be written): where, and how on."""
     from dew.training.runtime.preemption import INTERRUPTED_STATUS, UnsavedStopError

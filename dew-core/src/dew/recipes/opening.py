@@ -12,11 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dew.errors import DewError
 
 if TYPE_CHECKING:
+    from flax import linen as nn
+
+    from dew.data.base import Tokenizer
+    from dew.objectives.base import Objective, Variables
+    from dew.objectives.inference import Pipeline
+    from dew.pretrained.model import Pretrained
     from dew.recipes.config import RunConfig
 
 __all__ = ["NoCheckpointError", "NotARunError", "Opened", "open_run"]
@@ -40,27 +46,28 @@ class Opened:
     keeps what Pretrained.load read of it (pretrained).
     """
 
-    model: Any
-    objective: Any
-    tokenizer: Any
-    variables: Any
+    model: nn.Module
+    objective: Objective | None  # None for an exported directory that records no task
+    tokenizer: Tokenizer | None
+    variables: Variables
     step: int | None
     config: RunConfig | None  # None for an exported directory
     source: Path
-    live: Any = None
-    averaged: Any = None
-    pretrained: Any = None
+    live: Variables | None = None
+    averaged: Variables | None = None
+    pretrained: Pretrained | None = None
 
-    def pipeline(self) -> Any:
+    def pipeline(self) -> Pipeline:
         """The inference task of these weights: the objective's pipeline, or the export's task's
         (an export that records none, and is no language model, is refused naming that)."""
         if self.objective is None:
+            assert self.pretrained is not None  # an export without a task is what opened it
             return self.pretrained.pipeline()
         return self.objective.pipeline(self.variables)
 
 
-def _read_variables(objective: Any, directory: Path, step: int | None
-                    ) -> tuple[Any, Any, int]:
+def _read_variables(objective: Objective, directory: Path, step: int | None
+                    ) -> tuple[Variables, Variables | None, int]:
     """The parameters alone of step (newest when None), live and EMA (None when not kept).
 
     Only reads: a run still training may be writing its next step beside the
@@ -130,6 +137,7 @@ def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
 
 
 def _open_trained(path: Path, step: int | None) -> Opened:
+
     from dew.recipes.config import RunConfig
     from dew.recipes.run import build_parts
 

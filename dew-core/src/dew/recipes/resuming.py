@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Any
 
 __all__ = ["resume_command", "resuming_line", "shown", "trained_for"]
 
@@ -33,7 +32,7 @@ def resume_command(directory: str | os.PathLike[str]) -> str:
     return f"dew train --resume {shlex.quote(shown(directory))}"
 
 
-def resuming_line(directory: Any, resumed_at: int, steps: int, trained_for: int | None) -> str:
+def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int, trained_for: int | None) -> str:
     """The one line a run that found its folder's checkpoints prints: it resumes (or is done),
     and how to start fresh instead."""
     where = shown(directory)
@@ -47,7 +46,7 @@ def resuming_line(directory: Any, resumed_at: int, steps: int, trained_for: int 
     return f"Resuming {where} at step {resumed_at}{before}, to step {steps}; {fresh}."
 
 
-def trained_for(directory: Any, steps_per_epoch: int | None) -> int | None:
+def trained_for(directory: str | os.PathLike[str], steps_per_epoch: int | None) -> int | None:
     """The trainer.steps the run.json in directory trained with (None when unreadable)."""
     from dew.training.config import RUN_FILE, TrainerConfig
 

@@ -25,7 +25,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypedDict
 
 from dew import registry
 from dew.data.base import TextReader
@@ -33,15 +33,19 @@ from dew.placeholders import absolute, expand
 from dew.recipes.components import run_inputs
 
 if TYPE_CHECKING:
+    import os
+
     from flax import linen as nn
 
     from dew.checkpoints.manager import Checkpoints
     from dew.data.base import Dataset, Tokenizer
+    from dew.evaluations.base import Periodic
     from dew.objectives.base import Objective
     from dew.recipes.config import RunConfig
     from dew.tracking.protocol import Tracker
     from dew.training.initializers import Initializer
     from dew.training.optim import ConfiguredOptimizer, OptimizerConfig
+    from dew.training.protocols import Rollout
     from dew.training.state import TrainState
 
 __all__ = [
@@ -101,7 +105,7 @@ def _optimizer_config(config: RunConfig, steps: int) -> OptimizerConfig:
 
 
 def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: int | None,
-                              directory: Any, resumed_at: int) -> None:
+                              directory: str | os.PathLike[str], resumed_at: int) -> None:
     """Warn when resuming with another trainer.steps changes the learning-rate schedule.
 
     A decaying schedule whose length is not set (optimizer.decay_steps) is
@@ -188,7 +192,7 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
     return Parts(model, reader, _tokenizer(reader), objective, dataset)
 
 
-def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> list[Any]:
+def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> list[Periodic]:
     """The recipe's trainer.evaluate tasks, each bound to the run's model and tokenizer."""
     from dew.evaluations.base import scheduled
 
@@ -336,7 +340,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     return state
 
 
-def usage(objective: Objective, state: Any, directory: Any) -> str:
+def usage(objective: Objective, state: TrainState, directory: object) -> str:
     """The console's last line: the commands that use the trained run, as its pipeline takes them."""
     from dew.objectives.inference import PipelineError
 
@@ -347,7 +351,7 @@ def usage(objective: Objective, state: Any, directory: Any) -> str:
     return f"Use the run: {command}; dew eval and dew export read it too."
 
 
-def objective_parts(objective: Objective) -> dict[str, Any]:
+def objective_parts(objective: Objective) -> ObjectiveParts:
     """What an objective hands the Trainer besides itself: its rollout and starting weights.
 
     An objective that samples its own batches (GRPO, PPO) or checks them on
@@ -357,8 +361,20 @@ def objective_parts(objective: Objective) -> dict[str, Any]:
     are code, and the objective's fields configure them. Keys whose value is
     None are left out, so the result passes to the Trainer as keywords.
     """
-    made = {"rollout": objective.rollout(), "initializer": objective.initializer()}
-    return {name: value for name, value in made.items() if value is not None}
+    parts: ObjectiveParts = {}
+    rollout, initializer = objective.rollout(), objective.initializer()
+    if rollout is not None:
+        parts["rollout"] = rollout
+    if initializer is not None:
+        parts["initializer"] = initializer
+    return parts
+
+
+class ObjectiveParts(TypedDict, total=False):
+    """The Trainer keywords an objective supplies (objective_parts): each only when it has one."""
+
+    rollout: Rollout
+    initializer: Initializer
 
 
 def _close(checkpoints: Checkpoints | None, tracker: Tracker | None) -> None:
@@ -372,7 +388,7 @@ def _close(checkpoints: Checkpoints | None, tracker: Tracker | None) -> None:
 
 
 def show_sample(objective: Objective, state: TrainState, out: TextIO | None = None,
-                quiet: bool = False) -> Any:
+                quiet: bool = False) -> object:
     """Print the objective's preview of the trained weights (EMA when kept), if it has one.
 
     A preview is an Artifact (its text, or its kind and shape, is printed) or

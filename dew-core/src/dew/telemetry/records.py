@@ -13,9 +13,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from dew.telemetry.artifacts import Artifact as _Artifact
 
 __all__ = [
     "Goodput",
@@ -34,7 +39,8 @@ __all__ = [
 class Record(Protocol):
     """What a tracker needs from a record: its type name and its JSON form."""
 
-    type: str
+    @property
+    def type(self) -> str: ...  # a class's name for its records (a ClassVar on dew's own)
 
     def to_json(self) -> dict[str, Any]: ...
 
@@ -47,7 +53,7 @@ def is_record(value: object) -> TypeGuard[Record]:
     )
 
 
-def json_value(value: Any) -> Any:
+def json_value(value: object) -> object:
     """value with numpy and JAX scalars made plain and non-finite floats spelled out."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
@@ -76,12 +82,12 @@ def json_value(value: Any) -> Any:
     return str(value)
 
 
-def record_row(value: Any, step: int) -> dict[str, Any]:
+def record_row(value: Record, step: int) -> dict[str, object]:
     """The journal row of one record: the step it was reported at, its type, its JSON."""
     return {"step": int(step), "type": value.type, "record": json_value(value.to_json())}
 
 
-def previews_of(value: Any) -> tuple[Any, ...]:
+def previews_of(value: object) -> tuple[_Artifact, ...]:
     """The preview files a report stands for: an Artifact itself, nothing for a record.
 
     A record that holds previews (an Evaluation) is reported as a record only;
@@ -92,7 +98,7 @@ def previews_of(value: Any) -> tuple[Any, ...]:
     return (value,) if isinstance(value, Artifact) else ()
 
 
-def _fields(record: Any) -> dict[str, Any]:
+def _fields(record: DataclassInstance) -> dict[str, Any]:
     return {f.name: json_value(getattr(record, f.name)) for f in dataclasses.fields(record)}
 
 

@@ -30,5 +30,5 @@ def drawn_adapters(model: nn.Module, base: Mapping[str, Any], spec: Lora, *, sca
     keys = iter(jax.random.split(jax.random.key(seed), len(leaves)))
     drawn = jax.tree_util.tree_map_with_path(
         lambda path, leaf: leaf + scale * jax.random.normal(next(keys), leaf.shape)
-        if is_adapter(tuple(getattr(p, "key", "") for p in path), leaf) else leaf, variables)
+        if is_adapter(tuple(getattr(p, "key", "") for p in path), leaf) else leaf, variables)  # JAX key entries: dict ones have keys
     return adapted, drawn

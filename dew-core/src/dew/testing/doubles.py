@@ -16,7 +16,7 @@ remembers" uses these, and a plugin's own tests may too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,10 @@ from flax import linen as nn
 
 from dew.data.base import DataPartition, Dataset
 from dew.objectives.base import Aux, Batch, EMASpec, Mean, Objective, Step, Variables
+
+if TYPE_CHECKING:
+    from dew.objectives.base import Batch, Step, Variables
+    from dew.tracking.protocol import Reported
 
 __all__ = [
     "MLP",
@@ -65,12 +69,12 @@ class Regression(Objective):
         self.ema = ema
         self.traces = 0
 
-    def init(self, key: Any, variables: Any = None) -> Any:
+    def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         if variables is not None:
             return variables
         return self.model.init(key, jnp.zeros((1, FEATURES)))
 
-    def loss(self, variables: Any, batch: Mapping[str, Any], step: Any) -> tuple[Mean, Aux]:
+    def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         self.traces += 1
         errors_b1 = (self.model.apply(variables, batch["x"]) - batch["y"]) ** 2
         scale = jnp.where(batch["poison"][0] > 0, jnp.inf, 1.0) if "poison" in batch else 1.0
@@ -173,13 +177,13 @@ class RecordingTracker:
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, dict[str, float]]] = []
-        self.artifacts: list[tuple[int, Any]] = []
+        self.artifacts: list[tuple[int, Reported]] = []
         self.closed = 0
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
         self.rows.append((step, {name: float(value) for name, value in scalars.items()}))
 
-    def artifact(self, value: Any, step: int) -> None:
+    def artifact(self, value: Reported, step: int) -> None:
         self.artifacts.append((step, value))
 
     def close(self) -> None:

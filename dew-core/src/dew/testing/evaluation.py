@@ -24,7 +24,10 @@ from __future__ import annotations
 import math
 import unittest
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dew.evaluations.base import EvaluationTask, Subject
 
 __all__ = ["EvaluationTaskKit"]
 
@@ -32,23 +35,23 @@ __all__ = ["EvaluationTaskKit"]
 class EvaluationTaskKit:
     """Conformance tests for an evaluation task (see the module docstring)."""
 
-    def task(self) -> Any:
+    def task(self) -> EvaluationTask:
         """The task under test."""
         raise NotImplementedError(f"{type(self).__name__} must define task().")
 
-    def subject(self) -> Any:
+    def subject(self) -> Subject:
         """A dew.evaluations.Subject to score."""
         raise NotImplementedError(f"{type(self).__name__} must define subject().")
 
-    def rebatched(self, rows: int) -> Any:
+    def rebatched(self, rows: int) -> EvaluationTask | None:
         """The same task with rows rows per global batch; None when it has no such setting."""
         return None
 
-    def malformed(self) -> tuple[Any, int] | None:
+    def malformed(self) -> tuple[EvaluationTask, int] | None:
         """A task over a file whose record on the returned line is malformed; None to skip."""
         return None
 
-    def _scores(self, task: Any) -> Mapping[str, float]:
+    def _scores(self, task: EvaluationTask) -> Mapping[str, float]:
         scores = task.evaluate(self.subject())
         assert isinstance(scores, Mapping) and scores, f"evaluate returned {scores!r}, not a mapping of scores."
         return scores

@@ -21,7 +21,7 @@ at the top level of its module. Choose widths the mesh axes divide, and a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 from flax import linen as nn
@@ -31,10 +31,16 @@ from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec, build_mesh
 from dew.tree_paths import path_name
 
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    from dew.objectives.base import Variables
+    from dew.typing import PyTree
+
 __all__ = ["ModelKit"]
 
 
-def _is_box(x: Any) -> bool:
+def _is_box(x: object) -> bool:
     return isinstance(x, nn.meta.AxisMetadata)
 
 
@@ -50,16 +56,16 @@ class ModelKit:
         """The model under test, freshly built (small)."""
         raise NotImplementedError(f"{type(self).__name__} must define model().")
 
-    def inputs(self) -> tuple[Any, ...]:
+    def inputs(self) -> tuple[ArrayLike, ...]:
         """Positional arguments for ``model.init(key, *inputs)``."""
         raise NotImplementedError(f"{type(self).__name__} must define inputs().")
 
-    def boxed_variables(self) -> Any:
+    def boxed_variables(self) -> Variables:
         """The model's variables as shapes, with the boxes its modules declared."""
         model, inputs = self.model(), self.inputs()
         return jax.eval_shape(lambda k: model.init(k, *inputs), jax.random.key(self.seed))
 
-    def _parameters(self) -> list[tuple[str, Any]]:
+    def _parameters(self) -> list[tuple[str, PyTree]]:
         params = self.boxed_variables().get("params", {})
         leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
         return [(path_name(path), leaf) for path, leaf in leaves]

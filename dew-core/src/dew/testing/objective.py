@@ -58,10 +58,11 @@ __all__ = ["ObjectiveKit", "gradient_recorder", "split_rows"]
 def gradient_recorder(learning_rate: float) -> optax.GradientTransformation:
     """Plain SGD whose state is the last gradient it applied, so a test reads it exactly."""
 
-    def init(params: Any) -> Any:
+    def init(params: optax.Params) -> optax.OptState:
         return jax.tree.map(jnp.zeros_like, params)
 
-    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    def update(grads: optax.Updates, state: optax.OptState,
+               params: optax.Params | None = None) -> tuple[optax.Updates, optax.OptState]:
         return jax.tree.map(lambda g: -learning_rate * g, grads), grads
 
     return optax.GradientTransformation(init, update)

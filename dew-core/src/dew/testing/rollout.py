@@ -25,17 +25,24 @@ from __future__ import annotations
 
 import unittest
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from dew.data.base import Resumable
 
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    from dew.data.base import Batch as HostBatch
+    from dew.training.protocols import Rollout
+    from dew.training.state import TrainState
+
 __all__ = ["RolloutKit"]
 
 
-def _signature(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+def _signature(batch: Mapping[str, ArrayLike]) -> dict[str, tuple[tuple[int, ...], str]]:
     return {k: (tuple(np.shape(v)), str(np.asarray(v).dtype)) for k, v in batch.items()}
 
 
@@ -45,22 +52,22 @@ class RolloutKit:
     calls: int = 3
     seed: int = 0
 
-    def rollout(self) -> Any:
+    def rollout(self) -> Rollout:
         """The rollout under test, freshly built."""
         raise NotImplementedError(f"{type(self).__name__} must define rollout().")
 
-    def state(self) -> Any:
+    def state(self) -> TrainState:
         """The train state the rollout reads (its params), as the trainer would pass it."""
         raise NotImplementedError(f"{type(self).__name__} must define state().")
 
-    def batches(self) -> Sequence[Mapping[str, Any]]:
+    def batches(self) -> Sequence[HostBatch]:
         """Different input batches of one shape, as the data stream would give them."""
         raise NotImplementedError(f"{type(self).__name__} must define batches().")
 
-    def _outputs(self, rollout: Any, state: Any) -> list[Mapping[str, Any]]:
+    def _outputs(self, rollout: Rollout, state: TrainState) -> list[Mapping[str, np.ndarray]]:
         batches = list(self.batches())
         assert batches, "batches() returned no batch."
-        out: list[Mapping[str, Any]] = []
+        out: list[Mapping[str, np.ndarray]] = []
         for index in range(self.calls):
             key = jax.random.fold_in(jax.random.key(self.seed), index)
             result = rollout(state, batches[index % len(batches)], key)

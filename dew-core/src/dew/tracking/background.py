@@ -43,7 +43,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from dew.errors import DewError
 
@@ -152,7 +152,13 @@ def tracker_cpu_seconds() -> float:
     return _CPU.seconds
 
 
-_BATCH = threading.local()  # on the writer thread: when its batch stops waiting for the window
+class _Batch(threading.local):
+    """On the writer thread: when its batch stops waiting for the loop's window (None: no batch)."""
+
+    deadline: float | None = None
+
+
+_BATCH = _Batch()
 
 
 def let_others_run() -> None:
@@ -165,7 +171,7 @@ def let_others_run() -> None:
     batch's patience.
     """
     time.sleep(0)
-    deadline = getattr(_BATCH, "deadline", None)
+    deadline = _BATCH.deadline
     if deadline is not None:
         LOOP.wait(deadline - time.monotonic())
 
@@ -270,14 +276,17 @@ if _register_at_fork is not None:
     _register_at_fork(after_in_child=_WRITER.after_fork)
 
 
-def _step_of(item: Any) -> int | None:
+def _step_of(item: object) -> int | None:
     step = getattr(item, "step", None)  # an item is whatever its tracker submitted: a record, a tuple
     if step is None and isinstance(item, tuple) and len(item) >= 3:
         step = item[2]
     return step if isinstance(step, int) else None
 
 
-class Channel:
+Item = TypeVar("Item")  # what one tracker submits: a record, a (kind, value, step) tuple, ...
+
+
+class Channel(Generic[Item]):
     """One tracker's queue on the shared writer thread.
 
     send receives a list of items in submission order and writes them all;
@@ -294,7 +303,7 @@ class Channel:
 
     def __init__(
         self,
-        send: Callable[[list[Any]], None],
+        send: Callable[[list[Item]], None],
         where: str,
         *,
         interval: float = 0.0,
@@ -317,7 +326,7 @@ class Channel:
         self.on_recover = on_recover
         self.retryable = retryable
         # Appended by the caller without a lock; taken and put back under the writer's lock:
-        self.items: deque[Any] = deque()
+        self.items: deque[Item] = deque()
         # Guarded by the writer's lock (queued is read without it, see submit):
         self.queued = False  # scheduled with the writer (or to be, once its send ends)
         self.busy = False
@@ -334,7 +343,7 @@ class Channel:
 
     # -- the caller's side ---------------------------------------------------
 
-    def submit(self, item: Any) -> None:
+    def submit(self, item: Item) -> None:
         """Queue item for the writer; raise a failure met since the last call."""
         if self.error is not None:
             self.check()
@@ -363,9 +372,9 @@ class Channel:
                 self._overflow(writer)
             writer.start()
 
-    def take(self) -> list[Any]:
+    def take(self) -> list[Item]:
         """Everything queued, oldest first, removed from the queue (under the writer's lock)."""
-        items = []
+        items: list[Item] = []
         pop = self.items.popleft
         try:
             while True:
@@ -448,7 +457,7 @@ class Channel:
 
     # -- the writer's side ---------------------------------------------------
 
-    def _count_dropped(self, items: list[Any]) -> None:
+    def _count_dropped(self, items: list[Item]) -> None:
         if not items:
             return
         steps = [s for s in (_step_of(item) for item in items) if s is not None]
@@ -468,7 +477,7 @@ class Channel:
         named.__cause__ = error
         return named
 
-    def deliver(self, items: list[Any]) -> None:
+    def deliver(self, items: list[Item]) -> None:
         """On the writer thread: send items, applying the failure policy (its CPU time counted)."""
         began = time.thread_time()
         try:
@@ -476,7 +485,7 @@ class Channel:
         finally:
             _CPU.add(time.thread_time() - began)
 
-    def _deliver(self, items: list[Any]) -> None:
+    def _deliver(self, items: list[Item]) -> None:
         try:
             self.send(items)
         except Exception as error:  # noqa: BLE001 - surfaced on the caller's thread

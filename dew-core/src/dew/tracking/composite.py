@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from dew.tracking.protocol import Located, Reported, Tracker
 
@@ -21,7 +20,7 @@ class Trackers:
     def __init__(self, *trackers: Tracker) -> None:
         self.trackers: tuple[Tracker, ...] = tuple(trackers)
 
-    def _each(self, method: str, *args: Any) -> None:
+    def _each(self, method: str, *args: object) -> None:
         failures: list[tuple[Tracker, BaseException]] = []
         for tracker in self.trackers:
             try:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from dew.telemetry.records import Goodput
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 __all__ = ["Console"]
 
@@ -43,8 +46,8 @@ class Console:
     def __init__(self, stream: IO[str] | None = None, *, live: bool | None = None) -> None:
         self.stream = stream
         self.live = live
-        self._progress: Any = None
-        self._task: Any = None
+        self._progress: Progress | None = None
+        self._task: TaskID  # the bar's task, set with _progress
         self._start = 0
         self._steps = 0
         self._step = 0
@@ -117,10 +120,10 @@ class Console:
             if elapsed > 0 and done > 0:
                 rate = done / elapsed
                 left = int(round((self._steps - step) / rate))
-                fields = {"rate": f"{rate:.2f}", "eta": f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"}
+                rate_text, eta = f"{rate:.2f}", f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
             else:
-                fields = {"rate": "-", "eta": "-"}
-            self._progress.update(self._task, completed=step, **fields)
+                rate_text, eta = "-", "-"
+            self._progress.update(self._task, completed=step, rate=rate_text, eta=eta)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Print a log step's loss, learning rate, tokens per second and step time (every

@@ -7,11 +7,15 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.telemetry.records import is_record, previews_of, record_row
 from dew.tracking.protocol import Reported, check_reported
 from dew.tracking.rows import scalar_row
+
+if TYPE_CHECKING:
+    from dew.tracking.background import Dropped
+import io
 
 __all__ = ["LocalTracker"]
 
@@ -53,12 +57,12 @@ class LocalTracker:
 
         self.directory = Path(directory)
         self.plots = plots
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, io.FileIO] = {}
         self._channel = Channel(self._send, f"LocalTracker at {self.directory}", synchronous=True,
                                 stop_on_failure=stop_on_failure, close_timeout=close_timeout,
                                 on_recover=self._recovered)
 
-    def _append(self, journal: str, rows: list[Mapping[str, Any]]) -> None:
+    def _append(self, journal: str, rows: list[Mapping[str, object]]) -> None:
         """Append rows to journal in one write; on failure cut the file back to whole lines."""
         from dew.tracking.background import TrackerWriteError
 
@@ -87,7 +91,7 @@ class LocalTracker:
         """The journals' rows and the preview files of items, in order (on the caller's thread)."""
         from dew.telemetry.render import preview_columns, write_preview
 
-        rows: dict[str, list[Mapping[str, Any]]] = {}
+        rows: dict[str, list[Mapping[str, object]]] = {}
         for kind, value, step in items:
             if kind == "log":
                 rows.setdefault(self.SCALARS, []).append(scalar_row(value, step))
@@ -100,7 +104,7 @@ class LocalTracker:
                 except OSError as error:
                     raise OSError(f"LocalTracker could not write preview {preview.name!r} "
                                   f"under {self.directory / 'previews'}: {error}") from error
-                row: dict[str, Any] = {
+                row: dict[str, object] = {
                     "step": int(step), "name": preview.name, "kind": preview.kind,
                     "path": path.relative_to(self.directory).as_posix(),
                 }
@@ -111,7 +115,7 @@ class LocalTracker:
         for journal, journal_rows in rows.items():
             self._append(journal, journal_rows)
 
-    def _recovered(self, dropped: Any) -> None:
+    def _recovered(self, dropped: Dropped) -> None:
         from dew.telemetry.records import TrackerDropped
 
         record = TrackerDropped.of(dropped, str(self.directory))

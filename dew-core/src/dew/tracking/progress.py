@@ -15,17 +15,23 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+import pluggy
 from jax.experimental import multihost_utils
+from numpy.typing import ArrayLike
 
 from dew import plugins
 from dew.errors import DewError
 from dew.telemetry.records import Goodput, RunStarted
 from dew.tracking.background import LOOP, tracker_cpu_seconds
 from dew.tracking.console import Console
+from dew.tracking.protocol import Reported, Tracker
+
+if TYPE_CHECKING:
+    from dew.training.evaluation import Evaluation
 
 __all__ = ["Clock", "NonFiniteLossError", "Progress", "nonfinite_limit"]
 
@@ -108,8 +114,8 @@ class Progress:
     validation.
     """
 
-    def __init__(self, *, tracker: Any, records_per_step: int, log_every: int,
-                 dynamic_scale: bool, schedule: Callable[[int], Any] | None = None) -> None:
+    def __init__(self, *, tracker: Tracker | None, records_per_step: int, log_every: int,
+                 dynamic_scale: bool, schedule: Callable[[int], ArrayLike] | None = None) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be at least 1, got {log_every}.")
         self.tracker = tracker
@@ -124,7 +130,7 @@ class Progress:
         self.clock = Clock()
         self.rank0 = jax.process_index() == 0
         self.console = Console() if self.rank0 else None
-        self._hooks: Any = None
+        self._hooks: pluggy.HookRelay | None = None
         self._plugins: _Loading | None = _Loading()
         self.pending: list[_Pending] = []
         self.last_log: tuple[float, int] | None = None
@@ -141,7 +147,7 @@ class Progress:
         self.in_loop = False  # holding the tracker writer to the loop's waits (LOOP)
 
     @property
-    def hooks(self) -> Any:
+    def hooks(self) -> pluggy.HookRelay:
         """The plugins' hook relay (the installed plugins load on a thread of their own while
         the fit builds its state, the first time a process fits; a load error is raised here)."""
         if self._hooks is None:
@@ -152,8 +158,8 @@ class Progress:
         return self._hooks
 
     # -- the run's edges -----------------------------------------------------------
-    def start(self, trainer: Any, start: int, steps: int, mesh: Mapping[str, int], *,
-              recipe: Mapping[str, Any] | None = None) -> None:
+    def start(self, trainer: object, start: int, steps: int, mesh: Mapping[str, int], *,
+              recipe: Mapping[str, object] | None = None) -> None:
         """The fit began: the RunStarted record (carrying the recipe, when the run has one)."""
         processes = jax.process_count()
         self.steps = int(steps)
@@ -171,7 +177,7 @@ class Progress:
             self.in_loop = False
             LOOP.leave()
 
-    def finish(self, step: int, state: Any, goodput: Goodput) -> None:
+    def finish(self, step: int, state: object, goodput: Goodput) -> None:
         self._leave_loop()
         self.record(goodput, step)
         if self.console is not None:
@@ -226,7 +232,7 @@ class Progress:
             if pending.log:
                 self._log(pending.step, host)
 
-    def _check_finite(self, done: int, host: Mapping[str, Any]) -> None:
+    def _check_finite(self, done: int, host: Mapping[str, ArrayLike]) -> None:
         if bool(host.get("finite", True)):
             self.rejected_streak = 0
             return
@@ -277,7 +283,7 @@ class Progress:
         self.flops_per_step = flops
         self.peak_flops = peak_flops
 
-    def _log(self, done: int, host: Mapping[str, Any]) -> None:
+    def _log(self, done: int, host: Mapping[str, ArrayLike]) -> None:
         now = time.perf_counter()
         scalars = {_conventional(k): float(np.asarray(v)) for k, v in host.items()
                    if k not in ("finite", "updates")}
@@ -323,11 +329,11 @@ class Progress:
         return added
 
     # -- other reports -----------------------------------------------------------------
-    def record(self, record: Any, step: int) -> None:
+    def record(self, record: Reported, step: int) -> None:
         if self.rank0 and self.tracker is not None:
             self.tracker.artifact(record, step)
 
-    def evaluation(self, result: Any, done: int) -> None:
+    def evaluation(self, result: Evaluation, done: int) -> None:
         if result.scores and self.console is not None:
             self.console.log(done, result.scores)
         if self.rank0 and self.tracker is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 __all__ = ["recipe_fields", "scalar_row"]
 
@@ -15,15 +14,15 @@ def _finite_or_name(value: float) -> float | str:
     return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
 
 
-def scalar_row(scalars: Mapping[str, float], step: int) -> dict[str, Any]:
+def scalar_row(scalars: Mapping[str, float], step: int) -> dict[str, object]:
     """The journal row of one log call: the step, then each value as a float or its name."""
-    row: dict[str, Any] = {"step": int(step)}
+    row: dict[str, object] = {"step": int(step)}
     for name, value in scalars.items():
         row[name] = _finite_or_name(float(value))
     return row
 
 
-def recipe_fields(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
+def recipe_fields(config: Mapping[str, object], prefix: str = "") -> dict[str, str | int | float | bool]:
     """A recipe as flat, searchable fields: nested names joined by dots, list items by
     their index (the override syntax), None as ``"null"``, anything else as text.
 

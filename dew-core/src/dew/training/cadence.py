@@ -9,20 +9,30 @@ turns them into ``Trainer.fit``'s keywords, counting ``epochs`` in steps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import pydantic
 from pydantic import Field
 
 from dew.errors import DewError
 
-__all__ = ["Cadence", "EpochsNeedRecordsError", "log_interval"]
+__all__ = ["Cadence", "EpochsNeedRecordsError", "FitArguments", "log_interval"]
 
 LOGS_AT_LEAST = 10  # a run shorter than log_every logs this many times over its steps
 
 
 class EpochsNeedRecordsError(DewError, ValueError):
     """A run counted in epochs reads a dataset that does not know its size."""
+
+
+class FitArguments(TypedDict):
+    """Trainer.fit's keywords a cadence gives."""
+
+    steps: int
+    log_every: int
+    eval_every: int | None
+    checkpoint_every: int | None
+    preview: bool
 
 
 class Cadence(pydantic.BaseModel):
@@ -59,7 +69,7 @@ class Cadence(pydantic.BaseModel):
         assert self.epochs is not None
         return max(1, round(self.epochs * steps_per_epoch))
 
-    def fit_arguments(self, steps_per_epoch: int | None = None) -> dict[str, Any]:
+    def fit_arguments(self, steps_per_epoch: int | None = None) -> FitArguments:
         """Trainer.fit's keywords: the step to finish at and the loop's intervals."""
         return {
             "steps": self.total_steps(steps_per_epoch),

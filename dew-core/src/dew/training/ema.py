@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from dew.objectives.base import EMASpec, LeafFilter, Variables
 from dew.training.trees import select
+from dew.typing import PyTree
 
 __all__ = ["ema_leaves", "ema_update"]
 
@@ -35,7 +34,7 @@ def ema_update(ema: Variables, params: Variables, decay: jax.typing.ArrayLike) -
     return jax.tree.map(one, ema, params)
 
 
-def ema_leaves(spec: EMASpec, frozen: LeafFilter | None, variables: Variables) -> dict[str, Any]:
+def ema_leaves(spec: EMASpec, frozen: LeafFilter | None, variables: Variables) -> dict[str, PyTree]:
     """The leaves the EMA keeps: those spec selects, less the frozen ones (which never move).
 
     >>> from dew.objectives.base import under
@@ -44,7 +43,7 @@ def ema_leaves(spec: EMASpec, frozen: LeafFilter | None, variables: Variables) -
     {'params': {'body': 1, 'head': 2}}
     """
 
-    def keep(path: tuple[str, ...], leaf: Any) -> bool:
+    def keep(path: tuple[str, ...], leaf: PyTree) -> bool:
         return bool(spec.select(path, leaf)) and not (frozen is not None and frozen(path, leaf))
 
     return select(variables, keep)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from dew.objectives.base import Mean, MeanMetric, Metric, Objective, Step, Varia
 from dew.telemetry.artifacts import Artifact
 from dew.training.placement.mesh import build_mesh, data_partition, global_shape, shard_batch
 from dew.training.state import stream
+from dew.typing import PyTree
 
 __all__ = ["Evaluation", "Evaluator", "OutputMeans", "evaluate", "preview_key"]
 
@@ -61,7 +61,7 @@ class Evaluation:
             out["evaluation/records"] = float(self.records)
         return out
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "step": self.step, "split": self.split, "scores": self.scores,
             "coordinated_batches": self.coordinated_batches, "records": self.records,
@@ -80,7 +80,7 @@ class OutputMeans:
     def empty(self) -> dict[str, tuple[float, float]]:
         return {}
 
-    def update(self, accumulator: dict, outputs: Mapping[str, Any]) -> dict:
+    def update(self, accumulator: dict, outputs: Mapping[str, PyTree]) -> dict:
         out = dict(accumulator)
         for key, value in outputs.items():
             if isinstance(value, Mean):
@@ -112,7 +112,7 @@ def _rank_zeros(seconds: float) -> float:
     return float(sent.view(np.float64)[0])
 
 
-def _rows(batch: Mapping[str, Any]) -> int:
+def _rows(batch: Mapping[str, PyTree]) -> int:
     leaves = [x for x in jax.tree.leaves(batch) if np.ndim(x)]
     return int(np.shape(leaves[0])[0]) if leaves else 0
 
@@ -142,17 +142,17 @@ class Evaluator:
     def __init__(self, objective: Objective, mesh: Mesh | None = None) -> None:
         self.objective = objective
         self.mesh = mesh or build_mesh()
-        self._compiled: dict[Any, Any] = {}
+        self._compiled: dict[Hashable, Callable[..., Mapping[str, PyTree]]] = {}
         self.traces = 0  # how often a scorer was traced (a test counts them)
 
-    def _score(self, variables: Variables, averaged: Variables | None, batch: Mapping[str, Any],
-               key: jax.Array, index: jax.Array, schedule: jax.Array) -> Any:
+    def _score(self, variables: Variables, averaged: Variables | None, batch: Mapping[str, jax.Array],
+               key: jax.Array, index: jax.Array, schedule: jax.Array) -> Mapping[str, PyTree]:
         self.traces += 1
         info = Step(step=schedule, microstep=schedule, updates=schedule,
                     key=jax.random.fold_in(key, index), ema=averaged, training=False)
         return self.objective.evaluate(variables, batch, info)
 
-    def _scorer(self, signature: Any) -> Any:
+    def _scorer(self, signature: Hashable) -> Callable[..., Mapping[str, PyTree]]:
         if signature not in self._compiled:
             replicated = NamedSharding(self.mesh, PartitionSpec())
             self._compiled[signature] = jax.jit(self._score, out_shardings=replicated)

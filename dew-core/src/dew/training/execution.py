@@ -11,14 +11,15 @@ outside the two asks which one a run has.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import KeyPath
 
 from dew.nn.pipeline import pipeline
 from dew.objectives.base import LeafFilter, Variables
@@ -26,6 +27,7 @@ from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.offload import fetching, in_host_memory
 from dew.training.placement.stages import schedule_of, with_bubble
 from dew.training.state import TrainState, shardings_state
+from dew.typing import PyTree
 
 if TYPE_CHECKING:
     from dew.training.placement.mesh import MeshSpec
@@ -61,7 +63,7 @@ class Execution(Protocol):
         """Where the starting weights wait before the initializer reads them."""
         ...
 
-    def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: Any) -> TrainState:
+    def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: object) -> TrainState:
         """The fresh state build(*args) computes, placed as placement says."""
         ...
 
@@ -99,7 +101,7 @@ class DeviceExecution:
     def weights_placement(self, placement: Placement) -> Placement:
         return placement
 
-    def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: Any) -> TrainState:
+    def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: object) -> TrainState:
         return jax.jit(build, out_shardings=placement)(*args)
 
     def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
@@ -122,7 +124,7 @@ def state_placement(mesh: Mesh, layout: Layout, boxed: Variables, state: TrainSt
     params = layout.shardings(mesh, boxed)
     follow = follower(params, state.params, replicated)
 
-    def place(tree: Any) -> Any:
+    def place(tree: PyTree) -> PyTree:
         return jax.tree_util.tree_map_with_path(lambda path, leaf: follow(_names(path), leaf), tree)
 
     return shardings_state(
@@ -135,17 +137,18 @@ def state_placement(mesh: Mesh, layout: Layout, boxed: Variables, state: TrainSt
     )
 
 
-def _names(path: Sequence[Any]) -> tuple[str, ...]:
+def _names(path: KeyPath) -> tuple[str, ...]:
     """The dictionary keys along a pytree path (sequence and attribute steps dropped)."""
     return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
 
 
-def follower(params: Any, abstract_params: Any, fallback: NamedSharding) -> Callable[[tuple[str, ...], Any], NamedSharding]:
+def follower(params: PyTree, abstract_params: PyTree,
+             fallback: NamedSharding) -> Callable[[tuple[str, ...], PyTree], NamedSharding]:
     """A function giving a leaf the sharding of the parameter at its path's tail (same shape)."""
     by_path = {_names(path): sharding for path, sharding in jax.tree_util.tree_flatten_with_path(params)[0]}
     shapes = {_names(path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
 
-    def follow(names: tuple[str, ...], leaf: Any) -> NamedSharding:
+    def follow(names: tuple[str, ...], leaf: PyTree) -> NamedSharding:
         for start in range(len(names)):
             tail = names[start:]
             if tail in by_path and shapes[tail] == np.shape(leaf):

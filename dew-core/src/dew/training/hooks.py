@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -24,8 +24,8 @@ from dew.data.base import Dataset
 from dew.objectives.base import Metric
 from dew.telemetry.hardware import peak_flops
 from dew.tracking.progress import Progress
-from dew.tracking.protocol import Located
-from dew.training.evaluation import Evaluator, OutputMeans
+from dew.tracking.protocol import Located, Reported
+from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
 from dew.training.execution import Execution
 from dew.training.feed import Feed
 from dew.training.loop import Compilation, StepRecord
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
     from dew.evaluations.base import Periodic
     from dew.training.profiling import ProfileSchedule, ProfileWindow
+    from dew.training.trainer import Trainer
 
 __all__ = ["Contribution", "Evaluating", "Hook", "Preemption", "Profiling", "ProgressHook", "Saving", "Scoring",
            "opening_notes"]
@@ -46,8 +47,8 @@ class Contribution:
     """What a hook adds to a step: reported by ``ProgressHook``, in this order."""
 
     notes: tuple[str, ...] = ()
-    records: tuple[Any, ...] = ()  # tracker artifacts (a profile window's record)
-    evaluations: tuple[Any, ...] = ()  # Evaluation results, logged and handed to plugins
+    records: tuple[Reported, ...] = ()  # tracker artifacts (a profile window's record)
+    evaluations: tuple[Evaluation, ...] = ()  # logged and handed to plugins
     eval_seconds: float = 0.0
     checkpoint_seconds: float = 0.0
     checkpoint: str | None = None  # the path of a checkpoint handed to the writer
@@ -76,7 +77,7 @@ class Hook:
 
 
 def opening_notes(steps: int, log_every: int, every: int, checkpoints: Checkpoints | None,
-                  tracker: Any) -> list[str]:
+                  tracker: object) -> list[str]:
     """The console lines a fit opens with: a shortened log interval, where it saves and tracks."""
     notes = [f"log_every={log_every} is more than the run's {steps} steps: logging every {every} "
              f"step{'s' if every > 1 else ''} instead (and the last)"] if every != log_every else []
@@ -93,7 +94,7 @@ def _every(done: int, every: int | None) -> bool:
 class ProgressHook(Hook):
     """The fit's Progress as a hook: it reads step metrics one step late and reports contributions."""
 
-    def __init__(self, progress: Progress, trainer: Any, feed: Feed, *, start: int, steps: int,
+    def __init__(self, progress: Progress, trainer: Trainer, feed: Feed, *, start: int, steps: int,
                  notes: Sequence[str]) -> None:
         self.progress, self.trainer, self.feed = progress, trainer, feed
         self.start, self.steps, self.notes = start, steps, tuple(notes)
@@ -224,7 +225,7 @@ class Scoring(Hook):
 class Saving(Hook):
     """Checkpoints every checkpoint_every steps and at the last, local ones every local_every."""
 
-    def __init__(self, checkpoints: Checkpoints, feed: Feed, meta: dict[str, Any], *, every: int | None) -> None:
+    def __init__(self, checkpoints: Checkpoints, feed: Feed, meta: dict[str, object], *, every: int | None) -> None:
         self.checkpoints, self.feed, self.meta, self.every = checkpoints, feed, meta, every
         self.saved: int | None = None
 

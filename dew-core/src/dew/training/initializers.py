@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from dew.errors import DewError
 from dew.objectives.base import Variables
 from dew.tree_paths import path_name
+from dew.typing import PyTree
 
 __all__ = [
     "IgnoringLeaves",
@@ -55,7 +56,7 @@ class WeightSource(Protocol):
 Initializer = Variables | WeightSource | None
 
 
-def _leaves(tree: Any) -> dict[str, Any]:
+def _leaves(tree: PyTree) -> dict[str, PyTree]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {path_name(path): leaf for path, leaf in flat}
 
@@ -67,12 +68,12 @@ def ignored(path: str, ignore: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(path, pattern) for pattern in ignore)
 
 
-def without(tree: Any, ignore: tuple[str, ...]) -> Any:
+def without(tree: PyTree, ignore: tuple[str, ...]) -> PyTree:
     """tree less the leaves whose paths match ignore (emptied mappings dropped too)."""
     if not ignore:
         return tree
 
-    def prune(node: Any, prefix: str) -> Any:
+    def prune(node: PyTree, prefix: str) -> PyTree:
         if not isinstance(node, Mapping):
             return node
         out = {}
@@ -89,7 +90,7 @@ def without(tree: Any, ignore: tuple[str, ...]) -> Any:
     return prune(tree, "")
 
 
-def compare_trees(expected: Any, given: Any, *, what: str, ignore: tuple[str, ...] = ()) -> None:
+def compare_trees(expected: PyTree, given: PyTree, *, what: str, ignore: tuple[str, ...] = ()) -> None:
     """Refuse given unless it has expected's leaf paths, shapes and dtypes' kinds; name the first differences.
 
     Leaves whose paths match a pattern of ignore may be missing or left over.
@@ -112,12 +113,12 @@ def compare_trees(expected: Any, given: Any, *, what: str, ignore: tuple[str, ..
         )
 
 
-def _reader(array: np.ndarray) -> Callable[[Any], np.ndarray]:
+def _reader(array: np.ndarray) -> Callable[[tuple[slice, ...] | None], np.ndarray]:
     """The callback make_array_from_callback calls for each shard: array's slice at index."""
     return lambda index: array[index]
 
 
-def place_weights(weights: Variables, shardings: Mapping[str, NamedSharding] | Callable[[str, Any], NamedSharding]) -> Any:
+def place_weights(weights: Variables, shardings: Mapping[str, NamedSharding] | Callable[[str, PyTree], NamedSharding]) -> PyTree:
     """Put host or device weights on the mesh, each leaf in the sharding its path is given.
 
     shardings maps '/'-joined leaf paths to shardings, or is a function of
@@ -241,7 +242,7 @@ class IgnoringLeaves:
         return read
 
 
-def _check_float_kinds(expected: Any, saved: Any, path: Any) -> None:
+def _check_float_kinds(expected: PyTree, saved: PyTree, path: object) -> None:
     """Refuse a saved leaf of an integer or boolean dtype where the model keeps a float."""
     want, got = _leaves(expected), _leaves(saved)
     wrong = [f"{name}: {np.dtype(got[name].dtype).name}, expected {np.dtype(want[name].dtype).name}"
@@ -281,9 +282,9 @@ def _keystr_parts(name: str) -> list[str]:
     return parts
 
 
-def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params") -> dict[str, Any]:
+def _saved_params(saved: Mapping[str, Mapping[str, Any]], field: str = "params") -> dict[str, PyTree]:
     """The leaves of field a manifest records, as a tree of shape stand-ins."""
-    out: dict[str, Any] = {}
+    out: dict[str, PyTree] = {}
     prefix = f".{field}"
     for name, leaf in saved.items():
         if not name.startswith(prefix + "["):

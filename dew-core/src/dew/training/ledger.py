@@ -30,9 +30,10 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dew.data.base import GLOBAL_POSITION, Consumption, DataPartition, is_global_position
 from dew.errors import DewError
@@ -43,7 +44,7 @@ LEDGER = "ledger.jsonl"
 _FLUSH_EVERY = 256  # lines held before a write, between checkpoints
 
 
-def records_digest(records: Any) -> str:
+def records_digest(records: ArrayLike) -> str:
     """A digest of a set of record ids that ignores their order (sorted, then SHA-256)."""
     ids = np.sort(np.asarray(records, dtype=np.int64).reshape(-1)).astype("<i8")
     return hashlib.sha256(ids.tobytes()).hexdigest()[:32]
@@ -83,7 +84,7 @@ def joined(batches: Sequence[Consumption]) -> Consumption:
     return Consumption(batches[0].first, batches[-1].end, records, batches[-1].order)
 
 
-def decoded_position(position: bytes | None) -> dict[str, Any] | None:
+def decoded_position(position: bytes | None) -> dict[str, object] | None:
     """A saved data position as the ledger writes it: a global one's fields, else whether there was one."""
     if position is None:
         return None
@@ -114,9 +115,9 @@ class RecordLedger:
         self.path = Path(directory) / LEDGER
         self.processes = processes
         self._lines: list[str] = []
-        self._order: Mapping[str, Any] | None = None
+        self._order: Mapping[str, object] | None = None
 
-    def _add(self, row: dict[str, Any], *, flush: bool = False) -> None:
+    def _add(self, row: dict[str, object], *, flush: bool = False) -> None:
         self._lines.append(json.dumps(row, sort_keys=True))
         if flush or len(self._lines) >= _FLUSH_EVERY:
             self.flush()

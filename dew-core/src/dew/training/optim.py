@@ -26,15 +26,17 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 import pydantic
+from jax.tree_util import KeyPath
 
 from dew.errors import DewError
 from dew.tree_paths import path_name
+from dew.typing import PyTree
 
 __all__ = [
     "DEFAULT_NO_DECAY",
@@ -75,7 +77,7 @@ class ParamGroup(pydantic.BaseModel):
 
     @pydantic.field_validator("match", mode="before")
     @classmethod
-    def _one_pattern_is_a_tuple(cls, value: Any) -> Any:
+    def _one_pattern_is_a_tuple(cls, value: object) -> object:
         return (value,) if isinstance(value, str) else value
 
 
@@ -202,10 +204,10 @@ def _lr_scale(config: OptimizerConfig, path: str) -> float:
     return 1.0 if group is None else group.lr_scale
 
 
-def decay_mask(config: OptimizerConfig) -> Callable[[Any], Any]:
+def decay_mask(config: OptimizerConfig) -> Callable[[optax.Params], PyTree]:
     """A function params -> tree of bools: True where weight decay applies."""
 
-    def mask(params: Any) -> Any:
+    def mask(params: optax.Params) -> PyTree:
         return jax.tree_util.tree_map_with_path(
             lambda path, _: _decays(config, leaf_path(path)), params
         )
@@ -216,14 +218,15 @@ def decay_mask(config: OptimizerConfig) -> Callable[[Any], Any]:
 def scale_by_group(config: OptimizerConfig) -> optax.GradientTransformation:
     """Multiply each leaf's update by its group's ``lr_scale`` (stateless)."""
 
-    def init(params: Any) -> optax.EmptyState:
+    def init(params: optax.Params) -> optax.EmptyState:
         del params
         return optax.EmptyState()
 
-    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
+    def update(updates: optax.Updates, state: optax.EmptyState,
+               params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
         del params
 
-        def scale(path: Any, update: jax.Array) -> jax.Array:
+        def scale(path: KeyPath, update: jax.Array) -> jax.Array:
             factor = _lr_scale(config, leaf_path(path))
             return update if factor == 1.0 else update * jnp.asarray(factor, update.dtype)
 
@@ -278,10 +281,11 @@ class ConfiguredOptimizer:
     schedule: optax.Schedule | None = None
     groups: tuple[ParamGroup, ...] = ()
 
-    def init(self, params: Any) -> optax.OptState:
+    def init(self, params: optax.Params) -> optax.OptState:
         return self.transformation.init(params)
 
-    def update(self, updates: Any, state: optax.OptState, params: Any = None) -> tuple[Any, optax.OptState]:
+    def update(self, updates: optax.Updates, state: optax.OptState,
+               params: optax.Params | None = None) -> tuple[optax.Updates, optax.OptState]:
         return self.transformation.update(updates, state, params)
 
 

@@ -21,30 +21,30 @@ the code path and the numbers are the same, only the copies are free.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import KeyPath
 
 from dew.nn.pipeline import pipeline
+from dew.objectives.base import LeafFilter, Variables
 from dew.training.execution import state_placement
-from dew.training.placement.layout import Layout
+from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.mesh import MeshSpec, companion_mesh
 from dew.training.placement.stages import schedule_of, with_bubble
 from dew.training.state import TrainState, shardings_state
 from dew.training.step import Gradients
 from dew.training.trees import overlay, paths, select
+from dew.typing import PyTree
 
 if TYPE_CHECKING:
     from dew.training.program import Program
 
 __all__ = ["OwnedExecution"]
-
-Placement = Any  # a tree of NamedSharding shaped like the placed tree
-
 
 @dataclass(frozen=True)
 class OwnedExecution:
@@ -61,13 +61,13 @@ class OwnedExecution:
     mesh: Mesh
     companion: Mesh
     layout: Layout
-    boxed: Any  # the fresh variables as shapes, with their logical axes
+    boxed: Variables  # the fresh variables as shapes, with their logical axes
     bank: Placement
     frozen: frozenset[str]
 
     @classmethod
-    def of(cls, spec: MeshSpec, mesh: Mesh, layout: Layout, boxed: Any, variables: Mapping[str, Any],
-           trains: Callable[[tuple[str, ...], Any], bool]) -> OwnedExecution:
+    def of(cls, spec: MeshSpec, mesh: Mesh, layout: Layout, boxed: Variables, variables: Variables,
+           trains: LeafFilter) -> OwnedExecution:
         """The execution of a run on mesh whose variables the layout places there.
 
         The frozen parameters are those of the params collection that trains
@@ -124,12 +124,12 @@ class OwnedExecution:
         view = self.view(state)
         return jax.device_put(view, self.view_placement(view))
 
-    def readable(self, state: TrainState) -> tuple[Any, Any]:
+    def readable(self, state: TrainState) -> tuple[Variables, Variables | None]:
         """The variables and EMA-averaged variables an evaluation reads, on the accelerators."""
         bank = self.snapshot(state)
         return bank.params, bank.averaged
 
-    def initialize(self, build: Callable[..., TrainState], placement: TrainState, *args: Any) -> TrainState:
+    def initialize(self, build: Callable[..., TrainState], placement: TrainState, *args: object) -> TrainState:
         """Build the fresh state on the companion, then move the frozen parameters to the accelerators."""
         state = jax.jit(build, out_shardings=self.on_companion(placement))(*args)
         return jax.device_put(state, placement)
@@ -178,19 +178,19 @@ class OwnedExecution:
         return tree.replace(params=select(tree.params, lambda path, _: "/".join(path) not in self.frozen))
 
 
-def _path(path: Sequence[Any]) -> str:
+def _path(path: KeyPath) -> str:
     return "/".join(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
 
 
-def _by_path(tree: Any) -> dict[str, Any]:
+def _by_path(tree: PyTree) -> dict[str, PyTree]:
     return {_path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _pick(tree: Any, chosen: Collection[str]) -> Any:
+def _pick(tree: Variables, chosen: Collection[str]) -> dict[str, PyTree]:
     """The leaves of a variables-shaped tree at the chosen paths, in its nesting."""
     chosen = set(chosen)
     return select(tree, lambda path, _: "/".join(path) in chosen)
 
 
-def _abstract(tree: Any, placement: Any) -> Any:
+def _abstract(tree: PyTree, placement: Placement) -> PyTree:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placement)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from dew.telemetry import profiling
 from dew.telemetry.records import ProfileWindowRecord
@@ -69,7 +68,7 @@ class ProfileSchedule:
     def tracing(self) -> bool:
         return self._open
 
-    def on_step(self, step: int, state: Any = None) -> ProfileWindowRecord | None:
+    def on_step(self, step: int, state: object = None) -> ProfileWindowRecord | None:
         """Open or close the window at step; state, if given, is waited on before closing."""
         if self._done:
             return None
@@ -83,7 +82,7 @@ class ProfileSchedule:
             return self._stop(step, state)
         return None
 
-    def _stop(self, step: int, state: Any) -> ProfileWindowRecord:
+    def _stop(self, step: int, state: object) -> ProfileWindowRecord:
         if state is not None:
             import jax
 
@@ -93,7 +92,7 @@ class ProfileSchedule:
         self._done = True
         return ProfileWindowRecord(str(self.window.directory), self._first, step - self._first)
 
-    def close(self, step: int | None = None, state: Any = None) -> ProfileWindowRecord | None:
+    def close(self, step: int | None = None, state: object = None) -> ProfileWindowRecord | None:
         """Stop a window still open at the end of the fit; return its record or None."""
         if not self._open:
             return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +111,7 @@ class Program:
             self.optimizer, accumulation=self.accumulation, ema=self.objective.ema, frozen=self.objective.frozen)
 
     # -- what a checkpoint must agree with ---------------------------------------------
-    def meta(self) -> dict[str, Any]:
+    def meta(self) -> dict[str, object]:
         """The configuration a checkpoint records beside the state."""
         scaler = None
         if self.dynamic_scale:
@@ -120,7 +119,7 @@ class Program:
             scaler = {"growth_interval": s.growth_interval, "factor": s.factor, "minimum": s.minimum}
         return {"accumulation": self.accumulation, "scaler": scaler, "ema": self.objective.ema is not None}
 
-    def check_resume(self, meta: Mapping[str, Any], step: int) -> None:
+    def check_resume(self, meta: Mapping[str, object], step: int) -> None:
         """Refuse a checkpoint written with another accumulation length or loss scaler, naming both."""
         mine = self.meta()
         differing = [k for k in ("accumulation", "scaler") if k in meta and meta[k] != mine[k]]

@@ -8,10 +8,10 @@ this module imports no JAX.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from dew.data.base import Resumable
+from dew.data.base import Batch, Resumable
 
 if TYPE_CHECKING:
     import jax
@@ -33,7 +33,7 @@ class Rollout(Protocol):
     ``set_state(bytes)`` is saved with the data position and resumed.
     """
 
-    def __call__(self, state: TrainState, batch: Mapping[str, Any], key: jax.Array) -> Mapping[str, Any]: ...
+    def __call__(self, state: TrainState, batch: Batch, key: jax.Array) -> Batch: ...
 
 
 @runtime_checkable
@@ -61,7 +61,7 @@ class Refilling(Protocol):
     the run's data ledger lists their records with the step that drew them.
     """
 
-    def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None: ...
+    def draw_from(self, more: Callable[[], Batch]) -> None: ...
 
 
 @runtime_checkable
@@ -76,7 +76,7 @@ class Transcribed(Protocol):
     report`` can show them.
     """
 
-    def transcript(self) -> list[dict[str, Any]]: ...
+    def transcript(self) -> list[dict[str, object]]: ...
 
 
 @runtime_checkable

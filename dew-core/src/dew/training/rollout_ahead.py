@@ -40,12 +40,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from dew.training.state import TrainState
 
 __all__ = ["Ahead", "LagError", "parameters_copy"]
 
@@ -56,7 +59,7 @@ class LagError(DewError, ValueError):
     """A rollout's max_lag is not a whole number of steps >= 0."""
 
 
-def parameters_copy(state: Any) -> Any:
+def parameters_copy(state: TrainState) -> TrainState:
     """state with its parameters copied: the step donates the state's buffers, the worker reads these.
 
     Only ``params`` is copied; a rollout run ahead reads nothing else of the
@@ -69,7 +72,7 @@ def parameters_copy(state: Any) -> Any:
 class _Deferred(Generic[Made]):
     """A batch made when it is first asked for, in the asking thread (Ahead's threaded=False)."""
 
-    def __init__(self, make: Callable[..., Made], *arguments: Any) -> None:
+    def __init__(self, make: Callable[..., Made], *arguments: object) -> None:
         self._make: Callable[[], Made] | None = lambda: make(*arguments)
         self._made: Made | None = None
         self._error: BaseException | None = None
@@ -99,7 +102,7 @@ class Ahead(Generic[Made]):
     order, from the same parameters, without a second thread.
     """
 
-    def __init__(self, make: Callable[[Any, int, jax.Array], Made], lag: int, *, threaded: bool = True) -> None:
+    def __init__(self, make: Callable[[TrainState, int, jax.Array], Made], lag: int, *, threaded: bool = True) -> None:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
             raise LagError(f"max_lag must be a whole number of steps >= 0, got {lag!r}: 0 samples each "
                            "step's batch from the policy it trains, 1 (the default) from the policy one step "
@@ -110,7 +113,7 @@ class Ahead(Generic[Made]):
         self._pending: dict[int, Future[Made] | _Deferred[Made]] = {}
         self._failed: BaseException | None = None  # a batch that failed: none after it is made
 
-    def take(self, state: Any, step: int) -> Made:
+    def take(self, state: TrainState, step: int) -> Made:
         """Step's batch (made now if it is not under way), after handing on the steps up to step + lag."""
         copied = None
         for ahead in range(step, step + self.lag + 1):
@@ -121,7 +124,7 @@ class Ahead(Generic[Made]):
                                         else _Deferred(self._make, copied, ahead, key))
         return self._pending.pop(step).result()
 
-    def _make(self, state: Any, step: int, key: jax.Array) -> Made:
+    def _make(self, state: TrainState, step: int, key: jax.Array) -> Made:
         # After a failure the stream and the rollout stand wherever it left them: making a later
         # step from there would journal a batch no run trains on.
         if self._failed is not None:

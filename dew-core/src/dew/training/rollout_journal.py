@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dew.errors import DewError
 
@@ -69,10 +70,10 @@ class Rolled:
     data: str
     draws: int = 1
     state: bytes | None = None
-    transcript: tuple[Mapping[str, Any], ...] = field(default=())
+    transcript: tuple[Mapping[str, Any], ...] = field(default=())  # JSON rounds, read back as written
 
 
-def batch_digest(batch: Mapping[str, Any]) -> str:
+def batch_digest(batch: Mapping[str, ArrayLike]) -> str:
     """A digest of a batch's keys, dtypes, shapes and bytes (what a replayed line is checked against).
 
     >>> batch_digest({"a": np.zeros(2)}) == batch_digest({"a": np.zeros(2)})
@@ -90,7 +91,7 @@ def batch_digest(batch: Mapping[str, Any]) -> str:
     return digest.hexdigest()[:32]
 
 
-def encode_batch(batch: Mapping[str, Any]) -> str:
+def encode_batch(batch: Mapping[str, ArrayLike]) -> str:
     """A batch's arrays as base64 ``.npz`` bytes: every bit kept, dtypes and shapes included."""
     buffer = io.BytesIO()
     np.savez(buffer, **{key: np.asarray(value) for key, value in batch.items()})  # type: ignore[arg-type]
@@ -103,7 +104,7 @@ def decode_batch(text: str) -> dict[str, np.ndarray]:
         return {key: saved[key] for key in saved.files}
 
 
-def to_plain(value: Any) -> Any:
+def to_plain(value: object) -> object:
     """value as JSON can hold it: arrays and numpy scalars as lists and numbers, bytes as text."""
     if isinstance(value, np.ndarray):
         return [to_plain(v) for v in value.tolist()] if value.dtype.kind in "OSU" else value.tolist()

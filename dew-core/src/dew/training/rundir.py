@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["claim", "ledger_beside", "write_recipe"]
 
 
-def claim(checkpoints: Checkpoints | None, recipe: Mapping[str, Any] | None) -> None:
+def claim(checkpoints: Checkpoints | None, recipe: Mapping[str, object] | None) -> None:
     """Take the run directory before training (a second writer is refused now, not at the first
     save) and write the recipe there."""
     if checkpoints is None:
@@ -28,7 +28,7 @@ def claim(checkpoints: Checkpoints | None, recipe: Mapping[str, Any] | None) -> 
         write_recipe(checkpoints, recipe)
 
 
-def write_recipe(checkpoints: Checkpoints, recipe: Mapping[str, Any]) -> None:
+def write_recipe(checkpoints: Checkpoints, recipe: Mapping[str, object]) -> None:
     """The run's recipe beside its checkpoints (run.json), as RunConfig.save writes it; only the
     pool's writer (process 0) writes it."""
     if jax.process_index() != 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import cached_property
-from typing import Any
 
 import jax
 import numpy as np
@@ -114,7 +113,7 @@ class Start:
         """Refuse an optimizer whose parameter groups select only frozen leaves to train."""
         if self.objective.frozen is None or not groups:
             return
-        variables: Any = nn.meta.unbox(self.boxed)
+        variables: Variables = nn.meta.unbox(self.boxed)
         every = paths(variables)
         trainable = set(paths(select(variables, trains(self.objective.frozen))))
         for group in groups:

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import optax
 
 from dew.objectives.base import Variables
 from dew.training.trees import overlay
+from dew.typing import PyTree
 
 __all__ = ["STREAMS", "Scaler", "TrainState", "Window", "shardings_state", "stream"]
 
@@ -45,7 +47,7 @@ class Scaler:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Scaler: ...
+        def replace(self, **changes: object) -> Scaler: ...
 
     scale: jax.Array
     streak: jax.Array
@@ -73,7 +75,7 @@ class Window:
     """A half-filled gradient-accumulation window: summed gradients and loss counts."""
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> Window: ...
+        def replace(self, **changes: object) -> Window: ...
 
     grads: Variables
     count: jax.Array
@@ -94,10 +96,10 @@ class TrainState:
     """
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds replace; its type is not declared there
-        def replace(self, **changes: Any) -> TrainState: ...
+        def replace(self, **changes: object) -> TrainState: ...
 
     params: Variables
-    opt_state: Any
+    opt_state: optax.OptState
     key: jax.Array
     step: jax.Array
     microstep: jax.Array
@@ -128,6 +130,6 @@ class TrainState:
         return key
 
 
-def shardings_state(**fields: Any) -> TrainState:
+def shardings_state(**fields: PyTree) -> TrainState:
     """A TrainState whose leaves are shardings, not arrays: where each field of a state goes."""
     return TrainState(**fields)

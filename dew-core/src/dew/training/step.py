@@ -10,19 +10,20 @@ the loss scaler) move, and nothing non-finite reaches the state.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 from dew.nn.pipeline import current_schedule
 from dew.nn.pipeline_step import pipelined_gradients
-from dew.objectives.base import Aux, EMASpec, Mean, Objective, Step, Variables
+from dew.objectives.base import Aux, EMASpec, LeafFilter, Mean, Objective, Step, Variables
 from dew.training.ema import ema_update
 from dew.training.state import TrainState, Window
 from dew.training.trees import overlay, select, trains
+from dew.typing import PyTree
 
 __all__ = ["Gradients", "StepFn", "build_train_step", "differentiate", "follow_ema", "transaction", "write_back"]
 
@@ -44,7 +45,7 @@ def write_back(params: Variables, variables: Variables | None) -> Variables:
     return merged
 
 
-def _scalar(value: Any) -> jax.Array:
+def _scalar(value: Mean | ArrayLike) -> jax.Array:
     if isinstance(value, Mean):
         return value.value.astype(jnp.float32)
     return jnp.mean(jnp.asarray(value, jnp.float32))
@@ -61,7 +62,7 @@ class Gradients:
     """
 
     grads: Variables
-    loss: Any
+    loss: Mean
     aux: Aux
 
 
@@ -120,7 +121,7 @@ def transaction(
     *,
     accumulation: int = 1,
     ema: EMASpec | None = None,
-    frozen: Callable[[tuple[str, ...], Any], bool] | None = None,
+    frozen: LeafFilter | None = None,
 ) -> Callable[[TrainState, Gradients], tuple[TrainState, dict[str, jax.Array]]]:
     """The second half of a step: accept or reject one microbatch's gradients, and update.
 
@@ -193,7 +194,7 @@ def _accept(
     optimizer: optax.GradientTransformation,
     accumulation: int,
     ema: EMASpec | None,
-    trainable_filter: Callable[[tuple[str, ...], Any], bool],
+    trainable_filter: LeafFilter,
 ) -> TrainState:
     variables = write_back(state.params, aux.updates)
     state = state.replace(params=variables, microstep=state.microstep + 1)
@@ -229,7 +230,7 @@ def _update(
     grads: Variables,
     optimizer: optax.GradientTransformation,
     ema: EMASpec | None,
-    trainable_filter: Callable[[tuple[str, ...], Any], bool],
+    trainable_filter: LeafFilter,
 ) -> TrainState:
     trainable = select(state.params, trainable_filter)
     updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
@@ -247,7 +248,7 @@ def follow_ema(state: TrainState, ema: EMASpec | None, *, previous_updates: jax.
     return state.replace(ema=ema_update(state.ema, live, ema.rate(previous_updates)))
 
 
-def _like(pattern: Mapping[str, Any], tree: Mapping[str, Any]) -> dict[str, Any]:
+def _like(pattern: Mapping[str, PyTree], tree: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """tree's leaves at pattern's paths."""
     return {
         key: _like(value, tree[key]) if isinstance(value, Mapping) else tree[key]

@@ -20,16 +20,17 @@ and ``overlay`` puts its leaves back in place.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+
+from dew.typing import PyTree
 
 __all__ = ["Path", "overlay", "paths", "select", "trains"]
 
 Path = tuple[str, ...]
 
 
-def select(tree: Any, keep: Callable[[Path, Any], bool], _path: Path = ()) -> dict[str, Any]:
+def select(tree: Mapping[str, PyTree], keep: Callable[[Path, PyTree], bool], _path: Path = ()) -> dict[str, PyTree]:
     """The leaves of tree that keep accepts, in tree's nesting; empty branches dropped."""
-    out: dict[str, Any] = {}
+    out: dict[str, PyTree] = {}
     for key, value in tree.items():
         path = (*_path, str(key))
         if isinstance(value, Mapping):
@@ -41,7 +42,7 @@ def select(tree: Any, keep: Callable[[Path, Any], bool], _path: Path = ()) -> di
     return out
 
 
-def overlay(base: Any, top: Mapping[str, Any]) -> dict[str, Any]:
+def overlay(base: Mapping[str, PyTree], top: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """base with top's leaves in place (top's tree is a pruned copy of base's)."""
     out = dict(base)
     for key, value in top.items():
@@ -52,7 +53,7 @@ def overlay(base: Any, top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def paths(tree: Any, _path: Path = ()) -> list[str]:
+def paths(tree: Mapping[str, PyTree], _path: Path = ()) -> list[str]:
     """Every leaf's path, joined with '/', in tree order."""
     out: list[str] = []
     for key, value in tree.items():
@@ -64,10 +65,10 @@ def paths(tree: Any, _path: Path = ()) -> list[str]:
     return out
 
 
-def trains(frozen: Callable[[Path, Any], bool] | None) -> Callable[[Path, Any], bool]:
+def trains(frozen: Callable[[Path, PyTree], bool] | None) -> Callable[[Path, PyTree], bool]:
     """The filter of trainable leaves: the ``params`` collection less what frozen names."""
 
-    def accept(path: Path, leaf: Any) -> bool:
+    def accept(path: Path, leaf: PyTree) -> bool:
         return bool(path) and path[0] == "params" and not (frozen is not None and frozen(path, leaf))
 
     return accept

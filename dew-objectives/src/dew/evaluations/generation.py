@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -32,6 +32,9 @@ from dew.evaluations.base import Subject, TaskFileError, read_task_file, share_r
 from dew.evaluations.scoring import task_mesh
 from dew.sampling import Sampling, generate
 from dew.training.placement.mesh import data_partition
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 __all__ = ["AnswerRecord", "GenerationTask"]
 
@@ -115,7 +118,7 @@ class GenerationTask:
         found = _first(re.compile(self.pattern), text)
         return None if found is None else found.strip()
 
-    def generations(self, subject: Subject, *, mesh: Any = None) -> dict[int, str]:
+    def generations(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[int, str]:
         """This process's generated texts, by record number."""
         if subject.tokenizer is None:
             raise TaskFileError("GenerationTask needs the run's tokenizer to turn prompts into ids; the "
@@ -123,7 +126,7 @@ class GenerationTask:
         problems = self.problems()
         partition = data_partition(task_mesh(mesh))
         tokenizer = subject.tokenizer
-        eos: Any = getattr(tokenizer, "eos_id", None)
+        eos: Any = getattr(tokenizer, "eos_id", None)  # any tokenizer: it may have none
         prompts = [list(tokenizer.encode(p.prompt)) or [int(eos)] for p in problems]
         out: dict[int, str] = {}
         for mine in share_rows(len(problems), max(self.batch, partition.shares), partition):
@@ -135,7 +138,7 @@ class GenerationTask:
                 out[r] = tokenizer.decode([int(t) for t in new])
         return out
 
-    def evaluate(self, subject: Subject, *, mesh: Any = None) -> dict[str, float]:
+    def evaluate(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[str, float]:
         """exact_match over the records, and how many were scored."""
         problems = self.problems()
         right = sum(self.prediction(text) == problems[r].reference

@@ -26,12 +26,17 @@ import os
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dew.evaluations.base import Subject, TaskFileError, read_task_file
 from dew.evaluations.scoring import loglikelihoods
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from dew.data.base import Tokenizer
 
 __all__ = ["Choice", "MultipleChoice", "Question", "continuation_ids"]
 
@@ -55,11 +60,11 @@ class Choice:
     characters: int
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(text)]
 
 
-def continuation_ids(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def continuation_ids(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:  # eos_id read
     """(context ids, continuation ids) as the evaluation harnesses split them (module docstring)."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
@@ -131,7 +136,7 @@ class MultipleChoice:
             raise TaskFileError(f"The task file {os.fspath(self.file)!r} holds no record.")
         return found
 
-    def rows(self, tokenizer: Any, limit: int | None) -> list[Choice]:
+    def rows(self, tokenizer: Tokenizer, limit: int | None) -> list[Choice]:
         """Every (question, choice) row in order, cut to the last limit ids."""
         out = []
         for question in self.questions():
@@ -142,20 +147,20 @@ class MultipleChoice:
                 out.append(Choice(tuple(ids), min(len(tail), len(ids) - 1), len(continuation)))
         return out
 
-    def choice_scores(self, subject: Subject, *, mesh: Any = None) -> list[np.ndarray]:
+    def choice_scores(self, subject: Subject, *, mesh: Mesh | None = None) -> list[np.ndarray]:
         """Each question's summed log-probability of every choice, in file order."""
         if subject.tokenizer is None:
             raise TaskFileError("MultipleChoice needs the run's tokenizer to turn choices into ids; the "
                                 "run's data reader or export supplies one.")
         questions = self.questions()
-        window = getattr(subject.model, "max_seq_len", None)
+        window = getattr(subject.model, "max_seq_len", None)  # any flax Module: unbounded if it has none
         rows = self.rows(subject.tokenizer, None if window is None else window + 1)
         sums = loglikelihoods(subject.model, subject.variables, [(r.ids, r.scored) for r in rows],
                               batch=self.batch, mesh=mesh)
         bounds = np.cumsum([0] + [len(q.choices) for q in questions])
         return [sums[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    def evaluate(self, subject: Subject, *, mesh: Any = None) -> dict[str, float]:
+    def evaluate(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[str, float]:
         """accuracy and accuracy_norm over the records, and how many were scored."""
         questions = self.questions()
         right = right_norm = 0

@@ -10,8 +10,8 @@ receives whole.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,16 @@ from dew.evaluations.base import share_rows
 from dew.nn.moe import MOE_COLLECTION
 from dew.training.placement.mesh import BATCH_AXES, build_mesh, data_partition, shard_batch
 
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+    from flax.linen import Module
+
+    from dew.objectives.base import Variables
+
 __all__ = ["global_rows", "loglikelihoods", "task_mesh"]
 
-_COMPILED: dict[Any, Callable] = {}  # (model, mesh) -> the jitted scorer (its compiles keyed by shape)
+_COMPILED: dict[Hashable, Callable] = {}  # (model, mesh) -> the jitted scorer (its compiles keyed by shape)
 _KEPT = 8
 
 
@@ -39,18 +46,18 @@ def global_rows(batch: int, mesh: Mesh) -> int:
     return -(-max(batch, 1) // shards) * shards
 
 
-def _scorer(model: Any, mesh: Mesh) -> Callable:
+def _scorer(model: Module, mesh: Mesh) -> Callable:
     """One jitted scorer per model and mesh (equal modules share it, so a rebuilt model recompiles nothing)."""
     try:
-        key: Any = (hash(model), model, mesh)
+        key: Hashable = (hash(model), model, mesh)
     except TypeError:  # a module holding something unhashable: one scorer per object
         key = (id(model), mesh)
     if key not in _COMPILED:
         if len(_COMPILED) >= _KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
-        routed = bool(getattr(model, "experts", 0))
+        routed = bool(getattr(model, "experts", 0))  # any flax Module: only MoE families route
 
-        def score(variables: Mapping[str, Any], tokens: jax.Array, mask: jax.Array) -> jax.Array:
+        def score(variables: Variables, tokens: jax.Array, mask: jax.Array) -> jax.Array:
             params = {k: v for k, v in variables.items() if k not in ("cache", MOE_COLLECTION)}
             if routed:
                 logits = model.apply(params, tokens[:, :-1], mutable=[MOE_COLLECTION])[0]
@@ -65,7 +72,7 @@ def _scorer(model: Any, mesh: Mesh) -> Callable:
     return _COMPILED[key]
 
 
-def loglikelihoods(model: Any, variables: Mapping[str, Any], rows: Sequence[tuple[Sequence[int], int]],
+def loglikelihoods(model: Module, variables: Variables, rows: Sequence[tuple[Sequence[int], int]],
                    *, batch: int, mesh: Mesh | None = None) -> np.ndarray:
     """The summed log-probability of each row's last ``n`` tokens given the ones before them.
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax
@@ -49,6 +49,11 @@ from dew.objectives.base import (
     under,
 )
 from dew.telemetry.artifacts import Artifact
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.objectives import diffusion_pipeline
+    from dew.training.state import TrainState
 
 __all__ = [
     "DiffusionObjective",
@@ -182,7 +187,7 @@ class DiffusionObjective(Objective):
         key = self.conditioning.key
         return (self.key,) if key is None else (self.key, key)
 
-    def check_batch(self, batch: Mapping[str, Any], step: int) -> None:
+    def check_batch(self, batch: Mapping[str, np.ndarray], step: int) -> None:
         """Refuse, on the host before the step, labels or token ids outside the model's range."""
         self.conditioning.check_batch(batch)
 
@@ -215,7 +220,7 @@ class DiffusionObjective(Objective):
                 f"{', '.join(map(str, self.shape))}] for {type(self.model).__name__}.")
         return jnp.asarray(value, jnp.float32) / 127.5 - 1.0
 
-    def _apply(self, variables: Variables, x: jax.Array, t: jax.Array, condition: Any) -> jax.Array:
+    def _apply(self, variables: Variables, x: jax.Array, t: jax.Array, condition: jax.Array | None) -> jax.Array:
         inputs, level = self.process.model_input(x, t)
         params = {k: v for k, v in variables.items() if k != "cache"}
         return self.model.apply(params, inputs, level, condition)
@@ -241,14 +246,14 @@ class DiffusionObjective(Objective):
         per_example, _ = self._losses(variables, batch, step.key, step.training)
         return Mean.of(per_example), Aux()
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """The loss at stratified noise levels, overall and per noise bucket."""
         rows = batch[self.key].shape[0] if self.key in batch else 1
         u = (jnp.arange(rows, dtype=jnp.float32) + 0.5) / rows
         u = jax.random.permutation(jax.random.fold_in(step.key, 1), u)
         t = self.process.schedule.time_at(u)
         per_example, _ = self._losses(variables, batch, step.key, False, t)
-        outputs: dict[str, Any] = {"loss": Mean.of(per_example)}
+        outputs: dict[str, PyTree] = {"loss": Mean.of(per_example)}
         bucket = jnp.minimum((u * self.noise_buckets).astype(jnp.int32), self.noise_buckets - 1)
         for k in range(self.noise_buckets):
             outputs[f"loss/noise_{k}"] = Mean.of(per_example, bucket == k)
@@ -303,7 +308,7 @@ class DiffusionObjective(Objective):
         return Artifact("samples", "video" if self.key == "video" else "image", _tile(pixels, columns),
                         labels=labels, columns=columns if labels else None)
 
-    def pipeline(self, state: Any, *, ema: bool = True) -> Any:
+    def pipeline(self, state: TrainState | Variables, *, ema: bool = True) -> diffusion_pipeline.DiffusionPipeline:
         """A pipeline that samples with state's (EMA) parameters (or given variables)."""
         from dew.objectives.diffusion_pipeline import DiffusionPipeline
         from dew.objectives.inference import variables_of

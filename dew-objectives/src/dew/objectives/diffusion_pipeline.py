@@ -23,7 +23,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,11 @@ from dew.objectives.inference import (
     write_file,
     write_texts,
 )
+
+if TYPE_CHECKING:
+    from dew.data.base import Tokenizer
+    from dew.inputs import Conditioning
+    from dew.pretrained.model import Pretrained as PretrainedModel
 
 __all__ = [
     "DiffusionPipeline",
@@ -58,14 +63,14 @@ class _Saved(Pipeline):
     objective: Any
     variables: Mapping[str, Any]
 
-    def pretrained(self) -> Any:
+    def pretrained(self) -> PretrainedModel:
         """The model, variables, tokenizer and task (the objective) as a Pretrained."""
         from dew.pretrained.native import objective_pretrained
 
         return objective_pretrained(self.objective, self.variables)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str], **fields: Any) -> Any:
+    def load(cls, directory: str | os.PathLike[str], **fields: object) -> Self:
         """The pipeline save wrote in directory (fields override the saved objective's)."""
         pipeline = load_pipeline(directory, **fields)
         if not isinstance(pipeline, cls):
@@ -111,14 +116,14 @@ class PixelPipeline(_Saved):
     """
 
     @property
-    def conditioning(self) -> Any:
+    def conditioning(self) -> Conditioning:
         raise NotImplementedError
 
     @property
     def video(self) -> bool:
         raise NotImplementedError
 
-    def sample(self, conditions: Sequence[Any] | None, rows: int, key: jax.Array,
+    def sample(self, conditions: Sequence[int | str] | None, rows: int, key: jax.Array,
                steps: int | None, guidance: float | None) -> np.ndarray:
         """uint8 samples [rows, ...] for conditions (one each) or unconditioned."""
         raise NotImplementedError
@@ -144,7 +149,7 @@ class PixelPipeline(_Saved):
             return frozenset({"count", "steps"})
         return frozenset({"count", "steps", "guidance"})
 
-    def usage(self, run: Any) -> str:
+    def usage(self, run: object) -> str:
         from dew.inputs import ClassLabels, TextTokens
 
         if isinstance(self.conditioning, ClassLabels):
@@ -200,14 +205,14 @@ class DiffusionPipeline(PixelPipeline):
     """Images or videos from a DiffusionObjective's model and its trained variables."""
 
     @property
-    def conditioning(self) -> Any:
+    def conditioning(self) -> Conditioning:
         return self.objective.conditioning
 
     @property
     def video(self) -> bool:
         return self.objective.key == "video"
 
-    def __call__(self, conditions: Sequence[Any] | None = None, *, rows: int | None = None,
+    def __call__(self, conditions: Sequence[int | str] | None = None, *, rows: int | None = None,
                  key: jax.Array | None = None, steps: int | None = None,
                  guidance: float | None = None, method: str | None = None) -> np.ndarray:
         """uint8 samples [N, ...]: one per condition (a class label or a prompt), or rows unconditional."""
@@ -225,7 +230,7 @@ class DiffusionPipeline(PixelPipeline):
         x = sample(self.variables, key if key is not None else jax.random.key(0), condition)
         return to_pixels(x)
 
-    def sample(self, conditions: Sequence[Any] | None, rows: int, key: jax.Array,
+    def sample(self, conditions: Sequence[int | str] | None, rows: int, key: jax.Array,
                steps: int | None, guidance: float | None) -> np.ndarray:
         return self(conditions, rows=rows, key=key, steps=steps, guidance=guidance)
 
@@ -241,7 +246,7 @@ class TextDiffusionPipeline(_Saved):
     accepts: ClassVar[str] = "text prompts to start from, or none"
     options: ClassVar[frozenset[str]] = frozenset({"count", "steps"})
 
-    def usage(self, run: Any) -> str:
+    def usage(self, run: object) -> str:
         return f"dew generate {run} [PROMPT] --count N"
 
     def __call__(self, rows: int = 1, *, key: jax.Array | None = None,
@@ -275,7 +280,7 @@ class TextDiffusionPipeline(_Saved):
                          samples=len(texts))
 
 
-def load_pipeline(directory: str | os.PathLike[str], **fields: Any) -> Any:
+def load_pipeline(directory: str | os.PathLike[str], **fields: object) -> Pipeline:
     """The pipeline a save wrote: Pretrained.load, then its task's pipeline.
 
     fields override the saved objective's (a tokenizer, say, when the saved
@@ -286,7 +291,7 @@ def load_pipeline(directory: str | os.PathLike[str], **fields: Any) -> Any:
     return Pretrained.load(directory).pipeline(**fields)
 
 
-def prefix_ids(tokenizer: Any, prompt: str, rows: int, length: int, multiple: int = 1) -> jax.Array:
+def prefix_ids(tokenizer: Tokenizer, prompt: str, rows: int, length: int, multiple: int = 1) -> jax.Array:
     """prompt's ids repeated for rows, refused unless shorter than length and a multiple of multiple."""
     ids = list(tokenizer.encode(prompt))
     if not ids or len(ids) >= length:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -51,6 +51,11 @@ from dew.objectives.base import (
 )
 from dew.objectives.lm import BatchShapeError, MissingBatchKeyError, Tokenizer
 from dew.sampling import Sampling, TextGeneration
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["DistillationObjective", "TeacherVocabularyError", "distillation_terms"]
 
@@ -154,7 +159,7 @@ class DistillationObjective(Objective):
             raise TeacherVocabularyError(_vocabulary_message(student, teacher))
 
     # -- the teacher's weights ---------------------------------------------------------
-    def initializer(self) -> Any:
+    def initializer(self) -> WeightSource | None:
         """The teacher read from teacher_checkpoint or teacher_pretrained, or None when neither is set.
 
         A recipe's run passes it to the Trainer (``objective_parts``); in code,
@@ -179,7 +184,7 @@ class DistillationObjective(Objective):
 
         return self.teacher_from(ParamsFrom(_absolute(self.teacher_checkpoint)))
 
-    def teacher_from(self, source: Any) -> Any:
+    def teacher_from(self, source: Variables | WeightSource) -> WeightSource:
         """A Trainer initializer that reads the teacher from source and leaves the rest to init.
 
         source is a teacher variables tree ({"params": ...}) or a weight
@@ -204,7 +209,7 @@ class DistillationObjective(Objective):
 
         return read
 
-    def _check_teacher_vocabulary(self, weights: Mapping[str, Any], abstract: Mapping[str, Any]) -> None:
+    def _check_teacher_vocabulary(self, weights: Mapping[str, PyTree], abstract: Mapping[str, PyTree]) -> None:
         given, expected = _vocabulary_of(weights), _vocabulary_of(abstract)
         if given is not None and expected is not None and given != expected:
             raise TeacherVocabularyError(
@@ -218,7 +223,7 @@ class DistillationObjective(Objective):
         given = dict((variables or {}).get("params", {}))
         student_key, teacher_key, projection_key = jax.random.split(key, 3)
         tokens = jnp.zeros((1, self.seq_len), jnp.int32)
-        params: dict[str, Any] = {}
+        params: dict[str, PyTree] = {}
         params["student"] = given.get("student") or self.model.init(student_key, tokens)["params"]
         teacher = self.teacher
         assert teacher is not None and not isinstance(teacher, Mapping)  # __post_init__ built it
@@ -249,7 +254,7 @@ class DistillationObjective(Objective):
         cross_entropy = optax.softmax_cross_entropy_with_integer_labels(student_logits, targets)
         per_token = self.temperature**2 * (self.forward * forward + self.reverse * reverse)
         per_token = per_token + self.labels * cross_entropy
-        metrics: dict[str, Any] = {
+        metrics: dict[str, Mean | jax.Array] = {
             "kl_forward": Mean.of(forward, weights),
             "kl_reverse": Mean.of(reverse, weights),
             "cross_entropy": Mean.of(cross_entropy, weights),
@@ -263,7 +268,7 @@ class DistillationObjective(Objective):
             metrics["hidden_error"] = Mean.of(error, weights)
         return Mean.of(per_token, weights), Aux(metrics=metrics)
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         loss, aux = self.loss(variables, batch, step)
         return {"loss": loss, **aux.metrics}
 
@@ -271,7 +276,7 @@ class DistillationObjective(Objective):
         """The validation metrics evaluate supports: the loss, both KLs, cross-entropy and agreement."""
         return tuple(MeanMetric(name) for name in ("loss", "kl_forward", "kl_reverse", "cross_entropy", "agreement"))
 
-    def pipeline(self, state: Any, *,
+    def pipeline(self, state: TrainState | Variables, *,
                  sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
         """The distilled student as text generation (its EMA copy when the run kept one).
 
@@ -291,20 +296,20 @@ class DistillationObjective(Objective):
         return policy_pipeline(self.model, {"params": student}, self.tokenizer, sampling=sampling)
 
     # -- internals -----------------------------------------------------------------------------
-    def _apply(self, params: Any, model: nn.Module, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def _apply(self, params: PyTree, model: nn.Module, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         if not self.hidden:
             return model.apply({"params": params}, inputs), None
         logits, state = model.apply({"params": params}, inputs, capture_intermediates=self._captures)
         return logits, self._captured(state, model)
 
-    def _hidden(self, params: Any, model: nn.Module, inputs: jax.Array) -> jax.Array:
+    def _hidden(self, params: PyTree, model: nn.Module, inputs: jax.Array) -> jax.Array:
         _, state = model.apply({"params": params}, inputs, capture_intermediates=self._captures)
         return self._captured(state, model)
 
     def _captures(self, module: nn.Module, method: str) -> bool:
         return method == "__call__" and module.name == self.hidden_layer
 
-    def _captured(self, state: Mapping[str, Any], model: nn.Module) -> jax.Array:
+    def _captured(self, state: Variables, model: nn.Module) -> jax.Array:
         found = state.get("intermediates", {}).get(self.hidden_layer, {}).get("__call__")
         if not found:
             raise ValueError(
@@ -367,7 +372,7 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     return given
 
 
-def _vocabulary_of(params: Mapping[str, Any]) -> int | None:
+def _vocabulary_of(params: Mapping[str, PyTree]) -> int | None:
     embed = params.get("embed", {}).get("embedding") if isinstance(params.get("embed"), Mapping) else None
     return None if embed is None else int(embed.shape[0])
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.data.base import Batch as HostBatch
 from dew.errors import DewError
 from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
@@ -47,8 +48,9 @@ from dew.objectives.policy import (
 )
 
 if TYPE_CHECKING:
-    from dew.sampling import TextGeneration
+    from dew.sampling import Sampling, TextGeneration
     from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["DPOObjective", "MismatchedPairError", "PairCheck", "sequence_logprob"]
 
@@ -79,12 +81,12 @@ class PairCheck:
     rejected_key: str = "rejected"
     prompt_length_key: str = "prompt_length"
 
-    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> Mapping[str, Any]:
+    def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> HostBatch:
         check_pairs(batch, self.chosen_key, self.rejected_key, self.prompt_length_key)
         return batch
 
 
-def check_pairs(batch: Mapping[str, Any], chosen_key: str = "chosen", rejected_key: str = "rejected",
+def check_pairs(batch: HostBatch, chosen_key: str = "chosen", rejected_key: str = "rejected",
                 prompt_length_key: str = "prompt_length") -> None:
     """Refuse a batch in which some pair's chosen and rejected sequences start with different prompts.
 
@@ -184,7 +186,7 @@ class DPOObjective(Objective):
         """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
         return PolicyFrom(source)
 
-    def pipeline(self, state: Any, *, sampling: Any = None) -> TextGeneration:
+    def pipeline(self, state: TrainState | Variables, *, sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
         """The policy (without its reference) as text generation, stopping at stop_token."""
         return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
                                stop_token=self.stop_token)

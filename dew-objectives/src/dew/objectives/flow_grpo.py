@@ -43,7 +43,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike
 
+from dew.data.base import Batch as HostBatch
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -61,9 +63,12 @@ from dew.objectives.inference import variables_of
 from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_reference
 from dew.objectives.rollouts import RewardMetric
 from dew.rewards import Reward, resolve, score
+from dew.typing import PyTree
 
 if TYPE_CHECKING:
+    from dew.inputs import Conditioning
     from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["FlowGRPOObjective", "FlowPipeline", "FlowRollout", "sde_step", "timesteps"]
 
@@ -134,7 +139,7 @@ class FlowRollout:
 
         self._sample = jax.jit(sample)
 
-    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
+    def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, ArrayLike]:
         objective, g = self.objective, self.objective.group_size
         if objective.condition_key is not None:
             if objective.condition_key not in batch:
@@ -208,7 +213,7 @@ class FlowGRPOObjective(Objective):
         return ("trajectory", "old_logp", "reward", "condition")
 
     @property
-    def conditioning(self) -> Any:
+    def conditioning(self) -> Conditioning:
         """What the model reads beside x and t (``dew.inputs``): its labels, or nothing."""
         from dew.inputs import Unconditional, conditioning_of
 
@@ -239,7 +244,7 @@ class FlowGRPOObjective(Objective):
 
         return jax.lax.scan(step, x, timesteps(steps)[:-1])[0]
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """The held-out conditions (or rows) drawn by the ODE, for ``metrics`` to score."""
         rows = int(next(iter(batch.values())).shape[0])
         condition = self.conditioning.read(batch, traced_check=False) if self.condition_key else None
@@ -252,7 +257,7 @@ class FlowGRPOObjective(Objective):
         """The mean reward of the images drawn for the validation conditions."""
         return (_ImageReward(resolve(self.reward), output="image"),)
 
-    def pipeline(self, state: Any, *, ema: bool = True) -> FlowPipeline:
+    def pipeline(self, state: TrainState | Variables, *, ema: bool = True) -> FlowPipeline:
         """Images for labels (or unconditioned) from the policy in state, by the ODE."""
         return FlowPipeline(self, policy_variables(variables_of(state, ema)))
 
@@ -277,7 +282,7 @@ class FlowGRPOObjective(Objective):
         following = trajectory[:, 1:].reshape(rows * self.steps, *trajectory.shape[2:])
         logp = gaussian_logp(following, mean, std).reshape(rows, self.steps)
         per_step, clipped = clipped_policy_loss(logp, batch["old_logp"], advantage, self.clip)
-        metrics: dict[str, Any] = {"reward": Mean.of(reward), "clip_fraction": Mean.of(clipped)}
+        metrics: dict[str, Mean | jax.Array] = {"reward": Mean.of(reward), "clip_fraction": Mean.of(clipped)}
         if self.beta > 0:
             ref_mean, _ = self._means({"params": jax.lax.stop_gradient(variables[REFERENCE])}, trajectory,
                                       batch["condition"])
@@ -300,14 +305,14 @@ class FlowPipeline(PixelPipeline):
     """Images from a FlowGRPO policy: labels (or nothing) in, uint8 images out."""
 
     @property
-    def conditioning(self) -> Any:
+    def conditioning(self) -> Conditioning:
         return self.objective.conditioning
 
     @property
     def video(self) -> bool:
         return len(self.objective.image_shape) == 4
 
-    def __call__(self, conditions: Sequence[Any] | None = None, *, rows: int | None = None,
+    def __call__(self, conditions: Sequence[int | str] | None = None, *, rows: int | None = None,
                  key: jax.Array | None = None, steps: int | None = None,
                  guidance: float | None = None) -> np.ndarray:
         """uint8 images [N, ...]: one per condition (a label), or rows unconditioned."""
@@ -326,6 +331,6 @@ class FlowPipeline(PixelPipeline):
         draw = jax.jit(lambda v, k, c: objective.sample(v, k, c, count, steps=steps, guidance=scale))
         return to_pixels(draw(self.variables, key if key is not None else jax.random.key(0), condition))
 
-    def sample(self, conditions: Sequence[Any] | None, rows: int, key: jax.Array,
+    def sample(self, conditions: Sequence[int | str] | None, rows: int, key: jax.Array,
                steps: int | None, guidance: float | None) -> np.ndarray:
         return self(conditions, rows=rows, key=key, steps=steps, guidance=guidance)

@@ -35,14 +35,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import numpy as np
 
+from dew.data.base import Batch as HostBatch
 from dew.errors import DewError
 from dew.objectives.group_losses import GroupSizeError
 from dew.training.protocols import RewardTimed, Transcribed
+
+if TYPE_CHECKING:
+    from dew.training.state import TrainState
 
 __all__ = ["GroupFilter", "IncompatibleOptionsError", "OverlongShaping", "overlong_penalty"]
 
@@ -103,7 +107,7 @@ def _everywhere(done: bool) -> bool:
 class GroupFilter:
     """Dynamic sampling and overlong shaping around a group sampler (see the module docstring)."""
 
-    def __init__(self, sampler: Callable[[Any, Mapping[str, Any], jax.Array], Mapping[str, Any]], *,
+    def __init__(self, sampler: Callable[[TrainState, HostBatch, jax.Array], HostBatch], *,
                  group_size: int, dynamic: bool, max_rounds: int = 4,
                  shaping: OverlongShaping | None = None, max_lag: int = 0) -> None:
         if dynamic and group_size < 2:
@@ -117,22 +121,22 @@ class GroupFilter:
         self.max_rounds = max_rounds
         self.shaping = shaping
         self.max_lag = max_lag  # run ahead by the trainer (dew.training.protocols.Lagging), 0: on-policy
-        self._more: Callable[[], Mapping[str, Any]] | None = None
+        self._more: Callable[[], HostBatch] | None = None
 
     @property
     def reward_seconds(self) -> float:
         """The seconds the sampler's reward took (the goodput split shows them apart)."""
         return float(self.sampler.reward_seconds) if isinstance(self.sampler, RewardTimed) else 0.0
 
-    def transcript(self) -> list[dict[str, Any]]:
+    def transcript(self) -> list[dict[str, object]]:
         """What the sampler scored since the last transcript, every round of dynamic sampling included."""
         return self.sampler.transcript() if isinstance(self.sampler, Transcribed) else []
 
-    def draw_from(self, more: Callable[[], Mapping[str, Any]]) -> None:
+    def draw_from(self, more: Callable[[], HostBatch]) -> None:
         """Refill from more() (the training stream's next batch of prompts) instead of the same prompts."""
         self._more = more
 
-    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, np.ndarray]:
+    def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray]:
         out = self._sample(state, batch, key)
         rows = out["reward"].shape[0]
         if rows % self.group_size:
@@ -161,7 +165,7 @@ class GroupFilter:
                  "dropped_groups": len(equal) - filler, "filler_groups": filler, "sampling_rounds": rounds}
         return {**result, **{name: np.full(rows, value, np.float32) for name, value in stats.items()}}
 
-    def _sample(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, np.ndarray]:
+    def _sample(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray]:
         out = {name: np.asarray(value) for name, value in self.sampler(state, batch, key).items()}
         out["raw"] = np.asarray(out["reward"], np.float32)
         if self.shaping is not None:

@@ -32,13 +32,14 @@ encoder's parameters through ``Pretrained.save`` in dew's own layout, which
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dew.errors import DewError
 from dew.nn.vit import Predictor, ViTEncoder
@@ -56,6 +57,10 @@ from dew.objectives.base import (
 from dew.objectives.diffusion_pipeline import _Saved
 from dew.objectives.inference import UnsupportedRequestError, variables_of
 from dew.objectives.lm import BatchShapeError, MissingBatchKeyError
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.training.state import TrainState
 
 __all__ = ["FeatureExtraction", "JepaObjective", "MaskCoversImageError", "block_masks", "collapse_metrics"]
 
@@ -188,13 +193,13 @@ class JepaObjective(Objective):
             predicted = self.predictor.apply({"params": params["predictor"]}, context, visible, masks[:, j])
             error = jnp.mean((predicted - targets) ** 2, axis=-1)
             total = total + Mean.of(error, masks[:, j])
-        metrics: dict[str, Any] = dict(collapse_metrics(jnp.mean(targets, axis=1)))
+        metrics: dict[str, Mean | jax.Array] = dict(collapse_metrics(jnp.mean(targets, axis=1)))
         metrics["visible_fraction"] = jnp.mean(visible.astype(jnp.float32))
         return total, Aux(metrics=metrics)
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         loss, aux = self.loss(variables, batch, step)
-        return {"loss": loss, **{k: Mean(v, jnp.asarray(1.0)) for k, v in aux.metrics.items()}}
+        return {"loss": loss, **{k: v if isinstance(v, Mean) else Mean(v, jnp.asarray(1.0)) for k, v in aux.metrics.items()}}
 
     # -- a feature extractor -------------------------------------------------------------------
     def features(self, variables: Variables, pixels: jax.Array) -> jax.Array:
@@ -205,14 +210,14 @@ class JepaObjective(Objective):
         return jnp.mean(self.model.apply({"params": variables["params"]["encoder"]}, self._standardized(pixels)),
                         axis=1)
 
-    def _standardized(self, pixels: Any) -> jax.Array:
+    def _standardized(self, pixels: ArrayLike) -> jax.Array:
         """Pixels as the encoders see them: uint8 scaled to [0, 1], then (x - pixel_mean) / pixel_std."""
         pixels = jnp.asarray(pixels)
         if jnp.issubdtype(pixels.dtype, jnp.integer):  # uint8 pixels (the digits reader's) to [0, 1]
             pixels = jnp.asarray(pixels, jnp.float32) / 255.0
         return (jnp.asarray(pixels, jnp.float32) - self.pixel_mean) / self.pixel_std
 
-    def pipeline(self, state: Any, *, ema: bool = True) -> FeatureExtraction:
+    def pipeline(self, state: TrainState | Variables, *, ema: bool = True) -> FeatureExtraction:
         """A feature extractor over state's target encoder (its EMA; the context encoder when ema=False).
 
         state is a TrainState or a variables tree holding ``params/encoder``;
@@ -257,13 +262,13 @@ class FeatureExtraction(_Saved):
         side, channels = model.image_size, model.channels
         return f"images [N, {side}, {side}, {channels}] (uint8 or floats) to embed"
 
-    def usage(self, run: Any) -> str:
+    def usage(self, run: object) -> str:
         return f"dew embed {run} INPUTS OUT.npy"
 
     def instead_of(self, command: str) -> str:
         return "it turns images into vectors: use `dew embed RUN INPUTS OUT.npy`."
 
-    def embed(self, inputs: Any) -> np.ndarray:
+    def embed(self, inputs: ArrayLike) -> np.ndarray:
         """One embedding per image, [N, emb_features]; inputs of another shape are refused in one line."""
         pixels = np.asarray(inputs)
         model = self.objective.model
@@ -273,7 +278,7 @@ class FeatureExtraction(_Saved):
                                           f"{self.name} takes {self.accepts}.")
         return self(pixels)
 
-    def __call__(self, pixels: Any, *, batch: int = 256) -> np.ndarray:
+    def __call__(self, pixels: ArrayLike, *, batch: int = 256) -> np.ndarray:
         """Embeddings of pixels [N, H, W, C] (or [N, F, H, W, C]), in order."""
         pixels = np.asarray(pixels)
         extract = self._extract
@@ -283,6 +288,6 @@ class FeatureExtraction(_Saved):
 
 
     @functools.cached_property
-    def _extract(self) -> Any:
+    def _extract(self) -> Callable[[Variables, jax.Array], jax.Array]:
         """The objective's feature function, compiled once per pipeline."""
         return jax.jit(self.objective.features)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.data.base import Batch as HostBatch
 from dew.errors import DewError
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.dpo import sequence_logprob
@@ -42,10 +43,12 @@ from dew.objectives.policy import (
     reference_variables,
     with_reference,
 )
+from dew.typing import PyTree
 
 if TYPE_CHECKING:
-    from dew.sampling import TextGeneration
+    from dew.sampling import Sampling, TextGeneration
     from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["KTOBatch", "KTOObjective", "LabelError", "mismatched", "mismatched_in_graph"]
 
@@ -106,7 +109,7 @@ class KTOBatch:
     label_key: str = "label"
     prompt_length_key: str = "prompt_length"
 
-    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
+    def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray]:
         if self.label_key not in batch:
             raise LabelError(
                 f"KTO reads each completion's label (1 desirable, 0 undesirable) under "
@@ -181,7 +184,7 @@ class KTOObjective(Objective):
         """What a recipe's init section reads narrowed to the policy's parameters (the reference copies them)."""
         return PolicyFrom(source)
 
-    def pipeline(self, state: Any, *, sampling: Any = None) -> TextGeneration:
+    def pipeline(self, state: TrainState | Variables, *, sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
         """The policy (without its reference) as text generation, stopping at stop_token."""
         return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
                                stop_token=self.stop_token)
@@ -194,7 +197,7 @@ class KTOObjective(Objective):
         c = self.completion_key
         return (c, f"{c}_mask", self.label_key, f"kl_{c}", f"kl_{c}_mask")
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """The loss and metrics on a held-out batch, its mismatched pairs built here (no rollout ran)."""
         c = self.completion_key
         if f"kl_{c}" not in batch:
@@ -219,7 +222,7 @@ class KTOObjective(Objective):
                           self.undesirable_weight * jax.nn.sigmoid(self.beta * (z0 - r)))
         weight = jnp.where(desirable > 0, self.desirable_weight, self.undesirable_weight)
         reward = self.beta * r
-        metrics: dict[str, Any] = {
+        metrics: dict[str, Mean | jax.Array] = {
             "kl": Mean.of(z0),
             "desirable_reward": Mean.of(reward, desirable),
             "undesirable_reward": Mean.of(reward, 1.0 - desirable),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -48,6 +48,10 @@ from dew.objectives.base import (
 )
 from dew.sampling import Sampling, TextGeneration, generate
 from dew.telemetry.artifacts import Artifact
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.training.state import TrainState
 
 __all__ = ["BatchShapeError", "LMObjective", "MissingBatchKeyError", "Perplexity", "TokenRangeError",
            "Tokenizer", "segment_positions"]
@@ -73,7 +77,7 @@ class Perplexity:
         return (0.0, 0.0)
 
     def update(self, accumulator: tuple[float, float],
-               outputs: Mapping[str, Any]) -> tuple[float, float]:
+               outputs: Mapping[str, PyTree]) -> tuple[float, float]:
         return MeanMetric(self.name, self.output).update(accumulator, outputs)
 
     def result(self, accumulator: tuple[float, float]) -> float:
@@ -144,7 +148,7 @@ class LMObjective(Objective):
     def required_keys(self) -> Sequence[str]:
         return ("text",)
 
-    def check_batch(self, batch: Mapping[str, Any], step: int) -> None:
+    def check_batch(self, batch: Mapping[str, np.ndarray], step: int) -> None:
         """Token ids must lie in [0, the model's vocab_size): refused before the step, by name."""
         vocab = getattr(self.model, "vocab_size", None)  # any flax Module: a family without it is not checked
         text = batch.get("text")
@@ -162,11 +166,11 @@ class LMObjective(Objective):
                 f"least {high + 1}, or use the tokenizer it was built for."
             )
 
-    def tokens(self, batch: Mapping[str, Any]) -> int | None:
+    def tokens(self, batch: Mapping[str, jax.ShapeDtypeStruct]) -> int | None:
         """The predicted tokens of a global batch: seq_len per row."""
         return int(batch["text"].shape[0]) * self.seq_len if "text" in batch else None
 
-    def flops(self, batch: Mapping[str, Any]) -> float | None:
+    def flops(self, batch: Mapping[str, jax.ShapeDtypeStruct]) -> float | None:
         """The model's training FLOPs per token, times the batch's tokens (when the model says)."""
         per_token = getattr(self.model, "flops_per_token", None)  # any flax Module: None if it does not say
         tokens = self.tokens(batch)
@@ -178,7 +182,7 @@ class LMObjective(Objective):
         """Total cross-entropy over the scored tokens, and the accuracy as a Mean."""
         per_token, correct, weights, routing = self._score(variables, batch)
         loss = Mean.of(per_token, weights)
-        metrics: dict[str, Any] = {"accuracy": Mean.of(correct, weights)}
+        metrics: dict[str, Mean | jax.Array] = {"accuracy": Mean.of(correct, weights)}
         if routing:
             # The balance loss is a per-batch scalar: weighting it by the token count keeps
             # it a mean per token when microbatches and shards sum their totals.
@@ -190,7 +194,7 @@ class LMObjective(Objective):
             loss = Mean(loss.total + extra * loss.count, loss.count)
         return loss, Aux(metrics=metrics)
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """The loss and the accuracy as Means; Perplexity() reduces "loss" to exp(loss).
 
         The loss here is the cross-entropy alone, without an MoE balance term.
@@ -213,7 +217,7 @@ class LMObjective(Objective):
                        eos_id=getattr(self.tokenizer, "eos_id", None))  # any tokenizer: it may have none
         return Artifact("sample", "text", self.tokenizer.decode(out.tokens[0]))
 
-    def pipeline(self, state: Any, *,
+    def pipeline(self, state: TrainState | Variables, *,
                  sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
         """Text generation with state's weights: the EMA copy when the run kept one.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -35,6 +35,11 @@ from dew.objectives.base import (
 )
 from dew.sampling.masked import masked_generate
 from dew.telemetry.artifacts import Artifact
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.objectives import diffusion_pipeline
+    from dew.training.state import TrainState
 
 __all__ = [
     "InvalidTokensError",
@@ -115,7 +120,7 @@ class TokenDiffusion(Objective):
         per_token = self.per_token(variables, tokens, step.key)
         return Mean(jnp.sum(per_token), jnp.asarray(per_token.size, jnp.float32)), Aux()
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         return {"loss": self.loss(variables, batch, step)[0]}
 
     def metrics(self) -> tuple[Metric, ...]:
@@ -125,7 +130,7 @@ class TokenDiffusion(Objective):
         """Rows of ids as text, separated by a rule line."""
         return "\n---\n".join(self.tokenizer.decode([int(i) for i in row]) for row in tokens)
 
-    def pipeline(self, state: Any, *, ema: bool = True) -> Any:
+    def pipeline(self, state: TrainState | Variables, *, ema: bool = True) -> diffusion_pipeline.TextDiffusionPipeline:
         """A pipeline that writes text with state's (EMA) parameters (or given variables)."""
         from dew.objectives.diffusion_pipeline import TextDiffusionPipeline
         from dew.objectives.inference import variables_of

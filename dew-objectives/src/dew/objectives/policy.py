@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -30,6 +30,11 @@ import jax.numpy as jnp
 from dew.objectives.base import Variables
 from dew.objectives.inference import variables_of
 from dew.sampling import Sampling, TextGeneration
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.data.base import Tokenizer
+    from dew.training.state import TrainState
 
 __all__ = ["REFERENCE", "PolicyFrom", "policy_pipeline", "policy_variables", "reference_variables",
            "token_logprobs", "with_reference"]
@@ -56,12 +61,12 @@ def token_logprobs(model: nn.Module, variables: Variables, tokens: jax.Array) ->
     return chosen, entropy
 
 
-def policy_variables(variables: Variables) -> dict[str, Any]:
+def policy_variables(variables: Variables) -> dict[str, PyTree]:
     """The policy's own variables: everything but the reference collection (and a decode cache)."""
     return {k: v for k, v in variables.items() if k not in (REFERENCE, "cache")}
 
 
-def policy_pipeline(model: nn.Module, state: Any, tokenizer: Any, *,
+def policy_pipeline(model: nn.Module, state: TrainState | Variables, tokenizer: Tokenizer | None, *,
                     sampling: Sampling | Mapping[str, Any] | None = None,
                     stop_token: int | None = None,
                     leave_out: tuple[str, ...] = ()) -> TextGeneration:
@@ -82,7 +87,7 @@ def policy_pipeline(model: nn.Module, state: Any, tokenizer: Any, *,
                           stop_token=stop_token)
 
 
-def reference_variables(variables: Variables) -> dict[str, Any]:
+def reference_variables(variables: Variables) -> dict[str, PyTree]:
     """The frozen reference as variables the model applies ({"params": ...})."""
     if REFERENCE not in variables:
         raise KeyError(
@@ -92,7 +97,7 @@ def reference_variables(variables: Variables) -> dict[str, Any]:
     return {"params": jax.lax.stop_gradient(variables[REFERENCE])}
 
 
-def with_reference(policy: Variables) -> dict[str, Any]:
+def with_reference(policy: Variables) -> dict[str, PyTree]:
     """The policy's variables plus a reference collection copying its parameters.
 
     Starting weights that already hold a reference pass through unchanged.
@@ -124,5 +129,5 @@ class PolicyFrom:
         return self.source({"params": params})
 
 
-def unboxed(variables: Mapping[str, Any]) -> dict[str, Any]:
+def unboxed(variables: Variables) -> dict[str, PyTree]:
     return dict(nn.meta.unbox(variables))

@@ -31,8 +31,11 @@ from dew.objectives.dpo import PairCheck, sequence_logprob
 from dew.objectives.policy import PolicyFrom, policy_pipeline, policy_variables
 
 if TYPE_CHECKING:
-    from dew.sampling import TextGeneration
+    from collections.abc import Mapping
+
+    from dew.sampling import Sampling, TextGeneration
     from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["CPOObjective", "ORPOObjective"]
 
@@ -71,7 +74,7 @@ class _Pairs(Objective):
         """What a recipe's init section reads narrowed to the model's parameters."""
         return PolicyFrom(source)
 
-    def pipeline(self, state: Any, *, sampling: Any = None) -> TextGeneration:
+    def pipeline(self, state: TrainState | Variables, *, sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
         """The policy as text generation, stopping at stop_token."""
         return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
                                stop_token=self.stop_token)
@@ -107,7 +110,7 @@ class ORPOObjective(_Pairs):
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         _, _, mean_c, mean_r = self._logps(variables, batch)
         losses, ratio = pair_losses.orpo(mean_c, mean_r, self.beta)
-        metrics: dict[str, Any] = {
+        metrics: dict[str, Mean | jax.Array] = {
             "log_odds_ratio": Mean.of(ratio),
             "preference_accuracy": Mean.of((ratio > 0).astype(jnp.float32)),
             "nll": Mean.of(-mean_c),
@@ -133,7 +136,7 @@ class CPOObjective(_Pairs):
         logp_c, logp_r, mean_c, _ = self._logps(variables, batch)
         losses = pair_losses.cpo(logp_c, logp_r, mean_c, self.beta, self.alpha)
         margin = self.beta * (logp_c - logp_r)
-        metrics: dict[str, Any] = {
+        metrics: dict[str, Mean | jax.Array] = {
             "reward_margin": Mean.of(margin),
             "preference_accuracy": Mean.of((margin > 0).astype(jnp.float32)),
             "nll": Mean.of(-mean_c),

@@ -17,7 +17,7 @@ completions with a trained reward-model run.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,7 +40,9 @@ from dew.objectives.inference import (
 from dew.objectives.policy import PolicyFrom
 
 if TYPE_CHECKING:
+    from dew.pretrained.model import Pretrained as PretrainedModel
     from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["REWARD_HEAD", "RewardModelObjective", "RewardScoring", "SequenceTooLongError", "sequence_scores"]
 
@@ -162,7 +164,7 @@ class RewardModelObjective(Objective):
         """The validation metrics: the loss and the pair accuracy and margin."""
         return (MeanMetric("loss"), MeanMetric("accuracy"), MeanMetric("margin"))
 
-    def pipeline(self, state: Any) -> RewardScoring:
+    def pipeline(self, state: TrainState | Variables) -> RewardScoring:
         """Score texts with state's weights (a TrainState or a variables tree; the EMA copy when kept)."""
         return RewardScoring(self, {"params": variables_of(state)["params"]})
 
@@ -182,7 +184,7 @@ class RewardScoring(Pipeline):
     def __init__(self, objective: RewardModelObjective, variables: Variables) -> None:
         self.objective = objective
         self.variables = variables
-        self.max_length = int(getattr(objective.model, "max_seq_len", objective.seq_len))
+        self.max_length = int(getattr(objective.model, "max_seq_len", objective.seq_len))  # any flax Module
 
     accepts: ClassVar[str] = "one or more texts to score"
 
@@ -195,10 +197,10 @@ class RewardScoring(Pipeline):
         shown = tuple(f"{float(score):.4f}\t{text}" for score, text in zip(scores, request.inputs, strict=True))
         return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
 
-    def usage(self, run: Any) -> str:
+    def usage(self, run: object) -> str:
         return f"dew generate {run} TEXT"
 
-    def pretrained(self) -> Any:
+    def pretrained(self) -> PretrainedModel:
         """The decoder, its head and the objective (the task) as a Pretrained: dew's own layout
         (a published decoder's layout has no place for the head), which ``Pretrained.load`` reads
         back into this pipeline."""
@@ -233,5 +235,5 @@ class RewardScoring(Pipeline):
         return np.concatenate(out).astype(np.float32) if out else np.zeros((0,), np.float32)
 
     @functools.cached_property
-    def _score(self) -> Any:
+    def _score(self) -> Callable[[Variables, jax.Array, jax.Array], jax.Array]:
         return jax.jit(self.objective.scores)

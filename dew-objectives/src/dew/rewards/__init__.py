@@ -182,7 +182,7 @@ class Weighted:
 
 def describe(reward: Any) -> str:
     """How errors name a reward: a function by its qualified name, anything else by its repr."""
-    name = getattr(reward, "__qualname__", None)
+    name = getattr(reward, "__qualname__", None)  # any callable: a function has one
     return name if isinstance(name, str) else repr(reward)
 
 

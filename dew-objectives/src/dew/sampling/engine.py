@@ -48,7 +48,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -68,6 +68,10 @@ from dew.sampling.requests import (
     Request,
 )
 from dew.sampling.sequences import PromptGroup, Sample, sample_keys
+
+if TYPE_CHECKING:
+    from dew.sampling.pool import PoolSharding
+    from dew.typing import PyTree
 
 __all__ = ["Engine"]
 
@@ -90,7 +94,7 @@ class Engine:
         self.model = model
         self.config = config
         self.detokenize = detokenize
-        limit = config.max_len or getattr(model, "max_seq_len", None)
+        limit = config.max_len or getattr(model, "max_seq_len", None)  # any flax Module: unbounded if it has none
         if limit is None:
             raise EngineConfigError(f"{type(model).__name__} has no max_seq_len; give "
                                     "EngineConfig.max_len.")
@@ -98,9 +102,9 @@ class Engine:
         self.width = config.blocks_per_sequence(self.max_len)
         self.blocks = BlockPool(config.pool_blocks(self.max_len), config.block_size)
         self._mesh, self._rules = mesh, rules
-        self._variables: dict[str, Any] | None = None
-        self._cache: Any = None
-        self._sharding: Any = None
+        self._variables: dict[str, PyTree] | None = None
+        self._cache: PyTree = None
+        self._sharding: PoolSharding | None = None
         self._key_impl: str | None = None
         self._waiting: collections.deque[PromptGroup] = collections.deque()
         self._prefilling: list[PromptGroup] = []
@@ -114,7 +118,7 @@ class Engine:
         self._counts: collections.Counter[str] = collections.Counter()
 
     # -- the model -----------------------------------------------------------------
-    def set_params(self, params: Mapping[str, Any]) -> None:
+    def set_params(self, params: Mapping[str, PyTree]) -> None:
         """Decode with these variables from now on ({'params': ...}; boxes are accepted).
 
         The registered prefixes are forgotten (their keys and values came from
@@ -134,6 +138,7 @@ class Engine:
         return stack
 
     def _build_cache(self) -> None:
+        assert self._variables is not None  # set_params holds them before the pools are built
         if self._mesh is None:
             self._mesh = mesh_of(self._variables)
         if self._mesh is not None and self._rules is None:
@@ -146,7 +151,7 @@ class Engine:
                 self.width, self._mesh, self._rules)
 
     @property
-    def cache(self) -> Any:
+    def cache(self) -> PyTree:
         """The pools (a 'cache' collection of paged_key/paged_value per layer, paged_latent/paged_key_rope
         for latent attention) on the devices."""
         return self._cache

@@ -10,18 +10,26 @@ add its keys and values to the cache (BD3-LM's sampler).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from dew.diffusion.masking import unmask_step
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from flax.linen import Module
+
+    from dew.objectives.base import Variables
+    from dew.typing import PyTree
+
 __all__ = ["block_generate", "masked_generate"]
 
 
 def _steps(key: jax.Array, tokens: jax.Array, steps: int, mask_id: int, temperature: float,
-           logits_of: Any) -> jax.Array:
+           logits_of: Callable[..., jax.Array]) -> jax.Array:
     """Reveal tokens from t = 1 down to t = 0 in steps equal steps."""
     times = jnp.linspace(1.0, 0.0, steps + 1)
 
@@ -33,7 +41,7 @@ def _steps(key: jax.Array, tokens: jax.Array, steps: int, mask_id: int, temperat
     return jax.lax.fori_loop(0, steps, body, tokens)
 
 
-def masked_generate(model: Any, variables: Any, rows: int, length: int, key: jax.Array, *,
+def masked_generate(model: Module, variables: Variables, rows: int, length: int, key: jax.Array, *,
                     steps: int = 64, temperature: float = 1.0,
                     prefix: jax.Array | None = None) -> jax.Array:
     """rows sequences of length ids from a TokenDenoiser; prefix [rows, P] is kept as given."""
@@ -45,12 +53,12 @@ def masked_generate(model: Any, variables: Any, rows: int, length: int, key: jax
                   lambda tokens: model.apply(variables, tokens))
 
 
-def _past_of(state: Any, layers: int) -> list[tuple[jax.Array, jax.Array]]:
+def _past_of(state: PyTree, layers: int) -> list[tuple[jax.Array, jax.Array]]:
     inner = state["intermediates"]
     return [inner[f"attention_{i}"]["kv"][0] for i in range(layers)]
 
 
-def block_generate(model: Any, variables: Any, rows: int, length: int, block_size: int,
+def block_generate(model: Module, variables: Variables, rows: int, length: int, block_size: int,
                    key: jax.Array, *, steps: int = 16, temperature: float = 1.0,
                    prefix: jax.Array | None = None) -> jax.Array:
     """rows sequences of length ids, block_size ids at a time, with a KV cache across blocks.
@@ -67,7 +75,7 @@ def block_generate(model: Any, variables: Any, rows: int, length: int, block_siz
     blocks: list[jax.Array] = []
     past: list[tuple[jax.Array, jax.Array]] | None = None
 
-    def cache(block: jax.Array, past: Any, start: int) -> list[tuple[jax.Array, jax.Array]]:
+    def cache(block: jax.Array, past: PyTree, start: int) -> list[tuple[jax.Array, jax.Array]]:
         positions = jnp.broadcast_to(start + jnp.arange(block.shape[1]), block.shape)
         _, state = model.apply(variables, block, positions, None, past, mutable=["intermediates"])
         new = _past_of(state, layers)

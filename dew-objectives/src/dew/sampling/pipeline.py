@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
@@ -39,6 +39,12 @@ from dew.objectives.inference import (
 )
 from dew.sampling.generate import Generation, generate
 from dew.sampling.options import Sampling
+
+if TYPE_CHECKING:
+    from flax.linen import Module
+
+    from dew.pretrained.model import Pretrained as PretrainedModel
+    from dew.typing import PyTree
 
 __all__ = ["TextGeneration"]
 
@@ -60,8 +66,8 @@ class TextGeneration(Pipeline):
     by the generation engine (dew.sampling.Engine).
     """
 
-    model: Any
-    variables: Mapping[str, Any]
+    model: Module
+    variables: Mapping[str, PyTree]
     tokenizer: Any
     sampling: Sampling = Sampling(temperature=0.0)
     stop_token: int | None = None
@@ -83,7 +89,7 @@ class TextGeneration(Pipeline):
     @property
     def stop(self) -> int | None:
         """The id that ends a continuation: stop_token, else the tokenizer's end-of-document id."""
-        return self.stop_token if self.stop_token is not None else getattr(self.tokenizer, "eos_id", None)
+        return self.stop_token if self.stop_token is not None else getattr(self.tokenizer, "eos_id", None)  # any tokenizer: it may have none
 
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
@@ -126,16 +132,16 @@ class TextGeneration(Pipeline):
                  if getattr(request, name) is not None}  # greedy unless a temperature is given
         sampling = Sampling(**{"temperature": 0.0, **given})
         longest = max(len(self.tokenizer.encode(prompt)) for prompt in request.inputs)
-        room = getattr(self.model, "max_seq_len", longest + 64) - longest
+        room = getattr(self.model, "max_seq_len", longest + 64) - longest  # any flax Module
         texts = self(prompts, max_new_tokens=request.max_new_tokens or max(min(64, room), 0),
                      sampling=sampling, key=jax.random.key(request.seed), stop=request.stop)
         shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))
         return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
 
-    def usage(self, run: Any) -> str:
+    def usage(self, run: object) -> str:
         return f"dew generate {run} PROMPT"
 
-    def pretrained(self) -> Any:
+    def pretrained(self) -> PretrainedModel:
         """The model, its variables and tokenizer, as Pretrained.save writes them."""
         from dew.pretrained import Pretrained
 

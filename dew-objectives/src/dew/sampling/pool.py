@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import flax.linen as nn
 import jax
@@ -21,15 +21,21 @@ from dew.nn.paged_attention import POOL_AXES, PagedView
 from dew.sampling import programs
 from dew.sampling.errors import InvalidVariablesError, NotPagedModelError
 
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+    from dew.objectives.base import Variables
+    from dew.typing import PyTree
+
 __all__ = ["PoolSharding", "empty_cache", "mesh_of", "model_variables"]
 
 PoolSharding = tuple[tuple[int, jax.sharding.NamedSharding], ...]
 """The sharding of a pool, by the pool's rank (4, or 5 for a scanned stack's)."""
 
-_SHAPES: dict[Any, Any] = {}
+_SHAPES: dict[Hashable, PyTree] = {}
 
 
-def model_variables(params: Mapping[str, Any]) -> dict[str, Any]:
+def model_variables(params: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """The model's variables without boxes or a stale 'cache' collection."""
     variables = dict(nn.meta.unbox(params))
     if "params" not in variables:
@@ -40,21 +46,21 @@ def model_variables(params: Mapping[str, Any]) -> dict[str, Any]:
     return variables
 
 
-def mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+def mesh_of(tree: PyTree) -> jax.sharding.Mesh | None:
     """The mesh of the first leaf of tree placed on more than one device, if any."""
     for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
+        sharding = getattr(leaf, "sharding", None)  # any leaf: only placed arrays have one
         if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
             return cast(jax.sharding.Mesh, sharding.mesh)  # a placed array's mesh is concrete
     return None
 
 
-def _shapes(model: nn.Module, variables: Any, num_blocks: int, block_size: int, width: int) -> Any:
+def _shapes(model: nn.Module, variables: Variables, num_blocks: int, block_size: int, width: int) -> PyTree:
     leaves, structure = jax.tree.flatten(variables)
     signature = (model, num_blocks, block_size, width, structure,
                  tuple((x.shape, str(x.dtype)) for x in leaves))
     if signature not in _SHAPES:
-        def empty(variables: Any) -> Any:
+        def empty(variables: Variables) -> PyTree:
             view = PagedView(jnp.zeros((1, width), jnp.int32), jnp.zeros((1, 1), bool),
                              num_blocks, block_size)
             zeros = jnp.zeros((1, 1), jnp.int32)
@@ -64,7 +70,7 @@ def _shapes(model: nn.Module, variables: Any, num_blocks: int, block_size: int, 
     return _SHAPES[signature]
 
 
-def _sharding(shapes: Any, mesh: jax.sharding.Mesh | None, rules: Any) -> PoolSharding | None:
+def _sharding(shapes: PyTree, mesh: jax.sharding.Mesh | None, rules: Any) -> PoolSharding | None:
     if mesh is None:
         return None
     heads = jax.tree.leaves(shapes)[0].shape[-2]
@@ -79,8 +85,8 @@ def _sharding(shapes: Any, mesh: jax.sharding.Mesh | None, rules: Any) -> PoolSh
                  for rank in ranks)
 
 
-def empty_cache(model: nn.Module, variables: Any, num_blocks: int, block_size: int, width: int,
-                mesh: jax.sharding.Mesh | None, rules: Any) -> tuple[Any, PoolSharding | None]:
+def empty_cache(model: nn.Module, variables: Variables, num_blocks: int, block_size: int, width: int,
+                mesh: jax.sharding.Mesh | None, rules: Any) -> tuple[PyTree, PoolSharding | None]:
     """Zeroed pools of num_blocks blocks for model, placed on mesh; and their sharding.
 
     Call under the mesh and rules when there is one (the model's constraints need them).

@@ -13,7 +13,7 @@ what else was in the batch, or on how often it was pre-empted.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import flax.linen as nn
 import jax
@@ -23,16 +23,20 @@ from flax import traverse_util
 from dew.nn.paged_attention import POOL_NAMES, PagedView, copy_blocks, paged
 from dew.sampling.options import filter_logits
 
+if TYPE_CHECKING:
+    from dew.objectives.base import Variables
+    from dew.typing import PyTree
+
 __all__ = ["apply", "decode", "pool_only", "prefill"]
 
 
-def pool_only(cache: Any) -> dict[str, Any]:
+def pool_only(cache: PyTree) -> dict[str, PyTree]:
     """The pools of a 'cache' collection, without the other variables a decode call keeps."""
     flat = traverse_util.flatten_dict(nn.meta.unbox(cache))
     return traverse_util.unflatten_dict({k: v for k, v in flat.items() if k[-1] in POOL_NAMES})
 
 
-def _placed(cache: Any, sharding: Any) -> Any:
+def _placed(cache: PyTree, sharding: PyTree) -> PyTree:
     """cache constrained to the pool sharding (a NamedSharding per leaf rank), if any."""
     if sharding is None:
         return cache
@@ -40,8 +44,8 @@ def _placed(cache: Any, sharding: Any) -> Any:
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, by_rank[x.ndim]), cache)
 
 
-def apply(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, positions: jax.Array,
-           view: PagedView) -> tuple[jax.Array, Any]:
+def apply(model: nn.Module, variables: Variables, cache: PyTree, tokens: jax.Array, positions: jax.Array,
+           view: PagedView) -> tuple[jax.Array, PyTree]:
     """The model's logits for tokens at positions, and its pools after writing them through view."""
     with paged(view):
         logits, mutated = model.apply({**variables, "cache": cache}, tokens, positions, decode=True,
@@ -50,8 +54,8 @@ def apply(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, posit
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sharding"), donate_argnames=("cache",))
-def prefill(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, positions: jax.Array,
-            tables: jax.Array, writes: jax.Array, *, sharding: Any = None) -> Any:
+def prefill(model: nn.Module, variables: Variables, cache: PyTree, tokens: jax.Array, positions: jax.Array,
+            tables: jax.Array, writes: jax.Array, *, sharding: PyTree = None) -> PyTree:
     """Write the keys and values of tokens [R, C] at positions [R, C] into the rows' blocks."""
     num_blocks, block_size = jax.tree.leaves(cache)[0].shape[-4:-2]
     view = PagedView(tables, writes, num_blocks, block_size)
@@ -72,11 +76,11 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
 
 @functools.partial(jax.jit, static_argnames=("model", "steps", "filtered", "key_impl", "sharding"),
                    donate_argnames=("cache",))
-def decode(model: nn.Module, variables: Any, cache: Any, tokens: jax.Array, positions: jax.Array,
+def decode(model: nn.Module, variables: Variables, cache: PyTree, tokens: jax.Array, positions: jax.Array,
            tables: jax.Array, limits: jax.Array, keys: jax.Array, settings: jax.Array,
            top_k: jax.Array, stops: jax.Array, copy_from: jax.Array, copy_to: jax.Array, *,
-           steps: int, filtered: bool | None, key_impl: str, sharding: Any = None
-           ) -> tuple[Any, jax.Array, jax.Array]:
+           steps: int, filtered: bool | None, key_impl: str, sharding: PyTree = None
+           ) -> tuple[PyTree, jax.Array, jax.Array]:
     """Decode up to steps tokens for each row [B]; returns the cache, tokens and log-probs [B, steps].
 
     Row b feeds tokens[b] at positions[b] and produces at most limits[b] tokens,

@@ -14,7 +14,7 @@ import urllib.request
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
 from dew.telemetry.render import safe_name, write_preview
@@ -22,6 +22,11 @@ from dew.trackers import require
 from dew.tracking.background import Channel, TrackerWarning, TrackerWriteError, let_others_run
 from dew.tracking.protocol import Reported, check_reported
 from dew.tracking.rows import recipe_fields
+
+if TYPE_CHECKING:
+    from dew.telemetry.artifacts import Artifact
+    from dew.telemetry.records import Record
+    from dew.tracking.background import Dropped
 
 __all__ = ["MLflowTracker", "TrackerUnreachableError"]
 
@@ -239,11 +244,11 @@ class MLflowTracker:
             client.log_batch(run_id, params=params[begin:begin + _PARAMS])
         self._params.update(fields)
 
-    def _log_record(self, client: Any, run_id: str, value: Any, step: int) -> None:
+    def _log_record(self, client: Any, run_id: str, value: Record, step: int) -> None:
         row = json.dumps(record_row(value, step), allow_nan=False, indent=1)
         client.log_text(run_id, row, f"records/{safe_name(value.type)}/step_{int(step):08d}.json")
 
-    def _recovered(self, dropped: Any) -> None:
+    def _recovered(self, dropped: Dropped) -> None:
         client, run_id = self.run
         with _bounded_requests(self.request_timeout, retries=0):
             self._log_record(client, run_id, TrackerDropped.of(dropped, self.where),
@@ -288,7 +293,7 @@ class MLflowTracker:
         return f"MLflowTracker({self.experiment!r}, {self.name!r}, uri={uri!r})"
 
 
-def _upload(client: Any, run_id: str, preview: Any, step: int) -> None:
+def _upload(client: Any, run_id: str, preview: Artifact, step: int) -> None:
     with tempfile.TemporaryDirectory(prefix="dew-mlflow-") as folder:
         path = write_preview(preview, folder, step)
         client.log_artifact(run_id, str(path), f"previews/{Path(path).parent.name}")

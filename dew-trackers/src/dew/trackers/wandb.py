@@ -10,7 +10,7 @@ import re
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from dew.trackers import require
 from dew.tracking.background import Channel, TrackerWriteError, let_others_run
 from dew.tracking.protocol import Reported, check_reported
 from dew.tracking.rows import recipe_fields
+
+if TYPE_CHECKING:
+    from dew.tracking.background import Dropped
 
 __all__ = ["WandbTracker"]
 
@@ -152,7 +155,7 @@ class WandbTracker:
                 run.config.update(recipe_fields(value.config), allow_val_change=True)
             self._write_artifact(run, value, step)
 
-    def _write_artifact(self, run: Any, value: Any, step: int) -> None:
+    def _write_artifact(self, run: Any, value: Reported, step: int) -> None:
         from dew.telemetry.render import image_grid, safe_name, write_preview
 
         directory = Path(run.dir)
@@ -172,7 +175,7 @@ class WandbTracker:
         if media:
             run.log(media, step=int(step))
 
-    def _recovered(self, dropped: Any) -> None:
+    def _recovered(self, dropped: Dropped) -> None:
         record = TrackerDropped.of(dropped, self._channel.where)
         self._write_artifact(self.run, record, dropped.last_step or 0)
 

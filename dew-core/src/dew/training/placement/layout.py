@@ -12,16 +12,18 @@ import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeAlias, TypeVar
 
 import jax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import KeyPath
 
 from dew.errors import DewError
 from dew.nn.sharding import LAYERS
 from dew.training.placement.mesh import companion_mesh
 from dew.tree_paths import path_name
+from dew.typing import PyTree
 
 __all__ = [
     "DEFAULT_RULES",
@@ -39,7 +41,7 @@ __all__ = [
 MeshAxes = str | tuple[str, ...] | None
 LogicalAxisRules = tuple[tuple[str, MeshAxes], ...]
 TreeT = TypeVar("TreeT")
-Placement = Any  # a tree of NamedSharding shaped like the placed tree
+Placement: TypeAlias = PyTree  # a tree of NamedSharding shaped like the placed tree
 
 DEFAULT_RULES: LogicalAxisRules = (
     # activations. An MoE layer's dispatched tokens put their experts on the expert
@@ -78,11 +80,11 @@ class LayoutError(DewError, ValueError):
     """A layout would place a parameter badly, or leaves too much of the model replicated."""
 
 
-def _is_box(x: Any) -> bool:
+def _is_box(x: object) -> bool:
     return isinstance(x, nn.meta.AxisMetadata)
 
 
-def logical_names(tree: Any) -> Any:
+def logical_names(tree: PyTree) -> PyTree:
     """The logical axis names of every leaf (None where no module declared any)."""
     return jax.tree.map(
         lambda x: tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else None,
@@ -254,7 +256,7 @@ class Layout:
         model family can be declared a module at a time.
         """
 
-        def one(path: Any, x: Any) -> NamedSharding:
+        def one(path: KeyPath, x: PyTree) -> NamedSharding:
             names = tuple(x.names) if isinstance(x, nn.LogicallyPartitioned) else None
             value = x.unbox() if _is_box(x) else x
             _check_experts(jax.tree_util.keystr(path), tuple(value.shape), names, mesh)
@@ -280,7 +282,7 @@ class Layout:
             placement,
         )
 
-    def _selected(self, tree: Any) -> set[str]:
+    def _selected(self, tree: PyTree) -> set[str]:
         """The paths host_parameters match in tree; LayoutError for a pattern matching none."""
         paths = [parameter_path(path) for path, _ in
                  jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]]
@@ -296,7 +298,7 @@ class Layout:
             chosen.update(hits)
         return chosen
 
-    def check(self, params: Any, shardings: Placement, mesh: Mesh) -> None:
+    def check(self, params: PyTree, shardings: Placement, mesh: Mesh) -> None:
         """Refuse a layout that leaves more than tolerance of the shardable memory replicated,
         or that names host_parameters for a placement that does not keep them in host memory.
 

@@ -12,11 +12,11 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from numpy.typing import ArrayLike
 
 from dew.data.base import DataPartition
 from dew.errors import BatchKeyError, DewError
@@ -107,7 +107,7 @@ class MeshSpec:
         return self.fsdp * self.expert * self.tensor * self.sequence * self.stage
 
 
-def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[Any] | None = None) -> Mesh:
+def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Build the six-axis mesh spec describes.
 
     devices, when given, are laid out row-major over MESH_AXES in the order
@@ -161,7 +161,7 @@ class ReplicaError(DewError, ValueError):
     """spec.replicas cannot split the devices' granules (slices or processes) into equal groups."""
 
 
-def granules(devices: Sequence[Any]) -> tuple[str, int]:
+def granules(devices: Sequence[jax.Device]) -> tuple[str, int]:
     """How devices fall into granules: by slice_index, or by process when every device shares
     one slice (or the platform has no slices); and how many there are."""
     slices = {getattr(d, "slice_index", 0) for d in devices}  # a JAX device: only TPUs have slices
@@ -170,7 +170,7 @@ def granules(devices: Sequence[Any]) -> tuple[str, int]:
     return "process_index", len({d.process_index for d in devices})
 
 
-def _hybrid_grid(spec: MeshSpec, shape: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
+def _hybrid_grid(spec: MeshSpec, shape: dict[str, int], devices: Sequence[jax.Device]) -> np.ndarray:
     """The devices laid out the way MaxText lays out a multislice mesh.
 
     The data axis takes replicas groups of granules as its outer factor; a
@@ -243,7 +243,7 @@ def data_partition(mesh: Mesh) -> DataPartition:
     )
 
 
-def batch_shardings(mesh: Mesh, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
+def batch_shardings(mesh: Mesh, batch: Mapping[str, ArrayLike]) -> dict[str, NamedSharding]:
     """The sharding of every leaf of a global batch: rows over BATCH_AXES, positions over
     'sequence'.
 
@@ -255,7 +255,7 @@ def batch_shardings(mesh: Mesh, batch: Mapping[str, Any]) -> dict[str, NamedShar
     """
     ways = mesh.shape.get(SEQUENCE_AXIS, 1)
 
-    def one(x: Any) -> NamedSharding:
+    def one(x: ArrayLike) -> NamedSharding:
         shape = np.shape(x)
         if not shape:
             return NamedSharding(mesh, PartitionSpec())
@@ -267,7 +267,8 @@ def batch_shardings(mesh: Mesh, batch: Mapping[str, Any]) -> dict[str, NamedShar
 
 
 def shard_batch(
-    batch: Mapping[str, Any], mesh: Mesh, partition: DataPartition, expected: Any = None
+    batch: Mapping[str, ArrayLike], mesh: Mesh, partition: DataPartition,
+    expected: Mapping[str, jax.ShapeDtypeStruct] | None = None,
 ) -> dict[str, jax.Array]:
     """Put this process's share of a global batch onto the mesh as global arrays.
 
@@ -280,7 +281,7 @@ def shard_batch(
     if jax.process_count() == 1:
         return jax.device_put(dict(batch), shardings)
 
-    def put(local: Any, sharding: NamedSharding) -> jax.Array:
+    def put(local: ArrayLike, sharding: NamedSharding) -> jax.Array:
         local = np.asarray(local)
         global_shape = (local.shape[0] * partition.shares, *local.shape[1:]) if local.ndim else ()
         return jax.make_array_from_process_local_data(sharding, local, global_shape)
@@ -288,10 +289,10 @@ def shard_batch(
     return jax.tree.map(put, dict(batch), shardings)
 
 
-def global_shape(batch: Mapping[str, Any], partition: DataPartition) -> dict[str, jax.ShapeDtypeStruct]:
+def global_shape(batch: Mapping[str, ArrayLike], partition: DataPartition) -> dict[str, jax.ShapeDtypeStruct]:
     """The abstract global batch that a process-local share stands for."""
 
-    def one(x: Any) -> jax.ShapeDtypeStruct:
+    def one(x: ArrayLike) -> jax.ShapeDtypeStruct:
         x = x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x)
         shape = (x.shape[0] * partition.shares, *x.shape[1:]) if len(x.shape) else ()
         return jax.ShapeDtypeStruct(shape, x.dtype)
@@ -299,7 +300,8 @@ def global_shape(batch: Mapping[str, Any], partition: DataPartition) -> dict[str
     return jax.tree.map(one, dict(batch))
 
 
-def check_batch(batch: Mapping[str, Any], expected: Mapping[str, Any], partition: DataPartition) -> None:
+def check_batch(batch: Mapping[str, ArrayLike], expected: Mapping[str, jax.ShapeDtypeStruct],
+                partition: DataPartition) -> None:
     """Refuse a batch whose keys, shapes or dtypes differ from the compiled step's."""
     if not isinstance(batch, Mapping):
         raise BatchMismatchError(f"A batch must be a mapping of arrays, got {type(batch).__name__}.")
@@ -326,7 +328,7 @@ class CPUDeviceCountError(DewError, RuntimeError):
     """A process has not as many CPU devices as accelerators, so the CPU companion mesh cannot mirror the mesh."""
 
 
-def companion_mesh(mesh: Mesh, cpus: Sequence[Any] | None = None) -> Mesh:
+def companion_mesh(mesh: Mesh, cpus: Sequence[jax.Device] | None = None) -> Mesh:
     """The CPU mesh that mirrors mesh: same shape and axis names, each device's CPU twin.
 
     A device's twin is the CPU device of the same process at the same local
@@ -360,8 +362,8 @@ def companion_mesh(mesh: Mesh, cpus: Sequence[Any] | None = None) -> Mesh:
     return Mesh(grid, mesh.axis_names, axis_types=mesh.axis_types)
 
 
-def _by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
-    grouped: dict[int, list[Any]] = defaultdict(list)
+def _by_process(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
+    grouped: dict[int, list[jax.Device]] = defaultdict(list)
     for device in sorted(devices, key=lambda d: d.id):
         grouped[device.process_index].append(device)
     return dict(grouped)

@@ -10,7 +10,7 @@ is named at placement rather than deep inside a trace.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypeVar
 
 import jax.numpy as jnp
 from flax import linen as nn
@@ -19,25 +19,30 @@ from dew.errors import DewError
 from dew.nn.pipeline import PipelineSchedule, StageDivisionError
 from dew.nn.sharding import LAYERS
 from dew.training.placement.mesh import MeshSpec
+from dew.typing import PyTree
 
 __all__ = ["NoStackError", "bank_sites", "check_stages", "schedule_of", "with_bubble"]
+
+
+StateT = TypeVar("StateT")
+BatchT = TypeVar("BatchT")
 
 
 class NoStackError(DewError, ValueError):
     """Pipeline stages were asked for, but the model declares no scanned layer stack."""
 
 
-def _stacked(leaf: Any) -> bool:
+def _stacked(leaf: object) -> bool:
     return isinstance(leaf, nn.LogicallyPartitioned) and tuple(leaf.names)[:1] == (LAYERS,)
 
 
-def _leaves(node: Any) -> list[Any]:
+def _leaves(node: PyTree) -> list[PyTree]:
     if isinstance(node, Mapping):
         return [leaf for value in node.values() for leaf in _leaves(value)]
     return [node]
 
 
-def bank_sites(boxed: Any) -> tuple[str, ...]:
+def bank_sites(boxed: PyTree) -> tuple[str, ...]:
     """The paths ('params/layers', ...) of the subtrees whose every leaf is stacked on ``layers``.
 
     >>> import jax, jax.numpy as jnp
@@ -49,7 +54,7 @@ def bank_sites(boxed: Any) -> tuple[str, ...]:
     """
     found: list[str] = []
 
-    def walk(node: Any, path: tuple[str, ...]) -> None:
+    def walk(node: PyTree, path: tuple[str, ...]) -> None:
         if not isinstance(node, Mapping):
             return
         leaves = _leaves(node)
@@ -63,13 +68,13 @@ def bank_sites(boxed: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _at(tree: Any, path: str) -> Any:
+def _at(tree: PyTree, path: str) -> PyTree:
     for part in path.split("/"):
         tree = tree[part]
     return tree
 
 
-def check_stages(boxed: Any, spec: MeshSpec, *, checkpoint: str | None = None) -> None:
+def check_stages(boxed: PyTree, spec: MeshSpec, *, checkpoint: str | None = None) -> None:
     """Refuse a stage count the model's stacks cannot be split into, naming the fix.
 
     checkpoint names the saved step a trainer is about to restore, if any: its
@@ -101,13 +106,14 @@ def check_stages(boxed: Any, spec: MeshSpec, *, checkpoint: str | None = None) -
             )
 
 
-def with_bubble(step: Callable[..., tuple[Any, dict]], schedule: PipelineSchedule) -> Callable[..., tuple[Any, dict]]:
+def with_bubble(step: Callable[[StateT, BatchT], tuple[StateT, dict]],
+                schedule: PipelineSchedule) -> Callable[[StateT, BatchT], tuple[StateT, dict]]:
     """step, reporting its schedule's bubble fraction as the metric pipeline_bubble when it
     pipelines (the share of stage-iterations a stage spends idle)."""
     if schedule.stages == 1:
         return step
 
-    def reported(state: Any, batch: Any) -> tuple[Any, dict]:
+    def reported(state: StateT, batch: BatchT) -> tuple[StateT, dict]:
         new, metrics = step(state, batch)
         return new, {**metrics, "pipeline_bubble": jnp.asarray(schedule.bubble, jnp.float32)}
 

@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any
 
 import jax
 
@@ -120,7 +120,7 @@ class PreemptionWatch:
     """
 
     def __init__(self) -> None:
-        self._previous: Any = None
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None  # the SIGTERM handler installed before this watch
         self._installed = False
         self._pooled = False
 
