@@ -75,3 +75,11 @@ def recorder() -> RecordingTracker:
 def repository() -> Path:
     """The workspace root (the four distributions, docs/, scripts/, benchmarks/)."""
     return ROOT
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that hold slow tests run first (each module's own order kept): the suite's workers
+    take whole modules in collection order, so the long ones start early and the short ones fill
+    the end, instead of one worker finishing a long module while the other stands idle."""
+    slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module not in slow)
