@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
-    "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset",
-    "Reader", "Reporting", "Resumable", "TextReader", "Tokenizer", "close_if_closable", "is_global_position",
+    "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
+    "Reader", "Reporting", "Resumable", "TextReader", "Tokenizer", "WithEos", "WithVocabSize", "close_if_closable",
+    "eos_id_of", "is_global_position", "vocab_size_of",
 ]
 
 Batch = Mapping[str, Any]
@@ -78,8 +82,8 @@ class Consumption:
 
     first: int
     end: int
-    records: Any  # an int64 array of end - first record ids
-    order: Mapping[str, Any]
+    records: np.ndarray  # an int64 array of end - first record ids
+    order: Mapping[str, object]
 
 
 @runtime_checkable
@@ -129,6 +133,39 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> Sequence[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class WithEos(Protocol):
+    """A tokenizer that names its end-of-document id (dew's own do; a library's may not)."""
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+
+@runtime_checkable
+class WithVocabSize(Protocol):
+    """A tokenizer that says how many ids it has (dew's own do; a library's may not)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class EosTokenizer(Tokenizer, Protocol):
+    """A tokenizer with an end-of-document id: what dew's text readers encode with (ByteTokenizer, HFTokenizer)."""
+
+    @property
+    def eos_id(self) -> int: ...
+
+
+def eos_id_of(tokenizer: object) -> int | None:
+    """The tokenizer's end-of-document id, None when it declares none."""
+    return tokenizer.eos_id if isinstance(tokenizer, WithEos) else None
+
+
+def vocab_size_of(tokenizer: object) -> int | None:
+    """How many ids the tokenizer has, None when it does not say."""
+    return tokenizer.vocab_size if isinstance(tokenizer, WithVocabSize) else None
 
 
 @runtime_checkable

@@ -12,11 +12,14 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dew.data.errors import MissingFileError, MissingKeyError
+
+if TYPE_CHECKING:
+    import tokenizers
 
 __all__ = ["EOS_CANDIDATES", "HFTokenizer"]
 
@@ -33,7 +36,7 @@ class HFTokenizer:
     EOS_CANDIDATES the vocabulary holds.
     """
 
-    tokenizer: Any
+    tokenizer: tokenizers.Tokenizer
     eos_id: int
     fingerprint: str = field(default="", compare=False)
 
@@ -87,7 +90,7 @@ class HFTokenizer:
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of text and each token's character span [start, end) in it."""
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        return list(encoding.ids), [tuple(span) for span in encoding.offsets]
+        return list(encoding.ids), [(int(start), int(end)) for start, end in encoding.offsets]
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """The ids of many documents at once, each as an int32 array (no eos)."""

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from dew.training.trainer import Trainer as _Trainer
     from dew.typing import PyTree
 
-__all__ = ["CATEGORIES", "LeafBytes", "Plan", "PlanRefusedError", "make_plan", "per_device_bytes",
+__all__ = ["CATEGORIES", "LeafBytes", "Plan", "PlanRefusedError", "PlanUnreadableError", "make_plan", "per_device_bytes",
            "pipeline_figures"]
 
 # The state's parts, in the order a plan lists them.
@@ -67,6 +67,11 @@ class PlanRefusedError(DewError, ValueError):
     def __init__(self, message: str, leaves: list[dict[str, Any]]) -> None:
         super().__init__(message)
         self.leaves = leaves
+
+
+class PlanUnreadableError(DewError, RuntimeError):
+    """The compiled step says nothing a plan can read: a CPU-owned state's step joins two programs
+    (Layout.host naming params), or XLA gave no memory analysis or text for it."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,7 @@ def _replicated(trainer: _Trainer) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: row["perfect"] - row["bytes"])
 
 
-def _trainer(config: RunConfig, parts: Parts) -> Any:  # a Trainer; its compiled step is read as jax.stages.Compiled
+def _trainer(config: RunConfig, parts: Parts) -> _Trainer:
     import jax
 
     from dew.recipes.run import run_optimizer
@@ -301,14 +306,21 @@ def make_plan(config: RunConfig, recipe: str) -> Plan:
         warnings = log.read_text(errors="replace")
     finally:
         log.unlink(missing_ok=True)
-    analysis = compiled.memory_analysis()
+    if not isinstance(compiled, jax.stages.Compiled):
+        raise PlanUnreadableError(
+            "The plan reads one compiled program's memory analysis, but this layout keeps params on the "
+            "host (Layout.host), whose step joins two programs. Plan the run without Layout.host.")
+    analysis, text = compiled.memory_analysis(), compiled.as_text()
+    if analysis is None or text is None:
+        raise PlanUnreadableError(f"XLA gave no memory analysis or text for the compiled step on "
+                                  f"{jax.default_backend()}; the plan cannot size it.")
     memory = {
         "argument": analysis.argument_size_in_bytes, "output": analysis.output_size_in_bytes,
         "alias": analysis.alias_size_in_bytes, "temporaries": analysis.temp_size_in_bytes,
         "code": analysis.generated_code_size_in_bytes,
         "host_argument": analysis.host_argument_size_in_bytes, "host_temporaries": analysis.host_temp_size_in_bytes,
     }
-    module = Module.parse(compiled.as_text())
+    module = Module.parse(text)
     leaves = _leaf_table(state, fed.batch, objective.frozen)
     found = rematerializations(warnings)
     dump = os.environ.get(DUMP)

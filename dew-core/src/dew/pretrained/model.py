@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dew.data.base import eos_id_of, vocab_size_of
 from dew.pretrained import native
 from dew.pretrained.errors import (
     ConfigValueError,
@@ -78,9 +79,9 @@ def model_from_config(config: Mapping[str, Any], *, max_seq_len: int | None = No
 
 def check_vocabulary(tokenizer: object, model: Module) -> None:
     """Refuse a tokenizer whose ids reach past the model's embedding table."""
-    # Any flax Module and any tokenizer: one that does not say its vocabulary is not checked.
+    # Any flax Module: one that does not say its vocabulary is not checked; nor a tokenizer that does not.
     have = getattr(model, "vocab_size", None)
-    need = getattr(tokenizer, "vocab_size", None)
+    need = vocab_size_of(tokenizer)
     if have is not None and need is not None and int(need) > int(have):
         raise VocabularyMismatchError(
             f"The tokenizer has {need} ids but the model's vocab_size is {have}: ids {have}..."
@@ -309,7 +310,7 @@ class Pretrained:
     def _token_ids(self) -> dict[str, Any]:
         """config.json's special-token ids: those the source directory had, else the tokenizer's eos."""
         ids: dict[str, Any] = {}
-        eos = getattr(self.tokenizer, "eos_id", None)  # any tokenizer: it may have none
+        eos = eos_id_of(self.tokenizer)
         if eos is not None:
             ids["eos_token_id"] = int(eos)
         if self.tokenizer_files is not None:

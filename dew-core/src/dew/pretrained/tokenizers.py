@@ -21,7 +21,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from dew.data.base import WithEos
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -135,11 +137,31 @@ def byte_level(eos_id: int = 256) -> HFTokenizer:
     return tokenizer
 
 
-def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:  # any tokenizer with an eos_id
-    """Write tokenizer into directory; return what config.json records of it (None: nothing)."""
+@runtime_checkable
+class _Saveable(Protocol):
+    """A tokenizer the tokenizers library writes as a tokenizer.json (what HFTokenizer wraps)."""
+
+    def save(self, path: str) -> None: ...
+
+    def id_to_token(self, id: int) -> str | None: ...
+
+
+@runtime_checkable
+class _Wrapping(Protocol):
+    """A tokenizer that wraps another under ``tokenizer`` (HFTokenizer: a tokenizers.Tokenizer)."""
+
+    @property
+    def tokenizer(self) -> object: ...
+
+
+def write_tokenizer(tokenizer: object, directory: Path) -> dict[str, Any] | None:
+    """Write tokenizer (one with an eos_id) into directory; return what config.json records of it (None: nothing)."""
     if tokenizer is None:
         return None
-    inner = getattr(tokenizer, "tokenizer", None)  # any tokenizer: HFTokenizer wraps a saveable one
+    if not isinstance(tokenizer, WithEos) or tokenizer.eos_id is None:
+        raise TypeError(f"dew saves a tokenizer with its end-of-document id (eos_id); "
+                        f"{type(tokenizer).__name__} names none.")
+    inner = tokenizer.tokenizer if isinstance(tokenizer, _Wrapping) else None
     recorded: dict[str, Any] = {"kind": "file", "eos_id": int(tokenizer.eos_id)}
     if type(tokenizer).__name__ == "ByteTokenizer":
         recorded["kind"] = "byte"
@@ -147,7 +169,7 @@ def write_tokenizer(tokenizer: Any, directory: Path) -> dict[str, Any] | None:  
             inner = byte_level(int(tokenizer.eos_id))
         except ImportError:  # the tokenizers library (dew-data[hf]) is absent: dew alone reads it
             return recorded
-    if inner is None or getattr(inner, "save", None) is None:  # a library's tokenizer, or not
+    if not isinstance(inner, _Saveable):  # a library's tokenizer, or none wrapped
         return {"kind": "unsaved",
                 "type": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
     inner.save(str(directory / TOKENIZER_FILE))

@@ -41,7 +41,7 @@ __all__ = ["CompiledStep", "DeviceExecution", "Execution", "execution_for", "fol
 class CompiledStep:
     """One compiled transaction: ``new = step(old, batch)``; the old state is consumed (donated)."""
 
-    executable: StepFn  # a compiled executable, or the two programs of a CPU-owned state joined
+    executable: jax.stages.Compiled | StepFn  # one compiled program, or the two of a CPU-owned state joined
 
     def __call__(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         return self.executable(state, batch)
@@ -67,7 +67,8 @@ class Execution(Protocol):
         """The fresh state build(*args) computes, placed as placement says."""
         ...
 
-    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+    def compile(self, program: Program, state: TrainState,
+                batch: Mapping[str, jax.Array]) -> jax.stages.Compiled | StepFn:
         """The step program compiled over state and one global batch; the state is donated."""
         ...
 
@@ -104,7 +105,7 @@ class DeviceExecution:
     def initialize(self, build: Callable[..., TrainState], placement: Placement, *args: object) -> TrainState:
         return jax.jit(build, out_shardings=placement)(*args)
 
-    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> StepFn:
+    def compile(self, program: Program, state: TrainState, batch: Mapping[str, jax.Array]) -> jax.stages.Compiled:
         placement, schedule = self.placement(state), schedule_of(self.spec)
         step = fetching(with_bubble(program.step(), schedule), placement, self.layout.resident_fields)
         jitted = jax.jit(step, in_shardings=(placement, {k: v.sharding for k, v in batch.items()}),

@@ -39,7 +39,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import numpy as np
@@ -47,6 +46,7 @@ from jax.sharding import Mesh
 
 from dew.data.base import (
     Accounted,
+    Batch,
     Consumption,
     DataPartition,
     Dataset,
@@ -123,7 +123,7 @@ class FeedClock:
 class _Made:
     """One step's batch on the host, with what making it read and cost."""
 
-    batch: Mapping[str, Any]
+    batch: Batch
     drawn: list[Consumption]  # the stream batches it read, for the ledger
     scalars: Mapping[str, float]
     before: tuple[bytes | None, bytes | None]  # the stream's and rollout's positions it was made from (ahead)
@@ -152,13 +152,13 @@ class Feed:
     required: Sequence[str] = ()
     rollout: Rollout | None = None
     ramp_sizes: frozenset[int] = frozenset()
-    check: Callable[[Mapping[str, Any], int], None] | None = None
+    check: Callable[[Batch, int], None] | None = None
     clock: FeedClock = field(default_factory=FeedClock)
     ledger: Ledger | None = None  # told which records each step consumed (dew.training.ledger)
     journal: RolloutJournal | None = None  # each rolled-out batch (default: beside a RecordLedger)
     replayed: int = 0  # steps whose batch came from the journal rather than the rollout
     lag: int = 0  # how many steps ahead the batches are made (the rollout's max_lag)
-    _stream: Iterator | None = None
+    _stream: Iterator[Batch] | None = None
     _step: int = 0  # steps consumed (what the ledger counts)
     _current: int = 0  # the step being fed (for messages)
     _drawn: list[Consumption] = field(default_factory=list)  # batches read since the last step's ledger line
@@ -166,7 +166,7 @@ class Feed:
     _replay: dict[int, Rolled] = field(default_factory=dict)  # journaled steps a resumed run replays
     _ahead: Ahead[_Made] | None = None  # the worker making later steps' batches (a rollout's max_lag > 0)
     _shapes: dict[int, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
-    _first: FirstRead | None = None  # the first batch, read on a thread since begin()
+    _first: FirstRead[Batch] | None = None  # the first batch, read on a thread since begin()
     _begun: tuple[bytes | None, bool] | None = None  # the position (and resuming) begin() opened at
     _before: bytes | None = None  # the stream's position before its first batch (begun early)
 
@@ -329,7 +329,7 @@ class Feed:
         rollout = self.rollout.get_state() if isinstance(self.rollout, Resumable) else None
         return data, rollout
 
-    def _replayed(self, step: int, batch: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def _replayed(self, step: int, batch: Batch) -> Batch | None:
         """The journaled batch of step when the stream gave it the batch the line was made from."""
         entry = self._replay.pop(step, None)
         if entry is None:
@@ -348,10 +348,10 @@ class Feed:
         self.replayed += 1
         return entry.batch
 
-    def _journal(self, step: int, source: Mapping[str, Any], batch: Mapping[str, Any], draws: int) -> None:
+    def _journal(self, step: int, source: Batch, batch: Batch, draws: int) -> None:
         """Write the batch the rollout made for step (with what it read and scored) to the journal."""
         rollout = self.rollout
-        transcript: list[dict[str, Any]] = (rollout.transcript() if isinstance(rollout, Transcribed)
+        transcript: list[dict[str, object]] = (rollout.transcript() if isinstance(rollout, Transcribed)
                                             else [])  # drained either way
         if self.journal is None:
             return
@@ -359,7 +359,7 @@ class Feed:
         arrays = {k: np.asarray(jax.device_get(v)) for k, v in batch.items()}
         self.journal.write(Rolled(step, arrays, batch_digest(source), draws, state, tuple(transcript)))
 
-    def _more(self) -> Mapping[str, Any]:
+    def _more(self) -> Batch:
         """The stream's next batch (a Refilling rollout reads further ones within a step)."""
         try:
             if self._first is not None:  # begun early: what is left of reading it is waited for here
@@ -378,7 +378,7 @@ class Feed:
             self._drawn.append(self._stream.consumption())  # type: ignore[union-attr]
         return batch
 
-    def _check(self, batch: Mapping[str, Any], step: int) -> dict[str, jax.ShapeDtypeStruct]:
+    def _check(self, batch: Batch, step: int) -> dict[str, jax.ShapeDtypeStruct]:
         missing = [k for k in self.required if k not in batch]
         if missing:
             raise BatchMismatchError(
@@ -416,7 +416,7 @@ class Feed:
         return shapes
 
 
-def _check_mapping(batch: Any, step: int, source: str) -> None:
+def _check_mapping(batch: object, step: int, source: str) -> None:
     if not isinstance(batch, Mapping):
         raise BatchMismatchError(
             f"{source} gave step {step} a {type(batch).__name__}, not a batch: a batch is a "

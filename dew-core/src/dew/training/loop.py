@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -54,7 +54,7 @@ class StepRecord:
 
     done: int
     state: TrainState
-    metrics: dict[str, Any]
+    metrics: dict[str, jax.Array | float]
     first: bool
     last: bool
     compiled: Compilation | None = None

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import jax
 
@@ -36,20 +36,23 @@ __all__ = ["FirstRead", "closing_on_sigterm", "start_placed"]
 _CLOSE_WAIT_SECONDS = 10.0  # how long closing waits for a read under way before closing the stream under it
 
 
-class FirstRead:
+_T = TypeVar("_T")
+
+
+class FirstRead(Generic[_T]):
     """The first next() of stream, run on a thread from construction; ``take`` waits for it."""
 
-    def __init__(self, stream: Iterator) -> None:
+    def __init__(self, stream: Iterator[_T]) -> None:
         self.started = time.perf_counter()
         self._stream = stream
-        self._batch: Any = None
+        self._batch: tuple[_T] | None = None  # (the batch,) once read
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._read, name="dew-feed-first-batch", daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
         try:
-            self._batch = next(self._stream)
+            self._batch = (next(self._stream),)
         except BaseException as error:  # noqa: BLE001 - raised again by take(), in the step loop
             self._error = error
 
@@ -57,14 +60,15 @@ class FirstRead:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def take(self) -> Any:
+    def take(self) -> _T:
         """The first batch, once read (the stream's own error, StopIteration included, if it failed)."""
         self._thread.join()
         error, self._error = self._error, None
         if error is not None:
             raise error.with_traceback(error.__traceback__)
-        batch, self._batch = self._batch, None
-        return batch
+        read, self._batch = self._batch, None
+        assert read is not None, "FirstRead.take is called once"
+        return read[0]
 
     def settle(self, timeout: float = _CLOSE_WAIT_SECONDS) -> None:
         """Wait (up to timeout) for the read under way, before the stream is closed under it."""

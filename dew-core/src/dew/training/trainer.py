@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Generic
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from dew.training.start import FrozenTrainedError, Start
 from dew.training.state import TrainState
 from dew.training.step import StepFn
 from dew.training.trees import trains
+from dew.typing import JSONObject
 
 if TYPE_CHECKING:  # named in signatures; the trainer imports none before a run uses it
     from dew.checkpoints.manager import Checkpoints
@@ -75,7 +76,7 @@ class Trainer(Generic[Loss, Effects]):
                  tracker: Tracker | None = None, step: Callable[[Objective[Loss, Effects], Optimizer], StepFn] | None = None,
                  rollout: Rollout | None = None, profile: ProfileWindow | None = None,
                  initializer: Initializer = None, evaluations: Sequence[Periodic] = (),
-                 recipe: Mapping[str, Any] | None = None) -> None:
+                 recipe: JSONObject | None = None) -> None:
         if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         self.program = Program(objective, optimizer, accumulation, dynamic_scale, step, layout.owns_state)
@@ -91,7 +92,7 @@ class Trainer(Generic[Loss, Effects]):
                     checkpoints: Checkpoints | None = None, tracker: Tracker | None = None,
                     step: Callable[[Objective, Optimizer], StepFn] | None = None, rollout: Rollout | None = None,
                     initializer: Initializer = None, evaluations: Sequence[Periodic] = (),
-                    recipe: Mapping[str, Any] | None = None) -> Trainer:
+                    recipe: JSONObject | None = None) -> Trainer:
         """Build the trainer a TrainerConfig describes: its TrainerSettings fields, mapped here."""
         return Trainer(objective, optimizer, key=key, checkpoints=checkpoints, tracker=tracker, step=step,
                        rollout=rollout, initializer=initializer, evaluations=evaluations, recipe=recipe,

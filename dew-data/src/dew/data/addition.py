@@ -39,12 +39,13 @@ holds a seeded share of the problems out for validation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from dew.data.base import Dataset
+from dew.data.base import Dataset, EosTokenizer
 from dew.data.sources import ArrayRecords
 from dew.data.stream import record_dataset
 from dew.data.videos import load_records
@@ -98,7 +99,7 @@ class Addition:
                 "them positive and none of them 1 (training misses a small sum by +1), for the 'pairs' or "
                 f"'labelled' form; got form {self.form!r}.")
 
-    def text_tokenizer(self) -> Any:
+    def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer the problems are written in: one id per byte (dew's ByteTokenizer) for
         "byte", else the one tokenizer names."""
         if isinstance(self.tokenizer, str) and self.tokenizer == "byte":
@@ -109,7 +110,7 @@ class Addition:
 
         return resolve_tokenizer(self.tokenizer)
 
-    def _encoder(self) -> Any:
+    def _encoder(self) -> Callable[[str], list[int]]:
         if isinstance(self.tokenizer, str) and self.tokenizer == "byte":
             return _ids
         tokenizer = self.text_tokenizer()

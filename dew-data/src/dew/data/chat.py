@@ -28,11 +28,11 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
-from dew.data.base import Dataset
+from dew.data.base import Dataset, EosTokenizer
 from dew.data.chat_template import ChatTemplate, read_chat_template
 from dew.data.errors import EmptyDatasetError, MalformedRecordError
 from dew.data.shards import Shards, expand_shards
@@ -41,6 +41,12 @@ from dew.data.stream import record_dataset
 from dew.data.token_windows import resolve_tokenizer, split_records
 
 __all__ = ["ROLES", "Chat", "ChatPreferences", "ChatRecordError", "Conversation", "TruncatedWarning"]
+
+
+class _EncodesOffsets(Protocol):
+    """What a chat reader asks of its tokenizer: ids and the character span each id covers."""
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -62,7 +68,7 @@ class Conversation:
     mask: np.ndarray
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+def check_messages(messages: object, where: str) -> list[dict[str, Any]]:
     """The messages as plain dicts (keys whose value is null dropped), or ChatRecordError naming where."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ChatRecordError(f"{where} holds {type(messages).__name__} {str(messages)[:60]!r} where a "
@@ -86,15 +92,15 @@ class _ChatFiles:
     """What both chat readers share: the files, the tokenizer and its template."""
 
     files: str | Sequence[str]
-    tokenizer: Any
+    tokenizer: object  # "byte", a tokenizer folder or file, or a tokenizer object: resolve_tokenizer's
     chat_template: str | None
     length: int
 
     @cached_property
-    def _tokenizer(self) -> Any:
+    def _tokenizer(self) -> EosTokenizer:
         return resolve_tokenizer(self.tokenizer)
 
-    def text_tokenizer(self) -> Any:
+    def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with."""
         return self._tokenizer
 
@@ -123,7 +129,8 @@ class _ChatFiles:
 
     def encode(self, messages: list[dict[str, Any]], where: str) -> tuple[np.ndarray, np.ndarray]:
         """The conversation's ids and its assistant mask."""
-        tokenizer = self.text_tokenizer()
+        # resolve_tokenizer's own (ByteTokenizer, HFTokenizer) encode offsets; an object given must too
+        tokenizer = cast(_EncodesOffsets, self.text_tokenizer())
         rendered = self.template.render(messages)
         ids, offsets = tokenizer.encode_offsets(rendered.text)
         from dew.data.chat_template import assistant_mask
@@ -152,9 +159,9 @@ class _ChatReader:
     """What Chat and ChatPreferences share: their files settled, one _ChatFiles, its tokenizer, and
     their rows as records and as a Dataset."""
 
-    files: Any
-    tokenizer: Any
-    chat_template: Any
+    files: str | Sequence[str]
+    tokenizer: object
+    chat_template: str | None
     length: int
 
     def __post_init__(self) -> None:
@@ -167,7 +174,7 @@ class _ChatReader:
     def _shared(self) -> _ChatFiles:
         return _ChatFiles(self.files, self.tokenizer, self.chat_template, self.length)
 
-    def text_tokenizer(self) -> Any:
+    def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with."""
         return self._shared.text_tokenizer()
 

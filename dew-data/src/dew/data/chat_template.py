@@ -34,17 +34,24 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dew.data.errors import DataError, MissingFileError
+
+if TYPE_CHECKING:
+    import jinja2
+    import jinja2.nodes
+    import jinja2.parser
+
+_Track = Callable[[list[str], list[tuple[int, int]]], AbstractContextManager[None]]
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "read_chat_template",
            "special_tokens"]
@@ -65,7 +72,7 @@ class Rendered:
     spans: tuple[tuple[int, int], ...]
 
 
-def _environment() -> Any:
+def _environment() -> tuple[jinja2.Environment, _Track]:
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -78,12 +85,12 @@ def _environment() -> Any:
 
         tags = {"generation"}
 
-        def parse(self, parser: Any) -> Any:
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
 
-        def _track(self, caller: Any) -> str:
+        def _track(self, caller: Callable[[], str]) -> str:
             text = caller()
             state = tracking.get()
             if state is not None:
@@ -95,8 +102,8 @@ def _environment() -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
@@ -107,7 +114,7 @@ def _environment() -> Any:
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
 
     @contextmanager
-    def track(blocks: list[str], spans: list[tuple[int, int]]) -> Any:
+    def track(blocks: list[str], spans: list[tuple[int, int]]) -> Iterator[None]:
         token = tracking.set((blocks, spans))
         try:
             yield
@@ -154,7 +161,7 @@ class ChatTemplate:
         return bool(_MARKER.search(self.source))
 
     def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-                context: Mapping[str, Any]) -> tuple[str, list[tuple[int, int]]]:
+                context: Mapping[str, object]) -> tuple[str, list[tuple[int, int]]]:
         import jinja2
 
         blocks: list[str] = []
@@ -170,12 +177,12 @@ class ChatTemplate:
         return "".join(blocks), spans
 
     def text(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
-             **context: Any) -> str:
+             **context: object) -> str:
         """The conversation as the model reads it."""
         return self._render(messages, add_generation_prompt, context)[0]
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
-               **context: Any) -> Rendered:
+               **context: object) -> Rendered:
         """The text and the assistant's spans (see the module docstring)."""
         text, spans = self._render(messages, add_generation_prompt, context)
         if self.marks_generation:
@@ -211,7 +218,7 @@ def assistant_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int
     return mask
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: object) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):

@@ -55,7 +55,7 @@ import grain
 import numpy as np
 
 from dew.data import window_cache
-from dew.data.base import Dataset
+from dew.data.base import Dataset, EosTokenizer, close_if_closable
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError
 from dew.data.order import epoch_order
 from dew.data.shards import Shards, expand_shards
@@ -92,7 +92,7 @@ class _Count:
     """Tokens (end-of-document ids included) in each block of one indexing task."""
 
     shards: Shards
-    tokenizer: Any
+    tokenizer: EosTokenizer
     block: int
     blocks: int
 
@@ -113,7 +113,7 @@ class _Count:
         return counts
 
 
-def count_tokens(shards: Shards, tokenizer: Any, block: int, *, workers: int = 0) -> np.ndarray:
+def count_tokens(shards: Shards, tokenizer: EosTokenizer, block: int, *, workers: int = 0) -> np.ndarray:
     """Tokens per block of ``block`` documents (each document's end-of-document id included).
 
     The blocks are counted in Grain, by ``workers`` spawned processes when
@@ -129,9 +129,7 @@ def count_tokens(shards: Shards, tokenizer: Any, block: int, *, workers: int = 0
     try:
         counts = [np.asarray(c) for c in iterator]
     finally:
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
+        close_if_closable(iterator)
     return np.concatenate(counts) if counts else np.zeros(0, np.int64)
 
 
@@ -143,7 +141,7 @@ class StreamedWindows:
     (see the module docstring). Both return ``text`` and ``segment_ids``.
     """
 
-    def __init__(self, shards: Shards, tokenizer: Any, *, block: int, blocks: np.ndarray,
+    def __init__(self, shards: Shards, tokenizer: EosTokenizer, *, block: int, blocks: np.ndarray,
                  counts: np.ndarray, length: int) -> None:
         self.shards, self.tokenizer, self.block, self.length = shards, tokenizer, int(block), int(length)
         self.blocks = np.asarray(blocks, np.int64)
@@ -157,13 +155,13 @@ class StreamedWindows:
         self._tokens: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._layouts: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state.pop("_tokens")
         state.pop("_layouts")
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._reset()
 
@@ -306,7 +304,7 @@ class HFText:
         if self.block < 1:
             raise ValueError(f"HFText.block must be at least 1 document, got {self.block}.")
 
-    def text_tokenizer(self) -> Any:
+    def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
         return resolve_tokenizer(self.tokenizer)
 
@@ -317,7 +315,7 @@ class HFText:
             raise EmptyDatasetError(f"The shards {self.files!r} hold no rows.")
         return shards
 
-    def _key(self, shards: Shards, tokenizer: Any) -> str:
+    def _key(self, shards: Shards, tokenizer: EosTokenizer) -> str:
         files = []
         for path in shards.files:
             info = path.stat()
@@ -325,7 +323,7 @@ class HFText:
         blob = json.dumps([files, self.text_key, self.block, tokenizer_fingerprint(tokenizer)])
         return "counts-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
 
-    def token_counts(self, shards: Shards | None = None, tokenizer: Any | None = None) -> np.ndarray:
+    def token_counts(self, shards: Shards | None = None, tokenizer: EosTokenizer | None = None) -> np.ndarray:
         """Tokens per block, counted once (kept in cache_dir when set)."""
         shards = self.shards() if shards is None else shards
         tokenizer = self.text_tokenizer() if tokenizer is None else tokenizer

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -25,16 +25,20 @@ from dew.data.errors import EmptyDatasetError
 from dew.data.sources import load_hf_dataset, require_column
 from dew.data.stream import record_dataset
 
+if TYPE_CHECKING:
+    import datasets
+    from PIL import Image as PILImage
+
 __all__ = ["HFImages", "ImageRecords", "fit_image"]
 
 
-def fit_image(image: Any, size: tuple[int, int], fit: Literal["crop", "resize"], mode: str) -> np.ndarray:
+def fit_image(image: PILImage.Image | np.ndarray | dict[str, Any], size: tuple[int, int], fit: Literal["crop", "resize"], mode: str) -> np.ndarray:
     """A PIL image (or array) as uint8 ``[height, width, channels]`` of the given size."""
     from PIL import Image
 
     if isinstance(image, np.ndarray):
         image = Image.fromarray(image)
-    elif isinstance(image, dict) and ("bytes" in image or "path" in image):  # undecoded Image feature
+    elif isinstance(image, dict):  # an undecoded Image feature: its bytes or its path
         import io
 
         image = Image.open(io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"])
@@ -57,7 +61,7 @@ def fit_image(image: Any, size: tuple[int, int], fit: Literal["crop", "resize"],
 class ImageRecords:
     """A ``datasets.Dataset`` as a record source of fitted uint8 images (and labels)."""
 
-    data: Any
+    data: datasets.Dataset
     image_key: str
     label_key: str | None
     size: tuple[int, int]

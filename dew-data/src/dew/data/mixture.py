@@ -50,15 +50,22 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dew.data.base import Dataset
+from dew.data.base import Dataset, Tokenizer
 from dew.data.errors import DataError, EmptyDatasetError
-from dew.data.stream import StreamReader, stream_reader
+from dew.data.stream import Source, StreamReader, stream_reader
 
 __all__ = ["Mixture", "MixtureError", "MixtureSource", "interleave", "interleave_counts", "proportions"]
+
+
+@runtime_checkable
+class _ListsRecords(Protocol):
+    """A reader a mixture can draw from: its ``records()`` are a record source."""
+
+    def records(self) -> Source: ...
 
 _FILL = {"loss_mask": 1, "segment_ids": 1}
 
@@ -131,7 +138,7 @@ def _seed_of(seed: int, name: str) -> int:
 class MixtureSource:
     """The endless stream of a mixture (see the module docstring)."""
 
-    def __init__(self, names: Sequence[str], sources: Sequence[Any], pieces: Sequence[_Piece],
+    def __init__(self, names: Sequence[str], sources: Sequence[Source], pieces: Sequence[_Piece],
                  template: Mapping[str, tuple[tuple[int, ...], str]], fill: Mapping[str, int]) -> None:
         self.names = tuple(names)
         self.sources = tuple(sources)
@@ -204,7 +211,7 @@ class _MixedRead:
 
 # -- the reader ----------------------------------------------------------------------------------
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -282,11 +289,11 @@ class Mixture:
 
     # -- building the sources -----------------------------------------------------------------
     @cached_property
-    def readers(self) -> dict[str, Any]:
+    def readers(self) -> dict[str, object]:
         """Each source's reader, built from the registry when given as a mapping."""
         from dew import registry
 
-        built = {}
+        built: dict[str, object] = {}
         for name, given in self.sources.items():
             if isinstance(given, Mapping):
                 fields = {k: v for k, v in given.items() if k != "name"}
@@ -299,7 +306,7 @@ class Mixture:
                 built[name] = given
         return built
 
-    def text_tokenizer(self) -> Any:
+    def text_tokenizer(self) -> Tokenizer | None:
         """The sources' common tokenizer (None when none encodes text); they must agree."""
         from dew.data.base import TextReader
         from dew.data.token_windows import tokenizer_fingerprint
@@ -318,16 +325,15 @@ class Mixture:
                 f"model reads every row, so give every source the same tokenizer.")
         return next(iter(found.values()))
 
-    def _records(self) -> dict[str, Any]:
+    def _records(self) -> dict[str, Source]:
         out = {}
         for name, reader in self.readers.items():
-            records = getattr(reader, "records", None)
-            if not callable(records):
+            if not (isinstance(reader, _ListsRecords) and callable(reader.records)):  # a Dataset's is a count
                 raise MixtureError(
                     f"Mixture source {name!r} is a {type(reader).__name__}, which has no records(); a "
                     f"mixture draws single records, so each source must be a reader that lists them.")
             try:
-                source = records()
+                source = reader.records()
             except DataError as error:
                 raise type(error)(f"Mixture source {name!r}: {error}") from error
             if len(source) == 0:
@@ -335,7 +341,7 @@ class Mixture:
             out[name] = source
         return out
 
-    def _template(self, sources: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    def _template(self, sources: Mapping[str, Source]) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every key's record shape and dtype, checked to agree across the sources."""
         first: dict[str, tuple[str, tuple[int, ...], str]] = {}
         seen: dict[str, set[str]] = {}

@@ -34,17 +34,27 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dew.data.base import Dataset
+from dew.data.base import Dataset, EosTokenizer, Tokenizer
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import ArrayRecords, expand_files
 from dew.data.stream import record_dataset
 from dew.data.token_windows import resolve_tokenizer, split_records
 
 __all__ = ["CompletionTooLongError", "NothingToScoreWarning", "PromptCompletion"]
+
+
+@runtime_checkable
+class _AppliesChatTemplate(Protocol):
+    """A tokenizer that renders its own chat template (transformers' tokenizers)."""
+
+    chat_template: str | None
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], *, tokenize: bool,
+                            add_generation_prompt: bool) -> str: ...
 
 
 class CompletionTooLongError(DataError, ValueError):
@@ -81,7 +91,7 @@ class PromptCompletion:
     template: str = "{prompt}"
     pack: bool = True
 
-    def text_tokenizer(self) -> Any:
+    def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
         return resolve_tokenizer(self.tokenizer)
 
@@ -117,10 +127,10 @@ class PromptCompletion:
                 )
         return record[self.prompt_key], record[self.completion_key]
 
-    def render(self, tokenizer: Any, prompt: str) -> str:
+    def render(self, tokenizer: object, prompt: str) -> str:
         """The prompt as the model reads it: the tokenizer's chat template, or template."""
-        # Any tokenizer: one from transformers may carry a chat template, and renders it itself.
-        if getattr(tokenizer, "chat_template", None) and getattr(tokenizer, "apply_chat_template", None):
+        # A tokenizer from transformers may carry a chat template, and renders it itself.
+        if isinstance(tokenizer, _AppliesChatTemplate) and tokenizer.chat_template:
             return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                  add_generation_prompt=True)
         return self.template.format(prompt=prompt)
@@ -185,5 +195,5 @@ class PromptCompletion:
         return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(text)]

@@ -33,7 +33,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from dew.data.errors import (
     MissingKeyError,
 )
 from dew.data.sources import expand_files
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["SHARD_SUFFIXES", "Shards", "expand_shards", "open_shard"]
 
@@ -117,9 +120,9 @@ class _Parquet:
         sizes = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.rows = int(self.starts[-1])
-        self.groups: OrderedDict[int, Any] = OrderedDict()
+        self.groups: OrderedDict[int, pa.ChunkedArray] = OrderedDict()
 
-    def _group(self, index: int) -> Any:
+    def _group(self, index: int) -> pa.ChunkedArray:
         if index not in self.groups:
             if len(self.groups) >= 2:
                 self.groups.popitem(last=False)
@@ -199,7 +202,7 @@ class _Jsonl:
     def where(self, row: int) -> str:
         return f"line {self._line(row)} of {os.fspath(self.path)!r}"
 
-    def _parse(self, line: bytes, row: int) -> dict[str, Any]:
+    def _parse(self, line: bytes, row: int) -> dict[str, object]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:

@@ -14,13 +14,17 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload, runtime_checkable
 
 import numpy as np
 
 from dew.data.errors import EmptyDatasetError, LoadingScriptError, MissingFileError, MissingKeyError
+
+if TYPE_CHECKING:
+    import datasets
 
 __all__ = [
     "ArrayRecords",
@@ -69,7 +73,13 @@ class ArrayRecords:
     def __len__(self) -> int:
         return self._length
 
-    def _map(self, indices: Any) -> Any:
+    @overload
+    def _map(self, indices: int) -> int | np.integer: ...
+
+    @overload
+    def _map(self, indices: np.ndarray) -> np.ndarray: ...
+
+    def _map(self, indices: int | np.ndarray) -> int | np.integer | np.ndarray:
         return indices if self.rows is None else self.rows[indices]
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
@@ -87,7 +97,7 @@ class ArrayRecords:
         """The records at indices, in that order, sharing this one's arrays (no copy)."""
         return ArrayRecords(self.columns, self._map(np.asarray(indices, dtype=np.int64)))
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[..., ArrayRecords], tuple[dict[str, _Pickled], np.ndarray | None]]:
         columns = {name: _picklable(array) for name, array in self.columns.items()}
         return (_rebuild_array_records, (columns, self.rows))
 
@@ -96,20 +106,24 @@ class ArrayRecords:
         return f"ArrayRecords({shapes}, records={self._length})"
 
 
-def _picklable(array: np.ndarray) -> Any:
+# A column as it pickles: the array, or a memory map's ("memmap", filename, offset, dtype, shape).
+_Pickled: TypeAlias = "np.ndarray | tuple[str, str, int, str, tuple[int, ...]]"
+
+
+def _picklable(array: np.ndarray) -> _Pickled:
     if isinstance(array, np.memmap) and array.filename is not None and array.base is not None:
         return ("memmap", str(array.filename), array.offset, array.dtype.str, array.shape)
     return array
 
 
-def _reopen(value: Any) -> np.ndarray:
-    if isinstance(value, tuple) and value and value[0] == "memmap":
-        _, filename, offset, dtype, shape = value
-        return np.memmap(filename, mode="r", dtype=np.dtype(dtype), shape=shape, offset=offset)
-    return value
+def _reopen(value: _Pickled) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    _, filename, offset, dtype, shape = value  # a memory map, by its file
+    return np.memmap(filename, mode="r", dtype=np.dtype(dtype), shape=shape, offset=offset)
 
 
-def _rebuild_array_records(columns: dict[str, Any], rows: np.ndarray | None) -> ArrayRecords:
+def _rebuild_array_records(columns: dict[str, _Pickled], rows: np.ndarray | None) -> ArrayRecords:
     return ArrayRecords({name: _reopen(value) for name, value in columns.items()}, rows)
 
 
@@ -168,7 +182,7 @@ def stdlib_corpus(limit_files: int | None = None) -> list[Path]:
     return found if limit_files is None else found[: max(0, int(limit_files))]
 
 
-def load_hf_dataset(name_or_path: str, *, split: str, config: str | None = None) -> Any:
+def load_hf_dataset(name_or_path: str, *, split: str, config: str | None = None) -> datasets.Dataset:
     """A ``datasets.Dataset``: from a ``save_to_disk`` folder when the path exists, else the hub.
 
     A local folder may hold one Dataset or a DatasetDict (split picks one).
@@ -222,7 +236,8 @@ def _refuse_scripts(path: Path) -> None:
         )
 
 
-def _load_dataset(datasets: Any, name_or_path: str, config: str | None, split: str) -> Any:
+def _load_dataset(datasets: ModuleType, name_or_path: str, config: str | None,
+                  split: str) -> datasets.Dataset | datasets.DatasetDict:
     """datasets.load_dataset, with a refused loading script reported as LoadingScriptError."""
     try:
         return datasets.load_dataset(name_or_path, config, split=split)
@@ -235,7 +250,7 @@ def _load_dataset(datasets: Any, name_or_path: str, config: str | None, split: s
         ) from error
 
 
-def require_column(dataset: Any, key: str, origin: str) -> None:
+def require_column(dataset: datasets.Dataset, key: str, origin: str) -> None:
     """MissingKeyError naming the key and the columns there are, unless dataset has column key."""
     columns = list(dataset.column_names)
     if key not in columns:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import grain
 import numpy as np
@@ -58,10 +58,13 @@ from dew.data.errors import (
     PositionMismatchError,
 )
 from dew.data.order import RecordOrder
+from dew.data.sources import RecordSource
 
 __all__ = [
     "CountingSource",
+    "EndlessRecords",
     "EndlessSource",
+    "Source",
     "StreamReader",
     "record_dataset",
     "TrainStream",
@@ -89,6 +92,23 @@ class EndlessSource(Protocol):
     def endless(self, seed: int) -> Callable[[np.ndarray], dict[str, np.ndarray]]: ...
 
 
+class EndlessRecords(EndlessSource, Protocol):
+    """An EndlessSource that says how many records an epoch holds, as every streamed source must."""
+
+    def __len__(self) -> int: ...
+
+
+Source: TypeAlias = "RecordSource | EndlessRecords"
+"""What a stream reads: records by index, or a source that lays out its own stream."""
+
+
+@runtime_checkable
+class _Takes(Protocol):
+    """A record source that gathers a batch of indices at once (ArrayRecords.take)."""
+
+    def take(self, indices: np.ndarray) -> Mapping[str, np.ndarray]: ...
+
+
 @runtime_checkable
 class CountingSource(Protocol):
     """A record source that can say what the first ``records`` positions of its stream hold.
@@ -112,7 +132,7 @@ class _Ordered:
         return self.fetch(self.order(positions))
 
 
-def stream_reader(source: Any, seed: int, transform: Transform | None = None
+def stream_reader(source: Source, seed: int, transform: Transform | None = None
                   ) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """The function from stream positions to stacked records that train_stream reads source with.
 
@@ -142,7 +162,7 @@ def _rows(batch: int, partition: DataPartition) -> int:
     return batch // partition.shares
 
 
-def _length(source: Any) -> int:
+def _length(source: Source) -> int:
     length = len(source)
     if length == 0:
         raise EmptyDatasetError(f"The record source {source!r} holds no records; there is nothing to stream.")
@@ -153,14 +173,14 @@ def _length(source: Any) -> int:
 class _Fetch:
     """Turn an array of record indices into one batch: a dict of stacked arrays."""
 
-    source: Any
+    source: RecordSource
     transform: Transform | None = None
 
     def __call__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         indices = np.asarray(indices, dtype=np.int64)
         # A source is any indexable (ArrayRecords, a third party's); one that can take a batch of
         # indices at once (ArrayRecords.take) is read that way.
-        if self.transform is None and getattr(self.source, "take", None) is not None:
+        if self.transform is None and isinstance(self.source, _Takes):
             return dict(self.source.take(indices))
         records = [self.source[int(i)] for i in indices]
         if self.transform is not None:
@@ -202,7 +222,7 @@ class _Chunk:
         return self.read(np.arange(first, first + self.rows, dtype=np.int64))
 
 
-def _pipeline(source: Any, *, batch: int, partition: DataPartition, seed: int, start: int,
+def _pipeline(source: Source, *, batch: int, partition: DataPartition, seed: int, start: int,
               transform: Transform | None, workers: int, prefetch: int) -> Iterator[dict[str, np.ndarray]]:
     rows = _rows(batch, partition)
     chunk = _Chunk(stream_reader(source, seed, transform), start, rows)
@@ -240,7 +260,7 @@ class TrainStream:
     ``set_state`` rebuilds the Grain pipeline there. ``records`` is that count.
     """
 
-    def __init__(self, source: Any, *, batch: int, partition: DataPartition = SINGLE, seed: int = 0,
+    def __init__(self, source: Source, *, batch: int, partition: DataPartition = SINGLE, seed: int = 0,
                  transform: Transform | None = None, workers: int = 0, prefetch: int = 4,
                  start: int = 0) -> None:
         self.source = source
@@ -337,7 +357,7 @@ class TrainStream:
             pass
 
 
-def train_stream(source: Any, *, batch: int, partition: DataPartition = SINGLE, seed: int = 0,
+def train_stream(source: Source, *, batch: int, partition: DataPartition = SINGLE, seed: int = 0,
                  transform: Transform | None = None, workers: int = 0, prefetch: int = 4) -> TrainStream:
     """Open this process's endless, shuffled share of source's records.
 
@@ -361,7 +381,7 @@ def train_stream(source: Any, *, batch: int, partition: DataPartition = SINGLE, 
                        workers=workers, prefetch=prefetch)
 
 
-def val_stream(source: Any, *, batch: int, partition: DataPartition = SINGLE,
+def val_stream(source: RecordSource, *, batch: int, partition: DataPartition = SINGLE,
                transform: Transform | None = None,
                remainder: Literal["drop", "short"] = "drop", prefetch: int = 4) -> Iterator[dict[str, np.ndarray]]:
     """One pass over source in its stored order, this share's rows of each global batch.
@@ -410,7 +430,7 @@ class StreamReader:
     ``dew.data.ramped`` changes the batch size mid-stream.
     """
 
-    source: Any
+    source: Source
     batch: int
     seed: int = 0
     transform: Transform | None = None
@@ -431,7 +451,7 @@ class StreamReader:
 class ValReader:
     """A Dataset.val factory: ``reader(partition)`` opens one pass (see val_stream)."""
 
-    source: Any
+    source: RecordSource
     batch: int
     transform: Transform | None = None
     remainder: Literal["drop", "short"] = "drop"
@@ -441,7 +461,7 @@ class ValReader:
                           transform=self.transform, remainder=self.remainder)
 
 
-def record_dataset(train: Any, val: Any | None, *, batch: int, seed: int = 0, workers: int = 0,
+def record_dataset(train: Source, val: RecordSource | None, *, batch: int, seed: int = 0, workers: int = 0,
                    prefetch: int = 4) -> Dataset:
     """The Dataset of a training record source and an optional held-out one, in global order."""
     return Dataset(

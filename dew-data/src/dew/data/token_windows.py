@@ -32,12 +32,12 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
 from dew.data import window_cache
-from dew.data.base import Dataset
+from dew.data.base import Dataset, EosTokenizer, Tokenizer, WithEos, eos_id_of, vocab_size_of
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column
 from dew.data.stream import record_dataset
@@ -49,7 +49,29 @@ _CHUNK = 256  # documents tokenized per encode_batch call
 _JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 
 
-def resolve_tokenizer(tokenizer: Any) -> Any:
+@runtime_checkable
+class _Encodes(Protocol):
+    """What TokenWindows needs of a tokenizer besides its eos_id: text to ids."""
+
+    def encode(self, text: str) -> Sequence[int]: ...
+
+
+@runtime_checkable
+class _Fingerprinted(Protocol):
+    """A tokenizer that says what identifies its output (dew's HFTokenizer: a digest of its file)."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+
+@runtime_checkable
+class _BatchEncodes(Protocol):
+    """A tokenizer that encodes many texts in one call (dew's HFTokenizer, through the tokenizers library)."""
+
+    def encode_batch(self, texts: Sequence[str]) -> Sequence[np.ndarray]: ...
+
+
+def resolve_tokenizer(tokenizer: object) -> EosTokenizer:
     """"byte" -> ByteTokenizer, a tokenizer.json or a folder holding one -> HFTokenizer, else as given."""
     if isinstance(tokenizer, str | os.PathLike):
         if os.fspath(tokenizer) == "byte":
@@ -61,31 +83,31 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
         if Path(tokenizer).expanduser().is_dir():
             return HFTokenizer.from_directory(Path(tokenizer).expanduser())
         return HFTokenizer.from_file(tokenizer)
-    missing = object()
-    for needed in ("encode", "eos_id"):  # any object may be given: it is checked, not trusted
-        if getattr(tokenizer, needed, missing) is missing:
+    for needed, has in (("encode", _Encodes), ("eos_id", WithEos)):  # any object may be given: checked
+        if not isinstance(tokenizer, has):
             raise TypeError(
                 f"A tokenizer must have encode(text) and eos_id; {type(tokenizer).__name__} lacks "
                 f"{needed}. Pass 'byte', a path to a tokenizer.json, or such an object."
             )
-    return tokenizer
+    return cast(EosTokenizer, tokenizer)  # checked for what windows read (encode, eos_id); decode is the reader's
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: object) -> str:
     """What identifies a tokenizer's output: its own fingerprint (a file digest), else its type and sizes."""
-    own = getattr(tokenizer, "fingerprint", None)  # any tokenizer; dew's own say how they encode
+    own = tokenizer.fingerprint if isinstance(tokenizer, _Fingerprinted) else None
     if own:
         return str(own)
-    return f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{tokenizer.vocab_size}:{tokenizer.eos_id}"
+    sizes = f"{vocab_size_of(tokenizer)}:{eos_id_of(tokenizer)}"
+    return f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{sizes}"
 
 
-def encode_documents(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
+def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     """The ids of many documents (no end-of-document id), batched when the tokenizer can."""
     from dew.data.tokenizers import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):  # a byte's id is its value: no per-byte Python work
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
-    if getattr(tokenizer, "encode_batch", None) is not None:  # any tokenizer; a library's batches
+    if isinstance(tokenizer, _BatchEncodes):
         return list(tokenizer.encode_batch(list(texts)))
     return [np.asarray(tokenizer.encode(text), dtype=np.int32) for text in texts]
 
@@ -123,10 +145,10 @@ class TokenWindows:
     config: str | None = None
     text_key: str = "text"
     length: int = 1024
-    tokenizer: Any = "byte"
+    tokenizer: Any = "byte"  # registry-validated: "byte", a tokenizer.json path or any tokenizer object
     cache_dir: str | None = None
 
-    def text_tokenizer(self) -> Any:
+    def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
         return resolve_tokenizer(self.tokenizer)
 
@@ -193,7 +215,7 @@ class TokenWindows:
         return str(record[self.text_key])
 
     # -- tokens and windows -------------------------------------------------------------------
-    def tokens(self, tokenizer: Any | None = None) -> np.ndarray:
+    def tokens(self, tokenizer: EosTokenizer | None = None) -> np.ndarray:
         """All documents' ids, each document followed by eos_id, as one int32 array."""
         tokenizer = resolve_tokenizer(self.tokenizer) if tokenizer is None else tokenizer
         eos = np.asarray([tokenizer.eos_id], dtype=np.int32)
@@ -208,16 +230,16 @@ class TokenWindows:
             pieces.extend(p for ids in encode_documents(tokenizer, chunk) for p in (ids, eos))
         return np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
 
-    def _key(self, tokenizer: Any) -> str:
+    def _key(self, tokenizer: EosTokenizer) -> str:
         """A digest of what the windows depend on: the inputs' bytes, the tokenizer, the length."""
         if self.dataset is not None:
-            source: Any = [self.dataset, self.split, self.config]
+            source: list[object] = [self.dataset, self.split, self.config]
             local = Path(self.dataset).expanduser()
             if local.exists():
                 files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
                 source += content_digest(files)
         else:
-            source = content_digest(p.resolve() for p in self._paths())
+            source = list(content_digest(p.resolve() for p in self._paths()))
         blob = json.dumps([source, self.text_key, self.length, tokenizer_fingerprint(tokenizer)], default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

@@ -22,12 +22,13 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from dew.data.base import eos_id_of
 from dew.evaluations.base import Subject, TaskFileError, read_task_file, share_rows
 from dew.evaluations.scoring import task_mesh
 from dew.sampling import Sampling, generate
@@ -126,8 +127,8 @@ class GenerationTask:
         problems = self.problems()
         partition = data_partition(task_mesh(mesh))
         tokenizer = subject.tokenizer
-        eos: Any = getattr(tokenizer, "eos_id", None)  # any tokenizer: it may have none
-        prompts = [list(tokenizer.encode(p.prompt)) or [int(eos)] for p in problems]
+        eos = eos_id_of(tokenizer)
+        prompts = [list(tokenizer.encode(p.prompt)) or [int(eos)] for p in problems]  # type: ignore[arg-type]  # an empty prompt needs an eos
         out: dict[int, str] = {}
         for mine in share_rows(len(problems), max(self.batch, partition.shares), partition):
             kept = [int(r) for r in mine if r >= 0]

@@ -30,15 +30,17 @@ import functools
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.data.base import Batch as HostBatch
+from dew.data.base import Tokenizer
 from dew.environments import (
     Environment,
     EnvironmentFailedWarning,
@@ -47,8 +49,14 @@ from dew.environments import (
     Reply,
     resolve_environment,
 )
+from dew.objectives.base import Variables
 from dew.objectives.rollouts import PolicyRollout, completion_text
 from dew.sampling import Engine, EngineConfig, Request, Sampling
+
+if TYPE_CHECKING:
+    from dew.training.state import TrainState
+
+_T = TypeVar("_T")
 
 __all__ = ["EpisodeRollout", "guarded_calls"]
 
@@ -60,7 +68,7 @@ class _Failed:
         self.error = error
 
 
-def guarded_calls(calls: Sequence[Callable[[], Any]], timeout: float | None) -> list[Any]:
+def guarded_calls(calls: Sequence[Callable[[], _T]], timeout: float | None) -> list[_T | _Failed]:
     """Each call's value, or a ``_Failed`` for one that raised or outlasted timeout seconds.
 
     The calls run together, each in a daemon thread (timeout None: one after
@@ -68,16 +76,16 @@ def guarded_calls(calls: Sequence[Callable[[], Any]], timeout: float | None) -> 
     from the start of the batch.
     """
     if timeout is None:
-        out: list[Any] = []
+        out: list[_T | _Failed] = []
         for call in calls:
             try:
                 out.append(call())
             except Exception as error:  # noqa: BLE001 - the environment's failure ends its episode
                 out.append(_Failed(error))
         return out
-    results: list[Any] = [_Failed(None)] * len(calls)
+    results: list[_T | _Failed] = [_Failed(None)] * len(calls)
 
-    def run(index: int, call: Callable[[], Any]) -> None:
+    def run(index: int, call: Callable[[], _T]) -> None:
         try:
             results[index] = call()
         except Exception as error:  # noqa: BLE001
@@ -113,8 +121,9 @@ class _Play:
         assert self.episode is not None, "the episode was never opened"
         return self.episode.opening()
 
-    def step(self, action: str) -> Any:
-        """The episode's reply to action (called in a guarded thread, as opening)."""
+    def step(self, action: str) -> object:
+        """The episode's reply to action (called in a guarded thread, as opening): a Reply, unless the
+        environment breaks its protocol (which the caller warns of)."""
         assert self.episode is not None, "the episode was never opened"
         return self.episode.step(action)
 
@@ -126,8 +135,8 @@ class EpisodeRollout(PolicyRollout):
     stop_strings) end one. tokenizer encodes and decodes text (bytes when None).
     """
 
-    def __init__(self, model: nn.Module, environment: Any, *, group_size: int, max_new_tokens: int,
-                 sampling: Sampling, tokenizer: Any = None, stop_token: int | None = None,
+    def __init__(self, model: nn.Module, environment: Environment, *, group_size: int, max_new_tokens: int,
+                 sampling: Sampling, tokenizer: Tokenizer | None = None, stop_token: int | None = None,
                  prompt_key: str = "prompt", prompt_length_key: str = "prompt_length",
                  max_length: int | None = None, turn_timeout: float | None = 10.0,
                  engine: EngineConfig | None = None) -> None:
@@ -148,7 +157,7 @@ class EpisodeRollout(PolicyRollout):
         return completion_text(self.tokenizer, list(ids), None)[0]
 
     # -- the environment, guarded -----------------------------------------------------
-    def _call(self, plays: list[_Play], calls: list[Callable[[], Any]], what: str) -> list[Any]:
+    def _call(self, plays: list[_Play], calls: Sequence[Callable[[], _T]], what: str) -> list[_T | _Failed]:
         began = time.perf_counter()
         results = guarded_calls(calls, self.turn_timeout)
         self.reward_seconds += time.perf_counter() - began
@@ -171,7 +180,7 @@ class EpisodeRollout(PolicyRollout):
         return results
 
     # -- one rollout -------------------------------------------------------------------
-    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
+    def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray | jax.Array]:
         prompts, lengths = self.read_prompts(batch)
         others = {k: np.asarray(v) for k, v in batch.items()
                   if k not in (self.prompt_key, self.prompt_length_key)}
@@ -194,13 +203,13 @@ class EpisodeRollout(PolicyRollout):
         episodes = self._call(plays, [functools.partial(environment.start, p.prompt, r)
                                       for p, r in zip(plays, records, strict=True)], "the start")
         for play, episode in zip(plays, episodes, strict=True):
-            if not play.failed:
+            if not isinstance(episode, _Failed):  # a failed start marked its play failed
                 play.episode = episode
         alive = [p for p in plays if not p.done]
         openings = self._call(alive, [p.opening for p in alive], "the opening")
         by_request: dict[int, _Play] = {}  # an episode is one request: its turns keep the request's id
         for play, opening in zip(alive, openings, strict=True):
-            if play.done:
+            if play.done or isinstance(opening, _Failed):  # a failed opening marked its play done
                 continue
             self._append(play, self._encode(opening), 0.0)
             room = min(self.max_new_tokens, width - len(play.tokens))
@@ -266,7 +275,7 @@ class EpisodeRollout(PolicyRollout):
             self.engine = Engine(self.model, config, detokenize=self._decode)
         return self.engine
 
-    def _layout(self, plays: list[_Play], params: Any, width: int) -> dict[str, Any]:
+    def _layout(self, plays: list[_Play], params: Variables, width: int) -> dict[str, np.ndarray | jax.Array]:
         rows = len(plays)
         tokens = np.zeros((rows, width), np.int32)
         mask = np.zeros((rows, width), np.float32)

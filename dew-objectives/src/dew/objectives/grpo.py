@@ -83,6 +83,7 @@ from dew.sampling import Sampling, TextGeneration
 
 if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["GRPOObjective", "GroupSizeError", "IncompatibleOptionsError", "clipped_policy_loss",
            "group_advantages"]
@@ -249,7 +250,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp")
 
-    def pipeline(self, state: Any, *, sampling: Sampling | Mapping[str, Any] | None = None
+    def pipeline(self, state: TrainState | Variables, *, sampling: Sampling | Mapping[str, Any] | None = None
                  ) -> TextGeneration:
         """The policy as text generation (greedy unless sampling says otherwise), stopping at stop_token."""
         return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
@@ -264,7 +265,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         per_token, clipped = group_losses.policy_loss(
             logp, batch["old_logp"], advantage, mask, clip_low=low, clip_high=high, level=self.ratio,
             loss=self.policy_loss)
-        metrics: dict[str, Any] = {
+        metrics: dict[str, Mean | jax.Array] = {
             "reward": Mean.of(reward),
             "clip_fraction": Mean(jnp.sum(clipped * mask), jnp.sum(mask)),
             "entropy": Mean(jnp.sum(entropy * mask), jnp.sum(mask)),

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew.data.base import Tokenizer  # what LMObjective needs of one to render previews
+from dew.data.base import Tokenizer, eos_id_of  # what LMObjective needs of one to render previews
 from dew.errors import BatchKeyError, DewError
 from dew.nn.moe import MOE_COLLECTION, moe_statistics
 from dew.objectives.base import (
@@ -214,7 +214,7 @@ class LMObjective(Objective):
         limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)  # any flax Module
         new = max(min(self.preview_tokens, limit - len(prompt)), 0)
         out = generate(self.model, variables, [prompt], new, key, self.preview_sampling,
-                       eos_id=getattr(self.tokenizer, "eos_id", None))  # any tokenizer: it may have none
+                       eos_id=eos_id_of(self.tokenizer))
         return Artifact("sample", "text", self.tokenizer.decode(out.tokens[0]))
 
     def pipeline(self, state: TrainState | Variables, *,

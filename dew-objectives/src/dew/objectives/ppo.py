@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.data.base import Batch as HostBatch
 from dew.objectives.advantages import gae
 from dew.objectives.base import (
     Aux,
@@ -64,6 +65,7 @@ from dew.sampling import Sampling, TextGeneration
 
 if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
+    from dew.training.state import TrainState
 
 __all__ = ["PPOObjective", "PPORollout", "ValueHead", "policy_and_values"]
 
@@ -125,7 +127,7 @@ class PPORollout:
     def reward_seconds(self) -> float:
         return self.sampler.reward_seconds
 
-    def transcript(self) -> list[dict[str, Any]]:
+    def transcript(self) -> list[dict[str, object]]:
         """What the sampler scored since the last transcript (nothing on the steps that serve a sample)."""
         return self.sampler.transcript()
 
@@ -133,7 +135,7 @@ class PPORollout:
     def steps_per_sample(self) -> int:
         return self.objective.epochs * self.objective.minibatches
 
-    def __call__(self, state: Any, batch: Any, key: jax.Array) -> dict[str, np.ndarray]:
+    def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray]:
         if self.sample is None or self.served >= self.steps_per_sample:
             self._draw(state, batch, key)
         assert self.sample is not None and self.order is not None
@@ -144,7 +146,7 @@ class PPORollout:
         self.served += 1
         return {name: values[picked] for name, values in self.sample.items()}
 
-    def _draw(self, state: Any, batch: Any, key: jax.Array) -> None:
+    def _draw(self, state: TrainState, batch: HostBatch, key: jax.Array) -> None:
         objective = self.objective
         sample_key, order_key = jax.random.split(key)
         rolled = self.sampler(state, batch, sample_key)
@@ -284,7 +286,7 @@ class PPOObjective(GreedyRewardValidation, Objective):
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp", "old_values", "advantage", "returns")
 
-    def pipeline(self, state: Any, *, sampling: Sampling | Mapping[str, Any] | None = None
+    def pipeline(self, state: TrainState | Variables, *, sampling: Sampling | Mapping[str, Any] | None = None
                  ) -> TextGeneration:
         """The policy without its value head as text generation, stopping at stop_token."""
         return policy_pipeline(self.model, state, self.tokenizer, sampling=sampling,
@@ -300,7 +302,7 @@ class PPOObjective(GreedyRewardValidation, Objective):
         value_loss = 0.5 * jnp.maximum((values - returns) ** 2, (bounded - returns) ** 2)
         per_token = policy_loss + self.value_coef * value_loss - self.entropy_coef * entropy
         count = jnp.sum(mask)
-        metrics: dict[str, Any] = {
+        metrics: dict[str, Mean | jax.Array] = {
             "reward": Mean.of(batch["reward"]),
             "kl": Mean.of(batch["kl"]),
             "clip_fraction": Mean(jnp.sum(clipped * mask), count),

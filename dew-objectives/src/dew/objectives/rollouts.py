@@ -34,18 +34,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.data.base import Batch as HostBatch
+from dew.data.base import Tokenizer
 from dew.errors import BatchKeyError
 from dew.objectives.base import Batch, Metric, Step, Variables
 from dew.objectives.policy import policy_variables, token_logprobs
 from dew.rewards import Reward, resolve, score
 from dew.sampling import Engine, EngineConfig, Request, Sampling
+from dew.typing import PyTree
+
+if TYPE_CHECKING:
+    from dew.training.state import TrainState
 
 __all__ = ["CompletionRollout", "GreedyRewardValidation", "PolicyRollout", "RewardMetric", "RolloutBatchError",
            "completion_text", "greedy_continuation", "greedy_outputs"]
@@ -55,13 +61,13 @@ __all__ = ["CompletionRollout", "GreedyRewardValidation", "PolicyRollout", "Rewa
 RolloutBatchError = BatchKeyError
 
 
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+def _decode(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
     if tokenizer is None:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
     return tokenizer.decode(list(ids))
 
 
-def completion_text(tokenizer: Any, completion: Sequence[int], stop_token: int | None) -> tuple[str, int]:
+def completion_text(tokenizer: Tokenizer | None, completion: Sequence[int], stop_token: int | None) -> tuple[str, int]:
     """A completion's text up to the stop token, and how many of its tokens count (the stop included)."""
     row = np.asarray(completion).reshape(-1)
     kept, shown = len(row), row
@@ -72,7 +78,7 @@ def completion_text(tokenizer: Any, completion: Sequence[int], stop_token: int |
     return _decode(tokenizer, [int(t) for t in shown if t >= 0]), kept
 
 
-def greedy_continuation(model: nn.Module, variables: Any, prompts: jax.Array, lengths: jax.Array,
+def greedy_continuation(model: nn.Module, variables: Variables, prompts: jax.Array, lengths: jax.Array,
                         max_new_tokens: int) -> jax.Array:
     """The likeliest max_new_tokens after each right-padded prompt, [B, N], traceable.
 
@@ -101,9 +107,9 @@ def greedy_continuation(model: nn.Module, variables: Any, prompts: jax.Array, le
     return tokens[index[:, None], lengths[:, None] + jnp.arange(max_new_tokens)[None, :]]
 
 
-def greedy_outputs(model: nn.Module, variables: Any, batch: Mapping[str, Any], key: jax.Array,
+def greedy_outputs(model: nn.Module, variables: Variables, batch: Batch, key: jax.Array,
                    max_new_tokens: int, prompt_key: str = "prompt",
-                   prompt_length_key: str = "prompt_length") -> dict[str, Any]:
+                   prompt_length_key: str = "prompt_length") -> dict[str, jax.Array]:
     """A validation batch's prompts continued greedily (traceable): ``completion`` [B, N], the
     prompts and their lengths (under ``PROMPT`` and ``PROMPT_LENGTH``, for ``RewardMetric``'s
     ``prompt_text``) and the batch's other keys, which a reward reads as each completion's context."""
@@ -136,7 +142,7 @@ class RewardMetric:
     outputs, as ``CompletionRollout`` scores what it samples.
     """
 
-    def __init__(self, reward: Reward, *, tokenizer: Any = None, stop_token: int | None = None,
+    def __init__(self, reward: Reward, *, tokenizer: Tokenizer | None = None, stop_token: int | None = None,
                  name: str = "reward", output: str = "completion") -> None:
         self.reward = reward
         self.tokenizer = tokenizer
@@ -147,12 +153,12 @@ class RewardMetric:
     def empty(self) -> tuple[float, float]:
         return (0.0, 0.0)
 
-    def completions(self, outputs: Mapping[str, Any]) -> list[Any]:
+    def completions(self, outputs: Mapping[str, np.ndarray]) -> list[str]:
         """What the reward scores: each completion's text."""
         return [completion_text(self.tokenizer, row, self.stop_token)[0]
                 for row in np.asarray(outputs[self.output])]
 
-    def update(self, accumulator: tuple[float, float], outputs: Mapping[str, Any]) -> tuple[float, float]:
+    def update(self, accumulator: tuple[float, float], outputs: Mapping[str, np.ndarray]) -> tuple[float, float]:
         completions = self.completions(outputs)
         context: dict[str, Any] = {k: np.asarray(v) for k, v in outputs.items()
                                    if k not in (self.output, PROMPT, PROMPT_LENGTH)}
@@ -176,14 +182,14 @@ class GreedyRewardValidation:
     """
 
     model: nn.Module
-    reward: Any
+    reward: str | Mapping[str, Any] | Reward  # what dew.rewards.resolve reads
     max_new_tokens: int
-    tokenizer: Any
+    tokenizer: Tokenizer | None
     stop_token: int | None
     prompt_key: str
     prompt_length_key: str
 
-    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, Any]:
+    def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
         return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
                               self.max_new_tokens, self.prompt_key, self.prompt_length_key)
@@ -205,7 +211,7 @@ class PolicyRollout:
     """
 
     def __init__(self, model: nn.Module, *, group_size: int, max_new_tokens: int, sampling: Sampling,
-                 tokenizer: Any = None, stop_token: int | None = None, prompt_key: str = "prompt",
+                 tokenizer: Tokenizer | None = None, stop_token: int | None = None, prompt_key: str = "prompt",
                  prompt_length_key: str = "prompt_length", engine: EngineConfig | None = None) -> None:
         self.model = model
         self.group_size = group_size
@@ -226,7 +232,7 @@ class PolicyRollout:
         """The engine's stop tokens: stop_token, when there is one."""
         return () if self.stop_token is None else (int(self.stop_token),)
 
-    def read_prompts(self, batch: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    def read_prompts(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """The batch's prompts (int32 [prompts, width], right-padded) and their lengths [prompts]."""
         for name in (self.prompt_key, self.prompt_length_key):
             if name not in batch:
@@ -250,7 +256,7 @@ class CompletionRollout(PolicyRollout):
     """
 
     def __init__(self, model: nn.Module, reward: Reward, *, group_size: int, max_new_tokens: int,
-                 sampling: Sampling, tokenizer: Any = None, stop_token: int | None = None,
+                 sampling: Sampling, tokenizer: Tokenizer | None = None, stop_token: int | None = None,
                  prompt_key: str = "prompt", prompt_length_key: str = "prompt_length",
                  engine: EngineConfig | None = None, max_lag: int = 0) -> None:
         super().__init__(model, group_size=group_size, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -258,9 +264,9 @@ class CompletionRollout(PolicyRollout):
                          prompt_length_key=prompt_length_key, engine=engine)
         self.reward = reward
         self.max_lag = max_lag
-        self._rounds: deque[dict[str, Any]] = deque(maxlen=_KEPT_ROUNDS)
+        self._rounds: deque[dict[str, object]] = deque(maxlen=_KEPT_ROUNDS)
 
-    def __call__(self, state: Any, batch: Mapping[str, Any], key: jax.Array) -> dict[str, Any]:
+    def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray | jax.Array]:
         prompts, lengths = self.read_prompts(batch)
         g, n = self.group_size, self.max_new_tokens
         prompts, lengths = np.repeat(prompts, g, axis=0), np.repeat(lengths, g, axis=0)
@@ -292,14 +298,14 @@ class CompletionRollout(PolicyRollout):
                              "context": {k: v for k, v in context.items() if k != "prompt_text"}})
         return {"tokens": tokens, "mask": mask, "reward": rewards, "old_logp": old_logp}
 
-    def transcript(self) -> list[dict[str, Any]]:
+    def transcript(self) -> list[dict[str, object]]:
         """What the calls since the last transcript scored, one mapping per call (then forgotten):
         ``prompts``, ``completions``, ``rewards`` and ``context`` (the batch's other keys)."""
         rounds = list(self._rounds)
         self._rounds.clear()
         return rounds
 
-    def _sample(self, params: Any, prompts: np.ndarray, lengths: np.ndarray,
+    def _sample(self, params: Variables, prompts: np.ndarray, lengths: np.ndarray,
                 key: jax.Array) -> np.ndarray:
         """New tokens [prompts * group_size, max_new_tokens] (0 after a stop token), from the engine.
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
+from dew.data.base import eos_id_of
 from dew.objectives.inference import (
     Generated,
     GenerateRequest,
@@ -89,7 +90,7 @@ class TextGeneration(Pipeline):
     @property
     def stop(self) -> int | None:
         """The id that ends a continuation: stop_token, else the tokenizer's end-of-document id."""
-        return self.stop_token if self.stop_token is not None else getattr(self.tokenizer, "eos_id", None)  # any tokenizer: it may have none
+        return self.stop_token if self.stop_token is not None else eos_id_of(self.tokenizer)
 
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
