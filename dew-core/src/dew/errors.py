@@ -14,14 +14,21 @@ True
 
 from __future__ import annotations
 
-__all__ = ["BatchKeyError", "DewError"]
+__all__ = ["BatchKeyError", "DewError", "DewKeyError"]
 
 
 class DewError(Exception):
     """The root of every error dew raises (see the module)."""
 
 
-class BatchKeyError(DewError, KeyError, ValueError):
+class DewKeyError(DewError, KeyError):
+    """A dew error that is a ``KeyError``, printed as its message (a plain KeyError quotes it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class BatchKeyError(DewKeyError, ValueError):
     """A batch lacks a key that what reads it needs, or holds it in a shape or dtype it cannot use.
 
     One class whoever finds it: the trainer's feed (a key missing, added or
@@ -29,6 +36,3 @@ class BatchKeyError(DewError, KeyError, ValueError):
     (the key its condition is read from). It is a ``KeyError`` for a missing
     key and a ``ValueError`` for a misshapen one, so either ``except`` works.
     """
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if len(self.args) == 1 else super().__str__()

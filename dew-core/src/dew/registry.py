@@ -25,7 +25,7 @@ import importlib_metadata
 import pydantic
 
 from dew._surface import MissingDistributionError, install_hint
-from dew.errors import DewError
+from dew.errors import DewError, DewKeyError
 
 __all__ = [
     "GROUPS",
@@ -51,11 +51,8 @@ class RegistryError(DewError, LookupError):
     """Base class of the errors a registry raises."""
 
 
-class UnknownNameError(RegistryError, KeyError):
+class UnknownNameError(RegistryError, DewKeyError):
     """No distribution registers this name in the group."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
 
 
 class NameConflictError(RegistryError):

@@ -8,7 +8,7 @@ ValueError, KeyError).
 
 from __future__ import annotations
 
-from dew.errors import DewError
+from dew.errors import DewError, DewKeyError
 
 __all__ = [
     "BatchDivisionError",
@@ -44,11 +44,8 @@ class BatchDivisionError(DataError, ValueError):
     """A global batch does not split evenly among the data shares."""
 
 
-class MissingKeyError(DataError, KeyError):
+class MissingKeyError(DataError, DewKeyError):
     """A record, column or feature lacks the key the reader was told to read."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
 
 
 class MalformedRecordError(DataError, ValueError):

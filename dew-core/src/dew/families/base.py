@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dew.errors import DewKeyError
 from dew.families.convert import Entry, dense_table
 from dew.families.hf_config import stored_dtype
 from dew.pretrained.errors import (
@@ -188,11 +189,8 @@ class Family:
         return CausalTransformer(**{**built, "family": self.label, **fields})
 
 
-class PresetError(NoExactCounterpartError, KeyError):
+class PresetError(NoExactCounterpartError, DewKeyError):
     """A family asked for a preset it does not have."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def _rebuilt(model: Module, fields: Mapping[str, Any]) -> Module:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dew.errors import DewError
+from dew.errors import DewError, DewKeyError
 
 __all__ = ["EngineConfigError", "InvalidPromptError", "InvalidVariablesError", "NotPagedModelError",
            "PromptTooLongError", "UnknownSequenceError"]
@@ -28,8 +28,5 @@ class InvalidVariablesError(DewError, TypeError):
     """What was passed as the model's variables is not its full variables ({'params': ...})."""
 
 
-class UnknownSequenceError(DewError, KeyError):
+class UnknownSequenceError(DewKeyError):
     """Engine.extend or release named a sequence the engine does not keep."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
