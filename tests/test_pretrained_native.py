@@ -10,22 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.nn.backbones import CausalTransformer
 from dew.pretrained import Pretrained
+from perturbed import perturbed_init
 
 PROMPTS = np.random.default_rng(0).integers(0, 61, (3, 19))
-
-
-def _variables(model: CausalTransformer):
-    """Initialized variables with every leaf perturbed, so norm scales of 1 hide nothing."""
-    import flax.linen as nn
-
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-
-    leaves, tree = jax.tree.flatten(nn.meta.unbox(variables))
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    return jax.tree.unflatten(tree, [leaf + 0.05 * jax.random.normal(k, leaf.shape)
-                                     for leaf, k in zip(leaves, keys, strict=True)])
 
 
 def _dew_logits(model, variables, ids=PROMPTS) -> np.ndarray:
@@ -43,7 +31,7 @@ def test_the_key_concepts_model_saves_in_dews_own_layout_and_reads_back_bit_for_
 
     model = models.build("causal_transformer", vocab_size=257, emb_features=64, num_layers=2,
                          num_heads=4, mlp_features=256, max_seq_len=128)
-    variables = _variables(model)
+    variables = perturbed_init(model)
     written = Pretrained(model, variables, ByteTokenizer()).save(tmp_path / "native")
     config = json.loads((written / "config.json").read_text())
     assert config["format"] == "dew" and config["model"]["name"] == "causal_transformer"

@@ -20,6 +20,7 @@ from dew.pretrained import (
     TensorMismatchError,
     UnsupportedArchitectureError,
 )
+from perturbed import perturbed_init
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,18 +33,6 @@ def _llama(**overrides) -> CausalTransformer:
                   mlp_features=48, max_seq_len=32, position_embedding="rotary",
                   mlp_activation="swiglu", rope_base=500.0, norm_epsilon=1e-5)
     return CausalTransformer(**{**fields, **overrides})
-
-
-def _variables(model: CausalTransformer):
-    """Initialized variables with every leaf perturbed, so norm scales of 1 hide nothing."""
-    import flax.linen as nn
-
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-
-    leaves, tree = jax.tree.flatten(nn.meta.unbox(variables))
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    return jax.tree.unflatten(tree, [leaf + 0.05 * jax.random.normal(k, leaf.shape)
-                                     for leaf, k in zip(leaves, keys, strict=True)])
 
 
 def _dew_logits(model, variables, ids=PROMPTS) -> np.ndarray:
@@ -61,7 +50,7 @@ def _hf_logits(directory, ids=PROMPTS) -> np.ndarray:
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
     model = _llama(tie_embeddings=tied)
-    variables = _variables(model)
+    variables = perturbed_init(model)
     Pretrained(model, variables).save(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -102,7 +91,7 @@ def test_a_model_transformers_initialized_loads_into_dew(tmp_path):
 ], ids=["fp32-grouped", "bf16-tied"])
 def test_dew_to_transformers_to_dew_is_bitwise(tmp_path, fields):
     model = _llama(**fields)
-    variables = jax.tree.map(lambda leaf: leaf.astype(model.param_dtype), _variables(model))
+    variables = jax.tree.map(lambda leaf: leaf.astype(model.param_dtype), perturbed_init(model))
     Pretrained(model, variables).save(tmp_path / "dew")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dew")
     assert str(hf.dtype) == f"torch.{jnp.dtype(model.param_dtype).name}"
@@ -160,7 +149,7 @@ def test_param_dtype_casts_every_stored_weight_as_numpy_casts_it(tmp_path):
     """Loading float32 weights with param_dtype=bfloat16 gives each leaf, laid out in dew's
     layout or kept as stored, exactly numpy's cast of the float32 leaf."""
     model = _llama()
-    variables = _variables(model)
+    variables = perturbed_init(model)
     Pretrained(model, variables).save(tmp_path / "fp32", format="hf")
     back = Pretrained.load(tmp_path / "fp32", param_dtype=jnp.bfloat16)
     original = jax.tree_util.tree_flatten_with_path(variables)[0]

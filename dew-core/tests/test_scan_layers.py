@@ -12,6 +12,7 @@ import pytest
 from dew.nn.backbones import CausalTransformer
 from dew.nn.pipeline import PipelineSchedule, pipeline, stack_layers, unstack_layers
 from dew.training.placement.stages import bank_sites
+from perturbed import perturbed
 
 FIELDS = dict(vocab_size=61, emb_features=32, num_layers=4, num_heads=4, num_kv_heads=2,
               mlp_features=48, max_seq_len=32, position_embedding="rotary",
@@ -23,11 +24,7 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 61, (4, 19)), jnp.int3
 def scanned():
     model = CausalTransformer(**FIELDS, scan_layers=True)
     boxed = model.init(jax.random.key(0), TOKENS)
-    leaves, tree = jax.tree.flatten(nn.meta.unbox(boxed))
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    variables = jax.tree.unflatten(tree, [leaf + 0.05 * jax.random.normal(k, leaf.shape)
-                                          for leaf, k in zip(leaves, keys, strict=True)])
-    return model, boxed, variables
+    return model, boxed, perturbed(boxed)
 
 
 def _flat(variables):
