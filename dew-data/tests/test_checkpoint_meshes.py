@@ -34,7 +34,7 @@ from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.base import Aux, EMASpec, Mean, Objective
 from dew.checkpoints.manager import Checkpoints
-from dew.testing.doubles import RecordingTracker
+from dew.testing.doubles import RecordingTracker, WatchedStream
 from dew.training.feed import Feed
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec, data_partition
@@ -70,25 +70,8 @@ class LM(Objective):
 SEEN = []  # the record ids of every batch this process read, in order
 
 
-class Seen:
-    # The record stream, noting which records each batch holds.
-    def __init__(self, stream):
-        self.stream = stream
-    def __iter__(self):
-        return self
-    def __next__(self):
-        batch = next(self.stream)
-        SEEN.append(batch["id"].tolist())
-        return batch
-    def get_state(self):
-        return self.stream.get_state()
-    def set_state(self, state):
-        self.stream.set_state(state)
-    def close(self):
-        self.stream.close()
-
-
-DATA = Dataset(train=lambda partition: Seen(RECORDS.train(partition)), batch=ROWS)
+DATA = Dataset(train=lambda partition: WatchedStream(RECORDS.train(partition),
+                                                    lambda batch: SEEN.append(batch["id"].tolist())), batch=ROWS)
 
 
 def trainer(spec, checkpoints=None, tracker=None):

@@ -19,6 +19,7 @@ def test_a_resumed_fit_reads_the_records_an_uninterrupted_fit_reads(tmp_path: Pa
     from dew.data import Dataset, TokenWindows
     from dew.data.base import is_global_position
     from dew.objectives.base import Aux, Mean, Objective
+    from dew.testing.doubles import WatchedStream
 
     class Probe(Objective):
         def init(self, key, variables=None):
@@ -31,25 +32,10 @@ def test_a_resumed_fit_reads_the_records_an_uninterrupted_fit_reads(tmp_path: Pa
         def required_keys(self):
             return ("text",)
 
-    class Seen:
-        def __init__(self, stream, log):
-            self.stream, self.log = stream, log
-        def __iter__(self):
-            return self
-        def __next__(self):
-            batch = next(self.stream)
-            self.log.append(batch["text"][:, 0].tolist())
-            return batch
-        def get_state(self):
-            return self.stream.get_state()
-        def set_state(self, state):
-            self.stream.set_state(state)
-        def close(self):
-            self.stream.close()
-
     data = TokenWindows(files=[{str(corpus)!r}], length=15).load(batch=4, seed=5)
     def logged(log):
-        return Dataset(train=lambda p: Seen(data.train(p), log), records=data.records, batch=4)
+        return Dataset(train=lambda p: WatchedStream(data.train(p), lambda b: log.append(b["text"][:, 0].tolist())),
+                       records=data.records, batch=4)
 
     whole = []
     Trainer(Probe(), optax.sgd(0.01), key=jax.random.key(0)).fit(logged(whole), steps=7, log_every=7)

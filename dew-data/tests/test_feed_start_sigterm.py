@@ -23,24 +23,9 @@ from dew import Trainer
 from dew.data import Dataset
 from dew.data.sources import ArrayRecords
 from dew.data.stream import train_stream
-from dew.testing.doubles import Linear
+from dew.testing.doubles import Linear, WatchedStream
 
-class Told:
-    # A Grain stream (one worker process) that says when its first batch is read.
-    def __init__(self, stream):
-        self.stream, self.read = stream, threading.Event()
-    def __iter__(self):
-        return self
-    def __next__(self):
-        batch = next(self.stream)
-        self.read.set()
-        return batch
-    def get_state(self):
-        return self.stream.get_state()
-    def set_state(self, state):
-        self.stream.set_state(state)
-    def close(self):
-        self.stream.close()
+READ = threading.Event()  # set when the Grain stream (one worker process) yields its first batch
 
 def children():
     found = []
@@ -56,13 +41,12 @@ def children():
 if __name__ == "__main__":
     x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
     source = ArrayRecords({"x": x, "y": x.sum(axis=1, keepdims=True)})
-    streams = []
     def train(partition):
-        streams.append(Told(train_stream(source, batch=8, partition=partition, workers=1)))
-        return streams[-1]
+        return WatchedStream(train_stream(source, batch=8, partition=partition, workers=1),
+                             lambda batch: READ.set())
     trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0))
     def place():
-        assert streams[-1].read.wait(180), "the first batch was never read"
+        assert READ.wait(180), "the first batch was never read"
         with open(sys.argv[1], "w") as handle:  # a file: orphans would hold a pipe open
             handle.write(" ".join(children()))
         os.kill(os.getpid(), signal.SIGTERM)

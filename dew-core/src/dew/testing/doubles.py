@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 
-from dew.data.base import DataPartition, Dataset
+from dew.data.base import DataPartition, Dataset, close_if_closable
 from dew.objectives.base import Aux, Batch, EMASpec, Mean, Objective, Step, Variables
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ __all__ = [
     "RecordingTracker",
     "Regression",
     "RegressionStream",
+    "WatchedStream",
     "regression_batch",
     "regression_dataset",
 ]
@@ -160,6 +161,31 @@ class RegressionStream:
 
     def set_state(self, state: bytes) -> None:
         self.index = int(state)
+
+
+class WatchedStream:
+    """A stream that shows each batch it yields to watch first (a test's record of what a fit
+    read); its position and close pass through to the stream it wraps."""
+
+    def __init__(self, stream: Iterator[Batch], watch: Callable[[Batch], object]) -> None:
+        self.stream, self.watch = stream, watch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = next(self.stream)
+        self.watch(batch)
+        return batch
+
+    def get_state(self) -> bytes:
+        return self.stream.get_state()  # type: ignore[attr-defined]  # a resumable stream is wrapped
+
+    def set_state(self, state: bytes) -> None:
+        self.stream.set_state(state)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        close_if_closable(self.stream)
 
 
 def regression_dataset(rows: int = 8, val: Callable[[DataPartition], Any] | None = None) -> Dataset:
