@@ -8,11 +8,8 @@ from dew.pretrained import (
     Pretrained,
     VocabularyMismatchError,
 )
-from test_pretrained import (  # every test folder is on sys.path (conftest.py)
-    _llama,
-    _variables,
-    transformers,
-)
+from perturbed import perturbed_init  # every test folder is on sys.path (conftest.py)
+from test_pretrained import _llama, transformers
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
@@ -23,7 +20,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     with pytest.raises(VocabularyMismatchError, match="257 ids but the model's vocab_size is 200"):
         LMObjective(model, seq_len=16, tokenizer=ByteTokenizer())
     with pytest.raises(VocabularyMismatchError):
-        Pretrained(model, _variables(model), ByteTokenizer()).save(tmp_path)
+        Pretrained(model, perturbed_init(model), ByteTokenizer()).save(tmp_path)
 
 
 def test_the_tokenizer_travels_with_the_weights(tmp_path):
@@ -32,7 +29,7 @@ def test_the_tokenizer_travels_with_the_weights(tmp_path):
     from dew.data import ByteTokenizer, HFTokenizer
 
     model = _llama(vocab_size=257)
-    variables = _variables(model)
+    variables = perturbed_init(model)
     Pretrained(model, variables, ByteTokenizer()).save(tmp_path / "byte")
     assert Pretrained.load(tmp_path / "byte").tokenizer == ByteTokenizer()
     # transformers reads the byte-level tokenizer.json with dew's ids, byte for byte.
@@ -49,7 +46,7 @@ def test_the_tokenizer_travels_with_the_weights(tmp_path):
     inner.save(str(tmp_path / "source.json"))
     tokenizer = HFTokenizer.from_file(tmp_path / "source.json")
     small = _llama()
-    Pretrained(small, _variables(small), tokenizer).save(tmp_path / "hf")
+    Pretrained(small, perturbed_init(small), tokenizer).save(tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     loaded = Pretrained.load(tmp_path / "hf").tokenizer
     assert loaded.eos_id == 60 and loaded.encode("t3 t7") == [3, 7]
