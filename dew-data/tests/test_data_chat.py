@@ -159,3 +159,21 @@ def test_the_template_runs_sandboxed(tmp_path):
         ChatTemplate(escape).render([{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="refused the conversation: no system"):
         ChatTemplate("{{ raise_exception('no system') }}").render([{"role": "user", "content": "x"}])
+
+
+def test_a_held_out_share_smaller_than_a_batch_is_refused_when_the_data_loads(marked, tmp_path):
+    """The run would otherwise train until its first evaluation and stop there."""
+    from dew.data.base import SINGLE
+    from dew.data.chat import Chat
+    from dew.data.errors import EmptyDatasetError
+
+    files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS * 4])
+    chat = Chat(files=str(files), tokenizer=str(marked), length=256, pack=False)
+    rows = len(chat.rows()["text"])
+    held = round(rows * 0.25)
+    assert 0 < held < 4 < rows - held
+    with pytest.raises(EmptyDatasetError, match=rf"holds {held} records, fewer than one global batch of 4"):
+        chat.load(batch=4, val_fraction=0.25)
+    dataset = chat.load(batch=held, val_fraction=0.25)  # a share of one batch loads and reads it
+    assert dataset.val is not None
+    assert sum(len(b["text"]) for b in dataset.val(SINGLE)) == held

@@ -463,7 +463,17 @@ class ValReader:
 
 def record_dataset(train: Source, val: RecordSource | None, *, batch: int, seed: int = 0, workers: int = 0,
                    prefetch: int = 4) -> Dataset:
-    """The Dataset of a training record source and an optional held-out one, in global order."""
+    """The Dataset of a training record source and an optional held-out one, in global order.
+
+    A held-out source smaller than one global batch is refused here, when the data
+    loads, rather than at the first evaluation, after the run has trained that far.
+    """
+    if val is not None and _length(val) < batch:
+        raise EmptyDatasetError(
+            f"The held-out validation split holds {_length(val)} records, fewer than one global "
+            f"batch of {batch}, so validation would yield nothing. Raise val_fraction, lower the "
+            f"batch, or add data."
+        )
     return Dataset(
         train=StreamReader(train, batch=batch, seed=seed, workers=workers, prefetch=prefetch),
         val=None if val is None else ValReader(val, batch=batch),
