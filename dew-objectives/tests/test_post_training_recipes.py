@@ -121,10 +121,15 @@ def test_the_model_reward_scores_with_a_reward_model_run_and_refuses_another(run
     from dew.rewards.model import NotARewardModelError
 
     reward = resolve({"name": "model", "run": str(runs / "addition-reward-model"), "suffix": "\n"})
-    context = {"prompt_text": ["3+4=", "3+4=", "9+8=", "9+8="]}
-    got = score(reward, ["7", "9", "17", "15"], context)
-    assert got[0] > got[1] and got[2] > got[3], got
-    direct = reward.scoring(["3+4=7\n"])
-    np.testing.assert_allclose(got[0], direct[0], rtol=1e-6)
+    problems = [(a, b) for a in range(10) for b in range(10)]
+    context = {"prompt_text": [f"{a}+{b}=" for a, b in problems]}
+    right = score(reward, [str(a + b) for a, b in problems], context)
+    # Every problem's right answer against a far miss (the kind training showed) and a near miss (2 away,
+    # held out like the validation pairs, so a few of those may rank wrong, as in val/accuracy).
+    far = score(reward, [str((a + b + 7) % 19) for a, b in problems], context)
+    near = score(reward, [str(a + b + 2 if a + b < 9 else a + b - 2) for a, b in problems], context)
+    assert np.mean(right > far) > 0.95 and np.mean(right > near) > 0.85, (right, far, near)
+    direct = reward.scoring(["3+4=7\n"])  # the prompt, the answer and the suffix, scored as one text
+    np.testing.assert_allclose(right[34], direct[0], rtol=1e-6)
     with pytest.raises(NotARewardModelError, match="trained LMObjective"):
         resolve({"name": "model", "run": str(runs / "addition-lm")})
