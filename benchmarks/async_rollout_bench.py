@@ -18,9 +18,10 @@ the same cores on a CPU-only machine, so there the ratio shows what
 overlapping host-side work (the engine's scheduling, decoding, the reward)
 with the step's computation buys on that machine, no more. It also prints
 the share of a synchronous step spent making its batch (the Feed's
-``next``, timed around it): overlapping the rest with the next batch can
-save at most that rest, so 1 - share bounds the async / sync ratio from
-below on any machine where the batch takes as long as here.
+``next``, timed around it): overlapping the batch with the rest of the step
+can save at most the shorter of the two, so the larger of share and
+1 - share bounds the async / sync ratio from below on any machine where
+the batch takes as long as here.
 
     .venv/bin/python benchmarks/async_rollout_bench.py [--steps 40] [--repeats 2] [--lm-steps 150]
 """
