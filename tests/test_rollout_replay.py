@@ -143,8 +143,10 @@ def test_max_lag_1_samples_each_step_from_the_policy_one_step_behind(uninterrupt
     for step in (3, 6):
         behind = _train(None, Lagged(1), steps=step - 1)
         np.testing.assert_array_equal(rollout.kernels[step], np.asarray(behind.params["params"]["kernel"]))
-    # One batch made past the last step, while it trained: what a longer run would train on next.
-    assert rollout.calls == STEPS + 1
+    # The batch past the last step (what a longer run would train on next) is begun while the last
+    # step trains; a fit without checkpoints closes without waiting, dropping it if the worker had not
+    # begun it yet (as on a loaded machine): made at most once, and never a second one past it.
+    assert rollout.calls in (STEPS, STEPS + 1), rollout.calls
 
 
 @pytest.mark.parametrize(("lag", "threaded"), [(1, True), (2, True), (1, False)])
