@@ -130,6 +130,6 @@ def test_the_model_reward_scores_with_a_reward_model_run_and_refuses_another(run
     near = score(reward, [str(a + b + 2 if a + b < 9 else a + b - 2) for a, b in problems], context)
     assert np.mean(right > far) > 0.95 and np.mean(right > near) > 0.85, (right, far, near)
     direct = reward.scoring(["3+4=7\n"])  # the prompt, the answer and the suffix, scored as one text
-    np.testing.assert_allclose(right[34], direct[0], rtol=1e-6)
+    np.testing.assert_allclose(right[problems.index((3, 4))], direct[0], rtol=1e-6)
     with pytest.raises(NotARewardModelError, match="trained LMObjective"):
         resolve({"name": "model", "run": str(runs / "addition-lm")})
