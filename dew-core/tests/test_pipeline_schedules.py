@@ -140,11 +140,17 @@ if len(jax.devices()) > 1:
 print("RESULT" + json.dumps(out))
 """
 
+# Every schedule at 2 and 4 stages with 4 and 8 microbatches (GPipe's other three in test_mesh_stages).
 SCHEDULES = {
+    "gpipe_stage4_micro4": {"stage": 4, "microbatches": 4},
     "gpipe_stage4_micro8": {"stage": 4, "microbatches": 8},
+    "1f1b_stage2_micro4": {"stage": 2, "microbatches": 4, "schedule": "1f1b"},
     "1f1b_stage2_fsdp2_micro8": {"stage": 2, "fsdp": 2, "microbatches": 8, "schedule": "1f1b"},
     "1f1b_stage4_micro4": {"stage": 4, "microbatches": 4, "schedule": "1f1b"},
+    "1f1b_stage4_micro8": {"stage": 4, "microbatches": 8, "schedule": "1f1b"},
     "interleaved_stage2_micro4": {"stage": 2, "microbatches": 4, "schedule": "1f1b", "circular_repeats": 2},
+    "interleaved_stage2_micro8": {"stage": 2, "microbatches": 8, "schedule": "1f1b", "circular_repeats": 2},
+    "interleaved_stage4_micro4": {"stage": 4, "microbatches": 4, "schedule": "1f1b", "circular_repeats": 2},
     "interleaved_stage4_micro8": {"stage": 4, "microbatches": 8, "schedule": "1f1b", "circular_repeats": 2},
 }
 PATIENT = "--xla_cpu_collective_call_terminate_timeout_seconds=600"

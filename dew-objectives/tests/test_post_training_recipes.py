@@ -1,9 +1,9 @@
 """The post-training recipes learn on the addition task, each run by `dew train` from its shipped recipe.
 
 One interpreter runs the dew command (``dew.cli.main``) once per recipe, in a temporary directory so the
-recipes' relative run paths meet there: the addition language model first, then the GRPO family, the
-preference losses (DPO's other loss types through an override of its recipe), the reward model and
-GRPO against it. Each run's metrics are read from the local tracker's scalars.jsonl."""
+recipes' relative run paths meet there: the addition language model first, then the GRPO family (GSPO-token
+through an override of GSPO's recipe), the preference losses (DPO's other loss types through an override
+of its recipe), the reward model and GRPO against it. Each run's metrics are read from the local tracker's scalars.jsonl."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ os.chdir(sys.argv[3])  # the recipes' relative run paths meet here
 
 runs = [["addition-lm"]]
 runs += [[name, "trainer.log_every=1"] for name in sys.argv[1].split(",")]
+runs += [["addition-gspo", "objective.ratio=sequence_token", "trainer.log_every=1",
+          "trainer.checkpoint_dir=runs/gspo-token", 'trackers=[{"name":"local","directory":"runs/gspo-token"}]']]
 runs += [["addition-dpo", f"objective.loss_type={loss}", "trainer.log_every=1",
           f"trainer.checkpoint_dir=runs/dpo-{loss}", f'trackers=[{{"name":"local","directory":"runs/dpo-{loss}"}}]']
          + (["objective.label_smoothing=0.1"] if loss == "robust" else []) for loss in sys.argv[2].split(",")]
@@ -71,6 +73,11 @@ def test_the_grpo_family_raises_the_exact_match_reward(runs, name):
     assert end > start + 0.1, (name, start, end)
     if name == "addition-dapo":  # dynamic sampling in the tracker
         assert sum(r["dropped_groups"] for r in rows) > 0 and max(r["sampling_rounds"] for r in rows) >= 2
+
+
+def test_gspo_token_raises_the_exact_match_reward(runs):
+    start, end = _rise(_rows(runs, "gspo-token"), "reward", 20)
+    assert end > start + 0.1, (start, end)
 
 
 @pytest.mark.parametrize("loss", DPO_LOSSES)
