@@ -244,5 +244,6 @@ def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_p
     first = result.stderr.strip().splitlines()[0]
     assert first.startswith("dew train: ") and error in first, result.stderr
     assert field in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "ParamsFrom" not in result.stderr, result.stderr  # the recipe's words, not dew's internals
     assert len(result.stderr.strip().splitlines()) <= 4, result.stderr
     assert not (tmp_path / "runs").exists(), list(tmp_path.rglob("*"))  # nothing left behind

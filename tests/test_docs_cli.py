@@ -267,6 +267,11 @@ def test_every_documented_exit_status_is_tested():
     for status, test in EXIT_STATUSES.items():
         path, name = test.split("::")
         assert f"def {name}(" in (root / path).read_text(), f"status {status}: {test} is gone"
+    # The error table of docs/training.md says the same: dew's own errors exit 2 (a crash after a
+    # checkpoint, NonFiniteLossError, exits 2 in test_a_crash_after_a_checkpoint_prints_the_command_that_resumes).
+    training = " ".join((PAGE.parent / "training.md").read_text().split())
+    said = re.search(r"`dew train` prints any of these as one message .*? exits with status (\d+)", training)
+    assert said and int(said.group(1)) == 2, "docs/training.md gives another exit status for dew's errors"
 
 
 PLANTED = """

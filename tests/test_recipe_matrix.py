@@ -457,6 +457,7 @@ def _check_scores(cell: dict) -> None:
 
 def _check_text_diffusion(cell: dict) -> None:
     made = _ok(_command(cell, "generate"))["out"]
+    assert made.endswith("Wrote 2 sample(s) to texts: samples.txt\n")  # where the file went
     written = (cell["work"] / "texts" / "samples.txt").read_bytes().decode("utf-8")  # \r kept
     assert written.count("\n---\n") == 1  # two samples, a rule between them
     assert all(text in made for text in written[:-1].split("\n---\n"))

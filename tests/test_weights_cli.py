@@ -109,6 +109,34 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
     assert "has no checkpoint" in missing.stderr and f"looked in {empty}" in missing.stderr
 
 
+@pytest.mark.slow
+def test_a_run_reads_its_tokenizer_file_from_any_directory(tmp_path):
+    """A recipe's relative paths (here data.tokenizer) name what they named when the run trained,
+    wherever dew generate, eval or export is typed: the run is used by its folder alone."""
+    from dew.data import ByteTokenizer
+    from dew.pretrained.tokenizers import write_tokenizer
+
+    trained_in, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (trained_in / "tok").mkdir(parents=True)
+    elsewhere.mkdir()
+    write_tokenizer(ByteTokenizer(), trained_in / "tok")  # a tokenizer.json the recipe names relatively
+    trained = _dew("train", "tiny-lm", "trainer.steps=2", "trainer.log_every=1", "trainer.eval_every=null",
+                   "trainer.checkpoint_dir=runs/t", "trackers.0.directory=runs/t", "model.num_layers=1",
+                   "model.emb_features=16", "model.num_heads=2", "model.mlp_features=32",
+                   "data.files={stdlib}/a*.py", "data.tokenizer=tok/tokenizer.json", "objective.prompt=null",
+                   cwd=trained_in)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-4000:]
+    run = trained_in / "runs" / "t"
+    there = _dew("generate", "runs/t", "def ", "--max-new-tokens", "4", cwd=trained_in)
+    assert there.returncode == 0, there.stderr[-3000:]
+    here = _dew("generate", str(run), "def ", "--max-new-tokens", "4", cwd=elsewhere)
+    assert (here.returncode, here.stdout) == (0, there.stdout), here.stderr[-3000:]
+    scored = _dew("eval", str(run), "--json", cwd=elsewhere)
+    assert scored.returncode == 0 and json.loads(scored.stdout)["step"] == 2, scored.stderr[-3000:]
+    exported = _dew("export", str(run), str(elsewhere / "out"), cwd=elsewhere)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+
+
 def test_a_tokenizer_larger_than_the_model_is_refused_before_training(tmp_path):
     refused = _dew("train", "tiny-lm", "model.vocab_size=200", "data.files={stdlib}/abc.py",
                    "trainer.steps=1", f"trainer.checkpoint_dir={tmp_path}/run", cwd=tmp_path)

@@ -108,6 +108,19 @@ def trainer_partition(trainer):
     return data_partition(trainer.device_mesh)
 
 
+def test_the_last_step_is_logged_off_the_cadence_and_a_short_run_logs_ten_times():
+    """Issue 38: the last step is always logged, also when log_every does not divide it; a run
+    shorter than log_every logs at least ten times over its steps."""
+    recorder = Recorder()
+    Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0), tracker=recorder).fit(
+        dataset(), steps=25, log_every=4)
+    assert [step for step, _ in recorder.series("train/loss")] == [4, 8, 12, 16, 20, 24, 25]
+    recorder = Recorder()
+    Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0), tracker=recorder).fit(
+        dataset(), steps=23, log_every=100)
+    assert [step for step, _ in recorder.series("train/loss")] == [*range(2, 23, 2), 23]
+
+
 def test_dynamic_scale_rejects_non_finite_steps_and_counts_the_attempt():
     def poisoned(i):
         batch = batch_at(i)

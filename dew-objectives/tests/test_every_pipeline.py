@@ -33,9 +33,22 @@ def test_an_objective_without_a_pipeline_says_so_in_one_line():
     class Bare(Objective):
         pass
 
+    from dew.objectives.base import PIPELINE_GUIDE
+    from dew.objectives.inference import Pipeline
+
     with pytest.raises(NoPipelineError, match=r"^Bare declares no pipeline") as refused:
         Bare().pipeline({})
+    # one line naming the capability the commands need and the doc that shows how to add it
     assert "\n" not in str(refused.value)
+    assert "Objective.pipeline(state)" in str(refused.value) and PIPELINE_GUIDE in str(refused.value)
+
+    class Answers(Pipeline):  # a plugin's pipeline that generates, but declares no pretrained()
+        accepts = "numbers"
+
+    with pytest.raises(UnsupportedRequestError, match=r"^Answers holds no weights to export") as refused:
+        Answers().save("never")
+    assert "\n" not in str(refused.value)
+    assert "Pipeline.pretrained()" in str(refused.value) and PIPELINE_GUIDE in str(refused.value)
 
 
 def test_a_pipeline_refuses_an_option_it_does_not_read_saying_what_it_takes():
@@ -151,6 +164,13 @@ def test_pixel_generate_writes_a_grid_and_refuses_what_the_model_cannot_take(tmp
     with Image.open(made.files[0]) as grid:  # one row per label, count columns
         assert grid.size == (16, 16)
         np.testing.assert_array_equal(np.asarray(grid)[8:, :8, None], drawn[2])
+    # --seed picks the draws: seed 3 is the key 3 sampler's images, and not seed 0's
+    seeded = pipeline.generate(GenerateRequest(("0", "2"), count=2, seed=3, out=tmp_path / "seeded"))
+    again = pipeline([0, 0, 2, 2], key=jax.random.key(3))
+    for index, path in enumerate(seeded.files[1:]):
+        with Image.open(path) as image:
+            np.testing.assert_array_equal(np.asarray(image)[..., None], again[index])
+    assert not np.array_equal(again, drawn)
     for asked, message in ((("a cat",), r"^'a cat' is not a class label: DiffusionPipeline takes "
                                         r"class labels 0 to 2"),
                            (("3",), r"^Label 3 is out of range"),

@@ -61,6 +61,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace, opened: Opened) -> int:
+    from dew.recipes.folder import started_in
+
+    if opened.config is None:
+        return _scored(args, opened)
+    with started_in(opened.source):  # its data's relative paths start where the run trained
+        return _scored(args, opened)
+
+
+def _scored(args: argparse.Namespace, opened: Opened) -> int:
     if opened.config is None:
         print(f"dew eval: {opened.source} is an exported model; evaluation reads the data of a "
               "run, so point it at the run directory (it holds run.json).", file=sys.stderr)

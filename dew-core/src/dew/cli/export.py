@@ -110,6 +110,7 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
            force: bool = False) -> tuple[Path, str]:
     """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
     from dew.pretrained import Pretrained
+
     kept = _tokenizer_files(opened)
     pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept)
     if lora is None:
@@ -141,10 +142,18 @@ def _tokenizer_files(opened: Opened) -> SavedTokenizerFiles | None:
     from dew.pretrained import CONFIG_FILE, TokenizerFiles
 
     init = opened.config.init if opened.config is not None else None
-    source = opened.source if opened.config is None else (init.pretrained if init is not None else None)
-    if source is None or not (Path(source) / CONFIG_FILE).is_file():
+    if opened.config is None:
+        source = Path(opened.source)
+    elif init is not None and init.pretrained is not None:
+        from dew.recipes.folder import started_in
+
+        with started_in(opened.source):  # a relative init.pretrained names it from where the run trained
+            source = Path(init.pretrained).absolute()
+    else:
+        return None
+    if not (source / CONFIG_FILE).is_file():
         return None
     import json
 
-    config = json.loads((Path(source) / CONFIG_FILE).read_text())
-    return TokenizerFiles.read(Path(source), config)
+    config = json.loads((source / CONFIG_FILE).read_text())
+    return TokenizerFiles.read(source, config)

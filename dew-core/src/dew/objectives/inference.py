@@ -162,7 +162,11 @@ class Pipeline:
 
     def pretrained(self) -> Pretrained:
         """The model, its variables, tokenizer and task, as ``dew export`` writes them."""
-        raise UnsupportedRequestError(f"{self.name} holds no weights to export.")
+        from dew.objectives.base import PIPELINE_GUIDE
+
+        raise UnsupportedRequestError(f"{self.name} holds no weights to export: implement "
+                                      "Pipeline.pretrained() to return a dew.pretrained.Pretrained "
+                                      f"({PIPELINE_GUIDE} shows what dew export asks of it).")
 
     def save(self, directory: str | os.PathLike[str], *, format: str | None = None) -> Path:
         """Write the weights in their source's own format (see Pretrained.save); return directory."""

@@ -44,6 +44,7 @@ __all__ = [
     "NotARunFolderError",
     "RunFolder",
     "resumed",
+    "started_in",
     "stopped_line",
     "train_in",
 ]
@@ -178,6 +179,27 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     config = RunConfig.parse(data, str(saved))
     timestamp, cwd = _origin(directory, template)
     return config, RunFolder(directory, timestamp, cwd, resumed=True)
+
+
+@contextlib.contextmanager
+def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
+    """Within it, the working directory is the one the run in folder run started in (its
+    started.json), so the relative paths of its recipe (a tokenizer file, data files) name what
+    they named when it trained, wherever the command reading the run is typed."""
+    directory = Path(os.path.abspath(Path(run).expanduser()))
+    template = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        template = (json.loads((directory / "run.json").read_text()).get("trainer") or {}).get("checkpoint_dir")
+    _, cwd = _origin(directory, template)
+    here = Path.cwd()
+    if cwd == here or not cwd.is_dir():
+        yield
+        return
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(here)
 
 
 # -- training in a folder -----------------------------------------------------------------------

@@ -139,10 +139,12 @@ def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
 def _open_trained(path: Path, step: int | None) -> Opened:
 
     from dew.recipes.config import RunConfig
+    from dew.recipes.folder import started_in
     from dew.recipes.run import build_parts
 
     config = RunConfig.read(path)
-    parts = build_parts(config, with_data=False)
+    with started_in(path):  # its recipe's relative paths (a tokenizer file) start where it trained
+        parts = build_parts(config, with_data=False)
     live, averaged, number = _read_variables(parts.objective, path, step)
     return Opened(parts.model, parts.objective, parts.tokenizer,
                   averaged if averaged is not None else live, number, config, path, live, averaged)

@@ -169,7 +169,7 @@ class ParamsFrom:
             what = "does not exist" if not checkpoints.directory.exists() else "holds no committed checkpoint"
             raise CheckpointNotFoundError(
                 f"{checkpoints.directory} {what}, so there are no parameters to start from: train "
-                "the run that writes it first, or point ParamsFrom at a run's checkpoint directory."
+                "the run that writes it first, or name the checkpoint directory of a run that exists."
             )
         path = checkpoints.path(step)
         manifest = checkpoints.manifest(step)
