@@ -171,6 +171,11 @@ def test_a_row_holds_prompt_opening_turns_and_answers_with_the_mask_on_the_turns
     assert rollout.engine.stats.prefilled_tokens == 2 * 4 + 4 * 2
     expected = token_logprobs(MODEL, {"params": state.params["params"]}, jnp.asarray(out["tokens"]))[0]
     np.testing.assert_allclose(out["old_logp"], expected, rtol=1e-5, atol=1e-5)
+    (journaled,) = rollout.transcript()  # what the rollout journal keeps: each episode after its prompt
+    assert journaled["prompts"] == ["1+1=", "1+1=", "2+2=", "2+2="] and journaled["rewards"] == [2.0] * 4
+    assert all(c.startswith("<") for c in journaled["completions"])
+    np.testing.assert_array_equal(journaled["context"]["answer"], [[50], [50], [52], [52]])
+    assert rollout.transcript() == []
     again = rollout(state, BATCH, jax.random.key(3))  # the same key: the same episodes
     np.testing.assert_array_equal(again["tokens"], out["tokens"])
 
