@@ -59,3 +59,24 @@ def test_nothing_held_out_means_near_misses_and_no_validation_split():
     assert reader.val_records() is None and reader.load(batch=4).val is None
     rows = _answers(reader.records().columns, "rejected")
     assert all(0 < abs(c - a - b) <= 3 for a, b, c in rows)
+
+
+def test_calculator_writes_a_share_of_the_problems_as_tool_episodes_in_windows_that_start_at_a_problem():
+    plain = Addition(form="text", max_operand=9, length=24).records().columns["text"]
+    mixed = Addition(form="text", max_operand=9, length=24, calculator=0.5).records().columns["text"]
+    texts = [bytes(row.tolist()).decode() for row in mixed]
+    calls = 0
+    for text in texts:  # the question, then the tool's episode or the answer at once
+        question, rest = text.split("=", 1)
+        total = sum(map(int, question.split("+")))
+        if rest.startswith("calc("):
+            calls += 1
+            assert rest.startswith(f"calc({question}={total}\n{question}={total}\n")
+        else:
+            assert rest.startswith(f"{total}\n")
+    assert 0.4 < calls / len(texts) < 0.6
+    # the same problems in the same order as the plain lines, which calculator=0 leaves as they were
+    assert [t.split("=")[0] for t in texts] == [bytes(r.tolist()).decode().split("=")[0] for r in plain]
+    for wrong in ({"form": "prompts", "calculator": 0.5}, {"calculator": 1.5}):
+        with pytest.raises(ValueError, match="calculator"):
+            Addition(**wrong)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from dew import registry
+from dew.data.addition import Addition
 from dew.environments import (
     EnvironmentFailedWarning,
     EnvironmentTimeoutWarning,
@@ -77,6 +78,23 @@ def test_a_calculator_episode_answers_a_call_with_its_value_and_the_question_the
     episode = Calculator().start("7+8=", {"answer": "15"})
     assert episode.step("7+x)") == Reply("error\n7+8=")
     assert Calculator().start("7+8=", {"answer": "15"}).step("15") == Reply(done=True, reward=1.0)
+
+
+def test_the_addition_calculator_transcripts_are_episodes_as_the_calculator_plays_them():
+    """Addition's calculator transcripts, which a language model learns the tool from, are what a
+    rollout's row holds for a right episode, token for token: the question, the calculator's
+    opening, the call closed by "=", the calculator's reply, the answer and the stop token."""
+    windows = Addition(form="text", problems=64, max_operand=9, length=24, calculator=1.0).records()
+    for row in windows.columns["text"]:
+        text = bytes(row.tolist()).decode()
+        transcript = text[: text.index("\n", text.index("\n") + 1) + 1]  # the window's first episode
+        question = text[: text.index("=") + 1]
+        answer = str(arithmetic(question[:-1]))
+        episode = Calculator().start(question, {"answer": answer})
+        opening = episode.opening()
+        reply = episode.step(question)  # the call: the question itself, closed by "=" (a stop string)
+        assert episode.step(answer) == Reply(done=True, reward=1.0)
+        assert transcript == question + opening + question + reply.observation + answer + "\n"
 
 
 # -- the rollout, with a scripted environment --------------------------------------------------------
@@ -171,6 +189,11 @@ def test_a_row_holds_prompt_opening_turns_and_answers_with_the_mask_on_the_turns
     assert rollout.engine.stats.prefilled_tokens == 2 * 4 + 4 * 2
     expected = token_logprobs(MODEL, {"params": state.params["params"]}, jnp.asarray(out["tokens"]))[0]
     np.testing.assert_allclose(out["old_logp"], expected, rtol=1e-5, atol=1e-5)
+    (journaled,) = rollout.transcript()  # what the rollout journal keeps: each episode after its prompt
+    assert journaled["prompts"] == ["1+1=", "1+1=", "2+2=", "2+2="] and journaled["rewards"] == [2.0] * 4
+    assert all(c.startswith("<") for c in journaled["completions"])
+    np.testing.assert_array_equal(journaled["context"]["answer"], [[50], [50], [52], [52]])
+    assert rollout.transcript() == []
     again = rollout(state, BATCH, jax.random.key(3))  # the same key: the same episodes
     np.testing.assert_array_equal(again["tokens"], out["tokens"])
 

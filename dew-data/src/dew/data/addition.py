@@ -1,10 +1,16 @@
 """A toy task for preference and RL recipes: sums of small numbers, written as bytes.
 
 Every record is one problem ``a+b=`` with its answer ``a+b``, drawn from a
-seeded generator, in one of three forms:
+seeded generator, in one of four forms:
 
 - ``"text"``: windows of ``length + 1`` byte ids of solved problems, one per
   line (``"3+4=7\\n12+5=17\\n..."``), for a language model to learn the format;
+  with ``calculator`` a seeded share of the problems are written instead as
+  episodes of the calculator tool (``dew.environments.calculator``), exactly as
+  a rollout lays them out: the question, the opening ``calc(``, the call, the
+  tool's value and the question again, then the answer
+  (``"3+4=calc(3+4=7\\n3+4=7\\n"``), so a language model learns to call the
+  tool and read its result; every window starts where a problem does;
 - ``"prompts"``: ``prompt`` (the ids of ``a+b=``, right-padded with 0),
   ``prompt_length`` and ``answer`` (the answer's ids, padded with -1), for a
   rollout to sample completions that a reward checks;
@@ -60,6 +66,12 @@ def _ids(text: str) -> list[int]:
     return list(text.encode())
 
 
+def _episode(a: int, b: int) -> str:
+    """A calculator episode of a+b as a rollout writes it (dew.environments.calculator): the question,
+    the opening "calc(", the model's call closed by "=", the tool's value and the question, the answer."""
+    return f"{a}+{b}=calc({a}+{b}={a + b}\n{a}+{b}={a + b}\n"
+
+
 @dataclass(frozen=True)
 class Addition:
     """Seeded ``a+b=`` problems with operands in [0, max_operand] (see the module docstring).
@@ -68,6 +80,8 @@ class Addition:
     a tokenizer.json path (or an object with ``encode``) writes the same
     text in that tokenizer's ids instead, so a published model's own
     tokenizer reads the problems, and the run hands it to the objective.
+    calculator is the share of the text form's problems written as
+    calculator episodes (0: plain lines only, 1: episodes only).
     """
 
     form: Literal["text", "prompts", "pairs", "labelled"] = "text"
@@ -80,6 +94,7 @@ class Addition:
     misses: Literal["near", "any"] = "near"
     val_problems: int = 256
     tokenizer: Any = "byte"
+    calculator: float = 0.0
 
     def __post_init__(self) -> None:
         if self.problems < 1 or self.max_operand < 1:
@@ -88,6 +103,9 @@ class Addition:
         if not 0.0 <= self.held_out < 1.0:
             raise ValueError(f"Addition.held_out is the fraction of problems kept for validation, in [0, 1); "
                              f"got {self.held_out}.")
+        if not 0.0 <= self.calculator <= 1.0 or (self.calculator and self.form != "text"):
+            raise ValueError(f"Addition.calculator is the share of the 'text' form's problems written as "
+                             f"calculator episodes, in [0, 1]; got {self.calculator} with form {self.form!r}.")
         if self.held_out and self.form == "text":
             raise ValueError("Addition.held_out needs a form of one problem per record ('prompts', 'pairs' or "
                              "'labelled'); 'text' windows run across problems.")
@@ -157,9 +175,12 @@ class Addition:
         prompts = [ids(f"{a}+{b}=") for a, b in operands]
         answers = [ids(str(a + b)) for a, b in operands]
         if self.form == "text":
-            line = np.concatenate([ids(f"{a}+{b}={a + b}\n") for a, b in operands] * 2)
-            starts = np.flatnonzero(np.r_[True, line[:-1] == newline][: len(line) - self.length - 1])
-            starts = starts[: self.problems]
+            episode = np.random.default_rng(self.problem_seed + 5).random(len(operands)) < self.calculator
+            solved = [ids(_episode(a, b) if tool else f"{a}+{b}={a + b}\n")
+                      for (a, b), tool in zip(operands, episode, strict=True)] * 2
+            line = np.concatenate(solved)
+            starts = np.cumsum([0] + [len(s) for s in solved[:-1]])  # where each problem starts
+            starts = starts[starts < len(line) - self.length - 1][: self.problems]
             return ArrayRecords({"text": np.stack([line[s:s + self.length + 1] for s in starts]).astype(np.int32)})
         width = max(map(len, prompts))
         prompt = np.zeros((len(prompts), width), np.int32)

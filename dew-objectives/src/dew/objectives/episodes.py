@@ -15,6 +15,10 @@ episodes keep decoding. Each episode is laid out as one row::
 with L the model's max_seq_len (or ``max_length``), so the step compiles once.
 ``turns`` [P*G] counts each episode's model turns and ``failed_episodes``
 [P*G] marks the episodes whose environment raised or hung.
+``transcript()`` hands the rollout journal each episode's prompt, its text
+after the prompt (the opening, the model's turns and the environment's
+answers, as the row holds them) and its reward: ``dew report`` shows whole
+episodes, and ``dew rescore`` scores that text, not the last turn alone.
 
 The environment runs on the host between engine steps. Each call into it
 (``start``, ``opening``, ``step``) gets ``turn_timeout`` seconds, in a daemon
@@ -220,7 +224,13 @@ class EpisodeRollout(PolicyRollout):
                               stop_strings=tuple(environment.stop_strings), keep_cache=True)
             by_request[engine.submit(request, jax.random.fold_in(key, play.index))] = play
         self._play(engine, by_request)
-        return self._layout(plays, params, width)
+        out = self._layout(plays, params, width)
+        self._rounds.append({  # the journal's transcript: each episode's text after its prompt
+            "prompts": [p.prompt for p in plays],
+            "completions": [self._decode(p.tokens[int(lengths[p.index // g]):]) for p in plays],
+            "rewards": [p.reward for p in plays],
+            "context": {k: np.repeat(v, g, axis=0) for k, v in others.items()}})
+        return out
 
     def _play(self, engine: Engine, by_request: dict[int, _Play]) -> None:
         """Step the engine until every episode ended, answering each finished turn."""

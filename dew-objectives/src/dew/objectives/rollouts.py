@@ -207,7 +207,8 @@ class PolicyRollout:
     ending at stop_token), the batch keys the prompts are read from, the
     engine's layout (None: the rollout's own default) and the engine once
     built, the time spent in the reward (``reward_seconds``, its own row of
-    the goodput split), and the scorer of ``old_logp`` under the sampling policy.
+    the goodput split), the scorer of ``old_logp`` under the sampling policy,
+    and the rounds scored since the journal last asked (``transcript()``).
     """
 
     def __init__(self, model: nn.Module, *, group_size: int, max_new_tokens: int, sampling: Sampling,
@@ -225,7 +226,15 @@ class PolicyRollout:
         self.engine: Engine | None = None
         self.reward_seconds = 0.0
         self.last_completions: list[str] = []
+        self._rounds: deque[dict[str, object]] = deque(maxlen=_KEPT_ROUNDS)
         self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens)[0])
+
+    def transcript(self) -> list[dict[str, object]]:
+        """What the calls since the last transcript scored, one mapping per call (then forgotten):
+        ``prompts``, ``completions``, ``rewards`` and ``context`` (the batch's other keys)."""
+        rounds = list(self._rounds)
+        self._rounds.clear()
+        return rounds
 
     @property
     def stop_tokens(self) -> tuple[int, ...]:
@@ -264,7 +273,6 @@ class CompletionRollout(PolicyRollout):
                          prompt_length_key=prompt_length_key, engine=engine)
         self.reward = reward
         self.max_lag = max_lag
-        self._rounds: deque[dict[str, object]] = deque(maxlen=_KEPT_ROUNDS)
 
     def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray | jax.Array]:
         prompts, lengths = self.read_prompts(batch)
@@ -297,13 +305,6 @@ class CompletionRollout(PolicyRollout):
                              "rewards": np.asarray(rewards, np.float32).tolist(),
                              "context": {k: v for k, v in context.items() if k != "prompt_text"}})
         return {"tokens": tokens, "mask": mask, "reward": rewards, "old_logp": old_logp}
-
-    def transcript(self) -> list[dict[str, object]]:
-        """What the calls since the last transcript scored, one mapping per call (then forgotten):
-        ``prompts``, ``completions``, ``rewards`` and ``context`` (the batch's other keys)."""
-        rounds = list(self._rounds)
-        self._rounds.clear()
-        return rounds
 
     def _sample(self, params: Variables, prompts: np.ndarray, lengths: np.ndarray,
                 key: jax.Array) -> np.ndarray:
