@@ -9,13 +9,15 @@ them), then, alternating which goes first, loads it in fresh interpreters:
   * safetensors: ``safetensors.numpy.load_file`` of every shard (every tensor
     whole in host memory, nothing converted): the floor;
   * dew: ``Pretrained.load`` (config read, family picked, every tensor
-    converted to dew's layout and placed on the device, the CPU here).
+    converted to dew's layout and placed on the device, the CPU here);
+  * dew-scanned: ``Pretrained.load(scan_layers=True)``, each layer's tensor
+    copied into its slot of the stacked weight the scanned model holds.
 
 Printed per load: wall time and peak host memory above the interpreter's
 own before loading; then, as ratios within this run, min and median:
 
-  * wall(dew) / wall(safetensors)          (goal <= 1.5)
-  * peak(dew) / checkpoint size            (goal <= 1.3)
+  * wall(dew) / wall(safetensors)          (goal <= 1.5), and dew-scanned's
+  * peak(dew) / checkpoint size            (goal <= 1.3), and dew-scanned's
   * peak(safetensors) / checkpoint size    (for reference)
 
 ``--smoke`` writes an 8 MB checkpoint and loads it once each (what the test
@@ -59,6 +61,9 @@ LOADERS = {
     # JAX's backend started and the family's modules imported, as in any program that loads weights.
     "dew": ("import jax\nfrom dew.pretrained import Pretrained\nimport dew.families.qwen3\njax.devices()",
             "loaded = Pretrained.load(sys.argv[1])\njax.block_until_ready(loaded.variables)"),
+    "dew-scanned": ("import jax\nfrom dew.pretrained import Pretrained\nimport dew.families.qwen3\njax.devices()",
+                    "loaded = Pretrained.load(sys.argv[1], scan_layers=True)\n"
+                    "jax.block_until_ready(loaded.variables)"),
 }
 
 
@@ -122,23 +127,29 @@ def main(argv: list[str] | None = None) -> int:
         directory = Path(tmp)
         size = write_checkpoint(directory, megabytes)
         print(f"checkpoint: {size / 2**20:.0f} MiB of float32 weights in 2 shards")
-        walls, dew_peaks, st_peaks = [], [], []
+        walls, dew_peaks, st_peaks, scanned_walls, scanned_peaks = [], [], [], [], []
         for repeat in range(repeats):
-            order = ("safetensors", "dew") if repeat % 2 == 0 else ("dew", "safetensors")
+            order = ("safetensors", "dew", "dew-scanned")
+            order = order if repeat % 2 == 0 else order[::-1]
             got = {kind: measure(kind, directory) for kind in order}
             for kind in order:
                 print(f"  {kind:11s} wall {got[kind]['wall']:.3f}s  peak {got[kind]['peak'] / 2**20:.0f} MiB")
             walls.append(got["dew"]["wall"] / got["safetensors"]["wall"])
             dew_peaks.append(got["dew"]["peak"] / size)
             st_peaks.append(got["safetensors"]["peak"] / size)
+            scanned_walls.append(got["dew-scanned"]["wall"] / got["safetensors"]["wall"])
+            scanned_peaks.append(got["dew-scanned"]["peak"] / size)
 
     def line(name: str, values: list[float], goal: str) -> str:
         return f"{name:38s} min {min(values):.2f}  median {statistics.median(values):.2f}  {goal}"
 
     print(line("wall(dew) / wall(safetensors)", walls, "(goal <= 1.5)"))
     print(line("peak(dew) / checkpoint size", dew_peaks, "(goal <= 1.3)"))
+    print(line("wall(dew-scanned) / wall(safetensors)", scanned_walls, "(goal <= 1.5)"))
+    print(line("peak(dew-scanned) / checkpoint size", scanned_peaks, "(goal <= 1.3)"))
     print(line("peak(safetensors) / checkpoint size", st_peaks, "(reference)"))
     print(RESULT + json.dumps({"bytes": size, "wall_ratio": walls, "dew_peak_ratio": dew_peaks,
+                               "scanned_wall_ratio": scanned_walls, "scanned_peak_ratio": scanned_peaks,
                                "safetensors_peak_ratio": st_peaks}))
     return 0
 

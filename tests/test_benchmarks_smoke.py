@@ -80,7 +80,7 @@ def test_peak_table_matches_device_kinds():
     assert 0.9e9 < params < 1.2e9
 
 
-@pytest.mark.slow  # writes a small checkpoint and loads it in two fresh interpreters
+@pytest.mark.slow  # writes a small checkpoint and loads it in three fresh interpreters
 def test_pretrained_load_benchmark_smoke_mode_prints_its_ratios():
     bench = Path(__file__).parent.parent / "benchmarks" / "pretrained_load_bench.py"
     run = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True, timeout=500)
@@ -88,7 +88,9 @@ def test_pretrained_load_benchmark_smoke_mode_prints_its_ratios():
     lines = run.stdout.splitlines()
     result = json.loads(next(line for line in lines if line.startswith("RESULT "))[7:])
     assert result["bytes"] > 4 * 2**20
-    for key in ("wall_ratio", "dew_peak_ratio", "safetensors_peak_ratio"):
+    for key in ("wall_ratio", "dew_peak_ratio", "scanned_wall_ratio", "scanned_peak_ratio",
+                "safetensors_peak_ratio"):
         assert len(result[key]) == 1 and 0 < result[key][0] < 100
-    for name in ("wall(dew) / wall(safetensors)", "peak(dew) / checkpoint size"):
+    for name in ("wall(dew) / wall(safetensors)", "peak(dew) / checkpoint size",
+                 "wall(dew-scanned) / wall(safetensors)", "peak(dew-scanned) / checkpoint size"):
         assert any(line.startswith(name) and "min" in line and "median" in line for line in lines)

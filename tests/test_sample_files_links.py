@@ -32,6 +32,17 @@ def test_sample_texts_replace_a_planted_link(tmp_path):
     assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # as a plain write would make it
 
 
+def test_embeddings_replace_a_planted_link(tmp_path):
+    from dew.cli.embed import _save_vectors
+
+    out, outside = _planted(tmp_path, ["vectors.npy"])
+    vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
+    path = _save_vectors(out / "vectors.npy", vectors)
+    assert outside["vectors.npy"].read_text() == "precious"
+    assert not path.is_symlink() and np.array_equal(np.load(path), vectors)
+    assert sorted(p.name for p in out.iterdir()) == ["vectors.npy"]  # no temporary file left
+
+
 def test_sample_images_replace_planted_links(tmp_path):
     from PIL import Image
 

@@ -45,6 +45,12 @@ def check_exports_back(loaded, theirs: np.ndarray, name: str, out: Path) -> None
     hf = hf_model(out / "dew")
     assert type(hf).__name__ == family(name).architecture
     assert np.abs(hf_logits(hf) - theirs).max() <= 1e-4
+    # `dew export --verify`'s own check certifies the export too (issue 26: every family verifies).
+    from dew.pretrained.verify import VERIFICATION_FILE, verify
+
+    record = verify(out / "dew", loaded.model, loaded.variables, tokenizer=loaded.tokenizer)
+    assert record.passed and record.architecture == family(name).architecture
+    assert record.max_abs_difference <= 1e-4 and (out / "dew" / VERIFICATION_FILE).is_file()
     hf.save_pretrained(out / "hf")  # transformers' own writer, from dew's export
     back = Pretrained.load(out / "hf")
     assert back.model == loaded.model

@@ -46,12 +46,15 @@ NAMES = [name for name in FAMILIES if name not in ("mixtral", "qwen3_moe", "deep
 # Options the published checkpoints use (or allow), exercised here on top of each tiny preset:
 # biases in Llama, every rope variant (llama3 in llama's preset, linear, YaRN, Gemma 3's
 # scaled global layers), partial rotary (phi3's preset), sliding windows (mistral, qwen2,
-# gemma2/3 and phi3 presets, window 8 < the prompts' 19 positions).
+# gemma2/3 and phi3 presets, window 8 < the prompts' 19 positions), and a query scale
+# (query_pre_attn_scalar) other than the head width's 16, as Gemma 2 27B's 144 is beside its
+# 128: at 16 a model that ignored it would compute the same logits.
 OVERRIDES = {
     "llama": {"attention_bias": True, "mlp_bias": True},
     "mistral": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     "qwen2": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}},
-    "gemma3": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    "gemma2": {"query_pre_attn_scalar": 24},
+    "gemma3": {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 24},
 }
 
 
@@ -161,15 +164,20 @@ def _as_transformers_4(config: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_transformers_4_config_layout_reads_as_the_same_model(written, tmp_path, name):
-    directory, _ = written[name]
+    # The dense families from the shared fixture, the MoE families written here.
+    directory = written[name][0] if name in written else write_checkpoint(name, tmp_path / "source")
     config = json.loads((directory / "config.json").read_text())
     assert "rope_parameters" in config and "dtype" in config  # transformers 5 wrote it
+    old = _as_transformers_4(config)
+    if name == "deepseek_v3":  # its published config.json names the rope type with the older "type" key
+        old["rope_scaling"]["type"] = old["rope_scaling"].pop("rope_type")
+    (tmp_path / "old").mkdir()
     for file in directory.iterdir():
-        (tmp_path / file.name).write_bytes(file.read_bytes())
-    (tmp_path / "config.json").write_text(json.dumps(_as_transformers_4(config)))
-    assert Pretrained.load(tmp_path).model == Pretrained.load(directory).model
+        (tmp_path / "old" / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "old" / "config.json").write_text(json.dumps(old))
+    assert Pretrained.load(tmp_path / "old").model == Pretrained.load(directory).model
 
 
 def test_an_uncovered_architecture_names_itself_and_the_covered_ones(tmp_path):
@@ -187,6 +195,8 @@ def test_an_uncovered_architecture_names_itself_and_the_covered_ones(tmp_path):
                                "long_factor": [1.0] * 4}}, r"rope_scaling\.rope_type='longrope'"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
     ("qwen3", {"hidden_act": "relu"}, "hidden_act='relu'"),
+    ("qwen3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     r"quantization_config\.quant_method='fp8'"),  # as DeepSeek-V3's published directories are stored
 ])
 def test_a_config_value_without_an_exact_counterpart_is_refused_naming_the_field(
         written, tmp_path, name, change, field):

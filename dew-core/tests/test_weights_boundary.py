@@ -167,6 +167,37 @@ def test_peft_adapters_load_and_damaged_ones_are_refused(good, tmp_path):
 # -- writing -------------------------------------------------------------------------------
 
 
+def test_adapters_are_written_whole_and_never_over_anothers_files(good, tmp_path):
+    """PEFT adapters go out as exports do (issue 37, item 2): swapped in whole over an earlier
+    export (none of its shards or index left), refused over another program's files, and with
+    force never written through a link planted in OUT."""
+    from dew.pretrained.peft import load_adapters, save_adapters
+
+    model, variables, spec = _adapted(good)
+    out = tmp_path / "out"
+    Pretrained.load(good).save(out, max_shard_bytes=4000)  # an earlier export: shards and an index
+    save_adapters(out, model, variables, spec)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    back = load_adapters(out, model, variables, spec=spec)
+    for ours, again in zip(jax.tree.leaves(variables), jax.tree.leaves(back), strict=True):
+        assert np.array_equal(ours, again)
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "adapter_config.json").write_text('{"mine": true}')
+    with pytest.raises(ExportDirectoryError, match=r"holds files dew did not write \(adapter_config.json\)"):
+        save_adapters(theirs, model, variables, spec)
+    assert (theirs / "adapter_config.json").read_text() == '{"mine": true}'
+    outside = tmp_path / "outside.safetensors"
+    outside.write_text("precious")
+    os.symlink(outside, theirs / "adapter_model.safetensors")
+    (theirs / "notes.txt").write_text("kept")
+    save_adapters(theirs, model, variables, spec, force=True)
+    assert outside.read_text() == "precious" and not (theirs / "adapter_model.safetensors").is_symlink()
+    assert (theirs / "notes.txt").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "outside.safetensors", "theirs"]
+
+
 def test_an_export_replaces_out_whole_and_never_touches_anothers_files(good, tmp_path):
     loaded = Pretrained.load(good)
     out = tmp_path / "out"
@@ -202,3 +233,25 @@ def test_an_export_replaces_out_whole_and_never_touches_anothers_files(good, tmp
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ExportDirectoryError, match=r"a-file is a file, not a directory"):
         loaded.save(tmp_path / "a-file")
+
+
+@pytest.mark.parametrize(("name", "key"), [
+    ("qwen2", "num_hidden_layers"), ("gemma2", "num_hidden_layers"), ("gemma3", "num_hidden_layers"),
+    ("qwen3_moe", "num_hidden_layers"), ("deepseek_v3", "num_nextn_predict_layers"),
+    ("mixtral", "num_local_experts"), ("qwen3_moe", "num_experts"), ("deepseek_v3", "n_routed_experts"),
+])
+def test_an_absurd_layer_or_expert_count_fails_fast_in_every_family(tmp_path, name, key):
+    """The families whose model description lists each layer's parts (sliding windows, dense
+    layers, the prediction layers left unread) or whose table names each expert's tensors refuse
+    a count the weights cannot hold before building those lists: 10**9 allocated gigabytes there."""
+    from dew.families.examples import write_checkpoint
+
+    directory = write_checkpoint(name, tmp_path / name)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("layer_types", None)  # as transformers 4 wrote it: the pattern follows the count
+    config[key] = 1_000_000_000
+    (directory / "config.json").write_text(json.dumps(config))
+    began = time.perf_counter()
+    with pytest.raises(ConfigValueError, match=rf"{key}=1000000000, but .*the weights hold \d+ tensors"):
+        Pretrained.load(directory)
+    assert time.perf_counter() - began < 5  # refused, not allocated

@@ -70,6 +70,34 @@ def test_digits_samples_are_the_classes_asked_for(digits):
     run = root / "runs" / "digits-diffusion"
     previews = [json.loads(line) for line in (run / "previews.jsonl").read_text().splitlines()]
     assert previews and all((run / p["path"]).is_file() for p in previews), previews
+    # `dew report` on the run shows each drawn digit on its own, enlarged, captioned with its label.
+    shown = _report(run, root / "report")
+    captions = [caption for _, caption in shown]
+    assert previews[-1]["labels"] and {str(x) for x in previews[-1]["labels"]} <= set(captions), captions
+    assert all(image["width"] >= 64 for image, _ in shown)  # the 8-pixel digits, drawn at 96
+
+
+def _report(run: Path, out: Path) -> list[tuple[dict[str, object], str]]:
+    """Each preview picture on the page `dew report RUN` writes (its format, frames and width),
+    with its caption."""
+    import re
+
+    from PIL import Image
+
+    from dew.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["report", str(run), "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    figures = re.findall(r"<img class='preview' src='([^']+)'[^>]*>(?:<figcaption class='label'>([^<]*)"
+                         r"</figcaption>)?", page)
+    assert figures, page[:2000]
+    pictures = []
+    for source, caption in figures:
+        with Image.open(out / source) as image:
+            pictures.append(({"format": image.format, "frames": getattr(image, "n_frames", 1),
+                              "width": image.width}, caption))
+    return pictures
 
 
 @pytest.mark.slow
@@ -118,3 +146,7 @@ def test_recipe_learns_and_writes_previews(name, overrides, tmp_path):
     assert previews and all((tmp_path / "run" / p["path"]).is_file() for p in previews), previews
     suffix = ".gif" if name == "moving-digits" else ".txt"
     assert any(p["path"].endswith(suffix) for p in previews), previews
+    if name == "moving-digits":  # `dew report` shows the clips as moving GIFs, enlarged
+        shown = _report(tmp_path / "run", tmp_path / "report")
+        assert all(image["format"] == "GIF" and image["frames"] > 1 and image["width"] >= 64
+                   for image, _ in shown), shown

@@ -242,3 +242,54 @@ def test_grpo_and_generate_run_on_deepseek_v3s_latent_attention(deepseek, monkey
         if ids[-1] == tokenizer.eos_id:
             break
     assert printed == tokenizer.decode(ids) + "\n"
+
+
+# QLoRA and distillation (issue 26, item 5) from a family this issue added: the base held as int8
+# codes of the checkpoint's weights, the teacher the checkpoint itself, frozen.
+def test_qlora_holds_a_family_checkpoint_as_int8_codes_and_trains_its_adapters(workdir, monkeypatch):
+    import flax.linen as nn
+
+    from dew.pretrained import Pretrained
+
+    monkeypatch.chdir(workdir)
+    rows, state = _run("tiny-lm-qlora", [
+        "model={name: gemma2, preset: tiny, max_seq_len: 64}", "lora.base=int8",
+        "init.pretrained=checkpoints/gemma2-tiny", "data.tokenizer=checkpoints/gemma2-tiny/tokenizer.json",
+        "trainer.steps=3", "trainer.eval_every=null", "data.load.val_fraction=0", "objective.prompt=null",
+        "data.batch=4", "trainer.checkpoint_dir=runs/qlora-gemma2", "trackers.0.directory=runs/qlora-gemma2"])
+    assert len(rows) == 3 and all(np.isfinite(row["loss"]) for row in rows)
+    start = jax.device_get(Pretrained.load("checkpoints/gemma2-tiny").variables["params"])
+    held = jax.device_get(nn.meta.unbox(state.params))["params"]
+    quantized = 0
+    for path, want in jax.tree_util.tree_leaves_with_path(start):
+        leaf = held
+        for key in path:
+            leaf = leaf[key.key]
+        want = np.asarray(want)
+        if hasattr(leaf, "array"):  # an adapted weight, held as int8 codes and a scale per channel
+            codes, scale = np.asarray(leaf.array.qvalue), np.asarray(leaf.array.scale)
+            assert codes.dtype == np.int8, jax.tree_util.keystr(path)
+            assert np.all(np.abs(codes * scale - want) <= scale / 2 + 1e-7), jax.tree_util.keystr(path)
+            quantized += 1
+        else:  # norms and the embedding: the checkpoint's, untouched
+            assert np.array_equal(np.asarray(leaf), want), jax.tree_util.keystr(path)
+    assert quantized == 2 * 7  # two layers: query, key, value, out, wi, wi_gate, wo
+    moved = [np.any(np.asarray(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(held)
+             if jax.tree_util.keystr(path).endswith("_lora_b']")]
+    assert moved and any(moved)  # B starts at zero: only training moves it
+
+
+def test_distillation_reads_its_teacher_from_a_family_checkpoint_and_holds_it_frozen(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    rows, state = _run("tiny-distill", [
+        "model={name: gemma2, preset: tiny, num_layers: 1, max_seq_len: 64}", "objective.teacher=null",
+        "objective.teacher_checkpoint=null", "objective.teacher_pretrained=checkpoints/gemma2-tiny",
+        "data.tokenizer=checkpoints/gemma2-tiny/tokenizer.json", "trainer.steps=3", "trainer.eval_every=null",
+        "data.load.val_fraction=0", "data.batch=4", "trainer.checkpoint_dir=runs/distill-gemma2",
+        "trackers.0.directory=runs/distill-gemma2"])
+    assert len(rows) == 3 and all(np.isfinite(row["loss"]) for row in rows)
+    start = _start(workdir, "gemma2")
+    teacher = jax.tree_util.tree_leaves_with_path(state.params["params"]["teacher"])
+    assert len(teacher) == len(start)
+    for path, leaf in teacher:  # the checkpoint's weights, bit for bit, after three steps
+        assert np.array_equal(np.asarray(leaf), np.asarray(start[path])), jax.tree_util.keystr(path)

@@ -53,7 +53,6 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from dew.cli.runs import expected, refused
     from dew.recipes.opening import open_run
@@ -63,10 +62,24 @@ def run(args: argparse.Namespace) -> int:
         vectors = pipeline.embed(read_inputs(args.inputs))
         target = args.out if args.out.suffix == ".npy" else args.out.with_name(args.out.name + ".npy")
         target.parent.mkdir(parents=True, exist_ok=True)
-        np.save(target, vectors)
+        _save_vectors(target, vectors)
     except Exception as error:
         if not expected(error):
             raise
         return refused("embed", error)
     print(f"Wrote {vectors.shape[0]} embedding(s) of {vectors.shape[1]} features to {target}")
     return 0
+
+
+def _save_vectors(target: Path, vectors: np.ndarray) -> Path:
+    """vectors as the .npy file target, written beside it and renamed into place: a link planted
+    at target is replaced, never written through, and a reader never sees half a file."""
+    import io
+
+    import numpy as np
+
+    from dew.objectives.inference import write_file
+
+    buffer = io.BytesIO()
+    np.save(buffer, vectors)
+    return write_file(target, buffer.getvalue())

@@ -138,6 +138,24 @@ def _put(array: np.ndarray, dtype: DTypeLike, sharding: Sharding | None) -> Arra
 _ALIGNMENT = 64  # the bytes a CPU device's buffers are aligned to; an aligned host array is taken as is
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array of shape and dtype in fresh anonymous pages (page-aligned, so on an
+    _ALIGNMENT boundary). Not numpy's allocator: it asks the kernel for huge pages on large
+    arrays, and compacting memory for them made a scanned load's stacks 5x slower to fill."""
+    import mmap
+
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows) numpy's own, on a 64-byte boundary
+        raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+        start = -raw.ctypes.data % _ALIGNMENT
+        return raw[start:start + nbytes].view(dtype).reshape(shape)
+    populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages faulted in at once, not one by one
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    return np.frombuffer(pages, dtype).reshape(shape)
+
+
 def _aligned_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """array cast to dtype in fresh memory starting on an _ALIGNMENT boundary."""
     nbytes = array.size * dtype.itemsize
@@ -146,6 +164,18 @@ def _aligned_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     copy = raw[start:start + nbytes].view(dtype).reshape(array.shape)
     np.copyto(copy, array, casting="unsafe")
     return copy
+
+
+def _layer_of(path: tuple[str, ...]) -> tuple[int, tuple[str, ...]] | None:
+    """(i, the path in the scanned stack) for a path under the numbered layer layers_i, else None.
+
+    >>> _layer_of(("layers_3", "mlp", "wi")), _layer_of(("embed", "embedding"))
+    ((3, ('layers', 'mlp', 'wi')), None)
+    """
+    head, _, index = path[0].rpartition("_")
+    if head != "layers" or not index.isdigit():
+        return None
+    return int(index), ("layers", *path[1:])
 
 
 def _at(params: Mapping[str, PyTree], path: tuple[str, ...]) -> PyTree:
@@ -413,8 +443,18 @@ class Pretrained:
             tokenizer = read_tokenizer(source, own.get("tokenizer"), None)
             return cls(model, variables, tokenizer, config.get("task"))
         family = for_config(config)
+        _refuse_quantized(config, config_path)
         check_config_sizes(config, config_path)  # a size that is no positive integer, named as such
-        try:  # the model's description only (no array): a value with no counterpart is named first
+        # The bounds come before the model's description: a family's description lists its
+        # layers' parts (sliding windows, dense layers), so num_hidden_layers=10**9 would allocate
+        # and hang there. With no weights at all, a value without a counterpart is named first.
+        try:
+            files: TensorFiles | None = TensorFiles(source)  # every header checked
+        except NoPretrainedModelError:
+            files = None
+        if files is not None:
+            check_config_bounds(config, config_path, len(files.names()), files.nbytes)
+        try:  # the model's description only (no array)
             model = family.model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
                                  dtype=dtype or own.get("dtype"))
         except (TypeError, ValueError, KeyError) as error:
@@ -423,8 +463,8 @@ class Pretrained:
             raise ConfigValueError(f"{config_path} does not describe a {family.architecture} dew can "
                                    f"build: {type(error).__name__}: {error}. Fix config.json or write "
                                    "the model again.") from None
-        files = TensorFiles(source)  # every header checked
-        check_config_bounds(config, config_path, len(files.names()), files.nbytes)
+        if files is None:
+            files = TensorFiles(source)  # no weights: NoPretrainedModelError, naming the directory
         table = family.table(model)
         unread = family.unread(config)  # tensors the model does not compute, left in the files
         _check_tensors(source, family.architecture, model, table,
@@ -432,8 +472,9 @@ class Pretrained:
         stored = files.dtypes()
         for name in table:
             check_float_dtype(files.files[name], name, stored[name])
-        place = _placement(None if scan_layers else shardings)
+        place = _placement(shardings)  # under scan_layers, the scanned model's tree of shardings
         params: dict[str, PyTree] = {}
+        stacks: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}  # scan_layers: the stacks being filled
         experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one
         for entry in table.values():
             if entry.index is not None:
@@ -457,18 +498,26 @@ class Pretrained:
                         continue
                     pending.pop(path, None)
                     array = buffer
+                layer = _layer_of(path) if scan_layers else None
+                if layer is not None:  # copied into its layer's slot of the stack the scanned model holds
+                    index, path = layer
+                    stack, filled = stacks.get(path) or (
+                        _aligned_empty((model.num_layers, *array.shape), np.dtype(model.param_dtype)), 0)
+                    if not array.flags.c_contiguous:  # device_put's transposing copy is far faster than numpy's
+                        array = np.asarray(jax.device_put(array))
+                    np.copyto(stack[index], array, casting="unsafe")
+                    if filled + 1 < model.num_layers:
+                        stacks[path] = (stack, filled + 1)
+                        continue
+                    stacks.pop(path, None)
+                    array, as_stored = stack, True  # aligned and cast: taken onto the device as it is
                 node = params
                 for part in path[:-1]:
                     node = node.setdefault(part, {})
                 node[path[-1]] = (jax.device_put(array, place(path)).block_until_ready() if as_stored
                                   else _put(array, model.param_dtype, place(path)))
         if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
-            from dew.nn.pipeline import stack_layers
-
             model = model.clone(scan_layers=True)
-            params = stack_layers(params, model.num_layers)
-            if shardings is not None:
-                params = jax.device_put(params, _params_of(shardings))
         kept = TokenizerFiles.read(source, config)
         tokenizer = read_tokenizer(source, own.get("tokenizer"), config.get("eos_token_id"), kept)
         if tokenizer is not None:
@@ -476,11 +525,19 @@ class Pretrained:
         return cls(model, {"params": params}, tokenizer, None, kept)
 
 
-def _params_of(shardings: PyTree) -> PyTree:
-    import flax.linen as nn
-
-    tree = nn.meta.unbox(shardings)
-    return tree.get("params", tree) if isinstance(tree, Mapping) else tree
+def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
+    """A directory whose weights are stored quantized (DeepSeek-V3's fp8 blocks with their scales,
+    GPTQ, AWQ, bitsandbytes) is refused by its quantization_config: its tensors are codes, not the
+    weights, and no dew layer reads them as they are."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return
+    method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) else quantization
+    raise NoExactCounterpartError(
+        f"{path} sets quantization_config.quant_method={method!r}: its weights are stored quantized, "
+        "and dew reads float weights (fp32, bf16 or fp16). Load a dequantized copy instead (for "
+        "DeepSeek-V3/R1's fp8 checkpoints, their bf16 conversion), or quantize after loading with a "
+        "recipe's lora.base (QLoRA).")
 
 
 def _check_tensors(source: Path, architecture: str, model: Module, table: Mapping[str, Any],
