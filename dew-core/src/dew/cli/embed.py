@@ -53,7 +53,6 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from dew.cli.runs import expected, refused
     from dew.recipes.opening import open_run
 
