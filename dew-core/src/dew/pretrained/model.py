@@ -139,21 +139,11 @@ _ALIGNMENT = 64  # the bytes a CPU device's buffers are aligned to; an aligned h
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized array of shape and dtype in fresh anonymous pages (page-aligned, so on an
-    _ALIGNMENT boundary). Not numpy's allocator: it asks the kernel for huge pages on large
-    arrays, and compacting memory for them made a scanned load's stacks 5x slower to fill."""
-    import mmap
+    """An uninitialized array of shape and dtype in fresh pages on an _ALIGNMENT boundary."""
+    from dew.pretrained.tensors import fresh_pages
 
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes == 0:
-        return np.empty(shape, dtype)
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows) numpy's own, on a 64-byte boundary
-        raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
-        start = -raw.ctypes.data % _ALIGNMENT
-        return raw[start:start + nbytes].view(dtype).reshape(shape)
-    populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages faulted in at once, not one by one
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    return np.frombuffer(pages, dtype).reshape(shape)
+    return fresh_pages(nbytes, _ALIGNMENT).view(dtype).reshape(shape)
 
 
 def _aligned_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -201,10 +201,8 @@ class TensorFiles:
         header, start = self.headers[file]
         info = header[name]
         begin, end = info["data_offsets"]
-        raw = np.empty(end - begin + alignment, np.uint8)
-        first = -raw.ctypes.data % alignment
         with file.open("rb", buffering=0) as handle:
-            return _read_one(handle, start, name, info, file, raw[first:first + end - begin])
+            return _read_one(handle, start, name, info, file, fresh_pages(end - begin, alignment))
 
     def mapped(self, names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
         """(name, read-only array) for each of names, in file order, each a view of the file's bytes.
@@ -294,6 +292,24 @@ def _header(file: Path) -> tuple[dict, int]:
             raise DamagedFileError(f"{file} gives {name} {end - begin} bytes for shape {tuple(shape)} of "
                                    f"{info['dtype']}: {again}")
     return header, 8 + size
+
+
+def fresh_pages(nbytes: int, alignment: int = 64) -> np.ndarray:
+    """nbytes uninitialized bytes starting on an alignment boundary, as fresh anonymous pages.
+
+    Not numpy's allocator: it asks the kernel for huge pages on arrays of 4 MB and more, and on a
+    machine short of contiguous memory the kernel compacts memory for them at every fault, which
+    made filling a large buffer several times slower than reading the file into it.
+    """
+    import mmap
+
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS") or mmap.PAGESIZE % alignment:
+        raw = np.empty(nbytes + alignment, np.uint8)  # (Windows) numpy's own, aligned by hand
+        first = -raw.ctypes.data % alignment
+        return raw[first:first + nbytes]
+    populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages faulted in at once, not one by one
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate),
+                         np.uint8)
 
 
 def _numpy_dtype(kind: str) -> Any:
