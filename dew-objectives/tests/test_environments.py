@@ -291,3 +291,52 @@ def test_check_plugin_certifies_an_environment_with_its_kit(tmp_path, monkeypatc
     bad = checks_of(Component("dew.environments", "shared", "environment_kits:Shared", "environment_kits:SharedKit"))
     failed = {c.check for c in bad if c.result == "failed"}
     assert "episodes share no state" in failed, bad
+
+
+def _calculator_fit(directory, *, fail_at: int | None = None) -> tuple[str | None, EpisodeRollout]:
+    """GRPO on calculator episodes for 4 steps, saving every 2; the rollout's call fail_at raises."""
+    import hashlib
+
+    import optax
+
+    from dew import Checkpoints, Trainer
+
+    objective = GRPOObjective(MODEL, environment={"name": "calculator"}, group_size=2, stop_token=10,
+                              max_new_tokens=4)
+    rollout = objective.rollout()
+    calls = []
+
+    class Crashing(EpisodeRollout):
+        def __call__(self, state, batch, key):
+            calls.append(int(state.step))
+            if len(calls) == fail_at:
+                raise RuntimeError("the rollout crashed")
+            return super().__call__(state, batch, key)
+
+    rollout.__class__ = Crashing  # the same rollout, counted
+    rollout.calls = calls  # type: ignore[attr-defined]
+    data = Addition(form="prompts", problems=32, max_operand=9).load(batch=2, seed=0)
+    trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), rollout=rollout,
+                      checkpoints=Checkpoints(directory))
+    try:
+        state = trainer.fit(data, steps=4, log_every=4, checkpoint_every=2)
+    except RuntimeError as error:
+        assert "the rollout crashed" in str(error)
+        return None, rollout
+    leaves = jax.tree.leaves(jax.device_get(state.params))
+    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest(), rollout
+
+
+@pytest.mark.slow
+def test_a_resumed_episode_run_replays_its_journaled_episodes_bitwise(tmp_path):
+    from dew.training.rollout_journal import read_journal
+
+    expected, _ = _calculator_fit(tmp_path / "whole")
+    # Crashed in step 3's rollout: the checkpoint is at step 2, the journal holds steps 0-2.
+    assert _calculator_fit(tmp_path / "stopped", fail_at=4)[0] is None
+    journaled = read_journal(tmp_path / "stopped")
+    assert [e.step for e in journaled] == [0, 1, 2]
+    assert all(text.startswith("calc(") for e in journaled for text in e.transcript[0]["completions"])
+    digest, resumed = _calculator_fit(tmp_path / "stopped")
+    assert digest == expected
+    assert resumed.calls == [3]  # type: ignore[attr-defined]  # step 2's episodes replayed, not played again
