@@ -29,7 +29,7 @@ SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
          "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 # config.json keys that count layers or experts: each needs at least one tensor of its own.
-COUNTS = ("num_hidden_layers", "num_local_experts", "num_experts", "n_routed_experts")
+COUNTS = ("num_hidden_layers", "num_nextn_predict_layers", "num_local_experts", "num_experts", "n_routed_experts")
 MAX_POSITIONS = 2**24  # a decode cache longer than this is a typo, not a model
 
 FLOAT_KINDS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
@@ -77,7 +77,7 @@ def check_config_bounds(config: Mapping[str, Any], path: Path, tensors: int, nby
     for key in COUNTS:  # a family's description lists each layer's parts, its table each expert's
         count = config.get(key)
         if isinstance(count, int) and count > tensors:
-            each = "layer" if key == "num_hidden_layers" else "expert"
+            each = "layer" if key.endswith("layers") else "expert"
             raise ConfigValueError(
                 f"{path} sets {key}={count}, but the weights hold {tensors} tensors, fewer than one per "
                 f"{each}; config.json does not describe these weights. Fix {key}.")
@@ -86,11 +86,6 @@ def check_config_bounds(config: Mapping[str, Any], path: Path, tensors: int, nby
                                    or predicting < 0):
         raise ConfigValueError(f"{path} sets num_nextn_predict_layers={predicting!r}; it must be a whole "
                                "number (0 for none). Fix config.json (or write the model again).")
-    if isinstance(predicting, int) and predicting > tensors:
-        raise ConfigValueError(
-            f"{path} sets num_nextn_predict_layers={predicting}, but the weights hold {tensors} tensors, "
-            "fewer than one per layer; config.json does not describe these weights. Fix "
-            "num_nextn_predict_layers.")
     positions = config.get("max_position_embeddings")
     if isinstance(positions, int) and positions > MAX_POSITIONS:
         raise ConfigValueError(f"{path} sets max_position_embeddings={positions}, above the "
