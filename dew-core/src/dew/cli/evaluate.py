@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace, opened: Opened) -> int:
-    from dew.recipes.folder import started_in
+    from dew.recipes.resuming import started_in
 
     if opened.config is None:
         return _scored(args, opened)

@@ -145,7 +145,7 @@ def _tokenizer_files(opened: Opened) -> SavedTokenizerFiles | None:
     if opened.config is None:
         source = Path(opened.source)
     elif init is not None and init.pretrained is not None:
-        from dew.recipes.folder import started_in
+        from dew.recipes.resuming import started_in
 
         with started_in(opened.source):  # a relative init.pretrained names it from where the run trained
             source = Path(init.pretrained).absolute()

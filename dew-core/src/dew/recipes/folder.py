@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dew.recipes.errors import RecipeError
-from dew.recipes.resuming import resume_command, shown
+from dew.recipes.resuming import STARTED, origin, resume_command, shown
 
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
@@ -44,15 +43,12 @@ __all__ = [
     "NotARunFolderError",
     "RunFolder",
     "resumed",
-    "started_in",
     "stopped_line",
     "train_in",
 ]
 
-STARTED = "started.json"
 # What a run writes into its folder before its first step: nothing worth keeping on its own.
 _BOOKKEEPING = frozenset({"run.json", STARTED, "records.jsonl", ".dew-writer.json"})
-_STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
 
 
 class NotARunFolderError(RecipeError):
@@ -121,26 +117,6 @@ def _directory(config: RunConfig, timestamp: str, cwd: Path) -> Path | None:
 # -- resuming by name -------------------------------------------------------------------------
 
 
-def _origin(run: Path, template: str | None) -> tuple[str | None, Path]:
-    """The timestamp and working directory the run in folder run started with."""
-    saved = run / STARTED
-    if saved.is_file():
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            data = json.loads(saved.read_text())
-            return str(data["timestamp"]), Path(data["cwd"])
-    if not template:
-        return None, Path.cwd()
-    # An older folder: its path is the template expanded, so it gives the timestamp back.
-    pattern = re.escape(os.path.normpath(template)).replace(re.escape("{timestamp}"), f"(?P<stamp>{_STAMP})")
-    found = re.search(rf"(?:^|/){pattern}$", str(run))
-    if found is None:
-        return None, Path.cwd()
-    stamp = found.groupdict().get("stamp")
-    root = Path(str(run)[: found.start()] or "/") if not Path(template).is_absolute() else Path.cwd()
-    timestamp = None if stamp is None else stamp[:10] + "_" + stamp[11:].replace("-", ":")
-    return timestamp, root
-
-
 def _redacted(data: object, prefix: str = "") -> list[str]:
     from dew.telemetry.redaction import REDACTED
 
@@ -177,29 +153,8 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
             f"down; give them again: {resume_command(directory)} "
             + " ".join(f"{key}=..." for key in hidden))
     config = RunConfig.parse(data, str(saved))
-    timestamp, cwd = _origin(directory, template)
+    timestamp, cwd = origin(directory, template)
     return config, RunFolder(directory, timestamp, cwd, resumed=True)
-
-
-@contextlib.contextmanager
-def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
-    """Within it, the working directory is the one the run in folder run started in (its
-    started.json), so the relative paths of its recipe (a tokenizer file, data files) name what
-    they named when it trained, wherever the command reading the run is typed."""
-    directory = Path(os.path.abspath(Path(run).expanduser()))
-    template = None
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        template = (json.loads((directory / "run.json").read_text()).get("trainer") or {}).get("checkpoint_dir")
-    _, cwd = _origin(directory, template)
-    here = Path.cwd()
-    if cwd == here or not cwd.is_dir():
-        yield
-        return
-    os.chdir(cwd)
-    try:
-        yield
-    finally:
-        os.chdir(here)
 
 
 # -- training in a folder -----------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""The lines a resumable run prints about its folder: where it is, and the command that continues it.
+"""What a run folder says about resuming: where the run started, the lines it prints about its
+folder, and the command that continues it.
 
 Kept apart from dew.recipes.folder (which reads run folders through the
-recipe schema) so that the run itself, below the schema, can print them.
+recipe schema) so that the run itself, below the schema, can print them, and
+so that opening a run (dew.recipes.opening, beside folder) can read its
+recipe's relative paths from where it started.
 """
 
 from __future__ import annotations
@@ -9,10 +12,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["resume_command", "resuming_line", "shown", "trained_for"]
+__all__ = ["STARTED", "origin", "resume_command", "resuming_line", "shown", "started_in", "trained_for"]
+
+STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
+_STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
 
 
 def shown(path: str | os.PathLike[str]) -> str:
@@ -55,3 +63,44 @@ def trained_for(directory: str | os.PathLike[str], steps_per_epoch: int | None) 
         return TrainerConfig(**saved["trainer"]).total_steps(steps_per_epoch)
     except Exception:  # noqa: BLE001 - an unreadable old recipe only shortens the line
         return None
+
+
+def origin(run: Path, template: str | None) -> tuple[str | None, Path]:
+    """The timestamp and working directory the run in folder run started with."""
+    saved = run / STARTED
+    if saved.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            data = json.loads(saved.read_text())
+            return str(data["timestamp"]), Path(data["cwd"])
+    if not template:
+        return None, Path.cwd()
+    # An older folder: its path is the template expanded, so it gives the timestamp back.
+    pattern = re.escape(os.path.normpath(template)).replace(re.escape("{timestamp}"), f"(?P<stamp>{_STAMP})")
+    found = re.search(rf"(?:^|/){pattern}$", str(run))
+    if found is None:
+        return None, Path.cwd()
+    stamp = found.groupdict().get("stamp")
+    root = Path(str(run)[: found.start()] or "/") if not Path(template).is_absolute() else Path.cwd()
+    timestamp = None if stamp is None else stamp[:10] + "_" + stamp[11:].replace("-", ":")
+    return timestamp, root
+
+
+@contextlib.contextmanager
+def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
+    """Within it, the working directory is the one the run in folder run started in (its
+    started.json), so the relative paths of its recipe (a tokenizer file, data files) name what
+    they named when it trained, wherever the command reading the run is typed."""
+    directory = Path(os.path.abspath(Path(run).expanduser()))
+    template = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        template = (json.loads((directory / "run.json").read_text()).get("trainer") or {}).get("checkpoint_dir")
+    _, cwd = origin(directory, template)
+    here = Path.cwd()
+    if cwd == here or not cwd.is_dir():
+        yield
+        return
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(here)
