@@ -75,7 +75,7 @@ def _save_vectors(target: Path, vectors: np.ndarray) -> Path:
     at target is replaced, never written through, and a reader never sees half a file."""
     import io
 
-    import numpy as np
+    import numpy as np  # (the module imports it only for its annotations)
 
     from dew.objectives.inference import write_file
 

@@ -63,9 +63,7 @@ def run(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace, opened: Opened) -> int:
     from dew.recipes.resuming import started_in
 
-    if opened.config is None:
-        return _scored(args, opened)
-    with started_in(opened.source):  # its data's relative paths start where the run trained
+    with started_in(opened.source):  # a run's data paths start where it trained (an export: here)
         return _scored(args, opened)
 
 

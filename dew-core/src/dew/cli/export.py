@@ -145,10 +145,9 @@ def _tokenizer_files(opened: Opened) -> SavedTokenizerFiles | None:
     if opened.config is None:
         source = Path(opened.source)
     elif init is not None and init.pretrained is not None:
-        from dew.recipes.resuming import started_in
+        from dew.recipes.resuming import started_from
 
-        with started_in(opened.source):  # a relative init.pretrained names it from where the run trained
-            source = Path(init.pretrained).absolute()
+        source = started_from(opened.source) / init.pretrained  # relative to where the run trained
     else:
         return None
     if not (source / CONFIG_FILE).is_file():

@@ -148,12 +148,30 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def _aligned_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """array cast to dtype in fresh memory starting on an _ALIGNMENT boundary."""
-    nbytes = array.size * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
-    copy = raw[start:start + nbytes].view(dtype).reshape(array.shape)
+    copy = _aligned_empty(array.shape, dtype)
     np.copyto(copy, array, casting="unsafe")
     return copy
+
+
+_Filling = dict[tuple[str, ...], tuple[np.ndarray, int]]  # a stacked weight's buffer and its slots filled
+
+
+def _fill(filling: _Filling, path: tuple[str, ...], index: int, count: int, array: np.ndarray,
+          dtype: np.dtype) -> np.ndarray | None:
+    """array copied (cast to dtype) into slot index of path's stack of count slots; the stack once
+    its last slot is filled, else None. Slices of a weight stored one by one (an expert's, a
+    layer's) meet there without the loaded pieces and the stack ever being held together."""
+    import jax
+
+    stack, filled = filling.get(path) or (_aligned_empty((count, *array.shape), dtype), 0)
+    if not array.flags.c_contiguous:  # device_put's transposing copy is far faster than numpy's
+        array = np.asarray(jax.device_put(array))
+    np.copyto(stack[index], array, casting="unsafe")
+    if filled + 1 < count:
+        filling[path] = (stack, filled + 1)
+        return None
+    filling.pop(path, None)
+    return stack
 
 
 def _layer_of(path: tuple[str, ...]) -> tuple[int, tuple[str, ...]] | None:
@@ -464,13 +482,13 @@ class Pretrained:
             check_float_dtype(files.files[name], name, stored[name])
         place = _placement(shardings)  # under scan_layers, the scanned model's tree of shardings
         params: dict[str, PyTree] = {}
-        stacks: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}  # scan_layers: the stacks being filled
         experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one
         for entry in table.values():
             if entry.index is not None:
                 for path in entry.paths:
                     experts[path] = max(experts.get(path, 0), entry.index + 1)
-        pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}
+        pending: _Filling = {}  # the stacked experts' weights being filled
+        stacks: _Filling = {}  # scan_layers: the stacked layers' weights being filled
         for name, value in files.mapped(set(table)):  # value's pages are gone at the next tensor
             entry = table[name]
             arrays = entry.layout.from_hf(value)
@@ -479,28 +497,18 @@ class Pretrained:
             if as_stored:  # kept as stored: read once into memory the device takes as its own
                 arrays = entry.layout.from_hf(files.read_aligned(name))
             for path, array in zip(entry.paths, arrays, strict=True):
-                if entry.index is not None:  # held on the host until its last slice arrives
-                    buffer, filled = pending.get(path) or (np.empty((experts[path], *array.shape),
-                                                                    array.dtype), 0)
-                    buffer[entry.index] = array
-                    if filled + 1 < experts[path]:
-                        pending[path] = (buffer, filled + 1)
+                if entry.index is not None:  # one expert: held on the host until its last slice arrives
+                    whole = _fill(pending, path, entry.index, experts[path], array, array.dtype)
+                    if whole is None:
                         continue
-                    pending.pop(path, None)
-                    array = buffer
+                    array = whole
                 layer = _layer_of(path) if scan_layers else None
-                if layer is not None:  # copied into its layer's slot of the stack the scanned model holds
+                if layer is not None:  # one layer: its slot of the stack the scanned model holds
                     index, path = layer
-                    stack, filled = stacks.get(path) or (
-                        _aligned_empty((model.num_layers, *array.shape), np.dtype(model.param_dtype)), 0)
-                    if not array.flags.c_contiguous:  # device_put's transposing copy is far faster than numpy's
-                        array = np.asarray(jax.device_put(array))
-                    np.copyto(stack[index], array, casting="unsafe")
-                    if filled + 1 < model.num_layers:
-                        stacks[path] = (stack, filled + 1)
+                    whole = _fill(stacks, path, index, model.num_layers, array, np.dtype(model.param_dtype))
+                    if whole is None:
                         continue
-                    stacks.pop(path, None)
-                    array, as_stored = stack, True  # aligned and cast: taken onto the device as it is
+                    array, as_stored = whole, True  # aligned and cast: taken onto the device as it is
                 node = params
                 for part in path[:-1]:
                     node = node.setdefault(part, {})

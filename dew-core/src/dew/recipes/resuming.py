@@ -17,7 +17,8 @@ import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["STARTED", "origin", "resume_command", "resuming_line", "shown", "started_in", "trained_for"]
+__all__ = ["STARTED", "origin", "resume_command", "resuming_line", "shown", "started_from", "started_in",
+           "trained_for"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 _STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
@@ -85,16 +86,22 @@ def origin(run: Path, template: str | None) -> tuple[str | None, Path]:
     return timestamp, root
 
 
-@contextlib.contextmanager
-def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
-    """Within it, the working directory is the one the run in folder run started in (its
-    started.json), so the relative paths of its recipe (a tokenizer file, data files) name what
-    they named when it trained, wherever the command reading the run is typed."""
+def started_from(run: str | os.PathLike[str]) -> Path:
+    """The working directory the run in folder run started in, where its recipe's relative paths
+    (a tokenizer file, data files, init.pretrained) start; this one for a folder that is no run."""
     directory = Path(os.path.abspath(Path(run).expanduser()))
     template = None
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        template = (json.loads((directory / "run.json").read_text()).get("trainer") or {}).get("checkpoint_dir")
-    _, cwd = origin(directory, template)
+    if not (directory / STARTED).is_file():  # an older folder: its checkpoint_dir gives the start back
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            template = (json.loads((directory / "run.json").read_text()).get("trainer") or {}).get("checkpoint_dir")
+    return origin(directory, template)[1]
+
+
+@contextlib.contextmanager
+def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
+    """Within it, the working directory is started_from(run), so the relative paths of the run's
+    recipe name what they named when it trained, wherever the command reading the run is typed."""
+    cwd = started_from(run)
     here = Path.cwd()
     if cwd == here or not cwd.is_dir():
         yield
