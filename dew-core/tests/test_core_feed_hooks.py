@@ -17,8 +17,8 @@ from dew.data import Dataset
 from dew.objectives.base import EMASpec
 from dew.plugins import StepContribution, hookimpl, registered
 from dew.testing.doubles import Linear, RecordingTracker  # y = w.x + b by squared error
+from dew.training.composition import CustomStepUnusedPartError
 from dew.training.placement.mesh import BatchMismatchError
-from dew.training.trainer import StepCompositionError
 
 
 def batch_at(index, rows=8):
@@ -169,13 +169,113 @@ def test_a_custom_step_composes_with_the_ema():
                  jax.device_get(state.averaged["params"]), ema)
 
 
-@pytest.mark.parametrize("settings, named", [
-    ({"accumulation": 2}, "accumulation=2"),
-    ({"dynamic_scale": True}, "dynamic_scale=True"),
+def optax_step(objective, optimizer, *, seen=None):
+    """A hand-written transaction that differentiates the mean loss and updates through the optimizer it is
+    handed; it moves the counters as if nothing were composed around it. seen, a list, receives the norm of
+    the gradients it differentiated (before the optimizer), as a metric."""
+
+    def step(state, batch):
+        def total(trainable):
+            loss, _ = objective.loss({**state.params, **trainable}, batch, None)
+            return loss.total / loss.count
+
+        trainable = {"params": state.params["params"]}
+        loss, grads = jax.value_and_grad(total)(trainable)
+        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        new = state.replace(params={**state.params, **trainable}, opt_state=opt_state, step=state.step + 1,
+                            updates=state.updates + 1, microstep=state.microstep + 1)
+        return new, {"loss": loss, "seen": optax.global_norm(grads)}
+
+    return step
+
+
+def mean_loss(params, batch):
+    return jnp.mean((batch["x"] @ params["kernel"] + params["bias"][None, :] - batch["y"]) ** 2)
+
+
+@pytest.mark.slow
+def test_a_custom_step_composes_with_accumulation_as_a_batch_that_many_times_larger():
+    optimizer = optax.adam(0.1)
+    trainer = Trainer(Linear(), optimizer, key=jax.random.key(0), step=optax_step, accumulation=2)
+    initial = jax.device_get(trainer.initial_state().params["params"])
+    state = trainer.fit(numbered(), steps=6, log_every=6)
+
+    # By hand: three Adam updates, each on the mean gradient of two 8-row batches (a 16-row batch).
+    params, opt_state = initial, optimizer.init(initial)
+    for pair in range(3):
+        both = {k: np.concatenate([batch_at(2 * pair)[k], batch_at(2 * pair + 1)[k]]) for k in ("x", "y")}
+        grads = jax.grad(mean_loss)(params, both)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 jax.device_get(state.params["params"]), params)
+    assert (int(state.step), int(state.microstep), int(state.updates)) == (6, 6, 3)
+
+
+@pytest.mark.slow
+def test_a_custom_step_stopped_mid_window_resumes_bitwise(tmp_path):
+    def run(directory, *stops):
+        for steps in stops:
+            trainer = Trainer(Linear(), optax.adam(0.1), key=jax.random.key(0), step=optax_step, accumulation=2,
+                              dynamic_scale=True, checkpoints=Checkpoints(directory))
+            state = trainer.fit(numbered(), steps=steps, log_every=steps, checkpoint_every=steps)
+        return jax.device_get(state)
+
+    whole, resumed = run(tmp_path / "whole", 5), run(tmp_path / "resumed", 3, 5)  # step 3 is half a window
+    assert int(resumed.updates) == int(whole.updates) == 2
+    jax.tree.map(np.testing.assert_array_equal, resumed, whole)
+
+
+@pytest.mark.slow
+def test_a_custom_step_composes_with_the_loss_scale():
+    def poisoned(index):  # the second batch's loss is not finite
+        batch = batch_at(index)
+        return {**batch, "x": batch["x"] * np.float32("nan")} if index == 1 else batch
+
+    tracker = Recorder()
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), step=optax_step, dynamic_scale=True,
+                      tracker=tracker)
+    initial = jax.device_get(trainer.initial_state().params["params"])
+    state = trainer.fit(numbered(poisoned), steps=3, log_every=1)
+
+    # By hand: SGD on batches 0 and 2; batch 1 is rejected whole and halves the scale.
+    params, norms = initial, []
+    for index in (0, 2):
+        grads = jax.grad(mean_loss)(params, batch_at(index))
+        norms.append(float(optax.global_norm(grads)))
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 jax.device_get(state.params["params"]), params)
+    assert (int(state.step), int(state.microstep), int(state.updates)) == (3, 2, 2)
+    assert tracker.values("train/loss_scale") == [2.0**15, 2.0**14, 2.0**14]
+    # The gradients the step differentiated carried the scale it ran under: the backward was scaled.
+    seen = tracker.values("train/seen")
+    np.testing.assert_allclose([seen[0] / 2.0**15, seen[2] / 2.0**14], norms, rtol=1e-5)
+
+
+@pytest.mark.parametrize("settings, missing", [
+    ({"accumulation": 2}, "never calls its update"),
+    ({"dynamic_scale": True}, "never calls its update"),
 ])
-def test_a_custom_step_refuses_what_it_cannot_compose_with(settings, named):
-    with pytest.raises(StepCompositionError, match=named):
-        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), step=sgd_step, **settings)
+def test_a_custom_step_that_bypasses_a_composed_part_is_refused_by_name(settings, missing):
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), step=sgd_step, **settings)
+    with pytest.raises(CustomStepUnusedPartError, match=missing):
+        trainer.fit(numbered(), steps=1, log_every=1)
+
+
+def test_a_scaled_custom_step_that_never_reads_the_objectives_loss_is_refused():
+    def own_loss(objective, optimizer):
+        def step(state, batch):
+            trainable = {"params": state.params["params"]}
+            grads = jax.grad(lambda t: mean_loss(t["params"], batch))(trainable)
+            updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+            return state.replace(opt_state=opt_state), {"loss": jnp.zeros(())}
+        return step
+
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), step=own_loss, dynamic_scale=True)
+    with pytest.raises(CustomStepUnusedPartError, match="never calls objective.loss"):
+        trainer.fit(numbered(), steps=1, log_every=1)
 
 
 # -- evaluation -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from flax import linen as nn
 
 from dew.errors import DewError
 from dew.objectives.base import Objective, Variables
+from dew.training.composition import Composition
 from dew.training.ema import ema_leaves
 from dew.training.state import Scaler, TrainState, Window
 from dew.training.step import (
@@ -60,8 +61,27 @@ class Program:
     def __post_init__(self) -> None:
         if self.accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, got {self.accumulation}.")
-        if self.custom is not None:
-            _check_composition(self.accumulation, self.dynamic_scale, self.owns_state)
+        if self.custom is not None and self.owns_state:
+            raise StepCompositionError(
+                "Trainer(step=...) is one program over the whole state, but Layout.host=('params',) "
+                "splits every step in two (gradients on the accelerators, the optimizer on the CPU), "
+                "which a custom step cannot be cut into. Drop step=, or keep the parameters on the "
+                "devices with Layout.host=('opt_state', 'ema')."
+            )
+
+    @property
+    def composition(self) -> Composition | None:
+        """What composes around a custom step (accumulation, the loss scale); None when nothing does."""
+        if self.custom is None:
+            return None
+        composition = Composition(self.accumulation, self.dynamic_scale)
+        return composition if composition.needed else None
+
+    @property
+    def transform(self) -> optax.GradientTransformation:
+        """The optimizer whose state the run keeps: the configured one, or a custom step's composed one."""
+        composition = self.composition
+        return self.optimizer if composition is None else composition.optimizer(self.optimizer)
 
     # -- the state --------------------------------------------------------------------
     def fresh(self, variables: Variables, key: jax.Array) -> TrainState:
@@ -75,14 +95,14 @@ class Program:
         trainable = select(variables, trains(self.objective.frozen))
         zero = jnp.asarray(0, jnp.int32)
         window = None
-        if self.accumulation > 1:
+        if self.accumulation > 1 and self.custom is None:  # a custom step's window is in its optimizer state
             window = Window(grads=jax.tree.map(jnp.zeros_like, trainable),
                             count=jnp.asarray(0.0, jnp.float32), filled=zero)
         ema = None
         if self.objective.ema is not None:
             ema = jax.tree.map(jnp.copy, ema_leaves(self.objective.ema, self.objective.frozen, variables))
         return TrainState(
-            params=variables, opt_state=self.optimizer.init(trainable), key=jax.random.key_data(key),
+            params=variables, opt_state=self.transform.init(trainable), key=jax.random.key_data(key),
             step=zero, microstep=zero, updates=zero, ema=ema,
             scaler=Scaler.create() if self.dynamic_scale else None, window=window,
         )
@@ -93,7 +113,12 @@ class Program:
         ema = self.objective.ema
         if self.custom is None:
             return build_train_step(self.objective, self.optimizer, accumulation=self.accumulation, ema=ema)
-        custom = self.custom(self.objective, self.optimizer)
+        composition = self.composition
+        if composition is None:
+            custom = self.custom(self.objective, self.optimizer)
+        else:
+            custom = composition.around(self.custom(composition.objective(self.objective),
+                                                    composition.optimizer(self.optimizer)))
         if ema is None:
             return custom
 
@@ -131,27 +156,3 @@ class Program:
                 "checkpoint directory."
             )
 
-
-def _check_composition(accumulation: int, dynamic_scale: bool, owns_state: bool) -> None:
-    """A custom step replaces the transaction in which accumulation and loss scaling happen."""
-    if owns_state:
-        raise StepCompositionError(
-            "Trainer(step=...) is one program over the whole state, but Layout.host=('params',) "
-            "splits every step in two (gradients on the accelerators, the optimizer on the CPU), "
-            "which a custom step cannot be cut into. Drop step=, or keep the parameters on the "
-            "devices with Layout.host=('opt_state', 'ema')."
-        )
-    refused = []
-    if accumulation > 1:
-        refused.append(f"accumulation={accumulation}")
-    if dynamic_scale:
-        refused.append("dynamic_scale=True")
-    if refused:
-        them = "them" if len(refused) > 1 else "it"
-        raise StepCompositionError(
-            f"Trainer(step=...) replaces the compiled transaction, which is where "
-            f"{' and '.join(refused)} would happen, so the trainer cannot apply {them} around a "
-            f"custom step. Implement {them} inside the step factory and drop {' and '.join(refused)}, "
-            "or drop step=. (An objective's EMA does compose: the trainer moves it after every "
-            "update the custom step makes.)"
-        )
