@@ -79,3 +79,17 @@ def test_a_contract_naming_a_module_that_does_not_exist_fails(tmp_path):
         "source_modules": ["dew.training"], "forbidden_modules": ["dew.holography"]}]""")
     assert result.returncode != 0
     assert "MissingModuleError" in result.stderr and "dew.holography" in result.stderr, result.stderr
+
+
+def test_the_trainer_stays_a_facade_under_two_hundred_lines():
+    # The engine's parts (program, execution, feed, hooks, loop) live in their own modules; the
+    # Trainer builds them and runs them, and grows only by delegating.
+    import inspect
+
+    from dew.training import trainer
+
+    module = inspect.getsource(trainer).splitlines()
+    assert len(module) < 200, f"dew/training/trainer.py has {len(module)} lines"
+    # The execution is chosen once (execution_for); the trainer never branches on which it got.
+    assert "owns_state" not in inspect.getsource(trainer.Trainer.fit)
+    assert not any("if self.execution" in line or "isinstance(self.execution" in line for line in module)

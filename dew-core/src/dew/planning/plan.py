@@ -212,8 +212,8 @@ def _replicated(trainer: _Trainer) -> list[dict[str, Any]]:
     from flax import linen as nn
 
     mesh = trainer.device_mesh
-    abstract = nn.meta.unbox(trainer._boxed_variables)
-    shardings = trainer.layout.shardings(mesh, trainer._boxed_variables)
+    abstract = nn.meta.unbox(trainer.start.boxed)
+    shardings = trainer.layout.shardings(mesh, trainer.start.boxed)
     axes = math.prod(mesh.shape.get(a, 1) for a in ("fsdp", "tensor"))
     rows = []
     for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],

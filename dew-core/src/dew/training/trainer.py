@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from dew.data.base import Dataset
-from dew.objectives.base import Effects, Loss, Metric, Objective, Variables
+from dew.objectives.base import Effects, Loss, Metric, Objective
 from dew.tracking.directories import check_directories
 from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.tracking.protocol import Tracker
@@ -82,7 +82,7 @@ class Trainer(Generic[Loss, Effects]):
         self.program = Program(objective, optimizer, accumulation, dynamic_scale, step, layout.owns_state)
         self.start = Start(self.program, key, initializer)
         self.objective, self.optimizer, self.key, self.mesh, self.layout = objective, optimizer, key, mesh, layout
-        self.accumulation, self.dynamic_scale, self.step_factory = accumulation, dynamic_scale, step
+        self.accumulation, self.dynamic_scale = accumulation, dynamic_scale
         self.checkpoints, self.tracker, self.rollout, self.profile = checkpoints, tracker, rollout, profile
         self.initializer, self.recipe = initializer, recipe
         self.evaluations = tuple(evaluations)  # tasks scored on a cadence (dew.evaluations.Periodic)
@@ -108,18 +108,14 @@ class Trainer(Generic[Loss, Effects]):
     @cached_property
     def execution(self) -> Execution:
         """Where the state lives and the step runs: on the devices, or owned by the CPU."""
-        return execution_for(self.mesh, self.device_mesh, self.layout, self._boxed_variables,
+        return execution_for(self.mesh, self.device_mesh, self.layout, self.start.boxed,
                              trains(self.objective.frozen))
 
     @property
     def bank_sites(self) -> tuple[str, ...]:
         """The objective's scanned layer stacks ('params/model/layers', ...): the banks a host
         layout streams, and what the mesh's stage axis splits into pipeline stages."""
-        return bank_sites(self._boxed_variables)
-
-    @property
-    def _boxed_variables(self) -> Variables:
-        return self.start.boxed
+        return bank_sites(self.start.boxed)
 
     def initial_state(self, initializer: Initializer = None, key: jax.Array | None = None) -> TrainState:
         """The state a fresh run starts from (pure: it traces for shapes and for values)."""
@@ -134,7 +130,7 @@ class Trainer(Generic[Loss, Effects]):
         checks them (``dew plan`` compiles the step over it for a model of any size)."""
         groups = self.optimizer.groups if isinstance(self.optimizer, ConfiguredOptimizer) else ()
         self.start.check_frozen_optimizer(groups)
-        check_stages(self._boxed_variables, self.mesh, checkpoint=checkpoint)
+        check_stages(self.start.boxed, self.mesh, checkpoint=checkpoint)
         abstract = self.start.abstract_state
         shardings = self.shardings(abstract)
         self.layout.check(abstract.params, shardings.params, self.device_mesh)
