@@ -1,10 +1,24 @@
 """The training transaction that Trainer.compile jits: one microbatch in, one state out.
 
-A step differentiates the loss's total (not its mean), so summing gradients
-and counts over an accumulation window and dividing once gives exactly the
-gradient of one batch that many times larger. A step whose loss or
-gradients are not finite is rejected whole: only the attempt counter (and
-the loss scaler) move, and nothing non-finite reaches the state.
+The built-in step is a chain of parts, each owning one field of TrainState:
+
+- differentiate (``differentiate``): the gradients of the loss's total, the
+  loss multiplied by the loss scale when there is one, divided back after;
+- skip non-finite (``transaction``): a step whose loss or gradients are not
+  finite is rejected whole, so only the attempt counter and the scaler move;
+- scale (``Scaler.update``, owns ``scaler``): halve on a rejected step, grow
+  after a streak of finite ones;
+- accumulate (``_accumulate``, owns ``window``): gradients and loss counts
+  summed over the window, divided once when it is full, so a window is
+  exactly one batch that many times larger, and a half-filled window is
+  checkpointed with the rest;
+- optimize (``_optimize``, owns ``opt_state`` and ``updates``): the optax
+  optimizer on the trainable leaves;
+- the EMA (``follow_ema``, owns ``ema``): after each update, at the rate its
+  schedule gives for that update.
+
+A custom step replaces this chain; dew.training.composition puts
+accumulation and the loss scale around it through optax's own MultiSteps.
 """
 
 from __future__ import annotations
@@ -140,7 +154,7 @@ def transaction(
         finite = jnp.isfinite(norm) & jnp.isfinite(loss.total)
 
         def accept(state: TrainState) -> TrainState:
-            return _accept(state, grads, count, aux, optimizer, accumulation, ema, trainable_filter)
+            return _accumulate(state, grads, count, aux, optimizer, accumulation, ema, trainable_filter)
 
         def reject(state: TrainState) -> TrainState:
             return state
@@ -186,7 +200,7 @@ def build_train_step(
     return train_step
 
 
-def _accept(
+def _accumulate(
     state: TrainState,
     grads: Variables,
     count: jax.Array,
@@ -200,7 +214,7 @@ def _accept(
     state = state.replace(params=variables, microstep=state.microstep + 1)
     if accumulation == 1:
         mean_grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads)
-        return _update(state, mean_grads, optimizer, ema, trainable_filter)
+        return _optimize(state, mean_grads, optimizer, ema, trainable_filter)
     window = state.window
     assert window is not None
     window = Window(
@@ -211,7 +225,7 @@ def _accept(
 
     def full(state: TrainState) -> TrainState:
         mean_grads = jax.tree.map(lambda g: g / jnp.maximum(window.count, 1), window.grads)
-        state = _update(state, mean_grads, optimizer, ema, trainable_filter)
+        state = _optimize(state, mean_grads, optimizer, ema, trainable_filter)
         empty = Window(
             grads=jax.tree.map(jnp.zeros_like, window.grads),
             count=jnp.zeros_like(window.count),
@@ -225,7 +239,7 @@ def _accept(
     return jax.lax.cond(window.filled >= accumulation, full, partial, state)
 
 
-def _update(
+def _optimize(
     state: TrainState,
     grads: Variables,
     optimizer: optax.GradientTransformation,
