@@ -191,7 +191,10 @@ def test_a_row_holds_prompt_opening_turns_and_answers_with_the_mask_on_the_turns
     np.testing.assert_allclose(out["old_logp"], expected, rtol=1e-5, atol=1e-5)
     (journaled,) = rollout.transcript()  # what the rollout journal keeps: each episode after its prompt
     assert journaled["prompts"] == ["1+1=", "1+1=", "2+2=", "2+2="] and journaled["rewards"] == [2.0] * 4
-    assert all(c.startswith("<") for c in journaled["completions"])
+    assert all(e.startswith("<") for e in journaled["episodes"])  # the whole episode, opening first
+    last_turns = [_segments(out["mask"][r])[3] for r in range(4)]  # (1, start, end) of each second turn
+    turns = [bytes(out["tokens"][r][a:b].tolist()).decode(errors="replace") for r, (_, a, b) in enumerate(last_turns)]
+    assert journaled["completions"] == turns  # the last turn: what the environment's reward judged
     np.testing.assert_array_equal(journaled["context"]["answer"], [[50], [50], [52], [52]])
     assert rollout.transcript() == []
     again = rollout(state, BATCH, jax.random.key(3))  # the same key: the same episodes
@@ -336,7 +339,7 @@ def test_a_resumed_episode_run_replays_its_journaled_episodes_bitwise(tmp_path):
     assert _calculator_fit(tmp_path / "stopped", fail_at=4)[0] is None
     journaled = read_journal(tmp_path / "stopped")
     assert [e.step for e in journaled] == [0, 1, 2]
-    assert all(text.startswith("calc(") for e in journaled for text in e.transcript[0]["completions"])
+    assert all(text.startswith("calc(") for e in journaled for text in e.transcript[0]["episodes"])
     digest, calls = _calculator_fit(tmp_path / "stopped")
     assert digest == expected
     assert calls == [3]  # step 2's episodes replayed, not played again

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dew.cli.rescore import rescore
 from dew.plugins import hookimpl, registered
 from dew.recipes.config import RunConfig
 from dew.recipes.run import train
@@ -133,3 +134,7 @@ def test_grpo_raises_the_exact_match_rate_of_calculator_episodes(monkeypatch, tm
     assert episodes["reads"][-10:].mean() > episodes["reads"][:10].mean() + 0.2, episodes["reads"]
     assert np.mean([r["turns"] for r in rows[-10:]]) > 1.9  # a call, then an answer
     assert not any(r["failed_episodes"] for r in rows)
+    # The journal keeps each episode's last turn as its completion, so dew rescore with the exact
+    # match the calculator judges by gives back the rewards the run trained on.
+    rescored = rescore(tmp_path / "runs" / "addition-calculator", {"name": "exact_match"})
+    assert len(rescored) == 40 and all(row["rewards"] == row["journaled"] for row in rescored)

@@ -312,7 +312,8 @@ def _rollouts(runs: Sequence[RunData]) -> list[str]:
                      "<th>reward</th></tr>")
         for entry in shown:
             rows = [(p, c, r) for round_ in entry.transcript
-                    for p, c, r in zip(round_.get("prompts") or [], round_.get("completions") or [],
+                    for p, c, r in zip(round_.get("prompts") or [],
+                                       round_.get("episodes") or round_.get("completions") or [],
                                        round_.get("rewards") or [], strict=False)]
             rewards = [float(r) for _, _, r in rows]
             mean = _number(float(np.mean(rewards))) if rewards else "-"

@@ -15,10 +15,13 @@ episodes keep decoding. Each episode is laid out as one row::
 with L the model's max_seq_len (or ``max_length``), so the step compiles once.
 ``turns`` [P*G] counts each episode's model turns and ``failed_episodes``
 [P*G] marks the episodes whose environment raised or hung.
-``transcript()`` hands the rollout journal each episode's prompt, its text
-after the prompt (the opening, the model's turns and the environment's
-answers, as the row holds them) and its reward: ``dew report`` shows whole
-episodes, and ``dew rescore`` scores that text, not the last turn alone.
+``transcript()`` hands the rollout journal each episode's prompt, its last
+turn (``completions``: the answer an environment's reward judges), its whole
+text after the prompt (``episodes``: the opening, the model's turns and the
+environment's answers, as the row holds them) and its reward. ``dew report``
+shows whole episodes, and ``dew rescore`` scores the last turns, so a reward
+the environment's own agrees with (the calculator's exact match) scores
+the journal as the run did.
 
 The environment runs on the host between engine steps. Each call into it
 (``start``, ``opening``, ``step``) gets ``turn_timeout`` seconds, in a daemon
@@ -225,9 +228,10 @@ class EpisodeRollout(PolicyRollout):
             by_request[engine.submit(request, jax.random.fold_in(key, play.index))] = play
         self._play(engine, by_request)
         out = self._layout(plays, params, width)
-        self._rounds.append({  # the journal's transcript: each episode's text after its prompt
+        self._rounds.append({  # the journal's transcript: each episode's last turn, and its whole text
             "prompts": [p.prompt for p in plays],
-            "completions": [self._decode(p.tokens[int(lengths[p.index // g]):]) for p in plays],
+            "completions": [p.transcript[-1] if p.transcript else "" for p in plays],
+            "episodes": [self._decode(p.tokens[int(lengths[p.index // g]):]) for p in plays],
             "rewards": [p.reward for p in plays],
             "context": {k: np.repeat(v, g, axis=0) for k, v in others.items()}})
         return out
