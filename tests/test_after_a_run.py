@@ -7,6 +7,9 @@ says in one line that it resumes and how to start fresh. A missing prerequisite 
 status 2, and leaves no folder. A run shorter than log_every logs ten times and its last step.
 
 The subprocesses share one compilation cache, so only the first compiles the small model's step.
+A command that ends without a signal (a refusal, a missing prerequisite, a crash) runs through
+``dew.cli.main`` in this process instead (the function the console script calls; test_recipe_matrix
+checks they agree, exit codes included), in the directory it is typed in, its stdout and stderr read.
 """
 
 from __future__ import annotations
@@ -47,6 +50,24 @@ def _env(cache: Path) -> dict[str, str]:
 def _dew(args: list[str], cwd: Path, cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(DEW), *args], capture_output=True, text=True, cwd=cwd, env=_env(cache),
                           timeout=timeout)
+
+
+@pytest.fixture
+def dew_here(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """Call with (args, cwd): `dew ARGS` typed in cwd, through ``dew.cli.main`` in this process;
+    returns its exit status, stdout and stderr as a CompletedProcess, as _dew does."""
+    from dew.cli import TRACEBACK, main
+
+    def call(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+        capsys.readouterr()  # what the test printed before is not the command's
+        with monkeypatch.context() as scoped:
+            scoped.chdir(cwd)
+            scoped.delenv(TRACEBACK, raising=False)  # as _env: errors dew names are printed
+            code = main(args)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return call
 
 
 def _logged(run: Path, name: str = "train/loss") -> list[int]:
@@ -205,11 +226,11 @@ def test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder(tmp_path: 
     assert re.search(rf"<td>train/loss</td><td>{second}</td>", page)
 
 
-def test_a_crash_after_a_checkpoint_prints_the_command_that_resumes(tmp_path: Path, cache: Path) -> None:
+def test_a_crash_after_a_checkpoint_prints_the_command_that_resumes(tmp_path: Path, dew_here) -> None:
     """A learning rate of 1e30 makes every step after the first non-finite: the run stops, named."""
-    result = _dew(["train", "tiny-lm", *SMALL, "trainer.steps=100", "trainer.log_every=1",
-                   "trainer.checkpoint_every=1", "optimizer.learning_rate=1e30", "optimizer.clip_norm=null"],
-                  tmp_path, cache)
+    result = dew_here(["train", "tiny-lm", *SMALL, "trainer.steps=100", "trainer.log_every=1",
+                       "trainer.checkpoint_every=1", "optimizer.learning_rate=1e30", "optimizer.clip_norm=null"],
+                      tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert lines[0].startswith("dew train: NonFiniteLossError: ") and "Traceback" not in result.stderr
@@ -237,9 +258,9 @@ PREREQUISITES = {
 
 
 @pytest.mark.parametrize("missing", sorted(PREREQUISITES))
-def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_path: Path, cache: Path) -> None:
+def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_path: Path, dew_here) -> None:
     args, error, field = PREREQUISITES[missing]
-    result = _dew(["train", *args, "trainer.steps=2"], tmp_path, cache)
+    result = dew_here(["train", *args, "trainer.steps=2"], tmp_path)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     first = result.stderr.strip().splitlines()[0]
     assert first.startswith("dew train: ") and error in first, result.stderr
