@@ -66,6 +66,28 @@ def python_in_subprocess():
 
 
 @pytest.fixture
+def dew_command(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """Call with (*args, cwd=DIRECTORY): `dew ARGS` typed in DIRECTORY, run through ``dew.cli.main`` in
+    this process (the function the ``dew`` console script calls: tests/test_recipe_matrix.py checks
+    they agree, exit codes included) rather than in a new interpreter; returns a CompletedProcess with
+    its exit status, stdout and stderr. DEW_TRACEBACK is unset, so an error dew names is printed."""
+    import subprocess
+
+    from dew.cli import TRACEBACK, main
+
+    def call(*args: str, cwd: str | Path) -> subprocess.CompletedProcess:
+        capsys.readouterr()  # what the test printed before is not the command's
+        with monkeypatch.context() as scoped:
+            scoped.chdir(cwd)
+            scoped.delenv(TRACEBACK, raising=False)
+            code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return call
+
+
+@pytest.fixture
 def recorder() -> RecordingTracker:
     """A tracker that keeps every report in memory."""
     return RecordingTracker()

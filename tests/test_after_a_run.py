@@ -1,4 +1,4 @@
-"""What a person meets after a run, through the real `dew` command in subprocesses.
+"""What a person meets after a run, through the real `dew` command.
 
 A run is one folder, resumed by name: Ctrl-C and SIGTERM print the command that resumes it,
 that command continues the same folder (checkpoints and journal together) and `dew report`
@@ -6,7 +6,11 @@ shows the whole run; a crash after a checkpoint says the same. A fixed-folder re
 says in one line that it resumes and how to start fresh. A missing prerequisite is one message,
 status 2, and leaves no folder. A run shorter than log_every logs ten times and its last step.
 
-The subprocesses share one compilation cache, so only the first compiles the small model's step.
+The runs a signal stops, and the fixture's two runs, are `dew` subprocesses sharing one compilation
+cache, so only the first compiles the small model's step. A command that ends without a signal (a
+refusal, a missing prerequisite, a crash, a report) runs through ``dew.cli.main`` in this process
+instead (the function the console script calls; test_recipe_matrix checks they agree, exit codes
+included), in the directory it is typed in, its stdout and stderr read.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import pytest
 
 from dew.testing.processes import device_env, shared_compilation_cache
 
-pytestmark = pytest.mark.slow  # every test here runs `dew` in subprocesses (the fixture trains twice)
+pytestmark = pytest.mark.slow  # every test here runs `dew` (the fixture trains twice)
 
 DEW = Path(sys.executable).with_name("dew")
 
@@ -110,11 +114,11 @@ def test_the_sample_is_journaled_with_its_step(trained: Trained) -> None:
     assert printed.startswith("def __init__(self")  # the recipe's prompt, continued
 
 
-def test_the_report_of_the_run_shows_its_work_in_a_headless_browser(trained: Trained, cache: Path,
+def test_the_report_of_the_run_shows_its_work_in_a_headless_browser(trained: Trained, dew_command,
                                                                      tmp_path: Path) -> None:
     from test_report_browser import rendered
 
-    result = _dew(["report", "runs/fixed"], trained.root, cache)
+    result = dew_command("report", "runs/fixed", cwd=trained.root)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = rendered(trained.run / "report" / "index.html", tmp_path)
     assert seen["headings"][:2] == ["previews", "charts"]
@@ -173,7 +177,8 @@ def _stopped(command: list[str], cwd: Path, cache: Path, at: str, sig: int) -> t
     return child.returncode, "".join(lines) + out, err
 
 
-def test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder(tmp_path: Path, cache: Path) -> None:
+def test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder(tmp_path: Path, cache: Path,
+                                                                     dew_command) -> None:
     code, out, err = _stopped([str(DEW), "train", "tiny-lm", *SMALL, "trainer.steps=100000",
                                "trainer.log_every=1"], tmp_path, cache, r"^step 3: loss", signal.SIGINT)
     assert code == 130, err[-3000:]
@@ -193,7 +198,7 @@ def test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder(tmp_path: 
                               rf"are in {folder}\. Resume with: {command}", said).group(1))
     assert second > first
 
-    report = _dew(["report", folder], tmp_path, cache)
+    report = dew_command("report", folder, cwd=tmp_path)
     assert report.returncode == 0, report.stderr[-3000:]
     run = tmp_path / folder
     assert [p.name for p in (tmp_path / "runs" / "tiny-lm").iterdir()] == [run.name]  # one folder
@@ -205,11 +210,11 @@ def test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder(tmp_path: 
     assert re.search(rf"<td>train/loss</td><td>{second}</td>", page)
 
 
-def test_a_crash_after_a_checkpoint_prints_the_command_that_resumes(tmp_path: Path, cache: Path) -> None:
+def test_a_crash_after_a_checkpoint_prints_the_command_that_resumes(tmp_path: Path, dew_command) -> None:
     """A learning rate of 1e30 makes every step after the first non-finite: the run stops, named."""
-    result = _dew(["train", "tiny-lm", *SMALL, "trainer.steps=100", "trainer.log_every=1",
-                   "trainer.checkpoint_every=1", "optimizer.learning_rate=1e30", "optimizer.clip_norm=null"],
-                  tmp_path, cache)
+    result = dew_command("train", "tiny-lm", *SMALL, "trainer.steps=100", "trainer.log_every=1",
+                         "trainer.checkpoint_every=1", "optimizer.learning_rate=1e30", "optimizer.clip_norm=null",
+                         cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert lines[0].startswith("dew train: NonFiniteLossError: ") and "Traceback" not in result.stderr
@@ -237,9 +242,9 @@ PREREQUISITES = {
 
 
 @pytest.mark.parametrize("missing", sorted(PREREQUISITES))
-def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_path: Path, cache: Path) -> None:
+def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_path: Path, dew_command) -> None:
     args, error, field = PREREQUISITES[missing]
-    result = _dew(["train", *args, "trainer.steps=2"], tmp_path, cache)
+    result = dew_command("train", *args, "trainer.steps=2", cwd=tmp_path)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     first = result.stderr.strip().splitlines()[0]
     assert first.startswith("dew train: ") and error in first, result.stderr

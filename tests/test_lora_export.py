@@ -1,12 +1,12 @@
 """A LoRA run from `dew train` on an exported model, out through `dew export`: merged into a Llama
-transformers loads, or as PEFT adapters the real `peft` puts onto the transformers base."""
+transformers loads, or as PEFT adapters the real `peft` puts onto the transformers base.
+
+The commands run through ``dew.cli.main`` in this process (the conftest's dew_command: the function
+the console script calls), each in the test's directory."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -21,18 +21,21 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("qwix")
 
-DEW = Path(sys.executable).parent / "dew"
 SMALL = ["model.emb_features=32", "model.num_layers=1", "model.mlp_features=64", "lora.rank=4",
          "data.files={stdlib}/abc.py", "data.load.val_fraction=0", "trainer.eval_every=null", "trainer.steps=4", "trainer.log_every=2", "objective.prompt=null",
          "optimizer.learning_rate=5.0e-2", "optimizer.warmup_steps=0"]
 
 
-def _dew(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run([str(DEW), *args], capture_output=True, text=True, timeout=500, cwd=cwd, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    return result
+@pytest.fixture
+def dew(dew_command):
+    """Call with (*args, cwd=DIRECTORY): `dew ARGS` in DIRECTORY, which must succeed."""
+
+    def call(*args: str, cwd: Path):
+        result = dew_command(*args, cwd=cwd)
+        assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+        return result
+
+    return call
 
 
 def _base(directory: Path, seed: int) -> Path:
@@ -44,10 +47,10 @@ def _base(directory: Path, seed: int) -> Path:
     return Pretrained(model, variables).save(directory)
 
 
-def _train(tmp_path: Path, base: str) -> Path:
+def _train(dew, tmp_path: Path, base: str) -> Path:
     _base(tmp_path / "exported", seed=0)
     run = tmp_path / f"run-{base}"
-    _dew("train", "tiny-lm-qlora", *SMALL, f"lora.base={base}", f"init.pretrained={tmp_path}/exported",
+    dew("train", "tiny-lm-qlora", *SMALL, f"lora.base={base}", f"init.pretrained={tmp_path}/exported",
          f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}", cwd=tmp_path)
     return run
 
@@ -69,22 +72,22 @@ def _torch_logits(model) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path):
+def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew):
     from peft import PeftModel
 
     from dew.adapters.lora import base_model, with_base
     from dew.pretrained.peft import AdapterBaseMismatchError, load_adapters
 
-    run = _train(tmp_path, "float32")
+    run = _train(dew, tmp_path, "float32")
     adapted, opened = _dew_logits(run)
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     assert np.abs(_torch_logits(base) - adapted).max() > 1e-3  # the adapters trained: the check can fail
 
-    _dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
+    dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
 
-    out = _dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
+    out = dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
     assert "the adapters" in out.stdout
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["adapter_config.json",
                                                                           "adapter_model.safetensors"]
@@ -105,10 +108,10 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path):
-    run = _train(tmp_path, "nf4")
+def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path, dew):
+    run = _train(dew, tmp_path, "nf4")
     adapted, _ = _dew_logits(run)
-    _dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
+    dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
 

@@ -1,5 +1,10 @@
 """A user's path: train the shipped recipe, then generate, evaluate and export its run;
-and fine-tune, through a recipe, a model that transformers initialized."""
+and fine-tune, through a recipe, a model that transformers initialized.
+
+The commands of a user's path run through ``dew.cli.main`` in this process (the function the
+``dew`` console script calls: tests/test_recipe_matrix.py checks they agree, exit codes
+included), each in the directory it is typed in, its stdout and stderr read as a terminal
+shows them; a refusal before training runs the console script itself."""
 
 from __future__ import annotations
 
@@ -33,8 +38,8 @@ def _journal(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
-    trained = _dew("train", "tiny-lm", "trainer.steps=4", "trainer.log_every=2",
+def test_a_trained_run_generates_evaluates_and_exports(tmp_path, dew_command):
+    trained = dew_command("train", "tiny-lm", "trainer.steps=4", "trainer.log_every=2",
                    "trainer.checkpoint_every=2", "data.files={stdlib}/a*.py",
                    "data.load.val_fraction=0.1", "objective.ema={decay: 0.5}", cwd=tmp_path)
     assert trained.returncode == 0, trained.stdout + trained.stderr[-4000:]
@@ -48,20 +53,20 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
 
     # dew eval recomputes the validation the run itself logged at its last step.
     logged = [row for row in _journal(run / "scalars.jsonl") if "val/loss" in row][-1]
-    evaluated = _dew("eval", str(run), "--json", cwd=tmp_path)
+    evaluated = dew_command("eval", str(run), "--json", cwd=tmp_path)
     assert evaluated.returncode == 0, evaluated.stderr[-4000:]
     scores = json.loads(evaluated.stdout)
     assert scores["step"] == 4 and logged["step"] == 4
     assert scores["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-6)
     assert scores["val/perplexity"] == pytest.approx(np.exp(logged["val/loss"]), rel=1e-6)
     assert scores["val_ema/loss"] != scores["val/loss"]  # the EMA copy scores too
-    earlier = _dew("eval", str(run), "--step", "2", "--json", cwd=tmp_path)
+    earlier = dew_command("eval", str(run), "--step", "2", "--json", cwd=tmp_path)
     assert earlier.returncode == 0, earlier.stderr[-4000:]
     assert json.loads(earlier.stdout)["val/loss"] != scores["val/loss"]
 
     # dew export writes what transformers loads, with the logits dew computes from the
     # checkpoint's parameters read directly.
-    exported = _dew("export", str(run), str(tmp_path / "out"), cwd=tmp_path)
+    exported = dew_command("export", str(run), str(tmp_path / "out"), cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr[-4000:]
     import jax
     import jax.numpy as jnp
@@ -88,7 +93,7 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
     assert np.abs(ours - theirs).max() <= 1e-4
 
     # dew generate continues the prompt as generate does with those parameters.
-    generated = _dew("generate", str(run), "def f(", "--max-new-tokens", "12", cwd=tmp_path)
+    generated = dew_command("generate", str(run), "def f(", "--max-new-tokens", "12", cwd=tmp_path)
     assert generated.returncode == 0, generated.stderr[-4000:]
     from dew.sampling import Sampling, generate
 
@@ -96,7 +101,7 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
     expected = generate(opened.model, opened.variables, [tokenizer.encode("def f(")], 12,
                         jax.random.key(0), Sampling(temperature=0.0), eos_id=tokenizer.eos_id)
     assert generated.stdout == "def f(" + tokenizer.decode(expected.new_tokens[0]) + "\n"
-    from_export = _dew("generate", str(tmp_path / "out"), "def f(", "--max-new-tokens", "12",
+    from_export = dew_command("generate", str(tmp_path / "out"), "def f(", "--max-new-tokens", "12",
                        cwd=tmp_path)
     assert from_export.stdout == generated.stdout
 
@@ -104,13 +109,13 @@ def test_a_trained_run_generates_evaluates_and_exports(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     shutil.copy(run / "run.json", empty / "run.json")
-    missing = _dew("generate", str(empty), "x", cwd=tmp_path)
+    missing = dew_command("generate", str(empty), "x", cwd=tmp_path)
     assert missing.returncode == 2
     assert "has no checkpoint" in missing.stderr and f"looked in {empty}" in missing.stderr
 
 
 @pytest.mark.slow
-def test_a_run_reads_its_tokenizer_file_from_any_directory(tmp_path):
+def test_a_run_reads_its_tokenizer_file_from_any_directory(tmp_path, dew_command):
     """A recipe's relative paths (here data.tokenizer) name what they named when the run trained,
     wherever dew generate, eval or export is typed: the run is used by its folder alone."""
     from dew.data import ByteTokenizer
@@ -120,20 +125,20 @@ def test_a_run_reads_its_tokenizer_file_from_any_directory(tmp_path):
     (trained_in / "tok").mkdir(parents=True)
     elsewhere.mkdir()
     write_tokenizer(ByteTokenizer(), trained_in / "tok")  # a tokenizer.json the recipe names relatively
-    trained = _dew("train", "tiny-lm", "trainer.steps=2", "trainer.log_every=1", "trainer.eval_every=null",
+    trained = dew_command("train", "tiny-lm", "trainer.steps=2", "trainer.log_every=1", "trainer.eval_every=null",
                    "trainer.checkpoint_dir=runs/t", "trackers.0.directory=runs/t", "model.num_layers=1",
                    "model.emb_features=16", "model.num_heads=2", "model.mlp_features=32",
                    "data.files={stdlib}/a*.py", "data.tokenizer=tok/tokenizer.json", "objective.prompt=null",
                    cwd=trained_in)
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-4000:]
     run = trained_in / "runs" / "t"
-    there = _dew("generate", "runs/t", "def ", "--max-new-tokens", "4", cwd=trained_in)
+    there = dew_command("generate", "runs/t", "def ", "--max-new-tokens", "4", cwd=trained_in)
     assert there.returncode == 0, there.stderr[-3000:]
-    here = _dew("generate", str(run), "def ", "--max-new-tokens", "4", cwd=elsewhere)
+    here = dew_command("generate", str(run), "def ", "--max-new-tokens", "4", cwd=elsewhere)
     assert (here.returncode, here.stdout) == (0, there.stdout), here.stderr[-3000:]
-    scored = _dew("eval", str(run), "--json", cwd=elsewhere)
+    scored = dew_command("eval", str(run), "--json", cwd=elsewhere)
     assert scored.returncode == 0 and json.loads(scored.stdout)["step"] == 2, scored.stderr[-3000:]
-    exported = _dew("export", str(run), str(elsewhere / "out"), cwd=elsewhere)
+    exported = dew_command("export", str(run), str(elsewhere / "out"), cwd=elsewhere)
     assert exported.returncode == 0, exported.stderr[-3000:]
 
 

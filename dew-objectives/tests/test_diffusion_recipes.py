@@ -124,10 +124,14 @@ def test_flow_grpo_raises_the_brightness_of_digits(digits, monkeypatch):
         np.testing.assert_array_equal(kept, read)
 
 
+# moving-digits on clips of 4 frames, not the recipe's 8 (half the step's cost): the last ten
+# losses' mean over the first ten's, seeds 0 and 1, was 0.572 and 0.541 at 4 frames, 0.583 and
+# 0.553 at 8 (the test asks under 0.7); the GIFs still have several frames.
 @pytest.mark.slow
 @pytest.mark.parametrize("name, overrides", [
     ("moving-digits", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=1",
-                       "data.batch=16", "objective.sample_steps=4", "objective.preview_count=2"]),
+                       "data.batch=16", "data.frames=4", "model.frames=4", "objective.sample_steps=4",
+                       "objective.preview_count=2"]),
     ("masked-diffusion", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=1",
                           "data.files={stdlib}/a*.py", "objective.preview_steps=8"]),
     ("block-diffusion", ["trainer.steps=60", "trainer.eval_every=60", "trainer.log_every=1",

@@ -207,16 +207,12 @@ def test_merged_and_peft_exports_of_the_stack_load_in_transformers_and_peft(adap
 
 
 @pytest.mark.slow
-def test_a_scanned_lora_recipe_starts_from_a_numbered_export_and_exports_again(tmp_path):
+def test_a_scanned_lora_recipe_starts_from_a_numbered_export_and_exports_again(tmp_path, dew_command):
     """`dew train` with model.scan_layers=true: init.pretrained is stacked into the stack, the
-    adapters train on it, and `dew export` writes a merged Llama transformers computes alike."""
+    adapters train on it, and `dew export` writes a merged Llama transformers computes alike (the
+    commands through ``dew.cli.main`` in this process, the function the console script calls)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from dew import models
     from dew.pretrained import Pretrained
     from dew.recipes.opening import open_run
@@ -224,14 +220,10 @@ def test_a_scanned_lora_recipe_starts_from_a_numbered_export_and_exports_again(t
     base = models.build("causal_transformer", vocab_size=257, emb_features=32, num_layers=2, num_heads=4,
                         mlp_features=64, max_seq_len=128, position_embedding="rotary", mlp_activation="swiglu")
     Pretrained(base, base.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))).save(tmp_path / "exported")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    dew = Path(sys.executable).parent / "dew"
     run = tmp_path / "run"
 
     def call(*args):
-        done = subprocess.run([str(dew), *args], capture_output=True, text=True, timeout=500, cwd=tmp_path,
-                              env=env)
+        done = dew_command(*args, cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr[-4000:]
 
     call("train", "tiny-lm-qlora", "model.emb_features=32", "model.num_layers=2", "model.mlp_features=64",

@@ -1,13 +1,13 @@
 """The tiny-lm-sft recipe: `dew train` fine-tunes, on prompt/completion records, a model that
-`dew export` wrote; it starts from exactly the exported weights and its loss falls."""
+`dew export` wrote; it starts from exactly the exported weights and its loss falls.
+
+The commands run through ``dew.cli.main`` in this process (the conftest's dew_command: the function
+the console script calls), in the test's directory."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,16 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-DEW = Path(sys.executable).parent / "dew"
 SMALL = ["model.emb_features=32", "model.num_heads=4", "model.mlp_features=64", "model.num_layers=1"]
-
-
-def _dew(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run([str(DEW), *args], capture_output=True, text=True, timeout=500, cwd=cwd, env=env)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done
 
 
 def test_the_recipe_describes_the_model_tiny_lm_exports():
@@ -37,18 +28,21 @@ def test_the_recipe_describes_the_model_tiny_lm_exports():
 
 
 @pytest.mark.slow
-def test_dew_train_fine_tunes_what_dew_export_wrote(tmp_path):
+def test_dew_train_fine_tunes_what_dew_export_wrote(tmp_path, dew_command):
     from dew.data.base import DataPartition
     from dew.recipes.config import RunConfig
     from dew.recipes.run import build_parts
 
-    _dew("train", "tiny-lm", *SMALL, "trainer.steps=20", "trainer.log_every=10", "trainer.checkpoint_every=20",
-         "trainer.checkpoint_dir=runs/tiny-lm/base", "data.files={stdlib}/a*.py", "objective.prompt=null",
-         cwd=tmp_path)
-    _dew("export", "runs/tiny-lm/base", "exported/tiny-lm", cwd=tmp_path)
+    def dew(*args: str) -> None:
+        done = dew_command(*args, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+    dew("train", "tiny-lm", *SMALL, "trainer.steps=20", "trainer.log_every=10", "trainer.checkpoint_every=20",
+        "trainer.checkpoint_dir=runs/tiny-lm/base", "data.files={stdlib}/a*.py", "objective.prompt=null")
+    dew("export", "runs/tiny-lm/base", "exported/tiny-lm")
     overrides = [*SMALL, "trainer.steps=40", "trainer.log_every=1", "objective.prompt=null",
                  "trainer.checkpoint_dir=runs/sft", "trackers.0.directory=runs/sft"]
-    _dew("train", "tiny-lm-sft", *overrides, cwd=tmp_path)
+    dew("train", "tiny-lm-sft", *overrides)
     journal = [json.loads(line) for line in (tmp_path / "runs/sft/scalars.jsonl").read_text().splitlines()]
     losses = [row["train/loss"] for row in journal if "train/loss" in row]
     assert len(losses) == 40
