@@ -5,6 +5,7 @@ Grain's worker processes: dew-data/tests/test_feed_start_sigterm.py)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -17,6 +18,7 @@ from dew import Checkpoints, Trainer
 from dew.data import Dataset
 from dew.telemetry.records import Goodput
 from dew.testing.doubles import Linear, RecordingTracker
+from dew.testing.processes import run_python
 from dew.training.program import ResumeMismatchError
 
 
@@ -195,3 +197,50 @@ def test_a_resume_that_falls_back_to_an_older_step_reopens_its_stream_there(tmp_
     whole = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0))
     expected = whole.fit(Dataset(train=lambda p: Watched([]), val=None, batch=8), steps=6, log_every=1)
     assert_same_params(state, expected)
+
+
+BUILT_AHEAD = r"""
+import json, threading
+import jax, numpy as np, optax
+from dew import Trainer
+from dew.data import Dataset
+from dew.testing.doubles import Linear
+from dew.training.opening import builds_ahead
+
+class Watched(Linear):
+    threads = []
+    def init(self, key, variables=None):
+        Watched.threads.append(threading.current_thread().name)
+        return super().init(key, variables)
+
+def batches(partition):
+    index = 0
+    while True:
+        x = np.random.default_rng(index).normal(size=(8, 4)).astype(np.float32)
+        yield {"x": x, "y": x @ np.arange(1, 5, dtype=np.float32)[:, None] + 1}
+        index += 1
+
+def fit(overlap):
+    trainer = Trainer(Watched(), optax.adam(0.1), key=jax.random.key(3))
+    trainer._overlap_start = overlap
+    Watched.threads.clear()
+    state = trainer.fit(Dataset(train=batches, batch=8), steps=4, log_every=4)
+    return jax.device_get(state.params), list(Watched.threads), trainer
+
+ahead, threads_ahead, trainer = fit(True)
+plain, threads_plain, _ = fit(False)
+same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ahead), jax.tree.leaves(plain), strict=True))
+jax.config.update("jax_compilation_cache_max_size", 2**30)  # an evicting cache: not on a thread
+print(json.dumps({"same": same, "ahead": threads_ahead, "plain": threads_plain,
+                  "evicting": builds_ahead(trainer.execution, None)}))
+"""
+
+
+def test_a_fresh_state_is_built_on_a_thread_while_the_step_compiles_and_equals_the_plain_start(tmp_path):
+    # Its own cache folder without eviction: the overlap is on (the suite's shared cache evicts).
+    done = run_python(BUILT_AHEAD, env={"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}, compilation_cache=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same"], result
+    assert "dew-initial-state" in result["ahead"] and "dew-initial-state" not in result["plain"], result
+    assert result["evicting"] is False

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import jax
 import numpy as np
@@ -48,7 +48,17 @@ class CompiledStep:
 
 
 class Execution(Protocol):
-    """Where the state of one run lives and where its step computes."""
+    """Where the state of one run lives and where its step computes.
+
+    ``compiles_from_shapes`` says whether ``compile`` needs only the state's
+    shapes and shardings, so a fit may compile the step while a fresh state
+    is still being built (dew.training.opening.Pending).
+    """
+
+    @property
+    def compiles_from_shapes(self) -> bool:
+        """Whether compile needs only the state's shapes and shardings, not its arrays."""
+        ...
 
     @property
     def mesh(self) -> Mesh:
@@ -94,6 +104,7 @@ class DeviceExecution:
     mesh: Mesh
     layout: Layout
     boxed: Variables  # the fresh variables as shapes, with their logical axes
+    compiles_from_shapes: ClassVar[bool] = True
 
     def placement(self, state: TrainState) -> Placement:
         return in_host_memory(state_placement(self.mesh, self.layout, self.boxed, state),

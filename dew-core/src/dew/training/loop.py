@@ -23,6 +23,7 @@ import jax
 from dew.objectives.base import Objective
 from dew.training.execution import CompiledStep
 from dew.training.feed import Feed, Signature
+from dew.training.opening import Pending
 from dew.training.state import TrainState
 
 if TYPE_CHECKING:
@@ -64,21 +65,24 @@ class StepRecord:
         return self if self.stop is not None else dataclasses.replace(self, stop=reason, last=True)
 
 
-def steps(state: TrainState, feed: Feed, compile: Callable[[TrainState, Mapping[str, jax.Array]], CompiledStep],
+def steps(state: TrainState | Pending, feed: Feed, compile: Callable[[TrainState, Mapping[str, jax.Array]], CompiledStep],
           objective: Objective, start: int, stop: int) -> Iterator[StepRecord]:
     """Dispatch steps start+1 .. stop, yielding each one's record as soon as it is dispatched; the
     objective says what a step of each new batch shape processes (tokens, flops)."""
     compiled: dict[Signature, StepProgram] = {}
     for step in range(start, stop):
-        fed = feed.next(state, step)
+        fed = feed.next(state, step)  # type: ignore[arg-type]  # Pending only where no rollout reads it
         compilation = None
         if fed.signature not in compiled:
             began = time.perf_counter()
-            compiled[fed.signature] = compile(state, fed.batch).executable
+            abstract = state.template if isinstance(state, Pending) else state
+            compiled[fed.signature] = compile(abstract, fed.batch).executable
             at = time.perf_counter()
             shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in fed.batch.items()}
             rows = next((v.shape[0] for v in shapes.values() if v.shape), 0)
             compilation = Compilation(at - began, at, rows, objective.tokens(shapes), objective.flops(shapes))
+        if isinstance(state, Pending):  # the initializer compiled and ran beside the step's compilation
+            state = state.result()
         state, metrics = compiled[fed.signature](state, fed.batch)
         yield StepRecord(step + 1, state, {**metrics, **fed.scalars}, first=step == start,
                          last=step + 1 == stop, compiled=compilation)

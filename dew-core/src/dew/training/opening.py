@@ -7,6 +7,13 @@ beside work the fit does anyway. ``FirstRead`` reads the first batch on a
 thread; the step loop takes it (waiting only for what is left), and an
 error the read raised is raised there, where a user sees a data error.
 
+A fresh state can be built the same way: ``Pending`` compiles and runs the
+initializer on a thread while the loop reads the first batch and compiles
+the step from the state's shapes (when the execution can, and no rollout
+reads the state to make the batch), so the two compilations overlap
+instead of following each other; the loop waits for the state only to run
+the first step. An error the initializer raised is raised there.
+
 ``closing_on_sigterm`` covers the start-up: a SIGTERM that arrives while
 the state is placed closes the stream (its worker processes end) before
 the signal ends the process, as it did before the stream was open.
@@ -27,11 +34,12 @@ import jax
 
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
+    from dew.training.execution import Execution
     from dew.training.feed import Feed
     from dew.training.placement.layout import Placement
     from dew.training.state import TrainState
 
-__all__ = ["FirstRead", "closing_on_sigterm", "start_placed"]
+__all__ = ["FirstRead", "Pending", "builds_ahead", "closing_on_sigterm", "start_placed"]
 
 _CLOSE_WAIT_SECONDS = 10.0  # how long closing waits for a read under way before closing the stream under it
 
@@ -75,6 +83,46 @@ class FirstRead(Generic[_T]):
         self._thread.join(timeout)
 
 
+def builds_ahead(execution: Execution, rollout: object | None) -> bool:
+    """Whether a fresh state may be built on a thread (``Pending``) while the step compiles.
+
+    Not when a rollout makes the first batch from the state, nor when the
+    execution compiles from the state's arrays, nor when JAX's persistent
+    compilation cache evicts (``jax_compilation_cache_max_size`` set): its
+    eviction reads every entry's access-time file under a file lock that
+    two threads of one process both hold, so a second thread's entry written
+    between the two can fail the first's save.
+    """
+    settings = jax.config.values
+    evicting = bool(settings["jax_compilation_cache_dir"]) and settings["jax_compilation_cache_max_size"] != -1
+    return rollout is None and execution.compiles_from_shapes and not evicting
+
+
+class Pending:
+    """A fresh state being built on a thread: its shapes and shardings now, the state at ``result``."""
+
+    def __init__(self, build: Callable[[], TrainState], template: TrainState) -> None:
+        self.template = template  # the state as ShapeDtypeStructs carrying their shardings
+        self._state: TrainState | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build, args=(build,), name="dew-initial-state", daemon=True)
+        self._thread.start()
+
+    def _build(self, build: Callable[[], TrainState]) -> None:
+        try:
+            self._state = build()
+        except BaseException as error:  # noqa: BLE001 - raised again by result(), in the step loop
+            self._error = error
+
+    def result(self) -> TrainState:
+        """The built state (the initializer's own error, if it failed)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error.with_traceback(self._error.__traceback__)
+        assert self._state is not None
+        return self._state
+
+
 @contextmanager
 def closing_on_sigterm(close: Callable[[], None]) -> Iterator[None]:
     """While inside, a SIGTERM calls close, then ends the process by the signal as before.
@@ -104,12 +152,14 @@ def closing_on_sigterm(close: Callable[[], None]) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def start_placed(place: Callable[[], tuple[TrainState, Placement, bytes | None]], feed: Feed,
-                 checkpoints: Checkpoints | None, steps: int, *, overlap: bool = True) -> tuple[TrainState, int]:
+def start_placed(place: Callable[[], tuple[TrainState | Pending, Placement, bytes | None]], feed: Feed,
+                 checkpoints: Checkpoints | None, steps: int, *,
+                 overlap: bool = True) -> tuple[TrainState | Pending, int]:
     """The placed state and its step, with feed open for it.
 
     With overlap, the stream starts before place() runs, so its start-up
-    overlaps the placement. A failure, a SIGTERM, or a fit already at its
+    overlaps the placement, and place may hand back a fresh state as a
+    ``Pending``. A failure, a SIGTERM, or a fit already at its
     target step closes the feed here.
     """
     try:
@@ -117,7 +167,7 @@ def start_placed(place: Callable[[], tuple[TrainState, Placement, bytes | None]]
             if overlap:
                 _begin(feed, checkpoints, steps)
             state, _, position = place()
-            start = int(jax.device_get(state.step))
+            start = 0 if isinstance(state, Pending) else int(jax.device_get(state.step))  # a fresh one
             if start < steps:
                 feed.open(position, resuming=start > 0, start=start)
                 return state, start
@@ -125,7 +175,7 @@ def start_placed(place: Callable[[], tuple[TrainState, Placement, bytes | None]]
         feed.close()
         raise
     feed.close()
-    return state, start
+    return (state.result() if isinstance(state, Pending) else state), start
 
 
 def _begin(feed: Feed, checkpoints: Checkpoints | None, steps: int) -> None:

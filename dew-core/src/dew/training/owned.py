@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 from flax import linen as nn
@@ -64,6 +64,7 @@ class OwnedExecution:
     boxed: Variables  # the fresh variables as shapes, with their logical axes
     bank: Placement
     frozen: frozenset[str]
+    compiles_from_shapes: ClassVar[bool] = False  # its compile reads the state's bank view
 
     @classmethod
     def of(cls, spec: MeshSpec, mesh: Mesh, layout: Layout, boxed: Variables, variables: Variables,

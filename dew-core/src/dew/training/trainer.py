@@ -31,7 +31,7 @@ from dew.training.evaluation import Evaluator
 from dew.training.execution import CompiledStep, Execution, execution_for
 from dew.training.feed import Feed
 from dew.training.initializers import Initializer
-from dew.training.opening import start_placed
+from dew.training.opening import Pending, builds_ahead, start_placed
 from dew.training.optim import ConfiguredOptimizer, Optimizer
 from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
@@ -50,8 +50,7 @@ if TYPE_CHECKING:  # named in signatures; the trainer imports none before a run 
     from dew.evaluations.base import Periodic
     from dew.training.profiling import ProfileWindow
 
-__all__ = ["CompiledStep", "FrozenTrainedError", "NonFiniteLossError", "ResumeMismatchError", "Rollout",
-           "StepCompositionError", "Trainer"]
+__all__ = ["CompiledStep", "FrozenTrainedError", "NonFiniteLossError", "ResumeMismatchError", "Rollout", "StepCompositionError", "Trainer"]
 
 
 class Trainer(Generic[Loss, Effects]):
@@ -84,7 +83,7 @@ class Trainer(Generic[Loss, Effects]):
         self.objective, self.optimizer, self.key, self.mesh, self.layout = objective, optimizer, key, mesh, layout
         self.accumulation, self.dynamic_scale = accumulation, dynamic_scale
         self.checkpoints, self.tracker, self.rollout, self.profile = checkpoints, tracker, rollout, profile
-        self.initializer, self.recipe = initializer, recipe
+        self.initializer, self.recipe, self._ahead = initializer, recipe, False  # _ahead: fit's, for place()
         self.evaluations = tuple(evaluations)  # tasks scored on a cadence (dew.evaluations.Periodic)
 
     @classmethod
@@ -137,9 +136,10 @@ class Trainer(Generic[Loss, Effects]):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                             shardings), shardings
 
-    def place(self) -> tuple[TrainState, Placement, bytes | None]:
-        """The state on the mesh, fresh or restored from the latest checkpoint, its shardings, and the
-        data position a resume continues from (a fresh state is built by the compiled initializer)."""
+    def place(self) -> tuple[TrainState | Pending, Placement, bytes | None]:
+        """The state on the mesh, fresh (built by the compiled initializer, within fit possibly on a thread:
+        dew.training.opening.Pending) or restored, its shardings, and the position a resume continues from."""
+        ahead, self._ahead = self._ahead, False
         checkpoints = self.checkpoints
         latest = None if checkpoints is None else checkpoints.latest
         saved = None if latest is None else f"the checkpoint at step {latest} in {checkpoints.directory}"  # type: ignore[union-attr]  # latest is set only with checkpoints
@@ -150,7 +150,9 @@ class Trainer(Generic[Loss, Effects]):
                                            check=self.program.check_resume)
             return restored.state, shardings, restored.position
         weights = self.start.weights_on_mesh(self.execution.weights_placement(shardings))
-        return self.execution.initialize(self.initial_state, shardings, weights, self.key), shardings, None
+        def build() -> TrainState:
+            return self.execution.initialize(self.initial_state, shardings, weights, self.key)
+        return (Pending(build, template) if ahead else build()), shardings, None
 
     def compile(self, state: TrainState, batch: Mapping[str, jax.Array]) -> CompiledStep:
         """The step compiled over state and one global batch; the state is donated."""
@@ -176,9 +178,10 @@ class Trainer(Generic[Loss, Effects]):
                     required=tuple(self.objective.required_keys()), rollout=self.rollout,
                     ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
                     ledger=ledger_beside(self.checkpoints))
+        self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout)  # place() takes it once
         state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
         if start >= steps:
-            return state
+            return state  # type: ignore[return-value]  # start_placed builds a Pending it returns this way
         reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
                                     notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
         saving = None if self.checkpoints is None else \
