@@ -366,6 +366,7 @@ class ObjectiveKit:
         batch = dict(np.load(Path(exchange) / "batch.npz"))
         trainer = Trainer(self.objective(), gradient_recorder(self.learning_rate), key=self._key())
         state, _, _ = trainer.place()
+        assert isinstance(state, TrainState)  # place() outside fit builds a fresh state here and now
         mesh = trainer.device_mesh
         sharded = shard_batch(batch, mesh, data_partition(mesh))
         after, metrics = trainer.compile(state, sharded)(state, sharded)
