@@ -294,9 +294,9 @@ def make_plan(config: RunConfig, recipe: str) -> Plan:
     feed.open(None, resuming=False)
     try:
         live = trainer.place()[0] if trainer.rollout is not None else state  # a rollout samples with weights
-        from dew.training.state import TrainState as Placed
+        from dew.training.state import TrainState
 
-        assert isinstance(live, Placed)  # place() outside fit builds a fresh state here and now
+        assert isinstance(live, TrainState)  # place() outside fit builds a fresh state here and now
         fed = feed.next(live, 0)
     finally:
         feed.close()
