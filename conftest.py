@@ -24,6 +24,11 @@ def _compilation_cache() -> None:
     The cache lives outside the checkout, keyed by JAX's version: ``DEW_TEST_COMPILATION_CACHE``
     names another folder, or ``off`` compiles everything afresh. A test that names its own
     cache (``device_env(compilation_cache=...)``, ``trainer.compilation_cache_dir``) keeps it.
+
+    JAX's own size limit is off: with it, every write rereads every entry of the folder
+    (half a second a write at ten thousand entries, longer as the folder grows) under a
+    lock two threads of one process race on. The suite bounds the folder itself, once, as
+    it starts (``_trimmed``).
     """
     import importlib.metadata
 
@@ -35,7 +40,30 @@ def _compilation_cache() -> None:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))  # least recently used go
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+    if "PYTEST_XDIST_WORKER" not in os.environ and folder.is_dir():
+        _trimmed(folder, CACHE_LIMIT_BYTES)
+
+
+CACHE_LIMIT_BYTES = 4 * 2**30
+
+
+def _trimmed(folder: Path, limit: int) -> None:
+    """Delete the folder's oldest entries (by last write) until it holds at most limit bytes,
+    and the access-time files JAX's own eviction left (they are not read without it)."""
+    entries = []
+    for path in folder.iterdir():
+        if path.name.endswith("-atime"):
+            path.unlink(missing_ok=True)
+        elif path.name.endswith("-cache"):
+            found = path.stat()
+            entries.append((found.st_mtime, found.st_size, path))
+    held = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if held <= limit:
+            break
+        path.unlink(missing_ok=True)
+        held -= size
 
 
 _compilation_cache()

@@ -65,8 +65,17 @@ def parameters_copy(state: TrainState) -> TrainState:
     Only ``params`` is copied; a rollout run ahead reads nothing else of the
     state (its optimizer state and counters belong to the step under way).
     """
-    params = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state.params)
-    return state.replace(params=jax.block_until_ready(params))
+    leaves, structure = jax.tree.flatten(state.params)
+    arrays = [index for index, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    copies = _copy_all([leaves[index] for index in arrays])
+    for index, copied in zip(arrays, copies, strict=True):
+        leaves[index] = copied
+    return state.replace(params=jax.block_until_ready(jax.tree.unflatten(structure, leaves)))
+
+
+# One dispatch copies every array (each keeps its sharding); a copy per leaf
+# was a dispatch per leaf, once a step.
+_copy_all = jax.jit(lambda arrays: [jnp.copy(array) for array in arrays])
 
 
 class _Deferred(Generic[Made]):
