@@ -237,10 +237,48 @@ print(json.dumps({"same": same, "ahead": threads_ahead, "plain": threads_plain,
 
 
 def test_a_fresh_state_is_built_on_a_thread_while_the_step_compiles_and_equals_the_plain_start(tmp_path):
-    # Its own cache folder without eviction: the overlap is on (the suite's shared cache evicts).
+    # Its own cache folder, as the suite's: no eviction, so the overlap is on.
     done = run_python(BUILT_AHEAD, env={"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}, compilation_cache=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["same"], result
     assert "dew-initial-state" in result["ahead"] and "dew-initial-state" not in result["plain"], result
     assert result["evicting"] is False
+
+
+FAILS_WHILE_BUILDING = r"""
+import json, threading, time
+import jax, numpy as np, optax
+from dew import Trainer
+from dew.data import Dataset
+from dew.testing.doubles import Linear
+
+class Planted(RuntimeError):
+    pass
+
+class SlowInitBadStep(Linear):
+    def init(self, key, variables=None):
+        if threading.current_thread().name == "dew-initial-state":
+            time.sleep(2)  # still building when the step fails to compile
+        return super().init(key, variables)
+    def loss(self, variables, batch, step):
+        raise Planted("the step does not compile")
+
+def batches(partition):
+    while True:
+        yield {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 1), np.float32)}
+
+try:
+    Trainer(SlowInitBadStep(), optax.sgd(0.1), key=jax.random.key(0)).fit(Dataset(train=batches, batch=8), steps=2)
+except Planted as error:
+    raised = str(error)
+print(json.dumps({"raised": raised, "building": [t.name for t in threading.enumerate() if t.name == "dew-initial-state"]}))
+"""
+
+
+def test_a_fit_that_fails_while_its_state_is_built_waits_for_the_build_and_exits_cleanly(tmp_path):
+    # An interpreter that ended while XLA compiled the initializer on its thread crashed (SIGSEGV).
+    done = run_python(FAILS_WHILE_BUILDING, env={"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}, compilation_cache=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"raised": "the step does not compile", "building": []}

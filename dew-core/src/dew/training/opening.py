@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from dew.training.placement.layout import Placement
     from dew.training.state import TrainState
 
-__all__ = ["FirstRead", "Pending", "builds_ahead", "closing_on_sigterm", "start_placed"]
+__all__ = ["FirstRead", "Pending", "builds_ahead", "closing_on_sigterm", "ending", "start_placed"]
 
 _CLOSE_WAIT_SECONDS = 10.0  # how long closing waits for a read under way before closing the stream under it
 
@@ -105,7 +105,8 @@ class Pending:
         self.template = template  # the state as ShapeDtypeStructs carrying their shardings
         self._state: TrainState | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._build, args=(build,), name="dew-initial-state", daemon=True)
+        # Not a daemon: an interpreter that ends while XLA compiles on this thread crashes (SIGSEGV).
+        self._thread = threading.Thread(target=self._build, args=(build,), name="dew-initial-state")
         self._thread.start()
 
     def _build(self, build: Callable[[], TrainState]) -> None:
@@ -121,6 +122,23 @@ class Pending:
             raise self._error.with_traceback(self._error.__traceback__)
         assert self._state is not None
         return self._state
+
+    def settle(self) -> None:
+        """Wait for the build under way, keeping nothing: the fit failed before it needed the state."""
+        self._thread.join()
+        self._state = self._error = None
+
+
+@contextmanager
+def ending(feed: Feed, state: TrainState | Pending | None) -> Iterator[None]:
+    """Around a fit's loop: on the way out the feed closes, and a state still being built (the
+    loop failed before it needed it) is waited for, so no compilation outlives the fit."""
+    try:
+        yield
+    finally:
+        feed.close()
+        if isinstance(state, Pending):
+            state.settle()
 
 
 @contextmanager
@@ -162,6 +180,7 @@ def start_placed(place: Callable[[], tuple[TrainState | Pending, Placement, byte
     ``Pending``. A failure, a SIGTERM, or a fit already at its
     target step closes the feed here.
     """
+    state: TrainState | Pending | None = None
     try:
         with closing_on_sigterm(feed.close):  # a SIGTERM while placing ends the stream's workers too
             if overlap:
@@ -172,8 +191,8 @@ def start_placed(place: Callable[[], tuple[TrainState | Pending, Placement, byte
                 feed.open(position, resuming=start > 0, start=start)
                 return state, start
     except BaseException:
-        feed.close()
-        raise
+        with ending(feed, state):
+            raise
     feed.close()
     return (state.result() if isinstance(state, Pending) else state), start
 

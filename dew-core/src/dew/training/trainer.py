@@ -31,7 +31,7 @@ from dew.training.evaluation import Evaluator
 from dew.training.execution import CompiledStep, Execution, execution_for
 from dew.training.feed import Feed
 from dew.training.initializers import Initializer
-from dew.training.opening import Pending, builds_ahead, start_placed
+from dew.training.opening import Pending, builds_ahead, ending, start_placed
 from dew.training.optim import ConfiguredOptimizer, Optimizer
 from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
@@ -191,9 +191,7 @@ class Trainer(Generic[Loss, Effects]):
                                      preview=preview, tracked=self.tracker is not None),
                     hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
                     hooks.Preemption(reporting, saving)]
-        try:
+        with ending(feed, state):
             state = loop.run_hooks(loop.steps(state, feed, self.compile, self.objective, start, steps), reporting,
-                               concerns)
-        finally:
-            feed.close()
+                                   concerns)
         return state
