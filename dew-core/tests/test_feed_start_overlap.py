@@ -207,11 +207,20 @@ from dew.data import Dataset
 from dew.testing.doubles import Linear
 from dew.training.opening import builds_ahead
 
+from dew.training.execution import DeviceExecution
+
 class Watched(Linear):
-    threads = []
+    threads = []  # where the state was built (the initializer compiled and ran)
+    traces = 0
     def init(self, key, variables=None):
-        Watched.threads.append(threading.current_thread().name)
+        Watched.traces += 1
         return super().init(key, variables)
+
+initialize = DeviceExecution.initialize
+def watched_initialize(self, *args):
+    Watched.threads.append(threading.current_thread().name)
+    return initialize(self, *args)
+DeviceExecution.initialize = watched_initialize
 
 def batches(partition):
     index = 0
@@ -224,8 +233,9 @@ def fit(overlap):
     trainer = Trainer(Watched(), optax.adam(0.1), key=jax.random.key(3))
     trainer._overlap_start = overlap
     Watched.threads.clear()
+    Watched.traces = 0
     state = trainer.fit(Dataset(train=batches, batch=8), steps=4, log_every=4)
-    return jax.device_get(state.params), list(Watched.threads), trainer
+    return jax.device_get(state.params), list(Watched.threads) + [f"traced {Watched.traces}"], trainer
 
 ahead, threads_ahead, trainer = fit(True)
 plain, threads_plain, _ = fit(False)
@@ -236,13 +246,15 @@ print(json.dumps({"same": same, "ahead": threads_ahead, "plain": threads_plain,
 """
 
 
-def test_a_fresh_state_is_built_on_a_thread_while_the_step_compiles_and_equals_the_plain_start(tmp_path):
+def test_a_fresh_state_is_built_on_a_thread_while_the_step_compiles_equals_the_plain_start_and_traces_init_once(tmp_path):
     # Its own cache folder, as the suite's: no eviction, so the overlap is on.
     done = run_python(BUILT_AHEAD, env={"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}, compilation_cache=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["same"], result
-    assert "dew-initial-state" in result["ahead"] and "dew-initial-state" not in result["plain"], result
+    # Built on the thread (or not), and init traced once either way: the shapes' trace is reused.
+    assert result["ahead"] == ["dew-initial-state", "traced 1"], result
+    assert result["plain"] == ["MainThread", "traced 1"], result
     assert result["evicting"] is False
 
 

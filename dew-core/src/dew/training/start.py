@@ -8,7 +8,7 @@ pure ``initial_state`` an execution compiles.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cached_property
 
 import jax
@@ -45,6 +45,8 @@ class Start:
     def initial_state(self, initializer: Initializer = None, key: jax.Array | None = None) -> TrainState:
         """The state a fresh run starts from: pure, so it traces for shapes and for values."""
         key = self.key if key is None else key
+        if initializer is None and self.initializer is None:
+            return self._fresh(key)[1]
         if initializer is None:
             weights = self.read_weights()
         elif isinstance(initializer, WeightSource):  # a source other than the run's, read here
@@ -64,11 +66,19 @@ class Start:
             # The weights are an argument, so init sees tracers it can compute on (a copy, say).
             return boxed, jax.eval_shape(self.initial_state, weights, self.key)
 
+        return jax.eval_shape(self._fresh, self.key)
+
+    @cached_property
+    def _fresh(self) -> Callable[[jax.Array], tuple[Variables, TrainState]]:
+        """A random init and the state around it, as one jitted function: JAX keeps the trace
+        that gave the shapes, and the compiled initializer (which calls this) reuses it, so a
+        fresh run traces the objective's init once, not once more while its step compiles."""
+
         def both(k: jax.Array) -> tuple[Variables, TrainState]:
             boxed = self.objective.init(stream(k, "init"))
             return boxed, self.program.fresh(boxed, k)
 
-        return jax.eval_shape(both, self.key)
+        return jax.jit(both)
 
     @cached_property
     def boxed(self) -> Variables:
