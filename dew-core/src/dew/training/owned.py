@@ -32,7 +32,7 @@ from jax.tree_util import KeyPath
 
 from dew.nn.pipeline import pipeline
 from dew.objectives.base import LeafFilter, Variables
-from dew.training.execution import state_placement
+from dew.training.execution import run_once_options, state_placement
 from dew.training.placement.layout import Layout, Placement
 from dew.training.placement.mesh import MeshSpec, companion_mesh
 from dew.training.placement.stages import schedule_of, with_bubble
@@ -132,7 +132,8 @@ class OwnedExecution:
 
     def initialize(self, build: Callable[..., TrainState], placement: TrainState, *args: object) -> TrainState:
         """Build the fresh state on the companion, then move the frozen parameters to the accelerators."""
-        state = jax.jit(build, out_shardings=self.on_companion(placement))(*args)
+        options = run_once_options(self.companion, self.boxed)
+        state = jax.jit(build, out_shardings=self.on_companion(placement), compiler_options=options)(*args)
         return jax.device_put(state, placement)
 
     # -- the step ---------------------------------------------------------------
