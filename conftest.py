@@ -37,12 +37,12 @@ def _compilation_cache() -> None:
         return
     version = importlib.metadata.version("jax")
     folder = Path(chosen) if chosen else Path.home() / ".cache" / "dew" / f"test-compilation-jax-{version}"
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ and folder.is_dir():
+        _trimmed(folder, CACHE_LIMIT_BYTES)  # once, in the first pytest process: workers and children inherit the folder
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
-    if "PYTEST_XDIST_WORKER" not in os.environ and folder.is_dir():
-        _trimmed(folder, CACHE_LIMIT_BYTES)
 
 
 CACHE_LIMIT_BYTES = 4 * 2**30

@@ -205,9 +205,8 @@ import jax, numpy as np, optax
 from dew import Trainer
 from dew.data import Dataset
 from dew.testing.doubles import Linear
-from dew.training.opening import builds_ahead
-
 from dew.training.execution import DeviceExecution
+from dew.training.opening import builds_ahead
 
 class Watched(Linear):
     threads = []  # where the state was built (the initializer compiled and ran)

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from dew.training.program import Program
     from dew.training.step import StepFn
 
-__all__ = ["QUICK_INIT_PARAMETERS", "CompiledStep", "DeviceExecution", "Execution", "execution_for", "follower", "run_once_options",
-           "state_placement"]
+__all__ = ["QUICK_INIT_PARAMETERS", "CompiledStep", "DeviceExecution", "Execution", "execution_for", "follower",
+           "run_once_options", "state_placement"]
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,10 @@ def parameters_copy(state: TrainState) -> TrainState:
     state (its optimizer state and counters belong to the step under way).
     """
     leaves, structure = jax.tree.flatten(state.params)
-    arrays = [index for index, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    copies = _copy_all([leaves[index] for index in arrays])
-    for index, copied in zip(arrays, copies, strict=True):
-        leaves[index] = copied
-    return state.replace(params=jax.block_until_ready(jax.tree.unflatten(structure, leaves)))
+    arrays = {index: leaf for index, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)}
+    copies = dict(zip(arrays, _copy_all(list(arrays.values())), strict=True))
+    params = jax.tree.unflatten(structure, [copies.get(index, leaf) for index, leaf in enumerate(leaves)])
+    return state.replace(params=jax.block_until_ready(params))
 
 
 # One dispatch copies every array (each keeps its sharding); a copy per leaf

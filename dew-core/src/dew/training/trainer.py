@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # named in signatures; the trainer imports none before a run 
     from dew.evaluations.base import Periodic
     from dew.training.profiling import ProfileWindow
 
-__all__ = ["CompiledStep", "FrozenTrainedError", "NonFiniteLossError", "ResumeMismatchError", "Rollout", "StepCompositionError", "Trainer"]
+__all__ = ["CompiledStep", "FrozenTrainedError", "NonFiniteLossError", "ResumeMismatchError", "Rollout",
+           "StepCompositionError", "Trainer"]
 
 
 class Trainer(Generic[Loss, Effects]):
