@@ -133,3 +133,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the end, instead of one worker finishing a long module while the other stands idle."""
     slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module not in slow)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze the heap once collection has imported every test module (JAX, torch and transformers
+    among them), so the garbage collector's full passes walk only what the tests make afterwards,
+    as a fit does for itself (dew.training.heap)."""
+    import gc
+
+    gc.freeze()
