@@ -137,8 +137,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze the heap once collection has imported every test module (JAX, torch and transformers
-    among them), so the garbage collector's full passes walk only what the tests make afterwards,
-    as a fit does for itself (dew.training.heap)."""
+    among them), so the garbage collector's full passes walk only what the tests make afterwards."""
     import gc
 
     gc.freeze()

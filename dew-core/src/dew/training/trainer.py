@@ -30,7 +30,6 @@ from dew.training.config import TrainerSettings
 from dew.training.evaluation import Evaluator
 from dew.training.execution import CompiledStep, Execution, execution_for
 from dew.training.feed import Feed
-from dew.training.heap import frozen_heap
 from dew.training.initializers import Initializer
 from dew.training.opening import Pending, builds_ahead, ending, start_placed
 from dew.training.optim import ConfiguredOptimizer, Optimizer
@@ -114,7 +113,8 @@ class Trainer(Generic[Loss, Effects]):
 
     @property
     def bank_sites(self) -> tuple[str, ...]:
-        """The scanned layer stacks ('params/model/layers', ...): what a host layout streams and stages split."""
+        """The objective's scanned layer stacks ('params/model/layers', ...): the banks a host
+        layout streams, and what the mesh's stage axis splits into pipeline stages."""
         return bank_sites(self.start.boxed)
 
     def initial_state(self, initializer: Initializer = None, key: jax.Array | None = None) -> TrainState:
@@ -164,7 +164,6 @@ class Trainer(Generic[Loss, Effects]):
         return Evaluator(self.objective, self.device_mesh)
 
     # -- the loop ---------------------------------------------------------------------------
-    @frozen_heap()  # the collector skips what the fit found alive (dew.training.heap)
     def fit(self, dataset: Dataset, *, steps: int, log_every: int = 100, eval_every: int | None = None,
             checkpoint_every: int | None = None, metrics: Sequence[Metric] = (), preview: bool = False) -> TrainState:
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
