@@ -137,11 +137,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze the heap once collection has imported every test module (JAX, torch and transformers
-    among them), so the garbage collector's full passes walk only what the tests make afterwards,
-    and collect the youngest generation every 20,000 net allocations instead of 700: tracing
-    makes objects by the hundred thousand, and at Python's default a tiny-lm run spent three times
-    as long in the collector (0.33 s against 0.11 s of its 10.6 s)."""
+    among them), so the garbage collector's full passes walk only what the tests make afterwards."""
     import gc
 
     gc.freeze()
-    gc.set_threshold(20_000, 10, 10)
