@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dew.telemetry.records import is_record, previews_of, record_row
+from dew.tracking.background import Channel, Dropped, TrackerWriteError
 from dew.tracking.protocol import Reported, check_reported
 from dew.tracking.rows import scalar_row
 
-if TYPE_CHECKING:
-    from dew.tracking.background import Dropped
-import io
-
 __all__ = ["LocalTracker"]
+
+# One encoder for every row: json.dumps with a keyword builds a fresh one per call.
+_ROW = json.JSONEncoder(allow_nan=False, check_circular=False).encode
 
 
 class LocalTracker:
@@ -53,29 +54,22 @@ class LocalTracker:
 
     def __init__(self, directory: str | Path, *, plots: bool = False,
                  stop_on_failure: bool = True, close_timeout: float = 30.0) -> None:
-        from dew.tracking.background import Channel
-
         self.directory = Path(directory)
         self.plots = plots
-        self._handles: dict[str, io.FileIO] = {}
+        # Each open journal and its length in bytes: the length is read once, at open, and
+        # advanced by what this tracker writes, so an append is a single system call.
+        self._handles: dict[str, tuple[io.FileIO, int]] = {}
         self._channel = Channel(self._send, f"LocalTracker at {self.directory}", synchronous=True,
                                 stop_on_failure=stop_on_failure, close_timeout=close_timeout,
                                 on_recover=self._recovered)
 
     def _append(self, journal: str, rows: list[Mapping[str, object]]) -> None:
         """Append rows to journal in one write; on failure cut the file back to whole lines."""
-        from dew.tracking.background import TrackerWriteError
-
-        path = self.directory / journal
-        data = "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows).encode()
-        try:
-            handle = self._handles.get(journal)
-            if handle is None:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                handle = self._handles[journal] = open(path, "ab", buffering=0)  # noqa: SIM115
-        except OSError as error:
-            raise TrackerWriteError(f"LocalTracker could not open {path}: {error}") from error
-        size = os.fstat(handle.fileno()).st_size
+        data = "".join([_ROW(row) + "\n" for row in rows]).encode()
+        opened = self._handles.get(journal)
+        if opened is None:
+            opened = self._open(journal)
+        handle, size = opened
         view = memoryview(data)
         try:
             while view:
@@ -84,13 +78,23 @@ class LocalTracker:
             with contextlib.suppress(OSError):
                 os.ftruncate(handle.fileno(), size)
             raise TrackerWriteError(
-                f"LocalTracker could not write {len(rows)} rows to {path} (the journal is kept "
-                f"as it was, {size} bytes): {error}") from error
+                f"LocalTracker could not write {len(rows)} rows to {self.directory / journal} "
+                f"(the journal is kept as it was, {size} bytes): {error}") from error
+        self._handles[journal] = (handle, size + len(data))
+
+    def _open(self, journal: str) -> tuple[io.FileIO, int]:
+        """Open journal for appending (creating the directory), with its present length."""
+        path = self.directory / journal
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open until close()
+            opened = self._handles[journal] = (handle, os.fstat(handle.fileno()).st_size)
+        except OSError as error:
+            raise TrackerWriteError(f"LocalTracker could not open {path}: {error}") from error
+        return opened
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """The journals' rows and the preview files of items, in order (on the caller's thread)."""
-        from dew.telemetry.render import preview_columns, write_preview
-
         rows: dict[str, list[Mapping[str, object]]] = {}
         for kind, value, step in items:
             if kind == "log":
@@ -99,6 +103,8 @@ class LocalTracker:
             if is_record(value):
                 rows.setdefault(self.RECORDS, []).append(record_row(value, step))
             for preview in previews_of(value):
+                from dew.telemetry.render import preview_columns, write_preview
+
                 try:
                     path = write_preview(preview, self.directory / "previews", step)
                 except OSError as error:
@@ -149,7 +155,7 @@ class LocalTracker:
             self._channel.close()
         finally:
             handles, self._handles = self._handles, {}
-            for handle in handles.values():
+            for handle, _ in handles.values():
                 handle.close()
         if self.plots:
             self.plot()
