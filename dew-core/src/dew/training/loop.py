@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import jax
 
 from dew.objectives.base import Objective
-from dew.training.execution import CompiledStep
 from dew.training.feed import Feed, Signature
 from dew.training.opening import Pending
 from dew.training.state import TrainState
@@ -65,10 +64,14 @@ class StepRecord:
         return self if self.stop is not None else dataclasses.replace(self, stop=reason, last=True)
 
 
-def steps(state: TrainState | Pending, feed: Feed, compile: Callable[[TrainState, Mapping[str, jax.Array]], CompiledStep],
+def steps(state: TrainState | Pending, feed: Feed, compile: Callable[[TrainState, Mapping[str, jax.Array]], StepProgram],
           objective: Objective, start: int, stop: int) -> Iterator[StepRecord]:
-    """Dispatch steps start+1 .. stop, yielding each one's record as soon as it is dispatched; the
-    objective says what a step of each new batch shape processes (tokens, flops)."""
+    """Dispatch steps start+1 .. stop, yielding each one's record as soon as it is dispatched.
+
+    compile is the execution's (dew.training.execution): it turns the state, or its abstract
+    template, and a batch into the step program; the objective says what a step of each new
+    batch shape processes (tokens, flops).
+    """
     compiled: dict[Signature, StepProgram] = {}
     for step in range(start, stop):
         fed = feed.next(state, step)  # type: ignore[arg-type]  # Pending only where no rollout reads it
@@ -76,7 +79,7 @@ def steps(state: TrainState | Pending, feed: Feed, compile: Callable[[TrainState
         if fed.signature not in compiled:
             began = time.perf_counter()
             abstract = state.template if isinstance(state, Pending) else state
-            compiled[fed.signature] = compile(abstract, fed.batch).executable
+            compiled[fed.signature] = compile(abstract, fed.batch)
             at = time.perf_counter()
             shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in fed.batch.items()}
             rows = next((v.shape[0] for v in shapes.values() if v.shape), 0)

@@ -12,7 +12,7 @@ through the hooks (dew.training.loop).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Generic
 
 import jax
@@ -193,6 +193,6 @@ class Trainer(Generic[Loss, Effects]):
                     hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
                     hooks.Preemption(reporting, saving)]
         with ending(feed, state):
-            state = loop.run_hooks(loop.steps(state, feed, self.compile, self.objective, start, steps), reporting,
-                                   concerns)
+            compile = partial(self.execution.compile, self.program)
+            state = loop.run_hooks(loop.steps(state, feed, compile, self.objective, start, steps), reporting, concerns)
         return state
