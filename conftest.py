@@ -127,12 +127,26 @@ def repository() -> Path:
     return ROOT
 
 
+DURATIONS = ROOT / "tests" / "durations.json"  # each module's seconds in a whole run (scripts/durations.py)
+UNLISTED_SLOW_SECONDS = 30.0  # a module the table does not list yet, holding a slow test
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that hold slow tests run first (each module's own order kept): the suite's workers
-    take whole modules in collection order, so the long ones start early and the short ones fill
-    the end, instead of one worker finishing a long module while the other stands idle."""
+    """Modules run longest first (each module's own order kept): the suite's workers take whole
+    modules in collection order, so the long ones start early and the short ones fill the end,
+    instead of one worker finishing a long module while the other stands idle. The seconds come
+    from tests/durations.json; a module it does not list counts as UNLISTED_SLOW_SECONDS when it
+    holds a slow test, else as nothing."""
+    import json
+
+    listed: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.module not in slow)
+
+    def seconds(item: pytest.Item) -> float:
+        path = item.nodeid.split("::", 1)[0]
+        return listed.get(path, UNLISTED_SLOW_SECONDS if item.module in slow else 0.0)
+
+    items.sort(key=lambda item: -seconds(item))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
