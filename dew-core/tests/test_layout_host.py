@@ -73,37 +73,17 @@ def test_check_refuses_host_parameters_in_a_placement_that_keeps_them_on_the_dev
 
 PROGRAM = r"""
 import json
-import jax, jax.numpy as jnp, numpy as np, optax
-from flax import linen as nn
+import jax, numpy as np, optax
 from dew import Trainer
 from dew.data import Dataset
-from dew.testing.doubles import NextToken, RecordingTracker
+from dew.testing.doubles import NextToken, RecordingTracker, TokenMLP, token_batches
 from dew.training.placement.layout import Layout
 from dew.training.placement.mesh import MeshSpec
 
-def p(axes):
-    return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, tokens):
-        emb = nn.Embed(32, 16, embedding_init=nn.with_logical_partitioning(
-            nn.initializers.normal(0.02), ("vocab", "embed")))
-        x = emb(tokens)
-        h = nn.Dense(64, kernel_init=p(("embed", "mlp")))(x)
-        x = x + nn.Dense(16, kernel_init=p(("mlp", "embed")))(nn.gelu(h))
-        return emb.attend(x)
-
 def LM():
-    return NextToken(Net())  # the next-token cross entropy of Net, dew.testing's double
+    return NextToken(TokenMLP())  # dew.testing's smallest sharded language model and its loss
 
-def batches(partition):
-    step = 0
-    while True:
-        rows = np.random.default_rng(step).integers(0, 32, size=(16, 9)).astype(np.int32)
-        share = 16 // partition.shares
-        yield {"text": rows[partition.share * share:(partition.share + 1) * share]}
-        step += 1
+batches = token_batches  # 16 rows of 9 random tokens a batch, each data share its slice
 
 
 out = {}

@@ -8,38 +8,17 @@ import pytest
 
 PROGRAM = r"""
 import json, sys
-import jax, jax.numpy as jnp, numpy as np, optax
-from flax import linen as nn
+import jax, optax
 from dew import Trainer
 from dew.data import Dataset
-from dew.testing.doubles import NextToken, RecordingTracker
+from dew.testing.doubles import NextToken, RecordingTracker, TokenMLP, token_batches
 from dew.training.placement.layout import Layout, LayoutError
 from dew.training.placement.mesh import MeshSpec
 
-def p(axes):
-    return nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, tokens):
-        emb = nn.Embed(32, 16, embedding_init=nn.with_logical_partitioning(
-            nn.initializers.normal(0.02), ("vocab", "embed")))
-        x = emb(tokens)
-        h = nn.Dense(64, kernel_init=p(("embed", "mlp")))(x)
-        x = x + nn.Dense(16, kernel_init=p(("mlp", "embed")))(nn.gelu(h))
-        return emb.attend(x)
-
 def LM():
-    return NextToken(Net())  # the next-token cross entropy of Net, dew.testing's double
+    return NextToken(TokenMLP())  # dew.testing's smallest sharded language model and its loss
 
-def batches(partition):
-    step = 0
-    while True:
-        rng = np.random.default_rng(step)
-        rows = rng.integers(0, 32, size=(16, 9)).astype(np.int32)
-        share = 16 // partition.shares
-        yield {"text": rows[partition.share * share:(partition.share + 1) * share]}
-        step += 1
+batches = token_batches  # 16 rows of 9 random tokens a batch, each data share its slice
 
 
 out = {}

@@ -38,9 +38,11 @@ __all__ = [
     "RecordingTracker",
     "Regression",
     "RegressionStream",
+    "TokenMLP",
     "WatchedStream",
     "regression_batch",
     "regression_dataset",
+    "token_batches",
 ]
 
 FEATURES = 4
@@ -133,6 +135,46 @@ class NextToken(Objective):
         logits = self.model.apply(variables, batch["text"][:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:])
         return Mean(ce.sum(), jnp.asarray(ce.size, jnp.float32)), Aux()
+
+
+class TokenMLP(nn.Module):
+    """Token ids [B, T] to logits [B, T, vocab]: an embedding, one residual MLP and the embedding
+    again as the head. Every weight names its logical axes (vocab, embed, mlp), so a mesh's rules
+    shard it on every axis a language model uses; ``NextToken(TokenMLP())`` is the smallest
+    language model a sharded fit takes."""
+
+    vocab: int = 32
+    features: int = 16
+    hidden: int = 64
+
+    @nn.compact
+    def __call__(self, tokens_bt: jnp.ndarray) -> jnp.ndarray:
+        dense = nn.initializers.lecun_normal()
+        emb = nn.Embed(self.vocab, self.features, embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(0.02), ("vocab", "embed")))
+        x_btf = emb(tokens_bt)
+        h_bth = nn.Dense(self.hidden, kernel_init=nn.with_logical_partitioning(dense, ("embed", "mlp")))(x_btf)
+        x_btf = x_btf + nn.Dense(self.features, kernel_init=nn.with_logical_partitioning(dense, ("mlp", "embed")))(
+            nn.gelu(h_bth))
+        return emb.attend(x_btf)
+
+
+def token_batches(partition: DataPartition, rows: int = 16, length: int = 9,
+                  vocab: int = 32) -> Iterator[dict[str, np.ndarray]]:
+    """Endless batches {"text": int32 [rows / shares, length]} of uniform token ids: batch n is
+    drawn from seed n, and each share of the data partition takes its own slice of its rows.
+
+    >>> from dew.data.base import DataPartition
+    >>> first = next(token_batches(DataPartition(share=1, shares=2)))["text"]
+    >>> first.shape, first.dtype.name
+    ((8, 9), 'int32')
+    """
+    step = 0
+    while True:
+        drawn = np.random.default_rng(step).integers(0, vocab, size=(rows, length)).astype(np.int32)
+        share = rows // partition.shares
+        yield {"text": drawn[partition.share * share:(partition.share + 1) * share]}
+        step += 1
 
 
 def regression_batch(index: int, rows: int = 8) -> dict[str, np.ndarray]:
