@@ -35,6 +35,7 @@ import numpy as np
 from dew.data.base import Dataset, EosTokenizer
 from dew.data.chat_template import ChatTemplate, read_chat_template
 from dew.data.errors import EmptyDatasetError, MalformedRecordError
+from dew.data.packing import packed_rows
 from dew.data.shards import Shards, expand_shards
 from dew.data.sources import ArrayRecords
 from dew.data.stream import record_dataset
@@ -238,26 +239,7 @@ class Chat(_ChatReader):
     def rows(self) -> dict[str, np.ndarray]:
         """text, loss_mask and segment_ids, each [rows, length + 1] int32."""
         tokenizer = self.text_tokenizer()
-        limit = self.length + 1
-        rows: list[list[Conversation]] = []
-        used = limit
-        for conversation in self.encoded():
-            if not self.pack or used + len(conversation.ids) > limit:
-                rows.append([])
-                used = 0
-            rows[-1].append(conversation)
-            used += len(conversation.ids)
-        text = np.full((len(rows), limit), int(tokenizer.eos_id), np.int32)
-        mask = np.zeros((len(rows), limit), np.int32)
-        segments = np.zeros((len(rows), limit), np.int32)
-        for r, packed in enumerate(rows):
-            start = 0
-            for number, conversation in enumerate(packed, 1):
-                stop = start + len(conversation.ids)
-                text[r, start:stop], mask[r, start:stop] = conversation.ids, conversation.mask
-                segments[r, start:stop] = number
-                start = stop
-        return {"text": text, "loss_mask": mask, "segment_ids": segments}
+        return packed_rows(self.encoded(), self.length + 1, int(tokenizer.eos_id), pack=self.pack)
 
 
 @dataclass(frozen=True)

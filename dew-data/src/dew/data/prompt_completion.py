@@ -40,6 +40,7 @@ import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer, Tokenizer
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
+from dew.data.packing import packed_rows
 from dew.data.sources import ArrayRecords, expand_files
 from dew.data.stream import record_dataset
 from dew.data.token_windows import resolve_tokenizer, split_records
@@ -164,25 +165,7 @@ class PromptCompletion:
     def rows(self) -> dict[str, np.ndarray]:
         """text, loss_mask and segment_ids, each [rows, length + 1] int32."""
         tokenizer = resolve_tokenizer(self.tokenizer)
-        limit = self.length + 1
-        rows: list[list[Encoded]] = []
-        used = limit
-        for record in self.encoded():
-            if not self.pack or used + len(record.ids) > limit:
-                rows.append([])
-                used = 0
-            rows[-1].append(record)
-            used += len(record.ids)
-        text = np.full((len(rows), limit), int(tokenizer.eos_id), np.int32)
-        mask = np.zeros((len(rows), limit), np.int32)
-        segments = np.zeros((len(rows), limit), np.int32)
-        for r, records in enumerate(rows):
-            start = 0
-            for number, record in enumerate(records, 1):
-                stop = start + len(record.ids)
-                text[r, start:stop], mask[r, start:stop], segments[r, start:stop] = record.ids, record.mask, number
-                start = stop
-        return {"text": text, "loss_mask": mask, "segment_ids": segments}
+        return packed_rows(self.encoded(), self.length + 1, int(tokenizer.eos_id), pack=self.pack)
 
     def records(self) -> ArrayRecords:
         """The rows as a record source for train_stream."""
