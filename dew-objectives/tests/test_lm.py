@@ -16,7 +16,13 @@ from dew.data import ByteTokenizer
 from dew.data.tokenizers import UnknownTokenError
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.base import Mean, MeanMetric, Step
-from dew.objectives.lm import BatchShapeError, LMObjective, MissingBatchKeyError, Perplexity
+from dew.objectives.lm import (
+    BatchShapeError,
+    LMObjective,
+    MissingBatchKeyError,
+    Perplexity,
+    argmax_hits,
+)
 from dew.registry import objectives
 from dew.telemetry.artifacts import Artifact
 from dew.testing.processes import run_python
@@ -37,6 +43,20 @@ def batch():
     rng = np.random.default_rng(0)
     return {"text": rng.integers(0, 257, size=(3, 9)).astype(np.int32)}
 
+
+
+def test_argmax_hits_is_numpy_argmax_equality_with_ties_to_the_first_index():
+    # Logits of three values over 11 entries tie in nearly every row; half the targets are a
+    # row's first largest, a quarter its last largest (a tie that is not argmax's), the rest random.
+    rng = np.random.default_rng(0)
+    logits = rng.integers(0, 3, size=(40, 16, 11)).astype(np.float32)
+    first = np.argmax(logits, -1)
+    last = 10 - np.argmax(logits[..., ::-1], -1)
+    pick = rng.random((40, 16))
+    targets = np.where(pick < 0.5, first, np.where(pick < 0.75, last, rng.integers(0, 11, (40, 16))))
+    got = np.asarray(jax.jit(argmax_hits)(jnp.asarray(logits), jnp.asarray(targets, jnp.int32)))
+    np.testing.assert_array_equal(got, first == targets)
+    assert got.sum() > 300 and (~got & (last == targets)).sum() > 100  # both kinds of tie were asked
 
 @pytest.mark.slow
 def test_loss_and_accuracy_match_a_hand_computation(variables, batch):
