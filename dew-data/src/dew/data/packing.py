@@ -59,4 +59,3 @@ def packed_rows(records: Iterable[Scored], width: int, pad_id: int, *, pack: boo
             text[r, start:stop], mask[r, start:stop], segments[r, start:stop] = record.ids, record.mask, number
             start = stop
     return {"text": text, "loss_mask": mask, "segment_ids": segments}
-
