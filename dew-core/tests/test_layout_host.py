@@ -83,15 +83,13 @@ from dew.training.placement.mesh import MeshSpec
 def LM():
     return NextToken(TokenMLP())  # dew.testing's smallest sharded language model and its loss
 
-batches = token_batches  # 16 rows of 9 random tokens a batch, each data share its slice
-
 
 out = {}
 for name, host in (("resident", ()), ("offloaded", ("opt_state", "ema"))):
     losses = RecordingTracker()
     trainer = Trainer(LM(), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(fsdp=4, tensor=2),
                       layout=Layout(min_shard=0, tolerance=0.25, host=host), tracker=losses)
-    state = trainer.fit(Dataset(train=batches, batch=16), steps=5, log_every=1)
+    state = trainer.fit(Dataset(train=token_batches, batch=16), steps=5, log_every=1)
     out[name] = {
         "losses": losses.values("train/loss"),
         "params": [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)],
@@ -101,7 +99,7 @@ for name, host in (("resident", ()), ("offloaded", ("opt_state", "ema"))):
         "specs": [str(x.sharding.spec) for x in jax.tree.leaves(state.opt_state)],
     }
 # resumed: a run stopped at step 3 restores its state (host-resident or not) and goes on; the
-# generator above has no data position, so both resumed runs read their batches from the start again
+# token_batches generator has no data position, so both resumed runs read their batches from the start again
 import tempfile
 from dew.checkpoints.manager import Checkpoints
 for name, host in (("resumed_resident", ()), ("resumed_offloaded", ("opt_state",))):
@@ -113,7 +111,7 @@ for name, host in (("resumed_resident", ()), ("resumed_offloaded", ("opt_state",
         trainer = Trainer(LM(), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(fsdp=4, tensor=2),
                           layout=Layout(min_shard=0, tolerance=0.25, host=host), tracker=losses,
                           checkpoints=checkpoints)
-        state = trainer.fit(Dataset(train=batches, batch=16), steps=steps, log_every=1, checkpoint_every=3)
+        state = trainer.fit(Dataset(train=token_batches, batch=16), steps=steps, log_every=1, checkpoint_every=3)
         checkpoints.close()
         resumed += losses.values("train/loss")
     out[name] = {"losses": resumed,

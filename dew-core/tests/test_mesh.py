@@ -18,15 +18,13 @@ from dew.training.placement.mesh import MeshSpec
 def LM():
     return NextToken(TokenMLP())  # dew.testing's smallest sharded language model and its loss
 
-batches = token_batches  # 16 rows of 9 random tokens a batch, each data share its slice
-
 
 out = {}
 for name, spec in json.loads(sys.argv[1]).items():
     losses = RecordingTracker()
     trainer = Trainer(LM(), optax.adamw(1e-2), key=jax.random.key(0), mesh=MeshSpec(**spec),
                       layout=Layout(min_shard=0, tolerance=0.25), tracker=losses)
-    state = trainer.fit(Dataset(train=batches, batch=16), steps=6, log_every=1)
+    state = trainer.fit(Dataset(train=token_batches, batch=16), steps=6, log_every=1)
     kernel = state.params["params"]["Dense_0"]["kernel"]
     out[name] = {"losses": losses.values("train/loss"), "spec": str(kernel.sharding.spec),
                  "shard": list(kernel.addressable_shards[0].data.shape)}

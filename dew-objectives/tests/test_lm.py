@@ -44,7 +44,6 @@ def batch():
     return {"text": rng.integers(0, 257, size=(3, 9)).astype(np.int32)}
 
 
-
 def test_argmax_hits_is_numpy_argmax_equality_with_ties_to_the_first_index():
     # Logits of three values over 11 entries tie in nearly every row; half the targets are a
     # row's first largest, a quarter its last largest (a tie that is not argmax's), the rest random.
@@ -57,6 +56,7 @@ def test_argmax_hits_is_numpy_argmax_equality_with_ties_to_the_first_index():
     got = np.asarray(jax.jit(argmax_hits)(jnp.asarray(logits), jnp.asarray(targets, jnp.int32)))
     np.testing.assert_array_equal(got, first == targets)
     assert got.sum() > 300 and (~got & (last == targets)).sum() > 100  # both kinds of tie were asked
+
 
 @pytest.mark.slow
 def test_loss_and_accuracy_match_a_hand_computation(variables, batch):
