@@ -59,6 +59,12 @@ def test_loss_and_gradient_equal_the_hand_written_formula(temperature):
     expected = temperature**2 * (0.7 * forward + 0.4 * reverse) + 0.3 * ce
     np.testing.assert_allclose(float(loss.value), expected.mean(), rtol=1e-5)
     np.testing.assert_allclose(float(aux.metrics["kl_forward"].value), forward.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(aux.metrics["kl_reverse"].value), reverse.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(aux.metrics["cross_entropy"].value), ce.mean(), rtol=1e-5)
+    # Agreement: the share of predicted tokens where the student's likeliest token is the teacher's.
+    agreement = (s.argmax(-1) == t.argmax(-1)).mean()
+    assert 0 < agreement < 1  # the two random models agree on some tokens and not others
+    np.testing.assert_allclose(float(aux.metrics["agreement"].value), agreement, rtol=1e-6)
 
     # The gradient with respect to the student's logits, written out:
     #  d/ds T^2 KL(p||q) = T (q - p);  d/ds T^2 KL(q||p) = T q (log q - log p - KL(q||p));

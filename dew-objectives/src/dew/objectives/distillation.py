@@ -49,7 +49,7 @@ from dew.objectives.base import (
     Variables,
     under,
 )
-from dew.objectives.lm import BatchShapeError, MissingBatchKeyError, Tokenizer
+from dew.objectives.lm import BatchShapeError, MissingBatchKeyError, Tokenizer, argmax_hits
 from dew.sampling import Sampling, TextGeneration
 from dew.typing import PyTree
 
@@ -258,7 +258,7 @@ class DistillationObjective(Objective):
             "kl_forward": Mean.of(forward, weights),
             "kl_reverse": Mean.of(reverse, weights),
             "cross_entropy": Mean.of(cross_entropy, weights),
-            "agreement": Mean.of(jnp.argmax(student_logits, -1) == jnp.argmax(teacher_logits, -1), weights),
+            "agreement": Mean.of(argmax_hits(student_logits, jnp.argmax(teacher_logits, -1)), weights),
         }
         if self.hidden:
             assert teacher_hidden is not None  # _apply returns the hidden states when hidden is set
