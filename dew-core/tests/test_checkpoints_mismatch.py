@@ -78,6 +78,27 @@ def test_another_optimizer_is_a_named_mismatch_and_changes_nothing(tmp_path: Pat
     assert int(restored.step) == 3  # the newest step, still there
 
 
+def test_a_refused_resume_keeps_the_recipe_the_run_was_trained_with(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    first = {"optimizer": "adam", "steps": 2}
+    Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory),
+            recipe=first).fit(DATA, steps=2)
+    assert json.loads((directory / "run.json").read_text()) == first
+
+    changed = Trainer(Tiny(), optax.adamw(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory),
+                      recipe={"optimizer": "adamw", "steps": 4})
+    with pytest.raises(CheckpointTreeMismatchError, match="Nothing was changed on disk"):
+        changed.fit(DATA, steps=4)
+    assert json.loads((directory / "run.json").read_text()) == first  # what `dew train --resume` reads
+
+    second = {"optimizer": "adam", "steps": 4}  # the same model and optimizer, trained further
+    with pytest.warns(UserWarning, match="holds no data position"):  # DATA's stream keeps none
+        Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory),
+                recipe=second).fit(DATA, steps=4)
+    assert json.loads((directory / "run.json").read_text()) == second
+    assert not list(directory.glob(".run.json*"))  # no file left from writing it
+
+
 def test_changed_accumulation_is_named_before_the_tree_is_compared(tmp_path: Path) -> None:
     directory = _trained(tmp_path)
     before = _listing(directory)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,24 +19,30 @@ if TYPE_CHECKING:
 __all__ = ["claim", "ledger_beside", "write_recipe"]
 
 
-def claim(checkpoints: Checkpoints | None, recipe: Mapping[str, object] | None) -> None:
-    """Take the run directory before training (a second writer is refused now, not at the first
-    save) and write the recipe there."""
-    if checkpoints is None:
-        return
-    checkpoints.acquire()
-    if recipe is not None:
-        write_recipe(checkpoints, recipe)
+def claim(checkpoints: Checkpoints | None) -> None:
+    """Take the run directory before training, so a second writer is refused now, not at the first save."""
+    if checkpoints is not None:
+        checkpoints.acquire()
 
 
-def write_recipe(checkpoints: Checkpoints, recipe: Mapping[str, object]) -> None:
+def write_recipe(checkpoints: Checkpoints | None, recipe: Mapping[str, object] | None) -> None:
     """The run's recipe beside its checkpoints (run.json), as RunConfig.save writes it; only the
-    pool's writer (process 0) writes it."""
-    if jax.process_index() != 0:
+    pool's writer (process 0) writes it.
+
+    A fit writes it once the state is placed, so a resume refused for a changed model or
+    optimizer leaves the recipe the run was trained with; the file is replaced whole (written
+    beside it, then renamed), so a full disk cannot leave half of it.
+    """
+    if checkpoints is None or recipe is None or jax.process_index() != 0:
         return
     target = Path(checkpoints.directory)
     target.mkdir(parents=True, exist_ok=True)
-    (target / RUN_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
+    writing = target / f".{RUN_FILE}.writing"
+    try:
+        writing.write_text(json.dumps(recipe, indent=2) + "\n")
+        os.replace(writing, target / RUN_FILE)
+    finally:
+        writing.unlink(missing_ok=True)
 
 
 def ledger_beside(checkpoints: Checkpoints | None) -> RecordLedger | None:

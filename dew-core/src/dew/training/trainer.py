@@ -38,7 +38,7 @@ from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.placement.stages import bank_sites, check_stages
 from dew.training.program import Program, ResumeMismatchError, StepCompositionError
 from dew.training.protocols import Rollout
-from dew.training.rundir import claim, ledger_beside
+from dew.training.rundir import claim, ledger_beside, write_recipe
 from dew.training.start import FrozenTrainedError, Start
 from dew.training.state import TrainState
 from dew.training.step import StepFn
@@ -174,13 +174,14 @@ class Trainer(Generic[Loss, Effects]):
                             dynamic_scale=self.dynamic_scale, schedule=schedule)
         if jax.process_index() == 0:
             check_directories(self.tracker)  # a tracker opens its files at the first value, after steps
-        claim(self.checkpoints, self.recipe)  # a second writer is refused before training
+        claim(self.checkpoints)  # a second writer is refused before training
         feed = Feed(dataset, self.device_mesh, data_partition(self.device_mesh),
                     required=tuple(self.objective.required_keys()), rollout=self.rollout,
                     ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
                     ledger=ledger_beside(self.checkpoints))
         self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout)  # place() takes it once
         state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
+        write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
         if start >= steps:
             return state  # type: ignore[return-value]  # start_placed builds a Pending it returns this way
         reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
