@@ -84,6 +84,16 @@ def test_unknown_field_names_the_path_and_what_exists():
     assert "did you mean 'fsdp'" in text
 
 
+def test_a_misspelled_key_inside_a_dataclass_field_is_unknown_not_dropped():
+    # pydantic alone drops a key a plain dataclass does not declare: the run would sample at
+    # the default temperature while the recipe says otherwise.
+    text = problems(recipe(objective={"name": "lm", "seq_len": 16, "preview_sampling": {"temprature": 1.0}}))
+    assert "objective.preview_sampling.temprature: unknown field (given 1.0)" in text
+    assert "Allowed: temperature, top_k, top_p, min_p; did you mean 'temperature'?" in text
+    assert RunConfig.parse(recipe(objective={"name": "lm", "seq_len": 16, "preview_sampling": {"temperature": 1.0}}),
+                           "test.yaml").objective.fields["preview_sampling"] == {"temperature": 1.0}
+
+
 def test_wrong_type_names_the_path_and_the_value():
     text = problems(recipe(trainer={"steps": 3, "mesh": {"fsdp": "two"}}))
     assert re.search(r"trainer\.mesh\.fsdp: Input should be a valid integer.*given 'two'", text)

@@ -8,7 +8,10 @@ file is parsed, before anything is built.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import types
+import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +86,75 @@ def _adapter(annotation: object) -> pydantic.TypeAdapter:
     return type_adapter(annotation) or pydantic.TypeAdapter(Any)
 
 
+def _field_problems(annotation: object, value: object) -> list[tuple[tuple[str, ...], str]]:
+    """What pydantic finds wrong with value, given for a field of this annotation (at most three).
+
+    The value is checked as the one field of a model that forbids extra keys: that setting
+    reaches the plain dataclasses inside it (a Sampling given as a mapping), which on their
+    own would drop a misspelled key and train without it.
+    """
+    strict = _strict_model(annotation)
+    try:
+        if strict is None:
+            _adapter(annotation).validate_python(value)
+        else:
+            strict.model_validate({"value": value})
+    except pydantic.ValidationError as error:
+        problems = []
+        for item in error.errors()[:3]:
+            inner = tuple(str(p) for p in item["loc"])[0 if strict is None else 1:]
+            if item["type"] in {"unexpected_keyword_argument", "extra_forbidden"}:
+                problems.append((inner, f"unknown field (given {_given(item['input'])}).{_fields_hint(annotation, inner)}"))
+            else:
+                problems.append((inner, f"{item['msg']} (given {_given(item['input'])})."))
+        return problems
+    return []
+
+
+def _strict_model(annotation: Any) -> type[pydantic.BaseModel] | None:
+    """A model of one field, value, of this annotation, forbidding extra keys (None when
+    pydantic cannot build one around it)."""
+    config = pydantic.ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    try:
+        return pydantic.create_model("Field", __config__=config, value=(annotation, ...))
+    except Exception:  # noqa: BLE001 - an annotation pydantic cannot build a model around
+        return None
+
+
+def _fields_hint(annotation: object, path: tuple[str, ...]) -> str:
+    """" Allowed: ...; did you mean ...?" for an unknown key at path inside a dataclass the
+    annotation holds (through unions and nested dataclass fields), or "" when none is found."""
+    classes = [annotation]
+    for key in path[:-1]:
+        classes = [hints[key] for hints in map(_dataclass_hints, _members(classes)) if key in hints]
+    for hints in map(_dataclass_hints, _members(classes)):
+        if hints:
+            close = difflib.get_close_matches(path[-1], list(hints), n=1)
+            return f" Allowed: {', '.join(hints)}" + (f"; did you mean {close[0]!r}?" if close else ".")
+    return ""
+
+
+def _members(annotations: list[object]) -> list[object]:
+    """The annotations with each union opened into its members."""
+    opened: list[object] = []
+    for annotation in annotations:
+        arguments = typing.get_args(annotation)
+        is_union = typing.get_origin(annotation) in {typing.Union, types.UnionType}
+        opened.extend(arguments if is_union else [annotation])
+    return opened
+
+
+def _dataclass_hints(annotation: object) -> dict[str, object]:
+    """A dataclass's field annotations by name ({} for anything else)."""
+    if not (isinstance(annotation, type) and dataclasses.is_dataclass(annotation)):
+        return {}
+    try:
+        hints = typing.get_type_hints(annotation)
+    except Exception:  # noqa: BLE001 - a forward reference that cannot be resolved
+        hints = {}
+    return {field.name: hints.get(field.name, Any) for field in dataclasses.fields(annotation) if field.init}
+
+
 def _given(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -119,13 +191,8 @@ def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tup
             problems.append(((key,), f"{registry.kind} {name!r} has no field {key!r} (given "
                              f"{_given(value)}). Allowed: {', '.join(declared)}{hint}"))
             continue
-        annotation = registries._lenient(declared[key][0])
-        try:
-            _adapter(annotation).validate_python(value)
-        except pydantic.ValidationError as error:
-            for item in error.errors()[:3]:
-                inner = tuple(str(p) for p in item["loc"])
-                problems.append(((key, *inner), f"{item['msg']} (given {_given(item['input'])})."))
+        for inner, message in _field_problems(registries._lenient(declared[key][0]), value):
+            problems.append(((key, *inner), message))
 
     for key, (_, default) in declared.items():
         if default is ... and key not in fields and key not in {*supplied, *may_supply}:
