@@ -53,3 +53,22 @@ def test_dew_train_tiny_lm_trains_and_samples(tmp_path):
     saved = json.loads((tmp_path / "ckpt" / "run.json").read_text())
     assert saved["trainer"]["steps"] == 3
     assert saved["data"]["files"] == "{stdlib}/a*.py"  # run.json keeps the recipe as written
+
+
+@pytest.mark.parametrize("under", ["checkpoint_dir", "tracker_dir"])
+def test_a_run_directory_under_a_file_is_named_without_a_note_to_create_it(tmp_path, monkeypatch, capsys, under):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("a user's file\n")
+    tracker = "afile/sub" if under == "tracker_dir" else "runs/t"
+    code = main(["train", "tiny-lm", "trainer.steps=2", "trainer.checkpoint_dir=afile/sub",
+                 f"trackers.0.directory={tracker}"])
+    error = capsys.readouterr().err
+    assert code == 2, error
+    if under == "checkpoint_dir":
+        assert f"CheckpointDirectoryError: The checkpoint directory {tmp_path}/afile/sub cannot be used: it, or " \
+               "a folder above it, is a file" in error
+    else:  # the trackers' directories are checked first
+        assert f"TrackerWriteError: The tracker directory {tmp_path}/afile/sub" in error
+    assert "create it first" not in error and "Traceback" not in error  # the folder's note is for missing inputs
+    assert (tmp_path / "afile").read_text() == "a user's file\n"
+    assert not (tmp_path / "runs").exists()  # the run never started and kept nothing

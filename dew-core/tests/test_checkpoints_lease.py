@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dew.checkpoints.errors import CheckpointLeaseHeldError
+from dew.checkpoints.errors import CheckpointDirectoryError, CheckpointLeaseHeldError
 from dew.checkpoints.lease import LEASE, this_process
 from dew.checkpoints.manager import Checkpoints
 from dew.data.base import DataPartition
@@ -223,3 +223,34 @@ def test_a_save_in_flight_at_exit_is_finished_or_abandoned_loudly(tmp_path: Path
     assert (restored.step, restored.position) == (step, position)
     assert HERE["same"](restored.state, HERE["make_state"](step, width))
     assert not (directory / LEASE).exists()
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_directory_that_is_a_file_is_refused_naming_it_and_the_file_is_kept(tmp_path: Path, under: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("a user's file\n")
+    directory = afile / under if under else afile
+    checkpoints = Checkpoints(directory)
+    with pytest.raises(CheckpointDirectoryError, match=rf"{directory} cannot be used: it, or a folder above it, is a file"):
+        checkpoints.latest  # noqa: B018 - the first look at the directory
+        checkpoints.acquire()
+    assert afile.read_text() == "a user's file\n"
+
+
+def test_a_full_disk_while_taking_the_lease_is_named_and_leaves_no_empty_lease(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from dew.checkpoints import lease
+
+    def full(descriptor: int, data: bytes) -> int:  # a fault this machine cannot cause on its own disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lease.os, "write", full)
+    with pytest.raises(CheckpointDirectoryError, match=r"cannot be used: its disk is full"):
+        Checkpoints(tmp_path / "run").acquire()
+    assert not (tmp_path / "run" / LEASE).exists()
+    monkeypatch.undo()
+    held = Checkpoints(tmp_path / "run")
+    held.acquire()  # with room again, the run takes its directory
+    assert json.loads((tmp_path / "run" / LEASE).read_text())["pid"] == os.getpid()
+    held.close()

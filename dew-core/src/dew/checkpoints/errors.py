@@ -6,6 +6,7 @@ from CheckpointError, so a caller can catch the family at once.
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointCorruptedError",
+    "CheckpointDirectoryError",
     "CheckpointDirectoryNotSharedError",
     "CheckpointError",
     "CheckpointLeaseHeldError",
@@ -123,6 +125,28 @@ class PositionShareMismatchError(CheckpointError, ValueError):
             f"{saved_shares}, but this process reads share {share} of {shares}. A share's own "
             "offset only resumes on the same share: restore with the saved data partition, or "
             "use a dataset whose position is a global record count (train_stream)."
+        )
+
+
+class CheckpointDirectoryError(CheckpointError):
+    """The checkpoint directory cannot be made or written: it (or a folder above it) is a file,
+    it is read-only, or its disk is full."""
+
+    def __init__(self, directory: object, cause: OSError) -> None:
+        self.directory = str(directory)
+        reasons = {
+            errno.ENOTDIR: "it, or a folder above it, is a file",
+            errno.EEXIST: "it, or a folder above it, is a file",
+            errno.EROFS: "its filesystem is read-only",
+            errno.EACCES: "this process may not write there",
+            errno.EPERM: "this process may not write there",
+            errno.ENOSPC: "its disk is full",
+        }
+        reason = reasons.get(cause.errno or 0, f"{type(cause).__name__}: {_first_line(cause)}")
+        super().__init__(
+            f"The checkpoint directory {directory} cannot be used: {reason}. Nothing in it was changed. "
+            "Point the run at a directory this process can create and write (trainer.checkpoint_dir, or "
+            "Checkpoints(directory)), or free disk space, then run again."
         )
 
 

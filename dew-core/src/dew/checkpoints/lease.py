@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dew.checkpoints.errors import CheckpointLeaseHeldError
+from dew.checkpoints.errors import CheckpointDirectoryError, CheckpointLeaseHeldError
 
 if TYPE_CHECKING:
     from dew.checkpoints.store import Location
@@ -140,11 +140,16 @@ def _create(directory: Location, me: Holder) -> bool:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         return False
+    except OSError as error:
+        raise CheckpointDirectoryError(directory, error) from error
     try:
         os.write(descriptor, payload)
         os.fsync(descriptor)
-    finally:
+    except OSError as error:  # a full disk: leave no empty lease behind
         os.close(descriptor)
+        path.unlink(missing_ok=True)
+        raise CheckpointDirectoryError(directory, error) from error
+    os.close(descriptor)
     return True
 
 
@@ -161,7 +166,10 @@ def acquire(directory: Location) -> None:
     Raises CheckpointLeaseHeldError naming the holder when another live process
     holds it. A stale lease (its holder gone) is replaced, with a warning.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointDirectoryError(directory, error) from error
     me = this_process()
     key = str(directory)
     with _held_lock, _serialized(directory):

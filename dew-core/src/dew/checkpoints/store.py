@@ -7,6 +7,7 @@ bucket, where there is no rename, when ``commit_success.txt`` is present.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import orbax.checkpoint as ocp
 from etils import epath
 
-from dew.checkpoints.errors import PositionShareMismatchError
+from dew.checkpoints.errors import CheckpointDirectoryError, PositionShareMismatchError
 from dew.checkpoints.manifest import Positions
 from dew.data.base import DataPartition, is_global_position
 
@@ -52,6 +53,8 @@ class Store:
         if not self.directory.exists():
             return []
         bucket = str(self.directory).startswith("gs://")
+        if not bucket and not self.directory.is_dir():
+            raise CheckpointDirectoryError(self.directory, NotADirectoryError(errno.ENOTDIR, "Not a directory"))
         steps = [
             int(entry.name) for entry in self.directory.iterdir()
             if entry.name.isdigit() and entry.is_dir()

@@ -207,7 +207,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             shutil.rmtree(directory, ignore_errors=True)
             _remove_empty_parents(directory, created[directory])
         if isinstance(error, Exception):
-            for field in _fields_naming(config, folder, str(error)):
+            for field in [] if _writing_failed(error) else _fields_naming(config, folder, str(error)):
                 error.add_note(f"The recipe's {field} names it: create it first (a shipped "
                                f"recipe's description says how), or point {field} at one that exists.")
             if removed:
@@ -218,6 +218,15 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
         raise
     finally:
         folder.record()
+
+
+def _writing_failed(error: Exception) -> bool:
+    """Whether error is a write the run could not make (a full disk, a read-only directory): the
+    folder it names exists, so the note that asks to create it would mislead."""
+    from dew.checkpoints.errors import CheckpointDirectoryError, CheckpointWriteError
+    from dew.tracking.background import TrackerWriteError
+
+    return isinstance(error, CheckpointDirectoryError | CheckpointWriteError | TrackerWriteError)
 
 
 def _first_missing(directory: Path) -> Path:
