@@ -160,6 +160,36 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
             main(argv)
 
 
+def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Trained, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    from dew.cli import main
+
+    kept = _committed(trained.run)
+    assert len(kept) >= 2, kept
+    copy = shutil.copytree(trained.run, tmp_path / "copy")
+    (copy / str(kept[-1]) / "dew.json").unlink()
+    assert main(["generate", str(copy), "def "]) == 2
+    err = capsys.readouterr().err
+    assert f"Checkpoint step {kept[-1]} is corrupt: {copy / str(kept[-1]) / 'dew.json'}: FileNotFoundError" in err
+    assert f"read an older kept step with --step {kept[-2]} (kept: {kept})" in err and "Traceback" not in err
+    assert main(["generate", str(copy), "def ", "--step", str(kept[-2]), "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+
+    (copy / "run.json").write_text((trained.run / "run.json").read_text()[:50])  # torn mid-string
+    assert main(["generate", str(copy), "def "]) == 2
+    err = capsys.readouterr().err
+    assert f"{copy / 'run.json'} cannot be read as a run's recipe (Unterminated string" in err, err
+
+    # a count of zero or less is refused where it is typed, not read as the default
+    for argv in (["generate", str(trained.run), "x", "--max-new-tokens", "0"], ["eval", str(trained.run), "--batches", "-1"]):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2
+        assert "is not at least 1" in capsys.readouterr().err
+
+
 # -- Ctrl-C, then the printed command, then SIGTERM, then dew report: one folder -------------------------
 
 def _stopped(command: list[str], cwd: Path, cache: Path, at: str, sig: int) -> tuple[int, str, str]:

@@ -29,13 +29,13 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dew.cli.runs import add_run_argument
+    from dew.cli.runs import add_run_argument, positive
 
     add_run_argument(parser)
     parser.add_argument("--split", choices=("val", "train"), default="val",
                         help="the held-out records (val) or one pass of training batches")
     parser.add_argument("--step", type=int, default=None, help="a kept step (default newest)")
-    parser.add_argument("--batches", type=int, default=None,
+    parser.add_argument("--batches", type=positive, default=None,
                         help="evaluate at most this many batches")
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     parser.add_argument("--task", default=None, metavar="NAME",

@@ -18,7 +18,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dew.cli.runs import add_run_argument
+    from dew.cli.runs import add_run_argument, positive
 
     add_run_argument(parser)
     parser.add_argument("inputs", nargs="*", metavar="INPUT",
@@ -26,12 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "unconditional samples)")
     parser.add_argument("--count", type=int, default=None,
                         help="samples per input (or in all, without inputs)")
-    parser.add_argument("--steps", type=int, default=None, help="sampler steps (diffusion)")
+    parser.add_argument("--steps", type=positive, default=None, help="sampler steps (diffusion)")
     parser.add_argument("--guidance", type=float, default=None,
                         help="classifier-free guidance scale (a conditional diffusion model)")
     parser.add_argument("--out", type=Path, default=None,
                         help="the folder samples are written to (images default to ./samples)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
+    parser.add_argument("--max-new-tokens", type=positive, default=None,
                         help="new tokens per prompt at most (default: 64, or as many as the "
                              "model's length leaves)")
     parser.add_argument("--temperature", type=float, default=None,

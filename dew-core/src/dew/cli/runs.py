@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["add_run_argument", "expected", "refused"]
+__all__ = ["add_run_argument", "expected", "positive", "refused"]
 
 
 def refused(command: str, error: BaseException | str) -> int:
@@ -22,6 +22,18 @@ def refused(command: str, error: BaseException | str) -> int:
 def expected(error: BaseException) -> bool:
     """An error a command reports in one line: dew's own (its message says what to do) or bad input."""
     return type(error).__module__.split(".")[0] == "dew" or isinstance(error, ValueError | OSError)
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a count of tokens, batches or steps), so
+    0 or a negative is refused at the command line rather than read as "the default"."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:

@@ -205,7 +205,13 @@ class RunConfig(pydantic.BaseModel):
         path = Path(path)
         if path.is_dir():
             path = path / RUN_FILE
-        return cls.parse(json.loads(path.read_text()), str(path))
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise RecipeError(f"{path} cannot be read as a run's recipe ({error}). A run writes it when it "
+                              "starts; replace a damaged one with the recipe the run was trained with "
+                              "(RunConfig.load(...).save(run directory) writes it).") from None
+        return cls.parse(data, str(path))
 
     def build_trackers(self, timestamp: str = "") -> Tracker | None:
         """The trackers section (and trainer.wandb) built, as one tracker; None for none.
