@@ -69,6 +69,7 @@ def test_a_run_directory_under_a_file_is_named_without_a_note_to_create_it(tmp_p
                "a folder above it, is a file" in error
     else:  # the trackers' directories are checked first
         assert f"TrackerWriteError: The tracker directory {tmp_path}/afile/sub" in error
+        assert "The recipe's trackers.0.directory names it: point trackers.0.directory at a directory" in error
     assert "create it first" not in error and "Traceback" not in error  # the folder's note is for missing inputs
     assert (tmp_path / "afile").read_text() == "a user's file\n"
     assert not (tmp_path / "runs").exists()  # the run never started and kept nothing

@@ -207,9 +207,11 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             shutil.rmtree(directory, ignore_errors=True)
             _remove_empty_parents(directory, created[directory])
         if isinstance(error, Exception):
-            for field in [] if _writing_failed(error) else _fields_naming(config, folder, str(error)):
-                error.add_note(f"The recipe's {field} names it: create it first (a shipped "
-                               f"recipe's description says how), or point {field} at one that exists.")
+            for field in _fields_naming(config, folder, str(error)):
+                error.add_note(f"The recipe's {field} names it: point {field} at a directory this process "
+                               "can write." if _writing_failed(error) else
+                               f"The recipe's {field} names it: create it first (a shipped recipe's "
+                               f"description says how), or point {field} at one that exists.")
             if removed:
                 error.add_note(f"The run never started: nothing was kept ({', '.join(map(shown, removed))} "
                                "removed).")
@@ -221,8 +223,8 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
 
 
 def _writing_failed(error: Exception) -> bool:
-    """Whether error is a write the run could not make (a full disk, a read-only directory): the
-    folder it names exists, so the note that asks to create it would mislead."""
+    """Whether error is a write the run could not make (a full disk, a read-only directory, a file
+    in the way): asking to create what the error names would mislead."""
     from dew.checkpoints.errors import CheckpointDirectoryError, CheckpointWriteError
     from dew.tracking.background import TrackerWriteError
 
