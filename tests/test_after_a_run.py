@@ -182,6 +182,15 @@ def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Tr
     err = capsys.readouterr().err
     assert f"{copy / 'run.json'} cannot be read as a run's recipe (Unterminated string" in err, err
 
+    # a run that is not there, and an export whose folder is a file, are one message each
+    assert main(["generate", str(tmp_path / "nowhere"), "x"]) == 2
+    assert f"{tmp_path / 'nowhere'} does not exist. Give a run's directory" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("in the way")
+    assert main(["export", str(trained.run), str(tmp_path / "a-file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"dew export: {tmp_path / 'a-file' / 'out'}'s folder {tmp_path / 'a-file'} cannot be made" in err, err
+    assert (tmp_path / "a-file").read_text() == "in the way"
+
     # a count of zero or less is refused where it is typed, not read as the default
     for argv in (["generate", str(trained.run), "x", "--max-new-tokens", "0"], ["eval", str(trained.run), "--batches", "-1"]):
         with pytest.raises(SystemExit) as stopped:

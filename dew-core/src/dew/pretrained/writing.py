@@ -129,8 +129,18 @@ def replacing(out: str | os.PathLike[str], *, force: bool = False) -> Iterator[P
     """
     out = Path(out).absolute()
     foreign = check_out(out, force=force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file where a folder above OUT should be, or a read-only parent
+        raise ExportDirectoryError(
+            f"{out}'s folder {out.parent} cannot be made ({error.strerror or error}); a folder above OUT "
+            "is a file or cannot be written. Give an OUT whose folders exist or can be created.") from None
+    try:
+        fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-", dir=out.parent))
+    except OSError as error:
+        raise ExportDirectoryError(
+            f"{out.parent} cannot be written ({error.strerror or error}), so no export can be made in it "
+            "as OUT. Give an OUT in a directory this process can write.") from None
     try:
         yield fresh
         for name in foreign:  # force: the others' entries travel into the new export as they are

@@ -124,6 +124,9 @@ def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = N
         return _open_trained(path, step)
     if (path / CONFIG_FILE).is_file():
         return _open_exported(path, max_seq_len)
+    if not path.exists():
+        raise NotARunError(f"{path} does not exist. Give a run's directory (its trainer.checkpoint_dir) or a "
+                           "model `dew export` or transformers wrote.")
     raise NotARunError(
         f"{path} holds neither {RUN_FILE} (a run `dew train` wrote, with checkpoint_dir set) nor "
         f"{CONFIG_FILE} (a model `dew export` or transformers wrote)."
