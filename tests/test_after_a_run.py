@@ -144,6 +144,7 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
     cases = [
         (["train", "--resume", str(trained.root / "nowhere")], "does not exist, so there is no run to resume"),
         (["train", str(trained.run)], "is a run's folder, not a recipe: continue it with dew train --resume"),
+        (["train", str(trained.root)], "is a directory, not a recipe: give a recipe's YAML file or a shipped"),
         (["train", "--resume", str(trained.run), "tiny-lm"], "give key=value overrides after it"),
         (["eval", str(trained.run)], "the run's data has no validation split"),
         (["generate", str(trained.root), "x"], "holds neither run.json"),

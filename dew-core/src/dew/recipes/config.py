@@ -348,6 +348,9 @@ def recipe_path(recipe: str | Path) -> Path:
     if (path / RUN_FILE).is_file():
         raise RecipeError(f"{str(recipe)!r} is a run's folder, not a recipe: continue it with "
                           f"dew train --resume {recipe}")
+    if path.is_dir():
+        raise RecipeError(f"{str(recipe)!r} is a directory, not a recipe: give a recipe's YAML file or a "
+                          f"shipped recipe's name ({', '.join(recipes) or 'none'}; see `dew recipes`).")
     raise RecipeError(
         f"No recipe file {str(recipe)!r} and no shipped recipe of that name. Shipped: "
         f"{', '.join(recipes) or 'none'} (see `dew recipes`)."
