@@ -94,6 +94,14 @@ def test_a_misspelled_key_inside_a_dataclass_field_is_unknown_not_dropped():
                            "test.yaml").objective.fields["preview_sampling"] == {"temperature": 1.0}
 
 
+def test_a_shipped_recipes_problems_are_fixed_by_overrides_not_in_its_installed_file():
+    with pytest.raises(RecipeError) as caught:
+        RunConfig.load("tiny-lm", ["trainer.stepz=3"])
+    assert "trainer.stepz: unknown field" in str(caught.value)
+    assert "Fix them with key=value overrides, or in a copy of this shipped recipe" in str(caught.value)
+    assert "Fix them in the file or with key=value overrides" in problems(recipe(seed="x"))  # the user's own file
+
+
 def test_wrong_type_names_the_path_and_the_value():
     text = problems(recipe(trainer={"steps": 3, "mesh": {"fsdp": "two"}}))
     assert re.search(r"trainer\.mesh\.fsdp: Input should be a valid integer.*given 'two'", text)

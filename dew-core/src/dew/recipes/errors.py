@@ -7,6 +7,7 @@ import difflib
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TypeGuard
 
 import pydantic
@@ -121,7 +122,10 @@ def from_validation_error(
 def raise_problems(source: str, problems: Sequence[Problem]) -> typing.NoReturn:
     """Raise one RecipeError listing every problem of the recipe read from source."""
     lines = "\n".join(f"  {path}: {message}" for path, message in problems)
+    shipped = Path(source).parent == Path(__file__).parent  # a recipe dew ships sits beside this module
+    where = ("with key=value overrides, or in a copy of this shipped recipe" if shipped
+             else "in the file or with key=value overrides")
     raise RecipeError(
         f"The recipe {source} has {len(problems)} problem(s):\n{lines}\n"
-        f"Fix them in the file or with key=value overrides; `dew train --help` lists every field."
+        f"Fix them {where}; `dew train --help` lists every field."
     )
