@@ -172,13 +172,20 @@ def _writers_quiet() -> None:
             logger.addFilter(_FromOrbax())
     if not isinstance(sys.unraisablehook, _QuietClosedLoop):
         sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+    # A write that failed leaves JAX's other fragment writes unawaited; Python says so as it exits.
+    warnings.filterwarnings("ignore", message=r"coroutine '.*write_fragment' was never awaited",
+                            category=RuntimeWarning)
+
+
+_WRITERS = (f"{os.sep}orbax{os.sep}", f"{os.sep}array_serialization{os.sep}", f"{os.sep}tensorstore{os.sep}")
+"""Where the checkpoint writers' code lives: Orbax, and the JAX serialization and TensorStore it writes through."""
 
 
 def _orbax_traceback(error: BaseException | None) -> bool:
-    """Whether error was raised inside Orbax (a frame of its traceback is Orbax's)."""
+    """Whether error was raised inside the checkpoint writers (a frame of its traceback is theirs)."""
     frames = error.__traceback__ if error is not None else None
     while frames is not None:
-        if f"{os.sep}orbax{os.sep}" in frames.tb_frame.f_code.co_filename:
+        if any(part in frames.tb_frame.f_code.co_filename for part in _WRITERS):
             return True
         frames = frames.tb_next
     return False
@@ -190,7 +197,7 @@ class _FromOrbax:
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info:
             return True
-        return not (f"{os.sep}orbax{os.sep}" in record.pathname or _orbax_traceback(record.exc_info[1]))
+        return not (any(part in record.pathname for part in _WRITERS) or _orbax_traceback(record.exc_info[1]))
 
 
 class _QuietClosedLoop:
