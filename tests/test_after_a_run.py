@@ -173,7 +173,7 @@ def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Tr
     (copy / str(kept[-1]) / "dew.json").unlink()
     assert main(["generate", str(copy), "def "]) == 2
     err = capsys.readouterr().err
-    assert f"Checkpoint step {kept[-1]} is corrupt: {copy / str(kept[-1]) / 'dew.json'}: FileNotFoundError" in err
+    assert f"Checkpoint step {kept[-1]} is corrupt: {copy / str(kept[-1]) / 'dew.json'}: dew's manifest is missing" in err
     assert f"read an older kept step with --step {kept[-2]} (kept: {kept})" in err and "Traceback" not in err
     assert main(["generate", str(copy), "def ", "--step", str(kept[-2]), "--max-new-tokens", "2"]) == 0
     capsys.readouterr()

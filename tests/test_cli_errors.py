@@ -92,7 +92,7 @@ def test_the_checkpoint_writers_leftovers_stay_off_the_console_after_dews_own_li
     import logging
     import warnings
 
-    from dew.cli import _FromOrbax, _writers_quiet
+    from dew.cli import _FromWriters, _writers_quiet
 
     where = os.path.join(os.sep, "site-packages", "jax", "experimental", "array_serialization", "serialization.py")
     code = compile("raise ValueError('RESOURCE_EXHAUSTED: No space left on device')", where, "exec")
@@ -103,14 +103,14 @@ def test_the_checkpoint_writers_leftovers_stay_off_the_console_after_dews_own_li
     record = logging.LogRecord("asyncio", logging.ERROR, os.path.join("asyncio", "base_events.py"), 1,
                                "Future exception was never retrieved", None,
                                (ValueError, failed, failed.__traceback__))
-    assert not _FromOrbax().filter(record)
+    assert not _FromWriters().filter(record)
     elsewhere = compile("raise ValueError('a user callback failed')", "user_code.py", "exec")
     try:
         exec(elsewhere)
     except ValueError as error:
         other = error
     record.exc_info = (ValueError, other, other.__traceback__)
-    assert _FromOrbax().filter(record)  # a failure of anything else is still shown
+    assert _FromWriters().filter(record)  # a failure of anything else is still shown
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")

@@ -168,8 +168,8 @@ def _writers_quiet() -> None:
 
     for name in ("absl", "asyncio"):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _FromOrbax) for f in logger.filters):
-            logger.addFilter(_FromOrbax())
+        if not any(isinstance(f, _FromWriters) for f in logger.filters):
+            logger.addFilter(_FromWriters())
     if not isinstance(sys.unraisablehook, _QuietClosedLoop):
         sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
     # A write that failed leaves JAX's other fragment writes unawaited; Python says so as it exits.
@@ -181,7 +181,7 @@ _WRITERS = (f"{os.sep}orbax{os.sep}", f"{os.sep}array_serialization{os.sep}", f"
 """Where the checkpoint writers' code lives: Orbax, and the JAX serialization and TensorStore it writes through."""
 
 
-def _orbax_traceback(error: BaseException | None) -> bool:
+def _writers_traceback(error: BaseException | None) -> bool:
     """Whether error was raised inside the checkpoint writers (a frame of its traceback is theirs)."""
     frames = error.__traceback__ if error is not None else None
     while frames is not None:
@@ -191,13 +191,13 @@ def _orbax_traceback(error: BaseException | None) -> bool:
     return False
 
 
-class _FromOrbax:
-    """A logging filter dropping records that carry a traceback from Orbax's writers."""
+class _FromWriters:
+    """A logging filter dropping records that carry a traceback from the checkpoint writers."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info:
             return True
-        return not (any(part in record.pathname for part in _WRITERS) or _orbax_traceback(record.exc_info[1]))
+        return not (any(part in record.pathname for part in _WRITERS) or _writers_traceback(record.exc_info[1]))
 
 
 class _QuietClosedLoop:

@@ -73,13 +73,11 @@ def _read_variables(objective: Objective, directory: Path, step: int | None
     Only reads: a run still training may be writing its next step beside the
     kept ones, and nothing here touches it.
     """
-    import json
-
     import flax.linen as nn
     import jax
 
     from dew.checkpoints.errors import CheckpointCorruptedError
-    from dew.checkpoints.integrity import MANIFEST
+    from dew.checkpoints.restore import read_manifest
     from dew.checkpoints.store import Store
     from dew.training.initializers import ParamsFrom
 
@@ -95,15 +93,14 @@ def _read_variables(objective: Objective, directory: Path, step: int | None
     if number not in kept:
         raise NoCheckpointError(f"The run {directory} kept no step {number}; it keeps {kept}.")
     try:
-        manifest = json.loads((store.step_path(number) / MANIFEST).read_text())
-    except (OSError, ValueError) as error:
+        manifest = read_manifest(store.step_path(number), number)
+    except CheckpointCorruptedError as error:
         older = [kept_step for kept_step in kept if kept_step < number]
         hint = (f"read an older kept step with --step {older[-1]} (kept: {kept}), or resume the run "
                 "(dew train --resume), which sets a damaged step aside" if older else
                 "no older step is kept; resuming the run (dew train --resume) sets it aside and starts over")
-        raise CheckpointCorruptedError(number, store.step_path(number) / MANIFEST,
-                                       f"{type(error).__name__}: {error}; {hint}") from None
-    leaves = [leaf["path"] for leaf in manifest["leaves"]]
+        raise CheckpointCorruptedError(error.step, error.file, f"{error.reason}; {hint}") from None
+    leaves = [leaf.path for leaf in manifest.leaves]
     abstract = nn.meta.unbox(jax.eval_shape(objective.init, jax.random.key(0)))
     live = ParamsFrom(directory, step=number)(abstract)
     averaged = None
