@@ -16,7 +16,10 @@ Goodput record is printed beside it; a burst of load from elsewhere moves
 the mean only). Arms alternate in ABBA order to spread drift and carry-over
 between them; each alternation (one fit of each arm, back to back) gives one
 ratio, and the script prints their median and worst against the goals
-(median <= 1.02, worst <= 1.05), with each arm's best and median. The
+(median <= 1.02, worst <= 1.05), with each arm's best and median. A third
+arm, ``again``, is the no-tracker fit once more (``--no-control`` leaves it
+out): its ratios to ``none`` are the machine's own spread between two fits of
+one arm, the floor under which the worst alternation cannot be read. The
 trackers' own CPU (``telemetry/tracker_cpu_seconds``: dew's writer thread and
 the journal's appends) is printed per step; W&B's service process is not in
 it. --arms each also times every tracker on its own. The machine running it
@@ -151,7 +154,7 @@ def sinks(root: Path, index: int, mlflow_uri: str, arm: str = "all") -> list:
         "mlflow": lambda: MLflowTracker("dew-bench", f"arm-{index}", uri=mlflow_uri),
         "wandb": lambda: WandbTracker("dew-bench", f"arm-{index}", offline=True),
     }
-    names = list(make) if arm == "all" else [] if arm == "none" else [arm]
+    names = list(make) if arm == "all" else [] if arm in ("none", "again") else [arm]
     return [make[name]() for name in names]
 
 
@@ -256,6 +259,8 @@ def compare(args, root: Path, index: int) -> tuple[tuple[float, float, float], i
     """Run every arm args.repeats times; print each arm's figures; return the ratios of
     all four trackers to none: best to best, median to median, median of the pairs."""
     arms = ARMS if args.arms == "each" else ("none", "all")
+    if args.control:
+        arms = (*arms, "again")  # none once more: the spread between two fits of one arm
     opened = {arm: sinks(root, index, args.mlflow_uri, arm) for arm in arms}
     for sink in (sink for group in opened.values() for sink in group):
         sink.log({"warmup": 0.0}, 0)  # run creation is a one-off cost, not timed
@@ -284,6 +289,13 @@ def compare(args, root: Path, index: int) -> tuple[tuple[float, float, float], i
               f"{1e6 * min(threads[arm]):.0f}-{1e6 * max(threads[arm]):.0f})")
     pairs = [a / b for a, b in zip(times["all"], times["none"], strict=True)]
     print("all / none by alternation: " + ", ".join(f"{r:.3f}" for r in pairs))
+    if args.control:
+        same = [a / b for a, b in zip(times["again"], times["none"], strict=True)]
+        print("again / none by alternation (no trackers in either: the machine's own spread): "
+              + ", ".join(f"{r:.3f}" for r in same))
+        print(f"the machine's own spread: median {statistics.median(same):.3f}, worst "
+              f"{max(same):.3f}, best {min(same):.3f} (a worst alternation of all / none "
+              f"inside this is not the trackers')")
     ratios = (min(times["all"]) / base,
               statistics.median(times["all"]) / statistics.median(times["none"]),
               statistics.median(pairs), max(pairs))
@@ -302,6 +314,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6, help="alternations (at least 3)")
     parser.add_argument("--batch", type=int, default=256, help="with --model mlp: rows per batch")
     parser.add_argument("--mlflow-uri", default=None)
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="leave out the second no-tracker arm that measures the machine's spread")
     parser.add_argument("--arms", choices=("all", "each"), default="all",
                         help="'each' also times every tracker on its own")
     args = parser.parse_args()
