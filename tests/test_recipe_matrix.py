@@ -434,6 +434,12 @@ def _check_text(cell: dict) -> None:
     expected = transformers.AutoTokenizer.from_pretrained(cell["run"].parent.parent.joinpath(
         *Path(source).parts[:2])).encode("12+3=") if read else list(b"12+3=")
     assert tokenizer.encode("12+3=") == expected
+    # A run from a published checkpoint keeps its context length, whatever decode cache it trained with.
+    start = (read_recipe_file(recipe_path(cell["name"])).get("init") or {}).get("pretrained")
+    if start is not None and Path(start).parts[0] == "checkpoints":
+        published = json.loads(cell["run"].parent.parent.joinpath(start, "config.json").read_text())
+        written = json.loads((cell["exported"] / "config.json").read_text())
+        assert written["max_position_embeddings"] == published["max_position_embeddings"]
     if any(c["argv"][-1] == "--adapters" for c in cell["commands"]):
         export = _ok([c for c in cell["commands"] if c["argv"][-1] == "--adapters"][0])
         assert (Path(export["argv"][2]) / "adapter_config.json").is_file()

@@ -188,6 +188,88 @@ def test_an_uncovered_architecture_names_itself_and_the_covered_ones(tmp_path):
         Pretrained.load(tmp_path)
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_family_fills_a_missing_config_key_with_transformers_own_default(name):
+    """A config.json may leave a key out; transformers then uses its config class's default, which
+    differs between families (Phi-3's norm epsilon 1e-5 against Llama's 1e-6, Mistral's window
+    4096, DeepSeek-V3's eight expert groups). Each default dew declares is that class's own."""
+    from transformers import CONFIG_MAPPING
+
+    declared = family(name).defaults
+    assert "rms_norm_eps" in declared and "max_position_embeddings" in declared
+    theirs = CONFIG_MAPPING[family(name).model_type]
+    for key, value in declared.items():
+        assert getattr(theirs, key) == value, (name, key, getattr(theirs, key), value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["phi3", "olmo2"])
+def test_a_config_without_its_norm_epsilon_computes_what_transformers_computes(tmp_path, name):
+    """Their transformers default is 1e-5; read as another family's 1e-6, the logits moved by
+    up to 0.05 on these tiny models."""
+    directory = write_checkpoint(name, tmp_path / name, seed=7, redrawn=True)
+    config = json.loads((directory / "config.json").read_text())
+    del config["rms_norm_eps"]
+    (directory / "config.json").write_text(json.dumps(config))
+    theirs = hf_logits(hf_model(directory))
+    loaded = Pretrained.load(directory)
+    assert loaded.model.norm_epsilon == 1e-5
+    assert np.abs(_dew_logits(loaded) - theirs).max() <= 1e-4
+
+
+def test_a_short_decode_cache_does_not_shorten_the_exported_context(tmp_path):
+    """max_seq_len is the decode cache a run or a load chose; the published context length
+    (max_position_embeddings) belongs to the weights and is written back, not the cache's."""
+    source = write_checkpoint("qwen3", tmp_path / "source", seed=3)
+    published = json.loads((source / "config.json").read_text())["max_position_embeddings"]
+    loaded = Pretrained.load(source, max_seq_len=32)
+    assert loaded.model.max_seq_len == 32 < published
+    loaded.save(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == published
+    # A longer cache than the source declares is written as the longer context.
+    longer = Pretrained.load(source, max_seq_len=2 * published)
+    longer.save(tmp_path / "longer")
+    assert json.loads((tmp_path / "longer" / "config.json").read_text())["max_position_embeddings"] == 2 * published
+
+
+def test_each_mismatch_hint_pasted_as_printed_brings_the_recipe_closer_until_it_starts():
+    """Starting a recipe from another family's checkpoint: the first refusal names the family (not
+    one of its many fields), and every later one names an override that, pasted into a shell as
+    printed and read as a recipe reads it, fixes that field (a YaRN scaling as a mapping, the
+    windowed layers as a list), until the weights are accepted."""
+    import shlex
+
+    from dew import models
+    from dew.nn.rotary import RopeScaling
+    from dew.pretrained import ConfigurationMismatchError, check_same_function
+    from dew.recipes.config import RunConfig
+
+    published = family("qwen2").build("tiny", tie_embeddings=False, sliding_layers=(2,), rope_scaling=RopeScaling(
+        "yarn", 4.0, original_max_len=64))  # a window on the last layer (its preset: the last two)
+    overrides: list[str] = []
+    messages = []
+    for _ in range(8):
+        config = RunConfig.load("qwen3-sft", overrides)
+        model = models.build(config.model.name, **config.model.fields)
+        try:
+            check_same_function(model, published, "init.pretrained ck/qwen2")
+            break
+        except ConfigurationMismatchError as error:
+            message = str(error)
+        assert message not in messages, message  # each hint moved the recipe on
+        messages.append(message)
+        asked = message.split(" Set ", 1)[1].split(" so the weights", 1)[0]
+        if asked.startswith("model.name=qwen2 and model.preset to the checkpoint's size"):
+            overrides += ["model.name=qwen2", "model.preset=tiny"]  # its size is the user's to know
+            continue
+        overrides += [w.rstrip(",") for w in shlex.split(asked) if w != "and"]
+    else:
+        raise AssertionError(messages)
+    assert "holds a Qwen2ForCausalLM checkpoint (the qwen2 family)" in messages[0]
+    assert "'model.rope_scaling={kind: yarn, factor: 4.0, original_max_len: 64}'" in "".join(messages)
+    assert "'model.sliding_layers=[2]'" in "".join(messages)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, change, field", [
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type='dynamic'"),

@@ -96,6 +96,24 @@ def test_routing_a_family_cannot_express_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_qwen3_moe_sliding_window_covers_every_layer_as_in_transformers(tmp_path):
+    """transformers' Qwen 3 MoE windows every layer when use_sliding_window is set (it has no
+    max_window_layers, unlike dense Qwen); a model windowing some layers only cannot be written."""
+    source = write_checkpoint("qwen3_moe", tmp_path / "source", seed=5, redrawn=True, overrides={
+        "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2})
+    theirs = hf_logits(hf_model(source))  # the prompts' 19 positions reach past the window of 8
+    loaded = Pretrained.load(source)
+    assert [window for window, _, _ in loaded.model._layer_parts()] == [8, 8, 8]
+    mine = np.asarray(jax.jit(loaded.model.apply)(loaded.variables, jnp.asarray(PROMPTS, jnp.int32)))
+    assert np.abs(mine - theirs).max() <= 1e-4, np.abs(mine - theirs).max()
+
+    some = family("qwen3_moe").build("tiny", sliding_window=8, sliding_layers=(1, 2))
+    variables = jax.eval_shape(some.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(NoExactCounterpartError, match=r"sliding.*Qwen3MoeForCausalLM"):
+        Pretrained(some, variables).save(tmp_path / "partial")
+
+
+@pytest.mark.slow
 def test_on_eight_devices_with_an_expert_axis_every_moe_family_computes_what_transformers_does(tmp_path):
     """fsdp 2 x tensor 2 x expert 2, every weight sharded (the experts' stacks over the expert
     axis): each family's logits are still transformers' own."""

@@ -18,6 +18,7 @@ fixed prompts, records the result in OUT/verification.json and fails above
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -111,8 +112,8 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
     """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
     from dew.pretrained import Pretrained
 
-    kept = _tokenizer_files(opened)
-    pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept)
+    kept, context = _source_settings(opened)
+    pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept, context=context)
     if lora is None:
         return pretrained.save(out, format=format, force=force), f"the model ({_layout(pretrained, format)})"
     from dew.adapters.lora import base_model, merge_lora
@@ -126,7 +127,7 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
         return save_adapters(out, base, pretrained.variables, lora, base_name=name,
                              force=force), "the adapters"
     merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
-                        pretrained.task, kept)
+                        pretrained.task, kept, context)
     return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"
 
 
@@ -136,10 +137,13 @@ def _layout(pretrained: PretrainedModel, format: str | None) -> str:
     return "dew's own layout" if chosen == "dew" else f"Hugging Face's {chosen} layout"
 
 
-def _tokenizer_files(opened: Opened) -> SavedTokenizerFiles | None:
-    """The tokenizer settings (chat template, special tokens) of the Hugging Face directory the
-    weights came from: the exported directory itself, or the run's init.pretrained."""
-    from dew.pretrained import CONFIG_FILE, TokenizerFiles
+def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | None]:
+    """The tokenizer settings (chat template, special tokens) and the context length of the
+    Hugging Face directory the weights came from: the exported directory itself, or the run's
+    init.pretrained (None, None: neither)."""
+    from dew.families import for_config
+    from dew.pretrained import CONFIG_FILE, PretrainedError, TokenizerFiles
+    from dew.pretrained.native import FORMAT
 
     init = opened.config.init if opened.config is not None else None
     if opened.config is None:
@@ -149,10 +153,14 @@ def _tokenizer_files(opened: Opened) -> SavedTokenizerFiles | None:
 
         source = started_from(opened.source) / init.pretrained  # relative to where the run trained
     else:
-        return None
+        return None, None
     if not (source / CONFIG_FILE).is_file():
-        return None
+        return None, None
     import json
 
     config = json.loads((source / CONFIG_FILE).read_text())
-    return TokenizerFiles.read(source, config)
+    context = None
+    if config.get("format") != FORMAT:  # dew's own layout has no context length to keep
+        with contextlib.suppress(PretrainedError):  # a family dew does not read keeps none
+            context = for_config(config).completed(config).get("max_position_embeddings")
+    return TokenizerFiles.read(source, config), None if context is None else int(context)

@@ -108,6 +108,10 @@ class Family:
     fused: bool = False
     also_reads: tuple[str, ...] = ()
     checkpoints: str = ""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """transformers' defaults for this family's config.json keys that read uses, so a
+    config.json that leaves one out reads as transformers reads it (Phi-3's norm epsilon is
+    1e-5, Mistral's window 4096), not as another family's value."""
     unread: Callable[[Mapping[str, Any]], tuple[str, ...]] = lambda config: ()
     """The name prefixes of tensors a checkpoint of this config holds that the model does not
     compute (DeepSeek-V3's multi-token-prediction layer): left unread, as transformers leaves them."""
@@ -128,7 +132,11 @@ class Family:
 
     def fields(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """The CausalTransformer fields config.json describes (family set; runtime fields left out)."""
-        return {**self.read(config), "family": self.label}
+        return {**self.read(self.completed(config)), "family": self.label}
+
+    def completed(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """config with transformers' defaults for the keys it leaves out (an explicit null stays)."""
+        return {**self.defaults, **config}
 
     def model(self, config: Mapping[str, Any], *, max_seq_len: int | None = None,
               param_dtype: DTypeLike | None = None, dtype: DTypeLike | None = None) -> Module:
@@ -143,7 +151,7 @@ class Family:
         dtype = kinds.get(jnp.dtype(dtype).name) if dtype is not None else param_dtype
         return CausalTransformer(
             **self.fields(config),
-            max_seq_len=int(max_seq_len or config.get("max_position_embeddings", 2048)),
+            max_seq_len=int(max_seq_len or self.completed(config).get("max_position_embeddings", 2048)),
             dtype=dtype, param_dtype=param_dtype)
 
     def config(self, model: Module) -> dict[str, Any]:
@@ -269,32 +277,97 @@ def function_fields(model: Module) -> dict[str, Any]:
     return out
 
 
-def check_same_function(model: Module, loaded: Module, source: str) -> None:
+def check_same_function(model: Module, loaded: Module, source: str, *, prefix: str = "model.") -> None:
     """Refuse to start model from loaded's weights unless both compute the same function.
 
     Shapes alone would let a different rope_theta or norm epsilon through,
-    which gives the same tensors another meaning.
+    which gives the same tensors another meaning. The message names the first
+    field that differs and the override that fixes it (the recipe's fields
+    under prefix), written so it can be pasted into a shell; when the
+    checkpoint is another family's, it names the family first, since every
+    one of its fields would differ in turn.
     """
     mine, theirs = function_fields(model), function_fields(loaded)
     for name, value in theirs.items():
         if mine.get(name) == value:
             continue
-        setting = f"model.{_field(name)}"
+        written, building = of_model(loaded), of_model(model)
+        if written.name != building.name:
+            raise ConfigurationMismatchError(
+                f"{source} holds a {written.architecture} checkpoint (the {written.name} family), but "
+                f"the model to start from it is a {building.name} model, which computes another "
+                f"function ({'layers' if name == 'layers' else _field(name)}: {_shown(value)} there, "
+                f"{_shown(mine.get(name))} here). Set {_set(prefix, 'name', written.name)} and "
+                f"{prefix}preset to the checkpoint's size (the {written.name} presets: "
+                f"{', '.join(written.presets)}) so the weights mean what they meant.")
+        if name == "layers":
+            raise ConfigurationMismatchError(
+                f"{source} was trained with these layers (sliding window, rotary base, rotary "
+                f"scaling) {_shown(value)}, but the model to start from it has {_shown(mine.get(name))}. "
+                f"Set {_layers_setting(prefix, model, loaded)} so the weights mean what they meant.")
         key = MIRRORED.get(name)
         mirrored = f" ({key} in its config.json)" if key else ""
         shown = {"kv_heads": "kv_heads", "head_width": "head_width"}.get(name, _field(name))
         raise ConfigurationMismatchError(
-            f"{source} was trained with {shown}={value!r}{mirrored}, but the model to start "
-            f"from it has {mine.get(name)!r}. Set {setting}={_setting(loaded, name)!r} so the "
-            "weights mean what they meant.")
+            f"{source} was trained with {shown}={_shown(value)}{mirrored}, but the model to start "
+            f"from it has {_shown(mine.get(name))}. Set {_set(prefix, _field(name), _setting(loaded, name))} "
+            "so the weights mean what they meant.")
 
 
 def _setting(model: Module, name: str) -> Any:
-    if name == "layers":
-        return model.sliding_window
     if name in ("kv_heads", "head_width"):
         return function_fields(model)[name]
     return getattr(model, name)
+
+
+def _set(prefix: str, field: str, value: Any) -> str:
+    """One ``key=value`` override, quoted for a shell when it needs to be."""
+    import shlex
+
+    return shlex.quote(f"{prefix}{field}={_override(value)}")
+
+
+def _layers_setting(prefix: str, model: Module, loaded: Module) -> str:
+    """The overrides that give model loaded's layers: the windows and the layers they cover, or
+    the layers' rotary bases and scaling."""
+    parts = loaded._layer_parts()
+    if [w for w, _, _ in model._layer_parts()] != [w for w, _, _ in parts]:
+        windowed = [i for i, (w, _, _) in enumerate(parts) if w is not None]
+        if not windowed:
+            return _set(prefix, "sliding_window", None)
+        layers = None if len(windowed) == len(parts) else windowed
+        return (f"{_set(prefix, 'sliding_window', loaded.sliding_window)} and "
+                f"{_set(prefix, 'sliding_layers', layers)}")
+    return (f"{_set(prefix, 'rope_base', loaded.rope_base)}, "
+            f"{_set(prefix, 'local_rope_base', loaded.local_rope_base)} and "
+            f"{_set(prefix, 'rope_scaling', loaded.rope_scaling)}")
+
+
+def _override(value: Any) -> str:
+    """value as a ``key=value`` override writes it (YAML): a dataclass as a mapping of the fields
+    that differ from their defaults, so a hint can be pasted as it is printed.
+
+    >>> from dew.nn.rotary import RopeScaling
+    >>> _override(RopeScaling("yarn", 4.0, original_max_len=64))
+    '{kind: yarn, factor: 4.0, original_max_len: 64}'
+    >>> _override((1, 2)), _override(None), _override(False)
+    ('[1,2]', 'null', 'false')
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        given = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)
+                 if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default]
+        return "{" + ", ".join(f"{name}: {_override(v)}" for name, v in given) + "}"
+    if isinstance(value, tuple | list):
+        return "[" + ",".join(_override(v) for v in value) + "]"
+    return str(value)
+
+
+def _shown(value: Any) -> str:
+    return _override(value) if isinstance(value, tuple | list) or dataclasses.is_dataclass(value) else repr(value)
 
 
 def family(name: str) -> Family:

@@ -133,6 +133,12 @@ FAMILY = RoutedFamily(
     presets=PRESETS, names=ExpertNames(shared="shared_experts"), unread=unread,
     checkpoints="DeepSeek-V3 and V3-0324, DeepSeek-R1 and R1-0528 (671B; the multi-token-prediction "
                 "layer is left unread, as transformers leaves it), and other DeepseekV3ForCausalLM checkpoints",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "n_routed_experts": 256,
+              "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "norm_topk_prob": True,
+              "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3, "n_shared_experts": 1,
+              "routed_scaling_factor": 2.5, "q_lora_rank": 1536, "kv_lora_rank": 512,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+              "rope_interleave": True},
 )
 
 build = builder("deepseek_v3")

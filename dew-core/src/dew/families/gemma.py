@@ -78,6 +78,7 @@ FAMILY = Family(
     name="gemma", architecture=ARCHITECTURE, model_type="gemma", read=read, write=write,
     presets=PRESETS,
     checkpoints="Gemma 1 and 1.1 (2B, 7B, base and instruct), CodeGemma",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 8192},
 )
 
 build = builder("gemma")

@@ -96,6 +96,7 @@ FAMILY = Family(
     name="gemma2", architecture=ARCHITECTURE, model_type="gemma2", read=read, write=write,
     presets=PRESETS,
     checkpoints="Gemma 2 (2B, 9B, 27B, base and instruct), ShieldGemma 2B/9B",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 8192},
 )
 
 build = builder("gemma2")

@@ -136,6 +136,7 @@ FAMILY = Family(
     checkpoints="Gemma 3 text-only checkpoints (270M, 1B; Gemma3ForCausalLM). The 4B-27B models "
                 "ship as Gemma3ForConditionalGeneration (vision + text); their text presets are "
                 "here config-only, their directories are not read",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
 )
 
 build = builder("gemma3")

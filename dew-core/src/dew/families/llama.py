@@ -84,6 +84,7 @@ FAMILY = Family(
     presets=PRESETS,
     checkpoints="Llama 2, Llama 3, 3.1, 3.2 (1B, 3B) and 3.3 text models; TinyLlama, SmolLM 1/2 and "
                 "other LlamaForCausalLM checkpoints (attention_bias and mlp_bias included)",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
 )
 
 build = builder("llama")

@@ -62,6 +62,7 @@ FAMILY = Family(
     name="olmo2", architecture=ARCHITECTURE, model_type="olmo2", read=read, write=write,
     presets=PRESETS,
     checkpoints="OLMo 2 (1B, 7B, 13B, 32B; base, SFT, DPO and Instruct)",
+    defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
 )
 
 build = builder("olmo2")

@@ -84,6 +84,7 @@ FAMILY = Family(
     presets=PRESETS, fused=True,
     checkpoints="Phi-3-mini-4k, Phi-3-medium-4k, Phi-4 (14B) and other Phi3ForCausalLM checkpoints "
                 "with default rope; partial rotary included. Not the LongRoPE 128k variants",
+    defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
 )
 
 build = builder("phi3")

@@ -94,6 +94,8 @@ FAMILY = Family(
     presets=PRESETS,
     checkpoints="Qwen 2 and Qwen 2.5 (0.5B to 72B, base, instruct, Coder, Math), "
                 "DeepSeek-R1-Distill-Qwen; YaRN long-context settings included",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
+              "max_window_layers": 28},
 )
 
 build = builder("qwen2")

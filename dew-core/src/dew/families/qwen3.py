@@ -82,6 +82,8 @@ FAMILY = Family(
     name="qwen3", architecture=ARCHITECTURE, model_type="qwen3", read=read, write=write,
     presets=PRESETS,
     checkpoints="Qwen 3 dense models (0.6B to 32B, base and instruct/thinking, the 2507 updates)",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
+              "max_window_layers": 28},
 )
 
 build = builder("qwen3")

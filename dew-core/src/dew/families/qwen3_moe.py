@@ -5,7 +5,10 @@ choosing ``num_experts_per_tok`` per token, their probabilities renormalized
 only when ``norm_topk_prob`` (dew.nn.experts.RoutedExperts, dropless). A
 layer is routed unless ``mlp_only_layers`` lists it or ``decoder_sparse_step``
 skips it; those layers have a dense block of ``intermediate_size``
-(dense_layers). The q/k norms and the sliding-window settings are Qwen 3's.
+(dense_layers). The q/k norms are Qwen 3's. Its sliding window is not: with
+``use_sliding_window`` set, every layer looks back ``sliding_window``
+positions (transformers' Qwen3MoeConfig has no ``max_window_layers``), so a
+model windowing only some of its layers has no exact counterpart here.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dew.families.base import builder
+from dew.families.hf_config import window_fields
 from dew.families.qwen3 import layer_config, layer_fields
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
@@ -30,6 +34,8 @@ ARCHITECTURE = "Qwen3MoeForCausalLM"
 def read(config: Mapping[str, Any]) -> dict[str, Any]:
     fields = layer_fields(config, ARCHITECTURE)
     count = fields["num_layers"]
+    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    fields.update(window_fields(window, None, count))  # every layer: no max_window_layers here
     experts = int(config.get("num_experts", config.get("num_local_experts", 128)))  # transformers 5 writes the latter
     step = int(config.get("decoder_sparse_step", 1) or 1)
     only = set(config.get("mlp_only_layers") or ())
@@ -41,9 +47,19 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
             "routing": routing if experts else None, "dense_layers": dense if experts else ()}
 
 
+def _window_config(model: Module) -> dict[str, Any]:
+    """use_sliding_window and sliding_window: one window on every layer, or none (a model with
+    another pattern reads back otherwise, and Family.config refuses it, naming the field)."""
+    windows = {window for window, _, _ in model._layer_parts()}
+    window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
+    return {"use_sliding_window": window is not None, "sliding_window": window}
+
+
 def write(model: Module) -> dict[str, Any]:
     routing = model.routing or Routing()
-    return {**layer_config(model, ARCHITECTURE, "qwen3_moe"), "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
+    dense = {k: v for k, v in layer_config(model, ARCHITECTURE, "qwen3_moe").items()
+             if k not in ("max_window_layers", "layer_types")}
+    return {**dense, **_window_config(model), "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
             "moe_intermediate_size": routing.hidden_features or model.mlp_features,
             "norm_topk_prob": bool(routing.normalize_top_k), "decoder_sparse_step": 1,
             "mlp_only_layers": sorted(set(model.dense_layers)), "router_aux_loss_coef": 0.001,
@@ -72,6 +88,9 @@ FAMILY = RoutedFamily(
     presets=PRESETS, names=ExpertNames(),
     checkpoints="Qwen 3 MoE (30B-A3B, 235B-A22B; base, instruct and thinking, the 2507 updates) and "
                 "Qwen3-Coder MoE text checkpoints",
+    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
+              "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+              "decoder_sparse_step": 1},
 )
 
 build = builder("qwen3_moe")

@@ -205,7 +205,11 @@ class Pretrained:
     {...}}`` (a pipeline's save fills it in); only dew's own layout keeps it.
     tokenizer_files keeps what a Hugging Face directory says about its
     tokenizer beyond ``tokenizer.json`` (special tokens, the chat template,
-    generation's stop ids), written back unchanged by save.
+    generation's stop ids), written back unchanged by save. context is the
+    context length (``max_position_embeddings``) of the Hugging Face
+    directory the weights were read from: save never writes a shorter one, so
+    weights trained or loaded with a short ``max_seq_len`` (the decode cache's
+    length) keep the context they were published with.
 
     >>> import tempfile, jax, jax.numpy as jnp
     >>> from dew.nn.backbones import CausalTransformer
@@ -225,6 +229,7 @@ class Pretrained:
     tokenizer: Any = None
     task: Mapping[str, Any] | None = None
     tokenizer_files: TokenizerFiles | None = None
+    context: int | None = None
 
     @property
     def format(self) -> str:
@@ -292,6 +297,8 @@ class Pretrained:
         family = of_model(self.model)
         config = family.config(self.model)
         config.update(self._token_ids())
+        if self.context is not None and self.context > int(config.get("max_position_embeddings") or 0):
+            config["max_position_embeddings"] = int(self.context)
         extra = self.beyond_family()
         if extra:
             raise NoExactCounterpartError(
@@ -520,7 +527,9 @@ class Pretrained:
         tokenizer = read_tokenizer(source, own.get("tokenizer"), config.get("eos_token_id"), kept)
         if tokenizer is not None:
             check_vocabulary(tokenizer, model)
-        return cls(model, {"params": params}, tokenizer, None, kept)
+        context = family.completed(config).get("max_position_embeddings")
+        return cls(model, {"params": params}, tokenizer, None, kept,
+                   None if context is None else int(context))
 
 
 def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:

@@ -365,10 +365,11 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     if given is None:
         return model_from_config(config)
     try:
-        check_same_function(given, model_from_config(config), f"teacher_pretrained {directory}")
-    except ConfigurationMismatchError as error:  # the advice names the teacher's fields, not the student's
-        raise ConfigurationMismatchError(str(error).replace("Set model.", "Set objective.teacher.")
-                                         + " Or leave teacher out (None): it is then read from config.json.") from None
+        check_same_function(given, model_from_config(config), f"teacher_pretrained {directory}",
+                            prefix="objective.teacher.")  # the advice names the teacher's fields
+    except ConfigurationMismatchError as error:
+        raise ConfigurationMismatchError(
+            f"{error} Or leave teacher out (None): it is then read from config.json.") from None
     return given
 
 
