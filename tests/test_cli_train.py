@@ -73,3 +73,22 @@ def test_a_run_directory_under_a_file_is_named_without_a_note_to_create_it(tmp_p
     assert "create it first" not in error and "Traceback" not in error  # the folder's note is for missing inputs
     assert (tmp_path / "afile").read_text() == "a user's file\n"
     assert not (tmp_path / "runs").exists()  # the run never started and kept nothing
+
+
+def test_a_file_the_recipe_names_is_to_be_created_only_when_it_is_missing(tmp_path, monkeypatch, capsys):
+    """A missing tokenizer gets the note that traces it to the recipe and asks to create it; one
+    that is there but unreadable is named as such (not a traceback), traced to the same field,
+    and nobody is told to create what exists."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("not json\n")
+    code = main(["train", "qwen3-sft", "trainer.steps=1", "data.tokenizer=tok/tokenizer.json"])
+    error = capsys.readouterr().err
+    assert code == 2, error
+    assert "UnreadableTokenizerError: The tokenizer file 'tok/tokenizer.json' cannot be read" in error
+    assert "The recipe's data.tokenizer names it." in error
+    assert "create it first" not in error and "Traceback" not in error
+    code = main(["train", "qwen3-sft", "trainer.steps=1", "data.tokenizer=gone/tokenizer.json"])
+    error = capsys.readouterr().err
+    assert code == 2 and "MissingFileError" in error
+    assert "The recipe's data.tokenizer names it: create it first" in error

@@ -21,6 +21,7 @@ __all__ = [
     "MissingKeyError",
     "PositionMismatchError",
     "RampError",
+    "UnreadableTokenizerError",
 ]
 
 
@@ -62,3 +63,8 @@ class PositionMismatchError(DataError, ValueError):
 
 class RampError(DataError, ValueError):
     """A batch-size ramp schedule is malformed or its reader cannot change batch size."""
+
+
+class UnreadableTokenizerError(DataError, ValueError):
+    """A tokenizer file is there, but the tokenizers library cannot read it (truncated, or not a
+    tokenizer.json at all)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dew.data.errors import MissingFileError, MissingKeyError
+from dew.data.errors import MissingFileError, MissingKeyError, UnreadableTokenizerError
 
 if TYPE_CHECKING:
     import tokenizers
@@ -42,7 +42,8 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, eos_token: str | None = None) -> HFTokenizer:
-        """Load a tokenizer.json; MissingFileError or MissingKeyError when it cannot serve."""
+        """Load a tokenizer.json; MissingFileError, UnreadableTokenizerError or MissingKeyError
+        when it cannot serve."""
         from tokenizers import Tokenizer
 
         file = Path(path)
@@ -51,7 +52,14 @@ class HFTokenizer:
                 f"The tokenizer file {os.fspath(path)!r} does not exist. Pass the path of a "
                 f"Hugging Face tokenizer.json (tokenizer.save(path) writes one)."
             )
-        tokenizer = Tokenizer.from_file(os.fspath(file))
+        try:
+            tokenizer = Tokenizer.from_file(os.fspath(file))
+        except Exception as error:  # noqa: BLE001 - the Rust library raises a bare Exception
+            raise UnreadableTokenizerError(
+                f"The tokenizer file {os.fspath(path)!r} cannot be read as a Hugging Face "
+                f"tokenizer.json ({error}). Point it at the tokenizer.json of a Hugging Face "
+                f"directory, or write one with tokenizer.save(path)."
+            ) from None
         candidates = (eos_token,) if eos_token is not None else EOS_CANDIDATES
         eos_id = next((tokenizer.token_to_id(t) for t in candidates if tokenizer.token_to_id(t) is not None), None)
         if eos_id is None:

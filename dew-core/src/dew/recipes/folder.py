@@ -207,11 +207,8 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             shutil.rmtree(directory, ignore_errors=True)
             _remove_empty_parents(directory, created[directory])
         if isinstance(error, Exception):
-            for field in _fields_naming(config, folder, str(error)):
-                error.add_note(f"The recipe's {field} names it: point {field} at a directory this process "
-                               "can write." if _writing_failed(error) else
-                               f"The recipe's {field} names it: create it first (a shipped recipe's "
-                               f"description says how), or point {field} at one that exists.")
+            for field, path in _fields_naming(config, folder, str(error)):
+                error.add_note(_field_note(field, path, error))
             if removed:
                 error.add_note(f"The run never started: nothing was kept ({', '.join(map(shown, removed))} "
                                "removed).")
@@ -220,6 +217,17 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
         raise
     finally:
         folder.record()
+
+
+def _field_note(field: str, path: Path, error: Exception) -> str:
+    """The note tracing error to the recipe field that names its path, with what to do about it:
+    only a path that is not there is to be created; one that is there is wrong as it is."""
+    if _writing_failed(error):
+        return f"The recipe's {field} names it: point {field} at a directory this process can write."
+    if not path.exists():
+        return (f"The recipe's {field} names it: create it first (a shipped recipe's description says "
+                f"how), or point {field} at one that exists.")
+    return f"The recipe's {field} names it."
 
 
 def _writing_failed(error: Exception) -> bool:
@@ -249,9 +257,10 @@ def _remove_empty_parents(directory: Path, top: Path) -> None:
         current = current.parent
 
 
-def _fields_naming(config: RunConfig, folder: RunFolder, message: str) -> list[str]:
-    """The recipe's fields whose path (placeholders expanded, made absolute) the message names:
-    a missing base run, teacher, export or tokenizer is then traced to where the recipe asks for it."""
+def _fields_naming(config: RunConfig, folder: RunFolder, message: str) -> list[tuple[str, Path]]:
+    """The recipe's fields whose path (placeholders expanded, made absolute) the message names,
+    with that path: a missing base run, teacher, export or tokenizer is then traced to where the
+    recipe asks for it."""
     from dew.tracking.rows import recipe_fields
 
     found = []
@@ -262,9 +271,9 @@ def _fields_naming(config: RunConfig, folder: RunFolder, message: str) -> list[s
             value = _expand(value, folder.timestamp)
         if "/" not in value and "." not in value:
             continue  # a name, not a path
-        where = str(_absolute(value, folder.cwd))
-        if where in message or (("/" in value) and f"'{value}'" in message):
-            found.append(key)
+        where = _absolute(value, folder.cwd)
+        if str(where) in message or (("/" in value) and f"'{value}'" in message):
+            found.append((key, where))
     return found
 
 
