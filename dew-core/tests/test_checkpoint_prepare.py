@@ -56,3 +56,26 @@ def test_a_failed_compile_leaves_saving_to_the_plain_path(monkeypatch: pytest.Mo
         integrity._PREPARED[integrity._signature(leaves)].result(timeout=60)
     assert integrity.digests_as_lists(integrity.digest_leaves(leaves)) == [integrity._host_digest(leaves[0])]
     integrity._PREPARED.pop(integrity._signature(leaves))
+
+
+def test_an_exit_while_the_digests_compile_waits_for_them_and_keeps_its_status(tmp_path) -> None:
+    """A run that fails moments after it starts exits while the digest program still compiles;
+    a daemon thread inside XLA at finalization aborted the process (exit 134) about five times in
+    seven. The exit now waits for the compile: the handler registered before dew (so it runs
+    after dew's) finds no compile left, and the run's own status comes out."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_now.py"
+    script.write_text(
+        "import atexit, sys, threading\n"
+        "atexit.register(lambda: print('compiling at exit:', sum(t.name == 'dew-digest-compile' "
+        "and t.is_alive() for t in threading.enumerate()), flush=True))\n"
+        "import jax.numpy as jnp\n"
+        "from dew.checkpoints import integrity\n"
+        "integrity.prepare_digests([jnp.zeros((8, 8 + i)) for i in range(30)])\n"
+        "print('started:', sum(t.name == 'dew-digest-compile' for t in threading.enumerate()), flush=True)\n"
+        "sys.exit(2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert "started: 1" in done.stdout and "compiling at exit: 0" in done.stdout, done.stdout

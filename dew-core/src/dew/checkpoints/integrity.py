@@ -20,6 +20,7 @@ silently, which is why dew keeps its own.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import threading
 import zlib
@@ -103,6 +104,22 @@ def _digest_all(leaves: Sequence[jax.Array]) -> jax.Array:
 _PREPARED: dict[tuple[Hashable, ...], Future[jax.stages.Compiled]] = {}
 _PREPARED_LIMIT = 8
 _prepared_lock = threading.Lock()
+_compiling: set[threading.Thread] = set()  # digest programs compiling in the background
+
+
+def _finish_compiles() -> None:
+    """At interpreter exit, wait for the digest programs still compiling (a second or so each).
+
+    A run that fails moments after it starts leaves one compiling inside XLA; a daemon thread
+    that comes back from native code while the interpreter finalizes is unwound by force, and
+    XLA's frames turn that into an abort (exit 134, 'FATAL: exception not rethrown') instead of
+    the run's own exit status.
+    """
+    for thread in list(_compiling):
+        thread.join(timeout=120)
+
+
+atexit.register(_finish_compiles)
 
 
 def sharding_of(leaf: object) -> Sharding | None:
@@ -143,8 +160,12 @@ def prepare_digests(leaves: Sequence[jax.Array | jax.ShapeDtypeStruct]) -> None:
             future.set_result(_digest_all.lower(specs).compile())
         except BaseException as error:  # noqa: BLE001 - the save then compiles it itself
             future.set_exception(error)
+        finally:
+            _compiling.discard(threading.current_thread())
 
-    threading.Thread(target=compile_, name="dew-digest-compile", daemon=True).start()
+    thread = threading.Thread(target=compile_, name="dew-digest-compile", daemon=True)
+    _compiling.add(thread)
+    thread.start()
 
 
 def _in_device_memory(leaf: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
