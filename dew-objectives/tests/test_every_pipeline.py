@@ -267,3 +267,27 @@ def test_a_lora_policy_exports_merged_and_as_peft_adapters_that_compute_it(tmp_p
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
         tmp_path / "adapters")
     np.testing.assert_allclose(logits(with_peft), adapted, atol=1e-4, rtol=0)
+
+
+def test_text_generation_refuses_what_it_would_ignore_and_starts_an_empty_prompt_after_a_document():
+    """A filter without a temperature, a prompt that fills the cache: refused, where they used to
+    give greedy text or the prompt back without a word. An empty prompt continues from the
+    end-of-document id, as the evaluation tasks start one, and equals generating from that id."""
+    from dew.sampling.errors import PromptTooLongError
+
+    model = build("causal_transformer", vocab_size=257, emb_features=16, num_layers=1, num_heads=2,
+                  mlp_features=32, max_seq_len=16)
+    pipeline = TextGeneration(model, model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)), TOKENIZER)
+    for name, value in (("top_k", 5), ("top_p", 0.5), ("min_p", 0.1)):
+        with pytest.raises(UnsupportedRequestError, match=f"^{name} only narrows .* give a temperature"):
+            pipeline.generate(GenerateRequest(("ab",), **{name: value}))
+        with pytest.raises(UnsupportedRequestError, match=f"^{name} only narrows"):
+            pipeline.generate(GenerateRequest(("ab",), temperature=0.0, **{name: value}))
+        assert pipeline.generate(GenerateRequest(("ab",), temperature=1.0, **{name: value})).texts
+    with pytest.raises(PromptTooLongError, match="16 tokens leaves no room .* max_seq_len=16"):
+        pipeline.generate(GenerateRequest(("x" * 16,)))
+    assert len(pipeline.generate(GenerateRequest(("x" * 15,))).texts[0]) <= 16  # one token of room
+    (empty,) = pipeline.generate(GenerateRequest(("",), max_new_tokens=6)).texts
+    ids = generate(model, pipeline.variables, [[TOKENIZER.eos_id]], 6, jax.random.key(0),
+                   Sampling(temperature=0.0), eos_id=TOKENIZER.eos_id).new_tokens[0]
+    assert empty == TOKENIZER.decode([i for i in ids if i != TOKENIZER.eos_id])

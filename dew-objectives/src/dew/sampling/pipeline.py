@@ -38,6 +38,7 @@ from dew.objectives.inference import (
     UnsupportedRequestError,
     write_texts,
 )
+from dew.sampling.errors import PromptTooLongError
 from dew.sampling.generate import Generation, generate
 from dew.sampling.options import Sampling
 
@@ -95,12 +96,19 @@ class TextGeneration(Pipeline):
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
                stop: Sequence[str] = ()) -> Generation:
-        """The token ids of prompts and their continuations, as generate returns them."""
-        ids = [list(self.tokenizer.encode(prompt)) for prompt in prompts]
+        """The token ids of prompts and their continuations, as generate returns them (an empty
+        prompt starts from the end-of-document id, as after a document, the way the evaluation
+        tasks start one)."""
+        ids = [self._ids(prompt) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
                         sampling or self.sampling, eos_id=self.stop, stop_strings=tuple(stop),
                         detokenize=lambda ids: self.tokenizer.decode(list(ids)))
+
+    def _ids(self, prompt: str) -> list[int]:
+        ids = [int(i) for i in self.tokenizer.encode(prompt)]
+        stop = eos_id_of(self.tokenizer)
+        return ids or ([] if stop is None else [int(stop)])
 
     def __call__(self, prompts: str | Sequence[str], *, max_new_tokens: int = 64,
                  sampling: Sampling | None = None, key: jax.Array | None = None,
@@ -131,10 +139,21 @@ class TextGeneration(Pipeline):
         prompts = [prompt for prompt in request.inputs for _ in range(count)]
         given = {name: getattr(request, name) for name in ("temperature", "top_k", "top_p", "min_p")
                  if getattr(request, name) is not None}  # greedy unless a temperature is given
+        filters = sorted(name for name in given if name != "temperature")
+        if filters and not given.get("temperature"):
+            raise UnsupportedRequestError(
+                f"{' and '.join(filters)} only narrow{'s' if len(filters) == 1 else ''} what sampling "
+                "draws from, and without a temperature (or at 0) generation is greedy; give a "
+                "temperature above 0 as well (1.0 samples from the model as it is).")
         sampling = Sampling(**{"temperature": 0.0, **given})
-        longest = max(len(self.tokenizer.encode(prompt)) for prompt in request.inputs)
-        room = getattr(self.model, "max_seq_len", longest + 64) - longest  # any flax Module
-        texts = self(prompts, max_new_tokens=request.max_new_tokens or max(min(64, room), 0),
+        longest = max(len(self._ids(prompt)) for prompt in request.inputs)
+        cache = getattr(self.model, "max_seq_len", longest + 64)  # any flax Module
+        room = cache - longest
+        if room <= 0:
+            raise PromptTooLongError(
+                f"A prompt of {longest} tokens leaves no room to generate in the model's "
+                f"max_seq_len={cache} tokens; shorten the prompt.")
+        texts = self(prompts, max_new_tokens=request.max_new_tokens or min(64, room),
                      sampling=sampling, key=jax.random.key(request.seed), stop=request.stop)
         shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))
         return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
