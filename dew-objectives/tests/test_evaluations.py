@@ -247,23 +247,31 @@ SMALL = ["model.emb_features=32", "model.num_heads=4", "model.mlp_features=64", 
 
 
 @pytest.mark.slow
-def test_a_recipe_scores_its_tasks_on_a_cadence_and_dew_eval_repeats_them(tmp_path, capsys):
+def test_a_recipe_scores_its_tasks_on_a_cadence_and_dew_eval_repeats_them(tmp_path, capsys, monkeypatch):
     """tiny-sft's trainer.evaluate: the multiple-choice task logged at steps 1 and 2, the same score
-    that `dew eval RUN --task` computes from the kept step."""
-    from dew.cli import main
-    from dew.recipes.config import RunConfig
+    that `dew eval RUN --task` computes from the kept step, typed from another folder (the task
+    file's relative path starts where the run trained, as the recipe's other paths do)."""
+    import shutil
 
-    run = tmp_path / "run"
-    task = '[{task: multiple_choice, label: sums, every: 1, file: "{recipes}/data/addition-choice.jsonl"}]'
-    config = RunConfig.load("tiny-sft", overrides=[*SMALL, "trainer.steps=2", "trainer.log_every=1",
-                                                   f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
-                                                   f"trainer.evaluate={task}"])
-    config.train()
+    from dew.cli import main
+    from dew.placeholders import expand
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    shutil.copy(expand("{recipes}/data/addition-choice.jsonl", ""), work / "choice.jsonl")
+    run = work / "runs" / "sft"
+    task = "[{task: multiple_choice, label: sums, every: 1, file: choice.jsonl}]"
+    monkeypatch.chdir(work)
+    assert main(["train", "tiny-sft", *SMALL, "trainer.steps=2", "trainer.log_every=1",
+                 "trainer.checkpoint_dir=runs/sft", "trackers.0.directory=runs/sft",
+                 f"trainer.evaluate={task}"]) == 0
     rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
     logged = {row["step"]: row["eval/sums/accuracy"] for row in rows if "eval/sums/accuracy" in row}
     assert sorted(logged) == [1, 2] and all(row.get("eval/sums/records") in (None, 12.0) for row in rows)
     capsys.readouterr()
-    assert main(["eval", str(run), "--task", "sums", "--json"]) == 0
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", str(run), "--task", "sums", "--json"]) == 0, capsys.readouterr().err
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["step"] == 2 and printed["eval/sums/accuracy"] == logged[2]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -130,9 +131,26 @@ def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
     entries = [] if opened.config is None else list(opened.config.trainer.evaluate)
     chosen = next((e for e in entries if e.name == args.task), None) or \
         next((e for e in entries if e.task == args.task), None)
-    data = {"task": args.task} if chosen is None else chosen.model_dump()
+    data = {"task": args.task} if chosen is None else _as_trained(chosen.model_dump(), opened.source)
     data = apply_overrides(data, args.fields)
     return EvaluateConfig.model_validate(data)
+
+
+def _as_trained(entry: dict[str, Any], run: str) -> dict[str, Any]:
+    """A run's trainer.evaluate entry with its relative paths (a task file) made absolute from
+    where the run trained, as they were when it scored them; a --set field stays as typed, from
+    here."""
+    from dew.recipes.resuming import started_from
+
+    start = started_from(run)
+    out = dict(entry)
+    for key, value in entry.items():
+        if key in ("task", "label") or not isinstance(value, str) or not value or os.path.isabs(value):
+            continue
+        there = start / value
+        if there.exists():
+            out[key] = str(there)
+    return out
 
 
 def _run_task(args: argparse.Namespace, opened: Opened) -> int:
