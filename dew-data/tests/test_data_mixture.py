@@ -160,6 +160,36 @@ def test_bad_weights_and_sources_are_named(tmp_path):
         Mixture(sources={"code": Tagged(0, 5), "wide": Tagged(1, 5, width=4)}, weights={"code": 1}).load(batch=2)
 
 
+def test_a_recipe_mixture_is_refused_at_load_naming_the_field_before_anything_is_built():
+    """What only the mixture knows (its weights naming its own sources, a schedule's steps) is
+    checked with the recipe, so `dew train --check` refuses it; it passed before, and the run
+    failed once started (a schedule step 'abc' with a ValueError traceback, 2.5 truncated to 2)."""
+    from dew.recipes.config import RecipeError, RunConfig
+
+    base = ["data={name: mixture, batch: 4, sources: {code: {name: token_windows, files: x.py, length: 8}, "
+            "more: {name: token_windows, files: y.py, length: 8}}}"]
+    cases = {
+        "data.weights={code: 1, more: -1}": r"data\.weights\.more: Mixture source 'more' has weight -1",
+        "data.weights={code: 1, zzz: 1}": r"data\.weights\.zzz: The mixture's weights name source 'zzz'",
+        "data.weights={code: 0, more: 0}": r"data\.weights: Every weight in the mixture's weights is 0",
+        "data.weights={code: 1.0e-320, more: 1}": r"data\.weights: The mixture's weights differ by more than",
+        "data.schedule=[{step: 0, weights: {code: 1}}, {step: abc, weights: {more: 1}}]":
+            r"data\.schedule\.1\.step: Schedule entry 1 starts at step 'abc'; a step is a whole number",
+        "data.schedule=[{step: 0, weights: {code: 1}}, {step: 2.5, weights: {more: 1}}]":
+            r"data\.schedule\.1\.step: Schedule entry 1 starts at step 2\.5",
+        "data.schedule=[{step: 0, weights: {code: 1}}, {step: 3, weights: 5}]":
+            r"data\.schedule\.1\.weights: The mixture's weights at step 3 are 5; give a mapping",
+        "data.schedule=[{step: 1, weights: {code: 1}}]": r"data\.schedule\.0\.step: .* starts at step 0",
+    }
+    for override, message in cases.items():
+        with pytest.raises(RecipeError, match=message):
+            RunConfig.load("tiny-lm", [*base, override])
+    with pytest.raises(RecipeError, match=r"data\.sources\.more: Mixture source 'more': dataset 'token_windows' "
+                                          r"has no field 'lenght'"):
+        RunConfig.load("tiny-lm", [*base, "data.weights={code: 1, more: 1}", "data.sources.more.lenght=8"])
+    assert RunConfig.load("tiny-lm", [*base, "data.weights={code: 3, more: 1}"]).data.name == "mixture"
+
+
 def test_the_trainer_logs_each_sources_records(recorder):
     """data/<source>/records reach the tracker with each logged step: the records drawn so far."""
     from dew.data.mixture import Mixture

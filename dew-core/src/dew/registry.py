@@ -19,7 +19,7 @@ import threading
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import importlib_metadata
 import pydantic
@@ -29,6 +29,7 @@ from dew.errors import DewError, DewKeyError
 
 __all__ = [
     "GROUPS",
+    "ChecksFields",
     "InvalidFieldsError",
     "NameConflictError",
     "Provider",
@@ -61,6 +62,20 @@ class NameConflictError(RegistryError):
 
 class InvalidFieldsError(RegistryError, TypeError):
     """build() was given an unknown field, a missing one, or a value of a wrong type."""
+
+
+@runtime_checkable
+class ChecksFields(Protocol):
+    """A component that checks its fields' values beyond their types, before anything is built.
+
+    Types are pydantic's to check; what only the component knows (a mixture's weights naming
+    its own sources, a schedule that starts at step 0) it says here, so a recipe is refused
+    by ``dew train --check`` and at load rather than when the run starts. Each problem is the
+    field's sub-path and a message that says what is wrong and how to fix it.
+    """
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]: ...
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,8 @@ def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tup
         if default is ... and key not in fields and key not in {*supplied, *may_supply}:
             problems.append(((key,), f"{registry.kind} {name!r} requires this field, but it is "
                              "not given."))
+    if not problems and isinstance(component, registries.ChecksFields):  # the values, once typed right
+        problems += component.field_problems(fields)
     return problems
 
 

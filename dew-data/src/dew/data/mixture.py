@@ -215,6 +215,74 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _weight_problems(sources: Mapping[str, Any], weights: object, what: str) -> list[tuple[tuple[str, ...], str]]:
+    """The problems of one set of weights (what names it in messages: "weights", "the weights at step 5")."""
+    if not isinstance(weights, Mapping):
+        return [((), f"The mixture's {what} are {weights!r}; give a mapping {{source: weight, ...}}.")]
+    unknown = sorted(set(map(str, weights)) - set(map(str, sources)))
+    if unknown:
+        return [((unknown[0],), f"The mixture's {what} name source {unknown[0]!r}, which is not among its "
+                                f"sources ({', '.join(map(str, sources))}).")]
+    for name, weight in weights.items():
+        if not _is_number(weight) or not np.isfinite(weight) or weight < 0:
+            return [((str(name),), f"Mixture source {name!r} has weight {weight!r} in the {what}; a weight "
+                                   f"is a finite number >= 0 (0 leaves the source out).")]
+    positive = [float(w) for w in weights.values() if w > 0]
+    if not positive:
+        return [((), f"Every weight in the mixture's {what} is 0; give some source a positive weight.")]
+    if max(positive) / min(positive) > _WIDEST:
+        return [((), f"The mixture's {what} differ by more than {_WIDEST:.0e} times ({min(positive)!r} "
+                     f"against {max(positive)!r}); a source that rare is never drawn in a run: give it "
+                     f"weight 0, or a larger one.")]
+    return []
+
+
+def _schedule_problems(sources: Mapping[str, Any], schedule: object) -> list[tuple[tuple[str, ...], str]]:
+    if not isinstance(schedule, Sequence) or isinstance(schedule, str) or not schedule:
+        return [(("schedule",), f"A mixture's schedule is a list of {{step: N, weights: {{source: weight, "
+                                f"...}}}} starting at step 0; got {schedule!r}.")]
+    found: list[tuple[tuple[str, ...], str]] = []
+    steps: list[int] = []
+    for number, entry in enumerate(schedule):
+        where = ("schedule", str(number))
+        if not isinstance(entry, Mapping) or set(entry) != {"step", "weights"}:
+            found.append((where, f"Schedule entry {number} is {entry!r}; each entry is {{step: N, weights: "
+                                 f"{{source: weight, ...}}}}."))
+            continue
+        step = entry["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            found.append(((*where, "step"), f"Schedule entry {number} starts at step {step!r}; a step is a "
+                                            f"whole number >= 0 (counted in global batches)."))
+            continue
+        steps.append(step)
+        found += [((*where, "weights", *path), message) for path, message in
+                  _weight_problems(sources, entry["weights"], f"weights at step {step}")]
+    if found:
+        return found
+    if steps[0] != 0:
+        return [(("schedule", "0", "step"), "A mixture's schedule starts at step 0: its first entry needs step: 0.")]
+    if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        return [(("schedule",), f"The schedule's steps must increase; they are {steps}.")]
+    return []
+
+
+def _source_problems(name: str, given: Mapping[str, Any]) -> list[str]:
+    """A source given by registered name: the name exists and its fields are its reader's."""
+    from dew import registry
+
+    if "name" not in given:
+        return [f"Mixture source {name!r} is {dict(given)!r}; name its registered dataset with name: "
+                f"(token_windows, hf_text, chat, ...), beside its fields."]
+    try:
+        registry.datasets.validate(str(given["name"]), {k: v for k, v in given.items() if k != "name"})
+    except registry.RegistryError as error:
+        return [f"Mixture source {name!r}: {error}"]
+    return []
+
+
+_WIDEST = 1e9  # the largest ratio of two positive weights: Grain draws with integer proportions
+
+
 @dataclass(frozen=True)
 class Mixture:
     """Named sources mixed by weight (see the module docstring).
@@ -232,60 +300,37 @@ class Mixture:
     fill: Mapping[str, int] = field(default_factory=lambda: dict(_FILL))
 
     def __post_init__(self) -> None:
-        if not self.sources:
-            raise MixtureError("A mixture needs at least one source; give sources={name: dataset, ...}.")
-        if (self.weights is None) == (self.schedule is None):
-            raise MixtureError("A mixture takes weights= or schedule=; give exactly one.")
-        for step, weights in self._steps():
-            self._check(weights, f"the weights at step {step}" if self.schedule is not None else "weights")
-        for name, given in self.sources.items():
+        found = self.field_problems({"sources": self.sources, "weights": self.weights,
+                                     "schedule": self.schedule})
+        if found:
+            raise MixtureError(found[0][1])
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """What is wrong with a mixture's sources, weights and schedule, each problem with the
+        field it is in (dew.registry.ChecksFields: ``dew train --check`` asks this before
+        anything is built; constructing a Mixture raises the first as a MixtureError)."""
+        sources = fields.get("sources") or {}
+        weights, schedule = fields.get("weights"), fields.get("schedule")
+        if not isinstance(sources, Mapping) or not sources:
+            return [(("sources",), "A mixture needs at least one source; give sources={name: dataset, ...}.")]
+        if (weights is None) == (schedule is None):
+            return [((), "A mixture takes weights= or schedule=; give exactly one.")]
+        found: list[tuple[tuple[str, ...], str]] = []
+        if weights is not None:
+            found += [(("weights", *path), message) for path, message in _weight_problems(sources, weights, "weights")]
+        else:
+            found += _schedule_problems(sources, schedule)
+        for name, given in sources.items():
             if isinstance(given, Mapping):
-                self._check_fields(name, given)
-
-    @staticmethod
-    def _check_fields(name: str, given: Mapping[str, Any]) -> None:
-        """A source given by registered name: the name exists and its fields are its reader's."""
-        from dew import registry
-
-        if "name" not in given:
-            raise MixtureError(
-                f"Mixture source {name!r} is {dict(given)!r}; name its registered dataset with "
-                f"name: (token_windows, hf_text, chat, ...), beside its fields.")
-        try:
-            registry.datasets.validate(str(given["name"]), {k: v for k, v in given.items() if k != "name"})
-        except registry.RegistryError as error:
-            raise MixtureError(f"Mixture source {name!r}: {error}") from None
+                found += [(("sources", str(name)), message) for message in _source_problems(str(name), given)]
+        return found
 
     def _steps(self) -> list[tuple[int, Mapping[str, float]]]:
+        """The schedule as (step, weights) pairs (weights alone: one at step 0), checked already."""
         if self.weights is not None:
             return [(0, self.weights)]
-        entries = []
-        for number, entry in enumerate(self.schedule or ()):
-            if not isinstance(entry, Mapping) or set(entry) != {"step", "weights"}:
-                raise MixtureError(
-                    f"Schedule entry {number} is {entry!r}; each entry is {{step: N, weights: {{source: "
-                    f"weight, ...}}}}.")
-            entries.append((int(entry["step"]), entry["weights"]))
-        if not entries or entries[0][0] != 0:
-            raise MixtureError("A mixture's schedule starts at step 0: its first entry needs step: 0.")
-        steps = [s for s, _ in entries]
-        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
-            raise MixtureError(f"The schedule's steps must increase; they are {steps}.")
-        return entries
-
-    def _check(self, weights: Mapping[str, float], what: str) -> None:
-        unknown = sorted(set(weights) - set(self.sources))
-        if unknown:
-            raise MixtureError(
-                f"The mixture's {what} name source {unknown[0]!r}, which is not among its sources "
-                f"({', '.join(self.sources)}).")
-        for name, weight in weights.items():
-            if not _is_number(weight) or not np.isfinite(weight) or weight < 0:
-                raise MixtureError(
-                    f"Mixture source {name!r} has weight {weight!r} in the {what}; a weight is a "
-                    f"finite number >= 0 (0 leaves the source out).")
-        if not any(weight > 0 for weight in weights.values()):
-            raise MixtureError(f"Every weight in the mixture's {what} is 0; give some source a positive weight.")
+        return [(int(entry["step"]), entry["weights"]) for entry in self.schedule or ()]
 
     # -- building the sources -----------------------------------------------------------------
     @cached_property
