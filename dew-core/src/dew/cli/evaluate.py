@@ -136,7 +136,7 @@ def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
     return EvaluateConfig.model_validate(data)
 
 
-def _as_trained(entry: dict[str, Any], run: str) -> dict[str, Any]:
+def _as_trained(entry: dict[str, Any], run: str | os.PathLike[str]) -> dict[str, Any]:
     """A run's trainer.evaluate entry with its relative paths (a task file) made absolute from
     where the run trained, as they were when it scored them; a --set field stays as typed, from
     here."""
