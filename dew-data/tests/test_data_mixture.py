@@ -160,6 +160,36 @@ def test_bad_weights_and_sources_are_named(tmp_path):
         Mixture(sources={"code": Tagged(0, 5), "wide": Tagged(1, 5, width=4)}, weights={"code": 1}).load(batch=2)
 
 
+def test_under_a_batch_ramp_the_schedule_switches_at_its_step_and_the_stream_reports_its_sources():
+    """A ramp of 2-row batches for two steps, then 8: a schedule switching to source 1 at step 4
+    switches at step 4 (counted as 2+2+8+8 = 20 records, not 4 x 8 = 32, which switched at step 5
+    and mixed step 6), the ramped stream logs data/<source>/records as the plain one does (it
+    dropped them), and a stream resumed mid-ramp continues with the same rows."""
+    from dew.data import DataPartition, ramped
+    from dew.data.mixture import Mixture
+
+    schedule = [{"step": 0, "weights": {"code": 1}}, {"step": 4, "weights": {"prose": 1}}]
+    mixture = Mixture(sources={"code": Tagged(0, 50), "prose": Tagged(1, 50)}, schedule=schedule)
+    ramp = [(0, 2), (2, 8)]
+    stream = ramped(mixture.load(batch=8), ramp).train(DataPartition())
+    rows, reported = [], []
+    for _ in range(7):
+        rows.append(next(stream)["source"])
+        reported.append(dict(stream.scalars()))
+    assert [len(r) for r in rows] == [2, 2, 8, 8, 8, 8, 8]
+    assert [int(r.sum()) for r in rows] == [0, 0, 0, 0, 8, 8, 8]  # every row from prose from step 4
+    drawn = np.cumsum([[int((r == 0).sum()), int((r == 1).sum())] for r in rows], axis=0)
+    assert reported == [{"data/code/records": float(a), "data/prose/records": float(b)} for a, b in drawn]
+    again = ramped(mixture.load(batch=8), ramp).train(DataPartition())
+    for _ in range(3):  # into the ramp's second size, one step before the switch
+        next(again)
+    position = again.get_state()
+    resumed = ramped(mixture.load(batch=8), ramp).train(DataPartition())
+    resumed.set_state(position)
+    later = [next(again)["row"].tolist() for _ in range(3)]
+    assert [next(resumed)["row"].tolist() for _ in range(3)] == later
+
+
 def test_a_recipe_mixture_is_refused_at_load_naming_the_field_before_anything_is_built():
     """What only the mixture knows (its weights naming its own sources, a schedule's steps) is
     checked with the recipe, so `dew train --check` refuses it; it passed before, and the run

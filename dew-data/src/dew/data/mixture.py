@@ -11,8 +11,9 @@ costs the same whatever its size, and the test suite checks it against
 ``MapDataset.mix`` itself.
 
 A schedule is a list of ``{step, weights}``: from its step on (counted in
-global batches of the dataset's batch) each entry's weights apply, until the
-next entry's step. Position ``r`` of piece ``p`` draws record number
+global batches of the dataset's batch, or in a batch-size ramp's steps: see
+``MixtureSource.at_steps``) each entry's weights apply, until the next
+entry's step. Position ``r`` of piece ``p`` draws record number
 ``C_p[i] + j`` of source ``i``'s own endless stream, where ``C_p[i]`` is how
 many records source ``i`` gave before the piece began; that stream is the
 source's usual one (its records shuffled per epoch by its own seed, derived
@@ -139,8 +140,10 @@ class MixtureSource:
     """The endless stream of a mixture (see the module docstring)."""
 
     def __init__(self, names: Sequence[str], sources: Sequence[Source], pieces: Sequence[_Piece],
-                 template: Mapping[str, tuple[tuple[int, ...], str]], fill: Mapping[str, int]) -> None:
+                 template: Mapping[str, tuple[tuple[int, ...], str]], fill: Mapping[str, int],
+                 remake: Callable[[Callable[[int], int]], MixtureSource] | None = None) -> None:
         self.names = tuple(names)
+        self._remake = remake
         self.sources = tuple(sources)
         self.pieces = tuple(pieces)
         self.template = dict(template)
@@ -150,6 +153,11 @@ class MixtureSource:
     def __len__(self) -> int:
         """The records of all sources together: a nominal size the saved position is checked by."""
         return sum(len(s) for s in self.sources)
+
+    def at_steps(self, records_before: Callable[[int], int]) -> MixtureSource:
+        """The same mixture with its schedule's steps placed at records_before(step) records
+        (dew.data.stream.StepScheduled: a batch-size ramp's count)."""
+        return self if self._remake is None else self._remake(records_before)
 
     def endless(self, seed: int) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
         return _MixedRead(self, int(seed))
@@ -413,21 +421,24 @@ class Mixture:
                     f"records carry the same keys.")
         return {key: (shape, np.dtype(dtype).str) for key, (_, shape, dtype) in first.items()}
 
-    def source(self, batch: int) -> MixtureSource:
-        """The mixture's endless record source, its schedule counted in global batches of batch."""
+    def source(self, batch: int, records_before: Callable[[int], int] | None = None) -> MixtureSource:
+        """The mixture's endless record source, its schedule counted in global batches of batch
+        (or, given records_before, a step placed at the records the steps before it hold)."""
         sources = self._records()
         names = list(sources)
         pieces: list[_Piece] = []
         before = [0] * len(names)
+        placed = records_before or (lambda step: step * batch)
         for step, weights in self._steps():
-            start = step * batch
+            start = placed(step)
             if pieces:
                 drawn = MixtureSource(names, list(sources.values()), pieces, {}, {}).drawn(start)
                 before = drawn
             chosen = tuple(i for i, name in enumerate(names) if weights.get(name, 0) > 0)
             parts = proportions([float(weights[names[i]]) for i in chosen])
             pieces.append(_Piece(start, chosen, parts, tuple(before)))
-        return MixtureSource(names, list(sources.values()), pieces, self._template(sources), self.fill)
+        return MixtureSource(names, list(sources.values()), pieces, self._template(sources), self.fill,
+                             remake=lambda counted: self.source(batch, counted))
 
     def records(self) -> MixtureSource:
         """The mixture as a record source (its schedule counted in batches of 1)."""

@@ -23,15 +23,16 @@ so a ramped run resumes exactly, at any process count.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dew.data.base import GLOBAL_POSITION, SINGLE, Consumption, DataPartition, Dataset
 from dew.data.errors import RampError
-from dew.data.stream import StreamReader, TrainStream, decode_position
+from dew.data.stream import StepScheduled, StreamReader, TrainStream, decode_position
 
 __all__ = ["RampedReader", "RampedStream", "linear_schedule", "ramped"]
 
@@ -119,6 +120,10 @@ class RampedStream:
         self.records += batch
         return out
 
+    def scalars(self) -> Mapping[str, float]:
+        """The scalars of the stream at this step's size (a mixture's ``data/<source>/records``)."""
+        return {} if self._stream is None else self._stream.scalars()
+
     def consumption(self) -> Consumption:
         """The global batch the last ``next()`` returned rows of (the stream at that step's size)."""
         if self._stream is None:
@@ -180,5 +185,7 @@ def ramped(dataset: Dataset, schedule: Sequence[tuple[int, int]] | None = None, 
             f"TokenWindows and HFImages build); got {type(reader).__name__}, which cannot change its "
             f"batch size mid-stream. Build the Dataset with StreamReader, or ramp inside your reader."
         )
+    if isinstance(reader.source, StepScheduled):  # a mixture's schedule, placed at the ramp's steps
+        reader = dataclasses.replace(reader, source=reader.source.at_steps(lambda step: records_before(pairs, step)))
     return Dataset(train=RampedReader(reader, pairs), val=dataset.val, records=dataset.records,
                    batch=pairs[-1][1], ramp=pairs)

@@ -62,6 +62,7 @@ from dew.data.sources import RecordSource
 
 __all__ = [
     "CountingSource",
+    "StepScheduled",
     "EndlessRecords",
     "EndlessSource",
     "Source",
@@ -119,6 +120,20 @@ class CountingSource(Protocol):
     """
 
     def position_scalars(self, records: int) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class StepScheduled(Protocol):
+    """A record source whose contents change at given steps (a mixture's schedule).
+
+    Its stream is laid out in records, so it places a step at the records the
+    steps before it hold: ``step * batch`` for a constant batch. A batch-size
+    ramp (dew.data.ramped) gives it the ramp's count instead with
+    ``at_steps(records_before)``, so a change scheduled for step 4 happens at
+    step 4 whatever sizes the steps before it had.
+    """
+
+    def at_steps(self, records_before: Callable[[int], int]) -> Source: ...
 
 
 @dataclass(frozen=True)
