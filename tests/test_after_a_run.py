@@ -146,7 +146,8 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
         (["train", str(trained.run)], "is a run's folder, not a recipe: continue it with dew train --resume"),
         (["train", str(trained.root)], "is a directory, not a recipe: give a recipe's YAML file or a shipped"),
         (["train", "--resume", str(trained.run), "tiny-lm"], "give key=value overrides after it"),
-        (["eval", str(trained.run)], "the run's data has no validation split"),
+        (["eval", str(trained.run)], "the run's data has no validation split; set data.load.val_fraction in "
+                                     "its recipe, or pass --split train"),
         (["generate", str(trained.root), "x"], "holds neither run.json"),
     ]
     for argv, expected in cases:

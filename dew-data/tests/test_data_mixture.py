@@ -241,3 +241,15 @@ def test_the_trainer_logs_each_sources_records(recorder):
     for name, tag in (("a", 0), ("b", 1)):
         assert recorder.series(f"data/{name}/records") == [
             (step, float((tags[: step * 8] == tag).sum())) for step in (2, 4, 6)]
+
+
+def test_dew_eval_offers_a_validation_split_only_where_the_dataset_can_hold_one_out():
+    """A mixture's load takes no val_fraction: dew eval on a mixture run asked for one, and the
+    recipe then refused it."""
+    from dew import registry
+    from dew.cli.evaluate import _val_hint
+
+    assert "val_fraction" not in registry.declared_fields(registry.datasets.load("mixture").load)
+    assert _val_hint("mixture") == "dataset 'mixture' holds none out, so "
+    assert "val_fraction" in registry.declared_fields(registry.datasets.load("token_windows").load)
+    assert _val_hint("token_windows") == "set data.load.val_fraction in its recipe, or "

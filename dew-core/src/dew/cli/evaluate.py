@@ -18,6 +18,7 @@ overrides the task's fields (``--set file=arc.jsonl``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_run_argument(parser)
     parser.add_argument("--split", choices=("val", "train"), default="val",
-                        help="the held-out records (val) or one pass of training batches")
+                        help="the held-out records (val) or training batches (one pass, or "
+                             "--batches of an endless stream; one when not given)")
     parser.add_argument("--step", type=int, default=None, help="a kept step (default newest)")
     parser.add_argument("--batches", type=positive, default=None,
                         help="evaluate at most this many batches")
@@ -86,8 +88,9 @@ def _scored(args: argparse.Namespace, opened: Opened) -> int:
     assert dataset is not None  # build_parts loads the data unless asked not to
     if args.split == "val":
         if dataset.val is None:
-            print("dew eval: the run's data has no validation split; set data.load.val_fraction "
-                  "in its recipe, or pass --split train.", file=sys.stderr)
+            print(f"dew eval: the run's data has no validation split; {_val_hint(opened.config.data.name)}"
+                  "pass --split train (training batches), or --task NAME (an evaluation task).",
+                  file=sys.stderr)
             return 2
         reader = dataset.val
     else:
@@ -134,6 +137,16 @@ def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
     data = {"task": args.task} if chosen is None else _as_trained(chosen.model_dump(), opened.source)
     data = apply_overrides(data, args.fields)
     return EvaluateConfig.model_validate(data)
+
+
+def _val_hint(name: str) -> str:
+    """How the run's dataset would hold data out, when its load takes a val_fraction."""
+    from dew import registry
+
+    with contextlib.suppress(Exception):  # a reader without a declared load offers no hint
+        if "val_fraction" in registry.declared_fields(registry.datasets.load(name).load):
+            return "set data.load.val_fraction in its recipe, or "
+    return f"dataset {name!r} holds none out, so "
 
 
 def _as_trained(entry: dict[str, Any], run: str | os.PathLike[str]) -> dict[str, Any]:
