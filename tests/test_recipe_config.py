@@ -146,3 +146,20 @@ def test_load_keywords_are_checked_against_the_readers_load():
     assert "data.load.val_fracton: repeated.load takes no 'val_fracton'" in text
     text = problems(recipe(data={"name": "repeated", "batch": 4, "load": {"batch": 2}}))
     assert "data.load.batch: give the batch as data.batch" in text
+
+
+def test_the_journal_follows_the_run_folder_when_only_checkpoint_dir_is_overridden():
+    """A shipped recipe writes its local tracker into its checkpoint_dir (a run is one folder);
+    overriding checkpoint_dir alone left the journal in the recipe's own folder, so `dew report`
+    on the run found no scalars.jsonl."""
+    from dew.recipes.config import RunConfig
+
+    def folders(overrides):
+        config = RunConfig.load("tiny-lm", overrides)
+        return config.trainer.checkpoint_dir, config.trackers[0].fields["directory"]
+
+    assert folders([]) == ("runs/tiny-lm/{timestamp}", "runs/tiny-lm/{timestamp}")
+    assert folders(["trainer.checkpoint_dir=runs/a"]) == ("runs/a", "runs/a")
+    assert folders(["trainer.checkpoint_dir=runs/a", "trackers.0.directory=logs/b"]) == ("runs/a", "logs/b")
+    assert folders(["trackers.0.directory=logs/b"]) == ("runs/tiny-lm/{timestamp}", "logs/b")
+    assert folders(["trainer.checkpoint_dir=null"])[1] == "runs/tiny-lm/{timestamp}"  # no run folder to follow

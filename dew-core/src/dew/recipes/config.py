@@ -12,6 +12,7 @@ registered name before anything is built; ``train`` then builds and runs it.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -178,7 +179,7 @@ class RunConfig(pydantic.BaseModel):
         data = read_recipe_file(path)
         data = {} if data is None else data
         if isinstance(data, dict):  # otherwise parse names the file and what it holds
-            data = apply_overrides(data, overrides)
+            data = _run_folder_followed(copy.deepcopy(data), apply_overrides(data, overrides))
         return cls.parse(data, str(path))
 
     def recorded(self) -> dict[str, Any]:
@@ -248,6 +249,27 @@ def _scalar(text: str) -> Any:
         return read_yaml(text, "override") if text.strip() else ""
     except RecipeFileError:
         return text
+
+
+def _run_folder_followed(written: dict[str, Any], given: Any) -> Any:
+    """given, with each tracker whose directory the recipe wrote as its checkpoint_dir (the run's
+    folder: every shipped recipe's local tracker) moved along when only checkpoint_dir was
+    overridden, so ``trainer.checkpoint_dir=runs/a`` keeps the journal in runs/a too."""
+    before = (written.get("trainer") or {}).get("checkpoint_dir") if isinstance(written.get("trainer"), dict) else None
+    if not isinstance(given, dict) or not isinstance(given.get("trainer"), dict) or before is None:
+        return given
+    after = given["trainer"].get("checkpoint_dir")
+    if after == before or after is None:
+        return given
+    trackers = given.get("trackers")
+    recipe_trackers = written.get("trackers")
+    if not isinstance(trackers, list) or not isinstance(recipe_trackers, list):
+        return given
+    for tracker, as_written in zip(trackers, recipe_trackers, strict=False):
+        if (isinstance(tracker, dict) and isinstance(as_written, dict)
+                and as_written.get("directory") == before and tracker.get("directory") == before):
+            tracker["directory"] = after
+    return given
 
 
 def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
