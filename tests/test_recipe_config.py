@@ -163,3 +163,42 @@ def test_the_journal_follows_the_run_folder_when_only_checkpoint_dir_is_overridd
     assert folders(["trainer.checkpoint_dir=runs/a", "trackers.0.directory=logs/b"]) == ("runs/a", "logs/b")
     assert folders(["trackers.0.directory=logs/b"]) == ("runs/tiny-lm/{timestamp}", "logs/b")
     assert folders(["trainer.checkpoint_dir=null"])[1] == "runs/tiny-lm/{timestamp}"  # no run folder to follow
+
+
+def test_each_mismatch_hint_pasted_as_printed_brings_the_recipe_closer_until_it_starts():
+    """Starting a recipe from another family's checkpoint: the first refusal names the family (not
+    one of its many fields), and every later one names an override that, pasted into a shell as
+    printed and read as a recipe reads it, fixes that field (a YaRN scaling as a mapping, the
+    windowed layers as a list), until the weights are accepted."""
+    import shlex
+
+    from dew import models
+    from dew.families import family
+    from dew.nn.rotary import RopeScaling
+    from dew.pretrained import ConfigurationMismatchError, check_same_function
+    from dew.recipes.config import RunConfig
+
+    published = family("qwen2").build("tiny", tie_embeddings=False, sliding_layers=(2,), rope_scaling=RopeScaling(
+        "yarn", 4.0, original_max_len=64))  # a window on the last layer (its preset: the last two)
+    overrides: list[str] = []
+    messages = []
+    for _ in range(8):
+        config = RunConfig.load("qwen3-sft", overrides)
+        model = models.build(config.model.name, **config.model.fields)
+        try:
+            check_same_function(model, published, "init.pretrained ck/qwen2")
+            break
+        except ConfigurationMismatchError as error:
+            message = str(error)
+        assert message not in messages, message  # each hint moved the recipe on
+        messages.append(message)
+        asked = message.split(" Set ", 1)[1].split(" so the weights", 1)[0]
+        if asked.startswith("model.name=qwen2 and model.preset to the checkpoint's size"):
+            overrides += ["model.name=qwen2", "model.preset=tiny"]  # its size is the user's to know
+            continue
+        overrides += [w.rstrip(",") for w in shlex.split(asked) if w != "and"]
+    else:
+        raise AssertionError(messages)
+    assert "holds a Qwen2ForCausalLM checkpoint (the qwen2 family)" in messages[0]
+    assert "'model.rope_scaling={kind: yarn, factor: 4.0, original_max_len: 64}'" in "".join(messages)
+    assert "'model.sliding_layers=[2]'" in "".join(messages)
