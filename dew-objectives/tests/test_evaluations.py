@@ -330,3 +330,40 @@ def test_generation_split_over_two_processes_equals_one_process(exported, tmp_pa
     assert set(shares[0]).isdisjoint(shares[1]) and shares[0] and shares[1]  # each generated its own rows
     assert {**shares[0], **shares[1]} == texts
     assert [r["scores"] for r in results] == [single, single]
+
+
+def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path, monkeypatch, capsys):
+    """A missing task file, a directory, a batch or token count below 1, a non-UTF-8 line and a
+    choice that is empty text: each refused by name. A recipe naming a missing file is refused
+    before it trains (it trained to its first evaluation and lost those steps), traced to its
+    trainer.evaluate entry."""
+    from dew.cli import main
+    from dew.data import ByteTokenizer
+    from dew.evaluations.generation import GenerationTask
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"question": "1+1=", "answer": 0, "context": "1+1=", "choices": ["2", ""]}\n')
+    for task in (GenerationTask, MultipleChoice):
+        with pytest.raises(TaskFileError, match="'nowhere.jsonl' does not exist"):
+            task(file="nowhere.jsonl")
+        with pytest.raises(TaskFileError, match="is a directory"):
+            task(file=str(tmp_path))
+        with pytest.raises(TaskFileError, match=r"\.batch=0; it is at least 1"):
+            task(file=str(good), batch=0)
+    with pytest.raises(TaskFileError, match=r"max_new_tokens=0; it is at least 1"):
+        GenerationTask(file=str(good), max_new_tokens=0)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "\xe9"}\n')
+    with pytest.raises(TaskFileError, match=r"Line 2 of .*latin1\.jsonl' is not UTF-8 text"):
+        GenerationTask(file=str(tmp_path / "latin1.jsonl")).problems()
+    with pytest.raises(TaskFileError, match=r"Line 1 of .*: a choice is empty and separator is ''"):
+        MultipleChoice(file=str(good), separator="").rows(ByteTokenizer(), None)
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "tiny-lm", "trainer.steps=4", "trainer.checkpoint_dir=runs/t",
+                 "trackers.0.directory=runs/t",
+                 "trainer.evaluate=[{task: generation, every: 2, file: nosuch.jsonl}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "TaskFileError: The task file 'nosuch.jsonl' does not exist" in err
+    assert "The recipe's trainer.evaluate.0 (generation) asks for it." in err
+    assert "step 1" not in err and not (tmp_path / "runs").exists()  # refused before anything ran or was kept

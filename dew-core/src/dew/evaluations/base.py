@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from dew.objectives.base import Variables
     from dew.training.evaluation import Evaluation
 
-__all__ = ["EvaluationTask", "Periodic", "Subject", "TaskFileError", "read_task_file", "scheduled",
+__all__ = ["EvaluationTask", "Periodic", "Subject", "TaskFileError", "check_task_file", "read_task_file", "scheduled",
            "share_rows"]
 
 
@@ -125,17 +125,32 @@ def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None
 
 # -- what tasks share --------------------------------------------------------------------------
 
+def check_task_file(path: str | os.PathLike[str]) -> Path:
+    """The task file at path, checked to be one: a task checks it when it is built, so a recipe
+    naming a missing file is refused before the run trains rather than at its first evaluation."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise TaskFileError(f"The task file {os.fspath(path)!r} is a directory; pass the path of a "
+                            "JSONL file in it, one record per line.")
+    if not file.is_file():
+        raise TaskFileError(f"The task file {os.fspath(path)!r} does not exist; pass the path of a "
+                            "JSONL file, one record per line.")
+    return file
+
+
 def read_task_file(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) of every non-blank line of a JSONL task file.
 
     A line that is not a JSON object raises TaskFileError naming the file and the line.
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise TaskFileError(f"The task file {os.fspath(path)!r} does not exist; pass the path of a "
-                            "JSONL file, one record per line.")
-    with file.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    file = check_task_file(path)
+    with file.open("rb") as handle:  # bytes, decoded a line at a time, so a bad one is named
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise TaskFileError(f"Line {number} of {os.fspath(path)!r} is not UTF-8 text "
+                                    f"({error.reason} at byte {error.start}); write the file as UTF-8.") from None
             if not line.strip():
                 continue
             try:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypedDict
 
 from dew import registry
 from dew.data.base import TextReader
+from dew.errors import DewError
 from dew.placeholders import absolute, expand
 from dew.recipes.components import run_inputs
 
@@ -196,8 +197,15 @@ def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> l
     """The recipe's trainer.evaluate tasks, each bound to the run's model and tokenizer."""
     from dew.evaluations.base import scheduled
 
-    return [scheduled(entry, parts.model, parts.tokenizer, expand=lambda fields: expand(fields, timestamp))
-            for entry in config.trainer.evaluate]
+    built = []
+    for number, entry in enumerate(config.trainer.evaluate):
+        try:
+            built.append(scheduled(entry, parts.model, parts.tokenizer,
+                                   expand=lambda fields: expand(fields, timestamp)))
+        except DewError as error:  # a task's own refusal (a missing task file): traced to its entry
+            error.add_note(f"The recipe's trainer.evaluate.{number} ({entry.name}) asks for it.")
+            raise
+    return built
 
 
 def initial_variables(config: RunConfig, objective: Objective) -> Initializer:

@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dew.data.base import eos_id_of
-from dew.evaluations.base import Subject, TaskFileError, read_task_file, share_rows
+from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file, share_rows
 from dew.evaluations.scoring import task_mesh
 from dew.sampling import Sampling, generate
 from dew.training.placement.mesh import data_partition
@@ -80,6 +80,10 @@ class GenerationTask:
                     raise TaskFileError(f"GenerationTask.{name} {value!r} is not a regular expression: {error}.") \
                         from None
         object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("max_new_tokens", "batch"):
+            if getattr(self, name) < 1:
+                raise TaskFileError(f"GenerationTask.{name}={getattr(self, name)!r}; it is at least 1.")
+        check_task_file(self.file)
 
     def problems(self) -> list[AnswerRecord]:
         """Every record of the file with its reference answer (TaskFileError names a bad line)."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dew.evaluations.base import Subject, TaskFileError, read_task_file
+from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file
 from dew.evaluations.scoring import loglikelihoods
 
 if TYPE_CHECKING:
@@ -88,6 +88,11 @@ class MultipleChoice:
     separator: str = " "
     batch: int = 16
 
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise TaskFileError(f"MultipleChoice.batch={self.batch!r}; it is at least 1.")
+        check_task_file(self.file)
+
     def _where(self, line: int) -> str:
         return f"Line {line} of {os.fspath(self.file)!r}"
 
@@ -142,6 +147,10 @@ class MultipleChoice:
         for question in self.questions():
             for choice in question.choices:
                 continuation = self.separator + choice
+                if not continuation:
+                    raise TaskFileError(
+                        f"{self._where(question.line)}: a choice is empty and separator is '', so it "
+                        "would be scored on no token at all; give every choice some text.")
                 head, tail = continuation_ids(tokenizer, question.context, continuation)
                 ids = (head + tail)[-limit:] if limit else head + tail
                 out.append(Choice(tuple(ids), min(len(tail), len(ids) - 1), len(continuation)))
