@@ -149,6 +149,11 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
         (["eval", str(trained.run)], "the run's data has no validation split; set data.load.val_fraction in "
                                      "its recipe, or pass --split train"),
         (["generate", str(trained.root), "x"], "holds neither run.json"),
+        (["eval", str(trained.run), "--task", "generation", "--split", "train"],
+         "--split and --batches choose what the objective's own metrics score"),
+        (["eval", str(trained.run), "--task", "generation", "--batches", "2"], "a --task scores its own file"),
+        (["eval", str(trained.run), "--set", "file=x.jsonl"], "--set gives a field of an evaluation task"),
+        (["generate", str(trained.run), "x", "--top-k", "5"], "top_k only narrows what sampling draws from"),
     ]
     for argv, expected in cases:
         assert main(argv) == 2, argv

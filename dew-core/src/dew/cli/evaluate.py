@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dew.cli.runs import add_run_argument, positive
 
     add_run_argument(parser)
-    parser.add_argument("--split", choices=("val", "train"), default="val",
+    parser.add_argument("--split", choices=("val", "train"), default=None,
                         help="the held-out records (val) or training batches (one pass, or "
                              "--batches of an endless stream; one when not given)")
     parser.add_argument("--step", type=int, default=None, help="a kept step (default newest)")
@@ -52,6 +52,15 @@ def run(args: argparse.Namespace) -> int:
     from dew.cli.runs import expected, refused
     from dew.recipes.opening import open_run
 
+    if args.task is not None and (args.split is not None or args.batches is not None):
+        print("dew eval: --split and --batches choose what the objective's own metrics score; a "
+              "--task scores its own file instead, so leave them out.", file=sys.stderr)
+        return 2
+    if args.task is None and args.fields:
+        print("dew eval: --set gives a field of an evaluation task; name the task with --task NAME "
+              "(an entry of the run's trainer.evaluate, or a registered task).", file=sys.stderr)
+        return 2
+    args.split = args.split or "val"
     try:
         opened = open_run(args.run, step=args.step)
         if args.task is not None:
@@ -191,7 +200,8 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
     if args.json:
         print(json.dumps({"step": opened.step, "task": config.name, **values}))
     else:
-        print(f"{opened.source} step {opened.step} (task {config.name}):")
+        where = "an exported model" if opened.step is None else f"step {opened.step}"
+        print(f"{opened.source} {where} (task {config.name}):")
         for name, value in values.items():
             print(f"  {name}: {value:.6g}")
     return 0
