@@ -111,8 +111,8 @@ def test_sampling_draws_from_the_filtered_softmax():
 
 @pytest.mark.slow
 def test_bad_settings_and_prompts_fail_clearly(variables):
-    for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_k=1.5), dict(top_p=0.0),
-                dict(top_p=1.5)):
+    for bad in (dict(temperature=-1.0), dict(temperature=float("inf")), dict(temperature=float("nan")),
+                dict(top_k=0), dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.5)):
         with pytest.raises(InvalidSamplingError):
             Sampling(**bad)
     params = variables[MODEL]
@@ -122,4 +122,8 @@ def test_bad_settings_and_prompts_fail_clearly(variables):
         generate(MODEL, params, [1, 2, 3], 2, jax.random.key(0))
     with pytest.raises(InvalidPromptError, match="empty"):
         generate(MODEL, params, [[1], []], 2, jax.random.key(0))
+    with pytest.raises(InvalidPromptError, match=rf"Prompts \[1\] hold token ids outside the model's vocabulary of {VOCAB}"):
+        generate(MODEL, params, [[1], [VOCAB]], 2, jax.random.key(0))  # an id past the embedding table read another row
+    with pytest.raises(InvalidPromptError, match=r"Prompts \[0\] hold token ids outside"):
+        generate(MODEL, params, [[-1, 2]], 2, jax.random.key(0))
     assert generate(MODEL, params, [[5, 6]], 0, jax.random.key(0)).tokens == [[5, 6]]

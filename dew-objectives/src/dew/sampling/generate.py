@@ -127,6 +127,12 @@ def generate(
                                  f"{max_new_tokens!r}.")
     max_new_tokens = int(max_new_tokens)
     rows = _rows(prompts)
+    vocab = getattr(model, "vocab_size", None)  # any decoder; dew's name their vocabulary
+    outside = [i for i, row in enumerate(rows) if vocab is not None and not all(0 <= t < vocab for t in row)]
+    if outside:
+        raise InvalidPromptError(
+            f"Prompts {outside} hold token ids outside the model's vocabulary of {vocab} ids (0 to "
+            f"{vocab - 1}); encode them with the tokenizer the model was trained with.")
     lengths = [len(row) for row in rows]
     limit = (config.max_len if config is not None and config.max_len else None) or model.max_seq_len
     if max(lengths) + max_new_tokens > limit:

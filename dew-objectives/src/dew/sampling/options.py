@@ -35,9 +35,9 @@ class Sampling:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
+        if not 0.0 <= self.temperature < float("inf"):
             raise InvalidSamplingError(
-                f"Sampling.temperature must be >= 0 (0 is greedy), got {self.temperature}."
+                f"Sampling.temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}."
             )
         if self.top_k is not None and (isinstance(self.top_k, bool) or int(self.top_k) != self.top_k
                                        or self.top_k < 1):
