@@ -214,6 +214,8 @@ def deepseek(workdir):
 def test_grpo_and_generate_run_on_deepseek_v3s_latent_attention(deepseek, monkeypatch, capsys):
     import jax.numpy as jnp
 
+    from transformers import AutoTokenizer
+
     from dew.cli import main
     from dew.recipes.opening import open_run
 
@@ -235,13 +237,15 @@ def test_grpo_and_generate_run_on_deepseek_v3s_latent_attention(deepseek, monkey
     opened = open_run("runs/grpo-deepseek_v3")
     tokenizer = opened.tokenizer
     forward = jax.jit(opened.model.apply)  # one program: a causal model's scores ignore the padding after
-    ids = tokenizer.encode("3+4=")
+    ids = transformers_ids = AutoTokenizer.from_pretrained("checkpoints/deepseek_v3-tiny")("3+4=")["input_ids"]
+    assert ids[0] == tokenizer.prefix[0]  # its beginning-of-text id first, as transformers starts a prompt
     for _ in range(4):
         logits = forward(opened.variables, jnp.asarray([ids + [0] * (16 - len(ids))], jnp.int32))
-        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+        ids = [*ids, int(jnp.argmax(logits[0, len(ids) - 1]))]
         if ids[-1] == tokenizer.eos_id:
             break
-    assert printed == tokenizer.decode(ids) + "\n"
+    new = ids[len(transformers_ids):]
+    assert printed == "3+4=" + tokenizer.decode(new[:-1] if new[-1] == tokenizer.eos_id else new) + "\n"
 
 
 # QLoRA and distillation (issue 26, item 5) from a family this issue added: the base held as int8

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
-    "Reader", "Reporting", "Resumable", "TextReader", "Tokenizer", "WithEos", "WithVocabSize", "close_if_closable",
-    "eos_id_of", "is_global_position", "vocab_size_of",
+    "Reader", "Reporting", "Resumable", "StartsSequences", "TextReader", "Tokenizer", "WithEos", "WithVocabSize",
+    "close_if_closable", "eos_id_of", "is_global_position", "prompt_ids", "vocab_size_of",
 ]
 
 Batch = Mapping[str, Any]
@@ -161,6 +161,29 @@ class EosTokenizer(Tokenizer, Protocol):
 def eos_id_of(tokenizer: object) -> int | None:
     """The tokenizer's end-of-document id, None when it declares none."""
     return tokenizer.eos_id if isinstance(tokenizer, WithEos) else None
+
+
+@runtime_checkable
+class StartsSequences(Protocol):
+    """A tokenizer whose own convention starts every sequence with some ids (a beginning-of-text
+    id: the post-processor of Llama's and Gemma's tokenizer.json), as transformers'
+    ``tokenizer(text)`` adds them; ``encode`` itself adds nothing."""
+
+    @property
+    def prefix(self) -> tuple[int, ...]: ...
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of text as the start of a sequence: the tokenizer's prefix (StartsSequences), then
+    the text's own ids, as transformers encodes a prompt. A model published with a
+    beginning-of-text id (Gemma, Llama) is only itself after it.
+
+    >>> from dew.data import ByteTokenizer
+    >>> prompt_ids(ByteTokenizer(), "hi")
+    [104, 105]
+    """
+    prefix = list(tokenizer.prefix) if isinstance(tokenizer, StartsSequences) else []
+    return prefix + [int(i) for i in tokenizer.encode(text)]
 
 
 def vocab_size_of(tokenizer: object) -> int | None:

@@ -11,6 +11,7 @@ import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,17 @@ class HFTokenizer:
             value = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
             eos = value.get("content") if isinstance(value, dict) else value
         return cls.from_file(folder / "tokenizer.json", eos_token=eos if isinstance(eos, str) else None)
+
+    @cached_property
+    def prefix(self) -> tuple[int, ...]:
+        """The ids this tokenizer.json's post-processor puts before a text (Llama's and Gemma's
+        beginning-of-text id; none for Qwen's): what dew.data.base.prompt_ids starts a prompt with."""
+        plain = list(self.tokenizer.encode("a", add_special_tokens=False).ids)
+        marked = list(self.tokenizer.encode("a", add_special_tokens=True).ids)
+        for start in range(len(marked) - len(plain) + 1):
+            if marked[start:start + len(plain)] == plain:
+                return tuple(int(i) for i in marked[:start])
+        return ()
 
     @property
     def vocab_size(self) -> int:

@@ -39,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer, Tokenizer
+from dew.data.base import prompt_ids as start_ids
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.packing import packed_rows
 from dew.data.sources import ArrayRecords, expand_files
@@ -128,6 +129,11 @@ class PromptCompletion:
                 )
         return record[self.prompt_key], record[self.completion_key]
 
+    @staticmethod
+    def _templated(tokenizer: object) -> bool:
+        """Whether the tokenizer renders prompts with its own chat template (one from transformers)."""
+        return isinstance(tokenizer, _AppliesChatTemplate) and bool(tokenizer.chat_template)
+
     def render(self, tokenizer: object, prompt: str) -> str:
         """The prompt as the model reads it: the tokenizer's chat template, or template."""
         # A tokenizer from transformers may carry a chat template, and renders it itself.
@@ -146,7 +152,10 @@ class PromptCompletion:
                 warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
                               "skipped.", NothingToScoreWarning, stacklevel=2)
                 continue
-            prompt_ids = _ids(tokenizer, self.render(tokenizer, prompt))
+            rendered = self.render(tokenizer, prompt)
+            # A chat template writes its own beginning-of-text token; other text starts as
+            # transformers starts it (the tokenizer's beginning-of-text id first, where it has one).
+            prompt_ids = _ids(tokenizer, rendered) if self._templated(tokenizer) else start_ids(tokenizer, rendered)
             completion_ids = _ids(tokenizer, completion) + [int(tokenizer.eos_id)]
             if len(completion_ids) > limit:
                 raise CompletionTooLongError(
@@ -180,3 +189,4 @@ class PromptCompletion:
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(text)]
+

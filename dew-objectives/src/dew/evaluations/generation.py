@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from dew.data.base import eos_id_of
+from dew.data.base import eos_id_of, prompt_ids
 from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file, share_rows
 from dew.evaluations.scoring import task_mesh
 from dew.sampling import Sampling, generate
@@ -132,7 +132,7 @@ class GenerationTask:
         partition = data_partition(task_mesh(mesh))
         tokenizer = subject.tokenizer
         eos = eos_id_of(tokenizer)
-        prompts = [list(tokenizer.encode(p.prompt)) or [int(eos)] for p in problems]  # type: ignore[arg-type]  # an empty prompt needs an eos
+        prompts = [prompt_ids(tokenizer, p.prompt) or [int(eos)] for p in problems]  # type: ignore[arg-type]  # an empty prompt needs an eos
         out: dict[int, str] = {}
         for mine in share_rows(len(problems), max(self.batch, partition.shares), partition):
             kept = [int(r) for r in mine if r >= 0]

@@ -128,8 +128,8 @@ def generate(
     max_new_tokens = int(max_new_tokens)
     rows = _rows(prompts)
     vocab = getattr(model, "vocab_size", None)  # any decoder; dew's name their vocabulary
-    outside = [i for i, row in enumerate(rows) if vocab is not None and not all(0 <= t < vocab for t in row)]
-    if outside:
+    outside = [] if vocab is None else [i for i, row in enumerate(rows) if not all(0 <= t < vocab for t in row)]
+    if vocab is not None and outside:
         raise InvalidPromptError(
             f"Prompts {outside} hold token ids outside the model's vocabulary of {vocab} ids (0 to "
             f"{vocab - 1}); encode them with the tokenizer the model was trained with.")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
-from dew.data.base import eos_id_of
+from dew.data.base import eos_id_of, prompt_ids
 from dew.objectives.inference import (
     Generated,
     GenerateRequest,
@@ -96,9 +96,10 @@ class TextGeneration(Pipeline):
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
                stop: Sequence[str] = ()) -> Generation:
-        """The token ids of prompts and their continuations, as generate returns them (an empty
-        prompt starts from the end-of-document id, as after a document, the way the evaluation
-        tasks start one)."""
+        """The token ids of prompts and their continuations, as generate returns them. A prompt is
+        encoded as transformers' tokenizer(prompt) encodes it (dew.data.base.prompt_ids: Gemma's
+        and Llama's beginning-of-text id first); an empty one with nothing to start it starts
+        from the end-of-document id, as after a document, the way the evaluation tasks do."""
         ids = [self._ids(prompt) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
@@ -106,7 +107,7 @@ class TextGeneration(Pipeline):
                         detokenize=lambda ids: self.tokenizer.decode(list(ids)))
 
     def _ids(self, prompt: str) -> list[int]:
-        ids = [int(i) for i in self.tokenizer.encode(prompt)]
+        ids = prompt_ids(self.tokenizer, prompt)  # a beginning-of-text id first where the tokenizer has one
         stop = eos_id_of(self.tokenizer)
         return ids or ([] if stop is None else [int(stop)])
 

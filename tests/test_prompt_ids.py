@@ -1,0 +1,59 @@
+"""A prompt reaches the model as transformers' tokenizer(prompt) puts it: Gemma's and Llama's
+beginning-of-text id first, nothing before Qwen's. Without it a published Gemma continues text it
+was never trained to start from, so dew generate disagreed with transformers on the same weights."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dew.data.base import prompt_ids
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
+
+PROMPT = "the plus is 12 plus"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prompts")
+    return {name: write_checkpoint(name, root / name, seed=11, redrawn=True) for name in ("gemma2", "llama", "qwen3")}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "llama", "qwen3"])
+def test_a_prompt_encodes_as_transformers_tokenizer_encodes_it(checkpoints, name):
+    from dew.pretrained import Pretrained
+
+    theirs = transformers.AutoTokenizer.from_pretrained(checkpoints[name])
+    loaded = Pretrained.load(checkpoints[name])
+    assert prompt_ids(loaded.tokenizer, PROMPT) == theirs(PROMPT)["input_ids"]
+    has_bos = name != "qwen3"
+    assert (loaded.tokenizer.prefix == (theirs.bos_token_id,)) if has_bos else loaded.tokenizer.prefix == ()
+    assert loaded.tokenizer.encode(PROMPT) == theirs(PROMPT, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+def test_dew_generate_on_a_published_directory_continues_as_transformers_does(checkpoints):
+    from dew.objectives.inference import GenerateRequest
+    from dew.pretrained import Pretrained
+    from dew.sampling import TextGeneration
+
+    directory = checkpoints["gemma2"]
+    loaded = Pretrained.load(directory)
+    pipeline = TextGeneration(loaded.model, loaded.variables, loaded.tokenizer)
+    ours = pipeline.tokens([PROMPT], max_new_tokens=8, key=jax.random.key(0)).new_tokens[0]
+    theirs_tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = theirs_tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        made = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=theirs_tokenizer.eos_token_id)
+    theirs = made[0, ids.shape[1]:].tolist()
+    stop = loaded.tokenizer.eos_id  # both end a continuation at the end-of-document id
+    assert ours == theirs[: theirs.index(stop) + 1] if stop in theirs else ours == theirs, (ours, theirs)
+    shown = pipeline.generate(GenerateRequest((PROMPT,), max_new_tokens=8)).texts[0]
+    assert shown == PROMPT + loaded.tokenizer.decode([i for i in ours if i != stop])
+    assert np.asarray(ids)[0, 0] == theirs_tokenizer.bos_token_id  # the case this is about: a BOS first
