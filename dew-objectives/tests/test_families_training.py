@@ -137,7 +137,8 @@ def test_addition_problems_are_written_in_the_checkpoints_own_tokenizer(workdir)
     columns = records.records().columns
     a, b = (int(x) for x in np.random.default_rng(0).integers(0, 41, size=(6, 2))[2])  # the third problem
     prompt = columns["prompt"][2][: columns["prompt_length"][2]].tolist()
-    assert prompt == theirs.encode(f"{a}+{b}=", add_special_tokens=False)
+    assert prompt == theirs(f"{a}+{b}=")["input_ids"]  # a prompt starts as transformers starts it: <bos> first
+    assert prompt[0] == theirs.bos_token_id
     answer = [i for i in columns["answer"][2].tolist() if i >= 0]
     assert answer == theirs.encode(str(a + b), add_special_tokens=False)
     # Without a tokenizer the problems are bytes, and the tokenizer handed on (so `dew generate` can

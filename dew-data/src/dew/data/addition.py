@@ -134,6 +134,15 @@ class Addition:
         tokenizer = self.text_tokenizer()
         return lambda text: [int(i) for i in tokenizer.encode(text)]
 
+    def _prefix(self) -> list[int]:
+        """The ids the tokenizer starts a sequence with (dew.data.base.StartsSequences; none for bytes)."""
+        from dew.data.base import StartsSequences
+
+        if isinstance(self.tokenizer, str) and self.tokenizer == "byte":
+            return []
+        tokenizer = self.text_tokenizer()
+        return list(tokenizer.prefix) if isinstance(tokenizer, StartsSequences) else []
+
     @property
     def _holds_out(self) -> bool:
         return bool(self.held_out or self.held_out_misses)
@@ -172,7 +181,10 @@ class Addition:
                  misses: tuple[int, ...] = ()) -> ArrayRecords:
         ids = self._encoder()
         newline = ids("\n")[-1]
-        prompts = [ids(f"{a}+{b}=") for a, b in operands]
+        # A prompt starts as transformers starts one (a beginning-of-text id first, where the
+        # tokenizer has one); the text form is running text, cut into windows.
+        start = [] if self.form == "text" else self._prefix()
+        prompts = [start + ids(f"{a}+{b}=") for a, b in operands]
         answers = [ids(str(a + b)) for a, b in operands]
         if self.form == "text":
             episode = np.random.default_rng(self.problem_seed + 5).random(len(operands)) < self.calculator
