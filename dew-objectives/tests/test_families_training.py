@@ -214,7 +214,6 @@ def deepseek(workdir):
 
 def test_grpo_and_generate_run_on_deepseek_v3s_latent_attention(deepseek, monkeypatch, capsys):
     import jax.numpy as jnp
-
     from transformers import AutoTokenizer
 
     from dew.cli import main

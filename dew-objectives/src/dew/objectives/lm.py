@@ -32,7 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew.data.base import Tokenizer, eos_id_of  # what LMObjective needs of one to render previews
+from dew.data.base import (  # what LMObjective needs of one to render previews
+    Tokenizer,
+    eos_id_of,
+    prompt_ids,
+)
 from dew.errors import BatchKeyError, DewError
 from dew.nn.moe import MOE_COLLECTION, moe_statistics
 from dew.objectives.base import (
@@ -210,12 +214,12 @@ class LMObjective(Objective):
         """The prompt continued by the model, as text; None without a tokenizer and prompt."""
         if self.tokenizer is None or self.prompt is None:
             return None
-        prompt = list(self.tokenizer.encode(self.prompt))
+        prompt = prompt_ids(self.tokenizer, self.prompt)  # as dew generate starts it
         limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)  # any flax Module
         new = max(min(self.preview_tokens, limit - len(prompt)), 0)
         out = generate(self.model, variables, [prompt], new, key, self.preview_sampling,
                        eos_id=eos_id_of(self.tokenizer))
-        return Artifact("sample", "text", self.tokenizer.decode(out.tokens[0]))
+        return Artifact("sample", "text", self.prompt + self.tokenizer.decode(out.new_tokens[0]))
 
     def pipeline(self, state: TrainState | Variables, *,
                  sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
