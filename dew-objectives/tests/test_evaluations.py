@@ -367,3 +367,28 @@ def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path
     assert code == 2 and "TaskFileError: The task file 'nosuch.jsonl' does not exist" in err
     assert "The recipe's trainer.evaluate.0 (generation) asks for it." in err
     assert "step 1" not in err and not (tmp_path / "runs").exists()  # refused before anything ran or was kept
+
+
+def test_a_generation_prompt_longer_than_the_model_keeps_its_end_instead_of_failing_the_task(tmp_path):
+    """One record too long for max_seq_len less max_new_tokens failed the whole task (and the run
+    that scheduled it); it is cut from the front, as MultipleChoice cuts a row, and generates what
+    the cut prompt generates."""
+    from dew.data import ByteTokenizer
+    from dew.evaluations.generation import GenerationTask
+    from dew.models import build
+    from dew.sampling import Sampling, generate
+
+    model = build("causal_transformer", vocab_size=257, emb_features=16, num_layers=1, num_heads=2,
+                  mlp_features=32, max_seq_len=16)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    long = "0123456789abcdefghij"  # 20 bytes, past the 16 - 4 = 12 the model leaves room for
+    (tmp_path / "gen.jsonl").write_text(json.dumps({"question": long, "answer": "x"}) + "\n"
+                                        + json.dumps({"question": "ab", "answer": "y"}) + "\n")
+    task = GenerationTask(file=str(tmp_path / "gen.jsonl"), max_new_tokens=4, pattern=None)
+    made = task.generations(Subject(model, variables, ByteTokenizer()))
+    cut = generate(model, variables, [list(long[-12:].encode())], 4, jax.random.key(0), Sampling(temperature=0.0),
+                   eos_id=ByteTokenizer().eos_id).new_tokens[0]
+    assert made[0] == ByteTokenizer().decode(cut) and set(made) == {0, 1}
+    with pytest.raises(TaskFileError, match="max_new_tokens=16 leaves no room for a prompt in the model's max_seq_len=16"):
+        GenerationTask(file=str(tmp_path / "gen.jsonl"), max_new_tokens=16).generations(
+            Subject(model, variables, ByteTokenizer()))

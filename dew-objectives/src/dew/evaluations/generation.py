@@ -124,7 +124,8 @@ class GenerationTask:
         return None if found is None else found.strip()
 
     def generations(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[int, str]:
-        """This process's generated texts, by record number."""
+        """This process's generated texts, by record number. A prompt longer than the model leaves
+        room for (max_seq_len less max_new_tokens) keeps its last ids, as MultipleChoice cuts a row."""
         if subject.tokenizer is None:
             raise TaskFileError("GenerationTask needs the run's tokenizer to turn prompts into ids; the "
                                 "run's data reader or export supplies one.")
@@ -133,6 +134,13 @@ class GenerationTask:
         tokenizer = subject.tokenizer
         eos = eos_id_of(tokenizer)
         prompts = [prompt_ids(tokenizer, p.prompt) or [int(eos)] for p in problems]  # type: ignore[arg-type]  # an empty prompt needs an eos
+        limit = getattr(subject.model, "max_seq_len", None)  # any decoder; dew's say how long they read
+        if limit is not None:
+            room = int(limit) - self.max_new_tokens
+            if room < 1:
+                raise TaskFileError(f"GenerationTask.max_new_tokens={self.max_new_tokens} leaves no room for a "
+                                    f"prompt in the model's max_seq_len={limit}; ask for fewer new tokens.")
+            prompts = [ids[-room:] for ids in prompts]  # a long prompt keeps its end, as the harnesses cut one
         out: dict[int, str] = {}
         for mine in share_rows(len(problems), max(self.batch, partition.shares), partition):
             kept = [int(r) for r in mine if r >= 0]
