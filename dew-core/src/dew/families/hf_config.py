@@ -74,8 +74,13 @@ def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[st
     if kind == "default":
         return out
     if kind not in ROPE_KINDS:
-        raise refuse(architecture, f"{field}.rope_type", kind,
-                     f"it computes the rope types 'default', {', '.join(map(repr, ROPE_KINDS))}")
+        error = refuse(architecture, f"{field}.rope_type", kind,
+                       f"it computes the rope types 'default', {', '.join(map(repr, ROPE_KINDS))}")
+        if kind == "dynamic":  # transformers rescales only past the original length
+            error = NoExactCounterpartError(
+                f"{error} Dynamic scaling is the default rope up to the length the checkpoint was "
+                "trained at: for contexts that short, remove rope_scaling from a copy of config.json.")
+        raise error
     original: Any = (params.get("original_max_position_embeddings")
                      or config.get("original_max_position_embeddings")
                      or config.get("max_position_embeddings"))
