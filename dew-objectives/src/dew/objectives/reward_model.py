@@ -209,8 +209,11 @@ class RewardScoring(Pipeline):
         return objective_pretrained(self.objective, self.variables)
 
     def encode(self, text: str) -> list[int]:
+        """text as a whole sequence, started as the training prompts were (dew.data.base.prompt_ids)."""
+        from dew.data.base import prompt_ids
+
         tokenizer = self.objective.tokenizer
-        return list(tokenizer.encode(text)) if tokenizer is not None else list(text.encode("utf-8"))
+        return prompt_ids(tokenizer, text) if tokenizer is not None else list(text.encode("utf-8"))
 
     def __call__(self, texts: str | Sequence[str], *, batch: int = 64) -> np.ndarray:
         """The score of each text, in order."""
