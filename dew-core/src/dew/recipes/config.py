@@ -266,9 +266,8 @@ def _run_folder_followed(written: dict[str, Any], given: Any) -> Any:
     if not isinstance(trackers, list) or not isinstance(recipe_trackers, list):
         return given
     for tracker, as_written in zip(trackers, recipe_trackers, strict=False):
-        if (isinstance(tracker, dict) and isinstance(as_written, dict)
-                and as_written.get("directory") == before and tracker.get("directory") == before):
-            tracker["directory"] = after
+        if isinstance(tracker, dict) and tracker == as_written and as_written.get("directory") == before:
+            tracker["directory"] = after  # an entry no override touched
     return given
 
 
