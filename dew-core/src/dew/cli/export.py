@@ -162,5 +162,5 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
     context = None
     if config.get("format") != FORMAT:  # dew's own layout has no context length to keep
         with contextlib.suppress(PretrainedError):  # a family dew does not read keeps none
-            context = for_config(config).completed(config).get("max_position_embeddings")
-    return TokenizerFiles.read(source, config), None if context is None else int(context)
+            context = for_config(config).context(config)
+    return TokenizerFiles.read(source, config), context

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
     "Reader", "Reporting", "Resumable", "StartsSequences", "TextReader", "Tokenizer", "WithEos", "WithVocabSize",
-    "close_if_closable", "eos_id_of", "is_global_position", "prompt_ids", "vocab_size_of",
+    "close_if_closable", "eos_id_of", "is_global_position", "prefix_of", "prompt_ids", "vocab_size_of",
 ]
 
 Batch = Mapping[str, Any]
@@ -173,6 +173,11 @@ class StartsSequences(Protocol):
     def prefix(self) -> tuple[int, ...]: ...
 
 
+def prefix_of(tokenizer: object) -> list[int]:
+    """The ids the tokenizer starts a sequence with (StartsSequences), [] when it declares none."""
+    return [int(i) for i in tokenizer.prefix] if isinstance(tokenizer, StartsSequences) else []
+
+
 def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """The ids of text as the start of a sequence: the tokenizer's prefix (StartsSequences), then
     the text's own ids, as transformers encodes a prompt. A model published with a
@@ -182,8 +187,7 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     >>> prompt_ids(ByteTokenizer(), "hi")
     [104, 105]
     """
-    prefix = list(tokenizer.prefix) if isinstance(tokenizer, StartsSequences) else []
-    return prefix + [int(i) for i in tokenizer.encode(text)]
+    return prefix_of(tokenizer) + [int(i) for i in tokenizer.encode(text)]
 
 
 def vocab_size_of(tokenizer: object) -> int | None:

@@ -138,6 +138,12 @@ class Family:
         """config with transformers' defaults for the keys it leaves out (an explicit null stays)."""
         return {**self.defaults, **config}
 
+    def context(self, config: Mapping[str, Any]) -> int | None:
+        """The context length config.json gives the weights (max_position_embeddings, or this
+        family's default for it; None when neither says)."""
+        length = self.completed(config).get("max_position_embeddings")
+        return None if length is None else int(length)
+
     def model(self, config: Mapping[str, Any], *, max_seq_len: int | None = None,
               param_dtype: DTypeLike | None = None, dtype: DTypeLike | None = None) -> Module:
         """The CausalTransformer config.json describes, in param_dtype (default: as stored)."""
@@ -151,7 +157,7 @@ class Family:
         dtype = kinds.get(jnp.dtype(dtype).name) if dtype is not None else param_dtype
         return CausalTransformer(
             **self.fields(config),
-            max_seq_len=int(max_seq_len or self.completed(config).get("max_position_embeddings", 2048)),
+            max_seq_len=int(max_seq_len or self.context(config) or 2048),
             dtype=dtype, param_dtype=param_dtype)
 
     def config(self, model: Module) -> dict[str, Any]:

@@ -30,6 +30,7 @@ __all__ = [
     "flat_rope_config",
     "layer_types",
     "number",
+    "one_window",
     "refuse",
     "rope_config",
     "rope_fields",
@@ -222,6 +223,14 @@ def layer_types(model: Module) -> list[str]:
     """``layer_types`` as transformers writes it: each layer sliding_attention or full_attention."""
     return ["sliding_attention" if window is not None else "full_attention"
             for window, _, _ in model._layer_parts()]
+
+
+def one_window(model: Module) -> int | None:
+    """The window a config.json that names one for every layer writes for model: its layers' one
+    window (None: none), else model.sliding_window, which reads back as another pattern and so is
+    refused by Family.config, naming the field."""
+    windows = {window for window, _, _ in model._layer_parts()}
+    return next(iter(windows)) if len(windows) == 1 else model.sliding_window
 
 
 def window_fields(window: int | None, layers: tuple[int, ...] | None, count: int) -> dict[str, Any]:

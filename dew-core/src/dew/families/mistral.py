@@ -15,6 +15,7 @@ from dew.families.hf_config import (
     common_config,
     common_fields,
     flat_rope_config,
+    one_window,
     rope_fields,
     rope_parameters,
     window_fields,
@@ -42,10 +43,8 @@ def layer_fields(config: Mapping[str, Any], architecture: str, theta: float) -> 
 
 def layer_config(model: Module, architecture: str, model_type: str) -> dict[str, Any]:
     """Mistral's layer as config.json fields: one window for every layer, or none."""
-    windows = {window for window, _, _ in model._layer_parts()}
-    window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
     return {**common_config(model, architecture, model_type), **flat_rope_config(model),
-            "hidden_act": "silu", "sliding_window": window}
+            "hidden_act": "silu", "sliding_window": one_window(model)}
 
 
 def read(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dew.families.base import builder
-from dew.families.hf_config import window_fields
+from dew.families.hf_config import one_window, window_fields
 from dew.families.qwen3 import layer_config, layer_fields
 from dew.families.routed import ExpertNames, RoutedFamily
 from dew.nn.experts import Routing
@@ -47,19 +47,12 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
             "routing": routing if experts else None, "dense_layers": dense if experts else ()}
 
 
-def _window_config(model: Module) -> dict[str, Any]:
-    """use_sliding_window and sliding_window: one window on every layer, or none (a model with
-    another pattern reads back otherwise, and Family.config refuses it, naming the field)."""
-    windows = {window for window, _, _ in model._layer_parts()}
-    window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
-    return {"use_sliding_window": window is not None, "sliding_window": window}
-
-
 def write(model: Module) -> dict[str, Any]:
     routing = model.routing or Routing()
     dense = {k: v for k, v in layer_config(model, ARCHITECTURE, "qwen3_moe").items()
              if k not in ("max_window_layers", "layer_types")}
-    return {**dense, **_window_config(model), "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
+    window = one_window(model)  # on every layer, or none
+    return {**dense, "use_sliding_window": window is not None, "sliding_window": window, "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
             "moe_intermediate_size": routing.hidden_features or model.mlp_features,
             "norm_topk_prob": bool(routing.normalize_top_k), "decoder_sparse_step": 1,
             "mlp_only_layers": sorted(set(model.dense_layers)), "router_aux_loss_coef": 0.001,

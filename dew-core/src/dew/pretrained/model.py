@@ -527,9 +527,7 @@ class Pretrained:
         tokenizer = read_tokenizer(source, own.get("tokenizer"), config.get("eos_token_id"), kept)
         if tokenizer is not None:
             check_vocabulary(tokenizer, model)
-        context = family.completed(config).get("max_position_embeddings")
-        return cls(model, {"params": params}, tokenizer, None, kept,
-                   None if context is None else int(context))
+        return cls(model, {"params": params}, tokenizer, None, kept, family.context(config))
 
 
 def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:

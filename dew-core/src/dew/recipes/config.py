@@ -255,17 +255,14 @@ def _run_folder_followed(written: dict[str, Any], given: Any) -> Any:
     """given, with each tracker whose directory the recipe wrote as its checkpoint_dir (the run's
     folder: every shipped recipe's local tracker) moved along when only checkpoint_dir was
     overridden, so ``trainer.checkpoint_dir=runs/a`` keeps the journal in runs/a too."""
-    before = (written.get("trainer") or {}).get("checkpoint_dir") if isinstance(written.get("trainer"), dict) else None
-    if not isinstance(given, dict) or not isinstance(given.get("trainer"), dict) or before is None:
+    def folder(data: Any) -> Any:
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        return trainer.get("checkpoint_dir") if isinstance(trainer, dict) else None
+
+    before, after = folder(written), folder(given)
+    if before is None or after is None or after == before:
         return given
-    after = given["trainer"].get("checkpoint_dir")
-    if after == before or after is None:
-        return given
-    trackers = given.get("trackers")
-    recipe_trackers = written.get("trackers")
-    if not isinstance(trackers, list) or not isinstance(recipe_trackers, list):
-        return given
-    for tracker, as_written in zip(trackers, recipe_trackers, strict=False):
+    for tracker, as_written in zip(given.get("trackers") or [], written.get("trackers") or [], strict=False):
         if isinstance(tracker, dict) and tracker == as_written and as_written.get("directory") == before:
             tracker["directory"] = after  # an entry no override touched
     return given

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dew.data.base import Dataset, EosTokenizer
+from dew.data.base import Dataset, EosTokenizer, prefix_of
 from dew.data.sources import ArrayRecords
 from dew.data.stream import record_dataset
 from dew.data.videos import load_records
@@ -134,15 +134,6 @@ class Addition:
         tokenizer = self.text_tokenizer()
         return lambda text: [int(i) for i in tokenizer.encode(text)]
 
-    def _prefix(self) -> list[int]:
-        """The ids the tokenizer starts a sequence with (dew.data.base.StartsSequences; none for bytes)."""
-        from dew.data.base import StartsSequences
-
-        if isinstance(self.tokenizer, str) and self.tokenizer == "byte":
-            return []
-        tokenizer = self.text_tokenizer()
-        return list(tokenizer.prefix) if isinstance(tokenizer, StartsSequences) else []
-
     @property
     def _holds_out(self) -> bool:
         return bool(self.held_out or self.held_out_misses)
@@ -183,7 +174,7 @@ class Addition:
         newline = ids("\n")[-1]
         # A prompt starts as transformers starts one (a beginning-of-text id first, where the
         # tokenizer has one); the text form is running text, cut into windows.
-        start = [] if self.form == "text" else self._prefix()
+        start = [] if self.form == "text" else prefix_of(self.text_tokenizer())
         prompts = [start + ids(f"{a}+{b}=") for a, b in operands]
         answers = [ids(str(a + b)) for a, b in operands]
         if self.form == "text":

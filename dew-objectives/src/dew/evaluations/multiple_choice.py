@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dew.data.base import prompt_ids
+from dew.data.base import prefix_of, prompt_ids
 from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file
 from dew.evaluations.scoring import loglikelihoods
 
@@ -71,7 +71,7 @@ def continuation_ids(tokenizer: Any, context: str, continuation: str) -> tuple[l
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     if not context:  # the beginning-of-text id where the tokenizer has one, else end-of-document
-        return prompt_ids(tokenizer, "") or [int(tokenizer.eos_id)], _ids(tokenizer, continuation)
+        return prefix_of(tokenizer) or [int(tokenizer.eos_id)], _ids(tokenizer, continuation)
     whole = prompt_ids(tokenizer, context + continuation)
     head = prompt_ids(tokenizer, context)
     return whole[: len(head)], whole[len(head):]
