@@ -114,6 +114,18 @@ def test_a_layout_that_replicates_past_its_tolerance_is_refused_with_its_leaves(
     shown = re.search(r"```sh\ndew plan tiny-lm trainer.mesh.fsdp=3 --devices 3\n```\n\n```text\n(.*?)\n```",
                       DOCS.read_text(), flags=re.S)
     assert shown and shown.group(1) == err.rstrip("\n")
+    # The refusal's way on, followed as printed, is accepted: a tolerance of 200% (whole on each of
+    # three devices is three times the perfect share), above the 1.0 a "fraction" would cap it at.
+    override = re.search(r"\(in a recipe, (trainer\.layout\.tolerance=[0-9.]+)\)", err.splitlines()[0])
+    assert override and override.group(1) == "trainer.layout.tolerance=2", err.splitlines()[0]
+    code, _, err = _plan(["tiny-lm", "trainer.mesh.fsdp=3", override.group(1), "--devices", "3"], capsys)
+    # The recipe's 32 rows do not split over three devices either: said as such, with its way on.
+    assert code == 2 and err.startswith("dew plan: BatchSplitError: The batch's 'text' has 32 rows, which "
+                                        "do not divide over the 3 devices"), err
+    assert "data.batch" in err and err.count("\n") == 1
+    code, _, err = _plan(["tiny-lm", "trainer.mesh.fsdp=3", override.group(1), "data.batch=24", "--devices", "3"],
+                         capsys)
+    assert code == 0, err
 
 
 @pytest.mark.slow

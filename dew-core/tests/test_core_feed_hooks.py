@@ -315,6 +315,18 @@ def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
     assert int(state.step) == 5 and checkpoints.latest == 5
 
 
+def test_each_save_note_names_the_store_it_was_written_to(tmp_path, capsys):
+    checkpoints = Checkpoints(tmp_path / "shared", local_directory=tmp_path / "local", local_every=2)
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints)
+    trainer.fit(numbered(), steps=6, log_every=6, checkpoint_every=4)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "handed to the writer" in line]
+    # step 2 is a local save; 4 (checkpoint_every) and 6 (the last) go to the shared store
+    where = {int(line.split(":")[0].split()[1]): line.rsplit("(", 1)[1].rstrip(")") for line in notes}
+    assert where == {2: str(tmp_path / "local" / "2"), 4: str(tmp_path / "shared" / "4"),
+                     6: str(tmp_path / "shared" / "6")}, notes
+    assert (tmp_path / "local" / "2").is_dir() and (tmp_path / "shared" / "4").is_dir()
+
+
 # -- recipes keep checkpoint URLs ------------------------------------------------------------------
 
 

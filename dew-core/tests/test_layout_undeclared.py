@@ -61,8 +61,14 @@ def test_under_tensor_alone_check_accepts_what_it_refused_replicated():
     assert factor == 4  # a quarter of the matrix per device: the perfect share over tensor=4
     layout.check(params, placed, where)  # accepted
     whole = jax.tree.map(lambda _: NamedSharding(where, P()), params)
-    with pytest.raises(LayoutError, match="300.0% more parameter memory"):
+    with pytest.raises(LayoutError, match="300.0% more parameter memory") as refused:
         layout.check(params, whole, where)  # what the fsdp-only heuristic gave
+    # Whole on each of 4 devices is 4x the perfect share: the tolerance the refusal names (3, above
+    # the 1.0 a fraction would stop at) accepts it, and anything below it does not.
+    assert "Layout(tolerance=3)" in str(refused.value)
+    Layout(tolerance=3.0).check(params, whole, where)
+    with pytest.raises(LayoutError, match="300.0%"):
+        Layout(tolerance=2.99).check(params, whole, where)
 
 
 def test_declared_leaves_keep_their_rules():

@@ -68,6 +68,10 @@ def test_a_fit_reports_its_window_goodput_and_lines(tmp_path, capsys):
     assert kinds[0] == "run_started" and kinds[-1] == "goodput" and "profile_window" in kinds
     window = records[kinds.index("profile_window")]["record"]
     assert (window["start"], window["steps"]) == (2, 2) and _traces(tmp_path / "trace")
+    # The tracker receives it as the reference documents name it: the ProfileWindow record of
+    # dew.telemetry.records.
+    from dew.telemetry.records import ProfileWindow as Written
+    assert [(value.start, value.steps) for _, value in recorder.artifacts if isinstance(value, Written)] == [(2, 2)]
     goodput = records[-1]["record"]
     assert 0 < goodput["fraction"] <= 1 and goodput["wall_seconds"] >= goodput["step_seconds"]
 

@@ -251,8 +251,13 @@ class Checkpoints:
             return pool_steps(store)
         return store.committed()
 
-    def path(self, step: int) -> Path:
-        """The directory of step (the persistent one unless only the local store holds it)."""
+    def path(self, step: int, *, local: bool | None = None) -> Path:
+        """The directory of step: in the store local names, or, left None, the persistent one
+        unless only the local store holds it (a save still being written is in neither yet)."""
+        if local is not None:
+            if local and self._local is None:
+                raise ValueError("path(..., local=True) needs Checkpoints(local_directory=...).")
+            return (self._local if local else self._persistent).step_path(step)  # type: ignore[union-attr]
         if self._local is not None and not self._persistent.step_path(step).exists() \
                 and self._local.step_path(step).exists():
             return self._local.step_path(step)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Goodput",
+    "ProfileWindow",
     "ProfileWindowRecord",
     "Record",
     "RunStarted",
@@ -130,6 +131,10 @@ class ProfileWindowRecord:
 
     def to_json(self) -> dict[str, Any]:
         return _fields(self)
+
+
+ProfileWindow = ProfileWindowRecord  # the name the reference documents give this record; dew.training's
+# ProfileWindow is the request for a window, this one the window a fit wrote
 
 
 @dataclass(frozen=True)

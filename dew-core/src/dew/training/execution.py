@@ -40,7 +40,8 @@ __all__ = ["QUICK_INIT_PARAMETERS", "CompiledStep", "DeviceExecution", "Executio
 
 @dataclass(frozen=True)
 class CompiledStep:
-    """One compiled transaction: ``new = step(old, batch)``; the old state is consumed (donated)."""
+    """One compiled transaction: ``new, metrics = step(old, batch)``; the old state is consumed
+    (donated), and the metrics stay on the device until read."""
 
     executable: jax.stages.Compiled | StepFn  # one compiled program, or the two of a CPU-owned state joined
 

@@ -250,7 +250,7 @@ class Saving(Hook):
         blocked = time.perf_counter() - began
         if not local:
             self.saved = record.done
-        path = str(self.checkpoints.path(record.done))
+        path = str(self.checkpoints.path(record.done, local=local))
         return Contribution(
             notes=(f"step {record.done}: checkpoint {'(local) ' if local else ''}handed to the writer, "
                    f"the loop blocked {blocked:.2f} s, after {in_flight:.2f} s finishing the "

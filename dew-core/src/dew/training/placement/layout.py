@@ -98,8 +98,11 @@ class Layout:
 
     rules map logical axes onto mesh axes in precedence order. A parameter
     below min_shard elements stays replicated (the collectives would cost
-    more than the memory saved); tolerance is the share of shardable
-    parameter memory per device above perfect sharding that check() accepts.
+    more than the memory saved); tolerance is the parameter memory per device
+    above perfect sharding, as a fraction of perfect sharding, that check()
+    accepts (MaxText's sharding_tolerance). It has no upper bound: a layout
+    that replicates everything on N devices holds N - 1 more, and the refusal
+    names the value that accepts it.
 
     host lists TrainState fields (of HOST_RESIDENT) that live in pinned host
     memory between steps: the compiled step copies them to the devices,
@@ -117,7 +120,8 @@ class Layout:
     min_shard: int = field(default=2**16, metadata={
         "description": "parameters smaller than this stay replicated"})
     tolerance: float = field(default=0.02, metadata={
-        "description": "share of shardable memory a layout may leave replicated"})
+        "description": "parameter memory per device above perfect sharding, as a fraction of it, "
+                       "that a layout may keep (2.0: three times the perfect share)"})
     host: tuple[str, ...] = field(default=(), metadata={
         "description": "state fields kept in host memory between steps"})
     host_parameters: tuple[str, ...] = field(default=(), metadata={
@@ -141,9 +145,9 @@ class Layout:
                     "axis there itself, and nothing else belongs there. Drop the rule (map "
                     f"{name} to fsdp, tensor or expert)."
                 )
-        if self.min_shard < 0 or not 0 <= self.tolerance <= 1:
+        if self.min_shard < 0 or not self.tolerance >= 0:
             raise LayoutError(
-                f"Layout needs min_shard >= 0 and tolerance in [0, 1], got {self.min_shard} "
+                f"Layout needs min_shard >= 0 and tolerance >= 0, got {self.min_shard} "
                 f"and {self.tolerance}."
             )
 
@@ -348,15 +352,17 @@ class Layout:
             worst.append((per_device - perfect, jax.tree_util.keystr(path), tuple(leaf.shape)))
         if ideal == 0:
             return
-        excess = held / ideal - 1
+        excess = round(held / ideal - 1, 9)  # whole on N devices is N - 1 exactly, not past it by a rounding
         if excess > self.tolerance:
             worst.sort(reverse=True)
             names = ", ".join(f"{p} {s}" for _, p, s in worst[:3])
+            accepting = math.ceil(excess * 1000) / 1000  # rounded up: the value accepts it
             raise LayoutError(
                 f"This layout keeps {excess:.1%} more parameter memory per device than perfect "
                 f"sharding over {devices} devices (tolerance {self.tolerance:.1%}); the mesh axes "
                 f"divide too few of the model's dimensions. Most replicated: {names}. Choose mesh "
-                "sizes that divide the model's widths, or raise Layout.tolerance."
+                f"sizes that divide the model's widths, or accept it with Layout(tolerance={accepting:g}) "
+                f"(in a recipe, trainer.layout.tolerance={accepting:g})."
             )
 
 

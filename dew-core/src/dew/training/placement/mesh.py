@@ -26,6 +26,7 @@ __all__ = [
     "BATCH_SPEC",
     "MESH_AXES",
     "BatchMismatchError",
+    "BatchSplitError",
     "CPUDeviceCountError",
     "MeshSizeError",
     "MeshSpec",
@@ -52,6 +53,10 @@ def _doc(text: str) -> dict[str, str]:
 
 class MeshSizeError(DewError, ValueError):
     """The mesh's axis sizes do not divide the devices there are."""
+
+
+class BatchSplitError(DewError, ValueError):
+    """A batch's rows do not divide over the devices the mesh splits every batch across."""
 
 
 # A batch lacks a key, or a leaf's shape or dtype differs from the compiled step's: dew's one
@@ -277,6 +282,7 @@ def shard_batch(
     """
     if expected is not None:
         check_batch(batch, expected, partition)
+    _check_split(batch, mesh, partition)
     shardings = batch_shardings(mesh, batch)
     if jax.process_count() == 1:
         return jax.device_put(dict(batch), shardings)
@@ -287,6 +293,22 @@ def shard_batch(
         return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
     return jax.tree.map(put, dict(batch), shardings)
+
+
+def _check_split(batch: Mapping[str, ArrayLike], mesh: Mesh, partition: DataPartition) -> None:
+    """Refuse, by its sizes, a batch whose rows the batch axes cannot split evenly."""
+    ways = math.prod(mesh.shape.get(axis, 1) for axis in BATCH_AXES)
+    if ways == 1:
+        return
+    for key, x in batch.items():
+        shape = np.shape(x)
+        if shape and (rows := shape[0] * partition.shares) % ways:
+            sizes = " x ".join(f"{axis} {mesh.shape.get(axis, 1)}" for axis in BATCH_AXES)
+            raise BatchSplitError(
+                f"The batch's {key!r} has {rows} rows, which do not divide over the {ways} devices "
+                f"a batch is split across ({sizes}). Make the batch a multiple of {ways} (a "
+                f"recipe's data.batch), or choose mesh sizes whose product divides {rows}."
+            )
 
 
 def global_shape(batch: Mapping[str, ArrayLike], partition: DataPartition) -> dict[str, jax.ShapeDtypeStruct]:
