@@ -119,3 +119,15 @@ def test_the_checkpoint_writers_leftovers_stay_off_the_console_after_dews_own_li
                       RuntimeWarning, stacklevel=1)
         warnings.warn("coroutine 'fetch' was never awaited", RuntimeWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["coroutine 'fetch' was never awaited"]
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_without_a_traceback():
+    """`dew recipes | head -1`: the reader went away before dew wrote; dew stops quietly with the
+    status a shell reports for a pipe's writer (128 + SIGPIPE)."""
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen([str(DEW), "recipes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=environment)
+    process.stdout.close()  # before the interpreter has even imported dew
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err.decode()
+    assert not err.strip(), err.decode()

@@ -234,6 +234,34 @@ def test_the_recipe_table_names_each_model_as_its_recipe_builds_it():
         assert f"{built.num_layers} layer" in row and f"{built.emb_features} wide" in row, row
 
 
+def test_the_needs_first_column_names_every_other_folder_a_recipe_reads():
+    """Read from the recipe files by hand: every runs/, exported/ or checkpoints/ path a recipe names,
+    other than its own run folder, is in its row's last column (or inside a folder listed there)."""
+    from dew.recipes.reading import read_recipe_file
+
+    def paths(node, key=""):
+        if isinstance(node, dict):
+            for name, value in node.items():
+                yield from paths(value, f"{key}.{name}" if key else str(name))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                yield from paths(value, f"{key}.{index}")
+        elif isinstance(node, str) and node.split("/")[0] in ("runs", "exported", "checkpoints"):
+            yield key, node
+
+    table = {row.split("|")[1].strip(): row.split("|")[-2] for row in
+             _between_markers(PAGE.read_text(), "dew recipes --markdown").splitlines()[2:]}
+    for name, path in shipped().items():
+        data = read_recipe_file(path) or {}
+        own = (data.get("trainer") or {}).get("checkpoint_dir")
+        read = {value for key, value in paths(data) if value != own and not key.startswith("trackers.")
+                and not key.startswith("trainer.")}
+        needs = table[f"[{name}](#{name})"]
+        listed = re.findall(r"`([^`]+)`", needs)
+        assert all(any(value == x or value.startswith(x + "/") for x in listed) for value in read), (
+            name, read, needs)
+
+
 def test_every_placeholder_expand_replaces_is_documented():
     import inspect
 
@@ -254,6 +282,7 @@ EXIT_STATUSES = {
     1: "tests/test_docs_cli.py::test_an_unexpected_error_keeps_its_traceback_and_exits_1",
     2: "tests/test_after_a_run.py::test_a_missing_prerequisite_is_one_message_and_no_folder",
     130: "tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",
+    141: "tests/test_cli_errors.py::test_a_reader_that_closes_the_pipe_ends_the_command_without_a_traceback",
     143: "tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",
 }
 

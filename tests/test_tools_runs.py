@@ -136,10 +136,66 @@ def test_runs_of_different_models_are_compared_where_comparable(runs, capsys):
     assert "the runs train different models (model.num_heads)" in text
 
 
+@pytest.mark.slow
+def test_losses_that_are_nan_in_both_runs_are_the_same(runs, tmp_path, capsys):
+    """A diverged run and its rerun log NaN at the same steps: identical, not parted at the first NaN."""
+    def copy(name: str, losses: dict[int, object]) -> Path:
+        run = tmp_path / name
+        shutil.copytree(runs.ref, run)
+        rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
+        for row in rows:
+            if row.get("step") in losses and "train/loss" in row:
+                row["train/loss"] = losses[row["step"]]
+        (run / "scalars.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return run
+
+    diverged = {step: "NaN" for step in range(3, STEPS + 1)}  # as LocalTracker journals a NaN
+    first, second = copy("nan-a", diverged), copy("nan-b", diverged)
+    code, out, _ = _dew(["diff", str(first), str(second)], capsys)
+    assert code == 0 and out.splitlines()[0] == f"identical through step {STEPS}", out
+    assert f"losses: equal at all {STEPS} common logged steps (largest gap 0 at step" in out
+    # A number where the other run logged NaN parts there, and is the largest gap.
+    third = copy("nan-c", {**diverged, 5: 1.5})
+    code, out, _ = _dew(["diff", str(first), str(third), "--json"], capsys)
+    result = json.loads(out)
+    assert code == 1 and result["first_loss"]["step"] == 5 and result["largest_loss"]["step"] == 5, out
+
+
+@pytest.mark.slow
+def test_leaves_one_run_lacks_are_named_and_its_journal_found_from_anywhere(runs, tmp_path, monkeypatch, capsys):
+    """A run with a loss scale holds leaves the other does not: not identical, and named in the text.
+    Its tracker wrote, by a relative path, outside its checkpoint directory; dew diff run elsewhere
+    finds that journal where the run started."""
+    runs.train("scaled", "trainer.dynamic_scale=true", "trainer.checkpoint_dir=scaled/ckpt",
+               "trackers.0.directory=scaled/log", steps=2)
+    scaled = runs.root / "scaled" / "ckpt"
+    assert (runs.root / "scaled" / "log" / "scalars.jsonl").is_file() and not (scaled / "scalars.jsonl").exists()
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = _dew(["diff", str(runs.ref), str(scaled)], capsys)
+    assert code == 1 and out.splitlines()[0].startswith("the runs differ"), out
+    (named,) = [line for line in out.splitlines() if "not comparable" in line]
+    assert ".scaler.scale" in named and ".scaler.streak" in named, named
+    assert any(line.startswith("losses: ") for line in out.splitlines()), out
+    assert "hold none" not in out
+
+
 def test_a_path_that_is_not_a_run_is_named(tmp_path, capsys):
     code, _, err = _dew(["diff", str(tmp_path), str(tmp_path / "missing")], capsys)
     assert code == 2
     assert err.count("\n") == 1 and "is not a run directory" in err
+    (tmp_path / "run.json").write_text("{bad")  # damaged, and no kept step beside it
+    code, _, err = _dew(["diff", str(tmp_path), str(tmp_path)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "an unreadable run.json and no kept checkpoint step" in err
+
+
+@pytest.mark.slow
+def test_a_damaged_recipe_is_noted_and_the_states_still_compared(runs, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs.ref, damaged)
+    (damaged / "run.json").write_text("{bad")
+    code, out, _ = _dew(["diff", str(runs.ref), str(damaged)], capsys)
+    assert code == 0 and out.splitlines()[0] == f"identical through step {STEPS}", out
+    assert f"{damaged.resolve() / 'run.json'} cannot be read" in out and "that run's recipe is not compared" in out
 
 
 # -- dew audit ------------------------------------------------------------------------------------------
@@ -227,6 +283,31 @@ def test_a_run_without_a_ledger_says_the_audit_needs_one(tmp_path, capsys):
     code, _, err = _dew(["audit", str(tmp_path)], capsys)
     assert code == 2
     assert err.count("\n") == 1 and "holds no data ledger (ledger.jsonl), and an audit needs one" in err
+
+
+def test_a_ledger_that_proves_nothing_is_refused_in_one_line(tmp_path, capsys):
+    """A missing directory, a damaged line, a step line without its positions and a ledger of no step:
+    each exit status 2 with what is wrong, never a traceback nor an exact verdict."""
+    opened = {"kind": "open", "step": 0, "position": None, "processes": 1, "shares": 1}
+    step = {"kind": "step", "step": 1, "first": 0, "end": 4, "digest": "d1"}
+    cases = {
+        "missing": (None, "does not exist or is not a directory"),
+        "damaged": ([json.dumps(opened), "{garbage", json.dumps(step)], "Line 2 of"),
+        "keyless": ([json.dumps(opened), json.dumps({k: v for k, v in step.items() if k != "first"})],
+                    "Line 2 of"),
+        "stepless": ([json.dumps(opened)], "records no step"),
+    }
+    for name, (lines, said) in cases.items():
+        run = tmp_path / name
+        if lines is not None:
+            run.mkdir()
+            (run / "ledger.jsonl").write_text("\n".join(lines) + "\n")
+        code, out, err = _dew(["audit", str(run)], capsys)
+        assert code == 2 and not out and err.count("\n") == 1 and said in err, (name, out, err)
+    assert "has no 'first'" in _dew(["audit", str(tmp_path / "keyless")], capsys)[2]
+    # The same lines whole are audited: an exact run of one step.
+    (tmp_path / "damaged" / "ledger.jsonl").write_text(json.dumps(opened) + "\n" + json.dumps(step) + "\n")
+    assert _dew(["audit", str(tmp_path / "damaged")], capsys)[0] == 0
 
 
 def test_the_ledger_replays_a_resume_over_the_steps_it_undid(tmp_path):

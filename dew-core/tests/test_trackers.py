@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -228,6 +229,15 @@ def test_readers_skip_a_torn_last_line_and_refuse_a_damaged_middle(tmp_path):
     journal.write_text('{"step": 1, "lo\n' + whole)
     with pytest.raises(TornJournalError, match=r"scalars.jsonl, line 1"):
         list(journal_rows(journal))
+    # Rows that parse but are no journal's: named, and `dew report` says so in one line (status 2).
+    from dew.cli import main
+
+    for bad, said in (('{"train/loss": 1}', "whose step is None"), ('{"step": "x"}', "whose step is 'x'"),
+                      ("[1, 2]", "line 4, is a JSON list")):
+        journal.write_text(whole + bad + "\n")
+        with pytest.raises(TornJournalError, match=re.escape(said)):
+            render_report(tmp_path, tmp_path / "page")
+        assert main(["report", str(tmp_path), "--out", str(tmp_path / "page")]) == 2
 
 
 def test_a_local_tracker_told_not_to_stop_warns_and_counts_what_it_lost(tmp_path):

@@ -199,8 +199,8 @@ def test_rescore_scores_the_journal_with_another_reward(whole, tmp_path, capsys)
     for entry, row, line in zip(read_journal(directory), rows, written, strict=True):
         (round_,) = entry.transcript
         by_hand = [-abs(len(c) - 2.0) for c in round_["completions"]]  # Length(target=2), no stop
-        assert line["rewards"] == by_hand and line["step"] == entry.step
-        assert int(row[0]) == entry.step and int(row[1]) == len(by_hand)
+        assert line["rewards"] == by_hand and line["step"] == entry.step + 1  # steps done, as the scalars
+        assert int(row[0]) == entry.step + 1 and int(row[1]) == len(by_hand)
         assert float(row[2]) == pytest.approx(np.mean(round_["rewards"]), abs=1e-4)
         assert float(row[3]) == pytest.approx(np.mean(by_hand), abs=1e-4)
 
@@ -228,7 +228,32 @@ def test_report_shows_the_sampled_completions_by_step(whole, tmp_path):
     assert "id='rollouts'" in page
     last = read_journal(directory)[-1]
     assert html.escape(last.transcript[0]["completions"][0]) in page
-    assert f"<td rowspan='8'>{last.step}<br>" in page
+    assert f"<td rowspan='8'>{last.step + 1}<br>" in page
+
+
+def test_rescore_and_report_count_only_the_steps_the_run_took(runs, tmp_path_factory, tmp_path, capsys):
+    """Run asynchronously, the journal ends with a batch sampled for a step past the end; the rows
+    left are the run's steps, numbered and averaged as its tracker logged them."""
+    from dew.cli import main
+    from dew.cli.report import render_report
+
+    directory, _, _ = runs.whole(tmp_path_factory.mktemp("whole"), 1)
+    assert [e.step for e in read_journal(directory)] == list(range(STEPS + 1))
+    logged = {row["step"]: row["train/reward"] for row in map(json.loads, (directory / "scalars.jsonl").open())
+              if "train/reward" in row}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    assert main(["rescore", str(directory), "reward=exact_match"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in printed[1:] if line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert float(row[2]) == pytest.approx(logged[int(row[0])], abs=1e-4)
+    (total,) = [line.split() for line in printed if line.startswith("   all")]
+    assert float(total[2]) == pytest.approx(np.mean(list(logged.values())), abs=1e-4)
+    assert printed[-1].startswith(f"(1 journaled step(s) past the last checkpoint, step {STEPS}, left out")
+    page = render_report(directory, tmp_path / "report").read_text()
+    assert f"<td rowspan='8'>{STEPS}<br>" in page and f"<td rowspan='8'>{STEPS + 1}<br>" not in page
+    assert f"1 journaled past the last checkpoint (step {STEPS}) are not shown" in page
 
 
 SHARDED = r'''

@@ -24,6 +24,7 @@ TRACEBACK = "DEW_TRACEBACK"  # set to 1 to see the traceback of an error dew nam
 TRACEBACK_HELP = f"show the whole traceback of an error dew names (or set {TRACEBACK}=1)"
 REFUSED = 2  # dew named what is wrong: a recipe, a missing prerequisite, bad input
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
+BROKEN_PIPE = 141  # the reader of stdout closed it (128 + SIGPIPE), as a shell reports a pipe's writer
 
 # subcommand -> (module, one-line help). A module defines
 # add_arguments(parser) and run(args) -> int.
@@ -119,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
             return INTERRUPTED
+        except BrokenPipeError:
+            # The reader of stdout went away (`dew recipes | head -1`): nothing is left to say to it.
+            # Its stream goes to devnull so the interpreter's last flush does not fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return BROKEN_PIPE
         except Exception as error:
             if shown or not is_dews(error):
                 raise

@@ -3,7 +3,7 @@
 The run's data ledger (dew.training.ledger) is replayed and compared with an
 uninterrupted run's consumption, or with RUN_B's (dew.provenance.ledger).
 Exit status 0 when the run consumed exactly those records, 1 when not, 2
-when a run has no ledger.
+when a run has no ledger, a damaged one or one that records no step.
 """
 
 from __future__ import annotations
@@ -28,16 +28,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the audit as JSON")
     parser.epilog = ("examples:\n  dew audit runs/tiny-lm\n  dew audit runs/resumed --against runs/uninterrupted\n\n"
                      "exit status: 0 exactly the records; 1 records skipped, repeated or different; "
-                     "2 a run without a ledger.")
+                     "2 a run without a ledger, with a damaged one or with one that records no step.")
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.provenance.ledger import LedgerMissingError, audit, read_ledger
+    from dew.provenance.ledger import (
+        LedgerDamagedError,
+        LedgerEmptyError,
+        LedgerMissingError,
+        audit,
+        read_ledger,
+    )
 
     try:
         ledger = read_ledger(args.run)
         against = None if args.against is None else read_ledger(args.against)
-    except LedgerMissingError as error:
+    except (LedgerMissingError, LedgerDamagedError, LedgerEmptyError) as error:
         print(f"dew audit: {error}", file=sys.stderr)
         return 2
     result = audit(ledger, against, name=args.against or "RUN_B")

@@ -63,6 +63,8 @@ def _value(value: object) -> str:
 
 def render_diff(result: RunDiff) -> str:
     """The comparison as lines of text, the verdict first."""
+    from dew.provenance.diff import gap_width
+
     lines = []
     if result.bitwise:
         lines.append(f"identical through step {result.through}")
@@ -75,6 +77,11 @@ def render_diff(result: RunDiff) -> str:
         shown = ", ".join(f"{k}" for k in result.models_differ[:4])
         lines.append(f"the runs train different models ({shown}): comparing the leaves both hold with the "
                      f"same shapes; {len(result.incomparable)} leaves are not comparable")
+    elif result.incomparable:
+        named = ", ".join(result.incomparable[:_SHOWN]) + (
+            f" and {len(result.incomparable) - _SHOWN} more" if len(result.incomparable) > _SHOWN else "")
+        lines.append(f"states: {len(result.incomparable)} leaves are held by one run only or in another shape "
+                     f"or dtype, so not comparable: {named}")
     if result.first_state_step is None:
         if result.common_steps:
             lines.append(f"states: identical at every common kept step ({len(result.common_steps)}, through step "
@@ -90,7 +97,7 @@ def render_diff(result: RunDiff) -> str:
         lines.append(f"losses: part at step {lost.step}: {lost.a:.8g} and {lost.b:.8g}")
     elif result.loss_steps:
         largest = result.largest_loss
-        widest = abs(largest.a - largest.b) if largest else 0.0
+        widest = gap_width(largest.a, largest.b) if largest else 0.0
         lines.append(f"losses: {'equal' if widest == 0 else 'within the tolerance'} at all "
                      f"{len(result.loss_steps)} common logged steps (largest gap {widest:.3g} at step "
                      f"{largest.step if largest else '-'})")

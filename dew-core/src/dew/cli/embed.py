@@ -14,10 +14,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dew.errors import DewError
+
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["add_arguments", "read_inputs", "run"]
+__all__ = ["InputImagesError", "add_arguments", "read_inputs", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=None, help="a kept step (default newest)")
 
 
+class InputImagesError(DewError, ValueError):
+    """An input of dew embed is not an image file or an array of images, or the images' shapes differ."""
+
+
 def read_inputs(paths: list[Path]) -> np.ndarray:
     """The images paths hold, stacked in order as one array [N, ...]."""
     import numpy as np
@@ -37,18 +43,26 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
     parts = []
     for path in paths:
         if path.suffix == ".npy":
-            array = np.load(path, allow_pickle=False)
+            try:
+                array = np.load(path, allow_pickle=False)
+            except ValueError:  # numpy's advice (allow_pickle) would run whatever the file holds
+                raise InputImagesError(f"{path} is not a NumPy array file (np.save writes one); give a .npy "
+                                       "of images [N, H, W, C] or image files (PNG, JPEG).") from None
             parts.append(array[None] if array.ndim == 3 else array)
             continue
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
-        with Image.open(path) as image:
-            pixels = np.asarray(image.convert("L" if image.mode in ("1", "L", "P", "I") else "RGB"))
+        try:
+            with Image.open(path) as image:
+                pixels = np.asarray(image.convert("L" if image.mode in ("1", "L", "P", "I") else "RGB"))
+        except UnidentifiedImageError:
+            raise InputImagesError(f"{path} is not an image Pillow can read; give image files (PNG, JPEG) "
+                                   "or a .npy of images.") from None
         parts.append((pixels[..., None] if pixels.ndim == 2 else pixels)[None])
     shapes = {part.shape[1:] for part in parts}
     if len(shapes) > 1:
-        raise ValueError(f"The inputs hold images of different shapes {sorted(shapes)}; give "
-                         "images of one shape.")
+        raise InputImagesError(f"The inputs hold images of different shapes {sorted(shapes)}; give "
+                               "images of one shape.")
     return np.concatenate(parts)
 
 

@@ -55,9 +55,11 @@ def _first(data: dict[str, Any]) -> str:
     needs = []
     init = data.get("init") or {}
     objective = data.get("objective") or {}
+    reward = objective.get("reward")
     for what, where in (("run", init.get("run")), ("export", init.get("pretrained")),
                         ("teacher run", objective.get("teacher_checkpoint")),
-                        ("teacher export", objective.get("teacher_pretrained"))):
+                        ("teacher export", objective.get("teacher_pretrained")),
+                        ("reward model run", reward.get("run") if isinstance(reward, dict) else None)):
         if where:
             needs.append(f"{what} `{where}`")
     return ", ".join(needs) or "nothing"

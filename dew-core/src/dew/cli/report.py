@@ -62,7 +62,7 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
     from dew.cli.run_page import RunData
     from dew.telemetry.render import read_scalars
     from dew.tracking.local import LocalTracker
-    from dew.training.rollout_journal import ROLLOUTS, read_journal
+    from dew.training.rollout_journal import ROLLOUTS, kept_rollouts
 
     run_dir = Path(run_dir)
     journal = run_dir / LocalTracker.SCALARS
@@ -77,7 +77,7 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
         series=read_scalars(journal) if journal.exists() else {},
         records=tuple(_rows(records_path)),
         previews=tuple(_rows(run_dir / LocalTracker.PREVIEWS)),
-        rollouts=tuple(read_journal(run_dir, batches=False)) if (run_dir / ROLLOUTS).is_file() else (),
+        rollouts=kept_rollouts(run_dir, batches=False) if (run_dir / ROLLOUTS).is_file() else None,
     )
 
 

@@ -8,6 +8,11 @@ stricter or a differently shaped reward would have ranked the same samples
 otherwise. It prints, per step, the mean reward the run trained on beside
 the mean of the new one, and with ``--out`` writes every completion's new
 score as JSON lines (``step``, ``round``, ``rewards``).
+
+Steps are numbered as the run's scalars and ledger number them (the count of
+steps done). Only the steps the run's last checkpoint kept are scored: a
+batch sampled ahead for a step the run never took, or journaled by steps
+past the last checkpoint, is left out and counted in a note.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dew.errors import DewError
+
+if TYPE_CHECKING:
+    from dew.training.rollout_journal import Rolled
 
 __all__ = ["RescoreError", "add_arguments", "parse_reward", "rescore", "run"]
 
@@ -42,12 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_reward(items: Sequence[str]) -> dict[str, Any]:
-    """``reward=NAME`` and ``reward.FIELD=VALUE`` as ``{"name": NAME, FIELD: VALUE}``.
+    """``reward=NAME`` and ``reward.FIELD=VALUE`` as ``{"name": NAME, FIELD: VALUE}``, each value
+    read as a recipe override's is.
 
     >>> parse_reward(["reward=exact_match", "reward.key=answer", "reward.strip=false"])
     {'name': 'exact_match', 'key': 'answer', 'strip': False}
+    >>> parse_reward(["reward=format", "reward.pattern=[0-9]+"])
+    {'name': 'format', 'pattern': '[0-9]+'}
     """
-    import yaml
+    from dew.recipes.config import override_value
 
     spec: dict[str, Any] = {}
     for item in items:
@@ -58,7 +69,7 @@ def parse_reward(items: Sequence[str]) -> dict[str, Any]:
         if key == "reward":
             spec["name"] = value
         else:
-            spec[key.removeprefix("reward.")] = yaml.safe_load(value)
+            spec[key.removeprefix("reward.")] = override_value(value)
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise RescoreError("Name the reward to score with: dew rescore RUN reward=NAME (dew describe "
                            "lists the registered rewards).")
@@ -73,15 +84,21 @@ def _context(round_: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def rescore(run_dir: str | Path, reward: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every journaled round of run_dir scored with reward (``{"name": ..., **fields}``).
+    """Every journaled round of the steps run_dir's last checkpoint kept, scored with reward
+    (``{"name": ..., **fields}``).
 
-    One row per round: ``step``, ``round``, ``journaled`` (the rewards the run
-    trained on) and ``rewards`` (the new ones), in step order.
+    One row per round: ``step`` (the count of steps done, as the scalars
+    number it), ``round``, ``journaled`` (the rewards the run trained on) and
+    ``rewards`` (the new ones), in step order.
     """
-    from dew import registry
-    from dew.training.rollout_journal import read_journal
+    from dew.training.rollout_journal import kept_rollouts
 
-    entries = read_journal(run_dir, batches=False)
+    return _scored(kept_rollouts(run_dir, batches=False).entries, reward, run_dir)
+
+
+def _scored(entries: Sequence[Rolled], reward: Mapping[str, Any], run_dir: str | Path) -> list[dict[str, Any]]:
+    from dew import registry
+
     fields = {k: v for k, v in reward.items() if k != "name"}
     try:
         scorer = registry.rewards.build(str(reward["name"]), **fields)
@@ -94,14 +111,14 @@ def rescore(run_dir: str | Path, reward: Mapping[str, Any]) -> list[dict[str, An
             try:
                 values = np.asarray(scorer(completions, _context(round_)), np.float64).reshape(-1)
             except (KeyError, ValueError, TypeError) as error:
-                raise RescoreError(f"The reward {reward['name']!r} failed on step {entry.step}'s completions: "
-                                   f"{error}") from None
+                raise RescoreError(f"The reward {reward['name']!r} failed on step {entry.step + 1}'s "
+                                   f"completions: {error}") from None
             if values.shape[0] != len(completions) or not np.all(np.isfinite(values)):
                 raise RescoreError(
-                    f"The reward {reward['name']!r} gave step {entry.step} {values.shape[0]} values for "
+                    f"The reward {reward['name']!r} gave step {entry.step + 1} {values.shape[0]} values for "
                     f"{len(completions)} completions, or one that is not finite: a reward returns one "
                     "finite number per completion.")
-            rows.append({"step": entry.step, "round": index, "journaled": list(round_.get("rewards") or []),
+            rows.append({"step": entry.step + 1, "round": index, "journaled": list(round_.get("rewards") or []),
                          "rewards": values.tolist()})
     if not rows:
         raise RescoreError(f"The journal in {str(run_dir)!r} holds no transcripts to score: its rollout "
@@ -114,9 +131,12 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dew.training.rollout_journal import kept_rollouts
+
     try:
         spec = parse_reward(args.overrides)
-        rows = rescore(args.run_dir, spec)
+        kept = kept_rollouts(args.run_dir, batches=False)
+        rows = _scored(kept.entries, spec, args.run_dir)
     except DewError as error:  # one line: what is wrong and what to do
         print(f"dew rescore: {error}", file=sys.stderr)
         return 2
@@ -132,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     old = [v for r in rows for v in r["journaled"]]
     new = [v for r in rows for v in r["rewards"]]
     print(f"{'all':>6}  {len(new):>11}  {_mean(old):>10.4f}  {_mean(new):>10.4f}")
+    if kept.past:
+        print(f"({kept.past} journaled step(s) past the last checkpoint, step {kept.through}, left out: a batch "
+              "sampled ahead for a step the run did not take, or steps no checkpoint kept)")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("w", encoding="utf-8") as handle:

@@ -31,7 +31,7 @@ import numpy as np
 if TYPE_CHECKING:
     from PIL import Image as PILImage
 
-    from dew.training.rollout_journal import Rolled
+    from dew.training.rollout_journal import Kept
 
 __all__ = ["RunData", "chart_groups", "contained", "flatten", "missing_charts", "write_page"]
 
@@ -65,7 +65,7 @@ class RunData:
     series: Series
     records: tuple[dict[str, Any], ...]
     previews: tuple[dict[str, Any], ...]
-    rollouts: tuple[Rolled, ...] = ()  # the journaled rollouts' transcripts
+    rollouts: Kept | None = None  # the journaled rollouts' transcripts, of the steps the run kept
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -299,15 +299,20 @@ def _rollouts(runs: Sequence[RunData]) -> list[str]:
     """Each run's latest journaled steps: the mean reward, then the first completions with theirs."""
     parts = []
     for run in runs:
-        steps = [entry for entry in run.rollouts if entry.transcript]
+        if run.rollouts is None:
+            continue
+        steps = [entry for entry in run.rollouts.entries if entry.transcript]
         if not steps:
             continue
         shown = steps[-ROLLOUT_STEPS:]
         if len(runs) > 1:
             parts.append(f"<h3>{html.escape(run.label)}</h3>")
+        past = (f" {run.rollouts.past} journaled past the last checkpoint (step {run.rollouts.through}) are "
+                "not shown: sampled ahead for a step the run did not take, or by steps no checkpoint kept."
+                if run.rollouts.past else "")
         parts.append(f"<p class='note'>The latest {len(shown)} of {len(steps)} journaled steps, the first "
                      f"{ROLLOUT_ROWS} completions of each (all of them are in rollouts.jsonl; "
-                     "dew rescore scores them with another reward).</p>")
+                     f"dew rescore scores them with another reward).{past}</p>")
         parts.append("<table class='rollouts'><tr><th>step</th><th>prompt</th><th>completion</th>"
                      "<th>reward</th></tr>")
         for entry in shown:
@@ -318,7 +323,7 @@ def _rollouts(runs: Sequence[RunData]) -> list[str]:
             rewards = [float(r) for _, _, r in rows]
             mean = _number(float(np.mean(rewards))) if rewards else "-"
             for index, (prompt, completion, reward) in enumerate(rows[:ROLLOUT_ROWS]):
-                head = (f"<td rowspan='{min(len(rows), ROLLOUT_ROWS)}'>{entry.step}<br>"
+                head = (f"<td rowspan='{min(len(rows), ROLLOUT_ROWS)}'>{entry.step + 1}<br>"  # steps done
                         f"<span class='note'>{len(rows)} sampled, mean {mean}</span></td>") if index == 0 else ""
                 parts.append(f"<tr>{head}<td><pre>{html.escape(str(prompt))}</pre></td>"
                              f"<td><pre>{html.escape(str(completion))}</pre></td>"

@@ -27,7 +27,7 @@ from typing import Any
 from dew.errors import DewError
 from dew.tree_paths import key_name
 
-__all__ = ["LeafGap", "LossGap", "NotARunDirectoryError", "RunDiff", "diff_runs", "load_leaves"]
+__all__ = ["LeafGap", "LossGap", "NotARunDirectoryError", "RunDiff", "diff_runs", "gap_width", "load_leaves"]
 
 LOSS = "train/loss"
 
@@ -79,13 +79,14 @@ class RunDiff:
 
     @property
     def bitwise(self) -> bool:
-        losses_equal = self.largest_loss is None or self.largest_loss.a == self.largest_loss.b
-        return self.first_state_step is None and losses_equal and bool(self.common_steps or self.loss_steps)
+        losses_equal = self.largest_loss is None or _same(self.largest_loss.a, self.largest_loss.b)
+        return (self.first_state_step is None and not self.incomparable and losses_equal
+                and bool(self.common_steps or self.loss_steps))
 
     @property
     def within_tolerance(self) -> bool:
         """Nothing differs beyond the tolerances: states equal or (loaded) close, losses close."""
-        if self.first_loss is not None or not (self.common_steps or self.loss_steps):
+        if self.first_loss is not None or self.incomparable or not (self.common_steps or self.loss_steps):
             return False
         if self.first_state_step is None:
             return True
@@ -94,6 +95,23 @@ class RunDiff:
     @property
     def through(self) -> int:
         return max([*self.common_steps, *self.loss_steps], default=0)
+
+
+def _same(x: float, y: float) -> bool:
+    """Two logged losses are the same number: equal, or both NaN (a diverged run and its rerun).
+
+    >>> _same(float("nan"), float("nan")), _same(1.0, 1.0), _same(float("nan"), 1.0)
+    (True, True, False)
+    """
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def gap_width(x: float, y: float) -> float:
+    """How far apart two logged losses are: 0 when the same, infinite when only one is NaN."""
+    if _same(x, y):
+        return 0.0
+    width = abs(x - y)
+    return math.inf if math.isnan(width) else width
 
 
 def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -115,9 +133,20 @@ def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: value}
 
 
-def _recipe(run: Path) -> dict[str, Any] | None:
+def _recipe(run: Path, notes: list[str]) -> dict[str, Any] | None:
+    """The run's run.json (None when it has none, or, with a note, when it cannot be read)."""
     path = run / "run.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        recipe = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        notes.append(f"{path} cannot be read ({error}); that run's recipe is not compared")
+        return None
+    if not isinstance(recipe, dict):
+        notes.append(f"{path} holds no recipe (a JSON {type(recipe).__name__}); that run's recipe is not compared")
+        return None
+    return recipe
 
 
 def _kept(run: Path) -> list[int]:
@@ -133,13 +162,16 @@ def _leaves(run: Path, step: int) -> list[Any]:
 
 
 def _journal(run: Path, recipe: Mapping[str, Any] | None) -> Path | None:
-    """The run's scalars journal: in the run directory, or where its recipe's local tracker wrote."""
+    """The run's scalars journal: in the run directory, or where its recipe's local tracker wrote
+    (a relative directory from where the run started, not from where dew diff runs)."""
+    from dew.recipes.resuming import started_from
+
     if (run / "scalars.jsonl").is_file():
         return run / "scalars.jsonl"
     for tracker in (recipe or {}).get("trackers", []) or []:
         directory = tracker.get("directory") if isinstance(tracker, Mapping) else None
         if tracker.get("name") == "local" and directory and "{" not in directory:
-            candidate = Path(directory).expanduser() / "scalars.jsonl"
+            candidate = started_from(run) / Path(directory).expanduser() / "scalars.jsonl"
             if candidate.is_file():
                 return candidate
     return None
@@ -223,14 +255,15 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
               load: bool = False) -> RunDiff:
     """Compare two run directories (see the module docstring)."""
     runs = [Path(r).expanduser().resolve() for r in (a, b)]
-    recipes = [_recipe(r) for r in runs]
+    notes: list[str] = []
+    recipes = [_recipe(r, notes) for r in runs]
     kept = [_kept(r) if r.is_dir() else [] for r in runs]
     for run, recipe, steps in zip(runs, recipes, kept, strict=True):
         if recipe is None and not steps:
+            held = "an unreadable run.json and no" if (run / "run.json").is_file() else "neither run.json nor a"
             raise NotARunDirectoryError(
-                f"{run} is not a run directory: it holds neither run.json nor a kept checkpoint step. Give the "
+                f"{run} is not a run directory: it holds {held} kept checkpoint step. Give the "
                 "directory dew train wrote (trainer.checkpoint_dir).")
-    notes: list[str] = []
     recipe_diff: list[tuple[str, Any, Any]] = []
     models: tuple[str, ...] = ()
     if all(r is not None for r in recipes):
@@ -238,7 +271,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
         recipe_diff = [(k, left.get(k), right.get(k)) for k in sorted(set(left) | set(right))
                        if left.get(k) != right.get(k)]
         models = tuple(k for k, _, _ in recipe_diff if k == "model" or k.startswith("model."))
-    else:
+    elif not notes:
         notes.append("one run has no run.json; its recipe is not compared")
     common = sorted(set(kept[0]) & set(kept[1]))
     first_step, differing, incomparable = None, (), ()
@@ -270,10 +303,10 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
     for step in logged:
         x, y = losses[0][step], losses[1][step]
         gap = LossGap(step, x, y)
-        far = not (abs(x - y) <= atol + rtol * abs(y)) and not (x == y)
+        far = not _same(x, y) and not (abs(x - y) <= atol + rtol * abs(y))
         if far and first_loss is None:
             first_loss = gap
-        if largest is None or abs(x - y) > abs(largest.a - largest.b) or (x != y and math.isnan(x - y)):
+        if largest is None or gap_width(x, y) > gap_width(largest.a, largest.b):
             largest = gap
     if not logged:
         notes.append("no logged loss common to both runs (their journals, scalars.jsonl, hold none)")

@@ -27,13 +27,21 @@ from dew.errors import DewError
 from dew.training.ledger import LEDGER
 
 __all__ = [
-    "Audit", "ConsumedStep", "Ledgered", "LedgerMissingError", "Segment",
+    "Audit", "ConsumedStep", "LedgerDamagedError", "LedgerEmptyError", "Ledgered", "LedgerMissingError", "Segment",
     "audit", "read_ledger",
 ]
 
 
 class LedgerMissingError(DewError, FileNotFoundError):
     """The run directory holds no data ledger (a run trained before dew wrote one, or not a run)."""
+
+
+class LedgerDamagedError(DewError, ValueError):
+    """A line inside the ledger is not one dew wrote: the file was edited or damaged."""
+
+
+class LedgerEmptyError(DewError, ValueError):
+    """The ledger records no step: the run kept none, so there is nothing to prove."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,9 @@ class Ledgered:
 def read_ledger(run: str | Path) -> Ledgered:
     """The run's ledger, replayed (see the module docstring)."""
     path = Path(run) / LEDGER
+    if not Path(run).is_dir():
+        raise LedgerMissingError(f"{Path(run)} does not exist or is not a directory; give dew audit the "
+                                 "directory dew train wrote (trainer.checkpoint_dir).")
     if not path.is_file():
         raise LedgerMissingError(
             f"{Path(run)} holds no data ledger ({LEDGER}), and an audit needs one: dew writes it beside the "
@@ -96,24 +107,43 @@ def read_ledger(run: str | Path) -> Ledgered:
         except ValueError:
             if number == len(lines):
                 break  # a last line cut short by a crash: everything it described was undone with it
-            raise
-        kind = row.get("kind")
-        if kind == "open":
-            later = [s for s in steps if s > row["step"]]
-            undone += len(later)
-            for step in later:
-                del steps[step]
-            segments.append(Segment(row["step"], row["processes"], row["shares"], row.get("position")))
-        elif kind == "order":
-            order = {k: v for k, v in row.items() if k not in ("kind", "step")}
-            orders = [(step, named) for step, named in orders if step < row["step"]]
-            if not orders or orders[-1][1] != order:
-                orders.append((row["step"], order))
-        elif kind == "step":
-            if row["step"] in steps:
-                undone += 1
-            steps[row["step"]] = ConsumedStep(row["step"], row["first"], row["end"], row["digest"])
+            raise _damaged(path, number, "is not JSON") from None
+        if not isinstance(row, dict):
+            raise _damaged(path, number, f"is a JSON {type(row).__name__}, not a ledger line")
+        try:
+            kind = row.get("kind")
+            if kind == "open":
+                later = [s for s in steps if s > int(row["step"])]
+                undone += len(later)
+                for step in later:
+                    del steps[step]
+                segments.append(Segment(int(row["step"]), int(row["processes"]), int(row["shares"]),
+                                        row.get("position")))
+            elif kind == "order":
+                order = {k: v for k, v in row.items() if k not in ("kind", "step")}
+                orders = [(step, named) for step, named in orders if step < int(row["step"])]
+                if not orders or orders[-1][1] != order:
+                    orders.append((int(row["step"]), order))
+            elif kind == "step":
+                step = int(row["step"])
+                if step in steps:
+                    undone += 1
+                steps[step] = ConsumedStep(step, int(row["first"]), int(row["end"]), str(row["digest"]))
+        except KeyError as missing:
+            raise _damaged(path, number, f"has no {missing}") from None
+        except (TypeError, ValueError) as error:
+            raise _damaged(path, number, f"holds a value that is not a number ({error})") from None
+    if not steps:
+        raise LedgerEmptyError(
+            f"{path} records no step: the run kept none (the ledger is written at each checkpoint, and this "
+            "run stopped before its first), so there is nothing to audit. Train it to a checkpoint first.")
     return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone)
+
+
+def _damaged(path: Path, number: int, what: str) -> LedgerDamagedError:
+    return LedgerDamagedError(
+        f"Line {number} of {path} {what}: the ledger was edited or damaged, so what the run consumed "
+        "cannot be proven from it. Restore the file from a copy, or retrain the run to write a new one.")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ __all__ = [
     "RecipeError",
     "RunConfig",
     "apply_overrides",
+    "override_value",
     "recipe_path",
     "shipped",
 ]
@@ -244,7 +245,13 @@ class RunConfig(pydantic.BaseModel):
 # -- overrides ---------------------------------------------------------------------
 
 
-def _scalar(text: str) -> Any:
+def override_value(text: str) -> Any:
+    """An override's value as a recipe reads it: YAML, or the text itself where it is not YAML
+    (``[0-9]+`` is a pattern, not a broken list).
+
+    >>> override_value("3"), override_value("[0-9]+"), override_value("{a: 1}")
+    (3, '[0-9]+', {'a': 1})
+    """
     try:
         return read_yaml(text, "override") if text.strip() else ""
     except RecipeFileError:
@@ -308,11 +315,11 @@ def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
             node = child
         last = parts[-1]
         if append:
-            _append(node, last, _scalar(value), override)
+            _append(node, last, override_value(value), override)
         elif isinstance(node, list):
-            node[_index(last, node, key, override)] = _scalar(value)
+            node[_index(last, node, key, override)] = override_value(value)
         else:
-            node[last] = _scalar(value)
+            node[last] = override_value(value)
     return data
 
 

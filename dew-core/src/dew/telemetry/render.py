@@ -156,12 +156,16 @@ def journal_rows(journal: str | Path) -> Iterator[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError as error:
             if number == len(lines):  # no newline after it: a write that never finished
                 return
             raise TornJournalError(f"{journal}, line {number}, is not JSON ({error}); the "
                                    "journal was damaged.") from error
+        if not isinstance(row, dict):
+            raise TornJournalError(f"{journal}, line {number}, is a JSON {type(row).__name__}, not a journal "
+                                   "row (an object); the journal was damaged or written by something else.")
+        yield row
 
 
 def _number(value: Any) -> float | None:
@@ -176,7 +180,10 @@ def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]
     """Every metric of a scalar journal as (steps, values), in journal order."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for row in journal_rows(journal):
-        step = int(row["step"])
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TornJournalError(f"{journal} holds a row whose step is {step!r}, not a whole number: {row!r}; "
+                                   "the journal was damaged or written by something else.")
         for name, value in row.items():
             number = _number(value) if name != "step" else None
             if number is None:

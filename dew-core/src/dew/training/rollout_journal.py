@@ -51,8 +51,8 @@ from numpy.typing import ArrayLike
 
 from dew.errors import DewError
 
-__all__ = ["ROLLOUTS", "Rolled", "RolloutJournal", "RolloutJournalError", "batch_digest", "decode_batch",
-           "encode_batch", "read_journal", "to_plain"]
+__all__ = ["ROLLOUTS", "Kept", "Rolled", "RolloutJournal", "RolloutJournalError", "batch_digest", "decode_batch",
+           "encode_batch", "kept_rollouts", "read_journal", "to_plain"]
 
 ROLLOUTS = "rollouts.jsonl"
 
@@ -170,6 +170,36 @@ def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]
         return [_entry(row) for _, row in sorted(last.items())]
     except (KeyError, ValueError, OSError) as error:
         raise RolloutJournalError(f"{path} holds a rollout line this dew cannot read ({error}).") from None
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The journaled rollouts of the steps a run's last checkpoint kept.
+
+    A run samples ahead of its steps (a rollout's max_lag), so its journal
+    ends with a batch made for a step it never took; a run that stopped past
+    its last checkpoint journaled steps a resume takes again. Neither is what
+    the run trained on. ``through`` is the last checkpoint's step (None when
+    none was written yet: every line counts), ``past`` how many lines lie
+    beyond it.
+    """
+
+    entries: tuple[Rolled, ...]
+    through: int | None
+    past: int
+
+
+def kept_rollouts(directory: str | Path, *, batches: bool = True) -> Kept:
+    """read_journal's rollouts up to the journal's last checkpoint (see Kept)."""
+    entries = read_journal(directory, batches=batches)
+    through = None
+    for row in _rows(Path(directory) / ROLLOUTS):
+        if row.get("kind") == "checkpoint":
+            through = int(row["step"])  # the last in file order: the latest fit's latest save
+    if through is None:
+        return Kept(tuple(entries), None, 0)
+    kept = tuple(entry for entry in entries if entry.step < through)  # step counts from 0
+    return Kept(kept, through, len(entries) - len(kept))
 
 
 class RolloutJournal:

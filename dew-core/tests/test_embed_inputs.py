@@ -1,0 +1,34 @@
+"""What `dew embed` reads: arrays and image files stacked in order, and inputs that are neither
+refused by name (numpy's own advice for a text file, allow_pickle, would run what the file holds)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dew.cli.embed import InputImagesError, read_inputs
+
+
+def test_arrays_and_images_stack_in_order(tmp_path):
+    first = np.arange(2 * 8 * 8, dtype=np.uint8).reshape(2, 8, 8, 1)
+    np.save(tmp_path / "two.npy", first)
+    Image.fromarray(np.full((8, 8), 7, np.uint8)).save(tmp_path / "one.png")
+    stacked = read_inputs([tmp_path / "two.npy", tmp_path / "one.png"])
+    assert stacked.shape == (3, 8, 8, 1)
+    np.testing.assert_array_equal(stacked[:2], first)
+    assert (stacked[2] == 7).all()
+
+
+def test_inputs_that_are_not_images_are_named(tmp_path):
+    (tmp_path / "notes.npy").write_text("not an array\n")
+    (tmp_path / "notes.png").write_text("not an image\n")
+    with pytest.raises(InputImagesError, match="notes.npy is not a NumPy array file") as refused:
+        read_inputs([tmp_path / "notes.npy"])
+    assert "allow_pickle" not in str(refused.value)
+    with pytest.raises(InputImagesError, match="notes.png is not an image Pillow can read"):
+        read_inputs([tmp_path / "notes.png"])
+    np.save(tmp_path / "small.npy", np.zeros((1, 4, 4, 1), np.uint8))
+    np.save(tmp_path / "large.npy", np.zeros((1, 8, 8, 1), np.uint8))
+    with pytest.raises(InputImagesError, match="different shapes"):
+        read_inputs([tmp_path / "small.npy", tmp_path / "large.npy"])
