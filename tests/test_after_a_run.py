@@ -154,11 +154,16 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
         (["eval", str(trained.run), "--task", "generation", "--batches", "2"], "a --task scores its own file"),
         (["eval", str(trained.run), "--set", "file=x.jsonl"], "--set gives a field of an evaluation task"),
         (["generate", str(trained.run), "x", "--top-k", "5"], "top_k only narrows what sampling draws from"),
+        (["train", "--resume", str(trained.run), "model.rope_base=500000"],
+         "this recipe changes what the run's weights compute (model.rope_base: trained as 10000.0, now 500000)"),
     ]
+    recipe = (trained.run / "run.json").read_text()
     for argv, expected in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"dew {argv[0]}: ") and expected in err and "Traceback" not in err, (argv, err)
+        assert "trackers.0.directory names it" not in err, err  # the run's own folder is no prerequisite
+    assert (trained.run / "run.json").read_text() == recipe  # a refused resume rewrites no recipe
     # the error itself, with its traceback, one flag away (before or after the command)
     from dew.recipes.folder import NotARunFolderError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,20 @@ def test_the_resume_command_is_the_folder_as_typed_here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resume_command(tmp_path / "runs" / "a b") == "dew train --resume 'runs/a b'"
     assert resume_command("/elsewhere/run") == "dew train --resume /elsewhere/run"
+
+
+def test_a_resume_keeps_what_the_weights_compute_but_not_how(tmp_path):
+    """Read against the saved run.json with every model default filled in: a field a resume changes
+    that the weights compute (a rope base, a LoRA alpha) is refused; how they compute is not."""
+    from dew.recipes.run import ResumedFunctionChangedError, refuse_changed_function
+
+    folder = tmp_path / "run"
+    RunConfig.load("tiny-lm-lora").save(folder)
+    for same in ([], ["model.rope_base=10000"], ["model.remat=full", "model.dtype=bfloat16", "trainer.steps=9",
+                                                 "optimizer.learning_rate=0.1", "lora.dropout=0.1"]):
+        refuse_changed_function(RunConfig.load("tiny-lm-lora", overrides=same), folder, 4)  # accepted
+    for changed, said in ((["model.rope_base=500000"], "model.rope_base: trained as 10000.0, now 500000"),
+                          (["lora.alpha=32"], "lora.alpha: trained as 16.0, now 32.0"),
+                          (["model.mlp_activation=gelu"], "model.mlp_activation: trained as 'swiglu', now 'gelu'")):
+        with pytest.raises(ResumedFunctionChangedError, match=re.escape(said)):
+            refuse_changed_function(RunConfig.load("tiny-lm-lora", overrides=changed), folder, 4)

@@ -207,7 +207,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             shutil.rmtree(directory, ignore_errors=True)
             _remove_empty_parents(directory, created[directory])
         if isinstance(error, Exception):
-            for field, path in _fields_naming(config, folder, str(error)):
+            for field, path in _fields_naming(config, folder, error):
                 error.add_note(_field_note(field, path, error))
             if removed:
                 error.add_note(f"The run never started: nothing was kept ({', '.join(map(shown, removed))} "
@@ -257,12 +257,23 @@ def _remove_empty_parents(directory: Path, top: Path) -> None:
         current = current.parent
 
 
-def _fields_naming(config: RunConfig, folder: RunFolder, message: str) -> list[tuple[str, Path]]:
+def _fields_naming(config: RunConfig, folder: RunFolder, error: Exception) -> list[tuple[str, Path]]:
     """The recipe's fields whose path (placeholders expanded, made absolute) the message names,
     with that path: a missing base run, teacher, export or tokenizer is then traced to where the
     recipe asks for it."""
+    from dew.tracking.background import TrackerWriteError
     from dew.tracking.rows import recipe_fields
 
+    message = str(error)
+
+    def located(value: str) -> Path:
+        return _absolute(_expand(value, folder.timestamp) if folder.timestamp is not None else value, folder.cwd)
+
+    # The run's own folder is no prerequisite: a field that names it (the local tracker's directory,
+    # as every shipped recipe writes it) is not where an error about the run's folder comes from,
+    # unless the tracker's own write failed there.
+    own = config.trainer.checkpoint_dir
+    run_folder = located(own) if isinstance(own, str) and own and not isinstance(error, TrackerWriteError) else None
     found = []
     for key, value in recipe_fields(config.model_dump(mode="json")).items():
         if not isinstance(value, str) or not value or key.startswith("trainer.checkpoint_dir"):
@@ -272,6 +283,8 @@ def _fields_naming(config: RunConfig, folder: RunFolder, message: str) -> list[t
         if "/" not in value and "." not in value:
             continue  # a name, not a path
         where = _absolute(value, folder.cwd)
+        if where == run_folder:
+            continue
         if str(where) in message or (("/" in value) and f"'{value}'" in message):
             found.append((key, where))
     return found

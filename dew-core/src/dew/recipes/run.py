@@ -21,11 +21,14 @@ record. Strings may hold placeholders (``{timestamp}``, ``{stdlib}``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypedDict
+
+from pydantic import BaseModel
 
 from dew import registry
 from dew.data.base import TextReader
@@ -135,6 +138,76 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
         f"resumed step on. To continue the old schedule, set optimizer.decay_steps="
         f"{old.decay_steps}."
     ), stacklevel=2)
+
+
+# What a resume may change in the sections that say what function the weights compute: how it is
+# computed (precision, kernels, memory, layout, the decode cache), not what.
+_EXECUTION = frozenset({"model.dtype", "model.param_dtype", "model.attention", "model.remat", "model.scan_layers",
+                        "model.max_seq_len", "model.expert_capacity", "lora.dropout"})
+
+
+class ResumedFunctionChangedError(DewError, ValueError):
+    """A resume's recipe changes what the run's weights compute (a model, adapter or quantization field)."""
+
+
+def _plain(value: Any) -> Any:
+    """value as the JSON run.json holds it compares (tuples as lists, other objects as text)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # Lora, Quantization
+        return _plain(dataclasses.asdict(value))
+    if isinstance(value, BaseModel):  # a pydantic section (RopeScaling, Latent, ...)
+        return _plain(value.model_dump(mode="json"))
+    return str(value)
+
+
+def _function_fields(config: RunConfig) -> dict[str, Any]:
+    """The model's every field (its defaults filled in), the adapters' and the quantization's, dotted."""
+    out: dict[str, Any] = {}
+    if config.model is not None:
+        out["model.name"] = config.model.name
+        try:
+            declared = registry.models.fields(config.model.name)
+        except Exception:  # noqa: BLE001 - a model not installed here: the fields the recipe names
+            declared = {}
+        given = _plain(dict(config.model.fields))
+        for name in set(declared) | set(given):
+            out[f"model.{name}"] = given[name] if name in given else _plain(declared[name][1])
+    for section in ("lora", "quantization"):
+        value = _plain(getattr(config, section))
+        for name, item in (value.items() if isinstance(value, dict) else [("", value)]):
+            out[f"{section}.{name}" if name else section] = item
+    return out
+
+
+def refuse_changed_function(config: RunConfig, directory: str | os.PathLike[str], resumed_at: int) -> None:
+    """Refuse a resume whose recipe changes what the checkpoints' weights compute.
+
+    The shapes may still fit (a rope base, an activation, a LoRA alpha), so the restore would
+    succeed, train the weights as another function and write that recipe as the run's run.json,
+    which exports and dew generate then read. The saved run.json says what they were trained as.
+    """
+    from dew.training.config import RUN_FILE
+
+    saved = Path(str(directory)) / RUN_FILE
+    if not saved.is_file():
+        return
+    try:
+        before = type(config).read(saved)
+    except Exception:  # noqa: BLE001 - an unreadable old recipe holds the run to nothing
+        return
+    old, new = _function_fields(before), _function_fields(config)
+    changed = sorted(k for k in (set(old) | set(new)) - _EXECUTION if old.get(k) != new.get(k))
+    if changed:
+        said = "; ".join(f"{k}: trained as {old.get(k)!r}, now {new.get(k)!r}" for k in changed[:6])
+        raise ResumedFunctionChangedError(
+            f"Resuming at step {resumed_at}, this recipe changes what the run's weights compute ({said}). "
+            f"Its checkpoints were trained as {saved} says: resume with that recipe (drop the override), "
+            f"or start a new run from these weights (init.run={directory} with another trainer.checkpoint_dir).")
 
 
 def run_optimizer(config: RunConfig, steps: int) -> ConfiguredOptimizer:
@@ -310,6 +383,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     checkpoints = config.trainer.build_checkpoints(stamp)
     resumed_at = None if checkpoints is None else checkpoints.latest
     if checkpoints is not None and resumed_at is not None:
+        refuse_changed_function(config, checkpoints.directory, resumed_at)
         if jax.process_index() == 0:
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"],
                                 trained_for(checkpoints.directory, dataset.steps_per_epoch)), flush=True)
