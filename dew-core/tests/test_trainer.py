@@ -67,6 +67,34 @@ def test_fit_matches_a_hand_written_optax_loop():
     assert int(state.step) == int(state.microstep) == int(state.updates) == 12
 
 
+def test_bfloat16_parameters_train_as_a_hand_written_loop_and_keep_their_dtype():
+    """Parameters stored in bfloat16 under a scheduled AdamW: the state keeps every dtype it was made
+    with (the step used to promote the moments to float32 and its accept/reject branches disagreed)."""
+    from flax import linen as nn
+
+    objective = doubles.Linear()
+    objective.model = nn.Dense(1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    optimizer = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 6), weight_decay=0.01)
+    trainer = Trainer(objective, optimizer, key=jax.random.key(0))
+    initial = trainer.initial_state()
+    state = trainer.fit(dataset(), steps=6, log_every=6)
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert jax.tree.map(lambda x: x.dtype, state.opt_state) == jax.tree.map(lambda x: x.dtype, initial.opt_state)
+
+    def total(p, batch):  # the objective's loss, written out: the squared errors' sum over their count
+        errors = (objective.model.apply(p, batch["x"]) - batch["y"]) ** 2
+        return jnp.sum(errors), errors.size
+
+    p, s = initial.params, optimizer.init(initial.params)
+    for i in range(6):
+        grads, count = jax.grad(total, has_aux=True)(p, batch_at(i))
+        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        updates, s = optimizer.update(grads, s, p)
+        p = optax.apply_updates(p, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=2e-2, atol=2e-2),
+                 state.params, p)
+
+
 @pytest.mark.slow
 def test_accumulation_equals_one_batch_k_times_larger():
     k, rows = 4, 2

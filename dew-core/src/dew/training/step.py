@@ -213,7 +213,7 @@ def _accumulate(
     variables = write_back(state.params, aux.updates)
     state = state.replace(params=variables, microstep=state.microstep + 1)
     if accumulation == 1:
-        mean_grads = jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads)
+        mean_grads = jax.tree.map(lambda g: _per(g, count), grads)
         return _optimize(state, mean_grads, optimizer, ema, trainable_filter)
     window = state.window
     assert window is not None
@@ -224,7 +224,7 @@ def _accumulate(
     )
 
     def full(state: TrainState) -> TrainState:
-        mean_grads = jax.tree.map(lambda g: g / jnp.maximum(window.count, 1), window.grads)
+        mean_grads = jax.tree.map(lambda g: _per(g, window.count), window.grads)
         state = _optimize(state, mean_grads, optimizer, ema, trainable_filter)
         empty = Window(
             grads=jax.tree.map(jnp.zeros_like, window.grads),
@@ -239,6 +239,12 @@ def _accumulate(
     return jax.lax.cond(window.filled >= accumulation, full, partial, state)
 
 
+def _per(total: jax.Array, count: jax.Array) -> jax.Array:
+    """A gradient summed over count examples, as their mean in the gradient's own dtype (a float32
+    count would promote bfloat16 gradients, and with them the optimizer state they update)."""
+    return (total / jnp.maximum(count, 1)).astype(total.dtype)
+
+
 def _optimize(
     state: TrainState,
     grads: Variables,
@@ -248,6 +254,10 @@ def _optimize(
 ) -> TrainState:
     trainable = select(state.params, trainable_filter)
     updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+    # The state keeps the dtypes it was created with (a schedule's float32 step size times a
+    # bfloat16 moment is float32): a step must not change its own signature.
+    opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new,
+                             opt_state, state.opt_state)
     trainable = optax.apply_updates(trainable, updates)
     params = overlay(state.params, trainable)
     state = state.replace(params=params, opt_state=opt_state, updates=state.updates + 1)
