@@ -188,6 +188,19 @@ def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Tr
     assert f"read an older kept step with --step {kept[-2]} (kept: {kept})" in err and "Traceback" not in err
     assert main(["generate", str(copy), "def ", "--step", str(kept[-2]), "--max-new-tokens", "2"]) == 0
     capsys.readouterr()
+    # The manifest whole again, but the step's largest file cut short: the same way on.
+    shutil.copy(trained.run / str(kept[-1]) / "dew.json", copy / str(kept[-1]) / "dew.json")
+    largest = max((p for p in (copy / str(kept[-1]) / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    assert main(["generate", str(copy), "def "]) == 2
+    err = capsys.readouterr().err
+    assert f"Checkpoint step {kept[-1]} is corrupt" in err and "Traceback" not in err, err
+    assert f"read an older kept step with --step {kept[-2]} (kept: {kept})" in err, err
+    # An exported model keeps no steps: --step is refused rather than ignored.
+    assert main(["export", str(trained.run), str(tmp_path / "exported")]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "exported"), "def ", "--step", "3"]) == 2
+    assert "is an exported model, which keeps no steps, so --step 3 has nothing to choose" in capsys.readouterr().err
 
     (copy / "run.json").write_text((trained.run / "run.json").read_text()[:50])  # torn mid-string
     assert main(["generate", str(copy), "def "]) == 2

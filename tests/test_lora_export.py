@@ -123,3 +123,18 @@ def test_adapters_of_a_model_without_lora_are_refused(tmp_path, capsys):
     assert main(["export", "--adapters", str(tmp_path / "exported"), str(tmp_path / "out")]) == 2
     assert "has no lora section" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_options_an_export_would_ignore_are_refused(tmp_path, capsys):
+    """--tolerance without --verify, a negative tolerance and --adapters in dew's layout did nothing
+    (or failed a good export); each is refused before anything is read or written."""
+    from dew.cli import main
+
+    _base(tmp_path / "exported", seed=0)
+    for extra, said in ((["--tolerance", "1e-6"], "add --verify, or drop --tolerance"),
+                        (["--verify", "--tolerance", "-1"], "--tolerance -1.0 is no largest difference"),
+                        (["--adapters", "--format", "dew"], "have no dew layout")):
+        assert main(["export", str(tmp_path / "exported"), str(tmp_path / "out"), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("dew export: ") and said in err and err.count("\n") == 1, (extra, err)
+    assert not (tmp_path / "out").exists()

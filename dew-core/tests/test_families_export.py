@@ -49,3 +49,60 @@ def test_dew_export_verify_certifies_the_export_and_fails_above_the_tolerance(tm
     assert not failed["passed"] and failed["max_abs_difference"] > 1e-12
     assert failed["prompts_sha256"] == record["prompts_sha256"]
     assert (tmp_path / "strict" / "model.safetensors").is_file()
+
+
+def test_a_published_checkpoint_keeps_its_tokenizer_settings_through_dews_own_layout(tmp_path):
+    """Qwen 3 through `dew export --format dew` and back to Hugging Face's layout: the chat template,
+    the special ids and the published context are those of the source, read back by transformers."""
+    from dew.cli import main
+
+    source = write_checkpoint("qwen3", tmp_path / "source", seed=1)
+    assert main(["export", str(source), str(tmp_path / "native"), "--format", "dew"]) == 0
+    assert main(["export", str(tmp_path / "native"), str(tmp_path / "again")]) == 0
+    before = json.loads((source / "config.json").read_text())
+    after = json.loads((tmp_path / "again" / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
+        assert after.get(key) == before.get(key), (key, before.get(key), after.get(key))
+    theirs = transformers.AutoTokenizer.from_pretrained(source)
+    ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "again")
+    chat = [{"role": "user", "content": "What is 2 plus 3?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.eos_token == theirs.eos_token == "<|im_end|>"
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "again").to_dict() == \
+        transformers.GenerationConfig.from_pretrained(source).to_dict()
+
+
+FILE_SIZE_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+from dew.cli import main
+sys.exit(main(["export", sys.argv[1], sys.argv[2]]))
+"""
+
+
+def test_an_export_the_disk_refuses_is_one_line_and_keeps_the_earlier_one(tmp_path, capsys):
+    """A write refused part way (here a file-size limit; a full disk fails the same way) is named
+    with the system's reason; the export already in OUT is left whole."""
+    import os
+    import subprocess
+    import sys
+
+    from dew.cli import main
+
+    source = write_checkpoint("qwen3", tmp_path / "source", seed=1)
+    out = tmp_path / "out"
+    assert main(["export", str(source), str(out)]) == 0
+    assert "replaced" not in capsys.readouterr().out
+    assert main(["export", str(source), str(out)]) == 0  # an earlier export is replaced, and said to be
+    assert capsys.readouterr().out.splitlines()[-1] == f"(it replaced the export {out} held before)"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    child = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, str(source), str(out)], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert child.returncode == 2, child.stderr[-3000:]
+    assert child.stderr.startswith(f"dew export: Writing the export to {out} failed (") and "File too large" in \
+        child.stderr and f"{out} is as it was" in child.stderr and "Traceback" not in child.stderr, child.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if "dew-writing" in p.name] == []

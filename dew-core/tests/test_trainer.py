@@ -88,7 +88,7 @@ def test_bfloat16_parameters_train_as_a_hand_written_loop_and_keep_their_dtype()
     p, s = initial.params, optimizer.init(initial.params)
     for i in range(6):
         grads, count = jax.grad(total, has_aux=True)(p, batch_at(i))
-        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        grads = jax.tree.map(lambda g, n=count: (g / n).astype(g.dtype), grads)
         updates, s = optimizer.update(grads, s, p)
         p = optax.apply_updates(p, updates)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=2e-2, atol=2e-2),

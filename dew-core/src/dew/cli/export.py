@@ -59,8 +59,20 @@ def run(args: argparse.Namespace) -> int:
     from dew.pretrained.writing import check_out
     from dew.recipes.opening import open_run
 
+    if args.tolerance is not None and not args.verify:
+        return refused("export", "--tolerance is the largest logit difference --verify accepts; add --verify, "
+                                 "or drop --tolerance.")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        return refused("export", f"--tolerance {args.tolerance} is no largest difference: give a number of at "
+                                 "least 0 (default 1e-3).")
+    if args.adapters and args.format == "dew":
+        return refused("export", "--adapters writes PEFT's adapter files, which have no dew layout; drop "
+                                 "--format dew for the adapters, or drop --adapters to write the model in "
+                                 "dew's layout.")
+    out = Path(args.out).absolute()
     try:
-        check_out(Path(args.out).absolute(), force=args.force)  # refused before the run is read
+        check_out(out, force=args.force)  # refused before the run is read
+        replaced = out.is_dir() and any(out.iterdir())
         opened = open_run(args.run, step=args.step)
         lora = None if opened.config is None else opened.config.lora
         if args.adapters and lora is None:
@@ -77,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         return refused("export", error)
     step = "" if opened.step is None else f" (step {opened.step})"
     print(f"Exported {what} of {opened.source}{step} to {written}")
+    if replaced:
+        print(f"(it replaced the export {written} held before)")
     if args.verify:
         return _verify(opened, lora, written, args.tolerance)
     return 0

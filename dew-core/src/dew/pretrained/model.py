@@ -372,6 +372,13 @@ class Pretrained:
             return target
         with replacing(target, force=force) as fresh:
             config["dew"] = {"tokenizer": write_tokenizer(self.tokenizer, fresh)}
+            # What a Hugging Face directory said beside its tokenizer (the chat template, the
+            # special ids, the published context) travels through dew's layout as through theirs.
+            if self.tokenizer_files is not None:
+                self.tokenizer_files.write(fresh)
+                config.update(self.tokenizer_files.ids)
+            if self.context is not None:
+                config["dew"]["context"] = int(self.context)
             write_tensors(fresh / WEIGHTS, tensors, {"format": native.FORMAT})
             (fresh / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return target
@@ -455,8 +462,11 @@ class Pretrained:
         if config.get("format") == native.FORMAT:
             model = native.build_model(config, source)
             variables = native.read_variables(source)
-            tokenizer = read_tokenizer(source, own.get("tokenizer"), None)
-            return cls(model, variables, tokenizer, config.get("task"))
+            kept = TokenizerFiles.read(source, config)
+            tokenizer = read_tokenizer(source, own.get("tokenizer"), None, kept)
+            context = own.get("context")
+            return cls(model, variables, tokenizer, config.get("task"), kept,
+                       int(context) if isinstance(context, int) else None)
         family = for_config(config)
         _refuse_quantized(config, config_path)
         check_config_sizes(config, config_path)  # a size that is no positive integer, named as such

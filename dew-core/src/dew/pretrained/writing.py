@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dew.pretrained.errors import PretrainedError
 
-__all__ = ["WRITTEN_NAMES", "ExportDirectoryError", "check_out", "foreign_entries", "replacing"]
+__all__ = ["WRITTEN_NAMES", "ExportDirectoryError", "ExportWriteError", "check_out", "foreign_entries", "replacing"]
 
 # What an export writes (besides the shards model-NNNNN-of-NNNNN.safetensors).
 WRITTEN_NAMES = frozenset({
@@ -41,6 +41,20 @@ WRITTEN_NAMES = frozenset({
 
 class ExportDirectoryError(PretrainedError):
     """OUT cannot take an export: it is a file or a link, or it holds files dew did not write."""
+
+
+class ExportWriteError(PretrainedError):
+    """Writing an export failed part way (a full disk, a quota, a file-size limit); OUT is as it was."""
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """Why writing failed, when error is the system refusing a write (safetensors reports it as its
+    own error, with the system's words); None for anything else."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    if type(error).__name__ == "SafetensorError" and "os error" in str(error).lower():
+        return str(error)
+    return None
 
 
 def _written_name(name: str) -> bool:
@@ -156,9 +170,15 @@ def replacing(out: str | os.PathLike[str], *, force: bool = False) -> Iterator[P
         else:
             os.rename(fresh, out)
             return
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(fresh, ignore_errors=True)
-        raise
+        reason = _write_failure(error)
+        if reason is None:
+            raise
+        kept = f"{out} is as it was" if out.exists() else "nothing was left behind"
+        raise ExportWriteError(
+            f"Writing the export to {out} failed ({reason}); {kept}. Free space on the disk that holds "
+            f"{out.parent} (or raise the file-size limit or quota), or give an OUT on another disk.") from None
     shutil.rmtree(fresh, ignore_errors=True)  # the previous export (rmtree never follows a link)
 
 

@@ -92,22 +92,22 @@ def _read_variables(objective: Objective, directory: Path, step: int | None
     number = kept[-1] if step is None else int(step)
     if number not in kept:
         raise NoCheckpointError(f"The run {directory} kept no step {number}; it keeps {kept}.")
-    try:
+    try:  # a damaged manifest, or a file of the step that is short or fails its checksum
         manifest = read_manifest(store.step_path(number), number)
+        leaves = [leaf.path for leaf in manifest.leaves]
+        abstract = nn.meta.unbox(jax.eval_shape(objective.init, jax.random.key(0)))
+        live = ParamsFrom(directory, step=number)(abstract)
+        averaged = None
+        if any(name.startswith(".ema[") for name in leaves):
+            from dew.training.trees import overlay
+
+            averaged = overlay(live, ParamsFrom(directory, step=number, field="ema")(abstract))
     except CheckpointCorruptedError as error:
         older = [kept_step for kept_step in kept if kept_step < number]
         hint = (f"read an older kept step with --step {older[-1]} (kept: {kept}), or resume the run "
                 "(dew train --resume), which sets a damaged step aside" if older else
                 "no older step is kept; resuming the run (dew train --resume) sets it aside and starts over")
         raise CheckpointCorruptedError(error.step, error.file, f"{error.reason}; {hint}") from None
-    leaves = [leaf.path for leaf in manifest.leaves]
-    abstract = nn.meta.unbox(jax.eval_shape(objective.init, jax.random.key(0)))
-    live = ParamsFrom(directory, step=number)(abstract)
-    averaged = None
-    if any(name.startswith(".ema[") for name in leaves):
-        from dew.training.trees import overlay
-
-        averaged = overlay(live, ParamsFrom(directory, step=number, field="ema")(abstract))
     return live, averaged, number
 
 
@@ -120,6 +120,10 @@ def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = N
     if (path / RUN_FILE).is_file():
         return _open_trained(path, step)
     if (path / CONFIG_FILE).is_file():
+        if step is not None:
+            raise NotARunError(f"{path} is an exported model, which keeps no steps, so --step {step} has "
+                               "nothing to choose; drop --step, or give the run's own directory to read "
+                               "one of its kept steps.")
         return _open_exported(path, max_seq_len)
     if not path.exists():
         raise NotARunError(f"{path} does not exist. Give a run's directory (its trainer.checkpoint_dir) or a "
