@@ -216,7 +216,8 @@ def test_corruption_is_named_and_falls_back(tmp_path: Path, how: str, capsys: py
     assert restored.step == 1 and restored.position == b"p1"
     assert_same(restored.state, full_state(1, width=64))
     stderr = capsys.readouterr().err
-    assert "step 3 is corrupt" in stderr and "Restoring step 1 instead" in stderr
+    assert "step 3 is corrupt" in stderr and "Restoring step 1 instead; step 3 is set aside" in stderr
+    assert stderr.count("step 3 is corrupt") == 1 and "restore(..., step=" not in stderr  # taken, not advised
     assert forgiving.latest == 1  # the damaged steps are moved aside, so the run can write them again
     assert (tmp_path / "3.dew-corrupt").is_dir() and (tmp_path / "2.dew-corrupt").is_dir()
     save(forgiving, 2, full_state(7, width=64))

@@ -486,9 +486,10 @@ class Checkpoints:
                 error = error.with_good(None if good is None else good[1])
                 if step is not None or not self.fallback or good is None:
                     raise error from None
-                message = f"dew: {error} Restoring step {good[1]} instead."
-                print(message, file=sys.stderr, flush=True)
-                _LOG.warning(message)
+                # Said once, on stderr (a logged copy printed it twice under the CLI's logging), and
+                # without the API's advice (restore(step=...)), which this fallback has just taken.
+                print(f"dew: Checkpoint step {number} is corrupt: {error.file}: {error.reason}. Restoring "
+                      f"step {good[1]} instead; step {number} is set aside.", file=sys.stderr, flush=True)
                 self._quarantine(store, number)
         raise CheckpointNotFoundError(f"No checkpoint to restore in {self.directory}.")  # pragma: no cover
 
