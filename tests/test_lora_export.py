@@ -50,7 +50,7 @@ def _base(directory: Path, seed: int) -> Path:
 def _train(dew, tmp_path: Path, base: str) -> Path:
     _base(tmp_path / "exported", seed=0)
     run = tmp_path / f"run-{base}"
-    dew("train", "tiny-lm-qlora", *SMALL, f"lora.base={base}", f"init.pretrained={tmp_path}/exported",
+    dew("train", "tiny-lm-qlora", *SMALL, f"lora.base={base}", "init.pretrained=exported",  # from tmp_path
          f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}", cwd=tmp_path)
     return run
 
@@ -87,12 +87,15 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew):
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
 
-    out = dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
-    assert "the adapters" in out.stdout
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=elsewhere)
+    assert "the adapters" in out.stdout and "PEFT puts them onto the float base" not in out.stdout
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["adapter_config.json",
                                                                           "adapter_model.safetensors"]
     written = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
-    assert written["base_model_name_or_path"] == f"{tmp_path}/exported"  # the run's init.pretrained
+    # The run's init.pretrained (relative, from where it trained), not from where the export ran.
+    assert written["base_model_name_or_path"] == f"{tmp_path}/exported"
     with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     np.testing.assert_allclose(_torch_logits(with_peft), adapted, atol=1e-4, rtol=0)
 
@@ -114,6 +117,9 @@ def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path, dew):
     dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
+    # Its adapters alone would go onto the float base, which is not the base it trained on: said.
+    out = dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
+    assert "trained on a nf4 copy of the base: PEFT puts them onto the float base" in out.stdout
 
 
 def test_adapters_of_a_model_without_lora_are_refused(tmp_path, capsys):

@@ -138,8 +138,15 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
 
         init = opened.config.init if opened.config is not None else None
         name = "" if init is None else str(init.pretrained or init.run or "")
-        return save_adapters(out, base, pretrained.variables, lora, base_name=name,
-                             force=force), "the adapters"
+        if name and not Path(name).expanduser().is_absolute():  # from where the run started, not from here
+            from dew.recipes.resuming import started_from
+
+            name = str(started_from(opened.source) / Path(name).expanduser())
+        what = "the adapters"
+        if lora.base != "float32":
+            what += (f" (trained on a {lora.base} copy of the base: PEFT puts them onto the float base, "
+                     "which computes slightly other logits than the run; the merged export is the run's model)")
+        return save_adapters(out, base, pretrained.variables, lora, base_name=name, force=force), what
     merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
                         pretrained.task, kept, context)
     return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"
