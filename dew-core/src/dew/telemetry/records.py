@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Goodput",
-    "ProfileWindow",
     "ProfileWindowRecord",
     "Record",
     "RunStarted",
@@ -133,8 +132,9 @@ class ProfileWindowRecord:
         return _fields(self)
 
 
-ProfileWindow = ProfileWindowRecord  # the name the reference documents give this record; dew.training's
-# ProfileWindow is the request for a window, this one the window a fit wrote
+# The name the reference documents give this record. It stays out of __all__: dew.training's
+# ProfileWindow (the request for a window) is the public class of that name.
+ProfileWindow = ProfileWindowRecord
 
 
 @dataclass(frozen=True)
