@@ -36,8 +36,16 @@ PLANTED = {
         [project.entry-points."dew.objectives"]
         planted_regression = "dew_planted_plugin.objective:PlantedObjective"
 
+        [project.entry-points."dew.trackers"]
+        planted_tracker = "dew_planted_plugin.broken:BrokenTracker"
+
+        [project.entry-points."dew.datasets"]
+        planted_reader = "dew_planted_plugin.broken:BrokenReader"
+
         [project.entry-points."dew.conformance"]
         planted_regression = "dew_planted_plugin.conformance:PlantedKit"
+        planted_tracker = "dew_planted_plugin.conformance:OtherTrackerKit"
+        planted_reader = "dew_planted_plugin.conformance:OtherReaderKit"
 
         [tool.setuptools.packages.find]
         where = ["src"]
@@ -69,11 +77,47 @@ PLANTED = {
             def required_keys(self):
                 return ("x", "y")
     """,
+    "src/dew_planted_plugin/broken.py": """
+        class BrokenTracker:
+            def log(self, scalars, step):
+                raise RuntimeError("broken")
+
+            def artifact(self, value, step):
+                raise RuntimeError("broken")
+
+            def close(self):
+                raise RuntimeError("broken")
+
+
+        class BrokenReader:
+            def load(self, batch, seed=0):
+                raise RuntimeError("broken")
+    """,
     "src/dew_planted_plugin/conformance.py": """
         import numpy as np
 
-        from dew.testing import ObjectiveKit
+        from dew.data import TokenWindows
+        from dew.telemetry.render import read_scalars
+        from dew.testing import DatasetReaderKit, ObjectiveKit, TrackerKit
+        from dew.tracking.local import LocalTracker
         from dew_planted_plugin.objective import PlantedObjective
+
+
+        class OtherTrackerKit(TrackerKit):  # certifies dew's LocalTracker, not the registered tracker
+            def tracker(self, directory):
+                return LocalTracker(directory)
+
+            def read_back(self, directory):
+                return {name: list(zip(s.tolist(), v.tolist()))
+                        for name, (s, v) in read_scalars(directory / "scalars.jsonl").items()}
+
+
+        class OtherReaderKit(DatasetReaderKit):  # reads dew's TokenWindows, not the registered reader
+            def dataset(self):
+                import tempfile, pathlib
+                text = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
+                text.write_text("abcdefghij" * 200)
+                return TokenWindows(files=str(text), length=8).load(batch=4, seed=0)
 
 
         class PlantedKit(ObjectiveKit):
@@ -140,10 +184,17 @@ def test_the_example_plugin_passes_every_kit(installed):
 def test_a_plugin_whose_objective_reads_the_device_count_fails_that_check_by_name(installed, tmp_path):
     code, report = _check("dew-planted-plugin", installed)
     assert code == 1
-    failed = [(c["subject"], c["check"]) for c in report["checks"] if c["result"] == "failed"]
-    assert failed == [("objective `planted_regression`", "gradients on many devices equal one device")]
-    message = next(c["message"] for c in report["checks"] if c["result"] == "failed")
-    assert "The gradient on 8 devices differs from one device's" in message
+    failed = {(c["subject"], c["check"]): c["message"] for c in report["checks"] if c["result"] == "failed"}
+    assert sorted(failed) == [("objective `planted_regression`", "gradients on many devices equal one device"),
+                              ("reader `planted_reader`", "kit builds the registered reader"),
+                              ("tracker `planted_tracker`", "kit builds the registered tracker")]
+    assert "The gradient on 8 devices differs from one device's" in failed[
+        ("objective `planted_regression`", "gradients on many devices equal one device")]
+    # A kit that builds another tracker or reader would certify that one: refused by name.
+    assert "builds a LocalTracker, not the registered BrokenTracker" in failed[
+        ("tracker `planted_tracker`", "kit builds the registered tracker")]
+    assert "builds no BrokenReader, the registered reader" in failed[
+        ("reader `planted_reader`", "kit builds the registered reader")]
     # The Markdown report says so too, with the versions it was checked with.
     env = dict(os.environ, PYTHONPATH=str(installed), JAX_PLATFORMS="cpu")
     text = subprocess.run([sys.executable, "-m", "dew.cli", "check-plugin", "dew-planted-plugin"],

@@ -187,6 +187,39 @@ def checks_of(subject: Component) -> list[Check]:
                 f"{component.__name__}: it would certify another component.")
 
         results.append(_call(label, kit_builds_the_registered_component))
+    elif subject.group == "dew.trackers" and isinstance(component, type):
+        def kit_builds_the_registered_tracker() -> None:
+            import tempfile
+
+            built = kit_class().tracker(Path(tempfile.mkdtemp(prefix="dew-kit-")))
+            try:
+                assert isinstance(built, component), (
+                    f"The kit's tracker() builds a {type(built).__name__}, not the registered "
+                    f"{component.__name__}: it would certify another tracker.")
+            finally:
+                close = getattr(built, "close", None)
+                if callable(close):
+                    close()
+
+        results.append(_call(label, kit_builds_the_registered_tracker))
+    elif subject.group == "dew.datasets" and isinstance(component, type):
+        def kit_builds_the_registered_reader() -> None:
+            made: list[object] = []
+            original = component.__init__
+
+            def recording(self: object, *args: Any, **kwargs: Any) -> None:
+                made.append(self)
+                original(self, *args, **kwargs)
+
+            component.__init__ = recording  # this interpreter checks this one component alone
+            try:
+                kit_class().dataset()
+            finally:
+                component.__init__ = original
+            assert made, (f"The kit's dataset() builds no {component.__name__}, the registered reader: it "
+                          "would certify another reader's data.")
+
+        results.append(_call(label, kit_builds_the_registered_reader))
     kit = kit_class()
     results += [_run_method(kit, name, label) for name in _tests(kit_class)]
     return results
