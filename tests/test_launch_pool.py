@@ -124,7 +124,7 @@ def test_a_second_sigterm_ends_every_rank_at_once(tmp_path):
     launch.wait_for(r"asking the ranks to checkpoint and exit", stream="err")
     second = time.monotonic()
     launch.process.send_signal(signal.SIGTERM)
-    assert launch.wait(timeout=60) == 143, launch.text()
+    assert launch.wait(timeout=60) == 137, launch.text()  # killed: no checkpoint of this stop (not 143)
     assert time.monotonic() - second < 5
     killed = re.search(r"a second SIGTERM: killing ranks? (.*)", launch.text())
     assert killed, launch.text()

@@ -6,6 +6,8 @@ import os
 import shlex
 import subprocess
 
+import pytest
+
 from dew.cli import main
 from test_launch_manifest import _printed  # every test folder is on sys.path (conftest.py)
 
@@ -38,3 +40,19 @@ def test_launch_outside_any_pool_says_how_to_start_one(capsys, monkeypatch):
     assert "-n N" in err and "--print slurm" in err
     assert main(["launch", "tiny-lm", "no_such_field=1"]) == 2
     assert "no_such_field" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("--port", "99999", "99999 is not a port (1 to 65535)"),
+    ("--grace", "-5", "-5 is not at least 0 seconds"),
+    ("--connect-timeout", "0", "0 is not more than 0 seconds"),
+])
+def test_a_port_or_a_wait_that_cannot_be_is_refused_before_a_rank_starts(option, value, said, capsys):
+    """A port past 65535 failed in rank 0's bind with a traceback; a negative grace killed the pool at
+    the first SIGTERM, without its checkpoint."""
+    from dew.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["launch", "-n", "2", option, value, "tiny-lm", "--check"])
+    assert ended.value.code == 2
+    assert f"argument {option}: {said}" in capsys.readouterr().err

@@ -71,3 +71,16 @@ def test_a_resume_keeps_what_the_weights_compute_but_not_how(tmp_path):
                           (["model.mlp_activation=gelu"], "model.mlp_activation: trained as 'swiglu', now 'gelu'")):
         with pytest.raises(ResumedFunctionChangedError, match=re.escape(said)):
             refuse_changed_function(RunConfig.load("tiny-lm-lora", overrides=changed), folder, 4)
+
+
+def test_a_write_that_failed_asks_for_a_writable_directory_only_of_a_directory_field(tmp_path):
+    """An MLflow URI the library refused is no directory to make writable: the note names the field
+    and leaves the what-to-do to the error (it asked to point trackers.0.uri at a directory)."""
+    from dew.recipes.folder import _field_note
+    from dew.tracking.background import TrackerWriteError
+
+    refused = TrackerWriteError("got unsupported URI 'htp:/bad uri'")
+    assert _field_note("trackers.0.uri", tmp_path / "htp:", refused) == "The recipe's trackers.0.uri names it."
+    assert _field_note("trackers.0.directory", tmp_path, refused) == (
+        "The recipe's trackers.0.directory names it: point trackers.0.directory at a directory this process "
+        "can write.")

@@ -35,9 +35,12 @@ PLANTED = {
 
         [project.entry-points."dew.objectives"]
         planted_regression = "dew_planted_plugin.objective:PlantedObjective"
+        planted_raises = "dew_planted_plugin.raises:Objective"
 
         [project.entry-points."dew.trackers"]
         planted_tracker = "dew_planted_plugin.broken:BrokenTracker"
+        planted_not_a_tracker = "dew_planted_plugin.broken:BrokenReader"
+        planted_missing = "dew_planted_plugin.broken:NoSuchTracker"
 
         [project.entry-points."dew.datasets"]
         planted_reader = "dew_planted_plugin.broken:BrokenReader"
@@ -76,6 +79,9 @@ PLANTED = {
 
             def required_keys(self):
                 return ("x", "y")
+    """,
+    "src/dew_planted_plugin/raises.py": """
+        raise RuntimeError("the planted plugin's settings are broken")
     """,
     "src/dew_planted_plugin/broken.py": """
         class BrokenTracker:
@@ -201,6 +207,33 @@ def test_a_plugin_whose_objective_reads_the_device_count_fails_that_check_by_nam
                           capture_output=True, text=True, env=env, timeout=1200).stdout
     assert "dew-planted-plugin 0.0.1 **does not pass** dew's conformance kits" in text
     assert "| objective `planted_regression` | gradients on many devices equal one device | failed |" in text
+
+
+@pytest.mark.slow
+def test_a_component_that_fails_to_load_or_is_no_tracker_is_named_with_its_distribution(installed, tmp_path):
+    """A module that raises as it is imported, an entry point naming what its module lacks, and a
+    class registered as a tracker without a tracker's methods: one line each, naming the
+    distribution and the entry point, before anything trains (a traceback, or one mid-run, before)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(installed), os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+
+    def dew(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dew.cli", *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+
+    done = dew("describe", "planted_raises")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert ("'planted_raises' from dew-planted-plugin (entry point 'dew_planted_plugin.raises:Objective') failed "
+            "as its module was imported: RuntimeError: the planted plugin's settings are broken") in done.stderr
+    done = dew("describe", "planted_missing")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "dew_planted_plugin.broken has no 'NoSuchTracker'" in done.stderr
+    done = dew("train", "tiny-lm", "trainer.steps=1", f"trainer.checkpoint_dir={tmp_path}/run",
+               "trackers=[{name: planted_not_a_tracker}]")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert ("tracker 'planted_not_a_tracker' from dew-planted-plugin (dew_planted_plugin.broken:BrokenReader) has "
+            "no log, artifact, close method") in done.stderr
+    assert not (tmp_path / "run").exists()  # refused with the recipe, before a folder
 
 
 def test_a_distribution_that_is_not_installed_is_one_line(capsys):

@@ -30,6 +30,7 @@ from dew.errors import DewError, DewKeyError
 __all__ = [
     "GROUPS",
     "ChecksFields",
+    "ComponentLoadError",
     "InvalidFieldsError",
     "NameConflictError",
     "Provider",
@@ -62,6 +63,10 @@ class NameConflictError(RegistryError):
 
 class InvalidFieldsError(RegistryError, TypeError):
     """build() was given an unknown field, a missing one, or a value of a wrong type."""
+
+
+class ComponentLoadError(RegistryError):
+    """A registered component's module failed as it was imported, or does not hold the object named."""
 
 
 @runtime_checkable
@@ -100,9 +105,21 @@ class Provider:
                 f"{self.name!r} from {self.distribution} could not be imported: "
                 f"module {error.name!r} is missing. {self._install_hint(error.name or '')}"
             ) from error
+        except Exception as error:  # the distribution's own code failed as it was imported
+            raise ComponentLoadError(
+                f"{self.name!r} from {self.distribution} (entry point {self.value!r}) failed as its module "
+                f"was imported: {type(error).__name__}: {error}. The distribution is broken or was built for "
+                f"another version of what it imports: reinstall or update {self.distribution}, or uninstall "
+                "it.") from error
         obj = module
         for part in filter(None, attribute.split(".")):
-            obj = getattr(obj, part)
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise ComponentLoadError(
+                    f"{self.name!r} from {self.distribution} names {self.value!r}, but {module_name} has no "
+                    f"{attribute!r}: the distribution's entry point is wrong or out of date; reinstall or "
+                    f"update {self.distribution}.") from None
         return obj
 
     @property

@@ -14,8 +14,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 __all__ = ["add_arguments", "rank_argv", "run"]
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port a coordinator can listen on (1 to 65535)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1 to 65535)")
+    return value
+
+
+def _seconds(least: float, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a number of seconds of at least (or above) least."""
+    def read(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not (value >= least if inclusive else value > least) or value != value:
+            raise argparse.ArgumentTypeError(f"{text} is not {'at least' if inclusive else 'more than'} {least:g} "
+                                             "seconds")
+        return value
+    return read
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,13 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--processes", type=int, default=None, metavar="N",
                         help="start a local pool of N processes over 127.0.0.1 (without it: join the "
                              "pool srun or a Kubernetes indexed Job describes)")
-    parser.add_argument("--port", type=int, default=None,
+    parser.add_argument("--port", type=_port, default=None,
                         help="the coordinator's port (local pool: a free one; cluster: "
                              "DEW_COORDINATOR_PORT, else derived from the Slurm job, else 8476)")
-    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
+    parser.add_argument("--grace", type=_seconds(0, inclusive=True), default=DEFAULT_GRACE, metavar="SECONDS",
                         help="after a stop request, how long the ranks have to checkpoint and exit "
                              "before they are killed (default %(default)g)")
-    parser.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--connect-timeout", type=_seconds(0, inclusive=False), default=None, metavar="SECONDS",
                         help="how long a rank waits for the coordinator (default 300, or "
                              "DEW_CONNECT_TIMEOUT)")
     parser.add_argument("--print", dest="print_kind", choices=("slurm", "jobset"), default=None,
@@ -53,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  dew launch --print slurm -n 8 tiny-lm > tiny-lm.sbatch && sbatch tiny-lm.sbatch\n"
         "  dew launch --print jobset -n 8 --image REGISTRY/dew:latest tiny-lm | kubectl apply -f -\n\n"
         "exit status: 0 finished; 143 stopped on request (130 after Ctrl-C) with its checkpoint "
-        "written;\n137 killed after the grace; otherwise the status of the rank that failed."
+        "written;\n137 killed after the grace or on a second signal; otherwise the status of the rank that failed."
     )
 
 

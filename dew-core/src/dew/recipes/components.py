@@ -160,6 +160,10 @@ def _given(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# The methods a registered class of these groups must have (a factory function is taken on trust).
+_KIND_METHODS: dict[str, tuple[str, ...]] = {"trackers": ("log", "artifact", "close"), "datasets": ("load",)}
+
+
 def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tuple[tuple[str, ...], str]]:
     """What is wrong with a component given by name and fields, as (sub-path, message) pairs."""
     from dew import registry as registries
@@ -177,6 +181,14 @@ def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tup
         declared = registries.declared_fields(component)
     except Exception as error:  # noqa: BLE001 - a component that cannot even be imported
         return [(("name",), f"{registry.kind} {name!r} could not be loaded: {error}")]
+    methods = _KIND_METHODS.get(group, ())
+    missing = [m for m in methods if isinstance(component, type) and not callable(getattr(component, m, None))]
+    if missing:
+        provider = registry.provider(name)
+        return [(("name",), f"{registry.kind} {name!r} from {provider.distribution} ({provider.value}) has no "
+                           f"{', '.join(missing)} method: a {registry.kind} is a class with "
+                           f"{', '.join(methods)}, so its entry point names something else. Fix or update "
+                           f"{provider.distribution}, or choose another {registry.kind}.")]
     inputs = run_inputs(component) if group == "objectives" else frozenset()
     supplied, may_supply = inputs & ALWAYS_SUPPLIED, inputs - ALWAYS_SUPPLIED
     problems: list[tuple[tuple[str, ...], str]] = []

@@ -222,8 +222,10 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
 def _field_note(field: str, path: Path, error: Exception) -> str:
     """The note tracing error to the recipe field that names its path, with what to do about it:
     only a path that is not there is to be created; one that is there is wrong as it is."""
-    if _writing_failed(error):
+    if _writing_failed(error) and field.rsplit(".", 1)[-1].endswith(("directory", "dir")):
         return f"The recipe's {field} names it: point {field} at a directory this process can write."
+    if _writing_failed(error):  # a URI or a file, not a directory to write in: the error says what
+        return f"The recipe's {field} names it."
     if not path.exists():
         return (f"The recipe's {field} names it: create it first (a shipped recipe's description says "
                 f"how), or point {field} at one that exists.")

@@ -164,7 +164,11 @@ def checks_of(subject: Component) -> list[Check]:
                 pass
 
         return [_call(label, hooks_match_the_hook_specifications)]
-    component = _load(subject.value)
+    try:
+        component = _load(subject.value)
+    except Exception as error:  # noqa: BLE001 - the component's own module, not its kit, failed
+        return [Check(label, "it loads", "failed",
+                      f"its entry point {subject.value!r} failed to load: {type(error).__name__}: {error}")]
     module, base, factory = GROUPS[subject.group]
     kit_class: type
     if subject.kit is None and subject.group == "dew.rewards":
@@ -205,17 +209,18 @@ def checks_of(subject: Component) -> list[Check]:
     elif subject.group == "dew.datasets" and isinstance(component, type):
         def kit_builds_the_registered_reader() -> None:
             made: list[object] = []
-            original = component.__init__
+            reader: Any = component  # its __init__ is wrapped for the call, then put back
+            original = reader.__init__
 
             def recording(self: object, *args: Any, **kwargs: Any) -> None:
                 made.append(self)
                 original(self, *args, **kwargs)
 
-            component.__init__ = recording  # this interpreter checks this one component alone
+            reader.__init__ = recording  # this interpreter checks this one component alone
             try:
                 kit_class().dataset()
             finally:
-                component.__init__ = original
+                reader.__init__ = original
             assert made, (f"The kit's dataset() builds no {component.__name__}, the registered reader: it "
                           "would certify another reader's data.")
 

@@ -97,8 +97,9 @@ class _Pool:
         while self.signals:
             signum = self.signals.pop(0)
             if self.stop_signal is not None:
+                # Killed before the stop's checkpoint: not 143/130, which say it was written.
                 self.kill(f"a second {signal.Signals(signum).name}")
-                return 128 + signum
+                return KILLED_STATUS
             self.stop_signal = signum
             self.deadline = time.monotonic() + self.grace
             self.say(f"{signal.Signals(signum).name}: asking the ranks to checkpoint and exit within "
