@@ -300,3 +300,22 @@ def test_the_filter_passes_on_the_reward_time_its_sampler_declares():
 
     assert GroupFilter(Timed(), group_size=2, dynamic=True).reward_seconds == 1.25
     assert GroupFilter(lambda state, batch, key: {}, group_size=2, dynamic=True).reward_seconds == 0.0
+
+
+def test_settings_under_which_a_group_trains_nothing_are_refused():
+    """Greedy completions of one prompt are one text (every advantage 0), a negative KL weight rewards
+    drifting away, no new token leaves nothing to score, a stop id outside the vocabulary never stops."""
+    from dew.models import build
+
+    model = FixedLogits(2, 4, VOCAB)
+    with pytest.raises(ValueError, match=r"GRPOObjective\.temperature must be above 0, got 0.*every advantage is 0"):
+        GRPOObjective(model, temperature=0.0)
+    with pytest.raises(ValueError, match=r"GRPOObjective\.beta, the KL penalty's weight, must be at least 0"):
+        GRPOObjective(model, beta=-1.0)
+    with pytest.raises(ValueError, match=r"GRPOObjective\.max_new_tokens must be at least 1"):
+        GRPOObjective(model, max_new_tokens=0)
+    lm = build("causal_transformer", vocab_size=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16,
+               max_seq_len=8)
+    with pytest.raises(ValueError, match=r"stop_token=300 is outside the model's vocabulary \[0, 16\)"):
+        GRPOObjective(lm, stop_token=300)
+    GRPOObjective(lm, stop_token=15, beta=0.0)  # the edges are accepted

@@ -104,6 +104,8 @@ class Lora:
             raise LoraError(f"Lora.base={self.base!r} is not a base dtype; use one of {', '.join(QTYPES)}.")
         if self.rank < 1:
             raise LoraError(f"Lora.rank must be a positive integer, not {self.rank}.")
+        if not self.alpha > 0:  # the adapters' output scales by alpha / rank: 0 trains nothing
+            raise LoraError(f"Lora.alpha must be above 0 (the adapters are scaled by alpha / rank), not {self.alpha}.")
         if not 0.0 <= self.dropout < 1.0:
             raise LoraError(f"Lora.dropout must be in [0, 1), not {self.dropout}.")
         if not self.targets:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import flax.linen as nn
@@ -165,6 +166,16 @@ class CausalTransformer(nn.Module):
     latent: Latent | None = None
     routing: Routing | None = None
     dense_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """What _check refuses in these fields, said before anything is built (dew.registry.ChecksFields):
+        a recipe's model is then refused by ``dew train --check`` and at load, not at the first trace."""
+        try:
+            cls(**dict(fields))._check()
+        except (ValueError, TypeError) as error:
+            return [((), str(error))]
+        return []
 
     def _check(self) -> None:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features",

@@ -19,11 +19,12 @@ import pydantic
 from pydantic_core import PydanticCustomError
 
 from dew.placeholders import expand
+from dew.recipes.errors import RecipeError
 
 if TYPE_CHECKING:
     from dew.data.base import Dataset
 
-__all__ = ["ComponentConfig", "DataConfig", "check_component", "run_inputs"]
+__all__ = ["ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "refuse_values", "run_inputs"]
 
 # Of what an objective declares in Objective.run_inputs, the run always supplies the
 # model (a recipe cannot give one), and the tokenizer unless the recipe gives its own.
@@ -48,7 +49,11 @@ class ComponentConfig(pydantic.BaseModel):
         objective's model and tokenizer). The registry validates every field first."""
         from dew import registry
 
-        return registry.registry(group).build(self.name, **expand(self.fields, timestamp), **supplied)
+        try:
+            return registry.registry(group).build(self.name, **expand(self.fields, timestamp), **supplied)
+        except (ValueError, TypeError) as error:
+            refuse_values(error, f"{registry.registry(group).kind} {self.name!r}", _SECTION.get(group, group))
+            raise
 
 
 class DataConfig(ComponentConfig):
@@ -68,7 +73,30 @@ class DataConfig(ComponentConfig):
 
         load = expand(self.load, timestamp)
         seeded = seed is not None and "seed" not in load and "seed" in registry.declared_fields(reader.load)
-        return reader.load(batch=self.batch, **load, **({"seed": seed} if seeded else {}))
+        try:
+            return reader.load(batch=self.batch, **load, **({"seed": seed} if seeded else {}))
+        except (ValueError, TypeError) as error:
+            refuse_values(error, f"dataset {self.name!r}", "data.load (and data.batch)")
+            raise
+
+
+# The recipe section a registry's component is given in.
+_SECTION = {"models": "model", "objectives": "objective", "datasets": "data", "trackers": "trackers",
+            "rewards": "objective.reward", "environments": "objective.environment"}
+
+
+class ComponentValueError(RecipeError):
+    """A component refused the values a recipe gave it (checks only the component itself knows)."""
+
+
+def refuse_values(error: Exception, what: str, section: str) -> None:
+    """Raise a component's own refusal of its values (a plain ValueError or TypeError from its
+    constructor) as dew's error naming the recipe section; dew's own errors pass through as they are."""
+    from dew.errors import DewError
+
+    if isinstance(error, DewError):
+        return
+    raise ComponentValueError(f"{what} refused the recipe's {section} values: {error}") from error
 
 
 def run_inputs(component: object) -> frozenset[str]:
@@ -160,12 +188,20 @@ def _given(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# An objective's fields that name a component of another registry ({name: ..., fields}, or a name).
+_NESTED: dict[str, dict[str, str]] = {"objectives": {"reward": "rewards", "environment": "environments",
+                                                     "teacher": "models"}}
+
 # The methods a registered class of these groups must have (a factory function is taken on trust).
 _KIND_METHODS: dict[str, tuple[str, ...]] = {"trackers": ("log", "artifact", "close"), "datasets": ("load",)}
 
 
-def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tuple[tuple[str, ...], str]]:
-    """What is wrong with a component given by name and fields, as (sub-path, message) pairs."""
+def problems_of(group: str, name: str, fields: Mapping[str, object],
+                beside: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """What is wrong with a component given by name and fields, as (sub-path, message) pairs.
+
+    beside names the keys the recipe's entry holds besides the component's fields (an
+    evaluation entry's task, every and label), offered with them when a key is unknown."""
     from dew import registry as registries
 
     registry = registries.registry(group)
@@ -198,10 +234,11 @@ def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tup
                              f"(given {_given(value)}); remove it from the recipe."))
             continue
         if key not in declared:
-            close = difflib.get_close_matches(key, list(declared), n=1)
+            offered = [*beside, *declared]
+            close = difflib.get_close_matches(key, offered, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(((key,), f"{registry.kind} {name!r} has no field {key!r} (given "
-                             f"{_given(value)}). Allowed: {', '.join(declared)}{hint}"))
+                             f"{_given(value)}). Allowed: {', '.join(offered)}{hint}"))
             continue
         for inner, message in _field_problems(registries._lenient(declared[key][0]), value):
             problems.append(((key, *inner), message))
@@ -210,6 +247,13 @@ def problems_of(group: str, name: str, fields: Mapping[str, object]) -> list[tup
         if default is ... and key not in fields and key not in {*supplied, *may_supply}:
             problems.append(((key,), f"{registry.kind} {name!r} requires this field, but it is "
                              "not given."))
+    for key, inner_group in _NESTED.get(group, {}).items():  # a component given inside this one
+        value = fields.get(key)
+        if isinstance(value, str):
+            value = {"name": value}
+        if isinstance(value, Mapping) and isinstance(value.get("name"), str):
+            rest = {k: v for k, v in value.items() if k != "name"}
+            problems += [((key, *sub), message) for sub, message in problems_of(inner_group, value["name"], rest)]
     if not problems and isinstance(component, registries.ChecksFields):  # the values, once typed right
         problems += component.field_problems(fields)
     return problems

@@ -133,6 +133,25 @@ class RunConfig(pydantic.BaseModel):
                              "remove the model section")
         return self
 
+    @pydantic.model_validator(mode="after")
+    def _options_that_do_something(self) -> RunConfig:
+        """Settings that would train as if absent, refused where they are written."""
+        from pydantic_core import PydanticCustomError
+
+        found: list[tuple[tuple[str, ...], str]] = []
+        if self.quantization is not None and self.lora is not None:
+            found.append((("quantization",), "set beside lora, where it would be ignored: the adapters wrap "
+                          "the model alone. A LoRA run keeps its frozen base quantized with lora.base (int8, "
+                          "nf4); drop the quantization section."))
+        steps, accumulation = self.trainer.steps, self.trainer.accumulation
+        if steps is not None and accumulation > steps:
+            found.append((("trainer", "accumulation"), f"{accumulation} microbatches make one optimizer update, but "
+                          f"trainer.steps={steps} stops before the first: raise steps to at least "
+                          f"{accumulation} or lower accumulation."))
+        if found:
+            raise PydanticCustomError("dew_component", "{message}", {"message": found[0][1], "problems": found})
+        return self
+
     @pydantic.field_validator("trainer")
     @classmethod
     def _registered_tasks(cls, value: TrainerConfig) -> TrainerConfig:
@@ -143,7 +162,8 @@ class RunConfig(pydantic.BaseModel):
 
         found = [(("evaluate", index, *(("task",) if sub == ("name",) else sub)), message)
                  for index, entry in enumerate(value.evaluate)
-                 for sub, message in problems_of("evaluations", entry.task, entry.fields)]
+                 for sub, message in problems_of("evaluations", entry.task, entry.fields,
+                                                 beside=("task", "every", "label"))]
         if found:
             raise PydanticCustomError("dew_component", "{message}", {"message": found[0][1], "problems": found})
         return value

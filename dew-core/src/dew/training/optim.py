@@ -117,10 +117,12 @@ class OptimizerConfig(pydantic.BaseModel):
         (), description="path-selected groups: learning-rate multipliers, decay on or off")
     clip_norm: float | None = pydantic.Field(
         None, gt=0.0, description="clip gradients to this global norm")
-    b1: float | None = pydantic.Field(None, description="first-moment decay (solver default)")
-    b2: float | None = pydantic.Field(None, description="second-moment decay (solver default)")
-    eps: float | None = pydantic.Field(None, description="denominator epsilon (solver default)")
-    momentum: float | None = pydantic.Field(None, description="sgd or adafactor momentum")
+    b1: float | None = pydantic.Field(None, ge=0.0, lt=1.0, description="first-moment decay (solver default)")
+    b2: float | None = pydantic.Field(None, ge=0.0, lt=1.0, description="second-moment decay (solver default)")
+    # Above 0: with eps 0 a parameter whose gradient is 0 updates by 0/0, and its weights turn NaN
+    # while the loss and gradients stay finite (the non-finite guard sees neither).
+    eps: float | None = pydantic.Field(None, gt=0.0, description="denominator epsilon (solver default)")
+    momentum: float | None = pydantic.Field(None, ge=0.0, lt=1.0, description="sgd or adafactor momentum")
     nesterov: bool = pydantic.Field(False, description="Nesterov momentum (sgd)")
 
     @pydantic.model_validator(mode="after")

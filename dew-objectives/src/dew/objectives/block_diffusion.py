@@ -69,6 +69,11 @@ class BlockDiffusionObjective(TokenDiffusion):
         if self.seq_len > getattr(self.model, "max_seq_len", self.seq_len):  # any flax Module
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len="
                              f"{self.model.max_seq_len}.")
+        for name in ("preview_rows", "preview_steps"):  # a preview of 0 unmasking steps decodes mask ids
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be at least 1, got {getattr(self, name)}.")
+        if not self.temperature >= 0:
+            raise ValueError(f"{type(self).__name__}.temperature must be at least 0, got {self.temperature}.")
 
     def logits(self, variables: Variables, noisy: jax.Array, tokens: jax.Array) -> jax.Array:
         """The model's logits [B, L, V] at the noisy window, given the clean one beside it."""

@@ -164,6 +164,20 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if self.group_size < 2:
             raise ValueError(f"{name}.group_size must be at least 2 (a group compares "
                              f"completions), got {self.group_size}.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"{name}.max_new_tokens must be at least 1 (the completion a reward scores), "
+                             f"got {self.max_new_tokens}.")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"{name}.temperature must be above 0, got {self.temperature}: greedy decoding gives every "
+                "completion of a group the same text, so every advantage is 0 and nothing trains.")
+        if not self.beta >= 0:
+            raise ValueError(f"{name}.beta, the KL penalty's weight, must be at least 0 (0: no penalty), got "
+                             f"{self.beta}.")
+        vocab = getattr(self.model, "vocab_size", None)  # any flax Module: one that says its vocabulary
+        if self.stop_token is not None and isinstance(vocab, int) and not 0 <= self.stop_token < vocab:
+            raise ValueError(f"{name}.stop_token={self.stop_token} is outside the model's vocabulary "
+                             f"[0, {vocab}): no completion could stop on it.")
         if self.policy_loss == "cispo" and self.ratio != "token":
             raise IncompatibleOptionsError(
                 f"{name}.policy_loss='cispo' clips each token's importance weight, but ratio="

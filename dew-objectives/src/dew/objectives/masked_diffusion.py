@@ -161,6 +161,11 @@ class MaskedDiffusionObjective(TokenDiffusion):
                              f"model's max_seq_len={getattr(self.model, 'max_seq_len', '?')}].")
         if not 0.0 < self.t_min < 1.0:
             raise ValueError(f"t_min must lie in (0, 1), got {self.t_min}.")
+        for name in ("preview_rows", "preview_steps"):  # a preview of 0 unmasking steps decodes mask ids
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be at least 1, got {getattr(self, name)}.")
+        if not self.temperature >= 0:
+            raise ValueError(f"{type(self).__name__}.temperature must be at least 0, got {self.temperature}.")
 
     def per_token(self, variables: Variables, tokens: jax.Array, key: jax.Array) -> jax.Array:
         """(1/t) CE of each masked token, 0 for the rest, [B, seq_len]."""

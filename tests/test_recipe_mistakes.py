@@ -1,0 +1,58 @@
+"""Recipes a person gets wrong, refused where they are written: by `dew train --check` when the recipe
+alone says so, else in one line before the first step (never a traceback, never a run that trains
+nothing or something else)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dew.cli import main
+
+CHECKED = [
+    ("tiny-lm", ["model.num_heads=3"], "model: emb_features=128 is not divisible by num_heads=3"),
+    ("tiny-lm", ["model.num_layers=0"], "model: CausalTransformer.num_layers must be at least 1, got 0"),
+    ("tiny-lm", ["optimizer.eps=0"], "optimizer.eps: Input should be greater than 0"),
+    ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),
+    ("tiny-lm", ["trainer.steps=2", "trainer.accumulation=3"],
+     "trainer.accumulation: 3 microbatches make one optimizer update, but trainer.steps=2 stops before the first"),
+    ("tiny-lm-lora", ["quantization.dtype=int8"], "quantization: set beside lora, where it would be ignored"),
+    ("tiny-lm-lora", ["lora.alpha=0"], "Lora.alpha must be above 0"),
+    ("addition-grpo", ["objective.reward.name=exact_mach"],
+     "objective.reward.name: no reward named 'exact_mach'. Did you mean 'exact_match'?"),
+    ("addition-grpo", ["objective.reward.ky=answer"], "objective.reward.ky: reward 'exact_match' has no field 'ky'"),
+    ("tiny-distill", ["objective.teacher.emb_feature=64"],
+     "objective.teacher.emb_feature: model 'causal_transformer' has no field 'emb_feature'"),
+    ("tiny-sft", ["trainer.evaluate.0.evrey=5"], "did you mean 'every'?"),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, said", CHECKED, ids=[" ".join(c[1]) for c in CHECKED])
+def test_a_mistake_the_recipe_shows_is_refused_by_check(recipe, overrides, said, capsys):
+    assert main(["train", recipe, *overrides, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+
+
+STARTING = [
+    ("masked-diffusion", ["objective.preview_steps=0"],
+     "objective 'masked_diffusion' refused the recipe's objective values: "
+     "MaskedDiffusionObjective.preview_steps must be at least 1, got 0."),
+    ("tiny-lm", ["objective.seq_len=256"],
+     "objective 'lm' refused the recipe's objective values: LMObjective.seq_len=256 exceeds the model's "
+     "max_seq_len=128"),
+    ("tiny-lm", ["data.load.val_fraction=1.5"],
+     "dataset 'token_windows' refused the recipe's data.load (and data.batch) values: val_fraction must lie in"),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, said", STARTING, ids=[" ".join(c[1]) for c in STARTING])
+def test_a_value_only_its_component_refuses_is_one_line_before_the_first_step(recipe, overrides, said, tmp_path,
+                                                                               monkeypatch, capsys):
+    """A plain ValueError of the component's own checks printed a traceback as if dew had a bug; the
+    masked-diffusion one trained until its first preview and failed there, keeping no step."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", recipe, *overrides, "trainer.steps=2", "data.files={stdlib}/abc.py",
+                 f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dew train: {said}") and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()  # refused before anything was kept: no folder left
