@@ -149,7 +149,7 @@ def test_a_second_signal_kills_every_rank_at_once(tmp_path):
         said += line
     started = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=20) == 143
+    assert launcher.wait(timeout=20) == 137  # killed before the stop's checkpoint: not 143, which says it was written
     assert time.monotonic() - started < 5
     assert all(_gone(pid) for pid in pids)
     assert "a second SIGTERM: killing ranks 0" in said + launcher.stderr.read()

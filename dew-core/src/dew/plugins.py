@@ -227,6 +227,7 @@ def _register(plugin_manager: pluggy.PluginManager, plugin: object, name: str | 
 
 def _autoload(plugin_manager: pluggy.PluginManager) -> None:
     # Imported here: the registry (and importlib_metadata) is only needed on first use.
+    from dew.registry import ComponentLoadError
     from dew.registry import plugins as entry_points
 
     blocked = set(_blocked_names())
@@ -238,7 +239,10 @@ def _autoload(plugin_manager: pluggy.PluginManager) -> None:
             plugin = entry_points.load(name)
             if inspect.isclass(plugin):
                 plugin = plugin()
-        except Exception as error:  # noqa: BLE001 - any failure of foreign code is named, then re-raised
+        except Exception as failure:  # noqa: BLE001 - any failure of foreign code is named, then re-raised
+            # The plugin's own exception, not the registry's wrapping of it, is what this names.
+            error = failure.__cause__ if isinstance(failure, ComponentLoadError) and \
+                isinstance(failure.__cause__, Exception) else failure
             raise PluginLoadError(
                 f"The plugin {name!r} (entry point {name} = {provider.value} in group "
                 f"'dew.plugins', from the distribution {provider.distribution}) failed to load: "
