@@ -131,3 +131,17 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_without_a_traceback():
     _, err = process.communicate(timeout=120)
     assert process.returncode == 141, err.decode()
     assert not err.strip(), err.decode()
+
+
+def test_jax_s_note_about_hidden_frames_is_left_out_of_dew_s_one_line():
+    """An error raised under a JAX trace carries JAX's note about the frames it hid from the
+    traceback; dew's one line shows no traceback, so the note would only be noise beside dew's own."""
+    from dew.cli import refusal
+
+    error = ValueError("the batch has no 'tokens'")
+    error.add_note("--------------------\nFor simplicity, JAX has removed its internal frames from the "
+                   "traceback of the following exception. Set JAX_TRACEBACK_FILTERING=off to include these.")
+    error.add_note("The recipe's data.files names it.")
+    assert refusal("train", error).splitlines() == [
+        "dew train: ValueError: the batch has no 'tokens'", "  The recipe's data.files names it.",
+        "  (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)"]

@@ -80,8 +80,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     Every command's errors end here: an error of dew's own says what is wrong,
     in which file and what to do, so it is printed as ``dew COMMAND: ...``
     and the status is 2; its traceback is one flag away (``--traceback`` or
-    ``DEW_TRACEBACK=1``). Anything else is a bug and keeps its traceback.
+    ``DEW_TRACEBACK=1``). Anything else is a bug and keeps its traceback. A
+    reader of stdout that went away (``dew recipes | head -1``, ``dew --help |
+    head``) ends the command quietly with 141.
     """
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Nothing is left to say to the reader; stdout goes to devnull so the interpreter's last
+        # flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="dew", description="dew trains JAX models.")
     parser.add_argument("--version", action=_Version)
     parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
@@ -121,10 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
             return INTERRUPTED
         except BrokenPipeError:
-            # The reader of stdout went away (`dew recipes | head -1`): nothing is left to say to it.
-            # Its stream goes to devnull so the interpreter's last flush does not fail again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return BROKEN_PIPE
+            raise  # main's to answer (see main)
         except Exception as error:
             if shown or not is_dews(error):
                 raise
@@ -153,11 +162,18 @@ def refusal(command: str, error: BaseException) -> str:
     """
     from dew.recipes.errors import RecipeError
 
-    notes = [f"  {note}" for note in getattr(error, "__notes__", ())]  # set by add_note only
+    notes = [f"  {note}" for note in getattr(error, "__notes__", ())  # set by add_note only
+             if not _jax_frames_note(note)]
     if isinstance(error, RecipeError):
         return "\n".join([f"dew {command}: {error}", *notes])
     return "\n".join([f"dew {command}: {type(error).__name__}: {error}", *notes,
                       f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)"])
+
+
+def _jax_frames_note(note: str) -> bool:
+    """Whether note is the one JAX adds to an exception raised under a trace, about the frames it
+    hid from the traceback: there is no traceback in dew's one line for it to speak of."""
+    return "JAX has removed its internal frames" in note
 
 
 def _writers_quiet() -> None:

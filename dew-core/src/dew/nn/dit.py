@@ -24,6 +24,7 @@ the null token) or nothing. Every parameter is named by its logical axes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -214,6 +215,18 @@ class DiT(ConditionedModule):
     num_layers: int = 4
     num_heads: int = 4
     mlp_features: int = 512
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """Patches that do not tile the image, said before anything is built (dew.registry.ChecksFields)."""
+        try:
+            model = cls(**dict(fields))
+        except (ValueError, TypeError) as error:
+            return [((), str(error))]
+        if model.patch_size < 1 or model.image_size % model.patch_size:
+            return [(("patch_size",), f"image_size={model.image_size} is not divisible by patch_size="
+                                      f"{model.patch_size}: the patches must tile the image.")]
+        return []
 
     @nn.compact
     def __call__(self, x: jax.Array, level: jax.Array,
