@@ -34,8 +34,15 @@ def test_exact_match_compares_up_to_the_stop_with_answers_as_text_or_byte_ids():
     got = reward(["12\n34", " 7 ", "10"], {"answer": answers})
     assert got.tolist() == [1.0, 1.0, 1.0]
     assert reward(["13", "7x", "1"], {"answer": answers}).tolist() == [0.0, 0.0, 0.0]
-    with pytest.raises(KeyError, match="batch key 'answer'.*carry \\['target'\\]"):
+    with pytest.raises(KeyError, match="batch key 'answer'.*carry \\['target'\\]") as refused:
         reward(["1"], {"target": ["1"]})
+    # dew's own error, so a run whose reward.key names no record key says so in one line (it was a
+    # plain KeyError: a traceback at the first rollout); its message names the recipe's field.
+    from dew.cli import is_dews
+    from dew.rewards import RewardContextError
+
+    assert isinstance(refused.value, RewardContextError) and is_dews(refused.value)
+    assert "objective.reward.key" in str(refused.value)
 
 
 def test_regex_format_and_length():

@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dew.errors import DewError
+from dew.errors import DewError, DewKeyError
 
 __all__ = [
     "Brightness",
@@ -38,6 +38,7 @@ __all__ = [
     "NonFiniteRewardError",
     "RegexFormat",
     "Reward",
+    "RewardContextError",
     "RewardShapeError",
     "Weighted",
     "describe",
@@ -52,6 +53,10 @@ class NonFiniteRewardError(DewError, ValueError):
 
 class RewardShapeError(DewError, ValueError):
     """A reward returned another number of values than completions it was given."""
+
+
+class RewardContextError(DewKeyError):
+    """A reward reads a key of the records (or the prompts' text) that the rollout's context lacks."""
 
 
 @runtime_checkable
@@ -83,9 +88,10 @@ class ExactMatch:
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
         if self.key not in context:
-            raise KeyError(
+            raise RewardContextError(
                 f"ExactMatch compares completions with the batch key {self.key!r}, but the "
-                f"records carry {sorted(context)}; set ExactMatch(key=...) to the key holding the answers."
+                f"records carry {sorted(context)}; set ExactMatch(key=...) (a recipe's objective.reward.key) "
+                "to the key holding the answers."
             )
         out = []
         for completion, answer in zip(completions, context[self.key], strict=True):

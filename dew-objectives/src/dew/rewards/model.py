@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dew.errors import DewError
+from dew.rewards import RewardContextError
 
 __all__ = ["NotARewardModelError", "RewardModel"]
 
@@ -53,7 +54,7 @@ class RewardModel:
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
         if "prompt_text" not in context:
-            raise KeyError(
+            raise RewardContextError(
                 f"RewardModel(run={self.run!r}) scores each prompt with its completion, but the context "
                 f"holds no 'prompt_text' (it holds {sorted(context)}); use it with a rollout that gives "
                 "the prompts as text (the GRPO and PPO rollouts do)."
