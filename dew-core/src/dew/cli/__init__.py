@@ -132,8 +132,6 @@ def _main(argv: Sequence[str] | None) -> int:
                 raise
             print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
             return INTERRUPTED
-        except BrokenPipeError:
-            raise  # main's to answer (see main)
         except Exception as error:
             if shown or not is_dews(error):
                 raise

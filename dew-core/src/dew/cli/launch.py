@@ -37,7 +37,7 @@ def _seconds(least: float, inclusive: bool) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not (value >= least if inclusive else value > least) or value != value:
+        if not (value >= least if inclusive else value > least):  # NaN fails either comparison
             raise argparse.ArgumentTypeError(f"{text} is not {'at least' if inclusive else 'more than'} {least:g} "
                                              "seconds")
         return value

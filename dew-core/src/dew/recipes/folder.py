@@ -268,20 +268,20 @@ def _fields_naming(config: RunConfig, folder: RunFolder, error: Exception) -> li
 
     message = str(error)
 
-    def located(value: str) -> Path:
-        return _absolute(_expand(value, folder.timestamp) if folder.timestamp is not None else value, folder.cwd)
+    def expanded(value: str) -> str:
+        return _expand(value, folder.timestamp) if folder.timestamp is not None else value
 
     # The run's own folder is no prerequisite: a field that names it (the local tracker's directory,
     # as every shipped recipe writes it) is not where an error about the run's folder comes from,
     # unless the tracker's own write failed there.
     own = config.trainer.checkpoint_dir
-    run_folder = located(own) if isinstance(own, str) and own and not isinstance(error, TrackerWriteError) else None
+    run_folder = (_absolute(expanded(own), folder.cwd)
+                  if isinstance(own, str) and own and not isinstance(error, TrackerWriteError) else None)
     found = []
     for key, value in recipe_fields(config.model_dump(mode="json")).items():
         if not isinstance(value, str) or not value or key.startswith("trainer.checkpoint_dir"):
             continue
-        if folder.timestamp is not None:
-            value = _expand(value, folder.timestamp)
+        value = expanded(value)
         if "/" not in value and "." not in value:
             continue  # a name, not a path
         where = _absolute(value, folder.cwd)

@@ -17,8 +17,7 @@ import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["STARTED", "origin", "resume_command", "resuming_line", "shown", "started_from", "started_in",
-           "trained_for"]
+__all__ = ["STARTED", "origin", "resume_command", "resuming_line", "shown", "started_from", "started_in"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 _STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
@@ -53,17 +52,6 @@ def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int
                 f"nothing to train; to train further, {resume_command(directory)} "
                 f"trainer.steps=N; {fresh}.")
     return f"Resuming {where} at step {resumed_at}{before}, to step {steps}; {fresh}."
-
-
-def trained_for(directory: str | os.PathLike[str], steps_per_epoch: int | None) -> int | None:
-    """The trainer.steps the run.json in directory trained with (None when unreadable)."""
-    from dew.training.config import RUN_FILE, TrainerConfig
-
-    try:
-        saved = json.loads((Path(str(directory)) / RUN_FILE).read_text())
-        return TrainerConfig(**saved["trainer"]).total_steps(steps_per_epoch)
-    except Exception:  # noqa: BLE001 - an unreadable old recipe only shortens the line
-        return None
 
 
 def origin(run: Path, template: str | None) -> tuple[str | None, Path]:

@@ -108,23 +108,32 @@ def _optimizer_config(config: RunConfig, steps: int) -> OptimizerConfig:
     return optimizer
 
 
+def _saved_recipe(kind: type[RunConfig], directory: str | os.PathLike[str]) -> RunConfig | None:
+    """The recipe the run in directory was trained with (its run.json), or None when it has none
+    that reads: an unreadable old recipe holds a resume to nothing and is no reason to stop it."""
+    from dew.training.config import RUN_FILE
+
+    saved = Path(str(directory)) / RUN_FILE
+    if not saved.is_file():
+        return None
+    try:
+        return kind.read(saved)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+
+
 def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: int | None,
-                              directory: str | os.PathLike[str], resumed_at: int) -> None:
+                              directory: str | os.PathLike[str], resumed_at: int, *,
+                              before: RunConfig | None = None) -> None:
     """Warn when resuming with another trainer.steps changes the learning-rate schedule.
 
     A decaying schedule whose length is not set (optimizer.decay_steps) is
     stretched over the run's steps, so resuming with a new ``steps`` changes
     the rate from the resumed step on: a jump, not a continuation. The saved
-    run.json says what the checkpoints were trained with.
+    run.json (before, when the caller has read it) says what the checkpoints were trained with.
     """
-    from dew.training.config import RUN_FILE
-
-    saved = Path(str(directory)) / RUN_FILE
-    if not saved.is_file():
-        return
-    try:
-        before = type(config).read(saved)
-    except Exception:  # noqa: BLE001 - an unreadable old recipe is no reason to stop training
+    before = _saved_recipe(type(config), directory) if before is None else before
+    if before is None:
         return
     old_steps = before.trainer.total_steps(steps_per_epoch)
     old = _optimizer_config(before, old_steps)
@@ -184,22 +193,21 @@ def _function_fields(config: RunConfig) -> dict[str, Any]:
     return out
 
 
-def refuse_changed_function(config: RunConfig, directory: str | os.PathLike[str], resumed_at: int) -> None:
+def refuse_changed_function(config: RunConfig, directory: str | os.PathLike[str], resumed_at: int, *,
+                            before: RunConfig | None = None) -> None:
     """Refuse a resume whose recipe changes what the checkpoints' weights compute.
 
     The shapes may still fit (a rope base, an activation, a LoRA alpha), so the restore would
     succeed, train the weights as another function and write that recipe as the run's run.json,
-    which exports and dew generate then read. The saved run.json says what they were trained as.
+    which exports and dew generate then read. The saved run.json (before, when the caller has
+    read it) says what they were trained as.
     """
     from dew.training.config import RUN_FILE
 
+    before = _saved_recipe(type(config), directory) if before is None else before
+    if before is None:
+        return
     saved = Path(str(directory)) / RUN_FILE
-    if not saved.is_file():
-        return
-    try:
-        before = type(config).read(saved)
-    except Exception:  # noqa: BLE001 - an unreadable old recipe holds the run to nothing
-        return
     old, new = _function_fields(before), _function_fields(config)
     changed = sorted(k for k in (set(old) | set(new)) - _EXECUTION if old.get(k) != new.get(k))
     if changed:
@@ -364,7 +372,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
 
     import jax
 
-    from dew.recipes.resuming import resuming_line, trained_for
+    from dew.recipes.resuming import resuming_line
     from dew.telemetry.artifacts import Artifact
     from dew.training.trainer import Trainer
 
@@ -383,12 +391,13 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     checkpoints = config.trainer.build_checkpoints(stamp)
     resumed_at = None if checkpoints is None else checkpoints.latest
     if checkpoints is not None and resumed_at is not None:
-        refuse_changed_function(config, checkpoints.directory, resumed_at)
+        before = _saved_recipe(type(config), checkpoints.directory)  # read once for the three below
+        refuse_changed_function(config, checkpoints.directory, resumed_at, before=before)
         if jax.process_index() == 0:
-            print(resuming_line(checkpoints.directory, resumed_at, fit["steps"],
-                                trained_for(checkpoints.directory, dataset.steps_per_epoch)), flush=True)
+            trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
+            print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
         warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
-                                  checkpoints.directory, resumed_at)
+                                  checkpoints.directory, resumed_at, before=before)
     initializer = initial_variables(config, objective)
     key = jax.random.key(config.seed)
     tracker = config.build_trackers(stamp)

@@ -153,6 +153,12 @@ def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]
     batches=False leaves the arrays unread (``batch`` is empty): what a
     reader of the transcripts alone needs, without decoding every batch.
     """
+    return _read(directory, batches=batches)[0]
+
+
+def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | None]:
+    """read_journal's rollouts, and the step of the journal's last checkpoint line (file order), in
+    one pass over the file: its lines carry every batch, so it is read once."""
     path = Path(directory) / ROLLOUTS
     if not path.is_file():
         raise RolloutJournalError(
@@ -160,9 +166,16 @@ def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]
             "directory when its trainer has a rollout (GRPO, PPO) and checkpoints in a local directory. "
             "Point at that directory.")
     last: dict[int, dict[str, Any]] = {}
+    through = None
     for row in _rows(path):
         if row.get("kind") == "rollout":
             last[int(row["step"])] = row
+        elif row.get("kind") == "checkpoint":
+            through = int(row["step"])  # the last in file order: the latest fit's latest save
+    return _entries(path, last, batches=batches), through
+
+
+def _entries(path: Path, last: dict[int, dict[str, Any]], *, batches: bool) -> list[Rolled]:
     if not batches:
         return [Rolled(step=s, batch={}, data=str(r["data"]), draws=int(r.get("draws", 1)),
                        transcript=tuple(r.get("transcript") or ())) for s, r in sorted(last.items())]
@@ -191,11 +204,7 @@ class Kept:
 
 def kept_rollouts(directory: str | Path, *, batches: bool = True) -> Kept:
     """read_journal's rollouts up to the journal's last checkpoint (see Kept)."""
-    entries = read_journal(directory, batches=batches)
-    through = None
-    for row in _rows(Path(directory) / ROLLOUTS):
-        if row.get("kind") == "checkpoint":
-            through = int(row["step"])  # the last in file order: the latest fit's latest save
+    entries, through = _read(directory, batches=batches)
     if through is None:
         return Kept(tuple(entries), None, 0)
     kept = tuple(entry for entry in entries if entry.step < through)  # step counts from 0
