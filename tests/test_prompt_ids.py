@@ -57,3 +57,34 @@ def test_dew_generate_on_a_published_directory_continues_as_transformers_does(ch
     shown = pipeline.generate(GenerateRequest((PROMPT,), max_new_tokens=8)).texts[0]
     assert shown == PROMPT + loaded.tokenizer.decode([i for i in ours if i != stop])
     assert np.asarray(ids)[0, 0] == theirs_tokenizer.bos_token_id  # the case this is about: a BOS first
+
+
+@pytest.mark.slow
+def test_a_continuation_ends_at_any_id_of_the_checkpoints_eos_list(checkpoints, tmp_path):
+    """Llama 3 lists <|eot_id|> beside <|end_of_text|> in eos_token_id, and transformers' generate
+    stops at either; dew stopped at the first alone and ran on past a chat turn's end."""
+    import json
+    import shutil
+
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.sampling import TextGeneration
+
+    directory = tmp_path / "llama"
+    shutil.copytree(checkpoints["llama"], directory)
+    free = TextGeneration.load(directory).tokens([PROMPT], max_new_tokens=12).new_tokens[0]
+    eos = json.loads((directory / "config.json").read_text())["eos_token_id"]
+    second = next(t for t in free[3:] if t != eos)  # an id the model emits, made a second end id
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((directory / name).read_text())
+        (directory / name).write_text(json.dumps({**config, "eos_token_id": [eos, second]}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        theirs = model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+    pipeline = TextGeneration.load(directory)
+    ours = pipeline.tokens([PROMPT], max_new_tokens=12).new_tokens[0]
+    assert ours == theirs == free[: free.index(second) + 1]
+    assert pipeline([PROMPT], max_new_tokens=12)[0] == tokenizer.decode(theirs[:-1], skip_special_tokens=True)
+    # A recipe's data.tokenizer naming the directory reads the same ends.
+    assert HFTokenizer.from_directory(directory).stop_ids == (second,)

@@ -217,6 +217,27 @@ def test_a_config_without_its_norm_epsilon_computes_what_transformers_computes(t
     assert np.abs(_dew_logits(loaded) - theirs).max() <= 1e-4
 
 
+@pytest.mark.slow
+def test_a_mistral_config_with_layer_types_windows_only_its_sliding_layers(tmp_path):
+    """Ministral 8B's config.json is Mistral's with a layer_types list, which transformers'
+    AutoConfig reads as Ministral: its full_attention layers see every earlier position. Read
+    as one window on every layer, the logits moved by 2.5; written back, the list travels."""
+    directory = write_checkpoint("mistral", tmp_path / "ministral", seed=11, redrawn=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "full_attention"]
+    (directory / "config.json").write_text(json.dumps(config))
+    hf = hf_model(directory)
+    assert type(hf).__name__ == "MinistralForCausalLM"
+    theirs = hf_logits(hf)
+    loaded = Pretrained.load(directory)
+    assert [window for window, _, _ in loaded.model._layer_parts()] == [config["sliding_window"], None]
+    assert np.abs(_dew_logits(loaded) - theirs).max() <= 1e-4
+    loaded.save(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["layer_types"] == config["layer_types"]
+    assert np.abs(hf_logits(hf_model(tmp_path / "out")) - theirs).max() <= 1e-4
+    assert Pretrained.load(tmp_path / "out").model == loaded.model
+
+
 def test_a_short_decode_cache_does_not_shorten_the_exported_context(tmp_path):
     """max_seq_len is the decode cache a run or a load chose; the published context length
     (max_position_embeddings) belongs to the weights and is written back, not the cache's."""

@@ -54,7 +54,7 @@ def workdir(tmp_path_factory):
 
 def _family(name: str, run: str) -> list[str]:
     return [f"model.name={name}", f"init.pretrained=checkpoints/{name}-tiny",
-            f"data.tokenizer=checkpoints/{name}-tiny/tokenizer.json",
+            f"data.tokenizer=checkpoints/{name}-tiny",
             f"trainer.checkpoint_dir=runs/{run}", f"trackers.0.directory=runs/{run}"]
 
 
@@ -94,6 +94,19 @@ def test_sft_starts_at_the_checkpoints_own_loss_learns_and_exports_verified(work
     assert losses[0] == pytest.approx(_transformers_loss(workdir / f"checkpoints/{name}-tiny", batch),
                                       abs=2e-4)
     assert np.mean(losses[-2:]) < np.mean(losses[:2])
+    # Each record is its two turns as transformers' chat template renders them; what the
+    # assistant's turn adds after the generation prompt (its end of turn included) is scored.
+    reader = RunConfig.load("qwen3-sft", overrides).data.build("datasets")
+    _, *texts = next(reader.pairs())
+    record = dict(zip(("prompt", "completion"), texts, strict=True))
+    hf = transformers.AutoTokenizer.from_pretrained(workdir / f"checkpoints/{name}-tiny")
+    user = [{"role": "user", "content": record["prompt"]}]
+    head = hf.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    whole = hf.apply_chat_template([*user, {"role": "assistant", "content": record["completion"]}], tokenize=False)
+    prompt, completion = (hf(text, add_special_tokens=False)["input_ids"] for text in (head, whole[len(head):]))
+    first = reader.encoded()[0]
+    assert first.ids.tolist() == prompt + completion
+    assert first.mask.tolist() == [0] * len(prompt) + [1] * len(completion)
     if name != "qwen3":  # one certified export is enough to show the trained run exports
         return
     assert main(["export", f"runs/sft-{name}", "exported", "--verify"]) == 0
@@ -174,7 +187,7 @@ def _assert_reference_is_the_checkpoint_and_the_policy_moved(state, start: dict)
 # start swapped for a published family's checkpoint and its tokenizer.
 def _addition_from(name: str, run: str) -> list[str]:
     return [f"model={{name: {name}, preset: tiny, max_seq_len: 32}}", f"init={{pretrained: checkpoints/{name}-tiny}}",
-            f"data.tokenizer=checkpoints/{name}-tiny/tokenizer.json", f"trainer.checkpoint_dir=runs/{run}",
+            f"data.tokenizer=checkpoints/{name}-tiny", f"trainer.checkpoint_dir=runs/{run}",
             f"trackers.0.directory=runs/{run}", "trainer.eval_every=null", "data.load.val_fraction=0",
             "optimizer.warmup_steps=0"]
 

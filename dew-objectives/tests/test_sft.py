@@ -115,6 +115,36 @@ def test_the_reader_masks_prompts_and_packs_records_into_numbered_segments(tmp_p
     assert set(batch) == {"text", "loss_mask", "segment_ids"} and batch["text"].shape == (2, 10)
 
 
+def test_a_chat_template_renders_the_record_as_two_turns_and_scores_the_assistants(tmp_path):
+    """With a chat template the prompt is the user turn and the generation prompt, the completion
+    what the assistant turn adds (its end of turn included, no end-of-document id after it)."""
+    pytest.importorskip("jinja2")
+    from dew.data.chat_template import ChatTemplateError
+
+    files = write(tmp_path / "a.jsonl", [{"prompt": "ab", "completion": "c"}])
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }};{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    record = PromptCompletion(files=files, length=32, chat_template=template, pack=False).encoded()[0]
+    prompt, completion = "<user>ab;<assistant>", "c;"
+    assert record.ids.tolist() == [*prompt.encode(), *completion.encode()]
+    assert record.mask.tolist() == [0] * len(prompt) + [1] * len(completion)
+    # The same template in a tokenizer folder is used without naming it; a tokenizer.json alone is not.
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    from dew.pretrained.tokenizers import byte_level
+
+    byte_level().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|endoftext|>"}))
+    assert PromptCompletion(files=files, length=32, tokenizer=str(folder), pack=False).encoded()[0].ids.tolist() \
+        == record.ids.tolist()
+    plain = PromptCompletion(files=files, length=32, tokenizer=str(folder / "tokenizer.json"), pack=False)
+    assert plain.encoded()[0].ids.tolist() == [*b"abc", 256]
+    # A generation prompt the whole conversation does not start with cannot split the record.
+    odd = template.replace("<assistant>{% endif %}", "<model>{% endif %}")
+    with pytest.raises(ChatTemplateError, match=r"a\.jsonl:1: the chat template renders the user turn"):
+        PromptCompletion(files=files, length=32, chat_template=odd).encoded()
+
+
 def test_a_long_prompt_loses_its_start_and_a_long_completion_fails_naming_the_record_and_limit(tmp_path):
     files = write(tmp_path / "b.jsonl", [{"prompt": "0123456789", "completion": "abc"}])
     got = PromptCompletion(files=files, length=5).rows()

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
-    "Reader", "Reporting", "Resumable", "StartsSequences", "TextReader", "Tokenizer", "WithEos", "WithVocabSize",
-    "close_if_closable", "eos_id_of", "is_global_position", "prefix_of", "prompt_ids", "vocab_size_of",
+    "NamesStops", "Reader", "Reporting", "Resumable", "StartsSequences", "TextReader", "Tokenizer", "WithEos",
+    "WithVocabSize", "close_if_closable", "eos_id_of", "is_global_position", "prefix_of", "prompt_ids",
+    "stop_ids_of", "vocab_size_of",
 ]
 
 Batch = Mapping[str, Any]
@@ -161,6 +162,24 @@ class EosTokenizer(Tokenizer, Protocol):
 def eos_id_of(tokenizer: object) -> int | None:
     """The tokenizer's end-of-document id, None when it declares none."""
     return tokenizer.eos_id if isinstance(tokenizer, WithEos) else None
+
+
+@runtime_checkable
+class NamesStops(Protocol):
+    """A tokenizer that names ids besides its eos_id that end a continuation: the rest of a
+    checkpoint's eos_token_id list (Llama 3's <|eot_id|> beside <|end_of_text|>, Qwen's
+    <|im_end|> beside <|endoftext|>), as transformers' generate stops at any of them."""
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+
+
+def stop_ids_of(tokenizer: object) -> tuple[int, ...]:
+    """Every id that ends a continuation: the end-of-document id first, then the tokenizer's
+    other stop ids (NamesStops), each once; () when it names none."""
+    eos = eos_id_of(tokenizer)
+    named = [*([] if eos is None else [eos]), *(tokenizer.stop_ids if isinstance(tokenizer, NamesStops) else ())]
+    return tuple(dict.fromkeys(int(i) for i in named))
 
 
 @runtime_checkable

@@ -7,6 +7,8 @@ the tokenizers library's Rust threads. Nothing is fetched from the hub.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
@@ -34,12 +36,15 @@ class HFTokenizer:
 
     eos_id is the end-of-document id that TokenWindows appends after every
     document: the id of ``eos_token`` when given, else of the first of
-    EOS_CANDIDATES the vocabulary holds.
+    EOS_CANDIDATES the vocabulary holds. stop_ids are further ids that end a
+    generated continuation (a model directory's ``eos_token_id`` list); they
+    change nothing a reader encodes.
     """
 
     tokenizer: tokenizers.Tokenizer
     eos_id: int
     fingerprint: str = field(default="", compare=False)
+    stop_ids: tuple[int, ...] = field(default=(), compare=False)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, eos_token: str | None = None) -> HFTokenizer:
@@ -75,7 +80,8 @@ class HFTokenizer:
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> HFTokenizer:
         """Load a tokenizer directory's tokenizer.json, ending documents with the eos_token its
-        tokenizer_config.json names (else the first of EOS_CANDIDATES the vocabulary holds)."""
+        tokenizer_config.json names (else the first of EOS_CANDIDATES the vocabulary holds), and
+        continuations also at the eos_token_id ids of its generation_config.json and config.json."""
         import json
 
         folder = Path(path)
@@ -84,7 +90,21 @@ class HFTokenizer:
         if config.is_file():
             value = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
             eos = value.get("content") if isinstance(value, dict) else value
-        return cls.from_file(folder / "tokenizer.json", eos_token=eos if isinstance(eos, str) else None)
+        loaded = cls.from_file(folder / "tokenizer.json", eos_token=eos if isinstance(eos, str) else None)
+        listed: list[object] = []
+        for name in ("generation_config.json", "config.json"):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                listed.append(json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id"))
+        return loaded.stopping_at(*listed)
+
+    def stopping_at(self, *listed: object) -> HFTokenizer:
+        """This tokenizer, ending continuations also at the ids listed (eos_token_id values: an id
+        or a list of them; what is not an id is left out). An id may lie past the tokenizer's own
+        vocabulary, in the model's padded one, as transformers' generate stops there too."""
+        ids = [i for value in listed for i in (value if isinstance(value, list | tuple) else [value])]
+        kept = [int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        stops = tuple(dict.fromkeys(i for i in [*self.stop_ids, *kept] if i != self.eos_id))
+        return dataclasses.replace(self, stop_ids=stops)
 
     @cached_property
     def prefix(self) -> tuple[int, ...]:

@@ -1,9 +1,11 @@
-"""Mistral (``MistralForCausalLM``): Llama's layer with an optional sliding window on every layer.
+"""Mistral (``MistralForCausalLM``): Llama's layer with an optional sliding window.
 
 Mistral 7B v0.1 lets each position see the 4096 before it (itself
 included); later Mistral checkpoints set ``sliding_window`` to null and are
-Llama's function exactly. No biases; SwiGLU; ``head_dim`` may differ from
-hidden/heads (Mistral Nemo).
+Llama's function exactly. A ``layer_types`` list (Ministral 8B) windows only
+the layers it marks ``sliding_attention``, as transformers reads it (its
+AutoConfig loads such a directory as Ministral). No biases; SwiGLU;
+``head_dim`` may differ from hidden/heads (Mistral Nemo).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from dew.families.hf_config import (
     common_config,
     common_fields,
     flat_rope_config,
+    layer_types,
     one_window,
     rope_fields,
     rope_parameters,
+    sliding_layers,
     window_fields,
 )
 from dew.families.llama import gated_silu
@@ -32,13 +36,15 @@ __all__ = ["FAMILY"]
 ARCHITECTURE = "MistralForCausalLM"
 
 
-def layer_fields(config: Mapping[str, Any], architecture: str, theta: float) -> dict[str, Any]:
-    """Mistral's layer read from config (Mixtral's too, whose rope base defaults higher)."""
+def layer_fields(config: Mapping[str, Any], architecture: str, theta: float,
+                 listed: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Mistral's layer read from config (Mixtral's too, whose rope base defaults higher); listed
+    names the layers the window applies to (None: every layer)."""
     params, where = rope_parameters(config)
     fields = common_fields(config)
     return {**fields, **gated_silu(config, architecture),
             **rope_fields(config, architecture, params, where, theta=theta),
-            **window_fields(config.get("sliding_window"), None, fields["num_layers"])}
+            **window_fields(config.get("sliding_window"), listed, fields["num_layers"])}
 
 
 def layer_config(model: Module, architecture: str, model_type: str) -> dict[str, Any]:
@@ -48,11 +54,16 @@ def layer_config(model: Module, architecture: str, model_type: str) -> dict[str,
 
 
 def read(config: Mapping[str, Any]) -> dict[str, Any]:
-    return layer_fields(config, ARCHITECTURE, theta=10_000.0)
+    return layer_fields(config, ARCHITECTURE, theta=10_000.0, listed=sliding_layers(config.get("layer_types")))
 
 
 def write(model: Module) -> dict[str, Any]:
-    return layer_config(model, ARCHITECTURE, "mistral")
+    """One window on every layer as Mistral writes it; a window on some layers as layer_types."""
+    written = layer_config(model, ARCHITECTURE, "mistral")
+    types = layer_types(model)
+    if len(set(types)) > 1:
+        written.update(sliding_window=model.sliding_window, layer_types=types)
+    return written
 
 
 _MISTRAL = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

@@ -17,6 +17,7 @@ them back unchanged, so an export carries the template a user chats with.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -187,7 +188,8 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
 
     Its end-of-document token is the one dew recorded, else the tokenizer's
     own ``eos_token`` (tokenizer_config.json), else config.json's
-    eos_token_id (the first, when it is a list).
+    eos_token_id (the first, when it is a list). Every id of that list and of
+    generation_config.json's ends a continuation (HFTokenizer.stop_ids).
     """
     import dew.data
 
@@ -215,4 +217,10 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
     if token is None and eos_id is not None:
         first = eos_id[0] if isinstance(eos_id, list | tuple) and eos_id else eos_id
         token = inner.id_to_token(int(first)) if isinstance(first, int) else None
-    return dew.data.HFTokenizer.from_file(file, eos_token=token)
+    # A continuation ends at any id of config.json's and generation_config.json's eos_token_id.
+    generation = files.texts.get("generation_config.json") if files is not None else None
+    listed = None
+    if generation:
+        with contextlib.suppress(ValueError, AttributeError):  # transformers itself reads a damaged one
+            listed = json.loads(generation).get("eos_token_id")
+    return dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(eos_id, listed)

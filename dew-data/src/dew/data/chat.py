@@ -33,7 +33,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer
-from dew.data.chat_template import ChatTemplate, read_chat_template
+from dew.data.chat_template import ChatTemplate, read_chat_template, tokens_beside
 from dew.data.errors import EmptyDatasetError, MalformedRecordError
 from dew.data.packing import packed_rows
 from dew.data.shards import Shards, expand_shards
@@ -112,12 +112,7 @@ class _ChatFiles:
         if given is not None and given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
             return read_chat_template(given)
         if given is not None:
-            tokens = {}
-            if isinstance(self.tokenizer, str | os.PathLike) and os.fspath(self.tokenizer) != "byte":
-                from dew.data.chat_template import special_tokens
-
-                tokens = special_tokens(_config_beside(self.tokenizer))
-            return ChatTemplate(given, tokens)
+            return ChatTemplate(given, tokens_beside(self.tokenizer))
         if not isinstance(self.tokenizer, str | os.PathLike) or os.fspath(self.tokenizer) == "byte":
             raise MalformedRecordError(
                 "This chat reader's tokenizer carries no chat template; give tokenizer= the folder of "
@@ -137,16 +132,6 @@ class _ChatFiles:
         from dew.data.chat_template import assistant_mask
 
         return np.asarray(ids, np.int32), assistant_mask(offsets, rendered.spans)
-
-
-def _config_beside(tokenizer: str | os.PathLike[str]) -> dict[str, Any]:
-    import json
-    from pathlib import Path
-
-    path = Path(tokenizer).expanduser()
-    folder = path if path.is_dir() else path.parent
-    config = folder / "tokenizer_config.json"
-    return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
 
 
 def _warn_truncated(count: int, first: str, limit: int, stacklevel: int = 3) -> None:

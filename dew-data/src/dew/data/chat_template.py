@@ -40,7 +40,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
 _Track = Callable[[list[str], list[tuple[int, int]]], AbstractContextManager[None]]
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "read_chat_template",
-           "special_tokens"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "chat_template_in",
+           "read_chat_template", "special_tokens", "tokens_beside"]
 
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -236,6 +236,24 @@ def special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def tokens_beside(tokenizer: object) -> dict[str, str]:
+    """The special tokens of the tokenizer_config.json beside a tokenizer path (its folder, or the
+    folder of its tokenizer.json); {} for "byte", a tokenizer object, or a folder without one."""
+    if not isinstance(tokenizer, str | os.PathLike) or os.fspath(tokenizer) == "byte":
+        return {}
+    path = Path(tokenizer).expanduser()
+    config = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
+    return special_tokens(json.loads(config.read_text(encoding="utf-8"))) if config.is_file() else {}
+
+
+def chat_template_in(folder: str | os.PathLike[str]) -> ChatTemplate | None:
+    """The chat template a tokenizer folder ships (as read_chat_template finds it), None when it
+    ships none; a template that does not parse is still refused."""
+    if _template_in(Path(folder).expanduser(), required=False) is None:
+        return None
+    return read_chat_template(folder)
+
+
 def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
     """The chat template shipped with a tokenizer.
 
@@ -252,13 +270,17 @@ def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
         folder = given if given.is_dir() else given.parent
         if not folder.is_dir():
             raise MissingFileError(f"The tokenizer path {os.fspath(path)!r} does not exist.")
-        source = _template_in(folder)
+        source = _template_in(folder, required=True)
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     return ChatTemplate(source, special_tokens(config))
 
 
-def _template_in(folder: Path) -> str:
+@overload
+def _template_in(folder: Path, *, required: Literal[True]) -> str: ...
+@overload
+def _template_in(folder: Path, *, required: bool) -> str | None: ...
+def _template_in(folder: Path, *, required: bool) -> str | None:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
@@ -272,6 +294,8 @@ def _template_in(folder: Path) -> str:
             value = named.get("default")
         if isinstance(value, str) and value.strip():
             return value
+    if not required:
+        return None
     raise ChatTemplateError(
         f"No chat template in {os.fspath(folder)!r}: it has no chat_template.jinja, and neither "
         f"tokenizer_config.json nor chat_template.json holds a chat_template. Pass chat_template= "

@@ -3,11 +3,19 @@
 Each JSONL line holds a prompt and a completion (``prompt_key``,
 ``completion_key``). A record becomes the ids of its prompt, then of its
 completion, then the end-of-document id; only the completion and the
-end-of-document id are scored (``loss_mask``). When the tokenizer carries a
-chat template (a ``transformers`` tokenizer with ``apply_chat_template`` and a
-``chat_template``), the prompt is rendered as a user turn followed by the
-assistant's generation prompt; otherwise ``template`` (``"{prompt}"`` by
-default) formats it.
+end-of-document id are scored (``loss_mask``).
+
+With a chat template (``chat_template``: its text or a ``.jinja`` file; else
+the one a tokenizer folder ships, in ``chat_template.jinja`` or
+``tokenizer_config.json``; else a ``transformers`` tokenizer's own) a record
+is the conversation of one user turn and one assistant turn: the prompt is
+what the template renders for the user turn with the assistant's generation
+prompt, the completion what the assistant turn adds after it, the
+template's end of turn included (TRL's reading of conversational
+prompt/completion records), and no end-of-document id is added. Without
+one, ``template`` (``"{prompt}"`` by default) formats the prompt. A
+``tokenizer.json`` path is the tokenizer alone: name its folder to use the
+template and end-of-document token published beside it.
 
 With ``pack`` (the default) records are laid end to end, first come first
 served, into rows of ``length + 1`` ids, each numbered in ``segment_ids``
@@ -40,6 +48,13 @@ import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer, Tokenizer
 from dew.data.base import prompt_ids as start_ids
+from dew.data.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    chat_template_in,
+    read_chat_template,
+    tokens_beside,
+)
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.packing import packed_rows
 from dew.data.sources import ArrayRecords, expand_files
@@ -82,7 +97,9 @@ class PromptCompletion:
 
     files are paths or globs of ``.jsonl`` files; length is the model's window
     (rows hold length + 1 ids, as TokenWindows' do); tokenizer is ``"byte"``,
-    a tokenizer.json path or an object with ``encode`` and ``eos_id``.
+    a tokenizer folder, a tokenizer.json path or an object with ``encode`` and
+    ``eos_id``; chat_template a chat template's text or ``.jinja`` file (a
+    tokenizer folder's own is used without it).
     """
 
     files: str | Sequence[str | os.PathLike[str]]
@@ -92,6 +109,7 @@ class PromptCompletion:
     completion_key: str = "completion"
     template: str = "{prompt}"
     pack: bool = True
+    chat_template: str | None = None
 
     def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
@@ -129,22 +147,44 @@ class PromptCompletion:
                 )
         return record[self.prompt_key], record[self.completion_key]
 
-    @staticmethod
-    def _templated(tokenizer: object) -> bool:
-        """Whether the tokenizer renders prompts with its own chat template (one from transformers)."""
-        return isinstance(tokenizer, _AppliesChatTemplate) and bool(tokenizer.chat_template)
+    def chat(self) -> ChatTemplate | None:
+        """The chat template records are rendered with: chat_template, else the tokenizer folder's;
+        None when there is neither (a transformers tokenizer renders its own: see turns)."""
+        given = self.chat_template
+        if given is not None and given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
+            return read_chat_template(given)
+        if given is not None:
+            return ChatTemplate(given, tokens_beside(self.tokenizer))
+        if isinstance(self.tokenizer, str | os.PathLike) and Path(self.tokenizer).expanduser().is_dir():
+            return chat_template_in(self.tokenizer)
+        return None
 
-    def render(self, tokenizer: object, prompt: str) -> str:
-        """The prompt as the model reads it: the tokenizer's chat template, or template."""
-        # A tokenizer from transformers may carry a chat template, and renders it itself.
-        if isinstance(tokenizer, _AppliesChatTemplate) and tokenizer.chat_template:
-            return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-        return self.template.format(prompt=prompt)
+    def turns(self, tokenizer: object, prompt: str, completion: str, where: str,
+              chat: ChatTemplate | None) -> tuple[str, str] | None:
+        """(prompt, completion) as a chat template renders the record's two turns; None when no
+        template applies."""
+        user = [{"role": "user", "content": prompt}]
+        both = [*user, {"role": "assistant", "content": completion}]
+        if chat is not None:
+            head, whole = chat.text(user, add_generation_prompt=True), chat.text(both)
+        elif isinstance(tokenizer, _AppliesChatTemplate) and tokenizer.chat_template:
+            # A tokenizer from transformers carries its chat template, and renders it itself.
+            head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            whole = tokenizer.apply_chat_template(both, tokenize=False, add_generation_prompt=False)
+        else:
+            return None
+        if not whole.startswith(head):
+            raise ChatTemplateError(
+                f"{where}: the chat template renders the user turn with its generation prompt as "
+                f"{head[-40:]!r}, which the whole conversation does not start with, so the "
+                "completion cannot be told from the prompt. Give chat_template= a template whose "
+                "generation prompt begins the assistant's turn.")
+        return head, whole[len(head):]
 
     def encoded(self) -> list[Encoded]:
         """Every record's ids and mask, fitted to a row (prompts cut from the front when needed)."""
         tokenizer = resolve_tokenizer(self.tokenizer)
+        chat = self.chat()
         limit = self.length + 1
         out = []
         for where, prompt, completion in self.pairs():
@@ -152,15 +192,20 @@ class PromptCompletion:
                 warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
                               "skipped.", NothingToScoreWarning, stacklevel=2)
                 continue
-            rendered = self.render(tokenizer, prompt)
-            # A chat template writes its own beginning-of-text token; other text starts as
-            # transformers starts it (the tokenizer's beginning-of-text id first, where it has one).
-            prompt_ids = _ids(tokenizer, rendered) if self._templated(tokenizer) else start_ids(tokenizer, rendered)
-            completion_ids = _ids(tokenizer, completion) + [int(tokenizer.eos_id)]
+            turns = self.turns(tokenizer, prompt, completion, where, chat)
+            if turns is not None:
+                # A chat template writes its own beginning-of-text token and ends the turn itself.
+                prompt_ids, completion_ids = _ids(tokenizer, turns[0]), _ids(tokenizer, turns[1])
+            else:
+                # Text starts as transformers starts it (the tokenizer's beginning-of-text id
+                # first, where it has one), and the completion ends with the end-of-document id.
+                prompt_ids = start_ids(tokenizer, self.template.format(prompt=prompt))
+                completion_ids = _ids(tokenizer, completion) + [int(tokenizer.eos_id)]
             if len(completion_ids) > limit:
                 raise CompletionTooLongError(
-                    f"{where}: the completion is {len(completion_ids)} tokens with its end-of-document "
-                    f"id, more than a row of length + 1 = {limit} holds. Raise length (the model's "
+                    f"{where}: the completion is {len(completion_ids)} tokens with its end (the "
+                    f"end-of-document id, or the chat template's end of turn), more than a row of "
+                    f"length + 1 = {limit} holds. Raise length (the model's "
                     "window) or shorten or drop this record."
                 )
             prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(completion_ids) - limit):]

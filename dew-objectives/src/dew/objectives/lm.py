@@ -34,8 +34,8 @@ import optax
 
 from dew.data.base import (  # what LMObjective needs of one to render previews
     Tokenizer,
-    eos_id_of,
     prompt_ids,
+    stop_ids_of,
 )
 from dew.errors import BatchKeyError, DewError
 from dew.nn.moe import MOE_COLLECTION, moe_statistics
@@ -218,7 +218,7 @@ class LMObjective(Objective):
         limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)  # any flax Module
         new = max(min(self.preview_tokens, limit - len(prompt)), 0)
         out = generate(self.model, variables, [prompt], new, key, self.preview_sampling,
-                       eos_id=eos_id_of(self.tokenizer))
+                       eos_id=stop_ids_of(self.tokenizer))
         return Artifact("sample", "text", self.prompt + self.tokenizer.decode(out.new_tokens[0]))
 
     def pipeline(self, state: TrainState | Variables, *,

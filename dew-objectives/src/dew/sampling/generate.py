@@ -10,6 +10,7 @@ a power of two), so calls with new prompts, keys or parameters reuse them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,7 @@ def generate(
     key: jax.Array,
     sampling: Sampling = Sampling(),
     *,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
     detokenize: Callable[[Sequence[int]], str] | None = None,
     config: EngineConfig | None = None,
@@ -115,8 +116,9 @@ def generate(
     params its full variables (``state.params``; partitioned boxes are
     accepted), prompts a list of token-id sequences, possibly of different
     lengths, or a 2-D array. key drives the random draws (unused when
-    sampling is greedy); row i draws with ``fold_in(key, i)``. With eos_id, a
-    row stops after producing it; with stop_strings (and detokenize, ids ->
+    sampling is greedy); row i draws with ``fold_in(key, i)``. With eos_id (an
+    id, or several: a checkpoint's eos_token_id list), a row stops after
+    producing one; with stop_strings (and detokenize, ids ->
     text) once its text contains one; it may then hold fewer than
     max_new_tokens new tokens. config overrides the engine's layout
     (default_config).
@@ -145,10 +147,12 @@ def generate(
     if max_new_tokens == 0:
         return Generation([list(row) for row in rows], tuple(lengths), (False,) * len(rows),
                           ((),) * len(rows))
-    engine = Engine(model, config or default_config(len(rows), limit, max_new_tokens),
-                    detokenize=detokenize)
+    stops = () if eos_id is None else tuple(int(i) for i in (eos_id if isinstance(eos_id, Sequence) else [eos_id]))
+    if config is None:
+        config = default_config(len(rows), limit, max_new_tokens)
+        config = dataclasses.replace(config, max_stop_tokens=max(config.max_stop_tokens, len(stops)))
+    engine = Engine(model, config, detokenize=detokenize)
     engine.set_params(params)
-    stops = () if eos_id is None else (int(eos_id),)
     for i, row in enumerate(rows):
         request = Request(tuple(row), max_new_tokens, sampling=sampling, stop_tokens=stops,
                           stop_strings=tuple(stop_strings))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
-from dew.data.base import eos_id_of, prompt_ids
+from dew.data.base import eos_id_of, prompt_ids, stop_ids_of
 from dew.objectives.inference import (
     Generated,
     GenerateRequest,
@@ -89,9 +89,10 @@ class TextGeneration(Pipeline):
         check_vocabulary(self.tokenizer, self.model)
 
     @property
-    def stop(self) -> int | None:
-        """The id that ends a continuation: stop_token, else the tokenizer's end-of-document id."""
-        return self.stop_token if self.stop_token is not None else eos_id_of(self.tokenizer)
+    def stops(self) -> tuple[int, ...]:
+        """The ids that end a continuation: stop_token, else the tokenizer's end-of-document id and
+        any other id its checkpoint lists (dew.data.base.stop_ids_of: Llama 3's <|eot_id|>)."""
+        return (self.stop_token,) if self.stop_token is not None else stop_ids_of(self.tokenizer)
 
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
@@ -103,7 +104,7 @@ class TextGeneration(Pipeline):
         ids = [self._ids(prompt) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
-                        sampling or self.sampling, eos_id=self.stop, stop_strings=tuple(stop),
+                        sampling or self.sampling, eos_id=self.stops, stop_strings=tuple(stop),
                         detokenize=lambda ids: self.tokenizer.decode(list(ids)))
 
     def _ids(self, prompt: str) -> list[int]:
@@ -119,8 +120,8 @@ class TextGeneration(Pipeline):
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                           stop=stop)
-        ended = self.stop
-        texts = [_cut(self.tokenizer.decode(row[:-1] if row and row[-1] == ended else row), stop)
+        ended = self.stops
+        texts = [_cut(self.tokenizer.decode(row[:-1] if row and row[-1] in ended else row), stop)
                  for row in out.new_tokens]
         return texts[0] if single else texts
 
