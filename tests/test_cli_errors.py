@@ -145,3 +145,11 @@ def test_jax_s_note_about_hidden_frames_is_left_out_of_dew_s_one_line():
     assert refusal("train", error).splitlines() == [
         "dew train: ValueError: the batch has no 'tokens'", "  The recipe's data.files names it.",
         "  (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)"]
+    # Grain's note about its data pipeline's frames names a flag dew has no option for.
+    error = ValueError("record 3 is damaged")
+    error.add_note("--------------------\nFor simplicity, Grain has removed its internal frames from the "
+                   "traceback of the following exception. Set --grain_py_traceback_filtering=off to "
+                   "include these.")
+    assert refusal("train", error).splitlines() == [
+        "dew train: ValueError: record 3 is damaged",
+        "  (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)"]

@@ -24,6 +24,9 @@ CHECKED = [
     ("tiny-distill", ["objective.teacher.emb_feature=64"],
      "objective.teacher.emb_feature: model 'causal_transformer' has no field 'emb_feature'"),
     ("tiny-sft", ["trainer.evaluate.0.evrey=5"], "did you mean 'every'?"),
+    ("tiny-sft", ["trainer.evaluate=[{task: multiple_choice, file: a.jsonl}, {task: multiple_choice, file: b.jsonl}]"],
+     "trainer.evaluate.1.label: trainer.evaluate entries 0 and 1 both log their scores as "
+     "eval/multiple_choice/..., so one would overwrite the other: give each a label of its own"),
 ]
 
 
@@ -43,6 +46,9 @@ STARTING = [
      "max_seq_len=128"),
     ("tiny-lm", ["data.load.val_fraction=1.5"],
      "dataset 'token_windows' refused the recipe's data.load (and data.batch) values: val_fraction must lie in"),
+    ("tiny-lm", ["data.tokenizer=5"],
+     "dataset 'token_windows' refused the recipe's data.tokenizer values: A tokenizer must have encode(text) "
+     "and eos_id; int 5 lacks encode."),
 ]
 
 

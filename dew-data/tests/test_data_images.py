@@ -94,3 +94,22 @@ def test_bad_inputs_name_the_path_split_or_column(saved, tmp_path):
     datasets.Dataset.from_dict({"image": []}, features=datasets.Features({"image": datasets.Image()})).save_to_disk(str(empty), num_shards=1)
     with pytest.raises(EmptyDatasetError, match="holds no records"):
         HFImages(dataset=str(empty)).load(batch=2)
+
+
+def test_a_file_that_is_no_image_is_named_when_its_batch_is_read(tmp_path, monkeypatch):
+    """An image folder with one damaged file read fine until that record's batch, then failed
+    with Pillow's traceback mid-run; the error names the file and what to do."""
+    from PIL import Image
+
+    from dew.data.images import UndecodableImageError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for label in ("cat", "dog"):
+        (tmp_path / label).mkdir()
+        for i, array in enumerate(make_images(3)):
+            Image.fromarray(array).save(tmp_path / label / f"{i}.png")
+    (tmp_path / "dog" / "broken.png").write_bytes(b"this is not a png at all")
+    stream = HFImages(dataset=str(tmp_path), size=8).load(batch=7).train(DataPartition())
+    with pytest.raises(UndecodableImageError, match=r"file .*dog/broken\.png\) is not an image Pillow "
+                                                    r"decodes.*Remove or replace it"):
+        next(stream)

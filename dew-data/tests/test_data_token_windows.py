@@ -180,3 +180,40 @@ def test_bad_inputs_name_the_file_the_key_or_the_sizes(tmp_path):
     (tmp_path / "some.txt").write_text("x" * 40)
     with pytest.raises(EmptyDatasetError, match=r"holds out 1 windows, fewer than one global batch of 8"):
         TokenWindows(files=[str(tmp_path / "some.txt")], length=3).load(batch=8, val_fraction=0.1)
+
+
+def test_a_null_text_is_no_document_and_a_non_string_or_non_utf8_line_is_named(tmp_path):
+    """A JSONL record's null text trained as the word 'None' (and a number as its digits); a
+    file that is not UTF-8 was blamed on data.load without its name or line."""
+    from dew.data.prompt_completion import PromptCompletion
+
+    files = tmp_path / "a.jsonl"
+    files.write_text("".join(json.dumps({"text": t}) + "\n" for t in (None, "", "real")))
+    assert TokenWindows(files=str(files), length=4).tokens().tolist() == [*b"real", 256]
+    files.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": 12345}) + "\n")
+    with pytest.raises(MalformedRecordError, match=r"'text' of line 2 of .*a\.jsonl' is a int, not a string"):
+        TokenWindows(files=str(files), length=4).tokens()
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(MalformedRecordError, match=r"Line 2 of .*latin\.jsonl' is not UTF-8 text .*byte 0xe9"):
+        TokenWindows(files=str(latin), length=4).tokens()
+    latin.write_bytes(b'{"prompt": "caf\xe9", "completion": "x"}\n')
+    with pytest.raises(MalformedRecordError, match=r"Line 1 of .*latin\.jsonl' is not UTF-8 text"):
+        PromptCompletion(files=str(latin), length=8).rows()
+
+
+def test_a_tokenizer_without_an_end_token_is_told_a_way_a_recipe_can_follow(tmp_path):
+    """The advice was eos_token=, which no reader's recipe section accepts; naming it in the
+    tokenizer_config.json beside the file, and giving the folder, is what a recipe can do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    plain = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "<stop>": 3}, unk_token="[UNK]"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    plain.save(str(folder / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("a b a")
+    with pytest.raises(MissingKeyError, match="as eos_token in a tokenizer_config.json beside it, then give the folder"):
+        TokenWindows(files=str(tmp_path / "a.txt"), length=2, tokenizer=str(folder / "tokenizer.json")).tokens()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<stop>"}))
+    assert TokenWindows(files=str(tmp_path / "a.txt"), length=2, tokenizer=str(folder)).tokens().tolist() == [1, 2, 1, 3]

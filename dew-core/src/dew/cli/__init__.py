@@ -161,17 +161,18 @@ def refusal(command: str, error: BaseException) -> str:
     from dew.recipes.errors import RecipeError
 
     notes = [f"  {note}" for note in getattr(error, "__notes__", ())  # set by add_note only
-             if not _jax_frames_note(note)]
+             if not _hidden_frames_note(note)]
     if isinstance(error, RecipeError):
         return "\n".join([f"dew {command}: {error}", *notes])
     return "\n".join([f"dew {command}: {type(error).__name__}: {error}", *notes,
                       f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)"])
 
 
-def _jax_frames_note(note: str) -> bool:
-    """Whether note is the one JAX adds to an exception raised under a trace, about the frames it
-    hid from the traceback: there is no traceback in dew's one line for it to speak of."""
-    return "JAX has removed its internal frames" in note
+def _hidden_frames_note(note: str) -> bool:
+    """Whether note is the one JAX (under a trace) or Grain (in a data pipeline) adds to an
+    exception about the frames it hid from the traceback: there is no traceback in dew's one line
+    for it to speak of, and its flag is no option of dew's."""
+    return "has removed its internal frames" in note
 
 
 def _writers_quiet() -> None:

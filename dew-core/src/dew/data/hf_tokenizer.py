@@ -71,8 +71,10 @@ class HFTokenizer:
         if eos_id is None:
             raise MissingKeyError(
                 f"The tokenizer {os.fspath(path)!r} has no end-of-document token among "
-                f"{list(candidates)}. Pass eos_token= with the token that ends a document in "
-                f"its vocabulary."
+                f"{list(candidates)}. Name the token that ends a document in its vocabulary: as "
+                f"eos_token in a tokenizer_config.json beside it, then give the folder as the "
+                f"tokenizer (a recipe's data.tokenizer), or from Python with "
+                f"HFTokenizer.from_file(path, eos_token=...)."
             )
         fingerprint = hashlib.sha256(file.read_bytes() + str(eos_id).encode()).hexdigest()
         return cls(tokenizer, int(eos_id), fingerprint)

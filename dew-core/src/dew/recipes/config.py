@@ -164,6 +164,14 @@ class RunConfig(pydantic.BaseModel):
                  for index, entry in enumerate(value.evaluate)
                  for sub, message in problems_of("evaluations", entry.task, entry.fields,
                                                  beside=("task", "every", "label"))]
+        first: dict[str, int] = {}
+        for index, entry in enumerate(value.evaluate):  # each logs under eval/<name>/...: one name each
+            if entry.name in first:
+                found.append((("evaluate", index, "label"), (
+                    f"trainer.evaluate entries {first[entry.name]} and {index} both log their scores "
+                    f"as eval/{entry.name}/..., so one would overwrite the other: give each a "
+                    "label of its own (label: arc).")))
+            first.setdefault(entry.name, index)
         if found:
             raise PydanticCustomError("dew_component", "{message}", {"message": found[0][1], "problems": found})
         return value

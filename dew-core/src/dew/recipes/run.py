@@ -34,7 +34,7 @@ from dew import registry
 from dew.data.base import TextReader
 from dew.errors import DewError
 from dew.placeholders import absolute, expand
-from dew.recipes.components import run_inputs
+from dew.recipes.components import refuse_values, run_inputs
 
 if TYPE_CHECKING:
     import os
@@ -74,9 +74,16 @@ class ScheduleReshapedWarning(UserWarning):
     """A resumed run's learning-rate schedule differs from the one its checkpoints trained with."""
 
 
-def _tokenizer(reader: Any) -> Tokenizer | None:
-    """The reader's tokenizer, when the reader encodes text (dew.data.base.TextReader)."""
-    return reader.text_tokenizer() if isinstance(reader, TextReader) else None
+def _tokenizer(reader: Any, section: str) -> Tokenizer | None:
+    """The reader's tokenizer, when the reader encodes text (dew.data.base.TextReader); a value
+    the reader cannot make one of (data.tokenizer=5) is refused naming the recipe's section."""
+    if not isinstance(reader, TextReader):
+        return None
+    try:
+        return reader.text_tokenizer()
+    except (ValueError, TypeError) as error:
+        refuse_values(error, f"dataset {section!r}", "data.tokenizer")
+        raise
 
 
 def build_objective(config: RunConfig, model: nn.Module | None, reader: Any,
@@ -88,7 +95,7 @@ def build_objective(config: RunConfig, model: nn.Module | None, reader: Any,
     (unless the recipe gives its own).
     """
     inputs = run_inputs(registry.objectives.load(config.objective.name))
-    tokenizer = _tokenizer(reader)
+    tokenizer = _tokenizer(reader, config.data.name)
     if tokenizer is not None and model is not None:
         from dew.pretrained import check_vocabulary
 
@@ -271,7 +278,7 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
         from dew.adapters.lora import adapters_only
 
         objective = adapters_only(objective)  # the base weights are frozen: one copy, no optimizer state
-    return Parts(model, reader, _tokenizer(reader), objective, dataset)
+    return Parts(model, reader, _tokenizer(reader, config.data.name), objective, dataset)
 
 
 def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> list[Periodic]:

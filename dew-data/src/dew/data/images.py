@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from dew.data.base import Dataset
-from dew.data.errors import EmptyDatasetError
+from dew.data.errors import EmptyDatasetError, MalformedRecordError
 from dew.data.sources import load_hf_dataset, require_column
 from dew.data.stream import record_dataset
 
@@ -29,7 +29,11 @@ if TYPE_CHECKING:
     import datasets
     from PIL import Image as PILImage
 
-__all__ = ["HFImages", "ImageRecords", "fit_image"]
+__all__ = ["HFImages", "ImageRecords", "UndecodableImageError", "fit_image"]
+
+
+class UndecodableImageError(MalformedRecordError):
+    """A record's image cannot be decoded (a damaged file, or not an image at all)."""
 
 
 def fit_image(image: PILImage.Image | np.ndarray | dict[str, Any], size: tuple[int, int], fit: Literal["crop", "resize"], mode: str) -> np.ndarray:
@@ -72,11 +76,28 @@ class ImageRecords:
         return len(self.data)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        row = self.data[int(index)]
-        out = {"image": fit_image(row[self.image_key], self.size, self.fit, self.mode)}
+        try:
+            row = self.data[int(index)]
+            out = {"image": fit_image(row[self.image_key], self.size, self.fit, self.mode)}
+        except OSError as error:  # Pillow's UnidentifiedImageError, a truncated file: named, not a traceback
+            raise UndecodableImageError(
+                f"Record {index} of the image dataset ({self._source(int(index))}) is not an image "
+                f"Pillow decodes ({type(error).__name__}: {error}). Remove or replace it, then resume "
+                "the run.") from None
         if self.label_key is not None:
             out["label"] = np.asarray(row[self.label_key], dtype=np.int32)
         return out
+
+    def _source(self, index: int) -> str:
+        """Where record index's image came from: its file, when the dataset kept the path."""
+        import datasets
+
+        try:
+            raw = self.data.cast_column(self.image_key, datasets.Image(decode=False))[index][self.image_key]
+        except Exception:  # noqa: BLE001 - only a better message is at stake
+            return "its file is not recorded"
+        path = raw.get("path") if isinstance(raw, dict) else None
+        return f"file {path}" if path else "stored in the dataset, without a file"
 
     def subset(self, indices: np.ndarray) -> ImageRecords:
         return ImageRecords(self.data.select(np.asarray(indices, dtype=np.int64)), self.image_key,

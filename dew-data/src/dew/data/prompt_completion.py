@@ -57,7 +57,7 @@ from dew.data.chat_template import (
 )
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.packing import packed_rows
-from dew.data.sources import ArrayRecords, expand_files
+from dew.data.sources import ArrayRecords, expand_files, utf8_lines
 from dew.data.stream import record_dataset
 from dew.data.token_windows import resolve_tokenizer, split_records
 
@@ -127,10 +127,9 @@ class PromptCompletion:
     def pairs(self) -> Iterator[tuple[str, str, str]]:
         """(where, prompt, completion) of every record, where being 'file:line'."""
         for path in expand_files(self.files):
-            with Path(path).open(encoding="utf-8") as handle:
-                for number, line in enumerate(handle, 1):
-                    if line.strip():
-                        yield (f"{path}:{number}", *self._pair(line, f"{path}:{number}"))
+            for number, line in utf8_lines(Path(path)):
+                if line.strip():
+                    yield (f"{path}:{number}", *self._pair(line, f"{path}:{number}"))
 
     def _pair(self, line: str, where: str) -> tuple[str, str]:
         try:

@@ -14,14 +14,20 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload, runtime_checkable
 
 import numpy as np
 
-from dew.data.errors import EmptyDatasetError, LoadingScriptError, MissingFileError, MissingKeyError
+from dew.data.errors import (
+    EmptyDatasetError,
+    LoadingScriptError,
+    MalformedRecordError,
+    MissingFileError,
+    MissingKeyError,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -33,6 +39,7 @@ __all__ = [
     "load_hf_dataset",
     "require_column",
     "stdlib_corpus",
+    "utf8_lines",
 ]
 
 
@@ -157,6 +164,20 @@ def expand_files(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[s
     if not files:
         raise EmptyDatasetError("No input files were given; pass at least one path or glob.")
     return files
+
+
+def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line of a text file, decoded a line at a time so a line that
+    is not UTF-8 is named (MalformedRecordError) instead of failing the whole read."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise MalformedRecordError(
+                    f"Line {number} of {os.fspath(path)!r} is not UTF-8 text ({error.reason}, byte "
+                    f"{raw[error.start]:#04x} at column {error.start + 1}); write the file as UTF-8."
+                ) from None
 
 
 def stdlib_corpus(limit_files: int | None = None) -> list[Path]:

@@ -39,7 +39,7 @@ import numpy as np
 from dew.data import window_cache
 from dew.data.base import Dataset, EosTokenizer, Tokenizer, WithEos, eos_id_of, vocab_size_of
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
-from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column
+from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column, utf8_lines
 from dew.data.stream import record_dataset
 from dew.data.window_cache import content_digest
 
@@ -86,8 +86,9 @@ def resolve_tokenizer(tokenizer: object) -> EosTokenizer:
     for needed, has in (("encode", _Encodes), ("eos_id", WithEos)):  # any object may be given: checked
         if not isinstance(tokenizer, has):
             raise TypeError(
-                f"A tokenizer must have encode(text) and eos_id; {type(tokenizer).__name__} lacks "
-                f"{needed}. Pass 'byte', a path to a tokenizer.json, or such an object."
+                f"A tokenizer must have encode(text) and eos_id; {type(tokenizer).__name__} "
+                f"{tokenizer!r:.40} lacks {needed}. Give 'byte', the path of a tokenizer folder or "
+                "tokenizer.json, or (from Python) such an object."
             )
     return cast(EosTokenizer, tokenizer)  # checked for what windows read (encode, eos_id); decode is the reader's
 
@@ -178,10 +179,10 @@ class TokenWindows:
     def _file_documents(self, path: Path) -> Iterator[str]:
         suffix = path.suffix.lower()
         if suffix in _JSON_SUFFIXES:
-            with path.open(encoding="utf-8") as handle:
-                for number, line in enumerate(handle, 1):
-                    if line.strip():
-                        yield self._json_text(line, path, number)
+            for number, line in utf8_lines(path):
+                text = self._json_text(line, path, number) if line.strip() else None
+                if text:  # a null or empty text is no document, as in Parquet and hf_text
+                    yield text
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -198,7 +199,7 @@ class TokenWindows:
             if text:
                 yield text
 
-    def _json_text(self, line: str, path: Path, number: int) -> str:
+    def _json_text(self, line: str, path: Path, number: int) -> str | None:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
@@ -212,7 +213,13 @@ class TokenWindows:
                 f"Line {number} of {os.fspath(path)!r} has no key {self.text_key!r} (it has {keys}). "
                 f"Pass text_key= with the field that holds the text."
             )
-        return str(record[self.text_key])
+        text = record[self.text_key]
+        if text is not None and not isinstance(text, str):
+            raise MalformedRecordError(
+                f"The {self.text_key!r} of line {number} of {os.fspath(path)!r} is a "
+                f"{type(text).__name__}, not a string; point text_key= at the text, or write it as one."
+            )
+        return text
 
     # -- tokens and windows -------------------------------------------------------------------
     def tokens(self, tokenizer: EosTokenizer | None = None) -> np.ndarray:
