@@ -92,6 +92,16 @@ def test_a_short_run_logs_ten_times_and_its_last_step(trained: Trained) -> None:
     assert re.search(r"^step 20: loss \d", out, re.M) and re.search(r"^step 22: loss \d", trained.again.stdout, re.M)
 
 
+def test_a_closed_pipe_ends_dew_eval_quietly(trained: Trained, cache: Path) -> None:
+    """`dew eval RUN | head -2`: eval prints inside the block that turns bad input into one line,
+    and a closed pipe is an OSError, so it said "dew eval: [Errno 32] Broken pipe" with status 2."""
+    process = subprocess.Popen([str(DEW), "eval", str(trained.run), "--split", "train", "--batches", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=trained.root, env=_env(cache))
+    process.stdout.close()  # the reader is gone before eval prints its first line
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 141 and not err.strip(), err.decode()
+
+
 def test_rerunning_a_fixed_folder_says_it_resumes_and_how_to_start_fresh(trained: Trained) -> None:
     lines = [line for line in trained.again.stdout.splitlines() if "runs/fixed" in line and "Resum" in line]
     assert lines == ["Resuming runs/fixed at step 20 (its checkpoints trained with trainer.steps=20), to step "

@@ -42,3 +42,16 @@ def test_bad_recipe_exits_2_naming_the_path(tmp_path, capsys):
     assert "No recipe file" in capsys.readouterr().err
 
 
+
+
+def test_generate_inputs_after_an_option_are_inputs_too(monkeypatch, capsys):
+    """`dew generate RUN --step 3 "1+1="`: argparse alone stops the trailing prompts at the first option."""
+    import dew.cli.generate
+
+    seen: dict = {}
+    monkeypatch.setattr(dew.cli.generate, "run", lambda args: seen.update(vars(args)) or 0)
+    assert main(["generate", "runs/x", "--step", "3", "1+1=", "--count", "2", "2+2="]) == 0
+    assert seen["inputs"] == ["1+1=", "2+2="] and seen["step"] == 3 and seen["count"] == 2
+    with pytest.raises(SystemExit) as stopped:
+        main(["generate", "runs/x", "1+1=", "--no-such-flag"])
+    assert stopped.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

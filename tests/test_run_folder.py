@@ -84,3 +84,24 @@ def test_a_write_that_failed_asks_for_a_writable_directory_only_of_a_directory_f
     assert _field_note("trackers.0.directory", tmp_path, refused) == (
         "The recipe's trackers.0.directory names it: point trackers.0.directory at a directory this process "
         "can write.")
+
+
+def test_a_moved_or_copied_folder_keeps_its_trackers_writing_beside_its_checkpoints(tmp_path, monkeypatch):
+    """Resumed after a move, the scalars went back to the old path while the checkpoints stayed
+    in the folder; after a copy, into the original run's own journal."""
+    import shutil
+
+    folder = _run_folder(tmp_path, "trackers+={name: local, directory: shared/tb}")
+    (folder / STARTED).write_text(json.dumps({"timestamp": "2026-01-02_03:04:05", "cwd": str(tmp_path)}))
+    monkeypatch.chdir(tmp_path)
+    config, _ = resumed(folder)  # where it started: nothing moves
+    assert [t.fields["directory"] for t in config.trackers] == ["runs/tiny-lm/{timestamp}", "shared/tb"]
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(folder, moved)
+    config, where = resumed(moved)
+    assert config.trackers[0].fields["directory"] == str(moved)  # it wrote into the run's folder: it follows
+    assert config.trackers[1].fields["directory"] == "shared/tb"  # outside it: where the recipe put it
+    assert config.trainer.checkpoint_dir == str(moved) and moved in where.directories(config)
+    assert folder not in where.directories(config)
+    given = resumed(moved, [f"trackers.0.directory={tmp_path / 'mine'}"])[0]  # an override still wins
+    assert given.trackers[0].fields["directory"] == str(tmp_path / "mine")

@@ -178,6 +178,10 @@ def test_pixel_generate_writes_a_grid_and_refuses_what_the_model_cannot_take(tmp
         extra = {"max_new_tokens": 3} if "max" in message else {}
         with pytest.raises(UnsupportedRequestError, match=message):
             pipeline.generate(GenerateRequest(asked, out=tmp_path, **extra))
+    # Unconditional samples of a conditional model have no condition for a guidance scale to weigh:
+    # at 3 and at 1 they came out the same, pixel for pixel.
+    with pytest.raises(UnsupportedRequestError, match="^--guidance weighs a condition against none"):
+        pipeline.generate(GenerateRequest(guidance=3.0, out=tmp_path))
     free = DiffusionObjective(_dit(0), sample_steps=2)
     plain = free.pipeline(nn.meta.unbox(free.init(jax.random.key(0))))
     with pytest.raises(UnsupportedRequestError, match="cannot condition this model: .*unconditional"):

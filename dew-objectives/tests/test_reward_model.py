@@ -84,6 +84,12 @@ def test_loss_and_gradient_equal_bradley_terry():
     r_r = _score_by_hand(model, variables["params"], pairs["rejected"], pairs["rejected_mask"])
     np.testing.assert_allclose(metrics["accuracy"].value, np.mean(np.asarray(r_c > r_r)), rtol=1e-6)
     np.testing.assert_allclose(metrics["margin"].value, np.mean(np.asarray(r_c - r_r)), rtol=1e-4, atol=1e-6)
+    # Validation and `dew eval` report every score docs/weights.md lists, each reduced from evaluate.
+    outputs = objective.evaluate(variables, batch, step())
+    reported = {metric.name: metric.result(metric.update(metric.empty(), outputs)) for metric in objective.metrics()}
+    assert set(reported) == {"loss", "accuracy", "margin", "chosen_score", "rejected_score"}
+    np.testing.assert_allclose(reported["chosen_score"], np.mean(np.asarray(r_c)), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(reported["rejected_score"], np.mean(np.asarray(r_r)), rtol=1e-4, atol=1e-6)
 
 
 def test_the_pipeline_scores_text_at_its_last_token_whatever_the_padding():

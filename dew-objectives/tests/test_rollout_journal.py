@@ -28,7 +28,7 @@ from dew.rewards import ExactMatch
 from dew.testing.processes import shared_compilation_cache
 from dew.tracking.local import LocalTracker
 from dew.training.feed import ReplayMismatchWarning
-from dew.training.rollout_journal import ROLLOUTS, read_journal
+from dew.training.rollout_journal import read_journal
 
 pytestmark = pytest.mark.slow
 
@@ -209,7 +209,11 @@ def test_rescore_refuses_in_one_line(whole, tmp_path, capsys):
     from dew.cli import main
 
     directory, _, _ = whole
-    cases = [([str(tmp_path), "reward=exact_match"], ROLLOUTS), ([str(directory)], "reward=NAME"),
+    (tmp_path / "images").mkdir()  # a run whose rollout samples no text (FlowGRPO's) keeps no journal
+    (tmp_path / "images" / "run.json").write_text("{}")
+    cases = [([str(tmp_path), "reward=exact_match"], "Point at that directory"),
+             ([str(tmp_path / "images"), "reward=exact_match"], "kept no rollout journal (rollouts.jsonl): "
+              "only a rollout that samples text"), ([str(directory)], "reward=NAME"),
              ([str(directory), "reward=no_such_reward"], "no_such_reward"),
              ([str(directory), "temperature=2"], "reward.FIELD=VALUE")]
     for arguments, named in cases:

@@ -116,6 +116,11 @@ def _main(argv: Sequence[str] | None) -> int:
     if isinstance(getattr(args, "overrides", None), list) and overrides:  # only commands that take overrides
         args.overrides.extend(overrides)
         extra = [item for item in extra if item not in overrides]
+    # The same for a command's trailing inputs (`dew generate RUN --step 3 "1+1="`), where it names them.
+    trailing = getattr(args, "_trailing", None)
+    if trailing is not None and extra:
+        getattr(args, trailing).extend(item for item in extra if not item.startswith("-"))
+        extra = [item for item in extra if item.startswith("-")]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_run", None):  # argparse sets it only when a command was chosen

@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*", metavar="INPUT",
                         help="prompts, or class labels: what the run's model takes (none: "
                              "unconditional samples)")
+    parser.set_defaults(_trailing="inputs")  # inputs after an option are inputs too (dew.cli.main)
     parser.add_argument("--count", type=int, default=None,
                         help="samples per input (or in all, without inputs)")
     parser.add_argument("--steps", type=positive, default=None, help="sampler steps (diffusion)")

@@ -20,7 +20,10 @@ def refused(command: str, error: BaseException | str) -> int:
 
 
 def expected(error: BaseException) -> bool:
-    """An error a command reports in one line: dew's own (its message says what to do) or bad input."""
+    """An error a command reports in one line: dew's own (its message says what to do) or bad input.
+    A closed pipe is not one: dew.cli.main ends the command quietly with 141."""
+    if isinstance(error, BrokenPipeError):
+        return False
     return type(error).__module__.split(".")[0] == "dew" or isinstance(error, ValueError | OSError)
 
 

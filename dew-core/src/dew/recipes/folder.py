@@ -145,7 +145,9 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     except (OSError, ValueError) as error:
         raise NotARunFolderError(f"{shown(saved)} cannot be read as a run's recipe ({error}).") from None
     template = (data.get("trainer") or {}).get("checkpoint_dir") if isinstance(data, dict) else None
-    data = apply_overrides(data, [*overrides, f"trainer.checkpoint_dir={directory}"])
+    timestamp, cwd = origin(directory, template)
+    followed = _followed(data, template, timestamp, cwd, directory)
+    data = apply_overrides(data, [*followed, *overrides, f"trainer.checkpoint_dir={directory}"])
     hidden = _redacted(data)
     if hidden:
         raise RecipeError(
@@ -153,8 +155,33 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
             f"down; give them again: {resume_command(directory)} "
             + " ".join(f"{key}=..." for key in hidden))
     config = RunConfig.parse(data, str(saved))
-    timestamp, cwd = origin(directory, template)
     return config, RunFolder(directory, timestamp, cwd, resumed=True)
+
+
+def _followed(data: object, template: object, timestamp: str | None, cwd: Path, directory: Path) -> list[str]:
+    """Overrides that keep each tracker writing inside the run's folder where the folder is now.
+
+    A folder moved or copied since the run started still names its old path in its trackers'
+    directories: resumed, its scalars went back there (into the original's journal, for a copy)
+    while its checkpoints stayed here. A tracker directory inside the folder the run started in
+    follows the folder; one elsewhere stays where the recipe put it.
+    """
+    if not isinstance(data, dict) or not isinstance(template, str) or "://" in template:
+        return []
+    if timestamp is None and "{timestamp}" in template:
+        return []
+    started = _absolute(_expand(template, timestamp or ""), cwd)
+    if started == directory:
+        return []
+    out = []
+    for index, tracker in enumerate(data.get("trackers") or []):
+        where = tracker.get("directory") if isinstance(tracker, dict) else None
+        if not isinstance(where, str) or "://" in where:
+            continue
+        path = _absolute(_expand(where, timestamp or ""), cwd)
+        if path == started or started in path.parents:
+            out.append(f"trackers.{index}.directory={directory / path.relative_to(started)}")
+    return out
 
 
 # -- training in a folder -----------------------------------------------------------------------

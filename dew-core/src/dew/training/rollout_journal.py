@@ -160,6 +160,11 @@ def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | 
     """read_journal's rollouts, and the step of the journal's last checkpoint line (file order), in
     one pass over the file: its lines carry every batch, so it is read once."""
     path = Path(directory) / ROLLOUTS
+    if not path.is_file() and (Path(directory) / "run.json").is_file():
+        raise RolloutJournalError(
+            f"The run in {str(directory)!r} kept no rollout journal ({ROLLOUTS}): only a rollout that "
+            "samples text (GRPO's, PPO's) journals what it sampled; this run's objective samples none "
+            "(FlowGRPO draws images), or its journal was removed.")
     if not path.is_file():
         raise RolloutJournalError(
             f"{str(directory)!r} holds no {ROLLOUTS}: a run writes its rollout journal in its checkpoint "

@@ -187,6 +187,10 @@ class PixelPipeline(_Saved):
         """count samples per input (8 unconditioned when none is given), written under request.out."""
         self.check(request)
         conditions = self.conditions_of(request.inputs)
+        if request.guidance is not None and not conditions:
+            raise UnsupportedRequestError(
+                "--guidance weighs a condition against none, and unconditional samples have no "
+                f"condition to weigh: give inputs with it, or leave it out. {self.describe()}.")
         count = request.count or (1 if conditions else 8)
         asked = [c for c in conditions for _ in range(count)]
         rows = len(asked) or count

@@ -161,8 +161,9 @@ class RewardModelObjective(Objective):
         return Mean.of(losses), Aux(metrics=metrics)
 
     def metrics(self) -> tuple[Metric, ...]:
-        """The validation metrics: the loss and the pair accuracy and margin."""
-        return (MeanMetric("loss"), MeanMetric("accuracy"), MeanMetric("margin"))
+        """The validation metrics: the loss, the pair accuracy and margin, and both sides' mean scores."""
+        return (MeanMetric("loss"), MeanMetric("accuracy"), MeanMetric("margin"),
+                MeanMetric("chosen_score"), MeanMetric("rejected_score"))
 
     def pipeline(self, state: TrainState | Variables) -> RewardScoring:
         """Score texts with state's weights (a TrainState or a variables tree; the EMA copy when kept)."""
