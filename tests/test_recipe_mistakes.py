@@ -14,6 +14,12 @@ CHECKED = [
     ("digits-diffusion", ["model.patch_size=3"], "model.patch_size: image_size=8 is not divisible by patch_size=3"),
     ("tiny-lm", ["optimizer.eps=0"], "optimizer.eps: Input should be greater than 0"),
     ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),
+    # Fields the solver or schedule does not read: accepted, they changed nothing (bitwise).
+    ("tiny-lm", ["optimizer.solver=sgd", "optimizer.b2=0.5"], "b2 applies to adamw and lion, not sgd"),
+    ("tiny-lm", ["optimizer.solver=lion", "optimizer.eps=0.5"], "eps applies to adamw and adafactor, not lion"),
+    ("tiny-lm", ["optimizer.nesterov=true"], "nesterov applies to sgd, not adamw"),
+    ("tiny-lm", ["optimizer.schedule=constant", "optimizer.end_factor=0.5"],
+     "decay_steps and end_factor shape a decay, and schedule='constant' has none"),
     ("tiny-lm", ["trainer.steps=2", "trainer.accumulation=3"],
      "trainer.accumulation: 3 microbatches make one optimizer update, but trainer.steps=2 stops before the first"),
     ("tiny-lm-lora", ["quantization.dtype=int8"], "quantization: set beside lora, where it would be ignored"),

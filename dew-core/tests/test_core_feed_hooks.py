@@ -4,6 +4,7 @@ contribute, checkpoint URLs, batch edges and fit's exit paths."""
 from __future__ import annotations
 
 import itertools
+import re
 import warnings
 
 import jax
@@ -424,3 +425,36 @@ def test_a_streak_of_rejected_steps_stops_the_run_without_waiting_for_a_log_step
     with pytest.raises(NonFiniteLossError, match=r"Step 8 was the 5th step in a row"):
         trainer.fit(numbered(poisoned), steps=2000, log_every=1000)
     assert len(drawn) < 40, len(drawn)  # before: every batch up to the log step at 1000
+
+
+def test_the_logged_learning_rate_is_the_one_each_update_applied():
+    """optax reads the schedule at the update count before an update; train/lr read it at the
+    count after, one update ahead: a warmup's first rate (0) was never logged."""
+    from dew.training.optim import OptimizerConfig, build_optimizer
+
+    optimizer = build_optimizer(OptimizerConfig(solver="sgd", learning_rate=0.3, warmup_steps=3))
+    tracker = Recorder()
+    trainer = Trainer(Linear(), optimizer, key=jax.random.key(0), tracker=tracker)
+    start = trainer.initial_state()
+    first = trainer.fit(numbered(), steps=1, log_every=1)
+    assert tracker.values("train/lr") == [0.0]  # and the first update indeed moved nothing
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(first.params),
+                                                  strict=True))
+    tracker = Recorder()
+    Trainer(Linear(), optimizer, key=jax.random.key(0), tracker=tracker).fit(numbered(), steps=4, log_every=1)
+    np.testing.assert_allclose(tracker.values("train/lr"), [0.0, 0.1, 0.2, 0.3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("arguments, said", [
+    ({"steps": -2}, "steps is the step count to train to, at least 0; got -2"),
+    ({"steps": 5, "checkpoint_every": 0}, "checkpoint_every must be at least 1 (None turns it off), got 0"),
+    ({"steps": 5, "eval_every": 0}, "eval_every must be at least 1 (None turns it off), got 0"),
+    ({"steps": 5, "log_every": 0}, "log_every must be at least 1, got 0"),
+])
+def test_fit_refuses_a_negative_step_count_and_an_interval_below_one(arguments, said):
+    """A recipe's Cadence refuses these; fit ran an interval of 0 as "never" and returned at once
+    for a negative step count."""
+    from dew.training.cadence import CadenceError
+
+    with pytest.raises(CadenceError, match=re.escape(said)):
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(numbered(), **arguments)

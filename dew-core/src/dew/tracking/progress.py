@@ -248,9 +248,11 @@ class Progress:
         if self.rejected_streak >= self.limit:
             raise NonFiniteLossError(
                 f"Step {done} was the {self.rejected_streak}th step in a row with a non-finite loss "
-                f"or gradient (loss {loss}); each was rejected, so the state holds "
-                "the last finite update. Lower the learning rate, check the data, or enable "
-                "dynamic_scale for low-precision training."
+                f"or gradient (loss {loss}); each was rejected, so the state holds the last "
+                "finite update, whose weights may already be where training diverged. Lower the "
+                "learning rate or check the data (a resume keeps the weights: if its steps fail "
+                "again, start fresh), or, for low-precision training, start a new run with "
+                "trainer.dynamic_scale=true (a resume keeps the loss scaler it was trained with)."
             )
 
     def compiled(self, seconds: float, at: float | None = None) -> None:
@@ -288,7 +290,10 @@ class Progress:
         scalars = {_conventional(k): float(np.asarray(v)) for k, v in host.items()
                    if k not in ("finite", "updates")}
         if self.schedule is not None and "updates" in host:
-            scalars["train/lr"] = float(np.asarray(self.schedule(int(np.asarray(host["updates"])))))
+            # The rate of the latest update: optax reads the schedule at the count before it, so
+            # the count after it (what the step returns) is the next update's.
+            latest = max(int(np.asarray(host["updates"])) - 1, 0)
+            scalars["train/lr"] = float(np.asarray(self.schedule(latest)))
         span = self._span(done, now)
         if span is not None:
             steps, seconds = span

@@ -127,6 +127,20 @@ class OptimizerConfig(pydantic.BaseModel):
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> OptimizerConfig:
+        # A field the solver or schedule does not read is refused: accepted, it changed nothing.
+        unread = [name for name, value, readers in (
+            ("b1", self.b1, ("adamw", "lion")), ("b2", self.b2, ("adamw", "lion")),
+            ("eps", self.eps, ("adamw", "adafactor")), ("nesterov", self.nesterov or None, ("sgd",)),
+        ) if value is not None and self.solver not in readers]
+        if unread:
+            readers = {"b1": "adamw and lion", "b2": "adamw and lion", "eps": "adamw and adafactor",
+                       "nesterov": "sgd"}
+            raise ValueError("; ".join(f"{name} applies to {readers[name]}, not {self.solver}" for name in unread)
+                             + ": leave it out, or choose a solver that reads it.")
+        if self.schedule == "constant" and (self.decay_steps is not None or self.end_factor != 0.0):
+            raise ValueError(
+                "decay_steps and end_factor shape a decay, and schedule='constant' has none: set "
+                "schedule to cosine or linear, or leave them out.")
         if self.nesterov and self.solver == "sgd" and self.momentum is None:
             raise ValueError("nesterov=True needs a momentum; set momentum (for example 0.9).")
         if self.momentum is not None and self.solver not in ("sgd", "adafactor"):

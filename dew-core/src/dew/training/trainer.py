@@ -25,7 +25,7 @@ from dew.tracking.directories import check_directories
 from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.tracking.protocol import Tracker
 from dew.training import hooks, loop
-from dew.training.cadence import log_interval
+from dew.training.cadence import check_cadence, log_interval
 from dew.training.config import TrainerSettings
 from dew.training.evaluation import Evaluator
 from dew.training.execution import CompiledStep, Execution, execution_for
@@ -168,6 +168,7 @@ class Trainer(Generic[Loss, Effects]):
             checkpoint_every: int | None = None, metrics: Sequence[Metric] = (), preview: bool = False) -> TrainState:
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
         steps = int(steps)
+        check_cadence(steps, log_every, eval_every, checkpoint_every)
         every = log_interval(steps, log_every)  # a run shorter than log_every still logs
         schedule = self.optimizer.schedule if isinstance(self.optimizer, ConfiguredOptimizer) else None
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch, log_every=every,
