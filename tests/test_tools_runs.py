@@ -283,6 +283,13 @@ def test_a_run_without_a_ledger_says_the_audit_needs_one(tmp_path, capsys):
     code, _, err = _dew(["audit", str(tmp_path)], capsys)
     assert code == 2
     assert err.count("\n") == 1 and "holds no data ledger (ledger.jsonl), and an audit needs one" in err
+    # A recipe's folder of {timestamp} runs is no run: resuming it (the advice above) cannot work.
+    run = tmp_path / "runs" / "tiny-lm" / "2026-12-04_21-33-45"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    code, _, err = _dew(["audit", str(tmp_path / "runs" / "tiny-lm")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is not a run's folder (it holds no run.json)" in err
+    assert f"Its runs: {run}." in err and "Resume" not in err
 
 
 def test_a_ledger_that_proves_nothing_is_refused_in_one_line(tmp_path, capsys):

@@ -97,6 +97,11 @@ def test_an_export_the_disk_refuses_is_one_line_and_keeps_the_earlier_one(tmp_pa
     assert "replaced" not in capsys.readouterr().out
     assert main(["export", str(source), str(out)]) == 0  # an earlier export is replaced, and said to be
     assert capsys.readouterr().out.splitlines()[-1] == f"(it replaced the export {out} held before)"
+    mine = tmp_path / "mine"  # a folder of others' files, written into with --force, held no export
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    assert main(["export", str(source), str(mine), "--force"]) == 0
+    assert "replaced" not in capsys.readouterr().out and (mine / "notes.txt").read_text() == "kept"
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     child = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, str(source), str(out)], capture_output=True,

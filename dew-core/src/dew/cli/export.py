@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
                                  "dew's layout.")
     out = Path(args.out).absolute()
     try:
-        check_out(out, force=args.force)  # refused before the run is read
-        replaced = out.is_dir() and any(out.iterdir())
+        foreign = check_out(out, force=args.force)  # refused before the run is read
+        # An earlier export is what dew wrote there; others' files (kept under --force) are none.
+        replaced = out.is_dir() and any(entry.name not in foreign for entry in out.iterdir())
         opened = open_run(args.run, step=args.step)
         lora = None if opened.config is None else opened.config.lora
         if args.adapters and lora is None:

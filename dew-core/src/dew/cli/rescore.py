@@ -6,8 +6,8 @@ each step's completions, prompts and records back and scores them with
 another registered reward, without loading or running the model: whether a
 stricter or a differently shaped reward would have ranked the same samples
 otherwise. It prints, per step, the mean reward the run trained on beside
-the mean of the new one, and with ``--out`` writes every completion's new
-score as JSON lines (``step``, ``round``, ``rewards``).
+the mean of the new one, and with ``--out`` writes the new scores as JSON
+lines, one per step's round (``step``, ``round``, ``reward``, ``rewards``).
 
 Steps are numbered as the run's scalars and ledger number them (the count of
 steps done). Only the steps the run's last checkpoint kept are scored: a
@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the registered reward to score with (reward=NAME), and its fields "
                              "(reward.FIELD=VALUE, the value read as YAML)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="write every completion's new score here, as JSON lines")
+                        help="write the new scores here as JSON lines, one per step's round (step, round, "
+                             "the mean reward, every completion's rewards)")
 
 
 def parse_reward(items: Sequence[str]) -> dict[str, Any]:
