@@ -29,15 +29,17 @@ class CadenceError(DewError, ValueError):
     """Trainer.fit was given a step count below 0 or an interval below 1."""
 
 
-def check_cadence(steps: int, log_every: int, eval_every: int | None, checkpoint_every: int | None) -> None:
-    """Refuse what a recipe's Cadence refuses when fit is called directly: an interval of 0 ran as
-    "never" (None says that), and a negative step count returned without a word."""
+def check_cadence(steps: int, log_every: int, eval_every: int | None, checkpoint_every: int | None) -> int:
+    """steps, once fit's arguments are in range: what a recipe's Cadence refuses is refused when fit
+    is called directly (an interval of 0 ran as "never", which None says, and a negative step count
+    returned without a word)."""
     if steps < 0:
         raise CadenceError(f"steps is the step count to train to, at least 0; got {steps}.")
     for name, value in (("log_every", log_every), ("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
         if value is not None and value < 1:
             off = "" if name == "log_every" else " (None turns it off)"
             raise CadenceError(f"{name} must be at least 1{off}, got {value}.")
+    return steps
 
 
 class FitArguments(TypedDict):

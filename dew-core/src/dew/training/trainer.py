@@ -167,8 +167,7 @@ class Trainer(Generic[Loss, Effects]):
     def fit(self, dataset: Dataset, *, steps: int, log_every: int = 100, eval_every: int | None = None,
             checkpoint_every: int | None = None, metrics: Sequence[Metric] = (), preview: bool = False) -> TrainState:
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
-        steps = int(steps)
-        check_cadence(steps, log_every, eval_every, checkpoint_every)
+        steps = check_cadence(int(steps), log_every, eval_every, checkpoint_every)
         every = log_interval(steps, log_every)  # a run shorter than log_every still logs
         schedule = self.optimizer.schedule if isinstance(self.optimizer, ConfiguredOptimizer) else None
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch, log_every=every,
