@@ -197,6 +197,10 @@ def test_a_null_text_is_no_document_and_a_non_string_or_non_utf8_line_is_named(t
     latin.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(MalformedRecordError, match=r"Line 2 of .*latin\.jsonl' is not UTF-8 text .*byte 0xe9"):
         TokenWindows(files=str(latin), length=4).tokens()
+    image = tmp_path / "picture.png"  # a glob that picked up a binary file: its bytes were tokenized
+    image.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(MalformedRecordError, match=r"picture\.png' holds NUL bytes, so it is no text file"):
+        TokenWindows(files=str(image), length=4).tokens()
     latin.write_bytes(b'{"prompt": "caf\xe9", "completion": "x"}\n')
     with pytest.raises(MalformedRecordError, match=r"Line 1 of .*latin\.jsonl' is not UTF-8 text"):
         PromptCompletion(files=str(latin), length=8).rows()

@@ -195,7 +195,13 @@ class TokenWindows:
             for batch in parquet.iter_batches(columns=[self.text_key], batch_size=4096):
                 yield from (text for text in batch.column(0).to_pylist() if text)
         else:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            raw = path.read_bytes()
+            if b"\x00" in raw:  # an image or archive a glob picked up: tokenized, it is noise
+                raise MalformedRecordError(
+                    f"{os.fspath(path)!r} holds NUL bytes, so it is no text file (an image or an "
+                    "archive, say); narrow data.files to the text, or give Parquet or JSONL its suffix."
+                )
+            text = raw.decode("utf-8", errors="replace")  # a stray bad byte in text is replaced
             if text:
                 yield text
 
