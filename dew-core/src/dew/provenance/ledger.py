@@ -88,12 +88,14 @@ def read_ledger(run: str | Path) -> Ledgered:
     if not Path(run).is_dir():
         raise LedgerMissingError(f"{Path(run)} does not exist or is not a directory; give dew audit the "
                                  "directory dew train wrote (trainer.checkpoint_dir).")
-    if not path.is_file() and not (Path(run) / "run.json").is_file():
-        inside = sorted(str(child) for child in Path(run).iterdir() if (child / "run.json").is_file())
+    from dew.training.config import RUN_FILE
+
+    if not path.is_file() and not (Path(run) / RUN_FILE).is_file():
+        inside = sorted(str(child) for child in Path(run).iterdir() if (child / RUN_FILE).is_file())
         where = f" Its runs: {', '.join(inside[-3:])}{' (the newest three)' if len(inside) > 3 else ''}." \
             if inside else ""
         raise LedgerMissingError(
-            f"{Path(run)} is not a run's folder (it holds no run.json): give dew audit the folder dew "
+            f"{Path(run)} is not a run's folder (it holds no {RUN_FILE}): give dew audit the folder dew "
             f"train printed for the run, a recipe's {{timestamp}} folder included.{where}")
     if not path.is_file():
         raise LedgerMissingError(

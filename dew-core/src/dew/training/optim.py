@@ -81,6 +81,11 @@ class ParamGroup(pydantic.BaseModel):
         return (value,) if isinstance(value, str) else value
 
 
+# The solvers that read each optional field (_solver); on any other, a value set changes nothing.
+_READ_BY: dict[str, tuple[str, ...]] = {"b1": ("adamw", "lion"), "b2": ("adamw", "lion"),
+                                        "eps": ("adamw", "adafactor"), "nesterov": ("sgd",)}
+
+
 class OptimizerConfig(pydantic.BaseModel):
     """What ``build_optimizer`` builds.
 
@@ -128,15 +133,12 @@ class OptimizerConfig(pydantic.BaseModel):
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> OptimizerConfig:
         # A field the solver or schedule does not read is refused: accepted, it changed nothing.
-        unread = [name for name, value, readers in (
-            ("b1", self.b1, ("adamw", "lion")), ("b2", self.b2, ("adamw", "lion")),
-            ("eps", self.eps, ("adamw", "adafactor")), ("nesterov", self.nesterov or None, ("sgd",)),
-        ) if value is not None and self.solver not in readers]
+        unread = [name for name, readers in _READ_BY.items()  # None (and nesterov's False) is unset
+                  if getattr(self, name) is not None and getattr(self, name) is not False
+                  and self.solver not in readers]
         if unread:
-            readers = {"b1": "adamw and lion", "b2": "adamw and lion", "eps": "adamw and adafactor",
-                       "nesterov": "sgd"}
-            raise ValueError("; ".join(f"{name} applies to {readers[name]}, not {self.solver}" for name in unread)
-                             + ": leave it out, or choose a solver that reads it.")
+            raise ValueError("; ".join(f"{name} applies to {' and '.join(_READ_BY[name])}, not {self.solver}"
+                                       for name in unread) + ": leave it out, or choose a solver that reads it.")
         if self.schedule == "constant" and (self.decay_steps is not None or self.end_factor != 0.0):
             raise ValueError(
                 "decay_steps and end_factor shape a decay, and schedule='constant' has none: set "

@@ -159,8 +159,10 @@ def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]
 def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | None]:
     """read_journal's rollouts, and the step of the journal's last checkpoint line (file order), in
     one pass over the file: its lines carry every batch, so it is read once."""
+    from dew.training.config import RUN_FILE
+
     path = Path(directory) / ROLLOUTS
-    if not path.is_file() and (Path(directory) / "run.json").is_file():
+    if not path.is_file() and (Path(directory) / RUN_FILE).is_file():
         raise RolloutJournalError(
             f"The run in {str(directory)!r} kept no rollout journal ({ROLLOUTS}): only a rollout that "
             "samples text (GRPO's, PPO's) journals what it sampled; this run's objective samples none "

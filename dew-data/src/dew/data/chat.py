@@ -33,7 +33,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer
-from dew.data.chat_template import ChatTemplate, read_chat_template, tokens_beside
+from dew.data.chat_template import ChatTemplate, given_chat_template, read_chat_template
 from dew.data.errors import EmptyDatasetError, MalformedRecordError
 from dew.data.packing import packed_rows
 from dew.data.shards import Shards, expand_shards
@@ -108,11 +108,8 @@ class _ChatFiles:
     @cached_property
     def template(self) -> ChatTemplate:
         """The chat template: chat_template (its text, or a .jinja file) or the tokenizer's own."""
-        given = self.chat_template
-        if given is not None and given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
-            return read_chat_template(given)
-        if given is not None:
-            return ChatTemplate(given, tokens_beside(self.tokenizer))
+        if self.chat_template is not None:
+            return given_chat_template(self.chat_template, self.tokenizer)
         if not isinstance(self.tokenizer, str | os.PathLike) or os.fspath(self.tokenizer) == "byte":
             raise MalformedRecordError(
                 "This chat reader's tokenizer carries no chat template; give tokenizer= the folder of "

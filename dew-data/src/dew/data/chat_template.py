@@ -40,7 +40,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 _Track = Callable[[list[str], list[tuple[int, int]]], AbstractContextManager[None]]
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "chat_template_in",
-           "read_chat_template", "special_tokens", "tokens_beside"]
+           "given_chat_template", "read_chat_template", "special_tokens", "tokens_beside"]
 
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -246,12 +246,19 @@ def tokens_beside(tokenizer: object) -> dict[str, str]:
     return special_tokens(json.loads(config.read_text(encoding="utf-8"))) if config.is_file() else {}
 
 
+def given_chat_template(given: str, tokenizer: object) -> ChatTemplate:
+    """A reader's ``chat_template`` field: a ``.jinja`` file, or the template's own text, with the
+    special tokens of the tokenizer_config.json beside the reader's tokenizer."""
+    if given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
+        return read_chat_template(given)
+    return ChatTemplate(given, tokens_beside(tokenizer))
+
+
 def chat_template_in(folder: str | os.PathLike[str]) -> ChatTemplate | None:
     """The chat template a tokenizer folder ships (as read_chat_template finds it), None when it
     ships none; a template that does not parse is still refused."""
-    if _template_in(Path(folder).expanduser(), required=False) is None:
-        return None
-    return read_chat_template(folder)
+    source = _template_in(Path(folder).expanduser())
+    return None if source is None else ChatTemplate(source, tokens_beside(folder))
 
 
 def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
@@ -270,17 +277,19 @@ def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
         folder = given if given.is_dir() else given.parent
         if not folder.is_dir():
             raise MissingFileError(f"The tokenizer path {os.fspath(path)!r} does not exist.")
-        source = _template_in(folder, required=True)
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    return ChatTemplate(source, special_tokens(config))
+        found = _template_in(folder)
+        if found is None:
+            raise ChatTemplateError(
+                f"No chat template in {os.fspath(folder)!r}: it has no chat_template.jinja, and neither "
+                f"tokenizer_config.json nor chat_template.json holds a chat_template. Pass chat_template= "
+                f"(the template's text or a .jinja file)."
+            )
+        source = found
+    return ChatTemplate(source, tokens_beside(folder))
 
 
-@overload
-def _template_in(folder: Path, *, required: Literal[True]) -> str: ...
-@overload
-def _template_in(folder: Path, *, required: bool) -> str | None: ...
-def _template_in(folder: Path, *, required: bool) -> str | None:
+def _template_in(folder: Path) -> str | None:
+    """The template's text in folder's files, None when none holds one."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
@@ -294,10 +303,4 @@ def _template_in(folder: Path, *, required: bool) -> str | None:
             value = named.get("default")
         if isinstance(value, str) and value.strip():
             return value
-    if not required:
-        return None
-    raise ChatTemplateError(
-        f"No chat template in {os.fspath(folder)!r}: it has no chat_template.jinja, and neither "
-        f"tokenizer_config.json nor chat_template.json holds a chat_template. Pass chat_template= "
-        f"(the template's text or a .jinja file)."
-    )
+    return None

@@ -52,8 +52,7 @@ from dew.data.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     chat_template_in,
-    read_chat_template,
-    tokens_beside,
+    given_chat_template,
 )
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.packing import packed_rows
@@ -149,11 +148,8 @@ class PromptCompletion:
     def chat(self) -> ChatTemplate | None:
         """The chat template records are rendered with: chat_template, else the tokenizer folder's;
         None when there is neither (a transformers tokenizer renders its own: see turns)."""
-        given = self.chat_template
-        if given is not None and given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
-            return read_chat_template(given)
-        if given is not None:
-            return ChatTemplate(given, tokens_beside(self.tokenizer))
+        if self.chat_template is not None:
+            return given_chat_template(self.chat_template, self.tokenizer)
         if isinstance(self.tokenizer, str | os.PathLike) and Path(self.tokenizer).expanduser().is_dir():
             return chat_template_in(self.tokenizer)
         return None
