@@ -162,3 +162,51 @@ def test_the_rollout_samples_with_live_parameters_through_one_compiled_sampler()
     np.testing.assert_array_equal(seen[0][1]["answer"][:, 0], [7] * G + [8] * G)
     assert out["reward"].tolist() == [float(len(c)) for c in seen[0][0]]
     assert rollout.reward_seconds > 0
+
+
+class _Letters:
+    """ids as letters; eos_id and stop_ids as a checkpoint's eos_token_id list gives them."""
+
+    def __init__(self, eos_id, stop_ids=()):
+        self.eos_id, self.stop_ids = eos_id, tuple(stop_ids)
+
+    def encode(self, text):
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + int(i)) for i in ids)
+
+
+def test_without_a_stop_token_a_completion_ends_at_any_end_id_the_tokenizer_names():
+    model = _model()
+    seen = []
+
+    def record(completions, context):
+        seen.append(list(completions))
+        return [0.0] * len(completions)
+
+    def rollout_with(tokenizer):
+        objective = GRPOObjective(model, reward=record, group_size=G, max_new_tokens=4, beta=0.0,
+                                  tokenizer=tokenizer)
+        return objective, objective.rollout()
+
+    objective, free = rollout_with(_Letters(eos_id=VOCAB + 1))  # an end id no sample can draw
+    state = _State(objective.init(jax.random.key(0)))
+    unstopped = free(state, _prompts(), jax.random.key(2))
+    drawn = [unstopped["tokens"][i, n:n + 4] for i, n in enumerate(np.repeat([3, 2], G))]
+    # Two ids the samples drew, one as the end-of-document id, the other as a further stop id.
+    counts = np.bincount(np.concatenate(drawn), minlength=VOCAB)
+    eos, other = (int(i) for i in np.argsort(counts)[-2:])
+    _, stopped = rollout_with(_Letters(eos_id=eos, stop_ids=(other,)))
+    assert stopped.stop_tokens == (eos, other)
+    out = stopped(state, _prompts(), jax.random.key(2))
+    for i, (row, n) in enumerate(zip(drawn, np.repeat([3, 2], G), strict=True)):
+        ends = [j for j, t in enumerate(row) if t in (eos, other)]
+        kept = ends[0] + 1 if ends else 4  # the stop itself is trained on, as transformers keeps it
+        np.testing.assert_array_equal(out["tokens"][i, n:n + kept], row[:kept])
+        np.testing.assert_array_equal(out["mask"][i], [0] * n + [1] * kept + [0] * (3 + 4 - n - kept))
+        assert seen[-1][i] == "".join(chr(ord("a") + int(t)) for t in row[:kept - 1 if ends else 4])
+    assert any(t in (eos, other) for row in drawn for t in row[:3])  # some completion did stop early
+    # A recipe's stop_token still wins over the tokenizer's end ids.
+    assert GRPOObjective(model, reward=record, tokenizer=_Letters(eos, (other,)),
+                         stop_token=5).rollout().stop_tokens == (5,)

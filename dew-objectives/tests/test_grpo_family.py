@@ -201,6 +201,11 @@ def test_incompatible_options_are_refused_naming_the_fields():
         registry.objectives.build("dapo", model=model, group_size=1, stop_token=3)
     with pytest.raises(IncompatibleOptionsError, match=r"overlong='mask' needs stop_token"):
         GRPOObjective(model, overlong="mask")
+    # A tokenizer's end id is a stop too: shaping counts a completion ending there as finished.
+    from dew.data import ByteTokenizer
+
+    shaped = GRPOObjective(model, overlong="mask", tokenizer=ByteTokenizer()).rollout()
+    assert shaped.shaping.stops == (ByteTokenizer().eos_id,)
     with pytest.raises(ValueError, match="overlong_buffer must lie in"):
         GRPOObjective(model, overlong="penalty", stop_token=3, max_new_tokens=4, overlong_buffer=5)
 
@@ -218,12 +223,12 @@ def test_overlong_shaping_penalizes_or_masks_truncated_completions():
     tokens = np.array([[1, 2, 9, 0, 0, 0], [1, 5, 5, 5, 9, 0], [1, 5, 5, 5, 5, 5]], np.int32)
     mask = np.array([[0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]], np.float32)
     reward = np.array([1.0, 1.0, 0.0], np.float32)
-    shaping = OverlongShaping("penalty", max_new_tokens=5, buffer=2, penalty=0.5, stop_token=stop)
+    shaping = OverlongShaping("penalty", max_new_tokens=5, buffer=2, penalty=0.5, stops=(stop,))
     shaped, same_mask, truncated = shaping(tokens, mask, reward)
     # lengths 2, 4, 5 within a budget of 5 and a buffer of 2: 0, -0.5, -1 (times 0.5)
     np.testing.assert_allclose(shaped, [1.0, 0.75, -0.5])
     assert truncated.tolist() == [0.0, 0.0, 1.0] and same_mask is mask
-    masking = OverlongShaping("mask", max_new_tokens=5, buffer=2, penalty=0.5, stop_token=stop)
+    masking = OverlongShaping("mask", max_new_tokens=5, buffer=2, penalty=0.5, stops=(stop,))
     kept, masked, _ = masking(tokens, mask, reward)
     np.testing.assert_array_equal(kept, reward)  # the reward still counts in its group
     np.testing.assert_array_equal(masked, mask * np.array([[1], [1], [0]], np.float32))

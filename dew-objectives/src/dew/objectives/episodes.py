@@ -161,7 +161,7 @@ class EpisodeRollout(PolicyRollout):
         return [int(i) for i in self.tokenizer.encode(text)]
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return completion_text(self.tokenizer, list(ids), None)[0]
+        return completion_text(self.tokenizer, list(ids))[0]
 
     # -- the environment, guarded -----------------------------------------------------
     def _call(self, plays: list[_Play], calls: Sequence[Callable[[], _T]], what: str) -> list[_T | _Failed]:
@@ -248,7 +248,7 @@ class EpisodeRollout(PolicyRollout):
             for play, done in zip(turn_of, finished, strict=True):
                 self._append(play, list(done.tokens), 1.0)
                 play.turns += 1
-                actions.append(completion_text(self.tokenizer, list(done.tokens), self.stop_token)[0])
+                actions.append(completion_text(self.tokenizer, list(done.tokens), self.stop_tokens)[0])
                 play.transcript.append(actions[-1])
             replies = self._call(turn_of, [functools.partial(p.step, a)
                                            for p, a in zip(turn_of, actions, strict=True)], "a turn")

@@ -75,7 +75,7 @@ class OverlongShaping:
     max_new_tokens: int
     buffer: int
     penalty: float
-    stop_token: int
+    stops: tuple[int, ...]
 
     def __call__(self, tokens: np.ndarray, mask: np.ndarray, reward: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,7 +83,7 @@ class OverlongShaping:
         lengths = mask.sum(axis=1)
         last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1] > 0, axis=1)
         ends = tokens[np.arange(tokens.shape[0]), last]
-        truncated = ((ends != self.stop_token) & (lengths > 0)).astype(np.float32)
+        truncated = (~np.isin(ends, self.stops) & (lengths > 0)).astype(np.float32)
         if self.mode == "penalty":
             shaped = overlong_penalty(lengths, self.max_new_tokens, self.buffer)
             return (reward + self.penalty * shaped).astype(np.float32), mask, truncated

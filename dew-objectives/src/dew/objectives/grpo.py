@@ -77,7 +77,7 @@ from dew.objectives.policy import (
     token_logprobs,
     with_reference,
 )
-from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation
+from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation, rollout_stops
 from dew.rewards import resolve
 from dew.sampling import Sampling, TextGeneration
 
@@ -197,10 +197,11 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if self.max_sampling_rounds < 1:
             raise ValueError(f"{name}.max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}.")
         if self.overlong != "none":
-            if self.stop_token is None:
+            if not rollout_stops(self.stop_token, self.tokenizer):
                 raise IncompatibleOptionsError(
-                    f"{name}.overlong={self.overlong!r} needs stop_token: without one every completion "
-                    "runs to max_new_tokens and counts as truncated. Set stop_token or overlong='none'."
+                    f"{name}.overlong={self.overlong!r} needs stop_token (or a tokenizer with an end token): "
+                    "without one every completion runs to max_new_tokens and counts as truncated. Set "
+                    "stop_token or overlong='none'."
                 )
             if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
                 raise ValueError(
@@ -257,7 +258,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
             return sampler
         shaping = None if self.overlong == "none" else OverlongShaping(
             self.overlong, max_new_tokens=self.max_new_tokens, buffer=self.overlong_buffer,
-            penalty=self.overlong_penalty, stop_token=self.stop_token)  # type: ignore[arg-type]
+            penalty=self.overlong_penalty, stops=rollout_stops(self.stop_token, self.tokenizer))
         return GroupFilter(sampler, group_size=self.group_size, dynamic=self.dynamic_sampling,
                            max_rounds=self.max_sampling_rounds, shaping=shaping, max_lag=self.max_lag)
 

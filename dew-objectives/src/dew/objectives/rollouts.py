@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.data.base import Batch as HostBatch
-from dew.data.base import Tokenizer
+from dew.data.base import Tokenizer, stop_ids_of
 from dew.errors import BatchKeyError
 from dew.objectives.base import Batch, Metric, Step, Variables
 from dew.objectives.policy import policy_variables, token_logprobs
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from dew.training.state import TrainState
 
 __all__ = ["CompletionRollout", "GreedyRewardValidation", "PolicyRollout", "RewardMetric", "RolloutBatchError",
-           "completion_text", "greedy_continuation", "greedy_outputs"]
+           "completion_text", "greedy_continuation", "greedy_outputs", "rollout_stops"]
 
 
 # The batch a rollout receives lacks the prompts or their lengths: dew's one batch-key error.
@@ -67,14 +67,23 @@ def _decode(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids))
 
 
-def completion_text(tokenizer: Tokenizer | None, completion: Sequence[int], stop_token: int | None) -> tuple[str, int]:
-    """A completion's text up to the stop token, and how many of its tokens count (the stop included)."""
+def rollout_stops(stop_token: int | None, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """The ids that end a sampled completion: stop_token when a recipe gives one, else every end id
+    the tokenizer names (a checkpoint's eos_token_id list), as the trained policy's generation
+    stops; () when neither names one (a completion runs to max_new_tokens)."""
+    if stop_token is not None:
+        return (int(stop_token),)
+    return () if tokenizer is None else stop_ids_of(tokenizer)
+
+
+def completion_text(tokenizer: Tokenizer | None, completion: Sequence[int],
+                    stops: Sequence[int] = ()) -> tuple[str, int]:
+    """A completion's text up to its first stop id, and how many of its tokens count (the stop included)."""
     row = np.asarray(completion).reshape(-1)
     kept, shown = len(row), row
-    if stop_token is not None:
-        stops = np.flatnonzero(row == stop_token)
-        if stops.size:
-            kept, shown = int(stops[0]) + 1, row[: int(stops[0])]
+    ends = np.flatnonzero(np.isin(row, list(stops)))
+    if ends.size:
+        kept, shown = int(ends[0]) + 1, row[: int(ends[0])]
     return _decode(tokenizer, [int(t) for t in shown if t >= 0]), kept
 
 
@@ -137,16 +146,17 @@ PROMPT, PROMPT_LENGTH = "validation_prompt", "validation_prompt_length"
 class RewardMetric:
     """The mean reward of the completions an evaluation wrote (``greedy_outputs``), on the host.
 
-    Each completion is cut at stop_token and decoded with tokenizer (bytes
-    when None), then scored with the reward against the batch's other
-    outputs, as ``CompletionRollout`` scores what it samples.
+    Each completion is cut at its first stop id (``rollout_stops``: stop_token,
+    else the tokenizer's end ids) and decoded with tokenizer (bytes when
+    None), then scored with the reward against the batch's other outputs, as
+    ``CompletionRollout`` scores what it samples.
     """
 
     def __init__(self, reward: Reward, *, tokenizer: Tokenizer | None = None, stop_token: int | None = None,
                  name: str = "reward", output: str = "completion") -> None:
         self.reward = reward
         self.tokenizer = tokenizer
-        self.stop_token = stop_token
+        self.stops = rollout_stops(stop_token, tokenizer)
         self.name = name
         self.output = output
 
@@ -155,8 +165,7 @@ class RewardMetric:
 
     def completions(self, outputs: Mapping[str, np.ndarray]) -> list[str]:
         """What the reward scores: each completion's text."""
-        return [completion_text(self.tokenizer, row, self.stop_token)[0]
-                for row in np.asarray(outputs[self.output])]
+        return [completion_text(self.tokenizer, row, self.stops)[0] for row in np.asarray(outputs[self.output])]
 
     def update(self, accumulator: tuple[float, float], outputs: Mapping[str, np.ndarray]) -> tuple[float, float]:
         completions = self.completions(outputs)
@@ -204,7 +213,8 @@ class PolicyRollout:
 
     ``CompletionRollout`` and ``EpisodeRollout`` share it: the model and its
     sampling settings (group_size samples per prompt, max_new_tokens each,
-    ending at stop_token), the batch keys the prompts are read from, the
+    ending at stop_token, or at the tokenizer's end ids without one), the
+    batch keys the prompts are read from, the
     engine's layout (None: the rollout's own default) and the engine once
     built, the time spent in the reward (``reward_seconds``, its own row of
     the goodput split), the scorer of ``old_logp`` under the sampling policy,
@@ -238,8 +248,8 @@ class PolicyRollout:
 
     @property
     def stop_tokens(self) -> tuple[int, ...]:
-        """The engine's stop tokens: stop_token, when there is one."""
-        return () if self.stop_token is None else (int(self.stop_token),)
+        """The ids that end a completion: stop_token, else the tokenizer's end ids (``rollout_stops``)."""
+        return rollout_stops(self.stop_token, self.tokenizer)
 
     def read_prompts(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """The batch's prompts (int32 [prompts, width], right-padded) and their lengths [prompts]."""
@@ -286,7 +296,7 @@ class CompletionRollout(PolicyRollout):
         completions = []
         for i in range(rows):
             length, completion = int(lengths[i]), new[i]
-            text, kept = completion_text(self.tokenizer, completion, self.stop_token)
+            text, kept = completion_text(self.tokenizer, completion, self.stop_tokens)
             tokens[i, :length] = prompts[i, :length]
             tokens[i, length:length + n] = completion
             mask[i, length:length + kept] = 1.0
