@@ -221,3 +221,30 @@ def test_a_tokenizer_without_an_end_token_is_told_a_way_a_recipe_can_follow(tmp_
         TokenWindows(files=str(tmp_path / "a.txt"), length=2, tokenizer=str(folder / "tokenizer.json")).tokens()
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<stop>"}))
     assert TokenWindows(files=str(tmp_path / "a.txt"), length=2, tokenizer=str(folder)).tokens().tolist() == [1, 2, 1, 3]
+
+
+def test_each_document_starts_as_transformers_starts_a_sequence_for_a_llama_checkpoint(tmp_path):
+    """Llama's and Gemma's tokenizer.json put a beginning-of-text id first, and the checkpoints
+    were pretrained on documents that start with it: windows cut from their text hold each
+    document as transformers' tokenizer(text) encodes it, then its end id. Both readers agree."""
+    from transformers import AutoTokenizer
+
+    from dew.data.hf_text import HFText
+    from dew.families.examples import write_checkpoint
+
+    folder = write_checkpoint("llama", tmp_path / "llama")
+    theirs = AutoTokenizer.from_pretrained(folder)
+    assert theirs.bos_token_id is not None and theirs("x")["input_ids"][0] == theirs.bos_token_id
+    files = tmp_path / "docs.jsonl"
+    files.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    ids = [i for doc in DOCS for i in theirs(doc)["input_ids"] + [theirs.eos_token_id]]
+    want = np.asarray(ids[: len(ids) // 8 * 8], np.int32).reshape(-1, 8)
+    windows = TokenWindows(files=str(files), tokenizer=str(folder), length=7)
+    np.testing.assert_array_equal(windows.windows(), want)
+    streamed = HFText(files=str(files), tokenizer=str(folder), length=7, block=2).records()
+    np.testing.assert_array_equal(streamed.take(np.arange(len(want)))["text"], want)
+    # Windows cached before documents began with that id are not read back as these.
+    from dew.data.token_windows import tokenizer_fingerprint
+
+    plain = HFTokenizer.from_directory(folder)
+    assert tokenizer_fingerprint(plain) == f"{plain.fingerprint}:starts[{theirs.bos_token_id}]"

@@ -60,7 +60,7 @@ from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError
 from dew.data.order import epoch_order
 from dew.data.shards import Shards, expand_shards
 from dew.data.stream import record_dataset
-from dew.data.token_windows import encode_documents, resolve_tokenizer, tokenizer_fingerprint
+from dew.data.token_windows import framed_documents, resolve_tokenizer, tokenizer_fingerprint
 
 __all__ = ["HFText", "StaleIndexError", "StreamedWindows", "count_tokens"]
 
@@ -108,13 +108,14 @@ class _Count:
             texts.extend(found)
             owners.extend([b - first] * len(found))
         if texts:
-            lengths = np.asarray([len(ids) + 1 for ids in encode_documents(self.tokenizer, texts)], np.int64)
+            lengths = np.asarray([len(ids) for ids in framed_documents(self.tokenizer, texts)], np.int64)
             np.add.at(counts, np.asarray(owners), lengths)
         return counts
 
 
 def count_tokens(shards: Shards, tokenizer: EosTokenizer, block: int, *, workers: int = 0) -> np.ndarray:
-    """Tokens per block of ``block`` documents (each document's end-of-document id included).
+    """Tokens per block of ``block`` documents, each framed as a training sequence holds it
+    (``framed_documents``: its starting and end-of-document ids included).
 
     The blocks are counted in Grain, by ``workers`` spawned processes when
     above 0 (the shards and the tokenizer must pickle).
@@ -208,14 +209,12 @@ class StreamedWindows:
             found = _texts(self.shards, b * self.block, min((b + 1) * self.block, documents))
             texts.extend(found)
             sizes.append(len(found))
-        encoded = encode_documents(self.tokenizer, texts) if texts else []
-        eos = np.asarray([self.tokenizer.eos_id], np.int32)
+        encoded = framed_documents(self.tokenizer, texts) if texts else []
         at = 0
         for b, size in zip(missing, sizes, strict=True):
             pieces = encoded[at:at + size]
             at += size
-            tokens = np.concatenate([p for ids in pieces for p in (np.asarray(ids, np.int32), eos)]) \
-                if pieces else np.zeros(0, np.int32)
+            tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
             if len(tokens) != self.all_sizes[b]:
                 raise StaleIndexError(
                     f"Block {b} (documents {b * self.block} to {min((b + 1) * self.block, documents) - 1}, "
@@ -226,7 +225,7 @@ class StreamedWindows:
                 )
             starts = np.zeros(len(tokens), bool)
             if pieces:
-                lengths = np.asarray([len(ids) + 1 for ids in pieces], np.int64)
+                lengths = np.asarray([len(ids) for ids in pieces], np.int64)
                 starts[np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)] = True
             self._tokens[b] = (tokens, starts)
         while len(self._tokens) > max(_CACHED_BLOCKS, len(needed)):

@@ -1,7 +1,9 @@
 """TokenWindows: text, tokenized once, packed into fixed-length int32 windows.
 
-Every document is tokenized and followed by the tokenizer's end-of-document
-id; the documents are laid end to end (packing) and the token stream is cut
+Every document is tokenized as the tokenizer starts a sequence (the
+beginning-of-text id a Llama or Gemma tokenizer.json puts first, as
+transformers' ``tokenizer(text)`` does; nothing for bytes or Qwen's) and
+followed by the tokenizer's end-of-document id; the documents are laid end to end (packing) and the token stream is cut
 into non-overlapping windows of ``length + 1`` tokens, so one window feeds a
 language model ``length`` inputs and ``length`` shifted targets. A document
 longer than a window continues in the next one; the end-of-document ids mark
@@ -37,13 +39,14 @@ from typing import Any, Protocol, cast, runtime_checkable
 import numpy as np
 
 from dew.data import window_cache
-from dew.data.base import Dataset, EosTokenizer, Tokenizer, WithEos, eos_id_of, vocab_size_of
+from dew.data.base import Dataset, EosTokenizer, Tokenizer, WithEos, eos_id_of, prefix_of, vocab_size_of
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column, utf8_lines
 from dew.data.stream import record_dataset
 from dew.data.window_cache import content_digest
 
-__all__ = ["TokenWindows", "encode_documents", "resolve_tokenizer", "split_records", "tokenizer_fingerprint"]
+__all__ = ["TokenWindows", "encode_documents", "framed_documents", "resolve_tokenizer", "split_records",
+           "tokenizer_fingerprint"]
 
 _CHUNK = 256  # documents tokenized per encode_batch call
 _JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
@@ -94,12 +97,17 @@ def resolve_tokenizer(tokenizer: object) -> EosTokenizer:
 
 
 def tokenizer_fingerprint(tokenizer: object) -> str:
-    """What identifies a tokenizer's output: its own fingerprint (a file digest), else its type and sizes."""
+    """What identifies a tokenizer's output: its own fingerprint (a file digest), else its type and
+    sizes; then the ids it starts a document with, when it has some (windows cached before documents
+    began with them are not the same windows)."""
     own = tokenizer.fingerprint if isinstance(tokenizer, _Fingerprinted) else None
     if own:
-        return str(own)
-    sizes = f"{vocab_size_of(tokenizer)}:{eos_id_of(tokenizer)}"
-    return f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{sizes}"
+        named = str(own)
+    else:
+        sizes = f"{vocab_size_of(tokenizer)}:{eos_id_of(tokenizer)}"
+        named = f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:{sizes}"
+    prefix = prefix_of(tokenizer)
+    return f"{named}:starts{prefix}" if prefix else named
 
 
 def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
@@ -111,6 +119,14 @@ def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndar
     if isinstance(tokenizer, _BatchEncodes):
         return list(tokenizer.encode_batch(list(texts)))
     return [np.asarray(tokenizer.encode(text), dtype=np.int32) for text in texts]
+
+
+def framed_documents(tokenizer: EosTokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Each document's ids as a training sequence holds them (int32): the ids the tokenizer starts a
+    sequence with (dew.data.base.prefix_of), the text's ids, then its end-of-document id."""
+    prefix = np.asarray(prefix_of(tokenizer), np.int32)
+    eos = np.asarray([tokenizer.eos_id], np.int32)
+    return [np.concatenate([prefix, np.asarray(ids, np.int32), eos]) for ids in encode_documents(tokenizer, texts)]
 
 
 def split_records(records: ArrayRecords, fraction: float, seed: int) -> tuple[ArrayRecords, ArrayRecords | None]:
@@ -229,18 +245,18 @@ class TokenWindows:
 
     # -- tokens and windows -------------------------------------------------------------------
     def tokens(self, tokenizer: EosTokenizer | None = None) -> np.ndarray:
-        """All documents' ids, each document followed by eos_id, as one int32 array."""
+        """All documents' ids end to end as one int32 array, each framed as ``framed_documents`` says
+        (the tokenizer's starting ids, the text's, eos_id)."""
         tokenizer = resolve_tokenizer(self.tokenizer) if tokenizer is None else tokenizer
-        eos = np.asarray([tokenizer.eos_id], dtype=np.int32)
         pieces: list[np.ndarray] = []
         chunk: list[str] = []
         for text in self.documents():
             chunk.append(text)
             if len(chunk) == _CHUNK:
-                pieces.extend(p for ids in encode_documents(tokenizer, chunk) for p in (ids, eos))
+                pieces.extend(framed_documents(tokenizer, chunk))
                 chunk = []
         if chunk:
-            pieces.extend(p for ids in encode_documents(tokenizer, chunk) for p in (ids, eos))
+            pieces.extend(framed_documents(tokenizer, chunk))
         return np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
 
     def _key(self, tokenizer: EosTokenizer) -> str:
@@ -275,7 +291,7 @@ class TokenWindows:
         if count == 0:
             where = f"dataset {self.dataset!r}" if self.dataset is not None else f"files {self.files!r}"
             raise EmptyDatasetError(
-                f"The {where} hold {len(tokens)} tokens (end-of-document ids included), fewer than "
+                f"The {where} hold {len(tokens)} tokens (start and end ids included), fewer than "
                 f"one window of length + 1 = {width}. Add text or use a smaller length."
             )
         windows = tokens[: count * width].reshape(count, width)
