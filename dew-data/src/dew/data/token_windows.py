@@ -39,7 +39,15 @@ from typing import Any, Protocol, cast, runtime_checkable
 import numpy as np
 
 from dew.data import window_cache
-from dew.data.base import Dataset, EosTokenizer, Tokenizer, WithEos, eos_id_of, prefix_of, vocab_size_of
+from dew.data.base import (
+    Dataset,
+    EosTokenizer,
+    Tokenizer,
+    WithEos,
+    eos_id_of,
+    prefix_of,
+    vocab_size_of,
+)
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column, utf8_lines
 from dew.data.stream import record_dataset
