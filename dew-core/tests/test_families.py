@@ -238,6 +238,38 @@ def test_a_mistral_config_with_layer_types_windows_only_its_sliding_layers(tmp_p
     assert Pretrained.load(tmp_path / "out").model == loaded.model
 
 
+@pytest.mark.slow
+def test_a_longrope_phi3_computes_what_transformers_computes_within_and_past_its_original_context(tmp_path):
+    """Phi-3's 128k checkpoints, Phi-3.5-mini and Phi-4-mini divide each rotary frequency by a
+    factor of their own, from short_factor while the positions stay within
+    original_max_position_embeddings and from long_factor once they pass it, and scale cos and
+    sin by sqrt(1 + ln(factor) / ln(original)). Here the original context is 12 positions, so the
+    19-token prompts take the long list and 10-token ones the short; an old "su" config reads
+    as the same model, and the export carries both lists back to transformers."""
+    directory = write_checkpoint("phi3", tmp_path / "phi3", seed=5, redrawn=True)
+    config = json.loads((directory / "config.json").read_text())
+    rng = np.random.default_rng(1)
+    config.update(rope_parameters=None, original_max_position_embeddings=12, max_position_embeddings=256,
+                  rope_scaling={"type": "longrope", "short_factor": rng.uniform(1, 3, 4).round(3).tolist(),
+                                "long_factor": rng.uniform(4, 16, 4).round(3).tolist()})
+    (directory / "config.json").write_text(json.dumps(config))
+    hf = hf_model(directory)
+    loaded = Pretrained.load(directory)
+    assert loaded.model.rope_scaling.kind == "longrope"
+    short = PROMPTS[:, :10]
+    for ids in (PROMPTS, short):
+        assert np.abs(_dew_logits(loaded, ids) - hf_logits(hf, ids)).max() <= 1e-4
+    # The two lists give other logits: the positions chose between them.
+    assert np.abs(_dew_logits(loaded, PROMPTS)[:, :10] - _dew_logits(loaded, short)).max() > 1e-3
+    config["rope_scaling"]["type"] = "su"
+    (tmp_path / "su").mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "su" / name).write_bytes((directory / name).read_bytes())
+    (tmp_path / "su" / "config.json").write_text(json.dumps(config))
+    assert Pretrained.load(tmp_path / "su").model == loaded.model
+    check_exports_back(loaded, hf_logits(hf), "phi3", tmp_path / "out")
+
+
 def test_a_short_decode_cache_does_not_shorten_the_exported_context(tmp_path):
     """max_seq_len is the decode cache a run or a load chose; the published context length
     (max_position_embeddings) belongs to the weights and is written back, not the cache's."""
@@ -257,8 +289,8 @@ def test_a_short_decode_cache_does_not_shorten_the_exported_context(tmp_path):
 @pytest.mark.parametrize("name, change, field", [
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
      r"rope_scaling\.rope_type='dynamic'.* remove rope_scaling from a copy of config\.json"),
-    ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
-                               "long_factor": [1.0] * 4}}, r"rope_scaling\.rope_type='longrope'"),
+    ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3,
+                               "long_factor": [1.0] * 3}}, r"rope_scaling\.short_factor='3 numbers'.* 4 here"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
     ("qwen3", {"hidden_act": "relu"}, "hidden_act='relu'"),
     ("qwen3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},

@@ -86,7 +86,7 @@ def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[st
                      or config.get("original_max_position_embeddings")
                      or config.get("max_position_embeddings"))
     factor = params.get("factor")
-    if factor is None and kind == "yarn" and original:
+    if factor is None and kind in ("yarn", "longrope") and original:
         factor = float(config["max_position_embeddings"]) / float(original)
     if factor is None:
         raise refuse(architecture, f"{field}.factor", None, f"rope type {kind!r} needs a factor")
@@ -96,8 +96,14 @@ def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[st
                "mscale_all_dim": "mscale_all_dim"}
     extra: dict[str, Any] = {mine: float(params[theirs]) for mine, theirs in numbers.items()
                              if params.get(theirs) is not None}
-    if kind in ("llama3", "yarn"):
+    if kind in ("llama3", "yarn", "longrope"):
         extra["original_max_len"] = int(original)
+    if kind == "longrope":
+        for name in ("short_factor", "long_factor"):
+            values = params.get(name)
+            if not isinstance(values, list) or not all(isinstance(v, int | float) for v in values):
+                raise refuse(architecture, f"{field}.{name}", values, "LongRoPE needs a list of numbers there")
+            extra[name] = tuple(float(v) for v in values)
     if kind == "yarn":
         extra["truncate"] = bool(params.get("truncate", True))
     try:
@@ -126,6 +132,9 @@ def rope_config(base: float, scaling: RopeScaling | None, fraction: float = 1.0)
             params[theirs] = value
     if scaling.kind == "yarn" and not scaling.truncate:
         params["truncate"] = False
+    if scaling.kind == "longrope":
+        params["short_factor"] = [number(v) for v in scaling.short_factor or ()]
+        params["long_factor"] = [number(v) for v in scaling.long_factor or ()]
     return params
 
 

@@ -5,8 +5,11 @@ and the feed-forward gate and up projections another (``gate_up_proj``,
 gate first); dew splits them on load and joins them on save, so the round
 trip stays bitwise. ``partial_rotary_factor`` rotates only the first share
 of each head (Phi-4-mini); ``sliding_window`` applies to every layer
-(2047 in Phi-3-mini-4k). LongRoPE (the 128k checkpoints) switches its
-frequencies by the sequence's length and is refused, naming the field.
+(2047 in Phi-3-mini-4k). LongRoPE (the 128k checkpoints, Phi-3.5-mini,
+Phi-4-mini; ``su`` and ``yarn`` in older configs, which transformers reads
+as LongRoPE too) divides each frequency by its own factor, from
+``short_factor`` within ``original_max_position_embeddings`` and from
+``long_factor`` past it (dew.nn.rotary).
 """
 
 from __future__ import annotations
@@ -38,21 +41,31 @@ ARCHITECTURE = "Phi3ForCausalLM"
 def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
     kind = params.get("rope_type") or params.get("type") or "default"
-    if kind != "default":  # transformers reads Phi-3's "su" and "yarn" as LongRoPE
-        raise refuse(ARCHITECTURE, f"{where}.rope_type", kind,
-                     "Phi-3's rope types other than 'default' are LongRoPE, which dew does not compute")
+    if kind in ("su", "yarn", "longrope"):  # transformers reads Phi-3's "su" and "yarn" as LongRoPE
+        params = {**params, "rope_type": "longrope", "type": "longrope"}
+    elif kind != "default":
+        raise refuse(ARCHITECTURE, f"{where}.rope_type", kind, "Phi-3's rope types are 'default' and LongRoPE")
     fields = common_fields(config)
-    return {**fields, **gated_silu(config, ARCHITECTURE),
-            **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0),
+    rope = rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0)
+    scaling = rope["rope_scaling"]
+    if scaling is not None:
+        head = fields["head_features"] or fields["emb_features"] // fields["num_heads"]
+        pairs = int(head * rope["rotary_fraction"]) // 2
+        if len(scaling.short_factor) != pairs:
+            raise refuse(ARCHITECTURE, f"{where}.short_factor", f"{len(scaling.short_factor)} numbers",
+                         f"LongRoPE gives one factor per rotated feature pair, {pairs} here")
+    return {**fields, **gated_silu(config, ARCHITECTURE), **rope,
             **window_fields(config.get("sliding_window"), None, fields["num_layers"])}
 
 
 def write(model: Module) -> dict[str, Any]:
     windows = {window for window, _, _ in model._layer_parts()}
     window = next(iter(windows)) if len(windows) == 1 else model.sliding_window
+    scaling = model.rope_scaling
+    original = model.max_seq_len if scaling is None else scaling.original_max_len
     return {**common_config(model, ARCHITECTURE, "phi3"), **flat_rope_config(model),
             "partial_rotary_factor": float(model.rotary_fraction), "hidden_act": "silu",
-            "sliding_window": window, "original_max_position_embeddings": model.max_seq_len,
+            "sliding_window": window, "original_max_position_embeddings": original,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
 
@@ -83,7 +96,8 @@ FAMILY = Family(
     name="phi3", architecture=ARCHITECTURE, model_type="phi3", read=read, write=write,
     presets=PRESETS, fused=True,
     checkpoints="Phi-3-mini-4k, Phi-3-medium-4k, Phi-4 (14B) and other Phi3ForCausalLM checkpoints "
-                "with default rope; partial rotary included. Not the LongRoPE 128k variants",
+                "with default rope or LongRoPE (the 128k variants, Phi-3.5-mini, Phi-4-mini); partial "
+                "rotary included",
     defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
 )
 

@@ -56,7 +56,7 @@ import numpy as np
 
 from dew.nn import paged_attention as paged
 from dew.nn import sharding as axes
-from dew.nn.rotary import RopeScaling, attention_scaling, inverse_frequencies, rotate
+from dew.nn.rotary import RopeScaling, attention_scaling, frequencies, rotate
 from dew.nn.sharding import constrain, param
 
 __all__ = ["Latent", "LatentAttention", "softmax_scale"]
@@ -98,7 +98,7 @@ class Latent:
     norm_epsilon: float = 1e-6
 
 
-def _rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray, scale: float,
+def _rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray | jax.Array, scale: float,
             interleaved: bool) -> jax.Array:
     """x [B, T, H, R] rotated by positions [B, T]; interleaved pairs come out as two halves."""
     if interleaved:  # (x0, x1), (x2, x3), ... as [x0, x2, ...] then [x1, x3, ...]: the same dot products
@@ -183,11 +183,11 @@ class LatentAttention(nn.Module):
         latent_btr = self._norm("kv_norm", compressed_btr[..., : self.kv_lora_rank])
         key_rope_btp = compressed_btr[..., self.kv_lora_rank:]
 
-        frequencies = inverse_frequencies(rope, self.rope_base, self.rope_scaling)
+        inverse = frequencies(rope, self.rope_base, self.rope_scaling, 1.0, positions)
         scale = attention_scaling(self.rope_scaling)
         q_nope_bthn = q_bthk[..., :nope]
-        q_rope_bthp = _rotate(q_bthk[..., nope:], positions, frequencies, scale, self.rope_interleave)
-        key_rope_btp = _rotate(key_rope_btp[:, :, None], positions, frequencies, scale,
+        q_rope_bthp = _rotate(q_bthk[..., nope:], positions, inverse, scale, self.rope_interleave)
+        key_rope_btp = _rotate(key_rope_btp[:, :, None], positions, inverse, scale,
                                self.rope_interleave)[:, :, 0]
         kv_up_rhk = self._kernel("kv_up", (self.kv_lora_rank, heads, nope + value), (None, axes.HEADS, axes.KV))
 

@@ -31,7 +31,7 @@ from dew.nn.experts import Routing
 from dew.nn.latent_attention import Latent, LatentAttention
 from dew.nn.moe import MoEBlock
 from dew.nn.ring_attention import RingAttentionError, ring_attention
-from dew.nn.rotary import RopeScaling, attention_scaling, inverse_frequencies, rotate
+from dew.nn.rotary import RopeScaling, attention_scaling, frequencies, inverse_frequencies, rotate
 from dew.nn.sharding import constrain, param
 
 __all__ = [
@@ -239,7 +239,7 @@ class CausalSelfAttention(nn.Module):
         head_axes = (axes.BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS, None)
         q_bthk, k_bshk, v_bshk = (constrain(t, head_axes) for t in (q_bthk, k_bshk, v_bshk))
         if self.rotary:
-            inverse = inverse_frequencies(width, self.rope_base, self.rope_scaling, self.rotary_fraction)
+            inverse = frequencies(width, self.rope_base, self.rope_scaling, self.rotary_fraction, positions)
             scale = attention_scaling(self.rope_scaling)
             q_bthk = rotate(q_bthk, positions, inverse, scale)
             k_bshk = rotate(k_bshk, positions, inverse, scale)

@@ -11,7 +11,12 @@ through unrotated (Phi-3's partial rotary). The frequencies are
 * ``llama3``: low frequencies divided by ``factor``, high ones kept, a smooth
   blend between (Llama 3.1 and later);
 * ``yarn``: a ramp between interpolated and original frequencies, and the
-  rotated features scaled by an attention factor (YaRN; Qwen's long context).
+  rotated features scaled by an attention factor (YaRN; Qwen's long context);
+* ``longrope``: each frequency divided by its own factor, from one list
+  while the positions stay within the pretraining context and another once
+  they pass it, with an attention factor (LongRoPE; Phi-3's 128k checkpoints,
+  Phi-3.5 and Phi-4-mini). The choice follows the largest position a call
+  sees, as transformers makes it, so ``frequencies`` takes the positions.
 
 Each is computed here exactly as ``transformers`` computes it, in float32, so
 a checkpoint's positions mean the same in dew.
@@ -33,10 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ROPE_KINDS", "RopeScaling", "attention_scaling", "inverse_frequencies", "rotate",
+__all__ = ["ROPE_KINDS", "RopeScaling", "attention_scaling", "frequencies", "inverse_frequencies", "rotate",
            "rotary_width"]
 
-ROPE_KINDS = ("linear", "llama3", "yarn")
+ROPE_KINDS = ("linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,12 @@ class RopeScaling:
     pretraining context); yarn needs original_max_len and reads beta_fast
     and beta_slow (None: 32 and 1), attention_factor (None: derived from
     factor, or from mscale and mscale_all_dim when both are set) and
-    truncate, as ``transformers`` does.
+    truncate, as ``transformers`` does. longrope needs short_factor and
+    long_factor (one number per rotated pair) and original_max_len, and reads
+    attention_factor (None: derived from factor and original_max_len).
     """
 
-    kind: Literal["linear", "llama3", "yarn"]
+    kind: Literal["linear", "llama3", "yarn", "longrope"]
     factor: float
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
@@ -62,19 +69,25 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_KINDS:
             raise ValueError(f"RopeScaling.kind={self.kind!r} is not one of "
                              f"{', '.join(map(repr, ROPE_KINDS))}.")
         needed = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_len"),
-                  "yarn": ("original_max_len",), "linear": ()}[self.kind]
+                  "yarn": ("original_max_len",), "linear": (),
+                  "longrope": ("short_factor", "long_factor", "original_max_len")}[self.kind]
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"RopeScaling of kind {self.kind!r} needs {', '.join(missing)}; "
                              "copy them from the checkpoint's rope_scaling (rope_parameters).")
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be positive, got {self.factor}.")
+        if self.kind == "longrope" and len(self.short_factor or ()) != len(self.long_factor or ()):
+            raise ValueError(f"RopeScaling's short_factor and long_factor hold one number per rotated pair, "
+                             f"but hold {len(self.short_factor or ())} and {len(self.long_factor or ())}.")
 
 
 def rotary_width(head_width: int, fraction: float = 1.0) -> int:
@@ -123,10 +136,25 @@ def _yarn(width: int, base: float, scaling: RopeScaling) -> np.ndarray:
     return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
 
+def _longrope(width: int, base: float, factors: tuple[float, ...] | None) -> np.ndarray:
+    ext = np.asarray(factors, np.float32)
+    if ext.shape != (width // 2,):
+        raise ValueError(f"LongRoPE's factor lists hold {ext.size} numbers, but the model rotates {width // 2} "
+                         "feature pairs a head; the checkpoint's short_factor and long_factor give one per pair.")
+    exponents = np.arange(0, width, 2, dtype=np.int64).astype(np.float32) / np.float32(width)
+    return (np.float32(1.0) / (ext * np.float32(base) ** exponents)).astype(np.float32)
+
+
 def inverse_frequencies(head_width: int, base: float, scaling: RopeScaling | None = None,
-                        fraction: float = 1.0) -> np.ndarray:
-    """The float32 inverse frequencies of the rotated feature pairs: [rotary_width // 2]."""
+                        fraction: float = 1.0, *, long: bool = False) -> np.ndarray:
+    """The float32 inverse frequencies of the rotated feature pairs: [rotary_width // 2].
+
+    long picks LongRoPE's list for positions past the pretraining context (``frequencies``
+    chooses by the positions); other kinds have one set.
+    """
     width = rotary_width(head_width, fraction)
+    if scaling is not None and scaling.kind == "longrope":
+        return _longrope(width, base, scaling.long_factor if long else scaling.short_factor)
     if scaling is not None and scaling.kind == "yarn":
         return _yarn(width, base, scaling)
     inv = _default(width, base)
@@ -137,12 +165,29 @@ def inverse_frequencies(head_width: int, base: float, scaling: RopeScaling | Non
     return _llama3(inv, scaling)
 
 
+def frequencies(head_width: int, base: float, scaling: RopeScaling | None, fraction: float,
+                positions: jax.Array) -> np.ndarray | jax.Array:
+    """The inverse frequencies a call with these positions rotates by: ``inverse_frequencies``,
+    except that LongRoPE takes its long list once the largest position reaches past the
+    pretraining context (transformers' choice, by ``max(position_ids) + 1``)."""
+    short = inverse_frequencies(head_width, base, scaling, fraction)
+    if scaling is None or scaling.kind != "longrope":
+        return short
+    long = inverse_frequencies(head_width, base, scaling, fraction, long=True)
+    past = jnp.max(positions) + 1 > int(scaling.original_max_len)  # type: ignore[arg-type]
+    return jnp.where(past, jnp.asarray(long), jnp.asarray(short))
+
+
 def attention_scaling(scaling: RopeScaling | None) -> float:
-    """The factor the rotated cos and sin are multiplied by (YaRN's attention factor, else 1)."""
-    if scaling is None or scaling.kind != "yarn":
+    """The factor the rotated cos and sin are multiplied by (YaRN's and LongRoPE's attention
+    factor, else 1)."""
+    if scaling is None or scaling.kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return float(scaling.attention_factor)
+    if scaling.kind == "longrope":
+        original = float(scaling.original_max_len)  # type: ignore[arg-type]
+        return 1.0 if scaling.factor <= 1 else math.sqrt(1 + math.log(scaling.factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -152,7 +197,7 @@ def attention_scaling(scaling: RopeScaling | None) -> float:
     return mscale(scaling.factor)
 
 
-def rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray, scale: float = 1.0) -> jax.Array:
+def rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray | jax.Array, scale: float = 1.0) -> jax.Array:
     """x [B, T, H, D] with its first ``2 * len(inverse)`` features rotated by positions [B, T].
 
     Feature i turns with feature ``i + len(inverse)``; cos and sin are
