@@ -88,3 +88,49 @@ def test_a_continuation_ends_at_any_id_of_the_checkpoints_eos_list(checkpoints, 
     assert pipeline([PROMPT], max_new_tokens=12)[0] == tokenizer.decode(theirs[:-1], skip_special_tokens=True)
     # A recipe's data.tokenizer naming the directory reads the same ends.
     assert HFTokenizer.from_directory(directory).stop_ids == (second,)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_a_chat_prompt_is_what_apply_chat_template_makes_and_the_reply_is_transformers(checkpoints, name):
+    """dew generate --chat sends each prompt as a user turn in the checkpoint's own template with
+    its generation prompt (Llama 3's starts with <|begin_of_text|> in the template itself, so
+    nothing is added before it), and shows the reply alone; both ways of reading the folder (an
+    exported directory, a recipe's data.tokenizer) carry the template."""
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.objectives.inference import GenerateRequest
+    from dew.sampling import TextGeneration
+
+    directory = checkpoints[name]
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    turn = [{"role": "user", "content": PROMPT}]
+    wanted = theirs.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=False)
+    pipeline = TextGeneration.load(directory)
+    made = pipeline.tokens([PROMPT], max_new_tokens=6, chat=True)
+    assert made.tokens[0][: made.prompt_lengths[0]] == list(wanted)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(wanted)]), max_new_tokens=6, do_sample=False,
+                             pad_token_id=theirs.eos_token_id)[0, len(wanted):].tolist()
+    ends = [i for i, t in enumerate(out) if t in pipeline.stops]
+    assert made.new_tokens[0] == (out[: ends[0] + 1] if ends else out)
+    reply = pipeline.generate(GenerateRequest((PROMPT,), max_new_tokens=6, chat=True)).texts[0]
+    assert reply == theirs.decode(out[: ends[0]] if ends else out, skip_special_tokens=True)
+    assert HFTokenizer.from_directory(directory).chat_template.source == pipeline.tokenizer.chat_template.source
+
+
+def test_chat_without_a_template_is_refused_in_one_line_saying_what_carries_one():
+    import jax.numpy as jnp
+
+    from dew.data import ByteTokenizer
+    from dew.models import build
+    from dew.objectives.inference import GenerateRequest, UnsupportedRequestError
+    from dew.sampling import TextGeneration
+
+    model = build("causal_transformer", vocab_size=257, emb_features=16, num_layers=1, num_heads=2,
+                  mlp_features=32, max_seq_len=24)
+    pipeline = TextGeneration(model, model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)), ByteTokenizer())
+    with pytest.raises(UnsupportedRequestError, match=r"^--chat renders each prompt .* ByteTokenizer carries none\. "
+                                                      r"Give the tokenizer as the folder") as refused:
+        pipeline.generate(GenerateRequest(("hi",), chat=True))
+    assert "\n" not in str(refused.value)

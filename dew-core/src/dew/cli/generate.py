@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drop tokens less likely than this share of the likeliest")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end a continuation after this text (repeatable)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send each prompt as a user turn in the tokenizer's chat template and print the "
+                             "reply alone (a model tuned on chats)")
     parser.add_argument("--step", type=int, default=None, help="a kept step of the run (default newest)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random draws")
 
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         request = GenerateRequest(tuple(args.inputs), count=args.count, steps=args.steps,
                           guidance=args.guidance, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, stop=tuple(args.stop), seed=args.seed, out=args.out)
+                          min_p=args.min_p, stop=tuple(args.stop), chat=args.chat or None, seed=args.seed,
+                          out=args.out)
         made = open_run(args.run, step=args.step).pipeline().generate(request)
     except Exception as error:
         if not expected(error):

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
+    from dew.data.chat_template import ChatTemplate
+
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
-    "NamesStops", "Reader", "Reporting", "Resumable", "StartsSequences", "TextReader", "Tokenizer", "WithEos",
-    "WithVocabSize", "close_if_closable", "eos_id_of", "is_global_position", "prefix_of", "prompt_ids",
-    "stop_ids_of", "vocab_size_of",
+    "NamesStops", "Reader", "Reporting", "Resumable", "ShipsChatTemplate", "StartsSequences", "TextReader",
+    "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "eos_id_of",
+    "is_global_position", "prefix_of", "prompt_ids", "stop_ids_of", "vocab_size_of",
 ]
 
 Batch = Mapping[str, Any]
@@ -162,6 +164,20 @@ class EosTokenizer(Tokenizer, Protocol):
 def eos_id_of(tokenizer: object) -> int | None:
     """The tokenizer's end-of-document id, None when it declares none."""
     return tokenizer.eos_id if isinstance(tokenizer, WithEos) else None
+
+
+@runtime_checkable
+class ShipsChatTemplate(Protocol):
+    """A tokenizer that carries the chat template its folder ships (a published instruct model's),
+    which renders a conversation as the text the model was tuned on."""
+
+    @property
+    def chat_template(self) -> ChatTemplate | None: ...
+
+
+def chat_template_of(tokenizer: object) -> ChatTemplate | None:
+    """The tokenizer's chat template (ShipsChatTemplate), None when it carries none."""
+    return tokenizer.chat_template if isinstance(tokenizer, ShipsChatTemplate) else None
 
 
 @runtime_checkable

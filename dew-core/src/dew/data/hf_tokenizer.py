@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +23,8 @@ from dew.data.errors import MissingFileError, MissingKeyError, UnreadableTokeniz
 
 if TYPE_CHECKING:
     import tokenizers
+
+    from dew.data.chat_template import ChatTemplate
 
 __all__ = ["EOS_CANDIDATES", "HFTokenizer"]
 
@@ -38,13 +40,17 @@ class HFTokenizer:
     document: the id of ``eos_token`` when given, else of the first of
     EOS_CANDIDATES the vocabulary holds. stop_ids are further ids that end a
     generated continuation (a model directory's ``eos_token_id`` list); they
-    change nothing a reader encodes.
+    change nothing a reader encodes. chat_source is the chat template a
+    tokenizer folder ships (with chat_tokens, the special tokens in its scope),
+    compiled on first use as ``chat_template``.
     """
 
     tokenizer: tokenizers.Tokenizer
     eos_id: int
     fingerprint: str = field(default="", compare=False)
     stop_ids: tuple[int, ...] = field(default=(), compare=False)
+    chat_source: str | None = field(default=None, compare=False, repr=False)
+    chat_tokens: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, eos_token: str | None = None) -> HFTokenizer:
@@ -97,7 +103,24 @@ class HFTokenizer:
         for name in ("generation_config.json", "config.json"):
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 listed.append(json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id"))
-        return loaded.stopping_at(*listed)
+        from dew.data.chat_template import template_source_in, tokens_beside
+
+        loaded = loaded.stopping_at(*listed)
+        source = template_source_in(folder)
+        return loaded if source is None else loaded.chatting_with(source, tokens_beside(folder))
+
+    def chatting_with(self, source: str, special_tokens: Mapping[str, str]) -> HFTokenizer:
+        """This tokenizer with a chat template's text (and the special tokens in its scope)."""
+        return dataclasses.replace(self, chat_source=source, chat_tokens=tuple(sorted(special_tokens.items())))
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The chat template the tokenizer's folder ships, compiled in jinja's sandbox (None: none)."""
+        if self.chat_source is None:
+            return None
+        from dew.data.chat_template import ChatTemplate
+
+        return ChatTemplate(self.chat_source, dict(self.chat_tokens))
 
     def stopping_at(self, *listed: object) -> HFTokenizer:
         """This tokenizer, ending continuations also at the ids listed (eos_token_id values: an id

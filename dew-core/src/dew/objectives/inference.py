@@ -68,9 +68,11 @@ class GenerateRequest:
     inputs are prompts or labels as strings (the pipeline reads them); count
     is how many samples per input (or in all, with no inputs); steps the
     sampler's steps, guidance the classifier-free guidance scale;
-    max_new_tokens, the sampling options (temperature, top_k, top_p, min_p)
-    and the stop strings are a language model's; seed picks the random draws; out is the directory
-    files go to. An option left None takes the pipeline's default.
+    max_new_tokens, the sampling options (temperature, top_k, top_p, min_p),
+    the stop strings and chat (each prompt a user turn in the tokenizer's chat
+    template, the reply shown alone) are a language model's; seed picks the
+    random draws; out is the directory files go to. An option left None takes
+    the pipeline's default.
     """
 
     inputs: tuple[str, ...] = ()
@@ -83,11 +85,12 @@ class GenerateRequest:
     top_p: float | None = None
     min_p: float | None = None
     stop: tuple[str, ...] = ()
+    chat: bool | None = None
     seed: int = 0
     out: Path | None = None
 
     OPTIONS: ClassVar[tuple[str, ...]] = ("count", "steps", "guidance", "max_new_tokens",
-                                          "temperature", "top_k", "top_p", "min_p", "stop")
+                                          "temperature", "top_k", "top_p", "min_p", "stop", "chat")
 
     def __post_init__(self) -> None:
         if self.count is not None and self.count < 1:

@@ -83,16 +83,10 @@ class TokenizerFiles:
 
     @property
     def chat_template(self) -> str | None:
-        """The chat template: chat_template.jinja, else tokenizer_config.json's (None: none)."""
-        if "chat_template.jinja" in self.texts:
-            return self.texts["chat_template.jinja"]
-        template = self.config.get("chat_template")
-        if template is None and "chat_template.json" in self.texts:
-            template = json.loads(self.texts["chat_template.json"]).get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-            template = named.get("default", next(iter(named.values()), None))
-        return template if isinstance(template, str) else None
+        """The chat template the files hold (dew.data.chat_template.template_source; None: none)."""
+        from dew.data.chat_template import template_source
+
+        return template_source(self.texts)
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -223,4 +217,9 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
     if generation:
         with contextlib.suppress(ValueError, AttributeError):  # transformers itself reads a damaged one
             listed = json.loads(generation).get("eos_token_id")
-    return dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(eos_id, listed)
+    tokenizer = dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(eos_id, listed)
+    if files is None or files.chat_template is None:
+        return tokenizer
+    from dew.data.chat_template import tokens_beside
+
+    return tokenizer.chatting_with(files.chat_template, tokens_beside(directory))

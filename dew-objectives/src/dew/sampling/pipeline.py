@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
-from dew.data.base import eos_id_of, prompt_ids, stop_ids_of
+from dew.data.base import chat_template_of, eos_id_of, prompt_ids, stop_ids_of
 from dew.objectives.inference import (
     Generated,
     GenerateRequest,
@@ -45,6 +45,7 @@ from dew.sampling.options import Sampling
 if TYPE_CHECKING:
     from flax.linen import Module
 
+    from dew.data.chat_template import ChatTemplate
     from dew.pretrained.model import Pretrained as PretrainedModel
     from dew.typing import PyTree
 
@@ -76,7 +77,7 @@ class TextGeneration(Pipeline):
 
     accepts: ClassVar[str] = "one or more text prompts to continue"
     options: ClassVar[frozenset[str]] = frozenset(
-        {"count", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "stop"})
+        {"count", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "chat"})
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -96,30 +97,47 @@ class TextGeneration(Pipeline):
 
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
-               stop: Sequence[str] = ()) -> Generation:
+               stop: Sequence[str] = (), chat: bool = False) -> Generation:
         """The token ids of prompts and their continuations, as generate returns them. A prompt is
         encoded as transformers' tokenizer(prompt) encodes it (dew.data.base.prompt_ids: Gemma's
         and Llama's beginning-of-text id first); an empty one with nothing to start it starts
-        from the end-of-document id, as after a document, the way the evaluation tasks do."""
-        ids = [self._ids(prompt) for prompt in prompts]
+        from the end-of-document id, as after a document, the way the evaluation tasks do. With
+        chat, each prompt is a user turn rendered by the tokenizer's chat template with its
+        generation prompt, encoded as transformers' apply_chat_template encodes it."""
+        template = self._chat_template() if chat else None
+        ids = [self._ids(prompt, template) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
                         sampling or self.sampling, eos_id=self.stops, stop_strings=tuple(stop),
                         detokenize=lambda ids: self.tokenizer.decode(list(ids)))
 
-    def _ids(self, prompt: str) -> list[int]:
+    def _chat_template(self) -> ChatTemplate:
+        template = chat_template_of(self.tokenizer)
+        if template is None:
+            raise UnsupportedRequestError(
+                f"--chat renders each prompt with the tokenizer's chat template, but this "
+                f"{type(self.tokenizer).__name__} carries none. Give the tokenizer as the folder a "
+                "checkpoint ships with its template (a recipe's data.tokenizer: the folder, not its "
+                "tokenizer.json), or write the prompt in the template yourself without --chat.")
+        return template
+
+    def _ids(self, prompt: str, template: ChatTemplate | None = None) -> list[int]:
+        if template is not None:  # the template writes any beginning-of-text token itself
+            turn = template.text([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return [int(i) for i in self.tokenizer.encode(turn)]
         ids = prompt_ids(self.tokenizer, prompt)  # a beginning-of-text id first where the tokenizer has one
         stop = eos_id_of(self.tokenizer)
         return ids or ([] if stop is None else [int(stop)])
 
     def __call__(self, prompts: str | Sequence[str], *, max_new_tokens: int = 64,
                  sampling: Sampling | None = None, key: jax.Array | None = None,
-                 stop: Sequence[str] = ()) -> str | list[str]:
-        """The continuation of each prompt as text (one str for one str prompt), without the stop token."""
+                 stop: Sequence[str] = (), chat: bool = False) -> str | list[str]:
+        """The continuation of each prompt as text (one str for one str prompt), without the stop
+        token; with chat, the reply to each prompt sent as a user turn (see ``tokens``)."""
         single = isinstance(prompts, str)
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
-                          stop=stop)
+                          stop=stop, chat=chat)
         ended = self.stops
         texts = [_cut(self.tokenizer.decode(row[:-1] if row and row[-1] in ended else row), stop)
                  for row in out.new_tokens]
@@ -131,8 +149,9 @@ class TextGeneration(Pipeline):
         Sampling is greedy unless request sets a temperature (then the
         count continuations of a prompt differ); without max_new_tokens a
         continuation is up to 64 tokens, as many as the model's max_seq_len
-        leaves room for. With request.out the texts are also written there,
-        as samples.txt.
+        leaves room for. With request.chat each prompt is a user turn in the
+        tokenizer's chat template and the reply is shown alone. With
+        request.out the texts are also written there, as samples.txt.
         """
         self.check(request)
         if not request.inputs:
@@ -148,7 +167,9 @@ class TextGeneration(Pipeline):
                 "draws from, and without a temperature (or at 0) generation is greedy; give a "
                 "temperature above 0 as well (1.0 samples from the model as it is).")
         sampling = Sampling(**{"temperature": 0.0, **given})
-        longest = max(len(self._ids(prompt)) for prompt in request.inputs)
+        chat = bool(request.chat)
+        template = self._chat_template() if chat else None
+        longest = max(len(self._ids(prompt, template)) for prompt in request.inputs)
         cache = getattr(self.model, "max_seq_len", longest + 64)  # any flax Module
         room = cache - longest
         if room <= 0:
@@ -156,8 +177,8 @@ class TextGeneration(Pipeline):
                 f"A prompt of {longest} tokens leaves no room to generate in the model's "
                 f"max_seq_len={cache} tokens; shorten the prompt.")
         texts = self(prompts, max_new_tokens=request.max_new_tokens or min(64, room),
-                     sampling=sampling, key=jax.random.key(request.seed), stop=request.stop)
-        shown = tuple(p + t for p, t in zip(prompts, texts, strict=True))
+                     sampling=sampling, key=jax.random.key(request.seed), stop=request.stop, chat=chat)
+        shown = tuple(texts) if chat else tuple(p + t for p, t in zip(prompts, texts, strict=True))
         return Generated(texts=shown, files=write_texts(shown, request.out), samples=len(shown))
 
     def usage(self, run: object) -> str:

@@ -53,8 +53,12 @@ if TYPE_CHECKING:
 
 _Track = Callable[[list[str], list[tuple[int, int]]], AbstractContextManager[None]]
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "chat_template_in",
-           "given_chat_template", "read_chat_template", "special_tokens", "tokens_beside"]
+__all__ = ["TEMPLATE_FILES", "ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "chat_template_in",
+           "given_chat_template", "read_chat_template", "special_tokens", "template_source",
+           "template_source_in", "tokens_beside"]
+
+# The files of a tokenizer folder a chat template is read from, in the order they are tried.
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
 
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -257,7 +261,7 @@ def given_chat_template(given: str, tokenizer: object) -> ChatTemplate:
 def chat_template_in(folder: str | os.PathLike[str]) -> ChatTemplate | None:
     """The chat template a tokenizer folder ships (as read_chat_template finds it), None when it
     ships none; a template that does not parse is still refused."""
-    source = _template_in(Path(folder).expanduser())
+    source = template_source_in(Path(folder).expanduser())
     return None if source is None else ChatTemplate(source, tokens_beside(folder))
 
 
@@ -277,7 +281,7 @@ def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
         folder = given if given.is_dir() else given.parent
         if not folder.is_dir():
             raise MissingFileError(f"The tokenizer path {os.fspath(path)!r} does not exist.")
-        found = _template_in(folder)
+        found = template_source_in(folder)
         if found is None:
             raise ChatTemplateError(
                 f"No chat template in {os.fspath(folder)!r}: it has no chat_template.jinja, and neither "
@@ -288,19 +292,25 @@ def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
     return ChatTemplate(source, tokens_beside(folder))
 
 
-def _template_in(folder: Path) -> str | None:
-    """The template's text in folder's files, None when none holds one."""
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    for name in ("tokenizer_config.json", "chat_template.json"):
-        file = folder / name
-        if not file.is_file():
+def template_source(texts: Mapping[str, str]) -> str | None:
+    """The chat template's text among a tokenizer folder's files (file name to text, any of
+    TEMPLATE_FILES): chat_template.jinja, else the ``chat_template`` of tokenizer_config.json
+    (its ``default`` one when it names several), else chat_template.json's; None when none holds one."""
+    if "chat_template.jinja" in texts:
+        return texts["chat_template.jinja"]
+    for name in TEMPLATE_FILES[1:]:
+        if name not in texts:
             continue
-        value = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+        value = json.loads(texts[name]).get("chat_template")
         if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, Mapping)}
             value = named.get("default")
         if isinstance(value, str) and value.strip():
             return value
     return None
+
+
+def template_source_in(folder: Path) -> str | None:
+    """The template's text in folder's files, None when none holds one."""
+    return template_source({name: (folder / name).read_text(encoding="utf-8")
+                            for name in TEMPLATE_FILES if (folder / name).is_file()})
