@@ -78,9 +78,10 @@ def _transformers_loss(directory, batch) -> float:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2"])
-def test_sft_starts_at_the_checkpoints_own_loss_learns_and_exports_verified(workdir, monkeypatch, name):
+def test_sft_starts_at_the_checkpoints_own_loss_learns_and_exports_verified(workdir, monkeypatch, capsys, name):
     from dew.cli import main
     from dew.data.base import DataPartition
+    from dew.objectives.inference import GenerateRequest
     from dew.recipes.run import build_parts
 
     monkeypatch.chdir(workdir)
@@ -109,6 +110,19 @@ def test_sft_starts_at_the_checkpoints_own_loss_learns_and_exports_verified(work
     assert first.mask.tolist() == [0] * len(prompt) + [1] * len(completion)
     if name != "qwen3":  # one certified export is enough to show the trained run exports
         return
+    # `dew generate --chat` on the run sends a question as the user turn the run was tuned on
+    # (the template of its data.tokenizer folder), and prints the reply alone.
+    from dew.recipes.opening import open_run
+
+    pipeline = open_run(f"runs/sft-{name}").pipeline()
+    question = record["prompt"]
+    made = pipeline.tokens([question], max_new_tokens=4, chat=True)
+    assert made.tokens[0][: made.prompt_lengths[0]] == prompt
+    reply = pipeline([question], max_new_tokens=4, chat=True)[0]
+    assert pipeline.generate(GenerateRequest((question,), max_new_tokens=4, chat=True)).texts == (reply,)
+    capsys.readouterr()
+    assert main(["generate", f"runs/sft-{name}", "--chat", "--max-new-tokens", "4", question]) == 0
+    assert capsys.readouterr().out == reply + "\n"
     assert main(["export", f"runs/sft-{name}", "exported", "--verify"]) == 0
     assert json.loads((workdir / "exported" / "verification.json").read_text())["passed"]
     template = (workdir / f"checkpoints/{name}-tiny/chat_template.jinja").read_text()
