@@ -24,6 +24,11 @@ CHECKED = [
      "trainer.accumulation: 3 microbatches make one optimizer update, but trainer.steps=2 stops before the first"),
     ("tiny-lm-lora", ["quantization.dtype=int8"], "quantization: set beside lora, where it would be ignored"),
     ("tiny-lm-lora", ["lora.alpha=0"], "Lora.alpha must be above 0"),
+    # A dropout no training step draws a key for (it stopped the first step with flax's traceback).
+    ("tiny-lm-lora", ["lora.dropout=0.1"], "Lora.dropout=0.1 is not applied by dew"),
+    # Ignored leaves start fresh, and lora freezes them: random for the whole run.
+    ("tiny-lm-lora", ["init.pretrained=exported", "init.ignore=[params/head]"],
+     "init.ignore: leaves those weights at a fresh initialization, and the lora section freezes"),
     ("addition-grpo", ["objective.reward.name=exact_mach"],
      "objective.reward.name: no reward named 'exact_mach'. Did you mean 'exact_match'?"),
     ("addition-grpo", ["objective.reward.ky=answer"], "objective.reward.ky: reward 'exact_match' has no field 'ky'"),

@@ -24,6 +24,7 @@ import pytest
 from dew.pretrained import (
     ConfigValueError,
     DamagedFileError,
+    NoExactCounterpartError,
     Pretrained,
     TensorMismatchError,
 )
@@ -162,6 +163,14 @@ def test_peft_adapters_load_and_damaged_ones_are_refused(good, tmp_path):
     for name, (change, match) in cases.items():
         with pytest.raises(TensorMismatchError, match=match):
             load_adapters(damaged(name, change), model, variables, spec=spec)
+    # PEFT settings that change what the same tensors compute (rsLoRA scales by alpha / sqrt(r), a
+    # pattern gives one weight its own alpha or rank, DoRA adds a magnitude): refused by name; read as
+    # plain LoRA, rsLoRA's logits were 3.55 away from PEFT's and an alpha_pattern's 2.23.
+    for key, value in (("use_rslora", True), ("alpha_pattern", {"q_proj": 32}), ("rank_pattern", {"v_proj": 2}),
+                       ("use_dora", True)):
+        with pytest.raises(NoExactCounterpartError, match=rf"sets {key}={value!r}, which dew's LoRA does not compute"):
+            load_adapters(damaged(key, lambda t, c, key=key, value=value: c.update({key: value})), model, variables,
+                          spec=spec)
 
 
 # -- writing -------------------------------------------------------------------------------

@@ -113,6 +113,21 @@ def test_a_target_that_matches_no_module_is_refused_naming_it():
         wrapped.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
 
 
+@pytest.mark.parametrize("targets, named", [
+    ((r".*embed",), "embed/embedding"),  # a lookup, not a matmul: qwix placed no adapter, and nothing trained
+    (("attention", r".*embed"), "embed/embedding"),  # mixed in, the embedding was dropped without a word
+    ((r".*",), "embed/embedding, position"),  # lookups both; ".*" reaching the head was a traceback before
+])
+def test_a_target_matching_weights_no_adapter_can_sit_on_is_refused_in_one_line(targets, named):
+    wrapped = apply_lora(tiny(), Lora(rank=2, targets=targets))
+    with pytest.raises(LoraError, match=rf"match {named}.*where no adapter can sit.* Name the projections") as refused:
+        wrapped.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+    assert "\n" not in str(refused.value)
+    # The head alone is no module's weight: it is named among the modules the model has.
+    with pytest.raises(LoraError, match=r"'\.\*head'.*matches no module"):
+        apply_lora(tiny(), Lora(rank=2, targets=(r".*head",))).init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+
+
 def test_a_rank_wider_than_a_layer_is_refused_naming_the_layer():
     wrapped = apply_lora(tiny(), Lora(rank=17, targets=("mlp",)))
     with pytest.raises(LoraError, match=r"rank 17 .* layer layers_0/mlp/wi .*at most 16"):

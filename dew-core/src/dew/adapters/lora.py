@@ -83,8 +83,9 @@ class Lora:
     adapters are then stacked like the weights. In a mixture-of-experts family
     ``"mlp"`` also names the routed block (``layers_N/moe``: its router, and
     the experts' stacked weights, each expert with its own low-rank pair) and
-    its shared experts; routed experts take LoRA in float without dropout. The adapter adds ``alpha / rank`` times its
-    low-rank product; ``dropout`` drops the adapter's input during training.
+    its shared experts; routed experts take LoRA in float. The adapter adds ``alpha / rank`` times its
+    low-rank product. ``dropout`` must stay 0: dew's training step hands the
+    adapters no random key, so a dropout is refused rather than left unapplied.
     ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
     ``int8`` or ``nf4`` (QLoRA) holds each adapted weight quantized, in
     channel-wise int8 or 4-bit NormalFloat, and computes with it; the
@@ -106,8 +107,9 @@ class Lora:
             raise LoraError(f"Lora.rank must be a positive integer, not {self.rank}.")
         if not self.alpha > 0:  # the adapters' output scales by alpha / rank: 0 trains nothing
             raise LoraError(f"Lora.alpha must be above 0 (the adapters are scaled by alpha / rank), not {self.alpha}.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise LoraError(f"Lora.dropout must be in [0, 1), not {self.dropout}.")
+        if self.dropout != 0.0:
+            raise LoraError(f"Lora.dropout={self.dropout} is not applied by dew: the training step hands the "
+                            "adapters no random key for it. Set lora.dropout to 0 (the default).")
         if not self.targets:
             raise LoraError("Lora.targets is empty: name a preset (attention, mlp) or a pattern.")
         for pattern in self.patterns():
@@ -156,9 +158,9 @@ def selected(spec: Lora, variables: Mapping[str, PyTree],
         # A bias (a published family's q/k/v_bias) is added, never multiplied: it gets no adapter.
         matched = {path: shape for path, shape in weights.items()
                    if len(shape) >= 2 and not path.endswith("_bias")
-                   and re.fullmatch(pattern, path.rsplit("/", 1)[0])}
+                   and re.fullmatch(pattern, _module_of(path))}
         if not matched:
-            modules = sorted({path.rsplit("/", 1)[0] for path in weights if "/" in path})
+            modules = sorted({_module_of(path) for path in weights if "/" in path})
             raise LoraError(f"Lora target {target!r} ({pattern}) matches no module of this model; "
                             f"its modules include {', '.join(modules[:6])}.")
         chosen.update(matched)
@@ -175,12 +177,30 @@ def selected(spec: Lora, variables: Mapping[str, PyTree],
     return chosen
 
 
+def _module_of(path: str) -> str:
+    """The module a "module/param" path names ("" for a parameter of the model itself: its head)."""
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
 def _is_expert_weight(path: str, weights: Mapping[str, PyTree]) -> bool:
     """Whether path ("module/param") is a routed-experts block's stacked [E, in, out] weight."""
     from dew.nn.experts import EXPERT_WEIGHTS
 
-    module, name = path.rsplit("/", 1)
+    module, name = _module_of(path), path.rsplit("/", 1)[-1]
     return name in EXPERT_WEIGHTS and f"{module}/router" in weights
+
+
+def _refuse_unadapted(spec: Lora, chosen: Mapping[str, tuple[int, ...]], variables: Mapping[str, PyTree]) -> None:
+    """Refuse targets that matched weights no adapter was placed on: a weight the model does not
+    multiply as a matrix (an embedding is a lookup), or one of the model's own (its head)."""
+    adapters = {path.split("_lora_", 1)[0] for path in _weights(variables) if "_lora_" in path}
+    missing = sorted(path for path in chosen if path not in adapters)
+    if missing:
+        raise LoraError(
+            f"Lora targets {list(spec.targets)} match {', '.join(missing[:4])}"
+            f"{' and more' if len(missing) > 4 else ''}, where no adapter can sit: the model does not "
+            "multiply by that weight as a projection (an embedding is a lookup; the output head belongs "
+            "to no layer). Name the projections to adapt: attention, mlp, or a pattern over their modules.")
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -218,8 +238,10 @@ def apply_lora(model: Module, spec: Lora) -> Module:
         import jax
 
         abstract = jax.eval_shape(lambda: model.init(rngs, *args, **kwargs))
-        selected(spec, abstract, patterns)
-        return bytewise(base_init(self, rngs, *args, **kwargs))
+        chosen = selected(spec, abstract, patterns)
+        variables = bytewise(base_init(self, rngs, *args, **kwargs))
+        _refuse_unadapted(spec, chosen, variables)
+        return variables
 
     # A subclass of qwix's (a linen module still, so objectives accept it);
     # init is set after the class is made so linen does not wrap it.

@@ -81,9 +81,6 @@ def provider(qwix: Any) -> Any:
             if isinstance(weight, ptq.WithAux) or rule.weight_qtype is not None:
                 raise LoraError(f"{'/'.join(module.path)}/{name} is a routed-experts weight, which "
                                 "LoRA adapts in float only; use Lora(base='float32') or target the attention.")
-            if rule.dropout > 0:
-                raise LoraError(f"{'/'.join(module.path)}/{name} is a routed-experts weight, whose adapters "
-                                "take no dropout; use Lora(dropout=0.0) or target the attention.")
             experts, inputs, outputs = weight.shape
             lora_a, lora_b = qlora._get_or_create_lora_params(
                 name=name, rule=rule, a_shape=(experts, inputs, rule.rank), b_shape=(experts, rule.rank, outputs),
@@ -116,10 +113,6 @@ def provider(qwix: Any) -> Any:
             lora_a, lora_b = qlora._get_or_create_lora_params(
                 name=name, rule=rule, a_shape=a_shape, b_shape=b_shape,
                 a_sharding_transpose=a_transpose, b_sharding_transpose=b_transpose)
-            if rule.dropout > 0:
-                from flax import nnx
-
-                lhs = nnx.Dropout(rule.dropout, deterministic=False)(lhs, rngs=flax_util.make_rng("dropout"))
             return result + jnp.einsum(lora_str, lhs, lora_a, lora_b, **kwargs) * (rule.alpha / rule.rank)
 
     return Provider

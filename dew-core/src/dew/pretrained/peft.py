@@ -265,6 +265,10 @@ def load_adapters(directory: str | os.PathLike[str], model: Module, variables: V
     return out
 
 
+# adapter_config.json keys whose set values change the adapters' function (PEFT's LoraConfig).
+_UNREAD_VARIANTS = ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "layer_replication")
+
+
 def _check_config(source: Path, config: Mapping[str, Any], model: Module, variables: Variables,
                   spec: Lora | None) -> None:
     """Refuse an adapter_config.json whose rank, targets (or alpha, given spec) are not the model's."""
@@ -275,6 +279,14 @@ def _check_config(source: Path, config: Mapping[str, Any], model: Module, variab
     where = source / ADAPTER_CONFIG
     if config.get("peft_type", "LORA") != "LORA":
         raise PretrainedError(f"{where} is a {config.get('peft_type')!r} adapter; dew reads LoRA adapters.")
+    # PEFT settings that change what the adapters compute, which dew's adapters (alpha / rank
+    # times x @ A @ B, one rank and alpha for every weight) do not: refused, never left unapplied.
+    variants = [f"{key}={config[key]!r}" for key in _UNREAD_VARIANTS if config.get(key) not in (None, False, {}, "")]
+    if variants:
+        raise NoExactCounterpartError(
+            f"{where} sets {', '.join(variants)}, which dew's LoRA does not compute (it scales every adapter "
+            "by lora_alpha / r, with one rank and alpha for every weight, no DoRA magnitude and no rsLoRA "
+            "scaling); merge the adapters into the base with PEFT (merge_and_unload) and load that instead.")
     params = unstack_tree(nn.meta.unbox(dict(variables).get("params", variables)))
     ranks, targets = set(), set()
     for path, module in _adapted(model).items():

@@ -143,6 +143,11 @@ class RunConfig(pydantic.BaseModel):
             found.append((("quantization",), "set beside lora, where it would be ignored: the adapters wrap "
                           "the model alone. A LoRA run keeps its frozen base quantized with lora.base (int8, "
                           "nf4); drop the quantization section."))
+        if self.lora is not None and self.init is not None and self.init.ignore:
+            found.append((("init", "ignore"), "leaves those weights at a fresh initialization, and the lora section "
+                          "freezes every weight but the adapters, so they would stay random for the whole run. "
+                          "Start from weights that hold them (train or export a model with them first), or "
+                          "train without lora."))
         steps, accumulation = self.trainer.steps, self.trainer.accumulation
         if steps is not None and accumulation > steps:
             found.append((("trainer", "accumulation"), f"{accumulation} microbatches make one optimizer update, but "
