@@ -144,3 +144,24 @@ def test_options_an_export_would_ignore_are_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("dew export: ") and said in err and err.count("\n") == 1, (extra, err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_adapters_of_a_run_started_from_another_run_say_how_peft_gets_that_base(tmp_path, dew):
+    """PEFT reads a base from a transformers directory; a run folder (init.run) is none, and its
+    path as base_model_name_or_path made PEFT fail with "Unrecognized model"."""
+    plain = [item for item in SMALL if not item.startswith("lora.")]
+    dew("train", "tiny-lm", *plain, "trainer.checkpoint_dir=base", "trackers.0.directory=base", cwd=tmp_path)
+    dew("train", "tiny-lm-qlora", *SMALL, "lora.base=float32", "init={run: base}", "trainer.checkpoint_dir=tuned",
+        "trackers.0.directory=tuned", cwd=tmp_path)
+    out = dew("export", "--adapters", "tuned", "adapters", cwd=tmp_path)
+    assert "their base is the run base, which PEFT cannot read: export it with `dew export base DIR`" in out.stdout
+    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] == ""
+    # Followed: the base exported, PEFT puts the adapters onto it and computes the run's model.
+    from peft import PeftModel
+
+    dew("export", "base", "base-exported", cwd=tmp_path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-exported").eval()
+    with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    adapted, _ = _dew_logits(tmp_path / "tuned")
+    np.testing.assert_allclose(_torch_logits(with_peft), adapted, atol=1e-4, rtol=0)

@@ -68,7 +68,10 @@ def test_a_resume_keeps_what_the_weights_compute_but_not_how(tmp_path):
         refuse_changed_function(RunConfig.load("tiny-lm-lora", overrides=same), folder, 4)  # accepted
     for changed, said in ((["model.rope_base=500000"], "model.rope_base: trained as 10000.0, now 500000"),
                           (["lora.alpha=32"], "lora.alpha: trained as 16.0, now 32.0"),
-                          (["model.mlp_activation=gelu"], "model.mlp_activation: trained as 'swiglu', now 'gelu'")):
+                          (["model.mlp_activation=gelu"], "model.mlp_activation: trained as 'swiglu', now 'gelu'"),
+                          # The base a LoRA run froze, which its exports name: another one trained nothing
+                          # else, but run.json then sent `dew export --adapters` to the wrong base.
+                          (["init.pretrained=elsewhere"], "init.pretrained: trained as None, now 'elsewhere')")):
         with pytest.raises(ResumedFunctionChangedError, match=re.escape(said)):
             refuse_changed_function(RunConfig.load("tiny-lm-lora", overrides=changed), folder, 4)
 

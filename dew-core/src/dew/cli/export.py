@@ -138,12 +138,19 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
         from dew.pretrained.peft import save_adapters
 
         init = opened.config.init if opened.config is not None else None
-        name = "" if init is None else str(init.pretrained or init.run or "")
+        # PEFT reads a base from a transformers directory (init.pretrained), never from a dew run.
+        name = "" if init is None or init.pretrained is None else init.pretrained
         if name and not Path(name).expanduser().is_absolute():  # from where the run started, not from here
             from dew.recipes.resuming import started_from
 
             name = str(started_from(opened.source) / Path(name).expanduser())
         what = "the adapters"
+        if init is not None and init.run is not None:
+            what += (f" (their base is the run {init.run}, which PEFT cannot read: export it with "
+                     f"`dew export {init.run} DIR` and load these adapters onto DIR)")
+        elif init is None and opened.config is not None:
+            what += (" (their base is this run's own fresh initialization, which no directory holds: "
+                     "PEFT has nothing to load them onto; the merged export is the run's model)")
         if lora.base != "float32":
             what += (f" (trained on a {lora.base} copy of the base: PEFT puts them onto the float base, "
                      "which computes slightly other logits than the run; the merged export is the run's model)")

@@ -182,7 +182,8 @@ def _plain(value: Any) -> Any:
 
 
 def _function_fields(config: RunConfig) -> dict[str, Any]:
-    """The model's every field (its defaults filled in), the adapters' and the quantization's, dotted."""
+    """The model's every field (its defaults filled in), the adapters', the quantization's and the
+    starting weights' (init: a LoRA run's frozen base, and what its exports name as their base), dotted."""
     out: dict[str, Any] = {}
     if config.model is not None:
         out["model.name"] = config.model.name
@@ -197,6 +198,9 @@ def _function_fields(config: RunConfig) -> dict[str, Any]:
         value = _plain(getattr(config, section))
         for name, item in (value.items() if isinstance(value, dict) else [("", value)]):
             out[f"{section}.{name}" if name else section] = item
+    if config.init is not None:  # the fields it sets: an unset one reads as absent, as no init does
+        for name, item in config.init.model_dump(mode="json", exclude_defaults=True).items():
+            out[f"init.{name}"] = item
     return out
 
 
