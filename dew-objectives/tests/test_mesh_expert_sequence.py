@@ -52,7 +52,10 @@ for name, spec in json.loads(sys.argv[1]).items():
     mesh = trainer.device_mesh
     with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.layout.axis_rules):
         hidden = jax.jit(lambda v, t: model.apply(v, t))(state.params, jnp.zeros((ROWS, SEQ), jnp.int32))
-    out[name] = {"loss": pick(scalars.rows, "/loss"),
+    # The trained state decodes on its mesh (one position a step, which a sequence split cannot divide).
+    from dew.sampling import Sampling, generate
+    greedy = generate(model, state.params, [[1, 2, 3]], 4, jax.random.key(0), Sampling(temperature=0.0))
+    out[name] = {"loss": pick(scalars.rows, "/loss"), "greedy": greedy.new_tokens[0],
                  "balance": pick(scalars.rows, "load_balancing_loss"),
                  "dropped": pick(scalars.rows, "dropped_fraction"),
                  "wi": str(wi.sharding.spec), "logits": str(hidden.sharding.spec)}
@@ -108,6 +111,10 @@ def test_sequence_meshes_match_one_device(python_in_subprocess, single):
                                          "expert2_sequence2_fsdp2": {"expert": 2, "sequence": 2, "fsdp": 2}},
                   devices=8)
     same_as_one_device(sharded, single)
+    # Their trained weights generate as one device's do (a sequence mesh's stopped at the end of
+    # every run: the decode step's one position was held to the sequence split).
+    for name, result in sharded.items():
+        assert result["greedy"] == single["greedy"] and len(single["greedy"]) == 4, name
     # Positions really are split over the sequence axis (and experts beside them).
     for name in sharded:
         assert "'sequence'" in sharded[name]["logits"], name

@@ -76,6 +76,14 @@ if TYPE_CHECKING:
 __all__ = ["Engine"]
 
 
+def _unsplit_positions(rules: Any) -> tuple[tuple[str, Any], ...]:
+    """rules with the positions of an activation kept whole: a decode step writes one position per
+    sequence, which no split of the mesh's sequence axis divides (training splits it, decoding never)."""
+    from dew.nn.sharding import ACTIVATION_LENGTH
+
+    return tuple((name, None if name == ACTIVATION_LENGTH else axis) for name, axis in rules)
+
+
 class Engine:
     """Generate continuations of many prompts through one paged cache (see the module docstring).
 
@@ -84,7 +92,8 @@ class Engine:
     dew.nn.latent_attention.LatentAttention: ``causal_transformer`` and every
     registered family, DeepSeek-V3's latent attention included). detokenize (ids -> text) is needed for stop
     strings. On a mesh (taken from the parameters' shardings, or given), the
-    programs run under the mesh and rules (default: Layout's), and the pool's
+    programs run under the mesh and rules (default: Layout's; an activation's
+    positions are never split, as a decode step has one), and the pool's
     key/value heads are split as the attention's are.
     """
 
@@ -145,6 +154,8 @@ class Engine:
             from dew.training import Layout
 
             self._rules = Layout().axis_rules
+        if self._mesh is not None:
+            self._rules = _unsplit_positions(self._rules)
         with self._context():
             self._cache, self._sharding = empty_cache(
                 self.model, self._variables, self.blocks.num_blocks, self.config.block_size,
