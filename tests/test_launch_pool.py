@@ -142,3 +142,18 @@ def test_a_rank_that_cannot_reach_its_coordinator_names_it(tmp_path):
     text = launch.text()
     assert f"CoordinatorUnreachableError: Process 1 could not reach the pool's coordinator at 127.0.0.1:{port}" in text
     assert "rank 1 failed with status 2" in text
+
+
+@pytest.mark.slow
+def test_a_coordinator_whose_peers_never_join_says_so_in_one_line(tmp_path):
+    """JAX's coordinator ends its process with a C++ abort and ten stack frames (status 134) when a
+    peer never registers; process 0 now says what happened and what to start, with status 2."""
+    port = free_port()
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "5"}
+    launch = Launch(["--port", str(port), "--connect-timeout", "2", "tiny-lm", *SMALL], tmp_path, env=slurm)
+    code = launch.wait(timeout=120)
+    text = launch.text()
+    assert code == 2, text
+    assert (f"dew: the pool's coordinator at 127.0.0.1:{port} waited 2 s for the other 1 process(es), and "
+            "not all of them joined") in text
+    assert "rank 0 failed with status 2" in text and "Terminating process" not in text and "@ 0x" not in text

@@ -51,6 +51,18 @@ def test_a_rule_onto_a_batch_axis_is_refused():
         layout.spec((64,), ("embed",), mesh(data=2))
 
 
+def test_a_rule_naming_no_mesh_axis_is_refused_with_the_axis_it_likely_meant():
+    """A parameter rule onto a misspelled axis left the parameter whole on every device (the only
+    sign, if any, a tolerance refusal blaming the mesh's sizes); an activation rule's stopped the
+    step with JAX's traceback."""
+    for rules, said in (({"embed": "fdsp"}, r"'embed' -> 'fdsp' names 'fdsp', which is no mesh axis .*'fsdp' for 'fdsp'"),
+                        ({"batch": ("dta", "fsdp")}, r"names 'dta', which is no mesh axis .*'data' for 'dta'"),
+                        ({"mlp": "model"}, r"names 'model', which is no mesh axis \(the mesh's are data, expert")):
+        with pytest.raises(LayoutError, match=said) as refused:
+            Layout(rules=rules)
+        assert "\n" not in str(refused.value)
+
+
 # -- the stage axis is the layout's own ----------------------------------------------------------
 
 

@@ -73,6 +73,12 @@ def test_a_schedule_is_named_and_fits_its_field():
         MeshSpec(stage=2, circular_repeats=2)
     with pytest.raises(ValueError, match="circular_repeats must be a positive integer"):
         MeshSpec(stage=2, schedule="1f1b", circular_repeats=0)
+    # Without stages they change nothing (microbatches=7 of a 32-row batch trained as without it):
+    # refused, saying what splits a step without a pipeline.
+    for given, said in (({"microbatches": 7}, "microbatches=7 runs"), ({"schedule": "1f1b"}, "schedule='1f1b' runs"),
+                        ({"microbatches": 4, "schedule": "1f1b"}, "microbatches=4, schedule='1f1b' run ")):
+        with pytest.raises(ValueError, match=f"MeshSpec {said}.*stage=1 has none.*trainer.accumulation"):
+            MeshSpec(**given)
     # GPipe keeps every iteration's activations: microbatches + stages - 1 of them at 4 x 8.
     assert PipelineSchedule(4, 8).held == 11 and PipelineSchedule(4, 8, kind="1f1b").held == 7
 

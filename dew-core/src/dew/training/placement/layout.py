@@ -8,6 +8,7 @@ are dropped, so a single table serves every topology.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,7 @@ from jax.tree_util import KeyPath
 
 from dew.errors import DewError
 from dew.nn.sharding import LAYERS
-from dew.training.placement.mesh import companion_mesh
+from dew.training.placement.mesh import MESH_AXES, companion_mesh
 from dew.tree_paths import path_name
 from dew.typing import PyTree
 
@@ -138,7 +139,17 @@ class Layout:
                 "CPU owns whole."
             )
         for name, axes in self._pairs():
-            if "stage" in ((axes,) if isinstance(axes, str) else tuple(axes or ())):
+            named = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            strangers = [axis for axis in named if axis not in MESH_AXES]
+            if strangers:
+                close = [difflib.get_close_matches(str(axis), MESH_AXES, n=1) for axis in strangers]
+                hint = ", ".join(f"{found[0]!r} for {axis!r}" for axis, found in
+                                 zip(strangers, close, strict=True) if found)
+                raise LayoutError(
+                    f"The rule {name!r} -> {axes!r} names {', '.join(map(repr, strangers))}, which is no mesh "
+                    f"axis (the mesh's are {', '.join(MESH_AXES)}{f'; did you mean {hint}?' if hint else ''}); "
+                    "a parameter would be left whole on every device, an activation would stop the step.")
+            if "stage" in named:
                 raise LayoutError(
                     f"The rule {name!r} -> {axes!r} places {name} on the stage axis, which holds "
                     "the layer stack's pipeline stages: the layout puts the stored tree's layers "

@@ -85,8 +85,16 @@ class MeshSpec:
     def __post_init__(self) -> None:
         for name in ("fsdp", "expert", "tensor", "sequence", "stage", "replicas", "circular_repeats"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MeshSpec.{name} must be a positive integer, got {value!r}.")
+        piped = [f"{name}={getattr(self, name)!r}" for name, unset in
+                 (("microbatches", None), ("schedule", "gpipe"), ("circular_repeats", 1)) if getattr(self, name) != unset]
+        if self.stage == 1 and piped:
+            raise ValueError(
+                f"MeshSpec {', '.join(piped)} run{'s' if len(piped) == 1 else ''} the pipeline's stages, and "
+                "stage=1 has none, so the step would train as without it. Set stage above 1 (the layers "
+                "split into that many stages), or drop it; trainer.accumulation cuts a step into "
+                "microbatches without a pipeline.")
         if self.microbatches is not None and self.microbatches % self.stage:
             from dew.nn.pipeline import MicrobatchError
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import resource
 import shlex
+import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -119,10 +121,19 @@ def _join_pool() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     seat = seat_from_environment()
     if seat is not None:
-        timeout = connect_timeout()
+        timeout = max(1, int(connect_timeout()))
         reach_coordinator(seat.coordinator, seat.index, timeout)
-        jax.distributed.initialize(seat.coordinator, num_processes=seat.processes, process_id=seat.index,
-                                   initialization_timeout=max(1, int(timeout)))
+        # JAX's coordinator ends its process (a C++ abort and its stack) when a peer never joins:
+        # process 0 says so itself first, and leaves JAX a little longer so that its line comes first.
+        watchdog = threading.Timer(timeout, _peers_missing, (seat.coordinator, seat.processes, timeout))
+        watchdog.daemon = True
+        if seat.index == 0:
+            watchdog.start()
+        try:
+            jax.distributed.initialize(seat.coordinator, num_processes=seat.processes, process_id=seat.index,
+                                       initialization_timeout=timeout + (5 if seat.index == 0 else 0))
+        finally:
+            watchdog.cancel()
     else:
         # A cluster JAX knows (TPU pods, Open MPI, ...) describes the pool itself.
         try:
@@ -134,6 +145,15 @@ def _join_pool() -> None:
                 "indexed Job), or set JAX_COORDINATOR_ADDRESS (host:port of process 0), "
                 "JAX_NUM_PROCESSES and JAX_PROCESS_ID for every process."
             ) from error
+
+
+def _peers_missing(coordinator: str, processes: int, timeout: int) -> None:
+    """End process 0, whose pool's other processes did not all join within timeout, in one line."""
+    print(f"dew: the pool's coordinator at {coordinator} waited {timeout} s for the other {processes - 1} "
+          "process(es), and not all of them joined: start every rank with the same coordinator address and "
+          "process count (dew launch -n N, or one `dew launch` per node under srun or an indexed Job), or "
+          "raise --connect-timeout for a slow start.", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def prepare_process(config: ProcessSettings | None = None) -> None:
