@@ -170,7 +170,7 @@ def seat_from_environment(env: Mapping[str, str] | None = None, port: int | None
         if missing:
             raise PoolEnvironmentError(
                 f"This is a Kubernetes indexed Job (JOB_COMPLETION_INDEX is set) but {' and '.join(missing)} "
-                "is not: set DEW_NUM_PROCESSES to the Job's completions and DEW_COORDINATOR_ADDRESS to "
+                f"{'is' if len(missing) == 1 else 'are'} not: set DEW_NUM_PROCESSES to the Job's completions and DEW_COORDINATOR_ADDRESS to "
                 "host:port of the pod with index 0 (`dew launch --print jobset` writes both).")
         seat = PoolSeat(env["DEW_COORDINATOR_ADDRESS"], _integer(env, "DEW_NUM_PROCESSES"),
                         _integer(env, "JOB_COMPLETION_INDEX"), "kubernetes")
