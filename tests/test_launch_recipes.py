@@ -56,3 +56,17 @@ def test_a_port_or_a_wait_that_cannot_be_is_refused_before_a_rank_starts(option,
         main(["launch", "-n", "2", option, value, "tiny-lm", "--check"])
     assert ended.value.code == 2
     assert f"argument {option}: {said}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["-n", "2", "--per-node", "2"], "--per-node shapes the job `--print slurm` writes, and this launch starts its ranks itself"),
+    (["-n", "2", "--image", "r/dew:1"], "--image shapes the job `--print jobset` writes, and this launch starts its ranks"),
+    (["--print", "jobset", "-n", "4", "--per-node", "2"], "--per-node shapes the job `--print slurm` writes, and this "
+                                                          "launch prints 'jobset'"),
+])
+def test_a_cluster_jobs_option_where_it_changes_nothing_is_refused(argv, said, capsys):
+    """--per-node and --image were taken and ignored by a local pool and by the other printed job."""
+    from dew.cli import main
+
+    assert main(["launch", *argv, "tiny-lm", "--check"]) == 2
+    assert said in capsys.readouterr().err

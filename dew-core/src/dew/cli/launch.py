@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "DEW_CONNECT_TIMEOUT)")
     parser.add_argument("--print", dest="print_kind", choices=("slurm", "jobset"), default=None,
                         help="print an sbatch script or a JobSet manifest for the recipe, and exit")
-    parser.add_argument("--per-node", type=int, default=1, metavar="K",
+    parser.add_argument("--per-node", type=int, default=None, metavar="K",
                         help="with --print slurm: ranks per node (default 1)")
     parser.add_argument("--image", default=None,
                         help="with --print jobset: the container image that has dew installed")
@@ -95,7 +95,7 @@ def rank_argv(recipe: str, overrides: list[str]) -> list[str]:
 def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
     from dew.cli.launch_scripts import ScriptRequest, jobset_manifest, slurm_script
     request = ScriptRequest(args.recipe, tuple(args.overrides), processes=args.processes or 1,
-                            per_node=args.per_node, port=args.port, grace=args.grace,
+                            per_node=args.per_node or 1, port=args.port, grace=args.grace,
                             gpus_per_process=args.gpus_per_process,
                             **({"image": args.image} if args.image else {}))
     try:
@@ -120,6 +120,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.processes is not None and args.processes < 1:
         print(f"dew launch: -n {args.processes}: a pool needs at least one process.", file=sys.stderr)
+        return 2
+    # Options that shape a printed cluster job, given where they would change nothing.
+    unread = [flag for flag, given, reader in (("--per-node", args.per_node, "slurm"), ("--image", args.image, "jobset"))
+              if given is not None and args.print_kind != reader]
+    if unread:
+        print(f"dew launch: {' and '.join(unread)} shape{'s' if len(unread) == 1 else ''} the job "
+              f"`--print {'slurm' if unread[0] == '--per-node' else 'jobset'}` writes, and this launch "
+              f"{'prints ' + repr(args.print_kind) if args.print_kind else 'starts its ranks itself'}: drop "
+              f"{'it' if len(unread) == 1 else 'them'}, or print that job.", file=sys.stderr)
         return 2
     if args.print_kind is not None:
         return _print_script(args, _asked(args))
@@ -168,7 +177,7 @@ def _asked(args: argparse.Namespace) -> list[str]:
     asked = ["--print", args.print_kind]
     if args.processes is not None:
         asked += ["-n", str(args.processes)]
-    if args.per_node != 1:
+    if args.per_node not in (None, 1):
         asked += ["--per-node", str(args.per_node)]
     if args.port is not None:
         asked += ["--port", str(args.port)]
