@@ -55,7 +55,8 @@ def _by_hand_logp(model, params, tokens, mask):
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
 def test_loss_and_gradient_equal_the_formula(loss_type):
     model = _model()
-    objective = DPOObjective(model, LENGTH, beta=0.5, loss_type=loss_type, gamma=0.3)
+    objective = DPOObjective(model, LENGTH, beta=0.5, loss_type=loss_type,
+                             **({"gamma": 0.3} if loss_type == "simpo" else {}))
     variables = objective.init(jax.random.key(0))
     # The reference is a different model than the policy, as after some training.
     if objective.holds_reference:
@@ -84,6 +85,23 @@ def test_loss_and_gradient_equal_the_formula(loss_type):
     for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(expected_grad), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()) + 1e-7)
     assert ("reference" in variables) == (loss_type != "simpo")
+    if loss_type == "simpo":  # its rewards' margin, without the loss's target gamma (TRL's SimPO metrics)
+        pc, nc = _by_hand_logp(model, variables["params"], batch["chosen"], batch["chosen_mask"])
+        pr, nr = _by_hand_logp(model, variables["params"], batch["rejected"], batch["rejected_mask"])
+        margins = np.asarray(0.5 * (pc / nc - pr / nr))
+        metrics = objective.loss(variables, batch, _step())[1].metrics
+        np.testing.assert_allclose(metrics["reward_margin"].value, margins.mean(), rtol=1e-5)
+        np.testing.assert_allclose(metrics["preference_accuracy"].value, (margins > 0).mean(), rtol=1e-6)
+
+
+def test_options_the_loss_type_does_not_read_are_refused():
+    """gamma trained bitwise as without it under every loss but SimPO's, and a precomputed reference
+    was accepted by SimPO, which reads none."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"gamma is SimPO's target margin, read by loss_type 'simpo' alone, not 'sigmoid'"):
+        DPOObjective(model, LENGTH, gamma=3.0)
+    with pytest.raises(ValueError, match=r"reference='precomputed' reads reference log-probabilities, which SimPO"):
+        DPOObjective(model, LENGTH, loss_type="simpo", reference="precomputed")
 
 
 def test_precomputed_reference_logprobs_give_the_frozen_reference_loss():

@@ -28,14 +28,14 @@ def _step():
     return Step(step=zero, microstep=zero, updates=zero, key=jax.random.key(0))
 
 
-def _by_hand_logp(model, params, tokens):
-    logits = model.apply({"params": params}, tokens[:, :-1])
+def _by_hand_logp(model, params, tokens, temperature=1.0):
+    logits = model.apply({"params": params}, tokens[:, :-1]) / temperature
     top = logits.max(-1, keepdims=True)
     log_z = jnp.log(jnp.sum(jnp.exp(logits - top), -1)) + top[..., 0]
     return jnp.sum(logits * jax.nn.one_hot(tokens[:, 1:], VOCAB), -1) - log_z
 
 
-def _batch(model, params, rows=8):
+def _batch(model, params, rows=8, temperature=1.0):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, VOCAB, size=(rows, LENGTH)).astype(np.int32)
     mask = np.zeros((rows, LENGTH), np.float32)
@@ -43,29 +43,32 @@ def _batch(model, params, rows=8):
         mask[i, 4:LENGTH - (i % 3)] = 1.0  # completions of different lengths
     reward = np.asarray([1, 0, 0, 1, 0.5, 0.5, 1, 0][:rows], np.float32)
     # The sampling policy differs from the current one, so some ratios leave [0.8, 1.2].
-    old = np.asarray(_by_hand_logp(model, params, jnp.asarray(tokens)))
+    old = np.asarray(_by_hand_logp(model, params, jnp.asarray(tokens), temperature))
     old = old + rng.normal(scale=0.3, size=old.shape).astype(np.float32)
     return {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask), "reward": jnp.asarray(reward),
             "old_logp": jnp.asarray(old)}
 
 
-@pytest.mark.parametrize("normalize", ["token", "sequence"])
-def test_loss_and_gradient_equal_the_clipped_objective_with_k3(normalize):
+@pytest.mark.parametrize("normalize, temperature", [("token", 1.0), ("sequence", 1.0), ("token", 0.6)])
+def test_loss_and_gradient_equal_the_clipped_objective_with_k3(normalize, temperature):
+    """At a sampling temperature T, the policy, the sampler's old_logp and the reference are all the
+    model's logits over T (TRL's convention): the ratio compares the policy with what sampled."""
     model = _model()
-    objective = GRPOObjective(model, group_size=G, clip=0.2, beta=0.1, normalize=normalize)
+    objective = GRPOObjective(model, group_size=G, clip=0.2, beta=0.1, normalize=normalize,
+                              temperature=temperature)
     variables = objective.init(jax.random.key(0))
     variables["reference"] = model.init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))["params"]
-    batch = _batch(model, variables["params"])
+    batch = _batch(model, variables["params"], temperature=temperature)
     r = np.asarray(batch["reward"]).reshape(-1, G)
     advantage = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1)
     m = np.asarray(batch["mask"])[:, 1:]
 
     def by_hand(params):
-        logp = _by_hand_logp(model, params, batch["tokens"])
+        logp = _by_hand_logp(model, params, batch["tokens"], temperature)
         ratio = jnp.exp(logp - batch["old_logp"])
         a = advantage[:, None]
         surrogate = jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a)
-        ref = _by_hand_logp(model, variables["reference"], batch["tokens"])
+        ref = _by_hand_logp(model, variables["reference"], batch["tokens"], temperature)
         k3 = jnp.exp(ref - logp) - (ref - logp) - 1
         per_token = -(surrogate - 0.1 * k3)
         if normalize == "token":
@@ -81,7 +84,8 @@ def test_loss_and_gradient_equal_the_clipped_objective_with_k3(normalize):
     for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(expected_grad), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()) + 1e-7)
     metrics = objective.loss(variables, batch, _step())[1].metrics
-    ratio = np.exp(np.asarray(_by_hand_logp(model, variables["params"], batch["tokens"])) - batch["old_logp"])
+    ratio = np.exp(np.asarray(_by_hand_logp(model, variables["params"], batch["tokens"], temperature))
+                   - batch["old_logp"])
     clipped = (np.abs(ratio - 1) > 0.2) * m
     assert 0 < clipped.sum() < m.sum()  # the fixture exercises both sides of the clip
     np.testing.assert_allclose(metrics["clip_fraction"].value, clipped.sum() / m.sum(), rtol=1e-5)
@@ -210,3 +214,20 @@ def test_without_a_stop_token_a_completion_ends_at_any_end_id_the_tokenizer_name
     # A recipe's stop_token still wins over the tokenizer's end ids.
     assert GRPOObjective(model, reward=record, tokenizer=_Letters(eos, (other,)),
                          stop_token=5).rollout().stop_tokens == (5,)
+
+
+def test_old_logp_is_the_tempered_distribution_the_rollout_sampled_from():
+    """Sampled at temperature 0.5, old_logp held log_softmax(logits), the T=1 policy: the clipped
+    ratio then corrected towards a distribution nothing sampled from (up to 1.9 nats off here)."""
+    model = _model()
+    objective = GRPOObjective(model, reward=lambda c, ctx: [0.0] * len(c), group_size=G, max_new_tokens=3,
+                              beta=0.0, temperature=0.5)
+    variables = objective.init(jax.random.key(0))
+    out = objective.rollout()(_State(variables), _prompts(), jax.random.key(3))
+    tokens = jnp.asarray(out["tokens"])
+    tempered = _by_hand_logp(model, variables["params"], tokens, 0.5)
+    np.testing.assert_allclose(out["old_logp"], tempered, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(_by_hand_logp(model, variables["params"], tokens)) - tempered).max() > 1e-2
+    # On the parameters that sampled, every ratio is 1: nothing is clipped.
+    metrics = objective.loss(variables, {k: jnp.asarray(v) for k, v in out.items()}, _step())[1].metrics
+    assert float(metrics["clip_fraction"].value) == 0.0

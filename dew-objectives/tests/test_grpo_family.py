@@ -208,6 +208,26 @@ def test_incompatible_options_are_refused_naming_the_fields():
     assert shaped.shaping.stops == (ByteTokenizer().eos_id,)
     with pytest.raises(ValueError, match="overlong_buffer must lie in"):
         GRPOObjective(model, overlong="penalty", stop_token=3, max_new_tokens=4, overlong_buffer=5)
+    # Options nothing would read: each trained bitwise as without it (DAPO's clip=0.05 kept (0.2, 0.28)).
+    for build, said in (
+            (lambda: registry.objectives.build("dapo", model=model, stop_token=3, clip=0.05),
+             r"DAPOObjective would train as without clip=0.05 \(clip_low=0.2 and clip_high=0.28 bound the ratio"),
+            (lambda: registry.objectives.build("gspo", model=model, clip=0.05), r"without clip=0.05"),
+            (lambda: GRPOObjective(model, length_normalizer=100.0),
+             r"without length_normalizer=100.0 \(it divides normalize='constant' alone; normalize='token'\)"),
+            (lambda: GRPOObjective(model, max_sampling_rounds=8), r"max_sampling_rounds=8 \(it bounds dynamic_sampling"),
+            (lambda: GRPOObjective(model, stop_token=3, overlong="mask", overlong_penalty=0.5),
+             r"overlong_penalty and overlong_buffer \(they shape overlong='penalty'; overlong='mask'\)")):
+        with pytest.raises(IncompatibleOptionsError, match=said) as refused:
+            build()
+        assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"overlong_penalty must be at least 0, got -1.0: below 0 it pays"):
+        GRPOObjective(model, stop_token=3, overlong="penalty", overlong_penalty=-1.0)
+    with pytest.raises(IncompatibleOptionsError, match=r"overlong='penalty' measures a completion .* environment"):
+        GRPOObjective(model, stop_token=3, overlong="penalty", environment="calculator")
+    # Both bounds given, clip left alone: accepted; one bound given, clip is the other's default.
+    assert GRPOObjective(model, clip_low=0.1, clip_high=0.3).bounds == (0.1, 0.3)
+    assert GRPOObjective(model, clip=0.1, clip_high=0.3).bounds == (0.1, 0.3)
 
 
 def test_overlong_penalty_is_dapos_soft_punishment():

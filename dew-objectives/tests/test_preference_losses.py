@@ -15,7 +15,13 @@ import pytest
 from dew import registry
 from dew.data import Dataset
 from dew.objectives.dpo import DPOObjective
-from dew.objectives.kto import KTOObjective, LabelError, mismatched, mismatched_in_graph
+from dew.objectives.kto import (
+    KTOObjective,
+    LabelError,
+    LoneRowError,
+    mismatched,
+    mismatched_in_graph,
+)
 from dew.objectives.reference_free import CPOObjective, ORPOObjective
 from dew.training import Trainer
 
@@ -252,6 +258,16 @@ def test_kto_validation_builds_the_mismatched_pairs_the_rollout_builds(rows):
     trained, aux = objective.loss(variables, {k: jnp.asarray(v) for k, v in rolled.items()}, step())
     np.testing.assert_allclose(held_out["loss"].value, trained.value, rtol=1e-6)
     np.testing.assert_allclose(held_out["kl"].value, aux.metrics["kl"].value, rtol=1e-6)
+
+
+def test_a_kto_batch_of_one_row_is_refused_on_the_host_and_in_the_step():
+    """Paired with itself, a lone row's KL estimate is its own log-ratio: the loss was 0.5 whatever
+    a positive log-ratio was (TRL refuses such a batch too)."""
+    tokens, mask = np.array([[1, 2, 7, 0]]), np.array([[0, 0, 1, 0]])
+    for build in (mismatched, jax.jit(mismatched_in_graph)):
+        with pytest.raises(LoneRowError, match="a batch of 1 row has no other") as refused:
+            build(tokens, mask, np.array([2]))
+        assert "\n" not in str(refused.value)
 
 
 def test_preference_objectives_are_registered():

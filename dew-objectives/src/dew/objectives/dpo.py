@@ -115,6 +115,9 @@ def check_pairs(batch: HostBatch, chosen_key: str = "chosen", rejected_key: str 
             )
 
 
+_SIMPO_GAMMA = 0.5  # DPOObjective.gamma's default, which only loss_type='simpo' reads
+
+
 @dataclass(frozen=True)
 class DPOObjective(Objective):
     """Preference pairs scored against a frozen reference (see the module docstring).
@@ -137,7 +140,7 @@ class DPOObjective(Objective):
     _: KW_ONLY
     beta: float = 0.1
     loss_type: Literal["sigmoid", "ipo", "simpo", "hinge", "robust", "bco_pair"] = "sigmoid"
-    gamma: float = 0.5
+    gamma: float = _SIMPO_GAMMA
     label_smoothing: float = 0.0
     reference: Literal["frozen", "precomputed"] = "frozen"
     chosen_key: str = "chosen"
@@ -155,6 +158,13 @@ class DPOObjective(Objective):
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise ValueError(f"DPOObjective.label_smoothing applies to loss_type 'sigmoid' or 'robust', "
                              f"not {self.loss_type!r}; set it to 0 or change loss_type.")
+        if self.gamma != _SIMPO_GAMMA and self.loss_type != "simpo":
+            raise ValueError(f"DPOObjective.gamma is SimPO's target margin, read by loss_type 'simpo' alone, "
+                             f"not {self.loss_type!r}; drop it or set loss_type='simpo'.")
+        if self.loss_type == "simpo" and self.reference != "frozen":
+            raise ValueError("DPOObjective.reference='precomputed' reads reference log-probabilities, which "
+                             "SimPO does without (its margin is the policy's own length-normalized one); "
+                             "drop reference or choose another loss_type.")
 
     @property
     def holds_reference(self) -> bool:
@@ -216,7 +226,7 @@ class DPOObjective(Objective):
             logits = self.beta * (logp_c / jnp.maximum(counts[:pairs], 1.0)
                                   - logp_r / jnp.maximum(counts[pairs:], 1.0)) - self.gamma
             losses = -jax.nn.log_sigmoid(logits)
-            margin = logits
+            margin = logits + self.gamma  # the rewards' margin: gamma is the loss's target, not a reward
         else:
             if self.reference == "precomputed":
                 ref_c = jnp.asarray(batch[f"{self.chosen_key}_reference_logp"], jnp.float32)

@@ -93,6 +93,9 @@ _ROLLOUT_STATISTICS = ("sampled_reward", "dropped_groups", "filler_groups", "sam
                        "turns", "failed_episodes")
 
 
+_DEFAULT_CLIP, _DEFAULT_ROUNDS = 0.2, 4  # GRPOObjective's defaults, which the refusals compare with
+
+
 @dataclass(frozen=True)
 class GRPOObjective(GreedyRewardValidation, Objective):
     """GRPO over completions a rollout samples (see the module docstring).
@@ -130,7 +133,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     group_size: int = 4
     max_new_tokens: int = 8
     temperature: float = 1.0
-    clip: float = 0.2
+    clip: float = _DEFAULT_CLIP
     clip_low: float | None = None
     clip_high: float | None = None
     beta: float = 0.04
@@ -141,7 +144,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     normalize: Aggregation = "token"
     length_normalizer: float | None = None
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: int = _DEFAULT_ROUNDS
     overlong: Literal["none", "penalty", "mask"] = "none"
     overlong_buffer: int = 2
     overlong_penalty: float = 1.0
@@ -196,6 +199,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
                              "0 samples each step from the policy it trains, 1 while the step before trains.")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"{name}.max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}.")
+        self._refuse_unread(name)
         if self.overlong != "none":
             if not rollout_stops(self.stop_token, self.tokenizer):
                 raise IncompatibleOptionsError(
@@ -208,6 +212,33 @@ class GRPOObjective(GreedyRewardValidation, Objective):
                     f"{name}.overlong_buffer must lie in [1, max_new_tokens={self.max_new_tokens}], got "
                     f"{self.overlong_buffer}: the penalty ramps over the last overlong_buffer tokens."
                 )
+
+    def _refuse_unread(self, name: str) -> None:
+        """Options set away from their default where nothing reads them: each trained as if absent."""
+        unread = []
+        if self.clip != _DEFAULT_CLIP and self.clip_low is not None and self.clip_high is not None:
+            unread.append(f"clip={self.clip} (clip_low={self.clip_low} and clip_high={self.clip_high} bound the "
+                          "ratio; set those)")
+        if self.length_normalizer is not None and self.normalize != "constant":
+            unread.append(f"length_normalizer={self.length_normalizer} (it divides normalize='constant' "
+                          f"alone; normalize={self.normalize!r})")
+        if self.max_sampling_rounds != _DEFAULT_ROUNDS and not self.dynamic_sampling:
+            unread.append(f"max_sampling_rounds={self.max_sampling_rounds} (it bounds dynamic_sampling, which "
+                          "is off)")
+        if self.overlong != "penalty" and (self.overlong_penalty != 1.0 or self.overlong_buffer != 2):
+            unread.append(f"overlong_penalty and overlong_buffer (they shape overlong='penalty'; "
+                          f"overlong={self.overlong!r})")
+        if unread:
+            raise IncompatibleOptionsError(f"{name} would train as without " + "; ".join(unread)
+                                           + ": drop them, or set what reads them.")
+        if self.overlong_penalty < 0:
+            raise ValueError(f"{name}.overlong_penalty must be at least 0, got {self.overlong_penalty}: below 0 "
+                             "it pays completions for running long.")
+        if self.overlong != "none" and self.environment is not None:
+            raise IncompatibleOptionsError(
+                f"{name}.overlong={self.overlong!r} measures a completion against max_new_tokens, which an "
+                "environment's episode spends per turn: every turn within budget could still read as "
+                "overlong. Set overlong='none' with an environment.")
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -275,7 +306,8 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         tokens, reward = batch["tokens"], jnp.asarray(batch["reward"], jnp.float32)
         mask = jnp.asarray(batch["mask"], jnp.float32)[:, 1:]
         advantage = group_advantages(reward, self.group_size, scale=self.scale_rewards, baseline=self.baseline)
-        logp, entropy = token_logprobs(self.model, policy_variables(variables), tokens)
+        # At the sampling temperature, as old_logp was scored: the ratio is to the policy that sampled.
+        logp, entropy = token_logprobs(self.model, policy_variables(variables), tokens, self.temperature)
         low, high = self.bounds
         per_token, clipped = group_losses.policy_loss(
             logp, batch["old_logp"], advantage, mask, clip_low=low, clip_high=high, level=self.ratio,
@@ -289,7 +321,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
             if name in batch:
                 metrics[name] = Mean.of(batch[name])
         if self.beta > 0:
-            ref_logp, _ = token_logprobs(self.model, reference_variables(variables), tokens)
+            ref_logp, _ = token_logprobs(self.model, reference_variables(variables), tokens, self.temperature)
             delta = jax.lax.stop_gradient(ref_logp) - logp
             k3 = jnp.exp(delta) - delta - 1.0
             per_token = per_token + self.beta * k3

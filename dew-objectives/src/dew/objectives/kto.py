@@ -50,11 +50,23 @@ if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
     from dew.training.state import TrainState
 
-__all__ = ["KTOBatch", "KTOObjective", "LabelError", "mismatched", "mismatched_in_graph"]
+__all__ = ["KTOBatch", "KTOObjective", "LabelError", "LoneRowError", "mismatched", "mismatched_in_graph"]
 
 
 class LabelError(DewError, ValueError):
     """KTO data without a label per completion, or with labels other than 0 and 1."""
+
+
+class LoneRowError(DewError, ValueError):
+    """A KTO batch of one row, whose KL estimate would pair the row with itself."""
+
+
+def _refuse_lone_row(rows: int) -> None:
+    if rows < 2:
+        raise LoneRowError(
+            "KTO estimates its KL term from each completion under another row's prompt, and a batch of "
+            f"{rows} row has no other (its estimate would be the row's own log-ratio, and the loss 0.5 "
+            "whenever that is positive). Give each step (each process's share of it) at least 2 rows.")
 
 
 def mismatched(tokens: np.ndarray, mask: np.ndarray, prompt_length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -66,6 +78,7 @@ def mismatched(tokens: np.ndarray, mask: np.ndarray, prompt_length: np.ndarray) 
     ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
     """
     rows, width = tokens.shape
+    _refuse_lone_row(rows)
     out = np.zeros_like(tokens)
     out_mask = np.zeros(mask.shape, np.float32)
     for i in range(rows):
@@ -86,6 +99,7 @@ def mismatched_in_graph(tokens: jax.Array, mask: jax.Array, prompt_length: jax.A
     >>> t.tolist(), m.tolist()
     ([[1, 2, 8, 9], [3, 7, 0, 0]], [[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
     """
+    _refuse_lone_row(tokens.shape[0])
     width = tokens.shape[1]
     kept = jnp.asarray(mask) > 0
     # Each row's completion tokens moved to its front, in order; then each row takes the previous row's.

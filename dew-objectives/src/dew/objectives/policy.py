@@ -36,14 +36,19 @@ if TYPE_CHECKING:
     from dew.data.base import Tokenizer
     from dew.training.state import TrainState
 
-__all__ = ["REFERENCE", "PolicyFrom", "policy_pipeline", "policy_variables", "reference_variables",
-           "token_logprobs", "with_reference"]
+__all__ = ["REFERENCE", "PolicyFrom", "chosen_logprobs", "policy_pipeline", "policy_variables",
+           "reference_variables", "token_logprobs", "with_reference"]
 
 REFERENCE = "reference"
 
 
-def token_logprobs(model: nn.Module, variables: Variables, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def token_logprobs(model: nn.Module, variables: Variables, tokens: jax.Array,
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """log p(tokens[:, t] | tokens[:, :t]) for t >= 1, as [B, T-1], and the entropy of each prediction.
+
+    temperature divides the logits first: the distribution a rollout sampled from at that
+    temperature, so a ratio to the sampling policy is taken against what really sampled (TRL's
+    convention); 1 is the model's own.
 
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> class Uniform(nn.Module):
@@ -55,7 +60,13 @@ def token_logprobs(model: nn.Module, variables: Variables, tokens: jax.Array) ->
     ([-1.3863, -1.3863], 1.3863)
     """
     logits = model.apply(variables, tokens[:, :-1])
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return chosen_logprobs(logits, tokens, temperature)
+
+
+def chosen_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """From the logits of tokens[:, :-1], each next token's log-probability at temperature, and
+    each prediction's entropy at that temperature ([B, T-1] both)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     return chosen, entropy

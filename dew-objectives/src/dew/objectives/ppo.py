@@ -55,8 +55,10 @@ from dew.objectives.grpo import clipped_policy_loss
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    chosen_logprobs,
     policy_pipeline,
     policy_variables,
+    token_logprobs,
     with_reference,
 )
 from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation
@@ -81,8 +83,10 @@ class ValueHead(nn.Module):
 
 
 def policy_and_values(model: nn.Module, variables: Variables, tokens: jax.Array,
-                      features_module: str = "final_norm") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """log p of each next token [B, T-1], the entropy of each prediction, and the value at each position."""
+                      features_module: str = "final_norm",
+                      temperature: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """log p of each next token [B, T-1] and the entropy of each prediction (both at the sampling
+    temperature, as dew.objectives.policy.token_logprobs), and the value at each position."""
     params = dict(variables["params"])
     head = params.pop(VALUE_HEAD)
     logits, captured = model.apply(
@@ -99,9 +103,7 @@ def policy_and_values(model: nn.Module, variables: Variables, tokens: jax.Array,
         )
     hidden = found["__call__"][0]
     values = ValueHead().apply({"params": head}, hidden)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    chosen, entropy = chosen_logprobs(logits, tokens, temperature)
     return chosen, entropy, values
 
 
@@ -119,9 +121,12 @@ class PPORollout:
         self.sample: dict[str, np.ndarray] | None = None
         self.order: np.ndarray | None = None
         self.served = 0
-        model, features = objective.model, objective.features_module
-        self._evaluate = jax.jit(lambda variables, tokens: policy_and_values(model, variables, tokens, features))
-        self._reference = jax.jit(lambda ref, tokens: _logp(model, ref, tokens))
+        model, features, temperature = objective.model, objective.features_module, objective.temperature
+        # At the sampling temperature: old_logp is the policy that sampled, and the KL penalty compares
+        # it with the reference at the same temperature.
+        self._evaluate = jax.jit(lambda variables, tokens: policy_and_values(model, variables, tokens, features,
+                                                                             temperature))
+        self._reference = jax.jit(lambda ref, tokens: token_logprobs(model, ref, tokens, temperature)[0])
 
     @property
     def reward_seconds(self) -> float:
@@ -170,14 +175,17 @@ class PPORollout:
                 f"PPOObjective(minibatches={objective.minibatches}) does not divide the rollout of "
                 f"{rows} completions; make the batch of prompts a multiple of minibatches."
             )
+        used = self.kl_coef  # the coefficient these rewards were shaped with, logged as such
         error = np.clip(kl / objective.kl_target - 1.0, -0.2, 0.2)
         self.kl_coef = float(self.kl_coef * (1.0 + error * rows / objective.kl_horizon))
         self.sample = {
             "tokens": np.asarray(rolled["tokens"], np.int32), "mask": np.asarray(rolled["mask"], np.float32),
             "reward": np.asarray(rolled["reward"], np.float32), "old_logp": old_logp, "old_values": values,
             "advantage": advantage, "returns": returns,
-            "kl_coef": np.full((rows,), self.kl_coef, np.float32),
-            "kl": (log_ratio.sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)).astype(np.float32),
+            "kl_coef": np.full((rows,), used, np.float32),
+            # Each completion's summed log-ratio: the logged kl is their sum over the tokens, the
+            # per-token mean the coefficient adapts to (a mean of row means weighed short rows up).
+            "kl": log_ratio.sum(axis=1).astype(np.float32),
         }
         rng = np.random.default_rng(np.asarray(jax.random.key_data(order_key)).ravel().tolist())
         self.order = np.stack([rng.permutation(rows) for _ in range(objective.epochs)])
@@ -200,12 +208,6 @@ class PPORollout:
         self.sample = sample or None
         self.served = int(meta["served"])
         self.kl_coef = float(meta["kl_coef"])
-
-
-def _logp(model: nn.Module, variables: Variables, tokens: jax.Array) -> jax.Array:
-    logits = model.apply(variables, tokens[:, :-1])
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 @dataclass(frozen=True)
@@ -295,7 +297,8 @@ class PPOObjective(GreedyRewardValidation, Objective):
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         tokens = batch["tokens"]
         mask = jnp.asarray(batch["mask"], jnp.float32)[:, 1:]
-        logp, entropy, values = policy_and_values(self.model, variables, tokens, self.features_module)
+        logp, entropy, values = policy_and_values(self.model, variables, tokens, self.features_module,
+                                                  self.temperature)
         policy_loss, clipped = clipped_policy_loss(logp, batch["old_logp"], batch["advantage"], self.clip)
         old_values, returns = batch["old_values"], batch["returns"]
         bounded = old_values + jnp.clip(values - old_values, -self.value_clip, self.value_clip)
@@ -304,7 +307,7 @@ class PPOObjective(GreedyRewardValidation, Objective):
         count = jnp.sum(mask)
         metrics: dict[str, Mean | jax.Array] = {
             "reward": Mean.of(batch["reward"]),
-            "kl": Mean.of(batch["kl"]),
+            "kl": Mean(jnp.sum(batch["kl"]), count),
             "clip_fraction": Mean(jnp.sum(clipped * mask), count),
             "entropy": Mean(jnp.sum(entropy * mask), count),
             "value_loss": Mean(jnp.sum(value_loss * mask), count),

@@ -237,7 +237,9 @@ class PolicyRollout:
         self.reward_seconds = 0.0
         self.last_completions: list[str] = []
         self._rounds: deque[dict[str, object]] = deque(maxlen=_KEPT_ROUNDS)
-        self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens)[0])
+        # old_logp at the temperature that sampled: the ratio's denominator is the sampling policy.
+        temperature = float(sampling.temperature)
+        self._score = jax.jit(lambda params, tokens: token_logprobs(model, params, tokens, temperature)[0])
 
     def transcript(self) -> list[dict[str, object]]:
         """What the calls since the last transcript scored, one mapping per call (then forgotten):
