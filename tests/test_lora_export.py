@@ -144,6 +144,18 @@ def test_options_an_export_would_ignore_are_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("dew export: ") and said in err and err.count("\n") == 1, (extra, err)
     assert not (tmp_path / "out").exists()
+    # --verify of a model only dew's own layout holds (a DiT): transformers has nothing to compare,
+    # and the verification stopped with a TypeError traceback after writing the export.
+    from dew.nn.dit import DiT
+
+    dit = DiT(image_size=8, channels=1, patch_size=4, emb_features=16, num_layers=1, num_heads=2,
+              mlp_features=32, num_classes=10)
+    Pretrained(dit, dit.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)), jnp.zeros((1,)),
+                             jnp.zeros((1,), jnp.int32))).save(tmp_path / "dit")
+    assert main(["export", str(tmp_path / "dit"), str(tmp_path / "out"), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "DiT is written in dew's own layout, which transformers does not read; drop --verify" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -74,3 +74,30 @@ def test_a_value_only_its_component_refuses_is_one_line_before_the_first_step(re
     err = capsys.readouterr().err
     assert err.startswith(f"dew train: {said}") and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before anything was kept: no folder left
+
+
+@pytest.mark.parametrize("schedule, said", [
+    ("foo", "objective 'diffusion' refused the recipe's objective values: Unknown noise schedule 'foo'; use one of"),
+    ("{name: edm, sigmax: 20}", "The edm schedule has no setting 'sigmax'; its settings are sigma_min, sigma_max"),
+])
+def test_a_diffusion_schedule_nothing_defines_is_one_line_before_the_first_step(schedule, said, capsys, tmp_path,
+                                                                                 monkeypatch):
+    """An unknown schedule stopped the run inside its first compiled step with a traceback; a name
+    with settings ({name: edm, sigma_max: 20}) could not be given at all."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "digits-diffusion", f"objective.schedule={schedule}", "trainer.steps=1",
+                 f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and err.count("\n") <= 3, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_schedule_with_its_settings_builds_that_schedule():
+    from dew import registry
+    from dew.diffusion import EDM
+
+    model = registry.models.build("dit", image_size=8, channels=1, patch_size=4, emb_features=16, num_layers=1,
+                                  num_heads=2, mlp_features=32)
+    objective = registry.objectives.build("diffusion", model=model, schedule={"name": "edm", "sigma_max": 20.0})
+    assert objective.process.schedule == EDM(sigma_max=20.0)
+    assert hash(objective)  # held as the Schedule, so the objective still hashes

@@ -153,6 +153,12 @@ def test_bad_input_names_the_key_the_value_and_what_was_expected():
     plain = DiffusionObjective(unconditional)
     with pytest.raises(GuidanceError, match="guidance=2.0"):
         plain.sample(init(plain), jax.random.key(0), rows=2, guidance=2.0, steps=2)
+    # A scale that is no number wrote all-black images (NaN cast to uint8), the objective's and dew generate's.
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(GuidanceError, match=rf"guidance={scale} is no scale: give a finite number"):
+            DiffusionObjective(unconditional, guidance=scale)
+        with pytest.raises(GuidanceError, match="is no scale"):
+            plain.sample(init(plain), jax.random.key(0), rows=2, guidance=scale, steps=2)
     with pytest.raises(ConditionError, match="built unconditional"):
         unconditional.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)), jnp.zeros((1,)),
                            jnp.zeros((1,), jnp.int32))

@@ -82,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         if args.verify and (args.adapters or args.format == "dew"):
             return refused("export", "--verify checks a whole model in its Hugging Face layout; drop "
                                      "--adapters and --format dew to verify the export.")
+        if args.verify and args.format is None and _native(opened):
+            return refused("export", f"--verify compares the export with what transformers computes from it, "
+                                     f"and {type(opened.model).__name__} is written in dew's own layout, which "
+                                     "transformers does not read; drop --verify (dew generate or dew embed on the export "
+                                     "reads it back).")
         written, what = _write(opened, lora, args.out, adapters=args.adapters, format=args.format,
                                force=args.force)
     except Exception as error:
@@ -95,6 +100,15 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         return _verify(opened, lora, written, args.tolerance)
     return 0
+
+
+def _native(opened: Opened) -> bool:
+    """Whether the run's model is written in dew's own layout (no Hugging Face class reads it)."""
+    from dew.adapters.lora import base_model
+    from dew.pretrained import Pretrained
+    from dew.pretrained.native import FORMAT
+
+    return Pretrained(base_model(opened.model), opened.variables).format == FORMAT
 
 
 def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float | None) -> int:

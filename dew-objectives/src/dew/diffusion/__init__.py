@@ -17,6 +17,7 @@ from dew.diffusion.schedules import (
     VPLinear,
     karras_sigmas,
     schedule_named,
+    schedule_of,
 )
 from dew.diffusion.targets import (
     TARGETS,
@@ -53,6 +54,7 @@ __all__ = [
     "ode_space",
     "sample",
     "schedule_named",
+    "schedule_of",
     "target_of",
     "to_x0_eps",
 ]

@@ -18,16 +18,18 @@ the model reads as its noise level (``noise_input``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.special import ndtri
 
 __all__ = ["EDM", "SCHEDULES", "RectifiedFlow", "Schedule", "VPCosine", "VPLinear", "karras_sigmas",
-           "schedule_named"]
+           "schedule_named", "schedule_of"]
 
 
 @runtime_checkable
@@ -216,3 +218,32 @@ def schedule_named(name: str) -> Schedule:
     if name not in SCHEDULES:
         raise ValueError(f"Unknown noise schedule {name!r}; use one of {sorted(SCHEDULES)}.")
     return SCHEDULES[name]()
+
+
+def schedule_of(value: object) -> Schedule:
+    """A schedule from what a recipe or a caller gives: a name (its default settings), a mapping
+    of a name and settings (``{name: edm, sigma_max: 20}``), or a Schedule itself. An unknown name
+    or setting is refused in one line, naming the ones there are.
+
+    >>> schedule_of({"name": "edm", "sigma_max": 20.0}).sigma_max
+    20.0
+    """
+    if isinstance(value, str):
+        return schedule_named(value)
+    if isinstance(value, Mapping):
+        settings: dict[str, Any] = dict(value)
+        name = settings.pop("name", None)
+        if not isinstance(name, str) or name not in SCHEDULES:
+            raise ValueError(f"A schedule given as settings names its kind under 'name' (one of "
+                             f"{sorted(SCHEDULES)}), got {name!r}.")
+        kind = SCHEDULES[name]
+        known = [f.name for f in dataclasses.fields(kind)]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise ValueError(f"The {name} schedule has no setting {', '.join(map(repr, unknown))}; its settings "
+                             f"are {', '.join(known)}.")
+        return kind(**settings)
+    if isinstance(value, Schedule):
+        return value
+    raise ValueError(f"A schedule is a name ({', '.join(sorted(SCHEDULES))}), a mapping of a name and its "
+                     f"settings, or a Schedule; got {type(value).__name__} {value!r}.")

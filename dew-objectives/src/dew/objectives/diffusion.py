@@ -15,6 +15,7 @@ GIFs (videos). An EMA of the parameters is kept by default.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -28,10 +29,9 @@ from dew.diffusion import (
     Diffusion,
     Method,
     RectifiedFlow,
-    Schedule,
     drop_condition,
     guide,
-    schedule_named,
+    schedule_of,
 )
 from dew.errors import BatchKeyError, DewError
 from dew.inputs import ClassLabels, Conditioning, Unconditional, conditioning_of
@@ -104,7 +104,8 @@ def _tile(pixels: np.ndarray, columns: int) -> np.ndarray:
 class DiffusionObjective(Objective):
     """Denoising loss of a diffusion model over uint8 images or videos.
 
-    schedule is a name (vp_linear, vp_cosine, edm, flow) or a Schedule;
+    schedule is a name (vp_linear, vp_cosine, edm, flow), a name with its
+    settings (``{name: edm, sigma_max: 20}``) or a Schedule;
     target what the model predicts (eps, x0, v, velocity; velocity by default
     for flow, eps otherwise); weighting the loss weighting (uniform, min_snr,
     edm). guidance, sampler and sample_steps set how previews (and
@@ -134,6 +135,9 @@ class DiffusionObjective(Objective):
     ema: EMASpec | None = field(default_factory=lambda: EMASpec(0.999))
 
     def __post_init__(self) -> None:
+        resolved = schedule_of(self.schedule)  # an unknown name or setting, refused before anything is built
+        if isinstance(self.schedule, Mapping):  # held as the Schedule it names (a mapping does not hash)
+            object.__setattr__(self, "schedule", resolved)
         if not 0.0 <= self.condition_dropout <= 1.0:
             raise ValueError("DiffusionObjective.condition_dropout must lie in [0, 1], got "
                              f"{self.condition_dropout}.")
@@ -157,8 +161,7 @@ class DiffusionObjective(Objective):
 
     @property
     def process(self) -> Diffusion:
-        schedule: Schedule = (schedule_named(self.schedule) if isinstance(self.schedule, str)
-                              else self.schedule)
+        schedule = schedule_of(self.schedule)
         target = self.target or ("velocity" if isinstance(schedule, RectifiedFlow) else "eps")
         return Diffusion(schedule, target=target, weighting=self.weighting, data_std=self.data_std)
 
@@ -176,6 +179,9 @@ class DiffusionObjective(Objective):
         return (size, size, channels)
 
     def check_guidance(self, scale: float) -> None:
+        if not math.isfinite(scale):
+            raise GuidanceError(f"guidance={scale} is no scale: give a finite number (1.0 samples the "
+                                "conditional model as it is; above 1 follows the condition harder).")
         if isinstance(self.conditioning, Unconditional) and scale != 1.0:
             raise GuidanceError(
                 f"guidance={scale} was asked of an unconditional model ({type(self.model).__name__} "
