@@ -159,7 +159,7 @@ def test_options_an_export_would_ignore_are_refused(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_adapters_of_a_run_started_from_another_run_say_how_peft_gets_that_base(tmp_path, dew):
+def test_adapters_of_a_run_started_from_another_run_say_how_peft_gets_that_base(tmp_path, dew, dew_command):
     """PEFT reads a base from a transformers directory; a run folder (init.run) is none, and its
     path as base_model_name_or_path made PEFT fail with "Unrecognized model"."""
     plain = [item for item in SMALL if not item.startswith("lora.")]
@@ -177,3 +177,9 @@ def test_adapters_of_a_run_started_from_another_run_say_how_peft_gets_that_base(
     with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     adapted, _ = _dew_logits(tmp_path / "tuned")
     np.testing.assert_allclose(_torch_logits(with_peft), adapted, atol=1e-4, rtol=0)
+    # A run started from the LoRA run itself: its checkpoints hold base and adapters apart. Said in
+    # one line with the way that works (an InitializerMismatchError advised init.ignore, which did not).
+    started = dew_command("train", "tiny-lm", *plain, "init={run: tuned}", "trainer.checkpoint_dir=again",
+                          "trackers.0.directory=again", cwd=tmp_path)
+    assert started.returncode == 2, started.stdout + started.stderr
+    assert "init.run=tuned is a LoRA run" in started.stderr and "dew export tuned DIR" in started.stderr

@@ -162,6 +162,10 @@ _EXECUTION = frozenset({"model.dtype", "model.param_dtype", "model.attention", "
                         "model.max_seq_len", "model.expert_capacity", "lora.dropout"})
 
 
+class AdaptedRunStartError(DewError, ValueError):
+    """init.run names a LoRA run, whose checkpoints no model's tree takes whole."""
+
+
 class ResumedFunctionChangedError(DewError, ValueError):
     """A resume's recipe changes what the run's weights compute (a model, adapter or quantization field)."""
 
@@ -352,6 +356,12 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
     from dew.training.initializers import ParamsFrom, WeightSource
 
     assert init.run is not None  # InitConfig holds exactly one of pretrained and run
+    started = _saved_recipe(type(config), absolute(init.run))
+    if started is not None and started.lora is not None:
+        raise AdaptedRunStartError(
+            f"init.run={init.run} is a LoRA run: its checkpoints hold the frozen base and the adapters "
+            "apart, which no model's tree takes whole. Export it merged (dew export "
+            f"{init.run} DIR) and start from init.pretrained=DIR.")
     run: WeightSource = ParamsFrom(absolute(init.run), step=init.step, ignore=tuple(init.ignore))
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         from dew.adapters.lora import BaseWeights
