@@ -159,6 +159,23 @@ def test_registered_prefixes_are_reused_across_requests_and_forgotten_with_new_w
     assert engine.stats.reused_tokens == 8
 
 
+def test_new_weights_open_no_group_written_with_the_old_ones(variables):
+    """A request for a prompt whose group still had samples waiting joined that group after
+    set_params, and decoded from the prompt the old weights wrote: neither weights' output."""
+    params = variables[LEARNED]
+    moved = jax.tree.map(lambda x: x * 1.5, params)
+    prompt = tuple(range(1, 14))
+    engine = Engine(LEARNED, EngineConfig(max_batch=2, block_size=4, num_blocks=20, prefill_chunk=16,
+                                          steps_per_call=1, min_bucket=1, batch_buckets=1))
+    engine.set_params(params)
+    engine.submit(Request(prompt, 3, samples=4, sampling=GREEDY), jax.random.key(0))
+    engine.step()  # the prompt is written; two of its samples run, two wait for a row
+    engine.set_params(moved)
+    late = engine.submit(Request(prompt, 3, samples=2, sampling=GREEDY), jax.random.key(1))
+    mine = [list(c.tokens) for c in engine.run() if c.request == late]
+    assert mine == [static_greedy(LEARNED, moved, [list(prompt)], 3)[0]] * 2
+
+
 # -- continuous batching, pre-emption, reproducibility -----------------------------------------
 @pytest.mark.slow
 def test_finished_sequences_hand_their_rows_to_queued_ones_without_recompiling(variables):
@@ -280,6 +297,10 @@ def test_filters_keep_what_each_row_asks_for():
         assert kept.tolist() == [bool(b) for b in by_hand], sampling
     with pytest.raises(InvalidSamplingError, match="min_p"):
         Sampling(min_p=1.5)
+    # top-p counts tokens by rank: of four tied tokens it keeps the two whose mass reaches 0.3, as
+    # transformers' TopPLogitsWarper does (it kept all four, whose logits equal the cut's).
+    tied = filtered(jnp.asarray([[1.0, 1.0, 1.0, 1.0, 0.0]]), *(jnp.asarray([v]) for v in Sampling(top_p=0.3).as_row()))
+    assert (np.asarray(tied[0]) > jnp.finfo(jnp.float32).min).tolist() == [True, True, False, False, False]
 
 
 # -- bad input -------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class BlockPool:
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # held by no one
         self._by_name: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
+        self._stale: set[int] = set()  # held across a forget: written with the old model, never registered
 
     # -- counts ------------------------------------------------------------------
     @property
@@ -82,6 +83,7 @@ class BlockPool:
                 block, _ = self._cached.popitem(last=False)
                 del self._by_name[self._name_of.pop(block)]
             self._references[block] = 1
+            self._stale.discard(block)  # handed out again: whatever is written next is the new model's
             blocks.append(block)
         return blocks
 
@@ -115,6 +117,8 @@ class BlockPool:
         for j in range(min(len(tokens) // self.block_size, len(blocks))):
             name = _chain(name, tokens[j * self.block_size:(j + 1) * self.block_size])
             block = blocks[j]
+            if block in self._stale:  # a sequence still in flight across new weights: not reusable
+                break
             if name in self._by_name or block in self._name_of:
                 continue
             self._by_name[name] = block
@@ -133,9 +137,11 @@ class BlockPool:
         return found
 
     def forget(self) -> None:
-        """Unregister every block (the model changed: what they hold is stale)."""
+        """Unregister every block (the model changed: what they hold is stale). The blocks still
+        held (sequences and groups in flight keep what they wrote) are never registered later."""
         for block in list(self._cached):
             self._free.append(block)
         self._cached.clear()
         self._by_name.clear()
         self._name_of.clear()
+        self._stale = {int(block) for block in np.flatnonzero(self._references)}

@@ -135,6 +135,7 @@ class Engine:
         """
         self._variables = model_variables(params)
         self.blocks.forget()
+        self._open.clear()  # a group written with the old weights takes no new samples
         if self._cache is None:
             self._build_cache()
 

@@ -142,7 +142,8 @@ def generate(
         raise PromptTooLongError(
             f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is "
             f"{longest + max_new_tokens} tokens, more than the model's max_seq_len={limit}. "
-            f"Ask for at most {max(limit - longest, 0)} new tokens or shorten the prompt."
+            + (f"Ask for at most {limit - longest} new tokens or shorten the prompt." if longest < limit else
+               f"Shorten the prompt to fewer than {limit} tokens.")
         )
     if max_new_tokens == 0:
         return Generation([list(row) for row in rows], tuple(lengths), (False,) * len(rows),

@@ -84,17 +84,20 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     if not filtered:
         return logits
     excluded = jnp.finfo(jnp.float32).min
-    vocab = logits.shape[-1]
-    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    rows, vocab = logits.shape
+    order = jnp.argsort(-logits, axis=-1)  # likeliest first; of tied tokens, the lower id first
+    ordered = jnp.take_along_axis(logits, order, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.int32)
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    logits = jnp.where(logits < kth, excluded, logits)
-    ordered = jnp.where(ordered < kth, excluded, ordered)  # still sorted: the top-k survivors
+    survivors = ordered >= kth  # top-k keeps the tokens tied with the k-th, as transformers does
+    ordered = jnp.where(survivors, ordered, excluded)
     probabilities = jax.nn.softmax(ordered, axis=-1)
     before = jnp.cumsum(probabilities, axis=-1) - probabilities
-    kept = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # the likeliest is always kept
-    threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < threshold, excluded, logits)
+    # top-p keeps tokens by rank until their mass reaches top_p (a tie at the cut is not all kept,
+    # as transformers' TopPLogitsWarper); the likeliest is always kept.
+    kept_sorted = survivors & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    kept = jnp.zeros_like(kept_sorted).at[jnp.arange(rows)[:, None], order].set(kept_sorted)
+    logits = jnp.where(kept, logits, excluded)
     floor = ordered[:, :1] + jnp.log(jnp.maximum(min_p, 1e-38))[:, None]  # p >= min_p * p_max
     return jnp.where((min_p[:, None] > 0) & (logits < floor), excluded, logits)
 

@@ -142,8 +142,9 @@ class Completion:
     id numbers sequences in the order they were submitted (a request of n
     samples takes n consecutive ids); request is what submit returned, sample
     the index within the request. logprobs are the model's own log-probability
-    of each new token (temperature 1, no filter), what a policy-gradient ratio
-    divides by.
+    of each new token (temperature 1, no filter); a policy-gradient ratio to the
+    policy that sampled at another temperature divides by the tempered one
+    instead (dew.objectives.policy.token_logprobs with that temperature).
     """
 
     id: int
