@@ -86,6 +86,33 @@ def test_moe_families_build_by_name_with_their_routing():
     assert (mixtral.experts, mixtral.experts_per_token, mixtral.mlp_features) == (8, 2, 14336)
 
 
+def test_a_capacity_on_a_dropless_family_is_refused_when_built():
+    """model.expert_capacity=0.25 on qwen3_moe passed and trained bitwise as without it: the
+    published MoE families route every token (no capacity). An optimizer's default leaves
+    DeepSeek's routing bias undecayed: weight decay shrank it, and with it the experts chosen."""
+    from dew import models
+    from dew.training.optim import DEFAULT_NO_DECAY, build_optimizer
+
+    for name in ("qwen3_moe", "mixtral", "deepseek_v3"):
+        with pytest.raises(ValueError, match=r"expert_capacity=0.25 sizes capacity routing, and this model routes dropless"):
+            models.build(name, preset="tiny", expert_capacity=0.25)
+    assert models.build("mixtral", preset="tiny").expert_capacity == 1.25  # the default is no choice
+    assert "*score_correction" in DEFAULT_NO_DECAY
+    model = models.build("deepseek_v3", preset="tiny")
+    import flax.linen as nn
+
+    params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    params = jax.tree.map(lambda leaf: jnp.full(leaf.shape, 0.5, leaf.dtype), params)
+    from dew.training.optim import OptimizerConfig
+
+    optimizer = build_optimizer(OptimizerConfig(learning_rate=0.1, weight_decay=0.5))
+    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    moved = {jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]
+             if float(jnp.abs(leaf).max()) > 0}
+    biases = [p for p in moved if "score_correction" in p]
+    assert not biases and moved  # decay moved the kernels, never the routing bias
+
+
 def test_routing_a_family_cannot_express_is_refused_by_name(tmp_path):
     model = family("mixtral").build("tiny")
     sigmoid = model.clone(routing=model.routing.__class__(scoring="sigmoid"))

@@ -200,7 +200,11 @@ class Family:
             config["num_hidden_layers"] = fields["num_layers"]
             config.pop("layer_types", None)
         built = {**self.fields(config), "max_seq_len": int(config.get("max_position_embeddings", 2048))}
-        return CausalTransformer(**{**built, "family": self.label, **fields})
+        given = {**built, "family": self.label, **fields}
+        problems = CausalTransformer.field_problems(given)  # refused when built, not at the first trace
+        if problems:
+            raise ValueError(problems[0][1])
+        return CausalTransformer(**given)
 
 
 class PresetError(NoExactCounterpartError, DewKeyError):

@@ -48,6 +48,9 @@ REMAT_POLICIES = {
 }
 
 
+_CAPACITY = 1.25  # CausalTransformer.expert_capacity's default, which dropless routing never reads
+
+
 class CausalTransformer(nn.Module):
     """A decoder-only transformer over token ids, with a cached decode path.
 
@@ -143,7 +146,7 @@ class CausalTransformer(nn.Module):
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     experts: int = 0
     experts_per_token: int = 2
-    expert_capacity: float = 1.25
+    expert_capacity: float = _CAPACITY
     scan_layers: bool = False
     family: str | None = None
     norm_placement: Literal["pre", "sandwich", "post"] = "pre"
@@ -189,6 +192,11 @@ class CausalTransformer(nn.Module):
         if self.mlp_block == "routed" and self.experts < 1:
             raise ValueError("CausalTransformer.mlp_block='routed' needs experts (how many routed "
                              "experts each layer has) of at least 1.")
+        if self.routing is not None and self.routing.dropless and self.expert_capacity != _CAPACITY:
+            raise ValueError(
+                f"CausalTransformer.expert_capacity={self.expert_capacity} sizes capacity routing, and this "
+                "model routes dropless (every token reaches its experts; the published MoE families do): it "
+                "would change nothing. Drop it, or set routing.dropless=false to route with a capacity.")
         outside = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if outside:
             raise ValueError(f"CausalTransformer.dense_layers names layers {outside} of a model with "

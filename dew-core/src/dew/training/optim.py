@@ -53,7 +53,9 @@ __all__ = [
 
 # Leaves that take no weight decay unless a group says otherwise: biases,
 # normalisation scales and anything under a norm, and embeddings.
-DEFAULT_NO_DECAY: tuple[str, ...] = ("*bias", "*scale", "*norm*", "*embed*")
+# DeepSeek's routing bias (score_correction) moves by its own rule, never by the optimizer: decay
+# would shrink it, and with it the experts a token picks.
+DEFAULT_NO_DECAY: tuple[str, ...] = ("*bias", "*scale", "*norm*", "*embed*", "*score_correction")
 
 
 class OptimizerConfigError(DewError, ValueError):
