@@ -106,6 +106,18 @@ def test_what_cannot_carry_expert_adapters_refuses_in_one_line(mixtral, adapted_
         save_adapters(tmp_path / "adapters", mixtral.model, variables, SPEC)
     assert "\n" not in str(refused.value) and "merged" in str(refused.value)
     assert not (tmp_path / "adapters").exists()
+    # Qwen 3 MoE names each expert's Linears *_proj: they were taken for one PEFT module each, the
+    # refusal named the routers alone, and without router adapters the experts were written under
+    # the last expert's name with the stack's shape.
+    qwen = Pretrained.load(write_checkpoint("qwen3_moe", tmp_path / "qwen3_moe", seed=3, redrawn=True))
+    _, adapted = _adapted_variables(qwen, SPEC)
+    with pytest.raises(NoExactCounterpartError, match=r"moe/wi.* have LoRA adapters, .*routed experts"):
+        save_adapters(tmp_path / "qwen-adapters", qwen.model, adapted, SPEC)
+    no_router = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: None if "router_lora" in jax.tree_util.keystr(path) else leaf, adapted)
+    with pytest.raises(NoExactCounterpartError, match=r"moe/wi.* have LoRA adapters, .*routed experts"):
+        save_adapters(tmp_path / "qwen-adapters", qwen.model, no_router, SPEC)
+    assert not (tmp_path / "qwen-adapters").exists()
 
     dummy = jnp.zeros((1, 4), jnp.int32)
     spec = Lora(rank=2, targets=("mlp",), base="int8")

@@ -61,11 +61,16 @@ class AdapterBaseMismatchError(PretrainedError):
 def _adapted(model: Module) -> dict[tuple[str, ...], str]:
     """dew path of each Linear weight of model's family -> its PEFT module name
     (``model.layers.0.self_attn.q_proj``); a fused Linear (Phi-3's qkv_proj) has none, since
-    one PEFT adapter there cannot hold dew's separate ones."""
+    one PEFT adapter there cannot hold dew's separate ones, and neither has a routed-experts
+    weight, one dew tensor that many Linears (one per expert) slice."""
+    import collections
+
     from dew.families import of_model
 
-    return {entry.paths[0]: name.removesuffix(".weight") for name, entry in of_model(model).table(model).items()
-            if name.endswith("_proj.weight") and len(entry.paths) == 1}
+    linears = [(entry.paths[0], name) for name, entry in of_model(model).table(model).items()
+               if name.endswith("_proj.weight") and len(entry.paths) == 1]
+    shared = collections.Counter(path for path, _ in linears)
+    return {path: name.removesuffix(".weight") for path, name in linears if shared[path] == 1}
 
 
 def _fused(model: Module) -> dict[tuple[str, ...], str]:
