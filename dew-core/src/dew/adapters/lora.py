@@ -245,7 +245,8 @@ def apply_lora(model: Module, spec: Lora) -> Module:
 
     # A subclass of qwix's (a linen module still, so objectives accept it);
     # init is set after the class is made so linen does not wrap it.
-    checked = type(qwix_class.__name__, (qwix_class,), {"dew_base_model": (model,)})  # a tuple: linen would wrap a module
+    # dew_base_model a tuple: linen would wrap a module. intercepts_jax: dew.training.opening.InterceptsJax.
+    checked = type(qwix_class.__name__, (qwix_class,), {"dew_base_model": (model,), "intercepts_jax": True})
     checked.init = init  # type: ignore[attr-defined]  # a linen Module class: it has init
     wrapped.__class__ = checked
     return wrapped

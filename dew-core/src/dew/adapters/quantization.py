@@ -79,4 +79,8 @@ def apply_quantization(model: Module, spec: Quantization) -> Module:
     from dew._surface import import_or_explain
 
     qwix = import_or_explain("qwix", "dew-core")
-    return qwix.quantize_model(model, qwix.QtProvider([spec.rule()]))
+    wrapped = qwix.quantize_model(model, qwix.QtProvider([spec.rule()]))
+    # qwix swaps jax functions while the model runs: declared (dew.training.opening.InterceptsJax), so
+    # the trainer builds no state on another thread while this model's step compiles.
+    wrapped.__class__ = type(type(wrapped).__name__, (type(wrapped),), {"intercepts_jax": True})
+    return wrapped

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import jax
 
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from dew.training.placement.layout import Placement
     from dew.training.state import TrainState
 
-__all__ = ["FirstRead", "Pending", "builds_ahead", "closing_on_sigterm", "ending", "start_placed"]
+__all__ = ["FirstRead", "InterceptsJax", "Pending", "builds_ahead", "closing_on_sigterm", "ending",
+           "start_placed"]
 
 _CLOSE_WAIT_SECONDS = 10.0  # how long closing waits for a read under way before closing the stream under it
 
@@ -83,10 +84,25 @@ class FirstRead(Generic[_T]):
         self._thread.join(timeout)
 
 
-def builds_ahead(execution: Execution, rollout: object | None) -> bool:
+@runtime_checkable
+class InterceptsJax(Protocol):
+    """A model whose calls swap jax functions for the whole process while they run (qwix's LoRA and
+    quantization wrappers): tracing it on one thread while another calls jax races with the swap."""
+
+    intercepts_jax: bool
+
+
+@runtime_checkable
+class _HoldsModel(Protocol):
+    model: object
+
+
+def builds_ahead(execution: Execution, rollout: object | None, objective: object = None) -> bool:
     """Whether a fresh state may be built on a thread (``Pending``) while the step compiles.
 
-    Not when a rollout makes the first batch from the state, nor when the
+    Not when the objective's model intercepts jax (InterceptsJax: the build's own jax calls
+    met the compile's swapped functions, a KeyError inside qwix), nor when a rollout makes the
+    first batch from the state, nor when the
     execution compiles from the state's arrays, nor when JAX's persistent
     compilation cache evicts (``jax_compilation_cache_max_size`` set): its
     eviction reads every entry's access-time file under a file lock that
@@ -95,7 +111,8 @@ def builds_ahead(execution: Execution, rollout: object | None) -> bool:
     """
     settings = jax.config.values
     evicting = bool(settings["jax_compilation_cache_dir"]) and settings["jax_compilation_cache_max_size"] != -1
-    return rollout is None and execution.compiles_from_shapes and not evicting
+    intercepting = isinstance(objective, _HoldsModel) and isinstance(objective.model, InterceptsJax)
+    return rollout is None and execution.compiles_from_shapes and not evicting and not intercepting
 
 
 class Pending:

@@ -179,7 +179,7 @@ class Trainer(Generic[Loss, Effects]):
                     required=tuple(self.objective.required_keys()), rollout=self.rollout,
                     ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
                     ledger=ledger_beside(self.checkpoints))
-        self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout)  # place() takes it once
+        self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout, self.objective)
         state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
         write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
         if start >= steps:

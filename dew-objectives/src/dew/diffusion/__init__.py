@@ -16,8 +16,8 @@ from dew.diffusion.schedules import (
     VPCosine,
     VPLinear,
     karras_sigmas,
+    noise_schedule,
     schedule_named,
-    schedule_of,
 )
 from dew.diffusion.targets import (
     TARGETS,
@@ -52,9 +52,9 @@ __all__ = [
     "karras_sigmas",
     "loss_weight",
     "ode_space",
+    "noise_schedule",
     "sample",
     "schedule_named",
-    "schedule_of",
     "target_of",
     "to_x0_eps",
 ]

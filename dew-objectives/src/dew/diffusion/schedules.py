@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import ndtri
 
-__all__ = ["EDM", "SCHEDULES", "RectifiedFlow", "Schedule", "VPCosine", "VPLinear", "karras_sigmas",
-           "schedule_named", "schedule_of"]
+__all__ = ["EDM", "SCHEDULES", "RectifiedFlow", "Schedule", "VPCosine", "VPLinear", "karras_sigmas", "noise_schedule",
+           "schedule_named"]
 
 
 @runtime_checkable
@@ -220,12 +220,12 @@ def schedule_named(name: str) -> Schedule:
     return SCHEDULES[name]()
 
 
-def schedule_of(value: object) -> Schedule:
+def noise_schedule(value: object) -> Schedule:
     """A schedule from what a recipe or a caller gives: a name (its default settings), a mapping
     of a name and settings (``{name: edm, sigma_max: 20}``), or a Schedule itself. An unknown name
     or setting is refused in one line, naming the ones there are.
 
-    >>> schedule_of({"name": "edm", "sigma_max": 20.0}).sigma_max
+    >>> noise_schedule({"name": "edm", "sigma_max": 20.0}).sigma_max
     20.0
     """
     if isinstance(value, str):

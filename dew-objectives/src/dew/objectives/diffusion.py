@@ -31,7 +31,7 @@ from dew.diffusion import (
     RectifiedFlow,
     drop_condition,
     guide,
-    schedule_of,
+    noise_schedule,
 )
 from dew.errors import BatchKeyError, DewError
 from dew.inputs import ClassLabels, Conditioning, Unconditional, conditioning_of
@@ -135,7 +135,7 @@ class DiffusionObjective(Objective):
     ema: EMASpec | None = field(default_factory=lambda: EMASpec(0.999))
 
     def __post_init__(self) -> None:
-        resolved = schedule_of(self.schedule)  # an unknown name or setting, refused before anything is built
+        resolved = noise_schedule(self.schedule)  # an unknown name or setting, refused before anything is built
         if isinstance(self.schedule, Mapping):  # held as the Schedule it names (a mapping does not hash)
             object.__setattr__(self, "schedule", resolved)
         if not 0.0 <= self.condition_dropout <= 1.0:
@@ -161,7 +161,7 @@ class DiffusionObjective(Objective):
 
     @property
     def process(self) -> Diffusion:
-        schedule = schedule_of(self.schedule)
+        schedule = noise_schedule(self.schedule)
         target = self.target or ("velocity" if isinstance(schedule, RectifiedFlow) else "eps")
         return Diffusion(schedule, target=target, weighting=self.weighting, data_std=self.data_std)
 

@@ -93,7 +93,8 @@ _ROLLOUT_STATISTICS = ("sampled_reward", "dropped_groups", "filler_groups", "sam
                        "turns", "failed_episodes")
 
 
-_DEFAULT_CLIP, _DEFAULT_ROUNDS = 0.2, 4  # GRPOObjective's defaults, which the refusals compare with
+# GRPOObjective's defaults of the options _refuse_unread checks are read where set.
+_DEFAULT_CLIP, _DEFAULT_ROUNDS, _DEFAULT_BUFFER, _DEFAULT_PENALTY = 0.2, 4, 2, 1.0
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     dynamic_sampling: bool = False
     max_sampling_rounds: int = _DEFAULT_ROUNDS
     overlong: Literal["none", "penalty", "mask"] = "none"
-    overlong_buffer: int = 2
-    overlong_penalty: float = 1.0
+    overlong_buffer: int = _DEFAULT_BUFFER
+    overlong_penalty: float = _DEFAULT_PENALTY
     max_lag: int = 1
     stop_token: int | None = None
     prompt_key: str = "prompt"
@@ -225,7 +226,8 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if self.max_sampling_rounds != _DEFAULT_ROUNDS and not self.dynamic_sampling:
             unread.append(f"max_sampling_rounds={self.max_sampling_rounds} (it bounds dynamic_sampling, which "
                           "is off)")
-        if self.overlong != "penalty" and (self.overlong_penalty != 1.0 or self.overlong_buffer != 2):
+        if self.overlong != "penalty" and (self.overlong_penalty != _DEFAULT_PENALTY
+                                           or self.overlong_buffer != _DEFAULT_BUFFER):
             unread.append(f"overlong_penalty and overlong_buffer (they shape overlong='penalty'; "
                           f"overlong={self.overlong!r})")
         if unread:
