@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
     "NamesStops", "Reader", "Reporting", "Resumable", "ShipsChatTemplate", "StartsSequences", "TextReader",
-    "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "eos_id_of",
+    "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "ending_ids", "eos_id_of",
     "is_global_position", "prefix_of", "prompt_ids", "stop_ids_of", "vocab_size_of",
 ]
 
@@ -196,6 +196,12 @@ def stop_ids_of(tokenizer: object) -> tuple[int, ...]:
     eos = eos_id_of(tokenizer)
     named = [*([] if eos is None else [eos]), *(tokenizer.stop_ids if isinstance(tokenizer, NamesStops) else ())]
     return tuple(dict.fromkeys(int(i) for i in named))
+
+
+def ending_ids(stop_token: int | None, tokenizer: object) -> tuple[int, ...]:
+    """The ids that end a generated continuation: stop_token when one is given (a recipe's), else
+    every end id the tokenizer names (stop_ids_of; () for none or no tokenizer)."""
+    return (int(stop_token),) if stop_token is not None else stop_ids_of(tokenizer)
 
 
 @runtime_checkable

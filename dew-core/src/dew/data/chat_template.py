@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 _Track = Callable[[list[str], list[tuple[int, int]]], AbstractContextManager[None]]
 
 __all__ = ["TEMPLATE_FILES", "ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "chat_template_in",
-           "given_chat_template", "read_chat_template", "special_tokens", "template_source",
-           "template_source_in", "tokens_beside"]
+           "given_chat_template", "read_chat_template", "special_tokens", "template_and_tokens",
+           "template_source", "tokens_beside"]
 
 # The files of a tokenizer folder a chat template is read from, in the order they are tried.
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
@@ -261,8 +261,8 @@ def given_chat_template(given: str, tokenizer: object) -> ChatTemplate:
 def chat_template_in(folder: str | os.PathLike[str]) -> ChatTemplate | None:
     """The chat template a tokenizer folder ships (as read_chat_template finds it), None when it
     ships none; a template that does not parse is still refused."""
-    source = template_source_in(Path(folder).expanduser())
-    return None if source is None else ChatTemplate(source, tokens_beside(folder))
+    source, tokens = template_and_tokens(Path(folder).expanduser())
+    return None if source is None else ChatTemplate(source, tokens)
 
 
 def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
@@ -276,20 +276,18 @@ def read_chat_template(path: str | os.PathLike[str]) -> ChatTemplate:
     """
     given = Path(path).expanduser()
     if given.is_file() and given.suffix == ".jinja":
-        folder, source = given.parent, given.read_text(encoding="utf-8")
-    else:
-        folder = given if given.is_dir() else given.parent
-        if not folder.is_dir():
-            raise MissingFileError(f"The tokenizer path {os.fspath(path)!r} does not exist.")
-        found = template_source_in(folder)
-        if found is None:
-            raise ChatTemplateError(
-                f"No chat template in {os.fspath(folder)!r}: it has no chat_template.jinja, and neither "
-                f"tokenizer_config.json nor chat_template.json holds a chat_template. Pass chat_template= "
-                f"(the template's text or a .jinja file)."
-            )
-        source = found
-    return ChatTemplate(source, tokens_beside(folder))
+        return ChatTemplate(given.read_text(encoding="utf-8"), tokens_beside(given.parent))
+    folder = given if given.is_dir() else given.parent
+    if not folder.is_dir():
+        raise MissingFileError(f"The tokenizer path {os.fspath(path)!r} does not exist.")
+    source, tokens = template_and_tokens(folder)
+    if source is None:
+        raise ChatTemplateError(
+            f"No chat template in {os.fspath(folder)!r}: it has no chat_template.jinja, and neither "
+            f"tokenizer_config.json nor chat_template.json holds a chat_template. Pass chat_template= "
+            f"(the template's text or a .jinja file)."
+        )
+    return ChatTemplate(source, tokens)
 
 
 def template_source(texts: Mapping[str, str]) -> str | None:
@@ -310,7 +308,10 @@ def template_source(texts: Mapping[str, str]) -> str | None:
     return None
 
 
-def template_source_in(folder: Path) -> str | None:
-    """The template's text in folder's files, None when none holds one."""
-    return template_source({name: (folder / name).read_text(encoding="utf-8")
-                            for name in TEMPLATE_FILES if (folder / name).is_file()})
+def template_and_tokens(folder: Path) -> tuple[str | None, dict[str, str]]:
+    """A tokenizer folder's chat template text (None when it ships none) and the special tokens
+    its tokenizer_config.json names, from one reading of its TEMPLATE_FILES."""
+    texts = {name: (folder / name).read_text(encoding="utf-8")
+             for name in TEMPLATE_FILES if (folder / name).is_file()}
+    config = json.loads(texts["tokenizer_config.json"]) if "tokenizer_config.json" in texts else {}
+    return template_source(texts), special_tokens(config)

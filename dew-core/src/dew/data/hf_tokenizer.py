@@ -92,22 +92,17 @@ class HFTokenizer:
         continuations also at the eos_token_id ids of its generation_config.json and config.json."""
         import json
 
+        from dew.data.chat_template import template_and_tokens
+
         folder = Path(path)
-        config = folder / "tokenizer_config.json"
-        eos = None
-        if config.is_file():
-            value = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-            eos = value.get("content") if isinstance(value, dict) else value
-        loaded = cls.from_file(folder / "tokenizer.json", eos_token=eos if isinstance(eos, str) else None)
+        source, tokens = template_and_tokens(folder)  # tokenizer_config.json read once, for both
+        loaded = cls.from_file(folder / "tokenizer.json", eos_token=tokens.get("eos_token"))
         listed: list[object] = []
         for name in ("generation_config.json", "config.json"):
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 listed.append(json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id"))
-        from dew.data.chat_template import template_source_in, tokens_beside
-
         loaded = loaded.stopping_at(*listed)
-        source = template_source_in(folder)
-        return loaded if source is None else loaded.chatting_with(source, tokens_beside(folder))
+        return loaded if source is None else loaded.chatting_with(source, tokens)
 
     def chatting_with(self, source: str, special_tokens: Mapping[str, str]) -> HFTokenizer:
         """This tokenizer with a chat template's text (and the special tokens in its scope)."""

@@ -220,6 +220,6 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
     tokenizer = dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(eos_id, listed)
     if files is None or files.chat_template is None:
         return tokenizer
-    from dew.data.chat_template import tokens_beside
+    from dew.data.chat_template import special_tokens
 
-    return tokenizer.chatting_with(files.chat_template, tokens_beside(directory))
+    return tokenizer.chatting_with(files.chat_template, special_tokens(files.config))

@@ -46,6 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.data.base import ending_ids
 from dew.objectives import group_losses
 from dew.objectives.base import (
     Aux,
@@ -77,7 +78,7 @@ from dew.objectives.policy import (
     token_logprobs,
     with_reference,
 )
-from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation, rollout_stops
+from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation
 from dew.rewards import resolve
 from dew.sampling import Sampling, TextGeneration
 
@@ -202,7 +203,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
             raise ValueError(f"{name}.max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}.")
         self._refuse_unread(name)
         if self.overlong != "none":
-            if not rollout_stops(self.stop_token, self.tokenizer):
+            if not ending_ids(self.stop_token, self.tokenizer):
                 raise IncompatibleOptionsError(
                     f"{name}.overlong={self.overlong!r} needs stop_token (or a tokenizer with an end token): "
                     "without one every completion runs to max_new_tokens and counts as truncated. Set "
@@ -291,7 +292,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
             return sampler
         shaping = None if self.overlong == "none" else OverlongShaping(
             self.overlong, max_new_tokens=self.max_new_tokens, buffer=self.overlong_buffer,
-            penalty=self.overlong_penalty, stops=rollout_stops(self.stop_token, self.tokenizer))
+            penalty=self.overlong_penalty, stops=ending_ids(self.stop_token, self.tokenizer))
         return GroupFilter(sampler, group_size=self.group_size, dynamic=self.dynamic_sampling,
                            max_rounds=self.max_sampling_rounds, shaping=shaping, max_lag=self.max_lag)
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.data.base import Batch as HostBatch
-from dew.data.base import Tokenizer, stop_ids_of
+from dew.data.base import Tokenizer, ending_ids
 from dew.errors import BatchKeyError
 from dew.objectives.base import Batch, Metric, Step, Variables
 from dew.objectives.policy import policy_variables, token_logprobs
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from dew.training.state import TrainState
 
 __all__ = ["CompletionRollout", "GreedyRewardValidation", "PolicyRollout", "RewardMetric", "RolloutBatchError",
-           "completion_text", "greedy_continuation", "greedy_outputs", "rollout_stops"]
+           "completion_text", "greedy_continuation", "greedy_outputs"]
 
 
 # The batch a rollout receives lacks the prompts or their lengths: dew's one batch-key error.
@@ -65,15 +65,6 @@ def _decode(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
     if tokenizer is None:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
     return tokenizer.decode(list(ids))
-
-
-def rollout_stops(stop_token: int | None, tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    """The ids that end a sampled completion: stop_token when a recipe gives one, else every end id
-    the tokenizer names (a checkpoint's eos_token_id list), as the trained policy's generation
-    stops; () when neither names one (a completion runs to max_new_tokens)."""
-    if stop_token is not None:
-        return (int(stop_token),)
-    return () if tokenizer is None else stop_ids_of(tokenizer)
 
 
 def completion_text(tokenizer: Tokenizer | None, completion: Sequence[int],
@@ -146,8 +137,8 @@ PROMPT, PROMPT_LENGTH = "validation_prompt", "validation_prompt_length"
 class RewardMetric:
     """The mean reward of the completions an evaluation wrote (``greedy_outputs``), on the host.
 
-    Each completion is cut at its first stop id (``rollout_stops``: stop_token,
-    else the tokenizer's end ids) and decoded with tokenizer (bytes when
+    Each completion is cut at its first stop id (``dew.data.base.ending_ids``:
+    stop_token, else the tokenizer's end ids) and decoded with tokenizer (bytes when
     None), then scored with the reward against the batch's other outputs, as
     ``CompletionRollout`` scores what it samples.
     """
@@ -156,7 +147,7 @@ class RewardMetric:
                  name: str = "reward", output: str = "completion") -> None:
         self.reward = reward
         self.tokenizer = tokenizer
-        self.stops = rollout_stops(stop_token, tokenizer)
+        self.stops = ending_ids(stop_token, tokenizer)
         self.name = name
         self.output = output
 
@@ -250,8 +241,8 @@ class PolicyRollout:
 
     @property
     def stop_tokens(self) -> tuple[int, ...]:
-        """The ids that end a completion: stop_token, else the tokenizer's end ids (``rollout_stops``)."""
-        return rollout_stops(self.stop_token, self.tokenizer)
+        """The ids that end a completion: stop_token, else the tokenizer's end ids (``ending_ids``)."""
+        return ending_ids(self.stop_token, self.tokenizer)
 
     def read_prompts(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """The batch's prompts (int32 [prompts, width], right-padded) and their lengths [prompts]."""

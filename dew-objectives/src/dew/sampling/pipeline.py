@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
-from dew.data.base import chat_template_of, eos_id_of, prompt_ids, stop_ids_of
+from dew.data.base import chat_template_of, ending_ids, eos_id_of, prompt_ids
 from dew.objectives.inference import (
     Generated,
     GenerateRequest,
@@ -93,7 +93,7 @@ class TextGeneration(Pipeline):
     def stops(self) -> tuple[int, ...]:
         """The ids that end a continuation: stop_token, else the tokenizer's end-of-document id and
         any other id its checkpoint lists (dew.data.base.stop_ids_of: Llama 3's <|eot_id|>)."""
-        return (self.stop_token,) if self.stop_token is not None else stop_ids_of(self.tokenizer)
+        return ending_ids(self.stop_token, self.tokenizer)
 
     def tokens(self, prompts: Sequence[str], *, max_new_tokens: int = 64,
                sampling: Sampling | None = None, key: jax.Array | None = None,
