@@ -214,13 +214,20 @@ def test_the_tiles_hold_every_row_of_the_most_lopsided_groups():
             np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=f"{sizes} {tile}")
 
 
-def test_statistics_are_the_balance_and_z_loss_formulas():
+@pytest.mark.parametrize("padded", [False, True])
+def test_statistics_are_the_balance_and_z_loss_formulas(padded):
+    """Over the tokens present: padding (present false) moves neither statistic."""
     block = RoutedExperts(experts=4, hidden_features=HIDDEN, experts_per_token=2, scoring="sigmoid")
     x = jnp.asarray(tokens(16, (2, 5, FEATURES)))
+    present = np.ones((2, 5), bool)
+    if padded:
+        present[0, 3:] = present[1, 4:] = False
     params = drawn(block, x, 16)
-    _, sown = jax.jit(lambda v, x: block.apply(v, x, mutable=["moe"]))({"params": params}, x)
+    _, sown = jax.jit(lambda v, x, p: block.apply(v, x, p, mutable=["moe"]))(
+        {"params": params}, x, jnp.asarray(present))
     stats = moe_statistics(sown)
-    logits = np.asarray(x, np.float64).reshape(-1, FEATURES) @ np.asarray(params["router"], np.float64)
+    kept = np.asarray(x, np.float64)[present]
+    logits = kept @ np.asarray(params["router"], np.float64)
     scores = 1 / (1 + np.exp(-logits))
     chosen = np.argsort(-scores, axis=-1)[:, :2]
     share = np.bincount(chosen.ravel(), minlength=4) / chosen.size

@@ -98,6 +98,30 @@ def test_lm_objective_trains_on_the_balance_loss_with_its_weight():
     assert set(variables) == {"params"}
 
 
+def test_padding_of_packed_rows_moves_no_routing_statistic():
+    """Segment id 0 marks padding: what its positions hold changes neither the balance loss
+    nor the z-loss, while the same ids as a document do."""
+    model = CausalTransformer(vocab_size=16, emb_features=8, num_layers=2, num_heads=2, mlp_features=16,
+                              max_seq_len=8, experts=4, experts_per_token=2, expert_capacity=4.0)
+    objective = LMObjective(model, seq_len=8)
+    variables = objective.init(jax.random.key(0))
+    zero = jnp.asarray(0)
+    step = Step(step=zero, microstep=zero, updates=zero, key=jax.random.key(0))
+    text = np.asarray(jax.random.randint(jax.random.key(3), (2, 9), 0, 16))
+    segments = np.array([[1] * 5 + [0] * 4, [1] * 3 + [2] * 4 + [0] * 2], np.int32)
+    other = text.copy()
+    other[segments == 0] = (other[segments == 0] + 7) % 16
+
+    def routing(text, segments):
+        _, aux = objective.loss(variables, {"text": jnp.asarray(text), "segment_ids": jnp.asarray(segments)}, step)
+        return {name: float(aux.metrics[name].value) for name in ("load_balancing_loss", "router_z_loss")}
+
+    first = routing(text, segments)
+    assert routing(other, segments) == pytest.approx(first, rel=1e-6)
+    as_documents = np.where(segments == 0, 3, segments)
+    assert routing(other, as_documents) != pytest.approx(routing(text, as_documents), rel=1e-6)
+
+
 def test_impossible_expert_settings_are_refused_by_name():
     x = jnp.ones((1, 4, 5))
     with pytest.raises(ExpertConfigError, match="experts_per_token=3"):

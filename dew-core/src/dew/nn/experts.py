@@ -198,7 +198,9 @@ class RoutedExperts(nn.Module):
                                     f"{self.capacity_factor}.")
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, present: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D] through the experts; present [B, T] (true for a real token) keeps
+        padding out of the routing statistics."""
         self._check()
         batch, length, features = x.shape
         experts, chosen_per_token = self.experts, self.experts_per_token
@@ -241,8 +243,8 @@ class RoutedExperts(nn.Module):
             probabilities_bte = scores_bte if self.scoring == "softmax" else (
                 scores_bte / jnp.sum(scores_bte, axis=-1, keepdims=True))
             self.sow(MOE_COLLECTION, "load_balancing_loss",
-                     balance_loss(probabilities_bte, chosen_btk, experts))
-            self.sow(MOE_COLLECTION, "router_z_loss", router_z_loss(logits_bte))
+                     balance_loss(probabilities_bte, chosen_btk, experts, present))
+            self.sow(MOE_COLLECTION, "router_z_loss", router_z_loss(logits_bte, present))
             self.sow(MOE_COLLECTION, "dropped_fraction", 1.0 - kept)
         return y_btd.astype(given_dtype)
 

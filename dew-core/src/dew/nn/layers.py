@@ -489,6 +489,9 @@ class DecoderLayer(nn.Module):
         x = constrain(x, residual_axes)
         mlp = self._mlp_block()
         h = self._norm("mlp_norm")(x) if before else x
-        h = mlp(h)
+        if isinstance(mlp, MLPBlock):
+            h = mlp(h)
+        else:  # experts leave padding (segment id 0 of packed rows) out of their statistics
+            h = mlp(h, None if segment_ids is None else segment_ids != 0)
         x = x + (self._norm("mlp_post_norm")(h) if after else h)
         return constrain(x, residual_axes)

@@ -129,7 +129,9 @@ class MoEBlock(nn.Module):
             raise ExpertConfigError(f"Unknown MLP activation {self.activation!r}; use 'gelu' or 'swiglu'.")
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, present: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D] through the experts; present [B, T] (true for a real token) keeps
+        padding out of the routing statistics."""
         self._check()
         batch, length, features = x.shape
         experts, chosen_per_token = self.experts, self.experts_per_token
@@ -151,8 +153,8 @@ class MoEBlock(nn.Module):
         if self.is_initializing():  # statistics of the init's dummy input are not worth keeping
             return y_btd.astype(x.dtype)
         self.sow(MOE_COLLECTION, "load_balancing_loss",
-                 balance_loss(probabilities_bte, chosen_btn, experts))
-        self.sow(MOE_COLLECTION, "router_z_loss", router_z_loss(logits_bte))
+                 balance_loss(probabilities_bte, chosen_btn, experts, present))
+        self.sow(MOE_COLLECTION, "router_z_loss", router_z_loss(logits_bte, present))
         self.sow(MOE_COLLECTION, "dropped_fraction", 1.0 - kept)
         return y_btd.astype(x.dtype)
 
@@ -231,26 +233,40 @@ def capacity_experts(x_btd: jax.Array, gates_btn: jax.Array, chosen_btn: jax.Arr
     return y_btd, kept
 
 
-def balance_loss(probabilities_bte: jax.Array, chosen_btn: jax.Array, experts: int) -> jax.Array:
+def balance_loss(probabilities_bte: jax.Array, chosen_btn: jax.Array, experts: int,
+                 present_bt: jax.Array | None = None) -> jax.Array:
     """Switch Transformer's load-balancing loss: experts * sum_e f_e * P_e.
 
     f_e is expert e's share of the assignments chosen_btn [..., K] and P_e its mean
     probability [..., E] over the tokens; 1 when routing is uniform, larger as it concentrates.
+    present_bt [...] (true for a real token) leaves padding out of both, as transformers'
+    attention mask does.
     """
     chosen_per_token = chosen_btn.shape[-1]
-    lead = tuple(range(chosen_btn.ndim - 1))
-    counts_e = jnp.sum(jax.nn.one_hot(chosen_btn, experts, dtype=jnp.float32), axis=(*lead, -2))
-    share_e = counts_e / (math.prod(chosen_btn.shape[:-1]) * chosen_per_token)
-    return experts * jnp.sum(share_e * jnp.mean(probabilities_bte.astype(jnp.float32), axis=lead))
+    weight_bt = _token_weights(chosen_btn.shape[:-1], present_bt)
+    tokens = jnp.maximum(jnp.sum(weight_bt), 1.0)
+    counts_te = jnp.sum(jax.nn.one_hot(chosen_btn, experts, dtype=jnp.float32), axis=-2)
+    share_e = jnp.einsum("...e,...->e", counts_te, weight_bt) / (tokens * chosen_per_token)
+    mean_e = jnp.einsum("...e,...->e", probabilities_bte.astype(jnp.float32), weight_bt) / tokens
+    return experts * jnp.sum(share_e * mean_e)
 
 
-def router_z_loss(logits_bte: jax.Array) -> jax.Array:
+def router_z_loss(logits_bte: jax.Array, present_bt: jax.Array | None = None) -> jax.Array:
     """ST-MoE's router z-loss: the mean over tokens of logsumexp(router logits) squared.
 
     It keeps the router's logits small, where its softmax (and the bf16 matmuls
-    before it) stay well conditioned.
+    before it) stay well conditioned. present_bt leaves padding out of the mean.
     """
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_bte.astype(jnp.float32), axis=-1)))
+    squared_bt = jnp.square(jax.nn.logsumexp(logits_bte.astype(jnp.float32), axis=-1))
+    weight_bt = _token_weights(squared_bt.shape, present_bt)
+    return jnp.sum(squared_bt * weight_bt) / jnp.maximum(jnp.sum(weight_bt), 1.0)
+
+
+def _token_weights(shape: tuple[int, ...], present: jax.Array | None) -> jax.Array:
+    """1.0 for each token a routing statistic counts: all of them, or those present marks."""
+    if present is None:
+        return jnp.ones(shape, jnp.float32)
+    return jnp.broadcast_to(present, shape).astype(jnp.float32)
 
 
 def moe_statistics(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
