@@ -38,7 +38,7 @@ from against_transformers import (  # noqa: E402
 )
 from dew.families.examples import write_checkpoint  # noqa: E402  (needs transformers)
 
-NAMES = ["mixtral", "qwen3_moe", "deepseek_v3"]
+NAMES = ["mixtral", "qwen3_moe", "deepseek_v3", "qwen2_moe"]
 
 
 
@@ -66,7 +66,8 @@ def test_every_preset_writes_a_config_transformers_reads_as_that_size(name):
         config = fam.config(model)
         theirs = config_class(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
         assert theirs.num_hidden_layers == model.num_layers and theirs.vocab_size == model.vocab_size
-        assert getattr(theirs, "num_local_experts", None) == model.experts, preset
+        experts = getattr(theirs, "num_local_experts", getattr(theirs, "num_experts", None))  # Qwen2-MoE: no alias
+        assert experts == model.experts, preset
         assert theirs.num_experts_per_tok == model.experts_per_token
 
 

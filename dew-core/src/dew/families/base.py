@@ -57,6 +57,7 @@ FAMILIES: Mapping[str, str] = {
     "phi3": "dew.families.phi3",
     "olmo2": "dew.families.olmo2",
     "mixtral": "dew.families.mixtral",
+    "qwen2_moe": "dew.families.qwen2_moe",
     "qwen3_moe": "dew.families.qwen3_moe",
     "deepseek_v3": "dew.families.deepseek_v3",
 }

@@ -70,7 +70,7 @@ TEMPLATES: Mapping[str, str] = {
 
 _STYLE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen", "qwen3": "qwen", "gemma": "gemma",
           "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi", "olmo2": "olmo", "mixtral": "mistral",
-          "qwen3_moe": "qwen", "deepseek_v3": "deepseek"}
+          "qwen2_moe": "qwen", "qwen3_moe": "qwen", "deepseek_v3": "deepseek"}
 
 # A few merges over GPT-2's byte characters, so the tokenizer is a real BPE, not bytes alone.
 _MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("Ġ", "a"),
