@@ -108,7 +108,22 @@ def test_multiple_choice_equals_a_hand_written_scorer_in_transformers(exported, 
     accuracy = np.mean([int(np.argmax(s)) == a for s, (_, _, a) in zip(expected, QUESTIONS, strict=True)])
     scores = task.evaluate(subject)
     assert scores["accuracy"] == accuracy and scores["records"] == len(QUESTIONS)
+    # lm-eval's acc_norm: the sum per character of the choice, its separator not counted
+    normed = np.mean([int(np.argmax(s / np.asarray([len(c) for c in choices], float))) == a
+                      for s, (_, choices, a) in zip(expected, QUESTIONS, strict=True)])
+    assert scores["accuracy_norm"] == normed
     assert 0 < accuracy < 1  # the redrawn weights prefer some right answers and some wrong ones
+
+
+def test_accuracy_norm_divides_by_the_choice_alone_as_lm_eval_does():
+    """lm-eval's acc_norm divides each summed log-probability by len(choice): here -42.09/24 beats
+    -6.39/3, while counting the separator (25 and 4 characters) would pick the short choice."""
+    from dew.evaluations.multiple_choice import normalized_pick
+
+    choices = ["and thank return what", "block documents politely", "and"]
+    scores = np.asarray([-48.85, -42.09, -6.39])
+    assert normalized_pick(scores, choices) == 1
+    assert int(np.argmax(scores / np.asarray([len(c) for c in choices], float))) == 1
 
 
 @pytest.mark.slow  # greedy decoding compiled in dew and run in transformers

@@ -16,7 +16,8 @@ whole text is tokenized, and the continuation is what follows the
 context's own tokens; an empty context starts from the end-of-document id.
 A row longer than the model's window keeps its last ``max_seq_len + 1``
 tokens. ``accuracy`` picks the largest sum; ``accuracy_norm`` the largest sum
-per character of the continuation. All (record, choice) rows are scored in
+per character of the choice (the separator is not counted, as in lm-eval's
+``acc_norm``). All (record, choice) rows are scored in
 global batches of ``batch`` rows, sharded over the mesh like training.
 """
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
     from dew.data.base import Tokenizer
 
-__all__ = ["Choice", "MultipleChoice", "Question", "continuation_ids"]
+__all__ = ["Choice", "MultipleChoice", "Question", "continuation_ids", "normalized_pick"]
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,14 @@ class MultipleChoice:
         questions = self.questions()
         right = right_norm = 0
         for question, scores in zip(questions, self.choice_scores(subject, mesh=mesh), strict=True):
-            lengths = np.asarray([len(self.separator + c) for c in question.choices], np.float64)
             right += int(np.argmax(scores)) == question.answer
-            right_norm += int(np.argmax(scores / lengths)) == question.answer
+            right_norm += normalized_pick(scores, question.choices) == question.answer
         count = len(questions)
         return {"accuracy": right / count, "accuracy_norm": right_norm / count, "records": float(count)}
+
+
+def normalized_pick(scores: np.ndarray, choices: Sequence[str]) -> int:
+    """The choice with the largest summed log-probability per character of the choice itself:
+    lm-eval's acc_norm, which does not count the separator before it."""
+    lengths = np.asarray([max(len(choice), 1) for choice in choices], np.float64)
+    return int(np.argmax(np.asarray(scores, np.float64) / lengths))
