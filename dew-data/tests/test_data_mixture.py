@@ -84,6 +84,49 @@ def test_a_schedule_changes_the_weights_at_its_steps():
     assert stream.scalars() == {"data/a/records": 16.0, "data/b/records": 12.0}
 
 
+def test_a_position_resumes_only_a_mixture_that_drew_its_records_the_same_way():
+    """Other weights, another source order or a missing source would read some records again and
+    skip others, so the position refuses them by name; a schedule entry after the position changes
+    the weights from there on, and every record before it is read as the original run read it."""
+    import json
+
+    from dew.data.mixture import Mixture
+    from dew.data.stream import GLOBAL_POSITION, PositionMismatchError
+
+    sources = {"a": Tagged(0, 40), "b": Tagged(1, 40)}
+
+    def opened(**options):
+        return Mixture(**options).load(batch=4, seed=2).train(DataPartition())
+
+    original = opened(sources=sources, weights={"a": 0.5, "b": 0.5})
+    _take(original, 2)
+    position = original.get_state()
+    uninterrupted = _take(original, 4)
+    changed = [{"sources": sources, "weights": {"a": 0.9, "b": 0.1}},
+               {"sources": {"b": sources["b"], "a": sources["a"]}, "weights": {"b": 0.5, "a": 0.5}},
+               {"sources": {"a": sources["a"], "b": Tagged(1, 40), "c": Tagged(2, 5)},
+                "weights": {"a": 0.5, "b": 0.5}}]
+    for options in changed:
+        with pytest.raises(PositionMismatchError, match="read some records again and skip others"):
+            opened(**options).set_state(position)
+    later = [{"step": 0, "weights": {"a": 0.5, "b": 0.5}}, {"step": 4, "weights": {"b": 1.0}}]
+    resumed = opened(sources=sources, schedule=later)
+    resumed.set_state(position)
+    batches = _take(resumed, 4)
+    assert [b["row"].tolist() for b in batches[:2]] == [b["row"].tolist() for b in uninterrupted[:2]]
+    assert [b["source"].tolist() for b in batches[:2]] == [b["source"].tolist() for b in uninterrupted[:2]]
+    assert all(b["source"].tolist() == [1] * 4 for b in batches[2:])
+    # b's records continue from where the original run had left them
+    rows_b = np.concatenate([b["row"][b["source"] == 1] for b in batches])
+    assert len(set(rows_b.tolist())) == len(rows_b)
+    # a position saved before positions kept their layout still resumes
+    fields = json.loads(position[len(GLOBAL_POSITION):])
+    del fields["layout"]
+    older = opened(sources=sources, weights={"a": 0.5, "b": 0.5})
+    older.set_state(GLOBAL_POSITION + json.dumps(fields).encode())
+    assert next(older)["row"].tolist() == uninterrupted[0]["row"].tolist()
+
+
 class TestMixtureReader(DatasetReaderKit):
     """A registered token_windows source beside in-memory ones, with a schedule: resumes bitwise
     on one process and on 2 and 4, fills the keys one source lacks."""

@@ -187,6 +187,14 @@ class MixtureSource:
             out[source] += count
         return out
 
+    def layout(self, records: int) -> dict[str, Any]:
+        """The sources in order with their sizes, and the weights (as whole proportions) of every
+        piece of the schedule that began before records: what a saved position is checked by."""
+        past = [piece for piece in self.pieces if piece.start < records] or list(self.pieces[:1])
+        return {"sources": [[name, len(source)] for name, source in zip(self.names, self.sources, strict=True)],
+                "weights": [[piece.start, [[self.names[i], part] for i, part in
+                                           zip(piece.sources, piece.parts, strict=True)]] for piece in past]}
+
     def position_scalars(self, records: int) -> dict[str, float]:
         """``data/<source>/records`` for the first records positions of the stream."""
         return {f"data/{name}/records": float(count)

@@ -32,7 +32,7 @@ import numpy as np
 
 from dew.data.base import GLOBAL_POSITION, SINGLE, Consumption, DataPartition, Dataset
 from dew.data.errors import RampError
-from dew.data.stream import StepScheduled, StreamReader, TrainStream, decode_position
+from dew.data.stream import StepScheduled, StreamReader, TrainStream, decode_position, layout_fields
 
 __all__ = ["RampedReader", "RampedStream", "linear_schedule", "ramped"]
 
@@ -132,13 +132,14 @@ class RampedStream:
 
     def get_state(self) -> bytes:
         fields = {"records": self.records, "step": self.step, "seed": self.reader.seed,
-                  "batch": batch_at(self.schedule, self.step), "size": len(self.reader.source)}
+                  "batch": batch_at(self.schedule, self.step), "size": len(self.reader.source),
+                  **layout_fields(self.reader.source, self.records)}
         return GLOBAL_POSITION + json.dumps(fields, sort_keys=True).encode()
 
     def set_state(self, state: bytes) -> None:
         fields = decode_position(state)
         probe = self.reader.open(self.partition, batch=self.reader.batch)
-        probe.set_state(state)  # the stream's own checks: seed and dataset size
+        probe.set_state(state)  # the stream's own checks: seed, dataset size and layout
         self.close()
         self.records = int(fields["records"])
         self.step = int(fields["step"]) if "step" in fields else step_of(self.schedule, self.records)

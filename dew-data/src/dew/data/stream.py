@@ -62,6 +62,7 @@ from dew.data.sources import RecordSource
 
 __all__ = [
     "CountingSource",
+    "LaidOutSource",
     "StepScheduled",
     "EndlessRecords",
     "EndlessSource",
@@ -120,6 +121,40 @@ class CountingSource(Protocol):
     """
 
     def position_scalars(self, records: int) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class LaidOutSource(Protocol):
+    """A record source whose layout a recipe can change between runs (a mixture's sources and
+    weights).
+
+    ``layout(records)`` describes, as JSON values, how the stream's first
+    ``records`` positions are drawn. A saved position keeps it, and a resume
+    whose source draws those positions otherwise is refused: it would read
+    some records twice and skip others.
+    """
+
+    def layout(self, records: int) -> Any: ...
+
+
+def check_layout(source: Source, fields: Mapping[str, Any]) -> None:
+    """Refuse a position saved under another layout of source's past records (see LaidOutSource)."""
+    if "layout" not in fields or not isinstance(source, LaidOutSource):
+        return
+    records = int(fields["records"])
+    mine = json.loads(json.dumps(source.layout(records)))
+    if mine != fields["layout"]:
+        raise PositionMismatchError(
+            f"The data position was saved at record {records} of a stream drawn as "
+            f"{json.dumps(fields['layout'])}; this data draws those records as {json.dumps(mine)}. "
+            f"Resuming would read some records again and skip others. Restore the data as it was; "
+            f"to change a mixture's weights from here on, keep its weights and add a schedule "
+            f"entry at a step after the checkpoint.")
+
+
+def layout_fields(source: Source, records: int) -> dict[str, Any]:
+    """The layout a position saved at records keeps ({} for a source without one)."""
+    return {"layout": source.layout(records)} if isinstance(source, LaidOutSource) else {}
 
 
 @runtime_checkable
@@ -331,8 +366,10 @@ class TrainStream:
         return self.records / self.size
 
     def get_state(self) -> bytes:
-        """GLOBAL_POSITION + json: records consumed, seed, batch and dataset size."""
-        fields = {"records": self.records, "seed": self.seed, "batch": self.batch, "size": self.size}
+        """GLOBAL_POSITION + json: records consumed, seed, batch, dataset size and (a
+        LaidOutSource's) layout."""
+        fields = {"records": self.records, "seed": self.seed, "batch": self.batch, "size": self.size,
+                  **layout_fields(self.source, self.records)}
         return GLOBAL_POSITION + json.dumps(fields, sort_keys=True).encode()
 
     def set_state(self, state: bytes) -> None:
@@ -344,6 +381,7 @@ class TrainStream:
                 f"uses seed {self.seed}; resuming would replay and skip records. Open the stream "
                 f"with seed={fields['seed']}."
             )
+        check_layout(self.source, fields)  # a mixture names what changed, before its total size
         if int(fields.get("size", self.size)) != self.size:
             raise PositionMismatchError(
                 f"The data position was saved over {fields['size']} records, this source holds "
