@@ -83,8 +83,8 @@ class Lagged(Drifting):
         self.max_lag = max_lag
 
 
-def _train(directory, rollout: Drifting, steps: int = STEPS):
-    return Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=rollout,
+def _train(directory, rollout: Drifting, steps: int = STEPS, recipe: dict | None = None):
+    return Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), rollout=rollout, recipe=recipe,
                    checkpoints=None if directory is None else Checkpoints(directory)).fit(
         _dataset(), steps=steps, log_every=steps, checkpoint_every=4)
 
@@ -93,9 +93,9 @@ def _digest(state) -> str:
     return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(state.params))).hexdigest()
 
 
-def _fit(directory, rollout: Drifting) -> str | None:
+def _fit(directory, rollout: Drifting, recipe: dict | None = None) -> str | None:
     try:
-        state = _train(directory, rollout)
+        state = _train(directory, rollout, recipe=recipe)
     except RuntimeError as error:
         assert "the rollout crashed" in str(error)
         return None
@@ -122,6 +122,25 @@ def test_a_refilling_stateful_rollout_is_replayed_bitwise_from_the_journal(unint
     assert audit(read_ledger(tmp_path), read_ledger(reference)).exact
     journal = read_journal(tmp_path)
     assert [e.transcript[0]["rewards"] for e in journal] == [[float(i + 1)] for i in range(STEPS)]
+
+
+def test_a_resume_whose_objective_changed_samples_again_instead_of_replaying(tmp_path):
+    """The journal's steps past the checkpoint were made under the recipe's old objective section
+    (a group size, a temperature, a reward): a resume with another one samples them again, with a
+    warning, where it replayed them and trained on batches of the old settings."""
+    from dew.training.feed import ReplayMismatchWarning
+
+    before = {"objective": {"name": "linear", "group_size": 4}}
+    assert _fit(tmp_path, Drifting(fail_at=7), recipe=before) is None  # checkpoint at 4, journal to 5
+    same = Drifting()
+    assert _fit(tmp_path / "copy", Drifting(fail_at=7), recipe=before) is None
+    assert _fit(tmp_path / "copy", same, recipe=before) is not None
+    assert same.calls == 2  # steps 4 and 5 replayed under the same settings
+    changed = Drifting()
+    after = {"objective": {"name": "linear", "group_size": 8}}
+    with pytest.warns(ReplayMismatchWarning, match="other objective settings"):
+        assert _fit(tmp_path, changed, recipe=after) is not None
+    assert changed.calls == 4  # steps 4 to 7 sampled with the new settings
 
 
 def test_max_lag_0_is_the_on_policy_run_bitwise(uninterrupted, tmp_path):

@@ -103,7 +103,8 @@ class RolloutStateError(DewError, ValueError):
 
 class ReplayMismatchWarning(UserWarning):
     """A resumed run's stream gave a step another batch than the one its journaled rollout was made
-    from: that step, and every later one, is sampled again rather than replayed."""
+    from, or the rollout was made with other objective settings: that step, and every later one, is
+    sampled again rather than replayed."""
 
 
 @dataclass
@@ -156,6 +157,7 @@ class Feed:
     clock: FeedClock = field(default_factory=FeedClock)
     ledger: Ledger | None = None  # told which records each step consumed (dew.training.ledger)
     journal: RolloutJournal | None = None  # each rolled-out batch (default: beside a RecordLedger)
+    maker: str | None = None  # the settings its rollouts are made with (a recipe's objective digest)
     replayed: int = 0  # steps whose batch came from the journal rather than the rollout
     lag: int = 0  # how many steps ahead the batches are made (the rollout's max_lag)
     _stream: Iterator[Batch] | None = None
@@ -200,7 +202,7 @@ class Feed:
             # nothing it paid for and is not Transcribed
             self.journal = RolloutJournal(self.ledger.path.parent)
         if self.journal is not None:
-            replayable = self.journal.opened(start)
+            replayable = self.journal.opened(start, self.maker)
             # A pool's other processes keep no journal: one process replaying alone would leave
             # the others' sampling programs waiting for it.
             self._replay = replayable if jax.process_count() == 1 else {}
@@ -334,11 +336,16 @@ class Feed:
         entry = self._replay.pop(step, None)
         if entry is None:
             return None
+        changed = None
         if entry.data != batch_digest(batch):
+            changed = ("read another stream batch than its journaled rollout was made from (the data "
+                       "or its order changed since that run)")
+        elif None not in (entry.maker, self.maker) and entry.maker != self.maker:
+            changed = ("has a journaled rollout made with other objective settings (the recipe's "
+                       "objective changed since that run)")
+        if changed is not None:
             warnings.warn(ReplayMismatchWarning(
-                f"Step {step} read another stream batch than its journaled rollout was made from (the "
-                "data or its order changed since that run): sampling it, and every later step, again."),
-                stacklevel=3)
+                f"Step {step} {changed}: sampling it, and every later step, again."), stacklevel=3)
             self._replay.clear()
             return None
         for _ in range(entry.draws - 1):  # what a refilling rollout read within the step

@@ -18,7 +18,9 @@ as the rollout returns it, with what the step read to make it:
 A run resumed from a checkpoint at step k finds the lines of the steps it
 already made past k (the run went on after its last checkpoint) and
 replays them: it reads the same stream batches, checks that they are the
-ones the line was made from, and trains on the journaled batch instead of
+ones the line was made from and that the fit making them had the same
+settings (``maker``, in the ``open`` line: a digest of the recipe's
+objective section), and trains on the journaled batch instead of
 sampling it again, so the resumed run is bitwise the uninterrupted one and
 pays only for what it had not sampled. ``dew rescore`` scores the
 transcripts with another reward, and ``dew report`` shows them.
@@ -42,7 +44,7 @@ import io
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,7 @@ class Rolled:
     draws: int = 1
     state: bytes | None = None
     transcript: tuple[Mapping[str, Any], ...] = field(default=())  # JSON rounds, read back as written
+    maker: str | None = None  # the settings of the fit that made it (its open line's; None: unsaid)
 
 
 def batch_digest(batch: Mapping[str, ArrayLike]) -> str:
@@ -229,17 +232,22 @@ class RolloutJournal:
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
 
-    def opened(self, step: int) -> dict[int, Rolled]:
-        """Note that a fit opened at step; return the lines it can replay (steps from step on)."""
+    def opened(self, step: int, maker: str | None = None) -> dict[int, Rolled]:
+        """Note that a fit with settings maker opened at step; return the lines it can replay
+        (steps from step on), each with the maker of the fit that wrote it."""
         found: dict[int, Rolled] = {}
+        made_by = None
         if self.path.is_file():
             for row in _rows(self.path):
-                if row.get("kind") == "rollout" and int(row["step"]) >= step:
+                if row.get("kind") == "open":
+                    made_by = row.get("maker")
+                elif row.get("kind") == "rollout" and int(row["step"]) >= step:
                     try:
-                        found[int(row["step"])] = _entry(row)
+                        found[int(row["step"])] = replace(_entry(row), maker=made_by)
                     except (KeyError, ValueError, OSError):
                         found.pop(int(row["step"]), None)  # unreadable: that step samples again
-        self._append([json.dumps({"kind": "open", "step": int(step), "time": round(time.time(), 3)})])
+        opening = {"kind": "open", "step": int(step), "time": round(time.time(), 3)}
+        self._append([json.dumps(opening if maker is None else {**opening, "maker": maker})])
         return found
 
     def write(self, entry: Rolled) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from dew.training.ledger import RecordLedger
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
 
-__all__ = ["claim", "ledger_beside", "write_recipe"]
+__all__ = ["claim", "ledger_beside", "rollout_settings", "write_recipe"]
 
 
 def claim(checkpoints: Checkpoints | None) -> None:
@@ -51,3 +52,12 @@ def ledger_beside(checkpoints: Checkpoints | None) -> RecordLedger | None:
     if not isinstance(directory, Path) or jax.process_index() != 0:
         return None  # no run directory, another process's, or a bucket (no appends there)
     return RecordLedger(directory, processes=jax.process_count())
+
+
+def rollout_settings(recipe: Mapping[str, object] | None) -> str | None:
+    """A digest of the recipe's objective section: what a journaled rollout was made with, so a
+    resume whose objective changed samples again instead of replaying (None: no recipe)."""
+    if recipe is None:
+        return None
+    section = json.dumps(recipe.get("objective"), sort_keys=True, default=str)
+    return hashlib.sha256(section.encode()).hexdigest()[:32]

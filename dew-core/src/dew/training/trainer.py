@@ -38,7 +38,7 @@ from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.placement.stages import bank_sites, check_stages
 from dew.training.program import Program, ResumeMismatchError, StepCompositionError
 from dew.training.protocols import Rollout
-from dew.training.rundir import claim, ledger_beside, write_recipe
+from dew.training.rundir import claim, ledger_beside, rollout_settings, write_recipe
 from dew.training.start import FrozenTrainedError, Start
 from dew.training.state import TrainState
 from dew.training.step import StepFn
@@ -178,7 +178,7 @@ class Trainer(Generic[Loss, Effects]):
         feed = Feed(dataset, self.device_mesh, data_partition(self.device_mesh),
                     required=tuple(self.objective.required_keys()), rollout=self.rollout,
                     ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
-                    ledger=ledger_beside(self.checkpoints))
+                    ledger=ledger_beside(self.checkpoints), maker=rollout_settings(self.recipe))
         self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout, self.objective)
         state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
         write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
