@@ -206,6 +206,13 @@ def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Tr
     err = capsys.readouterr().err
     assert f"Checkpoint step {kept[-1]} is corrupt" in err and "Traceback" not in err, err
     assert f"read an older kept step with --step {kept[-2]} (kept: {kept})" in err, err
+    # Resumed as it stands, the finished run falls back to the older step and trains on: it said
+    # "nothing to train" first.
+    again = shutil.copytree(copy, tmp_path / "again")
+    assert main(["train", "--resume", str(again)]) == 0
+    out, err = capsys.readouterr()
+    assert "nothing to train" not in out + err and f"Restoring step {kept[-2]} instead" in err, (out, err)
+    assert _committed(again)[-1] == kept[-1]
     # An exported model keeps no steps: --step is refused rather than ignored.
     assert main(["export", str(trained.run), str(tmp_path / "exported")]) == 0
     capsys.readouterr()

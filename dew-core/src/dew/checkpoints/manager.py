@@ -244,6 +244,11 @@ class Checkpoints:
         steps = [step for store in self._stores for step in self._committed(store)]
         return max(steps, default=None)
 
+    def intact(self, step: int) -> bool:
+        """Whether step's manifest and every file it lists are as written (reads every file)."""
+        self._probe()
+        return any(intact(store.step_path(number), number) for store, number in self._candidates(step))
+
     def _committed(self, store: Store) -> list[int]:
         """A store's committed steps; for a pool's local store, those every process committed (a
         process that lost one first takes a replica's copy: dew.checkpoints.replicas)."""

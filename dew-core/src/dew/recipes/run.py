@@ -414,7 +414,9 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     if checkpoints is not None and resumed_at is not None:
         before = _saved_recipe(type(config), checkpoints.directory)  # read once for the three below
         refuse_changed_function(config, checkpoints.directory, resumed_at, before=before)
-        if jax.process_index() == 0:
+        # A finished run's newest step is checked first: a damaged one falls back to an older step
+        # and trains on, which the restore says, so "nothing to train" would be wrong.
+        if jax.process_index() == 0 and (resumed_at < fit["steps"] or checkpoints.intact(resumed_at)):
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
         warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
