@@ -29,7 +29,7 @@ from dew.families.hf_config import (
     window_fields,
 )
 from dew.families.llama import gated_silu
-from dew.families.routed import ExpertNames, RoutedFamily
+from dew.families.routed import ExpertNames, RoutedFamily, dense_layers_of
 from dew.nn.experts import Routing
 
 if TYPE_CHECKING:
@@ -58,9 +58,7 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
     fields = common_fields(config)
     count = fields["num_layers"]
     experts = int(config.get("num_experts", 60))
-    step = int(config.get("decoder_sparse_step", 1) or 1)
-    only = set(config.get("mlp_only_layers") or ())
-    dense = tuple(i for i in range(count) if i in only or not (experts > 0 and (i + 1) % step == 0))
+    dense = dense_layers_of(config, count, experts)
     shared = int(config.get("shared_expert_intermediate_size", 5632))
     routing = Routing(hidden_features=int(config.get("moe_intermediate_size", 1408)),
                       normalize_top_k=bool(config.get("norm_topk_prob", False)),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dew.families.base import builder
 from dew.families.hf_config import one_window, window_fields
 from dew.families.qwen3 import layer_config, layer_fields
-from dew.families.routed import ExpertNames, RoutedFamily
+from dew.families.routed import ExpertNames, RoutedFamily, dense_layers_of
 from dew.nn.experts import Routing
 
 if TYPE_CHECKING:
@@ -37,9 +37,7 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
     window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
     fields.update(window_fields(window, None, count))  # every layer: no max_window_layers here
     experts = int(config.get("num_experts", config.get("num_local_experts", 128)))  # transformers 5 writes the latter
-    step = int(config.get("decoder_sparse_step", 1) or 1)
-    only = set(config.get("mlp_only_layers") or ())
-    dense = tuple(i for i in range(count) if i in only or not (experts > 0 and (i + 1) % step == 0))
+    dense = dense_layers_of(config, count, experts)
     routing = Routing(hidden_features=int(config.get("moe_intermediate_size", 768)),
                       normalize_top_k=bool(config.get("norm_topk_prob", False)))
     return {**fields, "mlp_block": "routed" if experts else "dense", "experts": experts,

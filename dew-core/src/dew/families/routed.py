@@ -13,7 +13,7 @@ feed-forward blocks of dense_layers) is the dense table's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from dew.families.convert import (
 if TYPE_CHECKING:
     from flax.linen import Module
 
-__all__ = ["ExpertNames", "RoutedFamily", "routed_table"]
+__all__ = ["ExpertNames", "RoutedFamily", "dense_layers_of", "routed_table"]
 
 Path = tuple[str, ...]
 
@@ -51,6 +51,14 @@ class ExpertNames:
     down: str = "down_proj"
     shared: str | None = None
     shared_gate: str | None = None
+
+
+def dense_layers_of(config: Mapping[str, Any], count: int, experts: int) -> tuple[int, ...]:
+    """The layers a Qwen MoE config leaves dense: listed in ``mlp_only_layers``, or skipped by
+    ``decoder_sparse_step`` (every layer when it has no experts)."""
+    step = int(config.get("decoder_sparse_step", 1) or 1)
+    only = set(config.get("mlp_only_layers") or ())
+    return tuple(i for i in range(count) if i in only or not (experts > 0 and (i + 1) % step == 0))
 
 
 def routed_table(model: Module, names: ExpertNames) -> dict[str, Entry]:
