@@ -353,6 +353,23 @@ class TestMultipleChoiceTaskKit(EvaluationTaskKit):
         return self.task(rows)
 
 
+class TestPerplexityTaskKit(TestMultipleChoiceTaskKit):
+    """Byte-level documents, one longer than the model's window, in batches of 1, 3 and 16 rows."""
+
+    @pytest.fixture(autouse=True)
+    def _file(self, tmp_path):
+        import json
+
+        records = [{"text": "dew trains jax models " * 3}, {"text": "2 + 2 = 4"}]
+        self.file = tmp_path / "documents.jsonl"
+        self.file.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def task(self, batch: int = 16):
+        from dew.evaluations.perplexity import PerplexityTask
+
+        return PerplexityTask(file=str(self.file), batch=batch)
+
+
 @functools.cache
 def _variables(model):
     return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))

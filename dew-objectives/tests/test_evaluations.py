@@ -257,6 +257,64 @@ def test_dew_eval_scores_a_task_on_an_export(exported, choice_file, capsys):
     assert "missing.jsonl' does not exist" in capsys.readouterr().err
 
 
+DOCUMENTS = [" ".join(["Documents are tokenized on the fly, packed and shuffled by block."] * 8),
+             "It is four.", "def add(x, y):\n    return x + y\n" * 4]
+
+
+def _hand_perplexity(reference, documents, width):
+    """lm-eval's loglikelihood_rolling and wikitext metrics, written out with transformers: windows
+    of get_rolling_token_windows (context_len 1) made disjoint, the prefix the beginning-of-text id
+    or else the end-of-document id."""
+    import math
+    import re
+
+    tokenizer, model = reference
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    total, count = 0.0, 0
+    for text in documents:
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        count += len(tokens)
+        windows = [([prefix] + tokens[: min(width, len(tokens)) - 1], tokens[: min(width, len(tokens))])]
+        predicted = len(windows[0][1])
+        while predicted < len(tokens):
+            length = min(len(tokens) - predicted, width)
+            end = predicted + length
+            windows.append((tokens[end - width - 1: end - 1], tokens[end - length: end]))
+            predicted += length
+        for context, continuation in windows:
+            row = context[: len(context) - (len(continuation) - 1)] + continuation
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([row[:-1]])).logits[0].double(), -1)
+            picked = logp[torch.arange(len(row) - 1), torch.tensor(row[1:])]
+            total += float(picked[-len(continuation):].sum())
+    words = sum(len(re.split(r"\s+", text)) for text in documents)
+    size = sum(len(text.encode("utf-8")) for text in documents)
+    return {"word_perplexity": math.exp(-total / words), "byte_perplexity": math.exp(-total / size),
+            "bits_per_byte": -total / size / math.log(2), "token_perplexity": math.exp(-total / count)}
+
+
+def test_perplexity_equals_lm_evals_rolling_windows_in_transformers(exported, reference, tmp_path, capsys):
+    from dew.cli import main
+    from dew.evaluations.perplexity import PerplexityTask
+
+    folder, subject = exported
+    documents = _write(tmp_path / "documents.jsonl", [{"text": t} for t in DOCUMENTS])
+    longest = max(len(reference[0](t, add_special_tokens=False)["input_ids"]) for t in DOCUMENTS)
+    assert longest > 2 * MAX_LEN  # a document takes three windows
+    expected = _hand_perplexity(reference, DOCUMENTS, MAX_LEN)
+    scores = PerplexityTask(file=documents, batch=3).evaluate(subject)
+    assert scores["records"] == len(DOCUMENTS)
+    for name, value in expected.items():
+        assert scores[name] == pytest.approx(value, rel=1e-4), name
+    assert main(["eval", str(folder / "model"), "--task", "perplexity", "--set", f"file={documents}",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["eval/perplexity/bits_per_byte"] == pytest.approx(expected["bits_per_byte"], rel=1e-4)
+    _write(tmp_path / "untitled.jsonl", [{"body": "x"}])
+    with pytest.raises(TaskFileError, match="no text under 'text'.*set text_key="):
+        PerplexityTask(file=str(tmp_path / "untitled.jsonl")).evaluate(subject)
+
+
 SMALL = ["model.emb_features=32", "model.num_heads=4", "model.mlp_features=64", "model.num_layers=1",
          "model.max_seq_len=64", "objective.seq_len=48", "data.length=48", "objective.prompt=null"]
 
