@@ -38,6 +38,12 @@ CHECKED = [
     ("tiny-sft", ["trainer.evaluate=[{task: multiple_choice, file: a.jsonl}, {task: multiple_choice, file: b.jsonl}]"],
      "trainer.evaluate.1.label: trainer.evaluate entries 0 and 1 both log their scores as "
      "eval/multiple_choice/..., so one would overwrite the other: give each a label of its own"),
+    # pydantic reads true as 1: each trained one step, one row, one layer, one fsdp device.
+    ("tiny-lm", ["trainer.steps=true"], "trainer.steps: a number is wanted, not a flag (given True)"),
+    ("tiny-lm", ["data.batch=true"], "data.batch: a number is wanted, not a flag (given True)"),
+    ("tiny-lm", ["model.num_layers=true"], "model.num_layers: a number is wanted, not a flag (given True)"),
+    ("tiny-lm", ["trainer.mesh.fsdp=true"], "trainer.mesh: fsdp: a number is wanted, not a flag"),
+    ("tiny-lm", ["seed=false"], "seed: a number is wanted, not a flag (given False)"),
 ]
 
 

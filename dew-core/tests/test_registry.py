@@ -246,3 +246,17 @@ def test_temporary_registers_for_the_block_only(site):
     with pytest.raises(UnknownNameError):
         things.load("extra")
     assert things.load("installed").__module__ == "dewtest_temp"
+
+
+def test_a_flag_for_a_number_is_refused_and_a_number_as_text_is_read_as_that_number():
+    """pydantic reads true as 1 and lets "4" or 4.0 pass for an int while the component got the
+    text or the float; now a flag is refused by name and the others arrive as the int."""
+    from dew import registry
+
+    fields = {"vocab_size": 256, "emb_features": 32, "num_layers": 1, "mlp_features": 64, "max_seq_len": 16}
+    with pytest.raises(registry.InvalidFieldsError, match=r"num_heads: a number is wanted, not a flag \(given True\)"):
+        registry.models.build("causal_transformer", num_heads=True, **fields)
+    for given in ("4", 4.0, 4):
+        model = registry.models.build("causal_transformer", num_heads=given, **fields)
+        assert model.num_heads == 4 and type(model.num_heads) is int, given
+    assert registry.models.build("causal_transformer", num_heads=4, rope_base=500000, **fields).rope_base == 500000

@@ -26,6 +26,7 @@ import pydantic
 
 from dew._surface import MissingDistributionError, install_hint
 from dew.errors import DewError, DewKeyError
+from dew.settings import flag_message
 
 __all__ = [
     "GROUPS",
@@ -348,6 +349,11 @@ def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[s
             f"{what} has no field {', '.join(lines)}. Its fields are: {', '.join(fields)}."
         )
     known = {k: v for k, v in kwargs.items() if k in fields}
+    flags = {k: message for k, v in known.items() if (message := flag_message(fields[k][0], v)) is not None}
+    if flags:  # pydantic reads true as 1: a flag given where a count or size belongs is a mistake
+        raise InvalidFieldsError(
+            f"{what} got invalid fields: " + "; ".join(f"{k}: {m} (given {known[k]!r})" for k, m in flags.items())
+            + f". Its fields are: {', '.join(fields)}.")
     model = pydantic.create_model(  # type: ignore[call-overload]
         f"{getattr(component, '__name__', 'Component')}Fields",  # a class, or any callable
         __config__=pydantic.ConfigDict(arbitrary_types_allowed=True, strict=False),
@@ -367,9 +373,20 @@ def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[s
             + f". Its fields are: {', '.join(fields)}."
         ) from None
     # A mapping or list given for a structured field (a recipe's ``sampling: {temperature: 0.8}``)
-    # becomes the declared type; every other value passes through as given.
-    return {k: getattr(validated, k) if k in known and isinstance(v, dict | list) else v
+    # becomes the declared type, as does a number given as text or a whole float given for an int
+    # ("4", 4.0); every other value passes through as given.
+    return {k: getattr(validated, k) if k in known and _converted(v, getattr(validated, k)) else v
             for k, v in kwargs.items()}
+
+
+def _converted(given: Any, validated: Any) -> bool:
+    """Whether a field takes pydantic's value rather than the one given: a structured field's
+    mapping or list, or a scalar given in another type (text for a number, 4.0 for an int)."""
+    if isinstance(given, dict | list):
+        return True
+    if isinstance(given, str):
+        return isinstance(validated, int | float) and not isinstance(validated, bool)
+    return isinstance(given, float) and type(validated) is int
 
 
 def type_adapter(annotation: Any) -> pydantic.TypeAdapter | None:

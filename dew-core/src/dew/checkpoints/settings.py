@@ -14,6 +14,7 @@ import pydantic
 from pydantic import Field
 
 from dew.placeholders import absolute, expand
+from dew.settings import Settings
 
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointSettings"]
 
 
-class CheckpointSettings(pydantic.BaseModel):
+class CheckpointSettings(Settings):
     """A persistent checkpoint directory, its retention, and optional per-host local checkpoints."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)

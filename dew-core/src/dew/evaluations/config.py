@@ -11,10 +11,12 @@ from typing import Any
 
 import pydantic
 
+from dew.settings import Settings
+
 __all__ = ["EvaluateConfig"]
 
 
-class EvaluateConfig(pydantic.BaseModel):
+class EvaluateConfig(Settings):
     """A registered evaluation task (dew.evaluations), how often it runs, and its fields.
 
     Every key besides task, every and label is one of the task's fields.

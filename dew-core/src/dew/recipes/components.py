@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from dew.placeholders import expand
 from dew.recipes.errors import RecipeError
+from dew.settings import Settings
 
 if TYPE_CHECKING:
     from dew.data.base import Dataset
@@ -31,7 +32,7 @@ __all__ = ["ComponentConfig", "ComponentValueError", "DataConfig", "check_compon
 ALWAYS_SUPPLIED = frozenset({"model"})
 
 
-class ComponentConfig(pydantic.BaseModel):
+class ComponentConfig(Settings):
     """A registered component by name; every other key is one of its fields."""
 
     model_config = pydantic.ConfigDict(extra="allow", frozen=True)
@@ -121,6 +122,11 @@ def _field_problems(annotation: object, value: object) -> list[tuple[tuple[str, 
     reaches the plain dataclasses inside it (a Sampling given as a mapping), which on their
     own would drop a misspelled key and train without it.
     """
+    from dew.settings import flag_message
+
+    flagged = flag_message(annotation, value)
+    if flagged is not None:  # pydantic would read it as 1
+        return [((), f"{flagged} (given {_given(value)}).")]
     strict = _strict_model(annotation)
     try:
         if strict is None:

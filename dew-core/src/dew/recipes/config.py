@@ -26,6 +26,7 @@ from dew.adapters.quantization import Quantization
 from dew.recipes.components import ComponentConfig, DataConfig, check_component, run_inputs
 from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
 from dew.recipes.reading import RecipeFileError, read_recipe_file, read_yaml
+from dew.settings import Settings
 from dew.training.config import RUN_FILE, TrainerConfig
 from dew.training.optim import OptimizerConfig
 
@@ -49,7 +50,7 @@ TrackerConfig = Annotated[
 ]
 
 
-class InitConfig(pydantic.BaseModel):
+class InitConfig(Settings):
     """Where a run's weights start: a pretrained directory, or another run's parameters."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
@@ -75,7 +76,7 @@ class InitConfig(pydantic.BaseModel):
         return self
 
 
-class RunConfig(pydantic.BaseModel):
+class RunConfig(Settings):
     """A run: a model, an objective, data, an optimizer, a trainer, trackers and a seed.
 
     Once trained, a run whose objective can preview (a language model with a

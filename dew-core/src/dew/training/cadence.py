@@ -15,6 +15,7 @@ import pydantic
 from pydantic import Field
 
 from dew.errors import DewError
+from dew.settings import Settings
 
 __all__ = ["Cadence", "CadenceError", "EpochsNeedRecordsError", "FitArguments", "check_cadence", "log_interval"]
 
@@ -52,7 +53,7 @@ class FitArguments(TypedDict):
     preview: bool
 
 
-class Cadence(pydantic.BaseModel):
+class Cadence(Settings):
     """The step a fit finishes at, and the intervals of its logging, validation and checkpoints."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)

@@ -35,6 +35,7 @@ from pydantic import Field
 
 from dew.checkpoints.settings import CheckpointSettings
 from dew.evaluations.config import EvaluateConfig
+from dew.settings import Settings
 from dew.training.cadence import Cadence
 from dew.training.placement.layout import STAGE_RULE, Layout
 from dew.training.placement.mesh import MeshSpec
@@ -51,7 +52,7 @@ RUN_FILE = "run.json"  # a run's recipe, beside its checkpoints (RunConfig.save,
 _STRICT = pydantic.ConfigDict(extra="forbid", frozen=True)
 
 
-class TrainerSettings(pydantic.BaseModel):
+class TrainerSettings(Settings):
     """The fields a Trainer holds: where the state lives, how a step is taken, what is traced."""
 
     model_config = _STRICT
@@ -76,7 +77,7 @@ class TrainerSettings(pydantic.BaseModel):
         return value
 
 
-class WandbSettings(pydantic.BaseModel):
+class WandbSettings(Settings):
     """A Weights & Biases run the trainer reports to as well."""
 
     model_config = _STRICT
@@ -94,7 +95,7 @@ class WandbSettings(pydantic.BaseModel):
                                        entity=self.entity, offline=self.offline)
 
 
-class BatchRamp(pydantic.BaseModel):
+class BatchRamp(Settings):
     """Grow the global batch from start to the dataset's batch over steps."""
 
     model_config = _STRICT

@@ -35,6 +35,7 @@ import pydantic
 from jax.tree_util import KeyPath
 
 from dew.errors import DewError
+from dew.settings import Settings
 from dew.tree_paths import path_name
 from dew.typing import PyTree
 
@@ -62,7 +63,7 @@ class OptimizerConfigError(DewError, ValueError):
     """An optimizer config that cannot be built as given."""
 
 
-class ParamGroup(pydantic.BaseModel):
+class ParamGroup(Settings):
     """Leaves selected by path globs, with their own learning-rate multiplier or decay rule.
 
     ``match`` holds globs over ``/``-joined leaf paths (``params/*/attention/*``).
@@ -88,7 +89,7 @@ _READ_BY: dict[str, tuple[str, ...]] = {"b1": ("adamw", "lion"), "b2": ("adamw",
                                         "eps": ("adamw", "adafactor"), "nesterov": ("sgd",)}
 
 
-class OptimizerConfig(pydantic.BaseModel):
+class OptimizerConfig(Settings):
     """What ``build_optimizer`` builds.
 
     ``solver`` names the update rule. ``b1``, ``b2`` and ``eps`` default to

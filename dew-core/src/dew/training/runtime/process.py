@@ -20,6 +20,7 @@ import pydantic
 from pydantic import Field
 
 from dew.errors import DewError
+from dew.settings import Settings
 
 __all__ = [
     "BackendAlreadyStartedError",
@@ -41,7 +42,7 @@ class ProcessPoolError(DewError, RuntimeError):
     """multi_host was asked for, but nothing describes the pool to join."""
 
 
-class ProcessSettings(pydantic.BaseModel):
+class ProcessSettings(Settings):
     """What prepare_process reads; a recipe's ``trainer`` section holds these fields."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
