@@ -48,8 +48,8 @@ __all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "appl
 PRESETS: Mapping[str, str] = {
     "attention": r".*layers_\d+/attention",
     # The feed-forward blocks: dense (mlp), and in a mixture-of-experts family the routed block
-    # (moe: its router, and each expert's own adapters on the stacked wi/wi_gate/wo) and its
-    # shared experts (moe/shared).
+    # (moe: each expert's own adapters on the stacked wi/wi_gate/wo; its router and shared gate
+    # stay as trained, dew.nn.experts.ROUTING_WEIGHTS) and its shared experts (moe/shared).
     "mlp": r".*layers_\d+/(?:mlp|moe|moe/shared)",
 }
 
@@ -81,9 +81,10 @@ class Lora:
     (``scan_layers=True``) the targets still name the numbered layers, and must
     pick a module in every layer or none (``dew.adapters.lora_stack``); the
     adapters are then stacked like the weights. In a mixture-of-experts family
-    ``"mlp"`` also names the routed block (``layers_N/moe``: its router, and
-    the experts' stacked weights, each expert with its own low-rank pair) and
-    its shared experts; routed experts take LoRA in float. The adapter adds ``alpha / rank`` times its
+    ``"mlp"`` also names the routed block (``layers_N/moe``: the experts'
+    stacked weights, each expert with its own low-rank pair; its router and
+    shared gate stay as trained) and its shared experts; routed experts take
+    LoRA in float. The adapter adds ``alpha / rank`` times its
     low-rank product. ``dropout`` must stay 0: dew's training step hands the
     adapters no random key, so a dropout is refused rather than left unapplied.
     ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
@@ -155,9 +156,10 @@ def selected(spec: Lora, variables: Mapping[str, PyTree],
     pairs = zip(spec.targets, spec.patterns(), strict=True) if patterns is None else (
         (pattern, pattern) for pattern in patterns)
     for target, pattern in pairs:
-        # A bias (a published family's q/k/v_bias) is added, never multiplied: it gets no adapter.
+        # A bias (a published family's q/k/v_bias) is added, never multiplied: it gets no adapter;
+        # nor does an experts block's router or shared gate (ROUTING_WEIGHTS).
         matched = {path: shape for path, shape in weights.items()
-                   if len(shape) >= 2 and not path.endswith("_bias")
+                   if len(shape) >= 2 and not path.endswith("_bias") and not _is_routing_weight(path, weights)
                    and re.fullmatch(pattern, _module_of(path))}
         if not matched:
             modules = sorted({_module_of(path) for path in weights if "/" in path})
@@ -180,6 +182,13 @@ def selected(spec: Lora, variables: Mapping[str, PyTree],
 def _module_of(path: str) -> str:
     """The module a "module/param" path names ("" for a parameter of the model itself: its head)."""
     return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def _is_routing_weight(path: str, weights: Mapping[str, PyTree]) -> bool:
+    """Whether path ("module/param") is an experts block's router or shared gate."""
+    from dew.nn.experts import ROUTING_WEIGHTS
+
+    return path.rsplit("/", 1)[-1] in ROUTING_WEIGHTS and f"{_module_of(path)}/router" in weights
 
 
 def _is_expert_weight(path: str, weights: Mapping[str, PyTree]) -> bool:

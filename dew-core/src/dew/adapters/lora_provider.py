@@ -41,7 +41,8 @@ def provider(qwix: Any) -> Any:
     from qwix._src.utils import flax_util
 
     from dew.adapters.lora import LoraError
-    from dew.nn.experts import EXPERT_WEIGHTS, RoutedExperts
+    from dew.nn.experts import EXPERT_WEIGHTS, ROUTING_WEIGHTS, RoutedExperts
+    from dew.nn.moe import MoEBlock
 
     @flax.struct.dataclass
     class Held(ptq.WithAux):
@@ -103,6 +104,8 @@ def provider(qwix: Any) -> Any:
         def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> Any:
             # The name is found before the base einsum quantizes a float weight in place.
             name = self._weight_name(operands[1]) if len(operands) == 2 else None
+            if name in ROUTING_WEIGHTS and isinstance(flax_util.get_current_module(), RoutedExperts | MoEBlock):
+                name = None  # a router or shared gate stays as trained
             result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
             rule, _ = self._get_current_rule_and_op_id("einsum", repeated_call=True)
             if not isinstance(rule, qwix.LoraRule) or name is None:

@@ -69,7 +69,7 @@ from dew.nn.moe import (
 )
 from dew.nn.sharding import constrain, param
 
-__all__ = ["EXPERT_WEIGHTS", "ROUTINGS", "SCORINGS", "RoutedExperts", "Routing", "route"]
+__all__ = ["EXPERT_WEIGHTS", "ROUTING_WEIGHTS", "ROUTINGS", "SCORINGS", "RoutedExperts", "Routing", "route"]
 
 Dtype = Any
 
@@ -77,6 +77,9 @@ ROUTINGS = ("dropless", "capacity")
 SCORINGS = ("softmax", "sigmoid")
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wo")
 """The stacked [experts, in, out] weights of a RoutedExperts block (LoRA adapts each expert's own)."""
+ROUTING_WEIGHTS = ("router", "shared_gate")
+"""The weights of an experts block that choose and weigh its experts, which LoRA leaves as trained:
+a router is as wide as its experts, narrower than most ranks, and the shared gate one column."""
 
 
 @dataclass(frozen=True)
