@@ -192,6 +192,12 @@ class LatentAttention(nn.Module):
         kv_up_rhk = self._kernel("kv_up", (self.kv_lora_rank, heads, nope + value), (None, axes.HEADS, axes.KV))
 
         if decode:
+            if self.has_variable("params", "kv_up_lora_a"):
+                # LoRA adapts kv_up as the training path multiplies it: the absorbed products
+                # below read slices of it, so read it whole first, the adapted weight being the
+                # up-projection of the identity (its adapters' product added as in training).
+                identity_1rr = jnp.eye(self.kv_lora_rank, dtype=self.dtype)[None]
+                kv_up_rhk = jnp.einsum("bsr,rhk->bshk", identity_1rr, kv_up_rhk)[0]
             latent_bsr, key_rope_bsp, mask = self._update_cache(latent_btr, key_rope_btp, positions)
             # Absorbed: the key's up-projection folded into the query, the value's into the output.
             q_latent_bthr = jnp.einsum("bthn,rhn->bthr", q_nope_bthn, kv_up_rhk[..., :nope])
