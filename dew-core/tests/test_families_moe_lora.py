@@ -119,7 +119,7 @@ def test_what_cannot_carry_expert_adapters_refuses_in_one_line(mixtral, adapted_
     from dew.pretrained.peft import save_adapters
 
     _, variables = adapted_mixtral
-    with pytest.raises(NoExactCounterpartError, match=r"layers_0/moe/wi, .* have LoRA adapters, .*routed experts") as refused:
+    with pytest.raises(NoExactCounterpartError, match=r"layers_0/moe/wi.* have LoRA adapters that no PEFT LoRA module .*routed experts") as refused:
         save_adapters(tmp_path / "adapters", mixtral.model, variables, SPEC)
     assert "\n" not in str(refused.value) and "merged" in str(refused.value)
     assert not (tmp_path / "adapters").exists()
@@ -128,7 +128,7 @@ def test_what_cannot_carry_expert_adapters_refuses_in_one_line(mixtral, adapted_
     # the last expert's name with the stack's shape.
     qwen = Pretrained.load(write_checkpoint("qwen3_moe", tmp_path / "qwen3_moe", seed=3, redrawn=True))
     _, adapted = _adapted_variables(qwen, SPEC)
-    with pytest.raises(NoExactCounterpartError, match=r"moe/wi.* have LoRA adapters, .*routed experts"):
+    with pytest.raises(NoExactCounterpartError, match=r"moe/wi.* have LoRA adapters that no PEFT LoRA module .*routed experts"):
         save_adapters(tmp_path / "qwen-adapters", qwen.model, adapted, SPEC)
     assert not (tmp_path / "qwen-adapters").exists()
 

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from flax.linen import Module
 
     from dew.adapters.lora import Lora
+    from dew.families.convert import Entry
     from dew.objectives.base import Variables
     from dew.typing import PyTree
 
@@ -60,17 +61,50 @@ class AdapterBaseMismatchError(PretrainedError):
 
 def _adapted(model: Module) -> dict[tuple[str, ...], str]:
     """dew path of each Linear weight of model's family -> its PEFT module name
-    (``model.layers.0.self_attn.q_proj``); a fused Linear (Phi-3's qkv_proj) has none, since
-    one PEFT adapter there cannot hold dew's separate ones, and neither has a routed-experts
-    weight, one dew tensor that many Linears (one per expert) slice."""
+    (``model.layers.0.self_attn.q_proj``, DeepSeek's ``kv_a_proj_with_mqa``); a fused Linear
+    (Phi-3's qkv_proj) has none, since one PEFT adapter there cannot hold dew's separate ones,
+    nor has a routed-experts weight, one dew tensor that many Linears (one per expert) slice,
+    nor a weight stored in another order than dew's (_reordered)."""
+    return {path: name.removesuffix(".weight") for path, (name, entry) in _linears(model).items()
+            if _plain(entry)}
+
+
+def _linears(model: Module) -> dict[tuple[str, ...], tuple[str, Entry]]:
+    """dew path -> (HF name, entry) of each two-dimensional weight its family stores whole."""
     import collections
 
     from dew.families import of_model
 
-    linears = [(entry.paths[0], name) for name, entry in of_model(model).table(model).items()
-               if name.endswith("_proj.weight") and len(entry.paths) == 1]
-    shared = collections.Counter(path for path, _ in linears)
-    return {path: name.removesuffix(".weight") for path, name in linears if shared[path] == 1}
+    linears = [(entry.paths[0], name, entry) for name, entry in of_model(model).table(model).items()
+               if name.endswith(".weight") and len(entry.paths) == 1 and entry.index is None
+               and len(entry.hf_shape) == 2]
+    shared = collections.Counter(path for path, _, _ in linears)
+    return {path: (name, entry) for path, name, entry in linears if shared[path] == 1}
+
+
+_PLAIN: dict[tuple[str, tuple[int, ...], tuple[int, ...]], bool] = {}
+
+
+def _plain(entry: Entry) -> bool:
+    """Whether PEFT's pair (lora_A = A flattened [rank, in], lora_B = B flattened [out, rank])
+    computes the change dew's pair makes to this weight: true when the family stores it
+    transposed and reshaped only, not with its rows or columns in another order (DeepSeek's
+    interleaved rotary features). Checked on one random rank-1 pair, per kind of layer."""
+    import re
+
+    key = (re.sub(r"\.\d+\.", ".N.", entry.name), tuple(entry.dew_shapes[0]), tuple(entry.hf_shape))
+    if key not in _PLAIN:
+        shape, (outputs, inputs) = tuple(entry.dew_shapes[0]), entry.hf_shape
+        cut = next((k for k in range(1, len(shape)) if int(np.prod(shape[:k])) == inputs
+                    and int(np.prod(shape[k:])) == outputs), None)
+        if cut is None:
+            _PLAIN[key] = False
+        else:
+            rng = np.random.default_rng(0)
+            a, b = rng.normal(size=inputs), rng.normal(size=outputs)
+            theirs = np.asarray(entry.layout.to_hf([np.outer(a, b).reshape(shape)]), np.float64)
+            _PLAIN[key] = bool(np.allclose(theirs, np.outer(b, a), rtol=1e-6, atol=1e-9))
+    return _PLAIN[key]
 
 
 def _fused(model: Module) -> dict[tuple[str, ...], str]:
@@ -142,16 +176,22 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         tensors[f"{PREFIX}{module}.lora_B.weight"] = b.reshape(rank, -1).T
         targets.add(module.rsplit(".", 1)[-1])
         written.add(path)
-    unwritten = sorted("/".join(path) for path in _adapter_paths(params) if path not in written)
-    if unwritten:  # a routed expert's or a router's adapters, say: no PEFT LoRA module holds them
+    unwritten = [path for path in _adapter_paths(params) if path not in written]
+    if unwritten:  # no PEFT LoRA module computes them as dew does: say which, and why
+        linears = _linears(model)
+        named = ["/".join(path) for path in unwritten]
+        reordered = [f"{'/'.join(path)} ({linears[path][0]})" for path in unwritten if path in linears]
+        why = (f"its family stores {', '.join(reordered[:2])} with rows or columns in another order "
+               "than dew's, so PEFT's A and B would compute another change" if reordered else
+               "they are routed experts' weights, which the family stores one Linear per expert "
+               "sliced from dew's one stacked tensor")
         raise NoExactCounterpartError(
-            f"{', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''} ({len(unwritten)} weight(s)) "
-            "have LoRA adapters, which no PEFT LoRA "
-            "module of its family holds (routed experts, routers); export the merged model instead "
-            "(dew export without --adapters).")
+            f"{', '.join(named[:3])}{', ...' if len(named) > 3 else ''} ({len(named)} weight(s)) have LoRA "
+            f"adapters that no PEFT LoRA module of its family holds: {why}. Export the merged model "
+            "instead (dew export without --adapters).")
     if not tensors:
         raise TensorMismatchError("The variables hold no LoRA adapters on the family's projections "
-                                  "(q/k/v/o_proj, gate/up/down_proj); export the merged model instead.")
+                                  "(q/k/v/o_proj, gate/up/down_proj, ...); export the merged model instead.")
     target = Path(directory)
     config = {
         "peft_type": "LORA",
