@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from dew import Checkpoints, Trainer
+from dew.nn.backbones import CausalTransformer
 from dew.objectives.base import Step
 from dew.objectives.distillation import DistillationObjective, TeacherVocabularyError
 from dew.objectives.lm import LMObjective
@@ -19,6 +20,7 @@ from dew.training.initializers import ParamsFrom
 
 from .tuning_helpers import (
     SEQ,
+    VOCAB,
     counting_dataset,
     markov_dataset,
     markov_rows,
@@ -88,6 +90,42 @@ def test_loss_and_gradient_equal_the_hand_written_formula(temperature):
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads["params"]["student"]))
 
 
+def test_packed_masked_rows_score_each_document_alone_and_only_its_marked_targets():
+    """SFT data gives loss_mask and segment_ids aligned with text ([B, S + 1]): the mask was taken
+    unshifted (a shape error on every prompt/completion or chat batch) and the segments not at all
+    (documents attended across the boundary). Each document is run alone here, by hand."""
+    objective = DistillationObjective(student_model(), teacher_model(), SEQ, temperature=1.0, forward=0.6,
+                                      labels=0.4)
+    variables = nn.meta.unbox(objective.init(jax.random.key(0)))
+    text = markov_rows(3, rows=2)
+    segments = np.array([[1] * 6 + [2] * 5 + [0] * 2, [1] * 13], np.int32)
+    mask = np.ones_like(text)
+    mask[0, :3] = 0  # a prompt the loss leaves out
+    mask[1, 4:7] = 0
+    loss, aux = objective.loss(variables, {"text": text, "segment_ids": segments, "loss_mask": mask}, STEP)
+
+    totals, count = 0.0, 0
+    for row in range(2):
+        for segment in (1, 2):
+            where = np.flatnonzero(segments[row] == segment)
+            if len(where) < 2:
+                continue
+            ids = text[row, where]
+            s = np.asarray(student_model().apply({"params": variables["params"]["student"]}, ids[None, :-1]),
+                           np.float64)[0]
+            t = np.asarray(teacher_model().apply({"params": variables["params"]["teacher"]}, ids[None, :-1]),
+                           np.float64)[0]
+            log_q, log_p = numpy_log_softmax(s), numpy_log_softmax(t)
+            forward = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+            ce = -np.take_along_axis(log_q, ids[1:, None], -1)[:, 0]
+            scored = mask[row, where[1:]] != 0  # a target counts where its own mask is set
+            totals += float(((0.6 * forward + 0.4 * ce) * scored).sum())
+            count += int(scored.sum())
+    assert float(loss.count) == count
+    np.testing.assert_allclose(float(loss.value), totals / count, rtol=1e-5)
+    assert float(aux.metrics["kl_forward"].count) == count
+
+
 @pytest.mark.slow
 def test_hidden_states_match_through_a_learned_projection():
     objective = DistillationObjective(student_model(), teacher_model(), SEQ, forward=0.0, hidden=1.0)
@@ -117,6 +155,23 @@ def test_a_teacher_of_another_vocabulary_is_refused_naming_both():
     trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), initializer=objective.teacher_from(wrong))
     with pytest.raises(TeacherVocabularyError, match=r"vocabulary of 20 tokens, but the student scores 16"):
         trainer.place()
+
+
+def test_settings_that_cannot_run_are_refused_when_the_objective_is_built():
+    """A student shorter than the windows stopped the first step with a traceback; a hidden_layer
+    naming no submodule stopped it the same way, and without hidden it trained as if absent."""
+    short = CausalTransformer(vocab_size=VOCAB, emb_features=8, num_layers=1, num_heads=1, mlp_features=16,
+                              max_seq_len=SEQ - 4)
+    with pytest.raises(ValueError, match=r"seq_len=12 exceeds the student's max_seq_len=8"):
+        DistillationObjective(short, teacher_model(), SEQ)
+    with pytest.raises(ValueError, match=r"hidden_layer='nope' names no top-level submodule of the student; "
+                                         r"its submodules are embed, final_norm, layers_0"):
+        DistillationObjective(student_model(), teacher_model(), SEQ, hidden=1.0, hidden_layer="nope")
+    with pytest.raises(ValueError, match=r"hidden_layer='layers_0' .* runs only with hidden > 0"):
+        DistillationObjective(student_model(), teacher_model(), SEQ, hidden_layer="layers_0")
+    names = [m.name for m in DistillationObjective(student_model(), teacher_model(), SEQ, hidden=1.0,
+                                                   hidden_layer="layers_0").metrics()]
+    assert "hidden_error" in names
 
 
 def kl_to(teacher_params, student_params, rows):

@@ -49,7 +49,14 @@ from dew.objectives.base import (
     Variables,
     under,
 )
-from dew.objectives.lm import BatchShapeError, MissingBatchKeyError, Tokenizer, argmax_hits
+from dew.objectives.lm import (
+    BatchShapeError,
+    MissingBatchKeyError,
+    Tokenizer,
+    argmax_hits,
+    scored_targets,
+    segment_positions,
+)
 from dew.sampling import Sampling, TextGeneration
 from dew.typing import PyTree
 
@@ -143,16 +150,28 @@ class DistillationObjective(Objective):
         elif self.teacher is None:
             raise ValueError("DistillationObjective needs a teacher: a model (or its config), or teacher_pretrained "
                              "naming a directory that `dew export` or transformers wrote.")
-        limit = getattr(self.teacher, "max_seq_len", None)  # any flax Module: unchecked if it has none
-        if limit is not None and self.seq_len > limit:
-            raise ValueError(f"DistillationObjective.seq_len={self.seq_len} exceeds the teacher's max_seq_len="
-                             f"{limit}; shorten the windows or use a teacher built for longer ones.")
+        for role, model in (("teacher", self.teacher), ("student", self.model)):
+            limit = getattr(model, "max_seq_len", None)  # any flax Module: unchecked if it has none
+            if limit is not None and self.seq_len > limit:
+                raise ValueError(f"DistillationObjective.seq_len={self.seq_len} exceeds the {role}'s max_seq_len="
+                                 f"{limit}; shorten the windows or build the {role} for longer ones.")
         if self.temperature <= 0:
             raise ValueError(f"DistillationObjective.temperature must be positive, got {self.temperature}.")
         if min(self.forward, self.reverse, self.labels, self.hidden) < 0:
             raise ValueError("DistillationObjective's weights (forward, reverse, labels, hidden) must be >= 0.")
         if self.forward + self.reverse + self.labels + self.hidden == 0:
             raise ValueError("DistillationObjective needs a positive weight on forward, reverse, labels or hidden.")
+        if self.hidden == 0 and self.hidden_layer != "final_norm":
+            raise ValueError(f"DistillationObjective.hidden_layer={self.hidden_layer!r} names the layer whose "
+                             "output the hidden match compares, which runs only with hidden > 0; set hidden "
+                             "to a weight, or leave hidden_layer out.")
+        if self.hidden > 0:
+            for role, model in (("student", self.model), ("teacher", self.teacher)):
+                names = _submodule_names(model, min(self.seq_len, 4))
+                if self.hidden_layer not in names:
+                    raise ValueError(f"DistillationObjective.hidden_layer={self.hidden_layer!r} names no "
+                                     f"top-level submodule of the {role}; its submodules are "
+                                     f"{', '.join(sorted(names))}.")
         # Any flax Modules: a pair that does not say its vocabularies is not checked.
         student, teacher = getattr(self.model, "vocab_size", None), getattr(self.teacher, "vocab_size", None)
         if student is not None and teacher is not None and student != teacher:
@@ -243,10 +262,10 @@ class DistillationObjective(Objective):
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         """The weighted sum of the KL terms, the label loss and the hidden match, per scored token."""
-        inputs, targets, weights = self._windows(batch)
+        inputs, targets, weights, read = self._windows(batch)
         params = variables["params"]
-        student_logits, student_hidden = self._apply(params["student"], self.model, inputs)
-        teacher_logits, teacher_hidden = self._apply(params["teacher"], self.teacher, inputs)
+        student_logits, student_hidden = self._apply(params["student"], self.model, inputs, read)
+        teacher_logits, teacher_hidden = self._apply(params["teacher"], self.teacher, inputs, read)
         teacher_logits = jax.lax.stop_gradient(teacher_logits)
         if student_logits.shape[-1] != teacher_logits.shape[-1]:
             raise TeacherVocabularyError(_vocabulary_message(student_logits.shape[-1], teacher_logits.shape[-1]))
@@ -266,6 +285,8 @@ class DistillationObjective(Objective):
             error = jnp.mean((projected - jax.lax.stop_gradient(teacher_hidden)) ** 2, axis=-1)
             per_token = per_token + self.hidden * error
             metrics["hidden_error"] = Mean.of(error, weights)
+        if weights is not None:  # a masked position contributes an exact zero, never a NaN
+            per_token = jnp.where(weights, per_token, 0.0)
         return Mean.of(per_token, weights), Aux(metrics=metrics)
 
     def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
@@ -273,8 +294,11 @@ class DistillationObjective(Objective):
         return {"loss": loss, **aux.metrics}
 
     def metrics(self) -> tuple[Metric, ...]:
-        """The validation metrics evaluate supports: the loss, both KLs, cross-entropy and agreement."""
-        return tuple(MeanMetric(name) for name in ("loss", "kl_forward", "kl_reverse", "cross_entropy", "agreement"))
+        """The validation metrics evaluate supports: the loss, both KLs, cross-entropy, agreement and
+        (with hidden set) the hidden error."""
+        names = ("loss", "kl_forward", "kl_reverse", "cross_entropy", "agreement") + (
+            ("hidden_error",) if self.hidden else ())
+        return tuple(MeanMetric(name) for name in names)
 
     def pipeline(self, state: TrainState | Variables, *,
                  sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
@@ -296,10 +320,16 @@ class DistillationObjective(Objective):
         return policy_pipeline(self.model, {"params": student}, self.tokenizer, sampling=sampling)
 
     # -- internals -----------------------------------------------------------------------------
-    def _apply(self, params: PyTree, model: nn.Module, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def _apply(self, params: PyTree, model: nn.Module, inputs: jax.Array,
+               read: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """model's logits on inputs (each packed document on its own, given its segment ids read),
+        and the hidden states it matches when hidden is set."""
+        packed: dict[str, Any] = {} if read is None else {"segment_ids": read}
+        positions = () if read is None else (segment_positions(read),)
         if not self.hidden:
-            return model.apply({"params": params}, inputs), None
-        logits, state = model.apply({"params": params}, inputs, capture_intermediates=self._captures)
+            return model.apply({"params": params}, inputs, *positions, **packed), None
+        logits, state = model.apply({"params": params}, inputs, *positions, **packed,
+                                    capture_intermediates=self._captures)
         return logits, self._captured(state, model)
 
     def _hidden(self, params: PyTree, model: nn.Module, inputs: jax.Array) -> jax.Array:
@@ -318,7 +348,8 @@ class DistillationObjective(Objective):
             )
         return found[0]
 
-    def _windows(self, batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _windows(self, batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+        """Inputs, targets, which targets count (None: all) and the inputs' segment ids (None: none)."""
         if "text" not in batch:
             raise MissingBatchKeyError(
                 f"DistillationObjective reads token windows under 'text', but the batch has keys "
@@ -331,9 +362,16 @@ class DistillationObjective(Objective):
                 f"DistillationObjective(seq_len={self.seq_len}) expects (batch, {self.seq_len + 1})."
             )
         text = jnp.asarray(text, jnp.int32)
-        weights = batch.get("loss_mask")
-        weights = jnp.ones(text[:, 1:].shape, jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
-        return text[:, :-1], text[:, 1:], weights
+        weights, read = scored_targets(batch, text)  # loss_mask and segment_ids as LMObjective reads them
+        return text[:, :-1], text[:, 1:], weights, read
+
+
+def _submodule_names(model: nn.Module, length: int) -> set[str]:
+    """The names of model's top-level submodules that run in a call (traced abstractly: no weights)."""
+    tokens = jnp.zeros((1, length), jnp.int32)
+    _, variables = jax.eval_shape(
+        lambda: model.init_with_output(jax.random.key(0), tokens, capture_intermediates=True))
+    return set(variables.get("intermediates", {})) - {"__call__"}
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from dew.training.state import TrainState
 
 __all__ = ["BatchShapeError", "LMObjective", "MissingBatchKeyError", "Perplexity", "TokenRangeError",
-           "Tokenizer", "argmax_hits", "segment_positions"]
+           "Tokenizer", "argmax_hits", "scored_targets", "segment_positions"]
 
 
 # A batch without the key the loss reads, or with it misshapen: dew's one batch-key error.
@@ -255,7 +255,39 @@ class LMObjective(Objective):
             )
         return jnp.asarray(text, jnp.int32)
 
-    def _aligned(self, batch: Batch, key: str, text: jax.Array) -> jax.Array | None:
+    def _score(self, variables: Variables, batch: Batch
+               ) -> tuple[jax.Array, jax.Array, jax.Array | None, dict[str, jax.Array]]:
+        text = self._windows(batch)
+        inputs, targets = text[:, :-1], text[:, 1:]
+        params = {name: value for name, value in variables.items()
+                  if name not in ("cache", MOE_COLLECTION)}
+        weights, read = scored_targets(batch, text)
+        # Only a model that declares experts is applied with the "moe" collection mutable,
+        # so a model (or wrapper) that knows nothing of it is called exactly as before.
+        routed = bool(getattr(self.model, "experts", 0))  # any flax Module: only MoE families route
+        options: dict[str, Any] = {"mutable": [MOE_COLLECTION]} if routed else {}
+        if read is None:
+            out = self.model.apply(params, inputs, **options)
+        else:
+            out = self.model.apply(params, inputs, segment_positions(read), segment_ids=read,
+                                   **options)
+        logits, routing = (out[0], moe_statistics(out[1])) if routed else (out, {})
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        if weights is not None:  # a masked position contributes an exact zero, never a NaN
+            per_token = jnp.where(weights, per_token, 0.0)
+        correct = argmax_hits(logits, targets)
+        return per_token, correct, weights, routing
+
+
+def scored_targets(batch: Batch, text: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
+    """Which targets text[:, 1:] count (None: all of them), and the segment ids of the inputs
+    text[:, :-1] (None: one document a row), from the batch's ``loss_mask`` and ``segment_ids``.
+
+    Both keys hold one value per token of text ([batch, seq_len + 1]), as dew's readers write
+    them: a target counts where its mask is set and it continues its own document (a packed
+    row's first token of the next document, and padding, segment 0, do not).
+    """
+    def aligned(key: str) -> jax.Array | None:
         if key not in batch:
             return None
         value = batch[key]
@@ -266,35 +298,15 @@ class LMObjective(Objective):
             )
         return jnp.asarray(value, jnp.int32)
 
-    def _score(self, variables: Variables, batch: Batch
-               ) -> tuple[jax.Array, jax.Array, jax.Array | None, dict[str, jax.Array]]:
-        text = self._windows(batch)
-        inputs, targets = text[:, :-1], text[:, 1:]
-        params = {name: value for name, value in variables.items()
-                  if name not in ("cache", MOE_COLLECTION)}
-        weights = None
-        segments = self._aligned(batch, "segment_ids", text)
-        # Only a model that declares experts is applied with the "moe" collection mutable,
-        # so a model (or wrapper) that knows nothing of it is called exactly as before.
-        routed = bool(getattr(self.model, "experts", 0))  # any flax Module: only MoE families route
-        options: dict[str, Any] = {"mutable": [MOE_COLLECTION]} if routed else {}
-        if segments is None:
-            out = self.model.apply(params, inputs, **options)
-        else:
-            read = segments[:, :-1]
-            out = self.model.apply(params, inputs, segment_positions(read), segment_ids=read,
-                                   **options)
-        logits, routing = (out[0], moe_statistics(out[1])) if routed else (out, {})
-        if segments is not None:
-            weights = (segments[:, 1:] == read) & (segments[:, 1:] != 0)
-        mask = self._aligned(batch, "loss_mask", text)
-        if mask is not None:
-            weights = (mask[:, 1:] != 0) if weights is None else weights & (mask[:, 1:] != 0)
-        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        if weights is not None:  # a masked position contributes an exact zero, never a NaN
-            per_token = jnp.where(weights, per_token, 0.0)
-        correct = argmax_hits(logits, targets)
-        return per_token, correct, weights, routing
+    weights, read = None, None
+    segments = aligned("segment_ids")
+    if segments is not None:
+        read = segments[:, :-1]
+        weights = (segments[:, 1:] == read) & (segments[:, 1:] != 0)
+    mask = aligned("loss_mask")
+    if mask is not None:
+        weights = (mask[:, 1:] != 0) if weights is None else weights & (mask[:, 1:] != 0)
+    return weights, read
 
 
 def argmax_hits(logits: jax.Array, targets: jax.Array) -> jax.Array:
