@@ -31,6 +31,14 @@ def _write(path, records):
     return path
 
 
+def _asked(folder, prompt):
+    """The ids of prompt as transformers renders it for the model to answer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
 def _reference(folder, conversation):
     from transformers import AutoTokenizer
 
@@ -120,7 +128,11 @@ def test_preference_pairs_score_the_answers_after_their_shared_prompt(marked, tm
     records = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "It is four."}],
                 "rejected": [{"role": "assistant", "content": "Five, thank you."}]},
                {"chosen": CONVERSATIONS[2], "rejected": CONVERSATIONS[2][:1] + [
-                   {"role": "assistant", "content": "Documents are packed."}]}]
+                   {"role": "assistant", "content": "Documents are packed."}]},
+               # Answers that open alike: their shared words are scored too (they were taken for
+               # prompt, as the first token the two sides differ at).
+               {"prompt": prompt, "chosen": [{"role": "assistant", "content": "It is four."}],
+                "rejected": [{"role": "assistant", "content": "It is five."}]}]
     files = _write(tmp_path / "pairs.jsonl", records)
     rows = ChatPreferences(files=str(files), tokenizer=str(marked), length=63).rows()
     dpo.check_pairs(rows)  # what DPO's rollout checks before each step
@@ -137,7 +149,10 @@ def test_preference_pairs_score_the_answers_after_their_shared_prompt(marked, tm
             expected = [m if t >= common else 0 for t, m in enumerate(mask)]
             assert rows[f"{side}_mask"][i, :n].tolist() == expected and sum(expected) > 0
         assert rows["chosen"][i, :common].tolist() == rows["rejected"][i, :common].tolist()
-        assert rows["chosen"][i, common] != rows["rejected"][i, common]
+        # The prompt ends where TRL's does: the prompt messages (given, or those both sides open
+        # with) rendered with the generation prompt.
+        asked = _asked(marked, record.get("prompt") or record["chosen"][:1])
+        assert common == len(asked) and rows["chosen"][i, :common].tolist() == asked
 
 
 def test_the_template_is_read_from_the_tokenizer_files(tmp_path):
@@ -177,3 +192,16 @@ def test_a_held_out_share_smaller_than_a_batch_is_refused_when_the_data_loads(ma
     dataset = chat.load(batch=held, val_fraction=0.25)  # a share of one batch loads and reads it
     assert dataset.val is not None
     assert sum(len(b["text"]) for b in dataset.val(SINGLE)) == held
+
+
+def test_a_conversation_cut_to_nothing_scored_is_said_to_be_left_out(marked, tmp_path):
+    """A conversation whose assistant turn lies past a row's end was dropped, and the warning said
+    it was cut to fit."""
+    from dew.data.chat import Chat, TruncatedWarning
+
+    long = [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "Hello!"}]
+    files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in (long, CONVERSATIONS[2], long)])
+    with pytest.warns(TruncatedWarning, match=r"2 conversation\(s\) were longer .*; 2 of them kept no "
+                                              r"assistant token to score within it and were left out"):
+        encoded = Chat(files=str(files), tokenizer=str(marked), length=24).encoded()
+    assert len(encoded) == 1

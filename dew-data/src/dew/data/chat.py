@@ -120,6 +120,12 @@ class _ChatFiles:
         shards = Shards(expand_shards(self.files), key)
         return shards, shards.values(0, len(shards))
 
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
+        """The ids of messages as a prompt the model answers: rendered with the generation prompt."""
+        tokenizer = cast(_EncodesOffsets, self.text_tokenizer())
+        return np.asarray(tokenizer.encode_offsets(self.template.text(messages, add_generation_prompt=True))[0],
+                          np.int32)
+
     def encode(self, messages: list[dict[str, Any]], where: str) -> tuple[np.ndarray, np.ndarray]:
         """The conversation's ids and its assistant mask."""
         # resolve_tokenizer's own (ByteTokenizer, HFTokenizer) encode offsets; an object given must too
@@ -131,11 +137,15 @@ class _ChatFiles:
         return np.asarray(ids, np.int32), assistant_mask(offsets, rendered.spans)
 
 
-def _warn_truncated(count: int, first: str, limit: int, stacklevel: int = 3) -> None:
+def _warn_truncated(count: int, first: str, limit: int, stacklevel: int = 3, *, dropped: int = 0,
+                    what: str = "conversation(s)") -> None:
+    """Say how many records a row's limit cut, and how many of those it left nothing to score."""
     if count:
+        left = (f"; {dropped} of them kept no assistant token to score within it and were left out"
+                if dropped else "")
         warnings.warn(TruncatedWarning(
-            f"{count} conversation(s) were longer than a row of length + 1 = {limit} tokens and were cut "
-            f"to fit it (the first: {first}). Raise length to keep them whole."), stacklevel=stacklevel)
+            f"{count} {what} were longer than a row of length + 1 = {limit} tokens and were cut to fit "
+            f"it (the first: {first}){left}. Raise length to keep them whole."), stacklevel=stacklevel)
 
 
 class _ChatReader:
@@ -205,15 +215,17 @@ class Chat(_ChatReader):
     def encoded(self) -> list[Conversation]:
         """Every conversation's ids and assistant mask, cut to a row."""
         limit = self.length + 1
-        out, cut, first = [], 0, ""
+        out, cut, first, dropped = [], 0, "", 0
         for where, messages in self.conversations():
             ids, mask = self._shared.encode(messages, where)
+            whole = bool(mask.any())
             if len(ids) > limit:
                 cut, first = cut + 1, first or where
                 ids, mask = ids[:limit], mask[:limit]
+                dropped += int(whole and not mask.any())
             if mask.any():
                 out.append(Conversation(where, ids, mask))
-        _warn_truncated(cut, first, limit)
+        _warn_truncated(cut, first, limit, dropped=dropped)
         if not out:
             raise EmptyDatasetError(f"{self.files!r} holds no conversation with an assistant turn to score.")
         return out
@@ -240,32 +252,42 @@ class ChatPreferences(_ChatReader):
     rejected_key: str = "rejected"
     prompt_key: str = "prompt"
 
-    def pairs(self) -> Iterator[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]:
-        """(where, chosen messages, rejected messages) of every record, the prompt prepended."""
+    def pairs(self) -> Iterator[tuple[str, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]]:
+        """(where, prompt, chosen messages, rejected messages) of every record, the prompt prepended
+        to both sides; without a prompt_key, the prompt is the messages both sides open with."""
         shards = Shards(expand_shards(self.files), self.chosen_key)
         rejected = Shards(expand_shards(self.files), self.rejected_key).values(0, len(shards))
         prompts = Shards(expand_shards(self.files), self.prompt_key, optional=True).values(0, len(shards))
         for row, chosen in enumerate(shards.values(0, len(shards))):
             where = shards.where(row)
             prompt = [] if prompts[row] is None else check_messages(prompts[row], f"the prompt of {where}")
-            yield (where, prompt + check_messages(chosen, f"the chosen side of {where}"),
-                   prompt + check_messages(rejected[row], f"the rejected side of {where}"))
+            a = prompt + check_messages(chosen, f"the chosen side of {where}")
+            b = prompt + check_messages(rejected[row], f"the rejected side of {where}")
+            shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            yield where, a[:max(shared, len(prompt))], a, b
 
     def rows(self) -> dict[str, np.ndarray]:
         """chosen, rejected, chosen_mask, rejected_mask [pairs, length + 1] and prompt_length [pairs]."""
         limit = self.length + 1
-        kept, cut, first = [], 0, ""
-        for where, chosen, rejected in self.pairs():
+        kept, cut, first, dropped = [], 0, "", 0
+        for where, prompt, chosen, rejected in self.pairs():
             sides = [self._shared.encode(messages, where) for messages in (chosen, rejected)]
-            if any(len(ids) > limit for ids, _ in sides):
+            asked = self._shared.prompt_ids(prompt) if prompt else np.zeros(0, np.int32)
+            long = any(len(ids) > limit for ids, _ in sides)
+            if long:
                 cut, first = cut + 1, first or where
                 sides = [(ids[:limit], mask[:limit]) for ids, mask in sides]
             (a, _), (b, _) = sides
-            common = int(np.argmin(np.append(a[: len(b)] == b[: len(a)], False)))
+            if all(len(ids) >= len(asked) and np.array_equal(ids[: len(asked)], asked) for ids in (a, b)):
+                common = len(asked)  # the prompt as the model is asked it: the generation prompt ends it
+            else:  # a template that renders the prompt otherwise inside the conversation: shared tokens
+                common = int(np.argmin(np.append(a[: len(b)] == b[: len(a)], False)))
             masks = [np.where(np.arange(len(mask)) >= common, mask, 0) for _, mask in sides]
             if all(m.any() for m in masks):
                 kept.append((sides, masks, common))
-        _warn_truncated(cut, first, limit, stacklevel=2)
+            else:
+                dropped += int(long)
+        _warn_truncated(cut, first, limit, stacklevel=2, dropped=dropped, what="preference pair(s)")
         if not kept:
             raise EmptyDatasetError(f"{self.files!r} holds no preference pair with assistant tokens to score.")
         out = {name: np.zeros((len(kept), limit), np.int32)
