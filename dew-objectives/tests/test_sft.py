@@ -146,9 +146,29 @@ def test_a_chat_template_renders_the_record_as_two_turns_and_scores_the_assistan
 
 
 def test_a_long_prompt_loses_its_start_and_a_long_completion_fails_naming_the_record_and_limit(tmp_path):
+    from dew.data.chat import TruncatedWarning
+
     files = write(tmp_path / "b.jsonl", [{"prompt": "0123456789", "completion": "abc"}])
-    got = PromptCompletion(files=files, length=5).rows()
+    with pytest.warns(TruncatedWarning, match=r"1 record\(s\) were longer .* their prompts lost their first "
+                                              r"tokens \(the first: .*b\.jsonl:1\)"):
+        got = PromptCompletion(files=files, length=5).rows()
     assert got["text"][0].tolist() == [56, 57, 97, 98, 99, 256]  # the prompt's last two bytes remain
+    # A tokenizer that starts text with a beginning-of-text id (Llama's) keeps it first: the
+    # prompt loses its first tokens after it (the row began mid-prompt, without it).
+    pytest.importorskip("transformers")
+    from dew.families.examples import tokenizer as family_tokenizer
+
+    folder = tmp_path / "llama"
+    theirs = family_tokenizer("llama")
+    theirs.save_pretrained(str(folder))
+    bos = theirs.bos_token_id
+    with pytest.warns(TruncatedWarning):
+        kept = PromptCompletion(files=files, length=6, tokenizer=str(folder / "tokenizer.json")).encoded()[0]
+    completion = theirs("abc", add_special_tokens=False)["input_ids"]  # then the tokenizer.json's end id
+    prompt = theirs("0123456789")["input_ids"]
+    room = 7 - 1 - len(completion) - 1  # a row of length + 1, less the kept id, the completion and its end
+    assert prompt[0] == bos and len(kept.ids) == 7
+    assert kept.ids.tolist()[:-1] == [bos, *prompt[len(prompt) - room:], *completion]
     too_long = write(tmp_path / "c.jsonl", [{"prompt": "p", "completion": "ok"}, {"prompt": "p", "completion": "abcdefgh"}])
     with pytest.raises(CompletionTooLongError, match=r"c\.jsonl:2: the completion is 9 tokens .* length \+ 1 = 6"):
         PromptCompletion(files=too_long, length=5).rows()

@@ -46,8 +46,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dew.data.base import Dataset, EosTokenizer, Tokenizer
+from dew.data.base import Dataset, EosTokenizer, Tokenizer, prefix_of
 from dew.data.base import prompt_ids as start_ids
+from dew.data.chat import TruncatedWarning
 from dew.data.chat_template import (
     ChatTemplate,
     ChatTemplateError,
@@ -177,11 +178,13 @@ class PromptCompletion:
         return head, whole[len(head):]
 
     def encoded(self) -> list[Encoded]:
-        """Every record's ids and mask, fitted to a row (prompts cut from the front when needed)."""
+        """Every record's ids and mask, fitted to a row: a prompt too long loses its first tokens after
+        the beginning-of-text id, with a TruncatedWarning counting them."""
         tokenizer = resolve_tokenizer(self.tokenizer)
         chat = self.chat()
         limit = self.length + 1
-        out = []
+        out, shortened, first = [], 0, ""
+        start = prefix_of(tokenizer)  # the beginning-of-text id a cut prompt keeps
         for where, prompt, completion in self.pairs():
             if not completion:
                 warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
@@ -203,10 +206,19 @@ class PromptCompletion:
                     f"length + 1 = {limit} holds. Raise length (the model's "
                     "window) or shorten or drop this record."
                 )
-            prompt_ids = prompt_ids[max(0, len(prompt_ids) + len(completion_ids) - limit):]
+            cut = max(0, len(prompt_ids) + len(completion_ids) - limit)
+            if cut:  # the prompt's front goes; its beginning-of-text id stays, as the model expects it
+                keep = min(len(start), limit - len(completion_ids)) if prompt_ids[: len(start)] == start else 0
+                prompt_ids = prompt_ids[:keep] + prompt_ids[keep + cut:]
+                shortened, first = shortened + 1, first or where
             ids = np.asarray(prompt_ids + completion_ids, np.int32)
             mask = np.concatenate([np.zeros(len(prompt_ids), np.int32), np.ones(len(completion_ids), np.int32)])
             out.append(Encoded(where, ids, mask))
+        if shortened:
+            warnings.warn(TruncatedWarning(
+                f"{shortened} record(s) were longer than a row of length + 1 = {limit} tokens, so their "
+                f"prompts lost their first tokens (the first: {first}); the completions are whole. Raise "
+                "length to keep the prompts whole."), stacklevel=2)
         if not out:
             raise EmptyDatasetError(f"{self.files!r} holds no record with a completion to score.")
         return out
