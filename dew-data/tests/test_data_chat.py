@@ -79,6 +79,38 @@ def test_a_template_without_markers_finds_the_same_turns(tmp_path):
         assert (got.ids.tolist(), got.mask.tolist()) == (ids, mask)
 
 
+# Phi-3's published style: a conversation not asked to continue ends with the eos token.
+CLOSED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}{{ eos_token }}{% endif %}")
+CLOSED_AS_MARKED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+                    "{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}"
+                    "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}{{ eos_token }}{% endif %}")
+# A ChatML template that ignores add_generation_prompt: each turn writes its own header.
+HEADED = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+HEADED_AS_MARKED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+                    "{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}"
+                    "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("plain, marked_like", [(CLOSED, CLOSED_AS_MARKED), (HEADED, HEADED_AS_MARKED)],
+                         ids=["closed-by-eos", "ignores-the-generation-prompt"])
+def test_unmarked_templates_in_two_more_published_styles_find_the_turns_a_marked_one_declares(
+        plain, marked_like, tmp_path):
+    """Phi-3's style ends an unanswered conversation with eos_token, so every conversation of more
+    than one assistant turn was refused; a template ignoring add_generation_prompt had each
+    assistant header scored. Both now mark what the same template with markers marks."""
+    from dew.data.chat import Chat
+
+    folder = build_tokenizer(tmp_path / "plain", template=plain, eos="<|endoftext|>")
+    reference = build_tokenizer(tmp_path / "reference", template=marked_like, eos="<|endoftext|>")
+    files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    encoded = Chat(files=str(files), tokenizer=str(folder), length=256).encoded()
+    for conversation, got in zip(CONVERSATIONS, encoded, strict=True):
+        ids, mask = _reference(reference, conversation)
+        assert (got.ids.tolist(), got.mask.tolist()) == (ids, mask)
+
+
 def test_packed_rows_keep_each_conversation_and_its_mask(marked, tmp_path):
     from dew.data.chat import Chat
 

@@ -197,6 +197,13 @@ class ChatTemplate:
                 continue
             before = self._render(messages[:index], True, context)[0]
             through = self._render(messages[: index + 1], False, context)[0]
+            asked = self._render(messages[: index + 1], True, context)[0]
+            if not asked.startswith(through):
+                # A template that closes a conversation it is not asked to continue with a special
+                # token (Phi-3's eos_token): the turn is what comes before it.
+                ending = next((token for token in self.special_tokens.values() if token
+                               and through.endswith(token) and asked.startswith(through[: -len(token)])), "")
+                through = through[: len(through) - len(ending)]
             if not (through.startswith(before) and text.startswith(through)):
                 raise ChatTemplateError(
                     "This chat template has no {% generation %} markers and renders a conversation "
@@ -204,7 +211,14 @@ class ChatTemplate:
                     "came before it), so the assistant's turns cannot be found. Give the reader a "
                     "template that wraps each assistant turn in {% generation %}...{% endgeneration %}."
                 )
-            found.append((len(before), len(through)))
+            start, end = len(before), len(through)
+            content = message.get("content")
+            if index and isinstance(content, str) and content and \
+                    before == self._render(messages[:index], False, context)[0]:
+                # The template ignores add_generation_prompt, so the turn's own header (ChatML's
+                # <|im_start|>assistant) follows the prompt: the assistant's text starts at its content.
+                start = max(start, through.find(content, start))
+            found.append((start, end))
         return Rendered(text, tuple(found))
 
 
