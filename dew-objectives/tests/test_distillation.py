@@ -339,3 +339,24 @@ def test_the_distilled_student_is_a_text_generation_pipeline_that_saves_for_tran
     assert loaded("dis", max_new_tokens=6) == pipeline("dis", max_new_tokens=6)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         DistillationObjective(student, teacher, 16).pipeline(state)
+
+
+def test_a_recipes_init_starts_the_student_and_the_teacher_still_comes_from_its_own_source(tmp_path):
+    """A recipe's init section replaced the whole tree, teacher included (an init.run of another
+    distillation took its teacher; a student-sized run or export was refused). It now reads the
+    student alone; the teacher is teacher_pretrained's."""
+    from dew.pretrained import Pretrained
+
+    teacher_dir = llama_teacher_directory(tmp_path / "teacher", writer="dew")
+    student = llama_student()
+    student_weights = student.init(jax.random.key(9), jnp.zeros((1, SEQ), jnp.int32))
+    objective = DistillationObjective(student, None, SEQ, teacher_pretrained=str(teacher_dir))
+    abstract = jax.eval_shape(lambda: nn.meta.unbox(objective.init(jax.random.key(0))))
+    started = objective.starting_weights(lambda wanted: student_weights)(abstract)
+    jax.tree.map(np.testing.assert_array_equal, started["params"]["student"],
+                 nn.meta.unbox(student_weights)["params"])
+    jax.tree.map(np.testing.assert_array_equal, started["params"]["teacher"],
+                 Pretrained.load(teacher_dir).variables["params"])
+    placed = jax.device_get(Trainer(objective, optax.sgd(0.1), key=jax.random.key(1), initializer=objective
+                                    .starting_weights(lambda wanted: student_weights)).place()[0].params)
+    jax.tree.map(np.testing.assert_array_equal, placed["params"]["student"], nn.meta.unbox(student_weights)["params"])

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
     from dew.data.base import Dataset, Tokenizer
     from dew.evaluations.base import Periodic
-    from dew.objectives.base import Objective
+    from dew.objectives.base import Objective, Variables
     from dew.recipes.config import RunConfig
     from dew.tracking.protocol import Tracker
     from dew.training.initializers import Initializer
@@ -352,7 +352,14 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
             from dew.pretrained import check_same_function
 
             check_same_function(model, loaded.model, f"init.pretrained {source}")
-        return dict(loaded.variables)
+        weights = dict(loaded.variables)
+
+        def given(abstract: Variables) -> Variables:
+            return weights
+
+        narrowed = objective.starting_weights(given)
+        # An objective holding more than its model (a distillation's teacher) places them itself.
+        return weights if narrowed is given else narrowed
     from dew.training.initializers import ParamsFrom, WeightSource
 
     assert init.run is not None  # InitConfig holds exactly one of pretrained and run

@@ -203,6 +203,24 @@ class DistillationObjective(Objective):
 
         return self.teacher_from(ParamsFrom(_absolute(self.teacher_checkpoint)))
 
+    def starting_weights(self, source: WeightSource) -> WeightSource:
+        """The student read from source (a recipe's init: another run's or a pretrained model's
+        weights, the student's own shape); the teacher still comes from teacher_checkpoint or
+        teacher_pretrained, never from init."""
+        teacher = self.initializer()
+
+        def read(abstract: Variables) -> Variables:
+            student = nn.meta.unbox(source({"params": abstract["params"]["student"]}))
+            if "params" not in student:
+                raise ValueError(f"The student's starting weights hold collections {sorted(student)}; "
+                                 "expected Flax variables with a 'params' collection.")
+            params = {"student": student["params"]}
+            if callable(teacher):
+                params.update(teacher(abstract)["params"])
+            return {"params": params}
+
+        return read
+
     def teacher_from(self, source: Variables | WeightSource) -> WeightSource:
         """A Trainer initializer that reads the teacher from source and leaves the rest to init.
 
