@@ -108,3 +108,26 @@ def test_a_moved_or_copied_folder_keeps_its_trackers_writing_beside_its_checkpoi
     assert folder not in where.directories(config)
     given = resumed(moved, [f"trackers.0.directory={tmp_path / 'mine'}"])[0]  # an override still wins
     assert given.trackers[0].fields["directory"] == str(tmp_path / "mine")
+
+
+def test_a_fresh_run_refuses_the_folder_of_an_exported_model_and_leaves_it_as_it_was(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """Trained into an export's folder, a run wrote its steps beside the model, and dew generate then
+    sampled from the run instead of the model."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew.cli import main
+    from dew.nn.backbones import CausalTransformer
+    from dew.pretrained import Pretrained
+
+    model = CausalTransformer(vocab_size=64, emb_features=8, num_layers=1, num_heads=1, mlp_features=16,
+                              max_seq_len=8)
+    exported = Pretrained(model, model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))).save(tmp_path / "model")
+    before = sorted(p.relative_to(exported) for p in exported.rglob("*"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "tiny-lm", "trainer.checkpoint_dir=model", "trainer.steps=1", "trackers=[]"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.checkpoint_dir=model holds an exported model (its config.json), not a run" in err, err
+    assert "set init.pretrained=model" in err and "Traceback" not in err
+    assert sorted(p.relative_to(exported) for p in exported.rglob("*")) == before

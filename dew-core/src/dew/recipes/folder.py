@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STARTED",
+    "ExportedModelFolderError",
     "NotARunFolderError",
     "RunFolder",
     "resumed",
@@ -53,6 +54,10 @@ _BOOKKEEPING = frozenset({"run.json", STARTED, "records.jsonl", ".dew-writer.jso
 
 class NotARunFolderError(RecipeError):
     """``dew train --resume RUN`` was given a path that holds no run.json a run wrote."""
+
+
+class ExportedModelFolderError(RecipeError):
+    """trainer.checkpoint_dir names a folder that holds an exported model rather than a run."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
     """
     from dew.training.runtime.preemption import Preempted
 
+    _refuse_exported(folder.directory)
     created = {d: _first_missing(d) for d in folder.directories(config) if not d.exists()}
     try:
         with _inside(folder.cwd) if folder.resumed else contextlib.nullcontext():
@@ -244,6 +250,18 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
         raise
     finally:
         folder.record()
+
+
+def _refuse_exported(directory: Path | None) -> None:
+    """Refuse a run folder that holds an exported model (its config.json) and no run: the run's
+    steps would sit beside the model, and dew generate, eval and export would then read the run."""
+    if directory is None or not (directory / "config.json").is_file() or (directory / "run.json").is_file():
+        return
+    raise ExportedModelFolderError(
+        f"trainer.checkpoint_dir={shown(directory)} holds an exported model (its config.json), not a run: "
+        "training there would write the run's steps beside the model, and dew generate, eval and export "
+        "would read the run instead of it. Set trainer.checkpoint_dir to a new folder; to start from the "
+        f"model, set init.pretrained={shown(directory)}.")
 
 
 def _field_note(field: str, path: Path, error: Exception) -> str:
