@@ -179,6 +179,21 @@ def test_leaves_one_run_lacks_are_named_and_its_journal_found_from_anywhere(runs
     assert "hold none" not in out
 
 
+def test_runs_that_keep_no_step_in_common_are_not_called_identical(runs, tmp_path, capsys):
+    """Equal losses alone said "identical" with exit 0 though no state was compared; and tolerances
+    that are no tolerance were taken."""
+    bare = tmp_path / "bare"
+    shutil.copytree(runs.ref, bare)
+    for step in [p for p in bare.iterdir() if p.is_dir() and p.name.isdigit()]:
+        shutil.rmtree(step)
+    code, out, _ = _dew(["diff", str(runs.ref), str(bare)], capsys)
+    assert code == 2 and out.splitlines()[0].startswith("not compared: the runs keep no step in common"), out
+    assert f"losses: equal at all {STEPS} common logged steps" in out
+    for flag in (["--rtol", "-5"], ["--atol", "nan"]):
+        code, _, err = _dew(["diff", str(runs.ref), str(runs.ref), *flag], capsys)
+        assert code == 2 and f"{flag[0]} " in err and "is not a tolerance" in err, err
+
+
 def test_a_path_that_is_not_a_run_is_named(tmp_path, capsys):
     code, _, err = _dew(["diff", str(tmp_path), str(tmp_path / "missing")], capsys)
     assert code == 2

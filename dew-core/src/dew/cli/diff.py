@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -36,13 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.epilog = ("examples:\n  dew diff runs/a runs/b\n  dew diff runs/one-device runs/eight-devices --load\n\n"
                      "exit status: 0 identical or within the tolerances; 1 they differ beyond them; "
-                     "2 a path is not a run.")
+                     "2 a path is not a run, or the runs keep no step in common to compare.")
 
 
 def run(args: argparse.Namespace) -> int:
     from dew.checkpoints.errors import CheckpointCorruptedError
     from dew.provenance.diff import NotARunDirectoryError, diff_runs
 
+    for name in ("rtol", "atol"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            print(f"dew diff: --{name} {value!r} is not a tolerance; give a finite number of 0 or more.",
+                  file=sys.stderr)
+            return 2
     try:
         result = diff_runs(args.run_a, args.run_b, rtol=args.rtol, atol=args.atol, load=args.load)
     except (NotARunDirectoryError, CheckpointCorruptedError) as error:
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2, default=str))
     else:
         print(render_diff(result))
+    if result.uncompared:
+        return 2
     return 0 if result.bitwise or result.within_tolerance else 1
 
 
@@ -66,7 +75,10 @@ def render_diff(result: RunDiff) -> str:
     from dew.provenance.diff import gap_width
 
     lines = []
-    if result.bitwise:
+    if result.uncompared:
+        lines.append("not compared: the runs keep no step in common, so their states were not compared; "
+                     "compare runs that keep the same steps (trainer.checkpoint_every, trainer.keep)")
+    elif result.bitwise:
         lines.append(f"identical through step {result.through}")
     elif result.within_tolerance:
         lines.append(f"agree within the tolerance (rtol {result.rtol:g}, atol {result.atol:g}) through step "

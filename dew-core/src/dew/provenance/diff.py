@@ -81,16 +81,22 @@ class RunDiff:
     def bitwise(self) -> bool:
         losses_equal = self.largest_loss is None or _same(self.largest_loss.a, self.largest_loss.b)
         return (self.first_state_step is None and not self.incomparable and losses_equal
-                and bool(self.common_steps or self.loss_steps))
+                and bool(self.common_steps))
 
     @property
     def within_tolerance(self) -> bool:
         """Nothing differs beyond the tolerances: states equal or (loaded) close, losses close."""
-        if self.first_loss is not None or self.incomparable or not (self.common_steps or self.loss_steps):
+        if self.first_loss is not None or self.incomparable or not self.common_steps:
             return False
         if self.first_state_step is None:
             return True
         return bool(self.gaps) and all(g.gap <= self.atol + self.rtol * g.scale for g in self.gaps)
+
+    @property
+    def uncompared(self) -> bool:
+        """No state was compared (no kept step is common to both runs) and no logged loss parts them:
+        nothing says whether the runs agree."""
+        return not self.common_steps and self.first_loss is None
 
     @property
     def through(self) -> int:
