@@ -42,10 +42,16 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
 
     parts = []
     for path in paths:
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise InputImagesError(f"The input {path} {what}; give .npy arrays of images [N, H, W, C] or "
+                                   "image files (PNG, JPEG).")
         if path.suffix == ".npy":
             try:
                 array = np.load(path, allow_pickle=False)
-            except ValueError:  # numpy's advice (allow_pickle) would run whatever the file holds
+            # ValueError: pickled or no array (numpy's advice, allow_pickle, would run whatever the file
+            # holds); EOFError: an empty file.
+            except (ValueError, EOFError):
                 raise InputImagesError(f"{path} is not a NumPy array file (np.save writes one); give a .npy "
                                        "of images [N, H, W, C] or image files (PNG, JPEG).") from None
             parts.append(array[None] if array.ndim == 3 else array)
@@ -71,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     from dew.recipes.opening import open_run
 
     try:
-        pipeline = open_run(args.run, step=args.step).pipeline()
-        vectors = pipeline.embed(read_inputs(args.inputs))
+        images = read_inputs(args.inputs)  # before the model loads: a bad input is named at once
+        vectors = open_run(args.run, step=args.step).pipeline().embed(images)
         target = args.out if args.out.suffix == ".npy" else args.out.with_name(args.out.name + ".npy")
         target.parent.mkdir(parents=True, exist_ok=True)
         _save_vectors(target, vectors)

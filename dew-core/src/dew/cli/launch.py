@@ -95,7 +95,8 @@ def rank_argv(recipe: str, overrides: list[str]) -> list[str]:
 def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
     from dew.cli.launch_scripts import ScriptRequest, jobset_manifest, slurm_script
     request = ScriptRequest(args.recipe, tuple(args.overrides), processes=args.processes or 1,
-                            per_node=args.per_node or 1, port=args.port, grace=args.grace,
+                            per_node=1 if args.per_node is None else args.per_node, port=args.port,
+                            grace=args.grace, connect_timeout=args.connect_timeout,
                             gpus_per_process=args.gpus_per_process,
                             **({"image": args.image} if args.image else {}))
     try:
@@ -120,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.processes is not None and args.processes < 1:
         print(f"dew launch: -n {args.processes}: a pool needs at least one process.", file=sys.stderr)
+        return 2
+    if args.per_node is not None and args.per_node < 1:
+        print(f"dew launch: --per-node {args.per_node}: a node runs at least one rank.", file=sys.stderr)
         return 2
     # Options that shape a printed cluster job, given where they would change nothing.
     unread = [flag for flag, given, reader in (("--per-node", args.per_node, "slurm"), ("--image", args.image, "jobset"))
@@ -174,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _asked(args: argparse.Namespace) -> list[str]:
     """The launch command as given, for the printed script's first comment."""
+    from dew.training.runtime.launcher import DEFAULT_GRACE
+
     asked = ["--print", args.print_kind]
     if args.processes is not None:
         asked += ["-n", str(args.processes)]
@@ -181,6 +187,10 @@ def _asked(args: argparse.Namespace) -> list[str]:
         asked += ["--per-node", str(args.per_node)]
     if args.port is not None:
         asked += ["--port", str(args.port)]
+    if args.grace != DEFAULT_GRACE:
+        asked += ["--grace", f"{args.grace:g}"]
+    if args.connect_timeout is not None:
+        asked += ["--connect-timeout", f"{args.connect_timeout:g}"]
     if args.image:
         asked += ["--image", args.image]
     if args.gpus_per_process is not None:

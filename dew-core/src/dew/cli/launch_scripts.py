@@ -22,7 +22,8 @@ _MARGIN = 30  # seconds beyond the grace: the ranks' own exit after the launcher
 
 @dataclass(frozen=True)
 class ScriptRequest:
-    """A recipe and how to run it on a cluster: processes, processes per node, port, grace, image."""
+    """A recipe and how to run it on a cluster: processes, processes per node, port, grace, the ranks'
+    wait for the coordinator, image."""
 
     recipe: str
     overrides: tuple[str, ...] = ()
@@ -30,12 +31,14 @@ class ScriptRequest:
     per_node: int = 1
     port: int | None = None  # None: Slurm's job-derived port; 8476 for a JobSet
     grace: float = 300.0
+    connect_timeout: float | None = None  # None: each rank's default (300 s, or DEW_CONNECT_TIMEOUT)
     image: str = "IMAGE-WITH-DEW-INSTALLED"
     gpus_per_process: int | None = None  # None: the script asks for no GPUs (add your site's own)
 
     def rank_command(self) -> list[str]:
         """The command every rank runs: dew launch, which joins the pool the engine describes."""
-        return ["dew", "launch", "--grace", f"{self.grace:g}", self.recipe, *self.overrides]
+        waits = [] if self.connect_timeout is None else ["--connect-timeout", f"{self.connect_timeout:g}"]
+        return ["dew", "launch", "--grace", f"{self.grace:g}", *waits, self.recipe, *self.overrides]
 
 
 def job_name(recipe: str) -> str:
@@ -58,6 +61,8 @@ def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
     >>> print(slurm_script(ScriptRequest("tiny-lm", processes=2), ["--print", "slurm"]).splitlines()[3])
     #SBATCH --nodes=2
     """
+    if request.per_node < 1:
+        raise ValueError(f"--per-node {request.per_node}: a node runs at least one rank.")
     if request.processes % request.per_node:
         raise ValueError(f"{request.processes} processes do not fill nodes of {request.per_node}; "
                          "choose --per-node dividing -n.")

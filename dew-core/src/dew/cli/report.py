@@ -13,11 +13,15 @@ from dew.errors import DewError
 if TYPE_CHECKING:
     from dew.cli.run_page import RunData as RunPageData
 
-__all__ = ["NoJournalError", "add_arguments", "load_run", "render_report", "run"]
+__all__ = ["NoJournalError", "ReportOutError", "add_arguments", "load_run", "render_report", "run"]
 
 
 class NoJournalError(DewError, FileNotFoundError):
     """The directory holds no LocalTracker journal to report on."""
+
+
+class ReportOutError(DewError, FileExistsError):
+    """The page's folder (--out) is a file, or lies under one: the page is a folder of files."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         page = render_report(args.run_dirs, args.out)
-    except NoJournalError as error:
+    except DewError as error:  # one line: what is wrong and what to do
         print(f"dew report: {error}", file=sys.stderr)
         return 2
     print(f"Wrote {page}")
@@ -95,4 +99,17 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
         raise ValueError("dew report needs at least one run directory.")
     runs = [load_run(d, label) for d, label in zip(directories, _labels(directories), strict=True)]
     out = Path(out) if out is not None else directories[0] / "report"
+    _check_out(out)
     return write_page(runs, out)
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an out that is a file or lies under one: the page is written as a folder (index.html
+    beside its charts), which cannot be made there."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is a file" if path == out else f"lies under {str(path)!r}, a file"
+                raise ReportOutError(f"The report's folder {str(out)!r} {what}; dew report writes a folder "
+                                     "(index.html and its charts): give --out a new folder or an existing one.")
+            return

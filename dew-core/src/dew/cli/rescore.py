@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(reward.FIELD=VALUE, the value read as YAML)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the new scores here as JSON lines, one per step's round (step, round, "
-                             "the mean reward, every completion's rewards)")
+                             "the mean reward, every completion's rewards); never one of the run's own files")
 
 
 def parse_reward(items: Sequence[str]) -> dict[str, Any]:
@@ -131,11 +131,41 @@ def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
 
+def _checked_out(out: Path, run_dir: Path) -> Path:
+    """--out, refused when it is a directory or an existing file of the run being rescored (its
+    journal, run.json): the scores are written over the path given, and the run's own files are not
+    dew rescore's to replace."""
+    if out.is_dir():
+        raise RescoreError(f"--out {str(out)!r} is a directory; give the file to write the scores to "
+                           f"(e.g. {str(out / 'rescored.jsonl')!r}).")
+    if out.exists() and out.resolve().is_relative_to(run_dir.resolve()):
+        raise RescoreError(f"--out {str(out)!r} is one of the files of the run {str(run_dir)!r}, which dew "
+                           "rescore only reads; write the scores to a new file, or one outside the run.")
+    return out
+
+
+def _write_scores(out: Path, rows: Sequence[Mapping[str, Any]], name: str) -> None:
+    """The scores as JSON lines, written beside out and renamed into place: a failure leaves no
+    half-written file, and a link planted at out is replaced, never written through."""
+    from dew.objectives.inference import write_file
+
+    text = "".join(json.dumps({"step": row["step"], "round": row["round"], "reward": name,
+                               "rewards": row["rewards"]}) + "\n" for row in rows)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_file(out, text.encode("utf-8"))
+    except OSError as error:
+        raise RescoreError(f"Could not write --out {str(out)!r}: {error.strerror or error}; give a path "
+                           "in a directory you can write to.") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from dew.training.rollout_journal import kept_rollouts
 
     try:
         spec = parse_reward(args.overrides)
+        if args.out is not None:
+            _checked_out(args.out, args.run_dir)
         kept = kept_rollouts(args.run_dir, batches=False)
         rows = _scored(kept.entries, spec, args.run_dir)
     except DewError as error:  # one line: what is wrong and what to do
@@ -157,10 +187,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"({kept.past} journaled step(s) past the last checkpoint, step {kept.through}, left out: a batch "
               "sampled ahead for a step the run did not take, or steps no checkpoint kept)")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps({"step": row["step"], "round": row["round"], "reward": name,
-                                         "rewards": row["rewards"]}) + "\n")
+        try:
+            _write_scores(args.out, rows, name)
+        except RescoreError as error:
+            print(f"dew rescore: {error}", file=sys.stderr)
+            return 2
         print(f"Wrote {args.out}")
     return 0

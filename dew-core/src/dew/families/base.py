@@ -396,7 +396,14 @@ def architectures() -> dict[str, str]:
 
 def for_config(config: Mapping[str, Any]) -> Family:
     """The family a config.json belongs to, by its ``architectures`` (else its ``model_type``)."""
-    named = list(config.get("architectures") or [])
+    given = config.get("architectures") or []
+    if isinstance(given, str):  # one name written bare: that name, not its letters
+        given = [given]
+    if not isinstance(given, list | tuple):
+        raise UnsupportedArchitectureError(
+            f"The checkpoint's config.json gives architectures {given!r}; it is a list of model class names "
+            "(such as [\"LlamaForCausalLM\"]), as transformers writes it.")
+    named = [str(arch) for arch in given]
     kind = config.get("model_type")
     if isinstance(kind, str) and kind in FAMILIES and named and named[0] in family(kind).architectures:
         return family(kind)  # the usual case, without importing every family to find it

@@ -87,6 +87,10 @@ class Check:
 
 def subjects(distribution: str) -> tuple[str, list[Component]]:
     """The distribution's version and its components, each with its registered kit."""
+    if not distribution.strip():  # importlib.metadata raises a bare ValueError for an empty name
+        raise NotADistributionError(
+            "No distribution was named; give the installed distribution's name, as its pyproject.toml "
+            f"declares it; distributions registering dew components here: {', '.join(_registering()) or 'none'}.")
     try:
         found = metadata.distribution(distribution)
     except metadata.PackageNotFoundError:

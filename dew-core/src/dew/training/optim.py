@@ -72,7 +72,8 @@ class ParamGroup(Settings):
     None keeps the config's default rule.
     """
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: an infinite multiplier trains to NaN as surely as a NaN one.
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     match: tuple[str, ...] = pydantic.Field(description="path globs selecting the leaves")
     lr_scale: float = pydantic.Field(1.0, ge=0.0, description="learning-rate multiplier")
@@ -104,9 +105,12 @@ class OptimizerConfig(Settings):
     ``weight_decay`` applies to every leaf except those ``no_decay`` matches;
     ``groups`` override that rule and set learning-rate multipliers, the
     first group whose pattern matches a leaf deciding for it.
+
+    Every number is finite: an infinite learning rate, decay or epsilon
+    passed the bounds below and trained the weights to NaN.
     """
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     solver: Literal["adamw", "lion", "sgd", "adafactor"] = pydantic.Field(
         "adamw", description="the update rule")

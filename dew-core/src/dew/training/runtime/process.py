@@ -24,6 +24,7 @@ from dew.settings import Settings
 
 __all__ = [
     "BackendAlreadyStartedError",
+    "CompilationCacheError",
     "ProcessPoolError",
     "ProcessSettings",
     "prepare_process",
@@ -40,6 +41,10 @@ class BackendAlreadyStartedError(DewError, RuntimeError):
 
 class ProcessPoolError(DewError, RuntimeError):
     """multi_host was asked for, but nothing describes the pool to join."""
+
+
+class CompilationCacheError(DewError, OSError):
+    """compilation_cache_dir names a file, or a path where no directory can be made."""
 
 
 class ProcessSettings(Settings):
@@ -207,10 +212,22 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
 
     if settings.compilation_cache_dir:
         directory = os.path.abspath(os.path.expanduser(settings.compilation_cache_dir))
-        os.makedirs(directory, exist_ok=True)
+        _make_cache_directory(directory)
         use_compilation_cache(directory)
     if settings.multi_host and not _pool_joined():
         _join_pool()
+
+
+def _make_cache_directory(directory: str) -> None:
+    """Make the compilation cache's directory, refusing in one line a path that is a file or lies
+    under one, or one this process may not create (os.makedirs says only "File exists")."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        what = "is a file" if os.path.isfile(directory) else f"cannot be made a directory ({error.strerror or error})"
+        raise CompilationCacheError(
+            f"trainer.compilation_cache_dir {directory!r} {what}; point it at a directory, or at a path "
+            "where one can be made (or leave it out for dew's own cache).") from None
 
 
 def use_compilation_cache(directory: str) -> None:

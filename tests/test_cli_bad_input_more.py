@@ -1,0 +1,184 @@
+"""Bad input to the `dew` commands is refused in one line with exit status 2, and nothing a command
+writes lands on a run's own files: rescore's --out, report's --out, embed's inputs, a compilation
+cache that is a file, an empty plugin name, infinite optimizer values, launch's --per-node and
+--connect-timeout, and a config.json naming its architecture as a bare string.
+
+Each command runs through ``dew.cli.main`` in this process, on files dew's own writers made."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dew.cli import main
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    """The one line a refusal printed on stderr (no traceback), with nothing on stdout."""
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"dew {command}: "), err
+    return err
+
+
+# -- dew rescore --out -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def journaled(tmp_path):
+    """A run folder holding a rollout journal of two kept steps, written by dew's own journal, and
+    its run.json."""
+    from dew.training.rollout_journal import Rolled, RolloutJournal
+
+    run = tmp_path / "runs" / "grpo"
+    journal = RolloutJournal(run)
+    journal.opened(0)
+    for step in range(2):
+        round_ = {"completions": ["4", "5"], "prompts": ["2+2=", "2+2="], "rewards": [1.0, 0.0],
+                  "context": {"answer": ["4", "4"]}}
+        journal.write(Rolled(step=step, batch={"tokens": np.zeros((2, 3), np.int32)}, data="d",
+                             transcript=(round_,)))
+    journal.checkpoint(2)
+    (run / "run.json").write_text(json.dumps({"recipe": {}}))
+    return run
+
+
+def test_rescore_writes_a_new_file_and_never_the_runs_own(journaled, tmp_path, capsys):
+    reward = ["reward=exact_match", "reward.key=answer"]
+    for own in ("rollouts.jsonl", "run.json"):
+        before = (journaled / own).read_bytes()
+        assert main(["rescore", str(journaled), *reward, "--out", str(journaled / own)]) == 2
+        assert "one of the files of the run" in _refusal(capsys, "rescore")
+        assert (journaled / own).read_bytes() == before
+    (tmp_path / "folder").mkdir()
+    assert main(["rescore", str(journaled), *reward, "--out", str(tmp_path / "folder")]) == 2
+    assert "is a directory" in _refusal(capsys, "rescore")
+    assert main(["rescore", str(journaled), *reward, "--out", str(tmp_path / "folder" / "x" / "y")]) == 0
+    (tmp_path / "afile").write_text("")
+    assert main(["rescore", str(journaled), *reward, "--out", str(tmp_path / "afile" / "scores.jsonl")]) == 2
+    assert "Could not write --out" in _refusal(capsys, "rescore")
+    out = tmp_path / "scores.jsonl"
+    out.write_text("an earlier rescore\n")  # a file outside the run is written over, whole
+    assert main(["rescore", str(journaled), *reward, "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["step"], r["rewards"]) for r in rows] == [(1, [1.0, 0.0]), (2, [1.0, 0.0])]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".scores")]  # no temporary left
+
+
+# -- tracebacks turned into refusals ---------------------------------------------------------------------
+
+
+def test_report_refuses_an_out_that_is_a_file(tmp_path, capsys):
+    from dew.tracking.local import LocalTracker
+
+    tracker = LocalTracker(tmp_path / "run")
+    tracker.log({"loss": 1.0}, 1)
+    tracker.close()
+    (tmp_path / "page").write_text("mine")
+    for out in (tmp_path / "page", tmp_path / "page" / "under"):
+        assert main(["report", str(tmp_path / "run"), "--out", str(out)]) == 2
+        assert "dew report writes a folder" in _refusal(capsys, "report")
+    assert (tmp_path / "page").read_text() == "mine"
+
+
+def test_embed_names_an_input_it_cannot_read(tmp_path, capsys):
+    from dew.cli.embed import InputImagesError, read_inputs
+
+    (tmp_path / "empty.npy").write_bytes(b"")
+    (tmp_path / "folder.npy").mkdir()
+    with pytest.raises(InputImagesError, match="empty.npy is not a NumPy array file"):
+        read_inputs([tmp_path / "empty.npy"])
+    cases = {"empty.npy": "is not a NumPy array file", "missing.npy": "does not exist",
+             "folder.npy": "is a directory", "missing.png": "does not exist"}
+    for name, said in cases.items():  # the inputs are read before the run is opened
+        assert main(["embed", str(tmp_path / "no-run"), str(tmp_path / name), str(tmp_path / "out.npy")]) == 2
+        err = _refusal(capsys, "embed")
+        assert name in err and said in err and "Errno" not in err, err
+    assert not (tmp_path / "out.npy").exists()
+
+
+def test_a_compilation_cache_that_is_a_file_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cache").write_text("not a directory")
+    code = main(["train", "tiny-lm", "trainer.compilation_cache_dir=cache", "trainer.steps=1",
+                 f"trackers.0.directory={tmp_path}/runs"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.startswith("dew train: CompilationCacheError: trainer.compilation_cache_dir") and "is a file" in err
+    assert (tmp_path / "cache").read_text() == "not a directory"
+
+
+def test_check_plugin_refuses_an_empty_name(capsys):
+    for name in ("", "  "):
+        assert main(["check-plugin", name]) == 2
+        assert "No distribution was named" in _refusal(capsys, "check-plugin")
+
+
+# -- optimizer values ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override", [
+    "optimizer.learning_rate=.inf", "optimizer.learning_rate=.nan", "optimizer.weight_decay=.inf",
+    "optimizer.clip_norm=.inf", "optimizer.eps=.inf",
+    "optimizer.schedule=cosine optimizer.end_factor=.inf",
+])
+def test_an_infinite_or_nan_optimizer_value_is_refused(override, capsys):
+    assert main(["train", "tiny-lm", *override.split(), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "Input should be a finite number" in err and override.split()[-1].split("=")[0] in err, err
+
+
+def test_an_infinite_group_multiplier_is_refused():
+    import pydantic
+
+    from dew.training.optim import OptimizerConfig, ParamGroup
+
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(pydantic.ValidationError, match="finite number"):
+            ParamGroup(match="*", lr_scale=value)
+        with pytest.raises(pydantic.ValidationError, match="finite number"):
+            OptimizerConfig(weight_decay=value)
+
+
+# -- dew launch --print ---------------------------------------------------------------------------------------
+
+
+def test_launch_refuses_fewer_than_one_rank_per_node(capsys):
+    for per_node in ("-2", "0"):
+        assert main(["launch", "--print", "slurm", "-n", "2", "--per-node", per_node, "tiny-lm"]) == 2
+        assert f"--per-node {per_node}: a node runs at least one rank" in _refusal(capsys, "launch")
+
+
+def test_launch_carries_the_connect_timeout_as_it_carries_the_grace(capsys):
+    for kind in ("slurm", "jobset"):
+        assert main(["launch", "--print", kind, "-n", "2", "--grace", "40", "--connect-timeout", "60",
+                     "tiny-lm"]) == 0
+        text = capsys.readouterr().out
+        (written,) = [line for line in text.splitlines() if line.startswith("# written by: ")]
+        assert "--grace 40 --connect-timeout 60" in written, written
+        if kind == "slurm":
+            assert "dew launch --grace 40 --connect-timeout 60 tiny-lm" in text.splitlines()[-1]
+        else:
+            assert '["dew", "launch", "--grace", "40", "--connect-timeout", "60", "tiny-lm"]' in text
+    assert main(["launch", "--print", "slurm", "-n", "2", "tiny-lm"]) == 0
+    assert "--connect-timeout" not in capsys.readouterr().out  # left out: each rank's own default
+
+
+# -- a config.json's architectures ----------------------------------------------------------------------------
+
+
+def test_an_architecture_named_as_a_string_is_read_as_one_name(tmp_path, capsys):
+    from dew.families import family, for_config
+    from dew.pretrained.errors import UnsupportedArchitectureError
+
+    assert for_config({"architectures": "Qwen3ForCausalLM"}) is family("qwen3")
+    with pytest.raises(UnsupportedArchitectureError, match="a list of model class names"):
+        for_config({"architectures": 5})
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": "GPT2LMHeadModel", "model_type": "gpt2"}))
+    assert main(["generate", str(model), "hi"]) == 2
+    err = _refusal(capsys, "generate")
+    assert "The checkpoint is a GPT2LMHeadModel;" in err and "G, P, T" not in err, err
