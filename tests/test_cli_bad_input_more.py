@@ -182,3 +182,21 @@ def test_an_architecture_named_as_a_string_is_read_as_one_name(tmp_path, capsys)
     assert main(["generate", str(model), "hi"]) == 2
     err = _refusal(capsys, "generate")
     assert "The checkpoint is a GPT2LMHeadModel;" in err and "G, P, T" not in err, err
+
+
+def test_a_planning_process_killed_by_a_signal_is_explained(monkeypatch, capsys):
+    """Faking too many devices ran the planner out of memory, and dew plan said only that it
+    'exited with status -9 and no plan:'. The kill is faked here: it cannot be caused without
+    exhausting this machine's memory."""
+    import subprocess
+
+    from dew.cli import main
+
+    def killed(*args, **kwargs):
+        return subprocess.CompletedProcess(args[0], -9, stdout="", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", killed)
+    assert main(["plan", "tiny-lm", "--devices", "100000"]) != 0
+    err = capsys.readouterr().err
+    assert "stopped by signal 9 (SIGKILL)" in err and "faking 100000 devices" in err, err
+    assert "Traceback" not in err

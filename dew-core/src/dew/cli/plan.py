@@ -109,6 +109,16 @@ def _plan_in_child(recipe: str, overrides: list[str], devices: int, timeout: flo
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = (done.stderr or done.stdout).strip()[-3000:]
+        if done.returncode < 0:  # killed: the planner's own process cannot say why
+            import signal
+
+            name = signal.Signals(-done.returncode).name if -done.returncode in signal.valid_signals() else ""
+            why = (f"the planning process was stopped by signal {-done.returncode} ({name}) before it "
+                   f"planned: faking {devices} devices on this machine's CPU most likely ran it out of "
+                   "memory. Plan the mesh on fewer devices (its per-device figures hold for a larger "
+                   "data axis), or on a machine with more memory.")
+            return {"error": {"type": "PlanFailed", "message": why + (f"\n{tail}" if tail else ""),
+                              "leaves": []}, "status": 1}
         return {"error": {"type": "PlanFailed", "message": f"the planning process exited with status "
                           f"{done.returncode} and no plan:\n{tail}", "leaves": []}, "status": 1}
     answer = json.loads(lines[-1])
