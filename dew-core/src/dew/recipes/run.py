@@ -428,7 +428,10 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
         warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
                                   checkpoints.directory, resumed_at, before=before)
-    initializer = initial_variables(config, objective)
+    # A resumed run's checkpoint holds every weight, so the weights it started from (init, a
+    # distillation's teacher) are not read again: their folders may have moved since.
+    fresh = resumed_at is None
+    initializer = initial_variables(config, objective) if fresh else None
     key = jax.random.key(config.seed)
     tracker = config.build_trackers(stamp)
     if jax.process_index() == 0:
@@ -438,7 +441,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         trainer = Trainer.from_config(
             config.trainer, objective, run_optimizer(config, fit["steps"]), key=key,
             checkpoints=checkpoints, tracker=tracker, rollout=objective.rollout(),
-            initializer=objective.initializer() if initializer is None else initializer,
+            initializer=(objective.initializer() if fresh else None) if initializer is None else initializer,
             evaluations=build_evaluations(config, parts, stamp), recipe=config.recorded())
         # Validation scores what the objective defines (a reward, a perplexity), as `dew eval` does.
         state = trainer.fit(dataset, **fit, metrics=tuple(objective.metrics()))
