@@ -200,3 +200,21 @@ def test_a_planning_process_killed_by_a_signal_is_explained(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert "stopped by signal 9 (SIGKILL)" in err and "faking 100000 devices" in err, err
     assert "Traceback" not in err
+
+
+def test_generate_on_an_export_without_its_tokenizer_says_what_the_folder_lacks(tmp_path, capsys):
+    """The refusal gave Python advice (build the objective with tokenizer=) to a user of the CLI."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew.cli import main
+    from dew.nn.backbones import CausalTransformer
+    from dew.pretrained import Pretrained
+
+    model = CausalTransformer(vocab_size=64, emb_features=8, num_layers=1, num_heads=1, mlp_features=16,
+                              max_seq_len=8)
+    folder = Pretrained(model, model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))).save(tmp_path / "m")
+    assert main(["generate", str(folder), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "holds its tokenizer.json (and tokenizer_config.json) beside config.json" in err, err
+    assert "Traceback" not in err

@@ -82,8 +82,10 @@ class TextGeneration(Pipeline):
     def __post_init__(self) -> None:
         if self.tokenizer is None:
             raise ValueError(
-                "TextGeneration needs a tokenizer to turn prompts into ids; build the objective "
-                "with tokenizer= (a recipe's data reader supplies one)."
+                "TextGeneration needs a tokenizer to turn prompts into ids, and this model has none: "
+                "an exported folder holds its tokenizer.json (and tokenizer_config.json) beside "
+                "config.json, so copy them there; in code, build the objective with tokenizer= (a "
+                "recipe's data reader supplies one)."
             )
         from dew.pretrained import check_vocabulary
 
