@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ __all__ = [
     "NON_FINITE",
     "gif_bytes",
     "TornJournalError",
+    "cut_torn_tail",
     "grid_columns",
     "image_grid",
     "journal_rows",
@@ -139,6 +141,41 @@ def write_preview(artifact: Artifact, directory: str | Path, step: int) -> Path:
 
 class TornJournalError(DewError, ValueError):
     """A journal line other than the last is not JSON: the file was damaged, not cut short."""
+
+
+def cut_torn_tail(journal: str | Path) -> None:
+    """Drop a last line a crash cut short (no newline after it) before more lines are appended.
+
+    What that line described was undone with the crash; left in place, the next line a resumed run
+    appends would be glued to it, and the journal would read as damaged in its middle.
+
+    >>> import pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "scalars.jsonl"
+    >>> _ = path.write_text('{"step": 1}\\n{"step": 2, "lo')
+    >>> cut_torn_tail(path); path.read_text()
+    '{"step": 1}\\n'
+    """
+    try:
+        handle = open(journal, "rb+")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return
+    with handle:
+        end = handle.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        handle.seek(end - 1)
+        if handle.read(1) == b"\n":
+            return
+        position = end
+        while position > 0:  # back to the last newline, a block at a time
+            start = max(0, position - 65536)
+            handle.seek(start)
+            at = handle.read(position - start).rfind(b"\n")
+            if at >= 0:
+                handle.truncate(start + at + 1)
+                return
+            position = start
+        handle.truncate(0)
 
 
 def journal_rows(journal: str | Path) -> Iterator[dict[str, Any]]:

@@ -125,7 +125,10 @@ class RecordLedger:
     def flush(self) -> None:
         if not self._lines:
             return
+        from dew.telemetry.render import cut_torn_tail
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut_torn_tail(self.path)  # a line a crash cut short would swallow the first one appended
         with self.path.open("a") as handle:
             handle.write("".join(line + "\n" for line in self._lines))
         self._lines.clear()

@@ -228,7 +228,10 @@ class RolloutJournal:
         self.path = Path(directory) / ROLLOUTS
 
     def _append(self, lines: Sequence[str]) -> None:
+        from dew.telemetry.render import cut_torn_tail
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut_torn_tail(self.path)  # a line a crash cut short would swallow the first one appended
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
 

@@ -1,0 +1,52 @@
+"""A journal whose last line a crash cut short, appended to by the resumed run.
+
+The line a resumed run appended first was glued to the torn one, so the journal read as damaged in
+its middle (dew report, dew audit refused it) and, in the rollout journal, the fit's open line (which
+says what made the rollouts after it) was lost. Appending now drops the torn line first.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dew.data.base import DataPartition
+from dew.provenance.ledger import LedgerEmptyError, read_ledger
+from dew.telemetry.render import journal_rows
+from dew.tracking.local import LocalTracker
+from dew.training.ledger import RecordLedger
+from dew.training.rollout_journal import ROLLOUTS, RolloutJournal
+
+
+def _tear(path):
+    path.write_text(path.read_text() + '{"step": 9, "train/lo')  # no newline: a write cut short
+
+
+def test_the_local_trackers_journal_reads_whole_after_a_torn_line(tmp_path):
+    tracker = LocalTracker(tmp_path)
+    tracker.log({"loss": 1.0}, step=1)
+    tracker.close()
+    _tear(tmp_path / "scalars.jsonl")
+    resumed = LocalTracker(tmp_path)
+    resumed.log({"loss": 0.5}, step=2)
+    resumed.close()
+    assert [row["step"] for row in journal_rows(tmp_path / "scalars.jsonl")] == [1, 2]
+
+
+def test_the_ledger_reads_whole_after_a_torn_line(tmp_path):
+    RecordLedger(tmp_path, processes=1).opened(0, None, DataPartition())
+    _tear(tmp_path / "ledger.jsonl")
+    RecordLedger(tmp_path, processes=1).opened(0, None, DataPartition())
+    lines = (tmp_path / "ledger.jsonl").read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in lines] == ["open", "open"]
+    with pytest.raises(LedgerEmptyError):  # read whole (no step was kept), not refused as damaged
+        read_ledger(tmp_path)
+
+
+def test_the_rollout_journal_keeps_the_open_line_after_a_torn_one(tmp_path):
+    RolloutJournal(tmp_path).opened(0, "first")
+    _tear(tmp_path / ROLLOUTS)
+    RolloutJournal(tmp_path).opened(3, "second")
+    rows = [json.loads(line) for line in (tmp_path / ROLLOUTS).read_text().splitlines()]
+    assert [(row["kind"], row["maker"]) for row in rows] == [("open", "first"), ("open", "second")]
