@@ -109,8 +109,10 @@ class DistillationObjective(Objective):
     trained it) or teacher_pretrained (a Hugging Face Llama directory, as
     ``dew export`` writes; teacher may then be None, and is read from its
     config.json). Both models read windows of seq_len + 1 ids under "text"
-    (inputs the first seq_len, targets the last seq_len, as LMObjective's), and an
-    optional "loss_mask" [batch, seq_len] of 0/1 that leaves positions out.
+    (inputs the first seq_len, targets the last seq_len, as LMObjective's), an
+    optional "loss_mask" of 0/1 that leaves positions out, aligned with text
+    [batch, seq_len + 1] as dew's readers write it or with the targets
+    [batch, seq_len], and optional "segment_ids" [batch, seq_len + 1] of packed rows.
     forward and reverse weigh the two KL directions, labels the hard-label
     cross-entropy, hidden the match of hidden states: the output of the
     submodule named hidden_layer in each model (the final norm by default),
@@ -380,6 +382,10 @@ class DistillationObjective(Objective):
                 f"DistillationObjective(seq_len={self.seq_len}) expects (batch, {self.seq_len + 1})."
             )
         text = jnp.asarray(text, jnp.int32)
+        mask = batch.get("loss_mask")
+        if mask is not None and tuple(np.shape(mask)) == tuple(text[:, 1:].shape):
+            # a mask of the targets, as this objective took it before: aligned with text here
+            batch = {**batch, "loss_mask": jnp.pad(jnp.asarray(mask), ((0, 0), (1, 0)))}
         weights, read = scored_targets(batch, text)  # loss_mask and segment_ids as LMObjective reads them
         return text[:, :-1], text[:, 1:], weights, read
 
