@@ -98,17 +98,19 @@ def test_mlp_targets_adapt_every_expert_with_its_own_pair_and_merge_exactly(mixt
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_routers_and_the_shared_gate_stay_as_trained_at_any_rank(tmp_path):
-    """Qwen 2 MoE's router is as wide as its experts and its shared gate one column: adapting them
-    with the rest of the block refused every rank above 1. They get no adapter, and the adapted
-    model is the base one with every other adapter merged by hand."""
+@pytest.mark.parametrize("rank", [4, 16])
+def test_a_router_or_shared_gate_narrower_than_the_rank_stays_as_trained(tmp_path, rank):
+    """Qwen 2 MoE's router is as wide as its 8 experts and its shared gate one column: adapting
+    them with the rest of the block refused every rank above 1. Each is adapted where the rank fits
+    it (the router at rank 4, as runs trained before kept them) and stays as trained where it does
+    not; the adapted model is the base one with every adapter it has merged by hand."""
     qwen = Pretrained.load(write_checkpoint("qwen2_moe", tmp_path / "qwen2_moe", seed=4, redrawn=True))
-    spec = Lora(rank=4, alpha=8.0, targets=("mlp",))
+    spec = Lora(rank=rank, alpha=8.0, targets=("mlp",))
     adapted, variables = _adapted_variables(qwen, spec)
     routed = next(i for i in range(qwen.model.num_layers) if i not in qwen.model.dense_layers)
     moe = variables["params"][f"layers_{routed}"]["moe"]
     assert {"wi_lora_a", "wo_lora_a", "wi_gate_lora_a"} <= set(moe) and "wi_lora_a" in moe["shared"]
-    assert not any(key.startswith(("router_lora", "shared_gate_lora")) for key in moe)
+    assert ("router_lora_a" in moe) == (rank <= qwen.model.experts) and "shared_gate_lora_a" not in moe
     ours = np.asarray(jax.jit(adapted.apply)(variables, jnp.asarray(TOKENS)))
     by_hand = {"params": _merged_by_hand(variables["params"], spec.alpha / spec.rank)}
     np.testing.assert_allclose(ours, np.asarray(jax.jit(qwen.model.apply)(by_hand, jnp.asarray(TOKENS))),

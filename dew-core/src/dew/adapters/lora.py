@@ -48,8 +48,8 @@ __all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "appl
 PRESETS: Mapping[str, str] = {
     "attention": r".*layers_\d+/attention",
     # The feed-forward blocks: dense (mlp), and in a mixture-of-experts family the routed block
-    # (moe: each expert's own adapters on the stacked wi/wi_gate/wo; its router and shared gate
-    # stay as trained, dew.nn.experts.ROUTING_WEIGHTS) and its shared experts (moe/shared).
+    # (moe: each expert's own adapters on the stacked wi/wi_gate/wo, and its router and shared
+    # gate where the rank fits them, dew.nn.experts.ROUTING_WEIGHTS) and its shared experts.
     "mlp": r".*layers_\d+/(?:mlp|moe|moe/shared)",
 }
 
@@ -83,8 +83,8 @@ class Lora:
     adapters are then stacked like the weights. In a mixture-of-experts family
     ``"mlp"`` also names the routed block (``layers_N/moe``: the experts'
     stacked weights, each expert with its own low-rank pair; its router and
-    shared gate stay as trained) and its shared experts; routed experts take
-    LoRA in float. The adapter adds ``alpha / rank`` times its
+    shared gate where the rank fits them, else left as trained) and its shared
+    experts; routed experts take LoRA in float. The adapter adds ``alpha / rank`` times its
     low-rank product. ``dropout`` must stay 0: dew's training step hands the
     adapters no random key, so a dropout is refused rather than left unapplied.
     ``base`` is the frozen weights' dtype: ``float32`` keeps them as stored;
@@ -157,9 +157,10 @@ def selected(spec: Lora, variables: Mapping[str, PyTree],
         (pattern, pattern) for pattern in patterns)
     for target, pattern in pairs:
         # A bias (a published family's q/k/v_bias) is added, never multiplied: it gets no adapter;
-        # nor does an experts block's router or shared gate (ROUTING_WEIGHTS).
+        # nor does an experts block's router or shared gate narrower than the rank (ROUTING_WEIGHTS).
         matched = {path: shape for path, shape in weights.items()
-                   if len(shape) >= 2 and not path.endswith("_bias") and not _is_routing_weight(path, weights)
+                   if len(shape) >= 2 and not path.endswith("_bias")
+                   and not (_is_routing_weight(path, weights) and spec.rank > min(shape))
                    and re.fullmatch(pattern, _module_of(path))}
         if not matched:
             modules = sorted({_module_of(path) for path in weights if "/" in path})
@@ -185,7 +186,8 @@ def _module_of(path: str) -> str:
 
 
 def _is_routing_weight(path: str, weights: Mapping[str, PyTree]) -> bool:
-    """Whether path ("module/param") is an experts block's router or shared gate."""
+    """Whether path ("module/param") is an experts block's router or shared gate: adapted only where
+    the rank fits it, since a router is as wide as its expert count and a shared gate one column."""
     from dew.nn.experts import ROUTING_WEIGHTS
 
     return path.rsplit("/", 1)[-1] in ROUTING_WEIGHTS and f"{_module_of(path)}/router" in weights

@@ -104,10 +104,11 @@ def provider(qwix: Any) -> Any:
         def einsum(self, einsum_str: str, *operands: Any, **kwargs: Any) -> Any:
             # The name is found before the base einsum quantizes a float weight in place.
             name = self._weight_name(operands[1]) if len(operands) == 2 else None
-            if name in ROUTING_WEIGHTS and isinstance(flax_util.get_current_module(), RoutedExperts | MoEBlock):
-                name = None  # a router or shared gate stays as trained
             result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
             rule, _ = self._get_current_rule_and_op_id("einsum", repeated_call=True)
+            if name in ROUTING_WEIGHTS and isinstance(flax_util.get_current_module(), RoutedExperts | MoEBlock) \
+                    and isinstance(rule, qwix.LoraRule) and rule.rank > min(operands[1].shape):
+                name = None  # a router or shared gate narrower than the rank stays as trained
             if not isinstance(rule, qwix.LoraRule) or name is None:
                 return result  # not adapted, or an einsum of two activations (attention scores)
             lhs, rhs = operands

@@ -78,8 +78,8 @@ SCORINGS = ("softmax", "sigmoid")
 EXPERT_WEIGHTS = ("wi", "wi_gate", "wo")
 """The stacked [experts, in, out] weights of a RoutedExperts block (LoRA adapts each expert's own)."""
 ROUTING_WEIGHTS = ("router", "shared_gate")
-"""The weights of an experts block that choose and weigh its experts, which LoRA leaves as trained:
-a router is as wide as its experts, narrower than most ranks, and the shared gate one column."""
+"""The weights of an experts block that choose and weigh its experts, which LoRA adapts only where
+its rank fits them: a router is as wide as its expert count, and the shared gate one column."""
 
 
 @dataclass(frozen=True)
