@@ -65,6 +65,11 @@ def test_rescore_writes_a_new_file_and_never_the_runs_own(journaled, tmp_path, c
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["step"], r["rewards"]) for r in rows] == [(1, [1.0, 0.0]), (2, [1.0, 0.0])]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".scores")]  # no temporary left
+    # Scores written inside the run may be written again there: they are rescore's own, not the run's.
+    inside = journaled / "rescored.jsonl"
+    assert main(["rescore", str(journaled), *reward, "--out", str(inside)]) == 0
+    assert main(["rescore", str(journaled), *reward, "--out", str(inside)]) == 0
+    capsys.readouterr()
 
 
 # -- tracebacks turned into refusals ---------------------------------------------------------------------

@@ -44,6 +44,7 @@ CHECKED = [
     ("tiny-lm", ["model.num_layers=true"], "model.num_layers: a number is wanted, not a flag (given True)"),
     ("tiny-lm", ["trainer.mesh.fsdp=true"], "trainer.mesh: fsdp: a number is wanted, not a flag"),
     ("tiny-lm", ["seed=false"], "seed: a number is wanted, not a flag (given False)"),
+    ("tiny-lm", ["data.load.seed=true"], "data.load.seed: a number is wanted, not a flag (given True)"),
 ]
 
 

@@ -123,7 +123,8 @@ def test_accuracy_norm_divides_by_the_choice_alone_as_lm_eval_does():
     choices = ["and thank return what", "block documents politely", "and"]
     scores = np.asarray([-48.85, -42.09, -6.39])
     assert normalized_pick(scores, choices) == 1
-    assert int(np.argmax(scores / np.asarray([len(c) for c in choices], float))) == 1
+    # counting the separator, as accuracy_norm did, picks the short choice instead
+    assert int(np.argmax(scores / np.asarray([len(" " + c) for c in choices], float))) == 2
 
 
 @pytest.mark.slow  # greedy decoding compiled in dew and run in transformers

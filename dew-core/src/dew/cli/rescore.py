@@ -133,15 +133,28 @@ def _mean(values: Sequence[float]) -> float:
 
 def _checked_out(out: Path, run_dir: Path) -> Path:
     """--out, refused when it is a directory or an existing file of the run being rescored (its
-    journal, run.json): the scores are written over the path given, and the run's own files are not
-    dew rescore's to replace."""
+    journal, run.json) other than an earlier rescore's scores: the scores are written over the path
+    given, and the run's own files are not dew rescore's to replace."""
     if out.is_dir():
         raise RescoreError(f"--out {str(out)!r} is a directory; give the file to write the scores to "
                            f"(e.g. {str(out / 'rescored.jsonl')!r}).")
-    if out.exists() and out.resolve().is_relative_to(run_dir.resolve()):
+    if out.exists() and out.resolve().is_relative_to(run_dir.resolve()) and not _rescored(out):
         raise RescoreError(f"--out {str(out)!r} is one of the files of the run {str(run_dir)!r}, which dew "
                            "rescore only reads; write the scores to a new file, or one outside the run.")
     return out
+
+
+def _rescored(path: Path) -> bool:
+    """Whether path holds scores an earlier dew rescore wrote (its first line is one of their rows)."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            row = json.loads(handle.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and set(row) == _SCORE_KEYS
+
+
+_SCORE_KEYS = frozenset({"step", "round", "reward", "rewards"})
 
 
 def _write_scores(out: Path, rows: Sequence[Mapping[str, Any]], name: str) -> None:

@@ -82,7 +82,7 @@ def _linears(model: Module) -> dict[tuple[str, ...], tuple[str, Entry]]:
     return {path: (name, entry) for path, name, entry in linears if shared[path] == 1}
 
 
-_PLAIN: dict[tuple[str, tuple[int, ...], tuple[int, ...]], bool] = {}
+_PLAIN: dict[tuple[str, tuple[int, ...], tuple[int, ...], object], bool] = {}
 
 
 def _plain(entry: Entry) -> bool:
@@ -92,7 +92,9 @@ def _plain(entry: Entry) -> bool:
     interleaved rotary features). Checked on one random rank-1 pair, per kind of layer."""
     import re
 
-    key = (re.sub(r"\.\d+\.", ".N.", entry.name), tuple(entry.dew_shapes[0]), tuple(entry.hf_shape))
+    # per kind of layer: its name without the layer number, its shapes and the layout's own code
+    key = (re.sub(r"\.\d+\.", ".N.", entry.name), tuple(entry.dew_shapes[0]), tuple(entry.hf_shape),
+           getattr(entry.layout.to_hf, "__code__", entry.layout.to_hf))
     if key not in _PLAIN:
         shape, (outputs, inputs) = tuple(entry.dew_shapes[0]), entry.hf_shape
         cut = next((k for k in range(1, len(shape)) if int(np.prod(shape[:k])) == inputs

@@ -281,6 +281,8 @@ def _load_problems(config: DataConfig) -> list[tuple[tuple[str, ...], str]]:
             allowed = ", ".join(k for k in declared if k != "batch") or "none besides batch"
             problems.append((("load", key), f"{config.name}.load takes no {key!r} (given "
                              f"{_given(value)}). Allowed: {allowed}."))
+        else:
+            problems += [(("load", key), problem) for _, problem in _field_problems(declared[key][0], value)]
     return problems
 
 
