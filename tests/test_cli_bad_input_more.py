@@ -223,3 +223,29 @@ def test_generate_on_an_export_without_its_tokenizer_says_what_the_folder_lacks(
     err = capsys.readouterr().err
     assert "holds its tokenizer.json (and tokenizer_config.json) beside config.json" in err, err
     assert "Traceback" not in err
+
+
+def test_rescore_refuses_a_reward_given_twice():
+    """reward=exact_match reward=length scored with the last one, without a word."""
+    from dew.cli.rescore import RescoreError, parse_reward
+
+    with pytest.raises(RescoreError, match=r"reward is given twice \('reward=length' after reward='exact_match'\)"):
+        parse_reward(["reward=exact_match", "reward=length"])
+    with pytest.raises(RescoreError, match=r"reward.key is given twice"):
+        parse_reward(["reward=exact_match", "reward.key=a", "reward.key=b"])
+
+
+def test_embed_refuses_images_that_are_not_finite_and_describe_a_name_it_would_not_read(tmp_path, capsys):
+    """All-NaN images were embedded as all-NaN vectors with exit 0; `dew describe lm --markdown`
+    printed the whole table and ignored lm."""
+    import numpy as np
+
+    from dew.cli import main
+    from dew.cli.embed import InputImagesError, read_inputs
+
+    path = tmp_path / "nan.npy"
+    np.save(path, np.full((1, 4, 4, 1), np.nan, np.float32))
+    with pytest.raises(InputImagesError, match="NaN or infinite pixel values"):
+        read_inputs([path])
+    assert main(["describe", "lm", "--markdown"]) == 2
+    assert "--markdown prints every registered name, so 'lm' is not read" in capsys.readouterr().err

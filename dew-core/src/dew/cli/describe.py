@@ -141,6 +141,10 @@ def markdown() -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
+        if args.name:  # the table is every name; a name beside it would be left unread
+            print(f"dew describe: --markdown prints every registered name, so {args.name!r} is not read; "
+                  f"drop it, or drop --markdown to describe {args.name!r}.", file=sys.stderr)
+            return 2
         print(markdown())
         return 0
     try:

@@ -69,7 +69,11 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
     if len(shapes) > 1:
         raise InputImagesError(f"The inputs hold images of different shapes {sorted(shapes)}; give "
                                "images of one shape.")
-    return np.concatenate(parts)
+    images = np.concatenate(parts)
+    if np.issubdtype(images.dtype, np.floating) and not np.isfinite(images).all():
+        raise InputImagesError("The inputs hold NaN or infinite pixel values, which would make every "
+                               "vector NaN; give images of finite values.")
+    return images
 
 
 def run(args: argparse.Namespace) -> int:

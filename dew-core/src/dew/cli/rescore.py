@@ -67,10 +67,11 @@ def parse_reward(items: Sequence[str]) -> dict[str, Any]:
         if not sep or not (key == "reward" or key.startswith("reward.")):
             raise RescoreError(f"{item!r} is not reward=NAME or reward.FIELD=VALUE; dew rescore takes "
                                "only the reward to score with, e.g. reward=exact_match reward.key=answer.")
-        if key == "reward":
-            spec["name"] = value
-        else:
-            spec[key.removeprefix("reward.")] = override_value(value)
+        field = "name" if key == "reward" else key.removeprefix("reward.")
+        if field in spec:  # the second would silently replace the first
+            raise RescoreError(f"{key} is given twice ({item!r} after {key}={spec[field]!r}); dew rescore "
+                               "scores with one reward: give each of its fields once.")
+        spec[field] = value if key == "reward" else override_value(value)
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise RescoreError("Name the reward to score with: dew rescore RUN reward=NAME (dew describe "
                            "lists the registered rewards).")
