@@ -249,3 +249,13 @@ def test_embed_refuses_images_that_are_not_finite_and_describe_a_name_it_would_n
         read_inputs([path])
     assert main(["describe", "lm", "--markdown"]) == 2
     assert "--markdown prints every registered name, so 'lm' is not read" in capsys.readouterr().err
+
+
+def test_a_run_json_that_is_a_directory_is_named_as_such(tmp_path, capsys):
+    """The folder was said to hold neither run.json nor config.json, though it held one of them."""
+    from dew.cli import main
+
+    (tmp_path / "run.json").mkdir()
+    assert main(["generate", str(tmp_path), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'run.json'} is not a file" in err and "holds neither" not in err, err

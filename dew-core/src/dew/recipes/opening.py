@@ -128,6 +128,10 @@ def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = N
     if not path.exists():
         raise NotARunError(f"{path} does not exist. Give a run's directory (its trainer.checkpoint_dir) or a "
                            "model `dew export` or transformers wrote.")
+    damaged = [name for name in (RUN_FILE, CONFIG_FILE) if (path / name).exists()]
+    if damaged:  # there, but not a file: the folder was damaged or put together by hand
+        raise NotARunError(f"{path / damaged[0]} is not a file (a directory, or something else), so {path} "
+                           f"holds no readable {damaged[0]}; restore the file from the run or export it came from.")
     raise NotARunError(
         f"{path} holds neither {RUN_FILE} (a run `dew train` wrote, with checkpoint_dir set) nor "
         f"{CONFIG_FILE} (a model `dew export` or transformers wrote)."
