@@ -155,12 +155,15 @@ def selected(spec: Lora, variables: Mapping[str, PyTree],
     chosen: dict[str, tuple[int, ...]] = {}
     pairs = zip(spec.targets, spec.patterns(), strict=True) if patterns is None else (
         (pattern, pattern) for pattern in patterns)
+    from dew.nn.experts import too_narrow_to_adapt
+
     for target, pattern in pairs:
         # A bias (a published family's q/k/v_bias) is added, never multiplied: it gets no adapter;
         # nor does an experts block's router or shared gate narrower than the rank (ROUTING_WEIGHTS).
         matched = {path: shape for path, shape in weights.items()
                    if len(shape) >= 2 and not path.endswith("_bias")
-                   and not (_is_routing_weight(path, weights) and spec.rank > min(shape))
+                   and not (_in_experts_block(path, weights)
+                            and too_narrow_to_adapt(path.rsplit("/", 1)[-1], shape, spec.rank))
                    and re.fullmatch(pattern, _module_of(path))}
         if not matched:
             modules = sorted({_module_of(path) for path in weights if "/" in path})
@@ -185,12 +188,9 @@ def _module_of(path: str) -> str:
     return path.rsplit("/", 1)[0] if "/" in path else ""
 
 
-def _is_routing_weight(path: str, weights: Mapping[str, PyTree]) -> bool:
-    """Whether path ("module/param") is an experts block's router or shared gate: adapted only where
-    the rank fits it, since a router is as wide as its expert count and a shared gate one column."""
-    from dew.nn.experts import ROUTING_WEIGHTS
-
-    return path.rsplit("/", 1)[-1] in ROUTING_WEIGHTS and f"{_module_of(path)}/router" in weights
+def _in_experts_block(path: str, weights: Mapping[str, PyTree]) -> bool:
+    """Whether path ("module/param") is a weight of an experts block (a module with a router)."""
+    return f"{_module_of(path)}/router" in weights
 
 
 def _is_expert_weight(path: str, weights: Mapping[str, PyTree]) -> bool:

@@ -41,7 +41,7 @@ def provider(qwix: Any) -> Any:
     from qwix._src.utils import flax_util
 
     from dew.adapters.lora import LoraError
-    from dew.nn.experts import EXPERT_WEIGHTS, ROUTING_WEIGHTS, RoutedExperts
+    from dew.nn.experts import EXPERT_WEIGHTS, RoutedExperts, too_narrow_to_adapt
     from dew.nn.moe import MoEBlock
 
     @flax.struct.dataclass
@@ -106,8 +106,9 @@ def provider(qwix: Any) -> Any:
             name = self._weight_name(operands[1]) if len(operands) == 2 else None
             result = ptq.PtqProvider.einsum(self, einsum_str, *operands, **kwargs)
             rule, _ = self._get_current_rule_and_op_id("einsum", repeated_call=True)
-            if name in ROUTING_WEIGHTS and isinstance(flax_util.get_current_module(), RoutedExperts | MoEBlock) \
-                    and isinstance(rule, qwix.LoraRule) and rule.rank > min(operands[1].shape):
+            if name is not None and isinstance(rule, qwix.LoraRule) \
+                    and isinstance(flax_util.get_current_module(), RoutedExperts | MoEBlock) \
+                    and too_narrow_to_adapt(name, tuple(operands[1].shape), rule.rank):
                 name = None  # a router or shared gate narrower than the rank stays as trained
             if not isinstance(rule, qwix.LoraRule) or name is None:
                 return result  # not adapted, or an einsum of two activations (attention scores)

@@ -198,6 +198,7 @@ class ChatTemplate:
             before = self._render(messages[:index], True, context)[0]
             through = self._render(messages[: index + 1], False, context)[0]
             asked = self._render(messages[: index + 1], True, context)[0]
+            ignores_prompt = asked == through  # the template writes no generation prompt
             if not asked.startswith(through):
                 # A template that closes a conversation it is not asked to continue with a special
                 # token (Phi-3's eos_token): the turn is what comes before it.
@@ -213,8 +214,7 @@ class ChatTemplate:
                 )
             start, end = len(before), len(through)
             content = message.get("content")
-            if index and isinstance(content, str) and content and \
-                    before == self._render(messages[:index], False, context)[0]:
+            if index and ignores_prompt and isinstance(content, str) and content:
                 # The template ignores add_generation_prompt, so the turn's own header (ChatML's
                 # <|im_start|>assistant) follows the prompt: the assistant's text starts at its content.
                 start = max(start, through.find(content, start))

@@ -22,13 +22,13 @@ from dew.families.hf_config import (
     common_config,
     common_fields,
     flat_rope_config,
-    layer_types,
     rope_fields,
     rope_parameters,
     sliding_layers,
     window_fields,
 )
 from dew.families.llama import gated_silu
+from dew.families.qwen2 import qwen_window_config
 from dew.families.routed import ExpertNames, RoutedFamily, dense_layers_of
 from dew.nn.experts import Routing
 
@@ -73,12 +73,9 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def write(model: Module) -> dict[str, Any]:
     routing = model.routing or Routing()
-    types = layer_types(model)
-    sliding = "sliding_attention" in types
+    # The per-layer list (layer_types) wins over max_window_layers in transformers' reading.
     return {**common_config(model, ARCHITECTURE, "qwen2_moe"), **flat_rope_config(model),
-            "hidden_act": "silu", "qkv_bias": bool(model.qkv_bias), "use_sliding_window": sliding,
-            "sliding_window": model.sliding_window if sliding else None,
-            "max_window_layers": model.num_layers, "layer_types": types,
+            **qwen_window_config(model), "hidden_act": "silu", "qkv_bias": bool(model.qkv_bias),
             "num_experts": model.experts, "num_experts_per_tok": model.experts_per_token,
             "moe_intermediate_size": routing.hidden_features or model.mlp_features,
             "shared_expert_intermediate_size": routing.shared_features,

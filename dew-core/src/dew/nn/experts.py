@@ -69,7 +69,8 @@ from dew.nn.moe import (
 )
 from dew.nn.sharding import constrain, param
 
-__all__ = ["EXPERT_WEIGHTS", "ROUTING_WEIGHTS", "ROUTINGS", "SCORINGS", "RoutedExperts", "Routing", "route"]
+__all__ = ["EXPERT_WEIGHTS", "ROUTING_WEIGHTS", "ROUTINGS", "SCORINGS", "RoutedExperts", "Routing", "route",
+           "too_narrow_to_adapt"]
 
 Dtype = Any
 
@@ -80,6 +81,12 @@ EXPERT_WEIGHTS = ("wi", "wi_gate", "wo")
 ROUTING_WEIGHTS = ("router", "shared_gate")
 """The weights of an experts block that choose and weigh its experts, which LoRA adapts only where
 its rank fits them: a router is as wide as its expert count, and the shared gate one column."""
+
+
+def too_narrow_to_adapt(name: str, shape: tuple[int, ...], rank: int) -> bool:
+    """Whether LoRA of rank leaves an experts block's weight name of shape as trained: a router or
+    shared gate narrower than the rank."""
+    return name in ROUTING_WEIGHTS and rank > min(shape)
 
 
 @dataclass(frozen=True)

@@ -432,18 +432,19 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
                                   checkpoints.directory, resumed_at, before=before)
     # A resumed run's checkpoint holds every weight, so the weights it started from (init, a
     # distillation's teacher) are not read again: their folders may have moved since.
-    fresh = resumed_at is None
-    initializer = initial_variables(config, objective) if fresh else None
+    initializer = None
+    if resumed_at is None:  # the recipe's init section, else the weights the objective starts from
+        initializer = initial_variables(config, objective)
+        initializer = objective.initializer() if initializer is None else initializer
     key = jax.random.key(config.seed)
     tracker = config.build_trackers(stamp)
     if jax.process_index() == 0:
         print(_where(checkpoints), flush=True)
     try:
-        # The recipe's init section, else the weights the objective starts from (a teacher's).
         trainer = Trainer.from_config(
             config.trainer, objective, run_optimizer(config, fit["steps"]), key=key,
             checkpoints=checkpoints, tracker=tracker, rollout=objective.rollout(),
-            initializer=(objective.initializer() if fresh else None) if initializer is None else initializer,
+            initializer=initializer,
             evaluations=build_evaluations(config, parts, stamp), recipe=config.recorded())
         # Validation scores what the objective defines (a reward, a perplexity), as `dew eval` does.
         state = trainer.fit(dataset, **fit, metrics=tuple(objective.metrics()))

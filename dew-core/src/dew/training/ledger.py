@@ -37,6 +37,7 @@ from numpy.typing import ArrayLike
 
 from dew.data.base import GLOBAL_POSITION, Consumption, DataPartition, is_global_position
 from dew.errors import DewError
+from dew.telemetry.render import cut_torn_tail
 
 __all__ = ["LEDGER", "Ledger", "LedgerGapError", "RecordLedger", "decoded_position", "joined", "records_digest"]
 
@@ -125,16 +126,14 @@ class RecordLedger:
     def flush(self) -> None:
         if not self._lines:
             return
-        from dew.telemetry.render import cut_torn_tail
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        cut_torn_tail(self.path)  # a line a crash cut short would swallow the first one appended
         with self.path.open("a") as handle:
             handle.write("".join(line + "\n" for line in self._lines))
         self._lines.clear()
 
     def opened(self, step: int, position: bytes | None, partition: DataPartition) -> None:
         self._order = None
+        cut_torn_tail(self.path)  # a line a crash cut short would swallow the fit's first one
         self._add({"kind": "open", "step": int(step), "position": decoded_position(position),
                    "processes": self.processes, "shares": partition.shares, "time": round(time.time(), 3)},
                   flush=True)

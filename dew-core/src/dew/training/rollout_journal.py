@@ -52,6 +52,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dew.errors import DewError
+from dew.telemetry.render import cut_torn_tail
 
 __all__ = ["ROLLOUTS", "Kept", "Rolled", "RolloutJournal", "RolloutJournalError", "batch_digest", "decode_batch",
            "encode_batch", "kept_rollouts", "read_journal", "to_plain"]
@@ -228,10 +229,7 @@ class RolloutJournal:
         self.path = Path(directory) / ROLLOUTS
 
     def _append(self, lines: Sequence[str]) -> None:
-        from dew.telemetry.render import cut_torn_tail
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        cut_torn_tail(self.path)  # a line a crash cut short would swallow the first one appended
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write("".join(line + "\n" for line in lines))
 
@@ -249,6 +247,7 @@ class RolloutJournal:
                         found[int(row["step"])] = replace(_entry(row), maker=made_by)
                     except (KeyError, ValueError, OSError):
                         found.pop(int(row["step"]), None)  # unreadable: that step samples again
+        cut_torn_tail(self.path)  # a line a crash cut short would swallow the fit's first one
         opening = {"kind": "open", "step": int(step), "time": round(time.time(), 3)}
         self._append([json.dumps(opening if maker is None else {**opening, "maker": maker})])
         return found

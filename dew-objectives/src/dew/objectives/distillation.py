@@ -99,6 +99,9 @@ class _Projection(nn.Module):
         return jnp.einsum("bte,ef->btf", x, kernel)
 
 
+_FINAL_NORM = "final_norm"  # the submodule whose output the hidden match compares by default
+
+
 @dataclass(frozen=True)
 class DistillationObjective(Objective):
     """A student causal language model distilled from a frozen teacher over token windows.
@@ -133,7 +136,7 @@ class DistillationObjective(Objective):
     reverse: float = 0.0
     labels: float = 0.0
     hidden: float = 0.0
-    hidden_layer: str = "final_norm"
+    hidden_layer: str = _FINAL_NORM
     tokenizer: Tokenizer | None = None
 
     frozen = staticmethod(under("params/teacher"))
@@ -163,7 +166,7 @@ class DistillationObjective(Objective):
             raise ValueError("DistillationObjective's weights (forward, reverse, labels, hidden) must be >= 0.")
         if self.forward + self.reverse + self.labels + self.hidden == 0:
             raise ValueError("DistillationObjective needs a positive weight on forward, reverse, labels or hidden.")
-        if self.hidden == 0 and self.hidden_layer != "final_norm":
+        if self.hidden == 0 and self.hidden_layer != _FINAL_NORM:
             raise ValueError(f"DistillationObjective.hidden_layer={self.hidden_layer!r} names the layer whose "
                              "output the hidden match compares, which runs only with hidden > 0; set hidden "
                              "to a weight, or leave hidden_layer out.")
