@@ -222,6 +222,30 @@ def test_rescore_refuses_in_one_line(whole, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and err.startswith("dew rescore: ") and named in err, err
 
 
+def test_rescore_refuses_a_journal_damaged_in_its_middle_and_reads_one_cut_short(whole, tmp_path, capsys):
+    """A line a crash cut short (the last, no newline) is what that step never finished writing; a
+    damaged line before it held a step the run trained on, and rescoring without it would be silent."""
+    import shutil
+
+    from dew.cli import main
+    from dew.training.rollout_journal import ROLLOUTS
+
+    directory, _, _ = whole
+    lines = (Path(directory) / ROLLOUTS).read_text().splitlines(keepends=True)
+    rollouts = [n for n, line in enumerate(lines) if '"kind": "rollout"' in line]
+    torn = tmp_path / "torn"
+    shutil.copytree(directory, torn)
+    (torn / ROLLOUTS).write_text("".join(lines) + lines[rollouts[0]][:40])
+    assert [e.step for e in read_journal(torn)] == [e.step for e in read_journal(directory)]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(directory, damaged)
+    middle = rollouts[1]
+    (damaged / ROLLOUTS).write_text("".join(lines[:middle]) + lines[middle][:40] + "\n" + "".join(lines[middle + 1:]))
+    assert main(["rescore", str(damaged), "reward=length"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"line {middle + 1}, is not JSON" in err and "Remove that line" in err, err
+
+
 def test_report_shows_the_sampled_completions_by_step(whole, tmp_path):
     import html
 

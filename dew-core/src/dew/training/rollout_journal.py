@@ -139,13 +139,22 @@ def _entry(row: Mapping[str, Any]) -> Rolled:
                   transcript=tuple(row.get("transcript") or ()))
 
 
-def _rows(path: Path) -> Iterator[dict[str, Any]]:
-    """The journal's lines as rows, skipping any a crash cut short."""
-    with path.open(encoding="utf-8") as handle:
-        for text in handle:
+def _rows(path: Path, *, strict: bool = False) -> Iterator[dict[str, Any]]:
+    """The journal's lines as rows, skipping a last line a crash cut short (no newline after it).
+
+    A damaged line before the last is skipped too when a fit reopens the journal (that step samples
+    again), but refused when strict: a reader of what the run trained on would silently miss it.
+    """
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, text in enumerate(handle, start=1):
             try:
                 row = json.loads(text)
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as error:
+                if strict and text.endswith("\n"):
+                    raise RolloutJournalError(
+                        f"{path}, line {number}, is not JSON ({error}): the journal was damaged after it was "
+                        "written, so the rollouts it held cannot be read back. Remove that line to read the "
+                        "others (the step it journaled is then left out).") from None
                 continue  # the last line of a run that died while writing it
             if isinstance(row, dict):
                 yield row
@@ -178,7 +187,7 @@ def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | 
             "Point at that directory.")
     last: dict[int, dict[str, Any]] = {}
     through = None
-    for row in _rows(path):
+    for row in _rows(path, strict=True):
         if row.get("kind") == "rollout":
             last[int(row["step"])] = row
         elif row.get("kind") == "checkpoint":
