@@ -213,6 +213,17 @@ def test_bad_task_files_name_the_line_and_what_is_wrong(tmp_path, exported):
         file = _write(tmp_path / "t.jsonl", [{"context": "x", "choices": ["a", "b"], "answer": 1}, record])
         with pytest.raises(TaskFileError, match=f"Line 2 of .*t.jsonl.*{message}"):
             MultipleChoice(file=file).evaluate(subject)
+    from dew.evaluations.generation import GenerationTask
+    from dew.evaluations.perplexity import PerplexityTask
+
+    untokenized = Subject(subject.model, subject.variables, None)  # an image run's, or ids without a tokenizer
+    file = _write(tmp_path / "t.jsonl", [{"context": "x", "choices": ["a", "b"], "answer": 1, "text": "x",
+                                          "prompt": "x", "answer_text": "y"}])
+    for task, purpose in [(MultipleChoice(file=file), "choices"), (PerplexityTask(file=file), "documents"),
+                          (GenerationTask(file=file, prompt_key="prompt", answer_key="answer_text"), "prompts")]:
+        with pytest.raises(TaskFileError, match=f"{type(task).__name__} needs the run's tokenizer to turn "
+                                                f"{purpose} into ids, and this run has none.*Text tasks score"):
+            task.evaluate(untokenized)
     arc = {"question": "x", "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]}, "answerKey": "C"}
     task = MultipleChoice(file=_write(tmp_path / "arc.jsonl", [arc]), template="Question: {question}\nAnswer:",
                           answer_key="answerKey")

@@ -67,6 +67,16 @@ class Subject:
     variables: Variables
     tokenizer: Tokenizer | None  # None when neither the run's data nor its export supplied one
 
+    def text_tokenizer(self, task: str, purpose: str) -> Tokenizer:
+        """The tokenizer a text task needs (purpose: what it turns into ids), or an error saying
+        where one comes from, and that a run without one (an image model's) cannot score text."""
+        if self.tokenizer is None:
+            raise TaskFileError(
+                f"{task} needs the run's tokenizer to turn {purpose} into ids, and this run has none: its "
+                "data reader names no tokenizer (or its export holds none). Text tasks score a language "
+                "model; a run on images or on pre-tokenized ids without a tokenizer cannot take them.")
+        return self.tokenizer
+
 
 @runtime_checkable
 class EvaluationTask(Protocol):

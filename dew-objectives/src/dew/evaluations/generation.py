@@ -126,12 +126,9 @@ class GenerationTask:
     def generations(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[int, str]:
         """This process's generated texts, by record number. A prompt longer than the model leaves
         room for (max_seq_len less max_new_tokens) keeps its last ids, as MultipleChoice cuts a row."""
-        if subject.tokenizer is None:
-            raise TaskFileError("GenerationTask needs the run's tokenizer to turn prompts into ids; the "
-                                "run's data reader or export supplies one.")
         problems = self.problems()
         partition = data_partition(task_mesh(mesh))
-        tokenizer = subject.tokenizer
+        tokenizer = subject.text_tokenizer("GenerationTask", "prompts")
         eos = eos_id_of(tokenizer)
         prompts = [prompt_ids(tokenizer, p.prompt) or [int(eos)] for p in problems]  # type: ignore[arg-type]  # an empty prompt needs an eos
         limit = getattr(subject.model, "max_seq_len", None)  # any decoder; dew's say how long they read

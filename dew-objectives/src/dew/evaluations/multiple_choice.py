@@ -160,12 +160,9 @@ class MultipleChoice:
 
     def choice_scores(self, subject: Subject, *, mesh: Mesh | None = None) -> list[np.ndarray]:
         """Each question's summed log-probability of every choice, in file order."""
-        if subject.tokenizer is None:
-            raise TaskFileError("MultipleChoice needs the run's tokenizer to turn choices into ids; the "
-                                "run's data reader or export supplies one.")
         questions = self.questions()
         window = getattr(subject.model, "max_seq_len", None)  # any flax Module: unbounded if it has none
-        rows = self.rows(subject.tokenizer, None if window is None else window + 1)
+        rows = self.rows(subject.text_tokenizer("MultipleChoice", "choices"), None if window is None else window + 1)
         sums = loglikelihoods(subject.model, subject.variables, [(r.ids, r.scored) for r in rows],
                               batch=self.batch, mesh=mesh)
         bounds = np.cumsum([0] + [len(q.choices) for q in questions])

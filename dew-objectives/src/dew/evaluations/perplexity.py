@@ -81,10 +81,7 @@ class PerplexityTask:
 
     def evaluate(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[str, float]:
         """word_perplexity, byte_perplexity, bits_per_byte and token_perplexity over the file."""
-        tokenizer = subject.tokenizer
-        if tokenizer is None:
-            raise TaskFileError("PerplexityTask needs the run's tokenizer to turn documents into ids; the "
-                                "run's data reader or export supplies one.")
+        tokenizer = subject.text_tokenizer("PerplexityTask", "documents")
         width = getattr(subject.model, "max_seq_len", None)  # any flax Module: the whole text if unbounded
         documents = self.documents()
         start = next(iter(prefix_of(tokenizer)), eos_id_of(tokenizer))
