@@ -150,3 +150,37 @@ def test_init_ignore_starts_the_named_leaves_fresh_and_reads_the_rest(tmp_path):
     np.testing.assert_array_equal(read["params"]["head"], fresh["params"]["head"])
     jax.tree.map(np.testing.assert_array_equal, read["params"]["embed"], other["params"]["embed"])
     jax.tree.map(np.testing.assert_array_equal, read["params"]["layers_1"], other["params"]["layers_1"])
+
+
+def test_init_within_starts_from_the_student_a_distillation_run_kept_beside_its_teacher(tmp_path):
+    """A distilled student is a starting point (fine-tune it next); its run keeps params/student
+    and params/teacher, and init.within=student reads the student alone, bitwise."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from dew.checkpoints.manager import Checkpoints
+    from dew.data.base import DataPartition
+    from dew.recipes.run import build_parts, initial_variables
+    from dew.training.initializers import InitializerMismatchError
+    from dew.training.state import Scaler, TrainState
+
+    objective = build_parts(RunConfig.load("tiny-lm"), with_data=False).objective
+    student = jax.device_get(nn.meta.unbox(objective.init(jax.random.key(5))))
+    teacher = {"head": np.ones((3, 257), np.float32)}
+    state = TrainState(params={"params": {"student": student["params"], "teacher": teacher}}, opt_state=(),
+                       key=jax.random.key_data(jax.random.key(0)), step=np.int32(1), microstep=np.int32(0),
+                       updates=np.int32(1), ema=None, scaler=Scaler.create(), window=None)
+    checkpoints = Checkpoints(tmp_path / "distilled")
+    checkpoints.save(1, state, position=b"", partition=DataPartition(), meta={})
+    checkpoints.wait()
+    checkpoints.close()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), student)
+    config = RunConfig.load("tiny-lm", [f"init.run={tmp_path}/distilled", "init.within=student"])
+    read = initial_variables(config, objective)(abstract)
+    jax.tree.map(np.testing.assert_array_equal, read, student)
+    whole = RunConfig.load("tiny-lm", [f"init.run={tmp_path}/distilled"])
+    with pytest.raises(InitializerMismatchError, match="init.within=student"):
+        initial_variables(whole, objective)(abstract)
+    with pytest.raises(RecipeError, match="init.within picks a model inside init.run"):
+        RunConfig.load("tiny-lm", [f"init.pretrained={tmp_path}", "init.within=student"])

@@ -95,3 +95,23 @@ def test_named_leaves_are_left_to_the_fresh_init_and_unread(run):
     with pytest.raises(InitializerMismatchError, match="params/position: missing"):  # gate alone is not enough
         IgnoringLeaves(ParamsFrom(directory, ignore=("params/gate",)), ("params/gate",),
                        fresh=lambda: fresh)(_abstract(other))
+
+
+def test_a_model_kept_beside_others_is_read_from_under_its_key_and_pointed_at_when_not_named(tmp_path):
+    """A distillation run keeps params/student beside params/teacher; init.within names which one a
+    new run starts from, and reading the whole tree points at the key that fits."""
+    rng = np.random.default_rng(1)
+    student = {"embed": rng.normal(size=(8, 4)).astype(np.float32), "head": rng.normal(size=(4, 8)).astype(np.float32)}
+    teacher = {"embed": rng.normal(size=(8, 6)).astype(np.float32), "head": rng.normal(size=(6, 8)).astype(np.float32)}
+    _saved(tmp_path, {"params": {"student": student, "teacher": teacher}})
+    wanted = _abstract({"params": student})
+    read = ParamsFrom(tmp_path, within="student")(wanted)
+    jax.tree.map(np.testing.assert_array_equal, read, {"params": student})
+    read = ParamsFrom(tmp_path, within="teacher")(_abstract({"params": teacher}))
+    jax.tree.map(np.testing.assert_array_equal, read, {"params": teacher})
+    with pytest.raises(InitializerMismatchError, match="side by side .student fits this model.*init.within=student"):
+        ParamsFrom(tmp_path)(wanted)
+    with pytest.raises(InitializerMismatchError, match="nothing under 'pupil'.*student, teacher"):
+        ParamsFrom(tmp_path, within="pupil")(wanted)
+    with pytest.raises(InitializerMismatchError, match="params/embed: shape .8, 6., expected .8, 4."):
+        ParamsFrom(tmp_path, within="teacher")(wanted)

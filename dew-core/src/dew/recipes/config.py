@@ -66,6 +66,10 @@ class InitConfig(Settings):
         (), description="glob patterns of leaf paths (params/head/*) left at the fresh "
         "initialization: not required of the source, and not read from it"
     )
+    within: str | None = pydantic.Field(
+        None, description="the key under which init.run keeps this model beside others (a "
+        "distillation run's student, or its teacher); default: its whole parameters"
+    )
 
     @pydantic.model_validator(mode="after")
     def _one_source(self) -> InitConfig:
@@ -73,6 +77,8 @@ class InitConfig(Settings):
             raise ValueError("set exactly one of init.pretrained and init.run")
         if self.step is not None and self.run is None:
             raise ValueError("init.step selects a step of init.run; set init.run too")
+        if self.within is not None and self.run is None:
+            raise ValueError("init.within picks a model inside init.run's parameters; set init.run too")
         return self
 
 

@@ -369,7 +369,8 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
             f"init.run={init.run} is a LoRA run: its checkpoints hold the frozen base and the adapters "
             "apart, which no model's tree takes whole. Export it merged (dew export "
             f"{init.run} DIR) and start from init.pretrained=DIR.")
-    run: WeightSource = ParamsFrom(absolute(init.run), step=init.step, ignore=tuple(init.ignore))
+    run: WeightSource = ParamsFrom(absolute(init.run), step=init.step, ignore=tuple(init.ignore),
+                          within=init.within)
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         from dew.adapters.lora import BaseWeights
 

@@ -155,6 +155,9 @@ class ParamsFrom:
     step: int | None = None
     field: str = "params"
     ignore: tuple[str, ...] = ()  # glob patterns of leaf paths neither required nor read
+    # The key under each collection where the model sits in a run that trained several side by
+    # side (a distillation run's params/student and params/teacher); None: the whole tree.
+    within: str | None = None
 
     def __call__(self, abstract: Variables) -> Variables:
         import orbax.checkpoint as ocp
@@ -183,15 +186,18 @@ class ParamsFrom:
                 f"Step {step} of {checkpoints.directory} holds no {field!r} field to read "
                 "parameters from; ask for 'params' (or 'ema' of a run that kept an EMA)."
             )
+        stored = _saved_params(saved, field)
+        recorded = stored if self.within is None else _within(stored, self.within, path)
         if field == "ema":  # only the selected leaves were saved
-            abstract = _saved_params(saved, field)
+            abstract = recorded
         else:  # every leaf the declared model has, and no other, of the same shape: never zero-filled
             abstract = without(abstract, self.ignore)
-            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}",
-                          ignore=self.ignore)
-            _check_float_kinds(abstract, without(_saved_params(saved, field), self.ignore), path)
+            _compare_or_point_within(abstract, recorded, stored, path, self)
+            _check_float_kinds(abstract, without(recorded, self.ignore), path)
         template = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=np.ndarray), dict(abstract))
         item = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), dict(abstract))
+        if self.within is not None:  # read the model's subtree where the run keeps it
+            template, item = _nest(template, self.within), _nest(item, self.within)
         try:
             restored = ocp.PyTreeCheckpointer().restore(
                 os.fspath(path / "state"),
@@ -199,8 +205,7 @@ class ParamsFrom:
                                             partial_restore=True),
             )[field]
         except (KeyError, ValueError) as error:
-            compare_trees(abstract, _saved_params(saved, field), what=f"The parameters of {path}",
-                          ignore=self.ignore)
+            _compare_or_point_within(abstract, recorded, stored, path, self)
             raise InitializerMismatchError(f"The parameters of {path} cannot be read: {error}") from error
         flat, _ = jax.tree_util.tree_flatten_with_path({field: restored})
         digests = integrity.digests_as_lists(integrity.digest_leaves([np.asarray(x) for _, x in flat]))
@@ -208,7 +213,50 @@ class ParamsFrom:
             name = "." + jax.tree_util.keystr(leaf_path).removeprefix("['").replace("']", "", 1)
             if name in saved and saved[name]["digest"] != digest:
                 raise CheckpointCorruptedError(step, path / "state", f"leaf {name} does not match its digest")
-        return restored
+        return restored if self.within is None else _within(restored, self.within, path)
+
+
+def _nest(tree: Mapping[str, PyTree], within: str) -> dict[str, PyTree]:
+    """Each collection's tree put under the key within."""
+    return {collection: {within: subtree} for collection, subtree in tree.items()}
+
+
+def _within(tree: Mapping[str, PyTree], within: str, path: object) -> dict[str, PyTree]:
+    """Each collection's subtree under the key within (the collections that have one)."""
+    found = {collection: subtree[within] for collection, subtree in tree.items()
+             if isinstance(subtree, Mapping) and within in subtree}
+    if not found:
+        keys = sorted({str(k) for subtree in tree.values() if isinstance(subtree, Mapping) for k in subtree})
+        raise InitializerMismatchError(
+            f"The parameters of {path} hold nothing under {within!r} (init.within): their collections hold "
+            f"{', '.join(keys)}. Name one of those, or leave init.within out to read the whole tree.")
+    return found
+
+
+def _compare_or_point_within(abstract: PyTree, recorded: PyTree, stored: PyTree, path: object,
+                             source: ParamsFrom) -> None:
+    """compare_trees, its refusal naming init.within when the saved tree nests whole models the
+    declared one could be (a distillation run's student and teacher) and none was chosen."""
+    try:
+        compare_trees(abstract, recorded, what=f"The parameters of {path}", ignore=source.ignore)
+    except InitializerMismatchError as error:
+        fitting = [] if source.within is not None else [
+            key for key in sorted({str(k) for sub in stored.values() if isinstance(sub, Mapping) for k in sub})
+            if _fits(abstract, _within(stored, key, path), source.ignore)]
+        if not fitting:
+            raise
+        raise InitializerMismatchError(
+            f"The parameters of {path} hold whole models side by side ({', '.join(fitting)} fit"
+            f"{'s' if len(fitting) == 1 else ''} this model), not one model: set init.within={fitting[0]} "
+            "to start from it.") from error
+
+
+def _fits(abstract: PyTree, recorded: PyTree, ignore: tuple[str, ...]) -> bool:
+    try:
+        compare_trees(abstract, recorded, what="", ignore=ignore)
+    except InitializerMismatchError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
