@@ -108,3 +108,50 @@ def test_a_schedule_with_its_settings_builds_that_schedule():
     objective = registry.objectives.build("diffusion", model=model, schedule={"name": "edm", "sigma_max": 20.0})
     assert objective.process.schedule == EDM(sigma_max=20.0)
     assert hash(objective)  # held as the Schedule, so the objective still hashes
+
+
+class _NotAnObjective:
+    """A plugin's class with no init or loss: the run would call what Objective declares on it."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+
+class _NotAModel:
+    def __init__(self, features: int = 4):
+        self.features = features
+
+
+def _declares_a_model_it_does_not_take():
+    from dew.objectives.base import Objective
+
+    class NoModelParameter(Objective):
+        run_inputs = frozenset({"model"})
+
+        def __init__(self, scale: float = 2.0):
+            self.scale = scale
+
+    return NoModelParameter
+
+
+@pytest.mark.parametrize("group, component, overrides, said", [
+    ("objectives", _NotAnObjective, ["objective={name: planted}"],
+     "objective.name: objective 'planted' from <test> (.*) is a _NotAnObjective, not a subclass of dew's Objective"),
+    ("models", _NotAModel, ["model={name: planted}"],
+     "model.name: model 'planted' from <test> (.*) is a _NotAModel, not a subclass of flax's Module"),
+    ("objectives", _declares_a_model_it_does_not_take(), ["objective={name: planted}"],
+     "objective.name: objective 'planted' from <test> declares run_inputs model .*, but its constructor takes "
+     "no model parameter"),
+])
+def test_a_plugin_class_of_the_wrong_kind_is_refused_by_check(group, component, overrides, said, capsys):
+    """A plugin's objective that is no Objective, a model that is no Flax module, or an objective whose
+    constructor takes no run input it declares: --check passed them and the run stopped with an
+    AttributeError (or a refusal of a field the recipe never wrote)."""
+    import re
+
+    from dew import registry
+
+    with registry.registry(group).temporary("planted", component):
+        assert main(["train", "tiny-lm", *overrides, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(said, err), err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import types
 import typing
 from collections.abc import Mapping
@@ -202,6 +203,35 @@ _NESTED: dict[str, dict[str, str]] = {"objectives": {"reward": "rewards", "envir
 _KIND_METHODS: dict[str, tuple[str, ...]] = {"trackers": ("log", "artifact", "close"), "datasets": ("load",)}
 
 
+def _kind_problem(group: str, name: str, component: object) -> str | None:
+    """Why a registered class is not of its group's kind (an objective that is no Objective, a
+    model that is no Flax module), or None; a factory function is taken on trust."""
+    if not isinstance(component, type) or group not in ("objectives", "models"):
+        return None
+    from flax.linen import Module
+
+    from dew import registry as registries
+    from dew.objectives.base import Objective
+
+    base: type = Objective if group == "objectives" else Module
+    if issubclass(component, base):
+        return None
+    registry = registries.registry(group)
+    provider = registry.provider(name)
+    return (f"{registry.kind} {name!r} from {provider.distribution} ({provider.value}) is a "
+            f"{component.__name__}, not a subclass of {base.__module__.split('.')[0]}'s {base.__name__}: a run "
+            f"calls what {base.__name__} declares on it. Fix or update {provider.distribution}, or choose "
+            f"another {registry.kind}.")
+
+
+def _takes_any_keyword(component: type) -> bool:
+    """Whether a class's constructor takes **kwargs (so any run input reaches it)."""
+    if dataclasses.is_dataclass(component):
+        return False
+    parameters = inspect.signature(component).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def problems_of(group: str, name: str, fields: Mapping[str, object],
                 beside: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
     """What is wrong with a component given by name and fields, as (sub-path, message) pairs.
@@ -231,7 +261,17 @@ def problems_of(group: str, name: str, fields: Mapping[str, object],
                            f"{', '.join(missing)} method: a {registry.kind} is a class with "
                            f"{', '.join(methods)}, so its entry point names something else. Fix or update "
                            f"{provider.distribution}, or choose another {registry.kind}.")]
+    kind_problem = _kind_problem(group, name, component)
+    if kind_problem is not None:
+        return [(("name",), kind_problem)]
     inputs = run_inputs(component) if group == "objectives" else frozenset()
+    unaccepted = sorted(key for key in inputs if key not in declared and not _takes_any_keyword(component))
+    if unaccepted:
+        provider = registry.provider(name)
+        return [(("name",), f"{registry.kind} {name!r} from {provider.distribution} declares run_inputs "
+                           f"{', '.join(unaccepted)} (what a run hands its constructor), but its constructor "
+                           f"takes no {' or '.join(unaccepted)} parameter. Fix {provider.distribution}: add the "
+                           "parameter, or leave it out of run_inputs.")]
     supplied, may_supply = inputs & ALWAYS_SUPPLIED, inputs - ALWAYS_SUPPLIED
     problems: list[tuple[tuple[str, ...], str]] = []
     for key, value in fields.items():
