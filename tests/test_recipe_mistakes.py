@@ -155,3 +155,28 @@ def test_a_plugin_class_of_the_wrong_kind_is_refused_by_check(group, component, 
         assert main(["train", "tiny-lm", *overrides, "--check"]) == 2
     err = capsys.readouterr().err
     assert re.search(said, err), err
+
+
+def test_a_plugin_pipeline_that_returns_no_pipeline_ends_its_run_well_and_commands_refuse_it(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A plugin objective's pipeline() returned a dict: the finished run exited 1 on the console's last
+    line (with a resume hint for a run with nothing left), and generate and export printed tracebacks."""
+    from dew import registry
+    from dew.objectives.lm import LMObjective
+
+    class DictPipeline(LMObjective):
+        def pipeline(self, state, **options):
+            return {"not": "a pipeline"}
+
+    monkeypatch.chdir(tmp_path)
+    with registry.objectives.temporary("planted_lm", DictPipeline):
+        assert main(["train", "tiny-lm", "objective.name=planted_lm", "trainer.steps=1", "data.batch=2",
+                     f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert out[-1].startswith(f"Use the run: dew eval {tmp_path}/run (DictPipeline.pipeline() returned a dict, "
+                                  "not a dew.objectives.inference.Pipeline"), out[-1]
+        for command in (["generate", f"{tmp_path}/run", "x"], ["export", f"{tmp_path}/run", f"{tmp_path}/out"]):
+            assert main(command) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"dew {command[0]}: DictPipeline.pipeline() returned a dict") and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

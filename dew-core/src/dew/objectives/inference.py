@@ -32,17 +32,19 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import ArrayLike
 
-    from dew.objectives.base import Variables
+    from dew.objectives.base import Objective, Variables
     from dew.pretrained.model import Pretrained
     from dew.training.state import TrainState
 
 __all__ = [
     "Generated",
     "NoPipelineError",
+    "NotAPipelineError",
     "Pipeline",
     "PipelineError",
     "GenerateRequest",
     "UnsupportedRequestError",
+    "pipeline_of",
     "variables_of",
     "write_file",
     "write_texts",
@@ -55,6 +57,10 @@ class PipelineError(DewError, ValueError):
 
 class NoPipelineError(PipelineError):
     """An objective that declares no pipeline, so its weights serve no command."""
+
+
+class NotAPipelineError(PipelineError):
+    """An objective's pipeline() returned something other than a Pipeline, or raised NotImplementedError."""
 
 
 class UnsupportedRequestError(PipelineError):
@@ -219,3 +225,21 @@ def write_file(path: str | os.PathLike[str], data: bytes) -> Path:
         Path(written).unlink(missing_ok=True)
         raise
     return path
+
+
+def pipeline_of(objective: Objective, state: TrainState | Variables) -> Pipeline:
+    """objective.pipeline(state), checked to be a Pipeline: a plugin's objective that returns
+    something else (or raises NotImplementedError) is refused naming it, not met with an
+    AttributeError in the command that uses it."""
+    name = type(objective).__name__
+    try:
+        made = objective.pipeline(state)
+    except NotImplementedError as error:
+        raise NotAPipelineError(f"{name}.pipeline() raised NotImplementedError{f' ({error})' if str(error) else ''}: "
+                                "its weights serve no inference command until it returns a "
+                                "dew.objectives.inference.Pipeline.") from None
+    if not isinstance(made, Pipeline):
+        raise NotAPipelineError(f"{name}.pipeline() returned a {type(made).__name__}, not a "
+                                "dew.objectives.inference.Pipeline: the commands call generate, embed and "
+                                "pretrained on it. Fix the objective's pipeline().")
+    return made

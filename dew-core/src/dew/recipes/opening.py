@@ -63,7 +63,9 @@ class Opened:
         if self.objective is None:
             assert self.pretrained is not None  # an export without a task is what opened it
             return self.pretrained.pipeline()
-        return self.objective.pipeline(self.variables)
+        from dew.objectives.inference import pipeline_of
+
+        return pipeline_of(self.objective, self.variables)
 
 
 def _read_variables(objective: Objective, directory: Path, step: int | None

@@ -470,12 +470,14 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
 
 def usage(objective: Objective, state: TrainState, directory: object) -> str:
     """The console's last line: the commands that use the trained run, as its pipeline takes them."""
-    from dew.objectives.inference import PipelineError
+    from dew.objectives.inference import NoPipelineError, PipelineError, pipeline_of
 
     try:
-        command = objective.pipeline(state).usage(directory)
-    except PipelineError:  # nothing to sample or export: the metrics remain
+        command = pipeline_of(objective, state).usage(directory)
+    except NoPipelineError:  # nothing to sample or export: the metrics remain
         return f"Use the run: dew eval {directory} (its objective declares no pipeline)."
+    except PipelineError as error:  # a plugin's pipeline() that returns no Pipeline
+        return f"Use the run: dew eval {directory} ({error})"
     return f"Use the run: {command}; dew eval and dew export read it too."
 
 
