@@ -67,6 +67,31 @@ def test_score_refuses_non_finite_values_and_wrong_counts_naming_the_record():
         score(lambda c, x: [0.0], ["a", "b"], {})
 
 
+class _PluginReward:
+    """A third party's reward: an object with no repr a person would know from the recipe."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def __call__(self, completions, context):
+        if self.fail:
+            return context["answer_text"]  # a key the rollout never kept: the plugin's own bug
+        return [float("nan")] * len(completions)
+
+
+def test_a_reward_built_by_name_is_called_by_it_and_its_own_failure_is_named():
+    """Errors called a plugin's reward <module.Class object at 0x...>, and a KeyError inside its code
+    stopped a run with a traceback that blamed dew."""
+    from dew.rewards import RewardFailedError
+
+    with registry.rewards.temporary("shout", _PluginReward):
+        with pytest.raises(NonFiniteRewardError, match=r"^The reward 'shout' returned nan for record 0"):
+            score(resolve("shout"), ["a"], {})
+        with pytest.raises(RewardFailedError, match=r"^The reward 'shout' raised KeyError: 'answer_text' while "
+                                                    r"scoring 2 completions\. Fix the reward"):
+            score(resolve({"name": "shout", "fail": True}), ["a", "b"], {"answer": ["1", "2"]})
+
+
 def test_weighted_sums_named_rewards_and_names_a_failing_term():
     assert registry.rewards.load("weighted") is Weighted and registry.rewards.load("format") is RegexFormat
     reward = resolve({"name": "weighted", "rewards": [
@@ -81,7 +106,7 @@ def test_weighted_sums_named_rewards_and_names_a_failing_term():
 
     with registry.rewards.temporary("broken", lambda: broken):
         mixed = resolve({"name": "weighted", "rewards": [{"name": "length", "target": 1}, {"name": "broken"}]})
-        with pytest.raises(NonFiniteRewardError, match=r"reward .*broken \(term 1 of weighted\) returned nan for "
+        with pytest.raises(NonFiniteRewardError, match=r"reward 'broken' \(term 1 of weighted\) returned nan for "
                                                        r"record 2 \(completion 'c'\)"):
             score(mixed, ["a", "b", "c"], {})
     with pytest.raises(registry.UnknownNameError, match="exact_mach"):

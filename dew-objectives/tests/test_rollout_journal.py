@@ -246,6 +246,28 @@ def test_rescore_refuses_a_journal_damaged_in_its_middle_and_reads_one_cut_short
     assert len(err.splitlines()) == 1 and f"line {middle + 1}, is not JSON" in err and "Remove that line" in err, err
 
 
+def test_rescore_names_which_rule_a_reward_broke(whole, capsys):
+    """A NaN and a two-column reward were one message ("16 values for 16 completions, or one that is
+    not finite"), the matrix flattened before its shape was read; a reward's own error was caught only
+    for three exception types."""
+    from dew import registry
+    from dew.cli import main
+
+    directory, _, _ = whole
+    planted = {"nan_at_one": lambda: (lambda c, x: [0.0] + [float("nan")] * (len(c) - 1)),
+               "two_columns": lambda: (lambda c, x: np.zeros((len(c), 2))),
+               "raises": lambda: (lambda c, x: 1 / 0)}
+    count = len(read_journal(directory, batches=False)[0].transcript[0]["completions"])
+    said = {"nan_at_one": "returned nan for step 1's completion 1 (", "two_columns": "returned an array of shape "
+            f"({count}, 2) for step 1's {count} completions", "raises": "raised ZeroDivisionError: division by zero "
+            "on step 1's"}
+    for name, factory in planted.items():
+        with registry.rewards.temporary(name, factory):
+            assert main(["rescore", str(directory), f"reward={name}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"dew rescore: The reward '{name}' {said[name]}"), err
+
+
 def test_report_shows_the_sampled_completions_by_step(whole, tmp_path):
     import html
 

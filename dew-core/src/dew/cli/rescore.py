@@ -98,6 +98,27 @@ def rescore(run_dir: str | Path, reward: Mapping[str, Any]) -> list[dict[str, An
     return _scored(kept_rollouts(run_dir, batches=False).entries, reward, run_dir)
 
 
+def _values(scorer: Any, name: str, completions: list[Any], round_: Mapping[str, Any], step: int) -> np.ndarray:
+    """The reward's scores of one round's completions: one finite number each, or an error naming
+    which of those it broke."""
+    try:
+        values = np.asarray(scorer(completions, _context(round_)), np.float64)
+    except DewError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the reward's own code: named, not a traceback
+        raise RescoreError(f"The reward {name!r} raised {type(error).__name__}: {error} on step {step}'s "
+                           "completions; fix the reward, or choose another.") from None
+    if values.shape != (len(completions),):
+        raise RescoreError(f"The reward {name!r} returned an array of shape {values.shape} for step {step}'s "
+                           f"{len(completions)} completions: a reward returns one number per completion.")
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise RescoreError(f"The reward {name!r} returned {values[bad[0]]} for step {step}'s completion "
+                           f"{int(bad[0])} ({completions[int(bad[0])]!r}); {bad.size} of {len(completions)} values "
+                           "are not finite. A reward returns a finite number for every completion.")
+    return values
+
+
 def _scored(entries: Sequence[Rolled], reward: Mapping[str, Any], run_dir: str | Path) -> list[dict[str, Any]]:
     from dew import registry
 
@@ -110,16 +131,7 @@ def _scored(entries: Sequence[Rolled], reward: Mapping[str, Any], run_dir: str |
     for entry in entries:
         for index, round_ in enumerate(entry.transcript):
             completions = list(round_.get("completions") or [])
-            try:
-                values = np.asarray(scorer(completions, _context(round_)), np.float64).reshape(-1)
-            except (KeyError, ValueError, TypeError) as error:
-                raise RescoreError(f"The reward {reward['name']!r} failed on step {entry.step + 1}'s "
-                                   f"completions: {error}") from None
-            if values.shape[0] != len(completions) or not np.all(np.isfinite(values)):
-                raise RescoreError(
-                    f"The reward {reward['name']!r} gave step {entry.step + 1} {values.shape[0]} values for "
-                    f"{len(completions)} completions, or one that is not finite: a reward returns one "
-                    "finite number per completion.")
+            values = _values(scorer, str(reward["name"]), completions, round_, entry.step + 1)
             rows.append({"step": entry.step + 1, "round": index, "journaled": list(round_.get("rewards") or []),
                          "rewards": values.tolist()})
     if not rows:

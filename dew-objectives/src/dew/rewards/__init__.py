@@ -35,10 +35,12 @@ __all__ = [
     "Brightness",
     "ExactMatch",
     "Length",
+    "NamedReward",
     "NonFiniteRewardError",
     "RegexFormat",
     "Reward",
     "RewardContextError",
+    "RewardFailedError",
     "RewardShapeError",
     "Weighted",
     "describe",
@@ -53,6 +55,10 @@ class NonFiniteRewardError(DewError, ValueError):
 
 class RewardShapeError(DewError, ValueError):
     """A reward returned another number of values than completions it was given."""
+
+
+class RewardFailedError(DewError, RuntimeError):
+    """A reward's own code raised an error dew does not name (a plugin's bug, say) while scoring."""
 
 
 class RewardContextError(DewKeyError):
@@ -186,8 +192,23 @@ class Weighted:
         return total
 
 
+@dataclass(frozen=True)
+class NamedReward:
+    """A reward built from its registered name, which errors call it by (a plugin's reward object
+    has no repr a person would recognise from the recipe)."""
+
+    name: str
+    reward: Reward
+
+    def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> Sequence[float]:
+        return self.reward(completions, context)
+
+
 def describe(reward: Any) -> str:
-    """How errors name a reward: a function by its qualified name, anything else by its repr."""
+    """How errors name a reward: by its registered name when built from one, a function by its
+    qualified name, anything else by its repr."""
+    if isinstance(reward, NamedReward):
+        return repr(reward.name)
     name = getattr(reward, "__qualname__", None)  # any callable: a function has one
     return name if isinstance(name, str) else repr(reward)
 
@@ -201,13 +222,13 @@ def resolve(reward: str | Mapping[str, Any] | Reward) -> Reward:
     from dew import registry
 
     if isinstance(reward, str):
-        return registry.rewards.build(reward)
+        return NamedReward(reward, registry.rewards.build(reward))
     if isinstance(reward, Mapping):
         fields = dict(reward)
         name = fields.pop("name", None)
         if not isinstance(name, str):
             raise ValueError(f"A reward given as a mapping needs a 'name' (a registered reward), got {reward!r}.")
-        return registry.rewards.build(name, **fields)
+        return NamedReward(name, registry.rewards.build(name, **fields))
     if callable(reward):
         return reward
     raise TypeError(f"A reward is a registered name, a mapping with a name, or a callable; got {reward!r}.")
@@ -220,7 +241,14 @@ def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequ
     name is how errors call the reward (``describe(reward)`` by default).
     """
     name = name or describe(reward)
-    values = np.asarray(reward(completions, context), np.float32)
+    try:
+        values = np.asarray(reward(completions, context), np.float32)
+    except DewError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the reward's own code: name it rather than print its traceback
+        raise RewardFailedError(
+            f"The reward {name} raised {type(error).__name__}: {error} while scoring {len(completions)} "
+            "completions. Fix the reward (or the distribution that ships it), or choose another.") from error
     if values.ndim != 1 or values.shape[0] != len(completions):
         raise RewardShapeError(
             f"The reward {name} returned {values.size} values for {len(completions)} completions "
