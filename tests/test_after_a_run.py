@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,23 @@ def test_rerunning_a_fixed_folder_says_it_resumes_and_how_to_start_fresh(trained
     assert _committed(trained.run) == [20, 22] and "Resum" not in trained.first.stdout
 
 
+def test_rerunning_a_finished_folder_with_fewer_steps_keeps_its_recipe_and_reshapes_nothing(
+        trained: Trained, tmp_path: Path, cache: Path) -> None:
+    """The same command with fewer steps trains nothing, yet it rewrote run.json with those steps (a
+    later resume then named the wrong schedule length) and warned that the schedule was reshaped."""
+    shutil.copytree(trained.run, tmp_path / "runs" / "fixed")
+    recipe = (tmp_path / "runs" / "fixed" / "run.json").read_text()
+    fixed = ["trainer.checkpoint_dir=runs/fixed", "trackers.0.directory=runs/fixed", "data.load.val_fraction=0",
+             "trainer.preview=true"]
+    fewer = _dew(["train", "tiny-lm", *SMALL, *fixed, "trainer.steps=10"], tmp_path, cache)
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert "already holds step 22 (its checkpoints trained with trainer.steps=22), at or past trainer.steps=10: "\
+           "nothing to train" in fewer.stdout, fewer.stdout
+    assert "learning-rate schedule" not in fewer.stderr, fewer.stderr
+    assert (tmp_path / "runs" / "fixed" / "run.json").read_text() == recipe
+    assert json.loads(recipe)["trainer"]["steps"] == 22
+
+
 def test_the_sample_is_journaled_with_its_step(trained: Trained) -> None:
     rows = [json.loads(line) for line in (trained.run / "previews.jsonl").read_text().splitlines()]
     assert [(row["step"], row["name"], row["kind"]) for row in rows] == [(20, "sample", "text"), (22, "sample", "text")]
@@ -184,7 +202,6 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
 
 def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Trained, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture) -> None:
-    import shutil
 
     from dew.cli import main
 

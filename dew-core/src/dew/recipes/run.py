@@ -425,12 +425,14 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         # A finished run's newest step is checked first: a damaged one falls back to an older step
         # and trains on, which the restore says, so "nothing to train" would be wrong. Every process
         # asks (a pool's local steps are agreed on collectively); process 0 says it.
-        said = resumed_at < fit["steps"] or checkpoints.intact(resumed_at)
-        if jax.process_index() == 0 and said:
+        ahead = resumed_at < fit["steps"]
+        intact = ahead or checkpoints.intact(resumed_at)
+        if jax.process_index() == 0 and intact:
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
-        warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
-                                  checkpoints.directory, resumed_at, before=before)
+        if ahead or not intact:  # a finished run trains nothing, so no schedule is reshaped
+            warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
+                                      checkpoints.directory, resumed_at, before=before)
     # A resumed run's checkpoint holds every weight, so the weights it started from (init, a
     # distillation's teacher) are not read again: their folders may have moved since.
     initializer = None

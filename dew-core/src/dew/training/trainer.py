@@ -181,9 +181,9 @@ class Trainer(Generic[Loss, Effects]):
                     ledger=ledger_beside(self.checkpoints), maker=rollout_settings(self.recipe))
         self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout, self.objective)
         state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
-        write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
-        if start >= steps:
+        if start >= steps:  # nothing to train: the recipe the checkpoints were trained with stays
             return state  # type: ignore[return-value]  # start_placed builds a Pending it returns this way
+        write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
         reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
                                     notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
         saving = None if self.checkpoints is None else \
