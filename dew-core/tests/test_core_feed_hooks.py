@@ -458,3 +458,21 @@ def test_fit_refuses_a_negative_step_count_and_an_interval_below_one(arguments, 
 
     with pytest.raises(CadenceError, match=re.escape(said)):
         Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(numbered(), **arguments)
+
+
+def test_the_first_steps_rollout_is_counted_once_in_the_goodput():
+    """The first step's time holds its rollout, which the rollout total holds too: a run whose time
+    went to its rollouts (GRPO's) reported 0.0% of its wall time in steps, the subtraction clamped."""
+    import time
+
+    def rollout(state, batch, key):
+        time.sleep(0.3)
+        return batch
+
+    tracker = Recorder()
+    Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), rollout=rollout, tracker=tracker).fit(
+        numbered(), steps=4, log_every=4)
+    goodput = next(v for _, v in tracker.artifacts if getattr(v, "type", "") == "goodput")
+    assert goodput.rollout_seconds >= 1.2 and goodput.first_step_seconds >= 0.3
+    later = goodput.wall_seconds - goodput.first_step_seconds  # steps 2 to 4: three rollouts and the steps
+    assert 0.0 < goodput.step_seconds <= later - 0.9 + 1e-3, goodput

@@ -58,9 +58,11 @@ class Clock:
     checkpoint: float = 0.0
     eval: float = 0.0
 
-    def goodput(self, data: float, rollout: float, reward: float = 0.0) -> Goodput:
+    def goodput(self, data: float, rollout: float, reward: float = 0.0, *, within_first: float = 0.0) -> Goodput:
+        """The record of where the wall time went; within_first is the part of data, rollout and
+        reward spent before the first step ended, already inside first_step (counted once)."""
         wall = time.perf_counter() - self.started
-        overhead = self.first_step + data + rollout + reward + self.checkpoint + self.eval
+        overhead = self.first_step + data + rollout + reward - within_first + self.checkpoint + self.eval
         return Goodput(
             first_step_seconds=self.first_step, wall_seconds=wall,
             step_seconds=max(0.0, wall - overhead), compile_seconds=self.compile,

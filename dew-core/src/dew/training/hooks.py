@@ -100,6 +100,7 @@ class ProgressHook(Hook):
         self.start, self.steps, self.notes = start, steps, tuple(notes)
         self.failed = False
         self.last: tuple[int, TrainState] | None = None
+        self.within_first = 0.0  # the stream's seconds (data, rollout, reward) before the first step ended
 
     def open(self) -> None:
         self.progress.start(self.trainer, self.start, self.steps, self.trainer.device_mesh.shape,
@@ -111,6 +112,9 @@ class ProgressHook(Hook):
         if record.compiled is not None:
             self._compiled(record.compiled)
         self.progress.stepped(record.done, record.metrics, first=record.first)
+        if record.first:  # the first step's time holds these already: the Goodput counts them once
+            clock = self.feed.clock
+            self.within_first = clock.data + clock.rollout + clock.reward
         self.last = record.done, record.state
         stop = self.progress.stop_requested
         return None if stop is None else Contribution(stop=stop)
@@ -154,7 +158,8 @@ class ProgressHook(Hook):
         if self.failed or self.last is None:
             return
         clock, (done, state) = self.feed.clock, self.last
-        self.progress.finish(done, state, self.progress.clock.goodput(clock.data, clock.rollout, clock.reward))
+        self.progress.finish(done, state, self.progress.clock.goodput(clock.data, clock.rollout, clock.reward,
+                                                                      within_first=self.within_first))
 
 
 class Profiling(Hook):
