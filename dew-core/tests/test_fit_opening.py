@@ -16,7 +16,8 @@ from dew.tracking.local import LocalTracker
 def test_a_fit_without_checkpoints_says_a_preemption_cannot_be_saved(capsys):
     Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0)).fit(regression_dataset(), steps=2, log_every=1)
     out = capsys.readouterr().out
-    assert "no checkpoints: a preemption notice (SIGTERM) stops this run without saving it (exit 143)" in out
+    assert "no checkpoints: a preemption notice (SIGTERM) stops this run without saving it (exit 143); set a " \
+           "recipe's trainer.checkpoint_dir (or give the Trainer checkpoints=Checkpoints(directory))" in out
     assert out.index("no checkpoints") < out.index("step 1")  # said at the start, before any step
 
 

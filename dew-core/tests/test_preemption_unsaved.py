@@ -39,8 +39,8 @@ def test_a_fit_without_checkpoints_stops_without_claiming_a_save(capsys):
     assert 2 <= error.step < 10 and error.code == 143  # the notice, read at a log step, stops the next
     assert capsys.readouterr().err.strip().endswith(
         f"dew: preempted at step {error.step}; nothing was saved, because the trainer has no Checkpoints, so "
-        "running again starts over. Give the Trainer checkpoints=Checkpoints(directory) to make a "
-        "stop resumable.")
+        "running again starts over. Set a recipe's trainer.checkpoint_dir (or give the Trainer "
+        "checkpoints=Checkpoints(directory)) to make a stop resumable.")
 
 
 SIGTERM = r"""

@@ -83,7 +83,8 @@ def opening_notes(steps: int, log_every: int, every: int, checkpoints: Checkpoin
              f"step{'s' if every > 1 else ''} instead (and the last)"] if every != log_every else []
     notes += [f"checkpoints: {checkpoints.directory}"] if checkpoints is not None else [
         "no checkpoints: a preemption notice (SIGTERM) stops this run without saving it (exit 143); "
-        "give the Trainer checkpoints=Checkpoints(directory) to make a stop resumable"]
+        "set a recipe's trainer.checkpoint_dir (or give the Trainer checkpoints=Checkpoints(directory)) to make "
+        "a stop resumable"]
     return notes + [f"tracking: {where}" for where in (tracker.directories() if isinstance(tracker, Located) else ())]
 
 

@@ -77,8 +77,8 @@ class UnsavedStopError(_StoppedAt):
 
     def __str__(self) -> str:
         return (f"{self._what} at step {self.step}; nothing was saved, because the trainer has no "
-                "Checkpoints, so running again starts over. Give the Trainer "
-                "checkpoints=Checkpoints(directory) to make a stop resumable.")
+                "Checkpoints, so running again starts over. Set a recipe's trainer.checkpoint_dir (or give "
+                "the Trainer checkpoints=Checkpoints(directory)) to make a stop resumable.")
 
 
 class PreemptionNotice:
