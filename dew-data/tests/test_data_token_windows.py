@@ -86,7 +86,7 @@ def test_a_local_tokenizer_json_tokenizes_through_hf_tokenizer(tmp_path, text_fi
     assert tokenizer.decode(tokenizer.encode("dew trains")).replace(" ", "") == "dewtrains"
     with pytest.raises(MissingKeyError, match="no end-of-document token"):
         HFTokenizer.from_file(path, eos_token="<nope>")
-    with pytest.raises(MissingFileError, match="missing.json"):
+    with pytest.raises(MissingFileError, match="missing.json. does not exist. Pass a checkpoint.s folder .its tokenizer.json"):
         HFTokenizer.from_file(tmp_path / "missing.json")
 
 

@@ -61,8 +61,9 @@ class HFTokenizer:
         file = Path(path)
         if not file.is_file():
             raise MissingFileError(
-                f"The tokenizer file {os.fspath(path)!r} does not exist. Pass the path of a "
-                f"Hugging Face tokenizer.json (tokenizer.save(path) writes one)."
+                f"The tokenizer {os.fspath(path)!r} does not exist. Pass a checkpoint's folder (its "
+                "tokenizer.json with tokenizer_config.json, which carries the chat template and special "
+                "tokens) or the path of a Hugging Face tokenizer.json (tokenizer.save(path) writes one)."
             )
         try:
             tokenizer = Tokenizer.from_file(os.fspath(file))
