@@ -350,3 +350,4 @@ def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_p
     assert "ParamsFrom" not in result.stderr, result.stderr  # the recipe's words, not dew's internals
     assert len(result.stderr.strip().splitlines()) <= 4, result.stderr
     assert not (tmp_path / "runs").exists(), list(tmp_path.rglob("*"))  # nothing left behind
+    assert "Nothing was kept: the run failed before" in result.stderr, result.stderr  # and it says so

@@ -92,3 +92,4 @@ def test_a_file_the_recipe_names_is_to_be_created_only_when_it_is_missing(tmp_pa
     error = capsys.readouterr().err
     assert code == 2 and "MissingFileError" in error
     assert "The recipe's data.tokenizer names it: create it first" in error
+    assert "Nothing was kept: the run failed before it wrote anything." in error  # as docs/cli.md promises

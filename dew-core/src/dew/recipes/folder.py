@@ -243,8 +243,10 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             for field, path in _fields_naming(config, folder, error):
                 error.add_note(_field_note(field, path, error))
             if removed:
-                error.add_note(f"The run never started: nothing was kept ({', '.join(map(shown, removed))} "
-                               "removed).")
+                error.add_note(f"Nothing was kept: the run failed before its first checkpoint or log "
+                               f"({', '.join(map(shown, removed))} removed).")
+            elif created and not any(d.exists() for d in created):
+                error.add_note("Nothing was kept: the run failed before it wrote anything.")
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
                 error.add_note(_resume_note(folder.directory))
         raise
