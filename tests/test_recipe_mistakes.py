@@ -180,3 +180,38 @@ def test_a_plugin_pipeline_that_returns_no_pipeline_ends_its_run_well_and_comman
             err = capsys.readouterr().err.strip()
             assert err.startswith(f"dew {command[0]}: DictPipeline.pipeline() returned a dict") and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+class _FailingTracker:
+    """A plugin's tracker with a bug that shows at step 4."""
+
+    def __init__(self, at: int = 4):
+        self.at = at
+
+    def log(self, scalars, step):
+        if step >= self.at:
+            raise RuntimeError("plugin tracker failing on purpose")
+
+    def artifact(self, value, step):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_plugin_trackers_own_error_stops_the_run_naming_it_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+    """A tracker that raised mid-run printed a traceback through dew's fan-out (exit 1: "a bug, please
+    report it") without naming the tracker; the steps saved before it are kept."""
+    from dew import registry
+
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "tiny-lm", "trainer.steps=6", "trainer.log_every=2", "trainer.checkpoint_every=2", "data.batch=2",
+           f"trainer.checkpoint_dir={tmp_path}/run", "trackers=[{name: planted_tracker}]"]
+    with registry.trackers.temporary("planted_tracker", _FailingTracker):
+        assert main(run) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dew train: TrackerFailedError: The tracker {_FailingTracker.__module__}._FailingTracker failed in log at "
+                          "step 4: RuntimeError: plugin tracker failing on purpose. Fix it"), err
+    assert "Traceback (" not in err and "(its newest checkpoint is step 4); once fixed, resume it with: dew train " \
+           "--resume run" in err, err
+    assert (tmp_path / "run" / "4" / "dew.json").is_file()  # what was saved before it stays

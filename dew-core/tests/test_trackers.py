@@ -16,7 +16,7 @@ from PIL import Image
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Goodput, RunStarted
 from dew.tracking.background import TrackerWriteError
-from dew.tracking.composite import Trackers
+from dew.tracking.composite import TrackerFailedError, Trackers
 from dew.tracking.local import LocalTracker
 from dew.tracking.protocol import NotAReportError
 
@@ -114,9 +114,14 @@ def test_fan_out_reaches_every_sink_and_raises_the_first_failure(tmp_path):
     first, second = LocalTracker(tmp_path / "a"), LocalTracker(tmp_path / "b")
     broken, also_broken = Failing("sink one is down"), Failing("sink two is down")
     fan = Trackers(broken, first, also_broken, second)
-    with pytest.raises(RuntimeError, match="sink one is down") as caught:
+    with pytest.raises(TrackerFailedError, match="sink one is down") as caught:
         fan.log({"loss": 1.25}, step=3)
     assert any("sink two is down" in note for note in caught.value.__notes__)
+    # A tracker's own error is named with its class and step (a plugin's bug printed a traceback
+    # that blamed dew); what it raised stays the cause.
+    assert str(caught.value).startswith(f"The tracker {Failing.__module__}.Failing failed in log at step 3: "
+                                        "RuntimeError: sink one is down. Fix it")
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value.__cause__, RuntimeError)
     with pytest.raises(RuntimeError, match="sink one is down"):
         fan.artifact(Artifact("note", "text", "hi"), step=3)
     with pytest.raises(RuntimeError, match="sink one is down"):

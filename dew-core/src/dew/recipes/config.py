@@ -266,11 +266,11 @@ class RunConfig(Settings):
         built = [tracker.build("trackers", timestamp) for tracker in self.trackers]
         wandb = [] if self.trainer.wandb is None else [self.trainer.wandb.build()]
         every = [*built, *wandb]
-        if len(every) <= 1:
-            return every[0] if every else None
+        if not every:
+            return None
         from dew.tracking.composite import Trackers
 
-        return Trackers(*every)
+        return Trackers(*every)  # even one: a tracker's own failure is named, not a bare traceback
 
     def train(self, *, timestamp: str | None = None) -> TrainState:
         """Build everything and train; return the final TrainState (see dew.recipes.run).

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from dew.errors import DewError
 from dew.tracking.protocol import Located, Reported, Tracker
 
-__all__ = ["Trackers"]
+__all__ = ["TrackerFailedError", "Trackers"]
+
+
+class TrackerFailedError(DewError, RuntimeError):
+    """A tracker's own code raised an error dew does not name (a plugin's bug, say)."""
 
 
 class Trackers:
@@ -28,9 +33,16 @@ class Trackers:
             except Exception as error:  # noqa: BLE001 - every sink is attempted
                 failures.append((tracker, error))
         if failures:
-            first = failures[0][1]
-            for tracker, other in failures[1:]:
-                first.add_note(f"{type(tracker).__name__}.{method} also failed: {other!r}")
+            tracker, first = failures[0]
+            if not isinstance(first, DewError):  # named, not a traceback that blames dew
+                at = f" at step {args[-1]}" if method in ("log", "artifact") else ""
+                first = TrackerFailedError(
+                    f"The tracker {type(tracker).__module__}.{type(tracker).__qualname__} failed in {method}{at}: "
+                    f"{type(first).__name__}: {first}. Fix it (or the distribution that ships it), or leave it "
+                    "out of the recipe's trackers; a run with checkpoints resumes from its last one.")
+                first.__cause__ = failures[0][1]
+            for other_tracker, other in failures[1:]:
+                first.add_note(f"{type(other_tracker).__name__}.{method} also failed: {other!r}")
             raise first
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
