@@ -215,3 +215,23 @@ def test_a_plugin_trackers_own_error_stops_the_run_naming_it_and_the_run_resumes
     assert "Traceback (" not in err and "(its newest checkpoint is step 4); once fixed, resume it with: dew train " \
            "--resume run" in err, err
     assert (tmp_path / "run" / "4" / "dew.json").is_file()  # what was saved before it stays
+
+
+def test_a_run_whose_plugin_is_gone_is_told_to_install_it_not_to_edit_its_recipe(tmp_path, capsys):
+    """generate, eval and export read the recipe a run trained with; with its plugin uninstalled they
+    said "Fix them in the file or with key=value overrides" (commands that take none)."""
+    import json
+
+    from dew.recipes.config import RunConfig
+
+    RunConfig.load("tiny-lm").save(tmp_path / "run")
+    recipe = json.loads((tmp_path / "run" / "run.json").read_text())
+    recipe["objective"]["name"] = "uninstalled_objective"
+    (tmp_path / "run" / "run.json").write_text(json.dumps(recipe))
+    for command in (["generate", str(tmp_path / "run"), "x"], ["eval", str(tmp_path / "run")],
+                    ["export", str(tmp_path / "run"), str(tmp_path / "out")]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "objective.name: no objective named 'uninstalled_objective'" in err, err
+        assert "This is the recipe the run trained with: install the distributions that register the names " \
+               "above" in err and "Fix them in the file" not in err, err

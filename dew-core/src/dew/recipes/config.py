@@ -24,7 +24,13 @@ import pydantic
 from dew.adapters.lora import Lora
 from dew.adapters.quantization import Quantization
 from dew.recipes.components import ComponentConfig, DataConfig, check_component, run_inputs
-from dew.recipes.errors import Problem, RecipeError, from_validation_error, raise_problems
+from dew.recipes.errors import (
+    RECORDED_ADVICE,
+    Problem,
+    RecipeError,
+    from_validation_error,
+    raise_problems,
+)
 from dew.recipes.reading import RecipeFileError, read_recipe_file, read_yaml
 from dew.settings import Settings
 from dew.training.config import RUN_FILE, TrainerConfig
@@ -200,8 +206,9 @@ class RunConfig(Settings):
 
     # -- reading and writing ------------------------------------------------------
     @classmethod
-    def parse(cls, data: object, source: str = "<recipe>") -> RunConfig:
-        """Validate a recipe's contents; raise one RecipeError naming every problem."""
+    def parse(cls, data: object, source: str = "<recipe>", *, advice: str | None = None) -> RunConfig:
+        """Validate a recipe's contents; raise one RecipeError naming every problem (and advice on
+        what to do about them, where the default, fixing the file, is not it)."""
         if not isinstance(data, Mapping):
             raise RecipeError(
                 f"The recipe {source} must be a mapping of sections (model, objective, data, "
@@ -211,7 +218,7 @@ class RunConfig(Settings):
             return cls.model_validate(data)
         except pydantic.ValidationError as error:
             problems: list[Problem] = from_validation_error(error, cls)
-            raise_problems(source, problems)
+            raise_problems(source, problems, advice)
 
     @classmethod
     def load(cls, recipe: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
@@ -253,7 +260,7 @@ class RunConfig(Settings):
             raise RecipeError(f"{path} cannot be read as a run's recipe ({error}). A run writes it when it "
                               "starts; replace a damaged one with the recipe the run was trained with "
                               "(RunConfig.load(...).save(run directory) writes it).") from None
-        return cls.parse(data, str(path))
+        return cls.parse(data, str(path), advice=RECORDED_ADVICE)
 
     def build_trackers(self, timestamp: str = "") -> Tracker | None:
         """The trackers section (and trainer.wandb) built, as one tracker; None for none.

@@ -119,13 +119,19 @@ def from_validation_error(
     return problems
 
 
-def raise_problems(source: str, problems: Sequence[Problem]) -> typing.NoReturn:
-    """Raise one RecipeError listing every problem of the recipe read from source."""
+# What to do about a recorded run's recipe that no longer reads: it is what the run trained with, so
+# the fix is the environment (or a resume's overrides), not editing the file.
+RECORDED_ADVICE = ("This is the recipe the run trained with: install the distributions that register the "
+                   "names above as they were when it trained (`dew describe` lists what is installed), or "
+                   "give dew train --resume RUN key=value overrides to continue it with other components.")
+
+
+def raise_problems(source: str, problems: Sequence[Problem], advice: str | None = None) -> typing.NoReturn:
+    """Raise one RecipeError listing every problem of the recipe read from source; advice replaces
+    the closing line that says where to fix them (a recorded run's recipe is not edited)."""
     lines = "\n".join(f"  {path}: {message}" for path, message in problems)
     shipped = Path(source).parent == Path(__file__).parent  # a recipe dew ships sits beside this module
     where = ("with key=value overrides, or in a copy of this shipped recipe" if shipped
              else "in the file or with key=value overrides")
-    raise RecipeError(
-        f"The recipe {source} has {len(problems)} problem(s):\n{lines}\n"
-        f"Fix them {where}; `dew train --help` lists every field."
-    )
+    closing = advice or f"Fix them {where}; `dew train --help` lists every field."
+    raise RecipeError(f"The recipe {source} has {len(problems)} problem(s):\n{lines}\n{closing}")
