@@ -191,9 +191,15 @@ def test_a_plugin_whose_objective_reads_the_device_count_fails_that_check_by_nam
     code, report = _check("dew-planted-plugin", installed)
     assert code == 1
     failed = {(c["subject"], c["check"]): c["message"] for c in report["checks"] if c["result"] == "failed"}
-    assert sorted(failed) == [("objective `planted_regression`", "gradients on many devices equal one device"),
+    assert sorted(failed) == [("objective `planted_raises`", "it loads"),
+                              ("objective `planted_regression`", "gradients on many devices equal one device"),
                               ("reader `planted_reader`", "kit builds the registered reader"),
+                              ("tracker `planted_missing`", "it loads"),
                               ("tracker `planted_tracker`", "kit builds the registered tracker")]
+    # A component without a kit is still loaded: its import failure is named, not hidden as unchecked.
+    assert "RuntimeError: the planted plugin's settings are broken" in failed[("objective `planted_raises`", "it loads")]
+    assert {(c["subject"], c["check"]) for c in report["checks"] if c["result"] == "unchecked"} == {
+        ("tracker `planted_not_a_tracker`", "has a conformance kit")}
     assert "The gradient on 8 devices differs from one device's" in failed[
         ("objective `planted_regression`", "gradients on many devices equal one device")]
     # A kit that builds another tracker or reader would certify that one: refused by name.

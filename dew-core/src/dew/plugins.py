@@ -250,7 +250,15 @@ def _autoload(plugin_manager: pluggy.PluginManager) -> None:
                 f"uninstall {provider.distribution}, or skip this plugin with "
                 f"{BLOCK_VARIABLE}={name} ({AUTOLOAD_VARIABLE}=1 skips them all)."
             ) from error
-        _register(plugin_manager, plugin, name)
+        try:
+            _register(plugin_manager, plugin, name)
+        except HookImplementationError as error:  # the same fix as a load failure's, named with it
+            raise HookImplementationError(
+                f"{error} The plugin is the entry point {name} = {provider.value} in group 'dew.plugins' of "
+                f"the distribution {provider.distribution}; every run loads installed plugins, so fix or "
+                f"uninstall {provider.distribution}, or skip this plugin with {BLOCK_VARIABLE}={name} "
+                f"({AUTOLOAD_VARIABLE}=1 skips them all)."
+            ) from error
 
 
 def _build() -> pluggy.PluginManager:

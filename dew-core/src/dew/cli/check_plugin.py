@@ -4,8 +4,10 @@ Every component the distribution registers is checked by the matching
 conformance kit of dew.testing, each kit in a fresh interpreter
 (dew.testing.certify). The report is Markdown, to paste into the plugin's
 README; the exit status gates a CI: 0 when every check passed (or was
-skipped by its kit), 1 when one failed or a component has no kit, 2 when
-the distribution is not installed or registers nothing.
+skipped by its kit), 1 when one failed (a component that fails to load, a
+name another installed distribution registers, a kit named after no
+component) or a component has no kit, 2 when the distribution is not
+installed or registers nothing.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "A component's kit is a subclass of the dew.testing kit for its group, registered by the same name\n"
         "under the entry-point group dew.conformance:\n\n"
         '  [project.entry-points."dew.conformance"]\n  my_objective = "my_package.conformance:MyObjectiveKit"\n\n'
-        "exit status: 0 every check passed; 1 a check failed or a component has no kit; 2 no such "
-        "distribution, or it registers no dew component."
+        "exit status: 0 every check passed; 1 a check failed (a component that fails to load, a name another\n"
+        "installed distribution registers in the same group, a kit named after no component) or a component\n"
+        "has no kit; 2 no such distribution, or it registers no dew component."
     )
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.errors import DewError
 
-__all__ = ["UnknownComponentError", "add_arguments", "describe", "markdown", "run"]
+if TYPE_CHECKING:
+    from dew.registry import Provider, Registry
+
+__all__ = ["NotAComponentError", "UnknownComponentError", "add_arguments", "describe", "markdown", "run"]
 
 # What a recipe run hands an objective that declares it in Objective.run_inputs.
 SUPPLIED = {"model": "supplied by the recipe (its model section)",
@@ -23,6 +26,11 @@ SUPPLIED = {"model": "supplied by the recipe (its model section)",
 
 class UnknownComponentError(DewError, LookupError):
     """No registry holds the name, or more than one does and the group was not given."""
+
+
+class NotAComponentError(DewError, TypeError):
+    """An entry point names something a recipe cannot build: a module or a constant, not a class
+    or function (a hook plugin's module, in dew.plugins, is described as one)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,9 +86,13 @@ def describe(name: str) -> str:
     provider = table.provider(bare)
     component = table.load(bare)
     lines = [f"{bare} ({group}, from {provider.distribution}): {provider.value}"]
+    if group != "plugins" and not callable(component):  # its docstring would be its type's
+        raise NotAComponentError(_not_callable(component, table, provider))
     doc = inspect.getdoc(component) or ""
     if doc:
         lines += ["", doc.split("\n\n")[0]]
+    if group == "plugins":  # a module (or object) of hook implementations, which has no fields
+        return "\n".join(lines + ["", *_hook_lines(component)])
     fields = registry.declared_fields(component)
     from dew.recipes.components import run_inputs
 
@@ -98,6 +110,52 @@ def describe(name: str) -> str:
                   "seed is the recipe's seed unless set here):"]
         lines += _rows(keywords, {}) if keywords else ["  none"]
     return "\n".join(lines)
+
+
+def _not_callable(component: object, table: Registry, provider: Provider) -> str:
+    """The refusal of an entry point that names neither a class nor a function."""
+    what = (f"the module {component.__name__}" if inspect.ismodule(component)
+            else f"the {type(component).__name__} {component!r:.40}")
+    hooks = " (a module of hook implementations belongs in dew.plugins)" if inspect.ismodule(component) else ""
+    return (f"{provider.name!r} from {provider.distribution} is the entry point {provider.name} = "
+            f"{provider.value!r} in {table.group}, which names {what}, not a class or function{hooks}: a "
+            f"{table.kind} entry point names the class (or function) that builds one, as "
+            f"'package.module:ClassName'; fix it in {provider.distribution}'s pyproject.toml and reinstall it.")
+
+
+def _hook_lines(plugin: object) -> list[str]:
+    """The hooks plugin implements, each with the arguments it takes and what is wrong with them."""
+    import pluggy
+
+    from dew.plugins import PROJECT
+
+    parser = pluggy.PluginManager(PROJECT)
+    found = []
+    for attribute in dir(plugin):
+        options = parser.parse_hookimpl_opts(plugin, attribute)
+        if options is None:
+            continue
+        hook = options.get("specname") or attribute
+        taken = [p for p in inspect.signature(getattr(plugin, attribute)).parameters if p != "self"]
+        found.append(f"  {hook}({', '.join(taken)}){_hook_problem(hook, taken)}")
+    if not found:
+        return ["hooks: none (no function in it is marked with dew.plugins.hookimpl)"]
+    return ["hooks it implements (a hook plugin has no fields; every run loads it):", *found]
+
+
+def _hook_problem(hook: str, taken: list[str]) -> str:
+    """Why a run would refuse an implementation of hook taking the arguments taken; empty if none."""
+    from dew.plugins import Hooks
+
+    specification = vars(Hooks).get(hook)
+    if not hook.startswith("dew_") or specification is None:
+        return "  <- dew has no such hook; a run refuses this plugin"
+    passed = [p for p in inspect.signature(specification).parameters if p != "self"]
+    extra = [p for p in taken if p not in passed]
+    if extra:
+        return (f"  <- {hook} passes {', '.join(passed)}, not {', '.join(extra)}; a run refuses "
+                "this plugin")
+    return ""
 
 
 def _rows(fields: dict[str, tuple[Any, Any]], supplied: dict[str, str]) -> list[str]:
@@ -149,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         print(describe(args.name) if args.name else listing())
-    except UnknownComponentError as error:
+    except (UnknownComponentError, NotAComponentError) as error:
         print(f"dew describe: {error}", file=sys.stderr)
         return 2
     return 0

@@ -15,14 +15,19 @@ kit in a fresh interpreter (``python -m dew.testing.certify``), every
 a kit of its own is checked with ``RewardKit``'s defaults; a hook module
 (``dew.plugins``) is registered with dew's plugin manager, which checks
 every implementation against dew's hook specifications. A component with
-no kit is reported unchecked, which fails the certification.
+no kit is still loaded (a load failure fails), then reported unchecked,
+which fails the certification. So do a name another installed distribution
+registers in the same group (every recipe naming it would fail with
+NameConflictError) and a kit whose name is no component's of the distribution.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,7 +42,8 @@ from typing import Any
 from dew.errors import DewError
 
 __all__ = [
-    "CONFORMANCE", "GROUPS", "Check", "Component", "NotADistributionError", "certify", "checks_of", "subjects",
+    "CONFORMANCE", "GROUPS", "Check", "Component", "NotADistributionError", "certify", "checks_of", "clashes",
+    "stray_kits", "subjects",
 ]
 
 CONFORMANCE = "dew.conformance"
@@ -87,17 +93,7 @@ class Check:
 
 def subjects(distribution: str) -> tuple[str, list[Component]]:
     """The distribution's version and its components, each with its registered kit."""
-    if not distribution.strip():  # importlib.metadata raises a bare ValueError for an empty name
-        raise NotADistributionError(
-            "No distribution was named; give the installed distribution's name, as its pyproject.toml "
-            f"declares it; distributions registering dew components here: {', '.join(_registering()) or 'none'}.")
-    try:
-        found = metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        raise NotADistributionError(
-            f"No installed distribution is named {distribution!r}. Install it (pip install ...) in this "
-            f"environment, or give the name its pyproject.toml declares; distributions registering dew "
-            f"components here: {', '.join(_registering()) or 'none'}.") from None
+    found = _distribution(distribution)
     points = list(found.entry_points)
     kits = {p.name: p.value for p in points if p.group == CONFORMANCE}
     listed = [Component(p.group, p.name, p.value, kits.get(p.name) if p.group != "dew.plugins" else "hooks")
@@ -107,6 +103,57 @@ def subjects(distribution: str) -> tuple[str, list[Component]]:
             f"{found.metadata['Name']} registers no dew component: none of its entry points is in the groups "
             f"{', '.join(GROUPS)}.")
     return found.version, listed
+
+
+def _distribution(distribution: str) -> metadata.Distribution:
+    """The installed distribution of that name, or an error naming those that register dew components."""
+    if not distribution.strip():  # importlib.metadata raises a bare ValueError for an empty name
+        raise NotADistributionError(
+            "No distribution was named; give the installed distribution's name, as its pyproject.toml "
+            f"declares it; distributions registering dew components here: {', '.join(_registering()) or 'none'}.")
+    try:
+        return metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise NotADistributionError(
+            f"No installed distribution is named {distribution!r}. Install it (pip install ...) in this "
+            f"environment, or give the name its pyproject.toml declares; distributions registering dew "
+            f"components here: {', '.join(_registering()) or 'none'}.") from None
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def clashes(distribution: str, subject: Component) -> list[Check]:
+    """A failed check naming each other installed distribution that registers subject's name in its
+    group: while both are installed, every recipe naming it fails with NameConflictError."""
+    others = {point.dist.metadata["Name"]: point.value
+              for point in metadata.entry_points(group=subject.group, name=subject.name)
+              if point.dist is not None and _canonical(point.dist.metadata["Name"]) != _canonical(distribution)}
+    return [Check(subject.label, "no other distribution registers its name", "failed",
+                  f"{other} registers {subject.name!r} in {subject.group} too ({value}), so while both are "
+                  f"installed every recipe naming {subject.name!r} fails with NameConflictError: rename the entry "
+                  f"point {subject.name} = {subject.value} in {distribution}'s pyproject.toml (a name of its own, "
+                  f"such as one starting with the package's name) and reinstall it.")
+            for other, value in sorted(others.items())]
+
+
+def stray_kits(distribution: str, listed: list[Component]) -> list[Check]:
+    """A failed check for each dew.conformance kit whose name is no component's of distribution: it
+    checks nothing (a misspelled name, or one left behind by a rename)."""
+    names = sorted({subject.name for subject in listed})
+    found = [Check(f"kit `{point.name}`", "names a component of the distribution", "failed",
+                   f"the {CONFORMANCE} entry point {point.name} = {point.value} of {distribution} names no component "
+                   f"of it, so it checks nothing{_did_you_mean(point.name, names)}: register the kit under the "
+                   f"name of the component it checks (its components: {', '.join(names)}).")
+             for point in _distribution(distribution).entry_points
+             if point.group == CONFORMANCE and point.name not in names]
+    return sorted(found, key=lambda check: check.subject)
+
+
+def _did_you_mean(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _registering() -> list[str]:
@@ -172,8 +219,12 @@ def checks_of(subject: Component) -> list[Check]:
         component = _load(subject.value)
     except Exception as error:  # noqa: BLE001 - the component's own module, not its kit, failed
         return [Check(label, "it loads", "failed",
-                      f"its entry point {subject.value!r} failed to load: {type(error).__name__}: {error}")]
+                      f"its entry point {subject.name} = {subject.value} failed to load: {type(error).__name__}: "
+                      f"{error}. Fix the entry point (or install what its module imports, declared in the "
+                      "distribution's dependencies) and reinstall the distribution.")]
     module, base, factory = GROUPS[subject.group]
+    if subject.kit is None and subject.group != "dew.rewards":
+        return [Check(label, "it loads", "passed"), _unchecked(subject)]
     kit_class: type
     if subject.kit is None and subject.group == "dew.rewards":
         from dew import registry
@@ -234,6 +285,12 @@ def checks_of(subject: Component) -> list[Check]:
     return results
 
 
+def _unchecked(subject: Component) -> Check:
+    return Check(subject.label, "has a conformance kit", "unchecked",
+                 f"register a subclass of dew.testing.{GROUPS[subject.group][1]} under the entry-point group "
+                 f"{CONFORMANCE} as {subject.name!r}")
+
+
 def _call(label: str, function: Any) -> Check:
     holder = type("Single", (), {f"test_{function.__name__}": staticmethod(function)})
     return _run_method(holder, f"test_{function.__name__}", label)
@@ -242,14 +299,10 @@ def _call(label: str, function: Any) -> Check:
 def certify(distribution: str, *, timeout: float = 1800) -> tuple[str, list[Check]]:
     """Every component of distribution checked, each kit in a fresh interpreter; (version, checks)."""
     version, listed = subjects(distribution)
-    results: list[Check] = []
-    for subject in listed:
-        if subject.kit is None and subject.group != "dew.rewards":
-            results.append(Check(subject.label, "has a conformance kit", "unchecked",
-                                 f"register a subclass of dew.testing.{GROUPS[subject.group][1]} under the "
-                                 f"entry-point group {CONFORMANCE} as {subject.name!r}"))
-            continue
-        results += _in_child(subject, timeout)
+    name = _distribution(distribution).metadata["Name"]  # as its pyproject.toml spells it
+    results = stray_kits(name, listed)
+    for subject in listed:  # one without a kit is still loaded there: a load failure fails
+        results += clashes(name, subject) + _in_child(subject, timeout)
     return version, results
 
 
