@@ -52,6 +52,19 @@ def test_scores_are_the_mean_over_every_row_of_the_pass():
     assert result.to_json()["scores"] == result.scores
 
 
+def test_a_metric_reading_an_output_evaluate_never_returns_is_named_with_both():
+    """A plugin's metrics() named 'accuracy', which its evaluate never returned: the run stopped with a
+    bare KeyError: 'accuracy' traceback from inside MeanMetric."""
+    from dew.training.evaluation import MetricOutputError
+
+    with pytest.raises(MetricOutputError) as refused:
+        evaluate(Scale(), Scale().init(None), val_batches(1), key=jax.random.key(0), step=1,
+                 metrics=[MeanMetric("loss"), MeanMetric("accuracy")])
+    assert str(refused.value) == ("The validation metric 'accuracy' of Scale.metrics() reads the output 'accuracy', "
+                                  "which its evaluate does not return (it returns abs, loss): return it from "
+                                  "evaluate, or leave the metric out of metrics().")
+
+
 def test_no_metrics_means_no_reading_at_all():
     def reader(partition):
         raise AssertionError("the split must not be opened")

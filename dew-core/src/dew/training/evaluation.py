@@ -12,6 +12,7 @@ import time
 import zlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +21,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data.base import Reader, close_if_closable
+from dew.errors import DewError
 from dew.objectives.base import Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.telemetry.artifacts import Artifact
 from dew.training.placement.mesh import build_mesh, data_partition, global_shape, shard_batch
 from dew.training.state import stream
 from dew.typing import PyTree
 
-__all__ = ["Evaluation", "Evaluator", "OutputMeans", "evaluate", "preview_key"]
+__all__ = ["Evaluation", "Evaluator", "MetricOutputError", "OutputMeans", "evaluate", "preview_key"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,26 @@ def _rank_zeros(seconds: float) -> float:
     bits = np.asarray([seconds], np.float64).view(np.uint32)
     sent = np.asarray(multihost_utils.broadcast_one_to_all(bits), np.uint32)
     return float(sent.view(np.float64)[0])
+
+
+class MetricOutputError(DewError, KeyError):
+    """A validation metric reads an output the objective's evaluate does not return."""
+
+    def __str__(self) -> str:  # KeyError's own would quote the message
+        return str(self.args[0])
+
+
+def _updated(metric: Metric, accumulator: Any, outputs: Mapping[str, Any], objective: object) -> Any:
+    """metric.update, its KeyError for an output evaluate never returned named with both sides."""
+    try:
+        return metric.update(accumulator, outputs)
+    except KeyError as error:
+        if isinstance(error, DewError) or error.args[:1] == () or error.args[0] in outputs:
+            raise
+        raise MetricOutputError(
+            f"The validation metric {metric.name!r} of {type(objective).__name__}.metrics() reads the output "
+            f"{error.args[0]!r}, which its evaluate does not return (it returns {', '.join(sorted(outputs))}): "
+            "return it from evaluate, or leave the metric out of metrics().") from error
 
 
 def _rows(batch: Mapping[str, PyTree]) -> int:
@@ -207,7 +229,7 @@ class Evaluator:
                 )
                 host = jax.device_get(outputs)
                 for i, metric in enumerate(metrics):
-                    accumulators[i] = metric.update(accumulators[i], host)
+                    accumulators[i] = _updated(metric, accumulators[i], host, self.objective)
                 coordinated += 1
                 rows += _rows(batch) * partition.shares
         finally:
