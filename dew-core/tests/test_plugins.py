@@ -36,6 +36,32 @@ def test_registered_plugin_receives_the_hooks_for_the_block_only():
     assert recorder.calls == [("step_end", 5, {"loss": 1.5}), ("run_end", 7)]
 
 
+class Broken:
+    @hookimpl
+    def dew_step_end(self, step):
+        if step >= 2:
+            raise ValueError("hook failing on purpose")
+
+
+def test_a_plugins_own_error_in_a_fit_is_named_with_the_plugin_and_the_switch(capsys):
+    """A hook that raised mid-run printed pluggy's traceback (exit 1, "a bug in dew"); a plugin's
+    error is now named, and dew's own errors and non-plugin code pass through unchanged."""
+    import jax
+    import optax
+
+    from dew import Trainer
+    from dew.testing.doubles import Regression, regression_dataset
+
+    with registered(Broken(), name="broken_hooks"), pytest.raises(plugins.PluginHookError) as refused:
+        Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0)).fit(regression_dataset(), steps=3, log_every=1)
+    assert str(refused.value).startswith("The plugin 'broken_hooks' raised ValueError: hook failing on purpose in "
+                                         "its dew_step_end hook. Fix or uninstall the distribution that ships it, "
+                                         "or skip it with DEW_BLOCK_PLUGINS=broken_hooks")
+    assert isinstance(refused.value.__cause__, ValueError)
+    with pytest.raises(ZeroDivisionError), plugins.blamed("dew_step_end"):  # not a plugin's frame
+        _ = 1 / 0
+
+
 def test_every_lifecycle_hook_has_a_documented_spec():
     relay = plugins.hook()
     expected = {

@@ -61,7 +61,9 @@ __all__ = [
     "HookImplementationError",
     "StepContribution",
     "Hooks",
+    "PluginHookError",
     "PluginLoadError",
+    "blamed",
     "hook",
     "hookimpl",
     "hookspec",
@@ -79,6 +81,10 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 class HookImplementationError(DewError, TypeError):
     """A plugin implements a hook that does not exist, or takes an argument the hook lacks."""
+
+
+class PluginHookError(DewError, RuntimeError):
+    """A plugin's hook implementation raised while the run fired it (the plugin's own error)."""
 
 
 class PluginLoadError(DewError, RuntimeError):
@@ -304,3 +310,38 @@ def registered(plugin: object, name: str | None = None) -> Iterator[object]:
         yield plugin
     finally:
         plugin_manager.unregister(plugin)
+
+
+def _culprit(error: BaseException) -> str | None:
+    """The name of the registered plugin whose hook implementation raised error (its traceback
+    passes through that function), or None when none did."""
+    plugin_manager = _MANAGER
+    if plugin_manager is None:
+        return None
+    codes = {impl.function.__code__: impl.plugin_name
+             for name in vars(Hooks) if name.startswith("dew_")
+             for impl in getattr(plugin_manager.hook, name).get_hookimpls()}
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code in codes:
+            return codes[frame.tb_frame.f_code]
+        frame = frame.tb_next
+    return None
+
+
+@contextlib.contextmanager
+def blamed(hook_name: str) -> Iterator[None]:
+    """Fire a hook inside this block: a plugin's own error is raised again as PluginHookError naming
+    the plugin and how to skip it, not as a traceback that reads as dew's bug."""
+    try:
+        yield
+    except DewError:
+        raise
+    except Exception as error:
+        name = _culprit(error)
+        if name is None:
+            raise
+        raise PluginHookError(
+            f"The plugin {name!r} raised {type(error).__name__}: {error} in its {hook_name} hook. Fix or "
+            f"uninstall the distribution that ships it, or skip it with {BLOCK_VARIABLE}={name}; a run with "
+            "checkpoints resumes from its last one.") from error

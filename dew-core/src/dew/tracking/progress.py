@@ -169,7 +169,8 @@ class Progress:
             self.console.start(start, steps, dict(mesh), processes)
         self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
                                processes=processes), start)
-        self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
+        with plugins.blamed("dew_run_start"):
+            self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
         if not self.in_loop:  # from here the trackers' writer works while the loop waits
             self.in_loop = True
             LOOP.enter()
@@ -185,7 +186,8 @@ class Progress:
         if self.console is not None:
             self.console.finish(goodput)
             self.console.close()
-        self.hooks.dew_run_end(step=step, state=state)
+        with plugins.blamed("dew_run_end"):
+            self.hooks.dew_run_end(step=step, state=state)
 
     def close(self) -> None:
         self._leave_loop()
@@ -322,7 +324,9 @@ class Progress:
         """Fire dew_step_end; gather the scalars hooks add and whether one asks to stop."""
         added: dict[str, float] = {}
         stop: str | None = None
-        for result in self.hooks.dew_step_end(step=done, metrics=dict(scalars)) or ():
+        with plugins.blamed("dew_step_end"):
+            results = self.hooks.dew_step_end(step=done, metrics=dict(scalars)) or ()
+        for result in results:
             contribution = plugins.StepContribution.of(result)
             added.update({k: float(v) for k, v in contribution.scalars.items()})
             if contribution.stop and stop is None:
@@ -349,10 +353,12 @@ class Progress:
             for artifact in result.previews:
                 self.tracker.artifact(artifact, done)
             self.tracker.artifact(result, done)
-        self.hooks.dew_evaluation(step=done, evaluation=result)
+        with plugins.blamed("dew_evaluation"):
+            self.hooks.dew_evaluation(step=done, evaluation=result)
 
     def checkpoint(self, done: int, path: str) -> None:
-        self.hooks.dew_checkpoint(step=done, path=path)
+        with plugins.blamed("dew_checkpoint"):
+            self.hooks.dew_checkpoint(step=done, path=path)
 
     def note(self, line: str) -> None:
         if self.console is not None:
