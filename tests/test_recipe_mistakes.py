@@ -4,6 +4,8 @@ nothing or something else)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dew.cli import main
@@ -215,6 +217,14 @@ def test_a_plugin_trackers_own_error_stops_the_run_naming_it_and_the_run_resumes
     assert "Traceback (" not in err and "(its newest checkpoint is step 4); once fixed, resume it with: dew train " \
            "--resume run" in err, err
     assert (tmp_path / "run" / "4" / "dew.json").is_file()  # what was saved before it stays
+    # started.json records who registered each installed component the recipe named (the test's tracker
+    # is registered in code, by no distribution, so it is not among them)
+    from importlib import metadata
+
+    started = json.loads((tmp_path / "run" / "started.json").read_text())
+    assert started["components"] == {"objectives/lm": f"dew-objectives {metadata.version('dew-objectives')}",
+                                     "datasets/token_windows": f"dew-data {metadata.version('dew-data')}",
+                                     "models/causal_transformer": f"dew-core {metadata.version('dew-core')}"}
 
 
 def test_a_run_whose_plugin_is_gone_is_told_to_install_it_not_to_edit_its_recipe(tmp_path, capsys):
@@ -228,6 +238,9 @@ def test_a_run_whose_plugin_is_gone_is_told_to_install_it_not_to_edit_its_recipe
     recipe = json.loads((tmp_path / "run" / "run.json").read_text())
     recipe["objective"]["name"] = "uninstalled_objective"
     (tmp_path / "run" / "run.json").write_text(json.dumps(recipe))
+    (tmp_path / "run" / "started.json").write_text(json.dumps({  # as the run wrote it when it started
+        "timestamp": "2026-12-05_10:00:00", "cwd": str(tmp_path),
+        "components": {"objectives/uninstalled_objective": "dew-gone-plugin 1.2.3"}}))
     for command in (["generate", str(tmp_path / "run"), "x"], ["eval", str(tmp_path / "run")],
                     ["export", str(tmp_path / "run"), str(tmp_path / "out")]):
         assert main(command) == 2
@@ -235,3 +248,7 @@ def test_a_run_whose_plugin_is_gone_is_told_to_install_it_not_to_edit_its_recipe
         assert "objective.name: no objective named 'uninstalled_objective'" in err, err
         assert "This is the recipe the run trained with: install the distributions that register the names " \
                "above" in err and "Fix them in the file" not in err, err
+        assert "The run trained with objective 'uninstalled_objective' from dew-gone-plugin 1.2.3: pip install " \
+               "'dew-gone-plugin==1.2.3' to read it again." in err, err
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 2
+    assert "pip install 'dew-gone-plugin==1.2.3'" in capsys.readouterr().err

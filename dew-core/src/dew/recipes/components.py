@@ -13,7 +13,7 @@ import difflib
 import inspect
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pydantic
@@ -26,7 +26,8 @@ from dew.settings import Settings
 if TYPE_CHECKING:
     from dew.data.base import Dataset
 
-__all__ = ["ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "refuse_values", "run_inputs"]
+__all__ = ["ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "provenance", "refuse_values",
+           "run_inputs"]
 
 # Of what an objective declares in Objective.run_inputs, the run always supplies the
 # model (a recipe cannot give one), and the tokenizer unless the recipe gives its own.
@@ -336,3 +337,23 @@ def check_component(group: str, config: ComponentConfig) -> ComponentConfig:
             "dew_component", "{message}", {"message": found[0][1], "problems": found}
         )
     return config
+
+
+def provenance(named: Sequence[tuple[str, object]]) -> dict[str, str]:
+    """Which installed distribution (and version) registers each (group, name) a run names, as
+    "group/name": "distribution version": what a reader of the run must have installed."""
+    from importlib import metadata
+
+    from dew import registry as registries
+
+    found: dict[str, str] = {}
+    for group, name in named:
+        if not isinstance(name, str) or name not in registries.registry(group):
+            continue
+        distribution = registries.registry(group).provider(name).distribution
+        try:
+            version = metadata.version(distribution)
+        except (metadata.PackageNotFoundError, ValueError):
+            continue  # a registration made in code (a test's), not by an installed distribution
+        found[f"{group}/{name}"] = f"{distribution} {version}"
+    return found

@@ -93,13 +93,33 @@ class RunFolder:
                 found.append(_absolute(_expand(where, self.timestamp), self.cwd))
         return list(dict.fromkeys(found))
 
-    def record(self) -> None:
-        """Write started.json (the timestamp and working directory) once the folder exists."""
+    def record(self, config: RunConfig) -> None:
+        """Write started.json once the folder exists: the timestamp and working directory, and the
+        distribution (with its version) registering each component the recipe names, so a reader
+        of the run after a plugin was uninstalled is told what to install."""
         if self.directory is None or self.timestamp is None or not self.directory.is_dir():
             return
         target = self.directory / STARTED
         if not target.exists():
-            target.write_text(json.dumps({"timestamp": self.timestamp, "cwd": str(self.cwd)}) + "\n")
+            from dew.recipes.components import provenance
+
+            components = provenance(named_components(config))
+            target.write_text(json.dumps({"timestamp": self.timestamp, "cwd": str(self.cwd),
+                                          "components": components}) + "\n")
+
+
+def named_components(config: RunConfig) -> list[tuple[str, object]]:
+    """Every (registry group, name) the recipe names: its model, objective (and the reward,
+    environment or teacher given inside it), data reader, trackers and evaluation tasks."""
+    named: list[tuple[str, object]] = [("objectives", config.objective.name), ("datasets", config.data.name)]
+    if config.model is not None:
+        named.append(("models", config.model.name))
+    for key, group in (("reward", "rewards"), ("environment", "environments"), ("teacher", "models")):
+        inner = config.objective.fields.get(key)
+        named.append((group, inner.get("name") if isinstance(inner, dict) else inner))
+    named += [("trackers", tracker.name) for tracker in config.trackers]
+    named += [("evaluations", entry.task) for entry in config.trainer.evaluate]
+    return named
 
 
 def _expand(value: str, timestamp: str) -> str:
@@ -159,7 +179,8 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
             f"{shown(saved)} holds redacted secrets ({', '.join(hidden)}), which a run never writes "
             f"down; give them again: {resume_command(directory)} "
             + " ".join(f"{key}=..." for key in hidden))
-    config = RunConfig.parse(data, str(saved))
+    with installing_what_it_trained_with(directory):
+        config = RunConfig.parse(data, str(saved))
     return config, RunFolder(directory, timestamp, cwd, resumed=True)
 
 
@@ -251,7 +272,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
                 error.add_note(_resume_note(folder.directory))
         raise
     finally:
-        folder.record()
+        folder.record(config)
 
 
 def _refuse_exported(directory: Path | None) -> None:
@@ -366,3 +387,35 @@ def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder) -> str:
                 "unset), so nothing was written and running again starts over.")
     return (f"{what} at step {stop.step}; its checkpoint, data position and journal are in "
             f"{shown(folder.directory)}. Resume with: {resume_command(folder.directory)}")
+
+
+@contextlib.contextmanager
+def installing_what_it_trained_with(run: Path) -> Iterator[None]:
+    """Read a run's recipe inside this block: a refusal because a component it names is no longer
+    registered gains a note naming the distribution (and version) that registered it when the run
+    started (started.json), and how to install it."""
+    try:
+        yield
+    except RecipeError as error:
+        missing = _missing_distributions(run)
+        if not missing:
+            raise
+        raise RecipeError("\n".join([str(error), *missing])) from None  # every command prints the message
+
+
+def _missing_distributions(run: Path) -> list[str]:
+    from dew import registry as registries
+
+    try:
+        recorded = json.loads((run / STARTED).read_text()).get("components") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    lines = []
+    for key, made_by in sorted(recorded.items()) if isinstance(recorded, dict) else ():
+        group, _, name = str(key).partition("/")
+        if group not in registries.GROUPS or name in registries.registry(group):
+            continue
+        distribution, _, version = str(made_by).partition(" ")
+        lines.append(f"The run trained with {registries.registry(group).kind} {name!r} from {distribution} {version}: "
+                     f"pip install '{distribution}=={version}' to read it again.")
+    return lines

@@ -158,10 +158,12 @@ def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
 def _open_trained(path: Path, step: int | None) -> Opened:
 
     from dew.recipes.config import RunConfig
+    from dew.recipes.folder import installing_what_it_trained_with
     from dew.recipes.resuming import started_in
     from dew.recipes.run import build_parts
 
-    config = RunConfig.read(path)
+    with installing_what_it_trained_with(path):
+        config = RunConfig.read(path)
     with started_in(path):  # its recipe's relative paths (a tokenizer file) start where it trained
         parts = build_parts(config, with_data=False)
     live, averaged, number = _read_variables(parts.objective, path, step)
