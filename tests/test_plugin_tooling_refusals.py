@@ -242,3 +242,7 @@ def test_a_hook_with_an_argument_its_hook_lacks_names_the_distribution_and_the_s
         "of the distribution probe-bad-hooks; every run loads installed plugins, so fix or uninstall "
         "probe-bad-hooks, or skip this plugin with DEW_BLOCK_PLUGINS=bad_hook_args "
         "(DEW_DISABLE_PLUGIN_AUTOLOAD=1 skips them all).\n") in done.stderr
+    # dew train --check passed while every run was refused: it loads the installed plugins too
+    checked = dew(site, "train", "tiny-lm", "--check", cwd=tmp_path)
+    assert checked.returncode == 2 and "HookImplementationError: Plugin 'bad_hook_args'" in checked.stderr, \
+        checked.stderr

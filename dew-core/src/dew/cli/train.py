@@ -162,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         config = RunConfig.load(args.recipe, overrides=args.overrides)
         folder = RunFolder.new(config)
     if args.check:
+        from dew import plugins
+
+        plugins.manager()  # an installed hook plugin every run would refuse is refused here too
         print(json.dumps(config.recorded(), indent=2))
         return 0
     from dew.cli.compilation_cache import default_compilation_cache
