@@ -91,6 +91,23 @@ def test_identical_runs_are_identical_through_their_last_step(runs, capsys):
 
 
 @pytest.mark.slow
+def test_a_plugin_upgraded_between_two_runs_is_a_row_of_the_recipe_diff(runs, tmp_path, capsys):
+    """started.json records which distribution and version registered each component; two runs made
+    with different versions of one are told apart, though their recipes are the same."""
+    import shutil
+
+    copy = shutil.copytree(runs.ref, tmp_path / "upgraded")
+    started = json.loads((copy / "started.json").read_text())
+    before = started["components"]["objectives/lm"]
+    assert before.startswith("dew-objectives ")
+    started["components"]["objectives/lm"] = "dew-objectives 99.0"
+    (copy / "started.json").write_text(json.dumps(started))
+    code, out, _ = _dew(["diff", str(runs.ref), str(copy), "--json"], capsys)
+    rows = {key: (a, b) for key, a, b in json.loads(out)["recipe"]}
+    assert rows == {"installed.objectives/lm": (before, "dew-objectives 99.0")}, rows
+
+
+@pytest.mark.slow
 def test_a_changed_learning_rate_parts_at_step_one_at_the_parameters_alone(runs, capsys):
     changed = runs.train("lr", "optimizer.learning_rate=0.001")
     code, out, _ = _dew(["diff", str(runs.ref), str(changed), "--json"], capsys)

@@ -7,7 +7,8 @@ kept step at which a leaf's digest differs, and which leaves. Asked to
 (``load``), the differing leaves of that step and of the last common step
 are read (Orbax partial restores, one step of one run at a time) for their
 largest elementwise gap. The logged losses come from the runs' journals
-(``scalars.jsonl``), the recipes from their ``run.json``.
+(``scalars.jsonl``), the recipes from their ``run.json``, and the versions
+of the distributions that registered their components from ``started.json``.
 
 Two runs whose every common kept step has the same digests and whose losses
 are equal are identical through the last of those steps. Runs of different
@@ -155,6 +156,26 @@ def _recipe(run: Path, notes: list[str]) -> dict[str, Any] | None:
     return recipe
 
 
+def _installed(run: Path) -> dict[str, Any] | None:
+    """The distribution and version that registered each component, as the run recorded them when it
+    started (started.json's components; None for a run from before they were recorded)."""
+    try:
+        recorded = json.loads((run / "started.json").read_text(encoding="utf-8")).get("components")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _installed_diff(runs: Sequence[Path]) -> list[tuple[str, Any, Any]]:
+    """The components whose registering distribution or version differs between two runs that
+    recorded them (a plugin upgraded between them), as installed.GROUP/NAME rows of the recipe diff."""
+    left, right = (_installed(run) for run in runs)
+    if left is None or right is None:
+        return []
+    return [(f"installed.{key}", left.get(key), right.get(key)) for key in sorted(set(left) & set(right))
+            if left.get(key) != right.get(key)]
+
+
 def _kept(run: Path) -> list[int]:
     from dew.checkpoints.store import Store
 
@@ -279,6 +300,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
         models = tuple(k for k, _, _ in recipe_diff if k == "model" or k.startswith("model."))
     elif not notes:
         notes.append("one run has no run.json; its recipe is not compared")
+    recipe_diff += _installed_diff(runs)
     common = sorted(set(kept[0]) & set(kept[1]))
     first_step, differing, incomparable = None, (), ()
     for step in common:
