@@ -199,6 +199,8 @@ def test_check_plugin_loads_a_component_without_a_kit_and_flags_a_kit_named_afte
         bad_attr = probe_loads.parts:NoSuchClass
         [dew.trackers]
         good_thing = probe_loads.parts:Thing
+        [dew.rewards]
+        a_constant = probe_loads.parts:THRESHOLD
         [dew.conformance]
         good_thnig = probe_loads.parts:Thing
     """, {"probe_loads.parts": PARTS,
@@ -212,7 +214,11 @@ def test_check_plugin_loads_a_component_without_a_kit_and_flags_a_kit_named_afte
         ("objective `bad_attr`", "it loads"): "failed",
         ("tracker `good_thing`", "it loads"): "passed",
         ("tracker `good_thing`", "has a conformance kit"): "unchecked",
+        ("reward `a_constant`", "it names a class or function"): "failed",
     }
+    assert checks[("reward `a_constant`", "it names a class or function")][1] == (  # it was a bare TypeError
+        "its entry point a_constant = probe_loads.parts:THRESHOLD names a value of type int, not the class (or function) that "
+        "builds the component; point it at that class as 'package.module:ClassName' and reinstall the distribution.")
     assert checks[("objective `bad_import`", "it loads")][1] == (
         "its entry point bad_import = probe_loads.broken:Thing failed to load: ModuleNotFoundError: No module named "
         "'probe_missing_dependency_xyz'. Fix the entry point (or install what its module imports, declared in the "
@@ -222,7 +228,7 @@ def test_check_plugin_loads_a_component_without_a_kit_and_flags_a_kit_named_afte
     assert checks[("kit `good_thnig`", "names a component of the distribution")][1] == (
         "the dew.conformance entry point good_thnig = probe_loads.parts:Thing of probe-loads names no component of "
         "it, so it checks nothing (did you mean 'good_thing'?): register the kit under the name of the component "
-        "it checks (its components: bad_attr, bad_import, good_thing).")
+        "it checks (its components: a_constant, bad_attr, bad_import, good_thing).")
 
 
 def test_a_hook_with_an_argument_its_hook_lacks_names_the_distribution_and_the_switch(tmp_path):

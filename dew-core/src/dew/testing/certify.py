@@ -223,6 +223,11 @@ def checks_of(subject: Component) -> list[Check]:
                       f"{error}. Fix the entry point (or install what its module imports, declared in the "
                       "distribution's dependencies) and reinstall the distribution.")]
     module, base, factory = GROUPS[subject.group]
+    if not callable(component):  # a module or a constant: nothing a recipe or a kit can build
+        return [Check(label, "it names a class or function", "failed",
+                      f"its entry point {subject.name} = {subject.value} names a value of type {type(component).__name__}, not "
+                      "the class (or function) that builds the component; point it at that class as "
+                      "'package.module:ClassName' and reinstall the distribution.")]
     if subject.kit is None and subject.group != "dew.rewards":
         return [Check(label, "it loads", "passed"), _unchecked(subject)]
     kit_class: type
