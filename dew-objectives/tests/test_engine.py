@@ -328,6 +328,21 @@ def test_bad_requests_and_layouts_are_refused_naming_what_is_wrong(variables):
         engine.submit(Request((1, 2), 3, stop_strings=("x",)), jax.random.key(0))
     with pytest.raises(EngineConfigError, match="max_batch must be a positive integer"):
         EngineConfig(max_batch=0)
+    # Found by an audit of the engine as RL uses it: each was junk or a traceback.
+    from dew.sampling import InvalidPromptError, InvalidVariablesError
+
+    engine.set_params(variables[LEARNED])
+    vocab = LEARNED.vocab_size
+    with pytest.raises(InvalidPromptError, match=rf"outside the model's vocabulary of {vocab} ids .*: \[{vocab + 30}\]"):
+        engine.submit(Request((1, vocab + 30), 3), jax.random.key(0))  # it sampled NaN log-probs
+    with pytest.raises(InvalidPromptError, match=r"JAX key \(jax.random.key\(seed\)\), not a int"):
+        engine.submit(Request((1, 2), 3), 7)  # type: ignore[arg-type]
+    with pytest.raises(InvalidPromptError, match="token ids, not text"):
+        Request("abc", 4)  # type: ignore[arg-type]
+    wider = nn.meta.unbox(CausalTransformer(**{**SHAPE, "emb_features": 2 * SHAPE["emb_features"]}).init(
+        jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    with pytest.raises(InvalidVariablesError, match=r"do not fit its model: params\['embed'\]\['embedding'\] has shape"):
+        engine.set_params(wider)  # it failed at run() with flax's ScopeParamShapeError
     plain = NoCache()
     with pytest.raises(NotPagedModelError, match="CausalSelfAttention"):
         Engine(plain, EngineConfig(block_size=4)).set_params(

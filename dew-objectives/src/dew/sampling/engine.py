@@ -57,7 +57,13 @@ import numpy as np
 
 from dew.sampling import programs
 from dew.sampling.blocks import BlockPool
-from dew.sampling.errors import EngineConfigError, PromptTooLongError, UnknownSequenceError
+from dew.sampling.errors import (
+    EngineConfigError,
+    InvalidPromptError,
+    InvalidVariablesError,
+    PromptTooLongError,
+    UnknownSequenceError,
+)
 from dew.sampling.pool import empty_cache, mesh_of, model_variables
 from dew.sampling.requests import (
     Completion,
@@ -82,6 +88,10 @@ def _unsplit_positions(rules: Any) -> tuple[tuple[str, Any], ...]:
     from dew.nn.sharding import ACTIVATION_LENGTH
 
     return tuple((name, None if name == ACTIVATION_LENGTH else axis) for name, axis in rules)
+
+
+# Each model's parameter shapes (by leaf path), traced once: what set_params checks variables against.
+_EXPECTED: dict[nn.Module, dict[Any, Any]] = {}
 
 
 class Engine:
@@ -133,11 +143,30 @@ class Engine:
         The registered prefixes are forgotten (their keys and values came from
         the old weights); sequences in flight keep the keys and values they have.
         """
-        self._variables = model_variables(params)
+        variables = model_variables(params)
+        self._check_shapes(variables)
+        self._variables = variables
         self.blocks.forget()
         self._open.clear()  # a group written with the old weights takes no new samples
         if self._cache is None:
             self._build_cache()
+
+    def _check_shapes(self, variables: Mapping[str, PyTree]) -> None:
+        """Refuse parameters this model cannot decode with (another width, another vocabulary),
+        named by leaf, rather than with flax's error at the first run()."""
+        if self.model not in _EXPECTED:
+            try:
+                made = jax.eval_shape(self.model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+            except Exception:  # noqa: BLE001 - a model whose init takes other inputs: left to run()
+                return
+            _EXPECTED[self.model] = dict(jax.tree_util.tree_flatten_with_path(nn.meta.unbox(made["params"]))[0])
+        want = _EXPECTED[self.model]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(variables["params"])[0]:
+            if path in want and tuple(np.shape(leaf)) != tuple(want[path].shape):
+                raise InvalidVariablesError(
+                    f"The variables given to the engine do not fit its model: params{jax.tree_util.keystr(path)} "
+                    f"has shape {tuple(np.shape(leaf))} where the model's has {tuple(want[path].shape)}. Give the "
+                    "variables of the model the engine was built with.")
 
     def _context(self) -> contextlib.ExitStack:
         """The mesh and axis rules the programs trace and run under (nothing on one device)."""
@@ -192,6 +221,15 @@ class Engine:
         if request.stop_strings and self.detokenize is None:
             raise EngineConfigError("The request has stop strings; build the Engine with "
                                     "detokenize= (ids -> text) to check them.")
+        if not isinstance(key, jax.Array):
+            raise InvalidPromptError(f"The engine draws from a JAX key (jax.random.key(seed)), not a "
+                                     f"{type(key).__name__}; pass jax.random.key({key!r}) for a seed.")
+        vocab = getattr(self.model, "vocab_size", None)  # any decoder; dew's name their vocabulary
+        if vocab is not None and not all(0 <= t < vocab for t in request.prompt):
+            raise InvalidPromptError(
+                f"The prompt holds token ids outside the model's vocabulary of {vocab} ids (0 to {vocab - 1}): "
+                f"{sorted({t for t in request.prompt if not 0 <= t < vocab})[:5]}; encode it with the tokenizer "
+                "the model was trained with.")
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 key
             key = jax.random.wrap_key_data(key)
         impl = str(jax.random.key_impl(key))

@@ -114,7 +114,14 @@ class Request:
     keep_cache: bool = False
 
     def __post_init__(self) -> None:
-        prompt = tuple(int(t) for t in self.prompt)
+        if isinstance(self.prompt, str | bytes):
+            raise InvalidPromptError("A request's prompt is token ids, not text; encode the text with the "
+                                     "model's tokenizer first.")
+        try:
+            prompt = tuple(int(t) for t in self.prompt)
+        except (TypeError, ValueError):
+            raise InvalidPromptError(f"A request's prompt is a sequence of integer token ids; got "
+                                     f"{self.prompt!r:.80}.") from None
         object.__setattr__(self, "prompt", prompt)
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
