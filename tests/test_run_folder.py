@@ -33,7 +33,7 @@ def test_started_json_is_read_first(tmp_path):
     (folder / STARTED).write_text(json.dumps({"timestamp": "2030-05-06_07:08:09", "cwd": str(tmp_path / "w")}))
     _, where = resumed(folder)
     assert (where.timestamp, where.cwd) == ("2030-05-06_07:08:09", tmp_path / "w")
-    RunFolder(folder, "2031-01-01_00:00:00", tmp_path).record()  # never overwrites the first run's
+    RunFolder(folder, "2031-01-01_00:00:00", tmp_path).record(RunConfig.read(folder))  # never overwrites the first run's
     assert json.loads((folder / STARTED).read_text())["timestamp"] == "2030-05-06_07:08:09"
 
 

@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dew.recipes.errors import RecipeError
-from dew.recipes.resuming import STARTED, origin, resume_command, shown
+from dew.recipes.resuming import (
+    STARTED,
+    installing_what_it_trained_with,
+    origin,
+    resume_command,
+    shown,
+)
 
 if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
@@ -388,34 +394,3 @@ def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder) -> str:
     return (f"{what} at step {stop.step}; its checkpoint, data position and journal are in "
             f"{shown(folder.directory)}. Resume with: {resume_command(folder.directory)}")
 
-
-@contextlib.contextmanager
-def installing_what_it_trained_with(run: Path) -> Iterator[None]:
-    """Read a run's recipe inside this block: a refusal because a component it names is no longer
-    registered gains a note naming the distribution (and version) that registered it when the run
-    started (started.json), and how to install it."""
-    try:
-        yield
-    except RecipeError as error:
-        missing = _missing_distributions(run)
-        if not missing:
-            raise
-        raise RecipeError("\n".join([str(error), *missing])) from None  # every command prints the message
-
-
-def _missing_distributions(run: Path) -> list[str]:
-    from dew import registry as registries
-
-    try:
-        recorded = json.loads((run / STARTED).read_text()).get("components") or {}
-    except (OSError, ValueError, AttributeError):
-        return []
-    lines = []
-    for key, made_by in sorted(recorded.items()) if isinstance(recorded, dict) else ():
-        group, _, name = str(key).partition("/")
-        if group not in registries.GROUPS or name in registries.registry(group):
-            continue
-        distribution, _, version = str(made_by).partition(" ")
-        lines.append(f"The run trained with {registries.registry(group).kind} {name!r} from {distribution} {version}: "
-                     f"pip install '{distribution}=={version}' to read it again.")
-    return lines

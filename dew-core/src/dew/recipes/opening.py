@@ -158,8 +158,7 @@ def _open_exported(path: Path, max_seq_len: int | None) -> Opened:
 def _open_trained(path: Path, step: int | None) -> Opened:
 
     from dew.recipes.config import RunConfig
-    from dew.recipes.folder import installing_what_it_trained_with
-    from dew.recipes.resuming import started_in
+    from dew.recipes.resuming import installing_what_it_trained_with, started_in
     from dew.recipes.run import build_parts
 
     with installing_what_it_trained_with(path):

@@ -17,7 +17,10 @@ import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["STARTED", "origin", "resume_command", "resuming_line", "shown", "started_from", "started_in"]
+from dew.recipes.errors import RecipeError
+
+__all__ = ["STARTED", "installing_what_it_trained_with", "origin", "resume_command", "resuming_line", "shown",
+           "started_from", "started_in"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 _STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
@@ -99,3 +102,35 @@ def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
         yield
     finally:
         os.chdir(here)
+
+
+@contextlib.contextmanager
+def installing_what_it_trained_with(run: Path) -> Iterator[None]:
+    """Read a run's recipe inside this block: a refusal because a component it names is no longer
+    registered gains a note naming the distribution (and version) that registered it when the run
+    started (started.json), and how to install it."""
+    try:
+        yield
+    except RecipeError as error:
+        missing = _missing_distributions(run)
+        if not missing:
+            raise
+        raise RecipeError("\n".join([str(error), *missing])) from None  # every command prints the message
+
+
+def _missing_distributions(run: Path) -> list[str]:
+    from dew import registry as registries
+
+    try:
+        recorded = json.loads((run / STARTED).read_text()).get("components") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    lines = []
+    for key, made_by in sorted(recorded.items()) if isinstance(recorded, dict) else ():
+        group, _, name = str(key).partition("/")
+        if group not in registries.GROUPS or name in registries.registry(group):
+            continue
+        distribution, _, version = str(made_by).partition(" ")
+        lines.append(f"The run trained with {registries.registry(group).kind} {name!r} from {distribution} {version}: "
+                     f"pip install '{distribution}=={version}' to read it again.")
+    return lines
