@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             f"sequence={mesh.sequence} x stage={mesh.stage} = {mesh.model_devices} devices does not divide "
             f"--devices {args.devices}; choose axis sizes whose product divides {args.devices} (the data "
             "axis takes the rest).")
-    answer = _plan_in_child(args.recipe, list(args.overrides), args.devices, args.timeout)
+    answer = _plan_in_child(args.recipe, list(args.overrides), args.devices, args.timeout,
+                            xla_flags=tuple(config.trainer.xla_flags or ()))
     if "error" in answer:
         failed = answer["error"]
         if args.json:
@@ -91,10 +92,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_in_child(recipe: str, overrides: list[str], devices: int, timeout: float) -> dict[str, Any]:
-    """Run dew.planning in a fresh interpreter with devices fake CPU devices; its one JSON answer."""
+def _plan_in_child(recipe: str, overrides: list[str], devices: int, timeout: float,
+                   xla_flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run dew.planning in a fresh interpreter with devices fake CPU devices; its one JSON answer.
+
+    The recipe's trainer.xla_flags are appended to the environment's XLA_FLAGS, as a run's process
+    appends them before JAX starts, so the step compiled is the one the run compiles."""
     with tempfile.TemporaryDirectory(prefix="dew-plan-") as dump:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+        flags = [f for f in [*os.environ.get("XLA_FLAGS", "").split(), *xla_flags]
                  if not f.startswith(("--xla_force_host_platform_device_count", "--xla_dump"))]
         flags += [f"--xla_force_host_platform_device_count={devices}", f"--xla_dump_to={dump}",
                   "--xla_dump_hlo_pass_re=spmd-partitioning"]
