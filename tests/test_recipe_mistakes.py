@@ -13,6 +13,8 @@ from dew.cli import main
 CHECKED = [
     ("tiny-lm", ["model.num_heads=3"], "model: emb_features=128 is not divisible by num_heads=3"),
     ("tiny-lm", ["model.num_layers=0"], "model: CausalTransformer.num_layers must be at least 1, got 0"),
+    # An integer compute dtype passed the check and failed in the first trace ("logistic does not accept int8").
+    ("tiny-lm", ["model.dtype=int8"], "model: CausalTransformer.dtype='int8' is not a floating dtype"),
     ("digits-diffusion", ["model.patch_size=3"], "model.patch_size: image_size=8 is not divisible by patch_size=3"),
     ("tiny-lm", ["optimizer.eps=0"], "optimizer.eps: Input should be greater than 0"),
     ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),

@@ -186,6 +186,16 @@ class CausalTransformer(nn.Module):
             if getattr(self, name) < 1:
                 raise ValueError(f"CausalTransformer.{name} must be at least 1, got "
                                  f"{getattr(self, name)}.")
+        for name in ("dtype", "param_dtype"):
+            try:
+                floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
+            except TypeError:
+                floating = False
+            if not floating:
+                raise ValueError(f"CausalTransformer.{name}={getattr(self, name)!r} is not a floating dtype: the "
+                                 "model computes and keeps its weights in floats (float32, bfloat16, float16). "
+                                 "For int8 or 4-bit weights, quantize them (a recipe's quantization or "
+                                 "lora.base).")
         if self.attention_block == "latent" and self.latent is None:
             raise ValueError("CausalTransformer.attention_block='latent' needs latent (a "
                              "dew.nn.latent_attention.Latent: the latent ranks and head widths).")
