@@ -167,3 +167,14 @@ def test_the_recipes_xla_flags_reach_the_compile_the_plan_makes(capsys):
     they arrive: XLA refuses it as it starts."""
     code, _, err = _plan(["tiny-lm", "trainer.xla_flags=[--xla_no_such_flag_dew]", "--devices", "1"], capsys)
     assert code == 1 and "Unknown flag in XLA_FLAGS: --xla_no_such_flag_dew" in err, err
+
+
+@pytest.mark.slow
+def test_a_gpu_only_attention_is_planned_with_xlas_and_says_so(capsys):
+    """model.attention=cudnn cannot compile on the plan's CPU devices: the plan printed 48 lines of
+    traceback ending "cuDNN is not detected". It plans XLA's attention, whose weights are the same."""
+    code, plan, err = _plan(["tiny-lm", "model.attention=cudnn", "--devices", "1", "--json"], capsys)
+    assert code == 0, err
+    _, plain, _ = _plan(["tiny-lm", "model.attention=xla", "--devices", "1", "--json"], capsys)
+    assert any(note.startswith("cuDNN attention needs a GPU") for note in plan["notes"])
+    assert plan["totals"] == plain["totals"] and plan["peak"] == plain["peak"]

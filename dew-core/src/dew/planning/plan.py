@@ -280,6 +280,11 @@ def make_plan(config: RunConfig, recipe: str) -> Plan:
         config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"batch_ramp": None})})
     if config.init is not None:
         notes.append("the starting weights (init) are not read; the plan's shapes are a fresh init's")
+    if config.model is not None and config.model.fields.get("attention") == "cudnn":
+        notes.append("cuDNN attention needs a GPU, and the plan compiles on CPU devices: it planned XLA's "
+                     "attention (the same weights); cuDNN's fused kernel holds less activation memory")
+        model = type(config.model).model_validate({**config.model.model_dump(), "attention": "xla"})
+        config = config.model_copy(update={"model": model})
     parts = build_parts(config)
     trainer = _trainer(config, parts)
     mesh = trainer.device_mesh
