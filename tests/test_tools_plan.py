@@ -65,7 +65,8 @@ def _by_hand(leaf: dict, mesh: dict[str, int]) -> int:
 
 
 @pytest.mark.slow
-def test_the_plan_s_bytes_are_xla_s_and_the_shardings_and_fsdp_divides_the_parameters(capsys):
+def test_the_plan_s_bytes_are_xla_s_and_the_shardings_and_fsdp_divides_the_parameters(capsys, monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     code, plan, err = _plan(["tiny-lm", *SHARDED, "--devices", "8", "--device-kind", "h100",
                              "--device-kind", "tpu-v5p", "--json"], capsys)
     assert code == 0, err
@@ -93,10 +94,11 @@ def test_the_plan_s_bytes_are_xla_s_and_the_shardings_and_fsdp_divides_the_param
     assert plan["collectives"]["all-gather"]["bytes"] >= gathered
     # The matmuls XLA runs on all 8 devices are the objective's own count of the model's FLOPs.
     assert plan["flops_per_device"] * 8 == pytest.approx(plan["model_flops"], rel=0.05)
-    # The device kinds: their datasheet peak and memory.
+    # The device kinds: their datasheet peak, and their memory as the driver reports it (nvidia-smi's
+    # 81559 MiB for an 80 GB H100), of which JAX's GPU allocator takes 75% unless told otherwise.
     h100 = plan["device_kinds"]["NVIDIA H100 SXM (80 GB)"]
     assert h100["compute_bound_seconds"] == pytest.approx(plan["flops_per_device"] / 989e12)
-    assert h100["headroom"] == 80 * 10**9 - plan["peak"]
+    assert h100["headroom"] == int(81559 * 2**20 * 0.75) - plan["peak"]
     assert plan["device_kinds"]["TPU v5p (95 GiB)"]["headroom"] == 95 * 2**30 - plan["peak"]
     assert plan["rematerializations"] == []
 

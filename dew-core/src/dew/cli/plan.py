@@ -135,9 +135,10 @@ def _plan_in_child(recipe: str, overrides: list[str], devices: int, timeout: flo
 
 def _estimate(plan: dict[str, Any], kind: Any) -> dict[str, float]:
     """The step's compute-bound time and the memory left on one device of kind."""
-    return {"peak_flops": kind.peak_flops, "memory": kind.memory,
+    usable = kind.usable()
+    return {"peak_flops": kind.peak_flops, "memory": kind.memory, "usable": usable,
             "compute_bound_seconds": plan["flops_per_device"] / kind.peak_flops,
-            "headroom": kind.memory - plan["peak"]}
+            "headroom": usable - plan["peak"]}
 
 
 def _size(count: float) -> str:
@@ -204,8 +205,11 @@ def render_plan(plan: dict[str, Any]) -> str:
     if plan["model_flops"]:
         lines.append(f"  the objective's own count of the model's FLOPs: {plan['model_flops']:.3g}")
     for name, estimate in plan.get("device_kinds", {}).items():
+        share = "" if estimate["usable"] == estimate["memory"] else (
+            f" (the {estimate['usable'] / estimate['memory']:.0%} of {_size(estimate['memory'])} JAX's GPU "
+            "allocator takes; XLA_PYTHON_CLIENT_MEM_FRACTION sets it)")
         lines.append(f"{name}: compute-bound step {estimate['compute_bound_seconds'] * 1e3:.3g} ms; "
-                     f"memory headroom {_size(estimate['headroom'])} of {_size(estimate['memory'])}")
+                     f"memory headroom {_size(estimate['headroom'])} of {_size(estimate['usable'])}{share}")
     remats = plan["rematerializations"]
     lines += ["", f"involuntary full rematerializations XLA reported: {len(remats) or 'none'}"]
     lines += [f"  {remat['describe']}" for remat in remats]

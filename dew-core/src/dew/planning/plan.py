@@ -286,6 +286,13 @@ def make_plan(config: RunConfig, recipe: str) -> Plan:
         model = type(config.model).model_validate({**config.model.model_dump(), "attention": "xla"})
         config = config.model_copy(update={"model": model})
     parts = build_parts(config)
+    computes = getattr(parts.model, "dtype", None)  # any flax Module; dew's decoders name their compute dtype
+    import numpy as np
+
+    if computes is not None and np.dtype(computes) == np.float32:
+        notes.append("the model computes in float32, and a device kind's compute-bound step uses its bf16 peak: "
+                     "float32 matmuls run at TF32 rates or below on a GPU (half the bf16 peak or less), a "
+                     "fraction of it on a TPU; set model.dtype=bfloat16 to plan the step those peaks describe")
     trainer = _trainer(config, parts)
     mesh = trainer.device_mesh
     try:

@@ -51,21 +51,36 @@ def peak_flops(device_kind: str, environ: Mapping[str, str] | None = None) -> fl
 
 @dataclass(frozen=True)
 class Accelerator:
-    """A device kind a plan is made for: its peak dense bf16 FLOP/s and its memory, from its datasheet."""
+    """A device kind a plan is made for: its peak dense bf16 FLOP/s, its memory as the device reports
+    it (bytes), and whether JAX pre-allocates a fraction of it (a GPU's, XLA_PYTHON_CLIENT_MEM_FRACTION)."""
 
     name: str
     peak_flops: float
     memory: int
+    gpu: bool = False
+
+    def usable(self, environ: Mapping[str, str] | None = None) -> int:
+        """The bytes a JAX process may use: on a GPU the fraction JAX's allocator takes (0.75 unless
+        XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), on a TPU the whole memory."""
+        environ = os.environ if environ is None else environ
+        if not self.gpu:
+            return self.memory
+        try:
+            fraction = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+        except ValueError:
+            fraction = 0.75
+        return int(self.memory * min(max(fraction, 0.0), 1.0))
 
 
-_GB = 10**9
+_MIB = 2**20
 _GIB = 2**30
-# The kinds ``dew plan --device-kind`` knows, by the short names it takes.
+# The kinds ``dew plan --device-kind`` knows, by the short names it takes; a GPU's memory as its
+# driver reports it (nvidia-smi's MiB), which is less than the marketed decimal gigabytes.
 ACCELERATORS: dict[str, Accelerator] = {
-    "h100": Accelerator("NVIDIA H100 SXM (80 GB)", PEAK_BF16_FLOPS["h100"], 80 * _GB),
-    "h200": Accelerator("NVIDIA H200 SXM (141 GB)", PEAK_BF16_FLOPS["h200"], 141 * _GB),
-    "a100": Accelerator("NVIDIA A100 SXM (80 GB)", PEAK_BF16_FLOPS["a100"], 80 * _GB),
-    "l4": Accelerator("NVIDIA L4 (24 GB)", PEAK_BF16_FLOPS["l4"], 24 * _GB),
+    "h100": Accelerator("NVIDIA H100 SXM (80 GB)", PEAK_BF16_FLOPS["h100"], 81559 * _MIB, gpu=True),
+    "h200": Accelerator("NVIDIA H200 SXM (141 GB)", PEAK_BF16_FLOPS["h200"], 143771 * _MIB, gpu=True),
+    "a100": Accelerator("NVIDIA A100 SXM (80 GB)", PEAK_BF16_FLOPS["a100"], 81920 * _MIB, gpu=True),
+    "l4": Accelerator("NVIDIA L4 (24 GB)", PEAK_BF16_FLOPS["l4"], 23034 * _MIB, gpu=True),
     "tpu-v4": Accelerator("TPU v4 (32 GiB)", PEAK_BF16_FLOPS["tpu v4"], 32 * _GIB),
     "tpu-v5e": Accelerator("TPU v5e (16 GiB)", PEAK_BF16_FLOPS["tpu v5e"], 16 * _GIB),
     "tpu-v5p": Accelerator("TPU v5p (95 GiB)", PEAK_BF16_FLOPS["tpu v5p"], 95 * _GIB),
@@ -80,8 +95,8 @@ class UnknownAcceleratorError(DewError, ValueError):
 def accelerator(kind: str) -> Accelerator:
     """The table's entry for kind (case and spaces ignored); UnknownAcceleratorError names the known ones.
 
-    >>> accelerator("H100").memory
-    80000000000
+    >>> accelerator("H100").memory, accelerator("H100").usable(environ={})
+    (85520809984, 64140607488)
     """
     key = kind.strip().lower().replace(" ", "-").replace("_", "-")
     if key not in ACCELERATORS:
