@@ -182,3 +182,14 @@ def test_a_gpu_only_attention_is_planned_with_xlas_and_says_so(capsys):
     # tiny-lm computes in float32, which the bf16 peaks of the device kinds' step times overstate
     assert any(note.startswith("the model computes in float32") for note in plan["notes"])
     assert plan["totals"] == plain["totals"] and plan["peak"] == plain["peak"]
+
+
+@pytest.mark.slow
+def test_a_lora_plan_says_its_model_flops_are_a_full_fine_tunes(capsys):
+    """The objective's count (6 per weight per token) is a full fine-tune's; a LoRA step computes no
+    gradient of the frozen base, which XLA's own count of the compiled step shows."""
+    code, plan, err = _plan(["tiny-lm-lora", "--devices", "1", "--json"], capsys)
+    assert code == 0, err
+    assert plan["flops_per_device"] < 0.8 * plan["model_flops"]
+    assert any(note.startswith("with lora, the objective's own count of the model's FLOPs is a full fine-tune's")
+               for note in plan["notes"])

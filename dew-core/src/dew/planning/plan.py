@@ -293,6 +293,10 @@ def make_plan(config: RunConfig, recipe: str) -> Plan:
         notes.append("the model computes in float32, and a device kind's compute-bound step uses its bf16 peak: "
                      "float32 matmuls run at TF32 rates or below on a GPU (half the bf16 peak or less), a "
                      "fraction of it on a TPU; set model.dtype=bfloat16 to plan the step those peaks describe")
+    if config.lora is not None:
+        notes.append("with lora, the objective's own count of the model's FLOPs is a full fine-tune's (6 per "
+                     "weight per token, as MFU is usually reported); the step computes no gradient of the frozen "
+                     "base's weights, so its matmuls are nearer 4 per weight per token, as XLA's count shows")
     trainer = _trainer(config, parts)
     mesh = trainer.device_mesh
     try:
