@@ -393,4 +393,3 @@ def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder) -> str:
                 "unset), so nothing was written and running again starts over.")
     return (f"{what} at step {stop.step}; its checkpoint, data position and journal are in "
             f"{shown(folder.directory)}. Resume with: {resume_command(folder.directory)}")
-

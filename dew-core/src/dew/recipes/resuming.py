@@ -107,8 +107,8 @@ def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
 @contextlib.contextmanager
 def installing_what_it_trained_with(run: Path) -> Iterator[None]:
     """Read a run's recipe inside this block: a refusal because a component it names is no longer
-    registered gains a note naming the distribution (and version) that registered it when the run
-    started (started.json), and how to install it."""
+    registered is raised again with a line per such component naming the distribution (and version)
+    that registered it when the run started (started.json), and how to install it."""
     try:
         yield
     except RecipeError as error:
