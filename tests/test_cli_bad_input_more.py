@@ -86,6 +86,12 @@ def test_report_refuses_an_out_that_is_a_file(tmp_path, capsys):
         assert main(["report", str(tmp_path / "run"), "--out", str(out)]) == 2
         assert "dew report writes a folder" in _refusal(capsys, "report")
     assert (tmp_path / "page").read_text() == "mine"
+    # another run's folder (or the run's own): the page and its charts would sit among its checkpoints
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "run.json").write_text("{}")
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "other")]) == 2
+    assert "is a run's folder (it holds run.json)" in _refusal(capsys, "report")
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["run.json"]
 
 
 def test_embed_names_an_input_it_cannot_read(tmp_path, capsys):

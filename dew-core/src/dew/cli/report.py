@@ -106,6 +106,12 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
 def _check_out(out: Path) -> None:
     """Refuse an out that is a file or lies under one: the page is written as a folder (index.html
     beside its charts), which cannot be made there."""
+    from dew.training.config import RUN_FILE
+
+    if (out / RUN_FILE).is_file():  # a run's own folder: the page and its charts would sit among its steps
+        raise ReportOutError(f"--out {str(out)!r} is a run's folder (it holds {RUN_FILE}); dew report would write "
+                             "its page among that run's checkpoints. Give --out a folder of its own (by default "
+                             "the first run's report/).")
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():
