@@ -213,8 +213,8 @@ import json, sys
 import numpy as np
 
 def main():
-    from absl import flags
-    flags.FLAGS(sys.argv[:1])
+    # No absl flag parsing here: a script of the user's (or dew train) never parses them, and
+    # Grain's workers read its flags (they failed with UnparsedFlagAccessError).
     from dew.data.sources import ArrayRecords
     from dew.data.stream import train_stream
     source = ArrayRecords({"id": np.arange(23), "x": np.arange(23 * 5).reshape(23, 5)})

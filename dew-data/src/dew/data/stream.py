@@ -27,9 +27,9 @@ global number of records consumed, ``r + batches * B``, saved as
 is valid for any share, any share count and any worker count.
 
 Workers (``workers > 0``) are spawned processes: the source and the transform
-must pickle, and a script that uses them must parse absl flags
-(``absl.flags.FLAGS(sys.argv[:1])``) and guard its entry point with
-``if __name__ == "__main__":``.
+must pickle, and a script that uses them must guard its entry point with
+``if __name__ == "__main__":``. absl's flags, which Grain reads, are marked
+parsed with their defaults when nothing parsed them.
 """
 
 from __future__ import annotations
@@ -279,10 +279,20 @@ def _pipeline(source: Source, *, batch: int, partition: DataPartition, seed: int
     chunks = grain.MapDataset.range(_ENDLESS)[partition.share :: partition.shares]
     dataset = chunks.map(chunk).to_iter_dataset(_read_options(prefetch))
     if workers > 0:
+        _flags_parsed()
         dataset = dataset.mp_prefetch(
             grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(prefetch, 1))
         )
     return iter(dataset)
+
+
+def _flags_parsed() -> None:
+    """Mark absl's flags parsed (with their defaults) when nothing parsed them: Grain's workers read
+    its flags, and a program that is not an absl app (dew train, a user's script) never parses them."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def decode_position(state: bytes) -> dict[str, Any]:
