@@ -83,6 +83,35 @@ def test_every_policy_pipeline_holds_the_policy_alone_and_stops_at_the_stop_toke
         assert pipeline("dew ", max_new_tokens=8) == TOKENIZER.decode(free[:free.index(stop)])
 
 
+def test_an_exported_policy_stops_where_its_run_does_in_dew_and_in_transformers(tmp_path):
+    """The export dropped the recipe's stop_token: dew generate on it and transformers' generate ran on
+    past the newline an addition policy answers with."""
+    import json
+
+    import torch
+    import transformers
+
+    from dew.objectives.grpo import GRPOObjective
+    from dew.pretrained import Pretrained
+
+    params = LM.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    prompt = TOKENIZER.encode("dew ")
+    free = generate(LM, params, [prompt], 8, jax.random.key(0), GREEDY).new_tokens[0]
+    stop = free[2]
+    pipeline = GRPOObjective(LM, tokenizer=TOKENIZER, stop_token=stop).pipeline(params)
+    answer = pipeline("dew ", max_new_tokens=8)
+    for layout in ("hf", "dew"):
+        pipeline.pretrained().save(tmp_path / layout, format=layout)
+        loaded = TextGeneration.load(tmp_path / layout)
+        assert set(loaded.stops) == {TOKENIZER.eos_id, stop} and loaded("dew ", max_new_tokens=8) == answer
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == [TOKENIZER.eos_id, stop]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert out == free[:free.index(stop) + 1], (out, free)  # transformers keeps the stop token it ended on
+    assert Pretrained.load(tmp_path / "dew").tokenizer.stop_ids == (stop,)
+
+
 def test_grpo_and_ppo_validation_score_greedy_answers_with_the_reward():
     from dew.data.addition import Addition
     from dew.objectives.grpo import GRPOObjective

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
-    "NamesStops", "Reader", "Reporting", "Resumable", "ShipsChatTemplate", "StartsSequences", "TextReader",
+    "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "StartsSequences", "TextReader",
     "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "ending_ids", "eos_id_of",
-    "is_global_position", "prefix_of", "prompt_ids", "stop_ids_of", "vocab_size_of",
+    "is_global_position", "prefix_of", "prompt_ids", "stop_ids_of", "vocab_size_of", "with_stops",
 ]
 
 Batch = Mapping[str, Any]
@@ -196,6 +196,19 @@ def stop_ids_of(tokenizer: object) -> tuple[int, ...]:
     eos = eos_id_of(tokenizer)
     named = [*([] if eos is None else [eos]), *(tokenizer.stop_ids if isinstance(tokenizer, NamesStops) else ())]
     return tuple(dict.fromkeys(int(i) for i in named))
+
+
+@runtime_checkable
+class SetsStops(Protocol):
+    """A tokenizer that can name further ids that end a continuation (HFTokenizer, ByteTokenizer)."""
+
+    def stopping_at(self, *listed: object) -> Any: ...
+
+
+def with_stops(tokenizer: Any, stops: Sequence[int]) -> Any:
+    """tokenizer, also ending continuations at stops (a pipeline's stop token, kept by an export);
+    a tokenizer that cannot name stops is returned as it is."""
+    return tokenizer.stopping_at(list(stops)) if stops and isinstance(tokenizer, SetsStops) else tokenizer
 
 
 def ending_ids(stop_token: int | None, tokenizer: object) -> tuple[int, ...]:

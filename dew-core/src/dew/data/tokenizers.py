@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,8 +29,17 @@ class ByteTokenizer:
 
     encode never fails; decode skips the end-of-document id and replaces
     byte sequences that are not valid UTF-8 (a model's output may cut a
-    character in half) with U+FFFD.
+    character in half) with U+FFFD. stop_ids are further ids that end a
+    generated continuation (an RL policy's newline), which an export keeps.
     """
+
+    stop_ids: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+    def stopping_at(self, *listed: object) -> ByteTokenizer:
+        """This tokenizer, ending continuations also at the ids listed (an id or a list of them)."""
+        ids = [i for value in listed for i in (value if isinstance(value, list | tuple) else [value])]
+        kept = [int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 257]
+        return ByteTokenizer(tuple(dict.fromkeys(i for i in [*self.stop_ids, *kept] if i != self.eos_id)))
 
     @property
     def vocab_size(self) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from dew.data.base import WithEos
+from dew.data.base import WithEos, stop_ids_of
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -158,6 +158,9 @@ def write_tokenizer(tokenizer: object, directory: Path) -> dict[str, Any] | None
                         f"{type(tokenizer).__name__} names none.")
     inner = tokenizer.tokenizer if isinstance(tokenizer, _Wrapping) else None
     recorded: dict[str, Any] = {"kind": "file", "eos_id": int(tokenizer.eos_id)}
+    stops = [i for i in stop_ids_of(tokenizer) if i != int(tokenizer.eos_id)]
+    if stops:  # further ids a continuation ends at (an RL policy's stop token): read back with it
+        recorded["stop_ids"] = stops
     if type(tokenizer).__name__ == "ByteTokenizer":
         recorded["kind"] = "byte"
         try:
@@ -187,8 +190,9 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
     """
     import dew.data
 
+    stops = (recorded or {}).get("stop_ids") or []
     if recorded is not None and recorded.get("kind") == "byte":
-        return dew.data.ByteTokenizer()
+        return dew.data.ByteTokenizer().stopping_at(stops)
     file = directory / TOKENIZER_FILE
     if not file.is_file():
         return None
@@ -217,7 +221,7 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
     if generation:
         with contextlib.suppress(ValueError, AttributeError):  # transformers itself reads a damaged one
             listed = json.loads(generation).get("eos_token_id")
-    tokenizer = dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(eos_id, listed)
+    tokenizer = dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(eos_id, listed, stops)
     if files is None or files.chat_template is None:
         return tokenizer
     from dew.data.chat_template import special_tokens

@@ -187,10 +187,13 @@ class TextGeneration(Pipeline):
         return f"dew generate {run} PROMPT"
 
     def pretrained(self) -> PretrainedModel:
-        """The model, its variables and tokenizer, as Pretrained.save writes them."""
+        """The model, its variables and tokenizer, as Pretrained.save writes them; a stop_token (an
+        RL policy's newline) goes with the tokenizer, so the export stops where this pipeline does."""
+        from dew.data.base import with_stops
         from dew.pretrained import Pretrained
 
-        return Pretrained(self.model, self.variables, self.tokenizer)
+        stops = () if self.stop_token is None else (int(self.stop_token),)
+        return Pretrained(self.model, self.variables, with_stops(self.tokenizer, stops))
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], *, sampling: Sampling | None = None,
