@@ -123,7 +123,7 @@ def _sampled_exact_match(run: Path) -> float:
     return float(np.mean([text == str(a + b) for text, (a, b) in zip(answers, problems, strict=True)]))
 
 
-def test_the_model_reward_scores_with_a_reward_model_run_and_refuses_another(runs):
+def test_the_model_reward_scores_with_a_reward_model_run_and_refuses_another(runs, tmp_path):
     from dew.rewards import resolve, score
     from dew.rewards.model import NotARewardModelError
 
@@ -140,3 +140,10 @@ def test_the_model_reward_scores_with_a_reward_model_run_and_refuses_another(run
     np.testing.assert_allclose(right[problems.index((3, 4))], direct[0], rtol=1e-6)
     with pytest.raises(NotARewardModelError, match="trained LMObjective"):
         resolve({"name": "model", "run": str(runs / "addition-lm")})
+    # Its export (config.json records the reward_model task) scores the same: it was refused as having
+    # "trained NoneType", though the docs promise an RL recipe's model reward reads it.
+    from dew.cli import main
+
+    assert main(["export", str(runs / "addition-reward-model"), str(tmp_path / "exported")]) == 0
+    exported = resolve({"name": "model", "run": str(tmp_path / "exported"), "suffix": "\n"})
+    np.testing.assert_allclose(score(exported, [str(a + b) for a, b in problems], context), right, rtol=1e-5)

@@ -203,6 +203,11 @@ class NamedReward:
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> Sequence[float]:
         return self.reward(completions, context)
 
+    def __getattr__(self, attribute: str) -> Any:  # the reward's own settings (a model reward's scoring)
+        if attribute.startswith("__") or attribute in ("name", "reward"):  # not set yet (unpickling)
+            raise AttributeError(attribute)
+        return getattr(self.reward, attribute)
+
 
 def describe(reward: Any) -> str:
     """How errors name a reward: by its registered name when built from one, a function by its

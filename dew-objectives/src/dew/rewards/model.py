@@ -38,19 +38,26 @@ class RewardModel:
     scoring: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        from dew.objectives.reward_model import RewardModelObjective
+        from dew.objectives.inference import PipelineError
+        from dew.objectives.reward_model import RewardScoring
         from dew.recipes.opening import (
-            open_run,  # the inference commands' way to rebuild a trained run
+            open_run,  # the inference commands' way to rebuild a trained run, or read an export
         )
 
         opened = open_run(Path(self.run), step=self.step)
-        if not isinstance(opened.objective, RewardModelObjective):
+        try:
+            scoring = opened.pipeline()  # a run's objective's, or what an export records as its task
+        except PipelineError:
+            scoring = None
+        if not isinstance(scoring, RewardScoring):
+            what = (f"trained {type(opened.objective).__name__}" if opened.objective is not None
+                    else "is an export of no reward model")
             raise NotARewardModelError(
-                f"The reward 'model' reads a reward-model run, but {self.run} trained "
-                f"{type(opened.objective).__name__}. Train one with the reward_model objective "
-                "(the addition-reward-model recipe, say) and name its run directory."
+                f"The reward 'model' reads a reward-model run (or its export), but {self.run} {what}. Train "
+                "one with the reward_model objective (the addition-reward-model recipe, say) and name its "
+                "run directory, or the directory dew export wrote from it."
             )
-        object.__setattr__(self, "scoring", opened.objective.pipeline(opened.variables))
+        object.__setattr__(self, "scoring", scoring)
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
         if "prompt_text" not in context:
