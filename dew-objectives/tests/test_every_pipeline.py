@@ -110,6 +110,10 @@ def test_an_exported_policy_stops_where_its_run_does_in_dew_and_in_transformers(
         out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert out == free[:free.index(stop) + 1], (out, free)  # transformers keeps the stop token it ended on
     assert Pretrained.load(tmp_path / "dew").tokenizer.stop_ids == (stop,)
+    # A text pipeline's weights record no task; pipeline() continues text as the lm objective's does
+    # (it refused, advising the objective.pipeline(state).save that wrote them).
+    rebuilt = Pretrained.load(tmp_path / "dew").pipeline()
+    assert isinstance(rebuilt, TextGeneration) and rebuilt("dew ", max_new_tokens=8) == answer
 
 
 def test_grpo_and_ppo_validation_score_greedy_answers_with_the_reward():

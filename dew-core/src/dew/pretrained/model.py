@@ -407,16 +407,20 @@ class Pretrained:
         import jax.numpy as jnp
 
         from dew import registry
+        from dew.nn.backbones import CausalTransformer
 
-        if self.task is None:
+        task = self.task
+        if task is None and isinstance(self.model, CausalTransformer):  # a language model: it continues text
+            task = {"name": "lm", "fields": {"seq_len": self.model.max_seq_len}}
+        if task is None:
             raise PretrainedError(
                 f"These {type(self.model).__name__} weights record no task to build a pipeline for; "
                 "save them through an objective's pipeline (objective.pipeline(state).save) or "
                 "build the objective yourself and call its pipeline(variables).")
-        given = dict(self.task.get("fields", {}))
+        given = dict(task.get("fields", {}))
         if self.tokenizer is not None:
             given.setdefault("tokenizer", self.tokenizer)
-        objective = registry.objectives.build(self.task["name"], model=self.model,
+        objective = registry.objectives.build(task["name"], model=self.model,
                                               **{**given, **fields})
         fresh = native.shapes_of(jax.eval_shape(lambda k: nn.meta.unbox(objective.init(k)),
                                                 jax.random.key(0)))
@@ -427,7 +431,7 @@ class Pretrained:
                  for path, shape in native.shapes_of(variables).items() if fresh.get(path) != shape]
         if wrong:
             raise TensorMismatchError(
-                f"The saved variables do not fit the {self.task['name']} objective's model: "
+                f"The saved variables do not fit the {task['name']} objective's model: "
                 f"{'; '.join(wrong[:6])}{f'; and {len(wrong) - 6} more' if len(wrong) > 6 else ''}. "
                 "Load them with the model configuration they were saved with.")
         return objective.pipeline(variables)
