@@ -67,7 +67,9 @@ __all__ = [
     "hook",
     "hookimpl",
     "hookspec",
+    "implementations",
     "manager",
+    "passed_arguments",
     "registered",
 ]
 
@@ -182,30 +184,41 @@ def _blocked_names() -> list[str]:
     return [n.strip() for n in os.environ.get(BLOCK_VARIABLE, "").split(",") if n.strip()]
 
 
-def _check(plugin_manager: pluggy.PluginManager, plugin: object, name: str) -> None:
-    """Refuse an implementation of an unknown hook or with an argument its hook lacks."""
+def implementations(plugin: object) -> list[tuple[str, tuple[str, ...]]]:
+    """Each hook implementation plugin holds, in name order: the hook it implements and the
+    arguments it takes (those a call passes by name)."""
+    parser = pluggy.PluginManager(PROJECT)  # only its reading of the hookimpl markers is used
+    found = []
     for attribute in dir(plugin):
         try:
-            options = plugin_manager.parse_hookimpl_opts(plugin, attribute)
+            options = parser.parse_hookimpl_opts(plugin, attribute)
         except Exception:  # noqa: BLE001 - attributes that fail to resolve are not hooks
             continue
         if options is None:
             continue
-        hook_name = options.get("specname") or attribute
-        if hook_name not in _SPEC_ARGUMENTS:
+        parameters = tuple(
+            p.name for p in inspect.signature(getattr(plugin, attribute)).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self")
+        found.append((options.get("specname") or attribute, parameters))
+    return found
+
+
+def passed_arguments(hook_name: str) -> tuple[str, ...] | None:
+    """The arguments dew passes to hook_name (None: dew has no such hook)."""
+    return _SPEC_ARGUMENTS.get(hook_name)
+
+
+def _check(plugin: object, name: str) -> None:
+    """Refuse an implementation of an unknown hook or with an argument its hook lacks."""
+    for hook_name, parameters in implementations(plugin):
+        allowed = passed_arguments(hook_name)
+        if allowed is None:
             close = difflib.get_close_matches(hook_name, list(_SPEC_ARGUMENTS), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise HookImplementationError(
                 f"Plugin {name!r} implements hook {hook_name!r}, which dew does not have.{hint} "
                 f"The hooks are: {', '.join(_SPEC_ARGUMENTS)}."
             )
-        function = getattr(plugin, attribute)
-        parameters = [
-            p.name
-            for p in inspect.signature(function).parameters.values()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"
-        ]
-        allowed = _SPEC_ARGUMENTS[hook_name]
         extra = [p for p in parameters if p not in allowed]
         if extra:
             raise HookImplementationError(
@@ -218,7 +231,7 @@ def _check(plugin_manager: pluggy.PluginManager, plugin: object, name: str) -> N
 
 def _register(plugin_manager: pluggy.PluginManager, plugin: object, name: str | None) -> str:
     name = name or plugin_manager.get_canonical_name(plugin)
-    _check(plugin_manager, plugin, name)
+    _check(plugin, name)
     try:
         registered_name = plugin_manager.register(plugin, name=name)
     except pluggy.PluginValidationError as error:

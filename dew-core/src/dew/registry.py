@@ -324,7 +324,8 @@ def declared_fields(component: Any) -> dict[str, tuple[Any, Any]]:
     return out
 
 
-def _accepts_var_keyword(component: Any) -> bool:
+def accepts_var_keyword(component: Any) -> bool:
+    """Whether a component's constructor takes **kwargs (so any keyword reaches it)."""
     if dataclasses.is_dataclass(component):
         return False
     target = component.__init__ if inspect.isclass(component) else component
@@ -340,7 +341,7 @@ def validate_fields(component: Any, kwargs: dict[str, Any], what: str) -> dict[s
     """
     fields = declared_fields(component)
     unknown = [k for k in kwargs if k not in fields]
-    if unknown and not _accepts_var_keyword(component):
+    if unknown and not accepts_var_keyword(component):
         lines = []
         for key in unknown:
             close = difflib.get_close_matches(key, list(fields), n=1)

@@ -125,32 +125,21 @@ def _not_callable(component: object, table: Registry, provider: Provider) -> str
 
 def _hook_lines(plugin: object) -> list[str]:
     """The hooks plugin implements, each with the arguments it takes and what is wrong with them."""
-    import pluggy
+    from dew.plugins import implementations
 
-    from dew.plugins import PROJECT
-
-    parser = pluggy.PluginManager(PROJECT)
-    found = []
-    for attribute in dir(plugin):
-        options = parser.parse_hookimpl_opts(plugin, attribute)
-        if options is None:
-            continue
-        hook = options.get("specname") or attribute
-        taken = [p for p in inspect.signature(getattr(plugin, attribute)).parameters if p != "self"]
-        found.append(f"  {hook}({', '.join(taken)}){_hook_problem(hook, taken)}")
+    found = [f"  {hook}({', '.join(taken)}){_hook_problem(hook, taken)}" for hook, taken in implementations(plugin)]
     if not found:
         return ["hooks: none (no function in it is marked with dew.plugins.hookimpl)"]
     return ["hooks it implements (a hook plugin has no fields; every run loads it):", *found]
 
 
-def _hook_problem(hook: str, taken: list[str]) -> str:
+def _hook_problem(hook: str, taken: tuple[str, ...]) -> str:
     """Why a run would refuse an implementation of hook taking the arguments taken; empty if none."""
-    from dew.plugins import Hooks
+    from dew.plugins import passed_arguments
 
-    specification = vars(Hooks).get(hook)
-    if not hook.startswith("dew_") or specification is None:
+    passed = passed_arguments(hook)
+    if passed is None:
         return "  <- dew has no such hook; a run refuses this plugin"
-    passed = [p for p in inspect.signature(specification).parameters if p != "self"]
     extra = [p for p in taken if p not in passed]
     if extra:
         return (f"  <- {hook} passes {', '.join(passed)}, not {', '.join(extra)}; a run refuses "

@@ -21,7 +21,7 @@ __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
     "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "StartsSequences", "TextReader",
     "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "ending_ids", "eos_id_of",
-    "is_global_position", "prefix_of", "prompt_ids", "stop_ids_of", "vocab_size_of", "with_stops",
+    "is_global_position", "listed_ids", "prefix_of", "prompt_ids", "stop_ids_of", "vocab_size_of", "with_stops",
 ]
 
 Batch = Mapping[str, Any]
@@ -196,6 +196,17 @@ def stop_ids_of(tokenizer: object) -> tuple[int, ...]:
     eos = eos_id_of(tokenizer)
     named = [*([] if eos is None else [eos]), *(tokenizer.stop_ids if isinstance(tokenizer, NamesStops) else ())]
     return tuple(dict.fromkeys(int(i) for i in named))
+
+
+def listed_ids(*listed: object) -> list[int]:
+    """The token ids listed (each an id, or a list of them, as eos_token_id is in a checkpoint's
+    config), in order; what is not a non-negative integer id is left out.
+
+    >>> listed_ids(2, [7, 8], None, True, -1)
+    [2, 7, 8]
+    """
+    ids = [i for value in listed for i in (value if isinstance(value, list | tuple) else [value])]
+    return [int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dew.data.base import listed_ids
 from dew.data.errors import MissingFileError, MissingKeyError, UnreadableTokenizerError
 
 if TYPE_CHECKING:
@@ -122,9 +123,7 @@ class HFTokenizer:
         """This tokenizer, ending continuations also at the ids listed (eos_token_id values: an id
         or a list of them; what is not an id is left out). An id may lie past the tokenizer's own
         vocabulary, in the model's padded one, as transformers' generate stops there too."""
-        ids = [i for value in listed for i in (value if isinstance(value, list | tuple) else [value])]
-        kept = [int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
-        stops = tuple(dict.fromkeys(i for i in [*self.stop_ids, *kept] if i != self.eos_id))
+        stops = tuple(dict.fromkeys(i for i in [*self.stop_ids, *listed_ids(*listed)] if i != self.eos_id))
         return dataclasses.replace(self, stop_ids=stops)
 
     @cached_property

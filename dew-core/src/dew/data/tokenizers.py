@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dew.data.base import listed_ids
 from dew.errors import DewError
 
 __all__ = ["ByteTokenizer", "UnknownTokenError"]
@@ -37,8 +38,7 @@ class ByteTokenizer:
 
     def stopping_at(self, *listed: object) -> ByteTokenizer:
         """This tokenizer, ending continuations also at the ids listed (an id or a list of them)."""
-        ids = [i for value in listed for i in (value if isinstance(value, list | tuple) else [value])]
-        kept = [int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 257]
+        kept = [i for i in listed_ids(*listed) if i < self.vocab_size]
         return ByteTokenizer(tuple(dict.fromkeys(i for i in [*self.stop_ids, *kept] if i != self.eos_id)))
 
     @property

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dew.data.base import eos_id_of, stop_ids_of, vocab_size_of
+from dew.data.base import eos_id_of, listed_ids, stop_ids_of, vocab_size_of
 from dew.pretrained import native
 from dew.pretrained.errors import (
     ConfigValueError,
@@ -99,12 +99,6 @@ def _fetch(leaf: ArrayLike) -> np.ndarray:
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     return np.asarray(jax.device_get(leaf))
-
-
-def _listed(value: object) -> list[int]:
-    """config.json's eos_token_id (an id, a list of them, or nothing) as a list."""
-    values = value if isinstance(value, list | tuple) else [value]
-    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def _host(tree: PyTree) -> PyTree:
@@ -368,7 +362,7 @@ class Pretrained:
             ids.update(self.tokenizer_files.ids)
         # Every id a continuation ends at (a policy's stop token besides the eos), as a list
         # transformers' generate stops at too.
-        stops = [*_listed(ids.get("eos_token_id")), *stop_ids_of(self.tokenizer)]
+        stops = [*listed_ids(ids.get("eos_token_id")), *stop_ids_of(self.tokenizer)]
         if len(set(stops)) > 1:
             ids["eos_token_id"] = list(dict.fromkeys(stops))
         return ids

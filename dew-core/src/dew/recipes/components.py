@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -225,14 +224,6 @@ def _kind_problem(group: str, name: str, component: object) -> str | None:
             f"another {registry.kind}.")
 
 
-def _takes_any_keyword(component: type) -> bool:
-    """Whether a class's constructor takes **kwargs (so any run input reaches it)."""
-    if dataclasses.is_dataclass(component):
-        return False
-    parameters = inspect.signature(component).parameters.values()
-    return any(p.kind is p.VAR_KEYWORD for p in parameters)
-
-
 def problems_of(group: str, name: str, fields: Mapping[str, object],
                 beside: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
     """What is wrong with a component given by name and fields, as (sub-path, message) pairs.
@@ -266,7 +257,7 @@ def problems_of(group: str, name: str, fields: Mapping[str, object],
     if kind_problem is not None:
         return [(("name",), kind_problem)]
     inputs = run_inputs(component) if group == "objectives" else frozenset()
-    unaccepted = sorted(key for key in inputs if key not in declared and not _takes_any_keyword(component))
+    unaccepted = sorted(key for key in inputs if key not in declared and not registries.accepts_var_keyword(component))
     if unaccepted:
         provider = registry.provider(name)
         return [(("name",), f"{registry.kind} {name!r} from {provider.distribution} declares run_inputs "

@@ -178,8 +178,10 @@ def cut_torn_tail(journal: str | Path) -> None:
         handle.truncate(0)
 
 
-def journal_rows(journal: str | Path) -> Iterator[dict[str, Any]]:
-    """The rows of a JSONL journal, skipping a last line cut short by a crash or a full disk.
+def journal_rows(journal: str | Path, *, strict: bool = True) -> Iterator[dict[str, Any]]:
+    """The rows of a JSONL journal, read a line at a time, skipping a last line cut short by a crash
+    or a full disk (no newline after it). A damaged line before it raises TornJournalError, or is
+    skipped when not strict (a reader that can do without it).
 
     >>> import pathlib, tempfile
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "scalars.jsonl"
@@ -187,22 +189,23 @@ def journal_rows(journal: str | Path) -> Iterator[dict[str, Any]]:
     >>> list(journal_rows(path))
     [{'step': 1}]
     """
-    with open(journal, encoding="utf-8", errors="replace") as handle:
-        lines = handle.read().split("\n")
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines):  # no newline after it: a write that never finished
-                return
-            raise TornJournalError(f"{journal}, line {number}, is not JSON ({error}); the "
-                                   "journal was damaged.") from error
-        if not isinstance(row, dict):
-            raise TornJournalError(f"{journal}, line {number}, is a JSON {type(row).__name__}, not a journal "
-                                   "row (an object); the journal was damaged or written by something else.")
-        yield row
+    with open(journal, encoding="utf-8", errors="replace", newline="\n") as handle:  # lines end at \n alone
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                if not strict or not line.endswith("\n"):  # the last line, a write that never finished
+                    continue
+                raise TornJournalError(f"{journal}, line {number}, is not JSON ({error}); the "
+                                       "journal was damaged.") from error
+            if not isinstance(row, dict):
+                if not strict:
+                    continue
+                raise TornJournalError(f"{journal}, line {number}, is a JSON {type(row).__name__}, not a journal "
+                                       "row (an object); the journal was damaged or written by something else.")
+            yield row
 
 
 def _number(value: Any) -> float | None:

@@ -27,7 +27,6 @@ import difflib
 import importlib
 import inspect
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from packaging.utils import canonicalize_name
 
 from dew.errors import DewError
 
@@ -120,16 +121,13 @@ def _distribution(distribution: str) -> metadata.Distribution:
             f"components here: {', '.join(_registering()) or 'none'}.") from None
 
 
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def clashes(distribution: str, subject: Component) -> list[Check]:
     """A failed check naming each other installed distribution that registers subject's name in its
     group: while both are installed, every recipe naming it fails with NameConflictError."""
+    mine = canonicalize_name(distribution)
     others = {point.dist.metadata["Name"]: point.value
               for point in metadata.entry_points(group=subject.group, name=subject.name)
-              if point.dist is not None and _canonical(point.dist.metadata["Name"]) != _canonical(distribution)}
+              if point.dist is not None and canonicalize_name(point.dist.metadata["Name"]) != mine}
     return [Check(subject.label, "no other distribution registers its name", "failed",
                   f"{other} registers {subject.name!r} in {subject.group} too ({value}), so while both are "
                   f"installed every recipe naming {subject.name!r} fails with NameConflictError: rename the entry "

@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -159,6 +159,11 @@ class Progress:
             self._hooks = plugins.hook()
         return self._hooks
 
+    def fire(self, hook: str, **arguments: object) -> Any:
+        """Fire a lifecycle hook with its arguments; a plugin's own error is named (plugins.blamed)."""
+        with plugins.blamed(hook):
+            return getattr(self.hooks, hook)(**arguments)
+
     # -- the run's edges -----------------------------------------------------------
     def start(self, trainer: object, start: int, steps: int, mesh: Mapping[str, int], *,
               recipe: Mapping[str, object] | None = None) -> None:
@@ -169,8 +174,7 @@ class Progress:
             self.console.start(start, steps, dict(mesh), processes)
         self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
                                processes=processes), start)
-        with plugins.blamed("dew_run_start"):
-            self.hooks.dew_run_start(trainer=trainer, start=start, steps=steps)
+        self.fire("dew_run_start", trainer=trainer, start=start, steps=steps)
         if not self.in_loop:  # from here the trackers' writer works while the loop waits
             self.in_loop = True
             LOOP.enter()
@@ -186,8 +190,7 @@ class Progress:
         if self.console is not None:
             self.console.finish(goodput)
             self.console.close()
-        with plugins.blamed("dew_run_end"):
-            self.hooks.dew_run_end(step=step, state=state)
+        self.fire("dew_run_end", step=step, state=state)
 
     def close(self) -> None:
         self._leave_loop()
@@ -324,9 +327,7 @@ class Progress:
         """Fire dew_step_end; gather the scalars hooks add and whether one asks to stop."""
         added: dict[str, float] = {}
         stop: str | None = None
-        with plugins.blamed("dew_step_end"):
-            results = self.hooks.dew_step_end(step=done, metrics=dict(scalars)) or ()
-        for result in results:
+        for result in self.fire("dew_step_end", step=done, metrics=dict(scalars)) or ():
             contribution = plugins.StepContribution.of(result)
             added.update({k: float(v) for k, v in contribution.scalars.items()})
             if contribution.stop and stop is None:
@@ -353,12 +354,10 @@ class Progress:
             for artifact in result.previews:
                 self.tracker.artifact(artifact, done)
             self.tracker.artifact(result, done)
-        with plugins.blamed("dew_evaluation"):
-            self.hooks.dew_evaluation(step=done, evaluation=result)
+        self.fire("dew_evaluation", step=done, evaluation=result)
 
     def checkpoint(self, done: int, path: str) -> None:
-        with plugins.blamed("dew_checkpoint"):
-            self.hooks.dew_checkpoint(step=done, path=path)
+        self.fire("dew_checkpoint", step=done, path=path)
 
     def note(self, line: str) -> None:
         if self.console is not None:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from dew import plugins
 from dew.data.base import Dataset
 from dew.objectives.base import Metric
 from dew.telemetry.hardware import peak_flops
@@ -306,8 +305,7 @@ class Preemption(Hook):
         if saving.saved != done:
             self.reporting.take(saving.save(record), done)
         self.reporting.take(saving.end(done, record.state), done)
-        with plugins.blamed("dew_preempted"):
-            progress.hooks.dew_preempted(step=done)
+        progress.fire("dew_preempted", step=done)
         raise Preempted(done, status=self.watch.status)
 
     def close(self) -> None:

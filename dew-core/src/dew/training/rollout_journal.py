@@ -52,7 +52,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dew.errors import DewError
-from dew.telemetry.render import cut_torn_tail
+from dew.telemetry.render import TornJournalError, cut_torn_tail, journal_rows
 
 __all__ = ["ROLLOUTS", "Kept", "Rolled", "RolloutJournal", "RolloutJournalError", "batch_digest", "decode_batch",
            "encode_batch", "kept_rollouts", "read_journal", "to_plain"]
@@ -145,19 +145,11 @@ def _rows(path: Path, *, strict: bool = False) -> Iterator[dict[str, Any]]:
     A damaged line before the last is skipped too when a fit reopens the journal (that step samples
     again), but refused when strict: a reader of what the run trained on would silently miss it.
     """
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for number, text in enumerate(handle, start=1):
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as error:
-                if strict and text.endswith("\n"):
-                    raise RolloutJournalError(
-                        f"{path}, line {number}, is not JSON ({error}): the journal was damaged after it was "
-                        "written, so the rollouts it held cannot be read back. Remove that line to read the "
-                        "others (the step it journaled is then left out).") from None
-                continue  # the last line of a run that died while writing it
-            if isinstance(row, dict):
-                yield row
+    try:
+        yield from journal_rows(path, strict=strict)
+    except TornJournalError as error:
+        raise RolloutJournalError(f"{error} Remove that line to read the others (the step it journaled is "
+                                  "then left out).") from None
 
 
 def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]:
