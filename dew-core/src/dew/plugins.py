@@ -99,9 +99,10 @@ class StepContribution:
     """What a ``dew_step_end`` implementation may return: scalars to log, a request to stop.
 
     scalars are logged with the step's own (the tracker and the console see
-    them together). stop asks the run to end after this step: the trainer
-    saves the step, runs the final evaluation and returns normally; reason
-    is printed. A hook may also return a plain mapping (scalars only) or None.
+    them together). stop asks the run to end: a step's metrics are read while
+    the next one runs, so the run ends after that next step, which the trainer
+    saves, evaluates as its last and returns normally; reason is printed. A
+    hook may also return a plain mapping (scalars only) or None.
 
     >>> StepContribution.of({"my/score": 1.0}).scalars
     {'my/score': 1.0}
