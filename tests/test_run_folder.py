@@ -131,3 +131,80 @@ def test_a_fresh_run_refuses_the_folder_of_an_exported_model_and_leaves_it_as_it
     assert "trainer.checkpoint_dir=model holds an exported model (its config.json), not a run" in err, err
     assert "set init.pretrained=model" in err and "Traceback" not in err
     assert sorted(p.relative_to(exported) for p in exported.rglob("*")) == before
+
+
+def test_started_json_is_written_before_the_first_step(tmp_path, monkeypatch, capsys):
+    """A run killed with SIGKILL never reached the record written at its end, so a moved folder's
+    --resume could not tell its {timestamp} and sent its journal to a new folder elsewhere."""
+    from dew.cli import main
+    from dew.plugins import hookimpl, registered
+
+    seen: list[dict] = []
+
+    class Look:
+        @hookimpl
+        def dew_step_end(self, step):
+            seen.extend(json.loads(p.read_text()) for p in tmp_path.glob(f"runs/tiny-lm/*/{STARTED}"))
+
+    monkeypatch.chdir(tmp_path)
+    with registered(Look()):
+        assert main(["train", "tiny-lm", "trainer.steps=1", "trainer.log_every=1"]) == 0, capsys.readouterr().err
+    (folder,) = tmp_path.glob("runs/tiny-lm/*")
+    assert [record["timestamp"].replace(":", "-") for record in seen] == [folder.name]
+    assert seen[0]["cwd"] == str(tmp_path)
+
+
+def test_a_run_refused_for_another_writer_leaves_that_writers_new_folder_alone(tmp_path, monkeypatch, capsys):
+    """Two runs started at once on one new folder: the refused one removed the folder it had found
+    missing, with the winner's lease in it, and a third run then wrote beside the winner."""
+    import subprocess
+    import sys
+
+    from dew.cli import main
+
+    folder = tmp_path / "runs" / "x"
+    holder_code = (
+        "import pathlib, sys, time\n"
+        "from dew import Checkpoints\n"
+        f"folder = pathlib.Path({str(folder)!r})\n"
+        "Checkpoints(folder).acquire()\n"
+        "(folder / 'run.json').write_text('{}')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n")
+    holders: list[subprocess.Popen] = []
+    original = RunFolder.record
+
+    def the_other_starts_first(self, config):  # after this run found the folder missing
+        holder = subprocess.Popen([sys.executable, "-c", holder_code], stdout=subprocess.PIPE, text=True)
+        holders.append(holder)
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        original(self, config)
+
+    monkeypatch.setattr(RunFolder, "record", the_other_starts_first)
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["train", "tiny-lm", "trainer.steps=1", f"trainer.checkpoint_dir={folder}", "trackers=[]"])
+        err = capsys.readouterr().err
+        assert code == 2 and "CheckpointLeaseHeldError" in err, err
+        assert "removed" not in err and "Nothing was kept" not in err
+        assert {p.name for p in folder.iterdir()} >= {"run.json", ".dew-writer.json"}
+        assert json.loads((folder / ".dew-writer.json").read_text())["pid"] == holders[0].pid
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
+def test_a_folder_moved_before_it_recorded_its_start_still_keeps_its_journal_beside_it(tmp_path, monkeypatch):
+    """No started.json and a path that no longer matches the recipe's {timestamp} template: the
+    timestamp is unknown, and every resume sent the scalars to a new folder named for the time then."""
+    folder = _run_folder(tmp_path, "trackers+={name: local, directory: 'runs/tiny-lm/{timestamp}/more'}",
+                         "trackers+={name: local, directory: 'shared/{timestamp}'}")
+    moved = tmp_path / "archive" / "kept"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.rename(moved.parent.mkdir(parents=True) or moved)
+    monkeypatch.chdir(tmp_path)
+    config, where = resumed(moved)
+    assert where.timestamp is None
+    assert [t.fields["directory"] for t in config.trackers] == [
+        str(moved), str(moved / "more"), "shared/{timestamp}"]  # the last was never inside the run

@@ -244,7 +244,8 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
             first = step.step
             break
     last = min(ledger.last, max((s.step for s in theirs), default=0))
-    missing = tuple(s for s in range(1, last + 1) if s not in {m.step for m in mine} and s in by_step)
+    seen = {m.step for m in mine}  # built once: a run's steps number in the millions
+    missing = tuple(s for s in range(1, last + 1) if s not in seen and s in by_step)
     within = [s for s in mine if s.step <= last]
     reference = [s for s in theirs if s.step <= last]
     skipped, repeated, extra = _compare_positions(_coverage(within), _coverage(reference))

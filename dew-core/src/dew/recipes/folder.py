@@ -100,18 +100,27 @@ class RunFolder:
         return list(dict.fromkeys(found))
 
     def record(self, config: RunConfig) -> None:
-        """Write started.json once the folder exists: the timestamp and working directory, and the
-        distribution (with its version) registering each component the recipe names, so a reader
-        of the run after a plugin was uninstalled is told what to install."""
-        if self.directory is None or self.timestamp is None or not self.directory.is_dir():
+        """Write started.json into the folder (made here) before the run's first step: the timestamp
+        and working directory, and the distribution (with its version) registering each component
+        the recipe names, so a reader of the run after a plugin was uninstalled is told what to
+        install. Written first, it survives a kill -9 at any step; the first writer's stays."""
+        if self.directory is None or self.timestamp is None:
             return
         target = self.directory / STARTED
-        if not target.exists():
-            from dew.recipes.components import provenance
+        if target.exists():
+            return
+        from dew.recipes.components import provenance
 
-            components = provenance(named_components(config))
-            target.write_text(json.dumps({"timestamp": self.timestamp, "cwd": str(self.cwd),
-                                          "components": components}) + "\n")
+        components = provenance(named_components(config))
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with target.open("x") as out:
+                out.write(json.dumps({"timestamp": self.timestamp, "cwd": str(self.cwd),
+                                      "components": components}) + "\n")
+        except FileExistsError:
+            return  # another process started the folder first; its record stands
+        except OSError:
+            return  # a folder that cannot be written: the run's checkpoints say so, by field
 
 
 def named_components(config: RunConfig) -> list[tuple[str, object]]:
@@ -201,7 +210,12 @@ def _followed(data: object, template: object, timestamp: str | None, cwd: Path, 
     if not isinstance(data, dict) or not isinstance(template, str) or "://" in template:
         return []
     if timestamp is None and "{timestamp}" in template:
-        return []
+        # Where the run started is unknown (a folder moved before it recorded its start): a
+        # tracker whose directory is written as the checkpoints' (or inside it) still follows.
+        return [f"trackers.{index}.directory={directory / where[len(template):].lstrip('/')}"
+                for index, tracker in enumerate(data.get("trackers") or [])
+                if isinstance(tracker, dict) and isinstance(where := tracker.get("directory"), str)
+                and (where == template or where.startswith(template.rstrip("/") + "/"))]
     started = _absolute(_expand(template, timestamp or ""), cwd)
     if started == directory:
         return []
@@ -234,6 +248,10 @@ def _inside(cwd: Path) -> Iterator[None]:
         os.chdir(here)
 
 
+def _holds_only(directory: Path, name: str) -> bool:
+    return [p.name for p in directory.rglob("*")] in ([], [name])
+
+
 def _kept_nothing(directory: Path) -> bool:
     """Whether directory holds only what a run writes before its first step."""
     for path in directory.rglob("*"):
@@ -257,19 +275,26 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
     _refuse_exported(folder.directory)
     created = {d: _first_missing(d) for d in folder.directories(config) if not d.exists()}
     try:
+        folder.record(config)
         with _inside(folder.cwd) if folder.resumed else contextlib.nullcontext():
             return config.train(timestamp=folder.timestamp)
     except Preempted:
         raise
     except BaseException as error:
+        if _another_writes(error):
+            # Refused because another process writes the folder (both started at once): the
+            # folders are that process's, which trains on in them; this one leaves them alone.
+            raise
         removed = [d for d in created if d.is_dir() and _kept_nothing(d)]
+        # started.json alone (written before the first step) is not something the run wrote
+        started_only = all(_holds_only(d, STARTED) for d in removed)
         for directory in removed:
             shutil.rmtree(directory, ignore_errors=True)
             _remove_empty_parents(directory, created[directory])
         if isinstance(error, Exception):
             for field, path in _fields_naming(config, folder, error):
                 error.add_note(_field_note(field, path, error))
-            if removed:
+            if removed and not started_only:
                 error.add_note(f"Nothing was kept: the run failed before its first checkpoint or log "
                                f"({', '.join(map(shown, removed))} removed).")
             elif created and not any(d.exists() for d in created):
@@ -277,8 +302,18 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
                 error.add_note(_resume_note(folder.directory))
         raise
-    finally:
-        folder.record(config)
+
+
+def _another_writes(error: BaseException) -> bool:
+    """Whether error (or what it was raised from) says another process holds the run's lease."""
+    from dew.checkpoints.errors import CheckpointLeaseHeldError
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, CheckpointLeaseHeldError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _refuse_exported(directory: Path | None) -> None:
