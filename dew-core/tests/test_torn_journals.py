@@ -50,3 +50,26 @@ def test_the_rollout_journal_keeps_the_open_line_after_a_torn_one(tmp_path):
     RolloutJournal(tmp_path).opened(3, "second")
     rows = [json.loads(line) for line in (tmp_path / ROLLOUTS).read_text().splitlines()]
     assert [(row["kind"], row["maker"]) for row in rows] == [("open", "first"), ("open", "second")]
+
+
+def test_a_resumed_runs_redone_steps_are_read_once_in_step_order(tmp_path):
+    """Killed at step 5 after a checkpoint at 3, the resumed run logged 4 and 5 again: the report drew
+    the loss from 5 back to 4 and counted those steps twice."""
+    from dew.provenance.diff import _losses
+    from dew.telemetry.render import read_scalars
+
+    first = LocalTracker(tmp_path)
+    for step in range(1, 6):
+        first.log({"train/loss": 10.0 - step}, step=step)
+    first.log({"val/loss": 7.5}, step=4)  # an evaluation row beside a train row of one step
+    first.close()
+    resumed = LocalTracker(tmp_path)  # from the checkpoint at step 3
+    for step in range(4, 8):
+        resumed.log({"train/loss": 20.0 - step}, step=step)
+    resumed.close()
+    series = read_scalars(tmp_path / "scalars.jsonl")
+    steps, values = series["train/loss"]
+    assert steps.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert values.tolist() == [9.0, 8.0, 7.0, 16.0, 15.0, 14.0, 13.0]  # the resumed run's from step 4
+    assert series["val/loss"][0].tolist() == [4]
+    assert _losses(tmp_path / "scalars.jsonl") == dict(zip(steps.tolist(), values.tolist(), strict=True))

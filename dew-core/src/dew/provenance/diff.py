@@ -205,19 +205,11 @@ def _journal(run: Path, recipe: Mapping[str, Any] | None) -> Path | None:
 
 
 def _losses(journal: Path | None) -> dict[int, float]:
-    if journal is None:
-        return {}
-    out = {}
-    for line in journal.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if LOSS in row:
-            value = row[LOSS]
-            out[int(row["step"])] = float(value) if not isinstance(value, str) else float(
-                {"NaN": "nan", "+Inf": "inf", "-Inf": "-inf"}.get(value, value))
-    return out
+    """The logged loss at each step, as the run's steps stand (a resume's redone steps once)."""
+    from dew.telemetry.render import read_scalars
+
+    steps, values = read_scalars(journal).get(LOSS, ((), ())) if journal is not None else ((), ())
+    return {int(step): float(value) for step, value in zip(steps, values, strict=True)}
 
 
 _TOKEN = re.compile(r"\.(\w+)|\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]")

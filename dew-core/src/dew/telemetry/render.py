@@ -217,8 +217,12 @@ def _number(value: Any) -> float | None:
 
 
 def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every metric of a scalar journal as (steps, values), in journal order."""
-    series: dict[str, tuple[list[int], list[float]]] = {}
+    """Every metric of a scalar journal as (steps, values), in step order, one value a step.
+
+    A resumed run goes back to its checkpoint and logs the steps after it again: the value
+    logged last for a step (the one the run went on from) replaces those logged before it.
+    """
+    series: dict[str, dict[int, float]] = {}
     for row in journal_rows(journal):
         step = row.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
@@ -226,13 +230,10 @@ def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]
                                    "the journal was damaged or written by something else.")
         for name, value in row.items():
             number = _number(value) if name != "step" else None
-            if number is None:
-                continue
-            steps, values = series.setdefault(name, ([], []))
-            steps.append(step)
-            values.append(number)
-    return {name: (np.asarray(s, np.int64), np.asarray(v, np.float64))
-            for name, (s, v) in series.items()}
+            if number is not None:
+                series.setdefault(name, {})[step] = number
+    return {name: (np.asarray(sorted(values), np.int64), np.asarray([values[s] for s in sorted(values)], np.float64))
+            for name, values in series.items()}
 
 
 def plot_series(name: str, steps: np.ndarray, values: np.ndarray, path: str | Path) -> Path:
