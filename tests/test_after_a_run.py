@@ -134,6 +134,21 @@ def test_rerunning_a_finished_folder_with_fewer_steps_keeps_its_recipe_and_resha
     assert json.loads(recipe)["trainer"]["steps"] == 22
 
 
+def test_a_resume_whose_newest_step_lost_a_file_does_not_announce_that_step(
+        trained: Trained, tmp_path: Path, cache: Path) -> None:
+    """It said "Resuming runs/fixed at step 22", then the restore found step 22 damaged and went on
+    from step 20."""
+    shutil.copytree(trained.run, tmp_path / "runs" / "fixed")
+    (tmp_path / "runs" / "fixed" / "22" / "dew.json").unlink()
+    fixed = ["trainer.checkpoint_dir=runs/fixed", "trackers.0.directory=runs/fixed", "data.load.val_fraction=0",
+             "trainer.preview=true"]
+    more = _dew(["train", "tiny-lm", *SMALL, *fixed, "trainer.steps=23"], tmp_path, cache)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "at step 22" not in more.stdout, more.stdout
+    assert "step 22 is corrupt" in more.stderr and "Restoring step 20 instead" in more.stderr, more.stderr
+    assert _committed(tmp_path / "runs" / "fixed") == [20, 23]
+
+
 def test_the_sample_is_journaled_with_its_step(trained: Trained) -> None:
     rows = [json.loads(line) for line in (trained.run / "previews.jsonl").read_text().splitlines()]
     assert [(row["step"], row["name"], row["kind"]) for row in rows] == [(20, "sample", "text"), (22, "sample", "text")]

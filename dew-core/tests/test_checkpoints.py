@@ -275,3 +275,35 @@ def test_positions_are_stored_as_given(tmp_path: Path) -> None:
     checkpoints.wait()
     stored = json.loads((tmp_path / "1" / "dew.json").read_text())["data"]["positions"]["0"]
     assert base64.b64decode(stored) == raw
+
+
+def test_a_restore_removes_the_damaged_steps_an_earlier_restore_set_aside(tmp_path: Path, capsys) -> None:
+    """Each damaged step was kept whole as <step>.dew-corrupt for good: a run damaged at every restart
+    (a flaky disk) kept a full copy of its state per restart."""
+    checkpoints = Checkpoints(tmp_path, keep=None)
+    template = template_of(full_state(0, width=64))
+    for step in (1, 2, 3):
+        save(checkpoints, step, full_state(step, width=64))
+    checkpoints.wait()
+    _corrupt(tmp_path / "3", "truncate")
+    _corrupt(tmp_path / "2", "manifest")
+    assert checkpoints.restore(template, partition=SINGLE).step == 1
+    assert {p.name for p in tmp_path.glob("*.dew-corrupt")} == {"2.dew-corrupt", "3.dew-corrupt"}  # both kept
+    save(checkpoints, 2, full_state(2, width=64))
+    checkpoints.wait()
+    _corrupt(tmp_path / "2", "flip")
+    capsys.readouterr()
+    assert checkpoints.restore(template, partition=SINGLE).step == 1
+    assert [p.name for p in tmp_path.glob("*.dew-corrupt")] == ["2.dew-corrupt"]  # this restore's alone
+    assert "removed the damaged step(s) an earlier restore set aside: 3.dew-corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "manifest"])
+def test_whole_counts_a_steps_files_without_reading_them(tmp_path: Path, how: str) -> None:
+    checkpoints = Checkpoints(tmp_path, fallback=False)
+    save(checkpoints, 1, full_state(1, width=64))
+    checkpoints.wait()
+    assert checkpoints.whole(1) and checkpoints.intact(1)
+    _corrupt(tmp_path / "1", how)
+    assert not checkpoints.intact(1)
+    assert checkpoints.whole(1) == (how == "flip")  # flipped bits keep every size: only reading tells

@@ -101,7 +101,8 @@ class Checkpoints:
     file and the newest older good step; with fallback=True (the default, so
     an unattended restart keeps going) restore warns on stderr, moves the
     damaged step aside to ``<step>.dew-corrupt`` (when no other process
-    writes the directory) and continues from that older step instead. An
+    writes the directory; those an earlier restore set aside go) and
+    continues from that older step instead. An
     intact step that does not fit the state being restored (another
     optimizer, model or configuration) raises CheckpointTreeMismatchError naming
     the differing leaves, and nothing on disk changes.
@@ -243,6 +244,19 @@ class Checkpoints:
         self._settle()
         steps = [step for store in self._stores for step in self._committed(store)]
         return max(steps, default=None)
+
+    def whole(self, step: int) -> bool:
+        """Whether step's manifest reads and every file it lists is there at its size (no file is read:
+        the cheap half of intact, for saying where a resume goes before the restore checks it all)."""
+        self._probe()
+        for store, number in self._candidates(step):
+            try:
+                manifest = self._manifest(store, number)
+            except CheckpointCorruptedError:
+                continue
+            if integrity.verify_sizes(store.step_path(number), manifest.files) is None:
+                return True
+        return False
 
     def intact(self, step: int) -> bool:
         """Whether step's manifest and every file it lists are as written (reads every file)."""
@@ -482,6 +496,8 @@ class Checkpoints:
         self._settle()
         candidates = self._placed(self._candidates(step), template, step)
         expected = integrity.leaf_table(template), integrity.node_table(template)
+        stale = frozenset(path for store in self._stores if isinstance(store.directory, Path)
+                          for path in store.directory.glob(f"*{_CORRUPT}"))
         for index, (store, number) in enumerate(candidates):
             try:
                 return restore_step(store.step_path(number), number, template, expected, partition, check)
@@ -495,7 +511,7 @@ class Checkpoints:
                 # without the API's advice (restore(step=...)), which this fallback has just taken.
                 print(f"dew: Checkpoint step {number} is corrupt: {error.file}: {error.reason}. Restoring "
                       f"step {good[1]} instead; step {number} is set aside.", file=sys.stderr, flush=True)
-                self._quarantine(store, number)
+                self._quarantine(store, number, stale)
         raise CheckpointNotFoundError(f"No checkpoint to restore in {self.directory}.")  # pragma: no cover
 
     def _placed(self, candidates: list[tuple[Store, int]], template: State,
@@ -550,8 +566,9 @@ class Checkpoints:
         return next(((store, number) for store, number in candidates if intact(store.step_path(number), number)),
                     None)
 
-    def _quarantine(self, store: Store, step: int) -> None:
-        """Move a damaged step aside, as the writer (a lease held elsewhere leaves it in place)."""
+    def _quarantine(self, store: Store, step: int, stale: frozenset[Path]) -> None:
+        """Move a damaged step aside, as the writer (a lease held elsewhere leaves it in place), and
+        remove the stale steps (set aside by an earlier restore) of its store."""
         transient = not self._writing
         if transient:
             try:
@@ -568,6 +585,15 @@ class Checkpoints:
                 if target.exists():
                     rmtree(target)
                 source.rename(target)
+                # The damage this restore found is kept to look into; steps set aside by earlier
+                # restores are full copies of a state that a run damaged again and again piles up.
+                earlier = sorted(path for path in stale if path.parent == store.directory and path != target
+                                  and path.exists())
+                for path in earlier:
+                    rmtree(path)
+                if earlier:
+                    print(f"dew: removed the damaged step(s) an earlier restore set aside: "
+                          f"{', '.join(path.name for path in earlier)}.", file=sys.stderr, flush=True)
             barrier(f"dew-checkpoints-quarantine-{step}")
             if store.manager is not None:
                 store.manager.reload()

@@ -423,10 +423,12 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         before = _saved_recipe(type(config), checkpoints.directory)  # read once for the three below
         refuse_changed_function(config, checkpoints.directory, resumed_at, before=before)
         # A finished run's newest step is checked first: a damaged one falls back to an older step
-        # and trains on, which the restore says, so "nothing to train" would be wrong. Every process
-        # asks (a pool's local steps are agreed on collectively); process 0 says it.
+        # and trains on, which the restore says, so "nothing to train" would be wrong. A run going on
+        # has its step's files counted (the restore reads them all): a missing or cut one is not
+        # announced as where the run resumes. Every process asks (a pool's local steps are agreed on
+        # collectively); process 0 says it.
         ahead = resumed_at < fit["steps"]
-        intact = ahead or checkpoints.intact(resumed_at)
+        intact = checkpoints.whole(resumed_at) if ahead else checkpoints.intact(resumed_at)
         if jax.process_index() == 0 and intact:
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
