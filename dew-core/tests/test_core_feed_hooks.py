@@ -316,6 +316,28 @@ def test_a_step_end_hook_adds_scalars_and_can_stop_the_run(tmp_path):
     assert int(state.step) == 5 and checkpoints.latest == 5
 
 
+def test_a_fit_stopped_by_a_preemption_notice_records_where_its_time_went(tmp_path):
+    """Only a fit that finished wrote its Goodput: a run stopped and resumed ten times reported the
+    wall time of its last fit alone."""
+    from dew.telemetry.records import Goodput
+    from dew.training.runtime import Preempted, PreemptionNotice
+
+    class StopAt:
+        @hookimpl
+        def dew_step_end(self, step):
+            if step == 3:
+                PreemptionNotice.send()
+
+    tracker = Recorder()
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), tracker=tracker,
+                      checkpoints=Checkpoints(tmp_path))
+    with registered(StopAt()), pytest.raises(Preempted) as stopped:
+        trainer.fit(numbered(), steps=50, log_every=1)
+    goodput = [(step, value) for step, value in tracker.artifacts if isinstance(value, Goodput)]
+    assert [step for step, _ in goodput] == [stopped.value.step]
+    assert 0 < goodput[0][1].step_seconds < goodput[0][1].wall_seconds
+
+
 def test_each_save_note_names_the_store_it_was_written_to(tmp_path, capsys):
     checkpoints = Checkpoints(tmp_path / "shared", local_directory=tmp_path / "local", local_every=2)
     trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints)

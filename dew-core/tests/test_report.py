@@ -10,6 +10,7 @@ import sys
 from html.parser import HTMLParser
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from dew.cli import main
@@ -144,3 +145,27 @@ def test_several_runs_overlay_in_one_colour_each_with_the_recipe_side_by_side(tm
     assert "<th>a</th><th>b</th>" in text
     assert "<tr class='differs'><td>optimizer.learning_rate</td><td>0.001</td><td>0.003</td>" in text
     assert "<tr><td>model.num_layers</td><td>2</td><td>2</td></tr>" in text
+
+
+def test_the_goodput_bar_of_a_resumed_run_sums_its_fits_and_counts_redone_steps_as_lost(tmp_path):
+    """The bar showed the last fit alone; its preemption part was always 0, though a resume from an
+    older checkpoint trains the steps after it again."""
+    from dew.cli.report import load_run
+    from dew.cli.run_page import missing_charts
+    from dew.telemetry.records import RunStarted
+
+    tracker = LocalTracker(tmp_path)
+    for start, end, steps_s, wall in ((0, 20, 10.0, 12.0), (15, 30, 6.0, 7.0), (30, 40, 4.0, 5.0)):
+        tracker.artifact(RunStarted(config={}, start=start, steps=40), start)
+        tracker.log({"train/loss": 1.0}, end)
+        tracker.artifact(Goodput(0.5, wall, steps_s, compile_seconds=0.5), end)
+    tracker.artifact(RunStarted(config={}, start=40, steps=50), 40)  # a fit killed before its end
+    tracker.close()
+    run = load_run(tmp_path)
+    parts = run.goodput
+    # the first fit trained steps 1-20 in 10 s; the second went back to step 15: a quarter of it was lost
+    assert parts["steps"] == pytest.approx(10.0 * 15 / 20 + 6.0 + 4.0)
+    assert parts["preemption"] == pytest.approx(10.0 * 5 / 20)
+    assert parts["compile"] == pytest.approx(1.5)
+    assert sum(parts.values()) == pytest.approx(12.0 + 7.0 + 5.0)  # every fit's wall time, once
+    assert any("the latest has not" in note for note in missing_charts([run]))

@@ -78,14 +78,35 @@ class RunData:
 
     @property
     def goodput(self) -> dict[str, float] | None:
-        """The last Goodput record as seconds by part (steps, then each cause), or None."""
-        for row in reversed(self.records):
-            if row.get("type") == "goodput":
-                record = row.get("record", {})
-                parts = {"steps": record.get("step_seconds", 0.0)}
-                parts.update(record.get("badput", {}))
-                return {k: float(v) for k, v in parts.items() if isinstance(v, int | float)}
-        return None
+        """Seconds by part (steps, then each cause) of every fit that wrote its Goodput record (one
+        that finished or was stopped on request), summed; None when none did.
+
+        A fit resumed from a checkpoint older than where the fit before it stopped trains those
+        steps again: the earlier fit's time in them (its share of that fit's step time) was lost,
+        and is counted under preemption rather than steps.
+        """
+        fits: list[tuple[int | None, int | None, dict[str, Any] | None]] = []  # (start, end, record)
+        for row in self.records:
+            step = row.get("step") if isinstance(row.get("step"), int) else None
+            if row.get("type") == "run_started":
+                fits.append((step, None, None))
+            elif row.get("type") == "goodput":
+                start = fits.pop()[0] if fits and fits[-1][2] is None else None
+                fits.append((start, step, row.get("record", {})))
+        total: dict[str, float] = {}
+        for index, (start, end, record) in enumerate(fits):
+            if record is None:
+                continue
+            parts = {"steps": record.get("step_seconds", 0.0), **record.get("badput", {})}
+            parts = {k: float(v) for k, v in parts.items() if isinstance(v, int | float)}
+            resumed = next((later for later, _, _ in fits[index + 1:] if later is not None), None)
+            if start is not None and end is not None and resumed is not None and resumed < end and start < end:
+                lost = parts.get("steps", 0.0) * min(end - resumed, end - start) / (end - start)
+                parts["steps"] = parts.get("steps", 0.0) - lost
+                parts["preemption"] = parts.get("preemption", 0.0) + lost
+            for key, value in parts.items():
+                total[key] = total.get(key, 0.0) + value
+        return total or None
 
 
 def _kind(name: str) -> str:
@@ -414,7 +435,16 @@ def missing_charts(runs: Sequence[RunData]) -> list[str]:
         if run.goodput is None:
             notes.append(f"{who}No goodput bar: a fit writes where its wall time went when it "
                          "ends, and this one has not ended (it was stopped, or is still running).")
+        elif _unended(run.records):
+            notes.append(f"{who}The goodput bar counts the fits that ended; the latest has not (it was "
+                         "killed, or is still running).")
     return notes
+
+
+def _unended(records: Sequence[dict[str, Any]]) -> bool:
+    """Whether the latest fit of a journal wrote no Goodput record (it was killed, or runs still)."""
+    kinds = [row.get("type") for row in records if row.get("type") in ("run_started", "goodput")]
+    return bool(kinds) and kinds[-1] == "run_started"
 
 
 def _last_values(runs: Sequence[RunData]) -> list[str]:

@@ -23,6 +23,7 @@ import jax
 from dew.data.base import Dataset
 from dew.objectives.base import Metric
 from dew.telemetry.hardware import peak_flops
+from dew.telemetry.records import Goodput
 from dew.tracking.progress import Progress
 from dew.tracking.protocol import Located, Reported
 from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
@@ -153,14 +154,19 @@ class ProgressHook(Hook):
 
     def fail(self, error: BaseException) -> None:
         self.failed = True
+        if isinstance(error, Preempted) and self.last is not None:  # a stop on request, saved: its time
+            self.progress.record(self._goodput(), self.last[0])     # counts toward the run's as a fit's does
         self.progress.close()
 
     def close(self) -> None:
         if self.failed or self.last is None:
             return
-        clock, (done, state) = self.feed.clock, self.last
-        self.progress.finish(done, state, self.progress.clock.goodput(clock.data, clock.rollout, clock.reward,
-                                                                      within_first=self.within_first))
+        done, state = self.last
+        self.progress.finish(done, state, self._goodput())
+
+    def _goodput(self) -> Goodput:
+        clock = self.feed.clock
+        return self.progress.clock.goodput(clock.data, clock.rollout, clock.reward, within_first=self.within_first)
 
 
 class Profiling(Hook):
