@@ -157,3 +157,55 @@ def test_a_coordinator_whose_peers_never_join_says_so_in_one_line(tmp_path):
     assert (f"dew: the pool's coordinator at 127.0.0.1:{port} waited 2 s for the other 1 process(es), and "
             "not all of them joined") in text
     assert "rank 0 failed with status 2" in text and "Terminating process" not in text and "@ 0x" not in text
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_before_its_first_step_ends_the_pool_with_its_status(tmp_path):
+    """Rank 0 refused its tracker's folder and printed why, then waited at exit for JAX's
+    distributed shutdown, which rank 1 (inside its first step) never reached: the pool hung."""
+    (tmp_path / "afile").write_text("")
+    launch = Launch(["-n", "2", "--grace", "5", "tiny-lm", *SMALL, "trainer.steps=6",
+                     f"trainer.checkpoint_dir={tmp_path / 'run'}",
+                     f"trackers=[{{name: local, directory: {tmp_path / 'afile' / 'sub'}}}]"], tmp_path)
+    code = launch.wait(timeout=120)
+    text = launch.text()
+    assert code == 2, text
+    assert "TrackerWriteError" in text and "rank 0 failed with status 2" in text
+    assert "SIGTERM" not in text  # ended by the failure, not by a signal
+
+
+HOOK = """
+import jax
+from dew.plugins import hookimpl
+
+
+class FailOnRankOne:
+    @hookimpl
+    def dew_step_end(self, step):
+        if jax.process_index() == 1 and step == 3:
+            raise RuntimeError("rank 1's plugin failed at step 3")
+"""
+
+
+@pytest.mark.slow
+def test_a_plugin_failing_on_one_rank_mid_run_ends_the_pool_with_its_status(tmp_path):
+    """The failing rank printed its PluginHookError, then waited on collectives (a save's commit,
+    its close, JAX's shutdown) that the other rank, inside its next step, never joined."""
+    site = tmp_path / "site"
+    info = site / "dewtest_failing_hook-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dewtest-failing-hook\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[dew.plugins]\nfailing = dewtest_failing_hook:FailOnRankOne\n")
+    (site / "dewtest_failing_hook.py").write_text(HOOK)
+    run = tmp_path / "run"
+    launch = Launch(["-n", "2", "--grace", "5", "tiny-lm", *SMALL, "trainer.steps=40", "trainer.checkpoint_every=2",
+                     f"trainer.checkpoint_dir={run}"], tmp_path,
+                    env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+    code = launch.wait(timeout=180)
+    text = launch.text()
+    assert code == 2, text
+    assert "PluginHookError" in text and "rank 1's plugin failed at step 3" in text
+    # the rank that failed first is named, though rank 0's collective then failed too, without it
+    assert "rank 1 failed with status 2" in text and "SIGTERM" not in text
+    assert "Traceback" not in text
+    assert (run / "2" / "dew.json").is_file()  # the step committed before the failure is kept

@@ -460,6 +460,24 @@ class Checkpoints:
                 self._release_lease(self._stores)
                 barrier("dew-checkpoints-closed")  # every process sees the lease gone on return
 
+    def abandon(self) -> int | None:
+        """Let go of the saves under way and of the lease without waiting; return the newest step
+        abandoned (None when none was being written).
+
+        For a process of a pool whose fit failed: committing a save, pruning and closing are
+        collectives the other processes may never reach (they wait inside a step), so waiting
+        would hang the pool. The committed steps stay; a step half written is removed by the
+        next run that writes the directory.
+        """
+        abandoned = max((store.pending.step for store in self._stores if store.pending is not None), default=None)
+        for store in self._stores:
+            store.pending, store.manager = None, None  # Orbax's close would wait for the commit
+        if self._writing:
+            self._writing = False
+            self._release_lease(self._stores)
+        _watched.discard(self)  # nothing left for the exit hook to finish
+        return abandoned
+
     def _finish_at_exit(self) -> None:
         """Commit (or abandon, saying so) what is still being written, then let go of the lease."""
         pending = [(store, store.pending.step) for store in self._stores if store.pending is not None]

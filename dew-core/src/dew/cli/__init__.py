@@ -9,9 +9,10 @@ import contextlib
 import importlib
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     import logging
@@ -85,12 +86,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     head``) ends the command quietly with 141.
     """
     try:
-        return _main(argv)
+        status = _main(argv)
     except BrokenPipeError:
         # Nothing is left to say to the reader; stdout goes to devnull so the interpreter's last
         # flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
+    except Exception as error:
+        if not _in_pool():
+            raise
+        if _peer_lost(error):  # not this process's failure: the one that failed first says what it was
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            print(f"dew: another process of the pool ended, so this one cannot go on (a collective "
+                  f"failed: {first}).", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()  # a bug: its traceback, then the pool is left as below
+        status = 1
+    if status not in (0, INTERRUPTED) and _in_pool():
+        _leave_pool(status)
+    return status
+
+
+def _in_pool() -> bool:
+    """Whether this process joined a pool of several (jax.distributed), without importing JAX."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """Whether error is a collective that failed because another process of the pool is gone."""
+    text = str(error)
+    return "Gloo" in text and any(sign in text for sign in _PEER_GONE)
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Read error")
+
+
+def _leave_pool(status: int) -> NoReturn:
+    """End a pool's process that failed now, with status. At interpreter exit JAX shuts its
+    distributed client down, which waits for every process: the others, inside a step's
+    collective that this one never joins, never arrive, and the pool would hang instead of
+    failing (dew launch kills the other ranks once one fails)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -453,10 +453,10 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             evaluations=build_evaluations(config, parts, stamp), recipe=config.recorded())
         # Validation scores what the objective defines (a reward, a perplexity), as `dew eval` does.
         state = trainer.fit(dataset, **fit, metrics=tuple(objective.metrics()))
-    except BaseException:
+    except BaseException as error:
         # The run's own failure is the one to see; closing still flushes what it can.
         with contextlib.suppress(Exception):
-            _close(checkpoints, tracker)
+            _close(checkpoints, tracker, failed=not isinstance(error, SystemExit))
         raise
     # Every process takes part (the weights may be sharded across them); one prints. The
     # sample is journaled with its step, unless the last validation journaled a preview there.
@@ -511,11 +511,17 @@ class ObjectiveParts(TypedDict, total=False):
     initializer: Initializer
 
 
-def _close(checkpoints: Checkpoints | None, tracker: Tracker | None) -> None:
-    """Wait for the last checkpoint and close the trackers, raising the first failure."""
+def _close(checkpoints: Checkpoints | None, tracker: Tracker | None, *, failed: bool = False) -> None:
+    """Wait for the last checkpoint and close the trackers, raising the first failure. A process
+    of a pool whose run failed waits for no save: the others may never join its collectives."""
+    from dew.checkpoints.pool import pooled
+
     try:
         if checkpoints is not None:
-            checkpoints.close()
+            if failed and pooled():
+                checkpoints.abandon()
+            else:
+                checkpoints.close()
     finally:
         if tracker is not None:
             tracker.close()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from dew.checkpoints.pool import pooled
 from dew.data.base import Dataset
 from dew.objectives.base import Metric
 from dew.telemetry.hardware import peak_flops
@@ -276,8 +277,16 @@ class Saving(Hook):
         return Contribution(checkpoint_seconds=time.perf_counter() - began)
 
     def fail(self, error: BaseException) -> None:
-        """On a failing fit, finish the checkpoint already handed to the writer, and say so."""
+        """On a failing fit, finish the checkpoint already handed to the writer, and say so; in a
+        pool, let it go (its commit is a collective the other processes may never reach)."""
         if isinstance(error, Preempted):
+            return
+        if pooled():
+            abandoned = self.checkpoints.abandon()
+            if abandoned is not None:
+                error.add_note(f"dew: the checkpoint of step {abandoned} was still being written when this "
+                               "process failed, and was abandoned (the pool's other processes cannot "
+                               "finish it with this one); the previous committed step is kept.")
             return
         try:
             self.checkpoints.wait()

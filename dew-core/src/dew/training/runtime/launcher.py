@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class _Pool:
         self.grace = float(grace)
         self.out = out
         self.children: dict[int, subprocess.Popen[bytes]] = {}
+        self.ended: list[int] = []  # ranks in the order they exited (a failure's peers fail after it)
         self.signals: list[int] = []
         self.deadline: float | None = None
         self.stop_signal: int | None = None
@@ -69,9 +71,15 @@ class _Pool:
 
     def start(self) -> None:
         for rank in self.ranks:
-            self.children[rank.index] = subprocess.Popen(
+            child = self.children[rank.index] = subprocess.Popen(
                 list(rank.argv), env={**os.environ, **rank.env}, start_new_session=True,
                 preexec_fn=_die_with_launcher)
+            threading.Thread(target=self._watch, args=(rank.index, child), daemon=True,
+                             name=f"dew-launch-rank-{rank.index}").start()
+
+    def _watch(self, index: int, child: subprocess.Popen[bytes]) -> None:
+        child.wait()
+        self.ended.append(index)
 
     def on_signal(self, signum: int, frame: object) -> None:
         self.signals.append(signum)
@@ -113,10 +121,10 @@ class _Pool:
 
     def outcome(self) -> int | None:
         """The pool's status once it is decided by its ranks' exits, else None."""
-        ended = {i: _status(c.returncode) for i, c in self.children.items() if c.poll() is not None}
+        ended = {i: _status(self.children[i].returncode) for i in list(self.ended)}
         failed = {i: s for i, s in ended.items() if s != 0 and s not in _STOP_STATUSES}
         if failed:
-            index, status = min(failed.items())
+            index, status = next(iter(failed.items()))  # the first to fail: the others lost it
             self.say(f"rank {index} failed with status {status}")
             self.kill("the pool cannot go on without it")
             return status
