@@ -209,3 +209,20 @@ def test_a_plugin_failing_on_one_rank_mid_run_ends_the_pool_with_its_status(tmp_
     assert "rank 1 failed with status 2" in text and "SIGTERM" not in text
     assert "Traceback" not in text
     assert (run / "2" / "dew.json").is_file()  # the step committed before the failure is kept
+
+
+@pytest.mark.slow
+def test_processes_given_different_recipes_are_refused_by_name(tmp_path):
+    """Two ranks joined by hand with different trainer.steps trained until the shorter one's last
+    save, a collective the other never called: the pool hung without a word."""
+    port = free_port()
+    launches = [Launch(["--grace", "5", "tiny-lm", *SMALL, f"trainer.steps={steps}",
+                        f"trainer.checkpoint_dir={tmp_path / 'run'}"], tmp_path,
+                       env={"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                            "JAX_PROCESS_ID": str(index)})
+                for index, steps in ((0, 8), (1, 5))]
+    codes = [launch.wait(timeout=120) for launch in launches]
+    text = "".join(launch.text() for launch in launches)
+    assert codes == [2, 2], text
+    assert text.count("dew train: Process(es) 1 of the pool of 2 were given another recipe") == 2, text
+    assert not (tmp_path / "run" / "1").exists()  # refused before any step

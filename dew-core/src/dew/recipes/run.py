@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import sys
 import warnings
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from dew.data.base import TextReader
 from dew.errors import DewError
 from dew.placeholders import absolute, expand
 from dew.recipes.components import refuse_values, run_inputs
+from dew.recipes.errors import RecipeError
 
 if TYPE_CHECKING:
     import os
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Parts",
+    "PoolRecipeMismatchError",
     "ScheduleReshapedWarning",
     "build_objective",
     "build_evaluations",
@@ -388,6 +391,39 @@ def _where(checkpoints: Checkpoints | None) -> str:
             f"{Path(checkpoints.directory) / 'run.json'})")
 
 
+class PoolRecipeMismatchError(RecipeError):
+    """The processes of a pool were given different recipes, overrides or dew versions."""
+
+
+def refuse_differing_processes(config: RunConfig) -> None:
+    """In a pool, refuse a recipe (with its overrides) or dew's installed versions that differ from
+    process 0's: every process runs one program, and one that differs (other steps, another
+    batch) reaches a collective the others never call, so the pool would hang without a word."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import hashlib
+    from importlib import metadata
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    versions = {}
+    for name in ("dew-core", "dew-objectives", "dew-data", "dew-trackers"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    text = json.dumps({"recipe": config.recorded(), "versions": versions}, sort_keys=True, default=str)
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.int64)
+    digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
+    differing = [index for index, value in enumerate(digests) if value != digests[0]]
+    if differing:
+        raise PoolRecipeMismatchError(
+            f"Process(es) {', '.join(map(str, differing))} of the pool of {len(digests)} were given another "
+            "recipe, other overrides or other dew versions than process 0: the pool runs one program. "
+            "Start every process with the same command (dew launch does) and the same installed dew.")
+
+
 def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     """Build the run config describes, train it to its last step and return the TrainState.
 
@@ -398,6 +434,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
 
     prepare_process(config.trainer)
     stamp = timestamp or run_timestamp()
+    refuse_differing_processes(config)
 
     import jax
 
@@ -410,8 +447,6 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     assert dataset is not None  # build_parts loads it unless asked not to
     fit = config.trainer.fit_arguments(dataset.steps_per_epoch)
     if fit["eval_every"] and dataset.val is None and not fit["preview"]:
-        from dew.recipes.errors import RecipeError
-
         raise RecipeError(
             f"The recipe sets trainer.eval_every={fit['eval_every']}, which scores the validation "
             f"split, but its data {config.data.name!r} holds none out: hold some out (data.load."
@@ -432,7 +467,8 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         if jax.process_index() == 0 and intact:
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
-        if ahead or not intact:  # a finished run trains nothing, so no schedule is reshaped
+        # a finished run trains nothing, so no schedule is reshaped; a pool says it once
+        if (ahead or not intact) and jax.process_index() == 0:
             warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,
                                       checkpoints.directory, resumed_at, before=before)
     # A resumed run's checkpoint holds every weight, so the weights it started from (init, a

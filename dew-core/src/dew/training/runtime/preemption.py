@@ -45,7 +45,8 @@ class _StoppedAt(SystemExit):
     def code(self) -> int:  # type: ignore[override]  # the interpreter reads it at exit: say why
         if not self._announced:
             self._announced = True
-            print(f"dew: {self}", file=sys.stderr, flush=True)
+            if jax.process_index() == 0:  # a pool's processes all stop at this step: said once
+                print(f"dew: {self}", file=sys.stderr, flush=True)
         return self.status
 
     @property
