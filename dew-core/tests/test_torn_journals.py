@@ -73,3 +73,55 @@ def test_a_resumed_runs_redone_steps_are_read_once_in_step_order(tmp_path):
     assert values.tolist() == [9.0, 8.0, 7.0, 16.0, 15.0, 14.0, 13.0]  # the resumed run's from step 4
     assert series["val/loss"][0].tolist() == [4]
     assert _losses(tmp_path / "scalars.jsonl") == dict(zip(steps.tolist(), values.tolist(), strict=True))
+
+
+# -- a write the disk refuses (a file-size limit makes writes fail as a full disk does) ------------
+
+REFUSED_WRITES = """
+import json, pathlib, resource, signal, sys
+from dew.data.base import GLOBAL_POSITION
+from dew.errors import RunFileWriteError
+from dew.telemetry.render import append_lines
+from dew.training.ledger import RecordLedger
+from dew.training.rundir import write_recipe
+
+folder = pathlib.Path(sys.argv[1])
+append_lines(folder / "journal.jsonl", ['{"step": 1}', '{"step": 2}'])
+(folder / "run.json").write_text('{"kept": true}\\n')
+
+
+class Beside:
+    directory = folder
+
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+said = []
+for attempt in (lambda: append_lines(folder / "journal.jsonl", ['{"step": 3, "pad": "' + "x" * 2000 + '"}']),
+                lambda: write_recipe(Beside(), {"pad": "x" * 2000}),
+                lambda: RecordLedger(folder).checkpoint(7, GLOBAL_POSITION + json.dumps({"pad": "x" * 2000}).encode())):
+    try:
+        attempt()
+        said.append(None)
+    except RunFileWriteError as error:
+        said.append(str(error))
+print(json.dumps(said))
+"""
+
+
+def test_a_write_the_disk_refuses_is_named_and_leaves_whole_lines_and_the_old_recipe(tmp_path):
+    """The data ledger, the rollout journal and run.json raised a bare OSError (a traceback) on a
+    full disk, and a journal was left with half a line."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REFUSED_WRITES, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    journal, recipe, ledger = json.loads(done.stdout.strip().splitlines()[-1])
+    assert journal.startswith(f"{tmp_path / 'journal.jsonl'} could not be written (") and "Free space" in journal
+    assert (tmp_path / "journal.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'  # cut back, no half line
+    assert recipe.startswith(f"{tmp_path / 'run.json'} could not be written (") and "is kept" in recipe
+    assert (tmp_path / "run.json").read_text() == '{"kept": true}\n' and not list(tmp_path.glob(".run.json*"))
+    assert ledger is not None and (tmp_path / "ledger.jsonl").read_text() == ""

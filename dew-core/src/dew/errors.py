@@ -14,7 +14,7 @@ True
 
 from __future__ import annotations
 
-__all__ = ["BatchKeyError", "DewError", "DewKeyError"]
+__all__ = ["BatchKeyError", "DewError", "DewKeyError", "RunFileWriteError"]
 
 
 class DewError(Exception):
@@ -36,3 +36,14 @@ class BatchKeyError(DewKeyError, ValueError):
     (the key its condition is read from). It is a ``KeyError`` for a missing
     key and a ``ValueError`` for a misshapen one, so either ``except`` works.
     """
+
+
+class RunFileWriteError(DewError, OSError):
+    """A file of a run's folder (its run.json, a journal) could not be written: a full disk, a folder
+    made read-only. The message names the file, the system's reason and what was kept."""
+
+    def __init__(self, path: object, reason: BaseException, kept: str) -> None:
+        super().__init__(
+            f"{path} could not be written ({reason}); {kept}. Free space on its disk (or point "
+            "trainer.checkpoint_dir at a folder this process can write) and start the run again: "
+            "it goes on from its last checkpoint.")

@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 # What a run writes into its folder before its first step: nothing worth keeping on its own.
-_BOOKKEEPING = frozenset({"run.json", STARTED, "records.jsonl", ".dew-writer.json"})
+_BOOKKEEPING = frozenset({"run.json", STARTED, "records.jsonl", "ledger.jsonl", ".dew-writer.json"})
 
 
 class NotARunFolderError(RecipeError):

@@ -8,22 +8,24 @@ these renderers, so a preview looks the same in every sink.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dew.errors import DewError
+from dew.errors import DewError, RunFileWriteError
 from dew.telemetry.artifacts import Artifact
 
 __all__ = [
     "NON_FINITE",
+    "append_lines",
     "gif_bytes",
     "TornJournalError",
     "cut_torn_tail",
@@ -176,6 +178,27 @@ def cut_torn_tail(journal: str | Path) -> None:
                 return
             position = start
         handle.truncate(0)
+
+
+def append_lines(journal: Path, lines: Sequence[str]) -> None:
+    """Append whole lines to journal in one write (making its folder); a write the disk refuses is
+    cut back to the lines before it and raised as RunFileWriteError, so no line is left torn."""
+    data = "".join(line + "\n" for line in lines).encode()
+    try:
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        with open(journal, "ab", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[handle.write(view):]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(handle.fileno(), size)
+                raise
+    except OSError as error:
+        raise RunFileWriteError(journal, error, f"its {len(lines)} new line(s) were not kept, the lines "
+                                "before them are whole") from error
 
 
 def journal_rows(journal: str | Path, *, strict: bool = True) -> Iterator[dict[str, Any]]:

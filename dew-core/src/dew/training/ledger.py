@@ -37,7 +37,7 @@ from numpy.typing import ArrayLike
 
 from dew.data.base import GLOBAL_POSITION, Consumption, DataPartition, is_global_position
 from dew.errors import DewError
-from dew.telemetry.render import cut_torn_tail
+from dew.telemetry.render import append_lines, cut_torn_tail
 
 __all__ = ["LEDGER", "Ledger", "LedgerGapError", "RecordLedger", "decoded_position", "joined", "records_digest"]
 
@@ -126,10 +126,8 @@ class RecordLedger:
     def flush(self) -> None:
         if not self._lines:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as handle:
-            handle.write("".join(line + "\n" for line in self._lines))
-        self._lines.clear()
+        lines, self._lines = self._lines, []  # a write refused is not tried again when the fit closes
+        append_lines(self.path, lines)
 
     def opened(self, step: int, position: bytes | None, partition: DataPartition) -> None:
         self._order = None

@@ -52,7 +52,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dew.errors import DewError
-from dew.telemetry.render import TornJournalError, cut_torn_tail, journal_rows
+from dew.telemetry.render import TornJournalError, append_lines, cut_torn_tail, journal_rows
 
 __all__ = ["ROLLOUTS", "Kept", "Rolled", "RolloutJournal", "RolloutJournalError", "batch_digest", "decode_batch",
            "encode_batch", "kept_rollouts", "read_journal", "to_plain"]
@@ -230,9 +230,7 @@ class RolloutJournal:
         self.path = Path(directory) / ROLLOUTS
 
     def _append(self, lines: Sequence[str]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write("".join(line + "\n" for line in lines))
+        append_lines(self.path, lines)
 
     def opened(self, step: int, maker: str | None = None) -> dict[int, Rolled]:
         """Note that a fit with settings maker opened at step; return the lines it can replay

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from dew.errors import RunFileWriteError
 from dew.training.config import RUN_FILE
 from dew.training.ledger import RecordLedger
 
@@ -37,11 +38,13 @@ def write_recipe(checkpoints: Checkpoints | None, recipe: Mapping[str, object] |
     if checkpoints is None or recipe is None or jax.process_index() != 0:
         return
     target = Path(checkpoints.directory)
-    target.mkdir(parents=True, exist_ok=True)
     writing = target / f".{RUN_FILE}.writing"
     try:
+        target.mkdir(parents=True, exist_ok=True)
         writing.write_text(json.dumps(recipe, indent=2) + "\n")
         os.replace(writing, target / RUN_FILE)
+    except OSError as error:
+        raise RunFileWriteError(target / RUN_FILE, error, "the recipe it held before, if any, is kept") from error
     finally:
         writing.unlink(missing_ok=True)
 
