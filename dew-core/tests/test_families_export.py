@@ -111,3 +111,55 @@ def test_an_export_the_disk_refuses_is_one_line_and_keeps_the_earlier_one(tmp_pa
         child.stderr and f"{out} is as it was" in child.stderr and "Traceback" not in child.stderr, child.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if "dew-writing" in p.name] == []
+
+
+TOKENIZER_REFUSED = """
+import resource, signal, sys
+from dew.pretrained.tokenizers import byte_level
+from dew.pretrained.writing import _write_failure
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+try:
+    byte_level(256).save(sys.argv[1])
+except BaseException as error:  # whatever the library raises
+    print(type(error).__name__, "|", _write_failure(error))
+"""
+
+
+def test_a_tokenizer_write_the_disk_refuses_is_a_write_failure(tmp_path):
+    """The tokenizers library reports a refused write as a plain Exception ("... (os error 27)"):
+    dew export printed its traceback instead of the one line that names OUT."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TOKENIZER_REFUSED, str(tmp_path / "tokenizer.json")],
+                          capture_output=True, text=True, timeout=120)
+    kind, reason = done.stdout.strip().split(" | ")
+    assert kind == "Exception" and "os error" in reason and reason != "None", done.stdout + done.stderr
+
+
+VERIFICATION_REFUSED = """
+import pathlib, resource, signal, sys
+from dew.pretrained import PretrainedError
+from dew.pretrained.verify import Verification
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+record = Verification(0.0, 1e-4, True, "0" * 64, (3, 4), "Qwen3ForCausalLM")
+try:
+    record.write(pathlib.Path(sys.argv[1]))
+except PretrainedError as error:
+    print(error)
+"""
+
+
+def test_a_verification_record_the_disk_refuses_is_named_and_not_left_empty(tmp_path):
+    """dew export --verify printed a traceback after the export was swapped in, and left an empty
+    verification.json in OUT."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", VERIFICATION_REFUSED, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.startswith(f"{tmp_path / 'verification.json'} could not be written ("), done.stderr[-2000:]
+    assert "the export in" in done.stdout and "run dew export --verify again" in done.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -66,9 +66,20 @@ class Verification:
     versions: Mapping[str, str] = field(default_factory=dict)
 
     def write(self, directory: Path) -> Path:
+        """The record beside the export, whole or not at all (written beside it, then renamed)."""
         path = directory / VERIFICATION_FILE
+        writing = directory / f".{VERIFICATION_FILE}.writing"
         record = {**asdict(self), "prompt_lengths": list(self.prompt_lengths)}
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        try:
+            writing.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(writing, path)
+        except OSError as error:
+            raise PretrainedError(
+                f"{path} could not be written ({error.strerror or error}); the export in {directory} is whole, "
+                "without its verification record. Free space on its disk and run dew export --verify "
+                "again.") from None
+        finally:
+            writing.unlink(missing_ok=True)
         return path
 
 

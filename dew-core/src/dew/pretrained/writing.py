@@ -48,11 +48,12 @@ class ExportWriteError(PretrainedError):
 
 
 def _write_failure(error: BaseException) -> str | None:
-    """Why writing failed, when error is the system refusing a write (safetensors reports it as its
-    own error, with the system's words); None for anything else."""
+    """Why writing failed, when error is the system refusing a write (safetensors and tokenizers,
+    written in Rust, report it as an error of their own or a plain Exception, with the system's
+    words and "os error N"); None for anything else."""
     if isinstance(error, OSError):
         return error.strerror or str(error)
-    if type(error).__name__ == "SafetensorError" and "os error" in str(error).lower():
+    if type(error).__name__ in ("SafetensorError", "Exception") and "os error" in str(error).lower():
         return str(error)
     return None
 
