@@ -169,3 +169,33 @@ def test_the_goodput_bar_of_a_resumed_run_sums_its_fits_and_counts_redone_steps_
     assert parts["compile"] == pytest.approx(1.5)
     assert sum(parts.values()) == pytest.approx(12.0 + 7.0 + 5.0)  # every fit's wall time, once
     assert any("the latest has not" in note for note in missing_charts([run]))
+
+
+REPORT_REFUSED = """
+import resource, signal, sys
+from dew.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+sys.exit(main(["report", sys.argv[1], "--out", sys.argv[2]]))
+"""
+
+
+def test_a_report_the_disk_refuses_is_one_line_and_keeps_the_page_drawn_before(tmp_path, capsys):
+    """A chart or page write the disk refused printed a traceback, and a redraw over an earlier
+    report had already cut its charts short (they were written in place)."""
+    run, out = tmp_path / "run", tmp_path / "out"
+    _run(run)
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    done = subprocess.run([sys.executable, "-c", REPORT_REFUSED, str(run), str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith(f"dew report: The report could not be written to {out} (")
+    assert "the page it held before is kept" in done.stderr and "Traceback" not in done.stderr
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # nothing half-drawn beside it
+    mine = tmp_path / "mine"  # a folder holding others' files gets the page among them, as before
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    assert main(["report", str(run), "--out", str(mine)]) == 0
+    assert (mine / "notes.txt").read_text() == "kept" and (mine / "index.html").is_file()

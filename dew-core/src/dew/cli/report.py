@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,11 +14,15 @@ from dew.errors import DewError
 if TYPE_CHECKING:
     from dew.cli.run_page import RunData as RunPageData
 
-__all__ = ["NoJournalError", "ReportOutError", "add_arguments", "load_run", "render_report", "run"]
+__all__ = ["NoJournalError", "ReportOutError", "ReportWriteError", "add_arguments", "load_run", "render_report", "run"]
 
 
 class NoJournalError(DewError, FileNotFoundError):
     """The directory holds no LocalTracker journal to report on."""
+
+
+class ReportWriteError(DewError, OSError):
+    """The page or a chart could not be written: a full disk, a read-only folder."""
 
 
 class ReportOutError(DewError, FileExistsError):
@@ -91,6 +96,7 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
     out defaults to the first run's ``report`` folder. The runs are only read.
     """
     from dew.cli.run_page import write_page
+    from dew.pretrained.writing import fresh_beside, swap_in
 
     if isinstance(run_dirs, str | Path):
         run_dirs = [run_dirs]
@@ -100,7 +106,28 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
     runs = [load_run(d, label) for d, label in zip(directories, _labels(directories), strict=True)]
     out = Path(out) if out is not None else directories[0] / "report"
     _check_out(out)
-    return write_page(runs, out)
+    existed = out.exists()
+    try:
+        if existed and any(entry.name not in _PAGE_ENTRIES for entry in out.iterdir()):
+            return write_page(runs, out)  # a folder of others' files: the page joins them there
+        # Drawn beside out, then swapped in: a write the disk refuses leaves the page out held whole.
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fresh = fresh_beside(out)
+        try:
+            write_page(runs, fresh)
+            swap_in(fresh, out)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+        return out / "index.html"
+    except OSError as error:
+        kept = "the page it held before is kept" if existed else "nothing was left there"
+        raise ReportWriteError(
+            f"The report could not be written to {out} ({error.strerror or error}); {kept}. Free space on "
+            "its disk, or give --out a folder this process can write.") from None
+
+
+_PAGE_ENTRIES = frozenset({"index.html", "plots", "previews"})  # what write_page puts in its folder
 
 
 def _check_out(out: Path) -> None:

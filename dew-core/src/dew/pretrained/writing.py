@@ -23,12 +23,13 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dew.pretrained.errors import PretrainedError
 
-__all__ = ["WRITTEN_NAMES", "ExportDirectoryError", "ExportWriteError", "check_out", "foreign_entries", "replacing"]
+__all__ = ["WRITTEN_NAMES", "ExportDirectoryError", "ExportWriteError", "check_out", "foreign_entries", "fresh_beside",
+           "replacing", "swap_in"]
 
 # What an export writes (besides the shards model-NNNNN-of-NNNNN.safetensors).
 WRITTEN_NAMES = frozenset({
@@ -136,6 +137,29 @@ def _exchange(a: Path, b: Path) -> bool:
     return done == 0
 
 
+def fresh_beside(out: Path) -> Path:
+    """A new empty directory beside out (whose folder exists), to write what is to replace it."""
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-", dir=out.parent))
+
+
+def swap_in(fresh: Path, out: Path, carry: Sequence[str] = ()) -> None:
+    """Make fresh out, the entries of out named in carry moved into it first, and remove out's
+    previous content: in one exchange of the two names where the system has one."""
+    for name in carry:  # entries of others' travel into the new directory as they are
+        if not (fresh / name).exists() and not (fresh / name).is_symlink():
+            os.rename(out / name, fresh / name)
+    os.chmod(fresh, 0o777 & ~_umask())
+    if not out.exists():
+        os.rename(fresh, out)
+        return
+    if not _exchange(fresh, out):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-old-", dir=out.parent))
+        os.rename(out, old / "out")
+        os.rename(fresh, out)
+        fresh = old
+    shutil.rmtree(fresh, ignore_errors=True)  # the previous content (rmtree never follows a link)
+
+
 @contextlib.contextmanager
 def replacing(out: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
     """A fresh directory to write an export into; on success it becomes out (see the module).
@@ -151,26 +175,14 @@ def replacing(out: str | os.PathLike[str], *, force: bool = False) -> Iterator[P
             f"{out}'s folder {out.parent} cannot be made ({error.strerror or error}); a folder above OUT "
             "is a file or cannot be written. Give an OUT whose folders exist or can be created.") from None
     try:
-        fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-", dir=out.parent))
+        fresh = fresh_beside(out)
     except OSError as error:
         raise ExportDirectoryError(
             f"{out.parent} cannot be written ({error.strerror or error}), so no export can be made in it "
             "as OUT. Give an OUT in a directory this process can write.") from None
     try:
         yield fresh
-        for name in foreign:  # force: the others' entries travel into the new export as they are
-            if not (fresh / name).exists() and not (fresh / name).is_symlink() and not _written_name(name):
-                os.rename(out / name, fresh / name)
-        os.chmod(fresh, 0o777 & ~_umask())
-        if out.exists():
-            if not _exchange(fresh, out):
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-old-", dir=out.parent))
-                os.rename(out, old / "out")
-                os.rename(fresh, out)
-                fresh = old
-        else:
-            os.rename(fresh, out)
-            return
+        swap_in(fresh, out, [name for name in foreign if not _written_name(name)])
     except BaseException as error:
         shutil.rmtree(fresh, ignore_errors=True)
         reason = _write_failure(error)
@@ -180,7 +192,6 @@ def replacing(out: str | os.PathLike[str], *, force: bool = False) -> Iterator[P
         raise ExportWriteError(
             f"Writing the export to {out} failed ({reason}); {kept}. Free space on the disk that holds "
             f"{out.parent} (or raise the file-size limit or quota), or give an OUT on another disk.") from None
-    shutil.rmtree(fresh, ignore_errors=True)  # the previous export (rmtree never follows a link)
 
 
 def _umask() -> int:
