@@ -82,3 +82,29 @@ def test_dew_train_fills_the_private_cache_by_default(tmp_path):
     cache = tmp_path / "cache" / "dew" / "compilation"
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert any(path.name.startswith("jit_") for path in cache.iterdir())  # the step, at least
+
+
+def test_a_default_cache_that_cannot_be_made_is_skipped_in_one_line(tmp_path, monkeypatch, no_jax_cache, capsys):
+    """A read-only (or full) home stopped every dew train with a traceback, though the cache is
+    only a speed-up."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "afile"))  # its folders cannot be made
+    monkeypatch.delenv("DEW_COMPILATION_CACHE", raising=False)
+    with default_compilation_cache(None) as directory:
+        assert directory is None and jax.config.jax_compilation_cache_dir is None
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"dew: the compilation cache {tmp_path}/afile/dew/compilation "
+                                                 "cannot be made (") and "training without it" in said[0]
+
+
+def test_entries_a_full_disk_left_empty_are_removed_when_the_cache_opens(tmp_path, monkeypatch, no_jax_cache):
+    """JAX writes an entry in place and never rewrites one that exists: an empty one (the disk was
+    full) made every later run warn and compile that program again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("DEW_COMPILATION_CACHE", raising=False)
+    cache = private_directory(user_cache_directory())
+    (cache / "jit_step-abc-cache").write_bytes(b"")
+    (cache / "jit_step-abc-atime").write_bytes(b"12")
+    (cache / "jit_init-def-cache").write_bytes(b"compiled")
+    with default_compilation_cache(None):
+        assert sorted(p.name for p in cache.iterdir()) == ["jit_init-def-cache", "jit_step-abc-atime"]

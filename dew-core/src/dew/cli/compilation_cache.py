@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,7 +72,16 @@ def default_compilation_cache(recipe_directory: str | None) -> Iterator[Path | N
 
     from dew.training.runtime.process import use_compilation_cache
 
-    directory = private_directory(user_cache_directory())
+    try:
+        directory = private_directory(user_cache_directory())
+    except SharedCacheDirectoryError:
+        raise
+    except OSError as error:  # a read-only or full home: the cache is a speed-up, the run goes on without
+        print(f"dew: the compilation cache {user_cache_directory()} cannot be made ({error.strerror or error}); "
+              f"training without it (set trainer.compilation_cache_dir, or {OFF}=off to say nothing).",
+              file=sys.stderr, flush=True)
+        yield None
+        return
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     before = {name: getattr(jax.config, name) for name in names}

@@ -8,6 +8,7 @@ late when that would lose a setting, rather than let a run start without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shlex
@@ -236,9 +237,23 @@ def use_compilation_cache(directory: str) -> None:
     waits for all of them)."""
     import jax
 
+    _drop_empty_entries(directory)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _drop_empty_entries(directory: str) -> None:
+    """Remove the empty entries a full disk left in a local cache: JAX writes an entry in place and
+    never rewrites one that exists, so each later run would warn that it is unreadable and compile
+    that program again, for good."""
+    if "://" in directory:
+        return
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.endswith("-cache") and entry.is_file() and entry.stat().st_size == 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
 
 def run_timestamp() -> str:
