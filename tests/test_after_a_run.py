@@ -149,6 +149,19 @@ def test_a_resume_whose_newest_step_lost_a_file_does_not_announce_that_step(
     assert _committed(tmp_path / "runs" / "fixed") == [20, 23]
 
 
+def test_samples_that_cannot_be_written_are_shown_and_the_folder_named(trained: Trained, tmp_path: Path,
+                                                                     cache: Path) -> None:
+    """A --out the disk refused said only "[Errno 28] No space left on device" (no file, no fix),
+    and the text generated was lost."""
+    (tmp_path / "afile").write_text("")
+    done = _dew(["generate", str(trained.run), "def ", "--max-new-tokens", "4", "--out", "afile/samples"],
+                tmp_path, cache)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith("dew generate: The samples could not be written to afile/samples ("), done.stderr
+    assert "choose another --out; the text is printed above." in done.stderr
+    assert done.stdout.startswith("def ")  # the prompt and its continuation, printed all the same
+
+
 def test_the_sample_is_journaled_with_its_step(trained: Trained) -> None:
     rows = [json.loads(line) for line in (trained.run / "previews.jsonl").read_text().splitlines()]
     assert [(row["step"], row["name"], row["kind"]) for row in rows] == [(20, "sample", "text"), (22, "sample", "text")]

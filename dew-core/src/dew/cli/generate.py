@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dew.cli.runs import expected, refused
-    from dew.objectives.inference import GenerateRequest
+    from dew.objectives.inference import GenerateRequest, SampleWriteError
     from dew.recipes.opening import open_run
 
     try:
@@ -65,13 +65,19 @@ def run(args: argparse.Namespace) -> int:
     except Exception as error:
         if not expected(error):
             raise
+        if isinstance(error, SampleWriteError) and error.texts:  # generated, then not written: shown
+            _show(error.texts)
         return refused("generate", error)
     if made.texts:
-        several = len(made.texts) > 1 and any("\n" in text for text in made.texts)
-        print("\n---\n".join(made.texts) if several else "\n".join(made.texts))
+        _show(made.texts)
     if made.files:
         folder = made.files[0].parent
         print(f"Wrote {made.samples} sample(s) to {folder}: {made.files[0].name}"
               + (f" (all of them) and {len(made.files) - 1} file(s) more, one each"
                  if len(made.files) > 1 else ""))
     return 0
+
+
+def _show(texts: tuple[str, ...]) -> None:
+    several = len(texts) > 1 and any("\n" in text for text in texts)
+    print("\n---\n".join(texts) if several else "\n".join(texts))

@@ -20,8 +20,9 @@ rather than being ignored.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -43,12 +44,34 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "GenerateRequest",
+    "SampleWriteError",
     "UnsupportedRequestError",
     "pipeline_of",
     "variables_of",
     "write_file",
     "write_texts",
+    "writing_samples",
 ]
+
+
+class SampleWriteError(DewError, OSError):
+    """Samples could not be written into their folder (a full disk, a read-only folder); texts holds
+    the texts generated, for the caller to show rather than lose."""
+
+    def __init__(self, directory: object, reason: OSError, texts: tuple[str, ...] = ()) -> None:
+        self.texts = texts
+        super().__init__(f"The samples could not be written to {directory} ({reason.strerror or reason}); free "
+                         "space on its disk or choose another --out" + ("; the text is printed above." if texts
+                                                                         else "."))
+
+
+@contextlib.contextmanager
+def writing_samples(directory: str | os.PathLike[str], texts: tuple[str, ...] = ()) -> Iterator[None]:
+    """Within: writes into directory, a refused one raised as SampleWriteError (carrying texts)."""
+    try:
+        yield
+    except OSError as error:
+        raise SampleWriteError(directory, error, texts) from None
 
 
 class PipelineError(DewError, ValueError):
@@ -197,9 +220,10 @@ def write_texts(texts: tuple[str, ...], directory: str | os.PathLike[str] | None
     if directory is None:
         return ()
     target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
     path = target / "samples.txt"
-    write_file(path, ("\n---\n".join(texts) + "\n").encode("utf-8"))
+    with writing_samples(target, texts):
+        target.mkdir(parents=True, exist_ok=True)
+        write_file(path, ("\n---\n".join(texts) + "\n").encode("utf-8"))
     return (path,)
 
 

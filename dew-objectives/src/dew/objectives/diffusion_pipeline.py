@@ -37,6 +37,7 @@ from dew.objectives.inference import (
     UnsupportedRequestError,
     write_file,
     write_texts,
+    writing_samples,
 )
 
 if TYPE_CHECKING:
@@ -96,15 +97,16 @@ def write_samples(pixels: np.ndarray, directory: str | os.PathLike[str], *, vide
     from dew.telemetry.render import gif_bytes, png_bytes
 
     target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
     suffix, encode = (".gif", gif_bytes) if video else (".png", png_bytes)
     grid = target / f"samples{suffix}"
-    write_file(grid, encode(_tile(pixels, max(1, min(columns, len(pixels))))))
-    files = [grid]
-    for index, sample in enumerate(pixels):
-        path = target / f"sample_{index:03d}{suffix}"
-        write_file(path, encode(sample))
-        files.append(path)
+    with writing_samples(target):
+        target.mkdir(parents=True, exist_ok=True)
+        write_file(grid, encode(_tile(pixels, max(1, min(columns, len(pixels))))))
+        files = [grid]
+        for index, sample in enumerate(pixels):
+            path = target / f"sample_{index:03d}{suffix}"
+            write_file(path, encode(sample))
+            files.append(path)
     return tuple(files)
 
 
