@@ -113,6 +113,11 @@ def test_the_checkpoint_writers_leftovers_stay_off_the_console_after_dews_own_li
         other = error
     record.exc_info = (ValueError, other, other.__traceback__)
     assert _FromWriters().filter(record)  # a failure of anything else is still shown
+    # TensorStore's own error, raised from its C++ (no Python frame of the writers): named by its driver
+    native = ValueError('RESOURCE_EXHAUSTED: Error opening "zarr" driver: Error writing local file '
+                        '"/run/60/state/array_metadatas/process_0": No space left on device')
+    record.exc_info = (ValueError, native, None)
+    assert not _FromWriters().filter(record)
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")

@@ -246,8 +246,15 @@ _WRITERS = (f"{os.sep}orbax{os.sep}", f"{os.sep}array_serialization{os.sep}", f"
 """Where the checkpoint writers' code lives: Orbax, and the JAX serialization and TensorStore it writes through."""
 
 
+_WRITER_DRIVERS = ('"zarr" driver', '"zarr3" driver', '"ocdbt" driver', '"file" driver')
+"""How TensorStore's own errors name the storage it failed on (Error opening "zarr" driver: ...)."""
+
+
 def _writers_traceback(error: BaseException | None) -> bool:
-    """Whether error was raised inside the checkpoint writers (a frame of its traceback is theirs)."""
+    """Whether error was raised inside the checkpoint writers: a frame of its traceback is theirs,
+    or, raised from TensorStore's C++ (no frame of Python's), its message names a driver of theirs."""
+    if error is not None and any(driver in str(error) for driver in _WRITER_DRIVERS):
+        return True
     frames = error.__traceback__ if error is not None else None
     while frames is not None:
         if any(part in frames.tb_frame.f_code.co_filename for part in _WRITERS):
