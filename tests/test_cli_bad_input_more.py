@@ -119,6 +119,12 @@ def test_a_compilation_cache_that_is_a_file_is_refused(tmp_path, capsys, monkeyp
     assert code == 2 and "Traceback" not in err, err
     assert err.startswith("dew train: CompilationCacheError: trainer.compilation_cache_dir") and "is a file" in err
     assert (tmp_path / "cache").read_text() == "not a directory"
+    # a folder that cannot be made there (a file above it, a read-only disk) is not one to create first
+    assert main(["train", "tiny-lm", "trainer.compilation_cache_dir=cache/sub", "trainer.steps=1",
+                 f"trackers.0.directory={tmp_path}/runs"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be made a directory" in err and "create it first" not in err, err
+    assert "point trainer.compilation_cache_dir at a directory this process can write" in err
 
 
 def test_check_plugin_refuses_an_empty_name(capsys):

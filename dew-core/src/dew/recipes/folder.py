@@ -345,9 +345,12 @@ def _writing_failed(error: Exception) -> bool:
     """Whether error is a write the run could not make (a full disk, a read-only directory, a file
     in the way): asking to create what the error names would mislead."""
     from dew.checkpoints.errors import CheckpointDirectoryError, CheckpointWriteError
+    from dew.errors import RunFileWriteError
     from dew.tracking.background import TrackerWriteError
+    from dew.training.runtime.process import CompilationCacheError
 
-    return isinstance(error, CheckpointDirectoryError | CheckpointWriteError | TrackerWriteError)
+    return isinstance(error, CheckpointDirectoryError | CheckpointWriteError | TrackerWriteError
+                      | RunFileWriteError | CompilationCacheError)
 
 
 def _first_missing(directory: Path) -> Path:
