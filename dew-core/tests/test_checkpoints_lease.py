@@ -254,3 +254,28 @@ def test_a_full_disk_while_taking_the_lease_is_named_and_leaves_no_empty_lease(t
     held.acquire()  # with room again, the run takes its directory
     assert json.loads((tmp_path / "run" / LEASE).read_text())["pid"] == os.getpid()
     held.close()
+
+
+def test_a_writer_dropped_without_close_lets_go_of_its_lease(tmp_path):
+    """A notebook's Trainer deleted after fit kept the directory's lease for as long as the kernel
+    lived: `dew train` from a terminal was refused it as written by that process."""
+    import gc
+
+    from dew.checkpoints import lease as leases
+
+    writer = Checkpoints(tmp_path)
+    writer.acquire()
+    assert leases.holds(tmp_path) and (tmp_path / leases.LEASE).is_file()
+    del writer
+    gc.collect()
+    assert not leases.holds(tmp_path) and not (tmp_path / leases.LEASE).exists()
+    closed = Checkpoints(tmp_path)  # closed first: the lease is let go of once, not again when collected
+    closed.acquire()
+    other = Checkpoints(tmp_path)  # a second holder in this process keeps it
+    other.acquire()
+    closed.close()
+    del closed
+    gc.collect()
+    assert leases.holds(tmp_path) and (tmp_path / leases.LEASE).is_file()
+    other.close()
+    assert not (tmp_path / leases.LEASE).exists()

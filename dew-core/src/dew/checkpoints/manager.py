@@ -16,6 +16,7 @@ process that tries to write is refused, naming the holder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ from dew.checkpoints.replicas import fits, pool_placement, pool_steps
 from dew.checkpoints.restore import MetaCheck, Restored, State, intact, read_manifest, restore_step
 from dew.checkpoints.store import (
     TMP,
+    Location,
     Store,
     remove_half_written,
     rmtree,
@@ -147,6 +149,7 @@ class Checkpoints:
         self._local = None if self.local_directory is None else Store(self.local_directory, local=True)
         self._probed = False
         self._writing = False
+        self._unclosed: weakref.finalize | None = None  # lets go of the lease if it is dropped unclosed
 
     def __repr__(self) -> str:
         return f"Checkpoints({str(self.directory)!r}, keep={self.keep})"
@@ -208,6 +211,10 @@ class Checkpoints:
             self._release_lease(self._stores)
             raise
         self._writing = True
+        # Dropped without close() (a notebook's Trainer deleted): its lease goes with it, or another
+        # process would be refused the directory for as long as this one lives.
+        self._unclosed = weakref.finalize(self, _let_go, [store.directory for store in self._stores
+                                                          if jax.process_index() == 0 or store.per_process])
         _watch_at_exit(self)
 
     def _take_lease(self, stores: list[Store]) -> None:
@@ -229,6 +236,12 @@ class Checkpoints:
                                               lease.holder_of(self.directory))
         if failure is not None:
             raise failure
+
+    def _let_go_of_lease(self) -> None:
+        if self._unclosed is not None:
+            self._unclosed.detach()
+            self._unclosed = None
+        self._release_lease(self._stores)
 
     def _release_lease(self, stores: list[Store]) -> None:
         for store in stores:
@@ -457,7 +470,7 @@ class Checkpoints:
                     store.manager = None
             if self._writing:
                 self._writing = False
-                self._release_lease(self._stores)
+                self._let_go_of_lease()
                 barrier("dew-checkpoints-closed")  # every process sees the lease gone on return
 
     def abandon(self) -> int | None:
@@ -474,7 +487,7 @@ class Checkpoints:
             store.pending, store.manager = None, None  # Orbax's close would wait for the commit
         if self._writing:
             self._writing = False
-            self._release_lease(self._stores)
+            self._let_go_of_lease()
         _watched.discard(self)  # nothing left for the exit hook to finish
         return abandoned
 
@@ -618,6 +631,13 @@ class Checkpoints:
         finally:
             if transient:
                 self._release_lease([store])
+
+
+def _let_go(directories: list[Location]) -> None:
+    """Release the leases of a Checkpoints collected while it still wrote (its close never ran)."""
+    for directory in directories:
+        with contextlib.suppress(Exception):
+            lease.release(directory)
 
 
 _watched: weakref.WeakSet[Checkpoints] = weakref.WeakSet()
