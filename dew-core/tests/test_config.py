@@ -77,12 +77,14 @@ def test_fit_arguments_count_epochs_in_steps():
 
 def test_trainer_from_config_uses_the_mapping():
     import jax
+    import optax
 
+    from dew.testing.doubles import Linear
     from dew.training.trainer import Trainer
 
-    objective = object()
+    objective = Linear()  # a Trainer is given real parts: a stand-in is refused by name
     trainer = Trainer.from_config(TrainerConfig(steps=1, mesh={"fsdp": 1}, accumulation=3),
-                                  objective, None, key=jax.random.key(0))
+                                  objective, optax.sgd(0.1), key=jax.random.key(0))
     assert trainer.accumulation == 3 and trainer.objective is objective
 
 

@@ -498,3 +498,42 @@ def test_the_first_steps_rollout_is_counted_once_in_the_goodput():
     assert goodput.rollout_seconds >= 1.2 and goodput.first_step_seconds >= 0.3
     later = goodput.wall_seconds - goodput.first_step_seconds  # steps 2 to 4: three rollouts and the steps
     assert 0.0 < goodput.step_seconds <= later - 0.9 + 1e-3, goodput
+
+
+# -- arguments of the wrong type -----------------------------------------------------------------
+
+def test_arguments_of_the_wrong_type_are_named_when_the_trainer_is_built(tmp_path):
+    """They surfaced deep in fit: a string key as a JAX error about an abstract array, a string
+    tracker as an AttributeError after the first step had compiled and run."""
+    from flax import linen as nn
+
+    from dew.training.arguments import TrainerArgumentError
+
+    key = jax.random.key(0)
+    cases = {"key": dict(key="abc"), "key ": dict(key=0), "objective": dict(objective=nn.Dense(1)),
+             "optimizer": dict(optimizer="adam"), "checkpoints": dict(checkpoints=str(tmp_path)),
+             "tracker": dict(tracker=str(tmp_path))}
+    for name, given in cases.items():
+        arguments = {"objective": Linear(), "optimizer": optax.sgd(0.1), "key": key, **given}
+        objective, optimizer = arguments.pop("objective"), arguments.pop("optimizer")
+        with pytest.raises(TrainerArgumentError, match=rf"^Trainer's {name.strip()} must (be|have) .*; got "):
+            Trainer(objective, optimizer, **arguments)
+    # a legacy uint32 key is still taken, as JAX's own functions take it
+    Trainer(Linear(), optax.sgd(0.1), key=jax.random.PRNGKey(0)).fit(numbered(), steps=1, log_every=1)
+
+
+def test_fit_names_data_that_is_not_a_dataset_and_a_count_that_is_not_whole():
+    from dew.training.arguments import TrainerArgumentError
+    from dew.training.cadence import CadenceError
+
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(TrainerArgumentError, match=r"fit's data must be a dew.data.Dataset; got list .*"
+                                                   r"Dataset\(train=lambda partition"):
+        trainer.fit([batch_at(0)], steps=1)
+    for given, said in ((dict(steps="10"), "steps must be a whole number, got str '10'"),
+                        (dict(steps=10.7), "steps must be a whole number, got float 10.7"),
+                        (dict(steps=None), "steps must be a whole number, got NoneType None"),
+                        (dict(steps=2, log_every="5"), "log_every must be a whole number, got str '5'")):
+        with pytest.raises(CadenceError, match=re.escape(said)):
+            trainer.fit(numbered(), **given)
+    assert int(trainer.fit(numbered(), steps=np.int64(2), log_every=1).step) == 2  # NumPy's whole numbers are

@@ -9,6 +9,7 @@ turns them into ``Trainer.fit``'s keywords, counting ``epochs`` in steps.
 
 from __future__ import annotations
 
+import operator
 from typing import TypedDict
 
 import pydantic
@@ -30,17 +31,24 @@ class CadenceError(DewError, ValueError):
     """Trainer.fit was given a step count below 0 or an interval below 1."""
 
 
-def check_cadence(steps: int, log_every: int, eval_every: int | None, checkpoint_every: int | None) -> int:
-    """steps, once fit's arguments are in range: what a recipe's Cadence refuses is refused when fit
-    is called directly (an interval of 0 ran as "never", which None says, and a negative step count
-    returned without a word)."""
-    if steps < 0:
-        raise CadenceError(f"steps is the step count to train to, at least 0; got {steps}.")
-    for name, value in (("log_every", log_every), ("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
-        if value is not None and value < 1:
+def check_cadence(steps: object, log_every: object, eval_every: object, checkpoint_every: object) -> int:
+    """steps, once fit's arguments are whole numbers in range: what a recipe's Cadence refuses is
+    refused when fit is called directly (an interval of 0 ran as "never", which None says, a
+    negative step count returned without a word, and steps=10.7 trained 10)."""
+    for name, value in (("steps", steps), ("log_every", log_every), ("eval_every", eval_every),
+                        ("checkpoint_every", checkpoint_every)):
+        if value is None and name in ("eval_every", "checkpoint_every"):
+            continue
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]  # what is not a whole number is refused
+        except TypeError:
+            raise CadenceError(f"{name} must be a whole number, got {type(value).__name__} {value!r}.") from None
+        if name == "steps" and number < 0:
+            raise CadenceError(f"steps is the step count to train to, at least 0; got {number}.")
+        if name != "steps" and number < 1:
             off = "" if name == "log_every" else " (None turns it off)"
-            raise CadenceError(f"{name} must be at least 1{off}, got {value}.")
-    return steps
+            raise CadenceError(f"{name} must be at least 1{off}, got {number}.")
+    return operator.index(steps)  # type: ignore[arg-type]  # checked above
 
 
 class FitArguments(TypedDict):

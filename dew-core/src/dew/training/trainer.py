@@ -16,7 +16,6 @@ from functools import cached_property, partial
 from typing import TYPE_CHECKING, Generic
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from dew.data.base import Dataset
@@ -25,7 +24,8 @@ from dew.tracking.directories import check_directories
 from dew.tracking.progress import NonFiniteLossError, Progress
 from dew.tracking.protocol import Tracker
 from dew.training import hooks, loop
-from dew.training.cadence import check_cadence, log_interval
+from dew.training.arguments import check_parts, checked_key, fit_steps
+from dew.training.cadence import log_interval
 from dew.training.config import TrainerSettings
 from dew.training.evaluation import Evaluator
 from dew.training.execution import CompiledStep, Execution, execution_for
@@ -77,8 +77,8 @@ class Trainer(Generic[Loss, Effects]):
                  rollout: Rollout | None = None, profile: ProfileWindow | None = None,
                  initializer: Initializer = None, evaluations: Sequence[Periodic] = (),
                  recipe: JSONObject | None = None) -> None:
-        if isinstance(key, jax.Array) and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(key)
+        key = checked_key(key)  # a key of the wrong type, or a part, is named now rather than deep in fit
+        check_parts(objective, optimizer, checkpoints, tracker)
         self.program = Program(objective, optimizer, accumulation, dynamic_scale, step, layout.owns_state)
         self.start = Start(self.program, key, initializer)
         self.objective, self.optimizer, self.key, self.mesh, self.layout = objective, optimizer, key, mesh, layout
@@ -167,7 +167,7 @@ class Trainer(Generic[Loss, Effects]):
     def fit(self, dataset: Dataset, *, steps: int, log_every: int = 100, eval_every: int | None = None,
             checkpoint_every: int | None = None, metrics: Sequence[Metric] = (), preview: bool = False) -> TrainState:
         """Train until the step counter reaches steps, resuming from the latest checkpoint."""
-        steps = check_cadence(int(steps), log_every, eval_every, checkpoint_every)
+        steps = fit_steps(dataset, steps, log_every, eval_every, checkpoint_every)
         every = log_interval(steps, log_every)  # a run shorter than log_every still logs
         schedule = self.optimizer.schedule if isinstance(self.optimizer, ConfiguredOptimizer) else None
         progress = Progress(tracker=self.tracker, records_per_step=dataset.batch, log_every=every,
