@@ -307,3 +307,20 @@ def test_whole_counts_a_steps_files_without_reading_them(tmp_path: Path, how: st
     _corrupt(tmp_path / "1", how)
     assert not checkpoints.intact(1)
     assert checkpoints.whole(1) == (how == "flip")  # flipped bits keep every size: only reading tells
+
+
+def test_a_ctrl_c_orbax_wrapped_while_reading_is_a_stop_not_a_mismatch() -> None:
+    """Ctrl-C during a resume's restore came back from Orbax wrapped in its own error, which dew
+    reported as a checkpoint that does not fit the model (status 2) instead of a stop (130)."""
+    from dew.checkpoints.restore import _interrupted
+
+    def read():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as stop:
+            raise ValueError("Encountered error while reading array index 0") from stop
+
+    with pytest.raises(ValueError) as caught:
+        read()
+    assert _interrupted(caught.value)
+    assert not _interrupted(ValueError("Encountered error while reading array index 0"))

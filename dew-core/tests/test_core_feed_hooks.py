@@ -338,6 +338,25 @@ def test_a_fit_stopped_by_a_preemption_notice_records_where_its_time_went(tmp_pa
     assert 0 < goodput[0][1].step_seconds < goodput[0][1].wall_seconds
 
 
+def test_a_notice_after_the_last_step_was_checked_still_stops_with_its_status(tmp_path):
+    """A Ctrl-C or SIGTERM during the final save or validation was dropped: the run returned as
+    finished (exit 0) and printed its sample, though the person or scheduler had asked it to stop."""
+    from dew.training.runtime import Preempted, PreemptionNotice
+
+    class StopAtTheLast:
+        @hookimpl
+        def dew_step_end(self, step):
+            if step == 4:  # the last step's metrics are read as the fit ends, after its check
+                PreemptionNotice.send()
+
+    checkpoints = Checkpoints(tmp_path)
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints)
+    with registered(StopAtTheLast()), pytest.raises(Preempted) as stopped:
+        trainer.fit(numbered(), steps=4, log_every=1)
+    assert stopped.value.step == 4 and stopped.value.status == 143 and checkpoints.latest == 4
+    assert not PreemptionNotice.received()  # consumed by the stop
+
+
 def test_each_save_note_names_the_store_it_was_written_to(tmp_path, capsys):
     checkpoints = Checkpoints(tmp_path / "shared", local_directory=tmp_path / "local", local_every=2)
     trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints)

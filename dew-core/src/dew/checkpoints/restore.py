@@ -90,6 +90,8 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
         try:
             restored = _read_state(directory, template)
         except Exception as error:  # Orbax raises bare exceptions for damaged data
+            if _interrupted(error):  # Ctrl-C while Orbax read: a stop, not a checkpoint that does not fit
+                raise KeyboardInterrupt from error
             problem = hashed()
             if problem is not None:
                 raise CheckpointCorruptedError(step, *problem) from error
@@ -112,3 +114,13 @@ def _read_state(directory: Location, template: State) -> State:
     """Read the state item of a committed step directory into template's shardings (reads only)."""
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
         return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is what error was raised from (Orbax wraps what its reads meet)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -31,7 +31,12 @@ from dew.training.evaluation import Evaluation, Evaluator, OutputMeans
 from dew.training.execution import Execution
 from dew.training.feed import Feed
 from dew.training.loop import Compilation, StepRecord
-from dew.training.runtime.preemption import Preempted, PreemptionWatch, UnsavedStopError
+from dew.training.runtime.preemption import (
+    Preempted,
+    PreemptionNotice,
+    PreemptionWatch,
+    UnsavedStopError,
+)
 from dew.training.state import TrainState
 
 if TYPE_CHECKING:
@@ -321,6 +326,16 @@ class Preemption(Hook):
             self.reporting.take(saving.save(record), done)
         self.reporting.take(saving.end(done, record.state), done)
         progress.fire("dew_preempted", step=done)
+        raise Preempted(done, status=self.watch.status)
+
+    def end(self, done: int, state: TrainState) -> Contribution | None:
+        """A notice that came after the last step was checked (in the final save or validation):
+        the run is whole and saved, and still stops with the status the notice asks for, so the
+        scheduler (or the person who pressed Ctrl-C) sees the stop rather than a finish."""
+        if self.saving is None or not PreemptionNotice.received():  # a pool's notice stops at a step
+            return None
+        self.reporting.progress.fire("dew_preempted", step=done)
+        assert self.watch is not None
         raise Preempted(done, status=self.watch.status)
 
     def close(self) -> None:
