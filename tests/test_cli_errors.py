@@ -160,3 +160,37 @@ def test_jax_s_note_about_hidden_frames_is_left_out_of_dew_s_one_line():
     assert refusal("train", error).splitlines() == [
         "dew train: ValueError: record 3 is damaged",
         "  (run with --traceback or DEW_TRACEBACK=1 to see where it was raised)"]
+
+
+SIGTERM_AT_START = """
+import dataclasses, json, os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from test_recipe_config import RECIPE, Repeated
+from dew import registry
+from dew.cli import main
+
+
+@dataclasses.dataclass(frozen=True)
+class Terminating(Repeated):
+    def load(self, batch):
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, as the data starts
+        return super().load(batch)
+
+
+recipe = {**RECIPE, "data": {**RECIPE["data"], "name": "terminating"}}
+with open("recipe.json", "w") as out:
+    json.dump(recipe, out)
+with registry.datasets.temporary("terminating", Terminating):
+    sys.exit(main(["train", "recipe.json", "trainer.checkpoint_dir=runs/a"]))
+"""
+
+
+def test_a_sigterm_before_the_training_loop_is_one_line_and_leaves_no_half_run(tmp_path):
+    """Outside the loop's own watch a SIGTERM killed dew train without a word, leaving a folder
+    with no run.json (which --resume then refused) and, at times, the writer's lease."""
+    done = subprocess.run([sys.executable, "-c", SIGTERM_AT_START, "recipe.json", str(Path(__file__).parent)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "dew train: stopped (SIGTERM)", done.stderr
+    assert not (tmp_path / "runs").exists()  # the folder it had made kept nothing: removed

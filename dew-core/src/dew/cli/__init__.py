@@ -8,7 +8,9 @@ import argparse
 import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Iterator, Sequence
@@ -26,6 +28,7 @@ TRACEBACK_HELP = f"show the whole traceback of an error dew names (or set {TRACE
 REFUSED = 2  # dew named what is wrong: a recipe, a missing prerequisite, bad input
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
 BROKEN_PIPE = 141  # the reader of stdout closed it (128 + SIGPIPE), as a shell reports a pipe's writer
+TERMINATED = 143  # SIGTERM (128 + 15) outside a training loop, whose own watch saves the step first
 
 # subcommand -> (module, one-line help). A module defines
 # add_arguments(parser) and run(args) -> int.
@@ -102,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             traceback.print_exc()  # a bug: its traceback, then the pool is left as below
         status = 1
-    if status not in (0, INTERRUPTED) and _in_pool():
+    if status not in (0, INTERRUPTED, TERMINATED) and _in_pool():
         _leave_pool(status)
     return status
 
@@ -168,7 +171,7 @@ def _main(argv: Sequence[str] | None) -> int:
     shown = bool(args.traceback or os.environ.get(TRACEBACK))
     if not shown:
         _writers_quiet()
-    with _warnings_as_lines(args.command):
+    with _warnings_as_lines(args.command), _terminated_as_stop():
         try:
             return int(args._run(args) or 0)
         except KeyboardInterrupt:
@@ -176,11 +179,38 @@ def _main(argv: Sequence[str] | None) -> int:
                 raise
             print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
             return INTERRUPTED
+        except Terminated:
+            print(f"dew {args.command}: stopped (SIGTERM)", file=sys.stderr, flush=True)
+            return TERMINATED
         except Exception as error:
             if shown or not is_dews(error):
                 raise
             print(refusal(args.command, error), file=sys.stderr, flush=True)
             return REFUSED
+
+
+class Terminated(BaseException):  # noqa: N818 - a stop, named as KeyboardInterrupt is, not an error
+    """SIGTERM arrived outside a training loop: unwound like Ctrl-C, so what is half written (an
+    export's fresh folder, a run folder that kept nothing, the writer's lease) is cleaned away."""
+
+
+@contextlib.contextmanager
+def _terminated_as_stop() -> Iterator[None]:
+    """Within: a first SIGTERM raises Terminated in the main thread (a training loop's own watch
+    takes it over while it runs, and a pool's JAX service once the pool forms); a second kills."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def is_dews(error: BaseException) -> bool:

@@ -7,6 +7,9 @@ inside fit (a tracker only after the first step had compiled and run).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,7 +18,7 @@ from dew.checkpoints.manager import Checkpoints
 from dew.data.base import Dataset
 from dew.errors import DewError
 from dew.objectives.base import Objective
-from dew.tracking.protocol import Tracker
+from dew.tracking.protocol import Reported
 from dew.training.cadence import check_cadence
 from dew.training.optim import ConfiguredOptimizer
 
@@ -49,10 +52,19 @@ def check_parts(objective: object, optimizer: object, checkpoints: object, track
         raise TrainerArgumentError(
             f"Trainer's checkpoints must be a dew.Checkpoints (such as Checkpoints('runs/a')); got "
             f"{_shown(checkpoints)}.")
-    if tracker is not None and not isinstance(tracker, Tracker):
+    if tracker is not None and not isinstance(tracker, _Reporting):
         raise TrainerArgumentError(
-            f"Trainer's tracker must have log, artifact and close (a dew.tracking tracker, such as "
+            f"Trainer's tracker must have log and artifact (a dew.tracking tracker, such as "
             f"LocalTracker('runs/a')); got {_shown(tracker)}.")
+
+
+@runtime_checkable
+class _Reporting(Protocol):
+    """What fit calls on its tracker (closing it is its owner's: a recipe closes its trackers)."""
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None: ...
+
+    def artifact(self, value: Reported, step: int) -> None: ...
 
 
 def _shown(value: object) -> str:
