@@ -312,7 +312,7 @@ def test_whole_counts_a_steps_files_without_reading_them(tmp_path: Path, how: st
 def test_a_ctrl_c_orbax_wrapped_while_reading_is_a_stop_not_a_mismatch() -> None:
     """Ctrl-C during a resume's restore came back from Orbax wrapped in its own error, which dew
     reported as a checkpoint that does not fit the model (status 2) instead of a stop (130)."""
-    from dew.checkpoints.restore import _interrupted
+    from dew.errors import raised_from
 
     def read():
         try:
@@ -322,5 +322,5 @@ def test_a_ctrl_c_orbax_wrapped_while_reading_is_a_stop_not_a_mismatch() -> None
 
     with pytest.raises(ValueError) as caught:
         read()
-    assert _interrupted(caught.value)
-    assert not _interrupted(ValueError("Encountered error while reading array index 0"))
+    assert raised_from(caught.value, KeyboardInterrupt)
+    assert not raised_from(ValueError("Encountered error while reading array index 0"), KeyboardInterrupt)

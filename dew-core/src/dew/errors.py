@@ -14,7 +14,7 @@ True
 
 from __future__ import annotations
 
-__all__ = ["BatchKeyError", "DewError", "DewKeyError", "RunFileWriteError"]
+__all__ = ["BatchKeyError", "DewError", "DewKeyError", "RunFileWriteError", "raised_from"]
 
 
 class DewError(Exception):
@@ -47,3 +47,23 @@ class RunFileWriteError(DewError, OSError):
             f"{path} could not be written ({reason}); {kept}. Free space on its disk (or point "
             "trainer.checkpoint_dir at a folder this process can write) and start the run again: "
             "it goes on from its last checkpoint.")
+
+
+def raised_from(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether error is a kind, or was raised from or while handling one (libraries wrap what they meet).
+
+    >>> try:
+    ...     try:
+    ...         raise KeyboardInterrupt
+    ...     except KeyboardInterrupt as stop:
+    ...         raise ValueError("a read failed") from stop
+    ... except ValueError as wrapped:
+    ...     raised_from(wrapped, KeyboardInterrupt), raised_from(wrapped, OSError)
+    (True, False)
+    """
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

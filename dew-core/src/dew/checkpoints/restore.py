@@ -22,6 +22,7 @@ from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointTreeMisma
 from dew.checkpoints.manifest import Manifest, parse_manifest
 from dew.checkpoints.store import read_position
 from dew.data.base import DataPartition
+from dew.errors import raised_from
 
 if TYPE_CHECKING:
     from dew.checkpoints.store import Location
@@ -90,7 +91,7 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
         try:
             restored = _read_state(directory, template)
         except Exception as error:  # Orbax raises bare exceptions for damaged data
-            if _interrupted(error):  # Ctrl-C while Orbax read: a stop, not a checkpoint that does not fit
+            if raised_from(error, KeyboardInterrupt):  # Ctrl-C as Orbax read: a stop, not a misfit
                 raise KeyboardInterrupt from error
             problem = hashed()
             if problem is not None:
@@ -114,13 +115,3 @@ def _read_state(directory: Location, template: State) -> State:
     """Read the state item of a committed step directory into template's shardings (reads only)."""
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
         return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))
-
-
-def _interrupted(error: BaseException) -> bool:
-    """Whether a KeyboardInterrupt is what error was raised from (Orbax wraps what its reads meet)."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, KeyboardInterrupt):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False

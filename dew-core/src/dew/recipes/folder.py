@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dew.errors import raised_from
 from dew.recipes.errors import RecipeError
 from dew.recipes.resuming import (
     STARTED,
@@ -281,7 +282,9 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
     except Preempted:
         raise
     except BaseException as error:
-        if _another_writes(error):
+        from dew.checkpoints.errors import CheckpointLeaseHeldError
+
+        if raised_from(error, CheckpointLeaseHeldError):
             # Refused because another process writes the folder (both started at once): the
             # folders are that process's, which trains on in them; this one leaves them alone.
             raise
@@ -302,18 +305,6 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
                 error.add_note(_resume_note(folder.directory))
         raise
-
-
-def _another_writes(error: BaseException) -> bool:
-    """Whether error (or what it was raised from) says another process holds the run's lease."""
-    from dew.checkpoints.errors import CheckpointLeaseHeldError
-
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, CheckpointLeaseHeldError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _refuse_exported(directory: Path | None) -> None:
