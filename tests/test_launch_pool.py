@@ -182,8 +182,8 @@ from dew.plugins import hookimpl
 class FailOnRankOne:
     @hookimpl
     def dew_step_end(self, step):
-        if jax.process_index() == 1 and step == 3:
-            raise RuntimeError("rank 1's plugin failed at step 3")
+        if jax.process_index() == 1 and step == 5:
+            raise RuntimeError("rank 1's plugin failed at step 5")
 """
 
 
@@ -204,11 +204,12 @@ def test_a_plugin_failing_on_one_rank_mid_run_ends_the_pool_with_its_status(tmp_
     code = launch.wait(timeout=180)
     text = launch.text()
     assert code == 2, text
-    assert "PluginHookError" in text and "rank 1's plugin failed at step 3" in text
+    assert "PluginHookError" in text and "rank 1's plugin failed at step 5" in text
     # the rank that failed first is named, though rank 0's collective then failed too, without it
     assert "rank 1 failed with status 2" in text and "SIGTERM" not in text
     assert "Traceback" not in text
-    assert (run / "2" / "dew.json").is_file()  # the step committed before the failure is kept
+    # step 2 was committed before step 4's save began (a save waits for the one before it): it is kept
+    assert (run / "2" / "dew.json").is_file()
 
 
 @pytest.mark.slow

@@ -179,7 +179,7 @@ def _main(argv: Sequence[str] | None) -> int:
                 raise
             print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
             return INTERRUPTED
-        except Terminated:
+        except _Terminated:
             print(f"dew {args.command}: stopped (SIGTERM)", file=sys.stderr, flush=True)
             return TERMINATED
         except Exception as error:
@@ -189,14 +189,14 @@ def _main(argv: Sequence[str] | None) -> int:
             return REFUSED
 
 
-class Terminated(BaseException):  # noqa: N818 - a stop, named as KeyboardInterrupt is, not an error
+class _Terminated(BaseException):  # a stop, named as KeyboardInterrupt is, not an error
     """SIGTERM arrived outside a training loop: unwound like Ctrl-C, so what is half written (an
     export's fresh folder, a run folder that kept nothing, the writer's lease) is cleaned away."""
 
 
 @contextlib.contextmanager
 def _terminated_as_stop() -> Iterator[None]:
-    """Within: a first SIGTERM raises Terminated in the main thread (a training loop's own watch
+    """Within: a first SIGTERM raises _Terminated in the main thread (a training loop's own watch
     takes it over while it runs, and a pool's JAX service once the pool forms); a second kills."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -204,7 +204,7 @@ def _terminated_as_stop() -> Iterator[None]:
 
     def stop(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-        raise Terminated
+        raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
