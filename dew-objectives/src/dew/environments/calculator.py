@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,9 @@ __all__ = ["Calculator", "CalculatorEpisode", "arithmetic"]
 
 _CALL = re.compile(r"(?:calc\()?([^()=\n]*(?:\([^()=\n]*\)[^()=\n]*)*)[)=]\s*$")
 _OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+# ast.parse on several threads at once raised "SystemError: AST constructor recursion depth mismatch"
+# (a shared counter in CPython 3.11's AST conversion), which ended those episodes with reward 0.
+_PARSING = threading.Lock()
 
 
 def arithmetic(expression: str) -> int:
@@ -53,7 +57,8 @@ def arithmetic(expression: str) -> int:
     if len(expression) > 64:
         raise ValueError(f"expression longer than 64 characters: {expression[:64]!r}...")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSING:  # episodes step on threads, and CPython 3.11's AST conversion is not thread-safe
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ValueError(f"not an expression: {expression!r}") from None
     return value(tree.body)
