@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"failed: {first}).", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()  # a bug: its traceback, then the pool is left as below
-        status = 1
+        _leave_pool(1)
     if status not in (0, INTERRUPTED, TERMINATED) and _in_pool():
         _leave_pool(status)
     return status

@@ -67,20 +67,17 @@ class Verification:
 
     def write(self, directory: Path) -> Path:
         """The record beside the export, whole or not at all (written beside it, then renamed)."""
+        from dew.objectives.inference import write_file
+
         path = directory / VERIFICATION_FILE
-        writing = directory / f".{VERIFICATION_FILE}.writing"
         record = {**asdict(self), "prompt_lengths": list(self.prompt_lengths)}
         try:
-            writing.write_text(json.dumps(record, indent=2) + "\n")
-            os.replace(writing, path)
+            return write_file(path, (json.dumps(record, indent=2) + "\n").encode())
         except OSError as error:
             raise PretrainedError(
                 f"{path} could not be written ({error.strerror or error}); the export in {directory} is whole, "
                 "without its verification record. Free space on its disk and run dew export --verify "
                 "again.") from None
-        finally:
-            writing.unlink(missing_ok=True)
-        return path
 
 
 def prompts(vocab_size: int, max_len: int, tokenizer: Tokenizer | None = None) -> list[list[int]]:

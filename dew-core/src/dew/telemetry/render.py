@@ -255,8 +255,9 @@ def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]
             number = _number(value) if name != "step" else None
             if number is not None:
                 series.setdefault(name, {})[step] = number
-    return {name: (np.asarray(sorted(values), np.int64), np.asarray([values[s] for s in sorted(values)], np.float64))
-            for name, values in series.items()}
+    ordered = {name: sorted(values.items()) for name, values in series.items()}
+    return {name: (np.asarray([step for step, _ in pairs], np.int64), np.asarray([value for _, value in pairs], np.float64))
+            for name, pairs in ordered.items()}
 
 
 def plot_series(name: str, steps: np.ndarray, values: np.ndarray, path: str | Path) -> Path:

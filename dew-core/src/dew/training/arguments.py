@@ -22,7 +22,7 @@ from dew.tracking.protocol import Reported
 from dew.training.cadence import check_cadence
 from dew.training.optim import ConfiguredOptimizer
 
-__all__ = ["TrainerArgumentError", "check_dataset", "check_parts", "checked_key", "fit_steps"]
+__all__ = ["TrainerArgumentError", "check_parts", "checked_key", "fit_steps"]
 
 
 class TrainerArgumentError(DewError, TypeError):
@@ -72,7 +72,7 @@ def _shown(value: object) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def check_dataset(dataset: object) -> None:
+def _check_dataset(dataset: object) -> None:
     """Refuse fit's data that is not a Dataset (a list of batches, an iterator), saying how to wrap it."""
     if not isinstance(dataset, Dataset):
         raise TrainerArgumentError(
@@ -82,5 +82,5 @@ def check_dataset(dataset: object) -> None:
 
 def fit_steps(dataset: object, steps: object, log_every: object, eval_every: object, checkpoint_every: object) -> int:
     """The step count fit trains to, once its data and cadence are checked."""
-    check_dataset(dataset)
+    _check_dataset(dataset)
     return check_cadence(steps, log_every, eval_every, checkpoint_every)
