@@ -205,7 +205,7 @@ def cell(spec):
             bad.append(dew(results, "generate", run, "a cat"))
             bad.append(dew(results, "generate", run, "99"))
     dew(results, "export", run, exported)
-    extra = {"kind": kind, "accepts": pipeline.accepts}
+    extra = {"kind": kind, "accepts": pipeline.accepts, "reprs": [repr(opened), repr(pipeline)]}
     if kind == "TextGeneration":
         import jax.numpy as jnp
         import numpy as np
@@ -389,6 +389,10 @@ def test_a_recipe_run_generates_evaluates_and_exports(name, matrix):
         assert refused["code"] == 2, refused
         lines = refused["err"].strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"dew {refused['argv'][0]}: "), refused
+
+    # Printed in a notebook, the opened run and its pipeline show a line per variable tree.
+    assert "variables=<" in cell["reprs"][0] and "live=<" in cell["reprs"][0]
+    assert all("Array(" not in shown for shown in cell["reprs"]), cell["reprs"]
 
     export = _ok(_command(cell, "export"))
     assert str(cell["exported"]) in export["out"]

@@ -45,6 +45,7 @@ from dew.pretrained.reading import (
 from dew.pretrained.tensors import WEIGHTS, ShardWriter, TensorFiles, write_tensors
 from dew.pretrained.tokenizers import TokenizerFiles, read_tokenizer, write_tokenizer
 from dew.pretrained.writing import replacing
+from dew.tree_summary import brief_repr
 
 if TYPE_CHECKING:
     from flax.linen import Module
@@ -230,6 +231,8 @@ class Pretrained:
     task: Mapping[str, Any] | None = None
     tokenizer_files: TokenizerFiles | None = None
     context: int | None = None
+
+    __repr__ = brief_repr  # the variables as one line, not every array
 
     @property
     def format(self) -> str:

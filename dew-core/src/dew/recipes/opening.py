@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dew.errors import DewError
+from dew.tree_summary import brief_repr
 
 if TYPE_CHECKING:
     from flax import linen as nn
@@ -56,6 +57,8 @@ class Opened:
     live: Variables | None = None
     averaged: Variables | None = None
     pretrained: Pretrained | None = None
+
+    __repr__ = brief_repr  # each variable tree as one line, not every array
 
     def pipeline(self) -> Pipeline:
         """The inference task of these weights: the objective's pipeline, or the export's task's

@@ -17,6 +17,7 @@ import optax
 
 from dew.objectives.base import Variables
 from dew.training.trees import overlay
+from dew.tree_summary import brief_repr
 from dew.typing import PyTree
 
 __all__ = ["STREAMS", "Scaler", "TrainState", "Window", "shardings_state", "stream"]
@@ -107,6 +108,8 @@ class TrainState:
     ema: Variables | None = None
     scaler: Scaler | None = None
     window: Window | None = None
+
+    __repr__ = brief_repr  # counters as numbers, each tree as one line
 
     @property
     def averaged(self) -> Variables | None:

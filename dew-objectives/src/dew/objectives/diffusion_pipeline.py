@@ -39,6 +39,7 @@ from dew.objectives.inference import (
     write_texts,
     writing_samples,
 )
+from dew.tree_summary import brief_repr
 
 if TYPE_CHECKING:
     from dew.data.base import Tokenizer
@@ -63,6 +64,8 @@ class PipelineFormatError(DewError, ValueError):
 class _Saved(Pipeline):
     objective: Any
     variables: Mapping[str, Any]
+
+    __repr__ = brief_repr  # the variables as one line; subclasses keep it (repr=False)
 
     def pretrained(self) -> PretrainedModel:
         """The model, variables, tokenizer and task (the objective) as a Pretrained."""
@@ -206,7 +209,7 @@ class PixelPipeline(_Saved):
         return Generated(files=files, samples=rows)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # _Saved's repr
 class DiffusionPipeline(PixelPipeline):
     """Images or videos from a DiffusionObjective's model and its trained variables."""
 
@@ -241,7 +244,7 @@ class DiffusionPipeline(PixelPipeline):
         return self(conditions, rows=rows, key=key, steps=steps, guidance=guidance)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # _Saved's repr
 class TextDiffusionPipeline(_Saved):
     """Token sequences from a masked- or block-diffusion objective's model.
 

@@ -300,7 +300,7 @@ class _ImageReward(RewardMetric):
         return list(np.asarray(outputs[self.output]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # _Saved's repr
 class FlowPipeline(PixelPipeline):
     """Images from a FlowGRPO policy: labels (or nothing) in, uint8 images out."""
 

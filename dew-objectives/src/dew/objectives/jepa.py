@@ -247,7 +247,7 @@ class JepaObjective(Objective):
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # _Saved's repr
 class FeatureExtraction(_Saved):
     """Images (or videos) to the JEPA encoder's mean-pooled embeddings, [N, emb_features] numpy.
 

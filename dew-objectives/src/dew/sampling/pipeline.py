@@ -41,6 +41,7 @@ from dew.objectives.inference import (
 from dew.sampling.errors import PromptTooLongError
 from dew.sampling.generate import Generation, generate
 from dew.sampling.options import Sampling
+from dew.tree_summary import brief_repr
 
 if TYPE_CHECKING:
     from flax.linen import Module
@@ -74,6 +75,8 @@ class TextGeneration(Pipeline):
     tokenizer: Any
     sampling: Sampling = Sampling(temperature=0.0)
     stop_token: int | None = None
+
+    __repr__ = brief_repr  # the variables as one line, not every array
 
     accepts: ClassVar[str] = "one or more text prompts to continue"
     options: ClassVar[frozenset[str]] = frozenset(
