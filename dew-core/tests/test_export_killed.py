@@ -14,9 +14,11 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dew.nn.backbones import CausalTransformer
 from dew.pretrained import Pretrained
 from dew.testing.processes import device_env
 
@@ -71,3 +73,36 @@ def test_a_killed_export_leaves_out_holding_one_export_whole(tmp_path, share):
     # Every weight the same number: one export, whole, and one the child wrote (the last finished, or the next).
     values = _values(out)
     assert len(values) == 1 and values <= {float(last), float(last + 1)}, values
+
+
+LEAVER = r"""
+import os, sys
+from pathlib import Path
+from dew.pretrained.writing import fresh_beside
+
+fresh = fresh_beside(Path(sys.argv[1]))
+(fresh / "model-00001-of-00002.safetensors").write_bytes(b"half a shard")
+print(fresh.name, flush=True)
+if sys.argv[2] == "killed":
+    os._exit(0)  # gone without removing it, as a SIGKILL leaves it
+sys.stdin.read()  # still writing until the test closes its input
+"""
+
+
+def test_the_next_export_removes_what_a_killed_writer_left_beside_out_and_not_a_running_ones(tmp_path):
+    out = tmp_path / "out"
+    running = subprocess.Popen([sys.executable, "-c", LEAVER, str(out), "running"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=device_env(1))
+    try:
+        assert running.stdout is not None
+        writing = running.stdout.readline().strip()
+        killed = subprocess.run([sys.executable, "-c", LEAVER, str(out), "killed"], capture_output=True,
+                                text=True, env=device_env(1), check=True).stdout.strip()
+        assert {killed, writing} <= {p.name for p in tmp_path.iterdir()}
+        model = CausalTransformer(vocab_size=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16,
+                                  max_seq_len=8, position_embedding="rotary", mlp_activation="swiglu")
+        variables = model.init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
+        Pretrained(model, variables).save(out)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", writing])
+    finally:
+        running.communicate("", timeout=60)

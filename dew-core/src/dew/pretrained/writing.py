@@ -5,7 +5,9 @@ there becomes OUT in one step (an atomic exchange of the two names where
 the system has one, else two renames), and the previous OUT is removed.
 A kill at any moment leaves the previous export or the new one whole, and
 nothing of an earlier export (a stale index, a shard) survives into the new
-one, since the new one never shared its directory.
+one, since the new one never shared its directory. The fresh directory's
+name carries its writer's process and machine, so a later write beside OUT
+removes what a killed writer of this machine left there.
 
 OUT must be new, empty, or an export dew wrote (its config.json carries
 dew's record, or its adapter weights dew's base digest), holding only the
@@ -21,7 +23,9 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -138,8 +142,39 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def fresh_beside(out: Path) -> Path:
-    """A new empty directory beside out (whose folder exists), to write what is to replace it."""
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-", dir=out.parent))
+    """A new empty directory beside out (whose folder exists), to write what is to replace it;
+    first removes those that writers of this machine no longer running left beside out."""
+    _sweep(out)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-{_writer()}-", dir=out.parent))
+
+
+def _writer() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _sweep(out: Path) -> None:
+    """Remove the fresh and previous-content directories beside out whose writer, a process of
+    this machine, has ended (killed part way: its directories were never swapped in or removed)."""
+    left = re.compile(rf"\.{re.escape(out.name)}\.dew-(?:writing|old)-(\d+)@(.+)-[^-]+")
+    host = socket.gethostname()
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:  # nothing to sweep where nothing can be listed
+        return
+    for entry in entries:
+        found = left.fullmatch(entry.name)
+        if found and found[2] == host and not _running(int(found[1])) and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def swap_in(fresh: Path, out: Path, carry: Sequence[str] = ()) -> None:
@@ -153,7 +188,7 @@ def swap_in(fresh: Path, out: Path, carry: Sequence[str] = ()) -> None:
         os.rename(fresh, out)
         return
     if not _exchange(fresh, out):
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-old-", dir=out.parent))
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-old-{_writer()}-", dir=out.parent))
         os.rename(out, old / "out")
         os.rename(fresh, out)
         fresh = old
