@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import shutil
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dew.checkpoints.errors import CheckpointCorruptedError
+from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointFromNewerDewError
 from dew.checkpoints.manager import Checkpoints
 from dew.checkpoints.manifest import Manifest, parse_manifest, render_manifest
 from test_checkpoints import (  # every test folder is on sys.path (conftest.py)
@@ -95,6 +96,39 @@ def test_a_damaged_manifest_is_named_and_skipped(tmp_path: Path, how: str, capsy
     assert (tmp_path / "3.dew-corrupt").is_dir()
 
 
+def _later_format(document: dict) -> None:
+    document["format"] = 3
+
+
+def _unknown_field(document: dict) -> None:
+    document["writer"] = "dew-core 9.0"
+    document["leaves"][0]["chunks"] = [1, 1]
+
+
+@pytest.mark.parametrize("change", [_later_format, _unknown_field])
+def test_a_step_a_newer_dew_wrote_whole_is_refused_as_such_and_not_set_aside(tmp_path: Path, change) -> None:
+    checkpoints = Checkpoints(tmp_path, keep=None)
+    for step in (1, 2):
+        save(checkpoints, step, full_state(step), f"p{step}".encode())
+    checkpoints.close()
+    path = tmp_path / "2" / "dew.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    manifest.pop("digest")
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    manifest["digest"] = hashlib.sha256(canonical).hexdigest()  # whole, as the newer dew wrote it
+    path.write_text(json.dumps(manifest))
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    with pytest.raises(CheckpointFromNewerDewError) as caught:  # fallback on: still not taken
+        Checkpoints(tmp_path).restore(template_of(full_state()), partition=SINGLE)
+    assert caught.value.step == 2 and str(path) in str(caught.value) and "Upgrade dew" in str(caught.value)
+    wanted = ["format 3"] if change is _later_format else ["fields leaves.0.chunks, writer"]
+    assert all(part in str(caught.value) for part in wanted), str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing set aside, nothing removed
+    assert json.loads(path.read_text()) == manifest
+
+
 VALID = {
     "step": 7,
     "meta": {"accumulation": 2, "scaler": None},
@@ -114,12 +148,15 @@ def test_a_valid_manifest_reads_back() -> None:
 
 
 def _parse_in_time(raw: bytes) -> None:
-    """Every input gives a Manifest or CheckpointCorruptedError, within a second."""
+    """Every input gives a Manifest or CheckpointCorruptedError (or, sealed by its digest, a newer
+    dew's layout), within a second."""
     began = time.perf_counter()
     try:
         result = parse_manifest(raw, 7, "7/dew.json")
     except CheckpointCorruptedError as error:
         assert error.step == 7 and "dew's manifest" in error.reason
+    except CheckpointFromNewerDewError as error:
+        assert error.step == 7 and "digest" in json.loads(raw)
     else:
         assert isinstance(result, Manifest) and result.step == 7
     assert time.perf_counter() - began < 1.0

@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointDirectoryError",
     "CheckpointDirectoryNotSharedError",
     "CheckpointError",
+    "CheckpointFromNewerDewError",
     "CheckpointLeaseHeldError",
     "CheckpointMetaMismatchError",
     "CheckpointNotFoundError",
@@ -67,6 +68,22 @@ class CheckpointCorruptedError(CheckpointError):
 
     def with_good(self, good: int | None) -> CheckpointCorruptedError:
         return CheckpointCorruptedError(self.step, self.file, self.reason, good, searched=True)
+
+
+class CheckpointFromNewerDewError(CheckpointError):
+    """A step's manifest is whole (its digest matches) but in a layout a newer dew writes.
+
+    It is not damage: the step is neither set aside nor skipped for an older
+    one, and nothing on disk is changed.
+    """
+
+    def __init__(self, step: int, file: object, what: str) -> None:
+        self.step = step
+        self.file = str(file)
+        super().__init__(
+            f"Checkpoint step {step} was written by a newer dew: {file} {what}, which this dew does not "
+            "read. Nothing was changed. Upgrade dew (pip install -U dew-core, with the dew distributions "
+            "installed beside it) to resume or read this run.")
 
 
 class CheckpointTreeMismatchError(CheckpointError, ValueError):

@@ -6,7 +6,9 @@ bytes must be JSON, the JSON must carry a SHA-256 of its canonical form that
 matches, and the content must fit the schema below (types exact, no unknown
 fields, base64 that decodes, the step of its own directory). Anything else is
 damage, reported as CheckpointCorruptedError naming ``dew.json``, and handled like
-any other damaged step.
+any other damaged step. A manifest whose digest matches but which a newer dew
+wrote (a later format, or fields this one does not know) is not damage: it is
+refused with CheckpointFromNewerDewError, and no older step is taken for it.
 
 Format 1 manifests (written before the manifest had a digest) are read with
 the schema checks alone.
@@ -31,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dew.checkpoints.errors import CheckpointCorruptedError
+from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointFromNewerDewError
 
 __all__ = ["FORMAT", "Manifest", "parse_manifest", "render_manifest"]
 
@@ -155,9 +157,16 @@ def parse_manifest(raw: bytes, step: int, file: object) -> Manifest:
         if actual != claimed:
             raise damaged("does not match its own digest (it was altered after it was written)")
         document["digest"] = claimed
+        if type(written) is int and written > FORMAT:  # whole, in a layout still to come
+            raise CheckpointFromNewerDewError(step, file, f"has checkpoint format {written} (this dew reads "
+                                                          f"formats 1 to {FORMAT})")
     try:
         manifest = Manifest.model_validate(document)
     except ValidationError as error:
+        unknown = sorted(".".join(map(str, e["loc"])) for e in error.errors() if e["type"] == "extra_forbidden")
+        if "digest" in document and len(unknown) == error.error_count():  # whole, with fields to come
+            raise CheckpointFromNewerDewError(step, file, f"holds field{'s' if len(unknown) > 1 else ''} "
+                                                          f"{', '.join(unknown)}") from None
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the top level"
         raise damaged(f"is malformed at {where}: {first['msg']}") from None
