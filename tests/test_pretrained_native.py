@@ -49,3 +49,21 @@ def test_the_key_concepts_model_saves_in_dews_own_layout_and_reads_back_bit_for_
                         Sampling(temperature=0.0), eos_id=256)
     assert again("dew", max_new_tokens=5) == ByteTokenizer().decode(
         [t for t in expected.new_tokens[0] if t != 256])
+
+
+def test_an_export_in_another_dew_layout_version_says_which_dew_reads_it(tmp_path):
+    """A newer layout asks for a newer dew; an older one for an export again: neither is read as this one."""
+    import pytest
+
+    from dew import models
+    from dew.pretrained import PretrainedError
+    from dew.pretrained.native import VERSION
+
+    model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1,
+                         num_heads=2, mlp_features=32, max_seq_len=16)
+    written = Pretrained(model, model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))).save(tmp_path / "e")
+    config = json.loads((written / "config.json").read_text())
+    for version, advice in ((VERSION + 1, "Upgrade dew"), (VERSION - 1, "Export the run again with this dew")):
+        (written / "config.json").write_text(json.dumps({**config, "version": version}))
+        with pytest.raises(PretrainedError, match=f"layout version {version}; .*{advice}"):
+            Pretrained.load(written)

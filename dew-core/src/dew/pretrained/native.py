@@ -144,9 +144,13 @@ def build_model(config: Mapping[str, Any], source: Path) -> Module:
     """The model config.json describes, built through the dew.models registry."""
     from dew import models
 
-    if config.get("version") != VERSION:
-        raise PretrainedError(f"{source} is dew layout version {config.get('version')!r}; this dew "
-                              f"reads version {VERSION}. Save it again with this dew.")
+    version = config.get("version")
+    if version != VERSION:
+        newer = type(version) is int and version > VERSION
+        raise PretrainedError(f"{source} is dew layout version {version!r}; this dew reads version {VERSION}. "
+                              + ("Upgrade dew (pip install -U dew-core, with the dew distributions installed "
+                                 "beside it) to read it." if newer else "Export the run again with this dew (dew export RUN OUT), or read the "
+                                 "folder with the dew that wrote it."))
     entry = config.get("model") or {}
     fields = dict(entry.get("fields", {}))
     for name, value in fields.items():  # a dtype is written by its name
