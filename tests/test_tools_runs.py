@@ -373,6 +373,21 @@ def test_the_ledger_replays_a_resume_over_the_steps_it_undid(tmp_path):
     assert (result.first_difference, result.skipped, result.repeated, result.extra) == (5, 4, 4, 0)
 
 
+def test_a_ledger_that_begins_at_a_resume_vouches_only_for_the_steps_after_it(tmp_path, capsys):
+    """A ledger removed (or a run older than the ledger) and then resumed at step 4: steps 5-6 agree with
+    an uninterrupted run, steps 1-4 have no line, so the audit is not exact (status 1) and says why."""
+    rows = [{"kind": "open", "step": 4, "position": {"records": 16}, "processes": 1, "shares": 1}]
+    rows += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"d{s}"} for s in (5, 6)]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, _ = _dew(["audit", str(tmp_path)], capsys)
+    assert code == 1, out
+    assert ("identical from step 5 through step 6 to an uninterrupted run (every position of the global order "
+            "from the first, once): 8 records consumed, 8 expected; 0 skipped, 0 repeated, 0 never in the "
+            "reference; steps 1 to 4 have no ledger lines") in out
+    shown = json.loads(_dew(["audit", str(tmp_path), "--json"], capsys)[1])
+    assert shown["exact"] is False and shown["unledgered"] == 4
+
+
 def test_every_consumed_step_reports_the_records_the_shares_read():
     """The global batch a stream reports is what its shares read, at any share count (TokenWindows)."""
     import numpy as np

@@ -65,6 +65,10 @@ def render_audit(result: Audit, ledger: Ledgered) -> str:
               f"{result.repeated} repeated, {result.extra} never in the reference")
     if result.exact:
         lines.append(f"identical through step {result.compared} to {result.against}: {counts}")
+    elif result.agrees:  # what the ledger holds agrees; the steps before it cannot be vouched for
+        lines.append(f"identical from step {result.unledgered + 1} through step {result.compared} to "
+                     f"{result.against}: {counts}; steps 1 to {result.unledgered} have no ledger lines (the "
+                     "ledger begins at a later fit), so what they consumed cannot be checked")
     else:
         where = f"from step {result.first_difference}" if result.first_difference is not None else "in total"
         lines.append(f"the records differ {where} from {result.against}: {counts}")

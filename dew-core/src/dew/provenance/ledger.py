@@ -170,9 +170,15 @@ class Audit:
     missing_steps: tuple[int, ...]
     against: str
     notes: tuple[str, ...] = field(default=())
+    unledgered: int = 0  # steps 1 to this one have no ledger line: trained before the ledger was kept
 
     @property
     def exact(self) -> bool:
+        return self.agrees and not self.unledgered
+
+    @property
+    def agrees(self) -> bool:
+        """Whether every ledgered step agrees with the reference (steps without lines aside)."""
         return (self.first_difference is None and not self.skipped and not self.repeated and not self.extra
                 and not self.missing_steps)
 
@@ -253,7 +259,10 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
     if against is not None and ledger.last != against.last:
         notes.append(f"the runs reached different steps ({ledger.last} and {against.last}); compared through "
                      f"step {last}")
+    # Against an uninterrupted run, the steps before the first ledger line are not compared at all:
+    # a ledger that begins at a resume (one removed, or a run older than the ledger) cannot vouch for them.
+    unledgered = mine[0].step - 1 if against is None and mine else 0
     return Audit(steps=ledger.last, compared=last, records=sum(s.end - s.first for s in within),
                  expected=sum(s.end - s.first for s in reference), skipped=skipped, repeated=repeated,
                  extra=extra, first_difference=first, missing_steps=missing, against=described,
-                 notes=tuple(notes))
+                 notes=tuple(notes), unledgered=unledgered)
