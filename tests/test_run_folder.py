@@ -76,6 +76,30 @@ def test_a_resume_keeps_what_the_weights_compute_but_not_how(tmp_path):
             refuse_changed_function(RunConfig.load("tiny-lm-lora", overrides=changed), folder, 4)
 
 
+def test_a_default_a_later_dew_changed_is_read_from_run_json_not_from_this_dew(tmp_path):
+    """run.json records the model's defaults as they were when it trained: after an upgrade that
+    changes one (here a model registered anew with another rope base), the run's own recipe still
+    builds the model it trained, and the shipped recipe that would now build another is refused."""
+    from dew import registry
+    from dew.nn.backbones import CausalTransformer
+    from dew.recipes.run import ResumedFunctionChangedError, build_parts, refuse_changed_function
+
+    class Upgraded(CausalTransformer):  # the same model, as a later dew would default it
+        rope_base: float = 500000.0
+
+    folder = tmp_path / "run"
+    RunConfig.load("tiny-lm").save(folder)
+    recorded = json.loads((folder / "run.json").read_text())["model"]
+    assert recorded["rope_base"] == 10000.0 and recorded["norm_epsilon"] == CausalTransformer.norm_epsilon
+    with registry.models.temporary("causal_transformer", Upgraded):
+        assert build_parts(RunConfig.read(folder), with_data=False).model.rope_base == 10000.0  # as trained
+        assert build_parts(RunConfig.load("tiny-lm"), with_data=False).model.rope_base == 500000.0
+        refuse_changed_function(RunConfig.read(folder), folder, 4)  # its own recipe resumes
+        said = "model.rope_base: trained as 10000.0, now 500000.0"
+        with pytest.raises(ResumedFunctionChangedError, match=re.escape(said) + ".*dew train --resume"):
+            refuse_changed_function(RunConfig.load("tiny-lm"), folder, 4)
+
+
 def test_a_write_that_failed_asks_for_a_writable_directory_only_of_a_directory_field(tmp_path):
     """An MLflow URI the library refused is no directory to make writable: the note names the field
     and leaves the what-to-do to the error (it asked to point trackers.0.uri at a directory)."""

@@ -25,8 +25,8 @@ from dew.settings import Settings
 if TYPE_CHECKING:
     from dew.data.base import Dataset
 
-__all__ = ["ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "provenance", "refuse_values",
-           "run_inputs"]
+__all__ = ["NO_JSON", "ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "json_form", "provenance",
+           "refuse_values", "run_inputs", "with_defaults"]
 
 # Of what an objective declares in Objective.run_inputs, the run always supplies the
 # model (a recipe cannot give one), and the tokenizer unless the recipe gives its own.
@@ -348,3 +348,40 @@ def provenance(named: Sequence[tuple[str, object]]) -> dict[str, str]:
             continue  # a registration made in code (a test's), not by an installed distribution
         found[f"{group}/{name}"] = f"{distribution} {version}"
     return found
+
+
+NO_JSON = object()  # what json_form gives a value that has no JSON form
+
+
+def json_form(value: object) -> object:
+    """value as JSON data (pydantic's conversion), or NO_JSON when it has none (a dtype class)."""
+    from pydantic_core import to_jsonable_python
+
+    try:
+        return to_jsonable_python(value)
+    except Exception:  # noqa: BLE001 - a default with no JSON form cannot equal a recorded value
+        return NO_JSON
+
+
+def with_defaults(group: str, name: object, given: Mapping[str, object]) -> dict[str, object]:
+    """given, the fields a recipe sets for the component registered as name in group, with every
+    other declared field that has a JSON default filled in (a default without one, a dtype say,
+    and a default of None are left out; so is everything of a component not installed here).
+
+    A run records its model this way (``RunConfig.recorded``): its run.json then says what the
+    weights were trained as even after a later dew changes a default, and every command that
+    rebuilds the model from it builds that model.
+    """
+    from dew import registry
+
+    filled: dict[str, object] = {}
+    if isinstance(name, str):
+        try:
+            declared = registry.declared_fields(registry.registry(group).load(name))
+        except Exception:  # noqa: BLE001 - not installed here: only what the recipe gives
+            declared = {}
+        for field, (_, default) in declared.items():
+            value = NO_JSON if default is ... or default is None else json_form(default)
+            if value is not NO_JSON:  # None is left out: it can mean "absent" (a family's preset)
+                filled[field] = value
+    return {**filled, **given}

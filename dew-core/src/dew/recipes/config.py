@@ -23,7 +23,13 @@ import pydantic
 
 from dew.adapters.lora import Lora
 from dew.adapters.quantization import Quantization
-from dew.recipes.components import ComponentConfig, DataConfig, check_component, run_inputs
+from dew.recipes.components import (
+    ComponentConfig,
+    DataConfig,
+    check_component,
+    run_inputs,
+    with_defaults,
+)
 from dew.recipes.errors import (
     RECORDED_ADVICE,
     Problem,
@@ -235,10 +241,17 @@ class RunConfig(Settings):
 
         URI passwords and secret-named fields become ``***`` (dew.telemetry.redaction);
         run.json, the RunStarted records and the trackers' parameters all hold this.
+        The model's fields are recorded with its defaults filled in
+        (``dew.recipes.components.with_defaults``), so the record holds what the
+        weights were trained as whatever a later dew's defaults are.
         """
         from dew.telemetry.redaction import redact
 
-        return redact(self.model_dump(mode="json"))
+        recorded = self.model_dump(mode="json")
+        if self.model is not None:
+            given = {key: value for key, value in recorded["model"].items() if key != "name"}
+            recorded["model"] = {"name": self.model.name, **with_defaults("models", self.model.name, given)}
+        return redact(recorded)
 
     def save(self, directory: str | Path) -> Path:
         """Write this configuration, secrets redacted, as run.json in directory; return its path."""

@@ -27,11 +27,13 @@ from typing import Any
 
 import pydantic
 
+from dew.recipes.components import NO_JSON as _MISSING
+from dew.recipes.components import json_form as _json
+
 __all__ = ["defaults_of", "flat_recipe", "set_by"]
 
 # A recipe's component sections, and the registry each names its component in.
 COMPONENTS = {"model": "models", "objective": "objectives", "data": "datasets", "trackers": "trackers"}
-_MISSING = object()
 
 
 def flat_recipe(value: object, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -51,13 +53,6 @@ def flat_recipe(value: object, prefix: str = "") -> Iterator[tuple[str, object]]
         yield prefix[:-1], value
 
 
-def _json(value: object) -> object:
-    from pydantic_core import to_jsonable_python
-
-    try:
-        return to_jsonable_python(value)
-    except Exception:  # noqa: BLE001 - a default with no JSON form cannot equal a recorded value
-        return _MISSING
 
 
 def _model(annotation: object) -> type[pydantic.BaseModel] | None:

@@ -35,7 +35,7 @@ from dew import registry
 from dew.data.base import TextReader
 from dew.errors import DewError
 from dew.placeholders import absolute, expand
-from dew.recipes.components import refuse_values, run_inputs
+from dew.recipes.components import refuse_values, run_inputs, with_defaults
 from dew.recipes.errors import RecipeError
 
 if TYPE_CHECKING:
@@ -198,7 +198,9 @@ def _function_fields(config: RunConfig) -> dict[str, Any]:
             declared = registry.models.fields(config.model.name)
         except Exception:  # noqa: BLE001 - a model not installed here: the fields the recipe names
             declared = {}
-        given = _plain(dict(config.model.fields))
+        # As run.json records them: a run.json holds the defaults it was trained with, so a default
+        # this dew changed is a difference (the fields with no JSON default come from declared).
+        given = with_defaults("models", config.model.name, _plain(dict(config.model.fields)))
         for name in set(declared) | set(given):
             out[f"model.{name}"] = given[name] if name in given else _plain(declared[name][1])
     for section in ("lora", "quantization"):
@@ -232,7 +234,8 @@ def refuse_changed_function(config: RunConfig, directory: str | os.PathLike[str]
         said = "; ".join(f"{k}: trained as {old.get(k)!r}, now {new.get(k)!r}" for k in changed[:6])
         raise ResumedFunctionChangedError(
             f"Resuming at step {resumed_at}, this recipe changes what the run's weights compute ({said}). "
-            f"Its checkpoints were trained as {saved} says: resume with that recipe (drop the override), "
+            f"Its checkpoints were trained as {saved} says: resume with that recipe (dew train --resume "
+            f"{directory}, without the override), "
             f"or start a new run from these weights (init.run={directory} with another trainer.checkpoint_dir).")
 
 
