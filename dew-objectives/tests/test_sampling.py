@@ -66,6 +66,30 @@ def test_greedy_equals_a_naive_loop_and_batching_changes_nothing(model, variable
     assert all(0 <= t < VOCAB for row in batched.tokens for t in row)
 
 
+def test_a_model_of_a_million_positions_lays_out_a_cache_for_the_reply_not_its_context(variables, monkeypatch):
+    """A checkpoint's context (Llama 3.1's 131072, Mistral Nemo's 1024000) is no cache to lay out per
+    row for four new tokens: the engine holds the longest prompt plus the reply, rounded up to a power of
+    two, and generates what the naive loop over the model of 20 positions does (rotary: same weights)."""
+    import dataclasses
+    import importlib
+
+    generating = importlib.import_module("dew.sampling.generate")  # the module: the package names the function so
+
+    built = []
+
+    class Recorded(Engine):
+        def __init__(self, model, config, **kwargs):
+            super().__init__(model, config, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(generating, "Engine", Recorded)
+    long = dataclasses.replace(ROTARY, max_seq_len=1_024_000)
+    done = generate(long, variables[ROTARY], PROMPTS, 4, jax.random.key(1), GREEDY)
+    assert built[0].max_len == 16 and built[0].blocks.num_blocks == 4 * 1 + 1  # 7 + 4 positions: a block a row
+    for row, prompt in zip(done.tokens, PROMPTS, strict=True):
+        assert row == naive_greedy(ROTARY, variables[ROTARY], prompt, 4)
+
+
 @pytest.mark.slow
 def test_top_k_one_and_tiny_top_p_are_greedy(variables):
     params = variables[MODEL]

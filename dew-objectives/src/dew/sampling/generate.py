@@ -81,20 +81,26 @@ def _rows(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[lis
     return rows
 
 
-def default_config(rows: int, max_len: int, max_new_tokens: int, *,
+def default_config(rows: int, max_len: int, max_new_tokens: int, *, longest: int | None = None,
                    block_size: int = 16) -> EngineConfig:
     """The engine generate builds for rows prompts of a model of max_len positions.
 
     The batch is rounded up to a power of two so that calls of similar sizes share
     one compiled program, and every prompt is written in the same prefill call;
     blocks of block_size positions (fewer for a very short model) and enough of
-    them for every row at full length; no more decode batch sizes than there
-    are decode calls to use them.
+    them for every row at the length it reaches: its longest prompt (longest;
+    None: a prompt as long as the model) plus max_new_tokens, rounded up to a
+    power of two so that similar calls share programs, never past max_len. A
+    checkpoint that reads a million positions does not lay out a million-position
+    cache per row for a short reply. No more decode batch sizes than there are
+    decode calls to use them.
     """
     batch = 1 << max(rows - 1, 0).bit_length()
     rounds = -(-max_new_tokens // EngineConfig.steps_per_call)
-    return EngineConfig(max_batch=batch, block_size=min(block_size, max_len), prefill_rows=batch,
-                        batch_buckets=max(1, min(4, rounds)))
+    reach = max_len if longest is None else longest + max_new_tokens
+    length = min(max_len, max(block_size, 1 << max(reach - 1, 0).bit_length()))
+    return EngineConfig(max_batch=batch, block_size=min(block_size, length), max_len=length,
+                        prefill_rows=batch, batch_buckets=max(1, min(4, rounds)))
 
 
 def generate(
@@ -150,7 +156,7 @@ def generate(
                           ((),) * len(rows))
     stops = () if eos_id is None else tuple(int(i) for i in (eos_id if isinstance(eos_id, Sequence) else [eos_id]))
     if config is None:
-        config = default_config(len(rows), limit, max_new_tokens)
+        config = default_config(len(rows), limit, max_new_tokens, longest=max(lengths))
         config = dataclasses.replace(config, max_stop_tokens=max(config.max_stop_tokens, len(stops)))
     engine = Engine(model, config, detokenize=detokenize)
     engine.set_params(params)
