@@ -120,8 +120,8 @@ def test_the_commands_refuse_every_damaged_directory_in_one_line(good, tmp_path)
     case("bad-rope", "rope_scaling.rope_type", config(rope_scaling={"rope_type": "warp", "factor": 2.0}))
     case("garbage-tokenizer", "tokenizer.json is not a tokenizer",
          lambda d: (d / "tokenizer.json").write_text("{}"))
-    case("stale-index", "does not hold", lambda d: (d / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})))
+    case("stale-index", "does not hold", lambda d: ((d / weights).unlink(), (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))))  # an index alone
     case("no-weights", "holds neither model.safetensors", lambda d: (d / weights).unlink())
     case("no-tokenizer", "tokenizer", lambda d: [(d / n).unlink() for n in
                                                  ("tokenizer.json", "tokenizer_config.json")],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def test_damaged_safetensors_are_refused_naming_the_file(good, tmp_path, damage)
     elif damage == "header-only":
         weights.write_bytes(data[:8] + b"{not json" + data[17:])
         match = r"model.safetensors's safetensors header is not valid JSON"
-    else:  # an index naming a shard that is not there
+    else:  # an index naming a shard that is not there (without model.safetensors, read first)
+        weights.unlink()
         (directory / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
         match = r"names model-00001-of-00002.safetensors, which .* does not hold"
@@ -264,3 +266,25 @@ def test_an_absurd_layer_or_expert_count_fails_fast_in_every_family(tmp_path, na
     with pytest.raises(ConfigValueError, match=rf"{key}=1000000000, but .*the weights hold \d+ tensors"):
         Pretrained.load(directory)
     assert time.perf_counter() - began < 5  # refused, not allocated
+
+
+def test_a_single_weights_file_beside_an_old_index_and_shards_is_read_as_transformers_reads_it(good, tmp_path):
+    """Sharded, then saved again as one file into the same directory: transformers' save_pretrained
+    leaves the old index behind (and a copy can leave old shards); transformers reads model.safetensors."""
+    directory = tmp_path / "resaved"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(good)
+    with torch.no_grad():
+        for parameter in hf.parameters():
+            parameter.add_(1.0)  # the old weights, which the shards keep
+    hf.save_pretrained(directory, max_shard_size="20KB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(good)
+    hf.save_pretrained(directory)  # the new weights, as one file
+    shutil.copy(good / "tokenizer.json", directory)
+    (directory / "model-00001-of-00099.safetensors").write_bytes(b"")  # a stale shard no index names
+    ids = np.arange(10, dtype=np.int64)[None]
+    with torch.no_grad():
+        expected = transformers.AutoModelForCausalLM.from_pretrained(directory)(torch.as_tensor(ids)).logits.numpy()
+    loaded = Pretrained.load(directory)
+    logits = np.asarray(loaded.model.apply(loaded.variables, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(logits, expected, atol=1e-4)

@@ -122,7 +122,11 @@ class TensorFiles:
 
         index = directory / WEIGHTS_INDEX
         single = directory / WEIGHTS
-        if index.is_file():
+        # model.safetensors first, as transformers reads a directory: its save_pretrained of one file
+        # over a sharded save leaves the old index (and a copy may leave old shards) beside it.
+        if single.is_file():
+            self.files = {}
+        elif index.is_file():
             weight_map = read_json(index, "weights index").get("weight_map")
             if not isinstance(weight_map, dict) or not all(
                     isinstance(file, str) and "/" not in file for file in weight_map.values()):
@@ -133,8 +137,6 @@ class TensorFiles:
                 if not file.is_file():
                     raise DamagedFileError(f"{index} names {file.name}, which {directory} does not hold; "
                                            "copy the missing shard there, or write the model again.")
-        elif single.is_file():
-            self.files = {}
         else:
             raise NoPretrainedModelError(
                 f"{directory} holds neither {WEIGHTS} nor {WEIGHTS_INDEX}; point at a directory "
