@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -288,3 +289,32 @@ def test_a_single_weights_file_beside_an_old_index_and_shards_is_read_as_transfo
     loaded = Pretrained.load(directory)
     logits = np.asarray(loaded.model.apply(loaded.variables, jnp.asarray(ids, jnp.int32)))
     np.testing.assert_allclose(logits, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_tied_config_whose_file_holds_another_head_reads_that_head_as_transformers_does(tmp_path, family):
+    """config.json says tie_word_embeddings, the file holds an lm_head.weight of other values (some
+    published checkpoints do): transformers unties the two and computes with the stored head."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    kind = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family]
+    hf = transformers.AutoModelForCausalLM.from_config(kind(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
+    directory = tmp_path / family
+    hf.save_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
+    same = dict(tensors, **{"lm_head.weight": tensors["model.embed_tokens.weight"].clone()})
+    ids = np.arange(12, dtype=np.int64)[None]
+    for stored, untied in ((same, False), (dict(tensors, **{"lm_head.weight": torch.randn(64, 32)}), True)):
+        save_file(stored, directory / "model.safetensors", metadata={"format": "pt"})
+        with torch.no_grad():
+            expected = transformers.AutoModelForCausalLM.from_pretrained(directory)(torch.as_tensor(ids)).logits.numpy()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = Pretrained.load(directory)
+        assert loaded.model.tie_embeddings is not untied
+        assert any("tie_word_embeddings" in str(w.message) for w in caught) is untied
+        logits = np.asarray(loaded.model.apply(loaded.variables, jnp.asarray(ids, jnp.int32)))
+        np.testing.assert_allclose(logits, expected, atol=1e-4)

@@ -502,6 +502,7 @@ class Pretrained:
                                    "the model again.") from None
         if files is None:
             files = TensorFiles(source)  # no weights: NoPretrainedModelError, naming the directory
+        model = _untied_if_stored_apart(model, files, config_path)
         table = family.table(model)
         unread = family.unread(config)  # tensors the model does not compute, left in the files
         _check_tensors(source, family.architecture, model, table,
@@ -565,6 +566,27 @@ def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
         "and dew reads float weights (fp32, bf16 or fp16). Load a dequantized copy instead (for "
         "DeepSeek-V3/R1's fp8 checkpoints, their bf16 conversion), or quantize after loading with a "
         "recipe's lora.base (QLoRA).")
+
+
+_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _untied_if_stored_apart(model: Module, files: TensorFiles, config_path: Path) -> Module:
+    """model with its own output head when config.json ties it to the embedding but the weights hold
+    an lm_head.weight of other values: transformers then leaves the two untied and reads both (with
+    a warning), so the logits are the head's; a copy equal to the embedding is the tied weight."""
+    names = files.names()
+    if not getattr(model, "tie_embeddings", False) or _HEAD not in names or _EMBEDDING not in names:
+        return model
+    if np.array_equal(files.read_aligned(_HEAD), files.read_aligned(_EMBEDDING)):
+        return model
+    import warnings
+
+    warnings.warn(f"{config_path} ties the output head to the embedding (tie_word_embeddings), but the "
+                  f"weights hold an {_HEAD} of other values: it is read as the model's own head, as "
+                  "transformers reads it. Set tie_word_embeddings to false in config.json to say so.",
+                  stacklevel=3)
+    return model.clone(tie_embeddings=False)
 
 
 def _check_tensors(source: Path, architecture: str, model: Module, table: Mapping[str, Any],
