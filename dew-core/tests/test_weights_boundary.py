@@ -318,3 +318,20 @@ def test_a_tied_config_whose_file_holds_another_head_reads_that_head_as_transfor
         assert any("tie_word_embeddings" in str(w.message) for w in caught) is untied
         logits = np.asarray(loaded.model.apply(loaded.variables, jnp.asarray(ids, jnp.int32)))
         np.testing.assert_allclose(logits, expected, atol=1e-4)
+
+
+def test_weights_stored_in_bfloat16_under_a_config_that_names_no_dtype_stay_bfloat16(good, tmp_path):
+    """transformers reads such a directory in the stored type (dtype="auto"); widening it to float32
+    doubled the memory and the export's size."""
+    directory = tmp_path / "bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(good, dtype=torch.bfloat16).save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    (directory / "config.json").write_text(json.dumps(config))
+    shutil.copy(good / "tokenizer.json", directory)
+    assert transformers.AutoModelForCausalLM.from_pretrained(directory).dtype == torch.bfloat16
+    loaded = Pretrained.load(directory)
+    assert {np.asarray(leaf).dtype.name for leaf in jax.tree.leaves(loaded.variables)} == {"bfloat16"}
+    written = loaded.save(tmp_path / "out")
+    assert json.loads((written / "config.json").read_text())["dtype"] == "bfloat16"

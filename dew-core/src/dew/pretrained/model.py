@@ -491,6 +491,8 @@ class Pretrained:
             files = None
         if files is not None:
             check_config_bounds(config, config_path, len(files.names()), files.nbytes)
+        if param_dtype is None and files is not None and not (config.get("dtype") or config.get("torch_dtype")):
+            param_dtype = _stored_float(files)  # as transformers' dtype="auto" reads a config that names none
         try:  # the model's description only (no array)
             model = family.model(config, max_seq_len=max_seq_len, param_dtype=param_dtype,
                                  dtype=dtype or own.get("dtype"))
@@ -569,6 +571,15 @@ def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
 
 
 _HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _stored_float(files: TensorFiles) -> str | None:
+    """The float type most of the stored tensors are in (None: none is a float dew reads)."""
+    import collections
+
+    kinds = collections.Counter(_FLOATS[kind] for kind in files.dtypes().values() if kind in _FLOATS)
+    return kinds.most_common(1)[0][0] if kinds else None
 
 
 def _untied_if_stored_apart(model: Module, files: TensorFiles, config_path: Path) -> Module:
