@@ -149,6 +149,27 @@ def test_a_resume_whose_newest_step_lost_a_file_does_not_announce_that_step(
     assert _committed(tmp_path / "runs" / "fixed") == [20, 23]
 
 
+def test_a_resume_of_a_step_another_dew_wrote_says_which_dew_wrote_it(
+        trained: Trained, tmp_path: Path, cache: Path) -> None:
+    """Each step records the dew that wrote it; a resume after an upgrade says so, once, before training."""
+    from importlib import metadata
+
+    from dew.checkpoints.manifest import render_manifest
+
+    run = tmp_path / "runs" / "fixed"
+    shutil.copytree(trained.run, run)
+    manifest = json.loads((run / "22" / "dew.json").read_text())
+    assert manifest["meta"]["dew"]["dew-core"] == metadata.version("dew-core")  # as this dew wrote it
+    manifest["meta"]["dew"] = {"dew-core": "0.0.1"}
+    (run / "22" / "dew.json").write_bytes(render_manifest({k: v for k, v in manifest.items()
+                                                           if k not in ("format", "digest")}))
+    more = _dew(["train", "--resume", "runs/fixed", "trainer.steps=23"], tmp_path, cache)
+    assert more.returncode == 0, more.stderr[-3000:]
+    said = [line for line in more.stdout.splitlines() if "was written by" in line]
+    assert len(said) == 1 and said[0].startswith(
+        f"Step 22 was written by dew-core 0.0.1; this is dew-core {metadata.version('dew-core')}"), more.stdout
+
+
 def test_samples_that_cannot_be_written_are_shown_and_the_folder_named(trained: Trained, tmp_path: Path,
                                                                      cache: Path) -> None:
     """A --out the disk refused said only "[Errno 28] No space left on device" (no file, no fix),

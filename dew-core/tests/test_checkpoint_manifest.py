@@ -98,6 +98,7 @@ def test_a_damaged_manifest_is_named_and_skipped(tmp_path: Path, how: str, capsy
 
 def _later_format(document: dict) -> None:
     document["format"] = 3
+    document["meta"]["dew"] = {"dew-core": "9.0.0"}  # what a trainer's save records of its writer
 
 
 def _unknown_field(document: dict) -> None:
@@ -123,7 +124,7 @@ def test_a_step_a_newer_dew_wrote_whole_is_refused_as_such_and_not_set_aside(tmp
     with pytest.raises(CheckpointFromNewerDewError) as caught:  # fallback on: still not taken
         Checkpoints(tmp_path).restore(template_of(full_state()), partition=SINGLE)
     assert caught.value.step == 2 and str(path) in str(caught.value) and "Upgrade dew" in str(caught.value)
-    wanted = ["format 3"] if change is _later_format else ["fields leaves.0.chunks, writer"]
+    wanted = ["newer dew (dew-core 9.0.0)", "format 3"] if change is _later_format else ["fields leaves.0.chunks, writer"]
     assert all(part in str(caught.value) for part in wanted), str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing set aside, nothing removed
     assert json.loads(path.read_text()) == manifest

@@ -116,6 +116,27 @@ def test_meta_reads_the_manifest_alone(tmp_path: Path) -> None:
     assert checkpoints.meta(2)["accumulation"] == 1
 
 
+def test_each_step_records_the_dew_that_wrote_it_and_a_misfit_from_another_dew_says_so(tmp_path: Path) -> None:
+    """A change in dew's own state between two versions is not the recipe's doing: the refusal names
+    the writer's versions beside this one's."""
+    from importlib import metadata
+
+    from test_checkpoints import reseal
+
+    directory = _trained(tmp_path)
+    assert Checkpoints(directory).meta(3)["dew"]["dew-core"] == metadata.version("dew-core")
+    changed = Trainer(Tiny(), optax.adamw(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory))
+    with pytest.raises(CheckpointTreeMismatchError) as caught:
+        changed.place()
+    assert "was written by" not in str(caught.value)  # this dew wrote it: the recipe changed
+    manifest = json.loads((directory / "3" / "dew.json").read_text())
+    manifest["meta"]["dew"] = {"dew-core": "0.0.1"}
+    (directory / "3" / "dew.json").write_bytes(reseal(manifest))
+    with pytest.raises(CheckpointTreeMismatchError) as caught:
+        changed.place()
+    assert f"written by dew-core 0.0.1, and this is dew-core {metadata.version('dew-core')}" in str(caught.value)
+
+
 def test_an_intact_step_orbax_cannot_read_is_a_mismatch_not_damage(tmp_path: Path) -> None:
     """A tree the node and leaf tables accept but Orbax refuses (here: a format-1 manifest, no node table)."""
     checkpoints = Checkpoints(tmp_path, keep=None)

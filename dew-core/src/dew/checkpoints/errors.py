@@ -77,27 +77,42 @@ class CheckpointFromNewerDewError(CheckpointError):
     one, and nothing on disk is changed.
     """
 
-    def __init__(self, step: int, file: object, what: str) -> None:
+    def __init__(self, step: int, file: object, what: str, written: Mapping[str, object] | None = None) -> None:
+        from dew.versions import described
+
         self.step = step
         self.file = str(file)
+        by = f" ({described(written)})" if written else ""
         super().__init__(
-            f"Checkpoint step {step} was written by a newer dew: {file} {what}, which this dew does not "
+            f"Checkpoint step {step} was written by a newer dew{by}: {file} {what}, which this dew does not "
             "read. Nothing was changed. Upgrade dew (pip install -U dew-core, with the dew distributions "
             "installed beside it) to resume or read this run.")
 
 
 class CheckpointTreeMismatchError(CheckpointError, ValueError):
-    """The restore template's leaves differ from the saved ones."""
+    """The restore template's leaves differ from the saved ones.
 
-    def __init__(self, step: int, differences: Sequence[str]) -> None:
+    written is the dew that wrote the step, as its meta records it: when
+    it is not this one, the message says so, since a difference in dew's own
+    state then comes from that change rather than from the recipe.
+    """
+
+    def __init__(self, step: int, differences: Sequence[str], written: Mapping[str, object] | None = None) -> None:
+        from dew.versions import described, installed
+
         self.step = step
         self.differences = tuple(differences)
         shown = "; ".join(self.differences[:12])
         more = f"; and {len(self.differences) - 12} more" if len(self.differences) > 12 else ""
+        now = installed()
+        other = "" if not written or all(now.get(k) == v for k, v in written.items()) else (
+            f" The step was written by {described(written)}, and this is {described(now)}: a difference "
+            "in dew's own state (a TrainState field) comes from that change, not from the recipe; resume "
+            "it with the dew that wrote it.")
         super().__init__(
             f"Checkpoint step {step} does not fit the state being restored: {shown}{more}. "
             "Nothing was changed on disk. Resume with the model and optimizer the run was trained "
-            "with, or start a fresh run in a new directory."
+            f"with, or start a fresh run in a new directory.{other}"
         )
 
 

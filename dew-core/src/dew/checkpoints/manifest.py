@@ -159,14 +159,14 @@ def parse_manifest(raw: bytes, step: int, file: object) -> Manifest:
         document["digest"] = claimed
         if type(written) is int and written > FORMAT:  # whole, in a layout still to come
             raise CheckpointFromNewerDewError(step, file, f"has checkpoint format {written} (this dew reads "
-                                                          f"formats 1 to {FORMAT})")
+                                                          f"formats 1 to {FORMAT})", _writer(document))
     try:
         manifest = Manifest.model_validate(document)
     except ValidationError as error:
         unknown = sorted(".".join(map(str, e["loc"])) for e in error.errors() if e["type"] == "extra_forbidden")
         if "digest" in document and len(unknown) == error.error_count():  # whole, with fields to come
             raise CheckpointFromNewerDewError(step, file, f"holds field{'s' if len(unknown) > 1 else ''} "
-                                                          f"{', '.join(unknown)}") from None
+                                                          f"{', '.join(unknown)}", _writer(document)) from None
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the top level"
         raise damaged(f"is malformed at {where}: {first['msg']}") from None
@@ -177,3 +177,10 @@ def parse_manifest(raw: bytes, step: int, file: object) -> Manifest:
     if manifest.format == 2 and (manifest.nodes is None or "file_hash" not in document):
         raise damaged(f"is malformed at {'nodes' if manifest.nodes is None else 'file_hash'}: Field required")
     return manifest
+
+
+def _writer(document: dict[str, Any]) -> dict[str, Any] | None:
+    """The dew versions a whole manifest's meta records as its writer (None: it records none)."""
+    meta = document.get("meta")
+    written = meta.get("dew") if isinstance(meta, dict) else None
+    return written if isinstance(written, dict) and all(isinstance(v, str) for v in written.values()) else None

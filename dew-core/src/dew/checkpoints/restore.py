@@ -81,7 +81,7 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
     if manifest.nodes is not None:
         differences = sorted(set(differences) | set(integrity.compare_nodes(saved_nodes, nodes)))
     if differences:
-        raise CheckpointTreeMismatchError(step, differences)
+        raise CheckpointTreeMismatchError(step, differences, _writer(manifest.meta))
     position = read_position(step, manifest.data, partition)
     problem = integrity.verify_sizes(directory, manifest.files)
     if problem is not None:
@@ -98,8 +98,8 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
                 raise CheckpointCorruptedError(step, *problem) from error
             first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
             raise CheckpointTreeMismatchError(
-                step, [f"its files are intact, but Orbax cannot read them into this state ({first})"]
-            ) from error
+                step, [f"its files are intact, but Orbax cannot read them into this state ({first})"],
+                _writer(manifest.meta)) from error
         digests = integrity.start_digests(jax.tree_util.tree_leaves(restored), pool)
         problem = hashed()
         if problem is not None:
@@ -115,3 +115,9 @@ def _read_state(directory: Location, template: State) -> State:
     """Read the state item of a committed step directory into template's shardings (reads only)."""
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
         return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))
+
+
+def _writer(meta: Mapping[str, object]) -> Mapping[str, object] | None:
+    """The dew versions a step's meta records as its writer (a trainer's save records them)."""
+    written = meta.get("dew")
+    return written if isinstance(written, Mapping) else None

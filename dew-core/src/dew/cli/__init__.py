@@ -56,15 +56,11 @@ def version() -> str:
     >>> version().startswith("dew-core ")
     True
     """
-    from importlib import metadata
+    from dew.versions import DISTRIBUTIONS, installed
 
-    found = []
-    for name in ("dew-core", "dew-objectives", "dew-trackers", "dew-data"):
-        try:
-            found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            continue
-    return ", ".join(found) or "dew (no installed distribution found)"
+    found = installed()
+    return ", ".join(f"{name} {found[name]}" for name in DISTRIBUTIONS if name in found) or \
+        "dew (no installed distribution found)"
 
 
 class _Version(argparse.Action):

@@ -14,13 +14,13 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from dew.recipes.errors import RecipeError
 
 __all__ = ["STARTED", "installing_what_it_trained_with", "origin", "resume_command", "resuming_line", "shown",
-           "started_from", "started_in"]
+           "started_from", "started_in", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 _STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
@@ -55,6 +55,26 @@ def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int
                 f"nothing to train; to train further, {resume_command(directory)} "
                 f"trainer.steps=N; {fresh}.")
     return f"Resuming {where} at step {resumed_at}{before}, to step {steps}; {fresh}."
+
+
+def upgrade_line(step: int, meta: Mapping[str, object]) -> str | None:
+    """The line a resume prints when another dew wrote its step (the step's meta records which);
+    None when this dew did, or the step does not say.
+
+    >>> upgrade_line(4, {"dew": {"dew-core": "0.0.1"}}).startswith("Step 4 was written by dew-core 0.0.1;")
+    True
+    """
+    from dew.versions import described, installed
+
+    written = meta.get("dew")
+    if not isinstance(written, Mapping) or not written:
+        return None
+    now = installed()
+    if all(now.get(name) == version for name, version in written.items()):
+        return None
+    return (f"Step {step} was written by {described(written)}; this is {described(now)}. The run's run.json "
+            "keeps the model as it was trained; a default of the objective or data that changed between "
+            "them changes how it goes on (dew diff RUN OTHER compares two runs).")
 
 
 def origin(run: Path, template: str | None) -> tuple[str | None, Path]:

@@ -407,16 +407,13 @@ def refuse_differing_processes(config: RunConfig) -> None:
     if jax.process_count() == 1:
         return
     import hashlib
-    from importlib import metadata
 
     import numpy as np
     from jax.experimental import multihost_utils
 
-    versions = {}
-    for name in ("dew-core", "dew-objectives", "dew-data", "dew-trackers"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[name] = metadata.version(name)
-    text = json.dumps({"recipe": config.recorded(), "versions": versions}, sort_keys=True, default=str)
+    from dew.versions import installed
+
+    text = json.dumps({"recipe": config.recorded(), "versions": installed()}, sort_keys=True, default=str)
     digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.int64)
     digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
     differing = [index for index, value in enumerate(digests) if value != digests[0]]
@@ -441,7 +438,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
 
     import jax
 
-    from dew.recipes.resuming import resuming_line
+    from dew.recipes.resuming import resuming_line, upgrade_line
     from dew.telemetry.artifacts import Artifact
     from dew.training.trainer import Trainer
 
@@ -470,6 +467,9 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         if jax.process_index() == 0 and intact:
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
+            upgraded = upgrade_line(resumed_at, checkpoints.meta(resumed_at))
+            if upgraded is not None and ahead:
+                print(upgraded, flush=True)
         # a finished run trains nothing, so no schedule is reshaped; a pool says it once
         if (ahead or not intact) and jax.process_index() == 0:
             warn_if_schedule_reshaped(config, fit["steps"], dataset.steps_per_epoch,

@@ -142,7 +142,10 @@ class Program:
         if self.dynamic_scale:
             s = Scaler.create()
             scaler = {"growth_interval": s.growth_interval, "factor": s.factor, "minimum": s.minimum}
-        return {"accumulation": self.accumulation, "scaler": scaler, "ema": self.objective.ema is not None}
+        from dew.versions import installed
+
+        return {"accumulation": self.accumulation, "scaler": scaler, "ema": self.objective.ema is not None,
+                "dew": installed()}  # which dew wrote the step: a later one's resume or refusal names it
 
     def check_resume(self, meta: Mapping[str, object], step: int) -> None:
         """Refuse a checkpoint written with another accumulation length or loss scaler, naming both."""

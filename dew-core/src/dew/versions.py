@@ -1,0 +1,35 @@
+"""Which dew is installed: the version of each of its four distributions.
+
+A run records them with every checkpoint step (its meta's ``dew``), so a
+resume or a refusal can say which dew wrote a step when it is not this one.
+
+>>> sorted(installed())[:1]
+['dew-core']
+>>> described({"dew-core": "0.2.0", "dew-data": "0.2.0"})
+'dew-core 0.2.0, dew-data 0.2.0'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib import metadata
+
+__all__ = ["DISTRIBUTIONS", "described", "installed"]
+
+DISTRIBUTIONS = ("dew-core", "dew-objectives", "dew-trackers", "dew-data")
+
+
+def installed() -> dict[str, str]:
+    """Each installed dew distribution's version, by name (one not installed is left out)."""
+    found = {}
+    for name in DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def described(versions: Mapping[str, object]) -> str:
+    """versions as one phrase: ``dew-core 0.2.0, dew-objectives 0.2.0``."""
+    return ", ".join(f"{name} {version}" for name, version in sorted(versions.items()))
