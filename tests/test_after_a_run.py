@@ -150,7 +150,7 @@ def test_a_resume_whose_newest_step_lost_a_file_does_not_announce_that_step(
 
 
 def test_a_resume_of_a_step_another_dew_wrote_says_which_dew_wrote_it(
-        trained: Trained, tmp_path: Path, cache: Path) -> None:
+        trained: Trained, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture) -> None:
     """Each step records the dew that wrote it; a resume after an upgrade says so, once, before training."""
     from importlib import metadata
 
@@ -163,6 +163,17 @@ def test_a_resume_of_a_step_another_dew_wrote_says_which_dew_wrote_it(
     manifest["meta"]["dew"] = {"dew-core": "0.0.1"}
     (run / "22" / "dew.json").write_bytes(render_manifest({k: v for k, v in manifest.items()
                                                            if k not in ("format", "digest")}))
+    # A run.json field this dew does not know, refused: the refusal says which dew wrote the run.
+    from dew.cli import main
+
+    recipe = (run / "run.json").read_text()
+    (run / "run.json").write_text(json.dumps({**json.loads(recipe), "goodput_every": 10}))
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "goodput_every: unknown field" in err and "The run's newest step was written by dew-core 0.0.1; " \
+        f"this is dew-core {metadata.version('dew-core')}" in err and "pip install 'dew-core==0.0.1'" in err, err
+    (run / "run.json").write_text(recipe)
+
     more = _dew(["train", "--resume", "runs/fixed", "trainer.steps=23"], tmp_path, cache)
     assert more.returncode == 0, more.stderr[-3000:]
     said = [line for line in more.stdout.splitlines() if "was written by" in line]

@@ -132,10 +132,30 @@ def installing_what_it_trained_with(run: Path) -> Iterator[None]:
     try:
         yield
     except RecipeError as error:
-        missing = _missing_distributions(run)
-        if not missing:
+        lines = [*_missing_distributions(run), *_another_dew(run)]
+        if not lines:
             raise
-        raise RecipeError("\n".join([str(error), *missing])) from None  # every command prints the message
+        raise RecipeError("\n".join([str(error), *lines])) from None  # every command prints the message
+
+
+def _another_dew(run: Path) -> list[str]:
+    """A line saying which dew wrote the run's newest step, when it is not this one (a field it
+    records that this dew renamed or does not know is then no mistake of the run's)."""
+    from dew.versions import described, installed
+
+    steps = sorted((int(p.name) for p in run.iterdir() if p.name.isdigit()), reverse=True) if run.is_dir() else []
+    for step in steps[:1]:
+        try:
+            written = json.loads((run / str(step) / "dew.json").read_text()).get("meta", {}).get("dew")
+        except (OSError, ValueError, AttributeError):
+            return []
+        now = installed()
+        if isinstance(written, dict) and written and any(now.get(k) != v for k, v in written.items()):
+            pins = " ".join(f"'{name}=={version}'" for name, version in sorted(written.items()))
+            return [f"The run's newest step was written by {described(written)}; this is {described(now)}. "
+                    f"Read it with the dew that wrote it (pip install {pins}), or resume it with this one "
+                    "giving key=value overrides for the fields above."]
+    return []
 
 
 def _missing_distributions(run: Path) -> list[str]:
