@@ -194,3 +194,20 @@ def test_a_sigterm_before_the_training_loop_is_one_line_and_leaves_no_half_run(t
     assert done.returncode == 143, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == "dew train: stopped (SIGTERM)", done.stderr
     assert not (tmp_path / "runs").exists()  # the folder it had made kept nothing: removed
+
+
+def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path):
+    """Ctrl-C in the first second of `dew train` lands in an import of the command's modules, before
+    the command's own handling: it printed a page of import traceback and exited 1."""
+    import signal
+    import time
+
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environment.pop("DEW_TRACEBACK", None)
+    process = subprocess.Popen([str(DEW), "train", "tiny-lm", "trainer.steps=2", f"trainer.checkpoint_dir={tmp_path}/run"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=environment)
+    time.sleep(0.4)  # importing dew's modules and JAX takes seconds
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and err == "dew train: interrupted (Ctrl-C)\n", (process.returncode, err)
+    assert not (tmp_path / "run").exists()

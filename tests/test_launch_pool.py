@@ -133,6 +133,29 @@ def test_a_second_sigterm_ends_every_rank_at_once(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_ctrl_c_while_the_ranks_start_stops_the_pool_at_one_step_with_its_checkpoint(tmp_path):
+    """Ctrl-C the moment the ranks exist (their interpreters still starting): the launcher passes it
+    on, and each rank used to raise it wherever it stood: a traceback from an import (the pool failed
+    with status 1), or nothing at all (a KeyboardInterrupt inside a garbage-collection callback is
+    discarded, and the pool trained on). Held from each rank's first line and passed to the pool once
+    it forms, it stops every rank at one step, saved, with status 130."""
+    run = tmp_path / "run"
+    launch = Launch(["-n", "2", "--grace", "150", "tiny-lm", *SMALL, "trainer.steps=100000",
+                     f"trainer.checkpoint_dir={run}"], tmp_path)
+    began = time.monotonic()
+    while len(_children(launch.process.pid)) < 2:
+        assert time.monotonic() - began < 60 and launch.process.poll() is None, launch.text()
+        time.sleep(0.005)
+    launch.process.send_signal(signal.SIGINT)
+    code = launch.wait(timeout=200)
+    assert code == 130, launch.text()
+    stopped = re.search(r"interrupted \(Ctrl-C\) at step (\d+); its checkpoint and data position are written",
+                        launch.text())
+    assert stopped and (run / stopped.group(1) / "dew.json").is_file(), launch.text()
+    assert "Traceback" not in launch.text() and "failed with status" not in launch.text(), launch.text()
+
+
+@pytest.mark.slow
 def test_a_rank_that_cannot_reach_its_coordinator_names_it(tmp_path):
     port = free_port()
     slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "5"}

@@ -84,8 +84,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     reader of stdout that went away (``dew recipes | head -1``, ``dew --help |
     head``) ends the command quietly with 141.
     """
+    from dew import pool_interrupts
+
+    pool_interrupts.hold()  # a rank dew launch started: a Ctrl-C before its loop is held for the pool
     try:
         status = _main(argv)
+    except KeyboardInterrupt:  # while a command's modules were still being imported
+        if os.environ.get(TRACEBACK):
+            raise
+        chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+        print(f"dew{' ' + chosen if chosen in COMMANDS else ''}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return INTERRUPTED
     except BrokenPipeError:
         # Nothing is left to say to the reader; stdout goes to devnull so the interpreter's last
         # flush does not fail again.

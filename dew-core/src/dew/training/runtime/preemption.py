@@ -126,7 +126,10 @@ class PreemptionWatch:
         self._pooled = False
 
     def __enter__(self) -> PreemptionWatch:
+        from dew import pool_interrupts
+
         self._pooled = jax.process_count() > 1
+        self._signalled = self._pooled and pool_interrupts.pending()  # already passed to the pool
         if threading.current_thread() is threading.main_thread():
             self._previous_interrupt = signal.signal(signal.SIGINT, self._on_signal)
             if not self._pooled:
@@ -141,6 +144,10 @@ class PreemptionWatch:
             if not self._pooled:
                 signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
+        if self._pooled:
+            from dew import pool_interrupts
+
+            pool_interrupts.let_go()
         PreemptionNotice.clear()
         self._signalled = False
 
