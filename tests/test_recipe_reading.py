@@ -95,6 +95,21 @@ def test_merge_keys_may_override_but_plain_keys_may_not():
         read_yaml("trainer:\n  <<: {log_every: 2}\n  steps: 5\n  steps: 6\n")
 
 
+@pytest.mark.parametrize(("text", "value"), [
+    ("0123", 123),  # YAML 1.1: octal 83
+    ("1:30", "1:30"),  # YAML 1.1: 90, in base 60
+    ("no", "no"), ("on", "on"), ("Yes", "Yes"),  # YAML 1.1: booleans (a prompt, a mixture source named no)
+    ("2026-12-05", "2026-12-05"),  # YAML 1.1: a date
+    ("1e-3", 0.001), ("-.5", -0.5), ("1_000", 1000), ("0x1F", 31), ("0o17", 15), ("-7", -7),
+    ("true", True), ("False", False), ("~", None), ("'0123'", "0123"),
+])
+def test_plain_values_read_as_yaml_1_2_reads_them(text, value):
+    """YAML 1.2's core schema, which a person writing a recipe today expects (and JSON agrees with),
+    not PyYAML's YAML 1.1: a seed of 0123 was read as 83, steps: 1:30 as 90, prompt: no as false."""
+    read = read_yaml(f"key: {text}\n")["key"]
+    assert read == value and type(read) is type(value), read
+
+
 def test_the_shipped_recipes_read_the_same_as_a_plain_safe_load():
     for path in shipped().values():
         assert read_recipe_file(path) == yaml.safe_load(path.read_text())

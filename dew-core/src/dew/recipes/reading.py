@@ -53,7 +53,7 @@ def _where(node: yaml.Node) -> str:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML's safe loader with bounded nesting, refused repeated keys and YAML 1.2 floats."""
+    """YAML's safe loader with bounded nesting, refused repeated keys and YAML 1.2's plain scalars."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -97,15 +97,38 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2's core schema for plain scalars, not PyYAML's YAML 1.1: `1e-3` is a number, and `0123`
+# is 123 (not octal 83), `1:30` is text (not 90 in base 60), `no`/`on` are text (a prompt, a source
+# named `no`; a true/false field still reads them), `2026-12-05` is text. Only true and false are
+# booleans. Underscores in numbers (`1_000`) stay allowed, as Python reads them.
+_INT, _FLOAT, _BOOL = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: kept for first, entries in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    if (kept := [(tag, regex) for tag, regex in entries
+                 if tag not in (_INT, _FLOAT, _BOOL, "tag:yaml.org,2002:timestamp")])}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
+    _INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    _FLOAT,
     re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."),
 )
+
+
+def _integer(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """A YAML 1.2 integer: decimal (a leading 0 too), 0o octal or 0x hexadecimal."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign, body = (-1, text[1:]) if text.startswith("-") else (1, text.lstrip("+"))
+    base = 16 if body.startswith("0x") else 8 if body.startswith("0o") else 10
+    return sign * int(body[2:] if base != 10 else body, base)
+
+
+_Loader.add_constructor(_INT, _integer)
 
 
 def _too_many(where: str) -> str:
