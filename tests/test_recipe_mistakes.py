@@ -36,6 +36,12 @@ CHECKED = [
     ("addition-grpo", ["objective.reward.name=exact_mach"],
      "objective.reward.name: no reward named 'exact_mach'. Did you mean 'exact_match'?"),
     ("addition-grpo", ["objective.reward.ky=answer"], "objective.reward.ky: reward 'exact_match' has no field 'ky'"),
+    # Passed the check, then a TypeError's traceback as the run started.
+    ("addition-grpo", ["objective.reward=[exact_match, format]"],
+     "objective.reward: names a registered reward: give its name, or a mapping of its name and fields"),
+    ("addition-grpo", ["objective.reward={key: answer}"], "several rewards combine through the `weighted` reward"),
+    # Passed the check, then an OverflowError's traceback drawing the run's key.
+    ("tiny-lm", ["seed=9223372036854775808"], "seed: Input should be less than 9223372036854775808"),
     ("tiny-distill", ["objective.teacher.emb_feature=64"],
      "objective.teacher.emb_feature: model 'causal_transformer' has no field 'emb_feature'"),
     ("tiny-sft", ["trainer.evaluate.0.evrey=5"], "did you mean 'every'?"),

@@ -292,6 +292,11 @@ def problems_of(group: str, name: str, fields: Mapping[str, object],
         if isinstance(value, Mapping) and isinstance(value.get("name"), str):
             rest = {k: v for k, v in value.items() if k != "name"}
             problems += [((key, *sub), message) for sub, message in problems_of(inner_group, value["name"], rest)]
+        elif value is not None and key in fields:  # a list, a number, a mapping without a name
+            kind = registries.registry(inner_group).kind
+            also = " (several rewards combine through the `weighted` reward)" if key == "reward" else ""
+            problems.append(((key,), f"names a registered {kind}: give its name, or a mapping of its name "
+                             f"and fields, like {{name: ..., FIELD: ...}}{also} (given {_given(value)})."))
     if not problems and isinstance(component, registries.ChecksFields):  # the values, once typed right
         problems += component.field_problems(fields)
     return problems

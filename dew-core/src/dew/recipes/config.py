@@ -104,7 +104,7 @@ class RunConfig(Settings):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
     description: str | None = pydantic.Field(None, description="one line shown by `dew recipes`")
-    seed: int = pydantic.Field(0, description="the run key is drawn from it")
+    seed: int = pydantic.Field(0, ge=-(2**63), lt=2**63, description="the run key is drawn from it (a 64-bit integer)")
     model: ComponentConfig | None = pydantic.Field(
         None, description="a registered model (dew.models) and its fields; omit it for an "
         "objective that builds its own network (one without a model field)"
