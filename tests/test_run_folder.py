@@ -232,3 +232,22 @@ def test_a_folder_moved_before_it_recorded_its_start_still_keeps_its_journal_bes
     assert where.timestamp is None
     assert [t.fields["directory"] for t in config.trackers] == [
         str(moved), str(moved / "more"), "shared/{timestamp}"]  # the last was never inside the run
+
+
+def test_a_path_that_starts_in_the_home_folder_is_read_as_a_shell_reads_it(tmp_path, monkeypatch):
+    """trainer.checkpoint_dir read ~/ as the home folder, a tracker's directory and data files did not:
+    the journal went to a folder named '~' in the working directory, apart from the checkpoints."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig.load("tiny-lm", ["trainer.checkpoint_dir=~/runs/x", "trackers.0.directory=~/runs/x",
+                                        "data.files=~/corpus/*.txt"])
+    tracker = config.build_trackers("2026-01-02_03:04:05")
+    try:
+        assert [t.directory for t in tracker.trackers] == [tmp_path / "home" / "runs" / "x"]
+    finally:
+        tracker.close()
+    assert config.trainer.build_checkpoints("t").directory == tmp_path / "home" / "runs" / "x"
+    from dew.placeholders import expand
+
+    assert expand(config.data.fields["files"], "") == str(tmp_path / "home" / "corpus" / "*.txt")
+    assert not (tmp_path / "~").exists()

@@ -7,11 +7,13 @@ every machine has); ``{recipes}``, the folder of the recipes dew ships (data
 beside them); and ``{timestamp}``, process 0's clock when the run started
 (``run_timestamp``), the same on every process, written without colons
 (``2026-12-01_09-30-00``) so a folder named after it is valid on every file
-system and in a URL. Importing this module imports nothing of dew's.
+system and in a URL. A string that starts with ``~/`` starts in the home
+folder, as a shell reads it. Importing this module imports nothing of dew's.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +21,19 @@ __all__ = ["absolute", "expand"]
 
 
 def expand(value: Any, timestamp: str) -> Any:
-    """value with {stdlib}, {recipes} and {timestamp} replaced in every string it holds.
+    """value with {stdlib}, {recipes} and {timestamp} replaced in every string it holds, and a
+    leading ``~/`` made the home folder (every path field of a recipe then reads it as a shell does).
 
     The timestamp's colons become dashes, so it can name a folder anywhere:
 
     >>> expand({"directory": "runs/{timestamp}"}, "2026-12-01_09:30:00")
     {'directory': 'runs/2026-12-01_09-30-00'}
+    >>> expand("~/corpus.txt", "") == os.path.join(os.path.expanduser("~"), "corpus.txt")
+    True
     """
     if isinstance(value, str):
+        if value == "~" or value.startswith("~/"):  # a path in the home folder, as a shell reads it
+            value = os.path.expanduser(value)
         if "{recipes}" in value:  # data shipped beside the recipes (a fine-tuning set, say)
             value = value.replace("{recipes}", str(Path(__file__).resolve().parent / "recipes"))
         if "{stdlib}" in value:
