@@ -212,7 +212,12 @@ def test_bad_task_files_name_the_line_and_what_is_wrong(tmp_path, exported):
     for record, message in cases:
         file = _write(tmp_path / "t.jsonl", [{"context": "x", "choices": ["a", "b"], "answer": 1}, record])
         with pytest.raises(TaskFileError, match=f"Line 2 of .*t.jsonl.*{message}"):
-            MultipleChoice(file=file).evaluate(subject)
+            MultipleChoice(file=file)  # when the task is built, before a run trains to its first evaluation
+    from dew.evaluations.generation import GenerationTask
+
+    file = _write(tmp_path / "q.jsonl", [{"question": "1+1=", "answer": "2"}, {"q": "2+2=", "a": "4"}])
+    with pytest.raises(TaskFileError, match="Line 2 of .*q.jsonl' has no key 'answer'"):
+        GenerationTask(file=file)
     from dew.evaluations.generation import GenerationTask
     from dew.evaluations.perplexity import PerplexityTask
 

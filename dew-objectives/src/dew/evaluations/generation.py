@@ -84,6 +84,7 @@ class GenerationTask:
             if getattr(self, name) < 1:
                 raise TaskFileError(f"GenerationTask.{name}={getattr(self, name)!r}; it is at least 1.")
         check_task_file(self.file)
+        self.problems()  # every record read once here: a bad one is refused before the run trains
 
     def problems(self) -> list[AnswerRecord]:
         """Every record of the file with its reference answer (TaskFileError names a bad line)."""

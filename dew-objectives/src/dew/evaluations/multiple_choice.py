@@ -94,6 +94,7 @@ class MultipleChoice:
         if self.batch < 1:
             raise TaskFileError(f"MultipleChoice.batch={self.batch!r}; it is at least 1.")
         check_task_file(self.file)
+        self.questions()  # every record read once here: a bad one is refused before the run trains
 
     def _where(self, line: int) -> str:
         return f"Line {line} of {os.fspath(self.file)!r}"
