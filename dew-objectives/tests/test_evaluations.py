@@ -176,7 +176,7 @@ class TestMultipleChoiceTask(EvaluationTaskKit):
         file = self.tmp / "bad.jsonl"
         file.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "answer": 0}) + "\n\n"
                         + json.dumps({"context": "a", "choices": ["b", "c"], "answer": 7}) + "\n")
-        return MultipleChoice(file=str(file)), 3
+        return (lambda: MultipleChoice(file=str(file))), 3
 
 
 class TestGenerationTask(EvaluationTaskKit):
@@ -199,7 +199,7 @@ class TestGenerationTask(EvaluationTaskKit):
 
         file = self.tmp / "bad.jsonl"
         file.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n" + '{"question": "a", "answer": \n')
-        return GenerationTask(file=str(file)), 2
+        return (lambda: GenerationTask(file=str(file))), 2
 
 
 def test_bad_task_files_name_the_line_and_what_is_wrong(tmp_path, exported):

@@ -15,15 +15,16 @@ The tests check that the scores are finite floats and count the records
 scored (``records``); that scoring twice gives the same scores; that the
 scores do not depend on how many rows one batch holds (``rebatched``, when
 the task has such a setting); that the task follows the protocol a run's
-schedule calls; and, when ``malformed()`` returns a task over a file with a
-bad record, that it fails with an error naming the line.
+schedule calls; and, when ``malformed()`` returns how to build a task over a
+file with a bad record, that building or evaluating it fails with an error
+naming the line.
 """
 
 from __future__ import annotations
 
 import math
 import unittest
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ class EvaluationTaskKit:
         """The same task with rows rows per global batch; None when it has no such setting."""
         return None
 
-    def malformed(self) -> tuple[EvaluationTask, int] | None:
-        """A task over a file whose record on the returned line is malformed; None to skip."""
+    def malformed(self) -> tuple[Callable[[], EvaluationTask], int] | None:
+        """A function building a task over a file whose record on the returned line is malformed (a
+        task may refuse it as it is built, or as it evaluates); None to skip."""
         return None
 
     def _scores(self, task: EvaluationTask) -> Mapping[str, float]:
@@ -88,9 +90,9 @@ class EvaluationTaskKit:
         given = self.malformed()
         if given is None:
             raise unittest.SkipTest("No malformed task file given.")
-        task, line = given
+        build, line = given
         try:
-            task.evaluate(self.subject())
+            build().evaluate(self.subject())
         except Exception as error:  # noqa: BLE001 - any error class, as long as it names the line
             assert f"Line {line}" in str(error) or f"line {line}" in str(error), (
                 f"The error {error!r} does not name line {line} of the task file.")
