@@ -411,3 +411,11 @@ def test_a_missing_prerequisite_is_one_message_and_no_folder(missing: str, tmp_p
     assert len(result.stderr.strip().splitlines()) <= 4, result.stderr
     assert not (tmp_path / "runs").exists(), list(tmp_path.rglob("*"))  # nothing left behind
     assert "Nothing was kept: the run failed before" in result.stderr, result.stderr  # and it says so
+
+
+def test_a_warmup_as_long_as_the_run_is_noted_once(trained: Trained) -> None:
+    """tiny-lm warms up over 20 updates: shortened to 20 steps (as the docs' first command shortens
+    it), its learning rate never reaches the recipe's peak and the cosine decay never starts."""
+    out = trained.first.stdout
+    assert out.count("note: optimizer.warmup_steps=20 spans all of the run's 20 updates") == 1, out[-3000:]
+    assert "warmup_steps" not in trained.again.stdout  # 22 steps: the warmup ends within the run

@@ -69,6 +69,7 @@ __all__ = [
     "show_sample",
     "train",
     "usage",
+    "warmup_note",
     "warn_if_schedule_reshaped",
 ]
 
@@ -386,6 +387,26 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
     return objective.starting_weights(run)
 
 
+def warmup_note(config: RunConfig, steps: int) -> str | None:
+    """A note when the learning-rate warmup lasts the whole run (a shipped recipe shortened by
+    trainer.steps, say): the rate never reaches its peak and a decay never starts.
+
+    >>> from dew.recipes.config import RunConfig
+    >>> warmup_note(RunConfig.load("tiny-lm"), 20).startswith("note: optimizer.warmup_steps=20 spans all")
+    True
+    >>> warmup_note(RunConfig.load("tiny-lm"), 200) is None
+    True
+    """
+    updates = steps // config.trainer.accumulation
+    warmup, optimizer = config.optimizer.warmup_steps, config.optimizer
+    if not warmup or warmup < updates:
+        return None
+    decay = "" if optimizer.schedule == "constant" else f", and its {optimizer.schedule} decay never starts"
+    return (f"note: optimizer.warmup_steps={warmup} spans all of the run's {updates} updates: the learning rate "
+            f"climbs toward optimizer.learning_rate={optimizer.learning_rate:g} without reaching it{decay}; "
+            "lower optimizer.warmup_steps or raise trainer.steps.")
+
+
 def _where(checkpoints: Checkpoints | None) -> str:
     """The run directory, before the trainer lists its checkpoints and trackers."""
     if checkpoints is None:
@@ -484,6 +505,9 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     tracker = config.build_trackers(stamp)
     if jax.process_index() == 0:
         print(_where(checkpoints), flush=True)
+        short = warmup_note(config, fit["steps"])
+        if short is not None:
+            print(short, flush=True)
     try:
         trainer = Trainer.from_config(
             config.trainer, objective, run_optimizer(config, fit["steps"]), key=key,
