@@ -40,6 +40,11 @@ CHECKED = [
     ("addition-grpo", ["objective.reward=[exact_match, format]"],
      "objective.reward: names a registered reward: give its name, or a mapping of its name and fields"),
     ("addition-grpo", ["objective.reward={key: answer}"], "several rewards combine through the `weighted` reward"),
+    # A braced word that is no placeholder named a folder after itself, beside the run's own.
+    ("tiny-lm", ["trainer.checkpoint_dir=runs/{timestmap}"],
+     "trainer.checkpoint_dir: {timestmap} is no placeholder: dew replaces {timestamp}, {stdlib} and {recipes}"),
+    ("tiny-lm", ["trainer.profile={directory: 'runs/${timestamp}', steps: 2}"],
+     "trainer.profile.directory: ${timestamp} is a shell's form"),
     # Passed the check, then an OverflowError's traceback drawing the run's key.
     ("tiny-lm", ["seed=9223372036854775808"], "seed: Input should be less than 9223372036854775808"),
     ("tiny-distill", ["objective.teacher.emb_feature=64"],

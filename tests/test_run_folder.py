@@ -251,3 +251,14 @@ def test_a_path_that_starts_in_the_home_folder_is_read_as_a_shell_reads_it(tmp_p
 
     assert expand(config.data.fields["files"], "") == str(tmp_path / "home" / "corpus" / "*.txt")
     assert not (tmp_path / "~").exists()
+
+
+def test_the_profile_window_writes_into_its_expanded_folder(tmp_path, monkeypatch):
+    """trainer.profile.directory kept {timestamp} as written: a folder named '{timestamp}' beside the run."""
+    from dew.recipes.run import _profile_expanded
+
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig.load("tiny-lm", ["trainer.profile={directory: 'runs/prof/{timestamp}', steps: 2}"])
+    expanded = _profile_expanded(config.trainer, "2026-01-02_03:04:05")
+    assert expanded.profile.directory == str(tmp_path / "runs" / "prof" / "2026-01-02_03-04-05")
+    assert expanded.profile.steps == 2 and config.trainer.profile.directory == "runs/prof/{timestamp}"

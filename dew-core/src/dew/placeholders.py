@@ -17,7 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["absolute", "expand"]
+__all__ = ["PLACEHOLDERS", "absolute", "expand", "unknown_placeholder"]
+
+PLACEHOLDERS = ("timestamp", "stdlib", "recipes")
 
 
 def expand(value: Any, timestamp: str) -> Any:
@@ -57,3 +59,24 @@ def absolute(path: str) -> str:
     if "://" in path:
         return path
     return str(Path(path).expanduser().resolve())
+
+
+def unknown_placeholder(path: str) -> str | None:
+    """What is wrong with a braced word in a path that is no placeholder (a misspelt ``{timestmap}``,
+    a shell's ``${timestamp}``): left as written, it would name a folder; None when all are known.
+
+    >>> unknown_placeholder("runs/{timestmap}").split(":")[0]
+    '{timestmap} is no placeholder'
+    >>> unknown_placeholder("runs/{timestamp}") is None
+    True
+    """
+    import re
+
+    for found in re.finditer(r"(\$?)\{([^{}/]*)\}", path):
+        shell, word = found.groups()
+        if word not in PLACEHOLDERS:
+            return (f"{{{word}}} is no placeholder: dew replaces {{timestamp}}, {{stdlib}} and {{recipes}}, and "
+                    "would leave it in the path as written")
+        if shell:
+            return f"${{{word}}} is a shell's form: dew replaces {{{word}}} and would leave the $ in the path"
+    return None

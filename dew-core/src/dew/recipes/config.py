@@ -94,6 +94,27 @@ class InitConfig(Settings):
         return self
 
 
+def _placeholder_problems(config: RunConfig) -> list[tuple[tuple[str | int, ...], str]]:
+    """A braced word that is no placeholder in a field that names a folder or files: it would stay in
+    the path as written (``runs/{timestmap}`` a folder of that name)."""
+    from dew.placeholders import unknown_placeholder
+
+    paths: list[tuple[tuple[str | int, ...], object]] = [
+        (("trainer", "checkpoint_dir"), config.trainer.checkpoint_dir),
+        (("trainer", "local_checkpoint_dir"), config.trainer.local_checkpoint_dir),
+        (("trainer", "profile", "directory"), None if config.trainer.profile is None else config.trainer.profile.directory),
+        (("data", "files"), config.data.fields.get("files")),
+        *((("trackers", index, "directory"), tracker.fields.get("directory"))
+          for index, tracker in enumerate(config.trackers))]
+    found: list[tuple[tuple[str | int, ...], str]] = []
+    for where, value in paths:
+        for text in ([value] if isinstance(value, str) else value if isinstance(value, list) else []):
+            wrong = unknown_placeholder(text) if isinstance(text, str) else None
+            if wrong is not None:
+                found.append((where, f"{wrong} (given {text!r})."))
+    return found
+
+
 class RunConfig(Settings):
     """A run: a model, an objective, data, an optimizer, a trainer, trackers and a seed.
 
@@ -157,7 +178,7 @@ class RunConfig(Settings):
         """Settings that would train as if absent, refused where they are written."""
         from pydantic_core import PydanticCustomError
 
-        found: list[tuple[tuple[str, ...], str]] = []
+        found: list[tuple[tuple[str | int, ...], str]] = []
         if self.quantization is not None and self.lora is not None:
             found.append((("quantization",), "set beside lora, where it would be ignored: the adapters wrap "
                           "the model alone. A LoRA run keeps its frozen base quantized with lora.base (int8, "
@@ -167,6 +188,7 @@ class RunConfig(Settings):
                           "freezes every weight but the adapters, so they would stay random for the whole run. "
                           "Start from weights that hold them (train or export a model with them first), or "
                           "train without lora."))
+        found += _placeholder_problems(self)
         steps, accumulation = self.trainer.steps, self.trainer.accumulation
         if steps is not None and accumulation > steps:
             found.append((("trainer", "accumulation"), f"{accumulation} microbatches make one optimizer update, but "

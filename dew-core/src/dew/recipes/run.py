@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from dew.objectives.base import Objective, Variables
     from dew.recipes.config import RunConfig
     from dew.tracking.protocol import Tracker
+    from dew.training.config import TrainerConfig
     from dew.training.initializers import Initializer
     from dew.training.optim import ConfiguredOptimizer, OptimizerConfig
     from dew.training.protocols import Rollout
@@ -387,6 +388,15 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
     return objective.starting_weights(run)
 
 
+def _profile_expanded(trainer: TrainerConfig, timestamp: str) -> TrainerConfig:
+    """trainer with its profile window's directory expanded (``{timestamp}``) and made absolute, as
+    every other folder of the run is."""
+    if trainer.profile is None:
+        return trainer
+    directory = absolute(expand(trainer.profile.directory, timestamp))
+    return trainer.model_copy(update={"profile": dataclasses.replace(trainer.profile, directory=directory)})
+
+
 def warmup_note(config: RunConfig, steps: int) -> str | None:
     """A note when the learning-rate warmup lasts the whole run (a shipped recipe shortened by
     trainer.steps, say): the rate never reaches its peak and a decay never starts.
@@ -510,7 +520,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             print(short, flush=True)
     try:
         trainer = Trainer.from_config(
-            config.trainer, objective, run_optimizer(config, fit["steps"]), key=key,
+            _profile_expanded(config.trainer, stamp), objective, run_optimizer(config, fit["steps"]), key=key,
             checkpoints=checkpoints, tracker=tracker, rollout=objective.rollout(),
             initializer=initializer,
             evaluations=build_evaluations(config, parts, stamp), recipe=config.recorded())
