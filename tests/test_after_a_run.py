@@ -419,3 +419,36 @@ def test_a_warmup_as_long_as_the_run_is_noted_once(trained: Trained) -> None:
     out = trained.first.stdout
     assert out.count("note: optimizer.warmup_steps=20 spans all of the run's 20 updates") == 1, out[-3000:]
     assert "warmup_steps" not in trained.again.stdout  # 22 steps: the warmup ends within the run
+
+
+def test_a_newest_step_the_live_run_removes_while_it_is_read_is_read_again_at_the_new_newest(
+        trained: Trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run training with trainer.keep=1 saves step N+1 and removes step N while `dew generate` reads
+    N: the read failed (as 'corrupt', a mismatch, or a traceback from Orbax) in 21 of 48 tries. Here
+    the writer's save and removal land between the reader's listing and its read, as they did."""
+    from dew.checkpoints.manifest import render_manifest
+    from dew.checkpoints.store import Store, remove_step
+    from dew.recipes import opening
+
+    run = shutil.copytree(trained.run, tmp_path / "run")
+    read = opening._read_step
+    calls = []
+
+    def racing(objective, directory, store, kept, number):
+        calls.append(number)
+        if len(calls) == 1:  # the live writer commits the next step and removes this one
+            shutil.copytree(run / str(number), run / str(number + 2))
+            manifest = json.loads((run / str(number + 2) / "dew.json").read_text())
+            manifest["step"] = number + 2
+            (run / str(number + 2) / "dew.json").write_bytes(render_manifest(
+                {k: v for k, v in manifest.items() if k not in ("format", "digest")}))
+            remove_step(Store(run, local=False), number)
+        return read(objective, directory, store, kept, number)
+
+    monkeypatch.setattr(opening, "_read_step", racing)
+    opened = opening.open_run(run)
+    assert calls == [22, 24] and opened.step == 24
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # nothing of the removal left
+    calls.clear()
+    with pytest.raises(opening.NoCheckpointError, match="Step 24 of .* was removed while it was read"):
+        opening.open_run(run, step=24)

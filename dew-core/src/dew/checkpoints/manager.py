@@ -55,6 +55,7 @@ from dew.checkpoints.store import (
     Location,
     Store,
     remove_half_written,
+    remove_step,
     rmtree,
     store_path,
 )
@@ -449,7 +450,7 @@ class Checkpoints:
             return  # nothing to remove: no reload of Orbax's step list while the loop waits
         if jax.process_index() == 0 or store.per_process:
             for step in stale:
-                rmtree(store.step_path(step))
+                remove_step(store, step)
         barrier(f"dew-checkpoints-pruned-{store.local}")
         assert store.manager is not None  # pruning follows a save, which opened it
         store.manager.reload()

@@ -26,10 +26,11 @@ from dew.data.base import DataPartition, is_global_position
 if TYPE_CHECKING:
     from dew.checkpoints.manager import _Pending
 
-__all__ = ["TMP", "Location", "Store", "read_position", "remove_half_written", "rmtree", "store_path"]
+__all__ = ["PRUNED", "TMP", "Location", "Store", "read_position", "remove_half_written", "remove_step", "rmtree", "store_path"]
 
 _LOG = logging.getLogger("dew.checkpoints")
 TMP = ".orbax-checkpoint-tmp"
+PRUNED = ".dew-pruned"  # a kept step being removed: renamed first, so readers see it gone at once
 
 Location: TypeAlias = Path | epath.Path
 """Where checkpoints live: a local path, or a bucket's (``gs://...``) as etils reads it."""
@@ -84,9 +85,10 @@ def read_position(step: int, data: Positions, partition: DataPartition) -> bytes
 
 
 def remove_half_written(directory: Location) -> None:
-    """Delete the steps a writer left unfinished (only the directory's writer may call this)."""
+    """Delete the steps a writer left unfinished, saving or removing them (only the directory's
+    writer may call this)."""
     for entry in directory.iterdir():
-        if TMP in entry.name:
+        if TMP in entry.name or entry.name.endswith(PRUNED):
             _LOG.info("Removing the half-written checkpoint %s.", entry)
             rmtree(entry)
 
@@ -96,3 +98,17 @@ def rmtree(path: Location) -> None:
         shutil.rmtree(path, ignore_errors=False)
     else:
         path.rmtree()
+
+
+
+def remove_step(store: Store, step: int) -> None:
+    """Remove a committed step. A local one first leaves its numbered name in one rename, so a
+    reader of a live run never finds half of it (it finds the step gone, and reads a newer one);
+    what a kill leaves of it goes with the half-written steps (remove_half_written)."""
+    path = store.step_path(step)
+    if not isinstance(path, Path):  # a bucket has no rename in one step: removed in place
+        rmtree(path)
+        return
+    gone = path.with_name(f".{step}{PRUNED}")
+    os.rename(path, gone)
+    shutil.rmtree(gone, ignore_errors=False)

@@ -20,6 +20,7 @@ from dew.tree_summary import brief_repr
 if TYPE_CHECKING:
     from flax import linen as nn
 
+    from dew.checkpoints.store import Store
     from dew.data.base import Tokenizer
     from dew.objectives.base import Objective, Variables
     from dew.objectives.inference import Pipeline
@@ -76,27 +77,52 @@ def _read_variables(objective: Objective, directory: Path, step: int | None
     """The parameters alone of step (newest when None), live and EMA (None when not kept).
 
     Only reads: a run still training may be writing its next step beside the
-    kept ones, and nothing here touches it.
+    kept ones, and nothing here touches it. Such a run also removes its oldest
+    kept step as it saves a new one: a newest step removed while it was read
+    is read again at the new newest.
     """
+    from dew.checkpoints.store import Store
+
+    store = Store(directory, local=False)
+    for _ in range(_READS):
+        kept = store.committed()
+        if not kept:
+            raise NoCheckpointError(
+                f"The run {directory} has no checkpoint: looked in {directory}, which holds no "
+                "committed step. Train with trainer.checkpoint_dir set (shipped recipes do) until "
+                "the run reaches a checkpoint step."
+            )
+        number = kept[-1] if step is None else int(step)
+        if number not in kept:
+            raise NoCheckpointError(f"The run {directory} kept no step {number}; it keeps {kept}.")
+        try:
+            return _read_step(objective, directory, store, kept, number)
+        except Exception:
+            if store.step_path(number).exists():  # there still: what went wrong is the step's own
+                raise
+            if step is not None:
+                raise NoCheckpointError(
+                    f"Step {number} of {directory} was removed while it was read: the run is still training "
+                    "and keeps only its newest steps (trainer.keep). Read a newer step, or drop --step for "
+                    "the newest.") from None
+            # The newest step, removed by the run still writing beside it: read the newest again.
+    raise NoCheckpointError(f"The newest step of {directory} was removed {_READS} times while it was read: "
+                            "the run still training keeps fewer steps than a read takes. Read it when the "
+                            "run has stopped, or train with a larger trainer.keep.")
+
+
+_READS = 5  # tries at the newest step of a run still training, whose oldest kept steps it removes
+
+
+def _read_step(objective: Objective, directory: Path, store: Store, kept: list[int], number: int
+               ) -> tuple[Variables, Variables | None, int]:
     import flax.linen as nn
     import jax
 
     from dew.checkpoints.errors import CheckpointCorruptedError
     from dew.checkpoints.restore import read_manifest
-    from dew.checkpoints.store import Store
     from dew.training.initializers import ParamsFrom
 
-    store = Store(directory, local=False)
-    kept = store.committed()
-    if not kept:
-        raise NoCheckpointError(
-            f"The run {directory} has no checkpoint: looked in {directory}, which holds no "
-            "committed step. Train with trainer.checkpoint_dir set (shipped recipes do) until "
-            "the run reaches a checkpoint step."
-        )
-    number = kept[-1] if step is None else int(step)
-    if number not in kept:
-        raise NoCheckpointError(f"The run {directory} kept no step {number}; it keeps {kept}.")
     try:  # a damaged manifest, or a file of the step that is short or fails its checksum
         manifest = read_manifest(store.step_path(number), number)
         leaves = [leaf.path for leaf in manifest.leaves]
