@@ -7,7 +7,9 @@ is written into the temporary directory just before Orbax renames it, so a
 step is either committed whole or not at all.
 
 Readers and the writer. Reading (``latest``, ``path``, ``meta``, ``restore``)
-changes nothing on disk, so any number of processes may watch a live run.
+changes nothing on disk, so any number of processes may watch a live run
+(restore's fallback alone sets a damaged step aside, when no live writer holds
+the directory).
 The first ``save`` (or an explicit ``acquire``) makes the object the
 directory's writer: it takes the writer's lease (see checkpoint_lease), and
 only then removes the half-written steps a crashed writer left. A second
@@ -91,8 +93,9 @@ class Checkpoints:
     when the interpreter exits is finished first (or, when it cannot be,
     abandoned with a message; the previous step stays whole).
 
-    Reading never writes: opening, latest, meta() and restore() leave the
-    directory as they found it. The first save() (or acquire()) makes this
+    Reading does not write: opening, latest, meta() and restore() leave the
+    directory as they found it, but for restore's fallback below, which sets
+    a damaged step aside (taking the lease for that moment). The first save() (or acquire()) makes this
     object the directory's writer, holding a lease file that names this
     process until close() or exit; another process's save() is then refused
     with CheckpointLeaseHeldError naming the holder. A lease left by a process
