@@ -452,3 +452,23 @@ def test_a_newest_step_the_live_run_removes_while_it_is_read_is_read_again_at_th
     calls.clear()
     with pytest.raises(opening.NoCheckpointError, match="Step 24 of .* was removed while it was read"):
         opening.open_run(run, step=24)
+
+
+def test_the_audit_vouches_only_for_steps_a_committed_checkpoint_holds(trained: Trained, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """The ledger's lines of a step are written as its checkpoint's save begins: killed during that save
+    (or read while it is under way), the audit called the run identical through a step no checkpoint holds."""
+    from dew.cli import main
+
+    run = shutil.copytree(trained.run, tmp_path / "run")
+    lines = (run / "ledger.jsonl").read_text().splitlines()
+    last = json.loads(next(line for line in reversed(lines) if '"kind": "step"' in line or '"kind":"step"' in line))
+    assert last["step"] == 22 and _committed(run)[-1] == 22
+    size = last["end"] - last["first"]
+    more = [{"kind": "step", "step": 22 + i, "first": last["end"] + (i - 1) * size, "end": last["end"] + i * size,
+             "digest": "d"} for i in (1, 2)]  # steps 23 and 24, consistent positions, their save not committed
+    (run / "ledger.jsonl").write_text("\n".join([*lines, *map(json.dumps, more)]) + "\n")
+    assert main(["audit", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "identical through step 22 to an uninterrupted run" in out, out
+    assert "2 step(s) after step 22 are in the ledger but in no committed checkpoint" in out, out

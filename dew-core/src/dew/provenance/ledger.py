@@ -72,6 +72,7 @@ class Ledgered:
     segments: tuple[Segment, ...]
     orders: tuple[tuple[int, dict[str, Any]], ...]  # (first step, order) each time the order was named
     undone: int = 0  # step lines a later fit replaced
+    uncommitted: int = 0  # step lines past the newest committed checkpoint, left out (a save under way)
 
     @property
     def order(self) -> dict[str, Any] | None:
@@ -142,11 +143,31 @@ def read_ledger(run: str | Path) -> Ledgered:
             raise _damaged(path, number, f"has no {missing}") from None
         except (TypeError, ValueError) as error:
             raise _damaged(path, number, f"holds a value that is not a number ({error})") from None
+    newest = _newest_committed(Path(run))
+    beyond = [s for s in steps if newest is not None and s > newest]
+    for step in beyond:  # written as their checkpoint's save began: the run's state holds them once it commits
+        del steps[step]
     if not steps:
         raise LedgerEmptyError(
             f"{path} records no step: the run kept none (the ledger is written at each checkpoint, and this "
             "run stopped before its first), so there is nothing to audit. Train it to a checkpoint first.")
-    return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone)
+    return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone, len(beyond))
+
+
+def _newest_committed(run: Path) -> int | None:
+    """The run's newest committed step (None: none, or a run that also keeps local steps, whose
+    newest state may be one of those)."""
+    from dew.checkpoints.store import Store
+    from dew.training.config import RUN_FILE
+
+    try:
+        recorded = json.loads((run / RUN_FILE).read_text())
+        if (recorded.get("trainer") or {}).get("local_checkpoint_dir"):
+            return None
+    except (OSError, ValueError, AttributeError):
+        pass
+    kept = Store(run, local=False).committed()
+    return kept[-1] if kept else None
 
 
 def _damaged(path: Path, number: int, what: str) -> LedgerDamagedError:
@@ -256,6 +277,10 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
     reference = [s for s in theirs if s.step <= last]
     skipped, repeated, extra = _compare_positions(_coverage(within), _coverage(reference))
     first = min((s for s in (first, changed, *missing[:1]) if s is not None), default=None)
+    if ledger.uncommitted:
+        notes.append(f"{ledger.uncommitted} step(s) after step {ledger.last} are in the ledger but in no committed "
+                     "checkpoint (a save under way, or a run stopped during one): left out, as a resume trains "
+                     "them again")
     if against is not None and ledger.last != against.last:
         notes.append(f"the runs reached different steps ({ledger.last} and {against.last}); compared through "
                      f"step {last}")
