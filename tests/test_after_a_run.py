@@ -232,6 +232,8 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
     cases = [
         (["train", "--resume", str(trained.root / "nowhere")], "does not exist, so there is no run to resume"),
         (["train", str(trained.run)], "is a run's folder, not a recipe: continue it with dew train --resume"),
+        # A live run's resume is refused by its lease: its recipe file is what dew plan reads.
+        (["plan", str(trained.run), "--devices", "2"], f"or give its recipe, {trained.run / 'run.json'}, where"),
         (["train", str(trained.root)], "is a directory, not a recipe: give a recipe's YAML file or a shipped"),
         (["train", "--resume", str(trained.run), "tiny-lm"], "give key=value overrides after it"),
         (["eval", str(trained.run)], "the run's data has no validation split; set data.load.val_fraction in "

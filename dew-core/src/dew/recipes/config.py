@@ -454,7 +454,8 @@ def recipe_path(recipe: str | Path) -> Path:
         return recipes[name]
     if (path / RUN_FILE).is_file():
         raise RecipeError(f"{str(recipe)!r} is a run's folder, not a recipe: continue it with "
-                          f"dew train --resume {recipe}")
+                          f"dew train --resume {recipe}, or give its recipe, {path / RUN_FILE}, where a "
+                          "recipe file is read (dew plan, dew train --check)")
     if path.is_dir():
         raise RecipeError(f"{str(recipe)!r} is a directory, not a recipe: give a recipe's YAML file or a "
                           f"shipped recipe's name ({', '.join(recipes) or 'none'}; see `dew recipes`).")
