@@ -21,7 +21,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,13 +96,9 @@ def _digest(rows: Sequence[Sequence[int]]) -> str:
 
 
 def _versions() -> dict[str, str]:
-    found = {}
-    for name in _LIBRARIES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return found
+    from dew.versions import installed
+
+    return installed(_LIBRARIES)
 
 
 def verify(directory: str | os.PathLike[str], model: Module, variables: Variables, *,
