@@ -61,10 +61,13 @@ class HFTokenizer:
 
         file = Path(path)
         if not file.is_file():
+            plain = "/" not in os.fspath(path) and "." not in os.fspath(path)  # a name, not a path
             raise MissingFileError(
-                f"The tokenizer {os.fspath(path)!r} does not exist. Pass a checkpoint's folder (its "
-                "tokenizer.json with tokenizer_config.json, which carries the chat template and special "
-                "tokens) or the path of a Hugging Face tokenizer.json (tokenizer.save(path) writes one)."
+                f"The tokenizer {os.fspath(path)!r} does not exist. Pass "
+                + ("'byte' (dew's byte-level tokenizer, the one name dew knows), " if plain else "")
+                + "a checkpoint's folder (its tokenizer.json with tokenizer_config.json, which carries the chat "
+                "template and special tokens) or the path of a Hugging Face tokenizer.json (tokenizer.save(path) "
+                "writes one)."
             )
         try:
             tokenizer = Tokenizer.from_file(os.fspath(file))
