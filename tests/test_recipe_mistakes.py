@@ -82,7 +82,7 @@ STARTING = [
     ("tiny-lm", ["data.tokenizer=5"],
      "dataset 'token_windows' refused the recipe's data.tokenizer values: A tokenizer must have encode(text) "
      "and eos_id; int 5 lacks encode."),
-    ("tiny-lm", ["data.tokenizer=bytes"], "The tokenizer 'bytes' does not exist. Pass 'byte' (dew's byte-level"),
+    ("tiny-lm", ["data.tokenizer=bytes"], "MissingFileError: The tokenizer 'bytes' does not exist. Pass 'byte' (dew's byte-level"),
 ]
 
 
