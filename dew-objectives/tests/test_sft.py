@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from dew.data.errors import MissingKeyError
+from dew.data.errors import MalformedRecordError, MissingKeyError
 from dew.data.prompt_completion import (
     CompletionTooLongError,
     NothingToScoreWarning,
@@ -184,6 +184,9 @@ def test_a_record_with_nothing_to_score_warns_naming_it_and_is_skipped(tmp_path)
     assert got["text"].shape == (1, 6) and got["loss_mask"].sum() == 2
     with pytest.raises(MissingKeyError, match=r"d2\.jsonl:1 has no text under 'completion'"):
         PromptCompletion(files=write(tmp_path / "d2.jsonl", [{"prompt": "p", "answer": "x"}]), length=5).rows()
+    # A number where text is expected is no missing key: setting completion_key= would not help.
+    with pytest.raises(MalformedRecordError, match=r"d3\.jsonl:1 holds a int under 'completion' \(5\), not text"):
+        PromptCompletion(files=write(tmp_path / "d3.jsonl", [{"prompt": "p", "completion": 5}]), length=5).rows()
 
 
 def test_the_fine_tuned_model_is_a_pipeline_that_answers_the_prompts_it_learned(tmp_path):

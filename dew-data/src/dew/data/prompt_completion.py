@@ -139,10 +139,15 @@ class PromptCompletion:
         if not isinstance(record, dict):
             raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
         for key in (self.prompt_key, self.completion_key):
-            if not isinstance(record.get(key), str):
+            if key not in record:
                 raise MissingKeyError(
                     f"{where} has no text under {key!r} (keys: {sorted(record)}); set prompt_key= and "
                     "completion_key= to the keys the records use."
+                )
+            if not isinstance(record[key], str):
+                raise MalformedRecordError(
+                    f"{where} holds a {type(record[key]).__name__} under {key!r} ({json.dumps(record[key])[:40]}), "
+                    "not text; write it as a JSON string (in quotes)."
                 )
         return record[self.prompt_key], record[self.completion_key]
 
