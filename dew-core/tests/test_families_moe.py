@@ -186,11 +186,12 @@ def _add_tensors(directory, tensors: dict[str, np.ndarray], shard: str) -> None:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())
-    else:
+    else:  # the single file becomes the first shard: a folder with model.safetensors is read from it alone
         from safetensors import safe_open
 
-        with safe_open(str(directory / "model.safetensors"), framework="numpy") as opened:
-            data = {"metadata": {}, "weight_map": dict.fromkeys(opened.keys(), "model.safetensors")}
+        (directory / "model.safetensors").rename(directory / "model-base.safetensors")
+        with safe_open(str(directory / "model-base.safetensors"), framework="numpy") as opened:
+            data = {"metadata": {}, "weight_map": dict.fromkeys(opened.keys(), "model-base.safetensors")}
     data["weight_map"].update(dict.fromkeys(tensors, shard))
     index.write_text(json.dumps(data))
 
