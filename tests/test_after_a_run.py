@@ -474,3 +474,20 @@ def test_the_audit_vouches_only_for_steps_a_committed_checkpoint_holds(trained: 
     out = capsys.readouterr().out
     assert "identical through step 22 to an uninterrupted run" in out, out
     assert "2 step(s) after step 22 are in the ledger but in no committed checkpoint" in out, out
+
+
+def test_a_resume_over_a_corpus_edited_in_place_is_refused_naming_it(tmp_path: Path, cache: Path) -> None:
+    """The same number of bytes, other text: the saved position (records, seed, size) fitted, and the
+    resume trained on other records without a word (dew audit then called it identical)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i:03d} of the corpus with some words\n" for i in range(200)))
+    shrunk = [o for o in SMALL if not o.startswith("data.files")]
+    args = ["train", "tiny-lm", *shrunk, f"data.files={corpus}", "data.load.val_fraction=0",
+            "trainer.eval_every=null", "trainer.checkpoint_dir=runs/r", "trackers.0.directory=runs/r"]
+    first = _dew([*args, "trainer.steps=3"], tmp_path, cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    corpus.write_text(corpus.read_text().upper()[::-1])  # as many bytes, so as many windows
+    again = _dew(["train", "--resume", "runs/r", "trainer.steps=5"], tmp_path, cache)
+    assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "as many records, other contents" in again.stderr and "Traceback" not in again.stderr, again.stderr
+    assert _committed(tmp_path / "runs" / "r") == [3]

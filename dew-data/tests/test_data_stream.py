@@ -151,6 +151,11 @@ def test_bad_input_errors_name_the_sizes_and_keys():
         stream.set_state(train_stream(records(), batch=4, seed=5).get_state())
     with pytest.raises(PositionMismatchError, match="over 23 records, this source holds 30"):
         train_stream(records(30), batch=4).set_state(stream.get_state())
+    # As many records, other contents (a corpus edited in place): the position would point into other data.
+    edited = ArrayRecords({"id": np.arange(N, dtype=np.int64), "x": np.arange(N * 3).reshape(N, 3) + 1})
+    with pytest.raises(PositionMismatchError, match="as many records, other contents"):
+        train_stream(edited, batch=4).set_state(stream.get_state())
+    train_stream(records(), batch=4).set_state(stream.get_state())  # the same data resumes
 
 
 # -- real processes ------------------------------------------------------------------------
@@ -203,7 +208,7 @@ def test_a_two_process_pool_reads_the_one_process_order(tmp_path: Path):
         assert got[0]["rows"][g] + got[1]["rows"][g] == one[g].tolist()
     # Both ranks saved the same global position; one process resumes from it.
     assert got[0]["position"] == got[1]["position"]
-    single = train_stream(records(), batch=6, seed=1)
+    single = train_stream(ArrayRecords({"id": np.arange(23)}), batch=6, seed=1)  # the ranks' own source
     single.set_state(got[1]["position"].encode())
     assert [b.tolist() for b in take(single, 3)] == [b.tolist() for b in one[4:7]]
 

@@ -75,6 +75,7 @@ class ArrayRecords:
             )
         self.columns = dict(columns)
         self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+        self._fingerprint: str | None = None
         self._length = next(iter(lengths.values())) if self.rows is None else len(self.rows)
 
     def __len__(self) -> int:
@@ -103,6 +104,23 @@ class ArrayRecords:
     def subset(self, indices: np.ndarray) -> ArrayRecords:
         """The records at indices, in that order, sharing this one's arrays (no copy)."""
         return ArrayRecords(self.columns, self._map(np.asarray(indices, dtype=np.int64)))
+
+    def fingerprint(self) -> str:
+        """A digest of what the records hold (every column's bytes, and which rows): a stream's
+        saved position keeps it, so a resume over data edited since is told, not trained on.
+        Computed once, on first use (a pass over the arrays)."""
+        if self._fingerprint is None:
+            import hashlib
+
+            digest = hashlib.sha256()
+            for name in sorted(self.columns):
+                array = np.ascontiguousarray(self.columns[name])
+                digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+                digest.update(array.reshape(-1).view(np.uint8).data)
+            if self.rows is not None:
+                digest.update(np.ascontiguousarray(self.rows).view(np.uint8).data)
+            self._fingerprint = digest.hexdigest()[:32]
+        return self._fingerprint
 
     def __reduce__(self) -> tuple[Callable[..., ArrayRecords], tuple[dict[str, _Pickled], np.ndarray | None]]:
         columns = {name: _picklable(array) for name, array in self.columns.items()}

@@ -152,6 +152,30 @@ def check_layout(source: Source, fields: Mapping[str, Any]) -> None:
             f"entry at a step after the checkpoint.")
 
 
+@runtime_checkable
+class FingerprintedSource(Protocol):
+    """A record source that can digest what it holds (ArrayRecords: its arrays' bytes).
+
+    A saved position keeps the digest, and a resume over a source that holds
+    other records at the same count (a corpus edited in place) is refused: the
+    saved position would point into other data without a word.
+    """
+
+    def fingerprint(self) -> str: ...
+
+
+def check_content(source: Source, fields: Mapping[str, Any]) -> None:
+    """Refuse a position saved over other contents of as many records (see FingerprintedSource)."""
+    if "content" not in fields or not isinstance(source, FingerprintedSource):
+        return
+    if source.fingerprint() != fields["content"]:
+        raise PositionMismatchError(
+            "The data position was saved over data whose contents differ from this data's (as many "
+            "records, other contents: a file edited since the checkpoint, say), so resuming would train on "
+            "other records than the run's order holds. Restore the data as it was, or start a new run over "
+            "this data.")
+
+
 def layout_fields(source: Source, records: int) -> dict[str, Any]:
     """The layout a position saved at records keeps ({} for a source without one)."""
     return {"layout": source.layout(records)} if isinstance(source, LaidOutSource) else {}
@@ -376,10 +400,12 @@ class TrainStream:
         return self.records / self.size
 
     def get_state(self) -> bytes:
-        """GLOBAL_POSITION + json: records consumed, seed, batch, dataset size and (a
-        LaidOutSource's) layout."""
+        """GLOBAL_POSITION + json: records consumed, seed, batch, dataset size, (a
+        LaidOutSource's) layout and (a FingerprintedSource's) content digest."""
         fields = {"records": self.records, "seed": self.seed, "batch": self.batch, "size": self.size,
                   **layout_fields(self.source, self.records)}
+        if isinstance(self.source, FingerprintedSource):
+            fields["content"] = self.source.fingerprint()
         return GLOBAL_POSITION + json.dumps(fields, sort_keys=True).encode()
 
     def set_state(self, state: bytes) -> None:
@@ -398,6 +424,7 @@ class TrainStream:
                 f"{self.size}; the data changed since the checkpoint, so the position means "
                 f"nothing here. Restore the original data or start the stream afresh."
             )
+        check_content(self.source, fields)
         self.close()
         self.records = int(fields["records"])
         self._last = None
