@@ -173,3 +173,26 @@ def test_a_corpus_changed_since_its_index_is_refused(corpus, tmp_path):
     assert np.array_equal(reader.token_counts(), counts)  # the stale index is what the key finds
     with pytest.raises(StaleIndexError, match="Block 0 .*docs.jsonl.*changed since"):
         reader.records().take(np.arange(3))
+
+
+def test_a_position_saved_over_a_corpus_edited_since_is_refused(corpus, tmp_path):
+    """The first and last documents swapped: as many tokens and windows, so the saved position
+    (records, seed, size) fitted, and the resume read other windows without a word."""
+    from dew.data.hf_text import HFText
+    from dew.data.stream import PositionMismatchError, train_stream
+
+    folder, texts, tokenizer = corpus
+    shard = tmp_path / "docs.jsonl"
+    shard.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    reader = HFText(files=str(shard), length=LENGTH, tokenizer=tokenizer)
+    stream = train_stream(reader.records(), batch=4, seed=0)
+    next(stream)
+    saved = stream.get_state()
+    train_stream(HFText(files=str(shard), length=LENGTH, tokenizer=tokenizer).records(), batch=4).set_state(saved)
+    edited = [texts[-1], *texts[1:-1], texts[0]]
+    assert len(texts[0].split()) != len(texts[-1].split())  # in blocks of other lengths now
+    shard.write_text("".join(json.dumps({"text": t}) + "\n" for t in edited))
+    again = HFText(files=str(shard), length=LENGTH, tokenizer=tokenizer).records()
+    assert len(again) == len(reader.records())  # the windows fit in as many: only the digest tells
+    with pytest.raises(PositionMismatchError, match="as many records, other contents"):
+        train_stream(again, batch=4).set_state(saved)

@@ -169,6 +169,16 @@ class StreamedWindows:
     def __len__(self) -> int:
         return self.windows
 
+    def fingerprint(self) -> str:
+        """A digest of the corpus as its blocks' token counts describe it (dew.data.stream's
+        FingerprintedSource): an edit that changes any block's length is refused at a resume. The
+        text itself is not read again for it (a streamed corpus may be large), so an edit that keeps
+        every block's token count is not seen."""
+        digest = hashlib.sha256(self.all_sizes.astype(np.int64).tobytes())
+        digest.update(self.blocks.tobytes())
+        digest.update(f"{self.block}:{self.length}".encode())
+        return digest.hexdigest()[:32]
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not 0 <= index < self.windows:
             raise IndexError(f"Window {index} is outside [0, {self.windows}).")
