@@ -136,6 +136,12 @@ def test_an_unknown_role_names_the_record(marked, tmp_path):
     files = _write(tmp_path / "chat.jsonl", bad)
     with pytest.raises(ChatRecordError, match=r"Message 1 of line 2 of .*chat.jsonl.* role 'robot'"):
         Chat(files=str(files), tokenizer=str(marked)).encoded()
+    # Content that is no text (a list of parts, a number) was rendered as its Python repr and trained.
+    for content, kind in (([{"type": "text", "text": "hello"}], "list"), (4, "int")):
+        files = _write(tmp_path / "parts.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": content}]}])
+        with pytest.raises(ChatRecordError, match=rf"Message 1 of line 1 of .*parts.jsonl.* content of type {kind}"):
+            Chat(files=str(files), tokenizer=str(marked)).encoded()
 
 
 def test_conversations_from_parquet_equal_those_from_jsonl(marked, tmp_path):

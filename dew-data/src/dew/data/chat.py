@@ -84,6 +84,12 @@ def check_messages(messages: object, where: str) -> list[dict[str, Any]]:
             raise ChatRecordError(
                 f"Message {number} of {where} has role {role!r}; the roles are {', '.join(ROLES)}. "
                 "Rename the role, or drop the message.")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):  # a list of parts, a number: not text
+            raise ChatRecordError(
+                f"Message {number} of {where} has content of type {type(content).__name__} "
+                f"({str(content)[:60]!r}); a message's content is text. Give it as a string (the text "
+                "parts of a list joined).")
         out.append({k: v for k, v in message.items() if v is not None})
     return out
 

@@ -205,6 +205,11 @@ class _Jsonl:
     def _parse(self, line: bytes, row: int) -> dict[str, object]:
         try:
             record = json.loads(line)
+        except UnicodeDecodeError as error:
+            raise MalformedRecordError(
+                f"Line {self._line(row)} of {os.fspath(self.path)!r} is not UTF-8 text ({error.reason}, byte "
+                f"{line[error.start]:#04x} at column {error.start + 1}); write the file as UTF-8."
+            ) from None
         except json.JSONDecodeError as error:
             raise MalformedRecordError(
                 f"Line {self._line(row)} of {os.fspath(self.path)!r} is not valid JSON ({error.msg}); "

@@ -190,7 +190,7 @@ def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, 1):
             try:
-                yield number, raw.decode("utf-8")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a first line's BOM is no text
             except UnicodeDecodeError as error:
                 raise MalformedRecordError(
                     f"Line {number} of {os.fspath(path)!r} is not UTF-8 text ({error.reason}, byte "

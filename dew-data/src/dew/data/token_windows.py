@@ -216,8 +216,16 @@ class TokenWindows:
                     f"The Parquet file {os.fspath(path)!r} has no column {self.text_key!r}; its "
                     f"columns are {parquet.schema_arrow.names}. Pass text_key= with the text column."
                 )
+            row = 0
             for batch in parquet.iter_batches(columns=[self.text_key], batch_size=4096):
-                yield from (text for text in batch.column(0).to_pylist() if text)
+                for text in batch.column(0).to_pylist():
+                    row += 1
+                    if text is not None and not isinstance(text, str):
+                        raise MalformedRecordError(
+                            f"Row {row} of {os.fspath(path)!r} holds a {type(text).__name__} under "
+                            f"{self.text_key!r}, not a string; point text_key= at the text column.")
+                    if text:
+                        yield text
         else:
             raw = path.read_bytes()
             if b"\x00" in raw:  # an image or archive a glob picked up: tokenized, it is noise
@@ -225,7 +233,8 @@ class TokenWindows:
                     f"{os.fspath(path)!r} holds NUL bytes, so it is no text file (an image or an "
                     "archive, say); narrow data.files to the text, or give Parquet or JSONL its suffix."
                 )
-            text = raw.decode("utf-8", errors="replace")  # a stray bad byte in text is replaced
+            # A byte-order mark is no text; a stray bad byte in text is replaced.
+            text = raw.decode("utf-8-sig", errors="replace")
             if text:
                 yield text
 
