@@ -243,3 +243,20 @@ def test_a_conversation_cut_to_nothing_scored_is_said_to_be_left_out(marked, tmp
                                               r"assistant token to score within it and were left out"):
         encoded = Chat(files=str(files), tokenizer=str(marked), length=24).encoded()
     assert len(encoded) == 1
+
+
+def test_records_with_nothing_to_score_are_counted_in_a_warning(marked, tmp_path):
+    """A conversation without an assistant turn and a pair whose two sides are the same were left out
+    without a word: 10 of 15 conversations and 10 of 14 pairs trained, and nothing said so."""
+    from dew.data.chat import Chat, ChatPreferences
+    from dew.data.prompt_completion import NothingToScoreWarning
+
+    asked = [{"role": "user", "content": "q"}]
+    files = _write(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[2]}] * 2 + [{"messages": asked}] * 3)
+    with pytest.warns(NothingToScoreWarning, match=r"^3 conversation\(s\) hold no assistant turn .*first: line 3 of"):
+        assert len(Chat(files=str(files), tokenizer=str(marked), length=200).encoded()) == 2
+    other = CONVERSATIONS[2][:1] + [{"role": "assistant", "content": "Bye."}]
+    pairs = [{"chosen": CONVERSATIONS[2], "rejected": other}] + [{"chosen": CONVERSATIONS[2], "rejected": CONVERSATIONS[2]}] * 2
+    files = _write(tmp_path / "pairs.jsonl", pairs)
+    with pytest.warns(NothingToScoreWarning, match=r"^2 preference pair\(s\) have no assistant text .*first: line 2 of"):
+        assert len(ChatPreferences(files=str(files), tokenizer=str(marked), length=63).rows()["chosen"]) == 1

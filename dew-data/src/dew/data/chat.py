@@ -143,6 +143,15 @@ class _ChatFiles:
         return np.asarray(ids, np.int32), assistant_mask(offsets, rendered.spans)
 
 
+def _warn_unscored(count: int, first: str, why: str, what: str = "conversation(s)") -> None:
+    """Say how many records were left out with nothing to score, and where the first is."""
+    if count:
+        from dew.data.prompt_completion import NothingToScoreWarning
+
+        warnings.warn(NothingToScoreWarning(f"{count} {what} {why} (the first: {first}), so they were left out."),
+                      stacklevel=3)
+
+
 def _warn_truncated(count: int, first: str, limit: int, stacklevel: int = 3, *, dropped: int = 0,
                     what: str = "conversation(s)") -> None:
     """Say how many records a row's limit cut, and how many of those it left nothing to score."""
@@ -222,9 +231,12 @@ class Chat(_ChatReader):
         """Every conversation's ids and assistant mask, cut to a row."""
         limit = self.length + 1
         out, cut, first, dropped = [], 0, "", 0
+        empty, first_empty = 0, ""
         for where, messages in self.conversations():
             ids, mask = self._shared.encode(messages, where)
             whole = bool(mask.any())
+            if not whole:  # no assistant turn, or only empty ones
+                empty, first_empty = empty + 1, first_empty or where
             if len(ids) > limit:
                 cut, first = cut + 1, first or where
                 ids, mask = ids[:limit], mask[:limit]
@@ -232,6 +244,7 @@ class Chat(_ChatReader):
             if mask.any():
                 out.append(Conversation(where, ids, mask))
         _warn_truncated(cut, first, limit, dropped=dropped)
+        _warn_unscored(empty, first_empty, "hold no assistant turn with text to score")
         if not out:
             raise EmptyDatasetError(f"{self.files!r} holds no conversation with an assistant turn to score.")
         return out
@@ -276,6 +289,7 @@ class ChatPreferences(_ChatReader):
         """chosen, rejected, chosen_mask, rejected_mask [pairs, length + 1] and prompt_length [pairs]."""
         limit = self.length + 1
         kept, cut, first, dropped = [], 0, "", 0
+        same, first_same = 0, ""
         for where, prompt, chosen, rejected in self.pairs():
             sides = [self._shared.encode(messages, where) for messages in (chosen, rejected)]
             asked = self._shared.prompt_ids(prompt) if prompt else np.zeros(0, np.int32)
@@ -291,9 +305,13 @@ class ChatPreferences(_ChatReader):
             masks = [np.where(np.arange(len(mask)) >= common, mask, 0) for _, mask in sides]
             if all(m.any() for m in masks):
                 kept.append((sides, masks, common))
-            else:
-                dropped += int(long)
+            elif long:
+                dropped += 1
+            else:  # the two sides the same after the prompt (or one with no assistant text)
+                same, first_same = same + 1, first_same or where
         _warn_truncated(cut, first, limit, stacklevel=2, dropped=dropped, what="preference pair(s)")
+        _warn_unscored(same, first_same, "have no assistant text on one side that differs from the other",
+                       "preference pair(s)")
         if not kept:
             raise EmptyDatasetError(f"{self.files!r} holds no preference pair with assistant tokens to score.")
         out = {name: np.zeros((len(kept), limit), np.int32)
