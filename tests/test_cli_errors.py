@@ -211,3 +211,18 @@ def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path):
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130 and err == "dew train: interrupted (Ctrl-C)\n", (process.returncode, err)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_command_run_from_a_removed_directory_says_so_in_one_line(tmp_path):
+    """Every relative path starts from the working directory: removed under the shell, the commands
+    said '[Errno 2] No such file or directory' naming nothing, or printed a traceback."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for command in (["generate", str(tmp_path / "run"), "x"], ["train", "tiny-lm", "trainer.steps=1"]):
+        done = subprocess.run(["sh", "-c", f'cd "{gone}" && rmdir "{gone}" && exec "$0" "$@"', str(DEW), *command],
+                              capture_output=True, text=True, timeout=120, env=environment)
+        gone.mkdir()
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == ("dew: the current directory was removed (deleted while this shell was in it); cd to "
+                               "an existing one and run the command again.\n"), done.stderr

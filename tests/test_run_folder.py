@@ -262,3 +262,28 @@ def test_the_profile_window_writes_into_its_expanded_folder(tmp_path, monkeypatc
     expanded = _profile_expanded(config.trainer, "2026-01-02_03:04:05")
     assert expanded.profile.directory == str(tmp_path / "runs" / "prof" / "2026-01-02_03-04-05")
     assert expanded.profile.steps == 2 and config.trainer.profile.directory == "runs/prof/{timestamp}"
+
+
+def test_a_run_started_in_a_folder_this_user_cannot_enter_is_read_from_here(tmp_path, monkeypatch):
+    """Another user's run, trained from their home (mode 700): every reader failed with 'Permission
+    denied' on the folder it started in, though the recipe named no relative path. (The test runs as
+    root, which enters any folder, so the refusal is the system's, made here by os.chdir.)"""
+    import os
+
+    from dew.recipes.resuming import started_in
+
+    folder = _run_folder(tmp_path)
+    private = tmp_path / "private"
+    private.mkdir()
+    (folder / STARTED).write_text(json.dumps({"timestamp": "2026-01-02_03:04:05", "cwd": str(private)}))
+    chdir = os.chdir
+
+    def refused(path):
+        if os.fspath(path) == str(private):
+            raise PermissionError(13, "Permission denied", str(path))
+        chdir(path)
+
+    monkeypatch.setattr(os, "chdir", refused)
+    monkeypatch.chdir(tmp_path)
+    with started_in(folder):
+        assert os.getcwd() == str(tmp_path)

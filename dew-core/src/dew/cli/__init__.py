@@ -88,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pool_interrupts.hold()  # a rank dew launch started: a Ctrl-C before its loop is held for the pool
     try:
+        os.getcwd()
+    except FileNotFoundError:  # every relative path, and several of dew's notes, start from here
+        print("dew: the current directory was removed (deleted while this shell was in it); cd to an existing "
+              "one and run the command again.", file=sys.stderr, flush=True)
+        return REFUSED
+    try:
         status = _main(argv)
     except KeyboardInterrupt:  # while a command's modules were still being imported
         if os.environ.get(TRACEBACK):

@@ -35,12 +35,16 @@ def shown(path: str | os.PathLike[str]) -> str:
 
 
 def resume_command(directory: str | os.PathLike[str]) -> str:
-    """The command that continues the run in directory, ready to paste.
+    """The command that continues the run in directory, ready to paste (a folder whose name reads
+    as an option is given as ./NAME).
 
     >>> resume_command("/somewhere/else/runs/tiny lm")
     "dew train --resume '/somewhere/else/runs/tiny lm'"
+    >>> resume_command("--foo")
+    'dew train --resume ./--foo'
     """
-    return f"dew train --resume {shlex.quote(shown(directory))}"
+    where = shown(directory)
+    return f"dew train --resume {shlex.quote('./' + where if where.startswith('-') else where)}"
 
 
 def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int, trained_for: int | None) -> str:
@@ -117,7 +121,11 @@ def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
     if cwd == here or not cwd.is_dir():
         yield
         return
-    os.chdir(cwd)
+    try:
+        os.chdir(cwd)
+    except OSError:  # a folder this user may not enter (another's home): paths read from here, as given
+        yield
+        return
     try:
         yield
     finally:
