@@ -106,3 +106,15 @@ def test_the_next_export_removes_what_a_killed_writer_left_beside_out_and_not_a_
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", writing])
     finally:
         running.communicate("", timeout=60)
+
+
+def test_an_out_with_a_long_name_is_written(tmp_path):
+    """The fresh folder was named after OUT plus a suffix, so an OUT name the file system takes (230
+    characters) was refused as 'File name too long'."""
+    model = CausalTransformer(vocab_size=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16,
+                              max_seq_len=8, position_embedding="rotary", mlp_activation="swiglu")
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
+    out = tmp_path / ("e" * 240)
+    out.mkdir()
+    out.rmdir()  # a name the file system takes
+    assert Pretrained(model, variables).save(out) == out and (out / "config.json").is_file()

@@ -6,8 +6,9 @@ the system has one, else two renames), and the previous OUT is removed.
 A kill at any moment leaves the previous export or the new one whole, and
 nothing of an earlier export (a stale index, a shard) survives into the new
 one, since the new one never shared its directory. The fresh directory's
-name carries its writer's process and machine, so a later write beside OUT
-removes what a killed writer of this machine left there.
+name carries a digest of OUT's name and its writer's process and machine
+(``.dew-writing-<out>-<pid>@<host>-...``, short whatever OUT's name), so a
+later write beside OUT removes what a killed writer of this machine left there.
 
 OUT must be new, empty, or an export dew wrote (its config.json carries
 dew's record, or its adapter weights dew's base digest), holding only the
@@ -145,18 +146,25 @@ def fresh_beside(out: Path) -> Path:
     """A new empty directory beside out (whose folder exists), to write what is to replace it;
     first removes those that writers of this machine no longer running left beside out."""
     _sweep(out)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-writing-{_writer()}-", dir=out.parent))
+    return Path(tempfile.mkdtemp(prefix=_prefix(out, "writing"), dir=out.parent))
 
 
-def _writer() -> str:
-    return f"{os.getpid()}@{socket.gethostname()}"
+def _short(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def _prefix(out: Path, kind: str) -> str:
+    """The name a fresh (kind "writing") or previous-content ("old") directory beside out starts with."""
+    return f".dew-{kind}-{_short(out.name)}-{os.getpid()}@{_short(socket.gethostname())}-"
 
 
 def _sweep(out: Path) -> None:
     """Remove the fresh and previous-content directories beside out whose writer, a process of
     this machine, has ended (killed part way: its directories were never swapped in or removed)."""
-    left = re.compile(rf"\.{re.escape(out.name)}\.dew-(?:writing|old)-(\d+)@(.+)-[^-]+")
-    host = socket.gethostname()
+    left = re.compile(rf"\.dew-(?:writing|old)-{_short(out.name)}-(\d+)@([0-9a-f]{{8}})-[^-]+")
+    host = _short(socket.gethostname())
     try:
         entries = list(out.parent.iterdir())
     except OSError:  # nothing to sweep where nothing can be listed
@@ -188,7 +196,7 @@ def swap_in(fresh: Path, out: Path, carry: Sequence[str] = ()) -> None:
         os.rename(fresh, out)
         return
     if not _exchange(fresh, out):
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.dew-old-{_writer()}-", dir=out.parent))
+        old = Path(tempfile.mkdtemp(prefix=_prefix(out, "old"), dir=out.parent))
         os.rename(out, old / "out")
         os.rename(fresh, out)
         fresh = old
