@@ -491,3 +491,18 @@ def test_a_resume_over_a_corpus_edited_in_place_is_refused_naming_it(tmp_path: P
     assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-3000:]
     assert "as many records, other contents" in again.stderr and "Traceback" not in again.stderr, again.stderr
     assert _committed(tmp_path / "runs" / "r") == [3]
+
+
+def test_a_run_whose_folder_is_a_numbered_folder_inside_another_run_is_refused(
+        trained: Trained, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """It trained there; the outer run then took the folder for its step 9: dew generate called that
+    step corrupt, and the outer run's resume set it aside as damaged."""
+    from dew.cli import main
+
+    run = shutil.copytree(trained.run, tmp_path / "run")
+    inner = run / "9"
+    assert main(["train", "tiny-lm", *SMALL, f"trainer.checkpoint_dir={inner}", f"trackers.0.directory={inner}",
+                 "trainer.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dew train: trainer.checkpoint_dir=") and "is a numbered folder inside the run" in err, err
+    assert not inner.exists() and _committed(run) == [20, 22]

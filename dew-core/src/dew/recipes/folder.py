@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STARTED",
     "ExportedModelFolderError",
+    "NestedRunFolderError",
     "NotARunFolderError",
     "RunFolder",
     "resumed",
@@ -65,6 +66,10 @@ class NotARunFolderError(RecipeError):
 
 class ExportedModelFolderError(RecipeError):
     """trainer.checkpoint_dir names a folder that holds an exported model rather than a run."""
+
+
+class NestedRunFolderError(RecipeError):
+    """trainer.checkpoint_dir names a numbered folder inside another run, where that run keeps its steps."""
 
 
 @dataclass(frozen=True)
@@ -309,7 +314,13 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
 
 def _refuse_exported(directory: Path | None) -> None:
     """Refuse a run folder that holds an exported model (its config.json) and no run: the run's
-    steps would sit beside the model, and dew generate, eval and export would then read the run."""
+    steps would sit beside the model, and dew generate, eval and export would then read the run.
+    Refuse a numbered folder inside another run too: that run would take it for one of its steps."""
+    if directory is not None and directory.name.isdigit() and (directory.parent / "run.json").is_file():
+        raise NestedRunFolderError(
+            f"trainer.checkpoint_dir={shown(directory)} is a numbered folder inside the run "
+            f"{shown(directory.parent)}, which would take it for its step {directory.name} (and set it aside "
+            "as damaged). Set trainer.checkpoint_dir to a folder outside that run, or one not named by a number.")
     if directory is None or not (directory / "config.json").is_file() or (directory / "run.json").is_file():
         return
     raise ExportedModelFolderError(
