@@ -287,3 +287,18 @@ def test_a_run_started_in_a_folder_this_user_cannot_enter_is_read_from_here(tmp_
     monkeypatch.chdir(tmp_path)
     with started_in(folder):
         assert os.getcwd() == str(tmp_path)
+
+
+def test_a_run_whose_start_folder_is_gone_says_its_relative_paths_are_read_from_here(tmp_path, monkeypatch):
+    """Moved, and the folder it was trained from removed: dew eval scored whatever data/x.py the
+    current folder held, without a word."""
+    import os
+
+    from dew.recipes.resuming import StartFolderGoneWarning, started_in
+
+    folder = _run_folder(tmp_path)
+    (folder / STARTED).write_text(json.dumps({"timestamp": "2026-01-02_03:04:05", "cwd": str(tmp_path / "gone")}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(StartFolderGoneWarning, match=f"{tmp_path / 'gone'}, is gone, so the relative paths"):
+        with started_in(folder):
+            assert os.getcwd() == str(tmp_path)

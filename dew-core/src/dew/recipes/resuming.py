@@ -19,10 +19,14 @@ from pathlib import Path
 
 from dew.recipes.errors import RecipeError
 
-__all__ = ["STARTED", "installing_what_it_trained_with", "origin", "resume_command", "resuming_line", "shown",
-           "started_from", "started_in", "upgrade_line"]
+__all__ = ["STARTED", "StartFolderGoneWarning", "installing_what_it_trained_with", "origin", "resume_command",
+           "resuming_line", "shown", "started_from", "started_in", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
+
+
+class StartFolderGoneWarning(UserWarning):
+    """The folder a run was trained from is gone: its recipe's relative paths are read from here."""
 _STAMP = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
 
 
@@ -118,6 +122,13 @@ def started_in(run: str | os.PathLike[str]) -> Iterator[None]:
     recipe name what they named when it trained, wherever the command reading the run is typed."""
     cwd = started_from(run)
     here = Path.cwd()
+    if cwd != here and not cwd.exists():
+        import warnings
+
+        warnings.warn(StartFolderGoneWarning(
+            f"The folder {shown(run)} was trained from, {cwd}, is gone, so the relative paths of its recipe "
+            "(data files, a tokenizer) are read from here instead; run the command from a folder that holds "
+            "them as they were, or give them as absolute paths."), stacklevel=3)
     if cwd == here or not cwd.is_dir():
         yield
         return
