@@ -198,7 +198,9 @@ def test_a_sigterm_before_the_training_loop_is_one_line_and_leaves_no_half_run(t
 
 def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path):
     """Ctrl-C in the first second of `dew train` lands in an import of the command's modules, before
-    the command's own handling: it printed a page of import traceback and exited 1."""
+    the command's own handling: it printed a page of import traceback and exited 1. (Landing in a
+    callback of JAX's garbage collection instead, it is discarded by Python and the run stops at its
+    first step: dew-core/tests/test_preemption.py shows that case; either way, status 130, no traceback.)"""
     import signal
     import time
 
@@ -209,8 +211,11 @@ def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path):
     time.sleep(0.4)  # importing dew's modules and JAX takes seconds
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
-    assert process.returncode == 130 and err == "dew train: interrupted (Ctrl-C)\n", (process.returncode, err)
-    assert not (tmp_path / "run").exists()
+    assert process.returncode == 130 and "Traceback" not in err and "Exception ignored" not in err, err
+    if err == "dew train: interrupted (Ctrl-C)\n":  # raised in an import, as it almost always is
+        assert not (tmp_path / "run").exists()
+    else:  # discarded by Python inside a garbage-collection callback: the loop stopped at its first step
+        assert err.strip().splitlines()[-1].startswith("dew: interrupted (Ctrl-C) at step 1;"), err
 
 
 def test_a_command_run_from_a_removed_directory_says_so_in_one_line(tmp_path):

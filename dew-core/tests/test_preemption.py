@@ -431,3 +431,60 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     result, _ = _interrupted(tmp_path, signals=2)
     assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-2000:])
     assert "a second Ctrl-C stops at once" in result.stdout
+
+
+DISCARDED = r'''
+import gc, os, signal, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import linen as nn
+from dew import Checkpoints, Trainer, interrupts
+from dew.data import Dataset
+from dew.objectives.base import Aux, Mean, Objective
+
+interrupts.hold()  # as dew's command does from its first line
+
+
+def ctrl_c_inside_a_gc_callback(phase, info):  # where JAX's own callback meets a Ctrl-C
+    if phase == "start":
+        gc.callbacks.remove(ctrl_c_inside_a_gc_callback)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+gc.callbacks.append(ctrl_c_inside_a_gc_callback)
+gc.collect()  # Python raises the KeyboardInterrupt inside the callback, prints it and discards it
+print("discarded", interrupts.pending(), flush=True)
+
+
+class Tiny(Objective):
+    def __init__(self):
+        self.model = nn.Dense(features=1)
+
+    def init(self, key, variables=None):
+        return self.model.init(key, jnp.zeros((1, 2), jnp.float32))
+
+    def loss(self, variables, batch, step):
+        errors = (self.model.apply(variables, batch["x"]) - 1.0) ** 2
+        return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
+
+
+def stream(partition):
+    while True:
+        yield {"x": np.ones((4, 2), np.float32)}
+
+
+Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(sys.argv[1])).fit(
+    Dataset(train=stream, batch=4), steps=50, checkpoint_every=100)
+'''
+
+
+def test_a_ctrl_c_python_discarded_stops_the_training_loop_at_its_first_step_saved(tmp_path: Path) -> None:
+    """A Ctrl-C that lands in a garbage-collection callback (JAX's, in dew train's first seconds) is
+    printed as 'Exception ignored' and discarded: the run trained on to its end. Noted from the
+    command's first line, it stops the loop at its first step, with that step saved."""
+    result = subprocess.run(
+        [sys.executable, "-c", DISCARDED, str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+    assert "discarded True" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "interrupted (Ctrl-C) at step 1; its checkpoint and data position are written" in result.stderr
+    assert (tmp_path / "run" / "1" / "dew.json").is_file()

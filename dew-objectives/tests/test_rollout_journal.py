@@ -57,6 +57,22 @@ class Counting:
         return ExactMatch()(completions, context) + np.float32(0.1) * lengths
 
 
+class _Undigested:
+    """Records read through, without the fingerprint() a saved position keeps of ArrayRecords."""
+
+    def __init__(self, records) -> None:
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index):
+        return self.records[index]
+
+    def take(self, indices):
+        return self.records.take(indices)
+
+
 class Runs:
     """Fits of one GRPO policy, all through one rollout and one compilation cache."""
 
@@ -70,8 +86,14 @@ class Runs:
         self._whole: dict[int, tuple[Path, str, int]] = {}
 
     def train(self, directory: Path | None, *, lag: int = 0, steps: int = STEPS, problems: int = 0,
-              every: int = 3, tracker: bool = False):
-        data = Addition(form="prompts", problems=64, max_operand=9, problem_seed=problems).load(batch=4, seed=0)
+              every: int = 3, tracker: bool = False, digested: bool = True):
+        reader = Addition(form="prompts", problems=64, max_operand=9, problem_seed=problems)
+        if digested:
+            data = reader.load(batch=4, seed=0)
+        else:  # records whose saved position keeps no digest of them (a plugin's source, say)
+            from dew.data.stream import record_dataset
+
+            data = record_dataset(_Undigested(reader.records()), None, batch=4, seed=0)
         trainer = Trainer(self.objectives[lag], optax.adam(1e-2), key=jax.random.key(0),
                           checkpoints=None if directory is None else Checkpoints(directory),
                           rollout=self.rollouts[lag], tracker=LocalTracker(directory) if tracker else None)
@@ -175,11 +197,17 @@ def test_an_asynchronous_step_trains_on_the_sampling_policys_log_probs(runs, tmp
 
 
 def test_a_stream_that_changed_since_the_journal_is_sampled_again(runs, whole, tmp_path):
+    """Records whose position keeps a digest of them are refused when they changed; others (a
+    plugin's source) give the journal other batches than it holds, which are sampled again."""
+    from dew.data.stream import PositionMismatchError
+
     _, expected, _ = whole
     assert runs.fit(tmp_path, fail_at=6) is None
+    with pytest.raises(PositionMismatchError, match="as many records, other contents"):
+        runs.fit(tmp_path, problems=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        changed = runs.fit(tmp_path, problems=1)  # other problems: the steps from 3 on read other prompts
+        changed = runs.fit(tmp_path, problems=1, digested=False)  # the steps from 3 on read other prompts
     assert any(issubclass(w.category, ReplayMismatchWarning) for w in caught)
     assert runs.reward.calls == 3  # steps 3, 4 and 5 sampled again
     assert changed != expected

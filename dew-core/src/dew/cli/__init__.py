@@ -84,9 +84,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     reader of stdout that went away (``dew recipes | head -1``, ``dew --help |
     head``) ends the command quietly with 141.
     """
-    from dew import pool_interrupts
+    from dew import interrupts
 
-    pool_interrupts.hold()  # a rank dew launch started: a Ctrl-C before its loop is held for the pool
+    interrupts.hold()  # every Ctrl-C noted from here: one Python discards still stops a training loop
+    if not os.environ.get(TRACEBACK) and not isinstance(sys.unraisablehook, _QuietClosedLoop):
+        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)  # ... without its "Exception ignored"
+    try:
+        return _guarded(argv)
+    finally:
+        interrupts.let_go()
+
+
+def _guarded(argv: Sequence[str] | None) -> int:
+    """main's body: the command, its errors turned into one line and an exit status."""
     try:
         os.getcwd()
     except FileNotFoundError:  # every relative path, and several of dew's notes, start from here
@@ -314,13 +324,17 @@ class _FromWriters:
 
 
 class _QuietClosedLoop:
-    """sys.unraisablehook, less asyncio's "Event loop is closed" after Orbax's loop ended."""
+    """sys.unraisablehook, less asyncio's "Event loop is closed" after Orbax's loop ended, and less
+    a Ctrl-C Python could not raise (inside a garbage-collection callback): dew.interrupts noted it,
+    and the training loop stops for it."""
 
     def __init__(self, previous: Callable[[UnraisableHookArgs], object]) -> None:
         self.previous = previous
 
     def __call__(self, failure: UnraisableHookArgs) -> None:
         if isinstance(failure.exc_value, RuntimeError) and str(failure.exc_value) == "Event loop is closed":
+            return
+        if isinstance(failure.exc_value, KeyboardInterrupt):
             return
         self.previous(failure)
 

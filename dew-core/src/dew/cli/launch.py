@@ -109,7 +109,7 @@ def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew import pool_interrupts
+    from dew import interrupts
     from dew.recipes.config import RunConfig
     from dew.recipes.errors import RecipeError
     from dew.training.runtime.gpus import GpuShareError, gpu_environment
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         seats = [seat]
     try:
         ranks = [Rank(s.index, argv, {**s.environment(), **gpu_environment(s.local_index, s.local_count), **env,
-                                      pool_interrupts.RANK: "1"}) for s in seats]
+                                      interrupts.RANK: "1"}) for s in seats]
     except GpuShareError as error:
         print(f"dew launch: {error}", file=sys.stderr)
         return 2

@@ -44,7 +44,7 @@ class Rank:
 def _die_with_launcher() -> None:
     """In the child, before exec: be killed if the launcher dies, so no rank outlives it; and hold
     SIGINT blocked (pending, not lost) until the rank's first line takes it over
-    (dew.pool_interrupts.hold), so a Ctrl-C passed on while its interpreter starts is not raised
+    (dew.interrupts.hold), so a Ctrl-C passed on while its interpreter starts is not raised
     in the middle of an import."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:

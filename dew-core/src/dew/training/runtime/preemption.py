@@ -126,10 +126,13 @@ class PreemptionWatch:
         self._pooled = False
 
     def __enter__(self) -> PreemptionWatch:
-        from dew import pool_interrupts
+        from dew import interrupts
 
         self._pooled = jax.process_count() > 1
-        self._signalled = self._pooled and pool_interrupts.pending()  # already passed to the pool
+        self._signalled = interrupts.pending()  # a Ctrl-C before the loop: a second one stops at once
+        if self._signalled and not self._pooled:  # Python discarded it (dew.interrupts): stop at the first step
+            PreemptionNotice.status = INTERRUPTED_STATUS
+            PreemptionNotice._event.set()
         if threading.current_thread() is threading.main_thread():
             self._previous_interrupt = signal.signal(signal.SIGINT, self._on_signal)
             if not self._pooled:
@@ -144,10 +147,9 @@ class PreemptionWatch:
             if not self._pooled:
                 signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
-        if self._pooled:
-            from dew import pool_interrupts
+        from dew import interrupts
 
-            pool_interrupts.let_go()
+        interrupts.let_go()
         PreemptionNotice.clear()
         self._signalled = False
 

@@ -141,9 +141,9 @@ def _join_pool() -> None:
                                        initialization_timeout=timeout + (5 if seat.index == 0 else 0))
         finally:
             watchdog.cancel()
-        from dew import pool_interrupts
+        from dew import interrupts
 
-        pool_interrupts.serve()  # a Ctrl-C held since the rank started now stops the pool, at one step
+        interrupts.serve()  # a Ctrl-C held since the rank started now stops the pool, at one step
     else:
         # A cluster JAX knows (TPU pods, Open MPI, ...) describes the pool itself.
         try:

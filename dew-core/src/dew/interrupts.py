@@ -1,0 +1,90 @@
+"""A Ctrl-C that comes before a training loop watches for it: remembered, so it is never lost.
+
+Python raises a Ctrl-C as KeyboardInterrupt wherever the main thread stands. Inside a callback of
+JAX's garbage collection, Python prints it as "Exception ignored" and discards it: a ``dew train``
+Ctrl-C'd in its first seconds then trained on to its end. A dew command notes every Ctrl-C from
+its first line (``hold``), so a training loop that starts after one that was discarded stops at
+its first step, saved, with status 130.
+
+In a pool it goes further. ``dew launch`` passes a Ctrl-C on to every rank at once, whatever each
+is doing, and a rank that raised it wherever it stood (an import: a traceback, status 1) failed
+the pool. A rank the launcher started (``RANK`` in its environment) holds the request instead of
+raising it. Once the pool has formed (``serve``), the request goes to JAX's preemption service, as
+a Ctrl-C during training does: every rank stops at one step, saved. A second Ctrl-C ends the rank
+at once.
+
+This module imports nothing heavy: it is installed before JAX is.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+
+__all__ = ["RANK", "hold", "let_go", "pending", "serve"]
+
+RANK = "DEW_POOL_RANK"  # "1" in the environment of each rank dew launch starts
+
+
+class _Held:
+    pending = False  # a Ctrl-C came and no training loop has answered it yet
+    serving = False  # a pool's rank: the pool formed, and its preemption service takes the request
+
+
+def hold() -> None:
+    """From a dew command's first line, in its main thread: note every Ctrl-C (see the module).
+
+    The launcher starts a rank with SIGINT blocked, so one that came while its interpreter started
+    is pending, and arrives here.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if os.environ.get(RANK) == "1":
+        signal.signal(signal.SIGINT, _on_rank_interrupt)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    else:
+        signal.signal(signal.SIGINT, _on_interrupt)
+
+
+def serve() -> None:
+    """A pool has formed: a held Ctrl-C is passed to it now, and a later one as it comes."""
+    _Held.serving = True
+    if _Held.pending:
+        _forward()
+
+
+def pending() -> bool:
+    """Whether a Ctrl-C came that no training loop has answered yet."""
+    return _Held.pending
+
+
+def let_go() -> None:
+    """A training loop answered (or the command ended): a Ctrl-C interrupts as Python's does again."""
+    if signal.getsignal(signal.SIGINT) in (_on_interrupt, _on_rank_interrupt):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _Held.pending = False
+
+
+def _on_interrupt(signum: int, frame: FrameType | None) -> None:
+    _Held.pending = True  # kept, should Python discard what is raised here
+    raise KeyboardInterrupt
+
+
+def _on_rank_interrupt(signum: int, frame: FrameType | None) -> None:
+    if _Held.pending:  # a second Ctrl-C: the rank ends now
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return
+    _Held.pending = True
+    if _Held.serving:
+        _forward()
+
+
+def _forward() -> None:
+    """Ask the pool's preemption service to stop every rank (it takes SIGTERM), as Ctrl-C (130)."""
+    from dew.training.runtime.preemption import INTERRUPTED_STATUS, PreemptionNotice
+
+    PreemptionNotice.status = INTERRUPTED_STATUS
+    os.kill(os.getpid(), signal.SIGTERM)
