@@ -6,16 +6,11 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 
 from dew import Checkpoints, Trainer
 from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointTreeMismatchError
-from dew.data import Dataset
-from dew.objectives.base import Aux, Mean, Objective
 from dew.training.trainer import ResumeMismatchError
 from test_checkpoints import (  # every test folder is on sys.path (conftest.py)
     SINGLE,
@@ -23,26 +18,7 @@ from test_checkpoints import (  # every test folder is on sys.path (conftest.py)
     save,
     template_of,
 )
-
-
-class Tiny(Objective):
-    def __init__(self) -> None:
-        self.model = nn.Dense(features=1)
-
-    def init(self, key, variables=None):
-        return self.model.init(key, jnp.zeros((1, 2), jnp.float32))
-
-    def loss(self, variables, batch, step):
-        errors = (self.model.apply(variables, batch["x"]) - 1.0) ** 2
-        return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
-
-
-def _stream(partition):
-    while True:
-        yield {"x": np.ones((4, 2), np.float32)}
-
-
-DATA = Dataset(train=_stream, batch=4)
+from tiny_objective import DATA, Tiny  # noqa: E402  # every test folder is on sys.path (conftest.py)
 
 
 def _listing(directory: Path) -> list[str]:

@@ -258,33 +258,15 @@ def test_sigterm_at_three_points_then_rerun_matches_the_uninterrupted_run(
 
 def test_fit_with_the_target_reached_reads_and_compiles_nothing(tmp_path: Path) -> None:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     import optax
-    from flax import linen as nn
 
     from dew import Checkpoints, Trainer
     from dew.data import Dataset
-    from dew.objectives.base import Aux, Mean, Objective
-
-    class Tiny(Objective):
-        def __init__(self) -> None:
-            self.model = nn.Dense(features=1)
-
-        def init(self, key, variables=None):
-            return self.model.init(key, jnp.zeros((1, 2), jnp.float32))
-
-        def loss(self, variables, batch, step):
-            errors = (self.model.apply(variables, batch["x"]) - 1.0) ** 2
-            return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
-
-    def stream(partition):
-        while True:
-            yield {"x": np.ones((4, 2), np.float32)}
+    from tiny_objective import DATA, Tiny
 
     checkpoints = Checkpoints(tmp_path / "run")
     Trainer(Tiny(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints).fit(
-        Dataset(train=stream, batch=4), steps=3, checkpoint_every=3)
+        DATA, steps=3, checkpoint_every=3)
     checkpoints.wait()
     saved = sorted(p.name for p in (tmp_path / "run").iterdir())
 
@@ -435,11 +417,10 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
 
 DISCARDED = r'''
 import gc, os, signal, sys
-import jax, jax.numpy as jnp, numpy as np, optax
-from flax import linen as nn
+sys.path.insert(0, sys.argv[2])  # dew-core's tests: their tiny objective
+import jax, optax
 from dew import Checkpoints, Trainer, interrupts
-from dew.data import Dataset
-from dew.objectives.base import Aux, Mean, Objective
+from tiny_objective import DATA, Tiny
 
 interrupts.hold()  # as dew's command does from its first line
 
@@ -453,27 +434,8 @@ def ctrl_c_inside_a_gc_callback(phase, info):  # where JAX's own callback meets 
 gc.callbacks.append(ctrl_c_inside_a_gc_callback)
 gc.collect()  # Python raises the KeyboardInterrupt inside the callback, prints it and discards it
 print("discarded", interrupts.pending(), flush=True)
-
-
-class Tiny(Objective):
-    def __init__(self):
-        self.model = nn.Dense(features=1)
-
-    def init(self, key, variables=None):
-        return self.model.init(key, jnp.zeros((1, 2), jnp.float32))
-
-    def loss(self, variables, batch, step):
-        errors = (self.model.apply(variables, batch["x"]) - 1.0) ** 2
-        return Mean(jnp.sum(errors), jnp.asarray(errors.size)), Aux(metrics={})
-
-
-def stream(partition):
-    while True:
-        yield {"x": np.ones((4, 2), np.float32)}
-
-
 Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(sys.argv[1])).fit(
-    Dataset(train=stream, batch=4), steps=50, checkpoint_every=100)
+    DATA, steps=50, checkpoint_every=100)
 '''
 
 
@@ -482,7 +444,8 @@ def test_a_ctrl_c_python_discarded_stops_the_training_loop_at_its_first_step_sav
     printed as 'Exception ignored' and discarded: the run trained on to its end. Noted from the
     command's first line, it stops the loop at its first step, with that step saved."""
     result = subprocess.run(
-        [sys.executable, "-c", DISCARDED, str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", DISCARDED, str(tmp_path / "run"), str(Path(__file__).parent)], capture_output=True,
+        text=True, timeout=120,
         env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1"))
     assert "discarded True" in result.stdout, result.stdout + result.stderr
     assert result.returncode == 130, result.stderr[-3000:]
