@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 
-__all__ = ["DISTRIBUTIONS", "described", "installed"]
+__all__ = ["DISTRIBUTIONS", "described", "installed", "not_installed", "writer"]
 
 DISTRIBUTIONS = ("dew-core", "dew-objectives", "dew-trackers", "dew-data")
 
@@ -34,3 +34,17 @@ def installed(names: Iterable[str] = DISTRIBUTIONS) -> dict[str, str]:
 def described(versions: Mapping[str, object]) -> str:
     """versions as one phrase: ``dew-core 0.2.0, dew-objectives 0.2.0``."""
     return ", ".join(f"{name} {version}" for name, version in sorted(versions.items()))
+
+
+def writer(meta: object) -> dict[str, str] | None:
+    """The dew versions a checkpoint step's meta records as its writer (None: it records none)."""
+    written = meta.get("dew") if isinstance(meta, Mapping) else None
+    if isinstance(written, Mapping) and written and all(isinstance(v, str) for v in written.values()):
+        return dict(written)
+    return None
+
+
+def not_installed(written: Mapping[str, str] | None) -> bool:
+    """Whether written names a dew other than the one installed here."""
+    now = installed()
+    return bool(written) and any(now.get(name) != version for name, version in (written or {}).items())

@@ -77,7 +77,7 @@ class CheckpointFromNewerDewError(CheckpointError):
     one, and nothing on disk is changed.
     """
 
-    def __init__(self, step: int, file: object, what: str, written: Mapping[str, object] | None = None) -> None:
+    def __init__(self, step: int, file: object, what: str, written: Mapping[str, str] | None = None) -> None:
         from dew.versions import described
 
         self.step = step
@@ -97,16 +97,15 @@ class CheckpointTreeMismatchError(CheckpointError, ValueError):
     state then comes from that change rather than from the recipe.
     """
 
-    def __init__(self, step: int, differences: Sequence[str], written: Mapping[str, object] | None = None) -> None:
-        from dew.versions import described, installed
+    def __init__(self, step: int, differences: Sequence[str], written: Mapping[str, str] | None = None) -> None:
+        from dew.versions import described, installed, not_installed
 
         self.step = step
         self.differences = tuple(differences)
         shown = "; ".join(self.differences[:12])
         more = f"; and {len(self.differences) - 12} more" if len(self.differences) > 12 else ""
-        now = installed()
-        other = "" if not written or all(now.get(k) == v for k, v in written.items()) else (
-            f" The step was written by {described(written)}, and this is {described(now)}: a difference "
+        other = "" if written is None or not not_installed(written) else (
+            f" The step was written by {described(written)}, and this is {described(installed())}: a difference "
             "in dew's own state (a TrainState field) comes from that change, not from the recipe; resume "
             "it with the dew that wrote it.")
         super().__init__(

@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointFromNewerDewError
+from dew.versions import writer
 
 __all__ = ["FORMAT", "Manifest", "parse_manifest", "render_manifest"]
 
@@ -159,14 +160,14 @@ def parse_manifest(raw: bytes, step: int, file: object) -> Manifest:
         document["digest"] = claimed
         if type(written) is int and written > FORMAT:  # whole, in a layout still to come
             raise CheckpointFromNewerDewError(step, file, f"has checkpoint format {written} (this dew reads "
-                                                          f"formats 1 to {FORMAT})", _writer(document))
+                                                          f"formats 1 to {FORMAT})", writer(document.get("meta")))
     try:
         manifest = Manifest.model_validate(document)
     except ValidationError as error:
         unknown = sorted(".".join(map(str, e["loc"])) for e in error.errors() if e["type"] == "extra_forbidden")
         if "digest" in document and len(unknown) == error.error_count():  # whole, with fields to come
             raise CheckpointFromNewerDewError(step, file, f"holds field{'s' if len(unknown) > 1 else ''} "
-                                                          f"{', '.join(unknown)}", _writer(document)) from None
+                                                          f"{', '.join(unknown)}", writer(document.get("meta"))) from None
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the top level"
         raise damaged(f"is malformed at {where}: {first['msg']}") from None
@@ -178,9 +179,3 @@ def parse_manifest(raw: bytes, step: int, file: object) -> Manifest:
         raise damaged(f"is malformed at {'nodes' if manifest.nodes is None else 'file_hash'}: Field required")
     return manifest
 
-
-def _writer(document: dict[str, Any]) -> dict[str, Any] | None:
-    """The dew versions a whole manifest's meta records as its writer (None: it records none)."""
-    meta = document.get("meta")
-    written = meta.get("dew") if isinstance(meta, dict) else None
-    return written if isinstance(written, dict) and all(isinstance(v, str) for v in written.values()) else None

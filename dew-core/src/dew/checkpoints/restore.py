@@ -23,6 +23,7 @@ from dew.checkpoints.manifest import Manifest, parse_manifest
 from dew.checkpoints.store import read_position
 from dew.data.base import DataPartition
 from dew.errors import raised_from
+from dew.versions import writer
 
 if TYPE_CHECKING:
     from dew.checkpoints.store import Location
@@ -81,7 +82,7 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
     if manifest.nodes is not None:
         differences = sorted(set(differences) | set(integrity.compare_nodes(saved_nodes, nodes)))
     if differences:
-        raise CheckpointTreeMismatchError(step, differences, _writer(manifest.meta))
+        raise CheckpointTreeMismatchError(step, differences, writer(manifest.meta))
     position = read_position(step, manifest.data, partition)
     problem = integrity.verify_sizes(directory, manifest.files)
     if problem is not None:
@@ -99,7 +100,7 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
             first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
             raise CheckpointTreeMismatchError(
                 step, [f"its files are intact, but Orbax cannot read them into this state ({first})"],
-                _writer(manifest.meta)) from error
+                writer(manifest.meta)) from error
         digests = integrity.start_digests(jax.tree_util.tree_leaves(restored), pool)
         problem = hashed()
         if problem is not None:
@@ -116,8 +117,3 @@ def _read_state(directory: Location, template: State) -> State:
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as reader:
         return reader.restore(directory / "state", args=ocp.args.StandardRestore(template))
 
-
-def _writer(meta: Mapping[str, object]) -> Mapping[str, object] | None:
-    """The dew versions a step's meta records as its writer (a trainer's save records them)."""
-    written = meta.get("dew")
-    return written if isinstance(written, Mapping) else None

@@ -17,6 +17,7 @@ import shlex
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
 __all__ = ["STARTED", "StartFolderGoneWarning", "installing_what_it_trained_with", "origin", "resume_command",
@@ -72,15 +73,12 @@ def upgrade_line(step: int, meta: Mapping[str, object]) -> str | None:
     >>> upgrade_line(4, {"dew": {"dew-core": "0.0.1"}}).startswith("Step 4 was written by dew-core 0.0.1;")
     True
     """
-    from dew.versions import described, installed
+    from dew.versions import described, installed, not_installed, writer
 
-    written = meta.get("dew")
-    if not isinstance(written, Mapping) or not written:
+    written = writer(meta)
+    if written is None or not not_installed(written):
         return None
-    now = installed()
-    if all(now.get(name) == version for name, version in written.items()):
-        return None
-    return (f"Step {step} was written by {described(written)}; this is {described(now)}. The run's run.json "
+    return (f"Step {step} was written by {described(written)}; this is {described(installed())}. The run's run.json "
             "keeps the model as it was trained; a default of the objective or data that changed between "
             "them changes how it goes on (dew diff RUN OTHER compares two runs).")
 
@@ -160,21 +158,20 @@ def installing_what_it_trained_with(run: Path) -> Iterator[None]:
 def _another_dew(run: Path) -> list[str]:
     """A line saying which dew wrote the run's newest step, when it is not this one (a field it
     records that this dew renamed or does not know is then no mistake of the run's)."""
-    from dew.versions import described, installed
+    from dew.checkpoints.store import Store
+    from dew.versions import described, installed, not_installed, writer
 
-    steps = sorted((int(p.name) for p in run.iterdir() if p.name.isdigit()), reverse=True) if run.is_dir() else []
-    for step in steps[:1]:
-        try:
-            written = json.loads((run / str(step) / "dew.json").read_text()).get("meta", {}).get("dew")
-        except (OSError, ValueError, AttributeError):
-            return []
-        now = installed()
-        if isinstance(written, dict) and written and any(now.get(k) != v for k, v in written.items()):
-            pins = " ".join(f"'{name}=={version}'" for name, version in sorted(written.items()))
-            return [f"The run's newest step was written by {described(written)}; this is {described(now)}. "
-                    f"Read it with the dew that wrote it (pip install {pins}), or resume it with this one "
-                    "giving key=value overrides for the fields above."]
-    return []
+    try:
+        steps = Store(run, local=False).committed()
+        written = writer(json.loads((run / str(steps[-1]) / "dew.json").read_text()).get("meta")) if steps else None
+    except (OSError, ValueError, AttributeError, DewError):
+        return []
+    if written is None or not not_installed(written):
+        return []
+    pins = " ".join(f"'{name}=={version}'" for name, version in sorted(written.items()))
+    return [f"The run's newest step was written by {described(written)}; this is {described(installed())}. "
+            f"Read it with the dew that wrote it (pip install {pins}), or resume it with this one "
+            "giving key=value overrides for the fields above."]
 
 
 def _missing_distributions(run: Path) -> list[str]:
