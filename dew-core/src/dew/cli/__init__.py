@@ -108,15 +108,17 @@ def _guarded(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:  # while a command's modules were still being imported
         if os.environ.get(TRACEBACK):
             raise
-        chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
-        print(f"dew{' ' + chosen if chosen in COMMANDS else ''}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        return _interrupted(argv)
     except BrokenPipeError:
         # Nothing is left to say to the reader; stdout goes to devnull so the interpreter's last
         # flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
     except Exception as error:
+        from dew import interrupts
+
+        if interrupts.pending() and not os.environ.get(TRACEBACK):  # a Ctrl-C a library turned into its own
+            return _interrupted(argv)  # error (numpy's import wraps it in an ImportError)
         if not _in_pool():
             raise
         if _peer_lost(error):  # not this process's failure: the one that failed first says what it was
@@ -129,6 +131,13 @@ def _guarded(argv: Sequence[str] | None) -> int:
     if status not in (0, INTERRUPTED, TERMINATED) and _in_pool():
         _leave_pool(status)
     return status
+
+
+def _interrupted(argv: Sequence[str] | None) -> int:
+    """A Ctrl-C before the command's own handling: one line naming the command, status 130."""
+    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    print(f"dew{' ' + chosen if chosen in COMMANDS else ''}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+    return INTERRUPTED
 
 
 def _in_pool() -> bool:
