@@ -46,3 +46,45 @@ def test_a_jsonl_line_that_is_not_utf8_is_named_by_the_streamed_reader(tmp_path)
     (tmp_path / "u.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "bad \xff"}\n')
     with pytest.raises(MalformedRecordError, match=r"Line 2 of .*u.jsonl' is not UTF-8 text .*byte 0xff"):
         HFText(files=str(tmp_path / "u.jsonl"), length=4).records().take(np.arange(1))
+
+
+def test_gzip_bzip2_and_xz_files_are_read_through_their_compression(tmp_path):
+    """A .jsonl.gz was refused as 'not UTF-8' (prompt/completion) or 'holds NUL bytes' (token windows);
+    gzip, bzip2 and xz now read as the text they hold, named by the format under the compression."""
+    import bz2
+    import gzip
+    import lzma
+
+    from dew.data import TokenWindows
+    from dew.data.prompt_completion import PromptCompletion
+
+    lines = "".join(json.dumps({"prompt": f"p{i}", "completion": f"c{i}", "text": f"doc {i} " * 5}) + "\n"
+                    for i in range(6))
+    (tmp_path / "plain.jsonl").write_text(lines)
+    (tmp_path / "plain.txt").write_text(lines)
+    expected_pairs = [pair[1:] for pair in PromptCompletion(files=str(tmp_path / "plain.jsonl")).pairs()]
+    expected_windows = TokenWindows(files=str(tmp_path / "plain.jsonl"), length=8).windows()
+    for suffix, compress in ((".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)):
+        packed = tmp_path / f"data.jsonl{suffix}"
+        packed.write_bytes(compress(lines.encode()))
+        assert [pair[1:] for pair in PromptCompletion(files=str(packed)).pairs()] == expected_pairs
+        assert np.array_equal(TokenWindows(files=str(packed), length=8).windows(), expected_windows)
+    (tmp_path / "doc.txt.gz").write_bytes(gzip.compress(lines.encode()))
+    assert np.array_equal(TokenWindows(files=str(tmp_path / "doc.txt.gz"), length=8).windows(),
+                          TokenWindows(files=str(tmp_path / "plain.txt"), length=8).windows())
+
+
+def test_a_zstd_file_and_a_compressed_shard_are_refused_with_the_command_that_unpacks_them(tmp_path):
+    """zstd is no stdlib stream, and shards are read at any row: both say how to unpack the file."""
+    import gzip
+
+    from dew.data import TokenWindows
+    from dew.data.errors import MissingFileError
+    from dew.data.hf_text import HFText
+
+    (tmp_path / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 16)  # a zstd frame's magic
+    with pytest.raises(MalformedRecordError, match=r"d.jsonl.zst' is zstd-compressed.*zstd -d"):
+        TokenWindows(files=str(tmp_path / "d.jsonl.zst"), length=4).windows()
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a b c"}\n'))
+    with pytest.raises(MissingFileError, match=r"d.jsonl.gz' is compressed.*gunzip -k"):
+        HFText(files=str(tmp_path / "d.jsonl.gz")).shards()

@@ -196,3 +196,26 @@ def test_a_position_saved_over_a_corpus_edited_since_is_refused(corpus, tmp_path
     assert len(again) == len(reader.records())  # the windows fit in as many: only the digest tells
     with pytest.raises(PositionMismatchError, match="as many records, other contents"):
         train_stream(again, batch=4).set_state(saved)
+
+
+def test_a_saved_dataset_dict_asks_for_one_split_and_its_metadata_is_no_shard(corpus, tmp_path):
+    """save_to_disk of splits writes dataset_dict.json and a folder per split: the root is refused
+    naming the splits (its metadata JSON was read as a shard of text); a folder of files beside
+    datasets' metadata reads only the data."""
+    import datasets
+
+    from dew.data.errors import MissingFileError
+    from dew.data.hf_text import HFText
+
+    folder, texts, _ = corpus
+    split = datasets.Dataset.from_dict({"text": texts[:20]})
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(MissingFileError, match=r"splits \(test, train\).*'.*splits/train'"):
+        HFText(files=str(tmp_path / "splits")).shards()
+    assert len(HFText(files=str(tmp_path / "splits" / "train")).shards()) == 20
+
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:7]))
+    (loose / "dataset_info.json").write_text(json.dumps({"description": "", "features": {}}))
+    assert len(HFText(files=str(loose)).shards()) == 7

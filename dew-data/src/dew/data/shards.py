@@ -43,7 +43,7 @@ from dew.data.errors import (
     MissingFileError,
     MissingKeyError,
 )
-from dew.data.sources import expand_files
+from dew.data.sources import COMPRESSED_SUFFIXES, expand_files, format_suffix
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -73,6 +73,12 @@ def expand_shards(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[
         else:
             files.extend(expand_files(os.fspath(pattern)))
     for path in files:
+        unpack = COMPRESSED_SUFFIXES.get(path.suffix.lower())
+        if unpack and format_suffix(path) in SHARD_SUFFIXES:
+            raise MissingFileError(
+                f"{os.fspath(path)!r} is compressed; shards are read at any row, which a compressed "
+                f"stream cannot do. Unpack it ({unpack} {os.fspath(path)!r}) and name the file it leaves."
+            )
         if path.suffix.lower() not in SHARD_SUFFIXES:
             raise MissingFileError(
                 f"{os.fspath(path)!r} is not a shard this reader knows; it reads "
@@ -81,14 +87,30 @@ def expand_shards(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[
     return files
 
 
+# What datasets' save_to_disk writes beside the data: never rows.
+_DATASETS_METADATA = frozenset({"state.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json"})
+
+
 def _folder_shards(folder: Path) -> list[Path]:
+    splits = folder / "dataset_dict.json"
+    if splits.is_file():  # a DatasetDict's save_to_disk: one folder per split
+        names = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
+        raise MissingFileError(
+            f"The folder {os.fspath(folder)!r} holds a dataset's splits ({', '.join(names) or 'none'}), "
+            f"each in its own folder. Pass the split to read, e.g. "
+            f"{os.fspath(folder / ('train' if 'train' in names or not names else names[0]))!r}."
+        )
     state = folder / "state.json"
     if state.is_file():  # datasets' save_to_disk: the data files, in order
         listed = json.loads(state.read_text(encoding="utf-8")).get("_data_files", [])
         files = [folder / entry["filename"] for entry in listed if "filename" in entry]
         if files:
             return files
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in SHARD_SUFFIXES)
+    files = sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and p.suffix.lower() in SHARD_SUFFIXES and p.name not in _DATASETS_METADATA
+    )
     if not files:
         raise MissingFileError(
             f"The folder {os.fspath(folder)!r} holds no {', '.join(SHARD_SUFFIXES)} file. Pass the "

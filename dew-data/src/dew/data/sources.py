@@ -11,7 +11,11 @@ corpus every machine with Python has, so the default recipe needs no download.
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
+import io
+import lzma
 import os
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -33,10 +37,13 @@ if TYPE_CHECKING:
     import datasets
 
 __all__ = [
+    "COMPRESSED_SUFFIXES",
     "ArrayRecords",
     "RecordSource",
     "expand_files",
+    "format_suffix",
     "load_hf_dataset",
+    "open_data_file",
     "require_column",
     "stdlib_corpus",
     "utf8_lines",
@@ -184,10 +191,50 @@ def expand_files(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[s
     return files
 
 
+# Compressions read as they stream (the stdlib has them), by their files' first bytes.
+_STREAMED: dict[bytes, Callable[[Path], io.BufferedIOBase]] = {
+    b"\x1f\x8b": gzip.GzipFile,
+    b"BZh": bz2.BZ2File,
+    b"\xfd7zXZ\x00": lzma.LZMAFile,
+}
+# Containers the stdlib cannot stream as one file: named, with the command that opens them.
+_UNREAD: dict[bytes, tuple[str, str]] = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -d"), b"PK\x03\x04": ("zip", "unzip")}
+# The suffixes of those compressions, with the command that unpacks such a file.
+COMPRESSED_SUFFIXES = {".gz": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k"}
+
+
+def open_data_file(path: Path) -> io.BufferedIOBase:
+    """A data file's bytes, decompressed as they are read when it is gzip, bzip2 or xz.
+
+    A zstd or zip file is refused (MalformedRecordError) with the command that unpacks it.
+    """
+    with path.open("rb") as handle:
+        head = handle.read(6)
+    for magic, opener in _STREAMED.items():
+        if head.startswith(magic):
+            return opener(path)
+    for magic, (name, command) in _UNREAD.items():
+        if head.startswith(magic):
+            raise MalformedRecordError(
+                f"{os.fspath(path)!r} is {name}-compressed, which dew does not read; unpack it "
+                f"({command} {os.fspath(path)!r}) and point the data at what it holds."
+            )
+    return path.open("rb")
+
+
+def format_suffix(path: Path) -> str:
+    """The suffix that names a file's format, under a compression's (``a.jsonl.gz`` is ``.jsonl``)."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in COMPRESSED_SUFFIXES:
+        return suffixes[-2]
+    return path.suffix.lower()
+
+
 def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of every line of a text file, decoded a line at a time so a line that
-    is not UTF-8 is named (MalformedRecordError) instead of failing the whole read."""
-    with path.open("rb") as handle:
+    is not UTF-8 is named (MalformedRecordError) instead of failing the whole read. A gzip, bzip2
+    or xz file is decompressed as it is read."""
+    with open_data_file(path) as handle:
         for number, raw in enumerate(handle, 1):
             try:
                 yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a first line's BOM is no text

@@ -13,7 +13,8 @@ dropped.
 Text comes from local files (``files``: paths or globs; ``.jsonl`` and
 ``.json`` files hold one JSON object per line with the text under
 ``text_key``; ``.parquet`` files a ``text_key`` column; anything else is one
-document per file, read as UTF-8) or from a Hugging Face dataset
+document per file, read as UTF-8; gzip, bzip2 and xz files, such as
+``.jsonl.gz``, are read through their compression) or from a Hugging Face dataset
 (``dataset``: a ``save_to_disk`` folder, a folder of data files, or a hub
 name). Windows live in memory, or in ``cache_dir`` as a ``.npy`` file keyed by
 a digest of the inputs' contents, the tokenizer and the length, memory-mapped
@@ -49,7 +50,15 @@ from dew.data.base import (
     vocab_size_of,
 )
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
-from dew.data.sources import ArrayRecords, expand_files, load_hf_dataset, require_column, utf8_lines
+from dew.data.sources import (
+    ArrayRecords,
+    expand_files,
+    format_suffix,
+    load_hf_dataset,
+    open_data_file,
+    require_column,
+    utf8_lines,
+)
 from dew.data.stream import record_dataset
 from dew.data.window_cache import content_digest
 
@@ -201,7 +210,7 @@ class TokenWindows:
             yield from self._file_documents(path)
 
     def _file_documents(self, path: Path) -> Iterator[str]:
-        suffix = path.suffix.lower()
+        suffix = format_suffix(path)
         if suffix in _JSON_SUFFIXES:
             for number, line in utf8_lines(path):
                 text = self._json_text(line, path, number) if line.strip() else None
@@ -227,7 +236,8 @@ class TokenWindows:
                     if text:
                         yield text
         else:
-            raw = path.read_bytes()
+            with open_data_file(path) as handle:
+                raw = handle.read()
             if b"\x00" in raw:  # an image or archive a glob picked up: tokenized, it is noise
                 raise MalformedRecordError(
                     f"{os.fspath(path)!r} holds NUL bytes, so it is no text file (an image or an "
