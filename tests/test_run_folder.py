@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from dew.recipes import RecipeError, RunConfig
-from dew.recipes.folder import STARTED, NotARunFolderError, RunFolder, resume_command, resumed
+from dew.recipes.folder import (
+    STARTED,
+    NotARunFolderError,
+    RunFolder,
+    SharedTrackerFolderWarning,
+    resume_command,
+    resumed,
+)
 
 
 def _run_folder(root: Path, *overrides: str) -> Path:
@@ -125,13 +132,38 @@ def test_a_moved_or_copied_folder_keeps_its_trackers_writing_beside_its_checkpoi
     assert [t.fields["directory"] for t in config.trackers] == ["runs/tiny-lm/{timestamp}", "shared/tb"]
     moved = tmp_path / "elsewhere" / "run"
     shutil.copytree(folder, moved)
-    config, where = resumed(moved)
+    with pytest.warns(SharedTrackerFolderWarning, match=r"a copy of runs/tiny-lm/.*trackers.1.directory \(shared/tb\)"):
+        config, where = resumed(moved)
     assert config.trackers[0].fields["directory"] == str(moved)  # it wrote into the run's folder: it follows
     assert config.trackers[1].fields["directory"] == "shared/tb"  # outside it: where the recipe put it
     assert config.trainer.checkpoint_dir == str(moved) and moved in where.directories(config)
     assert folder not in where.directories(config)
-    given = resumed(moved, [f"trackers.0.directory={tmp_path / 'mine'}"])[0]  # an override still wins
+    with pytest.warns(SharedTrackerFolderWarning, match=r"trackers.1.directory"):  # shared/tb still is
+        given = resumed(moved, [f"trackers.0.directory={tmp_path / 'mine'}"])[0]  # an override still wins
+    resumed(moved, [f"trackers.1.directory={tmp_path / 'apart'}"])  # given apart: no word
     assert given.trackers[0].fields["directory"] == str(tmp_path / "mine")
+
+
+def test_a_tracker_folder_beside_the_run_follows_it_when_it_was_copied_with_it(tmp_path, monkeypatch):
+    """exp/ckpt with its journal in exp/logs, copied as exp2: resumed, exp2/ckpt wrote its steps into
+    exp/logs, the original's journal. The folder beside the run now follows it when the copy holds it."""
+    import shutil
+
+    folder = _run_folder(tmp_path, "trainer.checkpoint_dir=exp/ckpt", "trackers=[{name: local, directory: exp/logs}]")
+    (folder / STARTED).write_text(json.dumps({"timestamp": "2026-01-02_03:04:05", "cwd": str(tmp_path)}))
+    (tmp_path / "exp" / "logs").mkdir(parents=True)
+    shutil.copytree(folder, tmp_path / "exp" / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tmp_path / "exp", tmp_path / "exp2")
+    config, _ = resumed(tmp_path / "exp2" / "ckpt")
+    assert config.trackers[0].fields["directory"] == str(tmp_path / "exp2" / "logs")
+    shutil.move(tmp_path / "exp2", tmp_path / "deeper" / "exp3")  # moved, with the folder beside it
+    config, _ = resumed(tmp_path / "deeper" / "exp3" / "ckpt")
+    assert config.trackers[0].fields["directory"] == str(tmp_path / "deeper" / "exp3" / "logs")
+    shutil.copytree(tmp_path / "exp" / "ckpt", tmp_path / "alone" / "ckpt")  # copied without it: said
+    with pytest.warns(SharedTrackerFolderWarning, match=r"a copy of exp/ckpt.*\(exp/logs\) is the original's"):
+        config, _ = resumed(tmp_path / "alone" / "ckpt")
+    assert config.trackers[0].fields["directory"] == "exp/logs"
 
 
 def test_a_fresh_run_refuses_the_folder_of_an_exported_model_and_leaves_it_as_it_was(tmp_path, monkeypatch,

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,15 @@ __all__ = [
     "NestedRunFolderError",
     "NotARunFolderError",
     "RunFolder",
+    "SharedTrackerFolderWarning",
     "resumed",
     "stopped_line",
     "train_in",
 ]
+
+class SharedTrackerFolderWarning(UserWarning):
+    """A copied run resumes with a tracker folder outside its own that the original run writes to."""
+
 
 # What a run writes into its folder before its first step: nothing worth keeping on its own.
 _BOOKKEEPING = frozenset({"run.json", STARTED, "records.jsonl", "ledger.jsonl", ".dew-writer.json"})
@@ -192,7 +198,8 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
         raise NotARunFolderError(f"{shown(saved)} cannot be read as a run's recipe ({error}).") from None
     template = (data.get("trainer") or {}).get("checkpoint_dir") if isinstance(data, dict) else None
     timestamp, cwd = origin(directory, template)
-    followed = _followed(data, template, timestamp, cwd, directory)
+    given = {override.split("=", 1)[0].strip() for override in overrides}
+    followed = _followed(data, template, timestamp, cwd, directory, given)
     data = apply_overrides(data, [*followed, *overrides, f"trainer.checkpoint_dir={directory}"])
     hidden = _redacted(data)
     if hidden:
@@ -205,8 +212,10 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     return config, RunFolder(directory, timestamp, cwd, resumed=True)
 
 
-def _followed(data: object, template: object, timestamp: str | None, cwd: Path, directory: Path) -> list[str]:
-    """Overrides that keep each tracker writing inside the run's folder where the folder is now.
+def _followed(data: object, template: object, timestamp: str | None, cwd: Path, directory: Path,
+              given: set[str]) -> list[str]:
+    """Overrides that keep each tracker writing inside the run's folder where the folder is now
+    (given: the keys the command line sets, which need no word).
 
     A folder moved or copied since the run started still names its old path in its trackers'
     directories: resumed, its scalars went back there (into the original's journal, for a copy)
@@ -231,9 +240,28 @@ def _followed(data: object, template: object, timestamp: str | None, cwd: Path, 
         if not isinstance(where, str) or "://" in where:
             continue
         path = _absolute(_expand(where, timestamp or ""), cwd)
+        beside = _beside(path, started, directory)
         if path == started or started in path.parents:
             out.append(f"trackers.{index}.directory={directory / path.relative_to(started)}")
+        elif beside is not None and beside.is_dir():  # moved or copied with the folder it sits beside
+            out.append(f"trackers.{index}.directory={beside}")
+        elif (started / "run.json").is_file() and f"trackers.{index}.directory" not in given:
+            warnings.warn(SharedTrackerFolderWarning(
+                f"This run is a copy of {shown(started)}, and its trackers.{index}.directory ({shown(path)}) is "
+                f"the original's, so its scalars join the original's there. To keep them apart, resume with "
+                f"trackers.{index}.directory=DIR."), stacklevel=2)
     return out
+
+
+def _beside(path: Path, started: Path, directory: Path) -> Path | None:
+    """Where path (outside the folder the run started in) sits now, when the folder moved with the
+    folder they share below the filesystem's root: ``exp/ckpt`` and ``exp/logs`` copied to ``b/ckpt``
+    give ``b/logs``. None when the run's folder did not keep its place under that shared folder."""
+    shared = Path(os.path.commonpath([path, started]))
+    tail = started.relative_to(shared).parts
+    if shared == Path(shared.anchor) or directory.parts[-len(tail):] != tail:
+        return None
+    return Path(*directory.parts[: -len(tail)]) / path.relative_to(shared)
 
 
 # -- training in a folder -----------------------------------------------------------------------
