@@ -50,6 +50,14 @@ CHECKED = [
     ("tiny-distill", ["objective.teacher.emb_feature=64"],
      "objective.teacher.emb_feature: model 'causal_transformer' has no field 'emb_feature'"),
     ("tiny-sft", ["trainer.evaluate.0.evrey=5"], "did you mean 'every'?"),
+    # Names other trainers use were matched by spelling alone: save_every was told eval_every.
+    ("tiny-lm", ["trainer.save_every=3"], "trainer.save_every: unknown field (given 3). Allowed here: steps,"),
+    ("tiny-lm", ["trainer.save_every=3"], "did you mean 'checkpoint_every'?"),
+    ("tiny-lm", ["trainer.max_steps=3"], "did you mean 'steps'?"),
+    ("tiny-lm", ["optimizer.lr=0.1"], "did you mean 'learning_rate'?"),
+    # data.batch sits beside the reader's fields: the list of allowed keys left it out.
+    ("tiny-lm", ["data.batch_size=2"], "Allowed: batch, load, files, dataset,"),
+    ("tiny-lm", ["data.batch_size=2"], "did you mean 'batch'?"),
     ("tiny-sft", ["trainer.evaluate=[{task: multiple_choice, file: a.jsonl}, {task: multiple_choice, file: b.jsonl}]"],
      "trainer.evaluate.1.label: trainer.evaluate entries 0 and 1 both log their scores as "
      "eval/multiple_choice/..., so one would overwrite the other: give each a label of its own"),

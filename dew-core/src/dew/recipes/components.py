@@ -19,7 +19,7 @@ import pydantic
 from pydantic_core import PydanticCustomError
 
 from dew.placeholders import expand
-from dew.recipes.errors import RecipeError
+from dew.recipes.errors import RecipeError, did_you_mean
 from dew.settings import Settings
 
 if TYPE_CHECKING:
@@ -164,8 +164,7 @@ def _fields_hint(annotation: object, path: tuple[str, ...]) -> str:
         classes = [hints[key] for hints in map(_dataclass_hints, _members(classes)) if key in hints]
     for hints in map(_dataclass_hints, _members(classes)):
         if hints:
-            close = difflib.get_close_matches(path[-1], list(hints), n=1)
-            return f" Allowed: {', '.join(hints)}" + (f"; did you mean {close[0]!r}?" if close else ".")
+            return f" Allowed: {', '.join(hints)}" + (did_you_mean(path[-1], list(hints)) or ".")
     return ""
 
 
@@ -273,10 +272,8 @@ def problems_of(group: str, name: str, fields: Mapping[str, object],
             continue
         if key not in declared:
             offered = [*beside, *declared]
-            close = difflib.get_close_matches(key, offered, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(((key,), f"{registry.kind} {name!r} has no field {key!r} (given "
-                             f"{_given(value)}). Allowed: {', '.join(offered)}{hint}"))
+                             f"{_given(value)}). Allowed: {', '.join(offered)}{did_you_mean(key, offered)}"))
             continue
         for inner, message in _field_problems(registries._lenient(declared[key][0]), value):
             problems.append(((key, *inner), message))
@@ -325,7 +322,8 @@ def _load_problems(config: DataConfig) -> list[tuple[tuple[str, ...], str]]:
 
 def check_component(group: str, config: ComponentConfig) -> ComponentConfig:
     """Raise pydantic's error, each problem with its sub-path, when config is not buildable."""
-    found = problems_of(group, config.name, config.fields)
+    beside = ("batch", "load") if isinstance(config, DataConfig) else ()
+    found = problems_of(group, config.name, config.fields, beside=beside)
     if isinstance(config, DataConfig) and config.load and not found:
         found = _load_problems(config)
     if found:

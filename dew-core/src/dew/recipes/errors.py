@@ -77,14 +77,32 @@ def model_at(root: type[pydantic.BaseModel], loc: Sequence[int | str]) -> type |
     return current
 
 
+# Names other trainers (transformers' TrainingArguments, torchtitan, MaxText) give fields dew names otherwise.
+_NAMED_ELSEWHERE = {
+    "save_every": "checkpoint_every", "save_steps": "checkpoint_every", "checkpoint_period": "checkpoint_every",
+    "max_steps": "steps", "num_steps": "steps", "total_steps": "steps", "steps_per_eval": "eval_every",
+    "eval_steps": "eval_every", "eval_interval": "eval_every", "logging_steps": "log_every",
+    "log_interval": "log_every", "output_dir": "checkpoint_dir", "save_dir": "checkpoint_dir",
+    "gradient_accumulation_steps": "accumulation", "lr": "learning_rate", "batch_size": "batch",
+    "per_device_train_batch_size": "batch", "warmup": "warmup_steps", "num_train_epochs": "epochs",
+    "save_total_limit": "keep", "max_grad_norm": "clip_norm", "lr_scheduler_type": "schedule",
+}
+
+
+def did_you_mean(name: str, names: Sequence[str]) -> str:
+    """"; did you mean 'x'?" for the field among names that an unknown name most likely meant
+    (what other trainers call it first, then the closest spelling), or ""."""
+    elsewhere = _NAMED_ELSEWHERE.get(name)
+    close = [elsewhere] if elsewhere in names else difflib.get_close_matches(name, list(names), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _allowed_fields(root: type[pydantic.BaseModel], loc: Sequence[int | str]) -> str:
     holder = model_at(root, loc[:-1])
     if holder is None:
         return ""
     names = field_names(holder)
-    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f" Allowed here: {', '.join(names)}{hint}"
+    return f" Allowed here: {', '.join(names)}{did_you_mean(str(loc[-1]), names)}"
 
 
 def _path(loc: Sequence[int | str]) -> str:
