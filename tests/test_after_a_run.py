@@ -262,6 +262,30 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
             main(argv)
 
 
+def test_a_run_folder_named_in_bytes_that_are_no_utf8_is_refused_by_name_and_reported(
+        trained: Trained, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Orbax's storage cannot open such a path: training failed at its first save with pybind11's
+    "Unable to cast Python instance", and generate, eval and export showed that traceback; the
+    report's page could not be written (UnicodeEncodeError)."""
+    import os
+
+    from dew.cli import main
+
+    odd = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xff"))
+    run = shutil.copytree(trained.run, odd / "run")
+    for argv in (["generate", str(run), "x"], ["export", str(run), str(tmp_path / "out")],
+                 ["eval", str(run), "--split", "train", "--batches", "1"],
+                 ["train", "tiny-lm", f"trainer.checkpoint_dir={odd / 'fresh'}", "trainer.steps=1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "bad\\udcff" in err and "names bytes that are no UTF-8 text" in err, (argv, err)
+        assert "Rename the folder" in err and "Traceback" not in err, err
+    assert not (odd / "fresh").exists() and not (tmp_path / "out").exists()
+    assert main(["report", str(run), "--out", str(tmp_path / "page")]) == 0
+    page = (tmp_path / "page" / "index.html").read_text(encoding="utf-8")
+    assert "bad\\udcff" in page  # the folder's name, escaped, on a page that is UTF-8
+
+
 def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Trained, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture) -> None:
 

@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointLeaseHeldError",
     "CheckpointMetaMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointPathEncodingError",
     "CheckpointTreeMismatchError",
     "CheckpointWriteError",
     "PositionShareMismatchError",
@@ -178,6 +179,18 @@ class CheckpointDirectoryError(CheckpointError):
             f"The checkpoint directory {directory} cannot be used: {reason}. Nothing in it was changed. "
             "Point the run at a directory this process can create and write (trainer.checkpoint_dir, or "
             "Checkpoints(directory)), or free disk space, then run again."
+        )
+
+
+class CheckpointPathEncodingError(CheckpointError, ValueError):
+    """The checkpoint directory's path holds bytes that are no UTF-8, which Orbax cannot open."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        super().__init__(
+            f"The checkpoint directory {directory!r} names bytes that are no UTF-8 text (shown escaped), and "
+            "Orbax's storage layer (TensorStore) opens only UTF-8 paths. Rename the folder (each part of its path "
+            "in UTF-8) and give the new name; nothing in it was changed."
         )
 
 

@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, TypeAlias
 import orbax.checkpoint as ocp
 from etils import epath
 
-from dew.checkpoints.errors import CheckpointDirectoryError, PositionShareMismatchError
+from dew.checkpoints.errors import (
+    CheckpointDirectoryError,
+    CheckpointPathEncodingError,
+    PositionShareMismatchError,
+)
 from dew.checkpoints.manifest import Positions
 from dew.data.base import DataPartition, is_global_position
 
@@ -66,6 +70,10 @@ class Store:
 
 def store_path(directory: str | os.PathLike) -> Location:
     text = os.fspath(directory)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the file system holds as they are (Python's surrogate escapes)
+        raise CheckpointPathEncodingError(text) from None
     if "://" in text:
         return epath.Path(text)
     return Path(os.path.abspath(os.path.expanduser(text)))

@@ -21,6 +21,7 @@ import html
 import json
 import math
 import os
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,7 +196,8 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
 
 
 def _link(path: Path, out: Path) -> str:
-    return html.escape(Path(os.path.relpath(path.resolve(), out.resolve())).as_posix())
+    # Percent-encoded bytes: a name that is no UTF-8 (held in surrogates) still links to its file.
+    return html.escape(urllib.parse.quote(os.fsencode(Path(os.path.relpath(path.resolve(), out.resolve())).as_posix())))
 
 
 def contained(run_dir: Path, name: object) -> Path | None:
@@ -524,5 +526,6 @@ def write_page(runs: Sequence[RunData], out: Path) -> Path:
         "<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>"
         f"<style>{STYLE}</style></head><body>" + "\n".join(parts) + "</body></html>\n",
         encoding="utf-8",
+        errors="backslashreplace",  # a run's folder named in bytes that are no UTF-8: shown escaped
     )
     return page
