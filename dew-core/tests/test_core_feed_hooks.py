@@ -357,6 +357,28 @@ def test_a_notice_after_the_last_step_was_checked_still_stops_with_its_status(tm
     assert not PreemptionNotice.received()  # consumed by the stop
 
 
+def test_a_notice_at_the_last_step_stops_after_its_final_validation(tmp_path):
+    """Stopped at the run's own last step, the run raised before its final validation and preview,
+    and a resume, with nothing left to train, never gave them."""
+    from dew.training.runtime import Preempted, PreemptionNotice
+
+    class StopAtTheLast:
+        @hookimpl
+        def dew_step_end(self, step):
+            if step == 3:  # read while the last step, 4, is dispatched: its record meets the notice
+                PreemptionNotice.send()
+
+    val = lambda partition: iter([batch_at(100)])  # noqa: E731
+    checkpoints, tracker = Checkpoints(tmp_path), Recorder()
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints, tracker=tracker)
+    with registered(StopAtTheLast()), pytest.raises(Preempted) as stopped:
+        trainer.fit(numbered(val=val), steps=4, log_every=1)
+    assert stopped.value.step == 4 and stopped.value.status == 143 and checkpoints.latest == 4
+    events = [v for _, v in tracker.artifacts if getattr(v, "type", "") == "evaluation"]
+    assert [e.step for e in events] == [4]
+    assert not PreemptionNotice.received()
+
+
 def test_each_save_note_names_the_store_it_was_written_to(tmp_path, capsys):
     checkpoints = Checkpoints(tmp_path / "shared", local_directory=tmp_path / "local", local_every=2)
     trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints)

@@ -308,6 +308,7 @@ class Preemption(Hook):
     def __init__(self, reporting: ProgressHook, saving: Saving | None) -> None:
         self.reporting, self.saving = reporting, saving
         self.watch: PreemptionWatch | None = None
+        self.at_the_last = False  # a notice met at the run's own last step, saved: it stops as the fit ends
 
     def open(self) -> None:
         self.watch = PreemptionWatch().__enter__()
@@ -325,15 +326,20 @@ class Preemption(Hook):
         if saving.saved != done:
             self.reporting.take(saving.save(record), done)
         self.reporting.take(saving.end(done, record.state), done)
+        if record.last and record.stop is None:
+            # The run's own last step, committed: its final validation and preview still run (a
+            # resume finds nothing left to train and would never give them), then end() stops.
+            self.at_the_last = True
+            return None
         progress.fire("dew_preempted", step=done)
         raise Preempted(done, status=self.watch.status)
 
     def end(self, done: int, state: TrainState) -> Contribution | None:
-        """A notice that came after the last step was checked (in the final save or validation):
-        the run is whole and saved, and still stops with the status the notice asks for, so the
-        scheduler (or the person who pressed Ctrl-C) sees the stop rather than a finish."""
-        if self.saving is None or not PreemptionNotice.received():  # a pool's notice stops at a step
-            return None
+        """A notice met at the last step, or one that came after it was checked (in the final save
+        or validation): the run is whole and saved, and still stops with the status the notice asks
+        for, so the scheduler (or the person who pressed Ctrl-C) sees the stop rather than a finish."""
+        if not self.at_the_last and (self.saving is None or not PreemptionNotice.received()):
+            return None  # a pool's notice stops at a step
         self.reporting.progress.fire("dew_preempted", step=done)
         assert self.watch is not None
         raise Preempted(done, status=self.watch.status)
