@@ -75,6 +75,33 @@ def test_a_resumed_runs_redone_steps_are_read_once_in_step_order(tmp_path):
     assert _losses(tmp_path / "scalars.jsonl") == dict(zip(steps.tolist(), values.tolist(), strict=True))
 
 
+def test_steps_a_killed_fit_logged_past_its_checkpoint_are_dropped_where_the_resume_went_on(tmp_path):
+    """Killed at 450 after a checkpoint at 400, resumed to 410: the report's last value was the killed
+    fit's step 450, and a resume that logged every 7 steps kept the undone 1325..1345 among its own."""
+    from dew.provenance.diff import _losses
+    from dew.telemetry.records import RunStarted
+    from dew.telemetry.render import read_scalars
+
+    for killed, start, resumed, expected in (
+            (range(5, 451, 5), 400, (405, 410), [*range(5, 401, 5), 405, 410]),
+            (range(1300, 1346, 5), 1320, (1323, 1330), [1300, 1305, 1310, 1315, 1320, 1323, 1330])):
+        folder = tmp_path / str(start)
+        first = LocalTracker(folder)
+        first.artifact(RunStarted(config={}, start=0, steps=10_000), step=0)
+        for step in killed:
+            first.log({"train/loss": float(step)}, step=step)
+        first.close()  # killed: no goodput, no end
+        again = LocalTracker(folder)
+        again.artifact(RunStarted(config={}, start=start, steps=resumed[-1]), step=start)
+        for step in resumed:
+            again.log({"train/loss": -float(step)}, step=step)
+        again.close()
+        steps, values = read_scalars(folder / "scalars.jsonl")["train/loss"]
+        assert steps.tolist() == expected
+        assert values.tolist() == [float(s) for s in expected[:-2]] + [-float(s) for s in resumed]
+        assert _losses(folder / "scalars.jsonl") == dict(zip(steps.tolist(), values.tolist(), strict=True))
+
+
 # -- a write the disk refuses (a file-size limit makes writes fail as a full disk does) ------------
 
 REFUSED_WRITES = """

@@ -239,18 +239,39 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _fit_starts(journal: Path) -> list[int]:
+    """The steps each fit of the run started from, as the records journal beside journal has them."""
+    records = journal.with_name("records.jsonl")
+    if not records.is_file():
+        return []
+    starts = (row.get("record", {}).get("start", row.get("step")) for row in journal_rows(records, strict=False)
+              if row.get("type") == "run_started")
+    return sorted({start for start in starts if type(start) is int})
+
+
 def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every metric of a scalar journal as (steps, values), in step order, one value a step.
 
-    A resumed run goes back to its checkpoint and logs the steps after it again: the value
-    logged last for a step (the one the run went on from) replaces those logged before it.
+    A resumed run goes back to its checkpoint and trains the steps after it again: where the
+    journal's steps go back, the rows logged before past the step that fit started from (the
+    records journal's run_started; else the first step logged again) were undone, and are
+    dropped, so what is drawn is the run the last fit went on from.
     """
     series: dict[str, dict[int, float]] = {}
+    starts: list[int] | None = None
+    newest = None
     for row in journal_rows(journal):
         step = row.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
             raise TornJournalError(f"{journal} holds a row whose step is {step!r}, not a whole number: {row!r}; "
                                    "the journal was damaged or written by something else.")
+        if newest is not None and step < newest:  # a fit resumed from a step before the newest logged
+            starts = _fit_starts(Path(journal)) if starts is None else starts
+            resumed_from = max((start for start in starts if start < step), default=step - 1)
+            for values in series.values():
+                for undone in [logged for logged in values if logged > resumed_from]:
+                    del values[undone]
+        newest = step
         for name, value in row.items():
             number = _number(value) if name != "step" else None
             if number is not None:
