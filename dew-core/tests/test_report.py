@@ -147,6 +147,29 @@ def test_several_runs_overlay_in_one_colour_each_with_the_recipe_side_by_side(tm
     assert "<tr><td>model.num_layers</td><td>2</td><td>2</td></tr>" in text
 
 
+def test_two_runs_previews_of_one_name_and_step_are_each_shown_from_their_own_run(tmp_path):
+    """The enlarged cells were written to previews/NAME/step_N for every run: the second run's
+    overwrote the first's, and both runs' sections showed the second run's pictures."""
+    from dew.cli.report import render_report
+
+    for name, channel in (("a", 0), ("b", 2)):
+        tracker = LocalTracker(tmp_path / name)
+        tracker.log({"loss": 1.0}, 1)
+        pixels = np.zeros((8, 16, 3), np.uint8)
+        pixels[..., channel] = 255
+        tracker.artifact(Artifact("samples", "image", pixels, labels=("x", "y"), columns=2), 1)
+        tracker.close()
+    page_path = render_report([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    page = Page()
+    page.feed(page_path.read_text())
+    cells = [source for source in page.images if source.startswith("previews/")]
+    assert len(cells) == 4 and len(set(cells)) == 4
+    for source in cells:  # run a's cells red, run b's blue, as each run drew them
+        with Image.open(page_path.parent / source) as cell:
+            red, _, blue = np.asarray(cell.convert("RGB")).reshape(-1, 3).mean(axis=0)
+        assert (red, blue) == ((255, 0) if cells.index(source) < 2 else (0, 255)), source
+
+
 def test_the_goodput_bar_of_a_resumed_run_sums_its_fits_and_counts_redone_steps_as_lost(tmp_path):
     """The bar showed the last fit alone; its preemption part was always 0, though a resume from an
     older checkpoint trains the steps after it again."""

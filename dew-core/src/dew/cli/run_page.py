@@ -238,14 +238,15 @@ def _factor(width: int, wanted: int) -> int:
     return max(1, math.ceil(wanted / max(width, 1)))
 
 
-def _pictures(source: Path, row: Mapping[str, Any], out: Path) -> list[tuple[Path, str]]:
+def _pictures(source: Path, row: Mapping[str, Any], into: Path) -> list[tuple[Path, str]]:
     """The files the page shows for an image or clip preview, each with its caption: the cells
-    of a labelled grid one by one, or the whole picture; enlarged when small (into out)."""
+    of a labelled grid one by one, or the whole picture; enlarged when small (under into, the
+    run's own folder of the page's previews)."""
     from PIL import Image
 
     from dew.telemetry.render import safe_name
 
-    folder = out / "previews" / safe_name(str(row["name"])) / f"step_{int(row['step']):08d}"
+    folder = into / safe_name(str(row["name"])) / f"step_{int(row['step']):08d}"
     suffix = source.suffix
     with Image.open(source) as image:
         frames = _frames(image)
@@ -273,7 +274,9 @@ def _pictures(source: Path, row: Mapping[str, Any], out: Path) -> list[tuple[Pat
 
 def _previews(runs: Sequence[RunData], out: Path) -> list[str]:
     parts = []
-    for run in runs:
+    for index, run in enumerate(runs):
+        # Each run's enlarged pictures in a folder of its own: two runs' previews share names and steps.
+        into = out / "previews" / (f"run_{index:03d}" if len(runs) > 1 else "")
         by_name: dict[str, list[dict[str, Any]]] = {}
         for row in run.previews:
             by_name.setdefault(row["name"], []).append(row)
@@ -287,12 +290,12 @@ def _previews(runs: Sequence[RunData], out: Path) -> list[str]:
                              f"are listed in {LOCAL_PREVIEWS}.</p>")
             parts.append("<div class='strip'>")
             for row in ordered[-PREVIEW_STEPS:]:
-                parts.append(_preview(run, name, row, out))
+                parts.append(_preview(run, name, row, out, into))
             parts.append("</div>")
     return parts
 
 
-def _preview(run: RunData, name: str, row: Mapping[str, Any], out: Path) -> str:
+def _preview(run: RunData, name: str, row: Mapping[str, Any], out: Path, into: Path) -> str:
     """One preview at one step, as a figure captioned with its step."""
     source = contained(run.directory, row["path"])
     caption = f"step {int(row['step'])}"
@@ -306,7 +309,7 @@ def _preview(run: RunData, name: str, row: Mapping[str, Any], out: Path) -> str:
         text = source.read_text(encoding="utf-8", errors="replace")
         return f"<figure class='sample'><figcaption>{caption}</figcaption><pre>{html.escape(text)}</pre></figure>"
     try:
-        pictures = _pictures(source, row, out)
+        pictures = _pictures(source, row, into)
     except (OSError, ValueError) as error:  # not an image after all: say so, show nothing
         return f"<figure><figcaption>{caption}</figcaption><p>(unreadable: {html.escape(str(error))})</p></figure>"
     cells = "".join(

@@ -252,10 +252,11 @@ def _fit_starts(journal: Path) -> list[int]:
 def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every metric of a scalar journal as (steps, values), in step order, one value a step.
 
-    A resumed run goes back to its checkpoint and trains the steps after it again: where the
-    journal's steps go back, the rows logged before past the step that fit started from (the
-    records journal's run_started; else the first step logged again) were undone, and are
-    dropped, so what is drawn is the run the last fit went on from.
+    A resumed run goes back to its checkpoint and trains the steps after it again: the value
+    logged last for a step (the one the run went on from) replaces those logged before it. Where
+    the journal's steps go back and the records journal beside it says a later fit started (its
+    run_started), the rows the earlier fit logged past that fit's start were undone too (a fit
+    killed at 450 after its checkpoint at 400), and are dropped.
     """
     series: dict[str, dict[int, float]] = {}
     starts: list[int] | None = None
@@ -267,8 +268,8 @@ def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]
                                    "the journal was damaged or written by something else.")
         if newest is not None and step < newest:  # a fit resumed from a step before the newest logged
             starts = _fit_starts(Path(journal)) if starts is None else starts
-            resumed_from = max((start for start in starts if start < step), default=step - 1)
-            for values in series.values():
+            resumed_from = max((start for start in starts[1:] if start < step), default=None)
+            for values in series.values() if resumed_from is not None else ():
                 for undone in [logged for logged in values if logged > resumed_from]:
                     del values[undone]
         newest = step
