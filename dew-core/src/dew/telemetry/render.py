@@ -269,9 +269,10 @@ def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]
         if newest is not None and step < newest:  # a fit resumed from a step before the newest logged
             starts = _fit_starts(Path(journal)) if starts is None else starts
             resumed_from = max((start for start in starts[1:] if start < step), default=None)
-            for values in series.values() if resumed_from is not None else ():
-                for undone in [logged for logged in values if logged > resumed_from]:
-                    del values[undone]
+            if resumed_from is not None:
+                for values in series.values():
+                    for undone in [logged for logged in values if logged > resumed_from]:
+                        del values[undone]
         newest = step
         for name, value in row.items():
             number = _number(value) if name != "step" else None
