@@ -95,6 +95,57 @@ def test_bfloat16_parameters_train_as_a_hand_written_loop_and_keep_their_dtype()
                  state.params, p)
 
 
+def test_float16_parameters_train_with_a_float32_optimizer_state_as_a_hand_written_loop():
+    """float16 weights: every step was rejected as non-finite (the gradients' norm was summed in
+    float16 and overflowed while each entry was finite), and with the norm aside Adam's second
+    moment, held and updated in float16, underflowed to zero and the run went to NaN."""
+    from flax import linen as nn
+
+    def large(i):  # totals of squared errors whose gradient entries fit float16, their squares do not
+        batch = batch_at(i, 16)
+        return {"x": batch["x"] * 3, "y": batch["y"] * 3}
+
+    objective = doubles.Linear()
+    objective.model = nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float16)
+    optimizer = optax.adam(1e-2)
+    trainer = Trainer(objective, optimizer, key=jax.random.key(0))
+    initial = trainer.initial_state()
+    state = trainer.fit(dataset(large, 16), steps=6, log_every=6)
+    assert int(state.updates) == 6  # none rejected
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float16)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim} == {jnp.dtype(jnp.float32)}
+
+    def total(p, batch):
+        errors = (objective.model.apply(p, batch["x"]) - batch["y"]) ** 2
+        return jnp.sum(errors), errors.size
+
+    grads, _ = jax.grad(total, has_aux=True)(initial.params, large(0))
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    assert not np.isfinite(optax.tree.norm(grads))  # in float16, the norm alone overflows
+    wide = lambda tree: jax.tree.map(lambda leaf: leaf.astype(jnp.float32), tree)  # noqa: E731
+    p, s = initial.params, optimizer.init(wide(initial.params))
+    for i in range(6):
+        grads, count = jax.grad(total, has_aux=True)(p, large(i))
+        grads = jax.tree.map(lambda g, n=count: (g / n).astype(g.dtype), grads)
+        updates, s = optimizer.update(wide(grads), s, p)
+        p = optax.apply_updates(p, updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-2, atol=1e-2),
+                 state.params, p)
+
+
+def test_a_loss_scale_and_accumulation_keep_bfloat16_gradients_in_their_window():
+    """Unscaled by the float32 loss scale, bfloat16 gradients came back float32 and the window's
+    accept/reject branches disagreed: a jax TypeError before the first step."""
+    from flax import linen as nn
+
+    objective = doubles.Linear()
+    objective.model = nn.Dense(1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), dynamic_scale=True, accumulation=2)
+    state = trainer.fit(dataset(), steps=4, log_every=4)
+    assert int(state.updates) == 2 and int(state.microstep) == 4
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.window.grads)} == {jnp.dtype(jnp.bfloat16)}
+
+
 @pytest.mark.slow
 def test_accumulation_equals_one_batch_k_times_larger():
     k, rows = 4, 2

@@ -27,6 +27,7 @@ from dew.training.step import (
     StepFn,
     build_train_step,
     differentiate,
+    float16_widened,
     follow_ema,
     transaction,
 )
@@ -102,7 +103,7 @@ class Program:
         if self.objective.ema is not None:
             ema = jax.tree.map(jnp.copy, ema_leaves(self.objective.ema, self.objective.frozen, variables))
         return TrainState(
-            params=variables, opt_state=self.transform.init(trainable), key=jax.random.key_data(key),
+            params=variables, opt_state=self.transform.init(float16_widened(trainable)), key=jax.random.key_data(key),
             step=zero, microstep=zero, updates=zero, ema=ema,
             scaler=Scaler.create() if self.dynamic_scale else None, window=window,
         )
@@ -158,4 +159,5 @@ class Program:
                 f"({details}). Resume with the configuration it was trained with, or start a new "
                 "checkpoint directory."
             )
+
 

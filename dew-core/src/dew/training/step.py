@@ -39,7 +39,7 @@ from dew.training.state import TrainState, Window
 from dew.training.trees import overlay, select, trains
 from dew.typing import PyTree
 
-__all__ = ["Gradients", "StepFn", "build_train_step", "differentiate", "follow_ema", "transaction", "write_back"]
+__all__ = ["Gradients", "StepFn", "build_train_step", "differentiate", "float16_widened", "follow_ema", "transaction", "write_back"]
 
 StepFn = Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]
 
@@ -149,8 +149,9 @@ def transaction(
     def apply(state: TrainState, computed: Gradients) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, loss, aux = computed.grads, computed.loss, computed.aux
         count = jnp.asarray(loss.count, jnp.float32)
-        # One reduction tells both: the norm is finite only when every gradient entry is.
-        norm = optax.tree.norm(grads)
+        # One reduction tells both: the norm is finite only when every gradient entry is. It is
+        # summed in float32: float16 gradients' squares overflow it while every entry is finite.
+        norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
         finite = jnp.isfinite(norm) & jnp.isfinite(loss.total)
 
         def accept(state: TrainState) -> TrainState:
@@ -218,7 +219,8 @@ def _accumulate(
     window = state.window
     assert window is not None
     window = Window(
-        grads=jax.tree.map(jnp.add, window.grads, grads),
+        # in the window's dtype: gradients unscaled from a loss scale come back in float32
+        grads=jax.tree.map(lambda held, g: (held + g).astype(held.dtype), window.grads, grads),
         count=window.count + count,
         filled=window.filled + 1,
     )
@@ -253,7 +255,7 @@ def _optimize(
     trainable_filter: LeafFilter,
 ) -> TrainState:
     trainable = select(state.params, trainable_filter)
-    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+    updates, opt_state = optimizer.update(float16_widened(grads), state.opt_state, trainable)
     # The state keeps the dtypes it was created with (a schedule's float32 step size times a
     # bfloat16 moment is float32): a step must not change its own signature.
     opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new,
@@ -262,6 +264,14 @@ def _optimize(
     params = overlay(state.params, trainable)
     state = state.replace(params=params, opt_state=opt_state, updates=state.updates + 1)
     return follow_ema(state, ema, previous_updates=state.updates - 1)
+
+
+def float16_widened(tree: Variables) -> Variables:
+    """tree with its float16 leaves as float32: what the optimizer state of float16 weights is made
+    from and updated with. In float16 an Adam second moment underflows (a gradient below 2e-4
+    squares to zero) and the update divides by eps alone; bfloat16, with float32's exponent,
+    stays as it is."""
+    return jax.tree.map(lambda leaf: leaf.astype(jnp.float32) if leaf.dtype == jnp.float16 else leaf, tree)
 
 
 def follow_ema(state: TrainState, ema: EMASpec | None, *, previous_updates: jax.Array) -> TrainState:
