@@ -48,6 +48,22 @@ def test_the_same_tree_is_read_bit_for_bit(run):
     jax.tree.map(np.testing.assert_array_equal, read, params)
 
 
+def test_weights_are_read_in_the_dtypes_the_model_declares(run, tmp_path):
+    """A run trained in bfloat16 started a float32 recipe in bfloat16 (and a float32 run a bfloat16
+    one in float32): init.run kept the stored dtype where Pretrained.load casts to param_dtype."""
+    directory, params = run
+    as_bf16 = _abstract(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+    read = ParamsFrom(directory)(as_bf16)
+    assert {leaf.dtype for leaf in jax.tree.leaves(read)} == {jnp.dtype(jnp.bfloat16)}
+    jax.tree.map(lambda got, stored: np.testing.assert_array_equal(got, stored.astype(jnp.bfloat16)), read, params)
+    narrow = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
+    _saved(tmp_path, narrow)
+    wide = ParamsFrom(tmp_path)(_abstract(params))
+    assert {leaf.dtype for leaf in jax.tree.leaves(wide)} == {jnp.dtype(jnp.float32)}
+    jax.tree.map(lambda got, stored: np.testing.assert_array_equal(got, np.float32(stored)), wide,
+                 jax.device_get(narrow))
+
+
 def test_a_model_of_another_architecture_is_refused_naming_missing_and_extra_leaves(run):
     directory, params = run
     other = {"params": {"embed": params["params"]["embed"], "head": params["params"]["head"],

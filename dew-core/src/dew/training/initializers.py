@@ -213,7 +213,10 @@ class ParamsFrom:
             name = "." + jax.tree_util.keystr(leaf_path).removeprefix("['").replace("']", "", 1)
             if name in saved and saved[name]["digest"] != digest:
                 raise CheckpointCorruptedError(step, path / "state", f"leaf {name} does not match its digest")
-        return restored if self.within is None else _within(restored, self.within, path)
+        read = restored if self.within is None else _within(restored, self.within, path)
+        # In the dtypes the model declares (its param_dtype), as Pretrained.load reads weights: a
+        # run trained in bfloat16 and started from by a float32 recipe trains in float32.
+        return jax.tree.map(lambda leaf, want: np.asarray(leaf).astype(want.dtype, copy=False), read, dict(abstract))
 
 
 def _nest(tree: Mapping[str, PyTree], within: str) -> dict[str, PyTree]:
