@@ -153,6 +153,22 @@ def test_runs_of_different_models_are_compared_where_comparable(runs, capsys):
     assert "the runs train different models (model.num_heads)" in text
 
 
+def test_runs_whose_weights_share_no_shape_are_not_called_identical_at_their_kept_steps(runs, capsys):
+    """Two widths: every parameter differs in shape, only counters and keys were compared, and the
+    diff said "states: identical at every common kept step"."""
+    other = runs.train("wider", "model.emb_features=48", "model.mlp_features=96", steps=2)
+    code, out, _ = _dew(["diff", str(runs.ref), str(other), "--json"], capsys)
+    result = json.loads(out)
+    assert code == 1 and result["weights_compared"] is False and result["first_state_step"] is None
+    text = _dew(["diff", str(runs.ref), str(other)], capsys)[1]
+    assert "identical at every common kept step" not in text
+    assert "states: no parameter is held by both runs in one shape and dtype, so their weights were not " \
+           "compared" in text
+    heads = _dew(["diff", str(runs.ref), str(runs.train("heads", "model.num_heads=4", steps=2)), "--json"],
+                 capsys)[1]
+    assert json.loads(heads)["weights_compared"] is True
+
+
 @pytest.mark.slow
 def test_losses_that_are_nan_in_both_runs_are_the_same(runs, tmp_path, capsys):
     """A diverged run and its rerun log NaN at the same steps: identical, not parted at the first NaN."""

@@ -95,7 +95,10 @@ def render_diff(result: RunDiff) -> str:
         lines.append(f"states: {len(result.incomparable)} leaves are held by one run only or in another shape "
                      f"or dtype, so not comparable: {named}")
     if result.first_state_step is None:
-        if result.common_steps:
+        if result.common_steps and not result.weights_compared:
+            lines.append("states: no parameter is held by both runs in one shape and dtype, so their weights "
+                         "were not compared (only counters and keys were, and they agree)")
+        elif result.common_steps:
             lines.append(f"states: identical at every common kept step ({len(result.common_steps)}, through step "
                          f"{result.common_steps[-1]})")
     else:

@@ -77,6 +77,7 @@ class RunDiff:
     rtol: float
     atol: float
     notes: tuple[str, ...] = field(default=())
+    weights_compared: bool = True  # some parameter leaf is held by both runs in one shape and dtype
 
     @property
     def bitwise(self) -> bool:
@@ -295,6 +296,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
     recipe_diff += _installed_diff(runs)
     common = sorted(set(kept[0]) & set(kept[1]))
     first_step, differing, incomparable = None, (), ()
+    weights_compared = True
     for step in common:
         mine = {leaf.path: leaf for leaf in _leaves(runs[0], step)}
         theirs = {leaf.path: leaf for leaf in _leaves(runs[1], step)}
@@ -303,6 +305,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
         if not incomparable:
             shaped = {p for p in mine if p in theirs} - set(same_shape)
             incomparable = tuple(sorted((set(mine) ^ set(theirs)) | shaped))
+            weights_compared = any(p.startswith(".params") for p in same_shape)
         changed = tuple(p for p in same_shape if mine[p].digest != theirs[p].digest)
         if changed:
             first_step, differing = step, changed
@@ -334,4 +337,4 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
         notes.append("no kept step common to both runs; their states are not compared")
     return RunDiff(str(runs[0]), str(runs[1]), tuple(recipe_diff), models, tuple(common), first_step,
                    differing, incomparable, tuple(gaps), tuple(logged), first_loss, largest, rtol, atol,
-                   tuple(notes))
+                   tuple(notes), weights_compared)
