@@ -271,3 +271,44 @@ def test_a_run_json_that_is_a_directory_is_named_as_such(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "hi"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'run.json'} is not a file" in err and "holds neither" not in err, err
+
+
+# -- a run folder this user may not read --------------------------------------------------------------
+
+
+def test_a_run_folder_this_user_may_not_read_is_refused_in_one_line(journaled, tmp_path):
+    """report, diff, audit and rescore showed PermissionError's traceback (exit 1) where eval said
+    it in one line. The fault is the system's: the folder is made unreadable, and as root (which
+    reads anything) the commands run as nobody."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from dew.tracking.local import LocalTracker
+
+    tracker = LocalTracker(journaled)
+    tracker.log({"train/loss": 1.0}, 1)
+    tracker.close()
+    (journaled / "ledger.jsonl").write_text("")
+    readable = shutil.copytree(journaled, tmp_path / "readable")
+    for folder in (tmp_path, tmp_path / "runs"):
+        folder.chmod(0o755)
+    root = os.geteuid() == 0
+    setpriv = shutil.which("setpriv")  # util-linux's: runs a command as another user, capabilities dropped
+    if root and setpriv is None:
+        pytest.skip("running as root without setpriv: nothing here can make a folder unreadable")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"] if root else []
+    journaled.chmod(0o700 if root else 0o000)
+    env = dict(os.environ, HOME=str(tmp_path), DEW_TRACEBACK="")
+    try:
+        for argv in (["report", str(journaled), "--out", str(tmp_path / "page")], ["diff", str(journaled), str(readable)],
+                     ["audit", str(journaled)], ["rescore", str(journaled), "reward=length"]):
+            done = subprocess.run([*as_nobody, sys.executable, "-m", "dew.cli", *argv], capture_output=True,
+                                  text=True, env=env, cwd=tmp_path, timeout=120)
+            err = done.stderr.strip()
+            assert done.returncode == 2 and err.startswith(f"dew {argv[0]}: PermissionError: [Errno 13] Permission "
+                                                           f"denied: "), (argv, err)
+            assert "Traceback" not in err and str(journaled) in err
+    finally:
+        journaled.chmod(0o755)

@@ -213,7 +213,8 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"dew {args.command}: stopped (SIGTERM)", file=sys.stderr, flush=True)
             return TERMINATED
         except Exception as error:
-            if shown or not is_dews(error):
+            # A file or folder this user may not read or write is the command's input, not a bug.
+            if shown or not (is_dews(error) or isinstance(error, PermissionError)):
                 raise
             print(refusal(args.command, error), file=sys.stderr, flush=True)
             return REFUSED
