@@ -170,6 +170,31 @@ def test_two_runs_previews_of_one_name_and_step_are_each_shown_from_their_own_ru
         assert (red, blue) == ((255, 0) if cells.index(source) < 2 else (0, 255)), source
 
 
+def test_a_report_of_many_runs_gives_each_its_own_colour_and_puts_the_legend_under_the_chart(tmp_path):
+    """Runs 1 and 11 were drawn in one colour (ten colours, repeated), and a legend of dozens of lines
+    covered the curves and ran off the image."""
+    import re
+
+    from dew.cli.report import render_report
+
+    folders = []
+    for index in range(12):
+        tracker = LocalTracker(tmp_path / f"r{index:02d}")
+        for step in range(1, 13):
+            tracker.log({"loss": 1.0 + index + 1 / step}, step)
+        tracker.close()
+        folders.append(tmp_path / f"r{index:02d}")
+    page_path = render_report(folders, tmp_path / "out")
+    listed = re.findall(r"<li><span style='color:(#[0-9a-f]{6})'>", page_path.read_text())
+    assert len(listed) == 12 and len(set(listed)) == 12
+    with Image.open(tmp_path / "out/plots/loss.png") as plot:
+        assert plot.height > 360  # grown for the legend beneath the axes
+        pixels = np.asarray(plot.convert("RGB")).reshape(-1, 3).astype(int)
+    for color in listed:  # every run's colour is drawn
+        rgb = np.asarray([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+        assert np.sum(np.all(np.abs(pixels - rgb) < 12, axis=1)) > 20, color
+
+
 def test_the_goodput_bar_of_a_resumed_run_sums_its_fits_and_counts_redone_steps_as_lost(tmp_path):
     """The bar showed the last fit alone; its preemption part was always 0, though a resume from an
     older checkpoint trains the steps after it again."""

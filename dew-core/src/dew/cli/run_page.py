@@ -40,6 +40,18 @@ LOCAL_PREVIEWS = "previews.jsonl"
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
           "#7f7f7f", "#bcbd22", "#17becf")
+
+
+def colors(count: int) -> list[str]:
+    """A colour for each of count runs (or metrics), no two alike: matplotlib's tab10 up to ten,
+    then evenly spaced hues of its turbo map, so the eleventh run is not drawn as the first."""
+    if count <= len(COLORS):
+        return list(COLORS[:count])
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    turbo = colormaps["turbo"]
+    return [to_hex(turbo(0.05 + 0.9 * index / (count - 1))) for index in range(count)]
 STYLES = ("-", "--", ":", "-.")
 # The charts that gather several metrics, in page order; throughput has one chart per unit.
 THROUGHPUT = {"tokens_per_second": "tokens per second", "examples_per_second": "examples per second",
@@ -180,10 +192,11 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
             if goodput and not any(p.stem == "goodput" for p in paths):
                 paths.append(plot_goodput(goodput, out / "plots" / "goodput.png"))
         lines = []
+        palette = colors(len(runs) if several else len(members))
         for r, run in enumerate(runs):
             for m, name in enumerate(members):
                 if name in run.series:
-                    color = COLORS[(r if several else m) % len(COLORS)]
+                    color = palette[r if several else m]
                     lines.append(Line(f"{run.label}: {name}" if several else name,
                                       *run.series[name], color,
                                       STYLES[m % len(STYLES)] if several else "-"))
@@ -507,9 +520,9 @@ def write_page(runs: Sequence[RunData], out: Path) -> Path:
     if len(runs) == 1:
         parts = [f"<h1>dew run {html.escape(str(runs[0].directory.absolute()))}</h1>"]
     else:
-        items = "".join(f"<li><span style='color:{COLORS[i % len(COLORS)]}'>&#9632;</span> "
+        items = "".join(f"<li><span style='color:{color}'>&#9632;</span> "
                         f"{html.escape(run.label)}: {html.escape(str(run.directory.absolute()))}"
-                        "</li>" for i, run in enumerate(runs))
+                        "</li>" for color, run in zip(colors(len(runs)), runs, strict=True))
         parts = [f"<h1>dew runs ({len(runs)})</h1><ul>{items}</ul>"]
     previews = _previews(runs, out)
     if previews:

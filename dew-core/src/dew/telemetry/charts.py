@@ -94,7 +94,11 @@ def plot_lines(title: str, lines: Sequence[Line], path: str | Path, weight: floa
     """
     from matplotlib.ticker import MaxNLocator
 
-    figure = _figure()
+    # Many lines (a report of many runs): the legend goes under the chart, in columns, on a taller
+    # figure, where inside it would cover the curves and run off the image.
+    below = len(lines) > _LEGEND_INSIDE
+    rows = -(-len(lines) // _LEGEND_COLUMNS)
+    figure = _figure(height=3.6 + 0.17 * rows, layout="constrained") if below else _figure()
     axes = figure.add_subplot()
     shown_all = []
     for line in lines:
@@ -115,9 +119,15 @@ def plot_lines(title: str, lines: Sequence[Line], path: str | Path, weight: floa
     positive = len(finite) > 0 and bool(np.all(finite > 0))
     if positive and (log_y or (log_y is None and finite.max() / finite.min() > 1000)):
         axes.set_yscale("log")
-    if lines:
+    if below:
+        figure.legend(loc="outside lower center", ncol=_LEGEND_COLUMNS, fontsize="x-small", frameon=False)
+    elif lines:
         axes.legend(loc="best", fontsize="small")
     return _save(figure, path)
+
+
+_LEGEND_INSIDE = 8  # lines whose legend fits inside a chart's axes
+_LEGEND_COLUMNS = 3
 
 
 def plot_goodput(runs: Mapping[str, Mapping[str, float]], path: str | Path) -> Path:
