@@ -195,6 +195,24 @@ def test_a_report_of_many_runs_gives_each_its_own_colour_and_puts_the_legend_und
         assert np.sum(np.all(np.abs(pixels - rgb) < 12, axis=1)) > 20, color
 
 
+def test_a_run_named_twice_is_drawn_once_and_a_samples_control_bytes_are_pictured(tmp_path, capsys):
+    """runs/a and runs/./a were two runs of one label; a byte-level sample's control bytes went raw
+    into the page (grep called it binary); a missing folder was said to hold no journal."""
+    from dew.cli.report import render_report
+
+    tracker = LocalTracker(tmp_path / "a")
+    tracker.log({"loss": 1.0}, 1)
+    tracker.artifact(Artifact("sample", "text", "def\x0c f\x19():\n\treturn"), 1)
+    tracker.close()
+    page = render_report([tmp_path / "a", tmp_path / "." / "a"], tmp_path / "out").read_text()
+    assert page.startswith("<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>")
+    assert "<h1>dew run " in page  # one run: no list of runs to tell apart
+    assert "def\u240c f\u2419():\n\treturn" in page and "\x0c" not in page and "\x19" not in page
+    for missing, said in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "a" / "scalars.jsonl", "is a file")):
+        assert main(["report", str(missing)]) == 2
+        assert f"{str(missing)!r} {said}. Point dew report at" in capsys.readouterr().err
+
+
 def test_the_goodput_bar_of_a_resumed_run_sums_its_fits_and_counts_redone_steps_as_lost(tmp_path):
     """The bar showed the last fit alone; its preemption part was always 0, though a resume from an
     older checkpoint trains the steps after it again."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -76,6 +77,10 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
     run_dir = Path(run_dir)
     journal = run_dir / LocalTracker.SCALARS
     records_path = run_dir / LocalTracker.RECORDS
+    if not run_dir.is_dir():
+        what = "is a file" if run_dir.exists() else "does not exist"
+        raise NoJournalError(f"{str(run_dir)!r} {what}. Point dew report at the directory a LocalTracker wrote "
+                             "(a shipped recipe's run folder).")
     if not journal.exists() and not records_path.exists():
         raise NoJournalError(
             f"{str(run_dir)!r} holds no {LocalTracker.SCALARS} or {LocalTracker.RECORDS}. "
@@ -100,7 +105,10 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
 
     if isinstance(run_dirs, str | Path):
         run_dirs = [run_dirs]
-    directories = [Path(d) for d in run_dirs]
+    directories = []
+    for given in map(Path, run_dirs):  # a run given twice (runs/a and runs/./a) is drawn once
+        if all(os.path.realpath(given) != os.path.realpath(seen) for seen in directories):
+            directories.append(given)
     if not directories:
         raise ValueError("dew report needs at least one run directory.")
     runs = [load_run(d, label) for d, label in zip(directories, _labels(directories), strict=True)]

@@ -208,6 +208,16 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
     return paths
 
 
+# A sample's control characters (a byte-level model writes any byte) as the Unicode symbols that
+# picture them: raw, they make the page a binary file to grep and invisible in a browser.
+_CONTROL_PICTURES = {code: 0x2400 + code for code in range(32) if chr(code) not in "\n\t"} | {0x7F: 0x2421}
+
+
+def _text(text: str) -> str:
+    """A model's text for the page: control characters pictured, then escaped."""
+    return html.escape(text.translate(_CONTROL_PICTURES))
+
+
 def _link(path: Path, out: Path) -> str:
     # Percent-encoded bytes: a name that is no UTF-8 (held in surrogates) still links to its file.
     return html.escape(urllib.parse.quote(os.fsencode(Path(os.path.relpath(path.resolve(), out.resolve())).as_posix())))
@@ -320,7 +330,7 @@ def _preview(run: RunData, name: str, row: Mapping[str, Any], out: Path, into: P
         return f"<figure><figcaption>{caption}</figcaption><p>(missing: {html.escape(str(row['path']))})</p></figure>"
     if row["kind"] == "text":
         text = source.read_text(encoding="utf-8", errors="replace")
-        return f"<figure class='sample'><figcaption>{caption}</figcaption><pre>{html.escape(text)}</pre></figure>"
+        return f"<figure class='sample'><figcaption>{caption}</figcaption><pre>{_text(text)}</pre></figure>"
     try:
         pictures = _pictures(source, row, into)
     except (OSError, ValueError) as error:  # not an image after all: say so, show nothing
@@ -364,8 +374,8 @@ def _rollouts(runs: Sequence[RunData]) -> list[str]:
             for index, (prompt, completion, reward) in enumerate(rows[:ROLLOUT_ROWS]):
                 head = (f"<td rowspan='{min(len(rows), ROLLOUT_ROWS)}'>{entry.step + 1}<br>"  # steps done
                         f"<span class='note'>{len(rows)} sampled, mean {mean}</span></td>") if index == 0 else ""
-                parts.append(f"<tr>{head}<td><pre>{html.escape(str(prompt))}</pre></td>"
-                             f"<td><pre>{html.escape(str(completion))}</pre></td>"
+                parts.append(f"<tr>{head}<td><pre>{_text(str(prompt))}</pre></td>"
+                             f"<td><pre>{_text(str(completion))}</pre></td>"
                              f"<td>{_number(float(reward))}</td></tr>")
         parts.append("</table>")
     return ["<h2 id='rollouts'>Rollouts</h2>", *parts] if parts else []
