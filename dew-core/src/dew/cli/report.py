@@ -105,7 +105,7 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
 
     if isinstance(run_dirs, str | Path):
         run_dirs = [run_dirs]
-    directories = []
+    directories: list[Path] = []
     for given in map(Path, run_dirs):  # a run given twice (runs/a and runs/./a) is drawn once
         if all(os.path.realpath(given) != os.path.realpath(seen) for seen in directories):
             directories.append(given)
