@@ -20,6 +20,7 @@ def _refusal(capsys: pytest.CaptureFixture[str], command: str) -> str:
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"dew {command}: "), err
+    assert captured.out == "", captured.out  # refused before any of the command's output
     return err
 
 
@@ -56,9 +57,10 @@ def test_rescore_writes_a_new_file_and_never_the_runs_own(journaled, tmp_path, c
     assert main(["rescore", str(journaled), *reward, "--out", str(tmp_path / "folder")]) == 2
     assert "is a directory" in _refusal(capsys, "rescore")
     assert main(["rescore", str(journaled), *reward, "--out", str(tmp_path / "folder" / "x" / "y")]) == 0
+    capsys.readouterr()
     (tmp_path / "afile").write_text("")
     assert main(["rescore", str(journaled), *reward, "--out", str(tmp_path / "afile" / "scores.jsonl")]) == 2
-    assert "Could not write --out" in _refusal(capsys, "rescore")
+    assert "scores.jsonl' lies under " in _refusal(capsys, "rescore")  # refused before the table was printed
     out = tmp_path / "scores.jsonl"
     out.write_text("an earlier rescore\n")  # a file outside the run is written over, whole
     assert main(["rescore", str(journaled), *reward, "--out", str(out)]) == 0

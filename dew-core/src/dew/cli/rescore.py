@@ -151,6 +151,10 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
     if out.is_dir():
         raise RescoreError(f"--out {str(out)!r} is a directory; give the file to write the scores to "
                            f"(e.g. {str(out / 'rescored.jsonl')!r}).")
+    under = next((parent for parent in out.parents if parent.exists()), None)
+    if under is not None and not under.is_dir():  # refused before the scoring, not after its table
+        raise RescoreError(f"--out {str(out)!r} lies under {str(under)!r}, which is a file; give a path in a "
+                           "directory.")
     if out.exists() and out.resolve().is_relative_to(run_dir.resolve()) and not _rescored(out):
         raise RescoreError(f"--out {str(out)!r} is one of the files of the run {str(run_dir)!r}, which dew "
                            "rescore only reads; write the scores to a new file, or one outside the run.")

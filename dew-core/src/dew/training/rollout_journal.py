@@ -161,6 +161,15 @@ def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]
     return _read(directory, batches=batches)[0]
 
 
+def _objective_named(recipe: Path) -> str:
+    """" (NAME)" for the objective a run's recipe names, or "" when it cannot be read."""
+    try:
+        name = json.loads(recipe.read_text(encoding="utf-8"))["objective"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f" ({name})" if isinstance(name, str) else ""
+
+
 def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | None]:
     """read_journal's rollouts, and the step of the journal's last checkpoint line (file order), in
     one pass over the file: its lines carry every batch, so it is read once."""
@@ -170,8 +179,8 @@ def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | 
     if not path.is_file() and (Path(directory) / RUN_FILE).is_file():
         raise RolloutJournalError(
             f"The run in {str(directory)!r} kept no rollout journal ({ROLLOUTS}): only a rollout that "
-            "samples text (GRPO's, PPO's) journals what it sampled; this run's objective samples none "
-            "(FlowGRPO draws images), or its journal was removed.")
+            f"samples text (GRPO's, PPO's) journals what it sampled; this run's objective"
+            f"{_objective_named(Path(directory) / RUN_FILE)} samples no text, or its journal was removed.")
     if not path.is_file():
         raise RolloutJournalError(
             f"{str(directory)!r} holds no {ROLLOUTS}: a run writes its rollout journal in its checkpoint "
