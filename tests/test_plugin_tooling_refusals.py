@@ -252,3 +252,60 @@ def test_a_hook_with_an_argument_its_hook_lacks_names_the_distribution_and_the_s
     checked = dew(site, "train", "tiny-lm", "--check", cwd=tmp_path)
     assert checked.returncode == 2 and "HookImplementationError: Plugin 'bad_hook_args'" in checked.stderr, \
         checked.stderr
+
+
+EVALUATION = """
+    import jax.numpy as jnp
+
+    from dew.testing import EvaluationTaskKit
+
+    print("probe_eval: hello from import")  # a plugin that talks as it is imported
+
+
+    class MeanLogit:
+        \"\"\"The mean logit over a few fixed id sequences.\"\"\"
+
+        def __init__(self, rows: int = 3):
+            self.rows = rows
+
+        def evaluate(self, subject, *, mesh=None):
+            ids = jnp.arange(self.rows * 4, dtype=jnp.int32).reshape(self.rows, 4) % 8
+            logits = subject.model.apply(subject.variables, ids)
+            return {"mean_logit": float(jnp.mean(logits)), "records": float(self.rows)}
+
+
+    class TestMeanLogit(EvaluationTaskKit):
+        def task(self):
+            return MeanLogit()
+
+        def subject(self):
+            import jax
+
+            from dew import registry
+            from dew.evaluations.base import Subject
+
+            model = registry.models.build("causal_transformer", vocab_size=16, emb_features=8, num_layers=1,
+                                          num_heads=2, mlp_features=16, max_seq_len=8)
+            return Subject(model, model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)), None)
+"""
+
+
+def test_an_evaluation_task_is_checked_by_its_kit_and_a_plugins_import_print_leaves_stdout_parseable(tmp_path):
+    """check-plugin said a distribution of evaluation tasks registered no component (its kit, a
+    stray); a plugin that prints as it is imported put its line before dew train --check's JSON."""
+    site = tmp_path / "site"
+    distribution(site, "probe-eval", """
+        [dew.evaluations]
+        probe_mean_logit = probe_eval.tasks:MeanLogit
+        [dew.conformance]
+        probe_mean_logit = probe_eval.tasks:TestMeanLogit
+    """, {"probe_eval.tasks": EVALUATION})
+    code, checks = _check(site, "probe-eval", tmp_path)
+    assert code == 0, checks
+    assert checks[("evaluation task `probe_mean_logit`", "kit builds the registered component")][0] == "passed"
+    assert checks[("evaluation task `probe_mean_logit`", "follows the protocol")][0] == "passed"
+    checked = dew(site, "train", "tiny-sft", "--check", "trainer.evaluate=[{task: probe_mean_logit, every: 5}]",
+                  cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    json.loads(checked.stdout)  # nothing but the check's JSON
+    assert "probe_eval: hello from import" in checked.stderr

@@ -266,7 +266,7 @@ def _autoload(plugin_manager: pluggy.PluginManager) -> None:
             raise PluginLoadError(
                 f"The plugin {name!r} (entry point {name} = {provider.value} in group "
                 f"'dew.plugins', from the distribution {provider.distribution}) failed to load: "
-                f"{type(error).__name__}: {error}. Every run loads installed plugins, so fix or "
+                f"{type(error).__name__}: {str(error).rstrip('.')}. Every run loads installed plugins, so fix or "
                 f"uninstall {provider.distribution}, or skip this plugin with "
                 f"{BLOCK_VARIABLE}={name} ({AUTOLOAD_VARIABLE}=1 skips them all)."
             ) from error

@@ -15,6 +15,7 @@ import difflib
 import importlib
 import inspect
 import re
+import sys
 import threading
 import typing
 from collections.abc import Iterator, Mapping
@@ -100,7 +101,10 @@ class Provider:
         # An entry point may name extras after its object ("mod:Obj [extra]").
         module_name, _, attribute = self.value.split("[")[0].strip().partition(":")
         try:
-            module = importlib.import_module(module_name)
+            # What a plugin prints as it is imported goes to stderr: stdout carries a command's
+            # results (dew train --check, dew eval --json), which a script parses.
+            with contextlib.redirect_stdout(sys.stderr):
+                module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
             raise MissingDistributionError(
                 f"{self.name!r} from {self.distribution} could not be imported: "
@@ -132,6 +136,10 @@ class Provider:
     def _install_hint(self, missing: str) -> str:
         """What to install: an extra that provides the missing module, or the distribution again."""
         module = self.value.partition(":")[0].strip()
+        if module == missing or module.startswith(f"{missing}."):
+            return (f"Its entry point names that module, which {self.distribution} does not hold: the entry "
+                    f"point is wrong (fix it in {self.distribution}'s pyproject.toml and reinstall), or the "
+                    f"install is incomplete (pip install --force-reinstall {self.distribution}).")
         if _normalize(missing.partition(".")[0]) == _normalize(module.partition(".")[0]):
             return (f"{self.distribution} looks incomplete; reinstall it: "
                     f"pip install --force-reinstall {self.distribution}.")

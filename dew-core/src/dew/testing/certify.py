@@ -56,11 +56,12 @@ GROUPS: dict[str, tuple[str, str, str | None]] = {
     "dew.datasets": ("dew.testing.dataset", "DatasetReaderKit", None),
     "dew.rewards": ("dew.testing.reward", "RewardKit", "reward"),
     "dew.environments": ("dew.testing.environment", "EnvironmentKit", "environment"),
+    "dew.evaluations": ("dew.testing.evaluation", "EvaluationTaskKit", "task"),
     "dew.plugins": ("dew.plugins", "hooks", None),
 }
 _KIND = {"dew.objectives": "objective", "dew.models": "model", "dew.trackers": "tracker",
          "dew.datasets": "reader", "dew.rewards": "reward", "dew.environments": "environment",
-         "dew.plugins": "hooks"}
+         "dew.evaluations": "evaluation task", "dew.plugins": "hooks"}
 
 
 class NotADistributionError(DewError, LookupError):
