@@ -28,7 +28,7 @@ import optax
 
 from dew.data.base import GLOBAL_POSITION, Dataset
 from dew.objectives.base import Aux, EMASpec, Mean, Objective, under
-from dew.testing import DatasetReaderKit, ModelKit, ObjectiveKit, RolloutKit, TrackerKit
+from dew.testing import DatasetReaderKit, ModelKit, ObjectiveKit, RewardKit, RolloutKit, TrackerKit
 from dew.training import Trainer
 
 
@@ -203,6 +203,24 @@ class FailsOnSecondClose(Lines):
             raise RuntimeError("the tracker is already closed")
 
 
+class KeyedByStep(Lines):
+    """Keeps a step's last call only, written at close: a run's validation and training scalars of
+    one step come in two calls, and one was lost."""
+
+    def __init__(self, directory):
+        super().__init__(directory)
+        self.rows = {}
+
+    def log(self, scalars, step):
+        self.rows[step] = scalars
+
+    def close(self):
+        if not self.closed:
+            for step, scalars in sorted(self.rows.items()):
+                Lines.log(self, scalars, step)
+        super().close()
+
+
 class TrackerCase(TrackerKit):
     component = Lines
 
@@ -230,6 +248,31 @@ class TestTrackerCrashesOnNaN(TrackerCase):
 
 class TestTrackerFailsOnSecondClose(TrackerCase):
     component = FailsOnSecondClose
+
+
+class TestTrackerKeyedByStep(TrackerCase):
+    component = KeyedByStep
+
+
+# -- rewards --------------------------------------------------------------------------------------
+def length_reward(completions, context):
+    return [float(len(c)) for c in completions]
+
+
+def nan_for_empty(completions, context):
+    """Deterministic, but NaN for an empty completion: only the finiteness check may fail (the
+    repeat check compared NaN with NaN and called the reward random)."""
+    return [float("nan") if not c else 1.0 for c in completions]
+
+
+class TestRewardHealthy(RewardKit):
+    def reward(self):
+        return length_reward
+
+
+class TestRewardNanForEmpty(RewardKit):
+    def reward(self):
+        return nan_for_empty
 
 
 # -- dataset readers ------------------------------------------------------------------------------
@@ -364,13 +407,15 @@ EXPECTED_FAILURES = {
     "TestModelIndivisible": {"test_layout_check_passes_on_fake_devices"},
     "TestTrackerCrashesOnNaN": {"test_non_finite_values_are_logged"},
     "TestTrackerFailsOnSecondClose": {"test_close_twice_is_safe", "test_close_without_logging_is_safe"},
+    "TestTrackerKeyedByStep": {"test_one_step_logged_twice_keeps_both"},
+    "TestRewardNanForEmpty": {"test_one_finite_value_per_completion"},
     "TestReaderForgetsPosition": {"test_saved_position_resumes_the_stream",
                                   "test_position_resumes_at_another_process_count"},
     "TestReaderSharePosition": {"test_position_resumes_at_another_process_count"},
     "TestRolloutTrimsToLongest": {"test_shapes_are_the_same_at_every_call"},
 }
 HEALTHY = ["TestObjectiveHealthy", "TestModelHealthy", "TestTrackerHealthy", "TestReaderHealthy",
-           "TestRolloutHealthy"]
+           "TestRolloutHealthy", "TestRewardHealthy"]
 
 
 def run_generated(tmp_path: Path) -> dict[str, dict[str, str]]:

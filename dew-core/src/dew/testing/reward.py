@@ -57,6 +57,7 @@ class RewardKit:
         assert not bad, f"The reward gave non-finite values {bad[:5]} (completion index, value)."
 
     def test_the_same_inputs_score_the_same(self) -> None:
-        assert self._scores() == self._scores(), (
+        first, second = np.asarray(self._scores()), np.asarray(self._scores())
+        assert np.array_equal(first, second, equal_nan=True), (  # a NaN scored twice is the same score
             "The reward scored the same completions differently twice: a reward must not depend on hidden "
             "state or unseeded randomness, or rollouts cannot be replayed.")

@@ -14,6 +14,8 @@ files W&B writes) rather than the tracker's code::
             return {name: [(step, value), ...], ...}
 
 ``read_back`` returns every scalar series by name as (step, value) pairs.
+``log`` may be called more than once for one step (a run logs validation
+and training scalars apart), each call with names of its own: all are kept.
 ``log`` runs on the training thread, between steps: the kit times it and
 refuses a tracker whose median call takes longer than ``log_budget``
 seconds (a network round trip, say), which should hand its writes to a
@@ -75,6 +77,21 @@ class TrackerKit:
             for (step, value), (_, want) in zip(got, expected, strict=True):
                 assert math.isclose(value, want, rel_tol=self.rtol), (
                     f"{name!r} at step {step} read back as {value}, written as {want}.")
+
+    def test_one_step_logged_twice_keeps_both(self, tmp_path: Path) -> None:
+        """A run logs a step's validation and its training scalars in two calls (in either order at
+        the last step): a tracker keyed by step alone kept one call and lost the other's names."""
+        tracker = self.tracker(tmp_path)
+        tracker.log({"val/loss": 0.75}, step=2)
+        tracker.log({"loss": 0.5, "train/lr": 0.1}, step=2)
+        tracker.log({"loss": 0.25, "train/lr": 0.2}, step=3)
+        tracker.log({"val/loss": 0.125}, step=3)
+        tracker.close()
+        for name, expected in (("val/loss", [(2, 0.75), (3, 0.125)]), ("loss", [(2, 0.5), (3, 0.25)])):
+            got = self._series(tmp_path, name)
+            assert got == expected, (
+                f"{name!r} read back as {got}, logged as {expected}: log may be called more than once for a "
+                "step, each call with names of its own, and every call's names must be kept.")
 
     def test_non_finite_values_are_logged(self, tmp_path: Path) -> None:
         tracker = self.tracker(tmp_path)
