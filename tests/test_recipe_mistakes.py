@@ -274,3 +274,39 @@ def test_a_run_whose_plugin_is_gone_is_told_to_install_it_not_to_edit_its_recipe
                "'dew-gone-plugin==1.2.3' to read it again." in err, err
     assert main(["train", "--resume", str(tmp_path / "run")]) == 2
     assert "pip install 'dew-gone-plugin==1.2.3'" in capsys.readouterr().err
+
+
+def test_a_component_of_another_version_than_the_run_trained_with_is_named_with_both(tmp_path, capsys):
+    """A plugin upgraded between a run and its resume: the resume said nothing and started.json kept
+    the first version, so a later reader was told to install the wrong one; a recipe the new version
+    refuses was not told which version the run trained with."""
+    import json
+    from importlib import metadata
+
+    from dew.recipes.config import RunConfig
+    from dew.recipes.folder import RunFolder
+
+    installed = f"dew-objectives {metadata.version('dew-objectives')}"
+    config = RunConfig.load("tiny-lm")
+    config.save(tmp_path / "run")
+    started = tmp_path / "run" / "started.json"
+    started.write_text(json.dumps({"timestamp": "2026-12-05_10:00:00", "cwd": str(tmp_path),
+                                   "components": {"objectives/lm": "dew-objectives 0.0.1"}}))
+    RunFolder(tmp_path / "run", "2026-12-05_11:00:00", tmp_path).record(config)
+    assert capsys.readouterr().out == (f"The run trained with objective 'lm' from dew-objectives 0.0.1; it goes on "
+                                       f"with {installed}.\n")
+    recorded = json.loads(started.read_text())
+    assert recorded["components"]["objectives/lm"] == installed and recorded["timestamp"] == "2026-12-05_10:00:00"
+    RunFolder(tmp_path / "run", "2026-12-05_12:00:00", tmp_path).record(config)
+    assert capsys.readouterr().out == ""  # said once, when it changed
+
+    started.write_text(json.dumps({"timestamp": "2026-12-05_10:00:00", "cwd": str(tmp_path),
+                                   "components": {"objectives/lm": "dew-objectives 0.0.1"}}))
+    recipe = json.loads((tmp_path / "run" / "run.json").read_text())
+    recipe["objective"]["seq_length"] = 64  # a field the old version took, say
+    (tmp_path / "run" / "run.json").write_text(json.dumps(recipe))
+    assert main(["eval", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "objective 'lm' has no field 'seq_length'" in err, err
+    assert (f"The run trained with objective 'lm' from dew-objectives 0.0.1; installed is {installed}: pip install "
+            "'dew-objectives==0.0.1' to read it as it trained") in err, err

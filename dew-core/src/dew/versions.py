@@ -11,10 +11,10 @@ resume or a refusal can say which dew wrote a step when it is not this one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import metadata
 
-__all__ = ["DISTRIBUTIONS", "described", "installed", "not_installed", "writer"]
+__all__ = ["DISTRIBUTIONS", "component_versions", "described", "installed", "not_installed", "writer"]
 
 DISTRIBUTIONS = ("dew-core", "dew-objectives", "dew-trackers", "dew-data")
 
@@ -48,3 +48,21 @@ def not_installed(written: Mapping[str, str] | None) -> bool:
     """Whether written names a dew other than the one installed here."""
     now = installed()
     return bool(written) and any(now.get(name) != version for name, version in (written or {}).items())
+
+
+def component_versions(named: Sequence[tuple[str, object]]) -> dict[str, str]:
+    """Which installed distribution (and version) registers each (group, name) a run names, as
+    "group/name": "distribution version": what a reader of the run must have installed."""
+    from dew import registry as registries
+
+    found: dict[str, str] = {}
+    for group, name in named:
+        if not isinstance(name, str) or name not in registries.registry(group):
+            continue
+        distribution = registries.registry(group).provider(name).distribution
+        try:
+            version = metadata.version(distribution)
+        except (metadata.PackageNotFoundError, ValueError):
+            continue  # a registration made in code (a test's), not by an installed distribution
+        found[f"{group}/{name}"] = f"{distribution} {version}"
+    return found

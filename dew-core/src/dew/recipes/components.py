@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pydantic
@@ -25,7 +25,7 @@ from dew.settings import Settings
 if TYPE_CHECKING:
     from dew.data.base import Dataset
 
-__all__ = ["NO_JSON", "ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "json_form", "provenance",
+__all__ = ["NO_JSON", "ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "json_form",
            "refuse_values", "run_inputs", "with_defaults"]
 
 # Of what an objective declares in Objective.run_inputs, the run always supplies the
@@ -331,26 +331,6 @@ def check_component(group: str, config: ComponentConfig) -> ComponentConfig:
             "dew_component", "{message}", {"message": found[0][1], "problems": found}
         )
     return config
-
-
-def provenance(named: Sequence[tuple[str, object]]) -> dict[str, str]:
-    """Which installed distribution (and version) registers each (group, name) a run names, as
-    "group/name": "distribution version": what a reader of the run must have installed."""
-    from importlib import metadata
-
-    from dew import registry as registries
-
-    found: dict[str, str] = {}
-    for group, name in named:
-        if not isinstance(name, str) or name not in registries.registry(group):
-            continue
-        distribution = registries.registry(group).provider(name).distribution
-        try:
-            version = metadata.version(distribution)
-        except (metadata.PackageNotFoundError, ValueError):
-            continue  # a registration made in code (a test's), not by an installed distribution
-        found[f"{group}/{name}"] = f"{distribution} {version}"
-    return found
 
 
 NO_JSON = object()  # what json_form gives a value that has no JSON form

@@ -115,15 +115,18 @@ class RunFolder:
         """Write started.json into the folder (made here) before the run's first step: the timestamp
         and working directory, and the distribution (with its version) registering each component
         the recipe names, so a reader of the run after a plugin was uninstalled is told what to
-        install. Written first, it survives a kill -9 at any step; the first writer's stays."""
+        install. Written first, it survives a kill -9 at any step; the first writer's timestamp and
+        folder stay. A resume with a component from another version of its distribution says so
+        and records the version that trains from here."""
         if self.directory is None or self.timestamp is None:
             return
-        target = self.directory / STARTED
-        if target.exists():
-            return
-        from dew.recipes.components import provenance
+        from dew.versions import component_versions
 
-        components = provenance(named_components(config))
+        target = self.directory / STARTED
+        components = component_versions(named_components(config))
+        if target.exists():
+            _record_upgrades(target, components)
+            return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with target.open("x") as out:
@@ -133,6 +136,32 @@ class RunFolder:
             return  # another process started the folder first; its record stands
         except OSError:
             return  # a folder that cannot be written: the run's checkpoints say so, by field
+
+
+def _record_upgrades(target: Path, components: dict[str, str]) -> None:
+    """Say which of a resumed run's components now come from another version than the one that
+    trained it, and record the new ones in started.json (written whole, then swapped in)."""
+    from dew import registry as registries
+
+    try:
+        started = json.loads(target.read_text())
+        recorded = started.get("components") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    changed = {key: made for key, made in components.items() if key in recorded and recorded[key] != made}
+    if not changed:
+        return
+    for key, made in sorted(changed.items()):
+        group, _, name = key.partition("/")
+        print(f"The run trained with {registries.registry(group).kind} {name!r} from {recorded[key]}; it goes "
+              f"on with {made}.", flush=True)
+    started["components"] = {**recorded, **changed}
+    fresh = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fresh.write_text(json.dumps(started) + "\n")
+        os.replace(fresh, target)
+    except OSError:
+        fresh.unlink(missing_ok=True)
 
 
 def named_components(config: RunConfig) -> list[tuple[str, object]]:

@@ -181,12 +181,22 @@ def _missing_distributions(run: Path) -> list[str]:
         recorded = json.loads((run / STARTED).read_text()).get("components") or {}
     except (OSError, ValueError, AttributeError):
         return []
+    from dew.versions import component_versions
+
     lines = []
     for key, made_by in sorted(recorded.items()) if isinstance(recorded, dict) else ():
         group, _, name = str(key).partition("/")
-        if group not in registries.GROUPS or name in registries.registry(group):
+        if group not in registries.GROUPS:
             continue
         distribution, _, version = str(made_by).partition(" ")
-        lines.append(f"The run trained with {registries.registry(group).kind} {name!r} from {distribution} {version}: "
-                     f"pip install '{distribution}=={version}' to read it again.")
+        kind = registries.registry(group).kind
+        if name not in registries.registry(group):
+            lines.append(f"The run trained with {kind} {name!r} from {distribution} {version}: "
+                         f"pip install '{distribution}=={version}' to read it again.")
+            continue
+        now = component_versions([(group, name)]).get(key)
+        if now is not None and now != made_by:  # registered still, by another version (or distribution)
+            lines.append(f"The run trained with {kind} {name!r} from {distribution} {version}; installed is {now}: "
+                         f"pip install '{distribution}=={version}' to read it as it trained, or give the "
+                         "fields the new version takes as key=value overrides.")
     return lines
