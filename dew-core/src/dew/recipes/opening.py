@@ -130,9 +130,10 @@ def _read_step(objective: Objective, directory: Path, store: Store, kept: list[i
         live = ParamsFrom(directory, step=number)(abstract)
         averaged = None
         if any(name.startswith(".ema[") for name in leaves):
-            from dew.training.trees import overlay
+            from dew.training.trees import overlay_as
 
-            averaged = overlay(live, ParamsFrom(directory, step=number, field="ema")(abstract))
+            # in the weights' dtypes: an EMA is kept in float32 over bfloat16 or float16 weights
+            averaged = overlay_as(live, ParamsFrom(directory, step=number, field="ema")(abstract))
     except CheckpointCorruptedError as error:
         older = [kept_step for kept_step in kept if kept_step < number]
         hint = (f"read an older kept step with --step {older[-1]} (kept: {kept}), or resume the run "

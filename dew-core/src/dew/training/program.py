@@ -20,7 +20,7 @@ from flax import linen as nn
 from dew.errors import DewError
 from dew.objectives.base import Objective, Variables
 from dew.training.composition import Composition
-from dew.training.ema import ema_leaves
+from dew.training.ema import ema_leaves, ema_storage
 from dew.training.state import Scaler, TrainState, Window
 from dew.training.step import (
     Gradients,
@@ -101,7 +101,7 @@ class Program:
                             count=jnp.asarray(0.0, jnp.float32), filled=zero)
         ema = None
         if self.objective.ema is not None:
-            ema = jax.tree.map(jnp.copy, ema_leaves(self.objective.ema, self.objective.frozen, variables))
+            ema = jax.tree.map(ema_storage, ema_leaves(self.objective.ema, self.objective.frozen, variables))
         return TrainState(
             params=variables, opt_state=self.transform.init(float16_widened(trainable)), key=jax.random.key_data(key),
             step=zero, microstep=zero, updates=zero, ema=ema,

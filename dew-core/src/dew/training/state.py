@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from dew.objectives.base import Variables
-from dew.training.trees import overlay
+from dew.training.trees import overlay_as
 from dew.tree_summary import brief_repr
 from dew.typing import PyTree
 
@@ -114,7 +114,7 @@ class TrainState:
     @property
     def averaged(self) -> Variables | None:
         """The variables with the EMA leaves in place (None without an EMA)."""
-        return None if self.ema is None else overlay(self.params, self.ema)
+        return None if self.ema is None else overlay_as(self.params, self.ema)  # in the weights' dtypes
 
     @property
     def rng(self) -> jax.Array:

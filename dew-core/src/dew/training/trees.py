@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from dew.typing import PyTree
 
-__all__ = ["Path", "overlay", "paths", "select", "trains"]
+__all__ = ["Path", "overlay", "overlay_as", "paths", "select", "trains"]
 
 Path = tuple[str, ...]
 
@@ -48,6 +48,21 @@ def overlay(base: Mapping[str, PyTree], top: Mapping[str, PyTree]) -> dict[str, 
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = overlay(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def overlay_as(base: Mapping[str, PyTree], top: Mapping[str, PyTree]) -> dict[str, PyTree]:
+    """overlay, with each of top's arrays in the dtype of the base leaf it replaces (an EMA kept in
+    float32 over bfloat16 weights reads as bfloat16 weights do)."""
+    out = dict(base)
+    for key, value in top.items():
+        below = out.get(key)
+        if isinstance(value, Mapping) and isinstance(below, Mapping):
+            out[key] = overlay_as(below, value)
+        elif hasattr(value, "astype") and getattr(below, "dtype", None) not in (None, getattr(value, "dtype", None)):
+            out[key] = value.astype(below.dtype)  # type: ignore[union-attr]  # an array: it has astype and a dtype
         else:
             out[key] = value
     return out
