@@ -77,3 +77,46 @@ def test_pipeline_save_writes_a_pretrained_directory(tmp_path):
                     strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert again(["abc", "x"], max_new_tokens=6) == pipeline(["abc", "x"], max_new_tokens=6)
+
+
+def _sentencepiece_like(folder) -> str:
+    """A tokenizer.json as Llama 2's and Mistral's are: a '▁' before the text and for each space, and a
+    decoder that strips one leading space. '▁x' is id 0, what a model of all-zero logits picks."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"▁x": 0, "▁": 1, "x": 2, "d": 3, "e": 4, "f": 5, "▁d": 6, "▁de": 7, "▁def": 8, "<unk>": 9, "</s>": 10}
+    merges = [("▁", "x"), ("▁", "d"), ("▁d", "e"), ("▁de", "f")]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(["<unk>", "</s>"])
+    path = folder / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
+
+
+def test_a_continuation_keeps_the_space_a_sentencepiece_decoder_strips_from_a_texts_start(tmp_path):
+    """Decoded alone, '▁x ▁x' reads 'x x': the continuation of 'def' printed as 'defx x x', and a stop
+    string ' x' matched only at the second word. It reads as transformers' pipeline reads it: the
+    whole sequence's text past the prompt's."""
+    from tokenizers import Tokenizer
+
+    from dew.data.hf_tokenizer import HFTokenizer
+
+    path = _sentencepiece_like(tmp_path)
+    reference = Tokenizer.from_file(path)
+    model = CausalTransformer(vocab_size=11, emb_features=16, num_layers=1, num_heads=2, mlp_features=32,
+                              max_seq_len=32, position_embedding="rotary", mlp_activation="swiglu")
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    variables = jax.tree_util.tree_map_with_path(  # all-zero logits: greedy picks id 0, '▁x', each time
+        lambda p, x: jnp.zeros_like(x) if "final_norm" in jax.tree_util.keystr(p) else x, variables)
+    pipeline = TextGeneration(model, variables, HFTokenizer.from_file(path, eos_token="</s>"))
+    prompt = reference.encode("def").ids
+    new = [0, 0, 0]
+    assert reference.decode(new) == "x x x"  # what decoding the continuation alone gives
+    expected = reference.decode(prompt + new)[len(reference.decode(prompt)):]
+    assert expected == " x x x"
+    assert pipeline("def", max_new_tokens=3) == expected
+    assert pipeline("def", max_new_tokens=6, stop=[" x"]) == " x"  # the first word completes the stop
+    ids = pipeline.tokens(["def"], max_new_tokens=6, stop=[" x"]).new_tokens[0]
+    assert ids == [0]  # the engine ended the row at the token that completed it

@@ -126,6 +126,9 @@ class GenerateRequest:
             raise UnsupportedRequestError(f"count must be at least 1, got {self.count}.")
         if self.steps is not None and self.steps < 1:
             raise UnsupportedRequestError(f"steps must be at least 1, got {self.steps}.")
+        if not -(2**63) <= self.seed < 2**63:  # jax.random.key takes a 64-bit integer
+            raise UnsupportedRequestError(f"seed must be a 64-bit integer (below 2**63 = 9223372036854775808 "
+                                          f"in size), got {self.seed}.")
 
     def given(self) -> tuple[str, ...]:
         """The options set (not None), in declaration order."""

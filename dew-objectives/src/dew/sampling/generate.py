@@ -48,6 +48,11 @@ class Generation:
         """Only the generated tokens of each row."""
         return [row[n:] for row, n in zip(self.tokens, self.prompt_lengths, strict=True)]
 
+    @property
+    def prompt_tokens(self) -> list[list[int]]:
+        """Only the prompt of each row."""
+        return [row[:n] for row, n in zip(self.tokens, self.prompt_lengths, strict=True)]
+
 
 def _rows(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array) -> list[list[int]]:
     if isinstance(prompts, np.ndarray | jax.Array):

@@ -41,6 +41,7 @@ from dew.objectives.inference import (
 from dew.sampling.errors import PromptTooLongError
 from dew.sampling.generate import Generation, generate
 from dew.sampling.options import Sampling
+from dew.sampling.text import continued
 from dew.tree_summary import brief_repr
 
 if TYPE_CHECKING:
@@ -144,8 +145,9 @@ class TextGeneration(Pipeline):
         out = self.tokens(batch, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                           stop=stop, chat=chat)
         ended = self.stops
-        texts = [_cut(self.tokenizer.decode(row[:-1] if row and row[-1] in ended else row), stop)
-                 for row in out.new_tokens]
+        decode = self.tokenizer.decode
+        texts = [_cut(continued(decode, prompt, row[:-1] if row and row[-1] in ended else row), stop)
+                 for prompt, row in zip(out.prompt_tokens, out.new_tokens, strict=True)]
         return texts[0] if single else texts
 
     def generate(self, request: GenerateRequest) -> Generated:
