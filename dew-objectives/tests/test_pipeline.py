@@ -120,3 +120,5 @@ def test_a_continuation_keeps_the_space_a_sentencepiece_decoder_strips_from_a_te
     assert pipeline("def", max_new_tokens=6, stop=[" x"]) == " x"  # the first word completes the stop
     ids = pipeline.tokens(["def"], max_new_tokens=6, stop=[" x"]).new_tokens[0]
     assert ids == [0]  # the engine ended the row at the token that completed it
+    objective = LMObjective(model, seq_len=8, tokenizer=pipeline.tokenizer, prompt="def", preview_tokens=3)
+    assert objective.preview(variables, jax.random.key(0)).data == "def" + expected  # the run's own sample too

@@ -219,7 +219,10 @@ class LMObjective(Objective):
         new = max(min(self.preview_tokens, limit - len(prompt)), 0)
         out = generate(self.model, variables, [prompt], new, key, self.preview_sampling,
                        eos_id=stop_ids_of(self.tokenizer))
-        return Artifact("sample", "text", self.prompt + self.tokenizer.decode(out.new_tokens[0]))
+        from dew.sampling.text import continued
+
+        # read after the prompt, as dew generate shows it (a SentencePiece decoder strips a leading space)
+        return Artifact("sample", "text", self.prompt + continued(self.tokenizer.decode, prompt, out.new_tokens[0]))
 
     def pipeline(self, state: TrainState | Variables, *,
                  sampling: Sampling | Mapping[str, Any] | None = None) -> TextGeneration:
