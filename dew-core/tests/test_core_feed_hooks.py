@@ -379,6 +379,24 @@ def test_a_notice_at_the_last_step_stops_after_its_final_validation(tmp_path):
     assert not PreemptionNotice.received()
 
 
+def test_an_evaluation_task_that_fails_at_the_last_step_keeps_that_steps_checkpoint(tmp_path):
+    """Scheduled tasks ran before the save: one that failed at the last step (a bad task file, a
+    model it cannot score) lost the step the run had just trained, and the folder kept only the one
+    before it."""
+    from dew.evaluations.base import Periodic
+
+    class Fails:
+        def evaluate(self, subject, *, mesh=None):
+            raise RuntimeError("the task's own failure")
+
+    checkpoints = Checkpoints(tmp_path)
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints,
+                      evaluations=[Periodic("fails", Fails(), None, None, None)])
+    with pytest.raises(RuntimeError, match="the task's own failure"):
+        trainer.fit(numbered(), steps=4, log_every=4, checkpoint_every=3)
+    assert checkpoints.latest == 4
+
+
 def test_each_save_note_names_the_store_it_was_written_to(tmp_path, capsys):
     checkpoints = Checkpoints(tmp_path / "shared", local_directory=tmp_path / "local", local_every=2)
     trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=checkpoints)

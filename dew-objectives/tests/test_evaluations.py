@@ -328,7 +328,7 @@ def test_perplexity_equals_lm_evals_rolling_windows_in_transformers(exported, re
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["eval/perplexity/bits_per_byte"] == pytest.approx(expected["bits_per_byte"], rel=1e-4)
     _write(tmp_path / "untitled.jsonl", [{"body": "x"}])
-    with pytest.raises(TaskFileError, match="no text under 'text'.*set text_key="):
+    with pytest.raises(TaskFileError, match=r"has no key 'text' \(it has \['body'\]\).*set text_key="):
         PerplexityTask(file=str(tmp_path / "untitled.jsonl")).evaluate(subject)
 
 
@@ -482,3 +482,49 @@ def test_a_generation_prompt_longer_than_the_model_keeps_its_end_instead_of_fail
     with pytest.raises(TaskFileError, match="max_new_tokens=16 leaves no room for a prompt in the model's max_seq_len=16"):
         GenerationTask(file=str(tmp_path / "gen.jsonl"), max_new_tokens=16).generations(
             Subject(model, variables, ByteTokenizer()))
+
+
+def test_a_perplexity_file_with_a_bad_record_and_null_fields_are_refused_when_the_task_is_built(tmp_path):
+    """perplexity read its file at the first evaluation only (a run trained to it and lost its steps),
+    and said a present key was missing; a null answer, prompt or context was scored as the text None."""
+    from dew.evaluations.generation import GenerationTask
+    from dew.evaluations.multiple_choice import MultipleChoice
+    from dew.evaluations.perplexity import PerplexityTask
+
+    file = _write(tmp_path / "p.jsonl", [{"text": "a b"}, {"text": 5}])
+    with pytest.raises(TaskFileError, match=r"Line 2 of .*p.jsonl' holds 5 under 'text', not a document"):
+        PerplexityTask(file=file)
+    with pytest.raises(TaskFileError, match=r"Line 1 of .*p.jsonl' has no key 'body' \(it has \['text'\]\)"):
+        PerplexityTask(file=file, text_key="body")
+    for task, record, key in ((GenerationTask, {"question": "q", "answer": None}, "answer"),
+                              (GenerationTask, {"question": None, "answer": "4"}, "question"),
+                              (MultipleChoice, {"context": None, "choices": ["a", "b"], "answer": 0}, "context")):
+        with pytest.raises(TaskFileError, match=rf"Line 1 of .*n.jsonl' holds null under '{key}'"):
+            task(file=_write(tmp_path / "n.jsonl", [record]))
+
+
+def test_a_text_task_is_refused_for_a_denoiser_or_a_run_without_a_tokenizer_as_it_is_built(tmp_path):
+    """A masked-diffusion run scored perplexity 400 over a 257-token vocabulary and an accuracy from logits
+    that predict no next token, and its generation task failed with a TypeError after every step trained."""
+    from dew.data import ByteTokenizer
+    from dew.evaluations.base import UnscorableModelError, scheduled
+    from dew.evaluations.config import EvaluateConfig
+    from dew.nn.backbones import CausalTransformer
+    from dew.nn.token_denoiser import TokenDenoiser
+
+    file = _write(tmp_path / "p.jsonl", [{"text": "a b", "context": "x", "choices": ["a", "b"], "answer": 0,
+                                          "question": "1+1=", "answer_text": "2"}])
+    denoiser = TokenDenoiser(vocab_size=257, emb_features=8, num_layers=1, num_heads=2, mlp_features=8,
+                             max_seq_len=16)
+    causal = CausalTransformer(vocab_size=257, emb_features=8, num_layers=1, num_heads=2, mlp_features=8,
+                               max_seq_len=16)
+    for task, fields in (("perplexity", {}), ("multiple_choice", {}),
+                         ("generation", {"answer_key": "answer_text"})):
+        config = EvaluateConfig.model_validate({"task": task, "file": file, **fields})
+        with pytest.raises(UnscorableModelError, match=rf"'{task}' scores a causal language model's next-token "
+                                                       r"predictions, and this run's model, TokenDenoiser"):
+            scheduled(config, denoiser, ByteTokenizer())
+        with pytest.raises(UnscorableModelError, match=rf"'{task}' turns text into ids with the run's tokenizer, "
+                                                       "and this run has none"):
+            scheduled(config, causal, None)
+        assert scheduled(config, causal, ByteTokenizer()).task is not None

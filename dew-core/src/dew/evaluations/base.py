@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -50,12 +50,32 @@ if TYPE_CHECKING:
     from dew.objectives.base import Variables
     from dew.training.evaluation import Evaluation
 
-__all__ = ["EvaluationTask", "Periodic", "Subject", "TaskFileError", "check_task_file", "read_task_file", "scheduled",
-           "share_rows"]
+__all__ = ["EvaluationTask", "Periodic", "ReadsWholeSequence", "ScoresCausalText", "Subject", "TaskFileError",
+           "UnscorableModelError", "check_task_file", "read_task_file", "scheduled", "share_rows"]
 
 
 class TaskFileError(DewError, ValueError):
     """A task's record file is missing, or a line of it is not a record the task can read."""
+
+
+class UnscorableModelError(DewError, ValueError):
+    """A task that scores a causal language model's text was given a model that is not one."""
+
+
+@runtime_checkable
+class ScoresCausalText(Protocol):
+    """A task that scores text through a causal model's next-token predictions (its likelihoods or
+    its greedy continuations): it needs the run's tokenizer and a model that reads left to right."""
+
+    scores_causal_text: ClassVar[bool]
+
+
+@runtime_checkable
+class ReadsWholeSequence(Protocol):
+    """A model whose every position reads the whole sequence (a masked- or block-diffusion
+    denoiser): its logits are no next-token predictions, so no causal text task can score it."""
+
+    reads_whole_sequence: ClassVar[bool]
 
 
 @dataclass(frozen=True)
@@ -130,6 +150,18 @@ def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None
 
     fields = config.fields if expand is None else expand(config.fields)
     task = registry.evaluations.build(config.task, **fields)
+    if isinstance(task, ScoresCausalText):  # refused as the task is built, not at its first evaluation
+        if isinstance(model, ReadsWholeSequence):
+            raise UnscorableModelError(
+                f"The task {config.task!r} scores a causal language model's next-token predictions, and this "
+                f"run's model, {type(model).__name__}, reads the whole sequence at every position (a "
+                "diffusion denoiser), so its logits predict no next token. Score the run with its objective's "
+                "own metrics (dew eval RUN), or give the task a causal model's run.")
+        if tokenizer is None:
+            raise UnscorableModelError(
+                f"The task {config.task!r} turns text into ids with the run's tokenizer, and this run has none: "
+                "its data reader names no tokenizer (or its export holds none). Text tasks score a language "
+                "model; a run on images or on pre-tokenized ids without a tokenizer cannot take them.")
     return Periodic(config.name, task, config.every, model, tokenizer)
 
 

@@ -19,6 +19,7 @@ diffusion samples with. Every parameter carries logical axis names.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -47,6 +48,8 @@ class TokenDenoiser(nn.Module):
     num_heads: int
     mlp_features: int
     max_seq_len: int
+
+    reads_whole_sequence: ClassVar[bool] = True  # dew.evaluations.base.ReadsWholeSequence: no causal text task
 
     @property
     def mask_id(self) -> int:

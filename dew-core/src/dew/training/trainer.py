@@ -191,7 +191,7 @@ class Trainer(Generic[Loss, Effects]):
         concerns = [*([hooks.Profiling(self.profile, start)] if self.profile is not None else []),
                     hooks.Evaluating(self._evaluator, self.execution, dataset, every=eval_every, metrics=metrics,
                                      preview=preview, tracked=self.tracker is not None),
-                    hooks.Scoring(self.evaluations, self.execution), *([saving] if saving else []),
+                    *([saving] if saving else []), hooks.Scoring(self.evaluations, self.execution),  # saved first
                     hooks.Preemption(reporting, saving)]
         with ending(feed, state):
             compile = partial(self.execution.compile, self.program)

@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import numpy as np
@@ -59,6 +59,8 @@ def _first(pattern: re.Pattern[str], text: str) -> str | None:
 @dataclass(frozen=True)
 class GenerationTask:
     """Exact match of greedy generations against reference answers (see the module docstring)."""
+
+    scores_causal_text: ClassVar[bool] = True  # dew.evaluations.base.ScoresCausalText
 
     file: str
     prompt_key: str = "question"
@@ -97,6 +99,10 @@ class GenerationTask:
             if missing:
                 raise TaskFileError(f"{where} has no key {missing[0]!r} (it has {sorted(record)}); set "
                                     "prompt_key= and answer_key= to the keys it uses.")
+            empty = [k for k in keys if record[k] is None]
+            if empty:  # str(None) would be scored as the text "None"
+                raise TaskFileError(f"{where} holds null under {empty[0]!r}; give it a value, or leave the "
+                                    "record out.")
             try:
                 prompt = self.template.format(**record) if self.template else str(record[self.prompt_key])
             except (KeyError, IndexError, ValueError) as error:

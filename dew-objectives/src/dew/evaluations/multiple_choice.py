@@ -27,7 +27,7 @@ import os
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -82,6 +82,8 @@ def continuation_ids(tokenizer: Any, context: str, continuation: str) -> tuple[l
 class MultipleChoice:
     """Accuracy over a JSONL file of multiple-choice records (see the module docstring)."""
 
+    scores_causal_text: ClassVar[bool] = True  # dew.evaluations.base.ScoresCausalText
+
     file: str
     context_key: str = "context"
     choices_key: str = "choices"
@@ -105,6 +107,8 @@ class MultipleChoice:
             if key not in record:
                 raise TaskFileError(f"{where} has no key {key!r} (it has {sorted(record)}); set "
                                     "context_key=, choices_key= and answer_key= to the keys it uses.")
+            if record[key] is None:  # str(None) would be scored as the text "None"
+                raise TaskFileError(f"{where} holds null under {key!r}; give it a value, or leave the record out.")
         choices, labels = record[self.choices_key], None
         if isinstance(choices, Mapping) and "text" in choices:  # ARC: {"text": [...], "label": [...]}
             choices, labels = choices["text"], choices.get("label")

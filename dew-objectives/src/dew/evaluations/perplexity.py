@@ -14,12 +14,13 @@ each pooled over the file's documents.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from dew.data.base import eos_id_of, prefix_of
 from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file
@@ -56,6 +57,8 @@ def rolling_windows(tokens: Sequence[int], prefix: int, width: int) -> Iterator[
 class PerplexityTask:
     """Word, byte and token perplexity over a JSONL file of documents (see the module docstring)."""
 
+    scores_causal_text: ClassVar[bool] = True  # dew.evaluations.base.ScoresCausalText
+
     file: str
     text_key: str = "text"
     batch: int = 8
@@ -64,16 +67,20 @@ class PerplexityTask:
         if self.batch < 1:
             raise TaskFileError(f"PerplexityTask.batch={self.batch!r}; it is at least 1.")
         check_task_file(self.file)
+        self.documents()  # every record read as the task is built: a bad line is refused before a run trains
 
     def documents(self) -> list[str]:
         """Every record's text, checked (TaskFileError names a bad line)."""
         out = []
         for line, record in read_task_file(self.file):
-            text = record.get(self.text_key)
+            where = f"Line {line} of {os.fspath(self.file)!r}"
+            if self.text_key not in record:
+                raise TaskFileError(f"{where} has no key {self.text_key!r} (it has {sorted(record)}); set "
+                                    "text_key= to the key that holds each document.")
+            text = record[self.text_key]
             if not isinstance(text, str) or not text:
-                raise TaskFileError(
-                    f"Line {line} of {os.fspath(self.file)!r} has no text under {self.text_key!r} (it has "
-                    f"{sorted(record)}); set text_key= to the key that holds each document.")
+                raise TaskFileError(f"{where} holds {json.dumps(text)[:40]} under {self.text_key!r}, not a "
+                                    "document: write each one as a non-empty JSON string.")
             out.append(text)
         if not out:
             raise TaskFileError(f"The task file {os.fspath(self.file)!r} holds no record.")
