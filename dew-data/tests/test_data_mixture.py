@@ -203,6 +203,23 @@ def test_bad_weights_and_sources_are_named(tmp_path):
         Mixture(sources={"code": Tagged(0, 5), "wide": Tagged(1, 5, width=4)}, weights={"code": 1}).load(batch=2)
 
 
+def test_sources_with_different_tokenizers_are_refused_by_load_as_by_a_recipe(tmp_path):
+    """Mixture.load mixed a byte-level source with a BPE one, two id spaces in one batch; only a
+    recipe, which asks for the mixture's tokenizer, refused them."""
+    from bpe_helpers import build_tokenizer
+    from dew.data.mixture import Mixture, MixtureError
+
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x\n" * 40)
+    tokenizer = str(build_tokenizer(tmp_path / "tok") / "tokenizer.json")
+    sources = {"bytes": {"name": "token_windows", "files": str(tmp_path / "a.txt"), "length": 8},
+               "bpe": {"name": "token_windows", "files": str(tmp_path / "a.txt"), "length": 8,
+                       "tokenizer": tokenizer}}
+    with pytest.raises(MixtureError, match="Mixture sources 'bytes' and 'bpe' encode text with different tokenizers"):
+        Mixture(sources=sources, weights={"bytes": 1, "bpe": 1}).load(batch=2)
+    same = {**sources, "bytes": {**sources["bytes"], "tokenizer": tokenizer}}
+    assert Mixture(sources=same, weights={"bytes": 1, "bpe": 1}).load(batch=2).batch == 2
+
+
 def test_under_a_batch_ramp_the_schedule_switches_at_its_step_and_the_stream_reports_its_sources():
     """A ramp of 2-row batches for two steps, then 8: a schedule switching to source 1 at step 4
     switches at step 4 (counted as 2+2+8+8 = 20 records, not 4 x 8 = 32, which switched at step 5

@@ -454,7 +454,9 @@ class Mixture:
 
     def load(self, *, batch: int, seed: int = 0, workers: int = 0, prefetch: int = 4) -> Dataset:
         """An endless, resumable stream of the mixture in global batches of batch rows (no validation
-        split: evaluate each source on its own)."""
+        split: evaluate each source on its own). Sources that encode text with different tokenizers
+        are refused first (text_tokenizer), before any record is read."""
+        self.text_tokenizer()
         source = self.source(batch)
         return Dataset(train=StreamReader(source, batch=batch, seed=seed, workers=workers, prefetch=prefetch),
                        val=None, records=None, batch=batch)
