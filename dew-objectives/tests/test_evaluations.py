@@ -364,6 +364,14 @@ def test_a_recipe_scores_its_tasks_on_a_cadence_and_dew_eval_repeats_them(tmp_pa
     assert main(["eval", str(run), "--task", "sums", "--json"]) == 0, capsys.readouterr().err
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["step"] == 2 and printed["eval/sums/accuracy"] == logged[2]
+    # By task name: the run's own entry on its own file; given another file, the task as registered (the
+    # run's entry, with the template and keys written for its file, was taken silently).
+    assert main(["eval", str(run), "--task", "multiple_choice", "--json"]) == 0
+    assert "eval/sums/accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    other = shutil.copy(work / "choice.jsonl", elsewhere / "other.jsonl")
+    assert main(["eval", str(run), "--task", "multiple_choice", "--set", f"file={other}", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "eval/multiple_choice/accuracy" in printed and "eval/sums/accuracy" not in printed
 
 
 def test_a_recipe_names_a_bad_evaluation_entry():

@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="evaluate at most this many batches")
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     parser.add_argument("--task", default=None, metavar="NAME",
-                        help="score an evaluation task (an entry of the run's trainer.evaluate, or a "
-                             "registered task) instead of the validation split")
+                        help="score an evaluation task (an entry of the run's trainer.evaluate by its "
+                             "label, or by its task when no --set file= is given; else a registered task) "
+                             "instead of the validation split")
     parser.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
                         help="a field of the task (repeatable), read as YAML: --set file=arc.jsonl")
 
@@ -141,8 +142,11 @@ def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
     from dew.recipes.config import apply_overrides
 
     entries = [] if opened.config is None else list(opened.config.trainer.evaluate)
-    chosen = next((e for e in entries if e.name == args.task), None) or \
-        next((e for e in entries if e.task == args.task), None)
+    chosen = next((e for e in entries if e.name == args.task), None)
+    if chosen is None and not any(str(field).split("=", 1)[0].strip() == "file" for field in args.fields):
+        # the run's own task of that name, on its own file; with another file, the task as registered
+        # (not the run's entry, whose template and keys were written for the run's file)
+        chosen = next((e for e in entries if e.task == args.task), None)
     data = {"task": args.task} if chosen is None else _as_trained(chosen.model_dump(), opened.source)
     data = apply_overrides(data, args.fields)
     return EvaluateConfig.model_validate(data)
