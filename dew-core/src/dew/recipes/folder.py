@@ -58,6 +58,7 @@ __all__ = [
     "train_in",
 ]
 
+
 class SharedTrackerFolderWarning(UserWarning):
     """A copied run resumes with a tracker folder outside its own that the original run writes to."""
 
@@ -155,13 +156,11 @@ def _record_upgrades(target: Path, components: dict[str, str]) -> None:
         group, _, name = key.partition("/")
         print(f"The run trained with {registries.registry(group).kind} {name!r} from {recorded[key]}; it goes "
               f"on with {made}.", flush=True)
+    from dew.objectives.inference import write_file
+
     started["components"] = {**recorded, **changed}
-    fresh = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        fresh.write_text(json.dumps(started) + "\n")
-        os.replace(fresh, target)
-    except OSError:
-        fresh.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a folder that cannot be written: the run's checkpoints say so
+        write_file(target, (json.dumps(started) + "\n").encode())
 
 
 def named_components(config: RunConfig) -> list[tuple[str, object]]:
