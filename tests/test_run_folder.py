@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,11 @@ def test_a_tracker_folder_beside_the_run_follows_it_when_it_was_copied_with_it(t
     shutil.move(tmp_path / "exp2", tmp_path / "deeper" / "exp3")  # moved, with the folder beside it
     config, _ = resumed(tmp_path / "deeper" / "exp3" / "ckpt")
     assert config.trackers[0].fields["directory"] == str(tmp_path / "deeper" / "exp3" / "logs")
+    (tmp_path / "link").symlink_to(tmp_path / "exp")  # the same folder through a link: no copy, no word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config, _ = resumed(tmp_path / "link" / "ckpt", ["trackers.0.directory=/elsewhere"])
+        assert resumed(tmp_path / "link" / "ckpt")[0].trackers[0].fields["directory"] == "exp/logs"
     shutil.copytree(tmp_path / "exp" / "ckpt", tmp_path / "alone" / "ckpt")  # copied without it: said
     with pytest.warns(SharedTrackerFolderWarning, match=r"a copy of exp/ckpt.*\(exp/logs\) is the original's"):
         config, _ = resumed(tmp_path / "alone" / "ckpt")

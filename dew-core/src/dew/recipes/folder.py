@@ -260,8 +260,8 @@ def _followed(data: object, template: object, timestamp: str | None, cwd: Path, 
                 if isinstance(tracker, dict) and isinstance(where := tracker.get("directory"), str)
                 and (where == template or where.startswith(template.rstrip("/") + "/"))]
     started = _absolute(_expand(template, timestamp or ""), cwd)
-    if started == directory:
-        return []
+    if started == directory or (started.is_dir() and os.path.samefile(started, directory)):
+        return []  # where it started, spelt the same or through a link
     out = []
     for index, tracker in enumerate(data.get("trackers") or []):
         where = tracker.get("directory") if isinstance(tracker, dict) else None
