@@ -244,6 +244,9 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
         (["eval", str(trained.run), "--task", "generation", "--batches", "2"], "a --task scores its own file"),
         (["eval", str(trained.run), "--set", "file=x.jsonl"], "--set gives a field of an evaluation task"),
         (["generate", str(trained.run), "x", "--top-k", "5"], "top_k only narrows what sampling draws from"),
+        # named as typed, where Sampling's own field was named ("Sampling.top_p ... or be None")
+        (["generate", str(trained.run), "x", "--temperature", "1", "--top-p", "0"],
+         "top_p (--top-p) must be above 0 and at most 1, got 0.0."),
         # past 64 bits: an OverflowError's traceback from jax.random.key
         (["generate", str(trained.run), "x", "--temperature", "1", "--seed", str(2**63)],
          "seed must be a 64-bit integer (below 2**63 = 9223372036854775808 in size), got 9223372036854775808"),
