@@ -250,3 +250,29 @@ def test_processes_given_different_recipes_are_refused_by_name(tmp_path):
     assert codes == [2, 2], text
     assert text.count("dew train: Process(es) 1 of the pool of 2 were given another recipe") == 2, text
     assert not (tmp_path / "run" / "1").exists()  # refused before any step
+
+
+@pytest.mark.slow
+def test_a_pool_scores_its_generation_task_as_one_process_does(tmp_path):
+    """tiny-sft's generation task on a pool of two failed at its evaluation fetching an array held
+    across both processes (each generates its own rows, so decoding with the pool's arrays cannot
+    work): the pool ended with status 1 and the task's scores were never logged."""
+    import json
+
+    from dew.cli import main
+
+    common = ["tiny-sft", "model.num_layers=1", "model.emb_features=32", "model.mlp_features=64",
+              "model.num_heads=2", "data.batch=4", "trainer.steps=2", "trainer.log_every=1",
+              "trainer.evaluate.0.every=1", "trainer.evaluate.0.max_new_tokens=4"]
+    launch = Launch(["-n", "2", *common, f"trainer.checkpoint_dir={tmp_path / 'pool'}",
+                     f"trackers.0.directory={tmp_path / 'pool'}"], tmp_path)
+    assert launch.wait(timeout=300) == 0, launch.text()
+    assert main(["train", *common, f"trainer.checkpoint_dir={tmp_path / 'one'}",
+                 f"trackers.0.directory={tmp_path / 'one'}"]) == 0
+
+    def scored(run):
+        rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
+        return {row["step"]: (row["eval/addition/exact_match"], row["eval/addition/records"])
+                for row in rows if "eval/addition/exact_match" in row}
+
+    assert scored(tmp_path / "pool") == scored(tmp_path / "one") and sorted(scored(tmp_path / "pool")) == [1, 2]

@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import numpy as np
@@ -146,10 +146,11 @@ class GenerationTask:
                                     f"prompt in the model's max_seq_len={limit}; ask for fewer new tokens.")
             prompts = [ids[-room:] for ids in prompts]  # a long prompt keeps its end, as the harnesses cut one
         out: dict[int, str] = {}
+        variables = _process_local(subject.variables)
         for mine in share_rows(len(problems), max(self.batch, partition.shares), partition):
             kept = [int(r) for r in mine if r >= 0]
             rows = [prompts[r] for r in kept] or [prompts[0]]  # every process generates each batch
-            made = generate(subject.model, subject.variables, rows, self.max_new_tokens, jax.random.key(0),
+            made = generate(subject.model, variables, rows, self.max_new_tokens, jax.random.key(0),
                             Sampling(temperature=0.0), eos_id=stop_ids_of(tokenizer))
             for r, new in zip(kept, made.new_tokens, strict=False):
                 out[r] = tokenizer.decode([int(t) for t in new])
@@ -163,3 +164,16 @@ class GenerationTask:
         if jax.process_count() > 1:
             right = int(np.asarray(multihost_utils.process_allgather(np.asarray(right, np.int64))).sum())
         return {"exact_match": right / len(problems), "records": float(len(problems))}
+
+
+def _process_local(variables: Any) -> Any:
+    """variables whole on this process. A process pool's run holds them sharded over every
+    process's devices, and each process generates its own rows, each finishing when it does:
+    decoding with the pool's arrays would make every call a collective the others never reach
+    (it failed fetching an array it cannot address). Gathered once, each decodes on its own."""
+    leaves = jax.tree.leaves(variables)
+    if all(not isinstance(leaf, jax.Array) or leaf.is_fully_addressable for leaf in leaves):
+        return variables
+    return jax.tree.map(
+        lambda leaf: np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable else leaf, variables)
