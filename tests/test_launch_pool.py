@@ -276,3 +276,22 @@ def test_a_pool_scores_its_generation_task_as_one_process_does(tmp_path):
                 for row in rows if "eval/addition/exact_match" in row}
 
     assert scored(tmp_path / "pool") == scored(tmp_path / "one") and sorted(scored(tmp_path / "pool")) == [1, 2]
+
+
+def test_processes_holding_different_numbers_of_devices_are_refused_naming_them(tmp_path):
+    """Rank 1 given one CPU device and rank 0 two: the pool's first exchange failed with a reshape
+    error's traceback (status 1, 'a bug'). Each rank's device count is set as the rank starts, by a
+    sitecustomize module that reads its rank."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('DEW_POOL_RANK'):  # a rank: process 0 holds two devices, process 1 one\n"
+        "    count = 1 if os.environ.get('JAX_PROCESS_ID') == '1' else 2\n"
+        "    os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={count}'\n")
+    launch = Launch(["-n", "2", "tiny-lm", *SMALL, "trainer.steps=2", f"trainer.checkpoint_dir={tmp_path / 'run'}"],
+                    tmp_path, env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+    assert launch.wait(timeout=200) == 2, launch.text()
+    assert ("The pool's processes hold different numbers of devices (process 0: 2, process 1: 1); every process "
+            "must hold the same number.") in launch.text()
+    assert "Traceback" not in launch.text()

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Parts",
+    "PoolDevicesMismatchError",
     "PoolRecipeMismatchError",
     "ScheduleReshapedWarning",
     "build_objective",
@@ -429,6 +430,29 @@ class PoolRecipeMismatchError(RecipeError):
     """The processes of a pool were given different recipes, overrides or dew versions."""
 
 
+class PoolDevicesMismatchError(RecipeError):
+    """The processes of a pool hold different numbers of devices."""
+
+
+def refuse_uneven_devices() -> None:
+    """In a pool, refuse processes that hold different numbers of devices, before the first
+    collective: the mesh lays the same number out on each, and the first exchange failed with a
+    reshape error's traceback."""
+    import collections
+
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    held = collections.Counter(device.process_index for device in jax.devices())
+    if len(set(held.values())) > 1:
+        counts = ", ".join(f"process {index}: {count}" for index, count in sorted(held.items()))
+        raise PoolDevicesMismatchError(
+            f"The pool's processes hold different numbers of devices ({counts}); every process must hold "
+            "the same number. Give each the same devices (CUDA_VISIBLE_DEVICES, or XLA_FLAGS="
+            "--xla_force_host_platform_device_count=N on CPUs), as dew launch does.")
+
+
 def refuse_differing_processes(config: RunConfig) -> None:
     """In a pool, refuse a recipe (with its overrides) or dew's installed versions that differ from
     process 0's: every process runs one program, and one that differs (other steps, another
@@ -464,6 +488,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     from dew.training.runtime.process import prepare_process, run_timestamp
 
     prepare_process(config.trainer)
+    refuse_uneven_devices()
     stamp = timestamp or run_timestamp()
     refuse_differing_processes(config)
 
