@@ -67,3 +67,21 @@ def test_an_export_in_another_dew_layout_version_says_which_dew_reads_it(tmp_pat
         (written / "config.json").write_text(json.dumps({**config, "version": version}))
         with pytest.raises(PretrainedError, match=f"layout version {version}; .*{advice}"):
             Pretrained.load(written)
+
+
+def test_families_read_from_transformers_save_in_dews_layout_and_read_back_bit_for_bit(tmp_path):
+    """A Gemma 2 model saved in dew's layout could not be read back (its 'geglu' activation was no
+    choice of CausalTransformer's field), and a Llama with llama3 rope scaling could not be saved
+    (a RopeScaling was no JSON value)."""
+    from dew.families.examples import write_checkpoint
+
+    for family in ("llama", "gemma2"):
+        write_checkpoint(family, tmp_path / family)
+        read = Pretrained.load(tmp_path / family)
+        again = Pretrained.load(read.save(tmp_path / f"{family}-dew", format="dew"))
+        assert again.model == read.model
+        ids = PROMPTS % read.model.vocab_size
+        np.testing.assert_array_equal(_dew_logits(again.model, again.variables, ids),
+                                      _dew_logits(read.model, read.variables, ids))
+    assert read.model.mlp_activation == "geglu"
+    assert Pretrained.load(tmp_path / "llama").model.rope_scaling.kind == "llama3"

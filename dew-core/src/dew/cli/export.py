@@ -166,7 +166,7 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
             what += (" (their base is this run's own fresh initialization, which no directory holds: "
                      "PEFT has nothing to load them onto; the merged export is the run's model)")
         if lora.base != "float32":
-            what += (f" (trained on a {lora.base} copy of the base: PEFT puts them onto the float base, "
+            what += (f" (trained on {'an' if lora.base.startswith(('int', 'nf')) else 'a'} {lora.base} copy of the base: PEFT puts them onto the float base, "
                      "which computes slightly other logits than the run; the merged export is the run's model)")
         return save_adapters(out, base, pretrained.variables, lora, base_name=name, force=force), what
     merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,

@@ -135,7 +135,7 @@ class CausalTransformer(nn.Module):
     max_seq_len: int
     head_features: int | None = None
     position_embedding: Literal["learned", "rotary"] = "learned"
-    mlp_activation: Literal["gelu", "swiglu"] = "gelu"
+    mlp_activation: Literal["gelu", "swiglu", "geglu"] = "gelu"  # layers.MLP_ACTIVATIONS; Gemma's geglu
     tie_embeddings: bool = False
     num_kv_heads: int | None = None
     rope_base: float = 10_000.0

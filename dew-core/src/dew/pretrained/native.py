@@ -60,6 +60,9 @@ def registered_name(group: str, component: object) -> str:
 def _json_value(owner: str, name: str, value: Any) -> Any:
     if isinstance(value, tuple):
         value = list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a RopeScaling: its fields, read back by them
+        return {field.name: _json_value(owner, f"{name}.{field.name}", getattr(value, field.name))
+                for field in dataclasses.fields(value)}
     try:
         json.dumps(value)
         return value
