@@ -119,7 +119,7 @@ def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path, dew):
     np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
     # Its adapters alone would go onto the float base, which is not the base it trained on: said.
     out = dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
-    assert "trained on a nf4 copy of the base: PEFT puts them onto the float base" in out.stdout
+    assert "trained on an nf4 copy of the base: PEFT puts them onto the float base" in out.stdout
 
 
 def test_adapters_of_a_model_without_lora_are_refused(tmp_path, capsys):

@@ -49,3 +49,32 @@ def test_adapters_on_a_family_merge_and_export_as_peft_with_the_adapted_logits(t
     save_adapters(tmp_path / "adapters", loaded.model, variables, spec, base_name=str(source))
     with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     np.testing.assert_allclose(_torch_logits(with_peft), ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_adapters_of_some_layers_export_with_those_layers_alone(tmp_path):
+    """Adapters on layer 0's attention went out as target_modules q/k/v/o_proj with no layer: PEFT
+    put adapters on every layer's projections, so its model held others than the run trained."""
+    import json
+
+    from peft import PeftModel
+
+    from dew.adapters.lora import Lora
+    from dew.pretrained import Pretrained
+    from dew.pretrained.peft import save_adapters
+    from dew.testing.adapters import drawn_adapters
+
+    source = write_checkpoint("qwen2", tmp_path / "base", seed=5, redrawn=True)
+    loaded = Pretrained.load(source)
+    spec = Lora(rank=4, targets=(r".*layers_0/attention",))
+    adapted, variables = drawn_adapters(loaded.model, loaded.variables, spec, scale=0.05)
+    ours = np.asarray(jax.jit(adapted.apply)(variables, jnp.asarray(TOKENS)))
+    save_adapters(tmp_path / "adapters", loaded.model, variables, spec, base_name=str(source))
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["layers_to_transform"] == [0]
+    base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    adapted_modules = sorted(name for name, module in with_peft.named_modules() if hasattr(module, "lora_A")
+                             and name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    assert adapted_modules and all(".layers.0." in name for name in adapted_modules), adapted_modules
+    np.testing.assert_allclose(_torch_logits(with_peft), ours, atol=1e-4, rtol=0)

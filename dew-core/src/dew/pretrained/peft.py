@@ -167,6 +167,7 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
     tensors: dict[str, np.ndarray] = {}
     targets: set[str] = set()
     written: set[tuple[str, ...]] = set()
+    modules: set[str] = set()
     for path, module in _adapted(model).items():
         node = _node(params, path)
         if node is None or f"{path[-1]}_lora_a" not in node:
@@ -178,6 +179,7 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         tensors[f"{PREFIX}{module}.lora_B.weight"] = b.reshape(rank, -1).T
         targets.add(module.rsplit(".", 1)[-1])
         written.add(path)
+        modules.add(module)
     unwritten = [path for path in _adapter_paths(params) if path not in written]
     if unwritten:  # no PEFT LoRA module computes them as dew does: say which, and why
         linears = _linears(model)
@@ -211,12 +213,34 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         "inference_mode": True,
         "modules_to_save": None,
     }
+    layers = _layers_adapted(modules, set(_adapted(model).values()), targets)
+    if layers is not None:  # a target of some layers only (".*layers_0/attention"): PEFT adapts those alone
+        config["layers_to_transform"] = layers
     from dew.pretrained.writing import replacing
 
     with replacing(target, force=force) as fresh:
         write_tensors(fresh / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: base_digest(variables)})
         (fresh / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target
+
+
+def _layers_adapted(modules: set[str], adaptable: set[str], targets: set[str]) -> list[int] | None:
+    """The layer numbers the adapted modules hold, when they are each target module of some layers
+    and not of all: PEFT's layers_to_transform, without which it would adapt every layer's target
+    modules. None when every layer is adapted (or the modules are no such product)."""
+    import re
+
+    def layer(name: str) -> int | None:
+        found = re.search(r"\.layers\.(\d+)\.", name)
+        return None if found is None else int(found.group(1))
+
+    numbered = {name: layer(name) for name in adaptable if name.rsplit(".", 1)[-1] in targets}
+    held = {numbered.get(name) for name in modules}
+    every = set(numbered.values())
+    if None in held or held == every:
+        return None
+    chosen = {name for name, number in numbered.items() if number in held}
+    return sorted(number for number in held if number is not None) if chosen == modules else None
 
 
 def load_adapters(directory: str | os.PathLike[str], model: Module, variables: Variables,
