@@ -107,6 +107,18 @@ def test_a_lora_run_resumes_bitwise(lora_model, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, resumed, expected)
 
 
+def test_the_embedding_of_a_tied_model_is_refused_though_its_head_multiplies_by_it():
+    """Tied, the embedding is also the head, which qwix adapts: the run trained an adapter that no
+    export could merge into the table or hand to PEFT ('Export the merged model instead', which failed)."""
+    from dew.nn.backbones import CausalTransformer
+
+    tied = CausalTransformer(vocab_size=64, emb_features=16, num_layers=1, num_heads=2, mlp_features=32,
+                             max_seq_len=SEQ, position_embedding="rotary", tie_embeddings=True)
+    wrapped = apply_lora(tied, Lora(rank=2, targets=(r"embed",)))
+    with pytest.raises(LoraError, match=r"match embed/embedding, where no adapter can sit"):
+        wrapped.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+
+
 def test_a_target_that_matches_no_module_is_refused_naming_it():
     wrapped = apply_lora(tiny(), Lora(rank=2, targets=("attention", r".*feedforward")))
     with pytest.raises(LoraError, match=r"'\.\*feedforward'.*matches no module.*layers_0/attention"):

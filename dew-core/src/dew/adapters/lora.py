@@ -205,7 +205,9 @@ def _refuse_unadapted(spec: Lora, chosen: Mapping[str, tuple[int, ...]], variabl
     """Refuse targets that matched weights no adapter was placed on: a weight the model does not
     multiply as a matrix (an embedding is a lookup), or one of the model's own (its head)."""
     adapters = {path.split("_lora_", 1)[0] for path in _weights(variables) if "_lora_" in path}
-    missing = sorted(path for path in chosen if path not in adapters)
+    # An embedding table is a lookup: qwix adapts it only where a tied head multiplies by it, an
+    # adapter no export can merge into the table or hand to PEFT; it is refused either way.
+    missing = sorted(path for path in chosen if path not in adapters or path.rsplit("/", 1)[-1] == "embedding")
     if missing:
         raise LoraError(
             f"Lora targets {list(spec.targets)} match {', '.join(missing[:4])}"
