@@ -36,6 +36,15 @@ def test_a_folder_written_before_started_json_gives_its_timestamp_and_directory_
     assert where.directories(config) == [folder]
 
 
+def test_a_pools_run_resumes_on_one_process(tmp_path):
+    """A pool's run.json keeps the trainer.multi_host=true dew launch gave its ranks: dew train --resume
+    looked for a pool to join, failed, and printed the same command as the way to resume it."""
+    folder = _run_folder(tmp_path, "trainer.multi_host=true")
+    config, _ = resumed(folder)
+    assert config.trainer.multi_host is False
+    assert resumed(folder, ["trainer.multi_host=true"])[0].trainer.multi_host is True  # asked for: kept
+
+
 def test_started_json_is_read_first(tmp_path):
     folder = _run_folder(tmp_path, "trainer.checkpoint_dir=elsewhere/{timestamp}")
     (folder / STARTED).write_text(json.dumps({"timestamp": "2030-05-06_07:08:09", "cwd": str(tmp_path / "w")}))

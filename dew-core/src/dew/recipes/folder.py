@@ -228,7 +228,11 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     timestamp, cwd = origin(directory, template)
     given = {override.split("=", 1)[0].strip() for override in overrides}
     followed = _followed(data, template, timestamp, cwd, directory, given)
-    data = apply_overrides(data, [*followed, *overrides, f"trainer.checkpoint_dir={directory}"])
+    # A pool's run records the trainer.multi_host=true dew launch gave its ranks; --resume is one
+    # process (a pool resumes with dew launch), which would look for a pool to join and fail.
+    alone = ["trainer.multi_host=false"] if ((data.get("trainer") or {}).get("multi_host")
+                                              if isinstance(data, dict) else False) else []
+    data = apply_overrides(data, [*alone, *followed, *overrides, f"trainer.checkpoint_dir={directory}"])
     hidden = _redacted(data)
     if hidden:
         raise RecipeError(
