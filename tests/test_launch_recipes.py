@@ -70,3 +70,15 @@ def test_a_cluster_jobs_option_where_it_changes_nothing_is_refused(argv, said, c
 
     assert main(["launch", *argv, "tiny-lm", "--check"]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_a_printed_job_notes_a_checkpoint_folder_named_anew_at_every_start(capsys):
+    """--requeue (slurm) and a JobSet's restarts resume from the run's checkpoints, but a shipped recipe's
+    runs/NAME/{timestamp} is a new folder at every start: a requeued job trained from step 0, unsaid."""
+    for kind in (["slurm"], ["jobset", "--image", "reg/dew:1"]):
+        assert main(["launch", "--print", *kind, "-n", "2", "tiny-lm"]) == 0
+        err = capsys.readouterr().err
+        assert "trainer.checkpoint_dir=runs/tiny-lm/{timestamp} names a new folder at every start, so a restarted " \
+               "job would train from step 0" in err, err
+        assert main(["launch", "--print", *kind, "-n", "2", "tiny-lm", "trainer.checkpoint_dir=/shared/runs/lm"]) == 0
+        assert capsys.readouterr().err == ""

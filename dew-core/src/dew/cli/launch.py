@@ -94,6 +94,20 @@ def rank_argv(recipe: str, overrides: list[str]) -> list[str]:
 
 def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
     from dew.cli.launch_scripts import ScriptRequest, jobset_manifest, slurm_script
+    from dew.recipes.config import RunConfig
+    from dew.recipes.errors import RecipeError
+
+    try:
+        folder = RunConfig.load(args.recipe, overrides=[*args.overrides, "trainer.multi_host=true"]).trainer.checkpoint_dir
+    except RecipeError as error:
+        print(f"dew launch: {error}", file=sys.stderr)
+        return 2
+    if folder is None or "{timestamp}" in folder:  # each start of the job would be a new run, from step 0
+        print(f"note: the {args.print_kind} job restarts after a preemption to resume from its checkpoints, "
+              f"but trainer.checkpoint_dir={folder} names "
+              f"{'none' if folder is None else 'a new folder at every start'}, so a restarted job would train "
+              "from step 0: give a fixed folder every node can reach (trainer.checkpoint_dir=/shared/runs/NAME).",
+              file=sys.stderr)
     request = ScriptRequest(args.recipe, tuple(args.overrides), processes=args.processes or 1,
                             per_node=1 if args.per_node is None else args.per_node, port=args.port,
                             grace=args.grace, connect_timeout=args.connect_timeout,
