@@ -215,7 +215,10 @@ def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path):
     if err == "dew train: interrupted (Ctrl-C)\n":  # raised in an import, as it almost always is
         assert not (tmp_path / "run").exists()
     else:  # discarded by Python inside a garbage-collection callback: the loop stopped at its first step
-        assert err.strip().splitlines()[-1].startswith("dew: interrupted (Ctrl-C) at step 1;"), err
+        assert err.strip().splitlines()[-1].startswith(
+            "dew train: interrupted (Ctrl-C) at step 1; its checkpoint, data position and journal are in run. "
+            "Resume with: dew train --resume run"), err
+        assert (tmp_path / "run" / "1").is_dir()
 
 
 def test_a_command_run_from_a_removed_directory_says_so_in_one_line(tmp_path):
