@@ -126,14 +126,6 @@ class GenerateRequest:
             raise UnsupportedRequestError(f"count must be at least 1, got {self.count}.")
         if self.steps is not None and self.steps < 1:
             raise UnsupportedRequestError(f"steps must be at least 1, got {self.steps}.")
-        ranges = {"temperature": (self.temperature, "a finite number >= 0 (0 is greedy)",
-                                  lambda v: 0.0 <= v < float("inf")),
-                  "top_k": (self.top_k, "a whole number >= 1", lambda v: int(v) == v >= 1),
-                  "top_p": (self.top_p, "above 0 and at most 1", lambda v: 0.0 < v <= 1.0),
-                  "min_p": (self.min_p, "between 0 and 1", lambda v: 0.0 <= v <= 1.0)}
-        for name, (value, wanted, fits) in ranges.items():  # named as typed (--top-p), not as Sampling's fields
-            if value is not None and not fits(value):
-                raise UnsupportedRequestError(f"{name} (--{name.replace('_', '-')}) must be {wanted}, got {value}.")
         if not -(2**63) <= self.seed < 2**63:  # jax.random.key takes a 64-bit integer
             raise UnsupportedRequestError(f"seed must be a 64-bit integer (below 2**63 = 9223372036854775808 "
                                           f"in size), got {self.seed}.")

@@ -224,14 +224,14 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
         data = json.loads(saved.read_text())
     except (OSError, ValueError) as error:
         raise NotARunFolderError(f"{shown(saved)} cannot be read as a run's recipe ({error}).") from None
-    template = (data.get("trainer") or {}).get("checkpoint_dir") if isinstance(data, dict) else None
+    trainer = (data.get("trainer") or {}) if isinstance(data, dict) else {}
+    template = trainer.get("checkpoint_dir")
     timestamp, cwd = origin(directory, template)
     given = {override.split("=", 1)[0].strip() for override in overrides}
     followed = _followed(data, template, timestamp, cwd, directory, given)
     # A pool's run records the trainer.multi_host=true dew launch gave its ranks; --resume is one
     # process (a pool resumes with dew launch), which would look for a pool to join and fail.
-    alone = ["trainer.multi_host=false"] if ((data.get("trainer") or {}).get("multi_host")
-                                              if isinstance(data, dict) else False) else []
+    alone = ["trainer.multi_host=false"] if trainer.get("multi_host") else []
     data = apply_overrides(data, [*alone, *followed, *overrides, f"trainer.checkpoint_dir={directory}"])
     hidden = _redacted(data)
     if hidden:

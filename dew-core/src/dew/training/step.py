@@ -36,8 +36,7 @@ from dew.nn.pipeline_step import pipelined_gradients
 from dew.objectives.base import Aux, EMASpec, LeafFilter, Mean, Objective, Step, Variables
 from dew.training.ema import ema_update
 from dew.training.state import TrainState, Window
-from dew.training.trees import overlay, select, trains
-from dew.typing import PyTree
+from dew.training.trees import leaves_at, overlay, select, trains
 
 __all__ = ["Gradients", "StepFn", "build_train_step", "differentiate", "float16_widened", "follow_ema", "transaction", "write_back"]
 
@@ -278,13 +277,5 @@ def follow_ema(state: TrainState, ema: EMASpec | None, *, previous_updates: jax.
     """Move the EMA's leaves towards the live ones after an optimizer update."""
     if ema is None or state.ema is None:
         return state
-    live = _like(state.ema, state.params)
+    live = leaves_at(state.ema, state.params)
     return state.replace(ema=ema_update(state.ema, live, ema.rate(previous_updates)))
-
-
-def _like(pattern: Mapping[str, PyTree], tree: Mapping[str, PyTree]) -> dict[str, PyTree]:
-    """tree's leaves at pattern's paths."""
-    return {
-        key: _like(value, tree[key]) if isinstance(value, Mapping) else tree[key]
-        for key, value in pattern.items()
-    }

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from dew.typing import PyTree
 
-__all__ = ["Path", "overlay", "overlay_as", "paths", "select", "trains"]
+__all__ = ["Path", "leaves_at", "overlay", "overlay_as", "paths", "select", "trains"]
 
 Path = tuple[str, ...]
 
@@ -56,16 +56,16 @@ def overlay(base: Mapping[str, PyTree], top: Mapping[str, PyTree]) -> dict[str, 
 def overlay_as(base: Mapping[str, PyTree], top: Mapping[str, PyTree]) -> dict[str, PyTree]:
     """overlay, with each of top's arrays in the dtype of the base leaf it replaces (an EMA kept in
     float32 over bfloat16 weights reads as bfloat16 weights do)."""
-    out = dict(base)
-    for key, value in top.items():
-        below = out.get(key)
-        if isinstance(value, Mapping) and isinstance(below, Mapping):
-            out[key] = overlay_as(below, value)
-        elif hasattr(value, "astype") and getattr(below, "dtype", None) not in (None, getattr(value, "dtype", None)):
-            out[key] = value.astype(below.dtype)  # type: ignore[union-attr]  # an array: it has astype and a dtype
-        else:
-            out[key] = value
-    return out
+    import jax
+
+    return overlay(base, jax.tree.map(lambda leaf, below: leaf if leaf.dtype == below.dtype else leaf.astype(below.dtype),
+                                      top, leaves_at(top, base)))
+
+
+def leaves_at(pattern: Mapping[str, PyTree], tree: Mapping[str, PyTree]) -> dict[str, PyTree]:
+    """tree's leaves at pattern's paths (pattern a pruned copy of tree's structure)."""
+    return {key: leaves_at(value, tree[key]) if isinstance(value, Mapping) else tree[key]
+            for key, value in pattern.items()}
 
 
 def paths(tree: Mapping[str, PyTree], _path: Path = ()) -> list[str]:

@@ -171,9 +171,6 @@ def _process_local(variables: Any) -> Any:
     process's devices, and each process generates its own rows, each finishing when it does:
     decoding with the pool's arrays would make every call a collective the others never reach
     (it failed fetching an array it cannot address). Gathered once, each decodes on its own."""
-    leaves = jax.tree.leaves(variables)
-    if all(not isinstance(leaf, jax.Array) or leaf.is_fully_addressable for leaf in leaves):
-        return variables
     return jax.tree.map(
         lambda leaf: np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable else leaf, variables)

@@ -74,7 +74,7 @@ from dew.sampling.requests import (
     Request,
 )
 from dew.sampling.sequences import PromptGroup, Sample, sample_keys
-from dew.sampling.text import continued
+from dew.sampling.text import reader
 
 if TYPE_CHECKING:
     from dew.sampling.pool import PoolSharding
@@ -578,11 +578,11 @@ class Engine:
     def _cut_at_stop_string(self, sequence: Sample, before: int) -> bool:
         """Cut sequence after the token that completed one of its stop strings, if one did."""
         assert self.detokenize is not None
-        strings, decode, prompt = sequence.spec.stop_strings, self.detokenize, sequence.spec.prompt
-        if not any(s in continued(decode, prompt, sequence.generated) for s in strings):
+        strings, text = sequence.spec.stop_strings, reader(self.detokenize, sequence.spec.prompt)
+        if not any(s in text(sequence.generated) for s in strings):
             return False
         for end in range(before + 1, len(sequence.generated) + 1):
-            if any(s in continued(decode, prompt, sequence.generated[:end]) for s in strings):
+            if any(s in text(sequence.generated[:end]) for s in strings):
                 del sequence.generated[end:], sequence.logprobs[end:]
                 return True
         return True  # the string spans earlier tokens only when detokenizing is not prefix-stable

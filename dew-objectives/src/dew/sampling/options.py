@@ -13,7 +13,15 @@ __all__ = ["InvalidSamplingError", "Sampling", "choose", "filter_logits"]
 
 
 class InvalidSamplingError(DewError, ValueError):
-    """A Sampling setting is out of its range."""
+    """A Sampling setting is out of its range: field, what it must be, and the value given."""
+
+    def __init__(self, field: str, wanted: str, value: object) -> None:
+        self.field, self.wanted, self.value = field, wanted, value
+        optional = "" if field == "temperature" else " or None"
+        super().__init__(f"Sampling.{field} must be {wanted}{optional}, got {value!r}.")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, object]]:
+        return type(self), (self.field, self.wanted, self.value)
 
 
 @dataclass(frozen=True)
@@ -36,22 +44,14 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < float("inf"):
-            raise InvalidSamplingError(
-                f"Sampling.temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}."
-            )
+            raise InvalidSamplingError("temperature", "a finite number >= 0 (0 is greedy)", self.temperature)
         if self.top_k is not None and (isinstance(self.top_k, bool) or int(self.top_k) != self.top_k
                                        or self.top_k < 1):
-            raise InvalidSamplingError(
-                f"Sampling.top_k must be a positive integer or None, got {self.top_k!r}."
-            )
+            raise InvalidSamplingError("top_k", "a whole number >= 1", self.top_k)
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise InvalidSamplingError(
-                f"Sampling.top_p must lie in (0, 1] or be None, got {self.top_p!r}."
-            )
+            raise InvalidSamplingError("top_p", "above 0 and at most 1", self.top_p)
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            raise InvalidSamplingError(
-                f"Sampling.min_p must lie in [0, 1] or be None, got {self.min_p!r}."
-            )
+            raise InvalidSamplingError("min_p", "between 0 and 1", self.min_p)
 
     @property
     def greedy(self) -> bool:

@@ -40,7 +40,7 @@ from dew.objectives.inference import (
 )
 from dew.sampling.errors import PromptTooLongError
 from dew.sampling.generate import Generation, generate
-from dew.sampling.options import Sampling
+from dew.sampling.options import InvalidSamplingError, Sampling
 from dew.sampling.text import continued
 from dew.tree_summary import brief_repr
 
@@ -173,7 +173,11 @@ class TextGeneration(Pipeline):
                 f"{' and '.join(filters)} only narrow{'s' if len(filters) == 1 else ''} what sampling "
                 "draws from, and without a temperature (or at 0) generation is greedy; give a "
                 "temperature above 0 as well (1.0 samples from the model as it is).")
-        sampling = Sampling(**{"temperature": 0.0, **given})
+        try:
+            sampling = Sampling(**{"temperature": 0.0, **given})
+        except InvalidSamplingError as error:  # named as typed (--top-p), not as Sampling's field
+            raise UnsupportedRequestError(f"{error.field} (--{error.field.replace('_', '-')}) must be "
+                                          f"{error.wanted}, got {error.value}.") from None
         chat = bool(request.chat)
         template = self._chat_template() if chat else None
         longest = max(len(self._ids(prompt, template)) for prompt in request.inputs)

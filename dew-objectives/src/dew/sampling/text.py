@@ -17,9 +17,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["continued"]
+__all__ = ["continued", "reader"]
 
 CONTEXT = 16  # the prompt's last tokens a continuation is decoded after
+
+
+def reader(decode: Callable[[Sequence[int]], str], prompt: Sequence[int]) -> Callable[[Sequence[int]], str]:
+    """A continuation's text after prompt (see continued), the prompt's last tokens decoded once for
+    every continuation read (a stop-string check reads one at every decode call)."""
+    context = [int(i) for i in prompt[-CONTEXT:]]
+    head = decode(context) if context else ""
+
+    def text(generated: Sequence[int]) -> str:
+        if not generated:
+            return ""
+        if not context:
+            return decode(list(generated))
+        whole = decode([*context, *generated])
+        return whole[len(head):] if whole.startswith(head) else decode(list(generated))
+
+    return text
 
 
 def continued(decode: Callable[[Sequence[int]], str], prompt: Sequence[int], generated: Sequence[int]) -> str:
@@ -28,11 +45,4 @@ def continued(decode: Callable[[Sequence[int]], str], prompt: Sequence[int], gen
     Where the two do not decode to a prefix of one text (a character whose bytes the prompt's
     tokens split), generated is decoded alone.
     """
-    if not generated:
-        return ""
-    context = [int(i) for i in prompt[-CONTEXT:]]
-    if not context:
-        return decode(list(generated))
-    head = decode(context)
-    whole = decode([*context, *generated])
-    return whole[len(head):] if whole.startswith(head) else decode(list(generated))
+    return reader(decode, prompt)(generated)
