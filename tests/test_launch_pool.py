@@ -5,6 +5,7 @@ coordinator says where it looked."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -88,9 +89,10 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_a_pool_of_two_trains_stops_with_its_checkpoint_on_sigterm_and_resumes(tmp_path):
-    run = tmp_path / "run"
-    args = ["-n", "2", "--grace", "120", "tiny-lm", *SMALL, f"trainer.checkpoint_dir={run}"]
-    launch = Launch([*args, "trainer.steps=100000"], tmp_path)
+    # The shipped recipes' folder is named anew at every start ({timestamp}): the pool agrees on
+    # one, records it in started.json, and its stop line names it as the folder to start again in.
+    args = ["-n", "2", "--grace", "120", "tiny-lm", *SMALL]
+    launch = Launch([*args, "trainer.steps=100000", "trainer.checkpoint_dir=runs/{timestamp}"], tmp_path)
     launch.wait_for(r"\(2 process\(es\)\)")
     launch.wait_for(r"^step 3: loss")
     signalled = time.monotonic()
@@ -98,10 +100,16 @@ def test_a_pool_of_two_trains_stops_with_its_checkpoint_on_sigterm_and_resumes(t
     code = launch.wait(timeout=150)
     assert code == 143, launch.text()
     assert time.monotonic() - signalled < 120  # within the grace
-    stopped = int(re.search(r"preempted at step (\d+); its checkpoint", launch.text()).group(1))
+    said = re.findall(r"preempted at step (\d+); its checkpoint, data position and journal are in (\S+)\. "
+                      r"To resume, start the pool again with trainer.checkpoint_dir=(\S+) ", launch.text())
+    assert len(said) == 1, launch.text()  # said once, by process 0
+    stopped, run = int(said[0][0]), tmp_path / said[0][1]
+    assert said[0][2] == said[0][1] and run.parent == tmp_path / "runs", launch.text()
     assert stopped >= 3 and (run / str(stopped)).is_dir(), launch.text()
+    assert json.loads((run / "started.json").read_text())["timestamp"].replace(":", "-") == run.name
     assert "asking the ranks to checkpoint and exit within 120 s" in launch.text()
 
+    args.append(f"trainer.checkpoint_dir={said[0][2]}")
     again = Launch([*args, f"trainer.steps={stopped + 2}"], tmp_path)
     assert again.wait(timeout=300) == 0, again.text()
     assert f"Training from step {stopped} to {stopped + 2}" in again.text()
@@ -149,7 +157,8 @@ def test_a_ctrl_c_while_the_ranks_start_stops_the_pool_at_one_step_with_its_chec
     launch.process.send_signal(signal.SIGINT)
     code = launch.wait(timeout=200)
     assert code == 130, launch.text()
-    stopped = re.search(r"interrupted \(Ctrl-C\) at step (\d+); its checkpoint and data position are written",
+    stopped = re.search(r"interrupted \(Ctrl-C\) at step (\d+); its checkpoint, data position and journal are in "
+                        r"run\. To resume, start the pool again \(the same dew launch",
                         launch.text())
     assert stopped and (run / stopped.group(1) / "dew.json").is_file(), launch.text()
     assert "Traceback" not in launch.text() and "failed with status" not in launch.text(), launch.text()

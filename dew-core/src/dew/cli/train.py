@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     from dew.recipes.folder import RunFolder, resumed, stopped_line, train_in
     from dew.training.runtime.preemption import Preempted, UnsavedStopError
 
+    folder: RunFolder | None = None  # a fresh run's is named once the recipe is checked
     if args.resume is not None:
         overrides = [*([args.recipe] if args.recipe is not None else []), *args.overrides]
         if any("=" not in item for item in overrides):
@@ -160,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
                           "--resume RUN to continue a run.")
     else:
         config = RunConfig.load(args.recipe, overrides=args.overrides)
-        folder = RunFolder.new(config)
     if args.check:
         from dew import plugins
 
@@ -171,10 +171,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with default_compilation_cache(config.trainer.compilation_cache_dir):
+            folder = folder or RunFolder.new(config)  # a rank of a pool joins its pool here
             train_in(config, folder)
     except (Preempted, UnsavedStopError) as stop:
-        if config.trainer.multi_host:
-            raise  # a rank of a pool: its launcher says how the pool resumes
-        print(f"dew train: {stopped_line(stop, folder)}", file=sys.stderr, flush=True)
+        import jax
+
+        assert folder is not None  # only training stops on request
+        if jax.process_index() == 0:  # every rank of a pool stops at this step: said once
+            print(f"dew{'' if config.trainer.multi_host else ' train'}: {stopped_line(stop, folder, config)}",
+                  file=sys.stderr, flush=True)
         return stop.status
     return 0

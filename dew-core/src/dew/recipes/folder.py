@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -93,13 +94,15 @@ class RunFolder:
     def new(cls, config: RunConfig) -> RunFolder:
         """The folder a fresh ``dew train RECIPE`` trains into, its timestamp taken now.
 
-        A process pool agrees on its timestamp inside the run (process 0's
-        clock), so a pooled run's folder is left to it.
+        A rank of a process pool joins its pool first, so that every rank takes
+        process 0's clock and names the same folder.
         """
-        if config.trainer.multi_host:
-            return cls(None, None, Path.cwd())
         from dew.training.runtime.process import run_timestamp
 
+        if config.trainer.multi_host:
+            from dew.recipes.run import join_pool
+
+            join_pool(config)
         stamp = run_timestamp()
         return cls(_directory(config, stamp, Path.cwd()), stamp, Path.cwd())
 
@@ -482,14 +485,21 @@ def _resume_note(directory: Path) -> str:
     return f"The run is in {shown(directory)} ({kept}); once fixed, resume it with: {resume_command(directory)}"
 
 
-def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder) -> str:
+def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder, config: RunConfig) -> str:
     """What ``dew train`` prints when a signal stopped the run (a Preempted, or an UnsavedStopError
-    when nothing could be written): where, and how on."""
+    when nothing could be written): where, and how on. A rank of a pool is resumed by starting
+    the pool again, in this folder."""
     from dew.training.runtime.preemption import INTERRUPTED_STATUS, UnsavedStopError
 
     what = "interrupted (Ctrl-C)" if stop.status == INTERRUPTED_STATUS else "preempted"
     if isinstance(stop, UnsavedStopError) or folder.directory is None:
         return (f"{what} at step {stop.step}; no checkpoints are kept (trainer.checkpoint_dir is "
                 "unset), so nothing was written and running again starts over.")
-    return (f"{what} at step {stop.step}; its checkpoint, data position and journal are in "
-            f"{shown(folder.directory)}. Resume with: {resume_command(folder.directory)}")
+    kept = f"{what} at step {stop.step}; its checkpoint, data position and journal are in {shown(folder.directory)}."
+    if not config.trainer.multi_host:
+        return f"{kept} Resume with: {resume_command(folder.directory)}"
+    if "{timestamp}" in (config.trainer.checkpoint_dir or ""):
+        return (f"{kept} To resume, start the pool again with trainer.checkpoint_dir="
+                f"{shlex.quote(shown(folder.directory))} (the recipe's {config.trainer.checkpoint_dir} "
+                "names a new folder at every start).")
+    return f"{kept} To resume, start the pool again (the same dew launch, or the same job)."

@@ -65,6 +65,7 @@ __all__ = [
     "build_parts",
     "expand",
     "initial_variables",
+    "join_pool",
     "objective_parts",
     "run_inputs",
     "run_optimizer",
@@ -434,6 +435,16 @@ class PoolDevicesMismatchError(RecipeError):
     """The processes of a pool hold different numbers of devices."""
 
 
+def join_pool(config: RunConfig) -> None:
+    """Ready this process for config's run (dew.training.prepare_process) and, in a pool, check its
+    processes agree: as many devices each, one recipe, one dew. Repeating it changes nothing."""
+    from dew.training.runtime.process import prepare_process
+
+    prepare_process(config.trainer)
+    refuse_uneven_devices()
+    refuse_differing_processes(config)
+
+
 def refuse_uneven_devices() -> None:
     """In a pool, refuse processes that hold different numbers of devices, before the first
     collective: the mesh lays the same number out on each, and the first exchange failed with a
@@ -485,12 +496,10 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     timestamp expands ``{timestamp}`` (a resumed run passes the one it started with);
     None takes process 0's clock now.
     """
-    from dew.training.runtime.process import prepare_process, run_timestamp
+    from dew.training.runtime.process import run_timestamp
 
-    prepare_process(config.trainer)
-    refuse_uneven_devices()
+    join_pool(config)
     stamp = timestamp or run_timestamp()
-    refuse_differing_processes(config)
 
     import jax
 
