@@ -260,3 +260,56 @@ def test_records_with_nothing_to_score_are_counted_in_a_warning(marked, tmp_path
     files = _write(tmp_path / "pairs.jsonl", pairs)
     with pytest.warns(NothingToScoreWarning, match=r"^2 preference pair\(s\) have no assistant text .*first: line 2 of"):
         assert len(ChatPreferences(files=str(files), tokenizer=str(marked), length=63).rows()["chosen"]) == 1
+
+
+def test_a_tokenizer_json_given_reads_its_folders_end_of_turn_as_the_template_does(tmp_path):
+    """The template comes from the folder beside a tokenizer.json given; its tokenizer was read
+    alone, ending documents at <|endoftext|>, so the run trained to end turns with <|im_end|> never
+    stopped there when it generated."""
+    from dew.data import Chat
+    from dew.data.hf_tokenizer import HFTokenizer
+
+    folder = build_tokenizer(tmp_path / "tok")
+    data = _write(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[2]}])
+    alone = HFTokenizer.from_file(folder / "tokenizer.json")
+    beside = HFTokenizer.from_directory(folder)
+    assert alone.eos_id != beside.eos_id  # what the test tells apart
+    tokenizer = Chat(files=str(data), tokenizer=str(folder / "tokenizer.json"), length=32).text_tokenizer()
+    assert tokenizer.eos_id == beside.eos_id == beside.tokenizer.token_to_id("<|im_end|>")
+
+
+def test_a_template_refusing_a_record_names_the_record(tmp_path):
+    from dew.data import Chat, ChatPreferences
+    from dew.data.chat_template import ChatTemplateError
+
+    folder = build_tokenizer(tmp_path / "tok", template=(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<{{ m.role }}>{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"))
+    system = [{"role": "system", "content": "x"}, *CONVERSATIONS[2]]
+    data = _write(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[2]}, {"messages": system}])
+    with pytest.raises(ChatTemplateError, match=r"System role not supported \(the conversation in line 2 of "
+                                                r"'.*chat\.jsonl'\)"):
+        Chat(files=str(data), tokenizer=str(folder), length=64).rows()
+    pairs = _write(tmp_path / "pairs.jsonl", [{"prompt": system[:2], "chosen": [system[2]], "rejected": [system[2]]}])
+    with pytest.raises(ChatTemplateError, match=r"\(the conversation in line 1 of '.*pairs\.jsonl'\)"):
+        ChatPreferences(files=str(pairs), tokenizer=str(folder), length=64).rows()
+
+
+def test_a_template_rewriting_earlier_turns_is_named_as_the_cause_with_the_ways_on(tmp_path):
+    """Qwen 3's template drops the reasoning of all but the last assistant turn, so a multi-turn
+    conversation cannot be split into turns without markers: the refusal said the data's message
+    'changes what came before it'."""
+    from dew.data import Chat
+    from dew.data.chat_template import ChatTemplateError
+
+    rewrites = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+                "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<{{ m.role }}>"
+                "{% if m.role == 'assistant' and loop.index0 > ns.last %}<think></think>{% endif %}{{ m.content }}"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    folder = build_tokenizer(tmp_path / "tok", template=rewrites)
+    data = _write(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    with pytest.raises(ChatTemplateError) as refused:
+        Chat(files=str(data), tokenizer=str(folder), length=64).rows()
+    said = str(refused.value)
+    assert "renders the earlier turns of a conversation otherwise once assistant message" in said
+    assert "chat_template=" in said and "{% generation %}" in said and "line 1 of" in said

@@ -207,10 +207,12 @@ class ChatTemplate:
                 through = through[: len(through) - len(ending)]
             if not (through.startswith(before) and text.startswith(through)):
                 raise ChatTemplateError(
-                    "This chat template has no {% generation %} markers and renders a conversation "
-                    f"differently from its first {index + 1} messages (message {index} changes what "
-                    "came before it), so the assistant's turns cannot be found. Give the reader a "
-                    "template that wraps each assistant turn in {% generation %}...{% endgeneration %}."
+                    "This chat template has no {% generation %} markers and renders the earlier turns "
+                    f"of a conversation otherwise once assistant message {index} follows them (Qwen 3's "
+                    "drops the reasoning of all but the last assistant turn), so where each assistant "
+                    "turn lies in the whole cannot be found. Give the reader chat_template=, a template "
+                    "that wraps each assistant turn in {% generation %}...{% endgeneration %} (as TRL's "
+                    "training templates do), or train on conversations of one assistant turn."
                 )
             start, end = len(before), len(through)
             content = message.get("content")

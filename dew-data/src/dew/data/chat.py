@@ -23,17 +23,24 @@ share from the start).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer
-from dew.data.chat_template import ChatTemplate, given_chat_template, read_chat_template
+from dew.data.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    given_chat_template,
+    read_chat_template,
+)
 from dew.data.errors import EmptyDatasetError, MalformedRecordError
 from dew.data.packing import packed_rows
 from dew.data.shards import Shards, expand_shards
@@ -105,7 +112,14 @@ class _ChatFiles:
 
     @cached_property
     def _tokenizer(self) -> EosTokenizer:
-        return resolve_tokenizer(self.tokenizer)
+        # A tokenizer.json given without chat_template= names the folder the template is read from:
+        # the tokenizer is read with that folder's end tokens too, so the run stops where the
+        # template ends a turn (<|eot_id|>), not at the end-of-text token alone.
+        given = self.tokenizer
+        if self.chat_template is None and isinstance(given, str | os.PathLike) \
+                and Path(given).expanduser().name == "tokenizer.json" and Path(given).expanduser().is_file():
+            given = Path(given).expanduser().parent
+        return resolve_tokenizer(given)
 
     def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with."""
@@ -126,21 +140,32 @@ class _ChatFiles:
         shards = Shards(expand_shards(self.files), key)
         return shards, shards.values(0, len(shards))
 
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
+    def prompt_ids(self, messages: list[dict[str, Any]], where: str) -> np.ndarray:
         """The ids of messages as a prompt the model answers: rendered with the generation prompt."""
         tokenizer = cast(_EncodesOffsets, self.text_tokenizer())
-        return np.asarray(tokenizer.encode_offsets(self.template.text(messages, add_generation_prompt=True))[0],
-                          np.int32)
+        with _naming(where):
+            text = self.template.text(messages, add_generation_prompt=True)
+        return np.asarray(tokenizer.encode_offsets(text)[0], np.int32)
 
     def encode(self, messages: list[dict[str, Any]], where: str) -> tuple[np.ndarray, np.ndarray]:
         """The conversation's ids and its assistant mask."""
         # resolve_tokenizer's own (ByteTokenizer, HFTokenizer) encode offsets; an object given must too
         tokenizer = cast(_EncodesOffsets, self.text_tokenizer())
-        rendered = self.template.render(messages)
+        with _naming(where):
+            rendered = self.template.render(messages)
         ids, offsets = tokenizer.encode_offsets(rendered.text)
         from dew.data.chat_template import assistant_mask
 
         return np.asarray(ids, np.int32), assistant_mask(offsets, rendered.spans)
+
+
+@contextlib.contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """A template's refusal of a record names the record (its file and row), so it can be found."""
+    try:
+        yield
+    except ChatTemplateError as error:
+        raise ChatTemplateError(f"{error} (the conversation in {where})") from None
 
 
 def _warn_unscored(count: int, first: str, why: str, what: str = "conversation(s)") -> None:
@@ -292,7 +317,7 @@ class ChatPreferences(_ChatReader):
         same, first_same = 0, ""
         for where, prompt, chosen, rejected in self.pairs():
             sides = [self._shared.encode(messages, where) for messages in (chosen, rejected)]
-            asked = self._shared.prompt_ids(prompt) if prompt else np.zeros(0, np.int32)
+            asked = self._shared.prompt_ids(prompt, where) if prompt else np.zeros(0, np.int32)
             long = any(len(ids) > limit for ids, _ in sides)
             if long:
                 cut, first = cut + 1, first or where
