@@ -84,3 +84,47 @@ def test_a_checkpoint_of_the_old_layout_resumes_half_way_through_its_window(tmp_
     for mine, theirs in ((final.params, params), (final.ema, ema)):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                      jax.device_get(mine), theirs)
+
+
+def test_an_ema_saved_in_bfloat16_is_read_widened_and_moves_on(tmp_path: Path) -> None:
+    """A bfloat16 run's EMA was kept in bfloat16 until dew kept it in float32 (in bfloat16 an
+    average at decay 0.999 never moved); a checkpoint written before was refused on resume, every
+    EMA leaf 'saved as bfloat16, the state has float32'. data/narrow_ema_checkpoint was written by
+    that dew (data/make_narrow_ema_checkpoint.py)."""
+    spec = importlib.util.spec_from_file_location("make_narrow_ema_checkpoint", DATA / "make_narrow_ema_checkpoint.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    shutil.copytree(DATA / "narrow_ema_checkpoint" / "run", tmp_path / "run")
+    expected = json.loads((DATA / "narrow_ema_checkpoint" / "expected.json").read_text())
+
+    restored, _, _ = maker.trainer(tmp_path / "run").place()
+    assert int(restored.step) == expected["step"] == 3
+    for tree, dtype, saved in ((restored.ema, jnp.float32, expected["ema"]),
+                               (restored.params, jnp.bfloat16, expected["params"])):
+        for name, values in saved.items():
+            leaf = _leaves(tree)[name]
+            assert leaf.dtype == dtype, name
+            np.testing.assert_array_equal(leaf.astype(np.float32), np.asarray(values, np.float32))
+
+    # From there, by hand: adam on the bfloat16 weights, the average in float32 of the weights widened
+    # (within a bfloat16 step: the trainer averages the loss in another order).
+    objective, adam = maker.Line(), optax.adam(0.05)
+    params, opt_state, ema = (jax.device_get(x) for x in (restored.params, restored.opt_state, restored.ema))
+    feed = maker.batches(None)
+    for _ in range(3):
+        batch = next(feed)
+        grads = jax.grad(lambda p, b=batch: objective.loss(p, b, None)[0].total / 4)(params)
+        updates, opt_state = adam.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        ema = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p.astype(jnp.float32), ema, params)
+
+    run = maker.trainer(tmp_path / "run")
+    with pytest.warns(UserWarning, match="holds no data position"):  # batches restart: 0, 1, 2 again
+        final = run.fit(maker.DATA, steps=6)
+    run.checkpoints.close()
+    assert int(final.step) == 6
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(final.ema))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                         rtol=1e-2, atol=1e-3), jax.device_get(final.params), params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), jax.device_get(final.ema), ema)
+    assert not np.array_equal(_leaves(final.ema)["params/kernel"], np.asarray(expected["ema"]["params/kernel"]))

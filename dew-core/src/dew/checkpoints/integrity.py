@@ -309,13 +309,28 @@ def verify_files(step_directory: Location, table: Mapping[str, Sequence[int | st
     return verify_sizes(step_directory, table) or start_hashing(step_directory, table, algorithm=algorithm)()
 
 
+_WIDENED = {("bfloat16", "float32"), ("float16", "float32")}
+
+
+def widened_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The leaves saved in bfloat16 or float16 that the state holds, same shape, in float32 (path to
+    saved dtype): read as saved and widened, they are exactly what was written. An older dew kept a
+    reduced-precision run's EMA and float16 optimizer state in the weights' dtype."""
+    after = {leaf["path"]: leaf for leaf in expected}
+    return {leaf["path"]: leaf["dtype"] for leaf in saved if leaf["path"] in after
+            and list(leaf["shape"]) == list(after[leaf["path"]]["shape"])
+            and (leaf["dtype"], after[leaf["path"]]["dtype"]) in _WIDENED}
+
+
 def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Describe every leaf whose path, shape or dtype differs between two leaf tables."""
+    """Describe every leaf whose path, shape or dtype differs between two leaf tables (a leaf the
+    state widens losslessly, widened_leaves', differs in nothing that matters)."""
     before = {leaf["path"]: leaf for leaf in saved}
     after = {leaf["path"]: leaf for leaf in expected}
+    widened = widened_leaves(saved, expected)
     differences = [f"{path} is in the checkpoint but not in the state" for path in before if path not in after]
     differences += [f"{path} is in the state but not in the checkpoint" for path in after if path not in before]
-    for path in before.keys() & after.keys():
+    for path in before.keys() & after.keys() - widened.keys():
         old, new = before[path], after[path]
         if list(old["shape"]) != list(new["shape"]) or old["dtype"] != new["dtype"]:
             differences.append(

@@ -78,7 +78,8 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
         check(dict(manifest.meta), step)
     leaves, nodes = expected
     saved_nodes = [] if manifest.nodes is None else [node.model_dump() for node in manifest.nodes]
-    differences = integrity.compare_leaves([leaf.model_dump() for leaf in manifest.leaves], leaves)
+    saved_leaves = [leaf.model_dump() for leaf in manifest.leaves]
+    differences = integrity.compare_leaves(saved_leaves, leaves)
     if manifest.nodes is not None:
         differences = sorted(set(differences) | set(integrity.compare_nodes(saved_nodes, nodes)))
     if differences:
@@ -90,7 +91,8 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
     with ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="dew-verify") as pool:
         hashed = integrity.start_hashing(directory, manifest.files, pool, manifest.file_hash)  # beside Orbax
         try:
-            restored = _read_state(directory, template)
+            widened = integrity.widened_leaves(saved_leaves, leaves)
+            restored = _read_state(directory, _as_saved(template, widened) if widened else template)
         except Exception as error:  # Orbax raises bare exceptions for damaged data
             if raised_from(error, KeyboardInterrupt):  # Ctrl-C as Orbax read: a stop, not a misfit
                 raise KeyboardInterrupt from error
@@ -109,7 +111,25 @@ def restore_step(directory: Location, step: int, template: State, expected: Expe
     for leaf, digest in zip(manifest.leaves, values, strict=True):
         if leaf.digest != digest:
             raise CheckpointCorruptedError(step, directory / "state", f"leaf {leaf.path} does not match its digest")
+    if widened:
+        restored = jax.tree_util.tree_map(_widen, restored, template)
     return Restored(step=step, state=restored, position=position, meta=dict(manifest.meta))
+
+
+def _as_saved(template: State, widened: Mapping[str, str]) -> State:
+    """template with the leaves saved narrower (widened_leaves) asked for in the dtype they were saved in."""
+    def leaf(path: Any, wanted: Any) -> Any:
+        saved = widened.get(jax.tree_util.keystr(path))
+        return wanted if saved is None else jax.ShapeDtypeStruct(wanted.shape, saved, sharding=wanted.sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+def _widen(read: jax.Array, wanted: Any) -> jax.Array:
+    """A leaf read as saved, in the dtype and placement the template asks for."""
+    if read.dtype == wanted.dtype:
+        return read
+    return jax.jit(lambda x: x.astype(wanted.dtype), out_shardings=wanted.sharding)(read)
 
 
 def _read_state(directory: Location, template: State) -> State:
