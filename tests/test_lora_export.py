@@ -156,6 +156,11 @@ def test_options_an_export_would_ignore_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "DiT is written in dew's own layout, which transformers does not read; drop --verify" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+    # Asked for in Hugging Face's layout, it says what to do: the advice was for quantized language models
+    from dew.pretrained import NoExactCounterpartError
+
+    with pytest.raises(NoExactCounterpartError, match=r"Export it in dew's own layout \(dew export without --format hf"):
+        Pretrained.load(tmp_path / "dit").save(tmp_path / "out", format="hf")
 
 
 @pytest.mark.slow

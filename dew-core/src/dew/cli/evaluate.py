@@ -180,8 +180,11 @@ def _as_trained(entry: dict[str, Any], run: str | os.PathLike[str]) -> dict[str,
 
 
 def _run_task(args: argparse.Namespace, opened: Opened) -> int:
+    from functools import partial
+
     from dew import registry
     from dew.evaluations.base import TaskFileError, scheduled
+    from dew.objectives.inference import model_variables
     from dew.recipes.config import RecipeError
     from dew.recipes.run import expand
 
@@ -191,7 +194,8 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
             raise RecipeError(f"no evaluation task named {config.task!r} in the run's trainer.evaluate "
                               f"or in dew.evaluations; the registered tasks are "
                               f"{', '.join(registry.evaluations.names()) or 'none'}.")
-        task = scheduled(config, opened.model, opened.tokenizer, expand=lambda f: expand(f, ""))
+        task = scheduled(config, opened.model, opened.tokenizer, expand=lambda f: expand(f, ""),
+                         served=None if opened.objective is None else partial(model_variables, opened.objective))
         kept = [("eval", opened.live if opened.live is not None else opened.variables)]
         if opened.live is not None and opened.variables is not opened.live:
             kept.append(("eval_ema", opened.variables))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dew.adapters.lora import Lora
+    from dew.objectives.base import Variables
     from dew.pretrained.model import Pretrained as PretrainedModel
     from dew.pretrained.tokenizers import TokenizerFiles as SavedTokenizerFiles
     from dew.recipes.opening import Opened
@@ -108,7 +109,15 @@ def _native(opened: Opened) -> bool:
     from dew.pretrained import Pretrained
     from dew.pretrained.native import FORMAT
 
-    return Pretrained(base_model(opened.model), opened.variables).format == FORMAT
+    return Pretrained(base_model(opened.model), _served(opened)).format == FORMAT
+
+
+def _served(opened: Opened) -> Variables:
+    """The variables the run's model applies (a distillation's student without its teacher, a policy
+    without its value head): what the export holds."""
+    from dew.objectives.inference import model_variables
+
+    return opened.variables if opened.objective is None else model_variables(opened.objective, opened.variables)
 
 
 def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float | None) -> int:
@@ -116,11 +125,11 @@ def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float |
     from dew.pretrained import PretrainedError
     from dew.pretrained.verify import DEFAULT_TOLERANCE, ExportMismatchError, verify
 
-    model, variables = opened.model, opened.variables
+    model, variables = opened.model, _served(opened)
     if lora is not None:
         from dew.adapters.lora import base_model, merge_lora
 
-        model, variables = base_model(opened.model), merge_lora(opened.variables, lora)
+        model, variables = base_model(opened.model), merge_lora(variables, lora)
     try:
         result = verify(written, model, variables, tokenizer=opened.tokenizer,
                         tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance)

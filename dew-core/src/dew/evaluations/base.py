@@ -112,13 +112,18 @@ class EvaluationTask(Protocol):
 
 @dataclass(frozen=True)
 class Periodic:
-    """A task a run scores every ``every`` steps (and at its last step) under ``eval/<name>/``."""
+    """A task a run scores every ``every`` steps (and at its last step) under ``eval/<name>/``.
+
+    served picks, from the variables it is called with, those model applies (a distillation's
+    student among the run's); None takes them all.
+    """
 
     name: str
     task: EvaluationTask
     every: int | None
     model: Module
     tokenizer: Tokenizer | None
+    served: Callable[[Variables], Variables] | None = None
 
     def due(self, done: int, last: bool) -> bool:
         """Whether the task runs after step done."""
@@ -130,7 +135,8 @@ class Periodic:
         from dew.training.evaluation import Evaluation
 
         began = time.perf_counter()
-        usable = {k: v for k, v in variables.items() if k != "cache"}
+        usable = {k: v for k, v in (variables if self.served is None else self.served(variables)).items()
+                  if k != "cache"}
         scores = self.task.evaluate(Subject(self.model, usable, self.tokenizer), mesh=mesh)
         split = f"{prefix}/{self.name}"
         named = {f"{split}/{key}": float(value) for key, value in scores.items()}
@@ -141,10 +147,12 @@ class Periodic:
 
 
 def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None,
-              expand: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Periodic:
+              expand: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+              served: Callable[[Variables], Variables] | None = None) -> Periodic:
     """The Periodic a recipe's ``trainer.evaluate`` entry describes, its task built by the registry.
 
-    expand, when given, rewrites the fields first (a recipe's ``{recipes}`` placeholders).
+    expand, when given, rewrites the fields first (a recipe's ``{recipes}`` placeholders); served
+    is Periodic's.
     """
     from dew import registry
 
@@ -162,7 +170,7 @@ def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None
                 f"The task {config.task!r} turns text into ids with the run's tokenizer, and this run has none: "
                 "its data reader names no tokenizer (or its export holds none). Text tasks score a language "
                 "model; a run on images or on pre-tokenized ids without a tokenizer cannot take them.")
-    return Periodic(config.name, task, config.every, model, tokenizer)
+    return Periodic(config.name, task, config.every, model, tokenizer, served)
 
 
 # -- what tasks share --------------------------------------------------------------------------

@@ -235,7 +235,8 @@ def _check_decoder(model: Module, target: Family) -> None:
     if type(model) is not CausalTransformer:
         raise NoExactCounterpartError(
             f"Only dew's CausalTransformer has a Hugging Face counterpart ({target.architecture}); "
-            f"got {type(model).__module__}.{type(model).__qualname__}. A quantized or wrapped "
+            f"got {type(model).__module__}.{type(model).__qualname__}. Export it in dew's own layout "
+            "(dew export without --format hf; format='dew' from Python); a quantized or wrapped language "
             "model exports through the CausalTransformer it wraps.")
     model._check()
 

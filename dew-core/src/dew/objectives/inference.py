@@ -46,6 +46,7 @@ __all__ = [
     "GenerateRequest",
     "SampleWriteError",
     "UnsupportedRequestError",
+    "model_variables",
     "pipeline_of",
     "variables_of",
     "write_file",
@@ -216,6 +217,17 @@ def variables_of(state: TrainState | Variables, ema: bool = True) -> Variables:
     if not isinstance(state, Mapping):  # a TrainState
         state = state.averaged if ema and state.averaged is not None else state.params
     return {name: value for name, value in state.items() if name != "cache"}
+
+
+def model_variables(objective: Objective, variables: Variables) -> Variables:
+    """What objective's model applies among a run's variables: those its pipeline holds (a
+    distillation's student without its teacher, a policy without its value head), or all of them
+    for an objective that declares no pipeline or exports no weights. Evaluation tasks score these,
+    as they score the run's export."""
+    try:
+        return pipeline_of(objective, variables).pretrained().variables
+    except PipelineError:
+        return {name: value for name, value in variables.items() if name != "cache"}
 
 
 def write_texts(texts: tuple[str, ...], directory: str | os.PathLike[str] | None) -> tuple[Path, ...]:
