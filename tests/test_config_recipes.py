@@ -188,3 +188,48 @@ def test_init_within_starts_from_the_student_a_distillation_run_kept_beside_its_
         initial_variables(whole, objective)(abstract)
     with pytest.raises(RecipeError, match="init.within picks a model inside init.run"):
         RunConfig.load("tiny-lm", [f"init.pretrained={tmp_path}", "init.within=student"])
+
+
+def test_init_ema_starts_from_the_runs_ema_copy_in_the_models_dtypes(tmp_path):
+    """init.run read the live weights alone, while the run's export, dew generate and dew eval use its
+    EMA: a FlowGRPO run started from a diffusion run that drew other samples than it was said to."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dew.checkpoints.manager import Checkpoints
+    from dew.data.base import DataPartition
+    from dew.recipes.run import build_parts, initial_variables
+    from dew.training.initializers import InitializerMismatchError
+    from dew.training.state import Scaler, TrainState
+
+    objective = build_parts(RunConfig.load("tiny-lm"), with_data=False).objective
+    live = jax.device_get(nn.meta.unbox(objective.init(jax.random.key(5))))
+    averaged = {"embed": jax.tree.map(lambda x: np.full(x.shape, 0.25, np.float32), live["params"]["embed"])}
+
+    def save(where, ema):
+        state = TrainState(params=live, opt_state=(), key=jax.random.key_data(jax.random.key(0)), step=np.int32(1),
+                           microstep=np.int32(0), updates=np.int32(1), ema=ema, scaler=Scaler.create(), window=None)
+        checkpoints = Checkpoints(tmp_path / where)
+        checkpoints.save(1, state, position=b"", partition=DataPartition(), meta={})
+        checkpoints.wait()
+        checkpoints.close()
+
+    save("averaged", {"params": averaged})
+    save("plain", None)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.bfloat16), live)  # a bfloat16 model
+    read = initial_variables(RunConfig.load("tiny-lm", [f"init.run={tmp_path}/averaged", "init.ema=true"]),
+                             objective)(abstract)
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(read))
+    assert np.all(np.asarray(read["params"]["embed"]["embedding"], np.float32) == 0.25)  # the EMA's leaves
+    for name in set(live["params"]) - {"embed"}:  # the rest, which the EMA does not hold: the live weights
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                                np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32)),
+                     read["params"][name], live["params"][name])
+    unchanged = initial_variables(RunConfig.load("tiny-lm", [f"init.run={tmp_path}/averaged"]), objective)(abstract)
+    assert not np.any(np.asarray(unchanged["params"]["embed"]["embedding"], np.float32) == 0.25)
+    with pytest.raises(InitializerMismatchError, match="kept no EMA .* unset init.ema"):
+        initial_variables(RunConfig.load("tiny-lm", [f"init.run={tmp_path}/plain", "init.ema=true"]), objective)(abstract)
+    with pytest.raises(RecipeError, match="init.ema reads init.run's EMA copy"):
+        RunConfig.load("tiny-lm", [f"init.pretrained={tmp_path}", "init.ema=true"])

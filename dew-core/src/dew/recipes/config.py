@@ -82,6 +82,10 @@ class InitConfig(Settings):
         None, description="the key under which init.run keeps this model beside others (a "
         "distillation run's student, or its teacher); default: its whole parameters"
     )
+    ema: bool = pydantic.Field(
+        False, description="start from init.run's EMA copy (the weights its export, dew generate "
+        "and dew eval use) rather than its live parameters"
+    )
 
     @pydantic.model_validator(mode="after")
     def _one_source(self) -> InitConfig:
@@ -91,6 +95,9 @@ class InitConfig(Settings):
             raise ValueError("init.step selects a step of init.run; set init.run too")
         if self.within is not None and self.run is None:
             raise ValueError("init.within picks a model inside init.run's parameters; set init.run too")
+        if self.ema and self.run is None:
+            raise ValueError("init.ema reads init.run's EMA copy (a pretrained directory holds one set of "
+                             "weights); set init.run too")
         return self
 
 

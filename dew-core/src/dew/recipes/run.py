@@ -382,7 +382,7 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
             "apart, which no model's tree takes whole. Export it merged (dew export "
             f"{init.run} DIR) and start from init.pretrained=DIR.")
     run: WeightSource = ParamsFrom(absolute(init.run), step=init.step, ignore=tuple(init.ignore),
-                          within=init.within)
+                                   within=init.within, field="averaged" if init.ema else "params")
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         from dew.adapters.lora import BaseWeights
 

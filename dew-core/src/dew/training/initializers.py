@@ -19,7 +19,7 @@ import fnmatch
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -144,7 +144,8 @@ class ParamsFrom:
     field chooses the saved TrainState field: ``params`` (the live weights)
     or ``ema`` (the EMA's own leaves of a run that kept one, a pruned copy of
     params read in the tree the checkpoint records; ``overlay(params, ema)``
-    is the averaged model). Only that field
+    is the averaged model); ``averaged`` reads both and gives that averaged
+    model, in the params' dtypes (the weights the run's export holds). Only that field
     of the saved TrainState is read (an Orbax
     partial restore), after the step's files are checked against their
     recorded hashes and before each leaf is checked against its digest, so
@@ -160,6 +161,17 @@ class ParamsFrom:
     within: str | None = None
 
     def __call__(self, abstract: Variables) -> Variables:
+        if self.field == "averaged":
+            from dew.training.trees import overlay_as
+
+            live = replace(self, field="params")(abstract)
+            try:
+                ema = replace(self, field="ema")(abstract)
+            except InitializerMismatchError:
+                raise InitializerMismatchError(
+                    f"{self.directory} kept no EMA (its objective averages no weights), so there is no "
+                    "EMA copy to start from: unset init.ema to start from its live weights.") from None
+            return overlay_as(live, without(ema, self.ignore))
         import orbax.checkpoint as ocp
 
         from dew.checkpoints import integrity
@@ -184,7 +196,7 @@ class ParamsFrom:
         if field not in ("params", "ema") or not any(n.startswith(f".{field}[") for n in saved):
             raise InitializerMismatchError(
                 f"Step {step} of {checkpoints.directory} holds no {field!r} field to read "
-                "parameters from; ask for 'params' (or 'ema' of a run that kept an EMA)."
+                "parameters from; ask for 'params' (or 'ema' or 'averaged' of a run that kept an EMA)."
             )
         stored = _saved_params(saved, field)
         recorded = stored if self.within is None else _within(stored, self.within, path)
