@@ -233,3 +233,35 @@ def test_init_ema_starts_from_the_runs_ema_copy_in_the_models_dtypes(tmp_path):
         initial_variables(RunConfig.load("tiny-lm", [f"init.run={tmp_path}/plain", "init.ema=true"]), objective)(abstract)
     with pytest.raises(RecipeError, match="init.ema reads init.run's EMA copy"):
         RunConfig.load("tiny-lm", [f"init.pretrained={tmp_path}", "init.ema=true"])
+
+
+def test_a_lora_base_that_does_not_fit_is_not_advised_init_ignore(tmp_path):
+    """Under lora, init.ignore is refused (the adapters freeze every base weight, so an ignored one
+    would stay random), yet a base of other shapes was advised to name leaves for init.ignore."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from dew.checkpoints.manager import Checkpoints
+    from dew.data.base import DataPartition
+    from dew.recipes.run import build_parts, initial_variables
+    from dew.training.initializers import InitializerMismatchError
+    from dew.training.state import Scaler, TrainState
+
+    other = build_parts(RunConfig.load("tiny-lm", ["model.emb_features=64"]), with_data=False).objective
+    saved = jax.device_get(nn.meta.unbox(other.init(jax.random.key(5))))
+    state = TrainState(params=saved, opt_state=(), key=jax.random.key_data(jax.random.key(0)), step=np.int32(1),
+                       microstep=np.int32(0), updates=np.int32(1), ema=None, scaler=Scaler.create(), window=None)
+    checkpoints = Checkpoints(tmp_path / "run")
+    checkpoints.save(1, state, position=b"", partition=DataPartition(), meta={})
+    checkpoints.wait()
+    checkpoints.close()
+    for name in ("tiny-lm-lora", "tiny-lm"):
+        config = RunConfig.load(name, [f"init.run={tmp_path}/run"])
+        objective = build_parts(config, with_data=False).objective
+        abstract = jax.eval_shape(lambda: nn.meta.unbox(objective.init(jax.random.key(0))))
+        with pytest.raises(InitializerMismatchError, match="shape") as refused:
+            initial_variables(config, objective)(abstract)
+        said = str(refused.value)
+        assert ("init.ignore" in said) == (name == "tiny-lm"), said
+        assert ("A LoRA run trains adapters over its base as read" in said) == (name == "tiny-lm-lora"), said

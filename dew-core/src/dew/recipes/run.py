@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from dew.recipes.config import RunConfig
     from dew.tracking.protocol import Tracker
     from dew.training.config import TrainerConfig
-    from dew.training.initializers import Initializer
+    from dew.training.initializers import Initializer, WeightSource
     from dew.training.optim import ConfiguredOptimizer, OptimizerConfig
     from dew.training.protocols import Rollout
     from dew.training.state import TrainState
@@ -372,7 +372,7 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
         narrowed = objective.starting_weights(given)
         # An objective holding more than its model (a distillation's teacher) places them itself.
         return weights if narrowed is given else narrowed
-    from dew.training.initializers import ParamsFrom, WeightSource
+    from dew.training.initializers import ParamsFrom
 
     assert init.run is not None  # InitConfig holds exactly one of pretrained and run
     started = _saved_recipe(type(config), absolute(init.run))
@@ -384,12 +384,33 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
     run: WeightSource = ParamsFrom(absolute(init.run), step=init.step, ignore=tuple(init.ignore),
                                    within=init.within, field="averaged" if init.ema else "params")
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
-        from dew.adapters.lora import BaseWeights
-
-        run = BaseWeights(run)
+        run = _lora_base(run)
     # An objective whose variables hold more than the model's (a frozen reference,
     # a value head) reads only the model's part; its init makes the rest.
     return objective.starting_weights(run)
+
+
+def _lora_base(source: WeightSource) -> WeightSource:
+    """source read as a LoRA run's frozen base, its misfit advised without init.ignore (refused
+    beside lora: no base leaf may stay fresh under adapters that freeze them all)."""
+    from dew.adapters.lora import BaseWeights
+    from dew.training.initializers import InitializerMismatchError
+
+    base = BaseWeights(source)
+
+    def read(abstract: Variables) -> Variables:
+        try:
+            return base(abstract)
+        except InitializerMismatchError as error:
+            if error.mismatch is None:
+                raise
+            raise InitializerMismatchError(
+                f"{error.mismatch} A LoRA run trains adapters over its base as read, every base weight "
+                "frozen, so none can be left at a fresh initialization: start from weights of the same "
+                "architecture and configuration, or change the model to match them.",
+                mismatch=error.mismatch) from None
+
+    return read
 
 
 def _profile_expanded(trainer: TrainerConfig, timestamp: str) -> TrainerConfig:

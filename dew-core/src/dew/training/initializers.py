@@ -43,7 +43,14 @@ __all__ = [
 
 
 class InitializerMismatchError(DewError, ValueError):
-    """The weights a run starts from do not fit the tree or shapes the objective's init makes."""
+    """The weights a run starts from do not fit the tree or shapes the objective's init makes.
+
+    mismatch, when set, is what does not fit, without the advice that follows it (a reader who
+    knows more of the run, a LoRA run's, words the advice anew)."""
+
+    def __init__(self, message: str, *, mismatch: str | None = None) -> None:
+        super().__init__(message)
+        self.mismatch = mismatch
 
 
 @runtime_checkable
@@ -105,12 +112,11 @@ def compare_trees(expected: PyTree, given: PyTree, *, what: str, ignore: tuple[s
     problems.extend(f"{path}: not in the objective's variables" for path in got if path not in want)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        mismatch = f"{what} do not fit the variables the objective's init makes: {shown}."
         raise InitializerMismatchError(
-            f"{what} do not fit the variables the objective's init makes: {shown}. Start from "
-            "weights of the same architecture and configuration, change the model to match them, "
-            "or name the leaves to leave at their fresh initialization (a recipe's init.ignore, "
-            "glob patterns such as 'params/head/*')."
-        )
+            f"{mismatch} Start from weights of the same architecture and configuration, change the model "
+            "to match them, or name the leaves to leave at their fresh initialization (a recipe's "
+            "init.ignore, glob patterns such as 'params/head/*').", mismatch=mismatch)
 
 
 def _reader(array: np.ndarray) -> Callable[[tuple[slice, ...] | None], np.ndarray]:
