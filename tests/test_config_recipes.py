@@ -265,3 +265,13 @@ def test_a_lora_base_that_does_not_fit_is_not_advised_init_ignore(tmp_path):
         said = str(refused.value)
         assert ("init.ignore" in said) == (name == "tiny-lm"), said
         assert ("A LoRA run trains adapters over its base as read" in said) == (name == "tiny-lm-lora"), said
+
+
+def test_a_value_of_braces_alone_is_the_text_typed():
+    """YAML reads {timestamp} as a mapping with no values: trainer.checkpoint_dir={timestamp} was
+    refused as 'Input should be a valid string (given {'timestamp': None})', and so was a task's
+    template of one field, --set template={question}."""
+    config = RunConfig.load("tiny-lm", ["trainer.checkpoint_dir={timestamp}", "objective.prompt={question}",
+                                        "trainer.evaluate+={task: perplexity, file: x.jsonl}"])
+    assert config.trainer.checkpoint_dir == "{timestamp}" and config.objective.fields["prompt"] == "{question}"
+    assert config.trainer.evaluate[0].fields["file"] == "x.jsonl"  # a flow mapping with values is still one

@@ -336,15 +336,19 @@ class RunConfig(Settings):
 
 def override_value(text: str) -> Any:
     """An override's value as a recipe reads it: YAML, or the text itself where it is not YAML
-    (``[0-9]+`` is a pattern, not a broken list).
+    (``[0-9]+`` is a pattern, not a broken list) or where YAML would read a placeholder or a
+    template's field as a mapping with no values (``{timestamp}``, ``{question}``).
 
-    >>> override_value("3"), override_value("[0-9]+"), override_value("{a: 1}")
-    (3, '[0-9]+', {'a': 1})
+    >>> override_value("3"), override_value("[0-9]+"), override_value("{a: 1}"), override_value("{timestamp}")
+    (3, '[0-9]+', {'a': 1}, '{timestamp}')
     """
     try:
-        return read_yaml(text, "override") if text.strip() else ""
+        value = read_yaml(text, "override") if text.strip() else ""
     except RecipeFileError:
         return text
+    if isinstance(value, dict) and value and ":" not in text and all(v is None for v in value.values()):
+        return text
+    return value
 
 
 def _run_folder_followed(written: dict[str, Any], given: Any) -> Any:
