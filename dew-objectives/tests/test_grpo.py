@@ -60,7 +60,7 @@ def test_loss_and_gradient_equal_the_clipped_objective_with_k3(normalize, temper
     variables["reference"] = model.init(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))["params"]
     batch = _batch(model, variables["params"], temperature=temperature)
     r = np.asarray(batch["reward"]).reshape(-1, G)
-    advantage = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1)
+    advantage = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)  # TRL's
     m = np.asarray(batch["mask"])[:, 1:]
 
     def by_hand(params):

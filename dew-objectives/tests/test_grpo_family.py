@@ -91,7 +91,7 @@ def _advantages(reward: np.ndarray, g: int, baseline: str, scale: bool) -> list[
     for start in range(0, len(reward), g):
         r = [float(x) for x in reward[start:start + g]]
         mean = sum(r) / g
-        std = (sum((x - mean) ** 2 for x in r) / g) ** 0.5
+        std = (sum((x - mean) ** 2 for x in r) / (g - 1)) ** 0.5  # the sample std, as TRL takes it
         for i in range(g):
             base = (sum(r) - r[i]) / (g - 1) if baseline == "leave_one_out" else mean
             a = r[i] - base

@@ -277,7 +277,7 @@ class FlowGRPOObjective(Objective):
         trajectory = jnp.asarray(batch["trajectory"], jnp.float32)
         rows = trajectory.shape[0]
         reward = jnp.asarray(batch["reward"], jnp.float32)
-        advantage = group_advantages(reward, self.group_size)
+        advantage = group_advantages(reward, self.group_size, ddof=0)  # as Flow-GRPO's code: np.std
         mean, std = self._means(policy_variables(variables), trajectory, batch["condition"])
         following = trajectory[:, 1:].reshape(rows * self.steps, *trajectory.shape[2:])
         logp = gaussian_logp(following, mean, std).reshape(rows, self.steps)

@@ -49,14 +49,17 @@ class GroupSizeError(DewError, ValueError):
 
 
 def group_advantages(reward: jax.Array, group_size: int, *, scale: bool = True, eps: float = 1e-4,
-                     baseline: Baseline = "mean") -> jax.Array:
+                     baseline: Baseline = "mean", ddof: int = 1) -> jax.Array:
     """Each reward less its group's baseline, over the group's std when scale.
 
     The baseline is the group's mean, or (``leave_one_out``, RLOO) the mean
-    of the group's other rewards: r_i - (sum_j r_j - r_i) / (G - 1).
+    of the group's other rewards: r_i - (sum_j r_j - r_i) / (G - 1). The
+    std is the sample std (divided by G - ddof, G - 1 by default), as TRL's
+    GRPOTrainer takes it, so the same rewards give the same advantages there
+    and here; Flow-GRPO's reference code divides by G (ddof=0).
 
     >>> [round(float(a), 3) for a in group_advantages(jnp.array([1.0, 0.0, 2.0, 2.0]), 2)]
-    [1.0, -1.0, 0.0, 0.0]
+    [0.707, -0.707, 0.0, 0.0]
     >>> [round(float(a), 3) for a in group_advantages(jnp.array([3.0, 0.0, 0.0]), 3, scale=False,
     ...                                               baseline="leave_one_out")]
     [3.0, -1.5, -1.5]
@@ -75,7 +78,7 @@ def group_advantages(reward: jax.Array, group_size: int, *, scale: bool = True, 
     else:
         centred = groups - total / group_size
     if scale:
-        centred = centred / (groups.std(axis=1, keepdims=True) + eps)
+        centred = centred / (groups.std(axis=1, ddof=ddof if group_size > ddof else 0, keepdims=True) + eps)
     return centred.reshape(rows)
 
 
