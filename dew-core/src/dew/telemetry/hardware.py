@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,28 +24,42 @@ from dew.errors import DewError
 
 __all__ = ["ACCELERATORS", "PEAK_BF16_FLOPS", "Accelerator", "UnknownAcceleratorError", "accelerator", "peak_flops"]
 
+# Each name is matched as whole words of the device kind JAX reports, the first that matches
+# winning: a variant (an H100 on PCIe, an L40S, a TPU v5 lite) before its family.
 PEAK_BF16_FLOPS: dict[str, float] = {
+    "h100 pcie": 756e12,
+    "h100 nvl": 835e12,
+    "gh200": 989e12,
     "h200": 989e12,
     "h100": 989e12,
     "a100": 312e12,
+    "l40s": 362e12,
+    "l40": 181e12,
     "l4": 121e12,
     "a10": 125e12,
+    "tpu v4 lite": 138e12,
     "tpu v4": 275e12,
     "tpu v5 lite": 197e12,
     "tpu v5e": 197e12,
     "tpu v5p": 459e12,
+    "tpu v5": 459e12,  # v5p, as JAX names it on some hosts
     "tpu v6 lite": 918e12,
+    "tpu v6e": 918e12,
 }
 
 
 def peak_flops(device_kind: str, environ: Mapping[str, str] | None = None) -> float | None:
-    """The peak FLOP/s of one device of this kind (DEW_PEAK_FLOPS first), or None if unknown."""
+    """The peak FLOP/s of one device of this kind (DEW_PEAK_FLOPS first), or None if unknown.
+
+    >>> [peak_flops(kind, environ={}) / 1e12 for kind in ("NVIDIA L40S", "NVIDIA L4", "NVIDIA H100 PCIe", "TPU v5")]
+    [362.0, 121.0, 756.0, 459.0]
+    """
     environ = os.environ if environ is None else environ
     if environ.get("DEW_PEAK_FLOPS"):
         return float(environ["DEW_PEAK_FLOPS"])
     kind = device_kind.lower()
     for name, flops in PEAK_BF16_FLOPS.items():
-        if name in kind:
+        if re.search(rf"(?<![a-z0-9]){re.escape(name)}(?![a-z0-9])", kind):
             return flops
     return None
 

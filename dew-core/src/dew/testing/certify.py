@@ -169,7 +169,8 @@ def _readable(method: str) -> str:
 
 
 def _load(value: str) -> Any:
-    module, _, attribute = value.partition(":")
+    """What an entry point's value names (``module:attr``), its extras (``[tensorboard]``) aside."""
+    module, _, attribute = value.split("[", 1)[0].strip().partition(":")
     target = importlib.import_module(module)
     for part in attribute.split(".") if attribute else ():
         target = getattr(target, part)
