@@ -16,6 +16,9 @@ CHECKED = [
     # An integer compute dtype passed the check and failed in the first trace ("logistic does not accept int8").
     ("tiny-lm", ["model.dtype=int8"], "model: CausalTransformer.dtype='int8' is not a floating dtype"),
     ("digits-diffusion", ["model.patch_size=3"], "model.patch_size: image_size=8 is not divisible by patch_size=3"),
+    # A published family's model was built, not checked: both passed --check and were refused at the start.
+    ("qwen3-sft", ["model.preset=0.7b"], "model.preset: The qwen3 family has no preset '0.7b'; its presets are"),
+    ("qwen3-sft", ["model.num_kv_heads=3"], "model: CausalTransformer.num_kv_heads=3 must divide num_heads=4"),
     ("tiny-lm", ["optimizer.eps=0"], "optimizer.eps: Input should be greater than 0"),
     ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),
     # Fields the solver or schedule does not read: accepted, they changed nothing (bitwise).

@@ -196,16 +196,32 @@ class Family:
         """
         from dew.nn.backbones import CausalTransformer
 
+        given = self._configured(preset, fields)
+        problems = CausalTransformer.field_problems(given)  # refused when built, not at the first trace
+        if problems:
+            raise ValueError(problems[0][1])
+        return CausalTransformer(**given)
+
+    def field_problems(self, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """What build would refuse in a recipe's fields (an unknown preset, values the decoder
+        refuses), said before anything is built (dew.registry.ChecksFields)."""
+        from dew.nn.backbones import CausalTransformer
+
+        given = dict(fields)
+        try:
+            configured = self._configured(given.pop("preset", None), given)
+        except PresetError as error:
+            return [(("preset",), str(error))]
+        return CausalTransformer.field_problems(configured)
+
+    def _configured(self, preset: str | None, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """The CausalTransformer fields of preset (the first when None) with fields over them."""
         config = self.preset(preset or next(iter(self.presets)))
         if "num_layers" in fields:
             config["num_hidden_layers"] = fields["num_layers"]
             config.pop("layer_types", None)
         built = {**self.fields(config), "max_seq_len": int(config.get("max_position_embeddings", 2048))}
-        given = {**built, "family": self.label, **fields}
-        problems = CausalTransformer.field_problems(given)  # refused when built, not at the first trace
-        if problems:
-            raise ValueError(problems[0][1])
-        return CausalTransformer(**given)
+        return {**built, "family": self.label, **fields}
 
 
 class PresetError(NoExactCounterpartError, DewKeyError):
@@ -454,6 +470,7 @@ def builder(name: str) -> Callable[..., Any]:
     build.__signature__ = inspect.Signature(parameters, return_annotation=CausalTransformer)  # type: ignore[attr-defined]
     build.__annotations__ = {p.name: p.annotation for p in parameters}
     build.__name__ = build.__qualname__ = name
+    build.field_problems = family(name).field_problems  # type: ignore[attr-defined]  # dew.registry.ChecksFields
     made = family(name)
     build.__doc__ = (f"A CausalTransformer of the {name} family ({made.architecture}): ``preset``, one "
                      f"of {', '.join(made.presets)} (default {next(iter(made.presets))}), and "
