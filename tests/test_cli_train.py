@@ -93,3 +93,14 @@ def test_a_file_the_recipe_names_is_to_be_created_only_when_it_is_missing(tmp_pa
     assert code == 2 and "MissingFileError" in error
     assert "The recipe's data.tokenizer names it: create it first" in error
     assert "Nothing was kept: the run failed before it wrote anything." in error  # as docs/cli.md promises
+
+
+def test_a_recipe_field_written_as_a_flag_is_told_its_key_value_word(capsys):
+    """`dew train tiny-lm --steps 5` (as other trainers take it) was told only 'unrecognized arguments'."""
+    for argv, said in ((["--steps", "5"], "(a recipe's fields are key=value words: trainer.steps=5)"),
+                       (["--lr=0.1"], "(a recipe's fields are key=value words: optimizer.learning_rate=0.1)"),
+                       (["--chek"], "(did you mean --check?)")):
+        with pytest.raises(SystemExit) as stopped:
+            main(["train", "tiny-lm", *argv])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"unrecognized arguments: {' '.join(argv)} {said}" in err, err

@@ -165,6 +165,29 @@ def _leave_pool(status: int) -> NoReturn:
     os._exit(status)
 
 
+def _meant(extra: Sequence[str], command: argparse.ArgumentParser, takes_overrides: bool) -> str:
+    """What the first unknown option most likely meant: a recipe field written as a flag
+    (``--steps 5``: ``trainer.steps=5``), or an option of the command spelt otherwise."""
+    import difflib
+
+    flags = [item for item in extra if item.startswith("--")]
+    if not flags:
+        return ""
+    flag, _, value = flags[0].partition("=")
+    following = extra[extra.index(flags[0]) + 1:]
+    value = value or (following[0] if following and not following[0].startswith("-") else "VALUE")
+    if takes_overrides:
+        from dew.recipes.config import RunConfig
+        from dew.recipes.errors import field_path
+
+        path = field_path(RunConfig, flag.lstrip("-").replace("-", "_"))
+        if path is not None:
+            return f" (a recipe's fields are key=value words: {path}={value})"
+    options = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
+    close = difflib.get_close_matches(flag, options, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="dew", description="dew trains JAX models.")
     parser.add_argument("--version", action=_Version)
@@ -194,7 +217,8 @@ def _main(argv: Sequence[str] | None) -> int:
         getattr(args, trailing).extend(item for item in extra if not item.startswith("-"))
         extra = [item for item in extra if item.startswith("-")]
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                     f"{_meant(extra, sub.choices[args.command], isinstance(getattr(args, 'overrides', None), list))}")
     if not getattr(args, "_run", None):  # argparse sets it only when a command was chosen
         parser.print_help()
         return 0 if args.command is None else 2

@@ -89,6 +89,31 @@ _NAMED_ELSEWHERE = {
 }
 
 
+def field_path(root: type[pydantic.BaseModel], name: str) -> str | None:
+    """The dotted path of the field under root called name, or by another trainer's name for it
+    (``max_steps``: ``trainer.steps``), the shallowest first; None when none is.
+
+    >>> from dew.recipes.config import RunConfig
+    >>> field_path(RunConfig, "steps"), field_path(RunConfig, "lr"), field_path(RunConfig, "nothing")
+    ('trainer.steps', 'optimizer.learning_rate', None)
+    """
+    wanted = {name, _NAMED_ELSEWHERE.get(name, name)}
+    level: list[tuple[str, type]] = [("", root)]
+    seen: set[type] = set()
+    while level:
+        below: list[tuple[str, type]] = []
+        for prefix, holder in level:
+            seen.add(holder)
+            for field in field_names(holder):
+                if field in wanted:
+                    return prefix + field
+                inner = model_at(holder, [field])
+                if inner is not None and inner not in seen:
+                    below.append((f"{prefix}{field}.", inner))
+        level = below
+    return None
+
+
 def did_you_mean(name: str, names: Sequence[str]) -> str:
     """"; did you mean 'x'?" for the field among names that an unknown name most likely meant
     (what other trainers call it first, then the closest spelling), or ""."""
