@@ -198,6 +198,34 @@ def test_a_position_saved_over_a_corpus_edited_since_is_refused(corpus, tmp_path
         train_stream(again, batch=4).set_state(saved)
 
 
+def test_a_position_saved_over_a_shard_edited_keeping_every_token_count_is_refused_naming_it(corpus, tmp_path):
+    """A word swapped for one of as many tokens: every block's token count stays, so the digest of
+    the counts fitted, the resume read the new text, and dew audit --against called the run
+    identical. The position keeps a (sampled) digest of each shard's bytes."""
+    from dew.data.hf_text import HFText
+    from dew.data.stream import PositionMismatchError, train_stream
+
+    folder, texts, tokenizer = corpus
+    shards = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for shard, part in zip(shards, (texts[:20], texts[20:]), strict=True):
+        shard.write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    reader = HFText(files=[str(s) for s in shards], length=LENGTH, tokenizer=tokenizer)
+    stream = train_stream(reader.records(), batch=4, seed=0)
+    next(stream)
+    saved = stream.get_state()
+    counts = reader.token_counts()
+    text = shards[1].read_text()
+    lines = text.splitlines(keepends=True)
+    shards[1].write_text("".join([lines[1], lines[0], *lines[2:]]))  # two documents of one block swapped
+    again = HFText(files=[str(s) for s in shards], length=LENGTH, tokenizer=tokenizer)
+    assert np.array_equal(again.token_counts(), counts)  # only the files' bytes tell
+    with pytest.raises(PositionMismatchError, match=r"another version of .*b\.jsonl: the file was edited"):
+        train_stream(again.records(), batch=4).set_state(saved)
+    shards[1].write_text(text)  # restored: the run goes on
+    train_stream(HFText(files=[str(s) for s in shards], length=LENGTH, tokenizer=tokenizer).records(),
+                 batch=4).set_state(saved)
+
+
 def test_a_saved_dataset_dict_asks_for_one_split_and_its_metadata_is_no_shard(corpus, tmp_path):
     """save_to_disk of splits writes dataset_dict.json and a folder per split: the root is refused
     naming the splits (its metadata JSON was read as a shard of text); a folder of files beside

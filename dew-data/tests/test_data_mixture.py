@@ -313,3 +313,22 @@ def test_dew_eval_offers_a_validation_split_only_where_the_dataset_can_hold_one_
     assert _val_hint("mixture") == "dataset 'mixture' holds none out, so "
     assert "val_fraction" in registry.declared_fields(registry.datasets.load("token_windows").load)
     assert _val_hint("token_windows") == "set data.load.val_fraction in its recipe, or "
+
+
+def test_a_source_edited_in_place_since_the_position_is_refused_as_it_is_alone():
+    """A mixture's position kept its sources' sizes and weights but not their contents: a source
+    edited in place (as many records) was resumed over without a word, where the source alone
+    is refused."""
+    from dew.data.mixture import Mixture
+    from dew.data.stream import PositionMismatchError
+
+    def opened(b):
+        return Mixture(sources={"a": Tagged(0, 40), "b": b}, weights={"a": 0.5, "b": 0.5}).load(
+            batch=4, seed=2).train(DataPartition())
+
+    original = opened(Tagged(1, 40))
+    _take(original, 2)
+    position = original.get_state()
+    opened(Tagged(1, 40)).set_state(position)  # the same contents: it resumes
+    with pytest.raises(PositionMismatchError, match="as many records, other contents"):
+        opened(Tagged(7, 40)).set_state(position)  # b tagged otherwise: its arrays differ

@@ -150,6 +150,7 @@ class StreamedWindows:
         self.sizes = self.all_sizes[self.blocks]
         self.width = self.length + 1
         self.windows = int(self.sizes.sum()) // self.width
+        self._files: list[tuple[str, str]] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -169,11 +170,18 @@ class StreamedWindows:
     def __len__(self) -> int:
         return self.windows
 
+    def file_digests(self) -> list[tuple[str, str]]:
+        """Each shard file with a digest of its bytes, sampled in a large one (dew.data.stream's
+        DigestsFiles): an edit that keeps every block's token count, which fingerprint cannot see,
+        is refused at a resume, naming the file. Taken once, when the first position is saved."""
+        if self._files is None:
+            self._files = self.shards.file_digests()
+        return self._files
+
     def fingerprint(self) -> str:
         """A digest of the corpus as its blocks' token counts describe it (dew.data.stream's
         FingerprintedSource): an edit that changes any block's length is refused at a resume. The
-        text itself is not read again for it (a streamed corpus may be large), so an edit that keeps
-        every block's token count is not seen."""
+        text is not read again for it (a streamed corpus may be large); file_digests samples it."""
         digest = hashlib.sha256(self.all_sizes.astype(np.int64).tobytes())
         digest.update(self.blocks.tobytes())
         digest.update(f"{self.block}:{self.length}".encode())

@@ -48,6 +48,7 @@ conversations.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -57,7 +58,7 @@ import numpy as np
 
 from dew.data.base import Dataset, Tokenizer
 from dew.data.errors import DataError, EmptyDatasetError
-from dew.data.stream import Source, StreamReader, stream_reader
+from dew.data.stream import DigestsFiles, FingerprintedSource, Source, StreamReader, stream_reader
 
 __all__ = ["Mixture", "MixtureError", "MixtureSource", "interleave", "interleave_counts", "proportions"]
 
@@ -194,6 +195,18 @@ class MixtureSource:
         return {"sources": [[name, len(source)] for name, source in zip(self.names, self.sources, strict=True)],
                 "weights": [[piece.start, [[self.names[i], part] for i, part in
                                            zip(piece.sources, piece.parts, strict=True)]] for piece in past]}
+
+    def fingerprint(self) -> str:
+        """The sources' digests together (dew.data.stream.FingerprintedSource): a source edited in
+        place since a position was saved is refused at the resume, as it is alone."""
+        prints = [[name, source.fingerprint() if isinstance(source, FingerprintedSource) else None]
+                  for name, source in zip(self.names, self.sources, strict=True)]
+        return hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:32]
+
+    def file_digests(self) -> list[tuple[str, str]]:
+        """Every source's files with their digests (dew.data.stream.DigestsFiles), in order."""
+        return [pair for source in self.sources if isinstance(source, DigestsFiles)
+                for pair in source.file_digests()]
 
     def position_scalars(self, records: int) -> dict[str, float]:
         """``data/<source>/records`` for the first records positions of the stream."""

@@ -48,12 +48,30 @@ from dew.data.sources import COMPRESSED_SUFFIXES, expand_files, format_suffix
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["SHARD_SUFFIXES", "Shards", "expand_shards", "open_shard"]
+__all__ = ["SHARD_SUFFIXES", "Shards", "expand_shards", "open_shard", "sampled_digest"]
 
 _JSON = (".jsonl", ".json", ".ndjson")
 SHARD_SUFFIXES = (".parquet", ".arrow", *_JSON)
 _WHITESPACE = np.asarray([9, 10, 13, 32], np.uint8)
 _SCAN = 1 << 24  # bytes read at a time while indexing a JSONL file
+
+
+def sampled_digest(path: Path, *, reads: int = 16, read: int = 1 << 12) -> str:
+    """A short digest of a file's size and bytes: all of them in a file of up to reads x read
+    bytes, else reads evenly spaced reads of read bytes, the first and the last among them. It
+    reads 64 KiB of a file however large, so it sees most edits in place, not every one."""
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        if size <= reads * read:
+            digest.update(handle.read())
+        else:
+            for i in range(reads):
+                handle.seek((size - read) * i // (reads - 1))
+                digest.update(handle.read(read))
+    return digest.hexdigest()[:12]
 
 
 def expand_shards(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
@@ -326,6 +344,10 @@ class Shards:
             start += max(take, 0)
             shard += 1
         return out
+
+    def file_digests(self) -> list[tuple[str, str]]:
+        """(file, sampled_digest) of each file, in order: what a position saved over them keeps."""
+        return [(os.fspath(path), sampled_digest(path)) for path in self.files]
 
     def where(self, row: int) -> str:
         """Where a row is, for messages: its line of a JSONL file, else its row of the file."""

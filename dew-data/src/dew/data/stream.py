@@ -35,7 +35,7 @@ parsed with their defaults when nothing parsed them.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
@@ -162,6 +162,29 @@ class FingerprintedSource(Protocol):
     """
 
     def fingerprint(self) -> str: ...
+
+
+@runtime_checkable
+class DigestsFiles(Protocol):
+    """A record source read from files it can digest cheaply (hf_text's shards: their bytes,
+    sampled), beside a fingerprint that cannot see every edit: a saved position keeps the digests,
+    and a resume over a file edited since is refused naming it."""
+
+    def file_digests(self) -> Sequence[tuple[str, str]]: ...
+
+
+def check_files(source: Source, fields: Mapping[str, Any]) -> None:
+    """Refuse a position saved over files whose bytes differ now (see DigestsFiles); a position
+    saved before positions kept them is not checked."""
+    if "files" not in fields or not isinstance(source, DigestsFiles):
+        return
+    now = source.file_digests()
+    for (name, digest), saved in zip(now, fields["files"], strict=False):
+        if digest != saved:
+            raise PositionMismatchError(
+                f"The data position was saved over another version of {name}: the file was edited since "
+                "the checkpoint, keeping its records' count, so resuming would train on other text than the "
+                "run's order holds. Restore the file as it was, or start a new run over this data.")
 
 
 def check_content(source: Source, fields: Mapping[str, Any]) -> None:
@@ -406,6 +429,8 @@ class TrainStream:
                   **layout_fields(self.source, self.records)}
         if isinstance(self.source, FingerprintedSource):
             fields["content"] = self.source.fingerprint()
+        if isinstance(self.source, DigestsFiles):
+            fields["files"] = [digest for _, digest in self.source.file_digests()]
         return GLOBAL_POSITION + json.dumps(fields, sort_keys=True).encode()
 
     def set_state(self, state: bytes) -> None:
@@ -425,6 +450,7 @@ class TrainStream:
                 f"nothing here. Restore the original data or start the stream afresh."
             )
         check_content(self.source, fields)
+        check_files(self.source, fields)
         self.close()
         self.records = int(fields["records"])
         self._last = None

@@ -138,7 +138,8 @@ def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[jax.Device] | None
         raise MeshSizeError(
             f"The mesh axes fsdp={spec.fsdp} x expert={spec.expert} x tensor={spec.tensor} x "
             f"sequence={spec.sequence} x stage={spec.stage} = {inner} devices do not divide the "
-            f"{len(devices)} devices available; choose sizes whose product divides {len(devices)}."
+            f"{len(devices)} devices available; choose sizes whose product divides {len(devices)} "
+            "(a recipe's trainer.mesh.fsdp, .expert, .tensor, .sequence and .stage)."
         )
     shape = {
         "data": len(devices) // inner,
