@@ -194,7 +194,8 @@ def check_content(source: Source, fields: Mapping[str, Any]) -> None:
     if source.fingerprint() != fields["content"]:
         raise PositionMismatchError(
             "The data position was saved over data whose contents differ from this data's (as many "
-            "records, other contents: a file edited since the checkpoint, say), so resuming would train on "
+            "records, other contents: a file edited since the checkpoint, or another val_seed or val_fraction "
+            "holding other records out, say), so resuming would train on "
             "other records than the run's order holds. Restore the data as it was, or start a new run over "
             "this data.")
 
@@ -449,8 +450,8 @@ class TrainStream:
                 f"{self.size}; the data changed since the checkpoint, so the position means "
                 f"nothing here. Restore the original data or start the stream afresh."
             )
+        check_files(self.source, fields)  # names the file, where the digest of the whole cannot
         check_content(self.source, fields)
-        check_files(self.source, fields)
         self.close()
         self.records = int(fields["records"])
         self._last = None
