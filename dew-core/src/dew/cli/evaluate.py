@@ -195,7 +195,7 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
                               f"or in dew.evaluations; the registered tasks are "
                               f"{', '.join(registry.evaluations.names()) or 'none'}.")
         task = scheduled(config, opened.model, opened.tokenizer, expand=lambda f: expand(f, ""),
-                         served=None if opened.objective is None else partial(model_variables, opened.objective))
+                         served=partial(model_variables, opened.objective))
         kept = [("eval", opened.live if opened.live is not None else opened.variables)]
         if opened.live is not None and opened.variables is not opened.live:
             kept.append(("eval_ema", opened.variables))

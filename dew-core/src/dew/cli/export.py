@@ -117,7 +117,7 @@ def _served(opened: Opened) -> Variables:
     without its value head): what the export holds."""
     from dew.objectives.inference import model_variables
 
-    return opened.variables if opened.objective is None else model_variables(opened.objective, opened.variables)
+    return model_variables(opened.objective, opened.variables)
 
 
 def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float | None) -> int:

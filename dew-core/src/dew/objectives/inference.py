@@ -219,11 +219,13 @@ def variables_of(state: TrainState | Variables, ema: bool = True) -> Variables:
     return {name: value for name, value in state.items() if name != "cache"}
 
 
-def model_variables(objective: Objective, variables: Variables) -> Variables:
+def model_variables(objective: Objective | None, variables: Variables) -> Variables:
     """What objective's model applies among a run's variables: those its pipeline holds (a
     distillation's student without its teacher, a policy without its value head), or all of them
-    for an objective that declares no pipeline or exports no weights. Evaluation tasks score these,
-    as they score the run's export."""
+    for an objective that declares no pipeline or exports no weights (or None: an export that
+    records no task). Evaluation tasks score these, as they score the run's export."""
+    if objective is None:
+        return {name: value for name, value in variables.items() if name != "cache"}
     try:
         return pipeline_of(objective, variables).pretrained().variables
     except PipelineError:
