@@ -55,6 +55,11 @@ ensure_venv() {
     if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
         return 0
     fi
+    # The dev install holds everything the run install does: scripts/run after scripts/test installs nothing.
+    if [ "$kind" = run ] && [ -f "$VENV/.dew-installed-dev" ] &&
+        [ "$(cat "$VENV/.dew-installed-dev")" = "$(_stamp_of dev)" ]; then
+        return 0
+    fi
     echo "installing dew (editable) into $VENV" >&2
     local arguments=()
     for distribution in "${DISTRIBUTIONS[@]}"; do

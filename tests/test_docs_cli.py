@@ -127,8 +127,12 @@ def _saved(tmp_path, *overrides):
 def test_resuming_with_other_steps_warns_that_the_schedule_changes(tmp_path):
     _saved(tmp_path, "trainer.steps=600")
     longer = RunConfig.load("tiny-lm", overrides=["trainer.steps=1000"])
-    with pytest.warns(ScheduleReshapedWarning, match="decay_steps=600"):
+    with pytest.warns(ScheduleReshapedWarning, match=r"decay_steps=600\.$"):
         warn_if_schedule_reshaped(longer, 1000, None, tmp_path, 300)
+    # A finished run trained further: the advice to keep the old schedule trains at its end rate
+    with pytest.warns(ScheduleReshapedWarning, match=r"decay_steps=600 \(the old schedule had ended at update "
+                                                     r"600: kept, every further step trains at its end rate, 0 x"):
+        warn_if_schedule_reshaped(longer, 1000, None, tmp_path, 600)
     with warnings.catch_warnings():  # same steps, or a fixed decay length: nothing changes
         warnings.simplefilter("error")
         warn_if_schedule_reshaped(RunConfig.load("tiny-lm"), 600, None, tmp_path, 300)

@@ -154,12 +154,15 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
     new = _optimizer_config(config, steps)
     if old_steps == steps or old.decay_steps == new.decay_steps:
         return
+    ended = (f" (the old schedule had ended at update {old.decay_steps}: kept, every further step trains "
+             f"at its end rate, {old.end_factor:g} x optimizer.learning_rate)"
+             if old.decay_steps is not None and resumed_at >= old.decay_steps else "")
     warnings.warn(ScheduleReshapedWarning(
         f"This run resumes at step {resumed_at} of checkpoints trained for {old_steps} steps; "
         f"with {steps} steps its {new.schedule} learning-rate schedule now decays over "
         f"{new.decay_steps} updates instead of {old.decay_steps}, so the rate changes from the "
         f"resumed step on. To continue the old schedule, set optimizer.decay_steps="
-        f"{old.decay_steps}."
+        f"{old.decay_steps}{ended}."
     ), stacklevel=2)
 
 
