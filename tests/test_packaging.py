@@ -136,3 +136,21 @@ def test_editable_core_beside_a_plugin_wheel(tmp_path, wheels, dependencies):
     assert out["names"]["objectives"]["lm"] == "dew-objectives"
     assert out["files"]["lm"].startswith(str(tmp_path / "venv")), out["errors"].get("lm")
     assert out["errors"]["tensorboard"][0] == "MissingDistributionError"
+
+
+def test_every_root_dew_is_installed_from_is_marked_typed():
+    """A user's `mypy --strict` skipped dew ('installed, but missing library stubs or py.typed
+    marker') and read Objective as Any. Each distribution's dew folder (an editable install puts
+    four on the path; mypy looks for the marker in the one a module is found in) holds py.typed,
+    and dew-core's wheel carries it."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    roots = {Path(importlib.import_module(name).__file__).parents[1]
+             for name in ("dew.training.step", "dew.objectives.dpo", "dew.data.hf_text", "dew.trackers.tensorboard")}
+    assert len(roots) == 4, roots
+    assert all((root / "py.typed").is_file() for root in roots), roots
+    core = next(root for root in roots if (root / "__init__.py").is_file())
+    data = tomllib.loads((core.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in data["dew"]

@@ -14,7 +14,7 @@ True
 
 from __future__ import annotations
 
-__all__ = ["BatchKeyError", "DewError", "DewKeyError", "RunFileWriteError", "raised_from"]
+__all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "RunFileWriteError", "raised_from"]
 
 
 class DewError(Exception):
@@ -36,6 +36,10 @@ class BatchKeyError(DewKeyError, ValueError):
     (the key its condition is read from). It is a ``KeyError`` for a missing
     key and a ``ValueError`` for a misshapen one, so either ``except`` works.
     """
+
+
+class LossReturnError(DewError, TypeError):
+    """An objective's loss returned something other than its (Mean, Aux) pair."""
 
 
 class RunFileWriteError(DewError, OSError):

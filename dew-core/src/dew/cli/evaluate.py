@@ -184,7 +184,7 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
 
     from dew import registry
     from dew.evaluations.base import TaskFileError, scheduled
-    from dew.objectives.inference import model_variables
+    from dew.objectives.inference import served_variables
     from dew.recipes.config import RecipeError
     from dew.recipes.run import expand
 
@@ -195,7 +195,7 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
                               f"or in dew.evaluations; the registered tasks are "
                               f"{', '.join(registry.evaluations.names()) or 'none'}.")
         task = scheduled(config, opened.model, opened.tokenizer, expand=lambda f: expand(f, ""),
-                         served=partial(model_variables, opened.objective))
+                         served=partial(served_variables, opened.objective))
         kept = [("eval", opened.live if opened.live is not None else opened.variables)]
         if opened.live is not None and opened.variables is not opened.live:
             kept.append(("eval_ema", opened.variables))

@@ -115,9 +115,9 @@ def _native(opened: Opened) -> bool:
 def _served(opened: Opened) -> Variables:
     """The variables the run's model applies (a distillation's student without its teacher, a policy
     without its value head): what the export holds."""
-    from dew.objectives.inference import model_variables
+    from dew.objectives.inference import served_variables
 
-    return model_variables(opened.objective, opened.variables)
+    return served_variables(opened.objective, opened.variables)
 
 
 def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float | None) -> int:

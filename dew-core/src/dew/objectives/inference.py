@@ -46,7 +46,7 @@ __all__ = [
     "GenerateRequest",
     "SampleWriteError",
     "UnsupportedRequestError",
-    "model_variables",
+    "served_variables",
     "pipeline_of",
     "variables_of",
     "write_file",
@@ -219,7 +219,7 @@ def variables_of(state: TrainState | Variables, ema: bool = True) -> Variables:
     return {name: value for name, value in state.items() if name != "cache"}
 
 
-def model_variables(objective: Objective | None, variables: Variables) -> Variables:
+def served_variables(objective: Objective | None, variables: Variables) -> Variables:
     """What objective's model applies among a run's variables: those its pipeline holds (a
     distillation's student without its teacher, a policy without its value head), or all of them
     for an objective that declares no pipeline or exports no weights (or None: an export that

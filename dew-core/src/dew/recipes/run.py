@@ -305,14 +305,14 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
 def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> list[Periodic]:
     """The recipe's trainer.evaluate tasks, each bound to the run's model and tokenizer."""
     from dew.evaluations.base import scheduled
-    from dew.objectives.inference import model_variables
+    from dew.objectives.inference import served_variables
 
     built = []
     for number, entry in enumerate(config.trainer.evaluate):
         try:
             built.append(scheduled(entry, parts.model, parts.tokenizer,
                                    expand=lambda fields: expand(fields, timestamp),
-                                   served=lambda variables: model_variables(parts.objective, variables)))
+                                   served=lambda variables: served_variables(parts.objective, variables)))
         except DewError as error:  # a task's own refusal (a missing task file): traced to its entry
             error.add_note(f"The recipe's trainer.evaluate.{number} ({entry.name}) asks for it.")
             raise

@@ -17,15 +17,21 @@ def ema_update(ema: Variables, params: Variables, decay: jax.typing.ArrayLike) -
 
     The arithmetic runs in at least float32 (float64 stays float64). A unit
     decay returns the old leaf exactly, so a frozen reference survives even
-    when it holds non-finite values.
+    when it holds non-finite values. An integer or boolean leaf (a counter a
+    model keeps) has no average: it takes the live value, where truncating
+    the average kept it at its first value.
 
     >>> import jax.numpy as jnp
     >>> ema_update({"w": jnp.zeros(2)}, {"w": jnp.ones(2)}, 0.75)["w"].tolist()
     [0.25, 0.25]
+    >>> int(ema_update({"n": jnp.int32(0)}, {"n": jnp.int32(5)}, 0.9)["n"])
+    5
     """
     decay = jnp.asarray(decay)
 
     def one(old: jax.Array, new: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(old.dtype, jnp.inexact):  # a count, a step: no average, the live value
+            return jnp.where(decay == 1, old, new.astype(old.dtype))
         dtype = jnp.promote_types(old.dtype, jnp.float32)
         d = decay.astype(dtype)
         moved = (d * old.astype(dtype) + (1 - d) * new.astype(dtype)).astype(old.dtype)

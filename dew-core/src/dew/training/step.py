@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from dew.errors import LossReturnError
 from dew.nn.pipeline import current_schedule
 from dew.nn.pipeline_step import pipelined_gradients
 from dew.objectives.base import Aux, EMASpec, LeafFilter, Mean, Objective, Step, Variables
@@ -99,7 +100,7 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
         scaler = state.scaler
 
         def total(p: Variables, rows: Mapping[str, jax.Array] = batch) -> tuple[jax.Array, tuple[Mean, Aux]]:
-            loss, aux = objective.loss(overlay(variables, p), rows, info)
+            loss, aux = _loss_pair(objective, objective.loss(overlay(variables, p), rows, info))
             scaled = loss.total.astype(jnp.float32)
             return (scaled * scaler.scale if scaler is not None else scaled), (loss, aux)
 
@@ -114,6 +115,20 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
         return Gradients(grads=grads, loss=loss, aux=aux)
 
     return forward
+
+
+def _loss_pair(objective: object, returned: object) -> tuple[Mean, Aux]:
+    """returned, checked to be the (Mean, Aux) pair Objective.loss promises; LossReturnError names
+    what it is instead (a bare mean, a float, a dict of metrics), as the step is traced."""
+    if (isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], Mean)
+            and isinstance(returned[1], Aux)):
+        return returned[0], returned[1]
+    parts = returned if isinstance(returned, tuple) else (returned,)
+    got = ", ".join("an array" if isinstance(part, jax.Array) else type(part).__name__ for part in parts)
+    raise LossReturnError(
+        f"{type(objective).__name__}.loss returned ({got}); a loss returns a (Mean, Aux) pair: the total "
+        "and the count it averages over, and the metrics beside it, e.g. `return Mean.of(per_example), "
+        "Aux(metrics={...})` (dew.objectives.base).")
 
 
 def _microbatch_mean(aux: Aux, count: int) -> Aux:

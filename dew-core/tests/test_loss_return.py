@@ -1,0 +1,41 @@
+"""An objective's loss returns a (Mean, Aux) pair; anything else is refused by name as the step is
+traced. A bare mean, a float or a dict of metrics failed deep in the step with a TypeError or an
+AttributeError about tracers ('iteration over a 0-d array', 'LinearizeTracer has no attribute
+total')."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from dew import Trainer
+from dew.errors import LossReturnError
+from dew.objectives.base import Aux, Mean
+from tiny_objective import DATA, Tiny  # every test folder is on sys.path (conftest.py)
+
+
+class Returns(Tiny):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def loss(self, variables, batch, step):
+        errors = (self.model.apply(variables, batch["x"]) - 1.0) ** 2
+        return {"bare": lambda: jnp.mean(errors),
+                "no mean": lambda: (jnp.mean(errors), Aux()),
+                "float": lambda: (1.0, Aux()),
+                "dict aux": lambda: (Mean.of(errors), {"mse": jnp.mean(errors)}),
+                "pair": lambda: (Mean.of(errors), Aux())}[self.kind]()
+
+
+@pytest.mark.parametrize("kind, said", [("bare", "returned (an array)"), ("no mean", "returned (an array, Aux)"),
+                                        ("float", "returned (float, Aux)"), ("dict aux", "returned (Mean, dict)")])
+def test_a_loss_that_returns_no_mean_and_aux_is_refused_naming_what_it_returned(kind, said):
+    with pytest.raises(LossReturnError, match=r"Returns\.loss " + said.replace("(", r"\(").replace(")", r"\)")
+                       + r"; a loss returns a \(Mean, Aux\) pair"):
+        Trainer(Returns(kind), optax.sgd(0.1), key=jax.random.key(0)).fit(DATA, steps=1)
+    state = Trainer(Returns("pair"), optax.sgd(0.1), key=jax.random.key(0)).fit(DATA, steps=1)
+    assert int(state.step) == 1
+
