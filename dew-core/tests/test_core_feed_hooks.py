@@ -571,7 +571,11 @@ def test_arguments_of_the_wrong_type_are_named_when_the_trainer_is_built(tmp_pat
     key = jax.random.key(0)
     cases = {"key": dict(key="abc"), "key ": dict(key=0), "objective": dict(objective=nn.Dense(1)),
              "optimizer": dict(optimizer="adam"), "checkpoints": dict(checkpoints=str(tmp_path)),
-             "tracker": dict(tracker=str(tmp_path))}
+             "tracker": dict(tracker=str(tmp_path)),
+             # an AttributeError, a TypeError deep in fit, or (a truthy string) loss scaling turned on
+             "mesh": dict(mesh={"fsdp": 1}), "layout": dict(layout=None), "profile": dict(profile="dir"),
+             "accumulation": dict(accumulation="2"), "accumulation ": dict(accumulation=0),
+             "dynamic_scale": dict(dynamic_scale="no")}
     for name, given in cases.items():
         arguments = {"objective": Linear(), "optimizer": optax.sgd(0.1), "key": key, **given}
         objective, optimizer = arguments.pop("objective"), arguments.pop("optimizer")
@@ -596,3 +600,14 @@ def test_fit_names_data_that_is_not_a_dataset_and_a_count_that_is_not_whole():
         with pytest.raises(CadenceError, match=re.escape(said)):
             trainer.fit(numbered(), **given)
     assert int(trainer.fit(numbered(), steps=np.int64(2), log_every=1).step) == 2  # NumPy's whole numbers are
+
+
+def test_a_stream_that_runs_out_is_a_dew_error_naming_its_step():
+    """A finite generator ended fit with a plain RuntimeError, where every refusal is a DewError."""
+    from dew.errors import DewError
+    from dew.training.feed import StreamEndedError
+
+    finite = Dataset(train=lambda partition: iter([batch_at(i) for i in range(3)]), batch=batch_at(0)["x"].shape[0])
+    with pytest.raises(StreamEndedError, match="ended at step 3; Dataset.train must yield batches endlessly") as ended:
+        Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(finite, steps=6, log_every=1)
+    assert isinstance(ended.value, DewError)

@@ -38,8 +38,24 @@ def checked_key(key: object) -> jax.Array:
     return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
 
 
-def check_parts(objective: object, optimizer: object, checkpoints: object, tracker: object) -> None:
-    """Refuse an objective, optimizer, Checkpoints or tracker of the wrong type, saying what fits."""
+def check_parts(objective: object, optimizer: object, checkpoints: object, tracker: object, mesh: object,
+                layout: object, accumulation: object, dynamic_scale: object, profile: object) -> None:
+    """Refuse an objective, optimizer, Checkpoints, tracker or setting of the wrong type, saying what fits."""
+    from dew.training.placement.layout import Layout
+    from dew.training.placement.mesh import MeshSpec
+    from dew.training.profiling import ProfileWindow
+
+    for name, value, kind, what in (("mesh", mesh, MeshSpec, "a dew MeshSpec, such as MeshSpec(fsdp=4)"),
+                                    ("layout", layout, Layout, "a dew Layout, such as Layout()"),
+                                    ("profile", profile, ProfileWindow | None, "a dew ProfileWindow or None")):
+        if not isinstance(value, kind):
+            raise TrainerArgumentError(f"Trainer's {name} must be {what}; got {_shown(value)}.")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise TrainerArgumentError(f"Trainer's accumulation must be a whole number of at least 1 (the microbatches "
+                                   f"an update sums); got {_shown(accumulation)}.")
+    if not isinstance(dynamic_scale, bool):
+        raise TrainerArgumentError(f"Trainer's dynamic_scale must be True or False (a dynamic loss scale on or "
+                                   f"off); got {_shown(dynamic_scale)}.")
     if not isinstance(objective, Objective):
         raise TrainerArgumentError(
             f"Trainer's objective must be a dew Objective (such as LMObjective(model=...)), which holds the "

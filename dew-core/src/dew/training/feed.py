@@ -63,7 +63,7 @@ from dew.training.rollout_ahead import Ahead
 from dew.training.rollout_journal import Rolled, RolloutJournal, batch_digest
 from dew.training.state import TrainState
 
-__all__ = ["Feed", "Fed", "ReplayMismatchWarning", "RolloutStateError", "pack_position", "unpack_position"]
+__all__ = ["Feed", "Fed", "ReplayMismatchWarning", "RolloutStateError", "StreamEndedError", "pack_position", "unpack_position"]
 
 _ROLLOUT_POSITION = b"dew-rollout-position:"
 
@@ -95,6 +95,10 @@ def unpack_position(position: bytes | None) -> tuple[bytes | None, bytes | None]
     data = payload.get("data")
     return (None if data is None else base64.b64decode(data, validate=True),
             base64.b64decode(payload["rollout"], validate=True))
+
+
+class StreamEndedError(DewError, RuntimeError):
+    """The training stream ran out before fit's last step (Dataset.train must be endless)."""
 
 
 class RolloutStateError(DewError, ValueError):
@@ -375,7 +379,7 @@ class Feed:
             else:
                 batch = next(self._stream)  # type: ignore[arg-type]
         except StopIteration:
-            raise RuntimeError(
+            raise StreamEndedError(
                 f"The training stream ended at step {self._current}; Dataset.train must yield batches "
                 "endlessly (repeat the data, or lower steps)."
             ) from None

@@ -78,7 +78,7 @@ class Trainer(Generic[Loss, Effects]):
                  initializer: Initializer = None, evaluations: Sequence[Periodic] = (),
                  recipe: JSONObject | None = None) -> None:
         key = checked_key(key)  # a key of the wrong type, or a part, is named now rather than deep in fit
-        check_parts(objective, optimizer, checkpoints, tracker)
+        check_parts(objective, optimizer, checkpoints, tracker, mesh, layout, accumulation, dynamic_scale, profile)
         self.program = Program(objective, optimizer, accumulation, dynamic_scale, step, layout.owns_state)
         self.start = Start(self.program, key, initializer)
         self.objective, self.optimizer, self.key, self.mesh, self.layout = objective, optimizer, key, mesh, layout
