@@ -147,6 +147,34 @@ def sgd_step(objective, optimizer):
     return step
 
 
+def test_a_custom_step_that_leaves_the_step_counter_is_counted_by_the_trainer(tmp_path):
+    """A transaction that moved no counter trained on with step 0: the same key at every step, a
+    checkpoint labelled step 4 holding step 0, and a resume that trained every step again."""
+
+    def forgetful(objective, optimizer):
+        inner = sgd_step(objective, optimizer)
+
+        def step(state, batch):
+            new, metrics = inner(state, batch)
+            return new.replace(step=state.step, microstep=state.microstep), metrics
+
+        return step
+
+    def trainer():
+        return Trainer(Linear(), optax.identity(), key=jax.random.key(0), step=forgetful,
+                       checkpoints=Checkpoints(tmp_path / "run"))
+
+    first = trainer()
+    state = first.fit(numbered(), steps=4, log_every=4, checkpoint_every=4)
+    first.checkpoints.close()
+    assert (int(state.step), int(state.microstep), int(state.updates)) == (4, 4, 4)
+    again = trainer()
+    restored, _, _ = again.place()
+    assert int(restored.step) == 4  # the checkpoint labelled step 4 holds step 4
+    assert int(again.fit(numbered(), steps=6, log_every=2).updates) == 6  # two more, not six
+    again.checkpoints.close()
+
+
 @pytest.mark.slow
 def test_a_custom_step_composes_with_the_ema():
     objective = Linear(ema=EMASpec(decay=0.5))

@@ -116,7 +116,12 @@ class Program:
             return build_train_step(self.objective, self.optimizer, accumulation=self.accumulation, ema=ema)
         composition = self.composition
         if composition is None:
-            custom = self.custom(self.objective, self.optimizer)
+            bare = self.custom(self.objective, self.optimizer)
+
+            def custom(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+                # The counters are the trainer's, as around a composed step: one step, one microbatch.
+                new, metrics = bare(state, batch)
+                return new.replace(step=state.step + 1, microstep=state.microstep + 1), metrics
         else:
             custom = composition.around(self.custom(composition.objective(self.objective),
                                                     composition.optimizer(self.optimizer)))
