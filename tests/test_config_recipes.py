@@ -259,7 +259,7 @@ def test_a_lora_base_that_does_not_fit_is_not_advised_init_ignore(tmp_path):
     for name in ("tiny-lm-lora", "tiny-lm"):
         config = RunConfig.load(name, [f"init.run={tmp_path}/run"])
         objective = build_parts(config, with_data=False).objective
-        abstract = jax.eval_shape(lambda: nn.meta.unbox(objective.init(jax.random.key(0))))
+        abstract = jax.eval_shape(lambda built=objective: nn.meta.unbox(built.init(jax.random.key(0))))
         with pytest.raises(InitializerMismatchError, match="shape") as refused:
             initial_variables(config, objective)(abstract)
         said = str(refused.value)
