@@ -98,8 +98,9 @@ class Provider:
     def load(self) -> Any:
         if self.component is not None:
             return self.component
-        # An entry point may name extras after its object ("mod:Obj [extra]").
-        module_name, _, attribute = self.value.split("[")[0].strip().partition(":")
+        # An entry point may name extras after its object ("mod:Obj [extra]"): importlib reads past them.
+        point = importlib_metadata.EntryPoint(name=self.name, value=self.value, group="")
+        module_name, attribute = point.module, point.attr or ""
         try:
             # What a plugin prints as it is imported goes to stderr: stdout carries a command's
             # results (dew train --check, dew eval --json), which a script parses.

@@ -135,8 +135,8 @@ class Periodic:
         from dew.training.evaluation import Evaluation
 
         began = time.perf_counter()
-        usable = {k: v for k, v in (variables if self.served is None else self.served(variables)).items()
-                  if k != "cache"}
+        chosen = variables if self.served is None else self.served(variables)
+        usable = {k: v for k, v in chosen.items() if k != "cache"}
         scores = self.task.evaluate(Subject(self.model, usable, self.tokenizer), mesh=mesh)
         split = f"{prefix}/{self.name}"
         named = {f"{split}/{key}": float(value) for key, value in scores.items()}

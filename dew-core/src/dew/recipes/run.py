@@ -304,6 +304,8 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
 
 def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> list[Periodic]:
     """The recipe's trainer.evaluate tasks, each bound to the run's model and tokenizer."""
+    from functools import partial
+
     from dew.evaluations.base import scheduled
     from dew.objectives.inference import served_variables
 
@@ -312,7 +314,7 @@ def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> l
         try:
             built.append(scheduled(entry, parts.model, parts.tokenizer,
                                    expand=lambda fields: expand(fields, timestamp),
-                                   served=lambda variables: served_variables(parts.objective, variables)))
+                                   served=partial(served_variables, parts.objective)))
         except DewError as error:  # a task's own refusal (a missing task file): traced to its entry
             error.add_note(f"The recipe's trainer.evaluate.{number} ({entry.name}) asks for it.")
             raise

@@ -24,7 +24,6 @@ NameConflictError) and a kit whose name is no component's of the distribution.
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import json
 import subprocess
@@ -169,12 +168,9 @@ def _readable(method: str) -> str:
 
 
 def _load(value: str) -> Any:
-    """What an entry point's value names (``module:attr``), its extras (``[tensorboard]``) aside."""
-    module, _, attribute = value.split("[", 1)[0].strip().partition(":")
-    target = importlib.import_module(module)
-    for part in attribute.split(".") if attribute else ():
-        target = getattr(target, part)
-    return target
+    """What an entry point's value names (``module:attr``, extras such as ``[tensorboard]`` aside),
+    resolved as importlib.metadata resolves an installed one."""
+    return metadata.EntryPoint(name="", value=value, group="").load()
 
 
 def _tests(kit: type) -> list[str]:
