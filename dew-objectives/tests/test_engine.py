@@ -275,6 +275,27 @@ def test_logprobs_are_the_models_own_and_stops_end_where_they_say(variables):
     assert list(ended.tokens) == full[: full.index(full[3]) + 1] and ended.finish == "stop_token"
 
 
+def test_a_tokenizer_smaller_than_the_vocabulary_is_drawn_from_alone_with_the_models_logprobs(variables):
+    # A vocabulary padded past the tokenizer's: ids at or above vocab cannot be spelled, so no draw
+    # (greedy or sampled) makes one; the log-probabilities stay the model's own over every row.
+    params, limit = variables[LEARNED], 12
+    requests = [Request(tuple(p), 16, sampling=s) for p in PROMPTS for s in (GREEDY, Sampling(temperature=1.5))]
+    unlimited, _ = run(LEARNED, params, requests)
+    assert max(t for c in unlimited for t in c.tokens) >= limit  # the random model reaches past it
+    limited, _ = run(LEARNED, params, requests, vocab=limit)
+    assert all(t < limit for c in limited for t in c.tokens)
+    (done,) = limited[1:2]
+    prompt = requests[1].prompt
+    scores = jax.nn.log_softmax(LEARNED.apply(params, jnp.asarray([prompt + done.tokens]))[0, :-1], -1)
+    expected = [float(scores[len(prompt) - 1 + i, t]) for i, t in enumerate(done.tokens)]
+    np.testing.assert_allclose(done.logprobs, expected, rtol=1e-4, atol=1e-5)
+    greedy = [c for c, r in zip(limited, requests, strict=True) if r.sampling.greedy]
+    for completion, prompt in zip(greedy, PROMPTS, strict=True):  # greedy takes the likeliest spelled id
+        tokens = jnp.asarray([list(prompt) + list(completion.tokens)])
+        logits = LEARNED.apply(params, tokens)[0, len(prompt) - 1:-1, :limit]
+        assert list(completion.tokens) == np.asarray(jnp.argmax(logits, -1)).tolist()
+
+
 def test_filters_keep_what_each_row_asks_for():
     probabilities = jnp.asarray([0.1, 0.2, 0.3, 0.4])
     logits = jnp.log(jnp.tile(probabilities, (4000, 1)))

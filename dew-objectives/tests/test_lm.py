@@ -123,6 +123,21 @@ def test_preview_continues_the_prompt(variables):
     assert artifact.data.startswith("dew")
 
 
+def test_preview_of_a_vocabulary_padded_past_the_tokenizer_spells_every_token():
+    # A model with more rows than the byte tokenizer has ids: the end-of-run sample drew ids the
+    # tokenizer cannot spell and failed as the run finished. It draws from the tokenizer's ids.
+    padded = CausalTransformer(vocab_size=300, emb_features=16, num_layers=1, num_heads=2, mlp_features=32,
+                               max_seq_len=64)
+    objective = LMObjective(padded, seq_len=8, tokenizer=ByteTokenizer(), prompt="dew", preview_tokens=60)
+    params = nn.meta.unbox(jax.jit(objective.init)(jax.random.key(0)))
+    head = params["params"]["head"]
+    params["params"]["head"] = head.at[:, 257:].set(head[:, 257:] * 50)  # the padded rows dominate
+    logits = padded.apply(params, jnp.asarray([list(b"dew")]))[0, -1]
+    assert int(jnp.argmax(logits)) >= 257  # left alone, the likeliest next id has no byte
+    artifact = objective.preview(params, jax.random.key(0))
+    assert artifact is not None and artifact.data.startswith("dew") and len(artifact.data) > 3
+
+
 def test_registered_as_lm():
     assert objectives.load("lm") is LMObjective
 

@@ -17,7 +17,7 @@ import numpy as np
 from dew.data.base import listed_ids
 from dew.errors import DewError
 
-__all__ = ["ByteTokenizer", "UnknownTokenError"]
+__all__ = ["ByteTokenizer", "UnknownTokenError", "drawable_vocab"]
 
 
 class UnknownTokenError(DewError, ValueError):
@@ -78,3 +78,13 @@ class ByteTokenizer:
                 "were these ids made by another tokenizer or a model with a larger vocabulary?"
             )
         return bytes(int(i) for i in values if int(i) < 256).decode("utf-8", errors="replace")
+
+
+def drawable_vocab(tokenizer: object) -> int | None:
+    """The ids a model's draws are kept below so that tokenizer can spell them, None for no limit.
+
+    The byte tokenizer refuses ids past its 257, so a model whose vocabulary is padded past them
+    draws from those alone. A library's tokenizer skips ids it has no text for, as transformers'
+    do, so draws stay the model's own: as transformers samples a published model's padded rows.
+    """
+    return tokenizer.vocab_size if isinstance(tokenizer, ByteTokenizer) else None

@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dew.data.base import eos_id_of, prompt_ids, stop_ids_of
+from dew.data.tokenizers import drawable_vocab
 from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file, share_rows
 from dew.evaluations.scoring import task_mesh
 from dew.sampling import Sampling, generate
@@ -151,7 +152,8 @@ class GenerationTask:
             kept = [int(r) for r in mine if r >= 0]
             rows = [prompts[r] for r in kept] or [prompts[0]]  # every process generates each batch
             made = generate(subject.model, variables, rows, self.max_new_tokens, jax.random.key(0),
-                            Sampling(temperature=0.0), eos_id=stop_ids_of(tokenizer))
+                            Sampling(temperature=0.0), eos_id=stop_ids_of(tokenizer),
+                            vocab=drawable_vocab(tokenizer))
             for r, new in zip(kept, made.new_tokens, strict=False):
                 out[r] = tokenizer.decode([int(t) for t in new])
         return out

@@ -48,6 +48,7 @@ import numpy as np
 
 from dew.data.base import Batch as HostBatch
 from dew.data.base import Tokenizer
+from dew.data.tokenizers import drawable_vocab
 from dew.environments import (
     Environment,
     EnvironmentFailedWarning,
@@ -286,7 +287,8 @@ class EpisodeRollout(PolicyRollout):
             config = self.engine_config or EngineConfig(
                 max_batch=rows, max_len=self.max_length, block_size=min(8, self.max_length),
                 prefill_rows=min(rows, 16), batch_buckets=min(4, -(-self.max_new_tokens // steps)) or 1)
-            self.engine = Engine(self.model, config, detokenize=self._decode)
+            self.engine = Engine(self.model, config, detokenize=self._decode,
+                                 vocab=drawable_vocab(self.tokenizer))
         return self.engine
 
     def _layout(self, plays: list[_Play], params: Variables, width: int) -> dict[str, np.ndarray | jax.Array]:

@@ -37,6 +37,7 @@ from dew.data.base import (  # what LMObjective needs of one to render previews
     prompt_ids,
     stop_ids_of,
 )
+from dew.data.tokenizers import drawable_vocab
 from dew.errors import BatchKeyError, DewError
 from dew.nn.moe import MOE_COLLECTION, moe_statistics
 from dew.objectives.base import (
@@ -218,7 +219,7 @@ class LMObjective(Objective):
         limit = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)  # any flax Module
         new = max(min(self.preview_tokens, limit - len(prompt)), 0)
         out = generate(self.model, variables, [prompt], new, key, self.preview_sampling,
-                       eos_id=stop_ids_of(self.tokenizer))
+                       eos_id=stop_ids_of(self.tokenizer), vocab=drawable_vocab(self.tokenizer))
         from dew.sampling.text import continued
 
         # read after the prompt, as dew generate shows it (a SentencePiece decoder strips a leading space)

@@ -43,6 +43,7 @@ import numpy as np
 
 from dew.data.base import Batch as HostBatch
 from dew.data.base import Tokenizer, ending_ids
+from dew.data.tokenizers import drawable_vocab
 from dew.errors import BatchKeyError
 from dew.objectives.base import Batch, Metric, Step, Variables
 from dew.objectives.policy import policy_variables, token_logprobs
@@ -322,7 +323,7 @@ class CompletionRollout(PolicyRollout):
                 max_batch=len(prompts) * g, max_len=prompts.shape[1] + n,
                 block_size=min(16, prompts.shape[1] + n), prefill_rows=len(prompts),
                 batch_buckets=min(4, -(-n // steps)))
-            self.engine = Engine(self.model, config)
+            self.engine = Engine(self.model, config, vocab=drawable_vocab(self.tokenizer))
         self.engine.set_params(params)
         for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
             request = Request(tuple(prompt[: int(length)]), n, samples=g, sampling=self.sampling,

@@ -102,18 +102,20 @@ class Engine:
     (any model built from dew.nn.layers.CausalSelfAttention or
     dew.nn.latent_attention.LatentAttention: ``causal_transformer`` and every
     registered family, DeepSeek-V3's latent attention included). detokenize (ids -> text) is needed for stop
-    strings. On a mesh (taken from the parameters' shardings, or given), the
+    strings. vocab, where a tokenizer spells fewer ids than the model scores (a vocabulary padded
+    past the tokenizer's), keeps draws below it. On a mesh (taken from the parameters' shardings, or given), the
     programs run under the mesh and rules (default: Layout's; an activation's
     positions are never split, as a decode step has one), and the pool's
     key/value heads are split as the attention's are.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig = EngineConfig(), *,
-                 detokenize: Callable[[Sequence[int]], str] | None = None,
+                 detokenize: Callable[[Sequence[int]], str] | None = None, vocab: int | None = None,
                  mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> None:
         self.model = model
         self.config = config
         self.detokenize = detokenize
+        self.vocab = None if vocab is None else int(vocab)
         limit = config.max_len or getattr(model, "max_seq_len", None)  # any flax Module: unbounded if it has none
         if limit is None:
             raise EngineConfigError(f"{type(model).__name__} has no max_seq_len; give "
@@ -547,7 +549,7 @@ class Engine:
         self._cache, out, logp = programs.decode(
             self.model, self._variables, self._cache, tokens, positions, tables, limits, keys,
             settings, top_k, stops, copy_from, copy_to, steps=config.steps_per_call,
-            filtered=filtered, key_impl=self._key_impl, sharding=self._sharding)
+            filtered=filtered, key_impl=self._key_impl, sharding=self._sharding, vocab=self.vocab)
         self._counts["decode_calls"] += 1
         out, logp = np.asarray(out), np.asarray(logp)
         finished = []

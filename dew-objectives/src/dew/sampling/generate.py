@@ -119,6 +119,7 @@ def generate(
     eos_id: int | Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
     detokenize: Callable[[Sequence[int]], str] | None = None,
+    vocab: int | None = None,
     config: EngineConfig | None = None,
 ) -> Generation:
     """Continue each prompt by max_new_tokens tokens.
@@ -131,7 +132,8 @@ def generate(
     id, or several: a checkpoint's eos_token_id list), a row stops after
     producing one; with stop_strings (and detokenize, ids ->
     text) once its text contains one; it may then hold fewer than
-    max_new_tokens new tokens. config overrides the engine's layout
+    max_new_tokens new tokens. vocab keeps draws below it (the tokenizer's
+    vocabulary, where the model's is padded past it). config overrides the engine's layout
     (default_config).
     """
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
@@ -140,12 +142,12 @@ def generate(
                                  f"{max_new_tokens!r}.")
     max_new_tokens = int(max_new_tokens)
     rows = _rows(prompts)
-    vocab = getattr(model, "vocab_size", None)  # any decoder; dew's name their vocabulary
-    outside = [] if vocab is None else [i for i, row in enumerate(rows) if not all(0 <= t < vocab for t in row)]
-    if vocab is not None and outside:
+    rows_of = getattr(model, "vocab_size", None)  # any decoder; dew's name their vocabulary
+    outside = [] if rows_of is None else [i for i, row in enumerate(rows) if not all(0 <= t < rows_of for t in row)]
+    if rows_of is not None and outside:
         raise InvalidPromptError(
-            f"Prompts {outside} hold token ids outside the model's vocabulary of {vocab} ids (0 to "
-            f"{vocab - 1}); encode them with the tokenizer the model was trained with.")
+            f"Prompts {outside} hold token ids outside the model's vocabulary of {rows_of} ids (0 to "
+            f"{rows_of - 1}); encode them with the tokenizer the model was trained with.")
     lengths = [len(row) for row in rows]
     limit = (config.max_len if config is not None and config.max_len else None) or model.max_seq_len
     if max(lengths) + max_new_tokens > limit:
@@ -163,7 +165,7 @@ def generate(
     if config is None:
         config = default_config(len(rows), limit, max_new_tokens, longest=max(lengths))
         config = dataclasses.replace(config, max_stop_tokens=max(config.max_stop_tokens, len(stops)))
-    engine = Engine(model, config, detokenize=detokenize)
+    engine = Engine(model, config, detokenize=detokenize, vocab=vocab)
     engine.set_params(params)
     for i, row in enumerate(rows):
         request = Request(tuple(row), max_new_tokens, sampling=sampling, stop_tokens=stops,

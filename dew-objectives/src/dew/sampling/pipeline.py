@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import jax
 
 from dew.data.base import chat_template_of, ending_ids, eos_id_of, prompt_ids
+from dew.data.tokenizers import drawable_vocab
 from dew.objectives.inference import (
     Generated,
     GenerateRequest,
@@ -115,7 +116,8 @@ class TextGeneration(Pipeline):
         key = jax.random.key(0) if key is None else key
         return generate(self.model, self.variables, ids, max_new_tokens, key,
                         sampling or self.sampling, eos_id=self.stops, stop_strings=tuple(stop),
-                        detokenize=lambda ids: self.tokenizer.decode(list(ids)))
+                        detokenize=lambda ids: self.tokenizer.decode(list(ids)),
+                        vocab=drawable_vocab(self.tokenizer))
 
     def _chat_template(self) -> ChatTemplate:
         template = chat_template_of(self.tokenizer)

@@ -64,8 +64,14 @@ def prefill(model: nn.Module, variables: Variables, cache: PyTree, tokens: jax.A
 
 
 def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-          top_p: jax.Array, min_p: jax.Array, filtered: bool | None) -> jax.Array:
-    """Each row's token: greedy where its temperature is 0, else drawn (filtered=None: all greedy)."""
+          top_p: jax.Array, min_p: jax.Array, filtered: bool | None, vocab: int | None) -> jax.Array:
+    """Each row's token: greedy where its temperature is 0, else drawn (filtered=None: all greedy).
+
+    With vocab, only ids below it are drawn (a tokenizer spells fewer ids than the model scores).
+    """
+    if vocab is not None and vocab < logits.shape[-1]:
+        spelled = jnp.arange(logits.shape[-1]) < vocab
+        logits = jnp.where(spelled, logits, jnp.finfo(logits.dtype).min)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if filtered is None:
         return greedy
@@ -74,13 +80,13 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
     return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "steps", "filtered", "key_impl", "sharding"),
+@functools.partial(jax.jit, static_argnames=("model", "steps", "filtered", "vocab", "key_impl", "sharding"),
                    donate_argnames=("cache",))
 def decode(model: nn.Module, variables: Variables, cache: PyTree, tokens: jax.Array, positions: jax.Array,
            tables: jax.Array, limits: jax.Array, keys: jax.Array, settings: jax.Array,
            top_k: jax.Array, stops: jax.Array, copy_from: jax.Array, copy_to: jax.Array, *,
-           steps: int, filtered: bool | None, key_impl: str, sharding: PyTree = None
-           ) -> tuple[PyTree, jax.Array, jax.Array]:
+           steps: int, filtered: bool | None, key_impl: str, sharding: PyTree = None,
+           vocab: int | None = None) -> tuple[PyTree, jax.Array, jax.Array]:
     """Decode up to steps tokens for each row [B]; returns the cache, tokens and log-probs [B, steps].
 
     Row b feeds tokens[b] at positions[b] and produces at most limits[b] tokens,
@@ -89,8 +95,8 @@ def decode(model: nn.Module, variables: Variables, cache: PyTree, tokens: jax.Ar
     are the sequences' key data. filtered says whether a row uses a filter (None:
     every row is greedy, and nothing is drawn). Blocks copy_from[i] are first copied to
     copy_to[i] (copy-on-write; out-of-range targets are skipped). Tokens not
-    produced are -1. The log-probability is the model's own (temperature 1,
-    unfiltered) of the token drawn.
+    produced are -1. With vocab, only ids below it are drawn. The log-probability is the
+    model's own (temperature 1, unfiltered, over its whole vocabulary) of the token drawn.
     """
     num_blocks, block_size = jax.tree.leaves(cache)[0].shape[-4:-2]
     cache = copy_blocks(cache, copy_from, copy_to)
@@ -109,7 +115,7 @@ def decode(model: nn.Module, variables: Variables, cache: PyTree, tokens: jax.Ar
         logits, cache = apply(model, variables, cache, token[:, None], position[:, None], view)
         logits = logits[:, 0].astype(jnp.float32)
         keys = jax.vmap(jax.random.fold_in)(base, position + 1)
-        new = _draw(logits, keys, temperature, top_k, top_p, min_p, filtered)
+        new = _draw(logits, keys, temperature, top_k, top_p, min_p, filtered, vocab)
         scores = jax.nn.log_softmax(logits, axis=-1)
         chosen = jnp.take_along_axis(scores, new[:, None], axis=-1)[:, 0]
         out = out.at[:, i].set(jnp.where(active, new, -1))
