@@ -249,7 +249,8 @@ class RoutedExperts(nn.Module):
 
         if not self.is_initializing():  # statistics of the init's dummy input are not worth keeping
             # Balance is measured on probabilities that sum to one: sigmoid scores normalized
-            # per token, as DeepSeek-V3's sequence-wise balance loss does.
+            # per token, as DeepSeek-V3's complementary balance loss normalizes them (it averages
+            # per sequence; this one, like Switch's, over the batch's tokens).
             probabilities_bte = scores_bte if self.scoring == "softmax" else (
                 scores_bte / jnp.sum(scores_bte, axis=-1, keepdims=True))
             self.sow(MOE_COLLECTION, "load_balancing_loss",
