@@ -109,6 +109,49 @@ def test_an_nf4_base_holds_sixteen_levels_near_the_float_weights(float_base):
                                np.asarray(model.apply(dequantized, tokens())), atol=1e-5, rtol=1e-5)
 
 
+# The 16 NormalFloat levels of the QLoRA paper (Dettmers et al. 2023, appendix E), as bitsandbytes lists them.
+NF4_LEVELS = np.asarray([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                         -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                         0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                         0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
+
+
+def nf4_blocks(weight, block):
+    """The paper's blockwise NF4 of weight [..., inputs, outputs]: each run of block inputs of an
+    output scaled by its absmax, rounded to the nearest level, scaled back."""
+    *lead, inputs, outputs = weight.shape
+    blocks = weight.reshape(*lead, inputs // block, block, outputs)
+    absmax = np.abs(blocks).max(axis=-2, keepdims=True)
+    normalized = blocks / absmax
+    nearest = NF4_LEVELS[np.abs(normalized[..., None] - NF4_LEVELS).argmin(axis=-1)]
+    return (nearest * absmax).reshape(weight.shape)
+
+
+def test_an_nf4_base_in_blocks_is_the_papers_blockwise_normal_float(float_base):
+    from qwix._src.core import qarray
+
+    model, base = float_base
+    spec = Lora(rank=2, targets=("attention", "mlp"), base="nf4", block_size=8)
+    wrapped, variables = adapted(model, base, spec)
+    _, channelwise = adapted(model, base, Lora(rank=2, targets=("attention", "mlp"), base="nf4"))
+    for path in ("layers_0/attention/query", "layers_0/mlp/wi", "layers_0/mlp/wo"):
+        weight = np.asarray(leaf(base["params"], path))
+        flat = weight.reshape(weight.shape[0], -1)  # a projection's inputs first, its outputs after
+        expected = nf4_blocks(flat, 8).reshape(weight.shape)
+        held = np.asarray(qarray.dequantize(leaf(variables["params"], path).array))
+        np.testing.assert_allclose(held, expected, atol=1e-6)
+        per_channel = np.asarray(qarray.dequantize(leaf(channelwise["params"], path).array))
+        assert np.abs(held - weight).mean() < np.abs(per_channel - weight).mean()
+    # the output projection's inputs are its heads' features: blocks of the head size
+    out = np.asarray(leaf(base["params"], "layers_0/attention/out"))  # [heads, head size, outputs]
+    held = np.asarray(qarray.dequantize(leaf(variables["params"], "layers_0/attention/out").array))
+    np.testing.assert_allclose(held, nf4_blocks(out.reshape(-1, out.shape[-1]), 16).reshape(out.shape), atol=1e-6)
+    with pytest.raises(LoraError, match="block_size=5 does not divide"):
+        adapted(model, base, Lora(rank=2, targets=("attention",), base="nf4", block_size=5))
+    with pytest.raises(LoraError, match="set lora.base to nf4 or int8"):
+        Lora(block_size=64)
+
+
 @pytest.mark.slow
 def test_qlora_trains_the_adapters_alone_and_keeps_the_codes_bitwise(float_base):
     model, base = float_base
