@@ -98,3 +98,55 @@ def test_tensorboard_read_back_through_its_event_reader(tmp_path):
     assert json.loads(record.tensor_proto.string_val[0]) == {
         "step": 8, "type": "profile_window",
         "record": {"directory": "/tmp/trace", "start": 5, "steps": 3}}
+
+
+def test_a_checkpoint_is_handed_over_after_its_steps_are_in_the_event_file(tmp_path):
+    # A checkpoint committed before its step's scalars were written left a gap that a resume
+    # from it never filled (killed between the two, or a tracker failing on a full disk).
+    import jax
+    import optax
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    import dew
+    from dew.testing.doubles import Regression, regression_dataset
+    from dew.trackers.tensorboard import TensorBoardTracker
+
+    seen = []
+
+    class Watched(dew.Checkpoints):
+        def save(self, step, state, **kwargs):
+            reader = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.SCALARS: 0})
+            reader.Reload()
+            seen.append((step, [e.step for e in reader.Scalars("train/loss")]))
+            return super().save(step, state, **kwargs)
+
+    tracker = TensorBoardTracker(tmp_path / "tb")
+    trainer = dew.Trainer(Regression(), optax.sgd(0.01), key=jax.random.key(0), tracker=tracker,
+                          checkpoints=Watched(tmp_path / "checkpoints"))
+    trainer.fit(regression_dataset(), steps=6, log_every=1, checkpoint_every=3)
+    tracker.close()
+    assert seen == [(3, [1, 2, 3]), (6, [1, 2, 3, 4, 5, 6])]
+
+
+def test_a_resumed_fit_replaces_the_steps_logged_past_its_checkpoint(tmp_path):
+    # A run killed at step 8 after its step-5 checkpoint resumes at 5 and logs 6, 7, 8 again:
+    # TensorBoard showed each of those twice, the old value and the new.
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from dew.telemetry.records import RunStarted
+    from dew.trackers.tensorboard import TensorBoardTracker
+
+    first = TensorBoardTracker(tmp_path / "tb")
+    first.artifact(RunStarted(config={}, start=0, steps=10), step=0)
+    for step in range(1, 9):
+        first.log({"loss": 1.0}, step=step)
+    first.close()
+    resumed = TensorBoardTracker(tmp_path / "tb")
+    resumed.artifact(RunStarted(config={}, start=5, steps=10), step=5)
+    for step in range(6, 11):
+        resumed.log({"loss": 2.0}, step=step)
+    resumed.close()
+    reader = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.SCALARS: 0})
+    reader.Reload()
+    assert [(e.step, e.value) for e in reader.Scalars("loss")] == \
+        [(step, 1.0) for step in range(1, 6)] + [(step, 2.0) for step in range(6, 11)]

@@ -406,8 +406,12 @@ class Channel(Generic[Item]):
         if error is not None:
             raise error
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything queued is written (or given up on); True when it was."""
+    def flush(self, timeout: float | None = None, *, through_outage: bool = True) -> bool:
+        """Wait until everything queued is written (or given up on); True when it was.
+
+        through_outage=False returns at once (False) while a tolerated failure lasts: a remote
+        in an outage keeps its backlog retrying rather than holding the caller.
+        """
         writer = _WRITER
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.synchronous:
@@ -418,6 +422,8 @@ class Channel(Generic[Item]):
             writer.lock.notify_all()
             while self.items or self.busy:
                 left = None if deadline is None else deadline - time.monotonic()
+                if not through_outage and self.failing is not None and not self.stop_on_failure:
+                    left = 0
                 if left is not None and left <= 0:
                     self.hurry = False
                     return False

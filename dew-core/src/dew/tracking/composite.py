@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dew.errors import DewError
-from dew.tracking.protocol import Located, Reported, Tracker
+from dew.tracking.protocol import Flushes, Located, Reported, Tracker
 
 __all__ = ["TrackerFailedError", "Trackers"]
 
@@ -25,9 +25,9 @@ class Trackers:
     def __init__(self, *trackers: Tracker) -> None:
         self.trackers: tuple[Tracker, ...] = tuple(trackers)
 
-    def _each(self, method: str, *args: object) -> None:
+    def _each(self, method: str, *args: object, among: tuple[Tracker, ...] | None = None) -> None:
         failures: list[tuple[Tracker, BaseException]] = []
-        for tracker in self.trackers:
+        for tracker in self.trackers if among is None else among:
             try:
                 getattr(tracker, method)(*args)
             except Exception as error:  # noqa: BLE001 - every sink is attempted
@@ -53,6 +53,10 @@ class Trackers:
 
     def close(self) -> None:
         self._each("close")
+
+    def flush(self) -> None:
+        """Flush each tracker that writes on its own schedule (Flushes)."""
+        self._each("flush", among=tuple(t for t in self.trackers if isinstance(t, Flushes)))
 
     def directories(self) -> Sequence[str]:
         """Where each of the trackers that says where writes, in order."""

@@ -28,7 +28,7 @@ from dew.errors import DewError
 from dew.telemetry.records import Goodput, RunStarted
 from dew.tracking.background import LOOP, tracker_cpu_seconds
 from dew.tracking.console import Console
-from dew.tracking.protocol import Reported, Tracker
+from dew.tracking.protocol import Flushes, Reported, Tracker
 
 if TYPE_CHECKING:
     from dew.training.evaluation import Evaluation
@@ -215,6 +215,15 @@ class Progress:
     def drain(self) -> None:
         """Read and report every pending step (at the end, and before a save or stop)."""
         self._read(upto=None, block=True)
+
+    def settle(self) -> None:
+        """Report every pending step and have the tracker write it (Flushes): before a checkpoint,
+        so a run resumed from it finds every step up to it, and a tracker that cannot write stops
+        the run before the checkpoint is committed rather than after."""
+        self.drain()
+        if isinstance(self.tracker, Flushes):
+            with LOOP.waiting():  # the writer thread has the interpreter while the loop waits for it
+                self.tracker.flush()
 
     def _read(self, *, upto: int | None, block: bool) -> None:
         """Read pending steps before upto in order: all of them when block, else the ready ones."""

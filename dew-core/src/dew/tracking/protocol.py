@@ -16,7 +16,7 @@ from dew.errors import DewError
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Record, is_record
 
-__all__ = ["Located", "NotAReportError", "Reported", "Tracker", "check_reported"]
+__all__ = ["Flushes", "Located", "NotAReportError", "Reported", "Tracker", "check_reported"]
 
 Reported: TypeAlias = Artifact | Record
 """What ``Tracker.artifact`` receives: a preview or a typed record."""
@@ -49,6 +49,20 @@ class Located(Protocol):
 
     def directories(self) -> Sequence[str]:
         """The directories (or URLs) this tracker writes into."""
+        ...
+
+
+@runtime_checkable
+class Flushes(Protocol):
+    """A tracker that writes on its own schedule says when everything so far is written.
+
+    Optional beside Tracker: a fit flushes before each checkpoint, so a run
+    resumed from that checkpoint finds every step up to it in the tracker. A
+    remote in an outage is not waited for (its backlog keeps retrying).
+    """
+
+    def flush(self) -> None:
+        """Write every report received so far; raise what failed."""
         ...
 
 

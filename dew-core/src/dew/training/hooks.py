@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -241,10 +241,16 @@ class Scoring(Hook):
 
 
 class Saving(Hook):
-    """Checkpoints every checkpoint_every steps and at the last, local ones every local_every."""
+    """Checkpoints every checkpoint_every steps and at the last, local ones every local_every.
 
-    def __init__(self, checkpoints: Checkpoints, feed: Feed, meta: dict[str, object], *, every: int | None) -> None:
+    Before each, the fit's reports up to its step are written (settle), so a resume from it
+    leaves no gap in the trackers.
+    """
+
+    def __init__(self, checkpoints: Checkpoints, feed: Feed, meta: dict[str, object], *, every: int | None,
+                 settle: Callable[[], None] = lambda: None) -> None:
         self.checkpoints, self.feed, self.meta, self.every = checkpoints, feed, meta, every
+        self.settle = settle
         self.saved: int | None = None
 
     def after(self, record: StepRecord) -> Contribution | None:
@@ -262,6 +268,7 @@ class Saving(Hook):
         began = time.perf_counter()
         jax.block_until_ready(record.state)
         in_flight = time.perf_counter() - began
+        self.settle()
         began = time.perf_counter()
         self.checkpoints.save(record.done, record.state, position=self.feed.position(),
                               partition=self.feed.partition, meta=self.meta, local=local)

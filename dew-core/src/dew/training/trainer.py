@@ -187,7 +187,7 @@ class Trainer(Generic[Loss, Effects]):
         reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
                                     notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
         saving = None if self.checkpoints is None else \
-            hooks.Saving(self.checkpoints, feed, self.program.meta(), every=checkpoint_every)
+            hooks.Saving(self.checkpoints, feed, self.program.meta(), every=checkpoint_every, settle=progress.settle)
         concerns = [*([hooks.Profiling(self.profile, start)] if self.profile is not None else []),
                     hooks.Evaluating(self._evaluator, self.execution, dataset, every=eval_every, metrics=metrics,
                                      preview=preview, tracked=self.tracker is not None),

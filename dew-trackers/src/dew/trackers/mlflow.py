@@ -264,8 +264,9 @@ class MLflowTracker:
         self._channel.submit(("artifact", value, step, 0))
 
     def flush(self) -> None:
-        """Wait until everything so far is sent (or given up on); raise what failed."""
-        self._channel.flush()
+        """Wait until everything so far is sent (or given up on); raise what failed. While the
+        server is unreachable nothing is waited for: the backlog keeps retrying."""
+        self._channel.flush(through_outage=False)
         self._channel.check()
 
     def close(self) -> None:

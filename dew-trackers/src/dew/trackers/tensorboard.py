@@ -137,7 +137,10 @@ class TensorBoardTracker:
     text summary under ``previews/<name>``; a record is its JSON journal row
     as a text summary under ``reporting/<type>``. The recipe a RunStarted
     record carries also becomes the hparams plugin's session, its fields
-    flattened to dotted names, so runs can be compared by them.
+    flattened to dotted names, so runs can be compared by them; it is also
+    marked as a session start at the fit's first step, so TensorBoard drops
+    what an earlier fit in the same directory logged past the checkpoint this
+    one resumed from (the steps it trains again).
 
     Summaries are built and written by dew's tracker thread
     (dew.tracking.background), so a step only enqueues its values; a failure
@@ -175,6 +178,9 @@ class TensorBoardTracker:
         writer = self.writer
         for kind, value, step in items:
             let_others_run()
+            if isinstance(value, RunStarted):  # a resume: what an earlier fit logged past its start is orphaned
+                writer.add_event(event_pb2.Event(wall_time=time.time(), step=value.start + 1, session_log=(
+                    event_pb2.SessionLog(status=event_pb2.SessionLog.START))))
             if kind == "log":
                 values = [summary_pb2.Summary.Value(tag=name, simple_value=float(number))
                           for name, number in value.items()]

@@ -189,8 +189,9 @@ class WandbTracker:
         self._channel.submit(("artifact", value, step))
 
     def flush(self) -> None:
-        """Wait until every call so far reached wandb; raise what failed."""
-        self._channel.flush()
+        """Wait until every call so far reached wandb; raise what failed. While wandb fails
+        nothing is waited for: the backlog keeps retrying."""
+        self._channel.flush(through_outage=False)
         self._channel.check()
 
     def close(self) -> None:
