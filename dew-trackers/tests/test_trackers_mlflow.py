@@ -229,3 +229,37 @@ def test_a_server_killed_mid_run_neither_stops_training_nor_hides_the_loss(tmp_p
         assert logged | lost >= set(range(1, steps + 1))  # every step is accounted for
     finally:
         mlflow_server.stop(process)
+
+
+@pytest.mark.slow
+def test_a_resumed_fit_reopens_its_run_and_the_run_ends_as_the_fit_did(server, tmp_path):
+    # A resume opened a second run of the same name and left the killed one RUNNING; a failed or
+    # preempted fit's run was marked FINISHED.
+    from mlflow import MlflowClient
+
+    from dew.telemetry.records import RunStarted
+    from dew.trackers.mlflow import MLflowTracker
+
+    def fit(folder, start, stop, outcome):
+        tracker = MLflowTracker("dew-resumes", "a-run", uri=server)
+        tracker.artifact(RunStarted(config={"trainer": {"checkpoint_dir": str(folder)}}, start=start,
+                                    steps=10), step=start)
+        for step in range(start + 1, stop + 1):
+            tracker.log({"loss": float(step)}, step=step)
+        tracker.conclude(outcome)
+        tracker.close()
+
+    client = MlflowClient(tracking_uri=server)
+    fit(tmp_path / "run", 0, 5, "killed")
+    experiment = client.get_experiment_by_name("dew-resumes").experiment_id
+    (killed,) = client.search_runs([experiment])
+    assert killed.info.status == "KILLED"
+    fit(tmp_path / "run", 3, 7, "failed")  # resumed from its step-3 checkpoint
+    (resumed,) = client.search_runs([experiment])
+    assert resumed.info.run_id == killed.info.run_id and resumed.info.status == "FAILED"
+    steps = sorted(m.step for m in client.get_metric_history(resumed.info.run_id, "loss"))
+    assert steps == [1, 2, 3, 4, 4, 5, 5, 6, 7]  # 4 and 5 trained again, as MLflow keeps both
+    fit(tmp_path / "other", 0, 2, "finished")  # another folder: another run
+    runs = client.search_runs([experiment], order_by=["attributes.start_time ASC"])
+    assert [r.info.status for r in runs] == ["FAILED", "FINISHED"]
+    assert runs[1].data.tags["dew.checkpoint_dir"] == str(tmp_path / "other")

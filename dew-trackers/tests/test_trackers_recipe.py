@@ -128,3 +128,28 @@ def test_recipe_fields_mlflow_would_refuse_become_names_it_takes(tmp_path, monke
     (run,) = client.search_runs([client.get_experiment_by_name("dew-names").experiment_id])
     assert run.data.params == {"data.load.split_train": "1", "x" * 250: "2"}
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_dew_train_resume_continues_the_mlflow_run_it_started(tmp_path):
+    # The first fit records its folder relative to where it ran, the resume as an absolute path:
+    # both name the same run, which the resume reopens rather than starting a second.
+    from mlflow import MlflowClient
+
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["data"]["files"] = "{stdlib}/a*.py"
+    recipe["trainer"].update(steps=2, log_every=1, checkpoint_dir="runs/first")
+    recipe["trackers"] = [{"name": "mlflow", "experiment": "dew-resume", "uri": mlflow_uri}]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for command in (["train", str(tmp_path / "recipe.yaml")],
+                    ["train", "--resume", "runs/first", "trainer.steps=4"]):
+        result = subprocess.run([str(DEW), *command], capture_output=True, text=True, timeout=600,
+                                cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("dew-resume").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["dew.checkpoint_dir"] == str(tmp_path / "runs/first")
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]

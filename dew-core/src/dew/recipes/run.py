@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from dew.evaluations.base import Periodic
     from dew.objectives.base import Objective, Variables
     from dew.recipes.config import RunConfig
-    from dew.tracking.protocol import Tracker
+    from dew.tracking.protocol import Outcome, Tracker
     from dew.training.config import TrainerConfig
     from dew.training.initializers import Initializer, WeightSource
     from dew.training.optim import ConfiguredOptimizer, OptimizerConfig
@@ -590,8 +590,10 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         state = trainer.fit(dataset, **fit, metrics=tuple(objective.metrics()))
     except BaseException as error:
         # The run's own failure is the one to see; closing still flushes what it can.
+        stopped = isinstance(error, SystemExit | KeyboardInterrupt)  # a signal's stop (Preempted) or Ctrl-C
         with contextlib.suppress(Exception):
-            _close(checkpoints, tracker, failed=not isinstance(error, SystemExit))
+            _close(checkpoints, tracker, failed=not isinstance(error, SystemExit),
+                   outcome="killed" if stopped else "failed")
         raise
     # Every process takes part (the weights may be sharded across them); one prints. The
     # sample is journaled with its step, unless the last validation journaled a preview there.
@@ -646,10 +648,13 @@ class ObjectiveParts(TypedDict, total=False):
     initializer: Initializer
 
 
-def _close(checkpoints: Checkpoints | None, tracker: Tracker | None, *, failed: bool = False) -> None:
-    """Wait for the last checkpoint and close the trackers, raising the first failure. A process
-    of a pool whose run failed waits for no save: the others may never join its collectives."""
+def _close(checkpoints: Checkpoints | None, tracker: Tracker | None, *, failed: bool = False,
+           outcome: Outcome = "finished") -> None:
+    """Wait for the last checkpoint, tell the trackers the outcome and close them, raising the
+    first failure. A process of a pool whose run failed waits for no save: the others may never
+    join its collectives."""
     from dew.checkpoints.pool import pooled
+    from dew.tracking.protocol import Concludes
 
     try:
         if checkpoints is not None:
@@ -659,7 +664,11 @@ def _close(checkpoints: Checkpoints | None, tracker: Tracker | None, *, failed: 
                 checkpoints.close()
     finally:
         if tracker is not None:
-            tracker.close()
+            try:
+                if isinstance(tracker, Concludes):
+                    tracker.conclude(outcome)
+            finally:
+                tracker.close()
 
 
 def show_sample(objective: Objective, state: TrainState, out: TextIO | None = None,

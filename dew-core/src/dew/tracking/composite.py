@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dew.errors import DewError
-from dew.tracking.protocol import Flushes, Located, Reported, Tracker
+from dew.tracking.protocol import Concludes, Flushes, Located, Outcome, Reported, Tracker
 
 __all__ = ["TrackerFailedError", "Trackers"]
 
@@ -53,6 +53,10 @@ class Trackers:
 
     def close(self) -> None:
         self._each("close")
+
+    def conclude(self, outcome: Outcome) -> None:
+        """Tell each tracker that records a run's outcome (Concludes) how it ended."""
+        self._each("conclude", outcome, among=tuple(t for t in self.trackers if isinstance(t, Concludes)))
 
     def flush(self) -> None:
         """Flush each tracker that writes on its own schedule (Flushes)."""

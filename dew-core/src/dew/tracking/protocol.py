@@ -10,13 +10,13 @@ tracker plugin depends on it alone.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 from dew.errors import DewError
 from dew.telemetry.artifacts import Artifact
 from dew.telemetry.records import Record, is_record
 
-__all__ = ["Flushes", "Located", "NotAReportError", "Reported", "Tracker", "check_reported"]
+__all__ = ["Concludes", "Flushes", "Located", "NotAReportError", "Outcome", "Reported", "Tracker", "check_reported"]
 
 Reported: TypeAlias = Artifact | Record
 """What ``Tracker.artifact`` receives: a preview or a typed record."""
@@ -63,6 +63,24 @@ class Flushes(Protocol):
 
     def flush(self) -> None:
         """Write every report received so far; raise what failed."""
+        ...
+
+
+Outcome: TypeAlias = Literal["finished", "failed", "killed"]
+"""How a run ended: trained to its last step, stopped by an error, or stopped by a signal or
+Ctrl-C (resumable from its last checkpoint)."""
+
+
+@runtime_checkable
+class Concludes(Protocol):
+    """A tracker that records how the run ended (a server's run status) is told before close.
+
+    Optional beside Tracker; ``dew train`` tells it. A tracker closed without
+    being told takes the run as finished.
+    """
+
+    def conclude(self, outcome: Outcome) -> None:
+        """Record the run's outcome; close follows."""
         ...
 
 

@@ -20,12 +20,12 @@ from dew.telemetry.records import TrackerDropped, is_record, previews_of, record
 from dew.telemetry.render import safe_name, write_preview
 from dew.trackers import require
 from dew.tracking.background import Channel, TrackerWarning, TrackerWriteError, let_others_run
-from dew.tracking.protocol import Reported, check_reported
+from dew.tracking.protocol import Outcome, Reported, check_reported
 from dew.tracking.rows import recipe_fields
 
 if TYPE_CHECKING:
     from dew.telemetry.artifacts import Artifact
-    from dew.telemetry.records import Record
+    from dew.telemetry.records import Record, RunStarted
     from dew.tracking.background import Dropped
 
 __all__ = ["MLflowTracker", "TrackerUnreachableError"]
@@ -35,6 +35,8 @@ _METRICS = 1000  # the most metrics MLflow takes in one log_batch request
 _PARAMS = 100  # the most parameters
 _PARAM_LENGTH = 6000  # the longest parameter value
 _INTERVAL = 1.0  # seconds between requests while values keep arriving
+_FOLDER_TAG = "dew.checkpoint_dir"  # the run folder a run was trained in: a resume reopens its run
+_STATUS: Mapping[str, str] = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
 
 class TrackerUnreachableError(TrackerWriteError):
@@ -66,6 +68,18 @@ def _shown(uri: str) -> str:
     return redact_text(uri)
 
 
+def _run_folder(started: RunStarted | None) -> str | None:
+    """The absolute run folder (trainer.checkpoint_dir) of the recipe a fit started with, if any."""
+    trainer = {} if started is None else started.config.get("trainer")
+    folder = trainer.get("checkpoint_dir") if isinstance(trainer, Mapping) else None
+    return os.path.abspath(folder) if isinstance(folder, str) and folder else None
+
+
+def _quoted(text: str) -> str:
+    """text inside single quotes of an MLflow search filter."""
+    return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
 def _param_name(name: str) -> str:
     """name as MLflow accepts a parameter's: other characters become ``_``, at most 250."""
     return re.sub(r"[^\w\-. /]", "_", name)[:250]
@@ -87,6 +101,10 @@ class MLflowTracker:
     ``records/<type>/step_<step>.json`` (not a parameter, which MLflow allows
     one value of). The recipe a RunStarted record carries becomes the run's
     parameters, flattened to dotted names, so runs are searchable by them.
+    A run trained in a run folder is tagged ``dew.checkpoint_dir`` with it, and
+    a fit resumed there reopens that run (the steps it trains again are
+    logged a second time, as MLflow keeps every value it was sent); the run
+    ends FINISHED, FAILED or KILLED (a signal or Ctrl-C) as the fit did.
     name (or run_name, the key a recipe's ``trackers:`` entry uses) names the
     run; uri is the tracking server, or None for MLflow's default
     (``MLFLOW_TRACKING_URI``).
@@ -116,6 +134,7 @@ class MLflowTracker:
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self._run: tuple[Any, str] | None = None
+        self._outcome: Outcome = "finished"
         self._params: set[str] = set()
         self._channel = Channel(
             self._send, f"MLflowTracker at {self._named_uri()}", interval=_INTERVAL,
@@ -166,22 +185,39 @@ class MLflowTracker:
     @property
     def run(self) -> tuple[Any, str]:
         """The client and the run id; the experiment and the run are created once."""
-        if self._run is None:
-            from mlflow import MlflowClient
+        return self._open(None)
 
-            self._check_server()
-            try:
-                with _bounded_requests(self.connect_timeout, retries=2):
-                    client = MlflowClient(tracking_uri=self.uri)
-                    found = client.get_experiment_by_name(self.experiment)
-                    experiment_id = (found.experiment_id if found is not None
-                                     else client.create_experiment(self.experiment))
-                    run = client.create_run(experiment_id, run_name=self.name)
-            except Exception as error:
-                raise TrackerUnreachableError(self._scrub(
-                    f"MLflowTracker could not open a run in experiment {self.experiment!r} at "
-                    f"{self.where}: {error}")) from error
-            self._run = (client, run.info.run_id)
+    def _open(self, started: RunStarted | None) -> tuple[Any, str]:
+        """The run, opened once: the one an earlier fit in the same run folder opened, when
+        started says this fit resumes there, else a new one tagged with the folder."""
+        if self._run is not None:
+            return self._run
+        from mlflow import MlflowClient
+
+        self._check_server()
+        folder = _run_folder(started)
+        try:
+            with _bounded_requests(self.connect_timeout, retries=2):
+                client = MlflowClient(tracking_uri=self.uri)
+                found = client.get_experiment_by_name(self.experiment)
+                experiment_id = (found.experiment_id if found is not None
+                                 else client.create_experiment(self.experiment))
+                run_id = None
+                if folder is not None and started is not None and started.start > 0:
+                    earlier = client.search_runs(
+                        [experiment_id], filter_string=f"tags.`{_FOLDER_TAG}` = '{_quoted(folder)}'",
+                        order_by=["attributes.start_time DESC"], max_results=1)
+                    run_id = earlier[0].info.run_id if earlier else None
+                if run_id is not None:
+                    client.update_run(run_id, status="RUNNING")
+                else:
+                    tags = {} if folder is None else {_FOLDER_TAG: folder}
+                    run_id = client.create_run(experiment_id, run_name=self.name, tags=tags).info.run_id
+        except Exception as error:
+            raise TrackerUnreachableError(self._scrub(
+                f"MLflowTracker could not open a run in experiment {self.experiment!r} at "
+                f"{self.where}: {error}")) from error
+        self._run = (client, run_id)
         return self._run
 
     def _scrub(self, text: str) -> str:
@@ -259,9 +295,15 @@ class MLflowTracker:
         self._channel.submit(("log", dict(scalars), step, int(time.time() * 1000)))
 
     def artifact(self, value: Reported, step: int) -> None:
+        from dew.telemetry.records import RunStarted
+
         check_reported(value)
-        self.run  # noqa: B018
+        self._open(value if isinstance(value, RunStarted) else None)  # a fit's first report: it may resume
         self._channel.submit(("artifact", value, step, 0))
+
+    def conclude(self, outcome: Outcome) -> None:
+        """The status the run ends with at close: FINISHED, FAILED or KILLED."""
+        self._outcome = outcome
 
     def flush(self) -> None:
         """Wait until everything so far is sent (or given up on); raise what failed. While the
@@ -276,7 +318,7 @@ class MLflowTracker:
         status = "FAILED"
         try:
             self._channel.close()
-            status = "FINISHED"
+            status = _STATUS[self._outcome]
         finally:
             self._run = None
             try:
