@@ -286,3 +286,32 @@ def test_a_local_tracker_that_cannot_write_raises_from_the_call_that_failed(tmp_
     tracker = LocalTracker(blocked / "run")
     with pytest.raises(TrackerWriteError, match=str(blocked / "run")):
         tracker.log({"loss": 1.0}, step=1)
+
+
+def test_a_journal_that_is_a_link_is_refused_and_what_it_points_at_is_untouched(tmp_path):
+    # A run folder someone shared, its journals swapped for links: a resume appended rows to the
+    # file a link named and first cut it back to its last newline (a whole file, without one).
+    from dew.telemetry.render import LinkedJournalError
+    from dew.training.ledger import RecordLedger
+    from dew.data.base import DataPartition
+
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"first line\nsecret without a newline")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "scalars.jsonl").symlink_to(outside)
+    (run / "ledger.jsonl").symlink_to(outside)
+    tracker = LocalTracker(run)
+    with pytest.raises(TrackerWriteError, match="LinkedJournalError: .*scalars.jsonl is a symbolic link"):
+        tracker.log({"loss": 1.0}, step=1)
+    tracker.close()
+    with pytest.raises(LinkedJournalError, match="ledger.jsonl is a symbolic link"):
+        RecordLedger(run).opened(0, None, DataPartition(0, 1))
+    assert outside.read_bytes() == b"first line\nsecret without a newline"
+    # The run folder itself may be a link (a larger disk): its journals are its own files.
+    (tmp_path / "linked").symlink_to(tmp_path / "real", target_is_directory=True)
+    (tmp_path / "real").mkdir()
+    tracker = LocalTracker(tmp_path / "linked")
+    tracker.log({"loss": 1.0}, step=1)
+    tracker.close()
+    assert json.loads((tmp_path / "real/scalars.jsonl").read_text())["step"] == 1

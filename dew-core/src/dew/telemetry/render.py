@@ -25,6 +25,7 @@ from dew.telemetry.artifacts import Artifact
 
 __all__ = [
     "NON_FINITE",
+    "LinkedJournalError",
     "append_lines",
     "gif_bytes",
     "TornJournalError",
@@ -32,6 +33,7 @@ __all__ = [
     "grid_columns",
     "image_grid",
     "journal_rows",
+    "open_journal",
     "plot_journal",
     "plot_series",
     "png_bytes",
@@ -145,6 +147,33 @@ class TornJournalError(DewError, ValueError):
     """A journal line other than the last is not JSON: the file was damaged, not cut short."""
 
 
+class LinkedJournalError(DewError):
+    """A journal of a run's folder is a symbolic link: dew writes journals only as the folder's own
+    files, so a folder someone shared cannot make it append to (or cut) a file elsewhere."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(
+            f"{path} is a symbolic link (to {os.readlink(path)}), and dew writes a run's journals only "
+            f"as files of the run's own folder: a link there would have it append to, or cut back, "
+            f"the file it points at. Replace the link with a copy of that file "
+            f"(cp --remove-destination \"$(readlink -f {path})\" {path}), or remove it.")
+
+
+def open_journal(journal: str | Path, *, append: bool = True) -> io.FileIO:
+    """journal opened unbuffered for appending (created if missing), or for reading and writing
+    (append=False; FileNotFoundError when missing); never through a symbolic link
+    (LinkedJournalError)."""
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT) if append else os.O_RDWR
+    try:
+        descriptor = os.open(journal, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError as error:
+        if os.path.islink(journal):
+            raise LinkedJournalError(Path(journal)) from None
+        raise error from None
+    return io.FileIO(descriptor, "ab" if append else "rb+")
+
+
 def cut_torn_tail(journal: str | Path) -> None:
     """Drop a last line a crash cut short (no newline after it) before more lines are appended.
 
@@ -158,7 +187,7 @@ def cut_torn_tail(journal: str | Path) -> None:
     '{"step": 1}\\n'
     """
     try:
-        handle = open(journal, "rb+")  # noqa: SIM115 - closed below
+        handle = open_journal(journal, append=False)
     except FileNotFoundError:
         return
     with handle:
@@ -186,7 +215,7 @@ def append_lines(journal: Path, lines: Sequence[str]) -> None:
     data = "".join(line + "\n" for line in lines).encode()
     try:
         journal.parent.mkdir(parents=True, exist_ok=True)
-        with open(journal, "ab", buffering=0) as handle:
+        with open_journal(journal) as handle:
             size = os.fstat(handle.fileno()).st_size
             try:
                 view = memoryview(data)

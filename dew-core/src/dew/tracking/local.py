@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dew.telemetry.records import is_record, previews_of, record_row
-from dew.telemetry.render import cut_torn_tail
+from dew.telemetry.render import cut_torn_tail, open_journal
 from dew.tracking.background import Channel, Dropped, TrackerWriteError
 from dew.tracking.protocol import Reported, check_reported
 from dew.tracking.rows import scalar_row
@@ -89,7 +89,7 @@ class LocalTracker:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             cut_torn_tail(path)  # a line a crash cut short would swallow the first one appended
-            handle = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open until close()
+            handle = open_journal(path)  # kept open until close()
             opened = self._handles[journal] = (handle, os.fstat(handle.fileno()).st_size)
         except OSError as error:
             raise TrackerWriteError(f"LocalTracker could not open {path}: {error}") from error
