@@ -66,3 +66,18 @@ def test_report_refuses_preview_paths_outside_the_run(hostile_run, tmp_path, els
         assert (out / source).resolve().is_relative_to(tmp_path.resolve())
         assert (out / source).resolve().is_file()
     assert not [p for p in out.rglob("*") if SECRET in (p.read_text(errors="ignore") if p.is_file() else "")]
+
+
+def test_a_report_folder_that_is_a_link_is_refused_and_its_target_untouched(hostile_run, tmp_path, capsys):
+    # A shared run whose report/ links to a folder of the reader's own: the page was written over
+    # that folder's index.html.
+    run, outside = hostile_run
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("my own homepage")
+    (site / "notes.txt").write_text("mine")
+    (run / "report").symlink_to(site, target_is_directory=True)
+    assert main(["report", str(run)]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert sorted(p.name for p in site.iterdir()) == ["index.html", "notes.txt"]
+    assert (site / "index.html").read_text() == "my own homepage"

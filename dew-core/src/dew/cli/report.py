@@ -140,9 +140,14 @@ _PAGE_ENTRIES = frozenset({"index.html", "plots", "previews"})  # what write_pag
 
 def _check_out(out: Path) -> None:
     """Refuse an out that is a file or lies under one: the page is written as a folder (index.html
-    beside its charts), which cannot be made there."""
+    beside its charts), which cannot be made there; or a link, which a shared run folder could
+    point at a folder of the reader's own, to have its page written over that folder's files."""
     from dew.training.config import RUN_FILE
 
+    if out.is_symlink():
+        raise ReportOutError(f"The report's folder {str(out)!r} is a symbolic link (to {os.readlink(out)}); dew "
+                             "report writes its page only into a real folder. Give --out the folder it points "
+                             "to if that is where the page belongs, or a new folder.")
     if (out / RUN_FILE).is_file():  # a run's own folder: the page and its charts would sit among its steps
         raise ReportOutError(f"--out {str(out)!r} is a run's folder (it holds {RUN_FILE}); dew report would write "
                              "its page among that run's checkpoints. Give --out a folder of its own (by default "
