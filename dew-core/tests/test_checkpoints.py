@@ -117,6 +117,28 @@ def test_retention_keeps_the_newest_and_cleans_half_written(tmp_path: Path) -> N
     assert_same(reopened.restore(template_of(full_state(4)), partition=SINGLE).state, full_state(4))
 
 
+def test_retention_removes_a_linked_step_and_never_what_it_links_to(tmp_path: Path) -> None:
+    # A shared run whose step folder links elsewhere: pruning it raised a bare OSError at every
+    # resume (rmtree refuses links, after the step was renamed) and left the link behind.
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    checkpoints = Checkpoints(run, keep=2)
+    save(checkpoints, 1, full_state(1))
+    checkpoints.close()
+    shutil.copytree(run / "1", outside)
+    (outside / "CANARY").write_text("mine")
+    shutil.rmtree(run / "1")
+    (run / "1").symlink_to(outside, target_is_directory=True)
+    checkpoints = Checkpoints(run, keep=2)
+    assert_same(checkpoints.restore(template_of(full_state(1)), partition=SINGLE).state, full_state(1))
+    for step in (2, 3):
+        save(checkpoints, step, full_state(step))
+    checkpoints.wait()
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == ["2", "3"]
+    assert not any(p.is_symlink() for p in run.iterdir())
+    assert (outside / "CANARY").read_text() == "mine" and (outside / "state").is_dir()
+    checkpoints.close()
+
+
 def test_saving_a_committed_step_again_is_skipped(tmp_path: Path) -> None:
     checkpoints = Checkpoints(tmp_path)
     save(checkpoints, 2, full_state(2))

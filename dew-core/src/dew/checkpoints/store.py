@@ -102,7 +102,12 @@ def remove_half_written(directory: Location) -> None:
 
 
 def rmtree(path: Location) -> None:
+    """Remove path and what it holds; a link alone, never what it points at (a shared run's step
+    may link to another folder of the reader's)."""
     if isinstance(path, Path):
+        if path.is_symlink():
+            path.unlink()
+            return
         shutil.rmtree(path, ignore_errors=False)
     else:
         path.rmtree()
@@ -119,4 +124,4 @@ def remove_step(store: Store, step: int) -> None:
         return
     gone = path.with_name(f".{step}{PRUNED}")
     os.rename(path, gone)
-    shutil.rmtree(gone, ignore_errors=False)
+    rmtree(gone)
