@@ -291,9 +291,9 @@ def test_a_local_tracker_that_cannot_write_raises_from_the_call_that_failed(tmp_
 def test_a_journal_that_is_a_link_is_refused_and_what_it_points_at_is_untouched(tmp_path):
     # A run folder someone shared, its journals swapped for links: a resume appended rows to the
     # file a link named and first cut it back to its last newline (a whole file, without one).
+    from dew.data.base import DataPartition
     from dew.telemetry.render import LinkedJournalError
     from dew.training.ledger import RecordLedger
-    from dew.data.base import DataPartition
 
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"first line\nsecret without a newline")
