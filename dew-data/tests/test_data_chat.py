@@ -214,6 +214,21 @@ def test_the_template_runs_sandboxed(tmp_path):
         ChatTemplate("{{ raise_exception('no system') }}").render([{"role": "user", "content": "x"}])
 
 
+def test_a_template_that_asks_for_gigabytes_is_refused_and_ordinary_repetition_renders():
+    # A hundred bytes of template, {{ 'x' * 3000000000 }}, took 3 GB of memory inside the sandbox.
+    import resource
+
+    from dew.data.chat_template import ChatTemplate, ChatTemplateError
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for bomb in ("{{ ('x' * 3000000000)|length }}", "{{ (3000000000 * ['x'])|length }}", "{{ 7 ** 99999999 }}"):
+        with pytest.raises(ChatTemplateError, match="more than|larger than dew renders"):
+            ChatTemplate(bomb).render([{"role": "user", "content": "x"}])
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was built
+    indented = ChatTemplate("{{ '  ' * 2 }}{{ 2 ** 10 }}{{ 2 * 'ab' }}{{ ([0] * 3)|length }}")
+    assert indented.render([]).text == "    1024abab3"
+
+
 def test_a_held_out_share_smaller_than_a_batch_is_refused_when_the_data_loads(marked, tmp_path):
     """The run would otherwise train until its first evaluation and stop there."""
     from dew.data.base import SINGLE

@@ -62,6 +62,7 @@ TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template
 
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_LONGEST = 1 << 24  # the most items a template may build by repetition (a rendered chat is far shorter)
 
 
 class ChatTemplateError(DataError, ValueError):
@@ -111,8 +112,27 @@ def _environment() -> tuple[jinja2.Environment, _Track]:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[Generation, loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """jinja2's sandbox, with repetition and powers bounded: a checkpoint's template is another's
+        text, and ``{{ 'x' * 3000000000 }}`` asks for gigabytes in a hundred bytes."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            sized = (str, list, tuple)
+            if operator == "*" and isinstance(right, int) and isinstance(left, sized):
+                left, right = right, left
+            if operator == "*" and isinstance(left, int) and isinstance(right, sized) \
+                    and left * len(right) > _LONGEST:
+                raise jinja2.sandbox.SecurityError(f"the template repeats a value to {left * len(right)} "
+                                                   f"items, more than the {_LONGEST} dew renders")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) \
+                    and right * max(abs(left), 2).bit_length() > 8 * _LONGEST:
+                raise jinja2.sandbox.SecurityError(f"the template raises {left} to the power {right}, a "
+                                                   "number larger than dew renders")
+            return super().call_binop(context, operator, left, right)
+
+    environment = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
