@@ -153,3 +153,22 @@ def test_dew_train_resume_continues_the_mlflow_run_it_started(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.tags["dew.checkpoint_dir"] == str(tmp_path / "runs/first")
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_tracker_address_that_fails_is_named_and_not_the_folder_it_lies_in(tmp_path):
+    # MLflow refuses a file store under the run's folder: the note named trackers.0.directory (the
+    # folder is part of the address) and told the user to make it writable.
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["data"]["files"] = "{stdlib}/a*.py"
+    run = tmp_path / "base"
+    recipe["trainer"].update(steps=2, checkpoint_dir=str(run))
+    recipe["trackers"] = [{"name": "local", "directory": str(run)},
+                          {"name": "mlflow", "experiment": "x", "uri": f"file://{run}/mlruns"}]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    env = {key: value for key, value in os.environ.items() if key != "MLFLOW_ALLOW_FILE_STORE"}
+    result = subprocess.run([str(DEW), "train", str(tmp_path / "recipe.yaml")], capture_output=True,
+                            text=True, timeout=600, cwd=tmp_path, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "trackers.1.uri names it" in result.stderr
+    assert "trackers.0.directory" not in result.stderr

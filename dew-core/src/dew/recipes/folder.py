@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import warnings
@@ -461,10 +462,17 @@ def _fields_naming(config: RunConfig, folder: RunFolder, error: Exception) -> li
         value = expanded(value)
         if "/" not in value and "." not in value:
             continue  # a name, not a path
+        if "://" in value:  # an address (a tracker's uri): named as it is written
+            if value in message:
+                found.append((key, Path(value)))
+            continue
         where = _absolute(value, folder.cwd)
         if where == run_folder:
             continue
-        if str(where) in message or (("/" in value) and f"'{value}'" in message):
+        # The path, or a file under it, but not as the tail of a longer path or an address
+        # (file:///runs/a/mlruns does not name the field holding /runs/a).
+        named = re.search(r"(?<![\w/.:~-])" + re.escape(str(where)) + r"(?![\w.~-])", message)
+        if named or (("/" in value) and f"'{value}'" in message):
             found.append((key, where))
     return found
 
