@@ -212,6 +212,17 @@ def test_leaves_one_run_lacks_are_named_and_its_journal_found_from_anywhere(runs
     assert "hold none" not in out
 
 
+def test_a_copy_whose_recipe_names_the_originals_journal_is_not_compared_by_it(runs, tmp_path, capsys):
+    """A copied run without its own journal: its recipe still names the original's tracker folder, and
+    dew diff compared the original's losses with themselves ("equal at all 10 common logged steps")."""
+    copy = tmp_path / "copy"
+    shutil.copytree(runs.ref, copy)
+    (copy / "scalars.jsonl").unlink()
+    code, out, _ = _dew(["diff", str(runs.ref), str(copy)], capsys)
+    assert f"both runs name one journal, {runs.ref / 'scalars.jsonl'}" in out, out
+    assert "losses: equal" not in out and "hold none" not in out, out
+
+
 def test_runs_that_keep_no_step_in_common_are_not_called_identical(runs, tmp_path, capsys):
     """Equal losses alone said "identical" with exit 0 though no state was compared; and tolerances
     that are no tolerance were taken."""

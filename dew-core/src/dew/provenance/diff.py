@@ -320,7 +320,17 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
             later = [p for p in mine if p in theirs and mine[p].shape == theirs[p].shape
                      and mine[p].digest != theirs[p].digest]
             gaps += _gaps(runs[0], runs[1], last, later)
-    losses = [_losses(_journal(r, recipe)) for r, recipe in zip(runs, recipes, strict=True)]
+    journals = [_journal(r, recipe) for r, recipe in zip(runs, recipes, strict=True)]
+    for run, journal in zip(runs, journals, strict=True):
+        if journal is not None and journal.parent != run:
+            notes.append(f"{run}'s losses are read from {journal}, where its recipe's local tracker wrote")
+    shared = (journals[0] is not None and journals[1] is not None and runs[0].resolve() != runs[1].resolve()
+              and journals[0].resolve() == journals[1].resolve())
+    if shared:
+        notes.append(f"both runs name one journal, {journals[0]} (a copied run whose recipe still names the "
+                     "original's tracker folder?): their losses are not compared")
+        journals = [None, None]
+    losses = [_losses(journal) for journal in journals]
     logged = sorted(set(losses[0]) & set(losses[1]))
     first_loss = largest = None
     for step in logged:
@@ -331,7 +341,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
             first_loss = gap
         if largest is None or gap_width(x, y) > gap_width(largest.a, largest.b):
             largest = gap
-    if not logged:
+    if not logged and not shared:
         notes.append("no logged loss common to both runs (their journals, scalars.jsonl, hold none)")
     if not common:
         notes.append("no kept step common to both runs; their states are not compared")
