@@ -8,12 +8,13 @@ says what made the rollouts after it) was lost. Appending now drops the torn lin
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
 from dew.data.base import DataPartition
 from dew.provenance.ledger import LedgerEmptyError, read_ledger
-from dew.telemetry.render import journal_rows
+from dew.telemetry.render import TornJournalError, journal_rows
 from dew.tracking.local import LocalTracker
 from dew.training.ledger import RecordLedger
 from dew.training.rollout_journal import ROLLOUTS, RolloutJournal
@@ -152,3 +153,19 @@ def test_a_write_the_disk_refuses_is_named_and_leaves_whole_lines_and_the_old_re
     assert recipe.startswith(f"{tmp_path / 'run.json'} could not be written (") and "is kept" in recipe
     assert (tmp_path / "run.json").read_text() == '{"kept": true}\n' and not list(tmp_path.glob(".run.json*"))
     assert ledger is not None and (tmp_path / "ledger.jsonl").read_text() == ""
+
+
+def test_a_damaged_middle_line_is_named_by_its_own_line_with_the_way_on(tmp_path):
+    # The message quoted json's position inside the line ("line 2 column 1") beside the journal's
+    # line 11, and said nothing of what to do.
+    journal = tmp_path / "scalars.jsonl"
+    rows = [json.dumps({"step": step, "loss": 1.0 / step}) + "\n" for step in range(1, 21)]
+    rows[10] = rows[10][:12] + "\n"
+    journal.write_text("".join(rows))
+    with pytest.raises(TornJournalError) as raised:
+        list(journal_rows(journal))
+    message = str(raised.value)
+    assert f"{journal}, line 11, is not JSON (" in message and "column" not in message
+    assert f"sed -i '11d' {journal}" in message
+    subprocess.run(["sed", "-i", "11d", str(journal)], check=True)  # the way on it names
+    assert [row["step"] for row in journal_rows(journal)] == [s for s in range(1, 21) if s != 11]

@@ -272,7 +272,7 @@ def test_rescore_refuses_a_journal_damaged_in_its_middle_and_reads_one_cut_short
     (damaged / ROLLOUTS).write_text("".join(lines[:middle]) + lines[middle][:40] + "\n" + "".join(lines[middle + 1:]))
     assert main(["rescore", str(damaged), "reward=length"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"line {middle + 1}, is not JSON" in err and "Remove that line" in err, err
+    assert len(err.splitlines()) == 1 and f"line {middle + 1}, is not JSON" in err and f"sed -i '{middle + 1}d'" in err, err
 
 
 def test_rescore_names_which_rule_a_reward_broke(whole, capsys):

@@ -250,8 +250,11 @@ def journal_rows(journal: str | Path, *, strict: bool = True) -> Iterator[dict[s
             except json.JSONDecodeError as error:
                 if not strict or not line.endswith("\n"):  # the last line, a write that never finished
                     continue
-                raise TornJournalError(f"{journal}, line {number}, is not JSON ({error}); the "
-                                       "journal was damaged.") from error
+                where = "at its end" if error.pos >= len(line.rstrip("\n")) else f"at character {error.pos + 1}"
+                raise TornJournalError(
+                    f"{journal}, line {number}, is not JSON ({error.msg} {where}); the journal was damaged. "
+                    f"Mend that line, or remove it (sed -i '{number}d' {journal}) to read the rest without "
+                    "it.") from error
             if not isinstance(row, dict):
                 if not strict:
                     continue

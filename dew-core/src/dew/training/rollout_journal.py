@@ -148,8 +148,7 @@ def _rows(path: Path, *, strict: bool = False) -> Iterator[dict[str, Any]]:
     try:
         yield from journal_rows(path, strict=strict)
     except TornJournalError as error:
-        raise RolloutJournalError(f"{error} Remove that line to read the others (the step it journaled is "
-                                  "then left out).") from None
+        raise RolloutJournalError(f"{error} Without it, the step it journaled is left out.") from None
 
 
 def read_journal(directory: str | Path, *, batches: bool = True) -> list[Rolled]:
