@@ -104,3 +104,24 @@ def test_a_recipe_field_written_as_a_flag_is_told_its_key_value_word(capsys):
             main(["train", "tiny-lm", *argv])
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and f"unrecognized arguments: {' '.join(argv)} {said}" in err, err
+
+
+def test_ctrl_c_during_the_final_sample_says_the_run_trained_and_is_saved(tmp_path, monkeypatch, capsys):
+    # A Ctrl-C after the last step, while the sample was drawn, said only "interrupted (Ctrl-C)":
+    # the run read as lost, though every step was trained and saved. A Ctrl-C lands at a moment
+    # no test can choose, so the sample raises it.
+    from dew.recipes import run as running
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(running, "show_sample", interrupted)
+    with pytest.raises(SystemExit) as stopped:  # the status a shell expects after Ctrl-C
+        main(["train", "tiny-lm", "trainer.steps=2", "data.batch=2", "model.num_layers=1",
+              "trainer.checkpoint_dir=run", "trackers.0.directory=run"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 130
+    assert ("dew train: interrupted (Ctrl-C) while drawing the run's sample, after it trained to step 2, saved "
+            f"in {tmp_path / 'run'}.\nUse the run: dew generate {tmp_path / 'run'} PROMPT") in err, err
+    assert (tmp_path / "run" / "2" / "dew.json").is_file()

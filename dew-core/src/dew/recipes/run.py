@@ -602,6 +602,16 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         if (tracker is not None and isinstance(sample, Artifact) and not config.trainer.preview
                 and int(state.step) != resumed_at and jax.process_index() == 0):
             tracker.artifact(sample, int(state.step))
+    except KeyboardInterrupt:
+        # The run is whole: only its sample was cut short; "interrupted" alone reads as a lost run.
+        from dew.training.runtime.preemption import INTERRUPTED_STATUS
+
+        if jax.process_index() == 0:
+            saved = ("." if checkpoints is None else
+                     f", saved in {checkpoints.directory}.\n{usage(objective, state, checkpoints.directory)}")
+            print(f"dew train: interrupted (Ctrl-C) while drawing the run's sample, after it trained to step "
+                  f"{int(state.step)}{saved}", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_STATUS) from None
     finally:
         _close(checkpoints, tracker)
     if checkpoints is not None and jax.process_index() == 0:
