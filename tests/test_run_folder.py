@@ -93,6 +93,23 @@ def test_a_resume_keeps_what_the_weights_compute_but_not_how(tmp_path):
             refuse_changed_function(RunConfig.load("tiny-lm-lora", overrides=changed), folder, 4)
 
 
+def test_a_resume_names_the_fields_its_recipe_changed_beside_the_steps(tmp_path):
+    """A resume with data.batch=16 where the checkpoints trained with 8 said nothing of it; the run
+    folder written relative then absolute (as a resume records it) is no change."""
+    from dew.recipes.resuming import changes_line
+
+    saved = RunConfig.load("tiny-lm", overrides=["trainer.checkpoint_dir=runs/a"]).recorded()
+
+    def line(*overrides):
+        return changes_line(saved, RunConfig.load("tiny-lm", overrides=list(overrides)).recorded(), cwd=tmp_path)
+
+    assert line("trainer.checkpoint_dir=runs/a", "trainer.steps=9") is None
+    assert line(f"trainer.checkpoint_dir={tmp_path / 'runs/a'}", "trainer.steps=9") is None
+    assert line("trainer.checkpoint_dir=runs/a", "data.batch=16", "optimizer.learning_rate=0.001") == (
+        "The recipe differs from the one its checkpoints trained with: data.batch 32 -> 16, "
+        "optimizer.learning_rate 0.003 -> 0.001.")
+
+
 def test_a_default_a_later_dew_changed_is_read_from_run_json_not_from_this_dew(tmp_path):
     """run.json records the model's defaults as they were when it trained: after an upgrade that
     changes one (here a model registered anew with another rope base), the run's own recipe still

@@ -20,8 +20,8 @@ from pathlib import Path
 from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
-__all__ = ["STARTED", "StartFolderGoneWarning", "installing_what_it_trained_with", "origin", "resume_command",
-           "resuming_line", "shown", "started_from", "started_in", "upgrade_line"]
+__all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "origin",
+           "resume_command", "resuming_line", "shown", "started_from", "started_in", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 
@@ -64,6 +64,33 @@ def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int
                 f"nothing to train; to train further, {resume_command(directory)} "
                 f"trainer.steps=N; {fresh}.")
     return f"Resuming {where} at step {resumed_at}{before}, to step {steps}; {fresh}."
+
+
+def changes_line(before: Mapping[str, object], now: Mapping[str, object], *, cwd: Path) -> str | None:
+    """The line a resume prints when its recipe differs from the one the checkpoints trained with
+    (a batch size, a learning rate an override changed); None when only trainer.steps did, which
+    the resuming line says. A path written relative then absolute is the same path.
+
+    >>> changes_line({"data": {"batch": 8}}, {"data": {"batch": 16}}, cwd=Path("/"))
+    'The recipe differs from the one its checkpoints trained with: data.batch 8 -> 16.'
+    """
+    from dew.tracking.rows import recipe_fields
+
+    old, new = recipe_fields(before), recipe_fields(now)
+
+    def same(a: object, b: object) -> bool:
+        if a == b:
+            return True
+        return (isinstance(a, str) and isinstance(b, str) and "/" in a + b
+                and os.path.normpath(cwd / a) == os.path.normpath(cwd / b))
+
+    changed = [k for k in sorted(set(old) | set(new))
+               if k != "trainer.steps" and not same(old.get(k, "unset"), new.get(k, "unset"))]
+    if not changed:
+        return None
+    said = ", ".join(f"{k} {old.get(k, 'unset')} -> {new.get(k, 'unset')}" for k in changed[:8])
+    more = f" and {len(changed) - 8} more (dew train --check shows the recipe)" if len(changed) > 8 else ""
+    return f"The recipe differs from the one its checkpoints trained with: {said}{more}."
 
 
 def upgrade_line(step: int, meta: Mapping[str, object]) -> str | None:

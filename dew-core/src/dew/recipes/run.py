@@ -531,7 +531,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
 
     import jax
 
-    from dew.recipes.resuming import resuming_line, upgrade_line
+    from dew.recipes.resuming import changes_line, resuming_line, started_from, upgrade_line
     from dew.telemetry.artifacts import Artifact
     from dew.training.trainer import Trainer
 
@@ -560,6 +560,10 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         if jax.process_index() == 0 and intact:
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
+            changes = None if before is None else changes_line(
+                before.recorded(), config.recorded(), cwd=started_from(checkpoints.directory))
+            if changes is not None and ahead:
+                print(changes, flush=True)
             upgraded = upgrade_line(resumed_at, checkpoints.meta(resumed_at))
             if upgraded is not None and ahead:
                 print(upgraded, flush=True)
