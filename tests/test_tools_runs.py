@@ -337,6 +337,25 @@ def test_a_resume_that_skipped_a_batch_is_caught_at_that_step(runs, capsys):
     assert json.loads(against)["first_difference"] == 5
 
 
+@pytest.mark.slow
+def test_an_audit_against_a_run_on_other_text_at_the_same_positions_is_not_identical(runs, capsys):
+    """The ledgers name records by their positions: a run on the same files with one byte changed read
+    the same positions under the same order, and the audit called it identical to the reference."""
+    import sysconfig
+
+    copied = runs.root / "edited-stdlib"
+    copied.mkdir(exist_ok=True)
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-b]*.py")):
+        shutil.copy(source, copied / source.name)
+    first = sorted(copied.iterdir())[0]
+    text = first.read_bytes()
+    first.write_bytes(text.replace(b"e", b"E", 1))  # the same length: the same windows, other text
+    run = runs.train("edited", f"data.files={copied}/[a-b]*.py")
+    code, out, _ = _dew(["audit", str(run), "--against", str(runs.ref)], capsys)
+    assert code == 1 and "identical" not in out.splitlines()[0], out
+    assert "the runs read different data" in out and "the same positions hold other records" in out, out
+
+
 def test_a_run_without_a_ledger_says_the_audit_needs_one(tmp_path, capsys):
     (tmp_path / "run.json").write_text("{}")
     code, _, err = _dew(["audit", str(tmp_path)], capsys)

@@ -41,6 +41,24 @@ def test_resume_at_every_step_and_at_another_share_count():
         np.testing.assert_array_equal(half, reference[k][len(reference[k]) // 2:])
 
 
+def test_a_ramped_position_saved_over_other_contents_is_refused():
+    # A ramped stream's position kept no content digest (a plain stream's does): a resume over data
+    # edited since, as many records, trained on other records without a word.
+    from dew.data.errors import PositionMismatchError
+
+    stream = ramped(data(), SCHEDULE).train(DataPartition())
+    for _ in range(4):
+        next(stream)
+    position = stream.get_state()
+    edited = Dataset(train=StreamReader(ArrayRecords({"id": np.arange(29)[::-1].copy()}), batch=8, seed=4), batch=8)
+    resumed = ramped(edited, SCHEDULE).train(DataPartition())
+    with pytest.raises(PositionMismatchError, match="contents differ"):
+        resumed.set_state(position)
+    again = ramped(data(), SCHEDULE).train(DataPartition())
+    again.set_state(position)  # the same data resumes
+    assert len(next(again)["id"]) == 4
+
+
 def test_linear_schedule_and_its_inverse():
     assert linear_schedule(8, 64, 100) == ((0, 8), (15, 16), (29, 24), (43, 32), (58, 40), (72, 48), (86, 56), (100, 64))
     pairs = linear_schedule(2, 16, 10)

@@ -73,6 +73,7 @@ class Ledgered:
     orders: tuple[tuple[int, dict[str, Any]], ...]  # (first step, order) each time the order was named
     undone: int = 0  # step lines a later fit replaced
     uncommitted: int = 0  # step lines past the newest committed checkpoint, left out (a save under way)
+    contents: tuple[str, ...] = ()  # the digests of the data's contents its saved positions name, in order
 
     @property
     def order(self) -> dict[str, Any] | None:
@@ -107,6 +108,7 @@ def read_ledger(run: str | Path) -> Ledgered:
     steps: dict[int, ConsumedStep] = {}
     segments: list[Segment] = []
     orders: list[tuple[int, dict[str, Any]]] = []
+    contents: dict[str, None] = {}
     undone = 0
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
@@ -122,6 +124,9 @@ def read_ledger(run: str | Path) -> Ledgered:
             raise _damaged(path, number, f"is a JSON {type(row).__name__}, not a ledger line")
         try:
             kind = row.get("kind")
+            position = row.get("position")
+            if isinstance(position, dict) and isinstance(position.get("content"), str):
+                contents[position["content"]] = None
             if kind == "open":
                 later = [s for s in steps if s > int(row["step"])]
                 undone += len(later)
@@ -151,7 +156,8 @@ def read_ledger(run: str | Path) -> Ledgered:
         raise LedgerEmptyError(
             f"{path} records no step: the run kept none (the ledger is written at each checkpoint, and this "
             "run stopped before its first), so there is nothing to audit. Train it to a checkpoint first.")
-    return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone, len(beyond))
+    return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone, len(beyond),
+                    tuple(contents))
 
 
 def _newest_committed(run: Path) -> int | None:
@@ -261,6 +267,10 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
         if ledger.order and against.order and ledger.order != against.order:
             notes.append(f"the runs read different orders ({ledger.order} and {against.order}): the same "
                          "positions hold different records")
+        if ledger.contents and against.contents and ledger.contents != against.contents:
+            changed = min(s.step for s in mine)  # the ids agree, the records they name do not
+            notes.append(f"the runs read different data (its contents' digests: {', '.join(ledger.contents)} "
+                         f"here, {', '.join(against.contents)} in {name}): the same positions hold other records")
     by_step = {s.step: s for s in theirs}
     compared = [s for s in mine if s.step in by_step]
     first = None

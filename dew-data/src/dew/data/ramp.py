@@ -32,7 +32,7 @@ import numpy as np
 
 from dew.data.base import GLOBAL_POSITION, SINGLE, Consumption, DataPartition, Dataset
 from dew.data.errors import RampError
-from dew.data.stream import StepScheduled, StreamReader, TrainStream, decode_position, layout_fields
+from dew.data.stream import StepScheduled, StreamReader, TrainStream, decode_position, source_fields
 
 __all__ = ["RampedReader", "RampedStream", "linear_schedule", "ramped"]
 
@@ -133,7 +133,7 @@ class RampedStream:
     def get_state(self) -> bytes:
         fields = {"records": self.records, "step": self.step, "seed": self.reader.seed,
                   "batch": batch_at(self.schedule, self.step), "size": len(self.reader.source),
-                  **layout_fields(self.reader.source, self.records)}
+                  **source_fields(self.reader.source, self.records)}
         return GLOBAL_POSITION + json.dumps(fields, sort_keys=True).encode()
 
     def set_state(self, state: bytes) -> None:

@@ -200,9 +200,16 @@ def check_content(source: Source, fields: Mapping[str, Any]) -> None:
             "this data.")
 
 
-def layout_fields(source: Source, records: int) -> dict[str, Any]:
-    """The layout a position saved at records keeps ({} for a source without one)."""
-    return {"layout": source.layout(records)} if isinstance(source, LaidOutSource) else {}
+def source_fields(source: Source, records: int) -> dict[str, Any]:
+    """What a position saved at records keeps of its source, for a resume to check: its layout (a
+    LaidOutSource's), its content digest (a FingerprintedSource's) and its files' digests (a
+    DigestsFiles')."""
+    fields: dict[str, Any] = {"layout": source.layout(records)} if isinstance(source, LaidOutSource) else {}
+    if isinstance(source, FingerprintedSource):
+        fields["content"] = source.fingerprint()
+    if isinstance(source, DigestsFiles):
+        fields["files"] = [digest for _, digest in source.file_digests()]
+    return fields
 
 
 @runtime_checkable
@@ -427,11 +434,7 @@ class TrainStream:
         """GLOBAL_POSITION + json: records consumed, seed, batch, dataset size, (a
         LaidOutSource's) layout and (a FingerprintedSource's) content digest."""
         fields = {"records": self.records, "seed": self.seed, "batch": self.batch, "size": self.size,
-                  **layout_fields(self.source, self.records)}
-        if isinstance(self.source, FingerprintedSource):
-            fields["content"] = self.source.fingerprint()
-        if isinstance(self.source, DigestsFiles):
-            fields["files"] = [digest for _, digest in self.source.file_digests()]
+                  **source_fields(self.source, self.records)}
         return GLOBAL_POSITION + json.dumps(fields, sort_keys=True).encode()
 
     def set_state(self, state: bytes) -> None:
