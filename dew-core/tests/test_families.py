@@ -245,13 +245,15 @@ def test_a_longrope_phi3_computes_what_transformers_computes_within_and_past_its
     original_max_position_embeddings and from long_factor once they pass it, and scale cos and
     sin by sqrt(1 + ln(factor) / ln(original)). Here the original context is 12 positions, so the
     19-token prompts take the long list and 10-token ones the short; an old "su" config reads
-    as the same model, and the export carries both lists back to transformers."""
+    as the same model, and the export carries both lists back to transformers. A second original
+    length inside rope_scaling yields to the top level's, as in transformers."""
     directory = write_checkpoint("phi3", tmp_path / "phi3", seed=5, redrawn=True)
     config = json.loads((directory / "config.json").read_text())
     rng = np.random.default_rng(1)
     config.update(rope_parameters=None, original_max_position_embeddings=12, max_position_embeddings=256,
                   rope_scaling={"type": "longrope", "short_factor": rng.uniform(1, 3, 4).round(3).tolist(),
-                                "long_factor": rng.uniform(4, 16, 4).round(3).tolist()})
+                                "long_factor": rng.uniform(4, 16, 4).round(3).tolist(),
+                                "original_max_position_embeddings": 64})
     (directory / "config.json").write_text(json.dumps(config))
     hf = hf_model(directory)
     loaded = Pretrained.load(directory)

@@ -82,8 +82,10 @@ def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[st
                 f"{error} Dynamic scaling is the default rope up to the length the checkpoint was "
                 "trained at: for contexts that short, remove rope_scaling from a copy of config.json.")
         raise error
-    original: Any = (params.get("original_max_position_embeddings")
-                     or config.get("original_max_position_embeddings")
+    # transformers prefers the top level's original length to the one beside the rope settings (Phi-3
+    # writes it there), and falls back to the published context
+    original: Any = (config.get("original_max_position_embeddings")
+                     or params.get("original_max_position_embeddings")
                      or config.get("max_position_embeddings"))
     factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope") and original:
