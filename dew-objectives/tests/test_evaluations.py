@@ -4,6 +4,7 @@ in training and from `dew eval --task`, shard over devices, and name a bad recor
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,9 @@ def test_accuracy_norm_divides_by_the_choice_alone_as_lm_eval_does():
     assert normalized_pick(scores, choices) == 1
     # counting the separator, as accuracy_norm did, picks the short choice instead
     assert int(np.argmax(scores / np.asarray([len(" " + c) for c in choices], float))) == 2
+    # An empty choice divides by zero characters there (-inf): never picked over one with text, though
+    # dividing by max(len, 1) made its -1.79 the best.
+    assert normalized_pick(np.asarray([-1.79, -10.36, -19.95]), ["", "None", "not None"]) == 2
 
 
 @pytest.mark.slow  # greedy decoding compiled in dew and run in transformers
@@ -436,7 +440,6 @@ def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path
     before it trains (it trained to its first evaluation and lost those steps), traced to its
     trainer.evaluate entry."""
     from dew.cli import main
-    from dew.data import ByteTokenizer
     from dew.evaluations.generation import GenerationTask
     from dew.evaluations.multiple_choice import MultipleChoice
 
@@ -455,7 +458,7 @@ def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path
     with pytest.raises(TaskFileError, match=r"Line 2 of .*latin1\.jsonl' is not UTF-8 text"):
         GenerationTask(file=str(tmp_path / "latin1.jsonl")).problems()
     with pytest.raises(TaskFileError, match=r"Line 1 of .*: a choice is empty and separator is ''"):
-        MultipleChoice(file=str(good), separator="").rows(ByteTokenizer(), None)
+        MultipleChoice(file=str(good), separator="")  # read when built: it was refused at the first evaluation
 
     monkeypatch.chdir(tmp_path)
     code = main(["train", "tiny-lm", "trainer.steps=4", "trainer.checkpoint_dir=runs/t",
@@ -465,6 +468,13 @@ def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path
     assert code == 2 and "TaskFileError: The task file 'nosuch.jsonl' does not exist" in err
     assert "The recipe's trainer.evaluate.0 (generation) asks for it." in err
     assert "step 1" not in err and not (tmp_path / "runs").exists()  # refused before anything ran or was kept
+    # A generation asking for more new tokens than the model holds: refused as it is scheduled, not after
+    # the run trained to its first evaluation.
+    code = main(["train", "tiny-lm", "trainer.steps=4", "trainer.checkpoint_dir=runs/t", "trackers.0.directory=runs/t",
+                 f"trainer.evaluate=[{{task: generation, every: 2, file: {good}, max_new_tokens: 200}}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "max_new_tokens=200 leaves no room for a prompt in the model's max_seq_len=128" in err
+    assert "step 1" not in err and not (tmp_path / "runs").exists()
 
 
 def test_a_generation_prompt_longer_than_the_model_keeps_its_end_instead_of_failing_the_task(tmp_path):
@@ -490,6 +500,22 @@ def test_a_generation_prompt_longer_than_the_model_keeps_its_end_instead_of_fail
     with pytest.raises(TaskFileError, match="max_new_tokens=16 leaves no room for a prompt in the model's max_seq_len=16"):
         GenerationTask(file=str(tmp_path / "gen.jsonl"), max_new_tokens=16).generations(
             Subject(model, variables, ByteTokenizer()))
+
+
+def test_a_choice_longer_than_the_model_reads_is_scored_on_its_end_with_a_warning(tmp_path):
+    """A choice past the window was scored on its last ids without a word (the harness refuses it)."""
+    from dew.data import ByteTokenizer
+    from dew.evaluations.multiple_choice import ChoiceCutWarning, MultipleChoice
+
+    file = _write(tmp_path / "mc.jsonl", [{"context": "q", "choices": ["a" * 40, "b"], "answer": 1},
+                                           {"context": "r", "choices": ["c", "d"], "answer": 0}])
+    task = MultipleChoice(file=file)
+    with pytest.warns(ChoiceCutWarning, match=r"1 choice\(s\) of .*mc.jsonl' \(the first on line 1\) hold more ids"):
+        rows = task.rows(ByteTokenizer(), 17)
+    assert rows[0].scored == 16 and len(rows[0].ids) == 17  # its last 16 ids, after one of context
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        task.rows(ByteTokenizer(), 64)  # room for all: no warning
 
 
 def test_a_perplexity_file_with_a_bad_record_and_null_fields_are_refused_when_the_task_is_built(tmp_path):
@@ -527,7 +553,7 @@ def test_a_text_task_is_refused_for_a_denoiser_or_a_run_without_a_tokenizer_as_i
     causal = CausalTransformer(vocab_size=257, emb_features=8, num_layers=1, num_heads=2, mlp_features=8,
                                max_seq_len=16)
     for task, fields in (("perplexity", {}), ("multiple_choice", {}),
-                         ("generation", {"answer_key": "answer_text"})):
+                         ("generation", {"answer_key": "answer_text", "max_new_tokens": 4})):
         config = EvaluateConfig.model_validate({"task": task, "file": file, **fields})
         with pytest.raises(UnscorableModelError, match=rf"'{task}' scores a causal language model's next-token "
                                                        r"predictions, and this run's model, TokenDenoiser"):

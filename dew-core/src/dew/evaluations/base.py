@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from dew.objectives.base import Variables
     from dew.training.evaluation import Evaluation
 
-__all__ = ["EvaluationTask", "Periodic", "ReadsWholeSequence", "ScoresCausalText", "Subject", "TaskFileError",
+__all__ = ["ChecksModel", "EvaluationTask", "Periodic", "ReadsWholeSequence", "ScoresCausalText", "Subject",
+           "TaskFileError",
            "UnscorableModelError", "check_task_file", "read_task_file", "scheduled", "share_rows"]
 
 
@@ -68,6 +69,17 @@ class ScoresCausalText(Protocol):
     its greedy continuations): it needs the run's tokenizer and a model that reads left to right."""
 
     scores_causal_text: ClassVar[bool]
+
+
+@runtime_checkable
+class ChecksModel(Protocol):
+    """A task whose settings must fit the model it scores (a generation's new tokens within its
+    length): checked as a recipe schedules it, so a run is refused before it trains rather than at
+    its first evaluation."""
+
+    def check_model(self, model: Module) -> object:
+        """Raise TaskFileError naming the setting this model cannot take (what it returns is the task's)."""
+        ...
 
 
 @runtime_checkable
@@ -170,6 +182,8 @@ def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None
                 f"The task {config.task!r} turns text into ids with the run's tokenizer, and this run has none: "
                 "its data reader names no tokenizer (or its export holds none). Text tasks score a language "
                 "model; a run on images or on pre-tokenized ids without a tokenizer cannot take them.")
+    if isinstance(task, ChecksModel):
+        task.check_model(model)
     return Periodic(config.name, task, config.every, model, tokenizer, served)
 
 

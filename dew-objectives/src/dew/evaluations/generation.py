@@ -36,6 +36,7 @@ from dew.sampling import Sampling, generate
 from dew.training.placement.mesh import data_partition
 
 if TYPE_CHECKING:
+    from flax.linen import Module
     from jax.sharding import Mesh
 
 __all__ = ["AnswerRecord", "GenerationTask"]
@@ -121,6 +122,18 @@ class GenerationTask:
             raise TaskFileError(f"The task file {os.fspath(self.file)!r} holds no record.")
         return out
 
+    def check_model(self, model: Module) -> int | None:
+        """The ids left for a prompt in the model's length (None: unbounded); TaskFileError when
+        max_new_tokens leaves none (dew.evaluations.base.ChecksModel, checked as a run schedules it)."""
+        limit = getattr(model, "max_seq_len", None)  # any decoder; dew's say how long they read
+        if limit is None:
+            return None
+        room = int(limit) - self.max_new_tokens
+        if room < 1:
+            raise TaskFileError(f"GenerationTask.max_new_tokens={self.max_new_tokens} leaves no room for a "
+                                f"prompt in the model's max_seq_len={limit}; ask for fewer new tokens.")
+        return room
+
     def prediction(self, text: str) -> str | None:
         """What a generated text answers: cut at stop, then the pattern's match (None: no match)."""
         for marker in self.stop:
@@ -139,12 +152,8 @@ class GenerationTask:
         tokenizer = subject.text_tokenizer("GenerationTask", "prompts")
         eos = eos_id_of(tokenizer)
         prompts = [prompt_ids(tokenizer, p.prompt) or [int(eos)] for p in problems]  # type: ignore[arg-type]  # an empty prompt needs an eos
-        limit = getattr(subject.model, "max_seq_len", None)  # any decoder; dew's say how long they read
-        if limit is not None:
-            room = int(limit) - self.max_new_tokens
-            if room < 1:
-                raise TaskFileError(f"GenerationTask.max_new_tokens={self.max_new_tokens} leaves no room for a "
-                                    f"prompt in the model's max_seq_len={limit}; ask for fewer new tokens.")
+        room = self.check_model(subject.model)
+        if room is not None:
             prompts = [ids[-room:] for ids in prompts]  # a long prompt keeps its end, as the harnesses cut one
         out: dict[int, str] = {}
         variables = _process_local(subject.variables)

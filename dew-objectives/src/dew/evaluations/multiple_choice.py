@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import string
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -40,7 +41,11 @@ if TYPE_CHECKING:
 
     from dew.data.base import Tokenizer
 
-__all__ = ["Choice", "MultipleChoice", "Question", "continuation_ids", "normalized_pick"]
+__all__ = ["Choice", "ChoiceCutWarning", "MultipleChoice", "Question", "continuation_ids", "normalized_pick"]
+
+
+class ChoiceCutWarning(UserWarning):
+    """A choice is longer than the model reads at once: it is scored on its last ids alone."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,9 @@ class MultipleChoice:
                 or not all(isinstance(c, str) for c in choices)):
             raise TaskFileError(f"{where}: {self.choices_key!r} must be a list of at least two strings, "
                                 f"got {choices!r}.")
+        if any(not self.separator + choice for choice in choices):
+            raise TaskFileError(f"{where}: a choice is empty and separator is '', so it would be scored on no "
+                                "token at all; give every choice some text.")
         try:
             context = self.template.format(**record) if self.template else str(record[self.context_key])
         except (KeyError, IndexError, ValueError) as error:
@@ -150,17 +158,20 @@ class MultipleChoice:
 
     def rows(self, tokenizer: Tokenizer, limit: int | None) -> list[Choice]:
         """Every (question, choice) row in order, cut to the last limit ids."""
-        out = []
+        out, cut = [], []
         for question in self.questions():
             for choice in question.choices:
                 continuation = self.separator + choice
-                if not continuation:
-                    raise TaskFileError(
-                        f"{self._where(question.line)}: a choice is empty and separator is '', so it "
-                        "would be scored on no token at all; give every choice some text.")
                 head, tail = continuation_ids(tokenizer, question.context, continuation)
                 ids = (head + tail)[-limit:] if limit else head + tail
+                if len(tail) > len(ids) - 1:
+                    cut.append(question.line)
                 out.append(Choice(tuple(ids), min(len(tail), len(ids) - 1), len(continuation)))
+        if cut:
+            warnings.warn(ChoiceCutWarning(
+                f"{len(cut)} choice(s) of {os.fspath(self.file)!r} (the first on line {cut[0]}) hold more ids than the "
+                f"model reads at once ({limit}), so each is scored on its last {(limit or 1) - 1} ids alone and its "
+                "likelihood is not the whole choice's; lm-evaluation-harness refuses such a choice."), stacklevel=2)
         return out
 
     def choice_scores(self, subject: Subject, *, mesh: Mesh | None = None) -> list[np.ndarray]:
@@ -186,6 +197,8 @@ class MultipleChoice:
 
 def normalized_pick(scores: np.ndarray, choices: Sequence[str]) -> int:
     """The choice with the largest summed log-probability per character of the choice itself:
-    lm-eval's acc_norm, which does not count the separator before it."""
-    lengths = np.asarray([max(len(choice), 1) for choice in choices], np.float64)
-    return int(np.argmax(np.asarray(scores, np.float64) / lengths))
+    lm-eval's acc_norm, which does not count the separator before it; an empty choice, which
+    it divides by zero characters, is never picked over one with text."""
+    lengths = np.asarray([len(choice) for choice in choices], np.float64)
+    per = np.divide(np.asarray(scores, np.float64), lengths, out=np.full(len(lengths), -np.inf), where=lengths > 0)
+    return int(np.argmax(per))
