@@ -276,6 +276,10 @@ def test_dew_eval_scores_a_task_on_an_export(exported, choice_file, capsys):
     assert printed["eval/multiple_choice/accuracy"] == expected["accuracy"]
     assert main(["eval", str(folder / "model"), "--task", "multiple_choice", "--set", "file=missing.jsonl"]) == 2
     assert "missing.jsonl' does not exist" in capsys.readouterr().err
+    # a field without its value was told to write a recipe's trainer.steps=10
+    assert main(["eval", str(folder / "model"), "--task", "multiple_choice", "--set", "file"]) == 2
+    assert "--set 'file' is not KEY=VALUE: write a field of the task, for example --set file=arc.jsonl." \
+        in capsys.readouterr().err
 
 
 DOCUMENTS = [" ".join(["Documents are tokenized on the fly, packed and shuffled by block."] * 8),

@@ -140,7 +140,12 @@ def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
     task of that name, with the --set fields over its own."""
     from dew.evaluations.config import EvaluateConfig
     from dew.recipes.config import apply_overrides
+    from dew.recipes.errors import RecipeError
 
+    for field in args.fields:
+        if "=" not in str(field) or not str(field).split("=", 1)[0].strip():
+            raise RecipeError(f"--set {field!r} is not KEY=VALUE: write a field of the task, for example "
+                              f"--set file=arc.jsonl.")
     entries = [] if opened.config is None else list(opened.config.trainer.evaluate)
     chosen = next((e for e in entries if e.name == args.task), None)
     if chosen is None and not any(str(field).split("=", 1)[0].strip() == "file" for field in args.fields):
