@@ -105,6 +105,8 @@ def test_a_resume_names_the_fields_its_recipe_changed_beside_the_steps(tmp_path)
 
     assert line("trainer.checkpoint_dir=runs/a", "trainer.steps=9") is None
     assert line(f"trainer.checkpoint_dir={tmp_path / 'runs/a'}", "trainer.steps=9") is None
+    # a moved run's resume rewrites where it lives, which the user did not change
+    assert line("trainer.checkpoint_dir=/elsewhere/a", "trackers.0.directory=/elsewhere/a") is None
     assert line("trainer.checkpoint_dir=runs/a", "data.batch=16", "optimizer.learning_rate=0.001") == (
         "The recipe differs from the one its checkpoints trained with: data.batch 32 -> 16, "
         "optimizer.learning_rate 0.003 -> 0.001.")

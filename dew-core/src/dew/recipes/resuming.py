@@ -69,7 +69,8 @@ def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int
 def changes_line(before: Mapping[str, object], now: Mapping[str, object], *, cwd: Path) -> str | None:
     """The line a resume prints when its recipe differs from the one the checkpoints trained with
     (a batch size, a learning rate an override changed); None when only trainer.steps did, which
-    the resuming line says. A path written relative then absolute is the same path.
+    the resuming line says, or where the run lives (its folders, which a moved run's resume
+    rewrites). A path written relative then absolute is the same path.
 
     >>> changes_line({"data": {"batch": 8}}, {"data": {"batch": 16}}, cwd=Path("/"))
     'The recipe differs from the one its checkpoints trained with: data.batch 8 -> 16.'
@@ -84,8 +85,12 @@ def changes_line(before: Mapping[str, object], now: Mapping[str, object], *, cwd
         return (isinstance(a, str) and isinstance(b, str) and "/" in a + b
                 and os.path.normpath(cwd / a) == os.path.normpath(cwd / b))
 
+    def where_it_lives(key: str) -> bool:
+        return key in ("trainer.steps", "trainer.checkpoint_dir", "trainer.local_checkpoint_dir") or (
+            key.startswith("trackers.") and key.endswith(".directory"))
+
     changed = [k for k in sorted(set(old) | set(new))
-               if k != "trainer.steps" and not same(old.get(k, "unset"), new.get(k, "unset"))]
+               if not where_it_lives(k) and not same(old.get(k, "unset"), new.get(k, "unset"))]
     if not changed:
         return None
     said = ", ".join(f"{k} {old.get(k, 'unset')} -> {new.get(k, 'unset')}" for k in changed[:8])
