@@ -328,3 +328,21 @@ def test_a_template_rewriting_earlier_turns_is_named_as_the_cause_with_the_ways_
     said = str(refused.value)
     assert "renders the earlier turns of a conversation otherwise once assistant message" in said
     assert "chat_template=" in said and "{% generation %}" in said and "line 1 of" in said
+
+
+def test_any_reader_given_a_tokenizer_json_stops_where_its_folder_says_keeping_its_own_document_end(tmp_path):
+    """An addition (GRPO) or token-windows reader given a folder's tokenizer.json stopped its
+    continuations at <|endoftext|> alone where the folder given stops at <|im_end|>: a policy's text
+    ran on past its end of turn. Its document end is its own, so windows cut as before."""
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.data.token_windows import resolve_tokenizer
+
+    folder = build_tokenizer(tmp_path / "tok")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7]}))
+    alone = HFTokenizer.from_file(folder / "tokenizer.json")
+    given = resolve_tokenizer(str(folder / "tokenizer.json"))
+    end_of_turn = alone.tokenizer.token_to_id("<|im_end|>")
+    assert end_of_turn not in alone.stop_ids and end_of_turn != alone.eos_id  # what the test tells apart
+    assert given.eos_id == alone.eos_id and given.fingerprint == alone.fingerprint
+    whole = resolve_tokenizer(str(folder))  # the folder itself ends documents at its end of turn
+    assert set(given.stop_ids) == {end_of_turn, 7} == {whole.eos_id, *whole.stop_ids}

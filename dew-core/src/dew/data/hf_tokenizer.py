@@ -95,19 +95,30 @@ class HFTokenizer:
         """Load a tokenizer directory's tokenizer.json, ending documents with the eos_token its
         tokenizer_config.json names (else the first of EOS_CANDIDATES the vocabulary holds), and
         continuations also at the eos_token_id ids of its generation_config.json and config.json."""
-        import json
 
         from dew.data.chat_template import template_and_tokens
 
         folder = Path(path)
-        source, tokens = template_and_tokens(folder)  # tokenizer_config.json read once, for both
-        loaded = cls.from_file(folder / "tokenizer.json", eos_token=tokens.get("eos_token"))
-        listed: list[object] = []
+        source, tokens = template_and_tokens(folder)  # the template and the special tokens in its scope
+        loaded = cls.from_file(folder / "tokenizer.json", eos_token=tokens.get("eos_token")).stopping_with(folder)
+        return loaded if source is None else loaded.chatting_with(source, tokens)
+
+    def stopping_with(self, folder: str | os.PathLike[str]) -> HFTokenizer:
+        """This tokenizer, ending continuations also where its folder's checkpoint ends them: at the
+        eos_token its tokenizer_config.json names (a chat model's end of turn) and the eos_token_id
+        ids of its generation_config.json and config.json. A tokenizer.json given alone stops where
+        the folder it sits in says, as the folder given does; its end-of-document id stays its own."""
+        import json
+
+        from dew.data.chat_template import template_and_tokens
+
+        folder = Path(folder)
+        named = template_and_tokens(folder)[1].get("eos_token")
+        listed: list[object] = [] if named is None else [self.tokenizer.token_to_id(named)]
         for name in ("generation_config.json", "config.json"):
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 listed.append(json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id"))
-        loaded = loaded.stopping_at(*listed)
-        return loaded if source is None else loaded.chatting_with(source, tokens)
+        return self.stopping_at(*listed)
 
     def chatting_with(self, source: str, special_tokens: Mapping[str, str]) -> HFTokenizer:
         """This tokenizer with a chat template's text (and the special tokens in its scope)."""

@@ -100,9 +100,10 @@ def resolve_tokenizer(tokenizer: object) -> EosTokenizer:
             return ByteTokenizer()
         from dew.data.hf_tokenizer import HFTokenizer
 
-        if Path(tokenizer).expanduser().is_dir():
-            return HFTokenizer.from_directory(Path(tokenizer).expanduser())
-        return HFTokenizer.from_file(tokenizer)
+        path = Path(tokenizer).expanduser()
+        if path.is_dir():
+            return HFTokenizer.from_directory(path)
+        return HFTokenizer.from_file(tokenizer).stopping_with(path.parent)
     for needed, has in (("encode", _Encodes), ("eos_id", WithEos)):  # any object may be given: checked
         if not isinstance(tokenizer, has):
             raise TypeError(
