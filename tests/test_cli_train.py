@@ -125,3 +125,24 @@ def test_ctrl_c_during_the_final_sample_says_the_run_trained_and_is_saved(tmp_pa
     assert ("dew train: interrupted (Ctrl-C) while drawing the run's sample, after it trained to step 2, saved "
             f"in {tmp_path / 'run'}.\nUse the run: dew generate {tmp_path / 'run'} PROMPT") in err, err
     assert (tmp_path / "run" / "2" / "dew.json").is_file()
+
+
+def test_a_resume_whose_start_folder_is_gone_says_where_its_relative_paths_are_read(tmp_path, monkeypatch, capsys):
+    """A run copied to another machine (its project folder gone) resumed reading its recipe's relative
+    data paths from here without a word; other data there was then refused as a changed data set."""
+    import shutil
+
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    args = ["trainer.steps=1", "data.batch=2", "model.num_layers=1"]
+    assert main(["train", "tiny-lm", *args, "trainer.checkpoint_dir=runs/r", "trackers.0.directory=runs/r"]) == 0
+    shutil.copytree(project / "runs" / "r", tmp_path / "elsewhere" / "r")
+    project.rename(tmp_path / "gone")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert main(["train", "--resume", "r", "trainer.steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"The folder the run started in, {project}, is gone: its recipe's relative paths (data files, a "
+            f"tokenizer, task files) are read from here, {tmp_path / 'elsewhere'}, instead") in out, out
+    assert (tmp_path / "elsewhere" / "r" / "2").is_dir()

@@ -306,6 +306,10 @@ def _beside(path: Path, started: Path, directory: Path) -> Path | None:
 @contextlib.contextmanager
 def _inside(cwd: Path) -> Iterator[None]:
     here = Path.cwd()
+    if cwd != here and not cwd.exists():  # a run copied from another machine, or its project moved
+        print(f"The folder the run started in, {cwd}, is gone: its recipe's relative paths (data files, a "
+              f"tokenizer, task files) are read from here, {here}, instead; where they are elsewhere, give "
+              "them as overrides with absolute paths (data.files=/path/...).", flush=True)
     if cwd == here or not cwd.is_dir():
         yield
         return
