@@ -146,3 +146,20 @@ def test_a_resume_whose_start_folder_is_gone_says_where_its_relative_paths_are_r
     assert (f"The folder the run started in, {project}, is gone: its recipe's relative paths (data files, a "
             f"tokenizer, task files) are read from here, {tmp_path / 'elsewhere'}, instead") in out, out
     assert (tmp_path / "elsewhere" / "r" / "2").is_dir()
+
+
+def test_a_resume_that_fails_keeps_its_steps_and_says_how_to_resume_not_that_nothing_was_kept(
+        tmp_path, monkeypatch, capsys):
+    """A resume whose new tracker folder was made and removed as it failed said "Nothing was kept: the
+    run failed before it wrote anything", of a run holding its checkpoints, and gave no resume command."""
+    monkeypatch.chdir(tmp_path)
+    args = ["trainer.steps=1", "data.batch=2", "model.num_layers=1", "trainer.checkpoint_dir=runs/r",
+            "trackers.0.directory=runs/r"]
+    assert main(["train", "tiny-lm", *args]) == 0
+    capsys.readouterr()
+    code = main(["train", "--resume", "runs/r", "trainer.steps=2", "trackers+={name: local, directory: logs/new}",
+                 "trainer.evaluate=[{task: perplexity, every: 1, file: nosuch.jsonl}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "nosuch.jsonl' does not exist" in err
+    assert "Nothing was kept" not in err and "its newest checkpoint is step 1" in err, err
+    assert (tmp_path / "runs" / "r" / "1").is_dir() and not (tmp_path / "logs").exists()

@@ -370,10 +370,13 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
         if isinstance(error, Exception):
             for field, path in _fields_naming(config, folder, error):
                 error.add_note(_field_note(field, path, error))
-            if removed and not started_only:
+            # A run whose folder was there before (a resume) kept what it had: only a fresh run's
+            # folders hold nothing once their first writes are undone.
+            fresh = folder.directory is None or folder.directory in created
+            if removed and not started_only and fresh:
                 error.add_note(f"Nothing was kept: the run failed before its first checkpoint or log "
                                f"({', '.join(map(shown, removed))} removed).")
-            elif created and not any(d.exists() for d in created):
+            elif fresh and created and not any(d.exists() for d in created):
                 error.add_note("Nothing was kept: the run failed before it wrote anything.")
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
                 error.add_note(_resume_note(folder.directory))
