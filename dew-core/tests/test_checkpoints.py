@@ -17,6 +17,7 @@ from dew.checkpoints.errors import (
     CheckpointMetaMismatchError,
     CheckpointNotFoundError,
     CheckpointTreeMismatchError,
+    LocalStepsOwnedError,
     PositionShareMismatchError,
     require_same_meta,
 )
@@ -288,6 +289,30 @@ def test_local_checkpoints_restore_first_when_newer(tmp_path: Path) -> None:
     assert checkpoints.restore(template_of(full_state()), partition=SINGLE).step == 8
     shutil.rmtree(tmp_path / "local")
     assert Checkpoints(tmp_path / "shared").latest == 8
+
+
+def test_a_copy_of_a_run_is_refused_the_originals_local_steps(tmp_path: Path) -> None:
+    """A copy resumed where the original started found the original's local folder (its path relative
+    to there): it restored the original's newest local step and wrote its own beside them, which the
+    original then resumed from. Once the original is gone, the copy takes the folder over."""
+    original = Checkpoints(tmp_path / "original", local_directory=tmp_path / "local", local_every=2)
+    save(original, 4, full_state(4))
+    original.save(6, full_state(6), position=None, partition=SINGLE, meta={}, local=True)
+    original.close()
+    shutil.copytree(tmp_path / "original", tmp_path / "copy")
+    copy = Checkpoints(tmp_path / "copy", local_directory=tmp_path / "local", local_every=2)
+    with pytest.raises(LocalStepsOwnedError, match=r"local steps of the run in .*original, not of this one in "
+                                                   r".*copy.*trainer.local_checkpoint_dir"):
+        copy.latest
+    reopened = Checkpoints(tmp_path / "original", local_directory=tmp_path / "local", local_every=2)
+    assert reopened.latest == 6  # the original's own
+    reopened.close()
+    shutil.rmtree(tmp_path / "original")
+    taken = Checkpoints(tmp_path / "copy", local_directory=tmp_path / "local", local_every=2)
+    assert taken.latest == 6
+    taken.acquire()
+    assert json.loads((tmp_path / "local" / "dew-owner.json").read_text())["checkpoint_dir"] == str(tmp_path / "copy")
+    taken.close()
 
 
 def test_positions_are_stored_as_given(tmp_path: Path) -> None:

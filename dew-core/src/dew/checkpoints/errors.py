@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointPathEncodingError",
     "CheckpointTreeMismatchError",
     "CheckpointWriteError",
+    "LocalStepsOwnedError",
     "PositionShareMismatchError",
     "require_same_meta",
 ]
@@ -128,6 +129,18 @@ class CheckpointLeaseHeldError(CheckpointError):
             "Stop that run, or give this one another directory. If that process is gone (a process on "
             f"another host cannot be checked from here), delete {lease} and run again."
         )
+
+
+class LocalStepsOwnedError(CheckpointError):
+    """The local checkpoint folder holds another run's local steps (a copy of a run resumed where the
+    original started shares the original's)."""
+
+    def __init__(self, local: object, owner: object, run: object) -> None:
+        super().__init__(
+            f"The local checkpoint folder {local} holds the local steps of the run in {owner}, not of this one "
+            f"in {run}: a copy of a run resumed where the original started finds the original's local folder, "
+            "and each would restore the other's newest steps. Give this run a local folder of its own "
+            "(trainer.local_checkpoint_dir=...), or remove that run if it is gone for good.")
 
 
 class CheckpointMetaMismatchError(CheckpointError, ValueError):

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from dew.checkpoints import integrity, lease
+from dew.checkpoints import integrity, lease, owner
 from dew.checkpoints.errors import (
     CheckpointCorruptedError,
     CheckpointLeaseHeldError,
@@ -172,6 +172,8 @@ class Checkpoints:
             self._local.directory = process_directory(self.local_directory)
             self._local.per_process = True
         probe_shared_directory(self.directory)
+        if self._local is not None and isinstance(self._local.directory, Path):
+            owner.check_owner(self._local.directory, self.directory)
         self._probed = True
 
     @property
@@ -192,6 +194,8 @@ class Checkpoints:
         self._probe()
         self._take_lease(self._stores)
         try:
+            if self._local is not None and isinstance(self._local.directory, Path):
+                owner.claim(self._local.directory, self.directory)
             for store in self._stores:
                 if jax.process_index() == 0 or store.per_process:
                     if store.directory.exists():
