@@ -303,7 +303,7 @@ def test_a_copy_of_a_run_is_refused_the_originals_local_steps(tmp_path: Path) ->
     copy = Checkpoints(tmp_path / "copy", local_directory=tmp_path / "local", local_every=2)
     with pytest.raises(LocalStepsOwnedError, match=r"local steps of the run in .*original, not of this one in "
                                                    r".*copy.*trainer.local_checkpoint_dir"):
-        copy.latest
+        _ = copy.latest
     reopened = Checkpoints(tmp_path / "original", local_directory=tmp_path / "local", local_every=2)
     assert reopened.latest == 6  # the original's own
     reopened.close()
