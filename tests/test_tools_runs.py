@@ -223,6 +223,19 @@ def test_a_copy_whose_recipe_names_the_originals_journal_is_not_compared_by_it(r
     assert "losses: equal" not in out and "hold none" not in out, out
 
 
+@pytest.mark.slow
+def test_dew_report_reads_a_run_whose_tracker_wrote_outside_its_folder(runs, tmp_path, monkeypatch, capsys):
+    """dew report RUN said the run's folder holds no scalars.jsonl when its recipe's local tracker
+    wrote elsewhere, where dew diff found it."""
+    runs.train("scaled", "trainer.dynamic_scale=true", "trainer.checkpoint_dir=scaled/ckpt",
+               "trackers.0.directory=scaled/log", steps=2)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _dew(["report", str(runs.root / "scaled" / "ckpt"), "--out", str(tmp_path / "page")], capsys)
+    assert code == 0, err
+    page = (tmp_path / "page" / "index.html").read_text()
+    assert "train/loss" in page and str(runs.root / "scaled" / "log") in page
+
+
 def test_runs_that_keep_no_step_in_common_are_not_called_identical(runs, tmp_path, capsys):
     """Equal losses alone said "identical" with exit 0 though no state was compared; and tolerances
     that are no tolerance were taken."""

@@ -70,27 +70,31 @@ def _labels(directories: Sequence[Path]) -> list[str]:
 def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
     """A run's scalars, records and preview index, read (never written) from its directory."""
     from dew.cli.run_page import RunData
+    from dew.recipes.resuming import tracker_folders
     from dew.telemetry.render import read_scalars
     from dew.tracking.local import LocalTracker
     from dew.training.rollout_journal import ROLLOUTS, kept_rollouts
 
     run_dir = Path(run_dir)
-    journal = run_dir / LocalTracker.SCALARS
-    records_path = run_dir / LocalTracker.RECORDS
     if not run_dir.is_dir():
         what = "is a file" if run_dir.exists() else "does not exist"
         raise NoJournalError(f"{str(run_dir)!r} {what}. Point dew report at the directory a LocalTracker wrote "
                              "(a shipped recipe's run folder).")
+    # A run whose local tracker wrote outside its folder (trackers.0.directory elsewhere): read it there.
+    written = [run_dir, *tracker_folders(run_dir)]
+    logs = next((d for d in written if (d / LocalTracker.SCALARS).exists() or (d / LocalTracker.RECORDS).exists()),
+                run_dir)
+    journal, records_path = logs / LocalTracker.SCALARS, logs / LocalTracker.RECORDS
     if not journal.exists() and not records_path.exists():
         raise NoJournalError(
             f"{str(run_dir)!r} holds no {LocalTracker.SCALARS} or {LocalTracker.RECORDS}. "
             "Point dew report at the directory a LocalTracker wrote."
         )
     return RunData(
-        directory=run_dir, label=label or run_dir.name,
+        directory=logs, label=label or run_dir.name,  # the previews' paths start where they were written
         series=read_scalars(journal) if journal.exists() else {},
         records=tuple(_rows(records_path)),
-        previews=tuple(_rows(run_dir / LocalTracker.PREVIEWS)),
+        previews=tuple(_rows(logs / LocalTracker.PREVIEWS)),
         rollouts=kept_rollouts(run_dir, batches=False) if (run_dir / ROLLOUTS).is_file() else None,
     )
 

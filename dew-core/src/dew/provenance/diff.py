@@ -192,17 +192,14 @@ def _leaves(run: Path, step: int) -> list[Any]:
 def _journal(run: Path, recipe: Mapping[str, Any] | None) -> Path | None:
     """The run's scalars journal: in the run directory, or where its recipe's local tracker wrote
     (a relative directory from where the run started, not from where dew diff runs)."""
-    from dew.recipes.resuming import started_from
+    from dew.recipes.resuming import tracker_folders
 
     if (run / "scalars.jsonl").is_file():
         return run / "scalars.jsonl"
-    for tracker in (recipe or {}).get("trackers", []) or []:
-        directory = tracker.get("directory") if isinstance(tracker, Mapping) else None
-        if tracker.get("name") == "local" and directory and "{" not in directory:
-            candidate = started_from(run) / Path(directory).expanduser() / "scalars.jsonl"
-            if candidate.is_file():
-                return candidate
-    return None
+    if recipe is None:
+        return None
+    return next((folder / "scalars.jsonl" for folder in tracker_folders(run, recipe)
+                 if (folder / "scalars.jsonl").is_file()), None)
 
 
 def _losses(journal: Path | None) -> dict[int, float]:

@@ -16,12 +16,13 @@ import re
 import shlex
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
 __all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "origin",
-           "resume_command", "resuming_line", "shown", "started_from", "started_in", "upgrade_line"]
+           "resume_command", "resuming_line", "shown", "started_from", "started_in", "tracker_folders", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 
@@ -144,6 +145,20 @@ def started_from(run: str | os.PathLike[str]) -> Path:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             template = (json.loads((directory / "run.json").read_text()).get("trainer") or {}).get("checkpoint_dir")
     return origin(directory, template)[1]
+
+
+def tracker_folders(run: str | os.PathLike[str], recipe: Mapping[str, Any] | None = None) -> list[Path]:
+    """The folders the run's local trackers wrote their journals in, as its recipe (run.json, unless
+    given) names them: a relative one from where the run started, not from here."""
+    directory = Path(run)
+    if recipe is None:
+        with contextlib.suppress(OSError, ValueError):
+            recipe = json.loads((directory / "run.json").read_text())
+    trackers = (recipe or {}).get("trackers") if isinstance(recipe, Mapping) else None
+    start = started_from(directory)
+    return [start / Path(tracker["directory"]).expanduser() for tracker in trackers or []
+            if isinstance(tracker, Mapping) and tracker.get("name") == "local"
+            and isinstance(tracker.get("directory"), str) and "{" not in tracker["directory"]]
 
 
 @contextlib.contextmanager
