@@ -153,7 +153,10 @@ def test_a_missing_column_names_the_file_the_column_and_the_columns(corpus):
 
     folder, _, tokenizer = corpus
     for name, columns in (("docs.parquet", r"\['id', 'text'\]"), ("docs.jsonl", r"\['id', 'text'\]")):
-        with pytest.raises(MissingKeyError, match=rf"{name}' has no column 'body'; its columns are {columns}"):
+        # the way on names the reader's own field (it listed text_key= and messages_key= to every reader)
+        with pytest.raises(MissingKeyError, match=rf"{name}' has no column 'body'; its columns are {columns}\. "
+                                                  r"Name the column that holds it with the reader's field for 'body' "
+                                                  r"\(a \.\.\._key field: dew describe READER lists them\)"):
             HFText(files=str(folder / name), text_key="body", tokenizer=tokenizer).records()
 
 

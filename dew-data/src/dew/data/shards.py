@@ -140,7 +140,8 @@ def _folder_shards(folder: Path) -> list[Path]:
 def _missing_column(path: Path, column: str, present: Sequence[str]) -> MissingKeyError:
     return MissingKeyError(
         f"The shard {os.fspath(path)!r} has no column {column!r}; its columns are "
-        f"{list(present)}. Name the column that holds the data (text_key=, messages_key=, ...)."
+        f"{list(present)}. Name the column that holds it with the reader's field for {column!r} (a ..._key "
+        "field: dew describe READER lists them), or give the reader the files of its own format."
     )
 
 
