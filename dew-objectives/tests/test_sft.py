@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
@@ -207,3 +208,36 @@ def test_the_fine_tuned_model_is_a_pipeline_that_answers_the_prompts_it_learned(
     pipeline.save(tmp_path / "tuned")
     loaded = TextGeneration.load(tmp_path / "tuned")
     assert loaded(["2+2=", "3+5="], max_new_tokens=4) == ["4", "8"]
+
+
+def test_conversational_records_are_read_as_trl_reads_them(tmp_path):
+    """TRL's conversational prompt/completion records (messages under prompt and completion, a system
+    turn among them) were refused with advice to write the list as a JSON string, which would have
+    trained on its JSON text."""
+    pytest.importorskip("transformers")
+    from dew.data.chat_template import ChatTemplateError
+    from dew.families.examples import tokenizer as family_tokenizer
+
+    folder = tmp_path / "llama"
+    theirs = family_tokenizer("llama")
+    theirs.save_pretrained(str(folder))
+    prompt = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 plus 2?"}]
+    completion = [{"role": "assistant", "content": "It is 4."}]
+    files = write(tmp_path / "c.jsonl", [{"prompt": prompt, "completion": completion},
+                                         {"prompt": prompt, "completion": "It is 4."}])  # text completes it too
+    records = PromptCompletion(files=files, length=128, tokenizer=str(folder), pack=False).encoded()
+
+    def ids(messages, **kwargs):  # transformers 5 returns a BatchEncoding here, 4 a list
+        made = theirs.apply_chat_template(messages, tokenize=True, **kwargs)
+        return list(made["input_ids"] if isinstance(made, Mapping) else made)
+
+    head = ids(prompt, add_generation_prompt=True)  # TRL: the prompt, then the rest of the whole
+    whole = ids([*prompt, *completion])
+    assert whole[: len(head)] == head
+    for record in records:
+        assert record.ids.tolist() == whole
+        assert record.mask.tolist() == [0] * len(head) + [1] * (len(whole) - len(head))
+    bare = write(tmp_path / "bare.jsonl", [{"prompt": prompt, "completion": completion}])
+    with pytest.raises(ChatTemplateError, match=r"bare\.jsonl:1 gives its turns as messages, which a chat template "
+                                                r"renders, and the tokenizer 'byte' ships none"):
+        PromptCompletion(files=bare, length=128).encoded()

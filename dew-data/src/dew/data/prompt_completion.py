@@ -12,7 +12,10 @@ is the conversation of one user turn and one assistant turn: the prompt is
 what the template renders for the user turn with the assistant's generation
 prompt, the completion what the assistant turn adds after it, the
 template's end of turn included (TRL's reading of conversational
-prompt/completion records), and no end-of-document id is added. Without
+prompt/completion records), and no end-of-document id is added. A record
+may give its prompt or completion as messages (``[{"role": "user",
+"content": ...}]``, TRL's conversational form: a system turn, earlier
+turns), rendered the same way; such a record needs a chat template. Without
 one, ``template`` (``"{prompt}"`` by default) formats the prompt. A
 ``tokenizer.json`` path is the tokenizer alone: name its folder to use the
 template and end-of-document token published beside it.
@@ -48,7 +51,7 @@ import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer, Tokenizer, prefix_of
 from dew.data.base import prompt_ids as start_ids
-from dew.data.chat import TruncatedWarning
+from dew.data.chat import TruncatedWarning, check_messages
 from dew.data.chat_template import (
     ChatTemplate,
     ChatTemplateError,
@@ -62,6 +65,8 @@ from dew.data.stream import record_dataset
 from dew.data.token_windows import resolve_tokenizer, split_records
 
 __all__ = ["CompletionTooLongError", "NothingToScoreWarning", "PromptCompletion"]
+
+Turns = str | list[dict[str, Any]]  # a record's prompt or completion: text, or messages
 
 
 @runtime_checkable
@@ -124,14 +129,15 @@ class PromptCompletion:
             raise ValueError(f"PromptCompletion.template must contain '{{prompt}}', got {self.template!r}.")
 
     # -- records -----------------------------------------------------------------------
-    def pairs(self) -> Iterator[tuple[str, str, str]]:
-        """(where, prompt, completion) of every record, where being 'file:line'."""
+    def pairs(self) -> Iterator[tuple[str, Turns, Turns]]:
+        """(where, prompt, completion) of every record, where being 'file:line'; each text, or
+        messages (a conversational record's)."""
         for path in expand_files(self.files):
             for number, line in utf8_lines(Path(path)):
                 if line.strip():
                     yield (f"{path}:{number}", *self._pair(line, f"{path}:{number}"))
 
-    def _pair(self, line: str, where: str) -> tuple[str, str]:
+    def _pair(self, line: str, where: str) -> tuple[Turns, Turns]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
@@ -144,10 +150,13 @@ class PromptCompletion:
                     f"{where} has no text under {key!r} (keys: {sorted(record)}); set prompt_key= and "
                     "completion_key= to the keys the records use."
                 )
-            if not isinstance(record[key], str):
+            if isinstance(record[key], list):  # conversational: messages, checked as the chat readers check them
+                record[key] = check_messages(record[key], f"the {key} of {where}")
+            elif not isinstance(record[key], str):
                 raise MalformedRecordError(
                     f"{where} holds a {type(record[key]).__name__} under {key!r} ({json.dumps(record[key])[:40]}), "
-                    "not text; write it as a JSON string (in quotes)."
+                    "not text or a list of messages; write it as a JSON string (in quotes), or as "
+                    '[{"role": "user", "content": "..."}].'
                 )
         return record[self.prompt_key], record[self.completion_key]
 
@@ -160,20 +169,26 @@ class PromptCompletion:
             return chat_template_in(self.tokenizer)
         return None
 
-    def turns(self, tokenizer: object, prompt: str, completion: str, where: str,
+    def turns(self, tokenizer: object, prompt: Turns, completion: Turns, where: str,
               chat: ChatTemplate | None) -> tuple[str, str] | None:
-        """(prompt, completion) as a chat template renders the record's two turns; None when no
-        template applies."""
-        user = [{"role": "user", "content": prompt}]
-        both = [*user, {"role": "assistant", "content": completion}]
+        """(prompt, completion) as a chat template renders the record's turns (text is one user turn,
+        then one assistant turn); None when no template applies."""
+        user = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        reply = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+        both = [*user, *reply]
         if chat is not None:
             head, whole = chat.text(user, add_generation_prompt=True), chat.text(both)
         elif isinstance(tokenizer, _AppliesChatTemplate) and tokenizer.chat_template:
             # A tokenizer from transformers carries its chat template, and renders it itself.
             head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
             whole = tokenizer.apply_chat_template(both, tokenize=False, add_generation_prompt=False)
-        else:
+        elif isinstance(prompt, str) and isinstance(completion, str):
             return None
+        else:
+            raise ChatTemplateError(
+                f"{where} gives its turns as messages, which a chat template renders, and the tokenizer "
+                f"{self.tokenizer!r} ships none. Give the tokenizer's folder (its chat_template.jinja or "
+                "tokenizer_config.json), chat_template=, or write the record's prompt and completion as text.")
         if not whole.startswith(head):
             raise ChatTemplateError(
                 f"{where}: the chat template renders the user turn with its generation prompt as "
@@ -202,6 +217,7 @@ class PromptCompletion:
             else:
                 # Text starts as transformers starts it (the tokenizer's beginning-of-text id
                 # first, where it has one), and the completion ends with the end-of-document id.
+                assert isinstance(prompt, str) and isinstance(completion, str)  # turns renders messages
                 prompt_ids = start_ids(tokenizer, self.template.format(prompt=prompt))
                 completion_ids = _ids(tokenizer, completion) + [int(tokenizer.eos_id)]
             if len(completion_ids) > limit:
