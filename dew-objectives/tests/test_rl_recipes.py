@@ -138,3 +138,28 @@ def test_grpo_raises_the_exact_match_rate_of_calculator_episodes(monkeypatch, tm
     # match the calculator judges by gives back the rewards the run trained on.
     rescored = rescore(tmp_path / "runs" / "addition-calculator", {"name": "exact_match"})
     assert len(rescored) == 40 and all(row["rewards"] == row["journaled"] for row in rescored)
+
+
+def test_grpo_reads_its_prompts_and_answers_from_a_jsonl_file(addition_lm, monkeypatch, tmp_path):
+    """A GRPO user's own prompts: the addition reader alone made prompts, so no file of them could be
+    trained on. The prompts reader's records give the rollout its prompts, and the reward the answer
+    beside each one (as text), so the rewards the run trained on are exact matches of the file's."""
+    import json
+
+    monkeypatch.chdir(addition_lm)
+    answers = {f"{a}+{b}=": str(a + b) for a in range(10) for b in range(10)}
+    file = tmp_path / "sums.jsonl"
+    file.write_text("".join(json.dumps({"prompt": p, "answer": s, "level": len(s)}) + "\n"
+                            for p, s in answers.items()))
+    run = tmp_path / "grpo"
+    rows = _run("addition-grpo", "trainer.steps=4", f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
+                f"data={{name: prompts, files: {file}, batch: 16, load: {{val_fraction: 0.16}}}}")
+    assert len(rows) == 4 and all(np.isfinite(r["loss"]) for r in rows)
+    rounds = [round_ for entry in read_journal(run) if entry.step < 4 for round_ in entry.transcript]
+    assert len(rounds) == 4  # (a round sampled ahead for a fifth step is in the journal too)
+    for round_, row in zip(rounds, rows, strict=True):
+        assert set(round_["prompts"]) <= set(answers)  # the file's prompts, as text
+        expected = [float(completion.split("\n")[0].strip() == answers[prompt])
+                    for prompt, completion in zip(round_["prompts"], round_["completions"], strict=True)]
+        assert round_["rewards"] == expected
+        assert np.mean(expected) == pytest.approx(row["reward"], abs=1e-6)

@@ -195,7 +195,7 @@ class Checkpoints:
         self._take_lease(self._stores)
         try:
             if self._local is not None and isinstance(self._local.directory, Path):
-                owner.claim(self._local.directory, self.directory)
+                owner.claim_folder(self._local.directory, self.directory)
             for store in self._stores:
                 if jax.process_index() == 0 or store.per_process:
                     if store.directory.exists():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dew.checkpoints.errors import LocalStepsOwnedError
 
-__all__ = ["OWNER", "check_owner", "claim"]
+__all__ = ["OWNER", "check_owner", "claim_folder"]
 
 OWNER = "dew-owner.json"
 
@@ -30,7 +30,7 @@ def check_owner(local: Path, run: object) -> None:
             raise LocalStepsOwnedError(local, owner, run)
 
 
-def claim(local: Path, run: object) -> None:
+def claim_folder(local: Path, run: object) -> None:
     """Name run as local's owner (the writer calls this once it holds the lease)."""
     with contextlib.suppress(OSError):  # a folder that cannot be written says so at the first save
         local.mkdir(parents=True, exist_ok=True)

@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 _Track = Callable[[list[str], list[tuple[int, int]]], AbstractContextManager[None]]
 
 __all__ = ["TEMPLATE_FILES", "ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "chat_template_in",
-           "given_chat_template", "read_chat_template", "special_tokens", "template_and_tokens",
-           "template_source", "tokens_beside"]
+           "given_chat_template", "read_chat_template", "reader_chat_template", "special_tokens",
+           "template_and_tokens", "template_source", "tokens_beside"]
 
 # The files of a tokenizer folder a chat template is read from, in the order they are tried.
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
@@ -292,6 +292,16 @@ def given_chat_template(given: str, tokenizer: object) -> ChatTemplate:
     if given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
         return read_chat_template(given)
     return ChatTemplate(given, tokens_beside(tokenizer))
+
+
+def reader_chat_template(given: str | None, tokenizer: object) -> ChatTemplate | None:
+    """The template a reader renders its records with: its chat_template field, else the one its
+    tokenizer folder ships; None when there is neither (a tokenizer.json alone names no template)."""
+    if given is not None:
+        return given_chat_template(given, tokenizer)
+    if isinstance(tokenizer, str | os.PathLike) and Path(tokenizer).expanduser().is_dir():
+        return chat_template_in(tokenizer)
+    return None
 
 
 def chat_template_in(folder: str | os.PathLike[str]) -> ChatTemplate | None:

@@ -52,12 +52,7 @@ import numpy as np
 from dew.data.base import Dataset, EosTokenizer, Tokenizer, prefix_of
 from dew.data.base import prompt_ids as start_ids
 from dew.data.chat import TruncatedWarning, check_messages
-from dew.data.chat_template import (
-    ChatTemplate,
-    ChatTemplateError,
-    chat_template_in,
-    given_chat_template,
-)
+from dew.data.chat_template import ChatTemplate, ChatTemplateError, reader_chat_template
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.packing import packed_rows
 from dew.data.sources import ArrayRecords, expand_files, utf8_lines
@@ -163,11 +158,7 @@ class PromptCompletion:
     def chat(self) -> ChatTemplate | None:
         """The chat template records are rendered with: chat_template, else the tokenizer folder's;
         None when there is neither (a transformers tokenizer renders its own: see turns)."""
-        if self.chat_template is not None:
-            return given_chat_template(self.chat_template, self.tokenizer)
-        if isinstance(self.tokenizer, str | os.PathLike) and Path(self.tokenizer).expanduser().is_dir():
-            return chat_template_in(self.tokenizer)
-        return None
+        return reader_chat_template(self.chat_template, self.tokenizer)
 
     def turns(self, tokenizer: object, prompt: Turns, completion: Turns, where: str,
               chat: ChatTemplate | None) -> tuple[str, str] | None:

@@ -1,0 +1,177 @@
+"""Prompts: prompt records from JSONL files, for the objectives that sample their own completions.
+
+GRPO and its family, and PPO, read prompts and let a reward score what the
+policy writes after them. Each line holds a prompt (``prompt_key``) and,
+beside it, whatever the reward reads: every other key of the records rides
+along as a column of the batch, which the rollout hands the reward as its
+context (``ExactMatch`` reads ``answer``). Text becomes its UTF-8 bytes
+(int32, padded with -1: the rewards read it back as text), numbers stay
+numbers; a nested value is its JSON text.
+
+A prompt is text, or messages (TRL's conversational prompt-only records: a
+system turn, earlier turns), which the chat template renders with its
+generation prompt, as the policy is asked to continue (``chat_template``,
+else the one a tokenizer folder ships). Text starts as transformers'
+``tokenizer(text)`` starts it (a beginning-of-text id first, where the
+tokenizer adds one), as ``dew generate`` starts a prompt. A prompt longer
+than ``length`` tokens keeps its last ones, with a ``TruncatedWarning``.
+
+>>> import json, tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (folder / "q.jsonl").write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\\n")
+>>> record = Prompts(files=str(folder / "q.jsonl")).records()[0]
+>>> record["prompt"][: record["prompt_length"]].tolist(), record["answer"].tolist()
+([50, 43, 50, 61], [52])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.base import Dataset, EosTokenizer, prefix_of, prompt_ids
+from dew.data.chat import TruncatedWarning, check_messages
+from dew.data.chat_template import ChatTemplateError, reader_chat_template
+from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
+from dew.data.sources import ArrayRecords, expand_files, utf8_lines
+from dew.data.token_windows import resolve_tokenizer
+from dew.data.videos import load_records
+
+__all__ = ["Prompts"]
+
+_RESERVED = ("prompt", "prompt_length")  # the columns the rollout reads the prompts from
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Prompt records from JSONL files, with what a reward reads beside them (see the module docstring).
+
+    files is a glob, a file or a list of them; tokenizer ``"byte"``, a
+    tokenizer folder or its tokenizer.json; chat_template a template's text
+    or a ``.jinja`` file (a tokenizer folder's own is used without it).
+    """
+
+    files: str | Sequence[str]
+    tokenizer: Any = "byte"
+    prompt_key: str = "prompt"
+    length: int = 512
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.files, str | os.PathLike):
+            object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
+        if self.length < 1:
+            raise ValueError(f"Prompts.length must be at least 1, got {self.length}.")
+
+    def text_tokenizer(self) -> EosTokenizer:
+        """The tokenizer the prompts are written in (``"byte"`` names ByteTokenizer)."""
+        return resolve_tokenizer(self.tokenizer)
+
+    def _lines(self) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        for path in expand_files(self.files):
+            for number, line in utf8_lines(Path(path)):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per "
+                                               "line.") from None
+                if not isinstance(record, dict):
+                    raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
+                out.append((where, record))
+        if not out:
+            raise EmptyDatasetError(f"The prompt files {self.files!r} hold no record.")
+        return out
+
+    def _prompt(self, tokenizer: EosTokenizer, where: str, record: dict[str, Any]) -> list[int]:
+        if self.prompt_key not in record:
+            raise MissingKeyError(f"{where} has no prompt under {self.prompt_key!r} (keys: {sorted(record)}); set "
+                                  "prompt_key= to the key the records use.")
+        prompt = record[self.prompt_key]
+        if isinstance(prompt, str):
+            return prompt_ids(tokenizer, prompt)
+        if not isinstance(prompt, list):
+            raise MalformedRecordError(f"{where} holds a {type(prompt).__name__} under {self.prompt_key!r}, not "
+                                       'text or a list of messages ([{"role": "user", "content": "..."}]).')
+        messages = check_messages(prompt, f"the prompt of {where}")
+        chat = reader_chat_template(self.chat_template, self.tokenizer)
+        if chat is None:
+            raise ChatTemplateError(
+                f"{where} gives its prompt as messages, which a chat template renders, and the tokenizer "
+                f"{self.tokenizer!r} ships none. Give the tokenizer's folder (its chat_template.jinja or "
+                "tokenizer_config.json), chat_template=, or write the prompt as text.")
+        # The template writes its own beginning-of-text token and opens the assistant's turn.
+        return [int(i) for i in tokenizer.encode(chat.text(messages, add_generation_prompt=True))]
+
+    def records(self) -> ArrayRecords:
+        """Every record: ``prompt`` (ids, right-padded with 0), ``prompt_length`` and the other keys."""
+        tokenizer = self.text_tokenizer()
+        lines = self._lines()
+        start = prefix_of(tokenizer)  # the beginning-of-text ids a cut prompt keeps first
+        prompts, cut, first = [], 0, ""
+        for where, record in lines:
+            ids = self._prompt(tokenizer, where, record)
+            if len(ids) > self.length:
+                kept = start if ids[: len(start)] == start else []
+                ids = kept + ids[len(ids) - self.length + len(kept):]
+                cut, first = cut + 1, first or where
+            prompts.append(ids)
+        if cut:
+            warnings.warn(TruncatedWarning(
+                f"{cut} prompt(s) were longer than length={self.length} tokens and kept their last ones (the "
+                f"first: {first}); raise length to keep them whole."), stacklevel=2)
+        width = max(len(p) for p in prompts)
+        padded = np.zeros((len(prompts), width), np.int32)
+        for row, ids in enumerate(prompts):
+            padded[row, : len(ids)] = ids
+        columns = {"prompt": padded, "prompt_length": np.asarray([len(p) for p in prompts], np.int32)}
+        return ArrayRecords({**columns, **_beside(lines, self.prompt_key)})
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
+             workers: int = 0, prefetch: int = 4) -> Dataset:
+        """A shuffled, endless, resumable stream of the records, batch rows at a time, with a seeded
+        val_fraction of them held out for validation (none by default)."""
+        return load_records(self.records(), batch=batch, seed=seed, val_fraction=val_fraction,
+                            val_seed=val_seed, workers=workers, prefetch=prefetch)
+
+
+def _beside(lines: list[tuple[str, dict[str, Any]]], prompt_key: str) -> dict[str, np.ndarray]:
+    """The records' other keys as columns: the first record names them, and every record holds them."""
+    first_where, first = lines[0]
+    names = [name for name in first if name != prompt_key]
+    taken = [name for name in names if name in _RESERVED]
+    if taken:
+        raise MalformedRecordError(f"{first_where} holds {taken[0]!r}, a column the rollout fills from the "
+                                   "prompt; rename that key in the records.")
+    columns: dict[str, np.ndarray] = {}
+    for name in names:
+        values = []
+        for where, record in lines:
+            if name not in record:
+                raise MissingKeyError(f"{where} has no {name!r}, which {first_where} holds beside its prompt; "
+                                      "give every record the same keys.")
+            values.append(record[name])
+        columns[name] = _column(values)
+    return columns
+
+
+def _column(values: list[Any]) -> np.ndarray:
+    """Numbers as numbers (whole ones as int64); anything else as its text's UTF-8 bytes, padded with -1."""
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        whole = all(isinstance(v, int) for v in values)
+        return np.asarray(values, np.int64 if whole else np.float64)
+    texts = [v.encode() if isinstance(v, str) else json.dumps(v).encode() for v in values]
+    out = np.full((len(texts), max(1, max(len(t) for t in texts))), -1, np.int32)
+    for row, text in enumerate(texts):
+        out[row, : len(text)] = list(text)
+    return out

@@ -1,0 +1,66 @@
+"""prompts: prompt records from JSONL for GRPO and PPO, with what their rewards read beside them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from dew.data.chat import TruncatedWarning
+from dew.data.chat_template import ChatTemplateError
+from dew.data.errors import MalformedRecordError, MissingKeyError
+from dew.data.prompts import Prompts
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def _text(column: np.ndarray) -> str:
+    """A text column's row as a reward reads it (dew.rewards: UTF-8 bytes, -1 padding left out)."""
+    return bytes(int(v) for v in column if v >= 0).decode()
+
+
+def test_text_prompts_and_the_keys_beside_them_become_columns(tmp_path):
+    files = _write(tmp_path / "p.jsonl", [{"prompt": "2+2=", "answer": "4", "level": 1, "meta": {"k": "é"}},
+                                           {"prompt": "été+1=", "answer": "23", "level": 2, "meta": [1]}])
+    records = Prompts(files=files).records()
+    first, second = records[0], records[1]
+    assert first["prompt"][: first["prompt_length"]].tolist() == list(b"2+2=")
+    assert second["prompt"][: second["prompt_length"]].tolist() == list("été+1=".encode())
+    assert _text(first["answer"]) == "4" and _text(second["answer"]) == "23"
+    assert first["level"] == 1 and records.columns["level"].dtype == np.int64
+    assert json.loads(_text(first["meta"])) == {"k": "é"}  # a nested value as its JSON text
+
+
+def test_a_conversational_prompt_is_what_apply_chat_template_makes_with_its_generation_prompt(tmp_path):
+    pytest.importorskip("transformers")
+    from dew.families.examples import tokenizer as family_tokenizer
+
+    folder = tmp_path / "llama"
+    theirs = family_tokenizer("llama")
+    theirs.save_pretrained(str(folder))
+    messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "2+2?"}]
+    records = Prompts(files=_write(tmp_path / "c.jsonl", [{"prompt": messages, "answer": "4"}]),
+                      tokenizer=str(folder)).records()
+    made = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    expected = list(made["input_ids"] if isinstance(made, Mapping) else made)
+    assert records[0]["prompt"][: records[0]["prompt_length"]].tolist() == expected
+    with pytest.raises(ChatTemplateError, match=r"c\.jsonl:1 gives its prompt as messages, which a chat template "
+                                                r"renders, and the tokenizer 'byte' ships none"):
+        Prompts(files=str(tmp_path / "c.jsonl")).records()
+
+
+def test_bad_records_are_named_and_a_long_prompt_keeps_its_end(tmp_path):
+    with pytest.raises(MissingKeyError, match=r"b\.jsonl:2 has no 'answer', which .*b\.jsonl:1 holds beside"):
+        Prompts(files=_write(tmp_path / "b.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])).records()
+    with pytest.raises(MissingKeyError, match=r"n\.jsonl:1 has no prompt under 'prompt' \(keys: \['question'\]\)"):
+        Prompts(files=_write(tmp_path / "n.jsonl", [{"question": "a"}])).records()
+    with pytest.raises(MalformedRecordError, match="'prompt_length', a column the rollout fills"):
+        Prompts(files=_write(tmp_path / "r.jsonl", [{"prompt": "a", "prompt_length": 3}])).records()
+    with pytest.warns(TruncatedWarning, match=r"1 prompt\(s\) were longer than length=4 tokens"):
+        records = Prompts(files=_write(tmp_path / "l.jsonl", [{"prompt": "0123456789"}]), length=4).records()
+    assert records[0]["prompt"][: records[0]["prompt_length"]].tolist() == list(b"6789")
