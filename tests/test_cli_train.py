@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,26 @@ def test_a_resume_that_fails_keeps_its_steps_and_says_how_to_resume_not_that_not
     assert code == 2 and "nosuch.jsonl' does not exist" in err
     assert "Nothing was kept" not in err and "its newest checkpoint is step 1" in err, err
     assert (tmp_path / "runs" / "r" / "1").is_dir() and not (tmp_path / "logs").exists()
+
+
+def test_dew_eval_says_when_the_runs_data_holds_other_contents_than_it_trained_on(tmp_path, monkeypatch, capsys):
+    """dew eval scored whatever the recipe's paths held now (a run copied elsewhere, a file edited) without
+    a word, though the step's saved position keeps the data's digest and a resume refuses it."""
+    import shutil
+    import sysconfig
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("a*.py")):
+        shutil.copy(source, data / source.name)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "tiny-lm", "trainer.steps=1", "data.batch=2", "model.num_layers=1", "data.files=data/*.py",
+                 "trainer.checkpoint_dir=run", "trackers.0.directory=run"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "run"]) == 0
+    assert "holds other contents" not in capsys.readouterr().err
+    first = sorted(data.iterdir())[0]
+    first.write_bytes(first.read_bytes().replace(b"e", b"E", 1))  # as many records, other text
+    assert main(["eval", "run"]) == 0
+    assert "dew eval: the data the run's recipe names holds other contents than step 1 was trained on" \
+        in capsys.readouterr().err

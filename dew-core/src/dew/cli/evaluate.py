@@ -25,6 +25,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dew.data.base import Dataset
     from dew.recipes.opening import Opened
 
 __all__ = ["add_arguments", "run"]
@@ -96,6 +97,9 @@ def _scored(args: argparse.Namespace, opened: Opened) -> int:
 
     dataset = build_parts(opened.config).dataset
     assert dataset is not None  # build_parts loads the data unless asked not to
+    other = _other_data(opened, dataset)
+    if other is not None:
+        print(f"dew eval: {other}", file=sys.stderr, flush=True)
     if args.split == "val":
         if dataset.val is None:
             print(f"dew eval: the run's data has no validation split; {_val_hint(opened.config.data.name)}"
@@ -155,6 +159,33 @@ def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
     data = {"task": args.task} if chosen is None else _as_trained(chosen.model_dump(), opened.source)
     data = apply_overrides(data, args.fields)
     return EvaluateConfig.model_validate(data)
+
+
+def _other_data(opened: Opened, dataset: Dataset) -> str | None:
+    """A note when the data the run's recipe names holds other contents now than its step's position
+    was saved over (a run copied elsewhere, its files edited): the scores are then of other data."""
+    from dew.checkpoints.restore import read_manifest
+    from dew.data.base import GLOBAL_POSITION, SINGLE, Resumable, close_if_closable
+
+    def content(position: bytes | None) -> object:
+        if position is None or not position.startswith(GLOBAL_POSITION):
+            return None
+        return json.loads(position[len(GLOBAL_POSITION):]).get("content")
+
+    step = opened.source / str(opened.step)
+    with contextlib.suppress(Exception):  # a step without a saved position, a reader without a digest: no note
+        saved = next((c for c in map(content, read_manifest(step, int(opened.step or 0)).data.decoded().values())
+                      if c is not None), None)
+        stream = dataset.train(SINGLE)
+        try:
+            now = content(stream.get_state()) if isinstance(stream, Resumable) else None
+        finally:
+            close_if_closable(stream)
+        if saved is not None and now is not None and saved != now:
+            return (f"the data the run's recipe names holds other contents than step {opened.step} was trained "
+                    "on (its saved data position keeps another digest): a file edited since, or the run's "
+                    "relative paths read from another folder. The scores below are of the data found now.")
+    return None
 
 
 def _val_hint(name: str) -> str:
