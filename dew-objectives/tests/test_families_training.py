@@ -98,7 +98,7 @@ def test_sft_starts_at_the_checkpoints_own_loss_learns_and_exports_verified(work
     # Each record is its two turns as transformers' chat template renders them; what the
     # assistant's turn adds after the generation prompt (its end of turn included) is scored.
     reader = RunConfig.load("qwen3-sft", overrides).data.build("datasets")
-    _, *texts = next(reader.pairs())
+    _, *texts, _ = next(reader.pairs())  # (where, prompt, completion, label)
     record = dict(zip(("prompt", "completion"), texts, strict=True))
     hf = transformers.AutoTokenizer.from_pretrained(workdir / f"checkpoints/{name}-tiny")
     user = [{"role": "user", "content": record["prompt"]}]

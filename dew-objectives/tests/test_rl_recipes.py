@@ -163,3 +163,21 @@ def test_grpo_reads_its_prompts_and_answers_from_a_jsonl_file(addition_lm, monke
                     for prompt, completion in zip(round_["prompts"], round_["completions"], strict=True)]
         assert round_["rewards"] == expected
         assert np.mean(expected) == pytest.approx(row["reward"], abs=1e-6)
+
+
+def test_kto_trains_on_unpaired_records_from_a_jsonl_file(addition_lm, monkeypatch, tmp_path):
+    """TRL's unpaired preference records ({"prompt", "completion", "label"}) read by prompt_completion
+    with label_key train KTO, as the addition reader's labelled form does."""
+    import json
+
+    monkeypatch.chdir(addition_lm)
+    records = [{"prompt": f"{a}+{b}=", "completion": str(a + b + (0 if (a + b) % 2 else 1)),
+                "label": bool((a + b) % 2)} for a in range(10) for b in range(10)]
+    file = tmp_path / "unpaired.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = tmp_path / "kto"
+    rows = _run("addition-kto", "trainer.steps=3", f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
+                f"data={{name: prompt_completion, files: {file}, length: 12, label_key: label, batch: 16, "
+                "load: {val_fraction: 0.16}}")
+    assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+    assert {"kl", "desirable_reward", "undesirable_reward", "label_accuracy"} <= set(rows[-1])

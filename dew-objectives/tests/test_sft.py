@@ -241,3 +241,20 @@ def test_conversational_records_are_read_as_trl_reads_them(tmp_path):
     with pytest.raises(ChatTemplateError, match=r"bare\.jsonl:1 gives its turns as messages, which a chat template "
                                                 r"renders, and the tokenizer 'byte' ships none"):
         PromptCompletion(files=bare, length=128).encoded()
+
+
+def test_unpaired_preference_records_become_the_rows_kto_reads(tmp_path):
+    """TRL's unpaired preference records ({"prompt", "completion", "label"}) had no reader: only the
+    addition reader made KTO's rows, and prompt_completion dropped the label."""
+    from dew.data.errors import MalformedRecordError as Malformed
+
+    files = write(tmp_path / "k.jsonl", [{"prompt": "2+2=", "completion": "4", "label": True},
+                                         {"prompt": "3+3=", "completion": "7", "label": False}])
+    rows = PromptCompletion(files=files, length=12, label_key="label").rows()
+    assert sorted(rows) == ["completion", "completion_mask", "label", "prompt_length"]
+    assert rows["label"].tolist() == [1, 0] and rows["prompt_length"].tolist() == [4, 4]
+    assert rows["completion"][0, :6].tolist() == [*b"2+2=4", 256] and rows["completion"].shape == (2, 13)
+    assert rows["completion_mask"][1].tolist() == [0, 0, 0, 0, 1, 1] + [0] * 7  # the completion and its end
+    bad = write(tmp_path / "b.jsonl", [{"prompt": "a", "completion": "b", "label": "yes"}])
+    with pytest.raises(Malformed, match=r'b\.jsonl:1 holds "yes" under \'label\' where a label goes'):
+        PromptCompletion(files=bad, length=12, label_key="label").rows()

@@ -20,6 +20,12 @@ one, ``template`` (``"{prompt}"`` by default) formats the prompt. A
 ``tokenizer.json`` path is the tokenizer alone: name its folder to use the
 template and end-of-document token published beside it.
 
+With ``label_key`` (TRL's unpaired preference records, ``{"prompt",
+"completion", "label"}``) each record is one row of what KTO reads instead:
+``completion`` (the prompt's ids and the completion's), ``completion_mask``,
+``prompt_length`` and ``label`` (1 for a desirable completion, 0 for an
+undesirable one), never packed.
+
 With ``pack`` (the default) records are laid end to end, first come first
 served, into rows of ``length + 1`` ids, each numbered in ``segment_ids``
 (1, 2, ...; 0 marks padding), so LMObjective keeps attention inside each
@@ -89,6 +95,7 @@ class Encoded:
     where: str
     ids: np.ndarray
     mask: np.ndarray
+    label: int | None = None  # KTO's: 1 desirable, 0 undesirable (with label_key)
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class PromptCompletion:
     template: str = "{prompt}"
     pack: bool = True
     chat_template: str | None = None
+    label_key: str | None = None
 
     def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
@@ -124,15 +132,15 @@ class PromptCompletion:
             raise ValueError(f"PromptCompletion.template must contain '{{prompt}}', got {self.template!r}.")
 
     # -- records -----------------------------------------------------------------------
-    def pairs(self) -> Iterator[tuple[str, Turns, Turns]]:
-        """(where, prompt, completion) of every record, where being 'file:line'; each text, or
-        messages (a conversational record's)."""
+    def pairs(self) -> Iterator[tuple[str, Turns, Turns, int | None]]:
+        """(where, prompt, completion, label) of every record, where being 'file:line'; prompt and
+        completion each text, or messages (a conversational record's); label None without label_key."""
         for path in expand_files(self.files):
             for number, line in utf8_lines(Path(path)):
                 if line.strip():
                     yield (f"{path}:{number}", *self._pair(line, f"{path}:{number}"))
 
-    def _pair(self, line: str, where: str) -> tuple[Turns, Turns]:
+    def _pair(self, line: str, where: str) -> tuple[Turns, Turns, int | None]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
@@ -153,7 +161,18 @@ class PromptCompletion:
                     "not text or a list of messages; write it as a JSON string (in quotes), or as "
                     '[{"role": "user", "content": "..."}].'
                 )
-        return record[self.prompt_key], record[self.completion_key]
+        return record[self.prompt_key], record[self.completion_key], self._label(record, where)
+
+    def _label(self, record: dict[str, Any], where: str) -> int | None:
+        if self.label_key is None:
+            return None
+        label = record.get(self.label_key)
+        if isinstance(label, float) or label not in (True, False, 0, 1):
+            raise MalformedRecordError(
+                f"{where} holds {json.dumps(label)} under {self.label_key!r} where a label goes: true (a "
+                "desirable completion) or false (an undesirable one), or 1 or 0; set label_key= to the key "
+                "the records use.")
+        return int(label)
 
     def chat(self) -> ChatTemplate | None:
         """The chat template records are rendered with: chat_template, else the tokenizer folder's;
@@ -196,7 +215,7 @@ class PromptCompletion:
         limit = self.length + 1
         out, shortened, first = [], 0, ""
         start = prefix_of(tokenizer)  # the beginning-of-text id a cut prompt keeps
-        for where, prompt, completion in self.pairs():
+        for where, prompt, completion, label in self.pairs():
             if not completion:
                 warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
                               "skipped.", NothingToScoreWarning, stacklevel=2)
@@ -225,7 +244,7 @@ class PromptCompletion:
                 shortened, first = shortened + 1, first or where
             ids = np.asarray(prompt_ids + completion_ids, np.int32)
             mask = np.concatenate([np.zeros(len(prompt_ids), np.int32), np.ones(len(completion_ids), np.int32)])
-            out.append(Encoded(where, ids, mask))
+            out.append(Encoded(where, ids, mask, label))
         if shortened:
             warnings.warn(TruncatedWarning(
                 f"{shortened} record(s) were longer than a row of length + 1 = {limit} tokens, so their "
@@ -236,9 +255,20 @@ class PromptCompletion:
         return out
 
     def rows(self) -> dict[str, np.ndarray]:
-        """text, loss_mask and segment_ids, each [rows, length + 1] int32."""
+        """text, loss_mask and segment_ids, each [rows, length + 1] int32; with label_key, KTO's
+        completion and completion_mask [rows, length + 1], prompt_length and label [rows]."""
         tokenizer = resolve_tokenizer(self.tokenizer)
-        return packed_rows(self.encoded(), self.length + 1, int(tokenizer.eos_id), pack=self.pack)
+        if self.label_key is None:
+            return packed_rows(self.encoded(), self.length + 1, int(tokenizer.eos_id), pack=self.pack)
+        encoded = self.encoded()
+        completion = np.full((len(encoded), self.length + 1), int(tokenizer.eos_id), np.int32)
+        mask = np.zeros_like(completion)
+        for row, record in enumerate(encoded):
+            completion[row, : len(record.ids)] = record.ids
+            mask[row, : len(record.mask)] = record.mask
+        return {"completion": completion, "completion_mask": mask,
+                "prompt_length": np.asarray([int(np.argmax(r.mask)) for r in encoded], np.int32),
+                "label": np.asarray([r.label for r in encoded], np.int32)}
 
     def records(self) -> ArrayRecords:
         """The rows as a record source for train_stream."""
