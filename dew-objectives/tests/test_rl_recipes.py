@@ -181,3 +181,22 @@ def test_kto_trains_on_unpaired_records_from_a_jsonl_file(addition_lm, monkeypat
                 "load: {val_fraction: 0.16}}")
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
     assert {"kl", "desirable_reward", "undesirable_reward", "label_accuracy"} <= set(rows[-1])
+
+
+def test_dpo_trains_on_preference_records_from_a_jsonl_file(addition_lm, monkeypatch, tmp_path):
+    """TRL's standard preference records ({"prompt", "chosen", "rejected"} as text), read by
+    prompt_completion with rejected_key, train DPO as the addition reader's pairs do; its reference
+    starts as the policy, so the first step's margin is zero."""
+    import json
+
+    monkeypatch.chdir(addition_lm)
+    records = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+               for a in range(10) for b in range(10)]
+    file = tmp_path / "pairs.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = tmp_path / "dpo"
+    rows = _run("addition-dpo", "trainer.steps=3", f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
+                f"data={{name: prompt_completion, files: {file}, length: 12, completion_key: chosen, "
+                "rejected_key: rejected, batch: 16, load: {val_fraction: 0.16}}")
+    assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)

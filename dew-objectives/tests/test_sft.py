@@ -258,3 +258,42 @@ def test_unpaired_preference_records_become_the_rows_kto_reads(tmp_path):
     bad = write(tmp_path / "b.jsonl", [{"prompt": "a", "completion": "b", "label": "yes"}])
     with pytest.raises(Malformed, match=r'b\.jsonl:1 holds "yes" under \'label\' where a label goes'):
         PromptCompletion(files=bad, length=12, label_key="label").rows()
+
+
+def test_preference_records_become_the_pairs_dpo_reads(tmp_path):
+    """TRL's standard preference records ({"prompt", "chosen", "rejected"} as text) had no reader (the
+    chat reader takes conversations only); conversational ones read as the chat reader reads them."""
+    pytest.importorskip("transformers")
+    from dew.data import ChatPreferences
+    from dew.data.chat import TruncatedWarning
+    from dew.families.examples import tokenizer as family_tokenizer
+
+    files = write(tmp_path / "p.jsonl", [{"prompt": "2+2=", "chosen": "4", "rejected": "five"}])
+    rows = PromptCompletion(files=files, length=10, completion_key="chosen", rejected_key="rejected").rows()
+    assert rows["prompt_length"].tolist() == [4]
+    assert rows["chosen"][0].tolist() == [*b"2+2=4", 256] + [256] * 5
+    assert rows["rejected"][0].tolist() == [*b"2+2=five", 256] + [256] * 2
+    assert rows["chosen_mask"][0].tolist() == [0] * 4 + [1, 1] + [0] * 5
+    assert rows["rejected_mask"][0].tolist() == [0] * 4 + [1] * 5 + [0] * 2
+    # a prompt too long for the longer side loses its front on both, alike
+    long = write(tmp_path / "l.jsonl", [{"prompt": "0123456789", "chosen": "a", "rejected": "bcd"}])
+    with pytest.warns(TruncatedWarning):
+        cut = PromptCompletion(files=long, length=8, completion_key="chosen", rejected_key="rejected").rows()
+    assert cut["prompt_length"].tolist() == [5] and cut["rejected"][0].tolist() == [*b"56789bcd", 256]
+    assert cut["chosen"][0, :7].tolist() == [*b"56789a", 256]
+    # conversational pairs: what the chat reader makes of the same records
+    folder = tmp_path / "llama"
+    family_tokenizer("llama").save_pretrained(str(folder))
+    prompt = [{"role": "user", "content": "What is 2 plus 2?"}]
+    record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4."}],
+              "rejected": [{"role": "assistant", "content": "Five, I think."}]}
+    files = write(tmp_path / "c.jsonl", [record])
+    ours = PromptCompletion(files=files, length=64, tokenizer=str(folder), completion_key="chosen",
+                            rejected_key="rejected").rows()
+    theirs = ChatPreferences(files=files, tokenizer=str(folder), length=64).rows()
+    assert ours["prompt_length"].tolist() == theirs["prompt_length"].tolist()
+    for side in ("chosen", "rejected"):
+        mask = ours[f"{side}_mask"][0].astype(bool)
+        assert mask.tolist() == theirs[f"{side}_mask"][0].astype(bool).tolist()
+        end = int(np.flatnonzero(mask)[-1]) + 1
+        assert ours[side][0, :end].tolist() == theirs[side][0, :end].tolist()

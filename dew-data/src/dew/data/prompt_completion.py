@@ -24,7 +24,10 @@ With ``label_key`` (TRL's unpaired preference records, ``{"prompt",
 "completion", "label"}``) each record is one row of what KTO reads instead:
 ``completion`` (the prompt's ids and the completion's), ``completion_mask``,
 ``prompt_length`` and ``label`` (1 for a desirable completion, 0 for an
-undesirable one), never packed.
+undesirable one), never packed. With ``rejected_key`` (TRL's preference
+records, ``{"prompt", "chosen", "rejected"}``, with ``completion_key:
+chosen``) each record is one pair of what DPO and the reward model read:
+``chosen``, ``rejected``, their masks and ``prompt_length``.
 
 With ``pack`` (the default) records are laid end to end, first come first
 served, into rows of ``length + 1`` ids, each numbered in ``segment_ids``
@@ -118,6 +121,7 @@ class PromptCompletion:
     pack: bool = True
     chat_template: str | None = None
     label_key: str | None = None
+    rejected_key: str | None = None
 
     def text_tokenizer(self) -> EosTokenizer:
         """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
@@ -130,38 +134,47 @@ class PromptCompletion:
             raise ValueError(f"PromptCompletion.length must be at least 1, got {self.length}.")
         if "{prompt}" not in self.template:
             raise ValueError(f"PromptCompletion.template must contain '{{prompt}}', got {self.template!r}.")
+        if self.label_key is not None and self.rejected_key is not None:
+            raise ValueError("PromptCompletion takes label_key= (KTO's unpaired records) or rejected_key= "
+                             "(preference pairs), not both.")
 
     # -- records -----------------------------------------------------------------------
     def pairs(self) -> Iterator[tuple[str, Turns, Turns, int | None]]:
         """(where, prompt, completion, label) of every record, where being 'file:line'; prompt and
         completion each text, or messages (a conversational record's); label None without label_key."""
+        for where, record in self._records():
+            yield (where, self._turns(record, self.prompt_key, where), self._turns(record, self.completion_key, where),
+                   self._label(record, where))
+
+    def _records(self) -> Iterator[tuple[str, dict[str, Any]]]:
         for path in expand_files(self.files):
             for number, line in utf8_lines(Path(path)):
-                if line.strip():
-                    yield (f"{path}:{number}", *self._pair(line, f"{path}:{number}"))
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per "
+                                               "line.") from None
+                if not isinstance(record, dict):
+                    raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
+                yield where, record
 
-    def _pair(self, line: str, where: str) -> tuple[Turns, Turns, int | None]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per line.") from None
-        if not isinstance(record, dict):
-            raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
-        for key in (self.prompt_key, self.completion_key):
-            if key not in record:
-                raise MissingKeyError(
-                    f"{where} has no text under {key!r} (keys: {sorted(record)}); set prompt_key= and "
-                    "completion_key= to the keys the records use."
-                )
-            if isinstance(record[key], list):  # conversational: messages, checked as the chat readers check them
-                record[key] = check_messages(record[key], f"the {key} of {where}")
-            elif not isinstance(record[key], str):
-                raise MalformedRecordError(
-                    f"{where} holds a {type(record[key]).__name__} under {key!r} ({json.dumps(record[key])[:40]}), "
-                    "not text or a list of messages; write it as a JSON string (in quotes), or as "
-                    '[{"role": "user", "content": "..."}].'
-                )
-        return record[self.prompt_key], record[self.completion_key], self._label(record, where)
+    def _turns(self, record: dict[str, Any], key: str, where: str) -> Turns:
+        """The text (or messages) under key, checked."""
+        if key not in record:
+            named = "prompt_key=, completion_key=" + (" and rejected_key=" if self.rejected_key else "")
+            raise MissingKeyError(f"{where} has no text under {key!r} (keys: {sorted(record)}); set {named} to the "
+                                  "keys the records use.")
+        value = record[key]
+        if isinstance(value, list):  # conversational: messages, checked as the chat readers check them
+            return check_messages(value, f"the {key} of {where}")
+        if not isinstance(value, str):
+            raise MalformedRecordError(
+                f"{where} holds a {type(value).__name__} under {key!r} ({json.dumps(value)[:40]}), not text or a "
+                'list of messages; write it as a JSON string (in quotes), or as [{"role": "user", "content": "..."}].')
+        return value
 
     def _label(self, record: dict[str, Any], where: str) -> int | None:
         if self.label_key is None:
@@ -220,43 +233,86 @@ class PromptCompletion:
                 warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
                               "skipped.", NothingToScoreWarning, stacklevel=2)
                 continue
-            turns = self.turns(tokenizer, prompt, completion, where, chat)
-            if turns is not None:
-                # A chat template writes its own beginning-of-text token and ends the turn itself.
-                prompt_ids, completion_ids = _ids(tokenizer, turns[0]), _ids(tokenizer, turns[1])
-            else:
-                # Text starts as transformers starts it (the tokenizer's beginning-of-text id
-                # first, where it has one), and the completion ends with the end-of-document id.
-                assert isinstance(prompt, str) and isinstance(completion, str)  # turns renders messages
-                prompt_ids = start_ids(tokenizer, self.template.format(prompt=prompt))
-                completion_ids = _ids(tokenizer, completion) + [int(tokenizer.eos_id)]
-            if len(completion_ids) > limit:
-                raise CompletionTooLongError(
-                    f"{where}: the completion is {len(completion_ids)} tokens with its end (the "
-                    f"end-of-document id, or the chat template's end of turn), more than a row of "
-                    f"length + 1 = {limit} holds. Raise length (the model's "
-                    "window) or shorten or drop this record."
-                )
-            cut = max(0, len(prompt_ids) + len(completion_ids) - limit)
-            if cut:  # the prompt's front goes; its beginning-of-text id stays, as the model expects it
-                keep = min(len(start), limit - len(completion_ids)) if prompt_ids[: len(start)] == start else 0
-                prompt_ids = prompt_ids[:keep] + prompt_ids[keep + cut:]
+            prompt_ids, completion_ids = self._sides(tokenizer, chat, where, prompt, completion)
+            fitted = self._fitted(prompt_ids, len(completion_ids), start, where)
+            if len(fitted) < len(prompt_ids):
                 shortened, first = shortened + 1, first or where
+            prompt_ids = fitted
             ids = np.asarray(prompt_ids + completion_ids, np.int32)
             mask = np.concatenate([np.zeros(len(prompt_ids), np.int32), np.ones(len(completion_ids), np.int32)])
             out.append(Encoded(where, ids, mask, label))
         if shortened:
-            warnings.warn(TruncatedWarning(
-                f"{shortened} record(s) were longer than a row of length + 1 = {limit} tokens, so their "
-                f"prompts lost their first tokens (the first: {first}); the completions are whole. Raise "
-                "length to keep the prompts whole."), stacklevel=2)
+            _warn_cut(shortened, first, limit, stacklevel=3)
         if not out:
             raise EmptyDatasetError(f"{self.files!r} holds no record with a completion to score.")
         return out
 
+    def _sides(self, tokenizer: EosTokenizer, chat: ChatTemplate | None, where: str, prompt: Turns,
+               completion: Turns) -> tuple[list[int], list[int]]:
+        """The prompt's ids and the completion's, with the completion's end."""
+        turns = self.turns(tokenizer, prompt, completion, where, chat)
+        if turns is not None:
+            # A chat template writes its own beginning-of-text token and ends the turn itself.
+            return _ids(tokenizer, turns[0]), _ids(tokenizer, turns[1])
+        # Text starts as transformers starts it (the tokenizer's beginning-of-text id
+        # first, where it has one), and the completion ends with the end-of-document id.
+        assert isinstance(prompt, str) and isinstance(completion, str)  # turns renders messages
+        return (start_ids(tokenizer, self.template.format(prompt=prompt)),
+                _ids(tokenizer, completion) + [int(tokenizer.eos_id)])
+
+    def _fitted(self, prompt_ids: list[int], completion: int, start: list[int], where: str) -> list[int]:
+        """The prompt cut to leave a completion of that many ids room in a row: its front goes, its
+        beginning-of-text id stays, as the model expects it; CompletionTooLongError when none fits."""
+        limit = self.length + 1
+        if completion > limit:
+            raise CompletionTooLongError(
+                f"{where}: the completion is {completion} tokens with its end (the end-of-document id, or the "
+                f"chat template's end of turn), more than a row of length + 1 = {limit} holds. Raise length (the "
+                "model's window) or shorten or drop this record.")
+        cut = max(0, len(prompt_ids) + completion - limit)
+        if not cut:
+            return prompt_ids
+        keep = min(len(start), limit - completion) if prompt_ids[: len(start)] == start else 0
+        return prompt_ids[:keep] + prompt_ids[keep + cut:]
+
+    def preference_rows(self) -> dict[str, np.ndarray]:
+        """With rejected_key: chosen and rejected (the prompt's ids and each completion's, padded with
+        the end-of-document id to length + 1), their masks over the completions, and prompt_length;
+        a prompt too long for the longer side loses its front for both."""
+        tokenizer = resolve_tokenizer(self.tokenizer)
+        chat, start, width = self.chat(), prefix_of(tokenizer), self.length + 1
+        rows: dict[str, list[np.ndarray]] = {"chosen": [], "rejected": [], "chosen_mask": [], "rejected_mask": []}
+        lengths, shortened, first = [], 0, ""
+        assert self.rejected_key is not None
+        for where, record in self._records():
+            prompt = self._turns(record, self.prompt_key, where)
+            sides = {name: self._sides(tokenizer, chat, where, prompt, self._turns(record, key, where))
+                     for name, key in (("chosen", self.completion_key), ("rejected", self.rejected_key))}
+            head = sides["chosen"][0]
+            fitted = self._fitted(head, max(len(tail) for _, tail in sides.values()), start, where)
+            if len(fitted) < len(head):
+                shortened, first = shortened + 1, first or where
+            for name, (_, tail) in sides.items():
+                ids = np.full(width, int(tokenizer.eos_id), np.int32)
+                mask = np.zeros(width, np.int32)
+                ids[: len(fitted) + len(tail)] = fitted + tail
+                mask[len(fitted): len(fitted) + len(tail)] = 1
+                rows[name].append(ids)
+                rows[f"{name}_mask"].append(mask)
+            lengths.append(len(fitted))
+        if shortened:
+            _warn_cut(shortened, first, width, stacklevel=3)
+        if not lengths:
+            raise EmptyDatasetError(f"{self.files!r} holds no preference pair.")
+        return {**{name: np.stack(values) for name, values in rows.items()},
+                "prompt_length": np.asarray(lengths, np.int32)}
+
     def rows(self) -> dict[str, np.ndarray]:
         """text, loss_mask and segment_ids, each [rows, length + 1] int32; with label_key, KTO's
-        completion and completion_mask [rows, length + 1], prompt_length and label [rows]."""
+        completion and completion_mask [rows, length + 1], prompt_length and label [rows]; with
+        rejected_key, the preference pairs (preference_rows)."""
+        if self.rejected_key is not None:
+            return self.preference_rows()
         tokenizer = resolve_tokenizer(self.tokenizer)
         if self.label_key is None:
             return packed_rows(self.encoded(), self.length + 1, int(tokenizer.eos_id), pack=self.pack)
@@ -279,6 +335,13 @@ class PromptCompletion:
         """A Dataset over the rows, a seeded val_fraction of them held out, the rest streamed."""
         train, val = split_records(self.records(), val_fraction, val_seed)
         return record_dataset(train, val, batch=batch, seed=seed, workers=workers, prefetch=prefetch)
+
+
+def _warn_cut(shortened: int, first: str, limit: int, *, stacklevel: int) -> None:
+    warnings.warn(TruncatedWarning(
+        f"{shortened} record(s) were longer than a row of length + 1 = {limit} tokens, so their "
+        f"prompts lost their first tokens (the first: {first}); the completions are whole. Raise "
+        "length to keep the prompts whole."), stacklevel=stacklevel)
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
