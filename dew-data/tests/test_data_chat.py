@@ -346,3 +346,15 @@ def test_any_reader_given_a_tokenizer_json_stops_where_its_folder_says_keeping_i
     assert given.eos_id == alone.eos_id and given.fingerprint == alone.fingerprint
     whole = resolve_tokenizer(str(folder))  # the folder itself ends documents at its end of turn
     assert set(given.stop_ids) == {end_of_turn, 7} == {whole.eos_id, *whole.stop_ids}
+
+
+def test_text_preference_records_are_sent_to_the_reader_of_text_pairs(tmp_path):
+    from dew.data import ChatPreferences
+    from dew.data.chat import ChatRecordError
+
+    folder = build_tokenizer(tmp_path / "tok")
+    pairs = _write(tmp_path / "pairs.jsonl", [{"prompt": "2+2?", "chosen": "4", "rejected": "5"}])
+    with pytest.raises(ChatRecordError, match=r"holds text under 'chosen', where chat_preferences reads a "
+                                              r"conversation; for text pairs use prompt_completion with "
+                                              r"completion_key: chosen and rejected_key: rejected"):
+        ChatPreferences(files=str(pairs), tokenizer=str(folder), length=64).rows()

@@ -304,6 +304,10 @@ class ChatPreferences(_ChatReader):
         prompts = Shards(expand_shards(self.files), self.prompt_key, optional=True).values(0, len(shards))
         for row, chosen in enumerate(shards.values(0, len(shards))):
             where = shards.where(row)
+            if isinstance(chosen, str):  # TRL's standard (text) preference records: another reader's
+                raise ChatRecordError(
+                    f"{where} holds text under {self.chosen_key!r}, where chat_preferences reads a conversation; "
+                    "for text pairs use prompt_completion with completion_key: chosen and rejected_key: rejected.")
             prompt = [] if prompts[row] is None else check_messages(prompts[row], f"the prompt of {where}")
             a = prompt + check_messages(chosen, f"the chosen side of {where}")
             b = prompt + check_messages(rejected[row], f"the rejected side of {where}")
