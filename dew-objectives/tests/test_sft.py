@@ -183,7 +183,8 @@ def test_a_record_with_nothing_to_score_warns_naming_it_and_is_skipped(tmp_path)
     assert [str(w.message) for w in caught if w.category is NothingToScoreWarning][0].startswith(
         f"{tmp_path / 'd.jsonl'}:1 has an empty completion")
     assert got["text"].shape == (1, 6) and got["loss_mask"].sum() == 2
-    with pytest.raises(MissingKeyError, match=r"d2\.jsonl:1 has no text under 'completion'"):
+    with pytest.raises(MissingKeyError, match=r"d2\.jsonl:1 has no text under 'completion' .*\(prompts alone, for "
+                                              r"GRPO or PPO to complete, are the prompts reader's\)"):
         PromptCompletion(files=write(tmp_path / "d2.jsonl", [{"prompt": "p", "answer": "x"}]), length=5).rows()
     # A number where text is expected is no missing key: setting completion_key= would not help.
     with pytest.raises(MalformedRecordError, match=r"d3\.jsonl:1 holds a int under 'completion' \(5\), not text"):

@@ -165,8 +165,10 @@ class PromptCompletion:
         """The text (or messages) under key, checked."""
         if key not in record:
             named = "prompt_key=, completion_key=" + (" and rejected_key=" if self.rejected_key else "")
+            alone = (" (prompts alone, for GRPO or PPO to complete, are the prompts reader's)"
+                     if key == self.completion_key else "")
             raise MissingKeyError(f"{where} has no text under {key!r} (keys: {sorted(record)}); set {named} to the "
-                                  "keys the records use.")
+                                  f"keys the records use{alone}.")
         value = record[key]
         if isinstance(value, list):  # conversational: messages, checked as the chat readers check them
             return check_messages(value, f"the {key} of {where}")
