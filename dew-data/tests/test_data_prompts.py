@@ -34,6 +34,13 @@ def test_text_prompts_and_the_keys_beside_them_become_columns(tmp_path):
     assert _text(first["answer"]) == "4" and _text(second["answer"]) == "23"
     assert first["level"] == 1 and records.columns["level"].dtype == np.int64
     assert json.loads(_text(first["meta"])) == {"k": "é"}  # a nested value as its JSON text
+    # A column mixing whole numbers and decimals, a bool, a number past int64: text as str() writes it
+    # (the whole numbers had become 4.0, which an exact match of "4" never equals).
+    mixed = Prompts(files=_write(tmp_path / "m.jsonl", [
+        {"prompt": "a", "answer": 4, "flag": True, "big": 2**70},
+        {"prompt": "b", "answer": 0.5, "flag": False, "big": 1}])).records()
+    assert [_text(mixed[i]["answer"]) for i in (0, 1)] == ["4", "0.5"]
+    assert _text(mixed[0]["flag"]) == "True" and _text(mixed[0]["big"]) == str(2**70)
 
 
 def test_a_conversational_prompt_is_what_apply_chat_template_makes_with_its_generation_prompt(tmp_path):
@@ -49,6 +56,13 @@ def test_a_conversational_prompt_is_what_apply_chat_template_makes_with_its_gene
     made = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     expected = list(made["input_ids"] if isinstance(made, Mapping) else made)
     assert records[0]["prompt"][: records[0]["prompt_length"]].tolist() == expected
+    # A prompt ending with an assistant's turn (a prefilled start of the answer) is continued from it, as
+    # TRL renders it with continue_final_message; it had the turn closed and another one opened.
+    prefilled = [*messages, {"role": "assistant", "content": "The answer is"}]
+    records = Prompts(files=_write(tmp_path / "f.jsonl", [{"prompt": prefilled}]), tokenizer=str(folder)).records()
+    made = theirs.apply_chat_template(prefilled, tokenize=True, continue_final_message=True)
+    expected = list(made["input_ids"] if isinstance(made, Mapping) else made)
+    assert records[0]["prompt"][: records[0]["prompt_length"]].tolist() == expected
     with pytest.raises(ChatTemplateError, match=r"c\.jsonl:1 gives its prompt as messages, which a chat template "
                                                 r"renders, and the tokenizer 'byte' ships none"):
         Prompts(files=str(tmp_path / "c.jsonl")).records()
@@ -57,6 +71,10 @@ def test_a_conversational_prompt_is_what_apply_chat_template_makes_with_its_gene
 def test_bad_records_are_named_and_a_long_prompt_keeps_its_end(tmp_path):
     with pytest.raises(MissingKeyError, match=r"b\.jsonl:2 has no 'answer', which .*b\.jsonl:1 holds beside"):
         Prompts(files=_write(tmp_path / "b.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])).records()
+    with pytest.raises(MissingKeyError, match=r"a\.jsonl:1 has no 'answer', which .*a\.jsonl:2 holds beside"):
+        Prompts(files=_write(tmp_path / "a.jsonl", [{"prompt": "a"}, {"prompt": "b", "answer": "1"}])).records()
+    with pytest.raises(MalformedRecordError, match=r"e\.jsonl:1 holds an empty prompt"):
+        Prompts(files=_write(tmp_path / "e.jsonl", [{"prompt": ""}])).records()
     with pytest.raises(MissingKeyError, match=r"n\.jsonl:1 has no prompt under 'prompt' \(keys: \['question'\]\)"):
         Prompts(files=_write(tmp_path / "n.jsonl", [{"question": "a"}])).records()
     with pytest.raises(MalformedRecordError, match="'prompt_length', a column the rollout fills"):

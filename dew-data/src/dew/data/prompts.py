@@ -4,14 +4,17 @@ GRPO and its family, and PPO, read prompts and let a reward score what the
 policy writes after them. Each line holds a prompt (``prompt_key``) and,
 beside it, whatever the reward reads: every other key of the records rides
 along as a column of the batch, which the rollout hands the reward as its
-context (``ExactMatch`` reads ``answer``). Text becomes its UTF-8 bytes
-(int32, padded with -1: the rewards read it back as text), numbers stay
-numbers; a nested value is its JSON text.
+context (``ExactMatch`` reads ``answer``). A column of whole numbers, or of
+numbers, stays numbers; any other becomes text (a value's ``str``, a nested
+one's JSON), held as its UTF-8 bytes (int32, padded with -1), which the
+rewards read back as text. Every record holds the same keys.
 
 A prompt is text, or messages (TRL's conversational prompt-only records: a
 system turn, earlier turns), which the chat template renders with its
-generation prompt, as the policy is asked to continue (``chat_template``,
-else the one a tokenizer folder ships). Text starts as transformers'
+generation prompt, as the policy is asked to answer (``chat_template``,
+else the one a tokenizer folder ships); messages that end with an
+assistant's turn are continued from its text instead, as TRL's
+``continue_final_message`` does (a prefilled ``<think>``). Text starts as transformers'
 ``tokenizer(text)`` starts it (a beginning-of-text id first, where the
 tokenizer adds one), as ``dew generate`` starts a prompt. A prompt longer
 than ``length`` tokens keeps its last ones, with a ``TruncatedWarning``.
@@ -110,8 +113,18 @@ class Prompts:
                 f"{where} gives its prompt as messages, which a chat template renders, and the tokenizer "
                 f"{self.tokenizer!r} ships none. Give the tokenizer's folder (its chat_template.jinja or "
                 "tokenizer_config.json), chat_template=, or write the prompt as text.")
-        # The template writes its own beginning-of-text token and opens the assistant's turn.
-        return [int(i) for i in tokenizer.encode(chat.text(messages, add_generation_prompt=True))]
+        # The template writes its own beginning-of-text token and opens the assistant's turn; an
+        # assistant's turn the prompt ends with is continued, cut after its text (transformers'
+        # continue_final_message, which TRL asks for there).
+        final = messages[-1]
+        if final.get("role") != "assistant":
+            return [int(i) for i in tokenizer.encode(chat.text(messages, add_generation_prompt=True))]
+        rendered, content = chat.text(messages), str(final.get("content") or "").strip()
+        at = rendered.rfind(content) if content else -1
+        if at < 0:
+            raise ChatTemplateError(f"{where}: the chat template does not write the prompt's final assistant text "
+                                    "as given, so it cannot be continued; end the prompt with a user turn.")
+        return [int(i) for i in tokenizer.encode(rendered[: at + len(content)])]
 
     def records(self) -> ArrayRecords:
         """Every record: ``prompt`` (ids, right-padded with 0), ``prompt_length`` and the other keys."""
@@ -121,6 +134,9 @@ class Prompts:
         prompts, cut, first = [], 0, ""
         for where, record in lines:
             ids = self._prompt(tokenizer, where, record)
+            if not ids:
+                raise MalformedRecordError(f"{where} holds an empty prompt, which gives the policy nothing to "
+                                           "continue; give it text, or leave the record out.")
             if len(ids) > self.length:
                 kept = start if ids[: len(start)] == start else []
                 ids = kept + ids[len(ids) - self.length + len(kept):]
@@ -146,31 +162,34 @@ class Prompts:
 
 
 def _beside(lines: list[tuple[str, dict[str, Any]]], prompt_key: str) -> dict[str, np.ndarray]:
-    """The records' other keys as columns: the first record names them, and every record holds them."""
-    first_where, first = lines[0]
-    names = [name for name in first if name != prompt_key]
-    taken = [name for name in names if name in _RESERVED]
-    if taken:
-        raise MalformedRecordError(f"{first_where} holds {taken[0]!r}, a column the rollout fills from the "
-                                   "prompt; rename that key in the records.")
+    """The records' other keys as columns: every record holds each key any record holds."""
+    names = list(dict.fromkeys(name for _, record in lines for name in record if name != prompt_key))
+    for name in names:
+        if name in _RESERVED:
+            where = next(where for where, record in lines if name in record)
+            raise MalformedRecordError(f"{where} holds {name!r}, a column the rollout fills from the prompt; "
+                                       "rename that key in the records.")
     columns: dict[str, np.ndarray] = {}
     for name in names:
+        holder = next(where for where, record in lines if name in record)
         values = []
         for where, record in lines:
             if name not in record:
-                raise MissingKeyError(f"{where} has no {name!r}, which {first_where} holds beside its prompt; "
-                                      "give every record the same keys.")
+                raise MissingKeyError(f"{where} has no {name!r}, which {holder} holds beside its prompt; give "
+                                      "every record the same keys.")
             values.append(record[name])
         columns[name] = _column(values)
     return columns
 
 
 def _column(values: list[Any]) -> np.ndarray:
-    """Numbers as numbers (whole ones as int64); anything else as its text's UTF-8 bytes, padded with -1."""
-    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-        whole = all(isinstance(v, int) for v in values)
-        return np.asarray(values, np.int64 if whole else np.float64)
-    texts = [v.encode() if isinstance(v, str) else json.dumps(v).encode() for v in values]
+    """Whole numbers as int64, numbers as float64, when every value is one (and fits); anything else as
+    its text's UTF-8 bytes, padded with -1: a value's str, a nested one's JSON."""
+    if all(isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 for v in values):
+        return np.asarray(values, np.int64)
+    if all(isinstance(v, float) for v in values):
+        return np.asarray(values, np.float64)
+    texts = [(json.dumps(v) if isinstance(v, dict | list) else str(v)).encode() for v in values]
     out = np.full((len(texts), max(1, max(len(t) for t in texts))), -1, np.int32)
     for row, text in enumerate(texts):
         out[row, : len(text)] = list(text)
