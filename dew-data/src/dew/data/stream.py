@@ -450,8 +450,9 @@ class TrainStream:
         if int(fields.get("size", self.size)) != self.size:
             raise PositionMismatchError(
                 f"The data position was saved over {fields['size']} records, this source holds "
-                f"{self.size}; the data changed since the checkpoint, so the position means "
-                f"nothing here. Restore the original data or start the stream afresh."
+                f"{self.size}: the data changed since the checkpoint, or another val_fraction or "
+                f"val_seed (data.load) holds another share of it out, so the position means nothing "
+                f"here. Restore the data and its held-out share as they were, or start the stream afresh."
             )
         check_files(self.source, fields)  # names the file, where the digest of the whole cannot
         check_content(self.source, fields)
