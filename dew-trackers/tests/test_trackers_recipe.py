@@ -144,14 +144,19 @@ def test_dew_train_resume_continues_the_mlflow_run_it_started(tmp_path):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for command in (["train", str(tmp_path / "recipe.yaml")],
-                    ["train", "--resume", "runs/first", "trainer.steps=4"]):
+                    ["train", "--resume", "runs/first", "trainer.steps=4", "optimizer.learning_rate=0.001"]):
         result = subprocess.run([str(DEW), *command], capture_output=True, text=True, timeout=600,
                                 cwd=tmp_path, env=env)
         assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+        # MLflow will not change a parameter: the folder the resume writes absolute was refused, and with
+        # it the whole batch of parameters (an override's among them), on every resume
+        assert "could not record the recipe" not in result.stderr, result.stderr[-3000:]
     client = MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("dew-resume").experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.tags["dew.checkpoint_dir"] == str(tmp_path / "runs/first")
+    assert run.data.params["trainer.checkpoint_dir"] == "runs/first"  # as the first fit wrote it
+    assert run.data.tags["dew.resumed_at.2.optimizer.learning_rate"] == "0.001"  # what the resume changed
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]
 
 

@@ -76,7 +76,7 @@ def changes_line(before: Mapping[str, object], now: Mapping[str, object], *, cwd
     >>> changes_line({"data": {"batch": 8}}, {"data": {"batch": 16}}, cwd=Path("/"))
     'The recipe differs from the one its checkpoints trained with: data.batch 8 -> 16.'
     """
-    from dew.tracking.rows import recipe_fields
+    from dew.tracking.rows import locates_the_run, recipe_fields
 
     old, new = recipe_fields(before), recipe_fields(now)
 
@@ -86,12 +86,8 @@ def changes_line(before: Mapping[str, object], now: Mapping[str, object], *, cwd
         return (isinstance(a, str) and isinstance(b, str) and "/" in a + b
                 and os.path.normpath(cwd / a) == os.path.normpath(cwd / b))
 
-    def where_it_lives(key: str) -> bool:
-        return key in ("trainer.steps", "trainer.checkpoint_dir", "trainer.local_checkpoint_dir") or (
-            key.startswith("trackers.") and key.endswith(".directory"))
-
-    changed = [k for k in sorted(set(old) | set(new))
-               if not where_it_lives(k) and not same(old.get(k, "unset"), new.get(k, "unset"))]
+    changed = [k for k in sorted(set(old) | set(new)) if k != "trainer.steps" and not locates_the_run(k)
+               and not same(old.get(k, "unset"), new.get(k, "unset"))]
     if not changed:
         return None
     said = ", ".join(f"{k} {old.get(k, 'unset')} -> {new.get(k, 'unset')}" for k in changed[:8])

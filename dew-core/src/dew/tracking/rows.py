@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["recipe_fields", "scalar_row"]
+__all__ = ["locates_the_run", "recipe_fields", "scalar_row"]
 
 
 def _finite_or_name(value: float) -> float | str:
@@ -20,6 +20,17 @@ def scalar_row(scalars: Mapping[str, float], step: int) -> dict[str, object]:
     for name, value in scalars.items():
         row[name] = _finite_or_name(float(value))
     return row
+
+
+def locates_the_run(field: str) -> bool:
+    """Whether a recipe field (dotted, as recipe_fields names it) says where the run lives, not how it
+    trains: its folders, which a resume of a moved run rewrites.
+
+    >>> [locates_the_run(f) for f in ("trainer.checkpoint_dir", "trackers.0.directory", "data.files")]
+    [True, True, False]
+    """
+    return field in ("trainer.checkpoint_dir", "trainer.local_checkpoint_dir") or (
+        field.startswith("trackers.") and field.endswith(".directory"))
 
 
 def recipe_fields(config: Mapping[str, object], prefix: str = "") -> dict[str, str | int | float | bool]:

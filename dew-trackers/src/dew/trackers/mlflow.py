@@ -21,7 +21,7 @@ from dew.telemetry.render import safe_name, write_preview
 from dew.trackers import require
 from dew.tracking.background import Channel, TrackerWarning, TrackerWriteError, let_others_run
 from dew.tracking.protocol import Outcome, Reported, check_reported
-from dew.tracking.rows import recipe_fields
+from dew.tracking.rows import locates_the_run, recipe_fields
 
 if TYPE_CHECKING:
     from dew.telemetry.artifacts import Artifact
@@ -136,6 +136,7 @@ class MLflowTracker:
         self._run: tuple[Any, str] | None = None
         self._outcome: Outcome = "finished"
         self._params: set[str] = set()
+        self._held: dict[str, str] = {}  # the parameters a reopened run holds from its earlier fits
         self._channel = Channel(
             self._send, f"MLflowTracker at {self._named_uri()}", interval=_INTERVAL,
             stop_on_failure=stop_on_failure, buffer=buffer, close_timeout=close_timeout,
@@ -210,6 +211,7 @@ class MLflowTracker:
                     run_id = earlier[0].info.run_id if earlier else None
                 if run_id is not None:
                     client.update_run(run_id, status="RUNNING")
+                    self._held = dict(client.get_run(run_id).data.params)
                 else:
                     tags = {} if folder is None else {_FOLDER_TAG: folder}
                     run_id = client.create_run(experiment_id, run_name=self.name, tags=tags).info.run_id
@@ -256,7 +258,7 @@ class MLflowTracker:
                     continue
                 if isinstance(value, RunStarted) and value.config:
                     try:
-                        self._log_params(client, run_id, value.config)
+                        self._log_params(client, run_id, value.config, value.start)
                     except MlflowException as error:
                         if _retryable(error):
                             raise
@@ -269,15 +271,21 @@ class MLflowTracker:
                 for preview in previews_of(value):
                     _upload(client, run_id, preview, int(step))
 
-    def _log_params(self, client: Any, run_id: str, config: Mapping[str, Any]) -> None:
-        from mlflow.entities import Param
+    def _log_params(self, client: Any, run_id: str, config: Mapping[str, Any], start: int = 0) -> None:
+        """The recipe as parameters; in a reopened run, whose parameters MLflow will not change, a field
+        a resume changed is a tag ``dew.resumed_at.<step>.<field>`` (where the run lives is no change)."""
+        from mlflow.entities import Param, RunTag
 
         fields = {_param_name(name): str(value)[:_PARAM_LENGTH]
                   for name, value in recipe_fields(config).items()}
         fields = {name: value for name, value in fields.items() if name not in self._params}
-        params = [Param(name, value) for name, value in fields.items()]
+        params = [Param(name, value) for name, value in fields.items() if name not in self._held]
+        changed = [RunTag(f"dew.resumed_at.{start}.{name}", value) for name, value in fields.items()
+                   if name in self._held and self._held[name] != value and not locates_the_run(name)]
         for begin in range(0, len(params), _PARAMS):
             client.log_batch(run_id, params=params[begin:begin + _PARAMS])
+        for begin in range(0, len(changed), _PARAMS):
+            client.log_batch(run_id, tags=changed[begin:begin + _PARAMS])
         self._params.update(fields)
 
     def _log_record(self, client: Any, run_id: str, value: Record, step: int) -> None:
