@@ -514,7 +514,9 @@ def test_a_choice_longer_than_the_model_reads_is_scored_on_its_end_with_a_warnin
     file = _write(tmp_path / "mc.jsonl", [{"context": "q", "choices": ["a" * 40, "b"], "answer": 1},
                                            {"context": "r", "choices": ["c", "d"], "answer": 0}])
     task = MultipleChoice(file=file)
-    with pytest.warns(ChoiceCutWarning, match=r"1 choice\(s\) of .*mc.jsonl' \(the first on line 1\) hold more ids"):
+    with pytest.warns(ChoiceCutWarning, match=r"1 choice\(s\) of .*mc.jsonl' \(the first on line 1\) are longer "
+                                              r"than the model's window of 16 positions, so each is scored on its "
+                                              r"last 16 ids alone"):
         rows = task.rows(ByteTokenizer(), 17)
     assert rows[0].scored == 16 and len(rows[0].ids) == 17  # its last 16 ids, after one of context
     with warnings.catch_warnings():

@@ -146,7 +146,8 @@ def test_an_nf4_base_in_blocks_is_the_papers_blockwise_normal_float(float_base):
     out = np.asarray(leaf(base["params"], "layers_0/attention/out"))  # [heads, head size, outputs]
     held = np.asarray(qarray.dequantize(leaf(variables["params"], "layers_0/attention/out").array))
     np.testing.assert_allclose(held, nf4_blocks(out.reshape(-1, out.shape[-1]), 16).reshape(out.shape), atol=1e-6)
-    with pytest.raises(LoraError, match="block_size=5 does not divide"):
+    with pytest.raises(LoraError, match=r"block_size=5 does not divide the inputs of adapted weights such as "
+                                        r"layers_0/attention/(query|key|value) \(16, 2, 8\)"):
         adapted(model, base, Lora(rank=2, targets=("attention",), base="nf4", block_size=5))
     with pytest.raises(LoraError, match="set lora.base to nf4 or int8"):
         Lora(block_size=64)

@@ -271,9 +271,9 @@ def apply_lora(model: Module, spec: Lora) -> Module:
         except ValueError as error:
             if spec.block_size is None or "cannot be tiled" not in str(error):
                 raise
-            raise LoraError(f"Lora.block_size={spec.block_size} does not divide an adapted weight's inputs "
-                            f"(qwix: {error}); choose a block size that divides the model's width and "
-                            "head size, or leave block_size unset for one scale per output channel.") from None
+            raise LoraError(f"Lora.block_size={spec.block_size} does not divide the inputs of adapted weights such as "
+                            f"{_weight_of_shape(abstract, str(error))}; choose a block size that divides the model's "
+                            "width and head size, or leave block_size unset for one scale per output channel.") from None
         _refuse_unadapted(spec, chosen, variables)
         return variables
 
@@ -299,6 +299,20 @@ def _digest_part(entry: object) -> object:
     if isinstance(entry, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
         return entry.key
     return entry.name if isinstance(entry, jax.tree_util.GetAttrKey) else entry
+
+
+def _weight_of_shape(abstract: PyTree, message: str) -> str:
+    """The path and shape of the first weight whose shape qwix's tiling message names (its text, when
+    none has it)."""
+    import jax
+
+    found = re.match(r"\s*\(([\d, ]*)\)", message)
+    shape = tuple(int(n) for n in found.group(1).split(",") if n.strip()) if found else None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        if tuple(getattr(leaf, "shape", ())) == shape:  # any leaf of the abstract tree: a ShapeDtypeStruct
+            named = [str(k.key) for k in path[1:] if isinstance(k, jax.tree_util.DictKey)]  # no box's .value
+            return "/".join(named) + f" {shape}"
+    return f"(qwix: {message})"
 
 
 def _unbox(leaf: PyTree) -> PyTree:

@@ -169,9 +169,10 @@ class MultipleChoice:
                 out.append(Choice(tuple(ids), min(len(tail), len(ids) - 1), len(continuation)))
         if cut:
             warnings.warn(ChoiceCutWarning(
-                f"{len(cut)} choice(s) of {os.fspath(self.file)!r} (the first on line {cut[0]}) hold more ids than the "
-                f"model reads at once ({limit}), so each is scored on its last {(limit or 1) - 1} ids alone and its "
-                "likelihood is not the whole choice's; lm-evaluation-harness refuses such a choice."), stacklevel=2)
+                f"{len(cut)} choice(s) of {os.fspath(self.file)!r} (the first on line {cut[0]}) are longer than the "
+                f"model's window of {(limit or 1) - 1} positions, so each is scored on its last {(limit or 1) - 1} ids "
+                "alone and its likelihood is not the whole choice's; lm-evaluation-harness refuses such a choice."),
+                stacklevel=2)
         return out
 
     def choice_scores(self, subject: Subject, *, mesh: Mesh | None = None) -> list[np.ndarray]:
