@@ -140,21 +140,28 @@ def test_grpo_raises_the_exact_match_rate_of_calculator_episodes(monkeypatch, tm
     assert len(rescored) == 40 and all(row["rewards"] == row["journaled"] for row in rescored)
 
 
+def _on_file(tmp_path: Path, recipe: str, records: list[dict], data: str, steps: int) -> tuple[Path, list]:
+    """The recipe run for steps on records written as a JSONL file, its data section data (with
+    {file} for the file's path), in a folder of its own; the run's folder and its metric rows."""
+    import json
+
+    file = tmp_path / "records.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = tmp_path / "run"
+    rows = _run(recipe, f"trainer.steps={steps}", f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
+                "data={" + data.format(file=file) + ", batch: 16, load: {val_fraction: 0.16}}")
+    assert len(rows) == steps and all(np.isfinite(r["loss"]) for r in rows)
+    return run, rows
+
+
 def test_grpo_reads_its_prompts_and_answers_from_a_jsonl_file(addition_lm, monkeypatch, tmp_path):
     """A GRPO user's own prompts: the addition reader alone made prompts, so no file of them could be
     trained on. The prompts reader's records give the rollout its prompts, and the reward the answer
     beside each one (as text), so the rewards the run trained on are exact matches of the file's."""
-    import json
-
     monkeypatch.chdir(addition_lm)
     answers = {f"{a}+{b}=": str(a + b) for a in range(10) for b in range(10)}
-    file = tmp_path / "sums.jsonl"
-    file.write_text("".join(json.dumps({"prompt": p, "answer": s, "level": len(s)}) + "\n"
-                            for p, s in answers.items()))
-    run = tmp_path / "grpo"
-    rows = _run("addition-grpo", "trainer.steps=4", f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
-                f"data={{name: prompts, files: {file}, batch: 16, load: {{val_fraction: 0.16}}}}")
-    assert len(rows) == 4 and all(np.isfinite(r["loss"]) for r in rows)
+    records = [{"prompt": p, "answer": s, "level": len(s)} for p, s in answers.items()]
+    run, rows = _on_file(tmp_path, "addition-grpo", records, "name: prompts, files: {file}", steps=4)
     rounds = [round_ for entry in read_journal(run) if entry.step < 4 for round_ in entry.transcript]
     assert len(rounds) == 4  # (a round sampled ahead for a fifth step is in the journal too)
     for round_, row in zip(rounds, rows, strict=True):
@@ -168,18 +175,11 @@ def test_grpo_reads_its_prompts_and_answers_from_a_jsonl_file(addition_lm, monke
 def test_kto_trains_on_unpaired_records_from_a_jsonl_file(addition_lm, monkeypatch, tmp_path):
     """TRL's unpaired preference records ({"prompt", "completion", "label"}) read by prompt_completion
     with label_key train KTO, as the addition reader's labelled form does."""
-    import json
-
     monkeypatch.chdir(addition_lm)
     records = [{"prompt": f"{a}+{b}=", "completion": str(a + b + (0 if (a + b) % 2 else 1)),
                 "label": bool((a + b) % 2)} for a in range(10) for b in range(10)]
-    file = tmp_path / "unpaired.jsonl"
-    file.write_text("".join(json.dumps(r) + "\n" for r in records))
-    run = tmp_path / "kto"
-    rows = _run("addition-kto", "trainer.steps=3", f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
-                f"data={{name: prompt_completion, files: {file}, length: 12, label_key: label, batch: 16, "
-                "load: {val_fraction: 0.16}}")
-    assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+    _, rows = _on_file(tmp_path, "addition-kto", records,
+                       "name: prompt_completion, files: {file}, length: 12, label_key: label", steps=3)
     assert {"kl", "desirable_reward", "undesirable_reward", "label_accuracy"} <= set(rows[-1])
 
 
@@ -187,16 +187,9 @@ def test_dpo_trains_on_preference_records_from_a_jsonl_file(addition_lm, monkeyp
     """TRL's standard preference records ({"prompt", "chosen", "rejected"} as text), read by
     prompt_completion with rejected_key, train DPO as the addition reader's pairs do; its reference
     starts as the policy, so the first step's margin is zero."""
-    import json
-
     monkeypatch.chdir(addition_lm)
     records = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
                for a in range(10) for b in range(10)]
-    file = tmp_path / "pairs.jsonl"
-    file.write_text("".join(json.dumps(r) + "\n" for r in records))
-    run = tmp_path / "dpo"
-    rows = _run("addition-dpo", "trainer.steps=3", f"trainer.checkpoint_dir={run}", f"trackers.0.directory={run}",
-                f"data={{name: prompt_completion, files: {file}, length: 12, completion_key: chosen, "
-                "rejected_key: rejected, batch: 16, load: {val_fraction: 0.16}}")
-    assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+    _, rows = _on_file(tmp_path, "addition-dpo", records, "name: prompt_completion, files: {file}, length: 12, "
+                       "completion_key: chosen, rejected_key: rejected", steps=3)
     assert rows[0]["reward_margin"] == pytest.approx(0.0, abs=1e-5)

@@ -53,7 +53,6 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -64,7 +63,7 @@ from dew.data.chat import TruncatedWarning, check_messages
 from dew.data.chat_template import ChatTemplate, ChatTemplateError, reader_chat_template
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.packing import packed_rows
-from dew.data.sources import ArrayRecords, expand_files, utf8_lines
+from dew.data.sources import ArrayRecords, json_records
 from dew.data.stream import record_dataset
 from dew.data.token_windows import resolve_tokenizer, split_records
 
@@ -142,24 +141,9 @@ class PromptCompletion:
     def pairs(self) -> Iterator[tuple[str, Turns, Turns, int | None]]:
         """(where, prompt, completion, label) of every record, where being 'file:line'; prompt and
         completion each text, or messages (a conversational record's); label None without label_key."""
-        for where, record in self._records():
+        for where, record in json_records(self.files):
             yield (where, self._turns(record, self.prompt_key, where), self._turns(record, self.completion_key, where),
                    self._label(record, where))
-
-    def _records(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        for path in expand_files(self.files):
-            for number, line in utf8_lines(Path(path)):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per "
-                                               "line.") from None
-                if not isinstance(record, dict):
-                    raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
-                yield where, record
 
     def _turns(self, record: dict[str, Any], key: str, where: str) -> Turns:
         """The text (or messages) under key, checked."""
@@ -286,7 +270,7 @@ class PromptCompletion:
         rows: dict[str, list[np.ndarray]] = {"chosen": [], "rejected": [], "chosen_mask": [], "rejected_mask": []}
         lengths, shortened, first = [], 0, ""
         assert self.rejected_key is not None
-        for where, record in self._records():
+        for where, record in json_records(self.files):
             prompt = self._turns(record, self.prompt_key, where)
             sides = {name: self._sides(tokenizer, chat, where, prompt, self._turns(record, key, where))
                      for name, key in (("chosen", self.completion_key), ("rejected", self.rejected_key))}

@@ -34,16 +34,15 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer, prefix_of, prompt_ids
 from dew.data.chat import TruncatedWarning, check_messages
-from dew.data.chat_template import ChatTemplateError, reader_chat_template
+from dew.data.chat_template import ChatTemplate, ChatTemplateError, reader_chat_template
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
-from dew.data.sources import ArrayRecords, expand_files, utf8_lines
+from dew.data.sources import ArrayRecords, json_records
 from dew.data.token_windows import resolve_tokenizer
 from dew.data.videos import load_records
 
@@ -78,25 +77,12 @@ class Prompts:
         return resolve_tokenizer(self.tokenizer)
 
     def _lines(self) -> list[tuple[str, dict[str, Any]]]:
-        out = []
-        for path in expand_files(self.files):
-            for number, line in utf8_lines(Path(path)):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per "
-                                               "line.") from None
-                if not isinstance(record, dict):
-                    raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
-                out.append((where, record))
+        out = list(json_records(self.files))
         if not out:
             raise EmptyDatasetError(f"The prompt files {self.files!r} hold no record.")
         return out
 
-    def _prompt(self, tokenizer: EosTokenizer, where: str, record: dict[str, Any]) -> list[int]:
+    def _prompt(self, tokenizer: EosTokenizer, chat: ChatTemplate | None, where: str, record: dict[str, Any]) -> list[int]:
         if self.prompt_key not in record:
             raise MissingKeyError(f"{where} has no prompt under {self.prompt_key!r} (keys: {sorted(record)}); set "
                                   "prompt_key= to the key the records use.")
@@ -107,7 +93,6 @@ class Prompts:
             raise MalformedRecordError(f"{where} holds a {type(prompt).__name__} under {self.prompt_key!r}, not "
                                        'text or a list of messages ([{"role": "user", "content": "..."}]).')
         messages = check_messages(prompt, f"the prompt of {where}")
-        chat = reader_chat_template(self.chat_template, self.tokenizer)
         if chat is None:
             raise ChatTemplateError(
                 f"{where} gives its prompt as messages, which a chat template renders, and the tokenizer "
@@ -131,9 +116,10 @@ class Prompts:
         tokenizer = self.text_tokenizer()
         lines = self._lines()
         start = prefix_of(tokenizer)  # the beginning-of-text ids a cut prompt keeps first
+        chat = reader_chat_template(self.chat_template, self.tokenizer)  # read and compiled once
         prompts, cut, first = [], 0, ""
         for where, record in lines:
-            ids = self._prompt(tokenizer, where, record)
+            ids = self._prompt(tokenizer, chat, where, record)
             if not ids:
                 raise MalformedRecordError(f"{where} holds an empty prompt, which gives the policy nothing to "
                                            "continue; give it text, or leave the record out.")

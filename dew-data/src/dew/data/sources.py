@@ -42,6 +42,7 @@ __all__ = [
     "RecordSource",
     "expand_files",
     "format_suffix",
+    "json_records",
     "load_hf_dataset",
     "open_data_file",
     "require_column",
@@ -243,6 +244,26 @@ def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
                     f"Line {number} of {os.fspath(path)!r} is not UTF-8 text ({error.reason}, byte "
                     f"{raw[error.start]:#04x} at column {error.start + 1}); write the file as UTF-8."
                 ) from None
+
+
+def json_records(files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """('file:line', record) of every non-blank line of the JSONL files; MalformedRecordError names a
+    line that is not one JSON object."""
+    import json
+
+    for path in expand_files(files):
+        for number, line in utf8_lines(Path(path)):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per "
+                                           "line.") from None
+            if not isinstance(record, dict):
+                raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
+            yield where, record
 
 
 def stdlib_corpus(limit_files: int | None = None) -> list[Path]:
