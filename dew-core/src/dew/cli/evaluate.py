@@ -165,12 +165,11 @@ def _other_data(opened: Opened, dataset: Dataset) -> str | None:
     """A note when the data the run's recipe names holds other contents now than its step's position
     was saved over (a run copied elsewhere, its files edited): the scores are then of other data."""
     from dew.checkpoints.restore import read_manifest
-    from dew.data.base import GLOBAL_POSITION, SINGLE, Resumable, close_if_closable
+    from dew.data.base import SINGLE, Resumable, close_if_closable
+    from dew.training.ledger import decoded_position
 
     def content(position: bytes | None) -> object:
-        if position is None or not position.startswith(GLOBAL_POSITION):
-            return None
-        return json.loads(position[len(GLOBAL_POSITION):]).get("content")
+        return (decoded_position(position) or {}).get("content")
 
     step = opened.source / str(opened.step)
     with contextlib.suppress(Exception):  # a step without a saved position, a reader without a digest: no note

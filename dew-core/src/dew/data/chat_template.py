@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 _Track = Callable[[list[str], list[tuple[int, int]]], AbstractContextManager[None]]
 
 __all__ = ["TEMPLATE_FILES", "ChatTemplate", "ChatTemplateError", "Rendered", "assistant_mask", "chat_template_in",
-           "given_chat_template", "read_chat_template", "reader_chat_template", "special_tokens",
+           "given_chat_template", "no_template_for", "read_chat_template", "reader_chat_template", "special_tokens",
            "template_and_tokens", "template_source", "tokens_beside"]
 
 # The files of a tokenizer folder a chat template is read from, in the order they are tried.
@@ -302,6 +302,15 @@ def reader_chat_template(given: str | None, tokenizer: object) -> ChatTemplate |
     if isinstance(tokenizer, str | os.PathLike) and Path(tokenizer).expanduser().is_dir():
         return chat_template_in(tokenizer)
     return None
+
+
+def no_template_for(where: str, what: str, tokenizer: object, instead: str) -> ChatTemplateError:
+    """The refusal of a record that gives what as messages to a reader whose tokenizer ships no
+    template (and that was given none), naming the ways on."""
+    return ChatTemplateError(
+        f"{where} gives {what} as messages, which a chat template renders, and the tokenizer {tokenizer!r} "
+        "ships none. Give the tokenizer's folder (its chat_template.jinja or tokenizer_config.json), "
+        f"chat_template=, or write {instead} as text.")
 
 
 def chat_template_in(folder: str | os.PathLike[str]) -> ChatTemplate | None:

@@ -100,20 +100,22 @@ class HFTokenizer:
 
         folder = Path(path)
         source, tokens = template_and_tokens(folder)  # the template and the special tokens in its scope
-        loaded = cls.from_file(folder / "tokenizer.json", eos_token=tokens.get("eos_token")).stopping_with(folder)
+        loaded = cls.from_file(folder / "tokenizer.json", eos_token=tokens.get("eos_token")).stopping_with(
+            folder, tokens)
         return loaded if source is None else loaded.chatting_with(source, tokens)
 
-    def stopping_with(self, folder: str | os.PathLike[str]) -> HFTokenizer:
+    def stopping_with(self, folder: str | os.PathLike[str], tokens: Mapping[str, str] | None = None) -> HFTokenizer:
         """This tokenizer, ending continuations also where its folder's checkpoint ends them: at the
         eos_token its tokenizer_config.json names (a chat model's end of turn) and the eos_token_id
         ids of its generation_config.json and config.json. A tokenizer.json given alone stops where
-        the folder it sits in says, as the folder given does; its end-of-document id stays its own."""
+        the folder it sits in says, as the folder given does; its end-of-document id stays its own.
+        tokens are the folder's special tokens where the caller has read them already."""
         import json
 
         from dew.data.chat_template import template_and_tokens
 
         folder = Path(folder)
-        named = template_and_tokens(folder)[1].get("eos_token")
+        named = (template_and_tokens(folder)[1] if tokens is None else tokens).get("eos_token")
         listed: list[object] = [] if named is None else [self.tokenizer.token_to_id(named)]
         for name in ("generation_config.json", "config.json"):
             with contextlib.suppress(OSError, ValueError, AttributeError):

@@ -167,10 +167,10 @@ def open_journal(journal: str | Path, *, append: bool = True) -> io.FileIO:
     flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT) if append else os.O_RDWR
     try:
         descriptor = os.open(journal, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    except OSError as error:
+    except OSError:
         if os.path.islink(journal):
             raise LinkedJournalError(Path(journal)) from None
-        raise error from None
+        raise
     return io.FileIO(descriptor, "ab" if append else "rb+")
 
 

@@ -60,7 +60,12 @@ import numpy as np
 from dew.data.base import Dataset, EosTokenizer, Tokenizer, prefix_of
 from dew.data.base import prompt_ids as start_ids
 from dew.data.chat import TruncatedWarning, check_messages
-from dew.data.chat_template import ChatTemplate, ChatTemplateError, reader_chat_template
+from dew.data.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    no_template_for,
+    reader_chat_template,
+)
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.packing import packed_rows
 from dew.data.sources import ArrayRecords, json_records
@@ -194,10 +199,7 @@ class PromptCompletion:
         elif isinstance(prompt, str) and isinstance(completion, str):
             return None
         else:
-            raise ChatTemplateError(
-                f"{where} gives its turns as messages, which a chat template renders, and the tokenizer "
-                f"{self.tokenizer!r} ships none. Give the tokenizer's folder (its chat_template.jinja or "
-                "tokenizer_config.json), chat_template=, or write the record's prompt and completion as text.")
+            raise no_template_for(where, "its turns", self.tokenizer, "the record's prompt and completion")
         if not whole.startswith(head):
             raise ChatTemplateError(
                 f"{where}: the chat template renders the user turn with its generation prompt as "

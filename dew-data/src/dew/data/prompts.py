@@ -40,7 +40,12 @@ import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer, prefix_of, prompt_ids
 from dew.data.chat import TruncatedWarning, check_messages
-from dew.data.chat_template import ChatTemplate, ChatTemplateError, reader_chat_template
+from dew.data.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    no_template_for,
+    reader_chat_template,
+)
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import ArrayRecords, json_records
 from dew.data.token_windows import resolve_tokenizer
@@ -94,10 +99,7 @@ class Prompts:
                                        'text or a list of messages ([{"role": "user", "content": "..."}]).')
         messages = check_messages(prompt, f"the prompt of {where}")
         if chat is None:
-            raise ChatTemplateError(
-                f"{where} gives its prompt as messages, which a chat template renders, and the tokenizer "
-                f"{self.tokenizer!r} ships none. Give the tokenizer's folder (its chat_template.jinja or "
-                "tokenizer_config.json), chat_template=, or write the prompt as text.")
+            raise no_template_for(where, "its prompt", self.tokenizer, "the prompt")
         # The template writes its own beginning-of-text token and opens the assistant's turn; an
         # assistant's turn the prompt ends with is continued, cut after its text (transformers'
         # continue_final_message, which TRL asks for there).
