@@ -86,12 +86,17 @@ os.write(1, f"ready {os.getpid()}\n".encode())  # one write: the ranks share the
 if mode == "fails":
     time.sleep(0.5)
     sys.exit(3)
+if mode == "lost":  # a collective lost the peer, which is still on its way out
+    time.sleep(0.2)
+    sys.exit(75)
 time.sleep(120)
 """
 
 LAUNCHER = """
 import sys
+from dew.training.runtime import launcher
 from dew.training.runtime.launcher import Rank, supervise
+launcher._BLAME_WAIT = 2.0
 modes, grace = sys.argv[1].split(","), float(sys.argv[2])
 ranks = [Rank(i, (sys.executable, sys.argv[3], mode)) for i, mode in enumerate(modes)]
 sys.exit(supervise(ranks, grace=grace))
@@ -161,3 +166,23 @@ def test_a_failed_rank_fails_the_pool_with_its_status(tmp_path):
     assert all(_gone(pid) for pid in pids)
     said = launcher.stderr.read()
     assert "rank 1 failed with status 3" in said and "without it: killing rank 0 (pid" in said
+
+
+def test_a_rank_that_lost_its_peer_does_not_take_the_blame_for_the_failure(tmp_path):
+    """Rank 1's plugin failed; rank 0's collective lost it and rank 0 exited first (the exits race):
+    the pool ended with rank 0's status 1 and named it, not the rank whose failure it was."""
+    launcher, pids = _launcher(tmp_path, "lost,fails", grace=300)
+    assert launcher.wait(timeout=20) == 3
+    said = launcher.stderr.read()
+    assert "rank 1 failed with status 3" in said and "rank 0 failed" not in said
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_a_lost_peer_whose_cause_never_ends_is_reported_after_a_moment(tmp_path):
+    launcher, pids = _launcher(tmp_path, "lost,deaf", grace=300)
+    started = time.monotonic()
+    assert launcher.wait(timeout=20) == 75
+    assert 1.5 <= time.monotonic() - started < 10  # the launcher's wait of 2 s for the cause
+    said = launcher.stderr.read()
+    assert "rank 0 failed with status 75 (it lost another rank, which did not end)" in said
+    assert "killing rank 1" in said and all(_gone(pid) for pid in pids)

@@ -125,8 +125,10 @@ def _guarded(argv: Sequence[str] | None) -> int:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             print(f"dew: another process of the pool ended, so this one cannot go on (a collective "
                   f"failed: {first}).", file=sys.stderr, flush=True)
-        else:
-            traceback.print_exc()  # a bug: its traceback, then the pool is left as below
+            from dew.training.runtime.launcher import PEER_LOST_STATUS
+
+            _leave_pool(PEER_LOST_STATUS)  # dew launch reports the status of the one that ended first
+        traceback.print_exc()  # a bug: its traceback, then the pool is left as below
         _leave_pool(1)
     if status not in (0, INTERRUPTED, TERMINATED) and _in_pool():
         _leave_pool(status)

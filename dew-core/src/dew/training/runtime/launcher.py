@@ -9,6 +9,11 @@ grace for that, then kills what is left. A second signal kills every rank at
 once. The exit status says how the pool ended: 0 when it finished, 143 (or
 130 after Ctrl-C) when it stopped on request with its checkpoint written,
 137 when it had to be killed, and a failed rank's own status otherwise.
+
+A rank that stops only because another one ended (its collective lost the
+peer) exits with ``PEER_LOST_STATUS``; the two exits race, so the launcher
+waits a moment for the rank whose own failure came first and reports that
+one's status.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-__all__ = ["DEFAULT_GRACE", "KILLED_STATUS", "Rank", "supervise"]
+__all__ = ["DEFAULT_GRACE", "KILLED_STATUS", "PEER_LOST_STATUS", "Rank", "supervise"]
 
 DEFAULT_GRACE = 300.0  # seconds a stopped pool has to checkpoint and exit
 KILLED_STATUS = 137  # 128 + SIGKILL: the pool had to be killed
+PEER_LOST_STATUS = 75  # sysexits' EX_TEMPFAIL: a rank that lost another one, not the pool's cause
+_BLAME_WAIT = 5.0  # seconds a lost peer's exit waits for the exit of the rank that caused it
 _STOP_STATUSES = {143, 130}  # a rank that saved its step and exited on request
 _PR_SET_PDEATHSIG = 1
 
@@ -69,6 +76,7 @@ class _Pool:
         self.signals: list[int] = []
         self.deadline: float | None = None
         self.stop_signal: int | None = None
+        self.blame_by: float | None = None  # when to stop waiting for the cause of a lost peer
 
     def say(self, text: str) -> None:
         print(f"dew launch: {text}", file=self.out, flush=True)
@@ -128,8 +136,14 @@ class _Pool:
         ended = {i: _status(self.children[i].returncode) for i in list(self.ended)}
         failed = {i: s for i, s in ended.items() if s != 0 and s not in _STOP_STATUSES}
         if failed:
-            index, status = next(iter(failed.items()))  # the first to fail: the others lost it
-            self.say(f"rank {index} failed with status {status}")
+            own = {i: s for i, s in failed.items() if s != PEER_LOST_STATUS}
+            if not own and len(ended) < len(self.children):  # the rank that caused it may be exiting now
+                self.blame_by = self.blame_by or time.monotonic() + _BLAME_WAIT
+                if time.monotonic() < self.blame_by:
+                    return None
+            index, status = next(iter((own or failed).items()))  # the first to fail: the others lost it
+            self.say(f"rank {index} failed with status {status}"
+                     + ("" if own else " (it lost another rank, which did not end)"))
             self.kill("the pool cannot go on without it")
             return status
         stopped = [s for s in ended.values() if s in _STOP_STATUSES]
