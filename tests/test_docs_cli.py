@@ -285,6 +285,7 @@ EXIT_STATUSES = {
     0: "tests/test_docs_cli.py::test_every_command_on_the_page_runs",
     1: "tests/test_docs_cli.py::test_an_unexpected_error_keeps_its_traceback_and_exits_1",
     2: "tests/test_after_a_run.py::test_a_missing_prerequisite_is_one_message_and_no_folder",
+    75: "tests/test_launch_pool.py::test_a_process_whose_peer_died_exits_75_naming_the_collective_that_lost_it",
     130: "tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",
     141: "tests/test_cli_errors.py::test_a_reader_that_closes_the_pipe_ends_the_command_without_a_traceback",
     143: "tests/test_after_a_run.py::test_ctrl_c_and_sigterm_print_the_command_that_resumes_one_folder",

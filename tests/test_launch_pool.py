@@ -244,6 +244,43 @@ def test_a_plugin_failing_on_one_rank_mid_run_ends_the_pool_with_its_status(tmp_
     assert (run / "2" / "dew.json").is_file()
 
 
+CRASH = """
+import os
+import jax
+from dew.plugins import hookimpl
+
+
+class CrashOnRankOne:
+    @hookimpl
+    def dew_step_end(self, step):
+        if jax.process_index() == 1 and step == 3:
+            os._exit(9)  # as an out-of-memory kill ends a process: without a word to the pool
+"""
+
+
+@pytest.mark.slow
+def test_a_process_whose_peer_died_exits_75_naming_the_collective_that_lost_it(tmp_path):
+    """Two processes joined by hand, each under its own launcher: the one left behind ended with
+    status 1, the status of a bug, and its launcher named it as the failure."""
+    site = tmp_path / "site"
+    info = site / "dewtest_crash-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dewtest-crash\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[dew.plugins]\ncrash = dewtest_crash:CrashOnRankOne\n")
+    (site / "dewtest_crash.py").write_text(CRASH)
+    port = free_port()
+    launches = [Launch(["--grace", "5", "tiny-lm", *SMALL, "trainer.steps=40", f"trainer.checkpoint_dir={tmp_path / 'run'}"],
+                       tmp_path, env={"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                                      "JAX_PROCESS_ID": str(index),
+                                      "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+                for index in (0, 1)]
+    codes = [launch.wait(timeout=180) for launch in launches]
+    left = launches[0].text()
+    assert codes == [75, 9], left + launches[1].text()
+    assert "another process of the pool ended, so this one cannot go on (a collective failed: " in left, left
+    assert "rank 0 failed with status 75 (it lost another process of the pool)" in left and "Traceback" not in left
+
+
 @pytest.mark.slow
 def test_processes_given_different_recipes_are_refused_by_name(tmp_path):
     """Two ranks joined by hand with different trainer.steps trained until the shorter one's last

@@ -184,5 +184,5 @@ def test_a_lost_peer_whose_cause_never_ends_is_reported_after_a_moment(tmp_path)
     assert launcher.wait(timeout=20) == 75
     assert 1.5 <= time.monotonic() - started < 10  # the launcher's wait of 2 s for the cause
     said = launcher.stderr.read()
-    assert "rank 0 failed with status 75 (it lost another rank, which did not end)" in said
+    assert "rank 0 failed with status 75 (it lost another process of the pool)" in said
     assert "killing rank 1" in said and all(_gone(pid) for pid in pids)

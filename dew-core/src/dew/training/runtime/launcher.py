@@ -143,7 +143,7 @@ class _Pool:
                     return None
             index, status = next(iter((own or failed).items()))  # the first to fail: the others lost it
             self.say(f"rank {index} failed with status {status}"
-                     + ("" if own else " (it lost another rank, which did not end)"))
+                     + ("" if own else " (it lost another process of the pool)"))
             self.kill("the pool cannot go on without it")
             return status
         stopped = [s for s in ended.values() if s in _STOP_STATUSES]
