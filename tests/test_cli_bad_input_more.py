@@ -149,6 +149,31 @@ def test_an_infinite_or_nan_optimizer_value_is_refused(override, capsys):
     assert "Input should be a finite number" in err and override.split()[-1].split("=")[0] in err, err
 
 
+@pytest.mark.parametrize(("recipe", "override"), [
+    ("tiny-lm", "trainer.steps=null trainer.epochs=.inf"), ("tiny-lm", "trainer.steps=null trainer.epochs=.nan"),
+    ("addition-dpo", "objective.beta=.nan"), ("addition-dpo", "objective.beta=.inf"),
+    ("tiny-lm-lora", "lora.alpha=.inf"), ("tiny-lm", "objective.expert_loss_weight=.nan"),
+])
+def test_an_infinite_or_nan_recipe_number_is_refused_before_the_run(recipe, override, capsys):
+    """An infinite trainer.epochs ended the run with an OverflowError's traceback; a NaN or infinite
+    DPO beta or LoRA alpha trained every step to a rejected NaN loss and exited 0."""
+    assert main(["train", recipe, *override.split(), "--check"]) == 2
+    err = capsys.readouterr().err
+    field = override.split()[-1].split("=")[0]
+    assert "finite number" in err and (field in err or field.rpartition(".")[2] in err), err
+
+
+def test_an_epsilon_that_computes_as_zero_is_refused(capsys):
+    """1e-46 passed eps > 0 and computed as 0 in float32: the first update divided 0 by 0 and the
+    run trained on, every step rejected, to exit 0."""
+    for value in ("1e-46", "1e-40"):
+        assert main(["train", "tiny-lm", f"optimizer.eps={value}", "--check"]) == 2
+        err = capsys.readouterr().err
+        assert "optimizer.eps" in err and f"{float(value):g} computes as 0 in float32" in err, err
+    assert main(["train", "tiny-lm", "optimizer.eps=1e-30", "--check"]) == 0
+    capsys.readouterr()
+
+
 def test_an_infinite_group_multiplier_is_refused():
     import pydantic
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,18 @@ def test_options_the_loss_type_does_not_read_are_refused():
         DPOObjective(model, LENGTH, gamma=3.0)
     with pytest.raises(ValueError, match=r"reference='precomputed' reads reference log-probabilities, which SimPO"):
         DPOObjective(model, LENGTH, loss_type="simpo", reference="precomputed")
+
+
+def test_a_nan_or_infinite_beta_is_refused():
+    """beta <= 0 let NaN through, and nothing refused infinity: either trained every step to a
+    rejected NaN loss."""
+    from dew.objectives.kto import KTOObjective
+    from dew.objectives.reference_free import ORPOObjective
+
+    for value in (math.nan, math.inf, 0.0):
+        for objective in (DPOObjective, KTOObjective, ORPOObjective):
+            with pytest.raises(ValueError, match=r"beta must be a positive finite number"):
+                objective(_model(), LENGTH, beta=value)
 
 
 def test_precomputed_reference_logprobs_give_the_frozen_reference_loss():

@@ -203,6 +203,12 @@ def test_key_concepts_program_runs_as_written(tmp_path):
     assert lines[-1].startswith("dew trains jax models. dew trains"), lines[-1]
 
 
+def test_a_negative_preview_length_is_refused():
+    """preview_tokens=-1 trained and previewed the prompt alone, as 0 does, without a word."""
+    with pytest.raises(ValueError, match=r"LMObjective.preview_tokens must be at least 0"):
+        LMObjective(MODEL, 8, preview_tokens=-1)
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_before_the_first_step():
     import itertools
 

@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -120,8 +121,9 @@ class Lora:
                                 "or leave block_size unset.")
         if self.rank < 1:
             raise LoraError(f"Lora.rank must be a positive integer, not {self.rank}.")
-        if not self.alpha > 0:  # the adapters' output scales by alpha / rank: 0 trains nothing
-            raise LoraError(f"Lora.alpha must be above 0 (the adapters are scaled by alpha / rank), not {self.alpha}.")
+        if not 0 < self.alpha < math.inf:  # the adapters' output scales by alpha / rank: 0 trains nothing
+            raise LoraError(f"Lora.alpha must be a finite number above 0 (the adapters are scaled by alpha / "
+                            f"rank), not {self.alpha}.")
         if self.dropout != 0.0:
             raise LoraError(f"Lora.dropout={self.dropout} is not applied by dew: the training step hands the "
                             "adapters no random key for it. Set lora.dropout to 0 (the default).")

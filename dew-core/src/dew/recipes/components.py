@@ -149,7 +149,8 @@ def _field_problems(annotation: object, value: object) -> list[tuple[tuple[str, 
 def _strict_model(annotation: Any) -> type[pydantic.BaseModel] | None:
     """A model of one field, value, of this annotation, forbidding extra keys (None when
     pydantic cannot build one around it)."""
-    config = pydantic.ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    # allow_inf_nan=False: a NaN or infinite coefficient trains to NaN (a DPO beta, a LoRA alpha)
+    config = pydantic.ConfigDict(extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
     try:
         return pydantic.create_model("Field", __config__=config, value=(annotation, ...))
     except Exception:  # noqa: BLE001 - an annotation pydantic cannot build a model around

@@ -64,7 +64,8 @@ class FitArguments(TypedDict):
 class Cadence(Settings):
     """The step a fit finishes at, and the intervals of its logging, validation and checkpoints."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: an infinite number of epochs never ends (and cannot count steps).
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     steps: int | None = Field(None, ge=1, description="train until this step")
     epochs: float | None = Field(

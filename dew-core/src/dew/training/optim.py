@@ -39,6 +39,8 @@ from dew.settings import Settings
 from dew.tree_paths import path_name
 from dew.typing import PyTree
 
+_SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
+
 __all__ = [
     "DEFAULT_NO_DECAY",
     "OptimizerConfig",
@@ -136,6 +138,16 @@ class OptimizerConfig(Settings):
     eps: float | None = pydantic.Field(None, gt=0.0, description="denominator epsilon (solver default)")
     momentum: float | None = pydantic.Field(None, ge=0.0, lt=1.0, description="sgd or adafactor momentum")
     nesterov: bool = pydantic.Field(False, description="Nesterov momentum (sgd)")
+
+    @pydantic.field_validator("eps")
+    @classmethod
+    def _eps_is_not_zero_in_float32(cls, value: float | None) -> float | None:
+        # Below float32's smallest normal number XLA computes an eps as 0 (subnormals are flushed).
+        if value is not None and value < _SMALLEST_NORMAL:
+            raise ValueError(f"{value:g} computes as 0 in float32 (below its smallest normal number, "
+                             f"{_SMALLEST_NORMAL:.3g}), as eps 0 would: give at least {_SMALLEST_NORMAL:.3g}, "
+                             "or leave eps out for the solver's default")
+        return value
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> OptimizerConfig:

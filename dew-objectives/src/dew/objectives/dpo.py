@@ -24,6 +24,7 @@ from ``chosen_reference_logp`` and ``rejected_reference_logp``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -150,8 +151,8 @@ class DPOObjective(Objective):
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ValueError(f"DPOObjective.beta must be positive, got {self.beta}.")
+        if not 0 < self.beta < math.inf:  # NaN too
+            raise ValueError(f"DPOObjective.beta must be a positive finite number, got {self.beta}.")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"DPOObjective.label_smoothing is the probability that a pair's labels are "
                              f"flipped, in [0, 0.5); got {self.label_smoothing}.")

@@ -22,6 +22,7 @@ the same pairs in the compiled program (``mismatched_in_graph``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -173,8 +174,8 @@ class KTOObjective(Objective):
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ValueError(f"KTOObjective.beta must be positive, got {self.beta}.")
+        if not 0 < self.beta < math.inf:  # NaN too
+            raise ValueError(f"KTOObjective.beta must be a positive finite number, got {self.beta}.")
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
             raise ValueError("KTOObjective.desirable_weight and undesirable_weight must be positive, got "
                              f"{self.desirable_weight} and {self.undesirable_weight}.")

@@ -132,6 +132,9 @@ class LMObjective(Objective):
                              "training on it.")
         if self.seq_len < 1:
             raise ValueError(f"LMObjective.seq_len must be at least 1, got {self.seq_len}.")
+        if self.preview_tokens < 0:
+            raise ValueError(f"LMObjective.preview_tokens must be at least 0 (0 previews the prompt alone), "
+                             f"got {self.preview_tokens}.")
         limit = getattr(self.model, "max_seq_len", None)  # any flax Module: a family without it is not checked
         if limit is not None and self.seq_len > limit:
             raise ValueError(

@@ -17,6 +17,7 @@ Once trained, the policy is text generation (``pipeline``), as a DPO policy is.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -61,8 +62,8 @@ class _Pairs(Objective):
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ValueError(f"{type(self).__name__}.beta must be positive, got {self.beta}.")
+        if not 0 < self.beta < math.inf:  # NaN too
+            raise ValueError(f"{type(self).__name__}.beta must be a positive finite number, got {self.beta}.")
 
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """The policy's variables (given ones pass through): there is no reference to copy."""
