@@ -133,6 +133,12 @@ def test_bad_input_errors_name_the_sizes_and_keys():
         train_stream(records(0), batch=2)
     with pytest.raises(EmptyDatasetError, match=r"holds 23 records, fewer than one global batch of 32"):
         val_stream(records(), batch=32)
+    # A training batch larger than the records repeated some in each batch; 1e12 asked Grain for
+    # 7 TiB of indices and ended in a traceback.
+    for batch in (24, 10**12):
+        with pytest.raises(EmptyDatasetError, match=rf"records number 23, fewer than one global batch of {batch}"):
+            train_stream(records(), batch=batch)
+    assert len(next(iter(train_stream(records(), batch=23)))["id"]) == 23
 
     class Ragged:
         def __len__(self):

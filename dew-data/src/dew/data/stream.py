@@ -387,6 +387,11 @@ class TrainStream:
         self.prefetch = int(prefetch)
         self.size = _length(source)
         _rows(self.batch, partition)
+        if self.size < self.batch:  # each batch would repeat records (and a huge one cannot be read)
+            raise EmptyDatasetError(
+                f"The training records number {self.size}, fewer than one global batch of {self.batch}: "
+                f"each batch would hold some of them twice. Lower the batch to at most {self.size}, or "
+                "add records.")
         self.records = int(start)
         self._iterator: Iterator[dict[str, np.ndarray]] | None = None
         self._order = RecordOrder(self.size, self.seed)
