@@ -265,6 +265,31 @@ def test_repeated_non_finite_losses_stop_the_run_naming_the_step():
         trainer.fit(dataset(poisoned), steps=40, log_every=10)
 
 
+def test_weights_an_update_made_non_finite_stop_the_run_before_they_are_checkpointed(tmp_path):
+    """An infinite learning rate: step 1's loss and gradients are finite, its update is not, and every
+    later step is rejected. A run shorter than the guard's limit (five in a row) ended as if it had
+    trained, and checkpointed the broken weights."""
+    from dew import Checkpoints
+
+    short = Trainer(Regression(), optax.sgd(float("inf")), key=jax.random.key(0))
+    with pytest.raises(NonFiniteLossError, match=r"Step 3 was rejected \(2 in a row\) because the weights themselves"):
+        short.fit(dataset(), steps=3, log_every=1)
+    saving = Trainer(Regression(), optax.sgd(float("inf")), key=jax.random.key(0),
+                     checkpoints=Checkpoints(tmp_path))
+    with pytest.raises(NonFiniteLossError, match=r"Step 2 was rejected \(1 in a row\)"):
+        saving.fit(dataset(), steps=6, log_every=1, checkpoint_every=2)
+    assert Checkpoints(tmp_path).latest is None  # nothing of them was written
+
+    # A rejected step on finite weights (a poisoned batch) is not that: the run ends as before.
+    def poisoned(i):
+        batch = batch_at(i)
+        batch["poison"] = np.full((8,), 1.0 if i == 2 else 0.0, np.float32)
+        return batch
+
+    state = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0)).fit(dataset(poisoned), steps=3, log_every=1)
+    assert int(state.updates) == 2
+
+
 @pytest.mark.slow
 def test_ema_follows_the_selected_leaves_only():
     spec = EMASpec(decay=0.5, select=under("params/Dense_0"))

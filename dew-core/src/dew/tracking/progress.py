@@ -106,6 +106,16 @@ def _conventional(name: str) -> str:
     return name if "/" in name else f"train/{name}"
 
 
+def _finite(tree: Any) -> bool:
+    """Whether every float in tree is finite (one program over its leaves; every process of a
+    pool calls it at the same step)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree)
+              if isinstance(leaf, jax.Array | np.ndarray) and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)]
+    if not leaves:
+        return True
+    return bool(jax.jit(lambda xs: jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all() for x in xs])))(leaves))
+
+
 class Progress:
     """The reporting side of one fit (see the module docstring).
 
@@ -216,14 +226,32 @@ class Progress:
         """Read and report every pending step (at the end, and before a save or stop)."""
         self._read(upto=None, block=True)
 
-    def settle(self) -> None:
+    def settle(self, done: int, weights: Any) -> None:
         """Report every pending step and have the tracker write it (Flushes): before a checkpoint,
         so a run resumed from it finds every step up to it, and a tracker that cannot write stops
-        the run before the checkpoint is committed rather than after."""
+        the run before the checkpoint is committed rather than after. Weights that are not
+        finite are refused then too (check_weights)."""
         self.drain()
         if isinstance(self.tracker, Flushes):
             with LOOP.waiting():  # the writer thread has the interpreter while the loop waits for it
                 self.tracker.flush()
+        self.check_weights(done, weights)
+
+    def check_weights(self, done: int, weights: Any) -> None:
+        """After a rejected step, stop the run if its weights themselves are NaN or infinite.
+
+        The guard rejects a step whose loss or gradient is not finite; an update computed from
+        finite gradients can still make the weights so (a learning rate far too high, an epsilon
+        that computes as 0), and then every later step is rejected. Checked only after a
+        rejection, so a healthy run never pays for it; a run shorter than the guard's limit would
+        otherwise end as if it had trained, and checkpoint the broken weights."""
+        if self.rejected_streak == 0 or _finite(weights):
+            return
+        raise NonFiniteLossError(
+            f"Step {done} was rejected ({self.rejected_streak} in a row) because the weights themselves hold "
+            "NaN or infinite values: an accepted update made them so (a learning rate far too high, or an "
+            "optimizer eps that computes as 0). They are not checkpointed; lower the learning rate and start "
+            "again (a resume starts from the last checkpoint written before they turned).")
 
     def _read(self, *, upto: int | None, block: bool) -> None:
         """Read pending steps before upto in order: all of them when block, else the ready ones."""

@@ -156,6 +156,7 @@ class ProgressHook(Hook):
 
     def end(self, done: int, state: TrainState) -> Contribution | None:
         self.progress.drain()
+        self.progress.check_weights(done, state.params)  # a run without checkpoints: said at its end
         return None
 
     def fail(self, error: BaseException) -> None:
@@ -248,7 +249,7 @@ class Saving(Hook):
     """
 
     def __init__(self, checkpoints: Checkpoints, feed: Feed, meta: dict[str, object], *, every: int | None,
-                 settle: Callable[[], None] = lambda: None) -> None:
+                 settle: Callable[[int, object], None] = lambda done, weights: None) -> None:
         self.checkpoints, self.feed, self.meta, self.every = checkpoints, feed, meta, every
         self.settle = settle
         self.saved: int | None = None
@@ -268,7 +269,7 @@ class Saving(Hook):
         began = time.perf_counter()
         jax.block_until_ready(record.state)
         in_flight = time.perf_counter() - began
-        self.settle()
+        self.settle(record.done, record.state.params)
         began = time.perf_counter()
         self.checkpoints.save(record.done, record.state, position=self.feed.position(),
                               partition=self.feed.partition, meta=self.meta, local=local)
