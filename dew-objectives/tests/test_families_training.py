@@ -151,6 +151,17 @@ def test_grpo_moves_the_policy_and_keeps_the_checkpoint_as_its_reference(workdir
     moved = [not np.array_equal(np.asarray(leaf), np.asarray(start[path]))
              for path, leaf in jax.tree_util.tree_leaves_with_path(state.params["params"])]
     assert any(moved)
+    # The journal (and a reward) reads each prompt as the policy saw it, as transformers' decode
+    # spells it: Gemma's beginning-of-text token was left out ("3+4=" for "<bos>3+4=").
+    from dew.training.rollout_journal import read_journal
+
+    hf = transformers.AutoTokenizer.from_pretrained(workdir / f"checkpoints/{name}-tiny")
+    prompts = [p for entry in read_journal(workdir / f"runs/grpo-{name}") for r in entry.transcript for p in r["prompts"]]
+    assert prompts
+    for prompt in prompts:
+        plain = hf.decode(hf(prompt, add_special_tokens=False).input_ids, skip_special_tokens=True)
+        assert prompt == hf.decode(hf(plain).input_ids), (prompt, plain)
+    assert name != "gemma2" or all(p.startswith(hf.bos_token) for p in prompts)
 
 
 def test_addition_problems_are_written_in_the_checkpoints_own_tokenizer(workdir):

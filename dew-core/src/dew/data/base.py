@@ -19,9 +19,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
-    "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "StartsSequences", "TextReader",
+    "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "SpellsSpecialTokens", "StartsSequences",
+    "TextReader",
     "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "ending_ids", "eos_id_of",
-    "is_global_position", "listed_ids", "prefix_of", "prompt_ids", "stop_ids_of", "vocab_size_of", "with_stops",
+    "is_global_position", "listed_ids", "prefix_of", "prompt_ids", "stop_ids_of", "verbatim_text", "vocab_size_of",
+    "with_stops",
 ]
 
 Batch = Mapping[str, Any]
@@ -136,6 +138,19 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> Sequence[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class SpellsSpecialTokens(Protocol):
+    """A tokenizer that can spell ids as text with its special tokens kept (a chat template's
+    markers), where decode leaves them out: the prompt a policy saw, as a reward reads it."""
+
+    def decode_verbatim(self, ids: Sequence[int]) -> str: ...
+
+
+def verbatim_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The text ids spell with special tokens kept (SpellsSpecialTokens), else the tokenizer's decode."""
+    return tokenizer.decode_verbatim(ids) if isinstance(tokenizer, SpellsSpecialTokens) else tokenizer.decode(ids)
 
 
 @runtime_checkable

@@ -175,5 +175,14 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """The text the ids spell, skipping special tokens."""
-        flat = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids)).reshape(-1)
-        return self.tokenizer.decode([int(i) for i in flat], skip_special_tokens=True)
+        return self.tokenizer.decode(_listed(ids), skip_special_tokens=True)
+
+    def decode_verbatim(self, ids: Iterable[int] | np.ndarray) -> str:
+        """The text the ids spell with their special tokens (a chat template's markers), as
+        transformers' decode gives it by default; encode reads them back to the same ids."""
+        return self.tokenizer.decode(_listed(ids), skip_special_tokens=False)
+
+
+def _listed(ids: Iterable[int] | np.ndarray) -> list[int]:
+    flat = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids)).reshape(-1)
+    return [int(i) for i in flat]

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.data.base import Batch as HostBatch
-from dew.data.base import Tokenizer, ending_ids
+from dew.data.base import Tokenizer, ending_ids, verbatim_text
 from dew.data.tokenizers import drawable_vocab
 from dew.errors import BatchKeyError
 from dew.objectives.base import Batch, Metric, Step, Variables
@@ -66,6 +66,12 @@ def _decode(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
     if tokenizer is None:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
     return tokenizer.decode(list(ids))
+
+
+def _prompt_text(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
+    """A prompt as the policy saw it: a chat template's markers kept, so a reward model reads the
+    ids its pairs were encoded to (and the journal shows the turns)."""
+    return _decode(None, ids) if tokenizer is None else verbatim_text(tokenizer, list(ids))
 
 
 def completion_text(tokenizer: Tokenizer | None, completion: Sequence[int],
@@ -165,7 +171,7 @@ class RewardMetric:
                                    if k not in (self.output, PROMPT, PROMPT_LENGTH)}
         if PROMPT in outputs:  # each completion's prompt as text, as CompletionRollout gives it
             prompts, lengths = np.asarray(outputs[PROMPT]), np.asarray(outputs[PROMPT_LENGTH]).reshape(-1)
-            context["prompt_text"] = [_decode(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
+            context["prompt_text"] = [_prompt_text(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
                                       for i in range(len(prompts))]
         values = score(self.reward, completions, context)
         return (accumulator[0] + float(values.sum()), accumulator[1] + float(values.size))
@@ -298,7 +304,7 @@ class CompletionRollout(PolicyRollout):
         # A reward reads the batch's other keys, repeated per completion, as whatever they hold.
         context: dict[str, Any] = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()
                    if k not in (self.prompt_key, self.prompt_length_key)}
-        context["prompt_text"] = [_decode(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
+        context["prompt_text"] = [_prompt_text(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
                                   for i in range(rows)]
         began = time.perf_counter()
         rewards = score(self.reward, completions, context)
