@@ -129,6 +129,8 @@ def test_rerunning_a_finished_folder_with_fewer_steps_keeps_its_recipe_and_resha
     assert fewer.returncode == 0, fewer.stderr[-3000:]
     assert "already holds step 22 (its checkpoints trained with trainer.steps=22), at or past trainer.steps=10: "\
            "nothing to train" in fewer.stdout, fewer.stdout
+    # trainer.steps=+2 read as 2 and trained nothing without saying why: the line says what N counts
+    assert "trainer.steps=122 trains 100 more; +100 reads as 100" in fewer.stdout, fewer.stdout
     assert "learning-rate schedule" not in fewer.stderr, fewer.stderr
     assert (tmp_path / "runs" / "fixed" / "run.json").read_text() == recipe
     assert json.loads(recipe)["trainer"]["steps"] == 22

@@ -62,8 +62,9 @@ def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int
     fresh = (f"to start fresh instead, set trainer.checkpoint_dir to a new folder or remove {where}")
     if resumed_at >= steps:
         return (f"{where} already holds step {resumed_at}{before}, at or past trainer.steps={steps}: "
-                f"nothing to train; to train further, {resume_command(directory)} "
-                f"trainer.steps=N; {fresh}.")
+                f"nothing to train; to train further, {resume_command(directory)} trainer.steps=N, N the "
+                f"step to finish at counted from the run's start (trainer.steps={resumed_at + 100} trains 100 "
+                f"more; +100 reads as 100); {fresh}.")
     return f"Resuming {where} at step {resumed_at}{before}, to step {steps}; {fresh}."
 
 
