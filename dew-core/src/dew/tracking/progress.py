@@ -106,14 +106,17 @@ def _conventional(name: str) -> str:
     return name if "/" in name else f"train/{name}"
 
 
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    return jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(leaf).all() for leaf in leaves]))
+
+
 def _finite(tree: Any) -> bool:
     """Whether every float in tree is finite (one program over its leaves; every process of a
     pool calls it at the same step)."""
     leaves = [leaf for leaf in jax.tree.leaves(tree)
               if isinstance(leaf, jax.Array | np.ndarray) and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)]
-    if not leaves:
-        return True
-    return bool(jax.jit(lambda xs: jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all() for x in xs])))(leaves))
+    return not leaves or bool(_all_finite(leaves))
 
 
 class Progress:
