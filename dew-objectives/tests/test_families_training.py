@@ -228,6 +228,35 @@ def test_dpo_starts_from_a_family_checkpoint_as_policy_and_reference(workdir, mo
     _assert_reference_is_the_checkpoint_and_the_policy_moved(state, _start(workdir, "qwen3"))
 
 
+def test_a_stage_started_from_a_dpo_run_takes_its_policy_and_exports_as_the_checkpoint(workdir, monkeypatch, capsys):
+    """Post-training stages chained by init.run (a checkpoint, then DPO, then GRPO): the DPO run's
+    frozen reference was refused as leaves GRPO's variables lack, the init.ignore that error advised
+    gave GRPO a random reference, and the chained run's export lost the checkpoint's chat template
+    and context length (its init.run was not followed back to the checkpoint)."""
+    from dew.cli import main
+
+    monkeypatch.chdir(workdir)
+    _, dpo = _run("addition-dpo", ["trainer.steps=2", "data.batch=4", "optimizer.learning_rate=1e-2",
+                                   *_addition_from("qwen3", "chain-dpo")])
+    policy = dict(jax.tree_util.tree_leaves_with_path(dpo.params["params"]))
+    for run, ignore in (("chain-grpo", []), ("chain-grpo-ignoring", ['init.ignore=["reference/*"]'])):
+        rows, grpo = _run("addition-grpo", [
+            *[a for a in _addition_from("qwen3", run) if not a.startswith("init=")], "init={run: runs/chain-dpo}",
+            *ignore, "trainer.steps=1", "objective.group_size=2", "data.batch=2", "objective.max_new_tokens=2",
+            "objective.reward={name: length, target: 2}"])
+        assert abs(rows[0]["kl"]) < 1e-6, run  # the first rollout's policy is its reference
+        reference = jax.tree_util.tree_leaves_with_path(grpo.params["reference"])
+        assert len(reference) == len(policy)
+        for path, leaf in reference:  # the DPO run's policy, not its reference nor a fresh draw
+            assert np.array_equal(np.asarray(leaf), np.asarray(policy[path])), (run, jax.tree_util.keystr(path))
+    assert main(["export", "runs/chain-grpo", "exported-chain", "--verify"]) == 0, capsys.readouterr().err
+    checkpoint = workdir / "checkpoints/qwen3-tiny"
+    assert (workdir / "exported-chain/chat_template.jinja").read_text() == (checkpoint / "chat_template.jinja").read_text()
+    exported, original = (json.loads((folder / "config.json").read_text())
+                          for folder in (workdir / "exported-chain", checkpoint))
+    assert exported["max_position_embeddings"] == original["max_position_embeddings"]
+
+
 def test_ppo_starts_from_a_family_checkpoint_with_a_value_head_beside_it(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     rows, state = _run("addition-ppo", ["trainer.steps=2", "data.batch=4", "objective.max_new_tokens=3",

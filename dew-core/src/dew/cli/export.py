@@ -192,21 +192,19 @@ def _layout(pretrained: PretrainedModel, format: str | None) -> str:
 def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | None]:
     """The tokenizer settings (chat template, special tokens) and the context length of the
     Hugging Face directory the weights came from: the exported directory itself, or the run's
-    init.pretrained (None, None: neither)."""
+    init.pretrained, followed back through the runs an init.run names (None, None: neither)."""
     from dew.families import for_config
     from dew.pretrained import CONFIG_FILE, PretrainedError, TokenizerFiles
     from dew.pretrained.native import FORMAT
 
-    init = opened.config.init if opened.config is not None else None
     if opened.config is None:
-        source = Path(opened.source)
-    elif init is not None and init.pretrained is not None:
-        from dew.recipes.resuming import started_from
-
-        source = started_from(opened.source) / init.pretrained  # relative to where the run trained
+        source: Path | None = Path(opened.source)
     else:
-        return None, None
-    if not (source / CONFIG_FILE).is_file():
+        from dew.recipes.resuming import pretrained_origin
+
+        init = opened.config.init
+        source = pretrained_origin(opened.source, None if init is None else init.model_dump())
+    if source is None or not (source / CONFIG_FILE).is_file():
         return None, None
     import json
 

@@ -22,7 +22,7 @@ from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
 __all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "origin",
-           "resume_command", "resuming_line", "shown", "started_from", "started_in", "tracker_folders", "upgrade_line"]
+           "pretrained_origin", "resume_command", "resuming_line", "shown", "started_from", "started_in", "tracker_folders", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 
@@ -142,6 +142,26 @@ def started_from(run: str | os.PathLike[str]) -> Path:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             template = (json.loads((directory / "run.json").read_text()).get("trainer") or {}).get("checkpoint_dir")
     return origin(directory, template)[1]
+
+
+def pretrained_origin(run: str | os.PathLike[str], init: Mapping[str, Any] | None) -> Path | None:
+    """The folder of published weights a run started from (None: none): its recipe's
+    init.pretrained, or that of the run its init.run names, followed back run by run (each
+    relative path read from where its own run started). init is the run's recipe's init section."""
+    folder, seen = Path(os.path.abspath(Path(run).expanduser())), set()
+    while isinstance(init, Mapping) and folder not in seen:
+        seen.add(folder)
+        start = started_from(folder)
+        if init.get("pretrained"):
+            return start / str(init["pretrained"])
+        if not init.get("run"):
+            return None
+        folder = Path(os.path.abspath(start / str(init["run"])))
+        try:
+            init = json.loads((folder / "run.json").read_text()).get("init")
+        except (OSError, ValueError, AttributeError):  # the run it started from is gone or unreadable
+            return None
+    return None
 
 
 def tracker_folders(run: str | os.PathLike[str], recipe: Mapping[str, Any] | None = None) -> list[Path]:

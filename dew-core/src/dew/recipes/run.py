@@ -59,6 +59,7 @@ __all__ = [
     "Parts",
     "PoolDevicesMismatchError",
     "PoolRecipeMismatchError",
+    "SampleInterruptedError",
     "ScheduleReshapedWarning",
     "build_objective",
     "build_evaluations",
@@ -75,6 +76,12 @@ __all__ = [
     "warmup_note",
     "warn_if_schedule_reshaped",
 ]
+
+
+class SampleInterruptedError(KeyboardInterrupt):
+    """Ctrl-C while a run that trained every step drew its closing sample: the run is whole (and
+    saved where it has checkpoints); its message says so. A KeyboardInterrupt, so a program's
+    ``except KeyboardInterrupt`` takes it; ``dew train`` prints it and exits 130."""
 
 
 class ScheduleReshapedWarning(UserWarning):
@@ -336,22 +343,28 @@ def initial_variables(config: RunConfig, objective: Objective) -> Initializer:
     init = config.init
     if init is None:
         return None
-    read = _read_initial(config, objective)
-    if not init.ignore:
-        return read
-    import jax
+    source, weights = _read_initial(config, objective)
+    if init.ignore:
+        import jax
 
-    from dew.training.initializers import IgnoringLeaves, WeightSource
-    from dew.training.state import stream
+        from dew.training.initializers import IgnoringLeaves
+        from dew.training.state import stream
 
-    assert read is not None  # an init section reads weights
-    source = read if isinstance(read, WeightSource) else (lambda abstract: read)
-    # The ignored leaves start as the trainer's own random init would start them: same key.
-    return IgnoringLeaves(source, tuple(init.ignore),
-                          fresh=lambda: objective.init(stream(jax.random.key(config.seed), "init")))
+        # The ignored leaves start as the trainer's own random init would start them: same key.
+        # Inside the objective's narrowing, so they are the model's: a frozen reference still
+        # copies the policy as read, fresh leaves included.
+        source = IgnoringLeaves(source, tuple(init.ignore),
+                                fresh=lambda: objective.init(stream(jax.random.key(config.seed), "init")))
+    # An objective whose variables hold more than the model's (a frozen reference, a value head)
+    # reads only the model's part; its init makes the rest.
+    narrowed = objective.starting_weights(source)
+    # An objective holding more than its model (a distillation's teacher) places them itself.
+    return weights if narrowed is source and weights is not None else narrowed
 
 
-def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
+def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource, Variables | None]:
+    """The source of the model's starting weights (before the objective narrows them), and the
+    weights themselves when they are read already (init.pretrained)."""
     init = config.init
     assert init is not None  # initial_variables reads only a recipe with an init section
     if init.pretrained is not None:
@@ -374,9 +387,7 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
         def given(abstract: Variables) -> Variables:
             return weights
 
-        narrowed = objective.starting_weights(given)
-        # An objective holding more than its model (a distillation's teacher) places them itself.
-        return weights if narrowed is given else narrowed
+        return given, weights
     from dew.training.initializers import ParamsFrom
 
     assert init.run is not None  # InitConfig holds exactly one of pretrained and run
@@ -390,9 +401,7 @@ def _read_initial(config: RunConfig, objective: Objective) -> Initializer:
                                    within=init.within, field="averaged" if init.ema else "params")
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         run = _lora_base(run)
-    # An objective whose variables hold more than the model's (a frozen reference,
-    # a value head) reads only the model's part; its init makes the rest.
-    return objective.starting_weights(run)
+    return run, None
 
 
 def _lora_base(source: WeightSource) -> WeightSource:
@@ -608,14 +617,10 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             tracker.artifact(sample, int(state.step))
     except KeyboardInterrupt:
         # The run is whole: only its sample was cut short; "interrupted" alone reads as a lost run.
-        from dew.training.runtime.preemption import INTERRUPTED_STATUS
-
-        if jax.process_index() == 0:
-            saved = ("." if checkpoints is None else
-                     f", saved in {checkpoints.directory}.\n{usage(objective, state, checkpoints.directory)}")
-            print(f"dew train: interrupted (Ctrl-C) while drawing the run's sample, after it trained to step "
-                  f"{int(state.step)}{saved}", file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED_STATUS) from None
+        saved = ("." if checkpoints is None else
+                 f", saved in {checkpoints.directory}.\n{usage(objective, state, checkpoints.directory)}")
+        raise SampleInterruptedError(f"interrupted (Ctrl-C) while drawing the run's sample, after it trained to "
+                                     f"step {int(state.step)}{saved}") from None
     finally:
         _close(checkpoints, tracker)
     if checkpoints is not None and jax.process_index() == 0:

@@ -206,6 +206,8 @@ class ParamsFrom:
             )
         stored = _saved_params(saved, field)
         recorded = stored if self.within is None else _within(stored, self.within, path)
+        if field == "params":  # the collections asked for: a preference or RL run's frozen reference is its own
+            recorded = {collection: tree for collection, tree in recorded.items() if collection in abstract}
         if field == "ema":  # only the selected leaves were saved
             abstract = recorded
         else:  # every leaf the declared model has, and no other, of the same shape: never zero-filled
