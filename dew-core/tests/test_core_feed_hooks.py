@@ -639,3 +639,21 @@ def test_a_stream_that_runs_out_is_a_dew_error_naming_its_step():
     with pytest.raises(StreamEndedError, match="ended at step 3; Dataset.train must yield batches endlessly") as ended:
         Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(finite, steps=6, log_every=1)
     assert isinstance(ended.value, DewError)
+
+
+def test_a_fit_lets_go_of_the_checkpoint_writer_when_it_ends(tmp_path):
+    """A program that keeps its Trainers (a notebook's variables) held one Orbax thread and the
+    directory's lease per finished fit until it ended: a `dew train --resume` in a terminal was
+    refused the folder for as long as the notebook lived."""
+    import threading
+
+    from dew.checkpoints import lease
+
+    kept = []
+    for steps in (2, 4, 6):
+        trainer = Trainer(Linear(), optax.sgd(0.05), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path))
+        trainer.fit(numbered(), steps=steps, log_every=2)
+        kept.append(trainer)
+        assert not (tmp_path / lease.LEASE).exists()
+        assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("metadata_store")]
+    assert kept[-1].checkpoints.latest == 6 and kept[0].checkpoints.latest == 6  # each fit resumed the last

@@ -12,6 +12,7 @@ and the preemption watch.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -253,6 +254,7 @@ class Saving(Hook):
         self.checkpoints, self.feed, self.meta, self.every = checkpoints, feed, meta, every
         self.settle = settle
         self.saved: int | None = None
+        self.failed = False
 
     def after(self, record: StepRecord) -> Contribution | None:
         if record.first:
@@ -292,6 +294,7 @@ class Saving(Hook):
     def fail(self, error: BaseException) -> None:
         """On a failing fit, finish the checkpoint already handed to the writer, and say so; in a
         pool, let it go (its commit is a collective the other processes may never reach)."""
+        self.failed = True
         if isinstance(error, Preempted):
             return
         if pooled():
@@ -308,6 +311,16 @@ class Saving(Hook):
                            f"({failure}); the previous committed step is kept.")
             print(f"dew: fit failed; the checkpoint under way was abandoned ({failure})",
                   file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Let go of the writer however the fit ended (Orbax's threads, the directory's lease): a
+        program that keeps its Trainer (a notebook) holds neither between fits, and the next fit
+        takes them again. A failed fit's own error stays the one raised."""
+        if not self.failed:
+            self.checkpoints.close()
+            return
+        with contextlib.suppress(Exception):
+            self.checkpoints.close()
 
 
 class Preemption(Hook):

@@ -195,7 +195,7 @@ def start_placed(place: Callable[[], tuple[TrainState | Pending, Placement, byte
     With overlap, the stream starts before place() runs, so its start-up
     overlaps the placement, and place may hand back a fresh state as a
     ``Pending``. A failure, a SIGTERM, or a fit already at its
-    target step closes the feed here.
+    target step closes the feed here (and, at its target, the checkpoints' writer).
     """
     state: TrainState | Pending | None = None
     try:
@@ -211,6 +211,8 @@ def start_placed(place: Callable[[], tuple[TrainState | Pending, Placement, byte
         with ending(feed, state):
             raise
     feed.close()
+    if checkpoints is not None:  # nothing to train: the writer is let go of, as a fit's end does
+        checkpoints.close()
     return (state.result() if isinstance(state, Pending) else state), start
 
 
