@@ -43,23 +43,42 @@ class Broken:
             raise ValueError("hook failing on purpose")
 
 
-def test_a_plugins_own_error_in_a_fit_is_named_with_the_plugin_and_the_switch(capsys):
+def test_a_plugins_own_error_in_a_fit_is_named_with_the_plugin_and_the_switch(capsys, tmp_path, python_in_subprocess):
     """A hook that raised mid-run printed pluggy's traceback (exit 1, "a bug in dew"); a plugin's
-    error is now named, and dew's own errors and non-plugin code pass through unchanged."""
+    error is now named, and dew's own errors and non-plugin code pass through unchanged. A plugin
+    the program registered itself (a notebook's) was named by a number, with advice to uninstall
+    a distribution that does not exist."""
     import jax
     import optax
 
     from dew import Trainer
     from dew.testing.doubles import Regression, regression_dataset
 
-    with registered(Broken(), name="broken_hooks"), pytest.raises(plugins.PluginHookError) as refused:
+    with registered(Broken()), pytest.raises(plugins.PluginHookError) as refused:
         Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0)).fit(regression_dataset(), steps=3, log_every=1)
-    assert str(refused.value).startswith("The plugin 'broken_hooks' raised ValueError: hook failing on purpose in "
-                                         "its dew_step_end hook. Fix or uninstall the distribution that ships it, "
-                                         "or skip it with DEW_BLOCK_PLUGINS=broken_hooks")
+    assert str(refused.value).startswith("The plugin 'Broken' raised ValueError: hook failing on purpose in its "
+                                         "dew_step_end hook. Fix it (this program registered it, "
+                                         "dew.plugins.registered); a run with checkpoints resumes")
     assert isinstance(refused.value.__cause__, ValueError)
     with pytest.raises(ZeroDivisionError), plugins.blamed("dew_step_end"):  # not a plugin's frame
         _ = 1 / 0
+    _plugin_site(tmp_path, """
+        @hookimpl
+        def dew_step_end(step, metrics):
+            raise ValueError("hook failing on purpose")
+    """, name="failing")
+    out = python_in_subprocess(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from dew import plugins
+        try:
+            with plugins.blamed("dew_step_end"):
+                plugins.hook().dew_step_end(step=3, metrics={{}})
+        except plugins.PluginHookError as error:
+            print("refused:", error)
+    """)
+    assert ("refused: The plugin 'failing' raised ValueError: hook failing on purpose in its dew_step_end hook. Fix "
+            "or uninstall the distribution that ships it, or skip it with DEW_BLOCK_PLUGINS=failing") in out, out
 
 
 def test_every_lifecycle_hook_has_a_documented_spec():

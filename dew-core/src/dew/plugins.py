@@ -41,6 +41,7 @@ import difflib
 import inspect
 import os
 import threading
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -317,13 +318,30 @@ def hook() -> pluggy.HookRelay:
 
 @contextlib.contextmanager
 def registered(plugin: object, name: str | None = None) -> Iterator[object]:
-    """Register plugin for the duration of a with block (checked like an installed one)."""
+    """Register plugin for the duration of a with block (checked like an installed one). Its name,
+    unless given, is its class's (a module's own name), numbered when that one is taken."""
     plugin_manager = manager()
-    _register(plugin_manager, plugin, name)
+    chosen = name or _readable_name(plugin_manager, plugin)
+    _register(plugin_manager, plugin, chosen)
+    _IN_PROGRAM.add(chosen)
     try:
         yield plugin
     finally:
+        _IN_PROGRAM.discard(chosen)
         plugin_manager.unregister(plugin)
+
+
+_IN_PROGRAM: set[str] = set()  # the names of plugins registered by the running program, not installed
+
+
+def _readable_name(plugin_manager: pluggy.PluginManager, plugin: object) -> str:
+    base = plugin.__name__ if isinstance(plugin, types.ModuleType) else type(plugin).__name__
+    taken = {name for name, _ in plugin_manager.list_name_plugin()}
+    name, number = base, 1
+    while name in taken:
+        number += 1
+        name = f"{base}-{number}"
+    return name
 
 
 def _culprit(error: BaseException) -> str | None:
@@ -355,7 +373,8 @@ def blamed(hook_name: str) -> Iterator[None]:
         name = _culprit(error)
         if name is None:
             raise
+        remedy = ("Fix it (this program registered it, dew.plugins.registered)" if name in _IN_PROGRAM else
+                  f"Fix or uninstall the distribution that ships it, or skip it with {BLOCK_VARIABLE}={name}")
         raise PluginHookError(
-            f"The plugin {name!r} raised {type(error).__name__}: {error} in its {hook_name} hook. Fix or "
-            f"uninstall the distribution that ships it, or skip it with {BLOCK_VARIABLE}={name}; a run with "
-            "checkpoints resumes from its last one.") from error
+            f"The plugin {name!r} raised {type(error).__name__}: {error} in its {hook_name} hook. {remedy}; "
+            "a run with checkpoints resumes from its last one.") from error
