@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     from dew.recipes.config import RunConfig
     from dew.recipes.errors import RecipeError
     from dew.recipes.folder import RunFolder, resumed, stopped_line, train_in
-    from dew.training.runtime.preemption import Preempted, UnsavedStopError
+    from dew.recipes.run import SampleInterruptedError
+    from dew.training.runtime.preemption import INTERRUPTED_STATUS, Preempted, UnsavedStopError
 
     folder: RunFolder | None = None  # a fresh run's is named once the recipe is checked
     if args.resume is not None:
@@ -173,6 +174,12 @@ def run(args: argparse.Namespace) -> int:
         with default_compilation_cache(config.trainer.compilation_cache_dir):
             folder = folder or RunFolder.new(config)  # a rank of a pool joins its pool here
             train_in(config, folder)
+    except SampleInterruptedError as interrupted:
+        import jax
+
+        if jax.process_index() == 0:
+            print(f"dew train: {interrupted}", file=sys.stderr, flush=True)
+        return INTERRUPTED_STATUS
     except (Preempted, UnsavedStopError) as stop:
         import jax
 
