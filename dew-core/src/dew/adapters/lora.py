@@ -122,7 +122,7 @@ class Lora:
         if self.rank < 1:
             raise LoraError(f"Lora.rank must be a positive integer, not {self.rank}.")
         if not 0 < self.alpha < math.inf:  # the adapters' output scales by alpha / rank: 0 trains nothing
-            raise LoraError(f"Lora.alpha must be a finite number above 0 (the adapters are scaled by alpha / "
+            raise LoraError(f"Lora.alpha must be above 0 and a finite number (the adapters are scaled by alpha / "
                             f"rank), not {self.alpha}.")
         if self.dropout != 0.0:
             raise LoraError(f"Lora.dropout={self.dropout} is not applied by dew: the training step hands the "
