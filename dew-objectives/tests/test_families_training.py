@@ -257,6 +257,24 @@ def test_a_stage_started_from_a_dpo_run_takes_its_policy_and_exports_as_the_chec
     assert exported["max_position_embeddings"] == original["max_position_embeddings"]
 
 
+def test_an_export_takes_nothing_of_a_checkpoints_tokenizer_the_run_did_not_use(workdir, monkeypatch, capsys):
+    """DPO from a Qwen3 checkpoint on dew's byte tokenizer: its export held the byte tokenizer's
+    tokenizer.json beside the checkpoint's chat template, special tokens and generation settings,
+    so transformers read an end-of-text id the model was never trained on."""
+    from dew.cli import main
+
+    monkeypatch.chdir(workdir)
+    _run("addition-dpo", ["trainer.steps=1", "data.batch=4", "data.tokenizer=byte",
+                          *[a for a in _addition_from("qwen3", "dpo-byte") if not a.startswith("data.tokenizer=")]])
+    capsys.readouterr()
+    assert main(["export", "runs/dpo-byte", "exported-byte"]) == 0
+    assert "the run's tokenizer is not the one of" in capsys.readouterr().err
+    assert not (workdir / "exported-byte/chat_template.jinja").exists()
+    assert not (workdir / "exported-byte/generation_config.json").exists()
+    hf = transformers.AutoTokenizer.from_pretrained(workdir / "exported-byte")
+    assert hf.chat_template is None and hf.eos_token_id == 256  # the byte tokenizer's own end of text
+
+
 def test_ppo_starts_from_a_family_checkpoint_with_a_value_head_beside_it(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     rows, state = _run("addition-ppo", ["trainer.steps=2", "data.batch=4", "objective.max_new_tokens=3",

@@ -213,4 +213,26 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
     if config.get("format") != FORMAT:  # dew's own layout has no context length to keep
         with contextlib.suppress(PretrainedError):  # a family dew does not read keeps none
             context = for_config(config).context(config)
+    if opened.config is not None and not _same_tokenizer(opened.tokenizer, source):
+        print(f"dew export: the run's tokenizer is not the one of {source}, which its weights started from: "
+              "that folder's chat template, special tokens and generation settings are left out, so the "
+              "export does not mix two tokenizers.", file=sys.stderr, flush=True)
+        return None, context
     return TokenizerFiles.read(source, config), context
+
+
+def _same_tokenizer(tokenizer: object, source: Path) -> bool:
+    """Whether tokenizer is the tokenizer.json of source (a folder without one: nothing to mix)."""
+    from dew.data.hf_tokenizer import HFTokenizer
+
+    file = source / "tokenizer.json"
+    if not file.is_file():
+        return True
+    if not isinstance(tokenizer, HFTokenizer):
+        return False
+    from tokenizers import Tokenizer
+
+    try:
+        return bool(Tokenizer.from_file(str(file)).to_str() == tokenizer.tokenizer.to_str())
+    except Exception:  # noqa: BLE001 - the Rust library raises a bare Exception: an unreadable file is another
+        return False
