@@ -156,6 +156,34 @@ def test_init_ignore_starts_the_named_leaves_fresh_and_reads_the_rest(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, read["params"]["layers_1"], other["params"]["layers_1"])
 
 
+def test_init_ignore_starts_named_leaves_of_a_published_checkpoint_fresh(tmp_path):
+    """init.ignore beside init.pretrained: the named leaves start as the run's own init makes them,
+    the rest are the checkpoint's (the ignore is applied before the objective narrows what it reads)."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from dew.families.examples import main
+    from dew.pretrained import Pretrained
+    from dew.recipes.run import build_parts, initial_variables
+    from dew.training.state import stream
+
+    assert main(["qwen3", str(tmp_path / "qwen3-tiny"), "--seed", "1"]) == 0
+    config = RunConfig.load("tiny-lm", ["model={name: qwen3, preset: tiny, max_seq_len: 32}", "seed=3", "objective.seq_len=32",
+                                        f"init={{pretrained: {tmp_path / 'qwen3-tiny'}}}",
+                                        f"data.tokenizer={tmp_path / 'qwen3-tiny'}", "init.ignore=[params/layers_0/attention/query*]"])
+    objective = build_parts(config, with_data=False).objective
+    fresh = jax.device_get(nn.meta.unbox(objective.init(stream(jax.random.key(3), "init"))))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), fresh)
+    read = initial_variables(config, objective)(abstract)
+    checkpoint = Pretrained.load(tmp_path / "qwen3-tiny", max_seq_len=32).variables
+    query = read["params"]["layers_0"]["attention"]["query"]
+    jax.tree.map(np.testing.assert_array_equal, query, fresh["params"]["layers_0"]["attention"]["query"])
+    assert not np.array_equal(jax.tree.leaves(query)[0],
+                              jax.tree.leaves(checkpoint["params"]["layers_0"]["attention"]["query"])[0])
+    jax.tree.map(np.testing.assert_array_equal, read["params"]["embed"], checkpoint["params"]["embed"])
+
+
 def test_init_within_starts_from_the_student_a_distillation_run_kept_beside_its_teacher(tmp_path):
     """A distilled student is a starting point (fine-tune it next); its run keeps params/student
     and params/teacher, and init.within=student reads the student alone, bitwise."""

@@ -343,7 +343,8 @@ def initial_variables(config: RunConfig, objective: Objective) -> Initializer:
     init = config.init
     if init is None:
         return None
-    source, weights = _read_initial(config, objective)
+    read, weights = _read_initial(config, objective)
+    source = read
     if init.ignore:
         import jax
 
@@ -353,13 +354,13 @@ def initial_variables(config: RunConfig, objective: Objective) -> Initializer:
         # The ignored leaves start as the trainer's own random init would start them: same key.
         # Inside the objective's narrowing, so they are the model's: a frozen reference still
         # copies the policy as read, fresh leaves included.
-        source = IgnoringLeaves(source, tuple(init.ignore),
+        source = IgnoringLeaves(read, tuple(init.ignore),
                                 fresh=lambda: objective.init(stream(jax.random.key(config.seed), "init")))
     # An objective whose variables hold more than the model's (a frozen reference, a value head)
     # reads only the model's part; its init makes the rest.
     narrowed = objective.starting_weights(source)
     # An objective holding more than its model (a distillation's teacher) places them itself.
-    return weights if narrowed is source and weights is not None else narrowed
+    return weights if narrowed is read and weights is not None else narrowed
 
 
 def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource, Variables | None]:
