@@ -657,3 +657,19 @@ def test_a_fit_lets_go_of_the_checkpoint_writer_when_it_ends(tmp_path):
         assert not (tmp_path / lease.LEASE).exists()
         assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("metadata_store")]
     assert kept[-1].checkpoints.latest == 6 and kept[0].checkpoints.latest == 6  # each fit resumed the last
+
+
+def test_a_step_compiled_without_a_persistent_cache_says_how_to_keep_it(python_in_subprocess, tmp_path):
+    """A notebook's fits compiled the same step afresh each time (3-6 s) without a word: the Python
+    API keeps no compiled program unless asked, where `dew train` keeps them by default."""
+    code = """
+        import jax, optax
+        from dew import Trainer
+        from dew.testing.doubles import Regression, regression_dataset
+        Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0)).fit(regression_dataset(), steps=1, log_every=1)
+    """
+    bare = python_in_subprocess(code, env={"JAX_COMPILATION_CACHE_DIR": ""})
+    assert ("(not kept: a recipe's trainer.compilation_cache_dir, or prepare_process, keeps compiled programs "
+            "for the next run)") in bare, bare
+    kept = python_in_subprocess(code, compilation_cache=tmp_path / "cache")
+    assert "compiling the step for batches of" in kept and "not kept" not in kept, kept

@@ -130,7 +130,10 @@ class ProgressHook(Hook):
 
     def _compiled(self, compiled: Compilation) -> None:
         self.progress.compiled(compiled.seconds, at=compiled.at)
-        self.progress.note(f"compiling the step for batches of {compiled.rows} rows: {compiled.seconds:.2f} s")
+        kept = bool(jax.config.jax_compilation_cache_dir)  # type: ignore[attr-defined]  # a flag jax.config holds, undeclared
+        self.progress.note(f"compiling the step for batches of {compiled.rows} rows: {compiled.seconds:.2f} s"
+                           + ("" if kept else " (not kept: a recipe's trainer.compilation_cache_dir, or "
+                              "prepare_process, keeps compiled programs for the next run)"))
         device = next(iter(self.trainer.device_mesh.devices.flat))
         self.progress.measure(records=compiled.rows, tokens=compiled.tokens, flops=compiled.flops,
                               peak_flops=peak_flops(device.device_kind))
