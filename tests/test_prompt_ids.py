@@ -34,6 +34,10 @@ def test_a_prompt_encodes_as_transformers_tokenizer_encodes_it(checkpoints, name
     has_bos = name != "qwen3"
     assert (loaded.tokenizer.prefix == (theirs.bos_token_id,)) if has_bos else loaded.tokenizer.prefix == ()
     assert loaded.tokenizer.encode(PROMPT) == theirs(PROMPT, add_special_tokens=False)["input_ids"]
+    # A prompt spelt with its beginning-of-text token (a rollout's prompt as a reward model reads it
+    # back) keeps its one: a reward model on Llama scored ids starting with two.
+    spelt = theirs.decode(theirs(PROMPT)["input_ids"])
+    assert prompt_ids(loaded.tokenizer, spelt) == theirs(PROMPT)["input_ids"], spelt
 
 
 @pytest.mark.slow

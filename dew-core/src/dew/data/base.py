@@ -261,13 +261,16 @@ def prefix_of(tokenizer: object) -> list[int]:
 def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """The ids of text as the start of a sequence: the tokenizer's prefix (StartsSequences), then
     the text's own ids, as transformers encodes a prompt. A model published with a
-    beginning-of-text id (Gemma, Llama) is only itself after it.
+    beginning-of-text id (Gemma, Llama) is only itself after it. A text that spells the prefix
+    already (a prompt as a rollout hands it to a reward, special tokens written out) keeps its
+    one: a second would be a sequence the model never saw.
 
     >>> from dew.data import ByteTokenizer
     >>> prompt_ids(ByteTokenizer(), "hi")
     [104, 105]
     """
-    return prefix_of(tokenizer) + [int(i) for i in tokenizer.encode(text)]
+    prefix, own = prefix_of(tokenizer), [int(i) for i in tokenizer.encode(text)]
+    return own if prefix and own[:len(prefix)] == prefix else prefix + own
 
 
 def vocab_size_of(tokenizer: object) -> int | None:
