@@ -275,6 +275,33 @@ def test_an_export_takes_nothing_of_a_checkpoints_tokenizer_the_run_did_not_use(
     assert hf.chat_template is None and hf.eos_token_id == 256  # the byte tokenizer's own end of text
 
 
+def test_a_reward_model_scores_a_rollouts_chat_turn_where_its_pairs_were_scored(workdir, monkeypatch):
+    """A reward model trained on Qwen3 chat pairs scored each completion of a chat rollout without the
+    end of its assistant turn (<|im_end|>\\n, where the pairs were scored): unless the user guessed
+    that suffix, its preference accuracy through the `model` reward fell below chance."""
+    from dew.rewards.model import RewardModel
+
+    monkeypatch.chdir(workdir)
+    records = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+                "chosen": [{"role": "assistant", "content": str(a + b)}],
+                "rejected": [{"role": "assistant", "content": str(a + b + 3)}]} for a in range(6) for b in range(6)]
+    (workdir / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    _run("addition-reward-model", [
+        "model={name: qwen3, preset: tiny, max_seq_len: 64}", "init={pretrained: checkpoints/qwen3-tiny}",
+        "objective.seq_len=48", "data={name: chat_preferences, files: pairs.jsonl, tokenizer: checkpoints/qwen3-tiny, "
+        "length: 48, batch: 4}", "trainer.steps=3", "trainer.eval_every=null", "optimizer.warmup_steps=0",
+        "optimizer.learning_rate=1e-2", "trainer.checkpoint_dir=runs/rm-chat", "trackers.0.directory=runs/rm-chat"])
+    reward = RewardModel(run="runs/rm-chat")
+    hf = transformers.AutoTokenizer.from_pretrained(workdir / "checkpoints/qwen3-tiny")
+    asked = records[7]["prompt"]
+    prompt = hf.decode(hf.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False))
+    for reply in ("3", "6"):  # the rollout's completion text, its stop id cut off
+        whole = hf.apply_chat_template([*asked, {"role": "assistant", "content": reply}], tokenize=False)
+        scored = float(reward([reply], {"prompt_text": [prompt]})[0])
+        assert scored == pytest.approx(float(reward.scoring([whole])[0]), abs=1e-6), (reply, whole)
+        assert scored != pytest.approx(float(reward.scoring([prompt + reply])[0]), abs=1e-6)
+
+
 def test_ppo_starts_from_a_family_checkpoint_with_a_value_head_beside_it(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     rows, state = _run("addition-ppo", ["trainer.steps=2", "data.batch=4", "objective.max_new_tokens=3",

@@ -6,6 +6,9 @@ reads its newest kept step (or ``step``), and scores each completion as the
 text ``prompt + completion + suffix``, the prompt being the rollout's
 ``prompt_text``. ``suffix`` restores what the rollout cut off and the reward
 model's pairs ended with (the stop text, ``"\\n"`` for the addition pairs).
+Left unset, a completion whose prompt ends as the reward model's chat template
+opens an assistant turn is closed as that template closes one (Qwen's
+``<|im_end|>\\n``), since its chat pairs were scored there; any other takes none.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ class RewardModel:
 
     run: str
     step: int | None = None
-    suffix: str = ""
+    suffix: str | None = None
     scale: float = 1.0
     scoring: Any = field(init=False, repr=False, compare=False)
+    turn: tuple[str, str] = field(init=False, repr=False, compare=False)  # an assistant turn's opening and close
 
     def __post_init__(self) -> None:
         from dew.objectives.inference import PipelineError
@@ -58,6 +62,7 @@ class RewardModel:
                 "run directory, or the directory dew export wrote from it."
             )
         object.__setattr__(self, "scoring", scoring)
+        object.__setattr__(self, "turn", _assistant_turn(scoring.objective.tokenizer))
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
         if "prompt_text" not in context:
@@ -66,6 +71,30 @@ class RewardModel:
                 f"holds no 'prompt_text' (it holds {sorted(context)}); use it with a rollout that gives "
                 "the prompts as text (the GRPO and PPO rollouts do)."
             )
-        texts = [f"{prompt}{completion}{self.suffix}"
+        texts = [f"{prompt}{completion}{self._suffix(prompt)}"
                  for prompt, completion in zip(context["prompt_text"], completions, strict=True)]
         return self.scale * self.scoring(texts)
+
+    def _suffix(self, prompt: str) -> str:
+        if self.suffix is not None:
+            return self.suffix
+        opening, closing = self.turn
+        return closing if opening and prompt.endswith(opening) else ""
+
+
+def _assistant_turn(tokenizer: object) -> tuple[str, str]:
+    """What the tokenizer's chat template writes to open an assistant's turn (its generation
+    prompt) and to close one after the assistant's text; ("", "") without a template."""
+    from dew.data.base import chat_template_of
+
+    template = chat_template_of(tokenizer)
+    if template is None:
+        return "", ""
+    marker = "\x00reply\x00"
+    asked = [{"role": "user", "content": "question"}]
+    plain = template.text(asked)
+    opened = template.text(asked, add_generation_prompt=True)
+    answered = template.text([*asked, {"role": "assistant", "content": marker}])
+    if not opened.startswith(plain) or marker not in answered:
+        return "", ""
+    return opened[len(plain):], answered.split(marker, 1)[1]
