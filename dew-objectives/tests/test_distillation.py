@@ -149,6 +149,20 @@ def test_hidden_states_match_through_a_learned_projection():
 def test_a_teacher_of_another_vocabulary_is_refused_naming_both():
     with pytest.raises(TeacherVocabularyError, match=r"student's vocabulary has 12 tokens but the teacher's has 16"):
         DistillationObjective(student_model(vocab=12), teacher_model(), SEQ)
+    # A tokenizer both cover: the teacher's is padded past it (Qwen's are), not another tokenizer's
+    class Spelt:  # a tokenizer of 11 ids
+        vocab_size = 11
+
+        def encode(self, text):
+            return [0]
+
+        def decode(self, ids):
+            return ""
+
+    spelt = Spelt()
+    with pytest.raises(TeacherVocabularyError, match=r"both cover the tokenizer's 11 ids, so the larger is padded past "
+                                                     r"them\. .* build the student with the teacher's vocab_size \(16\)"):
+        DistillationObjective(student_model(vocab=12), teacher_model(), SEQ, tokenizer=spelt)
     # Weights of another vocabulary, read for a teacher module that claims the right one.
     objective = DistillationObjective(student_model(), teacher_model(), SEQ)
     wrong = nn.meta.unbox(student_model(vocab=20).init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32)))

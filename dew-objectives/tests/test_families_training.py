@@ -409,3 +409,41 @@ def test_distillation_reads_its_teacher_from_a_family_checkpoint_and_holds_it_fr
     assert len(teacher) == len(start)
     for path, leaf in teacher:  # the checkpoint's weights, bit for bit, after three steps
         assert np.array_equal(np.asarray(leaf), np.asarray(start[path])), jax.tree_util.keystr(path)
+    # That run as the next one's teacher holds the student beside its teacher, not one model: the
+    # refusal advised init.within and init.ignore, which set the student's start, not the teacher's.
+    from dew.training.initializers import InitializerMismatchError
+
+    with pytest.raises(InitializerMismatchError, match=r"objective.teacher_checkpoint=runs/distill-gemma2: .* export "
+                                                       r"it \(dew export runs/distill-gemma2 DIR\) and set "
+                                                       r"objective.teacher_pretrained=DIR"):
+        _run("tiny-distill", [
+            "model={name: gemma2, preset: tiny, num_layers: 1, max_seq_len: 64}",
+            "objective.teacher={name: gemma2, preset: tiny, num_layers: 1, max_seq_len: 64}",
+            "objective.teacher_checkpoint=runs/distill-gemma2", "objective.teacher_pretrained=null",
+            "data.tokenizer=checkpoints/gemma2-tiny/tokenizer.json", "trainer.steps=1", "trainer.eval_every=null",
+            "data.load.val_fraction=0", "data.batch=4", "trainer.checkpoint_dir=runs/distill-again",
+            "trackers.0.directory=runs/distill-again"])
+
+
+def test_a_teacher_with_another_tokenizer_of_the_same_size_is_refused(workdir, monkeypatch):
+    """A Qwen3 teacher whose tokenizer spells text as other ids (Llama 2 beside Mistral: 32000 ids each)
+    was distilled from id by id without a word, on unrelated tokens."""
+    import shutil
+
+    from dew.objectives.distillation import TeacherVocabularyError
+
+    monkeypatch.chdir(workdir)
+    shutil.copytree(workdir / "checkpoints/qwen3-tiny", workdir / "checkpoints/qwen3-other-ids", dirs_exist_ok=True)
+    file = workdir / "checkpoints/qwen3-other-ids/tokenizer.json"
+    spec = json.loads(file.read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens swap ids: same size, other ids
+    file.write_text(json.dumps(spec))
+    with pytest.raises(TeacherVocabularyError, match=r"comes with another tokenizer than the student's data"):
+        _run("tiny-distill", [
+            "model={name: qwen3, preset: tiny, num_layers: 1, max_seq_len: 64}", "objective.teacher=null",
+            "objective.teacher_checkpoint=null", "objective.teacher_pretrained=checkpoints/qwen3-other-ids",
+            "data.tokenizer=checkpoints/qwen3-tiny", "trainer.steps=1", "trainer.eval_every=null",
+            "data.load.val_fraction=0", "data.batch=4", "trainer.checkpoint_dir=runs/distill-other-ids",
+            "trackers.0.directory=runs/distill-other-ids"])

@@ -8,7 +8,7 @@ from the student's width to the teacher's::
     {"params": {"student": ..., "teacher": ..., "projection": ...}}
 
 The loss at temperature T is ``T**2 * (forward * KL(p_T || q_T) + reverse *
-KL(q_T || p_T)) + labels * CE(targets, q_1) + hidden * |P h_s - h_t|**2``,
+KL(q_T || p_T)) + labels * CE(targets, q_1) + hidden * mean_d (P h_s - h_t)_d**2``,
 where p_T and q_T are the teacher's and the student's softmax of logits / T
 and each term is a mean over predicted tokens (the T**2 keeps the gradient's
 scale independent of T, as Hinton et al. propose).
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dew.data.base import vocab_size_of
 from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.objectives.base import (
@@ -180,7 +181,7 @@ class DistillationObjective(Objective):
         # Any flax Modules: a pair that does not say its vocabularies is not checked.
         student, teacher = getattr(self.model, "vocab_size", None), getattr(self.teacher, "vocab_size", None)
         if student is not None and teacher is not None and student != teacher:
-            raise TeacherVocabularyError(_vocabulary_message(student, teacher))
+            raise TeacherVocabularyError(_vocabulary_message(student, teacher, vocab_size_of(self.tokenizer)))
 
     # -- the teacher's weights ---------------------------------------------------------
     def initializer(self) -> WeightSource | None:
@@ -199,14 +200,33 @@ class DistillationObjective(Objective):
                 loaded = Pretrained.load(directory, max_seq_len=getattr(teacher, "max_seq_len", None),
                                          param_dtype=getattr(teacher, "param_dtype", None),
                                          scan_layers=bool(getattr(teacher, "scan_layers", False)))
+                if not _same_ids(loaded.tokenizer, self.tokenizer):
+                    raise TeacherVocabularyError(
+                        f"The teacher in {directory} comes with another tokenizer than the student's data: the "
+                        "same text is other ids to it (a vocabulary of the same size can still differ, as "
+                        "Llama 2's and Mistral's do). " + _vocabulary_advice())
                 return {"params": loaded.variables["params"]}
 
             return self.teacher_from(read_pretrained)
         if self.teacher_checkpoint is None:
             return None
-        from dew.training.initializers import ParamsFrom
+        from dew.training.initializers import InitializerMismatchError, ParamsFrom
 
-        return self.teacher_from(ParamsFrom(_absolute(self.teacher_checkpoint)))
+        checkpoint = self.teacher_checkpoint
+        run = ParamsFrom(_absolute(checkpoint))
+
+        def read_run(abstract: Variables) -> Variables:
+            try:
+                return run(abstract)
+            except InitializerMismatchError as error:  # its advice (init.within, init.ignore) is the student's
+                raise InitializerMismatchError(
+                    f"objective.teacher_checkpoint={checkpoint}: {error.mismatch or error} A teacher is read "
+                    "whole from a run's checkpoint; to teach with a model the run kept beside others (a "
+                    f"distillation run's student), export it (dew export {checkpoint} DIR) and set "
+                    "objective.teacher_pretrained=DIR, or declare objective.teacher as the run's model.",
+                    mismatch=error.mismatch) from None
+
+        return self.teacher_from(read_run)
 
     def starting_weights(self, source: WeightSource) -> WeightSource:
         """The student read from source (a recipe's init: another run's or a pretrained model's
@@ -449,5 +469,20 @@ def _vocabulary_advice() -> str:
             "the teacher's vocab_size.")
 
 
-def _vocabulary_message(student: int, teacher: int) -> str:
+def _vocabulary_message(student: int, teacher: int, spelt: int | None = None) -> str:
+    if spelt is not None and spelt <= min(student, teacher):  # one is padded past the tokenizer's ids
+        return (f"The student's vocabulary has {student} tokens but the teacher's has {teacher}; both cover "
+                f"the tokenizer's {spelt} ids, so the larger is padded past them. The two distributions are "
+                f"compared id by id: build the student with the teacher's vocab_size ({teacher}).")
     return f"The student's vocabulary has {student} tokens but the teacher's has {teacher}. " + _vocabulary_advice()
+
+
+def _same_ids(teacher: object, student: object) -> bool:
+    """Whether two tokenizers spell text as the same ids (unknown, either missing: taken as the same)."""
+    if teacher is None or student is None:
+        return True
+    from dew.data.hf_tokenizer import HFTokenizer
+
+    if isinstance(teacher, HFTokenizer) and isinstance(student, HFTokenizer):
+        return bool(teacher.tokenizer.get_vocab(with_added_tokens=True) == student.tokenizer.get_vocab(with_added_tokens=True))
+    return type(teacher) is type(student)
