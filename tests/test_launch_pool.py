@@ -206,6 +206,18 @@ def test_a_rank_that_fails_before_its_first_step_ends_the_pool_with_its_status(t
     assert "SIGTERM" not in text  # ended by the failure, not by a signal
 
 
+def _plugin_site(tmp_path: Path, module: str, name: str, attribute: str, code: str) -> dict[str, str]:
+    """A distribution shipping module (code) as the dew plugin name, in a folder of its own; the
+    environment that puts it on a child's path."""
+    site = tmp_path / "site"
+    info = site / f"{module}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[dew.plugins]\n{name} = {module}:{attribute}\n")
+    (site / f"{module}.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
 HOOK = """
 import jax
 from dew.plugins import hookimpl
@@ -223,16 +235,10 @@ class FailOnRankOne:
 def test_a_plugin_failing_on_one_rank_mid_run_ends_the_pool_with_its_status(tmp_path):
     """The failing rank printed its PluginHookError, then waited on collectives (a save's commit,
     its close, JAX's shutdown) that the other rank, inside its next step, never joined."""
-    site = tmp_path / "site"
-    info = site / "dewtest_failing_hook-0.1.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dewtest-failing-hook\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[dew.plugins]\nfailing = dewtest_failing_hook:FailOnRankOne\n")
-    (site / "dewtest_failing_hook.py").write_text(HOOK)
     run = tmp_path / "run"
     launch = Launch(["-n", "2", "--grace", "5", "tiny-lm", *SMALL, "trainer.steps=40", "trainer.checkpoint_every=2",
                      f"trainer.checkpoint_dir={run}"], tmp_path,
-                    env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+                    env=_plugin_site(tmp_path, "dewtest_failing_hook", "failing", "FailOnRankOne", HOOK))
     code = launch.wait(timeout=180)
     text = launch.text()
     assert code == 2, text
@@ -262,17 +268,11 @@ class CrashOnRankOne:
 def test_a_process_whose_peer_died_exits_75_naming_the_collective_that_lost_it(tmp_path):
     """Two processes joined by hand, each under its own launcher: the one left behind ended with
     status 1, the status of a bug, and its launcher named it as the failure."""
-    site = tmp_path / "site"
-    info = site / "dewtest_crash-0.1.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dewtest-crash\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[dew.plugins]\ncrash = dewtest_crash:CrashOnRankOne\n")
-    (site / "dewtest_crash.py").write_text(CRASH)
+    site = _plugin_site(tmp_path, "dewtest_crash", "crash", "CrashOnRankOne", CRASH)
     port = free_port()
     launches = [Launch(["--grace", "5", "tiny-lm", *SMALL, "trainer.steps=40", f"trainer.checkpoint_dir={tmp_path / 'run'}"],
                        tmp_path, env={"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
-                                      "JAX_PROCESS_ID": str(index),
-                                      "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+                                      "JAX_PROCESS_ID": str(index), **site})
                 for index in (0, 1)]
     codes = [launch.wait(timeout=180) for launch in launches]
     left = launches[0].text()
