@@ -203,7 +203,7 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
         from dew.recipes.resuming import pretrained_origin
 
         init = opened.config.init
-        source = pretrained_origin(opened.source, None if init is None else init.model_dump())
+        source = None if init is None else pretrained_origin(opened.source, init.model_dump())
     if source is None or not (source / CONFIG_FILE).is_file():
         return None, None
     import json
