@@ -222,17 +222,17 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
 
 
 def _same_tokenizer(tokenizer: object, source: Path) -> bool:
-    """Whether tokenizer is the tokenizer.json of source (a folder without one: nothing to mix)."""
-    from dew.data.hf_tokenizer import HFTokenizer
+    """Whether tokenizer spells text as the ids the tokenizer.json of source does (a folder
+    without one: nothing to mix)."""
+    from tokenizers import Tokenizer
+
+    from dew.data.hf_tokenizer import vocabulary
 
     file = source / "tokenizer.json"
     if not file.is_file():
         return True
-    if not isinstance(tokenizer, HFTokenizer):
-        return False
-    from tokenizers import Tokenizer
-
     try:
-        return bool(Tokenizer.from_file(str(file)).to_str() == tokenizer.tokenizer.to_str())
+        theirs = Tokenizer.from_file(str(file))
     except Exception:  # noqa: BLE001 - the Rust library raises a bare Exception: an unreadable file is another
         return False
+    return vocabulary(tokenizer) == vocabulary(theirs)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from dew.data.chat_template import ChatTemplate
 
-__all__ = ["EOS_CANDIDATES", "HFTokenizer"]
+__all__ = ["EOS_CANDIDATES", "HFTokenizer", "vocabulary"]
 
 # Special tokens that end a document in common tokenizer.json files, tried in order.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
@@ -186,3 +186,13 @@ class HFTokenizer:
 def _listed(ids: Iterable[int] | np.ndarray) -> list[int]:
     flat = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids)).reshape(-1)
     return [int(i) for i in flat]
+
+
+def vocabulary(tokenizer: object) -> dict[str, int] | None:
+    """The id a library tokenizer (an HFTokenizer, or a ``tokenizers.Tokenizer``) gives each token,
+    added ones included; None for any other. Two tokenizers spell text as the same ids when these
+    are equal (two of the same size can differ, as Llama 2's and Mistral's do)."""
+    from tokenizers import Tokenizer
+
+    inner = tokenizer.tokenizer if isinstance(tokenizer, HFTokenizer) else tokenizer
+    return dict(inner.get_vocab(with_added_tokens=True)) if isinstance(inner, Tokenizer) else None

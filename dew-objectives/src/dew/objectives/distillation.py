@@ -194,13 +194,15 @@ class DistillationObjective(Objective):
             directory, teacher = _absolute(self.teacher_pretrained), self.teacher
 
             def read_pretrained(abstract: Variables) -> Variables:
+                from dew.data.hf_tokenizer import vocabulary
                 from dew.pretrained import Pretrained
 
                 # Any flax Module: a family without these fields takes the directory's own.
                 loaded = Pretrained.load(directory, max_seq_len=getattr(teacher, "max_seq_len", None),
                                          param_dtype=getattr(teacher, "param_dtype", None),
                                          scan_layers=bool(getattr(teacher, "scan_layers", False)))
-                if not _same_ids(loaded.tokenizer, self.tokenizer):
+                if (loaded.tokenizer is not None and self.tokenizer is not None
+                        and vocabulary(loaded.tokenizer) != vocabulary(self.tokenizer)):
                     raise TeacherVocabularyError(
                         f"The teacher in {directory} comes with another tokenizer than the student's data: the "
                         "same text is other ids to it (a vocabulary of the same size can still differ, as "
@@ -475,14 +477,3 @@ def _vocabulary_message(student: int, teacher: int, spelt: int | None = None) ->
                 f"the tokenizer's {spelt} ids, so the larger is padded past them. The two distributions are "
                 f"compared id by id: build the student with the teacher's vocab_size ({teacher}).")
     return f"The student's vocabulary has {student} tokens but the teacher's has {teacher}. " + _vocabulary_advice()
-
-
-def _same_ids(teacher: object, student: object) -> bool:
-    """Whether two tokenizers spell text as the same ids (unknown, either missing: taken as the same)."""
-    if teacher is None or student is None:
-        return True
-    from dew.data.hf_tokenizer import HFTokenizer
-
-    if isinstance(teacher, HFTokenizer) and isinstance(student, HFTokenizer):
-        return bool(teacher.tokenizer.get_vocab(with_added_tokens=True) == student.tokenizer.get_vocab(with_added_tokens=True))
-    return type(teacher) is type(student)
