@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dew.adapters.lora import Lora
@@ -213,7 +213,7 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
     if config.get("format") != FORMAT:  # dew's own layout has no context length to keep
         with contextlib.suppress(PretrainedError):  # a family dew does not read keeps none
             context = for_config(config).context(config)
-    if opened.config is not None and not _same_tokenizer(opened.tokenizer, source):
+    if opened.config is not None and not _same_tokenizer(opened.tokenizer, source, config):
         print(f"dew export: the run's tokenizer is not the one of {source}, which its weights started from: "
               "that folder's chat template, special tokens and generation settings are left out, so the "
               "export does not mix two tokenizers.", file=sys.stderr, flush=True)
@@ -221,13 +221,17 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
     return TokenizerFiles.read(source, config), context
 
 
-def _same_tokenizer(tokenizer: object, source: Path) -> bool:
+def _same_tokenizer(tokenizer: object, source: Path, config: dict[str, Any]) -> bool:
     """Whether tokenizer spells text as the ids the tokenizer.json of source does (a folder
-    without one: nothing to mix)."""
+    without one: nothing to mix; one dew wrote for its byte tokenizer, as its config records:
+    the byte tokenizer's)."""
     from tokenizers import Tokenizer
 
+    from dew.data import ByteTokenizer
     from dew.data.hf_tokenizer import vocabulary
 
+    if ((config.get("dew") or {}).get("tokenizer") or {}).get("kind") == "byte":
+        return isinstance(tokenizer, ByteTokenizer)
     file = source / "tokenizer.json"
     if not file.is_file():
         return True
