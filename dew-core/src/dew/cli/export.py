@@ -213,30 +213,25 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
     if config.get("format") != FORMAT:  # dew's own layout has no context length to keep
         with contextlib.suppress(PretrainedError):  # a family dew does not read keeps none
             context = for_config(config).context(config)
-    if opened.config is not None and not _same_tokenizer(opened.tokenizer, source, config):
+    files = TokenizerFiles.read(source, config)
+    if opened.config is not None and not _same_tokenizer(opened.tokenizer, source, config, files):
         print(f"dew export: the run's tokenizer is not the one of {source}, which its weights started from: "
               "that folder's chat template, special tokens and generation settings are left out, so the "
               "export does not mix two tokenizers.", file=sys.stderr, flush=True)
         return None, context
-    return TokenizerFiles.read(source, config), context
+    return files, context
 
 
-def _same_tokenizer(tokenizer: object, source: Path, config: dict[str, Any]) -> bool:
-    """Whether tokenizer spells text as the ids the tokenizer.json of source does (a folder
-    without one: nothing to mix; one dew wrote for its byte tokenizer, as its config records:
-    the byte tokenizer's)."""
-    from tokenizers import Tokenizer
-
-    from dew.data import ByteTokenizer
+def _same_tokenizer(tokenizer: object, source: Path, config: dict[str, Any], files: SavedTokenizerFiles | None) -> bool:
+    """Whether tokenizer spells text as the ids the tokenizer source holds does, read as dew reads a
+    folder's (dew's byte tokenizer where its config records one); a folder without one has nothing
+    to mix, and one that cannot be read is another."""
     from dew.data.hf_tokenizer import vocabulary
+    from dew.errors import DewError
+    from dew.pretrained.tokenizers import read_tokenizer
 
-    if ((config.get("dew") or {}).get("tokenizer") or {}).get("kind") == "byte":
-        return isinstance(tokenizer, ByteTokenizer)
-    file = source / "tokenizer.json"
-    if not file.is_file():
-        return True
     try:
-        theirs = Tokenizer.from_file(str(file))
-    except Exception:  # noqa: BLE001 - the Rust library raises a bare Exception: an unreadable file is another
+        theirs = read_tokenizer(source, (config.get("dew") or {}).get("tokenizer"), config.get("eos_token_id"), files)
+    except DewError:
         return False
-    return vocabulary(tokenizer) == vocabulary(theirs)
+    return theirs is None or vocabulary(tokenizer) == vocabulary(theirs)
