@@ -222,13 +222,17 @@ def cell(spec):
         from dew.pretrained import Pretrained
 
         loaded = Pretrained.load(exported)
-        saved = jax.tree.leaves(jax.device_get(dict(pipeline.variables)))
-        extra["bitwise"] = len(saved) == len(jax.tree.leaves(loaded.variables)) and all(
-            np.array_equal(a, b) for a, b in zip(saved, jax.tree.leaves(loaded.variables)))
+        saved = dict(jax.tree_util.tree_leaves_with_path(jax.device_get(dict(pipeline.variables))))
+        read = dict(jax.tree_util.tree_leaves_with_path(loaded.variables))
+        # Every variable the run's pipeline holds comes back bit for bit (a reward model's export
+        # leaves out the language-model head it never reads).
+        extra["bitwise"] = all(np.array_equal(saved.get(path), leaf) for path, leaf in read.items())
+        extra["left_out"] = sorted(jax.tree_util.keystr(path) for path in saved.keys() - read.keys())
         extra["task"] = (loaded.task or {}).get("name")
         extra["reloaded"] = type(loaded.pipeline()).__name__
         if kind == "RewardScoring":  # the export scores through every command as the run does
             dew(results, "generate", exported, *spec["scored"])
+            np.save("scores.npy", pipeline(spec["scored"]))
     finish(spec, results, bad=[len(results) - 1 - results[::-1].index(b) for b in bad], **extra)
 
 
@@ -407,11 +411,12 @@ def test_a_recipe_run_generates_evaluates_and_exports(name, matrix):
         _check_scores(cell)
     else:
         _check_pixels(cell)
-    if kind != "TextGeneration":  # dew's own layout, read back bit for bit with the task it serves
-        config = json.loads((cell["exported"] / "config.json").read_text())
-        assert config["format"] == "dew" and "dew's own layout" in export["out"]
+    if kind != "TextGeneration":  # read back bit for bit with the task it serves
         assert cell["bitwise"] and cell["task"] == read_recipe_file(recipe_path(name))["objective"]["name"]
         assert cell["reloaded"] == kind
+    if kind not in ("TextGeneration", "RewardScoring"):  # no published format computes them: dew's own
+        config = json.loads((cell["exported"] / "config.json").read_text())
+        assert config["format"] == "dew" and "dew's own layout" in export["out"] and not cell["left_out"]
 
 
 def _check_text(cell: dict) -> None:
@@ -459,11 +464,21 @@ def _check_embeddings(cell: dict) -> None:
 
 
 def _check_scores(cell: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
     shown = _ok(_command(cell, "generate"))["out"].splitlines()  # "score<TAB>text", one per text, in order
     assert [line.split("\t", 1)[1] for line in shown] == SCORED
     assert all(np.isfinite(float(line.split("\t", 1)[0])) for line in shown)
     assert _ok(_command(cell, "generate", index=3))["out"].splitlines() == shown  # from the export
     assert "No text was given" in cell["commands"][cell["bad"][0]]["err"]
+    # dew's transformer, exactly a Llama, with its score: a reward model as TRL writes one, which
+    # transformers scores as the run does (one text at a time: dew's byte tokenizer names no pad).
+    assert "Hugging Face's LlamaForSequenceClassification layout" in _command(cell, "export")["out"]
+    assert cell["left_out"] == ["['params']['head']"]  # the language-model head, which it never reads
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(cell["exported"], dtype=torch.float32)
+    with torch.no_grad():
+        theirs = [float(model.eval()(torch.tensor([list(text.encode())])).logits[0, 0]) for text in SCORED]
+    np.testing.assert_allclose(theirs, np.load(cell["work"] / "scores.npy"), atol=1e-5)
 
 
 def _check_text_diffusion(cell: dict) -> None:

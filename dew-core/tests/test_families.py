@@ -180,6 +180,56 @@ def test_transformers_4_config_layout_reads_as_the_same_model(written, tmp_path,
     assert Pretrained.load(tmp_path / "old").model == Pretrained.load(directory).model
 
 
+def _scores_at_every_position(loaded, ids) -> np.ndarray:
+    """dew's reward-model score by hand: the score kernel over the final norm's output, at each position."""
+    params = dict(loaded.variables["params"])
+    kernel = params.pop("reward_head")["dense"]["kernel"]
+    _, state = loaded.model.apply({"params": params}, jnp.asarray(ids, jnp.int32), capture_intermediates=True)
+    return np.asarray(state["intermediates"]["final_norm"]["__call__"][0] @ kernel)[..., 0]
+
+
+def _hf_scores(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        hidden = getattr(model, model.base_model_prefix)(torch.tensor(ids)).last_hidden_state
+        return model.score(hidden)[..., 0].numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gemma", "phi3", "gemma3", "mixtral", "deepseek_v3"])
+def test_a_reward_model_of_the_family_scores_as_transformers_and_exports_as_one(tmp_path, name):
+    """transformers' one-label sequence-classification model of the family (a published reward
+    model's layout), every weight redrawn: dew reads it as a reward model computing the same score at
+    every position, writes it back as that class, and transformers' own save of that comes back bitwise."""
+    from dew.families import scoring
+    from dew.families.examples import redraw
+
+    config = transformers.AutoConfig.from_pretrained(write_checkpoint(name, tmp_path / "lm"), num_labels=1)
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    redraw(model, seed=5)
+    assert type(model).__name__ == scoring.architecture(family(name).architecture)
+    model.save_pretrained(tmp_path / "rm")
+    theirs = _hf_scores(model, PROMPTS)
+    loaded = Pretrained.load(tmp_path / "rm")
+    assert loaded.task["name"] == "reward_model" and loaded.format == name
+    assert np.abs(_scores_at_every_position(loaded, PROMPTS) - theirs).max() <= 1e-4
+    loaded.save(tmp_path / "dew")
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "dew").eval()
+    assert type(back).__name__ == type(model).__name__ and back.config.num_labels == 1
+    assert np.abs(_hf_scores(back, PROMPTS) - theirs).max() <= 1e-4
+    back.save_pretrained(tmp_path / "hf")
+    again = Pretrained.load(tmp_path / "hf")
+    assert flat(again.variables).keys() == flat(loaded.variables).keys()
+    assert all(np.array_equal(flat(again.variables)[k], v) for k, v in flat(loaded.variables).items())
+
+
+def test_a_classifier_of_several_labels_is_refused_naming_them(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, num_labels=3)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    with pytest.raises(NoExactCounterpartError, match="LlamaForSequenceClassification with 3 labels, a classifier"):
+        Pretrained.load(tmp_path)
+
+
 def test_an_uncovered_architecture_names_itself_and_the_covered_ones(tmp_path):
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)

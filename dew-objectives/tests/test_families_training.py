@@ -275,6 +275,15 @@ def test_an_export_takes_nothing_of_a_checkpoints_tokenizer_the_run_did_not_use(
     assert hf.chat_template is None and hf.eos_token_id == 256  # the byte tokenizer's own end of text
 
 
+def _chat_pairs(workdir) -> list[dict]:
+    """Chat preference pairs on addition, written to workdir/pairs.jsonl and returned."""
+    records = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+                "chosen": [{"role": "assistant", "content": str(a + b)}],
+                "rejected": [{"role": "assistant", "content": str(a + b + 3)}]} for a in range(6) for b in range(6)]
+    (workdir / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
 def test_a_reward_model_scores_a_rollouts_chat_turn_where_its_pairs_were_scored(workdir, monkeypatch):
     """A reward model trained on Qwen3 chat pairs scored each completion of a chat rollout without the
     end of its assistant turn (<|im_end|>\\n, where the pairs were scored): unless the user guessed
@@ -282,10 +291,7 @@ def test_a_reward_model_scores_a_rollouts_chat_turn_where_its_pairs_were_scored(
     from dew.rewards.model import RewardModel
 
     monkeypatch.chdir(workdir)
-    records = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
-                "chosen": [{"role": "assistant", "content": str(a + b)}],
-                "rejected": [{"role": "assistant", "content": str(a + b + 3)}]} for a in range(6) for b in range(6)]
-    (workdir / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    records = _chat_pairs(workdir)
     _run("addition-reward-model", [
         "model={name: qwen3, preset: tiny, max_seq_len: 64}", "init={pretrained: checkpoints/qwen3-tiny}",
         "objective.seq_len=48", "data={name: chat_preferences, files: pairs.jsonl, tokenizer: checkpoints/qwen3-tiny, "
@@ -300,6 +306,82 @@ def test_a_reward_model_scores_a_rollouts_chat_turn_where_its_pairs_were_scored(
         scored = float(reward([reply], {"prompt_text": [prompt]})[0])
         assert scored == pytest.approx(float(reward.scoring([whole])[0]), abs=1e-6), (reply, whole)
         assert scored != pytest.approx(float(reward.scoring([prompt + reply])[0]), abs=1e-6)
+
+
+def _published_reward_model(workdir, name: str) -> tuple[object, object]:
+    """transformers' own one-label Qwen3ForSequenceClassification (a reward model, as TRL writes one)
+    over the tiny Qwen 3 config, every weight redrawn, saved beside the Qwen 3 tokenizer."""
+    config = transformers.AutoConfig.from_pretrained(workdir / "checkpoints/qwen3-tiny", num_labels=1)
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(workdir / "checkpoints/qwen3-tiny")
+    model.save_pretrained(workdir / name)
+    tokenizer.save_pretrained(workdir / name)
+    return model, tokenizer
+
+
+def test_a_published_reward_model_scores_as_transformers_does_and_serves_as_a_reward(workdir, monkeypatch, capsys):
+    """A reward model in the layout published ones ship in (transformers' ForSequenceClassification,
+    one label) was refused as an unknown architecture: it now scores text as transformers does, rewards
+    an RL run's chat turns, starts a reward-model run with its own score, and exports back."""
+    from dew.cli import main
+    from dew.pretrained import Pretrained
+    from dew.rewards.model import RewardModel
+
+    monkeypatch.chdir(workdir)
+    model, tokenizer = _published_reward_model(workdir, "published-rm")
+    asked = [{"role": "user", "content": "What is 2 plus 3?"}]
+    texts = [tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": reply}], tokenize=False)
+             for reply in ("5", "seven or so")] + ["plain text, no template"]
+    with torch.no_grad():  # one batch, padded at the end: transformers pools each row's last real token
+        theirs = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0].numpy()
+    assert len(set(np.round(theirs, 3))) == 3  # the redrawn head tells the texts apart
+
+    reward = RewardModel(run="published-rm")  # the `model` reward of an RL recipe, given the folder
+    np.testing.assert_allclose(reward.scoring(texts), theirs, atol=1e-5)
+    prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=False)
+    scored = reward(["5", "seven or so"], {"prompt_text": [prompt, prompt]})  # the turn closed as the pairs were
+    np.testing.assert_allclose(scored, theirs[:2], atol=1e-5)
+    assert main(["generate", "published-rm", texts[2]]) == 0
+    assert capsys.readouterr().out.startswith(f"{theirs[2]:.4f}\t")
+
+    # A reward-model run started from it keeps its score (a tiny step moves it by about 1e-6).
+    _chat_pairs(workdir)
+    _run("addition-reward-model", [
+        "model={name: qwen3, preset: tiny, max_seq_len: 64}", "init={pretrained: published-rm}",
+        "objective.seq_len=48", "data={name: chat_preferences, files: pairs.jsonl, tokenizer: published-rm, "
+        "length: 48, batch: 4}", "trainer.steps=1", "trainer.eval_every=null", "optimizer.warmup_steps=0",
+        "optimizer.learning_rate=1e-6", "trainer.checkpoint_dir=runs/rm-published",
+        "trackers.0.directory=runs/rm-published"])
+    assert main(["export", "runs/rm-published", "exported/rm-published", "--verify"]) == 0
+    assert "Qwen3ForSequenceClassification matches dew's scores" in capsys.readouterr().out
+    again = transformers.AutoModelForSequenceClassification.from_pretrained("exported/rm-published").eval()
+    np.testing.assert_allclose(again.score.weight.detach().numpy(), model.score.weight.detach().numpy(), atol=1e-5)
+    # transformers' own save of dew's export comes back to dew bit for bit.
+    again.save_pretrained(workdir / "resaved-rm")
+    tokenizer.save_pretrained(workdir / "resaved-rm")
+    exported, resaved = Pretrained.load("exported/rm-published"), Pretrained.load("resaved-rm")
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(exported.variables),
+                                                   jax.tree.leaves(resaved.variables), strict=True))
+
+    # Another objective cannot start from it (its decoder ends in a score), and says what to do instead.
+    assert main(["train", "qwen3-sft", "init.pretrained=published-rm", "data.tokenizer=published-rm",
+                 "trainer.steps=1", "trainer.checkpoint_dir=runs/sft-from-rm",
+                 "trackers.0.directory=runs/sft-from-rm"]) == 2
+    refused = capsys.readouterr().err
+    assert "RewardModelStartError" in refused and "is a reward model" in refused and "name: model" in refused
+    # A classifier with several labels is no reward model: refused by its labels.
+    config = json.loads((workdir / "published-rm" / "config.json").read_text())
+    (workdir / "classifier").mkdir()
+    for file in (workdir / "published-rm").iterdir():
+        (workdir / "classifier" / file.name).write_bytes(file.read_bytes())
+    config.update(id2label={"0": "NEGATIVE", "1": "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
+    (workdir / "classifier" / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "classifier", "hello"]) == 2
+    assert "with 2 labels, a classifier" in capsys.readouterr().err
 
 
 def test_ppo_starts_from_a_family_checkpoint_with_a_value_head_beside_it(workdir, monkeypatch):

@@ -5,6 +5,8 @@ policy of a preference or RL run, without its reference or value head) in
 its family's Hugging Face layout (Llama, Qwen 3, Gemma 2, ...) when the
 family expresses it exactly, in dew's own layout otherwise (``--format dew``
 asks for it, ``--format hf`` refuses a model with no exact counterpart); a
+reward model on such a decoder as the family's one-label
+``...ForSequenceClassification`` (``dew.families.scoring``); a
 diffusion model, a token denoiser or a JEPA encoder in dew's own layout (no
 published format computes the same function), which ``Pretrained.load``
 reads back with the task it serves. A LoRA run's adapters are merged into
@@ -106,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
 def _native(opened: Opened) -> bool:
     """Whether the run's model is written in dew's own layout (no Hugging Face class reads it)."""
     from dew.adapters.lora import base_model
-    from dew.pretrained import Pretrained
     from dew.pretrained.native import FORMAT
 
-    return Pretrained(base_model(opened.model), _served(opened)).format == FORMAT
+    pretrained = opened.pipeline().pretrained()  # its task decides whether a reward model's score fits
+    return dataclasses.replace(pretrained, model=base_model(pretrained.model)).format == FORMAT
 
 
 def _served(opened: Opened) -> Variables:
@@ -139,7 +141,8 @@ def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float |
     except PretrainedError as error:
         print(f"dew export --verify: {error}", file=sys.stderr)
         return 2
-    print(f"Verified: transformers' {result.architecture} matches dew's logits within "
+    compared = "scores" if result.architecture.endswith("ForSequenceClassification") else "logits"
+    print(f"Verified: transformers' {result.architecture} matches dew's {compared} within "
           f"{result.max_abs_difference:.2g} (tolerance {result.tolerance:g}) on "
           f"{len(result.prompt_lengths)} prompts; recorded in {written / 'verification.json'}")
     return 0
@@ -185,8 +188,14 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
 
 def _layout(pretrained: PretrainedModel, format: str | None) -> str:
     """The layout save writes for format, in words."""
+    from dew.families import family, scoring
+
     chosen = pretrained.format if format in (None, "hf") else format
-    return "dew's own layout" if chosen == "dew" else f"Hugging Face's {chosen} layout"
+    if chosen == "dew":
+        return "dew's own layout"
+    if scoring.scored(pretrained.model, pretrained.variables, pretrained.task):
+        return f"Hugging Face's {scoring.architecture(family(chosen).architecture)} layout, a reward model"
+    return f"Hugging Face's {chosen} layout"
 
 
 def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | None]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dew.errors import DewKeyError
+from dew.families import scoring
 from dew.families.convert import Entry, dense_table
 from dew.families.hf_config import stored_dtype
 from dew.pretrained.errors import (
@@ -422,12 +423,15 @@ def for_config(config: Mapping[str, Any]) -> Family:
             "(such as [\"LlamaForCausalLM\"]), as transformers writes it.")
     named = [str(arch) for arch in given]
     kind = config.get("model_type")
-    if isinstance(kind, str) and kind in FAMILIES and named and named[0] in family(kind).architectures:
-        return family(kind)  # the usual case, without importing every family to find it
+    if isinstance(kind, str) and kind in FAMILIES and named:  # the usual case, without importing every family
+        own = family(kind).architectures
+        if named[0] in own or named[0] in map(scoring.architecture, own):
+            return family(kind)
     covered = architectures()
+    scorers = {scoring.architecture(arch): arch for arch in covered}  # a reward model: its decoder's family
     for arch in named:
-        if arch in covered:
-            return family(covered[arch])
+        if scorers.get(arch, arch) in covered:
+            return family(covered[scorers.get(arch, arch)])
     if not named:
         for name in FAMILIES:
             if family(name).model_type == kind:
@@ -435,7 +439,8 @@ def for_config(config: Mapping[str, Any]) -> Family:
     what = ", ".join(named) or f"model_type {kind!r}"
     raise UnsupportedArchitectureError(
         f"The checkpoint is a {what}; dew loads {', '.join(covered)} "
-        f"(the families {', '.join(FAMILIES)}).")
+        f"(the families {', '.join(FAMILIES)}), and each one's ForSequenceClassification with one label "
+        "(a reward model).")
 
 
 def of_model(model: Module) -> Family:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dew.data.base import eos_id_of, listed_ids, stop_ids_of, vocab_size_of
+from dew.families import scoring
 from dew.pretrained import native
 from dew.pretrained.errors import (
     ConfigValueError,
@@ -237,7 +238,8 @@ class Pretrained:
     @property
     def format(self) -> str:
         """The model's own format: the Hugging Face layout of the family a CausalTransformer
-        names ('qwen3', ...), or Llama's when it names none and is exactly a Llama; else 'dew'
+        names ('qwen3', ...), or Llama's when it names none and is exactly a Llama (a reward
+        model's as the family's sequence-classification model, dew.families.scoring); else 'dew'
         (dew's own layout, which every registered model has)."""
         from dew.families import of_model
         from dew.nn.backbones import CausalTransformer
@@ -258,6 +260,8 @@ class Pretrained:
         from dew.families import of_model
 
         covered = {path[0] for entry in of_model(self.model).table(self.model).values() for path in entry.paths}
+        if scoring.scored(self.model, self.variables, self.task):  # a reward model's score
+            covered.add(scoring.HEAD)
         if getattr(self.model, "scan_layers", False):  # the stacked layers the table numbers
             covered.add("layers")
         return sorted(set(self.variables.get("params", self.variables)) - covered)
@@ -313,7 +317,12 @@ class Pretrained:
             from dew.nn.pipeline import unstack_layers
 
             params = unstack_layers(params, self.model.num_layers)
-        table = family.table(self.model)
+        own: dict[str, Any] = {}  # what config.json's "dew" keeps beside the dtype and tokenizer
+        if scoring.scored(self.model, self.variables, self.task):
+            table, config = scoring.table(family, self.model), scoring.written(family, config)
+            own["task"] = dict(self.task or {})
+        else:
+            table = family.table(self.model)
         for name, entry in table.items():  # every tensor checked before a byte is written
             for path, shape in zip(entry.paths, entry.dew_shapes, strict=True):
                 value = _at(params, path)
@@ -329,11 +338,11 @@ class Pretrained:
         target = Path(directory)
         writing = jax.process_index() == 0
         with replacing(target, force=force) if writing else contextlib.nullcontext(target) as fresh:
-            self._write_hf(fresh, writing, table, params, config, max_shard_bytes)
+            self._write_hf(fresh, writing, table, params, config, max_shard_bytes, own)
         return target
 
     def _write_hf(self, target: Path, writing: bool, table: Mapping[str, Any], params: Any,
-                  config: dict[str, Any], max_shard_bytes: int) -> None:
+                  config: dict[str, Any], max_shard_bytes: int, own: Mapping[str, Any]) -> None:
         shards = ShardWriter(target, max_shard_bytes, {"format": "pt"})
         stacked: dict[tuple[str, ...], np.ndarray] = {}  # the stacked weights being written expert by expert
         for name, entry in table.items():
@@ -352,7 +361,7 @@ class Pretrained:
         recorded = write_tokenizer(self.tokenizer, target)
         if self.tokenizer_files is not None:
             self.tokenizer_files.write(target)
-        config["dew"] = {"dtype": np.dtype(self.model.dtype).name, "tokenizer": recorded}
+        config["dew"] = {"dtype": np.dtype(self.model.dtype).name, "tokenizer": recorded, **own}
         (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
     def _token_ids(self) -> dict[str, Any]:
@@ -480,6 +489,7 @@ class Pretrained:
             return cls(model, variables, tokenizer, config.get("task"), kept,
                        int(context) if isinstance(context, int) else None)
         family = for_config(config)
+        scorer = scoring.is_scorer(config, config_path)  # a reward model's decoder and score
         _refuse_quantized(config, config_path)
         check_config_sizes(config, config_path)  # a size that is no positive integer, named as such
         # The bounds come before the model's description: a family's description lists its
@@ -504,8 +514,12 @@ class Pretrained:
                                    "the model again.") from None
         if files is None:
             files = TensorFiles(source)  # no weights: NoPretrainedModelError, naming the directory
-        model = _untied_if_stored_apart(model, files, config_path)
-        table = family.table(model)
+        if scorer:  # no language-model head is stored: the embedding stands in (its logits go unread)
+            model = model.clone(tie_embeddings=True)
+            table = scoring.table(family, model)
+        else:
+            model = _untied_if_stored_apart(model, files, config_path)
+            table = family.table(model)
         unread = family.unread(config)  # tensors the model does not compute, left in the files
         _check_tensors(source, family.architecture, model, table,
                        {name: shape for name, shape in files.shapes().items() if not name.startswith(unread)})
@@ -552,7 +566,8 @@ class Pretrained:
         tokenizer = read_tokenizer(source, own.get("tokenizer"), config.get("eos_token_id"), kept)
         if tokenizer is not None:
             check_vocabulary(tokenizer, model)
-        return cls(model, {"params": params}, tokenizer, None, kept, family.context(config))
+        task = scoring.task(config, model) if scorer else None
+        return cls(model, {"params": params}, tokenizer, task, kept, family.context(config))
 
 
 def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:

@@ -1,10 +1,12 @@
 """Certify an export: transformers loads it on the CPU and computes dew's logits.
 
 ``verify(directory, model, variables)`` loads the directory with
-``transformers.AutoModelForCausalLM`` in float32, runs fixed prompts
-through it and through dew's own model (also in float32, on the very
-weights that were exported), and writes what it found into the directory
-as ``verification.json``: the largest absolute difference of the logits,
+``transformers.AutoModelForCausalLM`` in float32 (a reward model's with
+``AutoModelForSequenceClassification``, whose score at every position is
+compared), runs fixed prompts through it and through dew's own model (also
+in float32, on the very weights that were exported), and writes what it
+found into the directory as ``verification.json``: the largest absolute
+difference of the logits,
 the tolerance, the SHA-256 of the prompts, and the versions of the
 libraries on both sides. ``dew export --verify`` calls it after writing
 and fails when the difference passes the tolerance; the file stays, as the
@@ -16,6 +18,7 @@ torch``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,13 +29,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dew.families import scoring
 from dew.pretrained.errors import PretrainedError
 
 if TYPE_CHECKING:
     from flax.linen import Module
+    from jax import Array
 
     from dew.data.base import Tokenizer
     from dew.objectives.base import Variables
+    from dew.typing import PyTree
 
 __all__ = ["DEFAULT_TOLERANCE", "VERIFICATION_FILE", "ExportMismatchError", "Verification", "prompts",
            "verify"]
@@ -101,6 +107,16 @@ def _versions() -> dict[str, str]:
     return installed(_LIBRARIES)
 
 
+def _scores(model: Module, params: PyTree, tokens: Array) -> Array:
+    """A reward model's score at each position: its head over the final norm's output."""
+    decoder = {name: value for name, value in params.items() if name != scoring.HEAD}
+    _, captured = model.apply({"params": decoder}, tokens, mutable=["intermediates"],
+                              capture_intermediates=lambda module, method: module.name == scoring.FEATURES
+                              and method == "__call__")
+    hidden = captured["intermediates"][scoring.FEATURES]["__call__"][0]
+    return (hidden.astype("float32") @ params[scoring.HEAD]["dense"]["kernel"])[..., 0]
+
+
 def verify(directory: str | os.PathLike[str], model: Module, variables: Variables, *,
            tokenizer: Tokenizer | None = None, tolerance: float = DEFAULT_TOLERANCE) -> Verification:
     """Compare transformers' logits of the export in directory with dew's; record and return them.
@@ -124,7 +140,9 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
     exact = model.clone(dtype=jnp.float32, param_dtype=jnp.float32)
     weights = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
                            nn.meta.unbox(dict(variables).get("params", variables)))
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    scorer = scoring.is_scorer(config, target / "config.json")
+    auto = transformers.AutoModelForSequenceClassification if scorer else transformers.AutoModelForCausalLM
+    theirs = auto.from_pretrained(target, dtype=torch.float32).eval()
     rows = prompts(model.vocab_size, model.max_seq_len, tokenizer)
     # One batch, shorter prompts padded at their end: causal attention keeps each prompt's
     # logits what they are alone, and only those positions are compared.
@@ -133,9 +151,16 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
     real = np.zeros((len(rows), width), bool)
     for i, row in enumerate(rows):
         ids[i, :len(row)], real[i, :len(row)] = row, True
-    mine = np.asarray(jax.jit(exact.apply)({"params": weights}, jnp.asarray(ids, jnp.int32)))
-    with torch.no_grad():
-        other = theirs(torch.from_numpy(ids)).logits.float().numpy()
+    tokens = jnp.asarray(ids, jnp.int32)
+    if scorer:  # the score at every position: transformers pools one of them per row
+        mine = np.asarray(jax.jit(functools.partial(_scores, exact))(weights, tokens))
+        with torch.no_grad():
+            hidden = getattr(theirs, theirs.base_model_prefix)(torch.from_numpy(ids)).last_hidden_state
+            other = theirs.score(hidden)[..., 0].float().numpy()
+    else:
+        mine = np.asarray(jax.jit(exact.apply)({"params": weights}, tokens))
+        with torch.no_grad():
+            other = theirs(torch.from_numpy(ids)).logits.float().numpy()
     worst = float(np.abs(mine - other)[real].max())
     result = Verification(
         max_abs_difference=worst, tolerance=float(tolerance), passed=worst <= tolerance,
@@ -144,7 +169,7 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
     result.write(target)
     if not result.passed:
         raise ExportMismatchError(
-            f"transformers' {result.architecture} computes logits up to {worst:.3g} away from dew's "
+            f"transformers' {result.architecture} computes {'scores' if scorer else 'logits'} up to {worst:.3g} away from dew's "
             f"on the same weights (tolerance {tolerance:g}); see {target / VERIFICATION_FILE}. The "
             "export was written but does not compute what the run does: report it, with that file.")
     return result

@@ -40,6 +40,7 @@ from dew.recipes.errors import RecipeError
 
 if TYPE_CHECKING:
     import os
+    from collections.abc import Mapping
 
     from flax import linen as nn
 
@@ -181,6 +182,11 @@ _EXECUTION = frozenset({"model.dtype", "model.param_dtype", "model.attention", "
 
 class AdaptedRunStartError(DewError, ValueError):
     """init.run names a LoRA run, whose checkpoints no model's tree takes whole."""
+
+
+class RewardModelStartError(DewError, ValueError):
+    """init.pretrained names a reward model (a sequence-classification checkpoint) for a run of another
+    objective: its decoder holds a score head, no language-model head."""
 
 
 class ResumedFunctionChangedError(DewError, ValueError):
@@ -383,6 +389,7 @@ def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource
             from dew.pretrained import check_same_function
 
             check_same_function(model, loaded.model, f"init.pretrained {source}")
+        _check_scorer_start(loaded.task, objective, source)
         weights = dict(loaded.variables)
 
         def given(abstract: Variables) -> Variables:
@@ -403,6 +410,20 @@ def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         run = _lora_base(run)
     return run, None
+
+
+def _check_scorer_start(task: Mapping[str, Any] | None, objective: Objective, source: str | Path) -> None:
+    """Refuse to start a run of another objective than the reward model's from a reward model."""
+    from dew.families import scoring
+    from dew.pretrained.native import registered_name
+
+    if task is None or task.get("name") != scoring.TASK or registered_name("dew.objectives", objective) == scoring.TASK:
+        return
+    raise RewardModelStartError(
+        f"init.pretrained {source} is a reward model (a sequence-classification checkpoint): its decoder "
+        "ends in a score, with no language-model head for this run to train. Score an RL run's completions "
+        f"with it (rewards: [{{name: model, run: {source}}}]), start a reward_model run from it, or start "
+        "this run from the checkpoint its decoder was trained from.")
 
 
 def _lora_base(source: WeightSource) -> WeightSource:

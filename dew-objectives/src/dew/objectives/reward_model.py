@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.errors import DewError
+from dew.families import scoring
 from dew.objectives.base import Aux, Batch, Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck
 from dew.objectives.inference import (
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["REWARD_HEAD", "RewardModelObjective", "RewardScoring", "SequenceTooLongError", "sequence_scores"]
 
-REWARD_HEAD = "reward_head"
+REWARD_HEAD = scoring.HEAD  # where the layout of a published reward model keeps its score too
 
 
 class SequenceTooLongError(DewError, ValueError):
@@ -110,7 +111,7 @@ class RewardModelObjective(Objective):
     seq_len: int
     _: KW_ONLY
     center: float = 0.0
-    features_module: str = "final_norm"
+    features_module: str = scoring.FEATURES
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     prompt_length_key: str = "prompt_length"
@@ -202,9 +203,9 @@ class RewardScoring(Pipeline):
         return f"dew generate {run} TEXT"
 
     def pretrained(self) -> PretrainedModel:
-        """The decoder, its head and the objective (the task) as a Pretrained: dew's own layout
-        (a published decoder's layout has no place for the head), which ``Pretrained.load`` reads
-        back into this pipeline."""
+        """The decoder, its head and the objective (the task) as a Pretrained, which ``Pretrained.load``
+        reads back into this pipeline: saved as its family's sequence-classification model
+        (``dew.families.scoring``) where the decoder is exactly a family's, else in dew's own layout."""
         from dew.pretrained.native import objective_pretrained
 
         return objective_pretrained(self.objective, self.variables)
