@@ -71,6 +71,9 @@ CHECKED = [
     ("tiny-lm", ["trainer.mesh.fsdp=true"], "trainer.mesh: fsdp: a number is wanted, not a flag"),
     ("tiny-lm", ["seed=false"], "seed: a number is wanted, not a flag (given False)"),
     ("tiny-lm", ["data.load.seed=true"], "data.load.seed: a number is wanted, not a flag (given True)"),
+    # A routing given as a mapping reached the model's check as one: an AttributeError's traceback.
+    ("qwen3-sft", ["model.name=qwen3_moe", "model.routing={dropless: true}", "model.expert_capacity=2.0"],
+     "model: CausalTransformer.expert_capacity=2.0 sizes capacity routing"),
 ]
 
 
@@ -315,3 +318,22 @@ def test_a_component_of_another_version_than_the_run_trained_with_is_named_with_
     assert "objective 'lm' has no field 'seq_length'" in err, err
     assert (f"The run trained with objective 'lm' from dew-objectives 0.0.1; installed is {installed}: pip install "
             "'dew-objectives==0.0.1' to read it as it trained") in err, err
+
+
+@pytest.mark.slow
+def test_the_routing_a_refusal_advises_starts_the_run(tmp_path, monkeypatch, capsys):
+    """A Qwen3-MoE checkpoint normalizing its top-k gates (the tiny preset does not) is refused with the
+    routing to set; setting it, as every mapping-valued model field, crashed in the recipe's check."""
+    import re
+
+    from dew.families.examples import write_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    write_checkpoint("qwen3_moe", tmp_path / "moe", redrawn=True, overrides={"norm_topk_prob": True})
+    start = ["train", "qwen3-sft", "model.name=qwen3_moe", "init.pretrained=moe", "data.tokenizer=moe",
+             "trainer.steps=1", "trainer.eval_every=null", "trainer.checkpoint_dir=runs/moe",
+             "trackers.0.directory=runs/moe", "objective.prompt=null"]
+    assert main(start) == 2
+    advice = re.search(r"Set '(model\.routing=[^']+)'", capsys.readouterr().err)
+    assert advice is not None and "hidden_features: 32" in advice[1]
+    assert main([*start, advice[1]]) == 0, capsys.readouterr().err

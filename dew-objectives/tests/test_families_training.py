@@ -396,6 +396,67 @@ def test_ppo_starts_from_a_family_checkpoint_with_a_value_head_beside_it(workdir
     _assert_reference_is_the_checkpoint_and_the_policy_moved(state, _start(workdir, "gemma2"))
 
 
+def test_lora_trains_a_reward_models_score_and_a_ppo_value_head_in_full_and_exports_them(workdir, monkeypatch,
+                                                                                          capsys):
+    """A LoRA run froze every leaf but the adapters, so an objective's own head (a reward model's score,
+    PPO's value head) never trained, and the base weights, lacking it, were refused at the start: LoRA
+    reward models and LoRA PPO could not run. The heads now train in full beside the adapters (PEFT's
+    modules_to_save), and the reward model's PEFT adapters carry its score."""
+    import flax.linen as nn
+    import peft
+
+    from dew.cli import main
+
+    monkeypatch.chdir(workdir)
+    records = _chat_pairs(workdir)
+    rows, state = _run("addition-reward-model", [
+        "model={name: qwen3, preset: tiny, max_seq_len: 64}", "init={pretrained: checkpoints/qwen3-tiny}",
+        "lora={rank: 4}", "objective.seq_len=48", "data={name: chat_preferences, files: pairs.jsonl, "
+        "tokenizer: checkpoints/qwen3-tiny, length: 48, batch: 4}", "trainer.steps=4", "trainer.eval_every=null",
+        "optimizer.warmup_steps=0", "optimizer.learning_rate=1e-2", "trainer.checkpoint_dir=runs/rm-lora",
+        "trackers.0.directory=runs/rm-lora"])
+    params = jax.device_get(nn.meta.unbox(state.params))["params"]
+    assert np.any(params["reward_head"]["dense"]["kernel"])  # it starts at zero: only training moves it
+    assert rows[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-6) and rows[-1]["loss"] != rows[0]["loss"]
+    b = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+         if jax.tree_util.keystr(path).endswith("_lora_b']")]
+    assert b and any(np.any(np.asarray(leaf)) for leaf in b)  # the adapters trained too
+
+    assert main(["export", "runs/rm-lora", "exported/rm-lora"]) == 0
+    assert main(["export", "runs/rm-lora", "exported/rm-lora-adapters", "--adapters"]) == 0
+    assert "with the reward model's score" in capsys.readouterr().out
+    hf = transformers.AutoTokenizer.from_pretrained("checkpoints/qwen3-tiny")
+    texts = [hf.apply_chat_template([*r["prompt"], *r["chosen"]], tokenize=False) for r in records[:3]]
+    encoded = hf(texts, padding=True, return_tensors="pt")
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained("exported/rm-lora").eval()
+    base = transformers.AutoModelForSequenceClassification.from_pretrained("checkpoints/qwen3-tiny", num_labels=1)
+    adapted = peft.PeftModel.from_pretrained(base, "exported/rm-lora-adapters").eval()
+    with torch.no_grad():
+        by_merge, by_adapters = (m(**encoded).logits[:, 0].numpy() for m in (merged, adapted))
+    from dew.rewards.model import RewardModel
+
+    ours = RewardModel(run="runs/rm-lora").scoring(texts)
+    np.testing.assert_allclose(by_merge, ours, atol=1e-5)
+    np.testing.assert_allclose(by_adapters, ours, atol=1e-5)
+    # dew reads those adapters back onto the base, the score with them.
+    from dew.families import family
+    from dew.pretrained.peft import load_adapters
+
+    blank = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: np.zeros_like(leaf) if "lora_b" in jax.tree_util.keystr(path)
+        or "reward_head" in jax.tree_util.keystr(path) else leaf, {"params": params})
+    back = load_adapters("exported/rm-lora-adapters", family("qwen3").build("tiny", max_seq_len=64), blank)
+    for ours_leaf, read in zip(jax.tree.leaves({"params": params}), jax.tree.leaves(back), strict=True):
+        np.testing.assert_allclose(np.asarray(read), np.asarray(ours_leaf), atol=1e-7)
+
+    _, ppo = _run("addition-ppo", ["trainer.steps=2", "data.batch=4", "objective.max_new_tokens=3",
+                                   "objective.reward={name: length, target: 2}", "objective.epochs=1",
+                                   "objective.minibatches=1", "lora={rank: 4}",
+                                   *_addition_from("gemma2", "ppo-lora-gemma2")])
+    head = jax.device_get(nn.meta.unbox(ppo.params))["params"]["value_head"]["dense"]
+    assert np.any(head["kernel"]) and np.any(head["bias"])  # both start at zero: only training moves them
+
+
 # DeepSeek-V3's latent attention samples through the generation engine's paged pools (issue 29,
 # item 1: the engine runs on any registered causal decoder): GRPO and `dew generate` from its checkpoint.
 @pytest.fixture(scope="module")

@@ -382,7 +382,8 @@ def bytewise(tree: PyTree) -> PyTree:
     return jax.tree.map(widen, tree, is_leaf=_is_quantized)
 
 
-def with_base(fresh: Mapping[str, PyTree], given: Mapping[str, PyTree]) -> dict[str, PyTree]:
+def with_base(fresh: Mapping[str, PyTree], given: Mapping[str, PyTree], *,
+              heads: tuple[str, ...] = ()) -> dict[str, PyTree]:
     """fresh (an adapted model's variables) with every base weight taken from given.
 
     given is a base model's variables (no adapters: a Pretrained directory,
@@ -391,6 +392,8 @@ def with_base(fresh: Mapping[str, PyTree], given: Mapping[str, PyTree]) -> dict[
     one scanned stack, or the other way round: they are rearranged as
     fresh's. A base weight is quantized as fresh holds it (QLoRA). A base leaf given lacks, or one fresh has no place for, is
     refused by name: a half-loaded base would train silently from noise.
+    The objective's heads (top-level parameters it adds, trained in full)
+    are taken from given where it has them and kept fresh where it has none.
     """
     import flax.linen as nn
 
@@ -421,7 +424,11 @@ def with_base(fresh: Mapping[str, PyTree], given: Mapping[str, PyTree]) -> dict[
 
     given_params = given.get("params")
     if isinstance(given_params, Mapping) and isinstance(fresh.get("params"), Mapping):
-        given = {**given, "params": laid_out_as(given_params, fresh["params"])}  # scanned or numbered
+        params = dict(laid_out_as(given_params, fresh["params"]))  # scanned or numbered
+        for head in heads:  # trained in full: as given holds it, else as drawn
+            if head in fresh["params"]:
+                params.setdefault(head, fresh["params"][head])
+        given = {**given, "params": params}
     merged = walk({key: value for key, value in fresh.items() if key == "params"},
                   {key: value for key, value in given.items() if key == "params"}, "")
     if missing:
@@ -504,10 +511,13 @@ class _AdaptersOnly(Objective):
 
     def __init__(self, inner: Objective) -> None:
         self.inner = inner
+        self.heads = inner.heads
         also = inner.frozen
+        heads = {("params", head) for head in inner.heads}
 
         def frozen(path: tuple[str, ...], leaf: PyTree) -> bool:
-            return not is_adapter(path, leaf) or (also is not None and bool(also(path, leaf)))
+            trained = is_adapter(path, leaf) or tuple(path[:2]) in heads  # a head trains in full
+            return not trained or (also is not None and bool(also(path, leaf)))
 
         self.frozen = frozen
         self.ema = inner.ema  # model and tokenizer are inner's too (see __getattr__)
@@ -521,7 +531,7 @@ class _AdaptersOnly(Objective):
         fresh = dict(self.inner.init(key))
         if self._reference is not None:
             fresh.pop(self._reference, None)  # the reference is the base model: see loss
-        return fresh if variables is None else with_base(fresh, variables)
+        return fresh if variables is None else with_base(fresh, variables, heads=self.inner.heads)
 
     def _with_reference(self, variables: Variables) -> Variables:
         """variables plus the reference as inner reads it: the same base weights, adapters' B at zero."""

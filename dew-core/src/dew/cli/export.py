@@ -180,7 +180,14 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
         if lora.base != "float32":
             what += (f" (trained on {'an' if lora.base.startswith(('int', 'nf')) else 'a'} {lora.base} copy of the base: PEFT puts them onto the float base, "
                      "which computes slightly other logits than the run; the merged export is the run's model)")
-        return save_adapters(out, base, pretrained.variables, lora, base_name=name, force=force), what
+        from dew.families import scoring
+
+        scored = scoring.scored(base, pretrained.variables, pretrained.task)
+        if scored:
+            what += (" (with the reward model's score, for PEFT's sequence-classification model of the base: "
+                     "AutoModelForSequenceClassification with num_labels=1)")
+        return save_adapters(out, base, pretrained.variables, lora, base_name=name, force=force,
+                             scored=scored), what
     merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
                         pretrained.task, kept, context)
     return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"

@@ -174,8 +174,10 @@ class CausalTransformer(nn.Module):
     def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
         """What _check refuses in these fields, said before anything is built (dew.registry.ChecksFields):
         a recipe's model is then refused by ``dew train --check`` and at load, not at the first trace."""
-        try:
-            cls(**dict(fields))._check()
+        from dew.registry import validate_fields
+
+        try:  # a recipe gives latent, routing and rope_scaling as mappings: made their types first
+            cls(**validate_fields(cls, dict(fields), "CausalTransformer"))._check()
         except (ValueError, TypeError) as error:
             return [((), str(error))]
         return []

@@ -279,7 +279,7 @@ class Objective(Generic[Loss, Effects]):
 
     Every other capability a run, a command or an adapter asks of an
     objective is declared below with the default an objective without it
-    has, so nothing probes for it: ``rollout``, ``initializer``,
+    has, so nothing probes for it: ``heads``, ``rollout``, ``initializer``,
     ``starting_weights``, ``metrics``, ``pipeline`` and
     ``reference_collection``. The ``model`` and ``tokenizer`` it holds are
     declared by type, and held when ``run_inputs`` names them.
@@ -288,6 +288,10 @@ class Objective(Generic[Loss, Effects]):
     ema: EMASpec | None = None
     frozen: LeafFilter | None = None
     run_inputs: ClassVar[frozenset[str]] = frozenset()
+    heads: ClassVar[tuple[str, ...]] = ()
+    """The top-level parameters it adds beside its model's own (a reward model's score, PPO's
+    value head): a LoRA run trains them in full beside the adapters, as PEFT's modules_to_save
+    does, and draws them fresh where the base weights lack them."""
     # Declared without a value: a dataclass subclass would read a value here as its field's
     # default. An objective whose run_inputs name "model" (or "tokenizer") holds one.
     model: nn.Module

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dew.families import scoring
 from dew.pretrained.errors import (
     NoExactCounterpartError,
     NoPretrainedModelError,
@@ -138,19 +139,22 @@ def _node(params: Mapping[str, PyTree], path: tuple[str, ...]) -> Mapping[str, P
 
 
 def save_adapters(directory: str | os.PathLike[str], model: Module, variables: Variables, spec: Lora,
-                  *, base_name: str = "", force: bool = False) -> Path:
+                  *, base_name: str = "", force: bool = False, scored: bool = False) -> Path:
     """Write the adapters of variables (an adapted model's) as a PEFT LoRA directory; return it.
 
     model is the base CausalTransformer, spec the ``Lora`` the adapters were
     made by, base_name what adapter_config.json records as the base model
     (a path or a hub name; PEFT reads it only when asked to load the base).
-    The directory is written whole and swapped in, as ``Pretrained.save``
-    writes (force: the same meaning there).
+    scored: variables are a reward model's (``dew.families.scoring``), whose
+    score head trained in full: written as PEFT's sequence-classification
+    adapters, the head among its modules_to_save, for the family's one-label
+    ForSequenceClassification model of the base. The directory is written
+    whole and swapped in, as ``Pretrained.save`` writes (force: the same
+    meaning there).
     """
     import flax.linen as nn
     import jax
 
-    from dew.adapters.lora import base_digest
     from dew.adapters.lora_stack import unstack_tree
     from dew.families import of_model
 
@@ -196,10 +200,15 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
     if not tensors:
         raise TensorMismatchError("The variables hold no LoRA adapters on the family's projections "
                                   "(q/k/v/o_proj, gate/up/down_proj, ...); export the merged model instead.")
+    if scored:  # the score, trained in full: PEFT keeps it whole beside the adapters
+        from dew.families import scoring
+
+        kernel = params[scoring.HEAD]["dense"]["kernel"]
+        tensors[f"{PREFIX}score.weight"] = np.asarray(jax.device_get(kernel), np.float32).T
     target = Path(directory)
-    config = {
+    config: dict[str, Any] = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if scored else "CAUSAL_LM",
         "base_model_name_or_path": str(base_name),
         "r": int(spec.rank),
         "lora_alpha": float(spec.alpha),
@@ -211,7 +220,7 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": ["score"] if scored else None,
     }
     layers = _layers_adapted(modules, set(_adapted(model).values()), targets)
     if layers is not None:  # a target of some layers only (".*layers_0/attention"): PEFT adapts those alone
@@ -219,9 +228,18 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
     from dew.pretrained.writing import replacing
 
     with replacing(target, force=force) as fresh:
-        write_tensors(fresh / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: base_digest(variables)})
+        write_tensors(fresh / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: _base_digest(variables)})
         (fresh / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target
+
+
+def _base_digest(variables: Variables) -> str:
+    """The digest of the base the adapters go onto: a reward model's score trains beside them, so it is
+    no part of that base."""
+    from dew.adapters.lora import base_digest
+
+    params = dict(variables).get("params", variables)
+    return base_digest({"params": {k: v for k, v in params.items() if k != scoring.HEAD}})
 
 
 def _layers_adapted(modules: set[str], adaptable: set[str], targets: set[str]) -> list[int] | None:
@@ -256,7 +274,6 @@ def load_adapters(directory: str | os.PathLike[str], model: Module, variables: V
     import flax.linen as nn
     from safetensors import safe_open
 
-    from dew.adapters.lora import base_digest
     from dew.pretrained.reading import check_float_dtype, read_json
     from dew.pretrained.tensors import _header
 
@@ -275,7 +292,7 @@ def load_adapters(directory: str | os.PathLike[str], model: Module, variables: V
     with safe_open(str(weights), framework="numpy") as handle:
         recorded = (handle.metadata() or {}).get(DIGEST_KEY)
         found = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    mine = base_digest(variables)
+    mine = _base_digest(variables)
     if recorded is not None and recorded != mine:
         raise AdapterBaseMismatchError(
             f"The adapters in {source} were trained on a base of digest {recorded}, but these variables' "
@@ -324,6 +341,11 @@ def load_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         parent[f"{path[-1]}_lora_a"] = np.asarray(new_a.reshape(a.shape), a.dtype)
         parent[f"{path[-1]}_lora_b"] = np.asarray(new_b.reshape(b.shape), b.dtype)
         used.update((a_name, b_name))
+    score = f"{PREFIX}score.weight"  # a reward model's score (SEQ_CLS adapters keep it whole)
+    head = params.get(scoring.HEAD, {}).get("dense", {}).get("kernel")
+    if score in found and head is not None and tuple(found[score].shape) == tuple(np.shape(head))[::-1]:
+        params[scoring.HEAD] = {"dense": {"kernel": np.asarray(found[score].T, np.asarray(head).dtype)}}
+        used.add(score)
     unused = sorted(set(found) - used)
     if unused:
         raise TensorMismatchError(f"{source} holds adapters this model has no adapter for: "

@@ -221,6 +221,7 @@ class PPOObjective(GreedyRewardValidation, Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    heads: ClassVar[tuple[str, ...]] = (VALUE_HEAD,)
 
     model: nn.Module
     reward: Any = "exact_match"

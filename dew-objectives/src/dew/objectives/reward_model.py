@@ -106,6 +106,7 @@ class RewardModelObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    heads: ClassVar[tuple[str, ...]] = (REWARD_HEAD,)
 
     model: nn.Module
     seq_len: int
