@@ -123,6 +123,22 @@ def test_routing_a_family_cannot_express_is_refused_by_name(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("name, settings", [
+    ("mixtral", {"router_aux_loss_coef": 0.001, "output_router_logits": True, "router_jitter_noise": 0.1}),
+    ("qwen3_moe", {"router_aux_loss_coef": 0.01, "output_router_logits": True, "initializer_range": 0.01}),
+])
+def test_a_checkpoints_training_settings_survive_dews_layout_and_its_export(tmp_path, name, settings):
+    """How transformers trains the weights further (the router's balance-loss weight, whether it returns
+    router logits) was overwritten on save by the family's defaults (Mixtral's 0.001 came back 0.02)."""
+    source = write_checkpoint(name, tmp_path / "source", overrides=settings)
+    Pretrained.load(source).save(tmp_path / "native", format="dew")  # through dew's own layout too
+    Pretrained.load(tmp_path / "native").save(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {key: written[key] for key in settings} == settings
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert all(getattr(config, key) == value for key, value in settings.items())
+
+
 @pytest.mark.slow
 def test_a_qwen3_moe_sliding_window_covers_every_layer_as_in_transformers(tmp_path):
     """transformers' Qwen 3 MoE windows every layer when use_sliding_window is set (it has no

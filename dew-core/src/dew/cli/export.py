@@ -153,8 +153,9 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
     """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
     from dew.pretrained import Pretrained
 
-    kept, context = _source_settings(opened)
-    pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept, context=context)
+    kept, context, training = _source_settings(opened)
+    pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept, context=context,
+                                     training=training)
     if lora is None:
         return pretrained.save(out, format=format, force=force), f"the model ({_layout(pretrained, format)})"
     from dew.adapters.lora import base_model, merge_lora
@@ -189,7 +190,7 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
         return save_adapters(out, base, pretrained.variables, lora, base_name=name, force=force,
                              scored=scored), what
     merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
-                        pretrained.task, kept, context)
+                        pretrained.task, kept, context, training)
     return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"
 
 
@@ -205,10 +206,11 @@ def _layout(pretrained: PretrainedModel, format: str | None) -> str:
     return f"Hugging Face's {chosen} layout"
 
 
-def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | None]:
-    """The tokenizer settings (chat template, special tokens) and the context length of the
-    Hugging Face directory the weights came from: the exported directory itself, or the run's
-    init.pretrained, followed back through the runs an init.run names (None, None: neither)."""
+def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | None, dict[str, Any] | None]:
+    """The tokenizer settings (chat template, special tokens), the context length and the training
+    settings (Pretrained.training) of the Hugging Face directory the weights came from: the exported
+    directory itself, or the run's init.pretrained, followed back through the runs an init.run names
+    (None each: neither)."""
     from dew.families import for_config
     from dew.pretrained import CONFIG_FILE, PretrainedError, TokenizerFiles
     from dew.pretrained.native import FORMAT
@@ -221,12 +223,16 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
         init = opened.config.init
         source = None if init is None else pretrained_origin(opened.source, init.model_dump())
     if source is None or not (source / CONFIG_FILE).is_file():
-        return None, None
+        return None, None, None
     import json
 
+    from dew.families.hf_config import training_settings
+
     config = json.loads((source / CONFIG_FILE).read_text())
-    context = None
-    if config.get("format") != FORMAT:  # dew's own layout has no context length to keep
+    context, own = None, config.get("dew") or {}
+    training = own.get("training") if isinstance(own, dict) else None
+    if config.get("format") != FORMAT:  # dew's own layout keeps them in its "dew" key
+        training = training_settings(config)
         with contextlib.suppress(PretrainedError):  # a family dew does not read keeps none
             context = for_config(config).context(config)
     files = TokenizerFiles.read(source, config)
@@ -234,8 +240,8 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
         print(f"dew export: the run's tokenizer is not the one of {source}, which its weights started from: "
               "that folder's chat template, special tokens and generation settings are left out, so the "
               "export does not mix two tokenizers.", file=sys.stderr, flush=True)
-        return None, context
-    return files, context
+        return None, context, training or None
+    return files, context, training or None
 
 
 def _same_tokenizer(tokenizer: object, source: Path, config: dict[str, Any], files: SavedTokenizerFiles | None) -> bool:

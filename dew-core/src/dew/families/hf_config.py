@@ -37,8 +37,14 @@ __all__ = [
     "rope_parameters",
     "sliding_layers",
     "stored_dtype",
+    "training_settings",
     "window_fields",
 ]
+
+# config.json keys that say how transformers trains a model, not what it computes: a directory's
+# own values are written back over the family's defaults (Pretrained.training).
+TRAINING_KEYS = ("router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "initializer_range",
+                 "attention_dropout")
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -251,3 +257,8 @@ def window_fields(window: int | None, layers: tuple[int, ...] | None, count: int
     if layers is not None and tuple(layers) == tuple(range(count)):
         layers = None
     return {"sliding_window": int(window), "sliding_layers": None if layers is None else tuple(layers)}
+
+
+def training_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The training keys (TRAINING_KEYS) config.json gives."""
+    return {key: config[key] for key in TRAINING_KEYS if key in config}

@@ -28,6 +28,7 @@ import numpy as np
 
 from dew.data.base import eos_id_of, listed_ids, stop_ids_of, vocab_size_of
 from dew.families import scoring
+from dew.families.hf_config import training_settings
 from dew.pretrained import native
 from dew.pretrained.errors import (
     ConfigValueError,
@@ -211,7 +212,10 @@ class Pretrained:
     context length (``max_position_embeddings``) of the Hugging Face
     directory the weights were read from: save never writes a shorter one, so
     weights trained or loaded with a short ``max_seq_len`` (the decode cache's
-    length) keep the context they were published with.
+    length) keep the context they were published with. training keeps the
+    directory's config.json keys that say how transformers trains the weights
+    rather than what they compute (``router_aux_loss_coef``,
+    ``output_router_logits``, ...): save writes them over the family's defaults.
 
     >>> import tempfile, jax, jax.numpy as jnp
     >>> from dew.nn.backbones import CausalTransformer
@@ -232,6 +236,7 @@ class Pretrained:
     task: Mapping[str, Any] | None = None
     tokenizer_files: TokenizerFiles | None = None
     context: int | None = None
+    training: Mapping[str, Any] | None = None
 
     __repr__ = brief_repr  # the variables as one line, not every array
 
@@ -304,6 +309,7 @@ class Pretrained:
         family = of_model(self.model)
         config = family.config(self.model)
         config.update(self._token_ids())
+        config.update(self.training or {})
         if self.context is not None and self.context > int(config.get("max_position_embeddings") or 0):
             config["max_position_embeddings"] = int(self.context)
         extra = self.beyond_family()
@@ -396,6 +402,8 @@ class Pretrained:
                 config.update(self.tokenizer_files.ids)
             if self.context is not None:
                 config["dew"]["context"] = int(self.context)
+            if self.training:
+                config["dew"]["training"] = dict(self.training)
             write_tensors(fresh / WEIGHTS, tensors, {"format": native.FORMAT})
             (fresh / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return target
@@ -485,9 +493,10 @@ class Pretrained:
             variables = native.read_variables(source)
             kept = TokenizerFiles.read(source, config)
             tokenizer = read_tokenizer(source, own.get("tokenizer"), None, kept)
-            context = own.get("context")
+            context, training = own.get("context"), own.get("training")
             return cls(model, variables, tokenizer, config.get("task"), kept,
-                       int(context) if isinstance(context, int) else None)
+                       int(context) if isinstance(context, int) else None,
+                       dict(training) if isinstance(training, Mapping) else None)
         family = for_config(config)
         scorer = scoring.is_scorer(config, config_path)  # a reward model's decoder and score
         _refuse_quantized(config, config_path)
@@ -567,7 +576,8 @@ class Pretrained:
         if tokenizer is not None:
             check_vocabulary(tokenizer, model)
         task = scoring.task(config, model) if scorer else None
-        return cls(model, {"params": params}, tokenizer, task, kept, family.context(config))
+        return cls(model, {"params": params}, tokenizer, task, kept, family.context(config),
+                   training_settings(config) or None)
 
 
 def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
