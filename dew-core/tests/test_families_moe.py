@@ -57,6 +57,21 @@ def test_dew_computes_what_transformers_computes_and_exports_it_back(tmp_path, n
     check_exports_back(loaded, theirs, name, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors:UserWarning")  # torch, building them
+@pytest.mark.parametrize("name, none", [("deepseek_v3", {"n_shared_experts": 0}),
+                                        ("qwen2_moe", {"shared_expert_intermediate_size": 0})])
+def test_a_checkpoint_without_shared_experts_computes_what_transformers_computes(tmp_path, name, none):
+    """transformers stores the shared experts of a config that has none, with no elements (Qwen 2 MoE
+    also their gate, which scales zero): dew refused them as tensors of another architecture."""
+    source = write_checkpoint(name, tmp_path / "source", redrawn=True, overrides=none)
+    theirs = hf_logits(hf_model(source))
+    loaded = Pretrained.load(source)
+    assert loaded.model.routing.shared_features == 0
+    mine = np.asarray(jax.jit(loaded.model.apply)(loaded.variables, jnp.asarray(PROMPTS, jnp.int32)))
+    assert np.abs(mine - theirs).max() <= 1e-4, np.abs(mine - theirs).max()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_preset_writes_a_config_transformers_reads_as_that_size(name):
     fam = family(name)

@@ -122,10 +122,13 @@ PRESETS = {
 
 def unread(config: Mapping[str, Any]) -> tuple[str, ...]:
     """The multi-token-prediction layers (``num_nextn_predict_layers`` of them, numbered after the
-    model's last layer): the published checkpoints hold them, the model does not compute them."""
+    model's last layer): the published checkpoints hold them, the model does not compute them. With
+    ``n_shared_experts`` 0, the shared experts transformers stores anyway, with no elements."""
     layers = int(config.get("num_hidden_layers") or 0)
     extra = int(config.get("num_nextn_predict_layers") or 0)
-    return tuple(f"model.layers.{layers + i}." for i in range(extra))
+    empty = () if config.get("n_shared_experts", 1) else tuple(
+        f"model.layers.{i}.mlp.shared_experts." for i in range(layers))
+    return (*(f"model.layers.{layers + i}." for i in range(extra)), *empty)
 
 
 FAMILY = RoutedFamily(

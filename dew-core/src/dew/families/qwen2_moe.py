@@ -104,8 +104,16 @@ PRESETS: dict[str, dict[str, Any]] = {
              "sliding_window": 8, "max_window_layers": 2, "tie_word_embeddings": False},
 }
 
+def unread(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """With ``shared_expert_intermediate_size`` 0, the shared expert transformers stores anyway (no
+    elements) and the gate of its output, which is zero: they compute nothing."""
+    if config.get("shared_expert_intermediate_size", 5632):
+        return ()
+    return tuple(f"model.layers.{i}.mlp.shared_expert" for i in range(int(config.get("num_hidden_layers") or 0)))
+
+
 FAMILY = RoutedFamily(
-    name="qwen2_moe", architecture=ARCHITECTURE, model_type="qwen2_moe", read=read, write=write,
+    name="qwen2_moe", architecture=ARCHITECTURE, model_type="qwen2_moe", read=read, write=write, unread=unread,
     presets=PRESETS, names=ExpertNames(shared="shared_expert", shared_gate="shared_expert_gate"),
     checkpoints="Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B (base and chat/instruct)",
     defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
