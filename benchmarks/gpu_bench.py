@@ -2,7 +2,7 @@
 
 For each model, Trainer.fit and a hand-written donated jax.jit loop train
 the same model (bf16 compute over float32 parameters, AdamW) on the same
-batch. Attention goes through jax.nn.dot_product_attention ("cudnn" on GPU,
+batch. Attention goes through jax.nn.dot_product_attention ("cudnn" on an NVIDIA GPU,
 "xla" elsewhere) and every layer may be rematerialized with one of
 REMAT_POLICIES. For each model the script prints step time, tokens per
 second per chip and MFU (the model's FLOPs per step over the chip's peak bf16
@@ -47,26 +47,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-# Peak dense bf16 FLOP/s by device kind (jax's device_kind, lower-cased; the
-# first matching entry wins, so more specific names come first). Vendor
-# datasheet figures without sparsity.
-PEAK_BF16_FLOPS = (
-    ("h100 pcie", 756e12),
-    ("h200", 989e12),
-    ("h100", 989e12),
-    ("h800", 989e12),
-    ("gh200", 989e12),
-    ("b200", 2250e12),
-    ("a100", 312e12),
-    ("a800", 312e12),
-    ("l40s", 362e12),
-    ("l4", 121e12),
-    ("tpu v6", 918e12),
-    ("tpu v5 lite", 197e12),
-    ("tpu v5e", 197e12),
-    ("tpu v5", 459e12),
-    ("tpu v4", 275e12),
-)
+from dew.telemetry.hardware import peak_flops  # dense bf16 datasheet peaks, matched as whole words
 
 REMAT_CHOICES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
@@ -129,12 +110,6 @@ def causal_flops_per_token(model, seq: int) -> float:
     attention_full = 12 * model.num_layers * width * seq  # flops_per_token counts the full square
     weights = (model.flops_per_token(seq) - attention_full) / 6
     return 6 * weights + 6 * model.num_layers * seq * width
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """The table's peak bf16 FLOP/s for a device kind, or None when it is not listed."""
-    kind = device_kind.lower()
-    return next((peak for name, peak in PEAK_BF16_FLOPS if name in kind), None)
 
 
 def build(shape: Shape, attention: str, remat: str):
@@ -314,7 +289,7 @@ def main() -> None:
     parser.add_argument("--remat", choices=REMAT_CHOICES, default=None,
                         help="per-layer rematerialization (default dots_saveable; smoke none)")
     parser.add_argument("--attention", choices=("cudnn", "xla", "einsum"), default=None,
-                        help="attention implementation (default cudnn on GPU, xla elsewhere)")
+                        help="attention implementation (default cudnn on an NVIDIA GPU, xla elsewhere)")
     parser.add_argument("--peak-flops", type=float, default=None,
                         help="the chip's peak bf16 FLOP/s, for a device the table lacks")
     parser.add_argument("--skip-trainer", action="store_true", help="only the hand-written loop")
@@ -332,7 +307,8 @@ def main() -> None:
     began = time.perf_counter()
     base = SMOKE if args.smoke else ONE_B
     steps = args.steps or (3 if args.smoke else 20)
-    attention = args.attention or ("cudnn" if device.platform == "gpu" else "xla")
+    # cuDNN is NVIDIA's: an AMD GPU (ROCm) is a "gpu" platform too, without it.
+    attention = args.attention or ("cudnn" if "nvidia" in device.device_kind.lower() else "xla")
     remat = args.remat or ("none" if args.smoke else "dots_saveable")
     peak = args.peak_flops or peak_flops(device.device_kind)
     peak_text = f"{peak / 1e12:.0f} TFLOP/s bf16" if peak else "unknown peak"

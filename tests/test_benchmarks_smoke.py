@@ -75,6 +75,8 @@ def test_peak_table_matches_device_kinds():
     assert gpu_bench.peak_flops("NVIDIA H100 PCIe") == 756e12
     assert gpu_bench.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert gpu_bench.peak_flops("cpu") is None
+    # Whole words: an L40 is no L4, an H100 NVL no SXM H100 (its own table matched by substring).
+    assert gpu_bench.peak_flops("NVIDIA L40") == 181e12 and gpu_bench.peak_flops("NVIDIA H100 NVL") == 835e12
     # the default model is the size the benchmark is named for
     params = gpu_bench.ONE_B.matmul_parameters() + gpu_bench.ONE_B.vocab * gpu_bench.ONE_B.width
     assert 0.9e9 < params < 1.2e9

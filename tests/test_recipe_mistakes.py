@@ -71,6 +71,8 @@ CHECKED = [
     ("tiny-lm", ["trainer.mesh.fsdp=true"], "trainer.mesh: fsdp: a number is wanted, not a flag"),
     ("tiny-lm", ["seed=false"], "seed: a number is wanted, not a flag (given False)"),
     ("tiny-lm", ["data.load.seed=true"], "data.load.seed: a number is wanted, not a flag (given True)"),
+    # cuDNN's fused kernel computes in bfloat16 or float16: a float32 model failed at its first trace on a GPU.
+    ("tiny-lm", ["model.attention=cudnn"], "model: CausalTransformer.attention='cudnn' runs cuDNN's fused kernel"),
     # A routing given as a mapping reached the model's check as one: an AttributeError's traceback.
     ("qwen3-sft", ["model.name=qwen3_moe", "model.routing={dropless: true}", "model.expert_capacity=2.0"],
      "model: CausalTransformer.expert_capacity=2.0 sizes capacity routing"),

@@ -74,3 +74,14 @@ def test_unknown_options_say_which_ones_exist():
         CausalTransformer(**TINY, remat="most").init(jax.random.key(0), tokens)
     with pytest.raises(ValueError, match="cudnn"):
         CausalTransformer(**TINY, attention="flash").init(jax.random.key(0), tokens)
+
+
+def test_cudnn_attention_in_float32_is_refused_naming_the_dtype():
+    """cuDNN's fused kernel computes in bfloat16 or float16: a float32 model failed at its first trace on a
+    GPU, deep in jax, without naming model.dtype."""
+    tokens = jax.numpy.zeros((1, 4), jax.numpy.int32)
+    with pytest.raises(ValueError, match="computes in bfloat16 or float16 only, and dtype is float32: set dtype=bfloat16"):
+        CausalTransformer(**TINY, attention="cudnn").init(jax.random.key(0), tokens)
+    half = CausalTransformer(**TINY, attention="cudnn", dtype=jax.numpy.bfloat16)
+    with pytest.raises(RuntimeError, match="cuDNN is not detected"):  # past dew's check, to jax's kernel
+        jax.eval_shape(half.init, jax.random.key(0), tokens)

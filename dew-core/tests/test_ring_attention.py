@@ -22,7 +22,7 @@ import json, re
 import flax.linen as nn
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from dew.nn.layers import CausalSelfAttention
+from dew.nn.layers import CausalSelfAttention, FusedAttentionError
 from dew.nn.ring_attention import ring_attention
 from dew.nn.sharding import SequenceSplitError
 from dew.training.placement.layout import Layout
@@ -117,6 +117,12 @@ with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         ring_attention(*(jnp.zeros((2, 12, 2, 4)),) * 3)
     except SequenceSplitError as error:
         out["split_error"] = str(error)
+    # cuDNN's fused kernel takes whole sequences: refused by name, not at its partitioner on a GPU.
+    cudnn = CausalSelfAttention(4, 8, T, rotary=True, num_kv_heads=2, attention="cudnn", dtype=jnp.bfloat16)
+    try:
+        jax.jit(lambda v, x, p: cudnn.apply(v, x, p)).lower(variables, *inputs[:2])
+    except FusedAttentionError as error:
+        out["cudnn_error"] = str(error)
 out["layer"] = float(np.abs(layers["ring"][0] - layers["einsum"][0]).max())
 out["gathers"] = {kind: gathered for kind, (_, gathered) in layers.items()}
 print("RESULT" + json.dumps(out))
@@ -137,6 +143,7 @@ def test_ring_attention_on_the_sequence_axis_is_plain_attention(python_in_subpro
     assert result["layer"] <= 1e-5, result["layer"]
     assert result["gathers"] == {"einsum": True, "ring": False}
     assert "12 positions" in result["split_error"] and "multiple of 8" in result["split_error"]
+    assert "attention='cudnn' cannot run with the sequence split over mesh axes ('sequence',)" in result["cudnn_error"]
 
 
 def test_zigzag_order_gives_each_shard_a_head_and_a_tail_chunk():

@@ -198,6 +198,11 @@ class CausalTransformer(nn.Module):
                                  "model computes and keeps its weights in floats (float32, bfloat16, float16). "
                                  "For int8 or 4-bit weights, quantize them (a recipe's quantization or "
                                  "lora.base).")
+        if self.attention == "cudnn" and jnp.dtype(self.dtype) not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"CausalTransformer.attention='cudnn' runs cuDNN's fused kernel, which computes in "
+                             f"bfloat16 or float16 only, and dtype is {jnp.dtype(self.dtype).name}: set "
+                             "dtype=bfloat16 (the weights may stay float32 in param_dtype), or use "
+                             "attention='xla'.")
         if self.attention_block == "latent" and self.latent is None:
             raise ValueError("CausalTransformer.attention_block='latent' needs latent (a "
                              "dew.nn.latent_attention.Latent: the latent ranks and head widths).")

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.errors import DewError
 from dew.nn import paged_attention as paged
 from dew.nn import sharding as axes
 from dew.nn.experts import Routing
@@ -46,18 +47,26 @@ __all__ = [
     "Embed",
     "MLPBlock",
     "RMSNorm",
+    "FusedAttentionError",
     "apply_rotary",
     "attention_mask",
 ]
 
 Dtype = Any
 
+
+class FusedAttentionError(DewError, ValueError):
+    """attention='cudnn' asked for where cuDNN's fused kernel does not run (a sequence split)."""
+
 # How CausalSelfAttention computes softmax(q k^T) v outside decoding: "einsum"
 # spells it out (the default), "xla" and "cudnn" hand it to
 # jax.nn.dot_product_attention with that implementation (cudnn: fused flash
-# attention on NVIDIA GPUs, bf16/fp16 only). These three gather every key and
-# value onto each device of the sequence axis; "ring" passes them around it
-# instead, blockwise and load-balanced (dew.nn.ring_attention).
+# attention on NVIDIA GPUs, bf16/fp16 only, and not under a sequence split:
+# its partitioner takes queries, keys and values sharded alike and no split
+# along the sequence). "einsum" and "xla" gather every key and value onto each
+# device of the sequence axis; "ring" passes them around it instead,
+# blockwise and load-balanced (dew.nn.ring_attention). A model with soft-capped
+# scores computes them with "einsum" whichever fused kind it names.
 ATTENTION_KINDS = ("einsum", "xla", "cudnn", "ring")
 
 # Where a decoder layer's norms sit: "pre" x + f(norm(x)) (Llama), "sandwich"
@@ -251,6 +260,12 @@ class CausalSelfAttention(nn.Module):
         if ring and self.softcap is not None:
             raise RingAttentionError("attention='ring' folds raw scores blockwise and cannot soft-cap "
                                      "them; use attention='einsum' for a model with softcap.")
+        if self.attention == "cudnn" and not decode and axes.split_over(axes.ACTIVATION_LENGTH)[1] > 1:
+            raise FusedAttentionError(
+                f"attention='cudnn' cannot run with the sequence split over mesh axes "
+                f"{axes.split_over(axes.ACTIVATION_LENGTH)[0]}: cuDNN's fused kernel takes whole sequences. "
+                "Use attention='ring' (keys and values passed around the sequence axis) or 'xla', or "
+                "keep MeshSpec.sequence at 1.")
         whole = (axes.BATCH, None, axes.ACTIVATION_HEADS, None)
         if not ring:
             k_bshk, v_bshk = constrain(k_bshk, whole), constrain(v_bshk, whole)

@@ -39,7 +39,6 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,14 +79,7 @@ def _check_length(length: int, shards: int) -> None:
 def sequence_shards() -> tuple[tuple[str, ...], int]:
     """The mesh axes the logical ``activation_length`` maps to (under the current mesh and axis
     rules), and how many devices they make; ``((), 1)`` without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return (), 1
-    mapped = nn.logical_to_mesh_axes((axes.ACTIVATION_LENGTH,))[0]
-    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
-    sizes = dict(mesh.shape)
-    names = tuple(name for name in names if sizes.get(name, 1) > 1)
-    return names, math.prod(sizes[name] for name in names)
+    return axes.split_over(axes.ACTIVATION_LENGTH)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,

@@ -55,6 +55,7 @@ __all__ = [
     "constrain",
     "param",
     "partitioned",
+    "split_over",
 ]
 
 AxisNames = Sequence[str | None]
@@ -157,6 +158,22 @@ def constrain(x: jax.Array, axes: AxisNames) -> jax.Array:
     return nn.with_logical_constraint(x, axes)
 
 
+def split_over(logical: str) -> tuple[tuple[str, ...], int]:
+    """The mesh axes a logical axis maps to under the current mesh and axis rules that split it (more
+    than one device each), and how many devices they make together; ``((), 1)`` outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return (), 1
+    mapped = nn.logical_to_mesh_axes((logical,))[0]
+    named = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+    sizes = dict(mesh.shape)
+    names = tuple(name for name in named if sizes.get(name, 1) > 1)
+    ways = 1
+    for name in names:
+        ways *= sizes[name]
+    return names, ways
+
+
 def _check_length(x: jax.Array, axes: tuple[str | None, ...]) -> None:
     """Refuse positions the sequence split cannot divide evenly, naming both numbers.
 
@@ -166,14 +183,7 @@ def _check_length(x: jax.Array, axes: tuple[str | None, ...]) -> None:
     """
     if ACTIVATION_LENGTH not in axes:
         return
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return
-    mapped = nn.logical_to_mesh_axes((ACTIVATION_LENGTH,))[0]
-    names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
-    ways = 1
-    for name in names:
-        ways *= dict(mesh.shape).get(name, 1)
+    names, ways = split_over(ACTIVATION_LENGTH)
     length = x.shape[axes.index(ACTIVATION_LENGTH)]
     if ways > 1 and length % ways:
         raise SequenceSplitError(
