@@ -356,6 +356,13 @@ def test_a_published_reward_model_scores_as_transformers_does_and_serves_as_a_re
         "length: 48, batch: 4}", "trainer.steps=1", "trainer.eval_every=null", "optimizer.warmup_steps=0",
         "optimizer.learning_rate=1e-6", "trainer.checkpoint_dir=runs/rm-published",
         "trackers.0.directory=runs/rm-published"])
+    # With LoRA too (the objective's score head trains in full beside the adapters).
+    rows, _ = _run("addition-reward-model", [
+        "model={name: qwen3, preset: tiny, max_seq_len: 64}", "init={pretrained: published-rm}", "lora={rank: 4}",
+        "objective.seq_len=48", "data={name: chat_preferences, files: pairs.jsonl, tokenizer: published-rm, "
+        "length: 48, batch: 4}", "trainer.steps=1", "trainer.eval_every=null", "optimizer.warmup_steps=0",
+        "trainer.checkpoint_dir=runs/rm-published-lora", "trackers.0.directory=runs/rm-published-lora"])
+    assert rows and np.isfinite(rows[0]["loss"]) and rows[0]["loss"] != pytest.approx(np.log(2.0))  # a head's
     assert main(["export", "runs/rm-published", "exported/rm-published", "--verify"]) == 0
     assert "Qwen3ForSequenceClassification matches dew's scores" in capsys.readouterr().out
     again = transformers.AutoModelForSequenceClassification.from_pretrained("exported/rm-published").eval()
@@ -372,7 +379,8 @@ def test_a_published_reward_model_scores_as_transformers_does_and_serves_as_a_re
                  "trainer.steps=1", "trainer.checkpoint_dir=runs/sft-from-rm",
                  "trackers.0.directory=runs/sft-from-rm"]) == 2
     refused = capsys.readouterr().err
-    assert "RewardModelStartError" in refused and "is a reward model" in refused and "name: model" in refused
+    assert "RewardModelStartError" in refused and "is a reward model" in refused
+    assert "objective.reward: {name: model, run: " in refused  # the recipe's key, as it is written
     # A classifier with several labels is no reward model: refused by its labels.
     config = json.loads((workdir / "published-rm" / "config.json").read_text())
     (workdir / "classifier").mkdir()

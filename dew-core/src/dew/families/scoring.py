@@ -54,8 +54,8 @@ def is_scorer(config: Mapping[str, Any], path: Path) -> bool:
     if count != 1:
         raise NoExactCounterpartError(
             f"{path} describes a {first} with {count} labels, a classifier; dew reads sequence-"
-            "classification checkpoints with one label (a reward model's score). Load its decoder alone "
-            "by training from it with init.pretrained, or write the checkpoint with num_labels=1.")
+            "classification checkpoints with one label (a reward model's score) and no classifier of "
+            "several. Start from the causal language model its decoder was trained from instead.")
     return True
 
 

@@ -413,17 +413,16 @@ def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource
 
 
 def _check_scorer_start(task: Mapping[str, Any] | None, objective: Objective, source: str | Path) -> None:
-    """Refuse to start a run of another objective than the reward model's from a reward model."""
+    """Refuse to start a run whose objective keeps no score head (Objective.heads) from a reward model."""
     from dew.families import scoring
-    from dew.pretrained.native import registered_name
 
-    if task is None or task.get("name") != scoring.TASK or registered_name("dew.objectives", objective) == scoring.TASK:
+    if task is None or task.get("name") != scoring.TASK or scoring.HEAD in objective.heads:
         return
     raise RewardModelStartError(
         f"init.pretrained {source} is a reward model (a sequence-classification checkpoint): its decoder "
         "ends in a score, with no language-model head for this run to train. Score an RL run's completions "
-        f"with it (rewards: [{{name: model, run: {source}}}]), start a reward_model run from it, or start "
-        "this run from the checkpoint its decoder was trained from.")
+        f"with it (objective.reward: {{name: model, run: {source}}}), start a reward_model run from it, or "
+        "start this run from the checkpoint its decoder was trained from.")
 
 
 def _lora_base(source: WeightSource) -> WeightSource:

@@ -224,9 +224,12 @@ class RewardScoring(Pipeline):
         ids = [self.encode(t) for t in texts]
         for i, row in enumerate(ids):
             if not row or len(row) > self.max_length:
+                shown = texts[i] if len(texts[i]) <= 80 else f"{texts[i][:60]}...{texts[i][-16:]}"
                 raise SequenceTooLongError(
-                    f"Text {i} ({texts[i]!r}) is {len(row)} tokens; the reward model scores texts of 1 to "
-                    f"{self.max_length} tokens (its max_seq_len)."
+                    f"Text {i} ({shown!r}, {len(texts[i])} characters) is {len(row)} tokens; the reward model "
+                    f"scores texts of 1 to {self.max_length} tokens (its max_seq_len). Score shorter texts: an "
+                    "RL run's prompt and completion together (a shorter data.length or objective.max_new_tokens), "
+                    "or use a reward model that reads longer ones."
                 )
         out = []
         for start in range(0, len(ids), batch):
