@@ -308,19 +308,63 @@ def test_a_reward_model_scores_a_rollouts_chat_turn_where_its_pairs_were_scored(
         assert scored != pytest.approx(float(reward.scoring([prompt + reply])[0]), abs=1e-6)
 
 
-def _published_reward_model(workdir, name: str) -> tuple[object, object]:
-    """transformers' own one-label Qwen3ForSequenceClassification (a reward model, as TRL writes one)
-    over the tiny Qwen 3 config, every weight redrawn, saved beside the Qwen 3 tokenizer."""
-    config = transformers.AutoConfig.from_pretrained(workdir / "checkpoints/qwen3-tiny", num_labels=1)
+def _published_reward_model(workdir, name: str, base: str = "checkpoints/qwen3-tiny") -> tuple[object, object]:
+    """transformers' own one-label ...ForSequenceClassification (a reward model, as TRL writes one) over
+    the config of the tiny checkpoint base (Qwen 3's by default), every weight redrawn, saved beside that
+    checkpoint's tokenizer."""
+    config = transformers.AutoConfig.from_pretrained(workdir / base, num_labels=1)
     torch.manual_seed(3)
-    model = transformers.Qwen3ForSequenceClassification(config).eval()
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.3)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(workdir / "checkpoints/qwen3-tiny")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(workdir / base)
     model.save_pretrained(workdir / name)
     tokenizer.save_pretrained(workdir / name)
     return model, tokenizer
+
+
+def test_a_reward_model_of_another_family_reads_the_conversation_in_its_own_template(workdir, monkeypatch):
+    """A Gemma-style policy's chat prompts reached a Qwen reward model in Gemma's template (Gemma's turn
+    markers split into bytes, the turn left unclosed): its scores were not TRL's, their order reversed in
+    the audit's case. Prompts given as messages are now rendered, with the completion as the assistant's
+    turn, by the reward model's own template, as TRL's GRPO renders them; a Mistral-style template, which
+    has no generation prompt, closes the turn of a text prompt too."""
+    from dew.data.prompts import Prompts
+    from dew.families.examples import main
+    from dew.rewards.model import RewardModel
+
+    monkeypatch.chdir(workdir)
+    model, theirs = _published_reward_model(workdir, "qwen-rm")
+    chats = [[{"role": "user", "content": "What is 3 plus 4?"}],
+             [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 plus 9?"}],
+             [{"role": "user", "content": "What is 5 plus 5?"}, {"role": "assistant", "content": "It is"}]]
+    (workdir / "chat-prompts.jsonl").write_text("".join(json.dumps({"prompt": c}) + "\n" for c in chats))
+    records = Prompts(files="chat-prompts.jsonl", tokenizer="checkpoints/gemma2-tiny").records()
+    policy = transformers.AutoTokenizer.from_pretrained("checkpoints/gemma2-tiny")
+    rows = [records[i] for i in range(len(chats))]
+    context = {"prompt_text": [policy.decode(r["prompt"][: r["prompt_length"]]) for r in rows],
+               "prompt_messages": np.stack([r["prompt_messages"] for r in rows])}  # as the rollout hands them
+    assert all(text.startswith("<bos>") for text in context["prompt_text"])  # the policy's own template
+    completions = [" It is 7.", "11", " 10."]
+    trl = [chat[:-1] + [{"role": "assistant", "content": chat[-1]["content"] + c}] if chat[-1]["role"] == "assistant"
+           else [*chat, {"role": "assistant", "content": c}] for chat, c in zip(chats, completions, strict=True)]
+    texts = [theirs.apply_chat_template(conversation, tokenize=False) for conversation in trl]
+    with torch.no_grad():  # TRL tokenizes the rendered text without adding special tokens again
+        expected = model(**theirs(texts, padding=True, add_special_tokens=False, return_tensors="pt")).logits[:, 0]
+    np.testing.assert_allclose(RewardModel(run="qwen-rm")(completions, context), expected.numpy(), atol=1e-5)
+
+    # Mistral's template writes no generation prompt: a text prompt's turn is closed with its </s> all the same.
+    assert main(["mistral", str(workdir / "checkpoints" / "mistral-tiny"), "--seed", "2"]) == 0
+    model, theirs = _published_reward_model(workdir, "mistral-rm", base="checkpoints/mistral-tiny")
+    asked = [{"role": "user", "content": "What is 3 plus 4?"}]
+    prompt = theirs.apply_chat_template(asked, add_generation_prompt=True, tokenize=False)
+    whole = theirs.apply_chat_template([*asked, {"role": "assistant", "content": "It is 7."}], tokenize=False)
+    assert whole.endswith("</s>") and not prompt.endswith("</s>")
+    with torch.no_grad():
+        expected = model(**theirs([whole], add_special_tokens=False, return_tensors="pt")).logits[:, 0]
+    scored = RewardModel(run="mistral-rm")(["It is 7."], {"prompt_text": [prompt]})
+    np.testing.assert_allclose(scored, expected.numpy(), atol=1e-5)
 
 
 def test_a_published_reward_model_scores_as_transformers_does_and_serves_as_a_reward(workdir, monkeypatch, capsys):

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from dew.data.chat_template import ChatTemplate
 
 __all__ = [
-    "GLOBAL_POSITION", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
+    "GLOBAL_POSITION", "PROMPT_MESSAGES", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
     "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "SpellsSpecialTokens", "StartsSequences",
     "TextReader",
     "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "ending_ids", "eos_id_of",
@@ -27,6 +27,10 @@ __all__ = [
 ]
 
 Batch = Mapping[str, Any]
+
+PROMPT_MESSAGES = "prompt_messages"
+"""The column a prompt given as chat messages travels under beside its ids (their JSON, as text), so a
+reward with its own chat template renders the conversation as its model reads one."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,14 @@ model's pairs ended with (the stop text, ``"\\n"`` for the addition pairs).
 Left unset, a completion whose prompt ends as the reward model's chat template
 opens an assistant turn is closed as that template closes one (Qwen's
 ``<|im_end|>\\n``), since its chat pairs were scored there; any other takes none.
+
+A prompt given as chat messages (the ``prompt_messages`` column the ``prompts``
+reader keeps) is scored as TRL scores it instead, whatever template the policy
+was asked in: the messages and the completion as the assistant's turn (which
+continues a final assistant turn the prompt holds), rendered by the reward
+model's own chat template. A reward model of another family than the policy
+then reads its own markers, not the policy's. An explicit ``suffix`` keeps
+the text form.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.data.base import PROMPT_MESSAGES
 from dew.errors import DewError
 from dew.rewards import RewardContextError
 
@@ -40,6 +49,7 @@ class RewardModel:
     scale: float = 1.0
     scoring: Any = field(init=False, repr=False, compare=False)
     turn: tuple[str, str] = field(init=False, repr=False, compare=False)  # an assistant turn's opening and close
+    template: Any = field(init=False, repr=False, compare=False)  # the reward model's chat template, if any
 
     def __post_init__(self) -> None:
         from dew.objectives.inference import PipelineError
@@ -61,8 +71,11 @@ class RewardModel:
                 "one with the reward_model objective (the addition-reward-model recipe, say) and name its "
                 "run directory, or the directory dew export wrote from it."
             )
+        from dew.data.base import chat_template_of
+
         object.__setattr__(self, "scoring", scoring)
         object.__setattr__(self, "turn", _assistant_turn(scoring.objective.tokenizer))
+        object.__setattr__(self, "template", chat_template_of(scoring.objective.tokenizer))
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
         if "prompt_text" not in context:
@@ -71,8 +84,12 @@ class RewardModel:
                 f"holds no 'prompt_text' (it holds {sorted(context)}); use it with a rollout that gives "
                 "the prompts as text (the GRPO and PPO rollouts do)."
             )
-        texts = [f"{prompt}{completion}{self._suffix(prompt)}"
-                 for prompt, completion in zip(context["prompt_text"], completions, strict=True)]
+        given = context.get(PROMPT_MESSAGES) if self.suffix is None and self.template is not None else None
+        texts = []
+        for i, (prompt, completion) in enumerate(zip(context["prompt_text"], completions, strict=True)):
+            messages = _messages(given[i]) if given is not None else None
+            texts.append(self.template.text(_conversation(messages, completion)) if messages
+                         else f"{prompt}{completion}{self._suffix(prompt)}")
         return self.scale * self.scoring(texts)
 
     def _suffix(self, prompt: str) -> str:
@@ -82,19 +99,38 @@ class RewardModel:
         return closing if opening and prompt.endswith(opening) else ""
 
 
+def _messages(value: Any) -> list[dict[str, Any]] | None:
+    """A prompt's chat messages from its prompt_messages entry (JSON text); None for a text prompt."""
+    import json
+
+    from dew.rewards import _text
+
+    text = _text(value)
+    return json.loads(text) if text else None
+
+
+def _conversation(messages: list[dict[str, Any]], completion: str) -> list[dict[str, Any]]:
+    """The prompt's messages and the completion as the assistant's turn, which continues a final
+    assistant turn the prompt holds (a prefilled one), as TRL joins them."""
+    final = messages[-1] if messages else {}
+    if final.get("role") == "assistant":
+        return [*messages[:-1], {**final, "content": f"{final.get('content') or ''}{completion}"}]
+    return [*messages, {"role": "assistant", "content": completion}]
+
+
 def _assistant_turn(tokenizer: object) -> tuple[str, str]:
-    """What the tokenizer's chat template writes to open an assistant's turn (its generation
-    prompt) and to close one after the assistant's text; ("", "") without a template."""
+    """What the tokenizer's chat template writes between a user's text and the assistant's (the
+    user turn's close and the generation prompt; Mistral's ``[/INST]``, whose template has no
+    generation prompt) and after the assistant's text; ("", "") without a template."""
     from dew.data.base import chat_template_of
 
     template = chat_template_of(tokenizer)
     if template is None:
         return "", ""
-    marker = "\x00reply\x00"
-    asked = [{"role": "user", "content": "question"}]
-    plain = template.text(asked)
+    question, reply = "\x00question\x00", "\x00reply\x00"
+    asked = [{"role": "user", "content": question}]
     opened = template.text(asked, add_generation_prompt=True)
-    answered = template.text([*asked, {"role": "assistant", "content": marker}])
-    if not opened.startswith(plain) or marker not in answered:
+    answered = template.text([*asked, {"role": "assistant", "content": reply}])
+    if question not in opened or reply not in answered:
         return "", ""
-    return opened[len(plain):], answered.split(marker, 1)[1]
+    return opened.split(question, 1)[1], answered.split(reply, 1)[1]
