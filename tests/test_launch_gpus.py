@@ -114,3 +114,27 @@ def test_the_printed_scripts_give_each_rank_its_gpus(monkeypatch, capsys):
         "JAX_LOCAL_DEVICE_IDS": EIGHT}
     assert main(["launch", "--print", "slurm", "-n", "2", "--gpus-per-process", "0", "tiny-lm"]) == 2
     assert "at least one GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given, expected", [({"SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1"}, "4,5,6,7"),
+                                             ({"SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_PER_TASK": "8"}, EIGHT)])
+def test_a_rank_srun_starts_itself_joins_its_pool_with_its_gpus(monkeypatch, given, expected):
+    """`srun dew train ... trainer.multi_host=true` (no dew launch around it): JAX took each task's
+    SLURM_LOCALID as its one GPU, so a task given eight computed on one of them."""
+    import jax
+
+    from dew.training.runtime import pool, process
+
+    _clean(monkeypatch)
+    for name, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "gpu1",
+                        "CUDA_VISIBLE_DEVICES": EIGHT, **given}.items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+    monkeypatch.setattr(pool, "reach_coordinator", lambda *args: None)
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)
+    monkeypatch.setattr(jax.distributed, "initialize",
+                        lambda *args, **kwargs: seen.update(ids=os.environ.get("JAX_LOCAL_DEVICE_IDS"), **kwargs))
+    monkeypatch.setattr("dew.interrupts.serve", lambda: None)
+    monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "")  # unset, and restored so after the test whatever it sets
+    process._join_pool()
+    assert seen["ids"] == expected and seen["process_id"] == 1 and seen["num_processes"] == 2

@@ -128,6 +128,11 @@ def _join_pool() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     seat = seat_from_environment()
     if seat is not None:
+        from dew.training.runtime.gpus import gpu_environment
+
+        # This process's share of the machine's GPUs, as `dew launch` gives each rank: started by
+        # srun alone, JAX would take one GPU per task (SLURM_LOCALID's), whatever the task was given.
+        os.environ.update(gpu_environment(seat.local_index, seat.local_count))
         timeout = max(1, int(connect_timeout()))
         reach_coordinator(seat.coordinator, seat.index, timeout)
         # JAX's coordinator ends its process (a C++ abort and its stack) when a peer never joins:
