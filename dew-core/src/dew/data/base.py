@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from dew.data.chat_template import ChatTemplate
 
 __all__ = [
-    "GLOBAL_POSITION", "PROMPT_MESSAGES", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
+    "GLOBAL_POSITION", "PROMPT_GIVEN", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
     "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "SpellsSpecialTokens", "StartsSequences",
     "TextReader",
     "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "ending_ids", "eos_id_of",
@@ -28,9 +28,10 @@ __all__ = [
 
 Batch = Mapping[str, Any]
 
-PROMPT_MESSAGES = "prompt_messages"
-"""The column a prompt given as chat messages travels under beside its ids (their JSON, as text), so a
-reward with its own chat template renders the conversation as its model reads one."""
+PROMPT_GIVEN = "prompt_given"
+"""The column a prompt travels under beside its ids as the records gave it (its JSON, as text: a
+string, or chat messages), so a reward model of another tokenizer reads the prompt rather than the
+policy's rendering of it (its chat template's markers, its beginning-of-text token)."""
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ system turn, earlier turns), which the chat template renders with its
 generation prompt, as the policy is asked to answer (``chat_template``,
 else the one a tokenizer folder ships); messages that end with an
 assistant's turn are continued from its text instead, as TRL's
-``continue_final_message`` does (a prefilled ``<think>``); the messages also ride
-along as JSON text under ``prompt_messages``, so a reward model with a chat
-template of its own renders the whole conversation as it reads one. Text starts as transformers'
+``continue_final_message`` does (a prefilled ``<think>``). Each prompt also rides
+along as the record gave it, whole (its JSON as text, under ``prompt_given``), so a
+reward model of another tokenizer reads the prompt rather than the policy's
+rendering of it. Text starts as transformers'
 ``tokenizer(text)`` starts it (a beginning-of-text id first, where the
 tokenizer adds one), as ``dew generate`` starts a prompt. A prompt longer
 than ``length`` tokens keeps its last ones, with a ``TruncatedWarning``.
@@ -40,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from dew.data.base import PROMPT_MESSAGES, Dataset, EosTokenizer, prefix_of, prompt_ids
+from dew.data.base import PROMPT_GIVEN, Dataset, EosTokenizer, prefix_of, prompt_ids
 from dew.data.chat import TruncatedWarning, check_messages
 from dew.data.chat_template import (
     ChatTemplate,
@@ -55,7 +56,7 @@ from dew.data.videos import load_records
 
 __all__ = ["Prompts"]
 
-_RESERVED = ("prompt", "prompt_length", PROMPT_MESSAGES)  # the columns the rollout reads the prompts from
+_RESERVED = ("prompt", "prompt_length", PROMPT_GIVEN)  # the columns the rollout reads the prompts from
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,8 @@ class Prompts:
         for row, ids in enumerate(prompts):
             padded[row, : len(ids)] = ids
         columns = {"prompt": padded, "prompt_length": np.asarray([len(p) for p in prompts], np.int32)}
-        given = [record[self.prompt_key] for _, record in lines]
-        if any(isinstance(prompt, list) for prompt in given):  # chat messages, for a reward's own template
-            columns[PROMPT_MESSAGES] = _column([json.dumps(p) if isinstance(p, list) else "" for p in given])
+        # Each prompt as given, whole (a cut one too, as TRL hands its reward functions the dataset's).
+        columns[PROMPT_GIVEN] = _column([json.dumps(record[self.prompt_key]) for _, record in lines])
         return ArrayRecords({**columns, **_beside(lines, self.prompt_key)})
 
     def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,

@@ -10,13 +10,16 @@ Left unset, a completion whose prompt ends as the reward model's chat template
 opens an assistant turn is closed as that template closes one (Qwen's
 ``<|im_end|>\\n``), since its chat pairs were scored there; any other takes none.
 
-A prompt given as chat messages (the ``prompt_messages`` column the ``prompts``
-reader keeps) is scored as TRL scores it instead, whatever template the policy
-was asked in: the messages and the completion as the assistant's turn (which
-continues a final assistant turn the prompt holds), rendered by the reward
-model's own chat template. A reward model of another family than the policy
-then reads its own markers, not the policy's. An explicit ``suffix`` keeps
-the text form.
+Where the rollout hands each prompt as the records gave it (the ``prompt_given``
+column the ``prompts`` reader keeps), that is scored instead of the policy's
+rendering of it, as TRL's GRPO scores: chat messages and the completion as
+the assistant's turn (which continues a final assistant turn the prompt
+holds), rendered by the reward model's own chat template; a text prompt as
+it was written, followed by the completion and the suffix. A reward model of
+another family than the policy then reads its own markers and its own
+beginning-of-text token, not the policy's. A prompt the policy saw cut (longer
+than the data's length) is scored whole. An explicit ``suffix`` keeps chat
+messages in the policy's rendering.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dew.data.base import PROMPT_MESSAGES
+from dew.data.base import PROMPT_GIVEN
 from dew.errors import DewError
 from dew.rewards import RewardContextError
 
@@ -84,12 +87,15 @@ class RewardModel:
                 f"holds no 'prompt_text' (it holds {sorted(context)}); use it with a rollout that gives "
                 "the prompts as text (the GRPO and PPO rollouts do)."
             )
-        given = context.get(PROMPT_MESSAGES) if self.suffix is None and self.template is not None else None
+        given = context.get(PROMPT_GIVEN)
         texts = []
         for i, (prompt, completion) in enumerate(zip(context["prompt_text"], completions, strict=True)):
-            messages = _messages(given[i]) if given is not None else None
-            texts.append(self.template.text(_conversation(messages, completion)) if messages
-                         else f"{prompt}{completion}{self._suffix(prompt)}")
+            written = _given(given[i]) if given is not None else None
+            if isinstance(written, list) and self.suffix is None and self.template is not None:
+                texts.append(self.template.text(_conversation(written, completion)))
+                continue
+            text = written if isinstance(written, str) else prompt
+            texts.append(f"{text}{completion}{self._suffix(text)}")
         return self.scale * self.scoring(texts)
 
     def _suffix(self, prompt: str) -> str:
@@ -99,14 +105,18 @@ class RewardModel:
         return closing if opening and prompt.endswith(opening) else ""
 
 
-def _messages(value: Any) -> list[dict[str, Any]] | None:
-    """A prompt's chat messages from its prompt_messages entry (JSON text); None for a text prompt."""
+def _given(value: Any) -> str | list[dict[str, Any]] | None:
+    """A prompt as the records gave it, from its prompt_given entry (JSON text): a string or chat
+    messages (None where the entry holds neither)."""
     import json
 
     from dew.rewards import _text
 
-    text = _text(value)
-    return json.loads(text) if text else None
+    try:
+        written = json.loads(_text(value))
+    except ValueError:
+        return None
+    return written if isinstance(written, str | list) else None
 
 
 def _conversation(messages: list[dict[str, Any]], completion: str) -> list[dict[str, Any]]:
