@@ -339,17 +339,20 @@ def test_a_reward_model_of_another_family_reads_the_conversation_in_its_own_temp
     chats = [[{"role": "user", "content": "What is 3 plus 4?"}],
              [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 plus 9?"}],
              [{"role": "user", "content": "What is 5 plus 5?"}, {"role": "assistant", "content": "It is"}]]
-    (workdir / "chat-prompts.jsonl").write_text("".join(json.dumps({"prompt": c}) + "\n" for c in chats))
+    # A text prompt beside them is scored as written, without the policy's <bos> spelt into it.
+    given = [*chats, "plain 3+4="]
+    (workdir / "chat-prompts.jsonl").write_text("".join(json.dumps({"prompt": c}) + "\n" for c in given))
     records = Prompts(files="chat-prompts.jsonl", tokenizer="checkpoints/gemma2-tiny").records()
     policy = transformers.AutoTokenizer.from_pretrained("checkpoints/gemma2-tiny")
-    rows = [records[i] for i in range(len(chats))]
+    rows = [records[i] for i in range(len(given))]
     context = {"prompt_text": [policy.decode(r["prompt"][: r["prompt_length"]]) for r in rows],
-               "prompt_messages": np.stack([r["prompt_messages"] for r in rows])}  # as the rollout hands them
+               "prompt_given": np.stack([r["prompt_given"] for r in rows])}  # as the rollout hands them
     assert all(text.startswith("<bos>") for text in context["prompt_text"])  # the policy's own template
-    completions = [" It is 7.", "11", " 10."]
+    completions = [" It is 7.", "11", " 10.", "7"]
     trl = [chat[:-1] + [{"role": "assistant", "content": chat[-1]["content"] + c}] if chat[-1]["role"] == "assistant"
-           else [*chat, {"role": "assistant", "content": c}] for chat, c in zip(chats, completions, strict=True)]
-    texts = [theirs.apply_chat_template(conversation, tokenize=False) for conversation in trl]
+           else [*chat, {"role": "assistant", "content": c}] for chat, c in zip(chats, completions[:3], strict=True)]
+    texts = [theirs.apply_chat_template(conversation, tokenize=False) for conversation in trl] + ["plain 3+4=7"]
+    assert context["prompt_text"][3] == "<bos>plain 3+4="  # what the policy read
     with torch.no_grad():  # TRL tokenizes the rendered text without adding special tokens again
         expected = model(**theirs(texts, padding=True, add_special_tokens=False, return_tensors="pt")).logits[:, 0]
     np.testing.assert_allclose(RewardModel(run="qwen-rm")(completions, context), expected.numpy(), atol=1e-5)
@@ -501,12 +504,14 @@ def test_lora_trains_a_reward_models_score_and_a_ppo_value_head_in_full_and_expo
     for ours_leaf, read in zip(jax.tree.leaves({"params": params}), jax.tree.leaves(back), strict=True):
         np.testing.assert_allclose(np.asarray(read), np.asarray(ours_leaf), atol=1e-7)
 
-    _, ppo = _run("addition-ppo", ["trainer.steps=2", "data.batch=4", "objective.max_new_tokens=3",
-                                   "objective.reward={name: length, target: 2}", "objective.epochs=1",
-                                   "objective.minibatches=1", "lora={rank: 4}",
-                                   *_addition_from("gemma2", "ppo-lora-gemma2")])
+    rows, ppo = _run("addition-ppo", ["trainer.steps=2", "data.batch=4", "objective.max_new_tokens=3",
+                                      "objective.reward={name: length, target: 2}", "objective.epochs=1",
+                                      "objective.minibatches=1", "lora={rank: 4}",
+                                      *_addition_from("gemma2", "ppo-lora-gemma2")])
     head = jax.device_get(nn.meta.unbox(ppo.params))["params"]["value_head"]["dense"]
     assert np.any(head["kernel"]) and np.any(head["bias"])  # both start at zero: only training moves them
+    # The reference is the base itself (a fresh random copy gave a first KL of 3.8), and no copy is kept.
+    assert abs(rows[0]["kl"]) < 1e-6 and "reference" not in ppo.params
 
 
 # DeepSeek-V3's latent attention samples through the generation engine's paged pools (issue 29,

@@ -169,3 +169,27 @@ def test_merged_weights_give_the_adapted_models_logits(lora_model):
     base_only = trees.select(trained, lambda path, leaf: not is_adapter(path, leaf))
     assert not np.allclose(np.asarray(jax.jit(model.apply)(base_only, tokens)), adapted, atol=1e-3)
     np.testing.assert_allclose(np.asarray(jax.jit(model.apply)(merged, tokens)), adapted, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("recipe, overrides, head", [
+    ("tiny-jepa", ["lora={rank: 2, targets: [mlp]}"], "predictor"),
+    ("tiny-distill", ["lora={rank: 2}", "objective.hidden=1.0"], "projection"),
+])
+def test_an_objectives_own_part_trains_in_full_beside_the_adapters(recipe, overrides, head):
+    """JEPA's predictor and distillation's hidden-state projection are parts the objective adds beside its
+    model: under LoRA the predictor stayed frozen at its random draw (the encoder learned to serve it),
+    and a distillation matching hidden states was refused for starting weights lacking the projection."""
+    from dew.recipes.config import RunConfig
+    from dew.recipes.run import build_parts
+
+    objective = build_parts(RunConfig.load(recipe, overrides), with_data=False).objective
+    fresh = jax.device_get(objective.init(jax.random.key(0)))
+    given = {**fresh, "params": {k: v for k, v in fresh["params"].items() if k != head}}  # a start without it
+    started = objective.init(jax.random.key(1), given)
+    assert head in started["params"]  # drawn fresh where the start lacks it
+    leaves = jax.tree_util.tree_leaves_with_path({"params": started["params"]})  # as the trainer names them
+    trained = {jax.tree_util.keystr(path) for path, leaf in leaves
+               if not objective.frozen(tuple(k.key for k in path), leaf)}
+    ours = f"['params']['{head}']"
+    assert trained and all(name.startswith(ours) or "_lora_" in name for name in trained), trained
+    assert any(name.startswith(ours) for name in trained) and any("_lora_" in name for name in trained)

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from dew.training.protocols import Rollout
     from dew.training.state import TrainState
 
-__all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "apply_lora", "base_digest", "base_model", "base_shapes",
-           "is_adapter", "merge_lora", "with_base"]
+__all__ = ["PRESETS", "BaseWeights", "Lora", "LoraError", "adapters_only", "apply_lora", "base_digest", "base_model", "base_of",
+           "base_shapes", "is_adapter", "merge_lora", "with_base"]
 
 # Named groups of the causal transformer's modules: regular expressions
 # matched in full against Flax module paths, as qwix matches its rules.
@@ -433,7 +433,8 @@ def with_base(fresh: Mapping[str, PyTree], given: Mapping[str, PyTree], *,
                   {key: value for key, value in given.items() if key == "params"}, "")
     if missing:
         raise LoraError(f"The starting weights lack {len(missing)} base weight(s) of the adapted model, "
-                        f"first {missing[0]}; start from weights of the model the recipe builds.")
+                        f"first {missing[0]}; LoRA adapts the weights a run starts from: start from weights "
+                        "of the model the recipe builds (a recipe's init.run or init.pretrained).")
     return {**fresh, **merged}
 
 
@@ -511,7 +512,6 @@ class _AdaptersOnly(Objective):
 
     def __init__(self, inner: Objective) -> None:
         self.inner = inner
-        self.heads = inner.heads
         also = inner.frozen
         heads = {("params", head) for head in inner.heads}
 
@@ -521,6 +521,11 @@ class _AdaptersOnly(Objective):
 
         self.frozen = frozen
         self.ema = inner.ema  # model and tokenizer are inner's too (see __getattr__)
+
+    @property
+    def heads(self) -> tuple[str, ...]:  # type: ignore[override]
+        """inner's heads, which train in full beside the adapters."""
+        return self.inner.heads
 
     @property
     def _reference(self) -> str | None:
@@ -537,14 +542,7 @@ class _AdaptersOnly(Objective):
         """variables plus the reference as inner reads it: the same base weights, adapters' B at zero."""
         if self._reference is None:
             return variables
-        import jax.numpy as jnp
-
-        def zeroed(tree: Mapping[str, PyTree]) -> dict[str, PyTree]:
-            return {key: zeroed(value) if isinstance(value, Mapping)
-                    else jnp.zeros_like(value) if str(key).endswith("_lora_b") else value
-                    for key, value in tree.items()}
-
-        return {**variables, self._reference: zeroed(variables["params"])}
+        return {**variables, self._reference: base_of(variables["params"])}
 
     def initializer(self) -> Initializer:
         """inner's starting weights (another run's policy, say), read as the base under the adapters."""
@@ -605,6 +603,16 @@ def adapters_only(objective: Objective) -> Objective:
     before fine-tuning, without a second copy of the weights.
     """
     return _AdaptersOnly(objective)
+
+
+def base_of(params: Mapping[str, PyTree]) -> dict[str, PyTree]:
+    """params with every adapter's B at zero: the adapted model then computes its base model's function
+    (a LoRA run's reference policy, kept without a second copy of the weights)."""
+    import jax.numpy as jnp
+
+    return {key: base_of(value) if isinstance(value, Mapping)
+            else jnp.zeros_like(value) if str(key).endswith("_lora_b") else value
+            for key, value in params.items()}
 
 
 def merge_lora(variables: Mapping[str, PyTree], spec: Lora) -> dict[str, PyTree]:

@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         if args.adapters and lora is None:
             return refused("export", f"{opened.source} has no lora section, so no adapters to "
                                      "write; drop --adapters to export the model.")
+        if args.adapters and _native(opened):
+            return refused("export", f"--adapters writes PEFT's adapter files, which transformers' language models "
+                                     f"read, and {type(opened.model).__name__} is written in dew's own layout; drop "
+                                     "--adapters to export it with its adapters merged.")
         if args.verify and (args.adapters or args.format == "dew"):
             return refused("export", "--verify checks a whole model in its Hugging Face layout; drop "
                                      "--adapters and --format dew to verify the export.")
@@ -108,9 +112,14 @@ def run(args: argparse.Namespace) -> int:
 def _native(opened: Opened) -> bool:
     """Whether the run's model is written in dew's own layout (no Hugging Face class reads it)."""
     from dew.adapters.lora import base_model
+    from dew.errors import DewError
+    from dew.pretrained import Pretrained
     from dew.pretrained.native import FORMAT
 
-    pretrained = opened.pipeline().pretrained()  # its task decides whether a reward model's score fits
+    try:  # its task decides whether a reward model's score fits the layout
+        pretrained = opened.pipeline().pretrained()
+    except DewError:  # an export recording no task: its model alone
+        pretrained = Pretrained(opened.model, _served(opened))
     return dataclasses.replace(pretrained, model=base_model(pretrained.model)).format == FORMAT
 
 

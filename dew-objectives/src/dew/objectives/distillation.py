@@ -125,6 +125,7 @@ class DistillationObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    heads: ClassVar[tuple[str, ...]] = ("projection",)
 
     model: nn.Module
     teacher: nn.Module | Mapping[str, Any] | None

@@ -193,6 +193,11 @@ class FlowGRPOObjective(Objective):
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
         return under(REFERENCE) if self.beta > 0 else None
 
+    @property
+    def reference_collection(self) -> str | None:
+        """The frozen copy of the starting model when beta > 0 (a LoRA run keeps none: its base is it)."""
+        return REFERENCE if self.beta > 0 else None
+
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """The velocity model's variables (given ones pass through) and, when beta > 0, the reference."""
         if variables is None:

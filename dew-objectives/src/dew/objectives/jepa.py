@@ -118,6 +118,7 @@ class JepaObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    heads: ClassVar[tuple[str, ...]] = ("predictor",)
     tokenizer = None  # pixels in, embeddings out: its pipeline saves no tokenizer (not a field)
 
     model: ViTEncoder

@@ -157,7 +157,12 @@ class PPORollout:
         rolled = self.sampler(state, batch, sample_key)
         tokens = jnp.asarray(rolled["tokens"])
         old_logp, _, values = self._evaluate(state.params, tokens)
-        ref_logp = self._reference({"params": state.params[REFERENCE]}, tokens)
+        reference = state.params.get(REFERENCE)
+        if reference is None:  # a LoRA run keeps no copy: its reference is the base, adapters' B at zero
+            from dew.adapters.lora import base_of
+
+            reference = base_of({k: v for k, v in state.params["params"].items() if k != VALUE_HEAD})
+        ref_logp = self._reference({"params": reference}, tokens)
         mask = np.asarray(rolled["mask"], np.float32)[:, 1:]
         old_logp, values, ref_logp = (np.asarray(x, np.float32) for x in (old_logp, values, ref_logp))
         log_ratio = (old_logp - ref_logp) * mask
@@ -253,6 +258,11 @@ class PPOObjective(GreedyRewardValidation, Objective):
     @property
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
         return under(REFERENCE)
+
+    @property
+    def reference_collection(self) -> str | None:
+        """The frozen copy of the starting policy (a LoRA run keeps none: its base is the reference)."""
+        return REFERENCE
 
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """The policy's variables (given ones pass through), a value head and the reference's copy."""
