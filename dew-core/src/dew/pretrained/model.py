@@ -465,7 +465,9 @@ class Pretrained:
         pipeline stages split) and stacks the numbered layers the file holds
         into it; shardings (a tree of shardings like the variables', as
         ``Layout.shardings`` gives) places each tensor straight into its
-        sharding as it is read, one tensor at a time. Raises
+        sharding as it is read, one tensor at a time. A family's one-label
+        ``...ForSequenceClassification`` comes back as a reward model (its
+        task ``reward_model``, the score beside the decoder: dew.families.scoring). Raises
         UnsupportedArchitectureError, NoExactCounterpartError or
         TensorMismatchError, each naming what is wrong, before any weight is
         read.
