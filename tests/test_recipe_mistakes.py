@@ -322,20 +322,26 @@ def test_a_component_of_another_version_than_the_run_trained_with_is_named_with_
             "'dew-objectives==0.0.1' to read it as it trained") in err, err
 
 
-@pytest.mark.slow
-def test_the_routing_a_refusal_advises_starts_the_run(tmp_path, monkeypatch, capsys):
+def test_the_routing_a_refusal_advises_starts_the_run(tmp_path, monkeypatch):
     """A Qwen3-MoE checkpoint normalizing its top-k gates (the tiny preset does not) is refused with the
     routing to set; setting it, as every mapping-valued model field, crashed in the recipe's check."""
     import re
 
     from dew.families.examples import write_checkpoint
+    from dew.pretrained import ConfigurationMismatchError
+    from dew.recipes.config import RunConfig
+    from dew.recipes.run import build_parts, initial_variables
 
     monkeypatch.chdir(tmp_path)
     write_checkpoint("qwen3_moe", tmp_path / "moe", redrawn=True, overrides={"norm_topk_prob": True})
-    start = ["train", "qwen3-sft", "model.name=qwen3_moe", "init.pretrained=moe", "data.tokenizer=moe",
-             "trainer.steps=1", "trainer.eval_every=null", "trainer.checkpoint_dir=runs/moe",
-             "trackers.0.directory=runs/moe", "objective.prompt=null"]
-    assert main(start) == 2
-    advice = re.search(r"Set '(model\.routing=[^']+)'", capsys.readouterr().err)
+    start = ["model.name=qwen3_moe", "init.pretrained=moe", "data.tokenizer=moe", "objective.prompt=null"]
+
+    def started(overrides: list[str]) -> object:  # what a run reads first: the recipe, then its start
+        config = RunConfig.load("qwen3-sft", overrides)
+        return initial_variables(config, build_parts(config, with_data=False).objective)
+
+    with pytest.raises(ConfigurationMismatchError) as refused:
+        started(start)
+    advice = re.search(r"Set '(model\.routing=[^']+)'", str(refused.value))
     assert advice is not None and "hidden_features: 32" in advice[1]
-    assert main([*start, advice[1]]) == 0, capsys.readouterr().err
+    assert started([*start, advice[1]]) is not None

@@ -467,7 +467,7 @@ def test_lora_trains_a_reward_models_score_and_a_ppo_value_head_in_full_and_expo
     rows, state = _run("addition-reward-model", [
         "model={name: qwen3, preset: tiny, max_seq_len: 64}", "init={pretrained: checkpoints/qwen3-tiny}",
         "lora={rank: 4}", "objective.seq_len=48", "data={name: chat_preferences, files: pairs.jsonl, "
-        "tokenizer: checkpoints/qwen3-tiny, length: 48, batch: 4}", "trainer.steps=4", "trainer.eval_every=null",
+        "tokenizer: checkpoints/qwen3-tiny, length: 48, batch: 4}", "trainer.steps=2", "trainer.eval_every=null",
         "optimizer.warmup_steps=0", "optimizer.learning_rate=1e-2", "trainer.checkpoint_dir=runs/rm-lora",
         "trackers.0.directory=runs/rm-lora"])
     params = jax.device_get(nn.meta.unbox(state.params))["params"]
