@@ -82,3 +82,21 @@ def test_bad_records_are_named_and_a_long_prompt_keeps_its_end(tmp_path):
     with pytest.warns(TruncatedWarning, match=r"1 prompt\(s\) were longer than length=4 tokens"):
         records = Prompts(files=_write(tmp_path / "l.jsonl", [{"prompt": "0123456789"}]), length=4).records()
     assert records[0]["prompt"][: records[0]["prompt_length"]].tolist() == list(b"6789")
+
+
+def test_each_prompt_rides_along_as_given_without_changing_the_datas_fingerprint(tmp_path):
+    """prompt_given (each prompt as the records gave it, for a reward model of another tokenizer) is a
+    column the reader did not make before: in the saved position's fingerprint it refused to resume an RL
+    run saved before it, blaming the data ("a file edited since the checkpoint")."""
+    from dew.data.sources import ArrayRecords
+
+    chat = [{"role": "user", "content": "héllo 😀 2+2?"}]
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n"
+                                      + json.dumps({"prompt": chat, "answer": "4"}) + "\n")
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    records = Prompts(files=str(tmp_path / "q.jsonl"), chat_template=template).records()
+    given = [bytes(int(v) for v in records[i]["prompt_given"] if v >= 0).decode() for i in range(2)]
+    assert [json.loads(text) for text in given] == ["2+2=", chat]
+    before = ArrayRecords({k: v for k, v in records.columns.items() if k != "prompt_given"})  # the old reader's
+    assert records.fingerprint() == before.fingerprint()
+    assert records.subset(np.array([1, 0])).fingerprint() == before.subset(np.array([1, 0])).fingerprint()

@@ -308,11 +308,12 @@ def test_a_reward_model_scores_a_rollouts_chat_turn_where_its_pairs_were_scored(
         assert scored != pytest.approx(float(reward.scoring([prompt + reply])[0]), abs=1e-6)
 
 
-def _published_reward_model(workdir, name: str, base: str = "checkpoints/qwen3-tiny") -> tuple[object, object]:
+def _published_reward_model(workdir, name: str, base: str = "checkpoints/qwen3-tiny",
+                            **settings: object) -> tuple[object, object]:
     """transformers' own one-label ...ForSequenceClassification (a reward model, as TRL writes one) over
-    the config of the tiny checkpoint base (Qwen 3's by default), every weight redrawn, saved beside that
-    checkpoint's tokenizer."""
-    config = transformers.AutoConfig.from_pretrained(workdir / base, num_labels=1)
+    the config of the tiny checkpoint base (Qwen 3's by default; settings over it), every weight redrawn,
+    saved beside that checkpoint's tokenizer."""
+    config = transformers.AutoConfig.from_pretrained(workdir / base, num_labels=1, **settings)
     torch.manual_seed(3)
     model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
     with torch.no_grad():
@@ -428,6 +429,19 @@ def test_a_published_reward_model_scores_as_transformers_does_and_serves_as_a_re
     refused = capsys.readouterr().err
     assert "RewardModelStartError" in refused and "is a reward model" in refused
     assert "objective.reward: {name: model, run: " in refused  # the recipe's key, as it is written
+    # One that says tie_word_embeddings: false (Llama 3's reward models) stores no head to untie: the run
+    # is told to tie its embedding (it was told the checkpoint said true, which it does not).
+    from dew.recipes.run import RewardModelStartError, build_parts, initial_variables
+
+    _published_reward_model(workdir, "untied-rm", tie_word_embeddings=False)
+    untied = ["model={name: qwen3, preset: tiny, max_seq_len: 64, tie_embeddings: false}",
+              "init={pretrained: untied-rm}", "objective.seq_len=48",
+              "data={name: chat_preferences, files: pairs.jsonl, tokenizer: untied-rm, length: 48, batch: 4}"]
+    config = RunConfig.load("addition-reward-model", untied)
+    with pytest.raises(RewardModelStartError, match="stores no language-model head.*Set model.tie_embeddings=true"):
+        initial_variables(config, build_parts(config, with_data=False).objective)
+    config = RunConfig.load("addition-reward-model", [*untied, "model.tie_embeddings=true"])
+    assert initial_variables(config, build_parts(config, with_data=False).objective) is not None
     # A classifier with several labels is no reward model: refused by its labels.
     config = json.loads((workdir / "published-rm" / "config.json").read_text())
     (workdir / "classifier").mkdir()

@@ -385,11 +385,11 @@ def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource
         loaded = Pretrained.load(source, max_seq_len=getattr(model, "max_seq_len", None),
                                  param_dtype=getattr(model, "param_dtype", None),
                                  scan_layers=bool(getattr(model, "scan_layers", False)))
+        _check_scorer_start(loaded.task, objective, source)
         if model is not None and getattr(model, "rope_base", None) is not None:
             from dew.pretrained import check_same_function
 
             check_same_function(model, loaded.model, f"init.pretrained {source}")
-        _check_scorer_start(loaded.task, objective, source)
         weights = dict(loaded.variables)
 
         def given(abstract: Variables) -> Variables:
@@ -416,7 +416,16 @@ def _check_scorer_start(task: Mapping[str, Any] | None, objective: Objective, so
     """Refuse to start a run whose objective keeps no score head (Objective.heads) from a reward model."""
     from dew.families import scoring
 
-    if task is None or task.get("name") != scoring.TASK or scoring.HEAD in objective.heads:
+    if task is None or task.get("name") != scoring.TASK:
+        return
+    if scoring.HEAD in objective.heads:
+        from dew.adapters.lora import base_model
+
+        if getattr(base_model(objective.model), "tie_embeddings", True) is False:  # dew's decoders name it
+            raise RewardModelStartError(
+                f"init.pretrained {source} is a reward model (a sequence-classification checkpoint), which "
+                "stores no language-model head: its decoder is read with the embedding in that place (a "
+                "reward model never reads the head's logits). Set model.tie_embeddings=true.")
         return
     raise RewardModelStartError(
         f"init.pretrained {source} is a reward model (a sequence-classification checkpoint): its decoder "

@@ -144,7 +144,8 @@ class Prompts:
         columns = {"prompt": padded, "prompt_length": np.asarray([len(p) for p in prompts], np.int32)}
         # Each prompt as given, whole (a cut one too, as TRL hands its reward functions the dataset's).
         columns[PROMPT_GIVEN] = _column([json.dumps(record[self.prompt_key]) for _, record in lines])
-        return ArrayRecords({**columns, **_beside(lines, self.prompt_key)})
+        # The prompts as written stand beside their ids, which the position's fingerprint already holds.
+        return ArrayRecords({**columns, **_beside(lines, self.prompt_key)}, unhashed=(PROMPT_GIVEN,))
 
     def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0, val_seed: int = 0,
              workers: int = 0, prefetch: int = 4) -> Dataset:

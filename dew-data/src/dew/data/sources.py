@@ -73,7 +73,8 @@ class ArrayRecords:
     (3, [[4, 5], [0, 1]])
     """
 
-    def __init__(self, columns: Mapping[str, np.ndarray], rows: np.ndarray | None = None) -> None:
+    def __init__(self, columns: Mapping[str, np.ndarray], rows: np.ndarray | None = None, *,
+                 unhashed: Iterable[str] = ()) -> None:
         if not columns:
             raise EmptyDatasetError("ArrayRecords needs at least one column; got none.")
         lengths = {name: len(array) for name, array in columns.items()}
@@ -83,6 +84,9 @@ class ArrayRecords:
             )
         self.columns = dict(columns)
         self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+        # Columns the fingerprint leaves out: ones another column already stands for (the prompts
+        # as written beside their ids), so a position saved before such a column existed resumes.
+        self.unhashed = frozenset(unhashed)
         self._fingerprint: str | None = None
         self._length = next(iter(lengths.values())) if self.rows is None else len(self.rows)
 
@@ -111,17 +115,17 @@ class ArrayRecords:
 
     def subset(self, indices: np.ndarray) -> ArrayRecords:
         """The records at indices, in that order, sharing this one's arrays (no copy)."""
-        return ArrayRecords(self.columns, self._map(np.asarray(indices, dtype=np.int64)))
+        return ArrayRecords(self.columns, self._map(np.asarray(indices, dtype=np.int64)), unhashed=self.unhashed)
 
     def fingerprint(self) -> str:
-        """A digest of what the records hold (every column's bytes, and which rows): a stream's
+        """A digest of what the records hold (every column's bytes but the unhashed, and which rows): a stream's
         saved position keeps it, so a resume over data edited since is told, not trained on.
         Computed once, on first use (a pass over the arrays)."""
         if self._fingerprint is None:
             import hashlib
 
             digest = hashlib.sha256()
-            for name in sorted(self.columns):
+            for name in sorted(set(self.columns) - self.unhashed):
                 array = np.ascontiguousarray(self.columns[name])
                 digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
                 digest.update(array.reshape(-1).view(np.uint8).data)
@@ -130,9 +134,10 @@ class ArrayRecords:
             self._fingerprint = digest.hexdigest()[:32]
         return self._fingerprint
 
-    def __reduce__(self) -> tuple[Callable[..., ArrayRecords], tuple[dict[str, _Pickled], np.ndarray | None]]:
+    def __reduce__(self) -> tuple[Callable[..., ArrayRecords],
+                                  tuple[dict[str, _Pickled], np.ndarray | None, frozenset[str]]]:
         columns = {name: _picklable(array) for name, array in self.columns.items()}
-        return (_rebuild_array_records, (columns, self.rows))
+        return (_rebuild_array_records, (columns, self.rows, self.unhashed))
 
     def __repr__(self) -> str:
         shapes = {name: (array.shape, str(array.dtype)) for name, array in self.columns.items()}
@@ -156,8 +161,9 @@ def _reopen(value: _Pickled) -> np.ndarray:
     return np.memmap(filename, mode="r", dtype=np.dtype(dtype), shape=shape, offset=offset)
 
 
-def _rebuild_array_records(columns: dict[str, _Pickled], rows: np.ndarray | None) -> ArrayRecords:
-    return ArrayRecords({name: _reopen(value) for name, value in columns.items()}, rows)
+def _rebuild_array_records(columns: dict[str, _Pickled], rows: np.ndarray | None,
+                           unhashed: frozenset[str] = frozenset()) -> ArrayRecords:
+    return ArrayRecords({name: _reopen(value) for name, value in columns.items()}, rows, unhashed=unhashed)
 
 
 def expand_files(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
