@@ -160,11 +160,8 @@ def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float |
 def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, format: str | None,
            force: bool = False) -> tuple[Path, str]:
     """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
-    from dew.pretrained import Pretrained
 
-    kept, context, training = _source_settings(opened)
-    pretrained = dataclasses.replace(opened.pipeline().pretrained(), tokenizer_files=kept, context=context,
-                                     training=training)
+    pretrained = dataclasses.replace(opened.pipeline().pretrained(), **_source_settings(opened))
     if lora is None:
         return pretrained.save(out, format=format, force=force), f"the model ({_layout(pretrained, format)})"
     from dew.adapters.lora import base_model, merge_lora
@@ -198,8 +195,7 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
                      "AutoModelForSequenceClassification with num_labels=1)")
         return save_adapters(out, base, pretrained.variables, lora, base_name=name, force=force,
                              scored=scored), what
-    merged = Pretrained(base, merge_lora(pretrained.variables, lora), pretrained.tokenizer,
-                        pretrained.task, kept, context, training)
+    merged = dataclasses.replace(pretrained, model=base, variables=merge_lora(pretrained.variables, lora))
     return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"
 
 
@@ -215,11 +211,11 @@ def _layout(pretrained: PretrainedModel, format: str | None) -> str:
     return f"Hugging Face's {chosen} layout"
 
 
-def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | None, dict[str, Any] | None]:
-    """The tokenizer settings (chat template, special tokens), the context length and the training
-    settings (Pretrained.training) of the Hugging Face directory the weights came from: the exported
-    directory itself, or the run's init.pretrained, followed back through the runs an init.run names
-    (None each: neither)."""
+def _source_settings(opened: Opened) -> dict[str, Any]:
+    """What the Hugging Face directory the weights came from says beyond them, as Pretrained's fields:
+    its tokenizer settings (chat template, special tokens), context length and training settings. The
+    directory is the exported one itself, or the run's init.pretrained, followed back through the runs
+    an init.run names (each None: neither)."""
     from dew.families import for_config
     from dew.pretrained import CONFIG_FILE, PretrainedError, TokenizerFiles
     from dew.pretrained.native import FORMAT
@@ -232,7 +228,7 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
         init = opened.config.init
         source = None if init is None else pretrained_origin(opened.source, init.model_dump())
     if source is None or not (source / CONFIG_FILE).is_file():
-        return None, None, None
+        return {"tokenizer_files": None, "context": None, "training": None}
     import json
 
     from dew.families.hf_config import training_settings
@@ -249,8 +245,8 @@ def _source_settings(opened: Opened) -> tuple[SavedTokenizerFiles | None, int | 
         print(f"dew export: the run's tokenizer is not the one of {source}, which its weights started from: "
               "that folder's chat template, special tokens and generation settings are left out, so the "
               "export does not mix two tokenizers.", file=sys.stderr, flush=True)
-        return None, context, training or None
-    return files, context, training or None
+        files = None
+    return {"tokenizer_files": files, "context": context, "training": training or None}
 
 
 def _same_tokenizer(tokenizer: object, source: Path, config: dict[str, Any], files: SavedTokenizerFiles | None) -> bool:
