@@ -99,6 +99,9 @@ STARTING = [
      "dataset 'token_windows' refused the recipe's data.tokenizer values: A tokenizer must have encode(text) "
      "and eos_id; int 5 lacks encode."),
     ("tiny-lm", ["data.tokenizer=bytes"], "MissingFileError: The tokenizer 'bytes' does not exist. Pass 'byte' (dew's byte-level"),
+    # cuDNN's kernel on a CPU: a 40-frame traceback ending "cuDNN is not detected".
+    ("tiny-lm", ["model.attention=cudnn", "model.dtype=bfloat16", "data.load.val_fraction=0", "trainer.eval_every=null"],
+     "FusedAttentionError: attention='cudnn' runs cuDNN's fused kernel, on an NVIDIA GPU only"),
 ]
 
 

@@ -185,6 +185,10 @@ def test_a_gpu_only_attention_is_planned_with_xlas_and_says_so(capsys):
                         capsys)
     assert any(note.startswith("cuDNN attention needs a GPU") for note in plan["notes"])
     assert plan["totals"] == plain["totals"] and plan["peak"] == plain["peak"]
+    # What the GPU would refuse is refused here too: the plan approved a sequence split cuDNN cannot take.
+    code, _, err = _plan(["tiny-lm", "model.attention=cudnn", "model.dtype=bfloat16", "trainer.mesh.sequence=2",
+                          "--devices", "2"], capsys)
+    assert code == 2 and "attention='cudnn' cannot run with the sequence split" in err, err
 
 
 @pytest.mark.slow

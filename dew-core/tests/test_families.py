@@ -222,12 +222,44 @@ def test_a_reward_model_of_the_family_scores_as_transformers_and_exports_as_one(
     assert all(np.array_equal(flat(again.variables)[k], v) for k, v in flat(loaded.variables).items())
 
 
+def test_a_reward_model_exports_its_tokenizers_pad_id_so_transformers_scores_a_batch(tmp_path):
+    """Llama 3's config names no pad id though its tokenizer has a pad token: the export left it out, and
+    transformers refused to score a batch ("Cannot handle batch sizes > 1 if no padding token")."""
+    from dew.families.examples import redraw, tokenizer
+
+    config = transformers.AutoConfig.from_pretrained(write_checkpoint("llama", tmp_path / "lm"), num_labels=1)
+    config.pad_token_id = None
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    redraw(model, 2)
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer("llama").save_pretrained(tmp_path / "rm")
+    assert json.loads((tmp_path / "rm" / "config.json").read_text()).get("pad_token_id") is None
+    Pretrained.load(tmp_path / "rm").save(tmp_path / "out")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["pad_token_id"] == theirs.pad_token_id
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    texts = ["the plus is 12 plus 30", "hi"]
+    with torch.no_grad():
+        batched = back(**theirs(texts, padding=True, return_tensors="pt")).logits[:, 0].numpy()
+        alone = [float(back(**theirs([text], return_tensors="pt")).logits[0, 0]) for text in texts]
+    np.testing.assert_allclose(batched, alone, atol=1e-5)
+
+
 def test_a_classifier_of_several_labels_is_refused_naming_them(tmp_path):
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, num_labels=3)
     transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path)
     with pytest.raises(NoExactCounterpartError, match="LlamaForSequenceClassification with 3 labels, a classifier"):
         Pretrained.load(tmp_path)
+    # A score with a bias (a custom head's) is named as that class's tensor, not a causal model's.
+    from weights_directories import rewrite_tensors, tensors_of
+
+    one = tmp_path / "one"
+    transformers.LlamaForSequenceClassification(config.__class__(**{**config.to_dict(), "num_labels": 1})).save_pretrained(one)
+    tensors = tensors_of(one / "model.safetensors")
+    rewrite_tensors(one / "model.safetensors", {**tensors, "score.bias": np.zeros((1,), np.float32)})
+    with pytest.raises(TensorMismatchError, match="LlamaForSequenceClassification has no place for: score.bias"):
+        Pretrained.load(one)
 
 
 def test_an_uncovered_architecture_names_itself_and_the_covered_ones(tmp_path):

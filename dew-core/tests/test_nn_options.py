@@ -83,5 +83,7 @@ def test_cudnn_attention_in_float32_is_refused_naming_the_dtype():
     with pytest.raises(ValueError, match="computes in bfloat16 or float16 only, and dtype is float32: set dtype=bfloat16"):
         CausalTransformer(**TINY, attention="cudnn").init(jax.random.key(0), tokens)
     half = CausalTransformer(**TINY, attention="cudnn", dtype=jax.numpy.bfloat16)
-    with pytest.raises(RuntimeError, match="cuDNN is not detected"):  # past dew's check, to jax's kernel
-        jax.eval_shape(half.init, jax.random.key(0), tokens)
+    from dew.nn.layers import FusedAttentionError
+
+    with pytest.raises(FusedAttentionError, match="on an NVIDIA GPU only, and this process computes on cpu"):
+        jax.eval_shape(half.init, jax.random.key(0), tokens)  # past the dtype's check, to the backend's

@@ -100,3 +100,17 @@ def test_each_prompt_rides_along_as_given_without_changing_the_datas_fingerprint
     before = ArrayRecords({k: v for k, v in records.columns.items() if k != "prompt_given"})  # the old reader's
     assert records.fingerprint() == before.fingerprint()
     assert records.subset(np.array([1, 0])).fingerprint() == before.subset(np.array([1, 0])).fingerprint()
+
+
+def test_a_prompt_the_policy_sees_cut_rides_along_as_null(tmp_path):
+    """A reward reads a prompt the policy saw cut as the policy saw it: scored whole, a prompt past the
+    reward model's length stopped the run at its first rollout, with advice (a shorter data.length) that
+    no longer shortened it."""
+    import warnings
+
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "2+2="}) + "\n" + json.dumps({"prompt": "12345+1="}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TruncatedWarning)
+        records = Prompts(files=str(tmp_path / "q.jsonl"), length=6).records()
+    given = [json.loads(bytes(int(v) for v in records[i]["prompt_given"] if v >= 0).decode()) for i in range(2)]
+    assert given == ["2+2=", None]

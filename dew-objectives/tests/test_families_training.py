@@ -505,6 +505,12 @@ def test_lora_trains_a_reward_models_score_and_a_ppo_value_head_in_full_and_expo
     from dew.rewards.model import RewardModel
 
     ours = RewardModel(run="runs/rm-lora").scoring(texts)
+    from dew.rewards.model import NotARewardModelError
+
+    with pytest.raises(NotARewardModelError, match="holds LoRA adapters alone"):  # it was "holds neither run.json"
+        RewardModel(run="exported/rm-lora-adapters")
+    with pytest.raises(NotARewardModelError, match="published reward model's folder"):
+        RewardModel(run="checkpoints/qwen3-tiny")
     np.testing.assert_allclose(by_merge, ours, atol=1e-5)
     np.testing.assert_allclose(by_adapters, ours, atol=1e-5)
     # dew reads those adapters back onto the base, the score with them.

@@ -50,13 +50,28 @@ __all__ = [
     "FusedAttentionError",
     "apply_rotary",
     "attention_mask",
+    "check_fused_attention",
 ]
 
 Dtype = Any
 
 
 class FusedAttentionError(DewError, ValueError):
-    """attention='cudnn' asked for where cuDNN's fused kernel does not run (a sequence split)."""
+    """attention='cudnn' asked for where cuDNN's fused kernel does not run (a sequence split, no GPU)."""
+
+
+def check_fused_attention(split: tuple[str, ...], backend: str) -> None:
+    """Refuse attention='cudnn' where cuDNN's fused kernel cannot run: positions split over the mesh
+    axes split, or a backend other than an (NVIDIA) GPU."""
+    if split:
+        raise FusedAttentionError(
+            f"attention='cudnn' cannot run with the sequence split over mesh axes {split}: cuDNN's fused "
+            "kernel takes whole sequences. Use attention='ring' (keys and values passed around the sequence "
+            "axis) or 'xla', or keep MeshSpec.sequence at 1.")
+    if backend != "gpu":
+        raise FusedAttentionError(
+            f"attention='cudnn' runs cuDNN's fused kernel, on an NVIDIA GPU only, and this process computes "
+            f"on {backend}: use attention='xla' here (the same weights and function).")
 
 # How CausalSelfAttention computes softmax(q k^T) v outside decoding: "einsum"
 # spells it out (the default), "xla" and "cudnn" hand it to
@@ -260,12 +275,8 @@ class CausalSelfAttention(nn.Module):
         if ring and self.softcap is not None:
             raise RingAttentionError("attention='ring' folds raw scores blockwise and cannot soft-cap "
                                      "them; use attention='einsum' for a model with softcap.")
-        if self.attention == "cudnn" and not decode and axes.split_over(axes.ACTIVATION_LENGTH)[1] > 1:
-            raise FusedAttentionError(
-                f"attention='cudnn' cannot run with the sequence split over mesh axes "
-                f"{axes.split_over(axes.ACTIVATION_LENGTH)[0]}: cuDNN's fused kernel takes whole sequences. "
-                "Use attention='ring' (keys and values passed around the sequence axis) or 'xla', or "
-                "keep MeshSpec.sequence at 1.")
+        if self.attention == "cudnn" and not decode:
+            check_fused_attention(axes.split_over(axes.ACTIVATION_LENGTH)[0], jax.default_backend())
         whole = (axes.BATCH, None, axes.ACTIVATION_HEADS, None)
         if not ring:
             k_bshk, v_bshk = constrain(k_bshk, whole), constrain(v_bshk, whole)

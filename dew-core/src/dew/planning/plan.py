@@ -281,6 +281,9 @@ def make_plan(config: RunConfig, recipe: str) -> Plan:
     if config.init is not None:
         notes.append("the starting weights (init) are not read; the plan's shapes are a fresh init's")
     if config.model is not None and config.model.fields.get("attention") == "cudnn":
+        from dew.nn.layers import check_fused_attention
+
+        check_fused_attention(("sequence",) if config.trainer.mesh.sequence > 1 else (), "gpu")  # as the GPU runs it
         notes.append("cuDNN attention needs a GPU, and the plan compiles on CPU devices: it planned XLA's "
                      "attention (the same weights); cuDNN's fused kernel holds less activation memory")
         model = type(config.model).model_validate({**config.model.model_dump(), "attention": "xla"})

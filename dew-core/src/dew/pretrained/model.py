@@ -327,6 +327,10 @@ class Pretrained:
         if scoring.scored(self.model, self.variables, self.task):
             table, config = scoring.table(family, self.model), scoring.written(family, config)
             own["task"] = dict(self.task or {})
+            if config.get("pad_token_id") is None:  # transformers scores a batch at its last non-pad token
+                pad = _pad_id(self.tokenizer, self.tokenizer_files)
+                if pad is not None:
+                    config["pad_token_id"] = pad
         else:
             table = family.table(self.model)
         for name, entry in table.items():  # every tensor checked before a byte is written
@@ -532,7 +536,7 @@ class Pretrained:
             model = _untied_if_stored_apart(model, files, config_path)
             table = family.table(model)
         unread = family.unread(config)  # tensors the model does not compute, left in the files
-        _check_tensors(source, family.architecture, model, table,
+        _check_tensors(source, scoring.architecture(family.architecture) if scorer else family.architecture, model, table,
                        {name: shape for name, shape in files.shapes().items() if not name.startswith(unread)})
         stored = files.dtypes()
         for name in table:
@@ -580,6 +584,15 @@ class Pretrained:
         task = scoring.task(config, model) if scorer else None
         return cls(model, {"params": params}, tokenizer, task, kept, family.context(config),
                    training_settings(config) or None)
+
+
+def _pad_id(tokenizer: Any, files: TokenizerFiles | None) -> int | None:
+    """The id of the pad token the tokenizer's files name (None: they name none, or it is no one id)."""
+    token = None if files is None else files.special_tokens.get("pad_token")
+    if token is None or tokenizer is None:
+        return None
+    ids = [int(i) for i in tokenizer.encode(token)]
+    return ids[0] if len(ids) == 1 else None
 
 
 def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:

@@ -17,7 +17,8 @@ assistant's turn are continued from its text instead, as TRL's
 ``continue_final_message`` does (a prefilled ``<think>``). Each prompt also rides
 along as the record gave it, whole (its JSON as text, under ``prompt_given``), so a
 reward model of another tokenizer reads the prompt rather than the policy's
-rendering of it. Text starts as transformers'
+rendering of it (a prompt the policy sees cut rides along as null, and the reward
+reads what the policy saw). Text starts as transformers'
 ``tokenizer(text)`` starts it (a beginning-of-text id first, where the
 tokenizer adds one), as ``dew generate`` starts a prompt. A prompt longer
 than ``length`` tokens keeps its last ones, with a ``TruncatedWarning``.
@@ -122,17 +123,19 @@ class Prompts:
         lines = self._lines()
         start = prefix_of(tokenizer)  # the beginning-of-text ids a cut prompt keeps first
         chat = reader_chat_template(self.chat_template, self.tokenizer)  # read and compiled once
-        prompts, cut, first = [], 0, ""
+        prompts, cut, first, given = [], 0, "", []
         for where, record in lines:
             ids = self._prompt(tokenizer, chat, where, record)
             if not ids:
                 raise MalformedRecordError(f"{where} holds an empty prompt, which gives the policy nothing to "
                                            "continue; give it text, or leave the record out.")
-            if len(ids) > self.length:
+            whole = len(ids) <= self.length
+            if not whole:
                 kept = start if ids[: len(start)] == start else []
                 ids = kept + ids[len(ids) - self.length + len(kept):]
                 cut, first = cut + 1, first or where
             prompts.append(ids)
+            given.append(json.dumps(record[self.prompt_key] if whole else None))
         if cut:
             warnings.warn(TruncatedWarning(
                 f"{cut} prompt(s) were longer than length={self.length} tokens and kept their last ones (the "
@@ -142,8 +145,8 @@ class Prompts:
         for row, ids in enumerate(prompts):
             padded[row, : len(ids)] = ids
         columns = {"prompt": padded, "prompt_length": np.asarray([len(p) for p in prompts], np.int32)}
-        # Each prompt as given, whole (a cut one too, as TRL hands its reward functions the dataset's).
-        columns[PROMPT_GIVEN] = _column([json.dumps(record[self.prompt_key]) for _, record in lines])
+        # Each prompt as given (null where the policy sees it cut: a reward reads what the policy saw).
+        columns[PROMPT_GIVEN] = _column(given)
         # The prompts as written stand beside their ids, which the position's fingerprint already holds.
         return ArrayRecords({**columns, **_beside(lines, self.prompt_key)}, unhashed=(PROMPT_GIVEN,))
 

@@ -18,8 +18,8 @@ holds), rendered by the reward model's own chat template; a text prompt as
 it was written, followed by the completion and the suffix. A reward model of
 another family than the policy then reads its own markers and its own
 beginning-of-text token, not the policy's. A prompt the policy saw cut (longer
-than the data's length) is scored whole. An explicit ``suffix`` keeps chat
-messages in the policy's rendering.
+than the data's length) is scored as the policy saw it. An explicit ``suffix``
+keeps chat messages in the policy's rendering.
 """
 
 from __future__ import annotations
@@ -61,18 +61,24 @@ class RewardModel:
             open_run,  # the inference commands' way to rebuild a trained run, or read an export
         )
 
-        opened = open_run(Path(self.run), step=self.step)
+        folder = Path(self.run)
+        if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+            raise NotARewardModelError(
+                f"{self.run} holds LoRA adapters alone (adapter_config.json), not a model to score with: name "
+                "the reward-model run they came from, or its merged export (dew export RUN DIR, without "
+                "--adapters).")
+        opened = open_run(folder, step=self.step)
         try:
             scoring = opened.pipeline()  # a run's objective's, or what an export records as its task
         except PipelineError:
             scoring = None
         if not isinstance(scoring, RewardScoring):
             what = (f"trained {type(opened.objective).__name__}" if opened.objective is not None
-                    else "is an export of no reward model")
+                    else "holds no reward model (a language model's weights, say)")
             raise NotARewardModelError(
-                f"The reward 'model' reads a reward-model run (or its export), but {self.run} {what}. Train "
-                "one with the reward_model objective (the addition-reward-model recipe, say) and name its "
-                "run directory, or the directory dew export wrote from it."
+                f"The reward 'model' reads a reward model, but {self.run} {what}. Name a reward-model run "
+                "(the reward_model objective: the addition-reward-model recipe, say), the directory dew export "
+                "wrote from one, or a published reward model's folder (a one-label ...ForSequenceClassification)."
             )
         from dew.data.base import chat_template_of
 
