@@ -243,6 +243,14 @@ def test_a_reward_model_exports_its_tokenizers_pad_id_so_transformers_scores_a_b
         batched = back(**theirs(texts, padding=True, return_tensors="pt")).logits[:, 0].numpy()
         alone = [float(back(**theirs([text], return_tensors="pt")).logits[0, 0]) for text in texts]
     np.testing.assert_allclose(batched, alone, atol=1e-5)
+    # A score over another module's output is no score the layout holds: refused naming why.
+    import dataclasses
+
+    loaded = Pretrained.load(tmp_path / "rm")
+    elsewhere = dataclasses.replace(loaded, task={"name": "reward_model",
+                                                  "fields": {**loaded.task["fields"], "features_module": "layers_0"}})
+    with pytest.raises(NoExactCounterpartError, match="this one reads 'layers_0': its features_module"):
+        elsewhere.save(tmp_path / "elsewhere", format="hf")
 
 
 def test_a_classifier_of_several_labels_is_refused_naming_them(tmp_path):

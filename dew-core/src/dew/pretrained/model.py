@@ -314,9 +314,14 @@ class Pretrained:
             config["max_position_embeddings"] = int(self.context)
         extra = self.beyond_family()
         if extra:
+            fields = (self.task or {}).get("fields") or {}
+            why = (f" (a reward model's score is the layout's only over the final norm's output, and this one "
+                   f"reads {fields['features_module']!r}: its features_module)"
+                   if scoring.HEAD in extra and fields.get("features_module", scoring.FEATURES) != scoring.FEATURES
+                   else "")
             raise NoExactCounterpartError(
                 f"The variables hold params/{', params/'.join(extra)} beside the model's own, which "
-                "the Hugging Face layout has no place for; save with format 'dew' (dew's own "
+                f"the Hugging Face layout has no place for{why}; save with format 'dew' (dew's own "
                 "layout keeps every variable).")
         params = _host(self.variables.get("params", self.variables))
         if getattr(self.model, "scan_layers", False):  # the format numbers its layers
