@@ -109,11 +109,11 @@ def _versions() -> dict[str, str]:
 
 def _scores(model: Module, params: PyTree, tokens: Array) -> Array:
     """A reward model's score at each position: its head over the final norm's output."""
+    from dew.nn.features import with_features
+
     decoder = {name: value for name, value in params.items() if name != scoring.HEAD}
-    _, captured = model.apply({"params": decoder}, tokens, mutable=["intermediates"],
-                              capture_intermediates=lambda module, method: module.name == scoring.FEATURES
-                              and method == "__call__")
-    hidden = captured["intermediates"][scoring.FEATURES]["__call__"][0]
+    _, hidden = with_features(model, {"params": decoder}, tokens, scoring.FEATURES, head="the score",
+                              field="the reward model's features_module")
     return (hidden.astype("float32") @ params[scoring.HEAD]["dense"]["kernel"])[..., 0]
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.data.base import Batch as HostBatch
+from dew.nn.features import with_features
 from dew.objectives.advantages import gae
 from dew.objectives.base import (
     Aux,
@@ -89,19 +90,8 @@ def policy_and_values(model: nn.Module, variables: Variables, tokens: jax.Array,
     temperature, as dew.objectives.policy.token_logprobs), and the value at each position."""
     params = dict(variables["params"])
     head = params.pop(VALUE_HEAD)
-    logits, captured = model.apply(
-        {**policy_variables(variables), "params": params}, tokens[:, :-1],
-        capture_intermediates=lambda module, method: module.name == features_module and method == "__call__",
-        mutable=["intermediates"],
-    )
-    found = captured["intermediates"].get(features_module)
-    if found is None:
-        raise ValueError(
-            f"The model has no submodule named {features_module!r} to read hidden states from for "
-            "the value head; set PPOObjective(features_module=...) to the module whose output is the "
-            "last hidden state."
-        )
-    hidden = found["__call__"][0]
+    logits, hidden = with_features(model, {**policy_variables(variables), "params": params}, tokens[:, :-1],
+                                   features_module, head="the value head", field="PPOObjective(features_module=...)")
     values = ValueHead().apply({"params": head}, hidden)
     chosen, entropy = chosen_logprobs(logits, tokens, temperature)
     return chosen, entropy, values
@@ -272,11 +262,8 @@ class PPOObjective(GreedyRewardValidation, Objective):
         variables = dict(variables)
         params = dict(variables["params"])
         if VALUE_HEAD not in params:
-            _, captured = self.model.apply(
-                variables, jnp.zeros((1, 1), jnp.int32),
-                capture_intermediates=lambda m, method: m.name == self.features_module and method == "__call__",
-                mutable=["intermediates"])
-            hidden = captured["intermediates"][self.features_module]["__call__"][0]
+            _, hidden = with_features(self.model, variables, jnp.zeros((1, 1), jnp.int32), self.features_module,
+                                      head="the value head", field="PPOObjective(features_module=...)")
             policy = {k: v for k, v in params.items()}
             variables = with_reference({**variables, "params": policy})
             head = ValueHead().init(head_key, hidden)["params"]

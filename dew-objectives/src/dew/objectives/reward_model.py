@@ -28,6 +28,7 @@ import numpy as np
 
 from dew.errors import DewError
 from dew.families import scoring
+from dew.nn.features import with_features
 from dew.objectives.base import Aux, Batch, Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck
 from dew.objectives.inference import (
@@ -69,19 +70,8 @@ class ScalarHead(nn.Module):
 
 
 def _hidden(model: nn.Module, params: Variables, tokens: jax.Array, features_module: str) -> jax.Array:
-    _, captured = model.apply(
-        params, tokens,
-        capture_intermediates=lambda module, method: module.name == features_module and method == "__call__",
-        mutable=["intermediates"],
-    )
-    found = captured["intermediates"].get(features_module)
-    if found is None:
-        raise ValueError(
-            f"The model has no submodule named {features_module!r} to read hidden states from for the "
-            "reward head; set RewardModelObjective(features_module=...) to the module whose output is "
-            "the last hidden state."
-        )
-    return found["__call__"][0]
+    return with_features(model, params, tokens, features_module, head="the reward head",
+                         field="RewardModelObjective(features_module=...)")[1]
 
 
 def sequence_scores(model: nn.Module, variables: Variables, tokens: jax.Array, mask: jax.Array,
