@@ -71,10 +71,14 @@ class Launch:
 
 
 def _children(pid: int) -> list[int]:
-    """The processes pid started (its ranks), from /proc."""
+    """The processes pid started (its ranks), from /proc. A thread may end between the listing and
+    the read (the launcher's threads come and go while the ranks start); its file is then gone."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(p) for p in (task / "children").read_text().split()]
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return found
 
 
@@ -83,8 +87,10 @@ def _gone(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] == "Z"
+    try:  # reaped between the signal and the read: gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 @pytest.mark.slow
