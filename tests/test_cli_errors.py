@@ -197,11 +197,23 @@ def test_a_sigterm_before_the_training_loop_is_one_line_and_leaves_no_half_run(t
     assert not (tmp_path / "runs").exists()  # the folder it had made kept nothing: removed
 
 
-def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path):
+def _loaded(pid: int, package: str) -> bool:
+    """Whether the process has mapped a shared library of the installed package (it is importing it)."""
+    try:
+        return f"site-packages/{package}/" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("package", ["numpy", "jaxlib"])
+def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path, package):
     """Ctrl-C in the first second of `dew train` lands in an import of the command's modules, before
     the command's own handling: it printed a page of import traceback and exited 1. (Landing in a
     callback of JAX's garbage collection instead, it is discarded by Python and the run stops at its
-    first step: dew-core/tests/test_preemption.py shows that case; either way, status 130, no traceback.)"""
+    first step: dew-core/tests/test_preemption.py shows that case; either way, status 130, no traceback.)
+    Sent the moment the package's native module is mapped, it lands in that module's initialization,
+    which calls back into Python: raised there, numpy's C code printed it as a traceback and jaxlib's
+    crashed (SIGSEGV); it now waits for the import to finish."""
     import signal
     import time
 
@@ -209,7 +221,12 @@ def test_a_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path):
     environment.pop("DEW_TRACEBACK", None)
     process = subprocess.Popen([str(DEW), "train", "tiny-lm", "trainer.steps=2", f"trainer.checkpoint_dir={tmp_path}/run"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=environment)
-    time.sleep(0.4)  # importing dew's modules and JAX takes seconds
+    # Inside the command's imports: numpy and jaxlib are first loaded there (the entry point's own
+    # imports hold neither). A fixed wait could land before the command's handling on a loaded
+    # machine, where the signal kills the interpreter itself.
+    began = time.monotonic()
+    while not _loaded(process.pid, package) and process.poll() is None and time.monotonic() - began < 60:
+        time.sleep(0.005)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130 and "Traceback" not in err and "Exception ignored" not in err, err

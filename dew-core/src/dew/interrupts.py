@@ -13,6 +13,10 @@ raising it. Once the pool has formed (``serve``), the request goes to JAX's pree
 a Ctrl-C during training does: every rank stops at one step, saved. A second Ctrl-C ends the rank
 at once.
 
+A Ctrl-C that lands inside an import waits for it to finish (it is sent again every 50 ms, for at
+most 10 s): raised there, it reaches the initialization of a native module that calls back into
+Python, where numpy's C code prints it as a traceback and jaxlib's crashes (SIGSEGV).
+
 This module imports nothing heavy: it is installed before JAX is.
 """
 
@@ -28,9 +32,14 @@ __all__ = ["RANK", "hold", "let_go", "pending", "serve"]
 RANK = "DEW_POOL_RANK"  # "1" in the environment of each rank dew launch starts
 
 
+RETRY_SECONDS = 0.05  # how often a Ctrl-C that landed in an import is sent again
+MAX_DEFERRALS = 200  # then it is raised wherever it lands (an import that never ends still stops)
+
+
 class _Held:
     pending = False  # a Ctrl-C came and no training loop has answered it yet
     serving = False  # a pool's rank: the pool formed, and its preemption service takes the request
+    deferred = 0  # times a Ctrl-C waited for an import to finish
 
 
 def hold() -> None:
@@ -65,11 +74,33 @@ def let_go() -> None:
     if signal.getsignal(signal.SIGINT) in (_on_interrupt, _on_rank_interrupt):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _Held.pending = False
+    _Held.deferred = 0
 
 
 def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     _Held.pending = True  # kept, should Python discard what is raised here
+    if _importing(frame) and _Held.deferred < MAX_DEFERRALS:
+        _Held.deferred += 1
+        again = threading.Timer(RETRY_SECONDS, _again)
+        again.daemon = True
+        again.start()
+        return
     raise KeyboardInterrupt
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether the main thread stands inside an import (importlib's loading frame is on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_name == "_find_and_load" and frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _again() -> None:
+    """Send the deferred Ctrl-C again, unless the command already ended or a loop answered it."""
+    if _Held.pending and signal.getsignal(signal.SIGINT) is _on_interrupt:
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _on_rank_interrupt(signum: int, frame: FrameType | None) -> None:
