@@ -83,10 +83,15 @@ if mode == "deaf":
 elif mode == "stops":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 os.write(1, f"ready {os.getpid()}\n".encode())  # one write: the ranks share the pipe
+peer = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "peer-ready")
+if mode != "lost":
+    open(peer, "w").close()
 if mode == "fails":
     time.sleep(0.5)
     sys.exit(3)
 if mode == "lost":  # a collective lost the peer, which is still on its way out
+    while not os.path.exists(peer):  # however late the peer's interpreter started
+        time.sleep(0.01)
     time.sleep(0.2)
     sys.exit(75)
 time.sleep(120)
