@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dew.testing.processes import free_port
+from test_launch import _gone  # every test folder is on sys.path (conftest.py)
 
 SMALL = ["model.num_layers=1", "model.emb_features=32", "model.mlp_features=64", "model.num_heads=2",
          "data.batch=4", "trackers=[]", "objective.prompt=null", "trainer.log_every=1",
@@ -80,17 +81,6 @@ def _children(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:  # reaped between the signal and the read: gone
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.mark.slow

@@ -57,14 +57,16 @@ class RewardModel:
     def __post_init__(self) -> None:
         from dew.objectives.inference import PipelineError
         from dew.objectives.reward_model import RewardScoring
+        from dew.pretrained import CONFIG_FILE
+        from dew.pretrained.peft import ADAPTER_CONFIG
         from dew.recipes.opening import (
             open_run,  # the inference commands' way to rebuild a trained run, or read an export
         )
 
         folder = Path(self.run)
-        if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        if (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG_FILE).is_file():
             raise NotARewardModelError(
-                f"{self.run} holds LoRA adapters alone (adapter_config.json), not a model to score with: name "
+                f"{self.run} holds LoRA adapters alone ({ADAPTER_CONFIG}), not a model to score with: name "
                 "the reward-model run they came from, or its merged export (dew export RUN DIR, without "
                 "--adapters).")
         opened = open_run(folder, step=self.step)
