@@ -40,6 +40,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
+    chunks = args.stages * max(arm.get("circular_repeats", 1) for _, arm in SCHEDULES)
+    if 8 % args.stages:
+        parser.error(f"--stages {args.stages} does not divide the 8 fake devices; use 1, 2, 4 or 8")
+    if args.layers % chunks:
+        parser.error(f"--layers {args.layers} does not split into the interleaved arm's {chunks} chunks "
+                     f"(--stages x 2 repeats); use a multiple of {chunks}")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -32,6 +32,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sequences", type=int, nargs="+", default=[2, 4, 8])
     args = parser.parse_args()
+    for sequence in args.sequences:
+        if 8 % sequence:
+            parser.error(f"--sequences {sequence} does not divide the 8 fake devices; use 1, 2, 4 or 8")
+        if args.batch % (8 // sequence):
+            parser.error(f"--batch {args.batch} does not split over the {8 // sequence} devices that share "
+                         f"the batch at --sequences {sequence}; use a multiple of {8 // sequence}")
+        if args.seq % (2 * sequence):
+            parser.error(f"--seq {args.seq} does not split into the {2 * sequence} zigzag blocks of "
+                         f"--sequences {sequence}; use a multiple of {2 * sequence}")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

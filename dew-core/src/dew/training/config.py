@@ -112,4 +112,4 @@ class TrainerConfig(TrainerSettings, CheckpointSettings, ProcessSettings, Cadenc
     wandb: WandbSettings | None = Field(None, description="also report to Weights & Biases")
     batch_ramp: BatchRamp | None = Field(None, description="grow the batch at the start")
     evaluate: list[EvaluateConfig] = Field(
-        default_factory=list, description="evaluation tasks scored every few steps ({task, every, fields})")
+        default_factory=list, description="evaluation tasks scored every few steps ({task, every, and the task's own fields})")
