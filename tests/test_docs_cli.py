@@ -142,6 +142,26 @@ def test_resuming_with_other_steps_warns_that_the_schedule_changes(tmp_path):
         warn_if_schedule_reshaped(fixed, 1000, None, tmp_path, 300)
 
 
+def test_resuming_with_fewer_steps_inside_the_warmup_does_not_warn(tmp_path):
+    from dew.training.optim import build_schedule
+
+    # Stopped at step 30 of 200 and resumed for 50, with a warmup of 50: the decay is 200 updates long
+    # before and 51 after, but every update still to come is inside the warmup, where both agree.
+    _saved(tmp_path, "trainer.steps=200", "optimizer.warmup_steps=50")
+    shorter = RunConfig.load("tiny-lm", overrides=["trainer.steps=50", "optimizer.warmup_steps=50"])
+    before = shorter.optimizer.model_copy(update={"decay_steps": 200})
+    after = shorter.optimizer.model_copy(update={"decay_steps": 51})
+    assert all(build_schedule(before)(u) == build_schedule(after)(u) for u in range(30, 51))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_schedule_reshaped(shorter, 50, None, tmp_path, 30)
+    # Resumed for 60 instead, update 51 onwards decays on the new schedule and not on the old: it warns.
+    assert build_schedule(before)(55) != build_schedule(after.model_copy(update={"decay_steps": 60}))(55)
+    longer = RunConfig.load("tiny-lm", overrides=["trainer.steps=60", "optimizer.warmup_steps=50"])
+    with pytest.warns(ScheduleReshapedWarning, match=r"decay_steps=200\."):
+        warn_if_schedule_reshaped(longer, 60, None, tmp_path, 30)
+
+
 def test_a_model_section_exactly_when_the_objective_takes_a_model():
     from dew.objectives.base import Objective
 

@@ -162,6 +162,8 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
     new = _optimizer_config(config, steps)
     if old_steps == steps or old.decay_steps == new.decay_steps:
         return
+    if _same_rates(old, new, resumed_at // config.trainer.accumulation, steps // config.trainer.accumulation):
+        return  # the updates still to come are all where the two schedules agree (inside the warmup)
     ended = (f" (the old schedule had ended at update {old.decay_steps}: kept, every further step trains "
              f"at its end rate, {old.end_factor:g} x optimizer.learning_rate)"
              if old.decay_steps is not None and resumed_at >= old.decay_steps else "")
@@ -172,6 +174,16 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
         f"resumed step on. To continue the old schedule, set optimizer.decay_steps="
         f"{old.decay_steps}{ended}."
     ), stacklevel=2)
+
+
+def _same_rates(old: OptimizerConfig, new: OptimizerConfig, first: int, last: int) -> bool:
+    """Whether the two schedules give every update from first to last (inclusive) the same rate."""
+    import numpy as np
+
+    from dew.training.optim import build_schedule
+
+    updates = np.arange(first, max(first, last) + 1)
+    return bool(np.allclose(build_schedule(old)(updates), build_schedule(new)(updates), rtol=1e-6, atol=0.0))
 
 
 # What a resume may change in the sections that say what function the weights compute: how it is
