@@ -66,6 +66,7 @@ def test_rescore_writes_a_new_file_and_never_the_runs_own(journaled, tmp_path, c
     assert main(["rescore", str(journaled), *reward, "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["step"], r["rewards"]) for r in rows] == [(1, [1.0, 0.0]), (2, [1.0, 0.0])]
+    assert [r["reward"] for r in rows] == [0.5, 0.5]  # each round's mean, as the help says
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".scores")]  # no temporary left
     # Scores written inside the run may be written again there: they are rescore's own, not the run's.
     inside = journaled / "rescored.jsonl"
@@ -112,6 +113,24 @@ def test_embed_names_an_input_it_cannot_read(tmp_path, capsys):
     assert not (tmp_path / "out.npy").exists()
 
 
+def test_embed_refuses_an_out_that_is_one_of_its_inputs(tmp_path, capsys, monkeypatch):
+    """Two inputs given with OUT forgotten made the second input OUT: its images were replaced by vectors."""
+    monkeypatch.chdir(tmp_path)
+    images = np.zeros((2, 8, 8, 1), np.float32)
+    for name in ("train.npy", "test.npy"):
+        np.save(name, images)
+    before = (tmp_path / "test.npy").read_bytes()
+    for out in ("test.npy", "./test.npy", "test", str(tmp_path / "test.npy")):  # "test" is saved as test.npy
+        assert main(["embed", str(tmp_path / "no-run"), "train.npy", "test.npy", out]) == 2
+        err = _refusal(capsys, "embed")
+        assert "is the input 'test.npy'" in err and "The last path given is OUT" in err, err
+    (tmp_path / "link.npy").symlink_to(tmp_path / "train.npy")
+    assert main(["embed", str(tmp_path / "no-run"), "link.npy", "train.npy"]) == 2
+    assert "is the input 'link.npy'" in _refusal(capsys, "embed")
+    assert (tmp_path / "test.npy").read_bytes() == before
+    assert np.load(tmp_path / "train.npy").shape == (2, 8, 8, 1)
+
+
 def test_a_compilation_cache_that_is_a_file_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cache").write_text("not a directory")
@@ -133,6 +152,15 @@ def test_check_plugin_refuses_an_empty_name(capsys):
     for name in ("", "  "):
         assert main(["check-plugin", name]) == 2
         assert "No distribution was named" in _refusal(capsys, "check-plugin")
+
+
+@pytest.mark.parametrize("value", ["nan", "0", "-5"])
+def test_check_plugin_refuses_a_timeout_that_is_no_time(value, capsys):
+    """NaN reached subprocess.run as a traceback; 0 and -5 were taken, and every check then 'failed'."""
+    with pytest.raises(SystemExit) as ended:
+        main(["check-plugin", "dew-trackers", "--timeout", value])
+    assert ended.value.code == 2
+    assert f"argument --timeout: {value} is not more than 0 seconds" in capsys.readouterr().err
 
 
 # -- optimizer values ------------------------------------------------------------------------------------------

@@ -63,9 +63,12 @@ def test_a_port_or_a_wait_that_cannot_be_is_refused_before_a_rank_starts(option,
     (["-n", "2", "--image", "r/dew:1"], "--image shapes the job `--print jobset` writes, and this launch starts its ranks"),
     (["--print", "jobset", "-n", "4", "--per-node", "2"], "--per-node shapes the job `--print slurm` writes, and this "
                                                           "launch prints 'jobset'"),
+    (["-n", "2", "--gpus-per-process", "1"], "--gpus-per-process shapes the jobs `--print jobset` and "
+                                             "`--print slurm` write, and this launch starts its ranks itself"),
 ])
 def test_a_cluster_jobs_option_where_it_changes_nothing_is_refused(argv, said, capsys):
-    """--per-node and --image were taken and ignored by a local pool and by the other printed job."""
+    """--per-node, --image and --gpus-per-process were taken and ignored by a local pool (and the first two
+    by the other printed job)."""
     from dew.cli import main
 
     assert main(["launch", *argv, "tiny-lm", "--check"]) == 2

@@ -249,3 +249,22 @@ def test_a_distribution_that_is_not_installed_is_one_line(capsys):
     assert main(["check-plugin", "dew-no-such-plugin"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No installed distribution is named 'dew-no-such-plugin'" in err
+
+
+def test_dews_own_rewards_pass_their_registered_kits_and_one_needing_fields_is_unchecked():
+    """dew check-plugin dew-objectives called its correct rewards failed: the default kit built them with no
+    fields (length's target, format's pattern) and scored them with no context (exact_match's answer)."""
+    from dew.testing.certify import checks_of, subjects
+
+    rewards = {s.name: s for s in subjects("dew-objectives")[1] if s.group == "dew.rewards"}
+    assert set(rewards) == {"brightness", "exact_match", "format", "length", "model", "regex_format", "weighted"}
+    for name, subject in rewards.items():
+        found = checks_of(subject)
+        if name == "model":  # a trained reward-model run is its one required field: no kit can make it
+            assert subject.kit is None
+            assert [(c.check, c.result) for c in found] == [("it loads", "passed"),
+                                                            ("has a conformance kit", "unchecked")]
+            assert "cannot be built without fields" in found[1].message and "run: Field required" in found[1].message
+            continue
+        assert subject.kit is not None, name
+        assert [c.result for c in found] == ["passed"] * 3, [(c.check, c.result, c.message) for c in found]

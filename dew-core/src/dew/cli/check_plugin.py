@@ -19,6 +19,8 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from dew.cli.runs import seconds
+
 if TYPE_CHECKING:
     from dew.testing.certify import Check
 
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("distribution", metavar="DISTRIBUTION",
                         help="the installed distribution's name (as in its pyproject.toml)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
+    parser.add_argument("--timeout", type=seconds(0, inclusive=False), default=1800, metavar="SECONDS",
                         help="give up on one component's checks after this long (default %(default)g)")
     parser.epilog = (
         "A component's kit is a subclass of the dew.testing kit for its group, registered by the same name\n"

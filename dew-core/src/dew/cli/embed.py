@@ -19,7 +19,7 @@ from dew.errors import DewError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["InputImagesError", "add_arguments", "read_inputs", "run"]
+__all__ = ["InputImagesError", "OutputIsInputError", "add_arguments", "read_inputs", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class InputImagesError(DewError, ValueError):
     """An input of dew embed is not an image file or an array of images, or the images' shapes differ."""
+
+
+class OutputIsInputError(DewError, ValueError):
+    """dew embed's OUT (the last path given) is one of its inputs: the vectors would replace the images."""
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether a and b name one file (b may not exist yet)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def output_path(out: Path, inputs: list[Path]) -> Path:
+    """Where the vectors go: out, with .npy added when it lacks it; refused when that is an input."""
+    target = out if out.suffix == ".npy" else out.with_name(out.name + ".npy")
+    clash = next((path for path in inputs if _same_file(path, target)), None)
+    if clash is not None:
+        raise OutputIsInputError(
+            f"OUT {str(target)!r} is the input {str(clash)!r}: the vectors would replace the images they are "
+            "made from. The last path given is OUT; add a new path for the vectors after the inputs.")
+    return target
 
 
 def read_inputs(paths: list[Path]) -> np.ndarray:
@@ -81,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
     from dew.recipes.opening import open_run
 
     try:
+        target = output_path(args.out, args.inputs)
         images = read_inputs(args.inputs)  # before the model loads: a bad input is named at once
         vectors = open_run(args.run, step=args.step).pipeline().embed(images)
-        target = args.out if args.out.suffix == ".npy" else args.out.with_name(args.out.name + ".npy")
         target.parent.mkdir(parents=True, exist_ok=True)
         _save_vectors(target, vectors)
     except Exception as error:

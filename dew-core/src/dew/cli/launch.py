@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+
+from dew.cli.runs import seconds
 
 __all__ = ["add_arguments", "rank_argv", "run"]
 
@@ -30,20 +31,6 @@ def _port(text: str) -> int:
     return value
 
 
-def _seconds(least: float, inclusive: bool) -> Callable[[str], float]:
-    """An argparse type: a number of seconds of at least (or above) least."""
-    def read(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not (value >= least if inclusive else value > least):  # NaN fails either comparison
-            raise argparse.ArgumentTypeError(f"{text} is not {'at least' if inclusive else 'more than'} {least:g} "
-                                             "seconds")
-        return value
-    return read
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dew.training.runtime.launcher import DEFAULT_GRACE
 
@@ -57,10 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port, default=None,
                         help="the coordinator's port (local pool: a free one; cluster: "
                              "DEW_COORDINATOR_PORT, else derived from the Slurm job, else 8476)")
-    parser.add_argument("--grace", type=_seconds(0, inclusive=True), default=DEFAULT_GRACE, metavar="SECONDS",
+    parser.add_argument("--grace", type=seconds(0, inclusive=True), default=DEFAULT_GRACE, metavar="SECONDS",
                         help="after a stop request, how long the ranks have to checkpoint and exit "
                              "before they are killed (default %(default)g)")
-    parser.add_argument("--connect-timeout", type=_seconds(0, inclusive=False), default=None, metavar="SECONDS",
+    parser.add_argument("--connect-timeout", type=seconds(0, inclusive=False), default=None, metavar="SECONDS",
                         help="how long a rank waits for the coordinator (default 300, or "
                              "DEW_CONNECT_TIMEOUT)")
     parser.add_argument("--print", dest="print_kind", choices=("slurm", "jobset"), default=None,
@@ -141,13 +128,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"dew launch: --per-node {args.per_node}: a node runs at least one rank.", file=sys.stderr)
         return 2
     # Options that shape a printed cluster job, given where they would change nothing.
-    unread = [flag for flag, given, reader in (("--per-node", args.per_node, "slurm"), ("--image", args.image, "jobset"))
-              if given is not None and args.print_kind != reader]
+    shaping = (("--per-node", args.per_node, ("slurm",)), ("--image", args.image, ("jobset",)),
+               ("--gpus-per-process", args.gpus_per_process, ("slurm", "jobset")))
+    unread = [(flag, readers) for flag, given, readers in shaping
+              if given is not None and args.print_kind not in readers]
     if unread:
-        print(f"dew launch: {' and '.join(unread)} shape{'s' if len(unread) == 1 else ''} the job "
-              f"`--print {'slurm' if unread[0] == '--per-node' else 'jobset'}` writes, and this launch "
+        jobs = sorted({kind for _, readers in unread for kind in readers})
+        print(f"dew launch: {' and '.join(flag for flag, _ in unread)} shape{'s' if len(unread) == 1 else ''} the "
+              f"job{'s' if len(jobs) > 1 else ''} {' and '.join(f'`--print {kind}`' for kind in jobs)} "
+              f"write{'s' if len(jobs) == 1 else ''}, and this launch "
               f"{'prints ' + repr(args.print_kind) if args.print_kind else 'starts its ranks itself'}: drop "
-              f"{'it' if len(unread) == 1 else 'them'}, or print that job.", file=sys.stderr)
+              f"{'it' if len(unread) == 1 else 'them'}, or print {'that job' if len(jobs) == 1 else 'one of those'}.",
+              file=sys.stderr)
         return 2
     if args.print_kind is not None:
         return _print_script(args, _asked(args))

@@ -7,7 +7,7 @@ another registered reward, without loading or running the model: whether a
 stricter or a differently shaped reward would have ranked the same samples
 otherwise. It prints, per step, the mean reward the run trained on beside
 the mean of the new one, and with ``--out`` writes the new scores as JSON
-lines, one per step's round (``step``, ``round``, ``reward``, ``rewards``).
+lines, one per step's round (``step``, ``round``, the round's mean ``reward``, ``rewards``).
 
 Steps are numbered as the run's scalars and ledger number them (the count of
 steps done). Only the steps the run's last checkpoint kept are scored: a
@@ -174,12 +174,12 @@ def _rescored(path: Path) -> bool:
 _SCORE_KEYS = frozenset({"step", "round", "reward", "rewards"})
 
 
-def _write_scores(out: Path, rows: Sequence[Mapping[str, Any]], name: str) -> None:
+def _write_scores(out: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """The scores as JSON lines, written beside out and renamed into place: a failure leaves no
     half-written file, and a link planted at out is replaced, never written through."""
     from dew.objectives.inference import write_file
 
-    text = "".join(json.dumps({"step": row["step"], "round": row["round"], "reward": name,
+    text = "".join(json.dumps({"step": row["step"], "round": row["round"], "reward": _mean(row["rewards"]) if row["rewards"] else None,
                                "rewards": row["rewards"]}) + "\n" for row in rows)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
               "sampled ahead for a step the run did not take, or steps no checkpoint kept)")
     if args.out is not None:
         try:
-            _write_scores(args.out, rows, name)
+            _write_scores(args.out, rows)
         except RescoreError as error:
             print(f"dew rescore: {error}", file=sys.stderr)
             return 2

@@ -1,4 +1,4 @@
-"""What the inference commands share: the RUN argument, and refusals in one line.
+"""What the commands share: the RUN argument, argument types, and refusals in one line.
 
 A RUN is a run folder or an exported model directory; ``dew.recipes.opening``
 rebuilds either for inference.
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["add_run_argument", "expected", "positive", "refused"]
+__all__ = ["add_run_argument", "expected", "positive", "refused", "seconds"]
 
 
 def refused(command: str, error: BaseException | str) -> int:
@@ -37,6 +38,20 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not at least 1")
     return value
+
+
+def seconds(least: float, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a number of seconds of at least (or above) least."""
+    def read(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not (value >= least if inclusive else value > least):  # NaN fails either comparison
+            raise argparse.ArgumentTypeError(f"{text} is not {'at least' if inclusive else 'more than'} {least:g} "
+                                             "seconds")
+        return value
+    return read
 
 
 def add_run_argument(parser: argparse.ArgumentParser) -> None:

@@ -229,7 +229,15 @@ def checks_of(subject: Component) -> list[Check]:
     kit_class: type
     if subject.kit is None and subject.group == "dew.rewards":
         from dew import registry
+        from dew.registry import InvalidFieldsError
 
+        try:  # the default kit builds it with no fields: one that needs some is the kit's to give
+            registry.rewards.build(subject.name)
+        except InvalidFieldsError as error:
+            return [Check(label, "it loads", "passed"), Check(
+                label, "has a conformance kit", "unchecked",
+                f"it cannot be built without fields ({error}), so the default reward checks cannot score it; "
+                f"{_unchecked(subject).message}, whose reward() builds it with them")]
         kit_class = type("DefaultRewardKit", (_load(f"{module}:{base}"),),
                          {"reward": lambda self: registry.rewards.build(subject.name)})
     else:
