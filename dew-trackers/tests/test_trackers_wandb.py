@@ -142,3 +142,51 @@ def test_wandb_offline_keeps_every_step_when_the_parents_service_stops_and_at_ex
     assert set(runs) == {"owner", "closed", "left-open"}
     for name in ("closed", "left-open"):
         assert runs[name] == {step: 1.0 / (step + 1) for step in range(300)}, name
+
+
+def test_a_resumed_fit_continues_its_folders_run_without_an_id(tmp_path, monkeypatch):
+    """A resume without the recipe's id: started a second W&B run, so one training run's charts were split."""
+    import wandb
+
+    from dew.trackers.wandb import RUN_ID_FILE, WandbTracker
+
+    wandb.teardown()  # W&B keeps the first WANDB_DIR it read (an earlier test's) until its setup is torn down
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_API_KEY", "")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+
+    def fit(folder, start, stop, project="dew-resumes", id=None):
+        folder.mkdir(exist_ok=True)
+        tracker = WandbTracker(project, "a-run", offline=True, id=id)
+        tracker.artifact(RunStarted(config={"trainer": {"checkpoint_dir": str(folder)}}, start=start, steps=10),
+                         step=start)
+        for step in range(start + 1, stop + 1):
+            tracker.log({"loss": float(step)}, step=step)
+        run_id = tracker.run.id
+        tracker.close()
+        return run_id
+
+    def logged(run_id):  # the steps every offline run of that id holds, in the order they were written
+        steps = []
+        for datastore in sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+            steps += [int(json.loads(i.value_json)) for r in finished_records(datastore)
+                      if r.WhichOneof("record_type") == "history" for i in r.history.item if (i.key or "/".join(i.nested_key)) == "_step"]
+        return steps
+
+    first = fit(tmp_path / "run", 0, 5)
+    assert json.loads((tmp_path / "run" / RUN_ID_FILE).read_text())["id"] == first
+    assert fit(tmp_path / "run", 3, 7) == first  # resumed from its step-3 checkpoint: the same run
+    assert logged(first) == [1, 2, 3, 4, 5, 4, 5, 6, 7]  # W&B keeps the first 4 and 5 when it syncs
+    # Another run: trained afresh in the folder, a copy of the folder resumed, another project.
+    fresh = fit(tmp_path / "run", 0, 2)
+    assert fresh != first and json.loads((tmp_path / "run" / RUN_ID_FILE).read_text())["id"] == fresh
+    import shutil
+
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    assert fit(tmp_path / "copy", 2, 3) not in (first, fresh)
+    assert fit(tmp_path / "run", 2, 3, project="elsewhere") != fresh
+    assert fit(tmp_path / "run", 2, 3, id="named") == "named"  # the recipe's id still wins
+    # The folder holds the last run a fit without an id started there ('elsewhere': the project differs now).
+    assert json.loads((tmp_path / "run" / RUN_ID_FILE).read_text())["project"] == "elsewhere"
+    wandb.teardown()

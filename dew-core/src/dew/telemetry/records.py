@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard, runtime_checkable
@@ -116,6 +117,13 @@ class RunStarted:
 
     def to_json(self) -> dict[str, Any]:
         return _fields(self)
+
+    def run_folder(self) -> str | None:
+        """The absolute run folder (the recipe's trainer.checkpoint_dir), if the fit has one: a
+        tracker keeps one run per folder, which a resume there reopens."""
+        trainer = self.config.get("trainer")
+        folder = trainer.get("checkpoint_dir") if isinstance(trainer, Mapping) else None
+        return os.path.abspath(folder) if isinstance(folder, str) and folder else None
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,6 @@ def _shown(uri: str) -> str:
     return redact_text(uri)
 
 
-def _run_folder(started: RunStarted | None) -> str | None:
-    """The absolute run folder (trainer.checkpoint_dir) of the recipe a fit started with, if any."""
-    trainer = {} if started is None else started.config.get("trainer")
-    folder = trainer.get("checkpoint_dir") if isinstance(trainer, Mapping) else None
-    return os.path.abspath(folder) if isinstance(folder, str) and folder else None
-
-
 def _quoted(text: str) -> str:
     """text inside single quotes of an MLflow search filter."""
     return text.replace("\\", "\\\\").replace("'", "\\'")
@@ -196,7 +189,7 @@ class MLflowTracker:
         from mlflow import MlflowClient
 
         self._check_server()
-        folder = _run_folder(started)
+        folder = None if started is None else started.run_folder()
         try:
             with _bounded_requests(self.connect_timeout, retries=2):
                 client = MlflowClient(tracking_uri=self.uri)

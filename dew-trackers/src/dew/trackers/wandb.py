@@ -21,9 +21,13 @@ from dew.tracking.protocol import Reported, check_reported
 from dew.tracking.rows import recipe_fields
 
 if TYPE_CHECKING:
+    from dew.telemetry.records import RunStarted
     from dew.tracking.background import Dropped
 
-__all__ = ["WandbTracker"]
+__all__ = ["RUN_ID_FILE", "WandbTracker"]
+
+RUN_ID_FILE = "wandb-run.json"
+"""In a run folder: the W&B run its fits report to (id, project, entity, folder), which a resume continues."""
 
 # Seconds a batch builds up: every run.log is a round trip through wandb's own event-loop
 # thread, so the writer wakes twice a second for a batch of steps rather than at every step.
@@ -119,27 +123,61 @@ class WandbTracker:
     @property
     def run(self) -> Any:
         """The wandb run, initialised on first use."""
-        if self._run is None:
-            import wandb
+        return self._start(None)
 
-            _own_service()
-            try:
-                self._run = wandb.init(
-                    project=self.project, name=self.name, entity=self.entity,
-                    config=self.config, id=self.id, resume="allow" if self.id else None,
-                    mode="offline" if self.offline else None, reinit="create_new",
-                    settings=wandb.Settings(console="off", init_timeout=self.connect_timeout),
-                )
-            except Exception as error:
-                raise TrackerWriteError(
-                    f"WandbTracker could not start a run in project {self.project!r} within "
-                    f"{self.connect_timeout:g} s: {error}. Check the network and WANDB_API_KEY, "
-                    "use offline=True, or remove the tracker.") from error
-            # W&B stops its service at exit, from a hook registered when the service started;
-            # exit hooks run last registered first, so this one closes the tracker before.
-            self._exit_hook = _close_at_exit(weakref.ref(self))
-            atexit.register(self._exit_hook)
+    def _start(self, started: RunStarted | None) -> Any:
+        """The run, started once: with the recipe's id, else the one an earlier fit in the same run
+        folder started when started says this fit resumes there (RUN_ID_FILE), else a new one."""
+        if self._run is not None:
+            return self._run
+        import wandb
+
+        _own_service()
+        folder = None if started is None else started.run_folder()
+        run_id = self.id
+        if run_id is None and folder is not None and started is not None and started.start > 0:
+            run_id = self._earlier_id(Path(folder))
+        try:
+            self._run = wandb.init(
+                project=self.project, name=self.name, entity=self.entity,
+                config=self.config, id=run_id, resume="allow" if run_id else None,
+                mode="offline" if self.offline else None, reinit="create_new",
+                settings=wandb.Settings(console="off", init_timeout=self.connect_timeout),
+            )
+        except Exception as error:
+            raise TrackerWriteError(
+                f"WandbTracker could not start a run in project {self.project!r} within "
+                f"{self.connect_timeout:g} s: {error}. Check the network and WANDB_API_KEY, "
+                "use offline=True, or remove the tracker.") from error
+        # W&B stops its service at exit, from a hook registered when the service started;
+        # exit hooks run last registered first, so this one closes the tracker before.
+        self._exit_hook = _close_at_exit(weakref.ref(self))
+        atexit.register(self._exit_hook)
+        if self.id is None and folder is not None:
+            self._keep_id(Path(folder))
         return self._run
+
+    def _where(self, folder: Path) -> dict[str, object]:
+        """What names this tracker's run beside its id: a copy of the folder, or another project, is another run."""
+        return {"folder": str(folder), "project": self.project, "entity": self.entity}
+
+    def _earlier_id(self, folder: Path) -> str | None:
+        """The id the run folder's earlier fit started its run with, when it was this tracker's run."""
+        try:
+            kept = json.loads((folder / RUN_ID_FILE).read_text())
+        except (OSError, ValueError):
+            return None  # none kept (a run trained before dew kept it): a new run, as then
+        if not isinstance(kept, dict) or not isinstance(kept.get("id"), str):
+            return None
+        return kept["id"] if {k: kept.get(k) for k in self._where(folder)} == self._where(folder) else None
+
+    def _keep_id(self, folder: Path) -> None:
+        """Write the run's id into the run folder (when it exists), for a resume there to continue it."""
+        if not folder.is_dir():
+            return
+        kept = {"id": self._run.id, **self._where(folder)}
+        with contextlib.suppress(OSError):  # a read-only folder: a resume starts a new run, as before
+            (folder / RUN_ID_FILE).write_text(json.dumps(kept, indent=1) + "\n")  # torn: read as none kept
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """On the tracker thread: history rows, files and config, in order."""
@@ -184,8 +222,10 @@ class WandbTracker:
         self._channel.submit(("log", dict(scalars), step))
 
     def artifact(self, value: Reported, step: int) -> None:
+        from dew.telemetry.records import RunStarted
+
         check_reported(value)
-        self.run  # noqa: B018
+        self._start(value if isinstance(value, RunStarted) else None)  # a fit's first report: it may resume
         self._channel.submit(("artifact", value, step))
 
     def flush(self) -> None:
