@@ -146,6 +146,29 @@ def test_what_cannot_carry_expert_adapters_refuses_in_one_line(mixtral, adapted_
 
 
 @pytest.mark.slow
+def test_adapters_on_modules_peft_reads_as_routed_experts_are_refused(tmp_path):
+    """DeepSeek-V3's dense first layer and shared experts name their Linears gate/up/down_proj, which
+    PEFT (with transformers 5) rewrites into the routed experts' fused parameters: their adapters were
+    written, PEFT loaded none of them without an error, and the PEFT model computed the base there."""
+    from dew.pretrained.peft import ADAPTER_CONFIG, save_adapters
+
+    loaded = Pretrained.load(write_checkpoint("deepseek_v3", tmp_path / "base", seed=1, redrawn=True))
+    for targets, module in (((r".*layers_0/mlp",), "model.layers.0.mlp.down_proj"),
+                            ((r".*/moe/shared",), "model.layers.1.mlp.shared_experts.down_proj")):
+        spec = Lora(rank=2, alpha=4.0, targets=targets)
+        _, variables = drawn_adapters(loaded.model, loaded.variables, spec, scale=0.1)
+        with pytest.raises(NoExactCounterpartError, match=rf"{module}, .* PEFT reads the target names .*down_proj"
+                                                          r".* of a deepseek_v3 model as its routed experts") as refused:
+            save_adapters(tmp_path / "adapters", loaded.model, variables, spec)
+        assert "\n" not in str(refused.value) and "merged" in str(refused.value)
+        assert not (tmp_path / "adapters").exists()
+    spec = Lora(rank=2, alpha=4.0, targets=("attention",))  # attention's names PEFT leaves alone: written
+    _, variables = drawn_adapters(loaded.model, loaded.variables, spec, scale=0.1)
+    save_adapters(tmp_path / "adapters", loaded.model, variables, spec)
+    assert (tmp_path / "adapters" / ADAPTER_CONFIG).is_file()
+
+
+@pytest.mark.slow
 def test_mlp_reaches_the_routed_and_shared_experts_of_a_model_with_a_dense_first_layer(tmp_path):
     loaded = Pretrained.load(write_checkpoint("deepseek_v3", tmp_path / "base", seed=1, redrawn=True))
     adapted = apply_lora(loaded.model, Lora(rank=2, targets=("mlp",)))

@@ -197,6 +197,7 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
             f"{', '.join(named[:3])}{', ...' if len(named) > 3 else ''} ({len(named)} weight(s)) have LoRA "
             f"adapters that no PEFT LoRA module of its family holds: {why}. Export the merged model "
             "instead (dew export without --adapters).")
+    _refuse_names_read_as_experts(of_model(model).model_type, modules)
     if not tensors:
         raise TensorMismatchError("The variables hold no LoRA adapters on the family's projections "
                                   "(q/k/v/o_proj, gate/up/down_proj, ...); export the merged model instead.")
@@ -231,6 +232,29 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         write_tensors(fresh / ADAPTER_WEIGHTS, tensors, {"format": "pt", DIGEST_KEY: _base_digest(variables)})
         (fresh / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target
+
+
+# Model types whose target names PEFT (with transformers 5) takes for the routed experts' fused
+# parameters, whatever module a target names: it rewrites them into target_parameters on load, so an
+# adapter on a dense MLP or a shared expert by those names is dropped and the base computed there.
+_READ_AS_EXPERTS = {
+    "qwen3_moe": frozenset({"gate", "gate_proj", "up_proj", "down_proj"}),
+    "deepseek_v3": frozenset({"gate", "gate_proj", "up_proj", "down_proj"}),
+    "mixtral": frozenset({"gate", "w1", "w2", "w3"}),
+}
+
+
+def _refuse_names_read_as_experts(model_type: str, modules: set[str]) -> None:
+    """Refuse adapters on modules whose names PEFT reads as routed experts for model_type."""
+    names = _READ_AS_EXPERTS.get(model_type, frozenset())
+    dropped = sorted(m for m in modules if m.rsplit(".", 1)[-1] in names)
+    if dropped:
+        raise NoExactCounterpartError(
+            f"{', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''} ({len(dropped)} module(s)) have LoRA "
+            f"adapters, but PEFT reads the target names {', '.join(sorted(names))} of a {model_type} model as its "
+            "routed experts' fused weights, so it would load no adapter onto them and compute the base model "
+            "there. Export the merged model instead (dew export without --adapters), or train LoRA on the "
+            "attention alone.")
 
 
 def _base_digest(variables: Variables) -> str:
