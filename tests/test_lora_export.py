@@ -72,7 +72,7 @@ def _torch_logits(model) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew):
+def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew, dew_command):
     from peft import PeftModel
 
     from dew.adapters.lora import base_model, with_base
@@ -98,6 +98,24 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew):
     assert written["base_model_name_or_path"] == f"{tmp_path}/exported"
     with_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     np.testing.assert_allclose(_torch_logits(with_peft), adapted, atol=1e-4, rtol=0)
+    # --verify puts them onto their base with PEFT and compares; adapters PEFT computes otherwise (B
+    # scaled in the file, as a PEFT that dropped or misread them would) fail it, with the record kept.
+    out = dew("export", "--adapters", "--verify", str(run), str(tmp_path / "verified"), cwd=tmp_path)
+    assert "Verified: transformers' PeftModel on LlamaForCausalLM matches dew's logits within" in out.stdout
+    record = json.loads((tmp_path / "verified" / "verification.json").read_text())
+    assert record["passed"] and record["max_abs_difference"] < 1e-3
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(tmp_path / "verified" / "adapter_model.safetensors")
+    save_file({k: v * 3 if "lora_B" in k else v for k, v in weights.items()},
+              tmp_path / "verified" / "adapter_model.safetensors", metadata={"format": "pt"})
+    from dew.adapters.lora import merge_lora
+    from dew.pretrained.verify import ExportMismatchError, verify_adapters
+
+    with pytest.raises(ExportMismatchError, match=r"PeftModel on LlamaForCausalLM computes logits up to"):
+        verify_adapters(tmp_path / "verified", tmp_path / "exported", base_model(opened.model),
+                        merge_lora(opened.variables, opened.config.lora))
+    assert not json.loads((tmp_path / "verified" / "verification.json").read_text())["passed"]
 
     # Read back by dew onto the same base: the run's adapters; onto another base: refused.
     fresh = opened.model.init(jax.random.key(9), jnp.zeros((1, 8), jnp.int32))
@@ -111,7 +129,7 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew):
 
 
 @pytest.mark.slow
-def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path, dew):
+def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path, dew, dew_command):
     run = _train(dew, tmp_path, "nf4")
     adapted, _ = _dew_logits(run)
     dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
@@ -120,6 +138,10 @@ def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path, dew):
     # Its adapters alone would go onto the float base, which is not the base it trained on: said.
     out = dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
     assert "trained on an nf4 copy of the base: PEFT puts them onto the float base" in out.stdout
+    # which --verify would count against them: refused, pointing at the merged export's verification
+    refused = dew_command("export", "--adapters", "--verify", str(run), str(tmp_path / "checked"), cwd=tmp_path)
+    assert refused.returncode == 2 and "trained its adapters on a nf4 copy of the base" in refused.stderr
+    assert "Verify the merged export (drop --adapters)" in refused.stderr and not (tmp_path / "checked").exists()
 
 
 def test_adapters_of_a_model_without_lora_are_refused(tmp_path, capsys):
@@ -174,6 +196,8 @@ def test_adapters_of_a_run_started_from_another_run_say_how_peft_gets_that_base(
     out = dew("export", "--adapters", "tuned", "adapters", cwd=tmp_path)
     assert "their base is the run base, which PEFT cannot read: export it with `dew export base DIR`" in out.stdout
     assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] == ""
+    unverified = dew_command("export", "--adapters", "--verify", "tuned", "unverified", cwd=tmp_path)
+    assert unverified.returncode == 2 and "The adapters name no base directory" in unverified.stderr
     # Followed: the base exported, PEFT puts the adapters onto it and computes the run's model.
     from peft import PeftModel
 

@@ -12,9 +12,9 @@ published format computes the same function), which ``Pretrained.load``
 reads back with the task it serves. A LoRA run's adapters are merged into
 its base weights, so OUT is a plain model; ``--adapters`` writes them alone
 instead, in PEFT's layout, for the base the run started from. ``--verify``
-then loads OUT in transformers on the CPU, compares its logits with dew's on
-fixed prompts, records the result in OUT/verification.json and fails above
-``--tolerance``.
+then loads OUT in transformers on the CPU (adapters: PEFT puts them onto
+their base), compares its logits with dew's on fixed prompts, records the
+result in OUT/verification.json and fails above ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write into an OUT that holds files dew did not write: the export's own "
                              "files are replaced, the others kept (a symbolic link is never followed)")
     parser.add_argument("--verify", action="store_true",
-                        help="load the export in transformers on the CPU and compare its logits with "
-                             "dew's on fixed prompts; write OUT/verification.json; fail above --tolerance")
+                        help="load the export in transformers on the CPU (adapters: with PEFT, onto their "
+                             "base) and compare its logits with dew's on fixed prompts; write "
+                             "OUT/verification.json; fail above --tolerance")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="the largest absolute logit difference --verify accepts (default 1e-3)")
 
@@ -86,9 +87,14 @@ def run(args: argparse.Namespace) -> int:
             return refused("export", f"--adapters writes PEFT's adapter files, which transformers' language models "
                                      f"read, and {type(opened.model).__name__} is written in dew's own layout; drop "
                                      "--adapters to export it with its adapters merged.")
-        if args.verify and (args.adapters or args.format == "dew"):
-            return refused("export", "--verify checks a whole model in its Hugging Face layout; drop "
-                                     "--adapters and --format dew to verify the export.")
+        if args.verify and args.format == "dew":
+            return refused("export", "--verify checks a model in its Hugging Face layout; drop --format dew to "
+                                     "verify the export.")
+        if args.verify and args.adapters and lora is not None and lora.base != "float32":
+            return refused("export", f"--verify --adapters compares PEFT's model with the run's, and this run trained "
+                                     f"its adapters on a {lora.base} copy of the base, while PEFT puts them onto the "
+                                     "float base: they compute other logits by design. Verify the merged export "
+                                     "(drop --adapters).")
         if args.verify and args.format is None and _native(opened):
             return refused("export", f"--verify compares the export with what transformers computes from it, "
                                      f"and {type(opened.model).__name__} is written in dew's own layout, which "
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if replaced:
         print(f"(it replaced the export {written} held before)")
     if args.verify:
-        return _verify(opened, lora, written, args.tolerance)
+        return _verify(opened, lora, written, args.tolerance, adapters=args.adapters)
     return 0
 
 
@@ -131,26 +137,39 @@ def _served(opened: Opened) -> Variables:
     return served_variables(opened.objective, opened.variables)
 
 
-def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float | None) -> int:
-    """Certify the export against dew's own logits; 1 when they differ past tolerance."""
+def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float | None, *, adapters: bool) -> int:
+    """Certify the export against dew's own logits; 1 when they differ past tolerance. Adapters are
+    put onto their base by PEFT (the base their adapter_config.json names) and compared so."""
+    import json
+
     from dew.pretrained import PretrainedError
-    from dew.pretrained.verify import DEFAULT_TOLERANCE, ExportMismatchError, verify
+    from dew.pretrained.peft import ADAPTER_CONFIG
+    from dew.pretrained.verify import (
+        DEFAULT_TOLERANCE,
+        ExportMismatchError,
+        verify,
+        verify_adapters,
+    )
 
     model, variables = opened.model, _served(opened)
     if lora is not None:
         from dew.adapters.lora import base_model, merge_lora
 
         model, variables = base_model(opened.model), merge_lora(variables, lora)
+    limit = DEFAULT_TOLERANCE if tolerance is None else tolerance
     try:
-        result = verify(written, model, variables, tokenizer=opened.tokenizer,
-                        tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance)
+        if adapters:
+            base = json.loads((written / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+            result = verify_adapters(written, base, model, variables, tokenizer=opened.tokenizer, tolerance=limit)
+        else:
+            result = verify(written, model, variables, tokenizer=opened.tokenizer, tolerance=limit)
     except ExportMismatchError as error:
         print(f"dew export --verify: {error}", file=sys.stderr)
         return 1
     except PretrainedError as error:
         print(f"dew export --verify: {error}", file=sys.stderr)
         return 2
-    compared = "scores" if result.architecture.endswith("ForSequenceClassification") else "logits"
+    compared = "scores" if "ForSequenceClassification" in result.architecture else "logits"
     print(f"Verified: transformers' {result.architecture} matches dew's {compared} within "
           f"{result.max_abs_difference:.2g} (tolerance {result.tolerance:g}) on "
           f"{len(result.prompt_lengths)} prompts; recorded in {written / 'verification.json'}")

@@ -22,10 +22,11 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from dew.typing import PyTree
 
 __all__ = ["DEFAULT_TOLERANCE", "VERIFICATION_FILE", "ExportMismatchError", "Verification", "prompts",
-           "verify"]
+           "verify", "verify_adapters"]
 
 VERIFICATION_FILE = "verification.json"
 DEFAULT_TOLERANCE = 1e-3
@@ -124,10 +125,6 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
     Raises ExportMismatchError (after writing verification.json) when the
     largest difference passes tolerance.
     """
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
     try:
         import torch
         import transformers
@@ -137,12 +134,65 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
 
     target = Path(directory)
     config = json.loads((target / "config.json").read_text())
-    exact = model.clone(dtype=jnp.float32, param_dtype=jnp.float32)
-    weights = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
-                           nn.meta.unbox(dict(variables).get("params", variables)))
     scorer = scoring.is_scorer(config, target / "config.json")
     auto = transformers.AutoModelForSequenceClassification if scorer else transformers.AutoModelForCausalLM
     theirs = auto.from_pretrained(target, dtype=torch.float32).eval()
+    return _compare(target, theirs, scorer, str((config.get("architectures") or ["?"])[0]), model, variables,
+                    tokenizer=tokenizer, tolerance=tolerance)
+
+
+def verify_adapters(directory: str | os.PathLike[str], base: str | os.PathLike[str], model: Module,
+                    variables: Variables, *, tokenizer: Tokenizer | None = None,
+                    tolerance: float = DEFAULT_TOLERANCE) -> Verification:
+    """Compare what PEFT computes with the adapters in directory on the transformers model in base
+    with what dew computes from variables (the adapters merged into the same base); record the
+    result in directory and return it, as ``verify`` does for a whole model.
+    """
+    try:
+        import peft
+        import torch
+        import transformers
+    except ImportError as error:
+        raise PretrainedError(f"Verifying adapters needs peft, transformers and torch ({error.name} is "
+                              "missing): pip install peft transformers torch.") from None
+
+    target, source = Path(directory), Path(base)
+    if not str(base):
+        raise PretrainedError("The adapters name no base directory (their run started from another run, or from "
+                              "a fresh initialization), so PEFT has no model to put them onto; verify the merged "
+                              "export instead (dew export without --adapters).")
+    if not (source / "config.json").is_file():
+        raise PretrainedError(f"The adapters' base {str(source)!r} holds no config.json for transformers to load, "
+                              "so PEFT has no model to put them onto; verify the merged export instead "
+                              "(dew export without --adapters).")
+    adapter_config = json.loads((target / "adapter_config.json").read_text())
+    scorer = adapter_config.get("task_type") == "SEQ_CLS"
+    auto = transformers.AutoModelForSequenceClassification if scorer else transformers.AutoModelForCausalLM
+    extra: dict[str, Any] = {"num_labels": 1} if scorer else {}
+    with warnings.catch_warnings(record=True) as warned:  # PEFT warns, and goes on, where it drops adapters
+        warnings.simplefilter("always")
+        wrapped = peft.PeftModel.from_pretrained(auto.from_pretrained(source, dtype=torch.float32, **extra),
+                                                 target).eval()
+    theirs = wrapped.get_base_model()  # the transformers model, PEFT's LoRA layers put into it
+    try:
+        return _compare(target, theirs, scorer, f"PeftModel on {type(theirs).__name__}", model, variables,
+                        tokenizer=tokenizer, tolerance=tolerance)
+    except ExportMismatchError as error:
+        said = "; ".join(dict.fromkeys(str(w.message).splitlines()[0] for w in warned))[:500]
+        raise ExportMismatchError(f"{error}{f' PEFT warned: {said}' if said else ''}") from None
+
+
+def _compare(target: Path, theirs: Any, scorer: bool, architecture: str, model: Module, variables: Variables,
+             *, tokenizer: Tokenizer | None, tolerance: float) -> Verification:
+    """theirs (a torch model) against dew's model on the fixed prompts; the record written into target."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    exact = model.clone(dtype=jnp.float32, param_dtype=jnp.float32)
+    weights = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
+                           nn.meta.unbox(dict(variables).get("params", variables)))
     rows = prompts(model.vocab_size, model.max_seq_len, tokenizer)
     # One batch, shorter prompts padded at their end: causal attention keeps each prompt's
     # logits what they are alone, and only those positions are compared.
@@ -165,7 +215,7 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
     result = Verification(
         max_abs_difference=worst, tolerance=float(tolerance), passed=worst <= tolerance,
         prompts_sha256=_digest(rows), prompt_lengths=tuple(len(r) for r in rows),
-        architecture=str((config.get("architectures") or ["?"])[0]), versions=_versions())
+        architecture=architecture, versions=_versions())
     result.write(target)
     if not result.passed:
         raise ExportMismatchError(
