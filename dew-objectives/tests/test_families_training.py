@@ -492,8 +492,10 @@ def test_lora_trains_a_reward_models_score_and_a_ppo_value_head_in_full_and_expo
     assert b and any(np.any(np.asarray(leaf)) for leaf in b)  # the adapters trained too
 
     assert main(["export", "runs/rm-lora", "exported/rm-lora"]) == 0
-    assert main(["export", "runs/rm-lora", "exported/rm-lora-adapters", "--adapters"]) == 0
-    assert "with the reward model's score" in capsys.readouterr().out
+    assert main(["export", "runs/rm-lora", "exported/rm-lora-adapters", "--adapters", "--verify"]) == 0
+    said = capsys.readouterr().out
+    assert "with the reward model's score" in said
+    assert "Verified: transformers' PeftModel on Qwen3ForSequenceClassification matches dew's scores" in said
     hf = transformers.AutoTokenizer.from_pretrained("checkpoints/qwen3-tiny")
     texts = [hf.apply_chat_template([*r["prompt"], *r["chosen"]], tokenize=False) for r in records[:3]]
     encoded = hf(texts, padding=True, return_tensors="pt")
