@@ -163,3 +163,40 @@ def test_a_verification_record_the_disk_refuses_is_named_and_not_left_empty(tmp_
     assert done.stdout.startswith(f"{tmp_path / 'verification.json'} could not be written ("), done.stderr[-2000:]
     assert "the export in" in done.stdout and "run dew export --verify again" in done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_trained_on_a_tokenizer_folder_exports_its_special_tokens_and_chat_template(tmp_path):
+    """A model whose weights came from elsewhere (here: fresh) and whose tokenizer is a folder (a recipe's
+    data.tokenizer) wrote a tokenizer_config.json naming only the eos token: the export lost the folder's
+    chat template (dew generate --chat refused it) and its bos and pad tokens (transformers' bos_token_id
+    was None)."""
+    import shutil
+
+    import jax
+    import jax.numpy as jnp
+
+    from dew import models
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.pretrained import Pretrained
+
+    source = write_checkpoint("llama", tmp_path / "source", seed=1)
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, folder / name)
+    tokenizer = HFTokenizer.from_directory(folder)
+    model = models.build("causal_transformer", vocab_size=len(tokenizer.tokenizer.get_vocab()), emb_features=16,
+                         num_layers=1, num_heads=2, mlp_features=32, max_seq_len=32)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    Pretrained(model, variables, tokenizer=tokenizer).save(tmp_path / "out")
+
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (theirs.bos_token, theirs.eos_token, theirs.pad_token)
+    assert ours.bos_token_id is not None and ours("hi there")["input_ids"] == theirs("hi there")["input_ids"]
+    chat = [{"role": "user", "content": "What is 2 plus 3?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    back = Pretrained.load(tmp_path / "out").tokenizer
+    assert back.chat_template is not None and back.chat_template.render(chat).text == \
+        tokenizer.chat_template.render(chat).text

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GLOBAL_POSITION", "PROMPT_GIVEN", "SINGLE", "Accounted", "Batch", "Closable", "Consumption", "DataPartition", "Dataset", "EosTokenizer",
-    "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "SpellsSpecialTokens", "StartsSequences",
+    "NamesSpecialTokens", "NamesStops", "Reader", "Reporting", "Resumable", "SetsStops", "ShipsChatTemplate", "SpellsSpecialTokens", "StartsSequences",
     "TextReader",
     "Tokenizer", "WithEos", "WithVocabSize", "chat_template_of", "close_if_closable", "ending_ids", "eos_id_of",
     "is_global_position", "listed_ids", "prefix_of", "prompt_ids", "stop_ids_of", "verbatim_text", "vocab_size_of",
@@ -193,6 +193,14 @@ class ShipsChatTemplate(Protocol):
 
     @property
     def chat_template(self) -> ChatTemplate | None: ...
+
+
+@runtime_checkable
+class NamesSpecialTokens(Protocol):
+    """A tokenizer that knows the special tokens (bos, eos, pad, unk) its folder names."""
+
+    @property
+    def special_tokens(self) -> Mapping[str, str]: ...
 
 
 def chat_template_of(tokenizer: object) -> ChatTemplate | None:

@@ -102,7 +102,8 @@ class HFTokenizer:
         source, tokens = template_and_tokens(folder)  # the template and the special tokens in its scope
         loaded = cls.from_file(folder / "tokenizer.json", eos_token=tokens.get("eos_token")).stopping_with(
             folder, tokens)
-        return loaded if source is None else loaded.chatting_with(source, tokens)
+        named = dataclasses.replace(loaded, chat_tokens=tuple(sorted(tokens.items())))  # kept for an export
+        return named if source is None else named.chatting_with(source, tokens)
 
     def stopping_with(self, folder: str | os.PathLike[str], tokens: Mapping[str, str] | None = None) -> HFTokenizer:
         """This tokenizer, ending continuations also where its folder's checkpoint ends them: at the
@@ -121,6 +122,12 @@ class HFTokenizer:
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 listed.append(json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id"))
         return self.stopping_at(*listed)
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens (bos, eos, pad, unk) its folder's tokenizer_config.json names, which an
+        export writes back beside tokenizer.json ({} for a tokenizer.json given alone)."""
+        return dict(self.chat_tokens)
 
     def chatting_with(self, source: str, special_tokens: Mapping[str, str]) -> HFTokenizer:
         """This tokenizer with a chat template's text (and the special tokens in its scope)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from dew.data.base import WithEos, stop_ids_of
+from dew.data.base import NamesSpecialTokens, WithEos, chat_template_of, stop_ids_of
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -140,6 +140,8 @@ class _Saveable(Protocol):
 
     def id_to_token(self, id: int) -> str | None: ...
 
+    def token_to_id(self, token: str) -> int | None: ...
+
 
 @runtime_checkable
 class _Wrapping(Protocol):
@@ -172,9 +174,17 @@ def write_tokenizer(tokenizer: object, directory: Path) -> dict[str, Any] | None
                 "type": f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"}
     inner.save(str(directory / TOKENIZER_FILE))
     # transformers' AutoTokenizer then reads the file as it is, adding no tokens of its own.
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": inner.id_to_token(int(tokenizer.eos_id)),
-                "clean_up_tokenization_spaces": False}
+    settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                "eos_token": inner.id_to_token(int(tokenizer.eos_id)),
+                                "clean_up_tokenization_spaces": False}
+    # The tokenizer folder's special tokens (bos, pad, ...) and chat template, which an export's reader needs.
+    named = tokenizer.special_tokens if isinstance(tokenizer, NamesSpecialTokens) else {}
+    for key, token in sorted(named.items()):
+        if key != "eos_token" and key.endswith("_token") and inner.token_to_id(token) is not None:
+            settings[key] = token
+    template = chat_template_of(tokenizer)
+    if template is not None:
+        settings["chat_template"] = template.source
     (directory / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
     return recorded
 
