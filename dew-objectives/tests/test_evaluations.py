@@ -543,6 +543,29 @@ def test_a_perplexity_file_with_a_bad_record_and_null_fields_are_refused_when_th
             task(file=_write(tmp_path / "n.jsonl", [record]))
 
 
+def test_a_task_field_holding_a_list_or_an_object_is_refused_where_it_would_be_scored_as_its_repr(tmp_path):
+    """A conversation's messages as the question (TRL's records) were scored as the prompt
+    "[{'role': 'user', ...}]", a list answer as "['2']"; numbers stay text, as before."""
+    from dew.evaluations.generation import GenerationTask
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    messages = [{"role": "user", "content": "1+1="}]
+    for task, record, key, what, extra in (
+            (GenerationTask, {"question": messages, "answer": "2"}, "question", "a list", {}),
+            (GenerationTask, {"question": "1+1=", "answer": ["2"]}, "answer", "a list", {}),
+            (GenerationTask, {"q": {"text": "1+1="}, "answer": "2"}, "q", "an object", {"template": "Q: {q}"}),
+            (MultipleChoice, {"context": {"q": "1+1="}, "choices": ["2", "3"], "answer": 0}, "context", "an object",
+             {})):
+        with pytest.raises(TaskFileError, match=rf"Line 1 of .*l.jsonl' holds {what} under '{key}', where the "
+                                                r"task reads text"):
+            task(file=_write(tmp_path / "l.jsonl", [record]), **extra)
+    kept = GenerationTask(file=_write(tmp_path / "n.jsonl", [{"question": 12, "answer": 3}]))
+    assert [(r.prompt, r.reference) for r in kept.problems()] == [("12", "3")]
+    indexed = MultipleChoice(file=_write(tmp_path / "i.jsonl", [{"q": ["x", "y"], "choices": ["a", "b"], "answer": 1}]),
+                             template="{q[1]}?")  # an index into a list is text
+    assert indexed.questions()[0].context == "y?"
+
+
 def test_a_text_task_is_refused_for_a_denoiser_or_a_run_without_a_tokenizer_as_it_is_built(tmp_path):
     """A masked-diffusion run scored perplexity 400 over a 257-token vocabulary and an accuracy from logits
     that predict no next token, and its generation task failed with a TypeError after every step trained."""

@@ -167,3 +167,11 @@ def test_one_sample_serves_k_epochs_of_minibatches_and_resumes_from_its_state():
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
     assert calls == [8, 8, 8]  # the second sample began at step 6, in both
+
+
+@pytest.mark.parametrize("temperature", [0.0, float("nan")])
+def test_a_temperature_that_samples_nothing_is_refused(temperature):
+    """At 0 the rollout decoded greedily and divided the logits by 0: every step's loss was NaN and rejected,
+    and the run still wrote its checkpoint and called itself done."""
+    with pytest.raises(ValueError, match=r"PPOObjective\.temperature must be above 0, got (0\.0|nan).*NaN"):
+        PPOObjective(_model(), temperature=temperature)

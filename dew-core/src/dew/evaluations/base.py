@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import string
 import time
 import zlib
 from collections.abc import Iterator, Mapping
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ChecksModel", "EvaluationTask", "Periodic", "ReadsWholeSequence", "ScoresCausalText", "Subject",
            "TaskFileError",
-           "UnscorableModelError", "check_task_file", "read_task_file", "scheduled", "share_rows"]
+           "UnscorableModelError", "check_task_file", "filled_template", "read_task_file", "record_text", "scheduled",
+           "share_rows"]
 
 
 class TaskFileError(DewError, ValueError):
@@ -226,6 +228,26 @@ def read_task_file(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str
                 raise TaskFileError(f"Line {number} of {os.fspath(path)!r} holds a "
                                     f"{type(record).__name__}, not a JSON object.")
             yield number, record
+
+
+def record_text(record: Mapping[str, Any], key: str, where: str) -> str:
+    """The record's value under key as the text a task scores: a string or a number. A list or an
+    object (a conversation's messages) would be scored as its Python repr, so it is refused."""
+    value = record[key]
+    if value is None or isinstance(value, list | dict):
+        what = "null" if value is None else "a list" if isinstance(value, list) else "an object"
+        raise TaskFileError(f"{where} holds {what} under {key!r}, where the task reads text; give it a string "
+                            "(a conversation's messages joined into one text), or leave the record out.")
+    return str(value)
+
+
+def filled_template(template: str, record: Mapping[str, Any], where: str) -> str:
+    """template filled from the record (str.format); a field it names whole that holds a list or an
+    object is refused, as record_text refuses it (an index into one, {choices[0]}, is text)."""
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field and field in record:
+            record_text(record, field, where)
+    return template.format(**record)
 
 
 def share_rows(count: int, batch: int, partition: DataPartition) -> list[np.ndarray]:

@@ -30,7 +30,15 @@ from jax.experimental import multihost_utils
 
 from dew.data.base import eos_id_of, prompt_ids, stop_ids_of
 from dew.data.tokenizers import drawable_vocab
-from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file, share_rows
+from dew.evaluations.base import (
+    Subject,
+    TaskFileError,
+    check_task_file,
+    filled_template,
+    read_task_file,
+    record_text,
+    share_rows,
+)
 from dew.evaluations.scoring import task_mesh
 from dew.sampling import Sampling, generate
 from dew.training.placement.mesh import data_partition
@@ -106,11 +114,12 @@ class GenerationTask:
                 raise TaskFileError(f"{where} holds null under {empty[0]!r}; give it a value, or leave the "
                                     "record out.")
             try:
-                prompt = self.template.format(**record) if self.template else str(record[self.prompt_key])
+                prompt = (filled_template(self.template, record, where) if self.template
+                          else record_text(record, self.prompt_key, where))
             except (KeyError, IndexError, ValueError) as error:
                 raise TaskFileError(f"{where}: the template {self.template!r} cannot be filled from the "
                                     f"record ({type(error).__name__}: {error}).") from None
-            reference = str(record[self.answer_key])
+            reference = record_text(record, self.answer_key, where)
             if answers is not None:
                 found = _first(answers, reference)
                 if found is None:

@@ -33,7 +33,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from dew.data.base import prefix_of, prompt_ids
-from dew.evaluations.base import Subject, TaskFileError, check_task_file, read_task_file
+from dew.evaluations.base import (
+    Subject,
+    TaskFileError,
+    check_task_file,
+    filled_template,
+    read_task_file,
+    record_text,
+)
 from dew.evaluations.scoring import loglikelihoods
 
 if TYPE_CHECKING:
@@ -125,7 +132,8 @@ class MultipleChoice:
             raise TaskFileError(f"{where}: a choice is empty and separator is '', so it would be scored on no "
                                 "token at all; give every choice some text.")
         try:
-            context = self.template.format(**record) if self.template else str(record[self.context_key])
+            context = (filled_template(self.template, record, where) if self.template
+                       else record_text(record, self.context_key, where))
         except (KeyError, IndexError, ValueError) as error:
             raise TaskFileError(f"{where}: the template {self.template!r} cannot be filled from the record "
                                 f"({type(error).__name__}: {error}); its keys are {sorted(record)}.") from None

@@ -162,7 +162,7 @@ class DistillationObjective(Objective):
             if limit is not None and self.seq_len > limit:
                 raise ValueError(f"DistillationObjective.seq_len={self.seq_len} exceeds the {role}'s max_seq_len="
                                  f"{limit}; shorten the windows or build the {role} for longer ones.")
-        if self.temperature <= 0:
+        if not self.temperature > 0:  # NaN too
             raise ValueError(f"DistillationObjective.temperature must be positive, got {self.temperature}.")
         if min(self.forward, self.reverse, self.labels, self.hidden) < 0:
             raise ValueError("DistillationObjective's weights (forward, reverse, labels, hidden) must be >= 0.")

@@ -244,6 +244,11 @@ class PPOObjective(GreedyRewardValidation, Objective):
         if self.epochs < 1 or self.minibatches < 1:
             raise ValueError(f"PPOObjective needs epochs >= 1 and minibatches >= 1, got {self.epochs} "
                              f"and {self.minibatches}.")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"PPOObjective.temperature must be above 0, got {self.temperature}: the rollout samples at it and "
+                "scores each token by the logits divided by it, which greedy decoding (0) leaves undefined, so "
+                "every loss would be NaN.")
 
     @property
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
