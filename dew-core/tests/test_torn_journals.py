@@ -169,3 +169,39 @@ def test_a_damaged_middle_line_is_named_by_its_own_line_with_the_way_on(tmp_path
     assert f"sed -i '11d' {journal}" in message
     subprocess.run(["sed", "-i", "11d", str(journal)], check=True)  # the way on it names
     assert [row["step"] for row in journal_rows(journal)] == [s for s in range(1, 21) if s != 11]
+
+
+def _ledger(folder, position):
+    """A run folder whose ledger read 4 records a step for 3 steps, its checkpoint saving position."""
+    folder.mkdir()
+    (folder / "run.json").write_text("{}\n")
+    lines = [{"kind": "open", "position": None, "processes": 1, "shares": 1, "step": 0},
+             {"kind": "order", "seed": 0, "size": 100, "step": 1}]
+    lines += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"d{s}"} for s in (1, 2, 3)]
+    lines += [{"kind": "checkpoint", "position": {"records": 12, "content": "c", **position}, "step": 3}]
+    (folder / "ledger.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return read_ledger(folder)
+
+
+def test_an_audit_against_a_run_on_edited_files_or_other_weights_is_not_identical(tmp_path):
+    """A run over a file edited in place (hf_text's content digest sees only lengths; its files' digests
+    see the bytes) and a mixture with other weights read the same positions of other records, and the
+    audit against the reference called them identical."""
+    from dew.provenance.ledger import audit
+
+    mixture = {"sources": [["a", 50], ["b", 50]], "weights": [[0, [["a", 2], ["b", 1]]]]}
+    ref = _ledger(tmp_path / "ref", {"files": ["f1", "f2"], "layout": mixture})
+    same = _ledger(tmp_path / "same", {"files": ["f1", "f2"], "layout": mixture})
+    assert audit(same, ref).first_difference is None
+    edited = _ledger(tmp_path / "edited", {"files": ["f1", "F2"], "layout": mixture})
+    found = audit(edited, ref)
+    assert found.first_difference == 1 and any("files of other bytes (their digests: f1, F2 here, f1, f2"
+                                                in note for note in found.notes), found.notes
+    weighted = _ledger(tmp_path / "weighted", {"files": ["f1", "f2"], "layout": {
+        **mixture, "weights": [[0, [["a", 1], ["b", 1]]]]}})
+    found = audit(weighted, ref)
+    assert found.first_difference == 1 and any("draw their records otherwise" in note for note in found.notes)
+    # A schedule piece the longer run began later is no difference: the shorter run had not reached it.
+    later = _ledger(tmp_path / "later", {"files": ["f1", "f2"], "layout": {
+        **mixture, "weights": [*mixture["weights"], [12, [["a", 1], ["b", 3]]]]}})
+    assert audit(later, ref).first_difference is None and audit(ref, later).first_difference is None

@@ -74,6 +74,8 @@ class Ledgered:
     undone: int = 0  # step lines a later fit replaced
     uncommitted: int = 0  # step lines past the newest committed checkpoint, left out (a save under way)
     contents: tuple[str, ...] = ()  # the digests of the data's contents its saved positions name, in order
+    files: tuple[tuple[str, ...], ...] = ()  # the digests of the files its saved positions name, in order
+    layout: Any = None  # how the last saved position says the stream draws its records (a mixture's weights)
 
     @property
     def order(self) -> dict[str, Any] | None:
@@ -109,6 +111,8 @@ def read_ledger(run: str | Path) -> Ledgered:
     segments: list[Segment] = []
     orders: list[tuple[int, dict[str, Any]]] = []
     contents: dict[str, None] = {}
+    files: dict[tuple[str, ...], None] = {}
+    layout = None
     undone = 0
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
@@ -127,6 +131,10 @@ def read_ledger(run: str | Path) -> Ledgered:
             position = row.get("position")
             if isinstance(position, dict) and isinstance(position.get("content"), str):
                 contents[position["content"]] = None
+            if isinstance(position, dict) and isinstance(position.get("files"), list):
+                files[tuple(map(str, position["files"]))] = None
+            if isinstance(position, dict) and position.get("layout") is not None:
+                layout = position["layout"]
             if kind == "open":
                 later = [s for s in steps if s > int(row["step"])]
                 undone += len(later)
@@ -157,7 +165,23 @@ def read_ledger(run: str | Path) -> Ledgered:
             f"{path} records no step: the run kept none (the ledger is written at each checkpoint, and this "
             "run stopped before its first), so there is nothing to audit. Train it to a checkpoint first.")
     return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone, len(beyond),
-                    tuple(contents))
+                    tuple(contents), tuple(files), layout)
+
+
+def _same_layout(mine: Any, theirs: Any) -> bool:
+    """Whether two saved layouts draw records alike: a mixture's (sources, and the weights of each
+    schedule piece begun) agree where both runs had begun it, so the shorter run's pieces are the
+    longer's first ones; another layout agrees when it is equal. A run that saved none is not compared."""
+    if mine is None or theirs is None:
+        return True
+    if isinstance(mine, dict) and isinstance(theirs, dict) and {"sources", "weights"} <= set(mine) & set(theirs):
+        short, long = sorted((list(mine["weights"]), list(theirs["weights"])), key=len)
+        return mine["sources"] == theirs["sources"] and long[:len(short)] == short
+    return bool(mine == theirs)
+
+
+def _listed(digests: tuple[tuple[str, ...], ...]) -> str:
+    return "; ".join(", ".join(group) for group in digests)
 
 
 def _newest_committed(run: Path) -> int | None:
@@ -271,6 +295,14 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
             changed = min(s.step for s in mine)  # the ids agree, the records they name do not
             notes.append(f"the runs read different data (its contents' digests: {', '.join(ledger.contents)} "
                          f"here, {', '.join(against.contents)} in {name}): the same positions hold other records")
+        elif ledger.files and against.files and ledger.files != against.files:
+            changed = min(s.step for s in mine)  # as many records, of other text (a file edited in place)
+            notes.append(f"the runs read files of other bytes (their digests: {_listed(ledger.files)} here, "
+                         f"{_listed(against.files)} in {name}): the same positions hold other text")
+        if not _same_layout(ledger.layout, against.layout):
+            changed = min(s.step for s in mine)
+            notes.append(f"the runs draw their records otherwise ({json.dumps(ledger.layout)} here, "
+                         f"{json.dumps(against.layout)} in {name}): the same positions hold records of other sources")
     by_step = {s.step: s for s in theirs}
     compared = [s for s in mine if s.step in by_step]
     first = None
