@@ -77,7 +77,12 @@ class GSPOObjective(GRPOObjective):
 
 @dataclass(frozen=True)
 class RLOOObjective(GRPOObjective):
-    """RLOO: each completion's reward less the mean of its group's others, on its summed log-probability."""
+    """RLOO: each completion's reward less the mean of its group's others, on its summed log-probability.
+
+    The KL to the reference is the family's (beta times the per-token k3 estimate, in the loss), not the
+    paper's reward shaping (beta times the summed log-ratio subtracted from the reward): the two agree
+    at beta=0 (docs/preference-and-rl.md, "Beside TRL").
+    """
 
     _: KW_ONLY
     baseline: Baseline = "leave_one_out"
