@@ -121,6 +121,26 @@ def test_block_sampler_with_a_kv_cache_matches_recomputing_the_prefix(variables)
         tokens = jnp.concatenate([tokens, block], 1)
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(tokens))
     assert int(jnp.max(cached)) < VOCAB  # nothing left masked
+    # Given its first two blocks as a prompt, it writes the third as it did.
+    prompted = block_generate(MODEL, variables, rows, length, size, key, steps=steps, prefix=tokens[:, :4])
+    np.testing.assert_array_equal(np.asarray(prompted), np.asarray(tokens))
+
+
+def test_a_prompt_of_several_blocks_is_cached_as_training_sees_clean_blocks(variables):
+    """The prompt went through the model in one call without a mask, so its first block attended to its
+    second: from the second layer on, the cache, and the next block's logits, were not training's."""
+    from dew.sampling.masked import prompt_cache
+
+    rows, size = 2, 2
+    prompt = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (rows, 2 * size)), jnp.int32)
+    objective = BlockDiffusionObjective(MODEL, 3 * size, block_size=size)
+    clean = jnp.concatenate([prompt, jnp.zeros((rows, size), jnp.int32)], 1)
+    noisy = clean.at[:, 2 * size:].set(VOCAB)  # the next block wholly masked, the prompt clean before it
+    trained = np.asarray(objective.logits(variables, noisy, clean))[:, 2 * size:]
+    positions = jnp.broadcast_to(2 * size + jnp.arange(size), (rows, size))
+    sampled = np.asarray(MODEL.apply(variables, noisy[:, 2 * size:], positions, None,
+                                     prompt_cache(MODEL, variables, prompt, size)))
+    np.testing.assert_allclose(sampled, trained, atol=1e-5)
 
 
 def test_masked_generate_reveals_everything_and_keeps_a_prefix(variables):

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from dew.objectives.base import Variables
     from dew.typing import PyTree
 
-__all__ = ["block_generate", "masked_generate"]
+__all__ = ["block_generate", "masked_generate", "prompt_cache"]
 
 
 def _steps(key: jax.Array, tokens: jax.Array, steps: int, mask_id: int, temperature: float,
@@ -58,6 +58,29 @@ def _past_of(state: PyTree, layers: int) -> list[tuple[jax.Array, jax.Array]]:
     return [inner[f"attention_{i}"]["kv"][0] for i in range(layers)]
 
 
+def _cached(model: Module, variables: Variables, block: jax.Array, past: PyTree,
+            start: int) -> list[tuple[jax.Array, jax.Array]]:
+    """past with block's keys and values (its positions from start) appended, each layer's."""
+    positions = jnp.broadcast_to(start + jnp.arange(block.shape[1]), block.shape)
+    _, state = model.apply(variables, block, positions, None, past, mutable=["intermediates"])
+    new = _past_of(state, model.num_layers)
+    if past is None:
+        return new
+    return [(jnp.concatenate([p[0], n[0]], 1), jnp.concatenate([p[1], n[1]], 1))
+            for p, n in zip(past, new, strict=True)]
+
+
+def prompt_cache(model: Module, variables: Variables, prefix: jax.Array,
+                 block_size: int) -> list[tuple[jax.Array, jax.Array]]:
+    """The keys and values of prefix's whole blocks, cached a block at a time: each sees the blocks up
+    to its own, as a clean block does in training (one call would let the first see the later ones)."""
+    past = None
+    for start in range(0, prefix.shape[1], block_size):
+        past = _cached(model, variables, prefix[:, start:start + block_size], past, start)
+    assert past is not None, "a prompt of at least one block"
+    return past
+
+
 def block_generate(model: Module, variables: Variables, rows: int, length: int, block_size: int,
                    key: jax.Array, *, steps: int = 16, temperature: float = 1.0,
                    prefix: jax.Array | None = None) -> jax.Array:
@@ -68,26 +91,15 @@ def block_generate(model: Module, variables: Variables, rows: int, length: int, 
     if length % block_size:
         raise ValueError(f"length={length} is not a multiple of block_size={block_size}.")
     mask_id = model.vocab_size
-    layers = model.num_layers
     done = 0 if prefix is None else prefix.shape[1]
     if done % block_size:
         raise ValueError(f"A prefix of {done} ids does not fill whole blocks of {block_size}.")
     blocks: list[jax.Array] = []
     past: list[tuple[jax.Array, jax.Array]] | None = None
-
-    def cache(block: jax.Array, past: PyTree, start: int) -> list[tuple[jax.Array, jax.Array]]:
-        positions = jnp.broadcast_to(start + jnp.arange(block.shape[1]), block.shape)
-        _, state = model.apply(variables, block, positions, None, past, mutable=["intermediates"])
-        new = _past_of(state, layers)
-        if past is None:
-            return new
-        return [(jnp.concatenate([p[0], n[0]], 1), jnp.concatenate([p[1], n[1]], 1))
-                for p, n in zip(past, new, strict=True)]
-
     if prefix is not None and done:
         prefix = prefix.astype(jnp.int32)
         blocks.append(prefix)
-        past = cache(prefix, None, 0)
+        past = prompt_cache(model, variables, prefix, block_size)
     for start in range(done, length, block_size):
         positions = jnp.broadcast_to(start + jnp.arange(block_size), (rows, block_size))
         block = jnp.full((rows, block_size), mask_id, jnp.int32)
@@ -97,5 +109,5 @@ def block_generate(model: Module, variables: Variables, rows: int, length: int, 
 
         block = _steps(jax.random.fold_in(key, start), block, steps, mask_id, temperature, logits_of)
         blocks.append(block)
-        past = cache(block, past, start)
+        past = _cached(model, variables, block, past, start)
     return jnp.concatenate(blocks, axis=1)
