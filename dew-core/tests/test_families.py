@@ -292,6 +292,24 @@ def test_each_family_fills_a_missing_config_key_with_transformers_own_default(na
         assert getattr(theirs, key) == value, (name, key, getattr(theirs, key), value)
 
 
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "deepseek_v3"])  # latent attention: no kv heads
+def test_a_config_without_its_head_counts_reads_the_head_shapes_transformers_builds(name):
+    """Without num_key_value_heads, dew took every head as a key-value head where Mistral's config class
+    has 8, Qwen 3's 32, Gemma 2's 4; without head_dim, Qwen 3 MoE took Qwen 3's 128 where its class has
+    none (hidden_size // heads): such a directory, which transformers loads, was refused by a shape."""
+    from transformers import CONFIG_MAPPING
+
+    config = json.loads(json.dumps(family(name).config(family(name).build("tiny"))))
+    for key in ("num_key_value_heads", "head_dim"):
+        config.pop(key, None)
+    config["num_attention_heads"], config["hidden_size"] = 64, 256
+    theirs = CONFIG_MAPPING[family(name).model_type](**config)
+    ours = family(name).model(config)
+    assert (ours.num_kv_heads or ours.num_heads) == theirs.num_key_value_heads, (name, theirs.num_key_value_heads)
+    head = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    assert (ours.head_features or ours.emb_features // ours.num_heads) == head, (name, head)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["phi3", "olmo2"])
 def test_a_config_without_its_norm_epsilon_computes_what_transformers_computes(tmp_path, name):

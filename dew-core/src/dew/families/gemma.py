@@ -48,7 +48,7 @@ def gemma_parts(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
-    return {**common_fields(config, head_dim_default=256, tie_default=True),
+    return {**common_fields(config, tie_default=True),
             **gated_gelu(config, ARCHITECTURE, "hidden_act", ("gelu", "gelu_pytorch_tanh")),
             **rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0), **gemma_parts(config)}
 
@@ -78,7 +78,7 @@ FAMILY = Family(
     name="gemma", architecture=ARCHITECTURE, model_type="gemma", read=read, write=write,
     presets=PRESETS,
     checkpoints="Gemma 1 and 1.1 (2B, 7B, base and instruct), CodeGemma",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 8192},
+    defaults={"head_dim": 256, "num_key_value_heads": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192},
 )
 
 build = builder("gemma")

@@ -43,7 +43,7 @@ def given(config: Mapping[str, Any], key: str, default: Any) -> Any:
 
 def read(config: Mapping[str, Any]) -> dict[str, Any]:
     params, where = rope_parameters(config)
-    fields = common_fields(config, head_dim_default=256, tie_default=True)
+    fields = common_fields(config, tie_default=True)
     count = fields["num_layers"]
     listed = sliding_layers(config.get("layer_types"))
     if listed is None:
@@ -96,7 +96,7 @@ FAMILY = Family(
     name="gemma2", architecture=ARCHITECTURE, model_type="gemma2", read=read, write=write,
     presets=PRESETS,
     checkpoints="Gemma 2 (2B, 9B, 27B, base and instruct), ShieldGemma 2B/9B",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 8192},
+    defaults={"head_dim": 256, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192},
 )
 
 build = builder("gemma2")

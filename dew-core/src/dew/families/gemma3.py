@@ -61,7 +61,7 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
     if config.get("use_bidirectional_attention"):
         raise refuse(ARCHITECTURE, "use_bidirectional_attention", True,
                      "its decoder is causal (bidirectional Gemma 3 is an encoder)")
-    fields = common_fields(config, head_dim_default=256, tie_default=True)
+    fields = common_fields(config, tie_default=True)
     count = fields["num_layers"]
     listed = sliding_layers(config.get("layer_types"))
     if listed is None:
@@ -136,7 +136,7 @@ FAMILY = Family(
     checkpoints="Gemma 3 text-only checkpoints (270M, 1B; Gemma3ForCausalLM). The 4B-27B models "
                 "ship as Gemma3ForConditionalGeneration (vision + text); their text presets are "
                 "here config-only, their directories are not read",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
+    defaults={"head_dim": 256, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
 )
 
 build = builder("gemma3")

@@ -162,13 +162,13 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def common_fields(config: Mapping[str, Any], *, head_dim_default: int | None = None,
-                  tie_default: bool = False) -> dict[str, Any]:
-    """The CausalTransformer fields every dense family reads the same way."""
+def common_fields(config: Mapping[str, Any], *, tie_default: bool = False) -> dict[str, Any]:
+    """The CausalTransformer fields every dense family reads the same way (config completed with the
+    family's defaults: a head width or key-value head count left out is the family's own)."""
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = config.get("head_dim") or head_dim_default or hidden // heads
+    head_dim = config.get("head_dim") or hidden // heads
     tie = config.get("tie_word_embeddings")
     return {
         "vocab_size": int(config["vocab_size"]),

@@ -89,7 +89,7 @@ FAMILY = Family(
     presets=PRESETS,
     checkpoints="Mistral 7B v0.1 to v0.3 (base and instruct), Mistral Nemo 12B, Mistral Small "
                 "(MistralForCausalLM text checkpoints)",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096},
+    defaults={"num_key_value_heads": 8, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096},
 )
 
 build = builder("mistral")

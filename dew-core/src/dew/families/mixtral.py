@@ -56,7 +56,7 @@ FAMILY = RoutedFamily(
     name="mixtral", architecture=ARCHITECTURE, model_type="mixtral", read=read, write=write,
     presets=PRESETS, names=ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
     checkpoints="Mixtral 8x7B and 8x22B (base and instruct, v0.1)",
-    defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "sliding_window": None},
+    defaults={"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "sliding_window": None},
 )
 
 build = builder("mixtral")

@@ -94,7 +94,7 @@ FAMILY = Family(
     presets=PRESETS,
     checkpoints="Qwen 2 and Qwen 2.5 (0.5B to 72B, base, instruct, Coder, Math), "
                 "DeepSeek-R1-Distill-Qwen; YaRN long-context settings included",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
+    defaults={"num_key_value_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
               "max_window_layers": 28},
 )
 

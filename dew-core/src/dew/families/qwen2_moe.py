@@ -116,7 +116,7 @@ FAMILY = RoutedFamily(
     name="qwen2_moe", architecture=ARCHITECTURE, model_type="qwen2_moe", read=read, write=write, unread=unread,
     presets=PRESETS, names=ExpertNames(shared="shared_expert", shared_gate="shared_expert_gate"),
     checkpoints="Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B (base and chat/instruct)",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
+    defaults={"num_key_value_heads": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
               "max_window_layers": 28, "num_experts": 60, "num_experts_per_tok": 4,
               "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
               "norm_topk_prob": False, "decoder_sparse_step": 1, "qkv_bias": True},

@@ -33,7 +33,7 @@ ARCHITECTURE = "Qwen3ForCausalLM"
 def layer_fields(config: Mapping[str, Any], architecture: str) -> dict[str, Any]:
     """Qwen 3's layer read from config (Qwen 3 MoE's attention too)."""
     params, where = rope_parameters(config)
-    fields = common_fields(config, head_dim_default=128)
+    fields = common_fields(config)
     bias = bool(config.get("attention_bias", False))
     return {**fields, **gated_silu(config, architecture),
             **rope_fields(config, architecture, params, where, theta=10_000.0),
@@ -82,7 +82,7 @@ FAMILY = Family(
     name="qwen3", architecture=ARCHITECTURE, model_type="qwen3", read=read, write=write,
     presets=PRESETS,
     checkpoints="Qwen 3 dense models (0.6B to 32B, base and instruct/thinking, the 2507 updates)",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
+    defaults={"num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
               "max_window_layers": 28},
 )
 

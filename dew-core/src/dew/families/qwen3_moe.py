@@ -79,7 +79,7 @@ FAMILY = RoutedFamily(
     presets=PRESETS, names=ExpertNames(),
     checkpoints="Qwen 3 MoE (30B-A3B, 235B-A22B; base, instruct and thinking, the 2507 updates) and "
                 "Qwen3-Coder MoE text checkpoints",
-    defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
+    defaults={"num_key_value_heads": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 4096,
               "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
               "decoder_sparse_step": 1},
 )
