@@ -309,3 +309,58 @@ def test_an_evaluation_task_is_checked_by_its_kit_and_a_plugins_import_print_lea
     assert checked.returncode == 0, checked.stderr[-2000:]
     json.loads(checked.stdout)  # nothing but the check's JSON
     assert "probe_eval: hello from import" in checked.stderr
+
+
+def test_a_broken_plugin_does_not_stop_the_export_of_a_model_it_has_nothing_to_do_with(tmp_path):
+    """A saved directory names its model by the name its class is registered under; that name was found
+    by importing every registered model in turn, so one plugin whose module fails to import (sorting
+    before dit) made every later model's export fail, naming that plugin as what to reinstall."""
+    import flax.linen as nn
+    import jax
+
+    from dew.nn.dit import DiT
+    from dew.objectives.diffusion import DiffusionObjective
+
+    site = tmp_path / "site"
+    distribution(site, "probe-broken", """
+        [dew.models]
+        aaa_broken = probe_broken.parts:Model
+
+        [dew.objectives]
+        aaa_broken = probe_broken.parts:Objective
+    """, {"probe_broken.parts": "import a_module_nobody_installed\n"})
+    dit = DiT(image_size=8, channels=1, patch_size=4, emb_features=16, num_layers=1, num_heads=2,
+              mlp_features=32, num_classes=10)
+    objective = DiffusionObjective(dit, sample_steps=2)
+    objective.pipeline(nn.meta.unbox(objective.init(jax.random.key(0)))).save(tmp_path / "dit")
+    done = dew(site, "export", str(tmp_path / "dit"), str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 0 and "probe-broken" not in done.stderr, done.stderr
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (tmp_path / "out" / "model.safetensors").is_file(), saved
+
+
+def test_a_name_registered_in_two_groups_takes_a_kit_for_each_by_its_group(tmp_path):
+    """A model and an objective both named twin could share one dew.conformance name only: the one kit was
+    taken for both, and one of them always failed as "not a subclass" with no way to give it its own."""
+    site = tmp_path / "site"
+    distribution(site, "probe-twin", """
+        [dew.models]
+        twin = probe_twin.parts:Thing
+
+        [dew.objectives]
+        twin = probe_twin.parts:Thing
+
+        [dew.conformance]
+        models/twin = probe_twin.kits:ModelCheck
+        objectives/twin = probe_twin.kits:ObjectiveCheck
+    """, {"probe_twin.parts": PARTS})
+    script = ("import json; from dew.testing.certify import stray_kits, subjects\n"
+              "_, listed = subjects('probe-twin')\n"
+              "print(json.dumps({'kits': sorted((s.group, s.kit) for s in listed), "
+              "'stray': [c.message for c in stray_kits('probe-twin', listed)]}))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found == {"kits": [["dew.models", "probe_twin.kits:ModelCheck"],
+                              ["dew.objectives", "probe_twin.kits:ObjectiveCheck"]], "stray": []}

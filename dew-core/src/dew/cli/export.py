@@ -181,6 +181,7 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
     """Write the pipeline's model (adapters merged), or its adapters alone; return where and what."""
 
     pretrained = dataclasses.replace(opened.pipeline().pretrained(), **_source_settings(opened))
+    pretrained = _with_task(pretrained, opened)
     if lora is None:
         return pretrained.save(out, format=format, force=force), f"the model ({_layout(pretrained, format)})"
     from dew.adapters.lora import base_model, merge_lora
@@ -228,6 +229,20 @@ def _layout(pretrained: PretrainedModel, format: str | None) -> str:
     if scoring.scored(pretrained.model, pretrained.variables, pretrained.task):
         return f"Hugging Face's {scoring.architecture(family(chosen).architecture)} layout, a reward model"
     return f"Hugging Face's {chosen} layout"
+
+
+def _with_task(pretrained: PretrainedModel, opened: Opened) -> PretrainedModel:
+    """pretrained, with the run's objective as its task where its pipeline (a plugin's) named none: the
+    export is then read back by dew generate. A language model needs none (it continues text)."""
+    from dew.adapters.lora import base_model
+    from dew.nn.backbones import CausalTransformer
+
+    if (pretrained.task is not None or opened.config is None or not dataclasses.is_dataclass(opened.objective)
+            or isinstance(base_model(pretrained.model), CausalTransformer)):
+        return pretrained
+    from dew.pretrained.native import objective_task
+
+    return dataclasses.replace(pretrained, task=objective_task(opened.objective))
 
 
 def _source_settings(opened: Opened) -> dict[str, Any]:

@@ -437,9 +437,11 @@ class Pretrained:
             task = {"name": "lm", "fields": {"seq_len": self.model.max_seq_len}}
         if task is None:
             raise PretrainedError(
-                f"These {type(self.model).__name__} weights record no task to build a pipeline for; "
-                "save them through an objective's pipeline (objective.pipeline(state).save) or "
-                "build the objective yourself and call its pipeline(variables).")
+                f"These {type(self.model).__name__} weights record no task to build a pipeline for: the "
+                "Pretrained they were saved from named none. Save them with their objective as the task "
+                "(dew.pretrained.native.objective_pretrained(objective, variables), what a pipeline's "
+                "pretrained() returns; dew export records the run's objective), or build the objective "
+                "yourself and call its pipeline(variables).")
         given = dict(task.get("fields", {}))
         if self.tokenizer is not None:
             given.setdefault("tokenizer", self.tokenizer)

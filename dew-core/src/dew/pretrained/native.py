@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dew.pretrained.model import Pretrained
     from dew.typing import PyTree
 
-__all__ = ["FORMAT", "component_fields", "objective_pretrained", "registered_name", "read_variables",
+__all__ = ["FORMAT", "component_fields", "objective_pretrained", "objective_task", "registered_name", "read_variables",
            "shapes_of", "tensors_of", "unflatten"]
 
 FORMAT = "dew"
@@ -47,11 +47,15 @@ _SKIPPED = {"parent", "name", "model", "tokenizer", "ema"}
 def registered_name(group: str, component: object) -> str:
     """The name component's class is registered under in group (dew.models, dew.objectives)."""
     from dew import registry
+    from dew.errors import DewError
 
     found = registry.registry(group)
     for name in found.names():
-        if found.load(name) is type(component):
-            return name
+        try:
+            if found.load(name) is type(component):
+                return name
+        except DewError:  # another distribution's entry point that does not load: not this component's
+            continue
     raise PretrainedError(
         f"{type(component).__name__} is not registered in {group!r}, so a saved directory could "
         f"not build it again; register it (an entry point in the {group!r} group) to save it.")
@@ -87,6 +91,16 @@ def component_fields(component: Any) -> dict[str, Any]:
     return out
 
 
+def objective_task(objective: Any) -> dict[str, Any]:
+    """The task a saved directory records for objective: its registered name and its fields, from which
+    ``Pretrained.pipeline()`` builds it again around the saved model."""
+    if not dataclasses.is_dataclass(objective):
+        raise PretrainedError(
+            f"{type(objective).__name__} is not a dataclass, so its fields cannot be recorded as the task of "
+            "a saved directory; make the objective a dataclass, or give Pretrained(task=...) yourself.")
+    return {"name": registered_name("dew.objectives", objective), "fields": component_fields(objective)}
+
+
 def objective_pretrained(objective: Any, variables: Mapping[str, PyTree]) -> Pretrained:
     """objective's model and tokenizer with variables, the objective kept as their task: what a
     pipeline built from an objective exports, for ``Pretrained.pipeline()`` to build it again."""
@@ -94,8 +108,7 @@ def objective_pretrained(objective: Any, variables: Mapping[str, PyTree]) -> Pre
 
     from dew.pretrained.model import Pretrained
 
-    task = {"name": registered_name("dew.objectives", objective), "fields": component_fields(objective)}
-    return Pretrained(objective.model, nn.meta.unbox(variables), objective.tokenizer, task)
+    return Pretrained(objective.model, nn.meta.unbox(variables), objective.tokenizer, objective_task(objective))
 
 
 def tensors_of(variables: Mapping[str, PyTree], prefix: str = "") -> dict[str, np.ndarray]:

@@ -97,7 +97,8 @@ def subjects(distribution: str) -> tuple[str, list[Component]]:
     found = _distribution(distribution)
     points = list(found.entry_points)
     kits = {p.name: p.value for p in points if p.group == CONFORMANCE}
-    listed = [Component(p.group, p.name, p.value, kits.get(p.name) if p.group != "dew.plugins" else "hooks")
+    listed = [Component(p.group, p.name, p.value,
+                        kits.get(_qualified(p.group, p.name), kits.get(p.name)) if p.group != "dew.plugins" else "hooks")
               for p in points if p.group in GROUPS]
     if not listed:
         raise NotADistributionError(
@@ -136,10 +137,16 @@ def clashes(distribution: str, subject: Component) -> list[Check]:
             for other, value in sorted(others.items())]
 
 
+def _qualified(group: str, name: str) -> str:
+    """A kit's name for one group's component (``models/twin``): a name a distribution registers in two
+    groups takes a kit for each, where the plain name can hold one."""
+    return f"{group.removeprefix('dew.')}/{name}"
+
+
 def stray_kits(distribution: str, listed: list[Component]) -> list[Check]:
     """A failed check for each dew.conformance kit whose name is no component's of distribution: it
     checks nothing (a misspelled name, or one left behind by a rename)."""
-    names = sorted({subject.name for subject in listed})
+    names = sorted({subject.name for subject in listed} | {_qualified(s.group, s.name) for s in listed})
     found = [Check(f"kit `{point.name}`", "names a component of the distribution", "failed",
                    f"the {CONFORMANCE} entry point {point.name} = {point.value} of {distribution} names no component "
                    f"of it, so it checks nothing{_did_you_mean(point.name, names)}: register the kit under the "
@@ -245,7 +252,9 @@ def checks_of(subject: Component) -> list[Check]:
     expected = _load(f"{module}:{base}")
     if not (isinstance(kit_class, type) and issubclass(kit_class, expected)):
         return [Check(label, "its kit is dew's", "failed",
-                      f"{subject.kit} is not a subclass of dew.testing.{base}, the kit for {subject.group}.")]
+                      f"{subject.kit} is not a subclass of dew.testing.{base}, the kit for {subject.group}. A name "
+                      f"registered in two groups takes a kit for each: register this one's as "
+                      f"{_qualified(subject.group, subject.name)!r}.")]
     results = []
     if factory is not None and isinstance(component, type):
         def kit_builds_the_registered_component() -> None:
