@@ -265,3 +265,44 @@ def test_a_report_the_disk_refuses_is_one_line_and_keeps_the_page_drawn_before(t
     (mine / "notes.txt").write_text("kept")
     assert main(["report", str(run), "--out", str(mine)]) == 0
     assert (mine / "notes.txt").read_text() == "kept" and (mine / "index.html").is_file()
+
+
+def test_the_goodput_bar_draws_every_part_of_the_wall_time_a_record_names(tmp_path, monkeypatch):
+    """An RL fit's rollout and reward seconds were in its Goodput record but not among the bar's parts: a
+    GRPO run's bar left out 38% of its wall time and put its share in steps at 3% where the console said 1.7%."""
+    from matplotlib.axes import Axes
+
+    from dew.telemetry.charts import GOODPUT_PARTS, plot_goodput
+
+    record = Goodput(first_step_seconds=1.0, wall_seconds=10.0, step_seconds=2.0, compile_seconds=1.0,
+                     data_seconds=0.5, checkpoint_seconds=0.5, eval_seconds=0.5, lost_seconds=0.5,
+                     rollout_seconds=3.0, reward_seconds=1.0)
+    assert {"steps", *record.badput} == {part for part, _ in GOODPUT_PARTS}
+    drawn: list[float] = []
+    texts: list[str] = []
+    real_barh, real_text = Axes.barh, Axes.text
+    monkeypatch.setattr(Axes, "barh", lambda self, y, width, *a, **k: (drawn.append(float(np.sum(width))),
+                                                                       real_barh(self, y, width, *a, **k))[1])
+    monkeypatch.setattr(Axes, "text", lambda self, x, y, s, *a, **k: (texts.append(s), real_text(self, x, y, s, *a, **k))[1])
+    plot_goodput({"grpo": {"steps": record.step_seconds, **record.badput}}, tmp_path / "goodput.png")
+    assert math.isclose(sum(drawn), record.wall_seconds) and texts == [" 20% in steps"]
+
+
+def test_the_sample_printed_at_the_end_of_a_run_pictures_its_control_bytes_as_the_page_does():
+    """A byte-level model's sample went to the terminal with its raw control bytes, which the terminal
+    acts on (or hides), where the report pictures them."""
+    import io
+    from types import SimpleNamespace
+
+    import jax
+
+    from dew.recipes.run import show_sample
+
+    class Sampling:
+        def preview(self, variables, key):
+            return Artifact("sample", "text", "def\x0c f\x19():\n\treturn")
+
+    out = io.StringIO()
+    state = SimpleNamespace(averaged=None, params={}, rng=jax.random.key(0), step=3)
+    show_sample(Sampling(), state, out=out)  # type: ignore[arg-type]
+    assert out.getvalue() == "Sample (sample):\ndef\u240c f\u2419():\n\treturn\n"

@@ -190,8 +190,8 @@ def test_the_page_leads_with_previews_drawn_large_with_their_labels(tmp_path):
     charts = {Path(i["src"]).name for i in seen["images"] if i["src"].startswith("plots/")}
     assert {"loss.png", "tokens_per_second.png", "steps_per_second.png", "step_time.png"} <= charts
     assert "throughput.png" not in charts
-    assert seen["notes"] == ["No goodput bar: a fit writes where its wall time went when it ends, and "
-                             "this one has not ended (it was stopped, or is still running)."]
+    assert seen["notes"] == ["No goodput bar: a fit writes where its wall time went when it ends or is "
+                             "stopped, and this one did neither (it failed or was killed, or is still running)."]
 
 
 @pytest.mark.slow
@@ -201,19 +201,20 @@ def test_a_short_runs_page_says_why_charts_are_missing(tmp_path):
 
     run = tmp_path / "short"
     tracker = LocalTracker(run)
-    tracker.artifact(RunStarted(config={"trainer": {"steps": 3, "log_every": 100}}, start=0, steps=3), 0)
+    tracker.artifact(RunStarted(config={"trainer": {"steps": 3, "log_every": 3}}, start=0, steps=3), 0)
     tracker.log({"train/loss": 2.5}, 3)  # one logged step: no rate can be drawn yet
     tracker.close()
     seen = rendered(render_report(run), tmp_path)
     assert seen["notes"][0] == ("No throughput or step-time chart: each is a rate between two logged "
-                                "steps, and the run logged one (step 3) (it logs every 100 steps and at "
+                                "steps, and the run logged one (step 3) (it logs every 3 steps and at "
                                 "its last, step 3).")
     empty = tmp_path / "empty"
     tracker = LocalTracker(empty)
     tracker.artifact(RunStarted(config={"trainer": {"steps": 50, "log_every": 100}}, start=0, steps=50), 0)
     tracker.close()
     seen = rendered(render_report(empty), tmp_path)
-    assert seen["notes"] == ["No charts: the journal holds no logged step yet (it logs every 100 steps and "
+    # log_every=100 over 50 steps: the fit logs every 5 (dew.training.cadence.log_interval), as said here
+    assert seen["notes"] == ["No charts: the journal holds no logged step yet (it logs every 5 steps and "
                              "at its last, step 50); the run stopped, or is still running, before its "
                              "first log."]
     assert not [i for i in seen["images"] if i["src"].startswith("plots/")]

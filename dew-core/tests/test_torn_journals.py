@@ -103,6 +103,31 @@ def test_steps_a_killed_fit_logged_past_its_checkpoint_are_dropped_where_the_res
         assert _losses(folder / "scalars.jsonl") == dict(zip(steps.tolist(), values.tolist(), strict=True))
 
 
+def test_a_fit_that_failed_before_its_first_checkpoint_leaves_nothing_once_the_run_starts_over(tmp_path):
+    """A first fit that failed at step 6 (NaN) before any checkpoint, then a fit started over from step 0
+    that logged every 3 steps: the two fits' starts were one (a set), so none counted as a later fit's,
+    and the failed fit's NaN at steps 2 and 4 stayed among the run's values (dew diff: "the runs differ")."""
+    from dew.provenance.diff import _losses
+    from dew.telemetry.records import RunStarted
+    from dew.telemetry.render import read_scalars
+
+    failed = LocalTracker(tmp_path)
+    failed.artifact(RunStarted(config={}, start=0, steps=12), step=0)
+    for step in (2, 4, 6):
+        failed.log({"train/loss": float("nan"), "train/rejected_steps_in_a_row": float(step // 2)}, step=step)
+    failed.close()
+    again = LocalTracker(tmp_path)
+    again.artifact(RunStarted(config={}, start=0, steps=12), step=0)
+    for step in (3, 6, 9, 12):
+        again.log({"train/loss": 1.0 / step}, step=step)
+    again.close()
+    series = read_scalars(tmp_path / "scalars.jsonl")
+    assert series["train/loss"][0].tolist() == [3, 6, 9, 12]
+    assert series["train/loss"][1].tolist() == [1.0 / step for step in (3, 6, 9, 12)]
+    assert "train/rejected_steps_in_a_row" not in series  # only the failed fit logged it
+    assert _losses(tmp_path / "scalars.jsonl") == {step: 1.0 / step for step in (3, 6, 9, 12)}
+
+
 # -- a write the disk refuses (a file-size limit makes writes fail as a full disk does) ------------
 
 REFUSED_WRITES = """

@@ -208,14 +208,11 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
     return paths
 
 
-# A sample's control characters (a byte-level model writes any byte) as the Unicode symbols that
-# picture them: raw, they make the page a binary file to grep and invisible in a browser.
-_CONTROL_PICTURES = {code: 0x2400 + code for code in range(32) if chr(code) not in "\n\t"} | {0x7F: 0x2421}
-
-
 def _text(text: str) -> str:
     """A model's text for the page: control characters pictured, then escaped."""
-    return html.escape(text.translate(_CONTROL_PICTURES))
+    from dew.telemetry.render import pictured
+
+    return html.escape(pictured(text))
 
 
 def _link(path: Path, out: Path) -> str:
@@ -450,7 +447,11 @@ def missing_charts(runs: Sequence[RunData]) -> list[str]:
         started = _started(run)
         trainer = (run.recipe.get("trainer") or {}) if isinstance(run.recipe, Mapping) else {}
         every, steps = trainer.get("log_every"), started.get("steps")
-        cadence = (f" (it logs every {every} steps and at its last, step {steps})"
+        if isinstance(every, int) and isinstance(steps, int) and every > 0:
+            from dew.training.cadence import log_interval
+
+            every = log_interval(steps, every)  # what the fit logged at: a run shorter than log_every logs more
+        cadence = (f" (it logs every {'step' if every == 1 else f'{every} steps'} and at its last, step {steps})"
                    if every and steps else "")
         if not logged:
             notes.append(f"{who}No charts: the journal holds no logged step yet{cadence}; the run "
@@ -462,7 +463,8 @@ def missing_charts(runs: Sequence[RunData]) -> list[str]:
                          f"logged steps, and the run logged one (step {logged[0]}){cadence}.")
         if run.goodput is None:
             notes.append(f"{who}No goodput bar: a fit writes where its wall time went when it "
-                         "ends, and this one has not ended (it was stopped, or is still running).")
+                         "ends or is stopped, and this one did neither (it failed or was killed, or is still "
+                         "running).")
         elif _unended(run.records):
             notes.append(f"{who}The goodput bar counts the fits that ended; the latest has not (it was "
                          "killed, or is still running).")

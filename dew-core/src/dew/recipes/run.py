@@ -744,6 +744,7 @@ def show_sample(objective: Objective, state: TrainState, out: TextIO | None = No
     import numpy as np
 
     from dew.telemetry.artifacts import Artifact
+    from dew.telemetry.render import pictured
     from dew.training.evaluation import preview_key
 
     variables = state.averaged if state.averaged is not None else state.params
@@ -752,9 +753,9 @@ def show_sample(objective: Objective, state: TrainState, out: TextIO | None = No
         return preview
     stream = out or sys.stdout
     if isinstance(preview, str):
-        print(f"Sample (preview):\n{preview}", file=stream)
+        print(f"Sample (preview):\n{pictured(preview)}", file=stream)
     elif isinstance(preview, Artifact) and isinstance(preview.data, str):
-        print(f"Sample ({preview.name}):\n{preview.data}", file=stream)
+        print(f"Sample ({preview.name}):\n{pictured(preview.data)}", file=stream)
     elif isinstance(preview, Artifact):
         print(f"Preview {preview.name!r}: {preview.kind} of shape {np.shape(preview.data)}",
               file=stream)

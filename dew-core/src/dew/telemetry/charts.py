@@ -60,6 +60,8 @@ GOODPUT_PARTS = (
     ("checkpoint", "#1f77b4"),
     ("evaluation", "#17becf"),
     ("preemption", "#d62728"),
+    ("rollout", "#e377c2"),
+    ("reward", "#bcbd22"),
     ("other", "#7f7f7f"),
 )
 

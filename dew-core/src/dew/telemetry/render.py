@@ -34,6 +34,7 @@ __all__ = [
     "image_grid",
     "journal_rows",
     "open_journal",
+    "pictured",
     "plot_journal",
     "plot_series",
     "png_bytes",
@@ -47,6 +48,20 @@ __all__ = [
 
 # The journal's spelling of non-finite floats, and back.
 NON_FINITE = {"NaN": math.nan, "+Inf": math.inf, "-Inf": -math.inf}
+
+
+# A sample's control characters (a byte-level model writes any byte) as the Unicode symbols that
+# picture them: raw, they make a page a binary file to grep and are invisible in a browser or a terminal.
+_CONTROL_PICTURES = {code: 0x2400 + code for code in range(32) if chr(code) not in "\n\t"} | {0x7F: 0x2421}
+
+
+def pictured(text: str) -> str:
+    r"""A model's text with its control characters (other than newline and tab) as the symbols that picture them.
+
+    >>> pictured("a\x10b\tc") == "a\u2410b\tc"
+    True
+    """
+    return text.translate(_CONTROL_PICTURES)
 
 
 def safe_name(name: str) -> str:
@@ -272,13 +287,14 @@ def _number(value: Any) -> float | None:
 
 
 def _fit_starts(journal: Path) -> list[int]:
-    """The steps each fit of the run started from, as the records journal beside journal has them."""
+    """The step each fit of the run started from, fit by fit in the order they ran, as the records journal
+    beside journal has them (two fits from step 0, the first failed before its first checkpoint, are two)."""
     records = journal.with_name("records.jsonl")
     if not records.is_file():
         return []
     starts = (row.get("record", {}).get("start", row.get("step")) for row in journal_rows(records, strict=False)
               if row.get("type") == "run_started")
-    return sorted({start for start in starts if type(start) is int})
+    return [start for start in starts if type(start) is int]
 
 
 def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -310,7 +326,7 @@ def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]
             number = _number(value) if name != "step" else None
             if number is not None:
                 series.setdefault(name, {})[step] = number
-    ordered = {name: sorted(values.items()) for name, values in series.items()}
+    ordered = {name: sorted(values.items()) for name, values in series.items() if values}  # all undone: none
     return {name: (np.asarray([step for step, _ in pairs], np.int64), np.asarray([value for _, value in pairs], np.float64))
             for name, pairs in ordered.items()}
 
