@@ -191,3 +191,19 @@ def test_fuzz_bytes_through_the_file_reader(data, tmp_path_factory):
         read_recipe_file(recipe)
     except RecipeFileError as error:
         assert str(recipe) in str(error)
+
+
+@pytest.mark.parametrize("text", ["seed: " + "1" * 5000, "a: 0o" + "7" * 100_000, "? " + "9" * 5000 + "\n: 1"])
+def test_an_integer_longer_than_any_recipe_value_is_refused_in_one_line(text, tmp_path, capsys):
+    """Past 4300 digits Python refuses int() with a ValueError, which reached the command as a traceback;
+    an octal one was read whole and failed as it was printed."""
+    from dew.cli import main
+    from dew.recipes.reading import RecipeFileError, read_yaml
+
+    with pytest.raises(RecipeFileError, match=r"holds an integer of \d+ characters .* past the 64 any recipe"):
+        read_yaml(text, "given")
+    recipe = tmp_path / "big.yaml"
+    recipe.write_text(text + "\n")
+    assert main(["train", str(recipe), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dew train: ") and "Traceback" not in err and "holds an integer of" in err

@@ -26,3 +26,14 @@ def test_uri_credentials_and_secret_query_values_are_redacted():
                             "n": 3, "flag": True}
 
 
+
+
+def test_a_user_name_holding_an_at_sign_keeps_its_password_redacted():
+    """urllib.parse reads ann@corp.com as the user of http://ann@corp.com:hunter2@host and hunter2 as its
+    password; the redaction's user part stopped at the first @ and left the password in run.json."""
+    from urllib.parse import urlsplit
+
+    uri = "http://ann@corp.com:hunter2@mlflow.local:5000/x"
+    assert urlsplit(uri).password == "hunter2"
+    assert redact_text(uri) == "http://ann@corp.com:***@mlflow.local:5000/x"
+    assert redact_text("http://user@host:5000/path") == "http://user@host:5000/path"  # a port is no password

@@ -81,3 +81,54 @@ def test_a_report_folder_that_is_a_link_is_refused_and_its_target_untouched(host
     assert "is a symbolic link" in capsys.readouterr().err
     assert sorted(p.name for p in site.iterdir()) == ["index.html", "notes.txt"]
     assert (site / "index.html").read_text() == "my own homepage"
+
+
+def test_links_planted_in_a_report_folder_among_others_files_are_replaced_not_written_through(tmp_path):
+    """report/ held a file of someone's (so the page was written in place) and links named index.html and
+    plots: dew report wrote its page over the file index.html pointed at and its charts into plots' target."""
+    run = tmp_path / "run"
+    tracker = LocalTracker(run)
+    for step in (1, 2):
+        tracker.log({"loss": 1.0 / step}, step)
+    tracker.close()
+    (tmp_path / "victim.txt").write_text("precious")
+    (tmp_path / "victimdir").mkdir()
+    report = run / "report"
+    report.mkdir()
+    (report / "notes.txt").write_text("mine")
+    (report / "index.html").symlink_to(tmp_path / "victim.txt")
+    (report / "plots").symlink_to(tmp_path / "victimdir", target_is_directory=True)
+    assert main(["report", str(run)]) == 0
+    assert (tmp_path / "victim.txt").read_text() == "precious" and not list((tmp_path / "victimdir").iterdir())
+    assert not (report / "index.html").is_symlink() and (report / "index.html").read_text().startswith("<!doctype")
+    assert not (report / "plots").is_symlink() and (report / "plots" / "loss.png").is_file()
+    assert (report / "notes.txt").read_text() == "mine"  # others' files stay
+
+
+def test_hostile_journal_rows_are_refused_or_shown_as_unreadable_not_raised(tmp_path, capsys):
+    """A preview path holding a NUL byte, a PNG declaring 30000 x 30000 pixels and a metric named with
+    matplotlib's mathtext each ended dew report with a traceback."""
+    import struct
+    import zlib
+
+    run = tmp_path / "run"
+    tracker = LocalTracker(run)
+    for step in (1, 2):
+        tracker.log({"loss": 1.0 / step, "x$\\frac{$": float(step)}, step)
+    tracker.close()
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0)) + \
+        chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    (run / "previews").mkdir(exist_ok=True)
+    (run / "previews" / "bomb.png").write_bytes(bomb)
+    with open(run / LocalTracker.PREVIEWS, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"step": 2, "name": "nul", "kind": "text", "path": "a\u0000b"}) + "\n")
+        handle.write(json.dumps({"step": 2, "name": "bomb", "kind": "image", "path": "previews/bomb.png"}) + "\n")
+    assert main(["report", str(run)]) == 0, capsys.readouterr().err
+    page = Page()
+    page.feed((run / "report" / "index.html").read_text())
+    text = "".join(page.text).replace("\n", "")
+    assert "nul at step 2(refused:" in text and "step 2(unreadable: Image size (900000000 pixels)" in text

@@ -230,3 +230,40 @@ def test_an_audit_against_a_run_on_edited_files_or_other_weights_is_not_identica
     later = _ledger(tmp_path / "later", {"files": ["f1", "f2"], "layout": {
         **mixture, "weights": [*mixture["weights"], [12, [["a", 1], ["b", 3]]]]}})
     assert audit(later, ref).first_difference is None and audit(ref, later).first_difference is None
+
+
+
+@pytest.mark.parametrize("line, said", [
+    ('{"kind": "step", "step": Infinity, "first": 0, "end": 4, "digest": "d"}', "not a number"),
+    ('{"kind": "step", "step": 1000000000000000000, "first": 0, "end": 4, "digest": "d"}', None),
+])
+def test_a_crafted_ledger_is_named_as_damaged_or_audited_without_a_hang(tmp_path, line, said):
+    """A step of Infinity raised OverflowError (a traceback); a step of 10**18 made the audit count every
+    step up to it, which never ended; an open line's position without its record count raised KeyError."""
+    from dew.provenance.ledger import LedgerDamagedError, audit
+
+    (tmp_path / "run.json").write_text("{}\n")
+    lines = ['{"kind": "open", "position": {"x": 1}, "processes": 1, "shares": 1, "step": 0}', line]
+    (tmp_path / "ledger.jsonl").write_text("\n".join(lines) + "\n")
+    if said is not None:
+        with pytest.raises(LedgerDamagedError, match=said):
+            read_ledger(tmp_path)
+        return
+    found = audit(read_ledger(tmp_path))  # against an uninterrupted run: at once
+    assert found.records == 4
+
+
+@pytest.mark.parametrize("line", [
+    '{"kind": "rollout", "step": Infinity, "data": "d", "transcript": []}',
+    '{"kind": "rollout", "step": 0, "transcript": []}',
+    '{"kind": "rollout", "step": 0, "data": "d", "transcript": "abc"}',
+])
+def test_a_crafted_rollout_journal_is_refused_in_one_line(tmp_path, line):
+    """An infinite step, a line without its data digest and a transcript that is a string raised
+    OverflowError, KeyError and AttributeError out of dew rescore and dew report."""
+    from dew.training.rollout_journal import RolloutJournalError, kept_rollouts
+
+    (tmp_path / "run.json").write_text("{}\n")
+    (tmp_path / ROLLOUTS).write_text(line + "\n")
+    with pytest.raises(RolloutJournalError, match="this dew cannot read"):
+        kept_rollouts(tmp_path, batches=False)

@@ -120,14 +120,15 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
     _check_out(out)
     existed = out.exists()
     try:
-        if existed and any(entry.name not in _PAGE_ENTRIES for entry in out.iterdir()):
-            return write_page(runs, out)  # a folder of others' files: the page joins them there
-        # Drawn beside out, then swapped in: a write the disk refuses leaves the page out held whole.
+        # Drawn beside out, then swapped in: a write the disk refuses leaves the page out held whole, and
+        # nothing planted in out (a link named index.html or plots) is written through. Others' files in
+        # out travel into the new folder as they are.
+        others = [entry.name for entry in out.iterdir() if entry.name not in _PAGE_ENTRIES] if existed else []
         out.parent.mkdir(parents=True, exist_ok=True)
         fresh = fresh_beside(out)
         try:
             write_page(runs, fresh)
-            swap_in(fresh, out)
+            swap_in(fresh, out, carry=others)
         except BaseException:
             shutil.rmtree(fresh, ignore_errors=True)
             raise

@@ -230,7 +230,10 @@ def contained(run_dir: Path, name: object) -> Path | None:
     if not isinstance(name, str) or not name:
         return None
     root = run_dir.resolve()
-    target = (root / name).resolve()
+    try:
+        target = (root / name).resolve()
+    except (ValueError, OSError):  # a NUL byte in the name, or one the system refuses: no file of the run
+        return None
     return target if target.is_relative_to(root) else None
 
 
@@ -328,9 +331,12 @@ def _preview(run: RunData, name: str, row: Mapping[str, Any], out: Path, into: P
     if row["kind"] == "text":
         text = source.read_text(encoding="utf-8", errors="replace")
         return f"<figure class='sample'><figcaption>{caption}</figcaption><pre>{_text(text)}</pre></figure>"
+    from PIL import Image
+
     try:
         pictures = _pictures(source, row, into)
-    except (OSError, ValueError) as error:  # not an image after all: say so, show nothing
+    except (OSError, ValueError, Image.DecompressionBombError) as error:  # not an image after all, or one
+        # declaring more pixels than Pillow decodes: say so, show nothing
         return f"<figure><figcaption>{caption}</figcaption><p>(unreadable: {html.escape(str(error))})</p></figure>"
     cells = "".join(
         f"<figure class='cell'><img class='preview' src='{_link(path, out)}' "

@@ -14,6 +14,7 @@ top of the arrays already read).
 from __future__ import annotations
 
 import json
+import math
 import mmap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -290,7 +291,8 @@ def _header(file: Path) -> tuple[dict, int]:
         if not 0 <= begin <= end <= data:
             raise DamagedFileError(f"{file} ends before the data of {name} (bytes {begin}..{end} of "
                                    f"{data}): {again}")
-        if any(n < 0 for n in shape) or int(np.prod(shape)) * np.dtype(_numpy_dtype(kind)).itemsize != end - begin:
+        # math.prod in Python's integers: np.prod in int64 wraps a shape of [2**32, 2**32] to 0 elements
+        if any(n < 0 for n in shape) or math.prod(shape) * np.dtype(_numpy_dtype(kind)).itemsize != end - begin:
             raise DamagedFileError(f"{file} gives {name} {end - begin} bytes for shape {tuple(shape)} of "
                                    f"{info['dtype']}: {again}")
     return header, 8 + size

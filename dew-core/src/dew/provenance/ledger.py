@@ -154,7 +154,7 @@ def read_ledger(run: str | Path) -> Ledgered:
                 steps[step] = ConsumedStep(step, int(row["first"]), int(row["end"]), str(row["digest"]))
         except KeyError as missing:
             raise _damaged(path, number, f"has no {missing}") from None
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, OverflowError) as error:
             raise _damaged(path, number, f"holds a value that is not a number ({error})") from None
     newest = _newest_committed(Path(run))
     beyond = [s for s in steps if newest is not None and s > newest]
@@ -236,7 +236,9 @@ class Audit:
 
 def _ideal(ledger: Ledgered) -> list[ConsumedStep]:
     """An uninterrupted run of the same batch sizes: every position from the first, once, in order."""
-    start = ledger.segments[0].position["records"] if ledger.segments and ledger.segments[0].position else 0
+    position = ledger.segments[0].position if ledger.segments else None
+    records = position.get("records") if isinstance(position, dict) else 0
+    start = records if isinstance(records, int) and not isinstance(records, bool) else 0
     out, at = [], start
     for step in ledger.steps:
         size = step.end - step.first
@@ -314,7 +316,7 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
             break
     last = min(ledger.last, max((s.step for s in theirs), default=0))
     seen = {m.step for m in mine}  # built once: a run's steps number in the millions
-    missing = tuple(s for s in range(1, last + 1) if s not in seen and s in by_step)
+    missing = tuple(sorted(s for s in by_step if 1 <= s <= last and s not in seen))  # by the steps, not to last
     within = [s for s in mine if s.step <= last]
     reference = [s for s in theirs if s.step <= last]
     skipped, repeated, extra = _compare_positions(_coverage(within), _coverage(reference))

@@ -43,6 +43,9 @@ class RecipeFileError(RecipeError):
     repeating a key."""
 
 
+MAX_INTEGER_DIGITS = 64  # an int64 has 19 digits; a seed or a count of tokens fits many times over
+
+
 class _Refused(DewError, yaml.YAMLError):
     """A bound crossed while reading; carries the message the RecipeFileError gets."""
 
@@ -123,6 +126,9 @@ _Loader.add_implicit_resolver(
 def _integer(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     """A YAML 1.2 integer: decimal (a leading 0 too), 0o octal or 0x hexadecimal."""
     text = str(loader.construct_scalar(node)).replace("_", "")
+    if len(text) > MAX_INTEGER_DIGITS:  # int() of a long enough text takes seconds, or refuses with a traceback
+        raise _Refused(f"holds an integer of {len(text)} characters ({_where(node)}), past the "
+                       f"{MAX_INTEGER_DIGITS} any recipe value needs; shorten it")
     sign, body = (-1, text[1:]) if text.startswith("-") else (1, text.lstrip("+"))
     base = 16 if body.startswith("0x") else 8 if body.startswith("0o") else 10
     return sign * int(body[2:] if base != 10 else body, base)

@@ -85,6 +85,12 @@ def _save(figure, path: str | Path) -> Path:
     return path
 
 
+def _plain(text: str) -> str:
+    """A journal's name as matplotlib draws it literally: a $ would start mathtext, which a name such
+    as ``x$\\frac{$`` breaks (and a label of _ alone would be left out of the legend)."""
+    return text.replace("$", r"\$")
+
+
 def plot_lines(title: str, lines: Sequence[Line], path: str | Path, weight: float = 0.6,
                smoothed: bool = True, log_y: bool | None = None) -> Path:
     """Every line on one chart: raw values faint, their smoothed curve bold in the same colour.
@@ -108,12 +114,12 @@ def plot_lines(title: str, lines: Sequence[Line], path: str | Path, weight: floa
         shown_all.append(values[np.isfinite(values)])
         if len(values) <= 10 or not smoothed:
             axes.plot(line.steps, values, line.style, color=line.color,
-                      marker="." if len(values) <= 10 else None, linewidth=1.5, label=line.label)
+                      marker="." if len(values) <= 10 else None, linewidth=1.5, label=_plain(line.label))
             continue
         axes.plot(line.steps, values, line.style, color=line.color, alpha=0.25, linewidth=1)
         axes.plot(line.steps, smooth(values, weight), line.style, color=line.color,
-                  linewidth=1.8, label=line.label)
-    axes.set_title(title)
+                  linewidth=1.8, label=_plain(line.label))
+    axes.set_title(_plain(title))
     axes.set_xlabel("step")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(True, alpha=0.3)

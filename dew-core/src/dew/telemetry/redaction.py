@@ -28,8 +28,9 @@ __all__ = ["REDACTED", "is_secret_field", "redact", "redact_text"]
 
 REDACTED = "***"
 
-# user:password@ after a URI scheme; the password ends at the last @ before the host.
-_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@:\s]*):(?P<secret>[^/?#\s]*)@")
+# user:password@ after a URI scheme: the user ends at the first colon (an e-mail address as the user
+# keeps its @), the password at the last @ before the host, as urllib.parse reads them.
+_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^/?#:\s]*):(?P<secret>[^/?#\s]*)@")
 _QUERY = re.compile(
     r"(?P<head>[?&;](?:[^=&#\s]*?)(?:token|password|passwd|secret|api[_-]?key|apikey|signature|sig)"
     r"(?:[^=&#\s]*)=)(?P<secret>[^&#\s]*)",

@@ -188,21 +188,34 @@ def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | 
     last: dict[int, dict[str, Any]] = {}
     through = None
     for row in _rows(path, strict=True):
-        if row.get("kind") == "rollout":
-            last[int(row["step"])] = row
-        elif row.get("kind") == "checkpoint":
-            through = int(row["step"])  # the last in file order: the latest fit's latest save
+        try:
+            if row.get("kind") == "rollout":
+                last[int(row["step"])] = row
+            elif row.get("kind") == "checkpoint":
+                through = int(row["step"])  # the last in file order: the latest fit's latest save
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
+            raise RolloutJournalError(f"{path} holds a {row.get('kind')} line whose step this dew cannot read "
+                                      f"({type(error).__name__}: {error}).") from None
     return _entries(path, last, batches=batches), through
 
 
 def _entries(path: Path, last: dict[int, dict[str, Any]], *, batches: bool) -> list[Rolled]:
-    if not batches:
-        return [Rolled(step=s, batch={}, data=str(r["data"]), draws=int(r.get("draws", 1)),
-                       transcript=tuple(r.get("transcript") or ())) for s, r in sorted(last.items())]
     try:
+        if not batches:
+            return [Rolled(step=s, batch={}, data=str(r["data"]), draws=int(r.get("draws", 1)),
+                           transcript=_transcript(r)) for s, r in sorted(last.items())]
         return [_entry(row) for _, row in sorted(last.items())]
-    except (KeyError, ValueError, OSError) as error:
-        raise RolloutJournalError(f"{path} holds a rollout line this dew cannot read ({error}).") from None
+    except (KeyError, TypeError, ValueError, OverflowError, OSError) as error:
+        raise RolloutJournalError(f"{path} holds a rollout line this dew cannot read "
+                                  f"({type(error).__name__}: {error}).") from None
+
+
+def _transcript(row: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """A rollout line's transcript: its rounds, each a mapping (a journal is data; another is refused)."""
+    rounds = row.get("transcript") or ()
+    if not isinstance(rounds, list | tuple) or not all(isinstance(round_, dict) for round_ in rounds):
+        raise ValueError(f"its transcript is a {type(rounds).__name__} that is no list of rounds")
+    return tuple(rounds)
 
 
 @dataclass(frozen=True)
