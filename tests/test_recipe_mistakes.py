@@ -76,6 +76,13 @@ CHECKED = [
     # A routing given as a mapping reached the model's check as one: an AttributeError's traceback.
     ("qwen3-sft", ["model.name=qwen3_moe", "model.routing={dropless: true}", "model.expert_capacity=2.0"],
      "model: CausalTransformer.expert_capacity=2.0 sizes capacity routing"),
+    # Passed the check, then a ValueError's (or a reshape's) traceback as the model was first traced.
+    ("digits-diffusion", ["model.num_heads=5"], "model.num_heads: emb_features=96 is not divisible by num_heads=5"),
+    ("moving-digits", ["model.num_heads=5"], "model.num_heads: emb_features=96 is not divisible by num_heads=5"),
+    ("moving-digits", ["model.patch_size=3"], "model.patch_size: image_size=16 is not divisible by patch_size=3"),
+    ("block-diffusion", ["model.num_heads=5"], "model.num_heads: emb_features=128 is not divisible by num_heads=5"),
+    ("tiny-jepa", ["model.num_heads=5"], "model.num_heads: emb_features=32 is not divisible by num_heads=5"),
+    ("tiny-jepa", ["model.patch=3"], "model.patch: image_size=8 is not divisible by patch=3"),
 ]
 
 
@@ -116,6 +123,31 @@ def test_a_value_only_its_component_refuses_is_one_line_before_the_first_step(re
     err = capsys.readouterr().err
     assert err.startswith(f"dew train: {said}") and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before anything was kept: no folder left
+
+
+OBJECTIVE_VALUES = [
+    # A ValueError's traceback as the objective's init traced a longer sequence than the model reads.
+    ("addition-dpo", ["objective.seq_len=64"], "dpo", "DPOObjective.seq_len=64 exceeds the model's max_seq_len=32"),
+    ("addition-kto", ["objective.seq_len=64"], "kto", "KTOObjective.seq_len=64 exceeds the model's max_seq_len=32"),
+    ("addition-orpo", ["objective.seq_len=64"], "orpo", "ORPOObjective.seq_len=64 exceeds the model's max_seq_len=32"),
+    # Trained, as GRPO's objectives refused them: a negative clip range, a stop token no completion holds.
+    ("addition-ppo", ["objective.clip=-0.2"], "ppo", "PPOObjective.clip and value_clip must be at least 0"),
+    ("addition-ppo", ["objective.value_clip=-1"], "ppo", "PPOObjective.clip and value_clip must be at least 0"),
+    ("addition-ppo", ["objective.stop_token=999"], "ppo", "PPOObjective.stop_token=999 is outside the model's vocabulary"),
+    ("addition-dpo", ["objective.stop_token=999"], "dpo", "DPOObjective.stop_token=999 is outside the model's vocabulary"),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, objective, said", OBJECTIVE_VALUES,
+                         ids=[f"{c[0]} {' '.join(c[1])}" for c in OBJECTIVE_VALUES])
+def test_an_objective_value_its_model_cannot_serve_is_one_line_before_anything_is_kept(
+        recipe, overrides, objective, said, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", recipe, *overrides, "init=null", "trainer.steps=2", f"trainer.checkpoint_dir={tmp_path}/run",
+                 f"trackers.0.directory={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dew train: objective {objective!r} refused the recipe's objective values: {said}"), err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("schedule, said", [
@@ -348,3 +380,13 @@ def test_the_routing_a_refusal_advises_starts_the_run(tmp_path, monkeypatch):
     advice = re.search(r"Set '(model\.routing=[^']+)'", str(refused.value))
     assert advice is not None and "hidden_features: 32" in advice[1]
     assert started([*start, advice[1]]) is not None
+
+
+def test_ppo_minibatches_that_do_not_split_the_rollout_are_named_in_one_line(tmp_path, monkeypatch, capsys):
+    """Found in the rollout, as a plain ValueError: a traceback, as if dew had a bug."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "addition-ppo", "init=null", "objective.minibatches=3", "trainer.steps=2",
+                 f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dew train: MinibatchSplitError: PPOObjective(minibatches=3) does not divide the "
+                          "rollout of 64 completions") and "Traceback" not in err, err

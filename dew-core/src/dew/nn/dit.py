@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.nn.conditioning import Dense, LabelEmbedding, NoiseEmbedding, TextEncoder
+from dew.nn.layers import heads_problems
 from dew.nn.sharding import constrain, param
 
 __all__ = ["AdaLNBlock", "Attention", "ConditionError", "ConditionedModule", "DiT", "VideoDiT"]
@@ -218,15 +219,9 @@ class DiT(ConditionedModule):
 
     @classmethod
     def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
-        """Patches that do not tile the image, said before anything is built (dew.registry.ChecksFields)."""
-        try:
-            model = cls(**dict(fields))
-        except (ValueError, TypeError) as error:
-            return [((), str(error))]
-        if model.patch_size < 1 or model.image_size % model.patch_size:
-            return [(("patch_size",), f"image_size={model.image_size} is not divisible by patch_size="
-                                      f"{model.patch_size}: the patches must tile the image.")]
-        return []
+        """Patches that do not tile the image, or heads that do not split the width, said before anything
+        is built (dew.registry.ChecksFields)."""
+        return _shape_problems(cls, fields)
 
     @nn.compact
     def __call__(self, x: jax.Array, level: jax.Array,
@@ -252,6 +247,21 @@ class DiT(ConditionedModule):
         return _unpatchify(out_bpn, size, self.image_size, self.image_size, self.channels)
 
 
+def _shape_problems(cls: type, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """A DiT's or VideoDiT's fields whose values cannot build it: patches that do not tile the image,
+    heads that do not split the width."""
+    try:
+        model = cls(**dict(fields))
+    except (ValueError, TypeError) as error:
+        return [((), str(error))]
+    problems: list[tuple[tuple[str, ...], str]] = []
+    if model.patch_size < 1 or model.image_size % model.patch_size:
+        problems.append((("patch_size",), f"image_size={model.image_size} is not divisible by patch_size="
+                                          f"{model.patch_size}: the patches must tile the image."))
+    problems += heads_problems(model.emb_features, model.num_heads)
+    return problems
+
+
 class VideoDiT(ConditionedModule):
     """A diffusion transformer over videos [B, frames, image_size, image_size, channels].
 
@@ -268,6 +278,11 @@ class VideoDiT(ConditionedModule):
     num_layers: int = 2
     num_heads: int = 4
     mlp_features: int = 256
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """As DiT's: patches that do not tile a frame, heads that do not split the width."""
+        return _shape_problems(cls, fields)
 
     @nn.compact
     def __call__(self, x: jax.Array, level: jax.Array,

@@ -51,6 +51,7 @@ __all__ = [
     "apply_rotary",
     "attention_mask",
     "check_fused_attention",
+    "heads_problems",
 ]
 
 Dtype = Any
@@ -58,6 +59,15 @@ Dtype = Any
 
 class FusedAttentionError(DewError, ValueError):
     """attention='cudnn' asked for where cuDNN's fused kernel does not run (a sequence split, no GPU)."""
+
+
+def heads_problems(emb_features: int, num_heads: int) -> list[tuple[tuple[str, ...], str]]:
+    """The recipe field to change when num_heads does not split emb_features into whole heads, for a
+    model's field_problems (dew.registry.ChecksFields): said by dew train --check, not at the first trace."""
+    if num_heads < 1 or emb_features % num_heads:
+        return [(("num_heads",), f"emb_features={emb_features} is not divisible by num_heads={num_heads}: each "
+                                 "head takes an equal share of the width; change one of them.")]
+    return []
 
 
 def check_fused_attention(split: tuple[str, ...], backend: str) -> None:

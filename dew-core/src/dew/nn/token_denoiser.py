@@ -18,8 +18,8 @@ diffusion samples with. Every parameter carries logical axis names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from dew.nn import sharding as axes
 from dew.nn.conditioning import Dense
 from dew.nn.dit import TOKENS, Attention
-from dew.nn.layers import RMSNorm
+from dew.nn.layers import RMSNorm, heads_problems
 from dew.nn.sharding import constrain, param
 
 __all__ = ["TokenDenoiser"]
@@ -50,6 +50,15 @@ class TokenDenoiser(nn.Module):
     max_seq_len: int
 
     reads_whole_sequence: ClassVar[bool] = True  # dew.evaluations.base.ReadsWholeSequence: no causal text task
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """Heads that do not split the width, said before anything is built (dew.registry.ChecksFields)."""
+        try:
+            model = cls(**dict(fields))
+        except (ValueError, TypeError) as error:
+            return [((), str(error))]
+        return heads_problems(model.emb_features, model.num_heads)
 
     @property
     def mask_id(self) -> int:

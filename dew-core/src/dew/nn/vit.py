@@ -20,6 +20,7 @@ parameter carries logical axis names, so the trainer's Layout shards it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import flax.linen as nn
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import sharding as axes
-from dew.nn.layers import MLPBlock, RMSNorm
+from dew.nn.layers import MLPBlock, RMSNorm, heads_problems
 from dew.nn.sharding import constrain, param
 
 __all__ = ["EncoderLayer", "Predictor", "ViTEncoder", "patchify", "sincos_positions"]
@@ -122,6 +123,22 @@ class ViTEncoder(nn.Module):
     positions: Literal["sincos", "learned"] = "sincos"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """Heads that do not split the width, patches or tubelets that do not tile the input, said before
+        anything is built (dew.registry.ChecksFields)."""
+        try:
+            model = cls(**dict(fields))
+        except (ValueError, TypeError) as error:
+            return [((), str(error))]
+        problems = heads_problems(model.emb_features, model.num_heads)
+        if model.patch < 1 or model.image_size % model.patch:
+            problems.append((("patch",), f"image_size={model.image_size} is not divisible by patch={model.patch}: "
+                                         "the patches must tile the image."))
+        if model.tubelet < 1 or model.frames % model.tubelet:
+            problems.append((("tubelet",), f"frames={model.frames} is not divisible by tubelet={model.tubelet}."))
+        return problems
 
     @property
     def grid(self) -> tuple[int, int, int]:

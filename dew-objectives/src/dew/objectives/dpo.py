@@ -41,6 +41,7 @@ from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, V
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    check_model_reach,
     policy_pipeline,
     policy_variables,
     reference_variables,
@@ -151,6 +152,7 @@ class DPOObjective(Objective):
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
+        check_model_reach("DPOObjective", self.model, seq_len=self.seq_len, stop_token=self.stop_token)
         if not 0 < self.beta < math.inf:  # NaN too
             raise ValueError(f"DPOObjective.beta must be a positive finite number, got {self.beta}.")
         if not 0.0 <= self.label_smoothing < 0.5:

@@ -72,6 +72,7 @@ from dew.objectives.group_sampling import GroupFilter, IncompatibleOptionsError,
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    check_model_reach,
     policy_pipeline,
     policy_variables,
     reference_variables,
@@ -179,10 +180,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if not self.beta >= 0:
             raise ValueError(f"{name}.beta, the KL penalty's weight, must be at least 0 (0: no penalty), got "
                              f"{self.beta}.")
-        vocab = getattr(self.model, "vocab_size", None)  # any flax Module: one that says its vocabulary
-        if self.stop_token is not None and isinstance(vocab, int) and not 0 <= self.stop_token < vocab:
-            raise ValueError(f"{name}.stop_token={self.stop_token} is outside the model's vocabulary "
-                             f"[0, {vocab}): no completion could stop on it.")
+        check_model_reach(name, self.model, stop_token=self.stop_token)
         if self.policy_loss == "cispo" and self.ratio != "token":
             raise IncompatibleOptionsError(
                 f"{name}.policy_loss='cispo' clips each token's importance weight, but ratio="

@@ -39,6 +39,7 @@ from dew.objectives.dpo import sequence_logprob
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    check_model_reach,
     policy_pipeline,
     policy_variables,
     reference_variables,
@@ -174,6 +175,7 @@ class KTOObjective(Objective):
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
+        check_model_reach("KTOObjective", self.model, seq_len=self.seq_len, stop_token=self.stop_token)
         if not 0 < self.beta < math.inf:  # NaN too
             raise ValueError(f"KTOObjective.beta must be a positive finite number, got {self.beta}.")
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:

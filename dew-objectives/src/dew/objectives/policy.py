@@ -36,10 +36,25 @@ if TYPE_CHECKING:
     from dew.data.base import Tokenizer
     from dew.training.state import TrainState
 
-__all__ = ["REFERENCE", "PolicyFrom", "chosen_logprobs", "policy_pipeline", "policy_variables",
+__all__ = ["REFERENCE", "PolicyFrom", "check_model_reach", "chosen_logprobs", "policy_pipeline", "policy_variables",
            "reference_variables", "token_logprobs", "with_reference"]
 
 REFERENCE = "reference"
+
+
+def check_model_reach(name: str, model: object, *, seq_len: int | None = None,
+                      stop_token: int | None = None) -> None:
+    """Refuse, as an objective is built, sequences longer than its model reads (max_seq_len) and a stop
+    token outside its vocabulary: the one fails with a traceback once the run has started, the other
+    never stops a completion."""
+    limit = getattr(model, "max_seq_len", None)  # any flax Module: one that says it bounds the length
+    if seq_len is not None and isinstance(limit, int) and seq_len > limit:
+        raise ValueError(f"{name}.seq_len={seq_len} exceeds the model's max_seq_len={limit}; shorten the "
+                         "sequences or build a model with a longer max_seq_len.")
+    vocab = getattr(model, "vocab_size", None)  # any flax Module: one that says its vocabulary
+    if stop_token is not None and isinstance(vocab, int) and not 0 <= stop_token < vocab:
+        raise ValueError(f"{name}.stop_token={stop_token} is outside the model's vocabulary [0, {vocab}): no "
+                         "completion could stop on it.")
 
 
 def token_logprobs(model: nn.Module, variables: Variables, tokens: jax.Array,

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.data.base import Batch as HostBatch
+from dew.errors import DewError
 from dew.nn.features import with_features
 from dew.objectives.advantages import gae
 from dew.objectives.base import (
@@ -56,6 +57,7 @@ from dew.objectives.grpo import clipped_policy_loss
 from dew.objectives.policy import (
     REFERENCE,
     PolicyFrom,
+    check_model_reach,
     chosen_logprobs,
     policy_pipeline,
     policy_variables,
@@ -70,7 +72,11 @@ if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
     from dew.training.state import TrainState
 
-__all__ = ["PPOObjective", "PPORollout", "ValueHead", "policy_and_values"]
+__all__ = ["MinibatchSplitError", "PPOObjective", "PPORollout", "ValueHead", "policy_and_values"]
+
+
+class MinibatchSplitError(DewError, ValueError):
+    """PPO's minibatches do not divide a rollout's completions: the batch of prompts is no multiple of them."""
 
 VALUE_HEAD = "value_head"
 
@@ -166,7 +172,7 @@ class PPORollout:
         kl = float(log_ratio.sum() / max(mask.sum(), 1.0))
         rows = mask.shape[0]
         if rows % objective.minibatches:
-            raise ValueError(
+            raise MinibatchSplitError(
                 f"PPOObjective(minibatches={objective.minibatches}) does not divide the rollout of "
                 f"{rows} completions; make the batch of prompts a multiple of minibatches."
             )
@@ -244,6 +250,10 @@ class PPOObjective(GreedyRewardValidation, Objective):
         if self.epochs < 1 or self.minibatches < 1:
             raise ValueError(f"PPOObjective needs epochs >= 1 and minibatches >= 1, got {self.epochs} "
                              f"and {self.minibatches}.")
+        if not (self.clip >= 0 and self.value_clip >= 0):  # NaN too
+            raise ValueError(f"PPOObjective.clip and value_clip must be at least 0 (ranges around a ratio of 1 and "
+                             f"the old values), got {self.clip} and {self.value_clip}.")
+        check_model_reach("PPOObjective", self.model, stop_token=self.stop_token)
         if not self.temperature > 0:
             raise ValueError(
                 f"PPOObjective.temperature must be above 0, got {self.temperature}: the rollout samples at it and "

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, Mean, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck, sequence_logprob
-from dew.objectives.policy import PolicyFrom, policy_pipeline, policy_variables
+from dew.objectives.policy import PolicyFrom, check_model_reach, policy_pipeline, policy_variables
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -62,6 +62,7 @@ class _Pairs(Objective):
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
+        check_model_reach(type(self).__name__, self.model, seq_len=self.seq_len, stop_token=self.stop_token)
         if not 0 < self.beta < math.inf:  # NaN too
             raise ValueError(f"{type(self).__name__}.beta must be a positive finite number, got {self.beta}.")
 
