@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -157,6 +158,9 @@ def test_a_resumed_fit_continues_its_folders_run_without_an_id(tmp_path, monkeyp
     monkeypatch.delenv("WANDB_MODE", raising=False)
 
     def fit(folder, start, stop, project="dew-resumes", id=None):
+        began = int(time.time())  # W&B names an offline run's folder by its second and id: two in one second
+        while int(time.time()) == began:  # would share one, so each fit starts in a second of its own
+            time.sleep(0.05)
         folder.mkdir(exist_ok=True)
         tracker = WandbTracker(project, "a-run", offline=True, id=id)
         tracker.artifact(RunStarted(config={"trainer": {"checkpoint_dir": str(folder)}}, start=start, steps=10),

@@ -237,8 +237,8 @@ def _with_task(pretrained: PretrainedModel, opened: Opened) -> PretrainedModel:
     from dew.adapters.lora import base_model
     from dew.nn.backbones import CausalTransformer
 
-    if (pretrained.task is not None or opened.config is None or not dataclasses.is_dataclass(opened.objective)
-            or isinstance(base_model(pretrained.model), CausalTransformer)):
+    if (pretrained.task is not None or isinstance(base_model(pretrained.model), CausalTransformer)
+            or opened.config is None or not dataclasses.is_dataclass(opened.objective)):
         return pretrained
     from dew.pretrained.native import objective_task
 

@@ -146,13 +146,14 @@ def _qualified(group: str, name: str) -> str:
 def stray_kits(distribution: str, listed: list[Component]) -> list[Check]:
     """A failed check for each dew.conformance kit whose name is no component's of distribution: it
     checks nothing (a misspelled name, or one left behind by a rename)."""
-    names = sorted({subject.name for subject in listed} | {_qualified(s.group, s.name) for s in listed})
+    names = sorted({subject.name for subject in listed})
+    accepted = set(names) | {_qualified(subject.group, subject.name) for subject in listed}
     found = [Check(f"kit `{point.name}`", "names a component of the distribution", "failed",
                    f"the {CONFORMANCE} entry point {point.name} = {point.value} of {distribution} names no component "
                    f"of it, so it checks nothing{_did_you_mean(point.name, names)}: register the kit under the "
                    f"name of the component it checks (its components: {', '.join(names)}).")
              for point in _distribution(distribution).entry_points
-             if point.group == CONFORMANCE and point.name not in names]
+             if point.group == CONFORMANCE and point.name not in accepted]
     return sorted(found, key=lambda check: check.subject)
 
 
