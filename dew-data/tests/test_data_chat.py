@@ -229,6 +229,20 @@ def test_a_template_that_asks_for_gigabytes_is_refused_and_ordinary_repetition_r
     assert indented.render([]).text == "    1024abab3"
 
 
+def test_padding_that_asks_for_gigabytes_is_refused_and_ordinary_padding_renders():
+    """Repetition was bounded, but padding was not: 'x'.ljust(n), center(n), '%nd' % 1 and '{:>n}'.format(1)
+    each built a string of n characters from some thirty bytes of template."""
+    from dew.data.chat_template import ChatTemplate, ChatTemplateError
+
+    for bomb in ("{{ 'x'.ljust(3000000000) }}", "{{ 'x'|center(3000000000) }}", "{{ '%3000000000d' % 1 }}",
+                 "{{ '%.3000000000f' % 1 }}", "{{ '{:>3000000000}'.format(1) }}", "{{ 'x'|indent(3000000000) }}"):
+        with pytest.raises(ChatTemplateError, match="more than the|wider than the"):
+            ChatTemplate(bomb).render([{"role": "user", "content": "x"}])
+    padded = ChatTemplate("{{ 'ab'.ljust(4) }}|{{ 'x'|center(3) }}|{{ '%03d' % 7 }}|{{ '{:>3}'.format(1) }}|"
+                          "{{ '%s: %s' % ('a', 'b') }}")
+    assert padded.render([]).text == "ab  | x |007|  1|a: b"
+
+
 def test_a_held_out_share_smaller_than_a_batch_is_refused_when_the_data_loads(marked, tmp_path):
     """The run would otherwise train until its first evaluation and stop there."""
     from dew.data.base import SINGLE

@@ -31,10 +31,11 @@ transformers computes its assistant mask.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -63,6 +64,16 @@ TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _LONGEST = 1 << 24  # the most items a template may build by repetition (a rendered chat is far shorter)
+# The widths and precisions a %-format or a str.format field asks for: '%20000000d', '{:>20000000}'.
+_PERCENT = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d*))?")
+_BRACED = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+
+
+def _too_wide(text: str) -> bool:
+    """Whether a format string asks for a field wider than _LONGEST (its digits read as text first)."""
+    numbers = [n for pair in _PERCENT.findall(text) for n in pair if n]
+    numbers += [n for spec in _BRACED.findall(text) for n in re.findall(r"\d+", spec)]
+    return any(len(n) > 9 or int(n) > _LONGEST for n in numbers)
 
 
 class ChatTemplateError(DataError, ValueError):
@@ -112,13 +123,37 @@ def _environment() -> tuple[jinja2.Environment, _Track]:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    class Bounded(ImmutableSandboxedEnvironment):
-        """jinja2's sandbox, with repetition and powers bounded: a checkpoint's template is another's
-        text, and ``{{ 'x' * 3000000000 }}`` asks for gigabytes in a hundred bytes."""
+    def check_sizes(what: str, values: Iterable[Any]) -> None:
+        """Refuse a number past _LONGEST among values, or a format asking for a field that wide: padding
+        (``'x'.ljust(n)``, ``center(n)``, ``'%*d'``, ``'{:>n}'``) builds strings as long as its number."""
+        for value in values:
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _LONGEST:
+                raise jinja2.sandbox.SecurityError(f"the template gives {what} the number {value}, more than "
+                                                   f"the {_LONGEST} dew renders")
+            if isinstance(value, str) and _too_wide(value):
+                raise jinja2.sandbox.SecurityError(f"the template formats with {what} a field wider than the "
+                                                   f"{_LONGEST} characters dew renders")
 
-        intercepted_binops = frozenset({"*", "**"})
+    class Bounded(ImmutableSandboxedEnvironment):
+        """jinja2's sandbox, with repetition, powers and padding bounded: a checkpoint's template is
+        another's text, and ``{{ 'x' * 3000000000 }}`` or ``{{ 'x'.ljust(3000000000) }}`` asks for
+        gigabytes in a few bytes."""
+
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's
+            check_sizes(getattr(__obj, "__name__", "a call"),  # any callable: its name for the message
+                        [getattr(__obj, "__self__", None), *args, *kwargs.values()])
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            if isinstance(obj, str) and attribute in ("format", "format_map"):  # the sandbox wraps these itself
+                check_sizes(attribute, [obj])
+            return super().getattr(obj, attribute)
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "%":
+                check_sizes("%", [left, *(right if isinstance(right, tuple) else (right,))])
             sized = (str, list, tuple)
             if operator == "*" and isinstance(right, int) and isinstance(left, sized):
                 left, right = right, left
@@ -134,6 +169,16 @@ def _environment() -> tuple[jinja2.Environment, _Track]:
 
     environment = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     environment.filters["tojson"] = tojson
+
+    def bounded(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            check_sizes(f"the filter {name}", [*args, *kwargs.values()])
+            return function(*args, **kwargs)
+        return checked
+
+    # Filters are called directly, not through the sandbox's call: each one is bounded as a call is.
+    environment.filters = {name: bounded(name, f) for name, f in environment.filters.items()}
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
 
