@@ -193,4 +193,10 @@ def test_a_resumed_fit_continues_its_folders_run_without_an_id(tmp_path, monkeyp
     assert fit(tmp_path / "run", 2, 3, id="named") == "named"  # the recipe's id still wins
     # The folder holds the last run a fit without an id started there ('elsewhere': the project differs now).
     assert json.loads((tmp_path / "run" / RUN_ID_FILE).read_text())["project"] == "elsewhere"
+    # A link planted at the name in a folder someone handed over is replaced, not written through.
+    (tmp_path / "theirs.txt").write_text("kept")
+    (tmp_path / "run" / RUN_ID_FILE).unlink()
+    (tmp_path / "run" / RUN_ID_FILE).symlink_to(tmp_path / "theirs.txt")
+    fit(tmp_path / "run", 0, 1)
+    assert (tmp_path / "theirs.txt").read_text() == "kept" and not (tmp_path / "run" / RUN_ID_FILE).is_symlink()
     wandb.teardown()

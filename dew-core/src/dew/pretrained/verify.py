@@ -10,10 +10,12 @@ difference of the logits,
 the tolerance, the SHA-256 of the prompts, and the versions of the
 libraries on both sides. ``dew export --verify`` calls it after writing
 and fails when the difference passes the tolerance; the file stays, as the
-record of the failure.
+record of the failure. ``verify_adapters`` does the same for a folder of
+PEFT adapters, which ``peft`` puts onto the transformers base their
+``adapter_config.json`` names.
 
-transformers and torch are needed here only (``pip install transformers
-torch``).
+transformers and torch (and peft, for adapters) are needed here only
+(``pip install transformers torch peft``).
 """
 
 from __future__ import annotations

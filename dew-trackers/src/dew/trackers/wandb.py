@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import tempfile
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -177,7 +178,17 @@ class WandbTracker:
             return
         kept = {"id": self._run.id, **self._where(folder)}
         with contextlib.suppress(OSError):  # a read-only folder: a resume starts a new run, as before
-            (folder / RUN_ID_FILE).write_text(json.dumps(kept, indent=1) + "\n")  # torn: read as none kept
+            # Written beside and renamed into place: a link planted at the name (in a run folder someone
+            # handed over) is replaced, never written through, and a reader never sees half the file.
+            handle, written = tempfile.mkstemp(prefix=f".{RUN_ID_FILE}.", dir=folder)
+            try:
+                with os.fdopen(handle, "w") as file:
+                    file.write(json.dumps(kept, indent=1) + "\n")
+                os.replace(written, folder / RUN_ID_FILE)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(written)
+                raise
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """On the tracker thread: history rows, files and config, in order."""
