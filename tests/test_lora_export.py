@@ -113,7 +113,7 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew, dew_co
     from dew.pretrained.verify import ExportMismatchError, verify_adapters
 
     with pytest.raises(ExportMismatchError, match=r"PeftModel on LlamaForCausalLM computes logits up to"):
-        verify_adapters(tmp_path / "verified", tmp_path / "exported", base_model(opened.model),
+        verify_adapters(tmp_path / "verified", base_model(opened.model),
                         merge_lora(opened.variables, opened.config.lora))
     assert not json.loads((tmp_path / "verified" / "verification.json").read_text())["passed"]
 

@@ -124,7 +124,7 @@ def _save_vectors(target: Path, vectors: np.ndarray) -> Path:
 
     import numpy as np  # (the module imports it only for its annotations)
 
-    from dew.objectives.inference import write_file
+    from dew.telemetry.render import write_file
 
     buffer = io.BytesIO()
     np.save(buffer, vectors)

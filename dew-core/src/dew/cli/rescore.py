@@ -177,7 +177,7 @@ _SCORE_KEYS = frozenset({"step", "round", "reward", "rewards"})
 def _write_scores(out: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """The scores as JSON lines, written beside out and renamed into place: a failure leaves no
     half-written file, and a link planted at out is replaced, never written through."""
-    from dew.objectives.inference import write_file
+    from dew.telemetry.render import write_file
 
     text = "".join(json.dumps({"step": row["step"], "round": row["round"], "reward": _mean(row["rewards"]) if row["rewards"] else None,
                                "rewards": row["rewards"]}) + "\n" for row in rows)

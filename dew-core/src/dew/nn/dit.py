@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from dew.errors import DewError
 from dew.nn import sharding as axes
 from dew.nn.conditioning import Dense, LabelEmbedding, NoiseEmbedding, TextEncoder
-from dew.nn.layers import heads_problems
+from dew.nn.layers import FieldProblems, built_problems, heads_problems
 from dew.nn.sharding import constrain, param
 
 __all__ = ["AdaLNBlock", "Attention", "ConditionError", "ConditionedModule", "DiT", "VideoDiT"]
@@ -221,7 +221,7 @@ class DiT(ConditionedModule):
     def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
         """Patches that do not tile the image, or heads that do not split the width, said before anything
         is built (dew.registry.ChecksFields)."""
-        return _shape_problems(cls, fields)
+        return built_problems(cls, fields, _shape_problems)
 
     @nn.compact
     def __call__(self, x: jax.Array, level: jax.Array,
@@ -247,14 +247,10 @@ class DiT(ConditionedModule):
         return _unpatchify(out_bpn, size, self.image_size, self.image_size, self.channels)
 
 
-def _shape_problems(cls: type, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
-    """A DiT's or VideoDiT's fields whose values cannot build it: patches that do not tile the image,
-    heads that do not split the width."""
-    try:
-        model = cls(**dict(fields))
-    except (ValueError, TypeError) as error:
-        return [((), str(error))]
-    problems: list[tuple[tuple[str, ...], str]] = []
+def _shape_problems(model: DiT | VideoDiT) -> FieldProblems:
+    """A DiT's or VideoDiT's fields whose values cannot serve: patches that do not tile the image, heads
+    that do not split the width."""
+    problems: FieldProblems = []
     if model.patch_size < 1 or model.image_size % model.patch_size:
         problems.append((("patch_size",), f"image_size={model.image_size} is not divisible by patch_size="
                                           f"{model.patch_size}: the patches must tile the image."))
@@ -282,7 +278,7 @@ class VideoDiT(ConditionedModule):
     @classmethod
     def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
         """As DiT's: patches that do not tile a frame, heads that do not split the width."""
-        return _shape_problems(cls, fields)
+        return built_problems(cls, fields, _shape_problems)
 
     @nn.compact
     def __call__(self, x: jax.Array, level: jax.Array,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import flax.linen as nn
@@ -45,11 +46,13 @@ __all__ = [
     "CausalSelfAttention",
     "DecoderLayer",
     "Embed",
+    "FieldProblems",
     "MLPBlock",
     "RMSNorm",
     "FusedAttentionError",
     "apply_rotary",
     "attention_mask",
+    "built_problems",
     "check_fused_attention",
     "heads_problems",
 ]
@@ -61,7 +64,20 @@ class FusedAttentionError(DewError, ValueError):
     """attention='cudnn' asked for where cuDNN's fused kernel does not run (a sequence split, no GPU)."""
 
 
-def heads_problems(emb_features: int, num_heads: int) -> list[tuple[tuple[str, ...], str]]:
+FieldProblems = list[tuple[tuple[str, ...], str]]  # (a recipe field's path, what is wrong with it): ChecksFields'
+
+
+def built_problems(cls: type, fields: Mapping[str, Any], check: Callable[[Any], FieldProblems]) -> FieldProblems:
+    """What check finds in the model cls builds from a recipe's fields, or the error building it raised: the
+    body of a model's field_problems (dew.registry.ChecksFields)."""
+    try:
+        model = cls(**dict(fields))
+    except (ValueError, TypeError) as error:
+        return [((), str(error))]
+    return check(model)
+
+
+def heads_problems(emb_features: int, num_heads: int) -> FieldProblems:
     """The recipe field to change when num_heads does not split emb_features into whole heads, for a
     model's field_problems (dew.registry.ChecksFields): said by dew train --check, not at the first trace."""
     if num_heads < 1 or emb_features % num_heads:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from dew.nn import sharding as axes
 from dew.nn.conditioning import Dense
 from dew.nn.dit import TOKENS, Attention
-from dew.nn.layers import RMSNorm, heads_problems
+from dew.nn.layers import RMSNorm, built_problems, heads_problems
 from dew.nn.sharding import constrain, param
 
 __all__ = ["TokenDenoiser"]
@@ -54,11 +54,7 @@ class TokenDenoiser(nn.Module):
     @classmethod
     def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
         """Heads that do not split the width, said before anything is built (dew.registry.ChecksFields)."""
-        try:
-            model = cls(**dict(fields))
-        except (ValueError, TypeError) as error:
-            return [((), str(error))]
-        return heads_problems(model.emb_features, model.num_heads)
+        return built_problems(cls, fields, lambda model: heads_problems(model.emb_features, model.num_heads))
 
     @property
     def mask_id(self) -> int:

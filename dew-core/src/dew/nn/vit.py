@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import sharding as axes
-from dew.nn.layers import MLPBlock, RMSNorm, heads_problems
+from dew.nn.layers import FieldProblems, MLPBlock, RMSNorm, built_problems, heads_problems
 from dew.nn.sharding import constrain, param
 
 __all__ = ["EncoderLayer", "Predictor", "ViTEncoder", "patchify", "sincos_positions"]
@@ -103,6 +103,17 @@ class EncoderLayer(nn.Module):
         return constrain(x, _RESIDUAL)
 
 
+def _tiling_problems(model: ViTEncoder) -> FieldProblems:
+    """Heads that do not split the encoder's width, patches or tubelets that do not tile its input."""
+    problems = heads_problems(model.emb_features, model.num_heads)
+    if model.patch < 1 or model.image_size % model.patch:
+        problems.append((("patch",), f"image_size={model.image_size} is not divisible by patch={model.patch}: "
+                                     "the patches must tile the image."))
+    if model.tubelet < 1 or model.frames % model.tubelet:
+        problems.append((("tubelet",), f"frames={model.frames} is not divisible by tubelet={model.tubelet}."))
+    return problems
+
+
 class ViTEncoder(nn.Module):
     """Patches of an image (or tubelets of a video) to one embedding each, [B, N, emb_features].
 
@@ -128,17 +139,7 @@ class ViTEncoder(nn.Module):
     def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
         """Heads that do not split the width, patches or tubelets that do not tile the input, said before
         anything is built (dew.registry.ChecksFields)."""
-        try:
-            model = cls(**dict(fields))
-        except (ValueError, TypeError) as error:
-            return [((), str(error))]
-        problems = heads_problems(model.emb_features, model.num_heads)
-        if model.patch < 1 or model.image_size % model.patch:
-            problems.append((("patch",), f"image_size={model.image_size} is not divisible by patch={model.patch}: "
-                                         "the patches must tile the image."))
-        if model.tubelet < 1 or model.frames % model.tubelet:
-            problems.append((("tubelet",), f"frames={model.frames} is not divisible by tubelet={model.tubelet}."))
-        return problems
+        return built_problems(cls, fields, _tiling_problems)
 
     @property
     def grid(self) -> tuple[int, int, int]:

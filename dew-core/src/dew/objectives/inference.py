@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from dew.errors import DewError
+from dew.telemetry.render import write_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,7 +50,6 @@ __all__ = [
     "served_variables",
     "pipeline_of",
     "variables_of",
-    "write_file",
     "write_texts",
     "writing_samples",
 ]
@@ -242,30 +242,6 @@ def write_texts(texts: tuple[str, ...], directory: str | os.PathLike[str] | None
         target.mkdir(parents=True, exist_ok=True)
         write_file(path, ("\n---\n".join(texts) + "\n").encode("utf-8"))
     return (path,)
-
-
-def write_file(path: str | os.PathLike[str], data: bytes) -> Path:
-    """data as the file path, written beside it and renamed into place; return path.
-
-    A link planted at path is replaced, never written through (a sample
-    directory that names a file outside it cannot make dew overwrite that
-    file), and a reader never sees half a file.
-    """
-    import tempfile
-
-    path = Path(path)
-    handle, written = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(written, 0o666 & ~mask)
-        os.replace(written, path)
-    except BaseException:
-        Path(written).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def pipeline_of(objective: Objective, state: TrainState | Variables) -> Pipeline:

@@ -75,7 +75,7 @@ class Verification:
 
     def write(self, directory: Path) -> Path:
         """The record beside the export, whole or not at all (written beside it, then renamed)."""
-        from dew.objectives.inference import write_file
+        from dew.telemetry.render import write_file
 
         path = directory / VERIFICATION_FILE
         record = {**asdict(self), "prompt_lengths": list(self.prompt_lengths)}
@@ -143,12 +143,12 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
                     tokenizer=tokenizer, tolerance=tolerance)
 
 
-def verify_adapters(directory: str | os.PathLike[str], base: str | os.PathLike[str], model: Module,
-                    variables: Variables, *, tokenizer: Tokenizer | None = None,
-                    tolerance: float = DEFAULT_TOLERANCE) -> Verification:
-    """Compare what PEFT computes with the adapters in directory on the transformers model in base
-    with what dew computes from variables (the adapters merged into the same base); record the
-    result in directory and return it, as ``verify`` does for a whole model.
+def verify_adapters(directory: str | os.PathLike[str], model: Module, variables: Variables, *,
+                    tokenizer: Tokenizer | None = None, tolerance: float = DEFAULT_TOLERANCE) -> Verification:
+    """Compare what PEFT computes with the adapters in directory on the transformers model their
+    adapter_config.json names as base with what dew computes from variables (the adapters merged
+    into the same base); record the result in directory and return it, as ``verify`` does for a
+    whole model.
     """
     try:
         import peft
@@ -158,8 +158,13 @@ def verify_adapters(directory: str | os.PathLike[str], base: str | os.PathLike[s
         raise PretrainedError(f"Verifying adapters needs peft, transformers and torch ({error.name} is "
                               "missing): pip install peft transformers torch.") from None
 
-    target, source = Path(directory), Path(base)
-    if not str(base):
+    from dew.pretrained.peft import ADAPTER_CONFIG
+
+    target = Path(directory)
+    adapter_config = json.loads((target / ADAPTER_CONFIG).read_text())
+    base = str(adapter_config.get("base_model_name_or_path") or "")
+    source = Path(base)
+    if not base:
         raise PretrainedError("The adapters name no base directory (their run started from another run, or from "
                               "a fresh initialization), so PEFT has no model to put them onto; verify the merged "
                               "export instead (dew export without --adapters).")
@@ -167,7 +172,6 @@ def verify_adapters(directory: str | os.PathLike[str], base: str | os.PathLike[s
         raise PretrainedError(f"The adapters' base {str(source)!r} holds no config.json for transformers to load, "
                               "so PEFT has no model to put them onto; verify the merged export instead "
                               "(dew export without --adapters).")
-    adapter_config = json.loads((target / "adapter_config.json").read_text())
     scorer = adapter_config.get("task_type") == "SEQ_CLS"
     auto = transformers.AutoModelForSequenceClassification if scorer else transformers.AutoModelForCausalLM
     extra: dict[str, Any] = {"num_labels": 1} if scorer else {}

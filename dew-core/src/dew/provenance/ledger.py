@@ -129,12 +129,13 @@ def read_ledger(run: str | Path) -> Ledgered:
         try:
             kind = row.get("kind")
             position = row.get("position")
-            if isinstance(position, dict) and isinstance(position.get("content"), str):
-                contents[position["content"]] = None
-            if isinstance(position, dict) and isinstance(position.get("files"), list):
-                files[tuple(map(str, position["files"]))] = None
-            if isinstance(position, dict) and position.get("layout") is not None:
-                layout = position["layout"]
+            if isinstance(position, dict):  # what a saved position keeps of the data, for --against
+                if isinstance(position.get("content"), str):
+                    contents[position["content"]] = None
+                if isinstance(position.get("files"), list):
+                    files[tuple(map(str, position["files"]))] = None
+                if position.get("layout") is not None:
+                    layout = position["layout"]
             if kind == "open":
                 later = [s for s in steps if s > int(row["step"])]
                 undone += len(later)

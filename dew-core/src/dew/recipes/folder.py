@@ -160,7 +160,7 @@ def _record_upgrades(target: Path, components: dict[str, str]) -> None:
         group, _, name = key.partition("/")
         print(f"The run trained with {registries.registry(group).kind} {name!r} from {recorded[key]}; it goes "
               f"on with {made}.", flush=True)
-    from dew.objectives.inference import write_file
+    from dew.telemetry.render import write_file
 
     started["components"] = {**recorded, **changed}
     with contextlib.suppress(OSError):  # a folder that cannot be written: the run's checkpoints say so

@@ -43,6 +43,7 @@ __all__ = [
     "preview_suffix",
     "read_scalars",
     "safe_name",
+    "write_file",
     "write_preview",
 ]
 
@@ -62,6 +63,30 @@ def pictured(text: str) -> str:
     True
     """
     return text.translate(_CONTROL_PICTURES)
+
+
+def write_file(path: str | os.PathLike[str], data: bytes) -> Path:
+    """data as the file path, written beside it and renamed into place; return path.
+
+    A link planted at path is replaced, never written through (a sample
+    directory that names a file outside it cannot make dew overwrite that
+    file), and a reader never sees half a file.
+    """
+    import tempfile
+
+    path = Path(path)
+    handle, written = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(written, 0o666 & ~mask)
+        os.replace(written, path)
+    except BaseException:
+        Path(written).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def safe_name(name: str) -> str:

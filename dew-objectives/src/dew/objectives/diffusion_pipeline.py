@@ -35,10 +35,10 @@ from dew.objectives.inference import (
     GenerateRequest,
     Pipeline,
     UnsupportedRequestError,
-    write_file,
     write_texts,
     writing_samples,
 )
+from dew.telemetry.render import write_file
 from dew.tree_summary import brief_repr
 
 if TYPE_CHECKING:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import re
-import tempfile
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dew.telemetry.records import TrackerDropped, is_record, previews_of, record_row
+from dew.telemetry.render import write_file
 from dew.trackers import require
 from dew.tracking.background import Channel, TrackerWriteError, let_others_run
 from dew.tracking.protocol import Reported, check_reported
@@ -178,17 +178,8 @@ class WandbTracker:
             return
         kept = {"id": self._run.id, **self._where(folder)}
         with contextlib.suppress(OSError):  # a read-only folder: a resume starts a new run, as before
-            # Written beside and renamed into place: a link planted at the name (in a run folder someone
-            # handed over) is replaced, never written through, and a reader never sees half the file.
-            handle, written = tempfile.mkstemp(prefix=f".{RUN_ID_FILE}.", dir=folder)
-            try:
-                with os.fdopen(handle, "w") as file:
-                    file.write(json.dumps(kept, indent=1) + "\n")
-                os.replace(written, folder / RUN_ID_FILE)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(written)
-                raise
+            # renamed into place: a link planted at the name (a run folder someone handed over) is replaced
+            write_file(folder / RUN_ID_FILE, (json.dumps(kept, indent=1) + "\n").encode())
 
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """On the tracker thread: history rows, files and config, in order."""
