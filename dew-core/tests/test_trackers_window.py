@@ -9,7 +9,6 @@ import time
 
 import jax
 import optax
-import pytest
 
 from dew import Trainer
 from dew.testing.doubles import Regression, regression_dataset
@@ -119,41 +118,3 @@ def test_a_fit_logs_the_trackers_cpu_seconds_and_leaves_the_loop_window_open(tmp
     # 3 ms of CPU on the writer thread, all counted; the logged figures were read before that
     total = tracker_cpu_seconds() - before
     assert busy.sent == 14 and total >= 0.003 * busy.sent and spent[-1] <= total
-
-
-def test_while_a_fit_runs_a_waiting_thread_gets_the_interpreter_back_within_half_a_millisecond():
-    import sys
-
-    before = sys.getswitchinterval()
-    seen: list[float] = []
-
-    class Watch:
-        def log(self, scalars, step):
-            seen.append(sys.getswitchinterval())
-
-        def artifact(self, value, step):
-            pass
-
-    try:
-        sys.setswitchinterval(0.005)  # Python's default
-        Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), tracker=Watch()).fit(
-            regression_dataset(rows=8), steps=3, log_every=1)
-        assert seen == pytest.approx([LoopWindow.switch_interval] * 3)
-        assert sys.getswitchinterval() == pytest.approx(0.005)  # the process's own comes back after the fit
-
-        sys.setswitchinterval(0.0001)  # a program's own shorter interval is kept throughout
-        seen.clear()
-        Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), tracker=Watch()).fit(
-            regression_dataset(rows=8), steps=3, log_every=1)
-        assert seen == pytest.approx([0.0001] * 3) and sys.getswitchinterval() == pytest.approx(0.0001)
-
-        window = LoopWindow()  # two fits at once: the interval comes back when the last ends
-        sys.setswitchinterval(0.005)
-        window.enter()
-        window.enter()
-        window.leave()
-        assert sys.getswitchinterval() == pytest.approx(LoopWindow.switch_interval)
-        window.leave()
-        assert sys.getswitchinterval() == pytest.approx(0.005)
-    finally:
-        sys.setswitchinterval(before)

@@ -27,13 +27,8 @@ the writer holds it, the loop cannot dispatch its next step. A fit therefore
 tells the writer when it waits for the device (``LOOP``): while a fit runs,
 the writer starts a batch, and each item of it, only inside such a wait (or
 once it has waited ``LoopWindow.patience`` seconds for one, so a loop that
-never waits still gets its reports written). A send that has begun may
-outlast the wait, and a thread that wants the interpreter back waits for the
-switch interval (``sys.setswitchinterval``, 5 ms by default) before the
-holder must let go; so while a fit runs the interval is at most half a
-millisecond (``LoopWindow.switch_interval``), and the loop takes the
-interpreter back within that. Every send's CPU time is counted
-(``tracker_cpu_seconds``), on whichever thread it ran.
+never waits still gets its reports written). Every send's CPU time is
+counted (``tracker_cpu_seconds``), on whichever thread it ran.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import sys
 import threading
 import time
 import warnings
@@ -82,13 +76,7 @@ class LoopWindow:
     patience = 0.1
     """Seconds a batch of the writer waits, in all, for the window before it goes on anyway."""
 
-    switch_interval = 0.0005
-    """The longest switch interval (``sys.setswitchinterval``) while a fit runs: how long a loop
-    back from its wait may wait for a writer holding the interpreter. A process's shorter
-    interval is kept; the process's own comes back when the last fit ends."""
-
     def __init__(self) -> None:
-        self._saved_interval: float | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -98,19 +86,6 @@ class LoopWindow:
         self._waiting = 0
         self._open = threading.Event()
         self._open.set()
-        self._restore_interval()
-
-    def _shorten_interval(self) -> None:
-        interval = sys.getswitchinterval()
-        if interval > self.switch_interval:
-            self._saved_interval = interval
-            sys.setswitchinterval(self.switch_interval)
-
-    def _restore_interval(self) -> None:
-        saved, self._saved_interval = self._saved_interval, None
-        # only the interval set here: one the program set meanwhile is its own
-        if saved is not None and abs(sys.getswitchinterval() - self.switch_interval) < 1e-9:
-            sys.setswitchinterval(saved)
 
     def _update(self) -> None:
         if self._loops <= 0 or self._waiting > 0:
@@ -121,8 +96,6 @@ class LoopWindow:
     def enter(self) -> None:
         """A fit started: the writer now works while it waits."""
         with self._lock:
-            if self._loops == 0:
-                self._shorten_interval()
             self._loops += 1
             self._update()
 
@@ -130,8 +103,6 @@ class LoopWindow:
         """A fit ended."""
         with self._lock:
             self._loops = max(0, self._loops - 1)
-            if self._loops == 0:
-                self._restore_interval()
             self._update()
 
     @contextlib.contextmanager
