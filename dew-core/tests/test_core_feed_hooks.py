@@ -536,6 +536,27 @@ def test_a_streak_of_rejected_steps_stops_the_run_without_waiting_for_a_log_step
     assert len(drawn) < 40, len(drawn)  # before: every batch up to the log step at 1000
 
 
+def test_between_log_steps_the_loop_reads_each_steps_verdict_alone_eight_steps_at_a_time(monkeypatch):
+    """On a CPU the loop's own reads take time from the step: between log steps it reads only whether
+    each step was accepted, and reads them in groups, not one read of every metric per step."""
+    reads: list[list[set[str]]] = []
+    real = jax.device_get
+
+    def counting(tree):
+        if isinstance(tree, list) and tree and all(isinstance(item, dict) for item in tree):
+            reads.append([set(item) for item in tree])  # the steps' metrics Progress reads
+        return real(tree)
+
+    monkeypatch.setattr(jax, "device_get", counting)
+    Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(numbered(), steps=41, log_every=41)
+    *between, last = reads
+    assert between, "no step was read before the end"
+    assert all(len(read) >= 8 for read in between)  # each read takes a group of steps
+    assert all(keys == {"finite"} for read in between for keys in read)  # only the verdicts
+    assert {"finite", "loss"} <= last[-1]  # the logged last step: every metric
+    assert sum(len(read) for read in reads) == 41
+
+
 def test_the_logged_learning_rate_is_the_one_each_update_applied():
     """optax reads the schedule at the update count before an update; train/lr read it at the
     count after, one update ahead: a warmup's first rate (0) was never logged."""
