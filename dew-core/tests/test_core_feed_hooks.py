@@ -694,3 +694,46 @@ def test_a_step_compiled_without_a_persistent_cache_says_how_to_keep_it(python_i
             "for the next run)") in bare, bare
     kept = python_in_subprocess(code, compilation_cache=tmp_path / "cache")
     assert "compiling the step for batches of" in kept and "not kept" not in kept, kept
+
+
+# -- a notebook's Trainer, fit again after a failure ------------------------------------------
+
+
+def test_a_fit_that_fails_before_its_first_step_lets_go_of_the_checkpoint_directory(tmp_path):
+    """The lease was given back only by the loop's Saving hook: a fit whose data failed to open kept
+    the directory leased for as long as its Trainer lived, refusing every other process."""
+    def missing(partition):
+        raise FileNotFoundError("no such shard")
+
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no such shard"):
+        trainer.fit(Dataset(train=missing, batch=8), steps=4, log_every=2)
+    assert not trainer.checkpoints.writing
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dew-writer")]  # no lease file left
+    state = trainer.fit(numbered(), steps=4, log_every=2)  # and the same Trainer trains there after
+    assert int(state.step) == 4 and not trainer.checkpoints.writing
+
+
+def test_a_failed_fit_reports_every_step_that_ran_before_it_failed():
+    """Progress reads a step's metrics one step late: the last step before the failure was not logged,
+    so the loss just before a crash was the one value a user debugging it could not see."""
+    def failing(index):
+        if index == 4:
+            raise RuntimeError("the fifth batch is unreadable")
+        return batch_at(index)
+
+    recorder = Recorder()
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), tracker=recorder)
+    with pytest.raises(RuntimeError, match="fifth batch"):
+        trainer.fit(numbered(failing), steps=10, log_every=1)
+    assert [step for step, _ in recorder.rows] == [1, 2, 3, 4]
+
+
+def test_a_fit_its_checkpoints_already_reach_says_it_trains_nothing(tmp_path, capsys):
+    trainer = Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0), checkpoints=Checkpoints(tmp_path))
+    trainer.fit(numbered(), steps=6, log_every=3)
+    capsys.readouterr()
+    state = trainer.fit(numbered(), steps=4, log_every=2)
+    assert int(state.step) == 6
+    out = capsys.readouterr().out
+    assert "already hold step 6, at or past steps=4: nothing to train" in out, out

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from dew.training.trainer import Trainer
 
 __all__ = ["Contribution", "Evaluating", "Hook", "Preemption", "Profiling", "ProgressHook", "Saving", "Scoring",
-           "opening_notes"]
+           "at_target", "opening_notes"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,16 @@ def opening_notes(steps: int, log_every: int, every: int, checkpoints: Checkpoin
         "set a recipe's trainer.checkpoint_dir (or give the Trainer checkpoints=Checkpoints(directory)) to make "
         "a stop resumable"]
     return notes + [f"tracking: {where}" for where in (tracker.directories() if isinstance(tracker, Located) else ())]
+
+
+def at_target(progress: Progress, state: TrainState, start: int, steps: int, *, said: bool) -> TrainState:
+    """The state of a fit whose checkpoints already reach its steps, which trains nothing: it says
+    so, unless a recipe's run has (with the command that trains further: dew.recipes.resuming)."""
+    if not said:
+        progress.note(f"The checkpoints already hold step {start}, at or past steps={steps}: nothing to train. "
+                      f"Fit with steps above {start} to train further, or give the Trainer another "
+                      "checkpoint directory to start afresh.")
+    return state
 
 
 def _every(done: int, every: int | None) -> bool:
@@ -165,6 +175,8 @@ class ProgressHook(Hook):
 
     def fail(self, error: BaseException) -> None:
         self.failed = True
+        with contextlib.suppress(Exception):  # the steps that ran are reported: the loss before the failure
+            self.progress.drain()
         if isinstance(error, Preempted) and self.last is not None:  # a stop on request, saved: its time
             self.progress.record(self._goodput(), self.last[0])     # counts toward the run's as a fit's does
         self.progress.close()

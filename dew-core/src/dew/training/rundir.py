@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,13 +20,24 @@ from dew.training.ledger import RecordLedger
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
 
-__all__ = ["claim", "ledger_beside", "rollout_settings", "write_recipe"]
+__all__ = ["claimed", "ledger_beside", "rollout_settings", "write_recipe"]
 
 
-def claim(checkpoints: Checkpoints | None) -> None:
-    """Take the run directory before training, so a second writer is refused now, not at the first save."""
+@contextmanager
+def claimed(checkpoints: Checkpoints | None) -> Iterator[None]:
+    """Hold the run directory while inside: taken before training, so a second writer is refused
+    now, not at the first save; let go again when the fit fails before its loop's Saving hook
+    (which lets go of it however the loop ends) exists, so a notebook that keeps its Trainer
+    holds no lease after a fit that failed to start. The fit's own error is the one raised."""
     if checkpoints is not None:
         checkpoints.acquire()
+    try:
+        yield
+    except BaseException:
+        if checkpoints is not None:
+            with contextlib.suppress(Exception):
+                checkpoints.close()  # a second close, after the loop's own, does nothing
+        raise
 
 
 def write_recipe(checkpoints: Checkpoints | None, recipe: Mapping[str, object] | None) -> None:

@@ -38,7 +38,7 @@ from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.placement.stages import bank_sites, check_stages
 from dew.training.program import Program, ResumeMismatchError, StepCompositionError
 from dew.training.protocols import Rollout
-from dew.training.rundir import claim, ledger_beside, rollout_settings, write_recipe
+from dew.training.rundir import claimed, ledger_beside, rollout_settings, write_recipe
 from dew.training.start import FrozenTrainedError, Start
 from dew.training.state import TrainState
 from dew.training.step import StepFn
@@ -174,26 +174,26 @@ class Trainer(Generic[Loss, Effects]):
                             dynamic_scale=self.dynamic_scale, schedule=schedule)
         if jax.process_index() == 0:
             check_directories(self.tracker)  # a tracker opens its files at the first value, after steps
-        claim(self.checkpoints)  # a second writer is refused before training
-        feed = Feed(dataset, self.device_mesh, data_partition(self.device_mesh),
-                    required=tuple(self.objective.required_keys()), rollout=self.rollout,
-                    ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
-                    ledger=ledger_beside(self.checkpoints), maker=rollout_settings(self.recipe))
-        self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout, self.objective)
-        state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
-        if start >= steps:  # nothing to train: the recipe the checkpoints were trained with stays
-            return state  # type: ignore[return-value]  # start_placed builds a Pending it returns this way
-        write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
-        reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
-                                    notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
-        saving = None if self.checkpoints is None else \
-            hooks.Saving(self.checkpoints, feed, self.program.meta(), every=checkpoint_every, settle=progress.settle)
-        concerns = [*([hooks.Profiling(self.profile, start)] if self.profile is not None else []),
-                    hooks.Evaluating(self._evaluator, self.execution, dataset, every=eval_every, metrics=metrics,
-                                     preview=preview, tracked=self.tracker is not None),
-                    *([saving] if saving else []), hooks.Scoring(self.evaluations, self.execution),  # saved first
-                    hooks.Preemption(reporting, saving)]
-        with ending(feed, state):
-            compile = partial(self.execution.compile, self.program)
-            state = loop.run_hooks(loop.steps(state, feed, compile, self.objective, start, steps), reporting, concerns)
-        return state
+        with claimed(self.checkpoints):  # a second writer is refused before training
+            feed = Feed(dataset, self.device_mesh, data_partition(self.device_mesh),
+                        required=tuple(self.objective.required_keys()), rollout=self.rollout,
+                        ramp_sizes=frozenset(int(size) for _, size in dataset.ramp), check=self.objective.check_batch,
+                        ledger=ledger_beside(self.checkpoints), maker=rollout_settings(self.recipe))
+            self._ahead = self._overlap_start and builds_ahead(self.execution, self.rollout, self.objective)
+            state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
+            if start >= steps:  # nothing to train: the recipe the checkpoints were trained with stays
+                return hooks.at_target(progress, state, start, steps, said=self.recipe is not None)  # type: ignore[arg-type]  # start_placed returns a built state here
+            write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
+            reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
+                                        notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
+            saving = None if self.checkpoints is None else \
+                hooks.Saving(self.checkpoints, feed, self.program.meta(), every=checkpoint_every, settle=progress.settle)
+            concerns = [*([hooks.Profiling(self.profile, start)] if self.profile is not None else []),
+                        hooks.Evaluating(self._evaluator, self.execution, dataset, every=eval_every, metrics=metrics,
+                                         preview=preview, tracked=self.tracker is not None),
+                        *([saving] if saving else []), hooks.Scoring(self.evaluations, self.execution),  # saved first
+                        hooks.Preemption(reporting, saving)]
+            with ending(feed, state):
+                compile = partial(self.execution.compile, self.program)
+                state = loop.run_hooks(loop.steps(state, feed, compile, self.objective, start, steps), reporting, concerns)
+            return state
