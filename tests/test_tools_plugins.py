@@ -268,3 +268,68 @@ def test_dews_own_rewards_pass_their_registered_kits_and_one_needing_fields_is_u
             continue
         assert subject.kit is not None, name
         assert [c.result for c in found] == ["passed"] * 3, [(c.check, c.result, c.message) for c in found]
+
+
+WRONG_KITS = '''
+from dew import models
+from dew.testing import ModelKit
+
+
+def _quiet(kit):
+    """Only the identity check runs: every inherited test is a no-op here."""
+    for name in [n for n in dir(ModelKit) if n.startswith("test_")]:
+        setattr(kit, name, lambda self: None)
+    return kit
+
+
+@_quiet
+class DiTKit(ModelKit):
+    def model(self):
+        return models.build("dit", emb_features=16, num_layers=1, num_heads=2, mlp_features=32,
+                            image_size=8, patch_size=4, channels=1, num_classes=2)
+
+
+@_quiet
+class GemmaKit(ModelKit):
+    def model(self):
+        return models.build("gemma", preset=None, vocab_size=64, emb_features=32, num_layers=1,
+                            num_heads=2, num_kv_heads=1, head_features=16, mlp_features=64)
+
+
+def plain_builder(**fields):
+    return models.build("causal_transformer", **fields)
+'''
+
+
+def test_a_kit_is_matched_to_the_class_a_builder_function_declares(tmp_path, monkeypatch):
+    """The identity check ran only for entry points that are classes: a DiT's kit certified
+    dew-core's gemma (a function, dew.families.gemma:build) as passing."""
+    from dew.testing.certify import Component, checks_of
+
+    (tmp_path / "wrong_kits.py").write_text(WRONG_KITS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def identity(kit: str, value: str = "dew.families.gemma:build"):
+        found = [c for c in checks_of(Component("dew.models", "gemma", value, kit))
+                 if c.check == "kit builds the registered component"]
+        assert len(found) == 1, found
+        return found[0]
+
+    wrong = identity("wrong_kits:DiTKit")
+    assert wrong.result == "failed" and "not the CausalTransformer" in wrong.message, wrong
+    assert identity("wrong_kits:GemmaKit").result == "passed"
+    undeclared = identity("wrong_kits:GemmaKit", "wrong_kits:plain_builder")
+    assert undeclared.result == "unchecked" and "annotate its return type" in undeclared.message, undeclared
+
+
+def test_a_reward_without_a_kit_the_default_inputs_cannot_feed_is_unchecked_not_failed():
+    """The default kit scores text with an empty context: exact_match (which reads 'answer') and
+    brightness (which scores images) were called failed, blaming correct rewards."""
+    from dew.testing.certify import Component, checks_of
+
+    for name, value, raised in (("exact_match", "dew.rewards:ExactMatch", "RewardContextError"),
+                                ("brightness", "dew.rewards:Brightness", "ValueError")):
+        found = checks_of(Component("dew.rewards", name, value, None))
+        assert [(c.check, c.result) for c in found] == [("it loads", "passed"),
+                                                        ("has a conformance kit", "unchecked")], found
+        assert raised in found[1].message and "context() give what it reads" in found[1].message

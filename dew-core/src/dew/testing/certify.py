@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import typing
 import unittest
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -248,6 +249,16 @@ def checks_of(subject: Component) -> list[Check]:
                 f"{_unchecked(subject).message}, whose reward() builds it with them")]
         kit_class = type("DefaultRewardKit", (_load(f"{module}:{base}"),),
                          {"reward": lambda self: registry.rewards.build(subject.name)})
+        try:  # the defaults are text completions with no context: a reward reading more needs its kit
+            kit_class()._scores()
+        except AssertionError:
+            pass  # it scored them, wrongly: the checks below fail it, saying how
+        except Exception as error:  # noqa: BLE001 - without a kit, what it reads cannot be told from a fault
+            return [Check(label, "it loads", "passed"), Check(
+                label, "has a conformance kit", "unchecked",
+                f"the default reward checks score text completions with an empty context, which it could not "
+                f"({type(error).__name__}: {error}); {_unchecked(subject).message}, whose completions() and "
+                "context() give what it reads")]
     else:
         kit_class = _load(subject.kit or "")
     expected = _load(f"{module}:{base}")
@@ -257,27 +268,32 @@ def checks_of(subject: Component) -> list[Check]:
                       f"registered in two groups takes a kit for each: register this one's as "
                       f"{_qualified(subject.group, subject.name)!r}.")]
     results = []
-    if factory is not None and isinstance(component, type):
+    made = _made_class(component)
+    if factory is not None and made is not None:
         def kit_builds_the_registered_component() -> None:
             built = getattr(kit_class(), factory)()
-            assert isinstance(built, component), (
-                f"The kit's {factory}() builds a {type(built).__name__}, not the registered "
-                f"{component.__name__}: it would certify another component.")
+            assert isinstance(built, made), (
+                f"The kit's {factory}() builds a {type(built).__name__}, not the {made.__name__} the "
+                f"registered {subject.value} makes: it would certify another component.")
 
         results.append(_call(label, kit_builds_the_registered_component))
-    elif subject.group == "dew.trackers" and isinstance(component, type):
+    elif factory is not None:
+        results.append(Check(
+            label, "kit builds the registered component", "unchecked",
+            f"its entry point {subject.value} is a function that declares no class it returns, so what the "
+            f"kit's {factory}() builds cannot be matched to it; annotate its return type (-> TheClass)"))
+    elif subject.group == "dew.trackers" and made is not None:
         def kit_builds_the_registered_tracker() -> None:
-            import tempfile
-
-            built = kit_class().tracker(Path(tempfile.mkdtemp(prefix="dew-kit-")))
-            try:
-                assert isinstance(built, component), (
-                    f"The kit's tracker() builds a {type(built).__name__}, not the registered "
-                    f"{component.__name__}: it would certify another tracker.")
-            finally:
-                close = getattr(built, "close", None)
-                if callable(close):
-                    close()
+            with tempfile.TemporaryDirectory(prefix="dew-kit-") as directory:
+                built = kit_class().tracker(Path(directory))
+                try:
+                    assert isinstance(built, made), (
+                        f"The kit's tracker() builds a {type(built).__name__}, not the registered "
+                        f"{made.__name__}: it would certify another tracker.")
+                finally:
+                    close = getattr(built, "close", None)
+                    if callable(close):
+                        close()
 
         results.append(_call(label, kit_builds_the_registered_tracker))
     elif subject.group == "dew.datasets" and isinstance(component, type):
@@ -302,6 +318,20 @@ def checks_of(subject: Component) -> list[Check]:
     kit = kit_class()
     results += [_run_method(kit, name, label) for name in _tests(kit_class)]
     return results
+
+
+def _made_class(component: Any) -> type | None:
+    """The class of what a registered component builds: the class itself, or the class a function
+    declares it returns (a family's builder says CausalTransformer); None when it declares none."""
+    if isinstance(component, type):
+        return component
+    try:
+        made = inspect.signature(component).return_annotation
+        if isinstance(made, str):  # a postponed annotation, read where the function is defined
+            made = typing.get_type_hints(component).get("return")
+    except Exception:  # noqa: BLE001 - an annotation that cannot be read declares nothing usable
+        return None
+    return made if isinstance(made, type) and made is not inspect.Signature.empty else None
 
 
 def _unchecked(subject: Component) -> Check:
