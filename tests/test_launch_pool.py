@@ -337,3 +337,18 @@ def test_processes_holding_different_numbers_of_devices_are_refused_naming_them(
     assert ("The pool's processes hold different numbers of devices (process 0: 2, process 1: 1); every process "
             "must hold the same number.") in launch.text()
     assert "Traceback" not in launch.text()
+
+
+@pytest.mark.slow
+def test_a_pool_with_local_checkpoints_is_launched_again_and_resumes(tmp_path):
+    """A pool's local store answers every checkpoint query collectively, and only process 0 asked for
+    the resumed step's meta (for its upgrade line): the ranks' collectives paired wrongly, and the
+    relaunch aborted in Gloo ('Received data size doesn't match') or named a lease nobody held."""
+    args = ["-n", "2", "tiny-lm", *SMALL, "trainer.checkpoint_dir=runs/pool",
+            "trainer.local_checkpoint_dir=runs/pool-local", "trainer.local_every=2", "trainer.checkpoint_every=3"]
+    first = Launch([*args, "trainer.steps=4"], tmp_path)
+    assert first.wait(timeout=300) == 0, first.text()
+    again = Launch([*args, "trainer.steps=6"], tmp_path)
+    assert again.wait(timeout=300) == 0, again.text()
+    assert "Resuming runs/pool at step 4" in again.text() and "Training from step 4 to 6" in again.text()
+    assert (tmp_path / "runs" / "pool" / "6").is_dir()

@@ -498,6 +498,16 @@ def warmup_note(config: RunConfig, steps: int) -> str | None:
             "lower optimizer.warmup_steps or raise trainer.steps.")
 
 
+def _saved_meta(checkpoints: Checkpoints, step: int) -> Mapping[str, object] | None:
+    """The meta saved with step, None when its manifest cannot be read (the restore says why)."""
+    from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointNotFoundError
+
+    try:
+        return checkpoints.meta(step)
+    except (CheckpointCorruptedError, CheckpointNotFoundError):
+        return None
+
+
 def _where(checkpoints: Checkpoints | None) -> str:
     """The run directory, before the trainer lists its checkpoints and trackers."""
     if checkpoints is None:
@@ -608,6 +618,9 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
         # collectively); process 0 says it.
         ahead = resumed_at < fit["steps"]
         intact = checkpoints.whole(resumed_at) if ahead else checkpoints.intact(resumed_at)
+        # Asked on every process, said by process 0: a pool's local store answers each query
+        # collectively, so one process asking alone would pair its collective with another's.
+        saved_meta = _saved_meta(checkpoints, resumed_at)
         if jax.process_index() == 0 and intact:
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
@@ -615,7 +628,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
                 before.recorded(), config.recorded(), cwd=started_from(checkpoints.directory))
             if changes is not None and ahead:
                 print(changes, flush=True)
-            upgraded = upgrade_line(resumed_at, checkpoints.meta(resumed_at))
+            upgraded = None if saved_meta is None else upgrade_line(resumed_at, saved_meta)
             if upgraded is not None and ahead:
                 print(upgraded, flush=True)
         # a finished run trains nothing, so no schedule is reshaped; a pool says it once
