@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -248,3 +249,36 @@ def test_each_document_starts_as_transformers_starts_a_sequence_for_a_llama_chec
 
     plain = HFTokenizer.from_directory(folder)
     assert tokenizer_fingerprint(plain) == f"{plain.fingerprint}:starts[{theirs.bos_token_id}]"
+
+
+def test_a_saved_dataset_whose_text_column_is_not_text_is_named_as_the_files_are(tmp_path):
+    """Through dataset= a column of numbers or lists reached the tokenizer: an AttributeError
+    ('int' object has no attribute 'encode') or the tokenizers library's TypeError."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["fine", "", None]}).save_to_disk(str(tmp_path / "good"))
+    assert TokenWindows(dataset=str(tmp_path / "good"), length=4).tokens().tolist() == [*b"fine", 256]
+    for name, column, kind in (("ints", [5, 6], "int"), ("lists", [["a"], ["b"]], "list")):
+        datasets.Dataset.from_dict({"text": column}).save_to_disk(str(tmp_path / name))
+        with pytest.raises(MalformedRecordError, match=rf"Row 1 of the dataset .*{name}' .* holds a {kind} "
+                                                       r"under 'text', not a string"):
+            TokenWindows(dataset=str(tmp_path / name), length=4).tokens()
+
+
+def test_a_prompt_template_str_format_cannot_fill_is_refused_before_any_record(tmp_path):
+    """Only '{prompt}' in the template was checked: a JSON example in it ('{"a": 1}'), another field or
+    a lone brace raised KeyError or IndexError from str.format when the rows were built."""
+    from dew.data.prompt_completion import PromptCompletion
+
+    files = tmp_path / "sft.jsonl"
+    files.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    for template, said in (('Reply as JSON like {"a": 1}. {prompt}', "names {\"a\"}"),
+                           ("{prompt} {x}", "names {x}"), ("{prompt}{}", "names {}"),
+                           ("{prompt} }", "cannot be filled"), ("no field", "must contain '{prompt}'")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            PromptCompletion(files=str(files), length=32, template=template)
+        assert said in PromptCompletion.field_problems({"template": template})[0][1]  # dew train --check
+    doubled = PromptCompletion(files=str(files), length=32, template='JSON like {{"a": 1}}. {prompt}').rows()
+    ids, mask = doubled["text"][0], doubled["loss_mask"][0]
+    assert bytes(ids[(mask == 0) & (ids < 256)].tolist()).decode() == 'JSON like {"a": 1}. 2+2='  # the prompt
+    assert PromptCompletion.field_problems({"template": "Q: {prompt}"}) == []

@@ -50,8 +50,9 @@ from __future__ import annotations
 
 import json
 import os
+import string
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -105,6 +106,25 @@ class Encoded:
     label: int | None = None  # KTO's: 1 desirable, 0 undesirable (with label_key)
 
 
+def _template_problem(template: object) -> str | None:
+    """What keeps str.format from filling template with the prompt alone (no {prompt}, another
+    field, a lone brace), or None. Literal braces, as in JSON, are written twice: {{ and }}."""
+    if not isinstance(template, str):
+        return None  # its type is the recipe's schema's to refuse
+    if "{prompt}" not in template:
+        return f"PromptCompletion.template must contain '{{prompt}}', got {template!r}."
+    advice = "write a literal brace twice ({{ or }}), e.g. 'Answer in JSON like {{\"a\": 1}}. {prompt}'"
+    try:
+        named = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as error:
+        return f"PromptCompletion.template {template!r} cannot be filled ({error}); {advice}."
+    others = [name for name in named if name != "prompt"]
+    if others:
+        return (f"PromptCompletion.template {template!r} names {', '.join('{' + n + '}' for n in others)}, "
+                f"but only {{prompt}} is filled in; {advice}.")
+    return None
+
+
 @dataclass(frozen=True)
 class PromptCompletion:
     """Prompt/completion JSONL files as rows of ``text``, ``loss_mask`` and ``segment_ids``.
@@ -131,13 +151,20 @@ class PromptCompletion:
         """The tokenizer object this reader encodes with (``"byte"`` names ByteTokenizer)."""
         return resolve_tokenizer(self.tokenizer)
 
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """A template str.format cannot fill, refused from the recipe (``dew train --check``)."""
+        problem = _template_problem(fields.get("template", "{prompt}"))
+        return [] if problem is None else [(("template",), problem)]
+
     def __post_init__(self) -> None:
         if not isinstance(self.files, str | os.PathLike):
             object.__setattr__(self, "files", tuple(os.fspath(f) for f in self.files))
         if self.length < 1:
             raise ValueError(f"PromptCompletion.length must be at least 1, got {self.length}.")
-        if "{prompt}" not in self.template:
-            raise ValueError(f"PromptCompletion.template must contain '{{prompt}}', got {self.template!r}.")
+        problem = _template_problem(self.template)
+        if problem is not None:
+            raise ValueError(problem)
         if self.label_key is not None and self.rejected_key is not None:
             raise ValueError("PromptCompletion takes label_key= (KTO's unpaired records) or rejected_key= "
                              "(preference pairs), not both.")

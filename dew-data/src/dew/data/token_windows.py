@@ -204,8 +204,17 @@ class TokenWindows:
         if self.dataset is not None:
             data = load_hf_dataset(self.dataset, split=self.split, config=self.config)
             require_column(data, self.text_key, f"The dataset {self.dataset!r} (split {self.split!r})")
+            row = 0
             for chunk in data.select_columns([self.text_key]).iter(batch_size=1024):
-                yield from (text for text in chunk[self.text_key] if text)
+                for text in chunk[self.text_key]:
+                    row += 1
+                    if text is not None and not isinstance(text, str):
+                        raise MalformedRecordError(
+                            f"Row {row} of the dataset {self.dataset!r} (split {self.split!r}) holds a "
+                            f"{type(text).__name__} under {self.text_key!r}, not a string; point text_key= "
+                            "at the text column.")
+                    if text:  # a null or empty text is no document, as in the files
+                        yield text
             return
         for path in self._paths():
             yield from self._file_documents(path)
