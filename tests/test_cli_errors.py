@@ -119,6 +119,13 @@ def test_the_checkpoint_writers_leftovers_stay_off_the_console_after_dews_own_li
                         '"/run/60/state/array_metadatas/process_0": No space left on device')
     record.exc_info = (ValueError, native, None)
     assert not _FromWriters().filter(record)
+    # ... and its OCDBT database's, one per array a failed save had under way (3 to 24 blocks seen
+    # after dew's line on a nearly full disk, one run in six)
+    database = ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.1.2.count/0" in OCDBT database at local '
+                          'file "/run/6.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": Failed '
+                          'writing: "/run/6.orbax-checkpoint-tmp/d/20ab": No space left on device')
+    record.exc_info = (ValueError, database, None)
+    assert not _FromWriters().filter(record)
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")

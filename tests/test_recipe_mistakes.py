@@ -294,6 +294,34 @@ def test_a_plugin_trackers_own_error_stops_the_run_naming_it_and_the_run_resumes
                                      "models/causal_transformer": f"dew-core {metadata.version('dew-core')}"}
 
 
+class _FailingAtTheEnd(_FailingTracker):
+    """A tracker whose disk fills once the last checkpoint is in: the run's goodput does not reach it."""
+
+    def log(self, scalars, step):
+        pass
+
+    def artifact(self, value, step):
+        if getattr(value, "type", None) == "goodput":
+            raise RuntimeError("no space left for the closing records")
+
+
+def test_a_run_failing_after_its_last_checkpoint_is_told_it_is_done_not_to_resume(tmp_path, monkeypatch, capsys):
+    """The closing records failed after step 6 was committed, and the note said to resume: the resume
+    found nothing to train and wrote nothing, so the advice recovered nothing."""
+    from dew import registry
+
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "tiny-lm", "trainer.steps=6", "trainer.log_every=2", "trainer.checkpoint_every=3", "data.batch=2",
+           f"trainer.checkpoint_dir={tmp_path}/run", "trackers=[{name: planted_tracker}]"]
+    with registry.trackers.temporary("planted_tracker", _FailingAtTheEnd):
+        assert main(run) == 2
+    err = capsys.readouterr().err
+    assert "no space left for the closing records" in err and "Traceback (" not in err, err
+    assert ("The run is in run: its checkpoints reach step 6, the last of its 6, so its training is done" in err
+            and "dew eval run scores it again; to train further, dew train --resume run trainer.steps=N." in err), err
+    assert "once fixed, resume it with" not in err
+
+
 def test_a_run_whose_plugin_is_gone_is_told_to_install_it_not_to_edit_its_recipe(tmp_path, capsys):
     """generate, eval and export read the recipe a run trained with; with its plugin uninstalled they
     said "Fix them in the file or with key=value overrides" (commands that take none)."""

@@ -218,6 +218,33 @@ def test_a_full_disk_names_the_journal_and_leaves_it_readable(tmp_path):
             subprocess.run(["umount", str(disk)], check=False)
 
 
+FULL_PREVIEW = """
+import resource, signal, sys
+from pathlib import Path
+from dew.telemetry.artifacts import Artifact
+from dew.telemetry.render import write_preview
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # a disk that fills 1000 bytes into a file
+try:
+    write_preview(Artifact("sample", "text", "x" * 5000), Path(sys.argv[1]), 20)
+except OSError as error:
+    print("refused:", error.strerror)
+"""
+
+
+def test_a_preview_the_disk_cannot_hold_leaves_no_cut_or_empty_sample(tmp_path):
+    """The preview file was written in place: a write that failed left a cut (or empty) step_00000020.txt
+    that looked like a real sample, though previews.jsonl never listed it."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", FULL_PREVIEW, str(tmp_path / "previews")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "refused: File too large", result.stdout + result.stderr
+    assert [p.name for p in (tmp_path / "previews").rglob("*") if p.is_file()] == []
+
+
 def test_readers_skip_a_torn_last_line_and_refuse_a_damaged_middle(tmp_path):
     from dew.cli.report import render_report
     from dew.telemetry.render import TornJournalError, journal_rows

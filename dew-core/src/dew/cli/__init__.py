@@ -333,8 +333,9 @@ _WRITERS = (f"{os.sep}orbax{os.sep}", f"{os.sep}array_serialization{os.sep}", f"
 """Where the checkpoint writers' code lives: Orbax, and the JAX serialization and TensorStore it writes through."""
 
 
-_WRITER_DRIVERS = ('"zarr" driver', '"zarr3" driver', '"ocdbt" driver', '"file" driver')
-"""How TensorStore's own errors name the storage it failed on (Error opening "zarr" driver: ...)."""
+_WRITER_DRIVERS = ('"zarr" driver', '"zarr3" driver', '"ocdbt" driver', '"file" driver', " in OCDBT database at ")
+"""How TensorStore's own errors name the storage it failed on (Error opening "zarr" driver: ...,
+Error writing "step/0" in OCDBT database at local file ...)."""
 
 
 def _writers_traceback(error: BaseException | None) -> bool:

@@ -379,7 +379,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             elif fresh and created and not any(d.exists() for d in created):
                 error.add_note("Nothing was kept: the run failed before it wrote anything.")
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
-                error.add_note(_resume_note(folder.directory))
+                error.add_note(_resume_note(folder.directory, config.trainer.steps))
         raise
 
 
@@ -493,11 +493,20 @@ def _latest(directory: Path) -> int | None:
     return None
 
 
-def _resume_note(directory: Path) -> str:
+def _resume_note(directory: Path, steps: int | None) -> str:
+    """What a failed run kept, and the command that goes on from it; a run whose checkpoints already
+    reach its steps has nothing left to train (what failed came after its last step)."""
     latest = _latest(directory)
+    resume = resume_command(directory)
+    if latest is not None and steps is not None and latest >= steps:
+        score = resume.replace("dew train --resume", "dew eval", 1)
+        return (f"The run is in {shown(directory)}: its checkpoints reach step {latest}, the last of its "
+                f"{steps}, so its training is done and only what a fit reports after its last step (the "
+                f"closing validation, goodput, sample) was not written. Once fixed, {score} scores it again; "
+                f"to train further, {resume} trainer.steps=N.")
     kept = f"its newest checkpoint is step {latest}" if latest is not None else \
         "it kept no checkpoint yet, so it starts over"
-    return f"The run is in {shown(directory)} ({kept}); once fixed, resume it with: {resume_command(directory)}"
+    return f"The run is in {shown(directory)} ({kept}); once fixed, resume it with: {resume}"
 
 
 def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder, config: RunConfig) -> str:

@@ -172,12 +172,11 @@ def preview_bytes(artifact: Artifact) -> bytes:
 
 
 def write_preview(artifact: Artifact, directory: str | Path, step: int) -> Path:
-    """Write one preview as ``directory/<name>/step_<step><suffix>``; return its path."""
+    """Write one preview as ``directory/<name>/step_<step><suffix>``; return its path. It is written
+    beside and renamed into place, so a write that fails (a full disk) leaves no empty sample."""
     folder = Path(directory) / safe_name(artifact.name)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step_{int(step):08d}{preview_suffix(artifact)}"
-    path.write_bytes(preview_bytes(artifact))
-    return path
+    return write_file(folder / f"step_{int(step):08d}{preview_suffix(artifact)}", preview_bytes(artifact))
 
 
 # -- scalar journals -----------------------------------------------------------
