@@ -200,3 +200,27 @@ def test_a_resumed_fit_continues_its_folders_run_without_an_id(tmp_path, monkeyp
     fit(tmp_path / "run", 0, 1)
     assert (tmp_path / "theirs.txt").read_text() == "kept" and not (tmp_path / "run" / RUN_ID_FILE).is_symlink()
     wandb.teardown()
+
+
+@pytest.mark.parametrize("outcome, code", [(None, 0), ("finished", 0), ("failed", 1), ("killed", 130)])
+def test_a_wandb_run_ends_with_the_outcome_it_was_told(tmp_path, monkeypatch, outcome, code):
+    """WandbTracker had no conclude: a run that failed or was stopped ended in W&B with exit code 0,
+    read as finished, where MLflow's said FAILED or KILLED."""
+    import wandb
+
+    from dew.trackers.wandb import WandbTracker
+
+    wandb.teardown()  # W&B keeps the first WANDB_DIR it read (an earlier test's) until its setup is torn down
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_API_KEY", "")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    tracker = WandbTracker("dew-tests", "outcome", offline=True)
+    tracker.log({"loss": 0.5}, step=1)
+    if outcome is not None:  # a tracker closed without being told takes the run as finished
+        tracker.conclude(outcome)
+    run_id = tracker.run.id
+    tracker.close()
+    (datastore,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    exits = [r.exit.exit_code for r in finished_records(datastore) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [code]

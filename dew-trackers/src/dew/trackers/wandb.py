@@ -18,7 +18,7 @@ from dew.telemetry.records import TrackerDropped, is_record, previews_of, record
 from dew.telemetry.render import write_file
 from dew.trackers import require
 from dew.tracking.background import Channel, TrackerWriteError, let_others_run
-from dew.tracking.protocol import Reported, check_reported
+from dew.tracking.protocol import Outcome, Reported, check_reported
 from dew.tracking.rows import recipe_fields
 
 if TYPE_CHECKING:
@@ -64,6 +64,10 @@ def _close_at_exit(tracker: weakref.ReferenceType[WandbTracker]) -> Callable[[],
                 alive.close()
 
     return close
+
+
+_EXIT_CODES: Mapping[Outcome, int] = {"finished": 0, "failed": 1, "killed": 130}
+"""The exit code W&B's run finishes with for each outcome (any but 0 is a failed run there)."""
 
 
 class WandbTracker:
@@ -115,6 +119,7 @@ class WandbTracker:
         self.id = id
         self.connect_timeout = connect_timeout
         self._run: Any = None
+        self._outcome: Outcome = "finished"
         self._exit_hook: Callable[[], None] | None = None
         where = f"WandbTracker for project {project!r}" + (" (offline)" if offline else "")
         self._channel = Channel(self._send, where, interval=_INTERVAL, stop_on_failure=stop_on_failure,
@@ -230,6 +235,11 @@ class WandbTracker:
         self._start(value if isinstance(value, RunStarted) else None)  # a fit's first report: it may resume
         self._channel.submit(("artifact", value, step))
 
+    def conclude(self, outcome: Outcome) -> None:
+        """How the run ended, given to W&B at close as its exit code: 0 when it finished, else
+        1 (failed) or 130 (killed: a Ctrl-C or a preemption), which W&B shows as failed."""
+        self._outcome = outcome
+
     def flush(self) -> None:
         """Wait until every call so far reached wandb; raise what failed. While wandb fails
         nothing is waited for: the backlog keeps retrying."""
@@ -246,7 +256,7 @@ class WandbTracker:
             self._channel.close()
         finally:
             run, self._run = self._run, None
-            run.finish()
+            run.finish(exit_code=_EXIT_CODES[self._outcome])
 
     def __repr__(self) -> str:
         return f"WandbTracker({self.project!r}, {self.name!r}, offline={self.offline})"
