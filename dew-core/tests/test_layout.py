@@ -94,3 +94,34 @@ def test_a_run_json_written_when_the_defaults_listed_the_stage_rule_still_reads(
     written = [["embed", "fsdp"], ["layers", "stage"]]  # as an older dew's run.json records them
     config = TrainerConfig(steps=1, layout={"rules": written})
     assert config.layout.axis_rules == (("embed", "fsdp"), ("layers", "stage"))
+
+
+def _checked(leaves, sizes, tolerance=0.02):
+    """Layout.check of parameters {name: (shape, spec)} placed so on an abstract mesh of sizes."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    grid = mesh(**sizes)
+    params = {"params": {name: jax.ShapeDtypeStruct(shape, "float32") for name, (shape, _) in leaves.items()}}
+    shardings = {"params": {name: NamedSharding(grid, spec) for name, (_, spec) in leaves.items()}}
+    Layout(tolerance=tolerance).check(params, shardings, grid)
+
+
+def test_a_pipeline_s_stages_do_not_hide_its_replication_over_fsdp():
+    """The held share divided a stage-split stack by the stage axis and the perfect share did not: a
+    layout whose fsdp axis split nothing was refused at 200% on fsdp=3 and accepted with 4 stages."""
+    stack = {"wo": ((4, 512, 129), PartitionSpec("stage", None, None))}  # 129: fsdp=3 splits neither width
+    for sizes in ({"fsdp": 3}, {"fsdp": 3, "stage": 2}, {"fsdp": 3, "stage": 4}):
+        with pytest.raises(LayoutError, match=r"keeps 200\.0% more parameter memory"):
+            _checked({"wo": ((4, 512, 129), PartitionSpec(None, None, None) if "stage" not in sizes
+                             else stack["wo"][1])}, sizes)
+    _checked({"wo": ((4, 510, 129), PartitionSpec("stage", "fsdp", None))}, {"fsdp": 3, "stage": 4})  # split: kept
+
+
+def test_the_refusal_names_only_weights_held_beyond_their_share():
+    """It listed the three leaves of most excess, those at exactly their share among them."""
+    leaves = {"embed": ((257, 256), PartitionSpec(None, "fsdp")),  # 257 rows: tensor=2 cannot split them
+              "wo": ((1024, 256), PartitionSpec("tensor", "fsdp")),
+              "wi": ((256, 1024), PartitionSpec("fsdp", "tensor"))}
+    with pytest.raises(LayoutError, match=r"Most replicated: \['params'\]\['embed'\] \(257, 256\)\. Choose"):
+        _checked(leaves, {"fsdp": 4, "tensor": 2})

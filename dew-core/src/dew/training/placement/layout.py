@@ -341,12 +341,14 @@ class Layout:
                     "find nothing bringing host weights back. Drop host_parameters here (to "
                     f"offload training state use Layout.host={HOST_RESIDENT})."
                 )
-        # Only an MoE layer's expert weights have an expert dimension to split: every
-        # other parameter is replicated over the expert axis as over the data axis,
-        # so its perfect sharding spans the other parameter axes alone.
+        # Only an MoE layer's expert weights have an expert dimension to split, and only a
+        # pipeline's layer stacks a stage dimension: every other parameter is replicated over
+        # those axes as over the data axis, so its perfect sharding spans the other parameter
+        # axes alone. (Counting a stage split in the held share and not in the perfect one
+        # hid a layout's replication over fsdp behind its stages.)
         dense = math.prod(mesh.shape.get(a, 1) for a in _PARAMETER_AXES if a != "expert")
-        devices = dense * max((mesh.shape.get("expert", 1) for s in placements
-                               if "expert" in _axes(s.spec)), default=1)
+        devices = dense * math.prod(max((mesh.shape.get(axis, 1) for s in placements if axis in _axes(s.spec)),
+                                        default=1) for axis in ("expert", "stage"))
         if devices == 1:
             return
         held = ideal = 0.0
@@ -355,8 +357,9 @@ class Layout:
             size = math.prod(leaf.shape)
             if size < self.min_shard:
                 continue
-            split = "expert" in _axes(sharding.spec)
-            perfect = size / (dense * (mesh.shape.get("expert", 1) if split else 1))
+            split = _axes(sharding.spec)
+            perfect = size / (dense * math.prod(mesh.shape.get(axis, 1) for axis in ("expert", "stage")
+                                                if axis in split))
             per_device = size / _shard_factor(sharding.spec, mesh)
             held += per_device
             ideal += perfect
@@ -366,7 +369,8 @@ class Layout:
         excess = round(held / ideal - 1, 9)  # whole on N devices is N - 1 exactly, not past it by a rounding
         if excess > self.tolerance:
             worst.sort(reverse=True)
-            names = ", ".join(f"{p} {s}" for _, p, s in worst[:3])
+            # only leaves held beyond their perfect share: one at it is not what to fix
+            names = ", ".join(f"{p} {s}" for over, p, s in worst[:3] if over > 1e-9 * ideal)
             accepting = math.ceil(excess * 1000) / 1000  # rounded up: the value accepts it
             raise LayoutError(
                 f"This layout keeps {excess:.1%} more parameter memory per device than perfect "
