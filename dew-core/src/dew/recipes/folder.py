@@ -40,6 +40,7 @@ from dew.recipes.resuming import (
     installing_what_it_trained_with,
     origin,
     resume_command,
+    run_command,
     shown,
 )
 
@@ -499,7 +500,7 @@ def _resume_note(directory: Path, steps: int | None) -> str:
     latest = _latest(directory)
     resume = resume_command(directory)
     if latest is not None and steps is not None and latest >= steps:
-        score = resume.replace("dew train --resume", "dew eval", 1)
+        score = run_command("eval", directory)
         return (f"The run is in {shown(directory)}: its checkpoints reach step {latest}, the last of its "
                 f"{steps}, so its training is done and only what a fit reports after its last step (the "
                 f"closing validation, goodput, sample) was not written. Once fixed, {score} scores it again; "

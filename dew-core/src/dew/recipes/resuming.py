@@ -22,7 +22,7 @@ from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
 __all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "origin",
-           "pretrained_origin", "resume_command", "resuming_line", "shown", "started_from", "started_in", "tracker_folders", "upgrade_line"]
+           "pretrained_origin", "resume_command", "resuming_line", "run_command", "shown", "started_from", "started_in", "tracker_folders", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 
@@ -49,8 +49,17 @@ def resume_command(directory: str | os.PathLike[str]) -> str:
     >>> resume_command("--foo")
     'dew train --resume ./--foo'
     """
+    return run_command("train --resume", directory)
+
+
+def run_command(command: str, directory: str | os.PathLike[str]) -> str:
+    """``dew COMMAND DIRECTORY`` ready to paste, the folder quoted as resume_command quotes it.
+
+    >>> run_command("eval", "runs/tiny lm")
+    "dew eval 'runs/tiny lm'"
+    """
     where = shown(directory)
-    return f"dew train --resume {shlex.quote('./' + where if where.startswith('-') else where)}"
+    return f"dew {command} {shlex.quote('./' + where if where.startswith('-') else where)}"
 
 
 def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int, trained_for: int | None) -> str:

@@ -75,6 +75,9 @@ HOST_MEMORY = "pinned_host"  # the memory kind they, and offloaded parameters, s
 
 _PARAMETER_AXES = ("fsdp", "expert", "tensor")
 _FORBIDDEN_FOR_PARAMETERS = ("data", "sequence")
+_SPLIT_WHERE_DECLARED = ("expert", "stage")
+"""Axes only some parameters have a dimension for (an MoE layer's experts, a pipeline's layer stack):
+a parameter without one is perfectly sharded over the other parameter axes alone."""
 
 
 class LayoutError(DewError, ValueError):
@@ -346,9 +349,9 @@ class Layout:
         # those axes as over the data axis, so its perfect sharding spans the other parameter
         # axes alone. (Counting a stage split in the held share and not in the perfect one
         # hid a layout's replication over fsdp behind its stages.)
-        dense = math.prod(mesh.shape.get(a, 1) for a in _PARAMETER_AXES if a != "expert")
+        dense = math.prod(mesh.shape.get(a, 1) for a in _PARAMETER_AXES if a not in _SPLIT_WHERE_DECLARED)
         devices = dense * math.prod(max((mesh.shape.get(axis, 1) for s in placements if axis in _axes(s.spec)),
-                                        default=1) for axis in ("expert", "stage"))
+                                        default=1) for axis in _SPLIT_WHERE_DECLARED)
         if devices == 1:
             return
         held = ideal = 0.0
@@ -358,7 +361,7 @@ class Layout:
             if size < self.min_shard:
                 continue
             split = _axes(sharding.spec)
-            perfect = size / (dense * math.prod(mesh.shape.get(axis, 1) for axis in ("expert", "stage")
+            perfect = size / (dense * math.prod(mesh.shape.get(axis, 1) for axis in _SPLIT_WHERE_DECLARED
                                                 if axis in split))
             per_device = size / _shard_factor(sharding.spec, mesh)
             held += per_device
