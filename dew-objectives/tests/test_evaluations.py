@@ -566,6 +566,38 @@ def test_a_task_field_holding_a_list_or_an_object_is_refused_where_it_would_be_s
     assert indexed.questions()[0].context == "y?"
 
 
+def test_templates_labels_and_paths_that_cannot_be_read_are_refused_by_name(tmp_path):
+    """A template reaching into a field ({context.x}) raised AttributeError through the CLI; an ARC
+    label that is not a list said "'int' object is not iterable"; a list under the context with no
+    template was blamed on "the template None"; an empty file path was called a directory; and one
+    stop string stopped at each of its letters."""
+    from dew.evaluations.generation import GenerationTask
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    choice = _write(tmp_path / "c.jsonl", [{"context": "a", "choices": ["b", "c"], "answer": 0}])
+    question = _write(tmp_path / "q.jsonl", [{"question": "a", "answer": "1"}])
+    for build in (lambda: MultipleChoice(file=choice, template="{context.x}"),
+                  lambda: GenerationTask(file=question, template="{question.x}")):
+        with pytest.raises(TaskFileError, match=r"Line 1 of .*: the template '\{\w+\.x\}' cannot be filled from "
+                                                r"the record \(AttributeError: .*\); its keys are \["):
+            build()
+    labelled = _write(tmp_path / "arc.jsonl", [{"context": "a", "choices": {"text": ["b", "c"], "label": 5},
+                                                "answer": "A"}])
+    with pytest.raises(TaskFileError, match=r"Line 1 of .*'choices'.label must be a list of one label per choice "
+                                            r"\(2\), got 5"):
+        MultipleChoice(file=labelled)
+    listed = _write(tmp_path / "l.jsonl", [{"question": ["a"], "answer": "1"}])
+    with pytest.raises(TaskFileError) as refused:
+        GenerationTask(file=listed)
+    assert "cannot be filled" not in str(refused.value) and "holds a list under 'question'" in str(refused.value)
+    for task in (GenerationTask, MultipleChoice):
+        with pytest.raises(TaskFileError, match=r"The task's file is empty; pass the path of a JSONL file"):
+            task(file="")
+    stopped = GenerationTask(file=question, stop="Answer")
+    assert stopped.stop == ("Answer",) and stopped.prediction("no answer here") == "no answer here"
+    assert stopped.prediction("7 Answer 8") == "7"
+
+
 def test_a_text_task_is_refused_for_a_denoiser_or_a_run_without_a_tokenizer_as_it_is_built(tmp_path):
     """A masked-diffusion run scored perplexity 400 over a 257-token vocabulary and an accuracy from logits
     that predict no next token, and its generation task failed with a TypeError after every step trained."""

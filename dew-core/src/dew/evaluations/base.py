@@ -194,6 +194,9 @@ def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None
 def check_task_file(path: str | os.PathLike[str]) -> Path:
     """The task file at path, checked to be one: a task checks it when it is built, so a recipe
     naming a missing file is refused before the run trains rather than at its first evaluation."""
+    if not os.fspath(path).strip():  # Path("") is the working directory
+        raise TaskFileError("The task's file is empty; pass the path of a JSONL file, one record per line "
+                            "(file=PATH).")
     file = Path(path).expanduser()
     if file.is_dir():
         raise TaskFileError(f"The task file {os.fspath(path)!r} is a directory; pass the path of a "
@@ -243,11 +246,19 @@ def record_text(record: Mapping[str, Any], key: str, where: str) -> str:
 
 def filled_template(template: str, record: Mapping[str, Any], where: str) -> str:
     """template filled from the record (str.format); a field it names whole that holds a list or an
-    object is refused, as record_text refuses it (an index into one, {choices[0]}, is text)."""
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field and field in record:
-            record_text(record, field, where)
-    return template.format(**record)
+    object is refused, as record_text refuses it (an index into one, {choices[0]}, is text), and a
+    template the record cannot fill raises TaskFileError naming the record's keys."""
+    try:
+        for _, field, _, _ in string.Formatter().parse(template):
+            if field and field in record:
+                record_text(record, field, where)
+        return template.format(**record)
+    except TaskFileError:
+        raise
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as error:
+        raise TaskFileError(f"{where}: the template {template!r} cannot be filled from the record "
+                            f"({type(error).__name__}: {error}); its keys are {sorted(record)}, and a literal "
+                            "brace is written twice ({{ or }}).") from None
 
 
 def share_rows(count: int, batch: int, partition: DataPartition) -> list[np.ndarray]:

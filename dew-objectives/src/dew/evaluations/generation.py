@@ -7,7 +7,7 @@ Each JSONL record holds a prompt and its reference answer::
 The model continues ``template`` (filled from the record's fields) greedily
 through ``dew.sampling.generate`` for at most ``max_new_tokens`` tokens,
 stopping at the end-of-document id; the text is cut at the first of
-``stop``. With ``pattern`` the prediction is the first match of it in the
+``stop`` (one text, or a list of them). With ``pattern`` the prediction is the first match of it in the
 text (its first group when it has one); with ``answer_pattern`` the
 reference is what that finds in the answer (GSM8K's ``#### (.*)``). Both
 are compared after stripping surrounding whitespace. ``exact_match`` is
@@ -79,7 +79,7 @@ class GenerationTask:
     max_new_tokens: int = 64
     pattern: str | None = None
     answer_pattern: str | None = None
-    stop: Sequence[str] = field(default_factory=tuple)
+    stop: str | Sequence[str] = field(default_factory=tuple)  # one text, or several
     batch: int = 8
 
     def __post_init__(self) -> None:
@@ -91,7 +91,8 @@ class GenerationTask:
                 except re.error as error:
                     raise TaskFileError(f"GenerationTask.{name} {value!r} is not a regular expression: {error}.") \
                         from None
-        object.__setattr__(self, "stop", tuple(self.stop))
+        # one string is one stop text, as lm-eval's until: "..." (a tuple of it would stop at each letter)
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         for name in ("max_new_tokens", "batch"):
             if getattr(self, name) < 1:
                 raise TaskFileError(f"GenerationTask.{name}={getattr(self, name)!r}; it is at least 1.")
@@ -113,12 +114,8 @@ class GenerationTask:
             if empty:  # str(None) would be scored as the text "None"
                 raise TaskFileError(f"{where} holds null under {empty[0]!r}; give it a value, or leave the "
                                     "record out.")
-            try:
-                prompt = (filled_template(self.template, record, where) if self.template
-                          else record_text(record, self.prompt_key, where))
-            except (KeyError, IndexError, ValueError) as error:
-                raise TaskFileError(f"{where}: the template {self.template!r} cannot be filled from the "
-                                    f"record ({type(error).__name__}: {error}).") from None
+            prompt = (filled_template(self.template, record, where) if self.template
+                      else record_text(record, self.prompt_key, where))
             reference = record_text(record, self.answer_key, where)
             if answers is not None:
                 found = _first(answers, reference)

@@ -124,6 +124,10 @@ class MultipleChoice:
         choices, labels = record[self.choices_key], None
         if isinstance(choices, Mapping) and "text" in choices:  # ARC: {"text": [...], "label": [...]}
             choices, labels = choices["text"], choices.get("label")
+            if labels is not None and (not isinstance(labels, list) or len(labels) != len(choices)):
+                raise TaskFileError(f"{where}: {self.choices_key!r}.label must be a list of one label per "
+                                    f"choice ({len(choices) if isinstance(choices, Sequence) else '?'}), got "
+                                    f"{labels!r}; give each choice its label, or leave label out.")
         if (not isinstance(choices, Sequence) or isinstance(choices, str) or len(choices) < 2
                 or not all(isinstance(c, str) for c in choices)):
             raise TaskFileError(f"{where}: {self.choices_key!r} must be a list of at least two strings, "
@@ -131,12 +135,8 @@ class MultipleChoice:
         if any(not self.separator + choice for choice in choices):
             raise TaskFileError(f"{where}: a choice is empty and separator is '', so it would be scored on no "
                                 "token at all; give every choice some text.")
-        try:
-            context = (filled_template(self.template, record, where) if self.template
-                       else record_text(record, self.context_key, where))
-        except (KeyError, IndexError, ValueError) as error:
-            raise TaskFileError(f"{where}: the template {self.template!r} cannot be filled from the record "
-                                f"({type(error).__name__}: {error}); its keys are {sorted(record)}.") from None
+        context = (filled_template(self.template, record, where) if self.template
+                   else record_text(record, self.context_key, where))
         return Question(line, context, tuple(choices), self._answer(record[self.answer_key], choices, labels, where))
 
     def _answer(self, answer: Any, choices: Sequence[str], labels: Any, where: str) -> int:
