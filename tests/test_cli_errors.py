@@ -204,6 +204,67 @@ def test_a_sigterm_before_the_training_loop_is_one_line_and_leaves_no_half_run(t
     assert not (tmp_path / "runs").exists()  # the folder it had made kept nothing: removed
 
 
+STOPPING_COMMAND = """
+import os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from dew import cli
+
+cli.COMMANDS["stopping"] = ("stopping_command", "a command a stop lands in")
+sys.argv = ["dew", "stopping", sys.argv[2]]
+cli.console()
+"""
+
+STOPPING_MODULE = """
+import os, signal, threading, time
+
+def add_arguments(parser):
+    parser.add_argument("case")
+
+class Dropped:  # a callback whose exceptions Python discards, as JAX's garbage-collection callback
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100_000):  # the handler runs in here, and what it raises is "ignored"
+            pass
+
+def run(args):
+    if args.case == "compiling":
+        import jax, jax.numpy as jnp
+
+        def long(x):
+            for i in range(400):  # about 6 s of XLA compiling on a 2-core machine
+                x = jnp.sin(x) @ x + i
+            return x
+
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        jax.jit(long)(jnp.ones((64, 64))).block_until_ready()
+    else:
+        Dropped()
+        time.sleep(20)  # a stop delivered again arrives here
+    return 0
+"""
+
+
+@pytest.mark.parametrize(("case", "status", "line"), [("compiling", 130, "dew stopping: interrupted (Ctrl-C)"),
+                                                      ("discarded", 143, "dew stopping: stopped (SIGTERM)")])
+def test_a_stop_outside_the_loop_ends_the_command_with_its_status(tmp_path, case, status, line):
+    """A Ctrl-C while XLA compiled (dew generate, eval, export at their first program) printed dew's
+    line, then the interpreter's teardown freed JAX's backend under the compilation still running on
+    its own thread: SIGSEGV, status 139. A SIGTERM that landed in a callback whose exceptions Python
+    discards (JAX's garbage collection) printed "Exception ignored ... _Terminated" and the command
+    went on to exit 0; it is now sent again and stops the command."""
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="dew")
+    assert script.value == "dew.cli:console"  # the executable ends as this test's process does
+    (tmp_path / "stopping_command.py").write_text(STOPPING_MODULE)
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environment.pop("DEW_TRACEBACK", None)
+    done = subprocess.run([sys.executable, "-c", STOPPING_COMMAND, str(tmp_path), case], capture_output=True,
+                          text=True, timeout=120, env=environment)
+    assert done.returncode == status, done.stderr[-3000:]
+    assert done.stderr.strip() == line, done.stderr[-3000:]
+
+
 def _loaded(pid: int, package: str) -> bool:
     """Whether the process has mapped a shared library of the installed package (it is importing it)."""
     try:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from sys import UnraisableHookArgs
 
-__all__ = ["INTERRUPTED", "REFUSED", "TRACEBACK", "is_dews", "main", "refusal"]
+__all__ = ["INTERRUPTED", "REFUSED", "TRACEBACK", "console", "is_dews", "main", "refusal"]
 
 TRACEBACK = "DEW_TRACEBACK"  # set to 1 to see the traceback of an error dew names
 TRACEBACK_HELP = f"show the whole traceback of an error dew names (or set {TRACEBACK}=1)"
@@ -86,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from dew import interrupts
 
+    _Unwound.by_stop = False
     interrupts.hold()  # every Ctrl-C noted from here: one Python discards still stops a training loop
     if not os.environ.get(TRACEBACK) and not isinstance(sys.unraisablehook, _QuietClosedLoop):
         sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)  # ... without its "Exception ignored"
@@ -93,6 +94,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guarded(argv)
     finally:
         interrupts.let_go()
+
+
+def console() -> NoReturn:
+    """The installed ``dew`` executable: main() on the process's arguments, then its exit.
+
+    A stop raised where the main thread stood can leave one of JAX's compilations
+    running on a thread of its own; the interpreter's teardown (JAX's exit
+    handler frees the backend being compiled for) then crashed the process
+    with SIGSEGV after dew's one line. A command that a stop unwound therefore
+    ends at once with its status, as a failed pool's process does; its files
+    were closed as it unwound.
+    """
+    status = main()
+    if _Unwound.by_stop and not _in_pool():
+        import logging
+
+        logging.shutdown()
+        _end_now(status)
+    sys.exit(status)
+
+
+class _Unwound:
+    by_stop = False  # the last main() ended by a Ctrl-C or SIGTERM raised inside its command
 
 
 def _guarded(argv: Sequence[str] | None) -> int:
@@ -108,6 +132,7 @@ def _guarded(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:  # while a command's modules were still being imported
         if os.environ.get(TRACEBACK):
             raise
+        _Unwound.by_stop = True
         return _interrupted(argv)
     except BrokenPipeError:
         # Nothing is left to say to the reader; stdout goes to devnull so the interpreter's last
@@ -118,7 +143,8 @@ def _guarded(argv: Sequence[str] | None) -> int:
         from dew import interrupts
 
         if interrupts.pending() and not os.environ.get(TRACEBACK):  # a Ctrl-C a library turned into its own
-            return _interrupted(argv)  # error (numpy's import wraps it in an ImportError)
+            _Unwound.by_stop = True  # error (numpy's import wraps it in an ImportError)
+            return _interrupted(argv)
         if not _in_pool():
             raise
         if _peer_lost(error):  # not this process's failure: the one that failed first says what it was
@@ -127,11 +153,11 @@ def _guarded(argv: Sequence[str] | None) -> int:
                   f"failed: {first}).", file=sys.stderr, flush=True)
             from dew.training.runtime.launcher import PEER_LOST_STATUS
 
-            _leave_pool(PEER_LOST_STATUS)  # dew launch reports the status of the one that ended first
+            _end_now(PEER_LOST_STATUS)  # dew launch reports the status of the one that ended first
         traceback.print_exc()  # a bug: its traceback, then the pool is left as below
-        _leave_pool(1)
+        _end_now(1)
     if status not in (0, INTERRUPTED, TERMINATED) and _in_pool():
-        _leave_pool(status)
+        _end_now(status)
     return status
 
 
@@ -157,11 +183,12 @@ def _peer_lost(error: BaseException) -> bool:
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Read error")
 
 
-def _leave_pool(status: int) -> NoReturn:
-    """End a pool's process that failed now, with status. At interpreter exit JAX shuts its
-    distributed client down, which waits for every process: the others, inside a step's
-    collective that this one never joins, never arrive, and the pool would hang instead of
-    failing (dew launch kills the other ranks once one fails)."""
+def _end_now(status: int) -> NoReturn:
+    """End the process now, with status, without the interpreter's teardown: JAX's exit handler
+    would free a backend a compilation abandoned by a stop still runs on (see console), and in a
+    pool's process that failed it would shut the distributed client down, which waits for every
+    process: the others, inside a step's collective that this one never joins, never arrive, and
+    the pool would hang instead of failing (dew launch kills the other ranks once one fails)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -234,9 +261,11 @@ def _main(argv: Sequence[str] | None) -> int:
             if shown:
                 raise
             print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            _Unwound.by_stop = True
             return INTERRUPTED
         except _Terminated:
             print(f"dew {args.command}: stopped (SIGTERM)", file=sys.stderr, flush=True)
+            _Unwound.by_stop = True
             return TERMINATED
         except Exception as error:
             # A file or folder this user may not read or write is the command's input, not a bug.
@@ -244,6 +273,24 @@ def _main(argv: Sequence[str] | None) -> int:
                 raise
             print(refusal(args.command, error), file=sys.stderr, flush=True)
             return REFUSED
+
+
+def _stop(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise _Terminated
+
+
+def _stop_again() -> None:
+    """A SIGTERM raised where Python discards it (a callback of JAX's garbage collection, which
+    printed it as "Exception ignored" and the command went on to exit 0): sent again in a moment,
+    when the main thread stands in ordinary code."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+            signal.SIG_DFL, _stop):
+        return  # a training loop's own watch has SIGTERM now
+    signal.signal(signal.SIGTERM, _stop)
+    again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
+    again.daemon = True
+    again.start()
 
 
 class _Terminated(BaseException):  # a stop, named as KeyboardInterrupt is, not an error
@@ -259,11 +306,7 @@ def _terminated_as_stop() -> Iterator[None]:
         yield
         return
 
-    def stop(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         yield
     finally:
@@ -362,8 +405,8 @@ class _FromWriters:
 
 class _QuietClosedLoop:
     """sys.unraisablehook, less asyncio's "Event loop is closed" after Orbax's loop ended, and less
-    a Ctrl-C Python could not raise (inside a garbage-collection callback): dew.interrupts noted it,
-    and the training loop stops for it."""
+    a Ctrl-C or SIGTERM Python could not raise (inside a garbage-collection callback): dew.interrupts
+    noted the Ctrl-C, and the training loop stops for it; the SIGTERM is sent again (_stop_again)."""
 
     def __init__(self, previous: Callable[[UnraisableHookArgs], object]) -> None:
         self.previous = previous
@@ -372,6 +415,9 @@ class _QuietClosedLoop:
         if isinstance(failure.exc_value, RuntimeError) and str(failure.exc_value) == "Event loop is closed":
             return
         if isinstance(failure.exc_value, KeyboardInterrupt):
+            return
+        if isinstance(failure.exc_value, _Terminated):
+            _stop_again()
             return
         self.previous(failure)
 
