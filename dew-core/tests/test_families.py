@@ -326,6 +326,34 @@ def test_a_config_without_its_norm_epsilon_computes_what_transformers_computes(t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "mixtral", "deepseek_v3"])
+def test_a_partial_rotary_factor_that_transformers_does_not_read_rotates_the_whole_head(tmp_path, name):
+    """Only Phi-3 of dew's families rotates part of each head in transformers; the others' default
+    rope never reads partial_rotary_factor. dew read it for every family and rotated half the head
+    at 0.5: logits 1.5 to 8 away from transformers' (and Gemma 3 was refused, naming its sliding
+    rope). Beside a scaled rope (llama's llama3, deepseek_v3's YaRN), transformers computes half
+    the frequencies and fails on the whole head: refused, naming the key."""
+    directory = write_checkpoint(name, tmp_path / name, seed=5, redrawn=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["partial_rotary_factor"] = 0.5
+    ropes = config.get("rope_parameters") or {}
+    for params in (ropes.values() if name == "gemma3" else [ropes]):  # Gemma 3: one dict per layer type
+        params["partial_rotary_factor"] = 0.5
+    (directory / "config.json").write_text(json.dumps(config))
+    if name in ("llama", "deepseek_v3"):
+        with pytest.raises(RuntimeError, match="must match the size"):
+            hf_logits(hf_model(directory))
+        with pytest.raises(NoExactCounterpartError, match=r"sets partial_rotary_factor=0\.5.* remove "
+                                                          r"partial_rotary_factor from a copy of config\.json"):
+            Pretrained.load(directory)
+        return
+    theirs = hf_logits(hf_model(directory))
+    loaded = Pretrained.load(directory)
+    assert loaded.model.rotary_fraction == 1.0
+    assert np.abs(_dew_logits(loaded) - theirs).max() <= 1e-4
+
+
+@pytest.mark.slow
 def test_a_mistral_config_with_layer_types_windows_only_its_sliding_layers(tmp_path):
     """Ministral 8B's config.json is Mistral's with a layer_types list, which transformers'
     AutoConfig reads as Ministral: its full_attention layers see every earlier position. Read

@@ -68,10 +68,7 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
                       routed_scale=float(config.get("routed_scaling_factor", 2.5)),
                       groups=int(config.get("n_group") or 1), groups_per_token=int(config.get("topk_group") or 1),
                       score_correction=True, shared_features=moe * int(config.get("n_shared_experts") or 0))
-    rope = rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0)
-    if rope["rotary_fraction"] != 1.0:
-        raise refuse(ARCHITECTURE, "partial_rotary_factor", rope["rotary_fraction"],
-                     "latent attention rotates all of its qk_rope_head_dim features")
+    rope = rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0)  # all of qk_rope_head_dim rotates
     bias = bool(config.get("attention_bias", False))
     return {**fields, "num_kv_heads": None, "head_features": None, **gated_silu(config, ARCHITECTURE),
             **rope, "attention_block": "latent", "latent": latent, "qkv_bias": bias,

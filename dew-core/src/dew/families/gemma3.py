@@ -51,7 +51,7 @@ def _ropes(config: Mapping[str, Any]) -> dict[str, Any]:
     out = rope_fields(config, ARCHITECTURE, full, "rope_parameters.full_attention", theta=1_000_000.0)
     local_fields = rope_fields(config, ARCHITECTURE, local, "rope_parameters.sliding_attention",
                                theta=10_000.0)
-    if local_fields["rope_scaling"] is not None or local_fields["rotary_fraction"] != 1.0:
+    if local_fields["rope_scaling"] is not None:
         raise refuse(ARCHITECTURE, "rope_parameters.sliding_attention", local,
                      "its sliding layers rotate with the default rope of their own base only")
     return {**out, "local_rope_base": local_fields["rope_base"]}

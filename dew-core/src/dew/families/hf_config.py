@@ -68,16 +68,22 @@ def rope_parameters(config: Mapping[str, Any], nested: str | None = None) -> tup
 
 
 def rope_fields(config: Mapping[str, Any], architecture: str, params: Mapping[str, Any], field: str,
-                *, theta: float) -> dict[str, Any]:
+                *, theta: float, partial: bool = False) -> dict[str, Any]:
     """rope_base, rope_scaling and rotary_fraction from one dict of rotary settings.
 
     theta is the family's default base, used when neither the dict nor the
-    top level of config names one.
+    top level of config names one. partial: the family's transformers class
+    rotates only ``partial_rotary_factor`` of each head (Phi-3); the others
+    rotate the whole head whatever the key says, and so does dew for them.
     """
     kind: Any = params.get("rope_type") or params.get("type") or "default"  # a config.json value
     base = float(params.get("rope_theta", config.get("rope_theta", theta)))
     fraction = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
-    out: dict[str, Any] = {"rope_base": base, "rotary_fraction": fraction, "rope_scaling": None}
+    if not partial and fraction != 1.0 and kind != "default":  # transformers fails on it: fewer frequencies
+        raise refuse(architecture, "partial_rotary_factor", fraction,  # than the head it rotates whole
+                     f"{architecture} rotates the whole head, and with rope type {kind!r} transformers cannot "
+                     "compute this model either; remove partial_rotary_factor from a copy of config.json")
+    out: dict[str, Any] = {"rope_base": base, "rotary_fraction": fraction if partial else 1.0, "rope_scaling": None}
     if kind == "default":
         return out
     if kind not in ROPE_KINDS:

@@ -46,7 +46,7 @@ def read(config: Mapping[str, Any]) -> dict[str, Any]:
     elif kind != "default":
         raise refuse(ARCHITECTURE, f"{where}.rope_type", kind, "Phi-3's rope types are 'default' and LongRoPE")
     fields = common_fields(config)
-    rope = rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0)
+    rope = rope_fields(config, ARCHITECTURE, params, where, theta=10_000.0, partial=True)
     scaling = rope["rope_scaling"]
     if scaling is not None:
         head = fields["head_features"] or fields["emb_features"] // fields["num_heads"]
