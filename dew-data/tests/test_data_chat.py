@@ -291,6 +291,76 @@ def test_records_with_nothing_to_score_are_counted_in_a_warning(marked, tmp_path
         assert len(ChatPreferences(files=str(files), tokenizer=str(marked), length=63).rows()["chosen"]) == 1
 
 
+def test_empty_assistant_turns_leave_nothing_to_score(marked, tmp_path):
+    """An assistant turn with empty or blank content was kept and trained on its end-of-turn token alone, in a conversation and as a prompt/completion record's messages completion; a text
+    completion "" was already skipped. A tool call with no text is something to learn, and stays."""
+    from dew.data.chat import Chat
+    from dew.data.prompt_completion import NothingToScoreWarning, PromptCompletion
+
+    user = {"role": "user", "content": "q"}
+    silent = [[user, {"role": "assistant", "content": ""}], [user, {"role": "assistant", "content": "  "}]]
+    files = _write(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[2]}] + [{"messages": c} for c in silent])
+    with pytest.warns(NothingToScoreWarning, match=r"^2 conversation\(s\) hold no assistant turn .*first: line 2 of"):
+        assert [c.where for c in Chat(files=str(files), tokenizer=str(marked), length=200).encoded()] == \
+            [f"line 1 of {str(files)!r}"]
+    records = [{"prompt": [user], "completion": [{"role": "assistant", "content": "It is four."}]},
+               {"prompt": [user], "completion": [{"role": "assistant", "content": ""}]}]
+    files = _write(tmp_path / "pc.jsonl", records)
+    with pytest.warns(NothingToScoreWarning, match=r"pc.jsonl:2 has an empty completion"):
+        assert len(PromptCompletion(files=str(files), tokenizer=str(marked), length=200).encoded()) == 1
+
+
+def _merging_tokenizer(folder, template=UNMARKED):
+    """Bytes plus the one merge of two line breaks, split as Qwen 2.5's tokenizer splits text (a run
+    of line breaks is one piece), with a ChatML template: the prompt's last line break and a
+    completion's first become one token."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {character: number for number, character in enumerate(alphabet)}
+    vocab["ĊĊ"] = len(vocab)
+    inner = Tokenizer(models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    pieces = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    inner.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pieces), behavior="isolated"),
+                                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    inner.decoder = decoders.ByteLevel()
+    inner.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=template)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def test_a_prompt_and_its_completion_are_tokenized_whole_as_transformers_renders_them(tmp_path):
+    """The rendered prompt and the completion were tokenized apart, so a completion opening with a
+    line break after the generation prompt's own gave two tokens where transformers' tokenizer (and
+    TRL's SFT) gives one merged token: other ids than the model sees at inference. The merged token
+    holds the completion's first character, so it is scored."""
+    from dew.data.prompt_completion import PromptCompletion
+
+    tokenizer = _merging_tokenizer(tmp_path / "tok")
+    merged = tokenizer.convert_tokens_to_ids("\u010a\u010a")
+    record = {"prompt": "List two.", "completion": "\n1. a\n\n2. b"}
+    files = _write(tmp_path / "pc.jsonl", [record])
+    got = PromptCompletion(files=str(files), tokenizer=str(tmp_path / "tok"), length=200).encoded()[0]
+    conversation = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+    whole = list(tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
+    prompt = list(tokenizer.apply_chat_template(conversation[:1], tokenize=True, add_generation_prompt=True,
+                                                return_dict=True)["input_ids"])
+    assert got.ids.tolist() == whole and merged in whole
+    first = whole.index(merged)
+    assert first == len(prompt) - 1 and prompt[first] != merged  # the boundary's two line breaks, merged
+    assert got.mask.tolist() == [0] * first + [1] * (len(whole) - first)
+    # Text records likewise (a tokenizer without a template): the prompt and completion as one text,
+    # then the end of the document.
+    _merging_tokenizer(tmp_path / "plain", template=None)
+    texts = _write(tmp_path / "text.jsonl", [{"prompt": "List two.\n", "completion": "\n1. a"}])
+    got = PromptCompletion(files=str(texts), tokenizer=str(tmp_path / "plain"), length=200).encoded()[0]
+    assert got.ids.tolist() == tokenizer("List two.\n\n1. a")["input_ids"] + [tokenizer.eos_token_id]
+
+
 def test_a_tokenizer_json_given_reads_its_folders_end_of_turn_as_the_template_does(tmp_path):
     """The template comes from the folder beside a tokenizer.json given; its tokenizer was read
     alone, ending documents at <|endoftext|>, so the run trained to end turns with <|im_end|> never

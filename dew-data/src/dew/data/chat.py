@@ -48,7 +48,7 @@ from dew.data.sources import ArrayRecords
 from dew.data.stream import record_dataset
 from dew.data.token_windows import resolve_tokenizer, split_records
 
-__all__ = ["ROLES", "Chat", "ChatPreferences", "ChatRecordError", "Conversation", "TruncatedWarning"]
+__all__ = ["ROLES", "Chat", "ChatPreferences", "ChatRecordError", "Conversation", "TruncatedWarning", "assistant_speaks"]
 
 
 class _EncodesOffsets(Protocol):
@@ -99,6 +99,13 @@ def check_messages(messages: object, where: str) -> list[dict[str, Any]]:
                 "parts of a list joined).")
         out.append({k: v for k, v in message.items() if v is not None})
     return out
+
+
+def assistant_speaks(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether an assistant turn of messages says something to learn: text, or a tool call. Turns
+    that are all empty would train on the end-of-turn token alone."""
+    return any(m.get("role") == "assistant" and (str(m.get("content") or "").strip() or m.get("tool_calls"))
+               for m in messages)
 
 
 @dataclass(frozen=True)
@@ -259,14 +266,14 @@ class Chat(_ChatReader):
         empty, first_empty = 0, ""
         for where, messages in self.conversations():
             ids, mask = self._shared.encode(messages, where)
-            whole = bool(mask.any())
+            whole = bool(mask.any()) and assistant_speaks(messages)
             if not whole:  # no assistant turn, or only empty ones
                 empty, first_empty = empty + 1, first_empty or where
             if len(ids) > limit:
                 cut, first = cut + 1, first or where
                 ids, mask = ids[:limit], mask[:limit]
                 dropped += int(whole and not mask.any())
-            if mask.any():
+            if whole and mask.any():
                 out.append(Conversation(where, ids, mask))
         _warn_truncated(cut, first, limit, dropped=dropped)
         _warn_unscored(empty, first_empty, "hold no assistant turn with text to score")

@@ -60,7 +60,7 @@ import numpy as np
 
 from dew.data.base import Dataset, EosTokenizer, Tokenizer, prefix_of
 from dew.data.base import prompt_ids as start_ids
-from dew.data.chat import TruncatedWarning, check_messages
+from dew.data.chat import TruncatedWarning, assistant_speaks, check_messages
 from dew.data.chat_template import (
     ChatTemplate,
     ChatTemplateError,
@@ -244,7 +244,7 @@ class PromptCompletion:
         out, shortened, first = [], 0, ""
         start = prefix_of(tokenizer)  # the beginning-of-text id a cut prompt keeps
         for where, prompt, completion, label in self.pairs():
-            if not completion:
+            if not completion or (not isinstance(completion, str) and not assistant_speaks(completion)):
                 warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
                               "skipped.", NothingToScoreWarning, stacklevel=2)
                 continue
@@ -263,17 +263,31 @@ class PromptCompletion:
         return out
 
     def _sides(self, tokenizer: EosTokenizer, chat: ChatTemplate | None, where: str, prompt: Turns,
-               completion: Turns) -> tuple[list[int], list[int]]:
-        """The prompt's ids and the completion's, with the completion's end."""
+               completion: Turns, *, joined: bool = True) -> tuple[list[int], list[int]]:
+        """The prompt's ids and the completion's, with the completion's end.
+
+        joined: the ids of the whole text, split where they leave the prompt's (a token merged
+        across the boundary, as "\n" + "\n", goes with the completion), as TRL's SFT tokenizes a
+        prompt and its completion; else each side on its own, as TRL's DPO rows are.
+        """
         turns = self.turns(tokenizer, prompt, completion, where, chat)
         if turns is not None:
             # A chat template writes its own beginning-of-text token and ends the turn itself.
-            return _ids(tokenizer, turns[0]), _ids(tokenizer, turns[1])
-        # Text starts as transformers starts it (the tokenizer's beginning-of-text id
-        # first, where it has one), and the completion ends with the end-of-document id.
-        assert isinstance(prompt, str) and isinstance(completion, str)  # turns renders messages
-        return (start_ids(tokenizer, self.template.format(prompt=prompt)),
-                _ids(tokenizer, completion) + [int(tokenizer.eos_id)])
+            head, tail, end = turns[0], turns[1], []
+            encoded = _ids
+        else:
+            # Text starts as transformers starts it (the tokenizer's beginning-of-text id
+            # first, where it has one), and the completion ends with the end-of-document id.
+            assert isinstance(prompt, str) and isinstance(completion, str)  # turns renders messages
+            head, tail, end = self.template.format(prompt=prompt), completion, [int(tokenizer.eos_id)]
+            encoded = start_ids
+        first = encoded(tokenizer, head)
+        if not joined:
+            return first, _ids(tokenizer, tail) + end
+        whole = encoded(tokenizer, head + tail) + end
+        split = next((i for i, (a, b) in enumerate(zip(first, whole, strict=False)) if a != b),
+                     min(len(first), len(whole)))
+        return whole[:split], whole[split:]
 
     def _fitted(self, prompt_ids: list[int], completion: int, start: list[int], where: str) -> list[int]:
         """The prompt cut to leave a completion of that many ids room in a row: its front goes, its
@@ -301,7 +315,7 @@ class PromptCompletion:
         assert self.rejected_key is not None
         for where, record in json_records(self.files):
             prompt = self._turns(record, self.prompt_key, where)
-            sides = {name: self._sides(tokenizer, chat, where, prompt, self._turns(record, key, where))
+            sides = {name: self._sides(tokenizer, chat, where, prompt, self._turns(record, key, where), joined=False)
                      for name, key in (("chosen", self.completion_key), ("rejected", self.rejected_key))}
             head = sides["chosen"][0]
             fitted = self._fitted(head, max(len(tail) for _, tail in sides.values()), start, where)
