@@ -63,3 +63,32 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_samples_written_into_a_used_folder_are_that_request_alone(tmp_path):
+    """A second dew generate --out into the folder of a first that drew more samples replaced
+    sample_000 and left sample_001.. beside it, reading as one request of four. Other files stay."""
+    from dew.objectives.diffusion_pipeline import write_samples
+
+    out = tmp_path / "out"
+    pixels = np.zeros((4, 8, 8, 1), np.uint8)
+    assert len(write_samples(pixels, out, video=False, columns=2)) == 5
+    (out / "notes.txt").write_text("mine")
+    (out / "sample_001.gif").write_bytes(b"a clip of another kind")
+    written = write_samples(pixels[:1] + 7, out, video=False, columns=2)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sample_000.png", "sample_001.gif", "samples.png"]
+    assert [p.name for p in written] == ["samples.png", "sample_000.png"]
+
+
+def test_a_sample_folder_that_cannot_be_made_is_not_blamed_on_the_disk(tmp_path):
+    """An --out naming an existing file was told to free space on its disk."""
+    import pytest
+
+    from dew.objectives.diffusion_pipeline import write_samples
+    from dew.objectives.inference import SampleWriteError
+
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(SampleWriteError, match=r"\(File exists\); choose another --out, a folder \(or a name for "
+                                               r"one\) you may write\.$"):
+        write_samples(np.zeros((1, 8, 8, 1), np.uint8), tmp_path / "taken", video=False, columns=1)
+

@@ -61,6 +61,23 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
     assert np.abs(theirs - ours).max() <= 1e-4
 
 
+def test_every_exported_file_is_readable_as_the_umask_allows(tmp_path):
+    """safetensors creates its files for their owner alone (0600), so an export in a shared folder
+    held a config.json others could read beside weights they could not."""
+    import os
+    import stat
+
+    model = _llama()
+    Pretrained(model, perturbed_init(model)).save(tmp_path / "one")
+    Pretrained(model, perturbed_init(model)).save(tmp_path / "shards", max_shard_bytes=20_000)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    files = [p for folder in ("one", "shards") for p in (tmp_path / folder).iterdir()]
+    assert sum(p.suffix == ".safetensors" for p in files) > 2
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == \
+        {p.name: oct(0o666 & ~mask) for p in files}
+
+
 def _hf_saved(directory, **overrides):
     torch.manual_seed(0)
     fields = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,

@@ -179,6 +179,13 @@ def test_a_flow_grpo_pipeline_draws_by_the_euler_ode_with_guidance():
 
     x = euler(variables["params"], jax.random.normal(jax.random.key(5), (2, 8, 8, 1)))
     assert np.abs(images.astype(int) - to_pixels(x).astype(int)).max() <= 1
+    # A scale that is no number drew blank images (a numpy cast warning, exit 0): refused, as the
+    # diffusion pipelines refuse it.
+    from dew.objectives.diffusion import GuidanceError
+
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(GuidanceError, match=rf"guidance={scale} is no scale: give a finite number"):
+            pipeline([1], key=jax.random.key(5), guidance=scale)
 
 
 def test_pixel_generate_writes_a_grid_and_refuses_what_the_model_cannot_take(tmp_path):

@@ -21,6 +21,7 @@ rather than being ignored.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -61,9 +62,11 @@ class SampleWriteError(DewError, OSError):
 
     def __init__(self, directory: object, reason: OSError, texts: tuple[str, ...] = ()) -> None:
         self.texts = texts
-        super().__init__(f"The samples could not be written to {directory} ({reason.strerror or reason}); free "
-                         "space on its disk or choose another --out" + ("; the text is printed above." if texts
-                                                                         else "."))
+        full = reason.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        advice = "free space on its disk or choose another --out" if full else \
+            "choose another --out, a folder (or a name for one) you may write"
+        super().__init__(f"The samples could not be written to {directory} ({reason.strerror or reason}); "
+                         + advice + ("; the text is printed above." if texts else "."))
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,13 @@ def write_tensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mappi
     """Write tensors as one safetensors file (contiguous copies; metadata as strings)."""
     from safetensors.numpy import save_file
 
+    from dew.pretrained.writing import process_umask
+
     save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()},
               str(path), metadata=dict(metadata))
+    # safetensors creates its files for their owner alone (0600): an export in a shared folder is
+    # read by others as its config.json beside it is
+    os.chmod(path, 0o666 & ~process_umask())
 
 
 class ShardWriter:

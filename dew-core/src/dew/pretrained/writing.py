@@ -34,7 +34,7 @@ from pathlib import Path
 from dew.pretrained.errors import PretrainedError
 
 __all__ = ["WRITTEN_NAMES", "ExportDirectoryError", "ExportWriteError", "check_out", "foreign_entries", "fresh_beside",
-           "replacing", "swap_in"]
+           "process_umask", "replacing", "swap_in"]
 
 # What an export writes (besides the shards model-NNNNN-of-NNNNN.safetensors).
 WRITTEN_NAMES = frozenset({
@@ -191,7 +191,7 @@ def swap_in(fresh: Path, out: Path, carry: Sequence[str] = ()) -> None:
     for name in carry:  # entries of others' travel into the new directory as they are
         if not (fresh / name).exists() and not (fresh / name).is_symlink():
             os.rename(out / name, fresh / name)
-    os.chmod(fresh, 0o777 & ~_umask())
+    os.chmod(fresh, 0o777 & ~process_umask())
     if not out.exists():
         os.rename(fresh, out)
         return
@@ -237,7 +237,8 @@ def replacing(out: str | os.PathLike[str], *, force: bool = False) -> Iterator[P
             f"{out.parent} (or raise the file-size limit or quota), or give an OUT on another disk.") from None
 
 
-def _umask() -> int:
+def process_umask() -> int:
+    """The process's file-mode creation mask (read by setting it and setting it back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -61,6 +61,7 @@ __all__ = [
     "GuidanceError",
     "InvalidPixelsError",
     "MissingPixelsError",
+    "check_guidance",
     "to_pixels",
 ]
 
@@ -80,6 +81,18 @@ MissingPixelsError = BatchKeyError
 
 class GuidanceError(DewError, ValueError):
     """A guidance scale was asked of a model that has no condition to guide by."""
+
+
+def check_guidance(scale: float, conditioning: Conditioning, model: nn.Module) -> None:
+    """GuidanceError for a scale that is no number, or any scale but 1 for an unconditional model."""
+    if not math.isfinite(scale):
+        raise GuidanceError(f"guidance={scale} is no scale: give a finite number (1.0 samples the "
+                            "conditional model as it is; above 1 follows the condition harder).")
+    if isinstance(conditioning, Unconditional) and scale != 1.0:
+        raise GuidanceError(
+            f"guidance={scale} was asked of an unconditional model ({type(model).__name__} "
+            "with num_classes=0 and text_vocab_size=0); guidance needs a conditional model "
+            "trained with condition_dropout > 0. Use guidance=1.0.")
 
 
 def to_pixels(x: jax.Array) -> np.ndarray:
@@ -179,14 +192,7 @@ class DiffusionObjective(Objective):
         return (size, size, channels)
 
     def check_guidance(self, scale: float) -> None:
-        if not math.isfinite(scale):
-            raise GuidanceError(f"guidance={scale} is no scale: give a finite number (1.0 samples the "
-                                "conditional model as it is; above 1 follows the condition harder).")
-        if isinstance(self.conditioning, Unconditional) and scale != 1.0:
-            raise GuidanceError(
-                f"guidance={scale} was asked of an unconditional model ({type(self.model).__name__} "
-                "with num_classes=0 and text_vocab_size=0); guidance needs a conditional model "
-                "trained with condition_dropout > 0. Use guidance=1.0.")
+        check_guidance(scale, self.conditioning, self.model)
 
     # -- the Objective protocol ---------------------------------------------------------
     def required_keys(self) -> Sequence[str]:

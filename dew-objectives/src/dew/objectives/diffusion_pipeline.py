@@ -95,7 +95,9 @@ def write_samples(pixels: np.ndarray, directory: str | os.PathLike[str], *, vide
 
     Images: ``samples.png``, a grid of columns per row, and ``sample_000.png``
     onwards; videos: ``samples.gif``, the grid animated, and one GIF each.
-    Returns the paths, the grid first.
+    A folder written into before ends with these samples alone: an earlier
+    request's sample files past them are removed, so old and new do not read
+    as one request. Returns the paths, the grid first.
     """
     from dew.telemetry.render import gif_bytes, png_bytes
 
@@ -110,6 +112,9 @@ def write_samples(pixels: np.ndarray, directory: str | os.PathLike[str], *, vide
             path = target / f"sample_{index:03d}{suffix}"
             write_file(path, encode(sample))
             files.append(path)
+        for stale in target.glob(f"sample_[0-9][0-9][0-9]*{suffix}"):
+            if stale not in files and stale.stem.removeprefix("sample_").isdigit():
+                stale.unlink()
     return tuple(files)
 
 

@@ -321,8 +321,7 @@ class FlowPipeline(PixelPipeline):
                  key: jax.Array | None = None, steps: int | None = None,
                  guidance: float | None = None) -> np.ndarray:
         """uint8 images [N, ...]: one per condition (a label), or rows unconditioned."""
-        from dew.inputs import Unconditional
-        from dew.objectives.diffusion import to_pixels
+        from dew.objectives.diffusion import check_guidance, to_pixels
 
         objective = self.objective
         condition = None if conditions is None else objective.conditioning.of(list(conditions))
@@ -330,9 +329,7 @@ class FlowPipeline(PixelPipeline):
         if count is None:
             raise ValueError("Give conditions (labels) or rows for unconditional samples.")
         scale = 1.0 if guidance is None else float(guidance)
-        if scale != 1.0 and isinstance(objective.conditioning, Unconditional):
-            raise ValueError(f"guidance={scale} was asked of an unconditional model; guidance "
-                             "needs the model's null label.")
+        check_guidance(scale, objective.conditioning, objective.model)
         draw = jax.jit(lambda v, k, c: objective.sample(v, k, c, count, steps=steps, guidance=scale))
         return to_pixels(draw(self.variables, key if key is not None else jax.random.key(0), condition))
 
