@@ -12,6 +12,7 @@ from dew.rewards import (
     Length,
     NonFiniteRewardError,
     RegexFormat,
+    RewardContextError,
     RewardShapeError,
     Weighted,
     resolve,
@@ -113,6 +114,16 @@ def test_weighted_sums_named_rewards_and_names_a_failing_term():
         resolve({"name": "weighted", "rewards": [{"name": "exact_mach"}]})
     with pytest.raises(ValueError, match=r"Weighted\.rewards\[0\] must be a mapping with a 'name'"):
         Weighted([{"weight": 1.0}])
+    # A term's own error (a key the records lack) names the term by its place in the sum, where it
+    # named only the class; a weight that is no number named nothing ("could not convert string").
+    keyed = resolve({"name": "weighted", "rewards": [{"name": "length", "target": 1},
+                                                     {"name": "exact_match", "key": "gold"}]})
+    with pytest.raises(RewardContextError, match=r"batch key 'gold'") as refused:
+        score(keyed, ["1"], {"answer": ["1"]})
+    assert refused.value.__notes__ == ["Raised by the reward 'exact_match' (term 1 of weighted)."]
+    with pytest.raises(ValueError, match=r"^Weighted\.rewards\[0\]\.weight \(the 'length' term\) must be a number, "
+                                         r"got 'x'\.$"):
+        Weighted([{"name": "length", "target": 1, "weight": "x"}])
 
 
 def test_a_reward_of_the_wrong_shape_is_refused_naming_it():

@@ -22,6 +22,7 @@ context under ``prompt_text``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,8 +181,11 @@ class Weighted:
                 raise ValueError(f"Weighted.rewards[{i}] must be a mapping with a 'name' (a registered reward) "
                                  f"and optionally a 'weight', got {term!r}.")
             fields = dict(term)
-            weight = float(fields.pop("weight", 1.0))
-            terms.append((weight, resolve(fields)))
+            weight = fields.pop("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+                raise ValueError(f"Weighted.rewards[{i}].weight (the {term['name']!r} term) must be a number, "
+                                 f"got {weight!r}.")
+            terms.append((float(weight), resolve(fields)))
         object.__setattr__(self, "terms", tuple(terms))
 
     def __call__(self, completions: Sequence[str], context: Mapping[str, Sequence[Any]]) -> np.ndarray:
@@ -248,7 +252,9 @@ def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequ
     name = name or describe(reward)
     try:
         values = np.asarray(reward(completions, context), np.float32)
-    except DewError:
+    except DewError as error:
+        if not any(note.startswith("Raised by the reward ") for note in getattr(error, "__notes__", ())):
+            error.add_note(f"Raised by the reward {name}.")  # the innermost: a weighted sum's failing term
         raise
     except Exception as error:  # noqa: BLE001 - the reward's own code: name it rather than print its traceback
         raise RewardFailedError(
