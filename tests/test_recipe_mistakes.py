@@ -21,6 +21,9 @@ CHECKED = [
     ("qwen3-sft", ["model.num_kv_heads=3"], "model: CausalTransformer.num_kv_heads=3 must divide num_heads=4"),
     ("tiny-lm", ["optimizer.eps=0"], "optimizer.eps: Input should be greater than 0"),
     ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),
+    # A decay to twice its peak trained without a word.
+    ("tiny-lm", ["optimizer.schedule=cosine", "optimizer.end_factor=2"],
+     "optimizer.end_factor: Input should be less than or equal to 1"),
     # Fields the solver or schedule does not read: accepted, they changed nothing (bitwise).
     ("tiny-lm", ["optimizer.solver=sgd", "optimizer.b2=0.5"], "b2 applies to adamw and lion, not sgd"),
     ("tiny-lm", ["optimizer.solver=lion", "optimizer.eps=0.5"], "eps applies to adamw and adafactor, not lion"),

@@ -121,9 +121,11 @@ class OptimizerConfig(Settings):
         "constant", description="the learning rate's shape after warmup")
     warmup_steps: int = pydantic.Field(0, ge=0, description="updates of linear warmup from 0")
     decay_steps: int | None = pydantic.Field(
-        None, ge=1, description="update at which decay ends (a recipe: its last update)")
+        None, ge=1, description="updates after which the rate is the end value (a recipe: its count of "
+                                "updates, so its last update takes the value one before the end, as "
+                                "transformers' schedules do)")
     end_factor: float = pydantic.Field(
-        0.0, ge=0.0, description="final learning rate, as a fraction of the peak")
+        0.0, ge=0.0, le=1.0, description="final learning rate, as a fraction of the peak (at most 1)")
     weight_decay: float = pydantic.Field(0.0, ge=0.0, description="weight decay (L2 for sgd)")
     no_decay: tuple[str, ...] = pydantic.Field(
         DEFAULT_NO_DECAY, description="path globs exempt from weight decay")
