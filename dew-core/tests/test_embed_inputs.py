@@ -32,3 +32,23 @@ def test_inputs_that_are_not_images_are_named(tmp_path):
     np.save(tmp_path / "large.npy", np.zeros((1, 8, 8, 1), np.uint8))
     with pytest.raises(InputImagesError, match="different shapes"):
         read_inputs([tmp_path / "small.npy", tmp_path / "large.npy"])
+
+
+def test_grayscale_files_of_every_depth_read_as_one_channel_and_values_that_are_no_pixels_are_named(tmp_path):
+    """A 16-bit grayscale PNG and a gray+alpha PNG were read as RGB and refused as 3 channels; an
+    array of dates reached JAX and printed its traceback (a complex one lost its imaginary part)."""
+    digit = np.arange(64, dtype=np.uint8).reshape(8, 8) * 3
+    Image.fromarray(digit.astype(np.uint16) * 257).save(tmp_path / "sixteen.png")
+    Image.fromarray(digit).convert("LA").save(tmp_path / "alpha.png")
+    Image.fromarray(digit.astype(np.float32) / 255).save(tmp_path / "float.tiff")
+    assert Image.open(tmp_path / "sixteen.png").mode.startswith("I")
+    stacked = read_inputs([tmp_path / "sixteen.png", tmp_path / "alpha.png"])
+    assert stacked.shape == (2, 8, 8, 1) and stacked.dtype == np.uint8
+    np.testing.assert_array_equal(stacked[..., 0], [digit, digit])
+    floats = read_inputs([tmp_path / "float.tiff"])
+    assert floats.shape == (1, 8, 8, 1) and np.allclose(floats[0, ..., 0], digit / 255)
+    for dtype in ("datetime64[s]", [("a", "f4")], np.complex64):
+        np.save(tmp_path / "odd.npy", np.zeros((2, 8, 8, 1), dtype))
+        with pytest.raises(InputImagesError, match=r"hold values of dtype .*, not pixels; give images of numbers"):
+            read_inputs([tmp_path / "odd.npy"])
+

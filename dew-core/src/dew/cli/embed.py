@@ -1,8 +1,8 @@
 """``dew embed RUN INPUT... OUT.npy``: one vector per input from a representation run's encoder.
 
 INPUTs are ``.npy`` arrays of images (``[N, H, W, C]``, or one image
-``[H, W, C]``) or image files (PNG, JPEG: grayscale reads as one channel,
-color as three), taken in order. The run's pipeline (a JEPA run's target
+``[H, W, C]``) or image files (PNG, JPEG, TIFF: grayscale, of 8 or 16 bits,
+with or without alpha, reads as one channel, color as three), taken in order. The run's pipeline (a JEPA run's target
 encoder, say) turns them into an array ``[N, features]`` saved to OUT.npy.
 A run whose model makes samples rather than vectors says to use
 ``dew generate`` instead.
@@ -18,6 +18,7 @@ from dew.errors import DewError
 
 if TYPE_CHECKING:
     import numpy as np
+    from PIL import Image
 
 __all__ = ["InputImagesError", "OutputIsInputError", "add_arguments", "read_inputs", "run"]
 
@@ -83,7 +84,7 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
 
         try:
             with Image.open(path) as image:
-                pixels = np.asarray(image.convert("L" if image.mode in ("1", "L", "P", "I") else "RGB"))
+                pixels = _pixels(image)
         except UnidentifiedImageError:
             raise InputImagesError(f"{path} is not an image Pillow can read; give image files (PNG, JPEG) "
                                    "or a .npy of images.") from None
@@ -93,10 +94,26 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
         raise InputImagesError(f"The inputs hold images of different shapes {sorted(shapes)}; give "
                                "images of one shape.")
     images = np.concatenate(parts)
+    if not (np.issubdtype(images.dtype, np.integer) or np.issubdtype(images.dtype, np.floating)):
+        raise InputImagesError(f"The inputs hold values of dtype {images.dtype}, not pixels; give images of "
+                               "numbers (uint8 pixels, or floats).")
     if np.issubdtype(images.dtype, np.floating) and not np.isfinite(images).all():
         raise InputImagesError("The inputs hold NaN or infinite pixel values, which would make every "
                                "vector NaN; give images of finite values.")
     return images
+
+
+def _pixels(image: Image.Image) -> np.ndarray:
+    """An image file's pixels: grayscale (with or without alpha, 8 or 16 bits, or floats) as one
+    channel [H, W], 16 bits scaled to 8; anything else as RGB [H, W, 3] uint8."""
+    import numpy as np
+
+    if image.mode.startswith("I;16"):
+        return np.round(np.asarray(image, np.float64) / 257).astype(np.uint8)
+    if image.mode == "F":
+        return np.asarray(image, np.float32)
+    gray = image.mode in ("1", "L", "P", "I", "LA", "La", "PA")
+    return np.asarray(image.convert("L" if gray else "RGB"))
 
 
 def run(args: argparse.Namespace) -> int:
