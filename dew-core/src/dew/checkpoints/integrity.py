@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMMIT_FILES", "MANIFEST", "compare_leaves", "compare_nodes", "digest_leaves", "digests_as_lists", "file_table",
-    "leaf_table", "node_table", "prepare_digests", "sharding_of", "start_hashing", "verify_files",
+    "host_digests", "leaf_table", "node_table", "prepare_digests", "sharding_of", "start_hashing", "verify_files",
     "verify_sizes",
 ]
 
@@ -423,17 +423,30 @@ def _host_digest(array: jax.Array) -> int:
             if bounds in seen:
                 continue  # a replica of a block already counted
             seen.add(bounds)
-            folded = _host_bits(np.asarray(shard.data))
-            if folded.ndim == 0:
-                return int(folded * np.uint32(0x9E3779B1))
-            starts = [start for start, _ in bounds] + [0] * (folded.ndim - len(bounds))
-            lengths = list(array.shape) + list(folded.shape[len(bounds):])
-            for axis in range(folded.ndim):
-                weights = _host_weights(lengths[axis], axis)[starts[axis]: starts[axis] + folded.shape[0]]
-                # One pass, no temporary of the block's size (einsum keeps the product in uint32).
-                folded = np.einsum("i,i...->...", weights, folded, dtype=np.uint32, casting="unsafe")
-            total = np.uint32(total + folded)
+            total = np.uint32(total + _block_sum(np.asarray(shard.data), bounds, array.shape))
     return int(total)
+
+
+def host_digests(arrays: Sequence[np.ndarray]) -> list[int]:
+    """The digests of whole arrays in host memory, as digest_leaves computes them, by numpy: no
+    copy to a device and no temporary of an array's size (a restore's leaves, read as numpy)."""
+    with np.errstate(over="ignore"):
+        return [int(_block_sum(array, tuple((0, length) for length in array.shape), array.shape))
+                for array in map(np.asarray, arrays)]
+
+
+def _block_sum(block: np.ndarray, bounds: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> np.uint32:
+    """One block's part of its array's digest: its bits times the weights of the places it covers."""
+    folded = _host_bits(block)
+    if folded.ndim == 0:
+        return np.uint32(folded * np.uint32(0x9E3779B1))
+    starts = [start for start, _ in bounds] + [0] * (folded.ndim - len(bounds))
+    lengths = list(shape) + list(folded.shape[len(bounds):])
+    for axis in range(folded.ndim):
+        weights = _host_weights(lengths[axis], axis)[starts[axis]: starts[axis] + folded.shape[0]]
+        # One pass, no temporary of the block's size (einsum keeps the product in uint32).
+        folded = np.einsum("i,i...->...", weights, folded, dtype=np.uint32, casting="unsafe")
+    return np.uint32(folded)
 
 
 def _on_host(leaf: object) -> bool:

@@ -228,7 +228,7 @@ class ParamsFrom:
             _compare_or_point_within(abstract, recorded, stored, path, self)
             raise InitializerMismatchError(f"The parameters of {path} cannot be read: {error}") from error
         flat, _ = jax.tree_util.tree_flatten_with_path({field: restored})
-        digests = integrity.digests_as_lists(integrity.digest_leaves([np.asarray(x) for _, x in flat]))
+        digests = integrity.host_digests([np.asarray(x) for _, x in flat])  # no device copy of the weights
         for (leaf_path, _), digest in zip(flat, digests, strict=True):
             name = "." + jax.tree_util.keystr(leaf_path).removeprefix("['").replace("']", "", 1)
             if name in saved and saved[name]["digest"] != digest:
