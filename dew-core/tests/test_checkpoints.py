@@ -118,6 +118,28 @@ def test_retention_keeps_the_newest_and_cleans_half_written(tmp_path: Path) -> N
     assert_same(reopened.restore(template_of(full_state(4)), partition=SINGLE).state, full_state(4))
 
 
+def test_a_committed_step_removed_by_hand_is_a_warning_and_the_saves_go_on(tmp_path: Path) -> None:
+    """The newest step deleted while the run trained failed the run at its next save, as 'Saving
+    checkpoint step 40 failed ... Free disk space or fix the directory's permissions': it had been
+    written, and the run's state was whole in memory."""
+    from dew.checkpoints.errors import CheckpointRemovedWarning
+
+    import time
+
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    save(checkpoints, 1, full_state(1))
+    save(checkpoints, 2, full_state(2))
+    began = time.monotonic()
+    while not (tmp_path / "2").is_dir() and time.monotonic() - began < 60:  # Orbax's writer commits it
+        time.sleep(0.01)
+    shutil.rmtree(tmp_path / "2")
+    with pytest.warns(CheckpointRemovedWarning, match=r"step 2 was written into .* and is gone from it"):
+        save(checkpoints, 3, full_state(3))
+    checkpoints.wait()
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [1, 3]
+    checkpoints.close()
+
+
 def test_retention_removes_a_linked_step_and_never_what_it_links_to(tmp_path: Path) -> None:
     # A shared run whose step folder links elsewhere: pruning it raised a bare OSError at every
     # resume (rmtree refuses links, after the step was renamed) and left the link behind.

@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointMetaMismatchError",
     "CheckpointNotFoundError",
     "CheckpointPathEncodingError",
+    "CheckpointRemovedWarning",
     "CheckpointTreeMismatchError",
     "CheckpointWriteError",
     "LocalStepsOwnedError",
@@ -36,6 +37,11 @@ __all__ = [
 
 class CheckpointError(DewError):
     """Base class of dew's checkpoint failures."""
+
+
+class CheckpointRemovedWarning(UserWarning):
+    """A step this run wrote and committed is gone from its directory (removed by hand, or by another
+    program) before the run's next save: the run goes on, and its next save writes a newer step."""
 
 
 class CheckpointWriteError(CheckpointError):

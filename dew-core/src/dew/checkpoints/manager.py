@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from dew.checkpoints.errors import (
     CheckpointCorruptedError,
     CheckpointLeaseHeldError,
     CheckpointNotFoundError,
+    CheckpointRemovedWarning,
     CheckpointWriteError,
 )
 from dew.checkpoints.local import (
@@ -88,8 +90,10 @@ class Checkpoints:
     save() returns once the arrays are copied off the device; Orbax writes
     them in the background, and a failure of that write is raised by the
     next save() or wait(), naming the step and the directory. keep bounds
-    how many committed steps stay on disk (None keeps all); older ones are
-    deleted only after a newer one is committed. A save still being written
+    how many committed steps stay on disk once a save has settled (None keeps
+    all): older ones are deleted as the next save begins (or fit ends), never
+    before a newer one is committed, so between saves, and while one is
+    written, one step more is on disk. A save still being written
     when the interpreter exits is finished first (or, when it cannot be,
     abandoned with a message; the previous step stays whole).
 
@@ -436,7 +440,11 @@ class Checkpoints:
                 finally:
                     store.pending = None
                 if pending is not None and pending.step not in store.committed():
-                    raise RuntimeError("Orbax finished without committing the step")
+                    # Orbax reported no failure: the step was committed and has since been removed
+                    warnings.warn(CheckpointRemovedWarning(
+                        f"Checkpoint step {pending.step} was written into {store.directory} and is gone from "
+                        "it (removed by hand, or by another program); training goes on, and the next save "
+                        "writes a newer step."), stacklevel=2)
             except Exception as error:
                 if pending is None:
                     raise
