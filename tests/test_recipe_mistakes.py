@@ -20,6 +20,14 @@ CHECKED = [
     ("qwen3-sft", ["model.preset=0.7b"], "model.preset: The qwen3 family has no preset '0.7b'; its presets are"),
     ("qwen3-sft", ["model.num_kv_heads=3"], "model: CausalTransformer.num_kv_heads=3 must divide num_heads=4"),
     ("tiny-lm", ["optimizer.eps=0"], "optimizer.eps: Input should be greater than 0"),
+    # An objective's own values passed --check, and were refused as the run built the objective.
+    ("block-diffusion", ["objective.block_size=5"],
+     "objective: BlockDiffusionObjective.seq_len=64 must be a positive multiple of block_size=5"),
+    ("masked-diffusion", ["objective.preview_steps=0"],
+     "objective: MaskedDiffusionObjective.preview_steps must be at least 1, got 0"),
+    ("masked-diffusion", ["objective.t_min=0"], "objective: t_min must lie in (0, 1), got 0"),
+    ("masked-diffusion", ["objective.temperature=-1"], "objective: MaskedDiffusionObjective.temperature must be at "
+                                                       "least 0, got -1"),
     ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),
     # A decay to twice its peak trained without a word.
     ("tiny-lm", ["optimizer.schedule=cosine", "optimizer.end_factor=2"],
@@ -97,9 +105,10 @@ def test_a_mistake_the_recipe_shows_is_refused_by_check(recipe, overrides, said,
 
 
 STARTING = [
+    # Refused as the recipe is read now (its --check case above), before the run builds anything.
     ("masked-diffusion", ["objective.preview_steps=0"],
-     "objective 'masked_diffusion' refused the recipe's objective values: "
-     "MaskedDiffusionObjective.preview_steps must be at least 1, got 0."),
+     "The recipe {recipe} has 1 problem(s):\n  objective: MaskedDiffusionObjective.preview_steps must be at least 1, "
+     "got 0."),
     ("tiny-lm", ["objective.seq_len=256"],
      "objective 'lm' refused the recipe's objective values: LMObjective.seq_len=256 exceeds the model's "
      "max_seq_len=128"),
@@ -124,6 +133,9 @@ def test_a_value_only_its_component_refuses_is_one_line_before_the_first_step(re
     assert main(["train", recipe, *overrides, "trainer.steps=2", "data.files={stdlib}/abc.py",
                  f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 2
     err = capsys.readouterr().err
+    from dew.recipes.config import recipe_path
+
+    said = said.format(recipe=recipe_path(recipe))
     assert err.startswith(f"dew train: {said}") and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before anything was kept: no folder left
 

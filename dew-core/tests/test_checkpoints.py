@@ -122,9 +122,9 @@ def test_a_committed_step_removed_by_hand_is_a_warning_and_the_saves_go_on(tmp_p
     """The newest step deleted while the run trained failed the run at its next save, as 'Saving
     checkpoint step 40 failed ... Free disk space or fix the directory's permissions': it had been
     written, and the run's state was whole in memory."""
-    from dew.checkpoints.errors import CheckpointRemovedWarning
-
     import time
+
+    from dew.checkpoints.errors import CheckpointRemovedWarning
 
     checkpoints = Checkpoints(tmp_path, keep=2)
     save(checkpoints, 1, full_state(1))

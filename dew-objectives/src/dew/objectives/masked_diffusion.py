@@ -86,6 +86,20 @@ class TokenDiffusion(Objective):
     seq_len: int
     tokenizer: Any
 
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """What the objective refuses in its own values (a block size that does not divide seq_len,
+        no preview steps, a negative temperature), said by dew train --check before anything is
+        built (dew.registry.ChecksFields); seq_len against the model's length waits for the model."""
+        build: Any = cls  # a subclass's dataclass constructor (this base declares its fields only)
+        try:
+            build(model=None, **{name: value for name, value in fields.items() if name != "model"})
+        except ValueError as error:
+            return [((), str(error))]
+        except TypeError:  # a field missing or of another type: the recipe's schema and the run say so
+            return []
+        return []
+
     @property
     def mask_id(self) -> int:
         """The absorbing state: the model's vocab_size."""
