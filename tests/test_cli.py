@@ -55,3 +55,19 @@ def test_generate_inputs_after_an_option_are_inputs_too(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["generate", "runs/x", "1+1=", "--no-such-flag"])
     assert stopped.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "runs/x", "--steps", "0"], "dew generate: argument --steps: 0 is not at least 1"),
+    (["generate"], "dew generate: the following arguments are required: RUN, INPUT"),
+    (["train", "tiny-lm", "--chek"], "dew train: unrecognized arguments: --chek (did you mean --check?)"),
+    (["--nosuch"], "dew: unrecognized arguments: --nosuch"),
+])
+def test_an_option_argparse_refuses_is_one_line_naming_where_the_options_are(argv, said, capsys):
+    """A bad option printed argparse's usage block, then its line: the only refusal of dew's that was
+    not one line."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    command = said.split(":")[0]
+    assert stopped.value.code == 2 and err == f"{said} ({command} --help lists its options)\n", err

@@ -218,7 +218,7 @@ def _meant(extra: Sequence[str], command: argparse.ArgumentParser, takes_overrid
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="dew", description="dew trains JAX models.")
+    parser = _Parser(prog="dew", description="dew trains JAX models.")
     parser.add_argument("--version", action=_Version)
     parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -246,8 +246,9 @@ def _main(argv: Sequence[str] | None) -> int:
         getattr(args, trailing).extend(item for item in extra if not item.startswith("-"))
         extra = [item for item in extra if item.startswith("-")]
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}"
-                     f"{_meant(extra, sub.choices[args.command], isinstance(getattr(args, 'overrides', None), list))}")
+        command = sub.choices[args.command] if args.command in sub.choices else parser
+        command.error(f"unrecognized arguments: {' '.join(extra)}"
+                      f"{_meant(extra, command, isinstance(getattr(args, 'overrides', None), list))}")
     if not getattr(args, "_run", None):  # argparse sets it only when a command was chosen
         parser.print_help()
         return 0 if args.command is None else 2
@@ -291,6 +292,14 @@ def _stop_again() -> None:
     again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
     again.daemon = True
     again.start()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose refusal of an option (``--steps 0``) is one line as dew's others are, naming
+    where the options are listed, rather than the usage block and then the line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(REFUSED, f"{self.prog}: {message} ({self.prog} --help lists its options)\n")
 
 
 class _Terminated(BaseException):  # a stop, named as KeyboardInterrupt is, not an error
