@@ -42,8 +42,10 @@ def test_the_trainer_fields_are_the_trainers_own_types():
     assert config.profile == ProfileWindow("/tmp/trace", steps=3, warmup=2)
     assert TrainerConfig(steps=1).layout == Layout()
     # the checks are the types' own, written once
-    with pytest.raises(pydantic.ValidationError, match="must be a multiple of stage"):
+    with pytest.raises(pydantic.ValidationError, match="must be a positive multiple of stage"):
         TrainerConfig(steps=1, mesh={"stage": 2, "microbatches": 3})
+    with pytest.raises(pydantic.ValidationError, match=r"microbatches \(0\) must be a positive multiple of stage"):
+        TrainerConfig(steps=1, mesh={"stage": 2, "microbatches": 0})  # 0 is a multiple: refused only at the step
     with pytest.raises(pydantic.ValidationError, match="at least one step"):
         TrainerConfig(steps=1, profile={"directory": "t", "steps": 0})
     with pytest.raises(pydantic.ValidationError, match="fsdpp"):

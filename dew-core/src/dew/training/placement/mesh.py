@@ -96,11 +96,11 @@ class MeshSpec:
                 "stage=1 has none, so the step would train as without it. Set stage above 1 (the layers "
                 "split into that many stages), or drop it; trainer.accumulation cuts a step into "
                 "microbatches without a pipeline.")
-        if self.microbatches is not None and self.microbatches % self.stage:
+        if self.microbatches is not None and (self.microbatches < 1 or self.microbatches % self.stage):
             from dew.nn.pipeline import MicrobatchError
 
             raise MicrobatchError(
-                f"MeshSpec.microbatches ({self.microbatches}) must be a multiple of stage "
+                f"MeshSpec.microbatches ({self.microbatches}) must be a positive multiple of stage "
                 f"({self.stage}): every stage takes a share of each round; set it to "
                 f"{self.stage * max(1, round(self.microbatches / self.stage))} or leave it None."
             )
