@@ -442,3 +442,22 @@ def test_text_preference_records_are_sent_to_the_reader_of_text_pairs(tmp_path):
                                               r"conversation; for text pairs use prompt_completion with "
                                               r"completion_key: chosen and rejected_key: rejected"):
         ChatPreferences(files=str(pairs), tokenizer=str(folder), length=64).rows()
+
+
+def test_a_chat_template_path_that_names_no_file_is_refused(marked, tmp_path, monkeypatch):
+    """A .jinja path written relative to another folder than the run's was read as the template's
+    own text: every record rendered as that path, the loss 0.0000, and nothing said."""
+    from dew.data.chat import Chat
+    from dew.data.errors import MissingFileError
+
+    files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "chat.jinja").write_text(MARKED)
+    monkeypatch.chdir(tmp_path)
+    for given in ("data/chat.jinja", "templates/plain.txt"):
+        with pytest.raises(MissingFileError, match=rf"chat_template '{given}' names no file \(a relative path starts "
+                                                   rf"at {tmp_path}\) and holds no Jinja"):
+            Chat(files=str(files), tokenizer=str(marked), chat_template=given, length=256).encoded()
+    found = Chat(files=str(files), tokenizer=str(marked), chat_template="here/chat.jinja", length=256).encoded()
+    assert [c.ids.tolist() for c in found] == [c.ids.tolist() for c in
+                                                Chat(files=str(files), tokenizer=str(marked), length=256).encoded()]

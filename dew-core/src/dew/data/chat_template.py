@@ -333,9 +333,19 @@ def tokens_beside(tokenizer: object) -> dict[str, str]:
 
 def given_chat_template(given: str, tokenizer: object) -> ChatTemplate:
     """A reader's ``chat_template`` field: a ``.jinja`` file, or the template's own text, with the
-    special tokens of the tokenizer_config.json beside the reader's tokenizer."""
-    if given.endswith(".jinja") and os.path.isfile(os.path.expanduser(given)):
+    special tokens of the tokenizer_config.json beside the reader's tokenizer. A value without any
+    Jinja (``{{ }}`` or ``{% %}``) is a file's path: one that names no file is refused, where it was
+    rendered as a template of constant text (every record the same, and nothing to score)."""
+    path = os.path.expanduser(given)
+    if given.endswith(".jinja") and os.path.isfile(path):
         return read_chat_template(given)
+    if "{{" not in given and "{%" not in given:
+        if not os.path.isfile(path):
+            raise MissingFileError(
+                f"chat_template {given!r} names no file (a relative path starts at {os.getcwd()}) and holds no "
+                "Jinja ({{ }} or {% %}) to be a template's own text; give the path of a .jinja file, or the "
+                "template's text.")
+        return ChatTemplate(Path(path).read_text(encoding="utf-8"), tokens_beside(tokenizer))
     return ChatTemplate(given, tokens_beside(tokenizer))
 
 
