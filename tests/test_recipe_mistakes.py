@@ -29,6 +29,10 @@ CHECKED = [
     ("masked-diffusion", ["objective.temperature=-1"], "objective: MaskedDiffusionObjective.temperature must be at "
                                                        "least 0, got -1"),
     ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),
+    # A literal folder named "$HOME" was made in the working directory, and the run trained there.
+    ("tiny-lm", ["trainer.checkpoint_dir=$HOME/runs/x"],
+     "trainer.checkpoint_dir: $HOME is an environment variable, which dew does not expand"),
+    ("tiny-lm", ["data.files=$DATA/*.py"], "data.files: $DATA is an environment variable"),
     # A decay to twice its peak trained without a word.
     ("tiny-lm", ["optimizer.schedule=cosine", "optimizer.end_factor=2"],
      "optimizer.end_factor: Input should be less than or equal to 1"),

@@ -63,12 +63,15 @@ def absolute(path: str) -> str:
 
 def unknown_placeholder(path: str) -> str | None:
     """What is wrong with a braced word in a path that is no placeholder (a misspelt ``{timestmap}``,
-    a shell's ``${timestamp}``): left as written, it would name a folder; None when all are known.
+    a shell's ``${timestamp}``) or an environment variable (``$HOME``): left as written, it would name
+    a folder; None when all are known.
 
     >>> unknown_placeholder("runs/{timestmap}").split(":")[0]
     '{timestmap} is no placeholder'
     >>> unknown_placeholder("runs/{timestamp}") is None
     True
+    >>> unknown_placeholder("$HOME/runs").split(",")[0]
+    '$HOME is an environment variable'
     """
     import re
 
@@ -79,4 +82,9 @@ def unknown_placeholder(path: str) -> str | None:
                     "would leave it in the path as written")
         if shell:
             return f"${{{word}}} is a shell's form: dew replaces {{{word}}} and would leave the $ in the path"
+    variable = re.search(r"\$[A-Za-z_][A-Za-z0-9_]*", path)
+    if variable is not None:
+        return (f"{variable.group()} is an environment variable, which dew does not expand (it would name a "
+                f"folder {variable.group()!r}): write the path out, or leave an override unquoted for the shell "
+                "to expand it")
     return None

@@ -314,8 +314,8 @@ def _inside(cwd: Path) -> Iterator[None]:
     if cwd == here or not cwd.is_dir():
         yield
         return
-    print(f"Resuming in {cwd}, where the run started (its recipe's relative paths start there).",
-          flush=True)
+    print(f"Resuming in {cwd}, where the run started (its recipe's relative paths, and those of "
+          "overrides given now, start there).", flush=True)
     os.chdir(cwd)
     try:
         yield
