@@ -336,17 +336,22 @@ class RunConfig(Settings):
 
 def override_value(text: str) -> Any:
     """An override's value as a recipe reads it: YAML, or the text itself where it is not YAML
-    (``[0-9]+`` is a pattern, not a broken list) or where YAML would read a placeholder or a
-    template's field as a mapping with no values (``{timestamp}``, ``{question}``).
+    (``[0-9]+`` is a pattern, not a broken list), where YAML would read a placeholder or a
+    template's field as a mapping with no values (``{timestamp}``, ``{question}``), or where a
+    sentence holding ": " would read as a mapping of one key (a mapping is written in braces).
 
     >>> override_value("3"), override_value("[0-9]+"), override_value("{a: 1}"), override_value("{timestamp}")
     (3, '[0-9]+', {'a': 1}, '{timestamp}')
+    >>> override_value("What is 1: 2")
+    'What is 1: 2'
     """
     try:
         value = read_yaml(text, "override") if text.strip() else ""
     except RecipeFileError:
         return text
     if isinstance(value, dict) and value and ":" not in text and all(v is None for v in value.values()):
+        return text
+    if isinstance(value, dict) and not text.lstrip().startswith("{"):
         return text
     return value
 
