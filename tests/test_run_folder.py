@@ -368,3 +368,21 @@ def test_a_run_whose_start_folder_is_gone_says_its_relative_paths_are_read_from_
     with pytest.warns(StartFolderGoneWarning, match=f"{tmp_path / 'gone'}, is gone, so the relative paths"):
         with started_in(folder):
             assert os.getcwd() == str(tmp_path)
+
+
+def test_a_run_started_in_the_second_of_the_last_takes_the_next_seconds_folder(tmp_path, monkeypatch):
+    """Two dew train RECIPE run back to back in one second named the same folder, and the second was
+    refused (CheckpointLeaseHeldError) where the docs promise each a new one."""
+    import dew.recipes.folder as folder_module
+    import dew.training.runtime.process as process
+
+    clock = iter(["2026-01-02_03:04:05", "2026-01-02_03:04:05", "2026-01-02_03:04:06"])
+    monkeypatch.setattr(process, "run_timestamp", lambda: next(clock))
+    monkeypatch.setattr(folder_module.time, "sleep", lambda seconds: None)
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig.load("tiny-lm", overrides=["trainer.checkpoint_dir=runs/{timestamp}"])
+    first = RunFolder.new(config)
+    assert first.directory == tmp_path / "runs" / "2026-01-02_03-04-05"
+    first.directory.mkdir(parents=True)  # the first run made its folder
+    second = RunFolder.new(config)
+    assert (second.timestamp, second.directory) == ("2026-01-02_03:04:06", tmp_path / "runs" / "2026-01-02_03-04-06")

@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import shutil
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ class NestedRunFolderError(RecipeError):
     """trainer.checkpoint_dir names a numbered folder inside another run, where that run keeps its steps."""
 
 
+_FRESH_TRIES = 5  # seconds a fresh run waits for a timestamp whose folder no run has taken
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """Where a run lives: its folder (None without checkpoints), its timestamp, the working
@@ -97,7 +101,9 @@ class RunFolder:
         """The folder a fresh ``dew train RECIPE`` trains into, its timestamp taken now.
 
         A rank of a process pool joins its pool first, so that every rank takes
-        process 0's clock and names the same folder.
+        process 0's clock and names the same folder. A folder named by the
+        timestamp that an earlier run already took (one started in the same
+        second) is passed over for the next second's.
         """
         from dew.training.runtime.process import run_timestamp
 
@@ -106,6 +112,13 @@ class RunFolder:
 
             join_pool(config)
         stamp = run_timestamp()
+        named = "{timestamp}" in (config.trainer.checkpoint_dir or "")
+        for _ in range(_FRESH_TRIES):  # a run started in the same second as the last: its own folder
+            directory = _directory(config, stamp, Path.cwd())
+            if not named or config.trainer.multi_host or directory is None or not directory.exists():
+                break
+            time.sleep(1.0 - time.time() % 1.0 + 0.01)
+            stamp = run_timestamp()
         return cls(_directory(config, stamp, Path.cwd()), stamp, Path.cwd())
 
     def directories(self, config: RunConfig) -> list[Path]:
