@@ -33,7 +33,8 @@ held-out near misses, which only the validation split holds).
 The ids are bytes, so the reader's tokenizer (``text_tokenizer``) is dew's
 ByteTokenizer: a recipe hands it to the objective, and every command that
 rebuilds the run reads and writes text with it. ``load(val_fraction=...)``
-holds a seeded share of the problems out for validation.
+holds a seeded share of the records out for validation (problems repeat among
+records: a small ``max_operand`` leaves few, and ``held_out`` keeps problems out).
 
 >>> record = Addition(form="prompts", problems=8, max_operand=9).records()[0]
 >>> prompt = bytes(record["prompt"][: record["prompt_length"]].tolist()).decode()
