@@ -132,7 +132,6 @@ def _guarded(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:  # while a command's modules were still being imported
         if os.environ.get(TRACEBACK):
             raise
-        _Unwound.by_stop = True
         return _interrupted(argv)
     except BrokenPipeError:
         # Nothing is left to say to the reader; stdout goes to devnull so the interpreter's last
@@ -143,8 +142,7 @@ def _guarded(argv: Sequence[str] | None) -> int:
         from dew import interrupts
 
         if interrupts.pending() and not os.environ.get(TRACEBACK):  # a Ctrl-C a library turned into its own
-            _Unwound.by_stop = True  # error (numpy's import wraps it in an ImportError)
-            return _interrupted(argv)
+            return _interrupted(argv)  # error (numpy's import wraps it in an ImportError)
         if not _in_pool():
             raise
         if _peer_lost(error):  # not this process's failure: the one that failed first says what it was
@@ -163,6 +161,7 @@ def _guarded(argv: Sequence[str] | None) -> int:
 
 def _interrupted(argv: Sequence[str] | None) -> int:
     """A Ctrl-C before the command's own handling: one line naming the command, status 130."""
+    _Unwound.by_stop = True
     chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     print(f"dew{' ' + chosen if chosen in COMMANDS else ''}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
     return INTERRUPTED

@@ -7,10 +7,10 @@ Each JSONL record holds a prompt and its reference answer::
 The model continues ``template`` (filled from the record's fields) greedily
 through ``dew.sampling.generate`` for at most ``max_new_tokens`` tokens,
 stopping at the end-of-document id; the text is cut at the first of
-``stop`` (one text, or a list of them). With ``pattern`` the prediction is the first match of it in the
-text (its first group when it has one); with ``answer_pattern`` the
-reference is what that finds in the answer (GSM8K's ``#### (.*)``). Both
-are compared after stripping surrounding whitespace. ``exact_match`` is
+``stop`` (one text, or a list of them). With ``pattern`` the prediction is
+the first match of it in the text (its first group when it has one); with
+``answer_pattern`` the reference is what that finds in the answer (GSM8K's
+``#### (.*)``). Both are compared after stripping surrounding whitespace. ``exact_match`` is
 the share of records whose prediction equals the reference. The records
 are split into global batches of ``batch`` prompts and each process
 generates its share of every batch; the counts are summed over processes.
