@@ -192,7 +192,9 @@ def test_samples_that_cannot_be_written_are_shown_and_the_folder_named(trained: 
                 tmp_path, cache)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.startswith("dew generate: The samples could not be written to afile/samples ("), done.stderr
-    assert "choose another --out; the text is printed above." in done.stderr
+    # not a full disk here (a file where the folder goes): the advice is the folder's, not the disk's
+    assert "(Not a directory); choose another --out, a folder (or a name for one) you may write; the text is " \
+           "printed above." in done.stderr
     assert done.stdout.startswith("def ")  # the prompt and its continuation, printed all the same
 
 
