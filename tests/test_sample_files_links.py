@@ -92,3 +92,13 @@ def test_a_sample_folder_that_cannot_be_made_is_not_blamed_on_the_disk(tmp_path)
                                                r"one\) you may write\.$"):
         write_samples(np.zeros((1, 8, 8, 1), np.uint8), tmp_path / "taken", video=False, columns=1)
 
+
+
+def test_a_full_disk_is_told_to_free_space():
+    import errno
+
+    from dew.objectives.inference import SampleWriteError
+
+    full = SampleWriteError("out", OSError(errno.ENOSPC, "No space left on device"), ("a text",))
+    assert str(full) == ("The samples could not be written to out (No space left on device); free space on its "
+                         "disk or choose another --out; the text is printed above.")
