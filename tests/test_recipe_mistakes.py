@@ -285,17 +285,22 @@ class _FailingTracker:
         pass
 
 
+def _refused_with_tracker(tracker: type, tmp_path, capsys, *, checkpoint_every: int) -> str:
+    """stderr of a 6-step tiny-lm run into tmp_path/run whose only tracker is tracker, refused (status 2)."""
+    from dew import registry
+
+    run = ["train", "tiny-lm", "trainer.steps=6", "trainer.log_every=2", f"trainer.checkpoint_every={checkpoint_every}",
+           "data.batch=2", f"trainer.checkpoint_dir={tmp_path}/run", "trackers=[{name: planted_tracker}]"]
+    with registry.trackers.temporary("planted_tracker", tracker):
+        assert main(run) == 2
+    return capsys.readouterr().err
+
+
 def test_a_plugin_trackers_own_error_stops_the_run_naming_it_and_the_run_resumes(tmp_path, monkeypatch, capsys):
     """A tracker that raised mid-run printed a traceback through dew's fan-out (exit 1: "a bug, please
     report it") without naming the tracker; the steps saved before it are kept."""
-    from dew import registry
-
     monkeypatch.chdir(tmp_path)
-    run = ["train", "tiny-lm", "trainer.steps=6", "trainer.log_every=2", "trainer.checkpoint_every=2", "data.batch=2",
-           f"trainer.checkpoint_dir={tmp_path}/run", "trackers=[{name: planted_tracker}]"]
-    with registry.trackers.temporary("planted_tracker", _FailingTracker):
-        assert main(run) == 2
-    err = capsys.readouterr().err
+    err = _refused_with_tracker(_FailingTracker, tmp_path, capsys, checkpoint_every=2)
     assert err.startswith(f"dew train: TrackerFailedError: The tracker {_FailingTracker.__module__}._FailingTracker failed in log at "
                           "step 4: RuntimeError: plugin tracker failing on purpose. Fix it"), err
     # Step 4's checkpoint waits for step 4's reports, which the tracker failed to take: what was saved
@@ -327,14 +332,8 @@ class _FailingAtTheEnd(_FailingTracker):
 def test_a_run_failing_after_its_last_checkpoint_is_told_it_is_done_not_to_resume(tmp_path, monkeypatch, capsys):
     """The closing records failed after step 6 was committed, and the note said to resume: the resume
     found nothing to train and wrote nothing, so the advice recovered nothing."""
-    from dew import registry
-
     monkeypatch.chdir(tmp_path)
-    run = ["train", "tiny-lm", "trainer.steps=6", "trainer.log_every=2", "trainer.checkpoint_every=3", "data.batch=2",
-           f"trainer.checkpoint_dir={tmp_path}/run", "trackers=[{name: planted_tracker}]"]
-    with registry.trackers.temporary("planted_tracker", _FailingAtTheEnd):
-        assert main(run) == 2
-    err = capsys.readouterr().err
+    err = _refused_with_tracker(_FailingAtTheEnd, tmp_path, capsys, checkpoint_every=3)
     assert "no space left for the closing records" in err and "Traceback (" not in err, err
     assert ("The run is in run: its checkpoints reach step 6, the last of its 6, so its training is done" in err
             and "dew eval run scores it again; to train further, dew train --resume run trainer.steps=N." in err), err

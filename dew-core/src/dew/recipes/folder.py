@@ -112,13 +112,13 @@ class RunFolder:
 
             join_pool(config)
         stamp = run_timestamp()
-        named = "{timestamp}" in (config.trainer.checkpoint_dir or "")
-        for _ in range(_FRESH_TRIES):  # a run started in the same second as the last: its own folder
-            directory = _directory(config, stamp, Path.cwd())
-            if not named or config.trainer.multi_host or directory is None or not directory.exists():
-                break
-            time.sleep(1.0 - time.time() % 1.0 + 0.01)
-            stamp = run_timestamp()
+        if "{timestamp}" in (config.trainer.checkpoint_dir or "") and not config.trainer.multi_host:
+            for _ in range(_FRESH_TRIES):  # a run started in the same second as the last: its own folder
+                taken = _directory(config, stamp, Path.cwd())
+                if taken is None or not taken.exists():
+                    break
+                time.sleep(1.0 - time.time() % 1.0 + 0.01)
+                stamp = run_timestamp()
         return cls(_directory(config, stamp, Path.cwd()), stamp, Path.cwd())
 
     def directories(self, config: RunConfig) -> list[Path]:

@@ -97,7 +97,7 @@ class TokenDiffusion(Objective):
         except ValueError as error:
             return [((), str(error))]
         except TypeError:  # a field missing or of another type: the recipe's schema and the run say so
-            return []
+            pass
         return []
 
     @property
