@@ -118,6 +118,10 @@ STARTING = [
      "max_seq_len=128"),
     ("tiny-lm", ["data.load.val_fraction=1.5"],
      "dataset 'token_windows' refused the recipe's data.load (and data.batch) values: val_fraction must lie in"),
+    # Read as no workers, without a word.
+    ("tiny-lm", ["data.load.workers=-1", "data.load.val_fraction=0", "trainer.eval_every=null"],
+     "dataset 'token_windows' refused the recipe's data.load (and data.batch) values: workers and prefetch count "
+     "processes and batches: each must be at least 0, got workers=-1 and prefetch=4."),
     ("tiny-lm", ["data.tokenizer=5"],
      "dataset 'token_windows' refused the recipe's data.tokenizer values: A tokenizer must have encode(text) "
      "and eos_id; int 5 lacks encode."),
@@ -154,6 +158,9 @@ OBJECTIVE_VALUES = [
     ("addition-ppo", ["objective.value_clip=-1"], "ppo", "PPOObjective.clip and value_clip must be at least 0"),
     ("addition-ppo", ["objective.stop_token=999"], "ppo", "PPOObjective.stop_token=999 is outside the model's vocabulary"),
     ("addition-dpo", ["objective.stop_token=999"], "dpo", "DPOObjective.stop_token=999 is outside the model's vocabulary"),
+    # DiT's ValueError traceback from the first trace ("DiT takes images [batch, 8, 8, 1], got shape (1, 10, 10, 1)").
+    ("flow-grpo-digits", ["objective.image_shape=[10,10,1]"], "flow_grpo",
+     "image_shape=[10, 10, 1] is not the shape the model draws: DiT with image_size=8 and channels=1 draws [8, 8, 1]"),
 ]
 
 
@@ -167,6 +174,45 @@ def test_an_objective_value_its_model_cannot_serve_is_one_line_before_anything_i
     err = capsys.readouterr().err
     assert err.startswith(f"dew train: objective {objective!r} refused the recipe's objective values: {said}"), err
     assert not (tmp_path / "run").exists()
+
+
+_TOKENS = "{vocab_size: 257, emb_features: 32, num_layers: 1, num_heads: 2, mlp_features: 64, max_seq_len: 128}"
+_PIXELS = "{image_size: 8, channels: 1, emb_features: 32, num_layers: 1, num_heads: 2, mlp_features: 64}"
+# Each a traceback from inside the model at the first trace: "DiT.__call__() missing 1 required positional
+# argument: 'level'", "'CausalTransformer' object has no attribute 'grid'", "TokenDenoiser.__call__() got an
+# unexpected keyword argument 'decode'", "not enough values to unpack (expected 5, got 2)".
+OTHER_KIND = [
+    ("tiny-lm", "{name: dit, patch_size: 2, num_classes: 10, " + _PIXELS[1:], "lm", "a causal decoder", "DiT"),
+    ("tiny-lm", "{name: token_denoiser, " + _TOKENS[1:], "lm", "a causal decoder", "TokenDenoiser"),
+    ("addition-grpo", "{name: vit_encoder, patch: 2, " + _PIXELS[1:], "grpo", "a causal decoder", "ViTEncoder"),
+    ("masked-diffusion", "{name: unet, image_size: 8, channels: 1, emb_features: 32}", "masked_diffusion", "a token model", "UNet"),
+    ("digits-diffusion", "{name: vit_encoder, patch: 2, " + _PIXELS[1:], "diffusion", "a pixel denoiser",
+     "ViTEncoder"),
+    ("tiny-jepa", "{name: qwen3, num_layers: 1}", "jepa", "a patch encoder", "CausalTransformer"),
+    ("tiny-jepa", "{name: dit, patch_size: 2, " + _PIXELS[1:], "jepa", "a patch encoder", "DiT"),
+]
+
+
+@pytest.mark.parametrize("recipe, model, objective, kind, built", OTHER_KIND, ids=[f"{c[0]} {c[4]}" for c in OTHER_KIND])
+def test_a_model_of_another_kind_than_the_objective_trains_is_refused_by_check_and_at_the_start(
+        recipe, model, objective, kind, built, tmp_path, monkeypatch, capsys):
+    name = model.split(",")[0].removeprefix("{name: ")
+    said = (f"dew train: objective {objective!r} trains {kind} (")
+    assert main(["train", recipe, f"model={model}", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and f"model.name={name!r} builds a {built}, which is not one" in err, err
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", recipe, f"model={model}", "init=null", "trainer.steps=2",
+                 f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("recipe, model", [("masked-diffusion", "{name: causal_transformer, " + _TOKENS[1:]),
+                                           ("block-diffusion", "{name: qwen3, num_layers: 1, vocab_size: 257}")])
+def test_a_token_diffusion_objective_takes_a_causal_decoder_too(recipe, model, capsys):
+    assert main(["train", recipe, f"model={model}", "--check"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("schedule, said", [

@@ -166,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
         from dew import plugins
 
         plugins.manager()  # an installed hook plugin every run would refuse is refused here too
+        if config.model is not None:  # a model the objective does not train, refused before any run
+            from dew.recipes.run import check_model_kind
+
+            check_model_kind(config, config.model.build("models"))
         print(json.dumps(config.recorded(), indent=2))
         return 0
     from dew.cli.compilation_cache import default_compilation_cache

@@ -279,7 +279,7 @@ class Objective(Generic[Loss, Effects]):
 
     Every other capability a run, a command or an adapter asks of an
     objective is declared below with the default an objective without it
-    has, so nothing probes for it: ``heads``, ``rollout``, ``initializer``,
+    has, so nothing probes for it: ``trains``, ``heads``, ``rollout``, ``initializer``,
     ``starting_weights``, ``metrics``, ``pipeline`` and
     ``reference_collection``. The ``model`` and ``tokenizer`` it holds are
     declared by type, and held when ``run_inputs`` names them.
@@ -288,6 +288,9 @@ class Objective(Generic[Loss, Effects]):
     ema: EMASpec | None = None
     frozen: LeafFilter | None = None
     run_inputs: ClassVar[frozenset[str]] = frozenset()
+    trains: ClassVar[type[Any] | None] = None
+    """The kind of model it trains, a protocol of ``dew.nn.kinds`` (a causal decoder, a pixel
+    denoiser, ...): a recipe pairing it with another kind is refused by name. None takes any model."""
     heads: ClassVar[tuple[str, ...]] = ()
     """The top-level parameters it adds beside its model's own (a reward model's score, PPO's
     value head): a LoRA run trains them in full beside the adapters, as PEFT's modules_to_save

@@ -14,11 +14,15 @@ import pydantic
 
 from dew.errors import DewError
 
-__all__ = ["Problem", "RecipeError", "from_validation_error", "model_at"]
+__all__ = ["Problem", "RecipeError", "UnsuitableModelError", "from_validation_error", "model_at"]
 
 
 class RecipeError(DewError, ValueError):
     """A recipe that cannot run: an unknown field, a wrong type, an unknown registered name."""
+
+
+class UnsuitableModelError(RecipeError):
+    """The recipe's model is not of the kind its objective trains (Objective.trains)."""
 
 
 Problem = tuple[str, str]  # (dotted path, what is wrong there)

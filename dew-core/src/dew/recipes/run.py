@@ -36,7 +36,7 @@ from dew.data.base import TextReader
 from dew.errors import DewError
 from dew.placeholders import absolute, expand
 from dew.recipes.components import refuse_values, run_inputs, with_defaults
-from dew.recipes.errors import RecipeError
+from dew.recipes.errors import RecipeError, UnsuitableModelError
 
 if TYPE_CHECKING:
     import os
@@ -99,6 +99,22 @@ def _tokenizer(reader: Any, section: str) -> Tokenizer | None:
     except (ValueError, TypeError) as error:
         refuse_values(error, f"dataset {section!r}", "data.tokenizer")
         raise
+
+
+def check_model_kind(config: RunConfig, model: nn.Module) -> None:
+    """Refuse a model of another kind than the objective trains (``Objective.trains``), before the
+    first trace would fail inside the model."""
+    from dew.nn.kinds import kind_phrase
+
+    kind = registry.objectives.load(config.objective.name).trains
+    if kind is None or isinstance(model, kind):
+        return
+    assert config.model is not None  # a model was built from it
+    raise UnsuitableModelError(
+        f"objective {config.objective.name!r} trains {kind_phrase(kind)}, and model.name="
+        f"{config.model.name!r} builds a {type(model).__name__}, which is not one: name a model of "
+        "that kind in the model section, or an objective that trains this one (docs/objectives.md "
+        "lists what each trains).")
 
 
 def build_objective(config: RunConfig, model: nn.Module | None, reader: Any,
@@ -306,6 +322,8 @@ def build_parts(config: RunConfig, timestamp: str = "", *, with_data: bool = Tru
     without reading its data.
     """
     model = None if config.model is None else config.model.build("models", timestamp)
+    if model is not None:
+        check_model_kind(config, model)
     if config.quantization is not None and model is not None:
         from dew.adapters.quantization import apply_quantization
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.diffusion.masking import mask_tokens, nelbo_weight, stratified_times
+from dew.nn.kinds import TokenModel
 from dew.objectives.base import (
     EMASpec,
     Variables,
@@ -49,6 +50,7 @@ class BlockDiffusionObjective(TokenDiffusion):
     """BD3-LM over windows of seq_len ids in blocks of block_size, with a TokenDenoiser."""
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = TokenModel
 
     model: nn.Module
     seq_len: int

@@ -35,6 +35,7 @@ from dew.diffusion import (
 )
 from dew.errors import BatchKeyError, DewError
 from dew.inputs import ClassLabels, Conditioning, Unconditional, conditioning_of
+from dew.nn.kinds import PixelDenoiser, VideoModel
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -127,6 +128,7 @@ class DiffusionObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = PixelDenoiser
 
     model: nn.Module
     _: KW_ONLY
@@ -170,7 +172,7 @@ class DiffusionObjective(Objective):
         """The batch key of the pixels: 'video' for a model with frames, else 'image'."""
         if self.modality is not None:
             return self.modality
-        return "video" if getattr(self.model, "frames", None) else "image"  # any flax Module
+        return "video" if isinstance(self.model, VideoModel) and self.model.frames else "image"
 
     @property
     def process(self) -> Diffusion:

@@ -39,6 +39,7 @@ import optax
 from dew.data.base import vocab_size_of
 from dew.errors import DewError
 from dew.nn import sharding as axes
+from dew.nn.kinds import CausalDecoder
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -125,6 +126,7 @@ class DistillationObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
     heads: ClassVar[tuple[str, ...]] = ("projection",)
 
     model: nn.Module

@@ -36,6 +36,7 @@ import numpy as np
 
 from dew.data.base import Batch as HostBatch
 from dew.errors import DewError
+from dew.nn.kinds import CausalDecoder
 from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.policy import (
@@ -136,6 +137,7 @@ class DPOObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
 
     model: nn.Module
     seq_len: int

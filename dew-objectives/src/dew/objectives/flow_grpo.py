@@ -46,6 +46,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dew.data.base import Batch as HostBatch
+from dew.nn.kinds import PixelDenoiser, VideoModel
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -174,6 +175,7 @@ class FlowGRPOObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    trains: ClassVar[type[Any] | None] = PixelDenoiser
     tokenizer = None  # labels in, images out: its pipeline saves no tokenizer (not a field)
 
     model: nn.Module
@@ -188,6 +190,18 @@ class FlowGRPOObjective(Objective):
     condition_key: str | None = None
     data_std: float | None = None
     pixels: bool = False
+
+    def __post_init__(self) -> None:
+        """An image_shape the model does not draw, refused as the objective is built (the first
+        trace would fail inside the model)."""
+        if not isinstance(self.model, PixelDenoiser):  # a plugin's model: its own shape
+            return
+        frames = (self.model.frames,) if isinstance(self.model, VideoModel) and self.model.frames else ()
+        drawn = [*frames, self.model.image_size, self.model.image_size, self.model.channels]
+        if list(self.image_shape) != drawn:
+            raise ValueError(f"image_shape={list(self.image_shape)} is not the shape the model draws: "
+                             f"{type(self.model).__name__} with image_size={self.model.image_size} and "
+                             f"channels={self.model.channels} draws {drawn}; set image_shape={drawn}.")
 
     @property
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.data.base import ending_ids
+from dew.nn.kinds import CausalDecoder
 from dew.objectives import group_losses
 from dew.objectives.base import (
     Aux,
@@ -129,6 +130,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
 
     model: nn.Module
     reward: Any = "exact_match"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dew.errors import DewError
+from dew.nn.kinds import PatchEncoder
 from dew.nn.vit import Predictor, ViTEncoder
 from dew.objectives.base import (
     Aux,
@@ -118,6 +119,7 @@ class JepaObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model"})
+    trains: ClassVar[type[Any] | None] = PatchEncoder
     heads: ClassVar[tuple[str, ...]] = ("predictor",)
     tokenizer = None  # pixels in, embeddings out: its pipeline saves no tokenizer (not a field)
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from dew.data.base import Batch as HostBatch
 from dew.errors import DewError
+from dew.nn.kinds import CausalDecoder
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
 from dew.objectives.dpo import sequence_logprob
 from dew.objectives.policy import (
@@ -161,6 +162,7 @@ class KTOObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
 
     model: nn.Module
     seq_len: int

@@ -39,6 +39,7 @@ from dew.data.base import (  # what LMObjective needs of one to render previews
 )
 from dew.data.tokenizers import drawable_vocab
 from dew.errors import BatchKeyError, DewError
+from dew.nn.kinds import CausalDecoder
 from dew.nn.moe import MOE_COLLECTION, moe_statistics
 from dew.objectives.base import (
     Aux,
@@ -107,6 +108,7 @@ class LMObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
 
     model: nn.Module
     seq_len: int

@@ -22,6 +22,7 @@ import optax
 
 from dew.diffusion.masking import mask_tokens, nelbo_weight, stratified_times
 from dew.errors import BatchKeyError
+from dew.nn.kinds import TokenModel
 from dew.objectives.base import (
     Aux,
     Batch,
@@ -157,6 +158,7 @@ class MaskedDiffusionObjective(TokenDiffusion):
     """MDLM over windows of seq_len ids with a TokenDenoiser (mask id = its vocab_size)."""
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = TokenModel
 
     model: nn.Module
     seq_len: int

@@ -42,6 +42,7 @@ import numpy as np
 from dew.data.base import Batch as HostBatch
 from dew.errors import DewError
 from dew.nn.features import with_features
+from dew.nn.kinds import CausalDecoder
 from dew.objectives.advantages import gae
 from dew.objectives.base import (
     Aux,
@@ -222,6 +223,7 @@ class PPOObjective(GreedyRewardValidation, Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
     heads: ClassVar[tuple[str, ...]] = (VALUE_HEAD,)
 
     model: nn.Module

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.nn.kinds import CausalDecoder
 from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, Mean, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck, sequence_logprob
@@ -50,6 +51,7 @@ class _Pairs(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
 
     model: nn.Module
     seq_len: int

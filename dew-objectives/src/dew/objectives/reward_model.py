@@ -29,6 +29,7 @@ import numpy as np
 from dew.errors import DewError
 from dew.families import scoring
 from dew.nn.features import with_features
+from dew.nn.kinds import CausalDecoder
 from dew.objectives.base import Aux, Batch, Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck
 from dew.objectives.inference import (
@@ -96,6 +97,7 @@ class RewardModelObjective(Objective):
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
+    trains: ClassVar[type[Any] | None] = CausalDecoder
     heads: ClassVar[tuple[str, ...]] = (REWARD_HEAD,)
 
     model: nn.Module
