@@ -261,3 +261,53 @@ def test_workers_give_the_same_stream_and_positions_cross_worker_counts(tmp_path
     got = json.loads(out.read_text())
     reference = [b.tolist() for b in take(train_stream(records(), batch=4, seed=9), 15)]
     assert got["rows"] == reference
+
+
+ORPHANS_SCRIPT = """
+import multiprocessing, sys, time
+import numpy as np
+
+def main():
+    from dew.data.sources import ArrayRecords
+    from dew.data.stream import train_stream
+    stream = train_stream(ArrayRecords({"id": np.arange(23)}), batch=4, seed=9, workers=2)
+    next(stream)
+    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a process still running (an exited one may linger as a zombie nobody reaps)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.slow
+def test_reading_workers_end_when_their_process_is_killed(tmp_path: Path):
+    """A kill -9 sends the workers nothing: they went on running as orphans, 200 MB each."""
+    import signal
+    import time
+
+    script = tmp_path / "orphans.py"
+    script.write_text(textwrap.dedent(ORPHANS_SCRIPT))
+    process = subprocess.Popen([sys.executable, str(script)], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        children = [int(pid) for pid in process.stdout.readline().split()]
+        assert len(children) >= 2 and all(_running(pid) for pid in children), children
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in children if _running(pid)]
+    for pid in left:  # not to leave them to the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived the process that started them"

@@ -35,6 +35,9 @@ parsed with their defaults when nothing parsed them.
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
@@ -336,9 +339,37 @@ def _pipeline(source: Source, *, batch: int, partition: DataPartition, seed: int
     if workers > 0:
         _flags_parsed()
         dataset = dataset.mp_prefetch(
-            grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(prefetch, 1))
+            grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(prefetch, 1)),
+            worker_init_fn=_EndWithParent(os.getpid()),
         )
     return iter(dataset)
+
+
+def _check_counts(workers: int, prefetch: int) -> None:
+    """A negative count of reading processes or batches ahead, which read as none without a word."""
+    if workers < 0 or prefetch < 0:
+        raise ValueError(f"workers and prefetch count processes and batches: each must be at least 0, got "
+                         f"workers={workers} and prefetch={prefetch}.")
+
+
+@dataclass(frozen=True)
+class _EndWithParent:
+    """Started in each reading worker: the worker ends once the process that started it is gone.
+
+    A ``kill -9`` of the run gives its workers no signal, and they went on running as orphans; a
+    daemon thread here sees the worker's parent change and ends it (a worker's own ``prctl``
+    death signal would fire when the starting thread ends, not the process).
+    """
+
+    parent: int
+
+    def __call__(self, index: int, count: int) -> None:
+        threading.Thread(target=self._watch, name="dew-parent-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while os.getppid() == self.parent:
+            time.sleep(0.5)
+        os._exit(1)
 
 
 def _flags_parsed() -> None:
@@ -385,6 +416,7 @@ class TrainStream:
         self.transform = transform
         self.workers = int(workers)
         self.prefetch = int(prefetch)
+        _check_counts(self.workers, self.prefetch)
         self.size = _length(source)
         _rows(self.batch, partition)
         if self.size < self.batch:  # each batch would repeat records (and a huge one cannot be read)
@@ -562,6 +594,9 @@ class StreamReader:
     transform: Transform | None = None
     workers: int = 0
     prefetch: int = 4
+
+    def __post_init__(self) -> None:
+        _check_counts(self.workers, self.prefetch)  # as the data loads, not as the run starts
 
     def __call__(self, partition: DataPartition = SINGLE) -> TrainStream:
         return self.open(partition)
