@@ -67,11 +67,11 @@ def test_validation_buckets_partition_the_loss():
     objective = DiffusionObjective(DIT, noise_buckets=4)
     variables = init(objective)
     outputs = jax.jit(objective.evaluate)(variables, images(8), STEP)
-    buckets = [outputs[f"loss/noise_{k}"] for k in range(4)]
+    buckets = [outputs[f"loss_noise_{k}"] for k in range(4)]
     assert [float(b.count) for b in buckets] == [2.0, 2.0, 2.0, 2.0]
     np.testing.assert_allclose(sum(float(b.total) for b in buckets), float(outputs["loss"].total),
                                rtol=1e-5)
-    assert {m.name for m in objective.metrics()} == {"loss", *(f"loss/noise_{k}" for k in range(4))}
+    assert {m.name for m in objective.metrics()} == {"loss", *(f"loss_noise_{k}" for k in range(4))}
 
 
 def test_condition_dropout_trains_the_null_label():

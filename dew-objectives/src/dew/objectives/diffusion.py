@@ -270,12 +270,12 @@ class DiffusionObjective(Objective):
         outputs: dict[str, PyTree] = {"loss": Mean.of(per_example)}
         bucket = jnp.minimum((u * self.noise_buckets).astype(jnp.int32), self.noise_buckets - 1)
         for k in range(self.noise_buckets):
-            outputs[f"loss/noise_{k}"] = Mean.of(per_example, bucket == k)
+            outputs[f"loss_noise_{k}"] = Mean.of(per_example, bucket == k)
         return outputs
 
     def metrics(self) -> tuple[Metric, ...]:
         return (MeanMetric("loss"),
-                *(MeanMetric(f"loss/noise_{k}") for k in range(self.noise_buckets)))
+                *(MeanMetric(f"loss_noise_{k}") for k in range(self.noise_buckets)))
 
     # -- sampling -----------------------------------------------------------------------
     def sample(self, variables: Variables, key: jax.Array, condition: jax.Array | None = None,
