@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 from dew import Checkpoints, Trainer, models
 from dew.adapters.lora import Lora, LoraError, adapters_only, apply_lora, is_adapter, merge_lora
@@ -67,6 +68,29 @@ def test_adapters_sit_beside_each_targeted_weight_and_start_as_the_base_model(lo
     tokens = jax.random.randint(jax.random.key(3), (2, SEQ), 0, 32)
     np.testing.assert_array_equal(np.asarray(jax.jit(wrapped.apply)(variables, tokens)),
                                   np.asarray(jax.jit(model.apply)(base, tokens)))
+
+
+@pytest.mark.parametrize("name, fields, targets, inputs", [
+    ("causal_transformer", dict(vocab_size=32, emb_features=16, num_layers=2, num_heads=2, mlp_features=32,
+                                max_seq_len=16), ("attention", "mlp"), lambda: (jnp.zeros((1, SEQ), jnp.int32),)),
+    ("token_denoiser", dict(vocab_size=32, emb_features=16, num_layers=2, num_heads=2, mlp_features=32,
+                            max_seq_len=16), (r"attention_\d+",), lambda: (jnp.zeros((1, SEQ), jnp.int32),)),
+    ("dit", dict(image_size=8, channels=1, patch_size=2, emb_features=16, num_layers=2, num_heads=2,
+                 mlp_features=32, num_classes=10), (r"blocks_\d+/attention",),
+     lambda: (jnp.zeros((1, 8, 8, 1)), jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))),
+])
+def test_a_fresh_adapted_model_draws_its_base_weights_as_the_model_without_adapters(name, fields, targets, inputs):
+    """qwix drew each adapter's A from its module's next key, so the weights the module made after it
+    (the attention's out, a layer's value) started elsewhere than in the same run without LoRA."""
+    model = models.build(name, **fields)
+    wrapped = apply_lora(model, Lora(rank=2, alpha=4.0, targets=targets))
+    adapted = wrapped.init(jax.random.key(0), *inputs())
+    base = trees.select(nn.meta.unbox(adapted), lambda path, leaf: not is_adapter(path, leaf))
+    plain = nn.meta.unbox(model.init(jax.random.key(0), *inputs()))
+    flat = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(base)}
+    assert flat.keys() == {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(plain)}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(plain):
+        np.testing.assert_array_equal(flat[jax.tree_util.keystr(path)], leaf, err_msg=jax.tree_util.keystr(path))
 
 
 def test_only_the_adapters_train_and_hold_optimizer_state(lora_model):

@@ -7,11 +7,39 @@ is the one place to change when they do.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+import zlib
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["provider"]
+
+# Where an adapter's draws sit in its module's "params" sequence: far past the module's own weights.
+_ADAPTER_DRAWS = 1 << 30
+
+
+@contextlib.contextmanager
+def own_draws(module: Any, name: str) -> Iterator[None]:
+    """Inside, an adapter of module's weight name draws from keys of its own.
+
+    qwix makes an adapter's A with the module's next "params" key, so every weight the module
+    made after it was drawn from another key than without adapters: a fresh LoRA run started
+    from other base weights than the same run without LoRA. Here the adapter's draws take
+    counts far past the module's own, named by the weight, and the module's count is put back.
+    """
+    scope = getattr(module, "scope", None)  # a linen module bound to a scope as it runs
+    counters = getattr(scope, "rng_counters", None)
+    if not isinstance(counters, dict) or "params" not in counters:  # applied, not initialized
+        yield
+        return
+    before = counters["params"]
+    counters["params"] = _ADAPTER_DRAWS + 4 * (zlib.crc32(name.encode()) % (1 << 20))
+    try:
+        yield
+    finally:
+        counters["params"] = before
 
 
 def provider(qwix: Any) -> Any:
@@ -83,9 +111,11 @@ def provider(qwix: Any) -> Any:
                 raise LoraError(f"{'/'.join(module.path)}/{name} is a routed-experts weight, which "
                                 "LoRA adapts in float only; use Lora(base='float32') or target the attention.")
             experts, inputs, outputs = weight.shape
-            lora_a, lora_b = qlora._get_or_create_lora_params(
-                name=name, rule=rule, a_shape=(experts, inputs, rule.rank), b_shape=(experts, rule.rank, outputs),
-                a_sharding_transpose=(0, 1, None), b_sharding_transpose=(0, None, 2))
+            with own_draws(module, name):
+                lora_a, lora_b = qlora._get_or_create_lora_params(
+                    name=name, rule=rule, a_shape=(experts, inputs, rule.rank),
+                    b_shape=(experts, rule.rank, outputs), a_sharding_transpose=(0, 1, None),
+                    b_sharding_transpose=(0, None, 2))
             product = jnp.einsum("eir,ero->eio", lora_a, lora_b)
             return weight + (rule.alpha / rule.rank) * product.astype(weight.dtype)
 
@@ -115,9 +145,10 @@ def provider(qwix: Any) -> Any:
             lhs, rhs = operands
             a_shape, b_shape, lora_str, a_transpose, b_transpose = qlora._parse_einsum_str_for_lora(
                 lhs.shape, rhs.shape, einsum_str, rule.rank)
-            lora_a, lora_b = qlora._get_or_create_lora_params(
-                name=name, rule=rule, a_shape=a_shape, b_shape=b_shape,
-                a_sharding_transpose=a_transpose, b_sharding_transpose=b_transpose)
+            with own_draws(flax_util.get_current_module(), name):
+                lora_a, lora_b = qlora._get_or_create_lora_params(
+                    name=name, rule=rule, a_shape=a_shape, b_shape=b_shape,
+                    a_sharding_transpose=a_transpose, b_sharding_transpose=b_transpose)
             return result + jnp.einsum(lora_str, lhs, lora_a, lora_b, **kwargs) * (rule.alpha / rule.rank)
 
     return Provider
