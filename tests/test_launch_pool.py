@@ -352,3 +352,32 @@ def test_a_pool_with_local_checkpoints_is_launched_again_and_resumes(tmp_path):
     assert again.wait(timeout=300) == 0, again.text()
     assert "Resuming runs/pool at step 4" in again.text() and "Training from step 4 to 6" in again.text()
     assert (tmp_path / "runs" / "pool" / "6").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, overrides", [
+    ("addition-grpo", ["trainer.eval_every=2"]),
+    ("flow-grpo-digits", ["trainer.eval_every=100", "objective.group_size=4", "data.batch=8"]),
+])
+def test_a_pool_rolls_out_as_one_process_does(recipe, overrides, tmp_path):
+    """GRPO's pool failed at its first step reading the sampler's tokens, held across both processes
+    (each rolled out its own rows with the pool's programs); FlowGRPO's two processes drew the same noise
+    for different rows, so its rewards and gradients differed from one process's."""
+    from dew.cli import main
+
+    common = [recipe, "init=null", "trainer.steps=2", "trainer.log_every=1", *overrides]
+    launch = Launch(["-n", "2", *common, f"trainer.checkpoint_dir={tmp_path / 'pool'}",
+                     f"trackers.0.directory={tmp_path / 'pool'}"], tmp_path)
+    assert launch.wait(timeout=300) == 0, launch.text()
+    assert main(["train", *common, f"trainer.checkpoint_dir={tmp_path / 'one'}",
+                 f"trackers.0.directory={tmp_path / 'one'}"]) == 0
+
+    def logged(run):
+        rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
+        return {(row["step"], key): value for row in rows for key, value in row.items()
+                if key.startswith(("train/reward", "train/loss", "train/grad_norm", "val/"))}
+
+    pool, one = logged(tmp_path / "pool"), logged(tmp_path / "one")
+    assert pool.keys() == one.keys() and (2, "train/reward") in pool
+    for key, value in one.items():
+        assert pool[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key  # a loss near 0 is float noise

@@ -61,6 +61,7 @@ from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_
 from dew.training.protocols import Lagging, Refilling, RewardTimed, Rollout, Transcribed
 from dew.training.rollout_ahead import Ahead
 from dew.training.rollout_journal import Rolled, RolloutJournal, batch_digest
+from dew.training.runtime.whole_batch import share_of, whole
 from dew.training.state import TrainState
 
 __all__ = ["Feed", "Fed", "ReplayMismatchWarning", "RolloutStateError", "StreamEndedError", "pack_position", "unpack_position"]
@@ -215,8 +216,9 @@ class Feed:
             self.ledger = None  # a stream that cannot say which records it read keeps no ledger
         if self.ledger is not None:
             self.ledger.opened(start, data, self.partition)
-        if isinstance(self.rollout, Refilling):
-            self.rollout.draw_from(self._more)
+        if isinstance(self.rollout, Refilling):  # in a pool, it refills from the whole global batch too
+            self.rollout.draw_from(self._more if jax.process_count() == 1 else
+                                   lambda: whole(self._more(), self.partition))
         self.lag = self.rollout.max_lag if isinstance(self.rollout, Lagging) else 0
         # Two threads launching programs with collectives over several devices may reach them in
         # different orders and deadlock: on a larger mesh the lagged batches are made in the loop.
@@ -320,7 +322,7 @@ class Feed:
             else:
                 rollout, count, source = self.rollout, self._draws, batch
                 scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
-                batch = rollout(state, batch, key)
+                batch = self._rolled_out(rollout, state, batch, key)
                 _check_mapping(batch, step, "The rollout")
                 reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
                 self._journal(step, source, batch, self._draws - count + 1)
@@ -329,6 +331,13 @@ class Feed:
         ended = time.perf_counter()
         return _Made(batch, drawn, scalars, before, data=rolled - began, rollout=ended - rolled - reward,
                      reward=reward)
+
+    def _rolled_out(self, rollout: Rollout, state: TrainState, batch: Batch, key: jax.Array) -> Batch:
+        """batch rolled out; in a pool, from the whole global batch on every process, this one
+        keeping its share (dew.training.runtime.whole_batch)."""
+        if jax.process_count() == 1:
+            return rollout(state, batch, key)
+        return share_of(rollout(state, whole(batch, self.partition), key), self.partition)
 
     def _positions(self) -> tuple[bytes | None, bytes | None]:
         """The stream's position and the rollout's state, as they are now."""

@@ -64,6 +64,7 @@ from dew.objectives.inference import variables_of
 from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_reference
 from dew.objectives.rollouts import RewardMetric
 from dew.rewards import Reward, resolve, score
+from dew.training.runtime.whole_batch import host_value
 from dew.typing import PyTree
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class FlowRollout:
             rows = len(next(iter(batch.values())))
             condition = np.zeros((rows * g,), np.int32)
         trajectory, logp = self._sample({"params": state.params["params"]}, jnp.asarray(condition), key)
-        images = np.asarray(trajectory[:, -1])
+        images = host_value(trajectory[:, -1])
         if objective.pixels:  # what a pipeline would show: a sample past [-1, 1] earns nothing more
             images = np.clip(np.round((images + 1.0) * 127.5), 0, 255).astype(np.uint8)
         # A reward reads the batch's other keys, repeated per sample, as whatever they hold.

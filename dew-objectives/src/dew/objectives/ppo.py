@@ -68,6 +68,7 @@ from dew.objectives.policy import (
 from dew.objectives.rollouts import CompletionRollout, GreedyRewardValidation
 from dew.rewards import resolve
 from dew.sampling import Sampling, TextGeneration
+from dew.training.runtime.whole_batch import host_value
 
 if TYPE_CHECKING:
     from dew.training.initializers import WeightSource
@@ -161,7 +162,7 @@ class PPORollout:
             reference = base_of({k: v for k, v in state.params["params"].items() if k != VALUE_HEAD})
         ref_logp = self._reference({"params": reference}, tokens)
         mask = np.asarray(rolled["mask"], np.float32)[:, 1:]
-        old_logp, values, ref_logp = (np.asarray(x, np.float32) for x in (old_logp, values, ref_logp))
+        old_logp, values, ref_logp = (host_value(x).astype(np.float32) for x in (old_logp, values, ref_logp))
         log_ratio = (old_logp - ref_logp) * mask
         rewards = -self.kl_coef * log_ratio
         last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)

@@ -75,6 +75,7 @@ from dew.sampling.requests import (
 )
 from dew.sampling.sequences import PromptGroup, Sample, sample_keys
 from dew.sampling.text import reader
+from dew.training.runtime.whole_batch import host_value
 
 if TYPE_CHECKING:
     from dew.sampling.pool import PoolSharding
@@ -551,7 +552,7 @@ class Engine:
             settings, top_k, stops, copy_from, copy_to, steps=config.steps_per_call,
             filtered=filtered, key_impl=self._key_impl, sharding=self._sharding, vocab=self.vocab)
         self._counts["decode_calls"] += 1
-        out, logp = np.asarray(out), np.asarray(logp)
+        out, logp = host_value(out), host_value(logp)  # in a pool, spread over every process's devices
         finished = []
         for r, sequence in enumerate(list(running)):
             produced = out[r][out[r] >= 0]
