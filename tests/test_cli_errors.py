@@ -322,3 +322,30 @@ def test_a_command_run_from_a_removed_directory_says_so_in_one_line(tmp_path):
         assert done.returncode == 2, done.stderr
         assert done.stderr == ("dew: the current directory was removed (deleted while this shell was in it); cd to "
                                "an existing one and run the command again.\n"), done.stderr
+
+
+def test_a_pool_process_whose_save_lost_its_peer_exits_75_without_blaming_the_disk(monkeypatch, capsys):
+    """A rank whose peer was killed while its checkpoint's save gathered across the pool printed the
+    save's CheckpointWriteError, advising to free disk space. Where a kill -9 lands cannot be chosen,
+    so the pool and the failed save are stood in for, with the message Gloo gave."""
+    import dew.cli as cli
+    import dew.cli.train
+    from dew.checkpoints.errors import CheckpointWriteError
+
+    lost = ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+                      "[127.0.0.1]:29068: Connection reset by peer")
+
+    def save_fails(args):
+        raise CheckpointWriteError(10, "runs/pool", lost) from lost  # as the manager raises it
+
+    def ended(status):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(dew.cli.train, "run", save_fails)
+    monkeypatch.setattr(cli, "_in_pool", lambda: True)
+    monkeypatch.setattr(cli, "_end_now", ended)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", "tiny-lm"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 75, err
+    assert err.startswith("dew: another process of the pool ended, so this one cannot go on") and "disk" not in err, err

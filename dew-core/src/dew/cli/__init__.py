@@ -146,7 +146,10 @@ def _guarded(argv: Sequence[str] | None) -> int:
         if not _in_pool():
             raise
         if _peer_lost(error):  # not this process's failure: the one that failed first says what it was
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            lost: BaseException = error
+            while lost.__cause__ is not None and _peer_lost(lost.__cause__):  # the collective's own words,
+                lost = lost.__cause__  # not the advice of dew's error around it (a save's)
+            first = str(lost).strip().splitlines()[0] if str(lost).strip() else type(lost).__name__
             print(f"dew: another process of the pool ended, so this one cannot go on (a collective "
                   f"failed: {first}).", file=sys.stderr, flush=True)
             from dew.training.runtime.launcher import PEER_LOST_STATUS
@@ -271,6 +274,8 @@ def _main(argv: Sequence[str] | None) -> int:
             # A file or folder this user may not read or write is the command's input, not a bug.
             if shown or not (is_dews(error) or isinstance(error, PermissionError)):
                 raise
+            if _in_pool() and _peer_lost(error):  # dew's error around a collective a lost peer failed
+                raise  # (a checkpoint's save): said as such, below, not blamed on the disk
             print(refusal(args.command, error), file=sys.stderr, flush=True)
             return REFUSED
 
