@@ -482,3 +482,14 @@ def test_ppo_minibatches_that_do_not_split_the_rollout_are_named_in_one_line(tmp
     err = capsys.readouterr().err
     assert err.startswith("dew train: MinibatchSplitError: PPOObjective(minibatches=3) does not divide the "
                           "rollout of 64 completions") and "Traceback" not in err, err
+
+
+def test_lora_over_a_base_no_init_section_gives_is_noted_once(tmp_path, monkeypatch, capsys):
+    """A fresh DiT's blocks start gated shut and lora freezes their modulation: its adapters got no
+    gradient in any step, and the run ended well, saying nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "digits-diffusion", r"lora={rank: 2, alpha: 4.0, targets: [blocks_\d+/attention]}",
+                 "trainer.steps=1", "trainer.eval_every=null", "data.load.val_fraction=0",
+                 f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("note: lora freezes every weight but the adapters, and no init section gives them") == 1, out

@@ -65,7 +65,9 @@ __all__ = [
     "build_objective",
     "build_evaluations",
     "build_parts",
+    "check_model_kind",
     "expand",
+    "fresh_base_note",
     "initial_variables",
     "join_pool",
     "objective_parts",
@@ -516,6 +518,23 @@ def warmup_note(config: RunConfig, steps: int) -> str | None:
             "lower optimizer.warmup_steps or raise trainer.steps.")
 
 
+def fresh_base_note(config: RunConfig) -> str | None:
+    """A note when LoRA adapts a base no init section gives: it is drawn fresh and stays so.
+
+    >>> from dew.recipes.config import RunConfig
+    >>> fresh_base_note(RunConfig.load("tiny-lm-lora")).startswith("note: lora freezes every weight")
+    True
+    >>> fresh_base_note(RunConfig.load("tiny-lm")) is None
+    True
+    """
+    if config.lora is None or config.init is not None:
+        return None
+    return ("note: lora freezes every weight but the adapters, and no init section gives them: the base is drawn "
+            "fresh and stays as drawn, so the adapters learn over random weights (a model whose blocks start "
+            "gated shut, as a DiT's modulation does, passes them no gradient at all). Start from trained "
+            "weights with init.run or init.pretrained.")
+
+
 def _saved_meta(checkpoints: Checkpoints, step: int) -> Mapping[str, object] | None:
     """The meta saved with step, None when its manifest cannot be read (the restore says why)."""
     from dew.checkpoints.errors import CheckpointCorruptedError, CheckpointNotFoundError
@@ -663,9 +682,9 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     tracker = config.build_trackers(stamp)
     if jax.process_index() == 0:
         print(_where(checkpoints), flush=True)
-        short = warmup_note(config, fit["steps"])
-        if short is not None:
-            print(short, flush=True)
+        for note in (warmup_note(config, fit["steps"]), fresh_base_note(config) if resumed_at is None else None):
+            if note is not None:
+                print(note, flush=True)
     try:
         trainer = Trainer.from_config(
             _profile_expanded(config.trainer, stamp), objective, run_optimizer(config, fit["steps"]), key=key,
