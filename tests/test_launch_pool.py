@@ -381,3 +381,44 @@ def test_a_pool_rolls_out_as_one_process_does(recipe, overrides, tmp_path):
     assert pool.keys() == one.keys() and (2, "train/reward") in pool
     for key, value in one.items():
         assert pool[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key  # a loss near 0 is float noise
+
+
+@pytest.mark.slow
+def test_a_stopped_rl_pool_journals_whole_batches_and_resumes_bitwise(tmp_path):
+    """A GRPO pool journaled only rank 0's half of each batch, and resumed without replaying it: the
+    batch it had made ahead (objective.max_lag) was sampled again from newer weights, and the run
+    ended elsewhere than an uninterrupted one."""
+    import numpy as np
+
+    from dew.training.rollout_journal import read_journal
+
+    common = ["addition-grpo", "init=null", "trainer.steps=8", "trainer.log_every=1", "trainer.eval_every=100",
+              "trainer.checkpoint_every=2", "data.batch=4", "objective.group_size=4", "objective.max_lag=1"]
+
+    def launch(name):
+        return Launch(["-n", "2", *common, f"trainer.checkpoint_dir={tmp_path / name}",
+                       f"trackers.0.directory={tmp_path / name}"], tmp_path)
+
+    assert launch("whole").wait(timeout=300) == 0
+    stopped = launch("cut")
+    stopped.wait_for(r"step 3:", timeout=300)
+    stopped.process.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=120) == 143, stopped.text()
+    again = launch("cut")
+    assert again.wait(timeout=300) == 0, again.text()
+    assert "Resuming" in again.text()
+
+    def logged(run):
+        rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
+        return {(row["step"], key): value for row in rows for key, value in row.items()
+                if key.startswith(("train/reward", "train/loss", "train/grad_norm"))}
+
+    assert logged(tmp_path / "cut") == logged(tmp_path / "whole")
+    assert (tmp_path / "cut" / "8").is_dir()
+    whole = {entry.step: entry for entry in read_journal(tmp_path / "whole")}
+    cut = {entry.step: entry for entry in read_journal(tmp_path / "cut")}
+    assert set(range(8)) <= whole.keys() == cut.keys()  # and the batch made ahead of the last step
+    for step, entry in whole.items():  # every process's rows: data.batch prompts, group_size each
+        assert entry.batch["tokens"].shape[0] == 4 * 4, step
+        for key, value in entry.batch.items():
+            np.testing.assert_array_equal(cut[step].batch[key], value, err_msg=f"step {step} {key}")

@@ -61,7 +61,7 @@ from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_
 from dew.training.protocols import Lagging, Refilling, RewardTimed, Rollout, Transcribed
 from dew.training.rollout_ahead import Ahead
 from dew.training.rollout_journal import Rolled, RolloutJournal, batch_digest
-from dew.training.runtime.whole_batch import share_of, whole
+from dew.training.runtime.whole_batch import from_process_zero, share_of, whole
 from dew.training.state import TrainState
 
 __all__ = ["Feed", "Fed", "ReplayMismatchWarning", "RolloutStateError", "StreamEndedError", "pack_position", "unpack_position"]
@@ -207,11 +207,10 @@ class Feed:
             # the run directory, process 0's; a rollout that only checks its batch (DPO's) has
             # nothing it paid for and is not Transcribed
             self.journal = RolloutJournal(self.ledger.path.parent)
-        if self.journal is not None:
-            replayable = self.journal.opened(start, self.maker)
-            # A pool's other processes keep no journal: one process replaying alone would leave
-            # the others' sampling programs waiting for it.
-            self._replay = replayable if jax.process_count() == 1 else {}
+        replayable = self.journal.opened(start, self.maker) if self.journal is not None else {}
+        # A pool's process 0 keeps the journal, of whole global batches: every process replays them.
+        pooled = jax.process_count() > 1 and self.rollout is not None
+        self._replay = from_process_zero(replayable) if pooled else replayable
         if not isinstance(stream, Accounted):
             self.ledger = None  # a stream that cannot say which records it read keeps no ledger
         if self.ledger is not None:
@@ -316,28 +315,26 @@ class Feed:
         rolled = time.perf_counter()
         reward = 0.0
         if self.rollout is not None and key is not None:
+            # In a pool every process rolls out (or replays) the whole global batch, and keeps its
+            # share (dew.training.runtime.whole_batch).
+            pooled = jax.process_count() > 1
+            batch = whole(batch, self.partition) if pooled else batch
             replay = self._replayed(step, batch)
             if replay is not None:
                 batch = replay
             else:
                 rollout, count, source = self.rollout, self._draws, batch
                 scored = rollout.reward_seconds if isinstance(rollout, RewardTimed) else 0.0
-                batch = self._rolled_out(rollout, state, batch, key)
+                batch = rollout(state, batch, key)
                 _check_mapping(batch, step, "The rollout")
                 reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
                 self._journal(step, source, batch, self._draws - count + 1)
+            batch = share_of(batch, self.partition) if pooled else batch
         # Read once the rollout is done, so what the stream reports counts the batches it refilled from.
         scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}
         ended = time.perf_counter()
         return _Made(batch, drawn, scalars, before, data=rolled - began, rollout=ended - rolled - reward,
                      reward=reward)
-
-    def _rolled_out(self, rollout: Rollout, state: TrainState, batch: Batch, key: jax.Array) -> Batch:
-        """batch rolled out; in a pool, from the whole global batch on every process, this one
-        keeping its share (dew.training.runtime.whole_batch)."""
-        if jax.process_count() == 1:
-            return rollout(state, batch, key)
-        return share_of(rollout(state, whole(batch, self.partition), key), self.partition)
 
     def _positions(self) -> tuple[bytes | None, bytes | None]:
         """The stream's position and the rollout's state, as they are now."""

@@ -7,7 +7,8 @@ other processes' devices and could not be read, and FlowGRPO's processes
 drew the same noise for different rows. So in a pool every process gathers
 the global batch (``whole``), rolls it out with the step's one key, and
 keeps its own share's rows (``share_of``): the rows and draws of a run on
-one process.
+one process. Process 0 journals the whole batches and hands the journal to
+the others on a resume (``from_process_zero``), so every process replays them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from dew.data.base import Batch, DataPartition
 
-__all__ = ["host_value", "share_of", "whole"]
+__all__ = ["from_process_zero", "host_value", "share_of", "whole"]
 
 
 def host_value(array: Any) -> np.ndarray:
@@ -42,6 +43,11 @@ def _every_process(payload: bytes) -> list[bytes]:
     padded[: len(payload)] = np.frombuffer(payload, np.uint8)
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
     return [every[index, : int(size)].tobytes() for index, size in enumerate(sizes)]
+
+
+def from_process_zero(value: Any) -> Any:
+    """Process 0's value on every process of the pool (what only it holds: the rollout journal)."""
+    return pickle.loads(_every_process(pickle.dumps(value) if jax.process_index() == 0 else b"")[0])
 
 
 def whole(batch: Batch, partition: DataPartition) -> dict[str, np.ndarray]:
