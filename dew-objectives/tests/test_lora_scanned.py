@@ -162,7 +162,8 @@ def test_qlora_quantizes_each_layer_of_the_stack_as_the_numbered_model_does(adap
         np.testing.assert_array_equal(np.asarray(query.array.scale[i]), np.asarray(single.scale))
     theirs = {"params": unstack_tree(ours["params"])}  # the same codes and adapters, numbered
     logits = scanned.apply(ours, TOKENS)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(flat.apply(theirs, TOKENS)), atol=1e-5, rtol=0)
+    # The stack and the numbered layers sum in other orders: float32's rounding, relative to the logit.
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(flat.apply(theirs, TOKENS)), atol=1e-5, rtol=1e-5)
     merged = merge_lora(ours, spec)  # float weights: the codes' values plus each layer's product
     np.testing.assert_allclose(
         np.asarray(CausalTransformer(**FIELDS, scan_layers=True).apply(merged, TOKENS)),
