@@ -294,6 +294,17 @@ def test_processes_given_different_recipes_are_refused_by_name(tmp_path):
     assert not (tmp_path / "run" / "1").exists()  # refused before any step
 
 
+def _in_a_pool_and_alone(common: list[str], tmp_path: Path) -> None:
+    """dew train common by a pool of two into tmp_path/pool, and by this process into tmp_path/one."""
+    from dew.cli import main
+
+    launch = Launch(["-n", "2", *common, f"trainer.checkpoint_dir={tmp_path / 'pool'}",
+                     f"trackers.0.directory={tmp_path / 'pool'}"], tmp_path)
+    assert launch.wait(timeout=300) == 0, launch.text()
+    assert main(["train", *common, f"trainer.checkpoint_dir={tmp_path / 'one'}",
+                 f"trackers.0.directory={tmp_path / 'one'}"]) == 0
+
+
 @pytest.mark.slow
 def test_a_pool_scores_its_generation_task_as_one_process_does(tmp_path):
     """tiny-sft's generation task on a pool of two failed at its evaluation fetching an array held
@@ -301,16 +312,11 @@ def test_a_pool_scores_its_generation_task_as_one_process_does(tmp_path):
     work): the pool ended with status 1 and the task's scores were never logged."""
     import json
 
-    from dew.cli import main
 
     common = ["tiny-sft", "model.num_layers=1", "model.emb_features=32", "model.mlp_features=64",
               "model.num_heads=2", "data.batch=4", "trainer.steps=2", "trainer.log_every=1",
               "trainer.evaluate.0.every=1", "trainer.evaluate.0.max_new_tokens=4"]
-    launch = Launch(["-n", "2", *common, f"trainer.checkpoint_dir={tmp_path / 'pool'}",
-                     f"trackers.0.directory={tmp_path / 'pool'}"], tmp_path)
-    assert launch.wait(timeout=300) == 0, launch.text()
-    assert main(["train", *common, f"trainer.checkpoint_dir={tmp_path / 'one'}",
-                 f"trackers.0.directory={tmp_path / 'one'}"]) == 0
+    _in_a_pool_and_alone(common, tmp_path)
 
     def scored(run):
         rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
@@ -363,14 +369,9 @@ def test_a_pool_rolls_out_as_one_process_does(recipe, overrides, tmp_path):
     """GRPO's pool failed at its first step reading the sampler's tokens, held across both processes
     (each rolled out its own rows with the pool's programs); FlowGRPO's two processes drew the same noise
     for different rows, so its rewards and gradients differed from one process's."""
-    from dew.cli import main
 
     common = [recipe, "init=null", "trainer.steps=2", "trainer.log_every=1", *overrides]
-    launch = Launch(["-n", "2", *common, f"trainer.checkpoint_dir={tmp_path / 'pool'}",
-                     f"trackers.0.directory={tmp_path / 'pool'}"], tmp_path)
-    assert launch.wait(timeout=300) == 0, launch.text()
-    assert main(["train", *common, f"trainer.checkpoint_dir={tmp_path / 'one'}",
-                 f"trackers.0.directory={tmp_path / 'one'}"]) == 0
+    _in_a_pool_and_alone(common, tmp_path)
 
     def logged(run):
         rows = [json.loads(line) for line in (run / "scalars.jsonl").read_text().splitlines()]
