@@ -13,6 +13,7 @@ import pytest
 
 from dew import registry
 from dew.data import Dataset
+from dew.errors import BatchKeyError
 from dew.models import build
 from dew.objectives.base import Step
 from dew.objectives.dpo import DPOObjective, MismatchedPairError, check_pairs
@@ -145,6 +146,20 @@ def test_pairs_with_different_prompts_are_refused_naming_the_pair():
     data = Dataset(train=lambda partition: itertools.repeat(batch), batch=4)
     trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), rollout=objective.rollout())
     with pytest.raises(MismatchedPairError, match="Pair 2"):
+        trainer.fit(data, steps=1, log_every=1)
+
+
+
+def test_data_without_pairs_is_refused_naming_the_keys_it_lacks():
+    # Prompts where pairs belong (a recipe's data.form=prompts under dpo): a KeyError's traceback before.
+    prompts = {"prompt": np.ones((4, 3), np.int32), "prompt_length": np.full(4, 3), "answer": np.ones((4, 2))}
+    with pytest.raises(BatchKeyError, match=r"without 'chosen', 'rejected'.*form 'pairs'") as refused:
+        check_pairs(prompts)
+    assert "['answer', 'prompt', 'prompt_length']" in str(refused.value)
+    objective = DPOObjective(_model(), LENGTH)
+    data = Dataset(train=lambda partition: itertools.repeat(prompts), batch=4)
+    trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), rollout=objective.rollout())
+    with pytest.raises(BatchKeyError, match="Preference pairs are read under 'chosen'"):
         trainer.fit(data, steps=1, log_every=1)
 
 

@@ -27,6 +27,7 @@ from dew.environments import (
     resolve_environment,
 )
 from dew.environments.calculator import Calculator, arithmetic
+from dew.errors import BatchKeyError
 from dew.nn.backbones import CausalTransformer
 from dew.objectives.episodes import EpisodeRollout
 from dew.objectives.grpo import GRPOObjective
@@ -214,6 +215,17 @@ def test_an_environment_that_raises_ends_its_episodes_with_zero_reward_and_a_war
     np.testing.assert_array_equal(out["turns"], [0.0, 0.0, 2.0, 2.0] if where == "start" else [1.0, 1.0, 2.0, 2.0])
     assert rollout.engine.kept == () and rollout.engine.blocks.used_blocks == 0  # nothing left held
 
+
+
+def test_records_without_the_key_the_calculator_reads_stop_the_rollout_naming_it(state):
+    # Each episode's start failed alone (reward 0 and a warning per episode) and the run went on
+    # learning nothing; a record that lacks the answers is the data's fault, said once.
+    rollout = _rollout(Calculator(key="solution"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(BatchKeyError, match=r"checks answers under 'solution'.*\['answer'\]"):
+            rollout(state, BATCH, jax.random.key(3))
+    assert rollout.engine.kept == ()
 
 def test_an_environment_that_hangs_is_cut_off_at_the_turn_timeout(state):
     rollout = _rollout(Scripted(hang_on="2"), turn_timeout=0.3)

@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from dew import registry
 from dew.data import Dataset
+from dew.errors import BatchKeyError
 from dew.objectives.base import Step
 from dew.objectives.flow_grpo import FlowGRPOObjective
 from dew.testing.doubles import RecordingTracker
@@ -70,6 +72,21 @@ def test_the_sampler_records_each_steps_gaussian_log_density():
     # The reward (brightness, found by name) scores the last state of each trajectory.
     np.testing.assert_allclose(out["reward"], trajectory[:, -1].reshape(2 * G, -1).mean(1), rtol=1e-5)
 
+
+
+class _LabelledVelocity(nn.Module):
+    @nn.compact
+    def __call__(self, x, t, label):
+        return Velocity()(x, t + label.astype(t.dtype))
+
+
+def test_data_without_the_condition_key_is_refused_naming_it():
+    # Text where labelled images belong (a recipe's data under flow_grpo): a bare KeyError's traceback before.
+    objective = FlowGRPOObjective(_LabelledVelocity(), image_shape=SHAPE, steps=STEPS, group_size=G,
+                                  condition_key="label")
+    variables = objective.init(jax.random.key(0))
+    with pytest.raises(BatchKeyError, match=r"reads conditions under 'label'.*holds \['text'\]"):
+        objective.rollout()(_State(variables), {"text": np.zeros((2, 4))}, jax.random.key(1))
 
 def test_loss_and_gradient_equal_the_clipped_objective_with_the_gaussian_kl():
     model = Velocity()

@@ -74,7 +74,12 @@ class Environment(Protocol):
     stop_strings: tuple[str, ...]
 
     def start(self, prompt: str, record: Mapping[str, Any]) -> Episode:
-        """A new episode for prompt (text), with the record's other values (one per key)."""
+        """A new episode for prompt (text), with the record's other values (one per key).
+
+        A record without a key the environment reads is the data's fault, not the episode's:
+        raise ``dew.errors.BatchKeyError`` and the rollout stops the run with its message
+        (anything else an environment raises ends that one episode with reward 0).
+        """
         ...
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dew.environments import Reply
+from dew.errors import BatchKeyError
 from dew.rewards import ExactMatch
 
 __all__ = ["Calculator", "CalculatorEpisode", "arithmetic"]
@@ -109,6 +110,6 @@ class Calculator:
 
     def start(self, prompt: str, record: Mapping[str, Any]) -> CalculatorEpisode:
         if self.key not in record:
-            raise KeyError(f"The calculator checks answers under {self.key!r}, but the record holds "
+            raise BatchKeyError(f"The calculator checks answers under {self.key!r}, but the record holds "
                            f"{sorted(record)}; set Calculator(key=...) to the key holding the answers.")
         return CalculatorEpisode(self, prompt, record)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.data.base import Batch as HostBatch
-from dew.errors import DewError
+from dew.errors import BatchKeyError, DewError
 from dew.nn.kinds import CausalDecoder
 from dew.objectives import pair_losses
 from dew.objectives.base import Aux, Batch, LeafFilter, Mean, Objective, Step, Variables, under
@@ -100,6 +100,15 @@ def check_pairs(batch: HostBatch, chosen_key: str = "chosen", rejected_key: str 
     ...
     dew.objectives.dpo.MismatchedPairError: Pair 0 of the batch has different prompts: ...
     """
+    missing = [k for k in (chosen_key, rejected_key, prompt_length_key) if k not in batch]
+    if missing:
+        raise BatchKeyError(
+            f"Preference pairs are read under {chosen_key!r} and {rejected_key!r} (token ids, one row "
+            f"per pair) with the shared prompt's length under {prompt_length_key!r}, but the batch "
+            f"holds {sorted(batch)}, without {', '.join(map(repr, missing))}. Give the objective pair "
+            "data (the addition reader's form 'pairs', or a preference dataset), or set chosen_key, "
+            "rejected_key and prompt_length_key to the keys that hold them."
+        )
     chosen, rejected = np.asarray(batch[chosen_key]), np.asarray(batch[rejected_key])
     lengths = np.asarray(batch[prompt_length_key]).reshape(-1)
     if chosen.shape[0] != rejected.shape[0] or chosen.shape[0] != lengths.shape[0]:

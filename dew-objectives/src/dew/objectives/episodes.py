@@ -57,6 +57,7 @@ from dew.environments import (
     Reply,
     resolve_environment,
 )
+from dew.errors import BatchKeyError
 from dew.objectives.base import Variables
 from dew.objectives.rollouts import PolicyRollout, completion_text
 from dew.sampling import Engine, EngineConfig, Request, Sampling
@@ -170,6 +171,9 @@ class EpisodeRollout(PolicyRollout):
         results = guarded_calls(calls, self.turn_timeout)
         self.reward_seconds += time.perf_counter() - began
         name = type(self.environment).__name__
+        for result in results:  # the records lack what the environment reads: every episode would fail
+            if isinstance(result, _Failed) and isinstance(result.error, BatchKeyError):
+                raise result.error
         for play, result in zip(plays, results, strict=True):
             if not isinstance(result, _Failed):
                 continue

@@ -46,6 +46,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dew.data.base import Batch as HostBatch
+from dew.errors import BatchKeyError
 from dew.nn.kinds import PixelDenoiser, VideoModel
 from dew.objectives.base import (
     Aux,
@@ -145,8 +146,10 @@ class FlowRollout:
         objective, g = self.objective, self.objective.group_size
         if objective.condition_key is not None:
             if objective.condition_key not in batch:
-                raise KeyError(f"FlowGRPO reads conditions under {objective.condition_key!r}, but the batch "
-                               f"holds {sorted(batch)}.")
+                raise BatchKeyError(
+                    f"FlowGRPO reads conditions under {objective.condition_key!r} (the class labels its "
+                    f"model draws), but the batch holds {sorted(batch)}. Give it labelled images (the "
+                    "digits reader), or set condition_key to the key that holds the labels.")
             condition = np.repeat(np.asarray(batch[objective.condition_key]), g, axis=0)
         else:
             rows = len(next(iter(batch.values())))
