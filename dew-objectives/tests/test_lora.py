@@ -145,9 +145,22 @@ def test_the_embedding_of_a_tied_model_is_refused_though_its_head_multiplies_by_
 
 def test_a_target_that_matches_no_module_is_refused_naming_it():
     wrapped = apply_lora(tiny(), Lora(rank=2, targets=("attention", r".*feedforward")))
-    with pytest.raises(LoraError, match=r"'\.\*feedforward'.*matches no module.*layers_0/attention"):
+    with pytest.raises(LoraError, match=r"'\.\*feedforward'.*matches no module.*which are: .*layers_\\d\+/attention, "):
         wrapped.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
 
+
+
+def test_a_target_that_matches_no_module_lists_the_repeated_blocks_as_patterns():
+    # A video DiT's blocks are space_k and time_k: the first six names alphabetically were final,
+    # final_modulation, label, noise/fc1, noise/fc2, patch, and none a target could adapt.
+    video = models.build("video_dit", frames=2, image_size=8, channels=1, patch_size=4, emb_features=16,
+                         num_layers=2, num_heads=2, mlp_features=32, num_classes=3)
+    with pytest.raises(LoraError, match=r"'attention'.*matches no module") as refused:
+        apply_lora(video, Lora(rank=2, targets=("attention",))).init(
+            jax.random.key(0), jnp.zeros((1, 2, 8, 8, 1)), jnp.zeros((1,)), jnp.zeros((1,), jnp.int32))
+    listed = str(refused.value).rsplit("which are: ", 1)[1].rstrip(".").split(", ")
+    assert {r"space_\d+/attention", r"time_\d+/attention", r"noise/fc\d+"} <= set(listed), listed
+    assert "space_0/attention" not in listed and "space_1/attention" not in listed
 
 @pytest.mark.parametrize("targets, named", [
     ((r".*embed",), "embed/embedding"),  # a lookup, not a matmul: qwix placed no adapter, and nothing trained

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -64,6 +64,25 @@ QTYPES: Mapping[str, str | None] = {"float32": None, "int8": "int8", "nf4": "nf4
 
 class LoraError(DewError, ValueError):
     """A LoRA spec that cannot be applied to this model."""
+
+
+def matched_nothing(target: str, pattern: str, modules: Iterable[str]) -> LoraError:
+    """The error for a target that adapts no module, listing the model's modules as patterns.
+
+    Numbers in a path become ``\\d+``, so a video DiT's ``space_0/attention`` ...
+    ``time_3/attention`` read as two patterns a target can use, rather than a
+    first few names in alphabetical order that miss the repeated blocks.
+
+    >>> str(matched_nothing("mlp", ".*mlp", ["final", "layers_0/attention", "layers_1/attention"]))[-39:]
+    'which are: final, layers_\\\\d+/attention.'
+    """
+    shapes = list(dict.fromkeys(re.sub(r"\d+", r"\\d+", module) for module in sorted(modules)))
+    shown = ", ".join(shapes[:_LISTED]) + (f", and {len(shapes) - _LISTED} more" if len(shapes) > _LISTED else "")
+    return LoraError(f"Lora target {target!r} ({pattern}) matches no module of this model. Targets are "
+                     f"regular expressions over its module paths, which are: {shown}.")
+
+
+_LISTED = 16  # module patterns a no-match error lists
 
 
 def is_adapter(path: tuple[str, ...], leaf: PyTree) -> bool:
@@ -182,9 +201,7 @@ def selected(spec: Lora, variables: Mapping[str, PyTree],
                             and too_narrow_to_adapt(path.rsplit("/", 1)[-1], shape, spec.rank))
                    and re.fullmatch(pattern, _module_of(path))}
         if not matched:
-            modules = sorted({_module_of(path) for path in weights if "/" in path})
-            raise LoraError(f"Lora target {target!r} ({pattern}) matches no module of this model; "
-                            f"its modules include {', '.join(modules[:6])}.")
+            raise matched_nothing(target, pattern, {_module_of(path) for path in weights if "/" in path})
         chosen.update(matched)
     for path, stored in chosen.items():
         shape = stacked_width_shape(path, stored)

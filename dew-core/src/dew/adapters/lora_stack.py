@@ -68,7 +68,7 @@ def stacked_patterns(model: Module, spec: Lora) -> tuple[str, ...]:
     when a pattern picks a module in some layers and not in others, naming
     the layers, or matches nothing.
     """
-    from dew.adapters.lora import LoraError
+    from dew.adapters.lora import LoraError, matched_nothing
 
     scanned = _module_paths(model)
     numbered = _module_paths(model.clone(scan_layers=False))
@@ -94,8 +94,7 @@ def stacked_patterns(model: Module, spec: Lora) -> tuple[str, ...]:
                     "matches the module in every layer, or build the model with scan_layers=False.")
             chosen.add(module)
         if not chosen:
-            raise LoraError(f"Lora target {target!r} ({pattern}) matches no module of this model; "
-                            f"its modules include {', '.join(numbered[:6])}.")
+            raise matched_nothing(target, pattern, numbered)
         out.extend(sorted(chosen - set(out)))
     return tuple(re.escape(path) for path in out)
 

@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  dew launch --print slurm -n 8 tiny-lm > tiny-lm.sbatch && sbatch tiny-lm.sbatch\n"
         "  dew launch --print jobset -n 8 --image REGISTRY/dew:latest tiny-lm | kubectl apply -f -\n\n"
         "exit status: 0 finished; 143 stopped on request (130 after Ctrl-C) with its checkpoint "
-        "written;\n137 killed after the grace or on a second signal; otherwise the status of the rank that failed."
+        "written;\n137 killed after the grace, on a second signal, or a rank killed outright (kill -9); otherwise "
+        "the status of the rank that failed."
     )
 
 
