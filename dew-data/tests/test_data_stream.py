@@ -311,3 +311,33 @@ def test_reading_workers_end_when_their_process_is_killed(tmp_path: Path):
     for pid in left:  # not to leave them to the rest of the suite
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived the process that started them"
+
+
+HELD_SCRIPT = """
+import sys
+import numpy as np
+
+def main():
+    from dew.data.sources import ArrayRecords
+    from dew.data.stream import train_stream
+    stream = train_stream(ArrayRecords({"x": np.arange(100000, dtype=np.float32).reshape(-1, 10)}), batch=256,
+                          seed=0, workers=2)
+    held = [next(stream) for _ in range(5)]  # a run holds its last batches as it stops
+    stream.close()
+    print(sorted({type(batch["x"]).__name__ for batch in held}), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_batches_read_by_workers_leave_no_shared_memory_behind(tmp_path: Path):
+    """Batches came back in the workers' shared memory, let go of only at exit: a run stopped by
+    SIGTERM ended with the resource tracker's warning of leaked shared_memory objects."""
+    script = tmp_path / "held.py"
+    script.write_text(textwrap.dedent(HELD_SCRIPT))
+    result = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["['ndarray']"]
+    assert "leaked" not in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -442,6 +442,8 @@ class TrainStream:
 
     def __next__(self) -> dict[str, np.ndarray]:
         out = next(self._open())
+        if self.workers > 0:  # out of the workers' shared memory, which is let go of now rather than at exit
+            out = {key: np.array(value) for key, value in out.items()}
         self._last = (self.records, self.records + self.batch)
         self.records += self.batch
         return out
