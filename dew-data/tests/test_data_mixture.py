@@ -105,7 +105,7 @@ def test_a_position_resumes_only_a_mixture_that_drew_its_records_the_same_way():
     changed = [{"sources": sources, "weights": {"a": 0.9, "b": 0.1}},
                {"sources": {"b": sources["b"], "a": sources["a"]}, "weights": {"b": 0.5, "a": 0.5}},
                {"sources": {"a": sources["a"], "b": Tagged(1, 40), "c": Tagged(2, 5)},
-                "weights": {"a": 0.5, "b": 0.5}}]
+                "weights": {"a": 0.5, "b": 0.5, "c": 0.0}}]
     for options in changed:
         with pytest.raises(PositionMismatchError, match="read some records again and skip others"):
             opened(**options).set_state(position)
@@ -186,21 +186,30 @@ def test_bad_weights_and_sources_are_named(tmp_path):
         Mixture(sources=sources, weights={"code": 1.0, "prose": -0.5})
     with pytest.raises(MixtureError, match="name source 'poetry'"):
         Mixture(sources=sources, weights={"code": 1.0, "poetry": 1.0})
+    # A source no weights name was read, tokenized and never drawn, without a word.
+    with pytest.raises(MixtureError, match="source 'prose' has no weight, so it would never be drawn"):
+        Mixture(sources=sources, weights={"code": 1.0})
+    with pytest.raises(MixtureError, match="source 'prose' has no weight"):
+        Mixture(sources=sources, schedule=[{"step": 0, "weights": {"code": 1}}, {"step": 9, "weights": {"code": 2}}])
+    assert Mixture(sources=sources, weights={"code": 1.0, "prose": 0}).weights == {"code": 1.0, "prose": 0}
+    assert Mixture(sources=sources, schedule=[{"step": 0, "weights": {"code": 1}},
+                                              {"step": 9, "weights": {"prose": 1}}]).schedule is not None
     with pytest.raises(MixtureError, match="weights at step 10 is 0"):
         Mixture(sources=sources, schedule=[{"step": 0, "weights": {"code": 1}}, {"step": 10, "weights": {"code": 0}}])
     with pytest.raises(EmptyDatasetError, match="Mixture source 'prose' holds no records"):
-        Mixture(sources={"code": Tagged(0, 5), "prose": Tagged(1, 0)}, weights={"code": 1}).load(batch=2)
+        Mixture(sources={"code": Tagged(0, 5), "prose": Tagged(1, 0)}, weights={"code": 1, "prose": 1}).load(batch=2)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(EmptyDatasetError, match="Mixture source 'prose': The files"):
         Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_windows", "files": str(tmp_path / "*.txt")}},
-                weights={"code": 1}).load(batch=2)
+                weights={"code": 1, "prose": 1}).load(batch=2)
     with pytest.raises(MixtureError, match="Mixture source 'prose': dataset 'token_windows' has no field 'lenght'"):
         Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_windows", "files": "x", "lenght": 8}},
                 weights={"code": 1})
     with pytest.raises(MixtureError, match="Mixture source 'prose': No dataset named 'token_window'"):
         Mixture(sources={"code": Tagged(0, 5), "prose": {"name": "token_window"}}, weights={"code": 1})
     with pytest.raises(MixtureError, match="'code' and 'wide' give 'x' different shapes"):
-        Mixture(sources={"code": Tagged(0, 5), "wide": Tagged(1, 5, width=4)}, weights={"code": 1}).load(batch=2)
+        Mixture(sources={"code": Tagged(0, 5), "wide": Tagged(1, 5, width=4)},
+                weights={"code": 1, "wide": 1}).load(batch=2)
 
 
 def test_sources_with_different_tokenizers_are_refused_by_load_as_by_a_recipe(tmp_path):

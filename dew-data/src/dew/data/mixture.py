@@ -295,6 +295,18 @@ def _schedule_problems(sources: Mapping[str, Any], schedule: object) -> list[tup
     return []
 
 
+def _unweighted_problems(sources: Mapping[str, Any], weightings: Sequence[Mapping[str, Any]]
+                         ) -> list[tuple[tuple[str, ...], str]]:
+    """A source no weights name: it would be read and tokenized, and never drawn, without a word."""
+    named = {str(name) for weights in weightings for name in weights}
+    missing = [str(name) for name in sources if str(name) not in named]
+    if not missing:
+        return []
+    where = ("weights",) if len(weightings) == 1 else ("schedule",)
+    return [(where, f"Mixture source {missing[0]!r} has no weight, so it would never be drawn; give it "
+                    f"one (weight 0 leaves it out on purpose), or remove the source.")]
+
+
 def _source_problems(name: str, given: Mapping[str, Any]) -> list[str]:
     """A source given by registered name: the name exists and its fields are its reader's."""
     from dew import registry
@@ -350,9 +362,13 @@ class Mixture:
             found += [(("weights", *path), message) for path, message in _weight_problems(sources, weights, "weights")]
         else:
             found += _schedule_problems(sources, schedule)
+        weighed = not found
         for name, given in sources.items():
             if isinstance(given, Mapping):
                 found += [(("sources", str(name)), message) for message in _source_problems(str(name), given)]
+        if weighed:
+            found += _unweighted_problems(sources, [weights] if weights is not None else
+                                          [entry["weights"] for entry in schedule or ()])
         return found
 
     def _steps(self) -> list[tuple[int, Mapping[str, float]]]:
