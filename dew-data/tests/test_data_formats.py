@@ -4,6 +4,7 @@ not UTF-8. Each is read as the text it holds or refused naming the file, the lin
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -25,6 +26,22 @@ def test_a_byte_order_mark_is_no_text_in_a_plain_file_or_a_jsonl_one(tmp_path):
     assert np.array_equal(TokenWindows(files=str(tmp_path / "bom.jsonl"), length=8).windows(),
                           TokenWindows(files=str(tmp_path / "plain.jsonl"), length=8).windows())
 
+
+
+def test_bytes_that_are_not_utf8_in_a_plain_file_are_replaced_with_a_warning_naming_it(tmp_path):
+    """They became U+FFFD in the training tokens without a word (a JSONL line with them is refused)."""
+    from dew.data import TokenWindows
+    from dew.data.token_windows import ReplacedBytesWarning
+
+    (tmp_path / "latin.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") + b"\xff\xfe tail\n")
+    with pytest.warns(ReplacedBytesWarning, match=r"latin.txt' is not all UTF-8 \(first at byte 3\): 3 bad"):
+        read = TokenWindows(files=str(tmp_path / "latin.txt"), length=4).tokens()
+    replaced = "caf\ufffd au lait\n\ufffd\ufffd tail\n".encode()  # what the model is given, byte by byte
+    assert read.tolist() == [*replaced, 256]  # and the end-of-document id
+    (tmp_path / "fine.txt").write_text("caf\u00e9 \ufffd already there\n", encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TokenWindows(files=str(tmp_path / "fine.txt"), length=4).windows()
 
 def test_a_parquet_column_of_numbers_is_refused_naming_the_row(tmp_path):
     """token_windows failed with AttributeError: 'int' object has no attribute 'encode'."""

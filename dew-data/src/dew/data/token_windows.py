@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +63,29 @@ from dew.data.sources import (
 from dew.data.stream import record_dataset
 from dew.data.window_cache import content_digest
 
-__all__ = ["TokenWindows", "encode_documents", "framed_documents", "resolve_tokenizer", "split_records",
+__all__ = ["ReplacedBytesWarning", "TokenWindows", "encode_documents", "framed_documents", "resolve_tokenizer", "split_records",
            "tokenizer_fingerprint"]
 
 _CHUNK = 256  # documents tokenized per encode_batch call
+
+
+class ReplacedBytesWarning(UserWarning):
+    """A text file holds bytes that are not UTF-8; they were read as U+FFFD and trained on so."""
+
+
+def _decoded(raw: bytes, path: Path) -> str:
+    """A text file's text (a byte-order mark is no text); a stray bad byte is replaced, with a
+    warning naming the file, since the model then learns U+FFFD where the file had something else."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        text = raw.decode("utf-8-sig", errors="replace")
+        bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+        warnings.warn(ReplacedBytesWarning(
+            f"{os.fspath(path)!r} is not all UTF-8 (first at byte {error.start}): {bad} bad byte "
+            "sequence(s) are read as U+FFFD. Write the file as UTF-8 (iconv -f latin1 -t utf-8, say), "
+            "or narrow data.files to leave it out."), stacklevel=2)
+        return text
 _JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 
 
@@ -253,8 +273,7 @@ class TokenWindows:
                     f"{os.fspath(path)!r} holds NUL bytes, so it is no text file (an image or an "
                     "archive, say); narrow data.files to the text, or give Parquet or JSONL its suffix."
                 )
-            # A byte-order mark is no text; a stray bad byte in text is replaced.
-            text = raw.decode("utf-8-sig", errors="replace")
+            text = _decoded(raw, path)
             if text:
                 yield text
 
