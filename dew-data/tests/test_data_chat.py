@@ -265,6 +265,7 @@ def test_a_conversation_cut_to_nothing_scored_is_said_to_be_left_out(marked, tmp
     """A conversation whose assistant turn lies past a row's end was dropped, and the warning said
     it was cut to fit."""
     from dew.data.chat import Chat, TruncatedWarning
+    from dew.data.errors import EmptyDatasetError
 
     long = [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "Hello!"}]
     files = _write(tmp_path / "chat.jsonl", [{"messages": c} for c in (long, CONVERSATIONS[2], long)])
@@ -272,6 +273,11 @@ def test_a_conversation_cut_to_nothing_scored_is_said_to_be_left_out(marked, tmp
                                               r"assistant token to score within it and were left out"):
         encoded = Chat(files=str(files), tokenizer=str(marked), length=24).encoded()
     assert len(encoded) == 1
+    # Every one cut so: the error blamed the data ("holds no conversation with an assistant turn").
+    files = _write(tmp_path / "long.jsonl", [{"messages": long}] * 3)
+    with pytest.warns(TruncatedWarning), pytest.raises(
+            EmptyDatasetError, match=r"begin within a row of 25 tokens: 3 lost .*long.jsonl.* Raise length"):
+        Chat(files=str(files), tokenizer=str(marked), length=24).encoded()
 
 
 def test_records_with_nothing_to_score_are_counted_in_a_warning(marked, tmp_path):

@@ -54,6 +54,11 @@ def test_a_parquet_column_of_numbers_is_refused_naming_the_row(tmp_path):
     assert len(TokenWindows(files=str(tmp_path / "t.parquet"), length=2).windows()) > 0
     with pytest.raises(MalformedRecordError, match=r"Row 1 of .*t.parquet' holds a int under 'n', not a string"):
         TokenWindows(files=str(tmp_path / "t.parquet"), length=2, text_key="n").windows()
+    # The streamed reader names the same row as the same row (it counted from 0: "row 0").
+    from dew.data.hf_text import HFText
+
+    with pytest.raises(MalformedRecordError, match=r"The text of row 1 of .*t.parquet' is a int"):
+        HFText(files=str(tmp_path / "t.parquet"), length=2, text_key="n").records().take(np.arange(1))
 
 
 def test_a_jsonl_line_that_is_not_utf8_is_named_by_the_streamed_reader(tmp_path):

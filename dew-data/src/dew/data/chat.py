@@ -277,6 +277,11 @@ class Chat(_ChatReader):
                 out.append(Conversation(where, ids, mask))
         _warn_truncated(cut, first, limit, dropped=dropped)
         _warn_unscored(empty, first_empty, "hold no assistant turn with text to score")
+        if not out and dropped:  # every scored turn lay past the row: the window is the cause, not the data
+            raise EmptyDatasetError(
+                f"{self.files!r} holds no conversation whose assistant turns begin within a row of "
+                f"{limit} tokens: {dropped} lost every turn they score when cut to it (the first {first}). "
+                "Raise length (the model's window), or shorten the conversations.")
         if not out:
             raise EmptyDatasetError(f"{self.files!r} holds no conversation with an assistant turn to score.")
         return out

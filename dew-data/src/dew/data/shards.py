@@ -172,7 +172,7 @@ class _Parquet:
         return self.groups[index]
 
     def where(self, row: int) -> str:
-        return f"row {row} of {os.fspath(self.path)!r}"
+        return f"row {row + 1} of {os.fspath(self.path)!r}"  # counted from 1, as lines are
 
     def values(self, start: int, stop: int) -> list[Any]:
         if self.absent:
@@ -207,7 +207,7 @@ class _Arrow:
             raise _missing_column(path, column, table.column_names)
 
     def where(self, row: int) -> str:
-        return f"row {row} of {os.fspath(self.path)!r}"
+        return f"row {row + 1} of {os.fspath(self.path)!r}"  # counted from 1, as lines are
 
     def values(self, start: int, stop: int) -> list[Any]:
         if self.data is None:
