@@ -298,3 +298,13 @@ def test_preference_records_become_the_pairs_dpo_reads(tmp_path):
         assert mask.tolist() == theirs[f"{side}_mask"][0].astype(bool).tolist()
         end = int(np.flatnonzero(mask)[-1]) + 1
         assert ours[side][0, :end].tolist() == theirs[side][0, :end].tolist()
+    # a pair preferring nothing (both sides empty or alike) was kept without a word
+    from dew.data.prompt_completion import NothingToScoreWarning
+
+    alike = write(tmp_path / "a.jsonl", [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
+                                         {"prompt": "1+1=", "chosen": "", "rejected": ""},
+                                         {"prompt": "3+3=", "chosen": "6", "rejected": "6"}])
+    with pytest.warns(NothingToScoreWarning, match=r"2 preference pair\(s\) give the same chosen and "
+                                                   r"rejected completion \(the first at .*a.jsonl:2\)"):
+        kept = PromptCompletion(files=alike, length=10, completion_key="chosen", rejected_key="rejected").rows()
+    assert len(kept["prompt_length"]) == 3

@@ -312,11 +312,14 @@ class PromptCompletion:
         chat, start, width = self.chat(), prefix_of(tokenizer), self.length + 1
         rows: dict[str, list[np.ndarray]] = {"chosen": [], "rejected": [], "chosen_mask": [], "rejected_mask": []}
         lengths, shortened, first = [], 0, ""
+        ties, first_tie = 0, ""
         assert self.rejected_key is not None
         for where, record in json_records(self.files):
             prompt = self._turns(record, self.prompt_key, where)
             sides = {name: self._sides(tokenizer, chat, where, prompt, self._turns(record, key, where), joined=False)
                      for name, key in (("chosen", self.completion_key), ("rejected", self.rejected_key))}
+            if sides["chosen"][1] == sides["rejected"][1]:
+                ties, first_tie = ties + 1, first_tie or where
             head = sides["chosen"][0]
             fitted = self._fitted(head, max(len(tail) for _, tail in sides.values()), start, where)
             if len(fitted) < len(head):
@@ -331,6 +334,10 @@ class PromptCompletion:
             lengths.append(len(fitted))
         if shortened:
             _warn_cut(shortened, first, width, stacklevel=3)
+        if ties:  # kept, so positions and counts stay the records'; a loss gets no gradient from them
+            warnings.warn(f"{ties} preference pair(s) give the same chosen and rejected completion (the first "
+                          f"at {first_tie}): they prefer nothing, so they teach nothing and hold the "
+                          "accuracy down. Drop them from the data.", NothingToScoreWarning, stacklevel=3)
         if not lengths:
             raise EmptyDatasetError(f"{self.files!r} holds no preference pair.")
         return {**{name: np.stack(values) for name, values in rows.items()},
