@@ -155,6 +155,22 @@ def test_a_resume_whose_start_folder_is_gone_says_where_its_relative_paths_are_r
     assert (tmp_path / "elsewhere" / "r" / "2").is_dir()
 
 
+def test_a_resume_keeps_the_recipes_checkpoint_dir_as_written_in_run_json(tmp_path, monkeypatch):
+    """run.json held this machine's absolute path for trainer.checkpoint_dir after a resume, so `dew
+    diff` against an uninterrupted run listed it as a change of recipe, and the folder, moved, named
+    its old place."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    args = ["trainer.steps=1", "data.batch=2", "model.num_layers=1", "trainer.checkpoint_dir=runs/r",
+            "trackers.0.directory=runs/r"]
+    assert main(["train", "tiny-lm", *args]) == 0
+    monkeypatch.chdir(tmp_path / "runs")  # resumed from another folder, by the run's path from there
+    assert main(["train", "--resume", "r", "trainer.steps=2"]) == 0
+    recorded = json.loads((tmp_path / "runs" / "r" / "run.json").read_text())
+    assert recorded["trainer"]["checkpoint_dir"] == "runs/r" and recorded["trainer"]["steps"] == 2
+    assert (tmp_path / "runs" / "r" / "2").is_dir() and not (tmp_path / "runs" / "runs").exists()
+
 def test_a_resume_that_fails_keeps_its_steps_and_says_how_to_resume_not_that_nothing_was_kept(
         tmp_path, monkeypatch, capsys):
     """A resume whose new tracker folder was made and removed as it failed said "Nothing was kept: the

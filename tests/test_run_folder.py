@@ -31,7 +31,9 @@ def test_a_folder_written_before_started_json_gives_its_timestamp_and_directory_
     monkeypatch.chdir(tmp_path / "runs")  # resumed from elsewhere
     config, where = resumed(folder, ["trainer.steps=700"])
     assert (where.timestamp, where.cwd, where.directory) == ("2026-01-02_03:04:05", tmp_path, folder)
-    assert config.trainer.steps == 700 and config.trainer.checkpoint_dir == str(folder)
+    # the recipe's own checkpoint_dir, which names the folder again where the run started (an
+    # absolute path here went into run.json as the recipe's)
+    assert config.trainer.steps == 700 and config.trainer.checkpoint_dir == "runs/tiny-lm/{timestamp}"
     # every {timestamp} folder of the run (its journal's) is the first run's
     assert where.directories(config) == [folder]
 

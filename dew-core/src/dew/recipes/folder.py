@@ -250,7 +250,12 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     # A pool's run records the trainer.multi_host=true dew launch gave its ranks; --resume is one
     # process (a pool resumes with dew launch), which would look for a pool to join and fail.
     alone = ["trainer.multi_host=false"] if trainer.get("multi_host") else []
-    data = apply_overrides(data, [*alone, *followed, *overrides, f"trainer.checkpoint_dir={directory}"])
+    # The run resumes inside the folder it started in, where its recipe's checkpoint_dir names it
+    # again; moved, or given another on the command line, the folder is named as it is now. (It
+    # was named so always, and run.json then held this machine's absolute path for the recipe's.)
+    here = [] if _in_place(template, timestamp, cwd, directory) and "trainer.checkpoint_dir" not in given \
+        else [f"trainer.checkpoint_dir={directory}"]
+    data = apply_overrides(data, [*alone, *followed, *overrides, *here])
     hidden = _redacted(data)
     if hidden:
         raise RecipeError(
@@ -260,6 +265,14 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     with installing_what_it_trained_with(directory):
         config = RunConfig.parse(data, str(saved))
     return config, RunFolder(directory, timestamp, cwd, resumed=True)
+
+
+def _in_place(template: object, timestamp: str | None, cwd: Path, directory: Path) -> bool:
+    """Whether the run's checkpoint_dir, expanded as it started (timestamp, cwd), names directory."""
+    if not isinstance(template, str) or "://" in template or (timestamp is None and "{timestamp}" in template):
+        return False
+    started = _absolute(_expand(template, timestamp or ""), cwd)
+    return started == directory or (started.is_dir() and os.path.samefile(started, directory))
 
 
 def _followed(data: object, template: object, timestamp: str | None, cwd: Path, directory: Path,
@@ -281,9 +294,9 @@ def _followed(data: object, template: object, timestamp: str | None, cwd: Path, 
                 for index, tracker in enumerate(data.get("trackers") or [])
                 if isinstance(tracker, dict) and isinstance(where := tracker.get("directory"), str)
                 and (where == template or where.startswith(template.rstrip("/") + "/"))]
-    started = _absolute(_expand(template, timestamp or ""), cwd)
-    if started == directory or (started.is_dir() and os.path.samefile(started, directory)):
+    if _in_place(template, timestamp, cwd, directory):
         return []  # where it started, spelt the same or through a link
+    started = _absolute(_expand(template, timestamp or ""), cwd)
     out = []
     for index, tracker in enumerate(data.get("trackers") or []):
         where = tracker.get("directory") if isinstance(tracker, dict) else None
