@@ -367,3 +367,34 @@ def test_a_run_folder_this_user_may_not_read_is_refused_in_one_line(journaled, t
             assert "Traceback" not in err and str(journaled) in err
     finally:
         journaled.chmod(0o755)
+
+
+def test_a_kept_step_or_a_tracker_folder_given_for_the_run_names_the_run_folder(tmp_path, capsys, monkeypatch):
+    """Each command said the folder held no run.json, or to give "the folder dew train printed",
+    without naming the run the step sits in or the checkpoint folder the tracker's journal records."""
+    import json
+
+    from dew.cli import main
+    from dew.recipes.config import RunConfig
+
+    monkeypatch.chdir(tmp_path)
+    recipe = RunConfig.load("tiny-lm", ["trainer.checkpoint_dir=runs/ckpt", "trackers.0.directory=runs/logs"])
+    recipe.save(tmp_path / "runs" / "ckpt")
+    (tmp_path / "runs" / "ckpt" / "6").mkdir()
+    (tmp_path / "runs" / "logs").mkdir()
+    started = {"step": 0, "type": "run_started", "record": {"config": recipe.recorded()}}
+    (tmp_path / "runs" / "logs" / "records.jsonl").write_text(json.dumps(started) + "\n")
+    step = "runs/ckpt/6 is step 6 kept inside the run runs/ckpt: give that folder (with --step 6"
+    for command in (["eval", "runs/ckpt/6"], ["generate", "runs/ckpt/6", "x"], ["export", "runs/ckpt/6", "exported"],
+                    ["audit", "runs/ckpt/6"], ["diff", "runs/ckpt/6", "runs/ckpt"], ["report", "runs/ckpt/6"]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert step in err and "Traceback" not in err, (command, err)
+    logs = "runs/logs is where the run's tracker wrote; its checkpoints and run.json are in runs/ckpt: give that"
+    for command in (["eval", "runs/logs"], ["audit", "runs/logs"], ["diff", "runs/logs", "runs/ckpt"]):
+        assert main(command) == 2, command
+        assert logs in capsys.readouterr().err, command
+    # a folder that is no run and points nowhere says only what it lacks
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", "empty"]) == 2
+    assert "give that folder" not in capsys.readouterr().err

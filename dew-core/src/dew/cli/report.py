@@ -86,9 +86,11 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
                 run_dir)
     journal, records_path = logs / LocalTracker.SCALARS, logs / LocalTracker.RECORDS
     if not journal.exists() and not records_path.exists():
+        from dew.recipes.resuming import the_run_folder
+
         raise NoJournalError(
             f"{str(run_dir)!r} holds no {LocalTracker.SCALARS} or {LocalTracker.RECORDS}. "
-            "Point dew report at the directory a LocalTracker wrote."
+            f"Point dew report at the directory a LocalTracker wrote.{the_run_folder(run_dir)}"
         )
     return RunData(
         directory=logs, label=label or run_dir.name,  # the previews' paths start where they were written

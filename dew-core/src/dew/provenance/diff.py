@@ -278,9 +278,11 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
     for run, recipe, steps in zip(runs, recipes, kept, strict=True):
         if recipe is None and not steps:
             held = "an unreadable run.json and no" if (run / "run.json").is_file() else "neither run.json nor a"
+            from dew.recipes.resuming import the_run_folder
+
             raise NotARunDirectoryError(
                 f"{run} is not a run directory: it holds {held} kept checkpoint step. Give the "
-                "directory dew train wrote (trainer.checkpoint_dir).")
+                f"directory dew train wrote (trainer.checkpoint_dir).{the_run_folder(run)}")
     recipe_diff: list[tuple[str, Any, Any]] = []
     models: tuple[str, ...] = ()
     if all(r is not None for r in recipes):

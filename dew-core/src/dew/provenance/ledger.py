@@ -98,9 +98,11 @@ def read_ledger(run: str | Path) -> Ledgered:
         inside = sorted(str(child) for child in Path(run).iterdir() if (child / RUN_FILE).is_file())
         where = f" Its runs: {', '.join(inside[-3:])}{' (the newest three)' if len(inside) > 3 else ''}." \
             if inside else ""
+        from dew.recipes.resuming import the_run_folder
+
         raise LedgerMissingError(
             f"{Path(run)} is not a run's folder (it holds no {RUN_FILE}): give dew audit the folder dew "
-            f"train printed for the run, a recipe's {{timestamp}} folder included.{where}")
+            f"train printed for the run, a recipe's {{timestamp}} folder included.{where}{the_run_folder(run)}")
     if not path.is_file():
         raise LedgerMissingError(
             f"{Path(run)} holds no data ledger ({LEDGER}), and an audit needs one: dew writes it beside the "

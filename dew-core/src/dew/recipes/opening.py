@@ -164,9 +164,11 @@ def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = N
     if damaged:  # there, but not a file: the folder was damaged or put together by hand
         raise NotARunError(f"{path / damaged[0]} is not a file (a directory, or something else), so {path} "
                            f"holds no readable {damaged[0]}; restore the file from the run or export it came from.")
+    from dew.recipes.resuming import the_run_folder
+
     raise NotARunError(
         f"{path} holds neither {RUN_FILE} (a run `dew train` wrote, with checkpoint_dir set) nor "
-        f"{CONFIG_FILE} (a model `dew export` or transformers wrote)."
+        f"{CONFIG_FILE} (a model `dew export` or transformers wrote).{the_run_folder(path)}"
     )
 
 

@@ -22,7 +22,8 @@ from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
 __all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "origin",
-           "pretrained_origin", "resume_command", "resuming_line", "run_command", "shown", "started_from", "started_in", "tracker_folders", "upgrade_line"]
+           "pretrained_origin", "resume_command", "resuming_line", "run_command", "shown", "started_from", "started_in", "the_run_folder",
+           "tracker_folders", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 
@@ -273,3 +274,44 @@ def _missing_distributions(run: Path) -> list[str]:
                          f"pip install '{distribution}=={version}' to read it as it trained, or give the "
                          "fields the new version takes as key=value overrides.")
     return lines
+
+
+def the_run_folder(path: str | os.PathLike[str]) -> str:
+    """A sentence pointing from a folder that is not a run's to the run's own, or "" when there is none
+    to point to: a step kept inside a run names the run (and --step), and a local tracker's folder
+    beside the checkpoints names the checkpoint folder its journal records."""
+    folder = Path(os.path.abspath(Path(path).expanduser()))
+    if folder.name.isdigit() and (folder.parent / "run.json").is_file():
+        return (f" {shown(folder)} is step {int(folder.name)} kept inside the run {shown(folder.parent)}: give "
+                f"that folder (with --step {int(folder.name)}, where the command takes one, for this step).")
+    checkpoints = _checkpoints_of_tracker(folder)
+    if checkpoints is not None:
+        return (f" {shown(folder)} is where the run's tracker wrote; its checkpoints and run.json are in "
+                f"{shown(checkpoints)}: give that folder.")
+    return ""
+
+
+def _checkpoints_of_tracker(folder: Path) -> Path | None:
+    """The checkpoint folder a local tracker's journal in folder records (its first run_started
+    record's recipe), found from where that run started; None when it names none that holds a run."""
+    try:
+        with open(folder / "records.jsonl", encoding="utf-8") as handle:
+            config = json.loads(handle.readline())["record"]["config"]
+        written = str(config["trainer"]["checkpoint_dir"])
+        trackers = [str(t["directory"]) for t in config.get("trackers") or [] if t.get("name") == "local"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    for directory in trackers:
+        if "{" in directory or "{" in written or "://" in written:
+            continue
+        suffix = os.path.normpath(directory)
+        if Path(suffix).is_absolute():
+            start = Path.cwd()
+        elif str(folder).endswith("/" + suffix):
+            start = Path(str(folder)[: -len(suffix) - 1] or "/")
+        else:
+            continue
+        candidate = Path(os.path.normpath(start / Path(written).expanduser()))
+        if candidate != folder and (candidate / "run.json").is_file():
+            return candidate
+    return None
