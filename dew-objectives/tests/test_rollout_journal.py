@@ -239,10 +239,15 @@ def test_rescore_refuses_in_one_line(whole, tmp_path, capsys):
     directory, _, _ = whole
     (tmp_path / "images").mkdir()  # a run whose rollout samples no text (FlowGRPO's) keeps no journal
     (tmp_path / "images" / "run.json").write_text('{"objective": {"name": "flow_grpo"}}')
+    (tmp_path / "lm").mkdir()  # a language model samples text, but not as it trains: it said "samples no text"
+    (tmp_path / "lm" / "run.json").write_text('{"objective": {"name": "lm"}}')
     cases = [([str(tmp_path), "reward=exact_match"], "Point at that directory"),
              ([str(tmp_path / "images"), "reward=exact_match"], "kept no rollout journal (rollouts.jsonl): "
-              "only a rollout that samples text (GRPO's, PPO's) journals what it sampled; this run's objective "
-              "(flow_grpo) samples no text"), ([str(directory)], "reward=NAME"),
+              "only a rollout that samples text completions and scores them as it trains (GRPO's, PPO's) "
+              "journals them, so this run's objective (flow_grpo) left nothing to rescore"),
+             ([str(tmp_path / "lm"), "reward=exact_match"], "objective (lm) left nothing to rescore (or its "
+              "journal was removed). To score what its model makes now, draw samples with dew generate"),
+             ([str(directory)], "reward=NAME"),
              ([str(directory), "reward=no_such_reward"], "no_such_reward"),
              ([str(directory), "temperature=2"], "reward.FIELD=VALUE")]
     for arguments, named in cases:

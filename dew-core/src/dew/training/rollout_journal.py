@@ -178,8 +178,10 @@ def _read(directory: str | Path, *, batches: bool) -> tuple[list[Rolled], int | 
     if not path.is_file() and (Path(directory) / RUN_FILE).is_file():
         raise RolloutJournalError(
             f"The run in {str(directory)!r} kept no rollout journal ({ROLLOUTS}): only a rollout that "
-            f"samples text (GRPO's, PPO's) journals what it sampled; this run's objective"
-            f"{_objective_named(Path(directory) / RUN_FILE)} samples no text, or its journal was removed.")
+            f"samples text completions and scores them as it trains (GRPO's, PPO's) journals them, so this "
+            f"run's objective{_objective_named(Path(directory) / RUN_FILE)} left nothing to rescore (or its "
+            "journal was removed). To score what its model makes now, draw samples with dew generate "
+            "(--out keeps them).")
     if not path.is_file():
         raise RolloutJournalError(
             f"{str(directory)!r} holds no {ROLLOUTS}: a run writes its rollout journal in its checkpoint "
