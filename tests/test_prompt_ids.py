@@ -94,6 +94,32 @@ def test_a_continuation_ends_at_any_id_of_the_checkpoints_eos_list(checkpoints, 
     assert HFTokenizer.from_directory(directory).stop_ids == (second,)
 
 
+def test_a_stop_naming_a_special_token_ends_the_continuation_at_its_id(checkpoints, tmp_path):
+    """The decoded text leaves special tokens out, so --stop "<|im_start|>" never matched and the
+    continuation ran on past the token."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from dew.sampling import TextGeneration
+
+    directory = tmp_path / "qwen3"
+    shutil.copytree(checkpoints["qwen3"], directory)
+    free = TextGeneration.load(directory).tokens([PROMPT], max_new_tokens=8).new_tokens[0]
+    weights = load_file(directory / "model.safetensors")  # tied: <|im_start|> made likelier than free[1]
+    start = transformers.AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids("<|im_start|>")
+    embedding = next(name for name in weights if "embed_tokens" in name)
+    weights[embedding][start] = 3 * weights[embedding][free[1]]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    pipeline = TextGeneration.load(directory)
+    running = pipeline.tokens([PROMPT], max_new_tokens=8).new_tokens[0]
+    assert start in running and running.index(start) < 7, running  # not an end id: it runs on past it
+    stopped = pipeline.tokens([PROMPT], max_new_tokens=8, stop=["<|im_start|>"]).new_tokens[0]
+    assert stopped == running[: running.index(start) + 1], (stopped, running)
+    # text stops still match the decoded text, beside it
+    both = pipeline.tokens([PROMPT], max_new_tokens=8, stop=["<|im_start|>", "zzz"]).new_tokens[0]
+    assert both == stopped
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_a_chat_prompt_is_what_apply_chat_template_makes_and_the_reply_is_transformers(checkpoints, name):

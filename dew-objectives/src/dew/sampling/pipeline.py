@@ -114,10 +114,19 @@ class TextGeneration(Pipeline):
         template = self._chat_template() if chat else None
         ids = [self._ids(prompt, template) for prompt in prompts]
         key = jax.random.key(0) if key is None else key
-        return generate(self.model, self.variables, ids, max_new_tokens, key,
-                        sampling or self.sampling, eos_id=self.stops, stop_strings=tuple(stop),
+        # A stop naming a special token (Qwen's "<|im_end|>") is never in the decoded text, which
+        # leaves special tokens out: it stops at the token's id instead.
+        special = {text: self._special_id(text) for text in stop}
+        return generate(self.model, self.variables, ids, max_new_tokens, key, sampling or self.sampling,
+                        eos_id=(*self.stops, *(i for i in special.values() if i is not None)),
+                        stop_strings=tuple(text for text, i in special.items() if i is None),
                         detokenize=lambda ids: self.tokenizer.decode(list(ids)),
                         vocab=drawable_vocab(self.tokenizer))
+
+    def _special_id(self, text: str) -> int | None:
+        """The id of the special token text spells (one id that decodes to nothing), else None."""
+        ids = [int(i) for i in self.tokenizer.encode(text)] if text else []
+        return ids[0] if len(ids) == 1 and self.tokenizer.decode(ids) == "" else None
 
     def _chat_template(self) -> ChatTemplate:
         template = chat_template_of(self.tokenizer)
