@@ -295,15 +295,14 @@ def _schedule_problems(sources: Mapping[str, Any], schedule: object) -> list[tup
     return []
 
 
-def _unweighted_problems(sources: Mapping[str, Any], weightings: Sequence[Mapping[str, Any]]
+def _unweighted_problems(sources: Mapping[str, Any], weightings: Sequence[Mapping[str, Any]], field: str
                          ) -> list[tuple[tuple[str, ...], str]]:
     """A source no weights name: it would be read and tokenized, and never drawn, without a word."""
     named = {str(name) for weights in weightings for name in weights}
     missing = [str(name) for name in sources if str(name) not in named]
     if not missing:
         return []
-    where = ("weights",) if len(weightings) == 1 else ("schedule",)
-    return [(where, f"Mixture source {missing[0]!r} has no weight, so it would never be drawn; give it "
+    return [((field,), f"Mixture source {missing[0]!r} has no weight, so it would never be drawn; give it "
                     f"one (weight 0 leaves it out on purpose), or remove the source.")]
 
 
@@ -367,8 +366,8 @@ class Mixture:
             if isinstance(given, Mapping):
                 found += [(("sources", str(name)), message) for message in _source_problems(str(name), given)]
         if weighed:
-            found += _unweighted_problems(sources, [weights] if weights is not None else
-                                          [entry["weights"] for entry in schedule or ()])
+            found += (_unweighted_problems(sources, [weights], "weights") if weights is not None else
+                      _unweighted_problems(sources, [entry["weights"] for entry in schedule or ()], "schedule"))
         return found
 
     def _steps(self) -> list[tuple[int, Mapping[str, float]]]:
