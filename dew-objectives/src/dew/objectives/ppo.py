@@ -186,9 +186,10 @@ class PPORollout:
             "reward": np.asarray(rolled["reward"], np.float32), "old_logp": old_logp, "old_values": values,
             "advantage": advantage, "returns": returns,
             "kl_coef": np.full((rows,), used, np.float32),
-            # Each completion's summed log-ratio: the logged kl is their sum over the tokens, the
-            # per-token mean the coefficient adapts to (a mean of row means weighed short rows up).
-            "kl": log_ratio.sum(axis=1).astype(np.float32),
+            # The sample's per-token mean log-ratio (the kl the coefficient adapts to) times each
+            # completion's tokens: the logged kl, their sum over a minibatch's tokens, is then the
+            # sample's, whichever minibatch a step trains on (its own minibatch's kl it was before).
+            "kl": (kl * mask.sum(axis=1)).astype(np.float32),
         }
         rng = np.random.default_rng(np.asarray(jax.random.key_data(order_key)).ravel().tolist())
         self.order = np.stack([rng.permutation(rows) for _ in range(objective.epochs)])
