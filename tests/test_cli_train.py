@@ -171,6 +171,33 @@ def test_a_resume_keeps_the_recipes_checkpoint_dir_as_written_in_run_json(tmp_pa
     assert recorded["trainer"]["checkpoint_dir"] == "runs/r" and recorded["trainer"]["steps"] == 2
     assert (tmp_path / "runs" / "r" / "2").is_dir() and not (tmp_path / "runs" / "runs").exists()
 
+def test_a_run_stopped_at_its_last_step_journals_its_sample_when_resumed(tmp_path, monkeypatch):
+    """The stop ended the run before its end-of-run sample, and the resume, finding nothing left to
+    train, printed the sample without journaling it: the run had no previews at all."""
+
+    from dew.plugins import hookimpl, registered
+    from dew.recipes.config import RunConfig
+    from dew.recipes.run import train
+    from dew.training.runtime import Preempted, PreemptionNotice
+
+    class StopAtTheLast:
+        @hookimpl
+        def dew_step_end(self, step):
+            if step == 1:  # read while the last step, 2, is dispatched
+                PreemptionNotice.send()
+
+    monkeypatch.chdir(tmp_path)
+    args = ["trainer.steps=2", "data.batch=2", "model.num_layers=1", "trainer.eval_every=null",
+            "trainer.checkpoint_dir=runs/r", "trackers.0.directory=runs/r", "objective.preview_tokens=4"]
+    with registered(StopAtTheLast()), pytest.raises(Preempted):
+        train(RunConfig.load("tiny-lm", args))
+    previews = tmp_path / "runs" / "r" / "previews.jsonl"
+    assert not previews.exists()
+    assert main(["train", "--resume", "runs/r"]) == 0
+    assert [json.loads(line)["step"] for line in previews.read_text().splitlines()] == [2]
+    assert main(["train", "--resume", "runs/r"]) == 0  # given once: a second resume adds none
+    assert len(previews.read_text().splitlines()) == 1
+
 def test_a_resume_that_fails_keeps_its_steps_and_says_how_to_resume_not_that_nothing_was_kept(
         tmp_path, monkeypatch, capsys):
     """A resume whose new tracker folder was made and removed as it failed said "Nothing was kept: the

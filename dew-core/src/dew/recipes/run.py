@@ -631,6 +631,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
 
     from dew.recipes.resuming import changes_line, resuming_line, started_from, upgrade_line
     from dew.telemetry.artifacts import Artifact
+    from dew.training.rundir import note_sample, sampled_at
     from dew.training.trainer import Trainer
 
     parts = build_parts(config, stamp)
@@ -701,12 +702,15 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
                    outcome="killed" if stopped else "failed")
         raise
     # Every process takes part (the weights may be sharded across them); one prints. The
-    # sample is journaled with its step, unless the last validation journaled a preview there.
+    # sample is journaled with its step, unless the last validation journaled a preview there or
+    # the run, resumed with nothing to train, gave it before (a stop at the last step had not).
     try:
         sample = show_sample(objective, state, quiet=jax.process_index() != 0)
+        given = int(state.step) == resumed_at and sampled_at(checkpoints) == int(state.step)
         if (tracker is not None and isinstance(sample, Artifact) and not config.trainer.preview
-                and int(state.step) != resumed_at and jax.process_index() == 0):
+                and not given and jax.process_index() == 0):
             tracker.artifact(sample, int(state.step))
+            note_sample(checkpoints, int(state.step))
     except KeyboardInterrupt:
         # The run is whole: only its sample was cut short; "interrupted" alone reads as a lost run.
         saved = ("." if checkpoints is None else

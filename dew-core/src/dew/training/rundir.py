@@ -20,7 +20,9 @@ from dew.training.ledger import RecordLedger
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
 
-__all__ = ["claimed", "ledger_beside", "rollout_settings", "write_recipe"]
+__all__ = ["SAMPLED", "claimed", "ledger_beside", "note_sample", "rollout_settings", "sampled_at", "write_recipe"]
+
+SAMPLED = "sampled.json"  # the step whose end-of-run sample the run's trackers were given
 
 
 @contextmanager
@@ -77,3 +79,23 @@ def rollout_settings(recipe: Mapping[str, object] | None) -> str | None:
         return None
     section = json.dumps(recipe.get("objective"), sort_keys=True, default=str)
     return hashlib.sha256(section.encode()).hexdigest()[:32]
+
+
+def sampled_at(checkpoints: Checkpoints | None) -> int | None:
+    """The step whose end-of-run sample the run's trackers were given (note_sample), or None: none yet,
+    a run without a local folder, or one written before dew noted it."""
+    directory = None if checkpoints is None else checkpoints.directory
+    if not isinstance(directory, Path):
+        return None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return int(json.loads((directory / SAMPLED).read_text())["step"])
+    return None
+
+
+def note_sample(checkpoints: Checkpoints | None, step: int) -> None:
+    """Note that the trackers were given the end-of-run sample of step, so a resume with nothing left
+    to train gives it again only when they were not (a stop at the last step ends before it)."""
+    directory = None if checkpoints is None else checkpoints.directory
+    if isinstance(directory, Path) and jax.process_index() == 0:
+        with contextlib.suppress(OSError):  # a note: at worst a later resume journals the sample again
+            (directory / SAMPLED).write_text(json.dumps({"step": int(step)}) + "\n")
