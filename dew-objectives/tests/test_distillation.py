@@ -374,3 +374,31 @@ def test_a_recipes_init_starts_the_student_and_the_teacher_still_comes_from_its_
     placed = jax.device_get(Trainer(objective, optax.sgd(0.1), key=jax.random.key(1), initializer=objective
                                     .starting_weights(lambda wanted: student_weights)).place()[0].params)
     jax.tree.map(np.testing.assert_array_equal, placed["params"]["student"], nn.meta.unbox(student_weights)["params"])
+
+
+def test_lora_on_the_student_draws_its_base_when_the_objective_reads_only_the_teacher():
+    """LoRA put the starting weights under the adapters whole, and the teacher the objective reads was
+    all they held: "The starting weights lack 12 base weight(s) ... params/student/embed", though the
+    run's note said the student's base would be drawn fresh."""
+    from dew.adapters.lora import Lora, adapters_only, apply_lora, is_adapter
+
+    teacher = jax.device_get(teacher_model().init(jax.random.key(5), jnp.zeros((1, SEQ), jnp.int32)))
+    given = {"params": {"teacher": teacher["params"]}}  # what teacher_from reads, the student absent
+    plain = DistillationObjective(student_model(), teacher_model(), SEQ)
+    adapted = adapters_only(DistillationObjective(apply_lora(student_model(), Lora(rank=2, targets=("mlp",))),
+                                                  teacher_model(), SEQ))
+    def same(a, b):  # boxed or not, leaf by leaf in the trees' order
+        left, right = jax.tree.leaves(a), jax.tree.leaves(b)
+        assert len(left) == len(right) > 0
+        for x, y in zip(left, right, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    variables = nn.meta.unbox(adapted.init(jax.random.key(0), given))
+    drawn = plain.init(jax.random.key(0), given)["params"]
+    same(variables["params"]["teacher"], teacher["params"])
+    # the student's base is the one the same objective without LoRA draws, under fresh adapters
+    base = {path: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(variables["params"]["student"])[0]
+            if not is_adapter((str(getattr(path[-1], "key", "")),), None)}
+    same(list(base.values()), drawn["student"])
+    assert [p for p, _ in jax.tree_util.tree_flatten_with_path(variables["params"]["student"])[0]
+            if is_adapter(tuple(getattr(k, "key", "") for k in p), None)]

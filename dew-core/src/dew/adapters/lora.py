@@ -553,6 +553,8 @@ class _AdaptersOnly(Objective):
         fresh = dict(self.inner.init(key))
         if self._reference is not None:
             fresh.pop(self._reference, None)  # the reference is the base model: see loss
+        if variables is not None and self.inner.fills_its_start:  # a distillation's teacher alone, say
+            variables = self.inner.init(key, variables)
         return fresh if variables is None else with_base(fresh, variables, heads=self.inner.heads)
 
     def _with_reference(self, variables: Variables) -> Variables:

@@ -291,6 +291,10 @@ class Objective(Generic[Loss, Effects]):
     trains: ClassVar[type[Any] | None] = None
     """The kind of model it trains, a protocol of ``dew.nn.kinds`` (a causal decoder, a pixel
     denoiser, ...): a recipe pairing it with another kind is refused by name. None takes any model."""
+    fills_its_start: ClassVar[bool] = False
+    """Whether ``init(key, variables)`` draws what variables lack, because its own ``initializer()``
+    gives only part of the tree (a distillation's teacher, its student drawn): a LoRA run then lets
+    it draw the rest before putting the base under the adapters."""
     heads: ClassVar[tuple[str, ...]] = ()
     """The top-level parameters it adds beside its model's own (a reward model's score, PPO's
     value head): a LoRA run trains them in full beside the adapters, as PEFT's modules_to_save

@@ -128,6 +128,7 @@ class DistillationObjective(Objective):
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
     trains: ClassVar[type[Any] | None] = CausalDecoder
     heads: ClassVar[tuple[str, ...]] = ("projection",)
+    fills_its_start: ClassVar[bool] = True  # its initializer reads the teacher; init draws the student
 
     model: nn.Module
     teacher: nn.Module | Mapping[str, Any] | None
