@@ -66,10 +66,8 @@ def write_recipe(checkpoints: Checkpoints | None, recipe: Mapping[str, object] |
 
 def ledger_beside(checkpoints: Checkpoints | None) -> RecordLedger | None:
     """The run's data ledger, beside its checkpoints (process 0 writes it for the pool)."""
-    directory = None if checkpoints is None else checkpoints.directory
-    if not isinstance(directory, Path) or jax.process_index() != 0:
-        return None  # no run directory, another process's, or a bucket (no appends there)
-    return RecordLedger(directory, processes=jax.process_count())
+    directory = _written_here(checkpoints)
+    return None if directory is None else RecordLedger(directory, processes=jax.process_count())
 
 
 def rollout_settings(recipe: Mapping[str, object] | None) -> str | None:
@@ -85,7 +83,7 @@ def sampled_at(checkpoints: Checkpoints | None) -> int | None:
     """The step whose end-of-run sample the run's trackers were given (note_sample), or None: none yet,
     a run without a local folder, or one written before dew noted it."""
     directory = None if checkpoints is None else checkpoints.directory
-    if not isinstance(directory, Path):
+    if not isinstance(directory, Path):  # no run directory, or a bucket
         return None
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         return int(json.loads((directory / SAMPLED).read_text())["step"])
@@ -95,7 +93,14 @@ def sampled_at(checkpoints: Checkpoints | None) -> int | None:
 def note_sample(checkpoints: Checkpoints | None, step: int) -> None:
     """Note that the trackers were given the end-of-run sample of step, so a resume with nothing left
     to train gives it again only when they were not (a stop at the last step ends before it)."""
-    directory = None if checkpoints is None else checkpoints.directory
-    if isinstance(directory, Path) and jax.process_index() == 0:
+    directory = _written_here(checkpoints)
+    if directory is not None:
         with contextlib.suppress(OSError):  # a note: at worst a later resume journals the sample again
             (directory / SAMPLED).write_text(json.dumps({"step": int(step)}) + "\n")
+
+
+def _written_here(checkpoints: Checkpoints | None) -> Path | None:
+    """The run directory when this process writes beside the checkpoints (process 0, a local folder);
+    None without a run directory, on another process, or for a bucket (no appends there)."""
+    directory = None if checkpoints is None else checkpoints.directory
+    return directory if isinstance(directory, Path) and jax.process_index() == 0 else None

@@ -356,16 +356,13 @@ class Mixture:
             return [(("sources",), "A mixture needs at least one source; give sources={name: dataset, ...}.")]
         if (weights is None) == (schedule is None):
             return [((), "A mixture takes weights= or schedule=; give exactly one.")]
-        found: list[tuple[tuple[str, ...], str]] = []
         if weights is not None:
-            found += [(("weights", *path), message) for path, message in _weight_problems(sources, weights, "weights")]
+            weighing = [(("weights", *path), message) for path, message in _weight_problems(sources, weights, "weights")]
         else:
-            found += _schedule_problems(sources, schedule)
-        weighed = not found
-        for name, given in sources.items():
-            if isinstance(given, Mapping):
-                found += [(("sources", str(name)), message) for message in _source_problems(str(name), given)]
-        if weighed:
+            weighing = _schedule_problems(sources, schedule)
+        found = weighing + [(("sources", str(name)), message) for name, given in sources.items()
+                            if isinstance(given, Mapping) for message in _source_problems(str(name), given)]
+        if not weighing:  # every weight readable: is every source given one?
             found += (_unweighted_problems(sources, [weights], "weights") if weights is not None else
                       _unweighted_problems(sources, [entry["weights"] for entry in schedule or ()], "schedule"))
         return found
