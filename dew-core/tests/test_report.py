@@ -129,6 +129,9 @@ def test_several_runs_overlay_in_one_colour_each_with_the_recipe_side_by_side(tm
     # a constant that is no step time (a count of batches) gets no chart, only its table row
     assert sorted(page.images) == ["plots/goodput.png", "plots/loss.png", "plots/step_time.png"]
     assert "<td>evaluation/batches</td><td>30</td><td>5</td>" in page_path.read_text()
+    # and the page says why its chart is missing, where a person looks for the charts
+    assert ("No chart for evaluation/batches: each held one value at every logged step (the Last values table "
+            "gives it).") in page_path.read_text()
     with Image.open(tmp_path / "out/plots/loss.png") as plot:
         pixels = np.asarray(plot.convert("RGB")).reshape(-1, 3).astype(int)
 

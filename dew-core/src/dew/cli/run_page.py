@@ -182,10 +182,9 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
 
     several = len(runs) > 1
     paths: list[Path] = []
-    varying = {name for run in runs for name, (_, values) in run.series.items()
-               if len(set(values[np.isfinite(values)].tolist())) > 1}
+    constant = _constant_charts(runs)
     for title, members in chart_groups(sorted({n for run in runs for n in run.series})):
-        if title not in GROUPS and not varying.intersection(members):
+        if title in constant:
             continue  # a constant (a count of evaluation batches): the table says it all
         if title not in GROUPS:  # past the grouped charts
             goodput = {run.label: run.goodput for run in runs if run.goodput}
@@ -437,6 +436,14 @@ def _recipe(runs: Sequence[RunData]) -> list[str]:
     return parts
 
 
+def _constant_charts(runs: Sequence[RunData]) -> list[str]:
+    """The ungrouped charts left off the page: every series in them held one value throughout."""
+    varying = {name for run in runs for name, (_, values) in run.series.items()
+               if len(set(values[np.isfinite(values)].tolist())) > 1}
+    return [title for title, members in chart_groups(sorted({n for run in runs for n in run.series}))
+            if title not in GROUPS and not varying.intersection(members)]
+
+
 def _started(run: RunData) -> dict[str, Any]:
     for row in reversed(run.records):
         if row.get("type") == "run_started":
@@ -474,6 +481,9 @@ def missing_charts(runs: Sequence[RunData]) -> list[str]:
         elif _unended(run.records):
             notes.append(f"{who}The goodput bar counts the fits that ended; the latest has not (it was "
                          "killed, or is still running).")
+    if constant := _constant_charts(runs):
+        notes.append(f"No chart for {', '.join(constant)}: each held one value at every logged step "
+                     "(the Last values table gives it).")
     return notes
 
 
