@@ -4,7 +4,9 @@ in training and from `dew eval --task`, shard over devices, and name a bad recor
 from __future__ import annotations
 
 import json
+import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +155,16 @@ def test_generation_exact_match_equals_transformers_greedy_answers(exported, ref
     file = _write(folder / "answers.jsonl", records)
     task = GenerationTask(file=file, max_new_tokens=6, pattern=r"(\S+)", answer_pattern=r"#### (.*)", batch=8)
     assert task.evaluate(subject) == {"exact_match": 0.5, "records": 6.0}
+    # lm-eval's regexes_to_ignore and ignore_case: the references written with a dollar sign, in
+    # upper case and with a full stop after are the same answers once both sides drop them
+    dressed = [{"question": p, "answer": f"#### ${w.upper()}."} for p, w in zip(prompts, firsts, strict=True)]
+    file = _write(folder / "dressed.jsonl", dressed)
+    task = GenerationTask(file=file, max_new_tokens=6, pattern=r"(\S+)", answer_pattern=r"#### (.*)", batch=8,
+                          ignore=[r"\$", r"\.$"], ignore_case=True)
+    expected = sum(re.sub(r"\.$", "", re.sub(r"\$", "", w)).lower() == w.upper().lower() for w in firsts)
+    assert expected > 1  # the generated words themselves hold no dollar sign or final full stop
+    assert task.evaluate(subject) == {"exact_match": expected / 6, "records": 6.0}
+    assert GenerationTask(file=file, answer_pattern=r"#### (.*)").matches(firsts[0], f"${firsts[0].upper()}.") is False
 
 
 class TestMultipleChoiceTask(EvaluationTaskKit):
@@ -458,6 +470,8 @@ def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path
             task(file=str(good), batch=0)
     with pytest.raises(TaskFileError, match=r"max_new_tokens=0; it is at least 1"):
         GenerationTask(file=str(good), max_new_tokens=0)
+    with pytest.raises(TaskFileError, match=r"GenerationTask.ignore '\[' is not a regular expression"):
+        GenerationTask(file=str(good), ignore=[",", "["])
     (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "\xe9"}\n')
     with pytest.raises(TaskFileError, match=r"Line 2 of .*latin1\.jsonl' is not UTF-8 text"):
         GenerationTask(file=str(tmp_path / "latin1.jsonl")).problems()
@@ -623,3 +637,27 @@ def test_a_text_task_is_refused_for_a_denoiser_or_a_run_without_a_tokenizer_as_i
                                                        "and this run has none"):
             scheduled(config, causal, None)
         assert scheduled(config, causal, ByteTokenizer()).task is not None
+
+
+def test_the_data_page_gsm8k_entry_scores_numbers_as_lm_eval_does(tmp_path):
+    """docs/datasets.md's generation entry, built by the registry as a recipe's is: a reference
+    written "1,600" or "$1600." and a generation that says "= 1600" are one answer once its
+    ignore expressions drop the comma, dollar sign and final full stop on both sides."""
+    import yaml
+
+    from dew import registry
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "datasets.md").read_text()
+    block = re.search(r"```yaml\n(trainer:\n  evaluate:.*?)```", page, flags=re.S)
+    assert block is not None
+    entry = next(e for e in yaml.safe_load(block.group(1))["trainer"]["evaluate"] if e["task"] == "generation")
+    file = _write(tmp_path / "gsm8k.jsonl", [{"question": "q", "answer": "1000 + 600 = 1600\n#### 1,600"},
+                                             {"question": "q", "answer": "#### $1600."}])
+    fields = {k: v for k, v in entry.items() if k not in ("task", "every")} | {"file": file}
+    task = registry.evaluations.build("generation", **fields)
+    plain = registry.evaluations.build("generation", **{k: v for k, v in fields.items() if k != "ignore"})
+    said = task.prediction("so 1000 + 600 = 1600 apples")
+    assert said == "1600"
+    for problem in task.problems():
+        assert task.matches(said, problem.reference)
+        assert not plain.matches(said, problem.reference)

@@ -10,7 +10,10 @@ stopping at the end-of-document id; the text is cut at the first of
 ``stop`` (one text, or a list of them). With ``pattern`` the prediction is
 the first match of it in the text (its first group when it has one); with
 ``answer_pattern`` the reference is what that finds in the answer (GSM8K's
-``#### (.*)``). Both are compared after stripping surrounding whitespace. ``exact_match`` is
+``#### (.*)``). Both are compared after stripping surrounding whitespace,
+with every match of each ``ignore`` expression removed from both first and, with
+``ignore_case``, in lower case: lm-eval's ``regexes_to_ignore`` and
+``ignore_case``, so GSM8K's ``[",", "\\$", "\\.$"]`` scores "1,600." as 1600. ``exact_match`` is
 the share of records whose prediction equals the reference. The records
 are split into global batches of ``batch`` prompts and each process
 generates its share of every batch; the counts are summed over processes.
@@ -80,19 +83,24 @@ class GenerationTask:
     pattern: str | None = None
     answer_pattern: str | None = None
     stop: str | Sequence[str] = field(default_factory=tuple)  # one text, or several
+    ignore: str | Sequence[str] = field(default_factory=tuple)  # expressions removed before comparing
+    ignore_case: bool = False
     batch: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("pattern", "answer_pattern"):
+        # one string is one stop text (or expression), as lm-eval's until: "..." (a tuple of it
+        # would stop at each letter)
+        for name in ("stop", "ignore"):
             value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        for name, value in (("pattern", self.pattern), ("answer_pattern", self.answer_pattern),
+                            *(("ignore", each) for each in self.ignore)):
             if value is not None:
                 try:
                     re.compile(value)
                 except re.error as error:
                     raise TaskFileError(f"GenerationTask.{name} {value!r} is not a regular expression: {error}.") \
                         from None
-        # one string is one stop text, as lm-eval's until: "..." (a tuple of it would stop at each letter)
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         for name in ("max_new_tokens", "batch"):
             if getattr(self, name) < 1:
                 raise TaskFileError(f"GenerationTask.{name}={getattr(self, name)!r}; it is at least 1.")
@@ -150,6 +158,18 @@ class GenerationTask:
         found = _first(re.compile(self.pattern), text)
         return None if found is None else found.strip()
 
+    def matches(self, prediction: str | None, reference: str) -> bool:
+        """Whether a prediction answers the reference, once ignore and ignore_case are applied to both."""
+        if prediction is None:
+            return False
+
+        def normal(text: str) -> str:
+            for expression in self.ignore:
+                text = re.sub(expression, "", text)
+            return text.strip().lower() if self.ignore_case else text.strip()
+
+        return normal(prediction) == normal(reference)
+
     def generations(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[int, str]:
         """This process's generated texts, by record number. A prompt longer than the model leaves
         room for (max_seq_len less max_new_tokens) keeps its last ids, as MultipleChoice cuts a row."""
@@ -176,7 +196,7 @@ class GenerationTask:
     def evaluate(self, subject: Subject, *, mesh: Mesh | None = None) -> dict[str, float]:
         """exact_match over the records, and how many were scored."""
         problems = self.problems()
-        right = sum(self.prediction(text) == problems[r].reference
+        right = sum(self.matches(self.prediction(text), problems[r].reference)
                     for r, text in self.generations(subject, mesh=mesh).items())
         if jax.process_count() > 1:
             right = int(np.asarray(multihost_utils.process_allgather(np.asarray(right, np.int64))).sum())
