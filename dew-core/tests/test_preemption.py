@@ -404,6 +404,9 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path: Path) -> None:
     assert result.returncode == 130, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("dew: interrupted (Ctrl-C) at step ") and "checkpoint and data position are written" in line
+    # acknowledged on stderr by the signal handler itself: the step under way may take long
+    assert result.stderr.count("dew: Ctrl-C: the run stops when the step under way ends (a second Ctrl-C "
+                               "stops at once)\n") == 1
     step = int(line.split("at step ")[1].split(";")[0])
     assert Checkpoints(tmp_path / "checkpoints").latest == step
 
@@ -413,6 +416,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     result, _ = _interrupted(tmp_path, signals=2)
     assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-2000:])
     assert "a second Ctrl-C stops at once" in result.stdout
+    assert "dew: a second Ctrl-C: stopping now, without finishing the step under way" in result.stderr
 
 
 DISCARDED = r'''

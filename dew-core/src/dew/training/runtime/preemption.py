@@ -156,7 +156,9 @@ class PreemptionWatch:
     _signalled = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         if self._signalled or PreemptionNotice.received():  # a second signal: stop now
+            _say(f"dew: a second {what}: stopping now, without finishing the step under way")
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -168,6 +170,8 @@ class PreemptionWatch:
             return
         PreemptionNotice.status = status
         PreemptionNotice._event.set()
+        # said at once: a step, a rollout or a validation can take long before the stop line comes
+        _say(f"dew: {what}: the run stops when the step under way ends (a second {what} stops at once)")
 
     @property
     def status(self) -> int:
@@ -190,3 +194,12 @@ class PreemptionWatch:
 
             return bool(multihost_utils.reached_preemption_sync_point(int(step)))
         return PreemptionNotice.received()
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler: written whole to the file descriptor, since the
+    handler may run while the main thread is inside a write to sys.stderr."""
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (OSError, ValueError):  # no stderr to write to (closed, or replaced by a stream without one)
+        pass
