@@ -109,7 +109,8 @@ def provider(qwix: Any) -> Any:
                 return weight  # not adapted: never queued for an einsum (see _weight_name)
             if isinstance(weight, ptq.WithAux) or rule.weight_qtype is not None:
                 raise LoraError(f"{'/'.join(module.path)}/{name} is a routed-experts weight, which "
-                                "LoRA adapts in float only; use Lora(base='float32') or target the attention.")
+                                "LoRA adapts in float only; use Lora(base='float32') or target the attention (in a "
+                                "recipe, lora.base=float32 or lora.targets=[attention]).")
             experts, inputs, outputs = weight.shape
             with own_draws(module, name):
                 lora_a, lora_b = qlora._get_or_create_lora_params(
