@@ -223,7 +223,7 @@ def test_records_without_the_key_the_calculator_reads_stop_the_rollout_naming_it
     rollout = _rollout(Calculator(key="solution"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(BatchKeyError, match=r"checks answers under 'solution'.*\['answer'\]"):
+        with pytest.raises(BatchKeyError, match=r"checks answers under 'solution'.*\['answer'\].*objective\.environment\.key"):
             rollout(state, BATCH, jax.random.key(3))
     assert rollout.engine.kept == ()
 

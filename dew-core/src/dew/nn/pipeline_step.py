@@ -92,7 +92,8 @@ def _found(session: StackSession) -> tuple[PyTree, ...]:
     if session.found is None:
         raise StackSessionError(
             "A 1F1B pipeline schedule cuts the model's scanned layer stack into stages, but the loss ran "
-            "no scanned stack. Build the model with scan_layers=True, or use MeshSpec(schedule='gpipe').")
+            "no scanned stack. Build the model with scan_layers=True, or use MeshSpec(schedule='gpipe') (in a "
+            "recipe, model.scan_layers=true or trainer.mesh.schedule=gpipe).")
     return session.found
 
 

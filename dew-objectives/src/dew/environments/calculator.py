@@ -111,5 +111,6 @@ class Calculator:
     def start(self, prompt: str, record: Mapping[str, Any]) -> CalculatorEpisode:
         if self.key not in record:
             raise BatchKeyError(f"The calculator checks answers under {self.key!r}, but the record holds "
-                           f"{sorted(record)}; set Calculator(key=...) to the key holding the answers.")
+                           f"{sorted(record)}; set Calculator(key=...) to the key holding the answers (in a "
+                                "recipe, objective.environment.key).")
         return CalculatorEpisode(self, prompt, record)
