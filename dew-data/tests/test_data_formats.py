@@ -70,12 +70,19 @@ def test_a_jsonl_line_that_is_not_utf8_is_named_by_the_streamed_reader(tmp_path)
         HFText(files=str(tmp_path / "u.jsonl"), length=4).records().take(np.arange(1))
 
 
-def test_gzip_bzip2_and_xz_files_are_read_through_their_compression(tmp_path):
+def test_gzip_bzip2_xz_and_zstd_files_are_read_through_their_compression(tmp_path):
     """A .jsonl.gz was refused as 'not UTF-8' (prompt/completion) or 'holds NUL bytes' (token windows);
-    gzip, bzip2 and xz now read as the text they hold, named by the format under the compression."""
+    gzip, bzip2, xz and zstd (as corpora are published: .jsonl.zst, in several frames) now read as
+    the text they hold, named by the format under the compression."""
     import bz2
     import gzip
     import lzma
+
+    import zstandard
+
+    def zstd_frames(data: bytes) -> bytes:  # two frames, as zstd writes a stream it compresses
+        half = len(data) // 2
+        return zstandard.ZstdCompressor().compress(data[:half]) + zstandard.ZstdCompressor().compress(data[half:])
 
     from dew.data import TokenWindows
     from dew.data.prompt_completion import PromptCompletion
@@ -86,7 +93,8 @@ def test_gzip_bzip2_and_xz_files_are_read_through_their_compression(tmp_path):
     (tmp_path / "plain.txt").write_text(lines)
     expected_pairs = [pair[1:] for pair in PromptCompletion(files=str(tmp_path / "plain.jsonl")).pairs()]
     expected_windows = TokenWindows(files=str(tmp_path / "plain.jsonl"), length=8).windows()
-    for suffix, compress in ((".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)):
+    for suffix, compress in ((".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress),
+                             (".zst", zstd_frames)):
         packed = tmp_path / f"data.jsonl{suffix}"
         packed.write_bytes(compress(lines.encode()))
         assert [pair[1:] for pair in PromptCompletion(files=str(packed)).pairs()] == expected_pairs
@@ -96,17 +104,40 @@ def test_gzip_bzip2_and_xz_files_are_read_through_their_compression(tmp_path):
                           TokenWindows(files=str(tmp_path / "plain.txt"), length=8).windows())
 
 
-def test_a_zstd_file_and_a_compressed_shard_are_refused_with_the_command_that_unpacks_them(tmp_path):
-    """zstd is no stdlib stream, and shards are read at any row: both say how to unpack the file."""
+def test_a_zip_file_and_a_compressed_shard_are_refused_with_the_command_that_unpacks_them(tmp_path):
+    """A zip holds files, not one stream, and shards are read at any row: both say how to unpack
+    the file. A damaged compressed file is named, not left to the decompressor's bare EOFError."""
+    import bz2
     import gzip
+    import zipfile
+
+    import zstandard
 
     from dew.data import TokenWindows
     from dew.data.errors import MissingFileError
     from dew.data.hf_text import HFText
+    from dew.data.prompt_completion import PromptCompletion
 
-    (tmp_path / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 16)  # a zstd frame's magic
-    with pytest.raises(MalformedRecordError, match=r"d.jsonl.zst' is zstd-compressed.*zstd -d"):
-        TokenWindows(files=str(tmp_path / "d.jsonl.zst"), length=4).windows()
+    with zipfile.ZipFile(tmp_path / "d.jsonl.zip", "w") as archive:
+        archive.writestr("d.jsonl", '{"text": "a b c"}\n')
+    with pytest.raises(MalformedRecordError, match=r"d.jsonl.zip' is zip-compressed.*unzip"):
+        TokenWindows(files=str(tmp_path / "d.jsonl.zip"), length=4).windows()
+    lines = b"".join(json.dumps({"prompt": f"p{i}", "completion": f"c{i}", "text": "doc"}).encode() + b"\n"
+                     for i in range(400))
+    damaged = ((".gz", gzip.compress(lines)[:-300], "gzip"), (".gz", b"\x1f\x8b" + b"\x07" * 30, "gzip"),
+               (".bz2", bz2.compress(lines)[:-300], "bzip2"),
+               (".zst", zstandard.ZstdCompressor().compress(lines)[:-300], "zstd"))
+    for index, (suffix, packed, name) in enumerate(damaged):
+        path = tmp_path / f"cut{index}.jsonl{suffix}"
+        path.write_bytes(packed)
+        said = rf"cut{index}.jsonl{suffix}' is a damaged {name} file \(.*\): it was cut short or written wrongly"
+        with pytest.raises(MalformedRecordError, match=said):
+            TokenWindows(files=str(path), length=4).windows()
+        with pytest.raises(MalformedRecordError, match=said):
+            list(PromptCompletion(files=str(path)).pairs())
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "a b c"}\n'))
+    with pytest.raises(MissingFileError, match=r"d.jsonl.zst' is compressed.*zstd -d -k"):
+        HFText(files=str(tmp_path / "d.jsonl.zst")).shards()
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a b c"}\n'))
     with pytest.raises(MissingFileError, match=r"d.jsonl.gz' is compressed.*gunzip -k"):
         HFText(files=str(tmp_path / "d.jsonl.gz")).shards()

@@ -13,7 +13,7 @@ dropped.
 Text comes from local files (``files``: paths or globs; ``.jsonl`` and
 ``.json`` files hold one JSON object per line with the text under
 ``text_key``; ``.parquet`` files a ``text_key`` column; anything else is one
-document per file, read as UTF-8; gzip, bzip2 and xz files, such as
+document per file, read as UTF-8; gzip, bzip2, xz and zstd files, such as
 ``.jsonl.gz``, are read through their compression) or from a Hugging Face dataset
 (``dataset``: a ``save_to_disk`` folder, a folder of data files, or a hub
 name). Windows live in memory, or in ``cache_dir`` as a ``.npy`` file keyed by
