@@ -347,7 +347,7 @@ class Preemption(Hook):
         self.at_the_last = False  # a notice met at the run's own last step, saved: it stops as the fit ends
 
     def open(self) -> None:
-        self.watch = PreemptionWatch().__enter__()
+        self.watch = PreemptionWatch(say=self.reporting.progress.note).__enter__()
 
     def after(self, record: StepRecord) -> Contribution | None:
         assert self.watch is not None

@@ -120,7 +120,8 @@ class PreemptionWatch:
     called at every step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, say: Callable[[str], None] | None = None) -> None:
+        self._say = say  # prints a line where the run's progress goes; else stderr
         self._previous: Callable[[int, FrameType | None], object] | int | None = None  # the SIGTERM handler installed before this watch
         self._installed = False
         self._pooled = False
@@ -170,8 +171,13 @@ class PreemptionWatch:
             return
         PreemptionNotice.status = status
         PreemptionNotice._event.set()
-        # said at once: a step, a rollout or a validation can take long before the stop line comes
-        _say(f"dew: {what}: the run stops when the step under way ends (a second {what} stops at once)")
+        # said at once, where the stop line will go: a step, a rollout or a validation can take long
+        # before it comes. From a thread of its own: the handler may interrupt that printer mid-line.
+        line = f"{what}: the run stops when the step under way ends (a second {what} stops at once)"
+        if self._say is None:
+            _say(f"dew: {line}")
+        else:
+            threading.Thread(target=self._say, args=(line,), name="dew-stop-notice", daemon=True).start()
 
     @property
     def status(self) -> int:
