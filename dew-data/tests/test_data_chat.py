@@ -467,3 +467,27 @@ def test_a_chat_template_path_that_names_no_file_is_refused(marked, tmp_path, mo
     found = Chat(files=str(files), tokenizer=str(marked), chat_template="here/chat.jinja", length=256).encoded()
     assert [c.ids.tolist() for c in found] == [c.ids.tolist() for c in
                                                 Chat(files=str(files), tokenizer=str(marked), length=256).encoded()]
+
+
+def test_a_text_prompt_beside_whole_conversations_adds_nothing_and_beside_answers_is_the_user_turn(marked, tmp_path):
+    """UltraFeedback's layout (a text prompt that copies the user turn of whole chosen/rejected
+    conversations) was refused as no conversation; it reads as the conversations alone, as TRL reads
+    it, and a text prompt before assistant-only sides reads as the user's turn."""
+    from dew.data.chat import ChatPreferences
+
+    question = "What is two plus two?"
+    user = [{"role": "user", "content": question}]
+    chosen, rejected = [{"role": "assistant", "content": "It is four."}], [{"role": "assistant", "content": "Five."}]
+    ultra = _write(tmp_path / "ultra.jsonl", [{"prompt": question, "chosen": user + chosen, "rejected": user + rejected}])
+    plain = _write(tmp_path / "plain.jsonl", [{"chosen": user + chosen, "rejected": user + rejected}])
+    text = _write(tmp_path / "text.jsonl", [{"prompt": question, "chosen": chosen, "rejected": rejected}])
+    listed = _write(tmp_path / "listed.jsonl", [{"prompt": user, "chosen": chosen, "rejected": rejected}])
+    rows = {name: ChatPreferences(files=str(path), tokenizer=str(marked), length=63).rows()
+            for name, path in (("ultra", ultra), ("plain", plain), ("text", text), ("listed", listed))}
+    for key in ("chosen", "rejected", "chosen_mask", "rejected_mask", "prompt_length"):
+        assert np.array_equal(rows["ultra"][key], rows["plain"][key])
+        assert np.array_equal(rows["text"][key], rows["listed"][key])
+        assert np.array_equal(rows["ultra"][key], rows["listed"][key])  # the same pair, written three ways
+    ids, _ = _reference(marked, user + chosen)
+    assert rows["ultra"]["chosen"][0, :len(ids)].tolist() == ids  # the question once, not twice
+    assert int(rows["ultra"]["prompt_length"][0]) == len(_asked(marked, user))

@@ -141,3 +141,77 @@ def test_a_zip_file_and_a_compressed_shard_are_refused_with_the_command_that_unp
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a b c"}\n'))
     with pytest.raises(MissingFileError, match=r"d.jsonl.gz' is compressed.*gunzip -k"):
         HFText(files=str(tmp_path / "d.jsonl.gz")).shards()
+
+
+def test_files_of_another_layout_than_the_reader_reads_are_refused_saying_what_to_do(tmp_path):
+    """Datasets' own files given to the wrong reader got advice that did not fit: a Parquet file
+    'is not UTF-8', a save_to_disk folder wanted a '*.txt' glob, an Arrow file 'holds NUL bytes' (give
+    it its suffix: it had it), a JSON array file was 'not valid JSON' or 'holds a list'. And a
+    DatasetDict of train_sft and test_sft was answered with the test split's folder."""
+    import datasets
+
+    from dew.data import TokenWindows
+    from dew.data.chat import Chat
+    from dew.data.errors import MissingFileError
+    from dew.data.hf_text import HFText
+    from dew.data.prompt_completion import PromptCompletion
+
+    records = [{"prompt": f"p{i}", "completion": f"c{i}", "text": f"doc {i}",
+                "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"a{i}"}]}
+               for i in range(4)]
+    saved = datasets.Dataset.from_list(records)
+    saved.to_parquet(str(tmp_path / "pc.parquet"))
+    saved.save_to_disk(str(tmp_path / "saved"))
+    (arrow,) = sorted((tmp_path / "saved").glob("*.arrow"))
+    with pytest.raises(MalformedRecordError, match=r"pc\.parquet' is a Parquet file, and this reader reads JSON "
+                       r"Lines .*Dataset\.from_parquet\(path\)\.to_json\('data\.jsonl'\)\), or read it with a "
+                       r"reader of shards \(hf_text, chat\)\.$"):
+        list(PromptCompletion(files=str(tmp_path / "pc.parquet")).pairs())
+    for reader in (lambda f: list(PromptCompletion(files=f).pairs()), lambda f: TokenWindows(files=f).windows()):
+        with pytest.raises(MissingFileError, match=r"saved' is a directory, not a file\. It was written by "
+                           r"datasets' save_to_disk: read it with hf_text \(files: the folder\) or token_windows "
+                           r"\(dataset: the folder\)"):
+            reader(str(tmp_path / "saved"))
+    (tmp_path / "shards").mkdir()
+    for name in ("a.jsonl", "b.jsonl", "notes.md"):
+        (tmp_path / "shards" / name).write_text("")
+    with pytest.raises(MissingFileError, match=r"Pass existing files or a glob such as '.*shards/\*\.jsonl'"):
+        list(PromptCompletion(files=str(tmp_path / "shards")).pairs())
+    # an Arrow file reads as its text column, as the same records' JSONL does
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert np.array_equal(TokenWindows(files=str(arrow), length=4).windows(),
+                          TokenWindows(files=str(tmp_path / "docs.jsonl"), length=4).windows())
+
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=1))
+    (tmp_path / "line.json").write_text(json.dumps(records) + "\n")
+    for name in ("array.json", "line.json"):
+        file = str(tmp_path / name)
+        for read in (lambda f: list(PromptCompletion(files=f).pairs()), lambda f: TokenWindows(files=f).windows(),
+                     lambda f: HFText(files=f, length=4).records().take(np.arange(1)),
+                     lambda f: Chat(files=f, tokenizer="byte", chat_template="{{ messages }}").rows()):
+            with pytest.raises(MalformedRecordError, match=rf"{name}' holds a JSON array, and dew reads JSON Lines: "
+                               r"one JSON object per line\. Write each record on a line of its own \(jq -c"):
+                read(file)
+
+    half = datasets.Dataset.from_list(records[:2])
+    datasets.DatasetDict({"test_sft": half, "train_sft": half}).save_to_disk(str(tmp_path / "ultrachat"))
+    with pytest.raises(MissingFileError, match=r"splits \(test_sft, train_sft\).*e\.g\. '.*ultrachat/train_sft'\.$"):
+        HFText(files=str(tmp_path / "ultrachat")).shards()
+
+
+def test_a_null_completion_is_no_text_left_out_with_the_warning_an_empty_one_gets(tmp_path):
+    """One null completion refused the whole file, where an empty one is left out with a warning
+    (and a null text is no document to token_windows and hf_text)."""
+    from dew.data.prompt_completion import NothingToScoreWarning, PromptCompletion
+
+    lines = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": None}, {"prompt": "e", "completion": "f"}]
+    (tmp_path / "null.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "empty.jsonl").write_text("".join(json.dumps({**r, "completion": r["completion"] or ""}) + "\n"
+                                                  for r in lines))
+    rows = {}
+    for name in ("null", "empty"):
+        with pytest.warns(NothingToScoreWarning, match=rf"{name}\.jsonl:2 has an empty completion"):
+            rows[name] = PromptCompletion(files=str(tmp_path / f"{name}.jsonl"), tokenizer="byte", length=16).rows()
+    assert rows["null"].keys() == rows["empty"].keys()
+    for key in rows["null"]:
+        assert np.array_equal(rows["null"][key], rows["empty"][key])

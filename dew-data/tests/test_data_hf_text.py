@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,3 +251,38 @@ def test_a_saved_dataset_dict_asks_for_one_split_and_its_metadata_is_no_shard(co
     (loose / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:7]))
     (loose / "dataset_info.json").write_text(json.dumps({"description": "", "features": {}}))
     assert len(HFText(files=str(loose)).shards()) == 7
+
+
+def test_a_folder_of_several_splits_is_refused_naming_each_splits_files(corpus, tmp_path):
+    """A hub dataset's data/ folder (train-00000-of-00002.parquet, test-...) and a datasets cache
+    folder (parquet-train.arrow, parquet-test.arrow) were read whole: a run trained on the test
+    split too, without a word. Each split's files are named; one split's glob reads it alone."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dew.data.errors import MissingFileError
+    from dew.data.hf_text import HFText
+
+    _, texts, _ = corpus
+    hub = tmp_path / "snapshot" / "data"
+    hub.mkdir(parents=True)
+    for name, part in (("train-00000-of-00002", texts[:10]), ("train-00001-of-00002", texts[10:20]),
+                       ("test-00000-of-00001", texts[20:25]), ("train_sft-00000-of-00001-8a1b", texts[25:28])):
+        pq.write_table(pa.table({"text": part}), hub / f"{name}.parquet")
+    with pytest.raises(MissingFileError, match=r"holds the files of 3 splits \(test: test-\*\.parquet; train: "
+                       r"train-\*\.parquet; train_sft: train_sft-\*\.parquet\); read whole, the run would train "
+                       r"on all of them\. Pass the files of the split to read, e\.g\. '.*data/train-\*\.parquet'"):
+        HFText(files=str(hub)).shards()
+    train = HFText(files=str(hub / "train-*.parquet"), length=LENGTH)
+    assert len(train.shards()) == 20 and train.shards().values(0, 20) == texts[:20]
+
+    datasets.Dataset.from_dict({"text": texts[:6]}).to_parquet(str(tmp_path / "p.parquet"))
+    cache = datasets.load_dataset("parquet", data_files={"train": str(tmp_path / "p.parquet"),
+                                                          "test": str(tmp_path / "p.parquet")},
+                                  cache_dir=str(tmp_path / "hf-cache"))
+    folder = Path(cache["train"].cache_files[0]["filename"]).parent
+    assert (folder / "dataset_info.json").is_file()
+    with pytest.raises(MissingFileError, match=r"2 splits \(test: parquet-test\*\.arrow; train: parquet-train\*\.arrow\)"):
+        HFText(files=str(folder)).shards()
+    assert len(HFText(files=str(folder / "parquet-train*.arrow")).shards()) == 6

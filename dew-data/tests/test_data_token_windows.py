@@ -282,3 +282,48 @@ def test_a_prompt_template_str_format_cannot_fill_is_refused_before_any_record(t
     ids, mask = doubled["text"][0], doubled["loss_mask"][0]
     assert bytes(ids[(mask == 0) & (ids < 256)].tolist()).decode() == 'JSON like {"a": 1}. 2+2='  # the prompt
     assert PromptCompletion.field_problems({"template": "Q: {prompt}"}) == []
+
+
+def test_a_cache_folder_reads_its_split_and_a_wrong_config_or_split_is_named_in_one_line(tmp_path):
+    """dataset= on a datasets cache folder (dataset_info.json beside parquet-train.arrow) was sent to
+    load_from_disk and failed with a traceback; datasets' refusal of a config or split ran to four
+    lines blaming data.load and advising load_dataset(...); a config given for a save_to_disk folder,
+    which has none, was ignored."""
+    import datasets
+
+    from dew.data import TokenWindows
+    from dew.data.errors import MissingKeyError
+
+    for split, text in (("train", "ab"), ("test", "xyz")):
+        datasets.Dataset.from_dict({"text": [text]}).to_parquet(str(tmp_path / f"{split}.parquet"))
+    built = datasets.load_dataset("parquet", data_files={s: str(tmp_path / f"{s}.parquet") for s in ("train", "test")},
+                                  cache_dir=str(tmp_path / "hf-cache"))
+    cache = Path(built["train"].cache_files[0]["filename"]).parent
+    for split, text in (("train", b"ab"), ("test", b"xyz")):
+        assert TokenWindows(dataset=str(cache), split=split, length=2).tokens().tolist() == [*text, 256]
+
+    configs = tmp_path / "configs"
+    for config, splits in (("en", ("train", "test")), ("fr", ("train",))):
+        (configs / config).mkdir(parents=True)
+        for split in splits:
+            datasets.Dataset.from_dict({"text": [f"{config} {split}"]}).to_parquet(
+                str(configs / config / f"{split}-00000-of-00001.parquet"))
+    (configs / "README.md").write_text(
+        "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n    path: en/train-*\n"
+        "  - split: test\n    path: en/test-*\n- config_name: fr\n  data_files:\n  - split: train\n"
+        "    path: fr/train-*\n---\n")
+    assert TokenWindows(dataset=str(configs), config="fr", length=2).tokens().tolist() == [*b"fr train", 256]
+    for given, said in (({}, r"has the configs \['en', 'fr'\] and none was named; pass config= with one of them "
+                             r"\(a recipe's data\.config\)\.$"),
+                        ({"config": "de"}, r"has the configs \['en', 'fr'\] and no config 'de'; pass config="),
+                        ({"config": "fr", "split": "test"},
+                         r"\(config 'fr'\) has no split 'test'; its splits are \['train'\]\. Pass split= with one "
+                         r"of them \(a recipe's data\.split\)\.$")):
+        with pytest.raises(MissingKeyError, match=said) as refused:
+            TokenWindows(dataset=str(configs), length=2, **given).tokens()
+        assert "\n" not in str(refused.value)
+
+    datasets.Dataset.from_dict({"text": ["saved"]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(MissingKeyError, match=r"written by datasets' save_to_disk, which keeps one dataset and no "
+                       r"configs, so config='zzz' names nothing there"):
+        TokenWindows(dataset=str(tmp_path / "saved"), config="zzz", length=2).tokens()

@@ -297,7 +297,7 @@ class ChatPreferences(_ChatReader):
     """Preference pairs of conversations as rows for DPO (see the module docstring).
 
     Each record holds ``chosen_key`` and ``rejected_key`` message lists, and
-    optionally ``prompt_key``, a list both continue.
+    optionally ``prompt_key``, a list both continue (or a text: see ``_prompt``).
     """
 
     files: str | Sequence[str]
@@ -320,11 +320,23 @@ class ChatPreferences(_ChatReader):
                 raise ChatRecordError(
                     f"{where} holds text under {self.chosen_key!r}, where chat_preferences reads a conversation; "
                     "for text pairs use prompt_completion with completion_key: chosen and rejected_key: rejected.")
-            prompt = [] if prompts[row] is None else check_messages(prompts[row], f"the prompt of {where}")
+            prompt = self._prompt(prompts[row], chosen, where)
             a = prompt + check_messages(chosen, f"the chosen side of {where}")
             b = prompt + check_messages(rejected[row], f"the rejected side of {where}")
             shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
             yield where, a[:max(shared, len(prompt))], a, b
+
+    @staticmethod
+    def _prompt(given: Any, chosen: Any, where: str) -> list[dict[str, Any]]:
+        """The messages a record's prompt adds before both sides. A text prompt beside conversations
+        that hold the user's turn already (UltraFeedback's layout) is a copy of it and adds nothing,
+        as TRL reads it; beside the assistant's turns alone, it is the user's turn."""
+        if given is None:
+            return []
+        if isinstance(given, str):
+            sides = check_messages(chosen, f"the chosen side of {where}")
+            return [] if any(m["role"] != "assistant" for m in sides) else [{"role": "user", "content": given}]
+        return check_messages(given, f"the prompt of {where}")
 
     def rows(self) -> dict[str, np.ndarray]:
         """chosen, rejected, chosen_mask, rejected_mask [pairs, length + 1] and prompt_length [pairs]."""

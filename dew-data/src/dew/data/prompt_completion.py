@@ -186,6 +186,8 @@ class PromptCompletion:
             raise MissingKeyError(f"{where} has no text under {key!r} (keys: {sorted(record)}); set {named} to the "
                                   f"keys the records use{alone}.")
         value = record[key]
+        if value is None and key != self.prompt_key:  # a completion with no text, as "" is: left out, warned
+            return ""
         if isinstance(value, list):  # conversational: messages, checked as the chat readers check them
             return check_messages(value, f"the {key} of {where}")
         if not isinstance(value, str):

@@ -28,8 +28,10 @@ worker reopens them instead of copying data.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -43,7 +45,7 @@ from dew.data.errors import (
     MissingFileError,
     MissingKeyError,
 )
-from dew.data.sources import COMPRESSED_SUFFIXES, expand_files, format_suffix
+from dew.data.sources import COMPRESSED_SUFFIXES, expand_files, format_suffix, not_json_lines
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -116,7 +118,7 @@ def _folder_shards(folder: Path) -> list[Path]:
         raise MissingFileError(
             f"The folder {os.fspath(folder)!r} holds a dataset's splits ({', '.join(names) or 'none'}), "
             f"each in its own folder. Pass the split to read, e.g. "
-            f"{os.fspath(folder / ('train' if 'train' in names or not names else names[0]))!r}."
+            f"{os.fspath(folder / next((n for n in names if n.startswith('train')), names[0] if names else 'train'))!r}."
         )
     state = folder / "state.json"
     if state.is_file():  # datasets' save_to_disk: the data files, in order
@@ -134,7 +136,56 @@ def _folder_shards(folder: Path) -> list[Path]:
             f"The folder {os.fspath(folder)!r} holds no {', '.join(SHARD_SUFFIXES)} file. Pass the "
             f"folder datasets' save_to_disk wrote, or the data files themselves."
         )
+    _refuse_several_splits(folder, files)
     return files
+
+
+# A hub dataset's shard (train-00000-of-00002.parquet, train_sft-00001-of-00003-<hash>.parquet) and
+# a datasets cache's file (parquet-train.arrow, json-test-00000-of-00002.arrow) name their split.
+_HUB_SHARD = re.compile(r"^(?P<split>[^-]+)-\d+-of-\d+")
+_CACHE_FILE = re.compile(r"^[^-]+-(?P<split>[^-]+?)(-\d+-of-\d+)?\.arrow$")
+# Otherwise a split's word, as datasets finds it in a file name: delimited by - . _ space or digits.
+_SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
+                "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
+                "evaluation": "test"}
+
+
+def _split_of(path: Path, cache: bool) -> str | None:
+    """The split a data file's name says it belongs to (None: it names none)."""
+    if cache and (found := _CACHE_FILE.match(path.name)):
+        return found["split"]
+    if found := _HUB_SHARD.match(path.name):
+        return found["split"]
+    words = [w for w in re.split(r"[-._ \d]+", path.name[: -len(path.suffix)].lower()) if w in _SPLIT_WORDS]
+    return _SPLIT_WORDS[words[0]] if len(set(map(_SPLIT_WORDS.get, words))) == 1 else None
+
+
+def _refuse_several_splits(folder: Path, files: Sequence[Path]) -> None:
+    """MissingFileError when a folder's files belong to more than one split (a hub dataset's
+    data/ folder, a datasets cache folder): read whole, a run would train on its test split too."""
+    cache = (folder / "dataset_info.json").is_file()
+    splits: dict[str, list[Path]] = {}
+    for path in files:
+        split = _split_of(path, cache)
+        if split is not None:
+            splits.setdefault(split, []).append(path)
+    if len(splits) < 2:
+        return
+
+    def pattern(split: str) -> str:
+        """A glob of the split's files in the folder (their names, where no glob takes them alone)."""
+        first = splits[split][0].name
+        end = first.lower().find(split.lower()) + len(split) if split.lower() in first.lower() else 0
+        glob = first[:end] + (first[end] if first[end:end + 1] in ("-", "_", " ") else "") + "*" + splits[split][0].suffix
+        matched = [p for p in files if fnmatch.fnmatchcase(p.name, glob)]
+        return glob if matched == splits[split] else ", ".join(p.name for p in splits[split])
+
+    named = "; ".join(f"{split}: {pattern(split)}" for split in sorted(splits))
+    chosen = next((name for name in sorted(splits) if name.startswith("train")), sorted(splits)[0])
+    raise MissingFileError(
+        f"The folder {os.fspath(folder)!r} holds the files of {len(splits)} splits ({named}); read whole, "
+        f"the run would train on all of them. Pass the files of the split to read, e.g. "
+        f"{os.fspath(folder / pattern(chosen))!r}.")
 
 
 def _missing_column(path: Path, column: str, present: Sequence[str]) -> MissingKeyError:
@@ -244,6 +295,8 @@ class _Jsonl:
         return f"line {self._line(row)} of {os.fspath(self.path)!r}"
 
     def _parse(self, line: bytes, row: int) -> dict[str, object]:
+        if row == 0 and (wrong := not_json_lines(self.path, line.decode("utf-8", "replace"))):
+            raise wrong
         try:
             record = json.loads(line)
         except UnicodeDecodeError as error:
@@ -259,7 +312,7 @@ class _Jsonl:
         if not isinstance(record, dict):
             raise MalformedRecordError(
                 f"Line {self._line(row)} of {os.fspath(self.path)!r} holds a {type(record).__name__}, "
-                f"not a JSON object."
+                f"not a JSON object; each line of a JSONL file must be one."
             )
         return record
 

@@ -46,6 +46,7 @@ __all__ = [
     "format_suffix",
     "json_records",
     "load_hf_dataset",
+    "not_json_lines",
     "open_data_file",
     "require_column",
     "stdlib_corpus",
@@ -188,12 +189,11 @@ def expand_files(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[s
             files.extend(matched)
         else:
             path = Path(text)
+            if path.is_dir():
+                raise MissingFileError(f"The data file {text!r} is a directory, not a file. {_folder_advice(path)}")
             if not path.is_file():
-                what = "is a directory, not a file" if path.is_dir() else "does not exist"
-                raise MissingFileError(
-                    f"The data file {text!r} {what}. Pass existing files or a glob such as "
-                    f"'{path / '*.txt' if path.is_dir() else text}'."
-                )
+                raise MissingFileError(f"The data file {text!r} does not exist. Pass existing files or a glob "
+                                       f"such as '{text}'.")
             files.append(path)
     if not files:
         raise EmptyDatasetError("No input files were given; pass at least one path or glob.")
@@ -245,6 +245,33 @@ class _ZstdFrames(io.RawIOBase):
 
 def _zstd_file(path: Path) -> io.BufferedIOBase:
     return io.BufferedReader(_ZstdFrames(path))
+
+
+def _folder_advice(folder: Path) -> str:
+    """What to pass instead of a folder where files go: a save_to_disk folder's readers, or a glob
+    of the files it holds (by their most common suffix)."""
+    if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
+        return ("It was written by datasets' save_to_disk: read it with hf_text (files: the folder) or "
+                "token_windows (dataset: the folder), or export it to JSON Lines (Dataset.to_json).")
+    suffixes = [p.suffix for p in folder.iterdir() if p.is_file() and p.suffix]
+    common = max(sorted(set(suffixes)), key=suffixes.count) if suffixes else ".jsonl"
+    return f"Pass existing files or a glob such as '{folder / ('*' + common)}'."
+
+
+def not_json_lines(path: Path | str, first: str) -> MalformedRecordError | None:
+    """The error for a file that is no JSON Lines file though a reader of them was pointed at it (a
+    JSON array, a Parquet or Arrow file), judged by its name and first line; None when it may be one."""
+    suffix = format_suffix(Path(path))
+    if suffix in (".parquet", ".arrow"):
+        return MalformedRecordError(
+            f"{os.fspath(path)!r} is a{'n Arrow' if suffix == '.arrow' else ' Parquet'} file, and this reader "
+            "reads JSON Lines (one JSON object per line); convert it (datasets.Dataset.from_"
+            f"{suffix[1:]}(path).to_json('data.jsonl')), or read it with a reader of shards (hf_text, chat).")
+    if first.lstrip().startswith("["):
+        return MalformedRecordError(
+            f"{os.fspath(path)!r} holds a JSON array, and dew reads JSON Lines: one JSON object per line. "
+            "Write each record on a line of its own (jq -c '.[]' FILE > FILE.jsonl).")
+    return None
 
 
 # Compressions read as they stream, by their files' first bytes (the corpora published as
@@ -350,17 +377,24 @@ def json_records(files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
     import json
 
     for path in expand_files(files):
+        if wrong := not_json_lines(path, ""):
+            raise wrong
+        first = True
         for number, line in utf8_lines(Path(path)):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
+            if first and (wrong := not_json_lines(path, line)):
+                raise wrong
+            first = False
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise MalformedRecordError(f"{where} is not JSON ({error.msg}); write one JSON object per "
                                            "line.") from None
             if not isinstance(record, dict):
-                raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object.")
+                raise MalformedRecordError(f"{where} holds a {type(record).__name__}, not a JSON object; write "
+                                           "one JSON object per line.")
             yield where, record
 
 
@@ -405,9 +439,15 @@ def load_hf_dataset(name_or_path: str, *, split: str, config: str | None = None)
     path = Path(name_or_path).expanduser()
     if path.exists():
         _refuse_scripts(path)
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():  # save_to_disk's
+            if config is not None:
+                raise MissingKeyError(
+                    f"The folder {name_or_path!r} was written by datasets' save_to_disk, which keeps one "
+                    f"dataset and no configs, so config={config!r} names nothing there; leave config out "
+                    "(a recipe's data.config), or point at the folder that config was saved to.")
             loaded = datasets.load_from_disk(os.fspath(path))
-        else:  # a folder of data files (parquet, json, csv, images): let datasets infer the builder
+        else:  # a folder of data files (parquet, json, csv, images; a datasets cache folder's .arrow
+            # files beside its dataset_info.json): datasets infers the builder and the splits
             loaded = _load_dataset(datasets, os.fspath(path), config, split)
     elif name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]:
         raise MissingFileError(
@@ -446,6 +486,8 @@ def _load_dataset(datasets: ModuleType, name_or_path: str, config: str | None,
     """datasets.load_dataset, with a refused loading script reported as LoadingScriptError."""
     try:
         return datasets.load_dataset(name_or_path, config, split=split)
+    except ValueError as error:  # a config or split it does not have: said with recipe keys, on one line
+        raise _unknown_choice(datasets, name_or_path, config, split, error) from None
     except RuntimeError as error:
         if "scripts are no longer supported" not in str(error):
             raise
@@ -453,6 +495,27 @@ def _load_dataset(datasets: ModuleType, name_or_path: str, config: str | None,
             f"The dataset {name_or_path!r} needs a loading script ({error}); dew never runs code "
             f"from a dataset. Use a version of it published as data files (Parquet, JSON, CSV)."
         ) from error
+
+
+def _unknown_choice(datasets: ModuleType, name: str, config: str | None, split: str,
+                   error: ValueError) -> Exception:
+    """datasets' refusal of a config or a split as MissingKeyError listing the ones there are
+    (its own message runs to several lines and ends in a load_dataset call); any other error as it is."""
+    said = str(error)
+    if "Config name is missing" in said or "BuilderConfig" in said:
+        try:
+            configs: object = datasets.get_dataset_config_names(name)
+        except Exception:  # noqa: BLE001  # the names are a courtesy: datasets' own line says them
+            configs = said.splitlines()[-1]
+        given = "and none was named" if config is None else f"and no config {config!r}"
+        return MissingKeyError(f"The dataset {name!r} has the configs {configs} {given}; pass config= with one "
+                               "of them (a recipe's data.config).")
+    if "Unknown split" in said:
+        splits = said.split("Should be one of", 1)[-1].strip(" .")
+        where = "" if config is None else f" (config {config!r})"
+        return MissingKeyError(f"The dataset {name!r}{where} has no split {split!r}; its splits are {splits}. "
+                               "Pass split= with one of them (a recipe's data.split).")
+    return error
 
 
 def require_column(dataset: datasets.Dataset, key: str, origin: str) -> None:

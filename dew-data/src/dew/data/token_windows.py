@@ -12,7 +12,7 @@ dropped.
 
 Text comes from local files (``files``: paths or globs; ``.jsonl`` and
 ``.json`` files hold one JSON object per line with the text under
-``text_key``; ``.parquet`` files a ``text_key`` column; anything else is one
+``text_key``; ``.parquet`` and ``.arrow`` files a ``text_key`` column; anything else is one
 document per file, read as UTF-8; gzip, bzip2, xz and zstd files, such as
 ``.jsonl.gz``, are read through their compression) or from a Hugging Face dataset
 (``dataset``: a ``save_to_disk`` folder, a folder of data files, or a hub
@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
@@ -56,6 +56,7 @@ from dew.data.sources import (
     expand_files,
     format_suffix,
     load_hf_dataset,
+    not_json_lines,
     open_data_file,
     require_column,
     utf8_lines,
@@ -242,7 +243,11 @@ class TokenWindows:
     def _file_documents(self, path: Path) -> Iterator[str]:
         suffix = format_suffix(path)
         if suffix in _JSON_SUFFIXES:
+            first = True
             for number, line in utf8_lines(path):
+                if first and line.strip() and (wrong := not_json_lines(path, line)):
+                    raise wrong
+                first = first and not line.strip()
                 text = self._json_text(line, path, number) if line.strip() else None
                 if text:  # a null or empty text is no document, as in Parquet and hf_text
                     yield text
@@ -255,16 +260,13 @@ class TokenWindows:
                     f"The Parquet file {os.fspath(path)!r} has no column {self.text_key!r}; its "
                     f"columns are {parquet.schema_arrow.names}. Pass text_key= with the text column."
                 )
-            row = 0
-            for batch in parquet.iter_batches(columns=[self.text_key], batch_size=4096):
-                for text in batch.column(0).to_pylist():
-                    row += 1
-                    if text is not None and not isinstance(text, str):
-                        raise MalformedRecordError(
-                            f"Row {row} of {os.fspath(path)!r} holds a {type(text).__name__} under "
-                            f"{self.text_key!r}, not a string; point text_key= at the text column.")
-                    if text:
-                        yield text
+            yield from self._column_texts(path, (text for batch in parquet.iter_batches(
+                columns=[self.text_key], batch_size=4096) for text in batch.column(0).to_pylist()))
+        elif suffix == ".arrow":  # a datasets cache's or save_to_disk's file, memory-mapped
+            from dew.data.shards import Shards
+
+            shards = Shards([path], self.text_key)
+            yield from self._column_texts(path, shards.values(0, len(shards)))
         else:
             with open_data_file(path) as handle:
                 raw = handle.read()
@@ -274,6 +276,16 @@ class TokenWindows:
                     "archive, say); narrow data.files to the text, or give Parquet or JSONL its suffix."
                 )
             text = _decoded(raw, path)
+            if text:
+                yield text
+
+    def _column_texts(self, path: Path, texts: Iterable[object]) -> Iterator[str]:
+        """The documents of a Parquet or Arrow file's text column: a null or empty one is none."""
+        for row, text in enumerate(texts, 1):
+            if text is not None and not isinstance(text, str):
+                raise MalformedRecordError(
+                    f"Row {row} of {os.fspath(path)!r} holds a {type(text).__name__} under "
+                    f"{self.text_key!r}, not a string; point text_key= at the text column.")
             if text:
                 yield text
 
