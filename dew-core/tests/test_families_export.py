@@ -200,3 +200,20 @@ def test_a_model_trained_on_a_tokenizer_folder_exports_its_special_tokens_and_ch
     back = Pretrained.load(tmp_path / "out").tokenizer
     assert back.chat_template is not None and back.chat_template.render(chat).text == \
         tokenizer.chat_template.render(chat).text
+
+
+def test_weights_trained_without_a_source_config_export_their_tokenizers_bos_and_pad_ids(tmp_path):
+    """A run from scratch with a family's tokenizer (a distillation's student) had no config.json to
+    take its special ids from: the export named only the eos, and transformers filled in Gemma's class
+    defaults (bos 2, pad 0), ordinary tokens of this vocabulary."""
+    from dew.pretrained import Pretrained
+
+    source = Pretrained.load(write_checkpoint("gemma3", tmp_path / "source", seed=1))
+    assert source.tokenizer_files is not None and source.tokenizer_files.ids  # the published ids
+    Pretrained(source.model, source.variables, source.tokenizer).save(tmp_path / "scratch")  # as a run's export
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "scratch")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "scratch")
+    assert theirs.bos_token is not None and theirs.pad_token is not None
+    assert (config.bos_token_id, config.pad_token_id) == (theirs.bos_token_id, theirs.pad_token_id)
+    published = json.loads((tmp_path / "source" / "config.json").read_text())
+    assert (config.bos_token_id, config.pad_token_id) == (published["bos_token_id"], published["pad_token_id"])

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dew.data.base import eos_id_of, listed_ids, stop_ids_of, vocab_size_of
+from dew.data.base import NamesSpecialTokens, eos_id_of, listed_ids, stop_ids_of, vocab_size_of
 from dew.families import scoring
 from dew.families.hf_config import training_settings
 from dew.pretrained import native
@@ -333,7 +333,7 @@ class Pretrained:
             table, config = scoring.table(family, self.model), scoring.written(family, config)
             own["task"] = dict(self.task or {})
             if config.get("pad_token_id") is None:  # transformers scores a batch at its last non-pad token
-                pad = _pad_id(self.tokenizer, self.tokenizer_files)
+                pad = _special_id(self.tokenizer, self.tokenizer_files, "pad_token")
                 if pad is not None:
                     config["pad_token_id"] = pad
         else:
@@ -380,13 +380,22 @@ class Pretrained:
         (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
     def _token_ids(self) -> dict[str, Any]:
-        """config.json's special-token ids: those the source directory had, else the tokenizer's eos."""
+        """config.json's special-token ids: those the source directory had, else the tokenizer's eos
+        and the bos and pad tokens its files name."""
         ids: dict[str, Any] = {}
         eos = eos_id_of(self.tokenizer)
         if eos is not None:
             ids["eos_token_id"] = int(eos)
-        if self.tokenizer_files is not None:
-            ids.update(self.tokenizer_files.ids)
+        if self.tokenizer_files is not None and self.tokenizer_files.ids:
+            ids.update(self.tokenizer_files.ids)  # as the source config.json had them
+        else:
+            # no source config.json (a run from scratch with a family's tokenizer): the bos and pad
+            # tokens the tokenizer names, else transformers takes its class's defaults (Gemma's bos 2,
+            # pad 0), ordinary tokens of this vocabulary
+            for key, name in (("bos_token_id", "bos_token"), ("pad_token_id", "pad_token")):
+                found = _special_id(self.tokenizer, self.tokenizer_files, name)
+                if found is not None:
+                    ids[key] = found
         # Every id a continuation ends at (a policy's stop token besides the eos), as a list
         # transformers' generate stops at too.
         stops = [*listed_ids(ids.get("eos_token_id")), *stop_ids_of(self.tokenizer)]
@@ -593,9 +602,12 @@ class Pretrained:
                    training_settings(config) or None)
 
 
-def _pad_id(tokenizer: Any, files: TokenizerFiles | None) -> int | None:
-    """The id of the pad token the tokenizer's files name (None: they name none, or it is no one id)."""
-    token = None if files is None else files.special_tokens.get("pad_token")
+def _special_id(tokenizer: Any, files: TokenizerFiles | None, name: str) -> int | None:
+    """The id of the special token (bos_token, pad_token) the tokenizer's files name, or the
+    tokenizer itself without them (None: they name none, or it is no one id)."""
+    named = files.special_tokens if files is not None else (
+        tokenizer.special_tokens if isinstance(tokenizer, NamesSpecialTokens) else {})
+    token = named.get(name)
     if token is None or tokenizer is None:
         return None
     ids = [int(i) for i in tokenizer.encode(token)]
