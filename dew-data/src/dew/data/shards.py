@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dew.data.compressed import COMPRESSED_SUFFIXES, format_suffix
 from dew.data.errors import (
     EmptyDatasetError,
     MalformedRecordError,
     MissingFileError,
     MissingKeyError,
 )
-from dew.data.sources import COMPRESSED_SUFFIXES, expand_files, format_suffix, not_json_lines
+from dew.data.sources import expand_files, not_json_lines
 
 if TYPE_CHECKING:
     import pyarrow as pa

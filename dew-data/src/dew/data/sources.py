@@ -11,15 +11,9 @@ corpus every machine with Python has, so the default recipe needs no download.
 
 from __future__ import annotations
 
-import bz2
 import glob
-import gzip
-import io
-import lzma
 import os
-import sys
 import sysconfig
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload, runtime_ch
 
 import numpy as np
 
+from dew.data.compressed import format_suffix, open_data_file
 from dew.data.errors import (
     EmptyDatasetError,
     LoadingScriptError,
@@ -39,15 +34,12 @@ if TYPE_CHECKING:
     import datasets
 
 __all__ = [
-    "COMPRESSED_SUFFIXES",
     "ArrayRecords",
     "RecordSource",
     "expand_files",
-    "format_suffix",
     "json_records",
     "load_hf_dataset",
     "not_json_lines",
-    "open_data_file",
     "require_column",
     "stdlib_corpus",
     "utf8_lines",
@@ -200,53 +192,6 @@ def expand_files(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[s
     return files
 
 
-class _ZstdFrames(io.RawIOBase):
-    """A zstd file's bytes as they are decompressed, frame after frame (``zstd`` run on a stream
-    writes several). zstandard's own stream reader ends quietly where a cut file ends, even
-    inside a frame; here that is an EOFError, as gzip's reader raises."""
-
-    CHUNK = 1 << 16
-
-    def __init__(self, path: Path) -> None:
-        import zstandard
-
-        super().__init__()
-        self._file = path.open("rb")
-        self._frame = zstandard.ZstdDecompressor().decompressobj
-        self._decompressor = self._frame()
-        self._pending, self._leftover, self._inside = b"", b"", False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        while not self._pending:
-            data = self._leftover or self._file.read(self.CHUNK)
-            self._leftover = b""
-            if not data:
-                if self._inside:
-                    raise EOFError("the file ends inside a zstd frame")
-                return 0
-            if self._decompressor.eof:  # the next frame
-                self._decompressor = self._frame()
-            self._pending = self._decompressor.decompress(data)
-            self._inside = not self._decompressor.eof
-            if self._decompressor.eof:
-                self._leftover = self._decompressor.unused_data
-        count = min(len(buffer), len(self._pending))
-        buffer[:count] = self._pending[:count]
-        self._pending = self._pending[count:]
-        return count
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
-
-
-def _zstd_file(path: Path) -> io.BufferedIOBase:
-    return io.BufferedReader(_ZstdFrames(path))
-
-
 def _folder_advice(folder: Path) -> str:
     """What to pass instead of a folder where files go: a save_to_disk folder's readers, or a glob
     of the files it holds (by their most common suffix)."""
@@ -272,88 +217,6 @@ def not_json_lines(path: Path | str, first: str) -> MalformedRecordError | None:
             f"{os.fspath(path)!r} holds a JSON array, and dew reads JSON Lines: one JSON object per line. "
             "Write each record on a line of its own (jq -c '.[]' FILE > FILE.jsonl).")
     return None
-
-
-# Compressions read as they stream, by their files' first bytes (the corpora published as
-# .jsonl.zst, .json.gz, ...).
-_STREAMED: dict[bytes, tuple[str, Callable[[Path], io.BufferedIOBase]]] = {
-    b"\x1f\x8b": ("gzip", gzip.GzipFile),
-    b"BZh": ("bzip2", bz2.BZ2File),
-    b"\xfd7zXZ\x00": ("xz", lzma.LZMAFile),
-    b"\x28\xb5\x2f\xfd": ("zstd", _zstd_file),
-}
-# Containers of several files, not one stream: named, with the command that opens them.
-_UNREAD: dict[bytes, tuple[str, str]] = {b"PK\x03\x04": ("zip", "unzip")}
-# The suffixes of those compressions, with the command that unpacks such a file.
-COMPRESSED_SUFFIXES = {".gz": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".zst": "zstd -d -k"}
-
-
-# a stream cut short, or not its format (gzip's BadGzipFile and bz2's "Invalid data stream" are OSErrors)
-_DAMAGE = (EOFError, OSError, zlib.error, lzma.LZMAError)
-
-
-class _Decompressed(io.BufferedIOBase):
-    """A compressed file's stream whose damage (cut short, or not the compression its first bytes
-    claim) is a MalformedRecordError naming the file, not the decompressor's bare EOFError."""
-
-    def __init__(self, stream: io.BufferedIOBase, path: Path, compression: str) -> None:
-        super().__init__()
-        self._stream, self._path, self._compression = stream, path, compression
-
-    def _damaged(self, error: Exception) -> MalformedRecordError:
-        return MalformedRecordError(
-            f"{os.fspath(self._path)!r} is a damaged {self._compression} file ({error}): it was cut short "
-            "or written wrongly. Fetch or compress it again, or leave it out of the data.")
-
-    def readable(self) -> bool:
-        return True
-
-    def _through(self, call: Callable[[int | None], bytes], size: int | None) -> bytes:
-        try:
-            return call(size)
-        except Exception as error:
-            zstandard = sys.modules.get("zstandard")  # imported by _zstd_file when a zstd file is read
-            if isinstance(error, _DAMAGE) or (zstandard is not None and isinstance(error, zstandard.ZstdError)):
-                raise self._damaged(error) from None
-            raise
-
-    def read(self, size: int | None = -1) -> bytes:
-        return self._through(self._stream.read, size)
-
-    def readline(self, size: int | None = -1) -> bytes:
-        return self._through(self._stream.readline, size)
-
-    def close(self) -> None:
-        self._stream.close()
-        super().close()
-
-
-def open_data_file(path: Path) -> io.BufferedIOBase:
-    """A data file's bytes, decompressed as they are read when it is gzip, bzip2, xz or zstd
-    (a damaged one is a MalformedRecordError naming it).
-
-    A zip file is refused (MalformedRecordError) with the command that unpacks it.
-    """
-    with path.open("rb") as handle:
-        head = handle.read(6)
-    for magic, (name, opener) in _STREAMED.items():
-        if head.startswith(magic):
-            return _Decompressed(opener(path), path, name)
-    for magic, (name, command) in _UNREAD.items():
-        if head.startswith(magic):
-            raise MalformedRecordError(
-                f"{os.fspath(path)!r} is {name}-compressed, which dew does not read; unpack it "
-                f"({command} {os.fspath(path)!r}) and point the data at what it holds."
-            )
-    return path.open("rb")
-
-
-def format_suffix(path: Path) -> str:
-    """The suffix that names a file's format, under a compression's (``a.jsonl.gz`` is ``.jsonl``)."""
-    suffixes = [suffix.lower() for suffix in path.suffixes]
-    if len(suffixes) > 1 and suffixes[-1] in COMPRESSED_SUFFIXES:
-        return suffixes[-2]
-    return path.suffix.lower()
 
 
 def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:

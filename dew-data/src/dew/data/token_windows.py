@@ -50,14 +50,13 @@ from dew.data.base import (
     prefix_of,
     vocab_size_of,
 )
+from dew.data.compressed import format_suffix, open_data_file
 from dew.data.errors import EmptyDatasetError, MalformedRecordError, MissingKeyError
 from dew.data.sources import (
     ArrayRecords,
     expand_files,
-    format_suffix,
     load_hf_dataset,
     not_json_lines,
-    open_data_file,
     require_column,
     utf8_lines,
 )
