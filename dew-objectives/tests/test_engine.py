@@ -318,10 +318,22 @@ def test_filters_keep_what_each_row_asks_for():
         assert kept.tolist() == [bool(b) for b in by_hand], sampling
     with pytest.raises(InvalidSamplingError, match="min_p"):
         Sampling(min_p=1.5)
-    # top-p counts tokens by rank: of four tied tokens it keeps the two whose mass reaches 0.3, as
-    # transformers' TopPLogitsWarper does (it kept all four, whose logits equal the cut's).
-    tied = filtered(jnp.asarray([[1.0, 1.0, 1.0, 1.0, 0.0]]), *(jnp.asarray([v]) for v in Sampling(top_p=0.3).as_row()))
-    assert (np.asarray(tied[0]) > jnp.finfo(jnp.float32).min).tolist() == [True, True, False, False, False]
+    # top-p counts tokens by rank: of four tied tokens it keeps the two whose mass reaches 0.3 (it kept
+    # all four, whose logits equal the cut's), and the same two transformers' TopPLogitsWarper keeps:
+    # the higher ids (dew kept the lower ones, a different distribution over the same count).
+    torch = pytest.importorskip("torch")
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    for row, top_p in (([1.0, 1.0, 1.0, 1.0, 0.0], 0.3), ([1.0] * 8, 0.5), (np.log([0.5, 0.25, 0.25]).tolist(), 0.75)):
+        tied = filtered(jnp.asarray([row]), *(jnp.asarray([v]) for v in Sampling(top_p=top_p).as_row()))
+        theirs = warpers.TopPLogitsWarper(top_p)(None, torch.tensor([row]))[0]
+        assert (np.asarray(tied[0]) > jnp.finfo(jnp.float32).min).tolist() == \
+            torch.isfinite(theirs).tolist(), (row, top_p)
+    assert (np.asarray(filtered(jnp.asarray([[1.0, 1.0, 1.0, 1.0, 0.0]]), *(jnp.asarray([v]) for v in
+            Sampling(top_p=0.3).as_row()))[0]) > jnp.finfo(jnp.float32).min).tolist() == [False, False, True, True, False]
+    # a temperature the device would flush to 0 (neither greedy nor a draw at it) is refused
+    with pytest.raises(InvalidSamplingError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1\.18e-38"):
+        Sampling(temperature=1e-39)
+    assert Sampling(temperature=1.2e-38).temperature > 0
 
 
 # -- bad input -------------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ class InvalidSamplingError(DewError, ValueError):
         return type(self), (self.field, self.wanted, self.value)
 
 
+_SMALLEST_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.18e-38
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Temperature, then top-k, top-p (nucleus) and min-p filtering, then a random draw.
@@ -43,8 +46,10 @@ class Sampling:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature < float("inf"):
-            raise InvalidSamplingError("temperature", "a finite number >= 0 (0 is greedy)", self.temperature)
+        if not (self.temperature == 0.0 or _SMALLEST_TEMPERATURE <= self.temperature < float("inf")):
+            # below float32's smallest normal number the device flushes it to 0: neither greedy nor a draw
+            raise InvalidSamplingError("temperature", f"0 (greedy) or a finite number >= {_SMALLEST_TEMPERATURE:.3g}",
+                                       self.temperature)
         if self.top_k is not None and (isinstance(self.top_k, bool) or int(self.top_k) != self.top_k
                                        or self.top_k < 1):
             raise InvalidSamplingError("top_k", "a whole number >= 1", self.top_k)
@@ -85,7 +90,9 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         return logits
     excluded = jnp.finfo(jnp.float32).min
     rows, vocab = logits.shape
-    order = jnp.argsort(-logits, axis=-1)  # likeliest first; of tied tokens, the lower id first
+    # likeliest first; of tied tokens the higher id first, so a top-p cut through a tie keeps the ids
+    # transformers' TopPLogitsWarper keeps (its ascending sort drops the lower ids first)
+    order = vocab - 1 - jnp.argsort(-logits[:, ::-1], axis=-1)
     ordered = jnp.take_along_axis(logits, order, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.int32)
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
