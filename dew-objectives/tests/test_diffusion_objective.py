@@ -163,6 +163,30 @@ def test_bad_input_names_the_key_the_value_and_what_was_expected():
         unconditional.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)), jnp.zeros((1,)),
                            jnp.zeros((1,), jnp.int32))
 
+    # Refused as the objective is built, where a run trained on regardless: a modality the model does not
+    # draw (an AttributeError traceback at the first step), guidance a model trained without dropping
+    # its condition never learned the null of, and schedule settings no process has.
+    with pytest.raises(ValueError, match=r"modality='video', but the model, DiT, draws images \(it has no frames\)"):
+        DiffusionObjective(DIT, modality="video")
+    with pytest.raises(ValueError, match=r"modality='image', but the model, VideoDiT, draws clips of 3 frames"):
+        DiffusionObjective(video, modality="image")
+    assert DiffusionObjective(video, modality="video").shape == (3, 8, 8, 1)
+    with pytest.raises(GuidanceError, match=r"guidance=3.0 .*condition_dropout=0.*train with condition_dropout "
+                       r"above 0 \(0\.1 is usual\), or use guidance=1\.0 \(a recipe's objective\.guidance\)\.$"):
+        DiffusionObjective(DIT, guidance=3.0, condition_dropout=0.0)
+    undropped = DiffusionObjective(DIT, condition_dropout=0.0)
+    with pytest.raises(GuidanceError, match="condition_dropout=0"):
+        undropped.check_guidance(2.0)  # what dew generate --guidance asks of the run's objective
+    for schedule, said in (({"name": "edm", "sigma_min": 5, "sigma_max": 1},
+                            r"The edm schedule's sigma_min \(5\) must be above 0 and below sigma_max \(1\)\."),
+                           ({"name": "edm", "sigma_max": "20"}, r"edm schedule's sigma_max must be a finite number, got '20'"),
+                           ({"name": "flow", "t_max": 2}, r"flow schedule's t_max must be between 1e-5 and 1"),
+                           ({"name": "vp_linear", "beta_max": 0.05}, r"beta_min \(0\.1\) must be at least 0 and below "
+                                                                     r"beta_max \(0\.05\)"),
+                           ({"name": "vp_cosine", "alpha_min": 0}, r"vp_cosine schedule's alpha_min must be between 0 and 1")):
+        with pytest.raises(ValueError, match=said):
+            DiffusionObjective(DIT, schedule=schedule)
+
 
 def test_schedule_objects_and_names_agree():
     by_name = DiffusionObjective(DIT, schedule="vp_cosine")

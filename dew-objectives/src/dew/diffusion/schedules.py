@@ -62,6 +62,26 @@ def _check_steps(steps: int) -> None:
         raise ValueError(f"A sampler needs at least 1 step, got steps={steps}.")
 
 
+def _name(schedule: object) -> str:
+    return next((n for n, kind in SCHEDULES.items() if kind is type(schedule)), type(schedule).__name__)
+
+
+def _numbers(schedule: object) -> None:
+    """ValueError naming the schedule's first setting that is no finite number (a recipe's "20")."""
+    for field in dataclasses.fields(schedule):  # type: ignore[arg-type]  # every schedule is a dataclass
+        value = getattr(schedule, field.name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"The {_name(schedule)} schedule's {field.name} must be a finite number, got {value!r}.")
+
+
+def _rules(schedule: object, *rules: tuple[bool, str]) -> None:
+    """ValueError naming the first rule (holds, what it asks) that does not hold: a recipe's value is
+    refused before a run trains on it (an EDM sigma_min above its sigma_max inverted every time)."""
+    for holds, wanted in rules:
+        if not holds:
+            raise ValueError(f"The {_name(schedule)} schedule's {wanted}.")
+
+
 class _UnitTime:
     """Times uniform on [t_min, 1] for training and evenly spaced for sampling; the model reads t."""
 
@@ -94,6 +114,12 @@ class VPLinear(_UnitTime):
     beta_max: float = 20.0
     t_min: float = 1e-3
 
+    def __post_init__(self) -> None:
+        _numbers(self)
+        _rules(self, (0 <= self.beta_min < self.beta_max,
+                        f"beta_min ({self.beta_min}) must be at least 0 and below beta_max ({self.beta_max})"),
+                 (0 < self.t_min < 1, f"t_min must be between 0 and 1, got {self.t_min}"))
+
     def alpha_sigma(self, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         t = jnp.asarray(t, jnp.float32)
         log_alpha = -0.5 * (self.beta_min * t + 0.5 * (self.beta_max - self.beta_min) * t * t)
@@ -113,6 +139,12 @@ class VPCosine(_UnitTime):
     offset: float = 0.008
     alpha_min: float = 1e-3
     t_min: float = 1e-3
+
+    def __post_init__(self) -> None:
+        _numbers(self)
+        _rules(self, (self.offset >= 0, f"offset must be at least 0, got {self.offset}"),
+                 (0 < self.alpha_min < 1, f"alpha_min must be between 0 and 1, got {self.alpha_min}"),
+                 (0 < self.t_min < 1, f"t_min must be between 0 and 1, got {self.t_min}"))
 
     def alpha_sigma(self, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         t = jnp.asarray(t, jnp.float32)
@@ -151,6 +183,13 @@ class EDM:
     p_mean: float = -1.2
     p_std: float = 1.2
 
+    def __post_init__(self) -> None:
+        _numbers(self)
+        _rules(self, (0 < self.sigma_min < self.sigma_max,
+                        f"sigma_min ({self.sigma_min}) must be above 0 and below sigma_max ({self.sigma_max})"),
+                 (self.rho > 0, f"rho must be above 0, got {self.rho}"),
+                 (self.p_std > 0, f"p_std must be above 0, got {self.p_std}"))
+
     def alpha_sigma(self, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         t = jnp.asarray(t, jnp.float32)
         return jnp.ones_like(t), t
@@ -181,6 +220,11 @@ class RectifiedFlow:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     t_max: float = 0.999
+
+    def __post_init__(self) -> None:
+        _numbers(self)
+        _rules(self, (self.logit_std >= 0, f"logit_std must be at least 0 (0 draws t uniformly), got {self.logit_std}"),
+                 (1e-5 < self.t_max < 1, f"t_max must be between 1e-5 and 1 (below pure noise), got {self.t_max}"))
 
     def alpha_sigma(self, t: jax.Array) -> tuple[jax.Array, jax.Array]:
         t = jnp.asarray(t, jnp.float32)

@@ -160,6 +160,12 @@ class DiffusionObjective(Objective):
             self.check_guidance(self.guidance)
         if self.noise_buckets < 1 or self.sample_steps < 1 or self.preview_count < 1:
             raise ValueError("noise_buckets, sample_steps and preview_count must each be at least 1.")
+        clips = isinstance(self.model, VideoModel) and bool(self.model.frames)
+        if self.modality is not None and (self.modality == "video") != clips:
+            drawn = f"clips of {self.model.frames} frames" if clips else "images (it has no frames)"
+            raise ValueError(f"DiffusionObjective.modality={self.modality!r}, but the model, "
+                             f"{type(self.model).__name__}, draws {drawn}; leave modality out (it follows the "
+                             "model) or give a model of that kind (video_dit for clips).")
 
     # -- what the objective is built from ----------------------------------------------
     @property
@@ -195,6 +201,11 @@ class DiffusionObjective(Objective):
 
     def check_guidance(self, scale: float) -> None:
         check_guidance(scale, self.conditioning, self.model)
+        if scale != 1.0 and self.condition_dropout == 0.0 and not isinstance(self.conditioning, Unconditional):
+            raise GuidanceError(
+                f"guidance={scale} extrapolates from the model's prediction without its condition, which "
+                "this objective never trains (condition_dropout=0, so the null condition is never seen); "
+                "train with condition_dropout above 0 (0.1 is usual), or use guidance=1.0 (a recipe's objective.guidance).")
 
     # -- the Objective protocol ---------------------------------------------------------
     def required_keys(self) -> Sequence[str]:
