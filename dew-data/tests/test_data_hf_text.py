@@ -276,6 +276,7 @@ def test_a_folder_of_several_splits_is_refused_naming_each_splits_files(corpus, 
         HFText(files=str(hub)).shards()
     train = HFText(files=str(hub / "train-*.parquet"), length=LENGTH)
     assert len(train.shards()) == 20 and train.shards().values(0, 20) == texts[:20]
+    assert len(HFText(files=str(hub / "*.parquet")).shards()) == 28  # a glob of them all: one corpus, as asked
 
     datasets.Dataset.from_dict({"text": texts[:6]}).to_parquet(str(tmp_path / "p.parquet"))
     cache = datasets.load_dataset("parquet", data_files={"train": str(tmp_path / "p.parquet"),

@@ -186,7 +186,7 @@ def _refuse_several_splits(folder: Path, files: Sequence[Path]) -> None:
     raise MissingFileError(
         f"The folder {os.fspath(folder)!r} holds the files of {len(splits)} splits ({named}); read whole, "
         f"the run would train on all of them. Pass the files of the split to read, e.g. "
-        f"{os.fspath(folder / pattern(chosen))!r}.")
+        f"{os.fspath(folder / pattern(chosen))!r} (a glob of every file reads them all, when they are one corpus).")
 
 
 def _missing_column(path: Path, column: str, present: Sequence[str]) -> MissingKeyError:
