@@ -105,6 +105,12 @@ def test_overrides_set_nested_keys_list_items_and_typed_values():
         apply_overrides({}, ["trainer.steps"])
     with pytest.raises(RecipeError, match="holds 1 item"):
         apply_overrides(copy.deepcopy(data), ["trackers.3.name=x"])
+    # A value holding "#" lost it as a YAML comment: GSM8K's answer pattern became null and dew eval
+    # scored 0 without a word; a double-quoted regular expression kept its quotes (YAML refuses "\d").
+    out = apply_overrides({}, ["answer_pattern=#### (.+)", "pattern== (\\d+) #", 'stop="#"',
+                               'template="Q: {question}\\nA:"', 'regex="= (\\d+)"', "note=a # b"])
+    assert out == {"answer_pattern": "#### (.+)", "pattern": "= (\\d+) #", "stop": "#",
+                   "template": "Q: {question}\nA:", "regex": "= (\\d+)", "note": "a # b"}
 
 
 # -- training from a recipe ------------------------------------------------------------------

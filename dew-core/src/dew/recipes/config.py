@@ -335,7 +335,7 @@ class RunConfig(Settings):
 
 
 def override_value(text: str) -> Any:
-    """An override's value as a recipe reads it: YAML, or the text itself where it is not YAML
+    r"""An override's value as a recipe reads it: YAML, or the text itself where it is not YAML
     (``[0-9]+`` is a pattern, not a broken list), where YAML would read a placeholder or a
     template's field as a mapping with no values (``{timestamp}``, ``{question}``), or where a
     sentence holding ": " would read as a mapping of one key (a mapping is written in braces).
@@ -344,10 +344,21 @@ def override_value(text: str) -> Any:
     (3, '[0-9]+', {'a': 1}, '{timestamp}')
     >>> override_value("What is 1: 2")
     'What is 1: 2'
+
+    A "#" is text, not a YAML comment (GSM8K's ``#### (.+)`` read as null), and a double-quoted
+    text with a regular expression's escapes, which YAML refuses, is its inside as written:
+
+    >>> override_value("#### (.+)"), override_value('"= (\\d+)"'), override_value('"a\\nb"')
+    ('#### (.+)', '= (\\d+)', 'a\nb')
     """
     try:
         value = read_yaml(text, "override") if text.strip() else ""
     except RecipeFileError:
+        quoted = text.strip()
+        if len(quoted) > 1 and quoted[0] == quoted[-1] == '"':
+            return quoted[1:-1]
+        return text
+    if "#" in text and not isinstance(value, dict | list) and not text.strip().startswith(("'", '"')):
         return text
     if isinstance(value, dict) and value and ":" not in text and all(v is None for v in value.values()):
         return text
