@@ -661,3 +661,23 @@ def test_the_data_page_gsm8k_entry_scores_numbers_as_lm_eval_does(tmp_path):
     for problem in task.problems():
         assert task.matches(said, problem.reference)
         assert not plain.matches(said, problem.reference)
+
+
+def test_choices_kept_in_fields_of_their_own_are_named_as_a_list(exported, tmp_path):
+    """PIQA keeps its two solutions in sol1 and sol2: no setting reached them (a list was refused as
+    no string, one field as no list). choices_key names them in order, and scores what the same
+    questions written with a choices list score; one field alone is refused saying how."""
+    from dew import registry
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    _, subject = exported
+    two = [(c, ch[:2], min(a, 1)) for c, ch, a in QUESTIONS]
+    piqa = _write(tmp_path / "piqa.jsonl", [{"goal": c, "sol1": ch[0], "sol2": ch[1], "label": a} for c, ch, a in two])
+    listed = _write(tmp_path / "listed.jsonl", [{"context": c, "choices": ch, "answer": a} for c, ch, a in two])
+    # built as a recipe's trainer.evaluate entry (or dew eval --set choices_key=[sol1, sol2]) builds it
+    task = registry.evaluations.build("multiple_choice", file=str(piqa), context_key="goal",
+                                      choices_key=["sol1", "sol2"], answer_key="label")
+    assert task.evaluate(subject) == MultipleChoice(file=str(listed)).evaluate(subject)
+    with pytest.raises(TaskFileError, match=r"'sol1' must be a list of at least two strings, got '.*' \(choices kept "
+                       r"in fields of their own are named as a list, choices_key: \[sol1, sol2\]\)\.$"):
+        MultipleChoice(file=str(piqa), context_key="goal", choices_key="sol1", answer_key="label")

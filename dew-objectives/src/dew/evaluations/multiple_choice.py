@@ -6,7 +6,9 @@ Each JSONL record holds a context, its choices and the right one::
 
 ``answer`` is the index of the right choice, a letter (``"B"``), or the
 choice's label when choices come labelled as ARC's do
-(``{"text": [...], "label": ["A", "B", ...]}``). ``template`` formats the
+(``{"text": [...], "label": ["A", "B", ...]}``). Choices kept in fields of
+their own (PIQA's ``sol1``, ``sol2``) are named as a list, ``choices_key:
+[sol1, sol2]``, in order. ``template`` formats the
 context from the record's fields (``"Question: {question}\\nAnswer:"``).
 
 A choice is scored by the summed log-probability of its tokens after the
@@ -98,13 +100,15 @@ class MultipleChoice:
 
     file: str
     context_key: str = "context"
-    choices_key: str = "choices"
+    choices_key: str | Sequence[str] = "choices"  # a list: one field per choice, in order
     answer_key: str = "answer"
     template: str | None = None
     separator: str = " "
     batch: int = 16
 
     def __post_init__(self) -> None:
+        if not isinstance(self.choices_key, str):  # a recipe's list: held as a tuple, as a frozen task is
+            object.__setattr__(self, "choices_key", tuple(self.choices_key))
         if self.batch < 1:
             raise TaskFileError(f"MultipleChoice.batch={self.batch!r}; it is at least 1.")
         check_task_file(self.file)
@@ -115,13 +119,15 @@ class MultipleChoice:
 
     def _question(self, line: int, record: Mapping[str, Any]) -> Question:
         where = self._where(line)
-        for key in (self.choices_key, self.answer_key) + (() if self.template else (self.context_key,)):
+        fields = (self.choices_key,) if isinstance(self.choices_key, str) else tuple(self.choices_key)
+        for key in (*fields, self.answer_key) + (() if self.template else (self.context_key,)):
             if key not in record:
                 raise TaskFileError(f"{where} has no key {key!r} (it has {sorted(record)}); set "
                                     "context_key=, choices_key= and answer_key= to the keys it uses.")
             if record[key] is None:  # str(None) would be scored as the text "None"
                 raise TaskFileError(f"{where} holds null under {key!r}; give it a value, or leave the record out.")
-        choices, labels = record[self.choices_key], None
+        choices, labels = (record[fields[0]] if isinstance(self.choices_key, str)
+                           else [record[key] for key in fields]), None
         if isinstance(choices, Mapping) and "text" in choices:  # ARC: {"text": [...], "label": [...]}
             choices, labels = choices["text"], choices.get("label")
             if labels is not None and (not isinstance(labels, list) or len(labels) != len(choices)):
@@ -130,8 +136,10 @@ class MultipleChoice:
                                     f"{labels!r}; give each choice its label, or leave label out.")
         if (not isinstance(choices, Sequence) or isinstance(choices, str) or len(choices) < 2
                 or not all(isinstance(c, str) for c in choices)):
+            own = (" (choices kept in fields of their own are named as a list, choices_key: [sol1, sol2])"
+                   if isinstance(choices, str) else "")
             raise TaskFileError(f"{where}: {self.choices_key!r} must be a list of at least two strings, "
-                                f"got {choices!r}.")
+                                f"got {choices!r}{own}.")
         if any(not self.separator + choice for choice in choices):
             raise TaskFileError(f"{where}: a choice is empty and separator is '', so it would be scored on no "
                                 "token at all; give every choice some text.")
