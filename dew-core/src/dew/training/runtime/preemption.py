@@ -159,7 +159,7 @@ class PreemptionWatch:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         if self._signalled or PreemptionNotice.received():  # a second signal: stop now
-            _say(f"dew: a second {what}: stopping now, without finishing the step under way")
+            _to_stderr(f"dew: a second {what}: stopping now, without finishing the step under way")
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -175,7 +175,7 @@ class PreemptionWatch:
         # before it comes. From a thread of its own: the handler may interrupt that printer mid-line.
         line = f"{what}: the run stops when the step under way ends (a second {what} stops at once)"
         if self._say is None:
-            _say(f"dew: {line}")
+            _to_stderr(f"dew: {line}")
         else:
             threading.Thread(target=self._say, args=(line,), name="dew-stop-notice", daemon=True).start()
 
@@ -202,7 +202,7 @@ class PreemptionWatch:
         return PreemptionNotice.received()
 
 
-def _say(line: str) -> None:
+def _to_stderr(line: str) -> None:
     """One line on stderr from a signal handler: written whole to the file descriptor, since the
     handler may run while the main thread is inside a write to sys.stderr."""
     try:
