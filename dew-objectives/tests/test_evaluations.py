@@ -472,6 +472,11 @@ def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path
         GenerationTask(file=str(good), max_new_tokens=0)
     with pytest.raises(TaskFileError, match=r"GenerationTask.ignore '\[' is not a regular expression"):
         GenerationTask(file=str(good), ignore=[",", "["])
+    # an empty pattern (dew eval --set pattern=) matched the empty text: every answer scored wrong, silently
+    for given in ({"pattern": ""}, {"answer_pattern": ""}, {"stop": ["\n", ""]}):
+        with pytest.raises(TaskFileError, match=rf"GenerationTask.{next(iter(given))} is empty, which every text "
+                                                r"holds at its start.*leave it out \(null\)"):
+            GenerationTask(file=str(good), **given)
     (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "\xe9"}\n')
     with pytest.raises(TaskFileError, match=r"Line 2 of .*latin1\.jsonl' is not UTF-8 text"):
         GenerationTask(file=str(tmp_path / "latin1.jsonl")).problems()

@@ -94,6 +94,12 @@ class GenerationTask:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         for name, value in (("pattern", self.pattern), ("answer_pattern", self.answer_pattern),
+                            *(("stop", each) for each in self.stop)):
+            if value == "":  # found at the start of every text: each answer would be the empty text
+                raise TaskFileError(f"GenerationTask.{name} is empty, which every text holds at its start, so "
+                                    "each answer would be the empty text; leave it out (null) to compare the "
+                                    "whole text.")
+        for name, value in (("pattern", self.pattern), ("answer_pattern", self.answer_pattern),
                             *(("ignore", each) for each in self.ignore)):
             if value is not None:
                 try:
