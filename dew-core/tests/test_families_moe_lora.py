@@ -136,10 +136,11 @@ def test_what_cannot_carry_expert_adapters_refuses_in_one_line(mixtral, adapted_
 
     dummy = jnp.zeros((1, 4), jnp.int32)
     spec = Lora(rank=2, targets=("mlp",), base="int8")
-    with pytest.raises(LoraError, match=r"moe/wi .*routed-experts.*float.*in a recipe, lora\.base=float32 or "
-                       r"lora\.targets=\[attention\]\)\.$") as refused:
+    with pytest.raises(LoraError, match=r"moe/wi .*routed-experts.*float") as refused:
         jax.eval_shape(lambda: apply_lora(mixtral.model, spec).init(jax.random.key(0), dummy))
-    assert "\n" not in str(refused.value)
+    # dew's one line, to which JAX, raising it through eval_shape, may append its note on filtered frames
+    said = str(refused.value).partition("\n--------------------\nFor simplicity, JAX")[0]
+    assert "\n" not in said and said.endswith(" (in a recipe, lora.base=float32 or lora.targets=[attention]).")
     # A dropout on the adapters, which no training step draws a key for, is refused where it is written.
     with pytest.raises(LoraError, match=r"^Lora\.dropout=0\.1 is not applied by dew.*Set lora\.dropout to 0") as refused:
         Lora(rank=2, targets=("mlp",), dropout=0.1)
