@@ -12,7 +12,6 @@ import gzip
 import io
 import lzma
 import os
-import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,8 @@ __all__ = ["COMPRESSED_SUFFIXES", "format_suffix", "open_data_file"]
 class _ZstdFrames(io.RawIOBase):
     """A zstd file's bytes as they are decompressed, frame after frame (``zstd`` run on a stream
     writes several). zstandard's own stream reader ends quietly where a cut file ends, even
-    inside a frame; here that is an EOFError, as gzip's reader raises."""
+    inside a frame; here that is an EOFError, as gzip's reader raises, and zstandard's own error
+    an OSError, as gzip's BadGzipFile is."""
 
     CHUNK = 1 << 16
 
@@ -36,6 +36,7 @@ class _ZstdFrames(io.RawIOBase):
         super().__init__()
         self._file = path.open("rb")
         self._frame = zstandard.ZstdDecompressor().decompressobj
+        self._error = zstandard.ZstdError
         self._decompressor = self._frame()
         self._pending, self._leftover, self._inside = b"", b"", False
 
@@ -52,7 +53,10 @@ class _ZstdFrames(io.RawIOBase):
                 return 0
             if self._decompressor.eof:  # the next frame
                 self._decompressor = self._frame()
-            self._pending = self._decompressor.decompress(data)
+            try:
+                self._pending = self._decompressor.decompress(data)
+            except self._error as error:
+                raise OSError(str(error)) from None
             self._inside = not self._decompressor.eof
             if self._decompressor.eof:
                 self._leftover = self._decompressor.unused_data
@@ -84,7 +88,8 @@ _UNREAD: dict[bytes, tuple[str, str]] = {b"PK\x03\x04": ("zip", "unzip")}
 COMPRESSED_SUFFIXES = {".gz": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".zst": "zstd -d -k"}
 
 
-# a stream cut short, or not its format (gzip's BadGzipFile and bz2's "Invalid data stream" are OSErrors)
+# a stream cut short, or not its format (gzip's BadGzipFile, bz2's "Invalid data stream" and the
+# zstd reader's errors are OSErrors)
 _DAMAGE = (EOFError, OSError, zlib.error, lzma.LZMAError)
 
 
@@ -107,11 +112,8 @@ class _Decompressed(io.BufferedIOBase):
     def _through(self, call: Callable[[int | None], bytes], size: int | None) -> bytes:
         try:
             return call(size)
-        except Exception as error:
-            zstandard = sys.modules.get("zstandard")  # imported by _zstd_file when a zstd file is read
-            if isinstance(error, _DAMAGE) or (zstandard is not None and isinstance(error, zstandard.ZstdError)):
-                raise self._damaged(error) from None
-            raise
+        except _DAMAGE as error:
+            raise self._damaged(error) from None
 
     def read(self, size: int | None = -1) -> bytes:
         return self._through(self._stream.read, size)

@@ -192,10 +192,16 @@ def expand_files(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[s
     return files
 
 
+def _saved_by_datasets(folder: Path) -> bool:
+    """Whether datasets' save_to_disk wrote folder (one Dataset's state.json, or a DatasetDict's
+    dataset_dict.json): a cache folder's dataset_info.json alone is no such folder."""
+    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
+
+
 def _folder_advice(folder: Path) -> str:
     """What to pass instead of a folder where files go: a save_to_disk folder's readers, or a glob
     of the files it holds (by their most common suffix)."""
-    if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
+    if _saved_by_datasets(folder):
         return ("It was written by datasets' save_to_disk: read it with hf_text (files: the folder) or "
                 "token_windows (dataset: the folder), or export it to JSON Lines (Dataset.to_json).")
     suffixes = [p.suffix for p in folder.iterdir() if p.is_file() and p.suffix]
@@ -302,7 +308,7 @@ def load_hf_dataset(name_or_path: str, *, split: str, config: str | None = None)
     path = Path(name_or_path).expanduser()
     if path.exists():
         _refuse_scripts(path)
-        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():  # save_to_disk's
+        if _saved_by_datasets(path):
             if config is not None:
                 raise MissingKeyError(
                     f"The folder {name_or_path!r} was written by datasets' save_to_disk, which keeps one "
