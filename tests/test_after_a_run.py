@@ -248,6 +248,7 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
         (["eval", str(trained.run), "--task", "generation", "--batches", "2"], "a --task scores its own file"),
         (["eval", str(trained.run), "--set", "file=x.jsonl"], "--set gives a field of an evaluation task"),
         (["generate", str(trained.run), "x", "--top-k", "5"], "top_k only narrows what sampling draws from"),
+        (["generate", str(trained.run), "x", "--count", "2"], "count=2 without a temperature (or at 0) repeats one"),
         # named as typed, where Sampling's own field was named ("Sampling.top_p ... or be None")
         (["generate", str(trained.run), "x", "--temperature", "1", "--top-p", "0"],
          "top_p (--top-p) must be above 0 and at most 1, got 0.0."),

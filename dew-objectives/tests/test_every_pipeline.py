@@ -314,8 +314,8 @@ def test_a_lora_policy_exports_merged_and_as_peft_adapters_that_compute_it(tmp_p
 
 
 def test_text_generation_refuses_what_it_would_ignore_and_starts_an_empty_prompt_after_a_document():
-    """A filter without a temperature, a prompt that fills the cache: refused, where they used to
-    give greedy text or the prompt back without a word. An empty prompt continues from the
+    """A filter or a count above 1 without a temperature, a prompt that fills the cache: refused,
+    where they used to give greedy text (the same text count times) or the prompt back without a word. An empty prompt continues from the
     end-of-document id, as the evaluation tasks start one, and equals generating from that id."""
     from dew.sampling.errors import PromptTooLongError
 
@@ -328,6 +328,13 @@ def test_text_generation_refuses_what_it_would_ignore_and_starts_an_empty_prompt
         with pytest.raises(UnsupportedRequestError, match=f"^{name} only narrows"):
             pipeline.generate(GenerateRequest(("ab",), temperature=0.0, **{name: value}))
         assert pipeline.generate(GenerateRequest(("ab",), temperature=1.0, **{name: value})).texts
+    for greedy in ({}, {"temperature": 0.0}):  # n copies of the greedy text, where n samples were asked for
+        with pytest.raises(UnsupportedRequestError, match="^count=3 without a temperature .* repeats one "
+                                                          "continuation 3 times"):
+            pipeline.generate(GenerateRequest(("ab", "c"), count=3, **greedy))
+    drawn = pipeline.generate(GenerateRequest(("ab",), count=3, temperature=1.0, max_new_tokens=8)).texts
+    assert len(drawn) == 3 and len(set(drawn)) > 1
+    assert len(pipeline.generate(GenerateRequest(("ab", "c"), count=1)).texts) == 2
     with pytest.raises(PromptTooLongError, match="16 tokens leaves no room .* max_seq_len=16"):
         pipeline.generate(GenerateRequest(("x" * 16,)))
     assert len(pipeline.generate(GenerateRequest(("x" * 15,))).texts[0]) <= 16  # one token of room

@@ -165,7 +165,8 @@ class TextGeneration(Pipeline):
         """Each prompt of request continued (count times), shown as the prompt and its continuation.
 
         Sampling is greedy unless request sets a temperature (then the
-        count continuations of a prompt differ); without max_new_tokens a
+        count continuations of a prompt differ; a count above 1 without one
+        is refused, as it would repeat one text); without max_new_tokens a
         continuation is up to 64 tokens, as many as the model's max_seq_len
         leaves room for. With request.chat each prompt is a user turn in the
         tokenizer's chat template and the reply is shown alone. With
@@ -184,6 +185,11 @@ class TextGeneration(Pipeline):
                 f"{' and '.join(filters)} only narrow{'s' if len(filters) == 1 else ''} what sampling "
                 "draws from, and without a temperature (or at 0) generation is greedy; give a "
                 "temperature above 0 as well (1.0 samples from the model as it is).")
+        if count > 1 and not given.get("temperature"):
+            raise UnsupportedRequestError(
+                f"count={count} without a temperature (or at 0) repeats one continuation {count} times: "
+                "generation is greedy; give a temperature above 0 to draw different ones (1.0 samples "
+                "from the model as it is), or leave count out.")
         try:
             sampling = Sampling(**{"temperature": 0.0, **given})
         except InvalidSamplingError as error:  # named as typed (--top-p), not as Sampling's field
