@@ -29,6 +29,23 @@ def test_overrides_after_an_option_are_overrides_too(capsys):
     assert stopped.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("recipe, overrides, said", [
+    # an objective's own refusal, which --check used to pass and the run then refused as it built
+    ("digits-diffusion", ["objective.guidance=3", "objective.condition_dropout=0"],
+     "guidance=3 extrapolates from the model's prediction without its condition"),
+    ("tiny-distill", ["objective.teacher=null", "objective.teacher_checkpoint=null",
+                      "objective.teacher_pretrained=nowhere/teacher"], "holds no config.json"),
+    ("qwen3-sft", ["init=null", "data.tokenizer=nowhere/qwen3"], "'nowhere/qwen3' does not exist"),
+])
+def test_check_builds_the_objective_and_reader_as_the_run_would(recipe, overrides, said, capsys, tmp_path,
+                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", recipe, *overrides, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())  # nothing is written: no run folder, no data read
+
+
 @pytest.mark.slow
 def test_dew_train_tiny_lm_trains_and_samples(tmp_path):
     """The README's command, a few steps long, through the installed console script.

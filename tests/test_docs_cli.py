@@ -30,8 +30,31 @@ def _commands() -> list[list[str]]:
 COMMANDS = _commands()
 
 
+@pytest.fixture(scope="module")
+def page_folder(tmp_path_factory):
+    """A folder holding what the page has a reader make before its commands: the tiny family
+    checkpoints (`python -m dew.families.examples`) and an exported tiny-lm, the distillation teacher."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew.families.examples import main as write_checkpoint
+    from dew.pretrained import Pretrained
+    from dew.recipes.run import build_parts
+
+    folder = tmp_path_factory.mktemp("page")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        for family in ("qwen3", "gemma2"):
+            assert write_checkpoint([family, f"checkpoints/{family}-tiny"]) == 0
+        parts = build_parts(RunConfig.load("tiny-lm"), with_data=False)
+        variables = parts.model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        Pretrained(parts.model, variables, parts.tokenizer).save("exported/tiny-lm")
+    return folder
+
+
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[:60] for c in COMMANDS])
-def test_every_command_on_the_page_runs(argv, capsys):
+def test_every_command_on_the_page_runs(argv, capsys, page_folder, monkeypatch):
+    monkeypatch.chdir(page_folder)  # as a reader runs them, after the page's own preparations
     if argv[0] == "train" or (argv[0] == "launch" and "--print" not in argv):
         # resolved and checked in full, not trained (a launch prints its ranks' commands)
         argv = [*argv, "--check"] if "--check" not in argv else argv

@@ -166,10 +166,12 @@ def run(args: argparse.Namespace) -> int:
         from dew import plugins
 
         plugins.manager()  # an installed hook plugin every run would refuse is refused here too
-        if config.model is not None:  # a model the objective does not train, refused before any run
-            from dew.recipes.run import check_model_kind
+        from dew.recipes.run import build_parts
 
-            check_model_kind(config, config.model.build("models"))
+        # The parts a run builds before its data: a model the objective does not train, an objective
+        # setting it refuses (a schedule's range, guidance without condition dropout), a tokenizer the
+        # model cannot embed, refused here as the run would refuse them.
+        build_parts(config, with_data=False)
         print(json.dumps(config.recorded(), indent=2))
         return 0
     from dew.cli.compilation_cache import default_compilation_cache

@@ -441,13 +441,14 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     from dew.pretrained import (
         CONFIG_FILE,
         ConfigurationMismatchError,
+        NoPretrainedModelError,
         check_same_function,
         model_from_config,
     )
 
     path = os.path.join(_absolute(directory), CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
+    if not os.path.isfile(path):  # dew's own error: said in one line, where a builtin one was a traceback
+        raise NoPretrainedModelError(
             f"DistillationObjective.teacher_pretrained: {os.path.dirname(path)} holds no {CONFIG_FILE}; point at "
             "a directory that `dew export`, Pretrained.save or transformers' save_pretrained wrote."
         )
