@@ -3,12 +3,14 @@ bitwise at any process count, and reports what it drew from each source."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import optax
 import pytest
 
-from dew.data.base import DataPartition
+from dew.data.base import GLOBAL_POSITION, DataPartition
 from dew.data.sources import ArrayRecords
 from dew.testing import DatasetReaderKit
 
@@ -327,7 +329,7 @@ def test_dew_eval_offers_a_validation_split_only_where_the_dataset_can_hold_one_
 def test_a_source_edited_in_place_since_the_position_is_refused_as_it_is_alone():
     """A mixture's position kept its sources' sizes and weights but not their contents: a source
     edited in place (as many records) was resumed over without a word, where the source alone
-    is refused."""
+    is refused. The refusal names the source edited (it named none, in a mixture of three)."""
     from dew.data.mixture import Mixture
     from dew.data.stream import PositionMismatchError
 
@@ -339,5 +341,11 @@ def test_a_source_edited_in_place_since_the_position_is_refused_as_it_is_alone()
     _take(original, 2)
     position = original.get_state()
     opened(Tagged(1, 40)).set_state(position)  # the same contents: it resumes
-    with pytest.raises(PositionMismatchError, match="as many records, other contents"):
+    with pytest.raises(PositionMismatchError, match="over the mixture's source 'b' whose contents differ .*as "
+                                                    "many records, other contents.* Restore the mixture's source 'b'"):
         opened(Tagged(7, 40)).set_state(position)  # b tagged otherwise: its arrays differ
+    # a position saved before positions kept each source's digest: the whole's, named no further
+    old = json.loads(position[len(GLOBAL_POSITION):])
+    del old["parts"]
+    with pytest.raises(PositionMismatchError, match="saved over data whose contents differ"):
+        opened(Tagged(7, 40)).set_state(GLOBAL_POSITION + json.dumps(old).encode())

@@ -199,9 +199,14 @@ class MixtureSource:
     def fingerprint(self) -> str:
         """The sources' digests together (dew.data.stream.FingerprintedSource): a source edited in
         place since a position was saved is refused at the resume, as it is alone."""
-        prints = [[name, source.fingerprint() if isinstance(source, FingerprintedSource) else None]
-                  for name, source in zip(self.names, self.sources, strict=True)]
+        prints = [list(part) for part in self.part_fingerprints()]
         return hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:32]
+
+    def part_fingerprints(self) -> list[tuple[str, str | None]]:
+        """Each source's name and digest (None: it keeps none), so a refused resume names the source
+        edited (dew.data.stream.FingerprintsParts)."""
+        return [(name, source.fingerprint() if isinstance(source, FingerprintedSource) else None)
+                for name, source in zip(self.names, self.sources, strict=True)]
 
     def file_digests(self) -> list[tuple[str, str]]:
         """Every source's files with their digests (dew.data.stream.DigestsFiles), in order."""

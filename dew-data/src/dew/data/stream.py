@@ -168,6 +168,15 @@ class FingerprintedSource(Protocol):
 
 
 @runtime_checkable
+class FingerprintsParts(Protocol):
+    """A record source made of named parts (a mixture's sources), each digested alone: a saved
+    position keeps each part's digest, and a resume over a part edited since is refused naming it,
+    where the digest of the whole could only say that something changed."""
+
+    def part_fingerprints(self) -> Sequence[tuple[str, str | None]]: ...
+
+
+@runtime_checkable
 class DigestsFiles(Protocol):
     """A record source read from files it can digest cheaply (hf_text's shards: their bytes,
     sampled), beside a fingerprint that cannot see every edit: a saved position keeps the digests,
@@ -195,21 +204,30 @@ def check_content(source: Source, fields: Mapping[str, Any]) -> None:
     if "content" not in fields or not isinstance(source, FingerprintedSource):
         return
     if source.fingerprint() != fields["content"]:
+        over, restore = "data", "the data"
+        if isinstance(source, FingerprintsParts) and "parts" in fields:  # kept since mixtures name their parts
+            saved = {name: digest for name, digest in fields["parts"]}
+            changed = [name for name, digest in source.part_fingerprints() if saved.get(name) != digest]
+            if changed:
+                over = restore = (f"the mixture's source{'s' if len(changed) > 1 else ''} "
+                                  f"{', '.join(repr(name) for name in changed)}")
         raise PositionMismatchError(
-            "The data position was saved over data whose contents differ from this data's (as many "
+            f"The data position was saved over {over} whose contents differ from this data's (as many "
             "records, other contents: a file edited since the checkpoint, or another val_seed or val_fraction "
             "holding other records out, say), so resuming would train on "
-            "other records than the run's order holds. Restore the data as it was, or start a new run over "
+            f"other records than the run's order holds. Restore {restore} as it was, or start a new run over "
             "this data.")
 
 
 def source_fields(source: Source, records: int) -> dict[str, Any]:
     """What a position saved at records keeps of its source, for a resume to check: its layout (a
-    LaidOutSource's), its content digest (a FingerprintedSource's) and its files' digests (a
-    DigestsFiles')."""
+    LaidOutSource's), its content digest (a FingerprintedSource's), its parts' digests (a
+    FingerprintsParts') and its files' digests (a DigestsFiles')."""
     fields: dict[str, Any] = {"layout": source.layout(records)} if isinstance(source, LaidOutSource) else {}
     if isinstance(source, FingerprintedSource):
         fields["content"] = source.fingerprint()
+    if isinstance(source, FingerprintsParts):
+        fields["parts"] = [list(part) for part in source.part_fingerprints()]
     if isinstance(source, DigestsFiles):
         fields["files"] = [digest for _, digest in source.file_digests()]
     return fields
