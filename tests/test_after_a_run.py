@@ -134,6 +134,15 @@ def test_rerunning_a_finished_folder_with_fewer_steps_keeps_its_recipe_and_resha
     assert "learning-rate schedule" not in fewer.stderr, fewer.stderr
     assert (tmp_path / "runs" / "fixed" / "run.json").read_text() == recipe
     assert json.loads(recipe)["trainer"]["steps"] == 22
+    # Another recipe in the finished folder trained nothing and drew its sample from these weights,
+    # without a word of the difference (which a resume that trains says).
+    other = _dew(["train", "tiny-lm", *SMALL, *fixed, "trainer.steps=10", "optimizer.learning_rate=0.5"],
+                 tmp_path, cache)
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert ("The recipe differs from the one its checkpoints trained with: optimizer.learning_rate 0.003 -> 0.5; "
+            "it trains nothing here, as this folder's run is finished") in other.stdout, other.stdout
+    assert (tmp_path / "runs" / "fixed" / "run.json").read_text() == recipe
+    assert "recipe differs" not in fewer.stdout  # trainer.steps alone is the resuming line's to say
 
 
 def test_a_resume_whose_newest_step_lost_a_file_does_not_announce_that_step(
@@ -243,6 +252,11 @@ def test_after_a_run_refusals_are_one_message(trained: Trained, capsys: pytest.C
         (["eval", str(trained.run)], "the run's data has no validation split; set data.load.val_fraction in "
                                      "its recipe, or pass --split train"),
         (["generate", str(trained.root), "x"], "holds neither run.json"),
+        # the file for its folder: it was said to hold neither file
+        (["generate", str(trained.run / "run.json"), "x"],
+         f"run.json is a file, not a directory: a run's directory (its trainer.checkpoint_dir) or an exported "
+         f"model's is what is read; give the folder that holds it, {trained.run}."),
+        (["eval", str(trained.run / "scalars.jsonl")], "scalars.jsonl is a file, not a directory"),
         (["eval", str(trained.run), "--task", "generation", "--split", "train"],
          "--split and --batches choose what the objective's own metrics score"),
         (["eval", str(trained.run), "--task", "generation", "--batches", "2"], "a --task scores its own file"),

@@ -160,6 +160,11 @@ def open_run(path: Path, *, step: int | None = None, max_seq_len: int | None = N
     if not path.exists():
         raise NotARunError(f"{path} does not exist. Give a run's directory (its trainer.checkpoint_dir) or a "
                            "model `dew export` or transformers wrote.")
+    if not path.is_dir():  # a run's or a model's file named in place of its folder (run.json, config.json)
+        within = (f"; give the folder that holds it, {path.parent}" if path.name in (RUN_FILE, CONFIG_FILE)
+                  else "")
+        raise NotARunError(f"{path} is a file, not a directory: a run's directory (its trainer.checkpoint_dir) or "
+                           f"an exported model's is what is read{within}.")
     damaged = [name for name in (RUN_FILE, CONFIG_FILE) if (path / name).exists()]
     if damaged:  # there, but not a file: the folder was damaged or put together by hand
         raise NotARunError(f"{path / damaged[0]} is not a file (a directory, or something else), so {path} "

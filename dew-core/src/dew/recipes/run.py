@@ -664,8 +664,11 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
             changes = None if before is None else changes_line(
                 before.recorded(), config.recorded(), cwd=started_from(checkpoints.directory))
-            if changes is not None and ahead:
-                print(changes, flush=True)
+            if changes is not None:  # a finished run's too: another recipe in its folder trains nothing
+                print(changes if ahead else
+                      f"{changes[:-1]}; it trains nothing here, as this folder's run is finished (its sample "
+                      "below is of the checkpoints' weights): to train this recipe, set trainer.checkpoint_dir "
+                      "to a new folder.", flush=True)
             upgraded = None if saved_meta is None else upgrade_line(resumed_at, saved_meta)
             if upgraded is not None and ahead:
                 print(upgraded, flush=True)
