@@ -94,6 +94,12 @@ def test_the_plan_s_bytes_are_xla_s_and_the_shardings_and_fsdp_divides_the_param
     gathered = sum(math.prod(leaf["shape"]) * 4 for leaf in plan["leaves"]
                    if leaf["category"] == "parameters" and any(leaf["spec"]) and "embed" not in leaf["path"])
     assert plan["collectives"]["all-gather"]["bytes"] >= gathered
+    # Their gradients are reduce-scattered back to each device's share: the CPU compiler writes that as an
+    # all-reduce each device slices, which was listed as all-reduces of the whole gradient (and no
+    # reduce-scatter at all); the all-reduces left are of the norms' whole scales and the loss.
+    collectives = plan["collectives"]
+    assert collectives["reduce-scatter"]["bytes"] >= gathered
+    assert collectives["all-reduce"]["bytes"] < 0.01 * gathered
     # The matmuls XLA runs on all 8 devices are the objective's own count of the model's FLOPs.
     assert plan["flops_per_device"] * 8 == pytest.approx(plan["model_flops"], rel=0.05)
     # The device kinds: their datasheet peak, and their memory as the driver reports it (nvidia-smi's

@@ -263,17 +263,51 @@ class Module:
         The bytes of one collective are the size of the whole buffer it
         exchanges: an all-gather's and an all-to-all's result, a
         reduce-scatter's operand, an all-reduce's operand (every operand of a
-        combined one), a collective-permute's result.
+        combined one), a collective-permute's result. An all-reduce whose
+        result each device only slices its share of is the reduce-scatter
+        SPMD partitioning meant, and is counted as one (see _only_sliced):
+
+        >>> text = '''HloModule m
+        ...
+        ... ENTRY %main (g: f32[8,4], n: f32[4]) -> (f32[2,4], f32[4]) {
+        ...   %g = f32[8,4]{1,0} parameter(0)
+        ...   %n = f32[4]{0} parameter(1)
+        ...   %r = (f32[8,4]{1,0}, f32[4]{0}) all-reduce(%g, %n), replica_groups={{0,1,2,3}}, to_apply=%add
+        ...   %e = f32[8,4]{1,0} get-tuple-element(%r), index=0
+        ...   %i = u32[] partition-id()
+        ...   %s = f32[2,4]{1,0} dynamic-slice(%e, %i, %i), dynamic_slice_sizes={2,4}
+        ...   %m = f32[4]{0} get-tuple-element(%r), index=1
+        ...   ROOT %t = (f32[2,4]{1,0}, f32[4]{0}) tuple(%s, %m)
+        ... }
+        ... '''
+        >>> {kind: (c.count, c.bytes) for kind, c in Module.parse(text).collectives().items()}
+        {'reduce-scatter': (1, 128), 'all-reduce': (1, 16)}
         """
         found: dict[str, Collective] = {}
+
+        def add(kind: str, weight: int, size: int, count: int = 1) -> None:
+            before = found.get(kind, Collective())
+            found[kind] = Collective(before.count + weight * count, before.bytes + weight * size)
+
         for name, body in self.computations.items():
             weight = self.weights.get(name, 0)
             if not weight:
                 continue
             symbols = None
+            users: dict[str, list[Instruction]] | None = None
             for instruction in body:
                 kind = COLLECTIVES.get(instruction.opcode)
                 if kind is None:
+                    continue
+                if instruction.opcode == "all-reduce":  # a reduce-scatter the CPU compiler left unformed
+                    users = users if users is not None else self._users(name)
+                    elements = [math.prod(dims) * _bits(dtype) // 8 for dtype, dims in array_shapes(instruction.shape)]
+                    scattered = [size for index, size in enumerate(elements)
+                                 if self._only_sliced(instruction, index, size, users)]
+                    if scattered:
+                        add("reduce-scatter", weight, sum(scattered), len(scattered))
+                    if len(scattered) < len(elements):
+                        add(kind, weight, sum(elements) - sum(scattered))
                     continue
                 if kind == "reduce-scatter":
                     symbols = symbols or self.table(name)
@@ -283,9 +317,41 @@ class Module:
                     size = shape_bytes(parts[1]) if len(parts) > 1 else instruction.bytes
                 else:
                     size = instruction.bytes
-                before = found.get(kind, Collective())
-                found[kind] = Collective(before.count + weight, before.bytes + weight * size)
+                add(kind, weight, size)
         return found
+
+    def _users(self, computation: str) -> dict[str, list[Instruction]]:
+        """Each value of computation and the instructions that read it."""
+        users: dict[str, list[Instruction]] = defaultdict(list)
+        for instruction in self.computations.get(computation, []):
+            for operand in instruction.operands:
+                users[operand].append(instruction)
+        return users
+
+    def _only_sliced(self, reduced: Instruction, index: int, size: int,
+                     users: dict[str, list[Instruction]]) -> bool:
+        """Whether every reader of the all-reduce's result (its index-th, when it is a tuple) takes
+        only a slice of it (a dynamic-slice, or a fusion holding one, with a smaller result): a
+        reduce-scatter, as SPMD partitioning writes one. XLA's GPU and TPU pipelines turn the pair
+        into a reduce-scatter (its ReduceScatterCreator pass); the CPU pipeline the plan compiles
+        with leaves it, and counted as an all-reduce it would misstate what an FSDP step exchanges."""
+        if reduced.shape.startswith("("):
+            readers = [user for element in users.get(reduced.name, [])
+                       if element.opcode == "get-tuple-element" and element.attributes.get("index") == str(index)
+                       for user in users.get(element.name, [])]
+        else:
+            readers = users.get(reduced.name, [])
+
+        def slices(user: Instruction) -> bool:
+            if user.bytes >= size:
+                return False
+            if user.opcode == "dynamic-slice":
+                return True
+            fused = user.attributes.get("calls", "").strip("{}").lstrip("%")
+            return user.opcode == "fusion" and any(i.opcode == "dynamic-slice"
+                                                   for i in self.computations.get(fused, []))
+
+        return bool(readers) and all(slices(user) for user in readers)
 
     def matmul_flops(self) -> int:
         """FLOPs of the step's matmuls and convolutions on one device (2 per multiply-add)."""
