@@ -167,7 +167,7 @@ def test_generation_exact_match_equals_transformers_greedy_answers(exported, ref
     assert GenerationTask(file=file, answer_pattern=r"#### (.*)").matches(firsts[0], f"${firsts[0].upper()}.") is False
 
 
-class TestMultipleChoiceTask(EvaluationTaskKit):
+class TestMultipleChoice(EvaluationTaskKit):
     @pytest.fixture(autouse=True)
     def _given(self, exported, choice_file, tmp_path):
         self.folder, self._subject = exported
@@ -686,3 +686,75 @@ def test_choices_kept_in_fields_of_their_own_are_named_as_a_list(exported, tmp_p
     with pytest.raises(TaskFileError, match=r"'sol1' must be a list of at least two strings, got '.*' \(choices kept "
                        r"in fields of their own are named as a list, choices_key: \[sol1, sol2\]\)\.$"):
         MultipleChoice(file=str(piqa), context_key="goal", choices_key="sol1", answer_key="label")
+
+
+def _hand_loglikelihood(reference, context, continuation):
+    """The summed log-probability of continuation after context, by transformers, split as the harnesses split."""
+    tokenizer, model = reference
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    stripped = context.rstrip()
+    continuation, context = context[len(stripped):] + continuation, stripped
+    head = ids(context)
+    tail = ids(context + continuation)[len(head):]
+    row = (head + tail)[-(MAX_LEN + 1):]
+    with torch.no_grad():
+        logits = model(torch.tensor([row[:-1]])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)[torch.arange(len(row) - 1), torch.tensor(row[1:])]
+    return float(logp[-len(tail):].sum())
+
+
+def test_winogrande_partial_scoring_fills_the_blank_with_each_choice_as_lm_eval_does(exported, reference, tmp_path):
+    """Winogrande's options are contexts: each fills the sentence's blank, and the rest of the sentence is
+    scored after it (lm-eval's partial scoring), its answers numbered from 1. No setting reached this:
+    the options were scored as continuations of the whole sentence, blank and all."""
+    import yaml
+
+    from dew import registry
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    _, subject = exported
+    records = [
+        {"sentence": "The trophy does not fit in the case because the _ is too big.", "option1": "trophy",
+         "option2": "case", "answer": "1"},
+        {"sentence": "Sarah lent Maria a book because _ had finished reading it.", "option1": "Sarah",
+         "option2": "Maria", "answer": "1"},
+        {"sentence": "The user asks and _ answers the question quickly.", "option1": "dew", "option2": "it",
+         "answer": "2"},
+        {"sentence": "Tokens go in windows, so _ are packed.", "option1": "documents", "option2": "they",
+         "answer": "2"},
+    ]
+    file = _write(tmp_path / "winogrande.jsonl", records)
+    # docs/datasets.md's entry, built by the registry as a recipe's is
+    page = (Path(__file__).resolve().parents[2] / "docs" / "datasets.md").read_text()
+    block = re.search(r"```yaml\n(trainer:\n  evaluate:.*?)```", page, flags=re.S)
+    assert block is not None
+    entry = next(e for e in yaml.safe_load(block.group(1))["trainer"]["evaluate"] if e.get("label") == "winogrande")
+    fields = {k: v for k, v in entry.items() if k not in ("task", "every", "label")} | {"file": file, "batch": 3}
+    task = registry.evaluations.build(entry["task"], **fields)
+    by_hand, contexts = [], []
+    for record in records:  # lm-eval's winogrande: partial_context and partial_target, target_delimiter " "
+        cut = record["sentence"].index("_")
+        filled = [record["sentence"][:cut] + record[o] for o in ("option1", "option2")]
+        target = " " + record["sentence"][cut + 1:].strip()
+        by_hand.append(np.asarray([_hand_loglikelihood(reference, c, target) for c in filled]))
+        contexts.append(filled)
+    for mine, theirs in zip(task.choice_scores(subject), by_hand, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-3)
+    answers = [int(r["answer"]) - 1 for r in records]
+    scores = task.evaluate(subject)
+    assert scores["accuracy"] == np.mean([int(np.argmax(s)) == a for s, a in zip(by_hand, answers, strict=True)])
+    # lm-eval divides by the length of each choice, which for this task is the filled context
+    assert scores["accuracy_norm"] == np.mean([
+        int(np.argmax(s / np.asarray([len(c) for c in filled], float))) == a
+        for s, filled, a in zip(by_hand, contexts, answers, strict=True)])
+    with pytest.raises(TaskFileError, match="Line 1 of .* holds the blank '_' 0 times"):
+        MultipleChoice(file=_write(tmp_path / "none.jsonl", [{"context": "no mark", "choices": ["a", "b"],
+                                                                   "answer": 0}]), blank="_")
+    with pytest.raises(TaskFileError, match=r"the answer '3' names none of its 2 choices; give its index \(from 1"):
+        MultipleChoice(file=_write(tmp_path / "three.jsonl", [records[0] | {"answer": "3"}]),
+                           context_key="sentence", choices_key=["option1", "option2"], blank="_", first_answer=1)
+    with pytest.raises(TaskFileError, match="blank is empty"):
+        MultipleChoice(file=file, context_key="sentence", choices_key=["option1", "option2"], blank="")

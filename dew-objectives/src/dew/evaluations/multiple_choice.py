@@ -6,10 +6,19 @@ Each JSONL record holds a context, its choices and the right one::
 
 ``answer`` is the index of the right choice, a letter (``"B"``), or the
 choice's label when choices come labelled as ARC's do
-(``{"text": [...], "label": ["A", "B", ...]}``). Choices kept in fields of
+(``{"text": [...], "label": ["A", "B", ...]}``); ``first_answer`` is the
+number a file gives its first choice (Winogrande's ``"1"`` and ``"2"``:
+``first_answer: 1``). Choices kept in fields of
 their own (PIQA's ``sol1``, ``sol2``) are named as a list, ``choices_key:
 [sol1, sol2]``, in order. ``template`` formats the
 context from the record's fields (``"Question: {question}\\nAnswer:"``).
+
+With ``blank`` (Winogrande's ``"_"``) the choices fill the context instead
+of following it, as lm-eval's partial scoring does: each choice ends its own
+context (the text before the blank, then the choice), and what follows the
+blank, stripped, is the continuation scored after each, the same text for
+every choice. ``accuracy_norm`` then divides by each filled context's
+characters, as lm-eval does for such a task.
 
 A choice is scored by the summed log-probability of its tokens after the
 context, tokenized as the evaluation harnesses do: the context's trailing
@@ -104,6 +113,8 @@ class MultipleChoice:
     answer_key: str = "answer"
     template: str | None = None
     separator: str = " "
+    blank: str | None = None  # Winogrande's "_": each choice fills the context there (module docstring)
+    first_answer: int = 0  # the number the file gives its first choice (Winogrande's: 1)
     batch: int = 16
 
     def __post_init__(self) -> None:
@@ -111,6 +122,9 @@ class MultipleChoice:
             object.__setattr__(self, "choices_key", tuple(self.choices_key))
         if self.batch < 1:
             raise TaskFileError(f"MultipleChoice.batch={self.batch!r}; it is at least 1.")
+        if self.blank == "":
+            raise TaskFileError("MultipleChoice.blank is empty, which every context holds everywhere; give the "
+                                "mark each choice fills (Winogrande's '_'), or leave blank out.")
         check_task_file(self.file)
         self.questions()  # every record read once here: a bad one is refused before the run trains
 
@@ -140,30 +154,53 @@ class MultipleChoice:
                    if isinstance(choices, str) else "")
             raise TaskFileError(f"{where}: {self.choices_key!r} must be a list of at least two strings, "
                                 f"got {choices!r}{own}.")
-        if any(not self.separator + choice for choice in choices):
-            raise TaskFileError(f"{where}: a choice is empty and separator is '', so it would be scored on no "
-                                "token at all; give every choice some text.")
         context = (filled_template(self.template, record, where) if self.template
                    else record_text(record, self.context_key, where))
+        if self.blank is not None:
+            marks = context.count(self.blank)
+            if marks != 1:
+                raise TaskFileError(f"{where}: its context holds the blank {self.blank!r} {marks} times; each choice "
+                                    "fills it at one place, so give a context with exactly one.")
+            if not self.separator + context.split(self.blank)[1].strip():
+                raise TaskFileError(f"{where}: nothing follows the blank {self.blank!r} and separator is '', so no "
+                                    "token would be scored after the choices; give the context text after it.")
+        elif any(not self.separator + choice for choice in choices):
+            raise TaskFileError(f"{where}: a choice is empty and separator is '', so it would be scored on no "
+                                "token at all; give every choice some text.")
         return Question(line, context, tuple(choices), self._answer(record[self.answer_key], choices, labels, where))
 
     def _answer(self, answer: Any, choices: Sequence[str], labels: Any, where: str) -> int:
         index: int | None = None
         if isinstance(answer, int) and not isinstance(answer, bool):
-            index = answer
+            index = answer - self.first_answer
         elif isinstance(answer, str):
             if labels is not None and answer in list(labels):
                 index = list(labels).index(answer)
             elif answer.strip().isdigit():
-                index = int(answer.strip())
+                index = int(answer.strip()) - self.first_answer
             elif len(answer.strip()) == 1 and answer.strip().upper() in string.ascii_uppercase:
                 index = string.ascii_uppercase.index(answer.strip().upper())
             elif answer in choices:
                 index = list(choices).index(answer)
         if index is None or not 0 <= index < len(choices):
             raise TaskFileError(f"{where}: the answer {answer!r} names none of its {len(choices)} choices; give "
-                                "its index (from 0), its letter, or its label.")
+                                f"its index (from {self.first_answer}: first_answer), its letter, or its label.")
         return index
+
+    def scored(self, question: Question) -> list[tuple[str, str]]:
+        """Each choice's (context, continuation): the context then the choice, or with a blank the
+        context filled by the choice then the text after the blank (module docstring)."""
+        if self.blank is None:
+            return [(question.context, self.separator + choice) for choice in question.choices]
+        before, after = question.context.split(self.blank)
+        return [(before + choice, self.separator + after.strip()) for choice in question.choices]
+
+    def normalizing(self, question: Question) -> list[str]:
+        """The texts accuracy_norm divides each choice's score by the characters of: the choices, or
+        with a blank the filled contexts (as lm-eval normalizes a task whose choices are contexts)."""
+        if self.blank is None:
+            return list(question.choices)
+        return [context for context, _ in self.scored(question)]
 
     def questions(self) -> list[Question]:
         """Every record of the file, checked (TaskFileError names a bad line)."""
@@ -176,9 +213,8 @@ class MultipleChoice:
         """Every (question, choice) row in order, cut to the last limit ids."""
         out, cut = [], []
         for question in self.questions():
-            for choice in question.choices:
-                continuation = self.separator + choice
-                head, tail = continuation_ids(tokenizer, question.context, continuation)
+            for context, continuation in self.scored(question):
+                head, tail = continuation_ids(tokenizer, context, continuation)
                 ids = (head + tail)[-limit:] if limit else head + tail
                 if len(tail) > len(ids) - 1:
                     cut.append(question.line)
@@ -207,7 +243,7 @@ class MultipleChoice:
         right = right_norm = 0
         for question, scores in zip(questions, self.choice_scores(subject, mesh=mesh), strict=True):
             right += int(np.argmax(scores)) == question.answer
-            right_norm += normalized_pick(scores, question.choices) == question.answer
+            right_norm += normalized_pick(scores, self.normalizing(question)) == question.answer
         count = len(questions)
         return {"accuracy": right / count, "accuracy_norm": right_norm / count, "records": float(count)}
 
