@@ -156,6 +156,15 @@ def test_resuming_with_other_steps_warns_that_the_schedule_changes(tmp_path):
     with pytest.warns(ScheduleReshapedWarning, match=r"decay_steps=600 \(the old schedule had ended at update "
                                                      r"600: kept, every further step trains at its end rate, 0 x"):
         warn_if_schedule_reshaped(longer, 1000, None, tmp_path, 600)
+    # With accumulation 4, step 600 is update 150 of 150: ended; step 300 is update 75, where the old decay
+    # goes on (the step was compared with decay_steps' updates, and said the schedule had ended)
+    _saved(tmp_path, "trainer.steps=600", "trainer.accumulation=4")
+    accumulating = RunConfig.load("tiny-lm", overrides=["trainer.steps=1000", "trainer.accumulation=4"])
+    with pytest.warns(ScheduleReshapedWarning, match=r"decay_steps=150 \(the old schedule had ended at update 150"):
+        warn_if_schedule_reshaped(accumulating, 1000, None, tmp_path, 600)
+    with pytest.warns(ScheduleReshapedWarning, match=r"decay_steps=150\.$"):
+        warn_if_schedule_reshaped(accumulating, 1000, None, tmp_path, 300)
+    _saved(tmp_path, "trainer.steps=600")
     with warnings.catch_warnings():  # same steps, or a fixed decay length: nothing changes
         warnings.simplefilter("error")
         warn_if_schedule_reshaped(RunConfig.load("tiny-lm"), 600, None, tmp_path, 300)

@@ -184,7 +184,8 @@ def warn_if_schedule_reshaped(config: RunConfig, steps: int, steps_per_epoch: in
         return  # the updates still to come are all where the two schedules agree (inside the warmup)
     ended = (f" (the old schedule had ended at update {old.decay_steps}: kept, every further step trains "
              f"at its end rate, {old.end_factor:g} x optimizer.learning_rate)"
-             if old.decay_steps is not None and resumed_at >= old.decay_steps else "")
+             if old.decay_steps is not None and resumed_at // before.trainer.accumulation >= old.decay_steps
+             else "")  # decay_steps counts updates, resumed_at steps
     warnings.warn(ScheduleReshapedWarning(
         f"This run resumes at step {resumed_at} of checkpoints trained for {old_steps} steps; "
         f"with {steps} steps its {new.schedule} learning-rate schedule now decays over "
