@@ -254,6 +254,47 @@ def test_dynamic_scale_rejects_non_finite_steps_and_counts_the_attempt():
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
 
 
+def test_a_float16_loss_scale_scales_the_mean_loss_so_a_batch_of_many_rows_trains():
+    """The scale multiplied the loss summed over the batch, so float16 gradients carried it times the
+    count: over 16384 rows they overflowed at every scale down to the floor of 1, and no step was ever
+    taken. The mean is scaled now (the sum over a power of two at most the count), so a few halvings
+    find a scale, and the update taken is the float32 mean gradient's."""
+    from flax import linen as nn
+
+    from dew.objectives.base import Aux, Mean
+
+    class Summed(doubles.Linear):  # float16 predictions, their squared errors summed in float32
+        def loss(self, variables, batch, step):
+            errors = (self.model.apply(variables, batch["x"]) - batch["y"].astype(jnp.float16)) ** 2
+            return Mean(jnp.sum(errors.astype(jnp.float32)), jnp.asarray(errors.size, jnp.float32)), Aux()
+
+    objective, rate, rows = Summed(), 1e-3, 16384
+    objective.model = nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float16)
+    trainer = Trainer(objective, optax.sgd(rate), key=jax.random.key(0), dynamic_scale=True)
+    state, _, _ = trainer.place()
+    partition = trainer_partition(trainer)
+    batch = batch_at(0, rows)
+    compiled = trainer.compile(state, shard_batch(batch, trainer.device_mesh, partition))
+    rejected = 0
+    while True:
+        before = jax.device_get(state.params)
+        state, metrics = compiled(state, shard_batch(batch, trainer.device_mesh, partition))
+        if bool(metrics["finite"]) or rejected == 8:
+            break
+        rejected += 1
+    assert bool(metrics["finite"]) and rejected <= 4, (rejected, float(state.scaler.scale))
+
+    def mean_loss(params):  # by hand, in float32, from the float16 weights the step started from
+        kernel, bias = params["params"]["kernel"], params["params"]["bias"]
+        return jnp.mean((batch["x"] @ kernel + bias[None, :] - batch["y"]) ** 2)
+
+    wide = jax.tree.map(lambda x: np.asarray(x, np.float32), before)
+    expected = jax.tree.map(lambda p, g: p - rate * g, wide, jax.grad(mean_loss)(wide))
+    for got, want, start in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(expected),
+                                jax.tree.leaves(wide), strict=True):
+        np.testing.assert_allclose(np.float32(got) - start, want - start, rtol=0.05, atol=2e-3)
+
+
 def test_repeated_non_finite_losses_stop_the_run_naming_the_step():
     def poisoned(i):
         batch = batch_at(i)
@@ -261,8 +302,14 @@ def test_repeated_non_finite_losses_stop_the_run_naming_the_step():
         return batch
 
     trainer = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0))
-    with pytest.raises(NonFiniteLossError, match=r"Step 8 .*5th step in a row"):
+    with pytest.raises(NonFiniteLossError, match=r"Step 8 .*5th step in a row.*start a new run with "
+                                                 r"trainer.dynamic_scale=true"):
         trainer.fit(dataset(poisoned), steps=40, log_every=10)
+    # with the scale on, turning it on is no advice: it was told to a run whose scale sat at its floor
+    scaled = Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), dynamic_scale=True)
+    with pytest.raises(NonFiniteLossError, match=r"the dynamic loss scale is on, and halved at each rejected") as raised:
+        scaled.fit(dataset(poisoned), steps=80, log_every=10)
+    assert "dynamic_scale=true" not in str(raised.value)
 
 
 def test_weights_an_update_made_non_finite_stop_the_run_before_they_are_checkpointed(tmp_path):

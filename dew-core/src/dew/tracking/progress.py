@@ -156,6 +156,7 @@ class Progress:
         self.log_every = log_every
         self.steps: int | None = None  # the fit's last step, always logged
         self.limit = nonfinite_limit(dynamic_scale)
+        self.scaled = dynamic_scale
         self.clock = Clock()
         self.rank0 = jax.process_index() == 0
         self.console = Console() if self.rank0 else None
@@ -325,8 +326,13 @@ class Progress:
                 f"or gradient (loss {loss}); each was rejected, so the state holds the last "
                 "finite update, whose weights may already be where training diverged. Lower the "
                 "learning rate or check the data (a resume keeps the weights: if its steps fail "
-                "again, start fresh), or, for low-precision training, start a new run with "
-                "trainer.dynamic_scale=true (a resume keeps the loss scaler it was trained with)."
+                "again, start fresh), or, for low-precision training, "
+                + ("note that the dynamic loss scale is on, and halved at each rejected step "
+                   "(train/loss_scale): float16 overflowed even at its smallest scale, so compute in "
+                   "bfloat16 (model.dtype=bfloat16) or keep the weights in float32 (model.param_dtype=float32)."
+                   if self.scaled else
+                   "start a new run with trainer.dynamic_scale=true (a resume keeps the loss scaler it was "
+                   "trained with).")
             )
 
     def compiled(self, seconds: float, at: float | None = None) -> None:

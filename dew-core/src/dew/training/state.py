@@ -42,7 +42,8 @@ def stream(root: jax.Array, name: str) -> jax.Array:
 class Scaler:
     """A dynamic loss scale and its streak of finite steps.
 
-    The loss is multiplied by scale before differentiation; a non-finite
+    The loss is multiplied by scale before differentiation, as a mean (the
+    step divides its sum by a power of two at most its count); a non-finite
     gradient halves it (down to minimum), and growth_interval finite steps in
     a row double it.
     """

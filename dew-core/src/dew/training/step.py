@@ -99,22 +99,37 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
         )
         scaler = state.scaler
 
+        schedule = current_schedule()
+
         def total(p: Variables, rows: Mapping[str, jax.Array] = batch) -> tuple[jax.Array, tuple[Mean, Aux]]:
             loss, aux = _loss_pair(objective, objective.loss(overlay(variables, p), rows, info))
             scaled = loss.total.astype(jnp.float32)
-            return (scaled * scaler.scale if scaler is not None else scaled), (loss, aux)
+            if scaler is None:
+                return scaled, (loss, aux)
+            # The sum over the microbatch's count is scaled as its mean is (per-token gradients summed over
+            # 16384 tokens overflow float16 at any scale above 1/16384), by a power of two, so dividing
+            # it back out below is exact. A 1F1B schedule sums microbatches inside one gradient: its
+            # sum is scaled as it is.
+            per = 1.0 if schedule.interleaves else _power_of_two_at_most(loss.count)
+            return scaled * (scaler.scale / per), (loss, aux)
 
-        schedule = current_schedule()
         if schedule.interleaves:
             grads, (_, (loss, aux)) = pipelined_gradients(total, trainable, batch, schedule)
             aux = _microbatch_mean(aux, schedule.count)
         else:
             grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
         if scaler is not None:
-            grads = jax.tree.map(lambda g: g / scaler.scale, grads)
+            per = 1.0 if schedule.interleaves else _power_of_two_at_most(loss.count)
+            grads = jax.tree.map(lambda g: g * (per / scaler.scale), grads)
         return Gradients(grads=grads, loss=loss, aux=aux)
 
     return forward
+
+
+def _power_of_two_at_most(count: ArrayLike) -> jax.Array:
+    """The largest power of two not above count (1 for a count below 2), held out of differentiation."""
+    count = jax.lax.stop_gradient(jnp.maximum(jnp.asarray(count, jnp.float32), 1.0))
+    return jnp.exp2(jnp.floor(jnp.log2(count)))
 
 
 def _loss_pair(objective: object, returned: object) -> tuple[Mean, Aux]:
