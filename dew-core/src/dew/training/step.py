@@ -101,6 +101,9 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
 
         schedule = current_schedule()
 
+        def per(count: ArrayLike) -> ArrayLike:  # what the scaled sum is divided by (see total)
+            return 1.0 if schedule.interleaves else _power_of_two_at_most(count)
+
         def total(p: Variables, rows: Mapping[str, jax.Array] = batch) -> tuple[jax.Array, tuple[Mean, Aux]]:
             loss, aux = _loss_pair(objective, objective.loss(overlay(variables, p), rows, info))
             scaled = loss.total.astype(jnp.float32)
@@ -110,8 +113,7 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
             # 16384 tokens overflow float16 at any scale above 1/16384), by a power of two, so dividing
             # it back out below is exact. A 1F1B schedule sums microbatches inside one gradient: its
             # sum is scaled as it is.
-            per = 1.0 if schedule.interleaves else _power_of_two_at_most(loss.count)
-            return scaled * (scaler.scale / per), (loss, aux)
+            return scaled * (scaler.scale / per(loss.count)), (loss, aux)
 
         if schedule.interleaves:
             grads, (_, (loss, aux)) = pipelined_gradients(total, trainable, batch, schedule)
@@ -119,8 +121,8 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
         else:
             grads, (loss, aux) = jax.grad(total, has_aux=True)(trainable)
         if scaler is not None:
-            per = 1.0 if schedule.interleaves else _power_of_two_at_most(loss.count)
-            grads = jax.tree.map(lambda g: g * (per / scaler.scale), grads)
+            unscale = per(loss.count) / scaler.scale
+            grads = jax.tree.map(lambda g: g * unscale, grads)
         return Gradients(grads=grads, loss=loss, aux=aux)
 
     return forward
