@@ -75,6 +75,44 @@ def test_a_refused_resume_keeps_the_recipe_the_run_was_trained_with(tmp_path: Pa
     assert not list(directory.glob(".run.json*"))  # no file left from writing it
 
 
+class _Unreachable:
+    """A tracker whose service is gone from step `gone` on (W&B online without a network, say)."""
+
+    def __init__(self, gone: int = 0) -> None:
+        self.gone = gone
+
+    def log(self, scalars, step):
+        if step >= self.gone:
+            raise OSError("the tracker's service cannot be reached")
+
+    def artifact(self, value, step):
+        self.log({}, step)
+
+    def close(self):
+        pass
+
+
+def test_a_resume_that_fails_before_it_keeps_a_step_keeps_the_recipe_the_run_was_trained_with(
+        tmp_path: Path) -> None:
+    """Its overrides were written at the start, so a resume with a tracker it could not reach left
+    them as the run's recipe, and the next plain resume failed again on them."""
+    directory = tmp_path / "run"
+    first = {"tracker": "offline", "steps": 2}
+    Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory),
+            recipe=first).fit(DATA, steps=2)
+    failing = {"tracker": "online", "steps": 4}
+    with pytest.warns(UserWarning, match="holds no data position"), pytest.raises(OSError, match="cannot be reached"):
+        Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory),
+                tracker=_Unreachable(), recipe=failing).fit(DATA, steps=4, log_every=1)
+    assert json.loads((directory / "run.json").read_text()) == first
+    # one that kept a step before it failed trained with its recipe: that is the run's now
+    with pytest.warns(UserWarning, match="holds no data position"), pytest.raises(OSError, match="cannot be reached"):
+        Trainer(Tiny(), optax.adam(0.1), key=jax.random.key(0), checkpoints=Checkpoints(directory),
+                tracker=_Unreachable(gone=4), recipe=failing).fit(DATA, steps=4, log_every=1, checkpoint_every=1)
+    assert json.loads((directory / "run.json").read_text()) == failing
+    assert Checkpoints(directory).latest == 3
+
+
 def test_changed_accumulation_is_named_before_the_tree_is_compared(tmp_path: Path) -> None:
     directory = _trained(tmp_path)
     before = _listing(directory)

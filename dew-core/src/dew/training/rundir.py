@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +20,8 @@ from dew.training.ledger import RecordLedger
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
 
-__all__ = ["SAMPLED", "claimed", "ledger_beside", "note_sample", "rollout_settings", "sampled_at", "write_recipe"]
+__all__ = ["SAMPLED", "claimed", "ledger_beside", "note_sample", "recipe_beside", "rollout_settings", "sampled_at",
+           "write_recipe"]
 
 SAMPLED = "sampled.json"  # the step whose end-of-run sample the run's trackers were given
 
@@ -52,16 +53,39 @@ def write_recipe(checkpoints: Checkpoints | None, recipe: Mapping[str, object] |
     """
     if checkpoints is None or recipe is None or jax.process_index() != 0:
         return
-    target = Path(checkpoints.directory)
+    _replace_recipe(Path(checkpoints.directory), json.dumps(recipe, indent=2) + "\n")
+
+
+def _replace_recipe(target: Path, text: str) -> None:
     writing = target / f".{RUN_FILE}.writing"
     try:
         target.mkdir(parents=True, exist_ok=True)
-        writing.write_text(json.dumps(recipe, indent=2) + "\n")
+        writing.write_text(text)
         os.replace(writing, target / RUN_FILE)
     except OSError as error:
         raise RunFileWriteError(target / RUN_FILE, error, "the recipe it held before, if any, is kept") from error
     finally:
         writing.unlink(missing_ok=True)
+
+
+@contextmanager
+def recipe_beside(checkpoints: Checkpoints | None, recipe: Mapping[str, object] | None,
+                  kept: Callable[[], bool]) -> Iterator[None]:
+    """The fit's recipe beside its checkpoints while inside (write_recipe); a fit that fails before
+    it kept a step (kept() false) writes back the recipe its checkpoints were trained with, so a
+    resume whose overrides failed (a tracker it could not reach) leaves the run's recipe as it was."""
+    before = None
+    if checkpoints is not None and recipe is not None and jax.process_index() == 0:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            before = (Path(checkpoints.directory) / RUN_FILE).read_text()
+    write_recipe(checkpoints, recipe)
+    try:
+        yield
+    except BaseException:
+        if before is not None and checkpoints is not None and not kept():
+            with contextlib.suppress(RunFileWriteError):  # the fit's own error is the one to see
+                _replace_recipe(Path(checkpoints.directory), before)
+        raise
 
 
 def ledger_beside(checkpoints: Checkpoints | None) -> RecordLedger | None:

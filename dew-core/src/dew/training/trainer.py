@@ -38,7 +38,7 @@ from dew.training.placement.mesh import MeshSpec, build_mesh, data_partition
 from dew.training.placement.stages import bank_sites, check_stages
 from dew.training.program import Program, ResumeMismatchError, StepCompositionError
 from dew.training.protocols import Rollout
-from dew.training.rundir import claimed, ledger_beside, rollout_settings, write_recipe
+from dew.training.rundir import claimed, ledger_beside, recipe_beside, rollout_settings
 from dew.training.start import FrozenTrainedError, Start
 from dew.training.state import TrainState
 from dew.training.step import StepFn
@@ -183,7 +183,6 @@ class Trainer(Generic[Loss, Effects]):
             state, start = start_placed(self.place, feed, self.checkpoints, steps, overlap=self._overlap_start)
             if start >= steps:  # nothing to train: the recipe the checkpoints were trained with stays
                 return hooks.at_target(progress, state, start, steps, said=self.recipe is not None)  # type: ignore[arg-type]  # start_placed returns a built state here
-            write_recipe(self.checkpoints, self.recipe)  # after a resume's restore: a refused one keeps the old
             reporting = hooks.ProgressHook(progress, self, feed, start=start, steps=steps,
                                         notes=hooks.opening_notes(steps, log_every, every, self.checkpoints, self.tracker))
             saving = None if self.checkpoints is None else \
@@ -193,7 +192,8 @@ class Trainer(Generic[Loss, Effects]):
                                          preview=preview, tracked=self.tracker is not None),
                         *([saving] if saving else []), hooks.Scoring(self.evaluations, self.execution),  # saved first
                         hooks.Preemption(reporting, saving)]
-            with ending(feed, state):
+            kept = lambda: not start or (saving is not None and saving.saved is not None)  # noqa: E731
+            with recipe_beside(self.checkpoints, self.recipe, kept), ending(feed, state):  # a resume keeping no step keeps the old
                 compile = partial(self.execution.compile, self.program)
                 state = loop.run_hooks(loop.steps(state, feed, compile, self.objective, start, steps), reporting, concerns)
             return state
