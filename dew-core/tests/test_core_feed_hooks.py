@@ -624,7 +624,9 @@ def test_arguments_of_the_wrong_type_are_named_when_the_trainer_is_built(tmp_pat
              # an AttributeError, a TypeError deep in fit, or (a truthy string) loss scaling turned on
              "mesh": dict(mesh={"fsdp": 1}), "layout": dict(layout=None), "profile": dict(profile="dir"),
              "accumulation": dict(accumulation="2"), "accumulation ": dict(accumulation=0),
-             "dynamic_scale": dict(dynamic_scale="no")}
+             "dynamic_scale": dict(dynamic_scale="no"),
+             # a batch of keys passed, then failed in fit with JAX's "split accepts a single key"
+             "key  ": dict(key=jax.random.split(key, 2))}
     for name, given in cases.items():
         arguments = {"objective": Linear(), "optimizer": optax.sgd(0.1), "key": key, **given}
         objective, optimizer = arguments.pop("objective"), arguments.pop("optimizer")
@@ -649,6 +651,53 @@ def test_fit_names_data_that_is_not_a_dataset_and_a_count_that_is_not_whole():
         with pytest.raises(CadenceError, match=re.escape(said)):
             trainer.fit(numbered(), **given)
     assert int(trainer.fit(numbered(), steps=np.int64(2), log_every=1).step) == 2  # NumPy's whole numbers are
+
+
+def test_a_loss_reading_a_key_the_batch_lacks_and_an_objective_without_its_methods_are_dew_errors(capsys):
+    """Without required_keys() the trace met a bare KeyError ('y'), and an objective without loss or init
+    a NotImplementedError: neither a DewError, so dew train printed a traceback. A KeyError of the
+    loss's own (a dict it builds, in an objective whose required_keys() the feed checked) is left as
+    it is. fit(steps=0) without checkpoints spoke of
+    checkpoints that hold step 0."""
+    from dew.errors import BatchKeyError, DewError, ObjectiveMethodError
+    from dew.objectives.base import Aux, Mean, Objective
+
+    def no_y(i):
+        return {"x": batch_at(i)["x"]}
+
+    class Undeclared(Linear):  # the loss reads x and y, and required_keys() names neither
+        def required_keys(self):
+            return ()
+
+    with pytest.raises(BatchKeyError, match=r"Undeclared.loss raised KeyError 'y', a key the batch does not hold "
+                                            r"\(it holds \['x'\]\)") as missing:
+        Trainer(Undeclared(), optax.sgd(0.1), key=jax.random.key(0)).fit(Dataset(train=lambda p: iter(
+            no_y(i) for i in range(10**6)), batch=8), steps=1)
+    assert isinstance(missing.value, KeyError) and isinstance(missing.value, DewError)
+
+    class OwnKeyError(Linear):  # its required keys are checked by the feed: a KeyError is its own
+        def loss(self, variables, batch, step):
+            return {"a": 1}["b"]
+
+    with pytest.raises(KeyError, match="'b'") as own:
+        Trainer(OwnKeyError(), optax.sgd(0.1), key=jax.random.key(0)).fit(numbered(), steps=1)
+    assert not isinstance(own.value, DewError)
+
+    class NoLoss(Objective):
+        def init(self, key, variables=None):
+            return Linear().init(key)
+
+    class NoInit(Objective):
+        def loss(self, variables, batch, step):
+            return Mean(jnp.float32(0), jnp.float32(1)), Aux()
+
+    for objective, said in ((NoLoss(), "NoLoss must implement loss"), (NoInit(), "NoInit must implement init")):
+        with pytest.raises(ObjectiveMethodError, match=said) as unimplemented:
+            Trainer(objective, optax.sgd(0.1), key=jax.random.key(0)).fit(numbered(), steps=1)
+        assert isinstance(unimplemented.value, NotImplementedError)
+    Trainer(Linear(), optax.sgd(0.1), key=jax.random.key(0)).fit(numbered(), steps=0)
+    out = capsys.readouterr()
+    assert "steps=0: nothing to train" in out.out + out.err and "checkpoints already hold" not in out.out + out.err
 
 
 def test_a_stream_that_runs_out_is_a_dew_error_naming_its_step():

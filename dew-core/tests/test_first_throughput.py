@@ -39,3 +39,22 @@ def test_the_first_logged_step_has_a_throughput_with_the_compile_excluded(log_ev
     out = capsys.readouterr().out
     assert (f"step {log_every}: throughput is timed from the end of the first step's compile; "
             f"the {goodput.compile_seconds:.2f} s of compiling are excluded") in out
+
+
+def test_a_growing_batch_is_counted_at_each_steps_own_size_and_its_compiles_are_no_steps_time(recorder):
+    """A step is logged after the next one's batch was measured, so at each size change the rates
+    counted the next step's rows; and the compile of each new size was timed as the step's own (a
+    step of 0.04 s logged as 8 s)."""
+    from dew.data import Dataset
+    from dew.testing.doubles import RegressionStream, regression_batch
+
+    sizes = [4, 4, 8, 8, 16, 16]  # the rows of steps 1 to 6
+    ramp = Dataset(train=lambda partition: RegressionStream(lambda i: regression_batch(i, sizes[min(i, 5)])),
+                   batch=16, ramp=((0, 4), (2, 8), (4, 16)))
+    Trainer(Regression(), optax.sgd(0.1), key=jax.random.key(0), tracker=recorder).fit(ramp, steps=6, log_every=1)
+    rates = dict(recorder.series("throughput/steps_per_second"))
+    examples = dict(recorder.series("throughput/examples_per_second"))
+    assert [round(examples[step] / rates[step]) for step in range(1, 7)] == sizes
+    goodput = next(value for _, value in recorder.artifacts if isinstance(value, Goodput))
+    # three compiles, one per size: every step's time together is the fit's time without them
+    assert sum(dict(recorder.series("train/step_time")).values()) < goodput.wall_seconds - goodput.compile_seconds

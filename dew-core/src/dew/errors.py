@@ -14,7 +14,8 @@ True
 
 from __future__ import annotations
 
-__all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "RunFileWriteError", "raised_from"]
+__all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "ObjectiveMethodError", "RunFileWriteError",
+           "raised_from"]
 
 
 class DewError(Exception):
@@ -40,6 +41,10 @@ class BatchKeyError(DewKeyError, ValueError):
 
 class LossReturnError(DewError, TypeError):
     """An objective's loss returned something other than its (Mean, Aux) pair."""
+
+
+class ObjectiveMethodError(DewError, NotImplementedError):
+    """An objective leaves out a method every objective implements (init, loss)."""
 
 
 class RunFileWriteError(DewError, OSError):

@@ -33,6 +33,7 @@ import numpy as np
 from flax import linen as nn
 
 from dew.data.base import Tokenizer
+from dew.errors import ObjectiveMethodError
 from dew.typing import PyTree
 
 # The class's annotations resolve at run time (a registry reads a subclass's type hints, its
@@ -314,11 +315,13 @@ class Objective(Generic[Loss, Effects]):
         build the variables from them rather than from key. The trainer
         checks that what comes back has the tree and shapes of a fresh init.
         """
-        raise NotImplementedError(f"{type(self).__name__} must implement init(key).")
+        raise ObjectiveMethodError(f"{type(self).__name__} must implement init(key): the variables it trains, "
+                                   "such as self.model.init(key, example_input).")
 
     def loss(self, variables: Variables, batch: Batch, step: Step) -> tuple[Mean, Aux]:
         """Return the loss as a Mean over this microbatch, and its Aux."""
-        raise NotImplementedError(f"{type(self).__name__} must implement loss(variables, batch, step).")
+        raise ObjectiveMethodError(f"{type(self).__name__} must implement loss(variables, batch, step), returning "
+                                   "its (Mean, Aux) pair.")
 
     def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """Per-batch outputs a Metric reduces; by default the loss and its metrics as Means."""

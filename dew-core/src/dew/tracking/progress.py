@@ -48,6 +48,18 @@ class NonFiniteLossError(DewError, FloatingPointError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
+def _summed(sizes: list[tuple[int, int | None, float | None]], steps: int,
+            progress: Progress) -> tuple[int, int | None, float | None]:
+    """The records, tokens and FLOPs of a logged span's steps (each step's own: a batch ramp changes
+    them), the current sizes standing in for any step not measured."""
+    sizes = sizes + [(progress.records_per_step, progress.tokens_per_step, progress.flops_per_step)] * (
+        steps - len(sizes))
+    tokens = [size[1] for size in sizes]
+    flops = [size[2] for size in sizes]
+    return (sum(size[0] for size in sizes), None if None in tokens else sum(t for t in tokens if t is not None),
+            None if None in flops else float(sum(f for f in flops if f is not None)))
+
+
 def nonfinite_limit(dynamic_scale: bool) -> int:
     """How many rejected steps in a row stop a run (more with a loss scaler, which expects some)."""
     return _NONFINITE_LIMIT_SCALED if dynamic_scale else _NONFINITE_LIMIT
@@ -168,6 +180,10 @@ class Progress:
         # ready, and the step count it made (the first log step's rate starts from it).
         self.compiled_at: float | None = None
         self.first: tuple[float, float, int] | None = None
+        # What each step not yet logged processed (records, tokens, FLOPs): a batch ramp changes it
+        # between steps, and a step is logged after the next one's batch was measured.
+        self.sizes: dict[int, tuple[int, int | None, float | None]] = {}
+        self.compile_counted = 0.0  # compile seconds already kept out of the rates logged so far
         self.rejected_streak = 0
         self.stop_requested: str | None = None
         # Reading a step's metrics as soon as they are ready is process-local timing; in a
@@ -236,6 +252,7 @@ class Progress:
             self.first = (ready if self.compiled_at is None else self.compiled_at, ready, done)
         due = any(p.log for p in self.pending)
         self._read(upto=done, block=due)
+        self.sizes[done] = (self.records_per_step, self.tokens_per_step, self.flops_per_step)
         self.pending.append(_Pending(done, metrics, done % self.log_every == 0 or done == self.steps))
         if self.console is not None:
             self.console.advance(done)
@@ -339,8 +356,9 @@ class Progress:
         """A step program was compiled in seconds (finishing at perf_counter at, or now): compile
         time, kept out of every rate."""
         self.clock.compile += seconds
-        if self.compiled_at is None:
+        if self.compiled_at is None:  # the rates start when the first compile ends
             self.compiled_at = time.perf_counter() if at is None else at
+            self.compile_counted = self.clock.compile
 
     def _span(self, done: int, now: float) -> tuple[int, float] | None:
         """The steps and seconds the rate logged at step done covers: since the previous log,
@@ -375,18 +393,22 @@ class Progress:
             latest = max(int(np.asarray(host["updates"])) - 1, 0)
             scalars["train/lr"] = float(np.asarray(self.schedule(latest)))
         span = self._span(done, now)
+        covered = [self.sizes.pop(step) for step in sorted(self.sizes) if step <= done]
         if span is not None:
             steps, seconds = span
+            # a compile inside the span (a batch ramp's next size) is no step's time
+            seconds -= self.clock.compile - self.compile_counted
+            self.compile_counted = self.clock.compile
             if steps > 0 and seconds > 0:
                 rate = steps / seconds
-                devices = jax.device_count()
+                records, tokens, flops = _summed(covered[-steps:], steps, self)
                 scalars["train/step_time"] = 1.0 / rate
                 scalars["throughput/steps_per_second"] = rate
-                scalars["throughput/examples_per_second"] = rate * self.records_per_step
-                if self.tokens_per_step is not None:
-                    scalars["throughput/tokens_per_second"] = rate * self.tokens_per_step
-                if self.flops_per_step is not None and self.peak_flops:
-                    scalars["throughput/mfu"] = rate * self.flops_per_step / (self.peak_flops * devices)
+                scalars["throughput/examples_per_second"] = records / seconds
+                if tokens is not None:
+                    scalars["throughput/tokens_per_second"] = tokens / seconds
+                if flops is not None and self.peak_flops:
+                    scalars["throughput/mfu"] = flops / seconds / (self.peak_flops * jax.device_count())
         self.last_log = (now, done)
         if self.tracker is not None:
             scalars["telemetry/tracker_cpu_seconds"] = tracker_cpu_seconds() - self.tracker_cpu_at_start

@@ -35,7 +35,12 @@ def checked_key(key: object) -> jax.Array:
                                           and (key.dtype != jnp.uint32 or key.shape[-1:] != (2,))):
         raise TrainerArgumentError(
             f"Trainer's key must be a JAX random key, such as jax.random.key(0); got {_shown(key)}.")
-    return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+    key = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+    if key.shape != ():  # a batch of keys (jax.random.split's result) passed the type, then failed deep in fit
+        raise TrainerArgumentError(
+            f"Trainer's key must be one JAX random key; got a batch of {key.shape} keys (jax.random.split "
+            "returns one); pass one of them, such as keys[0].")
+    return key
 
 
 def check_parts(objective: object, optimizer: object, checkpoints: object, tracker: object, mesh: object,

@@ -97,9 +97,13 @@ def opening_notes(steps: int, log_every: int, every: int, checkpoints: Checkpoin
 
 
 def at_target(progress: Progress, state: TrainState, start: int, steps: int, *, said: bool) -> TrainState:
-    """The state of a fit whose checkpoints already reach its steps, which trains nothing: it says
-    so, unless a recipe's run has (with the command that trains further: dew.recipes.resuming)."""
-    if not said:
+    """The state of a fit whose checkpoints already reach its steps (or asked for none), which trains
+    nothing: it says so, unless a recipe's run has (with the command that trains further:
+    dew.recipes.resuming)."""
+    if start == 0:  # steps=0 on a fresh state: no checkpoint holds anything
+        progress.note("steps=0: nothing to train (fit trains until the step counter reaches steps); give steps "
+                      "above 0 to train.")
+    elif not said:
         progress.note(f"The checkpoints already hold step {start}, at or past steps={steps}: nothing to train. "
                       f"Fit with steps above {start} to train further, or give the Trainer another "
                       "checkpoint directory to start afresh.")

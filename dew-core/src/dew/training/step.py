@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from dew.errors import LossReturnError
+from dew.errors import BatchKeyError, DewError, LossReturnError
 from dew.nn.pipeline import current_schedule
 from dew.nn.pipeline_step import pipelined_gradients
 from dew.objectives.base import Aux, EMASpec, LeafFilter, Mean, Objective, Step, Variables
@@ -105,7 +105,7 @@ def differentiate(objective: Objective) -> Callable[[TrainState, Mapping[str, ja
             return 1.0 if schedule.interleaves else _power_of_two_at_most(count)
 
         def total(p: Variables, rows: Mapping[str, jax.Array] = batch) -> tuple[jax.Array, tuple[Mean, Aux]]:
-            loss, aux = _loss_pair(objective, objective.loss(overlay(variables, p), rows, info))
+            loss, aux = _loss_pair(objective, _loss_of(objective, overlay(variables, p), rows, info))
             scaled = loss.total.astype(jnp.float32)
             if scaler is None:
                 return scaled, (loss, aux)
@@ -132,6 +132,22 @@ def _power_of_two_at_most(count: ArrayLike) -> jax.Array:
     """The largest power of two not above count (1 for a count below 2), held out of differentiation."""
     count = jax.lax.stop_gradient(jnp.maximum(jnp.asarray(count, jnp.float32), 1.0))
     return jnp.exp2(jnp.floor(jnp.log2(count)))
+
+
+def _loss_of(objective: Objective, variables: Variables, rows: Mapping[str, jax.Array], info: Step) -> object:
+    """objective.loss on rows. An objective that names no required_keys() (which the feed checks)
+    met a bare KeyError deep in the trace for a key the batch lacks: a KeyError of a key the batch
+    does not hold is a BatchKeyError naming the batch's keys (the loss's own error is its cause)."""
+    try:
+        return objective.loss(variables, rows, info)
+    except KeyError as error:
+        key = error.args[0] if len(error.args) == 1 else None
+        if isinstance(error, DewError) or not isinstance(key, str) or key in rows or objective.required_keys():
+            raise
+        raise BatchKeyError(
+            f"{type(objective).__name__}.loss raised KeyError {key!r}, a key the batch does not hold (it holds "
+            f"{sorted(rows)}): if the loss reads it from the batch, give the data that key or read one it holds, "
+            "and name the keys it reads in required_keys(), which the trainer checks before compiling.") from error
 
 
 def _loss_pair(objective: object, returned: object) -> tuple[Mean, Aux]:
