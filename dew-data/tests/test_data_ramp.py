@@ -73,6 +73,8 @@ def test_bad_ramps_are_refused():
         ramped(data(), [(1, 2)])
     with pytest.raises(RampError, match="strictly increase"):
         ramped(data(), [(0, 2), (3, 4), (3, 8)])
+    with pytest.raises(RampError, match=r"its sizes may not decrease; got \[\(0, 8\), \(2, 4\)\]"):
+        ramped(data(), [(0, 8), (2, 4)])  # accepted, and its Dataset said its batch was 4
     with pytest.raises(RampError, match=r"6 rows does not divide among 4"):
         ramped(data(), [(0, 6), (2, 8)]).train(DataPartition(0, 4))
     generic = Dataset(train=lambda partition: iter([]), batch=8)

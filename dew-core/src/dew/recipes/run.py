@@ -519,6 +519,25 @@ def warmup_note(config: RunConfig, steps: int) -> str | None:
             "lower optimizer.warmup_steps or raise trainer.steps.")
 
 
+def ramp_note(dataset: Dataset, steps: int) -> str | None:
+    """A note when a batch ramp (trainer.batch_ramp) outlasts the run: its last steps never train at
+    the full data.batch, which the run would otherwise leave unsaid.
+
+    >>> from dew.data.base import Dataset
+    >>> ramp = Dataset(train=lambda partition: iter(()), batch=16, ramp=((0, 4), (50, 8), (100, 16)))
+    >>> print(ramp_note(ramp, 60))
+    note: the batch ramp reaches data.batch=16 only at step 101, past the run's 60 steps: no step trains more than 8 rows; lower trainer.batch_ramp.steps or raise trainer.steps.
+    >>> ramp_note(ramp, 101) is None
+    True
+    """
+    if not dataset.ramp or dataset.ramp[-1][0] < steps:
+        return None
+    reached = max(batch for start, batch in dataset.ramp if start < steps)
+    return (f"note: the batch ramp reaches data.batch={dataset.batch} only at step {dataset.ramp[-1][0] + 1}, past "
+            f"the run's {steps} steps: no step trains more than {reached} rows; lower trainer.batch_ramp.steps or "
+            "raise trainer.steps.")
+
+
 def fresh_base_note(config: RunConfig) -> str | None:
     """A note when LoRA adapts a base no init section gives: it is drawn fresh and stays so.
 
@@ -687,7 +706,8 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     tracker = config.build_trackers(stamp)
     if jax.process_index() == 0:
         print(_where(checkpoints), flush=True)
-        for note in (warmup_note(config, fit["steps"]), fresh_base_note(config) if resumed_at is None else None):
+        for note in (warmup_note(config, fit["steps"]), ramp_note(dataset, fit["steps"]),
+                     fresh_base_note(config) if resumed_at is None else None):
             if note is not None:
                 print(note, flush=True)
     try:

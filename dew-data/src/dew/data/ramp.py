@@ -62,6 +62,10 @@ def _checked(schedule: Sequence[tuple[int, int]]) -> Schedule:
         raise RampError(f"A ramp schedule's steps must strictly increase; got {steps}.")
     if any(batch < 1 for _, batch in pairs):
         raise RampError(f"Every batch of a ramp schedule must be at least 1; got {list(pairs)}.")
+    sizes = [batch for _, batch in pairs]
+    if sizes != sorted(sizes):  # the Dataset's batch is the last size: a shrinking one would under-report it
+        raise RampError(f"A ramp grows the batch, so its sizes may not decrease; got {list(pairs)}: give each "
+                        "size at least the one before it.")
     return pairs
 
 
