@@ -255,6 +255,11 @@ def test_a_stage_started_from_a_dpo_run_takes_its_policy_and_exports_as_the_chec
     exported, original = (json.loads((folder / "config.json").read_text())
                           for folder in (workdir / "exported-chain", checkpoint))
     assert exported["max_position_embeddings"] == original["max_position_embeddings"]
+    # The policy's stop token (the recipe's newline) ends transformers' generation as it ends dew's: it was
+    # written into config.json's eos ids but not generation_config.json's, which generate reads.
+    stops = exported["eos_token_id"]
+    assert isinstance(stops, list) and len(stops) == 2, stops
+    assert set(transformers.GenerationConfig.from_pretrained(workdir / "exported-chain").eos_token_id) == set(stops)
 
 
 def test_an_export_takes_nothing_of_a_checkpoints_tokenizer_the_run_did_not_use(workdir, monkeypatch, capsys):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -376,6 +376,7 @@ class Pretrained:
         recorded = write_tokenizer(self.tokenizer, target)
         if self.tokenizer_files is not None:
             self.tokenizer_files.write(target)
+            _stop_in_generation_config(target, stop_ids_of(self.tokenizer))
         config["dew"] = {"dtype": np.dtype(self.model.dtype).name, "tokenizer": recorded, **own}
         (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
@@ -600,6 +601,21 @@ class Pretrained:
         task = scoring.task(config, model) if scorer else None
         return cls(model, {"params": params}, tokenizer, task, kept, family.context(config),
                    training_settings(config) or None)
+
+
+def _stop_in_generation_config(target: Path, stops: Sequence[int]) -> None:
+    """Add the ids a policy stops at (its recipe's stop_token) to the generation_config.json the
+    checkpoint's files brought: transformers' generate reads its eos_token_id there, not config.json's,
+    and went on past the stop where dew's generation ends."""
+    path = target / "generation_config.json"
+    if not stops or not path.is_file():
+        return
+    settings = json.loads(path.read_text())
+    listed = listed_ids(settings.get("eos_token_id"))
+    merged = list(dict.fromkeys([*listed, *(int(stop) for stop in stops)]))
+    if merged != listed:
+        settings["eos_token_id"] = merged
+        path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def _special_id(tokenizer: Any, files: TokenizerFiles | None, name: str) -> int | None:
