@@ -303,3 +303,33 @@ def test_a_value_of_braces_alone_is_the_text_typed():
                                         "trainer.evaluate+={task: perplexity, file: x.jsonl}"])
     assert config.trainer.checkpoint_dir == "{timestamp}" and config.objective.fields["prompt"] == "{question}"
     assert config.trainer.evaluate[0].fields["file"] == "x.jsonl"  # a flow mapping with values is still one
+
+
+def test_a_tokenizer_past_the_embedding_of_the_starting_weights_is_told_that_dew_does_not_grow_it(tmp_path,
+                                                                                                 capsys):
+    """A checkpoint whose embedding holds its tokenizer's ids exactly, and that tokenizer with a chat
+    marker added: the refusal said to raise model.vocab_size, which the init then refused as another
+    vocab_size than the checkpoint's, and that refusal said to set it back."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from dew.cli import main as dew
+    from dew.families.examples import main
+
+    assert main(["qwen3", str(tmp_path / "qwen3-tiny")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3-tiny", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "qwen3-tiny")
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(tmp_path / "exact")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tokenizer.save_pretrained(tmp_path / "added")
+    shutil.copy(tmp_path / "qwen3-tiny" / "chat_template.jinja", tmp_path / "added")
+    size = len(tokenizer) - 1
+    assert dew(["train", "qwen3-sft", f"init.pretrained={tmp_path / 'exact'}", f"data.tokenizer={tmp_path / 'added'}",
+                f"model.vocab_size={size}", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert (f"The tokenizer has {size + 1} ids but the model's vocab_size is {size}, and the weights the run starts "
+            f"from ({tmp_path / 'exact'}, the recipe's init) keep that many embedding rows: dew does not grow") in err, err
+    assert "model.vocab_size in a recipe" not in err
