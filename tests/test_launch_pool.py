@@ -137,12 +137,18 @@ def test_a_second_sigterm_ends_every_rank_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_ctrl_c_while_the_ranks_start_stops_the_pool_at_one_step_with_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("signum, status, said", [
+    (signal.SIGINT, 130, r"interrupted \(Ctrl-C\)"),
+    # a SIGTERM ended each rank where it stood: status 143, which says a checkpoint was written, and none was
+    (signal.SIGTERM, 143, "preempted"),
+])
+def test_a_stop_while_the_ranks_start_stops_the_pool_at_one_step_with_its_checkpoint(signum, status, said,
+                                                                                     tmp_path):
     """Ctrl-C the moment the ranks exist (their interpreters still starting): the launcher passes it
     on, and each rank used to raise it wherever it stood: a traceback from an import (the pool failed
     with status 1), or nothing at all (a KeyboardInterrupt inside a garbage-collection callback is
     discarded, and the pool trained on). Held from each rank's first line and passed to the pool once
-    it forms, it stops every rank at one step, saved, with status 130."""
+    it forms, it stops every rank at one step, saved, with status 130 (143 for a SIGTERM)."""
     run = tmp_path / "run"
     launch = Launch(["-n", "2", "--grace", "150", "tiny-lm", *SMALL, "trainer.steps=100000",
                      f"trainer.checkpoint_dir={run}"], tmp_path)
@@ -150,10 +156,10 @@ def test_a_ctrl_c_while_the_ranks_start_stops_the_pool_at_one_step_with_its_chec
     while len(_children(launch.process.pid)) < 2:
         assert time.monotonic() - began < 60 and launch.process.poll() is None, launch.text()
         time.sleep(0.005)
-    launch.process.send_signal(signal.SIGINT)
+    launch.process.send_signal(signum)
     code = launch.wait(timeout=200)
-    assert code == 130, launch.text()
-    stopped = re.search(r"interrupted \(Ctrl-C\) at step (\d+); its checkpoint, data position and journal are in "
+    assert code == status, launch.text()
+    stopped = re.search(said + r" at step (\d+); its checkpoint, data position and journal are in "
                         r"run\. To resume, start the pool again \(the same dew launch",
                         launch.text())
     assert stopped and (run / stopped.group(1) / "dew.json").is_file(), launch.text()

@@ -82,6 +82,8 @@ if mode == "deaf":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 elif mode == "stops":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+# the launcher starts a rank with its stops blocked; a dew rank's first line takes them (dew.interrupts.hold)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 os.write(1, f"ready {os.getpid()}\n".encode())  # one write: the ranks share the pipe
 peer = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "peer-ready")
 if mode != "lost":

@@ -6,10 +6,10 @@ Ctrl-C'd in its first seconds then trained on to its end. A dew command notes ev
 its first line (``hold``), so a training loop that starts after one that was discarded stops at
 its first step, saved, with status 130.
 
-In a pool it goes further. ``dew launch`` passes a Ctrl-C on to every rank at once, whatever each
-is doing, and a rank that raised it wherever it stood (an import: a traceback, status 1) failed
-the pool. A rank the launcher started (``RANK`` in its environment) holds the request instead of
-raising it. Once the pool has formed (``serve``), the request goes to JAX's preemption service, as
+In a pool it goes further. ``dew launch`` passes a Ctrl-C (or a SIGTERM) on to every rank at once,
+whatever each is doing, and a rank that raised it wherever it stood (an import: a traceback, status
+1; a SIGTERM: status 143 with nothing written) failed the pool. A rank the launcher started
+(``RANK`` in its environment) holds the request instead of raising it. Once the pool has formed (``serve``), the request goes to JAX's preemption service, as
 a Ctrl-C during training does: every rank stops at one step, saved. A second Ctrl-C ends the rank
 at once.
 
@@ -40,6 +40,7 @@ class _Held:
     pending = False  # a Ctrl-C came and no training loop has answered it yet
     serving = False  # a pool's rank: the pool formed, and its preemption service takes the request
     deferred = 0  # times a Ctrl-C waited for an import to finish
+    status = 130  # the exit status the held request asks for: 130 after Ctrl-C, 143 after SIGTERM
 
 
 def hold() -> None:
@@ -50,9 +51,10 @@ def hold() -> None:
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    if os.environ.get(RANK) == "1":
+    if os.environ.get(RANK) == "1":  # a SIGTERM the launcher passes on while the rank starts is held too
         signal.signal(signal.SIGINT, _on_rank_interrupt)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGTERM, _on_rank_interrupt)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     else:
         signal.signal(signal.SIGINT, _on_interrupt)
 
@@ -104,18 +106,20 @@ def _again() -> None:
 
 
 def _on_rank_interrupt(signum: int, frame: FrameType | None) -> None:
-    if _Held.pending:  # a second Ctrl-C: the rank ends now
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    if _Held.pending:  # a second signal: the rank ends now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
         return
     _Held.pending = True
+    _Held.status = 130 if signum == signal.SIGINT else 143
     if _Held.serving:
         _forward()
 
 
 def _forward() -> None:
-    """Ask the pool's preemption service to stop every rank (it takes SIGTERM), as Ctrl-C (130)."""
-    from dew.training.runtime.preemption import INTERRUPTED_STATUS, PreemptionNotice
+    """Ask the pool's preemption service to stop every rank (it takes SIGTERM), with the status the
+    held signal asks for (130 after Ctrl-C, 143 after SIGTERM)."""
+    from dew.training.runtime.preemption import PreemptionNotice
 
-    PreemptionNotice.status = INTERRUPTED_STATUS
+    PreemptionNotice.status = _Held.status
     os.kill(os.getpid(), signal.SIGTERM)

@@ -315,8 +315,10 @@ class _Terminated(BaseException):  # a stop, named as KeyboardInterrupt is, not 
 def _terminated_as_stop() -> Iterator[None]:
     """Within: a first SIGTERM raises _Terminated in the main thread (a training loop's own watch
     takes it over while it runs, and a pool's JAX service once the pool forms); a second kills."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    from dew import interrupts
+
+    if threading.current_thread() is not threading.main_thread() or os.environ.get(interrupts.RANK) == "1":
+        yield  # a pool's rank holds a SIGTERM until the pool forms (dew.interrupts)
         return
 
     previous = signal.signal(signal.SIGTERM, _stop)

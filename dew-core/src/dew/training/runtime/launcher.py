@@ -50,10 +50,10 @@ class Rank:
 
 def _die_with_launcher() -> None:
     """In the child, before exec: be killed if the launcher dies, so no rank outlives it; and hold
-    SIGINT blocked (pending, not lost) until the rank's first line takes it over
-    (dew.interrupts.hold), so a Ctrl-C passed on while its interpreter starts is not raised
-    in the middle of an import."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    SIGINT and SIGTERM blocked (pending, not lost) until the rank's first line takes them over
+    (dew.interrupts.hold), so a stop passed on while its interpreter starts is not raised in the
+    middle of an import, nor ends the rank before it has written anything."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
