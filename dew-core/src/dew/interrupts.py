@@ -9,9 +9,9 @@ its first step, saved, with status 130.
 In a pool it goes further. ``dew launch`` passes a Ctrl-C (or a SIGTERM) on to every rank at once,
 whatever each is doing, and a rank that raised it wherever it stood (an import: a traceback, status
 1; a SIGTERM: status 143 with nothing written) failed the pool. A rank the launcher started
-(``RANK`` in its environment) holds the request instead of raising it. Once the pool has formed (``serve``), the request goes to JAX's preemption service, as
-a Ctrl-C during training does: every rank stops at one step, saved. A second Ctrl-C ends the rank
-at once.
+(``RANK`` in its environment) holds the request instead of raising it. Once the pool has formed
+(``serve``), the request goes to JAX's preemption service, as a Ctrl-C during training does: every
+rank stops at one step, saved. A second signal ends the rank at once.
 
 A Ctrl-C that lands inside an import waits for it to finish (it is sent again every 50 ms, for at
 most 10 s): raised there, it reaches the initialization of a native module that calls back into
