@@ -42,7 +42,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["COLLECTIVES", "Collective", "Instruction", "Module", "array_shapes", "shape_bytes", "split_top"]
+__all__ = ["COLLECTIVES", "Collective", "Instruction", "Module", "array_bytes", "array_shapes", "shape_bytes",
+           "split_top"]
 
 # Element sizes in bits of the HLO primitive types.
 _BITS = {
@@ -80,9 +81,14 @@ def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(shape)]
 
 
+def array_bytes(shape: str) -> list[int]:
+    """Bytes of each array a shape's text holds (a tuple's components in order)."""
+    return [math.prod(dims) * _bits(dtype) // 8 for dtype, dims in array_shapes(shape)]
+
+
 def shape_bytes(shape: str) -> int:
     """Bytes of every array a shape's text holds (a tuple's components summed)."""
-    return sum(math.prod(dims) * _bits(dtype) // 8 for dtype, dims in array_shapes(shape))
+    return sum(array_bytes(shape))
 
 
 def split_top(text: str, separator: str = ",") -> list[str]:
@@ -301,7 +307,7 @@ class Module:
                     continue
                 if instruction.opcode == "all-reduce":  # a reduce-scatter the CPU compiler left unformed
                     users = users if users is not None else self._users(name)
-                    elements = [math.prod(dims) * _bits(dtype) // 8 for dtype, dims in array_shapes(instruction.shape)]
+                    elements = array_bytes(instruction.shape)
                     scattered = [size for index, size in enumerate(elements)
                                  if self._only_sliced(instruction, index, size, users)]
                     if scattered:

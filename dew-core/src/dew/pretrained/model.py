@@ -80,17 +80,26 @@ def model_from_config(config: Mapping[str, Any], *, max_seq_len: int | None = No
                                     dtype=dtype)
 
 
-def check_vocabulary(tokenizer: object, model: Module) -> None:
-    """Refuse a tokenizer whose ids reach past the model's embedding table."""
+def check_vocabulary(tokenizer: object, model: Module, *, starts_from: str | None = None) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding table. starts_from names the
+    trained weights a run starts from (a recipe's init), whose embedding no vocab_size can grow."""
     # Any flax Module: one that does not say its vocabulary is not checked; nor a tokenizer that does not.
     have = getattr(model, "vocab_size", None)
     need = vocab_size_of(tokenizer)
-    if have is not None and need is not None and int(need) > int(have):
+    if have is None or need is None or int(need) <= int(have):
+        return
+    if starts_from is not None:  # raising model.vocab_size would only meet the init's refusal of it
         raise VocabularyMismatchError(
-            f"The tokenizer has {need} ids but the model's vocab_size is {have}: ids {have}..."
-            f"{int(need) - 1} have no embedding row. Build the model with vocab_size >= {need} "
-            "(model.vocab_size in a recipe) or use the tokenizer it was trained with."
-        )
+            f"The tokenizer has {need} ids but the model's vocab_size is {have}, and the weights the run starts "
+            f"from ({starts_from}, the recipe's init) keep that many embedding rows: dew does not grow a trained "
+            "embedding. Use the tokenizer those weights were trained with (data.tokenizer), or one whose added "
+            "tokens fit in the rows they hold (a published checkpoint's vocab_size often leaves some past its "
+            "tokenizer).")
+    raise VocabularyMismatchError(
+        f"The tokenizer has {need} ids but the model's vocab_size is {have}: ids {have}..."
+        f"{int(need) - 1} have no embedding row. Build the model with vocab_size >= {need} "
+        "(model.vocab_size in a recipe) or use the tokenizer it was trained with."
+    )
 
 
 def _fetch(leaf: ArrayLike) -> np.ndarray:

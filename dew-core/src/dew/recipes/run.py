@@ -130,34 +130,14 @@ def build_objective(config: RunConfig, model: nn.Module | None, reader: Any,
     inputs = run_inputs(registry.objectives.load(config.objective.name))
     tokenizer = _tokenizer(reader, config.data.name)
     if tokenizer is not None and model is not None:
-        from dew.pretrained import VocabularyMismatchError, check_vocabulary
+        from dew.pretrained import check_vocabulary
 
-        try:
-            check_vocabulary(tokenizer, model)  # before anything compiles
-        except VocabularyMismatchError as error:
-            _refuse_growing_the_start(config, error)
-            raise
+        start = config.init.pretrained or config.init.run if config.init is not None else None
+        check_vocabulary(tokenizer, model, starts_from=start)  # before anything compiles
     given = config.objective.fields
     supplied = {name: value for name, value in (("model", model), ("tokenizer", tokenizer))
                 if name in inputs and name not in given and (name == "model" or value is not None)}
     return config.objective.build("objectives", timestamp, **supplied)
-
-
-def _refuse_growing_the_start(config: RunConfig, error: Exception) -> None:
-    """A tokenizer past the embedding of the weights the run starts from: the refusal's advice to raise
-    model.vocab_size only led to the init's refusal of another vocab_size (the two sent a user to and
-    fro), as dew does not grow a trained embedding."""
-    from dew.pretrained import VocabularyMismatchError
-
-    start = config.init.pretrained or config.init.run if config.init is not None else None
-    if start is None:
-        return
-    said = str(error).split(": ids", 1)[0]
-    raise VocabularyMismatchError(
-        f"{said}, and the weights the run starts from ({start}, the recipe's init) keep that many embedding "
-        "rows: dew does not grow a trained embedding. Use the tokenizer those weights were trained with "
-        "(data.tokenizer), or one whose added tokens fit in the rows they hold (a published checkpoint's "
-        "vocab_size often leaves some past its tokenizer).") from None
 
 
 def _optimizer_config(config: RunConfig, steps: int) -> OptimizerConfig:

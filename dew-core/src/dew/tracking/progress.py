@@ -48,18 +48,6 @@ class NonFiniteLossError(DewError, FloatingPointError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
-def _summed(sizes: list[tuple[int, int | None, float | None]], steps: int,
-            progress: Progress) -> tuple[int, int | None, float | None]:
-    """The records, tokens and FLOPs of a logged span's steps (each step's own: a batch ramp changes
-    them), the current sizes standing in for any step not measured."""
-    sizes = sizes + [(progress.records_per_step, progress.tokens_per_step, progress.flops_per_step)] * (
-        steps - len(sizes))
-    tokens = [size[1] for size in sizes]
-    flops = [size[2] for size in sizes]
-    return (sum(size[0] for size in sizes), None if None in tokens else sum(t for t in tokens if t is not None),
-            None if None in flops else float(sum(f for f in flops if f is not None)))
-
-
 def nonfinite_limit(dynamic_scale: bool) -> int:
     """How many rejected steps in a row stop a run (more with a loss scaler, which expects some)."""
     return _NONFINITE_LIMIT_SCALED if dynamic_scale else _NONFINITE_LIMIT
@@ -401,7 +389,7 @@ class Progress:
             self.compile_counted = self.clock.compile
             if steps > 0 and seconds > 0:
                 rate = steps / seconds
-                records, tokens, flops = _summed(covered[-steps:], steps, self)
+                records, tokens, flops = self._spanned(covered[-steps:], steps)
                 scalars["train/step_time"] = 1.0 / rate
                 scalars["throughput/steps_per_second"] = rate
                 scalars["throughput/examples_per_second"] = records / seconds
@@ -417,6 +405,15 @@ class Progress:
             self.console.log(done, scalars)
         if self.tracker is not None and self.rank0:
             self.tracker.log(scalars, done)
+
+    def _spanned(self, covered: list[tuple[int, int | None, float | None]],
+                 steps: int) -> tuple[int, int | None, float | None]:
+        """The records, tokens and FLOPs of a logged span's steps, each step's own (a batch ramp changes
+        them); the current sizes when none was kept."""
+        rows = covered or [(self.records_per_step, self.tokens_per_step, self.flops_per_step)] * steps
+        tokens, flops = [row[1] for row in rows], [row[2] for row in rows]
+        return (sum(row[0] for row in rows), None if None in tokens else sum(t or 0 for t in tokens),
+                None if None in flops else sum(f or 0.0 for f in flops))
 
     def _hook_scalars(self, done: int, scalars: Mapping[str, float]) -> dict[str, float]:
         """Fire dew_step_end; gather the scalars hooks add and whether one asks to stop."""

@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +19,7 @@ from dew.training.ledger import RecordLedger
 
 if TYPE_CHECKING:
     from dew.checkpoints.manager import Checkpoints
+    from dew.training.hooks import Saving
 
 __all__ = ["SAMPLED", "claimed", "ledger_beside", "note_sample", "recipe_beside", "rollout_settings", "sampled_at",
            "write_recipe"]
@@ -69,20 +70,20 @@ def _replace_recipe(target: Path, text: str) -> None:
 
 
 @contextmanager
-def recipe_beside(checkpoints: Checkpoints | None, recipe: Mapping[str, object] | None,
-                  kept: Callable[[], bool]) -> Iterator[None]:
-    """The fit's recipe beside its checkpoints while inside (write_recipe); a fit that fails before
-    it kept a step (kept() false) writes back the recipe its checkpoints were trained with, so a
-    resume whose overrides failed (a tracker it could not reach) leaves the run's recipe as it was."""
+def recipe_beside(checkpoints: Checkpoints | None, recipe: Mapping[str, object] | None, *, resumed: bool,
+                  saving: Saving | None) -> Iterator[None]:
+    """The fit's recipe beside its checkpoints while inside (write_recipe); a resumed fit that fails
+    before saving kept a step writes back the recipe its checkpoints were trained with, so a resume
+    whose overrides failed (a tracker it could not reach) leaves the run's recipe as it was."""
     before = None
-    if checkpoints is not None and recipe is not None and jax.process_index() == 0:
+    if resumed and checkpoints is not None and recipe is not None and jax.process_index() == 0:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             before = (Path(checkpoints.directory) / RUN_FILE).read_text()
     write_recipe(checkpoints, recipe)
     try:
         yield
     except BaseException:
-        if before is not None and checkpoints is not None and not kept():
+        if before is not None and checkpoints is not None and (saving is None or saving.saved is None):
             with contextlib.suppress(RunFileWriteError):  # the fit's own error is the one to see
                 _replace_recipe(Path(checkpoints.directory), before)
         raise

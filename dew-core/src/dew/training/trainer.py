@@ -192,8 +192,7 @@ class Trainer(Generic[Loss, Effects]):
                                          preview=preview, tracked=self.tracker is not None),
                         *([saving] if saving else []), hooks.Scoring(self.evaluations, self.execution),  # saved first
                         hooks.Preemption(reporting, saving)]
-            kept = lambda: not start or (saving is not None and saving.saved is not None)  # noqa: E731
-            with recipe_beside(self.checkpoints, self.recipe, kept), ending(feed, state):  # a resume keeping no step keeps the old
+            with recipe_beside(self.checkpoints, self.recipe, resumed=start > 0, saving=saving), ending(feed, state):
                 compile = partial(self.execution.compile, self.program)
                 state = loop.run_hooks(loop.steps(state, feed, compile, self.objective, start, steps), reporting, concerns)
             return state
