@@ -28,6 +28,30 @@ def test_a_byte_order_mark_is_no_text_in_a_plain_file_or_a_jsonl_one(tmp_path):
 
 
 
+def test_windows_line_ends_a_mark_before_a_blank_line_and_utf16_are_read_as_python_reads_text(tmp_path):
+    """CRLF line ends reached the byte tokenizer as a 13 before every newline (Python's own text mode
+    and the datasets builder read none); a JSONL shard whose BOM stood alone on its first line was
+    refused as invalid JSON by hf_text and chat (token_windows read it); a UTF-16 file was called
+    "an image or an archive"."""
+    from dew.data import HFText, TokenWindows
+
+    (tmp_path / "crlf.txt").write_bytes(b"line one\r\nline two\r\nold mac\rend\r\n")
+    with open(tmp_path / "crlf.txt", encoding="utf-8") as handle:  # Python's universal newlines
+        expected = handle.read()
+    assert "\r" not in expected
+    read = TokenWindows(files=str(tmp_path / "crlf.txt"), length=4).tokens()
+    assert read.tolist() == [*expected.encode(), 256]
+
+    (tmp_path / "alone.jsonl").write_bytes(b"\xef\xbb\xbf\r\n" + b'{"text": "a"}\r\n{"text": "bc"}\r\n')
+    (tmp_path / "plain.jsonl").write_bytes(b'{"text": "a"}\n{"text": "bc"}\n')
+    alone, plain = (HFText(files=str(tmp_path / name), length=4).shards() for name in ("alone.jsonl", "plain.jsonl"))
+    assert len(alone) == len(plain) == 2 and alone.values(0, 2) == plain.values(0, 2) == ["a", "bc"]
+
+    (tmp_path / "wide.txt").write_bytes("caf\u00e9\n".encode("utf-16"))
+    with pytest.raises(MalformedRecordError, match=r"wide.txt' is UTF-16 .*iconv -f utf-16 -t utf-8"):
+        TokenWindows(files=str(tmp_path / "wide.txt"), length=4).tokens()
+
+
 def test_bytes_that_are_not_utf8_in_a_plain_file_are_replaced_with_a_warning_naming_it(tmp_path):
     """They became U+FFFD in the training tokens without a word (a JSONL line with them is refused)."""
     from dew.data import TokenWindows
@@ -38,6 +62,9 @@ def test_bytes_that_are_not_utf8_in_a_plain_file_are_replaced_with_a_warning_nam
         read = TokenWindows(files=str(tmp_path / "latin.txt"), length=4).tokens()
     replaced = "caf\ufffd au lait\n\ufffd\ufffd tail\n".encode()  # what the model is given, byte by byte
     assert read.tolist() == [*replaced, 256]  # and the end-of-document id
+    (tmp_path / "marked.txt").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "latin.txt").read_bytes())
+    with pytest.warns(ReplacedBytesWarning, match=r"marked.txt' is not all UTF-8 \(first at byte 6\)"):
+        TokenWindows(files=str(tmp_path / "marked.txt"), length=4).tokens()  # counted from the file's start, BOM and all
     (tmp_path / "fine.txt").write_text("caf\u00e9 \ufffd already there\n", encoding="utf-8")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -43,6 +43,14 @@ def test_text_prompts_and_the_keys_beside_them_become_columns(tmp_path):
     assert _text(mixed[0]["flag"]) == "True" and _text(mixed[0]["big"]) == str(2**70)
 
 
+def test_a_null_beside_a_prompt_is_refused_naming_its_line_not_read_as_the_text_none(tmp_path):
+    """An answer of null reached the reward as the text "None" (an exact match of that text scored it
+    right), with no word; the evaluation tasks already refused it."""
+    files = _write(tmp_path / "p.jsonl", [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": None}])
+    with pytest.raises(MalformedRecordError, match=r"p\.jsonl:2 holds null under 'answer'.*leave the key out"):
+        Prompts(files=files).records()
+
+
 def test_a_conversational_prompt_is_what_apply_chat_template_makes_with_its_generation_prompt(tmp_path):
     pytest.importorskip("transformers")
     from dew.families.examples import tokenizer as family_tokenizer

@@ -3,6 +3,7 @@ in training and from `dew eval --task`, shard over devices, and name a bad recor
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import warnings
@@ -480,6 +481,13 @@ def test_a_task_is_checked_when_it_is_built_not_at_its_first_evaluation(tmp_path
     (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "\xe9"}\n')
     with pytest.raises(TaskFileError, match=r"Line 2 of .*latin1\.jsonl' is not UTF-8 text"):
         GenerationTask(file=str(tmp_path / "latin1.jsonl")).problems()
+    # A byte-order mark (Notepad's UTF-8) was refused as invalid JSON, though every training reader
+    # reads it; a gzipped task file was called text that is not UTF-8.
+    (tmp_path / "marked.jsonl").write_bytes(b"\xef\xbb\xbf" + good.read_bytes().replace(b"\n", b"\r\n"))
+    assert MultipleChoice(file=str(tmp_path / "marked.jsonl")).questions() == MultipleChoice(file=str(good)).questions()
+    (tmp_path / "packed.jsonl.gz").write_bytes(gzip.compress(good.read_bytes()))
+    with pytest.raises(TaskFileError, match=r"packed\.jsonl\.gz' is compressed \(gzip\).*decompress it"):
+        MultipleChoice(file=str(tmp_path / "packed.jsonl.gz")).questions()
     with pytest.raises(TaskFileError, match=r"Line 1 of .*: a choice is empty and separator is ''"):
         MultipleChoice(file=str(good), separator="")  # read when built: it was refused at the first evaluation
 

@@ -207,6 +207,9 @@ def check_task_file(path: str | os.PathLike[str]) -> Path:
     return file
 
 
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZ": "bzip2", b"\xfd7": "xz", b"\x28\xb5": "zstd"}  # magic bytes
+
+
 def read_task_file(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) of every non-blank line of a JSONL task file.
 
@@ -215,8 +218,11 @@ def read_task_file(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str
     file = check_task_file(path)
     with file.open("rb") as handle:  # bytes, decoded a line at a time, so a bad one is named
         for number, raw in enumerate(handle, 1):
+            if number == 1 and raw.startswith(tuple(_COMPRESSED)):
+                raise TaskFileError(f"{os.fspath(path)!r} is compressed ({_COMPRESSED[raw[:2]]}), and a task "
+                                    "reads a plain JSONL file; decompress it first (gunzip, say).")
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a first line's BOM is no text
             except UnicodeDecodeError as error:
                 raise TaskFileError(f"Line {number} of {os.fspath(path)!r} is not UTF-8 text "
                                     f"({error.reason} at byte {error.start}); write the file as UTF-8.") from None

@@ -174,6 +174,9 @@ def _beside(lines: list[tuple[str, dict[str, Any]]], prompt_key: str) -> dict[st
             if name not in record:
                 raise MissingKeyError(f"{where} has no {name!r}, which {holder} holds beside its prompt; give "
                                       "every record the same keys.")
+            if record[name] is None:  # its str would reach a reward as the text "None"
+                raise MalformedRecordError(f"{where} holds null under {name!r}, where a reward reads text or a "
+                                           "number; give it a value, or leave the key out of every record.")
             values.append(record[name])
         columns[name] = _column(values)
     return columns

@@ -28,6 +28,7 @@ worker reopens them instead of copying data.
 
 from __future__ import annotations
 
+import codecs
 import fnmatch
 import json
 import os
@@ -341,7 +342,10 @@ def _line_index(path: Path) -> tuple[np.ndarray, np.ndarray]:
     with open(path, "rb") as handle:
         while chunk := handle.read(_SCAN):
             data = np.frombuffer(chunk, np.uint8)
-            counted = np.cumsum(~np.isin(data, _WHITESPACE), dtype=np.int32)
+            solid_bytes = ~np.isin(data, _WHITESPACE)
+            if offset == 0 and chunk.startswith(codecs.BOM_UTF8):  # a byte-order mark is no text
+                solid_bytes[:3] = False
+            counted = np.cumsum(solid_bytes, dtype=np.int32)
             newlines = np.flatnonzero(data == 10)
             ends.append(newlines.astype(np.int64) + offset)
             solid.append(counted[newlines].astype(np.int64) + total)

@@ -29,6 +29,7 @@ on later loads once its recorded digest is checked (dew.data.window_cache).
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -73,19 +74,30 @@ class ReplacedBytesWarning(UserWarning):
     """A text file holds bytes that are not UTF-8; they were read as U+FFFD and trained on so."""
 
 
+_WIDE_MARKS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)  # UTF-16's byte-order marks (UTF-32's begin so too)
+
+
 def _decoded(raw: bytes, path: Path) -> str:
-    """A text file's text (a byte-order mark is no text); a stray bad byte is replaced, with a
-    warning naming the file, since the model then learns U+FFFD where the file had something else."""
+    """A text file's text as Python's text mode reads it: a byte-order mark is no text, and Windows'
+    and old Macs' line ends are newlines. A stray bad byte is replaced, with a warning naming the
+    file, since the model then learns U+FFFD where the file had something else."""
+    if raw.startswith(_WIDE_MARKS):
+        raise MalformedRecordError(
+            f"{os.fspath(path)!r} is UTF-16 (or UTF-32) text, and dew reads UTF-8; convert it "
+            f"(iconv -f utf-16 -t utf-8 {os.fspath(path)!r} > converted.txt) or save it as UTF-8.")
     try:
-        return raw.decode("utf-8-sig")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         text = raw.decode("utf-8-sig", errors="replace")
         bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+        at = error.start + (3 if raw.startswith(codecs.BOM_UTF8) else 0)  # counted from the file's first byte
         warnings.warn(ReplacedBytesWarning(
-            f"{os.fspath(path)!r} is not all UTF-8 (first at byte {error.start}): {bad} bad byte "
+            f"{os.fspath(path)!r} is not all UTF-8 (first at byte {at}): {bad} bad byte "
             "sequence(s) are read as U+FFFD. Write the file as UTF-8 (iconv -f latin1 -t utf-8, say), "
             "or narrow data.files to leave it out."), stacklevel=2)
-        return text
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
 _JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 
 
@@ -269,7 +281,7 @@ class TokenWindows:
         else:
             with open_data_file(path) as handle:
                 raw = handle.read()
-            if b"\x00" in raw:  # an image or archive a glob picked up: tokenized, it is noise
+            if b"\x00" in raw and not raw.startswith(_WIDE_MARKS):  # an image or archive a glob picked up: tokenized, it is noise
                 raise MalformedRecordError(
                     f"{os.fspath(path)!r} holds NUL bytes, so it is no text file (an image or an "
                     "archive, say); narrow data.files to the text, or give Parquet or JSONL its suffix."
