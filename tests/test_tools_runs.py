@@ -22,10 +22,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dew.cli import main
+from dew.data.order import RecordOrder
 from dew.testing.processes import device_env, shared_compilation_cache
+from dew.training.ledger import records_digest
 
 STEPS = 10
 COMMON = [
@@ -350,6 +353,33 @@ def test_a_resume_that_skipped_a_batch_is_caught_at_that_step(runs, capsys):
     assert json.loads(against)["first_difference"] == 5
 
 
+def test_a_ledger_edited_by_hand_or_never_committed_is_not_vouched_for(runs, tmp_path, capsys):
+    """A step's digest changed by hand, or the order's seed, was called identical to an uninterrupted run
+    (exit 0): only the positions were compared. A run killed while its first checkpoint was written holds
+    a ledger that names that save and no committed step; it was called identical through that step."""
+    lines = (runs.ref / "ledger.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    third = next(i for i, r in enumerate(rows) if r["kind"] == "step" and r["step"] == 3)
+    order = next(i for i, r in enumerate(rows) if r["kind"] == "order")
+    seed = rows[order]["seed"]
+    for name, index, edit in (("digest", third, {"digest": "0" * 32}), ("seed", order, {"seed": seed + 7})):
+        run = shutil.copytree(runs.ref, tmp_path / name)
+        edited = [*lines[:index], json.dumps({**rows[index], **edit}), *lines[index + 1:]]
+        (run / "ledger.jsonl").write_text("\n".join(edited) + "\n")
+        code, out, err = _dew(["audit", str(run)], capsys)
+        step = 3 if name == "digest" else 1
+        assert code == 2 and not out and err.count("\n") == 1, (name, out, err)
+        assert f"Line {index + 1 if name == 'digest' else order + 2} of {run / 'ledger.jsonl'} gives step {step} " \
+            "a digest other than that of the records dew's global order" in err, err
+        assert _dew(["audit", str(run), "--against", str(runs.ref)], capsys)[0] == 2
+    killed = shutil.copytree(runs.ref, tmp_path / "killed")
+    for step in killed.iterdir():
+        if step.name.isdigit():
+            shutil.rmtree(step)
+    code, out, err = _dew(["audit", str(killed)], capsys)
+    assert code == 2 and "records no step: the run kept none" in err and not out, (out, err)
+
+
 @pytest.mark.slow
 def test_an_audit_against_a_run_on_other_text_at_the_same_positions_is_not_identical(runs, capsys):
     """The ledgers name records by their positions: a run on the same files with one byte changed read
@@ -412,21 +442,27 @@ def test_the_ledger_replays_a_resume_over_the_steps_it_undid(tmp_path):
     """A crash after step 3's checkpoint undid steps 4-5; the resumed fit's lines replace them."""
     from dew.provenance.ledger import audit, read_ledger
 
+    def step(s: int, first: int) -> dict:  # the digest of the records the order puts at its positions
+        return {"kind": "step", "step": s, "first": first, "end": first + 4,
+                "digest": records_digest(RecordOrder(100, 0)(np.arange(first, first + 4)))}
+
     rows = [{"kind": "open", "step": 0, "position": None, "processes": 2, "shares": 2},
             {"kind": "order", "step": 1, "seed": 0, "size": 100}]
-    rows += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"d{s}"} for s in range(1, 6)]
+    rows += [step(s, 4 * (s - 1)) for s in range(1, 4)] + [step(4, 40), step(5, 44)]  # undone: other positions
     rows += [{"kind": "checkpoint", "step": 3, "position": {"records": 12}},
              {"kind": "open", "step": 3, "position": {"records": 12}, "processes": 1, "shares": 1},
              {"kind": "order", "step": 4, "seed": 0, "size": 100}]
-    rows += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"e{s}"} for s in range(4, 7)]
+    rows += [step(s, 4 * (s - 1)) for s in range(4, 7)]
+    rows += [{"kind": "checkpoint", "step": 6, "position": {"records": 24}}]
+    (tmp_path / "6").mkdir()  # the step the resumed fit committed
     (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "st')
     ledger = read_ledger(tmp_path)
-    assert [s.digest for s in ledger.steps] == ["d1", "d2", "d3", "e4", "e5", "e6"]
+    assert [(s.first, s.digest) for s in ledger.steps] == [(r["first"], r["digest"]) for r in (*rows[2:5], *rows[-4:-1])]
+    assert [s.first for s in ledger.steps] == [0, 4, 8, 12, 16, 20]
     assert ledger.undone == 2 and [s.processes for s in ledger.segments] == [2, 1]
     assert audit(ledger).exact
     # A repeated batch: step 5 reads step 4's positions again.
-    rows[-2] = {"kind": "step", "step": 5, "first": 12, "end": 16, "digest": "e4"}
-    rows[-1] = {"kind": "step", "step": 6, "first": 16, "end": 20, "digest": "e5"}
+    rows[-3], rows[-2] = step(5, 12), step(6, 16)
     (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = audit(read_ledger(tmp_path))
     assert (result.first_difference, result.skipped, result.repeated, result.extra) == (5, 4, 4, 0)

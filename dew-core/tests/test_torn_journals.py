@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import subprocess
 
+import numpy as np
 import pytest
 
 from dew.data.base import DataPartition
+from dew.data.order import RecordOrder
 from dew.provenance.ledger import LedgerEmptyError, read_ledger
 from dew.telemetry.render import TornJournalError, journal_rows
 from dew.tracking.local import LocalTracker
-from dew.training.ledger import RecordLedger
+from dew.training.ledger import RecordLedger, records_digest
 from dew.training.rollout_journal import ROLLOUTS, RolloutJournal
 
 
@@ -202,8 +204,10 @@ def _ledger(folder, position):
     (folder / "run.json").write_text("{}\n")
     lines = [{"kind": "open", "position": None, "processes": 1, "shares": 1, "step": 0},
              {"kind": "order", "seed": 0, "size": 100, "step": 1}]
-    lines += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s, "digest": f"d{s}"} for s in (1, 2, 3)]
+    lines += [{"kind": "step", "step": s, "first": 4 * (s - 1), "end": 4 * s,
+               "digest": records_digest(RecordOrder(100, 0)(np.arange(4 * (s - 1), 4 * s)))} for s in (1, 2, 3)]
     lines += [{"kind": "checkpoint", "position": {"records": 12, "content": "c", **position}, "step": 3}]
+    (folder / "3").mkdir()  # its committed checkpoint
     (folder / "ledger.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return read_ledger(folder)
 

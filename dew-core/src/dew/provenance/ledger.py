@@ -17,8 +17,9 @@ the records it held, and names the first step whose records differ.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,8 @@ def read_ledger(run: str | Path) -> Ledgered:
     files: dict[tuple[str, ...], None] = {}
     layout = None
     undone = 0
+    numbers: dict[int, int] = {}  # the line each step's row stands on
+    saved = False  # whether a checkpoint's save was recorded (its commit is the disk's to say)
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -150,25 +153,69 @@ def read_ledger(run: str | Path) -> Ledgered:
                 orders = [(step, named) for step, named in orders if step < int(row["step"])]
                 if not orders or orders[-1][1] != order:
                     orders.append((int(row["step"]), order))
+            elif kind == "checkpoint":
+                saved = True
             elif kind == "step":
                 step = int(row["step"])
                 if step in steps:
                     undone += 1
                 steps[step] = ConsumedStep(step, int(row["first"]), int(row["end"]), str(row["digest"]))
+                numbers[step] = number
         except KeyError as missing:
             raise _damaged(path, number, f"has no {missing}") from None
         except (TypeError, ValueError, OverflowError) as error:
             raise _damaged(path, number, f"holds a value that is not a number ({error})") from None
-    newest = _newest_committed(Path(run))
+    newest = _newest_committed(Path(run), saved)
     beyond = [s for s in steps if newest is not None and s > newest]
     for step in beyond:  # written as their checkpoint's save began: the run's state holds them once it commits
         del steps[step]
+    kept = [steps[s] for s in sorted(steps)]
+    for consumed, order in _ordered(kept, orders):
+        if not _drawn_by_the_order(consumed, order):
+            raise _damaged(path, numbers[consumed.step], f"gives step {consumed.step} a digest other than that "
+                           f"of the records dew's global order (seed {order['seed']}, {order['size']} records) "
+                           f"puts at its positions [{consumed.first}, {consumed.end})")
     if not steps:
         raise LedgerEmptyError(
             f"{path} records no step: the run kept none (the ledger is written at each checkpoint, and this "
-            "run stopped before its first), so there is nothing to audit. Train it to a checkpoint first.")
-    return Ledgered(tuple(steps[s] for s in sorted(steps)), tuple(segments), tuple(orders), undone, len(beyond),
+            "run stopped before its first one committed), so there is nothing to audit. Train it to a checkpoint "
+            "first.")
+    return Ledgered(tuple(kept), tuple(segments), tuple(orders), undone, len(beyond),
                     tuple(contents), tuple(files), layout)
+
+
+_LARGEST_CHECKED = 1 << 24  # a step reading more records than this (none does) is not recomputed
+
+
+def _ordered(steps: Sequence[ConsumedStep], orders: Sequence[tuple[int, dict[str, Any]]]
+             ) -> Iterator[tuple[ConsumedStep, dict[str, Any]]]:
+    """Each step with the order its stream named at it, where that is dew's own global order (a seed and
+    a record count: dew.data.order); a third party's stream that names another is not recomputed."""
+    for step in steps:
+        named = [order for first, order in orders if first <= step.step]
+        order = named[-1] if named else None
+        if (order is not None and set(order) == {"seed", "size"}
+                and all(isinstance(order[k], int) and not isinstance(order[k], bool) for k in order)
+                and order["size"] > 0 and 0 <= step.first < step.end <= step.first + _LARGEST_CHECKED):
+            yield step, order
+
+
+def _drawn_by_the_order(step: ConsumedStep, order: dict[str, Any]) -> bool:
+    """Whether the step's digest is that of the records the order puts at its positions: a ledger's line
+    edited by hand, or an order's seed changed, names other records than the run read."""
+    import numpy as np
+
+    from dew.training.ledger import records_digest
+
+    records = _orders(order["size"], order["seed"])(np.arange(step.first, step.end, dtype=np.int64))
+    return records_digest(records) == step.digest
+
+
+@functools.lru_cache(maxsize=8)
+def _orders(size: int, seed: int) -> Any:
+    from dew.data.order import RecordOrder
+
+    return RecordOrder(size, seed)
 
 
 def _same_layout(mine: Any, theirs: Any) -> bool:
@@ -187,9 +234,10 @@ def _listed(digests: tuple[tuple[str, ...], ...]) -> str:
     return "; ".join(", ".join(group) for group in digests)
 
 
-def _newest_committed(run: Path) -> int | None:
-    """The run's newest committed step (None: none, or a run that also keeps local steps, whose
-    newest state may be one of those)."""
+def _newest_committed(run: Path, saved: bool) -> int | None:
+    """The run's newest committed step: 0 when the ledger records a save and none committed (a run killed
+    during its first); None when it is not known (a ledger that records no save, or a run that also keeps
+    local steps, whose newest state may be one of those)."""
     from dew.checkpoints.store import Store
     from dew.training.config import RUN_FILE
 
@@ -200,7 +248,7 @@ def _newest_committed(run: Path) -> int | None:
     except (OSError, ValueError, AttributeError):
         pass
     kept = Store(run, local=False).committed()
-    return kept[-1] if kept else None
+    return kept[-1] if kept else 0 if saved else None
 
 
 def _damaged(path: Path, number: int, what: str) -> LedgerDamagedError:
