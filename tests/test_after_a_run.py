@@ -323,7 +323,7 @@ def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Tr
     assert main(["generate", str(copy), "def "]) == 2
     err = capsys.readouterr().err
     assert f"Checkpoint step {kept[-1]} is corrupt: {copy / str(kept[-1]) / 'dew.json'}: dew's manifest is missing" in err
-    assert f"read an older kept step with --step {kept[-2]} (kept: {kept})" in err and "Traceback" not in err
+    assert f"read an intact kept step with --step {kept[-2]} (kept: {kept})" in err and "Traceback" not in err
     assert main(["generate", str(copy), "def ", "--step", str(kept[-2]), "--max-new-tokens", "2"]) == 0
     capsys.readouterr()
     # The manifest whole again, but the step's largest file cut short: the same way on.
@@ -333,7 +333,23 @@ def test_a_damaged_step_or_recipe_is_named_with_what_to_read_instead(trained: Tr
     assert main(["generate", str(copy), "def "]) == 2
     err = capsys.readouterr().err
     assert f"Checkpoint step {kept[-1]} is corrupt" in err and "Traceback" not in err, err
-    assert f"read an older kept step with --step {kept[-2]} (kept: {kept})" in err, err
+    assert f"read an intact kept step with --step {kept[-2]} (kept: {kept}), or resume the run (dew train " \
+        f"--resume), which trains on from step {kept[-2]}" in err, err
+    # Every kept step damaged: the older step was advised though it was damaged too, and a resume was
+    # said to start over (it stops: nothing is intact) and then called the run's training done.
+    ruined = shutil.copytree(copy, tmp_path / "ruined")
+    for step in kept[:-1]:
+        cut = max((p for p in (ruined / str(step) / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        cut.write_bytes(cut.read_bytes()[:1000])
+    for argv in (["generate", str(ruined), "def "], ["eval", str(ruined), "--step", str(kept[-2])]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"no other kept step is intact (kept: {kept}), so the run cannot be resumed: restore its steps' " \
+            "files from a copy, or train it again in a new folder" in err and "--step" not in err, err
+    assert main(["train", "--resume", str(ruined)]) == 2
+    err = capsys.readouterr().err
+    assert "none of its kept steps is intact, so it cannot be resumed" in err and "training is done" not in err, err
+    assert _committed(ruined) == kept  # nothing set aside or removed
     # Resumed as it stands, the finished run falls back to the older step and trains on: it said
     # "nothing to train" first.
     again = shutil.copytree(copy, tmp_path / "again")

@@ -118,6 +118,21 @@ def test_retention_keeps_the_newest_and_cleans_half_written(tmp_path: Path) -> N
     assert_same(reopened.restore(template_of(full_state(4)), partition=SINGLE).state, full_state(4))
 
 
+def test_a_write_past_the_file_size_limit_is_told_to_raise_it_not_to_free_disk_space(tmp_path: Path) -> None:
+    """A save under `ulimit -f` failed with EFBIG and was told to free disk space or fix permissions,
+    neither of which was wrong; the limit is named, in either form Orbax passes the error on."""
+    import errno
+
+    from dew.checkpoints.errors import CheckpointWriteError
+
+    for cause in (OSError(errno.EFBIG, "File too large"),
+                  ValueError("Failed to write 1966080 bytes to file 16: File too large [os_error_code='27']")):
+        said = str(CheckpointWriteError(16, tmp_path, cause))
+        assert "ulimit -f unlimited" in said and "Free disk space" not in said, said
+    said = str(CheckpointWriteError(16, tmp_path, OSError(errno.ENOSPC, "No space left on device")))
+    assert "Free disk space" in said and "ulimit" not in said
+
+
 def test_a_committed_step_removed_by_hand_is_a_warning_and_the_saves_go_on(tmp_path: Path) -> None:
     """The newest step deleted while the run trained failed the run at its next save, as 'Saving
     checkpoint step 40 failed ... Free disk space or fix the directory's permissions': it had been

@@ -53,8 +53,20 @@ class CheckpointWriteError(CheckpointError):
         super().__init__(
             f"Saving checkpoint step {step} into {directory} failed: {type(cause).__name__}: "
             f"{_first_line(cause)}. The step was not committed; older steps are untouched. "
-            "Free disk space or fix the directory's permissions, then run again."
+            f"{_write_advice(cause)}"
         )
+
+
+def _write_advice(cause: BaseException) -> str:
+    """What fixes a failed write, by the error it met (Orbax passes some on as text with the number)."""
+    import errno
+
+    said = f"{cause!r} {cause}"
+    number = cause.errno if isinstance(cause, OSError) else None
+    if number == errno.EFBIG or "File too large" in said or f"os_error_code='{errno.EFBIG}'" in said:
+        return ("A file grew past the largest this process may write (ulimit -f) or its file system takes: "
+                "raise the limit (ulimit -f unlimited) or write to another file system, then run again.")
+    return "Free disk space or fix the directory's permissions, then run again."
 
 
 class CheckpointCorruptedError(CheckpointError):

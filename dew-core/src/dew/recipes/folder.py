@@ -406,7 +406,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             elif fresh and created and not any(d.exists() for d in created):
                 error.add_note("Nothing was kept: the run failed before it wrote anything.")
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
-                error.add_note(_resume_note(folder.directory, config.trainer.steps))
+                error.add_note(_resume_note(folder.directory, config.trainer.steps, error))
         raise
 
 
@@ -520,9 +520,16 @@ def _latest(directory: Path) -> int | None:
     return None
 
 
-def _resume_note(directory: Path, steps: int | None) -> str:
+def _resume_note(directory: Path, steps: int | None, error: Exception) -> str:
     """What a failed run kept, and the command that goes on from it; a run whose checkpoints already
-    reach its steps has nothing left to train (what failed came after its last step)."""
+    reach its steps has nothing left to train (what failed came after its last step); one whose
+    every kept step is damaged has nothing to go on from."""
+    from dew.checkpoints.errors import CheckpointCorruptedError
+
+    if isinstance(error, CheckpointCorruptedError) and error.good is None:
+        return (f"The run is in {shown(directory)}, and none of its kept steps is intact, so it cannot be "
+                "resumed: restore the steps' files from a copy, or train it again in a new folder "
+                "(trainer.checkpoint_dir=...); the damaged steps stay where they are.")
     latest = _latest(directory)
     resume = resume_command(directory)
     if latest is not None and steps is not None and latest >= steps:

@@ -135,10 +135,15 @@ def _read_step(objective: Objective, directory: Path, store: Store, kept: list[i
             # in the weights' dtypes: an EMA is kept in float32 over bfloat16 or float16 weights
             averaged = overlay_as(live, ParamsFrom(directory, step=number, field="ema")(abstract))
     except CheckpointCorruptedError as error:
-        older = [kept_step for kept_step in kept if kept_step < number]
-        hint = (f"read an older kept step with --step {older[-1]} (kept: {kept}), or resume the run "
-                "(dew train --resume), which sets a damaged step aside" if older else
-                "no older step is kept; resuming the run (dew train --resume) sets it aside and starts over")
+        from dew.checkpoints.restore import intact
+
+        others = [kept_step for kept_step in kept if kept_step != number]
+        good = next((s for s in reversed(others) if intact(store.step_path(s), s)), None)  # what a resume takes
+        hint = (f"read an intact kept step with --step {good} (kept: {kept}), or resume the run "
+                f"(dew train --resume), which trains on from step {good}" if good is not None else
+                f"no {'other kept step is intact (kept: ' + str(kept) + ')' if others else 'other step is kept'}, "
+                "so the run cannot be resumed: restore its steps' files from a copy, or train it again in a "
+                "new folder")
         raise CheckpointCorruptedError(error.step, error.file, f"{error.reason}; {hint}") from None
     return live, averaged, number
 
