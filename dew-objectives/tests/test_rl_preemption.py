@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dew.provenance.ledger import audit, read_ledger
 from dew.testing.processes import run_until_lines, shared_compilation_cache
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,10 @@ def test_a_run_stopped_mid_rollout_resumes_bitwise(tmp_path: Path) -> None:
     expected = [line for line in out.splitlines() if line.startswith("finished")]
     assert expected and expected[0].startswith("finished 10")
     assert out.count("reward ") == 3  # steps 1, 5 and 9 sample; the others reuse a sample
+    # Only the steps that sample draw prompts from the stream: the serving steps drew a batch each that
+    # no rollout read (3 of every 4 prompts thrown away), and the data ledger called them consumed.
+    ledger = read_ledger(whole / "run")
+    assert [(s.step, s.first, s.end) for s in ledger.steps] == [(1, 0, 8), (5, 8, 16), (9, 16, 24)]
 
     # Stopped while the second sample is being scored (step 5): the first sample's state is
     # behind it and the second's is not yet served.
@@ -108,3 +113,4 @@ def test_a_run_stopped_mid_rollout_resumes_bitwise(tmp_path: Path) -> None:
     assert code == 0, err[-4000:]
     assert [line for line in out.splitlines() if line.startswith("finished")] == expected
     assert _losses(tmp_path / "run.jsonl") == _losses(whole / "run.jsonl")
+    assert audit(read_ledger(tmp_path / "run"), ledger).exact

@@ -58,7 +58,7 @@ from dew.errors import DewError
 from dew.training.ledger import Ledger, RecordLedger, joined
 from dew.training.opening import FirstRead
 from dew.training.placement.mesh import BatchMismatchError, global_shape, shard_batch
-from dew.training.protocols import Lagging, Refilling, RewardTimed, Rollout, Transcribed
+from dew.training.protocols import Lagging, Refilling, RewardTimed, Rollout, Serving, Transcribed
 from dew.training.rollout_ahead import Ahead
 from dew.training.rollout_journal import Rolled, RolloutJournal, batch_digest
 from dew.training.runtime.whole_batch import from_process_zero, share_of, whole
@@ -292,7 +292,7 @@ class Feed:
             reward = min(made.reward, waited)
             self.clock.reward += reward
             self.clock.rollout += waited - reward
-        if self.ledger is not None:  # after the rollout: a refilling one read more of the stream
+        if self.ledger is not None and made.drawn:  # after the rollout: a refilling one read more of the stream
             self.ledger.consumed(step + 1, joined(made.drawn))
         batch = made.batch
         host = {k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in batch.items()}
@@ -311,14 +311,16 @@ class Feed:
         before = self._positions() if self._ahead is not None else (None, None)
         drawn = self._drawn = []
         began = time.perf_counter()
-        batch = self._more()
+        # A rollout serving a sample it holds reads no batch: the stream keeps its records for a step that samples.
+        serves = isinstance(self.rollout, Serving) and key is not None and not self.rollout.reads_batch()
+        batch: Batch = {} if serves else self._more()
         rolled = time.perf_counter()
         reward = 0.0
         if self.rollout is not None and key is not None:
             # In a pool every process rolls out (or replays) the whole global batch, and keeps its
             # share (dew.training.runtime.whole_batch).
             pooled = jax.process_count() > 1
-            batch = whole(batch, self.partition) if pooled else batch
+            batch = whole(batch, self.partition) if pooled and not serves else batch
             replay = self._replayed(step, batch)
             if replay is not None:
                 batch = replay
@@ -328,7 +330,7 @@ class Feed:
                 batch = rollout(state, batch, key)
                 _check_mapping(batch, step, "The rollout")
                 reward = rollout.reward_seconds - scored if isinstance(rollout, RewardTimed) else 0.0
-                self._journal(step, source, batch, self._draws - count + 1)
+                self._journal(step, source, batch, self._draws - count + (0 if serves else 1))
             batch = share_of(batch, self.partition) if pooled else batch
         # Read once the rollout is done, so what the stream reports counts the batches it refilled from.
         scalars: dict[str, float] = dict(self._stream.scalars()) if isinstance(self._stream, Reporting) else {}

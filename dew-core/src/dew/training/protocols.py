@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from dew.training.state import TrainState
 
-__all__ = ["Lagging", "Refilling", "RewardTimed", "Rollout", "StatefulRollout", "Transcribed"]
+__all__ = ["Lagging", "Refilling", "RewardTimed", "Rollout", "Serving", "StatefulRollout", "Transcribed"]
 
 
 @runtime_checkable
@@ -47,6 +47,20 @@ class RewardTimed(Protocol):
 @runtime_checkable
 class StatefulRollout(Rollout, Resumable, Protocol):
     """A rollout whose position (get_state/set_state) a checkpoint keeps."""
+
+
+@runtime_checkable
+class Serving(Protocol):
+    """A rollout that trains several steps on one sample (PPO's epochs of minibatches).
+
+    ``reads_batch()`` says whether its next call samples from the batch it is
+    given; when it does not, the trainer draws nothing from the stream for
+    that step (it is called with an empty batch), so the records the stream
+    hands out are the ones sampled from, and the data ledger lists no
+    records for the steps that serve.
+    """
+
+    def reads_batch(self) -> bool: ...
 
 
 @runtime_checkable

@@ -8,8 +8,10 @@ at the last one. GAE(gamma, lambda) over those and the value head's
 estimates gives each token's advantage (whitened over the rollout) and
 return. The rollout then serves that one sample as ``minibatches``
 minibatches for ``epochs`` epochs, one per step, reshuffled each epoch, and
-only then samples again; its position, the sample included, is saved with
-checkpoints, so a resumed run continues inside the same sample.
+only then samples again (the steps that serve read no prompts from the
+stream, so every prompt drawn is sampled from); its position, the sample
+included, is saved with checkpoints, so a resumed run continues inside the
+same sample.
 
 ``kl_coef`` adapts (Ziegler et al. 2019): after each sample it moves by
 ``clip(kl / kl_target - 1, -0.2, 0.2) * rows / kl_horizon`` of itself.
@@ -138,8 +140,13 @@ class PPORollout:
     def steps_per_sample(self) -> int:
         return self.objective.epochs * self.objective.minibatches
 
+    def reads_batch(self) -> bool:
+        """Whether the next call samples (from the prompts it is given) rather than serving the sample
+        it holds: the trainer draws prompts only for those steps (dew.training.protocols.Serving)."""
+        return self.sample is None or self.served >= self.steps_per_sample
+
     def __call__(self, state: TrainState, batch: HostBatch, key: jax.Array) -> dict[str, np.ndarray]:
-        if self.sample is None or self.served >= self.steps_per_sample:
+        if self.reads_batch():
             self._draw(state, batch, key)
         assert self.sample is not None and self.order is not None
         rows = self.sample["tokens"].shape[0]
