@@ -197,6 +197,21 @@ def test_losses_that_are_nan_in_both_runs_are_the_same(runs, tmp_path, capsys):
     assert code == 1 and result["first_loss"]["step"] == 5 and result["largest_loss"]["step"] == 5, out
 
 
+def test_runs_of_different_objectives_do_not_part_at_their_losses(runs, tmp_path, capsys):
+    """A GRPO run and a DPO run were said to part at step 1 by their losses (a policy loss beside a
+    sigmoid loss); the objectives are named and the losses left uncompared."""
+    other = shutil.copytree(runs.ref, tmp_path / "other")
+    recipe = json.loads((other / "run.json").read_text())
+    named = recipe["objective"]["name"]
+    recipe["objective"]["name"] = "distill"
+    (other / "run.json").write_text(json.dumps(recipe))
+    code, out, _ = _dew(["diff", str(runs.ref), str(other)], capsys)
+    assert f"objective.name: {named} -> distill" in out, out  # the states are the same, and are compared
+    assert f"note: the runs train different objectives ({named} and distill): their losses measure different " \
+        "things, so they are not compared" in out, out
+    assert not any(line.startswith("losses: ") for line in out.splitlines()) and "hold none" not in out, out
+
+
 @pytest.mark.slow
 def test_leaves_one_run_lacks_are_named_and_its_journal_found_from_anywhere(runs, tmp_path, monkeypatch, capsys):
     """A run with a loss scale holds leaves the other does not: not identical, and named in the text.

@@ -329,6 +329,12 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
         notes.append(f"both runs name one journal, {journals[0]} (a copied run whose recipe still names the "
                      "original's tracker folder?): their losses are not compared")
         journals = [None, None]
+    trained = [(recipe.get("objective") or {}).get("name") if isinstance(recipe, dict) else None for recipe in recipes]
+    apart = None not in trained and trained[0] != trained[1] and None not in journals
+    if apart:
+        notes.append(f"the runs train different objectives ({trained[0]} and {trained[1]}): their losses "
+                     "measure different things, so they are not compared")
+        journals = [None, None]
     losses = [_losses(journal) for journal in journals]
     logged = sorted(set(losses[0]) & set(losses[1]))
     first_loss = largest = None
@@ -340,7 +346,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
             first_loss = gap
         if largest is None or gap_width(x, y) > gap_width(largest.a, largest.b):
             largest = gap
-    if not logged and not shared:
+    if not logged and not shared and not apart:
         notes.append("no logged loss common to both runs (their journals, scalars.jsonl, hold none)")
     if not common:
         notes.append("no kept step common to both runs; their states are not compared")
