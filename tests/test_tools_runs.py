@@ -14,6 +14,7 @@ interpreter sharing one compilation cache, and shared between the tests:
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -210,6 +211,26 @@ def test_runs_of_different_objectives_do_not_part_at_their_losses(runs, tmp_path
     assert f"note: the runs train different objectives ({named} and distill): their losses measure different " \
         "things, so they are not compared" in out, out
     assert not any(line.startswith("losses: ") for line in out.splitlines()) and "hold none" not in out, out
+
+
+def test_the_tools_say_when_a_run_is_still_being_trained(runs, tmp_path, capsys):
+    """dew audit, diff and report on a run a live process still trained answered as if it had ended
+    (audit: "identical through step 14", exit 0); each says the run is still being trained, by whom."""
+    from dew.checkpoints.lease import acquire, release
+
+    live = shutil.copytree(runs.ref, tmp_path / "live")
+    acquire(live)  # the writer's lease, as a training holds it: this process, alive
+    try:
+        for argv in (["audit", str(live)], ["diff", str(runs.ref), str(live)],
+                     ["report", str(live), "--out", str(tmp_path / "page")]):
+            code, _, err = _dew(argv, capsys)
+            assert code == 0, (argv, err)
+            assert f"note: {live} is still being trained (process {os.getpid()} on host" in err, (argv, err)
+            assert str(runs.ref) + " is still" not in err
+    finally:
+        release(live)
+    code, _, err = _dew(["audit", str(live)], capsys)
+    assert code == 0 and "still being trained" not in err
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dew.cli.runs import note_if_training
     from dew.provenance.ledger import (
         LedgerDamagedError,
         LedgerEmptyError,
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dew audit: {error}", file=sys.stderr)
         return 2
     result = audit(ledger, against, name=args.against or "RUN_B")
+    note_if_training("audit", args.run, *([] if args.against is None else [args.against]))
     if args.json:
         print(json.dumps({**asdict(result), "exact": result.exact,
                           "segments": [asdict(s) for s in ledger.segments]}, indent=2))

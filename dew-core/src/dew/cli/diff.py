@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dew.checkpoints.errors import CheckpointCorruptedError
+    from dew.cli.runs import note_if_training
     from dew.provenance.diff import NotARunDirectoryError, diff_runs
 
     for name in ("rtol", "atol"):
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2, default=str))
     else:
         print(render_diff(result))
+    note_if_training("diff", args.run_a, args.run_b)
     if result.uncompared:
         return 2
     return 0 if result.bitwise or result.within_tolerance else 1

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dew.cli.runs import note_if_training
 from dew.errors import DewError
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     except DewError as error:  # one line: what is wrong and what to do
         print(f"dew report: {error}", file=sys.stderr)
         return 2
+    note_if_training("report", *args.run_dirs)
     print(f"Wrote {page}")
     return 0
 

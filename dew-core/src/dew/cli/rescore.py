@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dew.cli.runs import note_if_training
 from dew.errors import DewError
 
 if TYPE_CHECKING:
@@ -201,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     except DewError as error:  # one line: what is wrong and what to do
         print(f"dew rescore: {error}", file=sys.stderr)
         return 2
+    note_if_training("rescore", args.run_dir)
     by_step: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         by_step.setdefault(row["step"], []).append(row)

@@ -11,13 +11,25 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["add_run_argument", "expected", "positive", "refused", "seconds"]
+__all__ = ["add_run_argument", "expected", "note_if_training", "positive", "refused", "seconds"]
 
 
 def refused(command: str, error: BaseException | str) -> int:
     """Print error on stderr as `dew COMMAND: message`; return 2, a refusal's exit code."""
     print(f"dew {command}: {error}", file=sys.stderr)
     return 2
+
+
+def note_if_training(command: str, *folders: str | Path) -> None:
+    """Say on stderr which of the run folders a live process is still training (it holds the writer's
+    lease): what the command read is the run as of its newest committed step, not its end."""
+    from dew.checkpoints.lease import holder_of, is_gone
+
+    for folder in map(Path, folders):
+        holder = holder_of(folder) if folder.is_dir() else None
+        if holder is not None and not is_gone(holder):
+            print(f"dew {command}: note: {folder} is still being trained ({holder.describe()}): this read it as "
+                  f"of its newest committed step; run dew {command} again once the training ends.", file=sys.stderr)
 
 
 def expected(error: BaseException) -> bool:
