@@ -493,3 +493,28 @@ def test_lora_over_a_base_no_init_section_gives_is_noted_once(tmp_path, monkeypa
                  f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 0
     out = capsys.readouterr().out
     assert out.count("note: lora freezes every weight but the adapters, and no init section gives them") == 1, out
+
+
+class _ReaderOfAPath:
+    """A plugin's dataset reader that opens its recipe's path as it loads, as a third party's might."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def load(self, *, batch: int, seed: int = 0, val_fraction: float = 0.0):
+        with open(self.path) as handle:  # the builtin's own FileNotFoundError, nothing of dew's
+            handle.read()
+
+
+def test_a_plugin_readers_missing_file_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A third party's reader opening a path that is not there printed Python's 39-line traceback with
+    exit 1, the status of a bug, though dew's own note already named the recipe field that gave the path."""
+    from dew import registry
+
+    monkeypatch.chdir(tmp_path)
+    with registry.datasets.temporary("planted_reader", _ReaderOfAPath):
+        assert main(["train", "tiny-lm", "trainer.steps=2", "trainer.checkpoint_dir=run", "trackers=[]",
+                     "data={name: planted_reader, path: nope.jsonl, batch: 2}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dew train: FileNotFoundError: [Errno 2] No such file or directory: 'nope.jsonl'"), err
+    assert "Traceback (" not in err and err.count("\n") == 3, err

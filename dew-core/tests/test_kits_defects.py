@@ -275,6 +275,16 @@ class TestRewardNanForEmpty(RewardKit):
         return nan_for_empty
 
 
+class TestRewardColumn(RewardKit):  # the right scores as a column (n, 1): the trainer refuses that shape
+    def reward(self):
+        return lambda completions, context: [[float(len(c))] for c in completions]
+
+
+class TestRewardText(RewardKit):  # numbers written as text: the trainer had parsed them silently
+    def reward(self):
+        return lambda completions, context: [str(len(c)) for c in completions]
+
+
 # -- dataset readers ------------------------------------------------------------------------------
 class Records:
     """Global batch g holds records [g*B, (g+1)*B); share s of S reads its rows of each."""
@@ -409,6 +419,8 @@ EXPECTED_FAILURES = {
     "TestTrackerFailsOnSecondClose": {"test_close_twice_is_safe", "test_close_without_logging_is_safe"},
     "TestTrackerKeyedByStep": {"test_one_step_logged_twice_keeps_both"},
     "TestRewardNanForEmpty": {"test_one_finite_value_per_completion"},
+    "TestRewardColumn": {"test_one_finite_value_per_completion", "test_the_same_inputs_score_the_same"},
+    "TestRewardText": {"test_one_finite_value_per_completion", "test_the_same_inputs_score_the_same"},
     "TestReaderForgetsPosition": {"test_saved_position_resumes_the_stream",
                                   "test_position_resumes_at_another_process_count"},
     "TestReaderSharePosition": {"test_position_resumes_at_another_process_count"},

@@ -133,6 +133,16 @@ def test_a_reward_of_the_wrong_shape_is_refused_naming_it():
     with pytest.raises(RewardShapeError, match=r"The reward .*two_columns returned 4 values for 2 completions "
                                                r"\(an array of shape \(2, 2\)"):
         score(two_columns, ["a", "b"], {})
+    # A mapping was reported as the reward having raised a TypeError; numbers written as text were
+    # parsed and trained on without a word (the kit passed both).
+    with pytest.raises(RewardShapeError, match=r"returned a dict for 2 completions; return one number per"):
+        score(lambda completions, context: {"scores": [1.0, 2.0]}, ["a", "b"], {})
+    with pytest.raises(RewardShapeError, match=r"returned values of dtype <U4 \(the first: np.str_\('0.25'\)\), "
+                                               r"which are no numbers"):
+        score(lambda completions, context: ["0.25", "0.0"], ["a", "b"], {})
+    with pytest.raises(RewardShapeError, match=r"returned values numpy cannot lay out"):
+        score(lambda completions, context: [[1.0], [1.0, 2.0]], ["a", "b"], {})
+    assert score(lambda completions, context: [True, 0], ["a", "b"], {}).tolist() == [1.0, 0.0]
     with pytest.raises(NonFiniteRewardError, match=r"The reward _NanExact\(key='answer'.*returned nan for record 0"):
         score(_NanExact(), ["a"], {"answer": ["a"]})
 

@@ -271,13 +271,17 @@ def _main(argv: Sequence[str] | None) -> int:
             _Unwound.by_stop = True
             return TERMINATED
         except Exception as error:
-            # A file or folder this user may not read or write is the command's input, not a bug.
-            if shown or not (is_dews(error) or isinstance(error, PermissionError)):
+            # A file or folder this user may not read or write, or that is not there (a plugin's reader
+            # opening a recipe's path), is the command's input, not a bug.
+            if shown or not (is_dews(error) or isinstance(error, _INPUT_ERRORS)):
                 raise
             if _in_pool() and _peer_lost(error):  # dew's error around a collective a lost peer failed
                 raise  # (a checkpoint's save): said as such, below, not blamed on the disk
             print(refusal(args.command, error), file=sys.stderr, flush=True)
             return REFUSED
+
+
+_INPUT_ERRORS = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -45,11 +45,15 @@ class RewardKit:
     def _scores(self) -> list[float]:
         completions = self.completions()
         scores = self.reward()(list(completions), self.context(completions))
-        values = np.asarray(scores, dtype=np.float64).reshape(-1) if np.ndim(scores) else None
-        assert values is not None and len(values) == len(completions), (
-            f"The reward returned {np.shape(scores)} values for {len(completions)} completions; it must "
-            "return one number per completion.")
-        return values.tolist()
+        assert not isinstance(scores, Mapping | str | bytes), (
+            f"The reward returned a {type(scores).__name__}; it must return one number per completion.")
+        values = np.asarray(scores)
+        assert values.dtype.kind in "biuf", (  # bool, int, unsigned, float: text is no score, even "0.5"
+            f"The reward returned values of dtype {values.dtype}; it must return numbers.")
+        assert values.shape == (len(completions),), (
+            f"The reward returned an array of shape {values.shape} for {len(completions)} completions; it must "
+            "return one number per completion, of shape (completions,).")
+        return values.astype(np.float64).tolist()
 
     def test_one_finite_value_per_completion(self) -> None:
         scores = self._scores()

@@ -55,7 +55,8 @@ class NonFiniteRewardError(DewError, ValueError):
 
 
 class RewardShapeError(DewError, ValueError):
-    """A reward returned another number of values than completions it was given."""
+    """A reward returned something other than one number per completion: another count, another
+    shape, or values that are no numbers (a mapping, text)."""
 
 
 class RewardFailedError(DewError, RuntimeError):
@@ -243,6 +244,24 @@ def resolve(reward: str | Mapping[str, Any] | Reward) -> Reward:
     raise TypeError(f"A reward is a registered name, a mapping with a name, or a callable; got {reward!r}.")
 
 
+def _numbers(returned: object, name: str, count: int) -> np.ndarray:
+    """What a reward returned as float32, refused (RewardShapeError) when it holds no numbers: a mapping,
+    text (even text of a number), or rows of unequal length."""
+    advice = "return one number per completion, as a sequence of shape (completions,)"
+    if isinstance(returned, Mapping | str | bytes):
+        raise RewardShapeError(f"The reward {name} returned a {type(returned).__name__} for {count} completions; "
+                               f"{advice}.")
+    try:
+        values = np.asarray(returned)
+    except ValueError as error:  # rows of unequal length
+        raise RewardShapeError(f"The reward {name} returned values numpy cannot lay out ({error}); {advice}.") from None
+    if values.dtype.kind not in "biuf":  # bool, int, unsigned, float
+        first = values.reshape(-1)[0] if values.size else None
+        raise RewardShapeError(f"The reward {name} returned values of dtype {values.dtype} (the first: {first!r}), "
+                               f"which are no numbers; {advice}.")
+    return values.astype(np.float32)
+
+
 def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequence[Any]], *,
           name: str | None = None) -> np.ndarray:
     """The reward's values as float32 [len(completions)], refused when any is not finite.
@@ -251,7 +270,7 @@ def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequ
     """
     name = name or describe(reward)
     try:
-        values = np.asarray(reward(completions, context), np.float32)
+        returned = reward(completions, context)
     except DewError as error:
         if not any(note.startswith("Raised by the reward ") for note in getattr(error, "__notes__", ())):
             error.add_note(f"Raised by the reward {name}.")  # the innermost: a weighted sum's failing term
@@ -260,6 +279,7 @@ def score(reward: Reward, completions: Sequence[str], context: Mapping[str, Sequ
         raise RewardFailedError(
             f"The reward {name} raised {type(error).__name__}: {error} while scoring {len(completions)} "
             "completions. Fix the reward (or the distribution that ships it), or choose another.") from error
+    values = _numbers(returned, name, len(completions))
     if values.ndim != 1 or values.shape[0] != len(completions):
         raise RewardShapeError(
             f"The reward {name} returned {values.size} values for {len(completions)} completions "
