@@ -168,6 +168,24 @@ def test_generation_exact_match_equals_transformers_greedy_answers(exported, ref
     assert GenerationTask(file=file, answer_pattern=r"#### (.*)").matches(firsts[0], f"${firsts[0].upper()}.") is False
 
 
+def test_a_pattern_of_alternatives_reads_the_branch_that_matched_as_lm_eval_does(tmp_path):
+    """With one group per alternative (lm-eval's GSM8K flexible-extract), a match of a later branch
+    read group 1, which was empty: the prediction was "no match" and the reference was refused as
+    holding no answer. lm-eval's RegexFilter keeps the first group that matched."""
+    from dew.evaluations.generation import GenerationTask
+
+    file = _write(tmp_path / "gsm.jsonl", [{"question": "1+1=", "answer": "so\n#### 60"}])
+    task = GenerationTask(file=file, pattern=r"zzz(\d+)|= (\d+)", answer_pattern=r"zzz(\d+)|#### (\d+)")
+    assert [p.reference for p in task.problems()] == ["60"]
+    flexible = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # lm-eval's own, written out by hand below
+    for text, by_hand in (("so x = 42 then", "42"), ("answer 7", "7"), ("no digits", None)):
+        found = flexible.search(text)
+        expected = None if found is None else next(g for g in found.groups() if g)
+        assert GenerationTask(file=file, pattern=flexible.pattern).prediction(text) == expected == by_hand
+    assert task.prediction("so x = 42 then") == "42"
+    assert GenerationTask(file=file, pattern=r"x()").prediction("x") == ""  # a group that matched nothing
+
+
 class TestMultipleChoice(EvaluationTaskKit):
     @pytest.fixture(autouse=True)
     def _given(self, exported, choice_file, tmp_path):

@@ -63,10 +63,16 @@ class AnswerRecord:
 
 
 def _first(pattern: re.Pattern[str], text: str) -> str | None:
+    """The first match's first group that matched (lm-eval's RegexFilter takes the first non-empty one,
+    so a pattern of alternatives, one group each, reads whichever branch matched), or the whole match
+    when the pattern has no group."""
     found = pattern.search(text)
     if found is None:
         return None
-    return found.group(1) if pattern.groups else found.group(0)
+    if not pattern.groups:
+        return found.group(0)
+    matched = [group for group in found.groups() if group is not None]
+    return next((group for group in matched if group), matched[0] if matched else None)
 
 
 @dataclass(frozen=True)
