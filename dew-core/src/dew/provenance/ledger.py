@@ -22,10 +22,13 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.errors import DewError
 from dew.training.ledger import LEDGER
+
+if TYPE_CHECKING:
+    from dew.data.order import RecordOrder
 
 __all__ = [
     "Audit", "ConsumedStep", "LedgerDamagedError", "LedgerEmptyError", "Ledgered", "LedgerMissingError", "Segment",
@@ -211,8 +214,8 @@ def _drawn_by_the_order(step: ConsumedStep, order: dict[str, Any]) -> bool:
     return records_digest(records) == step.digest
 
 
-@functools.lru_cache(maxsize=8)
-def _orders(size: int, seed: int) -> Any:
+@functools.lru_cache(maxsize=2)  # an order keeps up to two epochs' tables (64 MB at 4M records)
+def _orders(size: int, seed: int) -> RecordOrder:
     from dew.data.order import RecordOrder
 
     return RecordOrder(size, seed)
