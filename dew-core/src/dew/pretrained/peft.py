@@ -191,8 +191,8 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         reordered = [f"{'/'.join(path)} ({linears[path][0]})" for path in unwritten if path in linears]
         why = (f"its family stores {', '.join(reordered[:2])} with rows or columns in another order "
                "than dew's, so PEFT's A and B would compute another change" if reordered else
-               "they are routed experts' weights, which the family stores one Linear per expert "
-               "sliced from dew's one stacked tensor")
+               "they are routed experts' weights, one pair per expert over the stacked tensor, and dew "
+               "does not write PEFT's layout for experts' fused parameters (target_parameters)")
         raise NoExactCounterpartError(
             f"{', '.join(named[:3])}{', ...' if len(named) > 3 else ''} ({len(named)} weight(s)) have LoRA "
             f"adapters that no PEFT LoRA module of its family holds: {why}. Export the merged model "
