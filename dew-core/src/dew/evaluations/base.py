@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from dew.data.base import DataPartition
+from dew.data.magic import compression_of
 from dew.errors import DewError
 
 if TYPE_CHECKING:
@@ -207,9 +208,6 @@ def check_task_file(path: str | os.PathLike[str]) -> Path:
     return file
 
 
-_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZ": "bzip2", b"\xfd7": "xz", b"\x28\xb5": "zstd"}  # magic bytes
-
-
 def read_task_file(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) of every non-blank line of a JSONL task file.
 
@@ -218,9 +216,9 @@ def read_task_file(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str
     file = check_task_file(path)
     with file.open("rb") as handle:  # bytes, decoded a line at a time, so a bad one is named
         for number, raw in enumerate(handle, 1):
-            if number == 1 and raw.startswith(tuple(_COMPRESSED)):
-                raise TaskFileError(f"{os.fspath(path)!r} is compressed ({_COMPRESSED[raw[:2]]}), and a task "
-                                    "reads a plain JSONL file; decompress it first (gunzip, say).")
+            if number == 1 and (packed := compression_of(raw)) is not None:
+                raise TaskFileError(f"{os.fspath(path)!r} is compressed ({packed}), and a task reads a plain "
+                                    "JSONL file; decompress it first (gunzip, say).")
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a first line's BOM is no text
             except UnicodeDecodeError as error:

@@ -139,11 +139,13 @@ def _read_step(objective: Objective, directory: Path, store: Store, kept: list[i
 
         others = [kept_step for kept_step in kept if kept_step != number]
         good = next((s for s in reversed(others) if intact(store.step_path(s), s)), None)  # what a resume takes
-        hint = (f"read an intact kept step with --step {good} (kept: {kept}), or resume the run "
-                f"(dew train --resume), which trains on from step {good}" if good is not None else
-                f"no {'other kept step is intact (kept: ' + str(kept) + ')' if others else 'other step is kept'}, "
-                "so the run cannot be resumed: restore its steps' files from a copy, or train it again in a "
-                "new folder")
+        if good is not None:
+            hint = (f"read an intact kept step with --step {good} (kept: {kept}), or resume the run "
+                    f"(dew train --resume), which trains on from step {good}")
+        else:
+            none = f"no other kept step is intact (kept: {kept})" if others else "no other step is kept"
+            hint = (f"{none}, so the run cannot be resumed: restore its steps' files from a copy, or train it "
+                    "again in a new folder")
         raise CheckpointCorruptedError(error.step, error.file, f"{error.reason}; {hint}") from None
     return live, averaged, number
 

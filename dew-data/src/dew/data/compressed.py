@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dew.data.errors import MalformedRecordError
+from dew.data.magic import compression_of
 
 __all__ = ["COMPRESSED_SUFFIXES", "format_suffix", "open_data_file"]
 
@@ -76,14 +77,11 @@ def _zstd_file(path: Path) -> io.BufferedIOBase:
 
 # Compressions read as they stream, by their files' first bytes (the corpora published as
 # .jsonl.zst, .json.gz, ...).
-_STREAMED: dict[bytes, tuple[str, Callable[[Path], io.BufferedIOBase]]] = {
-    b"\x1f\x8b": ("gzip", gzip.GzipFile),
-    b"BZh": ("bzip2", bz2.BZ2File),
-    b"\xfd7zXZ\x00": ("xz", lzma.LZMAFile),
-    b"\x28\xb5\x2f\xfd": ("zstd", _zstd_file),
-}
-# Containers of several files, not one stream: named, with the command that opens them.
-_UNREAD: dict[bytes, tuple[str, str]] = {b"PK\x03\x04": ("zip", "unzip")}
+# Each compression known by its first bytes (dew.data.magic), with what streams it.
+_STREAMED: dict[str, Callable[[Path], io.BufferedIOBase]] = {
+    "gzip": gzip.GzipFile, "bzip2": bz2.BZ2File, "xz": lzma.LZMAFile, "zstd": _zstd_file}
+# Containers of several files, not one stream: the command that opens them.
+_UNREAD: dict[str, str] = {"zip": "unzip"}
 # The suffixes of those compressions, with the command that unpacks such a file.
 COMPRESSED_SUFFIXES = {".gz": "gunzip -k", ".bz2": "bunzip2 -k", ".xz": "unxz -k", ".zst": "zstd -d -k"}
 
@@ -134,15 +132,14 @@ def open_data_file(path: Path) -> io.BufferedIOBase:
     """
     with path.open("rb") as handle:
         head = handle.read(6)
-    for magic, (name, opener) in _STREAMED.items():
-        if head.startswith(magic):
-            return _Decompressed(opener(path), path, name)
-    for magic, (name, command) in _UNREAD.items():
-        if head.startswith(magic):
-            raise MalformedRecordError(
-                f"{os.fspath(path)!r} is {name}-compressed, which dew does not read; unpack it "
-                f"({command} {os.fspath(path)!r}) and point the data at what it holds."
-            )
+    name = compression_of(head)
+    if name in _STREAMED:
+        return _Decompressed(_STREAMED[name](path), path, name)
+    if name in _UNREAD:
+        raise MalformedRecordError(
+            f"{os.fspath(path)!r} is {name}-compressed, which dew does not read; unpack it "
+            f"({_UNREAD[name]} {os.fspath(path)!r}) and point the data at what it holds."
+        )
     return path.open("rb")
 
 
