@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
 import json
 import re
@@ -150,7 +151,9 @@ def test_a_valid_manifest_reads_back() -> None:
 
 def _parse_in_time(raw: bytes) -> None:
     """Every input gives a Manifest or CheckpointCorruptedError (or, sealed by its digest, a newer
-    dew's layout), within a second of this thread's CPU (wall time would count the machine's load)."""
+    dew's layout), within a second of this thread's CPU (wall time would count the machine's load; a
+    garbage collection of the whole worker's heap, which once took 1.7 s here, is not the parse's)."""
+    gc.disable()
     began = time.thread_time()
     try:
         result = parse_manifest(raw, 7, "7/dew.json")
@@ -160,7 +163,10 @@ def _parse_in_time(raw: bytes) -> None:
         assert error.step == 7 and "digest" in json.loads(raw)
     else:
         assert isinstance(result, Manifest) and result.step == 7
-    assert time.thread_time() - began < 1.0
+    finally:
+        spent = time.thread_time() - began
+        gc.enable()
+    assert spent < 1.0
 
 
 JSON = st.recursive(
