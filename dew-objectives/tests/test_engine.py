@@ -277,9 +277,11 @@ def test_logprobs_are_the_models_own_and_stops_end_where_they_say(variables):
 
 def test_a_tokenizer_smaller_than_the_vocabulary_is_drawn_from_alone_with_the_models_logprobs(variables):
     # A vocabulary padded past the tokenizer's: ids at or above vocab cannot be spelled, so no draw
-    # (greedy or sampled) makes one; the log-probabilities stay the model's own over every row.
+    # (greedy or sampled, at any temperature: at 3e38 one over it is flushed to 0) makes one; the
+    # log-probabilities stay the model's own over every row.
     params, limit = variables[LEARNED], 12
-    requests = [Request(tuple(p), 16, sampling=s) for p in PROMPTS for s in (GREEDY, Sampling(temperature=1.5))]
+    requests = [Request(tuple(p), 16, sampling=s) for p in PROMPTS
+                for s in (GREEDY, Sampling(temperature=1.5), Sampling(temperature=3e38))]
     unlimited, _ = run(LEARNED, params, requests)
     assert max(t for c in unlimited for t in c.tokens) >= limit  # the random model reaches past it
     limited, _ = run(LEARNED, params, requests, vocab=limit)

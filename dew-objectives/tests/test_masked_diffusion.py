@@ -156,3 +156,20 @@ def test_bad_windows_are_refused(variables):
         objective.loss(variables, {"text": np.zeros((2, 7), np.int32)}, step(0))
     with pytest.raises(ValueError, match="multiple of block_size=2"):
         BlockDiffusionObjective(MODEL, seq_len=LENGTH, block_size=2)
+
+
+def test_an_unmasking_draw_at_a_vanishing_temperature_takes_the_likeliest_id():
+    # logits near 12 divided by 2e-38 overflowed to +inf and the draw took the lowest id among
+    # them; the limit of a vanishing temperature is the argmax, as the greedy step takes.
+    logits = jnp.tile(jnp.asarray([[[4.5, 0.0, 12.3, 9.0]]]), (16, 3, 1))
+    masked = jnp.full((16, 3), VOCAB + 1, jnp.int32)
+    greedy = unmask_step(jax.random.key(0), masked, logits, jnp.float32(1.0), jnp.float32(0.0), VOCAB + 1, 0.0)
+    for temperature in (1.1754944e-38, 2e-38, 1e-6):
+        cold = unmask_step(jax.random.key(0), masked, logits, jnp.float32(1.0), jnp.float32(0.0), VOCAB + 1,
+                           temperature)
+        assert np.asarray(cold).tolist() == np.asarray(greedy).tolist() == [[2] * 3] * 16
+    for objective in (MaskedDiffusionObjective, BlockDiffusionObjective):  # below float32's normal range
+        with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or at least 1.18e-38, got 1e-40"):
+            objective(MODEL, seq_len=4, temperature=1e-40)
+        with pytest.raises(ValueError, match="temperature must be 0"):
+            objective(MODEL, seq_len=4, temperature=-1.0)

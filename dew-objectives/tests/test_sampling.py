@@ -133,6 +133,28 @@ def test_sampling_draws_from_the_filtered_softmax():
     assert np.mean(cold == 3) > 0.99
 
 
+def test_a_temperature_near_the_smallest_normal_float_takes_the_likeliest_token():
+    # Dividing logits near 12 by 2e-38 overflowed them to +inf, and the draw took the lowest such
+    # id (or, through a filter's softmax, NaN and id 0): the limit of a vanishing temperature is
+    # the argmax, as it is at 1e-6.
+    logits = jnp.tile(jnp.asarray([[4.5, 0.0, 9.0, 12.3, 8.0, -3.0]]), (64, 1))
+    keys = jax.random.key(3)
+    for temperature in (1.1754944e-38, 2e-38, 1e-30, 1e-6):
+        for filters in ({}, dict(top_p=0.9), dict(top_k=50, top_p=0.5, min_p=0.05)):
+            drawn = np.asarray(choose(logits, keys, Sampling(temperature=temperature, **filters)))
+            assert drawn.tolist() == [3] * 64, (temperature, filters)
+
+
+def test_settings_that_are_not_numbers_in_range_are_refused_by_name():
+    for field, bad in (("top_k", float("nan")), ("top_k", float("inf")), ("top_k", "5"), ("top_k", True),
+                       ("temperature", None), ("temperature", "0.7"), ("top_p", "0.9"), ("min_p", [0.1])):
+        with pytest.raises(InvalidSamplingError, match=rf"Sampling\.{field} must be"):
+            Sampling(**{field: bad})
+    # a top-k past the vocabulary keeps all of it, at any size (the engine holds it as int32)
+    assert Sampling(top_k=2**40).as_row()[1] == Sampling(top_k=2**31 - 1).as_row()[1] == 2**31 - 1
+    assert Sampling(top_k=np.int64(7), top_p=np.float32(0.5)).as_row()[1:3] == (7, 0.5)
+
+
 @pytest.mark.slow
 def test_bad_settings_and_prompts_fail_clearly(variables):
     for bad in (dict(temperature=-1.0), dict(temperature=float("inf")), dict(temperature=float("nan")),

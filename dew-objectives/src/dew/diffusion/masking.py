@@ -19,7 +19,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["mask_tokens", "nelbo_weight", "stratified_times", "unmask_step"]
+__all__ = ["check_temperature", "mask_tokens", "nelbo_weight", "stratified_times", "unmask_step"]
+
+_SMALLEST_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # below it the device flushes to 0
+
+
+def check_temperature(owner: str, temperature: float) -> None:
+    """Refuse a sampling temperature no draw can use: negative, NaN, or too small for float32."""
+    if not (temperature == 0 or temperature >= _SMALLEST_TEMPERATURE):
+        raise ValueError(f"{owner}.temperature must be 0 (greedy) or at least {_SMALLEST_TEMPERATURE:.3g}, "
+                         f"got {temperature}.")
 
 
 def stratified_times(key: jax.Array, rows: int, t_min: float = 1e-3) -> jax.Array:
@@ -51,6 +60,7 @@ def unmask_step(key: jax.Array, tokens: jax.Array, logits: jax.Array, t: jax.Arr
     if temperature == 0:
         guess = jnp.argmax(logits, axis=-1)
     else:
-        guess = jax.random.categorical(draw_key, logits.astype(jnp.float32) / temperature, axis=-1)
+        logits = logits.astype(jnp.float32)  # shifted so a tiny temperature sends the rest to -inf, not +inf
+        guess = jax.random.categorical(draw_key, (logits - logits.max(-1, keepdims=True)) / temperature, axis=-1)
     reveal = jax.random.uniform(reveal_key, tokens.shape, jnp.float32) < (t - s) / t
     return jnp.where((tokens == mask_id) & reveal, guess.astype(tokens.dtype), tokens)

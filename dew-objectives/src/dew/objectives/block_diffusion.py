@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dew.diffusion.masking import mask_tokens, nelbo_weight, stratified_times
+from dew.diffusion.masking import check_temperature, mask_tokens, nelbo_weight, stratified_times
 from dew.nn.kinds import TokenModel
 from dew.objectives.base import (
     EMASpec,
@@ -74,8 +74,7 @@ class BlockDiffusionObjective(TokenDiffusion):
         for name in ("preview_rows", "preview_steps"):  # a preview of 0 unmasking steps decodes mask ids
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be at least 1, got {getattr(self, name)}.")
-        if not self.temperature >= 0:
-            raise ValueError(f"{type(self).__name__}.temperature must be at least 0, got {self.temperature}.")
+        check_temperature(type(self).__name__, self.temperature)
 
     def logits(self, variables: Variables, noisy: jax.Array, tokens: jax.Array) -> jax.Array:
         """The model's logits [B, L, V] at the noisy window, given the clean one beside it."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dew.diffusion.masking import mask_tokens, nelbo_weight, stratified_times
+from dew.diffusion.masking import check_temperature, mask_tokens, nelbo_weight, stratified_times
 from dew.errors import BatchKeyError
 from dew.nn.kinds import TokenModel
 from dew.objectives.base import (
@@ -180,8 +180,7 @@ class MaskedDiffusionObjective(TokenDiffusion):
         for name in ("preview_rows", "preview_steps"):  # a preview of 0 unmasking steps decodes mask ids
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be at least 1, got {getattr(self, name)}.")
-        if not self.temperature >= 0:
-            raise ValueError(f"{type(self).__name__}.temperature must be at least 0, got {self.temperature}.")
+        check_temperature(type(self).__name__, self.temperature)
 
     def per_token(self, variables: Variables, tokens: jax.Array, key: jax.Array) -> jax.Array:
         """(1/t) CE of each masked token, 0 for the rest, [B, seq_len]."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import jax
@@ -25,6 +26,11 @@ class InvalidSamplingError(DewError, ValueError):
 
 
 _SMALLEST_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.18e-38
+_LARGEST_TOP_K = 2**31 - 1  # the engine holds top-k as int32; any k above the vocabulary keeps all of it
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -46,16 +52,17 @@ class Sampling:
     min_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature == 0.0 or _SMALLEST_TEMPERATURE <= self.temperature < float("inf")):
+        if not (_number(self.temperature)
+                and (self.temperature == 0.0 or _SMALLEST_TEMPERATURE <= self.temperature < float("inf"))):
             # below float32's smallest normal number the device flushes it to 0: neither greedy nor a draw
             raise InvalidSamplingError("temperature", f"0 (greedy) or a finite number >= {_SMALLEST_TEMPERATURE:.3g}",
                                        self.temperature)
-        if self.top_k is not None and (isinstance(self.top_k, bool) or int(self.top_k) != self.top_k
-                                       or self.top_k < 1):
+        if self.top_k is not None and not (_number(self.top_k) and float(self.top_k).is_integer()
+                                           and self.top_k >= 1):
             raise InvalidSamplingError("top_k", "a whole number >= 1", self.top_k)
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+        if self.top_p is not None and not (_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidSamplingError("top_p", "above 0 and at most 1", self.top_p)
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+        if self.min_p is not None and not (_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise InvalidSamplingError("min_p", "between 0 and 1", self.min_p)
 
     @property
@@ -70,7 +77,7 @@ class Sampling:
 
     def as_row(self) -> tuple[float, int, float, float]:
         """(temperature, top_k, top_p, min_p) with the filters that are off as 0, 0, 1 and 0."""
-        return (float(self.temperature), int(self.top_k or 0),
+        return (float(self.temperature), min(int(self.top_k or 0), _LARGEST_TOP_K),
                 1.0 if self.top_p is None else float(self.top_p), float(self.min_p or 0.0))
 
 
@@ -78,20 +85,24 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
                   min_p: jax.Array, *, filtered: bool = True) -> jax.Array:
     """Scaled and filtered logits [B, V], one setting per row (Sampling.as_row's values).
 
-    Each row is divided by its temperature (rows at 0 are left as they are: they
-    are greedy), then top-k, top-p and min-p set the tokens they drop to the
+    Each row is shifted so its largest logit is 0 and divided by its temperature
+    (rows at 0 are left unscaled: they are greedy), so a temperature near float32's
+    smallest normal number sends the others to -inf rather than the largest to +inf.
+    Logits already at the lowest float (ids a caller excluded) stay there at any
+    temperature. Then top-k, top-p and min-p set the tokens they drop to the
     lowest float, so a draw from the result never picks them. filtered=False
     skips the filters (and their sort) when no row uses one.
     """
     logits = logits.astype(jnp.float32)
+    excluded = jnp.finfo(jnp.float32).min
     scale = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-    logits = logits / scale[:, None]
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(logits <= excluded, excluded, shifted / scale[:, None])
     if not filtered:
         return logits
-    excluded = jnp.finfo(jnp.float32).min
     rows, vocab = logits.shape
     # likeliest first; of tied tokens the higher id first, so a top-p cut through a tie keeps the ids
-    # transformers' TopPLogitsWarper keeps (its ascending sort drops the lower ids first)
+    # transformers' TopPLogitsWarper keeps when its ascending sort is stable (it drops the lower ids first)
     order = vocab - 1 - jnp.argsort(-logits[:, ::-1], axis=-1)
     ordered = jnp.take_along_axis(logits, order, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.int32)

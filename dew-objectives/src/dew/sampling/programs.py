@@ -71,7 +71,7 @@ def _draw(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax
     """
     if vocab is not None and vocab < logits.shape[-1]:
         spelled = jnp.arange(logits.shape[-1]) < vocab
-        logits = jnp.where(spelled, logits, jnp.finfo(logits.dtype).min)
+        logits = jnp.where(spelled, logits, -jnp.inf)  # excluded from a draw at any temperature
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if filtered is None:
         return greedy
