@@ -110,6 +110,25 @@ def test_plain_values_read_as_yaml_1_2_reads_them(text, value):
     assert read == value and type(read) is type(value), read
 
 
+@pytest.mark.parametrize("text", ["0x_", "0o_", "._", "-._", "+.__", "0x", "0o", "."])
+def test_underscores_without_a_digit_are_text_not_a_crash(text):
+    """The number patterns took a run of underscores for digits: `seed=0x_` or a prompt of `._`
+    reached int('') or float('.') and printed a traceback; with no digit they are text."""
+    assert read_yaml(f"key: {text}\n")["key"] == text
+    assert read_yaml("key: 0x_1f\n")["key"] == 31 and read_yaml("key: ._5\n")["key"] == 0.5
+
+
+@pytest.mark.parametrize(("text", "hint"), [
+    ("trainer:\n\tsteps: 5\n", "Indent with spaces"),
+    ("seed: 1\n---\nseed: 2\n", "A recipe is one document"),
+])
+def test_a_yaml_mistake_names_the_file_and_how_to_mend_it(text, hint):
+    with pytest.raises(RecipeFileError) as caught:
+        read_yaml(text, "my-recipe.yaml")
+    assert 'in "my-recipe.yaml", line 2' in str(caught.value) and hint in str(caught.value)
+    assert "<unicode string>" not in str(caught.value)
+
+
 def test_the_shipped_recipes_read_the_same_as_a_plain_safe_load():
     for path in shipped().values():
         assert read_recipe_file(path) == yaml.safe_load(path.read_text())
@@ -170,7 +189,7 @@ def _check_one(text: str, tmp_path: Path) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(alphabet=st.sampled_from(list("ab:-[]{},&*!<>|'\"#\n \t?%@`1.e") + ["\x00", "\ufeff"]),
+@given(text=st.text(alphabet=st.sampled_from(list("ab:-[]{},&*!<>|'\"#\n \t?%@`1.e_xo") + ["\x00", "\ufeff"]),
                     max_size=200))
 def test_fuzz_yaml_punctuation(text, tmp_path):
     _check_one(text, tmp_path)

@@ -111,12 +111,12 @@ _Loader.yaml_implicit_resolvers = {
                  if tag not in (_INT, _FLOAT, _BOOL, "tag:yaml.org,2002:timestamp")])}
 _Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Loader.add_implicit_resolver(
-    _INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+    _INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o_*[0-7][0-7_]*|0x_*[0-9a-fA-F][0-9a-fA-F_]*)$"), list("-+0123456789"))
 _Loader.add_implicit_resolver(
     _FLOAT,
     re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.[0-9_]*[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."),
@@ -186,8 +186,9 @@ def _check_expansion(root: yaml.Node) -> None:
     measure(root, 1)
 
 
-def _parse(text: str) -> Any:
+def _parse(text: str, source: str) -> Any:
     loader = _Loader(text)
+    loader.name = source  # PyYAML's marks otherwise place an error "in <unicode string>"
     try:
         node = loader.get_single_node()
         if node is None:
@@ -198,14 +199,24 @@ def _parse(text: str) -> Any:
         loader.dispose()
 
 
+def _hint(error: yaml.YAMLError) -> str:
+    """How to mend the YAML mistakes a hand-edited recipe makes most."""
+    problem = (error.problem or "") if isinstance(error, yaml.MarkedYAMLError) else ""
+    if "'\\t'" in problem:
+        return "\nIndent with spaces: YAML does not allow tabs there."
+    if "another document" in problem:
+        return "\nA recipe is one document: remove the '---' line and what follows it, or make it a file of its own."
+    return ""
+
+
 def read_yaml(text: str, source: str = "<text>") -> Any:
     """Parse YAML text within the bounds; raise RecipeFileError naming source otherwise."""
     try:
-        return _parse(text)
+        return _parse(text, source)
     except _Refused as error:
         raise RecipeFileError(f"The recipe {source} {error}") from None
     except yaml.YAMLError as error:
-        raise RecipeFileError(f"The recipe {source} is not valid YAML: {error}") from None
+        raise RecipeFileError(f"The recipe {source} is not valid YAML: {error}{_hint(error)}") from None
     except RecursionError:  # a bound above should come first; this keeps the promise regardless
         raise RecipeFileError(
             f"The recipe {source} nests too deeply to read; a recipe needs a handful of levels."
