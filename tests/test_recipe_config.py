@@ -163,6 +163,34 @@ def test_the_journal_follows_the_run_folder_when_only_checkpoint_dir_is_overridd
     assert folders(["trainer.checkpoint_dir=runs/a", "trackers.0.directory=logs/b"]) == ("runs/a", "logs/b")
     assert folders(["trackers.0.directory=logs/b"]) == ("runs/tiny-lm/{timestamp}", "logs/b")
     assert folders(["trainer.checkpoint_dir=null"])[1] == "runs/tiny-lm/{timestamp}"  # no run folder to follow
+    # another of the tracker's fields changed with it: the journal still follows the run
+    assert folders(["trainer.checkpoint_dir=runs/a", "trackers.0.plots=false"]) == ("runs/a", "runs/a")
+    assert folders(["trainer.checkpoint_dir=runs/a", "trackers+={name: local, directory: logs/c}"]) == (
+        "runs/a", "runs/a")
+    assert folders(["trainer.checkpoint_dir=runs/a", "trackers.0={name: local, directory: logs/b}"])[1] == "logs/b"
+
+
+def test_an_override_of_an_aliased_section_changes_that_place_alone(tmp_path):
+    """PyYAML hands every use of an alias the same dict, and an override edited it in place: a
+    teacher written as *model shrank with model.num_layers=1, and a tracker list of [&t {...}, *t]
+    moved both trackers with trackers.1.directory."""
+    from dew.recipes.config import apply_overrides
+    from dew.recipes.reading import read_yaml
+
+    data = read_yaml("model: &m {name: causal_transformer, num_layers: 2}\nobjective: {teacher: *m}\n"
+                     "trackers: [&t {name: local, directory: runs/x}, *t]\n")
+    apply_overrides(data, ["model.num_layers=1", "trackers.1.directory=runs/copy"])
+    assert data["model"]["num_layers"] == 1 and data["objective"]["teacher"]["num_layers"] == 2
+    assert [t["directory"] for t in data["trackers"]] == ["runs/x", "runs/copy"]
+
+
+def test_an_empty_run_folder_is_refused_rather_than_the_working_directory_used():
+    from dew.recipes.config import RunConfig
+    from dew.recipes.errors import RecipeError
+
+    for field in ("checkpoint_dir", "local_checkpoint_dir"):
+        with pytest.raises(RecipeError, match=rf"trainer\.{field}"):
+            RunConfig.load("tiny-lm", [f"trainer.{field}="])
 
 
 def test_each_mismatch_hint_pasted_as_printed_brings_the_recipe_closer_until_it_starts():

@@ -27,10 +27,11 @@ class CheckpointSettings(Settings):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    checkpoint_dir: str | None = Field(None, description="persistent checkpoint directory")
+    checkpoint_dir: str | None = Field(None, min_length=1,  # "" would make the working directory the run
+                                       description="persistent checkpoint directory")
     keep: int | None = Field(3, ge=1, description="checkpoints kept; unset keeps all")
     local_checkpoint_dir: str | None = Field(
-        None, description="a per-host directory for frequent local checkpoints"
+        None, min_length=1, description="a per-host directory for frequent local checkpoints"
     )
     local_every: int | None = Field(None, ge=1, description="steps between local checkpoints")
 

@@ -262,7 +262,7 @@ class RunConfig(Settings):
         data = read_recipe_file(path)
         data = {} if data is None else data
         if isinstance(data, dict):  # otherwise parse names the file and what it holds
-            data = _run_folder_followed(copy.deepcopy(data), apply_overrides(data, overrides))
+            data = _run_folder_followed(copy.deepcopy(data), apply_overrides(data, overrides), overrides)
         return cls.parse(data, str(path))
 
     def recorded(self) -> dict[str, Any]:
@@ -367,10 +367,11 @@ def override_value(text: str) -> Any:
     return value
 
 
-def _run_folder_followed(written: dict[str, Any], given: Any) -> Any:
+def _run_folder_followed(written: dict[str, Any], given: Any, overrides: Sequence[str]) -> Any:
     """given, with each tracker whose directory the recipe wrote as its checkpoint_dir (the run's
-    folder: every shipped recipe's local tracker) moved along when only checkpoint_dir was
-    overridden, so ``trainer.checkpoint_dir=runs/a`` keeps the journal in runs/a too."""
+    folder: every shipped recipe's local tracker) moved along when checkpoint_dir was overridden
+    and that directory was not, so ``trainer.checkpoint_dir=runs/a`` keeps the journal in runs/a
+    too, whatever else of the tracker an override changes."""
     def folder(data: Any) -> Any:
         trainer = data.get("trainer") if isinstance(data, dict) else None
         return trainer.get("checkpoint_dir") if isinstance(trainer, dict) else None
@@ -378,9 +379,14 @@ def _run_folder_followed(written: dict[str, Any], given: Any) -> Any:
     before, after = folder(written), folder(given)
     if before is None or after is None or after == before:
         return given
-    for tracker, as_written in zip(given.get("trackers") or [], written.get("trackers") or [], strict=False):
-        if isinstance(tracker, dict) and tracker == as_written and as_written.get("directory") == before:
-            tracker["directory"] = after  # an entry no override touched
+    touched = {tuple(key.strip().split(".")) for key, sep, _ in (o.partition("=") for o in overrides)
+               if sep and not key.rstrip().endswith("+")}  # an append leaves the written entries alone
+    pairs = zip(given.get("trackers") or [], written.get("trackers") or [], strict=False)
+    for index, (tracker, as_written) in enumerate(pairs):
+        moved = touched & {("trackers",), ("trackers", str(index)), ("trackers", str(index), "directory")}
+        if (isinstance(tracker, dict) and isinstance(as_written, dict) and not moved
+                and tracker.get("directory") == as_written.get("directory") == before):
+            tracker["directory"] = after
     return given
 
 

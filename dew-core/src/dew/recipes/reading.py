@@ -194,9 +194,19 @@ def _parse(text: str, source: str) -> Any:
         if node is None:
             return None
         _check_expansion(node)
-        return loader.construct_document(node)
+        return _unshared(loader.construct_document(node))
     finally:
         loader.dispose()
+
+
+def _unshared(value: Any) -> Any:
+    """value with each alias's mapping or list copied where it is used, so an override of one
+    place (model.num_layers=1) leaves the others (a teacher written as *model) as written."""
+    if isinstance(value, dict):
+        return {key: _unshared(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_unshared(item) for item in value]
+    return value
 
 
 def _hint(error: yaml.YAMLError) -> str:
