@@ -69,6 +69,32 @@ def test_what_resume_refuses(tmp_path):
     assert resumed(folder, [given])[0].trackers[1].fields["uri"] == "http://ann:hunter2@host:5000"
 
 
+def test_stars_in_a_recipes_text_are_not_taken_for_a_redacted_secret(tmp_path):
+    """Any text holding *** (a prompt, an experiment's name) was refused as a redacted secret, and giving
+    it again was refused the same way; only what redaction writes (a whole field, a URI's password or a
+    secret query value) is one."""
+    folder = _run_folder(tmp_path, "trackers+={name: mlflow, experiment: '*** 17+25=', "
+                                   "uri: 'http://host:5000/?token=abc&note=***'}")
+    recorded = json.loads((folder / "run.json").read_text())["trackers"][1]
+    assert recorded == {"name": "mlflow", "experiment": "*** 17+25=", "uri": "http://host:5000/?token=***&note=***"}
+    with pytest.raises(RecipeError, match=r"redacted secrets \(trackers\.1\.uri\)"):  # the token is one
+        resumed(folder)
+    config, _ = resumed(folder, ["trackers.1.uri=http://host:5000/?token=abc&note=***"])
+    assert config.trackers[1].fields["experiment"] == "*** 17+25="
+
+
+def test_a_resume_refuses_to_move_its_folder_rather_than_drop_the_override(tmp_path, monkeypatch):
+    """--resume RUN trainer.checkpoint_dir=OTHER trained on in RUN, OTHER never made, and said to set
+    trainer.checkpoint_dir to start fresh."""
+    folder = _run_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError, match=r"continues the run in its own folder, so "
+                                          r"trainer\.checkpoint_dir=runs/other cannot move it"):
+        resumed(folder, ["trainer.checkpoint_dir=runs/other"])
+    for same in (str(folder), "runs/tiny-lm/2026-01-02_03-04-05"):  # naming its own folder is no move
+        assert resumed(folder, [f"trainer.checkpoint_dir={same}"])[1].directory == folder
+
+
 def test_the_resume_command_is_the_folder_as_typed_here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resume_command(tmp_path / "runs" / "a b") == "dew train --resume 'runs/a b'"
@@ -388,3 +414,26 @@ def test_a_run_started_in_the_second_of_the_last_takes_the_next_seconds_folder(t
     first.directory.mkdir(parents=True)  # the first run made its folder
     second = RunFolder.new(config)
     assert (second.timestamp, second.directory) == ("2026-01-02_03:04:06", tmp_path / "runs" / "2026-01-02_03-04-06")
+
+
+def test_a_resume_is_checked_where_it_started_as_it_trains(tmp_path, monkeypatch, capsys):
+    """`dew train --resume RUN --check` from another directory refused the run's relative tokenizer
+    path, which the resume itself reads from the folder the run started in."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dew.cli import main
+
+    (tmp_path / "start" / "tok").mkdir(parents=True)
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "<stop>": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "start" / "tok" / "tokenizer.json"))
+    (tmp_path / "start" / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<stop>"}))
+    monkeypatch.chdir(tmp_path / "start")
+    folder = _run_folder(tmp_path / "start", "data.tokenizer=tok")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(folder), "--check"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["data"]["tokenizer"] == "tok"  # stdout stays the recipe alone
+    assert f"Resuming in {tmp_path / 'start'}" in err and Path.cwd() == tmp_path / "elsewhere"

@@ -4,6 +4,7 @@ continues a run in its folder."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -171,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         # The parts a run builds before its data: a model the objective does not train, an objective
         # setting it refuses (a schedule's range, guidance without condition dropout), a tokenizer the
         # model cannot embed, refused here as the run would refuse them.
-        build_parts(config, with_data=False)
+        with folder.entered(out=sys.stderr) if folder is not None else contextlib.nullcontext():
+            build_parts(config, with_data=False)  # a resumed run's relative paths start where it started
         print(json.dumps(config.recorded(), indent=2))
         return 0
     from dew.cli.compilation_cache import default_compilation_cache

@@ -27,12 +27,13 @@ import os
 import re
 import shlex
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from dew.errors import raised_from
 from dew.recipes.errors import RecipeError
@@ -95,6 +96,11 @@ class RunFolder:
     timestamp: str | None
     cwd: Path
     resumed: bool = False
+
+    def entered(self, out: TextIO | None = None) -> contextlib.AbstractContextManager[None]:
+        """Where the recipe's relative paths start: a resumed run's own working directory (entered
+        for the length of the block, said on out, stdout by default), else the current one."""
+        return _inside(self.cwd, out or sys.stdout) if self.resumed else contextlib.nullcontext()
 
     @classmethod
     def new(cls, config: RunConfig) -> RunFolder:
@@ -216,13 +222,13 @@ def _directory(config: RunConfig, timestamp: str, cwd: Path) -> Path | None:
 
 
 def _redacted(data: object, prefix: str = "") -> list[str]:
-    from dew.telemetry.redaction import REDACTED
+    from dew.telemetry.redaction import is_redacted
 
     if isinstance(data, dict):
         return [p for key, value in data.items() for p in _redacted(value, f"{prefix}{key}.")]
     if isinstance(data, list):
         return [p for index, value in enumerate(data) for p in _redacted(value, f"{prefix}{index}.")]
-    return [prefix[:-1]] if isinstance(data, str) and REDACTED in data else []
+    return [prefix[:-1]] if isinstance(data, str) and is_redacted(data) else []
 
 
 def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple[RunConfig, RunFolder]:
@@ -246,6 +252,7 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     template = trainer.get("checkpoint_dir")
     timestamp, cwd = origin(directory, template)
     given = {override.split("=", 1)[0].strip() for override in overrides}
+    _refuse_another_folder(overrides, timestamp, cwd, directory)
     followed = _followed(data, template, timestamp, cwd, directory, given)
     # A pool's run records the trainer.multi_host=true dew launch gave its ranks; --resume is one
     # process (a pool resumes with dew launch), which would look for a pool to join and fail.
@@ -265,6 +272,22 @@ def resumed(run: str | os.PathLike[str], overrides: Sequence[str] = ()) -> tuple
     with installing_what_it_trained_with(directory):
         config = RunConfig.parse(data, str(saved))
     return config, RunFolder(directory, timestamp, cwd, resumed=True)
+
+
+def _refuse_another_folder(overrides: Sequence[str], timestamp: str | None, cwd: Path, directory: Path) -> None:
+    """A resume continues in its own folder: a trainer.checkpoint_dir naming another is refused,
+    not dropped."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.strip() != "trainer.checkpoint_dir":
+            continue
+        named = _absolute(_expand(value.strip(), timestamp or ""), cwd) if value.strip() else None
+        if named is None or named != directory and not (named.is_dir() and os.path.samefile(named, directory)):
+            raise RecipeError(
+                f"--resume {shown(directory)} continues the run in its own folder, so "
+                f"trainer.checkpoint_dir={value.strip()} cannot move it; leave the override out, or start a "
+                f"new run from its recipe in another folder (dew train RECIPE trainer.checkpoint_dir=NEW, "
+                f"with init.run={shown(directory)} to start from its weights).")
 
 
 def _in_place(template: object, timestamp: str | None, cwd: Path, directory: Path) -> bool:
@@ -331,17 +354,17 @@ def _beside(path: Path, started: Path, directory: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _inside(cwd: Path) -> Iterator[None]:
+def _inside(cwd: Path, out: TextIO) -> Iterator[None]:
     here = Path.cwd()
     if cwd != here and not cwd.exists():  # a run copied from another machine, or its project moved
         print(f"The folder the run started in, {cwd}, is gone: its recipe's relative paths (data files, a "
               f"tokenizer, task files) are read from here, {here}, instead; where they are elsewhere, give "
-              "them as overrides with absolute paths (data.files=/path/...).", flush=True)
+              "them as overrides with absolute paths (data.files=/path/...).", file=out, flush=True)
     if cwd == here or not cwd.is_dir():
         yield
         return
     print(f"Resuming in {cwd}, where the run started (its recipe's relative paths, and those of "
-          "overrides given now, start there).", flush=True)
+          "overrides given now, start there).", file=out, flush=True)
     os.chdir(cwd)
     try:
         yield
@@ -377,7 +400,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
     created = {d: _first_missing(d) for d in folder.directories(config) if not d.exists()}
     try:
         folder.record(config)
-        with _inside(folder.cwd) if folder.resumed else contextlib.nullcontext():
+        with folder.entered():
             return config.train(timestamp=folder.timestamp)
     except Preempted:
         raise

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REDACTED", "is_secret_field", "redact", "redact_text"]
+__all__ = ["REDACTED", "is_redacted", "is_secret_field", "redact", "redact_text"]
 
 REDACTED = "***"
 
@@ -65,6 +65,13 @@ def redact_text(text: str) -> str:
     """text with URI passwords and secret query values replaced by REDACTED."""
     text = _USERINFO.sub(lambda m: f"{m['head']}:{REDACTED}@", text)
     return _QUERY.sub(lambda m: f"{m['head']}{REDACTED}", text)
+
+
+def is_redacted(text: str) -> bool:
+    """Whether text is, or holds in a URI's password or secret query value, what redact wrote:
+    a prompt that merely contains ``***`` is not."""
+    return text == REDACTED or any(match["secret"] == REDACTED
+                                   for pattern in (_USERINFO, _QUERY) for match in pattern.finditer(text))
 
 
 def redact(value: Any) -> Any:
