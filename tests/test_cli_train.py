@@ -253,3 +253,21 @@ def test_dew_eval_says_when_the_runs_data_holds_other_contents_than_it_trained_o
     assert main(["eval", "run"]) == 0
     assert "dew eval: the data the run's recipe names holds other contents than step 1 was trained on" \
         in capsys.readouterr().err
+
+
+def test_a_flag_xla_does_not_know_is_refused_in_one_line_and_leaves_no_folder(tmp_path, capsys):
+    """XLA aborts a process at its first device call on an unknown XLA_FLAGS entry: the run died
+    with XLA's fatal log line alone (status 1), leaving a run folder holding started.json, and
+    --check passed the recipe."""
+    flags = "trainer.xla_flags=[--xla_force_host_platform_device_count=2, --xla_no_such_flag_dew]"
+    assert main(["train", "tiny-lm", flags, "--check"]) == 2
+    assert "XLA does not know the flag(s) --xla_no_such_flag_dew" in capsys.readouterr().err
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run([str(DEW), "train", "tiny-lm", "trainer.steps=1", flags, "trackers=[]",
+                             f"trainer.checkpoint_dir={tmp_path}/runs/a"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr[-3000:]
+    (line,) = [text for text in result.stderr.splitlines() if "--xla_no_such_flag_dew" in text]
+    assert line.startswith("dew train: UnknownXlaFlagError: XLA does not know the flag(s) --xla_no_such_flag_dew")
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()

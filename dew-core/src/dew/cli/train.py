@@ -167,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
         from dew import plugins
 
         plugins.manager()  # an installed hook plugin every run would refuse is refused here too
+        from dew.training.runtime.process import check_xla_flags
+
+        check_xla_flags(config.trainer.xla_flags or ())  # XLA aborts a run on a flag it does not know
         from dew.recipes.run import build_parts
 
         # The parts a run builds before its data: a model the objective does not train, an objective

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import shlex
+import subprocess
 import sys
 import threading
 import time
@@ -28,6 +30,8 @@ __all__ = [
     "CompilationCacheError",
     "ProcessPoolError",
     "ProcessSettings",
+    "UnknownXlaFlagError",
+    "check_xla_flags",
     "prepare_process",
     "run_timestamp",
     "use_compilation_cache",
@@ -46,6 +50,33 @@ class ProcessPoolError(DewError, RuntimeError):
 
 class CompilationCacheError(DewError, OSError):
     """compilation_cache_dir names a file, or a path where no directory can be made."""
+
+
+class UnknownXlaFlagError(DewError, ValueError):
+    """XLA_FLAGS (with a recipe's trainer.xla_flags) holds a flag this XLA does not know."""
+
+
+def check_xla_flags(flags: Sequence[str]) -> None:
+    """Refuse flags XLA does not know before this process relies on them.
+
+    XLA answers an unknown flag by aborting the process at its first device
+    call, with no Python error and nothing cleaned up, so the environment's
+    XLA_FLAGS with flags appended are first tried in a child interpreter on
+    the CPU (a second or so, only when flags are given).
+    """
+    if not flags:
+        return
+    merged = _merged_flags(os.environ.get("XLA_FLAGS", ""), flags)
+    env = dict(os.environ, XLA_FLAGS=merged, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)
+    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.+)", done.stderr)
+    if unknown:
+        names = unknown[1].strip()
+        raise UnknownXlaFlagError(
+            f"XLA does not know the flag(s) {names} (XLA_FLAGS with the recipe's trainer.xla_flags), and "
+            "would abort the run as it starts; correct their spelling or leave them out of trainer.xla_flags "
+            "(or of XLA_FLAGS, where you set it). TPU flags (--xla_tpu_...) go in LIBTPU_INIT_ARGS.")
 
 
 class ProcessSettings(Settings):
@@ -216,6 +247,8 @@ def prepare_process(config: ProcessSettings | None = None) -> None:
     _raise_soft_limit(resource.RLIMIT_NOFILE)
     _set_core_limit(settings.core_dumps)
     if flags:
+        if not started:  # once started, the flags are those the backend already took
+            check_xla_flags(flags)
         os.environ["XLA_FLAGS"] = _merged_flags(os.environ.get("XLA_FLAGS", ""), flags)
     import jax  # noqa: F401 - imported here, after XLA_FLAGS are set, as before
 
