@@ -230,3 +230,17 @@ def test_each_mismatch_hint_pasted_as_printed_brings_the_recipe_closer_until_it_
     assert "holds a Qwen2ForCausalLM checkpoint (the qwen2 family)" in messages[0]
     assert "'model.rope_scaling={kind: yarn, factor: 4.0, original_max_len: 64}'" in "".join(messages)
     assert "'model.sliding_layers=[2]'" in "".join(messages)
+
+
+def test_an_index_into_a_list_the_recipe_lacks_says_how_to_add_an_entry():
+    """trackers.0.directory=... on a recipe without trackers made a mapping {'0': ...} and pydantic said
+    only "Input should be a valid list"."""
+    from dew.recipes.config import apply_overrides
+    from dew.recipes.errors import RecipeError
+
+    for override, where in (("trackers.0.directory=runs/a", "trackers"), ("trainer.evaluate.0.task=x", "trainer.evaluate"),
+                            ("trackers.1=x", "trackers")):
+        with pytest.raises(RecipeError, match=rf"indexes {where}, which the recipe does not hold; "
+                                              rf"add an entry with {where}\+=\[\{{\.\.\.\}}\]"):
+            apply_overrides({"trainer": {}}, [override])
+    assert apply_overrides({"trainer": {}}, ["a.b.c=1"]) == {"trainer": {}, "a": {"b": {"c": 1}}}  # a key: made

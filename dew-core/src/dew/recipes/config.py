@@ -420,6 +420,10 @@ def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
                 node = node[index]
                 continue
             child = node.get(part)
+            if child is None and parts[depth + 1].isdigit():  # an index into a list the recipe lacks
+                raise RecipeError(
+                    f"The override {override!r} indexes {where}, which the recipe does not hold; "
+                    f"add an entry with {where}+=[{{...}}], its fields in the braces.")
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict | list):
