@@ -18,6 +18,7 @@ def test_the_sbatch_script_is_valid_bash_and_its_srun_line_joins_the_pool(tmp_pa
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=4\n" in text
+    assert "#SBATCH --ntasks=8\n" in text  # sbatch refuses --gpus-per-task without a task count
     assert "#SBATCH --signal=TERM@" in text and "#SBATCH --requeue\n" in text
     srun = shlex.split(next(line for line in text.splitlines() if line.startswith("srun ")))
     command = srun[srun.index("dew") + 1:]
@@ -85,3 +86,44 @@ def test_a_printed_job_notes_a_checkpoint_folder_named_anew_at_every_start(capsy
                "job would train from step 0" in err, err
         assert main(["launch", "--print", *kind, "-n", "2", "tiny-lm", "trainer.checkpoint_dir=/shared/runs/lm"]) == 0
         assert capsys.readouterr().err == ""
+
+
+def test_a_newline_in_an_override_keeps_both_printed_files_whole(tmp_path, capsys):
+    """The written-by comment put a prompt's newline on a line of its own: bash read the rest as a
+    command (so sbatch ignored every #SBATCH line after it), and the manifest was no longer YAML."""
+    import yaml
+
+    prompt = "objective.prompt=def f(x):\n    return"
+    text = _printed(["--print", "slurm", "-n", "2", "tiny-lm", "trainer.checkpoint_dir=/shared/x", prompt], capsys)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    lines = text.splitlines()
+    first_command = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith("#"))
+    assert not any(line.startswith("#SBATCH") for line in lines[first_command:])  # every directive before it
+    srun = shlex.split(text[text.index("\nsrun ") + 1:])  # the quoted newline spans two lines
+    assert srun[-1] == prompt
+    manifest = yaml.safe_load(_printed(["--print", "jobset", "-n", "2", "tiny-lm", "trainer.checkpoint_dir=/shared/x",
+                                        prompt], capsys))
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"][-1] == prompt
+
+
+def test_a_grace_past_slurms_longest_signal_is_refused(capsys):
+    assert main(["launch", "--print", "slurm", "-n", "2", "--grace", "65505", "tiny-lm",
+                 "trainer.checkpoint_dir=/shared/x"]) == 0
+    assert "#SBATCH --signal=TERM@65535\n" in capsys.readouterr().out
+    assert main(["launch", "--print", "slurm", "-n", "2", "--grace", "70000", "tiny-lm",
+                 "trainer.checkpoint_dir=/shared/x"]) == 2
+    assert "give --grace at most that" in capsys.readouterr().err
+
+
+def test_a_jobset_of_a_recipe_file_says_the_file_must_be_in_each_pod(tmp_path, capsys):
+    from dew.recipes.config import shipped
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(shipped()["tiny-lm"].read_text())
+    assert main(["launch", "--print", "jobset", "-n", "2", str(recipe), "trainer.checkpoint_dir=/shared/x"]) == 0
+    assert f"each pod runs the recipe file {recipe} inside its container" in capsys.readouterr().err
+    assert main(["launch", "--print", "jobset", "-n", "2", "tiny-lm", "trainer.checkpoint_dir=/shared/x"]) == 0
+    assert "inside its container" not in capsys.readouterr().err

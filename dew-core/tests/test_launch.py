@@ -46,6 +46,16 @@ def test_kubernetes_indexed_job_reads_its_index_and_the_manifest_s_variables():
         seat_from_environment({"JOB_COMPLETION_INDEX": "0"})
 
 
+def test_the_batch_shell_outside_srun_is_told_to_start_the_ranks_with_srun():
+    """sbatch's own shell has SLURM_PROCID=0, the job's SLURM_NTASKS and SLURM_JOB_NODELIST, but no
+    step: read as rank 0 of the job's tasks, it waited out the connect timeout for ranks srun never
+    started. Only a step's SLURM_STEP_NODELIST places a rank (as JAX's Slurm detection reads it)."""
+    shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"}
+    with pytest.raises(PoolEnvironmentError, match="SLURM_STEP_NODELIST is not; start the processes with srun"):
+        seat_from_environment(shell)
+    assert seat_from_environment({**shell, "SLURM_STEP_NODELIST": "n[1-2]"}).processes == 2
+
+
 def test_explicit_variables_win_and_contradictions_are_named():
     env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1",
            "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n1"}

@@ -82,7 +82,7 @@ def rank_argv(recipe: str, overrides: list[str]) -> list[str]:
 
 def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
     from dew.cli.launch_scripts import ScriptRequest, jobset_manifest, slurm_script
-    from dew.recipes.config import RunConfig
+    from dew.recipes.config import RunConfig, shipped
     from dew.recipes.errors import RecipeError
 
     try:
@@ -96,6 +96,10 @@ def _print_script(args: argparse.Namespace, argv: list[str]) -> int:
               f"{'none' if folder is None else 'a new folder at every start'}, so a restarted job would train "
               "from step 0: give a fixed folder every node can reach (trainer.checkpoint_dir=/shared/runs/NAME).",
               file=sys.stderr)
+    if args.print_kind == "jobset" and args.recipe not in shipped():
+        print(f"note: each pod runs the recipe file {args.recipe} inside its container: put it in the image, or "
+              "in a volume every pod mounts, at that path (a relative path starts in the container's working "
+              "directory); a shipped recipe's name needs no file.", file=sys.stderr)
     request = ScriptRequest(args.recipe, tuple(args.overrides), processes=args.processes or 1,
                             per_node=1 if args.per_node is None else args.per_node, port=args.port,
                             grace=args.grace, connect_timeout=args.connect_timeout,

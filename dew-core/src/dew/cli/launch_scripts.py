@@ -18,6 +18,7 @@ from pathlib import Path
 __all__ = ["ScriptRequest", "jobset_manifest", "job_name", "slurm_script"]
 
 _MARGIN = 30  # seconds beyond the grace: the ranks' own exit after the launcher's kill
+_LONGEST_SIGNAL = 65535  # sbatch --signal=SIG@TIME takes TIME up to 0xffff seconds
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,12 @@ def _command_line(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+def _written_by(asked: Sequence[str]) -> str:
+    """The comment naming the command that wrote the file; a newline inside an argument (a prompt)
+    continues the comment, where it would have ended it and made the rest a command."""
+    return "# written by: dew launch " + _command_line(asked).replace("\n", "\n# ")
+
+
 def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
     """An sbatch script: request.processes tasks, request.per_node per node, one rank each.
 
@@ -69,6 +76,9 @@ def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
     _check_gpus(request)
     name = job_name(request.recipe)
     warning = int(request.grace) + _MARGIN
+    if warning > _LONGEST_SIGNAL:
+        raise ValueError(f"--grace {request.grace:g}: Slurm's --signal warns at most {_LONGEST_SIGNAL} s ahead, "
+                         f"which leaves the ranks {_LONGEST_SIGNAL - _MARGIN} s; give --grace at most that.")
     gpus = [] if request.gpus_per_process is None else [
         f"#SBATCH --gpus-per-task={request.gpus_per_process}",
         f"# --gpus-per-task: each rank its own {request.gpus_per_process} GPU(s) ({request.per_node * request.gpus_per_process}"
@@ -76,9 +86,10 @@ def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
     ]
     lines = [
         "#!/bin/bash",
-        f"# written by: dew launch {_command_line(asked)}",
+        _written_by(asked),
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={request.processes // request.per_node}",
+        f"#SBATCH --ntasks={request.processes}",
         f"#SBATCH --ntasks-per-node={request.per_node}",
         f"#SBATCH --signal=TERM@{warning}",
         "#SBATCH --requeue",
@@ -113,7 +124,7 @@ def jobset_manifest(request: ScriptRequest, asked: Sequence[str]) -> str:
     coordinator = f"{name}-ranks-0-0.{name}:{port}"
     n = request.processes
     return f"""\
-# written by: dew launch {_command_line(asked)}
+{_written_by(asked)}
 # kubectl apply -f this file (the JobSet controller must be installed: jobset.sigs.k8s.io).
 # trainer.checkpoint_dir must be a volume every pod mounts, or a bucket (gs://...).
 apiVersion: jobset.x-k8s.io/v1alpha2

@@ -155,7 +155,9 @@ def seat_from_environment(env: Mapping[str, str] | None = None, port: int | None
                         _integer(env, "JAX_PROCESS_ID"), "environment")
         return _checked(seat, "JAX_PROCESS_ID and JAX_NUM_PROCESSES")
     if env.get("SLURM_PROCID") is not None and env.get("SLURM_NTASKS") is not None:
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        # a step's own list: the batch shell has SLURM_PROCID=0 and the job's SLURM_NTASKS too, and
+        # would wait as rank 0 for ranks srun never started (JAX's Slurm detection reads it alone too)
+        nodes = env.get("SLURM_STEP_NODELIST")
         if not nodes:
             raise PoolEnvironmentError(
                 "SLURM_PROCID and SLURM_NTASKS are set but SLURM_STEP_NODELIST is not; start the "
