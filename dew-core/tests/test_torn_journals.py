@@ -234,6 +234,12 @@ def test_an_audit_against_a_run_on_edited_files_or_other_weights_is_not_identica
     later = _ledger(tmp_path / "later", {"files": ["f1", "f2"], "layout": {
         **mixture, "weights": [*mixture["weights"], [12, [["a", 1], ["b", 3]]]]}})
     assert audit(later, ref).first_difference is None and audit(ref, later).first_difference is None
+    # One switched its weights at record 4 and the other drew on past it with its old ones: both
+    # were called identical, since the shorter list of pieces was taken as the longer's start.
+    switched = _ledger(tmp_path / "switched", {"files": ["f1", "f2"], "layout": {
+        **mixture, "weights": [*mixture["weights"], [4, [["a", 1], ["b", 3]]]]}})
+    for found in (audit(switched, ref), audit(ref, switched)):
+        assert found.first_difference == 2 and any("draw their records otherwise" in n for n in found.notes)
 
 
 

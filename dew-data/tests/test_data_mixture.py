@@ -129,6 +129,44 @@ def test_a_position_resumes_only_a_mixture_that_drew_its_records_the_same_way():
     assert next(older)["row"].tolist() == uninterrupted[0]["row"].tolist()
 
 
+def test_a_resume_with_another_batch_is_refused_where_the_schedule_changes_later():
+    """A schedule's steps are placed at records counted in batches of the current size: resumed with
+    another data.batch, a change at step 4 landed where 4 batches of the new size end. It is refused
+    while a change lies ahead (one behind the position is placed otherwise, which its layout refuses);
+    without a schedule, another batch resumes as before."""
+    from dew.data.mixture import Mixture
+    from dew.data.stream import PositionMismatchError
+
+    sources = {"a": Tagged(0, 40), "b": Tagged(1, 40)}
+    schedule = [{"step": 0, "weights": {"a": 0.5, "b": 0.5}}, {"step": 4, "weights": {"b": 1.0}}]
+    original = Mixture(sources=sources, schedule=schedule).load(batch=4, seed=2).train(DataPartition())
+    _take(original, 2)
+    ahead = original.get_state()
+    wider = Mixture(sources=sources, schedule=schedule).load(batch=8, seed=2).train(DataPartition())
+    with pytest.raises(PositionMismatchError, match=r"saved by steps of 4 records, and this stream reads 8 a step"):
+        wider.set_state(ahead)
+    Mixture(sources=sources, schedule=schedule).load(batch=4, seed=2).train(DataPartition()).set_state(ahead)
+    plain = Mixture(sources=sources, weights={"a": 0.5, "b": 0.5}).load(batch=4, seed=2).train(DataPartition())
+    _take(plain, 2)
+    Mixture(sources=sources, weights={"a": 0.5, "b": 0.5}).load(batch=8, seed=2).train(
+        DataPartition()).set_state(plain.get_state())  # no schedule: another batch resumes as before
+
+
+def test_weights_of_numpy_types_and_of_any_magnitude_are_drawn_by_their_ratios():
+    """np.int64(3) was refused as not a number (its message saying a weight is a number), and weights
+    near 1e-310 passed every check, then 100 over the least overflowed with a traceback."""
+    from dew.data.mixture import Mixture, proportions
+
+    sources = {"a": Tagged(0, 400), "b": Tagged(1, 400)}
+    for weights in ({"a": np.int64(3), "b": np.int64(1)}, {"a": np.float32(0.75), "b": np.float32(0.25)},
+                    {"a": 3e-310, "b": 1e-310}, {"a": 3.0, "b": 1.0}):
+        stream = Mixture(sources=sources, weights=weights).load(batch=8, seed=0).train(DataPartition())
+        drawn = np.concatenate([b["source"] for b in _take(stream, 50)])
+        assert np.mean(drawn == 0) == 0.75, weights
+    assert proportions([3e-310, 1e-310]) == proportions([3.0, 1.0]) == (300, 100)
+    assert proportions([0.35, 0.65]) == (100, 185)  # as grain scales them: 0.65 * (100 / 0.35) = 185.71
+
+
 class TestMixtureReader(DatasetReaderKit):
     """A registered token_windows source beside in-memory ones, with a schedule: resumes bitwise
     on one process and on 2 and 4, fills the keys one source lacks."""

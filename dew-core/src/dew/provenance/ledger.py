@@ -221,16 +221,22 @@ def _orders(size: int, seed: int) -> RecordOrder:
     return RecordOrder(size, seed)
 
 
-def _same_layout(mine: Any, theirs: Any) -> bool:
-    """Whether two saved layouts draw records alike: a mixture's (sources, and the weights of each
-    schedule piece begun) agree where both runs had begun it, so the shorter run's pieces are the
-    longer's first ones; another layout agrees when it is equal. A run that saved none is not compared."""
+def _layouts_part(mine: Any, theirs: Any, reached: int) -> int | None:
+    """The record from which two saved layouts draw their first reached records otherwise, or None
+    where they agree. A mixture's agree over the schedule pieces begun before reached, which both
+    runs read: a piece one run began and the other never had parts them at its start, though the
+    other drew past it; other sources part them from record 0. Another layout agrees when it is
+    equal. A run that saved none is not compared."""
     if mine is None or theirs is None:
-        return True
+        return None
     if isinstance(mine, dict) and isinstance(theirs, dict) and {"sources", "weights"} <= set(mine) & set(theirs):
-        short, long = sorted((list(mine["weights"]), list(theirs["weights"])), key=len)
-        return mine["sources"] == theirs["sources"] and long[:len(short)] == short
-    return bool(mine == theirs)
+        if mine["sources"] != theirs["sources"]:
+            return 0
+        ours, other = ([p for p in layout["weights"] if int(p[0]) < reached] for layout in (mine, theirs))
+        differing = [int(a[0]) for a, b in zip(ours, other, strict=False) if a != b]
+        differing += [int(p[0]) for p in (ours[len(other):] + other[len(ours):])]
+        return min(differing, default=None)
+    return None if mine == theirs else 0
 
 
 def _listed(digests: tuple[tuple[str, ...], ...]) -> str:
@@ -355,8 +361,10 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
             changed = min(s.step for s in mine)  # as many records, of other text (a file edited in place)
             notes.append(f"the runs read files of other bytes (their digests: {_listed(ledger.files)} here, "
                          f"{_listed(against.files)} in {name}): the same positions hold other text")
-        if not _same_layout(ledger.layout, against.layout):
-            changed = min(s.step for s in mine)
+        reached = min(ledger.steps[-1].end, against.steps[-1].end) if ledger.steps and against.steps else 0
+        parting = _layouts_part(ledger.layout, against.layout, reached)
+        if parting is not None:  # the first step drawing a record past the parting
+            changed = next((s.step for s in mine if s.end > parting), min(s.step for s in mine))
             notes.append(f"the runs draw their records otherwise ({json.dumps(ledger.layout)} here, "
                          f"{json.dumps(against.layout)} in {name}): the same positions hold records of other sources")
     by_step = {s.step: s for s in theirs}

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -79,7 +81,13 @@ class MixtureError(DataError, ValueError):
 # -- Grain's interleave, vectorised ----------------------------------------------------------------
 
 def proportions(weights: Sequence[float]) -> tuple[int, ...]:
-    """Positive float weights as the integer proportions grain.MapDataset.mix draws with."""
+    """Positive float weights as the integer proportions grain.MapDataset.mix draws with.
+
+    Weights so small that 100 over the least overflows (below about 1e-306) are first divided by
+    the largest, which keeps their ratios; any others are scaled exactly as grain scales them.
+    """
+    if not math.isfinite(100 / min(weights)):
+        weights = [w / max(weights) for w in weights]
     scale = 100 / min(weights)
     return tuple(int(w * scale) for w in weights)
 
@@ -246,7 +254,8 @@ class _MixedRead:
 # -- the reader ----------------------------------------------------------------------------------
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A real number, numpy's too (np.int64(3), np.float32(0.75)); not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
 def _weight_problems(sources: Mapping[str, Any], weights: object, what: str) -> list[tuple[tuple[str, ...], str]]:

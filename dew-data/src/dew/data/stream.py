@@ -155,6 +155,22 @@ def check_layout(source: Source, fields: Mapping[str, Any]) -> None:
             f"entry at a step after the checkpoint.")
 
 
+def _check_scheduled_batch(source: Source, fields: Mapping[str, Any], batch: int) -> None:
+    """Refuse another batch for a layout that changes after the saved position: its later changes
+    are placed at records counted in batches of the current size, so after steps of another size
+    they would land at other steps than the schedule names."""
+    saved = int(fields.get("batch", batch))
+    if saved == batch or not isinstance(source, LaidOutSource):
+        return
+    records = int(fields["records"])
+    if source.layout(records) != source.layout(2**62):  # a piece of the schedule begins later
+        raise PositionMismatchError(
+            f"The data position was saved by steps of {saved} records, and this stream reads {batch} a step; "
+            f"its mixture's schedule changes the weights after the checkpoint, at steps it places by the "
+            f"batch, so those changes would land at other steps than it names. Keep data.batch={saved} "
+            f"until the schedule's last change, or leave the later entries out.")
+
+
 @runtime_checkable
 class FingerprintedSource(Protocol):
     """A record source that can digest what it holds (ArrayRecords: its arrays' bytes).
@@ -504,6 +520,7 @@ class TrainStream:
                 f"with seed={fields['seed']}."
             )
         check_layout(self.source, fields)  # a mixture names what changed, before its total size
+        _check_scheduled_batch(self.source, fields, self.batch)
         if int(fields.get("size", self.size)) != self.size:
             raise PositionMismatchError(
                 f"The data position was saved over {fields['size']} records, this source holds "
