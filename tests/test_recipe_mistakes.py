@@ -26,8 +26,8 @@ CHECKED = [
     ("masked-diffusion", ["objective.preview_steps=0"],
      "objective: MaskedDiffusionObjective.preview_steps must be at least 1, got 0"),
     ("masked-diffusion", ["objective.t_min=0"], "objective: t_min must lie in (0, 1), got 0"),
-    ("masked-diffusion", ["objective.temperature=-1"], "objective: MaskedDiffusionObjective.temperature must be at "
-                                                       "least 0, got -1"),
+    ("masked-diffusion", ["objective.temperature=-1"], "objective: MaskedDiffusionObjective.temperature must be 0 "
+                                                       "(greedy) or at least 1.18e-38, got -1"),
     ("tiny-lm", ["optimizer.b1=1.5"], "optimizer.b1: Input should be less than 1"),
     # A literal folder named "$HOME" was made in the working directory, and the run trained there.
     ("tiny-lm", ["trainer.checkpoint_dir=$HOME/runs/x"],
