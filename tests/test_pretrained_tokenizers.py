@@ -34,7 +34,9 @@ def test_the_tokenizer_travels_with_the_weights(tmp_path):
     assert Pretrained.load(tmp_path / "byte").tokenizer == ByteTokenizer()
     # transformers reads the byte-level tokenizer.json with dew's ids, byte for byte.
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "byte")
-    for text in ["def f(x):\n\treturn x", "héllo wörld", "日本語 🙂", " two  spaces"]:
+    # (a text holding the end-of-text token's spelling is its bytes to dew: transformers matched it
+    # as the special token, one id for 13)
+    for text in ["def f(x):\n\treturn x", "héllo wörld", "日本語 🙂", " two  spaces", "x = '<|endoftext|>'\n"]:
         ids = ByteTokenizer().encode(text)
         assert theirs.encode(text) == ids
         assert theirs.decode(ids + [256], skip_special_tokens=True) == text

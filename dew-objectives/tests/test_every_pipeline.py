@@ -204,6 +204,10 @@ def test_pixel_generate_writes_a_grid_and_refuses_what_the_model_cannot_take(tmp
     with Image.open(made.files[0]) as grid:  # one row per label, count columns
         assert grid.size == (16, 16)
         np.testing.assert_array_equal(np.asarray(grid)[8:, :8, None], drawn[2])
+    # one sample a label (the default count) is still a row per label: the labels shared a row of 8
+    alone = pipeline.generate(GenerateRequest(("0", "2", "1"), count=1, out=tmp_path / "one"))
+    with Image.open(alone.files[0]) as grid:
+        assert grid.size == (8, 24)
     # --seed picks the draws: seed 3 is the key 3 sampler's images, and not seed 0's
     seeded = pipeline.generate(GenerateRequest(("0", "2"), count=2, seed=3, out=tmp_path / "seeded"))
     again = pipeline([0, 0, 2, 2], key=jax.random.key(3))

@@ -185,6 +185,8 @@ def write_tokenizer(tokenizer: object, directory: Path) -> dict[str, Any] | None
     template = chat_template_of(tokenizer)
     if template is not None:
         settings["chat_template"] = template.source
+    if recorded["kind"] == "byte":  # dew reads "<|endoftext|>" in a text as its 13 bytes; so does transformers
+        settings["split_special_tokens"] = True
     (directory / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
     return recorded
 

@@ -210,7 +210,7 @@ class PixelPipeline(_Saved):
         except ValueError as error:  # a guidance scale the model cannot use, say
             raise UnsupportedRequestError(f"{error} {self.describe()}.") from None
         files = write_samples(pixels, request.out or Path("samples"), video=self.video,
-                              columns=count if conditions and count > 1 else 8)
+                              columns=count if conditions else 8)  # a row per label, a label's samples across
         return Generated(files=files, samples=rows)
 
 
