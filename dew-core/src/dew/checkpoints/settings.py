@@ -27,13 +27,22 @@ class CheckpointSettings(Settings):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    checkpoint_dir: str | None = Field(None, min_length=1,  # "" would make the working directory the run
-                                       description="persistent checkpoint directory")
+    checkpoint_dir: str | None = Field(None, description="persistent checkpoint directory")
     keep: int | None = Field(3, ge=1, description="checkpoints kept; unset keeps all")
     local_checkpoint_dir: str | None = Field(
-        None, min_length=1, description="a per-host directory for frequent local checkpoints"
+        None, description="a per-host directory for frequent local checkpoints"
     )
     local_every: int | None = Field(None, ge=1, description="steps between local checkpoints")
+
+    @pydantic.field_validator("checkpoint_dir", "local_checkpoint_dir")
+    @classmethod
+    def _not_empty(cls, value: str | None) -> str | None:
+        # "" would make the working directory the run's folder. (Checked here, not by min_length,
+        # which pydantic counts in Rust and so refuses a path of bytes that are no UTF-8 as no text.)
+        if value == "":
+            raise ValueError("an empty folder name would make the working directory the run's folder; "
+                             "name a folder, or null for none")
+        return value
 
     @pydantic.model_validator(mode="after")
     def _local_has_a_directory(self) -> CheckpointSettings:
