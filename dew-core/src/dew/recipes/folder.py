@@ -282,7 +282,7 @@ def _refuse_another_folder(overrides: Sequence[str], timestamp: str | None, cwd:
         if key.strip() != "trainer.checkpoint_dir":
             continue
         named = _absolute(_expand(value.strip(), timestamp or ""), cwd) if value.strip() else None
-        if named is None or named != directory and not (named.is_dir() and os.path.samefile(named, directory)):
+        if named is None or not _same_folder(named, directory):
             raise RecipeError(
                 f"--resume {shown(directory)} continues the run in its own folder, so "
                 f"trainer.checkpoint_dir={value.strip()} cannot move it; leave the override out, or start a "
@@ -295,7 +295,12 @@ def _in_place(template: object, timestamp: str | None, cwd: Path, directory: Pat
     if not isinstance(template, str) or "://" in template or (timestamp is None and "{timestamp}" in template):
         return False
     started = _absolute(_expand(template, timestamp or ""), cwd)
-    return started == directory or (started.is_dir() and os.path.samefile(started, directory))
+    return _same_folder(started, directory)
+
+
+def _same_folder(path: Path, directory: Path) -> bool:
+    """Whether path names directory, by its name or as the same folder on disk (a link to it)."""
+    return path == directory or (path.is_dir() and os.path.samefile(path, directory))
 
 
 def _followed(data: object, template: object, timestamp: str | None, cwd: Path, directory: Path,
