@@ -297,6 +297,11 @@ def test_a_pretrained_teacher_that_cannot_serve_is_refused_naming_why(tmp_path):
         DistillationObjective(student_model(), None, SEQ, teacher_pretrained=directory, teacher_checkpoint="runs/x")
     with pytest.raises(FileNotFoundError, match=r"holds no config\.json"):
         DistillationObjective(student_model(), None, SEQ, teacher_pretrained=str(tmp_path / "nowhere"))
+    # A teacher given beside a missing export (as a run's run.json rebuilds it) is refused when
+    # its weights are read, before anything trains.
+    missing = DistillationObjective(student_model(), llama_student(), SEQ, teacher_pretrained=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"nowhere holds no config\.json"):
+        missing.initializer()(nn.meta.unbox(jax.eval_shape(missing.init, jax.random.key(0))))
     with pytest.raises(ValueError, match="needs a teacher"):
         DistillationObjective(student_model(), None, SEQ)
     # The same architecture given explicitly is accepted, and reads the same weights.
@@ -402,3 +407,41 @@ def test_lora_on_the_student_draws_its_base_when_the_objective_reads_only_the_te
     same(list(base.values()), drawn["student"])
     assert [p for p, _ in jax.tree_util.tree_flatten_with_path(variables["params"]["student"])[0]
             if is_adapter(tuple(getattr(k, "key", "") for k in p), None)]
+
+
+@pytest.mark.slow  # two short recipe runs (the start and the resume)
+def test_a_run_whose_teacher_came_from_an_export_is_usable_after_the_export_moved(tmp_path, monkeypatch):
+    """run.json recorded teacher: null beside teacher_pretrained, and the objective read the
+    teacher's architecture from that export's config.json whenever it was rebuilt: once the export
+    had moved, dew generate, eval, export and --resume refused a run whose checkpoints hold every
+    weight. The run records the teacher it read, so it rebuilds without the export."""
+    import shutil
+
+    from dew import models
+    from dew.pretrained import Pretrained
+    from dew.recipes.config import RunConfig
+    from dew.recipes.opening import open_run
+    from dew.recipes.run import train
+
+    monkeypatch.chdir(tmp_path)
+    teacher = llama_student(vocab=257, emb=32, layers=1).clone(max_seq_len=64)
+    Pretrained(teacher, teacher.init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))).save(tmp_path / "teacher")
+    shape = ["objective.teacher_checkpoint=null", "data.files={stdlib}/abc.py", "data.batch=2",
+             "trainer.log_every=1", "trainer.eval_every=2", "model.emb_features=16", "model.mlp_features=32",
+             "trainer.checkpoint_dir=run", "trackers=[]"]
+    trained = train(RunConfig.load("tiny-distill", overrides=[
+        *shape, "objective.teacher=null", "objective.teacher_pretrained=teacher", "trainer.steps=2"]))
+
+    recorded = RunConfig.read(tmp_path / "run").objective.fields["teacher"]
+    assert models.build(recorded.pop("name"), **recorded) == Pretrained.load(tmp_path / "teacher").model
+    shutil.move(tmp_path / "teacher", tmp_path / "moved")
+
+    opened = open_run(tmp_path / "run")  # what generate, eval and export read
+    assert opened.objective.teacher == teacher
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(opened.live), jax.device_get(trained.params))
+
+    resumed = train(RunConfig.read(tmp_path / "run").model_copy(
+        update={"trainer": RunConfig.read(tmp_path / "run").trainer.model_copy(update={"steps": 3})}))
+    assert int(resumed.step) == 3
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params)["params"]["teacher"],
+                 jax.device_get(Pretrained.load(tmp_path / "moved").variables["params"]))

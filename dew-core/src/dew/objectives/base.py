@@ -281,7 +281,7 @@ class Objective(Generic[Loss, Effects]):
     Every other capability a run, a command or an adapter asks of an
     objective is declared below with the default an objective without it
     has, so nothing probes for it: ``trains``, ``heads``, ``rollout``, ``initializer``,
-    ``starting_weights``, ``metrics``, ``pipeline`` and
+    ``starting_weights``, ``recorded_fields``, ``metrics``, ``pipeline`` and
     ``reference_collection``. The ``model`` and ``tokenizer`` it holds are
     declared by type, and held when ``run_inputs`` names them.
     """
@@ -392,6 +392,13 @@ class Objective(Generic[Loss, Effects]):
         part, and its init makes the rest.
         """
         return source
+
+    def recorded_fields(self) -> Mapping[str, Any]:
+        """Fields of its recipe section that it read from files when built (a distillation's
+        teacher from its export's config.json), in a recipe's JSON form: a run records them in
+        run.json where the recipe left them empty, so every later command (resume, generate,
+        eval, export) rebuilds it once those files are gone. None by default."""
+        return {}
 
     @property
     def reference_collection(self) -> str | None:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dew.data.base import Dataset
 
 __all__ = ["NO_JSON", "ComponentConfig", "ComponentValueError", "DataConfig", "check_component", "json_form",
-           "refuse_values", "run_inputs", "with_defaults"]
+           "model_section", "refuse_values", "run_inputs", "with_defaults"]
 
 # Of what an objective declares in Objective.run_inputs, the run always supplies the
 # model (a recipe cannot give one), and the tokenizer unless the recipe gives its own.
@@ -345,6 +345,28 @@ def json_form(value: object) -> object:
         return to_jsonable_python(value)
     except Exception:  # noqa: BLE001 - a default with no JSON form cannot equal a recorded value
         return NO_JSON
+
+
+def model_section(name: str, model: object) -> dict[str, object]:
+    """The recipe section that builds model again as the model registered as name: each field
+    its dataclass declares that differs from the field's default, in JSON form (a dtype by its
+    name, which the registry reads back).
+
+    A run records a model it read from a file this way (a distillation's teacher from its
+    config.json), so its run.json rebuilds that model once the file is gone.
+    """
+    import numpy as np
+
+    section: dict[str, object] = {"name": name}
+    for field in dataclasses.fields(model):  # type: ignore[arg-type]  # a dataclass Module
+        value = getattr(model, field.name)
+        if not field.init or field.name in ("parent", "name") or value is None or value is field.default:
+            continue
+        if field.default is not dataclasses.MISSING and type(value) is type(field.default) and value == field.default:
+            continue
+        form = json_form(value)
+        section[field.name] = np.dtype(value).name if form is NO_JSON else form
+    return section
 
 
 def with_defaults(group: str, name: object, given: Mapping[str, object]) -> dict[str, object]:

@@ -71,6 +71,7 @@ __all__ = [
     "initial_variables",
     "join_pool",
     "objective_parts",
+    "recorded",
     "run_inputs",
     "run_optimizer",
     "show_sample",
@@ -637,6 +638,17 @@ def refuse_differing_processes(config: RunConfig) -> None:
             "Start every process with the same command (dew launch does) and the same installed dew.")
 
 
+def recorded(config: RunConfig, objective: Objective) -> dict[str, Any]:
+    """What the run writes down (``RunConfig.recorded``), with the fields its objective read from
+    files when built (``Objective.recorded_fields``) filled in where the recipe left them empty."""
+    record = config.recorded()
+    section = record["objective"]
+    for key, value in objective.recorded_fields().items():
+        if section.get(key) is None:
+            section[key] = value
+    return record
+
+
 def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
     """Build the run config describes, train it to its last step and return the TrainState.
 
@@ -684,7 +696,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             trained = None if before is None else before.trainer.total_steps(dataset.steps_per_epoch)
             print(resuming_line(checkpoints.directory, resumed_at, fit["steps"], trained), flush=True)
             changes = None if before is None else changes_line(
-                before.recorded(), config.recorded(), cwd=started_from(checkpoints.directory))
+                before.recorded(), recorded(config, objective), cwd=started_from(checkpoints.directory))
             if changes is not None:  # a finished run's too: another recipe in its folder trains nothing
                 print(changes if ahead else
                       f"{changes[:-1]}; it trains nothing here, as this folder's run is finished (its sample "
@@ -716,7 +728,7 @@ def train(config: RunConfig, *, timestamp: str | None = None) -> TrainState:
             _profile_expanded(config.trainer, stamp), objective, run_optimizer(config, fit["steps"]), key=key,
             checkpoints=checkpoints, tracker=tracker, rollout=objective.rollout(),
             initializer=initializer,
-            evaluations=build_evaluations(config, parts, stamp), recipe=config.recorded())
+            evaluations=build_evaluations(config, parts, stamp), recipe=recorded(config, objective))
         # Validation scores what the objective defines (a reward, a perplexity), as `dew eval` does.
         state = trainer.fit(dataset, **fit, metrics=tuple(objective.metrics()))
     except BaseException as error:

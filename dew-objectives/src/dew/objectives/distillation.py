@@ -234,6 +234,16 @@ class DistillationObjective(Objective):
 
         return self.teacher_from(read_run)
 
+    def recorded_fields(self) -> Mapping[str, Any]:
+        """The teacher's architecture when it was read from teacher_pretrained's config.json, so a
+        run rebuilds this objective (to resume, generate, evaluate or export) once that export
+        has moved: the weights themselves are in the run's checkpoints."""
+        if self.teacher_pretrained is None:
+            return {}
+        from dew.recipes.components import model_section
+
+        return {"teacher": model_section("causal_transformer", self.teacher)}
+
     def starting_weights(self, source: WeightSource) -> WeightSource:
         """The student read from source (a recipe's init: another run's or a pretrained model's
         weights, the student's own shape); the teacher still comes from teacher_checkpoint or
@@ -435,6 +445,9 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     """The teacher module directory's config.json describes (given, when set, must compute the same function).
 
     Only the config is read here; the weights are read when the run starts (``initializer``).
+    A given teacher is taken as it is when directory holds no config.json: a run records the
+    teacher it read (``recorded_fields``) and is rebuilt from its run.json after the export
+    moved, and a fresh run's ``initializer`` still refuses a missing directory before training.
     """
     import json
 
@@ -447,6 +460,8 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     )
 
     path = os.path.join(_absolute(directory), CONFIG_FILE)
+    if given is not None and not os.path.isfile(path):
+        return given
     if not os.path.isfile(path):  # dew's own error: said in one line, where a builtin one was a traceback
         raise NoPretrainedModelError(
             f"DistillationObjective.teacher_pretrained: {os.path.dirname(path)} holds no {CONFIG_FILE}; point at "
