@@ -71,6 +71,24 @@ def test_draws_match_the_weights_and_each_source_keeps_its_own_order():
         assert np.array_equal(rows, order(np.arange(drawn)))
 
 
+def test_sources_holding_fewer_records_together_than_one_batch_still_fill_it():
+    """A mixture of 3 and 2 records was refused at a batch of 8 ("fewer than one global batch"),
+    though each source starts over when its share outlasts its records, as a small source at a
+    large weight does within any batch: the batch is filled, each source's records in its own
+    shuffled order, epoch after epoch."""
+    from dew.data.mixture import Mixture, _seed_of
+    from dew.data.order import RecordOrder
+
+    sources = {"a": Tagged(0, 3), "b": Tagged(1, 2)}
+    stream = Mixture(sources=sources, weights={"a": 3, "b": 1}).load(batch=8, seed=2).train(DataPartition())
+    batches = _take(stream, 3)
+    assert all(len(b["row"]) == 8 for b in batches)
+    for tag, name in enumerate(sources):
+        rows = np.concatenate([b["row"][b["source"] == tag] for b in batches])
+        assert len(rows) == (18 if name == "a" else 6) == stream.scalars()[f"data/{name}/records"]
+        assert np.array_equal(rows, RecordOrder(sources[name].n, _seed_of(2, name))(np.arange(len(rows))))
+
+
 def test_a_schedule_changes_the_weights_at_its_steps():
     from dew.data.mixture import Mixture
 

@@ -163,6 +163,12 @@ class MixtureSource:
         """The records of all sources together: a nominal size the saved position is checked by."""
         return sum(len(s) for s in self.sources)
 
+    def fewest_records(self, batch: int) -> int:
+        """One: each source starts over when its share outlasts its records, so sources holding
+        fewer records together than one batch still fill it (a small source at a large weight
+        repeats within a batch whatever the others hold)."""
+        return 1
+
     def at_steps(self, records_before: Callable[[int], int]) -> MixtureSource:
         """The same mixture with its schedule's steps placed at records_before(step) records
         (dew.data.stream.StepScheduled: a batch-size ramp's count)."""

@@ -66,6 +66,7 @@ from dew.data.sources import RecordSource
 __all__ = [
     "CountingSource",
     "LaidOutSource",
+    "RepeatingSource",
     "StepScheduled",
     "EndlessRecords",
     "EndlessSource",
@@ -247,6 +248,15 @@ def source_fields(source: Source, records: int) -> dict[str, Any]:
     if isinstance(source, DigestsFiles):
         fields["files"] = [digest for _, digest in source.file_digests()]
     return fields
+
+
+@runtime_checkable
+class RepeatingSource(Protocol):
+    """A record source whose stream repeats records by design (a mixture draws a small source at
+    a large weight many times over): it says how few records it may hold for a batch of a size,
+    where any other source must hold at least one batch, as a batch would repeat its records."""
+
+    def fewest_records(self, batch: int) -> int: ...
 
 
 @runtime_checkable
@@ -453,7 +463,8 @@ class TrainStream:
         _check_counts(self.workers, self.prefetch)
         self.size = _length(source)
         _rows(self.batch, partition)
-        if self.size < self.batch:  # each batch would repeat records (and a huge one cannot be read)
+        fewest = source.fewest_records(self.batch) if isinstance(source, RepeatingSource) else self.batch
+        if self.size < fewest:  # each batch would repeat records (and a huge one cannot be read)
             raise EmptyDatasetError(
                 f"The training records number {self.size}, fewer than one global batch of {self.batch}: "
                 f"each batch would hold some of them twice. Lower the batch to at most {self.size}, or "
