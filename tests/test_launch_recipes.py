@@ -127,3 +127,26 @@ def test_a_jobset_of_a_recipe_file_says_the_file_must_be_in_each_pod(tmp_path, c
     assert f"each pod runs the recipe file {recipe} inside its container" in capsys.readouterr().err
     assert main(["launch", "--print", "jobset", "-n", "2", "tiny-lm", "trainer.checkpoint_dir=/shared/x"]) == 0
     assert "inside its container" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("asked", ["6", None])
+def test_the_sbatch_scripts_cpus_per_task_reaches_its_ranks(tmp_path, capsys, asked):
+    """The script asked no CPUs and passed none on: Slurm's default gives each rank one CPU, and
+    since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task, so a line the user added
+    bound every rank to one core anyway. The script hands it to srun (SRUN_CPUS_PER_TASK)."""
+    text = _printed(["--print", "slurm", "-n", "2", "tiny-lm"], capsys)
+    assert "--cpus-per-task=C" in text  # the comment says how to ask for more
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"  # what srun would be given: its environment's CPU request
+    srun.write_text('#!/bin/bash\necho "srun cpus=${SRUN_CPUS_PER_TASK:-unset}"\n')
+    srun.chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    environment = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "SRUN_"))}
+    environment["PATH"] = f"{bin_dir}{os.pathsep}{environment['PATH']}"
+    if asked is not None:  # what sbatch sets in the batch shell for a --cpus-per-task line
+        environment["SLURM_CPUS_PER_TASK"] = asked
+    done = subprocess.run(["bash", str(script)], env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"srun cpus={asked or 'unset'}"

@@ -101,7 +101,11 @@ def slurm_script(request: ScriptRequest, asked: Sequence[str]) -> str:
         "# resumes from its checkpoint, so trainer.checkpoint_dir must be on a filesystem every",
         "# node sees. Add your site's --partition and --time lines here"
         + (", and the GPUs (--gpus-per-process K writes them)." if request.gpus_per_process is None else "."),
+        "# Slurm gives each rank one CPU unless a --cpus-per-task=C line asks for more (a node's cores",
+        "# over its ranks, for the data workers and the host's share of each step); srun takes it",
+        "# from sbatch only through SRUN_CPUS_PER_TASK (Slurm 22.05 on), which the script sets.",
         "set -euo pipefail",
+        'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
         *([f"export DEW_COORDINATOR_PORT={request.port}"] if request.port is not None else []),
         f"srun --kill-on-bad-exit=1 {_command_line(request.rank_command())}",
     ]
