@@ -98,6 +98,8 @@ def _plan_in_child(recipe: str, overrides: list[str], devices: int, timeout: flo
 
     The recipe's trainer.xla_flags are appended to the environment's XLA_FLAGS, as a run's process
     appends them before JAX starts, so the step compiled is the one the run compiles."""
+    from dew.training.runtime.process import unknown_xla_flags
+
     with tempfile.TemporaryDirectory(prefix="dew-plan-") as dump:
         flags = [f for f in [*os.environ.get("XLA_FLAGS", "").split(), *xla_flags]
                  if not f.startswith(("--xla_force_host_platform_device_count", "--xla_dump"))]
@@ -112,6 +114,9 @@ def _plan_in_child(recipe: str, overrides: list[str], devices: int, timeout: flo
             return {"error": {"type": "Timeout", "message": f"the compile took longer than {timeout:g} s",
                               "leaves": []}, "status": 1}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    unknown = unknown_xla_flags(done.stderr) if not lines else None
+    if unknown is not None:  # XLA aborted the child with its fatal line alone
+        return {"error": {"type": type(unknown).__name__, "message": str(unknown), "leaves": []}, "status": 2}
     if not lines:
         tail = (done.stderr or done.stdout).strip()[-3000:]
         if done.returncode < 0:  # killed: the planner's own process cannot say why

@@ -34,6 +34,7 @@ __all__ = [
     "check_xla_flags",
     "prepare_process",
     "run_timestamp",
+    "unknown_xla_flags",
     "use_compilation_cache",
 ]
 
@@ -70,13 +71,21 @@ def check_xla_flags(flags: Sequence[str]) -> None:
     env = dict(os.environ, XLA_FLAGS=merged, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
                           text=True, env=env, timeout=300, check=False)
-    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.+)", done.stderr)
-    if unknown:
-        names = unknown[1].strip()
-        raise UnknownXlaFlagError(
-            f"XLA does not know the flag(s) {names} (XLA_FLAGS with the recipe's trainer.xla_flags), and "
-            "would abort the run as it starts; correct their spelling or leave them out of trainer.xla_flags "
-            "(or of XLA_FLAGS, where you set it). TPU flags (--xla_tpu_...) go in LIBTPU_INIT_ARGS.")
+    unknown = unknown_xla_flags(done.stderr)
+    if unknown is not None:
+        raise unknown
+
+
+def unknown_xla_flags(stderr: str) -> UnknownXlaFlagError | None:
+    """The error naming the flags XLA refused, read from the stderr of a process it aborted for
+    them (its fatal log line), or None when it refused none."""
+    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.+)", stderr)
+    if unknown is None:
+        return None
+    return UnknownXlaFlagError(
+        f"XLA does not know the flag(s) {unknown[1].strip()} (XLA_FLAGS with the recipe's trainer.xla_flags), "
+        "and would abort the run as it starts; correct their spelling or leave them out of trainer.xla_flags "
+        "(or of XLA_FLAGS, where you set it). TPU flags (--xla_tpu_...) go in LIBTPU_INIT_ARGS.")
 
 
 class ProcessSettings(Settings):
