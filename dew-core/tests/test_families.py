@@ -375,6 +375,30 @@ def test_a_mistral_config_with_layer_types_windows_only_its_sliding_layers(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_without_sliding_layers_exports_a_window_transformers_can_run(tmp_path, name):
+    """A Gemma 2 or 3 whose layer_types are all full_attention (or one built with no window) was
+    exported with sliding_window: null, which transformers loads and then refuses at its first
+    forward pass ("Could not find a sliding_window argument"): it builds the sliding mask whatever
+    the list says. The export writes the context as the window, which no full layer reads."""
+    directory = write_checkpoint(name, tmp_path / "full", seed=12, redrawn=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    config.pop("sliding_window_pattern", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    theirs = hf_logits(hf_model(directory))
+    loaded = Pretrained.load(directory)
+    assert loaded.model.sliding_window is None
+    assert np.abs(_dew_logits(loaded) - theirs).max() <= 1e-4
+    loaded.save(tmp_path / "out")
+    written_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written_config["sliding_window"] == loaded.model.max_seq_len
+    assert written_config["layer_types"] == config["layer_types"]
+    assert np.abs(hf_logits(hf_model(tmp_path / "out")) - theirs).max() <= 1e-4
+    assert Pretrained.load(tmp_path / "out").model == loaded.model
+
+
+@pytest.mark.slow
 def test_a_longrope_phi3_computes_what_transformers_computes_within_and_past_its_original_context(tmp_path):
     """Phi-3's 128k checkpoints, Phi-3.5-mini and Phi-4-mini divide each rotary frequency by a
     factor of their own, from short_factor while the positions stay within

@@ -19,6 +19,7 @@ from dew.families.hf_config import (
     common_fields,
     flat_rope_config,
     layer_types,
+    listed_window,
     number,
     rope_fields,
     rope_parameters,
@@ -65,7 +66,7 @@ def _float(value: Any) -> float | None:
 def write(model: Module) -> dict[str, Any]:
     return {**common_config(model, ARCHITECTURE, "gemma2"), **flat_rope_config(model),
             "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-            "attention_bias": bool(model.qkv_bias), "sliding_window": model.sliding_window,
+            "attention_bias": bool(model.qkv_bias), "sliding_window": listed_window(model),
             "layer_types": layer_types(model), "query_pre_attn_scalar": number(model.query_pre_attn_scalar),
             "attn_logit_softcapping": model.attention_softcap,
             "final_logit_softcapping": model.logit_softcap}

@@ -21,6 +21,7 @@ from dew.families.hf_config import (
     common_config,
     common_fields,
     layer_types,
+    listed_window,
     number,
     refuse,
     rope_config,
@@ -86,7 +87,7 @@ def write(model: Module) -> dict[str, Any]:
            "rope_theta": float(model.rope_base), "rope_local_base_freq": float(local),
            "rope_scaling": None if model.rope_scaling is None else scaling,
            "rope_parameters": {"full_attention": full, "sliding_attention": rope_config(local, None)},
-           "sliding_window": model.sliding_window, "layer_types": types,
+           "sliding_window": listed_window(model), "layer_types": types,
            "query_pre_attn_scalar": number(model.query_pre_attn_scalar),
            "final_logit_softcapping": model.logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False}

@@ -31,6 +31,7 @@ __all__ = [
     "layer_types",
     "number",
     "one_window",
+    "listed_window",
     "refuse",
     "rope_config",
     "rope_fields",
@@ -254,6 +255,14 @@ def one_window(model: Module) -> int | None:
     refused by Family.config, naming the field."""
     windows = {window for window, _, _ in model._layer_parts()}
     return next(iter(windows)) if len(windows) == 1 else model.sliding_window
+
+
+def listed_window(model: Module) -> int:
+    """The sliding_window a config.json beside a layer_types list writes for model (Gemma 2 and 3):
+    its window, or, where no layer slides, the context, which the list's full_attention layers never
+    read. transformers builds those families' sliding mask whatever the list says, and refuses a
+    window of null, so a model without one is written with a window that changes nothing."""
+    return model.max_seq_len if model.sliding_window is None else model.sliding_window
 
 
 def window_fields(window: int | None, layers: tuple[int, ...] | None, count: int) -> dict[str, Any]:
