@@ -51,6 +51,41 @@ def test_dew_export_verify_certifies_the_export_and_fails_above_the_tolerance(tm
     assert (tmp_path / "strict" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_an_export_transformers_cannot_load_or_run_is_named_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """An export transformers refused (Gemma 2's old sliding_window: null loaded, then failed at
+    the first forward pass) reached `dew export --verify` as transformers' own traceback, with no
+    word of which step failed; it is an UnrunnableExportError naming the step and the export."""
+    from dew.cli import main
+    from dew.pretrained import Pretrained
+    from dew.pretrained.verify import UnrunnableExportError, verify
+
+    source = write_checkpoint("gemma2", tmp_path / "source", seed=3, redrawn=True)
+    loaded = Pretrained.load(source)
+    loaded.save(tmp_path / "out")
+    config_path = tmp_path / "out" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "sliding_window": None}))  # what dew once wrote
+    with pytest.raises(UnrunnableExportError, match=r"could not run the export in .*out \(\w+Error: "):
+        verify(tmp_path / "out", loaded.model, loaded.variables)
+    config_path.write_text(json.dumps({**config, "model_type": "no_such_model"}))
+    with pytest.raises(UnrunnableExportError, match=r"could not load the export in .*out \("):
+        verify(tmp_path / "out", loaded.model, loaded.variables)
+
+    # The command says it in one line, and keeps the export it wrote (the refusal is faked here: an
+    # export dew writes itself is one transformers runs).
+    def refuse(*args, **kwargs):
+        raise OSError("no file named model.safetensors")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    assert main(["export", str(source), str(tmp_path / "cli"), "--verify"]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # above it, the progress bars of the writing
+    assert "Traceback" not in err and last.startswith("dew export --verify: transformers could not load the export")
+    assert "(OSError: no file named model.safetensors)" in last
+    assert (tmp_path / "cli" / "model.safetensors").is_file()
+
+
 def test_a_published_checkpoint_keeps_its_tokenizer_settings_through_dews_own_layout(tmp_path):
     """Qwen 3 through `dew export --format dew` and back to Hugging Face's layout: the chat template,
     the special ids and the published context are those of the source, read back by transformers."""

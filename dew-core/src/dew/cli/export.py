@@ -144,6 +144,7 @@ def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float |
     from dew.pretrained.verify import (
         DEFAULT_TOLERANCE,
         ExportMismatchError,
+        UnrunnableExportError,
         verify,
         verify_adapters,
     )
@@ -159,7 +160,7 @@ def _verify(opened: Opened, lora: Lora | None, written: Path, tolerance: float |
             result = verify_adapters(written, model, variables, tokenizer=opened.tokenizer, tolerance=limit)
         else:
             result = verify(written, model, variables, tokenizer=opened.tokenizer, tolerance=limit)
-    except ExportMismatchError as error:
+    except (ExportMismatchError, UnrunnableExportError) as error:  # written, not certified
         print(f"dew export --verify: {error}", file=sys.stderr)
         return 1
     except PretrainedError as error:

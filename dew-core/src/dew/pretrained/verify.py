@@ -20,12 +20,13 @@ transformers and torch (and peft, for adapters) are needed here only
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,8 +44,8 @@ if TYPE_CHECKING:
     from dew.objectives.base import Variables
     from dew.typing import PyTree
 
-__all__ = ["DEFAULT_TOLERANCE", "VERIFICATION_FILE", "ExportMismatchError", "Verification", "prompts",
-           "verify", "verify_adapters"]
+__all__ = ["DEFAULT_TOLERANCE", "VERIFICATION_FILE", "ExportMismatchError", "UnrunnableExportError",
+           "Verification", "prompts", "verify", "verify_adapters"]
 
 VERIFICATION_FILE = "verification.json"
 DEFAULT_TOLERANCE = 1e-3
@@ -57,6 +58,22 @@ _TEXTS = ("The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    r
 
 class ExportMismatchError(PretrainedError):
     """transformers computes other logits from an export than dew does from the same weights."""
+
+
+class UnrunnableExportError(PretrainedError):
+    """transformers (or PEFT) refused to load an export, or to run it on the prompts."""
+
+
+@contextlib.contextmanager
+def _transformers_doing(what: str, target: Path) -> Iterator[None]:
+    """Name what transformers was asked to do with the export in target when it raises."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - transformers' own errors are of every kind
+        said = (str(error).strip().splitlines() or [""])[0][:300]
+        raise UnrunnableExportError(
+            f"transformers could not {what} the export in {target} ({type(error).__name__}: {said}). The export "
+            "was written but is not certified: report it with its config.json.") from error
 
 
 @dataclass(frozen=True)
@@ -138,7 +155,8 @@ def verify(directory: str | os.PathLike[str], model: Module, variables: Variable
     config = json.loads((target / "config.json").read_text())
     scorer = scoring.is_scorer(config, target / "config.json")
     auto = transformers.AutoModelForSequenceClassification if scorer else transformers.AutoModelForCausalLM
-    theirs = auto.from_pretrained(target, dtype=torch.float32).eval()
+    with _transformers_doing("load", target):
+        theirs = auto.from_pretrained(target, dtype=torch.float32).eval()
     return _compare(target, theirs, scorer, str((config.get("architectures") or ["?"])[0]), model, variables,
                     tokenizer=tokenizer, tolerance=tolerance)
 
@@ -175,8 +193,8 @@ def verify_adapters(directory: str | os.PathLike[str], model: Module, variables:
     scorer = adapter_config.get("task_type") == "SEQ_CLS"
     auto = transformers.AutoModelForSequenceClassification if scorer else transformers.AutoModelForCausalLM
     extra: dict[str, Any] = {"num_labels": 1} if scorer else {}
-    with warnings.catch_warnings(record=True) as warned:  # PEFT warns, and goes on, where it drops adapters
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as warned, _transformers_doing("load", target):
+        warnings.simplefilter("always")  # PEFT warns, and goes on, where it drops adapters
         wrapped = peft.PeftModel.from_pretrained(auto.from_pretrained(source, dtype=torch.float32, **extra),
                                                  target).eval()
     theirs = wrapped.get_base_model()  # the transformers model, PEFT's LoRA layers put into it
@@ -210,12 +228,12 @@ def _compare(target: Path, theirs: Any, scorer: bool, architecture: str, model: 
     tokens = jnp.asarray(ids, jnp.int32)
     if scorer:  # the score at every position: transformers pools one of them per row
         mine = np.asarray(jax.jit(functools.partial(_scores, exact))(weights, tokens))
-        with torch.no_grad():
+        with torch.no_grad(), _transformers_doing("run", target):
             hidden = getattr(theirs, theirs.base_model_prefix)(torch.from_numpy(ids)).last_hidden_state
             other = theirs.score(hidden)[..., 0].float().numpy()
     else:
         mine = np.asarray(jax.jit(exact.apply)({"params": weights}, tokens))
-        with torch.no_grad():
+        with torch.no_grad(), _transformers_doing("run", target):
             other = theirs(torch.from_numpy(ids)).logits.float().numpy()
     worst = float(np.abs(mine - other)[real].max())
     result = Verification(
