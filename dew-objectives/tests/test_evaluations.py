@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -345,8 +346,10 @@ def _hand_perplexity(reference, documents, width):
             total += float(picked[-len(continuation):].sum())
     words = sum(len(re.split(r"\s+", text)) for text in documents)
     size = sum(len(text.encode("utf-8")) for text in documents)
-    return {"word_perplexity": math.exp(-total / words), "byte_perplexity": math.exp(-total / size),
-            "bits_per_byte": -total / size / math.log(2), "token_perplexity": math.exp(-total / count)}
+    # e to more than ~709.8 passes float64: that perplexity is infinite
+    exp = lambda nats: math.exp(nats) if nats < math.log(sys.float_info.max) else math.inf  # noqa: E731
+    return {"word_perplexity": exp(-total / words), "byte_perplexity": exp(-total / size),
+            "bits_per_byte": -total / size / math.log(2), "token_perplexity": exp(-total / count)}
 
 
 def test_perplexity_equals_lm_evals_rolling_windows_in_transformers(exported, reference, tmp_path, capsys):
@@ -369,6 +372,31 @@ def test_perplexity_equals_lm_evals_rolling_windows_in_transformers(exported, re
     _write(tmp_path / "untitled.jsonl", [{"body": "x"}])
     with pytest.raises(TaskFileError, match=r"has no key 'text' \(it has \['body'\]\).*set text_key="):
         PerplexityTask(file=str(tmp_path / "untitled.jsonl")).evaluate(subject)
+
+
+def test_a_perplexity_past_floats_range_is_infinite_not_a_traceback(exported, reference, tmp_path, capsys):
+    """A word the model finds costlier than ~710 nats (a long URL, text written without spaces) made
+    e to the cost overflow: dew eval, and a run scoring the task on its cadence, ended on
+    OverflowError's traceback. That perplexity is infinite; the others are scored as ever, and
+    --json spells it "+Inf" as the journal does (JSON has no Infinity)."""
+    import math
+
+    from dew.cli import main
+    from dew.evaluations.perplexity import PerplexityTask
+
+    folder, subject = exported
+    word = "".join(np.random.default_rng(7).choice(list("qzxjvkw"), 900))  # one word, one document
+    documents = _write(tmp_path / "word.jsonl", [{"text": word}])
+    expected = _hand_perplexity(reference, [word], MAX_LEN)
+    assert expected["bits_per_byte"] * len(word) * math.log(2) > 710  # the word's cost in nats
+    scores = PerplexityTask(file=documents).evaluate(subject)
+    assert scores["word_perplexity"] == math.inf == expected["word_perplexity"]
+    for name in ("byte_perplexity", "bits_per_byte", "token_perplexity"):
+        assert math.isfinite(scores[name]) and scores[name] == pytest.approx(expected[name], rel=1e-4), name
+    assert main(["eval", str(folder / "model"), "--task", "perplexity", "--set", f"file={documents}",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1], parse_constant=pytest.fail)
+    assert printed["eval/perplexity/word_perplexity"] == "+Inf"
 
 
 SMALL = ["model.emb_features=32", "model.num_heads=4", "model.mlp_features=64", "model.num_layers=1",

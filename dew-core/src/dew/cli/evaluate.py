@@ -131,7 +131,9 @@ def _scored(args: argparse.Namespace, opened: Opened) -> int:
                            averaged=opened.averaged)
         values.update(result.scalars)
     if args.json:
-        print(json.dumps({"step": opened.step, "split": args.split, **values}))
+        from dew.telemetry.records import json_value
+
+        print(json.dumps(json_value({"step": opened.step, "split": args.split, **values})))  # "+Inf", not Infinity
     else:
         print(f"{opened.source} step {opened.step} ({args.split}):")
         for name, value in values.items():
@@ -241,7 +243,9 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
         print(f"dew eval: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"step": opened.step, "task": config.name, **values}))
+        from dew.telemetry.records import json_value
+
+        print(json.dumps(json_value({"step": opened.step, "task": config.name, **values})))
     else:
         where = "an exported model" if opened.step is None else f"step {opened.step}"
         print(f"{opened.source} {where} (task {config.name}):")

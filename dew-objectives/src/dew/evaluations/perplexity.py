@@ -103,6 +103,15 @@ class PerplexityTask:
         words = sum(len(re.split(r"\s+", text)) for text in documents)
         size = sum(len(text.encode("utf-8")) for text in documents)
         tokens = sum(len(ids) for ids in encoded)
-        return {"word_perplexity": math.exp(-logp / words), "byte_perplexity": math.exp(-logp / size),
-                "bits_per_byte": -logp / size / math.log(2), "token_perplexity": math.exp(-logp / tokens),
+        return {"word_perplexity": _exp(-logp / words), "byte_perplexity": _exp(-logp / size),
+                "bits_per_byte": -logp / size / math.log(2), "token_perplexity": _exp(-logp / tokens),
                 "records": float(len(documents))}
+
+
+def _exp(nats: float) -> float:
+    """e to the nats: a perplexity past float64's range (a word of ~710 nats, as a long URL or text
+    written without spaces costs a weak model) is infinite, not an OverflowError."""
+    try:
+        return math.exp(nats)
+    except OverflowError:
+        return math.inf
