@@ -441,6 +441,34 @@ def test_a_recipe_scores_its_tasks_on_a_cadence_and_dew_eval_repeats_them(tmp_pa
     assert "eval/multiple_choice/accuracy" in printed and "eval/sums/accuracy" not in printed
 
 
+@pytest.mark.slow
+def test_dew_eval_resolves_only_the_fields_a_task_reads_as_files_from_where_the_run_trained(tmp_path, monkeypatch):
+    """dew eval RUN --task rewrote every text field of the run's entry that named a path existing
+    where the run trained: a generation's stop text "." became that folder's absolute path, so the
+    command scored another task than the run did (exact_match 0.5 logged, 0.0 repeated). Only the
+    fields the task reads as files (ReadsFiles.file_fields) are resolved there."""
+    import argparse
+    import shutil
+
+    from dew.cli import main
+    from dew.cli.evaluate import _task_config
+    from dew.placeholders import expand
+    from dew.recipes.opening import open_run
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(expand("{recipes}/data/addition-answers.jsonl", ""), work / "answers.jsonl")
+    (work / "answer").mkdir()  # a folder named as the task's answer_key: a field that is no path
+    task = "[{task: generation, label: sums, file: answers.jsonl, stop: '.', answer_key: answer, max_new_tokens: 4}]"
+    monkeypatch.chdir(work)
+    assert main(["train", "tiny-sft", *SMALL, "trainer.steps=1", "trainer.checkpoint_dir=runs/sft",
+                 "trackers.0.directory=runs/sft", f"trainer.evaluate={task}"]) == 0
+    monkeypatch.chdir(tmp_path)
+    config = _task_config(argparse.Namespace(task="sums", fields=[]), open_run(work / "runs" / "sft"))
+    assert config.fields == {"file": str(work / "answers.jsonl"), "stop": ".", "answer_key": "answer",
+                             "max_new_tokens": 4}
+
+
 def test_a_recipe_names_a_bad_evaluation_entry():
     from dew.recipes.config import RecipeError, RunConfig
 

@@ -200,19 +200,23 @@ def _val_hint(name: str) -> str:
 
 
 def _as_trained(entry: dict[str, Any], run: str | os.PathLike[str]) -> dict[str, Any]:
-    """A run's trainer.evaluate entry with its relative paths (a task file) made absolute from
-    where the run trained, as they were when it scored them; a --set field stays as typed, from
-    here."""
+    """A run's trainer.evaluate entry with the relative paths of the fields its task reads as files
+    made absolute from where the run trained, as they were when it scored them; its other fields (a
+    stop text of ".") stay as written, and a --set field as typed, from here."""
+    from dew import registry
+    from dew.evaluations.base import file_fields
     from dew.recipes.resuming import started_from
 
     start = started_from(run)
+    try:
+        paths = file_fields(registry.evaluations.load(entry["task"]))
+    except Exception:  # noqa: BLE001 - a task not installed here is named when it is built
+        paths = ("file",)
     out = dict(entry)
-    for key, value in entry.items():
-        if key in ("task", "label") or not isinstance(value, str) or not value or os.path.isabs(value):
-            continue
-        there = start / value
-        if there.exists():
-            out[key] = str(there)
+    for key in paths:
+        value = entry.get(key)
+        if isinstance(value, str) and value and not os.path.isabs(value) and (start / value).exists():
+            out[key] = str(start / value)
     return out
 
 

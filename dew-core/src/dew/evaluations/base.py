@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from dew.objectives.base import Variables
     from dew.training.evaluation import Evaluation
 
-__all__ = ["ChecksModel", "EvaluationTask", "Periodic", "ReadsWholeSequence", "ScoresCausalText", "Subject",
-           "TaskFileError",
+__all__ = ["ChecksModel", "EvaluationTask", "Periodic", "ReadsFiles", "ReadsWholeSequence", "ScoresCausalText",
+           "Subject", "TaskFileError", "file_fields",
            "UnscorableModelError", "check_task_file", "filled_template", "read_task_file", "record_text", "scheduled",
            "share_rows"]
 
@@ -72,6 +72,20 @@ class ScoresCausalText(Protocol):
     its greedy continuations): it needs the run's tokenizer and a model that reads left to right."""
 
     scores_causal_text: ClassVar[bool]
+
+
+@runtime_checkable
+class ReadsFiles(Protocol):
+    """A task whose fields name files it reads (its records' file): ``dew eval RUN --task`` resolves
+    those fields, and no others, from the folder the run trained in, as the run read them. A task
+    that does not declare them is taken to read ``file`` alone."""
+
+    file_fields: ClassVar[tuple[str, ...]]
+
+
+def file_fields(task: object) -> tuple[str, ...]:
+    """The fields naming files that task (a registered task class or an instance) reads."""
+    return task.file_fields if isinstance(task, ReadsFiles) else ("file",)
 
 
 @runtime_checkable

@@ -80,6 +80,7 @@ class GenerationTask:
     """Exact match of greedy generations against reference answers (see the module docstring)."""
 
     scores_causal_text: ClassVar[bool] = True  # dew.evaluations.base.ScoresCausalText
+    file_fields: ClassVar[tuple[str, ...]] = ("file",)  # dew.evaluations.base.ReadsFiles
 
     file: str
     prompt_key: str = "question"

@@ -106,6 +106,7 @@ class MultipleChoice:
     """Accuracy over a JSONL file of multiple-choice records (see the module docstring)."""
 
     scores_causal_text: ClassVar[bool] = True  # dew.evaluations.base.ScoresCausalText
+    file_fields: ClassVar[tuple[str, ...]] = ("file",)  # dew.evaluations.base.ReadsFiles
 
     file: str
     context_key: str = "context"

@@ -58,6 +58,7 @@ class PerplexityTask:
     """Word, byte and token perplexity over a JSONL file of documents (see the module docstring)."""
 
     scores_causal_text: ClassVar[bool] = True  # dew.evaluations.base.ScoresCausalText
+    file_fields: ClassVar[tuple[str, ...]] = ("file",)  # dew.evaluations.base.ReadsFiles
 
     file: str
     text_key: str = "text"
