@@ -726,6 +726,39 @@ def test_a_text_task_is_refused_for_a_denoiser_or_a_run_without_a_tokenizer_as_i
         assert scheduled(config, causal, ByteTokenizer()).task is not None
 
 
+def test_a_text_task_is_refused_for_a_reward_models_run_and_its_export(tmp_path, capsys):
+    """A reward model's run (and its export) was scored by the text tasks through its decoder's token
+    logits, which Bradley-Terry never trains: byte perplexity 300 and a multiple-choice accuracy that
+    meant nothing. The objective declares it serves a score, and the tasks are refused as built."""
+    import jax
+
+    from dew.cli import main
+    from dew.data import ByteTokenizer
+    from dew.evaluations.base import UnscorableModelError, scheduled
+    from dew.evaluations.config import EvaluateConfig
+    from dew.nn.backbones import CausalTransformer
+    from dew.objectives.lm import LMObjective
+    from dew.objectives.reward_model import RewardModelObjective
+    from dew.pretrained.native import objective_pretrained
+
+    file = _write(tmp_path / "p.jsonl", [{"text": "a b", "context": "x", "choices": ["a", "b"], "answer": 0}])
+    causal = CausalTransformer(vocab_size=257, emb_features=8, num_layers=1, num_heads=2, mlp_features=8,
+                               max_seq_len=16)
+    rewards = RewardModelObjective(causal, 8, tokenizer=ByteTokenizer())
+    for task in ("perplexity", "multiple_choice"):
+        config = EvaluateConfig.model_validate({"task": task, "file": file})
+        for objective in (rewards, RewardModelObjective):  # a run's, and an export's recorded class
+            with pytest.raises(UnscorableModelError, match=rf"'{task}' scores .* trained with, "
+                                                           r"RewardModelObjective, trains its model to serve a score"):
+                scheduled(config, causal, ByteTokenizer(), objective=objective)
+        assert scheduled(config, causal, ByteTokenizer(), objective=LMObjective(causal, 8)).task is not None
+
+    variables = jax.device_get(rewards.init(jax.random.key(0)))
+    objective_pretrained(rewards, variables).save(tmp_path / "export")
+    assert main(["eval", str(tmp_path / "export"), "--task", "perplexity", "--set", f"file={file}"]) == 2
+    assert "RewardModelObjective, trains its model to serve a score" in capsys.readouterr().err
+
+
 def test_the_data_page_gsm8k_entry_scores_numbers_as_lm_eval_does(tmp_path):
     """docs/datasets.md's generation entry, built by the registry as a recipe's is: a reference
     written "1,600" or "$1600." and a generation that says "= 1600" are one answer once its

@@ -220,6 +220,19 @@ def _as_trained(entry: dict[str, Any], run: str | os.PathLike[str]) -> dict[str,
     return out
 
 
+def _trained_with(opened: Opened) -> Any:
+    """The objective the weights were trained with: the run's, or, for an export recording its task
+    (a reward model's), that objective's class; None for an export that records none."""
+    from dew import registry
+
+    if opened.objective is not None or opened.pretrained is None or opened.pretrained.task is None:
+        return opened.objective
+    try:
+        return registry.objectives.load(opened.pretrained.task["name"])
+    except Exception:  # noqa: BLE001 - an objective not installed here: the export is scored as a model
+        return None
+
+
 def _run_task(args: argparse.Namespace, opened: Opened) -> int:
     from functools import partial
 
@@ -236,7 +249,7 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
                               f"or in dew.evaluations; the registered tasks are "
                               f"{', '.join(registry.evaluations.names()) or 'none'}.")
         task = scheduled(config, opened.model, opened.tokenizer, expand=lambda f: expand(f, ""),
-                         served=partial(served_variables, opened.objective))
+                         served=partial(served_variables, opened.objective), objective=_trained_with(opened))
         kept = [("eval", opened.live if opened.live is not None else opened.variables)]
         if opened.live is not None and opened.variables is not opened.live:
             kept.append(("eval_ema", opened.variables))

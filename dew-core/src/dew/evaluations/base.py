@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from dew.data.base import Tokenizer
     from dew.evaluations.config import EvaluateConfig
-    from dew.objectives.base import Variables
+    from dew.objectives.base import Objective, Variables
     from dew.training.evaluation import Evaluation
 
 __all__ = ["ChecksModel", "EvaluationTask", "Periodic", "ReadsFiles", "ReadsWholeSequence", "ScoresCausalText",
@@ -177,11 +177,13 @@ class Periodic:
 
 def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None,
               expand: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-              served: Callable[[Variables], Variables] | None = None) -> Periodic:
+              served: Callable[[Variables], Variables] | None = None,
+              objective: Objective | type[Objective] | None = None) -> Periodic:
     """The Periodic a recipe's ``trainer.evaluate`` entry describes, its task built by the registry.
 
     expand, when given, rewrites the fields first (a recipe's ``{recipes}`` placeholders); served
-    is Periodic's.
+    is Periodic's. objective, the run's (or its class, for an export recording it), refuses a text
+    task where its model serves a score.
     """
     from dew import registry
 
@@ -194,6 +196,14 @@ def scheduled(config: EvaluateConfig, model: Module, tokenizer: Tokenizer | None
                 f"run's model, {type(model).__name__}, reads the whole sequence at every position (a "
                 "diffusion denoiser), so its logits predict no next token. Score the run with its objective's "
                 "own metrics (dew eval RUN), or give the task a causal model's run.")
+        if objective is not None and objective.serves_scores:
+            kind = objective if isinstance(objective, type) else type(objective)
+            raise UnscorableModelError(
+                f"The task {config.task!r} scores a causal language model's next-token predictions, and the "
+                f"objective these weights were trained with, {kind.__name__}, trains its model to serve a score "
+                "(its decoder's token predictions never train), so the task would score untrained logits. "
+                "Score them with the objective's own metrics (dew eval RUN), or give the task a language "
+                "model.")
         if tokenizer is None:
             raise UnscorableModelError(
                 f"The task {config.task!r} turns text into ids with the run's tokenizer, and this run has none: "

@@ -280,7 +280,7 @@ class Objective(Generic[Loss, Effects]):
 
     Every other capability a run, a command or an adapter asks of an
     objective is declared below with the default an objective without it
-    has, so nothing probes for it: ``trains``, ``heads``, ``rollout``, ``initializer``,
+    has, so nothing probes for it: ``trains``, ``heads``, ``serves_scores``, ``rollout``, ``initializer``,
     ``starting_weights``, ``recorded_fields``, ``metrics``, ``pipeline`` and
     ``reference_collection``. The ``model`` and ``tokenizer`` it holds are
     declared by type, and held when ``run_inputs`` names them.
@@ -300,6 +300,10 @@ class Objective(Generic[Loss, Effects]):
     """The top-level parameters it adds beside its model's own (a reward model's score, PPO's
     value head): a LoRA run trains them in full beside the adapters, as PEFT's modules_to_save
     does, and draws them fresh where the base weights lack them."""
+    serves_scores: ClassVar[bool] = False
+    """Whether its model serves a score from its decoder's features (a reward model) and never
+    trains the decoder's token predictions: a text task (perplexity, multiple choice,
+    generation) would score untrained logits, so it is refused for such a run."""
     # Declared without a value: a dataclass subclass would read a value here as its field's
     # default. An objective whose run_inputs name "model" (or "tokenizer") holds one.
     model: nn.Module

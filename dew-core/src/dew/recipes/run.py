@@ -362,7 +362,7 @@ def build_evaluations(config: RunConfig, parts: Parts, timestamp: str = "") -> l
         try:
             built.append(scheduled(entry, parts.model, parts.tokenizer,
                                    expand=lambda fields: expand(fields, timestamp),
-                                   served=partial(served_variables, parts.objective)))
+                                   served=partial(served_variables, parts.objective), objective=parts.objective))
         except DewError as error:  # a task's own refusal (a missing task file): traced to its entry
             error.add_note(f"The recipe's trainer.evaluate.{number} ({entry.name}) asks for it.")
             raise

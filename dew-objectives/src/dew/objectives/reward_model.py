@@ -99,6 +99,7 @@ class RewardModelObjective(Objective):
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
     trains: ClassVar[type[Any] | None] = CausalDecoder
     heads: ClassVar[tuple[str, ...]] = (REWARD_HEAD,)
+    serves_scores: ClassVar[bool] = True  # its decoder's token logits never train
 
     model: nn.Module
     seq_len: int
