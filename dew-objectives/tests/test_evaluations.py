@@ -120,6 +120,31 @@ def test_multiple_choice_equals_a_hand_written_scorer_in_transformers(exported, 
     assert 0 < accuracy < 1  # the redrawn weights prefer some right answers and some wrong ones
 
 
+def test_an_answer_given_as_a_choices_text_is_that_choice_and_an_ambiguous_one_is_refused(tmp_path):
+    """A string answer was read as an index or a letter before it was looked up among the choices:
+    "4" among the choices 3, 4, 5, 6 was refused as naming none of them, "y" among x and y read as
+    the 25th letter, and "3" among 3, 4, 5, 6 silently became the choice "6". A choice's text names
+    that choice; where it also names another by position, answer_is says which reading is meant."""
+    from dew.evaluations.multiple_choice import MultipleChoice
+
+    def golds(records, **fields):
+        file = _write(tmp_path / "mc.jsonl", [{"context": "c", **record} for record in records])
+        return [q.choices[q.answer] for q in MultipleChoice(file=file, **fields).questions()]
+
+    numbers = ["3", "4", "5", "6"]
+    assert golds([{"choices": numbers, "answer": "4"}, {"choices": ["x", "y"], "answer": "y"},
+                  {"choices": numbers, "answer": "1"}, {"choices": ["no", "yes"], "answer": "B"}]) == ["4", "y", "4", "yes"]
+    ambiguous = [{"choices": numbers, "answer": "3"}, {"choices": ["B", "A"], "answer": "A"}]
+    for record, text, position in zip(ambiguous, (0, 1), (3, 0), strict=True):
+        with pytest.raises(TaskFileError, match=rf"the answer '{record['answer']}' is the text of choice {text} and "
+                                                rf"also names choice {position} by its position; set answer_is="):
+            golds([record])
+    assert golds(ambiguous, answer_is="text") == ["3", "A"]
+    assert golds(ambiguous, answer_is="position") == ["6", "B"]
+    with pytest.raises(TaskFileError, match=r"the answer '4' names none of its 4 choices"):
+        golds([{"choices": numbers, "answer": "4"}], answer_is="position")
+
+
 def test_accuracy_norm_divides_by_the_choice_alone_as_lm_eval_does():
     """lm-eval's acc_norm divides each summed log-probability by len(choice): here -42.09/24 beats
     -6.39/3, while counting the separator (25 and 4 characters) would pick the short choice."""

@@ -4,9 +4,11 @@ Each JSONL record holds a context, its choices and the right one::
 
     {"context": "The capital of France is", "choices": ["Paris", "Rome"], "answer": 0}
 
-``answer`` is the index of the right choice, a letter (``"B"``), or the
+``answer`` is the index of the right choice, a letter (``"B"``), the
 choice's label when choices come labelled as ARC's do
-(``{"text": [...], "label": ["A", "B", ...]}``); ``first_answer`` is the
+(``{"text": [...], "label": ["A", "B", ...]}``), or the choice's own text
+(``answer_is`` says which reading is meant where an answer allows both and
+they differ); ``first_answer`` is the
 number a file gives its first choice (Winogrande's ``"1"`` and ``"2"``:
 ``first_answer: 1``). Choices kept in fields of
 their own (PIQA's ``sol1``, ``sol2``) are named as a list, ``choices_key:
@@ -39,7 +41,7 @@ import string
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -116,6 +118,7 @@ class MultipleChoice:
     separator: str = " "
     blank: str | None = None  # Winogrande's "_": each choice fills the context there (module docstring)
     first_answer: int = 0  # the number the file gives its first choice (Winogrande's: 1)
+    answer_is: Literal["position", "text"] | None = None  # None: whichever reading the answer allows
     batch: int = 16
 
     def __post_init__(self) -> None:
@@ -123,6 +126,9 @@ class MultipleChoice:
             object.__setattr__(self, "choices_key", tuple(self.choices_key))
         if self.batch < 1:
             raise TaskFileError(f"MultipleChoice.batch={self.batch!r}; it is at least 1.")
+        if self.answer_is is not None and self.answer_is not in ("position", "text"):
+            raise TaskFileError(f"MultipleChoice.answer_is={self.answer_is!r}; it is 'position' (an index, a "
+                                "letter or a label) or 'text' (the right choice's own text).")
         if self.blank == "":
             raise TaskFileError("MultipleChoice.blank is empty, which every context holds everywhere; give the "
                                 "mark each choice fills (Winogrande's '_'), or leave blank out.")
@@ -171,21 +177,38 @@ class MultipleChoice:
         return Question(line, context, tuple(choices), self._answer(record[self.answer_key], choices, labels, where))
 
     def _answer(self, answer: Any, choices: Sequence[str], labels: Any, where: str) -> int:
-        index: int | None = None
+        """The right choice's index: the answer read by position (an index, a letter, a label) or as a
+        choice's own text. Where both readings name a choice and differ ("3" among the choices
+        "3", "4", "5", "6"), answer_is says which is meant, and without it the record is refused."""
+        position: int | None = None
+        text: int | None = None
         if isinstance(answer, int) and not isinstance(answer, bool):
-            index = answer - self.first_answer
+            position = answer - self.first_answer
         elif isinstance(answer, str):
             if labels is not None and answer in list(labels):
-                index = list(labels).index(answer)
+                position = list(labels).index(answer)
             elif answer.strip().isdigit():
-                index = int(answer.strip()) - self.first_answer
+                position = int(answer.strip()) - self.first_answer
             elif len(answer.strip()) == 1 and answer.strip().upper() in string.ascii_uppercase:
-                index = string.ascii_uppercase.index(answer.strip().upper())
-            elif answer in choices:
-                index = list(choices).index(answer)
-        if index is None or not 0 <= index < len(choices):
+                position = string.ascii_uppercase.index(answer.strip().upper())
+            if answer in choices:
+                text = list(choices).index(answer)
+        if position is not None and not 0 <= position < len(choices):
+            position = None  # "y" among two choices is no letter of theirs, though it may be one's text
+        if self.answer_is == "position":
+            text = None
+        elif self.answer_is == "text":
+            position = None
+        if position is not None and text is not None and position != text:
+            raise TaskFileError(
+                f"{where}: the answer {answer!r} is the text of choice {text + self.first_answer} and also names "
+                f"choice {position + self.first_answer} by its position; set answer_is='text' or "
+                "answer_is='position' to say how the file's answers read.")
+        index = text if position is None else position
+        if index is None:
             raise TaskFileError(f"{where}: the answer {answer!r} names none of its {len(choices)} choices; give "
-                                f"its index (from {self.first_answer}: first_answer), its letter, or its label.")
+                                f"its index (from {self.first_answer}: first_answer), its letter, its label, or "
+                                "its text.")
         return index
 
     def scored(self, question: Question) -> list[tuple[str, str]]:
