@@ -241,9 +241,12 @@ def test_a_resumed_fit_reopens_its_run_and_the_run_ends_as_the_fit_did(server, t
     from dew.trackers.mlflow import MLflowTracker
 
     def fit(folder, start, stop, outcome):
+        # Every fit's recipe names its folder as a shipped recipe does, {timestamp} unexpanded: the run
+        # is the one of the folder the fit keeps its checkpoints in (a resume of one run of a recipe
+        # reopened the newest run of any, and logged its steps there)
         tracker = MLflowTracker("dew-resumes", "a-run", uri=server)
-        tracker.artifact(RunStarted(config={"trainer": {"checkpoint_dir": str(folder)}}, start=start,
-                                    steps=10), step=start)
+        tracker.artifact(RunStarted(config={"trainer": {"checkpoint_dir": "runs/{timestamp}"}}, start=start,
+                                    steps=10, folder=str(folder)), step=start)
         for step in range(start + 1, stop + 1):
             tracker.log({"loss": float(step)}, step=step)
         tracker.conclude(outcome)
@@ -263,3 +266,39 @@ def test_a_resumed_fit_reopens_its_run_and_the_run_ends_as_the_fit_did(server, t
     runs = client.search_runs([experiment], order_by=["attributes.start_time ASC"])
     assert [r.info.status for r in runs] == ["FAILED", "FINISHED"]
     assert runs[1].data.tags["dew.checkpoint_dir"] == str(tmp_path / "other")
+    fit(tmp_path / "run", 7, 8, "finished")  # the first run again, though "other" started last
+    runs = client.search_runs([experiment], order_by=["attributes.start_time ASC"])
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))[-1] == 8
+    assert sorted(m.step for m in client.get_metric_history(runs[1].info.run_id, "loss")) == [1, 2]
+
+
+def test_a_resume_that_changes_adds_or_removes_recipe_fields_tags_each_and_keeps_the_first_parameters(
+        tmp_path, monkeypatch):
+    """A field new to a reopened run was logged as a parameter, so a tracker the resume added read as
+    the removed one's fields (trackers.1.name=wandb beside trackers.1.experiment=e2), and a removed
+    field left no trace. The parameters stay the first fit's recipe; each difference is a tag."""
+    from mlflow import MlflowClient
+
+    from dew.telemetry.records import RunStarted
+    from dew.trackers.mlflow import MLflowTracker
+
+    monkeypatch.chdir(tmp_path)  # a SQLite store keeps its artifacts in ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = {"optimizer": {"learning_rate": 0.1}, "trackers": [{"name": "local"}, {"name": "wandb", "project": "p"}]}
+    later = {"optimizer": {"learning_rate": 0.2}, "trackers": [{"name": "local"}, {"name": "mlflow",
+                                                                                 "experiment": "e2"}]}
+    for config, start in ((first, 0), (later, 4)):
+        tracker = MLflowTracker("dew-fields", uri=uri)
+        tracker.artifact(RunStarted(config=config, start=start, steps=8, folder=str(tmp_path / "run")), start)
+        tracker.log({"loss": 1.0}, step=start + 1)
+        tracker.close()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("dew-fields").experiment_id])
+    assert run.data.params == {"optimizer.learning_rate": "0.1", "trackers.0.name": "local",
+                               "trackers.1.name": "wandb", "trackers.1.project": "p"}
+    resumed = {key: value for key, value in run.data.tags.items() if key.startswith("dew.resumed_at.")}
+    assert resumed == {"dew.resumed_at.4.optimizer.learning_rate": "0.2",
+                       "dew.resumed_at.4.trackers.1.name": "mlflow",
+                       "dew.resumed_at.4.trackers.1.experiment": "e2",
+                       "dew.resumed_at.4.trackers.1.project": "<unset>"}

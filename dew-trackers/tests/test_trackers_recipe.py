@@ -131,33 +131,50 @@ def test_recipe_fields_mlflow_would_refuse_become_names_it_takes(tmp_path, monke
 
 
 @pytest.mark.slow
-def test_dew_train_resume_continues_the_mlflow_run_it_started(tmp_path):
-    # The first fit records its folder relative to where it ran, the resume as an absolute path:
-    # both name the same run, which the resume reopens rather than starting a second.
+def test_dew_train_resume_continues_the_mlflow_and_wandb_runs_it_started(tmp_path):
+    # The resume reopens the run the first fit started rather than starting a second. The recipe
+    # names its folder as the shipped ones do, runs/{timestamp}: each tracker took that text for the
+    # folder, so a resume started a new W&B run and reopened the newest MLflow run of the recipe
+    # (another run's), logging its steps there.
     from mlflow import MlflowClient
+
+    from dew.trackers.wandb import RUN_ID_FILE
 
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     recipe = yaml.safe_load(RECIPE.read_text())
     recipe["data"]["files"] = "{stdlib}/a*.py"
-    recipe["trainer"].update(steps=2, log_every=1, checkpoint_dir="runs/first")
-    recipe["trackers"] = [{"name": "mlflow", "experiment": "dew-resume", "uri": mlflow_uri}]
+    recipe["trainer"].update(steps=2, log_every=1, checkpoint_dir="runs/{timestamp}")
+    recipe["trackers"] = [{"name": "mlflow", "experiment": "dew-resume", "uri": mlflow_uri},
+                          {"name": "wandb", "project": "dew-resume", "offline": True}]
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for command in (["train", str(tmp_path / "recipe.yaml")],
-                    ["train", "--resume", "runs/first", "trainer.steps=4", "optimizer.learning_rate=0.001"]):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+
+    def dew(*command):
         result = subprocess.run([str(DEW), *command], capture_output=True, text=True, timeout=600,
                                 cwd=tmp_path, env=env)
         assert result.returncode == 0, result.stdout + result.stderr[-4000:]
         # MLflow will not change a parameter: the folder the resume writes absolute was refused, and with
         # it the whole batch of parameters (an override's among them), on every resume
         assert "could not record the recipe" not in result.stderr, result.stderr[-3000:]
+
+    dew("train", str(tmp_path / "recipe.yaml"))
+    (first,) = (tmp_path / "runs").iterdir()
+    dew("train", str(tmp_path / "recipe.yaml"), "seed=1")  # another run of the recipe, started later
+    (other,) = set((tmp_path / "runs").iterdir()) - {first}
+    wandb_id = json.loads((first / RUN_ID_FILE).read_text())["id"]
+    assert json.loads((other / RUN_ID_FILE).read_text())["id"] != wandb_id
+    dew("train", "--resume", str(first.relative_to(tmp_path)), "trainer.steps=4", "optimizer.learning_rate=0.001")
+    assert json.loads((first / RUN_ID_FILE).read_text())["id"] == wandb_id  # the same W&B run went on
     client = MlflowClient(tracking_uri=mlflow_uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("dew-resume").experiment_id])
+    runs = {run.data.tags["dew.checkpoint_dir"]: run
+            for run in client.search_runs([client.get_experiment_by_name("dew-resume").experiment_id])}
+    assert set(runs) == {str(first), str(other)}
+    run = runs[str(first)]
     assert run.info.status == "FINISHED"
-    assert run.data.tags["dew.checkpoint_dir"] == str(tmp_path / "runs/first")
-    assert run.data.params["trainer.checkpoint_dir"] == "runs/first"  # as the first fit wrote it
+    assert run.data.params["trainer.checkpoint_dir"] == "runs/{timestamp}"  # as the recipe wrote it
     assert run.data.tags["dew.resumed_at.2.optimizer.learning_rate"] == "0.001"  # what the resume changed
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]
+    assert sorted(m.step for m in client.get_metric_history(runs[str(other)].info.run_id, "train/loss")) == [1, 2]
 
 
 @pytest.mark.slow

@@ -163,8 +163,8 @@ def test_a_resumed_fit_continues_its_folders_run_without_an_id(tmp_path, monkeyp
             time.sleep(0.05)
         folder.mkdir(exist_ok=True)
         tracker = WandbTracker(project, "a-run", offline=True, id=id)
-        tracker.artifact(RunStarted(config={"trainer": {"checkpoint_dir": str(folder)}}, start=start, steps=10),
-                         step=start)
+        tracker.artifact(RunStarted(config={"trainer": {"checkpoint_dir": "runs/{timestamp}"}}, start=start,
+                                    steps=10, folder=str(folder)), step=start)  # the folder, not the recipe's text
         for step in range(start + 1, stop + 1):
             tracker.log({"loss": float(step)}, step=step)
         run_id = tracker.run.id

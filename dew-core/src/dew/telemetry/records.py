@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard, runtime_checkable
@@ -105,7 +104,12 @@ def _fields(record: DataclassInstance) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RunStarted:
-    """A fit began: its configuration, the step range and where it runs."""
+    """A fit began: its configuration, the step range and where it runs.
+
+    folder is the run's folder, where the fit keeps its checkpoints (absolute, or a store's URL),
+    None for a fit that keeps none; the recipe in config names it as written, ``{timestamp}``
+    unexpanded, so it cannot tell one run of a recipe from another.
+    """
 
     type: ClassVar[str] = "run_started"
 
@@ -114,16 +118,15 @@ class RunStarted:
     steps: int
     mesh: dict[str, int] = field(default_factory=dict)
     processes: int = 1
+    folder: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return _fields(self)
 
     def run_folder(self) -> str | None:
-        """The absolute run folder (the recipe's trainer.checkpoint_dir), if the fit has one: a
-        tracker keeps one run per folder, which a resume there reopens."""
-        trainer = self.config.get("trainer")
-        folder = trainer.get("checkpoint_dir") if isinstance(trainer, Mapping) else None
-        return os.path.abspath(folder) if isinstance(folder, str) and folder else None
+        """The run folder, if the fit has one: a tracker keeps one run per folder, which a resume
+        there reopens."""
+        return self.folder
 
 
 @dataclass(frozen=True)

@@ -198,14 +198,15 @@ class Progress:
 
     # -- the run's edges -----------------------------------------------------------
     def start(self, trainer: object, start: int, steps: int, mesh: Mapping[str, int], *,
-              recipe: Mapping[str, object] | None = None) -> None:
-        """The fit began: the RunStarted record (carrying the recipe, when the run has one)."""
+              recipe: Mapping[str, object] | None = None, folder: str | None = None) -> None:
+        """The fit began: the RunStarted record (carrying the recipe, when the run has one, and the
+        folder its checkpoints are kept in)."""
         processes = jax.process_count()
         self.steps = int(steps)
         if self.console is not None:
             self.console.start(start, steps, dict(mesh), processes)
         self.record(RunStarted(config=dict(recipe or {}), start=start, steps=steps, mesh=dict(mesh),
-                               processes=processes), start)
+                               processes=processes, folder=folder), start)
         self.fire("dew_run_start", trainer=trainer, start=start, steps=steps)
         if not self.in_loop:  # from here the trackers' writer works while the loop waits
             self.in_loop = True

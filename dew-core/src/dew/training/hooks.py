@@ -126,8 +126,10 @@ class ProgressHook(Hook):
         self.within_first = 0.0  # the stream's seconds (data, rollout, reward) before the first step ended
 
     def open(self) -> None:
+        checkpoints = self.trainer.checkpoints
         self.progress.start(self.trainer, self.start, self.steps, self.trainer.device_mesh.shape,
-                            recipe=self.trainer.recipe)
+                            recipe=self.trainer.recipe,
+                            folder=None if checkpoints is None else str(checkpoints.directory))
         for line in self.notes:
             self.progress.note(line)
 

@@ -36,6 +36,7 @@ _PARAMS = 100  # the most parameters
 _PARAM_LENGTH = 6000  # the longest parameter value
 _INTERVAL = 1.0  # seconds between requests while values keep arriving
 _FOLDER_TAG = "dew.checkpoint_dir"  # the run folder a run was trained in: a resume reopens its run
+_UNSET = "<unset>"  # a resumed_at tag's value for a field the resume's recipe no longer sets
 _STATUS: Mapping[str, str] = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
 
@@ -266,20 +267,23 @@ class MLflowTracker:
 
     def _log_params(self, client: Any, run_id: str, config: Mapping[str, Any], start: int = 0) -> None:
         """The recipe as parameters; in a reopened run, whose parameters MLflow will not change, a field
-        a resume changed is a tag ``dew.resumed_at.<step>.<field>`` (where the run lives is no change)."""
+        a resume changed, added or removed is a tag ``dew.resumed_at.<step>.<field>`` (a removed one
+        ``<unset>``; where the run lives is no change), so its parameters stay the first fit's recipe."""
         from mlflow.entities import Param, RunTag
 
-        fields = {_param_name(name): str(value)[:_PARAM_LENGTH]
-                  for name, value in recipe_fields(config).items()}
-        fields = {name: value for name, value in fields.items() if name not in self._params}
-        params = [Param(name, value) for name, value in fields.items() if name not in self._held]
-        changed = [RunTag(f"dew.resumed_at.{start}.{name}", value) for name, value in fields.items()
-                   if name in self._held and self._held[name] != value and not locates_the_run(name)]
+        every = {_param_name(name): str(value)[:_PARAM_LENGTH]
+                 for name, value in recipe_fields(config).items()}
+        fields = {name: value for name, value in every.items() if name not in self._params}
+        gone = {name: _UNSET for name in self._held
+                if name not in every and name not in self._params and not locates_the_run(name)}
+        params = [] if self._held else [Param(name, value) for name, value in fields.items()]
+        changed = [RunTag(f"dew.resumed_at.{start}.{name}", value) for name, value in {**fields, **gone}.items()
+                   if self._held and self._held.get(name) != value and not locates_the_run(name)]
         for begin in range(0, len(params), _PARAMS):
             client.log_batch(run_id, params=params[begin:begin + _PARAMS])
         for begin in range(0, len(changed), _PARAMS):
             client.log_batch(run_id, tags=changed[begin:begin + _PARAMS])
-        self._params.update(fields)
+        self._params.update({*fields, *gone})
 
     def _log_record(self, client: Any, run_id: str, value: Record, step: int) -> None:
         row = json.dumps(record_row(value, step), allow_nan=False, indent=1)
