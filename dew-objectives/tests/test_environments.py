@@ -113,6 +113,7 @@ class Scripted:
     fail_on: str = "-"
     where: str = "step"
     hang_on: str = "-"
+    given: object = None  # what "opening", "observation" or "reward" answers with, for fail_on's prompts
 
     def start(self, prompt, record):
         if self.where == "start" and prompt.startswith(self.fail_on):
@@ -126,12 +127,19 @@ class _ScriptedEpisode:
     prompt: str
     turns: int = 0
 
+    def _failing(self, where):
+        return self.environment.where == where and self.prompt.startswith(self.environment.fail_on)
+
     def opening(self):
-        return "<"
+        return self.environment.given if self._failing("opening") else "<"
 
     def step(self, action):
-        if self.environment.where == "step" and self.prompt.startswith(self.environment.fail_on):
+        if self._failing("step"):
             raise RuntimeError("the tool broke")
+        if self._failing("observation"):
+            return Reply(self.environment.given)
+        if self._failing("reward"):
+            return Reply(done=True, reward=self.environment.given)
         if self.environment.where == "reply" and self.prompt.startswith(self.environment.fail_on):
             return "a string, not a Reply"
         if self.prompt.startswith(self.environment.hang_on):
@@ -215,6 +223,65 @@ def test_an_environment_that_raises_ends_its_episodes_with_zero_reward_and_a_war
     np.testing.assert_array_equal(out["turns"], [0.0, 0.0, 2.0, 2.0] if where == "start" else [1.0, 1.0, 2.0, 2.0])
     assert rollout.engine.kept == () and rollout.engine.blocks.used_blocks == 0  # nothing left held
 
+
+
+@pytest.mark.parametrize("where, given, said", [
+    ("opening", 123, r"opening\(\) returned int 123, not text"),
+    ("opening", None, r"opening\(\) returned NoneType None, not text"),
+    ("observation", b"42", r"its Reply's observation is bytes b'42', not text"),
+    ("reward", float("nan"), r"its Reply ends the episode with reward nan, not a finite number"),
+    ("reward", float("inf"), r"its Reply ends the episode with reward inf, not a finite number"),
+    ("reward", "lots", r"its Reply ends the episode with reward 'lots', not a finite number"),
+])
+def test_an_environment_answering_with_no_text_or_no_finite_reward_ends_its_episodes(state, where, given, said):
+    """An opening or observation that was no text failed the run with a traceback from the tokenizer
+    (naming no environment), and a NaN reward was taken: its group's advantages went NaN and every
+    step was rejected as non-finite. Each ends its episode with reward 0 and a warning, as a raise does."""
+    rollout = _rollout(Scripted(fail_on="1", where=where, given=given))
+    with pytest.warns(EnvironmentFailedWarning, match=f"Scripted raised EnvironmentReplyError: {said}"):
+        out = rollout(state, BATCH, jax.random.key(3))
+    np.testing.assert_array_equal(out["reward"], [0.0, 0.0, 2.0, 2.0])
+    np.testing.assert_array_equal(out["failed_episodes"], [1.0, 1.0, 0.0, 0.0])
+    assert np.isfinite(out["old_logp"]).all() and rollout.engine.kept == ()
+
+
+def test_an_environment_allowing_no_turn_or_a_timeout_of_no_time_is_refused():
+    """max_turns 0 or below was accepted, and the model still played a turn whose reward counted;
+    a turn_timeout of 0 or below cut every call off at once."""
+    for turns in (0, -2, 1.5, True):
+        with pytest.raises(NotAnEnvironmentError, match=rf"Scripted.max_turns is {turns!r}; an episode allows "
+                                                        "the model at least one turn"):
+            resolve_environment(Scripted(max_turns=turns))
+    for timeout in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=rf"turn_timeout={timeout!r}; give the seconds"):
+            _rollout(Scripted(), turn_timeout=timeout)
+
+
+def test_the_environment_and_the_journal_read_the_prompt_as_the_policy_saw_it(state, tmp_path):
+    """A chat prompt reached start(prompt) and the episode journal with its template's markers
+    dropped ('user\\nWhat is...'), where the one-turn rollout journals them spelt out: an environment
+    could not see the turns, and dew report and rescore read another prompt than the policy saw."""
+    from bpe_helpers import build_tokenizer
+    from dew.data.hf_tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer.from_directory(build_tokenizer(tmp_path / "tokenizer"))
+    model = MODEL.clone(vocab_size=tokenizer.vocab_size, max_seq_len=64)
+    text = "<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(text)
+    batch = {"prompt": np.asarray([ids], np.int32), "prompt_length": np.asarray([len(ids)], np.int32)}
+    seen = []
+
+    @dataclass(frozen=True)
+    class Seeing(Scripted):
+        def start(self, prompt, record):
+            seen.append(prompt)
+            return super().start(prompt, record)
+
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    rollout = EpisodeRollout(model, Seeing(), group_size=2, max_new_tokens=3, sampling=Sampling(1.0),
+                             tokenizer=tokenizer)
+    rollout(type("State", (), {"params": params}), batch, jax.random.key(0))
+    assert seen == [text, text] and rollout.transcript()[0]["prompts"] == [text, text]
 
 
 def test_records_without_the_key_the_calculator_reads_stop_the_rollout_naming_it(state):
@@ -340,6 +407,21 @@ def _calculator_fit(directory, *, fail_at: int | None = None) -> tuple[str | Non
         return None, calls
     leaves = jax.tree.leaves(jax.device_get(state.params))
     return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest(), calls
+
+
+def test_episodes_are_played_on_policy_and_a_lag_they_would_not_read_is_refused():
+    """An environment's episodes are played with the policy that trains on them (a step waits for
+    its episodes): a dynamic-sampling filter around them no longer runs ahead, and a max_lag above
+    the default, which would pace nothing, is refused by name."""
+    from dew.objectives.group_sampling import IncompatibleOptionsError
+    from dew.training.protocols import Lagging
+
+    for dynamic in (False, True):
+        rollout = GRPOObjective(MODEL, environment={"name": "calculator"}, group_size=2, stop_token=10,
+                                max_new_tokens=4, dynamic_sampling=dynamic).rollout()
+        assert not isinstance(rollout, Lagging) or rollout.max_lag == 0
+    with pytest.raises(IncompatibleOptionsError, match=r"max_lag=2 \(an environment's episodes are played"):
+        GRPOObjective(MODEL, environment={"name": "calculator"}, group_size=2, stop_token=10, max_lag=2)
 
 
 @pytest.mark.slow

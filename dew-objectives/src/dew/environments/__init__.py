@@ -21,6 +21,7 @@ the other episodes and the run go on.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -118,4 +119,9 @@ def resolve_environment(spec: Any) -> Environment:
         raise NotAnEnvironmentError(
             f"{type(spec).__name__} is not an environment: it needs max_turns, stop_strings and "
             "start(prompt, record) -> Episode (see dew.environments.Environment).")
+    turns = spec.max_turns
+    if isinstance(turns, bool) or not isinstance(turns, numbers.Integral) or turns < 1:
+        raise NotAnEnvironmentError(
+            f"{type(spec).__name__}.max_turns is {turns!r}; an episode allows the model at least one turn, "
+            "so give a whole number >= 1.")
     return spec

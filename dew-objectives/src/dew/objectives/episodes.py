@@ -23,9 +23,14 @@ shows whole episodes, and ``dew rescore`` scores the last turns, so a reward
 the environment's own agrees with (the calculator's exact match) scores
 the journal as the run did.
 
-The environment runs on the host between engine steps. Each call into it
-(``start``, ``opening``, ``step``) gets ``turn_timeout`` seconds, in a daemon
-thread; one that raises or runs over ends its episode with reward 0 and an
+The environment runs on the host between engine steps. The calls into it
+that one engine step asks for (every episode's ``start``, ``opening`` or
+``step``) run together, each in a daemon thread, and all of them get
+``turn_timeout`` seconds from when they began: threads share Python's
+interpreter, so environments whose calls compute in Python take turns, and
+``turn_timeout`` must cover a whole batch of them. One that raises, runs over,
+or answers with something other than text (an opening, an observation) or a
+finite reward ends its episode with reward 0 and an
 ``EnvironmentFailedWarning`` (``EnvironmentTimeoutWarning``), and the others go
 on. A hung call's thread is left behind (Python cannot stop it); it holds no
 lock of the rollout's.
@@ -34,6 +39,8 @@ lock of the rollout's.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import threading
 import time
 import warnings
@@ -57,9 +64,9 @@ from dew.environments import (
     Reply,
     resolve_environment,
 )
-from dew.errors import BatchKeyError
+from dew.errors import BatchKeyError, DewError
 from dew.objectives.base import Variables
-from dew.objectives.rollouts import PolicyRollout, completion_text
+from dew.objectives.rollouts import PolicyRollout, completion_text, prompt_text
 from dew.sampling import Engine, EngineConfig, Request, Sampling
 
 if TYPE_CHECKING:
@@ -67,7 +74,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["EpisodeRollout", "guarded_calls"]
+__all__ = ["EnvironmentReplyError", "EpisodeRollout", "guarded_calls"]
 
 
 class _Failed:
@@ -128,13 +135,32 @@ class _Play:
     def opening(self) -> str:
         """The episode's opening (called in a guarded thread: whatever it raises is the environment's)."""
         assert self.episode is not None, "the episode was never opened"
-        return self.episode.opening()
+        text = self.episode.opening()
+        if not isinstance(text, str):
+            raise EnvironmentReplyError(f"opening() returned {type(text).__name__} {text!r}, not text")
+        return text
 
     def step(self, action: str) -> object:
         """The episode's reply to action (called in a guarded thread, as opening): a Reply, unless the
-        environment breaks its protocol (which the caller warns of)."""
+        environment breaks its protocol (a reply that is no Reply the caller warns of; one holding
+        no text to continue from, or no finite reward, is refused here, as the environment's error)."""
         assert self.episode is not None, "the episode was never opened"
-        return self.episode.step(action)
+        reply = self.episode.step(action)
+        if not isinstance(reply, Reply):
+            return reply
+        if reply.done:
+            reward = reply.reward
+            if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+                raise EnvironmentReplyError(f"its Reply ends the episode with reward {reward!r}, not a finite number")
+        elif not isinstance(reply.observation, str):
+            raise EnvironmentReplyError(f"its Reply's observation is {type(reply.observation).__name__} "
+                                        f"{reply.observation!r}, not text")
+        return reply
+
+
+class EnvironmentReplyError(DewError, TypeError):
+    """An environment answered with something the episode cannot use: an opening or observation that
+    is no text, or an ending reward that is no finite number (its episode ends with reward 0)."""
 
 
 class EpisodeRollout(PolicyRollout):
@@ -154,6 +180,9 @@ class EpisodeRollout(PolicyRollout):
                          prompt_length_key=prompt_length_key, engine=engine)
         self.environment: Environment = resolve_environment(environment)
         self.max_length = int(max_length or model.max_seq_len)
+        if turn_timeout is not None and not turn_timeout > 0:  # NaN too
+            raise ValueError(f"turn_timeout={turn_timeout!r}; give the seconds a batch of calls into the "
+                             "environment may take (> 0), or None for no limit.")
         self.turn_timeout = turn_timeout
 
     # -- text --------------------------------------------------------------------------
@@ -207,9 +236,10 @@ class EpisodeRollout(PolicyRollout):
         records: list[dict[str, Any]] = []
         for i, (row, length) in enumerate(zip(prompts, lengths, strict=True)):
             ids = [int(t) for t in row[: int(length)]]
+            text = prompt_text(self.tokenizer, ids)  # as the policy saw it, a chat template's markers spelt out
             record = {k: v[i] for k, v in others.items()}
             for _ in range(g):
-                plays.append(_Play(len(plays), self._decode(ids), list(ids), [0.0] * len(ids)))
+                plays.append(_Play(len(plays), text, list(ids), [0.0] * len(ids)))
                 records.append(record)
         environment = self.environment
         episodes = self._call(plays, [functools.partial(environment.start, p.prompt, r)

@@ -98,6 +98,7 @@ _ROLLOUT_STATISTICS = ("sampled_reward", "dropped_groups", "filler_groups", "sam
 
 # GRPOObjective's defaults of the options _refuse_unread checks are read where set.
 _DEFAULT_CLIP, _DEFAULT_ROUNDS, _DEFAULT_BUFFER, _DEFAULT_PENALTY = 0.2, 4, 2, 1.0
+_DEFAULT_LAG = 1
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     episode (``EpisodeRollout``): the model's turns of max_new_tokens each, the
     environment's answers between them (outside the loss), and the
     environment's reward at the end instead of reward's; turn_timeout bounds
-    each call into it (then also ``turns`` and ``failed_episodes`` are logged).
+    the calls into it that one engine step asks for (then also ``turns`` and
+    ``failed_episodes`` are logged). Episodes are played on-policy: max_lag paces completions alone.
     """
 
     run_inputs: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
@@ -153,7 +155,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     overlong: Literal["none", "penalty", "mask"] = "none"
     overlong_buffer: int = _DEFAULT_BUFFER
     overlong_penalty: float = _DEFAULT_PENALTY
-    max_lag: int = 1
+    max_lag: int = _DEFAULT_LAG
     stop_token: int | None = None
     prompt_key: str = "prompt"
     prompt_length_key: str = "prompt_length"
@@ -224,6 +226,9 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if self.length_normalizer is not None and self.normalize != "constant":
             unread.append(f"length_normalizer={self.length_normalizer} (it divides normalize='constant' "
                           f"alone; normalize={self.normalize!r})")
+        if self.environment is not None and self.max_lag > _DEFAULT_LAG:
+            unread.append(f"max_lag={self.max_lag} (an environment's episodes are played with the policy that "
+                          "trains on them)")
         if self.max_sampling_rounds != _DEFAULT_ROUNDS and not self.dynamic_sampling:
             unread.append(f"max_sampling_rounds={self.max_sampling_rounds} (it bounds dynamic_sampling, which "
                           "is off)")
@@ -294,7 +299,8 @@ class GRPOObjective(GreedyRewardValidation, Objective):
             self.overlong, max_new_tokens=self.max_new_tokens, buffer=self.overlong_buffer,
             penalty=self.overlong_penalty, stops=ending_ids(self.stop_token, self.tokenizer))
         return GroupFilter(sampler, group_size=self.group_size, dynamic=self.dynamic_sampling,
-                           max_rounds=self.max_sampling_rounds, shaping=shaping, max_lag=self.max_lag)
+                           max_rounds=self.max_sampling_rounds, shaping=shaping,
+                           max_lag=0 if self.environment is not None else self.max_lag)  # episodes: on-policy
 
     def required_keys(self) -> Sequence[str]:
         return ("tokens", "mask", "reward", "old_logp")

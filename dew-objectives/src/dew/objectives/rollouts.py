@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from dew.training.state import TrainState
 
 __all__ = ["CompletionRollout", "GreedyRewardValidation", "PolicyRollout", "RewardMetric", "RolloutBatchError",
-           "completion_text", "greedy_continuation", "greedy_outputs"]
+           "completion_text", "greedy_continuation", "greedy_outputs", "prompt_text"]
 
 
 # The batch a rollout receives lacks the prompts or their lengths: dew's one batch-key error.
@@ -68,7 +68,7 @@ def _decode(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids))
 
 
-def _prompt_text(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
+def prompt_text(tokenizer: Tokenizer | None, ids: Sequence[int]) -> str:
     """A prompt as the policy saw it: a chat template's markers kept, so a reward model reads the
     ids its pairs were encoded to (and the journal shows the turns)."""
     return _decode(None, ids) if tokenizer is None else verbatim_text(tokenizer, list(ids))
@@ -171,7 +171,7 @@ class RewardMetric:
                                    if k not in (self.output, PROMPT, PROMPT_LENGTH)}
         if PROMPT in outputs:  # each completion's prompt as text, as CompletionRollout gives it
             prompts, lengths = np.asarray(outputs[PROMPT]), np.asarray(outputs[PROMPT_LENGTH]).reshape(-1)
-            context["prompt_text"] = [_prompt_text(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
+            context["prompt_text"] = [prompt_text(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
                                       for i in range(len(prompts))]
         values = score(self.reward, completions, context)
         return (accumulator[0] + float(values.sum()), accumulator[1] + float(values.size))
@@ -304,7 +304,7 @@ class CompletionRollout(PolicyRollout):
         # A reward reads the batch's other keys, repeated per completion, as whatever they hold.
         context: dict[str, Any] = {k: np.repeat(np.asarray(v), g, axis=0) for k, v in batch.items()
                    if k not in (self.prompt_key, self.prompt_length_key)}
-        context["prompt_text"] = [_prompt_text(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
+        context["prompt_text"] = [prompt_text(self.tokenizer, prompts[i, :int(lengths[i])].tolist())
                                   for i in range(rows)]
         began = time.perf_counter()
         rewards = score(self.reward, completions, context)
