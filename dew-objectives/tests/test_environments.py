@@ -255,6 +255,11 @@ def test_an_environment_allowing_no_turn_or_a_timeout_of_no_time_is_refused():
     for timeout in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=rf"turn_timeout={timeout!r}; give the seconds"):
             _rollout(Scripted(), turn_timeout=timeout)
+    # a recipe's objective is refused as it is built (dew train --check), not at its first rollout
+    with pytest.raises(NotAnEnvironmentError, match=r"Calculator.max_turns is 0"):
+        GRPOObjective(MODEL, environment={"name": "calculator", "max_turns": 0}, group_size=2, stop_token=10)
+    with pytest.raises(ValueError, match=r"GRPOObjective.turn_timeout=0; give the seconds"):
+        GRPOObjective(MODEL, environment={"name": "calculator"}, group_size=2, stop_token=10, turn_timeout=0)
 
 
 def test_the_environment_and_the_journal_read_the_prompt_as_the_policy_saw_it(state, tmp_path):

@@ -247,6 +247,13 @@ class GRPOObjective(GreedyRewardValidation, Objective):
                 f"{name}.overlong={self.overlong!r} measures a completion against max_new_tokens, which an "
                 "environment's episode spends per turn: every turn within budget could still read as "
                 "overlong. Set overlong='none' with an environment.")
+        if self.environment is not None:  # checked as the recipe is, not when the rollout is first built
+            from dew.environments import resolve_environment
+
+            resolve_environment(self.environment)
+            if self.turn_timeout is not None and not self.turn_timeout > 0:  # NaN too
+                raise ValueError(f"{name}.turn_timeout={self.turn_timeout!r}; give the seconds a batch of calls "
+                                 "into the environment may take (> 0), or None for no limit.")
 
     @property
     def bounds(self) -> tuple[float, float]:
