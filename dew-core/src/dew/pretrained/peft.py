@@ -214,7 +214,7 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         "r": int(spec.rank),
         "lora_alpha": float(spec.alpha),
         "lora_dropout": float(spec.dropout),
-        "target_modules": sorted(targets),
+        **_peft_targets(modules, set(_adapted(model).values()), targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -223,9 +223,6 @@ def save_adapters(directory: str | os.PathLike[str], model: Module, variables: V
         "inference_mode": True,
         "modules_to_save": ["score"] if scored else None,
     }
-    layers = _layers_adapted(modules, set(_adapted(model).values()), targets)
-    if layers is not None:  # a target of some layers only (".*layers_0/attention"): PEFT adapts those alone
-        config["layers_to_transform"] = layers
     from dew.pretrained.writing import replacing
 
     with replacing(target, force=force) as fresh:
@@ -266,10 +263,11 @@ def _base_digest(variables: Variables) -> str:
     return base_digest({"params": {k: v for k, v in params.items() if k != scoring.HEAD}})
 
 
-def _layers_adapted(modules: set[str], adaptable: set[str], targets: set[str]) -> list[int] | None:
-    """The layer numbers the adapted modules hold, when they are each target module of some layers
-    and not of all: PEFT's layers_to_transform, without which it would adapt every layer's target
-    modules. None when every layer is adapted (or the modules are no such product)."""
+def _peft_targets(modules: set[str], adaptable: set[str], targets: set[str]) -> dict[str, Any]:
+    """PEFT's target_modules (and layers_to_transform) adapting exactly the adapted modules: the target
+    names, in every layer or in the layers holding them (".*layers_0/attention"); where the modules are
+    no such product (attention in one layer, the MLP in another), a pattern PEFT matches each module's
+    whole name against, without which it would add adapters the run never trained."""
     import re
 
     def layer(name: str) -> int | None:
@@ -277,12 +275,12 @@ def _layers_adapted(modules: set[str], adaptable: set[str], targets: set[str]) -
         return None if found is None else int(found.group(1))
 
     numbered = {name: layer(name) for name in adaptable if name.rsplit(".", 1)[-1] in targets}
+    if set(numbered) == modules:
+        return {"target_modules": sorted(targets)}
     held = {numbered.get(name) for name in modules}
-    every = set(numbered.values())
-    if None in held or held == every:
-        return None
-    chosen = {name for name, number in numbered.items() if number in held}
-    return sorted(number for number in held if number is not None) if chosen == modules else None
+    if None not in held and {name for name, number in numbered.items() if number in held} == modules:
+        return {"target_modules": sorted(targets), "layers_to_transform": sorted(n for n in held if n is not None)}
+    return {"target_modules": "|".join(re.escape(name) for name in sorted(modules))}
 
 
 def load_adapters(directory: str | os.PathLike[str], model: Module, variables: Variables,
@@ -417,7 +415,18 @@ def _check_config(source: Path, config: Mapping[str, Any], model: Module, variab
                                   f"{', '.join(map(str, sorted(ranks)))}. Build the model's Lora with "
                                   f"rank={rank!r}, or load adapters of its rank.")
     named = config.get("target_modules")
-    named = {named} if isinstance(named, str) else set(named or ())
+    if isinstance(named, str):  # PEFT matches each module's whole name against it
+        import re
+
+        held = {module for path, module in _adapted(model).items()
+                if (node := _node(params, path)) is not None and f"{path[-1]}_lora_a" in node}
+        matched = {module for module in _adapted(model).values() if re.fullmatch(named, module)}
+        if held and matched != held:
+            raise TensorMismatchError(f"{where} targets the modules {named!r} matches ({len(matched)}), but the "
+                                      f"adapted model carries adapters on {len(held)} others. Build the model's "
+                                      "Lora with the same targets, or load adapters made for these.")
+        named = targets
+    named = set(named or ())
     if targets and named != targets:
         raise TensorMismatchError(f"{where} targets {sorted(named)}, but the adapted model carries "
                                   f"adapters on {sorted(targets)}. Build the model's Lora with the "

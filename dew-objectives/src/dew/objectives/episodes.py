@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["EnvironmentReplyError", "EpisodeRollout", "guarded_calls"]
+__all__ = ["EnvironmentReplyError", "EpisodeRollout", "check_turn_timeout", "guarded_calls"]
 
 
 class _Failed:
@@ -158,6 +158,13 @@ class _Play:
         return reply
 
 
+def check_turn_timeout(timeout: float | None, field: str) -> None:
+    """Refuse a turn_timeout (named field) that gives the environment no time: 0, below, or NaN."""
+    if timeout is not None and not timeout > 0:  # NaN too
+        raise ValueError(f"{field}={timeout!r}; give the seconds a batch of calls into the environment may "
+                         "take (> 0), or None for no limit.")
+
+
 class EnvironmentReplyError(DewError, TypeError):
     """An environment answered with something the episode cannot use: an opening or observation that
     is no text, or an ending reward that is no finite number (its episode ends with reward 0)."""
@@ -180,9 +187,7 @@ class EpisodeRollout(PolicyRollout):
                          prompt_length_key=prompt_length_key, engine=engine)
         self.environment: Environment = resolve_environment(environment)
         self.max_length = int(max_length or model.max_seq_len)
-        if turn_timeout is not None and not turn_timeout > 0:  # NaN too
-            raise ValueError(f"turn_timeout={turn_timeout!r}; give the seconds a batch of calls into the "
-                             "environment may take (> 0), or None for no limit.")
+        check_turn_timeout(turn_timeout, "turn_timeout")
         self.turn_timeout = turn_timeout
 
     # -- text --------------------------------------------------------------------------

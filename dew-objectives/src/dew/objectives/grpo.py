@@ -59,7 +59,7 @@ from dew.objectives.base import (
     Variables,
     under,
 )
-from dew.objectives.episodes import EpisodeRollout
+from dew.objectives.episodes import EpisodeRollout, check_turn_timeout
 from dew.objectives.group_losses import (
     Aggregation,
     Baseline,
@@ -251,9 +251,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
             from dew.environments import resolve_environment
 
             resolve_environment(self.environment)
-            if self.turn_timeout is not None and not self.turn_timeout > 0:  # NaN too
-                raise ValueError(f"{name}.turn_timeout={self.turn_timeout!r}; give the seconds a batch of calls "
-                                 "into the environment may take (> 0), or None for no limit.")
+            check_turn_timeout(self.turn_timeout, f"{name}.turn_timeout")
 
     @property
     def bounds(self) -> tuple[float, float]:
