@@ -131,14 +131,19 @@ def _scored(args: argparse.Namespace, opened: Opened) -> int:
                            averaged=opened.averaged)
         values.update(result.scalars)
     if args.json:
-        from dew.telemetry.records import json_value
-
-        print(json.dumps(json_value({"step": opened.step, "split": args.split, **values})))  # "+Inf", not Infinity
+        _print_json({"step": opened.step, "split": args.split, **values})
     else:
         print(f"{opened.source} step {opened.step} ({args.split}):")
         for name, value in values.items():
             print(f"  {name}: {value:.6g}" if isinstance(value, float) else f"  {name}: {value}")
     return 0
+
+
+def _print_json(values: dict[str, Any]) -> None:
+    """values as one JSON line, a non-finite score spelt as the journal spells it ("+Inf": JSON has no Infinity)."""
+    from dew.telemetry.records import json_value
+
+    print(json.dumps(json_value(values)))
 
 
 def _task_config(args: argparse.Namespace, opened: Opened) -> Any:
@@ -260,9 +265,7 @@ def _run_task(args: argparse.Namespace, opened: Opened) -> int:
         print(f"dew eval: {error}", file=sys.stderr)
         return 2
     if args.json:
-        from dew.telemetry.records import json_value
-
-        print(json.dumps(json_value({"step": opened.step, "task": config.name, **values})))
+        _print_json({"step": opened.step, "task": config.name, **values})
     else:
         where = "an exported model" if opened.step is None else f"step {opened.step}"
         print(f"{opened.source} {where} (task {config.name}):")

@@ -403,12 +403,14 @@ def _check_config(source: Path, config: Mapping[str, Any], model: Module, variab
             "by lora_alpha / r, with one rank and alpha for every weight, no DoRA magnitude and no rsLoRA "
             "scaling); merge the adapters into the base with PEFT (merge_and_unload) and load that instead.")
     params = unstack_tree(nn.meta.unbox(dict(variables).get("params", variables)))
-    ranks, targets = set(), set()
-    for path, module in _adapted(model).items():
+    ranks, targets, held = set(), set(), set()
+    adaptable = _adapted(model)
+    for path, module in adaptable.items():
         node = _node(params, path)
         if node is not None and f"{path[-1]}_lora_a" in node:
             ranks.add(int(np.shape(node[f"{path[-1]}_lora_a"])[-1]))
             targets.add(module.rsplit(".", 1)[-1])
+            held.add(module)
     rank = config.get("r")
     if ranks and rank not in ranks:
         raise TensorMismatchError(f"{where} sets r={rank!r}, but the adapted model's adapters have rank "
@@ -418,9 +420,7 @@ def _check_config(source: Path, config: Mapping[str, Any], model: Module, variab
     if isinstance(named, str):  # PEFT matches each module's whole name against it
         import re
 
-        held = {module for path, module in _adapted(model).items()
-                if (node := _node(params, path)) is not None and f"{path[-1]}_lora_a" in node}
-        matched = {module for module in _adapted(model).values() if re.fullmatch(named, module)}
+        matched = {module for module in adaptable.values() if re.fullmatch(named, module)}
         if held and matched != held:
             raise TensorMismatchError(f"{where} targets the modules {named!r} matches ({len(matched)}), but the "
                                       f"adapted model carries adapters on {len(held)} others. Build the model's "

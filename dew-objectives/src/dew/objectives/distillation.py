@@ -460,10 +460,10 @@ def _pretrained_teacher(directory: str | os.PathLike[str], given: nn.Module | No
     )
 
     path = os.path.join(_absolute(directory), CONFIG_FILE)
-    if given is not None and not os.path.isfile(path):
-        return given
-    if not os.path.isfile(path):  # dew's own error: said in one line, where a builtin one was a traceback
-        raise NoPretrainedModelError(
+    if not os.path.isfile(path):
+        if given is not None:  # a recorded run rebuilt after its export moved: its weights are in the run
+            return given
+        raise NoPretrainedModelError(  # dew's own error: said in one line, where a builtin one was a traceback
             f"DistillationObjective.teacher_pretrained: {os.path.dirname(path)} holds no {CONFIG_FILE}; point at "
             "a directory that `dew export`, Pretrained.save or transformers' save_pretrained wrote."
         )
