@@ -211,6 +211,21 @@ def test_tree_mismatch_names_the_leaves(tmp_path: Path) -> None:
     assert "['extra']['z'] is in the state but not in the checkpoint" in message
 
 
+def test_a_changed_dtype_is_one_line_not_one_per_leaf(tmp_path: Path) -> None:
+    checkpoints = Checkpoints(tmp_path)
+    state = full_state()
+    save(checkpoints, 1, state)
+    narrowed = jax.tree.map(lambda x: x.astype(jnp.float16) if x.dtype == jnp.float32 else x, state)
+    float32_leaves = sum(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state))
+    with pytest.raises(CheckpointTreeMismatchError) as caught:
+        checkpoints.restore(template_of(narrowed), partition=SINGLE)
+    message = str(caught.value)
+    assert f"{float32_leaves} leaves were saved as float32 and the state has them as float16" in message
+    assert "(.params['batch_stats']['mean'], .params['params']['w'], ...)" in message  # the weights first
+    assert "param_dtype" in message and "was saved as float32[" not in message
+    assert len(caught.value.differences) == 1
+
+
 def test_meta_guard_names_fields() -> None:
     require_same_meta(3, {"accumulation": 2, "scaler": [1, 2]}, {"accumulation": 2, "scaler": (1, 2)})
     with pytest.raises(CheckpointMetaMismatchError, match="accumulation: saved 2, now 4"):

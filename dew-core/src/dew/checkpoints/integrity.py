@@ -330,13 +330,29 @@ def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mappin
     widened = widened_leaves(saved, expected)
     differences = [f"{path} is in the checkpoint but not in the state" for path in before if path not in after]
     differences += [f"{path} is in the state but not in the checkpoint" for path in after if path not in before]
+    recast: dict[tuple[str, str], list[str]] = {}  # leaves differing only in dtype, by (saved, state) dtype
     for path in before.keys() & after.keys() - widened.keys():
         old, new = before[path], after[path]
-        if list(old["shape"]) != list(new["shape"]) or old["dtype"] != new["dtype"]:
+        if list(old["shape"]) == list(new["shape"]) and old["dtype"] != new["dtype"]:
+            recast.setdefault((old["dtype"], new["dtype"]), []).append(path)
+        elif list(old["shape"]) != list(new["shape"]) or old["dtype"] != new["dtype"]:
             differences.append(
                 f"{path} was saved as {old['dtype']}{list(old['shape'])}, the state has {new['dtype']}{list(new['shape'])}"
             )
+    for (saved_dtype, state_dtype), paths in recast.items():
+        weights_first = sorted(paths, key=lambda path: (not path.startswith(".params"), path))
+        differences.append(_recast(weights_first, saved_dtype, state_dtype, before))
     return sorted(differences)
+
+
+def _recast(paths: Sequence[str], saved: str, state: str, before: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line for the leaves of one dtype change: a changed dtype setting differs in every weight,
+    and a line per leaf would bury what changed."""
+    if len(paths) == 1:
+        return f"{paths[0]} was saved as {saved}{list(before[paths[0]]['shape'])}, the state has {state}"
+    return (f"{len(paths)} leaves were saved as {saved} and the state has them as {state}, shapes alike "
+            f"({paths[0]}, {paths[1]}{', ...' if len(paths) > 2 else ''}): a dtype setting of the recipe "
+            "(the model's param_dtype, say) differs from the one the run trained with")
 
 
 def _children(tree: PyTree) -> list[tuple[Hashable, PyTree]] | None:
