@@ -193,6 +193,29 @@ def test_preference_pairs_score_the_answers_after_their_shared_prompt(marked, tm
         assert common == len(asked) and rows["chosen"][i, :common].tolist() == asked
 
 
+def test_preference_pairs_with_an_empty_side_are_left_out_and_renamed_sides_read_as_dpo_names(marked, tmp_path):
+    """A side whose assistant turn says nothing scored the end-of-turn token alone, kept without a
+    word; sides read under other keys came out under those keys, which DPO does not read."""
+    from dew.data.chat import ChatPreferences
+    from dew.data.prompt_completion import NothingToScoreWarning
+
+    prompt = [{"role": "user", "content": "What is two plus two?"}]
+    good = {"prompt": prompt, "pos": [{"role": "assistant", "content": "It is four."}],
+            "neg": [{"role": "assistant", "content": "Five."}]}
+    records = [good,
+               {"prompt": prompt, "pos": [{"role": "assistant", "content": ""}], "neg": good["neg"]},
+               {"prompt": prompt, "pos": good["pos"], "neg": [{"role": "assistant", "content": ""}]}]
+    files = _write(tmp_path / "pairs.jsonl", records)
+    with pytest.warns(NothingToScoreWarning, match=r"2 preference pair\(s\) .*no assistant text on one side.*"
+                                                   r"line 2 of \S*pairs.jsonl"):
+        rows = ChatPreferences(files=str(files), tokenizer=str(marked), length=63, chosen_key="pos",
+                               rejected_key="neg").rows()
+    assert sorted(rows) == ["chosen", "chosen_mask", "prompt_length", "rejected", "rejected_mask"]
+    for side, key in (("chosen", "pos"), ("rejected", "neg")):
+        ids, _ = _reference(marked, prompt + good[key])
+        assert rows[side].shape[0] == 1 and rows[side][0, :len(ids)].tolist() == ids
+
+
 def test_the_template_is_read_from_the_tokenizer_files(tmp_path):
     from dew.data.chat_template import ChatTemplateError, read_chat_template
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -298,13 +299,21 @@ def test_preference_records_become_the_pairs_dpo_reads(tmp_path):
         assert mask.tolist() == theirs[f"{side}_mask"][0].astype(bool).tolist()
         end = int(np.flatnonzero(mask)[-1]) + 1
         assert ours[side][0, :end].tolist() == theirs[side][0, :end].tolist()
-    # a pair preferring nothing (both sides empty or alike) was kept without a word
+    # a pair preferring nothing (its sides alike) was kept without a word; one with an empty side
+    # (as the docs say of an empty completion) was kept too, its loss comparing the end id alone
     from dew.data.prompt_completion import NothingToScoreWarning
 
     alike = write(tmp_path / "a.jsonl", [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
                                          {"prompt": "1+1=", "chosen": "", "rejected": ""},
-                                         {"prompt": "3+3=", "chosen": "6", "rejected": "6"}])
-    with pytest.warns(NothingToScoreWarning, match=r"2 preference pair\(s\) give the same chosen and "
-                                                   r"rejected completion \(the first at .*a.jsonl:2\)"):
+                                         {"prompt": "3+3=", "chosen": "6", "rejected": "6"},
+                                         {"prompt": "4+4=", "chosen": "8", "rejected": None},
+                                         {"prompt": "5+5=", "chosen": "", "rejected": "11"}])
+    with pytest.warns(NothingToScoreWarning) as caught:
         kept = PromptCompletion(files=alike, length=10, completion_key="chosen", rejected_key="rejected").rows()
-    assert len(kept["prompt_length"]) == 3
+    said = " | ".join(str(warning.message) for warning in caught)
+    assert re.search(r"1 preference pair\(s\) give the same chosen and rejected completion \(the first at "
+                     r"\S*a.jsonl:3\)", said), said
+    assert re.search(r"3 preference pair\(s\) give an empty chosen or rejected completion \(the first at "
+                     r"\S*a.jsonl:2\).*left out", said), said
+    assert kept["prompt_length"].tolist() == [4, 4]
+    assert kept["chosen"][:, :6].tolist() == [[*b"2+2=4", 256], [*b"3+3=6", 256]]

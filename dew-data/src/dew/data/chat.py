@@ -297,7 +297,8 @@ class ChatPreferences(_ChatReader):
     """Preference pairs of conversations as rows for DPO (see the module docstring).
 
     Each record holds ``chosen_key`` and ``rejected_key`` message lists, and
-    optionally ``prompt_key``, a list both continue (or a text: see ``_prompt``).
+    optionally ``prompt_key``, a list both continue (or a text: see ``_prompt``); the rows are named
+    ``chosen`` and ``rejected`` whatever the keys. A pair with a side that says nothing is left out.
     """
 
     files: str | Sequence[str]
@@ -356,9 +357,10 @@ class ChatPreferences(_ChatReader):
             else:  # a template that renders the prompt otherwise inside the conversation: shared tokens
                 common = int(np.argmin(np.append(a[: len(b)] == b[: len(a)], False)))
             masks = [np.where(np.arange(len(mask)) >= common, mask, 0) for _, mask in sides]
-            if all(m.any() for m in masks):
+            speaks = all(assistant_speaks(messages[len(prompt):]) for messages in (chosen, rejected))
+            if speaks and all(m.any() for m in masks):
                 kept.append((sides, masks, common))
-            elif long:
+            elif long and speaks:
                 dropped += 1
             else:  # the two sides the same after the prompt (or one with no assistant text)
                 same, first_same = same + 1, first_same or where
@@ -367,12 +369,12 @@ class ChatPreferences(_ChatReader):
                        "preference pair(s)")
         if not kept:
             raise EmptyDatasetError(f"{self.files!r} holds no preference pair with assistant tokens to score.")
+        # The rows keep DPO's names whatever the records call their sides (prompt_completion's too).
         out = {name: np.zeros((len(kept), limit), np.int32)
-               for name in (self.chosen_key, self.rejected_key, f"{self.chosen_key}_mask",
-                            f"{self.rejected_key}_mask")}
+               for name in ("chosen", "rejected", "chosen_mask", "rejected_mask")}
         lengths = np.zeros(len(kept), np.int32)
         for i, (sides, masks, common) in enumerate(kept):
-            for name, (ids, _), mask in zip((self.chosen_key, self.rejected_key), sides, masks, strict=True):
+            for name, (ids, _), mask in zip(("chosen", "rejected"), sides, masks, strict=True):
                 out[name][i, : len(ids)] = ids
                 out[f"{name}_mask"][i, : len(mask)] = mask
             lengths[i] = common

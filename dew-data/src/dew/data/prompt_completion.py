@@ -246,7 +246,7 @@ class PromptCompletion:
         out, shortened, first = [], 0, ""
         start = prefix_of(tokenizer)  # the beginning-of-text id a cut prompt keeps
         for where, prompt, completion, label in self.pairs():
-            if not completion or (not isinstance(completion, str) and not assistant_speaks(completion)):
+            if _says_nothing(completion):
                 warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
                               "skipped.", NothingToScoreWarning, stacklevel=2)
                 continue
@@ -314,12 +314,17 @@ class PromptCompletion:
         chat, start, width = self.chat(), prefix_of(tokenizer), self.length + 1
         rows: dict[str, list[np.ndarray]] = {"chosen": [], "rejected": [], "chosen_mask": [], "rejected_mask": []}
         lengths, shortened, first = [], 0, ""
-        ties, first_tie = 0, ""
+        ties, first_tie, empty, first_empty = 0, "", 0, ""
         assert self.rejected_key is not None
         for where, record in json_records(self.files):
             prompt = self._turns(record, self.prompt_key, where)
-            sides = {name: self._sides(tokenizer, chat, where, prompt, self._turns(record, key, where), joined=False)
+            given = {name: self._turns(record, key, where)
                      for name, key in (("chosen", self.completion_key), ("rejected", self.rejected_key))}
+            if any(_says_nothing(completion) for completion in given.values()):
+                empty, first_empty = empty + 1, first_empty or where  # its loss would score the end id alone
+                continue
+            sides = {name: self._sides(tokenizer, chat, where, prompt, completion, joined=False)
+                     for name, completion in given.items()}
             if sides["chosen"][1] == sides["rejected"][1]:
                 ties, first_tie = ties + 1, first_tie or where
             head = sides["chosen"][0]
@@ -336,6 +341,10 @@ class PromptCompletion:
             lengths.append(len(fitted))
         if shortened:
             _warn_cut(shortened, first, width, stacklevel=3)
+        if empty:
+            warnings.warn(f"{empty} preference pair(s) give an empty chosen or rejected completion (the first at "
+                          f"{first_empty}), which leaves only the end-of-document id to compare; they were left "
+                          "out.", NothingToScoreWarning, stacklevel=3)
         if ties:  # kept, so positions and counts stay the records'; a loss gets no gradient from them
             warnings.warn(f"{ties} preference pair(s) give the same chosen and rejected completion (the first "
                           f"at {first_tie}): they prefer nothing, so they teach nothing and hold the "
@@ -385,3 +394,7 @@ def _warn_cut(shortened: int, first: str, limit: int, *, stacklevel: int) -> Non
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(text)]
 
+
+def _says_nothing(completion: Turns) -> bool:
+    """Whether a completion has no text to learn: empty text, or assistant turns all empty."""
+    return not completion or (not isinstance(completion, str) and not assistant_speaks(completion))
