@@ -237,6 +237,16 @@ def test_a_directory_that_is_a_file_is_refused_naming_it_and_the_file_is_kept(tm
     assert afile.read_text() == "a user's file\n"
 
 
+def test_a_folder_where_the_lease_goes_is_named_and_kept(tmp_path: Path) -> None:
+    folder = tmp_path / "run" / LEASE
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("a user's file\n")
+    with pytest.raises(CheckpointDirectoryError, match=rf"cannot be used: {LEASE} in it is a folder where dew "
+                                                       "keeps a file; move that folder away"):
+        Checkpoints(tmp_path / "run").acquire()
+    assert (folder / "notes.txt").read_text() == "a user's file\n"
+
+
 def test_a_full_disk_while_taking_the_lease_is_named_and_leaves_no_empty_lease(tmp_path: Path, monkeypatch) -> None:
     import errno
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -204,6 +205,8 @@ class CheckpointDirectoryError(CheckpointError):
             errno.EACCES: "this process may not write there",
             errno.EPERM: "this process may not write there",
             errno.ENOSPC: "its disk is full",
+            errno.EISDIR: f"{os.path.basename(str(cause.filename))} in it is a folder where dew keeps a file; "
+                          "move that folder away",
         }
         reason = reasons.get(cause.errno or 0, f"{type(cause).__name__}: {_first_line(cause)}")
         super().__init__(

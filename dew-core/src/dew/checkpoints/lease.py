@@ -183,6 +183,8 @@ def acquire(directory: Location) -> None:
                 return
             path = directory / LEASE
             if holder is None:
+                if path.is_dir():  # not a lease a writer is between creating and filling, nor dew's to remove
+                    raise CheckpointDirectoryError(directory, IsADirectoryError(errno.EISDIR, "a folder", str(path)))
                 if _age(path) < _UNREADABLE_GRACE_S:
                     time.sleep(0.1)  # its writer may be between creating and filling it
                     continue
