@@ -203,8 +203,14 @@ def test_check_plugin_loads_a_component_without_a_kit_and_flags_a_kit_named_afte
         a_constant = probe_loads.parts:THRESHOLD
         [dew.conformance]
         good_thnig = probe_loads.parts:Thing
+        [dew.plugins]
+        needs_path = probe_loads.hooks:NeedsPath
     """, {"probe_loads.parts": PARTS,
-          "probe_loads.broken": "import probe_missing_dependency_xyz\n\nclass Thing: pass\n"})
+          "probe_loads.broken": "import probe_missing_dependency_xyz\n\nclass Thing: pass\n",
+          # A hooks class is made with no arguments by every run: one that needs some passed the check.
+          "probe_loads.hooks": "from dew.plugins import hookimpl\n\nclass NeedsPath:\n"
+                               "    def __init__(self, path):\n        self.path = path\n\n"
+                               "    @hookimpl\n    def dew_step_end(self, step, metrics):\n        pass\n"})
 
     code, checks = _check(site, "probe-loads", tmp_path)
     assert code == 1
@@ -215,7 +221,10 @@ def test_check_plugin_loads_a_component_without_a_kit_and_flags_a_kit_named_afte
         ("tracker `good_thing`", "it loads"): "passed",
         ("tracker `good_thing`", "has a conformance kit"): "unchecked",
         ("reward `a_constant`", "it names a class or function"): "failed",
+        ("hooks `needs_path`", "it loads"): "failed",
     }
+    assert checks[("hooks `needs_path`", "it loads")][1].startswith(
+        "its entry point needs_path = probe_loads.hooks:NeedsPath failed to load: TypeError: ")
     assert checks[("reward `a_constant`", "it names a class or function")][1] == (  # it was a bare TypeError
         "its entry point a_constant = probe_loads.parts:THRESHOLD names a value of type int, not the class (or function) that "
         "builds the component; point it at that class as 'package.module:ClassName' and reinstall the distribution.")
@@ -228,7 +237,7 @@ def test_check_plugin_loads_a_component_without_a_kit_and_flags_a_kit_named_afte
     assert checks[("kit `good_thnig`", "names a component of the distribution")][1] == (
         "the dew.conformance entry point good_thnig = probe_loads.parts:Thing of probe-loads names no component of "
         "it, so it checks nothing (did you mean 'good_thing'?): register the kit under the name of the component "
-        "it checks (its components: a_constant, bad_attr, bad_import, good_thing).")
+        "it checks (its components: a_constant, bad_attr, bad_import, good_thing, needs_path).")
 
 
 def test_a_hook_with_an_argument_its_hook_lacks_names_the_distribution_and_the_switch(tmp_path):

@@ -71,6 +71,7 @@ __all__ = [
     "implementations",
     "manager",
     "passed_arguments",
+    "plugin_object",
     "registered",
 ]
 
@@ -231,6 +232,12 @@ def _check(plugin: object, name: str) -> None:
             )
 
 
+def plugin_object(loaded: object) -> object:
+    """What a dew.plugins entry point registers: the object it names, or an instance of it when it
+    names a class (made with no arguments, as pytest's plugins are)."""
+    return loaded() if inspect.isclass(loaded) else loaded
+
+
 def _register(plugin_manager: pluggy.PluginManager, plugin: object, name: str | None) -> str:
     name = name or plugin_manager.get_canonical_name(plugin)
     _check(plugin, name)
@@ -257,9 +264,7 @@ def _autoload(plugin_manager: pluggy.PluginManager) -> None:
             continue
         provider = entry_points.provider(name)  # raises if two distributions claim name
         try:
-            plugin = entry_points.load(name)
-            if inspect.isclass(plugin):
-                plugin = plugin()
+            plugin = plugin_object(entry_points.load(name))
         except Exception as failure:  # noqa: BLE001 - any failure of foreign code is named, then re-raised
             # The plugin's own exception, not the registry's wrapping of it, is what this names.
             error = failure.__cause__ if isinstance(failure, ComponentLoadError) and \

@@ -212,21 +212,22 @@ def _run_method(kit: Any, name: str, subject: str) -> Check:
 def checks_of(subject: Component) -> list[Check]:
     """Run one subject's checks in this interpreter (the child process ``certify`` starts)."""
     label = subject.label
-    if subject.group == "dew.plugins":
-        from dew.plugins import registered
+    hooks = subject.group == "dew.plugins"
+    try:  # a hooks plugin that is a class is made as every run makes it, so a failing __init__ shows
+        from dew.plugins import plugin_object, registered
 
-        def hooks_match_the_hook_specifications() -> None:
-            with registered(_load(subject.value), name=subject.name):
-                pass
-
-        return [_call(label, hooks_match_the_hook_specifications)]
-    try:
-        component = _load(subject.value)
+        component = plugin_object(_load(subject.value)) if hooks else _load(subject.value)
     except Exception as error:  # noqa: BLE001 - the component's own module, not its kit, failed
         return [Check(label, "it loads", "failed",
                       f"its entry point {subject.name} = {subject.value} failed to load: {type(error).__name__}: "
                       f"{error}. Fix the entry point (or install what its module imports, declared in the "
                       "distribution's dependencies) and reinstall the distribution.")]
+    if hooks:
+        def hooks_match_the_hook_specifications() -> None:
+            with registered(component, name=subject.name):
+                pass
+
+        return [_call(label, hooks_match_the_hook_specifications)]
     module, base, factory = GROUPS[subject.group]
     if not callable(component):  # a module or a constant: nothing a recipe or a kit can build
         return [Check(label, "it names a class or function", "failed",
