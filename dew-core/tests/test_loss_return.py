@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from dew import Trainer
-from dew.errors import LossReturnError
+from dew.errors import LossReturnError, LossSignatureError
 from dew.objectives.base import Aux, Mean
 from tiny_objective import DATA, Tiny  # every test folder is on sys.path (conftest.py)
 
@@ -39,3 +39,23 @@ def test_a_loss_that_returns_no_mean_and_aux_is_refused_naming_what_it_returned(
     state = Trainer(Returns("pair"), optax.sgd(0.1), key=jax.random.key(0)).fit(DATA, steps=1)
     assert int(state.step) == 1
 
+
+
+class NoStep(Tiny):
+    def loss(self, variables, batch):  # a plugin's loss that leaves out step
+        return Mean.of((self.model.apply(variables, batch["x"]) - 1.0) ** 2), Aux()
+
+
+class RaisesInside(Tiny):
+    def loss(self, variables, batch, step):
+        raise TypeError("the loss's own mistake")
+
+
+def test_a_loss_that_cannot_take_the_trainers_arguments_is_refused_naming_its_signature():
+    with pytest.raises(LossSignatureError, match=r"NoStep\.loss\(variables, batch\) cannot be called as the trainer "
+                                                 r"calls it, loss\(variables, batch, step\) \(.*takes 3 positional"):
+        Trainer(NoStep(), optax.sgd(0.1), key=jax.random.key(0)).fit(DATA, steps=1)
+    # A TypeError from inside a loss that takes them is the loss's own, and stays as it is.
+    with pytest.raises(TypeError, match="the loss's own mistake") as caught:
+        Trainer(RaisesInside(), optax.sgd(0.1), key=jax.random.key(0)).fit(DATA, steps=1)
+    assert not isinstance(caught.value, LossSignatureError)

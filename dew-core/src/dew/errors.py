@@ -14,7 +14,7 @@ True
 
 from __future__ import annotations
 
-__all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "ObjectiveMethodError", "RunFileWriteError",
+__all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "LossSignatureError", "ObjectiveMethodError", "RunFileWriteError",
            "raised_from"]
 
 
@@ -41,6 +41,10 @@ class BatchKeyError(DewKeyError, ValueError):
 
 class LossReturnError(DewError, TypeError):
     """An objective's loss returned something other than its (Mean, Aux) pair."""
+
+
+class LossSignatureError(DewError, TypeError):
+    """An objective's loss cannot be called as the trainer calls it, loss(variables, batch, step)."""
 
 
 class ObjectiveMethodError(DewError, NotImplementedError):
