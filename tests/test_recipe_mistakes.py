@@ -518,3 +518,21 @@ def test_a_plugin_readers_missing_file_is_one_line_not_a_traceback(tmp_path, mon
     err = capsys.readouterr().err
     assert err.startswith("dew train: FileNotFoundError: [Errno 2] No such file or directory: 'nope.jsonl'"), err
     assert "Traceback (" not in err and err.count("\n") == 3, err
+
+
+def test_the_last_line_offers_dew_export_only_for_a_pipeline_that_exports(monkeypatch):
+    """A plugin's pipeline without pretrained() (the plugins docs' example) was sent to dew export by
+    the run's last line, which export then refused."""
+    from dew.objectives import inference
+    from dew.recipes.run import usage
+
+    class Answers(inference.Pipeline):  # generate alone
+        pass
+
+    class Weights(inference.Pipeline):
+        def pretrained(self):
+            raise AssertionError("the last line reads no weights")
+
+    for pipeline, said in ((Answers(), "dew eval reads it too."), (Weights(), "dew eval and dew export read it too.")):
+        monkeypatch.setattr(inference, "pipeline_of", lambda objective, state, made=pipeline: made)
+        assert usage(None, None, "RUN") == f"Use the run: dew generate RUN INPUT...; {said}"

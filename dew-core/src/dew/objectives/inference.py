@@ -199,6 +199,10 @@ class Pipeline:
             return "use `dew generate RUN ...` for its samples."
         return "use `dew embed RUN INPUTS OUT.npy` for its embeddings."
 
+    def exports(self) -> bool:
+        """Whether ``dew export`` can write this pipeline's weights: it implements pretrained()."""
+        return type(self).pretrained is not Pipeline.pretrained
+
     def pretrained(self) -> Pretrained:
         """The model, its variables, tokenizer and task, as ``dew export`` writes them."""
         from dew.objectives.base import PIPELINE_GUIDE

@@ -766,12 +766,14 @@ def usage(objective: Objective, state: TrainState, directory: object) -> str:
     from dew.objectives.inference import NoPipelineError, PipelineError, pipeline_of
 
     try:
-        command = pipeline_of(objective, state).usage(directory)
+        pipeline = pipeline_of(objective, state)
+        command = pipeline.usage(directory)
     except NoPipelineError:  # nothing to sample or export: the metrics remain
         return f"Use the run: dew eval {directory} (its objective declares no pipeline)."
     except PipelineError as error:  # a plugin's pipeline() that returns no Pipeline
         return f"Use the run: dew eval {directory} ({error})"
-    return f"Use the run: {command}; dew eval and dew export read it too."
+    others = "dew eval and dew export read it too" if pipeline.exports() else "dew eval reads it too"
+    return f"Use the run: {command}; {others}."
 
 
 def objective_parts(objective: Objective) -> ObjectiveParts:
