@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from dew import Trainer
-from dew.errors import LossReturnError, LossSignatureError
+from dew.errors import LossReturnError, ObjectiveSignatureError
 from dew.objectives.base import Aux, Mean
 from tiny_objective import DATA, Tiny  # every test folder is on sys.path (conftest.py)
 
@@ -46,16 +46,28 @@ class NoStep(Tiny):
         return Mean.of((self.model.apply(variables, batch["x"]) - 1.0) ** 2), Aux()
 
 
+class NoVariables(Tiny):
+    def init(self, key):
+        return super().init(key)
+
+
 class RaisesInside(Tiny):
     def loss(self, variables, batch, step):
         raise TypeError("the loss's own mistake")
 
 
-def test_a_loss_that_cannot_take_the_trainers_arguments_is_refused_naming_its_signature():
-    with pytest.raises(LossSignatureError, match=r"NoStep\.loss\(variables, batch\) cannot be called as the trainer "
-                                                 r"calls it, loss\(variables, batch, step\) \(.*takes 3 positional"):
+def test_a_loss_or_init_that_cannot_take_the_trainers_arguments_is_refused_naming_its_signature():
+    with pytest.raises(ObjectiveSignatureError, match=r"NoStep\.loss\(variables, batch\) cannot be called as the "
+                       r"trainer calls it, with 3 argument\(s\) \(.*takes 3 positional.*\): declare it as "
+                       r"`def loss\(self, variables, batch, step\)`"):
         Trainer(NoStep(), optax.sgd(0.1), key=jax.random.key(0)).fit(DATA, steps=1)
+    # An init without variables serves a fresh run, and is refused by name for one that starts from weights.
+    fresh = Trainer(NoVariables(), optax.sgd(0.1), key=jax.random.key(0))
+    weights = fresh.fit(DATA, steps=1).params
+    with pytest.raises(ObjectiveSignatureError, match=r"NoVariables\.init\(key\) cannot be called as the trainer "
+                       r"calls it, with 2 argument\(s\).*`def init\(self, key, variables=None\)`"):
+        Trainer(NoVariables(), optax.sgd(0.1), key=jax.random.key(0), initializer=weights).fit(DATA, steps=1)
     # A TypeError from inside a loss that takes them is the loss's own, and stays as it is.
     with pytest.raises(TypeError, match="the loss's own mistake") as caught:
         Trainer(RaisesInside(), optax.sgd(0.1), key=jax.random.key(0)).fit(DATA, steps=1)
-    assert not isinstance(caught.value, LossSignatureError)
+    assert not isinstance(caught.value, ObjectiveSignatureError)

@@ -14,7 +14,7 @@ True
 
 from __future__ import annotations
 
-__all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "LossSignatureError", "ObjectiveMethodError", "RunFileWriteError",
+__all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "ObjectiveMethodError", "ObjectiveSignatureError", "RunFileWriteError",
            "raised_from"]
 
 
@@ -43,12 +43,13 @@ class LossReturnError(DewError, TypeError):
     """An objective's loss returned something other than its (Mean, Aux) pair."""
 
 
-class LossSignatureError(DewError, TypeError):
-    """An objective's loss cannot be called as the trainer calls it, loss(variables, batch, step)."""
-
-
 class ObjectiveMethodError(DewError, NotImplementedError):
     """An objective leaves out a method every objective implements (init, loss)."""
+
+
+class ObjectiveSignatureError(DewError, TypeError):
+    """An objective's init or loss cannot be called as the trainer calls it (init(key, variables),
+    loss(variables, batch, step))."""
 
 
 class RunFileWriteError(DewError, OSError):

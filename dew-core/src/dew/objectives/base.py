@@ -21,6 +21,7 @@ Two class attributes tell the trainer how to treat the variables:
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ import numpy as np
 from flax import linen as nn
 
 from dew.data.base import Tokenizer
-from dew.errors import ObjectiveMethodError
+from dew.errors import ObjectiveMethodError, ObjectiveSignatureError
 from dew.typing import PyTree
 
 # The class's annotations resolve at run time (a registry reads a subclass's type hints, its
@@ -59,6 +60,7 @@ __all__ = [
     "Objective",
     "Step",
     "Variables",
+    "check_signature",
     "cosine_decay",
     "everything",
     "under",
@@ -143,6 +145,26 @@ class Step:
 
 
 LeafFilter = Callable[[tuple[str, ...], PyTree], bool]
+
+
+_CALLED_AS = {"init": "key, variables=None", "loss": "variables, batch, step"}
+
+
+def check_signature(objective: object, method: str, error: TypeError, *arguments: object) -> None:
+    """Raise ObjectiveSignatureError when error came from calling the objective's method (init or
+    loss) with arguments it does not take (a plugin's loss that leaves out step, an init that takes
+    no variables in a run that starts from weights), not from inside it; else return."""
+    try:
+        signature = inspect.signature(getattr(objective, method))
+    except (TypeError, ValueError):  # a callable inspect cannot read: its own error stands
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError:
+        raise ObjectiveSignatureError(
+            f"{type(objective).__name__}.{method}{signature} cannot be called as the trainer calls it, with "
+            f"{len(arguments)} argument(s) ({error}): declare it as `def {method}(self, {_CALLED_AS[method]})` "
+            "(dew.objectives.base.Objective).") from error
 
 
 def everything(path: tuple[str, ...], leaf: PyTree) -> bool:

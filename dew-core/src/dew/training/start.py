@@ -17,7 +17,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dew.errors import DewError
-from dew.objectives.base import Objective, Variables
+from dew.objectives.base import Objective, Variables, check_signature
 from dew.training.execution import follower
 from dew.training.initializers import Initializer, WeightSource, compare_trees, place_weights
 from dew.training.optim import ParamGroup, matches
@@ -53,7 +53,15 @@ class Start:
             weights = nn.meta.unbox(initializer(nn.meta.unbox(self.boxed)))
         else:
             weights = initializer
-        return self.program.fresh(self.objective.init(stream(key, "init"), weights), key)
+        return self.program.fresh(self._init_from(stream(key, "init"), weights), key)
+
+    def _init_from(self, key: jax.Array, weights: Variables | None) -> Variables:
+        """The objective's init given the weights the run starts from, its signature checked."""
+        try:
+            return self.objective.init(key, weights)
+        except TypeError as error:
+            check_signature(self.objective, "init", error, key, weights)
+            raise
 
     @cached_property
     def _shapes(self) -> tuple[Variables, TrainState]:
@@ -109,7 +117,7 @@ class Start:
             return None
         fresh = jax.eval_shape(lambda k: nn.meta.unbox(self.objective.init(stream(k, "init"))), self.key)
         given = jax.eval_shape(
-            lambda w, k: nn.meta.unbox(self.objective.init(stream(k, "init"), w)),
+            lambda w, k: nn.meta.unbox(self._init_from(stream(k, "init"), w)),
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), weights), self.key,
         )
         compare_trees(fresh, given, what="The weights the run starts from")

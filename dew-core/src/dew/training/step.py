@@ -23,7 +23,6 @@ accumulation and the loss scale around it through optax's own MultiSteps.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 
 import flax.struct
@@ -32,10 +31,19 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from dew.errors import BatchKeyError, DewError, LossReturnError, LossSignatureError
+from dew.errors import BatchKeyError, DewError, LossReturnError
 from dew.nn.pipeline import current_schedule
 from dew.nn.pipeline_step import pipelined_gradients
-from dew.objectives.base import Aux, EMASpec, LeafFilter, Mean, Objective, Step, Variables
+from dew.objectives.base import (
+    Aux,
+    EMASpec,
+    LeafFilter,
+    Mean,
+    Objective,
+    Step,
+    Variables,
+    check_signature,
+)
 from dew.training.ema import ema_update
 from dew.training.state import TrainState, Window
 from dew.training.trees import leaves_at, overlay, select, trains
@@ -142,7 +150,7 @@ def _loss_of(objective: Objective, variables: Variables, rows: Mapping[str, jax.
     try:
         return objective.loss(variables, rows, info)
     except TypeError as error:
-        _check_loss_signature(objective, error, variables, rows, info)
+        check_signature(objective, "loss", error, variables, rows, info)
         raise
     except KeyError as error:
         key = error.args[0] if len(error.args) == 1 else None
@@ -152,22 +160,6 @@ def _loss_of(objective: Objective, variables: Variables, rows: Mapping[str, jax.
             f"{type(objective).__name__}.loss raised KeyError {key!r}, a key the batch does not hold (it holds "
             f"{sorted(rows)}): if the loss reads it from the batch, give the data that key or read one it holds, "
             "and name the keys it reads in required_keys(), which the trainer checks before compiling.") from error
-
-
-def _check_loss_signature(objective: Objective, error: TypeError, *arguments: object) -> None:
-    """Raise LossSignatureError when error came from calling loss with arguments it does not take (a
-    plugin's loss that leaves out step, say), not from inside it: otherwise a traceback in the trace."""
-    try:
-        signature = inspect.signature(objective.loss)
-    except (TypeError, ValueError):  # a callable inspect cannot read: its own error stands
-        return
-    try:
-        signature.bind(*arguments)
-    except TypeError:
-        raise LossSignatureError(
-            f"{type(objective).__name__}.loss{signature} cannot be called as the trainer calls it, "
-            f"loss(variables, batch, step) ({error}): declare it as `def loss(self, variables, batch, step)` "
-            "and return its (Mean, Aux) pair (dew.objectives.base.Objective).") from error
 
 
 def _loss_pair(objective: object, returned: object) -> tuple[Mean, Aux]:
