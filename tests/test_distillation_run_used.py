@@ -35,6 +35,7 @@ def test_a_distillation_run_is_scored_and_verified_as_its_student(tmp_path: Path
     exported = dew_command("export", "student", "exported", "--verify", cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
     assert "llama layout" in exported.stdout and "Verified: transformers' LlamaForCausalLM" in exported.stdout
+    assert "Loading weights" not in exported.stderr  # transformers' progress bar, beside dew's one line
 
     # The export holds the student alone, read by its own path (Pretrained): the run scores as it does.
     scores = {}

@@ -66,7 +66,12 @@ class UnrunnableExportError(PretrainedError):
 
 @contextlib.contextmanager
 def _transformers_doing(what: str, target: Path) -> Iterator[None]:
-    """Name what transformers was asked to do with the export in target when it raises."""
+    """Name what transformers was asked to do with the export in target when it raises; its progress
+    bars stay off meanwhile (a bar per load on the console, beside dew's one line)."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
     try:
         yield
     except Exception as error:  # noqa: BLE001 - transformers' own errors are of every kind
@@ -74,6 +79,9 @@ def _transformers_doing(what: str, target: Path) -> Iterator[None]:
         raise UnrunnableExportError(
             f"transformers could not {what} the export in {target} ({type(error).__name__}: {said}). The export "
             "was written but is not certified: report it with its config.json.") from error
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 @dataclass(frozen=True)
