@@ -99,14 +99,13 @@ WORKERS = """
 import sys
 import numpy as np
 
-def main():
-    from absl import flags
-    flags.FLAGS(sys.argv[:1])
+def main():  # no absl app: nothing parses Grain's flags, which its workers read
     from dew.data.base import DataPartition
     from dew.data.hf_text import HFText
     files, tokenizer = sys.argv[1], sys.argv[2]
-    reader = HFText(files=files, length=31, tokenizer=tokenizer, block=3)
-    streams = [reader.load(batch=8, seed=2, workers=w).train(DataPartition()) for w in (0, 2)]
+    # Blocks counted by two index workers, then read by two workers, against one process doing both.
+    readers = [HFText(files=files, length=31, tokenizer=tokenizer, block=3, index_workers=w) for w in (0, 2)]
+    streams = [reader.load(batch=8, seed=2, workers=w).train(DataPartition()) for reader, w in zip(readers, (0, 2))]
     batches = [[next(s) for _ in range(12)] for s in streams]
     for s in streams:
         s.close()
@@ -120,7 +119,8 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_workers_tokenize_the_same_stream(corpus, tmp_path):
-    """Two Grain worker processes tokenizing on the fly yield exactly the stream one process does."""
+    """Two Grain worker processes tokenizing on the fly (and two counting the blocks' tokens first) yield
+    exactly the stream one process does, in a program that never parsed absl's flags."""
     import subprocess
     import sys
 

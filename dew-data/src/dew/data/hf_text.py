@@ -59,7 +59,7 @@ from dew.data.base import Dataset, EosTokenizer, close_if_closable
 from dew.data.errors import DataError, EmptyDatasetError, MalformedRecordError
 from dew.data.order import epoch_order
 from dew.data.shards import Shards, expand_shards
-from dew.data.stream import record_dataset
+from dew.data.stream import in_workers, record_dataset
 from dew.data.token_windows import framed_documents, resolve_tokenizer, tokenizer_fingerprint
 
 __all__ = ["HFText", "StaleIndexError", "StreamedWindows", "count_tokens"]
@@ -124,9 +124,7 @@ def count_tokens(shards: Shards, tokenizer: EosTokenizer, block: int, *, workers
     tasks = -(-blocks // _BLOCKS_PER_TASK)
     dataset = grain.MapDataset.range(tasks).map(_Count(shards, tokenizer, block, blocks)).to_iter_dataset(
         grain.ReadOptions(num_threads=1 if workers == 0 else 0, prefetch_buffer_size=2))
-    if workers > 0:
-        dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    iterator = iter(dataset)
+    iterator = iter(in_workers(dataset, workers) if workers > 0 else dataset)
     try:
         counts = [np.asarray(c) for c in iterator]
     finally:
