@@ -88,6 +88,35 @@ def test_a_parquet_column_of_numbers_is_refused_naming_the_row(tmp_path):
         HFText(files=str(tmp_path / "t.parquet"), length=2, text_key="n").records().take(np.arange(1))
 
 
+def test_a_parquet_or_arrow_file_that_is_no_such_file_is_named_not_blamed_on_the_recipe(tmp_path, capsys):
+    """pyarrow's own error named no file, and dew train took it for a refusal of data.load."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from dew.data import TokenWindows
+    from dew.data.errors import UnreadableFileError
+    from dew.data.hf_text import HFText
+
+    pq.write_table(pa.table({"text": ["a b c d e f"] * 50}), tmp_path / "good.parquet")
+    whole = (tmp_path / "good.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(whole[: len(whole) // 2])  # a copy that stopped
+    (tmp_path / "text.arrow").write_text("not arrow at all")
+    for name, kind in (("cut.parquet", "Parquet"), ("text.arrow", "Arrow")):
+        said = rf"'{tmp_path / name}' cannot be read as a {kind} file \(.+\): it may be cut short"
+        with pytest.raises(UnreadableFileError, match=said):
+            TokenWindows(files=str(tmp_path / name), length=2).windows()
+        with pytest.raises(UnreadableFileError, match=said):
+            HFText(files=str(tmp_path / name), length=2).records()
+    from dew.cli import main
+
+    overrides = [f"data.files={tmp_path / 'cut.parquet'}", "trainer.steps=1", f"trainer.checkpoint_dir={tmp_path}/run",
+                 "trackers=[]"]
+    assert main(["train", "tiny-lm", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "cut.parquet' cannot be read as a Parquet file" in err and "data.load" not in err, err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("[0-9]*"))
+
+
 def test_a_jsonl_line_that_is_not_utf8_is_named_by_the_streamed_reader(tmp_path):
     """hf_text blamed the recipe's data.load for a UnicodeDecodeError, naming no file or line."""
     from dew.data.hf_text import HFText

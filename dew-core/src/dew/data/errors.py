@@ -21,6 +21,7 @@ __all__ = [
     "MissingKeyError",
     "PositionMismatchError",
     "RampError",
+    "UnreadableFileError",
     "UnreadableTokenizerError",
 ]
 
@@ -63,6 +64,11 @@ class PositionMismatchError(DataError, ValueError):
 
 class RampError(DataError, ValueError):
     """A batch-size ramp schedule is malformed or its reader cannot change batch size."""
+
+
+class UnreadableFileError(DataError, ValueError):
+    """A data file is there, but not readable as the format its name says (a Parquet or Arrow file
+    cut short, or another format under that name)."""
 
 
 class UnreadableTokenizerError(DataError, ValueError):

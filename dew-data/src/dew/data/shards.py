@@ -34,7 +34,8 @@ import json
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,13 +47,14 @@ from dew.data.errors import (
     MalformedRecordError,
     MissingFileError,
     MissingKeyError,
+    UnreadableFileError,
 )
 from dew.data.sources import expand_files, not_json_lines
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["SHARD_SUFFIXES", "Shards", "expand_shards", "open_shard", "sampled_digest"]
+__all__ = ["SHARD_SUFFIXES", "Shards", "expand_shards", "open_shard", "reading_table", "sampled_digest"]
 
 _JSON = (".jsonl", ".json", ".ndjson")
 SHARD_SUFFIXES = (".parquet", ".arrow", *_JSON)
@@ -198,6 +200,22 @@ def _missing_column(path: Path, column: str, present: Sequence[str]) -> MissingK
     )
 
 
+@contextmanager
+def reading_table(path: str | os.PathLike[str], kind: str) -> Iterator[None]:
+    """Name the file when pyarrow cannot read it as kind (Parquet, Arrow): its own error names none,
+    and a ValueError out of the data was taken for a refusal of the recipe's data fields."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except pa.ArrowException as error:  # ArrowInvalid, ArrowIOError, ...: the file, not the recipe
+        said = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise UnreadableFileError(
+            f"{os.fspath(path)!r} cannot be read as a {kind} file ({said}): it may be cut short (a copy or "
+            f"download that stopped), or another format under a {kind} name. Write it again (or give its "
+            "real suffix), or leave it out of the files.") from error
+
+
 class _Parquet:
     """A Parquet file, read a row group at a time (the last two kept)."""
 
@@ -205,7 +223,8 @@ class _Parquet:
         import pyarrow.parquet as pq
 
         self.path, self.column = path, column
-        self.file = pq.ParquetFile(path)  # buffered reads: only the row groups in use stay in memory
+        with reading_table(path, "Parquet"):
+            self.file = pq.ParquetFile(path)  # buffered reads: only the row groups in use stay in memory
         names = self.file.schema_arrow.names
         self.absent = column not in names
         if self.absent and not optional:
@@ -220,7 +239,8 @@ class _Parquet:
         if index not in self.groups:
             if len(self.groups) >= 2:
                 self.groups.popitem(last=False)
-            self.groups[index] = self.file.read_row_group(index, columns=[self.column]).column(0)
+            with reading_table(self.path, "Parquet"):
+                self.groups[index] = self.file.read_row_group(index, columns=[self.column]).column(0)
         self.groups.move_to_end(index)
         return self.groups[index]
 
@@ -249,11 +269,12 @@ class _Arrow:
 
         self.path, self.column = path, column
         source = pa.memory_map(os.fspath(path), "r")
-        try:
-            table = pa.ipc.open_file(source).read_all()
-        except pa.ArrowInvalid:
-            source.seek(0)
-            table = pa.ipc.open_stream(source).read_all()
+        with reading_table(path, "Arrow"):
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_stream(source).read_all()
         self.rows = table.num_rows
         self.data = table.column(column) if column in table.column_names else None
         if self.data is None and not optional:

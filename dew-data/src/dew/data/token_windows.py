@@ -265,14 +265,17 @@ class TokenWindows:
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            parquet = pq.ParquetFile(path)
-            if self.text_key not in parquet.schema_arrow.names:
-                raise MissingKeyError(
-                    f"The Parquet file {os.fspath(path)!r} has no column {self.text_key!r}; its "
-                    f"columns are {parquet.schema_arrow.names}. Pass text_key= with the text column."
-                )
-            yield from self._column_texts(path, (text for batch in parquet.iter_batches(
-                columns=[self.text_key], batch_size=4096) for text in batch.column(0).to_pylist()))
+            from dew.data.shards import reading_table
+
+            with reading_table(path, "Parquet"):
+                parquet = pq.ParquetFile(path)
+                if self.text_key not in parquet.schema_arrow.names:
+                    raise MissingKeyError(
+                        f"The Parquet file {os.fspath(path)!r} has no column {self.text_key!r}; its "
+                        f"columns are {parquet.schema_arrow.names}. Pass text_key= with the text column."
+                    )
+                yield from self._column_texts(path, (text for batch in parquet.iter_batches(
+                    columns=[self.text_key], batch_size=4096) for text in batch.column(0).to_pylist()))
         elif suffix == ".arrow":  # a datasets cache's or save_to_disk's file, memory-mapped
             from dew.data.shards import Shards
 
