@@ -95,6 +95,25 @@ def test_identical_runs_are_identical_through_their_last_step(runs, capsys):
 
 
 @pytest.mark.slow
+def test_a_non_finite_loss_is_spelt_in_diff_json_as_the_journal_spells_it(runs, tmp_path, capsys):
+    """dew diff --json wrote a bare NaN, which JSON has not (a strict parser refuses the output)."""
+    import shutil
+
+    copy = shutil.copytree(runs.ref, tmp_path / "diverged")
+    rows = [json.loads(line) for line in (copy / "scalars.jsonl").read_text().splitlines()]
+    logged = [row for row in rows if "train/loss" in row]
+    logged[0]["train/loss"] = "NaN"  # as the journal holds a rejected step's loss
+    (copy / "scalars.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} is no JSON")
+
+    code, out, _ = _dew(["diff", str(copy), str(runs.ref), "--json"], capsys)
+    result = json.loads(out, parse_constant=strict)
+    assert result["first_loss"]["step"] == logged[0]["step"] and result["first_loss"]["a"] == "NaN", result
+
+
+@pytest.mark.slow
 def test_a_plugin_upgraded_between_two_runs_is_a_row_of_the_recipe_diff(runs, tmp_path, capsys):
     """started.json records which distribution and version registered each component; two runs made
     with different versions of one are told apart, though their recipes are the same."""

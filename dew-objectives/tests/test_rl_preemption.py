@@ -101,6 +101,9 @@ def test_a_run_stopped_mid_rollout_resumes_bitwise(tmp_path: Path) -> None:
     # no rollout read (3 of every 4 prompts thrown away), and the data ledger called them consumed.
     ledger = read_ledger(whole / "run")
     assert [(s.step, s.first, s.end) for s in ledger.steps] == [(1, 0, 8), (5, 8, 16), (9, 16, 24)]
+    # The run trained 10 steps, though its last to read records was 9: dew audit counted 9.
+    alone = audit(ledger)
+    assert alone.exact and (ledger.last, alone.steps, alone.compared, alone.records) == (10, 10, 10, 24)
 
     # Stopped while the second sample is being scored (step 5): the first sample's state is
     # behind it and the second's is not yet served.
@@ -113,4 +116,5 @@ def test_a_run_stopped_mid_rollout_resumes_bitwise(tmp_path: Path) -> None:
     assert code == 0, err[-4000:]
     assert [line for line in out.splitlines() if line.startswith("finished")] == expected
     assert _losses(tmp_path / "run.jsonl") == _losses(whole / "run.jsonl")
-    assert audit(read_ledger(tmp_path / "run"), ledger).exact
+    resumed = audit(read_ledger(tmp_path / "run"), ledger)
+    assert resumed.exact and resumed.compared == 10

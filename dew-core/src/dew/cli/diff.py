@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from dew.checkpoints.errors import CheckpointCorruptedError
     from dew.cli.runs import note_if_training
     from dew.provenance.diff import NotARunDirectoryError, diff_runs
+    from dew.telemetry.records import json_value
 
     for name in ("rtol", "atol"):
         value = getattr(args, name)
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         body = asdict(result)
         body.update(bitwise=result.bitwise, within_tolerance=result.within_tolerance, through=result.through)
-        print(json.dumps(body, indent=2, default=str))
+        print(json.dumps(json_value(body), indent=2))  # a non-finite loss as the journal spells it
     else:
         print(render_diff(result))
     note_if_training("diff", args.run_a, args.run_b)

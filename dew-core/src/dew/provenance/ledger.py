@@ -80,6 +80,7 @@ class Ledgered:
     contents: tuple[str, ...] = ()  # the digests of the data's contents its saved positions name, in order
     files: tuple[tuple[str, ...], ...] = ()  # the digests of the files its saved positions name, in order
     layout: Any = None  # how the last saved position says the stream draws its records (a mixture's weights)
+    trained: int = 0  # the newest committed step, where known: steps after the last that read data count too
 
     @property
     def order(self) -> dict[str, Any] | None:
@@ -87,7 +88,9 @@ class Ledgered:
 
     @property
     def last(self) -> int:
-        return self.steps[-1].step if self.steps else 0
+        """The step the run's state reached: its newest committed step, not the last step that read
+        records (PPO reads a batch once per epochs x minibatches steps)."""
+        return max(self.trained, self.steps[-1].step if self.steps else 0)
 
 
 def read_ledger(run: str | Path) -> Ledgered:
@@ -184,7 +187,7 @@ def read_ledger(run: str | Path) -> Ledgered:
             "run stopped before its first one committed), so there is nothing to audit. Train it to a checkpoint "
             "first.")
     return Ledgered(tuple(kept), tuple(segments), tuple(orders), undone, len(beyond),
-                    tuple(contents), tuple(files), layout)
+                    tuple(contents), tuple(files), layout, newest or 0)
 
 
 _LARGEST_CHECKED = 1 << 24  # a step reading more records than this (none does) is not recomputed
@@ -376,7 +379,7 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
         if (step.first, step.end) != (other.first, other.end) or not same_records:
             first = step.step
             break
-    last = min(ledger.last, max((s.step for s in theirs), default=0))
+    last = ledger.last if against is None else min(ledger.last, against.last)
     seen = {m.step for m in mine}  # built once: a run's steps number in the millions
     missing = tuple(sorted(s for s in by_step if 1 <= s <= last and s not in seen))  # by the steps, not to last
     within = [s for s in mine if s.step <= last]
