@@ -20,6 +20,14 @@ CHECKED = [
     ("qwen3-sft", ["model.preset=0.7b"], "model.preset: The qwen3 family has no preset '0.7b'; its presets are"),
     ("qwen3-sft", ["model.num_kv_heads=3"], "model: CausalTransformer.num_kv_heads=3 must divide num_heads=4"),
     ("tiny-lm", ["optimizer.eps=0"], "optimizer.eps: Input should be greater than 0"),
+    # A division by zero's traceback (exit 1), a head width of 0 read as unset, NaN at every step.
+    ("tiny-lm", ["model.query_pre_attn_scalar=0"], "model: CausalTransformer.query_pre_attn_scalar=0 must be above 0"),
+    ("tiny-lm", ["model.head_features=0"], "model: CausalTransformer.head_features=0 must be above 0"),
+    ("tiny-lm", ["model.rope_base=-1"], "model: CausalTransformer.rope_base=-1 must be above 0."),
+    ("tiny-lm", ["model.logit_softcap=0"], "model: CausalTransformer.logit_softcap=0 must be above 0"),
+    ("tiny-lm", ["model.norm_epsilon=-1"], "model: CausalTransformer.norm_epsilon=-1 must be 0 or above"),
+    ("tiny-jepa", ["objective.predictor_features=0"], "refused the recipe's objective values: JepaObjective's predictor needs predictor_features"),
+    ("tiny-jepa", ["objective.momentum=[1.5, 1.0]"], "objective values: JepaObjective.momentum=[1.5, 1.0] is the target"),
     # An objective's own values passed --check, and were refused as the run built the objective.
     ("block-diffusion", ["objective.block_size=5"],
      "objective: BlockDiffusionObjective.seq_len=64 must be a positive multiple of block_size=5"),

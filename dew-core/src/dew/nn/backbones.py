@@ -250,6 +250,16 @@ class CausalTransformer(nn.Module):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"CausalTransformer.{name}={getattr(self, name)!r} is not one of "
                                  f"{', '.join(map(repr, allowed))}.")
+        positive = {"head_features": self.head_features, "rope_base": self.rope_base,
+                    "local_rope_base": self.local_rope_base, "attention_softcap": self.attention_softcap,
+                    "logit_softcap": self.logit_softcap, "query_pre_attn_scalar": self.query_pre_attn_scalar}
+        for name, value in positive.items():  # 0 or below: a division by zero, NaN at every step, or a width of 0
+            if value is not None and not value > 0:
+                unset = "" if name == "rope_base" else " (or None, unset)"
+                raise ValueError(f"CausalTransformer.{name}={value} must be above 0{unset}.")
+        if not self.norm_epsilon >= 0:
+            raise ValueError(f"CausalTransformer.norm_epsilon={self.norm_epsilon} must be 0 or above: it is "
+                             "added to the variance a norm divides by.")
         if not 0 < self.rotary_fraction <= 1:
             raise ValueError(f"CausalTransformer.rotary_fraction={self.rotary_fraction} must be in "
                              "(0, 1]: the share of each head's features that rotate.")

@@ -231,6 +231,8 @@ def cosine_decay(start: float, end: float, steps: int) -> DecaySchedule:
     """
     if steps < 1:
         raise ValueError(f"cosine_decay needs at least 1 step, got {steps}.")
+    if not (0.0 <= start <= 1.0 and 0.0 <= end <= 1.0):  # an average's weights, as EMASpec's constant
+        raise ValueError(f"cosine_decay's start and end are decays, each in [0, 1]; got {start} and {end}.")
 
     def schedule(updates: jax.Array) -> jax.Array:
         progress = jnp.clip(jnp.asarray(updates, jnp.float32) / steps, 0.0, 1.0)

@@ -144,6 +144,15 @@ class JepaObjective(Objective):
         if not self.pixel_std > 0:
             raise ValueError(f"JepaObjective divides pixels by pixel_std, which must be positive; got "
                              f"{self.pixel_std}.")
+        if not all(0.0 <= m <= 1.0 for m in self.momentum) or len(self.momentum) != 2 or self.momentum_steps < 1:
+            raise ValueError(f"JepaObjective.momentum={list(self.momentum)} is the target encoder's EMA decay from "
+                             "start to end, each in [0, 1], over momentum_steps >= 1 updates (got "
+                             f"{self.momentum_steps}).")
+        if min(self.predictor_features, self.predictor_layers, self.predictor_heads) < 1 \
+                or self.predictor_features % self.predictor_heads:
+            raise ValueError(f"JepaObjective's predictor needs predictor_features, predictor_layers and predictor_heads "
+                             f"of at least 1, the heads dividing the features; got {self.predictor_features}, "
+                             f"{self.predictor_layers} and {self.predictor_heads}.")
         if self.blocks < 1 or min(self.block) < 1:
             raise ValueError(f"JepaObjective needs at least one block of at least 1x1 patches, got "
                              f"blocks={self.blocks}, block={self.block}.")
