@@ -26,6 +26,8 @@ CHECKED = [
     ("tiny-lm", ["model.rope_base=-1"], "model: CausalTransformer.rope_base=-1 must be above 0."),
     ("tiny-lm", ["model.logit_softcap=0"], "model: CausalTransformer.logit_softcap=0 must be above 0"),
     ("tiny-lm", ["model.norm_epsilon=-1"], "model: CausalTransformer.norm_epsilon=-1 must be 0 or above"),
+    # XLA read the word as a file of flags and aborted the run (exit 1), naming no field.
+    ("tiny-lm", ["trainer.xla_flags=[notaflag]"], "trainer.xla_flags: 'notaflag' is not one XLA flag"),
     ("tiny-jepa", ["objective.predictor_features=0"], "refused the recipe's objective values: JepaObjective's predictor needs predictor_features"),
     ("tiny-jepa", ["objective.momentum=[1.5, 1.0]"], "objective values: JepaObjective.momentum=[1.5, 1.0] is the target"),
     # An objective's own values passed --check, and were refused as the run built the objective.

@@ -100,6 +100,17 @@ class ProcessSettings(Settings):
         False, description="let a crash write a core file (it holds secrets from the environment)"
     )
 
+    @pydantic.field_validator("xla_flags")
+    @classmethod
+    def _flags(cls, flags: list[str]) -> list[str]:
+        """Each item one flag: XLA reads a word of XLA_FLAGS without -- as a file of flags, and aborts
+        the process where there is none, naming no field."""
+        for flag in flags:
+            if not flag.startswith("--") or len(shlex.split(flag)) != 1:
+                raise ValueError(f"{flag!r} is not one XLA flag: each item is one flag, as "
+                                 "'--xla_dump_to=/tmp/dump' (XLA reads a word without -- as a file of flags)")
+        return flags
+
 
 def _backend_started() -> bool:
     from jax._src import xla_bridge
