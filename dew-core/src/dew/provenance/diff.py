@@ -220,14 +220,25 @@ def _tokens(keystr: str) -> tuple[str, ...]:
 
 def load_leaves(run: Path, step: int, paths: Sequence[str]) -> dict[str, Any]:
     """The arrays of the leaves at paths (manifest names) of a kept step, read alone (Orbax partial restore)."""
-    import jax
-    import numpy as np
     import orbax.checkpoint as ocp
 
     wanted = {_tokens(p): p for p in paths}
     directory = run / str(step) / "state"
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(directory).item_metadata.tree
+    # The handler, not a Checkpointer: the step's own metadata file sits beside state/, not in it, and a
+    # Checkpointer warned for each read that it found none there.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(directory).tree
+        return _read_leaves(handler, directory, tree, wanted)
+    finally:
+        handler.close()
+
+
+def _read_leaves(handler: Any, directory: Path, tree: Any, wanted: Mapping[tuple[str, ...], str]) -> dict[str, Any]:
+    """The leaves of the saved tree at the wanted paths, read as numpy arrays (the rest left unread)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
 
     def prune(node: Any, path: tuple[str, ...]) -> Any:
         if isinstance(node, Mapping):
@@ -244,8 +255,8 @@ def load_leaves(run: Path, step: int, paths: Sequence[str]) -> dict[str, Any]:
     if item is None:
         return {}
     restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-    read = checkpointer.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore,
-                                                                        partial_restore=True))
+    read = handler.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore,
+                                                                    partial_restore=True))
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(read)[0]:
         tokens = tuple(key_name(k) for k in path)
