@@ -136,6 +136,15 @@ STARTING = [
      "dataset 'token_windows' refused the recipe's data.tokenizer values: A tokenizer must have encode(text) "
      "and eos_id; int 5 lacks encode."),
     ("tiny-lm", ["data.tokenizer=bytes"], "MissingFileError: The tokenizer 'bytes' does not exist. Pass 'byte' (dew's byte-level"),
+    # An objective's length other than the data's: the message named the objective's field alone.
+    ("tiny-lm", ["objective.seq_len=32", "data.load.val_fraction=0", "trainer.eval_every=null"],
+     "BatchKeyError: Batch key 'text' has shape (32, 65), but LMObjective(seq_len=32) expects ('batch', 33): "
+     "seq_len + 1 ids per row (inputs are the first seq_len, targets the last seq_len). In a recipe, give the "
+     "data reader's length (data.length) the value of objective.seq_len."),
+    ("masked-diffusion", ["objective.seq_len=32", "data.load.val_fraction=0", "trainer.eval_every=null"],
+     "BatchKeyError: Batch key 'text' has shape (32, 65); MaskedDiffusionObjective(seq_len=32) expects [batch, 32] "
+     "(or token_windows' [batch, 33]). In a recipe, give the data reader's length (data.length) the value of "
+     "objective.seq_len."),
     # cuDNN's kernel on a CPU: a 40-frame traceback ending "cuDNN is not detected".
     ("tiny-lm", ["model.attention=cudnn", "model.dtype=bfloat16", "data.load.val_fraction=0", "trainer.eval_every=null"],
      "FusedAttentionError: attention='cudnn' runs cuDNN's fused kernel, on an NVIDIA GPU only"),

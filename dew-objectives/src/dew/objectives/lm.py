@@ -256,7 +256,8 @@ class LMObjective(Objective):
             raise BatchShapeError(
                 f"Batch key 'text' has shape {tuple(np.shape(text))}, but "
                 f"LMObjective(seq_len={self.seq_len}) expects {expected}: seq_len + 1 ids per "
-                "row (inputs are the first seq_len, targets the last seq_len)."
+                "row (inputs are the first seq_len, targets the last seq_len). In a recipe, give the data "
+                "reader's length (data.length) the value of objective.seq_len."
             )
         if not jnp.issubdtype(text.dtype, jnp.integer):
             raise BatchShapeError(

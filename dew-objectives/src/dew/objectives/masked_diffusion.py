@@ -64,7 +64,8 @@ def token_windows(batch: Batch, seq_len: int, owner: str) -> jax.Array:
     shape = tuple(getattr(text, "shape", ()))  # a batch value is whatever the reader yields
     if len(shape) != 2 or shape[1] not in (seq_len, seq_len + 1):
         raise InvalidTokensError(f"Batch key 'text' has shape {shape}; {owner}(seq_len={seq_len}) "
-                                 f"expects [batch, {seq_len}] (or token_windows' [batch, {seq_len + 1}]).")
+                                 f"expects [batch, {seq_len}] (or token_windows' [batch, {seq_len + 1}]). In a "
+                                 "recipe, give the data reader's length (data.length) the value of objective.seq_len.")
     if not jnp.issubdtype(text.dtype, jnp.integer):
         raise InvalidTokensError(f"Batch key 'text' holds {text.dtype}; token ids must be integers.")
     return jnp.asarray(text[:, :seq_len], jnp.int32)
