@@ -26,6 +26,8 @@ CHECKED = [
     ("tiny-lm", ["model.rope_base=-1"], "model: CausalTransformer.rope_base=-1 must be above 0."),
     ("tiny-lm", ["model.logit_softcap=0"], "model: CausalTransformer.logit_softcap=0 must be above 0"),
     ("tiny-lm", ["model.norm_epsilon=-1"], "model: CausalTransformer.norm_epsilon=-1 must be 0 or above"),
+    # Refused at the first preview, naming no field.
+    ("tiny-lm", ["objective.prompt="], "LMObjective.prompt='' gives the preview no token to start from"),
     # XLA read the word as a file of flags and aborted the run (exit 1), naming no field.
     ("tiny-lm", ["trainer.xla_flags=[notaflag]"], "trainer.xla_flags: 'notaflag' is not one XLA flag"),
     ("tiny-jepa", ["objective.predictor_features=0"], "refused the recipe's objective values: JepaObjective's predictor needs predictor_features"),

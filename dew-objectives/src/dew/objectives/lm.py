@@ -137,6 +137,9 @@ class LMObjective(Objective):
         if self.preview_tokens < 0:
             raise ValueError(f"LMObjective.preview_tokens must be at least 0 (0 previews the prompt alone), "
                              f"got {self.preview_tokens}.")
+        if self.prompt is not None and self.tokenizer is not None and not prompt_ids(self.tokenizer, self.prompt):
+            raise ValueError(f"LMObjective.prompt={self.prompt!r} gives the preview no token to start from (the "
+                             "tokenizer adds no beginning-of-text id): give text to continue, or null for no preview.")
         limit = getattr(self.model, "max_seq_len", None)  # any flax Module: a family without it is not checked
         if limit is not None and self.seq_len > limit:
             raise ValueError(
