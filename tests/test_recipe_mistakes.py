@@ -26,6 +26,9 @@ CHECKED = [
     ("tiny-lm", ["model.rope_base=-1"], "model: CausalTransformer.rope_base=-1 must be above 0."),
     ("tiny-lm", ["model.logit_softcap=0"], "model: CausalTransformer.logit_softcap=0 must be above 0"),
     ("tiny-lm", ["model.norm_epsilon=-1"], "model: CausalTransformer.norm_epsilon=-1 must be 0 or above"),
+    # A completion as long as the model's window: the first rollout refused every prompt (PromptTooLongError).
+    ("addition-grpo", ["objective.max_new_tokens=1000"],
+     "GRPOObjective.max_new_tokens=1000 leaves no position for a prompt in the model's max_seq_len=32"),
     # Refused at the first preview, naming no field.
     ("tiny-lm", ["objective.prompt="], "LMObjective.prompt='' gives the preview no token to start from"),
     # XLA read the word as a file of flags and aborted the run (exit 1), naming no field.

@@ -340,7 +340,12 @@ def test_settings_under_which_a_group_trains_nothing_are_refused():
     with pytest.raises(ValueError, match=r"GRPOObjective\.max_new_tokens must be at least 1"):
         GRPOObjective(model, max_new_tokens=0)
     lm = build("causal_transformer", vocab_size=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16,
-               max_seq_len=8)
+               max_seq_len=12)
     with pytest.raises(ValueError, match=r"stop_token=300 is outside the model's vocabulary \[0, 16\)"):
         GRPOObjective(lm, stop_token=300)
+    # Completions as long as the model's window leave no prompt room: every prompt was refused at the first rollout.
+    with pytest.raises(ValueError, match=r"max_new_tokens=12 leaves no position for a prompt in the model's "
+                                         r"max_seq_len=12"):
+        GRPOObjective(lm, max_new_tokens=12)
+    GRPOObjective(lm, max_new_tokens=11)
     GRPOObjective(lm, stop_token=15, beta=0.0)  # the edges are accepted

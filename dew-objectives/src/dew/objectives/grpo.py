@@ -177,6 +177,11 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if self.max_new_tokens < 1:
             raise ValueError(f"{name}.max_new_tokens must be at least 1 (the completion a reward scores), "
                              f"got {self.max_new_tokens}.")
+        limit = getattr(self.model, "max_seq_len", None)  # any flax Module: a family without it is not checked
+        if limit is not None and self.max_new_tokens >= limit:
+            raise ValueError(f"{name}.max_new_tokens={self.max_new_tokens} leaves no position for a prompt in the "
+                             f"model's max_seq_len={limit}: a prompt and its completion share the model's length. "
+                             "Lower max_new_tokens, or build a model with a longer max_seq_len.")
         if not self.temperature > 0:
             raise ValueError(
                 f"{name}.temperature must be above 0, got {self.temperature}: greedy decoding gives every "
