@@ -141,6 +141,10 @@ STARTING = [
      "dataset 'token_windows' refused the recipe's data.tokenizer values: A tokenizer must have encode(text) "
      "and eos_id; int 5 lacks encode."),
     ("tiny-lm", ["data.tokenizer=bytes"], "MissingFileError: The tokenizer 'bytes' does not exist. Pass 'byte' (dew's byte-level"),
+    # A ramp starting above the batch: the reader's words named no field of the recipe.
+    ("tiny-lm", ["trainer.batch_ramp={start: 64, steps: 2}", "data.load.val_fraction=0", "trainer.eval_every=null"],
+     "RampError: trainer.batch_ramp (start=64, steps=2, data.batch=32): A ramp must start at 1 to 32 rows (the "
+     "full batch); got start=64. Give trainer.batch_ramp.start at most data.batch."),
     # An objective's length other than the data's: the message named the objective's field alone.
     ("tiny-lm", ["objective.seq_len=32", "data.load.val_fraction=0", "trainer.eval_every=null"],
      "BatchKeyError: Batch key 'text' has shape (32, 65), but LMObjective(seq_len=32) expects ('batch', 33): "

@@ -304,8 +304,13 @@ def _ramped(config: RunConfig, dataset: Dataset) -> Dataset:
     if ramp is None:
         return dataset
     from dew.data import ramped
+    from dew.data.errors import RampError
 
-    return ramped(dataset, start=ramp.start, steps=ramp.steps)
+    try:
+        return ramped(dataset, start=ramp.start, steps=ramp.steps)
+    except RampError as error:  # the reader's words name no field of the recipe
+        raise RampError(f"trainer.batch_ramp (start={ramp.start}, steps={ramp.steps}, data.batch={dataset.batch}): "
+                        f"{error} Give trainer.batch_ramp.start at most data.batch.") from None
 
 
 @dataclass(frozen=True)
