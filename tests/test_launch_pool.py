@@ -399,7 +399,10 @@ def test_a_stopped_rl_pool_journals_whole_batches_and_resumes_bitwise(tmp_path):
 
     from dew.training.rollout_journal import read_journal
 
-    common = ["addition-grpo", "init=null", "trainer.steps=8", "trainer.log_every=1", "trainer.eval_every=100",
+    # Steps enough that the signal, forwarded by dew launch to both ranks, lands mid-run: at 8 steps a fast
+    # machine had finished the run before the ranks saw it, and the relaunch found nothing to resume.
+    steps = 24
+    common = ["addition-grpo", "init=null", f"trainer.steps={steps}", "trainer.log_every=1", "trainer.eval_every=100",
               "trainer.checkpoint_every=2", "data.batch=4", "objective.group_size=4", "objective.max_lag=1"]
 
     def launch(name):
@@ -421,10 +424,10 @@ def test_a_stopped_rl_pool_journals_whole_batches_and_resumes_bitwise(tmp_path):
                 if key.startswith(("train/reward", "train/loss", "train/grad_norm"))}
 
     assert logged(tmp_path / "cut") == logged(tmp_path / "whole")
-    assert (tmp_path / "cut" / "8").is_dir()
+    assert (tmp_path / "cut" / str(steps)).is_dir()
     whole = {entry.step: entry for entry in read_journal(tmp_path / "whole")}
     cut = {entry.step: entry for entry in read_journal(tmp_path / "cut")}
-    assert set(range(8)) <= whole.keys() == cut.keys()  # and the batch made ahead of the last step
+    assert set(range(steps)) <= whole.keys() == cut.keys()  # and the batch made ahead of the last step
     for step, entry in whole.items():  # every process's rows: data.batch prompts, group_size each
         assert entry.batch["tokens"].shape[0] == 4 * 4, step
         for key, value in entry.batch.items():
