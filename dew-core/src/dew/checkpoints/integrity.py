@@ -335,24 +335,23 @@ def compare_leaves(saved: Sequence[Mapping[str, Any]], expected: Sequence[Mappin
         old, new = before[path], after[path]
         if list(old["shape"]) == list(new["shape"]) and old["dtype"] != new["dtype"]:
             recast.setdefault((old["dtype"], new["dtype"]), []).append(path)
-        elif list(old["shape"]) != list(new["shape"]) or old["dtype"] != new["dtype"]:
+        elif list(old["shape"]) != list(new["shape"]):
             differences.append(
                 f"{path} was saved as {old['dtype']}{list(old['shape'])}, the state has {new['dtype']}{list(new['shape'])}"
             )
-    for (saved_dtype, state_dtype), paths in recast.items():
-        weights_first = sorted(paths, key=lambda path: (not path.startswith(".params"), path))
-        differences.append(_recast(weights_first, saved_dtype, state_dtype, before))
-    return sorted(differences)
-
-
-def _recast(paths: Sequence[str], saved: str, state: str, before: Mapping[str, Mapping[str, Any]]) -> str:
-    """One line for the leaves of one dtype change: a changed dtype setting differs in every weight,
-    and a line per leaf would bury what changed."""
-    if len(paths) == 1:
-        return f"{paths[0]} was saved as {saved}{list(before[paths[0]]['shape'])}, the state has {state}"
-    return (f"{len(paths)} leaves were saved as {saved} and the state has them as {state}, shapes alike "
-            f"({paths[0]}, {paths[1]}{', ...' if len(paths) > 2 else ''}): a dtype setting of the recipe "
+    # One line per dtype change: a changed dtype setting differs in every weight, and a line per leaf
+    # would bury what changed.
+    for (was, now), paths in recast.items():
+        named = sorted(paths, key=lambda path: (not path.startswith(".params"), path))  # the weights first
+        if len(named) == 1:
+            shape = list(before[named[0]]["shape"])
+            differences.append(f"{named[0]} was saved as {was}{shape}, the state has {now}{shape}")
+            continue
+        differences.append(
+            f"{len(named)} leaves were saved as {was} and the state has them as {now}, shapes alike "
+            f"({named[0]}, {named[1]}{', ...' if len(named) > 2 else ''}): a dtype setting of the recipe "
             "(the model's param_dtype, say) differs from the one the run trained with")
+    return sorted(differences)
 
 
 def _children(tree: PyTree) -> list[tuple[Hashable, PyTree]] | None:

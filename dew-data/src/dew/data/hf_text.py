@@ -124,7 +124,7 @@ def count_tokens(shards: Shards, tokenizer: EosTokenizer, block: int, *, workers
     tasks = -(-blocks // _BLOCKS_PER_TASK)
     dataset = grain.MapDataset.range(tasks).map(_Count(shards, tokenizer, block, blocks)).to_iter_dataset(
         grain.ReadOptions(num_threads=1 if workers == 0 else 0, prefetch_buffer_size=2))
-    iterator = iter(in_workers(dataset, workers) if workers > 0 else dataset)
+    iterator = iter(in_workers(dataset, workers))
     try:
         counts = [np.asarray(c) for c in iterator]
     finally:

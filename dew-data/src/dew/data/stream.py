@@ -381,13 +381,15 @@ def _pipeline(source: Source, *, batch: int, partition: DataPartition, seed: int
     chunk = _Chunk(stream_reader(source, seed, transform), start, rows)
     chunks = grain.MapDataset.range(_ENDLESS)[partition.share :: partition.shares]
     dataset = chunks.map(chunk).to_iter_dataset(_read_options(prefetch))
-    return iter(in_workers(dataset, workers, buffer=max(prefetch, 1)) if workers > 0 else dataset)
+    return iter(in_workers(dataset, workers, buffer=max(prefetch, 1)))
 
 
 def in_workers(dataset: grain.IterDataset, workers: int, *, buffer: int = 1) -> grain.IterDataset:
-    """dataset read ahead by workers spawned processes, each ending once this process is gone, with
-    Grain's absl flags marked parsed (a program that is no absl app never parses them, and Grain's
-    workers read them)."""
+    """dataset read ahead by workers spawned processes (as it is, for none), each ending once this
+    process is gone, with Grain's absl flags marked parsed (a program that is no absl app never parses
+    them, and Grain's workers read them)."""
+    if workers < 1:
+        return dataset
     _flags_parsed()
     return dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer),
                                worker_init_fn=_EndWithParent(os.getpid()))
