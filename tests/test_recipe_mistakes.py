@@ -113,6 +113,10 @@ CHECKED = [
     ("block-diffusion", ["model.num_heads=5"], "model.num_heads: emb_features=128 is not divisible by num_heads=5"),
     ("tiny-jepa", ["model.num_heads=5"], "model.num_heads: emb_features=32 is not divisible by num_heads=5"),
     ("tiny-jepa", ["model.patch=3"], "model.patch: image_size=8 is not divisible by patch=3"),
+    # An image of no pixels passed the check (0 tiles by any patch), then the first batch was refused.
+    ("digits-diffusion", ["model.image_size=0"], "model.image_size: image_size=0 describes no image: it is at least 1."),
+    ("digits-diffusion", ["model.channels=0"], "model.channels: channels=0 describes no image: it is at least 1."),
+    ("moving-digits", ["model.frames=0"], "model.frames: frames=0 describes no image: it is at least 1."),
 ]
 
 
@@ -564,3 +568,45 @@ def test_the_last_line_offers_dew_export_only_for_a_pipeline_that_exports(monkey
     for pipeline, said in ((Answers(), "dew eval reads it too."), (Weights(), "dew eval and dew export read it too.")):
         monkeypatch.setattr(inference, "pipeline_of", lambda objective, state, made=pipeline: made)
         assert usage(None, None, "RUN") == f"Use the run: dew generate RUN INPUT...; {said}"
+
+
+@pytest.mark.parametrize(("overrides", "said", "field"), [
+    (["init={pretrained: runs/missing-export}"], "holds no config.json (the directory does not exist)", "init.pretrained"),
+    (["trainer.evaluate=[{task: perplexity, every: 5, file: data/missing.jsonl}]"], "does not exist", "trainer.evaluate.0.file"),
+])
+def test_check_refuses_a_start_or_task_file_that_is_not_there_naming_its_field(overrides, said, field, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """--check built the model and objective only: a missing published checkpoint or task file passed
+    it, and the run then failed on it before its first step. Another run (init.run) is still not read:
+    a recipe is checked on a machine where that run is not (docs/cli.md)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "tiny-lm", *overrides, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and f"The recipe's {field} names it" in err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # nothing written
+    assert main(["train", "tiny-lm", "init={run: runs/missing-run}", "--check"]) == 0
+
+
+def test_check_refuses_a_pretrained_start_of_another_size_without_reading_its_weights(tmp_path, monkeypatch, capsys):
+    """init.pretrained's description (config.json, tensor headers) is checked against the recipe's model;
+    its weights are not read (Pretrained.describe), so a checkpoint of gigabytes is checked in a moment."""
+    import dew.pretrained.model as reading
+    from dew.families.examples import main as write_example
+    from dew.pretrained import Pretrained
+
+    assert write_example(["qwen3", str(tmp_path / "qwen3-tiny")]) == 0
+    base = ["model={name: qwen3, preset: tiny, max_seq_len: 32}", "objective.seq_len=32",
+            f"init={{pretrained: {tmp_path / 'qwen3-tiny'}}}", f"data.tokenizer={tmp_path / 'qwen3-tiny'}"]
+    described = Pretrained.describe(tmp_path / "qwen3-tiny", max_seq_len=32)
+    loaded = Pretrained.load(tmp_path / "qwen3-tiny", max_seq_len=32)
+    assert described.model == loaded.model and described.variables == {} and loaded.variables["params"]
+
+    def unread(*args, **kwargs):
+        raise AssertionError("--check read the weights")
+
+    monkeypatch.setattr(reading, "_read_params", unread)
+    assert main(["train", "tiny-lm", *base, "--check"]) == 0
+    capsys.readouterr()
+    assert main(["train", "tiny-lm", *base, "model.num_layers=3", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigurationMismatchError" in err and "model.num_layers=" in err and "Traceback" not in err

@@ -4,7 +4,6 @@ continues a run in its folder."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import sys
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from dew.recipes.config import RunConfig
     from dew.recipes.errors import RecipeError
-    from dew.recipes.folder import RunFolder, resumed, stopped_line, train_in
+    from dew.recipes.folder import RunFolder, check_in, resumed, stopped_line, train_in
     from dew.recipes.run import SampleInterruptedError
     from dew.training.runtime.preemption import INTERRUPTED_STATUS, Preempted, UnsavedStopError
 
@@ -164,19 +163,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         config = RunConfig.load(args.recipe, overrides=args.overrides)
     if args.check:
-        from dew import plugins
-
-        plugins.manager()  # an installed hook plugin every run would refuse is refused here too
-        from dew.training.runtime.process import check_xla_flags
-
-        check_xla_flags(config.trainer.xla_flags or ())  # XLA aborts a run on a flag it does not know
-        from dew.recipes.run import build_parts
-
-        # The parts a run builds before its data: a model the objective does not train, an objective
-        # setting it refuses (a schedule's range, guidance without condition dropout), a tokenizer the
-        # model cannot embed, refused here as the run would refuse them.
-        with folder.entered(out=sys.stderr) if folder is not None else contextlib.nullcontext():
-            build_parts(config, with_data=False)  # a resumed run's relative paths start where it started
+        check_in(config, folder)
         print(json.dumps(config.recorded(), indent=2))
         return 0
     from dew.cli.compilation_cache import default_compilation_cache

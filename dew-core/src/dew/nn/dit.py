@@ -248,9 +248,15 @@ class DiT(ConditionedModule):
 
 
 def _shape_problems(model: DiT | VideoDiT) -> FieldProblems:
-    """A DiT's or VideoDiT's fields whose values cannot serve: patches that do not tile the image, heads
-    that do not split the width."""
-    problems: FieldProblems = []
+    """A DiT's or VideoDiT's fields whose values cannot serve: an image (or clip) of no pixels, patches
+    that do not tile the image, heads that do not split the width."""
+    sizes = {"image_size": model.image_size, "channels": model.channels}
+    if isinstance(model, VideoDiT):
+        sizes["frames"] = model.frames
+    problems: FieldProblems = [((name,), f"{name}={value} describes no image: it is at least 1.")
+                               for name, value in sizes.items() if value < 1]
+    if problems:
+        return problems
     if model.patch_size < 1 or model.image_size % model.patch_size:
         problems.append((("patch_size",), f"image_size={model.image_size} is not divisible by patch_size="
                                           f"{model.patch_size}: the patches must tile the image."))

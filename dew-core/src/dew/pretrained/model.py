@@ -481,6 +481,16 @@ class Pretrained:
         return objective.pipeline(variables)
 
     @classmethod
+    def describe(cls, directory: str | os.PathLike[str], *, max_seq_len: int | None = None,
+                 param_dtype: DTypeLike | None = None, scan_layers: bool = False) -> Pretrained:
+        """What load would give, with no weight read: the model, task and tokenizer of directory,
+        after every check load makes of its config.json and its tensors' headers (names, shapes,
+        dtypes). Its variables are empty: ``dew train --check`` refuses the starting weights a run
+        would refuse without reading gigabytes of them."""
+        return cls._read(Path(directory), max_seq_len=max_seq_len, param_dtype=param_dtype, dtype=None,
+                         scan_layers=scan_layers, shardings=None, weights=False)
+
+    @classmethod
     def load(cls, directory: str | os.PathLike[str], *, max_seq_len: int | None = None,
              param_dtype: DTypeLike | None = None, dtype: DTypeLike | None = None, scan_layers: bool = False,
              shardings: PyTree = None) -> Pretrained:
@@ -502,11 +512,14 @@ class Pretrained:
         TensorMismatchError, each naming what is wrong, before any weight is
         read.
         """
-        import jax
+        return cls._read(Path(directory), max_seq_len=max_seq_len, param_dtype=param_dtype, dtype=dtype,
+                         scan_layers=scan_layers, shardings=shardings, weights=True)
 
+    @classmethod
+    def _read(cls, source: Path, *, max_seq_len: int | None, param_dtype: DTypeLike | None,
+              dtype: DTypeLike | None, scan_layers: bool, shardings: PyTree, weights: bool) -> Pretrained:
         from dew.families import for_config
 
-        source = Path(directory)
         config_path = source / CONFIG_FILE
         if not config_path.is_file():
             what = " (the directory does not exist)" if not source.exists() else ""
@@ -522,7 +535,7 @@ class Pretrained:
                                    "Remove the key or write the model again.")
         if config.get("format") == native.FORMAT:
             model = native.build_model(config, source)
-            variables = native.read_variables(source)
+            variables = native.read_variables(source) if weights else {}
             kept = TokenizerFiles.read(source, config)
             tokenizer = read_tokenizer(source, own.get("tokenizer"), None, kept)
             context, training = own.get("context"), own.get("training")
@@ -567,40 +580,7 @@ class Pretrained:
         stored = files.dtypes()
         for name in table:
             check_float_dtype(files.files[name], name, stored[name])
-        place = _placement(shardings)  # under scan_layers, the scanned model's tree of shardings
-        params: dict[str, PyTree] = {}
-        experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one
-        for entry in table.values():
-            if entry.index is not None:
-                for path in entry.paths:
-                    experts[path] = max(experts.get(path, 0), entry.index + 1)
-        pending: _Filling = {}  # the stacked experts' weights being filled
-        stacks: _Filling = {}  # scan_layers: the stacked layers' weights being filled
-        for name, value in files.mapped(set(table)):  # value's pages are gone at the next tensor
-            entry = table[name]
-            arrays = entry.layout.from_hf(value)
-            as_stored = (entry.index is None and len(arrays) == 1 and arrays[0].flags.c_contiguous
-                   and arrays[0].dtype == np.dtype(model.param_dtype))
-            if as_stored:  # kept as stored: read once into memory the device takes as its own
-                arrays = entry.layout.from_hf(files.read_aligned(name))
-            for path, array in zip(entry.paths, arrays, strict=True):
-                if entry.index is not None:  # one expert: held on the host until its last slice arrives
-                    whole = _fill(pending, path, entry.index, experts[path], array, array.dtype)
-                    if whole is None:
-                        continue
-                    array = whole
-                layer = _layer_of(path) if scan_layers else None
-                if layer is not None:  # one layer: its slot of the stack the scanned model holds
-                    index, path = layer
-                    whole = _fill(stacks, path, index, model.num_layers, array, np.dtype(model.param_dtype))
-                    if whole is None:
-                        continue
-                    array, as_stored = whole, True  # aligned and cast: taken onto the device as it is
-                node = params
-                for part in path[:-1]:
-                    node = node.setdefault(part, {})
-                node[path[-1]] = (jax.device_put(array, place(path)).block_until_ready() if as_stored
-                                  else _put(array, model.param_dtype, place(path)))
+        params = _read_params(files, table, model, scan_layers, shardings) if weights else {}
         if scan_layers:  # the format numbers its layers; the scanned model holds them stacked
             model = model.clone(scan_layers=True)
         kept = TokenizerFiles.read(source, config)
@@ -608,8 +588,51 @@ class Pretrained:
         if tokenizer is not None:
             check_vocabulary(tokenizer, model)
         task = scoring.task(config, model) if scorer else None
-        return cls(model, {"params": params}, tokenizer, task, kept, family.context(config),
+        return cls(model, {"params": params} if weights else {}, tokenizer, task, kept, family.context(config),
                    training_settings(config) or None)
+
+
+def _read_params(files: TensorFiles, table: Mapping[str, Any], model: Module, scan_layers: bool,
+                 shardings: PyTree) -> dict[str, PyTree]:
+    """The model's parameters read from files one tensor at a time, each converted by its entry of
+    the family's table and placed (in its sharding, when shardings gives one)."""
+    import jax
+
+    place = _placement(shardings)  # under scan_layers, the scanned model's tree of shardings
+    params: dict[str, PyTree] = {}
+    experts: dict[tuple[str, ...], int] = {}  # a stacked weight's slices, stored one by one
+    for entry in table.values():
+        if entry.index is not None:
+            for path in entry.paths:
+                experts[path] = max(experts.get(path, 0), entry.index + 1)
+    pending: _Filling = {}  # the stacked experts' weights being filled
+    stacks: _Filling = {}  # scan_layers: the stacked layers' weights being filled
+    for name, value in files.mapped(set(table)):  # value's pages are gone at the next tensor
+        entry = table[name]
+        arrays = entry.layout.from_hf(value)
+        as_stored = (entry.index is None and len(arrays) == 1 and arrays[0].flags.c_contiguous
+               and arrays[0].dtype == np.dtype(model.param_dtype))
+        if as_stored:  # kept as stored: read once into memory the device takes as its own
+            arrays = entry.layout.from_hf(files.read_aligned(name))
+        for path, array in zip(entry.paths, arrays, strict=True):
+            if entry.index is not None:  # one expert: held on the host until its last slice arrives
+                whole = _fill(pending, path, entry.index, experts[path], array, array.dtype)
+                if whole is None:
+                    continue
+                array = whole
+            layer = _layer_of(path) if scan_layers else None
+            if layer is not None:  # one layer: its slot of the stack the scanned model holds
+                index, path = layer
+                whole = _fill(stacks, path, index, model.num_layers, array, np.dtype(model.param_dtype))
+                if whole is None:
+                    continue
+                array, as_stored = whole, True  # aligned and cast: taken onto the device as it is
+            node = params
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = (jax.device_put(array, place(path)).block_until_ready() if as_stored
+                              else _put(array, model.param_dtype, place(path)))
+    return params
 
 
 def _stop_in_generation_config(target: Path, stops: Sequence[int]) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "NotARunFolderError",
     "RunFolder",
     "SharedTrackerFolderWarning",
+    "check_in",
     "resumed",
     "stopped_line",
     "train_in",
@@ -435,6 +436,31 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
                 error.add_note("Nothing was kept: the run failed before it wrote anything.")
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
                 error.add_note(_resume_note(folder.directory, config.trainer.steps, error))
+        raise
+
+
+def check_in(config: RunConfig, folder: RunFolder | None) -> None:
+    """Refuse, as ``dew train --check``, what a run of config would refuse before its first step,
+    reading no data, no weight, and writing nothing: the hook plugins it loads, its XLA flags, its
+    model and objective (the tokenizer's files included), the starting weights' descriptions
+    (check_initial) and its evaluation tasks (their record files). An error naming a path is traced
+    to the recipe field that names it, as a run's is; folder (a resumed run's) is where the recipe's
+    relative paths start, else the current directory."""
+    from dew import plugins
+    from dew.recipes.run import build_evaluations, build_parts, check_initial
+    from dew.training.runtime.process import check_xla_flags
+
+    where = folder or RunFolder(None, None, Path.cwd())
+    try:
+        plugins.manager()  # an installed hook plugin every run would refuse
+        check_xla_flags(config.trainer.xla_flags or ())  # XLA aborts a run on a flag it does not know
+        with where.entered(out=sys.stderr):
+            parts = build_parts(config, with_data=False)
+            check_initial(config, parts.objective)
+            build_evaluations(config, parts)
+    except Exception as error:
+        for field, path in _fields_naming(config, where, error):
+            error.add_note(_field_note(field, path, error))
         raise
 
 

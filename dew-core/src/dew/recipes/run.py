@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from dew.data.base import Dataset, Tokenizer
     from dew.evaluations.base import Periodic
     from dew.objectives.base import Objective, Variables
+    from dew.pretrained import Pretrained
     from dew.recipes.config import RunConfig
     from dew.tracking.protocol import Outcome, Tracker
     from dew.training.config import TrainerConfig
@@ -64,6 +65,7 @@ __all__ = [
     "ScheduleReshapedWarning",
     "build_objective",
     "build_evaluations",
+    "check_initial",
     "build_parts",
     "check_model_kind",
     "expand",
@@ -409,28 +411,21 @@ def initial_variables(config: RunConfig, objective: Objective) -> Initializer:
     return weights if narrowed is read and weights is not None else narrowed
 
 
+def check_initial(config: RunConfig, objective: Objective) -> None:
+    """Refuse the init.pretrained a run of config would refuse, reading none of its weights: its
+    config.json and tensor headers (family, sizes, the function it computes against the recipe's
+    model). ``dew train --check`` calls it; an init.run is another run, which --check does not read."""
+    if config.init is not None and config.init.pretrained is not None:
+        _pretrained_start(config, objective, weights=False)
+
+
 def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource, Variables | None]:
     """The source of the model's starting weights (before the objective narrows them), and the
     weights themselves when they are read already (init.pretrained)."""
     init = config.init
     assert init is not None  # initial_variables reads only a recipe with an init section
     if init.pretrained is not None:
-        from dew.pretrained import Pretrained
-
-        model = objective.model if config.model is not None else None  # a model section: it has one
-        source = absolute(init.pretrained)
-        # A model is any registered flax Module: a family that has no such field takes the
-        # directory's own (max_seq_len, param_dtype), and one without rotary positions (rope_base)
-        # has no function to compare beyond its tensors' shapes.
-        loaded = Pretrained.load(source, max_seq_len=getattr(model, "max_seq_len", None),
-                                 param_dtype=getattr(model, "param_dtype", None),
-                                 scan_layers=bool(getattr(model, "scan_layers", False)))
-        _check_scorer_start(loaded.task, objective, source)
-        if model is not None and getattr(model, "rope_base", None) is not None:
-            from dew.pretrained import check_same_function
-
-            check_same_function(model, loaded.model, f"init.pretrained {source}")
-        weights = dict(loaded.variables)
+        weights = dict(_pretrained_start(config, objective, weights=True).variables)
 
         def given(abstract: Variables) -> Variables:
             return weights
@@ -450,6 +445,31 @@ def _read_initial(config: RunConfig, objective: Objective) -> tuple[WeightSource
     if config.lora is not None:  # the other run's weights are the base; the adapters start fresh
         run = _lora_base(run)
     return run, None
+
+
+def _pretrained_start(config: RunConfig, objective: Objective, *, weights: bool) -> Pretrained:
+    """init.pretrained read for the recipe's model (weights: its tensors too, else their headers
+    alone), refused where it is a reward model the objective cannot start from or computes another
+    function than the recipe's model."""
+    from dew.pretrained import Pretrained
+
+    init = config.init
+    assert init is not None and init.pretrained is not None
+    model = objective.model if config.model is not None else None  # a model section: it has one
+    source = absolute(init.pretrained)
+    # A model is any registered flax Module: a family that has no such field takes the
+    # directory's own (max_seq_len, param_dtype), and one without rotary positions (rope_base)
+    # has no function to compare beyond its tensors' shapes.
+    read = Pretrained.load if weights else Pretrained.describe
+    loaded = read(source, max_seq_len=getattr(model, "max_seq_len", None),
+                  param_dtype=getattr(model, "param_dtype", None),
+                  scan_layers=bool(getattr(model, "scan_layers", False)))
+    _check_scorer_start(loaded.task, objective, source)
+    if model is not None and getattr(model, "rope_base", None) is not None:
+        from dew.pretrained import check_same_function
+
+        check_same_function(model, loaded.model, f"init.pretrained {source}")
+    return loaded
 
 
 def _check_scorer_start(task: Mapping[str, Any] | None, objective: Objective, source: str | Path) -> None:
