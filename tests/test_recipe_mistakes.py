@@ -117,6 +117,36 @@ CHECKED = [
     ("digits-diffusion", ["model.image_size=0"], "model.image_size: image_size=0 describes no image: it is at least 1."),
     ("digits-diffusion", ["model.channels=0"], "model.channels: channels=0 describes no image: it is at least 1."),
     ("moving-digits", ["model.frames=0"], "model.frames: frames=0 describes no image: it is at least 1."),
+    # A KeyError's traceback at the first step (no submodule captured), a ZeroDivisionError's at the first KL
+    # update, an adaptive coefficient of inf trained on, completions of no token refused by the engine's
+    # buckets, and as many tokens as the window refused at the first rollout.
+    ("addition-reward-model", ["objective.features_module=nope"],
+     "RewardModelObjective.features_module='nope' names no submodule of the model, so no head can read its "
+     "hidden states; its top-level submodules are embed, final_norm, layers_0, layers_1"),
+    ("addition-ppo", ["objective.features_module=nope"], "PPOObjective.features_module='nope' names no submodule"),
+    ("addition-ppo", ["objective.kl_target=0"], "PPOObjective.kl_target and kl_horizon must be above 0"),
+    ("addition-ppo", ["objective.kl_horizon=0"], "PPOObjective.kl_target and kl_horizon must be above 0"),
+    ("addition-ppo", ["objective.lam=2"], "PPOObjective.gamma and lam must lie in [0, 1]"),
+    ("addition-ppo", ["objective.gamma=-1"], "PPOObjective.gamma and lam must lie in [0, 1]"),
+    ("addition-ppo", ["objective.max_new_tokens=0"], "PPOObjective.max_new_tokens must be at least 1"),
+    ("addition-ppo", ["objective.max_new_tokens=100"],
+     "PPOObjective.max_new_tokens=100 leaves no position for a prompt in the model's max_seq_len=32"),
+    # Rows of no token, and a reward model's rows longer than its model reads, trained without a word.
+    ("addition-dpo", ["objective.seq_len=0"], "DPOObjective.seq_len must be at least 1"),
+    ("addition-reward-model", ["objective.seq_len=100"],
+     "RewardModelObjective.seq_len=100 exceeds the model's max_seq_len=32"),
+    # A teacher with no weights to read: the student was distilled from a randomly drawn one.
+    ("tiny-distill", ["objective.teacher_checkpoint=null"],
+     "objective.teacher_checkpoint: the teacher's weights come from nowhere"),
+    # A diffusion time above 1 trained; a preview prompt of part of a block lost its last bytes unsaid.
+    ("block-diffusion", ["objective.t_min=1.5"], "BlockDiffusionObjective.t_min must lie in (0, 1), got 1.5"),
+    ("block-diffusion", ["objective.prompt=abc"],
+     "The prompt 'abc' is 3 tokens; block diffusion writes whole blocks of 8"),
+    # No validation problem: "max() arg is an empty sequence" at the start, blamed on data.load; windows of
+    # one id refused at the first step.
+    ("addition-reward-model", ["data.val_problems=0"],
+     "Addition needs problems, val_problems and max_operand of at least 1, got 2048, 0 and 9"),
+    ("addition-lm", ["data.length=0"], "Addition.length is the ids of each 'text' window"),
 ]
 
 
@@ -609,4 +639,48 @@ def test_check_refuses_a_pretrained_start_of_another_size_without_reading_its_we
     capsys.readouterr()
     assert main(["train", "tiny-lm", *base, "model.num_layers=3", "--check"]) == 2
     err = capsys.readouterr().err
-    assert "ConfigurationMismatchError" in err and "model.num_layers=" in err and "Traceback" not in err
+    assert "ConfigurationMismatchError" in err and "Set model.num_layers=2 so" in err and "Traceback" not in err
+    # Another size of the family: named as its preset, where the advice was one field a run (vocab_size, then
+    # emb_features, ...); the tokenizer field naming the same folder is not blamed for the model's size.
+    assert main(["train", "tiny-lm", *base, "model.preset=0.6b", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "Set model.preset=tiny, the qwen3 size the checkpoint is, so the weights mean what they meant" in err
+    assert "The recipe's init.pretrained names it." in err and "data.tokenizer names it" not in err
+
+
+def test_a_batch_without_a_key_the_objective_reads_says_which_side_of_the_recipe_to_change(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """A precomputed DPO reference over pairs that carry none named the missing keys and nothing to do."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "addition-dpo", "objective.reference=precomputed", "init=null", "trainer.steps=2",
+                 f"trainer.checkpoint_dir={tmp_path}/run", f"trackers.0.directory={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert "has no key 'chosen_reference_logp', 'rejected_reference_logp', which the objective reads" in err
+    assert "the data reader writes the batch's keys and the objective's settings choose those it reads" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_run_whose_tokenizer_moved_says_where_its_recipe_names_it(tmp_path, monkeypatch, capsys):
+    """dew generate and export rebuild a run from its run.json: a tokenizer folder moved since was named
+    with advice to pass another, which neither command takes. The note names the run.json field, and
+    setting it there to the new place exports the run."""
+    from dew.families.examples import main as write_example
+
+    monkeypatch.chdir(tmp_path)
+    assert write_example(["qwen3", "ck/qwen3"]) == 0
+    assert main(["train", "tiny-lm", "model={name: qwen3, preset: tiny, max_seq_len: 32}", "objective.seq_len=16",
+                 "data.length=16", "data.batch=4", "data.files={stdlib}/abc.py", "data.load.val_fraction=0",
+                 "trainer.eval_every=null", "trainer.steps=1", "init={pretrained: ck/qwen3}", "data.tokenizer=ck/qwen3",
+                 "trainer.checkpoint_dir=runs/q", "trackers=[]"]) == 0
+    (tmp_path / "ck/qwen3").rename(tmp_path / "ck/moved")
+    capsys.readouterr()
+    for command in (["export", "runs/q", "exported"], ["generate", "runs/q", "def"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert (f"  The run's recipe ({tmp_path / 'runs/q/run.json'}) names it at data.tokenizer: put it back where "
+                "it was, or set data.tokenizer in that file to where it is now.") in err
+        assert "init.pretrained" not in err and "Traceback" not in err
+    recipe = json.loads((tmp_path / "runs/q/run.json").read_text())
+    recipe["data"]["tokenizer"] = "ck/moved"
+    (tmp_path / "runs/q/run.json").write_text(json.dumps(recipe))
+    assert main(["export", "runs/q", "exported"]) == 0 and (tmp_path / "exported/config.json").is_file()

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from sys import UnraisableHookArgs
 
-__all__ = ["INTERRUPTED", "REFUSED", "TRACEBACK", "console", "is_dews", "main", "refusal"]
+__all__ = ["INTERRUPTED", "REFUSED", "TRACEBACK", "console", "error_notes", "is_dews", "main", "refusal"]
 
 TRACEBACK = "DEW_TRACEBACK"  # set to 1 to see the traceback of an error dew names
 TRACEBACK_HELP = f"show the whole traceback of an error dew names (or set {TRACEBACK}=1)"
@@ -353,12 +353,18 @@ def refusal(command: str, error: BaseException) -> str:
     """
     from dew.recipes.errors import RecipeError
 
-    notes = [f"  {note}" for note in getattr(error, "__notes__", ())  # set by add_note only
-             if not _hidden_frames_note(note)]
+    notes = error_notes(error)
     if isinstance(error, RecipeError):
         return "\n".join([f"dew {command}: {error}", *notes])
     return "\n".join([f"dew {command}: {type(error).__name__}: {error}", *notes,
                       f"  (run with --traceback or {TRACEBACK}=1 to see where it was raised)"])
+
+
+def error_notes(error: BaseException) -> list[str]:
+    """The notes dew added to error (where its path came from, what to do), each a line indented
+    under the message; JAX's note about the frames it hid is left out."""
+    return [f"  {note}" for note in getattr(error, "__notes__", ())  # set by add_note only
+            if not _hidden_frames_note(note)]
 
 
 def _hidden_frames_note(note: str) -> bool:

@@ -15,8 +15,12 @@ __all__ = ["add_run_argument", "expected", "note_if_training", "positive", "refu
 
 
 def refused(command: str, error: BaseException | str) -> int:
-    """Print error on stderr as `dew COMMAND: message`; return 2, a refusal's exit code."""
-    print(f"dew {command}: {error}", file=sys.stderr)
+    """Print error on stderr as `dew COMMAND: message`, with the notes dew added to it (where a path
+    came from), each on a line of its own; return 2, a refusal's exit code."""
+    from dew.cli import error_notes
+
+    notes = error_notes(error) if isinstance(error, BaseException) else []
+    print("\n".join([f"dew {command}: {error}", *notes]), file=sys.stderr)
     return 2
 
 

@@ -337,10 +337,27 @@ def check_same_function(model: Module, loaded: Module, source: str, *, prefix: s
         key = MIRRORED.get(name)
         mirrored = f" ({key} in its config.json)" if key else ""
         shown = {"kv_heads": "kv_heads", "head_width": "head_width"}.get(name, _field(name))
+        # Several fields apart: another size of the family, named as one setting rather than a field a run.
+        apart = sum(mine.get(other) != theirs[other] for other in theirs if other != "layers")  # layers mirror
+        size = _preset_of(written, loaded) if apart > 1 else None
+        fix = (f"Set {_set(prefix, 'preset', size)}, the {written.name} size the checkpoint is," if size is not None
+               else f"Set {_set(prefix, _field(name), _setting(loaded, name))}")
         raise ConfigurationMismatchError(
             f"{source} was trained with {shown}={_shown(value)}{mirrored}, but the model to start "
-            f"from it has {_shown(mine.get(name))}. Set {_set(prefix, _field(name), _setting(loaded, name))} "
-            "so the weights mean what they meant.")
+            f"from it has {_shown(mine.get(name))}. {fix} so the weights mean what they meant.")
+
+
+def _preset_of(family: Family, loaded: Module) -> str | None:
+    """The name of family's preset whose model computes loaded's function, if one does."""
+    theirs = function_fields(loaded)
+    for name, config in family.presets.items():
+        try:
+            built = family.model(config, max_seq_len=loaded.max_seq_len)
+        except (TypeError, ValueError, KeyError):  # a preset this checkout cannot build: not the one
+            continue
+        if function_fields(built) == theirs:
+            return name
+    return None
 
 
 def _setting(model: Module, name: str) -> Any:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -37,6 +36,8 @@ from typing import TYPE_CHECKING, TextIO
 
 from dew.errors import raised_from
 from dew.recipes.errors import RecipeError
+from dew.recipes.named_paths import absolute_in as _absolute
+from dew.recipes.named_paths import fields_naming
 from dew.recipes.resuming import (
     STARTED,
     installing_what_it_trained_with,
@@ -206,10 +207,6 @@ def _expand(value: str, timestamp: str) -> str:
     from dew.recipes.run import expand
 
     return str(expand(value, timestamp))
-
-
-def _absolute(path: str, cwd: Path) -> Path:
-    return Path(os.path.normpath(cwd / Path(path).expanduser()))
 
 
 def _directory(config: RunConfig, timestamp: str, cwd: Path) -> Path | None:
@@ -424,7 +421,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             shutil.rmtree(directory, ignore_errors=True)
             _remove_empty_parents(directory, created[directory])
         if isinstance(error, Exception):
-            for field, path in _fields_naming(config, folder, error):
+            for field, path in fields_naming(config, error, cwd=folder.cwd, timestamp=folder.timestamp):
                 error.add_note(_field_note(field, path, error))
             # A run whose folder was there before (a resume) kept what it had: only a fresh run's
             # folders hold nothing once their first writes are undone.
@@ -459,7 +456,7 @@ def check_in(config: RunConfig, folder: RunFolder | None) -> None:
             check_initial(config, parts.objective)
             build_evaluations(config, parts)
     except Exception as error:
-        for field, path in _fields_naming(config, where, error):
+        for field, path in fields_naming(config, error, cwd=where.cwd, timestamp=where.timestamp):
             error.add_note(_field_note(field, path, error))
         raise
 
@@ -523,46 +520,6 @@ def _remove_empty_parents(directory: Path, top: Path) -> None:
         if current == top:
             break
         current = current.parent
-
-
-def _fields_naming(config: RunConfig, folder: RunFolder, error: Exception) -> list[tuple[str, Path]]:
-    """The recipe's fields whose path (placeholders expanded, made absolute) the message names,
-    with that path: a missing base run, teacher, export or tokenizer is then traced to where the
-    recipe asks for it."""
-    from dew.tracking.background import TrackerWriteError
-    from dew.tracking.rows import recipe_fields
-
-    message = str(error)
-
-    def expanded(value: str) -> str:
-        return _expand(value, folder.timestamp) if folder.timestamp is not None else value
-
-    # The run's own folder is no prerequisite: a field that names it (the local tracker's directory,
-    # as every shipped recipe writes it) is not where an error about the run's folder comes from,
-    # unless the tracker's own write failed there.
-    own = config.trainer.checkpoint_dir
-    run_folder = (_absolute(expanded(own), folder.cwd)
-                  if isinstance(own, str) and own and not isinstance(error, TrackerWriteError) else None)
-    found = []
-    for key, value in recipe_fields(config.model_dump(mode="json")).items():
-        if not isinstance(value, str) or not value or key.startswith("trainer.checkpoint_dir"):
-            continue
-        value = expanded(value)
-        if "/" not in value and "." not in value:
-            continue  # a name, not a path
-        if "://" in value:  # an address (a tracker's uri): named as it is written
-            if value in message:
-                found.append((key, Path(value)))
-            continue
-        where = _absolute(value, folder.cwd)
-        if where == run_folder:
-            continue
-        # The path, or a file under it, but not as the tail of a longer path or an address
-        # (file:///runs/a/mlruns does not name the field holding /runs/a).
-        named = re.search(r"(?<![\w/.:~-])" + re.escape(str(where)) + r"(?![\w.~-])", message)
-        if named or (("/" in value) and f"'{value}'" in message):
-            found.append((key, where))
-    return found
 
 
 def _latest(directory: Path) -> int | None:

@@ -208,7 +208,18 @@ def _open_trained(path: Path, step: int | None) -> Opened:
     with installing_what_it_trained_with(path):
         config = RunConfig.read(path)
     with started_in(path):  # its recipe's relative paths (a tokenizer file) start where it trained
-        parts = build_parts(config, with_data=False)
+        try:
+            parts = build_parts(config, with_data=False)
+        except DewError as error:  # a file the run read when it trained (its tokenizer) moved since
+            from dew.recipes.config import RUN_FILE
+            from dew.recipes.named_paths import fields_naming
+
+            for field, _ in fields_naming(config, error, cwd=Path.cwd(), timestamp=None):
+                if field.startswith("init."):  # the starting weights are in the run's checkpoints now
+                    continue
+                error.add_note(f"The run's recipe ({path / RUN_FILE}) names it at {field}: put it back where it "
+                               f"was, or set {field} in that file to where it is now.")
+            raise
     live, averaged, number = _read_variables(parts.objective, path, step)
     return Opened(parts.model, parts.objective, parts.tokenizer,
                   averaged if averaged is not None else live, number, config, path, live, averaged)

@@ -406,7 +406,10 @@ class Feed:
         if missing:
             raise BatchMismatchError(
                 f"The batch of step {step} has no key {', '.join(map(repr, missing))}, which the "
-                f"objective reads; the batch holds {sorted(batch)}."
+                f"objective reads; the batch holds {sorted(batch)}. In a recipe, the data reader writes the "
+                "batch's keys and the objective's settings choose those it reads (its *_key fields, and "
+                "options such as a precomputed reference): give the reader a form that writes them, or set "
+                "the objective to read what it writes."
             )
         shapes = global_shape(batch, self.partition)
         rows = _rows(shapes)

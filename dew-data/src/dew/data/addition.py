@@ -98,9 +98,12 @@ class Addition:
     calculator: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.problems < 1 or self.max_operand < 1:
-            raise ValueError(f"Addition needs problems >= 1 and max_operand >= 1, got {self.problems} "
-                             f"and {self.max_operand}.")
+        if self.problems < 1 or self.max_operand < 1 or self.val_problems < 1:
+            raise ValueError(f"Addition needs problems, val_problems and max_operand of at least 1, got "
+                             f"{self.problems}, {self.val_problems} and {self.max_operand}.")
+        if self.length < 1:
+            raise ValueError(f"Addition.length is the ids of each 'text' window (the language model's seq_len), "
+                             f"at least 1; got {self.length}.")
         if not 0.0 <= self.held_out < 1.0:
             raise ValueError(f"Addition.held_out is the fraction of problems kept for validation, in [0, 1); "
                              f"got {self.held_out}.")

@@ -75,6 +75,10 @@ class BlockDiffusionObjective(TokenDiffusion):
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be at least 1, got {getattr(self, name)}.")
         check_temperature(type(self).__name__, self.temperature)
+        if not 0.0 < self.t_min < 1.0:  # NaN too
+            raise ValueError(f"{type(self).__name__}.t_min must lie in (0, 1), got {self.t_min}.")
+        if self.prompt and self.tokenizer is not None:  # the preview's prefix: whole blocks, as generate's
+            self.prefix_of(self.prompt, self.preview_rows)
 
     def logits(self, variables: Variables, noisy: jax.Array, tokens: jax.Array) -> jax.Array:
         """The model's logits [B, L, V] at the noisy window, given the clean one beside it."""
@@ -113,11 +117,7 @@ class BlockDiffusionObjective(TokenDiffusion):
     def preview(self, variables: Variables, key: jax.Array) -> Artifact | None:
         if self.tokenizer is None:
             return None
-        prefix = None
-        if self.prompt:
-            ids = list(self.tokenizer.encode(self.prompt))
-            ids = ids[: len(ids) - len(ids) % self.block_size]
-            prefix = jnp.asarray([ids] * self.preview_rows, jnp.int32) if ids else None
+        prefix = self.prefix_of(self.prompt, self.preview_rows) if self.prompt else None
         # One compiled program for every block (eager, each block's loop would compile on its own).
         write = jax.jit(lambda v, k: self.generate(v, k, self.preview_rows, prefix=prefix))
         return Artifact("sample", "text", self.decode(write(variables, key)))

@@ -39,6 +39,7 @@ import optax
 from dew.data.base import vocab_size_of
 from dew.errors import DewError
 from dew.nn import sharding as axes
+from dew.nn.features import submodule_names
 from dew.nn.kinds import CausalDecoder
 from dew.objectives.base import (
     Aux,
@@ -177,7 +178,7 @@ class DistillationObjective(Objective):
                              "to a weight, or leave hidden_layer out.")
         if self.hidden > 0:
             for role, model in (("student", self.model), ("teacher", self.teacher)):
-                names = _submodule_names(model, min(self.seq_len, 4))
+                names = submodule_names(model, min(self.seq_len, 4), top=True)
                 if self.hidden_layer not in names:
                     raise ValueError(f"DistillationObjective.hidden_layer={self.hidden_layer!r} names no "
                                      f"top-level submodule of the {role}; its submodules are "
@@ -186,6 +187,18 @@ class DistillationObjective(Objective):
         student, teacher = getattr(self.model, "vocab_size", None), getattr(self.teacher, "vocab_size", None)
         if student is not None and teacher is not None and student != teacher:
             raise TeacherVocabularyError(_vocabulary_message(student, teacher, vocab_size_of(self.tokenizer)))
+
+    @classmethod
+    def field_problems(cls, fields: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+        """A recipe's teacher with nothing to read its weights from (dew.registry.ChecksFields): the run
+        would draw them at random and distill the student from noise. In code, the Trainer's
+        initializer may bring them instead."""
+        if fields.get("teacher_checkpoint") is None and fields.get("teacher_pretrained") is None:
+            return [(("teacher_checkpoint",), "the teacher's weights come from nowhere, so the student would "
+                     "learn a randomly drawn teacher: set objective.teacher_checkpoint to the checkpoint "
+                     "directory of the run that trained it, or objective.teacher_pretrained to a directory "
+                     "`dew export` or transformers wrote.")]
+        return []
 
     # -- the teacher's weights ---------------------------------------------------------
     def initializer(self) -> WeightSource | None:
@@ -427,14 +440,6 @@ class DistillationObjective(Objective):
             batch = {**batch, "loss_mask": jnp.pad(jnp.asarray(mask), ((0, 0), (1, 0)))}
         weights, read = scored_targets(batch, text)  # loss_mask and segment_ids as LMObjective reads them
         return text[:, :-1], text[:, 1:], weights, read
-
-
-def _submodule_names(model: nn.Module, length: int) -> set[str]:
-    """The names of model's top-level submodules that run in a call (traced abstractly: no weights)."""
-    tokens = jnp.zeros((1, length), jnp.int32)
-    _, variables = jax.eval_shape(
-        lambda: model.init_with_output(jax.random.key(0), tokens, capture_intermediates=True))
-    return set(variables.get("intermediates", {})) - {"__call__"}
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:

@@ -174,14 +174,6 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if self.group_size < 2:
             raise ValueError(f"{name}.group_size must be at least 2 (a group compares "
                              f"completions), got {self.group_size}.")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"{name}.max_new_tokens must be at least 1 (the completion a reward scores), "
-                             f"got {self.max_new_tokens}.")
-        limit = getattr(self.model, "max_seq_len", None)  # any flax Module: a family without it is not checked
-        if limit is not None and self.max_new_tokens >= limit:
-            raise ValueError(f"{name}.max_new_tokens={self.max_new_tokens} leaves no position for a prompt in the "
-                             f"model's max_seq_len={limit}: a prompt and its completion share the model's length. "
-                             "Lower max_new_tokens, or build a model with a longer max_seq_len.")
         if not self.temperature > 0:
             raise ValueError(
                 f"{name}.temperature must be above 0, got {self.temperature}: greedy decoding gives every "
@@ -189,7 +181,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
         if not self.beta >= 0:
             raise ValueError(f"{name}.beta, the KL penalty's weight, must be at least 0 (0: no penalty), got "
                              f"{self.beta}.")
-        check_model_reach(name, self.model, stop_token=self.stop_token)
+        check_model_reach(name, self.model, stop_token=self.stop_token, max_new_tokens=self.max_new_tokens)
         if self.policy_loss == "cispo" and self.ratio != "token":
             raise IncompatibleOptionsError(
                 f"{name}.policy_loss='cispo' clips each token's importance weight, but ratio="

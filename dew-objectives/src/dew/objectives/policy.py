@@ -43,11 +43,20 @@ REFERENCE = "reference"
 
 
 def check_model_reach(name: str, model: object, *, seq_len: int | None = None,
-                      stop_token: int | None = None) -> None:
-    """Refuse, as an objective is built, sequences longer than its model reads (max_seq_len) and a stop
-    token outside its vocabulary: the one fails with a traceback once the run has started, the other
-    never stops a completion."""
+                      stop_token: int | None = None, max_new_tokens: int | None = None) -> None:
+    """Refuse, as an objective is built, sequences longer than its model reads (max_seq_len), completions
+    of no token or of as many as leave no room for a prompt, and a stop token outside its vocabulary:
+    each fails once the run has started, or never stops a completion."""
     limit = getattr(model, "max_seq_len", None)  # any flax Module: one that says it bounds the length
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"{name}.seq_len must be at least 1 (the tokens of a row), got {seq_len}.")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"{name}.max_new_tokens must be at least 1 (the completion a reward scores), "
+                         f"got {max_new_tokens}.")
+    if max_new_tokens is not None and isinstance(limit, int) and max_new_tokens >= limit:
+        raise ValueError(f"{name}.max_new_tokens={max_new_tokens} leaves no position for a prompt in the "
+                         f"model's max_seq_len={limit}: a prompt and its completion share the model's length. "
+                         "Lower max_new_tokens, or build a model with a longer max_seq_len.")
     if seq_len is not None and isinstance(limit, int) and seq_len > limit:
         raise ValueError(f"{name}.seq_len={seq_len} exceeds the model's max_seq_len={limit}; shorten the "
                          "sequences or build a model with a longer max_seq_len.")

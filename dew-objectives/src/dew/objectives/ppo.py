@@ -43,7 +43,7 @@ import numpy as np
 
 from dew.data.base import Batch as HostBatch
 from dew.errors import DewError
-from dew.nn.features import with_features
+from dew.nn.features import check_features_module, with_features
 from dew.nn.kinds import CausalDecoder
 from dew.objectives.advantages import gae
 from dew.objectives.base import (
@@ -264,7 +264,15 @@ class PPOObjective(GreedyRewardValidation, Objective):
         if not (self.clip >= 0 and self.value_clip >= 0):  # NaN too
             raise ValueError(f"PPOObjective.clip and value_clip must be at least 0 (ranges around a ratio of 1 and "
                              f"the old values), got {self.clip} and {self.value_clip}.")
-        check_model_reach("PPOObjective", self.model, stop_token=self.stop_token)
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):  # NaN too
+            raise ValueError(f"PPOObjective.gamma and lam must lie in [0, 1] (GAE's discount and its "
+                             f"smoothing), got {self.gamma} and {self.lam}.")
+        if not (self.kl_target > 0 and self.kl_horizon > 0):
+            raise ValueError(f"PPOObjective.kl_target and kl_horizon must be above 0 (the adaptive KL "
+                             f"coefficient divides by both), got {self.kl_target} and {self.kl_horizon}.")
+        check_model_reach("PPOObjective", self.model, stop_token=self.stop_token,
+                          max_new_tokens=self.max_new_tokens)
+        check_features_module(self.model, self.features_module, field="PPOObjective.features_module")
         if not self.temperature > 0:
             raise ValueError(
                 f"PPOObjective.temperature must be above 0, got {self.temperature}: the rollout samples at it and "

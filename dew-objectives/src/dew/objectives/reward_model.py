@@ -28,7 +28,7 @@ import numpy as np
 
 from dew.errors import DewError
 from dew.families import scoring
-from dew.nn.features import with_features
+from dew.nn.features import check_features_module, with_features
 from dew.nn.kinds import CausalDecoder
 from dew.objectives.base import Aux, Batch, Mean, MeanMetric, Metric, Objective, Step, Variables
 from dew.objectives.dpo import PairCheck
@@ -40,7 +40,7 @@ from dew.objectives.inference import (
     variables_of,
     write_texts,
 )
-from dew.objectives.policy import PolicyFrom
+from dew.objectives.policy import PolicyFrom, check_model_reach
 
 if TYPE_CHECKING:
     from dew.pretrained.model import Pretrained as PretrainedModel
@@ -110,6 +110,10 @@ class RewardModelObjective(Objective):
     rejected_key: str = "rejected"
     prompt_length_key: str = "prompt_length"
     tokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        check_model_reach("RewardModelObjective", self.model, seq_len=self.seq_len)
+        check_features_module(self.model, self.features_module, field="RewardModelObjective.features_module")
 
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """The decoder's variables (given ones pass through) and a reward head initialized to zero."""
