@@ -165,6 +165,16 @@ def test_an_address_with_a_password_is_named_without_it():
     assert "hunter2" not in str(caught.value) and "hunter2" not in repr(tracker)
 
 
+def test_a_tracker_without_an_address_names_no_store_mlflow_does_not_use(monkeypatch, tmp_path):
+    """Its failures were said to be at "./mlruns", which MLflow 3 no longer uses by default
+    (its default is a sqlite file): the label names where the address comes from instead."""
+    from dew.trackers.mlflow import MLflowTracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert MLflowTracker("dew-default")._channel.where == "MLflowTracker at MLflow's default tracking URI (no uri given, MLFLOW_TRACKING_URI unset)"
+
+
 def test_a_server_that_never_answers_fails_within_the_connect_timeout():
     from dew.trackers.mlflow import MLflowTracker, TrackerUnreachableError
 

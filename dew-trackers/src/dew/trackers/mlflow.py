@@ -140,7 +140,9 @@ class MLflowTracker:
         """The address for messages, without importing MLflow."""
         if self.uri is not None:
             return _shown(self.uri)
-        return _shown(os.environ.get("MLFLOW_TRACKING_URI", "MLflow's default store (./mlruns)"))
+        # MLflow's default has changed between releases (./mlruns, then sqlite:///mlflow.db): named, not guessed.
+        return _shown(os.environ.get("MLFLOW_TRACKING_URI",
+                                     "MLflow's default tracking URI (no uri given, MLFLOW_TRACKING_URI unset)"))
 
     def _resolved_uri(self) -> str:
         if self.uri is not None:
