@@ -147,6 +147,9 @@ CHECKED = [
     ("addition-reward-model", ["data.val_problems=0"],
      "Addition needs problems, val_problems and max_operand of at least 1, got 2048, 0 and 9"),
     ("addition-lm", ["data.length=0"], "Addition.length is the ids of each 'text' window"),
+    # LoRA's fit to the model was checked by its init only: the run refused these at its start.
+    ("tiny-lm-lora", ["lora.targets=[nothing]"], "LoraError: Lora target 'nothing' (nothing) matches no module"),
+    ("tiny-lm-lora", ["lora.rank=1000"], "LoraError: Lora rank 1000 is larger than layer"),
 ]
 
 
@@ -684,3 +687,23 @@ def test_a_run_whose_tokenizer_moved_says_where_its_recipe_names_it(tmp_path, mo
     recipe["data"]["tokenizer"] = "ck/moved"
     (tmp_path / "runs/q/run.json").write_text(json.dumps(recipe))
     assert main(["export", "runs/q", "exported"]) == 0 and (tmp_path / "exported/config.json").is_file()
+
+
+def test_check_traces_on_the_cpu_and_gives_the_platforms_back(monkeypatch, capsys):
+    """--check traces the objective's init (and a features module's check) abstractly: on the CPU, so that
+    checking a recipe on a machine whose accelerator another job holds neither opens it nor takes its memory."""
+    import jax
+
+    import dew.recipes.run as run
+
+    seen = []
+    build = run.build_parts
+
+    def recording(*args, **kwargs):
+        seen.append(jax.config.values["jax_platforms"])
+        return build(*args, **kwargs)
+
+    before = jax.config.values["jax_platforms"]
+    monkeypatch.setattr(run, "build_parts", recording)
+    assert main(["train", "tiny-lm-lora", "--check"]) == 0
+    assert seen == ["cpu"] and jax.config.values["jax_platforms"] == before

@@ -439,26 +439,35 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
 def check_in(config: RunConfig, folder: RunFolder | None) -> None:
     """Refuse, as ``dew train --check``, what a run of config would refuse before its first step,
     reading no data, no weight, and writing nothing: the hook plugins it loads, its XLA flags, its
-    model and objective (the tokenizer's files included), the starting weights' descriptions
-    (check_initial) and its evaluation tasks (their record files). An error naming a path is traced
-    to the recipe field that names it, as a run's is; folder (a resumed run's) is where the recipe's
-    relative paths start, else the current directory."""
+    model and objective (the tokenizer's files included), the variables the objective's init would
+    make (traced, none drawn: LoRA targets the model lacks), the starting weights' descriptions
+    (check_initial) and its evaluation tasks (their record files). What is traced is traced on the
+    CPU, so a check opens no accelerator. An error naming a path is traced to the recipe field that
+    names it, as a run's is; folder (a resumed run's) is where the recipe's relative paths start,
+    else the current directory."""
+    import jax
+
     from dew import plugins
     from dew.recipes.run import build_evaluations, build_parts, check_initial
     from dew.training.runtime.process import check_xla_flags
 
     where = folder or RunFolder(None, None, Path.cwd())
+    platforms = jax.config.values["jax_platforms"]
+    jax.config.update("jax_platforms", "cpu")  # no accelerator is opened (or its memory taken) to check
     try:
         plugins.manager()  # an installed hook plugin every run would refuse
         check_xla_flags(config.trainer.xla_flags or ())  # XLA aborts a run on a flag it does not know
         with where.entered(out=sys.stderr):
             parts = build_parts(config, with_data=False)
             check_initial(config, parts.objective)
+            jax.eval_shape(lambda: parts.objective.init(jax.random.key(0)))
             build_evaluations(config, parts)
     except Exception as error:
         for field, path in fields_naming(config, error, cwd=where.cwd, timestamp=where.timestamp):
             error.add_note(_field_note(field, path, error))
         raise
+    finally:
+        jax.config.update("jax_platforms", platforms)
 
 
 def _refuse_exported(directory: Path | None) -> None:
