@@ -150,6 +150,10 @@ CHECKED = [
     # LoRA's fit to the model was checked by its init only: the run refused these at its start.
     ("tiny-lm-lora", ["lora.targets=[nothing]"], "LoraError: Lora target 'nothing' (nothing) matches no module"),
     ("tiny-lm-lora", ["lora.rank=1000"], "LoraError: Lora rank 1000 is larger than layer"),
+    # A batch the objective cannot split or pair: refused at the first rollout or step.
+    ("addition-ppo", ["objective.minibatches=3"],
+     "MinibatchSplitError: PPOObjective(minibatches=3) does not divide the rollout of 64 completions"),
+    ("addition-kto", ["data.batch=1"], "LoneRowError: KTO estimates its KL term from each completion under another"),
 ]
 
 

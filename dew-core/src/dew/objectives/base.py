@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Aux",
     "Batch",
+    "ChecksBatchRows",
     "DecaySchedule",
     "EMASpec",
     "LeafFilter",
@@ -239,6 +240,15 @@ def cosine_decay(start: float, end: float, steps: int) -> DecaySchedule:
         return end - (end - start) * (jnp.cos(jnp.pi * progress) + 1.0) / 2.0
 
     return schedule
+
+
+@runtime_checkable
+class ChecksBatchRows(Protocol):
+    """An objective that cannot train on a batch of some numbers of rows (PPO's minibatches must split
+    it, KTO pairs each row with another): ``check_rows`` raises a named error for such a global batch,
+    so ``dew train --check`` refuses the recipe's data.batch rather than the run's first step."""
+
+    def check_rows(self, rows: int) -> None: ...
 
 
 @runtime_checkable

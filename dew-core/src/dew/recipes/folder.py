@@ -448,6 +448,7 @@ def check_in(config: RunConfig, folder: RunFolder | None) -> None:
     import jax
 
     from dew import plugins
+    from dew.objectives.base import ChecksBatchRows
     from dew.recipes.run import build_evaluations, build_parts, check_initial
     from dew.training.runtime.process import check_xla_flags
 
@@ -461,6 +462,8 @@ def check_in(config: RunConfig, folder: RunFolder | None) -> None:
             parts = build_parts(config, with_data=False)
             check_initial(config, parts.objective)
             jax.eval_shape(lambda: parts.objective.init(jax.random.key(0)))
+            if isinstance(parts.objective, ChecksBatchRows):  # the whole batch: each process's share waits
+                parts.objective.check_rows(config.data.batch)
             build_evaluations(config, parts)
     except Exception as error:
         for field, path in fields_naming(config, error, cwd=where.cwd, timestamp=where.timestamp):

@@ -193,6 +193,10 @@ class KTOObjective(Objective):
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
         return under(REFERENCE)
 
+    def check_rows(self, rows: int) -> None:
+        """Refuse a batch of one row, which no other row's prompt pairs with (ChecksBatchRows)."""
+        _refuse_lone_row(rows)
+
     def init(self, key: jax.Array, variables: Variables | None = None) -> Variables:
         """The policy's variables (given ones pass through) and the reference's copy."""
         if variables is None:

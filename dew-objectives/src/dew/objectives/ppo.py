@@ -180,11 +180,7 @@ class PPORollout:
         advantage = np.where(on, (advantage - mean) / std, 0.0).astype(np.float32)
         kl = float(log_ratio.sum() / max(mask.sum(), 1.0))
         rows = mask.shape[0]
-        if rows % objective.minibatches:
-            raise MinibatchSplitError(
-                f"PPOObjective(minibatches={objective.minibatches}) does not divide the rollout of "
-                f"{rows} completions; make the batch of prompts a multiple of minibatches."
-            )
+        objective.check_rows(rows)
         used = self.kl_coef  # the coefficient these rewards were shaped with, logged as such
         error = np.clip(kl / objective.kl_target - 1.0, -0.2, 0.2)
         self.kl_coef = float(self.kl_coef * (1.0 + error * rows / objective.kl_horizon))
@@ -278,6 +274,14 @@ class PPOObjective(GreedyRewardValidation, Objective):
                 f"PPOObjective.temperature must be above 0, got {self.temperature}: the rollout samples at it and "
                 "scores each token by the logits divided by it, which greedy decoding (0) leaves undefined, so "
                 "every loss would be NaN.")
+
+    def check_rows(self, rows: int) -> None:
+        """Refuse a rollout of rows completions that minibatches does not split (ChecksBatchRows)."""
+        if rows % self.minibatches:
+            raise MinibatchSplitError(
+                f"PPOObjective(minibatches={self.minibatches}) does not divide the rollout of "
+                f"{rows} completions; make the batch of prompts (data.batch) a multiple of minibatches."
+            )
 
     @property
     def frozen(self) -> LeafFilter | None:  # type: ignore[override]
