@@ -437,3 +437,24 @@ def test_a_resume_is_checked_where_it_started_as_it_trains(tmp_path, monkeypatch
     out, err = capsys.readouterr()
     assert json.loads(out)["data"]["tokenizer"] == "tok"  # stdout stays the recipe alone
     assert f"Resuming in {tmp_path / 'start'}" in err and Path.cwd() == tmp_path / "elsewhere"
+
+
+def test_a_lease_recovered_on_resume_is_said_as_dews_own_line(tmp_path, monkeypatch, capsys):
+    """After a kill -9, the resume's "Recovering the writer's lease" was printed as
+    WARNING:dew.checkpoints:... by the root handler Orbax installs, unlike every other line dew prints."""
+    from dew.checkpoints.lease import LEASE, this_process
+    from dew.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    small = ["model.num_layers=1", "model.emb_features=32", "model.mlp_features=64", "model.num_heads=2",
+             "model.max_seq_len=32", "objective.seq_len=16", "objective.preview_tokens=8", "data.length=16",
+             "data.batch=4", "data.files={stdlib}/abc.py", "trackers=[]", "trainer.checkpoint_dir=runs/x"]
+    assert main(["train", "tiny-lm", *small, "trainer.steps=1"]) == 0
+    me = this_process()  # this process, started at another time: a killed writer whose id was reused
+    (tmp_path / "runs/x" / LEASE).write_text(json.dumps({"host": me.host, "pid": me.pid, "start": "another-boot/1",
+                                                         "taken": 0.0}))
+    capsys.readouterr()
+    assert main(["train", "--resume", "runs/x", "trainer.steps=2"]) == 0
+    err = capsys.readouterr().err
+    assert f"dew train: Recovering the writer's lease of {tmp_path / 'runs/x'} from " in err, err
+    assert "WARNING:dew" not in err

@@ -449,11 +449,21 @@ class _QuietClosedLoop:
 
 @contextlib.contextmanager
 def _warnings_as_lines(command: str) -> Iterator[None]:
-    """Print dew's own warnings as ``dew COMMAND: message`` lines, without Python's source line.
+    """Print dew's own warnings as ``dew COMMAND: message`` lines, without Python's source line, and
+    the warnings dew's loggers log (a writer's lease recovered) the same way, rather than in the
+    ``WARNING:dew.checkpoints:`` format of the root handler Orbax installs.
 
     Only the formatting changes: filters, and anything that records warnings
     (pytest.warns, catch_warnings(record=True)), see them as before.
     """
+    import logging
+
+    logger = logging.getLogger("dew")
+    handler = logging.StreamHandler()  # sys.stderr as it is when a line is logged
+    handler.setFormatter(logging.Formatter(f"dew {command}: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    propagates, logger.propagate = logger.propagate, False
     original = warnings.formatwarning
 
     def formatted(message: Warning | str, category: type[Warning], filename: str, lineno: int,
@@ -467,6 +477,8 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
         yield
     finally:
         warnings.formatwarning = original
+        logger.removeHandler(handler)
+        logger.propagate = propagates
 
 
 if __name__ == "__main__":  # pragma: no cover
