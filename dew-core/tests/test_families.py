@@ -447,6 +447,15 @@ def test_a_short_decode_cache_does_not_shorten_the_exported_context(tmp_path):
     assert json.loads((tmp_path / "longer" / "config.json").read_text())["max_position_embeddings"] == 2 * published
 
 
+def test_a_short_decode_cache_does_not_rewrite_phi3s_original_context(tmp_path):
+    """Phi-3's original_max_position_embeddings (its pretraining context, which LongRoPE switches
+    factors at) was written as the decode cache's length of the run that exported it."""
+    source = write_checkpoint("phi3", tmp_path / "source", seed=3)
+    original = json.loads((source / "config.json").read_text())["original_max_position_embeddings"]
+    Pretrained.load(source, max_seq_len=original // 2).save(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["original_max_position_embeddings"] == original
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, change, field", [
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},

@@ -43,9 +43,11 @@ __all__ = [
 ]
 
 # config.json keys that say how transformers trains a model, not what it computes: a directory's
-# own values are written back over the family's defaults (Pretrained.training).
+# own values are written back over the family's defaults (Pretrained.training). Phi-3's
+# original_max_position_embeddings too: without rotary scaling it computes nothing, and with it the
+# model was read from that value, so the directory's own is written back rather than the decode cache's.
 TRAINING_KEYS = ("router_aux_loss_coef", "output_router_logits", "router_jitter_noise", "initializer_range",
-                 "attention_dropout")
+                 "attention_dropout", "original_max_position_embeddings")
 
 DTYPES = ("float32", "bfloat16", "float16")
 
