@@ -29,7 +29,6 @@ def with_features(model: nn.Module, variables: Any, tokens: jax.Array, module: s
     return out, found["__call__"][0]
 
 
-
 def submodule_names(model: nn.Module, length: int = 1, *, top: bool = False) -> set[str]:
     """The names of model's submodules that run in a call on length tokens (top: those directly
     under the model; else at any depth), traced abstractly: no weight is made."""
