@@ -292,6 +292,25 @@ def test_generate_on_an_export_without_its_tokenizer_says_what_the_folder_lacks(
     assert "Traceback" not in err
 
 
+def test_generate_names_a_prompt_that_is_not_utf8(tmp_path, capsys):
+    """Bytes a shell passed undecoded (lone surrogates) ended in "'utf-8' codec can't encode characters in
+    position 0-1", naming neither the prompt nor what to do."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew.cli import main
+    from dew.nn.backbones import CausalTransformer
+    from dew.pretrained import Pretrained
+
+    model = CausalTransformer(vocab_size=260, emb_features=8, num_layers=1, num_heads=1, mlp_features=16,
+                              max_seq_len=8)
+    folder = Pretrained(model, model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))).save(tmp_path / "m")
+    for argv in (["\udcff\udcfe abc"], ["abc", "--stop", "\udcff"]):
+        assert main(["generate", str(folder), *argv]) == 2
+        err = capsys.readouterr().err
+        assert "is not UTF-8 text (characters 0 to" in err and "codec" not in err, err
+
+
 def test_rescore_refuses_a_reward_given_twice():
     """reward=exact_match reward=length scored with the last one, without a word."""
     from dew.cli.rescore import RescoreError, parse_reward
@@ -398,3 +417,24 @@ def test_a_kept_step_or_a_tracker_folder_given_for_the_run_names_the_run_folder(
     (tmp_path / "empty").mkdir()
     assert main(["eval", "empty"]) == 2
     assert "give that folder" not in capsys.readouterr().err
+
+
+def test_report_says_where_it_read_a_journal_kept_outside_the_run_folder(tmp_path, capsys, monkeypatch):
+    """A folder holding a copy of another run's run.json was reported as that run (its journal followed
+    through the recipe's tracker directory), titled with the other folder, without a word."""
+    import shutil
+
+    from dew.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "tiny-lm", "model.num_layers=1", "model.emb_features=32", "model.mlp_features=64",
+                 "model.num_heads=2", "model.max_seq_len=32", "objective.seq_len=16", "objective.preview_tokens=8",
+                 "data.length=16", "data.batch=4", "data.files={stdlib}/abc.py", "trainer.steps=2",
+                 "trainer.checkpoint_dir=runs/a", "trackers.0.directory=runs/a"]) == 0
+    (tmp_path / "copy").mkdir()
+    shutil.copy(tmp_path / "runs/a/run.json", tmp_path / "copy/run.json")
+    capsys.readouterr()
+    assert main(["report", "runs/a"]) == 0 and "was read from" not in capsys.readouterr().err
+    assert main(["report", "copy"]) == 0
+    assert (f"dew report: the journal of copy was read from {tmp_path / 'runs/a'}, where its recipe's local "
+            "tracker wrote it.") in capsys.readouterr().err

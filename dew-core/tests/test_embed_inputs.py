@@ -52,3 +52,12 @@ def test_grayscale_files_of_every_depth_read_as_one_channel_and_values_that_are_
         with pytest.raises(InputImagesError, match=r"hold values of dtype .*, not pixels; give images of numbers"):
             read_inputs([tmp_path / "odd.npy"])
 
+
+
+def test_a_batch_of_grayscale_images_without_a_channel_axis_is_named_with_its_own_shape(tmp_path):
+    """[5, 8, 8] was read as one image of 8 channels, and the model's refusal named (1, 5, 8, 8)."""
+    np.save(tmp_path / "batch.npy", np.zeros((5, 8, 8), np.uint8))
+    with pytest.raises(InputImagesError, match=r"batch.npy holds an array of shape \(5, 8, 8\).*array\[\.\.\., None\]"):
+        read_inputs([tmp_path / "batch.npy"])
+    np.save(tmp_path / "one.npy", np.zeros((8, 8, 3), np.uint8))  # one color image is still one image
+    assert read_inputs([tmp_path / "one.npy"]).shape == (1, 8, 8, 3)

@@ -78,6 +78,11 @@ def read_inputs(paths: list[Path]) -> np.ndarray:
             except (ValueError, EOFError):
                 raise InputImagesError(f"{path} is not a NumPy array file (np.save writes one); give a .npy "
                                        "of images [N, H, W, C] or image files (PNG, JPEG).") from None
+            if array.ndim == 3 and array.shape[-1] not in (1, 3, 4):  # no channel axis: read as one image, it had
+                raise InputImagesError(  # its last axis for channels, and the model's refusal named another shape
+                    f"{path} holds an array of shape {array.shape}, which is neither one image [H, W, C] (its last "
+                    "axis is no 1, 3 or 4 channels) nor a batch [N, H, W, C]; save images [N, H, W, C] (a batch "
+                    "of grayscale images [N, H, W] takes a channel axis: array[..., None]).")
             parts.append(array[None] if array.ndim == 3 else array)
             continue
         from PIL import Image, UnidentifiedImageError

@@ -16,7 +16,8 @@ from dew.errors import DewError
 if TYPE_CHECKING:
     from dew.cli.run_page import RunData as RunPageData
 
-__all__ = ["NoJournalError", "ReportOutError", "ReportWriteError", "add_arguments", "load_run", "render_report", "run"]
+__all__ = ["NoJournalError", "ReportOutError", "ReportWriteError", "add_arguments", "journal_folder", "load_run",
+           "render_report", "run"]
 
 
 class NoJournalError(DewError, FileNotFoundError):
@@ -47,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"dew report: {error}", file=sys.stderr)
         return 2
     note_if_training("report", *args.run_dirs)
+    for run_dir in map(Path, args.run_dirs):  # a journal read elsewhere is said: it may be another run's
+        logs = journal_folder(run_dir)
+        if logs.resolve() != run_dir.resolve():
+            print(f"dew report: the journal of {run_dir} was read from {logs}, where its recipe's local tracker "
+                  "wrote it.", file=sys.stderr)
     print(f"Wrote {page}")
     return 0
 
@@ -69,10 +75,20 @@ def _labels(directories: Sequence[Path]) -> list[str]:
     return [str(d) for d in directories]
 
 
+def journal_folder(run_dir: Path) -> Path:
+    """Where run_dir's journal is: the folder itself, else the first folder its recipe's local tracker
+    wrote to (trackers.0.directory outside the run folder) that holds one, else run_dir."""
+    from dew.recipes.resuming import tracker_folders
+    from dew.tracking.local import LocalTracker
+
+    written = [run_dir, *tracker_folders(run_dir)]
+    return next((d for d in written if (d / LocalTracker.SCALARS).exists() or (d / LocalTracker.RECORDS).exists()),
+                run_dir)
+
+
 def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
     """A run's scalars, records and preview index, read (never written) from its directory."""
     from dew.cli.run_page import RunData
-    from dew.recipes.resuming import tracker_folders
     from dew.telemetry.render import read_scalars
     from dew.tracking.local import LocalTracker
     from dew.training.rollout_journal import ROLLOUTS, kept_rollouts
@@ -82,10 +98,7 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
         what = "is a file" if run_dir.exists() else "does not exist"
         raise NoJournalError(f"{str(run_dir)!r} {what}. Point dew report at the directory a LocalTracker wrote "
                              "(a shipped recipe's run folder).")
-    # A run whose local tracker wrote outside its folder (trackers.0.directory elsewhere): read it there.
-    written = [run_dir, *tracker_folders(run_dir)]
-    logs = next((d for d in written if (d / LocalTracker.SCALARS).exists() or (d / LocalTracker.RECORDS).exists()),
-                run_dir)
+    logs = journal_folder(run_dir)
     journal, records_path = logs / LocalTracker.SCALARS, logs / LocalTracker.RECORDS
     if not journal.exists() and not records_path.exists():
         from dew.recipes.resuming import the_run_folder

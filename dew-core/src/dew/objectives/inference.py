@@ -133,6 +133,14 @@ class GenerateRequest:
         if not -(2**63) <= self.seed < 2**63:  # jax.random.key takes a 64-bit integer
             raise UnsupportedRequestError(f"seed must be a 64-bit integer (below 2**63 = 9223372036854775808 "
                                           f"in size), got {self.seed}.")
+        for number, text in enumerate((*self.inputs, *self.stop), 1):
+            try:  # a shell passes bytes that are no UTF-8 as lone surrogates, which no tokenizer encodes
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                kind = "input" if number <= len(self.inputs) else "stop string"
+                raise UnsupportedRequestError(
+                    f"The {kind} {text!r} is not UTF-8 text (characters {error.start} to {error.end - 1} are bytes "
+                    "your shell passed undecoded); give it as text in UTF-8.") from None
 
     def given(self) -> tuple[str, ...]:
         """The options set (not None), in declaration order."""
