@@ -438,3 +438,22 @@ def test_report_says_where_it_read_a_journal_kept_outside_the_run_folder(tmp_pat
     assert main(["report", "copy"]) == 0
     assert (f"dew report: the journal of copy was read from {tmp_path / 'runs/a'}, where its recipe's local "
             "tracker wrote it.") in capsys.readouterr().err
+
+
+def test_generate_refuses_to_write_samples_into_a_run_or_its_step(tmp_path, capsys, monkeypatch):
+    """--out runs/a/2 wrote samples.txt inside a committed checkpoint step, --out runs/a beside the run's
+    journal; dew export refused both, dew generate wrote there."""
+    from dew.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "tiny-lm", "model.num_layers=1", "model.emb_features=32", "model.mlp_features=64",
+                 "model.num_heads=2", "model.max_seq_len=32", "objective.seq_len=16", "objective.preview_tokens=8",
+                 "data.length=16", "data.batch=4", "data.files={stdlib}/abc.py", "trainer.steps=2",
+                 "trainer.checkpoint_dir=runs/a", "trackers=[]"]) == 0
+    capsys.readouterr()
+    for out, said in (("runs/a/2", "--out is step 2 of the run runs/a"), ("runs/a", "--out is the run folder runs/a")):
+        assert main(["generate", "runs/a", "def", "--max-new-tokens", "2", "--out", out]) == 2
+        assert said in capsys.readouterr().err
+        assert not (tmp_path / out / "samples.txt").exists()
+    assert main(["generate", "runs/a", "def", "--max-new-tokens", "2", "--out", "samples"]) == 0
+    assert (tmp_path / "samples/samples.txt").is_file()

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from dew.recipes.opening import open_run
 
     try:
+        if args.out is not None:
+            _refuse_run_folder(Path(args.out))
         request = GenerateRequest(tuple(args.inputs), count=args.count, steps=args.steps,
                           guidance=args.guidance, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -81,3 +83,19 @@ def run(args: argparse.Namespace) -> int:
 def _show(texts: tuple[str, ...]) -> None:
     several = len(texts) > 1 and any("\n" in text for text in texts)
     print("\n---\n".join(texts) if several else "\n".join(texts))
+
+
+def _refuse_run_folder(out: Path) -> None:
+    """Refuse an --out that is a run's folder or one of its kept steps: samples written there would
+    sit among the files dew resumes, generates and exports from (a step's are checked by hash)."""
+    from dew.objectives.inference import UnsupportedRequestError
+    from dew.training.config import RUN_FILE
+
+    if (out / RUN_FILE).is_file():
+        where = f"the run folder {out}"
+    elif out.name.isdigit() and (out.parent / RUN_FILE).is_file():
+        where = f"step {int(out.name)} of the run {out.parent}"
+    else:
+        return
+    raise UnsupportedRequestError(f"--out is {where}, among the files dew resumes, generates and exports from; "
+                                  "write the samples to a folder of their own.")
