@@ -59,6 +59,11 @@ def test_generate_inputs_after_an_option_are_inputs_too(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, said", [
     (["generate", "runs/x", "--steps", "0"], "dew generate: argument --steps: 0 is not at least 1"),
+    # Named after the Python fields behind them ("count must be at least 1", "stop_strings must be non-empty").
+    (["generate", "runs/x", "--count", "0"], "dew generate: argument --count: 0 is not at least 1"),
+    (["generate", "runs/x", "--stop", ""],
+     "dew generate: argument --stop: an empty text would end every continuation at once; give the text a "
+     "continuation ends after"),
     (["generate"], "dew generate: the following arguments are required: RUN, INPUT"),
     (["train", "tiny-lm", "--chek"], "dew train: unrecognized arguments: --chek (did you mean --check?)"),
     (["--nosuch"], "dew: unrecognized arguments: --nosuch"),

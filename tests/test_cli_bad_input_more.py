@@ -440,7 +440,7 @@ def test_report_says_where_it_read_a_journal_kept_outside_the_run_folder(tmp_pat
             "tracker wrote it.") in capsys.readouterr().err
 
 
-def test_generate_refuses_to_write_samples_into_a_run_or_its_step(tmp_path, capsys, monkeypatch):
+def test_generate_and_export_refuse_to_write_into_a_run_or_its_step(tmp_path, capsys, monkeypatch):
     """--out runs/a/2 wrote samples.txt inside a committed checkpoint step, --out runs/a beside the run's
     journal; dew export refused both, dew generate wrote there."""
     from dew.cli import main
@@ -457,3 +457,9 @@ def test_generate_refuses_to_write_samples_into_a_run_or_its_step(tmp_path, caps
         assert not (tmp_path / out / "samples.txt").exists()
     assert main(["generate", "runs/a", "def", "--max-new-tokens", "2", "--out", "samples"]) == 0
     assert (tmp_path / "samples/samples.txt").is_file()
+    # dew export refused a step for holding "files dew did not write", and --force wrote the export among them.
+    capsys.readouterr()
+    for force in ([], ["--force"]):
+        assert main(["export", "runs/a", "runs/a/2", *force]) == 2
+        assert f"OUT is step 2 of the run {tmp_path / 'runs/a'}" in capsys.readouterr().err
+    assert not (tmp_path / "runs/a/2/config.json").exists()

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import expected, refused
+    from dew.cli.runs import expected, refuse_run_folder, refused
     from dew.pretrained.writing import check_out
     from dew.recipes.opening import open_run
 
@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                                  "dew's layout.")
     out = Path(args.out).absolute()
     try:
+        refuse_run_folder(out, "OUT", "the export")  # --force or not: a run's files are no export's to mix with
         foreign = check_out(out, force=args.force)  # refused before the run is read
         # An earlier export is what dew wrote there; others' files (kept under --force) are none.
         replaced = out.is_dir() and any(entry.name not in foreign for entry in out.iterdir())

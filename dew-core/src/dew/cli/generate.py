@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts, or class labels: what the run's model takes (none: "
                              "unconditional samples)")
     parser.set_defaults(_trailing="inputs")  # inputs after an option are inputs too (dew.cli.main)
-    parser.add_argument("--count", type=int, default=None,
+    parser.add_argument("--count", type=positive, default=None,
                         help="samples per input (or in all, without inputs)")
     parser.add_argument("--steps", type=positive, default=None, help="sampler steps (diffusion)")
     parser.add_argument("--guidance", type=float, default=None,
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
     parser.add_argument("--min-p", type=float, default=None,
                         help="drop tokens less likely than this share of the likeliest")
-    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT", type=_stop_text,
                         help="end a continuation after this text (repeatable)")
     parser.add_argument("--chat", action="store_true",
                         help="send each prompt as a user turn in the tokenizer's chat template and print the "
@@ -51,13 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dew.cli.runs import expected, refused
+    from dew.cli.runs import expected, refuse_run_folder, refused
     from dew.objectives.inference import GenerateRequest, SampleWriteError
     from dew.recipes.opening import open_run
 
     try:
         if args.out is not None:
-            _refuse_run_folder(Path(args.out))
+            refuse_run_folder(Path(args.out), "--out", "the samples")
         request = GenerateRequest(tuple(args.inputs), count=args.count, steps=args.steps,
                           guidance=args.guidance, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -85,17 +85,10 @@ def _show(texts: tuple[str, ...]) -> None:
     print("\n---\n".join(texts) if several else "\n".join(texts))
 
 
-def _refuse_run_folder(out: Path) -> None:
-    """Refuse an --out that is a run's folder or one of its kept steps: samples written there would
-    sit among the files dew resumes, generates and exports from (a step's are checked by hash)."""
-    from dew.objectives.inference import UnsupportedRequestError
-    from dew.training.config import RUN_FILE
-
-    if (out / RUN_FILE).is_file():
-        where = f"the run folder {out}"
-    elif out.name.isdigit() and (out.parent / RUN_FILE).is_file():
-        where = f"step {int(out.name)} of the run {out.parent}"
-    else:
-        return
-    raise UnsupportedRequestError(f"--out is {where}, among the files dew resumes, generates and exports from; "
-                                  "write the samples to a folder of their own.")
+def _stop_text(text: str) -> str:
+    """An argparse type: a stop text of at least one character (an empty one would end every continuation
+    before its first token)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty text would end every continuation at once; give the text a "
+                                         "continuation ends after")
+    return text

@@ -11,7 +11,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["add_run_argument", "expected", "note_if_training", "positive", "refused", "seconds"]
+from dew.errors import DewError
+
+__all__ = ["RunFolderOutError", "add_run_argument", "expected", "note_if_training", "positive", "refuse_run_folder",
+           "refused", "seconds"]
 
 
 def refused(command: str, error: BaseException | str) -> int:
@@ -22,6 +25,26 @@ def refused(command: str, error: BaseException | str) -> int:
     notes = error_notes(error) if isinstance(error, BaseException) else []
     print("\n".join([f"dew {command}: {error}", *notes]), file=sys.stderr)
     return 2
+
+
+class RunFolderOutError(DewError, ValueError):
+    """A command was asked to write its output into a run's folder or one of its kept steps."""
+
+
+def refuse_run_folder(out: Path, named: str, what: str) -> None:
+    """Refuse an output folder (named as the command line names it: "--out", "OUT") that is a run's
+    folder or one of its kept steps: what (the samples, the export) would sit among the files dew
+    resumes, generates and exports from, a step's checked by their hashes."""
+    from dew.training.config import RUN_FILE
+
+    if (out / RUN_FILE).is_file():
+        where = f"the run folder {out}"
+    elif out.name.isdigit() and (out.parent / RUN_FILE).is_file():
+        where = f"step {int(out.name)} of the run {out.parent}"
+    else:
+        return
+    raise RunFolderOutError(f"{named} is {where}, among the files dew resumes, generates and exports from; "
+                            f"write {what} to a folder of their own.")
 
 
 def note_if_training(command: str, *folders: str | Path) -> None:
