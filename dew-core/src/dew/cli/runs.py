@@ -35,12 +35,14 @@ def refuse_run_folder(out: Path, named: str, what: str) -> None:
     """Refuse an output folder (named as the command line names it: "--out", "OUT") that is a run's
     folder or one of its kept steps: what (the samples, the export) would sit among the files dew
     resumes, generates and exports from, a step's checked by their hashes."""
+    from dew.recipes.resuming import step_kept_in_run
     from dew.training.config import RUN_FILE
 
+    step = step_kept_in_run(out)
     if (out / RUN_FILE).is_file():
         where = f"the run folder {out}"
-    elif out.name.isdigit() and (out.parent / RUN_FILE).is_file():
-        where = f"step {int(out.name)} of the run {out.parent}"
+    elif step is not None:
+        where = f"step {step} of the run {out.parent}"
     else:
         return
     raise RunFolderOutError(f"{named} is {where}, among the files dew resumes, generates and exports from; "

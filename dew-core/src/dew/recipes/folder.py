@@ -45,6 +45,7 @@ from dew.recipes.resuming import (
     resume_command,
     run_command,
     shown,
+    step_kept_in_run,
 )
 
 if TYPE_CHECKING:
@@ -421,8 +422,7 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
             shutil.rmtree(directory, ignore_errors=True)
             _remove_empty_parents(directory, created[directory])
         if isinstance(error, Exception):
-            for field, path in fields_naming(config, error, cwd=folder.cwd, timestamp=folder.timestamp):
-                error.add_note(_field_note(field, path, error))
+            _trace_to_fields(config, error, folder)
             # A run whose folder was there before (a resume) kept what it had: only a fresh run's
             # folders hold nothing once their first writes are undone.
             fresh = folder.directory is None or folder.directory in created
@@ -466,8 +466,7 @@ def check_in(config: RunConfig, folder: RunFolder | None) -> None:
                 parts.objective.check_rows(config.data.batch)
             build_evaluations(config, parts)
     except Exception as error:
-        for field, path in fields_naming(config, error, cwd=where.cwd, timestamp=where.timestamp):
-            error.add_note(_field_note(field, path, error))
+        _trace_to_fields(config, error, where)
         raise
     finally:
         jax.config.update("jax_platforms", platforms)
@@ -477,7 +476,7 @@ def _refuse_exported(directory: Path | None) -> None:
     """Refuse a run folder that holds an exported model (its config.json) and no run: the run's
     steps would sit beside the model, and dew generate, eval and export would then read the run.
     Refuse a numbered folder inside another run too: that run would take it for one of its steps."""
-    if directory is not None and directory.name.isdigit() and (directory.parent / "run.json").is_file():
+    if directory is not None and step_kept_in_run(directory) is not None:
         raise NestedRunFolderError(
             f"trainer.checkpoint_dir={shown(directory)} is a numbered folder inside the run "
             f"{shown(directory.parent)}, which would take it for its step {directory.name} (and set it aside "
@@ -489,6 +488,12 @@ def _refuse_exported(directory: Path | None) -> None:
         "training there would write the run's steps beside the model, and dew generate, eval and export "
         "would read the run instead of it. Set trainer.checkpoint_dir to a new folder; to start from the "
         f"model, set init.pretrained={shown(directory)}.")
+
+
+def _trace_to_fields(config: RunConfig, error: Exception, folder: RunFolder) -> None:
+    """Note on error each recipe field that names the path it is about, with what to do there."""
+    for field, path in fields_naming(config, error, cwd=folder.cwd, timestamp=folder.timestamp):
+        error.add_note(_field_note(field, path, error))
 
 
 def _field_note(field: str, path: Path, error: Exception) -> str:

@@ -22,8 +22,8 @@ from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
 __all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "origin",
-           "pretrained_origin", "resume_command", "resuming_line", "run_command", "shown", "started_from", "started_in", "the_run_folder",
-           "tracker_folders", "upgrade_line"]
+           "pretrained_origin", "resume_command", "resuming_line", "run_command", "shown", "started_from", "started_in", "step_kept_in_run",
+           "the_run_folder", "tracker_folders", "upgrade_line"]
 
 STARTED = "started.json"  # beside run.json: the timestamp and working directory a run started with
 
@@ -276,14 +276,21 @@ def _missing_distributions(run: Path) -> list[str]:
     return lines
 
 
+def step_kept_in_run(folder: Path) -> int | None:
+    """The step number when folder is a step kept inside a run (a numbered folder beside the run's
+    run.json), else None."""
+    return int(folder.name) if folder.name.isdigit() and (folder.parent / "run.json").is_file() else None
+
+
 def the_run_folder(path: str | os.PathLike[str]) -> str:
     """A sentence pointing from a folder that is not a run's to the run's own, or "" when there is none
     to point to: a step kept inside a run names the run (and --step), and a local tracker's folder
     beside the checkpoints names the checkpoint folder its journal records."""
     folder = Path(os.path.abspath(Path(path).expanduser()))
-    if folder.name.isdigit() and (folder.parent / "run.json").is_file():
-        return (f" {shown(folder)} is step {int(folder.name)} kept inside the run {shown(folder.parent)}: give "
-                f"that folder (with --step {int(folder.name)}, where the command takes one, for this step).")
+    step = step_kept_in_run(folder)
+    if step is not None:
+        return (f" {shown(folder)} is step {step} kept inside the run {shown(folder.parent)}: give "
+                f"that folder (with --step {step}, where the command takes one, for this step).")
     checkpoints = _checkpoints_of_tracker(folder)
     if checkpoints is not None:
         return (f" {shown(folder)} is where the run's tracker wrote; its checkpoints and run.json are in "
