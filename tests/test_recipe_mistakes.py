@@ -138,6 +138,10 @@ CHECKED = [
     # A teacher with no weights to read: the student was distilled from a randomly drawn one.
     ("tiny-distill", ["objective.teacher_checkpoint=null"],
      "objective.teacher_checkpoint: the teacher's weights come from nowhere"),
+    # A teacher declared in the recipe and a teacher_pretrained that is not there: --check passed, the run
+    # refused it as its initializer read the weights.
+    ("tiny-distill", ["objective.teacher_checkpoint=null", "objective.teacher_pretrained=checkpoints/no-teacher"],
+     "holds no config.json (the directory does not exist), so there is no model to load"),
     # A diffusion time above 1 trained; a preview prompt of part of a block lost its last bytes unsaid.
     ("block-diffusion", ["objective.t_min=1.5"], "BlockDiffusionObjective.t_min must lie in (0, 1), got 1.5"),
     ("block-diffusion", ["objective.prompt=abc"],

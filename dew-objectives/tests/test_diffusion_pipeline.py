@@ -37,6 +37,30 @@ def test_class_pipeline_saves_and_loads_to_the_same_samples(tmp_path):
         pipeline([3])
 
 
+def test_many_samples_are_drawn_a_chunk_at_a_time(monkeypatch):
+    """A count past CHUNK_ROWS is drawn in chunks, so the sampler's memory is a chunk's: each call of
+    the objective's sampler takes at most CHUNK_ROWS rows (a thousand images were one program of a
+    thousand rows, which XLA aborted on), the first chunk is what one call draws with the key, the
+    next what the sampler draws with the key folded by its index."""
+    from dew.objectives import diffusion_pipeline
+    from dew.objectives.diffusion import to_pixels
+
+    monkeypatch.setattr(diffusion_pipeline, "CHUNK_ROWS", 4)
+    objective = DiffusionObjective(DIT, sample_steps=2, guidance=2.0)
+    variables = nn.meta.unbox(objective.init(jax.random.key(0)))
+    sampled = []
+    sample = objective.sample
+    monkeypatch.setattr(DiffusionObjective, "sample",
+                        lambda self, *args, **kw: sampled.append(args[3]) or sample(*args, **kw))
+    labels = [0, 1, 2, 0, 1, 2]
+    images = objective.pipeline(variables)(labels, key=jax.random.key(4))
+    assert images.shape == (6, 8, 8, 1) and sampled == [4, 2]
+    condition = objective.conditioning.of(labels)
+    first = sample(variables, jax.random.key(4), condition[:4], 4, guidance=2.0)
+    rest = sample(variables, jax.random.fold_in(jax.random.key(4), 1), condition[4:], 2, guidance=2.0)
+    np.testing.assert_array_equal(images, np.concatenate([to_pixels(first), to_pixels(rest)]))
+
+
 def test_guidance_on_an_unconditional_pipeline_is_refused():
     model = DiT(image_size=8, channels=1, patch_size=4, emb_features=16, num_layers=1,
                 num_heads=2, mlp_features=32)

@@ -252,6 +252,15 @@ class ChecksBatchRows(Protocol):
 
 
 @runtime_checkable
+class ChecksOwnWeights(Protocol):
+    """An objective that reads weights of its own besides the model's (a distillation's teacher):
+    ``check_own_weights`` refuses, reading descriptions and headers alone, what its initializer would
+    refuse, so ``dew train --check`` says so rather than the run's start."""
+
+    def check_own_weights(self) -> None: ...
+
+
+@runtime_checkable
 class Metric(Protocol):
     """Reduce a validation pass to one scalar, on the host.
 

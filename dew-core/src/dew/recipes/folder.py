@@ -441,14 +441,14 @@ def check_in(config: RunConfig, folder: RunFolder | None) -> None:
     reading no data, no weight, and writing nothing: the hook plugins it loads, its XLA flags, its
     model and objective (the tokenizer's files included), the variables the objective's init would
     make (traced, none drawn: LoRA targets the model lacks), the starting weights' descriptions
-    (check_initial) and its evaluation tasks (their record files). What is traced is traced on the
+    (check_initial, and an objective's own: ChecksOwnWeights) and its evaluation tasks (their record files). What is traced is traced on the
     CPU, so a check opens no accelerator. An error naming a path is traced to the recipe field that
     names it, as a run's is; folder (a resumed run's) is where the recipe's relative paths start,
     else the current directory."""
     import jax
 
     from dew import plugins
-    from dew.objectives.base import ChecksBatchRows
+    from dew.objectives.base import ChecksBatchRows, ChecksOwnWeights
     from dew.recipes.run import build_evaluations, build_parts, check_initial
     from dew.training.runtime.process import check_xla_flags
 
@@ -461,6 +461,8 @@ def check_in(config: RunConfig, folder: RunFolder | None) -> None:
         with where.entered(out=sys.stderr):
             parts = build_parts(config, with_data=False)
             check_initial(config, parts.objective)
+            if isinstance(parts.objective, ChecksOwnWeights):  # a distillation's teacher
+                parts.objective.check_own_weights()
             jax.eval_shape(lambda: parts.objective.init(jax.random.key(0)))
             if isinstance(parts.objective, ChecksBatchRows):  # the whole batch: each process's share waits
                 parts.objective.check_rows(config.data.batch)

@@ -23,7 +23,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ __all__ = [
     "PipelineFormatError",
     "PixelPipeline",
     "TextDiffusionPipeline",
+    "draw_in_chunks",
     "load_pipeline",
     "write_samples",
 ]
@@ -116,6 +117,32 @@ def write_samples(pixels: np.ndarray, directory: str | os.PathLike[str], *, vide
             if stale not in files and stale.stem.removeprefix("sample_").isdigit():
                 stale.unlink()
     return tuple(files)
+
+
+CHUNK_ROWS = 64
+"""Samples drawn by one call of a pixel sampler: a thousand images are drawn 64 at a time, so the
+sampler's memory is one chunk's whatever the count asked for."""
+
+
+class Draw(Protocol):
+    """A sampler: rows samples in [-1, 1] from variables, a key and their conditions (or None)."""
+
+    def __call__(self, variables: Any, key: jax.Array, condition: jax.Array | None, rows: int) -> jax.Array: ...
+
+
+def draw_in_chunks(draw: Draw, variables: Any, key: jax.Array, condition: jax.Array | None,
+                   rows: int) -> np.ndarray:
+    """uint8 pixels [rows, ...] drawn CHUNK_ROWS at a time (draw is jitted with rows static: one
+    program for the chunks, one for the rest). The first chunk draws with key itself, the next ones
+    with key folded by their index, so a count within one chunk draws what one call would."""
+    from dew.objectives.diffusion import to_pixels
+
+    chunks = []
+    for index, start in enumerate(range(0, rows, CHUNK_ROWS)):
+        size = min(CHUNK_ROWS, rows - start)
+        part = None if condition is None else condition[start:start + size]
+        chunks.append(to_pixels(draw(variables, key if index == 0 else jax.random.fold_in(key, index), part, size)))
+    return np.concatenate(chunks)
 
 
 class PixelPipeline(_Saved):
@@ -229,9 +256,8 @@ class DiffusionPipeline(PixelPipeline):
     def __call__(self, conditions: Sequence[int | str] | None = None, *, rows: int | None = None,
                  key: jax.Array | None = None, steps: int | None = None,
                  guidance: float | None = None, method: str | None = None) -> np.ndarray:
-        """uint8 samples [N, ...]: one per condition (a class label or a prompt), or rows unconditional."""
-        from dew.objectives.diffusion import to_pixels
-
+        """uint8 samples [N, ...]: one per condition (a class label or a prompt), or rows unconditional
+        (drawn CHUNK_ROWS at a time)."""
         objective = self.objective
         condition = None if conditions is None else objective.conditioning.of(list(conditions))
         count = rows if condition is None else int(condition.shape[0])
@@ -239,10 +265,10 @@ class DiffusionPipeline(PixelPipeline):
             raise ValueError("Give conditions (labels or prompts) or rows for unconditional samples.")
         scale = objective.guidance if guidance is None else guidance
         objective.check_guidance(scale)
-        sample = jax.jit(lambda v, k, c: objective.sample(v, k, c, count, guidance=scale,
-                                                          steps=steps, method=method))
-        x = sample(self.variables, key if key is not None else jax.random.key(0), condition)
-        return to_pixels(x)
+        sample = jax.jit(lambda v, k, c, n: objective.sample(v, k, c, n, guidance=scale, steps=steps,
+                                                             method=method), static_argnums=3)
+        return draw_in_chunks(sample, self.variables, key if key is not None else jax.random.key(0),
+                              condition, count)
 
     def sample(self, conditions: Sequence[int | str] | None, rows: int, key: jax.Array,
                steps: int | None, guidance: float | None) -> np.ndarray:

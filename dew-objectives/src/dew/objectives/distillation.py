@@ -64,6 +64,7 @@ from dew.sampling import Sampling, TextGeneration
 from dew.typing import PyTree
 
 if TYPE_CHECKING:
+    from dew.pretrained import Pretrained
     from dew.training.initializers import WeightSource
     from dew.training.state import TrainState
 
@@ -208,23 +209,9 @@ class DistillationObjective(Objective):
         pass it (or ``objective.teacher_from(...)``) as the Trainer's initializer.
         """
         if self.teacher_pretrained is not None:
-            directory, teacher = _absolute(self.teacher_pretrained), self.teacher
 
             def read_pretrained(abstract: Variables) -> Variables:
-                from dew.data.hf_tokenizer import vocabulary
-                from dew.pretrained import Pretrained
-
-                # Any flax Module: a family without these fields takes the directory's own.
-                loaded = Pretrained.load(directory, max_seq_len=getattr(teacher, "max_seq_len", None),
-                                         param_dtype=getattr(teacher, "param_dtype", None),
-                                         scan_layers=bool(getattr(teacher, "scan_layers", False)))
-                if (loaded.tokenizer is not None and self.tokenizer is not None
-                        and vocabulary(loaded.tokenizer) != vocabulary(self.tokenizer)):
-                    raise TeacherVocabularyError(
-                        f"The teacher in {directory} comes with another tokenizer than the student's data: the "
-                        "same text is other ids to it (a vocabulary of the same size can still differ, as "
-                        "Llama 2's and Mistral's do). " + _vocabulary_advice())
-                return {"params": loaded.variables["params"]}
+                return {"params": self._pretrained_teacher(weights=True).variables["params"]}
 
             return self.teacher_from(read_pretrained)
         if self.teacher_checkpoint is None:
@@ -246,6 +233,35 @@ class DistillationObjective(Objective):
                     mismatch=error.mismatch) from None
 
         return self.teacher_from(read_run)
+
+    def check_own_weights(self) -> None:
+        """Refuse the teacher_pretrained the initializer would refuse, reading its config.json and
+        tensor headers alone (dew.objectives.base.ChecksOwnWeights): a directory that is missing, holds
+        another model than the teacher, or comes with another tokenizer than the student's data. A
+        teacher_checkpoint is another run, which ``dew train --check`` does not read."""
+        if self.teacher_pretrained is not None:
+            self._pretrained_teacher(weights=False)
+
+    def _pretrained_teacher(self, *, weights: bool) -> Pretrained:
+        """teacher_pretrained read for the teacher (weights: its tensors too, else their headers alone),
+        refused where its tokenizer is not the student's."""
+        from dew.data.hf_tokenizer import vocabulary
+        from dew.pretrained import Pretrained
+
+        assert self.teacher_pretrained is not None  # the initializer and the check read it only when set
+        directory, teacher = _absolute(self.teacher_pretrained), self.teacher
+        # Any flax Module: a family without these fields takes the directory's own.
+        read = Pretrained.load if weights else Pretrained.describe
+        loaded = read(directory, max_seq_len=getattr(teacher, "max_seq_len", None),
+                      param_dtype=getattr(teacher, "param_dtype", None),
+                      scan_layers=bool(getattr(teacher, "scan_layers", False)))
+        if (loaded.tokenizer is not None and self.tokenizer is not None
+                and vocabulary(loaded.tokenizer) != vocabulary(self.tokenizer)):
+            raise TeacherVocabularyError(
+                f"The teacher in {directory} comes with another tokenizer than the student's data: the "
+                "same text is other ids to it (a vocabulary of the same size can still differ, as "
+                "Llama 2's and Mistral's do). " + _vocabulary_advice())
+        return loaded
 
     def recorded_fields(self) -> Mapping[str, Any]:
         """The teacher's architecture when it was read from teacher_pretrained's config.json, so a

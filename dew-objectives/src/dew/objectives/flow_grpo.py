@@ -59,7 +59,7 @@ from dew.objectives.base import (
     Variables,
     under,
 )
-from dew.objectives.diffusion_pipeline import PixelPipeline
+from dew.objectives.diffusion_pipeline import PixelPipeline, draw_in_chunks
 from dew.objectives.grpo import clipped_policy_loss, group_advantages
 from dew.objectives.inference import variables_of
 from dew.objectives.policy import REFERENCE, PolicyFrom, policy_variables, with_reference
@@ -338,8 +338,9 @@ class FlowPipeline(PixelPipeline):
     def __call__(self, conditions: Sequence[int | str] | None = None, *, rows: int | None = None,
                  key: jax.Array | None = None, steps: int | None = None,
                  guidance: float | None = None) -> np.ndarray:
-        """uint8 images [N, ...]: one per condition (a label), or rows unconditioned."""
-        from dew.objectives.diffusion import check_guidance, to_pixels
+        """uint8 images [N, ...]: one per condition (a label), or rows unconditioned (drawn
+        CHUNK_ROWS at a time)."""
+        from dew.objectives.diffusion import check_guidance
 
         objective = self.objective
         condition = None if conditions is None else objective.conditioning.of(list(conditions))
@@ -348,8 +349,10 @@ class FlowPipeline(PixelPipeline):
             raise ValueError("Give conditions (labels) or rows for unconditional samples.")
         scale = 1.0 if guidance is None else float(guidance)
         check_guidance(scale, objective.conditioning, objective.model)
-        draw = jax.jit(lambda v, k, c: objective.sample(v, k, c, count, steps=steps, guidance=scale))
-        return to_pixels(draw(self.variables, key if key is not None else jax.random.key(0), condition))
+        draw = jax.jit(lambda v, k, c, n: objective.sample(v, k, c, n, steps=steps, guidance=scale),
+                       static_argnums=3)
+        return draw_in_chunks(draw, self.variables, key if key is not None else jax.random.key(0), condition,
+                              count)
 
     def sample(self, conditions: Sequence[int | str] | None, rows: int, key: jax.Array,
                steps: int | None, guidance: float | None) -> np.ndarray:
