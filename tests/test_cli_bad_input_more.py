@@ -62,8 +62,12 @@ def test_rescore_writes_a_new_file_and_never_the_runs_own(journaled, tmp_path, c
     assert main(["rescore", str(journaled), *reward, "--out", str(tmp_path / "afile" / "scores.jsonl")]) == 2
     assert "scores.jsonl' lies under " in _refusal(capsys, "rescore")  # refused before the table was printed
     out = tmp_path / "scores.jsonl"
-    out.write_text("an earlier rescore\n")  # a file outside the run is written over, whole
-    assert main(["rescore", str(journaled), *reward, "--out", str(out)]) == 0
+    out.write_text("a user's notes\n")  # replaced without a word, as a rescore's own scores are
+    assert main(["rescore", str(journaled), *reward, "--out", str(out)]) == 2
+    assert "holds a file dew rescore did not write" in _refusal(capsys, "rescore")
+    assert out.read_text() == "a user's notes\n"
+    out.write_text(json.dumps({"step": 9, "round": 0, "reward": 0.0, "rewards": [0.0]}) + "\n")
+    assert main(["rescore", str(journaled), *reward, "--out", str(out)]) == 0  # an earlier rescore's: over, whole
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["step"], r["rewards"]) for r in rows] == [(1, [1.0, 0.0]), (2, [1.0, 0.0])]
     assert [r["reward"] for r in rows] == [0.5, 0.5]  # each round's mean, as the help says
@@ -73,6 +77,12 @@ def test_rescore_writes_a_new_file_and_never_the_runs_own(journaled, tmp_path, c
     assert main(["rescore", str(journaled), *reward, "--out", str(inside)]) == 0
     assert main(["rescore", str(journaled), *reward, "--out", str(inside)]) == 0
     capsys.readouterr()
+    # A kept step's files are checked by their hashes: the scores were written among them.
+    (journaled / "2" / "state").mkdir(parents=True)
+    for out in (journaled / "2" / "scores.jsonl", journaled / "2" / "state" / "scores.jsonl"):
+        assert main(["rescore", str(journaled), *reward, "--out", str(out)]) == 2
+        assert "lies in step 2 kept in the run" in _refusal(capsys, "rescore")
+        assert not out.exists()
 
 
 # -- tracebacks turned into refusals ---------------------------------------------------------------------
@@ -154,11 +164,13 @@ def test_check_plugin_refuses_an_empty_name(capsys):
         assert "No distribution was named" in _refusal(capsys, "check-plugin")
 
 
+@pytest.mark.parametrize("command", [["check-plugin", "dew-trackers"], ["plan", "tiny-lm", "--devices", "1"]])
 @pytest.mark.parametrize("value", ["nan", "0", "-5"])
-def test_check_plugin_refuses_a_timeout_that_is_no_time(value, capsys):
-    """NaN reached subprocess.run as a traceback; 0 and -5 were taken, and every check then 'failed'."""
+def test_a_timeout_that_is_no_time_is_refused(command, value, capsys):
+    """check-plugin: NaN reached subprocess.run as a traceback; 0 and -5 were taken, and every check then
+    'failed'. plan: 0 and -5 started the compile, which then 'took longer than -5 s'."""
     with pytest.raises(SystemExit) as ended:
-        main(["check-plugin", "dew-trackers", "--timeout", value])
+        main([*command, "--timeout", value])
     assert ended.value.code == 2
     assert f"argument --timeout: {value} is not more than 0 seconds" in capsys.readouterr().err
 

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from typing import Any
 
+from dew.cli.runs import seconds
+
 __all__ = ["add_arguments", "render_plan", "run"]
 
 _LABELS = {
@@ -37,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="estimate the step time and memory headroom on this kind (repeat for several): "
                              "h100, h200, a100, l4, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON, for scripts")
-    parser.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
+    parser.add_argument("--timeout", type=seconds(0, inclusive=False), default=1800, metavar="SECONDS",
                         help="give up on the compile after this long (default %(default)g)")
     parser.epilog = (
         "examples:\n  dew plan tiny-lm --devices 8 trainer.mesh.fsdp=8 --device-kind h100\n"

@@ -146,9 +146,12 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _checked_out(out: Path, run_dir: Path) -> Path:
-    """--out, refused when it is a directory or an existing file of the run being rescored (its
-    journal, run.json) other than an earlier rescore's scores: the scores are written over the path
-    given, and the run's own files are not dew rescore's to replace."""
+    """--out, refused when it is a directory, lies inside a step kept in a run (whose files are
+    checked by their hashes), or is an existing file other than an earlier rescore's scores: the
+    scores are written over the path given, and a run's files, or a user's, are not dew rescore's to
+    replace."""
+    from dew.recipes.resuming import step_kept_in_run
+
     if out.is_dir():
         raise RescoreError(f"--out {str(out)!r} is a directory; give the file to write the scores to "
                            f"(e.g. {str(out / 'rescored.jsonl')!r}).")
@@ -156,9 +159,16 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
     if under is not None and not under.is_dir():  # refused before the scoring, not after its table
         raise RescoreError(f"--out {str(out)!r} lies under {str(under)!r}, which is a file; give a path in a "
                            "directory.")
-    if out.exists() and out.resolve().is_relative_to(run_dir.resolve()) and not _rescored(out):
-        raise RescoreError(f"--out {str(out)!r} is one of the files of the run {str(run_dir)!r}, which dew "
-                           "rescore only reads; write the scores to a new file, or one outside the run.")
+    step = next((folder for folder in out.absolute().parents if step_kept_in_run(folder) is not None), None)
+    if step is not None:
+        raise RescoreError(f"--out {str(out)!r} lies in step {step.name} kept in the run {str(step.parent)!r}, "
+                           "among the files dew resumes and exports from; write the scores outside the step.")
+    if out.exists() and not _rescored(out):
+        if out.resolve().is_relative_to(run_dir.resolve()):
+            raise RescoreError(f"--out {str(out)!r} is one of the files of the run {str(run_dir)!r}, which dew "
+                               "rescore only reads; write the scores to a new file, or one outside the run.")
+        raise RescoreError(f"--out {str(out)!r} holds a file dew rescore did not write, which the scores would "
+                           "replace; give a new path, or remove that file first.")
     return out
 
 
