@@ -325,9 +325,28 @@ def test_a_damaged_recipe_is_noted_and_the_states_still_compared(runs, tmp_path,
     damaged = tmp_path / "damaged"
     shutil.copytree(runs.ref, damaged)
     (damaged / "run.json").write_text("{bad")
+    (damaged / "started.json").write_text('{"x":')
     code, out, _ = _dew(["diff", str(runs.ref), str(damaged)], capsys)
     assert code == 0 and out.splitlines()[0] == f"identical through step {STEPS}", out
     assert f"{damaged.resolve() / 'run.json'} cannot be read" in out and "that run's recipe is not compared" in out
+    # It said "recipes: the same" of the recipe it could not read, and nothing of the damaged started.json.
+    assert "recipes: not compared (a note below says why)" in out and "recipes: the same" not in out, out
+    assert f"{damaged.resolve() / 'started.json'} cannot be read" in out, out
+
+
+@pytest.mark.slow
+def test_states_kept_through_an_earlier_step_than_the_losses_are_not_called_identical_through_the_last(
+        runs, tmp_path, capsys):
+    """A copy lacking its last kept steps was 'identical through step 10', its states compared through 4."""
+    copy = tmp_path / "fewer"
+    shutil.copytree(runs.ref, copy)
+    for step in range(5, STEPS + 1):
+        shutil.rmtree(copy / str(step))
+    code, out, _ = _dew(["diff", str(runs.ref), str(copy)], capsys)
+    assert code == 0, out
+    assert out.splitlines()[0] == (f"identical through step {STEPS} (the states, kept through step 4; the losses "
+                                   "after it)"), out
+    assert "states: identical at every common kept step (4, through step 4)" in out, out
 
 
 # -- dew audit ------------------------------------------------------------------------------------------

@@ -82,7 +82,9 @@ def render_diff(result: RunDiff) -> str:
         lines.append("not compared: the runs keep no step in common, so their states were not compared; "
                      "compare runs that keep the same steps (trainer.checkpoint_every, trainer.keep)")
     elif result.bitwise:
-        lines.append(f"identical through step {result.through}")
+        last_kept = result.common_steps[-1]
+        lines.append(f"identical through step {result.through}" + (
+            f" (the states, kept through step {last_kept}; the losses after it)" if last_kept < result.through else ""))
     elif result.within_tolerance:
         lines.append(f"agree within the tolerance (rtol {result.rtol:g}, atol {result.atol:g}) through step "
                      f"{result.through}, not bitwise")
@@ -122,7 +124,9 @@ def render_diff(result: RunDiff) -> str:
     if result.recipe:
         lines.append("recipes differ:")
         lines += [f"  {key}: {_value(a)} -> {_value(b)}" for key, a, b in result.recipe]
-    else:
+    elif result.recipes_compared:
         lines.append("recipes: the same")
+    else:
+        lines.append("recipes: not compared (a note below says why)")
     lines += [f"note: {note}" for note in result.notes]
     return "\n".join(lines)

@@ -78,6 +78,7 @@ class RunDiff:
     atol: float
     notes: tuple[str, ...] = field(default=())
     weights_compared: bool = True  # some parameter leaf is held by both runs in one shape and dtype
+    recipes_compared: bool = True  # both runs' run.json were read
 
     @property
     def bitwise(self) -> bool:
@@ -157,20 +158,26 @@ def _recipe(run: Path, notes: list[str]) -> dict[str, Any] | None:
     return recipe
 
 
-def _installed(run: Path) -> dict[str, Any] | None:
+def _installed(run: Path, notes: list[str]) -> dict[str, Any] | None:
     """The distribution and version that registered each component, as the run recorded them when it
-    started (started.json's components; None for a run from before they were recorded)."""
+    started (started.json's components; None for a run from before they were recorded, or, with a
+    note, when started.json cannot be read)."""
+    path = run / "started.json"
     try:
-        recorded = json.loads((run / "started.json").read_text(encoding="utf-8")).get("components")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        recorded = json.loads(path.read_text(encoding="utf-8")).get("components")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        notes.append(f"{path} cannot be read ({error}); the versions that registered that run's components "
+                     "are not compared")
         return None
     return recorded if isinstance(recorded, dict) else None
 
 
-def _installed_diff(runs: Sequence[Path]) -> list[tuple[str, Any, Any]]:
+def _installed_diff(runs: Sequence[Path], notes: list[str]) -> list[tuple[str, Any, Any]]:
     """The components whose registering distribution or version differs between two runs that
     recorded them (a plugin upgraded between them), as installed.GROUP/NAME rows of the recipe diff."""
-    left, right = (_installed(run) for run in runs)
+    left, right = (_installed(run, notes) for run in runs)
     if left is None or right is None:
         return []
     return [(f"installed.{key}", left.get(key), right.get(key)) for key in sorted(set(left) & set(right))
@@ -303,7 +310,7 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
         models = tuple(k for k, _, _ in recipe_diff if k == "model" or k.startswith("model."))
     elif not notes:
         notes.append("one run has no run.json; its recipe is not compared")
-    recipe_diff += _installed_diff(runs)
+    recipe_diff += _installed_diff(runs, notes)
     common = sorted(set(kept[0]) & set(kept[1]))
     first_step, differing, incomparable = None, (), ()
     weights_compared = True
@@ -363,4 +370,4 @@ def diff_runs(a: str | Path, b: str | Path, *, rtol: float = 1e-4, atol: float =
         notes.append("no kept step common to both runs; their states are not compared")
     return RunDiff(str(runs[0]), str(runs[1]), tuple(recipe_diff), models, tuple(common), first_step,
                    differing, incomparable, tuple(gaps), tuple(logged), first_loss, largest, rtol, atol,
-                   tuple(notes), weights_compared)
+                   tuple(notes), weights_compared, recipes_compared=all(r is not None for r in recipes))
