@@ -429,6 +429,22 @@ def test_a_resume_that_skipped_a_batch_is_caught_at_that_step(runs, capsys):
     assert json.loads(against)["first_difference"] == 5
 
 
+@pytest.mark.slow
+def test_a_step_whose_ledger_line_is_gone_is_named(runs, tmp_path, capsys):
+    """With step 3's line removed, the audit said the records differ from step 4 and named no step
+    without a line (the reference was built from the ledger's own steps, so it lacked step 3 too)."""
+    lines = (runs.ref / "ledger.jsonl").read_text().splitlines()
+    third = next(i for i, line in enumerate(lines) if json.loads(line) == {**json.loads(line), "kind": "step", "step": 3})
+    run = shutil.copytree(runs.ref, tmp_path / "unlined")
+    (run / "ledger.jsonl").write_text("\n".join([*lines[:third], *lines[third + 1:]]) + "\n")
+    code, out, _ = _dew(["audit", str(run)], capsys)
+    assert code == 1, out
+    assert "the records differ from step 3 from an uninterrupted run" in out, out
+    assert "steps without a ledger entry: [3]" in out, out
+    result = json.loads(_dew(["audit", str(run), "--json"], capsys)[1])
+    assert result["first_difference"] == 3 and result["missing_steps"] == [3], result
+
+
 def test_a_ledger_edited_by_hand_or_never_committed_is_not_vouched_for(runs, tmp_path, capsys):
     """A step's digest changed by hand, or the order's seed, was called identical to an uninterrupted run
     (exit 0): only the positions were compared. A run killed while its first checkpoint was written holds

@@ -310,6 +310,14 @@ def _ideal(ledger: Ledgered) -> list[ConsumedStep]:
     return out
 
 
+def _unlined(steps: Sequence[ConsumedStep]) -> tuple[int, ...]:
+    """The steps between two ledger lines that have none where the records between those lines' positions
+    were read by no line: a line removed, or a write of the ledger refused. (A PPO run reads a batch every
+    few steps, so steps without a line whose positions leave no hole are its own.)"""
+    return tuple(step for before, after in zip(steps, steps[1:], strict=False) if after.first > before.end
+                 for step in range(before.step + 1, after.step))
+
+
 def _coverage(steps: Sequence[ConsumedStep]) -> list[tuple[int, int]]:
     return [(s.first, s.end) for s in steps]
 
@@ -381,7 +389,10 @@ def audit(ledger: Ledgered, against: Ledgered | None = None, *, name: str = "RUN
             break
     last = ledger.last if against is None else min(ledger.last, against.last)
     seen = {m.step for m in mine}  # built once: a run's steps number in the millions
-    missing = tuple(sorted(s for s in by_step if 1 <= s <= last and s not in seen))  # by the steps, not to last
+    if against is None:  # the reference is built from the ledger's own steps: a step lacking a line lacks there
+        missing = _unlined(mine)
+    else:
+        missing = tuple(sorted(s for s in by_step if 1 <= s <= last and s not in seen))  # by the steps, not to last
     within = [s for s in mine if s.step <= last]
     reference = [s for s in theirs if s.step <= last]
     skipped, repeated, extra = _compare_positions(_coverage(within), _coverage(reference))
