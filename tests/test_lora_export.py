@@ -132,15 +132,18 @@ def test_merged_and_peft_exports_compute_the_adapted_model(tmp_path, dew, dew_co
 def test_a_qlora_run_merges_into_a_float_llama_with_its_logits(tmp_path, dew, dew_command):
     run = _train(dew, tmp_path, "nf4")
     adapted, _ = _dew_logits(run)
-    dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
+    written = dew("export", str(run), str(tmp_path / "merged"), cwd=tmp_path)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     np.testing.assert_allclose(_torch_logits(merged), adapted, atol=1e-4, rtol=0)
+    # The merge is onto the base the run trained on, nf4's rounding of it: said (it was not).
+    assert ("adapters merged into an nf4 copy of the base, read back as floats: the run's own function, not the "
+            "original base's weights plus the update") in written.stdout
     # Its adapters alone would go onto the float base, which is not the base it trained on: said.
     out = dew("export", "--adapters", str(run), str(tmp_path / "adapters"), cwd=tmp_path)
     assert "trained on an nf4 copy of the base: PEFT puts them onto the float base" in out.stdout
     # which --verify would count against them: refused, pointing at the merged export's verification
     refused = dew_command("export", "--adapters", "--verify", str(run), str(tmp_path / "checked"), cwd=tmp_path)
-    assert refused.returncode == 2 and "trained its adapters on a nf4 copy of the base" in refused.stderr
+    assert refused.returncode == 2 and "trained its adapters on an nf4 copy of the base" in refused.stderr
     assert "Verify the merged export (drop --adapters)" in refused.stderr and not (tmp_path / "checked").exists()
 
 

@@ -335,3 +335,27 @@ def test_weights_stored_in_bfloat16_under_a_config_that_names_no_dtype_stay_bflo
     assert {np.asarray(leaf).dtype.name for leaf in jax.tree.leaves(loaded.variables)} == {"bfloat16"}
     written = loaded.save(tmp_path / "out")
     assert json.loads((written / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_the_same_tensors_and_metadata_make_the_same_bytes(tmp_path):
+    """safetensors writes metadata from a hash map, whose order changes from one call to the next: a
+    LoRA export (metadata format and dew_base_digest) came out as files of other checksums from the
+    same adapters. The header's metadata is written sorted, and the file still reads back whole."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    from dew.pretrained.tensors import write_tensors
+
+    metadata = {"format": "pt", "dew_base_digest": "0" * 64, "zeta": "1", "alpha": "\u00e9t\u00e9"}
+    tensors = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.ones(3, np.int8)}
+    files = [tmp_path / f"{index}.safetensors" for index in range(8)]
+    for path in files:
+        write_tensors(path, tensors, metadata)
+    assert len({path.read_bytes() for path in files}) == 1
+    raw = files[0].read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert list(header["__metadata__"]) == sorted(metadata)
+    read = load_file(files[0])
+    assert set(read) == set(tensors) and all(np.array_equal(read[name], tensors[name]) for name in tensors)
+    with safe_open(files[0], "np") as handle:
+        assert handle.metadata() == metadata

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                                      "verify the export.")
         if args.verify and args.adapters and lora is not None and lora.base != "float32":
             return refused("export", f"--verify --adapters compares PEFT's model with the run's, and this run trained "
-                                     f"its adapters on a {lora.base} copy of the base, while PEFT puts them onto the "
+                                     f"its adapters on {_quantized_copy(lora)} of the base, while PEFT puts them onto the "
                                      "float base: they compute other logits by design. Verify the merged export "
                                      "(drop --adapters).")
         if args.verify and args.format is None and _native(opened):
@@ -203,8 +203,8 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
             what += (" (their base is this run's own fresh initialization, which no directory holds: "
                      "PEFT has nothing to load them onto; the merged export is the run's model)")
         if lora.base != "float32":
-            what += (f" (trained on {'an' if lora.base.startswith(('int', 'nf')) else 'a'} {lora.base} copy of the base: PEFT puts them onto the float base, "
-                     "which computes slightly other logits than the run; the merged export is the run's model)")
+            what += (f" (trained on {_quantized_copy(lora)} of the base: PEFT puts them onto the float base, which "
+                     "computes other logits than the run; the merged export is the run's model)")
         from dew.families import scoring
 
         scored = scoring.scored(base, pretrained.variables, pretrained.task)
@@ -214,7 +214,15 @@ def _write(opened: Opened, lora: Lora | None, out: Path, *, adapters: bool, form
         return save_adapters(out, base, pretrained.variables, lora, base_name=name, force=force,
                              scored=scored), what
     merged = dataclasses.replace(pretrained, model=base, variables=merge_lora(pretrained.variables, lora))
-    return merged.save(out, format=format, force=force), f"the model, adapters merged ({_layout(merged, format)}),"
+    into = "" if lora.base == "float32" else (
+        f" into {_quantized_copy(lora)} of the base, read back as floats: the run's own function, not the "
+        "original base's weights plus the update,")
+    return merged.save(out, format=format, force=force), f"the model, adapters merged{into} ({_layout(merged, format)}),"
+
+
+def _quantized_copy(lora: Lora) -> str:
+    """'an nf4 copy', 'an int8 copy': the base a QLoRA run trained its adapters on."""
+    return f"{'an' if lora.base.startswith(('int', 'nf')) else 'a'} {lora.base} copy"
 
 
 def _layout(pretrained: PretrainedModel, format: str | None) -> str:

@@ -42,9 +42,32 @@ def write_tensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mappi
 
     save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()},
               str(path), metadata=dict(metadata))
+    _sort_metadata(path)
     # safetensors creates its files for their owner alone (0600): an export in a shared folder is
     # read by others as its config.json beside it is
     os.chmod(path, 0o666 & ~process_umask())
+
+
+def _sort_metadata(path: Path) -> None:
+    """Rewrite the file's header with its metadata in sorted order, in place: safetensors writes the
+    metadata from a hash map, whose order differs from one process to the next, so the same tensors
+    and metadata made files of other bytes (an export's checksum changed between two runs of it).
+    Only the order of keys of one length changes, so the header keeps its length and the tensors
+    their offsets."""
+    with open(path, "r+b") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        written = handle.read(length)
+        header = json.loads(written)
+        metadata = header.get("__metadata__")
+        if not isinstance(metadata, dict) or list(metadata) == sorted(metadata):
+            return
+        header["__metadata__"] = dict(sorted(metadata.items()))
+        text = written.rstrip(b" ")
+        again = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(again) != len(text) or json.loads(again) != json.loads(text):
+            return  # written in another spelling than this one: left as safetensors wrote it
+        handle.seek(8)
+        handle.write(again)
 
 
 class ShardWriter:
