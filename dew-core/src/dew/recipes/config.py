@@ -350,6 +350,11 @@ def override_value(text: str) -> Any:
 
     >>> override_value("#### (.+)"), override_value('"= (\\d+)"'), override_value('"a\\nb"')
     ('#### (.+)', '= (\\d+)', 'a\nb')
+
+    So is such a text inside a list or a mapping (LoRA targets as patterns):
+
+    >>> override_value('[".*layers_\\d+/moe", "attention"]')
+    ['.*layers_\\d+/moe', 'attention']
     """
     try:
         value = read_yaml(text, "override") if text.strip() else ""
@@ -357,7 +362,12 @@ def override_value(text: str) -> Any:
         quoted = text.strip()
         if len(quoted) > 1 and quoted[0] == quoted[-1] == '"':
             return quoted[1:-1]
-        return text
+        if not (quoted.startswith(("[", "{")) and '"' in quoted):
+            return text
+        try:
+            value = read_yaml(_escapes_kept(text), "override")
+        except RecipeFileError:
+            return text
     if "#" in text and not isinstance(value, dict | list) and not text.strip().startswith(("'", '"')):
         return text
     if isinstance(value, dict) and value and ":" not in text and all(v is None for v in value.values()):
@@ -365,6 +375,21 @@ def override_value(text: str) -> Any:
     if isinstance(value, dict) and not text.lstrip().startswith("{"):
         return text
     return value
+
+
+_YAML_ESCAPES = frozenset('0abtnvfre "/\\N_LPxuU\t')
+
+
+def _escapes_kept(text: str) -> str:
+    """text with each backslash that YAML's double-quoted strings do not take as an escape (a regular
+    expression's \\d) doubled, so the string reads as written."""
+    import re
+
+    def kept(string: re.Match[str]) -> str:
+        return re.sub(r"\\(.)", lambda m: m.group(0) if m.group(1) in _YAML_ESCAPES else "\\\\" + m.group(1),
+                      string.group(0))
+
+    return re.sub(r'"(?:[^"\\]|\\.)*"', kept, text)
 
 
 def _run_folder_followed(written: dict[str, Any], given: Any, overrides: Sequence[str]) -> Any:
