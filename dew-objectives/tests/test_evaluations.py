@@ -145,6 +145,24 @@ def test_an_answer_given_as_a_choices_text_is_that_choice_and_an_ambiguous_one_i
         golds([{"choices": numbers, "answer": "4"}], answer_is="position")
 
 
+def test_a_choice_the_tokenizer_merges_into_the_context_is_refused_naming_its_line(tmp_path):
+    """'It is t' then 'he' tokenizes as 'It is the', no more ids than the context: the choice had no id
+    to score, a log-likelihood of 0, and won every accuracy without a word."""
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.evaluations.multiple_choice import MultipleChoice, continuation_ids
+
+    tokenizer = HFTokenizer.from_file(build_tokenizer(tmp_path / "tokenizer", template=None,
+                                                      eos="<|endoftext|>") / "tokenizer.json")
+    assert continuation_ids(tokenizer, "It is t", "he")[1] == []  # the case: nothing of the choice is left
+    records = [{"context": "It is", "choices": [" four.", " five."], "answer": 0},
+               {"context": "It is t", "choices": ["he", "o"], "answer": 1}]
+    task = MultipleChoice(file=_write(tmp_path / "mc.jsonl", records), separator="")
+    with pytest.raises(TaskFileError, match=r"Line 2 of .*mc.jsonl'?: its context with 'he' after it tokenizes into "
+                                            r"no more ids than the context alone"):
+        task.rows(tokenizer, None)
+    assert len(MultipleChoice(file=_write(tmp_path / "ok.jsonl", records[:1]), separator="").rows(tokenizer, None)) == 2
+
+
 def test_accuracy_norm_divides_by_the_choice_alone_as_lm_eval_does():
     """lm-eval's acc_norm divides each summed log-probability by len(choice): here -42.09/24 beats
     -6.39/3, while counting the separator (25 and 4 characters) would pick the short choice."""

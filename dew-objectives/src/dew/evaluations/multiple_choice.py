@@ -239,6 +239,13 @@ class MultipleChoice:
         for question in self.questions():
             for context, continuation in self.scored(question):
                 head, tail = continuation_ids(tokenizer, context, continuation)
+                if not tail:  # its log-likelihood would be 0, the likeliest a choice can be: always picked
+                    raise TaskFileError(
+                        f"{self._where(question.line)}: its context with {continuation!r} after it tokenizes into no "
+                        f"more ids than the context alone (context ending {context[-20:]!r}: the tokenizer merges the "
+                        "choice into its last ids), so no id of the choice would be scored and it would win with a "
+                        "log-likelihood of 0. End the context at a word's end and let the separator (' ') start "
+                        "each choice, or leave the record out.")
                 ids = (head + tail)[-limit:] if limit else head + tail
                 if len(tail) > len(ids) - 1:
                     cut.append(question.line)
