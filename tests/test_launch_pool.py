@@ -297,6 +297,8 @@ def test_processes_given_different_recipes_are_refused_by_name(tmp_path):
     text = "".join(launch.text() for launch in launches)
     assert codes == [2, 2], text
     assert text.count("dew train: Process(es) 1 of the pool of 2 were given another recipe") == 2, text
+    # and which field it was, where it named the process alone
+    assert text.count("(recipe.trainer.steps is 8 on process 0 and 5 on process 1)") == 2, text
     assert not (tmp_path / "run" / "1").exists()  # refused before any step
 
 

@@ -657,10 +657,38 @@ def refuse_differing_processes(config: RunConfig) -> None:
     digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
     differing = [index for index, value in enumerate(digests) if value != digests[0]]
     if differing:
+        first, other = (_text_of(text, source) for source in (0, differing[0]))
         raise PoolRecipeMismatchError(
             f"Process(es) {', '.join(map(str, differing))} of the pool of {len(digests)} were given another "
-            "recipe, other overrides or other dew versions than process 0: the pool runs one program. "
-            "Start every process with the same command (dew launch does) and the same installed dew.")
+            "recipe, other overrides or other dew versions than process 0: the pool runs one program"
+            f"{_differing_fields(first, other, differing[0])}. Start every process with the same command (dew "
+            "launch does) and the same installed dew.")
+
+
+def _text_of(text: str, source: int) -> str:
+    """The text process source holds, sent to every process of the pool (each passes its own)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(text.encode(), np.uint8)
+    longest = int(np.max(multihost_utils.process_allgather(np.asarray([raw.size], np.int64))))
+    padded = np.zeros(longest + 1, np.uint8)  # a zero after the text: it holds none
+    padded[: raw.size] = raw
+    sent = np.asarray(multihost_utils.broadcast_one_to_all(padded, is_source=jax.process_index() == source))
+    return sent.tobytes().split(b"\0", 1)[0].decode()
+
+
+def _differing_fields(first: str, other: str, index: int) -> str:
+    """': recipe.trainer.steps is 8 on process 0 and 5 on process 1', naming the first few fields of the
+    recipe (and installed versions) in which process index's differs from process 0's."""
+    from dew.tracking.rows import recipe_fields
+
+    mine, theirs = (recipe_fields(json.loads(text)) for text in (first, other))
+    keys = [key for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
+    named = "; ".join(f"{key} is {mine.get(key, 'absent')} on process 0 and {theirs.get(key, 'absent')} on process "
+                      f"{index}" for key in keys[:4])
+    return f" ({named}{f' and {len(keys) - 4} more' if len(keys) > 4 else ''})" if keys else ""
 
 
 def recorded(config: RunConfig, objective: Objective) -> dict[str, Any]:
