@@ -23,12 +23,13 @@ import optax
 
 import dew.objectives.lm as lm
 from dew import Trainer, models
+from dew.cli.runs import positive
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rounds", type=positive, default=12)
+    parser.add_argument("--steps", type=positive, default=150)
     args = parser.parse_args()
     model = models.build("causal_transformer", vocab_size=257, emb_features=64, num_layers=2, num_heads=4,
                          mlp_features=256, max_seq_len=128)

@@ -38,6 +38,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from dew.cli.runs import positive
+
 FED: list[float] = []  # seconds of each Feed.next of the run under way
 
 
@@ -75,13 +77,16 @@ def _rows(directory: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
-    parser.add_argument("--lm-steps", type=int, default=150, help="steps of the starting language model")
+    parser.add_argument("--steps", type=positive, default=40, help="GRPO steps per run")
+    parser.add_argument("--repeats", type=positive, default=2, help="runs of each mode, alternating")
+    parser.add_argument("--lm-steps", type=positive, default=150, help="steps of the starting language model")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing")
-    parser.add_argument("--window", type=int, default=10, help="steps per point of the reward curve")
+    parser.add_argument("--window", type=positive, default=10, help="steps per point of the reward curve")
     parser.add_argument("--directory", type=Path, default=None, help="keep the runs here (default: a temporary one)")
     args = parser.parse_args()
+    if args.warmup < 0 or args.warmup >= args.steps - 1:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}: give it from 0 to "
+                     f"{max(0, args.steps - 2)}")
 
     with tempfile.TemporaryDirectory() as scratch:
         root = (args.directory or Path(scratch)).absolute()

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from dew.checkpoints.manager import Checkpoints
+from dew.cli.runs import amount, positive
 from dew.data.base import DataPartition
 from dew.training.state import TrainState
 
@@ -105,10 +106,10 @@ def measure(state: TrainState, saver: Saver, finish: Callable[[], None], steps: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megabytes", type=float, default=150.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--restores", type=int, default=9, help="restores of each kind (median)")
+    parser.add_argument("--megabytes", type=amount, default=150.0)
+    parser.add_argument("--repeats", type=positive, default=3)
+    parser.add_argument("--steps", type=positive, default=8)
+    parser.add_argument("--restores", type=positive, default=9, help="restores of each kind (median)")
     args = parser.parse_args()
 
     state = build_state(args.megabytes)

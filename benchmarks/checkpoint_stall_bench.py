@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import shutil
 import statistics
 import tempfile
 import time
@@ -34,6 +35,7 @@ from typing import Any
 import jax
 
 from dew.checkpoints.manager import Checkpoints
+from dew.cli.runs import positive
 from dew.recipes.config import RunConfig
 from dew.recipes.run import build_parts, objective_parts, run_optimizer
 from dew.training.trainer import Trainer
@@ -97,11 +99,19 @@ def fit(config: RunConfig, directory: Path | None) -> tuple[Any, TimedCheckpoint
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="tiny-lm")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--every", type=int, default=100, help="checkpoint_every")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--steps", type=positive, default=300)
+    parser.add_argument("--every", type=positive, default=100, help="checkpoint_every")
+    parser.add_argument("--repeats", type=positive, default=1)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="dew-checkpoint-stall-"))
+    try:
+        run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # the runs' checkpoints: the figures are what it printed
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    """Both arms args.repeats times, the checkpoints written under root."""
     overrides = [f"trainer.steps={args.steps}", f"trainer.checkpoint_every={args.every}"]
     config = RunConfig.load(args.recipe, overrides=overrides)
     print(f"recipe {args.recipe}: {args.steps} steps, log_every {config.trainer.log_every}, a checkpoint "

@@ -134,11 +134,11 @@ def waiting(*, length: int, batch: int, steps: int, workers: int) -> None:
     wall = time.perf_counter() - began
     goodput = next((r for r in tracker.records if isinstance(r, Goodput)), None)
     print(f"wait      LM run, {steps} steps, batch {batch} x {length + 1} tokens, workers {workers}: "
-          f"next() took {total[0]:.3f} s of {wall:.1f} s wall = {100 * total[0] / wall:.2f}%")
+          f"next() took {total[0]:.3f} s of {wall:.1f} s wall = {100 * total[0] / wall:.2f}% (target <= 1%)")
     if goodput is not None:
         steady = goodput.wall_seconds - goodput.first_step_seconds
         print(f"          trainer's Goodput: data_seconds {goodput.data_seconds:.3f} s = "
-              f"{100 * goodput.data_seconds / goodput.wall_seconds:.2f}% of its wall "
+              f"{100 * goodput.data_seconds / goodput.wall_seconds:.2f}% of its wall (target <= 1%) "
               f"{goodput.wall_seconds:.1f} s ({100 * goodput.data_seconds / max(steady, 1e-9):.2f}% "
               f"after the first step)")
 

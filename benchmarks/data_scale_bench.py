@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dew.cli.runs import positive
+
 VOCAB = 8192
 
 
@@ -289,11 +291,12 @@ def main() -> None:
     flags.FLAGS(sys.argv[:1])  # Grain's worker processes read absl flags
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer documents and steps")
-    parser.add_argument("--parquet-mb", type=int, default=20, help="megabytes of text in the Parquet corpus")
-    parser.add_argument("--skip-wait", action="store_true", help="skip the training run")
-    parser.add_argument("--only-wait", action="store_true", help="only the training runs (part 3)")
-    parser.add_argument("--wait-steps", type=int, default=20, help="steps of each training run")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two stream orders")
+    parser.add_argument("--parquet-mb", type=positive, default=20, help="megabytes of text in the Parquet corpus")
+    waiting = parser.add_mutually_exclusive_group()
+    waiting.add_argument("--skip-wait", action="store_true", help="skip the training run")
+    waiting.add_argument("--only-wait", action="store_true", help="only the training runs (part 3)")
+    parser.add_argument("--wait-steps", type=positive, default=20, help="steps of each training run")
+    parser.add_argument("--rounds", type=positive, default=3, help="alternations of the two stream orders")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         folder = Path(directory)

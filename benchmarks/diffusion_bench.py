@@ -31,6 +31,8 @@ import textwrap
 
 import numpy as np
 
+from dew.cli.runs import positive
+
 PROGRAM = """
 import contextlib, io, itertools, json, math, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -128,13 +130,13 @@ print(json.dumps(out))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--size", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=30)
+    parser.add_argument("--steps", type=positive, default=20)
+    parser.add_argument("--width", type=positive, default=128)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--size", type=positive, default=16)
+    parser.add_argument("--batch", type=positive, default=32)
+    parser.add_argument("--repeats", type=positive, default=5)
+    parser.add_argument("--pairs", type=positive, default=30)
     cfg = vars(parser.parse_args())
     print(f"DiT: {cfg['layers']} layers x width {cfg['width']}, {cfg['batch']} images of "
           f"{cfg['size']}x{cfg['size']}x3 (patch 2), adamw + EMA, {cfg['steps']} steps a round")

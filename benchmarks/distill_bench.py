@@ -20,6 +20,8 @@ import argparse
 
 from reference_memory import STEP_MB, report, run
 
+from dew.cli.runs import positive
+
 PROGRAM = """
 import contextlib, io, itertools, json, resource, sys
 import jax, numpy as np, optax
@@ -53,8 +55,8 @@ print(json.dumps({"peak_mb": rss_mb() - baseline, "step_mb": step_mb, "state_mb"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher-width", type=int, default=512)
-    parser.add_argument("--teacher-layers", type=int, default=4)
+    parser.add_argument("--teacher-width", type=positive, default=512)
+    parser.add_argument("--teacher-layers", type=positive, default=4)
     args = parser.parse_args()
     cfg = {"teacher_width": args.teacher_width, "teacher_layers": args.teacher_layers}
     alone = run(PROGRAM, {**cfg, "teacher": False})

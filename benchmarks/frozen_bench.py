@@ -20,6 +20,8 @@ import argparse
 
 from reference_memory import STEP_MB, report, run
 
+from dew.cli.runs import positive
+
 PROGRAM = """
 import itertools, io, contextlib, json, resource, sys
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -76,8 +78,8 @@ print(json.dumps({"peak_mb": rss_mb() - baseline, "step_mb": step_mb, "state_mb"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=positive, default=1024)
+    parser.add_argument("--layers", type=positive, default=4)
     cfg = vars(parser.parse_args())
     alone = run(PROGRAM, {**cfg, "reference": False})
     both = run(PROGRAM, {**cfg, "reference": True})

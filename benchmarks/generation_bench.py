@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.cli.runs import positive
 from dew.nn.backbones import CausalTransformer
 from dew.sampling import Engine, EngineConfig, Request, Sampling
 
@@ -60,8 +61,9 @@ def static_sampler(model, variables, padded, lengths, *, max_new_tokens):
 
 
 def heavy_tailed(rng: np.random.Generator, count: int, longest: int) -> np.ndarray:
-    """Completion lengths: 85% between 4 and 24 tokens, 15% between half of longest and longest."""
-    short = rng.integers(4, 25, size=count)
+    """Completion lengths: 85% between 4 and 24 tokens (at most longest), 15% between half of longest
+    and longest."""
+    short = rng.integers(min(4, longest), min(24, longest) + 1, size=count)
     long = rng.integers(longest // 2, longest + 1, size=count)
     return np.where(rng.random(count) < 0.15, long, short)
 
@@ -211,15 +213,15 @@ def memory(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=8, help="prompts per rollout (x8 samples)")
-    parser.add_argument("--prompt", type=int, default=64, help="longest prompt")
-    parser.add_argument("--longest", type=int, default=256, help="longest completion")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8, help="engine decode steps per call")
+    parser.add_argument("--groups", type=positive, default=8, help="prompts per rollout (x8 samples)")
+    parser.add_argument("--prompt", type=positive, default=64, help="longest prompt")
+    parser.add_argument("--longest", type=positive, default=256, help="longest completion")
+    parser.add_argument("--width", type=positive, default=128)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--steps", type=positive, default=8, help="engine decode steps per call")
     parser.add_argument("--max-batch", type=int, default=0, help="engine rows (0: all samples)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--memory-new", type=int, default=32, help="new tokens per sample (memory)")
+    parser.add_argument("--repeats", type=positive, default=3)
+    parser.add_argument("--memory-new", type=positive, default=32, help="new tokens per sample (memory)")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     args = parser.parse_args()
     throughput(args)

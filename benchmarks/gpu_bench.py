@@ -47,6 +47,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+from dew.cli.runs import amount, positive
 from dew.telemetry.hardware import peak_flops  # dense bf16 datasheet peaks, matched as whole words
 
 REMAT_CHOICES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -280,17 +281,17 @@ def main() -> None:
                         help="tiny models for a few steps: checks the script on a CPU in seconds")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="which models to train (default all three)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; smoke 3)")
+    parser.add_argument("--steps", type=positive, default=None, help="timed steps (default 20; smoke 3)")
     for name in ("vocab", "width", "layers", "heads", "mlp", "seq", "batch"):
-        parser.add_argument(f"--{name}", type=int, default=None,
+        parser.add_argument(f"--{name}", type=positive, default=None,
                             help=f"dense-1b's model/batch size (default {getattr(ONE_B, name)})")
-    parser.add_argument("--moe-layers", type=int, default=None,
+    parser.add_argument("--moe-layers", type=positive, default=None,
                         help="layers of the Qwen3-MoE-shaped model (default 4; smoke: the tiny preset's)")
     parser.add_argument("--remat", choices=REMAT_CHOICES, default=None,
                         help="per-layer rematerialization (default dots_saveable; smoke none)")
     parser.add_argument("--attention", choices=("cudnn", "xla", "einsum"), default=None,
                         help="attention implementation (default cudnn on an NVIDIA GPU, xla elsewhere)")
-    parser.add_argument("--peak-flops", type=float, default=None,
+    parser.add_argument("--peak-flops", type=amount, default=None,
                         help="the chip's peak bf16 FLOP/s, for a device the table lacks")
     parser.add_argument("--skip-trainer", action="store_true", help="only the hand-written loop")
     args = parser.parse_args()

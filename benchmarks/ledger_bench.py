@@ -16,10 +16,12 @@ import statistics
 import tempfile
 import time
 
+from dew.cli.runs import positive
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=positive, default=300)
     args = parser.parse_args()
 
     import numpy as np

@@ -23,6 +23,7 @@ import optax
 
 from dew import Trainer, models
 from dew.adapters.lora import Lora, adapters_only, apply_lora, is_adapter
+from dew.cli.runs import positive
 from dew.data import Dataset
 from dew.objectives.lm import LMObjective
 from dew.training import trees
@@ -51,10 +52,10 @@ def run(objective, steps: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--width", type=positive, default=256)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--rank", type=positive, default=8)
+    parser.add_argument("--steps", type=positive, default=3)
     args = parser.parse_args()
     model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=args.width,
                          num_layers=args.layers, num_heads=4, mlp_features=4 * args.width, max_seq_len=SEQ)

@@ -22,6 +22,8 @@ import os
 import subprocess
 import sys
 
+from dew.cli.runs import positive
+
 PROGRAM = r"""
 import json, statistics, sys, time
 import jax, numpy as np, optax
@@ -77,11 +79,11 @@ MESHES = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=positive, default=5, help="steps per timed round")
+    parser.add_argument("--rounds", type=positive, default=7)
     parser.add_argument("--experts", type=int, default=8, help="0 benchmarks a dense model")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--width", type=positive, default=64)
+    parser.add_argument("--seq", type=positive, default=64)
     args = parser.parse_args()
     cfg = {"steps": args.steps, "rounds": args.rounds, "width": args.width, "seq": args.seq,
            "experts": args.experts, "meshes": MESHES}

@@ -28,15 +28,17 @@ import argparse
 import statistics
 import time
 
+from dew.cli.runs import positive
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--rounds", type=positive, default=5)
+    parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--seq", type=positive, default=256)
+    parser.add_argument("--width", type=positive, default=256)
+    parser.add_argument("--hidden", type=positive, default=512)
+    parser.add_argument("--experts", type=positive, default=8)
     args = parser.parse_args()
 
     import jax

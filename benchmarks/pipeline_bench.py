@@ -24,6 +24,8 @@ import os
 import statistics
 import time
 
+from dew.cli.runs import positive
+
 CONFIGS = (
     ("data parallel (8)", {}),
     ("stage=2, microbatches=4", {"stage": 2, "microbatches": 4}),
@@ -35,12 +37,21 @@ CONFIGS = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=positive, default=5)
+    parser.add_argument("--width", type=positive, default=128)
+    parser.add_argument("--layers", type=positive, default=8)
+    parser.add_argument("--seq", type=positive, default=64)
+    parser.add_argument("--batch", type=positive, default=64)
     args = parser.parse_args()
+    stages = max(spec.get("stage", 1) for _, spec in CONFIGS)
+    if args.layers % stages:
+        parser.error(f"--layers {args.layers} does not split into the {stages} pipeline stages; give a multiple of "
+                     f"{stages}")
+    # Each arm splits the batch over the 8 // stage devices of a stage, then into its microbatches.
+    splits = max(8 // spec.get("stage", 1) * (spec.get("microbatches") or 1) for _, spec in CONFIGS)
+    if args.batch % splits:
+        parser.error(f"--batch {args.batch} does not split over every arm's devices and microbatches; give a "
+                     f"multiple of {splits}")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -23,6 +23,8 @@ import os
 import statistics
 import time
 
+from dew.cli.runs import positive
+
 SCHEDULES = (
     ("gpipe", {"schedule": "gpipe"}),
     ("1f1b", {"schedule": "1f1b"}),
@@ -32,13 +34,13 @@ SCHEDULES = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=positive, default=3)
+    parser.add_argument("--width", type=positive, default=256)
+    parser.add_argument("--layers", type=positive, default=8)
+    parser.add_argument("--seq", type=positive, default=128)
+    parser.add_argument("--batch", type=positive, default=32)
+    parser.add_argument("--stages", type=positive, default=4)
+    parser.add_argument("--microbatches", type=positive, default=8)
     args = parser.parse_args()
     chunks = args.stages * max(arm.get("circular_repeats", 1) for _, arm in SCHEDULES)
     if 8 % args.stages:

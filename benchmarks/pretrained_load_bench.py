@@ -37,20 +37,27 @@ from pathlib import Path
 
 import numpy as np
 
+from dew.cli.runs import amount, positive
+
 RESULT = "RESULT "
 
+# The peak is this process's own (VmHWM, reset when the child's program starts): ru_maxrss keeps the
+# parent's high-water mark across exec, so a child of a parent that had written the checkpoint
+# measured the parent's memory, not its load's.
 _PROBE = """
 import json, resource, sys, time
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+def high_water():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 {imports}
 before = rss()
 start = time.perf_counter()
 {load}
 wall = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("RESULT " + json.dumps({{"wall": wall, "peak": peak - before}}))
+print("RESULT " + json.dumps({{"wall": wall, "peak": high_water() - before}}))
 """
 
 LOADERS = {
@@ -118,8 +125,8 @@ def measure(kind: str, directory: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--megabytes", type=float, default=1100.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--megabytes", type=amount, default=1100.0)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--smoke", action="store_true", help="an 8 MB checkpoint, loaded once each")
     args = parser.parse_args(argv)
     megabytes, repeats = (8.0, 1) if args.smoke else (args.megabytes, args.repeats)

@@ -22,15 +22,17 @@ import os
 import statistics
 import time
 
+from dew.cli.runs import positive
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--sequences", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--seq", type=positive, default=1024)
+    parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--width", type=positive, default=64)
+    parser.add_argument("--steps", type=positive, default=3)
+    parser.add_argument("--sequences", type=positive, nargs="+", default=[2, 4, 8])
     args = parser.parse_args()
     for sequence in args.sequences:
         if 8 % sequence:

@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import io
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -45,6 +46,7 @@ import optax
 from flax import linen as nn
 
 import dew
+from dew.cli.runs import amount, positive
 from dew.data import Dataset
 from dew.objectives.base import Aux, Mean, Objective
 from dew.tracking.background import tracker_cpu_seconds
@@ -264,6 +266,8 @@ def compare(args, root: Path, index: int) -> tuple[tuple[float, float, float], i
     opened = {arm: sinks(root, index, args.mlflow_uri, arm) for arm in arms}
     for sink in (sink for group in opened.values() for sink in group):
         sink.log({"warmup": 0.0}, 0)  # run creation is a one-off cost, not timed
+    for sink in (sink for group in opened.values() for sink in group):
+        sink.flush()  # and done before the first fit, whose tracker CPU it was counted in
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     cpus: dict[str, list[float]] = {arm: [] for arm in arms}
     threads: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -307,20 +311,31 @@ def main() -> None:
     parser.add_argument("--model", choices=("key-concepts", "mlp"), default="key-concepts",
                         help="the key-concepts language model (~11 ms steps), or an MLP calibrated "
                              "to each --step-ms")
-    parser.add_argument("--step-ms", type=float, nargs="+", default=[10.0, 100.0],
+    parser.add_argument("--step-ms", type=amount, nargs="+", default=[10.0, 100.0],
                         help="with --model mlp: target step times; the width is calibrated to each")
-    parser.add_argument("--seconds", type=float, default=2.5,
+    parser.add_argument("--seconds", type=amount, default=2.5,
                         help="timed seconds per fit (sets the steps for each step time)")
-    parser.add_argument("--repeats", type=int, default=6, help="alternations (at least 3)")
-    parser.add_argument("--batch", type=int, default=256, help="with --model mlp: rows per batch")
+    parser.add_argument("--repeats", type=positive, default=6, help="alternations (at least 3)")
+    parser.add_argument("--batch", type=positive, default=256, help="with --model mlp: rows per batch")
     parser.add_argument("--mlflow-uri", default=None)
     parser.add_argument("--no-control", dest="control", action="store_false",
                         help="leave out the second no-tracker arm that measures the machine's spread")
     parser.add_argument("--arms", choices=("all", "each"), default="all",
                         help="'each' also times every tracker on its own")
     args = parser.parse_args()
-    args.repeats = max(3, args.repeats)
+    if args.repeats < 3:
+        parser.error(f"--repeats {args.repeats}: the worst alternation needs at least 3")
+    here = os.getcwd()
     root = Path(tempfile.mkdtemp(prefix="dew-trackers-bench-"))
+    try:
+        run(args, root)
+    finally:
+        os.chdir(here)
+        shutil.rmtree(root, ignore_errors=True)  # the runs' files: the figures are what it printed
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    """Every comparison args asks for, the sinks writing under root."""
     os.environ.setdefault("WANDB_DIR", str(root))
     os.environ.setdefault("WANDB_SILENT", "true")
     args.mlflow_uri = args.mlflow_uri or f"sqlite:///{root / 'mlflow.db'}"

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import textwrap
 
+from dew.cli.runs import positive
+
 COMMON = """
 import json, resource, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -150,21 +152,20 @@ def measure(program: str, cfg: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steady-steps", type=int, default=150,
+    parser.add_argument("--steps", type=positive, default=30)
+    parser.add_argument("--width", type=positive, default=64)
+    parser.add_argument("--layers", type=positive, default=2)
+    parser.add_argument("--heads", type=positive, default=4)
+    parser.add_argument("--seq", type=positive, default=64)
+    parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--repeats", type=positive, default=3)
+    parser.add_argument("--steady-steps", type=positive, default=150,
                         help="steps per round of the steady-state comparison")
-    parser.add_argument("--rounds", type=int, default=10,
+    parser.add_argument("--rounds", type=positive, default=10,
                         help="rounds of the steady-state comparison (each runs both loops, in ABBA order)")
     cfg = vars(parser.parse_args())
-    for name in ("steps", "repeats", "steady_steps", "rounds"):
-        if cfg[name] < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {cfg[name]}")
+    if cfg["steps"] < 2:  # the steps after the first are timed
+        parser.error(f"--steps must be at least 2 (the first compiles, the rest are timed), got {cfg['steps']}")
     params = cfg["layers"] * 12 * cfg["width"] ** 2
     print(f"model: {cfg['layers']} layers x width {cfg['width']} (~{params / 1e6:.1f}M params), "
           f"batch {cfg['batch']} x {cfg['seq']} tokens, adamw, {cfg['steps']} steps")

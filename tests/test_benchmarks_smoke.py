@@ -1,4 +1,5 @@
-"""The GPU benchmark's CPU smoke mode runs end to end, and its FLOP count matches the model."""
+"""The GPU benchmark's CPU smoke mode runs end to end, and its FLOP count matches the model; every
+benchmark refuses a count that measures nothing at its command line."""
 
 from __future__ import annotations
 
@@ -96,3 +97,28 @@ def test_pretrained_load_benchmark_smoke_mode_prints_its_ratios():
     for name in ("wall(dew) / wall(safetensors)", "peak(dew) / checkpoint size",
                  "wall(dew-scanned) / wall(safetensors)", "peak(dew-scanned) / checkpoint size"):
         assert any(line.startswith(name) and "min" in line and "median" in line for line in lines)
+
+
+REFUSED = [
+    # A count of 0 ended in a traceback (min() of nothing, a division by zero) or, clamped or read as
+    # the default, printed figures of another setting or NaN with status 0.
+    ("ledger_bench.py", ["--steps", "0"], "argument --steps: 0 is not at least 1"),
+    ("diffusion_bench.py", ["--repeats", "0"], "argument --repeats: 0 is not at least 1"),
+    ("gpu_bench.py", ["--smoke", "--width", "0"], "argument --width: 0 is not at least 1"),
+    ("checkpoint_bench.py", ["--megabytes", "-1"], "argument --megabytes: -1 is not a finite number above 0"),
+    ("ring_attention_bench.py", ["--sequences", "0"], "argument --sequences: 0 is not at least 1"),
+    ("trackers_bench.py", ["--repeats", "0"], "argument --repeats: 0 is not at least 1"),
+    # Accepted, then a ZeroDivisionError in the child (a lone step has no timed steps after it), a
+    # StageDivisionError's traceback, and nothing measured at all with status 0.
+    ("trainer_bench.py", ["--steps", "1"], "--steps must be at least 2"),
+    ("pipeline_bench.py", ["--layers", "3"], "--layers 3 does not split into the 4 pipeline stages"),
+    ("data_scale_bench.py", ["--only-wait", "--skip-wait"], "not allowed with argument"),
+]
+
+
+@pytest.mark.parametrize("script, argv, said", REFUSED, ids=[f"{s} {' '.join(a)}" for s, a, _ in REFUSED])
+def test_a_benchmark_refuses_a_setting_that_measures_nothing(script, argv, said, tmp_path):
+    run = subprocess.run([sys.executable, str(BENCH.parent / script), *argv], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 2 and said in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # refused before anything was written

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dew.errors import DewError
 
-__all__ = ["RunFolderOutError", "add_run_argument", "expected", "note_if_training", "positive", "refuse_run_folder",
+__all__ = ["RunFolderOutError", "add_run_argument", "amount", "expected", "note_if_training", "positive", "refuse_run_folder",
            "refused", "seconds"]
 
 
@@ -78,6 +78,18 @@ def positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def amount(text: str) -> float:
+    """An argparse type: a finite number above 0 (megabytes, milliseconds, FLOP/s), so 0, a negative
+    or NaN is refused at the command line rather than clamped or read as "the default"."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):  # NaN fails it too
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0")
     return value
 
 
