@@ -309,3 +309,49 @@ def test_the_sample_printed_at_the_end_of_a_run_pictures_its_control_bytes_as_th
     state = SimpleNamespace(averaged=None, params={}, rng=jax.random.key(0), step=3)
     show_sample(Sampling(), state, out=out)  # type: ignore[arg-type]
     assert out.getvalue() == "Sample (sample):\ndef\u240c f\u2419():\n\treturn\n"
+
+
+def test_a_loss_scale_a_name_clash_a_kept_step_and_a_row_without_its_keys(tmp_path, capsys):
+    """train/loss_scale was drawn on the loss chart (its 10 to 1e4 flattening the loss); two metrics
+    whose names one file name spells (custom metric, custom_metric) and a metric named goodput wrote
+    over each other's chart and the wall-time bar; --out inside a kept step wrote the page among its
+    checkpoint; and a preview or record row lacking a key ended in a KeyError's traceback."""
+    import json
+
+    run = tmp_path / "run"
+    tracker = LocalTracker(run)
+    for step in range(1, 6):
+        tracker.log({"train/loss": 1.0 / step, "train/loss_scale": 2.0 ** (10 + step), "custom metric": step,
+                     "custom_metric": -step, "train/goodput": 0.5 + step / 10}, step)
+    tracker.artifact(Goodput(1.5, 10.0, 8.0, compile_seconds=1.0), 5)
+    tracker.close()
+    assert main(["report", str(run)]) == 0
+    page = Page()
+    page.feed((run / "report" / "index.html").read_text())
+    assert len(page.images) == len(set(page.images)) == 6, page.images  # each chart a file of its own
+    assert {"plots/loss.png", "plots/loss_scale.png", "plots/goodput.png"} <= set(page.images), page.images
+    clashing = sorted(source for source in page.images if "custom" in source or "goodput-" in source)
+    assert clashing == ["plots/custom_metric-2.png", "plots/custom_metric.png", "plots/goodput-2.png"], clashing
+    with Image.open(run / "report/plots/goodput.png") as bar, Image.open(run / "report/plots/goodput-2.png") as line:
+        assert bar.size != line.size or not np.array_equal(np.asarray(bar), np.asarray(line))
+    capsys.readouterr()
+
+    (tmp_path / "kept" / "4" / "state").mkdir(parents=True)
+    (tmp_path / "kept" / "run.json").write_text("{}")
+    for out in (tmp_path / "kept" / "4", tmp_path / "kept" / "4" / "state" / "page"):
+        assert main(["report", str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "lies in step 4 kept in the run" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in (tmp_path / "kept" / "4").iterdir()) == ["state"]
+    assert not list((tmp_path / "kept" / "4" / "state").iterdir())
+
+    for journal, row, said in (("previews.jsonl", {"step": 2, "name": "sample"}, "lacks 'kind', 'path'"),
+                               ("records.jsonl", {"step": 2, "foo": 1}, "lacks 'type'"),
+                               ("records.jsonl", {"step": "2", "type": "goodput"}, "has the step '2', no whole number")):
+        broken = tmp_path / f"broken-{journal}"
+        broken.mkdir(exist_ok=True)
+        (broken / "scalars.jsonl").write_bytes((run / "scalars.jsonl").read_bytes())
+        (broken / journal).write_text(json.dumps(row) + "\n")
+        assert main(["report", str(broken)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -57,12 +58,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
+def _rows(path: Path, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The journal's rows, each refused (TornJournalError, one line) when it lacks one of keys or its
+    step is no whole number: the page reads them all (a KeyError's traceback, where a row lacked one)."""
     if not path.exists():
         return []
-    from dew.telemetry.render import journal_rows
+    from dew.telemetry.render import TornJournalError, journal_rows
 
-    return list(journal_rows(path))
+    rows = list(journal_rows(path))
+    for row in rows:
+        missing = [key for key in ("step", *keys) if key not in row]
+        step = row.get("step")
+        if missing or isinstance(step, bool) or not isinstance(step, int):
+            what = f"lacks {', '.join(map(repr, missing))}" if missing else f"has the step {step!r}, no whole number"
+            raise TornJournalError(f"{path} holds a row that {what}: {json.dumps(row)[:200]}; the journal was damaged "
+                                   "or written by something else. Remove that line to report the rest.")
+    return rows
 
 
 def _labels(directories: Sequence[Path]) -> list[str]:
@@ -110,8 +121,8 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunPageData:
     return RunData(
         directory=logs, label=label or run_dir.name,  # the previews' paths start where they were written
         series=read_scalars(journal) if journal.exists() else {},
-        records=tuple(_rows(records_path)),
-        previews=tuple(_rows(logs / LocalTracker.PREVIEWS)),
+        records=tuple(_rows(records_path, ("type",))),
+        previews=tuple(_rows(logs / LocalTracker.PREVIEWS, ("name", "kind", "path"))),
         rollouts=kept_rollouts(run_dir, batches=False) if (run_dir / ROLLOUTS).is_file() else None,
     )
 
@@ -164,6 +175,7 @@ def _check_out(out: Path) -> None:
     """Refuse an out that is a file or lies under one: the page is written as a folder (index.html
     beside its charts), which cannot be made there; or a link, which a shared run folder could
     point at a folder of the reader's own, to have its page written over that folder's files."""
+    from dew.recipes.resuming import step_kept_in_run
     from dew.training.config import RUN_FILE
 
     if out.is_symlink():
@@ -174,6 +186,12 @@ def _check_out(out: Path) -> None:
         raise ReportOutError(f"--out {str(out)!r} is a run's folder (it holds {RUN_FILE}); dew report would write "
                              "its page among that run's checkpoints. Give --out a folder of its own (by default "
                              "the first run's report/).")
+    step = next((folder for folder in (out.absolute(), *out.absolute().parents)
+                 if step_kept_in_run(folder) is not None), None)
+    if step is not None:  # a kept step's files are checked by their hashes, and it was swapped whole
+        raise ReportOutError(f"--out {str(out)!r} lies in step {step.name} kept in the run {str(step.parent)!r}; dew "
+                             "report would write its page among that step's checkpoint files. Give --out a folder "
+                             "of its own (by default the first run's report/).")
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():

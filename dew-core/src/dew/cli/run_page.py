@@ -124,7 +124,7 @@ class RunData:
 
 def _kind(name: str) -> str:
     leaf = name.rsplit("/", 1)[-1]
-    if "loss" in leaf:
+    if "loss" in leaf and leaf != "loss_scale":  # a loss scaler's factor (10 to 1e4) is no loss
         return "loss"
     if leaf in ("lr", "learning_rate"):
         return "learning rate"
@@ -182,6 +182,7 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
 
     several = len(runs) > 1
     paths: list[Path] = []
+    taken = {"goodput"}  # the wall-time bar's file; a metric named so gets another
     constant = _constant_charts(runs)
     for title, members in chart_groups(sorted({n for run in runs for n in run.series})):
         if title in constant:
@@ -199,12 +200,23 @@ def _charts(runs: Sequence[RunData], out: Path) -> list[Path]:
                     lines.append(Line(f"{run.label}: {name}" if several else name,
                                       *run.series[name], color,
                                       STYLES[m % len(STYLES)] if several else "-"))
-        paths.append(plot_lines(title, lines, out / "plots" / f"{safe_name(title)}.png",
+        paths.append(plot_lines(title, lines, out / "plots" / f"{_free(safe_name(title), taken)}.png",
                                 smoothed=title != "learning rate"))
     goodput = {run.label: run.goodput for run in runs if run.goodput}
     if goodput and not any(p.stem == "goodput" for p in paths):
         paths.append(plot_goodput(goodput, out / "plots" / "goodput.png"))
     return paths
+
+
+def _free(stem: str, taken: set[str]) -> str:
+    """stem, or stem-2, stem-3...: the first a chart has not taken (two metrics whose names differ only
+    in what a file name cannot hold, "custom metric" and "custom_metric", drew into one file)."""
+    name, number = stem, 1
+    while name in taken:
+        number += 1
+        name = f"{stem}-{number}"
+    taken.add(name)
+    return name
 
 
 def _text(text: str) -> str:
