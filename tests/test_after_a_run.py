@@ -106,7 +106,8 @@ def test_a_closed_pipe_ends_dew_eval_quietly(trained: Trained, cache: Path) -> N
 def test_rerunning_a_fixed_folder_says_it_resumes_and_how_to_start_fresh(trained: Trained) -> None:
     lines = [line for line in trained.again.stdout.splitlines() if "runs/fixed" in line and "Resum" in line]
     assert lines == ["Resuming runs/fixed at step 20 (its checkpoints trained with trainer.steps=20), to step "
-                     "22; to start fresh instead, set trainer.checkpoint_dir to a new folder or remove "
+                     "22; to start fresh instead, train the recipe (not --resume) with trainer.checkpoint_dir set to "
+                     "a new folder, or remove "
                      "runs/fixed."], trained.again.stdout[-3000:]
     # the schedule's change is one line of dew's, not Python's warning with its source line
     err = trained.again.stderr.strip().splitlines()

@@ -69,7 +69,8 @@ def resuming_line(directory: str | os.PathLike[str], resumed_at: int, steps: int
     where = shown(directory)
     before = "" if trained_for is None or trained_for == steps else \
         f" (its checkpoints trained with trainer.steps={trained_for})"
-    fresh = (f"to start fresh instead, set trainer.checkpoint_dir to a new folder or remove {where}")
+    fresh = (f"to start fresh instead, train the recipe (not --resume) with trainer.checkpoint_dir set to a "
+             f"new folder, or remove {where}")
     if resumed_at >= steps:
         return (f"{where} already holds step {resumed_at}{before}, at or past trainer.steps={steps}: "
                 f"nothing to train; to train further, {resume_command(directory)} trainer.steps=N, N the "
