@@ -355,3 +355,41 @@ def test_a_loss_scale_a_name_clash_a_kept_step_and_a_row_without_its_keys(tmp_pa
         assert main(["report", str(broken)]) == 2
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_metric_that_went_non_finite_is_charted_with_its_steps_marked(tmp_path, capsys):
+    """A grad norm of 0 then NaN was left off the page as 'one value at every logged step', and a loss
+    whose last steps were NaN or infinite simply ended: the steps that made them are the ones to see."""
+    run = tmp_path / "run"
+    tracker = LocalTracker(run)
+    for step in range(1, 8):
+        tracker.log({"train/loss": 1.0 / step if step < 5 else float("nan" if step % 2 else "inf"),
+                     "train/grad_norm": 0.0 if step == 1 else float("nan")}, step)
+    tracker.close()
+    assert main(["report", str(run)]) == 0
+    page = Page()
+    page.feed((run / "report" / "index.html").read_text())
+    assert {"plots/loss.png", "plots/grad_norm.png"} <= set(page.images), page.images
+    for chart in ("loss", "grad_norm"):
+        with Image.open(run / "report" / "plots" / f"{chart}.png") as image:
+            pixels = np.asarray(image.convert("RGB")).reshape(-1, 3).astype(int)
+        assert np.sum(np.all(np.abs(pixels - [255, 0, 0]) < 40, axis=1)) > 20, chart  # the red marks
+
+
+def test_the_goodput_legend_lies_inside_its_image(tmp_path, monkeypatch):
+    """Seven entries in one row ran past the image's right edge: 'other', the grey part, had no label."""
+    from dew.telemetry import charts
+
+    saved = []
+    real = charts._save
+    monkeypatch.setattr(charts, "_save", lambda figure, path: (saved.append(figure), real(figure, path))[1])
+    record = Goodput(first_step_seconds=1.0, wall_seconds=10.0, step_seconds=2.0, compile_seconds=1.0,
+                     data_seconds=0.5, checkpoint_seconds=0.5, eval_seconds=0.5, lost_seconds=0.5,
+                     rollout_seconds=3.0, reward_seconds=1.0)
+    charts.plot_goodput({"run": {"steps": record.step_seconds, **record.badput}}, tmp_path / "goodput.png")
+    figure = saved[0]
+    renderer = figure.canvas.get_renderer()
+    legend = figure.axes[0].get_legend()
+    box, frame = legend.get_window_extent(renderer), figure.bbox
+    assert box.x0 >= frame.x0 - 1 and box.x1 <= frame.x1 + 1 and box.y1 <= frame.y1 + 1, (box, frame)
+    assert len(legend.get_texts()) == sum(1 for value in (record.step_seconds, *record.badput.values()) if value)

@@ -449,9 +449,10 @@ def _recipe(runs: Sequence[RunData]) -> list[str]:
 
 
 def _constant_charts(runs: Sequence[RunData]) -> list[str]:
-    """The ungrouped charts left off the page: every series in them held one value throughout."""
+    """The ungrouped charts left off the page: every series in them held one value throughout (a
+    series that went NaN or infinite did not: its chart marks where)."""
     varying = {name for run in runs for name, (_, values) in run.series.items()
-               if len(set(values[np.isfinite(values)].tolist())) > 1}
+               if len(set(values[np.isfinite(values)].tolist())) > 1 or not np.all(np.isfinite(values))}
     return [title for title, members in chart_groups(sorted({n for run in runs for n in run.series}))
             if title not in GROUPS and not varying.intersection(members)]
 

@@ -127,6 +127,16 @@ def plot_lines(title: str, lines: Sequence[Line], path: str | Path, weight: floa
     positive = len(finite) > 0 and bool(np.all(finite > 0))
     if positive and (log_y or (log_y is None and finite.max() / finite.min() > 1000)):
         axes.set_yscale("log")
+    # A NaN or an infinity is a gap in its line, and marked where it fell: the step that made it is
+    # the one to look at (a line that ends there would read as a run that stopped logging).
+    low = float(finite.min()) if len(finite) else 0.0
+    marked = False
+    for line in lines:
+        bad = ~np.isfinite(line.values)
+        if bad.any():
+            axes.plot(np.asarray(line.steps)[bad], np.full(int(bad.sum()), low), "x", color="red",
+                      markersize=7, label=None if marked else "not finite")
+            marked = True
     if below:
         figure.legend(loc="outside lower center", ncol=_LEGEND_COLUMNS, fontsize="x-small", frameon=False)
     elif lines:
@@ -162,7 +172,7 @@ def plot_goodput(runs: Mapping[str, Mapping[str, float]], path: str | Path) -> P
     axes.set_xlabel("seconds of wall time")
     axes.invert_yaxis()
     # above the bars, so it never hides one; the legend's first entry is the good part
-    axes.legend(loc="lower left", bbox_to_anchor=(0, 1.02), fontsize="small", ncol=7,
+    axes.legend(loc="lower left", bbox_to_anchor=(0, 1.02), fontsize="small", ncol=4,  # 7 ran off the image
                 frameon=False, title="goodput: where the wall time went", title_fontsize="medium",
                 alignment="left")
     return _save(figure, path)
