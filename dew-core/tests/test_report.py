@@ -268,6 +268,16 @@ def test_a_report_the_disk_refuses_is_one_line_and_keeps_the_page_drawn_before(t
     (mine / "notes.txt").write_text("kept")
     assert main(["report", str(run), "--out", str(mine)]) == 0
     assert (mine / "notes.txt").read_text() == "kept" and (mine / "index.html").is_file()
+    # but not where its own entries' names hold a user's page and figures, which it replaced whole
+    theirs = tmp_path / "theirs"
+    (theirs / "plots").mkdir(parents=True)
+    (theirs / "plots" / "figure.png").write_bytes(b"mine")
+    (theirs / "index.html").write_text("<p>my page</p>")
+    capsys.readouterr()
+    assert main(["report", str(run), "--out", str(theirs)]) == 2
+    err = capsys.readouterr().err
+    assert "holds index.html, plots that dew report did not write" in err and err.count("\n") == 1, err
+    assert (theirs / "index.html").read_text() == "<p>my page</p>" and (theirs / "plots" / "figure.png").is_file()
 
 
 def test_the_goodput_bar_draws_every_part_of_the_wall_time_a_record_names(tmp_path, monkeypatch):

@@ -146,7 +146,7 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
     runs = [load_run(d, label) for d, label in zip(directories, _labels(directories), strict=True)]
     out = Path(out) if out is not None else directories[0] / "report"
     _check_out(out)
-    existed = out.exists()
+    existed, paged = out.exists(), (out / "index.html").is_file()
     try:
         # Drawn beside out, then swapped in: a write the disk refuses leaves the page out held whole, and
         # nothing planted in out (a link named index.html or plots) is written through. Others' files in
@@ -162,13 +162,35 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
             raise
         return out / "index.html"
     except OSError as error:
-        kept = "the page it held before is kept" if existed else "nothing was left there"
+        import errno
+
+        kept = ("the page it held before is kept" if paged else "what it held is kept" if existed
+                else "nothing was left there")
+        full = "Free space on its disk, or give" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "Give"
         raise ReportWriteError(
-            f"The report could not be written to {out} ({error.strerror or error}); {kept}. Free space on "
-            "its disk, or give --out a folder this process can write.") from None
+            f"The report could not be written to {out} ({error.strerror or error}); {kept}. {full} --out a "
+            "folder this process can write.") from None
 
 
 _PAGE_ENTRIES = frozenset({"index.html", "plots", "previews"})  # what write_page puts in its folder
+_PAGE_START = b"<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>"  # write_page's
+
+
+def _refuse_others_page(out: Path) -> None:
+    """Refuse an out whose index.html, plots or previews are not an earlier report's: the page replaces
+    those entries whole (a user's own index.html and the figures beside it were overwritten). A link
+    of those names is replaced, never followed, so its target is lost to no one."""
+    if not out.is_dir() or out.is_symlink():
+        return
+    held = sorted(entry.name for entry in out.iterdir() if entry.name in _PAGE_ENTRIES and not entry.is_symlink())
+    page = out / "index.html"
+    try:
+        ours = not page.is_symlink() and page.is_file() and page.read_bytes()[:len(_PAGE_START)] == _PAGE_START
+    except OSError:
+        ours = False
+    if held and not ours:
+        raise ReportOutError(f"--out {str(out)!r} holds {', '.join(held)} that dew report did not write, which its page "
+                             "would replace; give --out a folder of its own (by default the first run's report/).")
 
 
 def _check_out(out: Path) -> None:
@@ -192,6 +214,7 @@ def _check_out(out: Path) -> None:
         raise ReportOutError(f"--out {str(out)!r} lies in step {step.name} kept in the run {str(step.parent)!r}; dew "
                              "report would write its page among that step's checkpoint files. Give --out a folder "
                              "of its own (by default the first run's report/).")
+    _refuse_others_page(out)
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():

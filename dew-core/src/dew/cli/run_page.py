@@ -580,7 +580,7 @@ def write_page(runs: Sequence[RunData], out: Path) -> Path:
     parts += _recipe(runs) + _last_values(runs) + _records(runs)
     page = out / "index.html"
     page.write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>"
+        "<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>"  # report._PAGE_START
         f"<style>{STYLE}</style></head><body>" + "\n".join(parts) + "</body></html>\n",
         encoding="utf-8",
         errors="backslashreplace",  # a run's folder named in bytes that are no UTF-8: shown escaped
