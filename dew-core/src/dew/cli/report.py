@@ -173,7 +173,6 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
 
 
 _PAGE_ENTRIES = frozenset({"index.html", "plots", "previews"})  # what write_page puts in its folder
-_PAGE_START = b"<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>"  # write_page's
 
 
 def _refuse_others_page(out: Path) -> None:
@@ -183,9 +182,11 @@ def _refuse_others_page(out: Path) -> None:
     if not out.is_dir() or out.is_symlink():
         return
     held = sorted(entry.name for entry in out.iterdir() if entry.name in _PAGE_ENTRIES and not entry.is_symlink())
+    from dew.cli.run_page import PAGE_START
+
     page = out / "index.html"
     try:
-        ours = not page.is_symlink() and page.is_file() and page.read_bytes()[:len(_PAGE_START)] == _PAGE_START
+        ours = not page.is_symlink() and page.is_file() and page.read_bytes()[:len(PAGE_START)] == PAGE_START.encode()
     except OSError:
         ours = False
     if held and not ours:
@@ -197,7 +198,7 @@ def _check_out(out: Path) -> None:
     """Refuse an out that is a file or lies under one: the page is written as a folder (index.html
     beside its charts), which cannot be made there; or a link, which a shared run folder could
     point at a folder of the reader's own, to have its page written over that folder's files."""
-    from dew.recipes.resuming import step_kept_in_run
+    from dew.recipes.resuming import kept_step_around
     from dew.training.config import RUN_FILE
 
     if out.is_symlink():
@@ -208,8 +209,7 @@ def _check_out(out: Path) -> None:
         raise ReportOutError(f"--out {str(out)!r} is a run's folder (it holds {RUN_FILE}); dew report would write "
                              "its page among that run's checkpoints. Give --out a folder of its own (by default "
                              "the first run's report/).")
-    step = next((folder for folder in (out.absolute(), *out.absolute().parents)
-                 if step_kept_in_run(folder) is not None), None)
+    step = kept_step_around(out)
     if step is not None:  # a kept step's files are checked by their hashes, and it was swapped whole
         raise ReportOutError(f"--out {str(out)!r} lies in step {step.name} kept in the run {str(step.parent)!r}; dew "
                              "report would write its page among that step's checkpoint files. Give --out a folder "

@@ -150,7 +150,7 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
     checked by their hashes), or is an existing file other than an earlier rescore's scores: the
     scores are written over the path given, and a run's files, or a user's, are not dew rescore's to
     replace."""
-    from dew.recipes.resuming import step_kept_in_run
+    from dew.recipes.resuming import kept_step_around
 
     if out.is_dir():
         raise RescoreError(f"--out {str(out)!r} is a directory; give the file to write the scores to "
@@ -159,7 +159,7 @@ def _checked_out(out: Path, run_dir: Path) -> Path:
     if under is not None and not under.is_dir():  # refused before the scoring, not after its table
         raise RescoreError(f"--out {str(out)!r} lies under {str(under)!r}, which is a file; give a path in a "
                            "directory.")
-    step = next((folder for folder in out.absolute().parents if step_kept_in_run(folder) is not None), None)
+    step = kept_step_around(out)
     if step is not None:
         raise RescoreError(f"--out {str(out)!r} lies in step {step.name} kept in the run {str(step.parent)!r}, "
                            "among the files dew resumes and exports from; write the scores outside the step.")

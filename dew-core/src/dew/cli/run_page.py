@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from dew.training.rollout_journal import Kept
 
-__all__ = ["RunData", "chart_groups", "contained", "flatten", "missing_charts", "write_page"]
+__all__ = ["PAGE_START", "RunData", "chart_groups", "contained", "flatten", "missing_charts", "write_page"]
 
 LOCAL_PREVIEWS = "previews.jsonl"
 
@@ -540,6 +540,9 @@ def _records(runs: Sequence[RunData]) -> list[str]:
     return parts
 
 
+PAGE_START = "<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>"  # how dew's page begins
+
+
 STYLE = (
     "body{font-family:sans-serif;margin:2em;max-width:1400px;color:#222}"
     "table{border-collapse:collapse;margin-bottom:1em}td,th{border:1px solid #ccc;padding:2px 8px;"
@@ -580,8 +583,7 @@ def write_page(runs: Sequence[RunData], out: Path) -> Path:
     parts += _recipe(runs) + _last_values(runs) + _records(runs)
     page = out / "index.html"
     page.write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>dew report</title>"  # report._PAGE_START
-        f"<style>{STYLE}</style></head><body>" + "\n".join(parts) + "</body></html>\n",
+        PAGE_START + f"<style>{STYLE}</style></head><body>" + "\n".join(parts) + "</body></html>\n",
         encoding="utf-8",
         errors="backslashreplace",  # a run's folder named in bytes that are no UTF-8: shown escaped
     )

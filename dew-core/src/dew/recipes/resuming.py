@@ -21,7 +21,7 @@ from typing import Any
 from dew.errors import DewError
 from dew.recipes.errors import RecipeError
 
-__all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "origin",
+__all__ = ["STARTED", "StartFolderGoneWarning", "changes_line", "installing_what_it_trained_with", "kept_step_around", "origin",
            "pretrained_origin", "resume_command", "resuming_line", "run_command", "shown", "started_from", "started_in", "step_kept_in_run",
            "the_run_folder", "tracker_folders", "upgrade_line"]
 
@@ -281,6 +281,13 @@ def step_kept_in_run(folder: Path) -> int | None:
     """The step number when folder is a step kept inside a run (a numbered folder beside the run's
     run.json), else None."""
     return int(folder.name) if folder.name.isdigit() and (folder.parent / "run.json").is_file() else None
+
+
+def kept_step_around(path: Path) -> Path | None:
+    """The step kept in a run that path is, or lies in (its files are checked by their hashes, so no
+    command writes among them); None where it is no such step's."""
+    return next((folder for folder in (path.absolute(), *path.absolute().parents)
+                 if step_kept_in_run(folder) is not None), None)
 
 
 def the_run_folder(path: str | os.PathLike[str]) -> str:

@@ -680,8 +680,8 @@ def _text_of(text: str, source: int) -> str:
 
 
 def _differing_fields(first: str, other: str, index: int) -> str:
-    """': recipe.trainer.steps is 8 on process 0 and 5 on process 1', naming the first few fields of the
-    recipe (and installed versions) in which process index's differs from process 0's."""
+    """' (recipe.trainer.steps is 8 on process 0 and 5 on process 1)': the first few fields of the recipe
+    (and installed versions) in which process index's differs from process 0's, or "" where none does."""
     from dew.tracking.rows import recipe_fields
 
     mine, theirs = (recipe_fields(json.loads(text)) for text in (first, other))
