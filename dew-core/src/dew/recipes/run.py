@@ -657,7 +657,7 @@ def refuse_differing_processes(config: RunConfig) -> None:
     digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
     differing = [index for index, value in enumerate(digests) if value != digests[0]]
     if differing:
-        first, other = (_text_of(text, source) for source in (0, differing[0]))
+        first, other = _texts_of(text, (0, differing[0]))
         raise PoolRecipeMismatchError(
             f"Process(es) {', '.join(map(str, differing))} of the pool of {len(digests)} were given another "
             "recipe, other overrides or other dew versions than process 0: the pool runs one program"
@@ -665,8 +665,9 @@ def refuse_differing_processes(config: RunConfig) -> None:
             "launch does) and the same installed dew.")
 
 
-def _text_of(text: str, source: int) -> str:
-    """The text process source holds, sent to every process of the pool (each passes its own)."""
+def _texts_of(text: str, sources: tuple[int, ...]) -> list[str]:
+    """The texts the processes sources hold, each sent to every process of the pool (each passes its
+    own), padded to the longest text of the pool (its length gathered once)."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -675,8 +676,9 @@ def _text_of(text: str, source: int) -> str:
     longest = int(np.max(multihost_utils.process_allgather(np.asarray([raw.size], np.int64))))
     padded = np.zeros(longest + 1, np.uint8)  # a zero after the text: it holds none
     padded[: raw.size] = raw
-    sent = np.asarray(multihost_utils.broadcast_one_to_all(padded, is_source=jax.process_index() == source))
-    return sent.tobytes().split(b"\0", 1)[0].decode()
+    sent = [np.asarray(multihost_utils.broadcast_one_to_all(padded, is_source=jax.process_index() == source))
+            for source in sources]
+    return [array.tobytes().split(b"\0", 1)[0].decode() for array in sent]
 
 
 def _differing_fields(first: str, other: str, index: int) -> str:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import jax
 import jax.numpy as jnp
@@ -124,17 +124,12 @@ CHUNK_ROWS = 64
 sampler's memory is one chunk's whatever the count asked for."""
 
 
-class Draw(Protocol):
-    """A sampler: rows samples in [-1, 1] from variables, a key and their conditions (or None)."""
-
-    def __call__(self, variables: Any, key: jax.Array, condition: jax.Array | None, rows: int) -> jax.Array: ...
-
-
-def draw_in_chunks(draw: Draw, variables: Any, key: jax.Array, condition: jax.Array | None,
-                   rows: int) -> np.ndarray:
-    """uint8 pixels [rows, ...] drawn CHUNK_ROWS at a time (draw is jitted with rows static: one
-    program for the chunks, one for the rest). The first chunk draws with key itself, the next ones
-    with key folded by their index, so a count within one chunk draws what one call would."""
+def draw_in_chunks(draw: Callable[[Any, jax.Array, jax.Array | None, int], jax.Array], variables: Any,
+                   key: jax.Array, condition: jax.Array | None, rows: int) -> np.ndarray:
+    """uint8 pixels [rows, ...] drawn CHUNK_ROWS at a time by draw(variables, key, conditions or None,
+    rows), which returns samples in [-1, 1] (jitted with rows static: one program for the chunks, one
+    for the rest). The first chunk draws with key itself, the next ones with key folded by their
+    index, so a count within one chunk draws what one call would."""
     from dew.objectives.diffusion import to_pixels
 
     chunks = []
