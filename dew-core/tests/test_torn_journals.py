@@ -105,6 +105,52 @@ def test_steps_a_killed_fit_logged_past_its_checkpoint_are_dropped_where_the_res
         assert _losses(folder / "scalars.jsonl") == dict(zip(steps.tolist(), values.tolist(), strict=True))
 
 
+def test_a_step_a_killed_fit_logged_past_its_checkpoint_is_dropped_when_the_resume_logs_less_often(tmp_path):
+    """Killed after logging 22 past its checkpoint at 20, resumed logging every 4 steps (24, 28): the
+    steps never went back, so 22 (undone with the kill) stayed on the page among the resumed fit's."""
+    from dew.telemetry.records import RunStarted
+    from dew.telemetry.render import read_scalars
+
+    first = LocalTracker(tmp_path)
+    first.artifact(RunStarted(config={}, start=0, steps=40), step=0)
+    for step in range(2, 23, 2):
+        first.log({"train/loss": float(step)}, step=step)
+    first.close()  # killed
+    again = LocalTracker(tmp_path)
+    again.artifact(RunStarted(config={}, start=20, steps=40), step=20)
+    for step in (24, 28):
+        again.log({"train/loss": -float(step)}, step=step)
+    again.close()
+    steps, values = read_scalars(tmp_path / "scalars.jsonl")["train/loss"]
+    assert steps.tolist() == [*range(2, 21, 2), 24, 28]
+    assert values.tolist() == [*map(float, range(2, 21, 2)), -24.0, -28.0]
+    rows = [row for row in journal_rows(tmp_path / "records.jsonl") if row["type"] == "run_started"]
+    lines = (tmp_path / "scalars.jsonl").read_bytes().splitlines(keepends=True)
+    assert [row["scalars_at"] for row in rows] == [0, sum(len(line) for line in lines[:11])]
+
+
+def test_a_journal_written_before_fits_marked_their_rows_still_drops_where_the_steps_go_back(tmp_path):
+    """A run whose run_started rows say nothing of where their scalar rows begin reads as it did."""
+    from dew.telemetry.records import RunStarted
+    from dew.telemetry.render import read_scalars
+
+    first = LocalTracker(tmp_path)
+    first.artifact(RunStarted(config={}, start=0, steps=40), step=0)
+    for step in range(5, 31, 5):
+        first.log({"train/loss": float(step)}, step=step)
+    first.close()
+    again = LocalTracker(tmp_path)
+    again.artifact(RunStarted(config={}, start=20, steps=40), step=20)
+    again.log({"train/loss": -23.0}, step=23)
+    again.close()
+    records = tmp_path / "records.jsonl"
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    records.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "scalars_at"}) + "\n" for row in rows))
+    steps, values = read_scalars(tmp_path / "scalars.jsonl")["train/loss"]
+    assert steps.tolist() == [5, 10, 15, 20, 23]
+    assert values.tolist() == [5.0, 10.0, 15.0, 20.0, -23.0]
+
+
 def test_a_fit_that_failed_before_its_first_checkpoint_leaves_nothing_once_the_run_starts_over(tmp_path):
     """A first fit that failed at step 6 (NaN) before any checkpoint, then a fit started over from step 0
     that logged every 3 steps: the two fits' starts were one (a set), so none counted as a later fit's,

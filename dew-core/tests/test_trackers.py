@@ -56,7 +56,8 @@ def test_local_records_and_previews_arrive_as_files(tmp_path):
     records = _lines(tmp_path / "records.jsonl")
     assert [r["type"] for r in records] == ["run_started", "goodput"]
     assert records[0] == {"step": 0, "type": "run_started", "record": {
-        "config": {"lr": 1e-3}, "start": 0, "steps": 100, "mesh": {"data": 1}, "processes": 1, "folder": None}}
+        "config": {"lr": 1e-3}, "start": 0, "steps": 100, "mesh": {"data": 1}, "processes": 1, "folder": None},
+        "scalars_at": 0}  # where the fit's scalar rows begin in scalars.jsonl (none logged before it)
     assert records[1]["record"]["lost_seconds"] == "+Inf"
     assert records[1]["record"]["fraction"] == pytest.approx(0.7)
 

@@ -280,8 +280,17 @@ def journal_rows(journal: str | Path, *, strict: bool = True) -> Iterator[dict[s
     >>> list(journal_rows(path))
     [{'step': 1}]
     """
-    with open(journal, encoding="utf-8", errors="replace", newline="\n") as handle:  # lines end at \n alone
-        for number, line in enumerate(handle, start=1):
+    for _, row in _placed_rows(journal, strict=strict):
+        yield row
+
+
+def _placed_rows(journal: str | Path, *, strict: bool) -> Iterator[tuple[int, dict[str, Any]]]:
+    """journal_rows, each with the byte offset its line starts at."""
+    offset = 0
+    with open(journal, "rb") as handle:  # lines end at \n alone
+        for number, raw in enumerate(handle, start=1):
+            at, offset = offset, offset + len(raw)
+            line = raw.decode("utf-8", errors="replace")
             if not line.strip():
                 continue
             try:
@@ -299,7 +308,7 @@ def journal_rows(journal: str | Path, *, strict: bool = True) -> Iterator[dict[s
                     continue
                 raise TornJournalError(f"{journal}, line {number}, is a JSON {type(row).__name__}, not a journal "
                                        "row (an object); the journal was damaged or written by something else.")
-            yield row
+            yield at, row
 
 
 def _number(value: Any) -> float | None:
@@ -310,46 +319,81 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _fit_starts(journal: Path) -> list[int]:
-    """The step each fit of the run started from, fit by fit in the order they ran, as the records journal
+def _fit_starts(journal: Path) -> list[tuple[int, int | None]]:
+    """Each fit of the run as (the step it started from, the byte offset in journal its rows begin at,
+    or None where its record does not say), fit by fit in the order they ran, as the records journal
     beside journal has them (two fits from step 0, the first failed before its first checkpoint, are two)."""
     records = journal.with_name("records.jsonl")
     if not records.is_file():
         return []
-    starts = (row.get("record", {}).get("start", row.get("step")) for row in journal_rows(records, strict=False)
-              if row.get("type") == "run_started")
-    return [start for start in starts if type(start) is int]
+    fits = []
+    for row in journal_rows(records, strict=False):
+        if row.get("type") != "run_started":
+            continue
+        start, at = row.get("record", {}).get("start", row.get("step")), row.get("scalars_at")
+        if type(start) is int:
+            fits.append((start, at if type(at) is int else None))
+    return fits
 
 
 def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Every metric of a scalar journal as (steps, values), in step order, one value a step.
 
-    A resumed run goes back to its checkpoint and trains the steps after it again: the value
-    logged last for a step (the one the run went on from) replaces those logged before it. Where
-    the journal's steps go back and the records journal beside it says a later fit started (its
-    run_started), the rows the earlier fit logged past that fit's start were undone too (a fit
-    killed at 450 after its checkpoint at 400), and are dropped.
+    A resumed run goes back to its checkpoint and trains the steps after it again: what an
+    earlier fit logged past a later fit's start was undone with it (a fit killed at 450 after its
+    checkpoint at 400, resumed from there) and is dropped. The records journal beside it says where
+    each fit started, and where in this journal its rows begin; a journal whose fits do not say
+    where their rows begin (written before they did) drops the undone rows where the steps go back.
     """
+    journal = Path(journal)
+    fits = _fit_starts(journal)
+    marks = [at for _, at in fits if at is not None]
+    if len(marks) < len(fits) or marks != sorted(marks) or any(at > journal.stat().st_size for at in marks):
+        return _ordered(_series_by_going_back(journal, [start for start, _ in fits]))
     series: dict[str, dict[int, float]] = {}
-    starts: list[int] | None = None
+    for at, row in _placed_rows(journal, strict=True):
+        step = _step_of(row, journal)
+        if any(start < step for start, begins in fits if begins is not None and begins > at):
+            continue  # logged by a fit a later one resumed from before this step
+        _add(series, row, step)
+    return _ordered(series)
+
+
+def _series_by_going_back(journal: Path, starts: list[int]) -> dict[str, dict[int, float]]:
+    """A journal's values step by step where its fits do not say where their rows begin: where the
+    steps go back, the rows logged past the latest earlier fit start are dropped."""
+    series: dict[str, dict[int, float]] = {}
     newest = None
     for row in journal_rows(journal):
-        step = row.get("step")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TornJournalError(f"{journal} holds a row whose step is {step!r}, not a whole number: {row!r}; "
-                                   "the journal was damaged or written by something else.")
+        step = _step_of(row, journal)
         if newest is not None and step < newest:  # a fit resumed from a step before the newest logged
-            starts = _fit_starts(Path(journal)) if starts is None else starts
             resumed_from = max((start for start in starts[1:] if start < step), default=None)
             if resumed_from is not None:
                 for values in series.values():
                     for undone in [logged for logged in values if logged > resumed_from]:
                         del values[undone]
         newest = step
-        for name, value in row.items():
-            number = _number(value) if name != "step" else None
-            if number is not None:
-                series.setdefault(name, {})[step] = number
+        _add(series, row, step)
+    return series
+
+
+def _step_of(row: dict[str, Any], journal: Path) -> int:
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TornJournalError(f"{journal} holds a row whose step is {step!r}, not a whole number: {row!r}; "
+                               "the journal was damaged or written by something else.")
+    return step
+
+
+def _add(series: dict[str, dict[int, float]], row: dict[str, Any], step: int) -> None:
+    """row's numbers into series at step (a later value for a step replaces an earlier one)."""
+    for name, value in row.items():
+        number = _number(value) if name != "step" else None
+        if number is not None:
+            series.setdefault(name, {})[step] = number
+
+
+def _ordered(series: dict[str, dict[int, float]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     ordered = {name: sorted(values.items()) for name, values in series.items() if values}  # all undone: none
     return {name: (np.asarray([step for step, _ in pairs], np.int64), np.asarray([value for _, value in pairs], np.float64))
             for name, pairs in ordered.items()}

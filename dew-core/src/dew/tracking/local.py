@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dew.telemetry.records import is_record, previews_of, record_row
+from dew.telemetry.records import RunStarted, is_record, previews_of, record_row
 from dew.telemetry.render import cut_torn_tail, open_journal
 from dew.tracking.background import Channel, Dropped, TrackerWriteError
 from dew.tracking.protocol import Reported, check_reported
@@ -27,7 +27,9 @@ class LocalTracker:
 
     ``scalars.jsonl`` holds one row per ``log`` call, ``records.jsonl`` one
     row per record, ``previews.jsonl`` one row per preview file written under
-    ``previews/``. Non-finite values are the strings ``NaN``, ``+Inf`` and
+    ``previews/``. A fit's ``run_started`` row says where its scalar rows
+    begin (``scalars_at``, a byte offset), so a reader can drop what a fit
+    logged past the step a later fit resumed from. Non-finite values are the strings ``NaN``, ``+Inf`` and
     ``-Inf``. ``plot()`` draws each metric from the journal into ``plots/``;
     nothing is kept in memory between calls.
 
@@ -95,6 +97,12 @@ class LocalTracker:
             raise TrackerWriteError(f"LocalTracker could not open {path}: {error}") from error
         return opened
 
+    def _length(self, journal: str) -> int:
+        """journal's length in bytes as the next append finds it (a torn last line cut): 0 when missing."""
+        if journal not in self._handles and not (self.directory / journal).is_file():
+            return 0
+        return (self._handles.get(journal) or self._open(journal))[1]
+
     def _send(self, items: list[tuple[str, Any, int]]) -> None:
         """The journals' rows and the preview files of items, in order (on the caller's thread)."""
         rows: dict[str, list[Mapping[str, object]]] = {}
@@ -103,7 +111,11 @@ class LocalTracker:
                 rows.setdefault(self.SCALARS, []).append(scalar_row(value, step))
                 continue
             if is_record(value):
-                rows.setdefault(self.RECORDS, []).append(record_row(value, step))
+                record = record_row(value, step)
+                if isinstance(value, RunStarted):  # where this fit's scalar rows begin (dew report's reader)
+                    record["scalars_at"] = self._length(self.SCALARS) + len(
+                        "".join(_ROW(row) + "\n" for row in rows.get(self.SCALARS, [])).encode())
+                rows.setdefault(self.RECORDS, []).append(record)
             for preview in previews_of(value):
                 from dew.telemetry.render import preview_columns, write_preview
 
