@@ -148,6 +148,38 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_without_a_traceback():
     assert not err.strip(), err.decode()
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_output_a_full_disk_refuses_is_said_in_one_line_not_a_traceback(tmp_path, unbuffered):
+    """`dew recipes > notes.txt` on a full disk (/dev/full), and into a file past the size limit
+    (ulimit -f): the failed print ended in an OSError's traceback with status 1, even where the
+    command's own files were written whole; output still buffered at the end failed at exit."""
+    import resource
+
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": unbuffered}
+    with open("/dev/full", "wb") as full:
+        result = subprocess.run([str(DEW), "recipes"], stdout=full, stderr=subprocess.PIPE, text=True,
+                                env=environment, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[0] == (
+        "dew recipes: StdoutWriteError: The command's output could not be written to stdout (No space left "
+        "on device): free space on the disk it goes to (or raise the file-size limit, ulimit -f), or send it "
+        "elsewhere.")
+    assert "Traceback" not in result.stderr
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    out = tmp_path / "recipes.txt"
+    with open(out, "wb") as file:
+        result = subprocess.run([str(DEW), "recipes"], stdout=file, stderr=subprocess.PIPE, text=True,
+                                env=environment, timeout=120, preexec_fn=limited)
+    assert result.returncode == 2, result.stderr
+    assert "could not be written to stdout (File too large)" in result.stderr and "Traceback" not in result.stderr
+    listing = subprocess.run([str(DEW), "recipes"], capture_output=True, env=environment, timeout=120).stdout
+    assert len(listing) > 1024 and out.read_bytes() == listing[:len(out.read_bytes())]  # what fitted, in order
+
+
 def test_jax_s_note_about_hidden_frames_is_left_out_of_dew_s_one_line():
     """An error raised under a JAX trace carries JAX's note about the frames it hid from the
     traceback; dew's one line shows no traceback, so the note would only be noise beside dew's own."""

@@ -15,7 +15,7 @@ True
 from __future__ import annotations
 
 __all__ = ["BatchKeyError", "DewError", "DewKeyError", "LossReturnError", "ObjectiveMethodError", "ObjectiveSignatureError", "RunFileWriteError",
-           "raised_from"]
+           "out_of_space", "raised_from"]
 
 
 class DewError(Exception):
@@ -81,3 +81,17 @@ def raised_from(error: BaseException, kind: type[BaseException]) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether error, or an error it was raised from, is a write that ran out of room: a full disk, a
+    quota, a file past the size limit (ulimit -f). Its fix is space, not another folder's permissions."""
+    import errno
+
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return any(isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+               for link in chain)

@@ -106,6 +106,9 @@ def console() -> NoReturn:
     ends at once with its status, as a failed pool's process does; its files
     were closed as it unwound.
     """
+    from dew.cli.output import guard_stdout
+
+    guard_stdout()  # a failed write of the command's output is said in one line, not a traceback
     status = main()
     if _Unwound.by_stop and not _in_pool():
         import logging
@@ -259,7 +262,9 @@ def _main(argv: Sequence[str] | None) -> int:
         _writers_quiet()
     with _warnings_as_lines(args.command), _terminated_as_stop():
         try:
-            return int(args._run(args) or 0)
+            status = int(args._run(args) or 0)
+            sys.stdout.flush()  # output still buffered fails here, said as the command's, not at exit
+            return status
         except KeyboardInterrupt:
             if shown:
                 raise

@@ -3,6 +3,8 @@
 import sys
 
 from dew.cli import main
+from dew.cli.output import guard_stdout
 
 if __name__ == "__main__":
+    guard_stdout()
     sys.exit(main())

@@ -162,11 +162,11 @@ def render_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path |
             raise
         return out / "index.html"
     except OSError as error:
-        import errno
+        from dew.errors import out_of_space
 
         kept = ("the page it held before is kept" if paged else "what it held is kept" if existed
                 else "nothing was left there")
-        full = "Free space on its disk, or give" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "Give"
+        full = "Free space on its disk, or give" if out_of_space(error) else "Give"
         raise ReportWriteError(
             f"The report could not be written to {out} ({error.strerror or error}); {kept}. {full} --out a "
             "folder this process can write.") from None

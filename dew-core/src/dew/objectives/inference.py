@@ -21,14 +21,13 @@ rather than being ignored.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from dew.errors import DewError
+from dew.errors import DewError, out_of_space
 from dew.telemetry.render import write_file
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ class SampleWriteError(DewError, OSError):
 
     def __init__(self, directory: object, reason: OSError, texts: tuple[str, ...] = ()) -> None:
         self.texts = texts
-        full = reason.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        full = out_of_space(reason)
         advice = "free space on its disk or choose another --out" if full else \
             "choose another --out, a folder (or a name for one) you may write"
         super().__init__(f"The samples could not be written to {directory} ({reason.strerror or reason}); "

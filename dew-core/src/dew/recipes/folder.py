@@ -502,6 +502,11 @@ def _field_note(field: str, path: Path, error: Exception) -> str:
     """The note tracing error to the recipe field that names its path, with what to do about it:
     only a path that is not there is to be created; one that is there is wrong as it is."""
     if _writing_failed(error) and field.rsplit(".", 1)[-1].endswith(("directory", "dir")):
+        from dew.errors import out_of_space
+
+        if out_of_space(error):
+            return (f"The recipe's {field} names it: free space on its disk (or raise the file-size limit, "
+                    f"ulimit -f), or point {field} at another disk.")
         return f"The recipe's {field} names it: point {field} at a directory this process can write."
     if _writing_failed(error):  # a URI or a file, not a directory to write in: the error says what
         return f"The recipe's {field} names it."
