@@ -85,6 +85,88 @@ def test_rescore_writes_a_new_file_and_never_the_runs_own(journaled, tmp_path, c
         assert not out.exists()
 
 
+def test_rescore_refuses_a_reward_that_returns_text_as_training_does(journaled, capsys):
+    """A reward returning ["1.0", ...] was scored 1.0 by dew rescore (numpy reads text of a number as one),
+    where dew train refuses it (RewardShapeError)."""
+    from dew import registry
+
+    class Texts:
+        def __call__(self, completions, context):
+            return ["1.0"] * len(completions)
+
+    with registry.rewards.temporary("texts", Texts):
+        assert main(["rescore", str(journaled), "reward=texts"]) == 2
+    err = _refusal(capsys, "rescore")
+    assert "The reward 'texts' returned list ['1.0', '1.0'] for step 1's completions, which are no numbers" in err
+
+
+def test_a_reward_function_registered_as_itself_is_named_so_not_asked_for_completions(journaled, capsys):
+    """An entry point naming def reward(completions, context) was built with the recipe's fields, and
+    dew train --check and dew rescore asked for fields 'completions' and 'context'."""
+    from dew import registry
+    from dew.recipes.components import problems_of
+
+    def two_args(completions, context):
+        return [1.0] * len(completions)
+
+    def factory(scale: float = 1.0):  # a function of the fields that returns the reward: taken on trust
+        return lambda completions, context: [scale] * len(completions)
+
+    said = "is a function of completions and context: the reward itself, where an entry point of dew.rewards"
+    with registry.rewards.temporary("two_args", two_args), registry.rewards.temporary("scaled", factory):
+        [(path, message)] = problems_of("rewards", "two_args", {})
+        assert path == ("name",) and said in message and "Register a class" in message
+        assert main(["rescore", str(journaled), "reward=two_args"]) == 2
+        assert said in _refusal(capsys, "rescore")
+        assert problems_of("rewards", "scaled", {"scale": 2.0}) == []
+        assert main(["rescore", str(journaled), "reward=scaled", "reward.scale=2"]) == 0
+    assert "2.0000" in capsys.readouterr().out
+
+
+LIMITED_RESCORE = """
+import resource, signal, sys
+from dew.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (40, 40))  # writes past 40 bytes fail as on a full disk (EFBIG)
+sys.exit(main(["rescore", sys.argv[1], "reward=exact_match", "reward.key=answer", "--out", sys.argv[2]]))
+"""
+
+
+def test_rescore_out_past_the_file_size_limit_asks_for_space_not_another_folder(journaled, tmp_path):
+    """A write past ulimit -f (or a full disk) was answered "give a path in a directory you can write
+    to", though the folder was writable; the fix is space (or the limit)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "scores.jsonl"
+    result = subprocess.run([sys.executable, "-c", LIMITED_RESCORE, str(journaled), str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert (f"Could not write --out {str(out)!r}: File too large; free space on its disk (or raise the "
+            "file-size limit, ulimit -f), or give a path on another.") in result.stderr
+    assert not out.exists() and "Traceback" not in result.stderr
+
+
+def test_a_tracker_folder_that_ran_out_of_space_is_traced_to_its_field_with_the_right_fix(tmp_path):
+    """A tracker's journal refused for want of space was traced to trackers.0.directory with "point it at a
+    directory this process can write", though it could."""
+    import errno
+
+    from dew.recipes.folder import _field_note
+    from dew.tracking.background import TrackerWriteError
+
+    for cause, said in ((OSError(errno.EFBIG, "File too large"), "free space on its disk (or raise the file-size "
+                         "limit, ulimit -f), or point trackers.0.directory at another disk."),
+                        (OSError(errno.ENOSPC, "No space left on device"), "free space on its disk"),
+                        (PermissionError(errno.EACCES, "Permission denied"),
+                         "point trackers.0.directory at a directory this process can write.")):
+        try:
+            raise TrackerWriteError("LocalTracker could not write 1 rows") from cause
+        except TrackerWriteError as error:
+            note = _field_note("trackers.0.directory", tmp_path, error)
+        assert note.startswith("The recipe's trackers.0.directory names it: ") and said in note, note
+
+
 # -- tracebacks turned into refusals ---------------------------------------------------------------------
 
 

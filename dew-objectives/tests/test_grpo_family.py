@@ -230,6 +230,23 @@ def test_incompatible_options_are_refused_naming_the_fields():
     assert GRPOObjective(model, clip=0.1, clip_high=0.3).bounds == (0.1, 0.3)
 
 
+def test_a_reward_of_none_is_refused_as_the_objective_is_built_environment_or_not():
+    """reward=None beside an environment passed dew train --check and ended the run in a TypeError's
+    traceback at its first evaluation: validation scores the greedy answers with the reward."""
+    from dew.objectives.ppo import PPOObjective
+    from dew.objectives.rollouts import GreedyRewardValidation
+
+    model = FixedLogits(2, 4, VOCAB)
+    for build in (lambda: GRPOObjective(model, reward=None, environment="calculator"),
+                  lambda: GRPOObjective(model, reward=None),
+                  lambda: registry.objectives.build("ppo", model=model, reward=None)):
+        with pytest.raises(ValueError, match=r"Objective\.reward is None: validation scores the policy's greedy "
+                                             r"answers.*objective\.reward=exact_match"):
+            build()
+    assert issubclass(PPOObjective, GreedyRewardValidation)
+    assert GRPOObjective(model, environment="calculator").reward == "exact_match"  # the default stands
+
+
 def test_overlong_penalty_is_dapos_soft_punishment():
     budget, cache = 16, 4
     lengths = np.arange(0, 20)

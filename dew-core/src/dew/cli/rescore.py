@@ -103,12 +103,18 @@ def _values(scorer: Any, name: str, completions: list[Any], round_: Mapping[str,
     """The reward's scores of one round's completions: one finite number each, or an error naming
     which of those it broke."""
     try:
-        values = np.asarray(scorer(completions, _context(round_)), np.float64)
+        returned = scorer(completions, _context(round_))
+        values = np.asarray(returned)
     except DewError:
         raise
     except Exception as error:  # noqa: BLE001 - the reward's own code: named, not a traceback
         raise RescoreError(f"The reward {name!r} raised {type(error).__name__}: {error} on step {step}'s "
                            "completions; fix the reward, or choose another.") from None
+    if isinstance(returned, Mapping | str | bytes) or values.dtype.kind not in "biuf":  # as training refuses
+        raise RescoreError(f"The reward {name!r} returned {type(returned).__name__} {returned!r:.80} for step "
+                           f"{step}'s completions, which are no numbers (text of a number is not one): a reward "
+                           "returns one number per completion.")
+    values = values.astype(np.float64)
     if values.shape != (len(completions),):
         raise RescoreError(f"The reward {name!r} returned an array of shape {values.shape} for step {step}'s "
                            f"{len(completions)} completions: a reward returns one number per completion.")
@@ -122,8 +128,12 @@ def _values(scorer: Any, name: str, completions: list[Any], round_: Mapping[str,
 
 def _scored(entries: Sequence[Rolled], reward: Mapping[str, Any], run_dir: str | Path) -> list[dict[str, Any]]:
     from dew import registry
+    from dew.recipes.components import problems_of
 
     fields = {k: v for k, v in reward.items() if k != "name"}
+    problems = problems_of("rewards", str(reward["name"]), fields)  # as dew train --check reads objective.reward
+    if problems:
+        raise RescoreError("; ".join(f"{'.'.join(('reward', *path))}: {message}" for path, message in problems))
     try:
         scorer = registry.rewards.build(str(reward["name"]), **fields)
     except (ValueError, TypeError) as error:  # a field the reward's own checks refuse
@@ -196,8 +206,11 @@ def _write_scores(out: Path, rows: Sequence[Mapping[str, Any]]) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_file(out, text.encode("utf-8"))
     except OSError as error:
-        raise RescoreError(f"Could not write --out {str(out)!r}: {error.strerror or error}; give a path "
-                           "in a directory you can write to.") from None
+        from dew.errors import out_of_space
+
+        fix = ("free space on its disk (or raise the file-size limit, ulimit -f), or give a path on another"
+               if out_of_space(error) else "give a path in a directory you can write to")
+        raise RescoreError(f"Could not write --out {str(out)!r}: {error.strerror or error}; {fix}.") from None
 
 
 def run(args: argparse.Namespace) -> int:

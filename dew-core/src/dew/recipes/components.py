@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import types
 import typing
 from collections.abc import Mapping
@@ -205,7 +206,16 @@ _KIND_METHODS: dict[str, tuple[str, ...]] = {"trackers": ("log", "artifact", "cl
 
 def _kind_problem(group: str, name: str, component: object) -> str | None:
     """Why a registered class is not of its group's kind (an objective that is no Objective, a
-    model that is no Flax module), or None; a factory function is taken on trust."""
+    model that is no Flax module, a reward registered as the scoring function itself), or None; any
+    other factory function is taken on trust."""
+    if group == "rewards" and _scores_itself(component):
+        from dew import registry as registries
+
+        provider = registries.rewards.provider(name)
+        return (f"reward {name!r} from {provider.distribution} ({provider.value}) is a function of completions and "
+                "context: the reward itself, where an entry point of dew.rewards names what builds one (dew calls "
+                "it with the recipe's fields). Register a class whose instances are called with (completions, "
+                "context), or a function of the fields that returns the reward.")
     if not isinstance(component, type) or group not in ("objectives", "models"):
         return None
     from flax.linen import Module
@@ -222,6 +232,16 @@ def _kind_problem(group: str, name: str, component: object) -> str | None:
             f"{component.__name__}, not a subclass of {base.__module__.split('.')[0]}'s {base.__name__}: a run "
             f"calls what {base.__name__} declares on it. Fix or update {provider.distribution}, or choose "
             f"another {registry.kind}.")
+
+
+def _scores_itself(component: object) -> bool:
+    """Whether component is a plain function whose required parameters are a reward's call, (completions,
+    context), rather than fields that build a reward."""
+    if not inspect.isfunction(component):
+        return False
+    required = [p.name for p in inspect.signature(component).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return required[:2] == ["completions", "context"]
 
 
 def problems_of(group: str, name: str, fields: Mapping[str, object],

@@ -164,6 +164,7 @@ class GRPOObjective(GreedyRewardValidation, Objective):
     turn_timeout: float | None = 10.0
 
     def __post_init__(self) -> None:
+        self.check_reward()
         name = type(self).__name__
         if self.dynamic_sampling and self.group_size < 2:
             raise IncompatibleOptionsError(

@@ -254,6 +254,7 @@ class PPOObjective(GreedyRewardValidation, Objective):
     tokenizer: Any = None
 
     def __post_init__(self) -> None:
+        self.check_reward()
         if self.epochs < 1 or self.minibatches < 1:
             raise ValueError(f"PPOObjective needs epochs >= 1 and minibatches >= 1, got {self.epochs} "
                              f"and {self.minibatches}.")

@@ -196,6 +196,15 @@ class GreedyRewardValidation:
     prompt_key: str
     prompt_length_key: str
 
+    def check_reward(self) -> None:
+        """Refuse a reward of None as the objective is built: validation scores the greedy answers with
+        it even where an environment scores the training episodes (found at the first evaluation, it
+        was a TypeError's traceback)."""
+        if self.reward is None:
+            raise ValueError(f"{type(self).__name__}.reward is None: validation scores the policy's greedy answers "
+                             "to held-out prompts with a reward, an environment's episodes or not. Name one "
+                             "(objective.reward=exact_match, or a mapping with a name and its fields).")
+
     def evaluate(self, variables: Variables, batch: Batch, step: Step) -> Mapping[str, PyTree]:
         """Held-out prompts continued greedily by the policy, for ``metrics`` to score."""
         return greedy_outputs(self.model, policy_variables(variables), batch, step.key,
