@@ -335,8 +335,34 @@ def test_empty_assistant_turns_leave_nothing_to_score(marked, tmp_path):
     records = [{"prompt": [user], "completion": [{"role": "assistant", "content": "It is four."}]},
                {"prompt": [user], "completion": [{"role": "assistant", "content": ""}]}]
     files = _write(tmp_path / "pc.jsonl", records)
-    with pytest.warns(NothingToScoreWarning, match=r"pc.jsonl:2 has an empty completion"):
+    with pytest.warns(NothingToScoreWarning, match=r"pc.jsonl:2 has an empty \(or blank\) completion"):
         assert len(PromptCompletion(files=str(files), tokenizer=str(marked), length=200).encoded()) == 1
+
+
+def test_a_blank_text_completion_is_left_out_as_a_blank_assistant_turn_is(marked, tmp_path):
+    """A completion of spaces written as text trained on its spaces without a word, where the same
+    record written as an assistant turn was left out; a pair whose rejected side was blank likewise."""
+    import warnings
+
+    from dew.data.prompt_completion import NothingToScoreWarning, PromptCompletion
+
+    user = {"role": "user", "content": "Hi"}
+    for blank in ("   ", [{"role": "assistant", "content": "   "}]):
+        prompt = "Hi" if isinstance(blank, str) else [user]
+        files = _write(tmp_path / "pc.jsonl", [{"prompt": "P?", "completion": "C."},
+                                              {"prompt": prompt, "completion": blank}])
+        with pytest.warns(NothingToScoreWarning, match=r"pc.jsonl:2 has an empty \(or blank\) completion"):
+            assert len(PromptCompletion(files=str(files), tokenizer=str(marked), length=64, pack=False).encoded()) == 1
+    files = _write(tmp_path / "pairs.jsonl", [{"prompt": "P?", "chosen": "C.", "rejected": "D."},
+                                              {"prompt": "Hi", "chosen": "C.", "rejected": " \n "}])
+    with pytest.warns(NothingToScoreWarning, match=r"^1 preference pair\(s\) give an empty \(or blank\) chosen"):
+        rows = PromptCompletion(files=str(files), tokenizer=str(marked), length=64, completion_key="chosen",
+                                rejected_key="rejected").rows()
+    assert len(rows["chosen"]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a completion of one space between words is text: kept, unwarned
+        files = _write(tmp_path / "pc.jsonl", [{"prompt": "P?", "completion": " a b"}])
+        assert len(PromptCompletion(files=str(files), tokenizer=str(marked), length=64).encoded()) == 1
 
 
 def _merging_tokenizer(folder, template=UNMARKED):

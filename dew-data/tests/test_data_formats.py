@@ -266,7 +266,7 @@ def test_a_null_completion_is_no_text_left_out_with_the_warning_an_empty_one_get
                                                   for r in lines))
     rows = {}
     for name in ("null", "empty"):
-        with pytest.warns(NothingToScoreWarning, match=rf"{name}\.jsonl:2 has an empty completion"):
+        with pytest.warns(NothingToScoreWarning, match=rf"{name}\.jsonl:2 has an empty \(or blank\) completion"):
             rows[name] = PromptCompletion(files=str(tmp_path / f"{name}.jsonl"), tokenizer="byte", length=16).rows()
     assert rows["null"].keys() == rows["empty"].keys()
     for key in rows["null"]:

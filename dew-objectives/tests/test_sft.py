@@ -182,7 +182,7 @@ def test_a_record_with_nothing_to_score_warns_naming_it_and_is_skipped(tmp_path)
         warnings.simplefilter("always")
         got = PromptCompletion(files=files, length=5).rows()
     assert [str(w.message) for w in caught if w.category is NothingToScoreWarning][0].startswith(
-        f"{tmp_path / 'd.jsonl'}:1 has an empty completion")
+        f"{tmp_path / 'd.jsonl'}:1 has an empty (or blank) completion")
     assert got["text"].shape == (1, 6) and got["loss_mask"].sum() == 2
     with pytest.raises(MissingKeyError, match=r"d2\.jsonl:1 has no text under 'completion' .*\(prompts alone, for "
                                               r"GRPO or PPO to complete, are the prompts reader's\)"):
@@ -313,7 +313,7 @@ def test_preference_records_become_the_pairs_dpo_reads(tmp_path):
     said = " | ".join(str(warning.message) for warning in caught)
     assert re.search(r"1 preference pair\(s\) give the same chosen and rejected completion \(the first at "
                      r"\S*a.jsonl:3\)", said), said
-    assert re.search(r"3 preference pair\(s\) give an empty chosen or rejected completion \(the first at "
+    assert re.search(r"3 preference pair\(s\) give an empty \(or blank\) chosen or rejected completion \(the first at "
                      r"\S*a.jsonl:2\).*left out", said), said
     assert kept["prompt_length"].tolist() == [4, 4]
     assert kept["chosen"][:, :6].tolist() == [[*b"2+2=4", 256], [*b"3+3=6", 256]]

@@ -35,7 +35,7 @@ served, into rows of ``length + 1`` ids, each numbered in ``segment_ids``
 one. Without it every record has a row of its own. A record too long for a
 row keeps its completion and drops the start of its prompt; a completion
 that alone does not fit fails, naming the record and the limit. A record
-with nothing to score (an empty completion) is skipped with a warning
+with nothing to score (an empty or blank completion) is skipped with a warning
 naming it.
 
 >>> import json, tempfile, pathlib
@@ -247,7 +247,7 @@ class PromptCompletion:
         start = prefix_of(tokenizer)  # the beginning-of-text id a cut prompt keeps
         for where, prompt, completion, label in self.pairs():
             if _says_nothing(completion):
-                warnings.warn(f"{where} has an empty completion, so it leaves nothing to score; it is "
+                warnings.warn(f"{where} has an empty (or blank) completion, so it leaves nothing to score; it is "
                               "skipped.", NothingToScoreWarning, stacklevel=2)
                 continue
             prompt_ids, completion_ids = self._sides(tokenizer, chat, where, prompt, completion)
@@ -342,7 +342,7 @@ class PromptCompletion:
         if shortened:
             _warn_cut(shortened, first, width, stacklevel=3)
         if empty:
-            warnings.warn(f"{empty} preference pair(s) give an empty chosen or rejected completion (the first at "
+            warnings.warn(f"{empty} preference pair(s) give an empty (or blank) chosen or rejected completion (the first at "
                           f"{first_empty}), which leaves only the end-of-document id to compare; they were left "
                           "out.", NothingToScoreWarning, stacklevel=3)
         if ties:  # kept, so positions and counts stay the records'; a loss gets no gradient from them
@@ -396,5 +396,8 @@ def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 def _says_nothing(completion: Turns) -> bool:
-    """Whether a completion has no text to learn: empty text, or assistant turns all empty."""
-    return not completion or (not isinstance(completion, str) and not assistant_speaks(completion))
+    """Whether a completion has no text to learn: text that is empty or blank, or assistant turns all so
+    (a blank text and a blank assistant turn are one record written two ways, and are read alike)."""
+    if isinstance(completion, str):
+        return not completion.strip()
+    return not completion or not assistant_speaks(completion)
