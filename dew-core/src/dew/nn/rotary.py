@@ -167,15 +167,16 @@ def inverse_frequencies(head_width: int, base: float, scaling: RopeScaling | Non
 
 def frequencies(head_width: int, base: float, scaling: RopeScaling | None, fraction: float,
                 positions: jax.Array) -> np.ndarray | jax.Array:
-    """The inverse frequencies a call with these positions rotates by: ``inverse_frequencies``,
-    except that LongRoPE takes its long list once the largest position reaches past the
-    pretraining context (transformers' choice, by ``max(position_ids) + 1``)."""
+    """The inverse frequencies a call with these positions [B, T] rotates by: ``inverse_frequencies``
+    [half], except that LongRoPE takes its long list for a row whose largest position reaches past
+    the pretraining context (transformers' choice, by ``max(position_ids) + 1``, made row by row so
+    that a row rotates as it would alone): then [B, half]."""
     short = inverse_frequencies(head_width, base, scaling, fraction)
     if scaling is None or scaling.kind != "longrope":
         return short
     long = inverse_frequencies(head_width, base, scaling, fraction, long=True)
-    past = jnp.max(positions) + 1 > int(scaling.original_max_len)  # type: ignore[arg-type]
-    return jnp.where(past, jnp.asarray(long), jnp.asarray(short))
+    past = jnp.max(positions, axis=-1) + 1 > int(scaling.original_max_len)  # type: ignore[arg-type]
+    return jnp.where(past[:, None], jnp.asarray(long)[None], jnp.asarray(short)[None])
 
 
 def attention_scaling(scaling: RopeScaling | None) -> float:
@@ -198,13 +199,15 @@ def attention_scaling(scaling: RopeScaling | None) -> float:
 
 
 def rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray | jax.Array, scale: float = 1.0) -> jax.Array:
-    """x [B, T, H, D] with its first ``2 * len(inverse)`` features rotated by positions [B, T].
+    """x [B, T, H, D] with its first ``2 * half`` features rotated by positions [B, T], where inverse
+    is [half] (every row's frequencies) or [B, half] (each row's own: LongRoPE's).
 
-    Feature i turns with feature ``i + len(inverse)``; cos and sin are
-    multiplied by scale (YaRN's attention factor); the result has x's dtype.
+    Feature i turns with feature ``i + half``; cos and sin are multiplied by
+    scale (YaRN's attention factor); the result has x's dtype.
     """
-    half = int(inverse.shape[0])
-    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inverse)[None, None, None, :]
+    half = int(inverse.shape[-1])
+    rows = jnp.asarray(inverse).reshape(-1, 1, 1, half)  # [1 or B, 1, 1, half]
+    angles = positions.astype(jnp.float32)[:, :, None, None] * rows
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
