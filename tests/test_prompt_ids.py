@@ -94,6 +94,40 @@ def test_a_continuation_ends_at_any_id_of_the_checkpoints_eos_list(checkpoints, 
     assert HFTokenizer.from_directory(directory).stop_ids == (second,)
 
 
+@pytest.mark.slow
+def test_an_eos_id_config_json_alone_lists_does_not_stop_where_a_generation_config_lists_its_own(checkpoints,
+                                                                                            tmp_path):
+    """transformers' generate reads config.json's eos_token_id only to make a missing generation config:
+    an id config.json alone listed stopped dew's continuation, and transformers' ran on past it."""
+    import json
+    import shutil
+
+    from dew.data.hf_tokenizer import HFTokenizer
+    from dew.sampling import TextGeneration
+
+    directory = tmp_path / "llama"
+    shutil.copytree(checkpoints["llama"], directory)
+    free = TextGeneration.load(directory).tokens([PROMPT], max_new_tokens=12).new_tokens[0]
+    eos = json.loads((directory / "config.json").read_text())["eos_token_id"]
+    second = next(t for t in free[3:] if t != eos)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": [eos, second]}))
+    generation = json.loads((directory / "generation_config.json").read_text())
+    assert generation["eos_token_id"] in (eos, [eos])  # what the test tells apart: second is config.json's alone
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        theirs = model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+    ours = TextGeneration.load(directory).tokens([PROMPT], max_new_tokens=12).new_tokens[0]
+    assert ours == theirs == free and second in ours
+    assert second not in HFTokenizer.from_directory(directory).stop_ids
+    (directory / "generation_config.json").unlink()  # without one, config.json's list is what generate reads
+    assert second in HFTokenizer.from_directory(directory).stop_ids
+    assert TextGeneration.load(directory).tokens([PROMPT], max_new_tokens=12).new_tokens[0] == \
+        free[: free.index(second) + 1]
+
+
 def test_a_stop_naming_a_special_token_ends_the_continuation_at_its_id(checkpoints, tmp_path):
     """The decoded text leaves special tokens out, so --stop "<|im_start|>" never matched and the
     continuation ran on past the token."""

@@ -94,7 +94,8 @@ class HFTokenizer:
     def from_directory(cls, path: str | os.PathLike[str]) -> HFTokenizer:
         """Load a tokenizer directory's tokenizer.json, ending documents with the eos_token its
         tokenizer_config.json names (else the first of EOS_CANDIDATES the vocabulary holds), and
-        continuations also at the eos_token_id ids of its generation_config.json and config.json."""
+        continuations also at the eos_token_id ids of its generation_config.json (config.json's where it lists
+        none, as transformers' generate reads them)."""
 
         from dew.data.chat_template import template_and_tokens
 
@@ -108,7 +109,7 @@ class HFTokenizer:
     def stopping_with(self, folder: str | os.PathLike[str], tokens: Mapping[str, str] | None = None) -> HFTokenizer:
         """This tokenizer, ending continuations also where its folder's checkpoint ends them: at the
         eos_token its tokenizer_config.json names (a chat model's end of turn) and the eos_token_id
-        ids of its generation_config.json and config.json. A tokenizer.json given alone stops where
+        ids of its generation_config.json (config.json's where it lists none). A tokenizer.json given alone stops where
         the folder it sits in says, as the folder given does; its end-of-document id stays its own.
         tokens are the folder's special tokens where the caller has read them already."""
         import json
@@ -118,9 +119,12 @@ class HFTokenizer:
         folder = Path(folder)
         named = (template_and_tokens(folder)[1] if tokens is None else tokens).get("eos_token")
         listed: list[object] = [] if named is None else [self.tokenizer.token_to_id(named)]
-        for name in ("generation_config.json", "config.json"):
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                listed.append(json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id"))
+        for name in ("generation_config.json", "config.json"):  # config.json's only where the first lists none,
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # as transformers' generate reads them
+                ids = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+                if ids is not None:
+                    listed.append(ids)
+                    break
         return self.stopping_at(*listed)
 
     @property

@@ -197,8 +197,8 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
 
     Its end-of-document token is the one dew recorded, else the tokenizer's
     own ``eos_token`` (tokenizer_config.json), else config.json's
-    eos_token_id (the first, when it is a list). Every id of that list and of
-    generation_config.json's ends a continuation (HFTokenizer.stop_ids).
+    eos_token_id (the first, when it is a list). Every id of generation_config.json's
+    eos_token_id ends a continuation, or of config.json's where it lists none (HFTokenizer.stop_ids).
     """
     import dew.data
 
@@ -227,13 +227,15 @@ def read_tokenizer(directory: Path, recorded: dict[str, Any] | None, eos_id: int
     if token is None and eos_id is not None:
         first = eos_id[0] if isinstance(eos_id, list | tuple) and eos_id else eos_id
         token = inner.id_to_token(int(first)) if isinstance(first, int) else None
-    # A continuation ends at any id of config.json's and generation_config.json's eos_token_id.
+    # A continuation ends at any id of generation_config.json's eos_token_id, or of config.json's where
+    # it lists none: transformers' generate reads config.json's only to make a missing generation config.
     generation = files.texts.get("generation_config.json") if files is not None else None
     listed = None
     if generation:
         with contextlib.suppress(ValueError, AttributeError):  # transformers itself reads a damaged one
             listed = json.loads(generation).get("eos_token_id")
-    tokenizer = dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(eos_id, listed, stops)
+    tokenizer = dew.data.HFTokenizer.from_file(file, eos_token=token).stopping_at(
+        eos_id if listed is None else None, listed, stops)
     if files is None or files.chat_template is None:
         return tokenizer
     from dew.data.chat_template import special_tokens
