@@ -75,12 +75,7 @@ def raised_from(error: BaseException, kind: type[BaseException]) -> bool:
     ...     raised_from(wrapped, KeyboardInterrupt), raised_from(wrapped, OSError)
     (True, False)
     """
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, kind):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(link, kind) for link in _chain(error))
 
 
 def out_of_space(error: BaseException) -> bool:
@@ -88,10 +83,15 @@ def out_of_space(error: BaseException) -> bool:
     quota, a file past the size limit (ulimit -f). Its fix is space, not another folder's permissions."""
     import errno
 
+    return any(isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+               for link in _chain(error))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """error, the error it was raised from or while handling, and so on, each once."""
     chain: list[BaseException] = []
     seen: BaseException | None = error
-    while seen is not None and seen not in chain:
+    while seen is not None and all(seen is not link for link in chain):
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    return any(isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-               for link in chain)
+    return chain
