@@ -198,3 +198,26 @@ def test_chat_without_a_template_is_refused_in_one_line_saying_what_carries_one(
                                                       r"Give the tokenizer as the folder") as refused:
         pipeline.generate(GenerateRequest(("hi",), chat=True))
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_longrope_row_generates_as_it_would_alone_whatever_the_batch(tmp_path):
+    """LongRoPE picked its long list by the largest position of the whole call: a 5-token prompt batched
+    with a 22-token one (past the original context of 16) was rotated with the long list, and its greedy
+    tokens parted from its own from the second new token. Each row now picks by its own positions."""
+    from dew.sampling import Sampling
+    from dew.sampling.generate import generate
+
+    directory = write_checkpoint("phi3", tmp_path / "phi3", seed=1, redrawn=True, overrides={
+        "max_position_embeddings": 128, "original_max_position_embeddings": 16, "sliding_window": 4,
+        "rope_scaling": {"type": "longrope", "short_factor": [1, 1.5, 2, 3], "long_factor": [2, 4, 8, 16]}})
+    from dew.pretrained import Pretrained
+
+    loaded = Pretrained.load(directory)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(300, 500, n)] for n in (5, 22)]
+    both = generate(loaded.model, loaded.variables, prompts, 12, jax.random.key(0), Sampling(temperature=0.0))
+    for row, prompt in enumerate(prompts):
+        alone = generate(loaded.model, loaded.variables, [prompt], 12, jax.random.key(0), Sampling(temperature=0.0))
+        assert list(both.tokens[row]) == list(alone.tokens[0])
+        np.testing.assert_allclose(both.logprobs[row], alone.logprobs[0], atol=1e-5)
