@@ -236,6 +236,43 @@ def test_a_sigterm_before_the_training_loop_is_one_line_and_leaves_no_half_run(t
     assert not (tmp_path / "runs").exists()  # the folder it had made kept nothing: removed
 
 
+SIGTERM_AS_IT_RESUMES = """
+import dataclasses, json, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from test_recipe_config import RECIPE, Repeated
+from dew import registry
+from dew.cli import main
+
+
+@dataclasses.dataclass(frozen=True)
+class Terminating(Repeated):
+    def load(self, batch):
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, as the resumed run's data starts
+        return super().load(batch)
+
+
+with open("recipe.json", "w") as out:
+    json.dump(RECIPE, out)
+with registry.datasets.temporary("repeated", Repeated):
+    assert main(["train", "recipe.json", "trainer.checkpoint_dir=runs/a", "trainer.checkpoint_every=2"]) == 0
+with registry.datasets.temporary("repeated", Terminating):
+    sys.exit(main(["train", "--resume", "runs/a", "trainer.steps=6"]))
+"""
+
+
+def test_a_sigterm_as_a_resumed_run_starts_says_how_to_resume_it(tmp_path):
+    """A stop before the loop's own watch (a --resume restoring its step) said only "stopped (SIGTERM)",
+    where the run had kept steps: the command that goes on from them was not printed."""
+    done = subprocess.run([sys.executable, "-c", SIGTERM_AS_IT_RESUMES, str(Path(__file__).parent)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-2:] == [
+        "dew train: stopped (SIGTERM)",
+        "  The run is in runs/a (its newest checkpoint is step 3); resume it with: dew train --resume runs/a"]
+    assert sorted(p.name for p in (tmp_path / "runs" / "a").iterdir() if p.name.isdigit()) == ["2", "3"]
+
+
 STOPPING_COMMAND = """
 import os, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
@@ -269,21 +306,31 @@ def run(args):
 
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
         jax.jit(long)(jnp.ones((64, 64))).block_until_ready()
-    else:
+    elif args.case == "discarded":
         Dropped()
         time.sleep(20)  # a stop delivered again arrives here
+    elif args.case == "discarded-as-it-ends":
+        Dropped()  # the command's work ends before the stop is sent again
+    else:  # "after-it-ended": the stop comes while the interpreter ends (it waits for the timer's thread)
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    print("done")
     return 0
 """
 
 
-@pytest.mark.parametrize(("case", "status", "line"), [("compiling", 130, "dew stopping: interrupted (Ctrl-C)"),
-                                                      ("discarded", 143, "dew stopping: stopped (SIGTERM)")])
+@pytest.mark.parametrize(("case", "status", "line"), [
+    ("compiling", 130, "dew stopping: interrupted (Ctrl-C)"),
+    ("discarded", 143, "dew stopping: stopped (SIGTERM)"),
+    ("discarded-as-it-ends", 143, "dew stopping: stopped (SIGTERM) as it finished; its work was done, as it says above"),
+    ("after-it-ended", 143, "dew: stopped (SIGTERM) as it ended; what it printed above stands")])
 def test_a_stop_outside_the_loop_ends_the_command_with_its_status(tmp_path, case, status, line):
     """A Ctrl-C while XLA compiled (dew generate, eval, export at their first program) printed dew's
     line, then the interpreter's teardown freed JAX's backend under the compilation still running on
     its own thread: SIGSEGV, status 139. A SIGTERM that landed in a callback whose exceptions Python
     discards (JAX's garbage collection) printed "Exception ignored ... _Terminated" and the command
-    went on to exit 0; it is now sent again and stops the command."""
+    went on to exit 0; it is now sent again and stops the command. Where the command's work ended
+    before it was sent again, the command exited 0 as if no stop had come; and a SIGTERM as the
+    process ended, after dew export had printed its success, killed it without a word (status -15)."""
     from importlib.metadata import entry_points
 
     (script,) = entry_points(group="console_scripts", name="dew")
@@ -295,6 +342,7 @@ def test_a_stop_outside_the_loop_ends_the_command_with_its_status(tmp_path, case
                           text=True, timeout=120, env=environment)
     assert done.returncode == status, done.stderr[-3000:]
     assert done.stderr.strip() == line, done.stderr[-3000:]
+    assert done.stdout == ("" if case in ("compiling", "discarded") else "done\n")
 
 
 def _loaded(pid: int, package: str) -> bool:

@@ -109,7 +109,10 @@ def console() -> NoReturn:
     from dew.cli.output import guard_stdout
 
     guard_stdout()  # a failed write of the command's output is said in one line, not a traceback
+    _Stop.executable = True
     status = main()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the command is done: a stop now ends the exit, said
+        signal.signal(signum, _late)
     if _Unwound.by_stop and not _in_pool():
         import logging
 
@@ -260,38 +263,89 @@ def _main(argv: Sequence[str] | None) -> int:
     shown = bool(args.traceback or os.environ.get(TRACEBACK))
     if not shown:
         _writers_quiet()
-    with _warnings_as_lines(args.command), _terminated_as_stop():
-        try:
-            status = int(args._run(args) or 0)
-            sys.stdout.flush()  # output still buffered fails here, said as the command's, not at exit
-            return status
-        except KeyboardInterrupt:
-            if shown:
-                raise
-            print(f"dew {args.command}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-            _Unwound.by_stop = True
-            return INTERRUPTED
-        except _Terminated:
-            print(f"dew {args.command}: stopped (SIGTERM)", file=sys.stderr, flush=True)
-            _Unwound.by_stop = True
-            return TERMINATED
-        except Exception as error:
-            # A file or folder this user may not read or write, or that is not there (a plugin's reader
-            # opening a recipe's path), is the command's input, not a bug.
-            if shown or not (is_dews(error) or isinstance(error, _INPUT_ERRORS)):
-                raise
-            if _in_pool() and _peer_lost(error):  # dew's error around a collective a lost peer failed
-                raise  # (a checkpoint's save): said as such, below, not blamed on the disk
-            print(refusal(args.command, error), file=sys.stderr, flush=True)
-            return REFUSED
+    try:
+        with _warnings_as_lines(args.command), _terminated_as_stop():
+            status = _command(args, shown)
+    except _Terminated as stop:  # in the moment between the command's own handling and the handler's reset
+        status = _said_stopped(args.command, stop)
+    return _stopped_as_it_ended(args.command, status)
+
+
+def _command(args: argparse.Namespace, shown: bool) -> int:
+    """The chosen command run, its errors and stops turned into lines and an exit status."""
+    try:
+        status = int(args._run(args) or 0)
+        sys.stdout.flush()  # output still buffered fails here, said as the command's, not at exit
+        return status
+    except KeyboardInterrupt as stop:
+        if shown:
+            raise
+        print("\n".join([f"dew {args.command}: interrupted (Ctrl-C)", *error_notes(stop)]), file=sys.stderr,
+              flush=True)
+        _Unwound.by_stop = True
+        return INTERRUPTED
+    except _Terminated as stop:
+        return _said_stopped(args.command, stop)
+    except Exception as error:
+        # A file or folder this user may not read or write, or that is not there (a plugin's reader
+        # opening a recipe's path), is the command's input, not a bug.
+        if shown or not (is_dews(error) or isinstance(error, _INPUT_ERRORS)):
+            raise
+        if _in_pool() and _peer_lost(error):  # dew's error around a collective a lost peer failed
+            raise  # (a checkpoint's save): said as such, below, not blamed on the disk
+        print(refusal(args.command, error), file=sys.stderr, flush=True)
+        return REFUSED
+
+
+def _said_stopped(command: str, stop: BaseException) -> int:
+    """A SIGTERM that stopped command, said with what it noted (where a run it stopped is kept)."""
+    print("\n".join([f"dew {command}: stopped (SIGTERM)", *error_notes(stop)]), file=sys.stderr, flush=True)
+    _Unwound.by_stop = True
+    return TERMINATED
+
+
+def _stopped_as_it_ended(command: str, status: int) -> int:
+    """status, unless a stop came that the command never met: a SIGTERM or Ctrl-C Python could not
+    raise where it landed (a garbage-collection callback), not sent again before the command's work
+    was done. Its work is whole; the status says the stop came, as the line does."""
+    from dew import interrupts
+
+    if status != 0 or os.environ.get(interrupts.RANK) == "1":
+        return status
+    if _Stop.requested or interrupts.pending():
+        which, status = ("SIGTERM", TERMINATED) if _Stop.requested else ("Ctrl-C", INTERRUPTED)
+        print(f"dew {command}: stopped ({which}) as it finished; its work was done, as it says above",
+              file=sys.stderr, flush=True)
+    return status
 
 
 _INPUT_ERRORS = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
+class _Stop:
+    """What the SIGTERM handling of one command keeps: whether a SIGTERM came (requested: raised, or
+    discarded where Python could not raise it), the timer sending a discarded one again, and whether
+    the process ends with the command (the dew executable; a test calls main in its own process)."""
+
+    requested = False
+    again: threading.Timer | None = None
+    executable = False
+
+
 def _stop(signum: int, frame: object) -> None:
+    _Stop.requested = True
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     raise _Terminated
+
+
+def _late(signum: int, frame: object) -> None:
+    """A stop once the command is done (the dew executable only): the process ends now with the stop's
+    status, and says so, rather than being killed without a word after its success was printed."""
+    which = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        print(f"dew: stopped ({which}) as it ended; what it printed above stands", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def _stop_again() -> None:
@@ -302,7 +356,7 @@ def _stop_again() -> None:
             signal.SIG_DFL, _stop):
         return  # a training loop's own watch has SIGTERM now
     signal.signal(signal.SIGTERM, _stop)
-    again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
+    again = _Stop.again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
     again.daemon = True
     again.start()
 
@@ -330,11 +384,15 @@ def _terminated_as_stop() -> Iterator[None]:
         yield  # a pool's rank holds a SIGTERM until the pool forms (dew.interrupts)
         return
 
+    _Stop.requested = False
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, _late if _Stop.executable else previous)
+        if _Stop.again is not None:  # a discarded SIGTERM's second sending: the command has ended
+            _Stop.again.cancel()
+            _Stop.again = None
 
 
 def is_dews(error: BaseException) -> bool:

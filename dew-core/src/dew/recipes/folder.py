@@ -433,6 +433,9 @@ def train_in(config: RunConfig, folder: RunFolder) -> TrainState:
                 error.add_note("Nothing was kept: the run failed before it wrote anything.")
             elif folder.directory is not None and (folder.directory / "run.json").is_file():
                 error.add_note(_resume_note(folder.directory, config.trainer.steps, error))
+        elif folder.directory is not None and (folder.directory / "run.json").is_file() and not removed:
+            # A stop before the loop's own watch (a --resume's restore): where the run is, and how on.
+            error.add_note(_resume_note(folder.directory, config.trainer.steps, error))
         raise
 
 
@@ -555,9 +558,9 @@ def _latest(directory: Path) -> int | None:
     return None
 
 
-def _resume_note(directory: Path, steps: int | None, error: Exception) -> str:
-    """What a failed run kept, and the command that goes on from it; a run whose checkpoints already
-    reach its steps has nothing left to train (what failed came after its last step); one whose
+def _resume_note(directory: Path, steps: int | None, error: BaseException) -> str:
+    """What a failed (or stopped) run kept, and the command that goes on from it; a run whose checkpoints
+    already reach its steps has nothing left to train (what failed came after its last step); one whose
     every kept step is damaged has nothing to go on from."""
     from dew.checkpoints.errors import CheckpointCorruptedError
 
@@ -567,15 +570,16 @@ def _resume_note(directory: Path, steps: int | None, error: Exception) -> str:
                 "(trainer.checkpoint_dir=...); the damaged steps stay where they are.")
     latest = _latest(directory)
     resume = resume_command(directory)
+    fixed = "once fixed, " if isinstance(error, Exception) else ""  # a stop has nothing to fix
     if latest is not None and steps is not None and latest >= steps:
         score = run_command("eval", directory)
         return (f"The run is in {shown(directory)}: its checkpoints reach step {latest}, the last of its "
                 f"{steps}, so its training is done and only what a fit reports after its last step (the "
-                f"closing validation, goodput, sample) was not written. Once fixed, {score} scores it again; "
+                f"closing validation, goodput, sample) was not written. {fixed.capitalize()}{score} scores it again; "
                 f"to train further, {resume} trainer.steps=N.")
     kept = f"its newest checkpoint is step {latest}" if latest is not None else \
         "it kept no checkpoint yet, so it starts over"
-    return f"The run is in {shown(directory)} ({kept}); once fixed, resume it with: {resume}"
+    return f"The run is in {shown(directory)} ({kept}); {fixed}resume it with: {resume}"
 
 
 def stopped_line(stop: Preempted | UnsavedStopError, folder: RunFolder, config: RunConfig) -> str:
