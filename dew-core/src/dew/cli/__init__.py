@@ -267,7 +267,7 @@ def _main(argv: Sequence[str] | None) -> int:
         with _warnings_as_lines(args.command), _terminated_as_stop():
             status = _command(args, shown)
     except _Terminated as stop:  # in the moment between the command's own handling and the handler's reset
-        status = _said_stopped(args.command, stop)
+        status = _said_stopped(args.command, stop, "stopped (SIGTERM)", TERMINATED)
     return _stopped_as_it_ended(args.command, status)
 
 
@@ -280,12 +280,9 @@ def _command(args: argparse.Namespace, shown: bool) -> int:
     except KeyboardInterrupt as stop:
         if shown:
             raise
-        print("\n".join([f"dew {args.command}: interrupted (Ctrl-C)", *error_notes(stop)]), file=sys.stderr,
-              flush=True)
-        _Unwound.by_stop = True
-        return INTERRUPTED
+        return _said_stopped(args.command, stop, "interrupted (Ctrl-C)", INTERRUPTED)
     except _Terminated as stop:
-        return _said_stopped(args.command, stop)
+        return _said_stopped(args.command, stop, "stopped (SIGTERM)", TERMINATED)
     except Exception as error:
         # A file or folder this user may not read or write, or that is not there (a plugin's reader
         # opening a recipe's path), is the command's input, not a bug.
@@ -297,11 +294,12 @@ def _command(args: argparse.Namespace, shown: bool) -> int:
         return REFUSED
 
 
-def _said_stopped(command: str, stop: BaseException) -> int:
-    """A SIGTERM that stopped command, said with what it noted (where a run it stopped is kept)."""
-    print("\n".join([f"dew {command}: stopped (SIGTERM)", *error_notes(stop)]), file=sys.stderr, flush=True)
+def _said_stopped(command: str, stop: BaseException, what: str, status: int) -> int:
+    """A Ctrl-C or SIGTERM that stopped command, said with what it noted (where a run it stopped is
+    kept); status is the stop's."""
+    print("\n".join([f"dew {command}: {what}", *error_notes(stop)]), file=sys.stderr, flush=True)
     _Unwound.by_stop = True
-    return TERMINATED
+    return status
 
 
 def _stopped_as_it_ended(command: str, status: int) -> int:

@@ -47,11 +47,11 @@ class _Descriptor(io.RawIOBase):
         return os.isatty(self._descriptor)
 
     def write(self, data: object) -> int:
-        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        view = whole = memoryview(data).cast("B")  # type: ignore[arg-type]
         try:
             while view:  # all of it: an unbuffered stdout (python -u) has no buffer to finish a short write
                 view = view[os.write(self._descriptor, view):]
-            return len(memoryview(data).cast("B"))  # type: ignore[arg-type]
+            return len(whole)
         except (BrokenPipeError, BlockingIOError, InterruptedError):
             raise  # a reader that went away is dew.cli's exit 141
         except OSError as error:

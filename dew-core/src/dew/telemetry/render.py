@@ -347,13 +347,14 @@ def read_scalars(journal: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]
     """
     journal = Path(journal)
     fits = _fit_starts(journal)
-    marks = [at for _, at in fits if at is not None]
-    if len(marks) < len(fits) or marks != sorted(marks) or any(at > journal.stat().st_size for at in marks):
+    placed = [(start, at) for start, at in fits if at is not None]
+    marks = [at for _, at in placed]
+    if len(placed) < len(fits) or marks != sorted(marks) or (marks and marks[-1] > journal.stat().st_size):
         return _ordered(_series_by_going_back(journal, [start for start, _ in fits]))
     series: dict[str, dict[int, float]] = {}
     for at, row in _placed_rows(journal, strict=True):
         step = _step_of(row, journal)
-        if any(start < step for start, begins in fits if begins is not None and begins > at):
+        if any(start < step for start, begins in placed if begins > at):
             continue  # logged by a fit a later one resumed from before this step
         _add(series, row, step)
     return _ordered(series)
